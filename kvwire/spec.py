@@ -1,0 +1,87 @@
+"""KV layout (:class:`KVSpec`) and the containers a transfer yields (:class:`Layer`, :class:`KVCache`)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwire.errors import UsageError
+
+#: dtype name -> (wire id, bytes per element)
+DTYPES: dict[str, tuple[int, int]] = {
+    "float16": (1, 2),
+    "bfloat16": (2, 2),
+    "float32": (3, 4),
+}
+DTYPE_BY_ID: dict[int, str] = {v[0]: k for k, v in DTYPES.items()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVSpec:
+    """The layout of one request's KV cache.
+
+    One layer is a pair ``(k, v)`` of arrays shaped ``[tokens, num_kv_heads, head_dim]``
+    of ``dtype``.  Two peers can exchange a cache only when their specs are equal; the
+    :attr:`fingerprint` is what the handshake compares.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float16"
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 0xFFFF:
+                raise UsageError(f"KVSpec.{name} must be an int in [1, 65535], got {value!r}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"KVSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.model, str) or len(self.model.encode()) > 255:
+            raise UsageError("KVSpec.model must be a str of at most 255 UTF-8 bytes")
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of :attr:`dtype`."""
+        return DTYPES[self.dtype][1]
+
+    @property
+    def dtype_id(self) -> int:
+        return DTYPES[self.dtype][0]
+
+    def bytes_per_token(self) -> int:
+        """KV bytes per token over all layers, keys and values, at :attr:`dtype`."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def fingerprint(self) -> bytes:
+        """16 bytes that differ whenever the layout differs (SHA-256 of the canonical fields)."""
+        canon = f"{self.num_layers}/{self.num_kv_heads}/{self.head_dim}/{self.dtype}/{self.model}"
+        return hashlib.sha256(canon.encode()).digest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One complete layer of a received cache."""
+
+    index: int
+    k: Any
+    v: Any
+
+
+@dataclass(slots=True)
+class KVCache:
+    """A whole received cache: ``layers[i] == (k, v)`` of layer ``i``."""
+
+    spec: KVSpec
+    layers: list[tuple[Any, Any]] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.layers[0][0].shape[0]) if self.layers else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(k.nbytes) + int(v.nbytes) for k, v in self.layers)
