@@ -1,0 +1,680 @@
+"""One kvwire TCP connection as a sans-IO state machine.
+
+Bytes go in through :meth:`Connection.receive_data` (``b""`` is EOF), events come out of
+:meth:`Connection.next_event`, bytes to write come out of :meth:`Connection.data_to_send`.
+Time is passed in as ``now``; :meth:`Connection.get_timer` says when the connection next
+needs :meth:`Connection.handle_timer`.
+
+The client is the side that opens the TCP connection and sends KV caches; the server
+receives them.  Every frame a state does not expect is a protocol error, per the table
+``_TRANSITIONS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from kvwire.errors import (
+    AuthenticationError,
+    ConnectionLostError,
+    ErrorCode,
+    IncompatiblePeerError,
+    KvwireError,
+    ProtocolError,
+    TransferTimeoutError,
+    UsageError,
+    error_from_code,
+)
+from kvwire.wire.frames import (
+    FINGERPRINT_SIZE,
+    HANDSHAKE_MAX_BODY,
+    MAX_MAX_FRAME_SIZE,
+    MIN_MAX_FRAME_SIZE,
+    MIN_PROTOCOL_VERSION,
+    NONCE_SIZE,
+    PROTOCOL_VERSION,
+    SESSION_ID_SIZE,
+    Accept,
+    Ack,
+    Auth,
+    Begin,
+    Buffer,
+    Challenge,
+    Chunk,
+    ChunkAddress,
+    Credit,
+    Frame,
+    FrameDecoder,
+    FrameType,
+    GoAway,
+    Hello,
+    Ping,
+    Pong,
+    Reset,
+    UnknownFrame,
+    Welcome,
+    encode_frame,
+    welcome_unsigned,
+)
+
+NO_SESSION = bytes(SESSION_ID_SIZE)
+NO_FINGERPRINT = bytes(FINGERPRINT_SIZE)
+
+
+class Role(Enum):
+    CLIENT = auto()
+    SERVER = auto()
+
+
+class State(Enum):
+    CLIENT_IDLE = auto()
+    CLIENT_HELLO_SENT = auto()
+    CLIENT_AUTH_SENT = auto()
+    SERVER_AWAIT_HELLO = auto()
+    SERVER_CHALLENGE_SENT = auto()
+    SERVER_AUTHENTICATED = auto()  # proof checked; the shell decides on the session
+    OPEN = auto()
+    CLOSED = auto()
+
+
+# ---------------------------------------------------------------------------------------
+# Events.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientAuthenticated:
+    """Server side: the client proved the secret.  Call ``welcome()`` or ``refuse()``."""
+
+    session_id: bytes  # all zero: the client asks for a new session
+    stream_index: int
+    codecs: tuple[str, ...]
+    fingerprint: bytes  # all zero: the client did not pin a KV layout
+    max_frame_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandshakeComplete:
+    """The connection is authenticated both ways and open."""
+
+    session_id: bytes
+    stream_index: int
+    peer_codecs: tuple[str, ...]
+    peer_max_frame_size: int
+    window: int
+    max_transfers: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferBegun:
+    frame: Begin
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferAccepted:
+    transfer_id: int
+    layer_limit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkReceived:
+    chunk: Chunk
+    wire_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkAcked:
+    address: ChunkAddress
+    wire_size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreditGranted:
+    transfer_id: int
+    layer_limit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferReset:
+    transfer_id: int
+    code: int
+    message: str
+
+    def error(self) -> KvwireError:
+        return error_from_code(self.code, self.message)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PingReceived:
+    opaque: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PongReceived:
+    opaque: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnknownFrameReceived:
+    frame: UnknownFrame
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectionClosed:
+    """Terminal event. ``error`` is None for a clean close."""
+
+    code: int
+    message: str
+    by_peer: bool
+    error: KvwireError | None = None
+
+
+Event = (
+    ClientAuthenticated | HandshakeComplete | TransferBegun | TransferAccepted | ChunkReceived
+    | ChunkAcked | CreditGranted | TransferReset | PingReceived | PongReceived
+    | UnknownFrameReceived | ConnectionClosed
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectionConfig:
+    """Settings of one connection; the shell fills these from its options."""
+
+    secret: bytes
+    """Shared secret both peers prove with HMAC-SHA256."""
+    codecs: tuple[str, ...] = ("raw",)
+    """Codecs this side can send (client) or decode (server)."""
+    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    """Largest frame body this side accepts."""
+    window: int = 32 * 1024 * 1024
+    """Server: initial connection credit in bytes (unacknowledged CHUNK bytes)."""
+    max_transfers: int = 64
+    """Server: concurrent transfers per session."""
+    fingerprint: bytes = NO_FINGERPRINT
+    """Client: KVSpec fingerprint pinned by this session (zero: none)."""
+    session_id: bytes = NO_SESSION
+    """Client: session to join (zero: a new one)."""
+    stream_index: int = 0
+    handshake_timeout: float = 10.0
+    """Seconds from start until the handshake must be complete."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.secret, bytes | bytearray) or len(self.secret) < 8:
+            raise UsageError("secret must be bytes of at least 8 bytes")
+        if not MIN_MAX_FRAME_SIZE <= self.max_frame_size <= MAX_MAX_FRAME_SIZE:
+            raise UsageError(
+                f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]"
+            )
+        if self.window < self.max_frame_size:
+            raise UsageError("window must be at least max_frame_size")
+
+
+def _sha(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+def client_proof(secret: bytes, hello: bytes, challenge: bytes) -> bytes:
+    """HMAC-SHA256 the client sends in AUTH (see docs/protocol.md, Authentication)."""
+    return hmac.new(secret, b"kvwire/1 client" + _sha(hello) + _sha(challenge), "sha256").digest()
+
+
+def server_proof(secret: bytes, hello: bytes, challenge: bytes, cproof: bytes, welcome: bytes) -> bytes:
+    """HMAC-SHA256 the server sends in WELCOME."""
+    msg = b"kvwire/1 server" + _sha(hello) + _sha(challenge) + cproof + _sha(welcome)
+    return hmac.new(secret, msg, "sha256").digest()
+
+
+Handler = Callable[["Connection", Frame, int], "State"]
+
+
+class Connection:
+    """The state of one kvwire TCP connection (either role)."""
+
+    def __init__(
+        self, role: Role, config: ConnectionConfig, *, now: float = 0.0,
+        nonce_source: Callable[[int], bytes] = secrets.token_bytes,
+    ) -> None:
+        self.role = role
+        self.config = config
+        self.state = State.CLIENT_IDLE if role is Role.CLIENT else State.SERVER_AWAIT_HELLO
+        self._nonce = nonce_source
+        self._decoder = FrameDecoder(HANDSHAKE_MAX_BODY)
+        self._events: deque[Event] = deque()
+        self._out: list[Buffer] = []
+        self._deadline: float | None = now + config.handshake_timeout
+        self._hello_body = b""
+        self._challenge_body = b""
+        self._client_proof = b""
+        self._hello: Hello | None = None
+        self.session_id = NO_SESSION
+        self.stream_index = config.stream_index
+        self.peer_codecs: tuple[str, ...] = ()
+        self.peer_max_frame_size = MIN_MAX_FRAME_SIZE
+        # Flow control.  Client: credit left to send CHUNK bytes; server: CHUNK bytes
+        # received and not yet acknowledged.
+        self.send_credit = 0
+        self.recv_unacked = 0
+        self._in_flight: dict[ChunkAddress, list[int]] = {}
+        self._received: dict[ChunkAddress, list[int]] = {}
+        self.bytes_sent = 0
+        self.closed_event: ConnectionClosed | None = None
+
+    # -- shell API ----------------------------------------------------------------------
+
+    def initiate(self) -> None:
+        """Client: send HELLO."""
+        if self.state is not State.CLIENT_IDLE:
+            raise UsageError("initiate() is for a new client connection")
+        cfg = self.config
+        hello = Hello(
+            min_version=MIN_PROTOCOL_VERSION, max_version=PROTOCOL_VERSION,
+            nonce=self._nonce(NONCE_SIZE), session_id=cfg.session_id,
+            stream_index=cfg.stream_index, max_frame_size=cfg.max_frame_size,
+            codecs=cfg.codecs, fingerprint=cfg.fingerprint,
+        )
+        self._hello_body = self._queue_signed(hello)
+        self.state = State.CLIENT_HELLO_SENT
+
+    def receive_data(self, data: Buffer) -> None:
+        """Feed bytes read from the socket; ``b""`` means the peer closed."""
+        if self.state is State.CLOSED:
+            return
+        if not data:
+            self._close_locally(
+                ErrorCode.NO_ERROR, "connection closed by peer", by_peer=True,
+                send_goaway=False, error=None,
+            )
+            return
+        try:
+            frames = self._decoder.feed(data)
+            for frame, size in frames:
+                if self.state is State.CLOSED:
+                    return
+                self._dispatch(frame, size)
+        except KvwireError as exc:
+            self._fail(exc)
+
+    def next_event(self) -> Event | None:
+        return self._events.popleft() if self._events else None
+
+    def data_to_send(self) -> list[Buffer]:
+        out, self._out = self._out, []
+        for part in out:
+            self.bytes_sent += len(part)
+        return out
+
+    def get_timer(self) -> float | None:
+        return self._deadline if self.state is not State.CLOSED else None
+
+    def handle_timer(self, now: float) -> None:
+        if self._deadline is not None and now >= self._deadline and self.state is not State.CLOSED:
+            self._fail(TransferTimeoutError("handshake did not complete in time"))
+
+    # Server: after ClientAuthenticated.
+    def welcome(self, session_id: bytes, codecs: Sequence[str]) -> None:
+        if self.state is not State.SERVER_AUTHENTICATED or self._hello is None:
+            raise UsageError("welcome() only after ClientAuthenticated")
+        cfg = self.config
+        w = Welcome(
+            session_id=session_id, max_frame_size=cfg.max_frame_size, window=cfg.window,
+            max_transfers=cfg.max_transfers, codecs=tuple(codecs), proof=bytes(32),
+        )
+        unsigned = welcome_unsigned(w)
+        proof = server_proof(
+            cfg.secret, self._hello_body, self._challenge_body, self._client_proof, unsigned
+        )
+        self._queue(
+            Welcome(
+                session_id=session_id, max_frame_size=w.max_frame_size, window=w.window,
+                max_transfers=w.max_transfers, codecs=w.codecs, proof=proof,
+            )
+        )
+        self.session_id = session_id
+        self.stream_index = self._hello.stream_index
+        self.peer_codecs = self._hello.codecs
+        self.peer_max_frame_size = self._hello.max_frame_size
+        self._open()
+        self._events.append(
+            HandshakeComplete(
+                session_id=session_id, stream_index=self.stream_index,
+                peer_codecs=self.peer_codecs, peer_max_frame_size=self.peer_max_frame_size,
+                window=cfg.window, max_transfers=cfg.max_transfers,
+            )
+        )
+
+    def refuse(self, code: ErrorCode, message: str) -> None:
+        """Close with GOAWAY(code); the error is the one ``code`` stands for."""
+        self._close_locally(
+            code, message, by_peer=False, send_goaway=True, error=error_from_code(code, message)
+        )
+
+    def close(self, code: ErrorCode = ErrorCode.NO_ERROR, message: str = "") -> None:
+        """Send GOAWAY and close (a clean close when ``code`` is NO_ERROR)."""
+        err = None if code == ErrorCode.NO_ERROR else error_from_code(code, message)
+        self._close_locally(code, message, by_peer=False, send_goaway=True, error=err)
+
+    # Client: transfers.
+    def send_begin(self, begin: Begin) -> None:
+        self._require_open(Role.CLIENT)
+        self._queue(begin)
+
+    def can_send_chunk(self, wire_size: int) -> bool:
+        return self.state is State.OPEN and wire_size <= self.send_credit
+
+    def send_chunk(self, chunk: Chunk, wire_size: int) -> None:
+        """Queue a CHUNK (its payload is not copied).  Needs ``wire_size`` of credit."""
+        self._require_open(Role.CLIENT)
+        if wire_size > self.send_credit:
+            raise UsageError("send_chunk() without enough connection credit")
+        body_limit = self.peer_max_frame_size
+        if wire_size - 12 > body_limit:
+            raise UsageError(f"chunk frame of {wire_size} bytes exceeds the peer's limit")
+        self.send_credit -= wire_size
+        self._in_flight.setdefault(chunk.address, []).append(wire_size)
+        self._queue(chunk)
+
+    def in_flight_chunks(self) -> list[ChunkAddress]:
+        """Client: chunks sent on this connection and not yet acknowledged."""
+        return list(self._in_flight)
+
+    def send_reset(self, transfer_id: int, code: ErrorCode, message: str) -> None:
+        if self.state is State.OPEN:
+            self._queue(Reset(transfer_id=transfer_id, code=int(code), message=message))
+
+    def send_ping(self, opaque: int) -> None:
+        if self.state is State.OPEN:
+            self._queue(Ping(opaque=opaque))
+
+    # Server: transfers.
+    def send_accept(self, transfer_id: int, layer_limit: int) -> None:
+        self._require_open(Role.SERVER)
+        self._queue(Accept(transfer_id=transfer_id, layer_limit=layer_limit))
+
+    def send_ack(self, address: ChunkAddress) -> None:
+        """Acknowledge a chunk received on this connection (verified and stored)."""
+        self._require_open(Role.SERVER)
+        sizes = self._received.get(address)
+        if not sizes:
+            raise UsageError("send_ack() for a chunk not received on this connection")
+        self.recv_unacked -= sizes.pop()
+        if not sizes:
+            del self._received[address]
+        self._queue(
+            Ack(
+                transfer_id=address.transfer_id, layer=address.layer, kind=address.kind,
+                token_start=address.token_start,
+            )
+        )
+
+    def send_credit_frame(self, transfer_id: int, layer_limit: int) -> None:
+        self._require_open(Role.SERVER)
+        self._queue(Credit(transfer_id=transfer_id, layer_limit=layer_limit))
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _require_open(self, role: Role) -> None:
+        if self.role is not role:
+            raise UsageError(f"only the {role.name.lower()} side may do that")
+        if self.state is not State.OPEN:
+            raise UsageError(f"connection is {self.state.name}, not OPEN")
+
+    def _queue(self, frame: Frame) -> None:
+        self._out.extend(p for p in encode_frame(frame) if len(p))
+
+    def _queue_signed(self, frame: Frame) -> bytes:
+        parts = encode_frame(frame)
+        self._out.extend(parts)
+        return b"".join(bytes(p) for p in parts[1:-1])
+
+    def _open(self) -> None:
+        self.state = State.OPEN
+        self._deadline = None
+        if self.role is Role.SERVER:
+            self._decoder.max_body = self.config.max_frame_size
+        else:
+            self._decoder.max_body = max(HANDSHAKE_MAX_BODY, 64 * 1024)
+
+    def _dispatch(self, frame: Frame, size: int) -> None:
+        ftype = type(frame)
+        if ftype is GoAway:
+            assert isinstance(frame, GoAway)
+            err = None if frame.code == ErrorCode.NO_ERROR else error_from_code(frame.code, frame.message)
+            self._close_locally(
+                ErrorCode(frame.code) if frame.code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR,
+                frame.message, by_peer=True, send_goaway=False, error=err,
+            )
+            return
+        handler = _TRANSITIONS.get((self.state, ftype))
+        if handler is None:
+            if ftype is UnknownFrame and self.state is State.OPEN:
+                assert isinstance(frame, UnknownFrame)
+                self._events.append(UnknownFrameReceived(frame=frame))
+                return
+            raise ProtocolError(f"unexpected {ftype.__name__.upper()} frame in state {self.state.name}")
+        self.state = handler(self, frame, size)
+
+    def _fail(self, exc: KvwireError) -> None:
+        self._close_locally(exc.code, str(exc), by_peer=False, send_goaway=True, error=exc)
+
+    def _close_locally(
+        self, code: ErrorCode, message: str, *, by_peer: bool, send_goaway: bool,
+        error: KvwireError | None,
+    ) -> None:
+        if self.state is State.CLOSED:
+            return
+        pre_auth_server = self.state in (State.SERVER_AWAIT_HELLO, State.SERVER_CHALLENGE_SENT)
+        if send_goaway:
+            # Before the client proved the secret it learns only the error code.
+            msg = "" if pre_auth_server and code != ErrorCode.AUTHENTICATION_FAILED else message
+            if pre_auth_server and code == ErrorCode.AUTHENTICATION_FAILED:
+                msg = "authentication failed"
+            self._queue(GoAway(code=int(code), message=msg))
+        if by_peer and error is None and self.state is not State.OPEN:
+            error = ConnectionLostError("connection closed during the handshake")
+        self.state = State.CLOSED
+        self._deadline = None
+        ev = ConnectionClosed(code=int(code), message=message, by_peer=by_peer, error=error)
+        self.closed_event = ev
+        self._events.append(ev)
+
+    # Transition handlers: (connection, frame, wire size) -> new state.
+
+    def _on_hello(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Hello)
+        if frame.max_version < MIN_PROTOCOL_VERSION or frame.min_version > PROTOCOL_VERSION:
+            self.refuse(ErrorCode.UNSUPPORTED_VERSION, f"server speaks versions {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}")
+            return State.CLOSED
+        if not MIN_MAX_FRAME_SIZE <= frame.max_frame_size <= MAX_MAX_FRAME_SIZE:
+            raise ProtocolError("HELLO max_frame_size out of range")
+        self._hello = frame
+        self._hello_body = _body_of(frame)
+        challenge = Challenge(version=min(PROTOCOL_VERSION, frame.max_version), nonce=self._nonce(NONCE_SIZE))
+        self._challenge_body = self._queue_signed(challenge)
+        return State.SERVER_CHALLENGE_SENT
+
+    def _on_challenge(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Challenge)
+        if not MIN_PROTOCOL_VERSION <= frame.version <= PROTOCOL_VERSION:
+            raise IncompatiblePeerError(f"server chose unsupported protocol version {frame.version}", code=ErrorCode.UNSUPPORTED_VERSION)
+        self._challenge_body = _body_of(frame)
+        self._client_proof = client_proof(self.config.secret, self._hello_body, self._challenge_body)
+        self._queue(Auth(proof=self._client_proof))
+        return State.CLIENT_AUTH_SENT
+
+    def _on_auth(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Auth) and self._hello is not None
+        expected = client_proof(self.config.secret, self._hello_body, self._challenge_body)
+        if not hmac.compare_digest(expected, frame.proof):
+            raise AuthenticationError("client failed to prove the shared secret")
+        self._client_proof = frame.proof
+        h = self._hello
+        self._events.append(
+            ClientAuthenticated(
+                session_id=h.session_id, stream_index=h.stream_index, codecs=h.codecs,
+                fingerprint=h.fingerprint, max_frame_size=h.max_frame_size,
+            )
+        )
+        return State.SERVER_AUTHENTICATED
+
+    def _on_welcome(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Welcome)
+        expected = server_proof(
+            self.config.secret, self._hello_body, self._challenge_body, self._client_proof,
+            welcome_unsigned(frame),
+        )
+        if not hmac.compare_digest(expected, frame.proof):
+            raise AuthenticationError("server failed to prove the shared secret")
+        if not MIN_MAX_FRAME_SIZE <= frame.max_frame_size <= MAX_MAX_FRAME_SIZE:
+            raise ProtocolError("WELCOME max_frame_size out of range")
+        self.session_id = frame.session_id
+        self.peer_codecs = frame.codecs
+        self.peer_max_frame_size = frame.max_frame_size
+        self.send_credit = frame.window
+        self._open()
+        self._events.append(
+            HandshakeComplete(
+                session_id=frame.session_id, stream_index=self.stream_index,
+                peer_codecs=frame.codecs, peer_max_frame_size=frame.max_frame_size,
+                window=frame.window, max_transfers=frame.max_transfers,
+            )
+        )
+        return State.OPEN
+
+    def _on_begin(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Begin)
+        if frame.transfer_id == 0:
+            raise ProtocolError("transfer id 0 is reserved")
+        self._events.append(TransferBegun(frame=frame))
+        return State.OPEN
+
+    def _on_chunk(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Chunk)
+        self.recv_unacked += size
+        if self.recv_unacked > self.config.window:
+            self.recv_unacked -= size
+            raise KvwireError(
+                "peer sent more CHUNK bytes than its connection credit",
+                code=ErrorCode.FLOW_CONTROL_ERROR,
+            )
+        self._received.setdefault(frame.address, []).append(size)
+        self._events.append(ChunkReceived(chunk=frame, wire_size=size))
+        return State.OPEN
+
+    def _on_accept(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Accept)
+        self._events.append(TransferAccepted(transfer_id=frame.transfer_id, layer_limit=frame.layer_limit))
+        return State.OPEN
+
+    def _on_ack(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Ack)
+        addr = frame.address
+        sizes = self._in_flight.get(addr)
+        if not sizes:
+            raise ProtocolError("ACK for a chunk not in flight on this connection")
+        wire = sizes.pop(0)
+        if not sizes:
+            del self._in_flight[addr]
+        self.send_credit += wire
+        self._events.append(ChunkAcked(address=addr, wire_size=wire))
+        return State.OPEN
+
+    def _on_credit(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Credit)
+        self._events.append(CreditGranted(transfer_id=frame.transfer_id, layer_limit=frame.layer_limit))
+        return State.OPEN
+
+    def _on_reset(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Reset)
+        self._events.append(TransferReset(transfer_id=frame.transfer_id, code=frame.code, message=frame.message))
+        return State.OPEN
+
+    def _on_ping(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Ping)
+        self._queue(Pong(opaque=frame.opaque))
+        self._events.append(PingReceived(opaque=frame.opaque))
+        return State.OPEN
+
+    def _on_pong(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Pong)
+        self._events.append(PongReceived(opaque=frame.opaque))
+        return State.OPEN
+
+
+def _body_of(frame: Frame) -> bytes:
+    parts = encode_frame(frame)
+    return b"".join(bytes(p) for p in parts[1:-1])
+
+
+_TRANSITIONS: dict[tuple[State, type], Callable[[Connection, Frame, int], State]] = {
+    (State.SERVER_AWAIT_HELLO, Hello): Connection._on_hello,
+    (State.CLIENT_HELLO_SENT, Challenge): Connection._on_challenge,
+    (State.SERVER_CHALLENGE_SENT, Auth): Connection._on_auth,
+    (State.CLIENT_AUTH_SENT, Welcome): Connection._on_welcome,
+    # client -> server, once open
+    (State.OPEN, Begin): Connection._on_begin,
+    (State.OPEN, Chunk): Connection._on_chunk,
+    # server -> client, once open
+    (State.OPEN, Accept): Connection._on_accept,
+    (State.OPEN, Ack): Connection._on_ack,
+    (State.OPEN, Credit): Connection._on_credit,
+    # both ways
+    (State.OPEN, Reset): Connection._on_reset,
+    (State.OPEN, Ping): Connection._on_ping,
+    (State.OPEN, Pong): Connection._on_pong,
+}
+
+#: Frames only the client may send (a server receiving any other is a protocol error).
+_CLIENT_SENDS = {Begin, Chunk}
+_SERVER_SENDS = {Accept, Ack, Credit}
+
+
+def _role_checked(
+    handler: Callable[[Connection, Frame, int], State], allowed: Role
+) -> Callable[[Connection, Frame, int], State]:
+    def check(conn: Connection, frame: Frame, size: int) -> State:
+        if conn.role is not allowed:
+            raise ProtocolError(f"{type(frame).__name__.upper()} sent by the wrong side")
+        return handler(conn, frame, size)
+
+    return check
+
+
+for (_state, _ftype), _handler in list(_TRANSITIONS.items()):
+    if _ftype in _CLIENT_SENDS:
+        _TRANSITIONS[(_state, _ftype)] = _role_checked(_handler, Role.SERVER)
+    elif _ftype in _SERVER_SENDS:
+        _TRANSITIONS[(_state, _ftype)] = _role_checked(_handler, Role.CLIENT)
+
+TRANSITIONS = _TRANSITIONS
+"""The state table: (state, frame class) -> handler.  Anything absent is a ProtocolError."""
+
+__all__ = [
+    "NO_FINGERPRINT",
+    "NO_SESSION",
+    "TRANSITIONS",
+    "ChunkAcked",
+    "ChunkReceived",
+    "ClientAuthenticated",
+    "Connection",
+    "ConnectionClosed",
+    "ConnectionConfig",
+    "CreditGranted",
+    "Event",
+    "FrameType",
+    "HandshakeComplete",
+    "PingReceived",
+    "PongReceived",
+    "Role",
+    "State",
+    "TransferAccepted",
+    "TransferBegun",
+    "TransferReset",
+    "UnknownFrameReceived",
+    "client_proof",
+    "server_proof",
+]

@@ -1,0 +1,628 @@
+"""Frame vocabulary, encoders and the incremental frame decoder (sans-IO).
+
+Every frame is ``header(8) + body(length) + crc32c(4)``, big-endian::
+
+    u8 type | u8 flags | u16 reserved (0) | u32 body length | body | u32 CRC32C(header+body)
+
+The CRC covers the header too, so a flipped bit in a chunk's address is caught like one
+in its data.  docs/protocol.md is the normative description; this module follows it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Union
+
+from crc32c import crc32c
+
+from kvwire.errors import ErrorCode, FrameTooLargeError, IntegrityError, ProtocolError
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+MAGIC = b"KVWIRE\r\n"
+PROTOCOL_VERSION = 1
+MIN_PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct(">BBHI")
+HEADER_SIZE = HEADER.size  # 8
+CRC = struct.Struct(">I")
+CRC_SIZE = CRC.size  # 4
+FRAME_OVERHEAD = HEADER_SIZE + CRC_SIZE
+
+#: Frames before authentication completes may not exceed this body size, whatever the
+#: configuration says: an unauthenticated peer can make us buffer at most this much.
+HANDSHAKE_MAX_BODY = 16 * 1024
+#: The smallest max-frame-size a peer may announce (a CHUNK must fit some payload).
+MIN_MAX_FRAME_SIZE = 64 * 1024
+#: The largest max-frame-size a peer may announce.
+MAX_MAX_FRAME_SIZE = 1 << 30
+
+NONCE_SIZE = 32
+SESSION_ID_SIZE = 16
+FINGERPRINT_SIZE = 16
+PROOF_SIZE = 32
+
+
+class FrameType(IntEnum):
+    HELLO = 0x01
+    CHALLENGE = 0x02
+    AUTH = 0x03
+    WELCOME = 0x04
+    BEGIN = 0x10
+    ACCEPT = 0x11
+    CHUNK = 0x12
+    ACK = 0x13
+    CREDIT = 0x14
+    RESET = 0x15
+    PING = 0x20
+    PONG = 0x21
+    GOAWAY = 0x30
+
+
+# ---------------------------------------------------------------------------------------
+# Frame bodies.  One frozen dataclass per frame type.
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    min_version: int
+    max_version: int
+    nonce: bytes
+    session_id: bytes
+    stream_index: int
+    max_frame_size: int
+    codecs: tuple[str, ...]
+    fingerprint: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Challenge:
+    version: int
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Auth:
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Welcome:
+    session_id: bytes
+    max_frame_size: int
+    window: int
+    max_transfers: int
+    codecs: tuple[str, ...]
+    proof: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockVersion:
+    block: bytes
+    version: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Begin:
+    transfer_id: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_id: int
+    model: str
+    request_id: str
+    meta: bytes
+    blocks: tuple[BlockVersion, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Accept:
+    transfer_id: int
+    layer_limit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkAddress:
+    transfer_id: int
+    layer: int
+    kind: int
+    token_start: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Chunk:
+    transfer_id: int
+    layer: int
+    kind: int
+    codec_id: int
+    token_start: int
+    token_count: int
+    layer_tokens: int
+    params: bytes
+    payload: Buffer
+
+    @property
+    def address(self) -> ChunkAddress:
+        return ChunkAddress(
+            transfer_id=self.transfer_id, layer=self.layer, kind=self.kind, token_start=self.token_start
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ack:
+    transfer_id: int
+    layer: int
+    kind: int
+    token_start: int
+
+    @property
+    def address(self) -> ChunkAddress:
+        return ChunkAddress(
+            transfer_id=self.transfer_id, layer=self.layer, kind=self.kind, token_start=self.token_start
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Credit:
+    transfer_id: int
+    layer_limit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reset:
+    transfer_id: int
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ping:
+    opaque: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pong:
+    opaque: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GoAway:
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UnknownFrame:
+    """A frame of a type this version does not know (CRC-checked, otherwise opaque)."""
+
+    type: int
+    flags: int
+    body: bytes
+
+
+Frame = Union[
+    Hello, Challenge, Auth, Welcome, Begin, Accept, Chunk, Ack, Credit, Reset, Ping, Pong,
+    GoAway, UnknownFrame,
+]
+
+# ---------------------------------------------------------------------------------------
+# Small field helpers.
+
+_U8 = struct.Struct(">B")
+_U16 = struct.Struct(">H")
+_U32 = struct.Struct(">I")
+_HELLO_FIXED = struct.Struct(">8sHH32s16sHI")
+_CHALLENGE = struct.Struct(">H32s")
+_WELCOME_FIXED = struct.Struct(">16sIQI")
+_BEGIN_FIXED = struct.Struct(">QHHHB")
+_ACCEPT = struct.Struct(">QI")
+CHUNK_FIXED = struct.Struct(">QHBBIIIH")
+_ACK = struct.Struct(">QHBxI")
+_CREDIT = struct.Struct(">QI")
+_RESET_FIXED = struct.Struct(">QH")
+_PING = struct.Struct(">Q")
+_BLOCK_VERSION_TAIL = struct.Struct(">Q")
+
+
+class _Reader:
+    """Bounds-checked reads from a frame body: every overrun is a ProtocolError."""
+
+    __slots__ = ("_buf", "_pos", "_what")
+
+    def __init__(self, buf: Buffer, what: str) -> None:
+        self._buf = memoryview(buf)
+        self._pos = 0
+        self._what = what
+
+    def take(self, n: int) -> memoryview:
+        end = self._pos + n
+        if end > len(self._buf):
+            raise ProtocolError(f"{self._what} frame truncated")
+        out = self._buf[self._pos : end]
+        self._pos = end
+        return out
+
+    def unpack(self, st: struct.Struct) -> tuple[int | bytes, ...]:
+        return st.unpack(self.take(st.size))
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u16(self) -> int:
+        return int(_U16.unpack(self.take(2))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self.take(4))[0])
+
+    def text(self, n: int) -> str:
+        try:
+            return bytes(self.take(n)).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ProtocolError(f"{self._what} frame has invalid UTF-8") from None
+
+    def rest(self) -> memoryview:
+        out = self._buf[self._pos :]
+        self._pos = len(self._buf)
+        return out
+
+    def end(self) -> None:
+        if self._pos != len(self._buf):
+            raise ProtocolError(f"{self._what} frame has {len(self._buf) - self._pos} trailing bytes")
+
+
+def _short_text(value: str, limit: int, what: str) -> bytes:
+    raw = value.encode("utf-8")
+    if len(raw) > limit:
+        raise ProtocolError(f"{what} longer than {limit} bytes")
+    return raw
+
+
+def _codec_list(codecs: Sequence[str]) -> bytes:
+    if len(codecs) > 255:
+        raise ProtocolError("too many codecs")
+    out = bytearray(_U8.pack(len(codecs)))
+    for name in codecs:
+        raw = _short_text(name, 255, "codec name")
+        out += _U8.pack(len(raw)) + raw
+    return bytes(out)
+
+
+def _read_codec_list(r: _Reader) -> tuple[str, ...]:
+    return tuple(r.text(r.u8()) for _ in range(r.u8()))
+
+
+# ---------------------------------------------------------------------------------------
+# Encoding.
+
+
+def _frame(ftype: FrameType, body_parts: Sequence[Buffer], flags: int = 0) -> list[Buffer]:
+    length = sum(len(p) for p in body_parts)
+    header = HEADER.pack(ftype, flags, 0, length)
+    crc = crc32c(header)
+    for part in body_parts:
+        crc = crc32c(part, crc)
+    return [header, *body_parts, CRC.pack(crc)]
+
+
+def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
+    """The frame type and body parts of ``frame`` (payloads are not copied)."""
+    if isinstance(frame, Chunk):
+        fixed = CHUNK_FIXED.pack(
+            frame.transfer_id, frame.layer, frame.kind, frame.codec_id, frame.token_start,
+            frame.token_count, frame.layer_tokens, len(frame.params),
+        )
+        return FrameType.CHUNK, [fixed, frame.params, frame.payload]
+    if isinstance(frame, Ack):
+        return FrameType.ACK, [_ACK.pack(frame.transfer_id, frame.layer, frame.kind, frame.token_start)]
+    if isinstance(frame, Credit):
+        return FrameType.CREDIT, [_CREDIT.pack(frame.transfer_id, frame.layer_limit)]
+    if isinstance(frame, Accept):
+        return FrameType.ACCEPT, [_ACCEPT.pack(frame.transfer_id, frame.layer_limit)]
+    if isinstance(frame, Begin):
+        model = _short_text(frame.model, 255, "model id")
+        rid = _short_text(frame.request_id, 0xFFFF, "request id")
+        if len(frame.blocks) > 0xFFFF:
+            raise ProtocolError("too many blocks")
+        parts = bytearray(
+            _BEGIN_FIXED.pack(
+                frame.transfer_id, frame.num_layers, frame.num_kv_heads, frame.head_dim, frame.dtype_id
+            )
+        )
+        parts += _U8.pack(len(model)) + model
+        parts += _U16.pack(len(rid)) + rid
+        parts += _U32.pack(len(frame.meta)) + frame.meta
+        parts += _U16.pack(len(frame.blocks))
+        for bv in frame.blocks:
+            if len(bv.block) > 255:
+                raise ProtocolError("block id longer than 255 bytes")
+            parts += _U8.pack(len(bv.block)) + bv.block + _BLOCK_VERSION_TAIL.pack(bv.version)
+        return FrameType.BEGIN, [bytes(parts)]
+    if isinstance(frame, Reset):
+        msg = frame.message.encode("utf-8")[:1024]
+        return FrameType.RESET, [_RESET_FIXED.pack(frame.transfer_id, frame.code), _U16.pack(len(msg)), msg]
+    if isinstance(frame, GoAway):
+        msg = frame.message.encode("utf-8")[:1024]
+        return FrameType.GOAWAY, [_U16.pack(frame.code), _U16.pack(len(msg)), msg]
+    if isinstance(frame, Ping):
+        return FrameType.PING, [_PING.pack(frame.opaque)]
+    if isinstance(frame, Pong):
+        return FrameType.PONG, [_PING.pack(frame.opaque)]
+    if isinstance(frame, Hello):
+        fixed = _HELLO_FIXED.pack(
+            MAGIC, frame.min_version, frame.max_version, frame.nonce, frame.session_id,
+            frame.stream_index, frame.max_frame_size,
+        )
+        return FrameType.HELLO, [fixed + _codec_list(frame.codecs) + frame.fingerprint]
+    if isinstance(frame, Challenge):
+        return FrameType.CHALLENGE, [_CHALLENGE.pack(frame.version, frame.nonce)]
+    if isinstance(frame, Auth):
+        return FrameType.AUTH, [frame.proof]
+    if isinstance(frame, Welcome):
+        return FrameType.WELCOME, [welcome_unsigned(frame) + frame.proof]
+    if isinstance(frame, UnknownFrame):
+        raise ProtocolError("unknown frames are not sent")
+    raise TypeError(f"not a frame: {frame!r}")
+
+
+def welcome_unsigned(frame: Welcome) -> bytes:
+    """The WELCOME body without its proof (what the server's proof signs)."""
+    return (
+        _WELCOME_FIXED.pack(frame.session_id, frame.max_frame_size, frame.window, frame.max_transfers)
+        + _codec_list(frame.codecs)
+    )
+
+
+def encode_frame(frame: Frame) -> list[Buffer]:
+    """``frame`` as a list of buffers for ``writelines`` (payload views are not copied)."""
+    ftype, parts = encode_body(frame)
+    return _frame(ftype, parts)
+
+
+def frame_bytes(frame: Frame) -> bytes:
+    """``frame`` as one ``bytes`` object (tests, fuzz corpora)."""
+    return b"".join(bytes(p) for p in encode_frame(frame))
+
+
+def chunk_frame_size(params_len: int, payload_len: int) -> int:
+    """Bytes on the wire of a CHUNK frame with these params and payload sizes."""
+    return FRAME_OVERHEAD + CHUNK_FIXED.size + params_len + payload_len
+
+
+# ---------------------------------------------------------------------------------------
+# Decoding.
+
+
+def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
+    """Parse a CRC-verified body.  Raises ProtocolError for any malformation."""
+    if ftype == FrameType.CHUNK:
+        r = _Reader(body, "CHUNK")
+        tid, layer, kind, codec_id, start, count, ltok, plen = r.unpack(CHUNK_FIXED)
+        params = bytes(r.take(int(plen)))  # type: ignore[call-overload]
+        payload = r.rest()
+        if kind not in (0, 1):
+            raise ProtocolError(f"CHUNK kind {kind} is neither K (0) nor V (1)")
+        return Chunk(
+            transfer_id=int(tid), layer=int(layer), kind=int(kind), codec_id=int(codec_id),  # type: ignore[call-overload]
+            token_start=int(start), token_count=int(count), layer_tokens=int(ltok),  # type: ignore[call-overload]
+            params=params, payload=payload,
+        )
+    if ftype == FrameType.ACK:
+        r = _Reader(body, "ACK")
+        tid, layer, kind, start = r.unpack(_ACK)
+        r.end()
+        return Ack(transfer_id=int(tid), layer=int(layer), kind=int(kind), token_start=int(start))  # type: ignore[call-overload]
+    if ftype == FrameType.CREDIT:
+        r = _Reader(body, "CREDIT")
+        tid, limit = r.unpack(_CREDIT)
+        r.end()
+        return Credit(transfer_id=int(tid), layer_limit=int(limit))  # type: ignore[call-overload]
+    if ftype == FrameType.ACCEPT:
+        r = _Reader(body, "ACCEPT")
+        tid, limit = r.unpack(_ACCEPT)
+        r.end()
+        return Accept(transfer_id=int(tid), layer_limit=int(limit))  # type: ignore[call-overload]
+    if ftype == FrameType.BEGIN:
+        r = _Reader(body, "BEGIN")
+        tid, nl, nh, hd, dt = r.unpack(_BEGIN_FIXED)
+        model = r.text(r.u8())
+        rid = r.text(r.u16())
+        meta = bytes(r.take(r.u32()))
+        blocks = []
+        for _ in range(r.u16()):
+            block = bytes(r.take(r.u8()))
+            (version,) = r.unpack(_BLOCK_VERSION_TAIL)
+            blocks.append(BlockVersion(block=block, version=int(version)))  # type: ignore[call-overload]
+        r.end()
+        return Begin(
+            transfer_id=int(tid), num_layers=int(nl), num_kv_heads=int(nh), head_dim=int(hd),  # type: ignore[call-overload]
+            dtype_id=int(dt), model=model, request_id=rid, meta=meta, blocks=tuple(blocks),  # type: ignore[call-overload]
+        )
+    if ftype == FrameType.RESET:
+        r = _Reader(body, "RESET")
+        tid, code = r.unpack(_RESET_FIXED)
+        msg = r.text(r.u16())
+        r.end()
+        return Reset(transfer_id=int(tid), code=int(code), message=msg)  # type: ignore[call-overload]
+    if ftype == FrameType.GOAWAY:
+        r = _Reader(body, "GOAWAY")
+        code = r.u16()
+        msg = r.text(r.u16())
+        r.end()
+        return GoAway(code=code, message=msg)
+    if ftype in (FrameType.PING, FrameType.PONG):
+        r = _Reader(body, "PING")
+        (opaque,) = r.unpack(_PING)
+        r.end()
+        cls = Ping if ftype == FrameType.PING else Pong
+        return cls(opaque=int(opaque))  # type: ignore[call-overload]
+    if ftype == FrameType.HELLO:
+        r = _Reader(body, "HELLO")
+        magic, vmin, vmax, nonce, sid, idx, mfs = r.unpack(_HELLO_FIXED)
+        if magic != MAGIC:
+            raise ProtocolError("not a kvwire peer (bad magic)")
+        codecs = _read_codec_list(r)
+        fp = bytes(r.take(FINGERPRINT_SIZE))
+        r.end()
+        return Hello(
+            min_version=int(vmin), max_version=int(vmax), nonce=bytes(nonce), session_id=bytes(sid),  # type: ignore[call-overload, arg-type]
+            stream_index=int(idx), max_frame_size=int(mfs), codecs=codecs, fingerprint=fp,  # type: ignore[call-overload]
+        )
+    if ftype == FrameType.CHALLENGE:
+        r = _Reader(body, "CHALLENGE")
+        version, nonce = r.unpack(_CHALLENGE)
+        r.end()
+        return Challenge(version=int(version), nonce=bytes(nonce))  # type: ignore[call-overload, arg-type]
+    if ftype == FrameType.AUTH:
+        r = _Reader(body, "AUTH")
+        proof = bytes(r.take(PROOF_SIZE))
+        r.end()
+        return Auth(proof=proof)
+    if ftype == FrameType.WELCOME:
+        r = _Reader(body, "WELCOME")
+        sid, mfs, window, maxt = r.unpack(_WELCOME_FIXED)
+        codecs = _read_codec_list(r)
+        proof = bytes(r.take(PROOF_SIZE))
+        r.end()
+        return Welcome(
+            session_id=bytes(sid), max_frame_size=int(mfs), window=int(window),  # type: ignore[arg-type, call-overload]
+            max_transfers=int(maxt), codecs=codecs, proof=proof,  # type: ignore[call-overload]
+        )
+    return UnknownFrame(type=ftype, flags=flags, body=bytes(body))
+
+
+class FrameDecoder:
+    """Turns a byte stream into frames.
+
+    ``max_body`` is checked against each header before any of the body is buffered.
+    Bodies above ``big_body`` get a buffer of their own, so payload views handed out
+    stay valid while later bytes arrive.
+    """
+
+    def __init__(self, max_body: int, *, big_body: int = 64 * 1024) -> None:
+        self.max_body = max_body
+        self._big_body = big_body
+        self._buf = bytearray()
+        self._pos = 0
+        # (header, dedicated buffer, bytes filled) while a big frame is arriving
+        self._big: tuple[bytes, bytearray, int] | None = None
+        self.bytes_received = 0
+
+    def feed(self, data: Buffer) -> list[tuple[Frame, int]]:
+        """Add ``data``; return the frames it completed with their wire sizes."""
+        self.bytes_received += len(data)
+        out: list[tuple[Frame, int]] = []
+        view = memoryview(data)
+        while True:
+            if self._big is not None:
+                header, buf, filled = self._big
+                n = min(len(buf) - filled, len(view))
+                buf[filled : filled + n] = view[:n]
+                view = view[n:]
+                filled += n
+                if filled < len(buf):
+                    self._big = (header, buf, filled)
+                    return out
+                self._big = None
+                out.append((self._finish(header, memoryview(buf)), HEADER_SIZE + len(buf)))
+                continue
+            if view:
+                if self._pos and self._pos == len(self._buf):
+                    self._buf.clear()
+                    self._pos = 0
+                self._buf += view
+                view = view[len(view) :]
+            avail = len(self._buf) - self._pos
+            if avail < HEADER_SIZE:
+                self._compact()
+                return out
+            ftype, flags, reserved, length = HEADER.unpack_from(self._buf, self._pos)
+            if length > self.max_body:
+                raise FrameTooLargeError(
+                    f"frame type 0x{ftype:02x} announces {length} bytes, limit {self.max_body}"
+                )
+            if reserved != 0:
+                raise ProtocolError("reserved header bits set")
+            need = HEADER_SIZE + length + CRC_SIZE
+            if length + CRC_SIZE > self._big_body and avail < need:
+                header = bytes(self._buf[self._pos : self._pos + HEADER_SIZE])
+                rest = self._buf[self._pos + HEADER_SIZE :]
+                self._buf.clear()
+                self._pos = 0
+                big = bytearray(length + CRC_SIZE)
+                big[: len(rest)] = rest
+                self._big = (header, big, len(rest))
+                continue
+            if avail < need:
+                self._compact()
+                return out
+            start = self._pos
+            self._pos += need
+            mv = memoryview(self._buf)
+            try:
+                header = bytes(mv[start : start + HEADER_SIZE])
+                body_crc = bytes(mv[start + HEADER_SIZE : start + need])
+            finally:
+                mv.release()
+            out.append((self._finish(header, memoryview(body_crc)), need))
+
+    def _compact(self) -> None:
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
+
+    @property
+    def buffered(self) -> int:
+        """Bytes held while waiting for the rest of a frame."""
+        big = len(self._big[1]) if self._big is not None else 0
+        return len(self._buf) - self._pos + big
+
+    @staticmethod
+    def _finish(header: bytes, body_crc: memoryview) -> Frame:
+        body = body_crc[:-CRC_SIZE]
+        (expected,) = CRC.unpack(body_crc[-CRC_SIZE:])
+        if crc32c(body, crc32c(header)) != expected:
+            raise IntegrityError(f"CRC32C mismatch on frame type 0x{header[0]:02x}")
+        ftype, flags, _, _ = HEADER.unpack(header)
+        return decode_body(ftype, flags, body)
+
+
+__all__ = [
+    "CHUNK_FIXED",
+    "CRC_SIZE",
+    "FINGERPRINT_SIZE",
+    "FRAME_OVERHEAD",
+    "HANDSHAKE_MAX_BODY",
+    "HEADER_SIZE",
+    "MAGIC",
+    "NONCE_SIZE",
+    "PROOF_SIZE",
+    "PROTOCOL_VERSION",
+    "SESSION_ID_SIZE",
+    "Accept",
+    "Ack",
+    "Auth",
+    "Begin",
+    "BlockVersion",
+    "Challenge",
+    "Chunk",
+    "ChunkAddress",
+    "Credit",
+    "ErrorCode",
+    "Frame",
+    "FrameDecoder",
+    "FrameType",
+    "GoAway",
+    "Hello",
+    "Ping",
+    "Pong",
+    "Reset",
+    "UnknownFrame",
+    "Welcome",
+    "chunk_frame_size",
+    "decode_body",
+    "encode_frame",
+    "frame_bytes",
+]

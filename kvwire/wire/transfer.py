@@ -1,0 +1,177 @@
+"""Bookkeeping of one transfer on each side (sans-IO): which chunks are out, which landed.
+
+A transfer is one request's KV cache.  The sender splits every layer's K and V into
+chunks along the token axis; a chunk is addressed by (transfer id, layer, kind,
+token_start).  The receiver de-duplicates by address and knows a layer is complete when
+K and V both cover ``[0, layer_tokens)``.  The sender knows the transfer is complete when
+its producer is exhausted and every chunk it sent is acknowledged.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+from kvwire.errors import ErrorCode, KvwireError, ProtocolError
+from kvwire.wire.frames import Chunk, ChunkAddress
+
+
+class ChunkVerdict(Enum):
+    NEW = auto()
+    DUPLICATE = auto()
+
+
+@dataclass(slots=True)
+class _Coverage:
+    """Token ranges received for one (layer, kind): sorted starts and their counts."""
+
+    starts: list[int] = field(default_factory=list)
+    counts: dict[int, int] = field(default_factory=dict)
+    covered: int = 0
+
+    def add(self, start: int, count: int) -> ChunkVerdict:
+        if start in self.counts:
+            if self.counts[start] != count:
+                raise ProtocolError("chunk re-sent with a different token range")
+            return ChunkVerdict.DUPLICATE
+        i = bisect.bisect_left(self.starts, start)
+        if i > 0:
+            prev = self.starts[i - 1]
+            if prev + self.counts[prev] > start:
+                raise ProtocolError("chunk token ranges overlap")
+        if i < len(self.starts) and start + count > self.starts[i]:
+            raise ProtocolError("chunk token ranges overlap")
+        self.starts.insert(i, start)
+        self.counts[start] = count
+        self.covered += count
+        return ChunkVerdict.NEW
+
+
+class IncomingTransfer:
+    """Receiver side of one transfer: address checks, de-duplication, layer completion."""
+
+    def __init__(self, transfer_id: int, num_layers: int, *, layer_limit: int, max_tokens: int) -> None:
+        self.transfer_id = transfer_id
+        self.num_layers = num_layers
+        self.layer_limit = layer_limit
+        self.max_tokens = max_tokens
+        self.layer_tokens: int | None = None
+        self._cov: dict[tuple[int, int], _Coverage] = {}
+        self._complete: set[int] = set()
+        self.chunks_received = 0
+        self.duplicates = 0
+
+    def check(self, chunk: Chunk) -> None:
+        """Raise ProtocolError if ``chunk`` cannot belong to this transfer."""
+        if chunk.layer >= self.num_layers:
+            raise ProtocolError(f"chunk for layer {chunk.layer} of a {self.num_layers}-layer transfer")
+        if chunk.layer >= self.layer_limit:
+            raise KvwireError(
+                f"chunk for layer {chunk.layer} beyond the granted limit {self.layer_limit}",
+                code=ErrorCode.FLOW_CONTROL_ERROR,
+            )
+        if chunk.token_count == 0 or chunk.token_start + chunk.token_count > chunk.layer_tokens:
+            raise ProtocolError("chunk token range outside its layer")
+        if chunk.layer_tokens > self.max_tokens:
+            raise KvwireError(
+                f"{chunk.layer_tokens} tokens exceeds this server's limit of {self.max_tokens}",
+                code=ErrorCode.LIMIT_EXCEEDED,
+            )
+        if self.layer_tokens is None:
+            self.layer_tokens = chunk.layer_tokens
+        elif chunk.layer_tokens != self.layer_tokens:
+            raise ProtocolError("layers of one transfer disagree on the token count")
+
+    def add(self, chunk: Chunk) -> ChunkVerdict:
+        """Record ``chunk`` (call :meth:`check` first)."""
+        cov = self._cov.setdefault((chunk.layer, chunk.kind), _Coverage())
+        verdict = cov.add(chunk.token_start, chunk.token_count)
+        if verdict is ChunkVerdict.DUPLICATE:
+            self.duplicates += 1
+        else:
+            self.chunks_received += 1
+        return verdict
+
+    def layer_complete(self, layer: int) -> bool:
+        if layer in self._complete:
+            return True
+        lt = self.layer_tokens
+        if lt is None:
+            return False
+        k = self._cov.get((layer, 0))
+        v = self._cov.get((layer, 1))
+        if k is not None and v is not None and k.covered == lt and v.covered == lt:
+            self._complete.add(layer)
+            return True
+        return False
+
+    @property
+    def complete(self) -> bool:
+        return len(self._complete) == self.num_layers
+
+
+@dataclass(slots=True)
+class SentChunk:
+    """A chunk the sender has put on a connection and not yet seen acknowledged."""
+
+    address: ChunkAddress
+    stream: int
+    wire_size: int
+    kv_bytes: int
+
+
+class OutgoingTransfer:
+    """Sender side of one transfer: what is in flight and when it is complete."""
+
+    def __init__(self, transfer_id: int, num_layers: int) -> None:
+        self.transfer_id = transfer_id
+        self.num_layers = num_layers
+        self.layer_limit = 0
+        self.accepted = False
+        self.producer_done = False
+        self.unacked: dict[ChunkAddress, SentChunk] = {}
+        self.chunks_sent = 0
+        self.chunks_acked = 0
+        self.wire_bytes = 0
+        self.kv_bytes_acked = 0
+
+    def on_sent(self, sent: SentChunk) -> None:
+        self.unacked[sent.address] = sent
+        self.chunks_sent += 1
+        self.wire_bytes += sent.wire_size
+
+    def on_ack(self, address: ChunkAddress) -> SentChunk | None:
+        """The chunk acknowledged, or None for a duplicate ack (already counted)."""
+        sent = self.unacked.pop(address, None)
+        if sent is not None:
+            self.chunks_acked += 1
+            self.kv_bytes_acked += sent.kv_bytes
+        return sent
+
+    def raise_limit(self, layer_limit: int) -> None:
+        self.layer_limit = max(self.layer_limit, min(layer_limit, self.num_layers))
+
+    @property
+    def complete(self) -> bool:
+        return self.accepted and self.producer_done and not self.unacked
+
+
+def plan_chunks(tokens: int, bytes_per_token: int, chunk_bytes: int, *, align: int = 32) -> list[tuple[int, int]]:
+    """Split ``tokens`` into ``(start, count)`` ranges of about ``chunk_bytes`` each.
+
+    Counts are multiples of ``align`` (so block-grouped codecs see whole blocks) except
+    the last one.
+    """
+    if tokens <= 0:
+        return []
+    per = max(1, chunk_bytes // max(1, bytes_per_token))
+    if per >= align:
+        per -= per % align
+    out = []
+    start = 0
+    while start < tokens:
+        count = min(per, tokens - start)
+        out.append((start, count))
+        start += count
+    return out
