@@ -14,6 +14,7 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.spec import KVCache, KVSpec, Layer
+from kvwire.aio import Peer, Receipt, Server, Transfer, connect, serve
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,12 @@ __all__ = [
     "KVSpec",
     "KvwireError",
     "Layer",
+    "Peer",
+    "Receipt",
+    "Server",
+    "Transfer",
+    "connect",
+    "serve",
     "LimitExceededError",
     "ProtocolError",
     "StaleVersionError",

@@ -1,0 +1,86 @@
+"""The I/O layer: the only package that touches asyncio, sockets, TLS and clocks.
+
+``serve()`` and ``connect()`` are the library's entry points; both return objects used
+with ``async with``.
+"""
+
+from __future__ import annotations
+
+import ssl as _ssl
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from kvwire.errors import UsageError
+from kvwire.spec import KVSpec
+
+from kvwire.aio.client import ClientOptions, Peer, Receipt
+from kvwire.aio.server import Server, ServerOptions, Transfer, make_server_options
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    secret: bytes,
+    ssl: _ssl.SSLContext | None = None,
+    spec: KVSpec | Sequence[KVSpec] | None = None,
+    **options: Any,
+) -> Server:
+    """A server receiving KV caches on ``host:port`` (``port=0`` picks a free one).
+
+    ``spec`` restricts the KV layouts accepted; ``options`` are the fields of
+    :class:`ServerOptions` (limits, windows, timeouts).  Use as ``async with``.
+    """
+    return Server(host, port, secret=secret, ssl=ssl, options=make_server_options(spec, **options))
+
+
+def connect(
+    host: str,
+    port: int,
+    *,
+    secret: bytes,
+    streams: int = 1,
+    codec: str = "raw",
+    ssl: _ssl.SSLContext | None = None,
+    server_hostname: str | None = None,
+    **options: Any,
+) -> Peer:
+    """A client session of ``streams`` TCP connections to a kvwire server.
+
+    ``codec`` is the default for :meth:`Peer.send`; ``options`` are the fields of
+    :class:`ClientOptions`.  Use as ``async with``.
+    """
+    known = {f.name for f in fields(ClientOptions)}
+    unknown = set(options) - known
+    if unknown:
+        raise UsageError(f"unknown connect option(s): {', '.join(sorted(unknown))}")
+    return Peer(
+        host, port, secret=secret, streams=streams, codec=codec, ssl=ssl,
+        options=ClientOptions(**options), server_hostname=server_hostname,
+    )
+
+
+def run(main: Any) -> Any:
+    """Run a coroutine on uvloop when it is installed, else on the default loop."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
+__all__ = [
+    "ClientOptions",
+    "Peer",
+    "Receipt",
+    "Server",
+    "ServerOptions",
+    "Transfer",
+    "connect",
+    "run",
+    "serve",
+]

@@ -1,0 +1,79 @@
+"""Turning user tensors into host arrays of the spec's layout, and layer producers into one async iterator."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import numpy as np
+
+from kvwire.codec import numpy_dtype
+from kvwire.errors import UsageError
+from kvwire.spec import KVSpec
+
+
+def is_device_array(x: Any) -> bool:
+    """True for arrays that live on a GPU (CuPy, or a DLPack producer on a CUDA device)."""
+    mod = type(x).__module__
+    if mod.startswith("cupy"):
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None and not isinstance(x, np.ndarray):
+        try:
+            return int(dev()[0]) != 1  # kDLCPU == 1
+        except Exception:
+            return False
+    return False
+
+
+def as_host_array(x: Any, spec: KVSpec, what: str) -> np.ndarray:
+    """``x`` as a C-contiguous numpy array ``[tokens, heads, head_dim]`` of ``spec.dtype``."""
+    want = numpy_dtype(spec.dtype)
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif hasattr(x, "__dlpack__"):
+        try:
+            arr = np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError) as exc:
+            # numpy has no bfloat16 for DLPack: take the bits and reinterpret them
+            view = getattr(x, "view", None)
+            if spec.dtype == "bfloat16" and view is not None:
+                try:
+                    import torch  # only reached with torch tensors
+
+                    arr = np.from_dlpack(view(torch.int16)).view(want)
+                except Exception:
+                    raise UsageError(f"{what}: cannot read the tensor through DLPack: {exc}") from exc
+            else:
+                raise UsageError(f"{what}: cannot read the tensor through DLPack: {exc}") from exc
+    else:
+        raise UsageError(f"{what} must be a numpy array or expose __dlpack__, got {type(x).__name__}")
+    if arr.dtype != want:
+        raise UsageError(f"{what} has dtype {arr.dtype}, the spec says {spec.dtype}")
+    if arr.ndim != 3 or arr.shape[1] != spec.num_kv_heads or arr.shape[2] != spec.head_dim:
+        raise UsageError(
+            f"{what} has shape {tuple(arr.shape)}, expected [tokens, {spec.num_kv_heads}, {spec.head_dim}]"
+        )
+    if arr.shape[0] < 1:
+        raise UsageError(f"{what} has no tokens")
+    return np.ascontiguousarray(arr)
+
+
+async def iterate_layers(layers: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """Yield ``(k, v)`` from a sequence, an iterable or an async iterable."""
+    if hasattr(layers, "__aiter__"):
+        async for item in layers:
+            yield _pair(item)
+    elif isinstance(layers, Iterable):
+        for item in layers:
+            yield _pair(item)
+    else:
+        raise UsageError("layers must be a sequence, an iterable or an async iterable of (k, v)")
+
+
+def _pair(item: Any) -> tuple[Any, Any]:
+    try:
+        k, v = item
+    except (TypeError, ValueError):
+        raise UsageError("each layer must be a pair (k, v)") from None
+    return k, v

@@ -1,0 +1,161 @@
+"""The asyncio pump around one sans-IO :class:`~kvwire.wire.Connection`.
+
+One protocol object per TCP connection: bytes in -> ``conn.receive_data`` -> events to
+the owner -> ``conn.data_to_send`` written -> timer re-armed.  Write backpressure is an
+``asyncio.Event`` that senders await.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from kvwire.errors import ConnectionLostError, ErrorCode, KvwireError
+from kvwire.wire import Connection, ConnectionClosed, Event
+
+#: Unsent bytes the kernel may hold before the socket stops polling writable; keeps small
+#: frames (acks, credits) from queueing behind a full send buffer.
+NOTSENT_LOWAT = 1 << 20
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+
+
+def tune_socket(sock: Any, notsent_lowat: int | None = NOTSENT_LOWAT) -> None:
+    """TCP_NODELAY and TCP_NOTSENT_LOWAT; buffer sizes are left to kernel autotuning."""
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if notsent_lowat:
+            sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, notsent_lowat)
+    except OSError:
+        pass  # not a TCP socket (e.g. a test transport), or an older kernel
+
+
+class StreamProtocol(asyncio.Protocol):
+    """Feeds one TCP connection to its sans-IO core and hands events to ``on_event``."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        on_event: Callable[[StreamProtocol, Event], None],
+        *,
+        write_high: int = 4 << 20,
+        notsent_lowat: int | None = NOTSENT_LOWAT,
+    ) -> None:
+        self.conn = conn
+        self._on_event = on_event
+        self._write_high = write_high
+        self._notsent_lowat = notsent_lowat
+        self.transport: asyncio.Transport | None = None
+        self.loop = asyncio.get_event_loop()
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.closed = asyncio.Event()
+        self.close_error: KvwireError | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self.owner: Any = None  # the session this stream belongs to
+        self.index = 0
+
+    # -- asyncio callbacks ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.set_write_buffer_limits(high=self._write_high, low=self._write_high // 4)  # type: ignore[attr-defined]
+        tune_socket(transport.get_extra_info("socket"), self._notsent_lowat)
+        self.flush()
+
+    def data_received(self, data: bytes) -> None:
+        self.conn.receive_data(data)
+        self.process()
+
+    def eof_received(self) -> bool | None:
+        self.conn.receive_data(b"")
+        self.process()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.conn.closed_event is None:
+            self.conn.receive_data(b"")
+            self.process(flush=False)
+        self._cancel_timer()
+        self.writable.set()
+        self.closed.set()
+        self.transport = None
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
+        if self.owner is not None:
+            self.owner.on_writable(self)
+
+    # -- pump -----------------------------------------------------------------------------
+
+    def process(self, *, flush: bool = True) -> None:
+        """Hand every pending event to the owner, then write and re-arm the timer."""
+        conn = self.conn
+        while True:
+            ev = conn.next_event()
+            if ev is None:
+                break
+            if isinstance(ev, ConnectionClosed):
+                self.close_error = ev.error
+            try:
+                self._on_event(self, ev)
+            except KvwireError as exc:
+                conn.close(exc.code, str(exc))
+        if flush:
+            self.flush()
+
+    def flush(self) -> None:
+        data = self.conn.data_to_send()
+        tr = self.transport
+        if tr is not None and not tr.is_closing():
+            if data:
+                tr.writelines(data)
+            if self.conn.closed_event is not None:
+                tr.close()
+        self._arm_timer()
+
+    def _arm_timer(self) -> None:
+        when = self.conn.get_timer()
+        if when == self._timer_at:
+            return
+        self._cancel_timer()
+        if when is not None:
+            self._timer_at = when
+            self._timer = self.loop.call_at(when, self._fire_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._timer_at = None
+
+    def _fire_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self.conn.handle_timer(self.loop.time())
+        self.process()
+
+    def abort(self, code: ErrorCode = ErrorCode.NO_ERROR, message: str = "") -> None:
+        """Close with GOAWAY; the transport is closed after the frame is written."""
+        self.conn.close(code, message)
+        self.process()
+        tr = self.transport
+        if tr is not None and not tr.is_closing():
+            tr.close()
+
+    @property
+    def is_open(self) -> bool:
+        return self.transport is not None and self.conn.closed_event is None
+
+    def lost_error(self) -> KvwireError:
+        """The error waiters on this stream should see now that it is gone."""
+        if self.close_error is not None:
+            return self.close_error
+        return ConnectionLostError("connection closed")

@@ -1,0 +1,472 @@
+"""The sending side: ``kvwire.connect()`` and ``peer.send()`` over striped streams."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import ssl as _ssl
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from kvwire.codec import TensorKind, available_codecs, get_codec
+from kvwire.errors import (
+    AuthenticationError,
+    ConnectionLostError,
+    ErrorCode,
+    IncompatiblePeerError,
+    KvwireError,
+    TransferTimeoutError,
+    UsageError,
+)
+from kvwire.spec import KVSpec
+from kvwire.wire import (
+    Begin,
+    BlockVersion,
+    Chunk,
+    ChunkAcked,
+    Connection,
+    ConnectionClosed,
+    ConnectionConfig,
+    CreditGranted,
+    Event,
+    HandshakeComplete,
+    OutgoingTransfer,
+    Role,
+    SentChunk,
+    TransferAccepted,
+    TransferReset,
+    chunk_frame_size,
+    plan_chunks,
+)
+from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
+
+from kvwire.aio._arrays import as_host_array, iterate_layers
+from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientOptions:
+    """Settings of a client session."""
+
+    chunk_bytes: int = 1 << 20
+    """Target size of one chunk of K or V before encoding."""
+    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    """Largest frame body this side accepts."""
+    connect_timeout: float = 10.0
+    """Seconds for TCP connect plus handshake, per stream."""
+    notsent_lowat: int | None = NOTSENT_LOWAT
+    """TCP_NOTSENT_LOWAT (None leaves the kernel default)."""
+    spec: KVSpec | None = None
+    """Pin the session to one KV layout: a server that does not accept it refuses at connect."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Receipt:
+    """What one completed ``send()`` did.  Every chunk was acknowledged by the receiver."""
+
+    request_id: str
+    transfer_id: int
+    codec: str
+    kv_bytes: int
+    """Bytes of the cache at its spec dtype."""
+    wire_bytes: int
+    """Bytes of CHUNK frames put on the wire (headers, params and CRCs included)."""
+    chunks: int
+    seconds: float
+    """From ``send()`` until the last acknowledgement."""
+    time_to_first_layer: float | None = None
+    """Seconds from ``send()`` until every chunk of the first layer was acknowledged."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def goodput_gbps(self) -> float:
+        return self.kv_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class _Outgoing:
+    """Sender-side state of one transfer inside a peer."""
+
+    def __init__(self, transfer_id: int, num_layers: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.state = OutgoingTransfer(transfer_id, num_layers)
+        self.accepted: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.credit = asyncio.Event()
+        self.layer_acked: dict[int, int] = {}  # layer -> chunks not yet acked
+        self.first_layer_at: float | None = None
+        self.error: KvwireError | None = None
+
+    def fail(self, error: KvwireError) -> None:
+        if self.error is None:
+            self.error = error
+        for fut in (self.accepted, self.done):
+            if not fut.done():
+                fut.set_exception(error)
+                fut.exception()  # retrieved: a failure nobody awaits is not "never retrieved"
+        self.credit.set()
+
+
+class Peer:
+    """A client session of one or more TCP streams to one server; see :func:`kvwire.connect`."""
+
+    def __init__(
+        self, host: str, port: int, *, secret: bytes, streams: int, codec: str,
+        ssl: _ssl.SSLContext | None, options: ClientOptions, server_hostname: str | None = None,
+    ) -> None:
+        if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
+            raise UsageError("secret must be bytes of at least 8 bytes")
+        if not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise UsageError("streams must be an int in [1, 64]")
+        get_codec(codec)  # unknown names fail here, before any connection
+        self.host = host
+        self.port = port
+        self._secret = bytes(secret)
+        self._nstreams = streams
+        self.codec = codec
+        self._ssl = ssl
+        self._server_hostname = server_hostname
+        self.options = options
+        self.streams: list[StreamProtocol] = []
+        self.session_id = NO_SESSION
+        self.server_codecs: tuple[str, ...] = ()
+        self.max_transfers = 0
+        self._transfers: dict[int, _Outgoing] = {}
+        self._ids = itertools.count(1)
+        self._capacity = asyncio.Event()
+        self._handshakes: dict[StreamProtocol, asyncio.Future[HandshakeComplete]] = {}
+        self._broken: KvwireError | None = None
+        self._closed = False
+        self.bytes_sent = 0
+
+    # -- connection setup ---------------------------------------------------------------
+
+    async def open(self) -> None:
+        try:
+            first = await self._open_stream(0, NO_SESSION)
+            self.session_id = first.session_id
+            self.server_codecs = first.peer_codecs
+            self.max_transfers = first.max_transfers
+            if self.codec not in self.server_codecs:
+                raise IncompatiblePeerError(
+                    f"server does not accept codec {self.codec!r} (it accepts {', '.join(self.server_codecs)})",
+                    code=ErrorCode.UNSUPPORTED_CODEC,
+                )
+            if self._nstreams > 1:
+                await asyncio.gather(
+                    *(self._open_stream(i, self.session_id) for i in range(1, self._nstreams))
+                )
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _open_stream(self, index: int, session_id: bytes) -> HandshakeComplete:
+        loop = asyncio.get_running_loop()
+        opts = self.options
+        cfg = ConnectionConfig(
+            secret=self._secret, codecs=tuple(available_codecs()), max_frame_size=opts.max_frame_size,
+            fingerprint=opts.spec.fingerprint if opts.spec is not None else NO_FINGERPRINT,
+            session_id=session_id, stream_index=index, handshake_timeout=opts.connect_timeout,
+        )
+        conn = Connection(Role.CLIENT, cfg, now=loop.time())
+        conn.initiate()
+        proto = StreamProtocol(conn, self._on_event, notsent_lowat=opts.notsent_lowat)
+        proto.owner = self
+        proto.index = index
+        fut: asyncio.Future[HandshakeComplete] = loop.create_future()
+        self._handshakes[proto] = fut
+        self.streams.append(proto)
+        try:
+            await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: proto, self.host, self.port, ssl=self._ssl,
+                    server_hostname=self._server_hostname if self._ssl else None,
+                ),
+                opts.connect_timeout,
+            )
+            return await asyncio.wait_for(fut, opts.connect_timeout)
+        except TimeoutError:
+            proto.abort(ErrorCode.TIMEOUT, "handshake timed out")
+            raise TransferTimeoutError(f"connecting to {self.host}:{self.port} timed out") from None
+        except _ssl.SSLCertVerificationError as exc:
+            raise AuthenticationError(f"TLS certificate verification failed: {exc}") from exc
+        except _ssl.SSLError as exc:
+            raise ConnectionLostError(f"TLS handshake with {self.host}:{self.port} failed: {exc}") from exc
+        except OSError as exc:
+            raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        finally:
+            self._handshakes.pop(proto, None)
+
+    # -- public API ----------------------------------------------------------------------
+
+    async def send(
+        self,
+        request_id: str,
+        spec: KVSpec,
+        layers: Any,
+        *,
+        meta: dict[str, Any] | None = None,
+        codec: str | None = None,
+        timeout: float | None = None,
+        blocks: Sequence[tuple[Any, int]] | None = None,
+    ) -> Receipt:
+        """Send one KV cache; return when the receiver has acknowledged every chunk.
+
+        ``layers`` is a sequence, iterable or async iterable of ``(k, v)`` arrays shaped
+        ``[tokens, num_kv_heads, head_dim]`` of ``spec.dtype``; each layer is sent as soon
+        as it is produced.  Arrays must not be modified until ``send()`` returns.
+        """
+        if not isinstance(spec, KVSpec):
+            raise UsageError("spec must be a kvwire.KVSpec")
+        if not isinstance(request_id, str) or not request_id:
+            raise UsageError("request_id must be a non-empty str")
+        codec_name = codec or self.codec
+        cod = get_codec(codec_name)
+        if codec_name not in self.server_codecs:
+            raise IncompatiblePeerError(
+                f"server does not accept codec {codec_name!r}", code=ErrorCode.UNSUPPORTED_CODEC
+            )
+        try:
+            meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"meta must be JSON-serialisable: {exc}") from None
+        block_versions = tuple(
+            BlockVersion(block=_block_key(b), version=int(v)) for b, v in (blocks or ())
+        )
+        if timeout is None:
+            return await self._send(request_id, spec, layers, meta_bytes, cod.name, block_versions)
+        try:
+            return await asyncio.wait_for(
+                self._send(request_id, spec, layers, meta_bytes, cod.name, block_versions), timeout
+            )
+        except TimeoutError:
+            raise TransferTimeoutError(f"send({request_id!r}) did not complete in {timeout} s") from None
+
+    async def _send(
+        self, request_id: str, spec: KVSpec, layers: Any, meta: bytes, codec_name: str,
+        blocks: tuple[BlockVersion, ...],
+    ) -> Receipt:
+        self._check_usable()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        tid = next(self._ids)
+        out = _Outgoing(tid, spec.num_layers, loop)
+        self._transfers[tid] = out
+        codec = get_codec(codec_name)
+        kv_bytes = 0
+        try:
+            primary = self._primary()
+            primary.conn.send_begin(
+                Begin(
+                    transfer_id=tid, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                    head_dim=spec.head_dim, dtype_id=spec.dtype_id, model=spec.model,
+                    request_id=request_id, meta=meta, blocks=blocks,
+                )
+            )
+            primary.flush()
+            index = -1
+            tokens: int | None = None
+            bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
+            async for k_raw, v_raw in iterate_layers(layers):
+                index += 1
+                if index >= spec.num_layers:
+                    raise UsageError(f"layers yielded more than spec.num_layers={spec.num_layers}")
+                k = as_host_array(k_raw, spec, f"layer {index} k")
+                v = as_host_array(v_raw, spec, f"layer {index} v")
+                if k.shape[0] != v.shape[0] or (tokens is not None and k.shape[0] != tokens):
+                    raise UsageError("every k and v of a cache must have the same token count")
+                tokens = k.shape[0]
+                kv_bytes += k.nbytes + v.nbytes
+                await out.accepted
+                while index >= out.state.layer_limit:
+                    out.credit.clear()
+                    await out.credit.wait()
+                    if out.error is not None:
+                        raise out.error
+                plan = plan_chunks(tokens, bpt, self.options.chunk_bytes)
+                out.layer_acked[index] = 2 * len(plan)
+                for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
+                    for start, count in plan:
+                        enc = codec.encode(arr[start : start + count], kind)
+                        payload = enc.payload
+                        plen = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
+                        chunk = Chunk(
+                            transfer_id=tid, layer=index, kind=int(kind), codec_id=enc.codec_id,
+                            token_start=start, token_count=count, layer_tokens=tokens,
+                            params=enc.params, payload=payload,
+                        )
+                        await self._put_chunk(out, chunk, chunk_frame_size(len(enc.params), plen), count * bpt)
+            if index + 1 != spec.num_layers:
+                raise UsageError(f"layers yielded {index + 1} layers, spec.num_layers={spec.num_layers}")
+            out.state.producer_done = True
+            if out.state.complete and not out.done.done():
+                out.done.set_result(None)
+            await out.done
+        except BaseException as exc:
+            if out.error is None:
+                # Tell the receiver this transfer will not complete.
+                code = exc.code if isinstance(exc, KvwireError) else ErrorCode.CANCELLED
+                for s in self.streams:
+                    if s.is_open:
+                        s.conn.send_reset(tid, code, f"sender aborted: {exc}"[:200])
+                        s.flush()
+                        break
+            if isinstance(exc, asyncio.CancelledError | KvwireError):
+                raise
+            if isinstance(exc, Exception):
+                raise KvwireError(f"layer producer failed: {exc!r}") from exc
+            raise
+        finally:
+            self._transfers.pop(tid, None)
+        seconds = loop.time() - started
+        return Receipt(
+            request_id=request_id, transfer_id=tid, codec=codec_name, kv_bytes=kv_bytes,
+            wire_bytes=out.state.wire_bytes, chunks=out.state.chunks_sent, seconds=seconds,
+            time_to_first_layer=(out.first_layer_at - started) if out.first_layer_at else None,
+        )
+
+    async def _put_chunk(self, out: _Outgoing, chunk: Chunk, wire_size: int, kv_bytes: int) -> None:
+        while True:
+            if out.error is not None:
+                raise out.error
+            self._check_usable()
+            best: StreamProtocol | None = None
+            for s in self.streams:
+                if s.is_open and s.writable.is_set() and s.conn.can_send_chunk(wire_size):
+                    if best is None or s.conn.send_credit > best.conn.send_credit:
+                        best = s
+            if best is not None:
+                best.conn.send_chunk(chunk, wire_size)
+                best.flush()
+                out.state.on_sent(SentChunk(address=chunk.address, stream=best.index, wire_size=wire_size, kv_bytes=kv_bytes))
+                self.bytes_sent += wire_size
+                return
+            self._capacity.clear()
+            await self._capacity.wait()
+
+    def statistics(self) -> dict[str, Any]:
+        """A snapshot: per stream credit and bytes, transfers in flight."""
+        return {
+            "session_id": self.session_id.hex(),
+            "streams": [
+                {
+                    "index": s.index,
+                    "open": s.is_open,
+                    "bytes_sent": s.conn.bytes_sent,
+                    "credit": s.conn.send_credit,
+                    "chunks_in_flight": len(s.conn.in_flight_chunks()),
+                }
+                for s in self.streams
+            ],
+            "transfers_in_flight": len(self._transfers),
+            "bytes_sent": self.bytes_sent,
+        }
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        err = ConnectionLostError("peer closed")
+        for out in list(self._transfers.values()):
+            out.fail(err)
+        for s in self.streams:
+            s.abort(ErrorCode.NO_ERROR, "client closing")
+        if self.streams:
+            await asyncio.wait(
+                [asyncio.ensure_future(s.closed.wait()) for s in self.streams], timeout=1.0
+            )
+
+    async def __aenter__(self) -> Peer:
+        await self.open()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+        if self._closed:
+            raise ConnectionLostError("peer is closed")
+
+    def _primary(self) -> StreamProtocol:
+        for s in self.streams:
+            if s.is_open:
+                return s
+        raise ConnectionLostError("no open stream")
+
+    def on_writable(self, stream: StreamProtocol) -> None:
+        self._capacity.set()
+
+    def _on_event(self, stream: StreamProtocol, ev: Event) -> None:
+        if isinstance(ev, ChunkAcked):
+            out = self._transfers.get(ev.address.transfer_id)
+            self._capacity.set()
+            if out is None:
+                return
+            sent = out.state.on_ack(ev.address)
+            if sent is not None:
+                left = out.layer_acked.get(sent.address.layer, 0) - 1
+                out.layer_acked[sent.address.layer] = left
+                if left == 0 and out.first_layer_at is None:
+                    out.first_layer_at = asyncio.get_event_loop().time()
+            if out.state.complete and not out.done.done():
+                out.done.set_result(None)
+        elif isinstance(ev, TransferAccepted):
+            out = self._transfers.get(ev.transfer_id)
+            if out is not None:
+                out.state.accepted = True
+                out.state.raise_limit(ev.layer_limit)
+                if not out.accepted.done():
+                    out.accepted.set_result(None)
+                out.credit.set()
+        elif isinstance(ev, CreditGranted):
+            out = self._transfers.get(ev.transfer_id)
+            if out is not None:
+                out.state.raise_limit(ev.layer_limit)
+                out.credit.set()
+        elif isinstance(ev, TransferReset):
+            out = self._transfers.get(ev.transfer_id)
+            if out is not None:
+                out.fail(ev.error())
+        elif isinstance(ev, HandshakeComplete):
+            fut = self._handshakes.get(stream)
+            if fut is not None and not fut.done():
+                fut.set_result(ev)
+        elif isinstance(ev, ConnectionClosed):
+            err = ev.error or ConnectionLostError("server closed the connection")
+            fut = self._handshakes.get(stream)
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
+                return
+            if self._closed:
+                return
+            if self._broken is None:
+                self._broken = err if ev.error is not None else ConnectionLostError(
+                    "server closed the connection"
+                )
+            for out in list(self._transfers.values()):
+                out.fail(self._broken)
+            self._capacity.set()
+            for s in self.streams:
+                if s is not stream and s.is_open:
+                    s.abort(ErrorCode.CANCELLED, "another stream of this session was lost")
+
+
+def _block_key(block: Any) -> bytes:
+    """A block id as bytes on the wire: type-tagged so 1, b"1" and "1" differ."""
+    if isinstance(block, bool):
+        raise UsageError("block ids are int, bytes or str")
+    if isinstance(block, int):
+        return b"i" + str(block).encode()
+    if isinstance(block, bytes | bytearray):
+        return b"b" + bytes(block)
+    if isinstance(block, str):
+        return b"s" + block.encode()
+    raise UsageError("block ids are int, bytes or str")
+
+
+__all__ = ["ClientOptions", "Peer", "Receipt"]

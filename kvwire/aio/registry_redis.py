@@ -1,0 +1,410 @@
+"""Registry backend on a shared Redis (redis-py asyncio client).
+
+Every mutation is one Lua script (atomic on the server); reads are one MULTI/EXEC
+snapshot. Notifications travel on a pub/sub channel published from inside the scripts.
+Any Redis failure raises :class:`RegistryUnavailableError`: nothing is ever reported fresh
+without Redis having confirmed it. Commands are not retried, because a reply lost in transit
+leaves the outcome unknown; the caller decides (e.g. re-``begin``, which is safe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Awaitable, Iterable, Sequence
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+from kvwire.consistency import redis_layout as lua
+from kvwire.consistency.blocks import BlockId, block_from_key, block_key, unique_keys
+from kvwire.consistency.core import (
+    Lease,
+    VersionedBlock,
+    check_ttl,
+    explain_stale,
+    new_lease_id,
+    pairs_keys,
+    stale_error,
+)
+from kvwire.consistency.errors import (
+    LeaseExpiredError,
+    NotificationsLostError,
+    RegistryUnavailableError,
+)
+from kvwire.consistency.registry import DEFAULT_TTL
+from kvwire.errors import UsageError
+
+try:
+    import redis.asyncio as aioredis
+    from redis.asyncio.client import PubSub
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+    from redis.exceptions import RedisError
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError(
+        "kvwire's Redis registry needs redis-py: pip install 'kvwire[redis]'"
+    ) from exc
+
+T = TypeVar("T")
+
+# Slack past a lease's expiry before Redis deletes its key; the scripts decide liveness by
+# TIME, the key's own expiry only reclaims memory.
+_LEASE_GRACE_MS = 1000
+
+
+async def _guard(what: str, awaitable: Awaitable[T]) -> T:
+    try:
+        return await awaitable
+    except (RedisError, OSError) as exc:
+        raise RegistryUnavailableError(f"redis registry: {what} failed: {exc}") from exc
+
+
+def _ttl_args(ttl: float) -> tuple[int, int]:
+    ttl_us = max(1, round(ttl * 1e6))
+    return ttl_us, math.ceil(ttl * 1000) + _LEASE_GRACE_MS
+
+
+def _decode(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisWatcher:
+    """Notifications from one namespace's pub/sub channel.
+
+    Pub/sub delivers at most once: a watcher whose connection breaks raises
+    :class:`NotificationsLostError` (it may have missed changes) instead of reconnecting
+    silently.
+    """
+
+    def __init__(self, registry: RedisRegistry) -> None:
+        self._registry = registry
+        self._pubsub: PubSub | None = None
+        self._closed = False
+
+    async def _subscribe(self) -> PubSub:
+        if self._pubsub is not None:
+            return self._pubsub
+        if self._closed:
+            raise StopAsyncIteration
+        pubsub = self._registry.client.pubsub()
+        self._pubsub = pubsub
+        self._registry._watchers.add(self)
+        channel = self._registry.layout.channel
+        try:
+            await pubsub.subscribe(channel)
+            # Wait for the server's confirmation, so changes made after this returns are
+            # delivered (SUBSCRIBE and a later PUBLISH travel on different connections).
+            while True:
+                msg = await pubsub.get_message(timeout=self._registry.timeout)
+                if msg is None:
+                    raise RegistryUnavailableError("redis registry: no SUBSCRIBE confirmation")
+                if msg.get("type") == "subscribe":
+                    break
+        except (RedisError, OSError) as exc:
+            await self.aclose()
+            raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc}") from exc
+        except BaseException:
+            await self.aclose()
+            raise
+        return pubsub
+
+    async def __aenter__(self) -> Self:
+        await self._subscribe()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> VersionedBlock:
+        pubsub = await self._subscribe()
+        while True:
+            if self._closed:
+                raise StopAsyncIteration
+            try:
+                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
+            except (RedisError, OSError) as exc:
+                if self._closed:
+                    raise StopAsyncIteration from None
+                raise NotificationsLostError(
+                    f"redis registry: notification channel lost: {exc}"
+                ) from exc
+            if msg is None or msg.get("type") != "message":
+                continue
+            version, _, key = _decode(msg["data"]).partition(" ")
+            return block_from_key(key), int(version)
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._registry._watchers.discard(self)
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            # The connection is being thrown away; a failure to close it changes nothing.
+            with contextlib.suppress(RedisError, OSError):
+                await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+
+class RedisRegistry:
+    """The registry on Redis. Create with :meth:`connect` (or wrap an existing client)."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        namespace: str = "kvwire",
+        owns_client: bool = False,
+        timeout: float = 5.0,
+    ) -> None:
+        self.client = client
+        self.layout = lua.KeyLayout(namespace)
+        self.timeout = timeout
+        self._owns_client = owns_client
+        self._watchers: set[RedisWatcher] = set()
+        self._closed = False
+        self._begin = client.register_script(lua.BEGIN)
+        self._commit = client.register_script(lua.COMMIT)
+        self._renew = client.register_script(lua.RENEW)
+        self._release = client.register_script(lua.RELEASE)
+        self._invalidate = client.register_script(lua.INVALIDATE)
+        self._publish = client.register_script(lua.PUBLISH)
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        namespace: str = "kvwire",
+        timeout: float = 5.0,
+    ) -> Self:
+        """Connect to ``url`` and verify Redis answers; :class:`RegistryUnavailableError` if not.
+
+        ``timeout`` bounds connecting and every reply, in seconds.
+        """
+        client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+        )
+        registry = cls(client, namespace=namespace, owns_client=True, timeout=timeout)
+        try:
+            await _guard(f"connecting to {url}", client.ping())
+        except BaseException:
+            await registry.close()
+            raise
+        return registry
+
+    @property
+    def namespace(self) -> str:
+        return self.layout.namespace
+
+    def _live(self) -> None:
+        if self._closed:
+            raise UsageError("the registry is closed")
+
+    async def begin(
+        self, blocks: Iterable[BlockId], *, owner: str, ttl: float = DEFAULT_TTL
+    ) -> Lease:
+        self._live()
+        ttl = check_ttl(ttl)
+        keys = unique_keys(blocks)
+        lease_id = new_lease_id()
+        ttl_us, px = _ttl_args(ttl)
+        reply = await _guard(
+            "begin",
+            self._begin(
+                keys=[self.layout.lease(lease_id), *(self.layout.block(k) for k in keys)],
+                args=[lease_id, ttl_us, px],
+            ),
+        )
+        started: list[BlockId] = []
+        busy: list[BlockId] = []
+        complete: list[VersionedBlock] = []
+        for i, key in enumerate(keys):
+            state, version = _decode(reply[1 + 2 * i]), int(reply[2 + 2 * i])
+            block = block_from_key(key)
+            if state == "s":
+                started.append(block)
+            elif state == "b":
+                busy.append(block)
+            else:
+                complete.append((block, version))
+        return Lease(
+            lease_id=lease_id,
+            owner=owner,
+            ttl=ttl,
+            expires_at=int(reply[0]) / 1e6,
+            started=tuple(started),
+            busy=tuple(busy),
+            complete=tuple(complete),
+        )
+
+    def _lease_keys(self, lease: Lease) -> tuple[list[str], list[str]]:
+        keys = [block_key(b) for b in lease.started]
+        return keys, [self.layout.block(k) for k in keys]
+
+    async def commit(self, lease: Lease) -> list[VersionedBlock]:
+        self._live()
+        if not lease.started:
+            return []
+        keys, rkeys = self._lease_keys(lease)
+        reply = await _guard(
+            "commit",
+            self._commit(
+                keys=[self.layout.lease(lease.lease_id), self.layout.seq, *rkeys],
+                args=[lease.lease_id, self.layout.channel, *keys],
+            ),
+        )
+        status = int(reply[0])
+        if status == -1:
+            raise LeaseExpiredError(f"lease {lease.lease_id} ({lease.owner}) is no longer live")
+        if status == -2:
+            lost = [block_from_key(keys[int(i) - 1]) for i in reply[1:]]
+            raise stale_error(lost, "blocks changed while in flight")
+        return [(block_from_key(k), int(v)) for k, v in zip(keys, reply[1:], strict=True)]
+
+    async def renew(self, lease: Lease, ttl: float | None = None) -> Lease:
+        self._live()
+        ttl = check_ttl(lease.ttl if ttl is None else ttl)
+        if not lease.started:
+            return Lease(
+                lease.lease_id, lease.owner, ttl, lease.expires_at, (), lease.busy, lease.complete
+            )
+        _, rkeys = self._lease_keys(lease)
+        ttl_us, px = _ttl_args(ttl)
+        reply = await _guard(
+            "renew",
+            self._renew(
+                keys=[self.layout.lease(lease.lease_id), *rkeys],
+                args=[lease.lease_id, ttl_us, px],
+            ),
+        )
+        if int(reply) < 0:
+            raise LeaseExpiredError(f"lease {lease.lease_id} ({lease.owner}) is no longer live")
+        return Lease(
+            lease.lease_id,
+            lease.owner,
+            ttl,
+            int(reply) / 1e6,
+            lease.started,
+            lease.busy,
+            lease.complete,
+        )
+
+    async def release(self, lease: Lease) -> None:
+        self._live()
+        if not lease.started:
+            return
+        _, rkeys = self._lease_keys(lease)
+        await _guard(
+            "release",
+            self._release(keys=[self.layout.lease(lease.lease_id), *rkeys], args=[lease.lease_id]),
+        )
+
+    async def _read(self, keys: Sequence[str]) -> list[tuple[int, bool]]:
+        """``(version, complete)`` of each canonical key, from one consistent snapshot."""
+        if not keys:
+            return []
+        async with self.client.pipeline(transaction=True) as pipe:
+            for key in keys:
+                pipe.hmget(self.layout.block(key), "v", "c")
+            replies = await _guard("read", pipe.execute())
+        return [(int(v) if v is not None else 0, c == b"1") for v, c in replies]
+
+    async def lookup(self, blocks: Iterable[BlockId]) -> list[VersionedBlock]:
+        self._live()
+        if isinstance(blocks, str | bytes | bytearray | memoryview):
+            raise UsageError("pass a list of block ids, not a single id")
+        keys = [block_key(b) for b in blocks]
+        out: list[VersionedBlock] = []
+        for key, (version, complete) in zip(keys, await self._read(keys), strict=True):
+            if not complete:
+                break
+            out.append((block_from_key(key), version))
+        return out
+
+    async def invalidate(self, block: BlockId) -> int:
+        return (await self.invalidate_many([block]))[0][1]
+
+    async def invalidate_many(self, blocks: Iterable[BlockId]) -> list[VersionedBlock]:
+        self._live()
+        keys = unique_keys(blocks)
+        if not keys:
+            return []
+        reply = await _guard(
+            "invalidate",
+            self._invalidate(
+                keys=[self.layout.seq, *(self.layout.block(k) for k in keys)],
+                args=[self.layout.channel, *keys],
+            ),
+        )
+        return [(block_from_key(k), int(v)) for k, v in zip(keys, reply, strict=True)]
+
+    async def check(self, block: BlockId, version: int) -> None:
+        self._live()
+        pairs = pairs_keys([(block, version)])
+        [(current, complete)] = await self._read([pairs[0][0]])
+        if not (complete and current == pairs[0][1]):
+            raise explain_stale(block, version, current, complete)
+
+    async def check_many(self, pairs: Iterable[tuple[BlockId, int]]) -> list[BlockId]:
+        self._live()
+        items = pairs_keys(pairs)
+        states = await self._read([k for k, _ in items])
+        return [
+            block_from_key(key)
+            for (key, version), (current, complete) in zip(items, states, strict=True)
+            if not (complete and current == version)
+        ]
+
+    async def publish(self, pairs: Iterable[tuple[BlockId, int]]) -> list[BlockId]:
+        self._live()
+        items = pairs_keys(pairs)
+        if not items:
+            return []
+        args: list[str | int] = [self.layout.channel]
+        for key, version in items:
+            args += [key, version]
+        reply = await _guard(
+            "publish",
+            self._publish(
+                keys=[self.layout.seq, *(self.layout.block(k) for k, _ in items)], args=args
+            ),
+        )
+        return [block_from_key(items[int(i) - 1][0]) for i in reply]
+
+    def watch(self) -> RedisWatcher:
+        self._live()
+        return RedisWatcher(self)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for watcher in tuple(self._watchers):
+            await watcher.aclose()
+        if self._owns_client:
+            # Closing a broken connection: nothing is left to protect.
+            with contextlib.suppress(RedisError, OSError):
+                await self.client.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+__all__ = ["RedisRegistry", "RedisWatcher"]

@@ -1,0 +1,498 @@
+"""The receiving side: ``kvwire.serve()``, sessions of striped streams, incoming transfers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import ssl as _ssl
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from kvwire.codec import TensorKind, available_codecs, codec_by_id, numpy_dtype
+from kvwire.errors import (
+    ConnectionLostError,
+    ErrorCode,
+    KvwireError,
+    LimitExceededError,
+    ProtocolError,
+    TransferTimeoutError,
+    UsageError,
+)
+from kvwire.spec import DTYPE_BY_ID, KVCache, KVSpec, Layer
+from kvwire.wire import (
+    Begin,
+    ChunkReceived,
+    ClientAuthenticated,
+    Connection,
+    ConnectionClosed,
+    ConnectionConfig,
+    Event,
+    HandshakeComplete,
+    IncomingTransfer,
+    Role,
+    TransferBegun,
+    TransferReset,
+)
+from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
+from kvwire.wire.transfer import ChunkVerdict
+
+from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerOptions:
+    """Limits and defaults of a server.  Every bound is enforced before allocating."""
+
+    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    """Largest frame body accepted (a CHUNK's params + payload + 24 bytes)."""
+    window: int = 32 * 1024 * 1024
+    """Connection credit: CHUNK bytes a client may have unacknowledged on one stream."""
+    max_transfers: int = 64
+    """Transfers in progress per session (more are refused with LIMIT_EXCEEDED)."""
+    transfer_window_layers: int = 8
+    """Complete layers buffered per transfer before the application takes them."""
+    max_tokens: int = 1 << 20
+    """Largest token count per layer accepted."""
+    max_sessions: int = 256
+    """Concurrent client sessions (peers)."""
+    max_streams: int = 64
+    """TCP streams per session."""
+    handshake_timeout: float = 10.0
+    """Seconds a new connection has to complete the handshake."""
+    specs: tuple[KVSpec, ...] = ()
+    """KV layouts accepted; empty accepts any valid layout."""
+    codecs: tuple[str, ...] = ()
+    """Codecs accepted; empty means every registered codec."""
+    notsent_lowat: int | None = NOTSENT_LOWAT
+    """TCP_NOTSENT_LOWAT for accepted sockets (None leaves the kernel default)."""
+
+
+class Transfer:
+    """One incoming KV cache: its metadata, its layers as they complete, or all of it.
+
+    Iterate (``async for layer in transfer``) to receive :class:`~kvwire.Layer` objects
+    in completion order, or ``await transfer.collect()`` for the whole cache; not both.
+    """
+
+    def __init__(self, session: _Session, begin: Begin, spec: KVSpec, meta: dict[str, Any], opts: ServerOptions) -> None:
+        self._session = session
+        self.transfer_id = begin.transfer_id
+        self.request_id = begin.request_id
+        self.spec = spec
+        self.meta = meta
+        self.blocks = [(bv.block, bv.version) for bv in begin.blocks]
+        self._window = opts.transfer_window_layers
+        self.state = IncomingTransfer(
+            begin.transfer_id, spec.num_layers,
+            layer_limit=min(spec.num_layers, self._window), max_tokens=opts.max_tokens,
+        )
+        self._dtype = numpy_dtype(spec.dtype)
+        self._arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._ready: deque[int] = deque()
+        self._changed = asyncio.Event()
+        self._error: KvwireError | None = None
+        self._yielded = 0
+        self._consumer: str | None = None
+        self.wire_bytes = 0
+        self.started = asyncio.get_event_loop().time()
+        self.finished: float | None = None
+
+    # -- application side ---------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[Layer]:
+        self._claim("iterate")
+        return self._layers()
+
+    async def collect(self, *, timeout: float | None = None) -> KVCache:
+        """Wait for every layer; return them as a :class:`~kvwire.KVCache` in layer order."""
+        self._claim("collect")
+        got: dict[int, tuple[Any, Any]] = {}
+
+        async def run() -> None:
+            async for layer in self._layers():
+                got[layer.index] = (layer.k, layer.v)
+
+        try:
+            await asyncio.wait_for(run(), timeout)
+        except TimeoutError:
+            raise TransferTimeoutError(f"transfer {self.request_id!r} not complete in {timeout} s") from None
+        return KVCache(self.spec, [got[i] for i in range(self.spec.num_layers)])
+
+    @property
+    def complete(self) -> bool:
+        return self.state.complete
+
+    def _claim(self, how: str) -> None:
+        if self._consumer is not None:
+            raise UsageError(f"transfer already consumed by {self._consumer}(); use one of iteration or collect()")
+        self._consumer = how
+
+    async def _layers(self) -> AsyncIterator[Layer]:
+        while self._yielded < self.spec.num_layers:
+            if self._ready:
+                index = self._ready.popleft()
+                k, v = self._arrays.pop(index)
+                self._yielded += 1
+                self._session.grant(self, self._yielded + self._window)
+                yield Layer(index, k, v)
+                continue
+            if self._error is not None:
+                raise self._error
+            self._changed.clear()
+            await self._changed.wait()
+
+    # -- network side ---------------------------------------------------------------------
+
+    def on_chunk(self, ev: ChunkReceived) -> bool:
+        """Verify and store a chunk; True when it was new.  Raises KvwireError to reset."""
+        chunk = ev.chunk
+        st = self.state
+        st.check(chunk)
+        codec = codec_by_id(chunk.codec_id)
+        if st.add(chunk) is ChunkVerdict.DUPLICATE:
+            return False
+        arrays = self._arrays.get(chunk.layer)
+        if arrays is None:
+            shape = (chunk.layer_tokens, self.spec.num_kv_heads, self.spec.head_dim)
+            arrays = (np.empty(shape, self._dtype), np.empty(shape, self._dtype))
+            self._arrays[chunk.layer] = arrays
+        out = arrays[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
+        codec.decode(
+            chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
+            kind=TensorKind(chunk.kind), out=out,
+        )
+        self.wire_bytes += ev.wire_size
+        if st.layer_complete(chunk.layer):
+            self._ready.append(chunk.layer)
+            if st.complete:
+                self.finished = asyncio.get_event_loop().time()
+            self._changed.set()
+        return True
+
+    def fail(self, error: KvwireError) -> None:
+        if self._error is None and not self.state.complete:
+            self._error = error
+            self._arrays.clear()  # never hand out a half-filled cache
+            self._ready.clear()
+            self._changed.set()
+
+
+class _Session:
+    """The streams of one client session and the transfers they carry."""
+
+    def __init__(self, server: Server, session_id: bytes) -> None:
+        self.server = server
+        self.session_id = session_id
+        self.streams: dict[int, StreamProtocol] = {}
+        self.transfers: dict[int, Transfer] = {}
+        self.closed = False
+
+    def grant(self, transfer: Transfer, limit: int) -> None:
+        limit = min(limit, transfer.spec.num_layers)
+        if limit <= transfer.state.layer_limit or self.closed:
+            return
+        transfer.state.layer_limit = limit
+        stream = self.any_stream()
+        if stream is not None:
+            stream.conn.send_credit_frame(transfer.transfer_id, limit)
+            stream.flush()
+
+    def any_stream(self) -> StreamProtocol | None:
+        for s in self.streams.values():
+            if s.is_open:
+                return s
+        return None
+
+    def lose(self, error: KvwireError) -> None:
+        """A stream broke: every unfinished transfer fails, the other streams close."""
+        if self.closed:
+            return
+        self.closed = True
+        for t in self.transfers.values():
+            t.fail(error)
+        for s in list(self.streams.values()):
+            if s.is_open:
+                s.abort(ErrorCode.CANCELLED, "another stream of this session was lost")
+        self.server._sessions.pop(self.session_id, None)
+
+
+class Server:
+    """A running kvwire server; use through ``async with kvwire.serve(...)``."""
+
+    def __init__(self, host: str, port: int, *, secret: bytes, ssl: _ssl.SSLContext | None, options: ServerOptions) -> None:
+        if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
+            raise UsageError("secret must be bytes of at least 8 bytes")
+        self.host = host
+        self._requested_port = port
+        self._secret = bytes(secret)
+        self._ssl = ssl
+        self.options = options
+        codecs = options.codecs or tuple(available_codecs())
+        for name in codecs:
+            if name not in available_codecs():
+                raise UsageError(f"unknown codec {name!r}")
+        self.codecs = tuple(codecs)
+        self._fingerprints = {s.fingerprint for s in options.specs}
+        self._server: asyncio.Server | None = None
+        self._sessions: dict[bytes, _Session] = {}
+        self._streams: set[StreamProtocol] = set()
+        self._arrivals: OrderedDict[int, Transfer] = OrderedDict()
+        self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
+        self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
+        self._arrival_seq = 0
+        self.port = 0
+        self.transfers_accepted = 0
+        self.transfers_refused = 0
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self._server = await loop.create_server(
+                self._make_protocol, self.host, self._requested_port, ssl=self._ssl,
+            )
+        except OSError as exc:
+            raise ConnectionLostError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from exc
+        sock = self._server.sockets[0]
+        self.port = int(sock.getsockname()[1])
+
+    def _make_protocol(self) -> StreamProtocol:
+        opts = self.options
+        cfg = ConnectionConfig(
+            secret=self._secret, codecs=self.codecs, max_frame_size=opts.max_frame_size,
+            window=opts.window, max_transfers=opts.max_transfers,
+            handshake_timeout=opts.handshake_timeout,
+        )
+        loop = asyncio.get_event_loop()
+        proto = StreamProtocol(
+            Connection(Role.SERVER, cfg, now=loop.time()), self._on_event,
+            notsent_lowat=opts.notsent_lowat,
+        )
+        self._streams.add(proto)
+        return proto
+
+    # -- public API -------------------------------------------------------------------------
+
+    async def accept(self, *, timeout: float | None = None) -> Transfer:
+        """The next incoming transfer not claimed by :meth:`expect`."""
+        if self._arrivals:
+            _, t = self._arrivals.popitem(last=False)
+            return t
+        fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
+        self._accept_waiters.append(fut)
+        return await self._wait(fut, timeout, "accept()")
+
+    async def expect(self, request_id: str, *, timeout: float | None = None) -> Transfer:
+        """The transfer for ``request_id``, whether it arrived already or arrives later."""
+        for tid, t in self._arrivals.items():
+            if t.request_id == request_id:
+                del self._arrivals[tid]
+                return t
+        fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
+        self._expect_waiters.setdefault(request_id, deque()).append(fut)
+        try:
+            return await self._wait(fut, timeout, f"expect({request_id!r})")
+        finally:
+            waiters = self._expect_waiters.get(request_id)
+            if waiters is not None:
+                if fut in waiters:
+                    waiters.remove(fut)
+                if not waiters:
+                    del self._expect_waiters[request_id]
+
+    @staticmethod
+    async def _wait(fut: asyncio.Future[Transfer], timeout: float | None, what: str) -> Transfer:
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise TransferTimeoutError(f"{what} timed out after {timeout} s") from None
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "sessions": len(self._sessions),
+            "connections": len(self._streams),
+            "transfers_accepted": self.transfers_accepted,
+            "transfers_refused": self.transfers_refused,
+            "pending_arrivals": len(self._arrivals),
+        }
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for s in list(self._streams):
+            s.abort(ErrorCode.NO_ERROR, "server closing")
+        for sess in list(self._sessions.values()):
+            sess.lose(ConnectionLostError("server closed"))
+        for fut in list(self._accept_waiters):
+            if not fut.done():
+                fut.set_exception(ConnectionLostError("server closed"))
+        for waiters in self._expect_waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_exception(ConnectionLostError("server closed"))
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except TimeoutError:
+                pass
+
+    async def __aenter__(self) -> Server:
+        await self.start()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.close()
+
+    # -- events -------------------------------------------------------------------------------
+
+    def _on_event(self, stream: StreamProtocol, ev: Event) -> None:
+        if isinstance(ev, ChunkReceived):
+            self._on_chunk(stream, ev)
+        elif isinstance(ev, ClientAuthenticated):
+            self._on_authenticated(stream, ev)
+        elif isinstance(ev, HandshakeComplete):
+            sess = self._sessions.get(ev.session_id)
+            if sess is not None:
+                sess.streams[ev.stream_index] = stream
+                stream.owner = sess
+                stream.index = ev.stream_index
+        elif isinstance(ev, TransferBegun):
+            self._on_begin(stream, ev.frame)
+        elif isinstance(ev, TransferReset):
+            sess = stream.owner
+            if sess is not None:
+                t = sess.transfers.pop(ev.transfer_id, None)
+                if t is not None:
+                    t.fail(ev.error())
+        elif isinstance(ev, ConnectionClosed):
+            self._streams.discard(stream)
+            sess = stream.owner
+            if sess is not None:
+                sess.streams.pop(stream.index, None)
+                if ev.error is not None or any(not t.complete for t in sess.transfers.values()):
+                    sess.lose(ev.error or ConnectionLostError("client connection closed mid-transfer"))
+                elif not sess.streams:
+                    self._sessions.pop(sess.session_id, None)
+
+    def _on_authenticated(self, stream: StreamProtocol, ev: ClientAuthenticated) -> None:
+        if ev.fingerprint != NO_FINGERPRINT and self._fingerprints and ev.fingerprint not in self._fingerprints:
+            stream.conn.refuse(ErrorCode.INCOMPATIBLE_SPEC, "this server does not accept that KV layout")
+            return
+        if ev.session_id == NO_SESSION:
+            if len(self._sessions) >= self.options.max_sessions:
+                stream.conn.refuse(ErrorCode.LIMIT_EXCEEDED, "server has reached max_sessions")
+                return
+            sid = secrets.token_bytes(16)
+            self._sessions[sid] = _Session(self, sid)
+        else:
+            sid = ev.session_id
+            sess = self._sessions.get(sid)
+            if sess is None or sess.closed:
+                stream.conn.refuse(ErrorCode.UNKNOWN_SESSION, "no such session")
+                return
+            if len(sess.streams) >= self.options.max_streams or ev.stream_index in sess.streams:
+                stream.conn.refuse(ErrorCode.LIMIT_EXCEEDED, "stream limit or duplicate stream index")
+                return
+        stream.conn.welcome(sid, self.codecs)
+
+    def _on_begin(self, stream: StreamProtocol, begin: Begin) -> None:
+        sess: _Session | None = stream.owner
+        if sess is None:
+            raise ProtocolError("BEGIN before the session was set up")
+        tid = begin.transfer_id
+        try:
+            if tid in sess.transfers:
+                raise KvwireError(f"transfer id {tid} is already in use", code=ErrorCode.DUPLICATE_TRANSFER)
+            active = sum(1 for t in sess.transfers.values() if not t.complete)
+            if active >= self.options.max_transfers:
+                raise LimitExceededError(f"more than {self.options.max_transfers} transfers in progress")
+            dtype = DTYPE_BY_ID.get(begin.dtype_id)
+            if dtype is None:
+                raise KvwireError(f"unknown dtype id {begin.dtype_id}", code=ErrorCode.INCOMPATIBLE_SPEC)
+            try:
+                spec = KVSpec(
+                    num_layers=begin.num_layers, num_kv_heads=begin.num_kv_heads,
+                    head_dim=begin.head_dim, dtype=dtype, model=begin.model,
+                )
+            except UsageError as exc:
+                raise KvwireError(str(exc), code=ErrorCode.INCOMPATIBLE_SPEC) from None
+            if self._fingerprints and spec.fingerprint not in self._fingerprints:
+                raise KvwireError(f"this server does not accept KV layout {spec}", code=ErrorCode.INCOMPATIBLE_SPEC)
+            try:
+                meta = json.loads(begin.meta) if begin.meta else {}
+            except ValueError:
+                raise ProtocolError("BEGIN meta is not JSON") from None
+        except KvwireError as exc:
+            self.transfers_refused += 1
+            stream.conn.send_reset(tid, exc.code, str(exc))
+            return
+        transfer = Transfer(sess, begin, spec, meta, self.options)
+        # Completed transfers the application has not taken stay until consumed; drop
+        # the bookkeeping of ones it has.
+        for old_id in [i for i, t in sess.transfers.items() if t._consumer is not None and t.complete]:
+            del sess.transfers[old_id]
+        sess.transfers[tid] = transfer
+        self.transfers_accepted += 1
+        stream.conn.send_accept(tid, transfer.state.layer_limit)
+        self._deliver(transfer)
+
+    def _deliver(self, transfer: Transfer) -> None:
+        waiters = self._expect_waiters.get(transfer.request_id)
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(transfer)
+                return
+        while self._accept_waiters:
+            fut = self._accept_waiters.popleft()
+            if not fut.done():
+                fut.set_result(transfer)
+                return
+        self._arrival_seq += 1
+        self._arrivals[self._arrival_seq] = transfer
+
+    def _on_chunk(self, stream: StreamProtocol, ev: ChunkReceived) -> None:
+        sess: _Session | None = stream.owner
+        addr = ev.chunk.address
+        transfer = sess.transfers.get(addr.transfer_id) if sess is not None else None
+        if transfer is not None and transfer._error is None:
+            try:
+                transfer.on_chunk(ev)
+            except KvwireError as exc:
+                transfer.fail(exc)
+                assert sess is not None
+                sess.transfers.pop(addr.transfer_id, None)
+                stream.conn.send_reset(addr.transfer_id, exc.code, str(exc))
+        # Chunks of a transfer that was reset are acknowledged too: the ack returns the
+        # connection credit, and the RESET already told the sender the outcome.
+        stream.conn.send_ack(addr)
+
+
+async def _open_server(host: str, port: int, *, secret: bytes, ssl: _ssl.SSLContext | None, options: ServerOptions) -> Server:
+    server = Server(host, port, secret=secret, ssl=ssl, options=options)
+    await server.start()
+    return server
+
+
+def make_server_options(spec: KVSpec | Sequence[KVSpec] | None = None, **options: Any) -> ServerOptions:
+    specs: tuple[KVSpec, ...]
+    if spec is None:
+        specs = ()
+    elif isinstance(spec, KVSpec):
+        specs = (spec,)
+    else:
+        specs = tuple(spec)
+    if "codecs" in options:
+        options["codecs"] = tuple(options["codecs"])
+    try:
+        return ServerOptions(specs=specs, **options)
+    except TypeError as exc:
+        raise UsageError(f"unknown server option: {exc}") from None
+
+
+__all__ = ["Server", "ServerOptions", "Transfer"]
