@@ -360,15 +360,16 @@ class Connection:
 
     # Client: transfers.
     def send_begin(self, begin: Begin) -> None:
-        self._require_open(Role.CLIENT)
-        self._queue(begin)
+        if self._require_open(Role.CLIENT):
+            self._queue(begin)
 
     def can_send_chunk(self, wire_size: int) -> bool:
         return self.state is State.OPEN and wire_size <= self.send_credit
 
     def send_chunk(self, chunk: Chunk, wire_size: int) -> None:
         """Queue a CHUNK (its payload is not copied).  Needs ``wire_size`` of credit."""
-        self._require_open(Role.CLIENT)
+        if not self._require_open(Role.CLIENT):
+            raise ConnectionLostError("connection is closed")
         if wire_size > self.send_credit:
             raise UsageError("send_chunk() without enough connection credit")
         body_limit = self.peer_max_frame_size
@@ -392,12 +393,13 @@ class Connection:
 
     # Server: transfers.
     def send_accept(self, transfer_id: int, layer_limit: int) -> None:
-        self._require_open(Role.SERVER)
-        self._queue(Accept(transfer_id=transfer_id, layer_limit=layer_limit))
+        if self._require_open(Role.SERVER):
+            self._queue(Accept(transfer_id=transfer_id, layer_limit=layer_limit))
 
     def send_ack(self, address: ChunkAddress) -> None:
         """Acknowledge a chunk received on this connection (verified and stored)."""
-        self._require_open(Role.SERVER)
+        if not self._require_open(Role.SERVER):
+            return
         sizes = self._received.get(address)
         if not sizes:
             raise UsageError("send_ack() for a chunk not received on this connection")
@@ -412,16 +414,21 @@ class Connection:
         )
 
     def send_credit_frame(self, transfer_id: int, layer_limit: int) -> None:
-        self._require_open(Role.SERVER)
-        self._queue(Credit(transfer_id=transfer_id, layer_limit=layer_limit))
+        if self._require_open(Role.SERVER):
+            self._queue(Credit(transfer_id=transfer_id, layer_limit=layer_limit))
 
     # -- internals ----------------------------------------------------------------------
 
-    def _require_open(self, role: Role) -> None:
+    def _require_open(self, role: Role) -> bool:
+        """True when open; False when closed (the send is dropped: a ConnectionClosed
+        event is already queued); UsageError for a connection not yet open."""
         if self.role is not role:
             raise UsageError(f"only the {role.name.lower()} side may do that")
+        if self.state is State.CLOSED:
+            return False
         if self.state is not State.OPEN:
             raise UsageError(f"connection is {self.state.name}, not OPEN")
+        return True
 
     def _queue(self, frame: Frame) -> None:
         self._out.extend(p for p in encode_frame(frame) if len(p))

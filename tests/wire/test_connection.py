@@ -1,0 +1,280 @@
+"""The connection state machine: handshake, auth, transfers, credits, the state table."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwire.errors import AuthenticationError, ErrorCode, ProtocolError, TransferTimeoutError
+from kvwire.testing.memory import MemoryPair
+from kvwire.wire import (
+    Accept,
+    Ack,
+    Auth,
+    Begin,
+    Challenge,
+    Chunk,
+    ChunkAcked,
+    ChunkReceived,
+    ClientAuthenticated,
+    Connection,
+    ConnectionClosed,
+    ConnectionConfig,
+    Credit,
+    CreditGranted,
+    GoAway,
+    HandshakeComplete,
+    Hello,
+    Ping,
+    Pong,
+    Reset,
+    Role,
+    State,
+    TransferAccepted,
+    TransferBegun,
+    Welcome,
+    chunk_frame_size,
+    frame_bytes,
+)
+from kvwire.wire.connection import TRANSITIONS
+
+BEGIN = Begin(transfer_id=1, num_layers=2, num_kv_heads=1, head_dim=4, dtype_id=1, model="",
+              request_id="r", meta=b"{}")
+
+
+def chunk(layer: int = 0, kind: int = 0, start: int = 0, n: int = 2) -> Chunk:
+    return Chunk(transfer_id=1, layer=layer, kind=kind, codec_id=0, token_start=start, token_count=n,
+                 layer_tokens=n, params=b"", payload=b"\x01" * (8 * n))
+
+
+@pytest.mark.parametrize("split", [None, 1, 7])
+def test_handshake_both_sides_open(split: int | None) -> None:
+    pair = MemoryPair.create(chunk_size=split)
+    pair.handshake()
+    assert pair.client.state is State.OPEN and pair.server.state is State.OPEN
+    assert any(isinstance(e, HandshakeComplete) for e in pair.client_events)
+    assert any(isinstance(e, HandshakeComplete) for e in pair.server_events)
+    assert pair.client.session_id == b"S" * 16
+    assert pair.client.send_credit == pair.server.config.window
+
+
+def test_wrong_secret_fails_on_both_sides_and_nothing_is_accepted() -> None:
+    pair = MemoryPair.create(b"client-secret", server_secret=b"server-secret")
+    pair.client.initiate()
+    cev, sev = pair.pump()
+    assert not any(isinstance(e, ClientAuthenticated) for e in sev)
+    [sclosed] = [e for e in sev if isinstance(e, ConnectionClosed)]
+    [cclosed] = [e for e in cev if isinstance(e, ConnectionClosed)]
+    assert isinstance(sclosed.error, AuthenticationError)
+    assert isinstance(cclosed.error, AuthenticationError)
+    assert pair.server.state is State.CLOSED and pair.client.state is State.CLOSED
+
+
+def test_server_that_does_not_know_the_secret_is_caught_by_the_client() -> None:
+    pair = MemoryPair.create(b"right-secret")
+    pair.client.initiate()
+    pair.pump()
+    # A forged server: answers with a WELCOME whose proof it cannot compute.
+    forged = Welcome(session_id=b"X" * 16, max_frame_size=1 << 22, window=1 << 25,
+                     max_transfers=1, codecs=("raw",), proof=b"\x00" * 32)
+    pair.client.receive_data(frame_bytes(forged))
+    events = []
+    while (e := pair.client.next_event()) is not None:
+        events.append(e)
+    [closed] = [e for e in events if isinstance(e, ConnectionClosed)]
+    assert isinstance(closed.error, AuthenticationError)
+
+
+def test_replayed_auth_is_refused() -> None:
+    first = MemoryPair.create()
+    first.client.initiate()
+    first.pump()
+    recorded = bytes(first.wire_to_server)  # HELLO + AUTH of a successful handshake
+    victim = Connection(Role.SERVER, ConnectionConfig(secret=b"test-secret"))
+    victim.receive_data(recorded)
+    events = []
+    while (e := victim.next_event()) is not None:
+        events.append(e)
+    assert not any(isinstance(e, ClientAuthenticated) for e in events)
+    assert isinstance(events[-1], ConnectionClosed)
+    assert isinstance(events[-1].error, AuthenticationError)
+
+
+def test_handshake_timeout() -> None:
+    conn = Connection(Role.SERVER, ConnectionConfig(secret=b"test-secret", handshake_timeout=5), now=100.0)
+    assert conn.get_timer() == 105.0
+    conn.handle_timer(104.9)
+    assert conn.state is State.SERVER_AWAIT_HELLO
+    conn.handle_timer(105.0)
+    ev = conn.next_event()
+    assert isinstance(ev, ConnectionClosed) and isinstance(ev.error, TransferTimeoutError)
+    assert conn.get_timer() is None
+
+
+def test_version_mismatch_is_refused() -> None:
+    server = Connection(Role.SERVER, ConnectionConfig(secret=b"test-secret"))
+    hello = Hello(min_version=2, max_version=3, nonce=b"n" * 32, session_id=bytes(16),
+                  stream_index=0, max_frame_size=1 << 22, codecs=("raw",), fingerprint=bytes(16))
+    server.receive_data(frame_bytes(hello))
+    ev = server.next_event()
+    assert isinstance(ev, ConnectionClosed) and ev.code == ErrorCode.UNSUPPORTED_VERSION
+
+
+def test_transfer_flow_and_credit_accounting() -> None:
+    pair = MemoryPair.create()
+    pair.handshake()
+    c, s = pair.client, pair.server
+    credit0 = c.send_credit
+    c.send_begin(BEGIN)
+    _, sev = pair.pump()
+    assert isinstance(sev[-1], TransferBegun)
+    s.send_accept(1, 1)
+    cev, _ = pair.pump()
+    assert cev[-1] == TransferAccepted(transfer_id=1, layer_limit=1)
+    ch = chunk()
+    size = chunk_frame_size(0, len(ch.payload))
+    c.send_chunk(ch, size)
+    assert c.send_credit == credit0 - size
+    _, sev = pair.pump()
+    [rec] = [e for e in sev if isinstance(e, ChunkReceived)]
+    assert rec.wire_size == size and bytes(rec.chunk.payload) == bytes(ch.payload)
+    assert s.recv_unacked == size
+    s.send_ack(rec.chunk.address)
+    s.send_credit_frame(1, 2)
+    cev, _ = pair.pump()
+    assert ChunkAcked(address=ch.address, wire_size=size) in cev
+    assert CreditGranted(transfer_id=1, layer_limit=2) in cev
+    assert c.send_credit == credit0 and s.recv_unacked == 0
+
+
+def test_sending_beyond_credit_is_a_flow_control_error() -> None:
+    pair = MemoryPair.create(server_config=ConnectionConfig(secret=b"test-secret", window=1 << 16, max_frame_size=1 << 16))
+    pair.handshake()
+    # A client that ignores its credit: write frames directly.
+    big = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                layer_tokens=1, params=b"", payload=b"x" * 40000)
+    pair.server.receive_data(frame_bytes(big) + frame_bytes(big))
+    events = []
+    while (e := pair.server.next_event()) is not None:
+        events.append(e)
+    assert isinstance(events[-1], ConnectionClosed)
+    assert events[-1].code == ErrorCode.FLOW_CONTROL_ERROR
+
+
+def test_ack_for_unknown_chunk_is_a_protocol_error() -> None:
+    pair = MemoryPair.create()
+    pair.handshake()
+    pair.client.receive_data(frame_bytes(Ack(transfer_id=9, layer=0, kind=0, token_start=0)))
+    events = []
+    while (e := pair.client.next_event()) is not None:
+        events.append(e)
+    assert isinstance(events[-1], ConnectionClosed)
+    assert events[-1].code == ErrorCode.PROTOCOL_ERROR
+
+
+def test_goaway_carries_the_typed_error() -> None:
+    pair = MemoryPair.create()
+    pair.handshake()
+    pair.server.close(ErrorCode.LIMIT_EXCEEDED, "too many")
+    cev, _ = pair.pump()
+    closed = cev[-1]
+    assert isinstance(closed, ConnectionClosed) and closed.by_peer
+    assert closed.code == ErrorCode.LIMIT_EXCEEDED and "too many" in closed.message
+
+
+ALL_FRAMES = [
+    Hello(min_version=1, max_version=1, nonce=b"n" * 32, session_id=bytes(16), stream_index=0,
+          max_frame_size=1 << 22, codecs=("raw",), fingerprint=bytes(16)),
+    Challenge(version=1, nonce=b"c" * 32),
+    Auth(proof=b"p" * 32),
+    Welcome(session_id=b"s" * 16, max_frame_size=1 << 22, window=1 << 25, max_transfers=1,
+            codecs=("raw",), proof=b"w" * 32),
+    BEGIN, Accept(transfer_id=1, layer_limit=1), chunk(), Ack(transfer_id=1, layer=0, kind=0, token_start=0),
+    Credit(transfer_id=1, layer_limit=1), Reset(transfer_id=1, code=1, message=""), Ping(opaque=1),
+    Pong(opaque=1),
+]
+
+
+def _connection_in(state: State) -> Connection:
+    pair = MemoryPair.create()
+    if state is State.CLIENT_IDLE:
+        return pair.client
+    if state is State.SERVER_AWAIT_HELLO:
+        return pair.server
+    pair.client.initiate()
+    if state is State.CLIENT_HELLO_SENT:
+        return pair.client
+    pair._move(pair.client, pair.server, True)
+    if state is State.SERVER_CHALLENGE_SENT:
+        return pair.server
+    pair._move(pair.server, pair.client, False)
+    if state is State.CLIENT_AUTH_SENT:
+        return pair.client
+    pair._move(pair.client, pair.server, True)
+    if state is State.SERVER_AUTHENTICATED:
+        return pair.server
+    raise AssertionError(state)
+
+
+@pytest.mark.parametrize("state", [s for s in State if s not in (State.OPEN, State.CLOSED)])
+@pytest.mark.parametrize("frame", ALL_FRAMES, ids=lambda f: type(f).__name__)
+def test_every_frame_not_in_the_table_is_a_protocol_error(state: State, frame: object) -> None:
+    conn = _connection_in(state)
+    assert conn.state is state
+    while conn.next_event() is not None:
+        pass
+    conn.receive_data(frame_bytes(frame))  # type: ignore[arg-type]
+    events = []
+    while (e := conn.next_event()) is not None:
+        events.append(e)
+    if (state, type(frame)) in TRANSITIONS:
+        return  # a legal input: covered by the handshake tests
+    assert conn.state is State.CLOSED
+    closed = events[-1]
+    assert isinstance(closed, ConnectionClosed)
+    assert isinstance(closed.error, ProtocolError | AuthenticationError)
+
+
+@pytest.mark.parametrize("role", [Role.CLIENT, Role.SERVER])
+@pytest.mark.parametrize("frame", ALL_FRAMES, ids=lambda f: type(f).__name__)
+def test_open_state_accepts_only_the_peer_roles_frames(role: Role, frame: object) -> None:
+    pair = MemoryPair.create()
+    pair.handshake()
+    conn = pair.client if role is Role.CLIENT else pair.server
+    if role is Role.SERVER and isinstance(frame, Chunk):
+        pass
+    conn.receive_data(frame_bytes(frame))  # type: ignore[arg-type]
+    events = []
+    while (e := conn.next_event()) is not None:
+        events.append(e)
+    client_sends = (Begin, Chunk)
+    server_sends = (Accept, Credit)
+    both = (Reset, Ping, Pong)
+    legal = isinstance(frame, both) or (
+        role is Role.SERVER and isinstance(frame, client_sends)
+    ) or (role is Role.CLIENT and isinstance(frame, server_sends))
+    if legal:
+        assert conn.state is State.OPEN, events
+    else:
+        assert conn.state is State.CLOSED
+        assert isinstance(events[-1], ConnectionClosed)
+
+
+def test_eof_mid_handshake_is_connection_lost() -> None:
+    from kvwire.errors import ConnectionLostError
+
+    pair = MemoryPair.create()
+    pair.client.initiate()
+    pair.pump()
+    pair.client.receive_data(b"")
+    ev = [e for e in pair.client_events + [pair.client.next_event()] if isinstance(e, ConnectionClosed)]
+    assert isinstance(ev[-1].error, ConnectionLostError)
+
+
+def test_goaway_frame_from_unauthenticated_peer_reveals_nothing() -> None:
+    server = Connection(Role.SERVER, ConnectionConfig(secret=b"test-secret"))
+    server.receive_data(b"GET / HTTP/1.1\r\n\r\n")
+    out = b"".join(bytes(p) for p in server.data_to_send())
+    from kvwire.wire import FrameDecoder
+
+    [(goaway, _)] = FrameDecoder(1 << 16).feed(out)
+    assert isinstance(goaway, GoAway) and goaway.message == ""

@@ -1,0 +1,192 @@
+"""Literal-bytes round trips of every frame, and the decoder fed in every split."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.errors import FrameTooLargeError, IntegrityError, ProtocolError
+from kvwire.wire import (
+    Accept,
+    Ack,
+    Auth,
+    Begin,
+    BlockVersion,
+    Challenge,
+    Chunk,
+    Credit,
+    FrameDecoder,
+    GoAway,
+    Hello,
+    Ping,
+    Pong,
+    Reset,
+    UnknownFrame,
+    Welcome,
+    frame_bytes,
+)
+from kvwire.wire.frames import HEADER, MAGIC
+
+SAMPLES = [
+    Hello(min_version=1, max_version=1, nonce=bytes(range(32)), session_id=bytes(16), stream_index=3,
+          max_frame_size=1 << 22, codecs=("raw", "fp8"), fingerprint=b"F" * 16),
+    Challenge(version=1, nonce=b"\x01" * 32),
+    Auth(proof=b"\x02" * 32),
+    Welcome(session_id=b"S" * 16, max_frame_size=1 << 22, window=1 << 25, max_transfers=64,
+            codecs=("raw",), proof=b"\x03" * 32),
+    Begin(transfer_id=7, num_layers=32, num_kv_heads=8, head_dim=128, dtype_id=1, model="llama",
+          request_id="req-1", meta=b'{"a":1}', blocks=(BlockVersion(block=b"i12", version=3),)),
+    Accept(transfer_id=7, layer_limit=8),
+    Chunk(transfer_id=7, layer=2, kind=1, codec_id=0, token_start=512, token_count=256,
+          layer_tokens=1024, params=b"pp", payload=b"\xaa" * 100),
+    Ack(transfer_id=7, layer=2, kind=1, token_start=512),
+    Credit(transfer_id=7, layer_limit=16),
+    Reset(transfer_id=7, code=9, message="stale"),
+    Ping(opaque=42),
+    Pong(opaque=42),
+    GoAway(code=4, message="authentication failed"),
+]
+
+
+def _normalise(frame: object) -> object:
+    if isinstance(frame, Chunk):
+        return (frame.address, frame.codec_id, frame.token_count, frame.layer_tokens, frame.params, bytes(frame.payload))
+    return frame
+
+
+def test_literal_ack_bytes() -> None:
+    # type 0x13, flags 0, reserved 0, length 16; then the body and CRC32C(header+body)
+    raw = frame_bytes(Ack(transfer_id=1, layer=2, kind=1, token_start=3))
+    assert raw[:8] == bytes.fromhex("1300000000000010")
+    assert raw[8:24] == bytes.fromhex("0000000000000001" "0002" "01" "00" "00000003")
+    import crc32c
+
+    assert raw[24:] == crc32c.crc32c(raw[:24]).to_bytes(4, "big")
+
+
+def test_literal_hello_starts_with_magic() -> None:
+    raw = frame_bytes(SAMPLES[0])
+    assert raw[0] == 0x01 and raw[8:16] == MAGIC
+
+
+@pytest.mark.parametrize("frame", SAMPLES, ids=lambda f: type(f).__name__)
+def test_round_trip_whole_and_bytewise(frame: object) -> None:
+    raw = frame_bytes(frame)  # type: ignore[arg-type]
+    dec = FrameDecoder(1 << 20)
+    [(got, size)] = dec.feed(raw)
+    assert size == len(raw)
+    assert _normalise(got) == _normalise(frame)
+    dec2 = FrameDecoder(1 << 20)
+    out = []
+    for i in range(len(raw)):
+        out += dec2.feed(raw[i : i + 1])
+    assert [_normalise(f) for f, _ in out] == [_normalise(frame)]
+    # trailing data stays buffered for the next frame
+    dec3 = FrameDecoder(1 << 20)
+    assert len(dec3.feed(raw + raw[:5])) == 1
+    assert dec3.buffered == 5
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_split_yields_the_same_frames(data: st.DataObject) -> None:
+    frames = data.draw(st.lists(st.sampled_from(SAMPLES), min_size=1, max_size=8))
+    big = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                layer_tokens=1, params=b"", payload=bytes(range(256)) * 600)
+    if data.draw(st.booleans()):
+        frames.append(big)
+    stream = b"".join(frame_bytes(f) for f in frames)  # type: ignore[arg-type]
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=20)))
+    dec = FrameDecoder(1 << 20, big_body=1024)
+    got = []
+    prev = 0
+    for c in [*cuts, len(stream)]:
+        got += dec.feed(stream[prev:c])
+        prev = c
+    assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
+    assert dec.buffered == 0
+
+
+def test_huge_length_refused_before_buffering() -> None:
+    dec = FrameDecoder(1 << 20)
+    with pytest.raises(FrameTooLargeError):
+        dec.feed(HEADER.pack(0x12, 0, 0, 0xFFFFFFFF))
+    assert dec.buffered <= 8
+
+
+def test_every_single_bit_flip_is_caught() -> None:
+    raw = bytearray(frame_bytes(SAMPLES[6]))
+    for bit in range(len(raw) * 8):
+        flipped = bytearray(raw)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        dec = FrameDecoder(1 << 20)
+        try:
+            frames = dec.feed(bytes(flipped))
+        except ProtocolError:
+            continue
+        # A flip in the length field can make the decoder wait for more bytes: never a
+        # silently different frame.
+        assert frames == [], f"bit {bit} flipped and a frame was still delivered"
+
+
+def test_crc_error_is_an_integrity_error() -> None:
+    raw = bytearray(frame_bytes(SAMPLES[7]))
+    raw[10] ^= 0x40
+    with pytest.raises(IntegrityError):
+        FrameDecoder(1 << 20).feed(bytes(raw))
+
+
+def test_unknown_frame_type_is_an_event_not_a_crash() -> None:
+    import crc32c
+
+    body = b"hello"
+    header = HEADER.pack(0x7E, 0, 0, len(body))
+    raw = header + body + crc32c.crc32c(header + body).to_bytes(4, "big")
+    [(frame, _)] = FrameDecoder(1024).feed(raw)
+    assert frame == UnknownFrame(type=0x7E, flags=0, body=b"hello")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_random_bytes_raise_only_protocol_error(blob: bytes) -> None:
+    dec = FrameDecoder(4096)
+    try:
+        dec.feed(blob)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_random_bodies_with_valid_crc_raise_only_protocol_error(frame: object, data: st.DataObject) -> None:
+    import crc32c
+
+    raw = frame_bytes(frame)  # type: ignore[arg-type]
+    body = bytearray(raw[8:-4])
+    for _ in range(data.draw(st.integers(1, 4))):
+        if body:
+            body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+    body = body[: data.draw(st.integers(0, len(body)))]
+    header = HEADER.pack(raw[0], 0, 0, len(body))
+    crc = crc32c.crc32c(bytes(body), crc32c.crc32c(header))
+    try:
+        FrameDecoder(1 << 20).feed(header + bytes(body) + crc.to_bytes(4, "big"))
+    except ProtocolError:
+        pass
+
+
+def test_random_streams_of_valid_frames() -> None:
+    rng = random.Random(5)
+    frames = [rng.choice(SAMPLES) for _ in range(200)]
+    stream = b"".join(frame_bytes(f) for f in frames)  # type: ignore[arg-type]
+    dec = FrameDecoder(1 << 20)
+    got = []
+    pos = 0
+    while pos < len(stream):
+        n = rng.randint(1, 300)
+        got += dec.feed(stream[pos : pos + n])
+        pos += n
+    assert len(got) == 200
