@@ -29,6 +29,7 @@ class ErrorCode(IntEnum):
     INTERNAL_ERROR = 0x000D
     UNKNOWN_SESSION = 0x000E
     DUPLICATE_TRANSFER = 0x000F
+    SESSION_LOST = 0x0010
 
 
 class KvwireError(Exception):
@@ -124,6 +125,7 @@ _BY_CODE: dict[ErrorCode, type[KvwireError]] = {
     ErrorCode.INTERNAL_ERROR: KvwireError,
     ErrorCode.UNKNOWN_SESSION: ConnectionLostError,
     ErrorCode.DUPLICATE_TRANSFER: UsageError,
+    ErrorCode.SESSION_LOST: ConnectionLostError,
 }
 
 

@@ -6,7 +6,7 @@ import asyncio
 import itertools
 import json
 import ssl as _ssl
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -94,6 +94,7 @@ class _Outgoing:
         self.accepted: asyncio.Future[None] = loop.create_future()
         self.done: asyncio.Future[None] = loop.create_future()
         self.credit = asyncio.Event()
+        self.failed = asyncio.Event()
         self.layer_acked: dict[int, int] = {}  # layer -> chunks not yet acked
         self.first_layer_at: float | None = None
         self.error: KvwireError | None = None
@@ -106,6 +107,7 @@ class _Outgoing:
                 fut.set_exception(error)
                 fut.exception()  # retrieved: a failure nobody awaits is not "never retrieved"
         self.credit.set()
+        self.failed.set()
 
 
 class Peer:
@@ -268,7 +270,12 @@ class Peer:
             index = -1
             tokens: int | None = None
             bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
-            async for k_raw, v_raw in iterate_layers(layers):
+            producer = iterate_layers(layers)
+            while True:
+                item = await _next_or_fail(producer, out)
+                if item is None:
+                    break
+                k_raw, v_raw = item
                 index += 1
                 if index >= spec.num_layers:
                     raise UsageError(f"layers yielded more than spec.num_layers={spec.num_layers}")
@@ -453,7 +460,28 @@ class Peer:
             self._capacity.set()
             for s in self.streams:
                 if s is not stream and s.is_open:
-                    s.abort(ErrorCode.CANCELLED, "another stream of this session was lost")
+                    s.abort(ErrorCode.SESSION_LOST, "another stream of this session was lost")
+
+
+async def _next_or_fail(producer: AsyncIterator[tuple[Any, Any]], out: _Outgoing) -> tuple[Any, Any] | None:
+    """The producer's next layer, or the transfer's error if it fails first (a producer
+    waiting on something must not keep a dead transfer's ``send()`` alive)."""
+    if out.error is not None:
+        raise out.error
+    nxt = asyncio.ensure_future(producer.__anext__())
+    failed = asyncio.ensure_future(out.failed.wait())
+    try:
+        await asyncio.wait({nxt, failed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        failed.cancel()
+    if nxt.done():
+        try:
+            return nxt.result()
+        except StopAsyncIteration:
+            return None
+    nxt.cancel()
+    assert out.error is not None
+    raise out.error
 
 
 def _block_key(block: Any) -> bytes:

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Self
 
-from kvwire.consistency.blocks import BlockId
+from kvwire.consistency.blocks import BlockId, BlockLike
 from kvwire.consistency.core import Lease, RegistryCore, VersionedBlock
 from kvwire.consistency.errors import NotificationsLostError
 from kvwire.consistency.registry import DEFAULT_TTL
@@ -116,7 +116,7 @@ class MemoryRegistry:
                 watcher._push(item)
 
     async def begin(
-        self, blocks: Iterable[BlockId], *, owner: str, ttl: float = DEFAULT_TTL
+        self, blocks: Iterable[BlockLike], *, owner: str, ttl: float = DEFAULT_TTL
     ) -> Lease:
         return self.core.begin(blocks, owner=owner, ttl=ttl, now=self._now())
 
@@ -132,29 +132,29 @@ class MemoryRegistry:
     async def release(self, lease: Lease) -> None:
         self.core.release(lease, now=self._now())
 
-    async def lookup(self, blocks: Iterable[BlockId]) -> list[VersionedBlock]:
+    async def lookup(self, blocks: Iterable[BlockLike]) -> list[VersionedBlock]:
         self._now()
         return self.core.lookup(blocks)
 
-    async def invalidate(self, block: BlockId) -> int:
+    async def invalidate(self, block: BlockLike) -> int:
         return (await self.invalidate_many([block]))[0][1]
 
-    async def invalidate_many(self, blocks: Iterable[BlockId]) -> list[VersionedBlock]:
+    async def invalidate_many(self, blocks: Iterable[BlockLike]) -> list[VersionedBlock]:
         self._now()
         try:
             return self.core.invalidate_many(blocks)
         finally:
             self._notify()
 
-    async def check(self, block: BlockId, version: int) -> None:
+    async def check(self, block: BlockLike, version: int) -> None:
         self._now()
         self.core.check(block, version)
 
-    async def check_many(self, pairs: Iterable[tuple[BlockId, int]]) -> list[BlockId]:
+    async def check_many(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         self._now()
         return self.core.stale(pairs)
 
-    async def publish(self, pairs: Iterable[tuple[BlockId, int]]) -> list[BlockId]:
+    async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         self._now()
         try:
             return self.core.publish(pairs)

@@ -9,6 +9,7 @@ leaves the outcome unknown; the caller decides (e.g. re-``begin``, which is safe
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from collections.abc import Awaitable, Iterable, Sequence
@@ -16,7 +17,7 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from kvwire.consistency import redis_layout as lua
-from kvwire.consistency.blocks import BlockId, block_from_key, block_key, unique_keys
+from kvwire.consistency.blocks import BlockId, BlockLike, block_from_key, block_key, unique_keys
 from kvwire.consistency.core import (
     Lease,
     VersionedBlock,
@@ -51,6 +52,9 @@ T = TypeVar("T")
 # TIME, the key's own expiry only reclaims memory.
 _LEASE_GRACE_MS = 1000
 
+# How often a waiting watcher looks at its closed flag (seconds).
+_POLL_S = 0.2
+
 
 async def _guard(what: str, awaitable: Awaitable[T]) -> T:
     try:
@@ -79,6 +83,7 @@ class RedisWatcher:
     def __init__(self, registry: RedisRegistry) -> None:
         self._registry = registry
         self._pubsub: PubSub | None = None
+        self._reading: asyncio.Event | None = None
         self._closed = False
 
     async def _subscribe(self) -> PubSub:
@@ -125,25 +130,36 @@ class RedisWatcher:
 
     async def __anext__(self) -> VersionedBlock:
         pubsub = await self._subscribe()
-        while True:
-            if self._closed:
-                raise StopAsyncIteration
-            try:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=None)
-            except (RedisError, OSError) as exc:
-                if self._closed:
-                    raise StopAsyncIteration from None
-                raise NotificationsLostError(
-                    f"redis registry: notification channel lost: {exc}"
-                ) from exc
-            if msg is None or msg.get("type") != "message":
-                continue
-            version, _, key = _decode(msg["data"]).partition(" ")
-            return block_from_key(key), int(version)
+        self._reading = asyncio.Event()
+        try:
+            while not self._closed:
+                try:
+                    # A bounded wait, so aclose() from another task never has to tear the
+                    # connection down under a pending read; it waits for this loop instead.
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
+                except (RedisError, OSError) as exc:
+                    if self._closed:
+                        break
+                    raise NotificationsLostError(
+                        f"redis registry: notification channel lost: {exc}"
+                    ) from exc
+                if msg is not None and msg.get("type") == "message":
+                    version, _, key = _decode(msg["data"]).partition(" ")
+                    return block_from_key(key), int(version)
+        finally:
+            reading, self._reading = self._reading, None
+            reading.set()
+        await self._close_pubsub()
+        raise StopAsyncIteration
 
     async def aclose(self) -> None:
         self._closed = True
         self._registry._watchers.discard(self)
+        if self._reading is not None:
+            await self._reading.wait()
+        await self._close_pubsub()
+
+    async def _close_pubsub(self) -> None:
         pubsub, self._pubsub = self._pubsub, None
         if pubsub is not None:
             # The connection is being thrown away; a failure to close it changes nothing.
@@ -210,7 +226,7 @@ class RedisRegistry:
             raise UsageError("the registry is closed")
 
     async def begin(
-        self, blocks: Iterable[BlockId], *, owner: str, ttl: float = DEFAULT_TTL
+        self, blocks: Iterable[BlockLike], *, owner: str, ttl: float = DEFAULT_TTL
     ) -> Lease:
         self._live()
         ttl = check_ttl(ttl)
@@ -318,7 +334,7 @@ class RedisRegistry:
             replies = await _guard("read", pipe.execute())
         return [(int(v) if v is not None else 0, c == b"1") for v, c in replies]
 
-    async def lookup(self, blocks: Iterable[BlockId]) -> list[VersionedBlock]:
+    async def lookup(self, blocks: Iterable[BlockLike]) -> list[VersionedBlock]:
         self._live()
         if isinstance(blocks, str | bytes | bytearray | memoryview):
             raise UsageError("pass a list of block ids, not a single id")
@@ -330,10 +346,10 @@ class RedisRegistry:
             out.append((block_from_key(key), version))
         return out
 
-    async def invalidate(self, block: BlockId) -> int:
+    async def invalidate(self, block: BlockLike) -> int:
         return (await self.invalidate_many([block]))[0][1]
 
-    async def invalidate_many(self, blocks: Iterable[BlockId]) -> list[VersionedBlock]:
+    async def invalidate_many(self, blocks: Iterable[BlockLike]) -> list[VersionedBlock]:
         self._live()
         keys = unique_keys(blocks)
         if not keys:
@@ -347,14 +363,14 @@ class RedisRegistry:
         )
         return [(block_from_key(k), int(v)) for k, v in zip(keys, reply, strict=True)]
 
-    async def check(self, block: BlockId, version: int) -> None:
+    async def check(self, block: BlockLike, version: int) -> None:
         self._live()
         pairs = pairs_keys([(block, version)])
         [(current, complete)] = await self._read([pairs[0][0]])
         if not (complete and current == pairs[0][1]):
             raise explain_stale(block, version, current, complete)
 
-    async def check_many(self, pairs: Iterable[tuple[BlockId, int]]) -> list[BlockId]:
+    async def check_many(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         self._live()
         items = pairs_keys(pairs)
         states = await self._read([k for k, _ in items])
@@ -364,7 +380,7 @@ class RedisRegistry:
             if not (complete and current == version)
         ]
 
-    async def publish(self, pairs: Iterable[tuple[BlockId, int]]) -> list[BlockId]:
+    async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         self._live()
         items = pairs_keys(pairs)
         if not items:

@@ -55,10 +55,11 @@ class ServerOptions:
     """Connection credit: CHUNK bytes a client may have unacknowledged on one stream."""
     max_transfers: int = 64
     """Transfers in progress per session (more are refused with LIMIT_EXCEEDED)."""
-    transfer_window_layers: int = 8
-    """Complete layers buffered per transfer before the application takes them."""
-    max_tokens: int = 1 << 20
-    """Largest token count per layer accepted."""
+    transfer_buffer_bytes: int = 256 * 1024 * 1024
+    """Bytes of received layers buffered per transfer before the application takes
+    them (at least one layer is always granted, so a transfer can always progress)."""
+    max_tokens: int = 256 * 1024
+    """Largest token count per layer accepted (bounds one layer's allocation)."""
     max_sessions: int = 256
     """Concurrent client sessions (peers)."""
     max_streams: int = 64
@@ -87,10 +88,12 @@ class Transfer:
         self.spec = spec
         self.meta = meta
         self.blocks = [(bv.block, bv.version) for bv in begin.blocks]
-        self._window = opts.transfer_window_layers
+        self._buffer_bytes = opts.transfer_buffer_bytes
+        # One layer until the first chunk tells the layer size; then as many as the
+        # buffer budget holds (see on_chunk).
+        self._window = 1
         self.state = IncomingTransfer(
-            begin.transfer_id, spec.num_layers,
-            layer_limit=min(spec.num_layers, self._window), max_tokens=opts.max_tokens,
+            begin.transfer_id, spec.num_layers, layer_limit=1, max_tokens=opts.max_tokens,
         )
         self._dtype = numpy_dtype(spec.dtype)
         self._arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -153,10 +156,15 @@ class Transfer:
         """Verify and store a chunk; True when it was new.  Raises KvwireError to reset."""
         chunk = ev.chunk
         st = self.state
+        first = st.layer_tokens is None
         st.check(chunk)
         codec = codec_by_id(chunk.codec_id)
         if st.add(chunk) is ChunkVerdict.DUPLICATE:
             return False
+        if first:
+            layer_bytes = 2 * chunk.layer_tokens * self.spec.num_kv_heads * self.spec.head_dim * self.spec.itemsize
+            self._window = max(1, self._buffer_bytes // max(1, layer_bytes))
+            self._session.grant(self, self._yielded + self._window)
         arrays = self._arrays.get(chunk.layer)
         if arrays is None:
             shape = (chunk.layer_tokens, self.spec.num_kv_heads, self.spec.head_dim)
@@ -218,7 +226,7 @@ class _Session:
             t.fail(error)
         for s in list(self.streams.values()):
             if s.is_open:
-                s.abort(ErrorCode.CANCELLED, "another stream of this session was lost")
+                s.abort(ErrorCode.SESSION_LOST, "another stream of this session was lost")
         self.server._sessions.pop(self.session_id, None)
 
 

@@ -114,7 +114,8 @@ def numpy_dtype(name: str) -> np.dtype[Any]:
     if name == "bfloat16":
         import ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        bf16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+        return bf16
     if name in ("float16", "float32"):
         return np.dtype(name)
     raise UsageError(f"unsupported dtype {name!r}")

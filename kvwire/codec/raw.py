@@ -17,7 +17,7 @@ class RawCodec(Codec):
 
     def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
         arr = np.ascontiguousarray(x)
-        return EncodedChunk(self.codec_id, b"", memoryview(arr.reshape(-1).view(np.uint8)))
+        return EncodedChunk(self.codec_id, b"", arr.reshape(-1).view(np.uint8).data)
 
     def decode(
         self,

@@ -1,0 +1,461 @@
+"""The TCP proxy pump shared by the link emulator and the fault-injecting proxy.
+
+Each accepted connection is paired with a fresh connection to the target. Each
+direction is a :class:`Pipe`: bytes read from one side go through a policy that returns
+timed actions (write these bytes at time t, half-close, close, reset); the pipe performs
+them in order when their time comes. Memory is bounded: a pipe holding more than its
+high-water mark pauses reading from its source, and stops writing while its destination
+is paused, so a slow side pushes back on the fast one through TCP instead of piling up
+here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import socket
+import struct
+from collections import deque
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Protocol, cast
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "DirectionPolicy",
+    "PassThrough",
+    "Pipe",
+    "PipeStatistics",
+    "ProxyConnection",
+    "TcpProxy",
+]
+
+_READ_SIZE = 1024 * 1024
+
+
+class ActionKind(Enum):
+    DATA = "data"
+    EOF = "eof"
+    """Half-close towards the destination once everything before it was written."""
+    CLOSE = "close"
+    """Flush to the destination, then close the whole connection (FIN both ways)."""
+    RESET = "reset"
+    """Flush to the destination, then close the whole connection with a TCP reset."""
+
+
+@dataclass(slots=True)
+class Action:
+    at: float
+    kind: ActionKind
+    data: bytes = b""
+
+
+class DirectionPolicy(Protocol):
+    """Turns bytes read from a source into timed actions towards the destination."""
+
+    def feed(self, data: bytes, now: float) -> Iterable[Action]: ...
+
+    def feed_eof(self, now: float) -> Iterable[Action]: ...
+
+
+class PassThrough:
+    """Forward everything at once."""
+
+    def feed(self, data: bytes, now: float) -> Iterable[Action]:
+        return (Action(now, ActionKind.DATA, data),)
+
+    def feed_eof(self, now: float) -> Iterable[Action]:
+        return (Action(now, ActionKind.EOF),)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipeStatistics:
+    bytes_in: int
+    bytes_out: int
+    queued_bytes: int
+    reading_paused: bool
+    writing_paused: bool
+
+
+class _Side(asyncio.BufferedProtocol):
+    """One socket of a proxied connection; reads feed the pipe leaving this side."""
+
+    def __init__(self, conn: ProxyConnection, name: str) -> None:
+        self.conn = conn
+        self.name = name
+        self.transport: asyncio.Transport | None = None
+        self.outgoing: Pipe | None = None
+        self.incoming: Pipe | None = None
+        self._buffer = bytearray(_READ_SIZE)
+        self._view = memoryview(self._buffer)
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.conn._side_made(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._view
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.outgoing is not None:
+            self.outgoing.feed(bytes(self._view[:nbytes]))
+
+    def eof_received(self) -> bool:
+        if self.outgoing is not None:
+            self.outgoing.feed_eof()
+        return True
+
+    def pause_writing(self) -> None:
+        if self.incoming is not None:
+            self.incoming.set_writing_paused(True)
+
+    def resume_writing(self) -> None:
+        if self.incoming is not None:
+            self.incoming.set_writing_paused(False)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.conn._side_lost(self, exc)
+
+
+class Pipe:
+    """One direction of a proxied connection."""
+
+    def __init__(
+        self,
+        conn: ProxyConnection,
+        src: _Side,
+        dst: _Side,
+        policy: DirectionPolicy,
+        *,
+        high_water: int,
+    ) -> None:
+        self._conn = conn
+        self._src = src
+        self._dst = dst
+        self.policy = policy
+        self._loop = asyncio.get_running_loop()
+        self._queue: deque[Action] = deque()
+        self._queued_bytes = 0
+        self._high = max(high_water, 1)
+        self._low = self._high // 2
+        self._reading_paused = False
+        self._writing_paused = False
+        self._last_at = -math.inf
+        self._hold_until = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._closed = False
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.eof_sent = False
+
+    def statistics(self) -> PipeStatistics:
+        return PipeStatistics(
+            bytes_in=self.bytes_in,
+            bytes_out=self.bytes_out,
+            queued_bytes=self._queued_bytes,
+            reading_paused=self._reading_paused,
+            writing_paused=self._writing_paused,
+        )
+
+    # -- inputs -----------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> None:
+        if self._closed:
+            return
+        self.bytes_in += len(data)
+        self._push(self.policy.feed(data, self._loop.time()))
+
+    def feed_eof(self) -> None:
+        if self._closed:
+            return
+        self._push(self.policy.feed_eof(self._loop.time()))
+
+    def push(self, actions: Iterable[Action]) -> None:
+        """Queue actions that did not come from the source (runtime faults)."""
+        if not self._closed:
+            self._push(actions)
+
+    def _push(self, actions: Iterable[Action]) -> None:
+        for action in actions:
+            # A byte stream cannot be reordered: nothing overtakes what was queued first.
+            action.at = max(action.at, self._last_at)
+            self._last_at = action.at
+            self._queue.append(action)
+            self._queued_bytes += len(action.data)
+        if self._queued_bytes > self._high and not self._reading_paused:
+            self._reading_paused = True
+            self._pause_source(True)
+        self._kick()
+
+    def set_writing_paused(self, paused: bool) -> None:
+        self._writing_paused = paused
+        if not paused:
+            self._kick()
+
+    def hold(self, until: float) -> None:
+        """Stop writing until ``until`` (``math.inf``: until :meth:`release`)."""
+        self._hold_until = until
+        self._kick()
+
+    def release(self) -> None:
+        """End a hold and release anything a policy held back indefinitely."""
+        now = self._loop.time()
+        self._hold_until = 0.0
+        for action in self._queue:
+            if math.isinf(action.at):
+                action.at = now
+        if math.isinf(self._last_at):
+            self._last_at = now
+        self._kick()
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.clear()
+        self._queued_bytes = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- the pump ---------------------------------------------------------------------
+
+    def _pause_source(self, paused: bool) -> None:
+        transport = self._src.transport
+        if transport is None or transport.is_closing():
+            return
+        if paused:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = math.inf
+        self._kick()
+
+    def _kick(self) -> None:
+        if self._closed or self._writing_paused:
+            return
+        dst = self._dst.transport
+        if dst is None:
+            return
+        now = self._loop.time()
+        queue = self._queue
+        while queue and not self._writing_paused and not self._closed:
+            head = queue[0]
+            due = max(head.at, self._hold_until)
+            if due > now:
+                self._arm(due)
+                break
+            queue.popleft()
+            if head.kind is ActionKind.DATA:
+                self._queued_bytes -= len(head.data)
+                self.bytes_out += len(head.data)
+                dst.write(head.data)
+            elif head.kind is ActionKind.EOF:
+                self.eof_sent = True
+                if dst.can_write_eof() and not dst.is_closing():
+                    dst.write_eof()
+                self._conn._eof_sent()
+            else:
+                self._conn._terminate(self._dst, reset=head.kind is ActionKind.RESET)
+                return
+        if self._reading_paused and self._queued_bytes <= self._low:
+            self._reading_paused = False
+            self._pause_source(False)
+
+    def _arm(self, due: float) -> None:
+        if math.isinf(due) or due >= self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = due
+        self._timer = self._loop.call_at(due, self._on_timer)
+
+
+PolicyFactory = Callable[["ProxyConnection"], tuple[DirectionPolicy, DirectionPolicy]]
+
+
+class ProxyConnection:
+    """One accepted connection and its companion connection to the target."""
+
+    def __init__(self, proxy: TcpProxy, index: int) -> None:
+        self.proxy = proxy
+        self.index = index
+        self.client = _Side(self, "client")
+        self.upstream = _Side(self, "upstream")
+        self.forward: Pipe | None = None
+        """Client to target."""
+        self.backward: Pipe | None = None
+        """Target to client."""
+        self.closed = asyncio.get_running_loop().create_future()
+        self._eofs = 0
+
+    # -- lifecycle, called by the sides and pipes --------------------------------------
+
+    def _side_made(self, side: _Side) -> None:
+        if side is self.client:
+            assert side.transport is not None
+            # Nothing may be read before the target is connected and the pipes exist.
+            side.transport.pause_reading()
+            self.proxy._spawn(self._connect_upstream())
+        else:
+            self._wire()
+
+    async def _connect_upstream(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.create_connection(
+                lambda: self.upstream, self.proxy.target_host, self.proxy.target_port
+            )
+        except OSError:
+            self._terminate(None, reset=True)
+
+    def _wire(self) -> None:
+        fwd_policy, back_policy = self.proxy._policies(self)
+        high = self.proxy.high_water
+        self.forward = Pipe(self, self.client, self.upstream, fwd_policy, high_water=high)
+        self.backward = Pipe(self, self.upstream, self.client, back_policy, high_water=high)
+        self.client.outgoing = self.forward
+        self.client.incoming = self.backward
+        self.upstream.outgoing = self.backward
+        self.upstream.incoming = self.forward
+        assert self.client.transport is not None
+        if not self.client.transport.is_closing():
+            self.client.transport.resume_reading()
+
+    def _eof_sent(self) -> None:
+        self._eofs += 1
+        if self._eofs == 2:
+            self._terminate(None, reset=False)
+
+    def _side_lost(self, side: _Side, exc: Exception | None) -> None:
+        other = self.upstream if side is self.client else self.client
+        if exc is not None:
+            self._terminate(None, reset=True)
+        elif other.transport is not None and not other.transport.is_closing():
+            # The side went away without a half-close first: pass the close on, after
+            # what is already queued towards the other side.
+            pipe = side.outgoing
+            if pipe is not None and not pipe.eof_sent:
+                pipe.push((Action(-math.inf, ActionKind.CLOSE),))
+            else:
+                self._terminate(None, reset=False)
+        else:
+            self._finish()
+
+    def _terminate(self, flushed: _Side | None, *, reset: bool) -> None:
+        """Close both sockets; ``flushed`` gets its written bytes delivered first."""
+        for pipe in (self.forward, self.backward):
+            if pipe is not None:
+                pipe.close()
+        for side in (self.client, self.upstream):
+            transport = side.transport
+            if transport is None or transport.is_closing():
+                continue
+            if reset:
+                sock = transport.get_extra_info("socket")
+                if sock is not None:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+            if side is flushed or not reset:
+                transport.close()
+            else:
+                transport.abort()
+        self._finish()
+
+    def _finish(self) -> None:
+        client_done = self.client.transport is None or self.client.transport.is_closing()
+        upstream_done = self.upstream.transport is None or self.upstream.transport.is_closing()
+        if client_done and upstream_done and not self.closed.done():
+            self.closed.set_result(None)
+            self.proxy._connection_done(self)
+
+    # -- runtime control ---------------------------------------------------------------
+
+    def abort(self) -> None:
+        """Reset both sides now, discarding anything queued."""
+        self._terminate(None, reset=True)
+
+    def close(self) -> None:
+        """Close both sides now (FIN), discarding anything queued."""
+        self._terminate(None, reset=False)
+
+
+class TcpProxy:
+    """Listens on ``listen_host:listen_port`` and pipes every connection to the target."""
+
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        policies: PolicyFactory,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        high_water: int = 4 * 1024 * 1024,
+    ) -> None:
+        self.target_host = target_host
+        self.target_port = target_port
+        self._policy_factory = policies
+        self.listen_host = listen_host
+        self.listen_port = listen_port
+        self.high_water = high_water
+        self.connections: list[ProxyConnection] = []
+        """Every connection accepted so far, in order (index = position)."""
+        self.active: set[ProxyConnection] = set()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("the proxy is not started")
+        port: int = self._server.sockets[0].getsockname()[1]
+        return port
+
+    def _policies(self, conn: ProxyConnection) -> tuple[DirectionPolicy, DirectionPolicy]:
+        return self._policy_factory(conn)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _accept(self) -> _Side:
+        conn = ProxyConnection(self, len(self.connections))
+        self.connections.append(conn)
+        self.active.add(conn)
+        return conn.client
+
+    def _connection_done(self, conn: ProxyConnection) -> None:
+        self.active.discard(conn)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            self._accept, self.listen_host, self.listen_port, backlog=128
+        )
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.active):
+            conn.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+            self._server = None

@@ -1,0 +1,294 @@
+"""A userspace link emulator: an asyncio TCP proxy with a shared rate, delay and jitter.
+
+Every connection accepted on ``127.0.0.1:port`` is forwarded to the target. Bytes going
+forward (client to target) from all connections share one FIFO bottleneck whose rate
+may change on a schedule; each byte leaves the bottleneck when the bytes before it are
+through, then waits the one-way delay (plus jitter) before it is written on. The
+reverse direction gets the same delay and, optionally, its own shared rate.
+
+The proxy terminates TCP on both sides: each endpoint's TCP sees a short loopback
+path, and the emulated delay shows only in application-level round trips (TCP_INFO at
+the endpoints does not see it). A full bottleneck queue pushes back through TCP (the
+proxy stops reading) rather than dropping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from kvwire.bench._proxy import Action, ActionKind, ProxyConnection, TcpProxy
+
+__all__ = ["LinkEmulator", "LinkStatistics", "RateSchedule"]
+
+_MIB = 1024 * 1024
+
+
+class RateSchedule:
+    """A piecewise-constant rate over time; ``None`` means unlimited.
+
+    Times are seconds from the emulator's start. The first step is at 0.
+    """
+
+    def __init__(self, steps: Sequence[tuple[float, float | None]]) -> None:
+        if not steps:
+            raise ValueError("a schedule needs at least one step")
+        ordered = sorted(steps, key=lambda s: s[0])
+        if ordered[0][0] > 0:
+            ordered.insert(0, (0.0, ordered[0][1]))
+        for _, rate in ordered:
+            if rate is not None and rate <= 0:
+                raise ValueError("rates must be positive (or None for unlimited)")
+        self._times = [max(t, 0.0) for t, _ in ordered]
+        self._rates = [r for _, r in ordered]
+
+    @classmethod
+    def constant(cls, rate_bps: float | None) -> RateSchedule:
+        return cls([(0.0, rate_bps)])
+
+    @property
+    def steps(self) -> list[tuple[float, float | None]]:
+        return list(zip(self._times, self._rates, strict=True))
+
+    @property
+    def peak_bps(self) -> float | None:
+        """Highest rate in the schedule; ``None`` if any step is unlimited."""
+        if any(r is None for r in self._rates):
+            return None
+        return max(r for r in self._rates if r is not None)
+
+    def rate_at(self, t: float) -> float | None:
+        """Rate in effect at ``t`` seconds from the start (bits/s)."""
+        i = bisect.bisect_right(self._times, t) - 1
+        return self._rates[max(i, 0)]
+
+    def add_step(self, t: float, rate_bps: float | None) -> None:
+        """Change the rate from ``t`` on, dropping later steps."""
+        if rate_bps is not None and rate_bps <= 0:
+            raise ValueError("rates must be positive (or None for unlimited)")
+        i = bisect.bisect_left(self._times, t)
+        del self._times[i:], self._rates[i:]
+        self._times.append(t)
+        self._rates.append(rate_bps)
+
+    def finish_time(self, start: float, nbytes: int) -> float:
+        """When ``nbytes`` starting through the bottleneck at ``start`` are through."""
+        bits = 8.0 * nbytes
+        t = start
+        i = max(bisect.bisect_right(self._times, t) - 1, 0)
+        while True:
+            rate = self._rates[i]
+            if rate is None:
+                return t
+            end = self._times[i + 1] if i + 1 < len(self._times) else math.inf
+            capacity = (end - t) * rate
+            if bits <= capacity:
+                return t + bits / rate
+            bits -= capacity
+            t = end
+            i += 1
+
+
+class _Bottleneck:
+    """A FIFO serializer shared by every connection in one direction."""
+
+    def __init__(self, schedule: RateSchedule, burst: float) -> None:
+        self.schedule = schedule
+        self.burst = burst
+        self.free_at = 0.0
+        self.bytes = 0
+
+    def finish(self, now: float, nbytes: int) -> float:
+        # Capacity left unused for up to ``burst`` seconds may still be used: the proxy's
+        # own scheduling hiccups would otherwise be lost for good and pull the rate below
+        # the set one. Over any window the overshoot is at most rate x burst.
+        start = max(now - self.burst, self.free_at)
+        self.free_at = self.schedule.finish_time(start, nbytes)
+        self.bytes += nbytes
+        # Catching up never lets bytes leave before they arrived.
+        return max(self.free_at, now)
+
+
+class _LinkPolicy:
+    def __init__(
+        self,
+        emulator: LinkEmulator,
+        bottleneck: _Bottleneck | None,
+        delay: float,
+        jitter: float,
+        rng: random.Random,
+    ) -> None:
+        self._emulator = emulator
+        self._bottleneck = bottleneck
+        self._delay = delay
+        self._jitter = jitter
+        self._rng = rng
+        self._last = -math.inf
+
+    def _when(self, now: float, nbytes: int) -> float:
+        t0 = self._emulator.start_time
+        through = (
+            now if self._bottleneck is None else t0 + self._bottleneck.finish(now - t0, nbytes)
+        )
+        extra = self._delay
+        if self._jitter:
+            extra = max(0.0, extra + self._rng.uniform(-self._jitter, self._jitter))
+        self._last = through + extra
+        return self._last
+
+    def feed(self, data: bytes, now: float) -> Iterable[Action]:
+        return (Action(self._when(now, len(data)), ActionKind.DATA, data),)
+
+    def feed_eof(self, now: float) -> Iterable[Action]:
+        return (Action(max(now + self._delay, self._last), ActionKind.EOF),)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkStatistics:
+    elapsed: float
+    """Seconds since the emulator started."""
+    connections: int
+    active: int
+    bytes_forward: int
+    """Bytes written to the target so far."""
+    bytes_backward: int
+    rate_bps: float | None
+    """Forward rate in effect now (``None``: unlimited)."""
+    reverse_rate_bps: float | None
+
+
+class LinkEmulator:
+    """An emulated link between a sender and a receiver listening at ``target_host:port``.
+
+    ::
+
+        async with LinkEmulator("127.0.0.1", port, rate_bps=10e9, delay=0.010) as link:
+            await connect("127.0.0.1", link.port)
+
+    :param rate_bps: forward rate in bits/s (``None``: unlimited), shared by all
+        connections. Ignored when ``schedule`` is given.
+    :param delay: one-way delay in seconds, added in both directions.
+    :param jitter: each read's delay varies uniformly by +-``jitter`` seconds (bytes are
+        never reordered, so a short delay waits behind a longer one before it).
+    :param schedule: ``[(t, rate_bps), ...]``: the forward rate from ``t`` seconds after
+        start, e.g. ``[(0.0, 10e9), (3.0, 2.5e9)]``.
+    :param reverse_rate_bps: shared rate for target-to-client bytes (``None``: unlimited).
+    :param queue_bytes: bottleneck queue beyond the bytes in the delay line; a sender
+        ahead of the link by more is pushed back through TCP.
+    :param burst: seconds of unused capacity that may be caught up (a token bucket of
+        ``rate x burst`` bytes); covers the proxy's own scheduling delays.
+    :param seed: jitter's random seed, for repeatable runs.
+    """
+
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        rate_bps: float | None = None,
+        delay: float = 0.0,
+        jitter: float = 0.0,
+        schedule: Sequence[tuple[float, float | None]] | None = None,
+        reverse_rate_bps: float | None = None,
+        queue_bytes: int = 4 * _MIB,
+        burst: float = 0.005,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        seed: int | None = None,
+    ) -> None:
+        if delay < 0 or jitter < 0:
+            raise ValueError("delay and jitter must be >= 0")
+        self.delay = delay
+        self.jitter = jitter
+        self.schedule = RateSchedule(schedule) if schedule else RateSchedule.constant(rate_bps)
+        self.reverse_schedule = RateSchedule.constant(reverse_rate_bps)
+        if burst < 0:
+            raise ValueError("burst must be >= 0")
+        self._forward = _Bottleneck(self.schedule, burst)
+        self._backward = _Bottleneck(self.reverse_schedule, burst)
+        self._rng = random.Random(seed)
+        self.start_time = 0.0
+        high = queue_bytes + self._in_delay_line(self.schedule.peak_bps)
+        self._proxy = TcpProxy(
+            target_host,
+            target_port,
+            self._policies,
+            listen_host=listen_host,
+            listen_port=listen_port,
+            high_water=high,
+        )
+
+    def _in_delay_line(self, peak_bps: float | None) -> int:
+        # Bytes that are through the bottleneck but still delayed must not count against
+        # the queue, or the delay would cap throughput at queue / delay.
+        if not self.delay and not self.jitter:
+            return 0
+        peak = peak_bps if peak_bps is not None else 40e9
+        return int(peak / 8.0 * (self.delay + self.jitter) * 1.25)
+
+    def _policies(self, conn: ProxyConnection) -> tuple[_LinkPolicy, _LinkPolicy]:
+        backward = self._backward if self.reverse_schedule.peak_bps is not None else None
+        return (
+            _LinkPolicy(self, self._forward, self.delay, self.jitter, self._rng),
+            _LinkPolicy(self, backward, self.delay, self.jitter, self._rng),
+        )
+
+    @property
+    def port(self) -> int:
+        return self._proxy.port
+
+    @property
+    def host(self) -> str:
+        return self._proxy.listen_host
+
+    def rate_at(self, t: float) -> float | None:
+        """Forward rate (bits/s) in effect ``t`` seconds after start, for plots."""
+        return self.schedule.rate_at(t)
+
+    def now(self) -> float:
+        """Seconds since start on the emulator's clock (the event loop's)."""
+        return asyncio.get_running_loop().time() - self.start_time
+
+    def set_rate(self, rate_bps: float | None) -> None:
+        """Change the forward rate from now on (replacing any later scheduled steps).
+
+        Bytes already queued keep the times they were given.
+        """
+        self.schedule.add_step(self.now(), rate_bps)
+
+    def statistics(self) -> LinkStatistics:
+        conns = self._proxy.connections
+        elapsed = self.now()
+        return LinkStatistics(
+            elapsed=elapsed,
+            connections=len(conns),
+            active=len(self._proxy.active),
+            bytes_forward=sum(c.forward.bytes_out for c in conns if c.forward),
+            bytes_backward=sum(c.backward.bytes_out for c in conns if c.backward),
+            rate_bps=self.schedule.rate_at(elapsed),
+            reverse_rate_bps=self.reverse_schedule.rate_at(elapsed),
+        )
+
+    async def start(self) -> None:
+        await self._proxy.start()
+        self.start_time = asyncio.get_running_loop().time()
+
+    async def close(self) -> None:
+        await self._proxy.close()
+
+    async def __aenter__(self) -> LinkEmulator:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

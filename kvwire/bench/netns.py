@@ -1,0 +1,316 @@
+"""Kernel link shaping: two network namespaces joined by a veth pair, rate-limited by tbf.
+
+Root only, Linux only, opt-in. :class:`NetnsLink` creates two fresh namespaces with
+unique names, a veth pair between them with addresses in 10.0.0.0/8 that exist only
+inside those namespaces, and a ``tc tbf`` qdisc on the sender's end. The kernel paces
+the packets, so endpoint TCP sees the real bottleneck (cwnd, TCP_INFO and all), unlike
+the userspace emulator, which terminates TCP.
+
+Delay: ``tbf`` shapes rate only and ``netem`` (the qdisc that adds delay and loss) is
+not available on every kernel, so this mode adds no delay: the RTT is the veth's, tens
+of microseconds. For rate *and* delay, run the userspace
+:class:`~kvwire.bench.emulator.LinkEmulator` (delay) on top of this link (rate), or use
+the emulator alone.
+
+Everything created is removed on exit of the ``with`` block, on failure while creating,
+at interpreter exit, and on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import ctypes.util
+import multiprocessing as mp
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType, TracebackType
+from typing import Any, TypeVar
+
+__all__ = ["NetnsLink", "NetnsUnavailable", "netns_available"]
+
+_CLONE_NEWNET = 0x40000000
+T = TypeVar("T")
+
+
+class NetnsUnavailable(RuntimeError):
+    """This process cannot create namespaces (not root, not Linux, or no ``ip``/``tc``)."""
+
+
+def netns_available() -> str | None:
+    """``None`` if kernel shaping can run here, else the reason it cannot."""
+    if not os.path.exists("/proc/self/ns/net"):
+        return "network namespaces need Linux"
+    if os.geteuid() != 0:
+        return "creating network namespaces needs root"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the '{tool}' command (iproute2) is missing"
+    return None
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _setns(fd: int) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if _libc.setns(fd, _CLONE_NEWNET) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@contextlib.contextmanager
+def _inside(ns: str) -> Iterator[None]:
+    """Switch the calling thread into namespace ``ns`` and back."""
+    original = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    target = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        _setns(target)
+        try:
+            yield
+        finally:
+            _setns(original)
+    finally:
+        os.close(target)
+        os.close(original)
+
+
+def _child(ns: str, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> None:
+    try:
+        fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+        _setns(fd)
+        os.close(fd)
+        out.send((True, fn(*args)))
+    except BaseException as exc:
+        out.send((False, repr(exc)))
+
+
+# -- cleanup on every exit path -----------------------------------------------------------
+
+_live: set[NetnsLink] = set()
+_lock = threading.Lock()
+_previous_handlers: dict[int, Any] = {}
+
+
+def _cleanup_all() -> None:
+    for link in list(_live):
+        link.close()
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    _cleanup_all()
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _register(link: NetnsLink) -> None:
+    with _lock:
+        first = not _live
+        _live.add(link)
+    if first and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            _previous_handlers[signum] = signal.getsignal(signum)
+            signal.signal(signum, _on_signal)
+
+
+def _unregister(link: NetnsLink) -> None:
+    with _lock:
+        _live.discard(link)
+        last = not _live
+    if last and threading.current_thread() is threading.main_thread():
+        for signum, handler in list(_previous_handlers.items()):
+            if signal.getsignal(signum) is _on_signal:
+                signal.signal(signum, handler)
+            del _previous_handlers[signum]
+
+
+atexit.register(_cleanup_all)
+
+
+class NetnsLink:
+    """Two namespaces joined by a veth pair, the sender's egress shaped by ``tc tbf``.
+
+    ::
+
+        with NetnsLink(rate_bps=1e9) as link:
+            server = link.socket(link.receiver_ns)
+            server.bind((link.receiver_addr, 0))
+            client = link.socket(link.sender_ns)
+            client.connect((link.receiver_addr, port))
+
+    Sockets made with :meth:`socket` stay in their namespace for life and can be used
+    from any thread or event loop of this process.
+
+    :param rate_bps: sender-to-receiver rate (``None``: unshaped).
+    :param reverse_rate_bps: receiver-to-sender rate (``None``: unshaped).
+    :param burst_bytes: tbf bucket; default about 1 ms at the rate, at least 64 KiB
+        (segmentation offload hands tbf packets of up to 64 KiB).
+    """
+
+    def __init__(
+        self,
+        rate_bps: float | None = None,
+        *,
+        reverse_rate_bps: float | None = None,
+        burst_bytes: int | None = None,
+        queue_latency: float = 0.05,
+    ) -> None:
+        tag = secrets.token_hex(3)
+        self.sender_ns = f"kvwire-{os.getpid()}-{tag}-s"
+        self.receiver_ns = f"kvwire-{os.getpid()}-{tag}-r"
+        self.sender_dev = f"kvw{tag}s"
+        self.receiver_dev = f"kvw{tag}r"
+        octets = secrets.randbelow(250) + 1, secrets.randbelow(64) * 4
+        self.sender_addr = f"10.{octets[0]}.{octets[1] // 256}.{octets[1] % 256 + 1}"
+        self.receiver_addr = f"10.{octets[0]}.{octets[1] // 256}.{octets[1] % 256 + 2}"
+        self.rate_bps = rate_bps
+        self.reverse_rate_bps = reverse_rate_bps
+        self._burst = burst_bytes
+        self._latency = queue_latency
+        self._created: list[str] = []
+
+    # -- setup and teardown ------------------------------------------------------------
+
+    @staticmethod
+    def _ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    def _exec(self, ns: str, *argv: str) -> None:
+        subprocess.run(
+            ["ip", "netns", "exec", ns, *argv], check=True, capture_output=True, timeout=10
+        )
+
+    def _burst_for(self, rate_bps: float) -> int:
+        if self._burst is not None:
+            return self._burst
+        return max(64 * 1024, int(rate_bps / 8 * 0.001))
+
+    def _shape(self, ns: str, dev: str, rate_bps: float | None, verb: str) -> None:
+        if rate_bps is None:
+            if verb == "change":
+                subprocess.run(
+                    ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                    capture_output=True,
+                    timeout=10,
+                )
+            return
+        self._exec(
+            ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
+            "rate", f"{int(rate_bps)}bit",
+            "burst", str(self._burst_for(rate_bps)),
+            "latency", f"{int(self._latency * 1000)}ms",
+        )  # fmt: skip
+
+    def open(self) -> NetnsLink:
+        reason = netns_available()
+        if reason is not None:
+            raise NetnsUnavailable(reason)
+        _register(self)
+        try:
+            for ns in (self.sender_ns, self.receiver_ns):
+                self._ip("netns", "add", ns)
+                self._created.append(ns)
+            self._ip(
+                "link", "add", self.sender_dev, "netns", self.sender_ns,
+                "type", "veth", "peer", "name", self.receiver_dev, "netns", self.receiver_ns,
+            )  # fmt: skip
+            for ns, dev, addr in (
+                (self.sender_ns, self.sender_dev, self.sender_addr),
+                (self.receiver_ns, self.receiver_dev, self.receiver_addr),
+            ):
+                self._exec(ns, "ip", "addr", "add", f"{addr}/30", "dev", dev)
+                self._exec(ns, "ip", "link", "set", dev, "up")
+                self._exec(ns, "ip", "link", "set", "lo", "up")
+            self._shape(self.sender_ns, self.sender_dev, self.rate_bps, "replace")
+            self._shape(self.receiver_ns, self.receiver_dev, self.reverse_rate_bps, "replace")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Remove everything created (idempotent). Deleting a namespace removes its veth."""
+        while self._created:
+            ns = self._created.pop()
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+        _unregister(self)
+
+    def __enter__(self) -> NetnsLink:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- use ---------------------------------------------------------------------------
+
+    @property
+    def namespaces(self) -> tuple[str, str]:
+        return (self.sender_ns, self.receiver_ns)
+
+    def set_rate(self, rate_bps: float | None) -> None:
+        """Change the sender-to-receiver rate in place."""
+        verb = "replace" if rate_bps is not None else "change"
+        self._shape(self.sender_ns, self.sender_dev, rate_bps, verb)
+        self.rate_bps = rate_bps
+
+    def socket(
+        self, ns: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM
+    ) -> socket.socket:
+        """A socket that lives in namespace ``ns``."""
+        self._check(ns)
+        with _inside(ns):
+            return socket.socket(family, type)
+
+    def run(
+        self, ns: str, argv: Sequence[str], *, timeout: float | None = 60, check: bool = True
+    ) -> subprocess.CompletedProcess[bytes]:
+        """Run a command inside namespace ``ns``; returns its completed process."""
+        self._check(ns)
+        return subprocess.run(
+            ["ip", "netns", "exec", ns, *argv], capture_output=True, timeout=timeout, check=check
+        )
+
+    def call(self, ns: str, fn: Callable[..., T], *args: Any, timeout: float | None = 60) -> T:
+        """Run ``fn(*args)`` in a forked child inside ``ns``; returns its (picklable) result."""
+        self._check(ns)
+        ctx = mp.get_context("fork")
+        parent, child = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_child, args=(ns, fn, args, child))
+        proc.start()
+        child.close()
+        try:
+            if not parent.poll(timeout):
+                raise TimeoutError(f"call in {ns} did not finish within {timeout} s")
+            ok, value = parent.recv()
+        finally:
+            proc.join(5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            parent.close()
+        if not ok:
+            raise RuntimeError(f"call in {ns} failed: {value}")
+        result: T = value
+        return result
+
+    def _check(self, ns: str) -> None:
+        if ns not in self._created:
+            raise ValueError(f"{ns!r} is not a namespace of this link (or it was closed)")

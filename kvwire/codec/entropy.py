@@ -1,0 +1,139 @@
+"""The lossless entropy stage: ``<codec>+zstd`` (id bit 0x10) and ``<codec>+lz4`` (0x20).
+
+Params: one flag byte (bit 0: the payload is compressed; other bits zero), then the inner
+codec's params.  Payload: the inner payload, compressed (zstd frame, level 1; or an lz4
+block without a size prefix) only when that makes it smaller.  For ``raw`` of 16- and
+32-bit data, the bytes are shuffled first (all first bytes of the elements, then all
+second bytes, ...), which groups the exponent bytes that compress well.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import lz4.block
+import numpy as np
+import zstandard
+
+from kvwire.codec.base import Codec, EncodedChunk, TensorKind, numpy_dtype
+from kvwire.errors import ProtocolError
+
+FLAG_COMPRESSED = 0x01
+ZSTD_LEVEL = 1
+
+
+def inner_payload_size(codec: Codec, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind) -> int:
+    """Exact payload size the inner codec decodes for ``shape`` (ProtocolError if unknowable)."""
+    n = shape[0] * shape[1] * shape[2]
+    if codec.name == "raw":
+        return n * numpy_dtype(dtype).itemsize
+    size = getattr(codec, "payload_size", None)
+    if size is None:
+        raise ProtocolError(f"codec {codec.name} cannot be wrapped by an entropy stage")
+    if codec.name == "int4":
+        return int(size(params, shape, dtype, kind))
+    return int(size(params, shape, dtype))
+
+
+class EntropyCodec(Codec):
+    """An inner codec followed by a lossless compressor."""
+
+    method: ClassVar[str] = ""
+    id_bit: ClassVar[int] = 0
+
+    def __init__(self, inner: Codec) -> None:
+        self.inner = inner
+        self.name = f"{inner.name}+{self.method}"  # type: ignore[misc]
+        self.codec_id = inner.codec_id | self.id_bit  # type: ignore[misc]
+        self.lossless = inner.lossless  # type: ignore[misc]
+
+    def _compress(self, data: bytes | memoryview) -> bytes:
+        raise NotImplementedError
+
+    def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
+        raise NotImplementedError
+
+    def _shuffle_width(self, dtype: str) -> int:
+        return numpy_dtype(dtype).itemsize if self.inner.name == "raw" else 1
+
+    def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        chunk = self.inner.encode(x, kind)
+        data = memoryview(chunk.payload).cast("B")
+        width = np.asarray(x).dtype.itemsize if self.inner.name == "raw" else 1
+        plain = _shuffle(data, width) if width > 1 else data
+        packed = self._compress(plain)
+        if len(packed) < data.nbytes:
+            return EncodedChunk(self.codec_id, bytes([FLAG_COMPRESSED]) + chunk.params, packed)
+        return EncodedChunk(self.codec_id, b"\x00" + chunk.params, chunk.payload)
+
+    def decode(
+        self,
+        params: bytes,
+        payload: Any,
+        *,
+        shape: tuple[int, int, int],
+        dtype: str,
+        kind: TensorKind,
+        out: np.ndarray[Any, Any] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        if not params or params[0] & ~FLAG_COMPRESSED:
+            raise ProtocolError(f"{self.name} params must start with a flag byte of 0 or 1")
+        inner_params = bytes(params[1:])
+        if params[0] & FLAG_COMPRESSED:
+            size = inner_payload_size(self.inner, inner_params, shape, dtype, kind)
+            try:
+                view = memoryview(payload).cast("B")
+            except (TypeError, ValueError) as exc:
+                raise ProtocolError(f"{self.name} payload is not a byte buffer") from exc
+            plain = self._decompress(view, size)
+            if len(plain) != size:
+                raise ProtocolError(f"{self.name} payload decompressed to {len(plain)} bytes, expected {size}")
+            width = self._shuffle_width(dtype)
+            payload = _unshuffle(plain, width) if width > 1 else plain
+        return self.inner.decode(inner_params, payload, shape=shape, dtype=dtype, kind=kind, out=out)
+
+    def encoded_size_ratio(self, shape: tuple[int, int, int], dtype: str) -> float:
+        return self.inner.encoded_size_ratio(shape, dtype)
+
+
+class ZstdCodec(EntropyCodec):
+    method = "zstd"
+    id_bit = 0x10
+
+    def _compress(self, data: bytes | memoryview) -> bytes:
+        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+
+    def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
+        try:
+            params = zstandard.get_frame_parameters(data)
+            if params.content_size != size:
+                raise ProtocolError(f"{self.name} frame announces {params.content_size} bytes, expected {size}")
+            obj = zstandard.ZstdDecompressor().decompressobj()
+            plain = obj.decompress(data)
+            if obj.unused_data or not obj.eof:
+                raise ProtocolError(f"{self.name} payload is not exactly one zstd frame")
+            return plain
+        except zstandard.ZstdError as exc:
+            raise ProtocolError(f"{self.name} payload is not a valid zstd frame: {exc}") from None
+
+
+class Lz4Codec(EntropyCodec):
+    method = "lz4"
+    id_bit = 0x20
+
+    def _compress(self, data: bytes | memoryview) -> bytes:
+        return bytes(lz4.block.compress(data, store_size=False))
+
+    def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
+        try:
+            return bytes(lz4.block.decompress(data, uncompressed_size=size))
+        except (lz4.block.LZ4BlockError, ValueError) as exc:
+            raise ProtocolError(f"{self.name} payload is not a valid lz4 block: {exc}") from None
+
+
+def _shuffle(data: memoryview, width: int) -> bytes:
+    return np.frombuffer(data, np.uint8).reshape(-1, width).T.tobytes()
+
+
+def _unshuffle(data: bytes, width: int) -> bytes:
+    return np.frombuffer(data, np.uint8).reshape(width, -1).T.tobytes()

@@ -1,0 +1,148 @@
+"""``int4``: KIVI-style asymmetric 4-bit codes, two per byte.
+
+Keys (``TensorKind.K``) are grouped per channel over blocks of ``group`` tokens (outlier
+channels then get their own range); values (``TensorKind.V``) per token over runs of
+``group`` channels inside each head.  The last block or run may be shorter.  Per group:
+``lo = min``, ``scale = (max - lo) / 15``, ``code = clamp(rint((x - lo) / scale), 0, 15)``,
+decoded as ``code * scale + lo``.  Params: one byte, ``group``.  Payload: float32 scales,
+float32 minimums (both little-endian, group order below), then the codes of the elements
+in ``[tokens, heads, head_dim]`` order, element ``2i`` in the low nibble of byte ``i``.
+Group order: K ``[token_block, head, channel]``, V ``[token, head, channel_run]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from kvwire.codec import _numeric as nm
+from kvwire.codec.base import Codec, EncodedChunk, TensorKind
+from kvwire.errors import ProtocolError, UsageError
+
+INT4_MAX = np.float32(15.0)
+DEFAULT_GROUP = 32
+
+
+def group_count(shape: tuple[int, int, int], kind: TensorKind, group: int) -> int:
+    tokens, heads, dim = shape
+    if kind == TensorKind.K:
+        return math.ceil(tokens / group) * heads * dim
+    return tokens * heads * math.ceil(dim / group)
+
+
+def _expand(per_group: nm.F32, kind: TensorKind, shape: tuple[int, int, int], group: int) -> nm.F32:
+    """Per-group values repeated to one per element."""
+    tokens, heads, dim = shape
+    if kind == TensorKind.K:
+        blocks = per_group.reshape(-1, heads, dim)
+        return np.repeat(blocks, group, axis=0)[:tokens]
+    runs = per_group.reshape(tokens, heads, -1)
+    return np.repeat(runs, group, axis=2)[:, :, :dim]
+
+
+class Int4Codec(Codec):
+    name = "int4"
+    codec_id = 0x03
+
+    def __init__(self, group: int = DEFAULT_GROUP) -> None:
+        if not 1 <= group <= 255:
+            raise UsageError("int4 group size must be in [1, 255]")
+        self.group = group
+
+    def payload_size(self, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind = TensorKind.K) -> int:
+        group = _group_from_params(params)
+        n = shape[0] * shape[1] * shape[2]
+        return 8 * group_count(shape, kind, group) + (n + 1) // 2
+
+    def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        arr, name = nm.as_chunk(x)
+        kind = TensorKind(kind)
+        shape: tuple[int, int, int] = arr.shape
+        _tokens, _heads, _dim = shape
+        group = self.group
+        nm.check_finite_magnitudes(nm.magnitude_bits(arr, name).reshape(-1), name, self.name)
+        xf = nm.to_f32(arr, name)
+        axis = 0 if kind == TensorKind.K else 2
+        starts = np.arange(0, shape[axis], group)
+        lo = np.minimum.reduceat(xf, starts, axis=axis)
+        hi = np.maximum.reduceat(xf, starts, axis=axis)
+        with np.errstate(over="ignore"):
+            scale = np.subtract(hi, lo)
+        if not np.all(np.isfinite(scale)):
+            raise UsageError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
+        np.divide(scale, INT4_MAX, out=scale)
+        ngroups = scale.size
+        n = xf.size
+        payload = np.empty(8 * ngroups + (n + 1) // 2, np.uint8)
+        payload[: 4 * ngroups].view("<f4")[:] = scale.reshape(-1)
+        payload[4 * ngroups : 8 * ngroups].view("<f4")[:] = lo.reshape(-1)
+        divisor = np.where(scale == 0, np.float32(1), scale)
+        q = np.subtract(xf, _expand(lo, kind, shape, group))
+        np.divide(q, _expand(divisor, kind, shape, group), out=q)
+        np.rint(q, out=q)
+        np.clip(q, np.float32(0), INT4_MAX, out=q)
+        codes = np.zeros(n + (n & 1), np.uint8)
+        np.copyto(codes[:n], q.reshape(-1), casting="unsafe")
+        packed = payload[8 * ngroups :]
+        np.left_shift(codes[1::2], 4, out=packed)
+        np.bitwise_or(packed, codes[0::2], out=packed)
+        return EncodedChunk(self.codec_id, bytes([group]), payload.data)
+
+    def decode(
+        self,
+        params: bytes,
+        payload: Any,
+        *,
+        shape: tuple[int, int, int],
+        dtype: str,
+        kind: TensorKind,
+        out: np.ndarray[Any, Any] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        group = _group_from_params(params)
+        shape = nm.check_shape(shape, self.name)
+        try:
+            kind = TensorKind(kind)
+        except ValueError:
+            raise UsageError(f"int4: unknown tensor kind {kind!r}") from None
+        result = nm.output_array(out, shape, dtype)
+        n = shape[0] * shape[1] * shape[2]
+        ngroups = group_count(shape, kind, group)
+        scale_buf, lo_buf, code_buf = nm.split_payload(
+            payload, [4 * ngroups, 4 * ngroups, (n + 1) // 2], self.name
+        )
+        scale = nm.read_scales(scale_buf, ngroups, self.name)
+        lo = np.frombuffer(lo_buf, "<f4").astype(np.float32)
+        if not np.all(np.isfinite(lo)):
+            raise ProtocolError("int4 payload carries a NaN or infinite minimum")
+        packed = np.frombuffer(code_buf, np.uint8)
+        if n & 1 and packed[-1] >> 4:
+            raise ProtocolError("int4 payload has a non-zero padding nibble")
+        codes = np.empty(n + (n & 1), np.float32)
+        np.bitwise_and(packed, np.uint8(15), out=codes[0::2], casting="unsafe")
+        np.right_shift(packed, np.uint8(4), out=codes[1::2], casting="unsafe")
+        vals = codes[:n].reshape(shape)
+        target = result if result.flags.c_contiguous else np.empty(shape, result.dtype)
+        nm.scale_and_store(
+            vals,
+            _expand(scale, kind, shape, group),
+            _expand(lo, kind, shape, group),
+            target,
+            dtype,
+            self.name,
+        )
+        if target is not result:
+            result[...] = target
+        return result
+
+    def encoded_size_ratio(self, shape: tuple[int, int, int], dtype: str) -> float:
+        n = shape[0] * shape[1] * shape[2]
+        size = 8 * group_count(shape, TensorKind.K, self.group) + (n + 1) // 2
+        return size / (2.0 * n)
+
+
+def _group_from_params(params: bytes) -> int:
+    if len(params) != 1 or params[0] == 0:
+        raise ProtocolError("int4 params must be one non-zero byte (the group size)")
+    return params[0]

@@ -1,0 +1,98 @@
+"""Block id normalisation.
+
+A block id reaches the registry as an ``int``, ``bytes`` (or ``bytearray``/``memoryview``)
+or ``str``. Each is mapped to one canonical text key with a type tag, so ``1``, ``b"\\x01"``
+and ``"1"`` are three different blocks and the mapping can be reversed exactly:
+
+======================  ===========================  ==================
+given                   canonical key                returned as
+======================  ===========================  ==================
+``int`` (any sign)      ``"i:" + decimal``           ``int``
+``bytes``-like          ``"b:" + lowercase hex``     ``bytes``
+``str`` (valid UTF-8)   ``"s:" + the string``        ``str``
+======================  ===========================  ==================
+
+``bool`` is refused (it is an ``int`` subclass, and ``True`` as a block id is a bug).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvwire.errors import UsageError
+
+BlockId = int | bytes | str
+"""What callers pass as a block id (``bytearray``/``memoryview`` are accepted too)."""
+
+BlockLike = int | bytes | bytearray | memoryview | str
+"""What the registry accepts as a block id."""
+
+MAX_KEY_CHARS = 4096
+"""Longest canonical key accepted; block ids are hashes, so anything longer is a bug."""
+
+
+def block_key(block: object) -> str:
+    """The canonical, type-tagged key of ``block``; raises :class:`UsageError` if invalid."""
+    if isinstance(block, bool):
+        raise UsageError("a block id cannot be a bool")
+    if isinstance(block, int):
+        key = f"i:{block:d}"
+    elif isinstance(block, bytes | bytearray | memoryview):
+        key = "b:" + bytes(block).hex()
+    elif isinstance(block, str):
+        try:
+            block.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise UsageError("a str block id must be valid UTF-8") from exc
+        key = "s:" + block
+    else:
+        raise UsageError(f"a block id is an int, bytes or str, not {type(block).__name__}")
+    if len(key) > MAX_KEY_CHARS:
+        raise UsageError(f"block id too long ({len(key)} > {MAX_KEY_CHARS} key characters)")
+    return key
+
+
+def block_from_key(key: str) -> BlockId:
+    """The block id a canonical key stands for (inverse of :func:`block_key`)."""
+    tag, sep, body = key.partition(":")
+    if sep:
+        if tag == "i":
+            try:
+                return int(body)
+            except ValueError:
+                pass
+        elif tag == "b":
+            try:
+                return bytes.fromhex(body)
+            except ValueError:
+                pass
+        elif tag == "s":
+            return body
+    raise UsageError(f"not a canonical block key: {key!r}")
+
+
+def canonical(block: object) -> BlockId:
+    """``block`` in its canonical Python type (``bytearray``/``memoryview`` become bytes)."""
+    return block_from_key(block_key(block))
+
+
+def unique_keys(blocks: Iterable[object]) -> list[str]:
+    """The canonical keys of ``blocks``, duplicates dropped, first occurrence order kept."""
+    if isinstance(blocks, str | bytes | bytearray | memoryview):
+        # A lone id would otherwise be iterated character by character.
+        raise UsageError("pass a list of block ids, not a single id")
+    seen: dict[str, None] = {}
+    for block in blocks:
+        seen.setdefault(block_key(block), None)
+    return list(seen)
+
+
+__all__ = [
+    "MAX_KEY_CHARS",
+    "BlockId",
+    "BlockLike",
+    "block_from_key",
+    "block_key",
+    "canonical",
+    "unique_keys",
+]

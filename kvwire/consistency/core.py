@@ -1,0 +1,371 @@
+"""The sans-IO prefix registry: per-block versions, in-flight leases, and notifications.
+
+Nothing here reads a clock or does I/O. Every time-dependent method takes ``now`` (float
+seconds on whatever monotonic clock the caller uses) so tests can drive lease expiry exactly.
+The asyncio memory backend wraps this class; the Redis backend implements the same rules in
+Lua (see :mod:`kvwire.consistency.redis_layout`) and the shared test-suite holds both to them.
+
+The rules (the contract both backends keep):
+
+* Every block has a version, an integer that only grows, drawn from one registry-wide
+  counter (so a version is never handed out twice, even for different blocks). An unknown
+  block has version 0 and is not complete.
+* ``commit`` and ``invalidate`` each give a block a new version; ``publish`` may raise it to
+  a version issued elsewhere. After ``commit``/``publish`` the block is *complete* at that
+  version; after ``invalidate`` it is not complete (no data exists for the new version).
+* A block is *fresh* at version ``v`` iff it is complete and its version is exactly ``v``.
+  Anything else (older, never issued, invalidated, unknown) is stale: fail closed.
+* ``begin`` starts only blocks that are neither complete nor in flight under a live lease;
+  a block is in flight under at most one live lease at a time.
+* A commit succeeds only while its lease is live and still holds every block it started;
+  otherwise nothing changes and the blocks it still holds are freed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import secrets
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvwire.consistency.blocks import BlockId, block_from_key, block_key, unique_keys
+from kvwire.consistency.errors import LeaseExpiredError
+from kvwire.errors import StaleVersionError, UsageError
+
+VersionedBlock = tuple[BlockId, int]
+"""A block id with a version: what lookup, commit, invalidate_many and watch return."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """The result of ``begin``: which blocks the caller now computes, and which not.
+
+    ``started``: blocks this lease owns (marked in flight); compute them, then ``commit``.
+    ``busy``: blocks in flight under another live lease; someone else computes them.
+    ``complete``: blocks already complete, with their version; nothing to compute.
+    ``expires_at`` is on the registry's clock (loop time for memory, Redis TIME for Redis)
+    and is informational; the registry decides expiry itself.
+    """
+
+    lease_id: str
+    owner: str
+    ttl: float
+    expires_at: float
+    started: tuple[BlockId, ...] = ()
+    busy: tuple[BlockId, ...] = ()
+    complete: tuple[VersionedBlock, ...] = ()
+
+
+@dataclass(slots=True)
+class BlockState:
+    """What the registry holds for one block (introspection and tests)."""
+
+    version: int = 0
+    complete: bool = False
+    lease_id: str | None = None
+
+
+@dataclass(slots=True)
+class _LeaseRecord:
+    owner: str
+    expires_at: float
+    keys: list[str] = field(default_factory=list)
+
+
+def new_lease_id() -> str:
+    """A fresh random lease id (96 bits; collisions are not a practical concern)."""
+    return secrets.token_hex(12)
+
+
+def check_ttl(ttl: float) -> float:
+    """``ttl`` as a float, or :class:`UsageError` if it is not a positive finite number."""
+    ttl = float(ttl)
+    if not (ttl > 0.0 and math.isfinite(ttl)):
+        raise UsageError(f"lease ttl must be a positive finite number of seconds, not {ttl!r}")
+    return ttl
+
+
+def check_version(version: object) -> int:
+    """``version`` if it is an int in ``[0, 2**53)``, else :class:`UsageError`.
+
+    The bound keeps versions exact in Lua (doubles) and in JSON.
+    """
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**53:
+        raise UsageError(f"a version is a non-negative int, not {version!r}")
+    return version
+
+
+def pairs_keys(pairs: Iterable[tuple[object, int]]) -> list[tuple[str, int]]:
+    """Validated ``(canonical key, version)`` pairs."""
+    if isinstance(pairs, str | bytes):
+        raise UsageError("pass a list of (block, version) pairs")
+    return [(block_key(block), check_version(version)) for block, version in pairs]
+
+
+def stale_error(stale: Sequence[BlockId], what: str = "stale") -> StaleVersionError:
+    """The error for a list of stale blocks (first few named)."""
+    shown = ", ".join(repr(b) for b in stale[:4])
+    more = f" and {len(stale) - 4} more" if len(stale) > 4 else ""
+    return StaleVersionError(f"{what}: {shown}{more}")
+
+
+class RegistryCore:
+    """The registry state machine. Not thread-safe; one owner drives it."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[str, BlockState] = {}
+        self._leases: dict[str, _LeaseRecord] = {}
+        # (expires_at, lease_id); entries may be outdated by renew/commit, checked on pop.
+        self._expiries: list[tuple[float, str]] = []
+        self._seq = 0
+        self._events: list[VersionedBlock] = []
+
+    # ---- time -----------------------------------------------------------------------
+
+    def expire(self, now: float) -> list[str]:
+        """Drop every lease whose expiry is ``<= now``; frees its blocks. Returns their ids."""
+        dropped: list[str] = []
+        while self._expiries and self._expiries[0][0] <= now:
+            _, lease_id = heapq.heappop(self._expiries)
+            rec = self._leases.get(lease_id)
+            if rec is None or rec.expires_at > now:
+                continue  # committed/released, or renewed (a newer heap entry exists)
+            self._drop_lease(lease_id, rec)
+            dropped.append(lease_id)
+        return dropped
+
+    def next_expiry(self) -> float | None:
+        """The earliest time a live lease may expire (a timer hint), or None."""
+        while self._expiries:
+            at, lease_id = self._expiries[0]
+            rec = self._leases.get(lease_id)
+            if rec is not None and rec.expires_at == at:
+                return at
+            heapq.heappop(self._expiries)
+        return None
+
+    def _drop_lease(self, lease_id: str, rec: _LeaseRecord) -> None:
+        for key in rec.keys:
+            state = self._blocks.get(key)
+            if state is not None and state.lease_id == lease_id:
+                state.lease_id = None
+        del self._leases[lease_id]
+
+    # ---- leases ---------------------------------------------------------------------
+
+    def begin(
+        self,
+        blocks: Iterable[object],
+        *,
+        owner: str,
+        ttl: float,
+        now: float,
+        lease_id: str | None = None,
+    ) -> Lease:
+        """Mark the blocks that need computing as in flight under a new lease."""
+        ttl = check_ttl(ttl)
+        keys = unique_keys(blocks)
+        self.expire(now)
+        lease_id = lease_id or new_lease_id()
+        if lease_id in self._leases:
+            raise UsageError(f"lease id {lease_id!r} is already in use")
+        expires_at = now + ttl
+        started: list[str] = []
+        busy: list[BlockId] = []
+        complete: list[VersionedBlock] = []
+        for key in keys:
+            state = self._blocks.setdefault(key, BlockState())
+            if state.lease_id is not None:
+                busy.append(block_from_key(key))
+            elif state.complete:
+                complete.append((block_from_key(key), state.version))
+            else:
+                state.lease_id = lease_id
+                started.append(key)
+        if started:
+            self._leases[lease_id] = _LeaseRecord(owner, expires_at, started)
+            heapq.heappush(self._expiries, (expires_at, lease_id))
+        return Lease(
+            lease_id=lease_id,
+            owner=owner,
+            ttl=ttl,
+            expires_at=expires_at,
+            started=tuple(block_from_key(k) for k in started),
+            busy=tuple(busy),
+            complete=tuple(complete),
+        )
+
+    def commit(self, lease: Lease, *, now: float) -> list[VersionedBlock]:
+        """Complete every block ``lease`` started; returns ``[(block, new_version)]``.
+
+        Raises :class:`LeaseExpiredError` if the lease is not live, or
+        :class:`StaleVersionError` if some block was invalidated, published newer or taken
+        over while in flight; in both cases nothing is committed and the lease is gone.
+        """
+        if not lease.started:
+            return []
+        self.expire(now)
+        rec = self._leases.get(lease.lease_id)
+        if rec is None:
+            raise LeaseExpiredError(f"lease {lease.lease_id} ({lease.owner}) is no longer live")
+        keys = [block_key(b) for b in lease.started]
+        lost = [k for k in keys if self._blocks[k].lease_id != lease.lease_id]
+        if lost:
+            self._drop_lease(lease.lease_id, rec)
+            raise stale_error([block_from_key(k) for k in lost], "blocks changed while in flight")
+        out: list[VersionedBlock] = []
+        for key in keys:
+            state = self._blocks[key]
+            self._seq += 1
+            state.version = self._seq
+            state.complete = True
+            state.lease_id = None
+            item = (block_from_key(key), state.version)
+            out.append(item)
+            self._events.append(item)
+        del self._leases[lease.lease_id]
+        return out
+
+    def renew(self, lease: Lease, *, ttl: float, now: float) -> Lease:
+        """Extend a live lease to ``now + ttl``; :class:`LeaseExpiredError` if not live."""
+        ttl = check_ttl(ttl)
+        if not lease.started:
+            return replace(lease, ttl=ttl, expires_at=now + ttl)
+        self.expire(now)
+        rec = self._leases.get(lease.lease_id)
+        if rec is None:
+            raise LeaseExpiredError(f"lease {lease.lease_id} ({lease.owner}) is no longer live")
+        rec.expires_at = now + ttl
+        heapq.heappush(self._expiries, (rec.expires_at, lease.lease_id))
+        return replace(lease, ttl=ttl, expires_at=rec.expires_at)
+
+    def release(self, lease: Lease, *, now: float) -> None:
+        """Give up a lease: its blocks stop being in flight. No error if already gone."""
+        self.expire(now)
+        rec = self._leases.get(lease.lease_id)
+        if rec is not None:
+            self._drop_lease(lease.lease_id, rec)
+
+    # ---- versions -------------------------------------------------------------------
+
+    def lookup(self, blocks: Iterable[object]) -> list[VersionedBlock]:
+        """The longest prefix of ``blocks`` (in order) whose blocks are all complete."""
+        if isinstance(blocks, str | bytes | bytearray | memoryview):
+            raise UsageError("pass a list of block ids, not a single id")
+        out: list[VersionedBlock] = []
+        for block in blocks:
+            key = block_key(block)
+            state = self._blocks.get(key)
+            if state is None or not state.complete:
+                break
+            out.append((block_from_key(key), state.version))
+        return out
+
+    def invalidate(self, block: object) -> int:
+        """Give ``block`` a new version with no data behind it; returns the version.
+
+        Holders of any older version become stale, and an in-flight lease loses the block
+        (its commit will fail), because it was computed against the invalidated state.
+        """
+        return self.invalidate_many([block])[0][1]
+
+    def invalidate_many(self, blocks: Iterable[object]) -> list[VersionedBlock]:
+        """:meth:`invalidate` each block (duplicates once); returns ``[(block, version)]``."""
+        out: list[VersionedBlock] = []
+        for key in unique_keys(blocks):
+            state = self._blocks.setdefault(key, BlockState())
+            self._seq += 1
+            state.version = self._seq
+            state.complete = False
+            state.lease_id = None
+            item = (block_from_key(key), state.version)
+            out.append(item)
+            self._events.append(item)
+        return out
+
+    def publish(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
+        """Record blocks received complete at given versions; returns the rejected ones.
+
+        ``(block, v)`` is accepted iff ``v`` is newer than the registry's version for the
+        block, or equal to it while the block is complete (idempotent re-publish). An
+        accepted newer version makes the block complete at ``v`` and takes it away from any
+        in-flight lease. Anything else is rejected as stale: it would overwrite newer data.
+        """
+        rejected: list[BlockId] = []
+        for key, version in pairs_keys(pairs):
+            state = self._blocks.setdefault(key, BlockState())
+            if version > state.version:
+                state.version = version
+                state.complete = True
+                state.lease_id = None
+                self._seq = max(self._seq, version)
+                self._events.append((block_from_key(key), version))
+            elif not (version == state.version and state.complete):
+                rejected.append(block_from_key(key))
+        return rejected
+
+    def stale(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
+        """The blocks of ``pairs`` that are not fresh at the given version, in order."""
+        out: list[BlockId] = []
+        for key, version in pairs_keys(pairs):
+            state = self._blocks.get(key)
+            if state is None or not state.complete or state.version != version:
+                out.append(block_from_key(key))
+        return out
+
+    def check(self, block: object, version: int) -> None:
+        """Raise :class:`StaleVersionError` unless ``block`` is fresh at ``version``."""
+        if self.stale([(block, version)]):
+            raise self.stale_reason(block, version)
+
+    def stale_reason(self, block: object, version: int) -> StaleVersionError:
+        """The error explaining why ``(block, version)`` is not fresh."""
+        state = self._blocks.get(block_key(block)) or BlockState()
+        return explain_stale(block, version, state.version, state.complete)
+
+    # ---- notifications and introspection --------------------------------------------
+
+    def take_events(self) -> list[VersionedBlock]:
+        """The ``(block, version)`` changes since the last call (commits, invalidations)."""
+        events, self._events = self._events, []
+        return events
+
+    def state(self, block: object) -> BlockState:
+        """A copy of what the registry holds for ``block``."""
+        state = self._blocks.get(block_key(block))
+        return replace(state) if state is not None else BlockState()
+
+    def live_leases(self, now: float) -> dict[str, float]:
+        """``{lease_id: expires_at}`` of the leases live at ``now``."""
+        self.expire(now)
+        return {lid: rec.expires_at for lid, rec in self._leases.items()}
+
+
+def explain_stale(block: object, version: int, current: int, complete: bool) -> StaleVersionError:
+    """A :class:`StaleVersionError` saying why ``block`` at ``version`` is not fresh."""
+    if current == 0:
+        why = "unknown to the registry"
+    elif version < current:
+        why = f"older than the registry's version {current}"
+    elif version > current:
+        why = f"never issued (the registry holds version {current})"
+    elif not complete:
+        why = "invalidated or not yet committed"
+    else:
+        why = "fresh"
+    return StaleVersionError(f"block {block!r} version {version} is {why}")
+
+
+__all__ = [
+    "BlockState",
+    "Lease",
+    "RegistryCore",
+    "VersionedBlock",
+    "check_ttl",
+    "check_version",
+    "explain_stale",
+    "new_lease_id",
+    "pairs_keys",
+    "stale_error",
+]

@@ -1,0 +1,201 @@
+"""Redis key layout and Lua scripts of the Redis registry backend (text only, no I/O).
+
+Every key of a namespace ``ns`` starts with the hash tag ``{ns}``, so one namespace lives in
+one Redis Cluster slot and every script may touch all of its keys.
+
+=============================  ========  ====================================================
+key                            type      content
+=============================  ========  ====================================================
+``{ns}:seq``                   string    last version handed out (INCR); never reset
+``{ns}:b:<canonical id>``      hash      ``v`` version, ``c`` "1" if complete else "0",
+                                         ``l`` lease id holding it in flight (absent if none),
+                                         ``e`` that lease's expiry (Redis TIME, microseconds)
+``{ns}:lease:<lease id>``      string    expiry (Redis TIME, microseconds); PX set slightly
+                                         past it so Redis reclaims dead leases by itself
+``{ns}:events`` (channel)      pub/sub   ``"<version> <canonical id>"`` per commit,
+                                         invalidation or accepted publish
+=============================  ========  ====================================================
+
+Block hashes never expire: a version must never be handed out twice, and forgetting a block
+would let its counter restart. Versions come from the one ``seq`` counter, so even a lost
+block hash cannot bring an old version back. Lease liveness is decided inside the scripts
+against ``redis.call('TIME')``, one clock for every client, so client clock skew is moot.
+"""
+
+from __future__ import annotations
+
+from kvwire.errors import UsageError
+
+# Shared prologue: the server's clock in microseconds (exact in a double until 2255).
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+"""
+
+# Frees the blocks a lease still holds and deletes the lease. KEYS[first..] are blocks.
+_FREE = """
+local function free(first, lease_id)
+  for i = first, #KEYS do
+    if redis.call('HGET', KEYS[i], 'l') == lease_id then
+      redis.call('HDEL', KEYS[i], 'l', 'e')
+    end
+  end
+end
+"""
+
+BEGIN = (
+    _NOW
+    + """
+-- KEYS: lease, block...   ARGV: lease_id, ttl_us, lease_px
+-- returns {expiry_us, state1, version1, state2, version2, ...}; state s=started b=busy c=complete
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return redis.error_reply('lease id already in use')
+end
+local exp = now + tonumber(ARGV[2])
+local out = {exp}
+local started = 0
+for i = 2, #KEYS do
+  local h = redis.call('HMGET', KEYS[i], 'v', 'c', 'l', 'e')
+  local v = tonumber(h[1]) or 0
+  if h[3] and tonumber(h[4]) > now then
+    out[#out + 1] = 'b'
+  elseif h[2] == '1' then
+    out[#out + 1] = 'c'
+  else
+    redis.call('HSET', KEYS[i], 'v', v, 'c', '0', 'l', ARGV[1], 'e', exp)
+    started = started + 1
+    out[#out + 1] = 's'
+  end
+  out[#out + 1] = v
+end
+if started > 0 then
+  redis.call('SET', KEYS[1], exp, 'PX', ARGV[3])
+end
+return out
+"""
+)
+
+COMMIT = (
+    _NOW
+    + _FREE
+    + """
+-- KEYS: lease, seq, block...   ARGV: lease_id, channel, canonical id per block
+-- returns {0, version...} | {-1} lease not live | {-2, index...} blocks lost (1-based)
+local exp = tonumber(redis.call('GET', KEYS[1]) or '0')
+if exp <= now then
+  free(3, ARGV[1])
+  redis.call('DEL', KEYS[1])
+  return {-1}
+end
+local lost = {-2}
+for i = 3, #KEYS do
+  if redis.call('HGET', KEYS[i], 'l') ~= ARGV[1] then
+    lost[#lost + 1] = i - 2
+  end
+end
+if #lost > 1 then
+  free(3, ARGV[1])
+  redis.call('DEL', KEYS[1])
+  return lost
+end
+local out = {0}
+for i = 3, #KEYS do
+  local v = redis.call('INCR', KEYS[2])
+  redis.call('HSET', KEYS[i], 'v', v, 'c', '1')
+  redis.call('HDEL', KEYS[i], 'l', 'e')
+  redis.call('PUBLISH', ARGV[2], v .. ' ' .. ARGV[i])
+  out[#out + 1] = v
+end
+redis.call('DEL', KEYS[1])
+return out
+"""
+)
+
+RENEW = (
+    _NOW
+    + """
+-- KEYS: lease, block...   ARGV: lease_id, ttl_us, lease_px
+-- returns the new expiry (microseconds) or -1 if the lease is not live
+local exp = tonumber(redis.call('GET', KEYS[1]) or '0')
+if exp <= now then
+  return -1
+end
+local new_exp = now + tonumber(ARGV[2])
+redis.call('SET', KEYS[1], new_exp, 'PX', ARGV[3])
+for i = 2, #KEYS do
+  if redis.call('HGET', KEYS[i], 'l') == ARGV[1] then
+    redis.call('HSET', KEYS[i], 'e', new_exp)
+  end
+end
+return new_exp
+"""
+)
+
+RELEASE = (
+    _FREE
+    + """
+-- KEYS: lease, block...   ARGV: lease_id
+free(2, ARGV[1])
+redis.call('DEL', KEYS[1])
+return 0
+"""
+)
+
+INVALIDATE = """
+-- KEYS: seq, block...   ARGV: channel, canonical id per block
+-- returns {version...}
+local out = {}
+for i = 2, #KEYS do
+  local v = redis.call('INCR', KEYS[1])
+  redis.call('HSET', KEYS[i], 'v', v, 'c', '0')
+  redis.call('HDEL', KEYS[i], 'l', 'e')
+  redis.call('PUBLISH', ARGV[1], v .. ' ' .. ARGV[i])
+  out[#out + 1] = v
+end
+return out
+"""
+
+PUBLISH = """
+-- KEYS: seq, block...   ARGV: channel, then canonical id and version per block
+-- returns the 1-based indexes of the rejected (stale) pairs
+local rejected = {}
+for i = 2, #KEYS do
+  local pv = tonumber(ARGV[2 * i - 1])
+  local h = redis.call('HMGET', KEYS[i], 'v', 'c')
+  local v = tonumber(h[1]) or 0
+  if pv > v then
+    redis.call('HSET', KEYS[i], 'v', pv, 'c', '1')
+    redis.call('HDEL', KEYS[i], 'l', 'e')
+    if pv > tonumber(redis.call('GET', KEYS[1]) or '0') then
+      redis.call('SET', KEYS[1], pv)
+    end
+    redis.call('PUBLISH', ARGV[1], pv .. ' ' .. ARGV[2 * i - 2])
+  elseif not (pv == v and h[2] == '1') then
+    rejected[#rejected + 1] = i - 1
+  end
+end
+return rejected
+"""
+
+
+class KeyLayout:
+    """The key names of one namespace."""
+
+    def __init__(self, namespace: str) -> None:
+        if not namespace or "{" in namespace or "}" in namespace:
+            raise UsageError("a namespace is a non-empty string without '{' or '}'")
+        self.namespace = namespace
+        self.prefix = "{" + namespace + "}:"
+        self.seq = self.prefix + "seq"
+        self.channel = self.prefix + "events"
+
+    def block(self, key: str) -> str:
+        """The hash of the block with canonical key ``key``."""
+        return self.prefix + "b:" + key
+
+    def lease(self, lease_id: str) -> str:
+        """The expiry string of lease ``lease_id``."""
+        return self.prefix + "lease:" + lease_id
+
+
+__all__ = ["BEGIN", "COMMIT", "INVALIDATE", "PUBLISH", "RELEASE", "RENEW", "KeyLayout"]

@@ -1,0 +1,173 @@
+"""The ``auto`` codec: pick per chunk the codec that delivers the most KV per second.
+
+A codec that shrinks the cache by ``size_ratio`` (wire bytes / fp16 bytes) lets a link
+of ``B`` bytes/s carry ``B / size_ratio`` bytes of fp16 KV per second, but only as fast
+as the codec encodes: delivered KV = min(link / size_ratio, encode speed), with
+encoding overlapped with sending. On a fast link the raw bytes win; on a slow one a
+compact codec does.
+
+With a deadline the aim changes: keep as much precision as the deadline allows, so the
+chooser walks from the most precise codec down and stops at the first that finishes in
+time.
+
+Codecs are named by string; the chooser never imports them. Encode speeds are measured
+by the transport and fed back through :meth:`CodecChooser.observe_encode`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["CodecCandidate", "CodecChoice", "CodecChooser"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecCandidate:
+    name: str
+    size_ratio: float
+    """Wire bytes per fp16 byte (1.0 for raw, about 0.52 for fp8 with per-(token, head)
+    scales, about 0.27 for int4 with group scales)."""
+    encode_bytes_per_s: float | None = None
+    """Prior encode speed in fp16 input bytes/s; ``None`` = not yet measured (treated as
+    unlimited, so an unmeasured codec gets tried and measured)."""
+    precision: int | None = None
+    """Rank for deadline mode, higher is more precise; default: by ``size_ratio``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecChoice:
+    codec: str
+    delivered_bytes_per_s: float
+    """Expected fp16 KV bytes/s delivered with this codec."""
+    meets_deadline: bool | None
+    """``None`` when no deadline was given."""
+
+
+class CodecChooser:
+    """Chooses a codec per chunk from the bandwidth estimate and measured encode speeds."""
+
+    def __init__(
+        self,
+        candidates: Iterable[CodecCandidate],
+        *,
+        tolerance: float = 0.05,
+        speed_gain: float = 0.25,
+        deadline_margin: float = 0.1,
+    ) -> None:
+        """
+        :param tolerance: in throughput mode, a more precise codec within this fraction
+            of the best delivered rate is preferred.
+        :param speed_gain: EWMA gain for encode-speed and size-ratio measurements.
+        :param deadline_margin: in deadline mode, a codec must finish this fraction ahead
+            of the deadline to count as meeting it, absorbing estimate noise.
+        """
+        ordered = list(candidates)
+        if not ordered:
+            raise ValueError("at least one codec candidate is needed")
+        names = [c.name for c in ordered]
+        if len(set(names)) != len(names):
+            raise ValueError("codec names must be unique")
+        for c in ordered:
+            if c.size_ratio <= 0:
+                raise ValueError(f"{c.name}: size_ratio must be positive")
+        self._ratio = {c.name: c.size_ratio for c in ordered}
+        self._speed: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
+        # Most precise first; ties keep the caller's order.
+        self._by_precision = [
+            c.name
+            for c in sorted(
+                ordered,
+                key=lambda c: -(c.precision if c.precision is not None else c.size_ratio),
+            )
+        ]
+        self._tolerance = tolerance
+        self._gain = speed_gain
+        self._deadline_margin = deadline_margin
+
+    @classmethod
+    def from_ratios(cls, ratios: Mapping[str, float], **kwargs: float) -> CodecChooser:
+        """Candidates from ``{name: size_ratio}``, precision ordered by ratio."""
+        return cls((CodecCandidate(name=n, size_ratio=r) for n, r in ratios.items()), **kwargs)
+
+    @property
+    def codecs(self) -> list[str]:
+        """Codec names, most precise first."""
+        return list(self._by_precision)
+
+    def encode_speed(self, codec: str) -> float | None:
+        return self._speed[codec]
+
+    def size_ratio(self, codec: str) -> float:
+        return self._ratio[codec]
+
+    def observe_encode(self, codec: str, nbytes: int, seconds: float) -> None:
+        """Feed one measured encode: ``nbytes`` of fp16 input took ``seconds``."""
+        if codec not in self._speed or nbytes <= 0:
+            return
+        speed = nbytes / max(seconds, 1e-9)
+        old = self._speed[codec]
+        self._speed[codec] = speed if old is None else old + self._gain * (speed - old)
+
+    def observe_size(self, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
+        """Feed one measured size ratio (entropy stages vary with the data)."""
+        if codec not in self._ratio or fp16_bytes <= 0 or wire_bytes <= 0:
+            return
+        ratio = wire_bytes / fp16_bytes
+        self._ratio[codec] += self._gain * (ratio - self._ratio[codec])
+
+    def delivered_rate(self, codec: str, bandwidth_bps: float) -> float:
+        """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
+        link = bandwidth_bps / 8.0 / self._ratio[codec]
+        speed = self._speed[codec]
+        return link if speed is None else min(link, speed)
+
+    def rates(self, bandwidth_bps: float) -> dict[str, float]:
+        """Delivered KV bytes/s per codec, most precise first."""
+        return {c: self.delivered_rate(c, bandwidth_bps) for c in self._by_precision}
+
+    def choose(
+        self,
+        bandwidth_bps: float | None,
+        *,
+        remaining_bytes: int | None = None,
+        time_left: float | None = None,
+    ) -> CodecChoice:
+        """Choose the codec for the next chunk.
+
+        :param bandwidth_bps: the published bandwidth estimate; ``None`` (no estimate
+            yet) picks the most precise codec.
+        :param remaining_bytes: fp16 bytes of the transfer still to send, this chunk
+            included; with ``time_left`` it selects deadline mode.
+        :param time_left: seconds to the deadline.
+        """
+        if bandwidth_bps is None or bandwidth_bps <= 0:
+            first = self._by_precision[0]
+            return CodecChoice(codec=first, delivered_bytes_per_s=math.nan, meets_deadline=None)
+        rates = self.rates(bandwidth_bps)
+        if remaining_bytes is not None and time_left is not None:
+            return self._choose_for_deadline(rates, remaining_bytes, time_left)
+        best = max(rates.values())
+        for codec in self._by_precision:
+            if rates[codec] >= best * (1.0 - self._tolerance):
+                return CodecChoice(
+                    codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None
+                )
+        raise AssertionError("unreachable: the best codec is within tolerance of itself")
+
+    def _choose_for_deadline(
+        self, rates: Mapping[str, float], remaining_bytes: int, time_left: float
+    ) -> CodecChoice:
+        budget = time_left / (1.0 + self._deadline_margin)
+        if budget > 0:
+            for codec in self._by_precision:
+                if remaining_bytes <= rates[codec] * budget:
+                    return CodecChoice(
+                        codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=True
+                    )
+        # No codec makes it: the fastest one misses by the least.
+        fastest = max(self._by_precision, key=lambda c: rates[c])
+        return CodecChoice(
+            codec=fastest, delivered_bytes_per_s=rates[fastest], meets_deadline=False
+        )

@@ -1,0 +1,365 @@
+"""Delivery-rate, RTT and goodput estimation from the protocol's chunk acknowledgements.
+
+The receiver acknowledges every chunk after verifying and storing it, so each ack is a
+delivery event at application level. Per sent chunk the estimator keeps the BBR-style
+delivery state (bytes delivered so far, when, and when the current flight began); per
+ack it produces a :class:`RateSample`: bytes delivered over the interval the chunk was
+in flight.
+
+Two views of bandwidth come out of the samples:
+
+* ``max_filter_bps``: the windowed maximum over the last ``window_rounds`` round trips.
+  It is what the path has shown it can carry, and it is slow to forget a peak.
+* ``goodput_bps``: bytes delivered per second over the last ``goodput_window`` seconds
+  of samples that were not application-limited. It follows a drop in capacity within
+  about that window.
+
+``bandwidth_bps`` publishes the goodput while it is fresh (capped by the max filter), and
+falls back to the max filter when the sender has been idle or application-limited, so a
+quiet period neither reports zero nor forgets the path's capacity.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+__all__ = ["DeliveryRateEstimator", "EstimatorSnapshot", "RateSample"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RateSample:
+    """One delivery-rate sample, produced by an acknowledgement."""
+
+    delivered_bytes: int
+    """Bytes acknowledged between the acked chunk's send and its ack."""
+    interval: float
+    """Seconds those bytes took: the longer of the send and the ack intervals."""
+    rtt: float
+    """Seconds from the chunk's send to its ack."""
+    app_limited: bool
+    """The sender had nothing queued while this chunk was in flight."""
+    round_count: int
+    """Round trips completed when the sample was taken."""
+
+    @property
+    def rate_bps(self) -> float:
+        """Delivery rate in bits per second."""
+        return 8.0 * self.delivered_bytes / self.interval
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EstimatorSnapshot:
+    """Every published figure of a :class:`DeliveryRateEstimator` at one instant."""
+
+    bandwidth_bps: float | None
+    max_filter_bps: float | None
+    goodput_bps: float | None
+    min_rtt: float | None
+    srtt: float | None
+    rttvar: float | None
+    bytes_in_flight: int
+    chunks_in_flight: int
+    delivered_bytes: int
+    round_count: int
+    samples: int
+    app_limited: bool
+
+
+@dataclass(slots=True)
+class _SentChunk:
+    nbytes: int
+    sent_time: float
+    delivered: int
+    delivered_time: float
+    first_sent_time: float
+    app_limited: bool
+
+
+class DeliveryRateEstimator:
+    """Estimates bottleneck bandwidth, RTT and goodput from chunk sends and acks.
+
+    Feed it ``on_send`` for every chunk put on the wire and ``on_ack`` for every chunk the
+    peer acknowledged; ``on_loss`` for chunks that will never be acknowledged (the
+    connection carrying them died; they are re-sent under a new key).
+    """
+
+    def __init__(
+        self,
+        *,
+        window_rounds: int = 10,
+        goodput_window: float = 0.5,
+        min_rtt_window: float = 10.0,
+        min_interval: float = 1e-6,
+    ) -> None:
+        """
+        :param window_rounds: round trips the max filter remembers.
+        :param goodput_window: seconds of samples averaged into ``goodput_bps``; a drop in
+            capacity shows in the published estimate after about this long.
+        :param min_rtt_window: seconds the minimum RTT is remembered; a path whose
+            propagation delay grew is recognised after this long.
+        :param min_interval: floor on a sample's interval, so two acks at the same clock
+            reading cannot produce an infinite rate.
+        """
+        if window_rounds < 1:
+            raise ValueError("window_rounds must be >= 1")
+        if goodput_window <= 0 or min_rtt_window <= 0 or min_interval <= 0:
+            raise ValueError("windows and min_interval must be positive")
+        self._window_rounds = window_rounds
+        self._goodput_window = goodput_window
+        self._min_rtt_window = min_rtt_window
+        self._min_interval = min_interval
+
+        self._sent: dict[Hashable, _SentChunk] = {}
+        self._bytes_in_flight = 0
+        self._delivered = 0
+        self._delivered_time = 0.0
+        self._first_sent_time = 0.0
+        # Delivered-byte mark until which samples are app-limited; 0 means not app-limited.
+        self._app_limited_until = 0
+
+        self._round_count = 0
+        self._next_round_delivered = 0
+
+        # Monotonic deques: the front is the extreme of the window.
+        self._max_bw: deque[tuple[int, float]] = deque()
+        self._min_rtts: deque[tuple[float, float]] = deque()
+        # (ack time, delivered bytes, interval) of non-app-limited samples.
+        self._goodput_samples: deque[tuple[float, int, float]] = deque()
+        self._goodput_bytes = 0
+        self._goodput_interval = 0.0
+        self._last_now = 0.0
+
+        self._srtt: float | None = None
+        self._rttvar: float | None = None
+        self._samples = 0
+
+    # -- inputs -----------------------------------------------------------------------
+
+    def on_send(self, chunk_key: Hashable, nbytes: int, now: float, *, app_limited: bool) -> None:
+        """Record a chunk put on the wire.
+
+        :param app_limited: after this chunk the sender has nothing queued, so the link
+            may idle; samples taken while this data is in flight do not measure capacity.
+        """
+        if nbytes <= 0:
+            raise ValueError("nbytes must be positive")
+        if chunk_key in self._sent:
+            raise ValueError(f"chunk {chunk_key!r} is already in flight")
+        if self._bytes_in_flight == 0:
+            # A new flight starts now: intervals must not include the idle time before it.
+            self._first_sent_time = now
+            self._delivered_time = now
+        self._bytes_in_flight += nbytes
+        if app_limited:
+            self._app_limited_until = max(self._delivered + self._bytes_in_flight, 1)
+        self._sent[chunk_key] = _SentChunk(
+            nbytes=nbytes,
+            sent_time=now,
+            delivered=self._delivered,
+            delivered_time=self._delivered_time,
+            first_sent_time=self._first_sent_time,
+            app_limited=self._app_limited_until != 0,
+        )
+        self._last_now = max(self._last_now, now)
+
+    def on_ack(self, chunk_key: Hashable, now: float) -> RateSample | None:
+        """Record a chunk acknowledged by the peer; returns the sample it produced.
+
+        An unknown key (already acked, forgotten, or never sent) returns ``None``.
+        """
+        chunk = self._sent.pop(chunk_key, None)
+        if chunk is None:
+            return None
+        self._last_now = max(self._last_now, now)
+        self._bytes_in_flight -= chunk.nbytes
+        self._delivered += chunk.nbytes
+        self._delivered_time = now
+        if self._app_limited_until and self._delivered > self._app_limited_until:
+            self._app_limited_until = 0
+
+        if chunk.delivered >= self._next_round_delivered:
+            self._next_round_delivered = self._delivered
+            self._round_count += 1
+
+        # Later sends measure their flight from this chunk's send on.
+        self._first_sent_time = max(self._first_sent_time, chunk.sent_time)
+
+        send_elapsed = chunk.sent_time - chunk.first_sent_time
+        ack_elapsed = now - chunk.delivered_time
+        interval = max(send_elapsed, ack_elapsed, self._min_interval)
+        rtt = max(now - chunk.sent_time, 0.0)
+        sample = RateSample(
+            delivered_bytes=self._delivered - chunk.delivered,
+            interval=interval,
+            rtt=rtt,
+            app_limited=chunk.app_limited,
+            round_count=self._round_count,
+        )
+        self._samples += 1
+        self._update_rtt(rtt, now)
+        self._update_max_filter(sample)
+        if not sample.app_limited:
+            self._goodput_samples.append((now, sample.delivered_bytes, sample.interval))
+            self._goodput_bytes += sample.delivered_bytes
+            self._goodput_interval += sample.interval
+        self._expire_goodput(now)
+        return sample
+
+    def on_loss(self, chunk_key: Hashable) -> bool:
+        """Forget a chunk that will never be acknowledged; returns whether it was known."""
+        chunk = self._sent.pop(chunk_key, None)
+        if chunk is None:
+            return False
+        self._bytes_in_flight -= chunk.nbytes
+        return True
+
+    forget = on_loss
+
+    def forget_all(self) -> int:
+        """Forget every chunk in flight (all connections died); returns how many."""
+        count = len(self._sent)
+        self._sent.clear()
+        self._bytes_in_flight = 0
+        return count
+
+    def advance(self, now: float) -> None:
+        """Let time pass without an ack, so the goodput window can expire old samples."""
+        self._last_now = max(self._last_now, now)
+        self._expire_goodput(now)
+
+    # -- internals --------------------------------------------------------------------
+
+    def _update_rtt(self, rtt: float, now: float) -> None:
+        if self._srtt is None or self._rttvar is None:
+            self._srtt = rtt
+            self._rttvar = rtt / 2
+        else:
+            # RFC 6298 gains.
+            self._rttvar = 0.75 * self._rttvar + 0.25 * abs(self._srtt - rtt)
+            self._srtt = 0.875 * self._srtt + 0.125 * rtt
+        mins = self._min_rtts
+        while mins and mins[-1][1] >= rtt:
+            mins.pop()
+        mins.append((now, rtt))
+        while mins[0][0] < now - self._min_rtt_window:
+            mins.popleft()
+
+    def _update_max_filter(self, sample: RateSample) -> None:
+        rate = sample.rate_bps
+        current = self.max_filter_bps
+        if sample.app_limited and current is not None and rate < current:
+            return
+        maxes = self._max_bw
+        while maxes and maxes[-1][1] <= rate:
+            maxes.pop()
+        maxes.append((self._round_count, rate))
+        self._expire_max_filter()
+
+    def _expire_max_filter(self) -> None:
+        oldest = self._round_count - self._window_rounds + 1
+        maxes = self._max_bw
+        while len(maxes) > 1 and maxes[0][0] < oldest:
+            maxes.popleft()
+
+    def _expire_goodput(self, now: float) -> None:
+        horizon = now - self._goodput_window
+        samples = self._goodput_samples
+        while samples and samples[0][0] <= horizon:
+            _, nbytes, interval = samples.popleft()
+            self._goodput_bytes -= nbytes
+            self._goodput_interval -= interval
+        if not samples:
+            # Reset sums so floating-point drift cannot accumulate across idle periods.
+            self._goodput_bytes = 0
+            self._goodput_interval = 0.0
+
+    # -- outputs ----------------------------------------------------------------------
+
+    @property
+    def max_filter_bps(self) -> float | None:
+        """Windowed maximum delivery rate over recent round trips (bits/s)."""
+        if not self._max_bw:
+            return None
+        return self._max_bw[0][1]
+
+    @property
+    def goodput_bps(self) -> float | None:
+        """Mean delivery rate of recent non-app-limited samples (bits/s); ``None`` if none."""
+        if not self._goodput_samples or self._goodput_interval <= 0:
+            return None
+        return 8.0 * self._goodput_bytes / self._goodput_interval
+
+    @property
+    def bandwidth_bps(self) -> float | None:
+        """The published bandwidth estimate (bits/s); ``None`` before the first ack."""
+        peak = self.max_filter_bps
+        goodput = self.goodput_bps
+        if goodput is None:
+            return peak
+        if peak is None:
+            return goodput
+        return min(goodput, peak)
+
+    @property
+    def min_rtt(self) -> float | None:
+        """Windowed minimum of ack RTTs (seconds)."""
+        if not self._min_rtts:
+            return None
+        return self._min_rtts[0][1]
+
+    @property
+    def srtt(self) -> float | None:
+        """Smoothed ack RTT (seconds)."""
+        return self._srtt
+
+    @property
+    def rttvar(self) -> float | None:
+        """Ack RTT variation (seconds)."""
+        return self._rttvar
+
+    @property
+    def bytes_in_flight(self) -> int:
+        return self._bytes_in_flight
+
+    @property
+    def chunks_in_flight(self) -> int:
+        return len(self._sent)
+
+    @property
+    def delivered_bytes(self) -> int:
+        return self._delivered
+
+    @property
+    def round_count(self) -> int:
+        return self._round_count
+
+    @property
+    def app_limited(self) -> bool:
+        """Whether samples currently being taken are marked application-limited."""
+        return self._app_limited_until != 0
+
+    def bdp_bytes(self) -> float | None:
+        """Bandwidth-delay product from the published bandwidth and the min RTT (bytes)."""
+        bandwidth = self.bandwidth_bps
+        min_rtt = self.min_rtt
+        if bandwidth is None or min_rtt is None:
+            return None
+        return bandwidth / 8.0 * min_rtt
+
+    def snapshot(self) -> EstimatorSnapshot:
+        return EstimatorSnapshot(
+            bandwidth_bps=self.bandwidth_bps,
+            max_filter_bps=self.max_filter_bps,
+            goodput_bps=self.goodput_bps,
+            min_rtt=self.min_rtt,
+            srtt=self._srtt,
+            rttvar=self._rttvar,
+            bytes_in_flight=self._bytes_in_flight,
+            chunks_in_flight=len(self._sent),
+            delivered_bytes=self._delivered,
+            round_count=self._round_count,
+            samples=self._samples,
+            app_limited=self.app_limited,
+        )

@@ -1,0 +1,187 @@
+"""How many TCP streams a session stripes over.
+
+One TCP stream delivers at most window / RTT. When each stream is window-limited
+(congestion window, send buffer, receive window, or the per-stream in-flight cap) and
+adding a stream raised the total rate, another stream helps; when the last stream added
+did not raise the total, or no stream is window-limited and fewer streams would carry
+the same rate, the extra streams only add contention and are given up.
+
+The controller is evaluated at most once per ``interval`` (the caller asks
+``get_timer()`` when to call ``evaluate``); every decision looks only at the samples it
+is given and the ones before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = [
+    "StreamController",
+    "StreamDecision",
+    "StreamSample",
+    "StreamVerdict",
+    "window_limited_from_counters",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamSample:
+    """What one stream did since the previous evaluation."""
+
+    delivery_rate_bps: float
+    """Bits/s this stream delivered (acked bytes over the period)."""
+    window_limited: bool
+    """The stream spent most of the period limited by its own window or send buffer, or
+    it hit the per-stream in-flight cap; more data was waiting."""
+
+
+class StreamVerdict(Enum):
+    HOLD = "hold"
+    GROW = "grow"
+    SHRINK = "shrink"
+    REVERT = "revert"
+    """The last added stream did not raise the total rate; it is given back."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamDecision:
+    verdict: StreamVerdict
+    streams: int
+    """Streams to use from now on."""
+    total_rate_bps: float
+
+
+def window_limited_from_counters(
+    *,
+    busy_us: int | None,
+    rwnd_limited_us: int | None,
+    sndbuf_limited_us: int | None,
+    threshold: float = 0.5,
+) -> bool:
+    """Whether a stream was window-limited, from TCP_INFO time counters over one period.
+
+    Arguments are deltas of ``tcpi_busy_time``, ``tcpi_rwnd_limited`` and
+    ``tcpi_sndbuf_limited`` between two readings. The kernel counts these within busy
+    time, so a stream limited more than ``threshold`` of its busy time is window-limited.
+    Missing counters (older kernels) read as not limited.
+    """
+    if not busy_us or busy_us <= 0:
+        return False
+    limited = (rwnd_limited_us or 0) + (sndbuf_limited_us or 0)
+    return limited > threshold * busy_us
+
+
+class StreamController:
+    """Chooses the number of streams in use from per-stream delivery samples."""
+
+    def __init__(
+        self,
+        *,
+        min_streams: int = 1,
+        max_streams: int = 8,
+        initial_streams: int = 1,
+        min_gain: float = 0.1,
+        interval: float = 0.25,
+        limited_fraction: float = 0.5,
+        shrink_headroom: float = 0.25,
+        shrink_patience: int = 4,
+        backoff: float = 5.0,
+    ) -> None:
+        """
+        :param min_gain: relative rise in total rate that justifies the last added stream.
+        :param interval: minimum seconds between evaluations; the caller may lengthen it
+            to a few RTTs on long paths.
+        :param limited_fraction: share of streams that must be window-limited to grow.
+        :param shrink_headroom: shrink only if one stream fewer, each at the best rate one
+            stream has shown, would still carry the total with this much to spare.
+        :param shrink_patience: consecutive link-limited evaluations before shrinking.
+        :param backoff: seconds after a revert before growing past that count again.
+        """
+        if not 1 <= min_streams <= initial_streams <= max_streams:
+            raise ValueError("need 1 <= min_streams <= initial_streams <= max_streams")
+        if interval <= 0:
+            raise ValueError("interval must be positive")
+        self._min = min_streams
+        self._max = max_streams
+        self._streams = initial_streams
+        self._min_gain = min_gain
+        self._interval = interval
+        self._limited_fraction = limited_fraction
+        self._shrink_headroom = shrink_headroom
+        self._shrink_patience = shrink_patience
+        self._backoff = backoff
+
+        self._next_eval: float | None = None
+        # Total rate measured just before the last grow, to judge whether the grow helped.
+        self._rate_before_grow: float | None = None
+        self._ceiling: int | None = None
+        self._ceiling_until = 0.0
+        self._per_stream_best = 0.0
+        self._link_limited_runs = 0
+
+    @property
+    def streams(self) -> int:
+        return self._streams
+
+    def get_timer(self) -> float | None:
+        """When the next evaluation is due; ``None`` before the first one."""
+        return self._next_eval
+
+    def evaluate(
+        self, samples: Sequence[StreamSample], now: float, *, app_limited: bool = False
+    ) -> StreamDecision:
+        """Decide the stream count from one sample per stream in use.
+
+        :param app_limited: the sender ran out of data during the period; no conclusion
+            about the path can be drawn, so the count is held.
+        """
+        total = sum(s.delivery_rate_bps for s in samples)
+        if self._next_eval is not None and now < self._next_eval:
+            return self._decide(StreamVerdict.HOLD, total)
+        self._next_eval = now + self._interval
+        if app_limited or not samples:
+            self._rate_before_grow = None
+            return self._decide(StreamVerdict.HOLD, total)
+        if self._ceiling is not None and now >= self._ceiling_until:
+            self._ceiling = None
+
+        limited = [s for s in samples if s.window_limited]
+        for s in limited:
+            self._per_stream_best = max(self._per_stream_best, s.delivery_rate_bps)
+
+        if self._rate_before_grow is not None:
+            before = self._rate_before_grow
+            self._rate_before_grow = None
+            if total < before * (1.0 + self._min_gain) and self._streams > self._min:
+                self._ceiling = self._streams - 1
+                self._ceiling_until = now + self._backoff
+                self._streams -= 1
+                self._link_limited_runs = 0
+                return self._decide(StreamVerdict.REVERT, total)
+
+        if len(limited) >= self._limited_fraction * len(samples):
+            self._link_limited_runs = 0
+            limit = self._max if self._ceiling is None else min(self._max, self._ceiling)
+            if self._streams < limit:
+                self._rate_before_grow = total
+                self._streams += 1
+                return self._decide(StreamVerdict.GROW, total)
+            return self._decide(StreamVerdict.HOLD, total)
+
+        self._link_limited_runs += 1
+        fewer = self._streams - 1
+        if (
+            fewer >= self._min
+            and self._per_stream_best > 0
+            and self._link_limited_runs >= self._shrink_patience
+            and fewer * self._per_stream_best >= total * (1.0 + self._shrink_headroom)
+        ):
+            self._streams = fewer
+            self._link_limited_runs = 0
+            return self._decide(StreamVerdict.SHRINK, total)
+        return self._decide(StreamVerdict.HOLD, total)
+
+    def _decide(self, verdict: StreamVerdict, total: float) -> StreamDecision:
+        return StreamDecision(verdict=verdict, streams=self._streams, total_rate_bps=total)

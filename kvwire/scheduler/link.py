@@ -1,0 +1,74 @@
+"""The link between the clusters: a piecewise-constant rate over time."""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+
+from kvwire.errors import UsageError
+
+__all__ = ["LinkSchedule"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSchedule:
+    """Rate ``rates_bps[i]`` from ``starts_s[i]`` until the next start (the last one holds
+    forever). A zero rate models an outage; the last rate must be positive so every queued
+    transfer eventually finishes."""
+
+    starts_s: tuple[float, ...] = (0.0,)
+    rates_bps: tuple[float, ...] = (100e9,)
+
+    def __post_init__(self) -> None:
+        if not self.starts_s or len(self.starts_s) != len(self.rates_bps):
+            raise UsageError("a link schedule needs one rate per start time")
+        if self.starts_s[0] != 0.0 or any(
+            b <= a for a, b in zip(self.starts_s, self.starts_s[1:], strict=False)
+        ):
+            raise UsageError("schedule starts must begin at 0 and increase")
+        if any(r < 0 or not math.isfinite(r) for r in self.rates_bps) or self.rates_bps[-1] <= 0:
+            raise UsageError("rates must be finite and >= 0, and the last one > 0")
+
+    @classmethod
+    def constant(cls, rate_bps: float) -> LinkSchedule:
+        return cls(starts_s=(0.0,), rates_bps=(rate_bps,))
+
+    @classmethod
+    def from_pairs(cls, pairs: tuple[tuple[float, float], ...]) -> LinkSchedule:
+        return cls(starts_s=tuple(s for s, _ in pairs), rates_bps=tuple(r for _, r in pairs))
+
+    def rate_at(self, now: float) -> float:
+        i = max(0, bisect.bisect_right(self.starts_s, now) - 1)
+        return self.rates_bps[i]
+
+    def mean_rate(self, horizon_s: float) -> float:
+        """Time-averaged rate over ``[0, horizon_s]``."""
+        if horizon_s <= 0:
+            return self.rates_bps[0]
+        return 8.0 * self.bytes_between(0.0, horizon_s) / horizon_s
+
+    def bytes_between(self, t0: float, t1: float) -> float:
+        total = 0.0
+        for i, (s, r) in enumerate(zip(self.starts_s, self.rates_bps, strict=True)):
+            e = self.starts_s[i + 1] if i + 1 < len(self.starts_s) else math.inf
+            lo, hi = max(s, t0), min(e, t1)
+            if hi > lo:
+                total += (hi - lo) * r / 8.0
+        return total
+
+    def finish_time(self, start_s: float, nbytes: float) -> float:
+        """When ``nbytes`` sent at full rate from ``start_s`` have all left."""
+        remaining = nbytes * 8.0
+        t = start_s
+        i = max(0, bisect.bisect_right(self.starts_s, t) - 1)
+        while True:
+            rate = self.rates_bps[i]
+            end = self.starts_s[i + 1] if i + 1 < len(self.starts_s) else math.inf
+            if rate > 0:
+                need = remaining / rate
+                if t + need <= end:
+                    return t + need
+                remaining -= (end - t) * rate
+            t = end
+            i += 1

@@ -1,0 +1,265 @@
+"""The Prefill-as-a-Service throughput model and its optimizer.
+
+Requests whose incremental length ``l`` exceeds the threshold ``t`` are prefilled on the
+remote cluster and their KV shipped over the egress link; the rest are prefilled locally;
+every request decodes locally. With ``p = P(L > t)``::
+
+    Theta_prfaas = min(N_remote / T_remote(l_long), B_out / S_kv(l_long))
+    Theta_pdp    = N_p / T_local(l_short)
+    Theta_pdd    = N_d * BS_max / (T_decode * L_out)
+    Lambda_max   = min(Theta_prfaas / p, Theta_pdp / (1 - p), Theta_pdd)
+
+The local cluster's prefill and decode speeds are inputs: its profile is the remote profile
+scaled by ``relative_compute`` (0.15 for H20 against H200 dense BF16) unless one is given,
+and decode is a step time and a maximum batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwire.errors import UsageError
+from kvwire.scheduler.profile import ModelProfile
+from kvwire.scheduler.workload import LengthDistribution
+
+__all__ = [
+    "Bound",
+    "Capacity",
+    "ClusterConfig",
+    "OptimizerResult",
+    "best_split",
+    "capacity",
+    "optimize",
+]
+
+
+class Bound(StrEnum):
+    """Which resource limits ``Lambda_max``."""
+
+    REMOTE_COMPUTE = "remote-compute"
+    EGRESS_BANDWIDTH = "egress-bandwidth"
+    LOCAL_PREFILL = "local-prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterConfig:
+    """Both clusters and the link between them. Defaults: the case study (4 remote 8xH200
+    instances, 8 local 8xH20 instances, 100 Gbit/s)."""
+
+    remote_profile: ModelProfile
+    """Prefill profile of one remote instance."""
+    remote_instances: int = 4
+    """``N_prfaas``: remote prefill instances."""
+    local_instances: int = 8
+    """Local PD instances, split between prefill (``N_p``) and decode (``N_d``)."""
+    egress_bps: float = 100e9
+    """``B_out``: egress bandwidth of the remote cluster, bits per second."""
+    relative_compute: float = 0.15
+    """Local instance compute relative to a remote one (H20 has about 15% of H200's dense
+    BF16 compute). Without ``local_profile``, the local prefill latency is the remote one
+    with its length-dependent part divided by this (see :meth:`ModelProfile.scaled`)."""
+    local_profile: ModelProfile | None = None
+    """Prefill profile of one local instance, when measured."""
+    decode_step_s: float = 0.05
+    """``T_decode``: one decode step of a full batch on a local instance (assumed 50 ms)."""
+    decode_batch_max: int = 64
+    """``BS_max``: concurrent sequences per decode instance (assumed)."""
+    mean_output_tokens: float = 1024.0
+    """``L_out``: mean output length."""
+
+    def __post_init__(self) -> None:
+        if self.remote_instances < 0 or self.local_instances < 1:
+            raise UsageError("need >= 0 remote and >= 1 local instances")
+        if self.egress_bps < 0 or not math.isfinite(self.egress_bps):
+            raise UsageError("egress bandwidth must be finite and >= 0")
+        if self.relative_compute <= 0 or self.decode_step_s <= 0 or self.decode_batch_max < 1:
+            raise UsageError("relative_compute, decode_step_s and decode_batch_max must be > 0")
+        if self.mean_output_tokens <= 0:
+            raise UsageError("mean_output_tokens must be > 0")
+
+    @property
+    def local_prefill_profile(self) -> ModelProfile:
+        if self.local_profile is not None:
+            return self.local_profile
+        return self.remote_profile.scaled(self.relative_compute)
+
+    def with_egress(self, egress_bps: float) -> ClusterConfig:
+        return replace(self, egress_bps=egress_bps)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capacity:
+    """The model evaluated at one threshold and prefill/decode split (rates in requests/s)."""
+
+    threshold_tokens: float
+    prefill_instances: int
+    decode_instances: int
+    offload_fraction: float
+    """``p``."""
+    mean_long_tokens: float
+    """``l_long``."""
+    mean_short_tokens: float
+    """``l_short``."""
+    remote_compute_rps: float
+    """``N_prfaas / T_prefill(l_long)``."""
+    egress_rps: float
+    """``B_out / S_kv(l_long)``."""
+    local_prefill_rps: float
+    """``Theta_pdp``."""
+    decode_rps: float
+    """``Theta_pdd``."""
+    remote_path_rps: float
+    """``Theta_prfaas / p`` (inf when nothing is offloaded)."""
+    local_path_rps: float
+    """``Theta_pdp / (1 - p)`` (inf when everything is offloaded)."""
+    lambda_max_rps: float
+    binding: Bound
+    egress_demand_bps: float
+    """Egress the offloaded share needs at ``Lambda_max``: ``p * Lambda * S_kv(l_long) * 8``."""
+
+    @property
+    def theta_prfaas_rps(self) -> float:
+        return min(self.remote_compute_rps, self.egress_rps)
+
+
+def capacity(
+    dist: LengthDistribution,
+    config: ClusterConfig,
+    *,
+    threshold_tokens: float,
+    prefill_instances: int,
+) -> Capacity:
+    """``Lambda_max`` and every term of the model for one ``(t, N_p)``."""
+    n_p = prefill_instances
+    n_d = config.local_instances - n_p
+    if n_p < 0 or n_d < 1:
+        raise UsageError(f"bad split: {n_p} prefill of {config.local_instances} local instances")
+    t = float(threshold_tokens)
+    p = dist.fraction_above(t)
+    l_long = dist.mean_above(t)
+    l_short = dist.mean_at_most(t)
+    remote = config.remote_profile
+    local = config.local_prefill_profile
+
+    if p > 0:
+        t_remote = remote.prefill_seconds(l_long)
+        remote_compute = config.remote_instances / t_remote
+        kv_bits = 8.0 * remote.kv_size_bytes(l_long)
+        egress = config.egress_bps / kv_bits if kv_bits > 0 else math.inf
+        remote_path = min(remote_compute, egress) / p
+    else:
+        remote_compute = egress = remote_path = math.inf
+        kv_bits = 0.0
+    local_prefill = n_p / local.prefill_seconds(l_short) if p < 1 else math.inf
+    local_path = local_prefill / (1.0 - p) if p < 1 else math.inf
+    decode = n_d * config.decode_batch_max / (config.decode_step_s * config.mean_output_tokens)
+
+    lam = min(remote_path, local_path, decode)
+    if lam == decode:
+        binding = Bound.DECODE
+    elif lam == local_path:
+        binding = Bound.LOCAL_PREFILL
+    elif egress < remote_compute:
+        binding = Bound.EGRESS_BANDWIDTH
+    else:
+        binding = Bound.REMOTE_COMPUTE
+    return Capacity(
+        threshold_tokens=t,
+        prefill_instances=n_p,
+        decode_instances=n_d,
+        offload_fraction=p,
+        mean_long_tokens=l_long,
+        mean_short_tokens=l_short,
+        remote_compute_rps=remote_compute,
+        egress_rps=egress,
+        local_prefill_rps=local_prefill,
+        decode_rps=decode,
+        remote_path_rps=remote_path,
+        local_path_rps=local_path,
+        lambda_max_rps=lam,
+        binding=binding,
+        egress_demand_bps=p * lam * kv_bits if math.isfinite(lam) else math.inf,
+    )
+
+
+def _rank(c: Capacity) -> tuple[float, float]:
+    # Several (t, N_p) can tie on Lambda_max when decode binds; among them prefer the one
+    # with the most prefill headroom, i.e. the two prefill paths closest to balanced.
+    return (c.lambda_max_rps, min(c.remote_path_rps, c.local_path_rps))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OptimizerResult:
+    """The best ``(t, N_p)`` of the grid, and ``Lambda_max(t)`` at the best split for plots."""
+
+    best: Capacity
+    thresholds: tuple[float, ...]
+    """The threshold grid, tokens."""
+    lambda_at_best_split: tuple[float, ...]
+    """``Lambda_max(t)`` over ``thresholds`` with ``N_p`` fixed at ``best.prefill_instances``."""
+    lambda_best_over_splits: tuple[float, ...] = field(default=())
+    """``max over N_p of Lambda_max(t)`` over ``thresholds``."""
+    step_tokens: float = 0.0
+
+    @property
+    def threshold_tokens(self) -> float:
+        return self.best.threshold_tokens
+
+    @property
+    def binding(self) -> Bound:
+        return self.best.binding
+
+
+def _grid(dist: LengthDistribution, step_tokens: float) -> npt.NDArray[np.float64]:
+    # From "offload everything" (t = 0 keeps only zero-length requests local) to "offload
+    # nothing" (t = the longest length).
+    top = dist.max
+    grid = np.arange(0.0, top + step_tokens, step_tokens)
+    grid[-1] = max(grid[-1], top)
+    return grid
+
+
+def best_split(
+    dist: LengthDistribution, config: ClusterConfig, *, threshold_tokens: float
+) -> Capacity:
+    """The prefill/decode split with the highest ``Lambda_max`` at a fixed threshold."""
+    cands = [
+        capacity(dist, config, threshold_tokens=threshold_tokens, prefill_instances=n_p)
+        for n_p in range(config.local_instances)
+    ]
+    return max(cands, key=_rank)
+
+
+def optimize(
+    dist: LengthDistribution,
+    config: ClusterConfig,
+    *,
+    step_tokens: float = 256.0,
+    prefill_instances: int | None = None,
+) -> OptimizerResult:
+    """Grid search over the threshold (``step_tokens`` apart) and the split ``N_p``
+    (every integer, or only ``prefill_instances`` when given)."""
+    if step_tokens <= 0:
+        raise UsageError("step_tokens must be > 0")
+    grid = _grid(dist, step_tokens)
+    splits = [prefill_instances] if prefill_instances is not None else range(config.local_instances)
+    table = [
+        [capacity(dist, config, threshold_tokens=float(t), prefill_instances=n_p) for t in grid]
+        for n_p in splits
+    ]
+    best = max((c for row in table for c in row), key=_rank)
+    row = next(r for r in table if r[0].prefill_instances == best.prefill_instances)
+    over_splits = [max(r[i].lambda_max_rps for r in table) for i in range(len(grid))]
+    return OptimizerResult(
+        best=best,
+        thresholds=tuple(float(t) for t in grid),
+        lambda_at_best_split=tuple(c.lambda_max_rps for c in row),
+        lambda_best_over_splits=tuple(over_splits),
+        step_tokens=step_tokens,
+    )

@@ -1,0 +1,199 @@
+"""Workloads: request traces (Mooncake format), synthetic log-normal traffic, and the
+input-length distributions the throughput model integrates over."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwire.errors import UsageError
+
+__all__ = [
+    "BLOCK_TOKENS",
+    "LengthDistribution",
+    "TraceRequest",
+    "incremental_lengths",
+    "load_trace",
+    "synthetic_trace",
+]
+
+BLOCK_TOKENS = 512
+"""Tokens per prefix block in the Mooncake trace format and in the consistency registry."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TraceRequest:
+    """One request of a trace."""
+
+    arrival_s: float
+    """Arrival time, seconds from the start of the trace."""
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...] = ()
+    """Prefix block ids (BLOCK_TOKENS tokens each); equal ids at equal positions share KV."""
+
+
+def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequest, ...]:
+    """Read a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
+    ``output_length``, ``hash_ids``), sorted by arrival."""
+    out: list[TraceRequest] = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                    out.append(
+                        TraceRequest(
+                            arrival_s=float(obj["timestamp"]) / 1000.0,
+                            input_length=int(obj["input_length"]),
+                            output_length=int(obj["output_length"]),
+                            hash_ids=tuple(int(h) for h in obj.get("hash_ids", ())),
+                        )
+                    )
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise UsageError(f"{path}:{lineno}: not a trace record ({exc})") from None
+                if limit is not None and len(out) >= limit:
+                    break
+    except OSError as exc:
+        raise UsageError(f"cannot read trace {path}: {exc}") from None
+    if not out:
+        raise UsageError(f"trace {path} holds no requests")
+    out.sort(key=lambda r: r.arrival_s)
+    return tuple(out)
+
+
+def synthetic_trace(
+    rng: np.random.Generator,
+    *,
+    requests: int = 4000,
+    rate_rps: float = 1.0,
+    mu: float = 9.90,
+    sigma: float = 1.00,
+    min_tokens: int = 128,
+    max_tokens: int = 131072,
+    output_tokens: int = 1024,
+) -> tuple[TraceRequest, ...]:
+    """Poisson arrivals with clipped log-normal input lengths (the case-study workload:
+    mu 9.90, sigma 1.00, [128, 128K], 1024 output tokens). No shared prefixes: every
+    request gets fresh block ids."""
+    if requests <= 0 or rate_rps <= 0:
+        raise UsageError("requests and rate must be positive")
+    gaps = rng.exponential(1.0 / rate_rps, size=requests)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    lengths = np.clip(np.rint(rng.lognormal(mu, sigma, size=requests)), min_tokens, max_tokens)
+    out: list[TraceRequest] = []
+    next_block = 0
+    for t, n in zip(arrivals.tolist(), lengths.astype(np.int64).tolist(), strict=True):
+        blocks = -(-n // BLOCK_TOKENS)
+        out.append(
+            TraceRequest(
+                arrival_s=float(t),
+                input_length=int(n),
+                output_length=output_tokens,
+                hash_ids=tuple(range(next_block, next_block + blocks)),
+            )
+        )
+        next_block += blocks
+    return tuple(out)
+
+
+def incremental_lengths(
+    requests: Iterable[TraceRequest], *, block_tokens: int = BLOCK_TOKENS
+) -> npt.NDArray[np.float64]:
+    """Each request's length after the longest prefix hit in an unbounded prefix cache that
+    has seen every earlier request: the lengths the model's threshold applies to."""
+    seen: set[int] = set()
+    out: list[float] = []
+    for r in requests:
+        hit = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            hit += 1
+        seen.update(r.hash_ids)
+        out.append(float(max(0, r.input_length - hit * block_tokens)))
+    return np.asarray(out, dtype=np.float64)
+
+
+class LengthDistribution:
+    """An empirical distribution of (incremental) input lengths with O(log n) tail queries:
+    ``p = P(L > t)``, ``E[L | L > t]`` and ``E[L | L <= t]``."""
+
+    __slots__ = ("_cum", "_sorted")
+
+    def __init__(self, lengths: Sequence[float] | npt.NDArray[np.float64]) -> None:
+        arr = np.sort(np.asarray(lengths, dtype=np.float64))
+        if arr.size == 0 or not np.all(np.isfinite(arr)) or arr[0] < 0:
+            raise UsageError("a length distribution needs finite, non-negative lengths")
+        self._sorted = arr
+        self._cum = np.concatenate(([0.0], np.cumsum(arr)))
+
+    @classmethod
+    def lognormal(
+        cls,
+        mu: float = 9.90,
+        sigma: float = 1.00,
+        *,
+        min_tokens: float = 128,
+        max_tokens: float = 131072,
+        points: int = 20000,
+    ) -> LengthDistribution:
+        """A clipped log-normal, represented by ``points`` equally likely quantiles (no
+        sampling noise, so the optimizer's answer is reproducible)."""
+        nd = NormalDist(mu, sigma)
+        qs = [math.exp(nd.inv_cdf((i + 0.5) / points)) for i in range(points)]
+        return cls(np.clip(np.asarray(qs), min_tokens, max_tokens))
+
+    @classmethod
+    def from_trace(
+        cls, requests: Sequence[TraceRequest], *, incremental: bool = True
+    ) -> LengthDistribution:
+        """Lengths of a trace, after prefix hits (``incremental=True``) or raw."""
+        if incremental:
+            return cls(incremental_lengths(requests))
+        return cls(np.asarray([r.input_length for r in requests], dtype=np.float64))
+
+    @property
+    def lengths(self) -> npt.NDArray[np.float64]:
+        """The sorted lengths (read-only view)."""
+        view = self._sorted.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def mean(self) -> float:
+        return float(self._cum[-1] / self._sorted.size)
+
+    @property
+    def max(self) -> float:
+        return float(self._sorted[-1])
+
+    def quantile(self, q: float) -> float:
+        return float(np.quantile(self._sorted, q))
+
+    def _split(self, threshold: float) -> int:
+        return int(np.searchsorted(self._sorted, threshold, side="right"))
+
+    def fraction_above(self, threshold: float) -> float:
+        """``p = P(L > t)``."""
+        return 1.0 - self._split(threshold) / self._sorted.size
+
+    def mean_above(self, threshold: float) -> float:
+        """``l_long = E[L | L > t]`` (0 when nothing is above)."""
+        k = self._split(threshold)
+        n = self._sorted.size - k
+        return float((self._cum[-1] - self._cum[k]) / n) if n else 0.0
+
+    def mean_at_most(self, threshold: float) -> float:
+        """``l_short = E[L | L <= t]`` (0 when nothing is at or below)."""
+        k = self._split(threshold)
+        return float(self._cum[k] / k) if k else 0.0

@@ -1,0 +1,179 @@
+"""LinkEmulator: rate schedule arithmetic, and shaping real loopback transfers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvwire.bench.emulator import LinkEmulator, RateSchedule
+
+MB = 1_000_000
+
+
+def test_schedule_rate_at_and_finish_time() -> None:
+    s = RateSchedule([(0.0, 8e6), (2.0, 4e6)])  # 1 MB/s, then 0.5 MB/s
+    assert s.rate_at(0.0) == 8e6
+    assert s.rate_at(1.999) == 8e6
+    assert s.rate_at(2.0) == 4e6
+    assert s.peak_bps == 8e6
+    assert s.finish_time(0.0, MB) == pytest.approx(1.0)
+    # 1 MB before the step, the other 0.5 MB after it at half the rate.
+    assert s.finish_time(1.0, MB + MB // 2) == pytest.approx(3.0)
+    assert s.finish_time(5.0, MB) == pytest.approx(7.0)
+
+
+def test_schedule_unlimited_and_steps() -> None:
+    s = RateSchedule.constant(None)
+    assert s.finish_time(3.0, 10**12) == 3.0
+    assert s.peak_bps is None
+    s = RateSchedule([(1.0, 8e6)])
+    assert s.steps == [(0.0, 8e6), (1.0, 8e6)]
+    s.add_step(0.5, 16e6)
+    assert s.steps == [(0.0, 8e6), (0.5, 16e6)]
+    with pytest.raises(ValueError):
+        RateSchedule([(0.0, 0.0)])
+
+
+@dataclass
+class Counter:
+    port: int = 0
+    total: int = 0
+    last_byte_at: float = 0.0
+    per_conn: list[int] = field(default_factory=list)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    expected: int = 0
+
+
+@pytest.fixture
+async def counter() -> AsyncIterator[Counter]:
+    state = Counter()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        index = len(state.per_conn)
+        state.per_conn.append(0)
+        try:
+            while data := await reader.read(1 << 20):
+                if data.startswith(b"PING"):
+                    writer.write(b"PONG")
+                    continue
+                state.per_conn[index] += len(data)
+                state.total += len(data)
+                state.last_byte_at = time.monotonic()
+                if state.expected and state.total >= state.expected:
+                    state.finished.set()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    state.port = server.sockets[0].getsockname()[1]
+    try:
+        yield state
+    finally:
+        server.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+async def blast(port: int, nbytes: int) -> None:
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    block = bytes(1 << 20)
+    sent = 0
+    while sent < nbytes:
+        n = min(len(block), nbytes - sent)
+        writer.write(block[:n])
+        await writer.drain()
+        sent += n
+    writer.write_eof()
+    await writer.drain()
+    writer.close()
+
+
+async def test_shapes_a_transfer_to_its_rate(counter: Counter) -> None:
+    rate = 200e6
+    nbytes = 15 * MB  # 0.6 s at 200 Mbit/s
+    counter.expected = nbytes
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=rate) as link:
+        start = time.monotonic()
+        await asyncio.wait_for(blast(link.port, nbytes), 5)
+        await asyncio.wait_for(counter.finished.wait(), 5)
+        elapsed = counter.last_byte_at - start
+        stats = link.statistics()
+    assert counter.total == nbytes
+    assert 8 * nbytes / elapsed == pytest.approx(rate, rel=0.05)
+    assert stats.bytes_forward == nbytes
+    assert stats.rate_bps == rate
+    assert stats.connections == 1
+
+
+async def test_connections_share_the_rate(counter: Counter) -> None:
+    rate = 200e6
+    each = 5 * MB
+    counter.expected = 2 * each
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=rate) as link:
+        start = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(blast(link.port, each), blast(link.port, each)), 5)
+        await asyncio.wait_for(counter.finished.wait(), 5)
+        elapsed = counter.last_byte_at - start
+    assert counter.per_conn == [each, each]
+    assert 8 * 2 * each / elapsed == pytest.approx(rate, rel=0.05)
+
+
+async def test_schedule_change_takes_effect(counter: Counter) -> None:
+    # 50 MB/s for 0.2 s (10 MB), then 12.5 MB/s: 15 MB take 0.2 + 0.4 = 0.6 s.
+    nbytes = 15 * MB
+    counter.expected = nbytes
+    schedule = [(0.0, 400e6), (0.2, 100e6)]
+    async with LinkEmulator("127.0.0.1", counter.port, schedule=schedule) as link:
+        assert link.rate_at(0.1) == 400e6 and link.rate_at(0.3) == 100e6
+        start = time.monotonic()
+        await asyncio.wait_for(blast(link.port, nbytes), 5)
+        await asyncio.wait_for(counter.finished.wait(), 5)
+        elapsed = counter.last_byte_at - start
+        assert link.statistics().rate_bps == 100e6
+    assert elapsed == pytest.approx(0.6, rel=0.1)
+
+
+async def test_set_rate_at_runtime(counter: Counter) -> None:
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=100e6) as link:
+        link.set_rate(300e6)
+        assert link.statistics().rate_bps == 300e6
+        assert link.rate_at(0.0) == 100e6
+
+
+async def test_delay_adds_round_trip_latency(counter: Counter) -> None:
+    delay = 0.05
+    async with LinkEmulator("127.0.0.1", counter.port, delay=delay) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        rtts = []
+        for _ in range(3):
+            start = time.monotonic()
+            writer.write(b"PING")
+            assert await asyncio.wait_for(reader.readexactly(4), 5) == b"PONG"
+            rtts.append(time.monotonic() - start)
+        writer.close()
+    assert min(rtts) >= 2 * delay
+    assert min(rtts) < 2 * delay + 0.05
+
+
+async def test_jitter_keeps_delay_within_bounds(counter: Counter) -> None:
+    async with LinkEmulator("127.0.0.1", counter.port, delay=0.03, jitter=0.01, seed=1) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        for _ in range(3):
+            start = time.monotonic()
+            writer.write(b"PING")
+            await asyncio.wait_for(reader.readexactly(4), 5)
+            rtt = time.monotonic() - start
+            assert 2 * 0.02 <= rtt < 2 * 0.04 + 0.05
+        writer.close()

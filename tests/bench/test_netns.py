@@ -1,0 +1,109 @@
+"""Kernel shaping between two network namespaces: created, shaping, always removed."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import pytest
+
+from kvwire.bench.netns import NetnsLink, netns_available
+
+reason = netns_available()
+pytestmark = pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def test_shapes_a_transfer_and_cleans_up() -> None:
+    rate = 200e6
+    nbytes = 15_000_000
+    with NetnsLink(rate_bps=rate) as link:
+        names = link.namespaces
+        assert all(ns in _namespaces() for ns in names)
+        server = link.socket(link.receiver_ns)
+        server.bind((link.receiver_addr, 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        done: list[float] = []
+
+        def receive() -> None:
+            conn, _ = server.accept()
+            got = 0
+            buf = bytearray(1 << 20)
+            while got < nbytes:
+                n = conn.recv_into(buf)
+                if not n:
+                    break
+                got += n
+            done.append(time.monotonic())
+            conn.close()
+
+        reader = threading.Thread(target=receive)
+        reader.start()
+        client = link.socket(link.sender_ns)
+        client.settimeout(10)
+        client.connect((link.receiver_addr, port))
+        start = time.monotonic()
+        client.sendall(bytes(nbytes))
+        reader.join(10)
+        client.close()
+        server.close()
+        assert done, "the receiver did not get every byte"
+        achieved = 8 * nbytes / (done[0] - start)
+        assert achieved == pytest.approx(rate, rel=0.05)
+        assert link.run(link.sender_ns, ["ip", "-o", "addr"]).stdout.count(b"10.") >= 1
+        assert link.call(link.receiver_ns, _ns_inode) != _ns_inode()
+    listing = _namespaces()
+    assert all(ns not in listing for ns in names)
+
+
+def _ns_inode() -> str:
+    import os
+
+    return os.readlink("/proc/self/ns/net")
+
+
+def test_cleans_up_when_the_body_fails() -> None:
+    with pytest.raises(RuntimeError, match="boom"), NetnsLink(rate_bps=1e9) as link:
+        names = link.namespaces
+        raise RuntimeError("boom")
+    listing = _namespaces()
+    assert all(ns not in listing for ns in names)
+    with pytest.raises(ValueError):
+        link.socket(link.sender_ns)
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_cleans_up_when_the_process_is_signalled(signame: str) -> None:
+    import signal
+    import sys
+
+    script = (
+        "import time\n"
+        "from kvwire.bench.netns import NetnsLink\n"
+        "link = NetnsLink(rate_bps=1e9).open()\n"
+        "print(link.sender_ns, link.receiver_ns, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    ) as proc:
+        try:
+            assert proc.stdout is not None
+            names = proc.stdout.readline().split()
+            assert len(names) == 2 and all(ns in _namespaces() for ns in names)
+            proc.send_signal(getattr(signal, signame))
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    listing = _namespaces()
+    assert all(ns not in listing for ns in names)

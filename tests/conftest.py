@@ -1,0 +1,36 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvwire.codec import numpy_dtype
+
+SECRET = b"test-secret-0123"
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def make_layers(num_layers: int, tokens: int, heads: int, head_dim: int, dtype: str = "float16", seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    dt = numpy_dtype(dtype)
+    return [
+        (
+            rng.standard_normal((tokens, heads, head_dim), dtype=np.float32).astype(dt),
+            rng.standard_normal((tokens, heads, head_dim), dtype=np.float32).astype(dt),
+        )
+        for _ in range(num_layers)
+    ]
+
+
+def same_cache(a: list[tuple[np.ndarray, np.ndarray]], b: list[tuple[np.ndarray, np.ndarray]]) -> bool:
+    return len(a) == len(b) and all(
+        k1.dtype == k2.dtype and k1.shape == k2.shape and k1.tobytes() == k2.tobytes()
+        and v1.tobytes() == v2.tobytes()
+        for (k1, v1), (k2, v2) in zip(a, b, strict=True)
+    )
+
+
+@pytest.fixture
+def secret() -> bytes:
+    return SECRET

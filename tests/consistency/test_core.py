@@ -1,0 +1,121 @@
+"""The sans-IO core driven with exact clock values, and the layering rule."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvwire.consistency import (
+    LeaseExpiredError,
+    RegistryCore,
+    block_from_key,
+    block_key,
+    canonical,
+)
+from kvwire.errors import StaleVersionError, UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_block_keys_are_type_tagged_and_reversible() -> None:
+    assert block_key(1) == "i:1"
+    assert block_key(-5) == "i:-5"
+    assert block_key(b"\x01\xff") == "b:01ff"
+    assert block_key(bytearray(b"\x01")) == block_key(memoryview(b"\x01")) == "b:01"
+    assert block_key("1") == "s:1"
+    assert len({block_key(1), block_key(b"1"), block_key("1")}) == 3
+    for block in (0, 2**80, b"", b"abc", "", "é x:y"):
+        assert block_from_key(block_key(block)) == block
+    assert canonical(bytearray(b"z")) == b"z"
+    for bad in (True, 1.0, None, "\udc80", "x" * 5000):
+        with pytest.raises(UsageError):
+            block_key(bad)
+    with pytest.raises(UsageError):
+        block_from_key("q:1")
+
+
+def test_expiry_is_exact() -> None:
+    core = RegistryCore()
+    lease = core.begin([1, 2], owner="a", ttl=10.0, now=100.0)
+    assert core.begin([1], owner="b", ttl=1.0, now=109.999).busy == (1,)
+    assert core.next_expiry() == 110.0
+    # expiry is inclusive: at now == expires_at the lease is dead
+    other = core.begin([1], owner="b", ttl=5.0, now=110.0)
+    assert other.started == (1,)
+    with pytest.raises(LeaseExpiredError):
+        core.commit(lease, now=110.0)
+    assert [b for b, _ in core.commit(other, now=114.0)] == [1]
+    assert core.live_leases(114.0) == {}
+
+
+def test_renew_moves_expiry() -> None:
+    core = RegistryCore()
+    lease = core.begin([1], owner="a", ttl=1.0, now=0.0)
+    lease = core.renew(lease, ttl=5.0, now=0.5)
+    assert lease.expires_at == 5.5
+    assert core.begin([1], owner="b", ttl=1.0, now=3.0).busy == (1,)
+    assert core.commit(lease, now=5.4)[0][0] == 1
+    with pytest.raises(LeaseExpiredError):
+        core.renew(lease, ttl=1.0, now=5.5)
+
+
+def test_versions_unique_and_growing() -> None:
+    core = RegistryCore()
+    seen: list[int] = []
+    for i in range(20):
+        lease = core.begin([i % 3, 10 + i], owner="a", ttl=1.0, now=float(i))
+        seen += [v for _, v in core.commit(lease, now=float(i))]
+        seen.append(core.invalidate(i % 3))
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)
+    assert core.take_events() and not core.take_events()
+
+
+def test_stale_reasons() -> None:
+    core = RegistryCore()
+    with pytest.raises(StaleVersionError, match="unknown"):
+        core.check(1, 1)
+    [(_, v)] = core.commit(core.begin([1], owner="a", ttl=1.0, now=0.0), now=0.0)
+    core.check(1, v)
+    with pytest.raises(StaleVersionError, match="never issued"):
+        core.check(1, v + 1)
+    w = core.invalidate(1)
+    with pytest.raises(StaleVersionError, match="older"):
+        core.check(1, v)
+    with pytest.raises(StaleVersionError, match="invalidated"):
+        core.check(1, w)
+    with pytest.raises(UsageError):
+        core.check(1, 2**53)
+
+
+FORBIDDEN = {"asyncio", "socket", "ssl", "selectors", "time", "threading", "uvloop"}
+
+
+def test_core_has_no_io_imports() -> None:
+    for path in sorted((ROOT / "kvwire" / "consistency").glob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for name in names:
+                assert name.split(".")[0] not in FORBIDDEN, f"{path.name} imports {name}"
+                assert not name.startswith("kvwire.aio"), f"{path.name} imports {name}"
+
+
+def test_backends_reexported_lazily() -> None:
+    import kvwire.consistency as consistency
+
+    assert (
+        consistency.MemoryRegistry
+        is importlib.import_module("kvwire.aio.registry_memory").MemoryRegistry
+    )
+    assert consistency.RedisRegistry.__module__ == "kvwire.aio.registry_redis"
+    with pytest.raises(AttributeError):
+        _ = consistency.NoSuchThing
+    assert "kvwire.consistency" in sys.modules

@@ -1,0 +1,193 @@
+"""Behaviour every backend shares; each test runs against memory and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import kvwire
+from kvwire.consistency import LeaseExpiredError, Registry
+from kvwire.errors import StaleVersionError, UsageError
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_begin_commit_lookup(registry: Registry) -> None:
+    lease = await registry.begin([1, 2, 3], owner="prefill-a", ttl=30.0)
+    assert lease.started == (1, 2, 3) and lease.busy == () and lease.complete == ()
+    assert await registry.lookup([1, 2, 3]) == []
+    versions = await registry.commit(lease)
+    assert [b for b, _ in versions] == [1, 2, 3]
+    assert [v for _, v in versions] == sorted({v for _, v in versions})
+    assert await registry.lookup([1, 2, 3, 4]) == versions
+    assert await registry.lookup([2, 3]) == versions[1:]
+    assert await registry.lookup([4, 1]) == []
+    for block, version in versions:
+        await registry.check(block, version)
+
+
+async def test_second_begin_is_busy_then_complete(registry: Registry) -> None:
+    a = await registry.begin([b"\x01", "x", 7], owner="a")
+    b = await registry.begin([7, 8], owner="b")
+    assert b.started == (8,) and b.busy == (7,)
+    versions = dict(await registry.commit(a))
+    c = await registry.begin([7, 8, 9], owner="c")
+    assert c.started == (9,) and c.busy == (8,) and c.complete == ((7, versions[7]),)
+    # committing b only completes the block it started
+    assert [blk for blk, _ in await registry.commit(b)] == [8]
+    await registry.release(c)
+    d = await registry.begin([9], owner="d")
+    assert d.started == (9,)
+
+
+async def test_duplicates_and_types(registry: Registry) -> None:
+    lease = await registry.begin([5, 5, bytearray(b"ab"), b"ab", "5"], owner="a")
+    assert lease.started == (5, b"ab", "5")
+    versions = await registry.commit(lease)
+    assert await registry.lookup([5, memoryview(b"ab"), "5"]) == versions
+    with pytest.raises(UsageError):
+        await registry.begin([True], owner="a")
+    with pytest.raises(UsageError):
+        await registry.begin("abc", owner="a")
+    with pytest.raises(UsageError):
+        await registry.begin([1.5], owner="a")  # type: ignore[list-item]
+    with pytest.raises(UsageError):
+        await registry.begin([1], owner="a", ttl=0)
+
+
+async def test_invalidate_makes_holders_stale(registry: Registry) -> None:
+    [(_, v1)] = await registry.commit(await registry.begin([42], owner="a"))
+    v2 = await registry.invalidate(42)
+    assert v2 > v1
+    with pytest.raises(StaleVersionError):
+        await registry.check(42, v1)
+    with pytest.raises(StaleVersionError):
+        await registry.check(42, v2)  # no data exists at an invalidation's version
+    assert await registry.lookup([42]) == []
+    lease = await registry.begin([42], owner="b")
+    assert lease.started == (42,)
+    [(_, v3)] = await registry.commit(lease)
+    assert v3 > v2
+    await registry.check(42, v3)
+    assert await registry.check_many([(42, v1), (42, v3), (43, 1)]) == [42, 43]
+
+
+async def test_check_unknown_and_future(registry: Registry) -> None:
+    with pytest.raises(StaleVersionError, match="unknown"):
+        await registry.check("never", 1)
+    [(_, v)] = await registry.commit(await registry.begin(["b"], owner="a"))
+    with pytest.raises(StaleVersionError, match="never issued"):
+        await registry.check("b", v + 1)
+    with pytest.raises(kvwire.KvwireError):
+        await registry.check("b", v - 1)
+    assert await registry.check_many([]) == []
+
+
+async def test_invalidate_in_flight_fails_commit(registry: Registry) -> None:
+    lease = await registry.begin([1, 2], owner="a")
+    await registry.invalidate(2)
+    with pytest.raises(StaleVersionError, match="in flight") as info:
+        await registry.commit(lease)
+    assert not isinstance(info.value, LeaseExpiredError)
+    assert await registry.lookup([1]) == []
+    # the failed commit freed the other block, and the lease is gone
+    assert (await registry.begin([1], owner="b")).started == (1,)
+    with pytest.raises(LeaseExpiredError):
+        await registry.commit(lease)
+
+
+async def test_commit_twice_refused(registry: Registry) -> None:
+    lease = await registry.begin([1], owner="a")
+    await registry.commit(lease)
+    with pytest.raises(LeaseExpiredError):
+        await registry.commit(lease)
+    assert await registry.commit(await registry.begin([1], owner="b")) == []
+
+
+async def test_lease_expiry(registry: Registry) -> None:
+    lease = await registry.begin([1, 2], owner="dead", ttl=0.2)
+    assert (await registry.begin([1], owner="b", ttl=0.2)).busy == (1,)
+    await asyncio.sleep(0.3)
+    # the owner died: its blocks are free again
+    other = await registry.begin([1], owner="b")
+    assert other.started == (1,)
+    # a late commit must not overwrite what the new owner computes
+    with pytest.raises(LeaseExpiredError):
+        await registry.commit(lease)
+    assert [b for b, _ in await registry.commit(other)] == [1]
+    assert await registry.lookup([1, 2]) == [(1, (await registry.lookup([1]))[0][1])]
+
+
+async def test_expired_lease_not_rebegun_still_refused(registry: Registry) -> None:
+    lease = await registry.begin([3], owner="slow", ttl=0.2)
+    await asyncio.sleep(0.3)
+    with pytest.raises(LeaseExpiredError):
+        await registry.commit(lease)
+    assert await registry.lookup([3]) == []
+
+
+async def test_renew_keeps_lease_alive(registry: Registry) -> None:
+    lease = await registry.begin([1], owner="a", ttl=0.3)
+    await asyncio.sleep(0.15)
+    lease = await registry.renew(lease, 1.0)
+    await asyncio.sleep(0.25)
+    assert (await registry.begin([1], owner="b")).busy == (1,)
+    assert len(await registry.commit(lease)) == 1
+    expired = await registry.begin([2], owner="c", ttl=0.1)
+    await asyncio.sleep(0.2)
+    with pytest.raises(LeaseExpiredError):
+        await registry.renew(expired)
+
+
+async def test_publish(registry: Registry) -> None:
+    [(_, v)] = await registry.commit(await registry.begin(["p"], owner="a"))
+    assert await registry.publish([("p", v)]) == []  # idempotent
+    assert await registry.publish([("p", v - 1)]) == ["p"]  # older: refused
+    assert await registry.publish([("q", 1000), ("p", v + 10)]) == []
+    assert await registry.lookup(["q", "p"]) == [("q", 1000), ("p", v + 10)]
+    # the counter moved past published versions: new versions stay unique and growing
+    assert await registry.invalidate("p") > 1000
+    # a publish newer than an in-flight lease takes the block away from it
+    lease = await registry.begin(["r"], owner="a")
+    assert await registry.publish([("r", 5000)]) == []
+    with pytest.raises(StaleVersionError):
+        await registry.commit(lease)
+    await registry.check("r", 5000)
+    inv = await registry.invalidate("r")
+    assert await registry.publish([("r", inv)]) == ["r"]  # no data at an invalidation version
+    with pytest.raises(UsageError):
+        await registry.publish([("r", -1)])
+
+
+async def test_watch_delivers(registry: Registry) -> None:
+    async with registry.watch() as watcher:
+        [(_, v1)] = await registry.commit(await registry.begin([b"k"], owner="a"))
+        v2 = await registry.invalidate(b"k")
+        await registry.publish([("z", v2 + 5)])
+        got = [await asyncio.wait_for(anext(watcher), 5) for _ in range(3)]
+    assert got == [(b"k", v1), (b"k", v2), ("z", v2 + 5)]
+
+
+async def test_watch_ends_on_close(registry: Registry) -> None:
+    watcher = registry.watch()
+    await watcher.__aenter__()
+
+    async def drain() -> list[object]:
+        return [item async for item in watcher]
+
+    task = asyncio.create_task(drain())
+    await asyncio.sleep(0.05)
+    await registry.invalidate(1)
+    await asyncio.sleep(0.05)
+    await registry.close()
+    assert len(await asyncio.wait_for(task, 5)) == 1
+    with pytest.raises(UsageError):
+        await registry.lookup([1])
+
+
+async def test_context_manager(registry: Registry) -> None:
+    async with registry as reg:
+        assert await reg.lookup([]) == []
+    with pytest.raises(UsageError):
+        await registry.invalidate(1)

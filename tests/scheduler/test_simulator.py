@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvwire.scheduler.cache import PrefixCache
+from kvwire.scheduler.link import LinkSchedule
+from kvwire.scheduler.model import ClusterConfig
+from kvwire.scheduler.profile import builtin_profile
+from kvwire.scheduler.simulator import (
+    PolicyName,
+    SimulationConfig,
+    retune_threshold,
+    simulate,
+    simulate_policies,
+)
+from kvwire.scheduler.workload import TraceRequest, synthetic_trace
+
+HYBRID = ClusterConfig(remote_profile=builtin_profile("hybrid-1t"))
+
+
+def small_trace(n: int = 300, rate: float = 3.0, seed: int = 1) -> tuple[TraceRequest, ...]:
+    return synthetic_trace(np.random.default_rng(seed), requests=n, rate_rps=rate)
+
+
+def shared_prefix_trace() -> tuple[TraceRequest, ...]:
+    # Conversations: each turn repeats the previous turn's blocks and adds some.
+    rng = np.random.default_rng(3)
+    out: list[TraceRequest] = []
+    next_id, t = 0, 0.0
+    convs: list[list[int]] = []
+    for _ in range(200):
+        t += float(rng.exponential(0.4))
+        if convs and rng.random() < 0.6:
+            blocks = convs[int(rng.integers(len(convs)))]
+        else:
+            blocks = []
+            convs.append(blocks)
+        add = int(rng.integers(2, 40))
+        blocks.extend(range(next_id, next_id + add))
+        next_id += add
+        out.append(
+            TraceRequest(
+                arrival_s=t,
+                input_length=len(blocks) * 512 - 100,
+                output_length=int(rng.integers(10, 300)),
+                hash_ids=tuple(blocks),
+            )
+        )
+    return tuple(out)
+
+
+def test_lru_prefix_cache() -> None:
+    c = PrefixCache(4)
+    c.insert([1, 2, 3])
+    assert c.lookup([1, 2, 3, 4]) == 3
+    assert c.lookup([9, 2, 3]) == 0  # blocks after a miss are of no use
+    c.insert([7, 8])  # evicts the least recently used (1)
+    assert c.lookup([1, 2]) == 0 and len(c) == 4 and c.evictions == 1
+    assert PrefixCache(0).lookup([1]) == 0
+
+
+def test_link_schedule_integrates_rate() -> None:
+    link = LinkSchedule(starts_s=(0.0, 1.0, 2.0), rates_bps=(8e9, 0.0, 16e9))
+    assert link.finish_time(0.0, 0.5e9) == pytest.approx(0.5)
+    # 1 GB: 1 s at 1 GB/s, an outage, then 0 bytes left... 1.5 GB: 0.5 GB after the outage
+    assert link.finish_time(0.0, 1.5e9) == pytest.approx(2.25)
+    assert link.rate_at(1.5) == 0.0
+    assert link.mean_rate(3.0) == pytest.approx(8e9)
+
+
+def test_controller_moves_toward_idle_path() -> None:
+    up = retune_threshold(8192, local_backlog_s=0, remote_backlog_s=10, max_tokens=1e5)
+    down = retune_threshold(8192, local_backlog_s=10, remote_backlog_s=0, max_tokens=1e5)
+    still = retune_threshold(8192, local_backlog_s=1, remote_backlog_s=1.1, max_tokens=1e5)
+    assert up > 8192 > down and still == 8192
+    assert retune_threshold(0, local_backlog_s=0, remote_backlog_s=9, max_tokens=1e5) == 512
+    assert retune_threshold(600, local_backlog_s=9, remote_backlog_s=0, max_tokens=1e5) == 0
+
+
+@pytest.mark.parametrize("trace", [small_trace(), shared_prefix_trace()])
+def test_every_request_finishes_exactly_once(trace: tuple[TraceRequest, ...]) -> None:
+    config = SimulationConfig(cluster=HYBRID, link=LinkSchedule.constant(10e9))
+    _, results = simulate_policies(trace, config)
+    for r in results:
+        assert sorted(r.finish_order) == list(range(len(trace))), r.policy
+        assert r.completed == r.requests == len(trace)
+
+
+def test_deterministic_for_a_seed() -> None:
+    trace = shared_prefix_trace()
+    config = SimulationConfig(
+        cluster=HYBRID,
+        link=LinkSchedule(starts_s=(0.0, 20.0), rates_bps=(10e9, 2e9)),
+        bandwidth_noise=0.3,
+    )
+    a = simulate(trace, config, PolicyName.ADAPTIVE, seed=7)
+    b = simulate(trace, config, PolicyName.ADAPTIVE, seed=7)
+    assert a == b
+
+
+def test_selective_not_worse_than_either_baseline() -> None:
+    trace = small_trace()
+    config = SimulationConfig(cluster=HYBRID)
+    opt, (local, all_, sel) = simulate_policies(
+        trace, config, [PolicyName.LOCAL, PolicyName.OFFLOAD_ALL, PolicyName.SELECTIVE]
+    )
+    assert sel.throughput_rps >= local.throughput_rps
+    assert sel.throughput_rps >= all_.throughput_rps
+    assert 0 < sel.offload_fraction < 1
+    assert sel.threshold_tokens == opt.threshold_tokens
+    assert local.offload_fraction == 0 and local.egress_gbps_mean == 0
+    assert all_.offload_fraction == 1
+
+
+def test_prefix_cache_hits_are_counted() -> None:
+    config = SimulationConfig(cluster=HYBRID)
+    r = simulate(shared_prefix_trace(), config, PolicyName.OFFLOAD_ALL)
+    assert 0.2 < r.cache_hit_ratio < 1
+    no_cache = SimulationConfig(cluster=HYBRID, remote_cache_blocks=0, local_cache_blocks=0)
+    assert simulate(shared_prefix_trace(), no_cache, PolicyName.OFFLOAD_ALL).cache_hit_ratio == 0

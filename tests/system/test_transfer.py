@@ -1,0 +1,230 @@
+"""Whole transfers over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+
+import numpy as np
+import pytest
+
+import kvwire
+from tests.conftest import SECRET, make_layers, same_cache
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+async def test_32_layer_cache_arrives_bit_identical(streams: int) -> None:
+    spec = kvwire.KVSpec(num_layers=32, num_kv_heads=8, head_dim=128, dtype="float16", model="m")
+    layers = make_layers(32, 300, 8, 128)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=streams, chunk_bytes=64 * 1024) as peer:
+            recv = asyncio.create_task(server.accept())
+            receipt = await peer.send("req-1", spec, layers, meta={"prompt_tokens": 300})
+            transfer = await recv
+            cache = await transfer.collect(timeout=10)
+    assert transfer.request_id == "req-1" and transfer.spec == spec
+    assert transfer.meta == {"prompt_tokens": 300}
+    assert same_cache(cache.layers, layers)
+    assert receipt.kv_bytes == sum(k.nbytes + v.nbytes for k, v in layers)
+    assert receipt.wire_bytes > receipt.kv_bytes  # headers and CRCs on top of raw bytes
+    assert receipt.codec == "raw"
+    if streams > 1:
+        stats = peer.statistics()
+        assert sum(1 for s in stats["streams"] if s["bytes_sent"] > 100_000) >= 2  # striped
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+async def test_every_dtype_round_trips(dtype: str) -> None:
+    spec = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype)
+    layers = make_layers(3, 77, 2, 16, dtype)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2) as peer:
+            await peer.send("r", spec, layers)
+            cache = await (await server.accept()).collect()
+    assert same_cache(cache.layers, layers)
+
+
+async def test_expect_before_and_after_arrival() -> None:
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=8)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        early = asyncio.create_task(server.expect("first"))
+        await asyncio.sleep(0)
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            a = make_layers(2, 5, 1, 8, seed=1)
+            b = make_layers(2, 6, 1, 8, seed=2)
+            await peer.send("other", spec, b)
+            await peer.send("first", spec, a)
+            t_first = await asyncio.wait_for(early, 5)
+            t_other = await server.expect("other", timeout=5)  # arrived before we asked
+            assert same_cache((await t_first.collect()).layers, a)
+            assert same_cache((await t_other.collect()).layers, b)
+        with pytest.raises(kvwire.TransferTimeoutError):
+            await server.expect("never", timeout=0.1)
+
+
+async def test_16_concurrent_transfers_on_one_peer() -> None:
+    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=32)
+    caches = {f"r{i}": make_layers(4, 50 + i, 2, 32, seed=i) for i in range(16)}
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=3, chunk_bytes=4096) as peer:
+            async def receive(rid: str) -> bool:
+                t = await server.expect(rid, timeout=10)
+                return same_cache((await t.collect(timeout=10)).layers, caches[rid])
+
+            recvs = [asyncio.create_task(receive(rid)) for rid in caches]
+            receipts = await asyncio.gather(*(peer.send(rid, spec, c) for rid, c in caches.items()))
+            assert all(await asyncio.gather(*recvs))
+    assert len({r.transfer_id for r in receipts}) == 16
+
+
+async def test_layers_are_pipelined() -> None:
+    """The producer waits after layer 0 until the receiver has it: deadlocks unless layer-wise."""
+    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=16)
+    layers = make_layers(4, 64, 2, 16)
+    seen_layer0 = asyncio.Event()
+
+    async def produce():  # type: ignore[no-untyped-def]
+        for i, kv in enumerate(layers):
+            yield kv
+            if i == 0:
+                await asyncio.wait_for(seen_layer0.wait(), 10)
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            send = asyncio.create_task(peer.send("p", spec, produce()))
+            transfer = await server.accept(timeout=5)
+            got = {}
+            async for layer in transfer:
+                got[layer.index] = (layer.k, layer.v)
+                if layer.index == 0:
+                    seen_layer0.set()
+            await send
+    assert same_cache([got[i] for i in range(4)], layers)
+
+
+async def test_async_for_then_collect_is_refused() -> None:
+    spec = kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            await peer.send("x", spec, make_layers(1, 3, 1, 8))
+            t = await server.accept()
+            await t.collect()
+            with pytest.raises(kvwire.UsageError):
+                await t.collect()
+
+
+async def test_huge_frame_header_is_refused_before_allocation() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(struct.pack(">BBHI", 0x01, 0, 0, 0xFFFFFFF0))
+        await writer.drain()
+        reply = await asyncio.wait_for(reader.read(1024), 5)
+        assert reply[0] == 0x30  # GOAWAY
+        code = struct.unpack(">H", reply[8:10])[0]
+        assert code == kvwire.ErrorCode.FRAME_TOO_LARGE
+        assert await asyncio.wait_for(reader.read(1024), 5) == b""  # and it closes
+        writer.close()
+        # ... and keeps serving others
+        await _small_transfer(server.port)
+
+
+async def _small_transfer(port: int) -> None:
+    spec = kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8)
+    layers = make_layers(1, 4, 1, 8)
+    async with kvwire.connect("127.0.0.1", port, secret=SECRET) as peer:
+        await peer.send("ok", spec, layers, timeout=10)
+
+
+async def test_wrong_secret_fails_on_both_sides_and_no_data_is_accepted() -> None:
+    spec = kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        with pytest.raises(kvwire.AuthenticationError):
+            async with kvwire.connect("127.0.0.1", server.port, secret=b"not-the-secret") as peer:
+                await peer.send("bad", spec, make_layers(1, 4, 1, 8))
+        assert server.statistics()["transfers_accepted"] == 0
+        assert server.statistics()["sessions"] == 0
+        await _small_transfer(server.port)
+
+
+async def test_server_without_the_secret_is_refused_by_the_client() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=b"server-only-secret") as server:
+        with pytest.raises(kvwire.AuthenticationError):
+            async with kvwire.connect("127.0.0.1", server.port, secret=SECRET):
+                pass
+
+
+async def test_mismatched_spec_is_an_incompatible_peer() -> None:
+    server_spec = kvwire.KVSpec(num_layers=32, num_kv_heads=8, head_dim=128)
+    other = kvwire.KVSpec(num_layers=32, num_kv_heads=8, head_dim=64)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, spec=server_spec) as server:
+        with pytest.raises(kvwire.IncompatiblePeerError):
+            async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, spec=other):
+                pass
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            with pytest.raises(kvwire.IncompatiblePeerError):
+                await peer.send("x", other, make_layers(32, 2, 8, 64), timeout=10)
+            # the connection survives a refused transfer
+            await peer.send("y", server_spec, make_layers(32, 2, 8, 128), timeout=10)
+
+
+async def test_unknown_codec_fails_before_sending() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, codecs=["raw"]) as server:
+        with pytest.raises(kvwire.UsageError):
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="no-such-codec")
+
+
+async def test_killed_connection_fails_every_waiter_on_both_sides() -> None:
+    spec = kvwire.KVSpec(num_layers=8, num_kv_heads=2, head_dim=16)
+    layers = make_layers(8, 64, 2, 16)
+    release = asyncio.Event()
+
+    async def produce():  # type: ignore[no-untyped-def]
+        for i, kv in enumerate(layers):
+            yield kv
+            if i == 2:
+                await release.wait()
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        peer = kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2)
+        await peer.open()
+        sends = [asyncio.create_task(peer.send(f"k{i}", spec, produce())) for i in range(3)]
+        transfers = [await server.expect(f"k{i}", timeout=5) for i in range(3)]
+        collects = [asyncio.create_task(t.collect()) for t in transfers]
+        await asyncio.sleep(0.2)
+        peer.streams[1].transport.abort()  # type: ignore[union-attr]  # the kill
+        results = await asyncio.wait_for(
+            asyncio.gather(*sends, *collects, return_exceptions=True), 10
+        )
+        assert all(isinstance(r, kvwire.ConnectionLostError) for r in results), results
+        await peer.close()
+        await _small_transfer(server.port)  # the server keeps serving
+
+
+async def test_connect_to_nothing_is_a_kvwire_error() -> None:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(kvwire.ConnectionLostError):
+        async with kvwire.connect("127.0.0.1", port, secret=SECRET):
+            pass
+
+
+async def test_bad_layers_are_usage_errors() -> None:
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=8)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            wrong_dtype = [(np.zeros((4, 2, 8), np.float32), np.zeros((4, 2, 8), np.float32))] * 2
+            with pytest.raises(kvwire.UsageError, match="dtype"):
+                await peer.send("a", spec, wrong_dtype)
+            too_few = make_layers(1, 4, 2, 8)
+            with pytest.raises(kvwire.UsageError, match="layers"):
+                await peer.send("b", spec, too_few)
+            # the receiver sees those transfers aborted, never a partial cache
+            t = await server.expect("b", timeout=5)
+            with pytest.raises(kvwire.KvwireError):
+                await t.collect(timeout=5)
+            await peer.send("c", spec, make_layers(2, 4, 2, 8), timeout=10)
