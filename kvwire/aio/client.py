@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any
 
 from kvwire.codec import TensorKind, available_codecs, get_codec
+from kvwire.control import DeliveryRateEstimator
 from kvwire.errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -45,6 +46,7 @@ from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
 
 from kvwire.aio._arrays import as_host_array, iterate_layers
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
+from kvwire.aio.tcpinfo import read_tcp_info
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +81,10 @@ class Receipt:
     """From ``send()`` until the last acknowledgement."""
     time_to_first_layer: float | None = None
     """Seconds from ``send()`` until every chunk of the first layer was acknowledged."""
+    estimated_gbps: float | None = None
+    """The session's bandwidth estimate (from acknowledgements) when the send completed."""
+    rtt_ms: float | None = None
+    """The session's minimum RTT estimate when the send completed."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -141,6 +147,8 @@ class Peer:
         self._broken: KvwireError | None = None
         self._closed = False
         self.bytes_sent = 0
+        self.estimator = DeliveryRateEstimator()
+        self._waiting_senders = 0
 
     # -- connection setup ---------------------------------------------------------------
 
@@ -327,10 +335,13 @@ class Peer:
         finally:
             self._transfers.pop(tid, None)
         seconds = loop.time() - started
+        snap = self.estimator.snapshot()
         return Receipt(
             request_id=request_id, transfer_id=tid, codec=codec_name, kv_bytes=kv_bytes,
             wire_bytes=out.state.wire_bytes, chunks=out.state.chunks_sent, seconds=seconds,
             time_to_first_layer=(out.first_layer_at - started) if out.first_layer_at else None,
+            estimated_gbps=snap.bandwidth_bps / 1e9 if snap.bandwidth_bps else None,
+            rtt_ms=snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
         )
 
     async def _put_chunk(self, out: _Outgoing, chunk: Chunk, wire_size: int, kv_bytes: int) -> None:
@@ -348,24 +359,54 @@ class Peer:
                 best.flush()
                 out.state.on_sent(SentChunk(address=chunk.address, stream=best.index, wire_size=wire_size, kv_bytes=kv_bytes))
                 self.bytes_sent += wire_size
+                # Nothing else waiting to go and the last chunk of a layer: what follows
+                # depends on the producer, so samples taken meanwhile say nothing about
+                # the link's capacity.
+                last_of_layer = chunk.kind == 1 and chunk.token_start + chunk.token_count == chunk.layer_tokens
+                self.estimator.on_send(
+                    chunk.address, wire_size, asyncio.get_running_loop().time(),
+                    app_limited=last_of_layer and self._waiting_senders == 0,
+                )
                 return
             self._capacity.clear()
-            await self._capacity.wait()
+            self._waiting_senders += 1
+            try:
+                await self._capacity.wait()
+            finally:
+                self._waiting_senders -= 1
 
     def statistics(self) -> dict[str, Any]:
-        """A snapshot: per stream credit and bytes, transfers in flight."""
+        """A snapshot: the bandwidth/RTT estimate, bytes in flight, and per stream credit,
+        bytes and (on Linux, direct paths) the kernel's TCP_INFO view."""
+        snap = self.estimator.snapshot()
+        streams = []
+        for s in self.streams:
+            entry: dict[str, Any] = {
+                "index": s.index,
+                "open": s.is_open,
+                "bytes_sent": s.conn.bytes_sent,
+                "credit": s.conn.send_credit,
+                "chunks_in_flight": len(s.conn.in_flight_chunks()),
+            }
+            sock = s.transport.get_extra_info("socket") if s.transport is not None else None
+            info = read_tcp_info(sock) if sock is not None else None
+            if info is not None:
+                entry["tcp"] = {
+                    "rtt_ms": info.rtt_us / 1e3 if info.rtt_us is not None else None,
+                    "delivery_rate_gbps": info.delivery_rate * 8 / 1e9 if info.delivery_rate is not None else None,
+                    "cwnd": info.snd_cwnd,
+                    "total_retrans": info.total_retrans,
+                    "notsent_bytes": info.notsent_bytes,
+                }
+            streams.append(entry)
         return {
             "session_id": self.session_id.hex(),
-            "streams": [
-                {
-                    "index": s.index,
-                    "open": s.is_open,
-                    "bytes_sent": s.conn.bytes_sent,
-                    "credit": s.conn.send_credit,
-                    "chunks_in_flight": len(s.conn.in_flight_chunks()),
-                }
-                for s in self.streams
-            ],
+            "estimated_gbps": snap.bandwidth_bps / 1e9 if snap.bandwidth_bps else None,
+            "goodput_gbps": snap.goodput_bps / 1e9 if snap.goodput_bps else None,
+            "min_rtt_ms": snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
+            "srtt_ms": snap.srtt * 1e3 if snap.srtt is not None else None,
+            "bytes_in_flight": snap.bytes_in_flight,
+            "streams": streams,
             "transfers_in_flight": len(self._transfers),
             "bytes_sent": self.bytes_sent,
         }
@@ -413,8 +454,10 @@ class Peer:
             out = self._transfers.get(ev.address.transfer_id)
             self._capacity.set()
             if out is None:
+                self.estimator.on_loss(ev.address)
                 return
             sent = out.state.on_ack(ev.address)
+            self.estimator.on_ack(ev.address, asyncio.get_event_loop().time())
             if sent is not None:
                 left = out.layer_acked.get(sent.address.layer, 0) - 1
                 out.layer_acked[sent.address.layer] = left
@@ -457,6 +500,7 @@ class Peer:
                 )
             for out in list(self._transfers.values()):
                 out.fail(self._broken)
+            self.estimator.forget_all()
             self._capacity.set()
             for s in self.streams:
                 if s is not stream and s.is_open:

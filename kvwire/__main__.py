@@ -1,0 +1,5 @@
+import sys
+
+from kvwire.cli import main
+
+sys.exit(main())

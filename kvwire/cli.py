@@ -1,0 +1,33 @@
+"""The ``kvwire`` command: ``bench``, ``serve`` and ``simulate``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvwire import __version__
+    from kvwire.bench import command as bench_cmd
+    from kvwire.scheduler import command as simulate_cmd
+
+    parser = argparse.ArgumentParser(prog="kvwire", description="Move LLM KV caches over TCP.")
+    parser.add_argument("--version", action="version", version=f"kvwire {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench_cmd.add_parsers(sub)
+    simulate_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
