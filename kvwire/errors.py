@@ -30,6 +30,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_SESSION = 0x000E
     DUPLICATE_TRANSFER = 0x000F
     SESSION_LOST = 0x0010
+    REGISTRY_UNAVAILABLE = 0x0011
 
 
 class KvwireError(Exception):
@@ -103,6 +104,16 @@ class TransferAbortedError(KvwireError):
     code = ErrorCode.CANCELLED
 
 
+class RegistryUnavailableError(KvwireError):
+    """The prefix registry could not be reached or answered with an error.
+
+    The registry fails closed: nothing is reported fresh unless the registry confirmed
+    it, so callers must treat this error as "unverified, do not use".
+    """
+
+    code = ErrorCode.REGISTRY_UNAVAILABLE
+
+
 class UsageError(KvwireError, ValueError):
     """Local misuse of the API (bad arguments); never caused by the peer."""
 
@@ -126,6 +137,7 @@ _BY_CODE: dict[ErrorCode, type[KvwireError]] = {
     ErrorCode.UNKNOWN_SESSION: ConnectionLostError,
     ErrorCode.DUPLICATE_TRANSFER: UsageError,
     ErrorCode.SESSION_LOST: ConnectionLostError,
+    ErrorCode.REGISTRY_UNAVAILABLE: RegistryUnavailableError,
 }
 
 

@@ -25,14 +25,20 @@ def serve(
     secret: bytes,
     ssl: _ssl.SSLContext | None = None,
     spec: KVSpec | Sequence[KVSpec] | None = None,
+    registry: Any = None,
     **options: Any,
 ) -> Server:
     """A server receiving KV caches on ``host:port`` (``port=0`` picks a free one).
 
-    ``spec`` restricts the KV layouts accepted; ``options`` are the fields of
-    :class:`ServerOptions` (limits, windows, timeouts).  Use as ``async with``.
+    ``spec`` restricts the KV layouts accepted; ``registry`` (a
+    :mod:`kvwire.consistency` registry) makes the server refuse transfers whose prefix
+    blocks are stale and publish the blocks of those it completes; ``options`` are the
+    fields of :class:`ServerOptions` (limits, windows, timeouts).  Use as ``async with``.
     """
-    return Server(host, port, secret=secret, ssl=ssl, options=make_server_options(spec, **options))
+    return Server(
+        host, port, secret=secret, ssl=ssl, options=make_server_options(spec, **options),
+        registry=registry,
+    )
 
 
 def connect(

@@ -12,6 +12,7 @@ from types import TracebackType
 from typing import Any
 
 from kvwire.codec import TensorKind, available_codecs, get_codec
+from kvwire.consistency.blocks import block_key
 from kvwire.control import DeliveryRateEstimator
 from kvwire.errors import (
     AuthenticationError,
@@ -529,16 +530,11 @@ async def _next_or_fail(producer: AsyncIterator[tuple[Any, Any]], out: _Outgoing
 
 
 def _block_key(block: Any) -> bytes:
-    """A block id as bytes on the wire: type-tagged so 1, b"1" and "1" differ."""
-    if isinstance(block, bool):
-        raise UsageError("block ids are int, bytes or str")
-    if isinstance(block, int):
-        return b"i" + str(block).encode()
-    if isinstance(block, bytes | bytearray):
-        return b"b" + bytes(block)
-    if isinstance(block, str):
-        return b"s" + block.encode()
-    raise UsageError("block ids are int, bytes or str")
+    """A block id as it travels in BEGIN: its canonical type-tagged key (``i:12``, ``b:<hex>``, ``s:<text>``)."""
+    key = block_key(block).encode()
+    if len(key) > 255:
+        raise UsageError("block id too long for the wire (canonical key over 255 bytes)")
+    return key
 
 
 __all__ = ["ClientOptions", "Peer", "Receipt"]

@@ -154,6 +154,11 @@ class MemoryRegistry:
         self._now()
         return self.core.stale(pairs)
 
+    async def superseded(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
+        """The blocks :meth:`publish` would reject now (a read-only dry run)."""
+        self._now()
+        return self.core.superseded(pairs)
+
     async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         self._now()
         try:

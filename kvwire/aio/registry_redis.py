@@ -380,6 +380,17 @@ class RedisRegistry:
             if not (complete and current == version)
         ]
 
+    async def superseded(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
+        """The blocks :meth:`publish` would reject now (a read-only dry run)."""
+        self._live()
+        items = pairs_keys(pairs)
+        states = await self._read([k for k, _ in items])
+        return [
+            block_from_key(key)
+            for (key, version), (current, complete) in zip(items, states, strict=True)
+            if not (version > current or (version == current and complete))
+        ]
+
     async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         self._live()
         items = pairs_keys(pairs)

@@ -15,12 +15,15 @@ from typing import Any
 import numpy as np
 
 from kvwire.codec import TensorKind, available_codecs, codec_by_id, numpy_dtype
+from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
     ConnectionLostError,
     ErrorCode,
     KvwireError,
     LimitExceededError,
     ProtocolError,
+    RegistryUnavailableError,
+    StaleVersionError,
     TransferTimeoutError,
     UsageError,
 )
@@ -40,6 +43,7 @@ from kvwire.wire import (
     TransferReset,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
+from kvwire.wire.frames import ChunkAddress
 from kvwire.wire.transfer import ChunkVerdict
 
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
@@ -87,7 +91,10 @@ class Transfer:
         self.request_id = begin.request_id
         self.spec = spec
         self.meta = meta
-        self.blocks = [(bv.block, bv.version) for bv in begin.blocks]
+        self.blocks = _decode_blocks(begin)
+        # With a registry: resolved once the blocks are published at completion; the
+        # last layer is held back until then, so a stale cache never completes.
+        self.final_check: asyncio.Future[None] | None = None
         self._buffer_bytes = opts.transfer_buffer_bytes
         # One layer until the first chunk tells the layer size; then as many as the
         # buffer budget holds (see on_chunk).
@@ -139,6 +146,12 @@ class Transfer:
     async def _layers(self) -> AsyncIterator[Layer]:
         while self._yielded < self.spec.num_layers:
             if self._ready:
+                if self._yielded == self.spec.num_layers - 1 and self.final_check is not None:
+                    if not self.final_check.done():
+                        self._changed.clear()
+                        await self._changed.wait()
+                        continue
+                    self.final_check.result()  # raises StaleVersionError / RegistryUnavailableError
                 index = self._ready.popleft()
                 k, v = self._arrays.pop(index)
                 self._yielded += 1
@@ -183,8 +196,8 @@ class Transfer:
             self._changed.set()
         return True
 
-    def fail(self, error: KvwireError) -> None:
-        if self._error is None and not self.state.complete:
+    def fail(self, error: KvwireError, *, even_if_complete: bool = False) -> None:
+        if self._error is None and (even_if_complete or not self.state.complete):
             self._error = error
             self._arrays.clear()  # never hand out a half-filled cache
             self._ready.clear()
@@ -233,7 +246,10 @@ class _Session:
 class Server:
     """A running kvwire server; use through ``async with kvwire.serve(...)``."""
 
-    def __init__(self, host: str, port: int, *, secret: bytes, ssl: _ssl.SSLContext | None, options: ServerOptions) -> None:
+    def __init__(
+        self, host: str, port: int, *, secret: bytes, ssl: _ssl.SSLContext | None,
+        options: ServerOptions, registry: Any = None,
+    ) -> None:
         if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
             raise UsageError("secret must be bytes of at least 8 bytes")
         self.host = host
@@ -254,6 +270,8 @@ class Server:
         self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._arrival_seq = 0
+        self.registry = registry
+        self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
         self.transfers_accepted = 0
         self.transfers_refused = 0
@@ -330,6 +348,8 @@ class Server:
         }
 
     async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
         if self._server is not None:
             self._server.close()
         for s in list(self._streams):
@@ -435,6 +455,7 @@ class Server:
                 meta = json.loads(begin.meta) if begin.meta else {}
             except ValueError:
                 raise ProtocolError("BEGIN meta is not JSON") from None
+            _decode_blocks(begin)
         except KvwireError as exc:
             self.transfers_refused += 1
             stream.conn.send_reset(tid, exc.code, str(exc))
@@ -445,9 +466,63 @@ class Server:
         for old_id in [i for i, t in sess.transfers.items() if t._consumer is not None and t.complete]:
             del sess.transfers[old_id]
         sess.transfers[tid] = transfer
+        if self.registry is not None and transfer.blocks:
+            loop = asyncio.get_running_loop()
+            transfer.final_check = loop.create_future()
+            self._spawn(self._verify_and_accept(stream, sess, transfer))
+            return
+        self._accept(stream, transfer)
+
+    def _accept(self, stream: StreamProtocol, transfer: Transfer) -> None:
         self.transfers_accepted += 1
-        stream.conn.send_accept(tid, transfer.state.layer_limit)
+        stream.conn.send_accept(transfer.transfer_id, transfer.state.layer_limit)
+        stream.flush()
         self._deliver(transfer)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _verify_and_accept(self, stream: StreamProtocol, sess: _Session, transfer: Transfer) -> None:
+        """Refuse a transfer whose blocks the registry already holds newer, before any data moves."""
+        try:
+            superseded = await self.registry.superseded(transfer.blocks)
+        except KvwireError as exc:
+            error: KvwireError | None = RegistryUnavailableError(f"registry check failed: {exc}")
+        else:
+            error = _stale(superseded) if superseded else None
+        if error is not None:
+            self.transfers_refused += 1
+            sess.transfers.pop(transfer.transfer_id, None)
+            transfer.fail(error)
+            stream.conn.send_reset(transfer.transfer_id, error.code, str(error))
+            stream.flush()
+            return
+        self._accept(stream, transfer)
+
+    async def _publish_and_ack(self, stream: StreamProtocol, transfer: Transfer, address: ChunkAddress) -> None:
+        """Publish a completed transfer's blocks, then release the last acknowledgement.
+
+        The sender completes only on that ack, and a RESET sent first on the same stream
+        fails it instead; either way both sides agree on the outcome.
+        """
+        assert transfer.final_check is not None
+        try:
+            rejected = await self.registry.publish(transfer.blocks)
+            error: KvwireError | None = _stale(rejected) if rejected else None
+        except KvwireError as exc:
+            error = RegistryUnavailableError(f"registry publish failed: {exc}")
+        if error is None:
+            transfer.final_check.set_result(None)
+        else:
+            transfer.final_check.set_exception(error)
+            transfer.final_check.exception()
+            transfer.fail(error, even_if_complete=True)
+            stream.conn.send_reset(transfer.transfer_id, error.code, str(error))
+        transfer._changed.set()
+        stream.conn.send_ack(address)
+        stream.flush()
 
     def _deliver(self, transfer: Transfer) -> None:
         waiters = self._expect_waiters.get(transfer.request_id)
@@ -470,7 +545,10 @@ class Server:
         transfer = sess.transfers.get(addr.transfer_id) if sess is not None else None
         if transfer is not None and transfer._error is None:
             try:
-                transfer.on_chunk(ev)
+                new = transfer.on_chunk(ev)
+                if new and transfer.complete and transfer.final_check is not None:
+                    self._spawn(self._publish_and_ack(stream, transfer, addr))
+                    return
             except KvwireError as exc:
                 transfer.fail(exc)
                 assert sess is not None
@@ -479,6 +557,19 @@ class Server:
         # Chunks of a transfer that was reset are acknowledged too: the ack returns the
         # connection credit, and the RESET already told the sender the outcome.
         stream.conn.send_ack(addr)
+
+
+def _decode_blocks(begin: Begin) -> list[tuple[Any, int]]:
+    try:
+        return [(block_from_key(bv.block.decode("utf-8")), bv.version) for bv in begin.blocks]
+    except (UnicodeDecodeError, UsageError):
+        raise ProtocolError("BEGIN carries a malformed block id") from None
+
+
+def _stale(blocks: Sequence[Any]) -> StaleVersionError:
+    shown = ", ".join(repr(b) for b in list(blocks)[:8])
+    more = f" and {len(blocks) - 8} more" if len(blocks) > 8 else ""
+    return StaleVersionError(f"stale prefix blocks: {shown}{more}")
 
 
 async def _open_server(host: str, port: int, *, secret: bytes, ssl: _ssl.SSLContext | None, options: ServerOptions) -> Server:

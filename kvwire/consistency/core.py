@@ -305,6 +305,19 @@ class RegistryCore:
                 rejected.append(block_from_key(key))
         return rejected
 
+    def superseded(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
+        """The blocks :meth:`publish` would reject now, without changing anything.
+
+        A receiver asks this when a transfer announces its blocks, to refuse stale data
+        before it moves; :meth:`publish` at completion stays the authoritative check.
+        """
+        out: list[BlockId] = []
+        for key, version in pairs_keys(pairs):
+            state = self._blocks.get(key) or BlockState()
+            if not (version > state.version or (version == state.version and state.complete)):
+                out.append(block_from_key(key))
+        return out
+
     def stale(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
         """The blocks of ``pairs`` that are not fresh at the given version, in order."""
         out: list[BlockId] = []

@@ -7,17 +7,7 @@ freshness catches one class.
 
 from __future__ import annotations
 
-from kvwire.errors import ErrorCode, KvwireError, StaleVersionError
-
-
-class RegistryUnavailableError(KvwireError):
-    """The registry could not be reached or answered with an error.
-
-    The registry fails closed: no operation reports a block as fresh unless the registry
-    itself confirmed it, so callers must treat this error as "unverified, do not use".
-    """
-
-    code = ErrorCode.INTERNAL_ERROR
+from kvwire.errors import KvwireError, RegistryUnavailableError, StaleVersionError
 
 
 class LeaseExpiredError(StaleVersionError):

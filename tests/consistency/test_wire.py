@@ -1,0 +1,80 @@
+"""Block versions enforced on the wire: a server with a registry never hands out stale data."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+import kvwire
+from tests.conftest import SECRET, make_layers, same_cache
+
+pytestmark = pytest.mark.timeout(60)
+SPEC = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=16)
+
+
+async def test_fresh_blocks_are_accepted_and_published(registry: Any) -> None:
+    lease = await registry.begin([101, 102], owner="prefill-a", ttl=30)
+    versions = await registry.commit(lease)
+    layers = make_layers(4, 40, 2, 16)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, registry=registry) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            recv = asyncio.create_task(server.expect("ok"))
+            await peer.send("ok", SPEC, layers, blocks=versions, timeout=10)
+            t = await recv
+            assert same_cache((await t.collect(timeout=10)).layers, layers)
+            assert t.blocks == versions
+    assert await registry.lookup([101, 102]) == versions
+
+
+async def test_newer_blocks_from_a_remote_prefill_are_published(registry: Any) -> None:
+    # The receiver's registry has never seen these blocks: a newer version is accepted.
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, registry=registry) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            recv = asyncio.create_task(server.expect("remote"))
+            await peer.send("remote", SPEC, make_layers(4, 8, 2, 16), blocks=[("blk-x", 7)], timeout=10)
+            await (await recv).collect(timeout=10)
+    assert await registry.lookup(["blk-x"]) == [("blk-x", 7)]
+
+
+async def test_stale_transfer_is_refused_on_both_sides_before_data_moves(registry: Any) -> None:
+    lease = await registry.begin([5], owner="a", ttl=30)
+    [(_, v1)] = await registry.commit(lease)
+    await registry.invalidate(5)  # the cache at v1 is now stale everywhere
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, registry=registry) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            with pytest.raises(kvwire.StaleVersionError):
+                await peer.send("stale", SPEC, make_layers(4, 8, 2, 16), blocks=[(5, v1)], timeout=10)
+            with pytest.raises(kvwire.TransferTimeoutError):
+                await server.expect("stale", timeout=0.3)  # never handed to the application
+            assert server.statistics()["transfers_refused"] == 1
+            # the session is still usable
+            await peer.send("after", SPEC, make_layers(4, 8, 2, 16), timeout=10)
+
+
+async def test_block_invalidated_mid_transfer_never_completes(registry: Any) -> None:
+    lease = await registry.begin([9], owner="a", ttl=30)
+    versions = await registry.commit(lease)
+    layers = make_layers(4, 16, 2, 16)
+    gate = asyncio.Event()
+
+    async def produce():  # type: ignore[no-untyped-def]
+        for i, kv in enumerate(layers):
+            yield kv
+            if i == 0:
+                await gate.wait()
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, registry=registry) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            send = asyncio.create_task(peer.send("mid", SPEC, produce(), blocks=versions, timeout=10))
+            t = await server.expect("mid", timeout=5)
+            await registry.invalidate(9)  # newer data exists now
+            gate.set()
+            seen = []
+            with pytest.raises(kvwire.StaleVersionError):
+                async for layer in t:
+                    seen.append(layer.index)
+            assert len(seen) < 4  # the last layer is withheld
+            with pytest.raises(kvwire.StaleVersionError):
+                await send
