@@ -10,7 +10,7 @@ import asyncio
 import hmac
 import random
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -88,12 +88,8 @@ async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
         loop.set_exception_handler(old)
 
 
-async def round_trip(port: int, rid: str, *, seed: int = 0, **connect_kw: Any) -> bool:
-    """One small transfer through ``port``; True when the receiver got it bit-identical."""
-    raise NotImplementedError  # replaced below (needs the server object)
-
-
 async def transfer_ok(server: kvwire.Server, rid: str, *, seed: int = 0, port: int | None = None, **kw: Any) -> bool:
+    """One small transfer (through ``port`` if given); True when it arrived bit-identical."""
     layers = make_layers(SPEC.num_layers, 40, SPEC.num_kv_heads, SPEC.head_dim, seed=seed)
     async with kvwire.connect("127.0.0.1", port or server.port, secret=kw.pop("secret", SECRET), **kw) as peer:
         await peer.send(rid, SPEC, layers, timeout=10)
@@ -333,9 +329,7 @@ async def test_wrong_secret_is_refused_on_both_sides() -> None:
         async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
             # client with the wrong secret: the server refuses it...
             with pytest.raises(kvwire.AuthenticationError):
-                await asyncio.wait_for(
-                    _connect_and_send(server.port, None, "bad", secret=b"wrong-secret-xyz"), 10
-                ) if False else await asyncio.wait_for(_wrong_secret_client(server.port), 10)
+                await asyncio.wait_for(_wrong_secret_client(server.port), 10)
             # ...and says so on the wire with AUTHENTICATION_FAILED, nothing more
             frames, closed = await _raw_handshake_frames(server.port, b"wrong-secret-xyz")
             g = goaway_of(frames)
