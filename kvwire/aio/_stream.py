@@ -68,7 +68,7 @@ class StreamProtocol(asyncio.Protocol):
         self.flush()
 
     def data_received(self, data: bytes) -> None:
-        self.conn.receive_data(data)
+        self.conn.receive_data(data, self.loop.time())
         self.process()
 
     def eof_received(self) -> bool | None:

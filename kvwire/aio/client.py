@@ -60,6 +60,9 @@ class ClientOptions:
     """Largest frame body this side accepts."""
     connect_timeout: float = 10.0
     """Seconds for TCP connect plus handshake, per stream."""
+    idle_timeout: float | None = 30.0
+    """Seconds without a byte from the server before a stream is considered dead (a PING
+    is sent after half of it)."""
     notsent_lowat: int | None = NOTSENT_LOWAT
     """TCP_NOTSENT_LOWAT (None leaves the kernel default)."""
     spec: KVSpec | None = None
@@ -179,6 +182,7 @@ class Peer:
             secret=self._secret, codecs=tuple(available_codecs()), max_frame_size=opts.max_frame_size,
             fingerprint=opts.spec.fingerprint if opts.spec is not None else NO_FINGERPRINT,
             session_id=session_id, stream_index=index, handshake_timeout=opts.connect_timeout,
+            idle_timeout=opts.idle_timeout,
         )
         conn = Connection(Role.CLIENT, cfg, now=loop.time())
         conn.initiate()

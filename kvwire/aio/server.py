@@ -70,6 +70,12 @@ class ServerOptions:
     """TCP streams per session."""
     handshake_timeout: float = 10.0
     """Seconds a new connection has to complete the handshake."""
+    idle_timeout: float | None = 30.0
+    """Seconds without a byte from a client before its connection is closed (a PING is
+    sent after half of it)."""
+    transfer_timeout: float | None = 300.0
+    """Seconds from BEGIN until a transfer must be complete; then it fails with TIMEOUT
+    on both sides (None: no limit)."""
     specs: tuple[KVSpec, ...] = ()
     """KV layouts accepted; empty accepts any valid layout."""
     codecs: tuple[str, ...] = ()
@@ -110,6 +116,7 @@ class Transfer:
         self._yielded = 0
         self._consumer: str | None = None
         self.wire_bytes = 0
+        self.deadline: asyncio.TimerHandle | None = None
         self.started = asyncio.get_event_loop().time()
         self.finished: float | None = None
 
@@ -193,10 +200,14 @@ class Transfer:
             self._ready.append(chunk.layer)
             if st.complete:
                 self.finished = asyncio.get_event_loop().time()
+                if self.deadline is not None:
+                    self.deadline.cancel()
             self._changed.set()
         return True
 
     def fail(self, error: KvwireError, *, even_if_complete: bool = False) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
         if self._error is None and (even_if_complete or not self.state.complete):
             self._error = error
             self._arrays.clear()  # never hand out a half-filled cache
@@ -292,7 +303,7 @@ class Server:
         cfg = ConnectionConfig(
             secret=self._secret, codecs=self.codecs, max_frame_size=opts.max_frame_size,
             window=opts.window, max_transfers=opts.max_transfers,
-            handshake_timeout=opts.handshake_timeout,
+            handshake_timeout=opts.handshake_timeout, idle_timeout=opts.idle_timeout,
         )
         loop = asyncio.get_event_loop()
         proto = StreamProtocol(
@@ -466,12 +477,29 @@ class Server:
         for old_id in [i for i, t in sess.transfers.items() if t._consumer is not None and t.complete]:
             del sess.transfers[old_id]
         sess.transfers[tid] = transfer
+        if self.options.transfer_timeout is not None:
+            transfer.deadline = asyncio.get_running_loop().call_later(
+                self.options.transfer_timeout, self._expire, sess, transfer
+            )
         if self.registry is not None and transfer.blocks:
             loop = asyncio.get_running_loop()
             transfer.final_check = loop.create_future()
             self._spawn(self._verify_and_accept(stream, sess, transfer))
             return
         self._accept(stream, transfer)
+
+    def _expire(self, sess: _Session, transfer: Transfer) -> None:
+        if transfer.complete or transfer._error is not None:
+            return
+        err = TransferTimeoutError(
+            f"transfer {transfer.request_id!r} not complete after {self.options.transfer_timeout} s"
+        )
+        transfer.fail(err)
+        sess.transfers.pop(transfer.transfer_id, None)
+        stream = sess.any_stream()
+        if stream is not None:
+            stream.conn.send_reset(transfer.transfer_id, err.code, str(err))
+            stream.flush()
 
     def _accept(self, stream: StreamProtocol, transfer: Transfer) -> None:
         self.transfers_accepted += 1

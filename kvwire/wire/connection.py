@@ -202,6 +202,9 @@ class ConnectionConfig:
     stream_index: int = 0
     handshake_timeout: float = 10.0
     """Seconds from start until the handshake must be complete."""
+    idle_timeout: float | None = 30.0
+    """Once open: seconds without a byte from the peer before the connection is closed
+    with TIMEOUT.  A PING goes out after half of it, so a live but quiet peer answers."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes | bytearray) or len(self.secret) < 8:
@@ -247,6 +250,9 @@ class Connection:
         self._events: deque[Event] = deque()
         self._out: list[Buffer] = []
         self._deadline: float | None = now + config.handshake_timeout
+        self._last_rx = now
+        self._ping_due: float | None = None
+        self._ping_seq = 0
         self._hello_body = b""
         self._challenge_body = b""
         self._client_proof = b""
@@ -280,10 +286,15 @@ class Connection:
         self._hello_body = self._queue_signed(hello)
         self.state = State.CLIENT_HELLO_SENT
 
-    def receive_data(self, data: Buffer) -> None:
-        """Feed bytes read from the socket; ``b""`` means the peer closed."""
+    def receive_data(self, data: Buffer, now: float | None = None) -> None:
+        """Feed bytes read from the socket; ``b""`` means the peer closed.
+
+        ``now`` (when given) restarts the idle timer.
+        """
         if self.state is State.CLOSED:
             return
+        if now is not None:
+            self._last_rx = now
         if not data:
             self._close_locally(
                 ErrorCode.NO_ERROR, "connection closed by peer", by_peer=True,
@@ -309,11 +320,34 @@ class Connection:
         return out
 
     def get_timer(self) -> float | None:
-        return self._deadline if self.state is not State.CLOSED else None
+        """When :meth:`handle_timer` must next run (None: never)."""
+        if self.state is State.CLOSED:
+            return None
+        if self.state is not State.OPEN:
+            return self._deadline
+        idle = self.config.idle_timeout
+        if idle is None:
+            return None
+        if self._ping_due is not None and self._ping_due > self._last_rx:
+            return self._last_rx + idle  # a PING is out: wait for any byte
+        return self._last_rx + idle / 2
 
     def handle_timer(self, now: float) -> None:
-        if self._deadline is not None and now >= self._deadline and self.state is not State.CLOSED:
-            self._fail(TransferTimeoutError("handshake did not complete in time"))
+        if self.state is State.CLOSED:
+            return
+        if self.state is not State.OPEN:
+            if self._deadline is not None and now >= self._deadline:
+                self._fail(TransferTimeoutError("handshake did not complete in time"))
+            return
+        idle = self.config.idle_timeout
+        if idle is None:
+            return
+        if now >= self._last_rx + idle:
+            self._fail(TransferTimeoutError(f"no data from the peer for {idle} s"))
+        elif now >= self._last_rx + idle / 2 and not (self._ping_due is not None and self._ping_due > self._last_rx):
+            self._ping_seq += 1
+            self._ping_due = now
+            self._queue(Ping(opaque=self._ping_seq))
 
     # Server: after ClientAuthenticated.
     def welcome(self, session_id: bytes, codecs: Sequence[str]) -> None:
@@ -441,6 +475,7 @@ class Connection:
     def _open(self) -> None:
         self.state = State.OPEN
         self._deadline = None
+        self._ping_due = None
         if self.role is Role.SERVER:
             self._decoder.max_body = self.config.max_frame_size
         else:

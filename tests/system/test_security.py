@@ -158,6 +158,7 @@ class RecordingProxy:
         self.backward: list[bytearray] = []
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: list[asyncio.StreamWriter] = []
         self.port = 0
 
     async def __aenter__(self) -> RecordingProxy:
@@ -168,9 +169,10 @@ class RecordingProxy:
     async def __aexit__(self, *exc: object) -> None:
         assert self._server is not None
         self._server.close()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for w in self._writers:
+            w.close()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5)
         await self._server.wait_closed()
 
     async def _handle(self, creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
@@ -181,6 +183,7 @@ class RecordingProxy:
         self.forward.append(fwd)
         self.backward.append(back)
         sreader, swriter = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [cwriter, swriter]
 
         async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, rec: bytearray) -> None:
             try:
@@ -579,3 +582,18 @@ async def test_session_limit_refuses_with_a_code_and_serves_again_after() -> Non
             assert await transfer_ok(server, "freed")
             await b.close()
     assert errors == []
+
+
+async def test_silent_client_against_tls_server_is_closed_after_handshake_timeout(
+    ca: trustme.CA, server_cert: trustme.LeafCert
+) -> None:
+    """handshake_timeout covers the TLS handshake too: a client that opens TCP and never
+    starts TLS must not hold the connection for longer."""
+    async with kvwire.serve(
+        "127.0.0.1", 0, secret=SECRET, ssl=server_context(server_cert), handshake_timeout=0.5,
+    ) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        _, closed = await read_frames(reader, until=5.0)
+        writer.close()
+        assert closed, "a client that never started TLS was still connected after 5 s"
+        assert await transfer_ok(server, "ok", ssl=client_context(ca), server_hostname="localhost")

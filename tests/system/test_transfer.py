@@ -228,3 +228,39 @@ async def test_bad_layers_are_usage_errors() -> None:
             with pytest.raises(kvwire.KvwireError):
                 await t.collect(timeout=5)
             await peer.send("c", spec, make_layers(2, 4, 2, 8), timeout=10)
+
+
+async def test_server_transfer_deadline_fails_both_sides() -> None:
+    spec = kvwire.KVSpec(num_layers=3, num_kv_heads=1, head_dim=8)
+    layers = make_layers(3, 4, 1, 8)
+    never = asyncio.Event()
+
+    async def stuck():  # type: ignore[no-untyped-def]
+        yield layers[0]
+        await never.wait()
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, transfer_timeout=0.5) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            send = asyncio.create_task(peer.send("slow", spec, stuck()))
+            t = await server.expect("slow", timeout=5)
+            with pytest.raises(kvwire.TransferTimeoutError):
+                await t.collect(timeout=5)
+            with pytest.raises(kvwire.TransferTimeoutError):
+                await asyncio.wait_for(send, 5)
+            await peer.send("next", spec, layers, timeout=5)  # the session goes on
+
+
+async def test_silent_server_is_detected_by_the_idle_timeout() -> None:
+    # A listener that completes TCP but never speaks: the handshake deadline fires.
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(5)
+        writer.close()
+
+    srv = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        with pytest.raises(kvwire.TransferTimeoutError):
+            async with kvwire.connect("127.0.0.1", port, secret=SECRET, connect_timeout=0.3):
+                pass
+    finally:
+        srv.close()

@@ -278,3 +278,38 @@ def test_goaway_frame_from_unauthenticated_peer_reveals_nothing() -> None:
 
     [(goaway, _)] = FrameDecoder(1 << 16).feed(out)
     assert isinstance(goaway, GoAway) and goaway.message == ""
+
+
+def test_idle_timer_pings_then_closes() -> None:
+    cfg = ConnectionConfig(secret=b"test-secret", idle_timeout=10.0)
+    pair = MemoryPair.create(client_config=cfg, server_config=cfg, now=0.0)
+    pair.handshake()
+    c = pair.client
+    assert c.get_timer() == 5.0  # half the idle timeout after the last byte (t=0)
+    c.handle_timer(4.9)
+    assert not c.data_to_send()
+    c.handle_timer(5.0)
+    out = b"".join(bytes(p) for p in c.data_to_send())
+    assert out[0] == 0x20  # PING
+    assert c.get_timer() == 10.0  # waiting for any byte until the full timeout
+    # the server answers (PONG): the timer restarts from the answer
+    pair.server.receive_data(out, now=5.0)
+    pong = b"".join(bytes(p) for p in pair.server.data_to_send())
+    c.receive_data(pong, now=5.5)
+    assert c.get_timer() == 10.5
+    c.handle_timer(10.5)
+    assert bytes(c.data_to_send()[0])[0] == 0x20  # pinged again: nothing arrived since 5.5
+    c.handle_timer(15.4)
+    assert c.state is State.OPEN  # still within the timeout
+    c.handle_timer(15.5)
+    assert c.state is State.CLOSED
+    closed = [e for e in iter(c.next_event, None) if isinstance(e, ConnectionClosed)][-1]
+    assert isinstance(closed.error, TransferTimeoutError)
+    assert c.get_timer() is None
+
+
+def test_no_idle_timeout_means_no_timer() -> None:
+    cfg = ConnectionConfig(secret=b"test-secret", idle_timeout=None)
+    pair = MemoryPair.create(client_config=cfg, server_config=cfg)
+    pair.handshake()
+    assert pair.client.get_timer() is None and pair.server.get_timer() is None

@@ -1,0 +1,706 @@
+"""The bench: send a model's KV cache again and again over loopback, an emulated link, a
+kernel-shaped link or to a remote ``kvwire serve``, and measure what arrives.
+
+Sender, receiver and link emulator run in separate processes so that none of them
+steals the others' event loop: on a small machine one process doing all three measures
+the Python scheduler, not the transport. The sender runs in the calling process so
+that progress can be shown live.
+
+Every timestamp is ``time.monotonic()``, which is one clock for all processes of a
+machine; sample times are reported in seconds from the link's start (``t0``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import resource
+import secrets
+import socket
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvwire.bench.models import ModelShape, bench_cache, get_model, relative_error
+from kvwire.errors import KvwireError, UsageError
+from kvwire.spec import KVSpec
+
+__all__ = [
+    "DEV_SECRET",
+    "BenchConfig",
+    "BenchReceiver",
+    "load_secret",
+    "mean_rate",
+    "raw_socket_run",
+    "run_bench",
+    "serve_benches",
+]
+
+#: The secret both ``kvwire serve`` and ``kvwire bench --peer`` fall back to when neither
+#: ``--secret-file`` nor ``KVWIRE_SECRET`` is given. Public, so it authenticates nothing:
+#: for benches between machines you trust, never for real traffic.
+DEV_SECRET = b"kvwire-development-secret"
+
+#: Key in a transfer's ``meta`` that marks it as part of a bench.
+META_KEY = "kvwire_bench"
+
+_READY_TIMEOUT = 60.0  # spawning a child imports numpy and kvwire: seconds on a slow box
+
+
+def load_secret(path: str | None) -> tuple[bytes, str | None]:
+    """The shared secret and, when it is the development default, a warning to print.
+
+    Order: the file's bytes (surrounding whitespace stripped), else ``$KVWIRE_SECRET``,
+    else :data:`DEV_SECRET`.
+    """
+    if path is not None:
+        try:
+            data = Path(path).read_bytes().strip()
+        except OSError as exc:
+            raise UsageError(f"cannot read secret file {path!r}: {exc.strerror}") from None
+        if len(data) < 8:
+            raise UsageError(f"secret file {path!r} holds fewer than 8 bytes")
+        return data, None
+    env = os.environ.get("KVWIRE_SECRET")
+    if env:
+        data = env.encode().strip()
+        if len(data) < 8:
+            raise UsageError("KVWIRE_SECRET holds fewer than 8 bytes")
+        return data, None
+    return DEV_SECRET, (
+        "warning: no --secret-file or KVWIRE_SECRET; using the public development secret "
+        f"{DEV_SECRET.decode()!r}, which protects nothing"
+    )
+
+
+# -- configuration --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BenchConfig:
+    """One bench run. Rates are bits/s, times seconds."""
+
+    model: str = "llama3-8b"
+    tokens: int = 8192
+    codec: str = "raw"
+    streams: int | str = 4
+    duration: float = 10.0
+    link_bps: float | None = None
+    schedule: tuple[tuple[float, float], ...] = ()
+    """``((t, rate_bps), ...)`` from t = 0; replaces ``link_bps`` when given."""
+    rtt: float = 0.0
+    jitter: float = 0.0
+    kernel: bool = False
+    peer: tuple[str, int] | None = None
+    secret: bytes = DEV_SECRET
+    """Used with ``peer``; local runs make a fresh one."""
+    baseline: bool = True
+    """Measure a raw-socket baseline first (plain loopback only)."""
+    seed: int = 0
+    sample_interval: float = 0.1
+
+    def __post_init__(self) -> None:
+        get_model(self.model)
+        if self.tokens < 1:
+            raise UsageError("--tokens must be >= 1")
+        if not self.duration > 0:
+            raise UsageError("--duration must be > 0")
+        if self.rtt < 0 or self.jitter < 0:
+            raise UsageError("--rtt and --jitter must be >= 0")
+        if self.peer is not None and (self.shaped or self.rtt or self.jitter or self.kernel):
+            raise UsageError("--peer sends over the real network: drop --link/--rtt/--jitter/--kernel")
+        if self.kernel and not self.shaped:
+            raise UsageError("--kernel needs --link or --link-schedule")
+        if self.kernel and (self.rtt or self.jitter):
+            raise UsageError(
+                "--kernel shapes the rate only (tbf; netem is not assumed): "
+                "for --rtt/--jitter use the userspace emulator (drop --kernel)"
+            )
+
+    @property
+    def steps(self) -> tuple[tuple[float, float], ...]:
+        if self.schedule:
+            return self.schedule
+        if self.link_bps is not None:
+            return ((0.0, self.link_bps),)
+        return ()
+
+    @property
+    def shaped(self) -> bool:
+        return bool(self.steps)
+
+    @property
+    def mode(self) -> str:
+        if self.peer is not None:
+            return "peer"
+        if self.kernel:
+            return "kernel"
+        if self.shaped or self.rtt or self.jitter:
+            return "emulated"
+        return "loopback"
+
+
+def rate_at(steps: Sequence[tuple[float, float]], t: float) -> float | None:
+    """The rate of a step schedule at ``t`` (``None`` without a schedule)."""
+    rate: float | None = None
+    for start, r in steps:
+        if t >= start or rate is None:
+            rate = r
+    return rate
+
+
+def mean_rate(steps: Sequence[tuple[float, float]], a: float, b: float) -> float | None:
+    """Time-averaged rate of a step schedule over ``[a, b]``."""
+    if not steps:
+        return None
+    if b <= a:
+        return rate_at(steps, a)
+    edges = sorted({a, b, *(s for s, _ in steps if a < s < b)})
+    total = 0.0
+    for lo, hi in zip(edges, edges[1:], strict=False):
+        total += (rate_at(steps, lo) or 0.0) * (hi - lo)
+    return total / (b - a)
+
+
+# -- the receiving side -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _BenchState:
+    bench_id: str
+    transfers: list[dict[str, Any]] = field(default_factory=list)
+    failed: int = 0
+    last: tuple[KVSpec, list[tuple[Any, Any]], int] | None = None
+
+
+class BenchReceiver:
+    """Receives bench transfers on a server and checks what arrived.
+
+    A bench's transfers carry ``meta[META_KEY] = {"id", "seed"}``; the bench ends with
+    a one-token transfer whose meta says ``"end": true``. The last full transfer of
+    each bench is kept and, once the bench ends (off the sender's clock), compared with
+    the cache regenerated from the seed: that is ``max_rel_error``. Checking every
+    transfer while receiving would take CPU from the receiver and slow the run down.
+    """
+
+    def __init__(self, server: Any, log: Callable[[str], None] | None = None) -> None:
+        self.server = server
+        self.log = log or (lambda _line: None)
+        self._benches: dict[str, _BenchState] = {}
+
+    async def run(self, *, once: bool = False) -> list[dict[str, Any]]:
+        """Receive until a bench ends (``once``) or forever; returns the bench reports."""
+        reports: list[dict[str, Any]] = []
+        while True:
+            transfer = await self.server.accept()
+            report = await self.handle(transfer)
+            if report is not None:
+                reports.append(report)
+                if once:
+                    return reports
+
+    async def handle(self, transfer: Any) -> dict[str, Any] | None:
+        meta = transfer.meta.get(META_KEY) if isinstance(transfer.meta, dict) else None
+        bench = meta if isinstance(meta, dict) and isinstance(meta.get("id"), str) else None
+        state = self._benches.setdefault(bench["id"], _BenchState(bench["id"])) if bench else None
+        try:
+            cache = await transfer.collect()
+        except KvwireError as exc:
+            self.log(f"{transfer.request_id}: failed: {exc}")
+            if state is not None:
+                state.failed += 1
+            return None
+        seconds = (transfer.finished or transfer.started) - transfer.started
+        entry = {
+            "request_id": transfer.request_id,
+            "tokens": cache.num_tokens,
+            "kv_bytes": cache.nbytes,
+            "wire_bytes": transfer.wire_bytes,
+            "seconds": seconds,
+        }
+        if state is None or bench is None:
+            self.log(_transfer_line(entry))
+            return None
+        if bench.get("end"):
+            del self._benches[state.bench_id]
+            return await self._finish(state)
+        state.transfers.append(entry)
+        state.last = (transfer.spec, cache.layers, int(bench.get("seed", 0)))
+        self.log(_transfer_line(entry))
+        return None
+
+    async def _finish(self, state: _BenchState) -> dict[str, Any]:
+        error: float | None = None
+        if state.last is not None:
+            spec, layers, seed = state.last
+            state.last = None
+            error = await asyncio.to_thread(_verify, spec, layers, seed)
+        kv = sum(t["kv_bytes"] for t in state.transfers)
+        wire = sum(t["wire_bytes"] for t in state.transfers)
+        report = {
+            "bench_id": state.bench_id,
+            "transfers": len(state.transfers),
+            "failed": state.failed,
+            "kv_bytes": kv,
+            "wire_bytes": wire,
+            "max_rel_error": error,
+            "per_transfer": state.transfers,
+        }
+        err = "n/a" if error is None else f"{error:.3g}"
+        self.log(
+            f"bench {state.bench_id}: {len(state.transfers)} transfers, {kv / 1e9:.3f} GB of KV, "
+            f"{wire / 1e9:.3f} GB on the wire, {state.failed} failed, "
+            f"max_rel_error {err} (last transfer)"
+        )
+        return report
+
+
+def _verify(spec: KVSpec, layers: list[tuple[Any, Any]], seed: int) -> float:
+    shape = ModelShape(spec.model, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+    sent = bench_cache(shape, int(layers[0][0].shape[0]), seed)
+    return relative_error(layers, sent)
+
+
+def _transfer_line(entry: dict[str, Any]) -> str:
+    secs = entry["seconds"]
+    rate = entry["kv_bytes"] * 8 / secs / 1e9 if secs > 0 else 0.0
+    return (
+        f"{entry['request_id']}: {entry['tokens']} tokens, {entry['kv_bytes'] / 1e6:.1f} MB KV, "
+        f"{entry['wire_bytes'] / 1e6:.1f} MB wire, {secs * 1e3:.1f} ms, {rate:.2f} Gbit/s of KV"
+    )
+
+
+async def serve_benches(
+    host: str, port: int, *, secret: bytes, once: bool = False,
+    log: Callable[[str], None] = print, ready: Callable[[int], None] | None = None,
+) -> list[dict[str, Any]]:
+    """``kvwire serve``: receive bench (and any other) transfers, logging each one."""
+    from kvwire.aio import serve
+
+    async with serve(host, port, secret=secret) as server:
+        if ready is not None:
+            ready(server.port)
+        return await BenchReceiver(server, log).run(once=once)
+
+
+def _enter_netns(name: str) -> None:
+    from kvwire.bench.netns import _setns
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        _setns(fd)
+    finally:
+        os.close(fd)
+
+
+def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None) -> None:
+    """Child process: a server that receives one bench and reports it."""
+    from kvwire.aio import run
+
+    try:
+        if netns is not None:
+            _enter_netns(netns)
+        reports = run(
+            serve_benches(host, 0, secret=secret, once=True, log=lambda _l: None,
+                          ready=lambda port: conn.send(("ready", port)))
+        )
+        conn.send(("done", reports[0]))
+    except BaseException as exc:  # reported to the parent, which raises it
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"receiver: {exc!r}"))
+
+
+def _emulator_main(
+    conn: Connection, steps: tuple[tuple[float, float], ...], delay: float, jitter: float,
+    interval: float,
+) -> None:
+    """Child process: a LinkEmulator in front of the receiver, sampling its byte count."""
+    from kvwire.aio import run
+    from kvwire.bench.emulator import LinkEmulator
+
+    async def main() -> list[tuple[float, int]]:
+        _, target = conn.recv()
+        loop = asyncio.get_running_loop()
+        link = LinkEmulator(
+            "127.0.0.1", target, schedule=list(steps) or None, delay=delay, jitter=jitter, seed=0
+        )
+        async with link:
+            # uvloop's clock is not time.monotonic(): translate the start to the shared clock.
+            start = link.start_time + (time.monotonic() - loop.time())
+            conn.send(("ready", link.port, start))
+            samples: list[tuple[float, int]] = []
+            while not conn.poll():
+                samples.append((time.monotonic(), link.statistics().bytes_forward))
+                await asyncio.sleep(interval)
+            samples.append((time.monotonic(), link.statistics().bytes_forward))
+            return samples
+
+    try:
+        conn.send(("done", run(main())))
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"emulator: {exc!r}"))
+
+
+def _expect(conn: Connection, what: str, proc: BaseProcess, timeout: float) -> tuple[Any, ...]:
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.1):
+        if not proc.is_alive():
+            raise KvwireError(f"the {what} process exited (code {proc.exitcode})")
+        if time.monotonic() > deadline:
+            raise KvwireError(f"the {what} process did not answer within {timeout:.0f} s")
+    msg: tuple[Any, ...] = conn.recv()
+    if msg[0] == "error":
+        raise KvwireError(str(msg[1]))
+    return msg
+
+
+@contextlib.contextmanager
+def _child(target: Callable[..., None], *args: Any) -> Iterator[tuple[BaseProcess, Connection]]:
+    ctx = mp.get_context("spawn")  # never fork a process that may run threads
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        yield proc, parent
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(5)
+        parent.close()
+
+
+# -- the sending side -------------------------------------------------------------------------
+
+Progress = Callable[[dict[str, Any]], None]
+
+
+@dataclass(slots=True)
+class _SendResult:
+    receipts: list[Any] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+    incomplete: int = 0
+    estimated_gbps: float | None = None
+    min_rtt_ms: float | None = None
+
+
+async def _send_loop(
+    cfg: BenchConfig, host: str, port: int, secret: bytes, bench_id: str, t0: float | None,
+    on_progress: Progress | None, set_rate: Callable[[float], None] | None = None,
+) -> _SendResult:
+    from kvwire.aio import connect
+
+    model = get_model(cfg.model)
+    spec = model.spec()
+    layers = bench_cache(model, cfg.tokens, cfg.seed)
+    end_layers = bench_cache(model, 1, cfg.seed)
+    meta = {META_KEY: {"id": bench_id, "seed": cfg.seed}}
+    res = _SendResult()
+    kv_done = 0
+    streams: Any = cfg.streams
+    async with connect(host, port, secret=secret, streams=streams, codec=cfg.codec) as peer:
+        start = time.monotonic()
+        base = t0 if t0 is not None else start
+        res.started = start
+
+        async def sample() -> None:
+            last_t, last_b = time.monotonic(), peer.bytes_sent
+            while True:
+                await asyncio.sleep(cfg.sample_interval)
+                now, sent = time.monotonic(), peer.bytes_sent
+                est = peer.statistics().get("estimated_gbps")
+                link = rate_at(cfg.steps, now - base)
+                point = {
+                    "t": now - base,
+                    "wire_gbps": (sent - last_b) * 8 / max(now - last_t, 1e-9) / 1e9,
+                    "estimated_gbps": est,
+                    "link_gbps": link / 1e9 if link is not None else None,
+                    "bytes_sent": sent,
+                    "kv_bytes_done": kv_done,
+                }
+                last_t, last_b = now, sent
+                res.samples.append(point)
+                if on_progress is not None:
+                    on_progress({**point, "elapsed": now - start, "duration": cfg.duration,
+                                 "transfers": len(res.receipts)})
+
+        async def reshape() -> None:
+            # Kernel mode: tc changes the rate at the schedule's steps.
+            assert set_rate is not None
+            for at, rate in cfg.steps[1:]:
+                await asyncio.sleep(max(0.0, base + at - time.monotonic()))
+                await asyncio.to_thread(set_rate, rate)
+
+        tasks = [asyncio.create_task(sample())]
+        if set_rate is not None and len(cfg.steps) > 1:
+            tasks.append(asyncio.create_task(reshape()))
+        # A transfer still running at the end may finish; one that takes far longer
+        # (a cache too big for the link) is abandoned and counted as incomplete.
+        hard_stop = start + max(2 * cfg.duration, cfg.duration + 30.0)
+        try:
+            i = 0
+            while True:
+                left = hard_stop - time.monotonic()
+                try:
+                    receipt = await peer.send(
+                        f"{bench_id}-{i}", spec, layers, meta=meta, timeout=max(left, 0.001)
+                    )
+                except KvwireError:
+                    if time.monotonic() < hard_stop:
+                        raise
+                    res.incomplete += 1
+                    break
+                res.receipts.append(receipt)
+                kv_done += receipt.kv_bytes
+                i += 1
+                if time.monotonic() - start >= cfg.duration:
+                    break
+            res.ended = time.monotonic()
+            stats = peer.statistics()
+            res.estimated_gbps = stats.get("estimated_gbps")
+            res.min_rtt_ms = stats.get("min_rtt_ms")
+            end_meta = {META_KEY: {"id": bench_id, "seed": cfg.seed, "end": True}}
+            await peer.send(f"{bench_id}-end", spec, end_layers, meta=end_meta, timeout=30.0)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    return res
+
+
+# -- a raw-socket baseline ----------------------------------------------------------------------
+
+
+def _raw_receiver(conn: Connection, netns: str | None) -> None:
+    if netns is not None:
+        _enter_netns(netns)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    conn.send(("ready", listener.getsockname()[1]))
+    sock, _ = listener.accept()
+    cpu0 = _cpu()
+    buf = bytearray(4 << 20)
+    view = memoryview(buf)
+    total = 0
+    first: float | None = None
+    while True:
+        n = sock.recv_into(view)
+        if not n:
+            break
+        if first is None:
+            first = time.monotonic()
+        total += n
+    end = time.monotonic()
+    sock.close()
+    conn.send(("done", total, end - (first or end), _cpu() - cpu0))
+
+
+def _raw_sender(
+    conn: Connection, port: int, model: str, tokens: int, seed: int, seconds: float | None,
+    transfers: int | None,
+) -> None:
+    layers = bench_cache(get_model(model), tokens, seed)
+    views = [memoryview(t).cast("B") for pair in layers for t in pair]
+    sock = socket.create_connection(("127.0.0.1", port))
+    conn.send(("ready",))
+    conn.recv()  # go
+    cpu0 = _cpu()
+    deadline = time.monotonic() + seconds if seconds is not None else float("inf")
+    done = 0
+    while (transfers is None or done < transfers) and time.monotonic() < deadline:
+        for v in views:
+            sock.sendall(v)
+        done += 1
+    sock.close()
+    conn.send(("done", done, _cpu() - cpu0))
+
+
+def _cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def raw_socket_run(
+    model: str, tokens: int, *, seconds: float | None = None, transfers: int | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Send the bench cache's bytes with plain ``sendall``/``recv_into`` between two
+    processes over loopback: what the machine can do without any protocol.
+
+    Stops after ``transfers`` caches or ``seconds`` (whichever first). Returns
+    ``gbps`` (receiver side, first byte to EOF), ``bytes``, ``seconds`` and the CPU
+    seconds of each process.
+    """
+    if seconds is None and transfers is None:
+        raise UsageError("give seconds or transfers")
+    with _child(_raw_receiver, None) as (rproc, rconn):
+        _, port = _expect(rconn, "baseline receiver", rproc, _READY_TIMEOUT)
+        with _child(_raw_sender, port, model, tokens, seed, seconds, transfers) as (sproc, sconn):
+            _expect(sconn, "baseline sender", sproc, _READY_TIMEOUT)
+            sconn.send(("go",))
+            limit = (seconds or 0) + 120.0
+            _, _, sender_cpu = _expect(sconn, "baseline sender", sproc, limit)
+        _, nbytes, secs, receiver_cpu = _expect(rconn, "baseline receiver", rproc, 30.0)
+    return {
+        "gbps": nbytes * 8 / secs / 1e9 if secs > 0 else 0.0,
+        "bytes": float(nbytes),
+        "seconds": secs,
+        "sender_cpu_s": sender_cpu,
+        "receiver_cpu_s": receiver_cpu,
+    }
+
+
+# -- the whole run ------------------------------------------------------------------------------
+
+
+def run_bench(
+    cfg: BenchConfig, on_progress: Progress | None = None, log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+    """Run one bench as configured; returns the report (see ``kvwire bench --json``)."""
+    from kvwire.aio import run
+
+    log = log or (lambda _l: None)
+    bench_id = uuid.uuid4().hex[:12]
+    model = get_model(cfg.model)
+    result: dict[str, Any] = {"model": model.name, "tokens": cfg.tokens, "mode": cfg.mode}
+    baseline: dict[str, float] | None = None
+    if cfg.mode == "loopback" and cfg.baseline:
+        secs = min(3.0, max(0.5, cfg.duration / 3))
+        log(f"raw-socket baseline for {secs:.1f} s ...")
+        baseline = raw_socket_run(cfg.model, cfg.tokens, seconds=secs, seed=cfg.seed)
+
+    receiver: dict[str, Any] | None = None
+    emu_samples: list[tuple[float, int]] = []
+    t0: float | None = None
+    if cfg.mode == "peer":
+        assert cfg.peer is not None
+        send = run(_send_loop(cfg, cfg.peer[0], cfg.peer[1], cfg.secret, bench_id, None, on_progress))
+    else:
+        secret = secrets.token_bytes(32)
+        with contextlib.ExitStack() as stack:
+            link: Any = None
+            host = "127.0.0.1"
+            if cfg.mode == "kernel":
+                from kvwire.bench.netns import NetnsLink, NetnsUnavailable, netns_available
+
+                reason = netns_available()
+                if reason is not None:
+                    raise UsageError(f"--kernel: {reason} (run as root, or drop --kernel)")
+                try:
+                    link = stack.enter_context(NetnsLink(rate_bps=cfg.steps[0][1]))
+                except (NetnsUnavailable, OSError) as exc:
+                    raise KvwireError(f"--kernel: cannot set up the namespaces: {exc}") from exc
+                host = link.receiver_addr
+            rproc, rconn = stack.enter_context(
+                _child(_receiver_main, secret, host if link else "127.0.0.1",
+                       link.receiver_ns if link else None)
+            )
+            eproc = econn = None
+            if cfg.mode == "emulated":
+                eproc, econn = stack.enter_context(
+                    _child(_emulator_main, cfg.steps, cfg.rtt / 2, cfg.jitter, 0.05)
+                )
+            _, port = _expect(rconn, "receiver", rproc, _READY_TIMEOUT)
+            if eproc is not None and econn is not None:
+                econn.send(("target", port))
+                _, port, t0 = _expect(econn, "emulator", eproc, _READY_TIMEOUT)
+            if link is not None:
+                from kvwire.bench.netns import _inside
+
+                t0 = time.monotonic()
+                with _inside(link.sender_ns):
+                    send = run(_send_loop(cfg, host, port, secret, bench_id, t0, on_progress,
+                                          set_rate=link.set_rate))
+            else:
+                send = run(_send_loop(cfg, "127.0.0.1", port, secret, bench_id, t0, on_progress))
+            _, receiver = _expect(rconn, "receiver", rproc, 300.0)
+            if eproc is not None and econn is not None:
+                econn.send(("stop",))
+                _, emu_samples = _expect(econn, "emulator", eproc, 30.0)
+
+    base = t0 if t0 is not None else send.started
+    if emu_samples:
+        _wire_from_link(send.samples, emu_samples, base)
+    receipts = send.receipts
+    kv = sum(r.kv_bytes for r in receipts)
+    wire = sum(r.wire_bytes for r in receipts)
+    seconds = send.ended - send.started if receipts else 0.0
+    goodput = kv * 8 / seconds / 1e9 if seconds > 0 else 0.0
+    wire_gbps = wire * 8 / seconds / 1e9 if seconds > 0 else 0.0
+    link_bps = mean_rate(cfg.steps, send.started - base, send.ended - base)
+    ttfl = [r.time_to_first_layer for r in receipts if r.time_to_first_layer is not None]
+    result.update(
+        link_gbps=link_bps / 1e9 if link_bps is not None else None,
+        link_schedule=[[t, r / 1e9] for t, r in cfg.steps] if cfg.steps else None,
+        rtt_ms=cfg.rtt * 1e3 if cfg.mode == "emulated" else send.min_rtt_ms,
+        measured_rtt_ms=send.min_rtt_ms,
+        jitter_ms=cfg.jitter * 1e3,
+        codec=cfg.codec,
+        codecs_used=sorted({r.codec for r in receipts}),
+        streams=cfg.streams,
+        transfers=len(receipts),
+        incomplete_transfers=send.incomplete,
+        kv_bytes_per_transfer=cfg.tokens * model.bytes_per_token(),
+        kv_bytes=kv,
+        wire_bytes=wire,
+        seconds=seconds,
+        goodput_gbps=goodput,
+        wire_gbps=wire_gbps,
+        utilization=wire_gbps * 1e9 / link_bps if link_bps else None,
+        estimated_gbps=send.estimated_gbps,
+        time_to_first_layer_ms=statistics.median(ttfl) * 1e3 if ttfl else None,
+        transfer_seconds_median=statistics.median(r.seconds for r in receipts) if receipts else None,
+        max_rel_error=receiver["max_rel_error"] if receiver else None,
+        verified_transfers=1 if receiver and receiver["max_rel_error"] is not None else 0,
+        baseline_gbps=baseline["gbps"] if baseline else None,
+        baseline_ratio=goodput / baseline["gbps"] if baseline and baseline["gbps"] > 0 else None,
+        peer=f"{cfg.peer[0]}:{cfg.peer[1]}" if cfg.peer else None,
+        per_transfer=[
+            {
+                "codec": r.codec, "kv_bytes": r.kv_bytes, "wire_bytes": r.wire_bytes,
+                "seconds": r.seconds,
+                "time_to_first_layer_ms": r.time_to_first_layer * 1e3
+                if r.time_to_first_layer is not None else None,
+                "estimated_gbps": r.estimated_gbps,
+            }
+            for r in receipts
+        ],
+        samples=send.samples,
+    )
+    return result
+
+
+def _wire_from_link(
+    samples: list[dict[str, Any]], link: list[tuple[float, int]], base: float
+) -> None:
+    """Replace each sample's wire rate by the emulator's forwarded bytes over the same
+    interval (what actually crossed the link, not what the sender handed to TCP)."""
+    times = np.array([t - base for t, _ in link])
+    counts = np.array([b for _, b in link], dtype=np.float64)
+    prev_t: float | None = None
+    prev_b = 0.0
+    for point in samples:
+        b = float(np.interp(point["t"], times, counts))
+        if prev_t is not None and point["t"] > prev_t:
+            point["wire_gbps"] = (b - prev_b) * 8 / (point["t"] - prev_t) / 1e9
+        prev_t, prev_b = point["t"], b
+
+
+if __name__ == "__main__":  # pragma: no cover - run through ``kvwire bench``
+    sys.exit("use: kvwire bench")

@@ -1,0 +1,335 @@
+"""An independent kvwire client, written from docs/protocol.md alone, against a real server.
+
+Nothing here imports kvwire.wire or kvwire.aio internals: frames are built with
+``struct``, checked with ``crc32c``, authenticated with ``hmac``/``hashlib`` and carried
+over plain asyncio streams.  Only ``kvwire.serve``, ``kvwire.KVSpec`` and numpy are used,
+to run the server and to check what it received.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import os
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from crc32c import crc32c
+
+import kvwire
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = b"interop-secret-0123"
+STEP = 5.0  # seconds any single wait may take
+
+# Frame types (docs/protocol.md, "Frame types").
+HELLO, CHALLENGE, AUTH, WELCOME = 0x01, 0x02, 0x03, 0x04
+BEGIN, ACCEPT, CHUNK, ACK, CREDIT, RESET = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15
+PING, PONG, GOAWAY = 0x20, 0x21, 0x30
+
+# Error codes (docs/protocol.md, "Error codes").
+NO_ERROR, INTEGRITY_ERROR, AUTHENTICATION_FAILED, UNSUPPORTED_VERSION = 0x0000, 0x0002, 0x0004, 0x0005
+
+MAGIC = b"KVWIRE\r\n"
+HEADER = struct.Struct(">BBHI")  # type, flags, reserved, body length
+CHUNK_FIXED = struct.Struct(">QHBBIIIH")  # 26 bytes
+
+
+# -- framing ------------------------------------------------------------------------------
+
+
+def frame(ftype: int, body: bytes) -> bytes:
+    header = HEADER.pack(ftype, 0, 0, len(body))
+    return header + body + struct.pack(">I", crc32c(header + body))
+
+
+async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    header = await asyncio.wait_for(reader.readexactly(8), STEP)
+    ftype, _flags, reserved, length = HEADER.unpack(header)
+    assert reserved == 0
+    rest = await asyncio.wait_for(reader.readexactly(length + 4), STEP)
+    body, (crc,) = rest[:-4], struct.unpack(">I", rest[-4:])
+    assert crc32c(header + body) == crc, f"bad CRC on frame type 0x{ftype:02x}"
+    return ftype, body
+
+
+def parse_goaway(body: bytes) -> tuple[int, str]:
+    code, n = struct.unpack_from(">HH", body)
+    assert len(body) == 4 + n
+    return code, body[4:].decode("utf-8")
+
+
+def codec_list(names: list[str]) -> bytes:
+    out = bytes([len(names)])
+    for name in names:
+        raw = name.encode()
+        out += bytes([len(raw)]) + raw
+    return out
+
+
+def read_codec_list(body: bytes, pos: int) -> tuple[list[str], int]:
+    count = body[pos]
+    pos += 1
+    names = []
+    for _ in range(count):
+        n = body[pos]
+        names.append(body[pos + 1 : pos + 1 + n].decode())
+        pos += 1 + n
+    return names, pos
+
+
+def fingerprint(num_layers: int, heads: int, head_dim: int, dtype: str, model: str) -> bytes:
+    return hashlib.sha256(f"{num_layers}/{heads}/{head_dim}/{dtype}/{model}".encode()).digest()[:16]
+
+
+# -- the handshake --------------------------------------------------------------------------
+
+
+@dataclass
+class Welcome:
+    session_id: bytes
+    max_frame_size: int
+    window: int
+    max_transfers: int
+    codecs: list[str]
+
+
+def hello_body(*, min_version: int = 1, max_version: int = 1, fp: bytes = bytes(16)) -> bytes:
+    return (
+        struct.pack(">8sHH32s16sHI", MAGIC, min_version, max_version, os.urandom(32), bytes(16), 0, 1 << 20)
+        + codec_list(["raw"])
+        + fp
+    )
+
+
+async def handshake(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, fp: bytes = bytes(16)
+) -> Welcome | tuple[int, str]:
+    """HELLO -> CHALLENGE -> AUTH -> WELCOME; the server's GOAWAY (code, message) if refused."""
+    hello = hello_body(fp=fp)
+    writer.write(frame(HELLO, hello))
+    ftype, challenge = await read_frame(reader)
+    if ftype == GOAWAY:
+        return parse_goaway(challenge)
+    assert ftype == CHALLENGE and len(challenge) == 34
+    (version,) = struct.unpack_from(">H", challenge)
+    assert version == 1
+
+    sha = lambda b: hashlib.sha256(b).digest()  # noqa: E731
+    client_proof = hmac.new(secret, b"kvwire/1 client" + sha(hello) + sha(challenge), "sha256").digest()
+    writer.write(frame(AUTH, client_proof))
+
+    ftype, body = await read_frame(reader)
+    if ftype == GOAWAY:
+        return parse_goaway(body)
+    assert ftype == WELCOME
+    sid, mfs, window, max_transfers = struct.unpack_from(">16sIQI", body)
+    codecs, pos = read_codec_list(body, 32)
+    assert len(body) == pos + 32
+    unsigned, proof = body[:pos], body[pos:]
+    expected = hmac.new(
+        secret,
+        b"kvwire/1 server" + sha(hello) + sha(challenge) + client_proof + sha(unsigned),
+        "sha256",
+    ).digest()
+    assert hmac.compare_digest(proof, expected), "server failed to prove the secret"
+    return Welcome(sid, mfs, window, max_transfers, codecs)
+
+
+async def open_session(port: int, secret: bytes = SECRET, fp: bytes = bytes(16)):  # type: ignore[no-untyped-def]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    result = await handshake(reader, writer, secret, fp)
+    return reader, writer, result
+
+
+async def close(writer: asyncio.StreamWriter) -> None:
+    writer.close()
+    with contextlib.suppress(ConnectionError, TimeoutError):
+        await asyncio.wait_for(writer.wait_closed(), STEP)
+
+
+# -- a minimal sender -----------------------------------------------------------------------
+
+
+def begin_body(tid: int, num_layers: int, heads: int, head_dim: int, dtype_id: int, model: str, request_id: str, meta: bytes) -> bytes:
+    m, r = model.encode(), request_id.encode()
+    return (
+        struct.pack(">QHHHB", tid, num_layers, heads, head_dim, dtype_id)
+        + bytes([len(m)]) + m
+        + struct.pack(">H", len(r)) + r
+        + struct.pack(">I", len(meta)) + meta
+        + struct.pack(">H", 0)  # no prefix blocks
+    )
+
+
+def chunk_frame(tid: int, layer: int, kind: int, start: int, count: int, layer_tokens: int, payload: bytes) -> bytes:
+    fixed = CHUNK_FIXED.pack(tid, layer, kind, 0x00, start, count, layer_tokens, 0)  # raw codec, no params
+    return frame(CHUNK, fixed + payload)
+
+
+@dataclass
+class Sender:
+    """Connection credit, per-transfer layer credit and outstanding acks of one stream."""
+
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    credit: int
+    layer_limit: dict[int, int] = field(default_factory=dict)
+    unacked: dict[tuple[int, int, int, int], list[int]] = field(default_factory=dict)
+    acks: list[tuple[int, int, int, int]] = field(default_factory=list)
+    pongs: list[int] = field(default_factory=list)
+
+    async def pump(self) -> None:
+        """Read and apply one frame from the server."""
+        ftype, body = await read_frame(self.reader)
+        if ftype in (ACCEPT, CREDIT):
+            tid, limit = struct.unpack(">QI", body)
+            self.layer_limit[tid] = max(self.layer_limit.get(tid, 0), limit)
+        elif ftype == ACK:
+            tid, layer, kind, pad, start = struct.unpack(">QHBBI", body)
+            assert pad == 0
+            addr = (tid, layer, kind, start)
+            sizes = self.unacked[addr]
+            self.credit += sizes.pop(0)
+            if not sizes:
+                del self.unacked[addr]
+            self.acks.append(addr)
+        elif ftype == PONG:
+            self.pongs.append(struct.unpack(">Q", body)[0])
+        elif ftype == RESET:
+            tid, code, n = struct.unpack_from(">QHH", body)
+            raise AssertionError(f"RESET of transfer {tid}: 0x{code:04x} {body[12:12 + n].decode()}")
+        elif ftype == GOAWAY:
+            raise AssertionError(f"GOAWAY {parse_goaway(body)}")
+        # any other type: ignored
+
+    async def send_chunk(self, tid: int, layer: int, kind: int, start: int, count: int, layer_tokens: int, payload: bytes) -> None:
+        while layer >= self.layer_limit.get(tid, 0):
+            await self.pump()
+        data = chunk_frame(tid, layer, kind, start, count, layer_tokens, payload)
+        while len(data) > self.credit:
+            await self.pump()
+        self.credit -= len(data)
+        self.unacked.setdefault((tid, layer, kind, start), []).append(len(data))
+        self.writer.write(data)
+        await self.writer.drain()
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+
+async def test_independent_client_transfers_a_cache() -> None:
+    num_layers, heads, head_dim, tokens = 2, 2, 4, 10
+    spec = kvwire.KVSpec(num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, dtype="float16", model="interop")
+    fp = fingerprint(num_layers, heads, head_dim, "float16", "interop")
+    assert fp == spec.fingerprint
+    rng = np.random.default_rng(7)
+    layers = [
+        tuple(rng.standard_normal((tokens, heads, head_dim)).astype(np.float16) for _ in range(2))
+        for _ in range(num_layers)
+    ]
+    # A buffer smaller than one layer: the server grants one layer at a time, so layer 1
+    # can only be sent after a CREDIT, which comes once the application took layer 0.
+    async with kvwire.serve(secret=SECRET, spec=spec, window=64 * 1024, max_frame_size=64 * 1024,
+                            transfer_buffer_bytes=100) as server:
+        received = asyncio.ensure_future(_collect(server))
+        reader, writer, welcome = await open_session(server.port, fp=fp)
+        try:
+            assert isinstance(welcome, Welcome)
+            assert welcome.window == 64 * 1024 and welcome.max_frame_size == 64 * 1024
+            assert "raw" in welcome.codecs and len(welcome.session_id) == 16
+            tx = Sender(reader, writer, credit=welcome.window)
+
+            writer.write(frame(PING, struct.pack(">Q", 0xC0FFEE)))
+            writer.write(frame(0x7E, b"an unknown frame type is ignored once open"))
+            writer.write(frame(BEGIN, begin_body(1, num_layers, heads, head_dim, 1, "interop", "interop-1", b'{"n":1}')))
+            while 1 not in tx.layer_limit:
+                await tx.pump()
+            assert tx.layer_limit[1] == 1  # ACCEPT grants at least one layer
+
+            sent = 0
+            for index, (k, v) in enumerate(layers):
+                for kind, arr in ((0, k), (1, v)):
+                    for start in range(0, tokens, 4):
+                        count = min(4, tokens - start)
+                        await tx.send_chunk(1, index, kind, start, count, tokens, arr[start : start + count].tobytes())
+                        sent += 1
+            # A duplicate is acknowledged again and dropped.
+            await tx.send_chunk(1, 0, 0, 0, 4, tokens, layers[0][0][0:4].tobytes())
+            while tx.unacked:
+                await tx.pump()
+            assert len(tx.acks) == sent + 1
+            assert tx.acks.count((1, 0, 0, 0)) == 2
+            assert tx.credit == welcome.window
+            assert tx.layer_limit[1] == num_layers
+
+            while not tx.pongs:
+                await tx.pump()
+            assert tx.pongs == [0xC0FFEE]
+
+            transfer, cache = await asyncio.wait_for(received, STEP)
+            assert transfer.request_id == "interop-1" and transfer.meta == {"n": 1}
+            assert transfer.spec == spec
+            assert len(cache.layers) == num_layers
+            for (k, v), (rk, rv) in zip(layers, cache.layers, strict=True):
+                assert rk.dtype == np.float16 and rk.shape == (tokens, heads, head_dim)
+                assert rk.tobytes() == k.tobytes() and rv.tobytes() == v.tobytes()
+
+            writer.write(frame(GOAWAY, struct.pack(">HH", NO_ERROR, 0)))
+            await writer.drain()
+        finally:
+            received.cancel()
+            await close(writer)
+
+
+async def _collect(server: kvwire.Server):  # type: ignore[no-untyped-def]
+    transfer = await server.accept()
+    return transfer, await transfer.collect()
+
+
+async def test_wrong_secret_gets_authentication_failed() -> None:
+    async with kvwire.serve(secret=SECRET) as server:
+        reader, writer, result = await open_session(server.port, secret=b"not-the-secret!!")
+        try:
+            assert result == (AUTHENTICATION_FAILED, "authentication failed")
+            assert await asyncio.wait_for(reader.read(), STEP) == b""  # then the server closes
+        finally:
+            await close(writer)
+
+
+async def test_unsupported_version_learns_only_the_code() -> None:
+    async with kvwire.serve(secret=SECRET) as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(frame(HELLO, hello_body(min_version=7, max_version=9)))
+            ftype, body = await read_frame(reader)
+            assert ftype == GOAWAY
+            assert parse_goaway(body) == (UNSUPPORTED_VERSION, "")
+        finally:
+            await close(writer)
+
+
+async def test_corrupted_chunk_crc_gets_integrity_error() -> None:
+    async with kvwire.serve(secret=SECRET) as server:
+        reader, writer, welcome = await open_session(server.port)
+        try:
+            assert isinstance(welcome, Welcome)
+            writer.write(frame(BEGIN, begin_body(1, 1, 1, 2, 1, "", "bad-crc", b"")))
+            ftype, body = await read_frame(reader)
+            assert ftype == ACCEPT and struct.unpack(">QI", body) == (1, 1)
+            data = bytearray(chunk_frame(1, 0, 0, 0, 2, 2, np.ones((2, 1, 2), np.float16).tobytes()))
+            data[-1] ^= 0x01  # flip one bit of the CRC
+            writer.write(bytes(data))
+            ftype, body = await read_frame(reader)
+            assert ftype == GOAWAY
+            code, _message = parse_goaway(body)
+            assert code == INTEGRITY_ERROR
+            assert await asyncio.wait_for(reader.read(), STEP) == b""
+        finally:
+            await close(writer)
+
