@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import time
 import ssl as _ssl
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from typing import Any
 
 from kvwire.codec import TensorKind, available_codecs, get_codec
 from kvwire.consistency.blocks import block_key
-from kvwire.control import DeliveryRateEstimator
+from kvwire.control import CodecCandidate, CodecChooser, DeliveryRateEstimator
 from kvwire.errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -96,6 +97,11 @@ class Receipt:
         return self.kv_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
+AUTO = "auto"
+#: Codecs ``auto`` chooses among, most precise first.
+AUTO_CANDIDATES = ("raw", "fp8", "int8", "int4")
+
+
 class _Outgoing:
     """Sender-side state of one transfer inside a peer."""
 
@@ -131,7 +137,8 @@ class Peer:
             raise UsageError("secret must be bytes of at least 8 bytes")
         if not isinstance(streams, int) or not 1 <= streams <= 64:
             raise UsageError("streams must be an int in [1, 64]")
-        get_codec(codec)  # unknown names fail here, before any connection
+        if codec != AUTO:
+            get_codec(codec)  # unknown names fail here, before any connection
         self.host = host
         self.port = port
         self._secret = bytes(secret)
@@ -152,6 +159,7 @@ class Peer:
         self._closed = False
         self.bytes_sent = 0
         self.estimator = DeliveryRateEstimator()
+        self.chooser: CodecChooser | None = None
         self._waiting_senders = 0
 
     # -- connection setup ---------------------------------------------------------------
@@ -162,7 +170,9 @@ class Peer:
             self.session_id = first.session_id
             self.server_codecs = first.peer_codecs
             self.max_transfers = first.max_transfers
-            if self.codec not in self.server_codecs:
+            if self.codec == AUTO:
+                self.chooser = self._make_chooser()
+            elif self.codec not in self.server_codecs:
                 raise IncompatiblePeerError(
                     f"server does not accept codec {self.codec!r} (it accepts {', '.join(self.server_codecs)})",
                     code=ErrorCode.UNSUPPORTED_CODEC,
@@ -225,20 +235,31 @@ class Peer:
         codec: str | None = None,
         timeout: float | None = None,
         blocks: Sequence[tuple[Any, int]] | None = None,
+        deadline: float | None = None,
     ) -> Receipt:
         """Send one KV cache; return when the receiver has acknowledged every chunk.
 
         ``layers`` is a sequence, iterable or async iterable of ``(k, v)`` arrays shaped
         ``[tokens, num_kv_heads, head_dim]`` of ``spec.dtype``; each layer is sent as soon
         as it is produced.  Arrays must not be modified until ``send()`` returns.
+
+        ``codec`` overrides the session's codec for this transfer; ``"auto"`` picks one per
+        chunk from the live bandwidth estimate and each codec's measured encode speed, and
+        with ``deadline`` (seconds) steps down in precision only as far as needed to finish
+        in time.  ``timeout`` bounds the whole send (TransferTimeoutError).  ``blocks``
+        lists the ``(block id, version)`` of the prefix blocks this cache holds.
         """
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
         if not isinstance(request_id, str) or not request_id:
             raise UsageError("request_id must be a non-empty str")
         codec_name = codec or self.codec
-        cod = get_codec(codec_name)
-        if codec_name not in self.server_codecs:
+        if codec_name == AUTO:
+            if self.chooser is None:
+                self.chooser = self._make_chooser()
+        else:
+            get_codec(codec_name)
+        if codec_name != AUTO and codec_name not in self.server_codecs:
             raise IncompatiblePeerError(
                 f"server does not accept codec {codec_name!r}", code=ErrorCode.UNSUPPORTED_CODEC
             )
@@ -249,18 +270,19 @@ class Peer:
         block_versions = tuple(
             BlockVersion(block=_block_key(b), version=int(v)) for b, v in (blocks or ())
         )
+        if deadline is not None and codec_name != AUTO:
+            raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
+        work = self._send(request_id, spec, layers, meta_bytes, codec_name, block_versions, deadline)
         if timeout is None:
-            return await self._send(request_id, spec, layers, meta_bytes, cod.name, block_versions)
+            return await work
         try:
-            return await asyncio.wait_for(
-                self._send(request_id, spec, layers, meta_bytes, cod.name, block_versions), timeout
-            )
+            return await asyncio.wait_for(work, timeout)
         except TimeoutError:
             raise TransferTimeoutError(f"send({request_id!r}) did not complete in {timeout} s") from None
 
     async def _send(
         self, request_id: str, spec: KVSpec, layers: Any, meta: bytes, codec_name: str,
-        blocks: tuple[BlockVersion, ...],
+        blocks: tuple[BlockVersion, ...], deadline: float | None,
     ) -> Receipt:
         self._check_usable()
         loop = asyncio.get_running_loop()
@@ -268,7 +290,9 @@ class Peer:
         tid = next(self._ids)
         out = _Outgoing(tid, spec.num_layers, loop)
         self._transfers[tid] = out
-        codec = get_codec(codec_name)
+        auto = codec_name == AUTO
+        fixed = None if auto else get_codec(codec_name)
+        used: dict[str, int] = {}
         kv_bytes = 0
         try:
             primary = self._primary()
@@ -308,7 +332,24 @@ class Peer:
                 out.layer_acked[index] = 2 * len(plan)
                 for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
                     for start, count in plan:
-                        enc = codec.encode(arr[start : start + count], kind)
+                        x = arr[start : start + count]
+                        if auto:
+                            assert self.chooser is not None
+                            left = None
+                            if deadline is not None:
+                                left = deadline - (loop.time() - started)
+                            remaining = (spec.num_layers - index) * 2 * tokens * bpt
+                            name = self.chooser.choose(
+                                self.estimator.bandwidth_bps,
+                                remaining_bytes=remaining if deadline is not None else None,
+                                time_left=left,
+                            ).codec
+                            codec = get_codec(name)
+                        else:
+                            assert fixed is not None
+                            codec = fixed
+                        enc = await self._encode(codec, x, kind)
+                        used[codec.name] = used.get(codec.name, 0) + 1
                         payload = enc.payload
                         plen = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
                         chunk = Chunk(
@@ -341,13 +382,41 @@ class Peer:
             self._transfers.pop(tid, None)
         seconds = loop.time() - started
         snap = self.estimator.snapshot()
+        if auto and len(used) == 1:
+            codec_name = next(iter(used))
         return Receipt(
             request_id=request_id, transfer_id=tid, codec=codec_name, kv_bytes=kv_bytes,
             wire_bytes=out.state.wire_bytes, chunks=out.state.chunks_sent, seconds=seconds,
             time_to_first_layer=(out.first_layer_at - started) if out.first_layer_at else None,
             estimated_gbps=snap.bandwidth_bps / 1e9 if snap.bandwidth_bps else None,
             rtt_ms=snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
+            extra={"chunks_by_codec": used},
         )
+
+    async def _encode(self, codec: Any, x: Any, kind: TensorKind) -> Any:
+        """Encode one chunk; quantizing codecs run off the event loop so acks keep flowing."""
+        if codec.lossless and "+" not in codec.name:
+            return codec.encode(x, kind)
+        t0 = time.perf_counter()
+        enc = await asyncio.get_running_loop().run_in_executor(None, codec.encode, x, kind)
+        if self.chooser is not None:
+            self.chooser.observe_encode(codec.name, x.nbytes * 2 // x.itemsize, time.perf_counter() - t0)
+            plen = enc.payload.nbytes if hasattr(enc.payload, "nbytes") else len(enc.payload)
+            self.chooser.observe_size(codec.name, x.nbytes * 2 // x.itemsize, plen + len(enc.params))
+        return enc
+
+    def _make_chooser(self) -> CodecChooser:
+        candidates = []
+        for name in AUTO_CANDIDATES:
+            if name in self.server_codecs:
+                ratio = get_codec(name).encoded_size_ratio((256, 8, 128), "float16")
+                candidates.append(CodecCandidate(name=name, size_ratio=ratio))
+        if not candidates:
+            raise IncompatiblePeerError(
+                "codec 'auto' needs at least one of " + ", ".join(AUTO_CANDIDATES) + " on the server",
+                code=ErrorCode.UNSUPPORTED_CODEC,
+            )
+        return CodecChooser(candidates)
 
     async def _put_chunk(self, out: _Outgoing, chunk: Chunk, wire_size: int, kv_bytes: int) -> None:
         while True:

@@ -1,0 +1,1 @@
+"""Measuring kvwire: the link emulator, kernel shaping, and ``kvwire bench`` / ``kvwire serve``."""
