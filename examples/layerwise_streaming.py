@@ -53,21 +53,23 @@ async def main(args: argparse.Namespace) -> None:
     layers = [layer_values(i, args.tokens) for i in range(SPEC.num_layers)]
     produced: list[float] = []
     arrived: list[tuple[int, float]] = []
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, spec=SPEC) as server:
-        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=args.streams) as peer:
-            t0 = time.perf_counter()
-            sending = asyncio.create_task(
-                peer.send("stream-1", SPEC, prefill(layers, args.compute_ms / 1e3, t0, produced))
-            )
-            transfer = await server.expect("stream-1", timeout=30)
-            mismatched = 0
-            async for layer in transfer:
-                arrived.append((layer.index, time.perf_counter() - t0))
-                k, v = layers[layer.index]
-                if not (np.array_equal(k.view(np.uint16), layer.k.view(np.uint16))
-                        and np.array_equal(v.view(np.uint16), layer.v.view(np.uint16))):
-                    mismatched += 1
-            receipt = await sending
+    async with (
+        kvwire.serve("127.0.0.1", 0, secret=SECRET, spec=SPEC) as server,
+        kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=args.streams) as peer,
+    ):
+        t0 = time.perf_counter()
+        sending = asyncio.create_task(
+            peer.send("stream-1", SPEC, prefill(layers, args.compute_ms / 1e3, t0, produced))
+        )
+        transfer = await server.expect("stream-1", timeout=30)
+        mismatched = 0
+        async for layer in transfer:
+            arrived.append((layer.index, time.perf_counter() - t0))
+            k, v = layers[layer.index]
+            if not (np.array_equal(k.view(np.uint16), layer.k.view(np.uint16))
+                    and np.array_equal(v.view(np.uint16), layer.v.view(np.uint16))):
+                mismatched += 1
+        receipt = await sending
     total = arrived[-1][1]
     compute_total = produced[-1]
     layer_mib = 2 * args.tokens * SPEC.num_kv_heads * SPEC.head_dim * SPEC.itemsize / 2**20

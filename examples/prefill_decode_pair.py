@@ -70,7 +70,7 @@ def check(layers: Layers, sent: Layers | None, meta: dict[str, object]) -> bool:
     den = sum(float(np.sum(b.astype(np.float32) ** 2)) for _, (b, _) in zip(layers, sent, strict=True))
     rel = (num / den) ** 0.5
     print(f"decode: codec {meta.get('codec')} is lossy: keys' relative L2 error {rel:.4f} (verified within 0.2)")
-    return rel < 0.2
+    return bool(rel < 0.2)
 
 
 async def decode_side(server: kvwire.Server, sent: Layers | None) -> None:

@@ -48,10 +48,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import multiprocessing
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -66,7 +70,6 @@ from kvwire.scheduler import (
     ClusterConfig,
     ClusterView,
     LengthDistribution,
-    Local,
     ModelProfile,
     Offload,
     PolicyRequest,
@@ -124,7 +127,59 @@ class KVFactory:
 
 def _rel_err(want: np.ndarray, got: np.ndarray) -> float:
     a, b = want.astype(np.float32), got.astype(np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(a), 1e-12))
+    return float(np.linalg.norm(a - b)) / max(float(np.linalg.norm(a)), 1e-12)
+
+
+# -- the emulated link ------------------------------------------------------------------
+
+
+def _link_process(conn: Connection, target_port: int, rate_bps: float, delay: float, seed: int) -> None:
+    """The link runs in a process of its own: the proxy then has a core to itself instead
+    of competing with the endpoints' event loop, as a real network would not. It runs on
+    the default asyncio loop (under uvloop the proxy loses the first bytes a client sends
+    before its upstream connection is up)."""
+
+    async def serve_link() -> None:
+        async with LinkEmulator("127.0.0.1", target_port, rate_bps=rate_bps, delay=delay, seed=seed) as link:
+            conn.send(link.port)
+            await asyncio.get_running_loop().run_in_executor(None, conn.recv)  # until told to stop
+            stats = link.statistics()
+            conn.send({"bytes_forward": stats.bytes_forward, "bytes_backward": stats.bytes_backward,
+                       "connections": stats.connections})
+
+    asyncio.run(serve_link())
+
+
+class EmulatedLink:
+    """A :class:`~kvwire.bench.emulator.LinkEmulator` in a child process, towards ``target_port``."""
+
+    def __init__(self, target_port: int, *, rate_bps: float, delay: float, seed: int) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_link_process, args=(child, target_port, rate_bps, delay, seed), daemon=True)
+        self.port = 0
+        self.statistics: dict[str, Any] = {}
+
+    async def __aenter__(self) -> EmulatedLink:
+        self._proc.start()
+        loop = asyncio.get_running_loop()
+        if not await loop.run_in_executor(None, self._conn.poll, 30.0):
+            self._proc.kill()
+            raise RuntimeError("the link emulator process did not start")
+        self.port = self._conn.recv()
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            self._conn.send("stop")
+            if await loop.run_in_executor(None, self._conn.poll, 10.0):
+                self.statistics = self._conn.recv()
+        except (OSError, EOFError):
+            pass
+        await loop.run_in_executor(None, self._proc.join, 10.0)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 # -- bookkeeping -------------------------------------------------------------------------
@@ -159,7 +214,7 @@ class Demo:
     server: kvwire.Server
     local_peer: kvwire.Peer
     remote_peer: kvwire.Peer
-    link: LinkEmulator
+    link: EmulatedLink
     local_registry: MemoryRegistry
     remote_registry: MemoryRegistry
     local_slots: asyncio.Semaphore
@@ -174,13 +229,16 @@ class Demo:
 
     def link_estimate_bps(self) -> tuple[float, str]:
         est = self.remote_peer.statistics()["estimated_gbps"]
+        if est and self.args.bandwidth == "configured":
+            self.last_estimate_gbps = est
+            return self.args.link_gbps * 1e9, f"configured; kvwire estimate {est:.2f}"
         if est:
             self.last_estimate_gbps = est
             return est * 1e9, "live"
         return self.args.link_gbps * 1e9, "configured"
 
     def kv_tokens_for(self, tokens: int) -> int:
-        return max(1, min(self.args.max_kv_tokens, math.ceil(tokens * self.args.kv_token_scale)))
+        return int(max(1, min(self.args.max_kv_tokens, math.ceil(tokens * self.args.kv_token_scale))))
 
 
 # -- one request -------------------------------------------------------------------------
@@ -287,6 +345,21 @@ async def handle(demo: Demo, seq: int, req: TraceRequest, arrival: float) -> Non
     )
 
 
+async def warm_up(demo: Demo, mib: int) -> None:
+    """Probe the link with one bulk cache before the first request, so the scheduler's
+    first decisions already have a measured estimate (layer-wise transfers smaller than
+    the link's bandwidth-delay product never fill the pipe, so they cannot show its
+    capacity)."""
+    tokens = max(1, mib * 2**20 // SPEC.bytes_per_token())
+    layers = [(np.zeros((tokens, SPEC.num_kv_heads, SPEC.head_dim), np.float16),) * 2 for _ in range(SPEC.num_layers)]
+    receiving = asyncio.create_task(demo.server.expect("warm-up", timeout=60))
+    receipt = await demo.remote_peer.send("warm-up", SPEC, layers, timeout=60)
+    await (await receiving).collect(timeout=60)
+    est = demo.remote_peer.statistics()["estimated_gbps"]
+    print(f"warm-up: {receipt.kv_bytes / 2**20:.0f} MiB over the emulated link in {receipt.seconds * 1e3:.0f} ms "
+          f"({receipt.goodput_gbps:.2f} Gbit/s); kvwire estimate now {est or 0:.2f} Gbit/s", flush=True)
+
+
 # -- workload and setup ------------------------------------------------------------------
 
 
@@ -338,8 +411,7 @@ async def run_demo(args: argparse.Namespace) -> None:
     kv = KVFactory(args.max_kv_tokens)
     async with (
         kvwire.serve("127.0.0.1", 0, secret=SECRET, spec=SPEC) as server,
-        LinkEmulator("127.0.0.1", server.port, rate_bps=args.link_gbps * 1e9, delay=args.delay_ms / 1e3,
-                     seed=args.seed) as link,
+        EmulatedLink(server.port, rate_bps=args.link_gbps * 1e9, delay=args.delay_ms / 1e3, seed=args.seed) as link,
         kvwire.connect("127.0.0.1", server.port, secret=SECRET, spec=SPEC) as local_peer,
         kvwire.connect("127.0.0.1", link.port, secret=SECRET, spec=SPEC, streams=args.streams,
                        codec=args.codec, connect_timeout=30) as remote_peer,
@@ -352,6 +424,8 @@ async def run_demo(args: argparse.Namespace) -> None:
             local_registry=local_registry, remote_registry=remote_registry,
             local_slots=asyncio.Semaphore(args.local_instances), remote_slots=asyncio.Semaphore(args.remote_instances),
         )
+        if args.warmup_mib > 0:
+            await warm_up(demo, args.warmup_mib)
         demo.t0 = time.perf_counter()
         tasks = []
         for seq, req in enumerate(reqs):
@@ -363,8 +437,7 @@ async def run_demo(args: argparse.Namespace) -> None:
         await asyncio.gather(*tasks)
         elapsed = demo.now()
         final_est = remote_peer.statistics()["estimated_gbps"] or demo.last_estimate_gbps
-        link_stats = link.statistics()
-    report(console, demo, elapsed, final_est, link_stats.bytes_forward)
+    report(console, demo, elapsed, final_est, int(link.statistics.get("bytes_forward", 0)))
     if not all(o.verified for o in demo.outcomes):
         raise SystemExit("some caches failed verification")
 
@@ -444,6 +517,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threshold", type=float, default=None, help="offload threshold, tokens (default: optimizer)")
     p.add_argument("--kv-token-scale", type=float, default=1 / 16, help="KV tokens shipped per prompt token")
     p.add_argument("--max-kv-tokens", type=int, default=2048, help="cap on KV tokens shipped per request")
+    p.add_argument("--bandwidth", choices=["estimate", "configured"], default="estimate",
+                   help="what the scheduler takes as link bandwidth: kvwire's live estimate, or --link-gbps")
+    p.add_argument("--warmup-mib", type=int, default=64, help="bulk probe of the link before the trace (0: none)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.requests < 1 or args.time_scale <= 0 or args.link_gbps <= 0 or args.max_kv_tokens < 1:

@@ -80,7 +80,7 @@ def build_cases() -> tuple[list[Case], list[str]]:
             if isinstance(t, np.ndarray):
                 return host_bits(t)
             # numpy cannot hold torch's bfloat16 via DLPack; compare the 16-bit patterns.
-            return t.detach().cpu().contiguous().view(torch.int16).numpy().view(np.uint8)
+            return np.asarray(t.detach().cpu().contiguous().view(torch.int16).numpy()).view(np.uint8)
 
         def to_torch(a: np.ndarray) -> Any:
             if a.dtype == numpy_dtype("bfloat16"):
@@ -149,10 +149,12 @@ async def main(args: argparse.Namespace) -> None:
     cases, skipped = build_cases()
     print(f"{len(cases)} case(s) to run, {len(skipped)} skipped", flush=True)
     failures = 0
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
-            for i, case in enumerate(cases):
-                failures += not await run_case(peer, server, case, args.tokens, i)
+    async with (
+        kvwire.serve("127.0.0.1", 0, secret=SECRET) as server,
+        kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer,
+    ):
+        for i, case in enumerate(cases):
+            failures += not await run_case(peer, server, case, args.tokens, i)
     for what in skipped:
         print(f"  skipped: {what}")
     if failures:

@@ -68,6 +68,12 @@ class ClientOptions:
     """TCP_NOTSENT_LOWAT (None leaves the kernel default)."""
     spec: KVSpec | None = None
     """Pin the session to one KV layout: a server that does not accept it refuses at connect."""
+    reconnect_attempts: int = 5
+    """When a stream breaks (EOF, reset, corruption, silence): reconnect attempts before
+    the session's transfers fail with ConnectionLostError; unacknowledged chunks are
+    re-sent.  0 turns resume off."""
+    reconnect_backoff: float = 0.05
+    """Seconds before the first reconnect attempt; doubles with each attempt."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,6 +120,7 @@ class _Outgoing:
         self.layer_acked: dict[int, int] = {}  # layer -> chunks not yet acked
         self.first_layer_at: float | None = None
         self.error: KvwireError | None = None
+        self.begin: Begin | None = None
 
     def fail(self, error: KvwireError) -> None:
         if self.error is None:
@@ -160,6 +167,10 @@ class Peer:
         self.bytes_sent = 0
         self.estimator = DeliveryRateEstimator()
         self.chooser: CodecChooser | None = None
+        self._reconnecting: set[int] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.reconnects = 0
+        self.chunks_resent = 0
         self._waiting_senders = 0
 
     # -- connection setup ---------------------------------------------------------------
@@ -201,7 +212,10 @@ class Peer:
         proto.index = index
         fut: asyncio.Future[HandshakeComplete] = loop.create_future()
         self._handshakes[proto] = fut
-        self.streams.append(proto)
+        if index < len(self.streams):
+            self.streams[index] = proto
+        else:
+            self.streams.append(proto)
         try:
             await asyncio.wait_for(
                 loop.create_connection(
@@ -295,14 +309,13 @@ class Peer:
         used: dict[str, int] = {}
         kv_bytes = 0
         try:
-            primary = self._primary()
-            primary.conn.send_begin(
-                Begin(
-                    transfer_id=tid, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
-                    head_dim=spec.head_dim, dtype_id=spec.dtype_id, model=spec.model,
-                    request_id=request_id, meta=meta, blocks=blocks,
-                )
+            out.begin = Begin(
+                transfer_id=tid, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_dim, dtype_id=spec.dtype_id, model=spec.model,
+                request_id=request_id, meta=meta, blocks=blocks,
             )
+            primary = self._primary()
+            primary.conn.send_begin(out.begin)
             primary.flush()
             index = -1
             tokens: int | None = None
@@ -431,7 +444,10 @@ class Peer:
             if best is not None:
                 best.conn.send_chunk(chunk, wire_size)
                 best.flush()
-                out.state.on_sent(SentChunk(address=chunk.address, stream=best.index, wire_size=wire_size, kv_bytes=kv_bytes))
+                out.state.on_sent(
+                    SentChunk(address=chunk.address, stream=best.index, wire_size=wire_size,
+                              kv_bytes=kv_bytes, chunk=chunk)
+                )
                 self.bytes_sent += wire_size
                 # Nothing else waiting to go and the last chunk of a layer: what follows
                 # depends on the producer, so samples taken meanwhile say nothing about
@@ -489,6 +505,8 @@ class Peer:
         if self._closed:
             return
         self._closed = True
+        for task in list(self._tasks):
+            task.cancel()
         err = ConnectionLostError("peer closed")
         for out in list(self._transfers.values()):
             out.fail(err)
@@ -566,19 +584,91 @@ class Peer:
             if fut is not None and not fut.done():
                 fut.set_exception(err)
                 return
-            if self._closed:
+            if self._closed or self._broken is not None or self.streams[stream.index] is not stream:
                 return
-            if self._broken is None:
-                self._broken = err if ev.error is not None else ConnectionLostError(
-                    "server closed the connection"
-                )
-            for out in list(self._transfers.values()):
-                out.fail(self._broken)
-            self.estimator.forget_all()
-            self._capacity.set()
-            for s in self.streams:
-                if s is not stream and s.is_open:
-                    s.abort(ErrorCode.SESSION_LOST, "another stream of this session was lost")
+            if ev.resumable and self.options.reconnect_attempts > 0:
+                self._resume(stream)
+            else:
+                self._break(err if ev.error is not None else ConnectionLostError("server closed the connection"))
+
+    def _break(self, error: KvwireError) -> None:
+        """The session is over: every transfer fails with ``error``, every stream closes."""
+        if self._broken is None:
+            self._broken = error
+        for out in list(self._transfers.values()):
+            out.fail(self._broken)
+        self.estimator.forget_all()
+        self._capacity.set()
+        for s in self.streams:
+            if s.is_open:
+                s.abort(ErrorCode.SESSION_LOST, "another stream of this session was lost")
+
+    def _resume(self, dead: StreamProtocol) -> None:
+        """Re-send what ``dead`` carried unacknowledged and reconnect its slot."""
+        lost = []
+        for out in self._transfers.values():
+            for sent in out.state.unacked.values():
+                if sent.stream == dead.index and out.error is None:
+                    lost.append((out, sent))
+                    self.estimator.on_loss(sent.address)
+        for out, sent in lost:
+            sent.stream = -1  # in limbo until re-sent
+        self._spawn(self._reconnect(dead.index))
+        if lost:
+            self._spawn(self._resend(lost))
+        self._capacity.set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _resend(self, lost: list[tuple[_Outgoing, SentChunk]]) -> None:
+        for out, sent in lost:
+            if out.error is not None or sent.address not in out.state.unacked or sent.chunk is None:
+                continue
+            try:
+                await self._put_chunk(out, sent.chunk, sent.wire_size, sent.kv_bytes)
+                self.chunks_resent += 1
+            except KvwireError:
+                return  # the transfer or the session failed; its waiters were told
+
+    async def _reconnect(self, index: int) -> None:
+        if index in self._reconnecting:
+            return
+        self._reconnecting.add(index)
+        opts = self.options
+        try:
+            delay = opts.reconnect_backoff
+            last: KvwireError = ConnectionLostError("stream lost")
+            for _ in range(opts.reconnect_attempts):
+                await asyncio.sleep(delay)
+                delay *= 2
+                if self._closed or self._broken is not None:
+                    return
+                try:
+                    await self._open_stream(index, self.session_id)
+                    self.reconnects += 1
+                    # A BEGIN lost with the broken stream is sent again (the server
+                    # answers a repeated BEGIN with its ACCEPT).
+                    stream = self.streams[index]
+                    for out in self._transfers.values():
+                        if out.begin is not None and not out.state.accepted and out.error is None:
+                            stream.conn.send_begin(out.begin)
+                    stream.flush()
+                    self._capacity.set()
+                    return
+                except (ConnectionLostError, TransferTimeoutError) as exc:
+                    last = exc
+                    if isinstance(exc, ConnectionLostError) and exc.code == ErrorCode.UNKNOWN_SESSION:
+                        break  # the receiver restarted: its half of the session is gone
+                except KvwireError as exc:
+                    last = exc
+                    break
+            if not any(s.is_open for s in self.streams):
+                self._break(ConnectionLostError(f"could not resume the session: {last}"))
+        finally:
+            self._reconnecting.discard(index)
 
 
 async def _next_or_fail(producer: AsyncIterator[tuple[Any, Any]], out: _Outgoing) -> tuple[Any, Any] | None:

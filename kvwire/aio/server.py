@@ -82,6 +82,9 @@ class ServerOptions:
     """Codecs accepted; empty means every registered codec."""
     notsent_lowat: int | None = NOTSENT_LOWAT
     """TCP_NOTSENT_LOWAT for accepted sockets (None leaves the kernel default)."""
+    resume_timeout: float = 10.0
+    """Seconds a session whose streams all broke waits for the client to reconnect before
+    its unfinished transfers fail with ConnectionLostError (0: no resume)."""
 
 
 class Transfer:
@@ -117,6 +120,7 @@ class Transfer:
         self._consumer: str | None = None
         self.wire_bytes = 0
         self.deadline: asyncio.TimerHandle | None = None
+        self._accepted = False
         self.started = asyncio.get_event_loop().time()
         self.finished: float | None = None
 
@@ -224,6 +228,16 @@ class _Session:
         self.streams: dict[int, StreamProtocol] = {}
         self.transfers: dict[int, Transfer] = {}
         self.closed = False
+        self.lose_timer: asyncio.TimerHandle | None = None
+        # Why recent transfers failed: a chunk of one still arriving gets the RESET again
+        # before its ACK on the same stream, so the sender never mistakes it for success.
+        self.tombstones: OrderedDict[int, tuple[int, str]] = OrderedDict()
+
+    def bury(self, transfer: Transfer, error: KvwireError) -> None:
+        self.transfers.pop(transfer.transfer_id, None)
+        self.tombstones[transfer.transfer_id] = (int(error.code), str(error))
+        while len(self.tombstones) > 4096:
+            self.tombstones.popitem(last=False)
 
     def grant(self, transfer: Transfer, limit: int) -> None:
         limit = min(limit, transfer.spec.num_layers)
@@ -246,6 +260,8 @@ class _Session:
         if self.closed:
             return
         self.closed = True
+        if self.lose_timer is not None:
+            self.lose_timer.cancel()
         for t in self.transfers.values():
             t.fail(error)
         for s in list(self.streams.values()):
@@ -400,23 +416,41 @@ class Server:
                 sess.streams[ev.stream_index] = stream
                 stream.owner = sess
                 stream.index = ev.stream_index
+                if sess.lose_timer is not None:
+                    sess.lose_timer.cancel()
+                    sess.lose_timer = None
+                # A reconnecting client may have lost CREDIT frames with its old stream.
+                for t in sess.transfers.values():
+                    if not t.complete and t._error is None and t.state.layer_limit > 1:
+                        stream.conn.send_credit_frame(t.transfer_id, t.state.layer_limit)
         elif isinstance(ev, TransferBegun):
             self._on_begin(stream, ev.frame)
         elif isinstance(ev, TransferReset):
             sess = stream.owner
             if sess is not None:
-                t = sess.transfers.pop(ev.transfer_id, None)
+                t = sess.transfers.get(ev.transfer_id)
                 if t is not None:
-                    t.fail(ev.error())
+                    err = ev.error()
+                    t.fail(err)
+                    sess.bury(t, err)
         elif isinstance(ev, ConnectionClosed):
             self._streams.discard(stream)
             sess = stream.owner
-            if sess is not None:
-                sess.streams.pop(stream.index, None)
-                if ev.error is not None or any(not t.complete for t in sess.transfers.values()):
-                    sess.lose(ev.error or ConnectionLostError("client connection closed mid-transfer"))
-                elif not sess.streams:
-                    self._sessions.pop(sess.session_id, None)
+            if sess is None or sess.closed:
+                return
+            if sess.streams.get(stream.index) is stream:
+                del sess.streams[stream.index]
+            unfinished = any(not t.complete for t in sess.transfers.values())
+            if ev.resumable and self.options.resume_timeout > 0 and unfinished:
+                if not any(s.is_open for s in sess.streams.values()) and sess.lose_timer is None:
+                    sess.lose_timer = asyncio.get_event_loop().call_later(
+                        self.options.resume_timeout, sess.lose,
+                        ConnectionLostError("the client did not reconnect in time"),
+                    )
+            elif ev.error is not None or unfinished:
+                sess.lose(ev.error or ConnectionLostError("client connection closed mid-transfer"))
+            elif not sess.streams:
+                self._sessions.pop(sess.session_id, None)
 
     def _on_authenticated(self, stream: StreamProtocol, ev: ClientAuthenticated) -> None:
         if ev.fingerprint != NO_FINGERPRINT and self._fingerprints and ev.fingerprint not in self._fingerprints:
@@ -434,8 +468,15 @@ class Server:
             if sess is None or sess.closed:
                 stream.conn.refuse(ErrorCode.UNKNOWN_SESSION, "no such session")
                 return
-            if len(sess.streams) >= self.options.max_streams or ev.stream_index in sess.streams:
-                stream.conn.refuse(ErrorCode.LIMIT_EXCEEDED, "stream limit or duplicate stream index")
+            old = sess.streams.get(ev.stream_index)
+            if old is not None:
+                # The client reconnects a slot whose old connection we still think is up
+                # (a half-open TCP connection): the new one replaces it.
+                del sess.streams[ev.stream_index]
+                old.owner = None
+                old.abort(ErrorCode.SESSION_LOST, "replaced by a reconnected stream")
+            if len(sess.streams) >= self.options.max_streams:
+                stream.conn.refuse(ErrorCode.LIMIT_EXCEEDED, "stream limit reached")
                 return
         stream.conn.welcome(sid, self.codecs)
 
@@ -444,6 +485,17 @@ class Server:
         if sess is None:
             raise ProtocolError("BEGIN before the session was set up")
         tid = begin.transfer_id
+        existing = sess.transfers.get(tid)
+        if existing is not None and existing.request_id == begin.request_id:
+            # The client re-sent BEGIN after a broken stream: answer again (unless the
+            # registry check still runs; its outcome will be sent).
+            if existing._accepted:
+                stream.conn.send_accept(tid, existing.state.layer_limit)
+            return
+        if tid in sess.tombstones:
+            code, msg = sess.tombstones[tid]
+            stream.conn.send_reset(tid, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR, msg)
+            return
         try:
             if tid in sess.transfers:
                 raise KvwireError(f"transfer id {tid} is already in use", code=ErrorCode.DUPLICATE_TRANSFER)
@@ -495,13 +547,14 @@ class Server:
             f"transfer {transfer.request_id!r} not complete after {self.options.transfer_timeout} s"
         )
         transfer.fail(err)
-        sess.transfers.pop(transfer.transfer_id, None)
+        sess.bury(transfer, err)
         stream = sess.any_stream()
         if stream is not None:
             stream.conn.send_reset(transfer.transfer_id, err.code, str(err))
             stream.flush()
 
     def _accept(self, stream: StreamProtocol, transfer: Transfer) -> None:
+        transfer._accepted = True
         self.transfers_accepted += 1
         stream.conn.send_accept(transfer.transfer_id, transfer.state.layer_limit)
         stream.flush()
@@ -522,8 +575,8 @@ class Server:
             error = _stale(superseded) if superseded else None
         if error is not None:
             self.transfers_refused += 1
-            sess.transfers.pop(transfer.transfer_id, None)
             transfer.fail(error)
+            sess.bury(transfer, error)
             stream.conn.send_reset(transfer.transfer_id, error.code, str(error))
             stream.flush()
             return
@@ -547,6 +600,8 @@ class Server:
             transfer.final_check.set_exception(error)
             transfer.final_check.exception()
             transfer.fail(error, even_if_complete=True)
+            if transfer._session is not None:
+                transfer._session.bury(transfer, error)
             stream.conn.send_reset(transfer.transfer_id, error.code, str(error))
         transfer._changed.set()
         stream.conn.send_ack(address)
@@ -570,21 +625,40 @@ class Server:
     def _on_chunk(self, stream: StreamProtocol, ev: ChunkReceived) -> None:
         sess: _Session | None = stream.owner
         addr = ev.chunk.address
-        transfer = sess.transfers.get(addr.transfer_id) if sess is not None else None
+        if sess is None:
+            stream.conn.send_ack(addr)
+            return
+        transfer = sess.transfers.get(addr.transfer_id)
         if transfer is not None and transfer._error is None:
             try:
                 new = transfer.on_chunk(ev)
-                if new and transfer.complete and transfer.final_check is not None:
-                    self._spawn(self._publish_and_ack(stream, transfer, addr))
-                    return
             except KvwireError as exc:
                 transfer.fail(exc)
-                assert sess is not None
-                sess.transfers.pop(addr.transfer_id, None)
-                stream.conn.send_reset(addr.transfer_id, exc.code, str(exc))
-        # Chunks of a transfer that was reset are acknowledged too: the ack returns the
-        # connection credit, and the RESET already told the sender the outcome.
+                sess.bury(transfer, exc)
+            else:
+                if transfer.complete and transfer.final_check is not None:
+                    # The last ack waits for the registry's verdict (a re-sent copy too).
+                    if new:
+                        self._spawn(self._publish_and_ack(stream, transfer, addr))
+                    else:
+                        self._spawn(self._ack_after_final(stream, transfer, addr))
+                    return
+        tomb = sess.tombstones.get(addr.transfer_id)
+        if tomb is not None:
+            code, msg = tomb
+            stream.conn.send_reset(addr.transfer_id, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR, msg)
+        # Chunks of failed transfers are acknowledged too, after the RESET on the same
+        # stream: the ack returns the connection credit, the RESET the outcome.
         stream.conn.send_ack(addr)
+
+    async def _ack_after_final(self, stream: StreamProtocol, transfer: Transfer, address: ChunkAddress) -> None:
+        assert transfer.final_check is not None
+        try:
+            await asyncio.shield(transfer.final_check)
+        except KvwireError as exc:
+            stream.conn.send_reset(transfer.transfer_id, exc.code, str(exc))
+        stream.conn.send_ack(address)
+        stream.flush()
 
 
 def _decode_blocks(begin: Begin) -> list[tuple[Any, int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
@@ -215,7 +216,7 @@ def _fail(command: str, exc: Exception, code: int) -> int:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    from kvwire.bench.runner import BenchConfig, load_secret, run_bench
+    from kvwire.bench.runner import BenchConfig, load_secret
 
     if args.plot:
         try:
@@ -224,20 +225,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
             return _fail("bench", UsageError(
                 "--plot needs matplotlib: pip install 'kvwire[plot]'"), 2)
     try:
-        secret = None
-        if args.peer is not None:
-            secret, warning = load_secret(args.secret_file)
-            if warning:
-                print(warning, file=sys.stderr)
-        elif args.secret_file is not None:
+        if args.secret_file is not None and args.peer is None:
             raise UsageError("--secret-file is for --peer (local runs make their own secret)")
         cfg = BenchConfig(
             model=args.model, tokens=args.tokens, codec=args.codec, streams=args.streams,
             duration=args.duration, link_bps=args.link, schedule=args.link_schedule or (),
             rtt=args.rtt, jitter=args.jitter, kernel=args.kernel, peer=args.peer,
             baseline=not args.no_baseline, seed=args.seed,
-            **({"secret": secret} if secret is not None else {}),
         )
+        if args.peer is not None:
+            secret, warning = load_secret(args.secret_file)
+            if warning:
+                print(warning, file=sys.stderr)
+            cfg = dataclasses.replace(cfg, secret=secret)
     except UsageError as exc:
         return _fail("bench", exc, 2)
 
@@ -360,7 +360,7 @@ def write_plot(result: dict[str, Any], path: str) -> None:
         f"{result['streams']} streams, RTT {_fmt(result['rtt_ms'], '.3g', ' ms')}"
     )
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

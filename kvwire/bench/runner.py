@@ -325,8 +325,11 @@ def _emulator_main(
     conn: Connection, steps: tuple[tuple[float, float], ...], delay: float, jitter: float,
     interval: float,
 ) -> None:
-    """Child process: a LinkEmulator in front of the receiver, sampling its byte count."""
-    from kvwire.aio import run
+    """Child process: a LinkEmulator in front of the receiver, sampling its byte count.
+
+    It runs on the standard asyncio loop: under uvloop (millisecond timers) the
+    emulator's sub-millisecond release times never come due and nothing is forwarded.
+    """
     from kvwire.bench.emulator import LinkEmulator
 
     async def main() -> list[tuple[float, int]]:
@@ -336,7 +339,7 @@ def _emulator_main(
             "127.0.0.1", target, schedule=list(steps) or None, delay=delay, jitter=jitter, seed=0
         )
         async with link:
-            # uvloop's clock is not time.monotonic(): translate the start to the shared clock.
+            # Translate the start to time.monotonic(), the clock shared with the other processes.
             start = link.start_time + (time.monotonic() - loop.time())
             conn.send(("ready", link.port, start))
             samples: list[tuple[float, int]] = []
@@ -347,7 +350,7 @@ def _emulator_main(
             return samples
 
     try:
-        conn.send(("done", run(main())))
+        conn.send(("done", asyncio.run(main())))
     except BaseException as exc:
         with contextlib.suppress(OSError):
             conn.send(("error", f"emulator: {exc!r}"))
@@ -603,7 +606,15 @@ def run_bench(
                 if reason is not None:
                     raise UsageError(f"--kernel: {reason} (run as root, or drop --kernel)")
                 try:
-                    link = stack.enter_context(NetnsLink(rate_bps=cfg.steps[0][1]))
+                    # One bucket for every step of a schedule, and never smaller than
+                    # a full segmentation-offload packet plus headers: tbf drops a packet
+                    # larger than its bucket, and the 64 KiB default stalls a connection
+                    # whose segments grew at a higher rate.
+                    peak = max(rate for _, rate in cfg.steps)
+                    burst = max(256 * 1024, int(peak / 8 * 0.001))
+                    link = stack.enter_context(
+                        NetnsLink(rate_bps=cfg.steps[0][1], burst_bytes=burst)
+                    )
                 except (NetnsUnavailable, OSError) as exc:
                     raise KvwireError(f"--kernel: cannot set up the namespaces: {exc}") from exc
                 host = link.receiver_addr
@@ -636,7 +647,7 @@ def run_bench(
 
     base = t0 if t0 is not None else send.started
     if emu_samples:
-        _wire_from_link(send.samples, emu_samples, base)
+        _wire_from_link(send.samples, emu_samples, base, cfg.sample_interval)
     receipts = send.receipts
     kv = sum(r.kv_bytes for r in receipts)
     wire = sum(r.wire_bytes for r in receipts)
@@ -687,17 +698,19 @@ def run_bench(
 
 
 def _wire_from_link(
-    samples: list[dict[str, Any]], link: list[tuple[float, int]], base: float
+    samples: list[dict[str, Any]], link: list[tuple[float, int]], base: float, interval: float
 ) -> None:
     """Replace each sample's wire rate by the emulator's forwarded bytes over the same
     interval (what actually crossed the link, not what the sender handed to TCP)."""
     times = np.array([t - base for t, _ in link])
     counts = np.array([b for _, b in link], dtype=np.float64)
-    prev_t: float | None = None
-    prev_b = 0.0
+    if not samples:
+        return
+    prev_t = samples[0]["t"] - interval
+    prev_b = float(np.interp(prev_t, times, counts))
     for point in samples:
         b = float(np.interp(point["t"], times, counts))
-        if prev_t is not None and point["t"] > prev_t:
+        if point["t"] > prev_t:
             point["wire_gbps"] = (b - prev_b) * 8 / (point["t"] - prev_t) / 1e9
         prev_t, prev_b = point["t"], b
 

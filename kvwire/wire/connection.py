@@ -172,6 +172,23 @@ class ConnectionClosed:
     message: str
     by_peer: bool
     error: KvwireError | None = None
+    goaway: bool = False
+    """The peer said why (a GOAWAY arrived); False for EOF, resets and local failures."""
+
+    @property
+    def resumable(self) -> bool:
+        """The connection broke, rather than being closed on purpose: the session may
+        reconnect and re-send what was not acknowledged."""
+        if self.goaway:
+            return self.code in RESUMABLE_CODES
+        if not self.by_peer:
+            return self.code in RESUMABLE_CODES
+        return True  # EOF or reset without a GOAWAY
+
+
+#: Error codes after which a session reconnects instead of failing its transfers:
+#: corruption caught by the CRC and silence caught by the idle timer.
+RESUMABLE_CODES = frozenset({ErrorCode.INTEGRITY_ERROR, ErrorCode.TIMEOUT})
 
 
 Event = (
@@ -203,8 +220,9 @@ class ConnectionConfig:
     handshake_timeout: float = 10.0
     """Seconds from start until the handshake must be complete."""
     idle_timeout: float | None = 30.0
-    """Once open: seconds without a byte from the peer before the connection is closed
-    with TIMEOUT.  A PING goes out after half of it, so a live but quiet peer answers."""
+    """Once open: seconds without a complete frame from the peer before the connection
+    is closed with TIMEOUT.  A PING goes out after half of it, so a live but quiet peer
+    answers.  Must exceed the time one max-size frame takes on the link."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.secret, bytes | bytearray) or len(self.secret) < 8:
@@ -289,12 +307,11 @@ class Connection:
     def receive_data(self, data: Buffer, now: float | None = None) -> None:
         """Feed bytes read from the socket; ``b""`` means the peer closed.
 
-        ``now`` (when given) restarts the idle timer.
+        ``now`` (when given) restarts the idle timer if a whole frame arrived: bytes of a
+        frame that never completes (a corrupted length) do not keep a connection alive.
         """
         if self.state is State.CLOSED:
             return
-        if now is not None:
-            self._last_rx = now
         if not data:
             self._close_locally(
                 ErrorCode.NO_ERROR, "connection closed by peer", by_peer=True,
@@ -303,6 +320,8 @@ class Connection:
             return
         try:
             frames = self._decoder.feed(data)
+            if frames and now is not None:
+                self._last_rx = now
             for frame, size in frames:
                 if self.state is State.CLOSED:
                     return
@@ -488,7 +507,7 @@ class Connection:
             err = None if frame.code == ErrorCode.NO_ERROR else error_from_code(frame.code, frame.message)
             self._close_locally(
                 ErrorCode(frame.code) if frame.code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR,
-                frame.message, by_peer=True, send_goaway=False, error=err,
+                frame.message, by_peer=True, send_goaway=False, error=err, goaway=True,
             )
             return
         handler = _TRANSITIONS.get((self.state, ftype))
@@ -505,7 +524,7 @@ class Connection:
 
     def _close_locally(
         self, code: ErrorCode, message: str, *, by_peer: bool, send_goaway: bool,
-        error: KvwireError | None,
+        error: KvwireError | None, goaway: bool = False,
     ) -> None:
         if self.state is State.CLOSED:
             return
@@ -520,7 +539,7 @@ class Connection:
             error = ConnectionLostError("connection closed during the handshake")
         self.state = State.CLOSED
         self._deadline = None
-        ev = ConnectionClosed(code=int(code), message=message, by_peer=by_peer, error=error)
+        ev = ConnectionClosed(code=int(code), message=message, by_peer=by_peer, error=error, goaway=goaway)
         self.closed_event = ev
         self._events.append(ev)
 

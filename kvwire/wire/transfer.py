@@ -119,6 +119,8 @@ class SentChunk:
     stream: int
     wire_size: int
     kv_bytes: int
+    chunk: Chunk | None = None
+    """The frame itself, kept until acknowledged so it can be re-sent after a break."""
 
 
 class OutgoingTransfer:

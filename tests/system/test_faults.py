@@ -15,6 +15,7 @@ Outcome counts are printed (run with ``-s``); docs/reliability.md records them.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -29,16 +30,16 @@ import kvwire
 from kvwire.errors import ErrorCode
 from kvwire.testing import CLEAN, FaultPlan, FaultProxy, Faults
 from kvwire.wire import (
+    Accept,
     Ack,
     Begin,
-    Chunk,
     Connection,
     ConnectionConfig,
     FrameDecoder,
     GoAway,
     Role,
+    Reset,
     State,
-    chunk_frame_size,
     frame_bytes,
 )
 from kvwire.wire.frames import HEADER
@@ -268,17 +269,22 @@ async def test_30_random_bit_flips_never_deliver_corruption() -> None:
     assert rows.get("corrupted", 0) == 0
 
 
-async def test_flipped_payload_bit_is_an_integrity_error_and_never_delivered() -> None:
-    """A flip inside a chunk payload: the sender's error names integrity, the receiver
-    yields no cache."""
+async def test_flipped_payload_bit_is_discarded_never_delivered() -> None:
+    """A flip inside a chunk payload: the chunk fails its CRC and is discarded.  Either
+    the connection is resumed and the transfer completes bit-identical, or the sender's
+    error names integrity and the receiver yields no cache; never the flipped bytes."""
     layers = make_layers(SPEC.num_layers, TOKENS, SPEC.num_kv_heads, SPEC.head_dim, seed=9)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         fwd, _ = await clean_bytes(server, layers, 1)
         # the middle of the stream is deep inside some CHUNK's payload
-        out = await run_case(server, FaultPlan(forward=Faults(flip_bits=(8 * (fwd // 2) + 3,))), "payload-flip", layers)
-    assert out.sender == "typed:IntegrityError", out
-    assert out.receiver != "identical" and out.receiver != "corrupted", out
-    assert out.receiver.startswith("typed:") or out.receiver == "never-arrived", out
+        plan = FaultPlan(forward=Faults(flip_bits=(8 * (fwd // 2) + 3,)))
+        out = await run_case(server, plan, "payload-flip", layers)
+    assert out.receiver != "corrupted", out
+    if out.sender == "completed":
+        assert out.receiver == "identical", out
+    else:
+        assert out.sender in ("typed:IntegrityError", "typed:ConnectionLostError"), out
+        assert out.receiver != "identical", out
 
 
 # -- stalls and kills ---------------------------------------------------------------------
@@ -302,10 +308,16 @@ async def test_stall_forever_is_a_transfer_timeout(direction: str) -> None:
                     await asyncio.wait_for(peer.send("stalled", SPEC, layers, timeout=1), 1 + GRACE)
                 assert loop.time() - t0 < 1 + GRACE
                 await asyncio.wait_for(peer.close(), GRACE)
-                # the receiver never yields a partial cache
+                # the receiver never yields a partial cache: either it got every chunk
+                # (a stall of the acks only) or it fails typed
                 t = await server.expect("stalled", timeout=1)
-                with pytest.raises(kvwire.KvwireError):
-                    await t.collect(timeout=1)
+                try:
+                    cache = await t.collect(timeout=1)
+                except kvwire.KvwireError:
+                    pass
+                else:
+                    assert direction == "backward", "a cache completed whose chunks never arrived"
+                    assert same_cache(cache.layers, layers)
             after = await run_case(server, CLEAN, "after-stall", layers)
             assert after.row == "completed-identical", after
     assert errors == []
@@ -436,11 +448,6 @@ BEGIN = Begin(transfer_id=1, num_layers=1, num_kv_heads=1, head_dim=8, dtype_id=
               request_id="raw", meta=b"{}")
 
 
-def _chunk(n_payload: int) -> Chunk:
-    return Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
-                 layer_tokens=1, params=b"", payload=bytes(n_payload))
-
-
 MAX_FRAME = 64 * 1024
 HOSTILE_AFTER_AUTH = {
     "oversized header": (lambda: HEADER.pack(0x12, 0, 0, MAX_FRAME + 1), ErrorCode.FRAME_TOO_LARGE),
@@ -451,10 +458,6 @@ HOSTILE_AFTER_AUTH = {
     "server-only frame": (lambda: frame_bytes(Ack(transfer_id=1, layer=0, kind=0, token_start=0)), ErrorCode.PROTOCOL_ERROR),
     "second HELLO": (lambda: None, ErrorCode.PROTOCOL_ERROR),
     "truncated BEGIN": (lambda: _reframe(0x10, frame_bytes(BEGIN)[8:-4][:10]), ErrorCode.PROTOCOL_ERROR),
-    "chunk beyond window": (
-        lambda: frame_bytes(BEGIN) + b"".join(frame_bytes(_chunk(MAX_FRAME - 64)) for _ in range(3)),
-        ErrorCode.FLOW_CONTROL_ERROR,
-    ),
 }
 
 
@@ -506,8 +509,6 @@ async def test_hostile_frames_after_auth_get_goaway_with_code_and_server_serves_
     ids=["unknown-dtype", "zero-layers", "bad-meta"],
 )
 async def test_bad_begin_is_reset_and_the_connection_survives(begin: Begin, code: ErrorCode) -> None:
-    from kvwire.wire import Reset
-
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         reader, writer, conn = await _raw_authenticated(server.port)
         writer.write(frame_bytes(begin))
@@ -519,15 +520,13 @@ async def test_bad_begin_is_reset_and_the_connection_survives(begin: Begin, code
             frames.extend(f for f, _ in dec.feed(data))
         assert isinstance(frames[0], Reset) and frames[0].code == code, frames
         # the connection is still usable: a valid transfer on it is accepted
-        writer.write(frame_bytes(BEGIN._replace() if hasattr(BEGIN, "_replace") else BEGIN.__class__(
-            transfer_id=2, num_layers=1, num_kv_heads=1, head_dim=8, dtype_id=1, model="",
-            request_id="ok", meta=b"{}")))
+        writer.write(frame_bytes(dataclasses.replace(BEGIN, transfer_id=2, request_id="ok")))
         frames = []
         while not frames:
             data = await asyncio.wait_for(reader.read(65536), 5)
             assert data
             frames.extend(f for f, _ in dec.feed(data))
-        assert type(frames[0]).__name__ == "Accept", frames
+        assert isinstance(frames[0], Accept), frames
         writer.close()
 
 

@@ -176,7 +176,7 @@ async def test_unknown_codec_fails_before_sending() -> None:
             kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="no-such-codec")
 
 
-async def test_killed_connection_fails_every_waiter_on_both_sides() -> None:
+async def test_killed_connection_without_resume_fails_every_waiter_on_both_sides() -> None:
     spec = kvwire.KVSpec(num_layers=8, num_kv_heads=2, head_dim=16)
     layers = make_layers(8, 64, 2, 16)
     release = asyncio.Event()
@@ -188,7 +188,7 @@ async def test_killed_connection_fails_every_waiter_on_both_sides() -> None:
                 await release.wait()
 
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        peer = kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2)
+        peer = kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2, reconnect_attempts=0)
         await peer.open()
         sends = [asyncio.create_task(peer.send(f"k{i}", spec, produce())) for i in range(3)]
         transfers = [await server.expect(f"k{i}", timeout=5) for i in range(3)]
@@ -252,9 +252,10 @@ async def test_server_transfer_deadline_fails_both_sides() -> None:
 
 async def test_silent_server_is_detected_by_the_idle_timeout() -> None:
     # A listener that completes TCP but never speaks: the handshake deadline fires.
+    writers: list[asyncio.StreamWriter] = []
+
     async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(5)
-        writer.close()
+        writers.append(writer)
 
     srv = await asyncio.start_server(silent, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
@@ -263,4 +264,73 @@ async def test_silent_server_is_detected_by_the_idle_timeout() -> None:
             async with kvwire.connect("127.0.0.1", port, secret=SECRET, connect_timeout=0.3):
                 pass
     finally:
+        for w in writers:
+            w.close()
         srv.close()
+        await srv.wait_closed()
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+async def test_killed_stream_is_resumed_and_the_transfer_completes_identical(streams: int) -> None:
+    spec = kvwire.KVSpec(num_layers=8, num_kv_heads=2, head_dim=16)
+    layers = make_layers(8, 64, 2, 16)
+    halfway = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def produce():  # type: ignore[no-untyped-def]
+        for i, kv in enumerate(layers):
+            yield kv
+            if i == 3:
+                halfway.set()
+                await go_on.wait()
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=streams,
+                                  chunk_bytes=1024) as peer:
+            send = asyncio.create_task(peer.send("r", spec, produce(), timeout=20))
+            t = await server.expect("r", timeout=5)
+            collect = asyncio.create_task(t.collect(timeout=20))
+            await halfway.wait()
+            victim = peer.streams[streams - 1]
+            victim.transport.abort()  # type: ignore[union-attr]
+            go_on.set()
+            receipt = await send
+            cache = await collect
+            # the break was noticed: the slot reconnected and/or its chunks went again
+            assert peer.reconnects + peer.chunks_resent >= 1
+    assert same_cache(cache.layers, layers)
+    assert receipt.kv_bytes == sum(k.nbytes + v.nbytes for k, v in layers)
+
+
+async def test_receiver_restart_fails_the_transfer_cleanly() -> None:
+    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=1, head_dim=8)
+    layers = make_layers(4, 8, 1, 8)
+    gate = asyncio.Event()
+
+    async def produce():  # type: ignore[no-untyped-def]
+        for i, kv in enumerate(layers):
+            yield kv
+            if i == 1:
+                await gate.wait()
+
+    server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
+    await server.start()
+    port = server.port
+    peer = kvwire.connect("127.0.0.1", port, secret=SECRET, reconnect_backoff=0.05, reconnect_attempts=4)
+    await peer.open()
+    send = asyncio.create_task(peer.send("r", spec, produce(), timeout=20))
+    t = await server.expect("r", timeout=5)
+    collect = asyncio.create_task(t.collect())
+    await asyncio.sleep(0.1)
+    await server.close()  # the receiver goes away with the transfer half done ...
+    restarted = kvwire.serve("127.0.0.1", port, secret=SECRET)
+    await restarted.start()  # ... and comes back without the session
+    try:
+        gate.set()
+        with pytest.raises(kvwire.ConnectionLostError):
+            await send
+        with pytest.raises(kvwire.ConnectionLostError):
+            await collect  # never a half-filled cache
+    finally:
+        await peer.close()
+        await restarted.close()

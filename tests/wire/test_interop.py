@@ -99,19 +99,22 @@ class Welcome:
     codecs: list[str]
 
 
-def hello_body(*, min_version: int = 1, max_version: int = 1, fp: bytes = bytes(16)) -> bytes:
+def hello_body(
+    *, min_version: int = 1, max_version: int = 1, fp: bytes = bytes(16), session: bytes = bytes(16), index: int = 0
+) -> bytes:
     return (
-        struct.pack(">8sHH32s16sHI", MAGIC, min_version, max_version, os.urandom(32), bytes(16), 0, 1 << 20)
+        struct.pack(">8sHH32s16sHI", MAGIC, min_version, max_version, os.urandom(32), session, index, 1 << 20)
         + codec_list(["raw"])
         + fp
     )
 
 
 async def handshake(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, fp: bytes = bytes(16)
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, fp: bytes = bytes(16),
+    session: bytes = bytes(16),
 ) -> Welcome | tuple[int, str]:
     """HELLO -> CHALLENGE -> AUTH -> WELCOME; the server's GOAWAY (code, message) if refused."""
-    hello = hello_body(fp=fp)
+    hello = hello_body(fp=fp, session=session)
     writer.write(frame(HELLO, hello))
     ftype, challenge = await read_frame(reader)
     if ftype == GOAWAY:
@@ -141,9 +144,9 @@ async def handshake(
     return Welcome(sid, mfs, window, max_transfers, codecs)
 
 
-async def open_session(port: int, secret: bytes = SECRET, fp: bytes = bytes(16)):  # type: ignore[no-untyped-def]
+async def open_session(port: int, secret: bytes = SECRET, fp: bytes = bytes(16), session: bytes = bytes(16)):  # type: ignore[no-untyped-def]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    result = await handshake(reader, writer, secret, fp)
+    result = await handshake(reader, writer, secret, fp, session)
     return reader, writer, result
 
 
@@ -333,3 +336,48 @@ async def test_corrupted_chunk_crc_gets_integrity_error() -> None:
         finally:
             await close(writer)
 
+
+
+async def test_broken_stream_resumes_and_resends_unacknowledged_chunks() -> None:
+    num_layers, heads, head_dim, tokens = 2, 1, 8, 12
+    rng = np.random.default_rng(11)
+    layers = [
+        tuple(rng.standard_normal((tokens, heads, head_dim)).astype(np.float16) for _ in range(2))
+        for _ in range(num_layers)
+    ]
+    plan = [(layer, kind, start) for layer in range(num_layers) for kind in (0, 1) for start in range(0, tokens, 4)]
+
+    def payload(layer: int, kind: int, start: int) -> bytes:
+        return layers[layer][kind][start : start + 4].tobytes()
+
+    async with kvwire.serve(secret=SECRET) as server:
+        received = asyncio.ensure_future(_collect(server))
+        reader, writer, welcome = await open_session(server.port)
+        try:
+            assert isinstance(welcome, Welcome)
+            tx = Sender(reader, writer, credit=welcome.window)
+            writer.write(frame(BEGIN, begin_body(5, num_layers, heads, head_dim, 1, "", "resume-1", b"")))
+            while 5 not in tx.layer_limit:
+                await tx.pump()
+            for layer, kind, start in plan[:3]:  # part of layer 0's K, never acknowledged here
+                await tx.send_chunk(5, layer, kind, start, 4, tokens, payload(layer, kind, start))
+        finally:
+            await close(writer)  # the stream breaks: EOF without GOAWAY
+
+        # Reconnect the same slot of the same session and re-send what was not acknowledged.
+        reader, writer, again = await open_session(server.port, session=welcome.session_id)
+        try:
+            assert isinstance(again, Welcome) and again.session_id == welcome.session_id
+            tx = Sender(reader, writer, credit=again.window, layer_limit={5: 1})
+            for layer, kind, start in plan:
+                await tx.send_chunk(5, layer, kind, start, 4, tokens, payload(layer, kind, start))
+            while tx.unacked:
+                await tx.pump()
+            assert sorted(tx.acks) == sorted((5, *addr) for addr in plan)
+            transfer, cache = await asyncio.wait_for(received, STEP)
+            assert transfer.request_id == "resume-1"
+            for (k, v), (rk, rv) in zip(layers, cache.layers, strict=True):
+                assert rk.tobytes() == k.tobytes() and rv.tobytes() == v.tobytes()
+        finally:
+            received.cancel()
+            await close(writer)

@@ -1,0 +1,67 @@
+"""atheris harness: the server side of the sans-IO connection, past authentication.
+
+Each input is fed to a fresh server ``Connection`` that a real handshake with a known
+secret (fixed nonces) has already opened, so the fuzzer spends its time on the frames
+an authenticated client can send.  The first input byte chooses whether to skip the
+handshake (pre-auth fuzzing) and how to split the rest into reads.
+
+Nothing may escape ``receive_data``; the state afterwards must be a server state; a
+closed connection reports exactly one ConnectionClosed carrying a KvwireError or None.
+
+    python fuzz/fuzz_server.py fuzz/corpus/server -runs=20000
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import atheris
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+with atheris.instrument_imports():
+    import kvwire
+    from kvwire.wire import ConnectionClosed, State
+
+from _common import handshake_bytes, new_server, pump  # noqa: E402
+
+HELLO, AUTH = handshake_bytes()
+SERVER_STATES = {
+    State.SERVER_AWAIT_HELLO, State.SERVER_CHALLENGE_SENT, State.SERVER_AUTHENTICATED,
+    State.OPEN, State.CLOSED,
+}
+
+
+def TestOneInput(data: bytes) -> None:
+    if not data:
+        return
+    mode, rest = data[0], data[1:]
+    conn = new_server()
+    events: list[object] = []
+    if mode & 0x80 == 0:  # most inputs: start authenticated
+        for part in (HELLO, AUTH):
+            conn.receive_data(part)
+            events += pump(conn)
+        assert conn.state is State.OPEN
+    step = (mode & 0x7F) + 1
+    for i in range(0, len(rest), step):
+        conn.receive_data(rest[i : i + step])
+        events += pump(conn)
+    assert conn.state in SERVER_STATES, conn.state
+    closed = [e for e in events if isinstance(e, ConnectionClosed)]
+    assert len(closed) <= 1, closed
+    if conn.state is State.CLOSED:
+        assert len(closed) == 1
+        assert closed[0].error is None or isinstance(closed[0].error, kvwire.KvwireError)
+    conn.handle_timer(1e9)
+    pump(conn)
+
+
+def main() -> None:
+    atheris.Setup(sys.argv, TestOneInput)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Write the seed corpora of valid frames: fuzz/corpus/frames and fuzz/corpus/server.
+
+    python fuzz/make_corpus.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kvwire.wire import (  # noqa: E402
+    Accept,
+    Ack,
+    Auth,
+    Begin,
+    BlockVersion,
+    Challenge,
+    Chunk,
+    Credit,
+    GoAway,
+    Hello,
+    Ping,
+    Pong,
+    Reset,
+    Welcome,
+    frame_bytes,
+)
+
+from _common import handshake_bytes  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+BEGIN = Begin(
+    transfer_id=1, num_layers=2, num_kv_heads=1, head_dim=4, dtype_id=1, model="m",
+    request_id="req-1", meta=b'{"prompt_tokens":8}', blocks=(BlockVersion(block=b"i7", version=3),),
+)
+
+
+def chunk(layer: int, kind: int, start: int, count: int, tokens: int = 8) -> Chunk:
+    return Chunk(
+        transfer_id=1, layer=layer, kind=kind, codec_id=0, token_start=start, token_count=count,
+        layer_tokens=tokens, params=b"", payload=bytes(range(8 * count)),
+    )
+
+
+SINGLE = {
+    "hello": Hello(min_version=1, max_version=1, nonce=b"n" * 32, session_id=bytes(16), stream_index=0,
+                   max_frame_size=1 << 22, codecs=("raw", "fp8"), fingerprint=bytes(16)),
+    "challenge": Challenge(version=1, nonce=b"c" * 32),
+    "auth": Auth(proof=b"p" * 32),
+    "welcome": Welcome(session_id=b"S" * 16, max_frame_size=1 << 22, window=1 << 25, max_transfers=64,
+                       codecs=("raw",), proof=b"w" * 32),
+    "begin": BEGIN,
+    "accept": Accept(transfer_id=1, layer_limit=2),
+    "chunk": chunk(0, 0, 0, 4),
+    "ack": Ack(transfer_id=1, layer=0, kind=0, token_start=0),
+    "credit": Credit(transfer_id=1, layer_limit=2),
+    "reset": Reset(transfer_id=1, code=12, message="cancelled"),
+    "ping": Ping(opaque=42),
+    "pong": Pong(opaque=42),
+    "goaway": GoAway(code=1, message="bye"),
+}
+
+
+def whole_transfer() -> bytes:
+    """BEGIN then every chunk of a 2-layer, 8-token transfer (two chunks per K and V)."""
+    out = frame_bytes(BEGIN)
+    for layer in range(2):
+        for kind in (0, 1):
+            for start in (0, 4):
+                out += frame_bytes(chunk(layer, kind, start, 4))
+    return out
+
+
+def main() -> None:
+    frames_dir = HERE / "corpus" / "frames"
+    server_dir = HERE / "corpus" / "server"
+    frames_dir.mkdir(parents=True, exist_ok=True)
+    server_dir.mkdir(parents=True, exist_ok=True)
+    # fuzz_frames: byte 0 picks the size limit, byte 1 the read size (see the harness)
+    for name, frame in SINGLE.items():
+        (frames_dir / name).write_bytes(b"\x03\x40" + frame_bytes(frame))
+    (frames_dir / "transfer").write_bytes(b"\x03\x40" + whole_transfer())
+    # fuzz_server: byte 0 < 0x80 starts authenticated, its low bits pick the read size
+    transfer = whole_transfer()
+    (server_dir / "transfer").write_bytes(b"\x3f" + transfer)
+    (server_dir / "transfer_split").write_bytes(b"\x06" + transfer)
+    (server_dir / "ping_reset").write_bytes(
+        b"\x7f" + frame_bytes(BEGIN) + frame_bytes(Ping(opaque=1))
+        + frame_bytes(Reset(transfer_id=1, code=12, message="x")) + frame_bytes(GoAway(code=0, message=""))
+    )
+    (server_dir / "duplicate_chunk").write_bytes(
+        b"\x7f" + frame_bytes(BEGIN) + frame_bytes(chunk(0, 0, 0, 4)) + frame_bytes(chunk(0, 0, 0, 4))
+    )
+    hello, auth = handshake_bytes()
+    (server_dir / "preauth_handshake").write_bytes(b"\xff" + hello + auth + transfer)
+    for name in ("chunk", "begin", "credit", "ack"):
+        (server_dir / f"single_{name}").write_bytes(b"\x7f" + frame_bytes(SINGLE[name]))
+    print(f"wrote {len(list(frames_dir.iterdir()))} frame seeds, {len(list(server_dir.iterdir()))} server seeds")
+
+
+if __name__ == "__main__":
+    main()
