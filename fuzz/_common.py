@@ -56,3 +56,21 @@ def pump(conn: Connection) -> list[object]:
             conn.send_ack(ev.chunk.address)
     conn.data_to_send()
     return events
+
+
+def fix_crcs(data: bytes) -> bytes:
+    """Rewrite the CRC32C of every frame in ``data`` (as framed by its own headers), so
+    mutated bodies get past the integrity check and reach the frame parsers and the
+    state machine.  A trailing partial frame is left as it is."""
+    from crc32c import crc32c
+
+    out = bytearray(data)
+    pos = 0
+    while pos + 8 <= len(out):
+        length = int.from_bytes(out[pos + 4 : pos + 8], "big")
+        end = pos + 8 + length
+        if end + 4 > len(out):
+            break
+        out[end : end + 4] = crc32c(bytes(out[end - length : end]), crc32c(bytes(out[pos : pos + 8]))).to_bytes(4, "big")
+        pos = end + 4
+    return bytes(out)

@@ -3,7 +3,8 @@
 Each input is fed to a fresh server ``Connection`` that a real handshake with a known
 secret (fixed nonces) has already opened, so the fuzzer spends its time on the frames
 an authenticated client can send.  The first input byte chooses whether to skip the
-handshake (pre-auth fuzzing) and how to split the rest into reads.
+handshake (top bit: pre-auth fuzzing), whether to fix every frame's CRC (bit 6: so mutated
+bodies reach the parsers and handlers) and how to split the rest into reads (low 6 bits).
 
 Nothing may escape ``receive_data``; the state afterwards must be a server state; a
 closed connection reports exactly one ConnectionClosed carrying a KvwireError or None.
@@ -24,7 +25,7 @@ with atheris.instrument_imports():
     import kvwire
     from kvwire.wire import ConnectionClosed, State
 
-from _common import handshake_bytes, new_server, pump  # noqa: E402
+from _common import fix_crcs, handshake_bytes, new_server, pump  # noqa: E402
 
 HELLO, AUTH = handshake_bytes()
 SERVER_STATES = {
@@ -37,6 +38,8 @@ def TestOneInput(data: bytes) -> None:
     if not data:
         return
     mode, rest = data[0], data[1:]
+    if mode & 0x40:  # fix every CRC so mutated bodies reach the state machine
+        rest = fix_crcs(rest)
     conn = new_server()
     events: list[object] = []
     if mode & 0x80 == 0:  # most inputs: start authenticated
@@ -44,7 +47,7 @@ def TestOneInput(data: bytes) -> None:
             conn.receive_data(part)
             events += pump(conn)
         assert conn.state is State.OPEN
-    step = (mode & 0x7F) + 1
+    step = (mode & 0x3F) + 1
     for i in range(0, len(rest), step):
         conn.receive_data(rest[i : i + step])
         events += pump(conn)

@@ -80,14 +80,14 @@ def main() -> None:
     server_dir = HERE / "corpus" / "server"
     frames_dir.mkdir(parents=True, exist_ok=True)
     server_dir.mkdir(parents=True, exist_ok=True)
-    # fuzz_frames: byte 0 picks the size limit, byte 1 the read size (see the harness)
+    # fuzz_frames: byte 0 picks the size limit (top bit: fix CRCs), byte 1 the read size
     for name, frame in SINGLE.items():
-        (frames_dir / name).write_bytes(b"\x03\x40" + frame_bytes(frame))
-    (frames_dir / "transfer").write_bytes(b"\x03\x40" + whole_transfer())
-    # fuzz_server: byte 0 < 0x80 starts authenticated, its low bits pick the read size
+        (frames_dir / name).write_bytes(b"\x83\x40" + frame_bytes(frame))
+    (frames_dir / "transfer").write_bytes(b"\x83\x40" + whole_transfer())
+    # fuzz_server: byte 0 < 0x80 starts authenticated, 0x40 fixes CRCs, low 6 bits: read size
     transfer = whole_transfer()
-    (server_dir / "transfer").write_bytes(b"\x3f" + transfer)
-    (server_dir / "transfer_split").write_bytes(b"\x06" + transfer)
+    (server_dir / "transfer").write_bytes(b"\x7f" + transfer)
+    (server_dir / "transfer_split").write_bytes(b"\x46" + transfer)
     (server_dir / "ping_reset").write_bytes(
         b"\x7f" + frame_bytes(BEGIN) + frame_bytes(Ping(opaque=1))
         + frame_bytes(Reset(transfer_id=1, code=12, message="x")) + frame_bytes(GoAway(code=0, message=""))

@@ -135,7 +135,7 @@ _BY_CODE: dict[ErrorCode, type[KvwireError]] = {
     ErrorCode.CANCELLED: TransferAbortedError,
     ErrorCode.INTERNAL_ERROR: KvwireError,
     ErrorCode.UNKNOWN_SESSION: ConnectionLostError,
-    ErrorCode.DUPLICATE_TRANSFER: UsageError,
+    ErrorCode.DUPLICATE_TRANSFER: ProtocolError,
     ErrorCode.SESSION_LOST: ConnectionLostError,
     ErrorCode.REGISTRY_UNAVAILABLE: RegistryUnavailableError,
 }

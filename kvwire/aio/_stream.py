@@ -58,6 +58,8 @@ class StreamProtocol(asyncio.Protocol):
         self._timer_at: float | None = None
         self.owner: Any = None  # the session this stream belongs to
         self.index = 0
+        #: called once the transport exists (a TLS handshake that fails never gets here)
+        self.on_made: Callable[[StreamProtocol], None] | None = None
 
     # -- asyncio callbacks ----------------------------------------------------------------
 
@@ -65,6 +67,8 @@ class StreamProtocol(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
         transport.set_write_buffer_limits(high=self._write_high, low=self._write_high // 4)  # type: ignore[attr-defined]
         tune_socket(transport.get_extra_info("socket"), self._notsent_lowat)
+        if self.on_made is not None:
+            self.on_made(self)
         self.flush()
 
     def data_received(self, data: bytes) -> None:

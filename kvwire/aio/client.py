@@ -21,6 +21,7 @@ from kvwire.errors import (
     ErrorCode,
     IncompatiblePeerError,
     KvwireError,
+    ProtocolError,
     TransferTimeoutError,
     UsageError,
 )
@@ -62,8 +63,8 @@ class ClientOptions:
     connect_timeout: float = 10.0
     """Seconds for TCP connect plus handshake, per stream."""
     idle_timeout: float | None = 30.0
-    """Seconds without a byte from the server before a stream is considered dead (a PING
-    is sent after half of it)."""
+    """Seconds without a complete frame from the server before a stream is considered
+    broken (a PING is sent after half of it)."""
     notsent_lowat: int | None = NOTSENT_LOWAT
     """TCP_NOTSENT_LOWAT (None leaves the kernel default)."""
     spec: KVSpec | None = None
@@ -102,6 +103,9 @@ class Receipt:
     def goodput_gbps(self) -> float:
         return self.kv_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
+
+#: Measurement clock (uvloop's loop clock ticks in whole milliseconds).
+_clock = time.perf_counter
 
 AUTO = "auto"
 #: Codecs ``auto`` chooses among, most precise first.
@@ -221,10 +225,15 @@ class Peer:
                 loop.create_connection(
                     lambda: proto, self.host, self.port, ssl=self._ssl,
                     server_hostname=self._server_hostname if self._ssl else None,
+                    ssl_handshake_timeout=opts.connect_timeout if self._ssl else None,
                 ),
                 opts.connect_timeout,
             )
-            return await asyncio.wait_for(fut, opts.connect_timeout)
+            hs = await asyncio.wait_for(fut, opts.connect_timeout)
+            if session_id != NO_SESSION and hs.session_id != session_id:
+                proto.abort(ErrorCode.PROTOCOL_ERROR, "joined the wrong session")
+                raise ProtocolError("the server put this stream in another session")
+            return hs
         except TimeoutError:
             proto.abort(ErrorCode.TIMEOUT, "handshake timed out")
             raise TransferTimeoutError(f"connecting to {self.host}:{self.port} timed out") from None
@@ -265,8 +274,8 @@ class Peer:
         """
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
-        if not isinstance(request_id, str) or not request_id:
-            raise UsageError("request_id must be a non-empty str")
+        if not isinstance(request_id, str) or not request_id or len(request_id.encode()) > 0xFFFF:
+            raise UsageError("request_id must be a non-empty str of at most 65535 UTF-8 bytes")
         codec_name = codec or self.codec
         if codec_name == AUTO:
             if self.chooser is None:
@@ -282,8 +291,10 @@ class Peer:
         except (TypeError, ValueError) as exc:
             raise UsageError(f"meta must be JSON-serialisable: {exc}") from None
         block_versions = tuple(
-            BlockVersion(block=_block_key(b), version=int(v)) for b, v in (blocks or ())
+            BlockVersion(block=_block_key(b), version=_version(v)) for b, v in (blocks or ())
         )
+        if len(block_versions) > 0xFFFF:
+            raise UsageError("at most 65535 blocks per transfer")
         if deadline is not None and codec_name != AUTO:
             raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
         work = self._send(request_id, spec, layers, meta_bytes, codec_name, block_versions, deadline)
@@ -300,7 +311,7 @@ class Peer:
     ) -> Receipt:
         self._check_usable()
         loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = _clock()
         tid = next(self._ids)
         out = _Outgoing(tid, spec.num_layers, loop)
         self._transfers[tid] = out
@@ -350,7 +361,7 @@ class Peer:
                             assert self.chooser is not None
                             left = None
                             if deadline is not None:
-                                left = deadline - (loop.time() - started)
+                                left = deadline - (_clock() - started)
                             remaining = (spec.num_layers - index) * 2 * tokens * bpt
                             name = self.chooser.choose(
                                 self.estimator.bandwidth_bps,
@@ -393,7 +404,7 @@ class Peer:
             raise
         finally:
             self._transfers.pop(tid, None)
-        seconds = loop.time() - started
+        seconds = _clock() - started
         snap = self.estimator.snapshot()
         if auto and len(used) == 1:
             codec_name = next(iter(used))
@@ -449,13 +460,8 @@ class Peer:
                               kv_bytes=kv_bytes, chunk=chunk)
                 )
                 self.bytes_sent += wire_size
-                # Nothing else waiting to go and the last chunk of a layer: what follows
-                # depends on the producer, so samples taken meanwhile say nothing about
-                # the link's capacity.
-                last_of_layer = chunk.kind == 1 and chunk.token_start + chunk.token_count == chunk.layer_tokens
                 self.estimator.on_send(
-                    chunk.address, wire_size, asyncio.get_running_loop().time(),
-                    app_limited=last_of_layer and self._waiting_senders == 0,
+                    chunk.address, wire_size, _clock(), app_limited=self._app_limited(wire_size),
                 )
                 return
             self._capacity.clear()
@@ -538,6 +544,20 @@ class Peer:
                 return s
         raise ConnectionLostError("no open stream")
 
+    def _app_limited(self, wire_size: int) -> bool:
+        """Whether data sent now measures the producer rather than the link.
+
+        As in TCP's rate sampling: nothing else is queued and what is in flight is below
+        the estimated bandwidth-delay product, so the pipe is not full.
+        """
+        if self._waiting_senders:
+            return False
+        est = self.estimator
+        if est.max_filter_bps is None or est.min_rtt is None:
+            return False  # no estimate yet: every sample is welcome
+        bdp = est.max_filter_bps / 8 * est.min_rtt
+        return est.bytes_in_flight + wire_size < bdp
+
     def on_writable(self, stream: StreamProtocol) -> None:
         self._capacity.set()
 
@@ -549,12 +569,12 @@ class Peer:
                 self.estimator.on_loss(ev.address)
                 return
             sent = out.state.on_ack(ev.address)
-            self.estimator.on_ack(ev.address, asyncio.get_event_loop().time())
+            self.estimator.on_ack(ev.address, _clock())
             if sent is not None:
                 left = out.layer_acked.get(sent.address.layer, 0) - 1
                 out.layer_acked[sent.address.layer] = left
                 if left == 0 and out.first_layer_at is None:
-                    out.first_layer_at = asyncio.get_event_loop().time()
+                    out.first_layer_at = _clock()
             if out.state.complete and not out.done.done():
                 out.done.set_result(None)
         elif isinstance(ev, TransferAccepted):
@@ -690,6 +710,12 @@ async def _next_or_fail(producer: AsyncIterator[tuple[Any, Any]], out: _Outgoing
     nxt.cancel()
     assert out.error is not None
     raise out.error
+
+
+def _version(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 64:
+        raise UsageError(f"a block version is an int in [0, 2**64), got {v!r}")
+    return v
 
 
 def _block_key(block: Any) -> bytes:

@@ -54,7 +54,7 @@ class ServerOptions:
     """Limits and defaults of a server.  Every bound is enforced before allocating."""
 
     max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
-    """Largest frame body accepted (a CHUNK's params + payload + 24 bytes)."""
+    """Largest frame body accepted (a CHUNK body is 26 bytes + params + payload)."""
     window: int = 32 * 1024 * 1024
     """Connection credit: CHUNK bytes a client may have unacknowledged on one stream."""
     max_transfers: int = 64
@@ -71,8 +71,8 @@ class ServerOptions:
     handshake_timeout: float = 10.0
     """Seconds a new connection has to complete the handshake."""
     idle_timeout: float | None = 30.0
-    """Seconds without a byte from a client before its connection is closed (a PING is
-    sent after half of it)."""
+    """Seconds without a complete frame from a client before its connection is closed
+    (a PING is sent after half of it)."""
     transfer_timeout: float | None = 300.0
     """Seconds from BEGIN until a transfer must be complete; then it fails with TIMEOUT
     on both sides (None: no limit)."""
@@ -105,6 +105,7 @@ class Transfer:
         # last layer is held back until then, so a stale cache never completes.
         self.final_check: asyncio.Future[None] | None = None
         self._buffer_bytes = opts.transfer_buffer_bytes
+        self._codecs = frozenset(session.server.codecs)
         # One layer until the first chunk tells the layer size; then as many as the
         # buffer budget holds (see on_chunk).
         self._window = 1
@@ -179,10 +180,14 @@ class Transfer:
     def on_chunk(self, ev: ChunkReceived) -> bool:
         """Verify and store a chunk; True when it was new.  Raises KvwireError to reset."""
         chunk = ev.chunk
+        if not self._accepted:
+            raise ProtocolError("CHUNK before the transfer was accepted")
         st = self.state
         first = st.layer_tokens is None
         st.check(chunk)
         codec = codec_by_id(chunk.codec_id)
+        if codec.name not in self._codecs:
+            raise KvwireError(f"codec {codec.name!r} is not accepted here", code=ErrorCode.UNSUPPORTED_CODEC)
         if st.add(chunk) is ChunkVerdict.DUPLICATE:
             return False
         if first:
@@ -308,6 +313,7 @@ class Server:
         try:
             self._server = await loop.create_server(
                 self._make_protocol, self.host, self._requested_port, ssl=self._ssl,
+                ssl_handshake_timeout=self.options.handshake_timeout if self._ssl else None,
             )
         except OSError as exc:
             raise ConnectionLostError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from exc
@@ -326,7 +332,7 @@ class Server:
             Connection(Role.SERVER, cfg, now=loop.time()), self._on_event,
             notsent_lowat=opts.notsent_lowat,
         )
-        self._streams.add(proto)
+        proto.on_made = self._streams.add
         return proto
 
     # -- public API -------------------------------------------------------------------------
@@ -647,6 +653,9 @@ class Server:
         if tomb is not None:
             code, msg = tomb
             stream.conn.send_reset(addr.transfer_id, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR, msg)
+        elif transfer is None:
+            # Never begun (or long forgotten): the data was not stored, so say so first.
+            stream.conn.send_reset(addr.transfer_id, ErrorCode.PROTOCOL_ERROR, "no such transfer")
         # Chunks of failed transfers are acknowledged too, after the RESET on the same
         # stream: the ack returns the connection credit, the RESET the outcome.
         stream.conn.send_ack(addr)

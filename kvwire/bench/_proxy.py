@@ -91,6 +91,10 @@ class _Side(asyncio.BufferedProtocol):
         self.incoming: Pipe | None = None
         self._buffer = bytearray(_READ_SIZE)
         self._view = memoryview(self._buffer)
+        # Bytes (and an EOF) read before the pipes exist: some event loops (uvloop) deliver
+        # data even though reading was paused in connection_made.
+        self._early: list[bytes] = []
+        self._early_eof = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
@@ -107,11 +111,25 @@ class _Side(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         if self.outgoing is not None:
             self.outgoing.feed(bytes(self._view[:nbytes]))
+        else:
+            self._early.append(bytes(self._view[:nbytes]))
 
     def eof_received(self) -> bool:
         if self.outgoing is not None:
             self.outgoing.feed_eof()
+        else:
+            self._early_eof = True
         return True
+
+    def flush_early(self) -> None:
+        """Hand what arrived before the pipes existed to the pipe leaving this side."""
+        assert self.outgoing is not None
+        early, self._early = self._early, []
+        for data in early:
+            self.outgoing.feed(data)
+        if self._early_eof:
+            self._early_eof = False
+            self.outgoing.feed_eof()
 
     def pause_writing(self) -> None:
         if self.incoming is not None:
@@ -328,6 +346,8 @@ class ProxyConnection:
         self.client.incoming = self.backward
         self.upstream.outgoing = self.backward
         self.upstream.incoming = self.forward
+        self.client.flush_early()
+        self.upstream.flush_early()
         assert self.client.transport is not None
         if not self.client.transport.is_closing():
             self.client.transport.resume_reading()

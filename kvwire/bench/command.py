@@ -324,7 +324,7 @@ def _print_summary(r: dict[str, Any]) -> None:
         ("estimate at end", _fmt(r["estimated_gbps"], ".3f", " Gbit/s")),
         ("time to first layer (median)", _fmt(r["time_to_first_layer_ms"], ".1f", " ms")),
         ("transfer time (median)", _fmt(None if r["transfer_seconds_median"] is None else r["transfer_seconds_median"] * 1e3, ".1f", " ms")),
-        ("max rel. error (last transfer)", "see the server's output" if r["mode"] == "peer" else _fmt(r["max_rel_error"], ".3g")),
+        ("max rel. error (checked layers)", "see the server's output" if r["mode"] == "peer" else _fmt(r["max_rel_error"], ".3g")),
     ]
     if r.get("baseline_gbps") is not None:
         rows.append(("raw-socket baseline", _fmt(r["baseline_gbps"], ".3f", " Gbit/s")))

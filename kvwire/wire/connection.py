@@ -456,7 +456,7 @@ class Connection:
         sizes = self._received.get(address)
         if not sizes:
             raise UsageError("send_ack() for a chunk not received on this connection")
-        self.recv_unacked -= sizes.pop()
+        self.recv_unacked -= sizes.pop(0)
         if not sizes:
             del self._received[address]
         self._queue(
@@ -495,10 +495,7 @@ class Connection:
         self.state = State.OPEN
         self._deadline = None
         self._ping_due = None
-        if self.role is Role.SERVER:
-            self._decoder.max_body = self.config.max_frame_size
-        else:
-            self._decoder.max_body = max(HANDSHAKE_MAX_BODY, 64 * 1024)
+        self._decoder.max_body = self.config.max_frame_size
 
     def _dispatch(self, frame: Frame, size: int) -> None:
         ftype = type(frame)
@@ -547,6 +544,8 @@ class Connection:
 
     def _on_hello(self, frame: Frame, size: int) -> State:
         assert isinstance(frame, Hello)
+        if frame.min_version > frame.max_version:
+            raise ProtocolError("HELLO min_version is above max_version")
         if frame.max_version < MIN_PROTOCOL_VERSION or frame.min_version > PROTOCOL_VERSION:
             self.refuse(ErrorCode.UNSUPPORTED_VERSION, f"server speaks versions {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}")
             return State.CLOSED

@@ -280,6 +280,11 @@ def _short_text(value: str, limit: int, what: str) -> bytes:
     return raw
 
 
+def _message(text: str) -> bytes:
+    """At most 1024 bytes of UTF-8, cut on a character boundary."""
+    return text.encode("utf-8")[:1024].decode("utf-8", "ignore").encode("utf-8")
+
+
 def _codec_list(codecs: Sequence[str]) -> bytes:
     if len(codecs) > 255:
         raise ProtocolError("too many codecs")
@@ -341,10 +346,10 @@ def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
             parts += _U8.pack(len(bv.block)) + bv.block + _BLOCK_VERSION_TAIL.pack(bv.version)
         return FrameType.BEGIN, [bytes(parts)]
     if isinstance(frame, Reset):
-        msg = frame.message.encode("utf-8")[:1024]
+        msg = _message(frame.message)
         return FrameType.RESET, [_RESET_FIXED.pack(frame.transfer_id, frame.code), _U16.pack(len(msg)), msg]
     if isinstance(frame, GoAway):
-        msg = frame.message.encode("utf-8")[:1024]
+        msg = _message(frame.message)
         return FrameType.GOAWAY, [_U16.pack(frame.code), _U16.pack(len(msg)), msg]
     if isinstance(frame, Ping):
         return FrameType.PING, [_PING.pack(frame.opaque)]

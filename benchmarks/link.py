@@ -1,0 +1,121 @@
+"""kvwire over emulated links: the bench scenarios, one table.
+
+Each scenario is one ``kvwire bench`` run (userspace link emulator, sender, receiver
+and emulator in three processes):
+
+1. ``--link 10gbps --rtt 20ms --codec raw``: link utilization, and whether the
+   bandwidth estimate stays within 10% of the link after the first second;
+2. the same with the rate stepping from 10 to 2.5 Gbit/s mid-run: how long after the
+   step the estimate first comes within 15% of the new rate (target: 1 s);
+3. ``--link 1gbps --rtt 20ms --codec auto``: fp16 KV goodput over the link rate (above
+   1 means the codec delivered more KV than the link carries raw);
+4. from run 1: time to first layer against the whole transfer.
+
+Run::
+
+    python benchmarks/link.py
+    python benchmarks/link.py --duration 6 --model llama3-8b --tokens 4096 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+from kvwire.bench.models import MODELS
+from kvwire.bench.runner import BenchConfig, run_bench
+from kvwire.errors import KvwireError
+
+
+def _after(samples: list[dict[str, Any]], t: float) -> list[dict[str, Any]]:
+    return [s for s in samples if s["t"] >= t and s["estimated_gbps"] is not None]
+
+
+def within(samples: list[dict[str, Any]], tol: float) -> float | None:
+    """Share of samples whose estimate is within ``tol`` of the link rate then."""
+    if not samples:
+        return None
+    ok = sum(1 for s in samples if abs(s["estimated_gbps"] - s["link_gbps"]) <= tol * s["link_gbps"])
+    return ok / len(samples)
+
+
+def settle_time(samples: list[dict[str, Any]], step_at: float, rate: float, tol: float) -> float | None:
+    """Seconds after ``step_at`` until the estimate first comes within ``tol`` of ``rate``."""
+    for s in _after(samples, step_at):
+        if abs(s["estimated_gbps"] - rate) <= tol * rate:
+            return float(s["t"] - step_at)
+    return None
+
+
+def _run(name: str, cfg: BenchConfig) -> dict[str, Any] | str:
+    print(f"running: {name} ...", flush=True)
+    try:
+        return run_bench(cfg)
+    except KvwireError as exc:
+        return f"failed: {exc}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--streams", default="4", help="N or auto")
+    ap.add_argument("--json", help="write every run's full report here")
+    args = ap.parse_args()
+    streams: int | str = args.streams if args.streams == "auto" else int(args.streams)
+    common: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "duration": args.duration,
+                              "streams": streams, "rtt": 0.020}
+    step_at = args.duration / 2
+    runs: dict[str, dict[str, Any] | str] = {
+        "10G raw": _run("10 Gbit/s, 20 ms, raw", BenchConfig(link_bps=10e9, codec="raw", **common)),
+        "10G->2.5G raw": _run(
+            f"10 -> 2.5 Gbit/s at {step_at:g} s, 20 ms, raw",
+            BenchConfig(schedule=((0.0, 10e9), (step_at, 2.5e9)), codec="raw", **common),
+        ),
+        "1G auto": _run("1 Gbit/s, 20 ms, auto", BenchConfig(link_bps=1e9, codec="auto", **common)),
+    }
+
+    print()
+    print(f"{args.model}, {args.tokens} tokens per transfer, {args.duration:g} s per run, "
+          f"RTT 20 ms, {streams} streams")
+    header = f"{'scenario':<16} {'link':>10} {'goodput':>9} {'wire':>9} {'util':>6} {'estimate':>9}  check"
+    print(header)
+    print("-" * len(header))
+    for name, r in runs.items():
+        if isinstance(r, str):
+            print(f"{name:<16} {r}")
+            continue
+        if name == "10G raw":
+            share = within(_after(r["samples"], 1.0), 0.10)
+            check = "estimate within 10% of link after 1 s: " + (
+                "-" if share is None else f"{100 * share:.0f}% of samples")
+        elif name == "10G->2.5G raw":
+            t = settle_time(r["samples"], step_at, 2.5, 0.15)
+            check = "estimate within 15% of 2.5 Gbit/s " + (
+                "never" if t is None else f"{t:.2f} s after the step ({'yes' if t <= 1.0 else 'NO'}, target 1 s)")
+        else:
+            err = r["max_rel_error"]
+            check = (f"goodput/link {r['goodput_gbps'] / r['link_gbps']:.2f}, "
+                     f"codecs {', '.join(r['codecs_used'])}, "
+                     f"max rel. error {'-' if err is None else f'{err:.3g}'}")
+        est = r["estimated_gbps"]
+        print(f"{name:<16} {r['link_gbps']:>6.2f} Gb/s {r['goodput_gbps']:>9.3f} {r['wire_gbps']:>9.3f} "
+              f"{100 * (r['utilization'] or 0):>5.1f}% {'-' if est is None else f'{est:9.3f}'}  {check}")
+    first = runs["10G raw"]
+    if not isinstance(first, str) and first["per_transfer"]:
+        ttfl = [t["time_to_first_layer_ms"] for t in first["per_transfer"] if t["time_to_first_layer_ms"] is not None]
+        total = [t["seconds"] * 1e3 for t in first["per_transfer"]]
+        if ttfl:
+            print(f"time to first layer (10G raw): median {statistics.median(ttfl):.1f} ms of a "
+                  f"{statistics.median(total):.0f} ms transfer ({first['transfers']} transfers; "
+                  f"first transfer {ttfl[0]:.1f} of {total[0]:.0f} ms)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(runs, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

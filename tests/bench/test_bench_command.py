@@ -1,0 +1,168 @@
+"""``kvwire bench`` and ``kvwire serve`` end to end, with a tiny cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvwire.bench.command import parse_duration, parse_link_schedule
+from kvwire.bench.models import MODELS, bench_cache, relative_error
+from kvwire.bench.runner import mean_rate
+from kvwire.cli import main
+from kvwire.errors import UsageError
+
+pytestmark = pytest.mark.timeout(60)
+
+KEYS: dict[str, Any] = {
+    "link_gbps": (float, type(None)),
+    "rtt_ms": (float, int, type(None)),
+    "codec": str,
+    "streams": (int, str),
+    "kv_bytes": int,
+    "wire_bytes": int,
+    "seconds": float,
+    "goodput_gbps": float,
+    "wire_gbps": float,
+    "utilization": (float, type(None)),
+    "estimated_gbps": (float, type(None)),
+    "time_to_first_layer_ms": (float, type(None)),
+    "max_rel_error": (float, type(None)),
+    "samples": list,
+    "baseline_gbps": (float, type(None)),
+}
+
+
+def _bench(tmp_path: Path, *extra: str) -> dict[str, Any]:
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", "tiny", "--tokens", "64", "--duration", "1", "--quiet",
+            "--json", str(out), *extra]
+    assert main(argv) == 0
+    doc: dict[str, Any] = json.loads(out.read_text())
+    for key, kind in KEYS.items():
+        assert key in doc, key
+        assert isinstance(doc[key], kind), (key, doc[key])
+    assert doc["transfers"] >= 1 and doc["kv_bytes"] == doc["transfers"] * 64 * MODELS["tiny"].bytes_per_token()
+    assert doc["wire_bytes"] > 0 and doc["seconds"] > 0 and doc["goodput_gbps"] > 0
+    assert doc["samples"] and {"t", "wire_gbps", "estimated_gbps", "link_gbps"} <= set(doc["samples"][0])
+    return doc
+
+
+def test_loopback_json_with_baseline(tmp_path: Path) -> None:
+    doc = _bench(tmp_path)
+    assert doc["mode"] == "loopback" and doc["link_gbps"] is None and doc["utilization"] is None
+    assert doc["baseline_gbps"] > 0 and doc["max_rel_error"] == 0.0 and doc["checked_layers"] >= 1
+
+
+def test_emulated_link_json_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "p.png"
+    doc = _bench(tmp_path, "--link", "200mbps", "--rtt", "10ms", "--codec", "int8", "--streams", "2",
+                 "--plot", str(png))
+    assert doc["mode"] == "emulated" and doc["link_gbps"] == pytest.approx(0.2)
+    assert doc["rtt_ms"] == pytest.approx(10.0) and doc["baseline_gbps"] is None
+    # A 200 Mbit/s link cannot carry more than that (small slack: the emulator's burst).
+    assert 0 < doc["utilization"] <= 1.1
+    assert doc["wire_bytes"] < doc["kv_bytes"]  # int8 halves the cache
+    assert 0 < doc["max_rel_error"] < 0.05
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_and_peer(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("a-shared-test-secret\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvwire", "serve", "--host", "127.0.0.1", "--port", "0",
+         "--secret-file", str(secret), "--once"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        doc = _bench(tmp_path, "--peer", f"127.0.0.1:{match[1]}", "--secret-file", str(secret))
+        assert doc["mode"] == "peer" and doc["max_rel_error"] is None
+        out, _ = server.communicate(timeout=20)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    assert server.returncode == 0, out
+    assert f"{doc['transfers']} transfers" in out and "max_rel_error 0 " in out
+
+
+def test_unreachable_peer_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Nothing listens there: the run fails with a message and exit code 1, not a traceback.
+    assert main(["bench", "--model", "tiny", "--tokens", "8", "--duration", "0.2", "--quiet",
+                 "--peer", "127.0.0.1:9"]) == 1
+    assert "kvwire bench: error:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--link", "fast"],
+        ["--rtt", "soon"],
+        ["--streams", "0"],
+        ["--streams", "many"],
+        ["--codec", "gzip"],
+        ["--model", "gpt-9"],
+        ["--tokens", "0"],
+        ["--peer", "nohost"],
+        ["--link-schedule", "10gbps,2.5gbps"],
+    ],
+)
+def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    assert "error: argument" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kernel"],
+        ["--peer", "127.0.0.1:7070", "--link", "1gbps"],
+        ["--secret-file", "x"],
+    ],
+)
+def test_inconsistent_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *argv]) == 2
+    assert "kvwire bench: error:" in capsys.readouterr().err
+
+
+def test_kernel_without_root_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    if os.geteuid() == 0:
+        pytest.skip("running as root")
+    assert main(["bench", "--kernel", "--link", "1gbps", "--duration", "0.1"]) == 2
+    assert "root" in capsys.readouterr().err
+
+
+def test_parsers() -> None:
+    assert parse_duration("20ms") == pytest.approx(0.02)
+    assert parse_duration("0.5s") == 0.5 and parse_duration("250us") == pytest.approx(250e-6)
+    assert parse_duration("3") == pytest.approx(0.003)
+    assert parse_link_schedule("10gbps,2.5gbps@3s") == ((0.0, 10e9), (3.0, 2.5e9))
+    assert parse_link_schedule("0:1gbps,2:500mbps") == ((0.0, 1e9), (2.0, 5e8))
+    with pytest.raises(UsageError):
+        parse_link_schedule("1gbps@1s")
+    assert mean_rate(((0.0, 10e9), (3.0, 2.5e9)), 1.0, 5.0) == pytest.approx((2 * 10e9 + 2 * 2.5e9) / 4)
+
+
+def test_bench_cache_is_deterministic_and_error_is_relative() -> None:
+    tiny = MODELS["tiny"]
+    a = bench_cache(tiny, 16, seed=3)
+    b = bench_cache(tiny, 16, seed=3)
+    assert len(a) == tiny.num_layers and a[0][0].shape == (16, tiny.num_kv_heads, tiny.head_dim)
+    assert relative_error(a, b) == 0.0
+    assert relative_error(bench_cache(tiny, 16, seed=4), a) > 0.5
+    assert all(not (k == v).all() for k, v in a)  # K and V differ
+
