@@ -46,7 +46,7 @@ def connect(
     port: int,
     *,
     secret: bytes,
-    streams: int = 1,
+    streams: int | str = 1,
     codec: str = "raw",
     ssl: _ssl.SSLContext | None = None,
     server_hostname: str | None = None,
@@ -54,8 +54,11 @@ def connect(
 ) -> Peer:
     """A client session of ``streams`` TCP connections to a kvwire server.
 
-    ``codec`` is the default for :meth:`Peer.send`; ``options`` are the fields of
-    :class:`ClientOptions`.  Use as ``async with``.
+    ``streams="auto"`` opens ``max_streams`` connections and stripes over as many as the
+    path rewards (more while one stream's window is the limit, fewer when not).
+    ``codec`` is the default for :meth:`Peer.send` (``"auto"``: chosen per chunk from
+    the live bandwidth estimate); ``options`` are the fields of :class:`ClientOptions`.
+    Use as ``async with``.
     """
     known = {f.name for f in fields(ClientOptions)}
     unknown = set(options) - known

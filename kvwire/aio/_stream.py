@@ -58,6 +58,7 @@ class StreamProtocol(asyncio.Protocol):
         self._timer_at: float | None = None
         self.owner: Any = None  # the session this stream belongs to
         self.index = 0
+        self.acked_bytes = 0  # CHUNK bytes acknowledged on this stream (sender side)
         #: called once the transport exists (a TLS handshake that fails never gets here)
         self.on_made: Callable[[StreamProtocol], None] | None = None
 

@@ -14,7 +14,14 @@ from typing import Any
 
 from kvwire.codec import TensorKind, available_codecs, get_codec
 from kvwire.consistency.blocks import block_key
-from kvwire.control import CodecCandidate, CodecChooser, DeliveryRateEstimator
+from kvwire.control import (
+    CodecCandidate,
+    CodecChooser,
+    DeliveryRateEstimator,
+    StreamController,
+    StreamSample,
+    window_limited_from_counters,
+)
 from kvwire.errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -75,6 +82,8 @@ class ClientOptions:
     re-sent.  0 turns resume off."""
     reconnect_backoff: float = 0.05
     """Seconds before the first reconnect attempt; doubles with each attempt."""
+    max_streams: int = 8
+    """With ``streams="auto"``: connections opened; the controller uses 1 to this many."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -141,13 +150,17 @@ class Peer:
     """A client session of one or more TCP streams to one server; see :func:`kvwire.connect`."""
 
     def __init__(
-        self, host: str, port: int, *, secret: bytes, streams: int, codec: str,
+        self, host: str, port: int, *, secret: bytes, streams: int | str, codec: str,
         ssl: _ssl.SSLContext | None, options: ClientOptions, server_hostname: str | None = None,
     ) -> None:
         if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
             raise UsageError("secret must be bytes of at least 8 bytes")
-        if not isinstance(streams, int) or not 1 <= streams <= 64:
-            raise UsageError("streams must be an int in [1, 64]")
+        self.stream_controller: StreamController | None = None
+        if streams == AUTO:
+            streams = options.max_streams
+            self.stream_controller = StreamController(max_streams=streams)
+        if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise UsageError("streams must be an int in [1, 64] or 'auto'")
         if codec != AUTO:
             get_codec(codec)  # unknown names fail here, before any connection
         self.host = host
@@ -448,7 +461,7 @@ class Peer:
                 raise out.error
             self._check_usable()
             best: StreamProtocol | None = None
-            for s in self.streams:
+            for s in self.streams[: self.active_streams]:
                 if s.is_open and s.writable.is_set() and s.conn.can_send_chunk(wire_size):
                     if best is None or s.conn.send_credit > best.conn.send_credit:
                         best = s
@@ -525,7 +538,41 @@ class Peer:
 
     async def __aenter__(self) -> Peer:
         await self.open()
+        if self.stream_controller is not None:
+            self._spawn(self._control_streams())
         return self
+
+    @property
+    def active_streams(self) -> int:
+        """Streams chunks are striped over now (all of them unless ``streams="auto"``)."""
+        return self.stream_controller.streams if self.stream_controller is not None else len(self.streams)
+
+    async def _control_streams(self) -> None:
+        """Every controller period: one sample per stream in use, then grow or shrink."""
+        ctl = self.stream_controller
+        assert ctl is not None
+        last: dict[int, tuple[int, Any]] = {}
+        period = 0.25
+        while not self._closed:
+            await asyncio.sleep(period)
+            samples = []
+            for s in self.streams[: ctl.streams]:
+                sock = s.transport.get_extra_info("socket") if s.transport is not None else None
+                info = read_tcp_info(sock) if sock is not None else None
+                prev_bytes, prev_info = last.get(s.index, (s.acked_bytes, None))
+                limited = False
+                if info is not None and prev_info is not None:
+                    limited = window_limited_from_counters(
+                        busy_us=_delta(info.busy_time_us, prev_info.busy_time_us),
+                        rwnd_limited_us=_delta(info.rwnd_limited_us, prev_info.rwnd_limited_us),
+                        sndbuf_limited_us=_delta(info.sndbuf_limited_us, prev_info.sndbuf_limited_us),
+                    )
+                samples.append(StreamSample(
+                    delivery_rate_bps=(s.acked_bytes - prev_bytes) * 8 / period, window_limited=limited,
+                ))
+                last[s.index] = (s.acked_bytes, info)
+            idle = not self._transfers or self._waiting_senders == 0 and self.estimator.bytes_in_flight == 0
+            ctl.evaluate(samples, _clock(), app_limited=idle)
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()
@@ -570,6 +617,7 @@ class Peer:
                 return
             sent = out.state.on_ack(ev.address)
             self.estimator.on_ack(ev.address, _clock())
+            stream.acked_bytes += ev.wire_size
             if sent is not None:
                 left = out.layer_acked.get(sent.address.layer, 0) - 1
                 out.layer_acked[sent.address.layer] = left
@@ -710,6 +758,10 @@ async def _next_or_fail(producer: AsyncIterator[tuple[Any, Any]], out: _Outgoing
     nxt.cancel()
     assert out.error is not None
     raise out.error
+
+
+def _delta(now: int | None, before: int | None) -> int | None:
+    return None if now is None or before is None else now - before
 
 
 def _version(v: Any) -> int:

@@ -545,7 +545,7 @@ def _raw_sender(
     transfers: int | None,
 ) -> None:
     layers = bench_cache(get_model(model), tokens, seed)
-    views = [memoryview(t).cast("B") for pair in layers for t in pair]
+    views = [memoryview(t.data).cast("B") for pair in layers for t in pair]
     sock = socket.create_connection(("127.0.0.1", port))
     conn.send(("ready",))
     conn.recv()  # go

@@ -166,3 +166,14 @@ def test_bench_cache_is_deterministic_and_error_is_relative() -> None:
     assert relative_error(bench_cache(tiny, 16, seed=4), a) > 0.5
     assert all(not (k == v).all() for k, v in a)  # K and V differ
 
+
+
+def test_kernel_shaped_link(tmp_path: Path) -> None:
+    from kvwire.bench.netns import netns_available
+
+    reason = netns_available()
+    if reason is not None:
+        pytest.skip(reason)
+    doc = _bench(tmp_path, "--kernel", "--link-schedule", "400mbps,200mbps@0.5s", "--tokens", "512")
+    assert doc["mode"] == "kernel" and 0.2 <= doc["link_gbps"] <= 0.4
+    assert 0 < doc["utilization"] <= 1.1 and doc["max_rel_error"] == 0.0

@@ -334,3 +334,21 @@ async def test_receiver_restart_fails_the_transfer_cleanly() -> None:
     finally:
         await peer.close()
         await restarted.close()
+
+
+async def test_streams_auto_opens_a_pool_and_delivers() -> None:
+    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=32)
+    layers = make_layers(4, 256, 2, 32)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams="auto",
+                                  max_streams=3, chunk_bytes=4096) as peer:
+            assert len(peer.streams) == 3
+            assert 1 <= peer.active_streams <= 3
+            recv = asyncio.create_task(server.accept())
+            await peer.send("auto", spec, layers, timeout=10)
+            assert same_cache((await (await recv).collect()).layers, layers)
+            # the streams beyond those in use carried no chunks
+            idle = peer.statistics()["streams"][peer.active_streams :]
+            assert all(s["bytes_sent"] < 5000 for s in idle)
+    with pytest.raises(kvwire.UsageError):
+        kvwire.connect("127.0.0.1", 1, secret=SECRET, streams="many")
