@@ -90,7 +90,6 @@ async def _server_main(args: argparse.Namespace) -> None:
     import kvwire
 
     smalls, large = _caches(args)
-    small_spec, large_spec = _specs(args)
     expected = args.small + args.large
     results: dict[str, int] = {"identical": 0, "different": 0, "failed": 0}
     done = asyncio.Event()

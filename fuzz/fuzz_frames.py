@@ -16,7 +16,7 @@ with atheris.instrument_imports():
     import kvwire
     from kvwire.wire import FrameDecoder
 
-from _common import fix_crcs  # noqa: E402
+from _common import fix_crcs
 
 LIMITS = (16, 1024, 16 * 1024, 64 * 1024)
 

@@ -25,7 +25,7 @@ with atheris.instrument_imports():
     import kvwire
     from kvwire.wire import ConnectionClosed, State
 
-from _common import fix_crcs, handshake_bytes, new_server, pump  # noqa: E402
+from _common import fix_crcs, handshake_bytes, new_server, pump
 
 HELLO, AUTH = handshake_bytes()
 SERVER_STATES = {

@@ -11,7 +11,9 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kvwire.wire import (  # noqa: E402
+from _common import handshake_bytes
+
+from kvwire.wire import (
     Accept,
     Ack,
     Auth,
@@ -28,8 +30,6 @@ from kvwire.wire import (  # noqa: E402
     Welcome,
     frame_bytes,
 )
-
-from _common import handshake_bytes  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 

@@ -33,7 +33,7 @@ def tune_socket(sock: Any, notsent_lowat: int | None = NOTSENT_LOWAT) -> None:
         pass  # not a TCP socket (e.g. a test transport), or an older kernel
 
 
-class StreamProtocol(asyncio.Protocol):
+class StreamProtocol(asyncio.BufferedProtocol):
     """Feeds one TCP connection to its sans-IO core and hands events to ``on_event``."""
 
     def __init__(
@@ -72,8 +72,11 @@ class StreamProtocol(asyncio.Protocol):
             self.on_made(self)
         self.flush()
 
-    def data_received(self, data: bytes) -> None:
-        self.conn.receive_data(data, self.loop.time())
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.conn.get_buffer()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.conn.buffer_updated(nbytes, self.loop.time())
         self.process()
 
     def eof_received(self) -> bool | None:

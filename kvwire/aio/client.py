@@ -656,6 +656,10 @@ class Peer:
                 return
             if ev.resumable and self.options.reconnect_attempts > 0:
                 self._resume(stream)
+            elif ev.goaway and ev.code == ErrorCode.NO_ERROR and any(s.is_open for s in self.streams):
+                # A clean goodbye on one stream: acks may still be on their way on the
+                # others; the session ends when the last one closes.
+                self._capacity.set()
             else:
                 self._break(err if ev.error is not None else ConnectionLostError("server closed the connection"))
 

@@ -237,6 +237,9 @@ class _Session:
         # Why recent transfers failed: a chunk of one still arriving gets the RESET again
         # before its ACK on the same stream, so the sender never mistakes it for success.
         self.tombstones: OrderedDict[int, tuple[int, str]] = OrderedDict()
+        # Transfers that completed and were handed over: a late duplicate chunk of one (its
+        # ack was lost with a broken stream) is acknowledged again, nothing more.
+        self.completed: OrderedDict[int, None] = OrderedDict()
 
     def bury(self, transfer: Transfer, error: KvwireError) -> None:
         self.transfers.pop(transfer.transfer_id, None)
@@ -447,7 +450,9 @@ class Server:
             if sess.streams.get(stream.index) is stream:
                 del sess.streams[stream.index]
             unfinished = any(not t.complete for t in sess.transfers.values())
-            if ev.resumable and self.options.resume_timeout > 0 and unfinished:
+            # A break is resumable even when every transfer is complete here: the
+            # client may still wait for acknowledgements that were lost with the stream.
+            if ev.resumable and self.options.resume_timeout > 0:
                 if not any(s.is_open for s in sess.streams.values()) and sess.lose_timer is None:
                     sess.lose_timer = asyncio.get_event_loop().call_later(
                         self.options.resume_timeout, sess.lose,
@@ -534,6 +539,9 @@ class Server:
         # the bookkeeping of ones it has.
         for old_id in [i for i, t in sess.transfers.items() if t._consumer is not None and t.complete]:
             del sess.transfers[old_id]
+            sess.completed[old_id] = None
+            while len(sess.completed) > 4096:
+                sess.completed.popitem(last=False)
         sess.transfers[tid] = transfer
         if self.options.transfer_timeout is not None:
             transfer.deadline = asyncio.get_running_loop().call_later(
@@ -653,7 +661,7 @@ class Server:
         if tomb is not None:
             code, msg = tomb
             stream.conn.send_reset(addr.transfer_id, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR, msg)
-        elif transfer is None:
+        elif transfer is None and addr.transfer_id not in sess.completed:
             # Never begun (or long forgotten): the data was not stored, so say so first.
             stream.conn.send_reset(addr.transfer_id, ErrorCode.PROTOCOL_ERROR, "no such transfer")
         # Chunks of failed transfers are acknowledged too, after the RESET on the same

@@ -187,8 +187,10 @@ class ConnectionClosed:
 
 
 #: Error codes after which a session reconnects instead of failing its transfers:
-#: corruption caught by the CRC and silence caught by the idle timer.
-RESUMABLE_CODES = frozenset({ErrorCode.INTEGRITY_ERROR, ErrorCode.TIMEOUT})
+#: corruption caught by the CRC (or a corrupted length that looks oversized) and silence
+#: caught by the idle timer.  Reconnects are bounded, so a peer that keeps doing this
+#: still ends up with a typed error.
+RESUMABLE_CODES = frozenset({ErrorCode.INTEGRITY_ERROR, ErrorCode.TIMEOUT, ErrorCode.FRAME_TOO_LARGE})
 
 
 Event = (
@@ -319,15 +321,34 @@ class Connection:
             )
             return
         try:
-            frames = self._decoder.feed(data)
-            if frames and now is not None:
-                self._last_rx = now
-            for frame, size in frames:
-                if self.state is State.CLOSED:
-                    return
-                self._dispatch(frame, size)
+            self._handle_frames(self._decoder.feed(data), now)
         except KvwireError as exc:
             self._fail(exc)
+
+    def get_buffer(self) -> memoryview:
+        """A buffer for the next read (``recv_into`` style); then call :meth:`buffer_updated`.
+
+        Large frame bodies are read straight into their own buffer, so a CHUNK's payload
+        is copied once between the socket and the codec.
+        """
+        return self._decoder.get_buffer()
+
+    def buffer_updated(self, nbytes: int, now: float | None = None) -> None:
+        """``nbytes`` were written into the buffer :meth:`get_buffer` returned."""
+        if self.state is State.CLOSED:
+            return
+        try:
+            self._handle_frames(self._decoder.buffer_updated(nbytes), now)
+        except KvwireError as exc:
+            self._fail(exc)
+
+    def _handle_frames(self, frames: list[tuple[Frame, int]], now: float | None) -> None:
+        if frames and now is not None:
+            self._last_rx = now
+        for frame, size in frames:
+            if self.state is State.CLOSED:
+                return
+            self._dispatch(frame, size)
 
     def next_event(self) -> Event | None:
         return self._events.popleft() if self._events else None
@@ -370,6 +391,8 @@ class Connection:
 
     # Server: after ClientAuthenticated.
     def welcome(self, session_id: bytes, codecs: Sequence[str]) -> None:
+        if self.state is State.CLOSED:
+            return  # the client broke something right behind AUTH; ConnectionClosed is queued
         if self.state is not State.SERVER_AUTHENTICATED or self._hello is None:
             raise UsageError("welcome() only after ClientAuthenticated")
         cfg = self.config

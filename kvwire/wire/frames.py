@@ -506,7 +506,7 @@ class FrameDecoder:
     stay valid while later bytes arrive.
     """
 
-    def __init__(self, max_body: int, *, big_body: int = 64 * 1024) -> None:
+    def __init__(self, max_body: int, *, big_body: int = 64 * 1024, scratch_size: int = 256 * 1024) -> None:
         self.max_body = max_body
         self._big_body = big_body
         self._buf = bytearray()
@@ -514,6 +514,32 @@ class FrameDecoder:
         # (header, dedicated buffer, bytes filled) while a big frame is arriving
         self._big: tuple[bytes, bytearray, int] | None = None
         self.bytes_received = 0
+        self._scratch = memoryview(bytearray(scratch_size))
+        self._handed_big = False
+
+    def get_buffer(self) -> memoryview:
+        """Where the next read should go: the rest of a big frame's own buffer, or scratch."""
+        if self._big is not None:
+            _, buf, filled = self._big
+            self._handed_big = True
+            return memoryview(buf)[filled:]
+        self._handed_big = False
+        return self._scratch
+
+    def buffer_updated(self, nbytes: int) -> list[tuple[Frame, int]]:
+        """Account for ``nbytes`` written into the last :meth:`get_buffer`; return frames."""
+        if not self._handed_big:
+            return self.feed(self._scratch[:nbytes])
+        assert self._big is not None
+        self.bytes_received += nbytes
+        header, buf, filled = self._big
+        filled += nbytes
+        if filled < len(buf):
+            self._big = (header, buf, filled)
+            return []
+        self._big = None
+        self._handed_big = False
+        return [(self._finish(header, memoryview(buf)), HEADER_SIZE + len(buf))]
 
     def feed(self, data: Buffer) -> list[tuple[Frame, int]]:
         """Add ``data``; return the frames it completed with their wire sizes."""

@@ -48,7 +48,7 @@ def _bench(tmp_path: Path, *extra: str) -> dict[str, Any]:
     for key, kind in KEYS.items():
         assert key in doc, key
         assert isinstance(doc[key], kind), (key, doc[key])
-    assert doc["transfers"] >= 1 and doc["kv_bytes"] == doc["transfers"] * 64 * MODELS["tiny"].bytes_per_token()
+    assert doc["transfers"] >= 1 and doc["kv_bytes"] == doc["transfers"] * doc["tokens"] * MODELS["tiny"].bytes_per_token()
     assert doc["wire_bytes"] > 0 and doc["seconds"] > 0 and doc["goodput_gbps"] > 0
     assert doc["samples"] and {"t", "wire_gbps", "estimated_gbps", "link_gbps"} <= set(doc["samples"][0])
     return doc

@@ -37,8 +37,8 @@ from kvwire.wire import (
     ConnectionConfig,
     FrameDecoder,
     GoAway,
-    Role,
     Reset,
+    Role,
     State,
     frame_bytes,
 )
@@ -205,7 +205,6 @@ async def test_50_random_drops_complete_identical_or_fail_typed() -> None:
     check_invariants(outcomes, errors, "drops")
 
 
-@pytest.mark.xfail(strict=False, reason="resume not implemented yet")
 async def test_drop_mid_transfer_resumes_and_completes_identical() -> None:
     """When a connection breaks mid-transfer, the sender reconnects and re-sends only the
     unacknowledged chunks: the transfer completes bit-identical."""
@@ -213,7 +212,7 @@ async def test_drop_mid_transfer_resumes_and_completes_identical() -> None:
     layers = make_layers(SPEC.num_layers, TOKENS, SPEC.num_kv_heads, SPEC.head_dim, seed=6)
     async with loop_errors() as errors:
         async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-            fwd, back = await clean_bytes(server, layers, 1)
+            fwd, _ = await clean_bytes(server, layers, 1)
             outcomes = []
             for i in range(5):
                 # well after the handshake, well before the end
@@ -224,7 +223,6 @@ async def test_drop_mid_transfer_resumes_and_completes_identical() -> None:
     assert errors == []
 
 
-@pytest.mark.xfail(strict=False, reason="resume not implemented yet")
 async def test_resume_resends_only_unacknowledged_chunks() -> None:
     layers = make_layers(SPEC.num_layers, TOKENS, SPEC.num_kv_heads, SPEC.head_dim, seed=7)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
@@ -243,6 +241,20 @@ async def test_resume_resends_only_unacknowledged_chunks() -> None:
     # re-sent chunks are at most those in flight at the drop, never the whole transfer
     assert receipt.chunks < 2 * total_chunks
     assert stats.bytes_forward < 2 * fwd
+
+
+async def test_corrupted_ack_after_the_receiver_has_everything_is_resumed() -> None:
+    """The last ACK is corrupted on its way back: the receiver holds the whole cache, the
+    sender does not know it.  Resuming must still work (the server keeps the session for
+    the reconnect and acknowledges the re-sent duplicates), so the send completes."""
+    layers = make_layers(SPEC.num_layers, TOKENS, SPEC.num_kv_heads, SPEC.head_dim, seed=15)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        _, back = await clean_bytes(server, layers, 1)
+        # 16 bytes before the end of the server's stream: inside the last ACK frame
+        plan = FaultPlan(backward=Faults(flip_bits=(8 * (back - 16) + 1,)))
+        out = await run_case(server, plan, "last-ack-flip", layers)
+    assert out.receiver == "identical", out
+    assert out.sender == "completed", out
 
 
 # -- bit flips -----------------------------------------------------------------------------
@@ -473,26 +485,25 @@ def _reframe(ftype: int, body: bytes) -> bytes:
 async def test_hostile_frames_after_auth_get_goaway_with_code_and_server_serves_next(name: str) -> None:
     make, code = HOSTILE_AFTER_AUTH[name]
     layers = make_layers(SPEC.num_layers, TOKENS, SPEC.num_kv_heads, SPEC.head_dim, seed=13)
-    async with loop_errors() as errors:
-        async with kvwire.serve(
-            "127.0.0.1", 0, secret=SECRET, max_frame_size=MAX_FRAME, window=2 * MAX_FRAME,
-        ) as server:
-            reader, writer, conn = await _raw_authenticated(server.port)
-            payload = make()
-            if payload is None:  # the client's HELLO again
-                c2 = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET))
-                c2.initiate()
-                payload = b"".join(bytes(p) for p in c2.data_to_send())
-            writer.write(payload)
-            goaway, closed = await _goaway_and_close(reader)
-            writer.close()
-            assert goaway.code != ErrorCode.NO_ERROR
-            if code is not None:
-                assert goaway.code == code, (ErrorCode(goaway.code), goaway.message)
-            assert closed
-            out = await run_case(server, CLEAN, f"after-{name}", layers)
-            assert out.row == "completed-identical", out
-            assert server.statistics()["sessions"] <= 1
+    async with loop_errors() as errors, kvwire.serve(
+        "127.0.0.1", 0, secret=SECRET, max_frame_size=MAX_FRAME, window=2 * MAX_FRAME,
+    ) as server:
+        reader, writer, _ = await _raw_authenticated(server.port)
+        payload = make()
+        if payload is None:  # the client's HELLO again
+            c2 = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET))
+            c2.initiate()
+            payload = b"".join(bytes(p) for p in c2.data_to_send())
+        writer.write(payload)
+        goaway, closed = await _goaway_and_close(reader)
+        writer.close()
+        assert goaway.code != ErrorCode.NO_ERROR
+        if code is not None:
+            assert goaway.code == code, (ErrorCode(goaway.code), goaway.message)
+        assert closed
+        out = await run_case(server, CLEAN, f"after-{name}", layers)
+        assert out.row == "completed-identical", out
+        assert server.statistics()["sessions"] <= 1
     assert errors == []
 
 
@@ -510,7 +521,7 @@ async def test_hostile_frames_after_auth_get_goaway_with_code_and_server_serves_
 )
 async def test_bad_begin_is_reset_and_the_connection_survives(begin: Begin, code: ErrorCode) -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        reader, writer, conn = await _raw_authenticated(server.port)
+        reader, writer, _ = await _raw_authenticated(server.port)
         writer.write(frame_bytes(begin))
         dec = FrameDecoder(1 << 24)
         frames: list[Any] = []
@@ -550,3 +561,16 @@ async def test_too_many_transfers_is_limit_exceeded_and_others_continue() -> Non
             hold.set()
             await asyncio.gather(*held)
             await peer.send("fourth", spec, layers, timeout=SEND_TIMEOUT)
+
+
+async def test_silent_authenticated_client_is_closed_after_idle_timeout() -> None:
+    """Past the handshake, a client that stops talking (no frames, no PONG to the server's
+    PING) loses its connection after idle_timeout with GOAWAY(TIMEOUT)."""
+    layers = make_layers(SPEC.num_layers, TOKENS, SPEC.num_kv_heads, SPEC.head_dim, seed=14)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, idle_timeout=1.0) as server:
+        reader, writer, _conn = await _raw_authenticated(server.port)
+        goaway, closed = await _goaway_and_close(reader)
+        writer.close()
+        assert goaway.code == ErrorCode.TIMEOUT and closed
+        out = await run_case(server, CLEAN, "after-idle", layers)
+        assert out.row == "completed-identical", out

@@ -291,6 +291,6 @@ def test_frame_decoder_raises_only_protocol_error(data: bytes, cuts: list[int], 
             got = dec.feed(piece)
         except kvwire.ProtocolError:
             return
-        for frame, size in got:
+        for _frame, size in got:
             assert size >= 12
         assert dec.buffered <= max_body + 12

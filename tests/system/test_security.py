@@ -412,43 +412,42 @@ def test_proofs_are_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -
 
 async def test_replayed_handshake_is_refused() -> None:
     """HELLO+AUTH recorded from a real successful client, replayed on a new connection."""
-    async with loop_errors() as errors:
-        async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-            async with RecordingProxy(server.port) as proxy:
-                assert await transfer_ok(server, "original", port=proxy.port)
-            recorded = bytes(proxy.forward[0])
-            answers = split_frames(bytes(proxy.backward[0]))
-            frames = split_frames(recorded)
-            assert isinstance(frames[0][0], Hello) and isinstance(frames[1][0], Auth)
-            assert isinstance(answers[0][0], Challenge) and isinstance(answers[1][0], Welcome)
-            hello_raw, auth_raw = frames[0][1], frames[1][1]
-            accepted = server.statistics()["transfers_accepted"]
+    async with loop_errors() as errors, kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with RecordingProxy(server.port) as proxy:
+            assert await transfer_ok(server, "original", port=proxy.port)
+        recorded = bytes(proxy.forward[0])
+        answers = split_frames(bytes(proxy.backward[0]))
+        frames = split_frames(recorded)
+        assert isinstance(frames[0][0], Hello) and isinstance(frames[1][0], Auth)
+        assert isinstance(answers[0][0], Challenge) and isinstance(answers[1][0], Welcome)
+        hello_raw, auth_raw = frames[0][1], frames[1][1]
+        accepted = server.statistics()["transfers_accepted"]
 
-            # 1. step by step: HELLO, read the (new) CHALLENGE, replay the old AUTH
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(hello_raw)
-            challenge = await read_one_frame(reader)
-            assert isinstance(challenge, Challenge)
-            assert challenge.nonce != answers[0][0].nonce  # the server's nonce is fresh
-            writer.write(auth_raw)
-            got, closed = await read_frames(reader)
-            writer.close()
-            g = goaway_of(got)
-            assert g.code == ErrorCode.AUTHENTICATION_FAILED
-            assert closed
-            assert not any(isinstance(f, Welcome) for f in got)
+        # 1. step by step: HELLO, read the (new) CHALLENGE, replay the old AUTH
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(hello_raw)
+        challenge = await read_one_frame(reader)
+        assert isinstance(challenge, Challenge)
+        assert challenge.nonce != answers[0][0].nonce  # the server's nonce is fresh
+        writer.write(auth_raw)
+        got, closed = await read_frames(reader)
+        writer.close()
+        g = goaway_of(got)
+        assert g.code == ErrorCode.AUTHENTICATION_FAILED
+        assert closed
+        assert not any(isinstance(f, Welcome) for f in got)
 
-            # 2. the whole recorded client stream at once (HELLO, AUTH, BEGIN, CHUNKs...)
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-            writer.write(recorded)
-            got, closed = await read_frames(reader)
-            writer.close()
-            assert goaway_of(got).code == ErrorCode.AUTHENTICATION_FAILED and closed
-            assert not any(isinstance(f, Welcome) for f in got)
+        # 2. the whole recorded client stream at once (HELLO, AUTH, BEGIN, CHUNKs...)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(recorded)
+        got, closed = await read_frames(reader)
+        writer.close()
+        assert goaway_of(got).code == ErrorCode.AUTHENTICATION_FAILED and closed
+        assert not any(isinstance(f, Welcome) for f in got)
 
-            assert server.statistics()["transfers_accepted"] == accepted
-            assert server.statistics()["sessions"] == 0
-            assert await transfer_ok(server, "next")
+        assert server.statistics()["transfers_accepted"] == accepted
+        assert server.statistics()["sessions"] == 0
+        assert await transfer_ok(server, "next")
     assert errors == []
 
 

@@ -190,3 +190,26 @@ def test_random_streams_of_valid_frames() -> None:
         got += dec.feed(stream[pos : pos + n])
         pos += n
     assert len(got) == 200
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_recv_into_path_yields_the_same_frames(data: st.DataObject) -> None:
+    """get_buffer()/buffer_updated() (reads straight into frame buffers) == feed()."""
+    frames = data.draw(st.lists(st.sampled_from(SAMPLES), min_size=1, max_size=6))
+    big = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                layer_tokens=1, params=b"", payload=bytes(range(256)) * 700)
+    if data.draw(st.booleans()):
+        frames.insert(data.draw(st.integers(0, len(frames))), big)
+    stream = memoryview(b"".join(frame_bytes(f) for f in frames))  # type: ignore[arg-type]
+    dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=4096)
+    got = []
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(stream) - pos, data.draw(st.integers(1, 70_000)))
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        got += dec.buffer_updated(n)
+    assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
+    assert dec.buffered == 0 and dec.bytes_received == len(stream)
