@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvwire.errors import ConnectionLostError, ErrorCode, KvwireError
-from kvwire.wire import Connection, ConnectionClosed, Event
+from kvwire.wire import Connection, ConnectionClosed, Event, State
 
 #: Unsent bytes the kernel may hold before the socket stops polling writable; keeps small
 #: frames (acks, credits) from queueing behind a full send buffer.
@@ -160,7 +160,8 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     @property
     def is_open(self) -> bool:
-        return self.transport is not None and self.conn.closed_event is None
+        """Connected, authenticated both ways and not closed: frames may be sent."""
+        return self.transport is not None and self.conn.state is State.OPEN
 
     def lost_error(self) -> KvwireError:
         """The error waiters on this stream should see now that it is gone."""

@@ -338,7 +338,7 @@ class Peer:
                 head_dim=spec.head_dim, dtype_id=spec.dtype_id, model=spec.model,
                 request_id=request_id, meta=meta, blocks=blocks,
             )
-            primary = self._primary()
+            primary = await self._any_open_stream()
             primary.conn.send_begin(out.begin)
             primary.flush()
             index = -1
@@ -585,11 +585,17 @@ class Peer:
         if self._closed:
             raise ConnectionLostError("peer is closed")
 
-    def _primary(self) -> StreamProtocol:
-        for s in self.streams:
-            if s.is_open:
-                return s
-        raise ConnectionLostError("no open stream")
+    async def _any_open_stream(self) -> StreamProtocol:
+        """An open stream; while every slot is reconnecting, wait for one (or the break)."""
+        while True:
+            self._check_usable()
+            for s in self.streams:
+                if s.is_open:
+                    return s
+            if not self._reconnecting:
+                raise ConnectionLostError("no open stream")
+            self._capacity.clear()
+            await self._capacity.wait()
 
     def _app_limited(self, wire_size: int) -> bool:
         """Whether data sent now measures the producer rather than the link.
@@ -672,7 +678,7 @@ class Peer:
         self.estimator.forget_all()
         self._capacity.set()
         for s in self.streams:
-            if s.is_open:
+            if s.transport is not None:
                 s.abort(ErrorCode.SESSION_LOST, "another stream of this session was lost")
 
     def _resume(self, dead: StreamProtocol) -> None:

@@ -273,7 +273,7 @@ class _Session:
         for t in self.transfers.values():
             t.fail(error)
         for s in list(self.streams.values()):
-            if s.is_open:
+            if s.transport is not None:
                 s.abort(ErrorCode.SESSION_LOST, "another stream of this session was lost")
         self.server._sessions.pop(self.session_id, None)
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import subprocess
+import threading
 import sys
 from pathlib import Path
 from typing import Any
@@ -87,9 +88,16 @@ def test_serve_and_peer(tmp_path: Path) -> None:
         line = server.stdout.readline()
         match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
         assert match, line
+        # The server prints a line per transfer: drain its pipe so it never blocks on it.
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(server.stdout), daemon=True)  # type: ignore[arg-type]
+        reader.start()
         doc = _bench(tmp_path, "--peer", f"127.0.0.1:{match[1]}", "--secret-file", str(secret))
         assert doc["mode"] == "peer" and doc["max_rel_error"] is None
-        out, _ = server.communicate(timeout=20)
+        server.wait(timeout=20)
+        reader.join(timeout=5)
+        server.stdout.close()
+        out = "".join(lines)
     finally:
         if server.poll() is None:
             server.kill()
