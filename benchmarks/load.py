@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -121,10 +122,8 @@ async def _server_main(args: argparse.Namespace) -> None:
 
         rids = [f"small-{i}" for i in range(args.small)] + [f"large-{i}" for i in range(args.large)]
         tasks = [asyncio.create_task(receive(r)) for r in rids]
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(done.wait(), args.timeout + 30)
-        except TimeoutError:
-            pass
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -208,10 +207,8 @@ class _Sampler(threading.Thread):
 
         while not self.stop.is_set():
             for name, p in list(self.procs.items()):
-                try:
+                with contextlib.suppress(psutil.Error):
                     self.peak[name] = max(self.peak[name], p.memory_info().rss)
-                except psutil.Error:
-                    pass
             time.sleep(self.period)
 
 

@@ -1,5 +1,6 @@
 """kvwire: move LLM KV caches between machines over ordinary TCP."""
 
+from kvwire.aio import Peer, Receipt, Server, Transfer, connect, serve
 from kvwire.errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -15,7 +16,6 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.spec import KVCache, KVSpec, Layer
-from kvwire.aio import Peer, Receipt, Server, Transfer, connect, serve
 
 __version__ = "0.1.0"
 
@@ -28,18 +28,18 @@ __all__ = [
     "KVSpec",
     "KvwireError",
     "Layer",
-    "Peer",
-    "Receipt",
-    "Server",
-    "Transfer",
-    "connect",
-    "serve",
     "LimitExceededError",
+    "Peer",
     "ProtocolError",
+    "Receipt",
     "RegistryUnavailableError",
+    "Server",
     "StaleVersionError",
+    "Transfer",
     "TransferAbortedError",
     "TransferTimeoutError",
     "UsageError",
     "__version__",
+    "connect",
+    "serve",
 ]

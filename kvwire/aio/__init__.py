@@ -11,11 +11,10 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from kvwire.errors import UsageError
-from kvwire.spec import KVSpec
-
 from kvwire.aio.client import ClientOptions, Peer, Receipt
 from kvwire.aio.server import Server, ServerOptions, Transfer, make_server_options
+from kvwire.errors import UsageError
+from kvwire.spec import KVSpec
 
 
 def serve(

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import time
 import ssl as _ssl
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from kvwire.aio._arrays import as_host_array, iterate_layers
+from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
+from kvwire.aio.tcpinfo import read_tcp_info
 from kvwire.codec import TensorKind, available_codecs, get_codec
 from kvwire.consistency.blocks import block_key
 from kvwire.control import (
@@ -53,10 +56,6 @@ from kvwire.wire import (
     plan_chunks,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-
-from kvwire.aio._arrays import as_host_array, iterate_layers
-from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
-from kvwire.aio.tcpinfo import read_tcp_info
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -462,9 +461,11 @@ class Peer:
             self._check_usable()
             best: StreamProtocol | None = None
             for s in self.streams[: self.active_streams]:
-                if s.is_open and s.writable.is_set() and s.conn.can_send_chunk(wire_size):
-                    if best is None or s.conn.send_credit > best.conn.send_credit:
-                        best = s
+                if (
+                    s.is_open and s.writable.is_set() and s.conn.can_send_chunk(wire_size)
+                    and (best is None or s.conn.send_credit > best.conn.send_credit)
+                ):
+                    best = s
             if best is not None:
                 best.conn.send_chunk(chunk, wire_size)
                 best.flush()
@@ -571,7 +572,7 @@ class Peer:
                     delivery_rate_bps=(s.acked_bytes - prev_bytes) * 8 / period, window_limited=limited,
                 ))
                 last[s.index] = (s.acked_bytes, info)
-            idle = not self._transfers or self._waiting_senders == 0 and self.estimator.bytes_in_flight == 0
+            idle = not self._transfers or (self._waiting_senders == 0 and self.estimator.bytes_in_flight == 0)
             ctl.evaluate(samples, _clock(), app_limited=idle)
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -689,7 +690,7 @@ class Peer:
                 if sent.stream == dead.index and out.error is None:
                     lost.append((out, sent))
                     self.estimator.on_loss(sent.address)
-        for out, sent in lost:
+        for _, sent in lost:
             sent.stream = -1  # in limbo until re-sent
         self._spawn(self._reconnect(dead.index))
         if lost:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 import ssl as _ssl
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
 from kvwire.codec import TensorKind, available_codecs, codec_by_id, numpy_dtype
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
@@ -45,8 +47,6 @@ from kvwire.wire import (
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
 from kvwire.wire.frames import ChunkAddress
 from kvwire.wire.transfer import ChunkVerdict
-
-from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -400,10 +400,8 @@ class Server:
                 if not fut.done():
                     fut.set_exception(ConnectionLostError("server closed"))
         if self._server is not None:
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
-            except TimeoutError:
-                pass
 
     async def __aenter__(self) -> Server:
         await self.start()

@@ -49,7 +49,13 @@ from kvwire.wire.frames import (
     encode_frame,
     frame_bytes,
 )
-from kvwire.wire.transfer import ChunkVerdict, IncomingTransfer, OutgoingTransfer, SentChunk, plan_chunks
+from kvwire.wire.transfer import (
+    ChunkVerdict,
+    IncomingTransfer,
+    OutgoingTransfer,
+    SentChunk,
+    plan_chunks,
+)
 
 __all__ = [
     "PROTOCOL_VERSION",

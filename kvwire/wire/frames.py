@@ -14,7 +14,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Union
+from typing import Any, Union
 
 from crc32c import crc32c
 
@@ -245,7 +245,7 @@ class _Reader:
         self._pos = end
         return out
 
-    def unpack(self, st: struct.Struct) -> tuple[int | bytes, ...]:
+    def unpack(self, st: struct.Struct) -> tuple[Any, ...]:
         return st.unpack(self.take(st.size))
 
     def u8(self) -> int:
@@ -405,30 +405,30 @@ def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
     if ftype == FrameType.CHUNK:
         r = _Reader(body, "CHUNK")
         tid, layer, kind, codec_id, start, count, ltok, plen = r.unpack(CHUNK_FIXED)
-        params = bytes(r.take(int(plen)))  # type: ignore[call-overload]
+        params = bytes(r.take(int(plen)))
         payload = r.rest()
         if kind not in (0, 1):
             raise ProtocolError(f"CHUNK kind {kind} is neither K (0) nor V (1)")
         return Chunk(
-            transfer_id=int(tid), layer=int(layer), kind=int(kind), codec_id=int(codec_id),  # type: ignore[call-overload]
-            token_start=int(start), token_count=int(count), layer_tokens=int(ltok),  # type: ignore[call-overload]
+            transfer_id=int(tid), layer=int(layer), kind=int(kind), codec_id=int(codec_id),
+            token_start=int(start), token_count=int(count), layer_tokens=int(ltok),
             params=params, payload=payload,
         )
     if ftype == FrameType.ACK:
         r = _Reader(body, "ACK")
         tid, layer, kind, start = r.unpack(_ACK)
         r.end()
-        return Ack(transfer_id=int(tid), layer=int(layer), kind=int(kind), token_start=int(start))  # type: ignore[call-overload]
+        return Ack(transfer_id=int(tid), layer=int(layer), kind=int(kind), token_start=int(start))
     if ftype == FrameType.CREDIT:
         r = _Reader(body, "CREDIT")
         tid, limit = r.unpack(_CREDIT)
         r.end()
-        return Credit(transfer_id=int(tid), layer_limit=int(limit))  # type: ignore[call-overload]
+        return Credit(transfer_id=int(tid), layer_limit=int(limit))
     if ftype == FrameType.ACCEPT:
         r = _Reader(body, "ACCEPT")
         tid, limit = r.unpack(_ACCEPT)
         r.end()
-        return Accept(transfer_id=int(tid), layer_limit=int(limit))  # type: ignore[call-overload]
+        return Accept(transfer_id=int(tid), layer_limit=int(limit))
     if ftype == FrameType.BEGIN:
         r = _Reader(body, "BEGIN")
         tid, nl, nh, hd, dt = r.unpack(_BEGIN_FIXED)
@@ -439,18 +439,18 @@ def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
         for _ in range(r.u16()):
             block = bytes(r.take(r.u8()))
             (version,) = r.unpack(_BLOCK_VERSION_TAIL)
-            blocks.append(BlockVersion(block=block, version=int(version)))  # type: ignore[call-overload]
+            blocks.append(BlockVersion(block=block, version=int(version)))
         r.end()
         return Begin(
-            transfer_id=int(tid), num_layers=int(nl), num_kv_heads=int(nh), head_dim=int(hd),  # type: ignore[call-overload]
-            dtype_id=int(dt), model=model, request_id=rid, meta=meta, blocks=tuple(blocks),  # type: ignore[call-overload]
+            transfer_id=int(tid), num_layers=int(nl), num_kv_heads=int(nh), head_dim=int(hd),
+            dtype_id=int(dt), model=model, request_id=rid, meta=meta, blocks=tuple(blocks),
         )
     if ftype == FrameType.RESET:
         r = _Reader(body, "RESET")
         tid, code = r.unpack(_RESET_FIXED)
         msg = r.text(r.u16())
         r.end()
-        return Reset(transfer_id=int(tid), code=int(code), message=msg)  # type: ignore[call-overload]
+        return Reset(transfer_id=int(tid), code=int(code), message=msg)
     if ftype == FrameType.GOAWAY:
         r = _Reader(body, "GOAWAY")
         code = r.u16()
@@ -462,7 +462,7 @@ def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
         (opaque,) = r.unpack(_PING)
         r.end()
         cls = Ping if ftype == FrameType.PING else Pong
-        return cls(opaque=int(opaque))  # type: ignore[call-overload]
+        return cls(opaque=int(opaque))
     if ftype == FrameType.HELLO:
         r = _Reader(body, "HELLO")
         magic, vmin, vmax, nonce, sid, idx, mfs = r.unpack(_HELLO_FIXED)
@@ -472,14 +472,14 @@ def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
         fp = bytes(r.take(FINGERPRINT_SIZE))
         r.end()
         return Hello(
-            min_version=int(vmin), max_version=int(vmax), nonce=bytes(nonce), session_id=bytes(sid),  # type: ignore[call-overload, arg-type]
-            stream_index=int(idx), max_frame_size=int(mfs), codecs=codecs, fingerprint=fp,  # type: ignore[call-overload]
+            min_version=int(vmin), max_version=int(vmax), nonce=bytes(nonce), session_id=bytes(sid),
+            stream_index=int(idx), max_frame_size=int(mfs), codecs=codecs, fingerprint=fp,
         )
     if ftype == FrameType.CHALLENGE:
         r = _Reader(body, "CHALLENGE")
         version, nonce = r.unpack(_CHALLENGE)
         r.end()
-        return Challenge(version=int(version), nonce=bytes(nonce))  # type: ignore[call-overload, arg-type]
+        return Challenge(version=int(version), nonce=bytes(nonce))
     if ftype == FrameType.AUTH:
         r = _Reader(body, "AUTH")
         proof = bytes(r.take(PROOF_SIZE))
@@ -492,8 +492,8 @@ def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
         proof = bytes(r.take(PROOF_SIZE))
         r.end()
         return Welcome(
-            session_id=bytes(sid), max_frame_size=int(mfs), window=int(window),  # type: ignore[arg-type, call-overload]
-            max_transfers=int(maxt), codecs=codecs, proof=proof,  # type: ignore[call-overload]
+            session_id=bytes(sid), max_frame_size=int(mfs), window=int(window),
+            max_transfers=int(maxt), codecs=codecs, proof=proof,
         )
     return UnknownFrame(type=ftype, flags=flags, body=bytes(body))
 
@@ -569,7 +569,7 @@ class FrameDecoder:
             if avail < HEADER_SIZE:
                 self._compact()
                 return out
-            ftype, flags, reserved, length = HEADER.unpack_from(self._buf, self._pos)
+            ftype, _flags, reserved, length = HEADER.unpack_from(self._buf, self._pos)
             if length > self.max_body:
                 raise FrameTooLargeError(
                     f"frame type 0x{ftype:02x} announces {length} bytes, limit {self.max_body}"

@@ -6,8 +6,8 @@ import json
 import os
 import re
 import subprocess
-import threading
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 

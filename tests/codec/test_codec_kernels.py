@@ -16,12 +16,12 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from tests.codec.codec_helpers import DTYPES
 
 from kvwire.codec import TensorKind, get_codec, numpy_dtype
 from kvwire.codec import _numeric as nm
 from kvwire.codec.gpu import KERNEL_DIR, gpu_available
 from kvwire.errors import UsageError
+from tests.codec.codec_helpers import DTYPES
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 

@@ -9,7 +9,6 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
-from tests.codec.codec_helpers import DTYPES, QUANTIZERS, error_bound, group_params
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
@@ -17,6 +16,7 @@ from hypothesis.extra import numpy as hnp
 import kvwire.codec as kc
 from kvwire.codec import TensorKind, available_codecs, codec_by_id, get_codec, numpy_dtype
 from kvwire.errors import ProtocolError, UsageError
+from tests.codec.codec_helpers import DTYPES, QUANTIZERS, error_bound, group_params
 
 ALL = available_codecs()
 KINDS = (TensorKind.K, TensorKind.V)

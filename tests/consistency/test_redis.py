@@ -12,11 +12,11 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from tests.consistency.conftest import RedisServer, start_redis
 
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import NotificationsLostError, RegistryUnavailableError
 from kvwire.errors import KvwireError
+from tests.consistency.conftest import RedisServer, start_redis
 
 pytestmark = pytest.mark.timeout(60)
 WORKER = Path(__file__).with_name("redis_worker.py")

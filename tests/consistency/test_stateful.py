@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 import pytest
-from tests.consistency.conftest import RedisServer
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
@@ -27,6 +26,7 @@ from kvwire.aio.registry_memory import MemoryRegistry
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import Lease, LeaseExpiredError, Registry
 from kvwire.errors import StaleVersionError
+from tests.consistency.conftest import RedisServer
 
 T = TypeVar("T")
 LONG = 3600.0

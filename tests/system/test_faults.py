@@ -19,7 +19,7 @@ import dataclasses
 import random
 from collections import Counter
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,10 +130,8 @@ async def run_case(
             s_out = "completed" if exc is None else _kind(exc)
         # The receiver: if the transfer got there it must finish (either way) in time.
         if s_out != "completed":
-            try:
+            with suppress(TimeoutError):
                 await asyncio.wait_for(arrived.wait(), 0.3)
-            except TimeoutError:
-                pass
         if not arrived.is_set() and s_out != "completed":
             receiver.cancel()
             await asyncio.gather(receiver, return_exceptions=True)

@@ -266,7 +266,7 @@ def test_eof_mid_handshake_is_connection_lost() -> None:
     pair.client.initiate()
     pair.pump()
     pair.client.receive_data(b"")
-    ev = [e for e in pair.client_events + [pair.client.next_event()] if isinstance(e, ConnectionClosed)]
+    ev = [e for e in [*pair.client_events, pair.client.next_event()] if isinstance(e, ConnectionClosed)]
     assert isinstance(ev[-1].error, ConnectionLostError)
 
 
