@@ -59,6 +59,39 @@ def as_host_array(x: Any, spec: KVSpec, what: str) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
+def as_device_array(x: Any, spec: KVSpec, what: str) -> Any:
+    """``x`` as a C-contiguous CuPy array ``[tokens, heads, head_dim]`` on its GPU.
+
+    bfloat16 travels as its uint16 bit patterns (CuPy has no bfloat16); a torch CUDA
+    bfloat16 tensor is reinterpreted that way through DLPack.
+    """
+    try:
+        import cupy
+    except ImportError:
+        raise UsageError(f"{what} lives on a GPU: sending it needs CuPy (pip install kvwire[gpu])") from None
+
+    if not isinstance(x, cupy.ndarray):
+        view = getattr(x, "view", None)
+        if spec.dtype == "bfloat16" and view is not None and "torch" in type(x).__module__:
+            import torch
+
+            x = view(torch.int16)
+        try:
+            x = cupy.from_dlpack(x)
+        except Exception as exc:
+            raise UsageError(f"{what}: cannot read the device tensor through DLPack: {exc}") from exc
+    want = {"float16": cupy.float16, "float32": cupy.float32, "bfloat16": cupy.uint16}[spec.dtype]
+    if x.dtype == cupy.int16 and spec.dtype == "bfloat16":
+        x = x.view(cupy.uint16)
+    if x.dtype != want:
+        raise UsageError(f"{what} has dtype {x.dtype}, the spec says {spec.dtype} (bfloat16 as uint16 on a GPU)")
+    if x.ndim != 3 or x.shape[1] != spec.num_kv_heads or x.shape[2] != spec.head_dim or x.shape[0] < 1:
+        raise UsageError(
+            f"{what} has shape {tuple(x.shape)}, expected [tokens, {spec.num_kv_heads}, {spec.head_dim}]"
+        )
+    return cupy.ascontiguousarray(x)
+
+
 async def iterate_layers(layers: Any) -> AsyncIterator[tuple[Any, Any]]:
     """Yield ``(k, v)`` from a sequence, an iterable or an async iterable."""
     if hasattr(layers, "__aiter__"):

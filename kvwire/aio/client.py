@@ -12,15 +12,16 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from kvwire.aio._arrays import as_host_array, iterate_layers
+from kvwire.aio._arrays import as_device_array, as_host_array, is_device_array, iterate_layers
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
 from kvwire.aio.tcpinfo import read_tcp_info
-from kvwire.codec import TensorKind, available_codecs, get_codec
+from kvwire.codec import TensorKind, available_codecs, get_codec, numpy_dtype
 from kvwire.consistency.blocks import block_key
 from kvwire.control import (
     CodecCandidate,
     CodecChooser,
     DeliveryRateEstimator,
+    InflightTarget,
     StreamController,
     StreamSample,
     window_limited_from_counters,
@@ -182,6 +183,8 @@ class Peer:
         self._closed = False
         self.bytes_sent = 0
         self.estimator = DeliveryRateEstimator()
+        # Bytes in flight kept near one to two bandwidth-delay products across streams.
+        self.inflight = InflightTarget()
         self.chooser: CodecChooser | None = None
         self._reconnecting: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -352,8 +355,13 @@ class Peer:
                 index += 1
                 if index >= spec.num_layers:
                     raise UsageError(f"layers yielded more than spec.num_layers={spec.num_layers}")
-                k = as_host_array(k_raw, spec, f"layer {index} k")
-                v = as_host_array(v_raw, spec, f"layer {index} v")
+                on_device = is_device_array(k_raw)
+                if on_device:
+                    k = as_device_array(k_raw, spec, f"layer {index} k")
+                    v = as_device_array(v_raw, spec, f"layer {index} v")
+                else:
+                    k = as_host_array(k_raw, spec, f"layer {index} k")
+                    v = as_host_array(v_raw, spec, f"layer {index} v")
                 if k.shape[0] != v.shape[0] or (tokens is not None and k.shape[0] != tokens):
                     raise UsageError("every k and v of a cache must have the same token count")
                 tokens = k.shape[0]
@@ -384,7 +392,10 @@ class Peer:
                         else:
                             assert fixed is not None
                             codec = fixed
-                        enc = await self._encode(codec, x, kind)
+                        if on_device:
+                            enc = await self._encode_on_device(codec, x, kind, spec.dtype)
+                        else:
+                            enc = await self._encode(codec, x, kind)
                         used[codec.name] = used.get(codec.name, 0) + 1
                         payload = enc.payload
                         plen = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
@@ -441,6 +452,28 @@ class Peer:
             self.chooser.observe_size(codec.name, x.nbytes * 2 // x.itemsize, plen + len(enc.params))
         return enc
 
+    async def _encode_on_device(self, codec: Any, x: Any, kind: TensorKind, dtype: str) -> Any:
+        """Quantize a CuPy chunk on its GPU; the codes come back in pinned host memory.
+
+        ``raw`` (and ``raw+...``) has no kernel: the chunk is copied to the host as is.
+        """
+        from kvwire.codec import gpu
+
+        base = codec.name.split("+")[0]
+        if base == "raw":
+            host = x.get()
+            if dtype == "bfloat16":
+                host = host.view(numpy_dtype("bfloat16"))
+            return await self._encode(codec, host, kind)
+        t0 = time.perf_counter()
+        enc = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: gpu.encode_on_device(codec, x, kind, dtype=dtype)
+        )
+        if self.chooser is not None:
+            fp16_bytes = x.size * 2
+            self.chooser.observe_encode(codec.name, fp16_bytes, time.perf_counter() - t0)
+        return enc
+
     def _make_chooser(self) -> CodecChooser:
         candidates = []
         for name in AUTO_CANDIDATES:
@@ -460,6 +493,14 @@ class Peer:
                 raise out.error
             self._check_usable()
             best: StreamProtocol | None = None
+            if not self.inflight.may_send(self.estimator, wire_size):
+                self._capacity.clear()
+                self._waiting_senders += 1
+                try:
+                    await self._capacity.wait()
+                finally:
+                    self._waiting_senders -= 1
+                continue
             for s in self.streams[: self.active_streams]:
                 if (
                     s.is_open and s.writable.is_set() and s.conn.can_send_chunk(wire_size)
@@ -516,6 +557,7 @@ class Peer:
             "min_rtt_ms": snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
             "srtt_ms": snap.srtt * 1e3 if snap.srtt is not None else None,
             "bytes_in_flight": snap.bytes_in_flight,
+            "inflight_target": self.inflight.for_estimator(self.estimator),
             "streams": streams,
             "transfers_in_flight": len(self._transfers),
             "bytes_sent": self.bytes_sent,
@@ -654,7 +696,7 @@ class Peer:
             if fut is not None and not fut.done():
                 fut.set_result(ev)
         elif isinstance(ev, ConnectionClosed):
-            err = ev.error or ConnectionLostError("server closed the connection")
+            err = ev.error or ConnectionLostError(_closed_reason(ev, stream.index))
             fut = self._handshakes.get(stream)
             if fut is not None and not fut.done():
                 fut.set_exception(err)
@@ -668,7 +710,7 @@ class Peer:
                 # others; the session ends when the last one closes.
                 self._capacity.set()
             else:
-                self._break(err if ev.error is not None else ConnectionLostError("server closed the connection"))
+                self._break(err)
 
     def _break(self, error: KvwireError) -> None:
         """The session is over: every transfer fails with ``error``, every stream closes."""
@@ -769,6 +811,12 @@ async def _next_or_fail(producer: AsyncIterator[tuple[Any, Any]], out: _Outgoing
     nxt.cancel()
     assert out.error is not None
     raise out.error
+
+
+def _closed_reason(ev: ConnectionClosed, index: int) -> str:
+    who = "server" if ev.by_peer else "this side"
+    how = f"GOAWAY {ErrorCode(ev.code).name}" if ev.code in ErrorCode._value2member_map_ else f"code {ev.code}"
+    return f"stream {index} closed by {who} ({how}: {ev.message or 'no reason given'})"
 
 
 def _delta(now: int | None, before: int | None) -> int | None:

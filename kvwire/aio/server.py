@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
-from kvwire.codec import TensorKind, available_codecs, codec_by_id, numpy_dtype
+from kvwire.codec import RawCodec, TensorKind, available_codecs, codec_by_id, numpy_dtype
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
     ConnectionLostError,
@@ -45,8 +45,11 @@ from kvwire.wire import (
     TransferReset,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-from kvwire.wire.frames import ChunkAddress
+from kvwire.wire.frames import Chunk, ChunkAddress
 from kvwire.wire.transfer import ChunkVerdict
+
+
+RAW_CODEC_ID = RawCodec.codec_id
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -82,6 +85,9 @@ class ServerOptions:
     """Codecs accepted; empty means every registered codec."""
     notsent_lowat: int | None = NOTSENT_LOWAT
     """TCP_NOTSENT_LOWAT for accepted sockets (None leaves the kernel default)."""
+    device: str = "cpu"
+    """Where received layers live: "cpu" (numpy) or "gpu" (CuPy; quantized chunks are
+    dequantized by the GPU kernels; bfloat16 layers hold uint16 bit patterns)."""
     resume_timeout: float = 10.0
     """Seconds a session whose streams all broke waits for the client to reconnect before
     its unfinished transfers fail with ConnectionLostError (0: no resume)."""
@@ -106,6 +112,9 @@ class Transfer:
         self.final_check: asyncio.Future[None] | None = None
         self._buffer_bytes = opts.transfer_buffer_bytes
         self._codecs = frozenset(session.server.codecs)
+        self._gpu = opts.device == "gpu"
+        # Raw payloads being received straight into their layer, by chunk address.
+        self._inplace: dict[ChunkAddress, memoryview] = {}
         # One layer until the first chunk tells the layer size; then as many as the
         # buffer budget holds (see on_chunk).
         self._window = 1
@@ -131,8 +140,14 @@ class Transfer:
         self._claim("iterate")
         return self._layers()
 
-    async def collect(self, *, timeout: float | None = None) -> KVCache:
-        """Wait for every layer; return them as a :class:`~kvwire.KVCache` in layer order."""
+    async def collect(self, *, timeout: float | None = None, device: str | None = None) -> KVCache:
+        """Wait for every layer; return them as a :class:`~kvwire.KVCache` in layer order.
+
+        ``device`` ("cpu" or "gpu") states where the arrays must be; it must match the
+        server's ``device`` option (layers are decoded where they will be used).
+        """
+        if device is not None and device != ("gpu" if self._gpu else "cpu"):
+            raise UsageError(f"this server decodes on {'gpu' if self._gpu else 'cpu'}; serve(device={device!r}) to change it")
         self._claim("collect")
         got: dict[int, tuple[Any, Any]] = {}
 
@@ -177,9 +192,8 @@ class Transfer:
 
     # -- network side ---------------------------------------------------------------------
 
-    def on_chunk(self, ev: ChunkReceived) -> bool:
-        """Verify and store a chunk; True when it was new.  Raises KvwireError to reset."""
-        chunk = ev.chunk
+    def _check(self, chunk: Chunk) -> Any:
+        """Raise unless ``chunk`` may belong to this transfer; returns its codec."""
         if not self._accepted:
             raise ProtocolError("CHUNK before the transfer was accepted")
         st = self.state
@@ -188,23 +202,80 @@ class Transfer:
         codec = codec_by_id(chunk.codec_id)
         if codec.name not in self._codecs:
             raise KvwireError(f"codec {codec.name!r} is not accepted here", code=ErrorCode.UNSUPPORTED_CODEC)
-        if st.add(chunk) is ChunkVerdict.DUPLICATE:
-            return False
         if first:
             layer_bytes = 2 * chunk.layer_tokens * self.spec.num_kv_heads * self.spec.head_dim * self.spec.itemsize
             self._window = max(1, self._buffer_bytes // max(1, layer_bytes))
             self._session.grant(self, self._yielded + self._window)
+        return codec
+
+    def _out(self, chunk: Chunk) -> Any:
+        """The slice of the layer's K or V array this chunk fills (allocated on first use)."""
         arrays = self._arrays.get(chunk.layer)
         if arrays is None:
             shape = (chunk.layer_tokens, self.spec.num_kv_heads, self.spec.head_dim)
-            arrays = (np.empty(shape, self._dtype), np.empty(shape, self._dtype))
+            if self._gpu:
+                import cupy
+
+                dt = cupy.uint16 if self.spec.dtype == "bfloat16" else self._dtype
+                arrays = (cupy.empty(shape, dt), cupy.empty(shape, dt))
+            else:
+                arrays = (np.empty(shape, self._dtype), np.empty(shape, self._dtype))
             self._arrays[chunk.layer] = arrays
-        out = arrays[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
-        codec.decode(
-            chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
-            kind=TensorKind(chunk.kind), out=out,
+        return arrays[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
+
+    def _decode_on_gpu(self, codec: Any, chunk: Chunk, out: Any) -> None:
+        if codec.name.split("+")[0] == "raw":
+            host = np.empty(out.shape, self._dtype)
+            codec.decode(chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
+                         kind=TensorKind(chunk.kind), out=host)
+            out[...] = _to_device(host)
+            return
+        from kvwire.codec import gpu
+
+        out[...] = gpu.decode_on_device(
+            codec, chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
+            kind=TensorKind(chunk.kind),
         )
+
+    def sink(self, head: Chunk, size: int) -> memoryview | None:
+        """Where a raw chunk's payload can be received directly: its place in the layer.
+
+        Only for a chunk that is new and not already arriving on another stream, so a
+        corrupted or duplicate copy can never overwrite bytes that were verified.
+        """
+        if self._gpu or head.codec_id != RAW_CODEC_ID or head.params or self._error is not None:
+            return None
+        address = head.address
+        if address in self._inplace or not self.state.is_new(head):
+            return None
+        try:
+            self._check(head)
+        except KvwireError:
+            return None  # the frame's arrival reports it
+        out = self._out(head)
+        if out.nbytes != size:
+            return None
+        view = memoryview(out.reshape(-1).view(np.uint8))
+        self._inplace[address] = view
+        return view
+
+    def on_chunk(self, ev: ChunkReceived) -> bool:
+        """Verify and store a chunk; True when it was new.  Raises KvwireError to reset."""
+        chunk = ev.chunk
+        codec = self._check(chunk)
+        inplace = self._inplace.pop(chunk.address, None)
+        if self.state.add(chunk) is ChunkVerdict.DUPLICATE:
+            return False
+        if self._gpu:
+            self._decode_on_gpu(codec, chunk, self._out(chunk))
+        elif inplace is None or chunk.payload is not inplace:
+            out = self._out(chunk)
+            codec.decode(
+                chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
+                kind=TensorKind(chunk.kind), out=out,
+            )
         self.wire_bytes += ev.wire_size
+        st = self.state
         if st.layer_complete(chunk.layer):
             self._ready.append(chunk.layer)
             if st.complete:
@@ -297,6 +368,13 @@ class Server:
             if name not in available_codecs():
                 raise UsageError(f"unknown codec {name!r}")
         self.codecs = tuple(codecs)
+        if options.device not in ("cpu", "gpu"):
+            raise UsageError("device must be 'cpu' or 'gpu'")
+        if options.device == "gpu":
+            from kvwire.codec.gpu import gpu_available
+
+            if not gpu_available():
+                raise UsageError("device='gpu' needs CuPy and a CUDA device (pip install kvwire[gpu])")
         self._fingerprints = {s.fingerprint for s in options.specs}
         self._server: asyncio.Server | None = None
         self._sessions: dict[bytes, _Session] = {}
@@ -336,7 +414,13 @@ class Server:
             notsent_lowat=opts.notsent_lowat,
         )
         proto.on_made = self._streams.add
+        proto.conn.set_payload_sink(lambda head, size: self._sink(proto, head, size))
         return proto
+
+    def _sink(self, stream: StreamProtocol, head: Chunk, size: int) -> memoryview | None:
+        sess: _Session | None = stream.owner
+        transfer = sess.transfers.get(head.transfer_id) if sess is not None else None
+        return transfer.sink(head, size) if transfer is not None else None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -674,6 +758,14 @@ class Server:
             stream.conn.send_reset(transfer.transfer_id, exc.code, str(exc))
         stream.conn.send_ack(address)
         stream.flush()
+
+
+def _to_device(host: np.ndarray) -> Any:
+    import cupy
+
+    if host.dtype.name == "bfloat16":
+        host = host.view(np.uint16)
+    return cupy.asarray(host)
 
 
 def _decode_blocks(begin: Begin) -> list[tuple[Any, int]]:

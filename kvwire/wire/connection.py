@@ -54,6 +54,7 @@ from kvwire.wire.frames import (
     FrameType,
     GoAway,
     Hello,
+    PayloadSink,
     Ping,
     Pong,
     Reset,
@@ -324,6 +325,10 @@ class Connection:
             self._handle_frames(self._decoder.feed(data), now)
         except KvwireError as exc:
             self._fail(exc)
+
+    def set_payload_sink(self, sink: PayloadSink | None) -> None:
+        """Receive large CHUNK payloads into buffers ``sink`` chooses (see FrameDecoder)."""
+        self._decoder.payload_sink = sink
 
     def get_buffer(self) -> memoryview:
         """A buffer for the next read (``recv_into`` style); then call :meth:`buffer_updated`.

@@ -11,7 +11,7 @@ in its data.  docs/protocol.md is the normative description; this module follows
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Union
@@ -498,48 +498,85 @@ def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
     return UnknownFrame(type=ftype, flags=flags, body=bytes(body))
 
 
+PayloadSink = Callable[[Chunk, int], "memoryview | None"]
+"""Called with a CHUNK's fields (empty payload) and its payload length before the payload
+arrives; returns a writable buffer of exactly that length for it, or None."""
+
+
+class _BigFrame:
+    """A frame too large to gather in the shared buffer, read in stages.
+
+    CHUNK: the fixed fields and params (``pre``), then the payload into ``dest`` (the
+    payload sink's buffer or one of its own), then the CRC.  Other frames: the whole body
+    into ``dest``, then the CRC.
+    """
+
+    __slots__ = ("crc", "dest", "filled", "ftype", "header", "length", "pre", "pre_need", "stage")
+
+    PRE, DEST, CRC = 0, 1, 2
+
+    def __init__(self, header: bytes, ftype: int, length: int) -> None:
+        self.header = header
+        self.ftype = ftype
+        self.length = length
+        self.pre = bytearray()
+        self.pre_need = CHUNK_FIXED.size if ftype == FrameType.CHUNK else 0
+        self.dest: memoryview | None = None
+        self.filled = 0
+        self.crc = bytearray()
+        self.stage = self.PRE if self.pre_need else self.DEST
+
+
 class FrameDecoder:
     """Turns a byte stream into frames.
 
     ``max_body`` is checked against each header before any of the body is buffered.
-    Bodies above ``big_body`` get a buffer of their own, so payload views handed out
-    stay valid while later bytes arrive.
+    Bodies above ``big_body`` get a buffer of their own (read into directly through
+    :meth:`get_buffer`), so payload views handed out stay valid while later bytes
+    arrive.  With a ``payload_sink``, a large CHUNK's payload is read straight into the
+    buffer the sink returns (its final place), and the CRC is checked there.
     """
 
-    def __init__(self, max_body: int, *, big_body: int = 64 * 1024, scratch_size: int = 256 * 1024) -> None:
+    def __init__(
+        self, max_body: int, *, big_body: int = 64 * 1024, scratch_size: int = 16 * 1024,
+        payload_sink: PayloadSink | None = None,
+    ) -> None:
         self.max_body = max_body
         self._big_body = big_body
         self._buf = bytearray()
         self._pos = 0
-        # (header, dedicated buffer, bytes filled) while a big frame is arriving
-        self._big: tuple[bytes, bytearray, int] | None = None
+        self._big: _BigFrame | None = None
         self.bytes_received = 0
         self._scratch = memoryview(bytearray(scratch_size))
-        self._handed_big = False
+        self._handed_dest = False
+        self.payload_sink = payload_sink
+
+    # -- recv_into style --------------------------------------------------------------
 
     def get_buffer(self) -> memoryview:
-        """Where the next read should go: the rest of a big frame's own buffer, or scratch."""
-        if self._big is not None:
-            _, buf, filled = self._big
-            self._handed_big = True
-            return memoryview(buf)[filled:]
-        self._handed_big = False
+        """Where the next read should go: the rest of a big frame's body, or scratch."""
+        big = self._big
+        if big is not None and big.stage == _BigFrame.DEST:
+            assert big.dest is not None
+            self._handed_dest = True
+            return big.dest[big.filled :]
+        self._handed_dest = False
         return self._scratch
 
     def buffer_updated(self, nbytes: int) -> list[tuple[Frame, int]]:
         """Account for ``nbytes`` written into the last :meth:`get_buffer`; return frames."""
-        if not self._handed_big:
+        if not self._handed_dest:
             return self.feed(self._scratch[:nbytes])
-        assert self._big is not None
+        self._handed_dest = False
+        big = self._big
+        assert big is not None and big.dest is not None
         self.bytes_received += nbytes
-        header, buf, filled = self._big
-        filled += nbytes
-        if filled < len(buf):
-            self._big = (header, buf, filled)
-            return []
-        self._big = None
-        self._handed_big = False
-        return [(self._finish(header, memoryview(buf)), HEADER_SIZE + len(buf))]
+        big.filled += nbytes
+        if big.filled == len(big.dest):
+            big.stage = _BigFrame.CRC
+        return []
+
+    # -- plain bytes --------------------------------------------------------------------
 
     def feed(self, data: Buffer) -> list[tuple[Frame, int]]:
         """Add ``data``; return the frames it completed with their wire sizes."""
@@ -548,43 +585,37 @@ class FrameDecoder:
         view = memoryview(data)
         while True:
             if self._big is not None:
-                header, buf, filled = self._big
-                n = min(len(buf) - filled, len(view))
-                buf[filled : filled + n] = view[:n]
-                view = view[n:]
-                filled += n
-                if filled < len(buf):
-                    self._big = (header, buf, filled)
-                    return out
-                self._big = None
-                out.append((self._finish(header, memoryview(buf)), HEADER_SIZE + len(buf)))
+                view = self._feed_big(view, out)
+                if self._big is not None:
+                    return out  # the big frame wants more than there is
                 continue
             if view:
                 if self._pos and self._pos == len(self._buf):
                     self._buf.clear()
                     self._pos = 0
+                if not self._buf and len(view) >= HEADER_SIZE:
+                    # Nothing buffered: a big frame can start straight from this view.
+                    ftype, length = self._check_header(view)
+                    need = HEADER_SIZE + length + CRC_SIZE
+                    if length + CRC_SIZE > self._big_body and len(view) < need:
+                        self._big = _BigFrame(bytes(view[:HEADER_SIZE]), ftype, length)
+                        view = view[HEADER_SIZE:]
+                        continue
                 self._buf += view
                 view = view[len(view) :]
             avail = len(self._buf) - self._pos
             if avail < HEADER_SIZE:
                 self._compact()
                 return out
-            ftype, _flags, reserved, length = HEADER.unpack_from(self._buf, self._pos)
-            if length > self.max_body:
-                raise FrameTooLargeError(
-                    f"frame type 0x{ftype:02x} announces {length} bytes, limit {self.max_body}"
-                )
-            if reserved != 0:
-                raise ProtocolError("reserved header bits set")
+            ftype, length = self._check_header(memoryview(self._buf)[self._pos : self._pos + HEADER_SIZE])
             need = HEADER_SIZE + length + CRC_SIZE
             if length + CRC_SIZE > self._big_body and avail < need:
                 header = bytes(self._buf[self._pos : self._pos + HEADER_SIZE])
-                rest = self._buf[self._pos + HEADER_SIZE :]
+                rest = bytes(self._buf[self._pos + HEADER_SIZE :])
                 self._buf.clear()
                 self._pos = 0
-                big = bytearray(length + CRC_SIZE)
-                big[: len(rest)] = rest
-                self._big = (header, big, len(rest))
+                self._big = _BigFrame(header, ftype, length)
+                view = memoryview(rest)
                 continue
             if avail < need:
                 self._compact()
@@ -599,6 +630,76 @@ class FrameDecoder:
                 mv.release()
             out.append((self._finish(header, memoryview(body_crc)), need))
 
+    def _check_header(self, head: memoryview) -> tuple[int, int]:
+        ftype, _flags, reserved, length = HEADER.unpack(head[:HEADER_SIZE])
+        if length > self.max_body:
+            raise FrameTooLargeError(
+                f"frame type 0x{ftype:02x} announces {length} bytes, limit {self.max_body}"
+            )
+        if reserved != 0:
+            raise ProtocolError("reserved header bits set")
+        return int(ftype), int(length)
+
+    def _feed_big(self, view: memoryview, out: list[tuple[Frame, int]]) -> memoryview:
+        """Advance the big frame with ``view``; return what is left of it."""
+        big = self._big
+        assert big is not None
+        if big.stage == _BigFrame.PRE:
+            take = min(big.pre_need - len(big.pre), len(view))
+            big.pre += view[:take]
+            view = view[take:]
+            if len(big.pre) < big.pre_need:
+                return view
+            if big.pre_need == CHUNK_FIXED.size:
+                plen = int(CHUNK_FIXED.unpack(big.pre)[-1])
+                big.pre_need += plen
+                if big.pre_need > big.length:
+                    raise ProtocolError("CHUNK params longer than its body")
+                if plen:
+                    return self._feed_big(view, out)
+            self._start_dest(big)
+        if big.stage == _BigFrame.DEST:
+            assert big.dest is not None
+            take = min(len(big.dest) - big.filled, len(view))
+            big.dest[big.filled : big.filled + take] = view[:take]
+            big.filled += take
+            view = view[take:]
+            if big.filled < len(big.dest):
+                return view
+            big.stage = _BigFrame.CRC
+        take = min(CRC_SIZE - len(big.crc), len(view))
+        big.crc += view[:take]
+        view = view[take:]
+        if len(big.crc) == CRC_SIZE:
+            self._big = None
+            out.append((self._finish_big(big), HEADER_SIZE + big.length + CRC_SIZE))
+        return view
+
+    def _start_dest(self, big: _BigFrame) -> None:
+        size = big.length - len(big.pre)
+        dest: memoryview | None = None
+        if big.ftype == FrameType.CHUNK and self.payload_sink is not None:
+            head = _chunk_from(big.pre, b"")
+            if head is not None:
+                dest = self.payload_sink(head, size)
+                if dest is not None and (len(dest) != size or dest.readonly):
+                    raise ValueError("payload sink returned a buffer of the wrong size")
+        big.dest = dest if dest is not None else memoryview(bytearray(size))
+        big.stage = _BigFrame.DEST if size else _BigFrame.CRC
+
+    def _finish_big(self, big: _BigFrame) -> Frame:
+        assert big.dest is not None
+        (expected,) = CRC.unpack(big.crc)
+        crc = crc32c(big.dest, crc32c(big.pre, crc32c(big.header)))
+        if crc != expected:
+            raise IntegrityError(f"CRC32C mismatch on frame type 0x{big.ftype:02x}")
+        if big.ftype == FrameType.CHUNK:
+            chunk = _chunk_from(big.pre, big.dest)
+            if chunk is None:
+                raise ProtocolError("CHUNK kind is neither K (0) nor V (1)")
+            return chunk
+        return decode_body(big.ftype, big.header[1], big.dest)
+
     def _compact(self) -> None:
         if self._pos:
             del self._buf[: self._pos]
@@ -607,7 +708,9 @@ class FrameDecoder:
     @property
     def buffered(self) -> int:
         """Bytes held while waiting for the rest of a frame."""
-        big = len(self._big[1]) if self._big is not None else 0
+        big = 0
+        if self._big is not None:
+            big = len(self._big.pre) + self._big.filled + len(self._big.crc)
         return len(self._buf) - self._pos + big
 
     @staticmethod
@@ -618,6 +721,18 @@ class FrameDecoder:
             raise IntegrityError(f"CRC32C mismatch on frame type 0x{header[0]:02x}")
         ftype, flags, _, _ = HEADER.unpack(header)
         return decode_body(ftype, flags, body)
+
+
+def _chunk_from(pre: Buffer, payload: Buffer) -> Chunk | None:
+    """A Chunk from its fixed fields + params and a payload; None for a bad kind."""
+    tid, layer, kind, codec_id, start, count, ltok, plen = CHUNK_FIXED.unpack_from(pre)
+    if kind not in (0, 1):
+        return None
+    return Chunk(
+        transfer_id=tid, layer=layer, kind=kind, codec_id=codec_id, token_start=start,
+        token_count=count, layer_tokens=ltok, params=bytes(memoryview(pre)[CHUNK_FIXED.size :]),
+        payload=payload,
+    )
 
 
 __all__ = [
@@ -644,6 +759,7 @@ __all__ = [
     "ErrorCode",
     "Frame",
     "FrameDecoder",
+    "PayloadSink",
     "FrameType",
     "GoAway",
     "Hello",

@@ -83,6 +83,13 @@ class IncomingTransfer:
         elif chunk.layer_tokens != self.layer_tokens:
             raise ProtocolError("layers of one transfer disagree on the token count")
 
+    def is_new(self, chunk: Chunk) -> bool:
+        """Neither received at this address nor part of a complete layer."""
+        if chunk.layer in self._complete:
+            return False
+        cov = self._cov.get((chunk.layer, chunk.kind))
+        return cov is None or chunk.token_start not in cov.counts
+
     def add(self, chunk: Chunk) -> ChunkVerdict:
         """Record ``chunk`` (call :meth:`check` first)."""
         cov = self._cov.setdefault((chunk.layer, chunk.kind), _Coverage())

@@ -210,3 +210,44 @@ def test_recv_into_path_yields_the_same_frames(data: st.DataObject) -> None:
         got += dec.buffer_updated(n)
     assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
     assert dec.buffered == 0 and dec.bytes_received == len(stream)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_payload_sink_receives_big_chunk_payloads_in_place(data: st.DataObject) -> None:
+    plen = data.draw(st.integers(0, 8))
+    payload = bytes([data.draw(st.integers(0, 255))]) * 70_000
+    chunk = Chunk(transfer_id=3, layer=1, kind=1, codec_id=0, token_start=64, token_count=8,
+                  layer_tokens=128, params=b"p" * plen, payload=payload)
+    frames = [SAMPLES[7], chunk, SAMPLES[10]]
+    stream = memoryview(b"".join(frame_bytes(f) for f in frames))  # type: ignore[arg-type]
+    sinks: list[memoryview] = []
+
+    def sink(head: Chunk, size: int) -> memoryview:
+        assert head.address == chunk.address and head.params == chunk.params and len(head.payload) == 0
+        sinks.append(memoryview(bytearray(size)))
+        return sinks[-1]
+
+    dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=data.draw(st.integers(16, 5000)), payload_sink=sink)
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    got = []
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(stream) - pos, rng.randint(1, 90_000))
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        got += dec.buffer_updated(n)
+    assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
+    [sunk] = sinks
+    assert got[1][0].payload is sunk and bytes(sunk) == payload  # type: ignore[union-attr]
+
+
+def test_payload_sink_corruption_is_still_an_integrity_error() -> None:
+    chunk = Chunk(transfer_id=3, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"", payload=b"\x07" * 100_000)
+    raw = bytearray(frame_bytes(chunk))
+    raw[50_000] ^= 0x10
+    dec = FrameDecoder(1 << 20, payload_sink=lambda head, size: memoryview(bytearray(size)))
+    with pytest.raises(IntegrityError):
+        dec.feed(bytes(raw))
