@@ -707,8 +707,9 @@ class Peer:
                 self._resume(stream)
             elif ev.goaway and ev.code == ErrorCode.NO_ERROR and any(s.is_open for s in self.streams):
                 # A clean goodbye on one stream: acks may still be on their way on the
-                # others; the session ends when the last one closes.
-                self._capacity.set()
+                # others; the session ends when the last one closes.  What this stream
+                # carried unacknowledged goes again on the others.
+                self._resume(stream, reconnect=False)
             else:
                 self._break(err)
 
@@ -724,8 +725,8 @@ class Peer:
             if s.transport is not None:
                 s.abort(ErrorCode.SESSION_LOST, "another stream of this session was lost")
 
-    def _resume(self, dead: StreamProtocol) -> None:
-        """Re-send what ``dead`` carried unacknowledged and reconnect its slot."""
+    def _resume(self, dead: StreamProtocol, *, reconnect: bool = True) -> None:
+        """Re-send what ``dead`` carried unacknowledged (and reconnect its slot)."""
         lost = []
         for out in self._transfers.values():
             for sent in out.state.unacked.values():
@@ -734,7 +735,8 @@ class Peer:
                     self.estimator.on_loss(sent.address)
         for _, sent in lost:
             sent.stream = -1  # in limbo until re-sent
-        self._spawn(self._reconnect(dead.index))
+        if reconnect:
+            self._spawn(self._reconnect(dead.index))
         if lost:
             self._spawn(self._resend(lost))
         self._capacity.set()

@@ -114,7 +114,7 @@ class Transfer:
         self._codecs = frozenset(session.server.codecs)
         self._gpu = opts.device == "gpu"
         # Raw payloads being received straight into their layer, by chunk address.
-        self._inplace: dict[ChunkAddress, memoryview] = {}
+        self._inplace: dict[ChunkAddress, _Reservation] = {}
         # One layer until the first chunk tells the layer size; then as many as the
         # buffer budget holds (see on_chunk).
         self._window = 1
@@ -237,38 +237,62 @@ class Transfer:
             kind=TensorKind(chunk.kind),
         )
 
-    def sink(self, head: Chunk, size: int) -> memoryview | None:
+    def sink(self, head: Chunk, size: int, stream: StreamProtocol) -> memoryview | None:
         """Where a raw chunk's payload can be received directly: its place in the layer.
 
-        Only for a chunk that is new and not already arriving on another stream, so a
-        corrupted or duplicate copy can never overwrite bytes that were verified.
+        The header has not passed its CRC yet, so nothing here may change the transfer's
+        state, and the region must hold no verified bytes and not be arriving on another
+        stream: a corrupted copy can then only spoil bytes no one has accepted yet.
         """
-        if self._gpu or head.codec_id != RAW_CODEC_ID or head.params or self._error is not None:
+        st = self.state
+        if (
+            self._gpu or head.codec_id != RAW_CODEC_ID or head.params or self._error is not None
+            or not self._accepted or st.layer_tokens is None or head.layer_tokens != st.layer_tokens
+            or head.layer >= min(st.layer_limit, st.num_layers) or head.token_count == 0
+            or head.token_start + head.token_count > head.layer_tokens
+        ):
             return None
-        address = head.address
-        if address in self._inplace or not self.state.is_new(head):
+        end = head.token_start + head.token_count
+        if st.overlaps_received(head.layer, head.kind, head.token_start, head.token_count):
             return None
-        try:
-            self._check(head)
-        except KvwireError:
-            return None  # the frame's arrival reports it
+        for r in self._inplace.values():
+            if r.layer == head.layer and r.kind == head.kind and r.start < end and head.token_start < r.end:
+                return None
         out = self._out(head)
         if out.nbytes != size:
             return None
         view = memoryview(out.reshape(-1).view(np.uint8))
-        self._inplace[address] = view
+        self._inplace[head.address] = _Reservation(view, stream, head.layer, head.kind, head.token_start, end)
         return view
+
+    def release(self, stream: StreamProtocol) -> None:
+        """``stream`` is gone: its in-place reservations free their regions."""
+        for address in [a for a, r in self._inplace.items() if r.stream is stream]:
+            del self._inplace[address]
+
+    def _evict_overlapping(self, chunk: Chunk) -> None:
+        """A copy of these tokens is about to be stored: any other stream still reading
+        into that region in place is switched to a private buffer first."""
+        end = chunk.token_start + chunk.token_count
+        for address, r in list(self._inplace.items()):
+            if r.layer == chunk.layer and r.kind == chunk.kind and r.start < end and chunk.token_start < r.end:
+                r.stream.conn.abandon_payload(r.view)
+                del self._inplace[address]
 
     def on_chunk(self, ev: ChunkReceived) -> bool:
         """Verify and store a chunk; True when it was new.  Raises KvwireError to reset."""
         chunk = ev.chunk
         codec = self._check(chunk)
-        inplace = self._inplace.pop(chunk.address, None)
+        res = self._inplace.get(chunk.address)
+        inplace = res is not None and chunk.payload is res.view
+        if inplace:
+            del self._inplace[chunk.address]
         if self.state.add(chunk) is ChunkVerdict.DUPLICATE:
             return False
         if self._gpu:
             self._decode_on_gpu(codec, chunk, self._out(chunk))
-        elif inplace is None or chunk.payload is not inplace:
+        elif not inplace:
+            self._evict_overlapping(chunk)
             out = self._out(chunk)
             codec.decode(
                 chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
@@ -293,6 +317,18 @@ class Transfer:
             self._arrays.clear()  # never hand out a half-filled cache
             self._ready.clear()
             self._changed.set()
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """A layer region a stream is reading a raw payload into, before its CRC is checked."""
+
+    view: memoryview
+    stream: StreamProtocol
+    layer: int
+    kind: int
+    start: int
+    end: int
 
 
 class _Session:
@@ -420,7 +456,7 @@ class Server:
     def _sink(self, stream: StreamProtocol, head: Chunk, size: int) -> memoryview | None:
         sess: _Session | None = stream.owner
         transfer = sess.transfers.get(head.transfer_id) if sess is not None else None
-        return transfer.sink(head, size) if transfer is not None else None
+        return transfer.sink(head, size, stream) if transfer is not None else None
 
     # -- public API -------------------------------------------------------------------------
 
@@ -531,6 +567,8 @@ class Server:
                 return
             if sess.streams.get(stream.index) is stream:
                 del sess.streams[stream.index]
+            for t in sess.transfers.values():
+                t.release(stream)
             unfinished = any(not t.complete for t in sess.transfers.values())
             # A break is resumable even when every transfer is complete here: the
             # client may still wait for acknowledgements that were lost with the stream.
@@ -566,6 +604,8 @@ class Server:
                 # The client reconnects a slot whose old connection we still think is up
                 # (a half-open TCP connection): the new one replaces it.
                 del sess.streams[ev.stream_index]
+                for t in sess.transfers.values():
+                    t.release(old)
                 old.owner = None
                 old.abort(ErrorCode.SESSION_LOST, "replaced by a reconnected stream")
             if len(sess.streams) >= self.options.max_streams:

@@ -330,6 +330,10 @@ class Connection:
         """Receive large CHUNK payloads into buffers ``sink`` chooses (see FrameDecoder)."""
         self._decoder.payload_sink = sink
 
+    def abandon_payload(self, view: memoryview) -> bool:
+        """Never write ``view`` (a buffer the payload sink gave) again; see FrameDecoder."""
+        return self._decoder.abandon_payload(view)
+
     def get_buffer(self) -> memoryview:
         """A buffer for the next read (``recv_into`` style); then call :meth:`buffer_updated`.
 

@@ -654,7 +654,8 @@ class FrameDecoder:
                 plen = int(CHUNK_FIXED.unpack(big.pre)[-1])
                 big.pre_need += plen
                 if big.pre_need > big.length:
-                    raise ProtocolError("CHUNK params longer than its body")
+                    # Before the CRC can be checked: as likely a corrupted length as a bad peer.
+                    raise IntegrityError("CHUNK params longer than its body")
                 if plen:
                     return self._feed_big(view, out)
             self._start_dest(big)
@@ -699,6 +700,17 @@ class FrameDecoder:
                 raise ProtocolError("CHUNK kind is neither K (0) nor V (1)")
             return chunk
         return decode_body(big.ftype, big.header[1], big.dest)
+
+    def abandon_payload(self, view: memoryview) -> bool:
+        """Stop reading the current frame into ``view`` (a sink buffer): the rest goes to a
+        private copy, so ``view`` is never written again.  True if it was in use."""
+        big = self._big
+        if big is None or big.dest is None or big.dest is not view:
+            return False
+        private = memoryview(bytearray(len(view)))
+        private[: big.filled] = view[: big.filled]
+        big.dest = private
+        return True
 
     def _compact(self) -> None:
         if self._pos:

@@ -83,12 +83,19 @@ class IncomingTransfer:
         elif chunk.layer_tokens != self.layer_tokens:
             raise ProtocolError("layers of one transfer disagree on the token count")
 
-    def is_new(self, chunk: Chunk) -> bool:
-        """Neither received at this address nor part of a complete layer."""
-        if chunk.layer in self._complete:
+    def overlaps_received(self, layer: int, kind: int, start: int, count: int) -> bool:
+        """Whether tokens ``[start, start + count)`` of (layer, kind) hold verified data."""
+        if layer in self._complete:
+            return True
+        cov = self._cov.get((layer, kind))
+        if cov is None:
             return False
-        cov = self._cov.get((chunk.layer, chunk.kind))
-        return cov is None or chunk.token_start not in cov.counts
+        i = bisect.bisect_right(cov.starts, start)
+        if i > 0:
+            prev = cov.starts[i - 1]
+            if prev + cov.counts[prev] > start:
+                return True
+        return i < len(cov.starts) and cov.starts[i] < start + count
 
     def add(self, chunk: Chunk) -> ChunkVerdict:
         """Record ``chunk`` (call :meth:`check` first)."""
