@@ -48,7 +48,6 @@ from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
 from kvwire.wire.frames import Chunk, ChunkAddress
 from kvwire.wire.transfer import ChunkVerdict
 
-
 RAW_CODEC_ID = RawCodec.codec_id
 
 

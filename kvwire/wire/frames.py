@@ -737,7 +737,7 @@ class FrameDecoder:
 
 def _chunk_from(pre: Buffer, payload: Buffer) -> Chunk | None:
     """A Chunk from its fixed fields + params and a payload; None for a bad kind."""
-    tid, layer, kind, codec_id, start, count, ltok, plen = CHUNK_FIXED.unpack_from(pre)
+    tid, layer, kind, codec_id, start, count, ltok, _plen = CHUNK_FIXED.unpack_from(pre)
     if kind not in (0, 1):
         return None
     return Chunk(
@@ -771,10 +771,10 @@ __all__ = [
     "ErrorCode",
     "Frame",
     "FrameDecoder",
-    "PayloadSink",
     "FrameType",
     "GoAway",
     "Hello",
+    "PayloadSink",
     "Ping",
     "Pong",
     "Reset",
