@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from kvwire.aio._arrays import as_device_array, as_host_array, is_device_array, iterate_layers
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
 from kvwire.aio.tcpinfo import read_tcp_info
@@ -330,8 +332,6 @@ class Peer:
         tid = next(self._ids)
         out = _Outgoing(tid, spec.num_layers, loop)
         self._transfers[tid] = out
-        auto = codec_name == AUTO
-        fixed = None if auto else get_codec(codec_name)
         used: dict[str, int] = {}
         kv_bytes = 0
         try:
@@ -345,7 +345,6 @@ class Peer:
             primary.flush()
             index = -1
             tokens: int | None = None
-            bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
             producer = iterate_layers(layers)
             while True:
                 item = await _next_or_fail(producer, out)
@@ -372,39 +371,7 @@ class Peer:
                     await out.credit.wait()
                     if out.error is not None:
                         raise out.error
-                plan = plan_chunks(tokens, bpt, self.options.chunk_bytes)
-                out.layer_acked[index] = 2 * len(plan)
-                for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
-                    for start, count in plan:
-                        x = arr[start : start + count]
-                        if auto:
-                            assert self.chooser is not None
-                            left = None
-                            if deadline is not None:
-                                left = deadline - (_clock() - started)
-                            remaining = (spec.num_layers - index) * 2 * tokens * bpt
-                            name = self.chooser.choose(
-                                self.estimator.bandwidth_bps,
-                                remaining_bytes=remaining if deadline is not None else None,
-                                time_left=left,
-                            ).codec
-                            codec = get_codec(name)
-                        else:
-                            assert fixed is not None
-                            codec = fixed
-                        if on_device:
-                            enc = await self._encode_on_device(codec, x, kind, spec.dtype)
-                        else:
-                            enc = await self._encode(codec, x, kind)
-                        used[codec.name] = used.get(codec.name, 0) + 1
-                        payload = enc.payload
-                        plen = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
-                        chunk = Chunk(
-                            transfer_id=tid, layer=index, kind=int(kind), codec_id=enc.codec_id,
-                            token_start=start, token_count=count, layer_tokens=tokens,
-                            params=enc.params, payload=payload,
-                        )
-                        await self._put_chunk(out, chunk, chunk_frame_size(len(enc.params), plen), count * bpt)
+                await self._send_layer(out, spec, index, k, v, codec_name, used, started, deadline)
             if index + 1 != spec.num_layers:
                 raise UsageError(f"layers yielded {index + 1} layers, spec.num_layers={spec.num_layers}")
             out.state.producer_done = True
@@ -429,7 +396,7 @@ class Peer:
             self._transfers.pop(tid, None)
         seconds = _clock() - started
         snap = self.estimator.snapshot()
-        if auto and len(used) == 1:
+        if codec_name == AUTO and len(used) == 1:
             codec_name = next(iter(used))
         return Receipt(
             request_id=request_id, transfer_id=tid, codec=codec_name, kv_bytes=kv_bytes,
@@ -439,6 +406,44 @@ class Peer:
             rtt_ms=snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
             extra={"chunks_by_codec": used},
         )
+
+    async def _send_layer(
+        self, out: _Outgoing, spec: KVSpec, index: int, k: Any, v: Any, codec_name: str,
+        used: dict[str, int], started: float, deadline: float | None,
+    ) -> None:
+        """Chunk, encode and put one layer on the wire (K first, then V)."""
+        tokens = int(k.shape[0])
+        bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
+        on_device = is_device_array(k) and not isinstance(k, np.ndarray)
+        plan = plan_chunks(tokens, bpt, self.options.chunk_bytes)
+        out.layer_acked[index] = 2 * len(plan)
+        for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
+            for start, count in plan:
+                x = arr[start : start + count]
+                if codec_name == AUTO:
+                    assert self.chooser is not None
+                    left = None if deadline is None else deadline - (_clock() - started)
+                    remaining = (spec.num_layers - index) * 2 * tokens * bpt
+                    codec = get_codec(self.chooser.choose(
+                        self.estimator.bandwidth_bps,
+                        remaining_bytes=remaining if deadline is not None else None,
+                        time_left=left,
+                    ).codec)
+                else:
+                    codec = get_codec(codec_name)
+                if on_device:
+                    enc = await self._encode_on_device(codec, x, kind, spec.dtype)
+                else:
+                    enc = await self._encode(codec, x, kind)
+                used[codec.name] = used.get(codec.name, 0) + 1
+                payload = enc.payload
+                plen = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
+                chunk = Chunk(
+                    transfer_id=out.state.transfer_id, layer=index, kind=int(kind),
+                    codec_id=enc.codec_id, token_start=start, token_count=count,
+                    layer_tokens=tokens, params=enc.params, payload=payload,
+                )
+                await self._put_chunk(out, chunk, chunk_frame_size(len(enc.params), plen), count * bpt)
 
     async def _encode(self, codec: Any, x: Any, kind: TensorKind) -> Any:
         """Encode one chunk; quantizing codecs run off the event loop so acks keep flowing."""
