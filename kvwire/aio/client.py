@@ -414,7 +414,7 @@ class Peer:
         """Chunk, encode and put one layer on the wire (K first, then V)."""
         tokens = int(k.shape[0])
         bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
-        on_device = is_device_array(k) and not isinstance(k, np.ndarray)
+        on_device = not isinstance(k, np.ndarray)  # already a CuPy array (see _send)
         plan = plan_chunks(tokens, bpt, self.options.chunk_bytes)
         out.layer_acked[index] = 2 * len(plan)
         for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
@@ -497,15 +497,10 @@ class Peer:
             if out.error is not None:
                 raise out.error
             self._check_usable()
-            best: StreamProtocol | None = None
             if not self.inflight.may_send(self.estimator, wire_size):
-                self._capacity.clear()
-                self._waiting_senders += 1
-                try:
-                    await self._capacity.wait()
-                finally:
-                    self._waiting_senders -= 1
+                await self._wait_capacity()
                 continue
+            best: StreamProtocol | None = None
             for s in self.streams[: self.active_streams]:
                 if (
                     s.is_open and s.writable.is_set() and s.conn.can_send_chunk(wire_size)
@@ -524,12 +519,16 @@ class Peer:
                     chunk.address, wire_size, _clock(), app_limited=self._app_limited(wire_size),
                 )
                 return
-            self._capacity.clear()
-            self._waiting_senders += 1
-            try:
-                await self._capacity.wait()
-            finally:
-                self._waiting_senders -= 1
+            await self._wait_capacity()
+
+    async def _wait_capacity(self) -> None:
+        """Wait for an ack, a writable stream, a reconnect or a break (counted as queued data)."""
+        self._capacity.clear()
+        self._waiting_senders += 1
+        try:
+            await self._capacity.wait()
+        finally:
+            self._waiting_senders -= 1
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: the bandwidth/RTT estimate, bytes in flight, and per stream credit,

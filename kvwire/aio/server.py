@@ -342,16 +342,24 @@ class _Session:
         self.lose_timer: asyncio.TimerHandle | None = None
         # Why recent transfers failed: a chunk of one still arriving gets the RESET again
         # before its ACK on the same stream, so the sender never mistakes it for success.
-        self.tombstones: OrderedDict[int, tuple[int, str]] = OrderedDict()
+        self.tombstones: OrderedDict[int, KvwireError] = OrderedDict()
         # Transfers that completed and were handed over: a late duplicate chunk of one (its
         # ack was lost with a broken stream) is acknowledged again, nothing more.
         self.completed: OrderedDict[int, None] = OrderedDict()
 
     def bury(self, transfer: Transfer, error: KvwireError) -> None:
         self.transfers.pop(transfer.transfer_id, None)
-        self.tombstones[transfer.transfer_id] = (int(error.code), str(error))
+        self.tombstones[transfer.transfer_id] = error
         while len(self.tombstones) > 4096:
             self.tombstones.popitem(last=False)
+
+    def repeat_reset(self, stream: StreamProtocol, transfer_id: int) -> bool:
+        """Send again the RESET of a recently failed transfer; False if it did not fail."""
+        error = self.tombstones.get(transfer_id)
+        if error is None:
+            return False
+        stream.conn.send_reset(transfer_id, error.code, str(error))
+        return True
 
     def grant(self, transfer: Transfer, limit: int) -> None:
         limit = min(limit, transfer.spec.num_layers)
@@ -624,9 +632,7 @@ class Server:
             if existing._accepted:
                 stream.conn.send_accept(tid, existing.state.layer_limit)
             return
-        if tid in sess.tombstones:
-            code, msg = sess.tombstones[tid]
-            stream.conn.send_reset(tid, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR, msg)
+        if sess.repeat_reset(stream, tid):
             return
         try:
             if tid in sess.transfers:
@@ -778,10 +784,8 @@ class Server:
                     else:
                         self._spawn(self._ack_after_final(stream, transfer, addr))
                     return
-        tomb = sess.tombstones.get(addr.transfer_id)
-        if tomb is not None:
-            code, msg = tomb
-            stream.conn.send_reset(addr.transfer_id, ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR, msg)
+        if sess.repeat_reset(stream, addr.transfer_id):
+            pass
         elif transfer is None and addr.transfer_id not in sess.completed:
             # Never begun (or long forgotten): the data was not stored, so say so first.
             stream.conn.send_reset(addr.transfer_id, ErrorCode.PROTOCOL_ERROR, "no such transfer")
