@@ -9,7 +9,8 @@ import pytest
 
 from kvwire.codec import TensorKind, get_codec
 
-SAMPLE = Path(__file__).parents[2].parent / "shared/data/minilm_kv.npz"
+# Carried by the repository (provenance in tests/data/README.md).
+SAMPLE = Path(__file__).resolve().parents[1] / "data" / "minilm_kv.npz"
 BOUNDS = {"raw": (0.0, 1.0), "fp8": (0.03, 0.57), "int8": (0.01, 0.57), "int4": (0.12, 0.38)}
 
 
