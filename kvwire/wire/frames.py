@@ -524,7 +524,12 @@ class _BigFrame:
         self.dest: memoryview | None = None
         self.filled = 0
         self.crc = bytearray()
-        self.stage = self.PRE if self.pre_need else self.DEST
+        if self.pre_need:
+            self.stage = self.PRE
+        else:
+            # Any other frame: its whole body goes into a buffer of its own.
+            self.dest = memoryview(bytearray(length))
+            self.stage = self.DEST if length else self.CRC
 
 
 class FrameDecoder:
@@ -631,13 +636,13 @@ class FrameDecoder:
             out.append((self._finish(header, memoryview(body_crc)), need))
 
     def _check_header(self, head: memoryview) -> tuple[int, int]:
-        ftype, _flags, reserved, length = HEADER.unpack(head[:HEADER_SIZE])
+        ftype, _flags, _reserved, length = HEADER.unpack(head[:HEADER_SIZE])
         if length > self.max_body:
             raise FrameTooLargeError(
                 f"frame type 0x{ftype:02x} announces {length} bytes, limit {self.max_body}"
             )
-        if reserved != 0:
-            raise ProtocolError("reserved header bits set")
+        # The reserved field is checked after the CRC (see _check_reserved): a flipped bit
+        # there is line noise, an integrity error, not a peer breaking the protocol.
         return int(ftype), int(length)
 
     def _feed_big(self, view: memoryview, out: list[tuple[Frame, int]]) -> memoryview:
@@ -694,6 +699,7 @@ class FrameDecoder:
         crc = crc32c(big.dest, crc32c(big.pre, crc32c(big.header)))
         if crc != expected:
             raise IntegrityError(f"CRC32C mismatch on frame type 0x{big.ftype:02x}")
+        _check_reserved(big.header)
         if big.ftype == FrameType.CHUNK:
             chunk = _chunk_from(big.pre, big.dest)
             if chunk is None:
@@ -731,8 +737,15 @@ class FrameDecoder:
         (expected,) = CRC.unpack(body_crc[-CRC_SIZE:])
         if crc32c(body, crc32c(header)) != expected:
             raise IntegrityError(f"CRC32C mismatch on frame type 0x{header[0]:02x}")
+        _check_reserved(header)
         ftype, flags, _, _ = HEADER.unpack(header)
         return decode_body(ftype, flags, body)
+
+
+def _check_reserved(header: bytes) -> None:
+    """A CRC-verified header with reserved bits set was sent that way: a protocol error."""
+    if header[2] or header[3]:
+        raise ProtocolError("reserved header bits set")
 
 
 def _chunk_from(pre: Buffer, payload: Buffer) -> Chunk | None:

@@ -464,18 +464,21 @@ HOSTILE_AFTER_AUTH = {
     "oversized 4 GiB header": (lambda: HEADER.pack(0x12, 0, 0, 0xFFFFFFFF), ErrorCode.FRAME_TOO_LARGE),
     "bad CRC": (lambda: frame_bytes(BEGIN)[:-1] + b"\x00", ErrorCode.INTEGRITY_ERROR),
     "noise": (lambda: bytes(random.Random(3).getrandbits(8) for _ in range(80_000)), None),
-    "reserved bits": (lambda: HEADER.pack(0x20, 0, 1, 8) + bytes(12), ErrorCode.PROTOCOL_ERROR),
+    # A flipped reserved bit under a CRC that does not cover it is line noise (resumable);
+    # a CRC-valid header with reserved bits set was sent that way (fatal).
+    "reserved bits, bad CRC": (lambda: HEADER.pack(0x20, 0, 1, 8) + bytes(12), ErrorCode.INTEGRITY_ERROR),
+    "reserved bits, valid CRC": (lambda: _reframe(0x20, bytes(8), reserved=1), ErrorCode.PROTOCOL_ERROR),
     "server-only frame": (lambda: frame_bytes(Ack(transfer_id=1, layer=0, kind=0, token_start=0)), ErrorCode.PROTOCOL_ERROR),
     "second HELLO": (lambda: None, ErrorCode.PROTOCOL_ERROR),
     "truncated BEGIN": (lambda: _reframe(0x10, frame_bytes(BEGIN)[8:-4][:10]), ErrorCode.PROTOCOL_ERROR),
 }
 
 
-def _reframe(ftype: int, body: bytes) -> bytes:
+def _reframe(ftype: int, body: bytes, *, reserved: int = 0) -> bytes:
     """A frame of ``ftype`` around ``body`` with a correct CRC (so only the body is bad)."""
     from crc32c import crc32c
 
-    header = HEADER.pack(ftype, 0, 0, len(body))
+    header = HEADER.pack(ftype, 0, reserved, len(body))
     return header + body + crc32c(body, crc32c(header)).to_bytes(4, "big")
 
 

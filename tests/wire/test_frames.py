@@ -251,3 +251,88 @@ def test_payload_sink_corruption_is_still_an_integrity_error() -> None:
     dec = FrameDecoder(1 << 20, payload_sink=lambda head, size: memoryview(bytearray(size)))
     with pytest.raises(IntegrityError):
         dec.feed(bytes(raw))
+
+
+# -- hostile input: sizes, reserved bits, bit flips ---------------------------------------
+
+
+def _frame_with(ftype: int, body: bytes, *, reserved: int = 0) -> bytes:
+    from crc32c import crc32c
+
+    header = HEADER.pack(ftype, 0, reserved, len(body))
+    return header + body + crc32c(body, crc32c(header)).to_bytes(4, "big")
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096, 65536, 1 << 20])
+def test_control_frame_larger_than_64k_is_decoded_in_any_split(step: int) -> None:
+    meta = b'{"x":"' + b"m" * 200_000 + b'"}'
+    begin = Begin(transfer_id=3, num_layers=1, num_kv_heads=1, head_dim=8, dtype_id=1, model="",
+                  request_id="big", meta=meta)
+    data = frame_bytes(begin) + frame_bytes(Ping(opaque=5))
+    dec = FrameDecoder(1 << 20)
+    got = []
+    for i in range(0, len(data), step):
+        got += [f for f, _ in dec.feed(data[i : i + step])]
+    assert got == [begin, Ping(opaque=5)]
+
+
+def test_control_frame_larger_than_64k_through_get_buffer() -> None:
+    body = b"\x00" * 100_000
+    data = _frame_with(0x7F, body)
+    dec = FrameDecoder(1 << 20)
+    got = []
+    pos = 0
+    while pos < len(data):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(data) - pos, 5000)
+        buf[:n] = data[pos : pos + n]
+        pos += n
+        got += [f for f, _ in dec.buffer_updated(n)]
+    assert got == [UnknownFrame(type=0x7F, flags=0, body=body)]
+
+
+@pytest.mark.parametrize("bit", range(32))
+def test_flipped_length_bit_of_an_ack_is_a_protocol_error_never_an_assert(bit: int) -> None:
+    data = bytearray(frame_bytes(Ack(transfer_id=1, layer=0, kind=0, token_start=0)) + bytes(300_000))
+    data[4 + bit // 8] ^= 1 << (bit % 8)
+    dec = FrameDecoder(1 << 20)
+    with contextlib.suppress(ProtocolError):
+        for i in range(0, len(data), 1000):
+            dec.feed(bytes(data[i : i + 1000]))
+
+
+@pytest.mark.parametrize("bit", range(16))
+def test_flipped_reserved_bit_is_an_integrity_error(bit: int) -> None:
+    data = bytearray(frame_bytes(Ack(transfer_id=1, layer=0, kind=0, token_start=0)))
+    data[2 + bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises(IntegrityError):
+        FrameDecoder(1 << 20).feed(bytes(data))
+
+
+def test_reserved_bits_under_a_valid_crc_are_a_protocol_error() -> None:
+    with pytest.raises(ProtocolError) as info:
+        FrameDecoder(1 << 20).feed(_frame_with(0x20, bytes(8), reserved=0x8000))
+    assert not isinstance(info.value, IntegrityError)
+    big = _frame_with(0x7F, bytes(100_000), reserved=1)
+    with pytest.raises(ProtocolError) as info:
+        FrameDecoder(1 << 20).feed(big)
+    assert not isinstance(info.value, IntegrityError)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    frames=st.lists(st.sampled_from(range(len(SAMPLES))), min_size=1, max_size=6),
+    flips=st.lists(st.integers(min_value=0), min_size=1, max_size=4),
+    step=st.integers(min_value=1, max_value=70_000),
+)
+def test_bit_flips_anywhere_raise_only_protocol_errors(frames: list[int], flips: list[int], step: int) -> None:
+    big = Begin(transfer_id=3, num_layers=1, num_kv_heads=1, head_dim=8, dtype_id=1, model="",
+                request_id="big", meta=b"[" + b"0," * 40_000 + b"0]")
+    data = bytearray(b"".join(frame_bytes(SAMPLES[i]) for i in frames) + frame_bytes(big))
+    for f in flips:
+        data[f % len(data)] ^= 1 << (f % 8)
+    dec = FrameDecoder(1 << 20)
+    with contextlib.suppress(ProtocolError):
+        for i in range(0, len(data), step):
+            dec.feed(bytes(data[i : i + step]))
+            assert dec.buffered <= (1 << 20) + 12
