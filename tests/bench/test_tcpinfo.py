@@ -1,4 +1,9 @@
-"""read_tcp_info on a real loopback TCP connection."""
+"""read_tcp_info on a real loopback TCP connection.
+
+Only what holds on any machine, however busy, is asserted: the connection's state and
+that the counters exist and are consistent with each other; never how many segments
+the kernel retransmitted or how long a round trip took.
+"""
 
 from __future__ import annotations
 
@@ -44,13 +49,15 @@ def test_loopback_counters_after_a_transfer() -> None:
         assert info.length >= 104
         assert info.state == 1  # TCP_ESTABLISHED
         assert info.rtt_us is not None and info.rtt_us > 0
-        assert info.rtt is not None and info.rtt < 1.0
+        assert info.rtt is not None and info.rtt > 0
         assert info.snd_cwnd is not None and info.snd_cwnd > 0
-        assert info.total_retrans == 0
+        # Retransmits happen on a loaded machine too: only that the counter is read.
+        assert info.total_retrans is not None and info.total_retrans >= 0
         if info.bytes_acked is not None:
             # The SYN counts for one acked byte.
             assert info.bytes_acked >= len(payload)
         if info.notsent_bytes is not None:
+            # The peer answered after reading every byte: nothing is left unsent.
             assert info.notsent_bytes == 0
         if info.min_rtt_us is not None:
             assert 0 < info.min_rtt_us <= info.rtt_us + (info.rttvar_us or 0)
