@@ -1,0 +1,264 @@
+"""The one parser and formatter for rates, durations, sizes and rate schedules.
+
+Every command line option and configuration value that names a rate, a time, a size or a
+rate-over-time schedule goes through this module, so ``kvwire bench``, ``kvwire serve`` and
+``kvwire simulate`` read the same text the same way. Pure: no I/O, no clock.
+
+Syntax
+------
+rate
+    ``10gbps``, ``10Gbit/s``, ``2.5gbit``, ``800mbps``, ``1.25GB/s``. Decimal prefixes
+    (k, M, G, T), as network rates use them. A capital ``B`` (``GB/s``, ``MBps``) means
+    bytes; everything else means bits. A bare number is bits per second.
+duration
+    ``20ms``, ``1.5s``, ``500us``, ``2min``, ``1h``; a bare number is seconds (or the
+    ``default_unit`` the caller names).
+size
+    ``4096``, ``64KiB``, ``128MiB``, ``1GiB`` (binary prefixes), ``1GB``/``1MB`` (decimal);
+    a bare number is bytes.
+schedule
+    ``TIME:RATE[,TIME:RATE...]``, for example ``0s:10gbps,30s:1gbps,60s:10gbps``: the rate
+    from each start time until the next. The first item starts at 0. ``TIME`` is a duration
+    (bare numbers are seconds).
+
+Formatting uses one style: ``10 Gbit/s``, ``20 ms``, ``128 MiB``; every formatted value
+parses back to (nearly) the same number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import re
+from collections.abc import Callable
+from typing import TypeVar
+
+from kvwire.errors import UsageError
+
+__all__ = [
+    "Schedule",
+    "argument_type",
+    "format_duration",
+    "format_rate",
+    "format_schedule",
+    "format_size",
+    "parse_duration",
+    "parse_rate",
+    "parse_schedule",
+    "parse_size",
+]
+
+Schedule = tuple[tuple[float, float], ...]
+"""``((start_seconds, bits_per_second), ...)``, sorted by start, the first at 0."""
+
+_NUM = r"(?P<num>[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+
+# -- rates --------------------------------------------------------------------------------------
+
+_RATE_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+_RATE_RE = re.compile(rf"^\s*{_NUM}\s*(?P<prefix>[kKmMgGtT]?)(?P<unit>.*?)\s*$")
+_BIT_UNITS = {"", "bps", "bit", "bits", "bit/s", "bits/s", "b/s", "bitps"}
+_BYTE_UNITS = {"B/s", "Bps", "byte/s", "bytes/s", "Byte/s", "Bytes/s"}
+
+
+def parse_rate(text: str) -> float:
+    """Bits per second for ``10gbps``, ``10Gbit/s``, ``800mbps``, ``1.25GB/s`` or ``5``.
+
+    Raises :class:`kvwire.UsageError` for anything else, including negative or non-finite
+    values. Zero is accepted here; callers that need a positive rate check it.
+    """
+    match = _RATE_RE.match(text)
+    if match is None:
+        raise UsageError(f"cannot parse rate {text!r} (try 10gbps, 800mbps, 1.25GB/s)")
+    value = float(match["num"])
+    prefix = _RATE_PREFIX[match["prefix"].lower()]
+    unit = match["unit"]
+    if unit in _BYTE_UNITS:
+        result = value * prefix * 8.0
+    elif unit.lower() in _BIT_UNITS and not unit.startswith("B"):
+        result = value * prefix
+    else:
+        raise UsageError(
+            f"cannot parse rate {text!r}: unknown unit {unit!r} (try 10gbps, 800mbps, 1.25GB/s)"
+        )
+    if not math.isfinite(result):
+        raise UsageError(f"rate {text!r} is not finite")
+    return result
+
+
+def _sig4(value: float) -> float:
+    """``value`` rounded to the four significant digits the formatters print, so a unit is
+    chosen for the number as printed (0.99999 s is "1 s", not "1000 ms")."""
+    return float(f"{value:.4g}")
+
+
+def format_rate(bits_per_second: float) -> str:
+    """``100 Gbit/s``, ``2.5 Gbit/s``, ``800 Mbit/s``: the largest prefix that keeps >= 1."""
+    bits_per_second = _sig4(bits_per_second)
+    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(bits_per_second) >= scale:
+            return f"{bits_per_second / scale:.4g} {prefix}bit/s"
+    return f"{bits_per_second:.4g} bit/s"
+
+
+# -- durations ----------------------------------------------------------------------------------
+
+_TIME_SCALE = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "sec": 1.0,
+    "min": 60.0,
+    "h": 3600.0,
+}
+_DURATION_RE = re.compile(rf"^\s*{_NUM}\s*(?P<unit>[a-zµ]*)\s*$")
+
+
+def parse_duration(text: str, default_unit: str = "s") -> float:
+    """Seconds for ``20ms``, ``1.5s``, ``500us``, ``2min``; a bare number is in
+    ``default_unit`` (seconds unless the caller says otherwise)."""
+    if default_unit not in _TIME_SCALE:
+        raise UsageError(f"unknown default time unit {default_unit!r}")
+    match = _DURATION_RE.match(text)
+    if match is None:
+        raise UsageError(f"cannot parse duration {text!r} (try 20ms, 1.5s, 500us)")
+    unit = match["unit"] or default_unit
+    if unit not in _TIME_SCALE:
+        raise UsageError(
+            f"cannot parse duration {text!r}: unknown unit {unit!r} (use ns, us, ms, s, min, h)"
+        )
+    value = float(match["num"]) * _TIME_SCALE[unit]
+    if not math.isfinite(value):
+        raise UsageError(f"duration {text!r} is not finite")
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """``20 ms``, ``1.5 s``, ``500 us``, ``0 s``: the largest unit that keeps >= 1 (up to s)."""
+    seconds = _sig4(seconds)
+    if seconds == 0:
+        return "0 s"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.4g} {unit}"
+    return f"{seconds / 1e-9:.4g} ns"
+
+
+# -- sizes --------------------------------------------------------------------------------------
+
+_SIZE_SCALE = {
+    "": 1,
+    "b": 1,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+}
+_SIZE_RE = re.compile(rf"^\s*{_NUM}\s*(?P<unit>[A-Za-z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes for ``4096``, ``64KiB``, ``128MiB``, ``1GiB``, ``1GB`` (rounded to a whole byte)."""
+    match = _SIZE_RE.match(text)
+    if match is None:
+        raise UsageError(f"cannot parse size {text!r} (try 4096, 128MiB, 1GiB)")
+    unit = match["unit"].lower()
+    if unit not in _SIZE_SCALE:
+        raise UsageError(
+            f"cannot parse size {text!r}: unknown unit {match['unit']!r} "
+            "(use B, KiB, MiB, GiB, TiB or KB, MB, GB, TB)"
+        )
+    value = float(match["num"]) * _SIZE_SCALE[unit]
+    if not math.isfinite(value):
+        raise UsageError(f"size {text!r} is not finite")
+    return round(value)
+
+
+def format_size(n_bytes: float) -> str:
+    """``4 KiB``, ``128 MiB``, ``1 GiB``, ``100 B``: binary prefixes, largest that keeps >= 1."""
+    n_bytes = _sig4(n_bytes)
+    for prefix, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n_bytes) >= scale:
+            return f"{n_bytes / scale:.4g} {prefix}"
+    return f"{n_bytes:.4g} B"
+
+
+# -- schedules ----------------------------------------------------------------------------------
+
+
+def parse_schedule(text: str) -> Schedule:
+    """``((start_s, bits_per_s), ...)`` for ``"0s:10gbps,30s:1gbps"`` (``TIME:RATE`` items).
+
+    Items may come in any order; they are sorted by start. The first must start at 0 so the
+    rate is defined for the whole run; starts must be distinct and rates > 0.
+    """
+    items: list[tuple[float, float]] = []
+    for raw in text.split(","):
+        part = raw.strip()
+        if not part:
+            continue
+        if "@" in part:
+            raise UsageError(
+                f"schedule item {part!r}: the schedule syntax is TIME:RATE, "
+                "e.g. 0s:10gbps,30s:1gbps"
+            )
+        time_text, sep, rate_text = part.partition(":")
+        if not sep:
+            raise UsageError(
+                f"schedule item {part!r} is not TIME:RATE (e.g. 0s:10gbps,30s:1gbps)"
+            )
+        try:
+            start = parse_duration(time_text)
+            rate = parse_rate(rate_text)
+        except UsageError as exc:
+            raise UsageError(f"schedule item {part!r}: {exc}") from None
+        if not rate > 0:
+            raise UsageError(f"schedule item {part!r}: the rate must be > 0")
+        items.append((start, rate))
+    if not items:
+        raise UsageError("empty rate schedule (expected TIME:RATE[,TIME:RATE...])")
+    items.sort()
+    if items[0][0] != 0.0:
+        raise UsageError(
+            f"a rate schedule must start at time 0 (first item starts at "
+            f"{format_duration(items[0][0])}; e.g. 0s:10gbps,30s:1gbps)"
+        )
+    for (a, _), (b, _) in itertools.pairwise(items):
+        if a == b:
+            raise UsageError(f"two schedule items start at {format_duration(a)}")
+    return tuple(items)
+
+
+def format_schedule(schedule: Schedule) -> str:
+    """``0 s:10 Gbit/s, 30 s:1 Gbit/s`` for display; :func:`parse_schedule` reads it back."""
+    return ", ".join(f"{format_duration(t)}:{format_rate(r)}" for t, r in schedule)
+
+
+# -- argparse -----------------------------------------------------------------------------------
+
+T = TypeVar("T")
+
+
+def argument_type(parse: Callable[[str], T], what: str | None = None) -> Callable[[str], T]:
+    """An ``argparse`` ``type=`` from a parser here: a :class:`UsageError` becomes argparse's
+    own error message (exit status 2) instead of a traceback."""
+
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except UsageError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = what or getattr(parse, "__name__", "value").removeprefix("parse_")
+    return convert

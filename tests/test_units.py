@@ -1,0 +1,178 @@
+"""kvwire.units: the one parser/formatter for rates, durations, sizes and schedules."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvwire import UsageError
+from kvwire.units import (
+    argument_type,
+    format_duration,
+    format_rate,
+    format_schedule,
+    format_size,
+    parse_duration,
+    parse_rate,
+    parse_schedule,
+    parse_size,
+)
+
+# .4g formatting keeps four significant digits: a round trip is within 5e-4 relative.
+REL = 5e-4
+
+
+@pytest.mark.parametrize(
+    ("text", "bps"),
+    [
+        ("10gbps", 10e9),
+        ("10Gbit/s", 10e9),
+        ("10 Gbit/s", 10e9),
+        ("2.5gbit", 2.5e9),
+        ("800mbps", 800e6),
+        ("1.25GB/s", 10e9),
+        ("100MBps", 800e6),
+        ("5", 5.0),
+        ("1e9", 1e9),
+    ],
+)
+def test_parse_rate(text: str, bps: float) -> None:
+    assert parse_rate(text) == pytest.approx(bps)
+
+
+@pytest.mark.parametrize("text", ["", "fast", "-1gbps", "10xbps", "10GBit", "1e999gbps"])
+def test_parse_rate_rejects(text: str) -> None:
+    with pytest.raises(UsageError, match="rate"):
+        parse_rate(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("20ms", 0.02), ("1.5s", 1.5), ("500us", 500e-6), ("2", 2.0), ("2min", 120.0),
+     ("1h", 3600.0), ("20 ms", 0.02), ("0", 0.0), ("750ns", 750e-9)],
+)
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == pytest.approx(seconds)
+
+
+def test_parse_duration_default_unit() -> None:
+    assert parse_duration("20", default_unit="ms") == pytest.approx(0.02)
+    assert parse_duration("1s", default_unit="ms") == 1.0
+
+
+@pytest.mark.parametrize("text", ["", "soon", "-1s", "3 parsecs", "1e999s"])
+def test_parse_duration_rejects(text: str) -> None:
+    with pytest.raises(UsageError, match="duration"):
+        parse_duration(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [("4096", 4096), ("1GiB", 1 << 30), ("128MiB", 128 << 20), ("64 KiB", 65536),
+     ("1GB", 10**9), ("1.5KiB", 1536), ("10B", 10)],
+)
+def test_parse_size(text: str, n: int) -> None:
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("text", ["", "big", "-1MiB", "1XiB"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(UsageError, match="size"):
+        parse_size(text)
+
+
+def test_parse_schedule() -> None:
+    assert parse_schedule("0s:10gbps,30s:1gbps") == ((0.0, 10e9), (30.0, 1e9))
+    assert parse_schedule("30:1gbps, 0:10gbps") == ((0.0, 10e9), (30.0, 1e9))
+    assert parse_schedule("0:10gbps,1500ms:2.5gbps") == ((0.0, 10e9), (1.5, 2.5e9))
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "empty"),
+        ("5s:10gbps", "start at time 0"),
+        ("10gbps,2.5gbps@3s", "TIME:RATE"),
+        ("10gbps", "TIME:RATE"),
+        ("0:10gbps,0:1gbps", "two schedule items"),
+        ("0:0gbps", "> 0"),
+        ("0:fast", "rate"),
+        ("soon:10gbps", "duration"),
+    ],
+)
+def test_parse_schedule_rejects(text: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        parse_schedule(text)
+
+
+def test_formats() -> None:
+    assert format_rate(100e9) == "100 Gbit/s"
+    assert format_rate(800e6) == "800 Mbit/s"
+    assert format_rate(2.5e9) == "2.5 Gbit/s"
+    assert format_duration(0.02) == "20 ms"
+    assert format_duration(1.5) == "1.5 s"
+    assert format_duration(500e-6) == "500 us"
+    assert format_duration(0) == "0 s"
+    assert format_size(1 << 30) == "1 GiB"
+    assert format_size(128 << 20) == "128 MiB"
+    assert format_size(100) == "100 B"
+    assert format_schedule(((0.0, 10e9), (30.0, 1e9))) == "0 s:10 Gbit/s, 30 s:1 Gbit/s"
+
+
+def test_argument_type_turns_usage_error_into_argparse_error() -> None:
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--link", type=argument_type(parse_rate))
+    assert parser.parse_args(["--link", "10gbps"]).link == 10e9
+    with pytest.raises(argparse.ArgumentError, match="cannot parse rate"):
+        parser.parse_args(["--link", "fast"])
+
+
+positive = st.floats(min_value=1e-3, max_value=1e15, allow_nan=False, allow_infinity=False)
+
+
+@given(positive)
+def test_rate_round_trip(bps: float) -> None:
+    text = format_rate(bps)
+    assert parse_rate(text) == pytest.approx(bps, rel=REL)
+    assert format_rate(parse_rate(text)) == text
+
+
+@given(st.floats(min_value=1e-9, max_value=1e6, allow_nan=False))
+def test_duration_round_trip(seconds: float) -> None:
+    text = format_duration(seconds)
+    assert parse_duration(text) == pytest.approx(seconds, rel=REL)
+    assert format_duration(parse_duration(text)) == text
+
+
+@given(st.integers(min_value=0, max_value=1 << 50))
+def test_size_round_trip(n: int) -> None:
+    text = format_size(n)
+    assert parse_size(text) == pytest.approx(n, rel=REL, abs=0.5)
+    assert format_size(parse_size(text)) == text
+
+
+@given(
+    st.dictionaries(st.integers(min_value=1, max_value=9999), positive.filter(lambda r: r >= 1e3),
+                    max_size=5),
+    st.floats(min_value=1e3, max_value=1e13),
+)
+def test_schedule_round_trip(later: dict[int, float], first_rate: float) -> None:
+    # Whole seconds below 10,000 format exactly, so distinct starts stay distinct.
+    schedule = tuple(sorted([(0.0, first_rate), *((float(t), r) for t, r in later.items())]))
+    text = format_schedule(schedule)
+    parsed = parse_schedule(text)
+    assert [t for t, _ in parsed] == [t for t, _ in schedule]
+    for (_, r0), (_, r1) in zip(schedule, parsed, strict=True):
+        assert r1 == pytest.approx(r0, rel=REL)
+    assert format_schedule(parsed) == text
+
+
+@given(st.text(max_size=20))
+def test_parsers_raise_only_usage_error(text: str) -> None:
+    for parse in (parse_rate, parse_duration, parse_size, parse_schedule):
+        with contextlib.suppress(UsageError):
+            parse(text)
