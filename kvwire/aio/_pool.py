@@ -1,0 +1,192 @@
+"""Receive buffers reused across transfers, so received bytes land in memory already faulted in.
+
+A fresh ``np.empty`` for every received layer makes the kernel fault in every page as the
+payload is copied into it; that costs little on an idle host and a great deal under memory
+pressure. The pool keeps released buffers (slabs) and hands them out again.
+
+Lifetime is tied to references, never to a call the application may forget or make too
+early. Each lease is an array whose data belongs to a small owner object; every view numpy
+derives from the array (slices, reshapes, ``np.asarray``, memoryviews, DLPack/torch views)
+keeps that owner alive, because numpy records the owner, not the leased array, as the base.
+The slab goes back to the pool only when the owner is garbage: when the application has
+dropped every array and view of the layer, or when the transfer holding undelivered layers is
+dropped. Memory that is still visible anywhere can therefore never be handed out again.
+
+The pool holds at most ``max_bytes`` of idle slabs; leased memory is bounded by the server's
+own limits (transfer buffer, concurrent transfers), not here.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ReceivePool", "default_pool", "size_class"]
+
+_PAGE = 4096
+_MIN_CLASS = 64 * 1024
+
+
+def size_class(nbytes: int) -> int:
+    """The slab size serving ``nbytes``: rounded up to an eighth of its power of two.
+
+    Layers of one model differ only in token count, so a coarse class lets a slab serve the
+    next transfer of a slightly different length while wasting at most 12.5 %.
+    """
+    if nbytes <= _MIN_CLASS:
+        return _MIN_CLASS
+    step = 1 << max(nbytes.bit_length() - 4, 12)
+    return -(-nbytes // step) * step
+
+
+class _Owner:
+    """Owns a leased slab's memory; numpy arrays built on it keep it alive (``base``)."""
+
+    __slots__ = ("__array_interface__", "__weakref__", "slab")
+
+    def __init__(self, slab: np.ndarray, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.slab = slab
+        self.__array_interface__ = {
+            "shape": shape,
+            "typestr": dtype.str,
+            "data": (slab.ctypes.data, False),
+            "version": 3,
+        }
+
+
+class ReceivePool:
+    """Pre-faulted receive buffers, reused once nothing refers to them any more."""
+
+    def __init__(self, max_bytes: int) -> None:
+        """
+        :param max_bytes: most bytes of idle slabs kept for reuse; ``0`` keeps none (every
+            lease is a fresh allocation, as without a pool).
+        """
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self._max_bytes = max_bytes
+        self._lock = threading.Lock()
+        # Idle slabs by size class, least recently returned first (evicted first).
+        self._idle: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        self._idle_bytes = 0
+        self._leased_bytes = 0
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of slabs waiting to be reused."""
+        return self._idle_bytes
+
+    @property
+    def leased_bytes(self) -> int:
+        """Bytes of slabs some array or view still refers to."""
+        return self._leased_bytes
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A C-contiguous array of ``shape`` and ``dtype`` with undefined contents.
+
+        Its memory returns to the pool when the array and every view of it are gone.
+        """
+        dt = np.dtype(dtype)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if nbytes == 0:
+            return np.empty(shape, dt)
+        cls = size_class(nbytes)
+        slab = self._take(cls)
+        owner = _Owner(slab, tuple(int(s) for s in shape), dt)
+        arr = np.asarray(owner)
+        weakref.finalize(owner, self._give_back, slab)
+        return arr
+
+    def reserve(self, nbytes: int, count: int = 1) -> None:
+        """Fault in ``count`` idle slabs for ``nbytes`` each now, ahead of the first transfer."""
+        cls = size_class(nbytes)
+        with self._lock:
+            room = (self._max_bytes - self._idle_bytes) // cls
+        for _ in range(min(count, max(room, 0))):
+            self._put_idle(cls, _new_slab(cls))
+
+    def clear(self) -> None:
+        """Drop every idle slab (leased ones return, or not, as their owners die)."""
+        with self._lock:
+            self._idle.clear()
+            self._idle_bytes = 0
+
+    def _take(self, cls: int) -> np.ndarray:
+        with self._lock:
+            self._leased_bytes += cls
+            free = self._idle.get(cls)
+            if free:
+                slab = free.pop()
+                if not free:
+                    del self._idle[cls]
+                self._idle_bytes -= cls
+                self.hits += 1
+                return slab
+            self.misses += 1
+        return _new_slab(cls)
+
+    def _give_back(self, slab: np.ndarray) -> None:
+        cls = slab.nbytes
+        with self._lock:
+            self._leased_bytes -= cls
+        self._put_idle(cls, slab)
+
+    def _put_idle(self, cls: int, slab: np.ndarray) -> None:
+        with self._lock:
+            if cls > self._max_bytes:
+                return
+            while self._idle_bytes + cls > self._max_bytes and self._idle:
+                old_cls, slabs = next(iter(self._idle.items()))
+                slabs.pop(0)
+                self._idle_bytes -= old_cls
+                if not slabs:
+                    del self._idle[old_cls]
+            self._idle.setdefault(cls, []).append(slab)
+            self._idle.move_to_end(cls)
+            self._idle_bytes += cls
+
+
+def _new_slab(nbytes: int) -> np.ndarray:
+    slab = np.empty(nbytes, np.uint8)
+    slab[::_PAGE] = 0  # fault every page in now, not while a payload is copied into it
+    return slab
+
+
+_DEFAULT_MAX = 1 << 30
+
+
+def _default_max_bytes() -> int:
+    value = os.environ.get("KVWIRE_RECV_POOL_MB")
+    if value is None:
+        return _DEFAULT_MAX
+    try:
+        return max(0, int(value)) << 20
+    except ValueError:
+        return _DEFAULT_MAX
+
+
+_default: ReceivePool | None = None
+_default_lock = threading.Lock()
+
+
+def default_pool() -> ReceivePool:
+    """The process-wide pool received layers are allocated from.
+
+    Holds at most 1 GiB of idle buffers, or ``KVWIRE_RECV_POOL_MB`` MiB (``0``: no reuse).
+    """
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = ReceivePool(_default_max_bytes())
+        return _default
