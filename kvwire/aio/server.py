@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.aio._pool import default_pool
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
 from kvwire.codec import RawCodec, TensorKind, available_codecs, codec_by_id, numpy_dtype
 from kvwire.consistency.blocks import block_from_key
@@ -123,6 +122,9 @@ class Transfer:
         )
         self._dtype = numpy_dtype(spec.dtype)
         self._arrays: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # The caller's memory layers go to (Server.expect(into=...)); layers begun before
+        # it was named stay in _arrays and are copied there when complete.
+        self._into: Any = None
         self._ready: deque[int] = deque()
         self._changed = asyncio.Event()
         self._error: KvwireError | None = None
@@ -165,6 +167,28 @@ class Transfer:
     def complete(self) -> bool:
         return self.state.complete
 
+    def attach(self, into: Any) -> None:
+        """Receive the layers not yet begun straight into ``into`` (for instance a
+        :class:`kvwire.paged.PagedDestination`); ones already begun are copied there.
+
+        ``into`` provides ``check(spec, layer_tokens)``, ``view(...)``, ``write(...)`` and
+        ``layer(index)``.  Its memory is the caller's, so every layer is granted at once.
+        """
+        if self._gpu:
+            raise UsageError("into= needs a server with device='cpu'")
+        try:
+            into.check(self.spec, self.state.layer_tokens)
+        except KvwireError as exc:
+            self.fail(exc)
+            self._session.bury(self, exc)
+            stream = self._session.any_stream()
+            if stream is not None:
+                stream.conn.send_reset(self.transfer_id, exc.code, str(exc))
+                stream.flush()
+            raise
+        self._into = into
+        self._session.grant(self, self.spec.num_layers)
+
     def _claim(self, how: str) -> None:
         if self._consumer is not None:
             raise UsageError(f"transfer already consumed by {self._consumer}(); use one of iteration or collect()")
@@ -180,7 +204,14 @@ class Transfer:
                         continue
                     self.final_check.result()  # raises StaleVersionError / RegistryUnavailableError
                 index = self._ready.popleft()
-                k, v = self._arrays.pop(index)
+                if index in self._arrays:
+                    k, v = self._arrays.pop(index)
+                    if self._into is not None:
+                        for kind, part in enumerate((k, v)):
+                            self._into.write(index, kind, 0, part, int(part.shape[0]))
+                        k, v = self._into.layer(index)
+                else:
+                    k, v = self._into.layer(index)
                 self._yielded += 1
                 self._session.grant(self, self._yielded + self._window)
                 yield Layer(index, k, v)
@@ -202,6 +233,8 @@ class Transfer:
         codec = codec_by_id(chunk.codec_id)
         if codec.name not in self._codecs:
             raise KvwireError(f"codec {codec.name!r} is not accepted here", code=ErrorCode.UNSUPPORTED_CODEC)
+        if first and self._into is not None:
+            self._into.check(self.spec, chunk.layer_tokens)
         if first:
             layer_bytes = 2 * chunk.layer_tokens * self.spec.num_kv_heads * self.spec.head_dim * self.spec.itemsize
             self._window = max(1, self._buffer_bytes // max(1, layer_bytes))
@@ -210,6 +243,11 @@ class Transfer:
 
     def _out(self, chunk: Chunk) -> Any:
         """The slice of the layer's K or V array this chunk fills (allocated on first use)."""
+        if self._into is not None and chunk.layer not in self._arrays:
+            out = self._into.view(chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
+            if out is None:  # not one contiguous region there: decode, then scatter
+                out = np.empty((chunk.token_count, self.spec.num_kv_heads, self.spec.head_dim), self._dtype)
+            return out
         arrays = self._arrays.get(chunk.layer)
         if arrays is None:
             shape = (chunk.layer_tokens, self.spec.num_kv_heads, self.spec.head_dim)
@@ -219,8 +257,7 @@ class Transfer:
                 dt = cupy.uint16 if self.spec.dtype == "bfloat16" else self._dtype
                 arrays = (cupy.empty(shape, dt), cupy.empty(shape, dt))
             else:
-                pool = default_pool()  # reused, pre-faulted memory: no page faults per transfer
-                arrays = (pool.empty(shape, self._dtype), pool.empty(shape, self._dtype))
+                arrays = (np.empty(shape, self._dtype), np.empty(shape, self._dtype))
             self._arrays[chunk.layer] = arrays
         return arrays[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
 
@@ -259,7 +296,12 @@ class Transfer:
         for r in self._inplace.values():
             if r.layer == head.layer and r.kind == head.kind and r.start < end and head.token_start < r.end:
                 return None
-        out = self._out(head)
+        if self._into is not None and head.layer not in self._arrays:
+            out = self._into.view(head.layer, head.kind, head.token_start, head.token_count, head.layer_tokens)
+            if out is None:
+                return None
+        else:
+            out = self._out(head)
         if out.nbytes != size:
             return None
         view = memoryview(out.reshape(-1).view(np.uint8))
@@ -299,6 +341,8 @@ class Transfer:
                 chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
                 kind=TensorKind(chunk.kind), out=out,
             )
+            if self._into is not None and chunk.layer not in self._arrays:
+                self._into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
         self.wire_bytes += ev.wire_size
         st = self.state
         if st.layer_complete(chunk.layer):
@@ -427,6 +471,7 @@ class Server:
         self._arrivals: OrderedDict[int, Transfer] = OrderedDict()
         self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
+        self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
         self._arrival_seq = 0
         self.registry = registry
         self._tasks: set[asyncio.Task[None]] = set()
@@ -478,17 +523,26 @@ class Server:
         self._accept_waiters.append(fut)
         return await self._wait(fut, timeout, "accept()")
 
-    async def expect(self, request_id: str, *, timeout: float | None = None) -> Transfer:
-        """The transfer for ``request_id``, whether it arrived already or arrives later."""
+    async def expect(self, request_id: str, *, timeout: float | None = None, into: Any = None) -> Transfer:
+        """The transfer for ``request_id``, whether it arrived already or arrives later.
+
+        ``into`` (e.g. a :class:`kvwire.paged.PagedDestination`) receives the layers into
+        the caller's memory; see :meth:`Transfer.attach`.
+        """
         for tid, t in self._arrivals.items():
             if t.request_id == request_id:
                 del self._arrivals[tid]
+                if into is not None:
+                    t.attach(into)
                 return t
         fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         self._expect_waiters.setdefault(request_id, deque()).append(fut)
+        if into is not None:
+            self._expect_into[fut] = into
         try:
             return await self._wait(fut, timeout, f"expect({request_id!r})")
         finally:
+            self._expect_into.pop(fut, None)
             waiters = self._expect_waiters.get(request_id)
             if waiters is not None:
                 if fut in waiters:
@@ -755,6 +809,13 @@ class Server:
         while waiters:
             fut = waiters.popleft()
             if not fut.done():
+                into = self._expect_into.pop(fut, None)
+                if into is not None:
+                    try:
+                        transfer.attach(into)
+                    except KvwireError as exc:
+                        fut.set_exception(exc)
+                        return
                 fut.set_result(transfer)
                 return
         while self._accept_waiters:

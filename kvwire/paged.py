@@ -1,0 +1,356 @@
+"""Paged KV caches: send a request's blocks out of per-layer cache tensors, receive into them.
+
+Serving engines keep KV in *paged* caches: per layer one big tensor whose first axis is the
+block index, and a block table that maps a request's tokens to blocks.  The layout inside a
+block (K/V interleaving, heads, ISA-dependent tiling) differs between engines and even
+between CPU kernels, so kvwire treats a block as **opaque**: block ``i`` of layer ``l`` is
+``prod(block_shape)`` contiguous elements of ``dtype``, nothing more.
+
+On the wire a paged cache is an ordinary cache whose :class:`~kvwire.KVSpec` is derived by
+:meth:`PagedSpec.wire_spec`: each block travels as ``rows_per_block`` "tokens" of its first
+half (sent as K) and as many of its second half (sent as V), each row ``row_elems`` elements
+wide, blocks in block-table order.  The block geometry is part of the spec's ``model`` field,
+so the fingerprint the handshake compares differs whenever the two sides disagree on it.
+
+- :func:`gather_layer` / :class:`PagedSource`: the ``(k, v)`` layers of a request, gathered
+  from the cache by block id (one copy, in the array's own library: numpy, torch, CuPy).
+- :class:`PagedDestination`: given to ``Server.expect(request_id, into=...)``; chunks are
+  received straight into the destination blocks when a chunk lies inside one block, and
+  scattered there otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvwire.codec import numpy_dtype
+from kvwire.errors import ErrorCode, KvwireError, UsageError
+from kvwire.spec import DTYPES, KVSpec
+
+_MAX_ROW = 0xFFFF
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PagedSpec:
+    """The geometry of a paged KV cache: ``num_layers`` tensors ``[num_blocks, *block_shape]``.
+
+    Only the shape of one block matters (the number of blocks in each cache is local to
+    each side).  ``model`` names the model as in :class:`~kvwire.KVSpec`.
+    """
+
+    num_layers: int
+    block_shape: tuple[int, ...]
+    dtype: str = "float16"
+    model: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_layers, int) or not 1 <= self.num_layers <= 0xFFFF:
+            raise UsageError(f"PagedSpec.num_layers must be an int in [1, 65535], got {self.num_layers!r}")
+        shape = tuple(self.block_shape)
+        if not shape or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape):
+            raise UsageError(f"PagedSpec.block_shape must be positive ints, got {self.block_shape!r}")
+        object.__setattr__(self, "block_shape", shape)
+        if self.dtype not in DTYPES:
+            raise UsageError(f"PagedSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_elems % 2:
+            raise UsageError(f"a block must have an even number of elements, got {self.block_elems}")
+        self.wire_spec()  # validates the derived layout (model name length)
+
+    @property
+    def block_elems(self) -> int:
+        """Elements in one block of one layer."""
+        return math.prod(self.block_shape)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_elems * DTYPES[self.dtype][1]
+
+    @property
+    def row_elems(self) -> int:
+        """Width of one wire row: the block's last dimension when it tiles half a block
+        (rows then follow the block's own rows), else the largest divisor that fits."""
+        half = self.block_elems // 2
+        last = self.block_shape[-1]
+        if last <= _MAX_ROW and half % last == 0:
+            return last
+        for width in range(min(half, _MAX_ROW), 0, -1):
+            if half % width == 0:
+                return width
+        return 1  # pragma: no cover - width 1 always divides
+
+    @property
+    def rows_per_block(self) -> int:
+        """Wire tokens per block (of each of the two halves)."""
+        return self.block_elems // 2 // self.row_elems
+
+    def wire_spec(self) -> KVSpec:
+        """The :class:`~kvwire.KVSpec` this cache travels as; its fingerprint covers the geometry."""
+        geometry = "x".join(str(d) for d in self.block_shape)
+        return KVSpec(
+            num_layers=self.num_layers, num_kv_heads=1, head_dim=self.row_elems,
+            dtype=self.dtype, model=f"paged:{geometry}:{self.model}",
+        )
+
+    def tokens(self, num_blocks: int) -> int:
+        """Wire tokens per layer for ``num_blocks`` blocks."""
+        return num_blocks * self.rows_per_block
+
+    @classmethod
+    def of(cls, cache: Any, *, num_layers: int, model: str = "") -> PagedSpec:
+        """The spec of caches shaped like ``cache`` (``[num_blocks, *block_shape]``)."""
+        return cls(
+            num_layers=num_layers, block_shape=tuple(int(d) for d in cache.shape[1:]),
+            dtype=_dtype_name(cache), model=model,
+        )
+
+
+def _dtype_name(x: Any) -> str:
+    name = str(x.dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise UsageError(f"cache dtype {x.dtype} is not one of {sorted(DTYPES)}")
+    return name
+
+
+def _is_device(x: Any) -> bool:
+    mod = type(x).__module__
+    if mod.startswith("cupy"):
+        return True
+    if mod.startswith("torch"):
+        return str(getattr(x, "device", "cpu")) != "cpu"
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None and not isinstance(x, np.ndarray):
+        try:
+            return int(dev()[0]) != 1  # kDLCPU
+        except Exception:
+            return False
+    return False
+
+
+def host_view(x: Any, dtype: str) -> np.ndarray:
+    """A numpy array sharing ``x``'s memory (numpy, torch CPU, or any CPU DLPack producer).
+
+    bfloat16 torch tensors are read through their int16 bits (numpy has no bfloat16 in DLPack).
+    """
+    want = numpy_dtype(dtype)
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif type(x).__module__.startswith("torch"):
+        import torch
+
+        if x.dtype == torch.bfloat16:
+            arr = x.detach().view(torch.int16).numpy().view(want)
+        else:
+            arr = x.detach().numpy()
+    elif hasattr(x, "__dlpack__"):
+        arr = np.from_dlpack(x)
+    else:
+        raise UsageError(f"a cache must be a numpy array, a torch tensor or expose __dlpack__, got {type(x).__name__}")
+    if arr.dtype != want:
+        raise UsageError(f"cache has dtype {arr.dtype}, the spec says {dtype}")
+    return arr
+
+
+def _device_view(x: Any, dtype: str) -> Any:
+    """A CuPy array sharing ``x``'s GPU memory (bfloat16 as uint16 bits)."""
+    import cupy
+
+    if not isinstance(x, cupy.ndarray):
+        if dtype == "bfloat16" and type(x).__module__.startswith("torch"):
+            import torch
+
+            x = x.view(torch.int16)
+        x = cupy.from_dlpack(x)
+    if dtype == "bfloat16":
+        x = x.view(cupy.uint16)
+    return x
+
+
+def _as_blocks(spec: PagedSpec, cache: Any, what: str) -> tuple[Any, bool]:
+    """``cache`` viewed as ``[num_blocks, block_elems]`` (numpy or CuPy) and whether on a GPU."""
+    if tuple(int(d) for d in cache.shape[1:]) != spec.block_shape:
+        raise UsageError(
+            f"{what} has blocks shaped {tuple(cache.shape[1:])}, the spec says {spec.block_shape}"
+        )
+    device = _is_device(cache)
+    arr = _device_view(cache, spec.dtype) if device else host_view(cache, spec.dtype)
+    if not arr.flags.c_contiguous:
+        raise UsageError(f"{what} must be C-contiguous (a block is N contiguous elements)")
+    return arr.reshape(arr.shape[0], spec.block_elems), device
+
+
+def _check_ids(block_ids: Any, num_blocks: int, what: str, *, distinct: bool) -> np.ndarray:
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise UsageError(f"{what}: block ids must be a non-empty 1-D sequence")
+    if ids.dtype.kind not in "iu":
+        raise UsageError(f"{what}: block ids must be integers, got {ids.dtype}")
+    ids = ids.astype(np.int64)
+    bad = ids[(ids < 0) | (ids >= num_blocks)]
+    if bad.size:
+        raise UsageError(f"{what}: block id {int(bad[0])} is out of range for a cache of {num_blocks} blocks")
+    if distinct and np.unique(ids).size != ids.size:
+        values, counts = np.unique(ids, return_counts=True)
+        raise UsageError(f"{what}: block id {int(values[counts > 1][0])} is named twice")
+    return ids
+
+
+def gather_layer(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]:
+    """One layer's ``(k, v)`` wire arrays gathered from ``cache`` at ``block_ids``.
+
+    ``cache`` is ``[num_blocks, *block_shape]``; the result is two fresh contiguous arrays
+    ``[len(block_ids) * rows_per_block, 1, row_elems]`` (numpy for host caches, CuPy for GPU
+    ones), so the cache may be overwritten as soon as this returns.
+    """
+    blocks, device = _as_blocks(spec, cache, "cache")
+    ids = _check_ids(block_ids, blocks.shape[0], "gather", distinct=False)
+    half = spec.block_elems // 2
+    shape = (ids.size * spec.rows_per_block, 1, spec.row_elems)
+    if device:
+        import cupy
+
+        dids = cupy.asarray(ids)
+        return blocks[dids, :half].reshape(shape), blocks[dids, half:].reshape(shape)
+    return blocks[ids, :half].reshape(shape), blocks[ids, half:].reshape(shape)
+
+
+class PagedSource:
+    """A request's layers out of per-layer paged caches, for ``peer.send(..., layers=source)``.
+
+    Iterating gathers one layer at a time, so the first layer is on the wire before the
+    last is copied.
+    """
+
+    def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
+        if len(caches) != spec.num_layers:
+            raise UsageError(f"{len(caches)} caches given, the spec has {spec.num_layers} layers")
+        self.spec = spec
+        self.caches = list(caches)
+        self.block_ids = block_ids
+        for i, cache in enumerate(self.caches):
+            _check_ids(block_ids, _as_blocks(spec, cache, f"cache {i}")[0].shape[0], "source", distinct=False)
+
+    def __len__(self) -> int:
+        return self.spec.num_layers
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        for cache in self.caches:
+            yield gather_layer(self.spec, cache, self.block_ids)
+
+
+class PagedDestination:
+    """Where a received paged cache goes: ``caches[layer]`` at ``block_ids``, in order.
+
+    Give it to ``Server.expect(request_id, into=destination)``.  The incoming cache must
+    carry exactly ``len(block_ids)`` blocks of the same geometry (anything else fails the
+    transfer with ``INCOMPATIBLE_SPEC`` on both sides).  Destination block ids must be
+    distinct: two received blocks can't both land in one.
+    """
+
+    def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
+        if len(caches) != spec.num_layers:
+            raise UsageError(f"{len(caches)} caches given, the spec has {spec.num_layers} layers")
+        self.spec = spec
+        self.caches = list(caches)
+        views = [_as_blocks(spec, c, f"cache {i}") for i, c in enumerate(self.caches)]
+        self._blocks = [v for v, _ in views]
+        self._device = any(d for _, d in views)
+        num_blocks = min(v.shape[0] for v in self._blocks)
+        self.block_ids = _check_ids(block_ids, num_blocks, "destination", distinct=True)
+        if not self._device:
+            for i, v in enumerate(self._blocks):
+                if not v.flags.writeable:
+                    raise UsageError(f"cache {i} is read-only")
+        self._rows = spec.rows_per_block
+        self._width = spec.row_elems
+        self._dtype = numpy_dtype(spec.dtype)
+
+    @property
+    def wire_spec(self) -> KVSpec:
+        return self.spec.wire_spec()
+
+    @property
+    def layer_tokens(self) -> int:
+        return self.spec.tokens(int(self.block_ids.size))
+
+    def check(self, spec: KVSpec, layer_tokens: int | None = None) -> None:
+        """Raise ``KvwireError(INCOMPATIBLE_SPEC)`` unless a cache of ``spec`` with
+        ``layer_tokens`` tokens per layer fits this destination exactly."""
+        if spec.fingerprint != self.wire_spec.fingerprint:
+            raise KvwireError(
+                f"incoming cache layout {spec} does not match the destination's {self.wire_spec}",
+                code=ErrorCode.INCOMPATIBLE_SPEC,
+            )
+        if layer_tokens is not None and layer_tokens != self.layer_tokens:
+            got = layer_tokens / self._rows
+            raise KvwireError(
+                f"incoming cache has {got:g} blocks per layer, the destination names {self.block_ids.size}",
+                code=ErrorCode.INCOMPATIBLE_SPEC,
+            )
+
+    def layer(self, index: int) -> tuple[Any, Any]:
+        """What a received :class:`~kvwire.Layer` carries: the layer's cache and the block ids."""
+        return self.caches[index], self.block_ids
+
+    def _locate(self, kind: int, start: int, count: int) -> tuple[int, int, int] | None:
+        """(block slot, first element, element count) when the range lies in one block."""
+        slot, row = divmod(start, self._rows)
+        if count < 1 or row + count > self._rows or slot >= self.block_ids.size or kind not in (0, 1):
+            return None
+        offset = kind * (self.spec.block_elems // 2) + row * self._width
+        return slot, offset, count * self._width
+
+    def view(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> np.ndarray | None:
+        """A writable array ``[count, 1, row_elems]`` in the destination for this token range,
+        or None when there is none (the range spans blocks, lies on a GPU, or does not fit)."""
+        if self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks):
+            return None
+        where = self._locate(kind, start, count)
+        if where is None:
+            return None
+        slot, offset, n = where
+        row: np.ndarray = self._blocks[layer][int(self.block_ids[slot]), offset : offset + n]
+        return row.reshape(count, 1, self._width)
+
+    def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
+        """Scatter ``data`` (``[count, 1, row_elems]``, decoded) into the destination blocks."""
+        self.check(self.wire_spec, layer_tokens)
+        count = int(data.shape[0])
+        if not 0 <= layer < len(self._blocks) or start < 0 or start + count > self.layer_tokens:
+            raise KvwireError(
+                f"chunk layer {layer} tokens [{start}, {start + count}) is outside the destination",
+                code=ErrorCode.INCOMPATIBLE_SPEC,
+            )
+        blocks = self._blocks[layer]
+        flat = data.reshape(count, self._width)
+        half = self.spec.block_elems // 2
+        done = 0
+        while done < count:
+            slot, row = divmod(start + done, self._rows)
+            n = min(count - done, self._rows - row)
+            offset = kind * half + row * self._width
+            dst = blocks[int(self.block_ids[slot]), offset : offset + n * self._width]
+            src = flat[done : done + n].reshape(-1)
+            if self._device:
+                import cupy
+
+                if self.spec.dtype == "bfloat16" and not isinstance(src, cupy.ndarray):
+                    src = np.ascontiguousarray(src).view(np.uint16)
+                dst[...] = cupy.asarray(src)
+            elif not _same_memory(dst, src):
+                dst[...] = src
+            done += n
+
+
+def _same_memory(a: np.ndarray, b: Any) -> bool:
+    if not isinstance(b, np.ndarray):
+        return False
+    ia, ib = a.__array_interface__, b.__array_interface__
+    return bool(ia["data"][0] == ib["data"][0] and a.nbytes == b.nbytes)
+
+
+__all__ = ["PagedDestination", "PagedSource", "PagedSpec", "gather_layer", "host_view"]

@@ -1,0 +1,187 @@
+"""Paged KV caches: gather by block id, scatter into named blocks, over real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvwire
+from kvwire.codec import numpy_dtype
+from kvwire.errors import ErrorCode, KvwireError, UsageError
+from kvwire.paged import PagedDestination, PagedSource, PagedSpec, gather_layer
+from tests.conftest import SECRET
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def caches(spec: PagedSpec, num_blocks: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dt = numpy_dtype(spec.dtype)
+    return [
+        rng.standard_normal((num_blocks, *spec.block_shape), dtype=np.float32).astype(dt)
+        for _ in range(spec.num_layers)
+    ]
+
+
+def scatter(dest: PagedDestination, layers: list[tuple[Any, Any]], cuts: list[int]) -> None:
+    """Feed ``layers`` to ``dest`` the way the server does: per chunk a direct view, else write."""
+    tokens = dest.layer_tokens
+    bounds = sorted({0, tokens, *(c % tokens for c in cuts)})
+    for li, (k, v) in enumerate(layers):
+        for kind, part in enumerate((k, v)):
+            for start, end in itertools.pairwise(bounds):
+                view = dest.view(li, kind, start, end - start, tokens)
+                if view is not None:
+                    view[...] = part[start:end]
+                else:
+                    dest.write(li, kind, start, part[start:end], tokens)
+
+
+block_shapes = st.lists(st.integers(1, 6), min_size=1, max_size=4).map(tuple).filter(
+    lambda s: int(np.prod(s)) % 2 == 0
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=block_shapes,
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    num_layers=st.integers(1, 3),
+    data=st.data(),
+)
+def test_gather_then_scatter_copies_blocks_exactly(shape: tuple[int, ...], dtype: str, num_layers: int, data: st.DataObject) -> None:
+    spec = PagedSpec(num_layers=num_layers, block_shape=shape, dtype=dtype)
+    src_blocks = data.draw(st.integers(1, 12))
+    dst_blocks = data.draw(st.integers(1, 12))
+    n = data.draw(st.integers(1, dst_blocks))
+    src_ids = data.draw(st.lists(st.integers(0, src_blocks - 1), min_size=n, max_size=n))
+    dst_ids = data.draw(st.permutations(range(dst_blocks)))[:n]
+    cuts = data.draw(st.lists(st.integers(0, 10_000), max_size=6))
+    src = caches(spec, src_blocks, seed=1)
+    dst = caches(spec, dst_blocks, seed=2)
+    before = [c.copy() for c in dst]
+    layers = list(PagedSource(spec, src, src_ids))
+    scatter(PagedDestination(spec, dst, dst_ids), layers, cuts)
+    for li in range(num_layers):
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            assert dst[li][d].tobytes() == src[li][s].tobytes()
+        untouched = sorted(set(range(dst_blocks)) - set(dst_ids))
+        assert dst[li][untouched].tobytes() == before[li][untouched].tobytes()
+
+
+def test_wire_spec_fingerprint_covers_block_geometry() -> None:
+    a = PagedSpec(num_layers=2, block_shape=(4, 16, 64), dtype="float16")
+    same_elems = PagedSpec(num_layers=2, block_shape=(8, 8, 64), dtype="float16")
+    assert a.wire_spec().fingerprint != same_elems.wire_spec().fingerprint
+    assert a.wire_spec().fingerprint == PagedSpec(num_layers=2, block_shape=(4, 16, 64)).wire_spec().fingerprint
+    assert a.rows_per_block * a.row_elems * 2 == a.block_elems
+    with pytest.raises(KvwireError) as err:
+        PagedDestination(a, caches(a, 4, 0), [0, 1]).check(same_elems.wire_spec(), 2 * a.rows_per_block)
+    assert err.value.code == ErrorCode.INCOMPATIBLE_SPEC
+
+
+def test_block_id_errors_are_clear() -> None:
+    spec = PagedSpec(num_layers=1, block_shape=(2, 8), dtype="float32")
+    cache = caches(spec, 4, 0)
+    with pytest.raises(UsageError, match="block id 4 is out of range for a cache of 4 blocks"):
+        gather_layer(spec, cache[0], [0, 4])
+    with pytest.raises(UsageError, match="block id -1 is out of range"):
+        PagedSource(spec, cache, [-1])
+    with pytest.raises(UsageError, match="block id 2 is named twice"):
+        PagedDestination(spec, cache, [2, 1, 2])
+    with pytest.raises(UsageError, match="blocks shaped"):
+        PagedDestination(PagedSpec(num_layers=1, block_shape=(4, 4), dtype="float32"), cache, [0])
+    with pytest.raises(UsageError, match="dtype"):
+        PagedDestination(PagedSpec(num_layers=1, block_shape=(2, 8), dtype="float16"), cache, [0])
+    with pytest.raises(UsageError, match="1 caches given"):
+        PagedSource(PagedSpec(num_layers=2, block_shape=(2, 8), dtype="float32"), cache, [0])
+    with pytest.raises(UsageError, match="even number"):
+        PagedSpec(num_layers=1, block_shape=(3, 3))
+    dest = PagedDestination(spec, cache, [0, 1])
+    with pytest.raises(KvwireError, match="3 blocks per layer, the destination names 2"):
+        dest.check(spec.wire_spec(), spec.tokens(3))
+    assert dest.view(0, 0, 0, 1, spec.tokens(3)) is None  # a mismatched header gets no memory
+
+
+async def _send_paged(spec: PagedSpec, src: list[np.ndarray], src_ids: list[int], dst: list[np.ndarray], dst_ids: list[int], *, early: bool, codec: str = "raw", chunk_bytes: int = 4096) -> kvwire.Transfer:
+    dest = PagedDestination(spec, dst, dst_ids)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2, codec=codec, chunk_bytes=chunk_bytes) as peer:
+            if early:
+                waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+                await asyncio.sleep(0)
+                await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids))
+                transfer = await waiting
+            else:
+                await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids))
+                transfer = await server.expect("req", into=dest, timeout=10)
+            got = [layer async for layer in transfer]
+    assert [layer.index for layer in got] == list(range(spec.num_layers))
+    assert got[0].k is dst[0] and list(got[0].v) == dst_ids
+    return transfer
+
+
+@pytest.mark.parametrize("early", [True, False])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+async def test_paged_transfer_lands_in_the_named_blocks(early: bool, dtype: str) -> None:
+    # Blocks of 2 x 4 x 32 elements; 4 KiB chunks cover whole blocks, parts of blocks and spans.
+    spec = PagedSpec(num_layers=3, block_shape=(2, 4, 32), dtype=dtype, model="tiny")
+    src = caches(spec, 20, seed=3)
+    dst = caches(spec, 16, seed=4)
+    src_ids, dst_ids = [7, 3, 19, 0, 12], [15, 2, 9, 4, 11]
+    await _send_paged(spec, src, src_ids, dst, dst_ids, early=early, chunk_bytes=3000)
+    for li in range(3):
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            assert dst[li][d].tobytes() == src[li][s].tobytes()
+
+
+async def test_paged_transfer_with_fp8_codec_is_close() -> None:
+    spec = PagedSpec(num_layers=2, block_shape=(4, 64), dtype="float32")
+    src = caches(spec, 6, seed=5)
+    dst = [np.zeros_like(c) for c in caches(spec, 6, seed=6)]
+    await _send_paged(spec, src, [1, 2, 3], dst, [5, 0, 4], early=True, codec="fp8")
+    for li in range(2):
+        for s, d in zip([1, 2, 3], [5, 0, 4], strict=True):
+            np.testing.assert_allclose(dst[li][d], src[li][s], rtol=0.13, atol=0.05)
+
+
+async def test_block_count_mismatch_fails_both_sides() -> None:
+    spec = PagedSpec(num_layers=2, block_shape=(2, 16), dtype="float16")
+    src = caches(spec, 8, seed=7)
+    dst = caches(spec, 8, seed=8)
+    before = [c.copy() for c in dst]
+    dest = PagedDestination(spec, dst, [0, 1])
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+            await asyncio.sleep(0)
+            with pytest.raises(KvwireError) as sent:
+                await peer.send("req", spec.wire_spec(), PagedSource(spec, src, [0, 1, 2]))
+            assert sent.value.code == ErrorCode.INCOMPATIBLE_SPEC
+            transfer = await waiting
+            with pytest.raises(KvwireError, match="3 blocks per layer, the destination names 2"):
+                async for _ in transfer:
+                    pass
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(dst, before, strict=True))
+
+
+async def test_geometry_mismatch_refused_when_the_destination_is_named() -> None:
+    spec = PagedSpec(num_layers=1, block_shape=(4, 16), dtype="float16")
+    other = PagedSpec(num_layers=1, block_shape=(2, 32), dtype="float16")
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            sending = asyncio.create_task(peer.send("req", other.wire_spec(), PagedSource(other, caches(other, 2, 0), [0])))
+            transfer_err = None
+            try:
+                await server.expect("req", into=PagedDestination(spec, caches(spec, 2, 1), [1]), timeout=10)
+            except KvwireError as exc:
+                transfer_err = exc
+            assert transfer_err is not None and transfer_err.code == ErrorCode.INCOMPATIBLE_SPEC
+            with pytest.raises(KvwireError):
+                await asyncio.wait_for(sending, 10)
