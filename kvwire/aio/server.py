@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.aio._pool import default_pool
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
 from kvwire.codec import RawCodec, TensorKind, available_codecs, codec_by_id, numpy_dtype
 from kvwire.consistency.blocks import block_from_key
@@ -257,7 +258,8 @@ class Transfer:
                 dt = cupy.uint16 if self.spec.dtype == "bfloat16" else self._dtype
                 arrays = (cupy.empty(shape, dt), cupy.empty(shape, dt))
             else:
-                arrays = (np.empty(shape, self._dtype), np.empty(shape, self._dtype))
+                pool = default_pool()  # reused, pre-faulted memory: no page faults per transfer
+                arrays = (pool.empty(shape, self._dtype), pool.empty(shape, self._dtype))
             self._arrays[chunk.layer] = arrays
         return arrays[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
 
