@@ -1,0 +1,174 @@
+"""kvwire.sync: the thread-safe bridge, used from many threads over real loopback sockets."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.errors import (
+    ConnectionLostError,
+    KvwireError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    UsageError,
+)
+from kvwire.paged import PagedDestination, PagedSpec, gather_layer
+from kvwire.sync import Bridge, SyncPeer, SyncServer
+from tests.conftest import SECRET, make_layers
+
+pytestmark = pytest.mark.timeout(90)
+
+SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32")
+
+
+def run_threads(targets: list[Any]) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def wrap(fn: Any) -> Any:
+        def inner() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                errors.append(exc)
+        return inner
+
+    threads = [threading.Thread(target=wrap(t)) for t in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a thread is stuck"
+    return errors
+
+
+def test_many_threads_send_and_receive_layer_by_layer() -> None:
+    n = 12
+    data = {f"r{i}": make_layers(3, 5 + i, 2, 16, "float32", seed=i) for i in range(n)}
+    got: dict[str, list[Any]] = {}
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET, streams=2) as peer:
+        handles = {rid: server.expect(rid, timeout=30) for rid in data}
+
+        def producer(rid: str) -> Any:
+            def run() -> None:
+                h = peer.begin(rid, SPEC)
+                for k, v in data[rid]:
+                    h.send_layer(k, v)
+                receipt = h.wait(30)
+                assert receipt.request_id == rid
+            return run
+
+        def consumer(rid: str) -> Any:
+            def run() -> None:
+                layers = [handles[rid].wait_layer(i, timeout=30) for i in (2, 0, 1)]
+                handles[rid].wait(30)
+                got[rid] = sorted(layers, key=lambda layer: layer.index)
+            return run
+
+        errors = run_threads([producer(r) for r in data] + [consumer(r) for r in data])
+    assert errors == []
+    for rid, layers in data.items():
+        assert [(g.k.tobytes(), g.v.tobytes()) for g in got[rid]] == [(k.tobytes(), v.tobytes()) for k, v in layers]
+
+
+def test_wait_times_out_and_then_still_completes() -> None:
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("late")
+        with pytest.raises(TransferTimeoutError):
+            h.wait_layer(0, timeout=0.05)
+        peer.send("late", SPEC, make_layers(3, 4, 2, 16, "float32"), timeout=30)
+        h.wait(30)
+        assert h.done and h.layers_done() == 3
+
+
+def test_receiver_abort_fails_waiters_and_sender() -> None:
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("gone")
+        s = peer.begin("gone", SPEC)
+        k, v = make_layers(1, 4, 2, 16, "float32")[0]
+        s.send_layer(k, v)
+        h.wait_layer(0, timeout=30)
+        h.abort("request cancelled")
+        with pytest.raises(TransferAbortedError):
+            h.wait(5)
+        s.send_layer(k, v)
+        s.send_layer(k, v)
+        with pytest.raises(KvwireError):
+            s.wait(30)
+
+
+def test_sender_abort() -> None:
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        s = peer.begin("never", SPEC)
+        s.abort()
+        with pytest.raises(TransferAbortedError):
+            s.wait(5)
+        with pytest.raises(UsageError):
+            for _ in range(4):
+                s.send_layer(*make_layers(1, 2, 2, 16, "float32")[0])
+
+
+def test_close_releases_every_waiting_thread() -> None:
+    server = SyncServer(secret=SECRET)
+    handles = [server.expect(f"x{i}") for i in range(8)]
+    seen: list[BaseException] = []
+    lock = threading.Lock()
+
+    def waiter(h: Any) -> Any:
+        def run() -> None:
+            try:
+                h.wait()
+            except KvwireError as exc:
+                with lock:
+                    seen.append(exc)
+        return run
+
+    threads = [threading.Thread(target=waiter(h)) for h in handles]
+    for t in threads:
+        t.start()
+    server.close()
+    server.close()  # idempotent
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert len(seen) == 8 and all(isinstance(e, ConnectionLostError | TransferAbortedError) for e in seen)
+    assert not server.bridge._thread.is_alive()
+    with pytest.raises(ConnectionLostError):
+        server.expect("after")
+
+
+def test_blocking_call_from_the_loop_thread_is_refused() -> None:
+    bridge = Bridge()
+    try:
+        async def inner() -> None:
+            bridge.run(_noop())
+
+        with pytest.raises(UsageError, match="loop thread"):
+            bridge.run(inner(), 5)
+    finally:
+        bridge.close()
+
+
+async def _noop() -> None:
+    return None
+
+
+def test_paged_receive_into_engine_blocks_from_threads() -> None:
+    spec = PagedSpec(num_layers=2, block_shape=(2, 8, 16), dtype="float16")
+    rng = np.random.default_rng(0)
+    src = [rng.standard_normal((6, 2, 8, 16)).astype(np.float16) for _ in range(2)]
+    dst = [np.zeros((9, 2, 8, 16), np.float16) for _ in range(2)]
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET, chunk_bytes=700) as peer:
+        h = server.expect("p", into=PagedDestination(spec, dst, [8, 0, 3]))
+        s = peer.begin("p", spec.wire_spec())
+        for layer in range(2):
+            s.send_layer(*gather_layer(spec, src[layer], [5, 1, 2]))
+        for layer in range(2):
+            h.wait_layer(layer, timeout=30)
+        s.wait(30)
+    for layer in range(2):
+        assert dst[layer][[8, 0, 3]].tobytes() == src[layer][[5, 1, 2]].tobytes()
+        assert not dst[layer][[1, 2, 4, 5, 6, 7]].any()
