@@ -1,0 +1,403 @@
+"""The synchronous bridge behind :mod:`kvwire.sync` (here because only kvwire.aio runs asyncio).
+
+A synchronous, thread-safe bridge to kvwire for callers that are not asyncio code.
+
+Serving engines call their KV hooks from model-runner threads, once per layer.  A
+:class:`Bridge` runs an event loop on a background thread; :class:`SyncServer` and
+:class:`SyncPeer` run ``kvwire.serve()`` / ``kvwire.connect()`` on it and hand out handles
+whose methods any thread may call:
+
+- :meth:`SyncPeer.begin` -> :class:`SendHandle`: ``send_layer(k, v)`` queues a layer
+  (it goes on the wire while the caller computes the next), ``wait()`` returns the
+  :class:`~kvwire.Receipt`, ``abort()`` gives up.
+- :meth:`SyncServer.expect` -> :class:`ReceiveHandle`: ``wait_layer(i)``, ``wait()``,
+  ``abort()``; with ``into=`` the layers land in the caller's memory.
+
+No method blocks the loop thread, and calling a blocking one *from* the loop thread is
+refused (it could never return).  :meth:`close` fails every waiter with
+:class:`~kvwire.ConnectionLostError` and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Coroutine
+from types import TracebackType
+from typing import Any, TypeVar
+
+import kvwire
+from kvwire.errors import (
+    ConnectionLostError,
+    KvwireError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    UsageError,
+)
+from kvwire.spec import KVSpec, Layer
+
+T = TypeVar("T")
+
+
+class Bridge:
+    """An asyncio event loop running on its own daemon thread."""
+
+    def __init__(self, name: str = "kvwire-sync") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; a future any thread can wait on."""
+        with self._lock:
+            if self._closed:
+                coro.close()
+                raise ConnectionLostError("the kvwire bridge is closed")
+            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds)."""
+        if self.in_loop_thread():
+            coro.close()
+            raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TransferTimeoutError(f"not done in {timeout} s") from None
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise ConnectionLostError("the kvwire bridge is closed")
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Cancel what still runs on the loop, stop it and join the thread (idempotent)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self.in_loop_thread():
+            raise UsageError("Bridge.close() from the loop thread")
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
+            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+
+
+class ReceiveHandle:
+    """An expected incoming transfer, waited on from any thread."""
+
+    def __init__(self, bridge: Bridge, request_id: str, num_layers: int | None) -> None:
+        self._bridge = bridge
+        self.request_id = request_id
+        self._cond = threading.Condition()
+        self._layers: dict[int, Layer] = {}
+        self._num_layers = num_layers
+        self._error: KvwireError | None = None
+        self._done = False
+        self._transfer: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    # -- loop side ----------------------------------------------------------------------
+
+    async def _run(self, server: Any, into: Any, timeout: float | None) -> None:
+        self._task = asyncio.current_task()
+        try:
+            transfer = await server.expect(self.request_id, into=into, timeout=timeout) if into is not None \
+                else await server.expect(self.request_id, timeout=timeout)
+            with self._cond:
+                self._transfer = transfer
+                self._num_layers = transfer.spec.num_layers
+                self._cond.notify_all()
+            async for layer in transfer:
+                with self._cond:
+                    self._layers[layer.index] = layer
+                    self._cond.notify_all()
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+        except asyncio.CancelledError:
+            self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted"))
+            raise
+        except KvwireError as exc:
+            self._fail(exc)
+        except Exception as exc:  # never leave a waiter hanging on an unexpected error
+            self._fail(KvwireError(f"receive of {self.request_id!r} failed: {exc!r}"))
+
+    def _fail(self, error: KvwireError) -> None:
+        with self._cond:
+            if self._error is None and not self._done:
+                self._error = error
+            self._cond.notify_all()
+
+    # -- caller side ----------------------------------------------------------------------
+
+    @property
+    def transfer(self) -> Any:
+        """The :class:`~kvwire.Transfer` once it arrived (None before)."""
+        return self._transfer
+
+    @property
+    def done(self) -> bool:
+        """Every layer arrived."""
+        return self._done
+
+    @property
+    def error(self) -> KvwireError | None:
+        return self._error
+
+    def layers_done(self) -> int:
+        with self._cond:
+            return len(self._layers)
+
+    def _wait_for(self, ready: Any, timeout: float | None, what: str) -> None:
+        if self._bridge.in_loop_thread():
+            raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
+        with self._cond:
+            ok = self._cond.wait_for(lambda: ready() or self._error is not None or self._bridge.closed, timeout)
+            if ready():
+                return
+            if self._error is not None:
+                raise self._error
+            if self._bridge.closed:
+                raise ConnectionLostError("the kvwire bridge is closed")
+            assert not ok
+            raise TransferTimeoutError(f"{what} of {self.request_id!r} not ready after {timeout} s")
+
+    def wait_layer(self, index: int, timeout: float | None = None) -> Layer:
+        """Block until layer ``index`` has arrived; return it (raises the transfer's error)."""
+        if index < 0 or (self._num_layers is not None and index >= self._num_layers):
+            raise UsageError(f"layer {index} out of range")
+        self._wait_for(lambda: index in self._layers, timeout, f"layer {index}")
+        return self._layers[index]
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every layer has arrived."""
+        self._wait_for(lambda: self._done, timeout, "transfer")
+
+    def abort(self, reason: str = "") -> None:
+        """Stop receiving: the sender is told (when the transfer began) and waiters fail."""
+        self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted{': ' + reason if reason else ''}"))
+        if self._bridge.closed:
+            return
+
+        def cancel() -> None:
+            t = self._transfer
+            if t is not None and not t.complete:
+                abort = getattr(t, "abort", None)
+                if abort is not None:
+                    abort(reason)
+                else:  # a server without Transfer.abort(): fail it and tell the sender
+                    err = TransferAbortedError(f"receiver aborted {self.request_id!r}")
+                    t.fail(err)
+                    sess = t._session
+                    sess.bury(t, err)
+                    stream = sess.any_stream()
+                    if stream is not None:
+                        stream.conn.send_reset(t.transfer_id, err.code, str(err))
+                        stream.flush()
+            if self._task is not None:
+                self._task.cancel()
+
+        self._bridge.call_soon(cancel)
+
+
+class SyncServer:
+    """``kvwire.serve()`` on a background loop; :meth:`expect` from any thread."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
+                 bridge: Bridge | None = None, start_timeout: float = 30.0, **options: Any) -> None:
+        self._own_bridge = bridge is None
+        self.bridge = bridge or Bridge("kvwire-server")
+        self._server: Any = None
+        self._handles: set[ReceiveHandle] = set()
+
+        async def start() -> Any:
+            server = kvwire.serve(host, port, secret=secret, **options)
+            await server.start()
+            return server
+
+        try:
+            self._server = self.bridge.run(start(), start_timeout)
+        except BaseException:
+            if self._own_bridge:
+                self.bridge.close()
+            raise
+        self.port: int = self._server.port
+
+    @property
+    def server(self) -> Any:
+        """The underlying :class:`~kvwire.Server` (use only on the bridge's loop)."""
+        return self._server
+
+    def expect(self, request_id: str, *, into: Any = None, timeout: float | None = None,
+               num_layers: int | None = None) -> ReceiveHandle:
+        """Start waiting for ``request_id``'s transfer; returns at once."""
+        handle = ReceiveHandle(self.bridge, request_id, num_layers)
+        self._handles.add(handle)
+        self.bridge.submit(handle._run(self._server, into, timeout))
+        return handle
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.bridge.closed:
+            return
+        with contextlib.suppress(KvwireError):
+            self.bridge.run(self._server.close(), timeout)
+        for h in list(self._handles):
+            h._fail(ConnectionLostError("server closed"))
+        if self._own_bridge:
+            self.bridge.close(timeout)
+
+    def __enter__(self) -> SyncServer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+_END = object()
+
+
+class SendHandle:
+    """One outgoing transfer fed layer by layer from any thread."""
+
+    def __init__(self, bridge: Bridge, request_id: str, num_layers: int) -> None:
+        self._bridge = bridge
+        self.request_id = request_id
+        self.num_layers = num_layers
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._queue: asyncio.Queue[Any] | None = None
+        self._future: concurrent.futures.Future[Any] | None = None
+
+    async def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
+        assert self._queue is not None
+        for _ in range(self.num_layers):
+            item = await self._queue.get()
+            if item is _END:
+                raise TransferAbortedError(f"send of {self.request_id!r} ended before its last layer")
+            yield item
+
+    def send_layer(self, k: Any, v: Any) -> None:
+        """Queue the next layer (in layer order); returns at once.  The arrays must not be
+        modified until :meth:`wait` returns (pass copies, e.g. from :func:`kvwire.paged.gather_layer`)."""
+        with self._lock:
+            if self._queued >= self.num_layers:
+                raise UsageError(f"all {self.num_layers} layers of {self.request_id!r} were already queued")
+            self._queued += 1
+            assert self._queue is not None
+            self._bridge.call_soon(self._queue.put_nowait, (k, v))
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until the receiver acknowledged everything; the :class:`~kvwire.Receipt`."""
+        if self._bridge.in_loop_thread():
+            raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
+        assert self._future is not None
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s") from None
+        except concurrent.futures.CancelledError:
+            raise TransferAbortedError(f"send of {self.request_id!r} aborted") from None
+
+    @property
+    def done(self) -> bool:
+        return self._future is not None and self._future.done()
+
+    def abort(self) -> None:
+        """Give up on this transfer (the send is cancelled; waiters fail)."""
+        if self._future is not None:
+            self._future.cancel()
+
+
+class SyncPeer:
+    """``kvwire.connect()`` on a background loop; :meth:`begin` / :meth:`send` from any thread."""
+
+    def __init__(self, host: str, port: int, *, secret: bytes, bridge: Bridge | None = None,
+                 start_timeout: float = 30.0, **options: Any) -> None:
+        self._own_bridge = bridge is None
+        self.bridge = bridge or Bridge("kvwire-peer")
+
+        async def open_peer() -> Any:
+            peer = kvwire.connect(host, port, secret=secret, **options)
+            await peer.__aenter__()
+            return peer
+
+        try:
+            self._peer: Any = self.bridge.run(open_peer(), start_timeout)
+        except BaseException:
+            if self._own_bridge:
+                self.bridge.close()
+            raise
+
+    @property
+    def peer(self) -> Any:
+        return self._peer
+
+    def begin(self, request_id: str, spec: KVSpec, **send_options: Any) -> SendHandle:
+        """Start a transfer whose layers come later through :meth:`SendHandle.send_layer`."""
+        handle = SendHandle(self.bridge, request_id, spec.num_layers)
+
+        async def run() -> Any:
+            handle._queue = asyncio.Queue()
+            started.set()
+            return await self._peer.send(request_id, spec, handle._layers(), **send_options)
+
+        started = threading.Event()
+        handle._future = self.bridge.submit(run())
+        if not self.bridge.in_loop_thread():
+            started.wait(5.0)
+        return handle
+
+    def send(self, request_id: str, spec: KVSpec, layers: Any, *, timeout: float | None = None,
+             **send_options: Any) -> Any:
+        """Send a whole cache and wait for its receipt."""
+        return self.bridge.run(self._peer.send(request_id, spec, layers, **send_options), timeout)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self.bridge.closed:
+            return
+        with contextlib.suppress(KvwireError):
+            self.bridge.run(self._peer.close(), timeout)
+        if self._own_bridge:
+            self.bridge.close(timeout)
+
+    def __enter__(self) -> SyncPeer:
+        return self
+
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+
+__all__ = ["Bridge", "ReceiveHandle", "SendHandle", "SyncPeer", "SyncServer"]
