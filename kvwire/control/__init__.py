@@ -6,7 +6,7 @@ touches a socket or starts a task.
 
 from kvwire.control.codec_choice import CodecCandidate, CodecChoice, CodecChooser
 from kvwire.control.estimator import DeliveryRateEstimator, EstimatorSnapshot, RateSample
-from kvwire.control.pacing import InflightTarget, Pacer
+from kvwire.control.pacing import PROBE_CYCLE, InflightController, InflightTarget, Pacer
 from kvwire.control.streams import (
     StreamController,
     StreamDecision,
@@ -16,11 +16,13 @@ from kvwire.control.streams import (
 )
 
 __all__ = [
+    "PROBE_CYCLE",
     "CodecCandidate",
     "CodecChoice",
     "CodecChooser",
     "DeliveryRateEstimator",
     "EstimatorSnapshot",
+    "InflightController",
     "InflightTarget",
     "Pacer",
     "RateSample",

@@ -1,17 +1,24 @@
 """The ``auto`` codec: pick per chunk the codec that delivers the most KV per second.
 
 A codec that shrinks the cache by ``size_ratio`` (wire bytes / fp16 bytes) lets a link
-of ``B`` bytes/s carry ``B / size_ratio`` bytes of fp16 KV per second, but only as fast
-as the codec encodes: delivered KV = min(link / size_ratio, encode speed), with
-encoding overlapped with sending. On a fast link the raw bytes win; on a slow one a
-compact codec does.
+of ``B`` bytes/s carry ``B / size_ratio`` bytes of fp16 KV per second, but every byte
+is also encoded by the sender and decoded by the receiver. The cost of one fp16 byte
+end to end is the wire time ``size_ratio / B`` overlapped with the CPU time
+``1 / encode + 1 / decode``: delivered KV = 1 / max(wire, encode + decode). Encode and
+decode add because they compete for the same cores when both ends share a host or the
+CPU is contended, which is when quantizing loses; ``cpu_stages_overlap=True`` counts only
+the slower of the two, for ends on separate, idle machines. On a fast link the raw bytes
+win; on a slow one a compact codec does; raw (no encode, no decode) is chosen whenever it
+is at least as fast, so ``auto`` never lowers KV goodput by the model's measure.
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
 time.
 
 Codecs are named by string; the chooser never imports them. Encode speeds are measured
-by the transport and fed back through :meth:`CodecChooser.observe_encode`.
+by the transport and fed back through :meth:`CodecChooser.observe_encode`; decode speeds
+come from the receiver where it reports them, else from a local measurement, through
+:meth:`CodecChooser.observe_decode`.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["CodecCandidate", "CodecChoice", "CodecChooser"]
 
@@ -34,6 +42,9 @@ class CodecCandidate:
     unlimited, so an unmeasured codec gets tried and measured)."""
     precision: int | None = None
     """Rank for deadline mode, higher is more precise; default: by ``size_ratio``."""
+    decode_bytes_per_s: float | None = None
+    """Prior decode speed on the receiver in fp16 output bytes/s; ``None`` = free (raw
+    lands in place and has nothing to decode)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +66,7 @@ class CodecChooser:
         tolerance: float = 0.05,
         speed_gain: float = 0.25,
         deadline_margin: float = 0.1,
+        cpu_stages_overlap: bool = False,
     ) -> None:
         """
         :param tolerance: in throughput mode, a more precise codec within this fraction
@@ -62,6 +74,8 @@ class CodecChooser:
         :param speed_gain: EWMA gain for encode-speed and size-ratio measurements.
         :param deadline_margin: in deadline mode, a codec must finish this fraction ahead
             of the deadline to count as meeting it, absorbing estimate noise.
+        :param cpu_stages_overlap: encode and decode run on separate, uncontended CPUs, so
+            only the slower of the two bounds the rate (default: their times add).
         """
         ordered = list(candidates)
         if not ordered:
@@ -74,6 +88,8 @@ class CodecChooser:
                 raise ValueError(f"{c.name}: size_ratio must be positive")
         self._ratio = {c.name: c.size_ratio for c in ordered}
         self._speed: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
+        self._decode: dict[str, float | None] = {c.name: c.decode_bytes_per_s for c in ordered}
+        self._overlap = cpu_stages_overlap
         # Most precise first; ties keep the caller's order.
         self._by_precision = [
             c.name
@@ -87,7 +103,7 @@ class CodecChooser:
         self._deadline_margin = deadline_margin
 
     @classmethod
-    def from_ratios(cls, ratios: Mapping[str, float], **kwargs: float) -> CodecChooser:
+    def from_ratios(cls, ratios: Mapping[str, float], **kwargs: Any) -> CodecChooser:
         """Candidates from ``{name: size_ratio}``, precision ordered by ratio."""
         return cls((CodecCandidate(name=n, size_ratio=r) for n, r in ratios.items()), **kwargs)
 
@@ -98,6 +114,9 @@ class CodecChooser:
 
     def encode_speed(self, codec: str) -> float | None:
         return self._speed[codec]
+
+    def decode_speed(self, codec: str) -> float | None:
+        return self._decode[codec]
 
     def size_ratio(self, codec: str) -> float:
         return self._ratio[codec]
@@ -110,6 +129,14 @@ class CodecChooser:
         old = self._speed[codec]
         self._speed[codec] = speed if old is None else old + self._gain * (speed - old)
 
+    def observe_decode(self, codec: str, nbytes: int, seconds: float) -> None:
+        """Feed one measured decode: ``nbytes`` of fp16 output took ``seconds``."""
+        if codec not in self._decode or nbytes <= 0:
+            return
+        speed = nbytes / max(seconds, 1e-9)
+        old = self._decode[codec]
+        self._decode[codec] = speed if old is None else old + self._gain * (speed - old)
+
     def observe_size(self, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
         """Feed one measured size ratio (entropy stages vary with the data)."""
         if codec not in self._ratio or fp16_bytes <= 0 or wire_bytes <= 0:
@@ -120,8 +147,14 @@ class CodecChooser:
     def delivered_rate(self, codec: str, bandwidth_bps: float) -> float:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
         link = bandwidth_bps / 8.0 / self._ratio[codec]
-        speed = self._speed[codec]
-        return link if speed is None else min(link, speed)
+        stages = [s for s in (self._speed[codec], self._decode[codec]) if s is not None]
+        if not stages:
+            return link
+        if self._overlap or len(stages) == 1:
+            cpu = min(stages)
+        else:
+            cpu = stages[0] * stages[1] / (stages[0] + stages[1])  # 1 / (1/encode + 1/decode)
+        return min(link, cpu)
 
     def rates(self, bandwidth_bps: float) -> dict[str, float]:
         """Delivered KV bytes/s per codec, most precise first."""

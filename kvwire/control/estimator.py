@@ -65,6 +65,7 @@ class EstimatorSnapshot:
     round_count: int
     samples: int
     app_limited: bool
+    extra_acked_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -135,6 +136,15 @@ class DeliveryRateEstimator:
         self._rttvar: float | None = None
         self._samples = 0
 
+        # Ack aggregation (BBR's extra_acked): bytes acked beyond what the bandwidth
+        # estimate explains since the epoch began; windowed max by round.
+        self._epoch_start: float | None = None
+        self._epoch_acked = 0
+        self._extra: deque[tuple[int, int]] = deque()
+        # Minimum RTT of the last few rounds: what a round trip costs now, late acks included.
+        self._recent_rtts: deque[tuple[int, float]] = deque()
+        self._recent_rounds = 3
+
     # -- inputs -----------------------------------------------------------------------
 
     def on_send(self, chunk_key: Hashable, nbytes: int, now: float, *, app_limited: bool) -> None:
@@ -200,6 +210,7 @@ class DeliveryRateEstimator:
         self._samples += 1
         self._update_rtt(rtt, now)
         self._update_max_filter(sample)
+        self._update_extra_acked(chunk.nbytes, now)
         if not sample.app_limited:
             self._goodput_samples.append((now, sample.delivered_bytes, sample.interval))
             self._goodput_bytes += sample.delivered_bytes
@@ -245,6 +256,12 @@ class DeliveryRateEstimator:
         mins.append((now, rtt))
         while mins[0][0] < now - self._min_rtt_window:
             mins.popleft()
+        recent = self._recent_rtts
+        while recent and recent[-1][1] >= rtt:
+            recent.pop()
+        recent.append((self._round_count, rtt))
+        while recent[0][0] <= self._round_count - self._recent_rounds:
+            recent.popleft()
 
     def _update_max_filter(self, sample: RateSample) -> None:
         rate = sample.rate_bps
@@ -256,6 +273,31 @@ class DeliveryRateEstimator:
             maxes.pop()
         maxes.append((self._round_count, rate))
         self._expire_max_filter()
+
+    def _update_extra_acked(self, nbytes: int, now: float) -> None:
+        # Acks that arrive in bursts (a receiver whose loop runs late, a stretched ack
+        # train) deliver more in an instant than bandwidth x time predicts. The excess is
+        # data the flight must hold on top of one BDP, or the sender idles between bursts
+        # and measures its own stall as a slower link.
+        bandwidth = self.max_filter_bps
+        if bandwidth is None:
+            return
+        if self._epoch_start is None:
+            self._epoch_start, self._epoch_acked = now, 0
+        expected = bandwidth / 8.0 * (now - self._epoch_start)
+        if self._epoch_acked <= expected:
+            self._epoch_start, self._epoch_acked = now, 0
+            expected = 0.0
+        self._epoch_acked += nbytes
+        # Never more than the estimate carries in 100 ms: a long stall is not a burst.
+        extra = int(min(self._epoch_acked - expected, bandwidth / 8.0 * 0.1))
+        extras = self._extra
+        while extras and extras[-1][1] <= extra:
+            extras.pop()
+        extras.append((self._round_count, extra))
+        oldest = self._round_count - self._window_rounds + 1
+        while len(extras) > 1 and extras[0][0] < oldest:
+            extras.popleft()
 
     def _expire_max_filter(self) -> None:
         oldest = self._round_count - self._window_rounds + 1
@@ -303,11 +345,26 @@ class DeliveryRateEstimator:
         return min(goodput, peak)
 
     @property
+    def extra_acked_bytes(self) -> int:
+        """Largest recent ack burst beyond what the bandwidth estimate explains (bytes)."""
+        if not self._extra:
+            return 0
+        return max(0, self._extra[0][1])
+
+    @property
     def min_rtt(self) -> float | None:
         """Windowed minimum of ack RTTs (seconds)."""
         if not self._min_rtts:
             return None
         return self._min_rtts[0][1]
+
+    @property
+    def recent_min_rtt(self) -> float | None:
+        """Minimum ack RTT over the last three round trips (seconds): the path's RTT as the
+        receiver acks *now*; above ``min_rtt`` when acks are delayed (a busy receiver)."""
+        if not self._recent_rtts:
+            return None
+        return self._recent_rtts[0][1]
 
     @property
     def srtt(self) -> float | None:
@@ -362,4 +419,5 @@ class DeliveryRateEstimator:
             round_count=self._round_count,
             samples=self._samples,
             app_limited=self.app_limited,
+            extra_acked_bytes=self.extra_acked_bytes,
         )

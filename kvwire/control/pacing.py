@@ -4,6 +4,15 @@ Application-level flow sits above TCP: keeping one or two bandwidth-delay produc
 chunks outstanding fills the path without building a queue that delays acks (and with
 them the estimator) for seconds. The pacer spaces chunk releases when the caller wants
 a rate ceiling rather than a window.
+
+:class:`InflightController` is the sender's window. A window of ``2 x estimate x min RTT``
+alone pins itself: when acks come late (a receiver starved of CPU acks in bursts), the
+flight cannot cover the real round trip, the sender idles, the next samples are lower,
+the window shrinks with them and nothing ever looks upward again. The controller
+therefore sizes the window from the windowed *maximum* delivery rate, adds the ack
+aggregation the estimator measured, never goes below a floor that keeps every stream
+busy, and cycles its gain (BBR's probe-bandwidth phases) so that a link which freed up
+is found within a few cycles.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ from dataclasses import dataclass
 
 from kvwire.control.estimator import DeliveryRateEstimator
 
-__all__ = ["InflightTarget", "Pacer"]
+__all__ = ["PROBE_CYCLE", "InflightController", "InflightTarget", "Pacer"]
 
 _MIB = 1 << 20
 
@@ -56,6 +65,142 @@ class InflightTarget:
         """
         in_flight = estimator.bytes_in_flight
         return in_flight == 0 or in_flight + nbytes <= self.for_estimator(estimator)
+
+
+PROBE_CYCLE: tuple[float, ...] = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+"""Gain per phase: probe up by a quarter, drain what the probe queued, cruise six phases."""
+
+
+class InflightController:
+    """The sender's in-flight window: probes upward, covers late acks, never below a floor.
+
+    ``target = phase gain x (gain x BDP + rate x ack lateness + ack aggregation)`` with the
+    BDP from the windowed maximum delivery rate and the minimum RTT, the lateness from the
+    recent minimum RTT above the all-time one (at most ``max_ack_delay``),
+    clamped to ``[floor, max_bytes]`` where the floor is the larger of ``min_bytes`` and
+    ``2 x streams x chunk_bytes`` (two chunks queued per stream). Each phase lasts one
+    minimum RTT (at least ``min_phase`` seconds); phases advance when the caller asks,
+    with ``now``.
+    """
+
+    def __init__(
+        self,
+        *,
+        gain: float = 2.0,
+        streams: int = 1,
+        chunk_bytes: int = _MIB,
+        min_bytes: int = 4 * _MIB,
+        max_bytes: int = 256 * _MIB,
+        initial_bytes: int = 16 * _MIB,
+        min_phase: float = 0.002,
+        max_ack_delay: float = 0.010,
+        cycle: tuple[float, ...] = PROBE_CYCLE,
+    ) -> None:
+        """
+        :param gain: bandwidth-delay products kept outstanding in a cruise phase.
+        :param streams: streams carrying chunks; see :meth:`set_streams`.
+        :param chunk_bytes: wire size of one chunk.
+        :param min_bytes: floor independent of the stream count.
+        :param max_bytes: ceiling on sent-but-unacknowledged bytes.
+        :param initial_bytes: target before the first bandwidth and RTT samples.
+        :param min_phase: shortest phase in seconds, so a sub-millisecond loopback RTT does
+            not cycle faster than acks arrive.
+        :param max_ack_delay: most seconds of late acks (recent RTT above the minimum)
+            the window covers with extra bytes.
+        :param cycle: gain per phase; must average to at most 1 over the cycle and hold at
+            least one phase above 1 so the window probes.
+        """
+        if gain < 1.0:
+            raise ValueError("gain must be >= 1")
+        if streams < 1 or chunk_bytes < 1:
+            raise ValueError("streams and chunk_bytes must be positive")
+        if not 0 < min_bytes <= max_bytes:
+            raise ValueError("need 0 < min_bytes <= max_bytes")
+        if not cycle or max(cycle) <= 1.0 or min(cycle) <= 0 or sum(cycle) > len(cycle) + 1e-9:
+            raise ValueError("cycle needs a gain above 1, positive gains, and a mean of at most 1")
+        if min_phase <= 0:
+            raise ValueError("min_phase must be positive")
+        self._gain = gain
+        self._chunk = chunk_bytes
+        self._streams = streams
+        self._min_bytes = min_bytes
+        self._max_bytes = max_bytes
+        self._initial = initial_bytes
+        self._min_phase = min_phase
+        self._max_ack_delay = max_ack_delay
+        self._cycle = cycle
+        self._phase = 0
+        self._phase_start: float | None = None
+        self._limited = False
+        self._target = self._clamp(initial_bytes)
+
+    # -- configuration -------------------------------------------------------------------
+
+    def set_streams(self, streams: int) -> None:
+        """The number of streams carrying chunks changed."""
+        if streams < 1:
+            raise ValueError("streams must be >= 1")
+        self._streams = streams
+
+    @property
+    def floor_bytes(self) -> int:
+        """Lowest target: ``max(min_bytes, 2 x streams x chunk_bytes)``, within ``max_bytes``."""
+        return min(self._max_bytes, max(self._min_bytes, 2 * self._streams * self._chunk))
+
+    @property
+    def phase_gain(self) -> float:
+        return self._cycle[self._phase]
+
+    @property
+    def target_bytes(self) -> int:
+        """The target computed by the last :meth:`update`."""
+        return self._target
+
+    # -- decisions -----------------------------------------------------------------------
+
+    def update(self, estimator: DeliveryRateEstimator, now: float) -> int:
+        """Advance the gain phase to ``now`` and recompute the target from the estimator."""
+        bandwidth = estimator.max_filter_bps
+        min_rtt = estimator.min_rtt
+        if bandwidth is None or min_rtt is None or bandwidth <= 0:
+            self._target = self._clamp(self._initial)
+            return self._target
+        phase_len = max(min_rtt, self._min_phase)
+        if self._phase_start is None:
+            self._phase_start = now
+        elif now - self._phase_start >= phase_len:
+            # Several phases may have passed while idle: move by their count, not by one.
+            steps = int((now - self._phase_start) / phase_len)
+            self._phase = (self._phase + steps) % len(self._cycle)
+            self._phase_start += steps * phase_len
+            self._limited = False
+        bdp = bandwidth / 8.0 * min_rtt
+        # Acks later than the path's minimum (a busy receiver) need bytes to cover the
+        # wait, or the flight stalls and the estimate sinks with it; bounded so a queue of
+        # our own making cannot feed itself.
+        recent = estimator.recent_min_rtt or min_rtt
+        late = min(max(recent - min_rtt, 0.0), self._max_ack_delay)
+        cover = bandwidth / 8.0 * late
+        raw = self.phase_gain * (self._gain * bdp + cover + estimator.extra_acked_bytes)
+        self._target = self._clamp(math.ceil(raw))
+        return self._target
+
+    def may_send(self, estimator: DeliveryRateEstimator, nbytes: int, now: float) -> bool:
+        """Whether ``nbytes`` more may go now; an empty flight may always send."""
+        target = self.update(estimator, now)
+        in_flight = estimator.bytes_in_flight
+        if in_flight == 0 or in_flight + nbytes <= target:
+            return True
+        self._limited = True
+        return False
+
+    @property
+    def window_limited(self) -> bool:
+        """Whether the window held a send back during the current phase."""
+        return self._limited
+
+    def _clamp(self, target: int) -> int:
+        return max(self.floor_bytes, min(self._max_bytes, target))
 
 
 class Pacer:

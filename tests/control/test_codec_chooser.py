@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.control import CodecCandidate, CodecChooser
 
 GB = 1e9
 
 
-def chooser(**kw: float) -> CodecChooser:
+def chooser(**kw: Any) -> CodecChooser:
     return CodecChooser(
         [
             CodecCandidate(name="raw", size_ratio=1.0, encode_bytes_per_s=50 * GB),
@@ -110,3 +113,76 @@ def test_invalid_candidates() -> None:
         CodecChooser([])
     with pytest.raises(ValueError):
         CodecChooser.from_ratios({"raw": 0.0})
+
+
+def test_receiver_decode_counts_against_a_codec() -> None:
+    # 10 Gbit/s; fp8 encodes at 2 GB/s but the receiver decodes at 0.4 GB/s:
+    # fp8 delivers 1 / (1/2 + 1/0.4) = 0.33 GB/s of KV, raw 1.25 GB/s.
+    c = CodecChooser(
+        [
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB, decode_bytes_per_s=0.4 * GB),
+        ]
+    )
+    assert c.choose(10e9).codec == "raw"
+    assert c.delivered_rate("fp8", 10e9) == pytest.approx(1 / (1 / 2 + 1 / 0.4) * GB)
+    # On separate idle machines only the slower stage bounds it.
+    overlapped = CodecChooser(
+        [
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB, decode_bytes_per_s=0.4 * GB),
+        ],
+        cpu_stages_overlap=True,
+    )
+    assert overlapped.delivered_rate("fp8", 1e9) == pytest.approx(0.25 * GB)
+
+
+def test_observed_decode_speed_moves_the_choice() -> None:
+    c = CodecChooser(
+        [
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=5 * GB),
+        ],
+        speed_gain=1.0,
+    )
+    assert c.choose(1e9).codec == "int4"  # 0.125 GB/s raw against 0.5 GB/s int4
+    c.observe_decode("int4", 10_000_000, 1.0)  # 10 MB/s on the receiver
+    assert c.decode_speed("int4") == pytest.approx(1e7)
+    assert c.choose(1e9).codec == "raw"
+
+
+def _true_rate(bandwidth_bps: float, ratio: float, enc: float | None, dec: float | None) -> float:
+    """KV bytes/s end to end: wire overlapped with encode + decode on shared CPUs."""
+    cpu = (0.0 if enc is None else 1 / enc) + (0.0 if dec is None else 1 / dec)
+    return 1 / max(ratio * 8 / bandwidth_bps, cpu)
+
+
+_speed = st.one_of(st.none(), st.floats(0.05 * GB, 50 * GB))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bandwidth=st.floats(1e8, 4e11),
+    codecs=st.lists(st.tuples(st.floats(0.1, 0.99), _speed, _speed), min_size=1, max_size=4),
+    raw_speeds=st.tuples(_speed, _speed),
+    time_left=st.one_of(st.none(), st.floats(0.001, 10.0)),
+)
+def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
+    bandwidth: float, codecs: list[tuple[float, float | None, float | None]],
+    raw_speeds: tuple[float | None, float | None], time_left: float | None,
+) -> None:
+    candidates = [CodecCandidate(name="raw", size_ratio=1.0, encode_bytes_per_s=raw_speeds[0], decode_bytes_per_s=raw_speeds[1])]
+    candidates += [
+        CodecCandidate(name=f"q{i}", size_ratio=r, encode_bytes_per_s=e, decode_bytes_per_s=d)
+        for i, (r, e, d) in enumerate(codecs)
+    ]
+    chooser = CodecChooser(candidates)
+    remaining = None if time_left is None else int(GB)
+    choice = chooser.choose(bandwidth, remaining_bytes=remaining, time_left=time_left)
+    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s) for c in candidates}
+    raw_rate = _true_rate(bandwidth, *params["raw"])
+    chosen_rate = _true_rate(bandwidth, *params[choice.codec])
+    assert choice.codec == "raw" or chosen_rate >= raw_rate * (1 - 1e-9)
+    if time_left is None:  # throughput mode: raw whenever it is within tolerance of the best
+        best = max(_true_rate(bandwidth, *p) for p in params.values())
+        assert (choice.codec == "raw") == (raw_rate >= 0.95 * best * (1 - 1e-9)) or abs(raw_rate - 0.95 * best) < 1e-6 * best
