@@ -3,71 +3,48 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import ipaddress
 import json
+import logging
 import math
-import re
+import os
+import socket
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from kvwire.bench.models import MODELS
 from kvwire.errors import KvwireError, UsageError
-from kvwire.scheduler.units import format_rate, parse_rate, parse_rate_schedule
+from kvwire.units import (
+    format_duration,
+    format_rate,
+    format_schedule,
+    format_size,
+    parse_duration,
+    parse_rate,
+    parse_schedule,
+    parse_size,
+)
 
 __all__ = [
     "add_parsers",
-    "parse_duration",
-    "parse_link_schedule",
+    "check_output_path",
+    "is_loopback",
     "run_bench_command",
     "run_serve_command",
     "write_plot",
 ]
 
+log = logging.getLogger("kvwire")
+
 
 # -- argument types ---------------------------------------------------------------------------
-
-_DURATION_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s)?\s*$")
-_SCALE = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
-
-
-def parse_duration(text: str, default_unit: str = "ms") -> float:
-    """Seconds for ``20ms``, ``0.5s``, ``250us``; a bare number is in ``default_unit``."""
-    match = _DURATION_RE.match(text)
-    if match is None:
-        raise UsageError(f"cannot parse duration {text!r} (try 20ms, 0.5s)")
-    value = float(match[1]) * _SCALE[match[2] or default_unit]
-    if not math.isfinite(value):
-        raise UsageError(f"duration {text!r} is not finite")
-    return value
-
-
-def parse_link_schedule(text: str) -> tuple[tuple[float, float], ...]:
-    """A rate schedule: ``10gbps,2.5gbps@3s,10gbps@6s`` (each ``RATE@START``, the first
-    at 0 unless it says otherwise) or the ``0:10gbps,3:2.5gbps`` form of ``simulate``."""
-    if ":" in text:
-        return parse_rate_schedule(text)
-    items: list[tuple[float, float]] = []
-    for i, part in enumerate(p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        rate_text, sep, at_text = part.partition("@")
-        if sep:
-            at = parse_duration(at_text, default_unit="s")
-        elif i == 0:
-            at = 0.0
-        else:
-            raise UsageError(f"schedule item {part!r} needs a start time, e.g. {part}@3s")
-        items.append((at, parse_rate(rate_text)))
-    if not items:
-        raise UsageError("empty rate schedule")
-    items.sort()
-    if items[0][0] != 0.0:
-        raise UsageError("a rate schedule must start at time 0")
-    for _, rate in items:
-        if not rate > 0:
-            raise UsageError("schedule rates must be > 0")
-    return tuple(items)
+# Rates, durations, sizes and schedules are read by kvwire.units, the one syntax of every
+# command: 10gbps, 20ms, 1MiB, 0s:10gbps,3s:2.5gbps (a bare duration is in seconds).
 
 
 def _arg(fn: Any, *extra: Any) -> Any:
@@ -88,6 +65,13 @@ def _rate(text: str) -> float:
     if not rate > 0 or not math.isfinite(rate):
         raise UsageError(f"link rate {text!r} must be > 0")
     return rate
+
+
+def _positive_duration(text: str) -> float:
+    value = parse_duration(text)
+    if not value > 0:
+        raise UsageError(f"duration {text!r} must be > 0")
+    return value
 
 
 def _streams(text: str) -> int | str:
@@ -124,18 +108,74 @@ def _hostport(text: str) -> tuple[str, int]:
     return host.strip("[]"), number
 
 
-def _positive(kind: type) -> Any:
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise UsageError(f"{text!r} is not a number") from None
-        if not value > 0 or not math.isfinite(value):
-            raise UsageError(f"{text!r} must be > 0")
-        return value
+def _port(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        raise UsageError(f"--port takes an int in [0, 65535], not {text!r}") from None
+    if not 0 <= number < 65536:
+        raise UsageError(f"--port takes an int in [0, 65535], not {number}")
+    return number
 
-    convert.__name__ = kind.__name__
-    return convert
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise UsageError(f"{text!r} must be >= 1")
+    return value
+
+
+# -- output checks ------------------------------------------------------------------------------
+
+
+def check_output_path(path: str, what: str) -> None:
+    """Raise UsageError unless ``path`` can be written (checked before a run, so that a
+    typo costs nothing): its folder exists and takes a new file, and it is not a folder."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{what} {path!r} is a directory")
+    folder = target.parent
+    if not folder.is_dir():
+        raise UsageError(f"{what} {path!r}: no such directory {str(folder)!r}")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".kvwire-", suffix=".check")
+    except OSError as exc:
+        raise UsageError(f"{what} {path!r}: cannot write in {str(folder)!r}: {exc.strerror}") from None
+    os.close(fd)
+    os.unlink(probe)
+    if target.exists() and not os.access(target, os.W_OK):
+        raise UsageError(f"{what} {path!r} is not writable")
+
+
+def _check_plot(path: str) -> None:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'kvwire[plot]'") from None
+    suffix = Path(path).suffix.lstrip(".").lower()
+    supported = Figure().canvas.get_supported_filetypes()
+    if suffix and suffix not in supported:
+        raise UsageError(
+            f"--plot {path!r}: matplotlib cannot write .{suffix} (use one of: "
+            f"{', '.join(sorted(supported))})"
+        )
+    check_output_path(path, "--plot")
+
+
+def _write_atomic(path: str, text: str) -> None:
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # -- parsers ----------------------------------------------------------------------------------
@@ -148,11 +188,14 @@ def add_parsers(subparsers: Any) -> None:
         help="measure KV transfers over loopback, an emulated link, or to a remote server",
         description=(
             "Send a model's KV cache (random fp16 of the model's shape) again and again for "
-            "--duration seconds and report goodput, wire rate, link utilization, the "
-            "bandwidth estimate, time to first layer and the codec's error. Without --link "
-            "it runs over plain loopback against a raw-socket baseline measured in the same "
-            "run; with --link/--rtt through a userspace link emulator (or --kernel: tbf "
-            "between two network namespaces, root only); with --peer to a `kvwire serve`."
+            "--duration and report goodput, wire rate, link utilization, the bandwidth "
+            "estimate, time to first layer, CPU use, TCP retransmits and the codec's error. "
+            "Without --link it runs over plain loopback against a raw-socket baseline "
+            "measured in the same run; with --link/--rtt through a userspace link emulator "
+            "(or --kernel: tbf between two network namespaces, root only); with --peer to a "
+            "`kvwire serve`. A report line per --interval goes to stderr (with a progress "
+            "bar when stderr is a terminal). Units: rates 10gbps, 800mbps, 1.25GB/s; times "
+            "20ms, 1.5s (a bare number is seconds); sizes 1MiB, 64KiB."
         ),
     )
     b.set_defaults(func=run_bench_command)
@@ -162,8 +205,8 @@ def add_parsers(subparsers: Any) -> None:
                       help="round-trip time added by the emulator, e.g. 20ms (default 0)")
     link.add_argument("--jitter", type=_arg(parse_duration), default=0.0, metavar="TIME",
                       help="+- variation of each one-way delay, e.g. 1ms (default 0)")
-    link.add_argument("--link-schedule", type=_arg(parse_link_schedule), metavar="SCHEDULE",
-                      help="rate over time, e.g. '10gbps,2.5gbps@3s' (replaces --link)")
+    link.add_argument("--link-schedule", type=_arg(parse_schedule), metavar="TIME:RATE,...",
+                      help="rate over time, e.g. '0s:10gbps,3s:2.5gbps' (replaces --link)")
     link.add_argument("--kernel", action="store_true",
                       help="shape with tc tbf between two network namespaces (root only; rate only)")
     link.add_argument("--peer", type=_arg(_hostport), metavar="HOST:PORT",
@@ -174,36 +217,50 @@ def add_parsers(subparsers: Any) -> None:
     load.add_argument("--codec", type=_arg(_codec), default="raw",
                       help="raw, fp8, int8, int4, auto or any registered codec (default raw)")
     load.add_argument("--streams", type=_arg(_streams), default=4, metavar="N|auto",
-                      help="TCP streams per session (default 4)")
+                      help="TCP streams per session, or auto (default 4)")
     load.add_argument("--model", choices=sorted(MODELS), default="llama3-8b",
                       help="KV shape to send (default llama3-8b: 32 x 8 x 128 fp16)")
-    load.add_argument("--tokens", type=_arg(_positive(int)), default=8192,
+    load.add_argument("--tokens", type=_arg(_positive_int), default=8192, metavar="N",
                       help="tokens per transfer (default 8192)")
-    load.add_argument("--duration", type=_arg(_positive(float)), default=10.0, metavar="SECONDS",
-                      help="keep starting transfers for this long (default 10)")
-    load.add_argument("--seed", type=int, default=0, help="seed of the random cache")
+    load.add_argument("--chunk-size", type=_arg(parse_size), default=1 << 20, metavar="SIZE",
+                      help="target size of one chunk of K or V before encoding (default 1MiB)")
+    load.add_argument("--duration", type=_arg(_positive_duration), default=10.0, metavar="TIME",
+                      help="keep starting transfers for this long (default 10s)")
+    load.add_argument("--seed", type=int, default=0, metavar="N",
+                      help="seed of the random cache (default 0)")
     load.add_argument("--no-baseline", action="store_true",
                       help="skip the raw-socket baseline of loopback runs")
     out = b.add_argument_group("output")
-    out.add_argument("--json", metavar="FILE", help="write the full report (with samples) here")
+    out.add_argument("--json", metavar="FILE",
+                     help="write the full report (start block, intervals, samples) here; - for stdout")
     out.add_argument("--plot", metavar="FILE.png",
-                     help="plot wire rate, estimate and link rate over time (needs matplotlib)")
-    out.add_argument("--quiet", action="store_true", help="no progress bar and no table")
+                     help="plot wire rate, estimate and link rate over time (needs kvwire[plot])")
+    out.add_argument("--interval", type=_arg(_positive_duration), default=1.0, metavar="TIME",
+                     help="seconds between report lines and JSON intervals (default 1s)")
+    out.add_argument("--quiet", action="store_true",
+                     help="no progress, no report lines and no table (errors still go to stderr)")
 
     s: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
         help="receive KV transfers (the far end of `kvwire bench --peer`)",
         description=(
-            "Accept kvwire transfers and print one line per transfer; for bench transfers, "
-            "regenerate the sent cache from its seed at the end of each bench and print "
-            "the codec's max relative error."
+            "Accept kvwire transfers and log one line per transfer; for bench transfers, "
+            "regenerate the sent cache from its seed at the end of each bench and log "
+            "the codec's max relative error. Listens on 127.0.0.1 unless --host says "
+            "otherwise; any other address needs a secret you chose (--secret-file or "
+            "$KVWIRE_SECRET): the development default is public."
         ),
     )
     s.set_defaults(func=run_serve_command)
-    s.add_argument("--port", type=int, default=7070, help="port to listen on (default 7070; 0 picks one)")
-    s.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    s.add_argument("--port", type=_arg(_port), default=7070,
+                   help="port to listen on (default 7070; 0 picks one)")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     s.add_argument("--secret-file", metavar="FILE",
-                   help="shared secret (else $KVWIRE_SECRET, else the development default)")
+                   help="shared secret (else $KVWIRE_SECRET; the public development default "
+                        "is allowed on loopback only)")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="least severe log lines shown (default info)")
     s.add_argument("--once", action="store_true", help="exit after one bench has ended")
 
 
@@ -218,20 +275,20 @@ def _fail(command: str, exc: Exception, code: int) -> int:
 def run_bench_command(args: argparse.Namespace) -> int:
     from kvwire.bench.runner import BenchConfig, load_secret
 
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            return _fail("bench", UsageError(
-                "--plot needs matplotlib: pip install 'kvwire[plot]'"), 2)
     try:
+        # Every output and optional extra is checked before the run, not after it.
+        if args.json is not None and args.json != "-":
+            check_output_path(args.json, "--json")
+        if args.plot is not None:
+            _check_plot(args.plot)
         if args.secret_file is not None and args.peer is None:
             raise UsageError("--secret-file is for --peer (local runs make their own secret)")
         cfg = BenchConfig(
             model=args.model, tokens=args.tokens, codec=args.codec, streams=args.streams,
             duration=args.duration, link_bps=args.link, schedule=args.link_schedule or (),
             rtt=args.rtt, jitter=args.jitter, kernel=args.kernel, peer=args.peer,
-            baseline=not args.no_baseline, seed=args.seed,
+            baseline=not args.no_baseline, seed=args.seed, chunk_bytes=args.chunk_size,
+            interval=args.interval,
         )
         if args.peer is not None:
             secret, warning = load_secret(args.secret_file)
@@ -241,31 +298,79 @@ def run_bench_command(args: argparse.Namespace) -> int:
     except UsageError as exc:
         return _fail("bench", exc, 2)
 
+    argv = ["kvwire", *getattr(args, "argv", sys.argv[1:])]
     try:
-        result = _run_with_progress(cfg, quiet=args.quiet)
+        result = _run_with_reports(cfg, quiet=args.quiet, argv=argv)
     except UsageError as exc:
         return _fail("bench", exc, 2)
     except KvwireError as exc:
         return _fail("bench", exc, 1)
 
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    text = json.dumps(result, indent=2) + "\n"
+    code = 0
+    if args.json == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    elif args.json is not None:
+        try:
+            _write_atomic(args.json, text)
+        except OSError as exc:
+            fd, rescue = tempfile.mkstemp(prefix="kvwire-bench-", suffix=".json")
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            print(f"kvwire bench: error: cannot write {args.json!r} ({exc.strerror}); "
+                  f"the report is in {rescue}", file=sys.stderr)
+            code = 1
     if args.plot:
-        write_plot(result, args.plot)
+        try:
+            write_plot(result, args.plot)
+        except OSError as exc:
+            print(f"kvwire bench: error: cannot write {args.plot!r}: {exc}", file=sys.stderr)
+            code = 1
     if not args.quiet:
-        _print_summary(result)
-    return 0
+        _print_summary(result, stderr=args.json == "-")
+    return code
 
 
-def _run_with_progress(cfg: Any, *, quiet: bool) -> dict[str, Any]:
+def _where(cfg: Any) -> str:
+    if cfg.mode == "peer":
+        return f"peer {cfg.peer[0]}:{cfg.peer[1]}"
+    if cfg.mode == "loopback":
+        return "loopback"
+    link = format_schedule(cfg.steps) if len(cfg.steps) > 1 else (
+        format_rate(cfg.steps[0][1]) if cfg.steps else "unshaped")
+    kind = "kernel-shaped link (tbf)" if cfg.mode == "kernel" else "emulated link"
+    return f"{kind} {link}, RTT {format_duration(cfg.rtt)}"
+
+
+def _run_with_reports(cfg: Any, *, quiet: bool, argv: list[str]) -> dict[str, Any]:
+    from kvwire import __version__
+    from kvwire.bench.report import format_interval
     from kvwire.bench.runner import run_bench
 
     if quiet:
-        return run_bench(cfg)
+        return run_bench(cfg, argv=argv)
+    header = (
+        f"kvwire {__version__} bench: {cfg.model} x {cfg.tokens} tokens, {_where(cfg)}, "
+        f"codec {cfg.codec}, streams {cfg.streams}, chunk {format_size(cfg.chunk_bytes)}, "
+        f"seed {cfg.seed}, {format_duration(cfg.duration)}"
+    )
+
+    def interval_line(iv: dict[str, Any]) -> str:
+        return format_interval(iv, cfg.codec)
+
+    if not sys.stderr.isatty():
+        # Logs, CI and pipes: one line per interval, like iperf3's reports.
+        def emit(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
+        emit(header)
+        return run_bench(cfg, log=emit, on_interval=lambda iv: emit(interval_line(iv)), argv=argv)
+
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, highlight=False)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"), console=console, transient=True,
@@ -276,7 +381,7 @@ def _run_with_progress(cfg: Any, *, quiet: bool) -> dict[str, Any]:
     def update(point: dict[str, Any]) -> None:
         est = point.get("estimated_gbps")
         status = (
-            f"{point['transfers']} transfers  wire {point['wire_gbps']:.2f} Gbit/s  "
+            f"{point['transfers']} transfers  sent {point['wire_gbps']:.2f} Gbit/s  "
             f"estimate {'-' if est is None else f'{est:.2f}'} Gbit/s"
         )
         if point.get("link_gbps") is not None:
@@ -284,11 +389,13 @@ def _run_with_progress(cfg: Any, *, quiet: bool) -> dict[str, Any]:
         progress.update(task, completed=min(point["elapsed"], cfg.duration), status=status)
         progress.refresh()
 
-    def log(line: str) -> None:
-        progress.console.print(line)
+    def show(line: str) -> None:
+        progress.console.print(line, markup=False)
 
+    show(header)
     with progress:
-        return run_bench(cfg, on_progress=update, log=log)
+        return run_bench(cfg, on_progress=update, log=show,
+                         on_interval=lambda iv: show(interval_line(iv)), argv=argv)
 
 
 def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
@@ -297,9 +404,15 @@ def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
-def _print_summary(r: dict[str, Any]) -> None:
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
+def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from kvwire.bench.report import format_shares
 
     where = {
         "loopback": "loopback",
@@ -310,20 +423,39 @@ def _print_summary(r: dict[str, Any]) -> None:
     table = Table(title=f"kvwire bench: {r['model']}, {r['tokens']} tokens, {where}")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    codec = r["codec"]
+    if r["codec_shares"] and list(r["codec_shares"]) != [r["codec"]]:
+        codec += f": {format_shares(r['codec_shares'])} of chunks"
+    streams = str(r["streams"])
+    if r["streams"] == "auto" and r["streams_min"] is not None:
+        streams += f": {r['streams_min']}-{r['streams_max']} in use, median {r['streams_median']:g}"
+    cpu = r["cpu"]
+    cpu_text = ", ".join(
+        f"{side} {_pct(cpu.get(side))}" for side in ("sender", "receiver", "emulator")
+        if cpu.get(side) is not None
+    )
     rows: list[tuple[str, str]] = [
         ("link", format_rate(r["link_gbps"] * 1e9) if r["link_gbps"] else "unshaped"),
         ("RTT", _fmt(r["rtt_ms"], ".3g", " ms")),
-        ("codec", r["codec"] + (f" ({', '.join(r['codecs_used'])})" if r["codecs_used"] and r["codecs_used"] != [r["codec"]] else "")),
-        ("streams", str(r["streams"])),
+        ("codec", codec),
+        ("streams", streams),
+        ("chunk size", format_size(r["chunk_bytes"])),
         ("transfers", f"{r['transfers']} x {r['kv_bytes_per_transfer'] / 1e6:.1f} MB"
          + (f" ({r['incomplete_transfers']} abandoned)" if r["incomplete_transfers"] else "")),
         ("seconds", _fmt(r["seconds"], ".2f")),
         ("goodput (fp16 KV)", _fmt(r["goodput_gbps"], ".3f", " Gbit/s")),
-        ("wire rate", _fmt(r["wire_gbps"], ".3f", " Gbit/s")),
+        ("wire rate (measured)", _fmt(r["wire_gbps"], ".3f", " Gbit/s")),
         ("utilization", _fmt(None if r["utilization"] is None else 100 * r["utilization"], ".1f", " %")),
-        ("estimate at end", _fmt(r["estimated_gbps"], ".3f", " Gbit/s")),
+        ("estimate at end (from acks)", _fmt(r["estimated_gbps"], ".3f", " Gbit/s")),
         ("time to first layer (median)", _fmt(r["time_to_first_layer_ms"], ".1f", " ms")),
         ("transfer time (median)", _fmt(None if r["transfer_seconds_median"] is None else r["transfer_seconds_median"] * 1e3, ".1f", " ms")),
+        ("CPU, share of one core", cpu_text or "-"),
+    ]
+    if cpu.get("machine_busy") is not None:
+        rows.append(("machine CPU busy", f"{_pct(cpu['machine_busy'])} of {cpu['cores']} cores"
+                     f" ({_pct(cpu.get('others'))} by other processes)"))
+    rows += [
+        ("TCP retransmits (sender)", "-" if r["retransmits"] is None else str(r["retransmits"])),
         ("max rel. error (checked layers)", "see the server's output" if r["mode"] == "peer" else _fmt(r["max_rel_error"], ".3g")),
     ]
     if r.get("baseline_gbps") is not None:
@@ -331,7 +463,11 @@ def _print_summary(r: dict[str, Any]) -> None:
         rows.append(("goodput / baseline", _fmt(r["baseline_ratio"], ".2f")))
     for name, value in rows:
         table.add_row(name, value)
-    Console().print(table)
+    console = Console(stderr=stderr, highlight=False)
+    console.print(table)
+    if r.get("diagnosis"):
+        console.print(f"diagnosis: {r['diagnosis']}", markup=False)
+    console.print(f"note: {r['trust']}", markup=False)
 
 
 def write_plot(result: dict[str, Any], path: str) -> None:
@@ -369,27 +505,72 @@ def write_plot(result: dict[str, Any], path: str) -> None:
 # -- serve --------------------------------------------------------------------------------------
 
 
+def is_loopback(host: str) -> bool:
+    """Whether every address ``host`` names is a loopback address (``127.0.0.0/8``, ``::1``).
+
+    ``""``, ``0.0.0.0`` and ``::`` (every interface) are not; a name is resolved.
+    """
+    if host in ("", "0.0.0.0", "::"):
+        return False
+    try:
+        return bool(ipaddress.ip_address(host.strip("[]")).is_loopback)
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    addrs = {info[4][0] for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addrs)
+
+
+class _UTCFormatter(logging.Formatter):
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        return f"{stamp}.{int(record.msecs):03d}Z"
+
+
+def configure_logging(level: str) -> logging.Handler:
+    """Timestamped (UTC) lines of the ``kvwire`` logger and its children on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_UTCFormatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(level.upper())
+    return handler
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
     from kvwire.aio import run
     from kvwire.bench.runner import load_secret, serve_benches
 
+    handler = configure_logging(args.log_level)
     try:
-        secret, warning = load_secret(args.secret_file)
-    except UsageError as exc:
-        return _fail("serve", exc, 2)
-    if warning:
-        print(warning, file=sys.stderr, flush=True)
+        try:
+            secret, warning = load_secret(args.secret_file)
+            if warning and not is_loopback(args.host):
+                raise UsageError(
+                    f"refusing to listen on {args.host} with the public development secret: "
+                    "give a secret of your own with --secret-file FILE or KVWIRE_SECRET "
+                    "(or listen on 127.0.0.1)"
+                )
+        except UsageError as exc:
+            log.error("%s", exc)
+            return 2
+        if warning:
+            log.warning("%s (accepted on loopback only)", warning.removeprefix("warning: "))
 
-    def log(line: str) -> None:
-        print(line, flush=True)
+        def ready(port: int) -> None:
+            log.info("listening on %s:%d", args.host, port)
 
-    def ready(port: int) -> None:
-        print(f"kvwire serve: listening on {args.host}:{port}", flush=True)
-
-    try:
-        run(serve_benches(args.host, args.port, secret=secret, once=args.once, log=log, ready=ready))
-    except UsageError as exc:
-        return _fail("serve", exc, 2)
-    except (KvwireError, OSError) as exc:
-        return _fail("serve", exc, 1)
-    return 0
+        try:
+            run(serve_benches(args.host, args.port, secret=secret, once=args.once,
+                              log=log.info, ready=ready))
+        except UsageError as exc:
+            log.error("%s", exc)
+            return 2
+        except (KvwireError, OSError) as exc:
+            log.error("%s", exc)
+            return 1
+        return 0
+    finally:
+        log.removeHandler(handler)

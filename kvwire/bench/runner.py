@@ -34,6 +34,15 @@ from typing import Any
 import numpy as np
 
 from kvwire.bench.models import ModelShape, bench_cache, get_model, relative_error
+from kvwire.bench.report import (
+    codec_shares,
+    diagnose,
+    intervals,
+    machine_cpu_times,
+    one_interval,
+    start_block,
+    trust_note,
+)
 from kvwire.errors import KvwireError, UsageError
 from kvwire.spec import KVSpec
 
@@ -110,6 +119,10 @@ class BenchConfig:
     """Measure a raw-socket baseline first (plain loopback only)."""
     seed: int = 0
     sample_interval: float = 0.1
+    chunk_bytes: int = 1 << 20
+    """Target size of one chunk of K or V before encoding (``ClientOptions.chunk_bytes``)."""
+    interval: float = 1.0
+    """Seconds between the per-interval reports (``intervals`` in the report)."""
 
     def __post_init__(self) -> None:
         get_model(self.model)
@@ -119,6 +132,10 @@ class BenchConfig:
             raise UsageError("--duration must be > 0")
         if self.rtt < 0 or self.jitter < 0:
             raise UsageError("--rtt and --jitter must be >= 0")
+        if not 4096 <= self.chunk_bytes <= 64 << 20:
+            raise UsageError("--chunk-size must be between 4 KiB and 64 MiB")
+        if not self.interval > 0:
+            raise UsageError("--interval must be > 0")
         if self.peer is not None and (self.shaped or self.rtt or self.jitter or self.kernel):
             raise UsageError("--peer sends over the real network: drop --link/--rtt/--jitter/--kernel")
         if self.kernel and not self.shaped:
@@ -337,11 +354,12 @@ def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None
     try:
         if netns is not None:
             _enter_netns(netns)
+        cpu0 = _cpu()
         reports = run(
             serve_benches(host, 0, secret=secret, once=True, log=lambda _l: None,
                           ready=lambda port: conn.send(("ready", port)))
         )
-        conn.send(("done", reports[0]))
+        conn.send(("done", reports[0], _cpu() - cpu0))
     except BaseException as exc:  # reported to the parent, which raises it
         with contextlib.suppress(OSError):
             conn.send(("error", f"receiver: {exc!r}"))
@@ -369,14 +387,18 @@ def _emulator_main(
             start = link.start_time + (time.monotonic() - loop.time())
             conn.send(("ready", link.port, start))
             samples: list[tuple[float, int]] = []
+            cpu0 = _cpu()
             while not conn.poll():
                 samples.append((time.monotonic(), link.statistics().bytes_forward))
                 await asyncio.sleep(interval)
             samples.append((time.monotonic(), link.statistics().bytes_forward))
+            cpu_used[0] = _cpu() - cpu0
             return samples
 
+    cpu_used = [0.0]
     try:
-        conn.send(("done", asyncio.run(main())))
+        samples = asyncio.run(main())
+        conn.send(("done", samples, cpu_used[0]))
     except BaseException as exc:
         with contextlib.suppress(OSError):
             conn.send(("error", f"emulator: {exc!r}"))
@@ -426,11 +448,26 @@ class _SendResult:
     incomplete: int = 0
     estimated_gbps: float | None = None
     min_rtt_ms: float | None = None
+    cpu_s: float = 0.0
+    """CPU seconds of the sending process while it sent."""
+    machine: tuple[float, float] | None = None
+    """Busy and total CPU seconds of the whole machine while it sent."""
+    retransmits: int | None = None
+    initial: dict[str, Any] = field(default_factory=dict)
+    """The sampled counters at the start (``t`` from the link's start)."""
+
+
+def _retransmits(stats: dict[str, Any]) -> int | None:
+    """TCP segments the kernel retransmitted, summed over the session's streams."""
+    counts = [s["tcp"]["total_retrans"] for s in stats.get("streams", ())
+              if isinstance(s.get("tcp"), dict) and s["tcp"].get("total_retrans") is not None]
+    return sum(counts) if counts else None
 
 
 async def _send_loop(
     cfg: BenchConfig, host: str, port: int, secret: bytes, bench_id: str, t0: float | None,
     on_progress: Progress | None, set_rate: Callable[[float], None] | None = None,
+    on_interval: Progress | None = None,
 ) -> _SendResult:
     from kvwire.aio import connect
 
@@ -442,31 +479,57 @@ async def _send_loop(
     res = _SendResult()
     kv_done = 0
     streams: Any = cfg.streams
-    async with connect(host, port, secret=secret, streams=streams, codec=cfg.codec) as peer:
+    chunks_by_codec: dict[str, int] = {}
+    async with connect(host, port, secret=secret, streams=streams, codec=cfg.codec,
+                       chunk_bytes=cfg.chunk_bytes) as peer:
         start = time.monotonic()
         base = t0 if t0 is not None else start
         res.started = start
+        cpu0 = _cpu()
+        machine0 = machine_cpu_times()
+        retr0 = _retransmits(peer.statistics())
+
+        res.initial = {
+            "t": start - base, "bytes_sent": peer.bytes_sent, "kv_bytes_done": 0,
+            "transfers": 0, "cpu_s": 0.0, "retransmits": retr0, "chunks_by_codec": {},
+        }
 
         async def sample() -> None:
             last_t, last_b = time.monotonic(), peer.bytes_sent
+            prev: dict[str, Any] = res.initial
+            group: list[dict[str, Any]] = []
+            edge = start - base + cfg.interval
             while True:
                 await asyncio.sleep(cfg.sample_interval)
                 now, sent = time.monotonic(), peer.bytes_sent
-                est = peer.statistics().get("estimated_gbps")
+                stats = peer.statistics()
                 link = rate_at(cfg.steps, now - base)
-                point = {
+                point: dict[str, Any] = {
                     "t": now - base,
                     "wire_gbps": (sent - last_b) * 8 / max(now - last_t, 1e-9) / 1e9,
-                    "estimated_gbps": est,
+                    "estimated_gbps": stats.get("estimated_gbps"),
                     "link_gbps": link / 1e9 if link is not None else None,
                     "bytes_sent": sent,
                     "kv_bytes_done": kv_done,
+                    "transfers": len(res.receipts),
+                    "streams": peer.active_streams,
+                    "bytes_in_flight": stats.get("bytes_in_flight"),
+                    "inflight_target": stats.get("inflight_target"),
+                    "retransmits": _retransmits(stats),
+                    "cpu_s": _cpu() - cpu0,
+                    "chunks_by_codec": dict(chunks_by_codec),
                 }
                 last_t, last_b = now, sent
                 res.samples.append(point)
+                group.append(point)
                 if on_progress is not None:
-                    on_progress({**point, "elapsed": now - start, "duration": cfg.duration,
-                                 "transfers": len(res.receipts)})
+                    on_progress({**point, "elapsed": now - start, "duration": cfg.duration})
+                if point["t"] >= edge - 1e-9:
+                    if on_interval is not None:
+                        on_interval(one_interval(prev, group))
+                    prev, group = point, []
+                    while edge <= point["t"] + 1e-9:
+                        edge += cfg.interval
 
         async def reshape() -> None:
             # Kernel mode: tc changes the rate at the schedule's steps.
@@ -496,13 +559,22 @@ async def _send_loop(
                     break
                 res.receipts.append(receipt)
                 kv_done += receipt.kv_bytes
+                for name, n in receipt.extra.get("chunks_by_codec", {receipt.codec: receipt.chunks}).items():
+                    chunks_by_codec[name] = chunks_by_codec.get(name, 0) + int(n)
                 i += 1
                 if time.monotonic() - start >= cfg.duration:
                     break
             res.ended = time.monotonic()
+            res.cpu_s = _cpu() - cpu0
+            machine1 = machine_cpu_times()
+            if machine0 is not None and machine1 is not None:
+                res.machine = (machine1[0] - machine0[0], machine1[1] - machine0[1])
             stats = peer.statistics()
             res.estimated_gbps = stats.get("estimated_gbps")
             res.min_rtt_ms = stats.get("min_rtt_ms")
+            retr1 = _retransmits(stats)
+            if retr0 is not None and retr1 is not None:
+                res.retransmits = retr1 - retr0
             end_meta = {META_KEY: {"id": bench_id, "seed": cfg.seed, "end": True}}
             await peer.send(f"{bench_id}-end", spec, end_layers, meta=end_meta, timeout=30.0)
         finally:
@@ -561,6 +633,7 @@ def _raw_sender(
 
 
 def _cpu() -> float:
+    """CPU seconds of this process (all its threads) so far."""
     ru = resource.getrusage(resource.RUSAGE_SELF)
     return ru.ru_utime + ru.ru_stime
 
@@ -599,15 +672,23 @@ def raw_socket_run(
 
 
 def run_bench(
-    cfg: BenchConfig, on_progress: Progress | None = None, log: Callable[[str], None] | None = None
+    cfg: BenchConfig, on_progress: Progress | None = None, log: Callable[[str], None] | None = None,
+    *, on_interval: Progress | None = None, argv: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Run one bench as configured; returns the report (see ``kvwire bench --json``)."""
+    """Run one bench as configured; returns the report (see ``kvwire bench --json``).
+
+    ``on_progress`` gets every sample (about 10 a second), ``on_interval`` one report per
+    ``cfg.interval`` seconds; ``argv`` is recorded in the report's ``start`` block.
+    """
     from kvwire.aio import run
 
     log = log or (lambda _l: None)
     bench_id = uuid.uuid4().hex[:12]
     model = get_model(cfg.model)
-    result: dict[str, Any] = {"model": model.name, "tokens": cfg.tokens, "mode": cfg.mode}
+    result: dict[str, Any] = {
+        "start": start_block(cfg, argv), "model": model.name, "tokens": cfg.tokens,
+        "mode": cfg.mode,
+    }
     baseline: dict[str, float] | None = None
     if cfg.mode == "loopback" and cfg.baseline:
         secs = min(3.0, max(0.5, cfg.duration / 3))
@@ -615,11 +696,14 @@ def run_bench(
         baseline = raw_socket_run(cfg.model, cfg.tokens, seconds=secs, seed=cfg.seed)
 
     receiver: dict[str, Any] | None = None
+    receiver_cpu: float | None = None
+    emulator_cpu: float | None = None
     emu_samples: list[tuple[float, int]] = []
     t0: float | None = None
     if cfg.mode == "peer":
         assert cfg.peer is not None
-        send = run(_send_loop(cfg, cfg.peer[0], cfg.peer[1], cfg.secret, bench_id, None, on_progress))
+        send = run(_send_loop(cfg, cfg.peer[0], cfg.peer[1], cfg.secret, bench_id, None, on_progress,
+                              on_interval=on_interval))
     else:
         secret = secrets.token_bytes(32)
         with contextlib.ExitStack() as stack:
@@ -663,13 +747,14 @@ def run_bench(
                 t0 = time.monotonic()
                 with _inside(link.sender_ns):
                     send = run(_send_loop(cfg, host, port, secret, bench_id, t0, on_progress,
-                                          set_rate=link.set_rate))
+                                          set_rate=link.set_rate, on_interval=on_interval))
             else:
-                send = run(_send_loop(cfg, "127.0.0.1", port, secret, bench_id, t0, on_progress))
-            _, receiver = _expect(rconn, "receiver", rproc, 300.0)
+                send = run(_send_loop(cfg, "127.0.0.1", port, secret, bench_id, t0, on_progress,
+                                      on_interval=on_interval))
+            _, receiver, receiver_cpu = _expect(rconn, "receiver", rproc, 300.0)
             if eproc is not None and econn is not None:
                 econn.send(("stop",))
-                _, emu_samples = _expect(econn, "emulator", eproc, 30.0)
+                _, emu_samples, emulator_cpu = _expect(econn, "emulator", eproc, 30.0)
 
     base = t0 if t0 is not None else send.started
     if emu_samples:
@@ -682,6 +767,24 @@ def run_bench(
     wire_gbps = wire * 8 / seconds / 1e9 if seconds > 0 else 0.0
     link_bps = mean_rate(cfg.steps, send.started - base, send.ended - base)
     ttfl = [r.time_to_first_layer for r in receipts if r.time_to_first_layer is not None]
+    all_chunks: dict[str, int] = {}
+    for r in receipts:
+        for name, n in r.extra.get("chunks_by_codec", {r.codec: r.chunks}).items():
+            all_chunks[name] = all_chunks.get(name, 0) + int(n)
+    stream_counts = [s["streams"] for s in send.samples if s.get("streams") is not None]
+    inflight = [s["bytes_in_flight"] for s in send.samples if s.get("bytes_in_flight") is not None]
+    span = max(seconds, 1e-9)
+    cpu: dict[str, Any] = {
+        "sender": send.cpu_s / span if receipts else None,
+        "receiver": receiver_cpu / span if receiver_cpu is not None and receipts else None,
+        "emulator": emulator_cpu / span if emulator_cpu is not None and receipts else None,
+        "cores": os.cpu_count(),
+    }
+    if send.machine is not None and send.machine[1] > 0:
+        busy, total = send.machine
+        ours = send.cpu_s + (receiver_cpu or 0.0) + (emulator_cpu or 0.0)
+        cpu["machine_busy"] = busy / total
+        cpu["others"] = max(0.0, busy - ours) / total
     result.update(
         link_gbps=link_bps / 1e9 if link_bps is not None else None,
         link_schedule=[[t, r / 1e9] for t, r in cfg.steps] if cfg.steps else None,
@@ -689,8 +792,18 @@ def run_bench(
         measured_rtt_ms=send.min_rtt_ms,
         jitter_ms=cfg.jitter * 1e3,
         codec=cfg.codec,
-        codecs_used=sorted({r.codec for r in receipts}),
+        codecs_used=sorted(all_chunks),
+        codec_shares=codec_shares(all_chunks),
+        chunks_by_codec=all_chunks,
+        chunk_bytes=cfg.chunk_bytes,
+        seed=cfg.seed,
         streams=cfg.streams,
+        streams_min=min(stream_counts) if stream_counts else None,
+        streams_max=max(stream_counts) if stream_counts else None,
+        streams_median=statistics.median(stream_counts) if stream_counts else None,
+        bytes_in_flight_mean=statistics.fmean(inflight) if inflight else None,
+        cpu=cpu,
+        retransmits=send.retransmits,
         transfers=len(receipts),
         incomplete_transfers=send.incomplete,
         kv_bytes_per_transfer=cfg.tokens * model.bytes_per_token(),
@@ -720,6 +833,12 @@ def run_bench(
         ],
         samples=send.samples,
     )
+    result["intervals"] = intervals(send.samples, cfg.interval, send.initial) if send.initial else []
+    result["streams_over_time"] = [[iv["end"], iv["streams"]] for iv in result["intervals"]]
+    result["trust"] = trust_note(cfg.mode)
+    from kvwire.aio import ServerOptions
+
+    result["diagnosis"] = diagnose(result, window_bytes=ServerOptions().window)
     return result
 
 

@@ -13,11 +13,9 @@ from typing import Any
 
 import pytest
 
-from kvwire.bench.command import parse_duration, parse_link_schedule
 from kvwire.bench.models import MODELS, bench_cache, relative_error
 from kvwire.bench.runner import mean_rate
-from kvwire.cli import main
-from kvwire.errors import UsageError
+from kvwire.cli import build_parser, main
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -116,6 +114,9 @@ def test_unreachable_peer_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.parametrize(
     "argv",
     [
+        ["--chunk-size", "big"],
+        ["--duration", "0"],
+        ["--interval", "-1s"],
         ["--link", "fast"],
         ["--rtt", "soon"],
         ["--streams", "0"],
@@ -155,15 +156,25 @@ def test_kernel_without_root_is_a_clear_error(
     assert "root" in capsys.readouterr().err
 
 
-def test_parsers() -> None:
-    assert parse_duration("20ms") == pytest.approx(0.02)
-    assert parse_duration("0.5s") == 0.5 and parse_duration("250us") == pytest.approx(250e-6)
-    assert parse_duration("3") == pytest.approx(0.003)
-    assert parse_link_schedule("10gbps,2.5gbps@3s") == ((0.0, 10e9), (3.0, 2.5e9))
-    assert parse_link_schedule("0:1gbps,2:500mbps") == ((0.0, 1e9), (2.0, 5e8))
-    with pytest.raises(UsageError):
-        parse_link_schedule("1gbps@1s")
+def test_units_and_schedule_syntax() -> None:
+    # One syntax for every command (kvwire.units): rates, durations (bare = seconds), sizes,
+    # and TIME:RATE schedules.
+    args = build_parser().parse_args([
+        "bench", "--link", "10gbps", "--rtt", "20ms", "--jitter", "500us", "--duration", "2",
+        "--chunk-size", "256KiB", "--link-schedule", "0s:10gbps,3s:2.5gbps", "--interval", "0.5s",
+    ])
+    assert args.link == 10e9 and args.rtt == pytest.approx(0.02)
+    assert args.jitter == pytest.approx(500e-6) and args.duration == 2.0
+    assert args.chunk_size == 256 * 1024 and args.interval == 0.5
+    assert args.link_schedule == ((0.0, 10e9), (3.0, 2.5e9))
     assert mean_rate(((0.0, 10e9), (3.0, 2.5e9)), 1.0, 5.0) == pytest.approx((2 * 10e9 + 2 * 2.5e9) / 4)
+
+
+def test_old_schedule_syntax_is_refused_with_the_new_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--link-schedule", "10gbps,2.5gbps@3s"])
+    assert exc.value.code == 2
+    assert "TIME:RATE" in capsys.readouterr().err
 
 
 def test_bench_cache_is_deterministic_and_error_is_relative() -> None:
@@ -183,6 +194,6 @@ def test_kernel_shaped_link(tmp_path: Path) -> None:
     reason = netns_available()
     if reason is not None:
         pytest.skip(reason)
-    doc = _bench(tmp_path, "--kernel", "--link-schedule", "400mbps,200mbps@0.5s", "--tokens", "512")
+    doc = _bench(tmp_path, "--kernel", "--link-schedule", "0s:400mbps,0.5s:200mbps", "--tokens", "512")
     assert doc["mode"] == "kernel" and 0.2 <= doc["link_gbps"] <= 0.4
     assert 0 < doc["utilization"] <= 1.1 and doc["max_rel_error"] == 0.0

@@ -1,0 +1,113 @@
+"""``kvwire bench`` as its users run it: a subprocess whose stdout and stderr are pipes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvwire
+from kvwire.cli import build_parser, main
+
+pytestmark = pytest.mark.timeout(120)
+
+INTERVAL_LINE = re.compile(r"^\[\s*\d+\.\d-\s*\d+\.\d s\]  sent .* Gbit/s", re.MULTILINE)
+
+
+def _kvwire(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
+    return subprocess.run([sys.executable, "-m", "kvwire", *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env, check=False)
+
+
+def test_json_to_stdout_interval_lines_and_what_auto_chose() -> None:
+    proc = _kvwire("bench", "--model", "tiny", "--tokens", "128", "--duration", "2s",
+                   "--link", "400mbps", "--rtt", "2ms", "--codec", "auto", "--streams", "auto",
+                   "--chunk-size", "64KiB", "--seed", "5", "--interval", "0.5s", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    doc: dict[str, Any] = json.loads(proc.stdout)  # stdout holds the report and nothing else
+    # Not a terminal: one report line per interval on stderr, the table after them.
+    assert len(INTERVAL_LINE.findall(proc.stderr)) >= 2, proc.stderr
+    assert "wire rate (measured)" in proc.stderr and "note: trust the wire rate" in proc.stderr
+    start = doc["start"]
+    assert start["version"] == kvwire.__version__ and start["timestamp"]
+    assert start["command"][:2] == ["kvwire", "bench"] and start["host"]["hostname"]
+    assert start["config"]["chunk_bytes"] == 64 * 1024 and start["config"]["seed"] == 5
+    assert start["config"]["link_bps"] == 400e6 and start["config"]["rtt"] == pytest.approx(0.002)
+    assert doc["chunk_bytes"] == 64 * 1024 and doc["seed"] == 5
+    # What auto chose, not "auto".
+    assert doc["transfers"] >= 1 and "auto" not in doc["codecs_used"]
+    assert set(doc["codec_shares"]) <= {"raw", "fp8", "int8", "int4"}
+    assert sum(doc["codec_shares"].values()) == pytest.approx(1.0)
+    assert doc["streams"] == "auto" and 1 <= doc["streams_min"] <= doc["streams_max"] <= 8
+    assert doc["streams_over_time"] and all(isinstance(n, int) for _, n in doc["streams_over_time"])
+    # Per-interval samples and the resource figures.
+    assert len(doc["intervals"]) >= 2
+    iv = doc["intervals"][0]
+    assert {"start", "end", "sent_gbps", "wire_gbps", "estimated_gbps", "link_gbps", "streams",
+            "retransmits", "sender_cpu", "chunks_by_codec", "transfers"} <= set(iv)
+    assert sum(i["transfers"] for i in doc["intervals"]) == doc["transfers"]
+    cpu = doc["cpu"]
+    for side in ("sender", "receiver", "emulator"):
+        assert cpu[side] > 0
+    assert isinstance(doc["retransmits"], int) and doc["retransmits"] >= 0
+    assert "wire rate" in doc["trust"]
+    assert doc["diagnosis"] is None or doc["diagnosis"].startswith("utilization ")
+
+
+def test_quiet_prints_nothing_and_writes_the_file(tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    proc = _kvwire("bench", "--model", "tiny", "--tokens", "32", "--duration", "0.5",
+                   "--no-baseline", "--quiet", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
+    assert json.loads(out.read_text())["mode"] == "loopback"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.json"]  # no temporary left over
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_unwritable_output_fails_before_the_run(tmp_path: Path, flag: str) -> None:
+    target = tmp_path / "missing-dir" / ("r.json" if flag == "--json" else "p.png")
+    proc = _kvwire("bench", "--model", "tiny", "--tokens", "32", "--duration", "30", flag,
+                   str(target))
+    assert proc.returncode == 2
+    assert f"kvwire bench: error: {flag}" in proc.stderr and "no such directory" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "bench: tiny" not in proc.stderr  # the run never started (no header line)
+    assert not target.parent.exists()
+
+
+def test_output_is_a_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--duration", "30", "--json", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_plot_format_is_checked_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--duration", "30", "--plot", str(tmp_path / "p.nope")]) == 2
+    assert "matplotlib cannot write .nope" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_fails_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert main(["bench", "--duration", "30", "--plot", str(tmp_path / "p.png")]) == 2
+    err = capsys.readouterr().err
+    assert "--plot needs matplotlib: pip install 'kvwire[plot]'" in err
+
+
+@pytest.mark.parametrize("command", ["bench", "serve"])
+def test_every_option_has_help(command: str) -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    cmd = sub.choices[command]  # type: ignore[index]
+    missing = [a.option_strings for a in cmd._actions if a.dest != "help" and not a.help]
+    assert missing == []

@@ -1,0 +1,133 @@
+"""The bench report's pure parts: per-interval grouping, codec shares, the diagnosis of
+low utilization and the start block, on hand-made samples (no network, no clock)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+
+import kvwire
+from kvwire.bench.report import (
+    codec_shares,
+    diagnose,
+    format_interval,
+    format_shares,
+    intervals,
+    start_block,
+)
+from kvwire.bench.runner import BenchConfig
+
+MiB = 1 << 20
+
+
+def _sample(t: float, sent: int, transfers: int, cpu: float, retr: int, chunks: dict[str, int],
+            streams: int, wire: float = 1.0) -> dict[str, Any]:
+    return {
+        "t": t, "bytes_sent": sent, "kv_bytes_done": 2 * sent, "transfers": transfers,
+        "cpu_s": cpu, "retransmits": retr, "chunks_by_codec": chunks, "streams": streams,
+        "wire_gbps": wire, "estimated_gbps": wire * 1.1, "link_gbps": 2.0,
+    }
+
+
+def test_intervals_group_cumulative_counters() -> None:
+    initial = {"t": 0.0, "bytes_sent": 0, "kv_bytes_done": 0, "transfers": 0, "cpu_s": 0.0,
+               "retransmits": 5, "chunks_by_codec": {}}
+    samples = [
+        _sample(0.5, 125_000_000, 1, 0.25, 5, {"fp8": 10}, 2),
+        _sample(1.0, 250_000_000, 2, 0.5, 6, {"fp8": 20}, 3),
+        _sample(1.5, 375_000_000, 3, 1.0, 9, {"fp8": 20, "int8": 10}, 4),
+        _sample(2.0, 500_000_000, 4, 1.5, 9, {"fp8": 25, "int8": 15}, 4),
+        _sample(2.3, 560_000_000, 5, 1.6, 9, {"fp8": 25, "int8": 20}, 1),
+    ]
+    ivs = intervals(samples, 1.0, initial)
+    assert [(iv["start"], iv["end"]) for iv in ivs] == [(0.0, 1.0), (1.0, 2.0), (2.0, 2.3)]
+    first, second, last = ivs
+    assert first["sent_gbps"] == pytest.approx(2.0) and first["goodput_gbps"] == pytest.approx(4.0)
+    assert first["retransmits"] == 1 and first["transfers"] == 2
+    assert first["chunks_by_codec"] == {"fp8": 20} and first["sender_cpu"] == pytest.approx(0.5)
+    assert (first["streams"], first["streams_min"], first["streams_max"]) == (3, 2, 3)
+    assert second["retransmits"] == 3 and second["chunks_by_codec"] == {"fp8": 5, "int8": 15}
+    assert second["sender_cpu"] == pytest.approx(1.0) and second["link_gbps"] == pytest.approx(2.0)
+    assert last["chunks_by_codec"] == {"int8": 5} and last["streams"] == 1
+    assert last["sent_gbps"] == pytest.approx(60_000_000 * 8 / 0.3 / 1e9)
+    line = format_interval(second, "auto")
+    assert line.startswith("[  1.0-  2.0 s]") and "streams 4 (4-4)" not in line
+    assert "codec int8 75% fp8 25%" in line and "retr 3" in line
+    assert intervals([], 1.0, initial) == []
+
+
+def test_codec_shares() -> None:
+    assert codec_shares({"fp8": 3, "int8": 1, "raw": 0}) == {"fp8": 0.75, "int8": 0.25}
+    assert codec_shares({}) == {}
+    assert format_shares({"int4": 0.999, "raw": 0.001}) == "int4 100% raw <1%"
+
+
+def _result(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "utilization": 0.4, "link_gbps": 10.0, "rtt_ms": 1.0, "streams": 4,
+        "streams_max": None, "estimated_gbps": 4.2, "wire_gbps": 4.0,
+        "bytes_in_flight_mean": None,
+        "cpu": {"sender": 0.3, "receiver": 0.3, "emulator": 0.3, "cores": 8,
+                "machine_busy": 0.3, "others": 0.05},
+    }
+    base.update(over)
+    return base
+
+
+def test_no_diagnosis_when_utilization_is_high_or_unknown() -> None:
+    assert diagnose(_result(utilization=0.95), window_bytes=32 * MiB) is None
+    assert diagnose(_result(utilization=None), window_bytes=32 * MiB) is None
+
+
+def test_diagnosis_names_the_cpu_bound_side_and_the_emulator() -> None:
+    cpu = {"sender": 0.97, "receiver": 0.2, "emulator": 0.9, "cores": 2}
+    line = diagnose(_result(cpu=cpu), window_bytes=32 * MiB)
+    assert line is not None and line.startswith("utilization 40%:")
+    assert "sender CPU-bound (97% of a core)" in line
+    assert "the link emulator is the limit (90% of a core)" in line
+    assert "receiver" not in line
+
+
+def test_diagnosis_names_a_busy_machine() -> None:
+    cpu = {"sender": 0.5, "receiver": 0.4, "emulator": 0.3, "cores": 2, "machine_busy": 0.98,
+           "others": 0.4}
+    line = diagnose(_result(cpu=cpu), window_bytes=32 * MiB)
+    assert line is not None and "2 cores were 98% busy (40% of them by other processes)" in line
+
+
+def test_diagnosis_window_per_rtt() -> None:
+    # 2 streams x 1 MiB per 20 ms = 0.84 Gbit/s < 10 Gbit/s: the window is the limit.
+    line = diagnose(_result(streams=2, rtt_ms=20.0), window_bytes=1 * MiB)
+    assert line is not None and "window/RTT limit: 2 streams x 1 MiB window per 20 ms RTT" in line
+    assert "try --streams 24" in line
+    # The same with a big enough window: not named.
+    line = diagnose(_result(streams=2, rtt_ms=20.0), window_bytes=64 * MiB)
+    assert line is not None and "window/RTT" not in line
+
+
+def test_diagnosis_too_little_in_flight_and_the_estimator() -> None:
+    bdp = 10e9 / 8 * 0.02
+    line = diagnose(_result(rtt_ms=20.0, streams=64, bytes_in_flight_mean=0.2 * bdp,
+                            estimated_gbps=3.0, wire_gbps=4.0), window_bytes=32 * MiB)
+    assert line is not None and "too little in flight" in line and "estimate 3 Gbit/s" in line
+    # Nothing else found, and the estimate far from the measured rate: the estimator.
+    line = diagnose(_result(rtt_ms=None, estimated_gbps=8.0, wire_gbps=4.0), window_bytes=32 * MiB)
+    assert line is not None and "estimator: 8 Gbit/s at the end against 4 Gbit/s measured" in line
+    line = diagnose(_result(rtt_ms=None), window_bytes=32 * MiB)
+    assert line is not None and "no single limit found" in line
+
+
+def test_start_block_has_version_time_host_and_configuration() -> None:
+    cfg = BenchConfig(model="tiny", tokens=16, codec="auto", streams="auto", seed=7,
+                      chunk_bytes=256 * 1024, secret=b"do-not-print-this")
+    block = start_block(cfg, ["kvwire", "bench"])
+    assert block["version"] == kvwire.__version__ and block["command"] == ["kvwire", "bench"]
+    stamp = datetime.datetime.fromisoformat(block["timestamp"])
+    assert stamp.tzinfo is not None
+    assert block["host"]["hostname"] and block["host"]["cpus"] >= 1
+    config = block["config"]
+    assert config["seed"] == 7 and config["chunk_bytes"] == 256 * 1024
+    assert config["codec"] == "auto" and config["streams"] == "auto" and config["tokens"] == 16
+    assert "secret" not in config and "do-not-print-this" not in repr(block)
