@@ -80,14 +80,20 @@ class StaleVersionError(KvwireError):
     code = ErrorCode.STALE_VERSION
 
 
-class TransferTimeoutError(KvwireError):
-    """A deadline passed: handshake, idle stream, transfer, or an ``expect()`` wait."""
+class TransferTimeoutError(KvwireError, TimeoutError):
+    """A deadline passed: handshake, idle stream, transfer, or an ``expect()`` wait.
+
+    Also a :class:`TimeoutError`, so ``except TimeoutError`` catches it.
+    """
 
     code = ErrorCode.TIMEOUT
 
 
-class ConnectionLostError(KvwireError):
-    """The connection closed or broke before the operation finished."""
+class ConnectionLostError(KvwireError, ConnectionError):
+    """The connection closed or broke before the operation finished.
+
+    Also a :class:`ConnectionError`, so ``except ConnectionError`` catches it.
+    """
 
     code = ErrorCode.NO_ERROR
 
@@ -99,7 +105,9 @@ class LimitExceededError(KvwireError):
 
 
 class TransferAbortedError(KvwireError):
-    """The peer aborted the transfer (its producer failed or it cancelled)."""
+    """The transfer was aborted: the sender's producer failed or it cancelled, or the
+    receiving application gave up on it (``transfer.abort()``, leaving ``async for``,
+    a timed-out ``collect()``)."""
 
     code = ErrorCode.CANCELLED
 
@@ -142,7 +150,11 @@ _BY_CODE: dict[ErrorCode, type[KvwireError]] = {
 
 
 def error_from_code(code: int, message: str) -> KvwireError:
-    """The exception a peer's wire error code stands for (unknown codes -> ProtocolError)."""
+    """The exception a wire error code stands for (unknown codes -> ProtocolError).
+
+    Both peers build their errors through this table, so the side that raised an error
+    and the side that received its code raise the same class.
+    """
     try:
         ecode = ErrorCode(code)
     except ValueError:

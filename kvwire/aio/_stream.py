@@ -8,8 +8,9 @@ the owner -> ``conn.data_to_send`` written -> timer re-armed.  Write backpressur
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvwire.errors import ConnectionLostError, ErrorCode, KvwireError
@@ -19,6 +20,7 @@ from kvwire.wire import Connection, ConnectionClosed, Event, State
 #: frames (acks, credits) from queueing behind a full send buffer.
 NOTSENT_LOWAT = 1 << 20
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+_log = logging.getLogger("kvwire")
 
 
 def tune_socket(sock: Any, notsent_lowat: int | None = NOTSENT_LOWAT) -> None:
@@ -43,8 +45,14 @@ class StreamProtocol(asyncio.BufferedProtocol):
         *,
         write_high: int = 4 << 20,
         notsent_lowat: int | None = NOTSENT_LOWAT,
+        pause_reading_when_blocked: bool = False,
     ) -> None:
         self.conn = conn
+        # A side that only answers (the server) stops reading from a peer that does not
+        # read what it is sent: its answers (ACK, RESET, PONG) then stay bounded by the
+        # write buffer limit instead of growing with what the peer sends.
+        self._pause_reading = pause_reading_when_blocked
+        self.reading_paused = False
         self._on_event = on_event
         self._write_high = write_high
         self._notsent_lowat = notsent_lowat
@@ -95,9 +103,17 @@ class StreamProtocol(asyncio.BufferedProtocol):
 
     def pause_writing(self) -> None:
         self.writable.clear()
+        tr = self.transport
+        if self._pause_reading and tr is not None and not tr.is_closing():
+            tr.pause_reading()
+            self.reading_paused = True
 
     def resume_writing(self) -> None:
         self.writable.set()
+        tr = self.transport
+        if self.reading_paused and tr is not None and not tr.is_closing():
+            tr.resume_reading()
+        self.reading_paused = False
         if self.owner is not None:
             self.owner.on_writable(self)
 
@@ -116,6 +132,9 @@ class StreamProtocol(asyncio.BufferedProtocol):
                 self._on_event(self, ev)
             except KvwireError as exc:
                 conn.close(exc.code, str(exc))
+            except Exception as exc:  # a bug or an allocation failure: never a silent hang
+                _log.exception("kvwire: internal error handling %s", type(ev).__name__)
+                conn.close(ErrorCode.INTERNAL_ERROR, f"internal error ({type(exc).__name__})")
         if flush:
             self.flush()
 
@@ -168,3 +187,30 @@ class StreamProtocol(asyncio.BufferedProtocol):
         if self.close_error is not None:
             return self.close_error
         return ConnectionLostError("connection closed")
+
+
+async def finish_tasks(tasks: set[asyncio.Task[None]]) -> None:
+    """Cancel ``tasks`` (except the caller's own) and wait until each has ended."""
+    current = asyncio.current_task()
+    pending = [t for t in tasks if t is not current]
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+async def wait_closed(streams: Sequence[StreamProtocol], timeout: float) -> None:
+    """Wait up to ``timeout`` for ``streams`` to close; abort the transports of any that
+    did not (their peer is not reading), and leave no waiter behind."""
+    waits = [
+        asyncio.ensure_future(s.closed.wait()) for s in streams
+        if s.transport is not None and not s.closed.is_set()
+    ]
+    if waits:
+        _, pending = await asyncio.wait(waits, timeout=timeout)
+        for w in pending:
+            w.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
+    for s in streams:
+        if s.transport is not None and not s.closed.is_set():
+            s.transport.abort()

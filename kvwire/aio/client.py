@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import logging
 import ssl as _ssl
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -15,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from kvwire.aio._arrays import as_device_array, as_host_array, is_device_array, iterate_layers
-from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
+from kvwire.aio._codec_speed import codec_speeds
+from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol, finish_tasks, wait_closed
 from kvwire.aio.tcpinfo import read_tcp_info
 from kvwire.codec import TensorKind, available_codecs, get_codec, numpy_dtype
 from kvwire.consistency.blocks import block_key
@@ -23,7 +25,7 @@ from kvwire.control import (
     CodecCandidate,
     CodecChooser,
     DeliveryRateEstimator,
-    InflightTarget,
+    InflightController,
     StreamController,
     StreamSample,
     window_limited_from_counters,
@@ -35,9 +37,11 @@ from kvwire.errors import (
     IncompatiblePeerError,
     KvwireError,
     ProtocolError,
+    TransferAbortedError,
     TransferTimeoutError,
     UsageError,
 )
+from kvwire.options import Layers
 from kvwire.spec import KVSpec
 from kvwire.wire import (
     Begin,
@@ -59,6 +63,9 @@ from kvwire.wire import (
     plan_chunks,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
+from kvwire.wire.frames import MAX_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE, encode_body
+
+_log = logging.getLogger("kvwire")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +93,29 @@ class ClientOptions:
     """Seconds before the first reconnect attempt; doubles with each attempt."""
     max_streams: int = 8
     """With ``streams="auto"``: connections opened; the controller uses 1 to this many."""
+    max_reconnects: int = 32
+    """Broken streams the session resumes from in its lifetime; one more fails it with
+    ConnectionLostError (a fault that repeats after every reconnect cannot loop forever)."""
+    max_transfer_reconnects: int = 8
+    """Broken streams one transfer lives through; one more fails it with ConnectionLostError."""
+
+    def __post_init__(self) -> None:
+        def check(name: str, *, none_ok: bool = False, zero_ok: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and none_ok:
+                return
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+                raise UsageError(f"{name} must be a number, got {value!r}")
+            if value < 0 or (value == 0 and not zero_ok):
+                raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+        for name in ("chunk_bytes", "connect_timeout", "max_streams"):
+            check(name)
+        check("idle_timeout", none_ok=True)
+        for name in ("reconnect_attempts", "reconnect_backoff", "max_reconnects", "max_transfer_reconnects"):
+            check(name, zero_ok=True)
+        if not MIN_MAX_FRAME_SIZE <= self.max_frame_size <= MAX_MAX_FRAME_SIZE:
+            raise UsageError(f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,6 +162,7 @@ class _Outgoing:
         self.done: asyncio.Future[None] = loop.create_future()
         self.credit = asyncio.Event()
         self.failed = asyncio.Event()
+        self.reconnects = 0  # broken streams this transfer lived through
         self.layer_acked: dict[int, int] = {}  # layer -> chunks not yet acked
         self.first_layer_at: float | None = None
         self.error: KvwireError | None = None
@@ -157,6 +188,8 @@ class Peer:
     ) -> None:
         if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
             raise UsageError("secret must be bytes of at least 8 bytes")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
+            raise UsageError(f"port must be an int in [1, 65535], got {port!r}")
         self.stream_controller: StreamController | None = None
         if streams == AUTO:
             streams = options.max_streams
@@ -186,12 +219,14 @@ class Peer:
         self.bytes_sent = 0
         self.estimator = DeliveryRateEstimator()
         # Bytes in flight kept near one to two bandwidth-delay products across streams.
-        self.inflight = InflightTarget()
+        self.inflight = InflightController(streams=self._nstreams, chunk_bytes=options.chunk_bytes)
         self.chooser: CodecChooser | None = None
         self._reconnecting: set[int] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.reconnects = 0
+        self.resumes = 0
         self.chunks_resent = 0
+        self.counters: dict[str, int] = {}
         self._waiting_senders = 0
 
     # -- connection setup ---------------------------------------------------------------
@@ -251,6 +286,8 @@ class Peer:
                 proto.abort(ErrorCode.PROTOCOL_ERROR, "joined the wrong session")
                 raise ProtocolError("the server put this stream in another session")
             return hs
+        except KvwireError:
+            raise  # the handshake's own verdict (refused, timed out, lost)
         except TimeoutError:
             proto.abort(ErrorCode.TIMEOUT, "handshake timed out")
             raise TransferTimeoutError(f"connecting to {self.host}:{self.port} timed out") from None
@@ -269,7 +306,7 @@ class Peer:
         self,
         request_id: str,
         spec: KVSpec,
-        layers: Any,
+        layers: Layers,
         *,
         meta: dict[str, Any] | None = None,
         codec: str | None = None,
@@ -303,9 +340,11 @@ class Peer:
             raise IncompatiblePeerError(
                 f"server does not accept codec {codec_name!r}", code=ErrorCode.UNSUPPORTED_CODEC
             )
+        if meta is not None and not isinstance(meta, dict):
+            raise UsageError("meta must be a dict (it travels as a JSON object)")
         try:
             meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise UsageError(f"meta must be JSON-serialisable: {exc}") from None
         block_versions = tuple(
             BlockVersion(block=_block_key(b), version=_version(v)) for b, v in (blocks or ())
@@ -319,6 +358,8 @@ class Peer:
             return await work
         try:
             return await asyncio.wait_for(work, timeout)
+        except KvwireError:
+            raise
         except TimeoutError:
             raise TransferTimeoutError(f"send({request_id!r}) did not complete in {timeout} s") from None
 
@@ -341,6 +382,12 @@ class Peer:
                 request_id=request_id, meta=meta, blocks=blocks,
             )
             primary = await self._any_open_stream()
+            begin_size = sum(len(p) for p in encode_body(out.begin)[1])
+            if begin_size > primary.conn.peer_max_frame_size:
+                raise UsageError(
+                    f"meta and blocks take {begin_size} bytes; the server accepts frames of "
+                    f"at most {primary.conn.peer_max_frame_size}"
+                )
             primary.conn.send_begin(out.begin)
             primary.flush()
             index = -1
@@ -366,11 +413,7 @@ class Peer:
                 tokens = k.shape[0]
                 kv_bytes += k.nbytes + v.nbytes
                 await out.accepted
-                while index >= out.state.layer_limit:
-                    out.credit.clear()
-                    await out.credit.wait()
-                    if out.error is not None:
-                        raise out.error
+                await _layer_credit(out, index)
                 await self._send_layer(out, spec, index, k, v, codec_name, used, started, deadline)
             if index + 1 != spec.num_layers:
                 raise UsageError(f"layers yielded {index + 1} layers, spec.num_layers={spec.num_layers}")
@@ -390,7 +433,8 @@ class Peer:
             if isinstance(exc, asyncio.CancelledError | KvwireError):
                 raise
             if isinstance(exc, Exception):
-                raise KvwireError(f"layer producer failed: {exc!r}") from exc
+                # The producer's own exception stays the cause.
+                raise TransferAbortedError(f"layer producer failed: {exc!r}") from exc
             raise
         finally:
             self._transfers.pop(tid, None)
@@ -417,24 +461,25 @@ class Peer:
         on_device = not isinstance(k, np.ndarray)  # already a CuPy array (see _send)
         plan = plan_chunks(tokens, bpt, self.options.chunk_bytes)
         out.layer_acked[index] = 2 * len(plan)
+
+        def pick() -> Any:
+            if codec_name != AUTO:
+                return get_codec(codec_name)
+            assert self.chooser is not None
+            left = None if deadline is None else deadline - (_clock() - started)
+            remaining = (spec.num_layers - index) * 2 * tokens * bpt
+            return get_codec(self.chooser.choose(
+                self.estimator.bandwidth_bps,
+                remaining_bytes=remaining if deadline is not None else None,
+                time_left=left,
+            ).codec)
+
         for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
-            for start, count in plan:
-                x = arr[start : start + count]
-                if codec_name == AUTO:
-                    assert self.chooser is not None
-                    left = None if deadline is None else deadline - (_clock() - started)
-                    remaining = (spec.num_layers - index) * 2 * tokens * bpt
-                    codec = get_codec(self.chooser.choose(
-                        self.estimator.bandwidth_bps,
-                        remaining_bytes=remaining if deadline is not None else None,
-                        time_left=left,
-                    ).codec)
-                else:
-                    codec = get_codec(codec_name)
-                if on_device:
-                    enc = await self._encode_on_device(codec, x, kind, spec.dtype)
-                else:
-                    enc = await self._encode(codec, x, kind)
+            source = (
+                self._encode_on_device(pick(), arr, kind, plan, spec.dtype) if on_device
+                else self._host_chunks(arr, kind, plan, pick)
+            )
+            async for start, count, codec, enc in source:
                 used[codec.name] = used.get(codec.name, 0) + 1
                 payload = enc.payload
                 plen = payload.nbytes if hasattr(payload, "nbytes") else len(payload)
@@ -457,34 +502,42 @@ class Peer:
             self.chooser.observe_size(codec.name, x.nbytes * 2 // x.itemsize, plen + len(enc.params))
         return enc
 
-    async def _encode_on_device(self, codec: Any, x: Any, kind: TensorKind, dtype: str) -> Any:
-        """Quantize a CuPy chunk on its GPU; the codes come back in pinned host memory.
+    async def _host_chunks(
+        self, arr: Any, kind: TensorKind, plan: list[tuple[int, int]], pick: Any
+    ) -> AsyncIterator[tuple[int, int, Any, Any]]:
+        for start, count in plan:
+            codec = pick()
+            yield start, count, codec, await self._encode(codec, arr[start : start + count], kind)
 
-        ``raw`` (and ``raw+...``) has no kernel: the chunk is copied to the host as is.
+    async def _encode_on_device(
+        self, codec: Any, x: Any, kind: TensorKind, plan: list[tuple[int, int]], dtype: str
+    ) -> AsyncIterator[tuple[int, int, Any, Any]]:
+        """Chunks of a CuPy tensor: quantized on its GPU in one launch, the payloads copied to
+        pinned host memory overlapped with sending (kvwire/aio/_gpu.py).
+
+        ``raw`` (and ``raw+...``) has no kernel: the chunks are copied to the host as they are.
         """
-        from kvwire.codec import gpu
+        from kvwire.aio import _gpu
 
-        base = codec.name.split("+")[0]
-        if base == "raw":
-            host = x.get()
-            if dtype == "bfloat16":
-                host = host.view(numpy_dtype("bfloat16"))
-            return await self._encode(codec, host, kind)
+        if codec.name.split("+")[0] == "raw":
+            async for start, count, host in _gpu.copy_raw_chunks(x, plan):
+                if dtype == "bfloat16":
+                    host = host.view(numpy_dtype("bfloat16"))
+                yield start, count, codec, await self._encode(codec, host, kind)
+            return
         t0 = time.perf_counter()
-        enc = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: gpu.encode_on_device(codec, x, kind, dtype=dtype)
-        )
-        if self.chooser is not None:
-            fp16_bytes = x.size * 2
-            self.chooser.observe_encode(codec.name, fp16_bytes, time.perf_counter() - t0)
-        return enc
+        async for start, count, enc in _gpu.encode_chunks(codec, x, kind, plan, dtype):
+            if start == 0 and self.chooser is not None:
+                self.chooser.observe_encode(codec.name, x.size * 2, time.perf_counter() - t0)
+            yield start, count, codec, enc
 
     def _make_chooser(self) -> CodecChooser:
         candidates = []
         for name in AUTO_CANDIDATES:
             if name in self.server_codecs:
                 ratio = get_codec(name).encoded_size_ratio((256, 8, 128), "float16")
-                candidates.append(CodecCandidate(name=name, size_ratio=ratio))
+                enc, dec = codec_speeds(name)  # the receiver's decode measured here
+                candidates.append(CodecCandidate(name=name, size_ratio=ratio, encode_bytes_per_s=enc, decode_bytes_per_s=dec))
         if not candidates:
             raise IncompatiblePeerError(
                 "codec 'auto' needs at least one of " + ", ".join(AUTO_CANDIDATES) + " on the server",
@@ -497,7 +550,7 @@ class Peer:
             if out.error is not None:
                 raise out.error
             self._check_usable()
-            if not self.inflight.may_send(self.estimator, wire_size):
+            if not self.inflight.may_send(self.estimator, wire_size, _clock()):
                 await self._wait_capacity()
                 continue
             best: StreamProtocol | None = None
@@ -508,6 +561,7 @@ class Peer:
                 ):
                     best = s
             if best is not None:
+                sent_at = _clock()  # RTT counts from the send, not from after the write
                 best.conn.send_chunk(chunk, wire_size)
                 best.flush()
                 out.state.on_sent(
@@ -516,7 +570,7 @@ class Peer:
                 )
                 self.bytes_sent += wire_size
                 self.estimator.on_send(
-                    chunk.address, wire_size, _clock(), app_limited=self._app_limited(wire_size),
+                    chunk.address, wire_size, sent_at, app_limited=self._app_limited(wire_size),
                 )
                 return
             await self._wait_capacity()
@@ -561,27 +615,29 @@ class Peer:
             "min_rtt_ms": snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
             "srtt_ms": snap.srtt * 1e3 if snap.srtt is not None else None,
             "bytes_in_flight": snap.bytes_in_flight,
-            "inflight_target": self.inflight.for_estimator(self.estimator),
+            "inflight_target": self.inflight.update(self.estimator, _clock()),
             "streams": streams,
             "transfers_in_flight": len(self._transfers),
             "bytes_sent": self.bytes_sent,
+            "reconnects": self.reconnects,
+            "chunks_resent": self.chunks_resent,
+            **self.counters,
         }
 
     async def close(self) -> None:
+        """Close every stream and end every task this peer started (the one teardown
+        path: after it returns nothing of the peer is pending).  Idempotent."""
         if self._closed:
             return
         self._closed = True
-        for task in list(self._tasks):
-            task.cancel()
         err = ConnectionLostError("peer closed")
         for out in list(self._transfers.values()):
             out.fail(err)
+        self._capacity.set()
         for s in self.streams:
             s.abort(ErrorCode.NO_ERROR, "client closing")
-        if self.streams:
-            await asyncio.wait(
-                [asyncio.ensure_future(s.closed.wait()) for s in self.streams], timeout=1.0
-            )
+        await finish_tasks(self._tasks)
+        await wait_closed(self.streams, 1.0)
 
     async def __aenter__(self) -> Peer:
         await self.open()
@@ -694,6 +750,8 @@ class Peer:
         elif isinstance(ev, TransferReset):
             out = self._transfers.get(ev.transfer_id)
             if out is not None:
+                self.count("transfers_reset_by_peer")
+                _log.info("kvwire: transfer %d reset by the server: %s", ev.transfer_id, ev.message[:200])
                 out.fail(ev.error())
         elif isinstance(ev, HandshakeComplete):
             fut = self._handshakes.get(stream)
@@ -701,9 +759,16 @@ class Peer:
                 fut.set_result(ev)
         elif isinstance(ev, ConnectionClosed):
             err = ev.error or ConnectionLostError(_closed_reason(ev, stream.index))
+            if ev.goaway:
+                self.count("goaways_received")
+                _log.info("kvwire: %s", _closed_reason(ev, stream.index))
+            if isinstance(ev.error, AuthenticationError):
+                self.count("authentication_failures")
+                _log.warning("kvwire: authentication with %s:%s failed: %s", self.host, self.port, ev.error)
             fut = self._handshakes.get(stream)
             if fut is not None and not fut.done():
                 fut.set_exception(err)
+                fut.exception()  # retrieved: its waiter may be gone (cancelled by close())
                 return
             if self._closed or self._broken is not None or self.streams[stream.index] is not stream:
                 return
@@ -716,6 +781,16 @@ class Peer:
                 self._resume(stream, reconnect=False)
             else:
                 self._break(err)
+
+    def _reset_on_any_stream(self, transfer_id: int, error: KvwireError) -> None:
+        for s in self.streams:
+            if s.is_open:
+                s.conn.send_reset(transfer_id, error.code, str(error)[:200])
+                s.flush()
+                return
+
+    def count(self, what: str) -> None:
+        self.counters[what] = self.counters.get(what, 0) + 1
 
     def _break(self, error: KvwireError) -> None:
         """The session is over: every transfer fails with ``error``, every stream closes."""
@@ -730,7 +805,33 @@ class Peer:
                 s.abort(ErrorCode.SESSION_LOST, "another stream of this session was lost")
 
     def _resume(self, dead: StreamProtocol, *, reconnect: bool = True) -> None:
-        """Re-send what ``dead`` carried unacknowledged (and reconnect its slot)."""
+        """Re-send what ``dead`` carried unacknowledged (and reconnect its slot).
+
+        Bounded per session and per transfer: a fault that comes back after every
+        reconnect ends in ConnectionLostError instead of a loop.
+        """
+        opts = self.options
+        if reconnect:
+            self.resumes += 1
+            self.count("resumes")
+            _log.info("kvwire: stream %d to %s:%s broke; resuming (%d of at most %d)",
+                      dead.index, self.host, self.port, self.resumes, opts.max_reconnects)
+            if self.resumes > opts.max_reconnects:
+                self._break(ConnectionLostError(
+                    f"stream {dead.index} broke again after {opts.max_reconnects} reconnects: giving up"
+                ))
+                return
+            for out in list(self._transfers.values()):
+                if out.error is not None:
+                    continue
+                out.reconnects += 1
+                if out.reconnects > opts.max_transfer_reconnects:
+                    err = ConnectionLostError(
+                        f"transfer {out.state.transfer_id} lived through {opts.max_transfer_reconnects} "
+                        "broken streams: giving up"
+                    )
+                    out.fail(err)
+                    self._reset_on_any_stream(out.state.transfer_id, err)
         lost = []
         for out in self._transfers.values():
             for sent in out.state.unacked.values():
@@ -798,6 +899,21 @@ class Peer:
             self._reconnecting.discard(index)
 
 
+async def _layer_credit(out: _Outgoing, index: int) -> None:
+    """Wait until the receiver granted credit for layer ``index`` (or the transfer failed).
+
+    The event is cleared before the conditions are read, so a grant or a failure that
+    arrived at any time before (a RESET while the layer was produced) is never lost.
+    """
+    while True:
+        out.credit.clear()
+        if out.error is not None:
+            raise out.error
+        if index < out.state.layer_limit:
+            return
+        await out.credit.wait()
+
+
 async def _next_or_fail(producer: AsyncIterator[tuple[Any, Any]], out: _Outgoing) -> tuple[Any, Any] | None:
     """The producer's next layer, or the transfer's error if it fails first (a producer
     waiting on something must not keep a dead transfer's ``send()`` alive)."""
@@ -811,9 +927,12 @@ async def _next_or_fail(producer: AsyncIterator[tuple[Any, Any]], out: _Outgoing
         failed.cancel()
     if nxt.done():
         try:
-            return nxt.result()
+            item = nxt.result()
         except StopAsyncIteration:
             return None
+        if out.error is not None:
+            raise out.error  # failed while the layer was produced
+        return item
     nxt.cancel()
     assert out.error is not None
     raise out.error

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import ssl as _ssl
 from collections import OrderedDict, deque
@@ -15,11 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.aio import _gpu
 from kvwire.aio._pool import default_pool
-from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol
+from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol, finish_tasks, wait_closed
 from kvwire.codec import RawCodec, TensorKind, available_codecs, codec_by_id, numpy_dtype
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
+    AuthenticationError,
     ConnectionLostError,
     ErrorCode,
     KvwireError,
@@ -27,8 +30,10 @@ from kvwire.errors import (
     ProtocolError,
     RegistryUnavailableError,
     StaleVersionError,
+    TransferAbortedError,
     TransferTimeoutError,
     UsageError,
+    error_from_code,
 )
 from kvwire.spec import DTYPE_BY_ID, KVCache, KVSpec, Layer
 from kvwire.wire import (
@@ -46,10 +51,18 @@ from kvwire.wire import (
     TransferReset,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-from kvwire.wire.frames import Chunk, ChunkAddress
+from kvwire.wire.frames import MAX_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE, Chunk, ChunkAddress
 from kvwire.wire.transfer import ChunkVerdict
 
 RAW_CODEC_ID = RawCodec.codec_id
+_log = logging.getLogger("kvwire")
+#: Longest error text this side puts in a RESET; text that came from the peer is never
+#: echoed back in full (a chunk per RESET would otherwise repeat it without bound).
+WIRE_TEXT_LIMIT = 160
+
+
+def _wire_text(text: str) -> str:
+    return text if len(text) <= WIRE_TEXT_LIMIT else text[: WIRE_TEXT_LIMIT - 3] + "..."
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,11 +99,50 @@ class ServerOptions:
     notsent_lowat: int | None = NOTSENT_LOWAT
     """TCP_NOTSENT_LOWAT for accepted sockets (None leaves the kernel default)."""
     device: str = "cpu"
-    """Where received layers live: "cpu" (numpy) or "gpu" (CuPy; quantized chunks are
-    dequantized by the GPU kernels; bfloat16 layers hold uint16 bit patterns)."""
+    """Where received layers live: "cpu" (numpy), or "gpu" (the current CUDA device) or
+    "gpu:N" (CuPy arrays on device N; quantized chunks are dequantized by the GPU kernels
+    straight into the layer; bfloat16 layers hold uint16 bit patterns)."""
     resume_timeout: float = 10.0
     """Seconds a session whose streams all broke waits for the client to reconnect before
     its unfinished transfers fail with ConnectionLostError (0: no resume)."""
+    max_layer_bytes: int = 1 << 30
+    """Largest layer (K and V together, at the spec dtype) accepted; the sender's token
+    count and the spec's heads x head_dim are its choice, this bounds one allocation."""
+    max_chunk_bytes: int = 64 << 20
+    """Largest decoded size of one chunk: a compressed chunk that would expand beyond it
+    is refused before anything is decompressed."""
+    max_buffer_bytes: int = 4 << 30
+    """Server-wide: bytes of received layers held, in transfers still arriving and in
+    completed ones the application has not taken yet.  A transfer that would go beyond
+    it fails with LIMIT_EXCEEDED."""
+    claim_timeout: float | None = 60.0
+    """Seconds an arrived transfer waits for ``accept()``/``expect()`` to claim it; then
+    it is dropped (aborted if still arriving).  None: kept until the server closes."""
+    max_meta_bytes: int = 64 * 1024
+    """Largest ``meta`` (JSON object) a transfer may carry."""
+
+    def __post_init__(self) -> None:
+        def positive(name: str, *, none_ok: bool = False, zero_ok: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and none_ok:
+                return
+            if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+                raise UsageError(f"{name} must be a number, got {value!r}")
+            if value < 0 or (value == 0 and not zero_ok):
+                raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+        for name in ("max_transfers", "transfer_buffer_bytes", "max_tokens", "max_sessions",
+                     "max_streams", "handshake_timeout", "max_layer_bytes", "max_chunk_bytes",
+                     "max_buffer_bytes"):
+            positive(name)
+        for name in ("idle_timeout", "transfer_timeout", "claim_timeout"):
+            positive(name, none_ok=True)
+        positive("resume_timeout", zero_ok=True)
+        positive("max_meta_bytes", zero_ok=True)
+        if not MIN_MAX_FRAME_SIZE <= self.max_frame_size <= MAX_MAX_FRAME_SIZE:
+            raise UsageError(f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]")
+        if self.window < self.max_frame_size:
+            raise UsageError("window must be at least max_frame_size (one frame must fit)")
 
 
 class Transfer:
@@ -112,7 +164,7 @@ class Transfer:
         self.final_check: asyncio.Future[None] | None = None
         self._buffer_bytes = opts.transfer_buffer_bytes
         self._codecs = frozenset(session.server.codecs)
-        self._gpu = opts.device == "gpu"
+        self._gpu = _gpu.GpuReceiver(opts.device) if opts.device != "cpu" else None
         # Raw payloads being received straight into their layer, by chunk address.
         self._inplace: dict[ChunkAddress, _Reservation] = {}
         # One layer until the first chunk tells the layer size; then as many as the
@@ -134,6 +186,10 @@ class Transfer:
         self.wire_bytes = 0
         self.deadline: asyncio.TimerHandle | None = None
         self._accepted = False
+        self._opts = opts
+        self._held = 0  # bytes of layer arrays counted in the server's buffer budget
+        self.claimed = False  # handed to the application by accept()/expect()
+        self.claim_timer: asyncio.TimerHandle | None = None
         self.started = asyncio.get_event_loop().time()
         self.finished: float | None = None
 
@@ -146,10 +202,10 @@ class Transfer:
     async def collect(self, *, timeout: float | None = None, device: str | None = None) -> KVCache:
         """Wait for every layer; return them as a :class:`~kvwire.KVCache` in layer order.
 
-        ``device`` ("cpu" or "gpu") states where the arrays must be; it must match the
-        server's ``device`` option (layers are decoded where they will be used).
+        ``device`` ("cpu", "gpu" or "gpu:N") states where the arrays must be; it must match
+        the server's ``device`` option (layers are decoded where they will be used).
         """
-        if device is not None and device != ("gpu" if self._gpu else "cpu"):
+        if device is not None and (device == "cpu") != (self._gpu is None):
             raise UsageError(f"this server decodes on {'gpu' if self._gpu else 'cpu'}; serve(device={device!r}) to change it")
         self._claim("collect")
         got: dict[int, tuple[Any, Any]] = {}
@@ -160,6 +216,8 @@ class Transfer:
 
         try:
             await asyncio.wait_for(run(), timeout)
+        except KvwireError:
+            raise
         except TimeoutError:
             raise TransferTimeoutError(f"transfer {self.request_id!r} not complete in {timeout} s") from None
         return KVCache(self.spec, [got[i] for i in range(self.spec.num_layers)])
@@ -184,7 +242,7 @@ class Transfer:
             self._session.bury(self, exc)
             stream = self._session.any_stream()
             if stream is not None:
-                stream.conn.send_reset(self.transfer_id, exc.code, str(exc))
+                stream.conn.send_reset(self.transfer_id, exc.code, _wire_text(str(exc)))
                 stream.flush()
             raise
         self._into = into
@@ -195,7 +253,34 @@ class Transfer:
             raise UsageError(f"transfer already consumed by {self._consumer}(); use one of iteration or collect()")
         self._consumer = how
 
+    def abort(self, reason: str = "") -> None:
+        """Give up on this transfer: its layers are dropped and the sender's ``send()``
+        fails promptly with :class:`~kvwire.TransferAbortedError` (nothing happens if
+        the transfer already failed).  Leaving ``async for`` early or a ``collect()``
+        that times out aborts too."""
+        if self._error is not None:
+            return
+        why = f"receiver aborted transfer {self.request_id!r}"
+        err = TransferAbortedError(f"{why}: {reason}" if reason else why)
+        self.fail(err, even_if_complete=True)
+        server = self._session.server
+        server.count("transfers_aborted")
+        _log.info("transfer %r aborted by the application: %s", self.request_id, reason or "no reason given")
+        self._session.bury(self, err)
+        stream = self._session.any_stream()
+        if stream is not None:
+            stream.conn.send_reset(self.transfer_id, err.code, _wire_text(str(err)))
+            stream.flush()
+
     async def _layers(self) -> AsyncIterator[Layer]:
+        try:
+            async for layer in self._layers_in_order():
+                yield layer
+        finally:
+            if self._yielded < self.spec.num_layers and self._error is None:
+                self.abort("the application stopped taking layers")
+
+    async def _layers_in_order(self) -> AsyncIterator[Layer]:
         while self._yielded < self.spec.num_layers:
             if self._ready:
                 if self._yielded == self.spec.num_layers - 1 and self.final_check is not None:
@@ -207,6 +292,7 @@ class Transfer:
                 index = self._ready.popleft()
                 if index in self._arrays:
                     k, v = self._arrays.pop(index)
+                    self._release(2 * k.nbytes)
                     if self._into is not None:
                         for kind, part in enumerate((k, v)):
                             self._into.write(index, kind, 0, part, int(part.shape[0]))
@@ -231,9 +317,18 @@ class Transfer:
         st = self.state
         first = st.layer_tokens is None
         st.check(chunk)
+        bpt = self.spec.num_kv_heads * self.spec.head_dim * self.spec.itemsize
+        if chunk.token_count * bpt > self._opts.max_chunk_bytes:
+            raise LimitExceededError(
+                f"a chunk of {chunk.token_count * bpt} bytes exceeds this server's max_chunk_bytes"
+            )
+        if first and 2 * chunk.layer_tokens * bpt > self._opts.max_layer_bytes:
+            raise LimitExceededError(
+                f"a layer of {2 * chunk.layer_tokens * bpt} bytes exceeds this server's max_layer_bytes"
+            )
         codec = codec_by_id(chunk.codec_id)
         if codec.name not in self._codecs:
-            raise KvwireError(f"codec {codec.name!r} is not accepted here", code=ErrorCode.UNSUPPORTED_CODEC)
+            raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {codec.name!r} is not accepted here")
         if first and self._into is not None:
             self._into.check(self.spec, chunk.layer_tokens)
         if first:
@@ -252,11 +347,11 @@ class Transfer:
         arrays = self._arrays.get(chunk.layer)
         if arrays is None:
             shape = (chunk.layer_tokens, self.spec.num_kv_heads, self.spec.head_dim)
-            if self._gpu:
-                import cupy
-
-                dt = cupy.uint16 if self.spec.dtype == "bfloat16" else self._dtype
-                arrays = (cupy.empty(shape, dt), cupy.empty(shape, dt))
+            nbytes = 2 * chunk.layer_tokens * self.spec.num_kv_heads * self.spec.head_dim * self.spec.itemsize
+            self._session.server.reserve_bytes(nbytes)  # LimitExceededError past the budget
+            self._held += nbytes
+            if self._gpu is not None:
+                arrays = (self._gpu.empty(shape, self.spec.dtype), self._gpu.empty(shape, self.spec.dtype))
             else:
                 pool = default_pool()  # reused, pre-faulted memory: no page faults per transfer
                 arrays = (pool.empty(shape, self._dtype), pool.empty(shape, self._dtype))
@@ -264,18 +359,8 @@ class Transfer:
         return arrays[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
 
     def _decode_on_gpu(self, codec: Any, chunk: Chunk, out: Any) -> None:
-        if codec.name.split("+")[0] == "raw":
-            host = np.empty(out.shape, self._dtype)
-            codec.decode(chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
-                         kind=TensorKind(chunk.kind), out=host)
-            out[...] = _to_device(host)
-            return
-        from kvwire.codec import gpu
-
-        out[...] = gpu.decode_on_device(
-            codec, chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
-            kind=TensorKind(chunk.kind),
-        )
+        assert self._gpu is not None
+        self._gpu.decode(codec, chunk.params, chunk.payload, out, self.spec.dtype, TensorKind(chunk.kind))
 
     def sink(self, head: Chunk, size: int, stream: StreamProtocol) -> memoryview | None:
         """Where a raw chunk's payload can be received directly: its place in the layer.
@@ -303,7 +388,10 @@ class Transfer:
             if out is None:
                 return None
         else:
-            out = self._out(head)
+            try:
+                out = self._out(head)
+            except (KvwireError, MemoryError):
+                return None  # on_chunk meets the same failure and fails the transfer
         if out.nbytes != size:
             return None
         view = memoryview(out.reshape(-1).view(np.uint8))
@@ -325,26 +413,32 @@ class Transfer:
                 del self._inplace[address]
 
     def on_chunk(self, ev: ChunkReceived) -> bool:
-        """Verify and store a chunk; True when it was new.  Raises KvwireError to reset."""
+        """Verify and store a chunk; True when it was new.  Raises KvwireError to reset.
+
+        A chunk counts as received only once its bytes are in place: a failure to
+        allocate or decode leaves the transfer's bookkeeping as it was (a re-sent copy is
+        not mistaken for a duplicate) and becomes a typed error, whatever raised it.
+        """
         chunk = ev.chunk
         codec = self._check(chunk)
         res = self._inplace.get(chunk.address)
         inplace = res is not None and chunk.payload is res.view
         if inplace:
             del self._inplace[chunk.address]
-        if self.state.add(chunk) is ChunkVerdict.DUPLICATE:
+        if self.state.classify(chunk) is ChunkVerdict.DUPLICATE:
+            self.state.add(chunk)  # counted as a duplicate
             return False
-        if self._gpu:
-            self._decode_on_gpu(codec, chunk, self._out(chunk))
-        elif not inplace:
-            self._evict_overlapping(chunk)
-            out = self._out(chunk)
-            codec.decode(
-                chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
-                kind=TensorKind(chunk.kind), out=out,
-            )
-            if self._into is not None and chunk.layer not in self._arrays:
-                self._into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
+        try:
+            self._store(codec, chunk, inplace)
+        except KvwireError:
+            raise
+        except MemoryError:
+            raise LimitExceededError(f"out of memory storing a chunk of layer {chunk.layer}") from None
+        except Exception as exc:  # a codec or allocator failing on peer-chosen input
+            raise ProtocolError(
+                f"chunk of layer {chunk.layer} could not be decoded ({type(exc).__name__})"
+            ) from exc
+        self.state.add(chunk)
         self.wire_bytes += ev.wire_size
         st = self.state
         if st.layer_complete(chunk.layer):
@@ -356,14 +450,37 @@ class Transfer:
             self._changed.set()
         return True
 
+    def _store(self, codec: Any, chunk: Chunk, inplace: bool) -> None:
+        """Put a new chunk's data in its place (decoded)."""
+        if self._gpu:
+            self._decode_on_gpu(codec, chunk, self._out(chunk))
+        elif not inplace:
+            self._evict_overlapping(chunk)
+            out = self._out(chunk)
+            codec.decode(
+                chunk.params, chunk.payload, shape=out.shape, dtype=self.spec.dtype,
+                kind=TensorKind(chunk.kind), out=out,
+            )
+            if self._into is not None and chunk.layer not in self._arrays:
+                self._into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
+
+    def _release(self, nbytes: int) -> None:
+        nbytes = min(nbytes, self._held)
+        self._held -= nbytes
+        self._session.server.release_bytes(nbytes)
+
     def fail(self, error: KvwireError, *, even_if_complete: bool = False) -> None:
         if self.deadline is not None:
             self.deadline.cancel()
         if self._error is None and (even_if_complete or not self.state.complete):
             self._error = error
             self._arrays.clear()  # never hand out a half-filled cache
+            self._release(self._held)
             self._ready.clear()
             self._changed.set()
+        if self.claim_timer is not None:
+            self.claim_timer.cancel()
+            self.claim_timer = None
 
 
 @dataclass(slots=True)
@@ -406,7 +523,7 @@ class _Session:
         error = self.tombstones.get(transfer_id)
         if error is None:
             return False
-        stream.conn.send_reset(transfer_id, error.code, str(error))
+        stream.conn.send_reset(transfer_id, error.code, _wire_text(str(error)))
         return True
 
     def grant(self, transfer: Transfer, limit: int) -> None:
@@ -449,6 +566,8 @@ class Server:
     ) -> None:
         if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
             raise UsageError("secret must be bytes of at least 8 bytes")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise UsageError(f"port must be an int in [0, 65535], got {port!r}")
         self.host = host
         self._requested_port = port
         self._secret = bytes(secret)
@@ -459,13 +578,7 @@ class Server:
             if name not in available_codecs():
                 raise UsageError(f"unknown codec {name!r}")
         self.codecs = tuple(codecs)
-        if options.device not in ("cpu", "gpu"):
-            raise UsageError("device must be 'cpu' or 'gpu'")
-        if options.device == "gpu":
-            from kvwire.codec.gpu import gpu_available
-
-            if not gpu_available():
-                raise UsageError("device='gpu' needs CuPy and a CUDA device (pip install kvwire[gpu])")
+        _gpu.parse_device(options.device)  # UsageError for an unknown or unusable device
         self._fingerprints = {s.fingerprint for s in options.specs}
         self._server: asyncio.Server | None = None
         self._sessions: dict[bytes, _Session] = {}
@@ -480,6 +593,24 @@ class Server:
         self.port = 0
         self.transfers_accepted = 0
         self.transfers_refused = 0
+        self.buffered_bytes = 0  # layer arrays held (see ServerOptions.max_buffer_bytes)
+        self.counters: dict[str, int] = {}
+
+    def count(self, what: str) -> None:
+        self.counters[what] = self.counters.get(what, 0) + 1
+
+    def reserve_bytes(self, nbytes: int) -> None:
+        """Count ``nbytes`` of layer arrays against the server-wide budget."""
+        if self.buffered_bytes + nbytes > self.options.max_buffer_bytes:
+            self.count("buffer_budget_refusals")
+            raise LimitExceededError(
+                f"the server holds {self.buffered_bytes} bytes of received layers; "
+                f"{nbytes} more exceeds max_buffer_bytes={self.options.max_buffer_bytes}"
+            )
+        self.buffered_bytes += nbytes
+
+    def release_bytes(self, nbytes: int) -> None:
+        self.buffered_bytes -= nbytes
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -503,7 +634,7 @@ class Server:
         loop = asyncio.get_event_loop()
         proto = StreamProtocol(
             Connection(Role.SERVER, cfg, now=loop.time()), self._on_event,
-            notsent_lowat=opts.notsent_lowat,
+            notsent_lowat=opts.notsent_lowat, pause_reading_when_blocked=True,
         )
         proto.on_made = self._streams.add
         proto.conn.set_payload_sink(lambda head, size: self._sink(proto, head, size))
@@ -520,6 +651,7 @@ class Server:
         """The next incoming transfer not claimed by :meth:`expect`."""
         if self._arrivals:
             _, t = self._arrivals.popitem(last=False)
+            self._claimed(t)
             return t
         fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         self._accept_waiters.append(fut)
@@ -531,9 +663,12 @@ class Server:
         ``into`` (e.g. a :class:`kvwire.paged.PagedDestination`) receives the layers into
         the caller's memory; see :meth:`Transfer.attach`.
         """
+        if self._expect_waiters.get(request_id):
+            raise UsageError(f"expect({request_id!r}) is already waiting for that request")
         for tid, t in self._arrivals.items():
             if t.request_id == request_id:
                 del self._arrivals[tid]
+                self._claimed(t)
                 if into is not None:
                     t.attach(into)
                 return t
@@ -556,27 +691,36 @@ class Server:
     async def _wait(fut: asyncio.Future[Transfer], timeout: float | None, what: str) -> Transfer:
         try:
             return await asyncio.wait_for(fut, timeout)
+        except KvwireError:
+            raise
         except TimeoutError:
             raise TransferTimeoutError(f"{what} timed out after {timeout} s") from None
 
     def statistics(self) -> dict[str, Any]:
+        """A snapshot: sessions, connections, transfers, bytes held, and event counts
+        (``authentication_failures``, ``resumes``, ``goaways_received``, aborts, ...)."""
         return {
             "sessions": len(self._sessions),
             "connections": len(self._streams),
             "transfers_accepted": self.transfers_accepted,
             "transfers_refused": self.transfers_refused,
             "pending_arrivals": len(self._arrivals),
+            "buffered_bytes": self.buffered_bytes,
+            **self.counters,
         }
 
     async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        """Stop listening, close every connection and end every task and timer this server
+        started (the one teardown path: after it returns nothing of it is pending)."""
         if self._server is not None:
             self._server.close()
-        for s in list(self._streams):
+        streams = list(self._streams)
+        for s in streams:
             s.abort(ErrorCode.NO_ERROR, "server closing")
         for sess in list(self._sessions.values()):
             sess.lose(ConnectionLostError("server closed"))
+        for t in list(self._arrivals.values()):
+            self._claimed(t)  # only to cancel its claim timer: the server is going away
         for fut in list(self._accept_waiters):
             if not fut.done():
                 fut.set_exception(ConnectionLostError("server closed"))
@@ -584,6 +728,8 @@ class Server:
             for fut in waiters:
                 if not fut.done():
                     fut.set_exception(ConnectionLostError("server closed"))
+        await finish_tasks(self._tasks)
+        await wait_closed(streams, 1.0)
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
@@ -611,6 +757,9 @@ class Server:
                 if sess.lose_timer is not None:
                     sess.lose_timer.cancel()
                     sess.lose_timer = None
+                if sess.transfers or sess.tombstones or sess.completed:
+                    self.count("resumes")
+                    _log.info("kvwire: session %s resumed stream %d", sess.session_id.hex()[:8], ev.stream_index)
                 # A reconnecting client may have lost CREDIT frames with its old stream.
                 for t in sess.transfers.values():
                     if not t.complete and t._error is None and t.state.layer_limit > 1:
@@ -624,9 +773,13 @@ class Server:
                 if t is not None:
                     err = ev.error()
                     t.fail(err)
-                    sess.bury(t, err)
+                    self.count("transfers_aborted_by_peer")
+                    _log.info("transfer %r reset by the client: %s", t.request_id, _wire_text(ev.message))
+                    # The tombstone repeats the code, not the peer's text.
+                    sess.bury(t, error_from_code(ev.code, "reset by the client"))
         elif isinstance(ev, ConnectionClosed):
             self._streams.discard(stream)
+            self._log_close(stream, ev)
             sess = stream.owner
             if sess is None or sess.closed:
                 return
@@ -647,6 +800,15 @@ class Server:
                 sess.lose(ev.error or ConnectionLostError("client connection closed mid-transfer"))
             elif not sess.streams:
                 self._sessions.pop(sess.session_id, None)
+
+    def _log_close(self, stream: StreamProtocol, ev: ConnectionClosed) -> None:
+        peer = stream.transport.get_extra_info("peername") if stream.transport is not None else None
+        if isinstance(ev.error, AuthenticationError):
+            self.count("authentication_failures")
+            _log.warning("kvwire: authentication failed for %s: %s", peer or "a client", ev.error)
+        elif ev.goaway:
+            self.count("goaways_received")
+            _log.info("kvwire: GOAWAY from %s: code 0x%04x %s", peer or "a client", ev.code, ev.message[:160])
 
     def _on_authenticated(self, stream: StreamProtocol, ev: ClientAuthenticated) -> None:
         if ev.fingerprint != NO_FINGERPRINT and self._fingerprints and ev.fingerprint not in self._fingerprints:
@@ -694,30 +856,37 @@ class Server:
             return
         try:
             if tid in sess.transfers:
-                raise KvwireError(f"transfer id {tid} is already in use", code=ErrorCode.DUPLICATE_TRANSFER)
-            active = sum(1 for t in sess.transfers.values() if not t.complete)
+                raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
+            # Completed transfers the application has not claimed hold memory too.
+            active = sum(1 for t in sess.transfers.values() if not t.complete or not t.claimed)
             if active >= self.options.max_transfers:
                 raise LimitExceededError(f"more than {self.options.max_transfers} transfers in progress")
             dtype = DTYPE_BY_ID.get(begin.dtype_id)
             if dtype is None:
-                raise KvwireError(f"unknown dtype id {begin.dtype_id}", code=ErrorCode.INCOMPATIBLE_SPEC)
+                raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, f"unknown dtype id {begin.dtype_id}")
             try:
                 spec = KVSpec(
                     num_layers=begin.num_layers, num_kv_heads=begin.num_kv_heads,
                     head_dim=begin.head_dim, dtype=dtype, model=begin.model,
                 )
             except UsageError as exc:
-                raise KvwireError(str(exc), code=ErrorCode.INCOMPATIBLE_SPEC) from None
+                raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, str(exc)) from None
             if self._fingerprints and spec.fingerprint not in self._fingerprints:
-                raise KvwireError(f"this server does not accept KV layout {spec}", code=ErrorCode.INCOMPATIBLE_SPEC)
+                raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, f"this server does not accept KV layout {spec}")
+            if len(begin.meta) > self.options.max_meta_bytes:
+                raise LimitExceededError(
+                    f"meta of {len(begin.meta)} bytes exceeds max_meta_bytes={self.options.max_meta_bytes}"
+                )
             try:
                 meta = json.loads(begin.meta) if begin.meta else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ProtocolError("BEGIN meta is not JSON") from None
+            if not isinstance(meta, dict):
+                raise ProtocolError("BEGIN meta is not a JSON object")
             _decode_blocks(begin)
         except KvwireError as exc:
             self.transfers_refused += 1
-            stream.conn.send_reset(tid, exc.code, str(exc))
+            stream.conn.send_reset(tid, exc.code, _wire_text(str(exc)))
             return
         transfer = Transfer(sess, begin, spec, meta, self.options)
         # Completed transfers the application has not taken stay until consumed; drop
@@ -749,7 +918,7 @@ class Server:
         sess.bury(transfer, err)
         stream = sess.any_stream()
         if stream is not None:
-            stream.conn.send_reset(transfer.transfer_id, err.code, str(err))
+            stream.conn.send_reset(transfer.transfer_id, err.code, _wire_text(str(err)))
             stream.flush()
 
     def _accept(self, stream: StreamProtocol, transfer: Transfer) -> None:
@@ -776,7 +945,7 @@ class Server:
             self.transfers_refused += 1
             transfer.fail(error)
             sess.bury(transfer, error)
-            stream.conn.send_reset(transfer.transfer_id, error.code, str(error))
+            stream.conn.send_reset(transfer.transfer_id, error.code, _wire_text(str(error)))
             stream.flush()
             return
         self._accept(stream, transfer)
@@ -801,7 +970,7 @@ class Server:
             transfer.fail(error, even_if_complete=True)
             if transfer._session is not None:
                 transfer._session.bury(transfer, error)
-            stream.conn.send_reset(transfer.transfer_id, error.code, str(error))
+            stream.conn.send_reset(transfer.transfer_id, error.code, _wire_text(str(error)))
         transfer._changed.set()
         stream.conn.send_ack(address)
         stream.flush()
@@ -818,15 +987,38 @@ class Server:
                     except KvwireError as exc:
                         fut.set_exception(exc)
                         return
+                self._claimed(transfer)
                 fut.set_result(transfer)
                 return
         while self._accept_waiters:
             fut = self._accept_waiters.popleft()
             if not fut.done():
+                self._claimed(transfer)
                 fut.set_result(transfer)
                 return
         self._arrival_seq += 1
         self._arrivals[self._arrival_seq] = transfer
+        if self.options.claim_timeout is not None:
+            transfer.claim_timer = asyncio.get_running_loop().call_later(
+                self.options.claim_timeout, self._unclaimed, self._arrival_seq
+            )
+
+    @staticmethod
+    def _claimed(transfer: Transfer) -> None:
+        transfer.claimed = True
+        if transfer.claim_timer is not None:
+            transfer.claim_timer.cancel()
+            transfer.claim_timer = None
+
+    def _unclaimed(self, seq: int) -> None:
+        """No accept()/expect() took this transfer in time: drop it and its memory."""
+        transfer = self._arrivals.pop(seq, None)
+        if transfer is None:
+            return
+        transfer.claim_timer = None
+        self.count("transfers_unclaimed")
+        _log.info("transfer %r dropped: not claimed within %s s", transfer.request_id, self.options.claim_timeout)
+        transfer.abort(f"not claimed by the application within {self.options.claim_timeout} s")
 
     def _on_chunk(self, stream: StreamProtocol, ev: ChunkReceived) -> None:
         sess: _Session | None = stream.owner
@@ -863,17 +1055,9 @@ class Server:
         try:
             await asyncio.shield(transfer.final_check)
         except KvwireError as exc:
-            stream.conn.send_reset(transfer.transfer_id, exc.code, str(exc))
+            stream.conn.send_reset(transfer.transfer_id, exc.code, _wire_text(str(exc)))
         stream.conn.send_ack(address)
         stream.flush()
-
-
-def _to_device(host: np.ndarray) -> Any:
-    import cupy
-
-    if host.dtype.name == "bfloat16":
-        host = host.view(np.uint16)
-    return cupy.asarray(host)
 
 
 def _decode_blocks(begin: Begin) -> list[tuple[Any, int]]:

@@ -26,6 +26,7 @@ from kvwire.errors import (
     ErrorCode,
     IncompatiblePeerError,
     KvwireError,
+    LimitExceededError,
     ProtocolError,
     TransferTimeoutError,
     UsageError,
@@ -325,6 +326,8 @@ class Connection:
             self._handle_frames(self._decoder.feed(data), now)
         except KvwireError as exc:
             self._fail(exc)
+        except MemoryError:
+            self._fail(LimitExceededError("out of memory receiving a frame"))
 
     def set_payload_sink(self, sink: PayloadSink | None) -> None:
         """Receive large CHUNK payloads into buffers ``sink`` chooses (see FrameDecoder)."""
@@ -350,6 +353,8 @@ class Connection:
             self._handle_frames(self._decoder.buffer_updated(nbytes), now)
         except KvwireError as exc:
             self._fail(exc)
+        except MemoryError:
+            self._fail(LimitExceededError("out of memory receiving a frame"))
 
     def _handle_frames(self, frames: list[tuple[Frame, int]], now: float | None) -> None:
         if frames and now is not None:
@@ -649,9 +654,8 @@ class Connection:
         self.recv_unacked += size
         if self.recv_unacked > self.config.window:
             self.recv_unacked -= size
-            raise KvwireError(
-                "peer sent more CHUNK bytes than its connection credit",
-                code=ErrorCode.FLOW_CONTROL_ERROR,
+            raise error_from_code(
+                ErrorCode.FLOW_CONTROL_ERROR, "peer sent more CHUNK bytes than its connection credit",
             )
         self._received.setdefault(frame.address, []).append(size)
         self._events.append(ChunkReceived(chunk=frame, wire_size=size))

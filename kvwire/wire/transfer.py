@@ -13,7 +13,7 @@ import bisect
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-from kvwire.errors import ErrorCode, KvwireError, ProtocolError
+from kvwire.errors import ErrorCode, ProtocolError, error_from_code
 from kvwire.wire.frames import Chunk, ChunkAddress
 
 
@@ -30,7 +30,8 @@ class _Coverage:
     counts: dict[int, int] = field(default_factory=dict)
     covered: int = 0
 
-    def add(self, start: int, count: int) -> ChunkVerdict:
+    def classify(self, start: int, count: int) -> ChunkVerdict:
+        """What :meth:`add` would say, changing nothing (ProtocolError for an overlap)."""
         if start in self.counts:
             if self.counts[start] != count:
                 raise ProtocolError("chunk re-sent with a different token range")
@@ -42,6 +43,12 @@ class _Coverage:
                 raise ProtocolError("chunk token ranges overlap")
         if i < len(self.starts) and start + count > self.starts[i]:
             raise ProtocolError("chunk token ranges overlap")
+        return ChunkVerdict.NEW
+
+    def add(self, start: int, count: int) -> ChunkVerdict:
+        if self.classify(start, count) is ChunkVerdict.DUPLICATE:
+            return ChunkVerdict.DUPLICATE
+        i = bisect.bisect_left(self.starts, start)
         self.starts.insert(i, start)
         self.counts[start] = count
         self.covered += count
@@ -67,16 +74,14 @@ class IncomingTransfer:
         if chunk.layer >= self.num_layers:
             raise ProtocolError(f"chunk for layer {chunk.layer} of a {self.num_layers}-layer transfer")
         if chunk.layer >= self.layer_limit:
-            raise KvwireError(
-                f"chunk for layer {chunk.layer} beyond the granted limit {self.layer_limit}",
-                code=ErrorCode.FLOW_CONTROL_ERROR,
+            raise error_from_code(
+                ErrorCode.FLOW_CONTROL_ERROR, f"chunk for layer {chunk.layer} beyond the granted limit {self.layer_limit}",
             )
         if chunk.token_count == 0 or chunk.token_start + chunk.token_count > chunk.layer_tokens:
             raise ProtocolError("chunk token range outside its layer")
         if chunk.layer_tokens > self.max_tokens:
-            raise KvwireError(
-                f"{chunk.layer_tokens} tokens exceeds this server's limit of {self.max_tokens}",
-                code=ErrorCode.LIMIT_EXCEEDED,
+            raise error_from_code(
+                ErrorCode.LIMIT_EXCEEDED, f"{chunk.layer_tokens} tokens exceeds this server's limit of {self.max_tokens}",
             )
         if self.layer_tokens is None:
             self.layer_tokens = chunk.layer_tokens
@@ -96,6 +101,15 @@ class IncomingTransfer:
             if prev + cov.counts[prev] > start:
                 return True
         return i < len(cov.starts) and cov.starts[i] < start + count
+
+    def classify(self, chunk: Chunk) -> ChunkVerdict:
+        """Whether ``chunk`` is new or a duplicate, changing nothing (call :meth:`check`
+        first).  A receiver stores a NEW chunk's data first and :meth:`add` s it after, so
+        a chunk counts as received only once its bytes are in place."""
+        cov = self._cov.get((chunk.layer, chunk.kind))
+        if cov is None:
+            return ChunkVerdict.NEW
+        return cov.classify(chunk.token_start, chunk.token_count)
 
     def add(self, chunk: Chunk) -> ChunkVerdict:
         """Record ``chunk`` (call :meth:`check` first)."""
