@@ -49,11 +49,12 @@ class _Owner:
 
     __slots__ = ("__array_interface__", "__weakref__", "slab")
 
-    def __init__(self, slab: np.ndarray, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+    def __init__(self, slab: np.ndarray, nbytes: int) -> None:
         self.slab = slab
+        # Bytes only: dtypes outside numpy's own (bfloat16) do not survive a typestr.
         self.__array_interface__ = {
-            "shape": shape,
-            "typestr": dtype.str,
+            "shape": (nbytes,),
+            "typestr": "|u1",
             "data": (slab.ctypes.data, False),
             "version": 3,
         }
@@ -103,8 +104,8 @@ class ReceivePool:
             return np.empty(shape, dt)
         cls = size_class(nbytes)
         slab = self._take(cls)
-        owner = _Owner(slab, tuple(int(s) for s in shape), dt)
-        arr = np.asarray(owner)
+        owner = _Owner(slab, nbytes)
+        arr: np.ndarray = np.asarray(owner).view(dt).reshape(shape)
         weakref.finalize(owner, self._give_back, slab)
         return arr
 

@@ -157,3 +157,12 @@ async def test_received_layers_come_from_the_pool_and_are_never_reused_while_hel
             third = await _receive(server, peer, "c", spec, first)
             assert pool.hits > hits  # released layers were reused
             assert same_cache(third.layers, first)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_leases_keep_every_spec_dtype(dtype: str) -> None:
+    from kvwire.codec import numpy_dtype
+
+    dt = numpy_dtype(dtype)
+    a = ReceivePool(1 << 20).empty((5, 2, 8), dt)
+    assert a.dtype == dt and a.shape == (5, 2, 8) and a.flags.c_contiguous and a.flags.writeable

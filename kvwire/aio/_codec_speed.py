@@ -1,0 +1,40 @@
+"""Encode and decode speeds of the quantizing codecs, measured once on this host.
+
+``auto`` weighs a codec's CPU cost on both ends against the wire time it saves. The
+receiver does not report its decode speed, so the sender measures decode here and uses
+it for the receiver's, and seeds its encode estimate the same way (later encodes refine
+it). Lossless raw costs nothing on either end and is not measured.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import cache
+
+import numpy as np
+
+from kvwire.codec import TensorKind, get_codec
+
+__all__ = ["codec_speeds"]
+
+_SHAPE = (256, 8, 128)  # 512 KiB of fp16: long enough to time, short enough to not stall
+
+
+@cache
+def codec_speeds(name: str) -> tuple[float | None, float | None]:
+    """``(encode, decode)`` speed of codec ``name`` in fp16 bytes/s; ``None`` for lossless."""
+    codec = get_codec(name)
+    if codec.lossless:
+        return None, None
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(_SHAPE, dtype=np.float32).astype(np.float16)
+    out = np.empty(_SHAPE, np.float16)
+    enc_best = dec_best = float("inf")
+    for _ in range(3):  # best of three: the first run pays imports and page faults
+        t0 = time.perf_counter()
+        enc = codec.encode(x, TensorKind.K)
+        t1 = time.perf_counter()
+        codec.decode(enc.params, enc.payload, shape=_SHAPE, dtype="float16", kind=TensorKind.K, out=out)
+        t2 = time.perf_counter()
+        enc_best, dec_best = min(enc_best, t1 - t0), min(dec_best, t2 - t1)
+    return x.nbytes / max(enc_best, 1e-9), x.nbytes / max(dec_best, 1e-9)
