@@ -129,7 +129,7 @@ async def test_layer_larger_than_max_layer_bytes_is_refused() -> None:
 
 async def test_server_stops_reading_from_a_client_that_never_reads() -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        reader, writer, _ = await _raw_authenticated(server.port)
+        _reader, writer, _ = await _raw_authenticated(server.port)
         [stream] = list(server._streams)
         assert stream.transport is not None
         high = 256 * 1024

@@ -1,0 +1,156 @@
+"""The sending side under faults that repeat, resets that race the producer, and the errors
+and logs a user sees."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.aio.client import _layer_credit, _next_or_fail, _Outgoing
+from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
+from tests.conftest import SECRET, make_layers
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=16)
+
+
+def layers(tokens: int = 256) -> list[tuple[np.ndarray, np.ndarray]]:
+    return make_layers(SPEC.num_layers, tokens, SPEC.num_kv_heads, SPEC.head_dim, seed=5)
+
+
+# -- a RESET between producing a layer and waiting for its credit ------------------------
+
+
+async def test_credit_wait_sees_a_failure_that_arrived_before_it() -> None:
+    out = _Outgoing(1, 4, asyncio.get_running_loop())
+    out.state.accepted = True  # no layer granted yet
+    out.fail(kvwire.TransferAbortedError("reset while the layer was produced"))
+    with pytest.raises(kvwire.TransferAbortedError):
+        await asyncio.wait_for(_layer_credit(out, 1), 2)
+
+
+async def test_credit_wait_returns_for_a_grant_that_arrived_before_it() -> None:
+    out = _Outgoing(1, 4, asyncio.get_running_loop())
+    out.state.accepted = True
+    out.state.raise_limit(2)
+    out.credit.set()
+    await asyncio.wait_for(_layer_credit(out, 1), 2)
+
+
+async def test_layer_produced_in_the_same_tick_as_a_reset_is_not_sent() -> None:
+    out = _Outgoing(1, 4, asyncio.get_running_loop())
+    kv = layers()[0]
+
+    async def producer() -> AsyncIterator[tuple[Any, Any]]:
+        out.fail(kvwire.TransferAbortedError("reset"))  # arrives while this layer is produced
+        yield kv
+
+    with pytest.raises(kvwire.TransferAbortedError):
+        await asyncio.wait_for(_next_or_fail(producer(), out), 2)
+
+
+# -- a fault that comes back after every reconnect ----------------------------------------
+
+
+def corrupt_every_connection(_index: int) -> FaultPlan:
+    # a bit of the first CHUNK's payload, after the handshake and BEGIN
+    return FaultPlan(forward=Faults(flip_bits=(8 * 2000 + 3,)))
+
+
+async def test_a_fault_that_repeats_after_every_reconnect_ends_in_connection_lost() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with FaultProxy("127.0.0.1", server.port, plan=corrupt_every_connection) as proxy:
+            async with kvwire.connect(
+                "127.0.0.1", proxy.port, secret=SECRET, reconnect_backoff=0.01, max_reconnects=3,
+                chunk_bytes=4096,
+            ) as peer:
+                with pytest.raises(kvwire.ConnectionLostError):
+                    await peer.send("loops", SPEC, layers(), timeout=30)
+                assert peer.statistics()["resumes"] == 4
+                assert len(proxy.connections) <= 5
+
+
+async def test_one_transfer_lives_through_a_bounded_number_of_broken_streams() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with FaultProxy("127.0.0.1", server.port, plan=corrupt_every_connection) as proxy:
+            async with kvwire.connect(
+                "127.0.0.1", proxy.port, secret=SECRET, reconnect_backoff=0.01, max_reconnects=100,
+                max_transfer_reconnects=2, chunk_bytes=4096,
+            ) as peer:
+                with pytest.raises(kvwire.ConnectionLostError, match="broken streams"):
+                    await peer.send("loops", SPEC, layers(), timeout=30)
+                assert peer.statistics()["resumes"] == 3
+
+
+# -- errors and logs ---------------------------------------------------------------------
+
+
+async def test_producer_exception_is_the_cause_and_the_receiver_sees_an_abort() -> None:
+    boom = ValueError("the model crashed")
+
+    async def producer() -> AsyncIterator[tuple[Any, Any]]:
+        yield layers()[0]
+        raise boom
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            recv = asyncio.create_task(server.expect("crash", timeout=10))
+            with pytest.raises(kvwire.TransferAbortedError) as info:
+                await peer.send("crash", SPEC, producer(), timeout=10)
+            assert info.value.__cause__ is boom
+            t = await recv
+            with pytest.raises(kvwire.TransferAbortedError):
+                await t.collect(timeout=10)
+
+
+async def test_timeouts_are_timeout_errors_and_lost_connections_connection_errors() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        with pytest.raises(TimeoutError):
+            await server.expect("never", timeout=0.05)
+        port = server.port
+    with pytest.raises(ConnectionError) as info:
+        async with kvwire.connect("127.0.0.1", port, secret=SECRET, connect_timeout=2):
+            pass
+    assert isinstance(info.value, kvwire.ConnectionLostError)
+
+
+async def test_failed_authentication_is_logged_with_the_address_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvwire")
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        with pytest.raises(kvwire.AuthenticationError):
+            async with kvwire.connect("127.0.0.1", server.port, secret=b"wrong-secret-123"):
+                pass
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5
+        while server.statistics().get("authentication_failures", 0) < 1 and loop.time() < end:
+            await asyncio.sleep(0.02)
+        assert server.statistics()["authentication_failures"] == 1
+    records = [r for r in caplog.records if r.name == "kvwire" and "authentication failed" in r.getMessage()]
+    assert records and "127.0.0.1" in records[0].getMessage()
+    assert records[0].levelno == logging.WARNING
+
+
+async def test_resumes_are_logged_and_counted(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvwire")
+    sent = layers()
+
+    def first_breaks(index: int) -> FaultPlan:
+        return FaultPlan(forward=Faults(drop_at=3000)) if index == 0 else FaultPlan()
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with FaultProxy("127.0.0.1", server.port, plan=first_breaks) as proxy:
+            async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, reconnect_backoff=0.01,
+                                      chunk_bytes=4096) as peer:
+                recv = asyncio.create_task(server.expect("resumed", timeout=10))
+                await peer.send("resumed", SPEC, sent, timeout=20)
+                await (await recv).collect(timeout=10)
+                assert peer.statistics()["resumes"] == 1
+                assert server.statistics()["resumes"] >= 1
+    assert any("resuming" in r.getMessage() for r in caplog.records if r.name == "kvwire")
