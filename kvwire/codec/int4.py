@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.codec import _host
 from kvwire.codec import _numeric as nm
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind
 from kvwire.errors import ProtocolError, UsageError
@@ -57,6 +58,16 @@ class Int4Codec(Codec):
         return 8 * group_count(shape, kind, group) + (n + 1) // 2
 
     def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        if _host.ext is None:
+            return self.encode_numpy(x, kind)
+        arr, name = nm.as_chunk(x)
+        kind = TensorKind(kind)
+        ngroups = group_count(arr.shape, kind, self.group)
+        payload = _host.int4_encode(arr, name, self.group, kind == TensorKind.V, ngroups)
+        return EncodedChunk(self.codec_id, bytes([self.group]), payload.data)
+
+    def encode_numpy(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        """The numpy reference encoder (what :meth:`encode` runs without the extension)."""
         arr, name = nm.as_chunk(x)
         kind = TensorKind(kind)
         shape: tuple[int, int, int] = arr.shape
@@ -68,6 +79,10 @@ class Int4Codec(Codec):
         starts = np.arange(0, shape[axis], group)
         lo = np.minimum.reduceat(xf, starts, axis=axis)
         hi = np.maximum.reduceat(xf, starts, axis=axis)
+        # a group's -0 and +0 tie: which one reduceat keeps depends on its SIMD path, so
+        # both are stored as +0 (adding +0 turns -0 into +0 and changes nothing else)
+        np.add(lo, np.float32(0), out=lo)
+        np.add(hi, np.float32(0), out=hi)
         with np.errstate(over="ignore"):
             scale = np.subtract(hi, lo)
         if not np.all(np.isfinite(scale)):
@@ -100,6 +115,32 @@ class Int4Codec(Codec):
         kind: TensorKind,
         out: np.ndarray[Any, Any] | None = None,
     ) -> np.ndarray[Any, Any]:
+        return self._decode(params, payload, shape, dtype, kind, out, reference=False)
+
+    def decode_numpy(
+        self,
+        params: bytes,
+        payload: Any,
+        *,
+        shape: tuple[int, int, int],
+        dtype: str,
+        kind: TensorKind,
+        out: np.ndarray[Any, Any] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """The numpy reference decoder (what :meth:`decode` runs without the extension)."""
+        return self._decode(params, payload, shape, dtype, kind, out, reference=True)
+
+    def _decode(
+        self,
+        params: bytes,
+        payload: Any,
+        shape: tuple[int, int, int],
+        dtype: str,
+        kind: TensorKind,
+        out: np.ndarray[Any, Any] | None,
+        *,
+        reference: bool,
+    ) -> np.ndarray[Any, Any]:
         group = _group_from_params(params)
         shape = nm.check_shape(shape, self.name)
         try:
@@ -109,9 +150,11 @@ class Int4Codec(Codec):
         result = nm.output_array(out, shape, dtype)
         n = shape[0] * shape[1] * shape[2]
         ngroups = group_count(shape, kind, group)
-        scale_buf, lo_buf, code_buf = nm.split_payload(
-            payload, [4 * ngroups, 4 * ngroups, (n + 1) // 2], self.name
-        )
+        bufs = nm.split_payload(payload, [4 * ngroups, 4 * ngroups, (n + 1) // 2], self.name)
+        if _host.ext is not None and not reference:
+            _host.int4_decode(bufs, shape, group, kind == TensorKind.V, dtype, result)
+            return result
+        scale_buf, lo_buf, code_buf = bufs
         scale = nm.read_scales(scale_buf, ngroups, self.name)
         lo = np.frombuffer(lo_buf, "<f4").astype(np.float32)
         if not np.all(np.isfinite(lo)):

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.codec import _host
 from kvwire.codec import _numeric as nm
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind
 from kvwire.errors import ProtocolError
@@ -27,6 +28,14 @@ class Int8Codec(Codec):
         return rows * 4 + rows * shape[2]
 
     def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        if _host.ext is None:
+            return self.encode_numpy(x, kind)
+        arr, name = nm.as_chunk(x)
+        payload = _host.encode_rows(_host.INT8, arr, name, self.name)
+        return EncodedChunk(self.codec_id, b"", payload.data)
+
+    def encode_numpy(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        """The numpy reference encoder (what :meth:`encode` runs without the extension)."""
         arr, name = nm.as_chunk(x)
         tokens, heads, dim = arr.shape
         rows = tokens * heads
@@ -65,6 +74,28 @@ class Int8Codec(Codec):
         kind: TensorKind,
         out: np.ndarray[Any, Any] | None = None,
     ) -> np.ndarray[Any, Any]:
+        if _host.ext is None:
+            return self.decode_numpy(params, payload, shape=shape, dtype=dtype, kind=kind, out=out)
+        if params:
+            raise ProtocolError("int8 codec takes no parameters")
+        shape = nm.check_shape(shape, self.name)
+        result = nm.output_array(out, shape, dtype)
+        rows, dim = shape[0] * shape[1], shape[2]
+        scale_buf, code_buf = nm.split_payload(payload, [rows * 4, rows * dim], self.name)
+        _host.decode_rows(_host.INT8, scale_buf, code_buf, shape, dtype, result, self.name)
+        return result
+
+    def decode_numpy(
+        self,
+        params: bytes,
+        payload: Any,
+        *,
+        shape: tuple[int, int, int],
+        dtype: str,
+        kind: TensorKind,
+        out: np.ndarray[Any, Any] | None = None,
+    ) -> np.ndarray[Any, Any]:
+        """The numpy reference decoder (what :meth:`decode` runs without the extension)."""
         if params:
             raise ProtocolError("int8 codec takes no parameters")
         shape = nm.check_shape(shape, self.name)

@@ -273,8 +273,8 @@ def _chunks(draw: st.DrawFn) -> np.ndarray[Any, Any]:
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=_chunks(), base=st.sampled_from(QUANTIZERS), kind=st.sampled_from(KINDS))
 def test_property_error_bound_and_determinism(x: np.ndarray[Any, Any], base: str, kind: TensorKind) -> None:
-    if x.dtype == np.float16 and not np.all(np.isfinite(x)):
-        return
+    if not np.all(np.isfinite(x.astype(np.float32))):
+        return  # float32 extremes can round to infinity in float16 and bfloat16
     try:
         _assert_within_bound(base, x, kind)
     except UsageError:

@@ -1,0 +1,163 @@
+"""The compiled CPU codec loops (``kvwire.codec._hostcodec``) and their dispatch.
+
+The extension is ``kernels/kvquant.cuh`` (the arithmetic the CUDA kernels use) compiled for
+the host by ``pip install``; it gives the numpy reference's bytes, which stays the
+reference.  ``fp8``, ``int8`` and ``int4`` call :func:`encode_rows` and friends when
+:data:`ext` is set, otherwise their numpy code.  ``ext`` is None when the extension was not
+built (no compiler at install time) or when ``KVWIRE_NO_EXTENSIONS=1`` is set at import.
+The loops release the GIL, so encodes and decodes on executor threads run in parallel.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from kvwire.codec import _numeric as nm
+from kvwire.errors import ProtocolError, UsageError
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
+        return None
+    try:
+        from kvwire.codec import _hostcodec  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    module: ModuleType = _hostcodec
+    return module
+
+
+#: the compiled module, or None (then the numpy code runs)
+ext: ModuleType | None = _load()
+
+FP8 = 0
+INT8 = 1
+_DTYPE_CODE = {"float16": 0, "bfloat16": 1, "float32": 2}
+
+# status codes returned by the C loops (KV_E_* in _hostcodec.c)
+_NONFINITE, _RANGE, _CODE, _OVERFLOW, _DTYPE, _SCALE, _MIN, _PAD = range(1, 9)
+_BAD_CODE = {"fp8": "fp8 payload carries a NaN code", "int8": "int8 payload carries the code -128"}
+
+
+def isa() -> str | None:
+    """The instruction set the compiled loops use on this CPU, or None without them."""
+    if ext is None:
+        return None
+    name: str = ext.isa()
+    return name
+
+
+def _bytes_of(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """A flat uint8 view of a C-contiguous array (any dtype, bfloat16 included)."""
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _input(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # the loops read elements with plain loads; a misaligned view gets an aligned copy
+    return _bytes_of(arr if arr.flags.aligned else arr.copy())
+
+
+def _raise(status: int, codec: str, dtype: str = "") -> None:
+    if status == _NONFINITE:
+        raise UsageError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
+    if status == _RANGE:
+        raise UsageError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
+    if status == _CODE:
+        raise ProtocolError(_BAD_CODE[codec])
+    if status == _OVERFLOW:
+        raise ProtocolError(f"{codec} scales overflow float32")
+    if status == _DTYPE:
+        raise ProtocolError(f"{codec} scales give values outside {dtype}")
+    if status == _SCALE:
+        raise ProtocolError(f"{codec} payload carries a negative, NaN or infinite scale")
+    if status == _MIN:
+        raise ProtocolError("int4 payload carries a NaN or infinite minimum")
+    if status == _PAD:
+        raise ProtocolError("int4 payload has a non-zero padding nibble")
+    raise RuntimeError(f"compiled {codec} codec returned status {status}")  # pragma: no cover
+
+
+def encode_rows(which: int, arr: np.ndarray[Any, Any], name: str, codec: str) -> np.ndarray[Any, Any]:
+    """fp8 (``which=FP8``) or int8 payload of a contiguous ``[tokens, heads, dim]`` chunk."""
+    assert ext is not None
+    tokens, heads, dim = arr.shape
+    rows = tokens * heads
+    payload = np.empty(rows * 4 + rows * dim, np.uint8)
+    status = ext.encode_rows(
+        which, _input(arr), _DTYPE_CODE[name], rows, dim, payload[: rows * 4], payload[rows * 4 :]
+    )
+    if status:
+        _raise(status, codec)
+    return payload
+
+
+def decode_rows(
+    which: int,
+    scale_buf: memoryview,
+    code_buf: memoryview,
+    shape: tuple[int, int, int],
+    dtype: str,
+    result: np.ndarray[Any, Any],
+    codec: str,
+) -> None:
+    """Decode fp8/int8 codes into ``result`` (any strides)."""
+    assert ext is not None
+    target = result if result.flags.c_contiguous and result.flags.aligned else np.empty(shape, result.dtype)
+    rows, dim = shape[0] * shape[1], shape[2]
+    status = ext.decode_rows(which, scale_buf, code_buf, rows, dim, _DTYPE_CODE[dtype], _bytes_of(target))
+    if status:
+        _raise(status, codec, dtype)
+    if target is not result:
+        result[...] = target
+
+
+def int4_encode(
+    arr: np.ndarray[Any, Any], name: str, group: int, is_v: bool, ngroups: int
+) -> np.ndarray[Any, Any]:
+    """int4 payload (scales, minimums, packed codes) of a contiguous chunk."""
+    assert ext is not None
+    tokens, heads, dim = arr.shape
+    n = arr.size
+    payload = np.empty(8 * ngroups + (n + 1) // 2, np.uint8)
+    status = ext.int4_encode(
+        _input(arr),
+        _DTYPE_CODE[name],
+        tokens,
+        heads,
+        dim,
+        group,
+        is_v,
+        payload[: 4 * ngroups],
+        payload[4 * ngroups : 8 * ngroups],
+        payload[8 * ngroups :],
+    )
+    if status == _RANGE:
+        # the reference refuses NaN/inf anywhere before it looks at any group's range
+        nm.check_finite_magnitudes(nm.magnitude_bits(arr, name).reshape(-1), name, "int4")
+    if status:
+        _raise(status, "int4")
+    return payload
+
+
+def int4_decode(
+    bufs: list[memoryview],
+    shape: tuple[int, int, int],
+    group: int,
+    is_v: bool,
+    dtype: str,
+    result: np.ndarray[Any, Any],
+) -> None:
+    """Decode int4 ``[scales, minimums, codes]`` into ``result`` (any strides)."""
+    assert ext is not None
+    target = result if result.flags.c_contiguous and result.flags.aligned else np.empty(shape, result.dtype)
+    status = ext.int4_decode(
+        bufs[0], bufs[1], bufs[2], *shape, group, is_v, _DTYPE_CODE[dtype], _bytes_of(target)
+    )
+    if status:
+        _raise(status, "int4", dtype)
+    if target is not result:
+        result[...] = target

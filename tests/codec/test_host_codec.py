@@ -1,0 +1,355 @@
+"""The compiled CPU codecs (kernels/kvquant.cuh built for the host) against the numpy reference.
+
+Byte for byte: payloads over every finite float16 and bfloat16 bit pattern, decoded values
+over every code, and the same exception (type and message) for every refused input; then
+Hypothesis over shapes, dtypes, group sizes and values (NaN, infinity, subnormals, signed
+zeros, odd sizes) and over corrupted payloads.  The numpy path (``KVWIRE_NO_EXTENSIONS=1``
+or ``encode_numpy``/``decode_numpy``) is exercised here too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from kvwire.codec import Fp8Codec, Int4Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
+from kvwire.errors import KvwireError, ProtocolError, UsageError
+from tests.codec.codec_helpers import DTYPES
+
+Reference = Fp8Codec | Int8Codec | Int4Codec
+
+DISABLED = os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0")
+needs_ext = pytest.mark.skipif(DISABLED, reason="KVWIRE_NO_EXTENSIONS is set: only the numpy path runs")
+KINDS = (TensorKind.K, TensorKind.V)
+ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def test_extension_was_built() -> None:
+    """CI fails here, with the reason, when the compiled codecs silently failed to build."""
+    if DISABLED:
+        assert _host.ext is None and _host.isa() is None
+        return
+    assert _host.ext is not None, (
+        "kvwire.codec._hostcodec is not importable: the C extension was not built. Reinstall "
+        "with a C compiler present (`python -m pip install -e '.[test]'`, or "
+        "`python setup.py build_ext --inplace`) and read the build output for "
+        "'WARNING: could not build'; set KVWIRE_NO_EXTENSIONS=1 to test the numpy path alone."
+    )
+    assert isinstance(_host.isa(), str)
+
+
+def _codec(base: str, group: int = 32) -> Reference:
+    codec = Int4Codec(group) if base == "int4" else get_codec(base)
+    assert isinstance(codec, Fp8Codec | Int8Codec | Int4Codec)
+    return codec
+
+
+def _outcome(fn: Any) -> tuple[str, Any]:
+    """("ok", bytes) or (exception type name, message) of ``fn()``."""
+    try:
+        result = fn()
+    except KvwireError as exc:
+        return type(exc).__name__, str(exc)
+    if isinstance(result, np.ndarray):
+        return "ok", (str(result.dtype), result.shape, result.tobytes())
+    return "ok", (result.params, bytes(memoryview(result.payload).cast("B")))
+
+
+def _same_encode(codec: Reference, x: np.ndarray[Any, Any], kind: TensorKind) -> None:
+    got = _outcome(lambda: codec.encode(x, kind))
+    want = _outcome(lambda: codec.encode_numpy(x, kind))
+    assert got[0] == want[0], (got[0], want[0], got[1] if got[0] != "ok" else "", want[1] if want[0] != "ok" else "")
+    assert got == want
+
+
+def _same_decode(
+    codec: Reference, params: bytes, payload: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
+) -> None:
+    got = _outcome(lambda: codec.decode(params, payload, shape=shape, dtype=dtype, kind=kind))
+    want = _outcome(lambda: codec.decode_numpy(params, payload, shape=shape, dtype=dtype, kind=kind))
+    assert got[0] == want[0], (got, want) if got[0] != "ok" or want[0] != "ok" else got[0]
+    assert got == want
+
+
+def _finite_patterns(dtype: str) -> np.ndarray[Any, Any]:
+    limit = 0x7C00 if dtype == "float16" else 0x7F80
+    bits = ALL16[limit > (ALL16 & 0x7FFF)]
+    return bits.view(numpy_dtype(dtype))
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
+def test_every_16_bit_pattern_encodes_and_decodes_like_numpy(dtype: str, base: str) -> None:
+    values = _finite_patterns(dtype)
+    n = values.size // 64 * 64
+    rng = np.random.default_rng(7)
+    # sorted rows (neighbouring values: narrow rows and groups, every code used) and a
+    # shuffle (wide rows and groups, tiny values next to huge ones), plus every pattern
+    # alone in its row next to a fixed larger value (each pattern quantized at one scale)
+    big = np.full(values.size, values.dtype.type(1.5 if dtype == "float16" else 3e38))
+    chunks = [
+        values[:n].reshape(-1, 2, 32),
+        rng.permutation(values)[:n].reshape(-1, 4, 16),
+        np.stack([values, big], axis=1).reshape(-1, 2, 2),
+    ]
+    codec = _codec(base)
+    for x in chunks:
+        for kind in KINDS:
+            _same_encode(codec, x, kind)
+            try:
+                chunk = codec.encode_numpy(x, kind)
+            except UsageError:  # int4: a shuffled bfloat16 group spans more than float32
+                assert base == "int4" and dtype == "bfloat16"
+                continue
+            for out in DTYPES:
+                _same_decode(codec, chunk.params, chunk.payload, x.shape, out, kind)
+
+
+@needs_ext
+@pytest.mark.parametrize("base", ["fp8", "int8"])
+def test_every_code_at_many_scales_decodes_like_numpy(base: str) -> None:
+    codes = np.arange(256, dtype=np.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F] if base == "fp8" else codes[codes != 0x80]
+    scales = np.array([0.0, 2.0**-149, 1e-40, 1e-30, 3e-8, 1.0 / 448, 0.37, 1.0, 146.3, 65504 / 448,
+                       65520 / 448, 1e30, 7.5e35], np.float32)
+    rows, dim = scales.size, codes.size
+    payload = np.concatenate([scales.view(np.uint8), np.tile(codes, rows)])
+    codec = _codec(base)
+    for dtype in DTYPES:
+        for r in range(rows):  # one scale per chunk so each row's error (if any) is seen
+            one = np.concatenate([payload[4 * r : 4 * r + 4], payload[4 * rows + r * dim : 4 * rows + (r + 1) * dim]])
+            _same_decode(codec, b"", one, (1, 1, dim), dtype, TensorKind.K)
+        _same_decode(codec, b"", payload, (rows, 1, dim), dtype, TensorKind.K)
+
+
+@needs_ext
+def test_every_int4_code_decodes_like_numpy() -> None:
+    codes = np.arange(256, dtype=np.uint8)  # every pair of nibbles
+    codec = _codec("int4", 4)
+    rng = np.random.default_rng(3)
+    for dtype in DTYPES:
+        for kind in KINDS:
+            shape = (8, 2, 32)  # 512 elements, 256 bytes
+            groups = 2 * 2 * 32 if kind == TensorKind.K else 8 * 2 * 8
+            scales = (rng.standard_normal(groups) ** 2 * 10.0 ** rng.integers(-40, 30, groups)).astype(np.float32)
+            mins = (rng.standard_normal(groups) * 10.0 ** rng.integers(-40, 30, groups)).astype(np.float32)
+            payload = np.concatenate([scales.view(np.uint8), mins.view(np.uint8), codes])
+            _same_decode(codec, bytes([4]), payload, shape, dtype, kind)
+
+
+@needs_ext
+@pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
+def test_non_finite_inputs_refused_like_numpy(base: str) -> None:
+    codec = _codec(base)
+    specials = {
+        "float16": [0x7C00, 0xFC00, 0x7C01, 0x7E00, 0xFFFF],
+        "bfloat16": [0x7F80, 0xFF80, 0x7F81, 0x7FC0, 0xFFFF],
+        "float32": [0x7F800000, 0xFF800000, 0x7F800001, 0x7FC00000, 0xFFFFFFFF],
+    }
+    rng = np.random.default_rng(11)
+    for dtype, patterns in specials.items():
+        for bits in patterns:
+            for pos in (0, 37, 199):
+                x = rng.standard_normal((5, 2, 20)).astype(numpy_dtype(dtype))
+                raw = x.reshape(-1).view(np.uint32 if dtype == "float32" else np.uint16)
+                raw[pos] = bits
+                for kind in KINDS:
+                    _same_encode(codec, x, kind)
+                    with pytest.raises(UsageError):
+                        codec.encode(x, kind)
+
+
+@needs_ext
+def test_int4_range_overflow_and_signed_zero_groups_like_numpy() -> None:
+    codec = _codec("int4", 2)
+    x = np.array([3e38, -3e38, 1.0, 2.0, 0.0, -0.0, -0.0, 0.0], np.float32).reshape(4, 1, 2)
+    for kind in KINDS:
+        _same_encode(codec, x, kind)
+    zeros = np.array([0.0, -0.0, -0.0, 0.0, -0.0, -0.0, 0.0, 0.0], np.float32).reshape(4, 1, 2)
+    for kind in KINDS:
+        _same_encode(codec, zeros, kind)
+        payload = np.frombuffer(codec.encode(zeros, kind).payload, np.uint8)
+        mins = payload[: payload.size - 4].view("<f4")
+        assert not np.any(np.signbit(mins)), "group minimums and scales are canonical +0"
+    # the range error wins over nothing, but NaN anywhere wins over the range error
+    x2 = np.concatenate([x, np.array([np.nan, 1.0], np.float32).reshape(1, 1, 2)])
+    for kind in KINDS:
+        _same_encode(codec, x2, kind)
+
+
+# ---------------------------------------------------------------------------------------
+# Hypothesis
+
+_SPECIAL = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 6e-8, -6e-8, 1e-40, 65504.0, 3e38, -3e38, 448.0, 1.0]
+
+
+@st.composite
+def _arrays(draw: st.DrawFn) -> np.ndarray[Any, Any]:
+    dtype = draw(st.sampled_from(DTYPES))
+    shape = draw(st.tuples(st.integers(1, 24), st.integers(1, 3), st.integers(1, 40)))
+    scale = draw(st.sampled_from([1e-38, 1e-6, 1.0, 1e4, 1e30]))
+    base = draw(hnp.arrays(np.float64, shape, elements=st.floats(-1, 1)))
+    x = base * scale
+    if draw(st.booleans()):
+        special = draw(hnp.arrays(np.float64, shape, elements=st.sampled_from(_SPECIAL)))
+        mask = draw(hnp.arrays(np.bool_, shape, elements=st.booleans()))
+        x = np.where(mask, special, x)
+    if draw(st.booleans()):  # a few all-zero or constant rows and channels
+        x[: draw(st.integers(0, shape[0]))] = draw(st.sampled_from([0.0, -0.0, 2.5]))
+    with np.errstate(over="ignore"):
+        arr: np.ndarray[Any, Any] = x.astype(np.float32).astype(numpy_dtype(dtype))
+    return arr
+
+
+@needs_ext
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=_arrays(), base=st.sampled_from(["fp8", "int8", "int4"]), kind=st.sampled_from(KINDS),
+       group=st.sampled_from([1, 2, 3, 7, 32, 255]), out_dtype=st.sampled_from(DTYPES))
+def test_property_compiled_equals_numpy(
+    x: np.ndarray[Any, Any], base: str, kind: TensorKind, group: int, out_dtype: str
+) -> None:
+    codec = _codec(base, group)
+    _same_encode(codec, x, kind)
+    try:
+        chunk = codec.encode_numpy(x, kind)
+    except UsageError:
+        return
+    _same_decode(codec, chunk.params, chunk.payload, x.shape, out_dtype, kind)
+    # round trip through the compiled path alone, into a strided output array
+    payload = codec.encode(x, kind).payload
+    full = np.zeros((x.shape[0], x.shape[1], 2 * x.shape[2]), numpy_dtype(out_dtype))
+    view = full[:, :, ::2]
+    got = _outcome(lambda: codec.decode(chunk.params, payload, shape=x.shape, dtype=out_dtype, kind=kind, out=view))
+    want = _outcome(lambda: codec.decode_numpy(chunk.params, chunk.payload, shape=x.shape, dtype=out_dtype, kind=kind))
+    assert got == want
+    if got[0] == "ok":
+        assert not np.ascontiguousarray(full[:, :, 1::2]).view(np.uint8).any()
+
+
+@needs_ext
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=_arrays(), base=st.sampled_from(["fp8", "int8", "int4"]), kind=st.sampled_from(KINDS),
+       edits=st.lists(st.tuples(st.integers(0, 1 << 30), st.integers(0, 255)), min_size=1, max_size=6),
+       cut=st.integers(-3, 3), out_dtype=st.sampled_from(DTYPES))
+def test_property_corrupted_payloads_decode_like_numpy(
+    x: np.ndarray[Any, Any], base: str, kind: TensorKind, edits: list[tuple[int, int]], cut: int, out_dtype: str
+) -> None:
+    codec = _codec(base, 5)
+    try:
+        chunk = codec.encode_numpy(x, kind)
+    except UsageError:
+        return
+    data = bytearray(memoryview(chunk.payload).cast("B"))
+    for pos, value in edits:
+        data[pos % len(data)] = value
+    if cut > 0:
+        data += bytes(cut)
+    elif cut < 0:
+        del data[cut:]
+    _same_decode(codec, chunk.params, bytes(data), x.shape, out_dtype, kind)
+
+
+# ---------------------------------------------------------------------------------------
+# Buffers, fallback, threads
+
+
+@needs_ext
+@pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
+def test_misaligned_and_non_contiguous_input(base: str) -> None:
+    codec = _codec(base)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((9, 3, 24)).astype(np.float16)
+    buf = bytearray(x.nbytes + 1)
+    shifted = np.frombuffer(buf, np.uint8, count=x.nbytes, offset=1).view(np.float16).reshape(x.shape)
+    shifted[...] = x
+    assert not shifted.flags.aligned
+    wide = np.zeros((9, 3, 48), np.float16)
+    wide[:, :, ::2] = x
+    for kind in KINDS:
+        want = _outcome(lambda k=kind: codec.encode_numpy(x, k))
+        assert _outcome(lambda k=kind: codec.encode(shifted, k)) == want
+        assert _outcome(lambda k=kind: codec.encode(wide[:, :, ::2], k)) == want
+
+
+@needs_ext
+def test_compiled_entry_points_check_buffer_sizes() -> None:
+    ext = _host.ext
+    assert ext is not None
+    x = np.zeros(64, np.uint16)
+    with pytest.raises(ValueError, match="scales"):
+        ext.encode_rows(0, x.view(np.uint8), 0, 4, 16, np.empty(15, np.uint8), np.empty(64, np.uint8))
+    with pytest.raises(ValueError, match="dtype"):
+        ext.encode_rows(0, x.view(np.uint8), 7, 4, 16, np.empty(16, np.uint8), np.empty(64, np.uint8))
+    with pytest.raises(ValueError, match="out"):
+        ext.decode_rows(1, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 2, np.empty(8, np.uint8))
+    with pytest.raises(TypeError):
+        ext.decode_rows(1, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 2, b"read-only")
+    with pytest.raises(ValueError, match="codes"):
+        ext.int4_encode(x.view(np.uint8), 0, 4, 1, 16, 32, False, np.empty(64, np.uint8), np.empty(64, np.uint8),
+                        np.empty(31, np.uint8))
+
+
+@pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
+def test_numpy_path_when_extension_is_off(base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the extension switched off, encode/decode are the numpy reference (the fallback)."""
+    monkeypatch.setattr(_host, "ext", None)
+    codec = _codec(base)
+    x = np.random.default_rng(1).standard_normal((33, 2, 40)).astype(numpy_dtype("bfloat16"))
+    for kind in KINDS:
+        chunk = codec.encode(x, kind)
+        assert _outcome(lambda c=chunk: c) == _outcome(lambda k=kind: codec.encode_numpy(x, k))
+        y = codec.decode(chunk.params, chunk.payload, shape=x.shape, dtype="float32", kind=kind)
+        z = codec.decode_numpy(chunk.params, chunk.payload, shape=x.shape, dtype="float32", kind=kind)
+        assert y.tobytes() == z.tobytes()
+        with pytest.raises(ProtocolError):
+            codec.decode(chunk.params, bytes(memoryview(chunk.payload).cast("B"))[:-1], shape=x.shape,
+                         dtype="float32", kind=kind)
+
+
+def test_kvwire_no_extensions_env_selects_numpy_path() -> None:
+    code = (
+        "import numpy as np\n"
+        "from kvwire.codec import _host, get_codec, TensorKind\n"
+        "assert _host.ext is None and _host.isa() is None\n"
+        "x = np.linspace(-3, 3, 2*4*16, dtype=np.float16).reshape(2, 4, 16)\n"
+        "for name in ('fp8', 'int8', 'int4'):\n"
+        "    c = get_codec(name)\n"
+        "    a = bytes(memoryview(c.encode(x, TensorKind.V).payload).cast('B'))\n"
+        "    assert a == bytes(memoryview(c.encode_numpy(x, TensorKind.V).payload).cast('B'))\n"
+        "print('numpy path')\n"
+    )
+    env = dict(os.environ, KVWIRE_NO_EXTENSIONS="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "numpy path"
+
+
+@needs_ext
+def test_concurrent_threads_give_the_same_bytes() -> None:
+    """The loops run without the GIL; threads sharing a codec still get exact, separate results."""
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal((256, 4, 64)).astype(np.float16) for _ in range(4)]
+    names = ["fp8", "int8", "int4", "fp8"]
+    want = [_outcome(lambda n=n, x=x: _codec(n).encode_numpy(x, TensorKind.K)) for n, x in zip(names, xs, strict=True)]
+    got: list[Any] = [None] * 4
+
+    def work(i: int) -> None:
+        for _ in range(5):
+            got[i] = _outcome(lambda: _codec(names[i]).encode(xs[i], TensorKind.K))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert got == want
