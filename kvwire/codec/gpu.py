@@ -1,137 +1,462 @@
-"""Quantize on the GPU, ship from pinned host memory (optional ``gpu`` extra: CuPy).
+"""Quantize and dequantize on the GPU (optional ``gpu-cuda12`` / ``gpu-cuda13`` extras: CuPy).
 
 The kernels in ``kernels/kvquant.cu`` produce the same codes and scales as the numpy
-codecs, bit for bit, so a chunk encoded on a GPU decodes with :func:`codec_by_id` on a
+codecs, bit for bit, under the options CuPy really compiles with (it appends
+``-ftz=true``; the arithmetic is written so that no result is flushed, see
+``kernels/kvquant.cuh``), so a chunk encoded on a GPU decodes with :func:`codec_by_id` on a
 CPU-only peer and the other way round.  The entropy stage, when the codec has one, runs on
 the host.  CuPy is imported only inside these functions.
+
+Encoding takes a whole ``[tokens, heads, head_dim]`` tensor and writes the payloads of
+every chunk of a chunk plan in one launch (:func:`encode_tensor`); decoding validates a
+chunk's params and scales on the host and decodes its codes in the kernel, straight into
+the destination array (:func:`decode_into`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvwire.codec.base import Codec, EncodedChunk, TensorKind, numpy_dtype
-from kvwire.codec.entropy import EntropyCodec
+from kvwire.codec import _numeric as nm
+from kvwire.codec.base import Codec, EncodedChunk, TensorKind
+from kvwire.codec.entropy import FLAG_COMPRESSED, EntropyCodec, inner_payload_size
 from kvwire.codec.int4 import DEFAULT_GROUP, Int4Codec, group_count
-from kvwire.errors import UsageError
+from kvwire.errors import ProtocolError, UsageError
 
 KERNEL_DIR = Path(__file__).with_name("kernels")
+#: every file the kernels are built from (all of them go into the source string)
+SOURCE_FILES = ("kvquant.cuh", "kvquant.cu")
+#: our NVRTC options
+COMPILE_OPTIONS = ("--std=c++17", "--fmad=false")
+#: what CuPy appends after the caller's options for every RawModule (it cannot be undone)
+CUPY_APPENDED_OPTIONS = ("-ftz=true",)
+
+QUANTIZERS = ("fp8", "int8", "int4")
 _SUFFIX = {"float16": "f16", "bfloat16": "bf16", "float32": "f32"}
 _THREADS = 256
 
+FLAG_NONFINITE = 1
+FLAG_RANGE = 2
+FLAG_BADCODE = 4
+FLAG_OVERFLOW = 8
+FLAG_OUTSIDE = 16
 
-def gpu_available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+
+def kernel_source() -> str:
+    """The CUDA source handed to NVRTC: kvquant.cu with kvquant.cuh inlined.
+
+    CuPy keys its kernel cache on the source string only (not on included files), so
+    everything the kernels are built from is in it, headed by a hash of the files.
+    """
+    texts = {name: (KERNEL_DIR / name).read_text() for name in SOURCE_FILES}
+    digest = hashlib.sha256("".join(texts[n] for n in SOURCE_FILES).encode()).hexdigest()
+    body = texts["kvquant.cu"].replace('#include "kvquant.cuh"', texts["kvquant.cuh"], 1)
+    return f"// kvquant sources sha256:{digest}\n{body}"
+
+
+@cache
+def _raw_module() -> Any:
+    import cupy
+
+    return cupy.RawModule(code=kernel_source(), options=COMPILE_OPTIONS)
+
+
+_FUNCTIONS: dict[tuple[int, str], Any] = {}
+
+
+def _function(name: str) -> Any:
+    """Kernel ``name`` loaded on the current device."""
+    import cupy
+
+    key = (int(cupy.cuda.runtime.getDevice()), name)
+    fn = _FUNCTIONS.get(key)
+    if fn is None:
+        fn = _FUNCTIONS[key] = _raw_module().get_function(name)
+    return fn
+
+
+@cache
+def _probe() -> bool:
     try:
         import cupy
 
-        return bool(cupy.cuda.runtime.getDeviceCount() > 0)
+        if int(cupy.cuda.runtime.getDeviceCount()) <= 0:
+            return False
+        with cupy.cuda.Device(0):
+            # compiling and loading a kernel proves NVRTC and the driver match CuPy
+            _function("kv_fp8_decode_any_f16")
+        return True
     except Exception:
         return False
 
 
-@cache
-def _module() -> Any:
-    import cupy
-
-    source = (KERNEL_DIR / "kvquant.cu").read_text()
-    return cupy.RawModule(code=source, options=("--std=c++17", f"-I{KERNEL_DIR}", "--fmad=false"))
+def gpu_available() -> bool:
+    """True when CuPy imports, sees a CUDA device, and the kernels compile and load there."""
+    return _probe()
 
 
-def _dtype_name(x: Any) -> str:
-    for name in _SUFFIX:
-        if x.dtype == numpy_dtype(name):
-            return name
+def device_count() -> int:
+    """CUDA devices CuPy sees (0 without CuPy)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def dtype_name(x: Any, dtype: str | None = None) -> str:
+    """The KVSpec dtype of a CuPy array (bfloat16: CuPy's own, or uint16/int16 bits)."""
+    name = str(x.dtype)
+    if name in ("float16", "float32", "bfloat16"):
+        return name
+    if name in ("uint16", "int16") and dtype == "bfloat16":
+        return "bfloat16"
     raise UsageError(f"codecs take float16, bfloat16 or float32 arrays, got {x.dtype}")
 
 
-def _split(codec: Codec) -> tuple[str, EntropyCodec | None]:
+def split_codec(codec: Codec) -> tuple[str, EntropyCodec | None]:
+    """``(base name, entropy stage or None)`` of a codec."""
     if isinstance(codec, EntropyCodec):
         return codec.inner.name, codec
     return codec.name, None
 
 
-def _pinned(nbytes: int) -> np.ndarray[Any, Any]:
+def _int4_group(codec: Codec) -> int:
+    inner = codec.inner if isinstance(codec, EntropyCodec) else codec
+    return inner.group if isinstance(inner, Int4Codec) else DEFAULT_GROUP
+
+
+def _check_flags(flags: int, codec: str) -> None:
+    if flags & FLAG_NONFINITE:
+        raise UsageError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
+    if flags & FLAG_RANGE:
+        raise UsageError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
+    if flags & FLAG_BADCODE:
+        raise ProtocolError(f"{codec} payload carries a NaN code" if codec == "fp8" else f"{codec} payload carries the code -128")
+    if flags & FLAG_OVERFLOW:
+        raise ProtocolError(f"{codec} scales overflow float32")
+    if flags & FLAG_OUTSIDE:
+        raise ProtocolError(f"{codec} scales give values outside the output dtype")
+
+
+@dataclass
+class DeviceChunks:
+    """The payloads of every chunk of one tensor, encoded on its device.
+
+    ``buffer`` (CuPy uint8) holds chunk ``i`` at ``offsets[i]``, ``sizes[i]`` bytes;
+    ``flags`` (CuPy uint32[1]) is non-zero when the input was refused: call
+    :meth:`check` once the stream has reached it.
+    """
+
+    codec: str
+    codec_id: int
+    params: bytes
+    buffer: Any
+    offsets: list[int]
+    sizes: list[int]
+    flags: Any
+
+    def check(self, flags: int | None = None) -> None:
+        """Raise UsageError if the kernel refused the input (reads the flags: a sync)."""
+        value = int(self.flags.get()[0]) if flags is None else flags
+        _check_flags(value, self.codec)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch: its name, grid (blocks of :data:`THREADS`) and arguments.
+
+    Arguments are numpy scalars or the names of buffers: ``"x"`` (the input tensor),
+    ``"out"`` (the payload buffer, or the destination when decoding), ``"payload"``,
+    ``"stats"`` (float32 scratch) and ``"flags"`` (uint32[1]).
+    """
+
+    kernel: str
+    blocks: int
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class EncodePlan:
+    """Sizes and launches that encode one tensor into the payloads of a chunk plan."""
+
+    sizes: tuple[int, ...]
+    stats_floats: int
+    launches: tuple[Launch, ...]
+
+
+THREADS = _THREADS
+
+
+def plan_encode(
+    base: str, group: int, shape: tuple[int, int, int], dtype: str, kind: TensorKind,
+    chunk_tokens: int, *, x_aligned: bool,
+) -> EncodePlan:
+    """The launches that encode a ``shape`` tensor of ``dtype`` as chunks of ``chunk_tokens``
+    tokens (the last one shorter); ``x_aligned``: the input starts on 16 bytes."""
+    tokens, heads, dim = shape
+    chunk_tokens = max(1, min(int(chunk_tokens), tokens))
+    nchunks = -(-tokens // chunk_tokens)
+    last = tokens - (nchunks - 1) * chunk_tokens
+    suffix = _SUFFIX[dtype]
+    if base in ("fp8", "int8"):
+        full = chunk_tokens * heads * (4 + dim)
+        sizes = (full,) * (nchunks - 1) + (last * heads * (4 + dim),)
+        rows = tokens * heads
+        epv = 4 if dtype == "float32" else 8
+        nvec = dim // epv
+        vector = (
+            dim % epv == 0 and nvec <= 128 and x_aligned and full % epv == 0
+            and (4 * heads * chunk_tokens) % epv == 0 and (4 * heads * last) % epv == 0
+        )
+        args = ("x", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(chunk_tokens),
+                np.int64(full), "out", "flags")
+        if vector:
+            lpr, vpl = (16, 1) if nvec <= 16 else (32, 1) if nvec <= 32 else (32, 2) if nvec <= 64 else (32, 4)
+            launch = Launch(f"kv_{base}_encode_vec_{suffix}_{lpr}_{vpl}", math.ceil(rows * lpr / _THREADS), args)
+        else:
+            launch = Launch(f"kv_{base}_encode_any_{suffix}", math.ceil(rows * 32 / _THREADS), args)
+        return EncodePlan(sizes, 0, (launch,))
+    if base != "int4":
+        raise UsageError(f"codec {base!r} has no GPU kernels")
+    kind = TensorKind(kind)
+    hd = heads * dim
+    g_full = group_count((chunk_tokens, heads, dim), kind, group)
+    g_last = group_count((last, heads, dim), kind, group)
+    b_full = (chunk_tokens * hd + 1) // 2
+    b_last = (last * hd + 1) // 2
+    full = 8 * g_full + b_full
+    sizes = (full,) * (nchunks - 1) + (8 * g_last + b_last,)
+    total_groups = (nchunks - 1) * g_full + g_last
+    total_bytes = (nchunks - 1) * b_full + b_last
+    common = ("x", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(group),
+              np.int32(kind == TensorKind.V), np.int32(chunk_tokens), np.int64(full))
+    return EncodePlan(sizes, 2 * total_groups, (
+        Launch(f"kv_int4_stats_{suffix}", math.ceil(total_groups / _THREADS),
+               (*common, np.int64(total_groups), "out", "stats", "flags")),
+        Launch(f"kv_int4_pack_{suffix}", math.ceil(total_bytes / _THREADS),
+               (*common, np.int64(total_bytes), "stats", "out")),
+    ))
+
+
+def plan_decode(
+    base: str, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind,
+    *, out_aligned: bool,
+) -> Launch:
+    """The launch that decodes one chunk's plain payload into a ``shape`` destination
+    (``out_aligned``: it starts on 16 bytes)."""
+    tokens, heads, dim = shape
+    suffix = _SUFFIX[dtype]
+    if base in ("fp8", "int8"):
+        rows = tokens * heads
+        epv = 4 if dtype == "float32" else 8
+        if dim % epv == 0 and out_aligned and (4 * rows) % epv == 0 and rows * dim < 2**31:
+            return Launch(f"kv_{base}_decode_vec_{suffix}", math.ceil(rows * dim // epv / _THREADS),
+                          ("payload", np.uint32(rows), np.uint32(dim), "out", "flags"))
+        return Launch(f"kv_{base}_decode_any_{suffix}", math.ceil(rows * dim / _THREADS),
+                      ("payload", np.int64(rows), np.int32(dim), "out", "flags"))
+    n = tokens * heads * dim
+    return Launch(f"kv_int4_decode_{suffix}", math.ceil((n + 1) // 2 / _THREADS),
+                  ("payload", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(params[0]),
+                   np.int32(TensorKind(kind) == TensorKind.V), "out", "flags"))
+
+
+def _run(launch: Launch, buffers: dict[str, Any]) -> None:
+    args = tuple(buffers[a] if isinstance(a, str) else a for a in launch.args)
+    _function(launch.kernel)((max(1, launch.blocks),), (_THREADS,), args)
+
+
+def encode_tensor(
+    codec: Codec, x: Any, kind: TensorKind, chunk_tokens: int, *, dtype: str | None = None
+) -> DeviceChunks:
+    """Encode CuPy ``x`` (``[tokens, heads, head_dim]``) as chunks of ``chunk_tokens`` tokens.
+
+    Launches on the current device and stream and returns at once; the entropy stage, if
+    any, is left to the caller (it runs on the host bytes).
+    """
+    import cupy
+
+    base, _entropy = split_codec(codec)
+    if base not in QUANTIZERS:
+        raise UsageError(f"codec {codec.name!r} has no GPU kernels")
+    if x.ndim != 3 or 0 in x.shape:
+        raise UsageError(f"a chunk is a non-empty [tokens, heads, head_dim] array, got shape {x.shape}")
+    name = dtype_name(x, dtype)
+    x = cupy.ascontiguousarray(x)
+    shape = (int(x.shape[0]), int(x.shape[1]), int(x.shape[2]))
+    group = _int4_group(codec)
+    plan = plan_encode(base, group, shape, name, TensorKind(kind), chunk_tokens, x_aligned=x.data.ptr % 16 == 0)
+    out = cupy.empty(sum(plan.sizes), cupy.uint8)
+    flags = cupy.zeros(1, cupy.uint32)
+    stats = cupy.empty(max(1, plan.stats_floats), cupy.float32)
+    for launch in plan.launches:
+        _run(launch, {"x": x, "out": out, "flags": flags, "stats": stats})
+    inner = codec.inner if isinstance(codec, EntropyCodec) else codec
+    offsets = [i * plan.sizes[0] for i in range(len(plan.sizes))]
+    return DeviceChunks(base, inner.codec_id, bytes([group]) if base == "int4" else b"",
+                        out, offsets, list(plan.sizes), flags)
+
+
+def pinned_empty(nbytes: int) -> np.ndarray[Any, Any]:
+    """A numpy uint8 array in page-locked host memory (from CuPy's pinned pool)."""
     import cupy
 
     mem = cupy.cuda.alloc_pinned_memory(max(nbytes, 1))
     return np.frombuffer(mem, np.uint8, count=nbytes)
 
 
-def encode_on_device(codec: Codec, x: Any, kind: TensorKind, *, dtype: str | None = None) -> EncodedChunk:
-    """Encode a CuPy ``[tokens, heads, head_dim]`` array with ``codec`` on its device.
+def copy_to_host_async(src: Any, offset: int, host: np.ndarray[Any, Any], stream: Any) -> None:
+    """Queue a copy of ``host.nbytes`` bytes of CuPy ``src`` from ``offset`` into pinned ``host``."""
+    import cupy
 
-    CuPy has no bfloat16: pass bfloat16 data as its uint16 bit patterns with
-    ``dtype="bfloat16"``.
+    if host.nbytes:
+        cupy.cuda.runtime.memcpyAsync(
+            host.ctypes.data, src.data.ptr + offset, host.nbytes,
+            cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr,
+        )
+
+
+def finish_chunk(codec: Codec, enc: DeviceChunks, payload: Any) -> EncodedChunk:
+    """The wire chunk for a host copy of one payload (the entropy stage runs here)."""
+    chunk = EncodedChunk(enc.codec_id, enc.params, payload)
+    _base, entropy = split_codec(codec)
+    if entropy is None:
+        return chunk
+    data = memoryview(payload).cast("B")
+    packed = entropy._compress(data)
+    if len(packed) < data.nbytes:
+        return EncodedChunk(entropy.codec_id, bytes([FLAG_COMPRESSED]) + chunk.params, packed)
+    return EncodedChunk(entropy.codec_id, b"\x00" + chunk.params, chunk.payload)
+
+
+def encode_on_device(codec: Codec, x: Any, kind: TensorKind, *, dtype: str | None = None) -> EncodedChunk:
+    """Encode one CuPy chunk ``[tokens, heads, head_dim]`` with ``codec`` on its device.
+
+    Synchronous; the payload comes back in pinned host memory.  bfloat16 is CuPy's own
+    dtype or its uint16 bit patterns with ``dtype="bfloat16"``.
     """
     import cupy
 
-    base, entropy = _split(codec)
-    if base not in ("fp8", "int8", "int4"):
-        raise UsageError(f"codec {codec.name!r} has no GPU kernels")
-    if x.ndim != 3 or 0 in x.shape:
-        raise UsageError(f"a chunk is a non-empty [tokens, heads, head_dim] array, got shape {x.shape}")
-    name = "bfloat16" if dtype == "bfloat16" and x.dtype == cupy.uint16 else _dtype_name(x)
-    x = cupy.ascontiguousarray(x)
-    finite = ((x & 0x7FFF) < 0x7F80).all() if name == "bfloat16" else cupy.isfinite(x).all()
-    if not bool(finite):
-        raise UsageError(f"codec {codec.name!r} cannot carry NaN or infinity; use 'raw' for such tensors")
-    tokens, heads, dim = (int(n) for n in x.shape)
-    n = tokens * heads * dim
-    mod = _module()
-    src = x.view(cupy.uint16) if name != "float32" else x
-    params = b""
-    if base in ("fp8", "int8"):
-        rows = tokens * heads
-        dev = cupy.empty(rows * 4 + n, cupy.uint8)
-        scales = dev[: rows * 4].view(cupy.float32)
-        codes = dev[rows * 4 :]
-        kernel = mod.get_function(f"kv_{base}_encode_{_SUFFIX[name]}")
-        blocks = math.ceil(rows * 32 / _THREADS)
-        kernel((blocks,), (_THREADS,), (src, np.int64(rows), np.int32(dim), scales, codes))
-    else:
-        inner = codec.inner if isinstance(codec, EntropyCodec) else codec
-        group = inner.group if isinstance(inner, Int4Codec) else DEFAULT_GROUP
-        is_v = int(TensorKind(kind) == TensorKind.V)
-        ngroups = group_count((tokens, heads, dim), TensorKind(kind), group)
-        dev = cupy.empty(8 * ngroups + (n + 1) // 2, cupy.uint8)
-        scales = dev[: 4 * ngroups].view(cupy.float32)
-        mins = dev[4 * ngroups : 8 * ngroups].view(cupy.float32)
-        codes = cupy.empty(n, cupy.uint8)
-        kernel = mod.get_function(f"kv_int4_encode_{_SUFFIX[name]}")
-        kernel(
-            (math.ceil(ngroups / _THREADS),),
-            (_THREADS,),
-            (src, np.int32(tokens), np.int32(heads), np.int32(dim), np.int32(group),
-             np.int32(is_v), scales, mins, codes),
-        )
-        if not bool(cupy.isfinite(scales).all()):
-            raise UsageError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
-        packed = dev[8 * ngroups :]
-        mod.get_function("kv_int4_pack")(
-            (math.ceil(packed.size / _THREADS),), (_THREADS,), (codes, np.int64(n), packed)
-        )
-        params = bytes([group])
-    host = _pinned(dev.nbytes)
-    dev.get(out=host)
-    chunk = EncodedChunk(getattr(codec, "inner", codec).codec_id, params, host.data)
+    with x.device:
+        stream = cupy.cuda.get_current_stream()
+        enc = encode_tensor(codec, x, kind, int(x.shape[0]), dtype=dtype)
+        enc.check()
+        host = pinned_empty(enc.sizes[0])
+        copy_to_host_async(enc.buffer, 0, host, stream)
+        stream.synchronize()
+    return finish_chunk(codec, enc, host.data)
+
+
+def _plain(codec: Codec, params: bytes, payload: Any, shape: tuple[int, int, int], dtype: str,
+           kind: TensorKind) -> tuple[str, bytes, memoryview]:
+    """(base codec name, inner params, plain payload) after the entropy stage's checks."""
+    base, entropy = split_codec(codec)
+    try:
+        view = memoryview(payload).cast("B")
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"{codec.name} payload is not a contiguous byte buffer") from exc
     if entropy is None:
-        return chunk
-    # the entropy stage is host work: reuse its encode on the already-quantized bytes
-    return _wrap_entropy(entropy, chunk)
+        return base, bytes(params), view
+    if not params or params[0] & ~FLAG_COMPRESSED:
+        raise ProtocolError(f"{entropy.name} params must start with a flag byte of 0 or 1")
+    inner_params = bytes(params[1:])
+    if not params[0] & FLAG_COMPRESSED:
+        return base, inner_params, view
+    size = inner_payload_size(entropy.inner, inner_params, shape, dtype, kind)
+    plain = entropy._decompress(view, size)
+    if len(plain) != size:
+        raise ProtocolError(f"{entropy.name} payload decompressed to {len(plain)} bytes, expected {size}")
+    width = entropy._shuffle_width(dtype)
+    if width > 1:
+        plain = np.frombuffer(plain, np.uint8).reshape(width, -1).T.tobytes()
+    return base, inner_params, memoryview(plain)
 
 
-def _wrap_entropy(entropy: EntropyCodec, chunk: EncodedChunk) -> EncodedChunk:
-    data = memoryview(chunk.payload).cast("B")
-    packed = entropy._compress(data)
-    if len(packed) < data.nbytes:
-        return EncodedChunk(entropy.codec_id, b"\x01" + chunk.params, packed)
-    return EncodedChunk(entropy.codec_id, b"\x00" + chunk.params, chunk.payload)
+def validate_payload(
+    base: str, params: bytes, plain: memoryview, shape: tuple[int, int, int], kind: TensorKind
+) -> None:
+    """The host's part of a decode: params, length, scales (and int4 minimums, padding).
+
+    The codes are checked by the kernel (NaN codes, -128, values outside the dtype).
+    """
+    tokens, heads, dim = nm.check_shape(shape, base)
+    n = tokens * heads * dim
+    if base in ("fp8", "int8"):
+        if params:
+            raise ProtocolError(f"{base} codec takes no parameters")
+        rows = tokens * heads
+        scale_buf, _codes = nm.split_payload(plain, [rows * 4, rows * dim], base)
+        nm.read_scales(scale_buf, rows, base)
+        return
+    if len(params) != 1 or params[0] == 0:
+        raise ProtocolError("int4 params must be one non-zero byte (the group size)")
+    groups = group_count(shape, kind, params[0])
+    scale_buf, lo_buf, code_buf = nm.split_payload(plain, [4 * groups, 4 * groups, (n + 1) // 2], base)
+    nm.read_scales(scale_buf, groups, base)
+    if not np.all(np.isfinite(np.frombuffer(lo_buf, "<f4"))):
+        raise ProtocolError("int4 payload carries a NaN or infinite minimum")
+    if n & 1 and code_buf[-1] >> 4:
+        raise ProtocolError("int4 payload has a non-zero padding nibble")
+
+
+def decode_into(
+    codec: Codec, params: bytes, payload: Any, out: Any, *, dtype: str, kind: TensorKind,
+    stream: Any = None,
+) -> None:
+    """Decode one chunk into CuPy ``out`` (``[tokens, heads, head_dim]``, C-contiguous).
+
+    Runs on ``out``'s device and on ``stream`` (default: the current one), and waits for
+    the kernel (its flags say whether the codes were valid).  ``raw`` chunks are copied
+    in as they are.
+    """
+    import cupy
+
+    shape = (int(out.shape[0]), int(out.shape[1]), int(out.shape[2]))
+    kind = TensorKind(kind)
+    if not out.flags.c_contiguous:
+        raise UsageError("decode_into needs a C-contiguous destination")
+    with out.device:
+        stream = stream if stream is not None else cupy.cuda.get_current_stream()
+        base, params, plain = _plain(codec, params, payload, shape, dtype, kind)
+        if base == "raw":
+            if params:
+                raise ProtocolError("raw codec takes no parameters")
+            if plain.nbytes != out.nbytes:
+                raise ProtocolError(f"raw payload is {plain.nbytes} bytes, expected {out.nbytes}")
+            with stream:
+                out.reshape(-1).view(cupy.uint8).set(np.frombuffer(plain, np.uint8), stream=stream)
+            stream.synchronize()
+            return
+        if base not in QUANTIZERS:
+            raise UsageError(f"codec {codec.name!r} has no GPU kernels")
+        validate_payload(base, params, plain, shape, kind)
+        with stream:
+            dev = cupy.empty(plain.nbytes, cupy.uint8)
+            dev.set(np.frombuffer(plain, np.uint8), stream=stream)
+            flags = cupy.zeros(1, cupy.uint32)
+            launch_decode(base, params, dev, out, dtype=dtype, kind=kind, flags=flags)
+            host_flags = pinned_empty(4)
+            copy_to_host_async(flags, 0, host_flags, stream)
+        stream.synchronize()
+        _check_flags(int(host_flags.view(np.uint32)[0]), base)
+
+
+def launch_decode(
+    base: str, params: bytes, payload: Any, out: Any, *, dtype: str, kind: TensorKind, flags: Any
+) -> None:
+    """Queue the decode kernel of a plain payload already on the device (CuPy uint8) into
+    ``out`` on the current stream; problems found in the codes are OR-ed into ``flags``."""
+    shape = (int(out.shape[0]), int(out.shape[1]), int(out.shape[2]))
+    launch = plan_decode(base, params, shape, dtype, kind, out_aligned=out.data.ptr % 16 == 0)
+    _run(launch, {"payload": payload, "out": out, "flags": flags})
 
 
 def decode_on_device(
@@ -145,60 +470,10 @@ def decode_on_device(
 ) -> Any:
     """Decode a chunk into a new CuPy array of ``shape`` and ``dtype`` on the current device.
 
-    For bfloat16 the array holds the uint16 bit patterns (CuPy has no bfloat16).
+    For bfloat16 the array holds the uint16 bit patterns.
     """
     import cupy
 
-    base, _entropy = _split(codec)
-    if base not in ("fp8", "int8", "int4"):
-        raise UsageError(f"codec {codec.name!r} has no GPU kernels")
-    host = np.zeros(shape, numpy_dtype(dtype))
-    # Validation (lengths, flags, scales, decompression) is the host codec's; it also
-    # yields the plain payload, which is what the kernels read.
-    plain_params, plain = _plain_payload(codec, params, payload, shape, dtype, kind, host)
-    tokens, heads, dim = shape
-    n = tokens * heads * dim
-    dev = cupy.asarray(np.frombuffer(plain, np.uint8))
-    out = cupy.empty(shape, cupy.uint16 if dtype == "bfloat16" else numpy_dtype(dtype))
-    dst = out if dtype == "float32" else out.view(cupy.uint16)
-    mod = _module()
-    if base in ("fp8", "int8"):
-        rows = tokens * heads
-        scales = dev[: rows * 4].view(cupy.float32)
-        codes = dev[rows * 4 :]
-        kernel = mod.get_function(f"kv_{base}_decode_{_SUFFIX[dtype]}")
-        kernel((math.ceil(n / _THREADS),), (_THREADS,), (codes, scales, np.int64(n), np.int32(dim), dst))
-    else:
-        group = plain_params[0]
-        ngroups = group_count(shape, TensorKind(kind), group)
-        kernel = mod.get_function(f"kv_int4_decode_{_SUFFIX[dtype]}")
-        kernel(
-            (math.ceil(n / _THREADS),),
-            (_THREADS,),
-            (dev[8 * ngroups :], dev[: 4 * ngroups].view(cupy.float32),
-             dev[4 * ngroups : 8 * ngroups].view(cupy.float32), np.int32(tokens), np.int32(heads),
-             np.int32(dim), np.int32(group), np.int32(TensorKind(kind) == TensorKind.V), dst),
-        )
+    out = cupy.empty(shape, cupy.float32 if dtype == "float32" else cupy.float16 if dtype == "float16" else cupy.uint16)
+    decode_into(codec, params, payload, out, dtype=dtype, kind=kind)
     return out
-
-
-def _plain_payload(
-    codec: Codec,
-    params: bytes,
-    payload: Any,
-    shape: tuple[int, int, int],
-    dtype: str,
-    kind: TensorKind,
-    scratch: np.ndarray[Any, Any],
-) -> tuple[bytes, bytes]:
-    """Check the chunk with the host codec and return (inner params, plain payload)."""
-    codec.decode(params, payload, shape=shape, dtype=dtype, kind=kind, out=scratch)
-    if isinstance(codec, EntropyCodec):
-        inner_params = bytes(params[1:])
-        if params[0] & 1:
-            from kvwire.codec.entropy import inner_payload_size
-
-            size = inner_payload_size(codec.inner, inner_params, shape, dtype, kind)
-            return inner_params, codec._decompress(memoryview(payload).cast("B"), size)
-        return inner_params, bytes(memoryview(payload).cast("B"))
-    return bytes(params), bytes(memoryview(payload).cast("B"))

@@ -1,13 +1,16 @@
 """The CUDA arithmetic against the numpy reference, bit for bit.
 
-Without a GPU: every .cu compiles to PTX for sm_90, and kvquant.cuh compiled into a host
-shared library (the same __host__ __device__ functions) matches numpy over every float16
-and bfloat16 bit pattern and over random blocks.  With CuPy and a device: the kernels.
+Without a GPU: the kernel source compiles to PTX for sm_90 with the options CuPy really
+uses (ours, then its ``-ftz=true``) and that PTX holds no flush-to-zero instruction, and
+kvquant.cuh compiled into a host shared library (the same __host__ __device__ functions)
+matches numpy over every float16 and bfloat16 bit pattern and over random blocks.  With
+CuPy and a device (the ``gpu`` mark): the kernels, over chunk plans, against numpy.
 """
 
 from __future__ import annotations
 
 import ctypes
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -19,8 +22,15 @@ import pytest
 
 from kvwire.codec import TensorKind, get_codec, numpy_dtype
 from kvwire.codec import _numeric as nm
-from kvwire.codec.gpu import KERNEL_DIR, gpu_available
-from kvwire.errors import UsageError
+from kvwire.codec.gpu import (
+    COMPILE_OPTIONS,
+    CUPY_APPENDED_OPTIONS,
+    KERNEL_DIR,
+    gpu_available,
+    kernel_source,
+)
+from kvwire.codec.int4 import group_count
+from kvwire.errors import ProtocolError, UsageError
 from tests.codec.codec_helpers import DTYPES
 
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
@@ -44,6 +54,9 @@ void h_int4_quant(const float* x, const float* lo, const float* s, kv_u8* o, lon
 void h_fp8_dequant(const kv_u8* c, const float* s, float* o, long n) { EACH(i) o[i] = kv_fp8_dequant(c[i], s[i]); }
 void h_int8_dequant(const signed char* c, const float* s, float* o, long n) { EACH(i) o[i] = kv_int8_dequant(c[i], s[i]); }
 void h_int4_dequant(const kv_u8* c, const float* lo, const float* s, float* o, long n) { EACH(i) o[i] = kv_int4_dequant(c[i], lo[i], s[i]); }
+void h_order_key(const float* a, kv_u32* o, long n) { EACH(i) o[i] = kv_order_key(a[i]); }
+void h_from_order_key(const kv_u32* a, float* o, long n) { EACH(i) o[i] = kv_from_order_key(a[i]); }
+void h_canonical_zero(const float* a, float* o, long n) { EACH(i) o[i] = kv_canonical_zero(a[i]); }
 }
 """
 
@@ -89,16 +102,49 @@ def _random_f32(n: int, seed: int) -> np.ndarray[Any, Any]:
     return x[np.isfinite(x)]
 
 
+def _ptx(tmp_path: Path, source: str, name: str) -> str:
+    """PTX of ``source`` compiled the way CuPy compiles a RawModule for an sm_90 device."""
+    assert NVCC is not None
+    src = tmp_path / f"{name}.cu"
+    src.write_text(source)
+    ptx = tmp_path / f"{name}.ptx"
+    options = [*COMPILE_OPTIONS, *CUPY_APPENDED_OPTIONS, "-arch=sm_90"]
+    subprocess.run([NVCC, "-ptx", *options, str(src), "-o", str(ptx)], check=True, capture_output=True)
+    return ptx.read_text()
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc not found")
-def test_every_cu_file_compiles_to_ptx_for_sm90(tmp_path: Path) -> None:
-    sources = sorted(KERNEL_DIR.glob("*.cu"))
-    assert sources
-    for src in sources:
-        ptx = tmp_path / (src.stem + ".ptx")
-        subprocess.run([NVCC, "-ptx", "-arch=sm_90", "--fmad=false", f"-I{KERNEL_DIR}", str(src), "-o", str(ptx)], check=True, capture_output=True)
-        text = ptx.read_text()
-        assert ".entry kv_fp8_encode_f16" in text and ".entry kv_int4_decode_bf16" in text
-        assert "fma." not in text
+def test_kernels_under_cupys_options_hold_no_flush_to_zero(tmp_path: Path) -> None:
+    # The same options make plain float arithmetic flush: the check below would see it.
+    control = _ptx(tmp_path, 'extern "C" __global__ void f(float* x) { x[0] = x[0] * x[1] + (x[2] < x[3] ? 1.0f : x[4] / x[5]); }', "control")
+    assert re.search(r"\b(mul|add|div|setp)\.[a-z.]*ftz", control)
+    text = _ptx(tmp_path, kernel_source(), "kvquant")
+    entries = set(re.findall(r"\.entry (\w+)", text))
+    for base in ("fp8", "int8"):
+        for suffix in ("f16", "bf16", "f32"):
+            assert f"kv_{base}_encode_vec_{suffix}_16_1" in entries
+            assert f"kv_{base}_encode_any_{suffix}" in entries
+            assert f"kv_{base}_decode_vec_{suffix}" in entries
+    assert {"kv_int4_stats_bf16", "kv_int4_pack_f32", "kv_int4_decode_f16"} <= entries
+    assert ".ftz" not in text
+    assert "fma." not in text
+    # float arithmetic is there, all of it round-to-nearest without flushing
+    assert re.search(r"\bdiv\.rn\.f32\b", text) and re.search(r"\bmul\.rn\.f32\b", text)
+
+
+def test_kernel_source_covers_every_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvwire.codec.gpu as gpu_mod
+
+    src = gpu_mod.kernel_source()
+    assert '#include "kvquant.cuh"' not in src
+    assert "kv_f32_to_e4m3" in src and "rowwise_encode_vec" in src
+    for name in gpu_mod.SOURCE_FILES:
+        (tmp_path / name).write_text((KERNEL_DIR / name).read_text())
+    monkeypatch.setattr(gpu_mod, "KERNEL_DIR", tmp_path)
+    assert gpu_mod.kernel_source() == src
+    # a change in the header alone changes the string CuPy keys its cache on
+    (tmp_path / "kvquant.cuh").write_text((KERNEL_DIR / "kvquant.cuh").read_text() + "\n// edited\n")
+    assert gpu_mod.kernel_source() != src
 
 
 @pytest.mark.parametrize("name", ["float16", "bfloat16"])
@@ -188,18 +234,18 @@ def test_int4_scales_codes_and_decode(host: Any, dtype: str, kind: TensorKind) -
 
     x = _blocks(dtype, 13)
     chunk = get_codec("int4").encode(x, kind)
-    g = group_count(x.shape, kind, chunk.params[0])  # type: ignore[arg-type]
+    g = group_count(x.shape, kind, chunk.params[0])
     raw = np.frombuffer(memoryview(chunk.payload).cast("B"), np.uint8)
     scales, los = raw[: 4 * g].view("<f4"), raw[4 * g : 8 * g].view("<f4")
     xf = nm.to_f32(x, dtype)
     axis = 0 if kind == TensorKind.K else 2
     starts = np.arange(0, x.shape[axis], chunk.params[0])
-    lo = np.minimum.reduceat(xf, starts, axis=axis).reshape(-1)
-    hi = np.maximum.reduceat(xf, starts, axis=axis).reshape(-1)
+    lo = np.minimum.reduceat(xf, starts, axis=axis).reshape(-1) + np.float32(0)
+    hi = np.maximum.reduceat(xf, starts, axis=axis).reshape(-1) + np.float32(0)
     assert np.array_equal(lo.view(np.uint32), los.view(np.uint32))
     assert np.array_equal(_call(host, "h_int4_scale", np.float32, lo, hi).view(np.uint32), scales.view(np.uint32))
-    s_el = _expand(scales.astype(np.float32), kind, x.shape, chunk.params[0]).reshape(-1)  # type: ignore[arg-type]
-    lo_el = _expand(los.astype(np.float32), kind, x.shape, chunk.params[0]).reshape(-1)  # type: ignore[arg-type]
+    s_el = _expand(scales.astype(np.float32), kind, x.shape, chunk.params[0]).reshape(-1)
+    lo_el = _expand(los.astype(np.float32), kind, x.shape, chunk.params[0]).reshape(-1)
     codes = _call(host, "h_int4_quant", np.uint8, xf.reshape(-1), lo_el, s_el)
     packed = raw[8 * g :]
     unpacked = np.stack([packed & 15, packed >> 4], axis=1).reshape(-1)[: codes.size]
@@ -209,32 +255,181 @@ def test_int4_scales_codes_and_decode(host: Any, dtype: str, kind: TensorKind) -
     assert np.array_equal(dec.view(np.uint32), y.reshape(-1).view(np.uint32))
 
 
+def test_order_keys_sort_like_the_floats(host: Any) -> None:
+    x = np.concatenate([_random_f32(1 << 16, 7), np.array([0.0, -0.0, 1e-45, -1e-45, 3.4e38, -3.4e38], np.float32)])
+    keys = _call(host, "h_order_key", np.uint32, x)
+    order = np.argsort(keys, kind="stable")
+    assert np.all(np.diff(x[order].astype(np.float64)) >= 0)
+    assert keys[-5] < keys[-6]  # -0 before +0
+    back = _call(host, "h_from_order_key", np.float32, keys)
+    assert np.array_equal(back.view(np.uint32), x.view(np.uint32))
+    canon = _call(host, "h_canonical_zero", np.float32, x)
+    assert np.array_equal(canon.view(np.uint32), (x + np.float32(0)).view(np.uint32))
+
+
+@pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
+def test_int4_group_bounds_are_canonical_zero(kind: TensorKind) -> None:
+    x = np.zeros((64, 2, 64), np.float32)
+    x[1::2] = -0.0  # every group sees both zeros
+    x[:, 1] = np.where(np.arange(64) % 3 == 0, -0.0, 2.0)[:, None]
+    codec = get_codec("int4")
+    chunk = codec.encode(x, kind)
+    g = group_count(x.shape, kind, chunk.params[0])
+    raw = np.frombuffer(memoryview(chunk.payload).cast("B"), np.uint8)
+    assert not np.any(raw[: 8 * g].view("<u4") == 0x80000000)  # no stored -0
+    reference = getattr(codec, "encode_numpy", codec.encode)(x, kind)
+    assert bytes(memoryview(reference.payload).cast("B")) == raw.tobytes()
+
+
 GPU = gpu_available()
 
 
+gpu_only = pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")
+#: shapes that take the vector kernels (16 and 32 lanes, 1 and 2 vectors a lane) and the
+#: any-shape ones (odd head_dim, unaligned chunk payloads)
+GPU_SHAPES = [(200, 8, 128), (50, 2, 512), (37, 3, 40), (33, 2, 6)]
+GPU_CODECS = ["fp8", "int8", "int4", "fp8+zstd", "int4+lz4"]
+
+
+def _tricky(dtype: str, shape: tuple[int, int, int], seed: int) -> np.ndarray[Any, Any]:
+    """Real-looking data plus what flush-to-zero would break: subnormal inputs and scales,
+    zero rows, -0 next to +0."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape) * np.exp2(rng.integers(-6, 4, (shape[0], shape[1], 1)))
+    tiny = {"float16": 2.0**-20, "bfloat16": 2.0**-133, "float32": 2.0**-140}[dtype]
+    x[1] *= tiny  # subnormal values (and, for bfloat16/float32, subnormal scales)
+    x[2, :, ::2] *= tiny
+    x[3] = 0.0
+    x[4] = -0.0
+    x[5, :, 1::2] = -0.0
+    return x.astype(numpy_dtype(dtype))
+
+
+def _dev(x: np.ndarray[Any, Any], dtype: str) -> Any:
+    import cupy
+
+    return cupy.asarray(x.view(np.uint16) if dtype == "bfloat16" else x)
+
+
+def _payload(chunk: Any) -> bytes:
+    return bytes(memoryview(chunk.payload).cast("B"))
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason="needs CuPy and a CUDA device")
+@gpu_only
+@pytest.mark.parametrize("shape", GPU_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", ["fp8", "int8", "int4", "fp8+zstd", "int4+lz4"])
+@pytest.mark.parametrize("name", GPU_CODECS)
 @pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
-def test_gpu_matches_numpy(dtype: str, name: str, kind: TensorKind) -> None:
+def test_gpu_tensor_encode_and_decode_match_numpy(shape: tuple[int, int, int], dtype: str, name: str, kind: TensorKind) -> None:
+    import cupy
+
+    from kvwire.codec import gpu
+
+    x = _tricky(dtype, shape, 17)
+    codec = get_codec(name)
+    step = 16
+    plan = [(s, min(step, shape[0] - s)) for s in range(0, shape[0], step)]
+    enc = gpu.encode_tensor(codec, _dev(x, dtype), kind, step, dtype=dtype)
+    enc.check()
+    buf = cupy.asnumpy(enc.buffer)
+    assert len(enc.sizes) == len(plan)
+    dest = cupy.full(shape, 0xFFFF if dtype != "float32" else 0xFFFFFFFF,
+                     cupy.uint32 if dtype == "float32" else cupy.uint16)
+    dest = dest.view(cupy.float32) if dtype == "float32" else dest
+    for i, (s, c) in enumerate(plan):
+        ref = codec.encode(x[s : s + c], kind)
+        got = gpu.finish_chunk(codec, enc, buf[enc.offsets[i] : enc.offsets[i] + enc.sizes[i]].data)
+        assert got.codec_id == ref.codec_id and got.params == ref.params
+        assert _payload(got) == _payload(ref), (i, s, c)
+        gpu.decode_into(codec, ref.params, ref.payload, dest[s : s + c], dtype=dtype, kind=kind)
+    host = np.concatenate([
+        codec.decode(*(lambda e: (e.params, e.payload))(codec.encode(x[s : s + c], kind)),
+                     shape=(c, *shape[1:]), dtype=dtype, kind=kind)
+        for s, c in plan
+    ])
+    assert cupy.asnumpy(dest).tobytes() == host.tobytes()
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+def test_gpu_single_chunk_api_matches_numpy(dtype: str, name: str) -> None:
     import cupy
 
     from kvwire.codec.gpu import decode_on_device, encode_on_device
 
-    x = _blocks(dtype, 17)
-    dev = cupy.asarray(x.view(np.uint16) if dtype == "bfloat16" else x)
-    ref = get_codec(name).encode(x, kind)
-    got = encode_on_device(get_codec(name), dev, kind, dtype=dtype)
-    assert got.codec_id == ref.codec_id and got.params == ref.params
-    assert bytes(memoryview(got.payload).cast("B")) == bytes(memoryview(ref.payload).cast("B"))
-    y = decode_on_device(get_codec(name), ref.params, ref.payload, shape=x.shape, dtype=dtype, kind=kind)
-    host = get_codec(name).decode(ref.params, ref.payload, shape=x.shape, dtype=dtype, kind=kind)
+    x = _blocks(dtype, 19)
+    ref = get_codec(name).encode(x, TensorKind.V)
+    got = encode_on_device(get_codec(name), _dev(x, dtype), TensorKind.V, dtype=dtype)
+    assert got.params == ref.params and _payload(got) == _payload(ref)
+    y = decode_on_device(get_codec(name), ref.params, ref.payload, shape=x.shape, dtype=dtype, kind=TensorKind.V)
+    host = get_codec(name).decode(ref.params, ref.payload, shape=x.shape, dtype=dtype, kind=TensorKind.V)
     assert cupy.asnumpy(y).tobytes() == host.tobytes()
-    if not name.startswith("int4"):
-        bad = x.copy()
-        bad.reshape(-1)[5] = np.nan
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("shape", [(64, 8, 128), (33, 2, 6)])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+def test_gpu_refusals_match_numpy(shape: tuple[int, int, int], dtype: str, name: str) -> None:
+    import cupy
+
+    from kvwire.codec import gpu
+
+    codec = get_codec(name)
+    for bad in (np.nan, np.inf):
+        x = _tricky(dtype, shape, 23)
+        x.reshape(-1)[x.size // 2 + 3] = bad
         with pytest.raises(UsageError):
-            encode_on_device(get_codec(name), cupy.asarray(bad.view(np.uint16) if dtype == "bfloat16" else bad), kind, dtype=dtype)
+            codec.encode(x, TensorKind.K)
+        with pytest.raises(UsageError, match="NaN or infinity"):
+            gpu.encode_tensor(codec, _dev(x, dtype), TensorKind.K, 16, dtype=dtype).check()
+    x = _tricky(dtype, shape, 29)
+    ref = codec.encode(x, TensorKind.K)
+    raw = bytearray(_payload(ref))
+    out = cupy.empty(x.shape, cupy.float32 if dtype == "float32" else cupy.uint16)
+    if name != "int4":
+        rows = shape[0] * shape[1]
+        bad_code = bytearray(raw)
+        bad_code[4 * rows + 7] = 0x7F if name == "fp8" else 0x80
+        with pytest.raises(ProtocolError):
+            codec.decode(b"", bytes(bad_code), shape=x.shape, dtype=dtype, kind=TensorKind.K)
+        with pytest.raises(ProtocolError):
+            gpu.decode_into(codec, b"", bytes(bad_code), out, dtype=dtype, kind=TensorKind.K)
+    bad_scale = bytearray(raw)
+    bad_scale[3] |= 0x80  # a negative first scale
+    with pytest.raises(ProtocolError):
+        gpu.decode_into(codec, ref.params, bytes(bad_scale), out, dtype=dtype, kind=TensorKind.K)
+    with pytest.raises(ProtocolError):
+        gpu.decode_into(codec, ref.params, bytes(raw[:-1]), out, dtype=dtype, kind=TensorKind.K)
+    # a scale large enough that decoded values leave float32
+    big = bytearray(raw)
+    big[0:4] = np.float32(3e38).tobytes()
+    with pytest.raises(ProtocolError):
+        codec.decode(ref.params, bytes(big), shape=x.shape, dtype=dtype, kind=TensorKind.K)
+    with pytest.raises(ProtocolError):
+        gpu.decode_into(codec, ref.params, bytes(big), out, dtype=dtype, kind=TensorKind.K)
+    if dtype != "float32":
+        # one that leaves the 16-bit dtype only
+        near = bytearray(raw)
+        near[0:4] = np.float32(1e38 if dtype == "bfloat16" else 1e4).tobytes()
+        with pytest.raises(ProtocolError):
+            codec.decode(ref.params, bytes(near), shape=x.shape, dtype=dtype, kind=TensorKind.K)
+        with pytest.raises(ProtocolError):
+            gpu.decode_into(codec, ref.params, bytes(near), out, dtype=dtype, kind=TensorKind.K)
 
 
+@pytest.mark.gpu
+@gpu_only
+def test_gpu_int4_range_beyond_float32_is_refused() -> None:
+    from kvwire.codec import gpu
+
+    x = np.ones((32, 1, 8), np.float32)
+    x[0, 0, 0], x[1, 0, 0] = 3e38, -3e38
+    with pytest.raises(UsageError, match="range"):
+        get_codec("int4").encode(x, TensorKind.K)
+    with pytest.raises(UsageError, match="range"):
+        gpu.encode_tensor(get_codec("int4"), _dev(x, "float32"), TensorKind.K, 32).check()

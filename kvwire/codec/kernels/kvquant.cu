@@ -1,134 +1,404 @@
 // Quantize / dequantize kernels for fp8, int8 and int4 (layouts in docs/codecs.md).
-// Loaded by kvwire/codec/gpu.py through cupy.RawModule; the arithmetic lives in
-// kvquant.cuh so that a host build of the same functions can be checked against numpy.
+// Loaded by kvwire/codec/gpu.py through cupy.RawModule (the header is inlined into the
+// source string, so CuPy's cache key covers both files); the element arithmetic lives in
+// kvquant.cuh so that a host build of the same functions gives the same bits.
+//
+// Encoding runs over a whole [tokens, heads, head_dim] tensor in one launch and writes the
+// payload of every chunk of a chunk plan (chunks of `chunk_tokens` tokens, the last one
+// shorter; chunk c's payload starts at c * chunk_bytes).  Decoding runs per chunk, straight
+// into the destination.  Problems found on the device set bits in *flags (KV_FLAG_*); the
+// caller turns them into the same errors as the numpy codecs.
+//
+// Inputs and outputs are bit patterns: kv_u16 for float16/bfloat16 (DT 0/1), kv_u32 for
+// float32 (DT 2).
 #include "kvquant.cuh"
 
-struct In16F { static __device__ float load(const kv_u16* p, long i) { return kv_f16_to_f32(p[i]); } };
-struct In16B { static __device__ float load(const kv_u16* p, long i) { return kv_bf16_to_f32(p[i]); } };
-struct In32 { static __device__ float load(const float* p, long i) { return p[i]; } };
-struct Out16F { static __device__ void store(kv_u16* p, long i, float v) { p[i] = kv_f32_to_f16(v); } };
-struct Out16B { static __device__ void store(kv_u16* p, long i, float v) { p[i] = kv_f32_to_bf16(v); } };
-struct Out32 { static __device__ void store(float* p, long i, float v) { p[i] = v; } };
+typedef long long kv_i64;
 
-__device__ __forceinline__ float kv_abs(float x) { return kv_bits_f32(kv_f32_bits(x) & 0x7FFFFFFFu); }
+#define KV_FLAG_NONFINITE 1u  // encode: NaN or infinity in the input
+#define KV_FLAG_RANGE 2u      // encode (int4): a group's range overflows float32
+#define KV_FLAG_BADCODE 4u    // decode: fp8 NaN code or int8 -128
+#define KV_FLAG_OVERFLOW 8u   // decode: a value overflows float32
+#define KV_FLAG_OUTSIDE 16u   // decode: a value does not fit the output dtype
 
-// One warp per (token, head) row.  The maximum is exact, so the reduction order is free.
-template <class L, class T, int FP8>
-__device__ void rowwise_encode(const T* x, long rows, int dim, float* scales, kv_u8* codes) {
-    long row = ((long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    int lane = threadIdx.x & 31;
-    if (row >= rows) return;
-    const long base = row * dim;
-    float amax = 0.0f;
-    for (int d = lane; d < dim; d += 32) {
-        float a = kv_abs(L::load(x, base + d));
-        amax = a > amax ? a : amax;
-    }
-    for (int off = 16; off > 0; off >>= 1) {
-        float o = __shfl_xor_sync(0xFFFFFFFFu, amax, off);
-        amax = o > amax ? o : amax;
-    }
-    float s = FP8 ? kv_fp8_scale(amax) : kv_int8_scale(amax);
-    if (lane == 0) scales[row] = s;
-    for (int d = lane; d < dim; d += 32) {
-        float v = L::load(x, base + d);
-        codes[base + d] = FP8 ? kv_fp8_quant(v, s) : (kv_u8)kv_int8_quant(v, s);
-    }
+template <int DT> __device__ __forceinline__ float kv_widen(kv_u32 b) {
+    return DT == 0 ? kv_f16_to_f32((kv_u16)b) : (DT == 1 ? kv_bf16_to_f32((kv_u16)b) : kv_bits_f32(b));
 }
-
-template <class S, class T, int FP8>
-__device__ void rowwise_decode(const kv_u8* codes, const float* scales, long n, int dim, T* out) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float s = scales[i / dim];
-    float v = FP8 ? kv_fp8_dequant(codes[i], s) : kv_int8_dequant((signed char)codes[i], s);
-    S::store(out, i, v);
+template <int DT> __device__ __forceinline__ kv_u32 kv_narrow(float v) {
+    return DT == 0 ? (kv_u32)kv_f32_to_f16(v) : (DT == 1 ? (kv_u32)kv_f32_to_bf16(v) : kv_f32_bits(v));
 }
-
-// int4 groups: K -> one thread per (token block, head*channel); V -> per (token, head, run).
-template <class L, class T>
-__device__ void int4_encode(const T* x, int tokens, int heads, int dim, int group, int is_v,
-                            float* scales, float* mins, kv_u8* codes) {
-    long g = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    long hd = (long)heads * dim;
-    long count, stride, first;
-    if (!is_v) {
-        long blocks = (tokens + group - 1) / group;
-        if (g >= blocks * hd) return;
-        long b = g / hd, c = g % hd;
-        first = b * group * hd + c;
-        stride = hd;
-        count = tokens - b * group < group ? tokens - b * group : group;
+template <int DT> __device__ __forceinline__ kv_u32 kv_mag(kv_u32 b) {
+    return DT == 2 ? (b & 0x7FFFFFFFu) : (b & 0x7FFFu);
+}
+// smallest magnitude bit pattern that is not finite
+template <int DT> __device__ __forceinline__ kv_u32 kv_nonfinite() {
+    return DT == 0 ? 0x7C00u : (DT == 1 ? 0x7F80u : 0x7F800000u);
+}
+// float32 magnitude bits from which narrowing to the dtype would give infinity
+template <int DT> __device__ __forceinline__ kv_u32 kv_outside() {
+    return DT == 0 ? 0x477FF000u : (DT == 1 ? 0x7F7F8000u : 0x7F800000u);
+}
+template <int DT> __device__ __forceinline__ kv_u32 kv_load(const void* p, kv_i64 i) {
+    return DT == 2 ? ((const kv_u32*)p)[i] : (kv_u32)((const kv_u16*)p)[i];
+}
+template <int DT> __device__ __forceinline__ void kv_store(void* p, kv_i64 i, kv_u32 b) {
+    if (DT == 2) ((kv_u32*)p)[i] = b;
+    else ((kv_u16*)p)[i] = (kv_u16)b;
+}
+// element j of a 16-byte vector (8 halves or 4 floats)
+template <int DT> __device__ __forceinline__ kv_u32 kv_elem(const uint4& v, int j) {
+    const kv_u32 w[4] = {v.x, v.y, v.z, v.w};
+    return DT == 2 ? w[j] : ((j & 1) ? (w[j >> 1] >> 16) : (w[j >> 1] & 0xFFFFu));
+}
+__device__ __forceinline__ void kv_store_f32_any(kv_u8* p, float f) {
+    kv_u32 b = kv_f32_bits(f);
+    if (((unsigned long long)p & 3u) == 0) {
+        *(kv_u32*)p = b;
     } else {
-        long runs = (dim + group - 1) / group;
-        if (g >= (long)tokens * heads * runs) return;
-        long th = g / runs, r = g % runs;
-        first = th * dim + r * group;
-        stride = 1;
-        count = dim - r * group < group ? dim - r * group : group;
+        p[0] = (kv_u8)b; p[1] = (kv_u8)(b >> 8); p[2] = (kv_u8)(b >> 16); p[3] = (kv_u8)(b >> 24);
     }
-    float lo = L::load(x, first), hi = lo;
-    for (long k = 1; k < count; ++k) {
-        float v = L::load(x, first + k * stride);
-        lo = v < lo ? v : lo;
-        hi = v > hi ? v : hi;
-    }
-    float s = kv_int4_scale(lo, hi);
-    scales[g] = s;
-    mins[g] = lo;
-    for (long k = 0; k < count; ++k) codes[first + k * stride] = kv_int4_quant(L::load(x, first + k * stride), lo, s);
+}
+__device__ __forceinline__ float kv_load_f32_any(const kv_u8* p) {
+    if (((unsigned long long)p & 3u) == 0) return *(const float*)p;
+    return kv_bits_f32((kv_u32)p[0] | ((kv_u32)p[1] << 8) | ((kv_u32)p[2] << 16) | ((kv_u32)p[3] << 24));
+}
+template <int FP8> __device__ __forceinline__ kv_u8 kv_row_code(float v, float s) {
+    return FP8 ? kv_fp8_quant(v, s) : (kv_u8)kv_int8_quant(v, s);
+}
+// Where a row's scale and codes go in the chunk payloads.
+struct KvRowPlace {
+    kv_u8* scale;
+    kv_u8* codes;
+};
+__device__ __forceinline__ KvRowPlace kv_row_place(kv_i64 row, int heads, int dim, kv_i64 tokens,
+                                                   int chunk_tokens, kv_i64 chunk_bytes, kv_u8* out) {
+    kv_i64 t = row / heads;
+    kv_i64 c = t / chunk_tokens;
+    kv_i64 t0 = c * chunk_tokens;
+    kv_i64 cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
+    kv_i64 rr = row - t0 * heads;
+    kv_u8* base = out + c * chunk_bytes;
+    KvRowPlace p;
+    p.scale = base + 4 * rr;
+    p.codes = base + 4 * cnt * heads + rr * dim;
+    return p;
 }
 
-template <class S, class T>
-__device__ void int4_decode(const kv_u8* packed, const float* scales, const float* mins,
-                            int tokens, int heads, int dim, int group, int is_v, T* out) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    long hd = (long)heads * dim;
-    if (i >= (long)tokens * hd) return;
-    kv_u8 c = (i & 1) ? (packed[i >> 1] >> 4) : (packed[i >> 1] & 15u);
-    long g;
-    if (!is_v) {
-        g = (i / hd / group) * hd + i % hd;
+// fp8 / int8 encode, fast path: LPR lanes per row, each holding VPL 16-byte vectors in
+// registers (one read of the input); the row maximum is taken on magnitude bits (exact,
+// order-free, no float compare).  Needs head_dim*itemsize % 16 == 0, a 16-byte aligned
+// input, 4-byte aligned chunk payloads and 8-byte (16-bit input) / 4-byte (float32)
+// aligned code rows: gpu.py checks this and otherwise uses rowwise_encode_any.
+template <int DT, int FP8, int LPR, int VPL>
+__device__ void rowwise_encode_vec(const uint4* x, kv_i64 tokens, int heads, int dim,
+                                   int chunk_tokens, kv_i64 chunk_bytes, kv_u8* out, unsigned* flags) {
+    constexpr int EPV = DT == 2 ? 4 : 8;
+    const int nvec = dim / EPV;
+    const kv_i64 rows = tokens * heads;
+    const kv_i64 row = ((kv_i64)blockIdx.x * blockDim.x + threadIdx.x) / LPR;
+    const int lane = threadIdx.x & (LPR - 1);
+    const bool active = row < rows;
+    uint4 v[VPL];
+    kv_u32 amax = 0;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+        const int vi = lane + j * LPR;
+        if (active && vi < nvec) {
+            v[j] = __ldg(x + row * nvec + vi);
+#pragma unroll
+            for (int e = 0; e < EPV; ++e) amax = max(amax, kv_mag<DT>(kv_elem<DT>(v[j], e)));
+        } else {
+            v[j] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+#pragma unroll
+    for (int off = LPR / 2; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    if (!active) return;
+    const float s = FP8 ? kv_fp8_scale(kv_widen<DT>(amax)) : kv_int8_scale(kv_widen<DT>(amax));
+    const KvRowPlace place = kv_row_place(row, heads, dim, tokens, chunk_tokens, chunk_bytes, out);
+    if (lane == 0) {
+        *(float*)place.scale = s;
+        if (amax >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
+    }
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+        const int vi = lane + j * LPR;
+        if (vi < nvec) {
+            kv_u32 lo = 0, hi = 0;
+#pragma unroll
+            for (int e = 0; e < EPV; ++e) {
+                const kv_u32 code = kv_row_code<FP8>(kv_widen<DT>(kv_elem<DT>(v[j], e)), s);
+                if (e < 4) lo |= code << (8 * e);
+                else hi |= code << (8 * (e - 4));
+            }
+            if (EPV == 8) *(uint2*)(place.codes + vi * 8) = make_uint2(lo, hi);
+            else *(kv_u32*)(place.codes + vi * 4) = lo;
+        }
+    }
+}
+
+// fp8 / int8 encode, any shape and alignment: one warp per row, two reads of the row.
+template <int DT, int FP8>
+__device__ void rowwise_encode_any(const void* x, kv_i64 tokens, int heads, int dim,
+                                   int chunk_tokens, kv_i64 chunk_bytes, kv_u8* out, unsigned* flags) {
+    const kv_i64 rows = tokens * heads;
+    const kv_i64 row = ((kv_i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31;
+    const bool active = row < rows;
+    kv_u32 amax = 0;
+    if (active)
+        for (int d = lane; d < dim; d += 32) amax = max(amax, kv_mag<DT>(kv_load<DT>(x, row * dim + d)));
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    if (!active) return;
+    const float s = FP8 ? kv_fp8_scale(kv_widen<DT>(amax)) : kv_int8_scale(kv_widen<DT>(amax));
+    const KvRowPlace place = kv_row_place(row, heads, dim, tokens, chunk_tokens, chunk_bytes, out);
+    if (lane == 0) {
+        kv_store_f32_any(place.scale, s);
+        if (amax >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
+    }
+    for (int d = lane; d < dim; d += 32)
+        place.codes[d] = kv_row_code<FP8>(kv_widen<DT>(kv_load<DT>(x, row * dim + d)), s);
+}
+
+template <int DT, int FP8> __device__ __forceinline__ float kv_row_value(kv_u32 code, float s, unsigned& bad) {
+    if (FP8) {
+        if ((code & 0x7Fu) == 0x7Fu) bad |= KV_FLAG_BADCODE;
+        return kv_fp8_dequant((kv_u8)code, s);
+    }
+    if (code == 0x80u) bad |= KV_FLAG_BADCODE;
+    return kv_int8_dequant((signed char)(kv_u8)code, s);
+}
+template <int DT> __device__ __forceinline__ void kv_check_value(float v, unsigned& bad) {
+    const kv_u32 m = kv_f32_bits(v) & 0x7FFFFFFFu;
+    if (m >= 0x7F800000u) bad |= KV_FLAG_OVERFLOW;
+    else if (m >= kv_outside<DT>()) bad |= KV_FLAG_OUTSIDE;
+}
+
+// fp8 / int8 decode of one chunk payload (scales, then codes), fast path: one thread per
+// 16 bytes of output.  Needs head_dim*itemsize % 16 == 0, a 16-byte aligned destination
+// and 8-byte (16-bit) / 4-byte (float32) aligned codes; rows * head_dim < 2^31.
+template <int DT, int FP8>
+__device__ void rowwise_decode_vec(const kv_u8* payload, unsigned rows, unsigned dim, uint4* out, unsigned* flags) {
+    constexpr unsigned EPV = DT == 2 ? 4 : 8;
+    const unsigned nvec = dim / EPV;
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * nvec) return;
+    const unsigned row = i / nvec;
+    const float s = ((const float*)payload)[row];
+    const kv_u8* codes = payload + 4ull * rows + (unsigned long long)i * EPV;
+    kv_u32 c[2];
+    if (EPV == 8) {
+        const uint2 w = *(const uint2*)codes;
+        c[0] = w.x; c[1] = w.y;
     } else {
-        long runs = (dim + group - 1) / group;
-        g = (i / dim) * runs + (i % dim) / group;
+        c[0] = *(const kv_u32*)codes; c[1] = 0;
     }
-    S::store(out, i, kv_int4_dequant(c, mins[g], scales[g]));
+    unsigned bad = 0;
+    kv_u32 o[4];
+#pragma unroll
+    for (unsigned e = 0; e < EPV; ++e) {
+        const float v = kv_row_value<DT, FP8>((c[e >> 2] >> (8 * (e & 3))) & 0xFFu, s, bad);
+        kv_check_value<DT>(v, bad);
+        const kv_u32 b = kv_narrow<DT>(v);
+        if (DT == 2) o[e] = b;
+        else if (e & 1) o[e >> 1] |= b << 16;
+        else o[e >> 1] = b;
+    }
+    out[i] = make_uint4(o[0], o[1], o[2], o[3]);
+    if (bad) atomicOr(flags, bad);
 }
 
-extern "C" __global__ void kv_int4_pack(const kv_u8* codes, long n, kv_u8* packed) {
-    long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (2 * i >= n) return;
-    kv_u8 hi = (2 * i + 1 < n) ? codes[2 * i + 1] : 0;
-    packed[i] = (kv_u8)(codes[2 * i] | (hi << 4));
+// fp8 / int8 decode, any shape: one thread per element.
+template <int DT, int FP8>
+__device__ void rowwise_decode_any(const kv_u8* payload, kv_i64 rows, int dim, void* out, unsigned* flags) {
+    const kv_i64 i = (kv_i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * dim) return;
+    const float s = kv_load_f32_any(payload + 4 * (i / dim));
+    unsigned bad = 0;
+    const float v = kv_row_value<DT, FP8>(payload[4 * rows + i], s, bad);
+    kv_check_value<DT>(v, bad);
+    kv_store<DT>(out, i, kv_narrow<DT>(v));
+    if (bad) atomicOr(flags, bad);
 }
 
-#define KV_INSTANTIATE(SUFFIX, LOADER, STORER, T)                                              \
-    extern "C" __global__ void kv_fp8_encode_##SUFFIX(const T* x, long rows, int dim,          \
-                                                      float* scales, kv_u8* codes) {           \
-        rowwise_encode<LOADER, T, 1>(x, rows, dim, scales, codes);                             \
-    }                                                                                          \
-    extern "C" __global__ void kv_int8_encode_##SUFFIX(const T* x, long rows, int dim,         \
-                                                       float* scales, kv_u8* codes) {          \
-        rowwise_encode<LOADER, T, 0>(x, rows, dim, scales, codes);                             \
-    }                                                                                          \
-    extern "C" __global__ void kv_fp8_decode_##SUFFIX(const kv_u8* codes, const float* scales, \
-                                                      long n, int dim, T* out) {               \
-        rowwise_decode<STORER, T, 1>(codes, scales, n, dim, out);                              \
-    }                                                                                          \
-    extern "C" __global__ void kv_int8_decode_##SUFFIX(const kv_u8* codes, const float* scales,\
-                                                       long n, int dim, T* out) {              \
-        rowwise_decode<STORER, T, 0>(codes, scales, n, dim, out);                              \
-    }                                                                                          \
-    extern "C" __global__ void kv_int4_encode_##SUFFIX(const T* x, int tokens, int heads,      \
-            int dim, int group, int is_v, float* scales, float* mins, kv_u8* codes) {          \
-        int4_encode<LOADER, T>(x, tokens, heads, dim, group, is_v, scales, mins, codes);       \
-    }                                                                                          \
-    extern "C" __global__ void kv_int4_decode_##SUFFIX(const kv_u8* packed, const float* scales,\
-            const float* mins, int tokens, int heads, int dim, int group, int is_v, T* out) {  \
-        int4_decode<STORER, T>(packed, scales, mins, tokens, heads, dim, group, is_v, out);    \
+// int4 group geometry inside one chunk of `cnt` tokens.  K: group gg = (block, column)
+// over `group` tokens; V: group gg = (token, head, run) over `group` channels.
+struct KvGroup {
+    kv_i64 first;   // element index of the group's first element, chunk-relative
+    kv_i64 stride;  // between its elements
+    int count;      // its elements
+};
+__device__ __forceinline__ KvGroup kv_int4_group(kv_i64 gg, kv_i64 cnt, int heads, int dim, int group, int is_v) {
+    const kv_i64 hd = (kv_i64)heads * dim;
+    KvGroup g;
+    if (!is_v) {
+        const kv_i64 b = gg / hd, col = gg - b * hd;
+        g.first = b * group * hd + col;
+        g.stride = hd;
+        g.count = (int)(cnt - b * group < group ? cnt - b * group : group);
+    } else {
+        const int runs = (dim + group - 1) / group;
+        const kv_i64 row = gg / runs;
+        const int r = (int)(gg - row * runs);
+        g.first = row * dim + (kv_i64)r * group;
+        g.stride = 1;
+        g.count = dim - r * group < group ? dim - r * group : group;
+    }
+    return g;
+}
+__device__ __forceinline__ kv_i64 kv_int4_groups(kv_i64 cnt, int heads, int dim, int group, int is_v) {
+    if (!is_v) return (cnt + group - 1) / group * heads * dim;
+    return cnt * heads * ((dim + group - 1) / group);
+}
+// chunk-relative group of chunk-relative element e
+__device__ __forceinline__ kv_i64 kv_int4_group_of(kv_i64 e, int heads, int dim, int group, int is_v) {
+    const kv_i64 hd = (kv_i64)heads * dim;
+    const kv_i64 t = e / hd, col = e - t * hd;
+    if (!is_v) return (t / group) * hd + col;
+    const int runs = (dim + group - 1) / group;
+    const kv_i64 h = col / dim;
+    const int d = (int)(col - h * dim);
+    return (t * heads + h) * runs + d / group;
+}
+
+// int4 encode, step 1: one thread per group of the whole tensor: minimum and maximum on
+// order keys (exact, -0 and +0 then made canonical +0), the NaN/inf check, scale and
+// minimum into the chunk payload and into stats[2*g], stats[2*g+1] for step 2.
+template <int DT>
+__device__ void int4_stats(const void* x, kv_i64 tokens, int heads, int dim, int group, int is_v,
+                           int chunk_tokens, kv_i64 chunk_bytes, kv_i64 total_groups, kv_u8* out,
+                           float* stats, unsigned* flags) {
+    const kv_i64 g = (kv_i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (g >= total_groups) return;
+    const kv_i64 full = kv_int4_groups(chunk_tokens, heads, dim, group, is_v);
+    const kv_i64 c = g / full, gg = g - c * full;
+    const kv_i64 t0 = c * chunk_tokens;
+    const kv_i64 cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
+    const KvGroup grp = kv_int4_group(gg, cnt, heads, dim, group, is_v);
+    const kv_i64 base = t0 * heads * dim + grp.first;
+    kv_u32 lo = 0xFFFFFFFFu, hi = 0, amax = 0;
+    for (int k = 0; k < grp.count; ++k) {
+        const kv_u32 b = kv_load<DT>(x, base + k * grp.stride);
+        amax = max(amax, kv_mag<DT>(b));
+        const kv_u32 key = kv_order_key(kv_widen<DT>(b));
+        lo = min(lo, key);
+        hi = max(hi, key);
+    }
+    const float flo = kv_canonical_zero(kv_from_order_key(lo));
+    const float fhi = kv_canonical_zero(kv_from_order_key(hi));
+    const float s = kv_int4_scale(flo, fhi);
+    unsigned bad = amax >= kv_nonfinite<DT>() ? KV_FLAG_NONFINITE : 0u;
+    if ((kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u) bad |= KV_FLAG_RANGE;
+    if (bad) atomicOr(flags, bad);
+    const kv_i64 groups_c = kv_int4_groups(cnt, heads, dim, group, is_v);
+    kv_u8* p = out + c * chunk_bytes;
+    kv_store_f32_any(p + 4 * gg, s);
+    kv_store_f32_any(p + 4 * (groups_c + gg), flo);
+    stats[2 * g] = s;
+    stats[2 * g + 1] = flo;
+}
+
+// int4 encode, step 2: one thread per payload byte (two elements), codes packed in place.
+template <int DT>
+__device__ void int4_pack(const void* x, kv_i64 tokens, int heads, int dim, int group, int is_v,
+                          int chunk_tokens, kv_i64 chunk_bytes, kv_i64 total_bytes, const float* stats,
+                          kv_u8* out) {
+    const kv_i64 p = (kv_i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= total_bytes) return;
+    const kv_i64 hd = (kv_i64)heads * dim;
+    const kv_i64 full_bytes = ((kv_i64)chunk_tokens * hd + 1) / 2;
+    const kv_i64 c = p / full_bytes, pb = p - c * full_bytes;
+    const kv_i64 t0 = c * chunk_tokens;
+    const kv_i64 cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
+    const kv_i64 n = cnt * hd;
+    const kv_i64 groups_full = kv_int4_groups(chunk_tokens, heads, dim, group, is_v);
+    const kv_i64 groups_c = kv_int4_groups(cnt, heads, dim, group, is_v);
+    kv_u32 byte = 0;
+    for (int k = 0; k < 2; ++k) {
+        const kv_i64 e = 2 * pb + k;
+        if (e >= n) break;
+        const kv_i64 g = c * groups_full + kv_int4_group_of(e, heads, dim, group, is_v);
+        const float v = kv_widen<DT>(kv_load<DT>(x, t0 * hd + e));
+        byte |= (kv_u32)kv_int4_quant(v, stats[2 * g + 1], stats[2 * g]) << (4 * k);
+    }
+    out[c * chunk_bytes + 8 * groups_c + pb] = (kv_u8)byte;
+}
+
+// int4 decode of one chunk payload: one thread per payload byte.
+template <int DT>
+__device__ void int4_decode(const kv_u8* payload, kv_i64 tokens, int heads, int dim, int group, int is_v,
+                            void* out, unsigned* flags) {
+    const kv_i64 p = (kv_i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const kv_i64 n = tokens * heads * dim;
+    if (2 * p >= n) return;
+    const kv_i64 groups = kv_int4_groups(tokens, heads, dim, group, is_v);
+    const kv_u32 byte = payload[8 * groups + p];
+    unsigned bad = 0;
+    for (int k = 0; k < 2; ++k) {
+        const kv_i64 e = 2 * p + k;
+        if (e >= n) break;
+        const kv_i64 g = kv_int4_group_of(e, heads, dim, group, is_v);
+        const float s = kv_load_f32_any(payload + 4 * g);
+        const float lo = kv_load_f32_any(payload + 4 * (groups + g));
+        const float v = kv_int4_dequant((kv_u8)((byte >> (4 * k)) & 15u), lo, s);
+        kv_check_value<DT>(v, bad);
+        kv_store<DT>(out, e, kv_narrow<DT>(v));
+    }
+    if (bad) atomicOr(flags, bad);
+}
+
+#define KV_ROWWISE_VEC(SUF, DT, FP8, NAME, LPR, VPL)                                                   \
+    extern "C" __global__ void kv_##NAME##_encode_vec_##SUF##_##LPR##_##VPL(                           \
+        const uint4* x, kv_i64 tokens, int heads, int dim, int chunk_tokens, kv_i64 chunk_bytes,       \
+        kv_u8* out, unsigned* flags) {                                                                 \
+        rowwise_encode_vec<DT, FP8, LPR, VPL>(x, tokens, heads, dim, chunk_tokens, chunk_bytes, out, flags); \
     }
 
-KV_INSTANTIATE(f16, In16F, Out16F, kv_u16)
-KV_INSTANTIATE(bf16, In16B, Out16B, kv_u16)
-KV_INSTANTIATE(f32, In32, Out32, float)
+#define KV_ROWWISE(SUF, DT, FP8, NAME)                                                                 \
+    KV_ROWWISE_VEC(SUF, DT, FP8, NAME, 16, 1)                                                          \
+    KV_ROWWISE_VEC(SUF, DT, FP8, NAME, 32, 1)                                                          \
+    KV_ROWWISE_VEC(SUF, DT, FP8, NAME, 32, 2)                                                          \
+    KV_ROWWISE_VEC(SUF, DT, FP8, NAME, 32, 4)                                                          \
+    extern "C" __global__ void kv_##NAME##_encode_any_##SUF(                                           \
+        const void* x, kv_i64 tokens, int heads, int dim, int chunk_tokens, kv_i64 chunk_bytes,        \
+        kv_u8* out, unsigned* flags) {                                                                 \
+        rowwise_encode_any<DT, FP8>(x, tokens, heads, dim, chunk_tokens, chunk_bytes, out, flags);     \
+    }                                                                                                  \
+    extern "C" __global__ void kv_##NAME##_decode_vec_##SUF(                                           \
+        const kv_u8* payload, unsigned rows, unsigned dim, uint4* out, unsigned* flags) {              \
+        rowwise_decode_vec<DT, FP8>(payload, rows, dim, out, flags);                                   \
+    }                                                                                                  \
+    extern "C" __global__ void kv_##NAME##_decode_any_##SUF(                                           \
+        const kv_u8* payload, kv_i64 rows, int dim, void* out, unsigned* flags) {                      \
+        rowwise_decode_any<DT, FP8>(payload, rows, dim, out, flags);                                   \
+    }
+
+#define KV_INT4(SUF, DT)                                                                               \
+    extern "C" __global__ void kv_int4_stats_##SUF(                                                    \
+        const void* x, kv_i64 tokens, int heads, int dim, int group, int is_v, int chunk_tokens,       \
+        kv_i64 chunk_bytes, kv_i64 total_groups, kv_u8* out, float* stats, unsigned* flags) {          \
+        int4_stats<DT>(x, tokens, heads, dim, group, is_v, chunk_tokens, chunk_bytes, total_groups,    \
+                       out, stats, flags);                                                             \
+    }                                                                                                  \
+    extern "C" __global__ void kv_int4_pack_##SUF(                                                     \
+        const void* x, kv_i64 tokens, int heads, int dim, int group, int is_v, int chunk_tokens,       \
+        kv_i64 chunk_bytes, kv_i64 total_bytes, const float* stats, kv_u8* out) {                      \
+        int4_pack<DT>(x, tokens, heads, dim, group, is_v, chunk_tokens, chunk_bytes, total_bytes,      \
+                      stats, out);                                                                     \
+    }                                                                                                  \
+    extern "C" __global__ void kv_int4_decode_##SUF(                                                   \
+        const kv_u8* payload, kv_i64 tokens, int heads, int dim, int group, int is_v, void* out,       \
+        unsigned* flags) {                                                                             \
+        int4_decode<DT>(payload, tokens, heads, dim, group, is_v, out, flags);                         \
+    }
+
+KV_ROWWISE(f16, 0, 1, fp8)
+KV_ROWWISE(bf16, 1, 1, fp8)
+KV_ROWWISE(f32, 2, 1, fp8)
+KV_ROWWISE(f16, 0, 0, int8)
+KV_ROWWISE(bf16, 1, 0, int8)
+KV_ROWWISE(f32, 2, 0, int8)
+KV_INT4(f16, 0)
+KV_INT4(bf16, 1)
+KV_INT4(f32, 2)

@@ -30,38 +30,78 @@ KV_HD kv_u32 kv_f32_bits(float f) {
     kv_u32 u; memcpy(&u, &f, 4); return u;
 #endif
 }
+// On the device every float operation whose result can be subnormal is inline PTX without
+// .ftz: CuPy appends -ftz=true to every compile, which would otherwise flush subnormal
+// inputs and results to zero (and make comparisons treat them as zero).  Comparisons and
+// float-to-int conversions go through PTX too, so the compiled kernels hold no .ftz at all.
 KV_HD float kv_div(float a, float b) {
 #if defined(__CUDA_ARCH__)
-    return __fdiv_rn(a, b);
+    float r; asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
 #else
     return a / b;
 #endif
 }
 KV_HD float kv_mul(float a, float b) {
 #if defined(__CUDA_ARCH__)
-    return __fmul_rn(a, b);
+    float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
 #else
     return a * b;
 #endif
 }
 KV_HD float kv_add(float a, float b) {
 #if defined(__CUDA_ARCH__)
-    return __fadd_rn(a, b);
+    float r; asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
 #else
     return a + b;
 #endif
 }
 KV_HD float kv_sub(float a, float b) {
 #if defined(__CUDA_ARCH__)
-    return __fsub_rn(a, b);
+    float r; asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
 #else
     return a - b;
 #endif
 }
-// rintf rounds half to even in the default rounding mode, like np.rint.
-KV_HD float kv_rint(float a) { return rintf(a); }
+// Round half to even, like np.rint (rintf in the default rounding mode on the host).
+KV_HD float kv_rint(float a) {
+#if defined(__CUDA_ARCH__)
+    float r; asm("cvt.rni.f32.f32 %0, %1;" : "=f"(r) : "f"(a)); return r;
+#else
+    return rintf(a);
+#endif
+}
+// a > b and a < b as IEEE comparisons (false when either is NaN; subnormals kept).
+KV_HD int kv_gt(float a, float b) {
+#if defined(__CUDA_ARCH__)
+    unsigned r;
+    asm("{ .reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }" : "=r"(r) : "f"(a), "f"(b));
+    return (int)r;
+#else
+    return a > b;
+#endif
+}
+KV_HD int kv_lt(float a, float b) { return kv_gt(b, a); }
+// Truncation of an integer-valued float (|x| < 2^31) to int.
+KV_HD int kv_f32_to_int(float a) {
+#if defined(__CUDA_ARCH__)
+    int r; asm("cvt.rzi.s32.f32 %0, %1;" : "=r"(r) : "f"(a)); return r;
+#else
+    return (int)a;
+#endif
+}
 // NaN compares false, so a NaN is clamped to lo instead of being passed through.
-KV_HD float kv_clamp(float x, float lo, float hi) { return x > lo ? (x < hi ? x : hi) : lo; }
+KV_HD float kv_clamp(float x, float lo, float hi) { return kv_gt(x, lo) ? (kv_lt(x, hi) ? x : hi) : lo; }
+// Sign change and zero test on the bits (a float negate or == 0.0f could be flushed).
+KV_HD float kv_neg(float a) { return kv_bits_f32(kv_f32_bits(a) ^ 0x80000000u); }
+KV_HD int kv_is_zero(float a) { return (kv_f32_bits(a) & 0x7FFFFFFFu) == 0u; }
+// Unsigned key with the order of the float values (-0 before +0; finite inputs).
+KV_HD kv_u32 kv_order_key(float a) {
+    kv_u32 u = kv_f32_bits(a);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+KV_HD float kv_from_order_key(kv_u32 k) { return kv_bits_f32((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k); }
+// -0 becomes +0 (the int4 group minimum and maximum are stored canonical).
+KV_HD float kv_canonical_zero(float a) { return kv_is_zero(a) ? 0.0f : a; }
 
 KV_HD float kv_f16_to_f32(kv_u16 h) {
     // half fields shifted into float place are x * 2^-112 exactly (subnormals included)
@@ -110,21 +150,21 @@ KV_HD float kv_e4m3_to_f32(kv_u8 c) {
     if ((c & 0x7Fu) == 0x7Fu) mag = kv_bits_f32(0x7FC00000u);
     else if (e == 0) mag = kv_mul((float)m, 0.001953125f);
     else mag = kv_bits_f32(((e + 120u) << 23) | (m << 20));
-    return (c & 0x80u) ? -mag : mag;
+    return (c & 0x80u) ? kv_neg(mag) : mag;
 }
 
 // Scales: one division form everywhere (x / s); a zero scale divides by 1.
 KV_HD float kv_fp8_scale(float absmax) { return kv_div(absmax, 448.0f); }
 KV_HD float kv_int8_scale(float absmax) { return kv_div(absmax, 127.0f); }
 KV_HD float kv_int4_scale(float lo, float hi) { return kv_div(kv_sub(hi, lo), 15.0f); }
-KV_HD float kv_divisor(float s) { return s == 0.0f ? 1.0f : s; }
+KV_HD float kv_divisor(float s) { return kv_is_zero(s) ? 1.0f : s; }
 
 KV_HD kv_u8 kv_fp8_quant(float x, float s) { return kv_f32_to_e4m3(kv_div(x, kv_divisor(s))); }
 KV_HD signed char kv_int8_quant(float x, float s) {
-    return (signed char)kv_clamp(kv_rint(kv_div(x, kv_divisor(s))), -127.0f, 127.0f);
+    return (signed char)kv_f32_to_int(kv_clamp(kv_rint(kv_div(x, kv_divisor(s))), -127.0f, 127.0f));
 }
 KV_HD kv_u8 kv_int4_quant(float x, float lo, float s) {
-    return (kv_u8)kv_clamp(kv_rint(kv_div(kv_sub(x, lo), kv_divisor(s))), 0.0f, 15.0f);
+    return (kv_u8)kv_f32_to_int(kv_clamp(kv_rint(kv_div(kv_sub(x, lo), kv_divisor(s))), 0.0f, 15.0f));
 }
 KV_HD float kv_fp8_dequant(kv_u8 c, float s) { return kv_mul(kv_e4m3_to_f32(c), s); }
 KV_HD float kv_int8_dequant(signed char c, float s) { return kv_mul((float)c, s); }

@@ -1,0 +1,199 @@
+"""The transport's GPU paths: encoding CuPy layers for the wire, decoding chunks onto a GPU.
+
+Sending: each K or V tensor is encoded in one launch on a non-blocking CUDA stream of its
+own device (ordered after the caller's current stream), then its chunk payloads are
+copied into page-locked host buffers, up to :data:`PIPELINE_DEPTH` ahead of the chunk
+being sent, each copy followed by an event; a chunk goes on the wire once its event has
+fired, so the copy of chunk i+1 runs while chunk i is sent.  The buffers come from CuPy's
+pinned pool and go back to it when the transport drops the chunk (after its ack).
+
+Receiving (``serve(device="gpu")`` or ``"gpu:N"``): layer arrays live on that device;
+each chunk is validated on the host (params, lengths, scales) and its codes decoded by the
+kernel straight into the layer, on a non-blocking stream of that device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvwire.codec import gpu
+from kvwire.codec.base import Codec, EncodedChunk, TensorKind
+from kvwire.errors import UsageError
+
+#: chunk copies queued ahead of the chunk being sent (1: copy, then send, no overlap)
+PIPELINE_DEPTH = 4
+
+INSTALL_HINT = "pip install kvwire[gpu-cuda12] or kvwire[gpu-cuda13]"
+
+
+def parse_device(device: str) -> int | None:
+    """``None`` for "cpu"; the CUDA device number for "gpu" (the current one) or "gpu:N".
+
+    UsageError for anything else, and for a GPU that CuPy cannot use.
+    """
+    if device == "cpu":
+        return None
+    m = re.fullmatch(r"gpu(?::(\d+))?", device) if isinstance(device, str) else None
+    if m is None:
+        raise UsageError(f"device must be 'cpu', 'gpu' or 'gpu:N', got {device!r}")
+    if not gpu.gpu_available():
+        raise UsageError(f"device={device!r} needs CuPy and a CUDA device ({INSTALL_HINT})")
+    import cupy
+
+    index = int(m.group(1)) if m.group(1) is not None else int(cupy.cuda.runtime.getDevice())
+    count = gpu.device_count()
+    if index >= count:
+        raise UsageError(f"device={device!r}: CuPy sees {count} CUDA device(s)")
+    return index
+
+
+_STREAMS: dict[int, Any] = {}
+
+
+def stream_for(device_id: int) -> Any:
+    """This process's non-blocking transfer stream on ``device_id`` (created on first use)."""
+    import cupy
+
+    stream = _STREAMS.get(device_id)
+    if stream is None:
+        with cupy.cuda.Device(device_id):
+            stream = _STREAMS[device_id] = cupy.cuda.Stream(non_blocking=True)
+    return stream
+
+
+async def _wait(event: Any, device_id: int) -> None:
+    if event.done:
+        return
+    import cupy
+
+    def block() -> None:
+        with cupy.cuda.Device(device_id):
+            event.synchronize()
+
+    await asyncio.get_running_loop().run_in_executor(None, block)
+
+
+async def encode_chunks(
+    codec: Codec, x: Any, kind: TensorKind, plan: list[tuple[int, int]], dtype: str
+) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
+    """``(token_start, token_count, chunk)`` for each chunk of ``plan`` of CuPy tensor ``x``.
+
+    ``plan`` is :func:`~kvwire.wire.transfer.plan_chunks`' (equal counts but the last).
+    UsageError before the first chunk when the tensor holds NaN or infinity (or, for
+    int4, a group range beyond float32).
+    """
+    import cupy
+
+    loop = asyncio.get_running_loop()
+    device_id = int(x.device.id)
+    stream = stream_for(device_id)
+    with x.device:
+        # ordered after whatever produced x on the caller's stream (DLPack imports too)
+        stream.wait_event(cupy.cuda.get_current_stream().record())
+        with stream:
+            enc = gpu.encode_tensor(codec, x, kind, plan[0][1], dtype=dtype)
+            flags = gpu.pinned_empty(4)
+            gpu.copy_to_host_async(enc.flags, 0, flags, stream)
+            flags_ready = stream.record()
+    await _wait(flags_ready, device_id)
+    enc.check(int(flags.view("<u4")[0]))
+    if len(enc.sizes) != len(plan):
+        raise AssertionError("chunk plan and device encoding disagree")
+    pending: deque[tuple[int, Any, Any]] = deque()
+    queued = 0
+
+    def queue_more() -> None:
+        nonlocal queued
+        with x.device:
+            while queued < len(plan) and len(pending) < max(1, PIPELINE_DEPTH):
+                host = gpu.pinned_empty(enc.sizes[queued])
+                gpu.copy_to_host_async(enc.buffer, enc.offsets[queued], host, stream)
+                pending.append((queued, host, stream.record()))
+                queued += 1
+
+    overlap = PIPELINE_DEPTH > 1
+    queue_more()
+    _base, entropy = gpu.split_codec(codec)
+    while pending:
+        i, host, ready = pending.popleft()
+        await _wait(ready, device_id)
+        if overlap:
+            queue_more()
+        if entropy is None:
+            chunk = gpu.finish_chunk(codec, enc, host.data)
+        else:
+            chunk = await loop.run_in_executor(None, gpu.finish_chunk, codec, enc, host.data)
+        yield plan[i][0], plan[i][1], chunk
+        if not overlap:
+            queue_more()
+
+
+async def copy_raw_chunks(
+    x: Any, plan: list[tuple[int, int]]
+) -> AsyncIterator[tuple[int, int, Any]]:
+    """``(token_start, token_count, host array)`` of each chunk of ``x``, for host codecs.
+
+    The copies run on the transfer stream into pinned memory, overlapped like
+    :func:`encode_chunks`; bfloat16 comes back as its uint16 bits.
+    """
+    import cupy
+
+    device_id = int(x.device.id)
+    stream = stream_for(device_id)
+    with x.device:
+        stream.wait_event(cupy.cuda.get_current_stream().record())
+        x = cupy.ascontiguousarray(x)
+    row = int(x.nbytes // x.shape[0])
+    pending: deque[tuple[int, Any, Any]] = deque()
+    queued = 0
+
+    def queue_more() -> None:
+        nonlocal queued
+        with x.device:
+            while queued < len(plan) and len(pending) < max(1, PIPELINE_DEPTH):
+                start, count = plan[queued]
+                host = gpu.pinned_empty(count * row)
+                gpu.copy_to_host_async(x, start * row, host, stream)
+                pending.append((queued, host, stream.record()))
+                queued += 1
+
+    overlap = PIPELINE_DEPTH > 1
+    queue_more()
+    dt = {"float16": "<f2", "float32": "<f4"}.get(str(x.dtype), "<u2")
+    while pending:
+        i, host, ready = pending.popleft()
+        await _wait(ready, device_id)
+        if overlap:
+            queue_more()
+        start, count = plan[i]
+        yield start, count, host.view(dt).reshape((count, *x.shape[1:]))
+        if not overlap:
+            queue_more()
+
+
+class GpuReceiver:
+    """Where a GPU server puts received layers, and how it decodes chunks into them."""
+
+    def __init__(self, device: str) -> None:
+        index = parse_device(device)
+        if index is None:
+            raise UsageError("GpuReceiver needs a GPU device")
+        self.device_id = index
+
+    def empty(self, shape: tuple[int, int, int], dtype: str) -> Any:
+        """An uninitialised layer tensor on the device (bfloat16 as uint16 bits)."""
+        import cupy
+
+        dt = {"float16": cupy.float16, "float32": cupy.float32, "bfloat16": cupy.uint16}[dtype]
+        with cupy.cuda.Device(self.device_id):
+            return cupy.empty(shape, dt)
+
+    def decode(self, codec: Codec, params: bytes, payload: Any, out: Any, dtype: str, kind: TensorKind) -> None:
+        """Decode one chunk into ``out`` (a token range of a layer from :meth:`empty`)."""
+        gpu.decode_into(codec, params, payload, out, dtype=dtype, kind=TensorKind(kind),
+                        stream=stream_for(self.device_id))
+
