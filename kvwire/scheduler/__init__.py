@@ -31,13 +31,20 @@ from kvwire.scheduler.profile import (
     load_profile,
 )
 from kvwire.scheduler.simulator import (
+    AdaptiveState,
     PolicyName,
     PolicyResult,
+    SimState,
     SimulationConfig,
+    ThresholdTable,
+    offered_rate,
     optimizer_for,
+    policy_capacity,
     retune_threshold,
+    scale_to_load,
     simulate,
     simulate_policies,
+    threshold_table,
 )
 from kvwire.scheduler.units import format_rate, parse_rate, parse_rate_schedule
 from kvwire.scheduler.workload import (
@@ -52,6 +59,7 @@ from kvwire.scheduler.workload import (
 __all__ = [
     "BLOCK_TOKENS",
     "BUILTIN_PROFILES",
+    "AdaptiveState",
     "Bound",
     "Capacity",
     "ClusterConfig",
@@ -68,7 +76,9 @@ __all__ = [
     "PolicyResult",
     "PrefixCache",
     "SchedulerState",
+    "SimState",
     "SimulationConfig",
+    "ThresholdTable",
     "TraceRequest",
     "best_split",
     "builtin_profile",
@@ -80,12 +90,16 @@ __all__ = [
     "incremental_lengths",
     "load_profile",
     "load_trace",
+    "offered_rate",
     "optimize",
     "optimizer_for",
     "parse_rate",
     "parse_rate_schedule",
+    "policy_capacity",
     "retune_threshold",
+    "scale_to_load",
     "simulate",
     "simulate_policies",
     "synthetic_trace",
+    "threshold_table",
 ]

@@ -30,6 +30,16 @@ class PrefixCache:
     def __contains__(self, block: object) -> bool:
         return block in self._blocks
 
+    def peek(self, hash_ids: Sequence[int]) -> int:
+        """Number of leading blocks present, without touching their recency (what a
+        scheduler sees when it places a request; the prefill's own lookup touches them)."""
+        hit = 0
+        for h in hash_ids:
+            if h not in self._blocks:
+                break
+            hit += 1
+        return hit
+
     def lookup(self, hash_ids: Sequence[int]) -> int:
         """Number of leading blocks present; they become most recently used."""
         hit = 0

@@ -72,8 +72,17 @@ class ClusterConfig:
     """``BS_max``: concurrent sequences per decode instance (assumed)."""
     mean_output_tokens: float = 1024.0
     """``L_out``: mean output length."""
+    gpus_per_instance: int = 8
+    """GPUs of one local instance (the profiles describe 8-GPU instances)."""
+    split_granularity: str = "instance"
+    """``"instance"``: ``N_p`` and ``N_d`` are whole instances; ``"gpu"``: they are counted
+    in GPUs (``N_p`` in steps of ``1 / gpus_per_instance``), so the balance condition
+    ``Theta_prfaas + Theta_pdp = Theta_pdd`` can be met more closely. A fractional instance
+    is modelled as proportionally less capacity (linear scaling)."""
 
     def __post_init__(self) -> None:
+        if self.split_granularity not in ("instance", "gpu") or self.gpus_per_instance < 1:
+            raise UsageError("split_granularity is 'instance' or 'gpu'; gpus_per_instance >= 1")
         if self.remote_instances < 0 or self.local_instances < 1:
             raise UsageError("need >= 0 remote and >= 1 local instances")
         if self.egress_bps < 0 or not math.isfinite(self.egress_bps):
@@ -92,14 +101,25 @@ class ClusterConfig:
     def with_egress(self, egress_bps: float) -> ClusterConfig:
         return replace(self, egress_bps=egress_bps)
 
+    @property
+    def split_step(self) -> float:
+        """Smallest change of ``N_p``, in instances."""
+        return 1.0 / self.gpus_per_instance if self.split_granularity == "gpu" else 1.0
+
+    def splits(self) -> list[float]:
+        """Every ``N_p`` at the split granularity with ``N_d >= split_step``."""
+        k = round(1.0 / self.split_step)
+        return [i / k for i in range(self.local_instances * k)]
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Capacity:
     """The model evaluated at one threshold and prefill/decode split (rates in requests/s)."""
 
     threshold_tokens: float
-    prefill_instances: int
-    decode_instances: int
+    prefill_instances: float
+    """``N_p``, in instances (fractional at GPU granularity)."""
+    decode_instances: float
     offload_fraction: float
     """``p``."""
     mean_long_tokens: float
@@ -127,18 +147,34 @@ class Capacity:
     def theta_prfaas_rps(self) -> float:
         return min(self.remote_compute_rps, self.egress_rps)
 
+    @property
+    def prefill_rps(self) -> float:
+        """Rate both prefill paths sustain together: ``min(Theta_prfaas / p,
+        Theta_pdp / (1 - p))``; equal to ``Theta_prfaas + Theta_pdp`` when they balance."""
+        return min(self.remote_path_rps, self.local_path_rps)
+
+    @property
+    def balance_slack(self) -> float:
+        """``Theta_pdd / (prefill rate) - 1``: 0 when the split meets the balance condition
+        ``Theta_prfaas + Theta_pdp = Theta_pdd``; > 0: decode capacity to spare; < 0:
+        prefill capacity to spare."""
+        prefill = self.prefill_rps
+        if not math.isfinite(prefill) or prefill <= 0:
+            return math.inf
+        return self.decode_rps / prefill - 1.0
+
 
 def capacity(
     dist: LengthDistribution,
     config: ClusterConfig,
     *,
     threshold_tokens: float,
-    prefill_instances: int,
+    prefill_instances: float,
 ) -> Capacity:
     """``Lambda_max`` and every term of the model for one ``(t, N_p)``."""
-    n_p = prefill_instances
+    n_p = float(prefill_instances)
     n_d = config.local_instances - n_p
-    if n_p < 0 or n_d < 1:
+    if n_p < 0 or n_d < config.split_step - 1e-9:
         raise UsageError(f"bad split: {n_p} prefill of {config.local_instances} local instances")
     t = float(threshold_tokens)
     p = dist.fraction_above(t)
@@ -149,14 +185,15 @@ def capacity(
 
     if p > 0:
         t_remote = remote.prefill_seconds(l_long)
-        remote_compute = config.remote_instances / t_remote
+        remote_compute = config.remote_instances / t_remote if t_remote > 0 else math.inf
         kv_bits = 8.0 * remote.kv_size_bytes(l_long)
         egress = config.egress_bps / kv_bits if kv_bits > 0 else math.inf
         remote_path = min(remote_compute, egress) / p
     else:
         remote_compute = egress = remote_path = math.inf
         kv_bits = 0.0
-    local_prefill = n_p / local.prefill_seconds(l_short) if p < 1 else math.inf
+    t_local = local.prefill_seconds(l_short)
+    local_prefill = (n_p / t_local if t_local > 0 else math.inf) if p < 1 else math.inf
     local_path = local_prefill / (1.0 - p) if p < 1 else math.inf
     decode = n_d * config.decode_batch_max / (config.decode_step_s * config.mean_output_tokens)
 
@@ -231,7 +268,7 @@ def best_split(
     """The prefill/decode split with the highest ``Lambda_max`` at a fixed threshold."""
     cands = [
         capacity(dist, config, threshold_tokens=threshold_tokens, prefill_instances=n_p)
-        for n_p in range(config.local_instances)
+        for n_p in config.splits()
     ]
     return max(cands, key=_rank)
 
@@ -241,14 +278,14 @@ def optimize(
     config: ClusterConfig,
     *,
     step_tokens: float = 256.0,
-    prefill_instances: int | None = None,
+    prefill_instances: float | None = None,
 ) -> OptimizerResult:
     """Grid search over the threshold (``step_tokens`` apart) and the split ``N_p``
-    (every integer, or only ``prefill_instances`` when given)."""
+    (every value at the config's split granularity, or only ``prefill_instances``)."""
     if step_tokens <= 0:
         raise UsageError("step_tokens must be > 0")
     grid = _grid(dist, step_tokens)
-    splits = [prefill_instances] if prefill_instances is not None else range(config.local_instances)
+    splits = [prefill_instances] if prefill_instances is not None else config.splits()
     table = [
         [capacity(dist, config, threshold_tokens=float(t), prefill_instances=n_p) for t in grid]
         for n_p in splits

@@ -22,6 +22,7 @@ User profiles are JSON or TOML files::
     tokens = [1024, 8192, 32768]
     kv_bytes = [2.0e8, 3.2e8, 7.4e8]
     prefill_s = [0.44, 0.72, 1.84]
+    cache_blocks = 8192          # optional: prefix cache of one instance, 512-token blocks
 """
 
 from __future__ import annotations
@@ -75,8 +76,13 @@ class ModelProfile:
     """KV cache (and any fixed recurrent state) a request of that length produces, bytes."""
     prefill_s: tuple[float, ...]
     """Prefill latency of one request of that length on one instance, seconds."""
+    cache_blocks: int | None = None
+    """Prefix-cache capacity of one instance, in 512-token blocks (LRU); ``None``: not
+    stated, the simulator's default applies."""
 
     def __post_init__(self) -> None:
+        if self.cache_blocks is not None and self.cache_blocks < 0:
+            raise UsageError(f"profile {self.name!r}: cache_blocks must be >= 0")
         n = len(self.tokens)
         if n == 0 or len(self.kv_bytes) != n or len(self.prefill_s) != n:
             raise UsageError(f"profile {self.name!r}: tokens, kv_bytes, prefill_s lengths differ")
@@ -115,15 +121,19 @@ class ModelProfile:
             tokens=self.tokens,
             kv_bytes=self.kv_bytes,
             prefill_s=tuple(fixed + (s - fixed) / relative_compute for s in self.prefill_s),
+            cache_blocks=self.cache_blocks,
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "tokens": list(self.tokens),
             "kv_bytes": list(self.kv_bytes),
             "prefill_s": list(self.prefill_s),
         }
+        if self.cache_blocks is not None:
+            out["cache_blocks"] = self.cache_blocks
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
@@ -133,6 +143,9 @@ class ModelProfile:
                 tokens=tuple(float(x) for x in data["tokens"]),
                 kv_bytes=tuple(float(x) for x in data["kv_bytes"]),
                 prefill_s=tuple(float(x) for x in data["prefill_s"]),
+                cache_blocks=(
+                    int(data["cache_blocks"]) if data.get("cache_blocks") is not None else None
+                ),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"bad profile: {exc}") from None

@@ -4,25 +4,47 @@ Resources: a remote prefill cluster (``N_remote`` instances, one request each, F
 local PD cluster (``N_p`` prefill instances, FIFO; ``N_d`` decode instances of ``BS_max``
 slots each, FIFO for a slot), one link from remote to local (FIFO, full rate per transfer,
 rate from a :class:`LinkSchedule`, plus half the RTT of latency), and a prefix cache per
-cluster (LRU over 512-token blocks). Decode holds a slot for ``output_length`` steps of
-``T_decode``.
+cluster (LRU over 512-token blocks, finite). Decode holds a slot for ``output_length``
+steps of ``T_decode``. At GPU split granularity a fractional prefill instance is a server
+of proportionally lower speed, and decode slots scale with the decode GPUs.
+
+The simulation is a set of event handlers over one explicit :class:`SimState`. Each
+handler takes the state and a request (or schedule) index, changes the state, and returns
+the events it causes; :func:`run_events` pops events in time order and calls them. Events
+at equal times run completions first (so freed capacity and newly cached prefixes are
+visible), then arrivals, then starts:
+
+========================  ==================================================================
+``on_link_change``        the link's rate (and the estimate the policy sees) changes
+``on_arrival``            the policy places the request; it joins a prefill queue
+``on_prefill_start``      the prefix cache *where it runs* is looked up now (a request
+                          queued behind the one computing its prefix gets the hit)
+``on_prefill_end``        the prefix enters that cluster's cache; local: to decode;
+                          remote: to the link queue
+``on_transfer_start``     the KV not already held at the decode side goes on the link
+``on_transfer_end``       the link is free; the KV lands RTT/2 later
+``on_decode_start``       the KV is at the decode side: take a slot (TTFT) or wait
+``on_decode_end``         the slot frees; the longest-waiting request takes it
+========================  ==================================================================
 
 TTFT is measured from arrival to the moment the request's KV is in a decode slot, which
 counts prefill queueing, prefill, transfer and any wait for a decode slot.
 
 Policies: ``local`` (homogeneous PD, nothing offloaded), ``offload-all`` (every prefill
-remote), ``selective`` (:func:`decide` with the optimizer's fixed threshold, ignoring link
-load), ``adaptive`` (the threshold retuned every ``control_interval_s`` from the two prefill
-backlogs, and raised by :func:`decide` as egress utilization grows).
+remote), ``selective`` (:func:`decide` with the optimizer's threshold for the trace and the
+mean link rate, held fixed), ``adaptive`` (the threshold the optimizer gives for the live
+bandwidth estimate, looked up in a :class:`ThresholdTable` and retuned with hysteresis,
+see :func:`retune_threshold`).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
 
 import numpy as np
@@ -30,7 +52,14 @@ import numpy as np
 from kvwire.errors import UsageError
 from kvwire.scheduler.cache import PrefixCache
 from kvwire.scheduler.link import LinkSchedule
-from kvwire.scheduler.model import ClusterConfig, OptimizerResult, best_split, optimize
+from kvwire.scheduler.model import (
+    Capacity,
+    ClusterConfig,
+    OptimizerResult,
+    best_split,
+    capacity,
+    optimize,
+)
 from kvwire.scheduler.policy import (
     ClusterView,
     Offload,
@@ -41,16 +70,40 @@ from kvwire.scheduler.policy import (
 from kvwire.scheduler.workload import BLOCK_TOKENS, LengthDistribution, TraceRequest
 
 __all__ = [
+    "DEFAULT_CACHE_BLOCKS_PER_INSTANCE",
+    "AdaptiveState",
+    "EventKind",
     "PolicyName",
     "PolicyResult",
+    "SimState",
     "SimulationConfig",
+    "ThresholdTable",
+    "model_cluster",
+    "new_state",
+    "offered_rate",
+    "on_arrival",
+    "on_decode_end",
+    "on_decode_start",
+    "on_link_change",
+    "on_prefill_end",
+    "on_prefill_start",
+    "on_transfer_end",
+    "on_transfer_start",
     "optimizer_for",
+    "policy_capacity",
     "retune_threshold",
+    "run_events",
+    "scale_to_load",
     "simulate",
     "simulate_policies",
+    "threshold_table",
 ]
 
 REMOTE = "remote"
+DEFAULT_CACHE_BLOCKS_PER_INSTANCE = 8192
+"""Prefix-cache blocks per instance when neither the profile nor the config says."""
+SATURATION_MARGIN = 0.95
+"""A policy is *saturated* when it completes fewer than this share of the offered rate."""
 
 
 class PolicyName(StrEnum):
@@ -62,31 +115,649 @@ class PolicyName(StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SimulationConfig:
-    """The simulated system. The model parts (profiles, instance counts, decode) come from
-    ``cluster``; its ``egress_bps`` is ignored in favour of ``link``."""
+    """The simulated system. The model parts (profiles, instance counts, decode, split
+    granularity) come from ``cluster``; its ``egress_bps`` is ignored in favour of ``link``."""
 
     cluster: ClusterConfig
     link: LinkSchedule = field(default_factory=LinkSchedule)
     rtt_s: float = 0.01
     """Round-trip time between the clusters; a transfer lands half of it after it leaves."""
-    prefill_instances: int | None = None
+    prefill_instances: float | None = None
     """``N_p``; ``None``: each policy uses the model's best split for its own threshold."""
-    remote_cache_blocks: int = 32768
-    local_cache_blocks: int = 32768
+    remote_cache_blocks: int | None = None
+    """Remote prefix cache, blocks; ``None``: the profile's ``cache_blocks`` per instance
+    (or :data:`DEFAULT_CACHE_BLOCKS_PER_INSTANCE`) times the remote instances."""
+    local_cache_blocks: int | None = None
+    """Local prefix cache, blocks; ``None``: as for the remote, times the local instances."""
     control_interval_s: float = 1.0
-    """How often ``adaptive`` retunes its threshold."""
-    demand_window_s: float = 5.0
-    """Window over which offloaded KV bytes are averaged into the egress demand estimate."""
+    """How often ``adaptive`` samples the bandwidth estimate."""
+    bandwidth_time_constant_s: float = 60.0
+    """Time constant of ``adaptive``'s moving average of the bandwidth estimate: it
+    retunes for changes that last about this long, and leaves shorter dips to the link's
+    queue, which drains once the rate is back (0: no smoothing)."""
+    hysteresis: float = 0.25
+    """``adaptive`` retunes only when its smoothed estimate leaves ``[B / (1 + h), B (1 + h)]``
+    around the bandwidth ``B`` its threshold was chosen for."""
     bandwidth_noise: float = 0.0
     """Relative standard deviation of the bandwidth estimate the policy sees (seeded)."""
     threshold_step_tokens: float = 256.0
-    """Grid step of the optimizer that sets ``selective``'s threshold."""
+    """Grid step of the optimizer that sets the thresholds."""
 
     def __post_init__(self) -> None:
-        if self.rtt_s < 0 or self.control_interval_s <= 0 or self.demand_window_s <= 0:
-            raise UsageError("rtt must be >= 0; control interval and demand window > 0")
-        if self.bandwidth_noise < 0:
-            raise UsageError("bandwidth_noise must be >= 0")
+        if self.rtt_s < 0 or self.control_interval_s <= 0:
+            raise UsageError("rtt must be >= 0 and the control interval > 0")
+        if self.bandwidth_noise < 0 or self.hysteresis < 0:
+            raise UsageError("bandwidth_noise and hysteresis must be >= 0")
+        if self.bandwidth_time_constant_s < 0:
+            raise UsageError("bandwidth_time_constant_s must be >= 0")
+        for blocks in (self.remote_cache_blocks, self.local_cache_blocks):
+            if blocks is not None and blocks < 0:
+                raise UsageError("cache sizes must be >= 0 blocks")
+
+    def cache_blocks(self, where: str) -> int:
+        """Prefix-cache capacity of the ``"remote"`` or ``"local"`` cluster, blocks."""
+        cl = self.cluster
+        if where == REMOTE:
+            given, prof, n = self.remote_cache_blocks, cl.remote_profile, cl.remote_instances
+        else:
+            given, prof, n = self.local_cache_blocks, cl.local_prefill_profile, cl.local_instances
+        if given is not None:
+            return given
+        per = prof.cache_blocks if prof.cache_blocks is not None else DEFAULT_CACHE_BLOCKS_PER_INSTANCE
+        return per * n
+
+
+# -- the adaptive controller ---------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdTable:
+    """The optimizer's threshold as a function of egress bandwidth (at a fixed split),
+    made monotone non-increasing: less bandwidth never lowers the threshold, because only
+    the longest prefills, which carry the most compute per byte shipped, should still go
+    remote when bandwidth falls."""
+
+    bandwidths_bps: tuple[float, ...]
+    """Ascending."""
+    thresholds: tuple[float, ...]
+    """Non-increasing, one per bandwidth."""
+
+    def threshold_at(self, bandwidth_bps: float) -> float:
+        """The threshold for the largest tabulated bandwidth not above ``bandwidth_bps``
+        (below the table: its first, highest threshold)."""
+        i = bisect.bisect_right(self.bandwidths_bps, bandwidth_bps) - 1
+        return self.thresholds[max(i, 0)]
+
+
+def threshold_table(
+    dist: LengthDistribution,
+    cluster: ClusterConfig,
+    *,
+    prefill_instances: float,
+    step_tokens: float = 256.0,
+    bandwidths_bps: Sequence[float] | None = None,
+) -> ThresholdTable:
+    """Tabulate :func:`optimize`'s threshold over bandwidth (default 0.1 Gbit/s to
+    1 Tbit/s, 8 points a decade) at split ``prefill_instances``."""
+    grid = sorted(
+        bandwidths_bps if bandwidths_bps is not None else (10 ** (8 + i / 8) for i in range(33))
+    )
+    if not grid or grid[0] <= 0:
+        raise UsageError("threshold table bandwidths must be > 0")
+    raw = [
+        optimize(
+            dist,
+            cluster.with_egress(b),
+            step_tokens=step_tokens,
+            prefill_instances=prefill_instances,
+        ).threshold_tokens
+        for b in grid
+    ]
+    mono = list(raw)
+    for i in range(len(mono) - 2, -1, -1):
+        mono[i] = max(mono[i], mono[i + 1])
+    return ThresholdTable(tuple(float(b) for b in grid), tuple(mono))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AdaptiveState:
+    """``adaptive``'s controller: its threshold and the bandwidths that bound it."""
+
+    threshold_tokens: float
+    nominal_bps: float
+    """The link's provisioned rate (the first rate of the schedule)."""
+    tuned_bps: float
+    """Bandwidth the current bounds were chosen for (moves only past the hysteresis band)."""
+    estimate_bps: float
+    """Smoothed bandwidth estimate."""
+    retunes: int = 0
+    """How often the threshold moved."""
+
+    def bounds(self, table: ThresholdTable) -> tuple[float, float]:
+        """The optimizer's thresholds at the nominal and the tuned bandwidth, low first."""
+        a, b = table.threshold_at(self.nominal_bps), table.threshold_at(self.tuned_bps)
+        return min(a, b), max(a, b)
+
+
+def retune_threshold(
+    state: AdaptiveState,
+    sample_bps: float,
+    table: ThresholdTable,
+    *,
+    local_backlog_s: float = 0.0,
+    remote_backlog_s: float = 0.0,
+    smoothing: float = 0.5,
+    hysteresis: float = 0.25,
+    factor: float = 1.25,
+    slack_s: float = 1.0,
+) -> AdaptiveState:
+    """One control step of ``adaptive``.
+
+    1. Fold the bandwidth sample into a moving average; if it has left the band
+       ``[B / (1 + hysteresis), B (1 + hysteresis)]`` around the bandwidth ``B`` the bounds
+       were chosen for, re-choose them. Inside the band nothing moves, so estimator noise
+       cannot make offloading flap.
+    2. The bounds are the optimizer's thresholds at the nominal and at the estimated
+       bandwidth: when bandwidth falls the upper bound rises (only the longest prefills,
+       which carry the most compute per byte shipped, keep going remote), never below the
+       nominal one.
+    3. Within the bounds the threshold moves by ``factor`` per step toward the path with
+       the smaller backlog (seconds of queued work per instance; the remote path counts
+       the link's queue at the estimated rate), and stays put while they are within
+       ``slack_s`` and 25% of each other. A link dip that the link's queue can absorb and
+       drain later does not push work onto a busy local cluster; a link that stays slow
+       does, up to the optimizer's threshold for it. When the bounds move, the threshold
+       is clamped into them.
+    """
+    est = sample_bps if state.estimate_bps <= 0 else (
+        (1.0 - smoothing) * state.estimate_bps + smoothing * sample_bps
+    )
+    tuned = state.tuned_bps
+    if not tuned / (1.0 + hysteresis) <= est <= tuned * (1.0 + hysteresis):
+        tuned = est
+    moved = replace(state, estimate_bps=est, tuned_bps=tuned)
+    lo, hi = moved.bounds(table)
+    t = state.threshold_tokens
+    if remote_backlog_s > 1.25 * local_backlog_s + slack_s:
+        t = max(t, 1.0) * factor
+    elif local_backlog_s > 1.25 * remote_backlog_s + slack_s:
+        t = t / factor
+    t = min(max(t, lo), hi)
+    if t != state.threshold_tokens:
+        return replace(moved, threshold_tokens=t, retunes=state.retunes + 1)
+    return moved
+
+
+# -- state and events ------------------------------------------------------------------------
+
+
+class EventKind(IntEnum):
+    """Order of events at equal times: completions, then arrivals, then starts."""
+
+    LINK_CHANGE = 0
+    DECODE_END = 1
+    TRANSFER_END = 2
+    PREFILL_END = 3
+    DECODE_START = 4
+    ARRIVAL = 5
+    PREFILL_START = 6
+    TRANSFER_START = 7
+
+
+Event = tuple[float, EventKind, int]
+"""``(time, kind, index)``: a request index, or a link-schedule index for LINK_CHANGE."""
+
+
+@dataclass(slots=True, kw_only=True)
+class SimState:
+    """Everything the simulation knows at ``now``. Per-request lists are indexed like
+    ``requests``."""
+
+    requests: Sequence[TraceRequest]
+    config: SimulationConfig
+    policy: PolicyName
+    now: float = 0.0
+    # the model's parts
+    threshold_tokens: float = math.inf
+    """``selective``'s fixed threshold (``adaptive``: its controller's)."""
+    table: ThresholdTable | None = None
+    adaptive: AdaptiveState | None = None
+    next_control_s: float = 0.0
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    # resources
+    prefill_instances: float = 0.0
+    """``N_p`` (the local prefill servers' speeds add up to it)."""
+    local_free: list[float] = field(default_factory=list)
+    """Speeds of the idle local prefill servers (1.0 a whole instance)."""
+    remote_free: int = 0
+    slots_free: int = 0
+    link_busy: bool = False
+    link_busy_until: float = 0.0
+    link_rate_bps: float = 0.0
+    local_queued_s: float = 0.0
+    """Estimated prefill seconds waiting in the local queue (for ``adaptive``)."""
+    remote_queued_s: float = 0.0
+    link_queued_bytes: float = 0.0
+    """Estimated bytes waiting for the link."""
+    local_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
+    remote_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
+    local_queue: deque[int] = field(default_factory=deque)
+    remote_queue: deque[int] = field(default_factory=deque)
+    link_queue: deque[int] = field(default_factory=deque)
+    decode_queue: deque[int] = field(default_factory=deque)
+    # per request
+    remote: list[bool] = field(default_factory=list)
+    speed: list[float] = field(default_factory=list)
+    hit_tokens: list[int] = field(default_factory=list)
+    service_s: list[float] = field(default_factory=list)
+    ship_bytes: list[float] = field(default_factory=list)
+    queued_est: list[float] = field(default_factory=list)
+    """Estimated prefill seconds (while queued) or bytes to ship (while waiting for the link)."""
+    ttft_s: list[float] = field(default_factory=list)
+    # records
+    transfers: list[tuple[float, float, float]] = field(default_factory=list)
+    """``(start, end, bytes)`` of every transfer."""
+    thresholds_seen: list[float] = field(default_factory=list)
+    finish_order: list[int] = field(default_factory=list)
+    first_finish_s: float = math.nan
+    last_finish_s: float = math.nan
+
+
+def new_state(
+    requests: Sequence[TraceRequest],
+    config: SimulationConfig,
+    policy: PolicyName,
+    *,
+    prefill_instances: float,
+    threshold_tokens: float = math.inf,
+    table: ThresholdTable | None = None,
+    seed: int = 0,
+) -> SimState:
+    """An idle system at time 0: empty queues and caches, every server free."""
+    cl = config.cluster
+    n_p = prefill_instances
+    n_d = cl.local_instances - n_p
+    whole = math.floor(n_p + 1e-9)
+    frac = n_p - whole
+    n = len(requests)
+    state = SimState(
+        requests=requests,
+        config=config,
+        policy=policy,
+        threshold_tokens=threshold_tokens,
+        table=table,
+        rng=np.random.default_rng(seed),
+        prefill_instances=n_p,
+        local_free=[1.0] * whole + ([frac] if frac > 1e-9 else []),
+        remote_free=cl.remote_instances,
+        slots_free=max(1, math.floor(n_d * cl.decode_batch_max + 1e-9)),
+        link_rate_bps=config.link.rate_at(0.0),
+        local_cache=PrefixCache(config.cache_blocks("local")),
+        remote_cache=PrefixCache(config.cache_blocks(REMOTE)),
+        remote=[False] * n,
+        speed=[1.0] * n,
+        hit_tokens=[0] * n,
+        service_s=[0.0] * n,
+        ship_bytes=[0.0] * n,
+        queued_est=[0.0] * n,
+        ttft_s=[math.nan] * n,
+    )
+    if policy is PolicyName.ADAPTIVE:
+        bw = config.link.rate_at(0.0)
+        start = threshold_tokens
+        if math.isinf(start) and table is not None:
+            start = table.threshold_at(bw)
+        state.adaptive = AdaptiveState(
+            threshold_tokens=start, nominal_bps=bw, tuned_bps=bw, estimate_bps=bw
+        )
+    return state
+
+
+def _est_prefill_s(state: SimState, i: int, remote: bool) -> float:
+    r = state.requests[i]
+    cl = state.config.cluster
+    cache, prof = (
+        (state.remote_cache, cl.remote_profile) if remote else (state.local_cache, cl.local_prefill_profile)
+    )
+    hit = min(cache.peek(r.hash_ids) * BLOCK_TOKENS, r.input_length)
+    return prof.prefill_seconds(max(r.input_length - hit, 1))
+
+
+def _ship_bytes(state: SimState, i: int) -> float:
+    r = state.requests[i]
+    prof = state.config.cluster.remote_profile
+    held = min(state.local_cache.peek(r.hash_ids) * BLOCK_TOKENS, r.input_length)
+    per_token_held = prof.kv_size_bytes(held) - prof.kv_size_bytes(0) if held else 0.0
+    return max(0.0, prof.kv_size_bytes(r.input_length) - per_token_held)
+
+
+def backlogs(state: SimState, bandwidth_bps: float) -> tuple[float, float]:
+    """``(local, remote)`` seconds of queued work per instance; the remote path adds the
+    link's queue and the rest of the transfer in flight at ``bandwidth_bps``."""
+    cl = state.config.cluster
+    local = state.local_queued_s / max(state.prefill_instances, 1e-9)
+    link = max(0.0, state.link_busy_until - state.now)
+    if bandwidth_bps > 0:
+        link += 8.0 * state.link_queued_bytes / bandwidth_bps
+    else:
+        link = math.inf
+    remote = state.remote_queued_s / max(cl.remote_instances, 1) + link
+    return local, remote
+
+
+def _dispatch_prefills(state: SimState) -> list[Event]:
+    """Give queued prefills to idle servers (FIFO); the fastest idle local server first."""
+    out: list[Event] = []
+    while state.local_free and state.local_queue:
+        i = state.local_queue.popleft()
+        state.local_free.sort()
+        state.speed[i] = state.local_free.pop()
+        out.append((state.now, EventKind.PREFILL_START, i))
+    while state.remote_free and state.remote_queue:
+        i = state.remote_queue.popleft()
+        state.remote_free -= 1
+        out.append((state.now, EventKind.PREFILL_START, i))
+    return out
+
+
+def _dispatch_link(state: SimState) -> list[Event]:
+    if state.link_busy or not state.link_queue:
+        return []
+    state.link_busy = True
+    return [(state.now, EventKind.TRANSFER_START, state.link_queue.popleft())]
+
+
+def _bandwidth_sample(state: SimState) -> float:
+    bw = state.link_rate_bps
+    noise = state.config.bandwidth_noise
+    if noise:
+        bw = max(0.0, bw * (1.0 + noise * float(state.rng.standard_normal())))
+    return bw
+
+
+def _place(state: SimState, i: int) -> bool:
+    """The policy's decision for request ``i`` at ``now`` (True: offload)."""
+    if state.policy is PolicyName.LOCAL:
+        return False
+    if state.policy is PolicyName.OFFLOAD_ALL:
+        return True
+    r = state.requests[i]
+    bw = _bandwidth_sample(state)
+    threshold = state.threshold_tokens
+    if state.adaptive is not None:
+        if state.now >= state.next_control_s and state.table is not None:
+            local_s, remote_s = backlogs(state, state.adaptive.estimate_bps or bw)
+            state.adaptive = retune_threshold(
+                state.adaptive,
+                bw,
+                state.table,
+                local_backlog_s=local_s,
+                remote_backlog_s=remote_s,
+                smoothing=min(
+                    1.0,
+                    state.config.control_interval_s
+                    / max(state.config.bandwidth_time_constant_s, 1e-9),
+                ),
+                hysteresis=state.config.hysteresis,
+            )
+            state.next_control_s = state.now + state.config.control_interval_s
+        threshold = state.adaptive.threshold_tokens
+    state.thresholds_seen.append(threshold)
+    # The scheduler sees what each cache holds now; the prefill looks again when it starts.
+    local_hit = state.local_cache.peek(r.hash_ids)
+    remote_hit = state.remote_cache.peek(r.hash_ids)
+    decision = decide(
+        PolicyRequest(request_id=str(i), input_length=r.input_length, output_length=r.output_length),
+        SchedulerState(
+            threshold_tokens=threshold,
+            bandwidth_bps=bw,
+            local_prefix_hit=tuple((h, 0) for h in r.hash_ids[:local_hit]),
+            remotes=(
+                ClusterView(name=REMOTE, prefix_hit=tuple((h, 0) for h in r.hash_ids[:remote_hit])),
+            ),
+            block_tokens=BLOCK_TOKENS,
+        ),
+    )
+    return isinstance(decision, Offload)
+
+
+# -- the handlers ---------------------------------------------------------------------------
+
+
+def on_arrival(state: SimState, i: int) -> list[Event]:
+    """Place request ``i`` and queue it for a prefill."""
+    remote = state.remote[i] = _place(state, i)
+    state.queued_est[i] = _est_prefill_s(state, i, remote)
+    if remote:
+        state.remote_queue.append(i)
+        state.remote_queued_s += state.queued_est[i]
+    else:
+        state.local_queue.append(i)
+        state.local_queued_s += state.queued_est[i]
+    return _dispatch_prefills(state)
+
+
+def on_prefill_start(state: SimState, i: int) -> list[Event]:
+    """Look up the prefix cache where the prefill runs, now, and compute the rest."""
+    r = state.requests[i]
+    cl = state.config.cluster
+    if state.remote[i]:
+        cache, profile, speed = state.remote_cache, cl.remote_profile, 1.0
+        state.remote_queued_s -= state.queued_est[i]
+    else:
+        cache, profile, speed = state.local_cache, cl.local_prefill_profile, state.speed[i]
+        state.local_queued_s -= state.queued_est[i]
+    hit = min(cache.lookup(r.hash_ids) * BLOCK_TOKENS, r.input_length)
+    state.hit_tokens[i] = hit
+    state.service_s[i] = profile.prefill_seconds(max(r.input_length - hit, 1)) / speed
+    return [(state.now + state.service_s[i], EventKind.PREFILL_END, i)]
+
+
+def on_prefill_end(state: SimState, i: int) -> list[Event]:
+    """Free the server; the computed prefix enters that cluster's cache."""
+    r = state.requests[i]
+    out: list[Event]
+    if state.remote[i]:
+        state.remote_free += 1
+        state.remote_cache.insert(r.hash_ids)
+        state.queued_est[i] = _ship_bytes(state, i)
+        state.link_queued_bytes += state.queued_est[i]
+        state.link_queue.append(i)
+        out = _dispatch_link(state)
+    else:
+        state.local_free.append(state.speed[i])
+        state.local_cache.insert(r.hash_ids)
+        out = [(state.now, EventKind.DECODE_START, i)]
+    return out + _dispatch_prefills(state)
+
+
+def on_transfer_start(state: SimState, i: int) -> list[Event]:
+    """Ship the KV the decode side does not hold yet (its cached prefix's per-token KV
+    stays; a hybrid model's fixed recurrent state always moves)."""
+    nbytes = _ship_bytes(state, i)
+    state.link_queued_bytes -= state.queued_est[i]
+    state.ship_bytes[i] = nbytes
+    state.link_busy = True
+    end = state.config.link.finish_time(state.now, nbytes)
+    state.link_busy_until = end
+    state.transfers.append((state.now, end, nbytes))
+    return [(end, EventKind.TRANSFER_END, i)]
+
+
+def on_transfer_end(state: SimState, i: int) -> list[Event]:
+    """The last byte has left: the link takes the next transfer; the KV lands RTT/2 later."""
+    state.link_busy = False
+    return [(state.now + state.config.rtt_s / 2.0, EventKind.DECODE_START, i), *_dispatch_link(state)]
+
+
+def _take_slot(state: SimState, i: int) -> list[Event]:
+    r = state.requests[i]
+    state.slots_free -= 1
+    state.ttft_s[i] = state.now - r.arrival_s
+    return [(state.now + r.output_length * state.config.cluster.decode_step_s, EventKind.DECODE_END, i)]
+
+
+def on_decode_start(state: SimState, i: int) -> list[Event]:
+    """The KV is at the decode side (a landed transfer's prefix is now cached there):
+    take a decode slot, or wait for one."""
+    if state.remote[i]:
+        state.local_cache.insert(state.requests[i].hash_ids)
+    if state.slots_free > 0:
+        return _take_slot(state, i)
+    state.decode_queue.append(i)
+    return []
+
+
+def on_decode_end(state: SimState, i: int) -> list[Event]:
+    """The request completes; the longest-waiting one takes its slot."""
+    state.slots_free += 1
+    if not state.finish_order:
+        state.first_finish_s = state.now
+    state.finish_order.append(i)
+    state.last_finish_s = state.now
+    if state.decode_queue:
+        return _take_slot(state, state.decode_queue.popleft())
+    return []
+
+
+def on_link_change(state: SimState, k: int) -> list[Event]:
+    """The link's rate changes to the schedule's ``k``-th (transfers in flight already
+    account for it: their end is integrated over the schedule)."""
+    state.link_rate_bps = state.config.link.rates_bps[k]
+    return []
+
+
+HANDLERS: dict[EventKind, Callable[[SimState, int], list[Event]]] = {
+    EventKind.ARRIVAL: on_arrival,
+    EventKind.PREFILL_START: on_prefill_start,
+    EventKind.PREFILL_END: on_prefill_end,
+    EventKind.TRANSFER_START: on_transfer_start,
+    EventKind.TRANSFER_END: on_transfer_end,
+    EventKind.DECODE_START: on_decode_start,
+    EventKind.DECODE_END: on_decode_end,
+    EventKind.LINK_CHANGE: on_link_change,
+}
+
+
+def run_events(state: SimState) -> SimState:
+    """Run the simulation to the end: every arrival and link change is an initial event;
+    handlers add the rest."""
+    heap: list[tuple[float, int, int, int]] = []
+    seq = 0
+
+    def push(ev: Event) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (ev[0], int(ev[1]), seq, ev[2]))
+        seq += 1
+
+    for i, r in enumerate(state.requests):
+        push((r.arrival_s, EventKind.ARRIVAL, i))
+    for k, start in enumerate(state.config.link.starts_s[1:], 1):
+        push((start, EventKind.LINK_CHANGE, k))
+    while heap:
+        t, kind, _, idx = heapq.heappop(heap)
+        state.now = t
+        for ev in HANDLERS[EventKind(kind)](state, idx):
+            push(ev)
+    return state
+
+
+# -- the model's side ------------------------------------------------------------------------
+
+
+def offered_rate(requests: Sequence[TraceRequest]) -> float:
+    """Arrivals per second over the arrival window (``(n - 1) / (last - first)``)."""
+    if len(requests) < 2:
+        return math.nan
+    span = max(r.arrival_s for r in requests) - min(r.arrival_s for r in requests)
+    return (len(requests) - 1) / span if span > 0 else math.inf
+
+
+def scale_to_load(requests: Sequence[TraceRequest], rate_rps: float) -> tuple[TraceRequest, ...]:
+    """The trace with arrival times rescaled so its offered rate is ``rate_rps``."""
+    current = offered_rate(requests)
+    if not rate_rps > 0 or not math.isfinite(current) or current <= 0:
+        raise UsageError("cannot rescale the arrivals: need >= 2 requests spread in time")
+    factor = current / rate_rps
+    t0 = min(r.arrival_s for r in requests)
+    return tuple(replace(r, arrival_s=(r.arrival_s - t0) * factor) for r in requests)
+
+
+def model_cluster(requests: Sequence[TraceRequest], config: SimulationConfig) -> ClusterConfig:
+    """The model's cluster for this trace: its mean output length and the link's mean rate
+    over the arrival window."""
+    horizon = max(r.arrival_s for r in requests) or 1.0
+    mean_out = float(np.mean([r.output_length for r in requests])) or 1.0
+    return replace(
+        config.cluster,
+        egress_bps=config.link.mean_rate(horizon),
+        mean_output_tokens=max(mean_out, 1.0),
+    )
+
+
+def optimizer_for(requests: Sequence[TraceRequest], config: SimulationConfig) -> OptimizerResult:
+    """The model's answer for this trace: incremental lengths, mean output, mean link rate."""
+    return optimize(
+        LengthDistribution.from_trace(requests),
+        model_cluster(requests, config),
+        step_tokens=config.threshold_step_tokens,
+        prefill_instances=config.prefill_instances,
+    )
+
+
+def _split_for(
+    policy: PolicyName, dist: LengthDistribution, config: SimulationConfig, opt: OptimizerResult
+) -> float:
+    cl = config.cluster
+    if config.prefill_instances is not None:
+        n_p = config.prefill_instances
+    elif policy is PolicyName.LOCAL:
+        n_p = best_split(dist, cl, threshold_tokens=math.inf).prefill_instances
+    elif policy is PolicyName.OFFLOAD_ALL:
+        n_p = best_split(dist, cl, threshold_tokens=-1.0).prefill_instances
+    else:
+        n_p = opt.best.prefill_instances
+    if policy is not PolicyName.OFFLOAD_ALL and n_p <= 0:
+        # The model may find offloading everything best; a prefill path still needs a
+        # local server for the requests that stay.
+        n_p = cl.split_step
+    if cl.local_instances - n_p < cl.split_step - 1e-9:
+        raise UsageError(f"bad split: {n_p:g} prefill of {cl.local_instances} local instances")
+    return n_p
+
+
+def _policy_threshold(policy: PolicyName, opt: OptimizerResult) -> float:
+    if policy is PolicyName.LOCAL:
+        return math.inf
+    if policy is PolicyName.OFFLOAD_ALL:
+        return -1.0
+    return opt.threshold_tokens
+
+
+def policy_capacity(
+    policy: PolicyName | str,
+    requests: Sequence[TraceRequest],
+    config: SimulationConfig,
+    *,
+    optimizer: OptimizerResult | None = None,
+    threshold_tokens: float | None = None,
+    lengths: Sequence[float] | None = None,
+) -> Capacity:
+    """The model's ``Lambda_max`` (and every term) for ``policy`` on this trace, at the
+    split and threshold the simulator gives it. ``lengths``: incremental lengths to use
+    instead of the unbounded-cache ones (e.g. the hits a simulation realized)."""
+    policy = PolicyName(policy)
+    opt = optimizer if optimizer is not None else optimizer_for(requests, config)
+    dist = LengthDistribution.from_trace(requests)
+    n_p = _split_for(policy, dist, config, opt)
+    t = _policy_threshold(policy, opt)
+    if threshold_tokens is not None and policy in (PolicyName.SELECTIVE, PolicyName.ADAPTIVE):
+        t = threshold_tokens
+    use = LengthDistribution(lengths) if lengths is not None else dist
+    return capacity(use, model_cluster(requests, config), threshold_tokens=t, prefill_instances=n_p)
+
+
+# -- results ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,27 +775,57 @@ class PolicyResult:
     ttft_p90_s: float
     ttft_p99_s: float
     egress_gbps_mean: float
+    """Mean egress over the arrival window (first to last arrival)."""
+    egress_gbps_p99: float
+    """P99 of the 1-second egress averages in the arrival window."""
     egress_gbps_peak: float
-    """Highest 1-second average."""
+    """Highest 1-second average of the whole run."""
     offload_fraction: float
     cache_hit_ratio: float
     """Prompt tokens served from a prefix cache / all prompt tokens."""
     threshold_tokens: float | None
-    """``selective``: the optimizer's ``t``; ``adaptive``: mean of its base threshold."""
-    prefill_instances: int
-    decode_instances: int
+    """``selective``: the optimizer's ``t``; ``adaptive``: mean of its threshold at arrivals."""
+    prefill_instances: float
+    decode_instances: float
+    offered_rps: float = math.nan
+    """Arrivals per second over the arrival window."""
+    capacity_rps: float = math.nan
+    """The model's ``Lambda_max`` for this policy's threshold and split."""
+    capacity_realized_rps: float = math.nan
+    """The same with the incremental lengths the simulation realized (its prefix hits)."""
+    balance_slack: float = math.nan
+    """The model's ``Theta_pdd / prefill rate - 1`` at this policy's split (0: balanced)."""
+    retunes: int = 0
+    """``adaptive``: how often its threshold moved."""
     finish_order: tuple[int, ...] = ()
     """Trace indices in order of completion (each exactly once)."""
 
-    def as_json(self) -> dict[str, float | int | str | None]:
-        out: dict[str, float | int | str | None] = {
+    @property
+    def utilization(self) -> float:
+        """Offered rate / the model's capacity for this policy."""
+        return self.offered_rps / self.capacity_rps if self.capacity_rps > 0 else math.inf
+
+    @property
+    def saturated(self) -> bool:
+        """Fewer completions per second than :data:`SATURATION_MARGIN` of the offered rate:
+        the queues grow for as long as the arrivals last."""
+        return bool(self.throughput_rps < SATURATION_MARGIN * self.offered_rps)
+
+    def as_json(self) -> dict[str, float | int | str | bool | None]:
+        out: dict[str, float | int | str | bool | None] = {
             "throughput_rps": self.throughput_rps,
+            "offered_rps": self.offered_rps,
+            "capacity_rps": self.capacity_rps,
+            "capacity_realized_rps": self.capacity_realized_rps,
+            "utilization": self.utilization,
+            "saturated": self.saturated,
             "ttft_mean_s": self.ttft_mean_s,
             "ttft_p50_s": self.ttft_p50_s,
             "ttft_p90_s": self.ttft_p90_s,
             "ttft_p99_s": self.ttft_p99_s,
             "offload_fraction": self.offload_fraction,
             "egress_gbps_mean": self.egress_gbps_mean,
+            "egress_gbps_p99": self.egress_gbps_p99,
             "egress_gbps_peak": self.egress_gbps_peak,
             "cache_hit_ratio": self.cache_hit_ratio,
             "requests": self.requests,
@@ -132,331 +833,23 @@ class PolicyResult:
             "makespan_s": self.makespan_s,
             "prefill_instances": self.prefill_instances,
             "decode_instances": self.decode_instances,
+            "balance_slack": self.balance_slack,
         }
         if self.threshold_tokens is not None:
             out["threshold_tokens"] = self.threshold_tokens
-        return out
-
-
-def retune_threshold(
-    threshold: float,
-    *,
-    local_backlog_s: float,
-    remote_backlog_s: float,
-    max_tokens: float,
-    factor: float = 1.25,
-    floor_tokens: float = 512.0,
-    slack_s: float = 0.5,
-) -> float:
-    """One step of the adaptive controller: move ``t`` toward the idler prefill path.
-
-    Backlogs are seconds of queued work per instance (remote includes the link's queue).
-    A remote backlog well above the local one means too much is offloaded: raise ``t``;
-    the reverse: lower it. ``slack_s`` and the 25% margin keep it still near balance.
-    Steps are multiplicative (thresholds span 100 to 100K tokens); below ``floor_tokens``
-    the threshold snaps to 0 (offload everything not fully cached) and climbs back from
-    ``floor_tokens``.
-    """
-    if remote_backlog_s > 1.25 * local_backlog_s + slack_s:
-        threshold = max(threshold * factor, floor_tokens)
-    elif local_backlog_s > 1.25 * remote_backlog_s + slack_s:
-        threshold /= factor
-        if threshold < floor_tokens:
-            threshold = 0.0
-    return min(max(threshold, 0.0), max_tokens)
-
-
-class _Ev(IntEnum):
-    # Completions before arrivals at equal times, so freed capacity is visible.
-    DECODE_DONE = 0
-    TRANSFER_DONE = 1
-    REMOTE_DONE = 2
-    LOCAL_DONE = 3
-    ARRIVAL = 4
+        if self.policy == PolicyName.ADAPTIVE:
+            out["retunes"] = self.retunes
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
 
 
 def _percentile(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if values.size else math.nan
 
 
-def _split_for(
-    policy: PolicyName, dist: LengthDistribution, config: SimulationConfig, opt: OptimizerResult
-) -> int:
-    if config.prefill_instances is not None:
-        return config.prefill_instances
-    if policy is PolicyName.LOCAL:
-        return best_split(dist, config.cluster, threshold_tokens=math.inf).prefill_instances
-    if policy is PolicyName.OFFLOAD_ALL:
-        return best_split(dist, config.cluster, threshold_tokens=-1.0).prefill_instances
-    return opt.best.prefill_instances
-
-
-def optimizer_for(requests: Sequence[TraceRequest], config: SimulationConfig) -> OptimizerResult:
-    """The model's answer for this trace: incremental lengths, mean output, mean link rate."""
-    dist = LengthDistribution.from_trace(requests)
-    horizon = max(r.arrival_s for r in requests) or 1.0
-    mean_out = float(np.mean([r.output_length for r in requests])) or 1.0
-    cluster = ClusterConfig(
-        remote_profile=config.cluster.remote_profile,
-        remote_instances=config.cluster.remote_instances,
-        local_instances=config.cluster.local_instances,
-        egress_bps=config.link.mean_rate(horizon),
-        relative_compute=config.cluster.relative_compute,
-        local_profile=config.cluster.local_profile,
-        decode_step_s=config.cluster.decode_step_s,
-        decode_batch_max=config.cluster.decode_batch_max,
-        mean_output_tokens=max(mean_out, 1.0),
-    )
-    return optimize(
-        dist,
-        cluster,
-        step_tokens=config.threshold_step_tokens,
-        prefill_instances=config.prefill_instances,
-    )
-
-
-def simulate(
-    requests: Sequence[TraceRequest],
-    config: SimulationConfig,
-    policy: PolicyName | str,
-    *,
-    seed: int = 0,
-    threshold_tokens: float | None = None,
-    optimizer: OptimizerResult | None = None,
-) -> PolicyResult:
-    """Replay ``requests`` under ``policy``. Deterministic for a given ``seed``.
-
-    ``threshold_tokens`` overrides the optimizer's ``t`` for ``selective`` and the starting
-    ``t`` of ``adaptive``.
-    """
-    policy = PolicyName(policy)
-    if not requests:
-        raise UsageError("no requests to simulate")
-    opt = optimizer if optimizer is not None else optimizer_for(requests, config)
-    dist = LengthDistribution.from_trace(requests)
-    n_p = _split_for(policy, dist, config, opt)
-    cl = config.cluster
-    n_d = cl.local_instances - n_p
-    n_r = cl.remote_instances
-    if n_p < 0 or n_d < 1:
-        raise UsageError(f"bad split: {n_p} prefill of {cl.local_instances} local instances")
-    if policy is not PolicyName.LOCAL and n_r < 1:
-        raise UsageError(f"policy {policy} needs at least one remote instance")
-    if policy in (PolicyName.LOCAL, PolicyName.SELECTIVE, PolicyName.ADAPTIVE) and n_p < 1:
-        # The model may find offloading everything best; a prefill path still needs a
-        # local instance for the requests that stay.
-        n_p, n_d = 1, cl.local_instances - 1
-        if n_d < 1:
-            raise UsageError("need at least two local instances")
-
-    rng = np.random.default_rng(seed)
-    remote_prof, local_prof = cl.remote_profile, cl.local_prefill_profile
-    kv0 = remote_prof.kv_size_bytes(0)
-    bt = BLOCK_TOKENS
-    base_t = threshold_tokens if threshold_tokens is not None else opt.threshold_tokens
-    max_len = float(max(r.input_length for r in requests))
-    thresholds_seen: list[float] = []
-
-    local_cache = PrefixCache(config.local_cache_blocks)
-    remote_cache = PrefixCache(config.remote_cache_blocks)
-
-    n = len(requests)
-    heap: list[tuple[float, int, int, int]] = []
-    seq = 0
-
-    def push(t: float, kind: _Ev, idx: int) -> None:
-        nonlocal seq
-        heapq.heappush(heap, (t, int(kind), seq, idx))
-        seq += 1
-
-    for i, r in enumerate(requests):
-        push(r.arrival_s, _Ev.ARRIVAL, i)
-
-    service = [0.0] * n
-    ship_bytes = [0.0] * n
-    ttft = np.full(n, np.nan)
-    offloaded = np.zeros(n, dtype=bool)
-    hit_tok = np.zeros(n)
-    local_q: deque[int] = deque()
-    remote_q: deque[int] = deque()
-    decode_q: deque[int] = deque()
-    local_free, remote_free, slots_free = n_p, n_r, n_d * cl.decode_batch_max
-    local_work = remote_work = 0.0
-    link_free_at = 0.0
-    transfers: list[tuple[float, float, float]] = []
-    demand: deque[tuple[float, float]] = deque()
-    demand_bits = 0.0
-    next_control = 0.0
-    finish_order: list[int] = []
-    last_finish = first_finish = 0.0
-
-    def start_prefills(now: float) -> None:
-        nonlocal local_free, remote_free, local_work, remote_work
-        while local_free and local_q:
-            j = local_q.popleft()
-            local_free -= 1
-            local_work -= service[j]
-            push(now + service[j], _Ev.LOCAL_DONE, j)
-        while remote_free and remote_q:
-            j = remote_q.popleft()
-            remote_free -= 1
-            remote_work -= service[j]
-            push(now + service[j], _Ev.REMOTE_DONE, j)
-
-    def to_decode(now: float, j: int) -> None:
-        nonlocal slots_free
-        if slots_free:
-            slots_free -= 1
-            ttft[j] = now - requests[j].arrival_s
-            push(now + requests[j].output_length * cl.decode_step_s, _Ev.DECODE_DONE, j)
-        else:
-            decode_q.append(j)
-
-    while heap:
-        now, kind, _, i = heapq.heappop(heap)
-        r = requests[i]
-        if kind == _Ev.ARRIVAL:
-            local_hit = local_cache.lookup(r.hash_ids)
-            local_hit_tokens = min(local_hit * bt, r.input_length)
-            if policy is PolicyName.LOCAL:
-                go_remote = False
-            elif policy is PolicyName.OFFLOAD_ALL:
-                go_remote = True
-                remote_hit = remote_cache.lookup(r.hash_ids)
-            else:
-                remote_hit = remote_cache.lookup(r.hash_ids)
-                bw = config.link.rate_at(now)
-                if config.bandwidth_noise:
-                    bw = max(0.0, bw * (1.0 + config.bandwidth_noise * rng.standard_normal()))
-                while demand and demand[0][0] <= now - config.demand_window_s:
-                    demand_bits -= demand.popleft()[1]
-                if policy is PolicyName.ADAPTIVE and now >= next_control:
-                    base_t = retune_threshold(
-                        base_t,
-                        local_backlog_s=local_work / max(n_p, 1),
-                        remote_backlog_s=remote_work / n_r + max(0.0, link_free_at - now),
-                        max_tokens=max_len,
-                    )
-                    next_control = now + config.control_interval_s
-                thresholds_seen.append(base_t)
-                state = SchedulerState(
-                    threshold_tokens=base_t,
-                    bandwidth_bps=bw,
-                    egress_demand_bps=(
-                        demand_bits / config.demand_window_s
-                        if policy is PolicyName.ADAPTIVE
-                        else 0.0
-                    ),
-                    local_prefix_hit=tuple((h, 0) for h in r.hash_ids[:local_hit]),
-                    remotes=(
-                        ClusterView(
-                            name=REMOTE,
-                            prefix_hit=tuple((h, 0) for h in r.hash_ids[:remote_hit]),
-                        ),
-                    ),
-                )
-                d = decide(
-                    PolicyRequest(
-                        request_id=str(i),
-                        input_length=r.input_length,
-                        output_length=r.output_length,
-                    ),
-                    state,
-                )
-                go_remote = isinstance(d, Offload)
-            if go_remote:
-                remote_hit_tokens = min(remote_hit * bt, r.input_length)
-                incr = r.input_length - remote_hit_tokens
-                service[i] = remote_prof.prefill_seconds(max(incr, 1))
-                # The decode side already holds the locally cached prefix's per-token KV;
-                # fixed recurrent state (hybrid models) is always shipped.
-                per_token_local = (
-                    remote_prof.kv_size_bytes(local_hit_tokens) - kv0 if local_hit_tokens else 0.0
-                )
-                ship_bytes[i] = max(
-                    0.0, remote_prof.kv_size_bytes(r.input_length) - per_token_local
-                )
-                demand.append((now, 8.0 * ship_bytes[i]))
-                demand_bits += 8.0 * ship_bytes[i]
-                offloaded[i] = True
-                hit_tok[i] = remote_hit_tokens
-                remote_work += service[i]
-                remote_q.append(i)
-            else:
-                incr = r.input_length - local_hit_tokens
-                service[i] = local_prof.prefill_seconds(max(incr, 1))
-                hit_tok[i] = local_hit_tokens
-                local_work += service[i]
-                local_q.append(i)
-            start_prefills(now)
-        elif kind == _Ev.LOCAL_DONE:
-            local_free += 1
-            local_cache.insert(r.hash_ids)
-            to_decode(now, i)
-            start_prefills(now)
-        elif kind == _Ev.REMOTE_DONE:
-            remote_free += 1
-            remote_cache.insert(r.hash_ids)
-            start = max(now, link_free_at)
-            done = config.link.finish_time(start, ship_bytes[i])
-            link_free_at = done
-            transfers.append((start, done, ship_bytes[i]))
-            push(done + config.rtt_s / 2.0, _Ev.TRANSFER_DONE, i)
-            start_prefills(now)
-        elif kind == _Ev.TRANSFER_DONE:
-            local_cache.insert(r.hash_ids)
-            to_decode(now, i)
-        else:  # DECODE_DONE
-            slots_free += 1
-            if not finish_order:
-                first_finish = now
-            finish_order.append(i)
-            last_finish = now
-            if decode_q:
-                to_decode(now, decode_q.popleft())
-
-    first_arrival = min(r.arrival_s for r in requests)
-    makespan = max(last_finish - first_arrival, 1e-9)
-    # Departure rate between the first and last completion: every request spends
-    # output_length decode steps after its prefill, and counting that fixed tail against
-    # a short trace would understate the rate the system sustains.
-    span = last_finish - first_finish
-    throughput = (len(finish_order) - 1) / span if span > 0 else len(finish_order) / makespan
-    total_bytes = float(sum(ship_bytes))
-    tt = ttft[~np.isnan(ttft)]
-    thr: float | None
-    if policy is PolicyName.SELECTIVE:
-        thr = base_t
-    elif policy is PolicyName.ADAPTIVE:
-        thr = float(np.mean(thresholds_seen)) if thresholds_seen else base_t
-    else:
-        thr = None
-    return PolicyResult(
-        policy=str(policy),
-        requests=n,
-        completed=len(finish_order),
-        makespan_s=makespan,
-        throughput_rps=throughput,
-        ttft_mean_s=float(tt.mean()) if tt.size else math.nan,
-        ttft_p50_s=_percentile(tt, 50),
-        ttft_p90_s=_percentile(tt, 90),
-        ttft_p99_s=_percentile(tt, 99),
-        egress_gbps_mean=8.0 * total_bytes / makespan / 1e9,
-        egress_gbps_peak=_peak_gbps(transfers, first_arrival),
-        offload_fraction=float(offloaded.mean()),
-        cache_hit_ratio=float(hit_tok.sum() / max(1, sum(r.input_length for r in requests))),
-        threshold_tokens=thr,
-        prefill_instances=n_p,
-        decode_instances=n_d,
-        finish_order=tuple(finish_order),
-    )
-
-
-def _peak_gbps(transfers: list[tuple[float, float, float]], t0: float) -> float:
-    """Highest 1-second average egress, spreading each transfer evenly over its duration."""
-    if not transfers:
-        return 0.0
-    end = max(e for _, e, _ in transfers)
+def egress_bins(transfers: Sequence[tuple[float, float, float]], t0: float, t1: float) -> np.ndarray:
+    """Bytes per 1-second bin from ``t0`` (the last bin ends at or after ``t1``), each
+    transfer spread evenly over its duration."""
+    end = max([t1, *(e for _, e, _ in transfers)])
     bins = np.zeros(math.ceil(end - t0) + 2)
     for s, e, b in transfers:
         if b <= 0:
@@ -471,7 +864,121 @@ def _peak_gbps(transfers: list[tuple[float, float, float]], t0: float) -> float:
             lo, hi = max(a, k), min(z, k + 1)
             bins[k] += rate * (hi - lo)
             k += 1
-    return float(bins.max() * 8.0 / 1e9)
+    return bins
+
+
+def _summarize(state: SimState, n_p: float) -> PolicyResult:
+    reqs = state.requests
+    n = len(reqs)
+    first_arrival = min(r.arrival_s for r in reqs)
+    last_arrival = max(r.arrival_s for r in reqs)
+    done = len(state.finish_order)
+    makespan = max(state.last_finish_s - first_arrival, 1e-9)
+    # Departure rate between the first and last completion: every request spends
+    # output_length decode steps after its prefill, and counting that fixed tail against
+    # a short trace would understate the rate the system sustains.
+    span = state.last_finish_s - state.first_finish_s
+    throughput = (done - 1) / span if span > 0 else done / makespan
+    tt = np.asarray([x for x in state.ttft_s if not math.isnan(x)])
+    bins = egress_bins(state.transfers, first_arrival, last_arrival)
+    window = max(last_arrival - first_arrival, 1.0)
+    in_window = bins[: max(1, math.ceil(window))]
+    window_bytes = sum(
+        b * max(0.0, min(e, last_arrival) - max(s, first_arrival)) / (e - s)
+        if e > s
+        else (b if first_arrival <= s <= last_arrival else 0.0)
+        for s, e, b in state.transfers
+    )
+    thr: float | None
+    if state.policy is PolicyName.SELECTIVE:
+        thr = state.threshold_tokens
+    elif state.policy is PolicyName.ADAPTIVE:
+        thr = float(np.mean(state.thresholds_seen)) if state.thresholds_seen else None
+    else:
+        thr = None
+    return PolicyResult(
+        policy=str(state.policy),
+        requests=n,
+        completed=done,
+        makespan_s=makespan,
+        throughput_rps=throughput,
+        ttft_mean_s=float(tt.mean()) if tt.size else math.nan,
+        ttft_p50_s=_percentile(tt, 50),
+        ttft_p90_s=_percentile(tt, 90),
+        ttft_p99_s=_percentile(tt, 99),
+        egress_gbps_mean=8.0 * window_bytes / window / 1e9,
+        egress_gbps_p99=_percentile(in_window, 99) * 8.0 / 1e9 if state.transfers else 0.0,
+        egress_gbps_peak=float(bins.max()) * 8.0 / 1e9 if state.transfers else 0.0,
+        offload_fraction=sum(state.remote) / n,
+        cache_hit_ratio=sum(state.hit_tokens) / max(1, sum(r.input_length for r in reqs)),
+        threshold_tokens=thr,
+        prefill_instances=n_p,
+        decode_instances=state.config.cluster.local_instances - n_p,
+        offered_rps=offered_rate(reqs),
+        retunes=state.adaptive.retunes if state.adaptive is not None else 0,
+        finish_order=tuple(state.finish_order),
+    )
+
+
+def simulate(
+    requests: Sequence[TraceRequest],
+    config: SimulationConfig,
+    policy: PolicyName | str,
+    *,
+    seed: int = 0,
+    threshold_tokens: float | None = None,
+    optimizer: OptimizerResult | None = None,
+    table: ThresholdTable | None = None,
+) -> PolicyResult:
+    """Replay ``requests`` under ``policy``. Deterministic for a given ``seed``.
+
+    ``threshold_tokens`` overrides the optimizer's ``t`` for ``selective`` and the starting
+    ``t`` of ``adaptive``. ``table``: ``adaptive``'s threshold table (computed when absent).
+    """
+    policy = PolicyName(policy)
+    if not requests:
+        raise UsageError("no requests to simulate")
+    cl = config.cluster
+    if policy is not PolicyName.LOCAL and cl.remote_instances < 1:
+        raise UsageError(f"policy {policy} needs at least one remote instance")
+    opt = optimizer if optimizer is not None else optimizer_for(requests, config)
+    dist = LengthDistribution.from_trace(requests)
+    n_p = _split_for(policy, dist, config, opt)
+    t = _policy_threshold(policy, opt)
+    if threshold_tokens is not None and policy is PolicyName.SELECTIVE:
+        t = threshold_tokens
+    if policy is PolicyName.ADAPTIVE:
+        t = threshold_tokens if threshold_tokens is not None else math.inf
+        if table is None:
+            table = threshold_table(
+                dist,
+                model_cluster(requests, config),
+                prefill_instances=n_p,
+                step_tokens=config.threshold_step_tokens,
+            )
+    state = new_state(
+        requests, config, policy, prefill_instances=n_p, threshold_tokens=t, table=table, seed=seed
+    )
+    run_events(state)
+    result = _summarize(state, n_p)
+    model = policy_capacity(
+        policy, requests, config, optimizer=opt, threshold_tokens=result.threshold_tokens
+    )
+    realized = [max(0.0, r.input_length - h) for r, h in zip(requests, state.hit_tokens, strict=True)]
+    model_realized = policy_capacity(
+        policy,
+        requests,
+        config,
+        optimizer=opt,
+        threshold_tokens=result.threshold_tokens,
+        lengths=realized,
+    )
+    return replace(
+        result,
+        capacity_rps=model.lambda_max_rps,
+        capacity_realized_rps=model_realized.lambda_max_rps,
+        balance_slack=model.balance_slack,
+    )
 
 
 def simulate_policies(

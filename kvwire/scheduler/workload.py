@@ -3,6 +3,7 @@ input-length distributions the throughput model integrates over."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from collections.abc import Iterable, Sequence
@@ -42,10 +43,14 @@ class TraceRequest:
 
 def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequest, ...]:
     """Read a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
-    ``output_length``, ``hash_ids``), sorted by arrival."""
+    ``output_length``, ``hash_ids``), sorted by arrival. A ``.gz`` file is decompressed."""
     out: list[TraceRequest] = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with (
+            gzip.open(path, "rt", encoding="utf-8")
+            if str(path).endswith(".gz")
+            else open(path, encoding="utf-8")
+        ) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -63,7 +68,7 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
                     raise UsageError(f"{path}:{lineno}: not a trace record ({exc})") from None
                 if limit is not None and len(out) >= limit:
                     break
-    except OSError as exc:
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read trace {path}: {exc}") from None
     if not out:
         raise UsageError(f"trace {path} holds no requests")
@@ -81,15 +86,23 @@ def synthetic_trace(
     min_tokens: int = 128,
     max_tokens: int = 131072,
     output_tokens: int = 1024,
+    clip: bool = False,
 ) -> tuple[TraceRequest, ...]:
-    """Poisson arrivals with clipped log-normal input lengths (the case-study workload:
-    mu 9.90, sigma 1.00, [128, 128K], 1024 output tokens). No shared prefixes: every
-    request gets fresh block ids."""
+    """Poisson arrivals with log-normal input lengths truncated to ``[min_tokens,
+    max_tokens]`` (the case-study workload: mu 9.90, sigma 1.00, [128, 128K], 1024 output
+    tokens; ``clip=True`` clips instead, piling the tails onto the bounds). No shared
+    prefixes: every request gets fresh block ids."""
     if requests <= 0 or rate_rps <= 0:
         raise UsageError("requests and rate must be positive")
     gaps = rng.exponential(1.0 / rate_rps, size=requests)
     arrivals = np.cumsum(gaps) - gaps[0]
-    lengths = np.clip(np.rint(rng.lognormal(mu, sigma, size=requests)), min_tokens, max_tokens)
+    if clip:
+        raw = rng.lognormal(mu, sigma, size=requests)
+    else:
+        lo, hi = _lognormal_cdf_range(mu, sigma, min_tokens, max_tokens)
+        nd = NormalDist(mu, sigma)
+        raw = np.asarray([math.exp(nd.inv_cdf(u)) for u in rng.uniform(lo, hi, size=requests)])
+    lengths = np.clip(np.rint(raw), min_tokens, max_tokens)
     out: list[TraceRequest] = []
     next_block = 0
     for t, n in zip(arrivals.tolist(), lengths.astype(np.int64).tolist(), strict=True):
@@ -104,6 +117,21 @@ def synthetic_trace(
         )
         next_block += blocks
     return tuple(out)
+
+
+def _lognormal_cdf_range(
+    mu: float, sigma: float, min_tokens: float, max_tokens: float
+) -> tuple[float, float]:
+    """``(F(min), F(max))`` of the log-normal, kept inside (0, 1) for ``inv_cdf``."""
+    if sigma <= 0 or not 0 < min_tokens < max_tokens:
+        raise UsageError("need sigma > 0 and 0 < min_tokens < max_tokens")
+    nd = NormalDist(mu, sigma)
+    eps = 1e-12
+    lo = min(max(nd.cdf(math.log(min_tokens)), eps), 1 - eps)
+    hi = min(max(nd.cdf(math.log(max_tokens)), eps), 1 - eps)
+    if hi <= lo:
+        raise UsageError("the length bounds leave no probability mass")
+    return lo, hi
 
 
 def incremental_lengths(
@@ -146,11 +174,18 @@ class LengthDistribution:
         min_tokens: float = 128,
         max_tokens: float = 131072,
         points: int = 20000,
+        clip: bool = False,
     ) -> LengthDistribution:
-        """A clipped log-normal, represented by ``points`` equally likely quantiles (no
-        sampling noise, so the optimizer's answer is reproducible)."""
+        """A log-normal truncated to ``[min_tokens, max_tokens]`` (conditioned on the
+        range, as the case study describes it), or clipped to it with ``clip=True``;
+        represented by ``points`` equally likely quantiles (no sampling noise, so the
+        optimizer's answer is reproducible)."""
         nd = NormalDist(mu, sigma)
-        qs = [math.exp(nd.inv_cdf((i + 0.5) / points)) for i in range(points)]
+        if clip:
+            lo, hi = 0.0, 1.0
+        else:
+            lo, hi = _lognormal_cdf_range(mu, sigma, min_tokens, max_tokens)
+        qs = [math.exp(nd.inv_cdf(lo + (hi - lo) * (i + 0.5) / points)) for i in range(points)]
         return cls(np.clip(np.asarray(qs), min_tokens, max_tokens))
 
     @classmethod

@@ -10,7 +10,7 @@ from kvwire.scheduler.units import format_rate, parse_rate, parse_rate_schedule
 from kvwire.scheduler.workload import LengthDistribution, load_trace
 
 MiB = 1024 * 1024
-TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "synthetic_trace.jsonl"
+TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_synthetic.jsonl.gz"
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,6 @@ def test_distribution_queries() -> None:
     assert 20_000 < ln.mean < 40_000
 
 
-@pytest.mark.skipif(not TRACE.is_file(), reason="shared trace not present")
 def test_shipped_trace_loads() -> None:
     reqs = load_trace(TRACE)
     assert len(reqs) == 3993

@@ -10,7 +10,6 @@ from kvwire.scheduler.profile import builtin_profile
 from kvwire.scheduler.simulator import (
     PolicyName,
     SimulationConfig,
-    retune_threshold,
     simulate,
     simulate_policies,
 )
@@ -67,15 +66,6 @@ def test_link_schedule_integrates_rate() -> None:
     assert link.finish_time(0.0, 1.5e9) == pytest.approx(2.25)
     assert link.rate_at(1.5) == 0.0
     assert link.mean_rate(3.0) == pytest.approx(8e9)
-
-
-def test_controller_moves_toward_idle_path() -> None:
-    up = retune_threshold(8192, local_backlog_s=0, remote_backlog_s=10, max_tokens=1e5)
-    down = retune_threshold(8192, local_backlog_s=10, remote_backlog_s=0, max_tokens=1e5)
-    still = retune_threshold(8192, local_backlog_s=1, remote_backlog_s=1.1, max_tokens=1e5)
-    assert up > 8192 > down and still == 8192
-    assert retune_threshold(0, local_backlog_s=0, remote_backlog_s=9, max_tokens=1e5) == 512
-    assert retune_threshold(600, local_backlog_s=9, remote_backlog_s=0, max_tokens=1e5) == 0
 
 
 @pytest.mark.parametrize("trace", [small_trace(), shared_prefix_trace()])
