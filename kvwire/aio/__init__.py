@@ -9,11 +9,12 @@ from __future__ import annotations
 import ssl as _ssl
 from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
+from typing import Any, Unpack
 
 from kvwire.aio.client import ClientOptions, Peer, Receipt
 from kvwire.aio.server import Server, ServerOptions, Transfer, make_server_options
 from kvwire.errors import UsageError
+from kvwire.options import ConnectOptions, ServeOptions, Streams
 from kvwire.spec import KVSpec
 
 
@@ -25,14 +26,15 @@ def serve(
     ssl: _ssl.SSLContext | None = None,
     spec: KVSpec | Sequence[KVSpec] | None = None,
     registry: Any = None,
-    **options: Any,
+    **options: Unpack[ServeOptions],
 ) -> Server:
     """A server receiving KV caches on ``host:port`` (``port=0`` picks a free one).
 
     ``spec`` restricts the KV layouts accepted; ``registry`` (a
     :mod:`kvwire.consistency` registry) makes the server refuse transfers whose prefix
     blocks are stale and publish the blocks of those it completes; ``options`` are the
-    fields of :class:`ServerOptions` (limits, windows, timeouts).  Use as ``async with``.
+    fields of :class:`ServerOptions` (limits, windows, timeouts; typed by
+    :class:`kvwire.options.ServeOptions`).  Use as ``async with``.
     """
     return Server(
         host, port, secret=secret, ssl=ssl, options=make_server_options(spec, **options),
@@ -45,18 +47,19 @@ def connect(
     port: int,
     *,
     secret: bytes,
-    streams: int | str = 1,
+    streams: Streams = 1,
     codec: str = "raw",
     ssl: _ssl.SSLContext | None = None,
     server_hostname: str | None = None,
-    **options: Any,
+    **options: Unpack[ConnectOptions],
 ) -> Peer:
     """A client session of ``streams`` TCP connections to a kvwire server.
 
     ``streams="auto"`` opens ``max_streams`` connections and stripes over as many as the
     path rewards (more while one stream's window is the limit, fewer when not).
     ``codec`` is the default for :meth:`Peer.send` (``"auto"``: chosen per chunk from
-    the live bandwidth estimate); ``options`` are the fields of :class:`ClientOptions`.
+    the live bandwidth estimate); ``options`` are the fields of :class:`ClientOptions`
+    (typed by :class:`kvwire.options.ConnectOptions`).
     Use as ``async with``.
     """
     known = {f.name for f in fields(ClientOptions)}
