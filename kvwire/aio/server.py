@@ -934,13 +934,24 @@ class Server:
         task.add_done_callback(self._tasks.discard)
 
     async def _verify_and_accept(self, stream: StreamProtocol, sess: _Session, transfer: Transfer) -> None:
-        """Refuse a transfer whose blocks the registry already holds newer, before any data moves."""
-        try:
-            superseded = await self.registry.superseded(transfer.blocks)
-        except KvwireError as exc:
-            error: KvwireError | None = RegistryUnavailableError(f"registry check failed: {exc}")
+        """Refuse a transfer unless the registry holds every one of its blocks fresh at the
+        announced version, before any data moves (docs/consistency.md: ``check_many``).
+
+        Fail closed: a version the registry never issued (it lost its data, or a peer made
+        one up) is stale like an old one, so a peer can only announce, and the server
+        only ever publishes, versions the registry already confirmed.
+        """
+        error: KvwireError | None
+        made_up = [b for b, v in transfer.blocks if not 0 <= v < MAX_BLOCK_VERSION]
+        if made_up:
+            error = _stale(made_up)
         else:
-            error = _stale(superseded) if superseded else None
+            try:
+                stale = await self.registry.check_many(transfer.blocks)
+            except KvwireError as exc:
+                error = RegistryUnavailableError(f"registry check failed: {exc}")
+            else:
+                error = _stale(stale) if stale else None
         if error is not None:
             self.transfers_refused += 1
             transfer.fail(error)
@@ -1058,6 +1069,10 @@ class Server:
             stream.conn.send_reset(transfer.transfer_id, exc.code, _wire_text(str(exc)))
         stream.conn.send_ack(address)
         stream.flush()
+
+
+#: Registries issue versions below 2**53 (exact in a double); anything above was never issued.
+MAX_BLOCK_VERSION = 1 << 53
 
 
 def _decode_blocks(begin: Begin) -> list[tuple[Any, int]]:

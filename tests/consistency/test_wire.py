@@ -28,14 +28,26 @@ async def test_fresh_blocks_are_accepted_and_published(registry: Any) -> None:
     assert await registry.lookup([101, 102]) == versions
 
 
-async def test_newer_blocks_from_a_remote_prefill_are_published(registry: Any) -> None:
-    # The receiver's registry has never seen these blocks: a newer version is accepted.
+async def test_never_issued_versions_are_refused_and_never_published(registry: Any) -> None:
+    # What a receiver sees after its registry lost its data, or from a peer making versions
+    # up: the block is unknown, or the version is above anything issued.  Fail closed.
+    lease = await registry.begin(["blk-y"], owner="a", ttl=30)
+    [(_, vy)] = await registry.commit(lease)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, registry=registry) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
-            recv = asyncio.create_task(server.expect("remote"))
-            await peer.send("remote", SPEC, make_layers(4, 8, 2, 16), blocks=[("blk-x", 7)], timeout=10)
-            await (await recv).collect(timeout=10)
-    assert await registry.lookup(["blk-x"]) == [("blk-x", 7)]
+            for blocks in ([("blk-x", 7)], [("blk-y", vy + 1000)], [("blk-y", 2**53 - 1)], [("blk-y", 2**60)]):
+                with pytest.raises(kvwire.StaleVersionError, match="stale"):
+                    await peer.send("made-up", SPEC, make_layers(4, 8, 2, 16), blocks=blocks, timeout=10)
+            assert server.statistics()["transfers_refused"] == 4
+            # nothing was published: the registry still holds what it issued, and a later
+            # commit is not poisoned by the huge version a peer announced
+            assert await registry.lookup(["blk-y"]) == [("blk-y", vy)]
+            assert await registry.check_many([("blk-x", 7)]) == ["blk-x"]
+            await registry.invalidate("blk-y")
+            lease = await registry.begin(["blk-y"], owner="a", ttl=30)
+            [(_, v2)] = await registry.commit(lease)
+            assert vy < v2 < 2**53 - 1
+            await peer.send("fresh", SPEC, make_layers(4, 8, 2, 16), blocks=[("blk-y", v2)], timeout=10)
 
 
 async def test_stale_transfer_is_refused_on_both_sides_before_data_moves(registry: Any) -> None:
