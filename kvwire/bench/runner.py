@@ -494,42 +494,47 @@ async def _send_loop(
             "transfers": 0, "cpu_s": 0.0, "retransmits": retr0, "chunks_by_codec": {},
         }
 
+        sampler = {"last_t": time.monotonic(), "last_b": peer.bytes_sent,
+                   "edge": start - base + cfg.interval}
+        pending: list[dict[str, Any]] = []  # samples of the interval in progress
+        reported = [res.initial]  # the sample that ended the last reported interval
+
+        def take_sample(final: bool = False) -> None:
+            now, sent = time.monotonic(), peer.bytes_sent
+            stats = peer.statistics()
+            link = rate_at(cfg.steps, now - base)
+            point: dict[str, Any] = {
+                "t": now - base,
+                "wire_gbps": (sent - sampler["last_b"]) * 8 / max(now - sampler["last_t"], 1e-9) / 1e9,
+                "estimated_gbps": stats.get("estimated_gbps"),
+                "link_gbps": link / 1e9 if link is not None else None,
+                "bytes_sent": sent,
+                "kv_bytes_done": kv_done,
+                "transfers": len(res.receipts),
+                "streams": peer.active_streams,
+                "bytes_in_flight": stats.get("bytes_in_flight"),
+                "inflight_target": stats.get("inflight_target"),
+                "retransmits": _retransmits(stats),
+                "cpu_s": _cpu() - cpu0,
+                "chunks_by_codec": dict(chunks_by_codec),
+            }
+            sampler["last_t"], sampler["last_b"] = now, sent
+            res.samples.append(point)
+            pending.append(point)
+            if on_progress is not None:
+                on_progress({**point, "elapsed": now - start, "duration": cfg.duration})
+            if point["t"] >= sampler["edge"] - 1e-9 or final:
+                if on_interval is not None:
+                    on_interval(one_interval(reported[0], pending))
+                reported[0] = point
+                pending.clear()
+                while sampler["edge"] <= point["t"] + 1e-9:
+                    sampler["edge"] += cfg.interval
+
         async def sample() -> None:
-            last_t, last_b = time.monotonic(), peer.bytes_sent
-            prev: dict[str, Any] = res.initial
-            group: list[dict[str, Any]] = []
-            edge = start - base + cfg.interval
             while True:
                 await asyncio.sleep(cfg.sample_interval)
-                now, sent = time.monotonic(), peer.bytes_sent
-                stats = peer.statistics()
-                link = rate_at(cfg.steps, now - base)
-                point: dict[str, Any] = {
-                    "t": now - base,
-                    "wire_gbps": (sent - last_b) * 8 / max(now - last_t, 1e-9) / 1e9,
-                    "estimated_gbps": stats.get("estimated_gbps"),
-                    "link_gbps": link / 1e9 if link is not None else None,
-                    "bytes_sent": sent,
-                    "kv_bytes_done": kv_done,
-                    "transfers": len(res.receipts),
-                    "streams": peer.active_streams,
-                    "bytes_in_flight": stats.get("bytes_in_flight"),
-                    "inflight_target": stats.get("inflight_target"),
-                    "retransmits": _retransmits(stats),
-                    "cpu_s": _cpu() - cpu0,
-                    "chunks_by_codec": dict(chunks_by_codec),
-                }
-                last_t, last_b = now, sent
-                res.samples.append(point)
-                group.append(point)
-                if on_progress is not None:
-                    on_progress({**point, "elapsed": now - start, "duration": cfg.duration})
-                if point["t"] >= edge - 1e-9:
-                    if on_interval is not None:
-                        on_interval(one_interval(prev, group))
-                    prev, group = point, []
-                    while edge <= point["t"] + 1e-9:
-                        edge += cfg.interval
+                take_sample()
 
         async def reshape() -> None:
             # Kernel mode: tc changes the rate at the schedule's steps.
@@ -565,6 +570,9 @@ async def _send_loop(
                 if time.monotonic() - start >= cfg.duration:
                     break
             res.ended = time.monotonic()
+            tasks[0].cancel()  # the sampler: one last sample covers every completed transfer
+            await asyncio.gather(tasks[0], return_exceptions=True)
+            take_sample(final=True)
             res.cpu_s = _cpu() - cpu0
             machine1 = machine_cpu_times()
             if machine0 is not None and machine1 is not None:
