@@ -67,6 +67,8 @@ def make_cache(tokens: int, seed: int = 0) -> list[tuple[np.ndarray[Any, Any], n
 
 
 def _sha(buf: Any) -> str:
+    if isinstance(buf, np.ndarray):
+        return hashlib.sha256(memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))).hexdigest()
     return hashlib.sha256(memoryview(buf).cast("B")).hexdigest()
 
 
@@ -120,10 +122,15 @@ def run_tests(out: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests", "-q", "-p", "no:cacheprovider",
            "--continue-on-collection-errors"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    log.write_text(proc.stdout + "\n" + proc.stderr)
-    tail = [line for line in proc.stdout.splitlines() if line.strip()][-1:] or [""]
-    return {"returncode": proc.returncode, "summary": tail[0], "seconds": round(time.perf_counter() - t0, 1)}
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=150)
+        stdout, stderr, rc = proc.stdout, proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr, rc = "timed out after 150 s", -1
+    log.write_text(stdout + "\n" + stderr)
+    tail = [line for line in stdout.splitlines() if line.strip()][-1:] or [""]
+    return {"returncode": rc, "summary": tail[0], "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def _device_cache(dtype: str) -> list[tuple[Any, Any]]:
@@ -266,8 +273,8 @@ async def _transfer(codec: str, depth: int, tokens: int) -> dict[str, Any]:
         async with kvwire.connect("127.0.0.1", server.port, secret=secret, codec=codec) as peer:
             recv = asyncio.create_task(server.accept())
             t0 = time.perf_counter()
-            receipt = await peer.send("bench", spec, dev, timeout=300)
-            cache = await (await recv).collect(device="gpu", timeout=300)
+            receipt = await peer.send("bench", spec, dev, timeout=55)
+            cache = await (await recv).collect(device="gpu", timeout=55)
             seconds = time.perf_counter() - t0
     assert len(cache.layers) == LAYERS
     return {
@@ -282,7 +289,7 @@ def transfers(tokens: int) -> list[dict[str, Any]]:
     for codec in ("raw", "fp8", "int4"):
         for depth in (1, 4):
             try:
-                r = asyncio.run(_transfer(codec, depth, tokens))
+                r = asyncio.run(asyncio.wait_for(_transfer(codec, depth, tokens), 60))
             except Exception as exc:
                 r = {"codec": codec, "pipeline_depth": depth, "error": repr(exc)}
             print(f"transfer {r}", flush=True)

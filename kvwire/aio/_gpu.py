@@ -145,8 +145,8 @@ async def copy_raw_chunks(
     device_id = int(x.device.id)
     stream = stream_for(device_id)
     with x.device:
-        stream.wait_event(cupy.cuda.get_current_stream().record())
         x = cupy.ascontiguousarray(x)
+        stream.wait_event(cupy.cuda.get_current_stream().record())
     row = int(x.nbytes // x.shape[0])
     pending: deque[tuple[int, Any, Any]] = deque()
     queued = 0

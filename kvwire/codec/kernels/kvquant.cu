@@ -21,6 +21,9 @@ typedef long long kv_i64;
 #define KV_FLAG_OVERFLOW 8u   // decode: a value overflows float32
 #define KV_FLAG_OUTSIDE 16u   // decode: a value does not fit the output dtype
 
+__device__ __forceinline__ kv_u32 kv_umax(kv_u32 a, kv_u32 b) { return a > b ? a : b; }
+__device__ __forceinline__ kv_u32 kv_umin(kv_u32 a, kv_u32 b) { return a < b ? a : b; }
+
 template <int DT> __device__ __forceinline__ float kv_widen(kv_u32 b) {
     return DT == 0 ? kv_f16_to_f32((kv_u16)b) : (DT == 1 ? kv_bf16_to_f32((kv_u16)b) : kv_bits_f32(b));
 }
@@ -106,13 +109,13 @@ __device__ void rowwise_encode_vec(const uint4* x, kv_i64 tokens, int heads, int
         if (active && vi < nvec) {
             v[j] = __ldg(x + row * nvec + vi);
 #pragma unroll
-            for (int e = 0; e < EPV; ++e) amax = max(amax, kv_mag<DT>(kv_elem<DT>(v[j], e)));
+            for (int e = 0; e < EPV; ++e) amax = kv_umax(amax, kv_mag<DT>(kv_elem<DT>(v[j], e)));
         } else {
             v[j] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
 #pragma unroll
-    for (int off = LPR / 2; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    for (int off = LPR / 2; off > 0; off >>= 1) amax = kv_umax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
     if (!active) return;
     const float s = FP8 ? kv_fp8_scale(kv_widen<DT>(amax)) : kv_int8_scale(kv_widen<DT>(amax));
     const KvRowPlace place = kv_row_place(row, heads, dim, tokens, chunk_tokens, chunk_bytes, out);
@@ -147,9 +150,9 @@ __device__ void rowwise_encode_any(const void* x, kv_i64 tokens, int heads, int 
     const bool active = row < rows;
     kv_u32 amax = 0;
     if (active)
-        for (int d = lane; d < dim; d += 32) amax = max(amax, kv_mag<DT>(kv_load<DT>(x, row * dim + d)));
+        for (int d = lane; d < dim; d += 32) amax = kv_umax(amax, kv_mag<DT>(kv_load<DT>(x, row * dim + d)));
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    for (int off = 16; off > 0; off >>= 1) amax = kv_umax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
     if (!active) return;
     const float s = FP8 ? kv_fp8_scale(kv_widen<DT>(amax)) : kv_int8_scale(kv_widen<DT>(amax));
     const KvRowPlace place = kv_row_place(row, heads, dim, tokens, chunk_tokens, chunk_bytes, out);
@@ -280,10 +283,10 @@ __device__ void int4_stats(const void* x, kv_i64 tokens, int heads, int dim, int
     kv_u32 lo = 0xFFFFFFFFu, hi = 0, amax = 0;
     for (int k = 0; k < grp.count; ++k) {
         const kv_u32 b = kv_load<DT>(x, base + k * grp.stride);
-        amax = max(amax, kv_mag<DT>(b));
+        amax = kv_umax(amax, kv_mag<DT>(b));
         const kv_u32 key = kv_order_key(kv_widen<DT>(b));
-        lo = min(lo, key);
-        hi = max(hi, key);
+        lo = kv_umin(lo, key);
+        hi = kv_umax(hi, key);
     }
     const float flo = kv_canonical_zero(kv_from_order_key(lo));
     const float fhi = kv_canonical_zero(kv_from_order_key(hi));
