@@ -5,26 +5,108 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 from dataclasses import replace
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 import numpy as np
 
 from kvwire.errors import KvwireError, UsageError
 from kvwire.scheduler.link import LinkSchedule
-from kvwire.scheduler.model import ClusterConfig
+from kvwire.scheduler.model import ClusterConfig, OptimizerResult
 from kvwire.scheduler.profile import BUILTIN_PROFILES, load_profile
 from kvwire.scheduler.simulator import (
     PolicyName,
     PolicyResult,
     SimulationConfig,
+    offered_rate,
+    optimizer_for,
+    policy_capacity,
+    scale_to_load,
     simulate,
     simulate_policies,
 )
-from kvwire.scheduler.units import format_rate, parse_rate, parse_rate_schedule
 from kvwire.scheduler.workload import TraceRequest, load_trace, synthetic_trace
+from kvwire.units import (
+    argument_type,
+    format_duration,
+    format_rate,
+    format_schedule,
+    parse_duration,
+    parse_rate,
+    parse_schedule,
+)
 
 __all__ = ["add_parser", "run"]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise UsageError(f"{text!r} must be >= 1")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise UsageError(f"{text!r} must be >= 0")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a number") from None
+    if not value > 0 or not math.isfinite(value):
+        raise UsageError(f"{text!r} must be > 0")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a number") from None
+    if not value >= 0 or not math.isfinite(value):
+        raise UsageError(f"{text!r} must be >= 0")
+    return value
+
+
+def _positive_rate(text: str) -> float:
+    rate = parse_rate(text)
+    if not rate > 0:
+        raise UsageError(f"rate {text!r} must be > 0")
+    return rate
+
+
+def _policy(text: str) -> PolicyName:
+    try:
+        return PolicyName(text)
+    except ValueError:
+        raise UsageError(f"unknown policy {text!r}; use {', '.join(PolicyName)}") from None
+
+
+def _policies(text: str) -> list[PolicyName]:
+    out = [_policy(x.strip()) for x in text.split(",") if x.strip()]
+    if not out:
+        raise UsageError("no policy given")
+    return out
+
+
+POSITIVE_INT = argument_type(_positive_int, "int")
+NON_NEGATIVE_INT = argument_type(_non_negative_int, "int")
+POSITIVE = argument_type(_positive_float, "number")
+NON_NEGATIVE = argument_type(_non_negative_float, "number")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -35,50 +117,122 @@ def add_parser(subparsers: Any) -> None:
         description=(
             "Replay a Mooncake-format trace (or a synthetic log-normal workload) over a "
             "remote prefill cluster, a local PD cluster and the link between them, under "
-            "each policy. Defaults: the case study (1T hybrid, 4 remote 8xH200, 8 local "
-            "8xH20 at 0.15 relative compute, 100 Gbit/s)."
+            "each policy, and report the load it ran at, each policy's capacity according "
+            "to the throughput model, and which policies saturate. Defaults: the case study "
+            "(1T hybrid, 4 remote 8xH200, 8 local 8xH20 at 0.15 relative compute, 100 Gbit/s). "
+            "Rates: 100gbps, 2.5gbit, 800mbps, 1.25GB/s; times: 20ms, 1.5s; schedules: "
+            "TIME:RATE[,TIME:RATE...] starting at 0."
         ),
     )
     p.set_defaults(func=run)
     w = p.add_argument_group("workload")
-    w.add_argument("--trace", help="JSONL trace (Mooncake format); omitted: synthetic log-normal")
-    w.add_argument("--limit", type=int, help="use only the first N requests of the trace")
-    w.add_argument(
-        "--speedup", type=float, default=1.0, help="compress arrival times by this factor"
-    )
-    w.add_argument("--requests", type=int, default=4000, help="synthetic: number of requests")
-    w.add_argument("--rate", type=float, default=2.0, help="synthetic: arrivals per second")
-    w.add_argument("--mu", type=float, default=9.90, help="synthetic: log-normal mu")
-    w.add_argument("--sigma", type=float, default=1.00, help="synthetic: log-normal sigma")
-    w.add_argument("--output-tokens", type=int, default=1024, help="synthetic: output length")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--trace", metavar="FILE",
+                   help="Mooncake-format JSONL trace (.gz accepted); omitted: synthetic log-normal")
+    w.add_argument("--limit", type=POSITIVE_INT, metavar="N",
+                   help="use only the first N requests of the trace")
+    load = w.add_mutually_exclusive_group()
+    load.add_argument("--speedup", type=POSITIVE, default=1.0, metavar="X",
+                      help="compress arrival times by this factor (default 1: as recorded)")
+    load.add_argument("--load", type=POSITIVE, metavar="F",
+                      help="rescale arrivals so the offered rate is F x the model's capacity "
+                           "of --load-baseline (e.g. 0.7)")
+    w.add_argument("--load-baseline", type=argument_type(_policy, "policy"),
+                   default=PolicyName.SELECTIVE, metavar="POLICY",
+                   help="policy whose capacity --load refers to (default: selective)")
+    w.add_argument("--requests", type=POSITIVE_INT, default=4000, metavar="N",
+                   help="synthetic: number of requests (default 4000)")
+    w.add_argument("--rate", type=POSITIVE, default=2.0, metavar="RPS",
+                   help="synthetic: Poisson arrivals per second (default 2)")
+    w.add_argument("--mu", type=float, default=9.90, help="synthetic: log-normal mu of the input length (default 9.90)")
+    w.add_argument("--sigma", type=POSITIVE, default=1.00,
+                   help="synthetic: log-normal sigma of the input length (default 1.00)")
+    w.add_argument("--min-tokens", type=POSITIVE_INT, default=128,
+                   help="synthetic: shortest input (default 128)")
+    w.add_argument("--max-tokens", type=POSITIVE_INT, default=131072,
+                   help="synthetic: longest input (default 131072)")
+    w.add_argument("--clip-lengths", action="store_true",
+                   help="synthetic: clip the log-normal to [min, max] instead of truncating it")
+    w.add_argument("--output-tokens", type=POSITIVE_INT, default=1024,
+                   help="synthetic: output length of every request (default 1024)")
+    w.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic workload and of the bandwidth noise (default 0)")
     s = p.add_argument_group("system")
-    s.add_argument(
-        "--profile",
-        default="hybrid-1t",
-        help=f"remote instance profile: {', '.join(BUILTIN_PROFILES)} or a .json/.toml file",
-    )
-    s.add_argument("--local-profile", help="local prefill profile file (default: scaled remote)")
-    s.add_argument("--relative-compute", type=float, default=0.15, help="local/remote compute")
-    s.add_argument("--remote-instances", type=int, default=4)
-    s.add_argument("--local-instances", type=int, default=8)
-    s.add_argument("--prefill-instances", type=int, help="local N_p (default: model's best)")
-    s.add_argument("--decode-step-ms", type=float, default=50.0)
-    s.add_argument("--decode-batch", type=int, default=64)
-    s.add_argument("--link", default="100gbps", help="link rate, e.g. 100gbps, 10gbit, 800mbps")
-    s.add_argument("--link-schedule", help="rate over time, e.g. '0:10gbps,300:2.5gbps,600:10gbps'")
-    s.add_argument("--rtt-ms", type=float, default=10.0)
-    s.add_argument("--cache-blocks", type=int, default=32768, help="prefix cache per cluster")
+    s.add_argument("--profile", default="hybrid-1t",
+                   help=f"remote instance profile: {', '.join(BUILTIN_PROFILES)} or a .json/.toml file")
+    s.add_argument("--local-profile", metavar="FILE",
+                   help="local prefill profile file (default: the remote one at --relative-compute)")
+    s.add_argument("--relative-compute", type=POSITIVE, default=0.15,
+                   help="local instance compute relative to a remote one (default 0.15: H20 vs H200)")
+    s.add_argument("--remote-instances", type=NON_NEGATIVE_INT, default=4,
+                   help="remote prefill instances (default 4)")
+    s.add_argument("--local-instances", type=POSITIVE_INT, default=8,
+                   help="local PD instances, split between prefill and decode (default 8)")
+    s.add_argument("--prefill-instances", type=NON_NEGATIVE, metavar="N_P",
+                   help="local prefill instances N_p (default: the model's best split per policy)")
+    s.add_argument("--split-granularity", choices=["instance", "gpu"], default="instance",
+                   help="prefill/decode split in whole instances or in GPUs (default instance)")
+    s.add_argument("--gpus-per-instance", type=POSITIVE_INT, default=8,
+                   help="GPUs of one local instance, for --split-granularity gpu (default 8)")
+    s.add_argument("--decode-step", type=argument_type(parse_duration, "duration"),
+                   default=0.05, metavar="TIME", help="one decode step of a full batch (default 50ms)")
+    s.add_argument("--decode-batch", type=POSITIVE_INT, default=64,
+                   help="concurrent sequences per decode instance (default 64)")
+    link = s.add_mutually_exclusive_group()
+    link.add_argument("--link", type=argument_type(_positive_rate, "rate"), default=100e9,
+                      metavar="RATE", help="link rate, e.g. 100gbps, 10gbit, 800mbps (default 100gbps)")
+    link.add_argument("--link-schedule", type=argument_type(parse_schedule, "schedule"),
+                      metavar="SCHEDULE",
+                      help="rate over time, e.g. 0s:10gbps,300s:1gbps,600s:10gbps (replaces --link)")
+    s.add_argument("--rtt", type=argument_type(parse_duration, "duration"), default=0.01,
+                   metavar="TIME", help="round-trip time between the clusters (default 10ms)")
+    s.add_argument("--cache-blocks", type=NON_NEGATIVE_INT, metavar="N",
+                   help="prefix cache of each cluster, 512-token blocks "
+                        "(default: the profile's per-instance size x instances)")
+    a = p.add_argument_group("adaptive policy")
+    a.add_argument("--bandwidth-noise", type=NON_NEGATIVE, default=0.0,
+                   help="relative standard deviation of the bandwidth estimate (default 0)")
+    a.add_argument("--bandwidth-window", type=argument_type(parse_duration, "duration"),
+                   default=60.0, metavar="TIME",
+                   help="time constant of adaptive's bandwidth average (default 60s)")
+    a.add_argument("--hysteresis", type=NON_NEGATIVE, default=0.25,
+                   help="relative bandwidth change before adaptive retunes (default 0.25)")
     o = p.add_argument_group("policies and output")
-    o.add_argument(
-        "--policy",
-        default=",".join(PolicyName),
-        help="comma-separated: " + ", ".join(PolicyName),
-    )
-    o.add_argument("--threshold", type=float, help="fixed t for selective / start t for adaptive")
-    o.add_argument("--json", help="write per-policy results to this file")
-    o.add_argument("--plot", help="write throughput against t (model + simulated) to this PNG")
-    o.add_argument("--plot-points", type=int, default=12, help="simulated thresholds on the plot")
+    o.add_argument("--policy", type=argument_type(_policies, "policies"),
+                   default=list(PolicyName), metavar="LIST",
+                   help="comma-separated: " + ", ".join(PolicyName) + " (default: all)")
+    o.add_argument("--threshold", type=NON_NEGATIVE, metavar="TOKENS",
+                   help="fixed t for selective / start t for adaptive (default: the optimizer's)")
+    o.add_argument("--json", metavar="FILE",
+                   help="write the configuration and per-policy results as JSON ('-': stdout)")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="plot throughput against t, model and simulated (needs matplotlib)")
+    o.add_argument("--plot-points", type=POSITIVE_INT, default=12,
+                   help="simulated thresholds on the plot (default 12)")
+
+
+def _check_output(path: str, what: str) -> None:
+    """Fail before the run, not after it: the folder exists and is writable."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{what} {path!r} is a directory")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise UsageError(f"{what} {path!r}: folder {str(folder)!r} does not exist")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"{what} {path!r} is not writable")
+
+
+def _preflight(args: argparse.Namespace) -> None:
+    if args.json and args.json != "-":
+        _check_output(args.json, "--json")
+    if args.plot:
+        _check_output(args.plot, "--plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib (pip install kvwire[plot])") from None
+    if args.min_tokens >= args.max_tokens:
+        raise UsageError("--min-tokens must be below --max-tokens")
 
 
 def _workload(args: argparse.Namespace) -> tuple[TraceRequest, ...]:
@@ -91,121 +245,190 @@ def _workload(args: argparse.Namespace) -> tuple[TraceRequest, ...]:
             rate_rps=args.rate,
             mu=args.mu,
             sigma=args.sigma,
+            min_tokens=args.min_tokens,
+            max_tokens=args.max_tokens,
             output_tokens=args.output_tokens,
+            clip=args.clip_lengths,
         )
-    if args.speedup <= 0:
-        raise UsageError("--speedup must be > 0")
     if args.speedup != 1.0:
         reqs = tuple(replace(r, arrival_s=r.arrival_s / args.speedup) for r in reqs)
     return reqs
 
 
 def _config(args: argparse.Namespace) -> SimulationConfig:
-    if args.link_schedule:
-        link = LinkSchedule.from_pairs(parse_rate_schedule(args.link_schedule))
-    else:
-        link = LinkSchedule.constant(parse_rate(args.link))
+    schedule = args.link_schedule or ((0.0, args.link),)
+    link = LinkSchedule.from_pairs(schedule)
     cluster = ClusterConfig(
         remote_profile=load_profile(args.profile),
         local_profile=load_profile(args.local_profile) if args.local_profile else None,
         remote_instances=args.remote_instances,
         local_instances=args.local_instances,
         relative_compute=args.relative_compute,
-        decode_step_s=args.decode_step_ms / 1000.0,
+        decode_step_s=args.decode_step,
         decode_batch_max=args.decode_batch,
         egress_bps=link.rates_bps[0],
+        gpus_per_instance=args.gpus_per_instance,
+        split_granularity=args.split_granularity,
     )
+    if args.decode_step <= 0:
+        raise UsageError("--decode-step must be > 0")
     return SimulationConfig(
         cluster=cluster,
         link=link,
-        rtt_s=args.rtt_ms / 1000.0,
+        rtt_s=args.rtt,
         prefill_instances=args.prefill_instances,
         remote_cache_blocks=args.cache_blocks,
         local_cache_blocks=args.cache_blocks,
+        bandwidth_noise=args.bandwidth_noise,
+        bandwidth_time_constant_s=args.bandwidth_window,
+        hysteresis=args.hysteresis,
     )
 
 
+def _at_load(
+    reqs: tuple[TraceRequest, ...], config: SimulationConfig, load: float, baseline: PolicyName
+) -> tuple[tuple[TraceRequest, ...], float]:
+    """Arrivals rescaled so the offered rate is ``load`` x the baseline's capacity. The
+    model's capacity depends on the mean link rate over the arrival window, which the
+    rescaling changes under a rate schedule: a few fixed-point rounds settle it."""
+    cap = math.nan
+    for _ in range(4):
+        cap = policy_capacity(baseline, reqs, config).lambda_max_rps
+        if not math.isfinite(cap) or cap <= 0:
+            raise UsageError(f"the model gives {baseline} no finite capacity to scale --load to")
+        if abs(offered_rate(reqs) / cap - load) < 1e-3 * load:
+            break
+        reqs = scale_to_load(reqs, load * cap)
+    return reqs, cap
+
+
 def _fmt(x: float | None, spec: str) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "-"
     return format(x, spec)
 
 
-def _print_table(results: tuple[PolicyResult, ...], caption: str) -> None:
+def _print_table(results: tuple[PolicyResult, ...], caption: str, out: TextIO) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="kvwire simulate", caption=caption)
-    for col in (
-        "policy",
-        "thr rps",
-        "TTFT mean",
-        "P50",
-        "P90",
-        "P99",
-        "egress Gb/s",
-        "peak",
-        "offload",
-        "cache hit",
-        "t (tok)",
-        "Np/Nd",
-    ):
+    cols = ("policy", "capacity", "util", "thr rps", "saturated", "TTFT P50", "P90", "P99",
+            "egress Gbit/s", "P99", "offload", "cache hit", "t (tok)", "Np/Nd", "slack")
+    for col in cols:
         table.add_column(col, justify="left" if col == "policy" else "right")
     for r in results:
         table.add_row(
             r.policy,
+            _fmt(r.capacity_rps, ".3f"),
+            _fmt(r.utilization, ".2f"),
             _fmt(r.throughput_rps, ".3f"),
-            _fmt(r.ttft_mean_s, ".2f"),
+            "SATURATED" if r.saturated else "no",
             _fmt(r.ttft_p50_s, ".2f"),
             _fmt(r.ttft_p90_s, ".2f"),
             _fmt(r.ttft_p99_s, ".2f"),
             _fmt(r.egress_gbps_mean, ".2f"),
-            _fmt(r.egress_gbps_peak, ".1f"),
+            _fmt(r.egress_gbps_p99, ".1f"),
             _fmt(r.offload_fraction, ".3f"),
             _fmt(r.cache_hit_ratio, ".3f"),
             _fmt(r.threshold_tokens, ".0f"),
-            f"{r.prefill_instances}/{r.decode_instances}",
+            f"{r.prefill_instances:g}/{r.decode_instances:g}",
+            _fmt(r.balance_slack, "+.2f"),
         )
-    Console(width=130).print(table)
+    Console(width=160, file=out).print(table)
+
+
+def _json_safe(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _document(
+    args: argparse.Namespace,
+    reqs: tuple[TraceRequest, ...],
+    config: SimulationConfig,
+    opt: OptimizerResult,
+    results: tuple[PolicyResult, ...],
+) -> dict[str, Any]:
+    b = opt.best
+    return {
+        "workload": {
+            "source": args.trace or "synthetic",
+            "requests": len(reqs),
+            "offered_rps": _json_safe(offered_rate(reqs)),
+            "load": args.load,
+            "load_baseline": str(args.load_baseline) if args.load else None,
+            "speedup": args.speedup,
+            "seed": args.seed,
+        },
+        "system": {
+            "profile": config.cluster.remote_profile.name,
+            "remote_instances": config.cluster.remote_instances,
+            "local_instances": config.cluster.local_instances,
+            "relative_compute": config.cluster.relative_compute,
+            "split_granularity": config.cluster.split_granularity,
+            "decode_step_s": config.cluster.decode_step_s,
+            "decode_batch_max": config.cluster.decode_batch_max,
+            "link_schedule": [[t, r] for t, r in zip(config.link.starts_s, config.link.rates_bps, strict=True)],
+            "rtt_s": config.rtt_s,
+            "cache_blocks": {"remote": config.cache_blocks("remote"), "local": config.cache_blocks("local")},
+        },
+        "model": {
+            "threshold_tokens": b.threshold_tokens,
+            "prefill_instances": b.prefill_instances,
+            "decode_instances": b.decode_instances,
+            "lambda_max_rps": _json_safe(b.lambda_max_rps),
+            "offload_fraction": b.offload_fraction,
+            "binding": str(b.binding),
+            "balance_slack": _json_safe(b.balance_slack),
+            "egress_bps": _json_safe(config.link.mean_rate(max(r.arrival_s for r in reqs) or 1.0)),
+        },
+        "policies": {r.policy: r.as_json() for r in results},
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the ``simulate`` subcommand; 0 on success, 2 on a usage error."""
+    to_stdout = args.json == "-"
+    out = sys.stderr if to_stdout else sys.stdout
     try:
-        policies = [PolicyName(x.strip()) for x in args.policy.split(",") if x.strip()]
-    except ValueError:
-        print(f"kvwire simulate: unknown policy in {args.policy!r}; use {', '.join(PolicyName)}")
-        return 2
-    try:
+        _preflight(args)
         reqs = _workload(args)
         config = _config(args)
+        if args.load is not None:
+            reqs, _ = _at_load(reqs, config, args.load, args.load_baseline)
         opt, results = simulate_policies(
-            reqs, config, policies, seed=args.seed, threshold_tokens=args.threshold
+            reqs, config, args.policy, seed=args.seed, threshold_tokens=args.threshold
         )
     except KvwireError as exc:
-        print(f"kvwire simulate: {exc}")
+        print(f"kvwire simulate: {exc}", file=sys.stderr)
         return 2
     b = opt.best
-    caption = (
-        f"{len(reqs)} requests; model: t*={b.threshold_tokens:.0f} tokens, N_p/N_d="
-        f"{b.prefill_instances}/{b.decode_instances}, Lambda_max={b.lambda_max_rps:.3f} rps, "
-        f"binding: {b.binding}; link {format_rate(config.link.rates_bps[0])}"
+    saturated = [r.policy for r in results if r.saturated]
+    load_text = (
+        f"offered {offered_rate(reqs):.3f} rps"
+        + (f" = {args.load:g} x {args.load_baseline}'s capacity" if args.load else "")
     )
-    _print_table(results, caption)
-    if args.json:
-        doc = {
-            "model": {
-                "threshold_tokens": b.threshold_tokens,
-                "prefill_instances": b.prefill_instances,
-                "decode_instances": b.decode_instances,
-                "lambda_max_rps": b.lambda_max_rps,
-                "offload_fraction": b.offload_fraction,
-                "binding": str(b.binding),
-            },
-            "policies": {r.policy: r.as_json() for r in results},
-        }
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=2)
+    caption = (
+        f"{len(reqs)} requests, {load_text}; saturated: {', '.join(saturated) or 'none'}\n"
+        f"model: t*={b.threshold_tokens:.0f} tokens, N_p/N_d={b.prefill_instances:g}/"
+        f"{b.decode_instances:g} ({config.cluster.split_granularity} split, balance slack "
+        f"{b.balance_slack:+.2f}), Lambda_max={b.lambda_max_rps:.3f} rps, binding: {b.binding}\n"
+        f"link {format_schedule(tuple(zip(config.link.starts_s, config.link.rates_bps, strict=True)))}"
+        f" (mean {format_rate(config.link.mean_rate(max(r.arrival_s for r in reqs) or 1.0))} over "
+        f"the arrivals), RTT {format_duration(config.rtt_s)}"
+    )
+    _print_table(results, caption, out)
+    doc = _document(args, reqs, config, opt, results)
+    if to_stdout:
+        json.dump(doc, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    elif args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=2)
+        except OSError as exc:
+            print(f"kvwire simulate: cannot write {args.json}: {exc}", file=sys.stderr)
+            return 2
     if args.plot:
         from kvwire.scheduler.plot import plot_threshold_curve
 
@@ -214,6 +437,7 @@ def run(args: argparse.Namespace) -> int:
                 np.quantile([r.input_length for r in reqs], np.linspace(0, 0.98, args.plot_points))
             )
         )
+        opt_sel = optimizer_for(reqs, config)
         pts = [
             (
                 float(t),
@@ -223,7 +447,7 @@ def run(args: argparse.Namespace) -> int:
                     PolicyName.SELECTIVE,
                     seed=args.seed,
                     threshold_tokens=float(t),
-                    optimizer=opt,
+                    optimizer=opt_sel,
                 ).throughput_rps,
             )
             for t in np.append(grid, opt.threshold_tokens)

@@ -164,35 +164,44 @@ class Capacity:
         return self.decode_rps / prefill - 1.0
 
 
-def capacity(
-    dist: LengthDistribution,
-    config: ClusterConfig,
-    *,
-    threshold_tokens: float,
-    prefill_instances: float,
-) -> Capacity:
-    """``Lambda_max`` and every term of the model for one ``(t, N_p)``."""
-    n_p = float(prefill_instances)
-    n_d = config.local_instances - n_p
-    if n_p < 0 or n_d < config.split_step - 1e-9:
-        raise UsageError(f"bad split: {n_p} prefill of {config.local_instances} local instances")
-    t = float(threshold_tokens)
+@dataclass(frozen=True, slots=True)
+class _Terms:
+    """The parts of the model that depend on the threshold only (not on the split)."""
+
+    t: float
+    p: float
+    l_long: float
+    l_short: float
+    remote_compute: float
+    egress: float
+    kv_bits: float
+    t_local: float
+
+
+def _terms(dist: LengthDistribution, config: ClusterConfig, t: float, local: ModelProfile) -> _Terms:
     p = dist.fraction_above(t)
     l_long = dist.mean_above(t)
     l_short = dist.mean_at_most(t)
     remote = config.remote_profile
-    local = config.local_prefill_profile
-
     if p > 0:
         t_remote = remote.prefill_seconds(l_long)
         remote_compute = config.remote_instances / t_remote if t_remote > 0 else math.inf
         kv_bits = 8.0 * remote.kv_size_bytes(l_long)
         egress = config.egress_bps / kv_bits if kv_bits > 0 else math.inf
-        remote_path = min(remote_compute, egress) / p
     else:
-        remote_compute = egress = remote_path = math.inf
+        remote_compute = egress = math.inf
         kv_bits = 0.0
-    t_local = local.prefill_seconds(l_short)
+    return _Terms(t, p, l_long, l_short, remote_compute, egress, kv_bits, local.prefill_seconds(l_short))
+
+
+def _assemble(terms: _Terms, config: ClusterConfig, n_p: float) -> Capacity:
+    n_d = config.local_instances - n_p
+    if n_p < 0 or n_d < config.split_step - 1e-9:
+        raise UsageError(f"bad split: {n_p} prefill of {config.local_instances} local instances")
+    p = terms.p
+    remote_compute, egress = terms.remote_compute, terms.egress
+    remote_path = min(remote_compute, egress) / p if p > 0 else math.inf
+    t_local = terms.t_local
     local_prefill = (n_p / t_local if t_local > 0 else math.inf) if p < 1 else math.inf
     local_path = local_prefill / (1.0 - p) if p < 1 else math.inf
     decode = n_d * config.decode_batch_max / (config.decode_step_s * config.mean_output_tokens)
@@ -207,12 +216,12 @@ def capacity(
     else:
         binding = Bound.REMOTE_COMPUTE
     return Capacity(
-        threshold_tokens=t,
+        threshold_tokens=terms.t,
         prefill_instances=n_p,
         decode_instances=n_d,
         offload_fraction=p,
-        mean_long_tokens=l_long,
-        mean_short_tokens=l_short,
+        mean_long_tokens=terms.l_long,
+        mean_short_tokens=terms.l_short,
         remote_compute_rps=remote_compute,
         egress_rps=egress,
         local_prefill_rps=local_prefill,
@@ -221,8 +230,20 @@ def capacity(
         local_path_rps=local_path,
         lambda_max_rps=lam,
         binding=binding,
-        egress_demand_bps=p * lam * kv_bits if math.isfinite(lam) else math.inf,
+        egress_demand_bps=p * lam * terms.kv_bits if math.isfinite(lam) else math.inf,
     )
+
+
+def capacity(
+    dist: LengthDistribution,
+    config: ClusterConfig,
+    *,
+    threshold_tokens: float,
+    prefill_instances: float,
+) -> Capacity:
+    """``Lambda_max`` and every term of the model for one ``(t, N_p)``."""
+    terms = _terms(dist, config, float(threshold_tokens), config.local_prefill_profile)
+    return _assemble(terms, config, float(prefill_instances))
 
 
 def _rank(c: Capacity) -> tuple[float, float]:
@@ -266,10 +287,8 @@ def best_split(
     dist: LengthDistribution, config: ClusterConfig, *, threshold_tokens: float
 ) -> Capacity:
     """The prefill/decode split with the highest ``Lambda_max`` at a fixed threshold."""
-    cands = [
-        capacity(dist, config, threshold_tokens=threshold_tokens, prefill_instances=n_p)
-        for n_p in config.splits()
-    ]
+    terms = _terms(dist, config, float(threshold_tokens), config.local_prefill_profile)
+    cands = [_assemble(terms, config, n_p) for n_p in config.splits()]
     return max(cands, key=_rank)
 
 
@@ -286,10 +305,9 @@ def optimize(
         raise UsageError("step_tokens must be > 0")
     grid = _grid(dist, step_tokens)
     splits = [prefill_instances] if prefill_instances is not None else config.splits()
-    table = [
-        [capacity(dist, config, threshold_tokens=float(t), prefill_instances=n_p) for t in grid]
-        for n_p in splits
-    ]
+    local = config.local_prefill_profile
+    terms = [_terms(dist, config, float(t), local) for t in grid]
+    table = [[_assemble(tt, config, float(n_p)) for tt in terms] for n_p in splits]
     best = max((c for row in table for c in row), key=_rank)
     row = next(r for r in table if r[0].prefill_instances == best.prefill_instances)
     over_splits = [max(r[i].lambda_max_rps for r in table) for i in range(len(grid))]

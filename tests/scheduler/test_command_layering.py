@@ -90,7 +90,75 @@ def test_simulate_cli_trace_and_plot(tmp_path: Path) -> None:
     assert png.stat().st_size > 1000
 
 
-def test_simulate_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    assert run(parse(["simulate", "--policy", "bogus"])) == 2
-    assert run(parse(["simulate", "--link", "fast", "--requests", "10"])) == 2
+def test_simulate_cli_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--policy", "bogus"], ["--link", "fast"], ["--rtt", "soon"],
+                 ["--link-schedule", "10gbps,1gbps@3s"], ["--load", "0"], ["--requests", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            parse(["simulate", *argv])
+        assert exc.value.code == 2
+        assert "error" in capsys.readouterr().err
     assert run(parse(["simulate", "--trace", "/nonexistent.jsonl"])) == 2
+    assert "cannot read trace" in capsys.readouterr().err
+
+
+def test_simulate_cli_checks_outputs_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A huge workload: if the paths were checked after the run, this test would take hours.
+    big = ["simulate", "--requests", "10000000"]
+    assert run(parse([*big, "--json", str(tmp_path / "no" / "such" / "dir.json")])) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert run(parse([*big, "--plot", str(tmp_path)])) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
+def test_simulate_cli_plot_without_matplotlib(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails
+    args = parse(["simulate", "--requests", "10000000", "--plot", str(tmp_path / "p.png")])
+    assert run(args) == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_simulate_cli_json_to_stdout_load_and_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(["simulate", "--requests", "200", "--load", "0.5", "--json", "-",
+                  "--policy", "local,selective", "--link-schedule", "0s:10gbps,30s:1gbps,60s:10gbps",
+                  "--split-granularity", "gpu"])
+    assert run(args) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)  # stdout holds only the JSON
+    assert "kvwire simulate" in captured.err  # the table went to stderr
+    sel = doc["policies"]["selective"]
+    assert doc["workload"]["load"] == 0.5
+    assert doc["workload"]["offered_rps"] == pytest.approx(0.5 * sel["capacity_rps"], rel=0.01)
+    assert sel["utilization"] == pytest.approx(0.5, rel=0.01)
+    assert doc["policies"]["local"]["utilization"] > sel["utilization"]
+    assert isinstance(sel["saturated"], bool)
+    assert doc["system"]["link_schedule"] == [[0.0, 10e9], [30.0, 1e9], [60.0, 10e9]]
+    assert doc["system"]["split_granularity"] == "gpu"
+    assert doc["model"]["balance_slack"] is not None
+    # The summary names every rate of the schedule and the saturated policies.
+    flat = " ".join(captured.err.split())
+    assert "0 s:10 Gbit/s, 30 s:1 Gbit/s, 60 s:10 Gbit/s" in flat
+    assert "saturated:" in flat
+
+
+def test_simulate_overload_is_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse(["simulate", "--requests", "300", "--load", "3", "--json", "-",
+                  "--policy", "local,selective"])
+    assert run(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["policies"]["selective"]["saturated"] is True
+    assert doc["policies"]["local"]["saturated"] is True
+
+
+def test_every_option_has_help() -> None:
+    ap = argparse.ArgumentParser(prog="kvwire")
+    sub = ap.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    sim = sub.choices["simulate"]
+    for action in sim._actions:
+        assert action.help, action.option_strings
