@@ -68,7 +68,7 @@ def make_cache(tokens: int, seed: int = 0) -> list[tuple[np.ndarray[Any, Any], n
 
 def _sha(buf: Any) -> str:
     if isinstance(buf, np.ndarray):
-        return hashlib.sha256(memoryview(np.ascontiguousarray(buf).reshape(-1).view(np.uint8))).hexdigest()
+        return hashlib.sha256(np.ascontiguousarray(buf).tobytes()).hexdigest()
     return hashlib.sha256(memoryview(buf).cast("B")).hexdigest()
 
 
