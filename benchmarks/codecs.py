@@ -1,24 +1,31 @@
 """Codec speed (vs. a memcpy of the same bytes, same run) and quality on real and synthetic KV.
 
-Run: ``python benchmarks/codecs.py [--quick]``.  Speed is GB/s of float16 input, for one
-core; the ratio to ``np.copyto`` of the same bytes is the figure to compare across
-machines.  Quality: relative L2 error ``||x^ - x|| / ||x||`` and wire bytes (params +
-payload) / float16 bytes, per codec and layer, on ``../shared/data/minilm_kv.npz`` and on
-Llama-like synthetic tensors with outlier key channels.
+Run: ``python benchmarks/codecs.py [--quick] [--cpu N] [--threads T]``.  Speed is GB/s of
+float16 input on one core (``--cpu`` pins the process to that core); the ratio to
+``np.copyto`` of the same bytes is the figure to compare across machines.  The quantizers
+are timed twice: through the codec (the compiled loops when ``kvwire.codec._hostcodec`` is
+built) and through their numpy reference (``encode_numpy``/``decode_numpy``).  ``--threads``
+also times T threads encoding and decoding at once (the compiled loops release the GIL).
+Quality: relative L2 error ``||x^ - x|| / ||x||`` and wire bytes (params + payload) / float16
+bytes, per codec and layer, on ``tests/data/minilm_kv.npz`` and on Llama-like synthetic
+tensors with outlier key channels.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvwire.codec import TensorKind, available_codecs, get_codec
+from kvwire.codec import TensorKind, _host, available_codecs, get_codec
 
-SAMPLE = Path(__file__).resolve().parents[1].parent / "shared/data/minilm_kv.npz"
+SAMPLE = Path(__file__).resolve().parents[1] / "tests/data/minilm_kv.npz"
+QUANTIZERS = ("fp8", "int8", "int4")
 
 
 def _best(fn: Any, reps: int) -> float:
@@ -31,12 +38,13 @@ def _best(fn: Any, reps: int) -> float:
     return best
 
 
-def speed(reps: int) -> None:
+def speed(reps: int) -> float:
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((2048, 8, 128)) * 2).astype(np.float16)  # 4 MiB, one Llama-8B layer chunk
     dst = np.empty_like(x)
     memcpy = x.nbytes / _best(lambda: np.copyto(dst, x), reps) / 1e9
     print(f"speed: [2048, 8, 128] float16 chunk ({x.nbytes >> 20} MiB), best of {reps}; memcpy {memcpy:.2f} GB/s")
+    print(f"compiled codec loops: {_host.isa() or 'not built (numpy path)'}")
     print("| codec | encode GB/s | encode / memcpy | decode GB/s | decode / memcpy |")
     print("|---|---|---|---|---|")
     for name in available_codecs():
@@ -48,6 +56,69 @@ def speed(reps: int) -> None:
             reps,
         ) / 1e9
         print(f"| {name} | {enc:.3f} | {enc / memcpy:.4f} | {dec:.3f} | {dec / memcpy:.4f} |")
+    return memcpy
+
+
+def compiled_vs_numpy(reps: int, memcpy: float) -> None:
+    """The quantizers through the compiled loops and through the numpy reference, same run."""
+    if _host.ext is None:
+        print("\ncompiled vs numpy: the compiled codecs are not built here (or KVWIRE_NO_EXTENSIONS is set)")
+        return
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2048, 8, 128)) * 2).astype(np.float16)
+    dst = np.empty_like(x)
+    print(f"\ncompiled vs numpy reference, same chunk, GB/s of float16 per core (memcpy {memcpy:.2f} GB/s)")
+    print("| codec | kind | encode compiled | encode numpy | x | decode compiled | decode numpy | x | encode / memcpy | decode / memcpy |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in QUANTIZERS:
+        codec: Any = get_codec(name)
+        for kind in (TensorKind.K, TensorKind.V) if name == "int4" else (TensorKind.K,):
+            ch = codec.encode(x, kind)
+            enc = x.nbytes / _best(lambda c=codec, k=kind: c.encode(x, k), reps) / 1e9
+            enc_np = x.nbytes / _best(lambda c=codec, k=kind: c.encode_numpy(x, k), max(2, reps // 3)) / 1e9
+            args = {"shape": x.shape, "dtype": "float16", "kind": kind, "out": dst}
+            dec = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode(ch.params, ch.payload, **a), reps) / 1e9
+            dec_np = x.nbytes / _best(
+                lambda c=codec, ch=ch, a=args: c.decode_numpy(ch.params, ch.payload, **a), max(2, reps // 3)
+            ) / 1e9
+            print(
+                f"| {name} | {kind.name} | {enc:.3f} | {enc_np:.3f} | {enc / enc_np:.1f} | {dec:.3f} | {dec_np:.3f} "
+                f"| {dec / dec_np:.1f} | {enc / memcpy:.4f} | {dec / memcpy:.4f} |"
+            )
+
+
+def threads(count: int, reps: int) -> None:
+    """Aggregate GB/s of ``count`` threads each encoding (then decoding) its own chunk."""
+    rng = np.random.default_rng(1)
+    xs = [(rng.standard_normal((1024, 8, 128)) * 2).astype(np.float16) for _ in range(count)]
+    outs = [np.empty_like(x) for x in xs]
+    print(f"\nthreads: {count} threads, one [1024, 8, 128] float16 chunk each, aggregate GB/s (best of {reps})")
+    print("| codec | encode 1 thread | encode threads | x | decode 1 thread | decode threads | x |")
+    print("|---|---|---|---|---|---|---|")
+    for name in QUANTIZERS:
+        codec = get_codec(name)
+        chunks = [codec.encode(x, TensorKind.K) for x in xs]
+
+        def enc(i: int, c: Any = codec) -> None:
+            c.encode(xs[i], TensorKind.K)
+
+        def dec(i: int, c: Any = codec, chs: Any = chunks) -> None:
+            c.decode(chs[i].params, chs[i].payload, shape=xs[i].shape, dtype="float16", kind=TensorKind.K, out=outs[i])
+
+        row = [name]
+        for fn in (enc, dec):
+            one = xs[0].nbytes / _best(lambda f=fn: f(0), reps) / 1e9
+            many = count * xs[0].nbytes / _best(lambda f=fn: _in_threads(f, count), reps) / 1e9
+            row += [f"{one:.3f}", f"{many:.3f}", f"{many / one:.2f}"]
+        print("| " + " | ".join(row) + " |")
+
+
+def _in_threads(fn: Any, count: int) -> None:
+    workers = [threading.Thread(target=fn, args=(i,)) for i in range(count)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
 
 
 def _measure(name: str, x: np.ndarray[Any, Any], kind: TensorKind) -> tuple[float, float, int, int]:
@@ -107,8 +178,19 @@ def synthetic() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer timing repetitions")
+    parser.add_argument("--cpu", type=int, default=None, help="pin the process to this core")
+    parser.add_argument("--threads", type=int, default=0, help="also time this many threads at once")
+    parser.add_argument("--speed-only", action="store_true", help="skip the quality tables")
     args = parser.parse_args()
-    speed(3 if args.quick else 10)
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
+    reps = 3 if args.quick else 10
+    memcpy = speed(reps)
+    compiled_vs_numpy(reps, memcpy)
+    if args.threads > 1:
+        threads(args.threads, reps)
+    if args.speed_only:
+        return
     real_sample()
     synthetic()
 
