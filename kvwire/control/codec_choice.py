@@ -1,15 +1,21 @@
 """The ``auto`` codec: pick per chunk the codec that delivers the most KV per second.
 
 A codec that shrinks the cache by ``size_ratio`` (wire bytes / fp16 bytes) lets a link
-of ``B`` bytes/s carry ``B / size_ratio`` bytes of fp16 KV per second, but every byte
-is also encoded by the sender and decoded by the receiver. The cost of one fp16 byte
-end to end is the wire time ``size_ratio / B`` overlapped with the CPU time
-``1 / encode + 1 / decode``: delivered KV = 1 / max(wire, encode + decode). Encode and
-decode add because they compete for the same cores when both ends share a host or the
-CPU is contended, which is when quantizing loses; ``cpu_stages_overlap=True`` counts only
-the slower of the two, for ends on separate, idle machines. On a fast link the raw bytes
-win; on a slow one a compact codec does; raw (no encode, no decode) is chosen whenever it
-is at least as fast, so ``auto`` never lowers KV goodput by the model's measure.
+of ``B`` bytes/s carry ``B / size_ratio`` bytes of fp16 KV per second, but every byte is
+also encoded by the sender and decoded by the receiver. Per fp16 byte the end-to-end cost
+has three parts: wire ``size_ratio / B``, encode ``1 / encode speed``, decode
+``1 / decode speed``. How they combine is the ``pipeline`` setting:
+
+* ``"serial"`` (default): they add. Right when the transport, the encoder and the decoder
+  compete for the same cores (both ends on one host, a busy host, a transport that is
+  itself CPU-bound), which is exactly when quantizing loses; and the safe side otherwise.
+* ``"cpu"``: the wire overlaps the CPU work, encode and decode add (one CPU budget).
+* ``"full"``: every stage overlaps; the slowest bounds the rate (separate, idle hosts).
+
+Delivered KV = 1 / cost. Raw has no encode or decode, so it is chosen whenever it is at
+least as fast as the best (within ``tolerance``, precision first): ``auto`` never lowers
+KV goodput by the model's measure. On a fast link the raw bytes win; on a slow one a
+compact codec does.
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
@@ -29,6 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["CodecCandidate", "CodecChoice", "CodecChooser"]
+
+_PIPELINES = ("serial", "cpu", "full")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -66,7 +74,7 @@ class CodecChooser:
         tolerance: float = 0.05,
         speed_gain: float = 0.25,
         deadline_margin: float = 0.1,
-        cpu_stages_overlap: bool = False,
+        pipeline: str = "serial",
     ) -> None:
         """
         :param tolerance: in throughput mode, a more precise codec within this fraction
@@ -74,8 +82,8 @@ class CodecChooser:
         :param speed_gain: EWMA gain for encode-speed and size-ratio measurements.
         :param deadline_margin: in deadline mode, a codec must finish this fraction ahead
             of the deadline to count as meeting it, absorbing estimate noise.
-        :param cpu_stages_overlap: encode and decode run on separate, uncontended CPUs, so
-            only the slower of the two bounds the rate (default: their times add).
+        :param pipeline: how wire, encode and decode times combine: ``"serial"``,
+            ``"cpu"`` or ``"full"`` (see the module docstring).
         """
         ordered = list(candidates)
         if not ordered:
@@ -89,7 +97,9 @@ class CodecChooser:
         self._ratio = {c.name: c.size_ratio for c in ordered}
         self._speed: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode: dict[str, float | None] = {c.name: c.decode_bytes_per_s for c in ordered}
-        self._overlap = cpu_stages_overlap
+        if pipeline not in _PIPELINES:
+            raise ValueError(f"pipeline must be one of {', '.join(_PIPELINES)}")
+        self._pipeline = pipeline
         # Most precise first; ties keep the caller's order.
         self._by_precision = [
             c.name
@@ -147,14 +157,15 @@ class CodecChooser:
     def delivered_rate(self, codec: str, bandwidth_bps: float) -> float:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
         link = bandwidth_bps / 8.0 / self._ratio[codec]
-        stages = [s for s in (self._speed[codec], self._decode[codec]) if s is not None]
-        if not stages:
-            return link
-        if self._overlap or len(stages) == 1:
-            cpu = min(stages)
-        else:
-            cpu = stages[0] * stages[1] / (stages[0] + stages[1])  # 1 / (1/encode + 1/decode)
-        return min(link, cpu)
+        cpu = [v for v in (self._speed[codec], self._decode[codec]) if v is not None]
+        if not cpu:
+            return link  # exact: nothing but the wire
+        if self._pipeline == "full":
+            return min(link, *cpu)
+        cpu_cost = sum(1.0 / v for v in cpu)
+        if self._pipeline == "cpu":
+            return min(link, 1.0 / cpu_cost)
+        return 1.0 / (1.0 / link + cpu_cost)
 
     def rates(self, bandwidth_bps: float) -> dict[str, float]:
         """Delivered KV bytes/s per codec, most precise first."""
