@@ -1,0 +1,312 @@
+"""A vLLM KV connector (``KVConnectorBase_V1``) that moves prefilled KV blocks over kvwire.
+
+Load it with ``kv_connector="KvwireConnector"`` and
+``kv_connector_module_path="kvwire.integrations.vllm"``; see docs/integrations.md for the
+exact configuration.
+
+- **Producer** (prefill instance, ``kv_role="kv_producer"``): ``save_kv_layer`` gathers
+  the request's full prompt blocks of each layer as soon as the layer is computed and
+  queues them on a kvwire transfer (the next layer computes while this one is on the
+  wire); ``wait_for_save`` waits for the receiver's acknowledgement.
+- **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
+  worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
+  down to the block size) as an external hit, ``start_load_kv`` names the blocks vLLM
+  allocated as the destination (chunks land straight in them), ``wait_for_layer_load``
+  blocks until that layer is in.  A load that fails or times out reports its blocks
+  through ``get_block_ids_with_load_errors`` (vLLM then recomputes them); finished or
+  aborted requests abort their receive.
+
+Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]`` (pass
+``SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": ...}})`` on both
+instances); without it the name is a hash of the prompt tokens sent.  The consumer loads
+requests that carry a ``kvwire_id``, or every request with ``kvwire_load_all``.
+
+Blocks move as opaque bytes (:mod:`kvwire.paged`): block ``i`` of a layer is the cache
+tensor's ``[i]`` slab, whatever the attention backend packs inside it.  Layouts whose
+first axis is not the block index (K and V in separate leading planes) are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from kvwire.errors import KvwireError, UsageError
+from kvwire.paged import PagedDestination, PagedSpec, gather_layer
+from kvwire.sync import ReceiveHandle, SendHandle, SyncPeer, SyncServer
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+# Under vLLM's logger so its logging configuration shows these lines.
+logger = init_logger("vllm.kvwire")
+
+
+@dataclass(frozen=True, slots=True)
+class _Move:
+    req_id: str
+    key: str
+    block_ids: list[int]
+    codec: str | None = None
+
+
+@dataclass
+class KvwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler tells the workers for one step."""
+
+    loads: list[_Move] = field(default_factory=list)
+    saves: list[_Move] = field(default_factory=list)
+
+
+def _split_addr(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"expected HOST:PORT, got {addr!r}")
+    return host, int(port)
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    m = re.search(r"\d+", name)
+    return (int(m.group()) if m else -1, name)
+
+
+class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """kvwire as vLLM's KV transfer: producer sends by layer, consumer receives into its blocks."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        cfg = self._kv_transfer_config
+        self._block_size: int = vllm_config.cache_config.block_size
+        self._producer: bool = bool(cfg.is_kv_producer)
+        self._consumer: bool = bool(cfg.is_kv_consumer)
+        extra = cfg.kv_connector_extra_config or {}
+        self._listen: str = str(extra.get("kvwire_listen", "127.0.0.1:7070"))
+        self._peer_addr: str = str(extra.get("kvwire_peer", "127.0.0.1:7070"))
+        secret = extra.get("kvwire_secret")
+        secret_file = extra.get("kvwire_secret_file")
+        if secret_file:
+            with open(secret_file, "rb") as f:
+                self._secret = f.read().strip()
+        elif secret:
+            self._secret = str(secret).encode()
+        else:
+            raise UsageError("kvwire connector: set kvwire_secret or kvwire_secret_file in kv_connector_extra_config")
+        self._codec: str = str(extra.get("kvwire_codec", "raw"))
+        self._streams: int | str = extra.get("kvwire_streams", 1)
+        self._timeout: float = float(extra.get("kvwire_load_timeout", 60.0))
+        self._load_all: bool = bool(extra.get("kvwire_load_all", False))
+        self._model: str = str(extra.get("kvwire_model", ""))
+        # scheduler side
+        self._pending_loads: dict[str, str] = {}
+        self._partial: dict[str, tuple[str, list[int], int, str | None]] = {}
+        # worker side
+        self._spec: PagedSpec | None = None
+        self._caches: list[torch.Tensor] = []
+        self._index: dict[str, int] = {}
+        self._server: SyncServer | None = None
+        self._peer: SyncPeer | None = None
+        self._loading: dict[str, tuple[ReceiveHandle, list[int]]] = {}
+        self._sending: dict[str, SendHandle] = {}
+        self._load_errors: set[int] = set()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _full_blocks(self, num_prompt_tokens: int) -> int:
+        # The last prompt token is always computed locally (vLLM needs one to sample from).
+        return max(0, (num_prompt_tokens - 1) // self._block_size)
+
+    def _key(self, prompt: list[int], params: dict[str, Any] | None) -> str:
+        if params and params.get("kvwire_id"):
+            return str(params["kvwire_id"])
+        n = self._full_blocks(len(prompt)) * self._block_size
+        digest = hashlib.sha256(torch.tensor(prompt[:n], dtype=torch.int64).numpy().tobytes()).hexdigest()
+        return f"prompt:{digest[:32]}"
+
+    def _wants_load(self, params: dict[str, Any] | None) -> bool:
+        return self._load_all or bool(params and params.get("kvwire_id"))
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self._consumer or not self._wants_load(request.kv_transfer_params):
+            return 0, False
+        tokens = self._full_blocks(len(request.prompt_token_ids or [])) * self._block_size
+        if tokens == 0 or num_computed_tokens > 0:
+            return 0, False
+        logger.info("kvwire: external KV hit for request %s: %d tokens to receive", request.request_id, tokens)
+        return tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._pending_loads[request.request_id] = self._key(
+                list(request.prompt_token_ids or []), request.kv_transfer_params,
+            )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KvwireConnectorMetadata()
+        for new in scheduler_output.scheduled_new_reqs:
+            prompt = list(new.prompt_token_ids or [])
+            n = self._full_blocks(len(prompt))
+            block_ids = list(new.block_ids[0])
+            if new.req_id in self._pending_loads:
+                meta.loads.append(_Move(new.req_id, self._pending_loads.pop(new.req_id), block_ids[:n]))
+            elif self._producer and n > 0:
+                extra = new.sampling_params.extra_args if new.sampling_params is not None else None
+                params = (extra or {}).get("kv_transfer_params")
+                key = self._key(prompt, params)
+                codec = str(params["kvwire_codec"]) if params and params.get("kvwire_codec") else None
+                done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+                if done >= n * self._block_size:
+                    meta.saves.append(_Move(new.req_id, key, block_ids[:n], codec))
+                else:  # chunked prefill: send once the full blocks are computed
+                    self._partial[new.req_id] = (key, block_ids, n, codec)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self._partial:
+                continue
+            key, block_ids, n, codec = self._partial[req_id]
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                block_ids = block_ids + list(new_ids[0])
+            done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+            if done >= n * self._block_size:
+                del self._partial[req_id]
+                meta.saves.append(_Move(req_id, key, block_ids[:n], codec))
+            else:
+                self._partial[req_id] = (key, block_ids, n, codec)
+        for req_id in list(self._pending_loads):
+            if req_id in scheduler_output.finished_req_ids:
+                del self._pending_loads[req_id]
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._partial.pop(request.request_id, None)
+        self._pending_loads.pop(request.request_id, None)
+        # Blocks are copied out before send (and waited for in wait_for_save): vLLM may free them now.
+        return False, None
+
+    # -- worker side --------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_order)
+        self._caches = [kv_caches[n] for n in names]
+        self._index = {n: i for i, n in enumerate(names)}
+        first = self._caches[0]
+        if any(tuple(c.shape[1:]) != tuple(first.shape[1:]) or c.dtype != first.dtype for c in self._caches):
+            raise UsageError("kvwire connector: every layer's KV cache must have the same block geometry")
+        if first.shape[0] == 2 and first.ndim >= 3 and tuple(first.shape[1:2]) != (self._block_size,):
+            logger.warning("kvwire: cache shaped %s; blocks are taken along the first axis", tuple(first.shape))
+        self._spec = PagedSpec.of(first, num_layers=len(self._caches), model=self._model)
+        logger.info(
+            "kvwire: %d layers, blocks of %s %s (%d bytes each); producer=%s consumer=%s",
+            len(self._caches), self._spec.block_shape, self._spec.dtype, self._spec.block_bytes,
+            self._producer, self._consumer,
+        )
+        if self._consumer:
+            host, port = _split_addr(self._listen)
+            self._server = SyncServer(host, port, secret=self._secret, spec=self._spec.wire_spec())
+            logger.info("kvwire: receiving on %s:%d", host, self._server.port)
+
+    def _meta(self) -> KvwireConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvwireConnectorMetadata)
+        return meta
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._server is None or self._spec is None:
+            return
+        for move in self._meta().loads:
+            dest = PagedDestination(self._spec, self._caches, move.block_ids)
+            handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
+            self._loading[move.req_id] = (handle, move.block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if not self._loading:
+            return
+        index = self._index.get(layer_name)
+        if index is None:
+            return
+        for req_id, (handle, blocks) in list(self._loading.items()):
+            try:
+                handle.wait_layer(index, timeout=self._timeout)
+            except KvwireError as exc:
+                logger.error("kvwire: receiving KV of request %s failed: %s", req_id, exc)
+                handle.abort(str(exc))
+                self._load_errors.update(blocks)
+                del self._loading[req_id]
+                continue
+            if index == len(self._caches) - 1:
+                transfer = handle.transfer
+                wire = getattr(transfer, "wire_bytes", 0)
+                logger.info("kvwire: received KV of request %s (%d blocks, %d wire bytes)", req_id, len(blocks), wire)
+                del self._loading[req_id]
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        if not self._producer or self._spec is None:
+            return
+        index = self._index.get(layer_name)
+        saves = self._meta().saves
+        if index is None or not saves:
+            return
+        if self._peer is None:
+            host, port = _split_addr(self._peer_addr)
+            self._peer = SyncPeer(host, port, secret=self._secret, streams=self._streams, codec=self._codec)
+        for move in saves:
+            if index == 0:
+                self._sending[move.req_id] = self._peer.begin(move.key, self._spec.wire_spec(), codec=move.codec or self._codec)
+            handle = self._sending.get(move.req_id)
+            if handle is not None:
+                handle.send_layer(*gather_layer(self._spec, kv_layer, move.block_ids))
+
+    def wait_for_save(self) -> None:
+        for req_id, handle in list(self._sending.items()):
+            try:
+                receipt = handle.wait(self._timeout)
+            except KvwireError as exc:
+                logger.error("kvwire: sending KV of request %s failed: %s", req_id, exc)
+            else:
+                logger.info(
+                    "kvwire: sent KV of request %s as %r: %d bytes, %d on the wire, %.1f ms",
+                    req_id, handle.request_id, receipt.kv_bytes, receipt.wire_bytes, receipt.seconds * 1e3,
+                )
+            del self._sending[req_id]
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        for req_id in finished_req_ids:
+            loading = self._loading.pop(req_id, None)
+            if loading is not None:
+                loading[0].abort("request finished")
+            sending = self._sending.pop(req_id, None)
+            if sending is not None:
+                sending.abort()
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+
+__all__ = ["KvwireConnector", "KvwireConnectorMetadata"]

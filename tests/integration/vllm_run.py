@@ -1,0 +1,140 @@
+"""One vLLM process of the end-to-end check: ``model``, ``plain``, ``producer``, ``consumer``.
+
+Run as a script (vLLM spawns workers, hence the ``__main__`` guard):
+
+    python tests/integration/vllm_run.py model --dir D --dtype float32
+    python tests/integration/vllm_run.py plain --dir D --job J.json --out O.json
+    python tests/integration/vllm_run.py producer --dir D --job J.json --out O.json --port P
+    python tests/integration/vllm_run.py consumer --dir D --job J.json --out O.json --port P
+
+A job lists requests ``{"prompt": [token ids], "kvwire_id": str | null, "codec": str | null,
+"max_tokens": int}``; the output holds each request's greedy tokens and its latency.
+The consumer writes ``<out>.ready`` once its engine (and kvwire server) is up and waits
+for ``<out>.go`` before generating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SECRET = "integration-test-secret"
+CONNECTOR_MODULE = "kvwire.integrations.vllm"
+
+
+def make_model(directory: Path, dtype: str, *, layers: int = 4, hidden: int = 256, seed: int = 0) -> None:
+    """A tiny randomly initialised Llama (head_dim 64), written with save_pretrained."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 128), head_dim=64,
+        max_position_embeddings=4096, initializer_range=0.2, tie_word_embeddings=False,
+        torch_dtype=dtype,
+    )
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))
+    model.save_pretrained(directory)
+
+
+def connector_config(role: str, port: int, extra: dict[str, Any] | None = None) -> Any:
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="KvwireConnector",
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role=role,
+        kv_connector_extra_config={
+            "kvwire_listen": f"127.0.0.1:{port}",
+            "kvwire_peer": f"127.0.0.1:{port}",
+            "kvwire_secret": SECRET,
+            "kvwire_load_timeout": 120,
+            **(extra or {}),
+        },
+    )
+
+
+def engine(model: Path, dtype: str, kv_transfer_config: Any = None) -> Any:
+    from vllm import LLM
+
+    # One process (engine core and worker in-process): starts in a third of the time.
+    return LLM(
+        model=str(model), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
+        gpu_memory_utilization=0.3, enable_prefix_caching=False, max_model_len=4096, seed=0,
+        distributed_executor_backend="uni", kv_transfer_config=kv_transfer_config,
+    )
+
+
+def generate(llm: Any, job: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from vllm import SamplingParams
+
+    results = []
+    for req in job:
+        params: dict[str, Any] = {}
+        if req.get("kvwire_id"):
+            params["kvwire_id"] = req["kvwire_id"]
+        if req.get("codec"):
+            params["kvwire_codec"] = req["codec"]
+        sp = SamplingParams(
+            temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params else None,
+        )
+        t0 = time.perf_counter()
+        out = llm.generate([{"prompt_token_ids": req["prompt"]}], sp, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        results.append({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds})
+    return results
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["model", "plain", "producer", "consumer"])
+    ap.add_argument("--dir", type=Path, required=True)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--job", type=Path)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--connector", default="kvwire", choices=["kvwire", "example"])
+    args = ap.parse_args(argv)
+    if args.mode == "model":
+        make_model(args.dir, args.dtype, layers=args.layers, hidden=args.hidden)
+        return 0
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    job = json.loads(args.job.read_text())
+    if args.mode == "plain":
+        llm = engine(args.dir, args.dtype)
+    elif args.connector == "example":
+        from vllm.config import KVTransferConfig
+
+        cfg = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": str(args.out.parent / "shared_storage")},
+        )
+        llm = engine(args.dir, args.dtype, cfg)
+    else:
+        role = "kv_producer" if args.mode == "producer" else "kv_consumer"
+        llm = engine(args.dir, args.dtype, connector_config(role, args.port))
+    if args.mode == "consumer":
+        Path(f"{args.out}.ready").write_text("ready")
+        go = Path(f"{args.out}.go")
+        deadline = time.monotonic() + 600
+        while not go.exists():
+            if time.monotonic() > deadline:
+                return 3
+            time.sleep(0.2)
+    results = generate(llm, job)
+    args.out.write_text(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
