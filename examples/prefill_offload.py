@@ -10,14 +10,20 @@ One process plays three parts, connected by real kvwire transfers over loopback 
   ``LinkEmulator``: a shared bottleneck rate and a one-way delay in both directions
   (10 Gbit/s and 10 ms by default).
 
-Requests come from a slice of a Mooncake-format trace (``--trace``; a synthetic log-normal
-workload when the file is absent). For each request, at its (scaled) arrival time,
-``kvwire.scheduler.decide`` places it from the live bandwidth estimate of the remote
-session (``peer.statistics()["estimated_gbps"]``; the configured link rate until the first
-estimate exists), the egress the offloads in progress need, and the prefix hits that
+Requests come from a slice of a Mooncake-format trace (``--trace``; by default the public
+trace carried in ``tests/data/traces``; a synthetic log-normal workload when the file is
+absent). For each request, at its (scaled) arrival time, ``kvwire.scheduler.decide``
+places it from the live bandwidth estimate of the remote session
+(``peer.statistics()["estimated_gbps"]``, measured by a bulk warm-up transfer before the
+first request; the configured rate only with ``--bandwidth configured``), the egress the
+offloads already under way put on the link (the remote session's bytes sent over the last
+half second: the same units as the estimate), and the prefix hits that
 ``MemoryRegistry.lookup`` reports for the trace's ``hash_ids`` on each side. The length
 threshold comes from the throughput model's optimizer (``kvwire.scheduler.optimize``) for
-the trace slice, unless ``--threshold`` is given.
+the trace slice, unless ``--threshold`` is given, over the link as the real model would see
+it: the estimate x ``--time-scale`` x (KV bytes the real model ships / KV bytes this demo
+ships), because compute runs ``--time-scale`` of real time and the KV is scaled down while
+the network is neither.
 
 What is real: the kvwire sessions and transfers (TCP, chunking, striping, CRCs, acks),
 the scheduler's decisions, the registries' leases and versions, and the byte-for-byte
@@ -84,7 +90,8 @@ from kvwire.scheduler import (
 
 SECRET = b"prefill-offload-demo-secret"
 SPEC = kvwire.KVSpec(num_layers=16, num_kv_heads=2, head_dim=64, dtype="float16", model="kvwire-demo-small")
-DEFAULT_TRACE = Path("..") / "shared" / "traces" / "synthetic_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "tests" / "data" / "traces" / "mooncake_synthetic.jsonl.gz"
+DEMAND_WINDOW_S = 0.5
 LOSSLESS = {"raw", "raw+zstd", "raw+lz4"}
 
 
@@ -220,7 +227,7 @@ class Demo:
     local_slots: asyncio.Semaphore
     remote_slots: asyncio.Semaphore
     t0: float = 0.0
-    egress_demand_bps: dict[str, float] = field(default_factory=dict)
+    sent_samples: list[tuple[float, int]] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
     last_estimate_gbps: float | None = None
 
@@ -236,6 +243,17 @@ class Demo:
             self.last_estimate_gbps = est
             return est * 1e9, "live"
         return self.args.link_gbps * 1e9, "configured"
+
+    def egress_demand_bps(self) -> float:
+        """What the offloads already under way put on the link: the remote session's
+        bytes sent over the last ``DEMAND_WINDOW_S``, in the same units as the link
+        estimate (bytes this link really carries, per real second)."""
+        now, sent = self.now(), int(self.remote_peer.statistics()["bytes_sent"])
+        self.sent_samples.append((now, sent))
+        while len(self.sent_samples) > 2 and self.sent_samples[1][0] <= now - DEMAND_WINDOW_S:
+            self.sent_samples.pop(0)
+        t0, b0 = self.sent_samples[0]
+        return 8.0 * (sent - b0) / max(now - t0, DEMAND_WINDOW_S)
 
     def kv_tokens_for(self, tokens: int) -> int:
         return int(max(1, min(self.args.max_kv_tokens, math.ceil(tokens * self.args.kv_token_scale))))
@@ -272,7 +290,7 @@ async def handle(demo: Demo, seq: int, req: TraceRequest, arrival: float) -> Non
     state = SchedulerState(
         threshold_tokens=demo.threshold,
         bandwidth_bps=bandwidth,
-        egress_demand_bps=sum(demo.egress_demand_bps.values()),
+        egress_demand_bps=demo.egress_demand_bps(),
         local_prefix_hit=local_hit,
         remotes=(ClusterView(name="remote", prefix_hit=remote_hit),),
         block_tokens=BLOCK_TOKENS,
@@ -316,16 +334,11 @@ async def handle(demo: Demo, seq: int, req: TraceRequest, arrival: float) -> Non
     layers = prefill_layers(demo, seq, out.kv_tokens, out.compute_s)
     async with slots:  # one prefill instance, held while computing and shipping
         if where == "remote":
-            kv_bytes = 2 * SPEC.num_layers * out.kv_tokens * SPEC.num_kv_heads * SPEC.head_dim * SPEC.itemsize
-            demo.egress_demand_bps[rid] = 8.0 * kv_bytes / max(out.compute_s, 1e-3)
             remote_lease = await demo.remote_registry.begin(req.hash_ids, owner=rid, ttl=120)
-        try:
-            receipt = await peer.send(
-                rid, SPEC, layers, timeout=120, meta={"input_length": n, "prefilled_on": where},
-                codec=demo.args.codec if where == "remote" else "raw",
-            )
-        finally:
-            demo.egress_demand_bps.pop(rid, None)
+        receipt = await peer.send(
+            rid, SPEC, layers, timeout=120, meta={"input_length": n, "prefilled_on": where},
+            codec=demo.args.codec if where == "remote" else "raw",
+        )
         if where == "remote":
             # The remote cluster keeps the prefix it computed for later requests.
             await demo.remote_registry.commit(remote_lease)
@@ -376,20 +389,35 @@ def load_requests(args: argparse.Namespace) -> tuple[list[TraceRequest], str]:
     return reqs, f"synthetic log-normal workload ({path} not found; no shared prefixes)"
 
 
-def pick_threshold(args: argparse.Namespace, reqs: Sequence[TraceRequest], profile: ModelProfile) -> tuple[float, str]:
+def model_link_scale(args: argparse.Namespace, reqs: Sequence[TraceRequest], profile: ModelProfile) -> float:
+    """How much faster the demo's link is than it looks, for the real model: KV bytes the
+    real model would ship over bytes this demo ships (over the slice), times the time
+    scale (compute runs ``time_scale`` of real time; the network is not scaled)."""
+    real = sum(profile.kv_size_bytes(r.input_length) for r in reqs)
+    shipped = sum(
+        max(1, min(args.max_kv_tokens, math.ceil(r.input_length * args.kv_token_scale))) * SPEC.bytes_per_token()
+        for r in reqs
+    )
+    return args.time_scale * real / max(shipped, 1)
+
+
+def pick_threshold(args: argparse.Namespace, reqs: Sequence[TraceRequest], profile: ModelProfile,
+                   link_bps: float) -> tuple[float, str]:
+    """The optimizer's threshold for the trace slice over a link of ``link_bps`` (the
+    kvwire estimate of the link this demo runs on, once it has one)."""
     if args.threshold is not None:
         return float(args.threshold), "--threshold"
     config = ClusterConfig(
         remote_profile=profile,
         remote_instances=args.remote_instances,
         local_instances=args.local_instances + 1,  # + one decode instance
-        egress_bps=args.link_gbps * 1e9,
+        egress_bps=link_bps,
         relative_compute=args.relative_compute,
         mean_output_tokens=max(1.0, float(np.mean([r.output_length for r in reqs]))),
     )
     result = optimize(LengthDistribution.from_trace(reqs), config, step_tokens=512,
                       prefill_instances=args.local_instances)
-    return result.threshold_tokens, f"optimizer (bound: {result.binding.value})"
+    return result.threshold_tokens, f"optimizer for {link_bps / 1e9:.2f} Gbit/s (bound: {result.binding.value})"
 
 
 async def run_demo(args: argparse.Namespace) -> None:
@@ -397,7 +425,6 @@ async def run_demo(args: argparse.Namespace) -> None:
     reqs, source = load_requests(args)
     remote_profile = load_profile(args.profile)
     local_profile = remote_profile.scaled(args.relative_compute, name=f"{remote_profile.name} x{args.relative_compute:g}")
-    threshold, why = pick_threshold(args, reqs, remote_profile)
     print("== kvwire prefill offload demo ==")
     print(f"workload: {source}, {len(reqs)} requests")
     print(f"emulated: prefill compute (sleep; profile {remote_profile.name!r} remote, x{args.relative_compute:g} compute "
@@ -405,8 +432,6 @@ async def run_demo(args: argparse.Namespace) -> None:
           f"{args.delay_ms:g} ms one-way), KV contents (random, {SPEC.num_layers}x{SPEC.num_kv_heads}x{SPEC.head_dim} fp16, "
           f"tokens x{args.kv_token_scale:g} capped at {args.max_kv_tokens})")
     print("real: kvwire sessions and transfers over TCP, scheduler decisions, registry leases, verification")
-    print(f"threshold: {threshold:.0f} tokens ({why}); instances: {args.remote_instances} remote, "
-          f"{args.local_instances} local prefill; remote codec {args.codec}, {args.streams} streams", flush=True)
 
     kv = KVFactory(args.max_kv_tokens)
     async with (
@@ -419,13 +444,25 @@ async def run_demo(args: argparse.Namespace) -> None:
         MemoryRegistry() as remote_registry,
     ):
         demo = Demo(
-            args=args, remote_profile=remote_profile, local_profile=local_profile, threshold=threshold, kv=kv,
+            args=args, remote_profile=remote_profile, local_profile=local_profile, threshold=math.inf, kv=kv,
             server=server, local_peer=local_peer, remote_peer=remote_peer, link=link,
             local_registry=local_registry, remote_registry=remote_registry,
             local_slots=asyncio.Semaphore(args.local_instances), remote_slots=asyncio.Semaphore(args.remote_instances),
         )
         if args.warmup_mib > 0:
             await warm_up(demo, args.warmup_mib)
+        link_bps, link_source = demo.link_estimate_bps()
+        # The optimizer reasons about the real model: its KV sizes and prefill times. This
+        # link carries scaled-down KV, and compute runs time_scale faster while the network
+        # does not, so for the real model the link is worth est x time_scale x (real bytes
+        # / shipped bytes).
+        scale = model_link_scale(args, reqs, remote_profile)
+        demo.threshold, why = pick_threshold(args, reqs, remote_profile, link_bps * scale)
+        print(f"link: {link_bps / 1e9:.2f} Gbit/s ({link_source}), worth {link_bps * scale / 1e9:.2f} Gbit/s "
+              f"to the real model at this byte and time scale (x{scale:.3g})")
+        print(f"threshold: {demo.threshold:.0f} tokens ({why}); instances: "
+              f"{args.remote_instances} remote, {args.local_instances} local prefill; remote codec {args.codec}, "
+              f"{args.streams} streams", flush=True)
         demo.t0 = time.perf_counter()
         tasks = []
         for seq, req in enumerate(reqs):
