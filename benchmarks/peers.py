@@ -1,0 +1,711 @@
+"""kvwire against its peers on the same bytes: a raw socket pair, Mooncake, NIXL and ZeroMQ.
+
+Run (root for the shaped link; the peers come from ``pip install kvwire[peers]``, and
+Mooncake's wheel needs the ``libibverbs1`` system package)::
+
+    python benchmarks/peers.py                       # everything, a few minutes
+    python benchmarks/peers.py --rounds 5 --links loopback --loads quiet
+    python benchmarks/peers.py --json results.json --kvwire-codecs raw,auto
+
+What is moved: a Llama-3-8B KV cache, 32 layers x (K, V) x ``[tokens, 8, 128]`` fp16,
+as 64 separate arrays, in two shapes: one whole 1 GiB cache (8192 tokens) and 20
+back-to-back 128 MiB caches (1024 tokens each). Over two links: loopback, and a veth pair
+between two network namespaces shaped by ``tc tbf`` to 10 Gbit/s (``--rate``), the link
+of :class:`kvwire.bench.netns.NetnsLink`. Under two loads: quiet, and busy, where this
+script starts one process spinning on a core and one churning memory (allocating,
+touching and freeing 256 MiB over and over), and stops them afterwards on every exit path.
+
+The systems, each in its own sender and receiver processes, forked fresh for every
+measurement from a parent that has imported none of them:
+
+* ``raw``: ``sendall`` of each array / ``recv_into`` one reused, pre-faulted buffer;
+* ``kvwire-<codec>``: ``kvwire.connect(...).send`` / ``server.accept()`` and iterating the
+  layers (each dropped once seen);
+* ``mooncake``: Mooncake Transfer Engine over TCP (``P2PHANDSHAKE``), one batch write of
+  the 64 arrays into memory the receiver registered once;
+* ``nixl``: NIXL over UCX with ``UCX_TLS=tcp``, one WRITE of the 64 arrays into
+  registered memory;
+* ``zmq``: pyzmq PUSH/PULL, one multipart message per cache, sent zero-copy.
+
+Every system gets one untimed warm-up transfer of the measured size (connections,
+windows, registrations and receive pools are warm, as in a serving process). Timing is
+``perf_counter`` (one clock for all processes): from just before the sender starts until
+the receiver has every byte; for the one-sided writes (Mooncake, NIXL), until the
+sender's write completes, which is when those engines report the data placed. CPU
+seconds per GB are each process's own CPU time (all its threads) over the measured
+interval, per GB of KV. Rounds are interleaved (round 1 of every system, then round 2,
+...), and each figure is the median with min and max. A system that is not installed or
+fails says why and the others still run.
+
+Absolute numbers depend on the host and what else runs on it; compare systems within one
+run (the ``vs raw`` column is the ratio to the raw pair's median in the same scenario).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import ctypes.util
+import json
+import mmap
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+LAYERS, HEADS, HEAD_DIM = 32, 8, 128
+TOKEN_BYTES = LAYERS * 2 * HEADS * HEAD_DIM * 2  # fp16 K and V of one token, all layers
+MiB = 1 << 20
+GiB = 1 << 30
+SECRET = b"peers-benchmark-secret"
+
+# -- the cache ------------------------------------------------------------------------------
+
+
+def make_cache(nbytes: int) -> mmap.mmap:
+    """An anonymous shared mapping holding fp16 KV values; forked senders read it in place."""
+    buf = mmap.mmap(-1, nbytes)
+    block = np.random.default_rng(0).standard_normal(2 * MiB, dtype=np.float32).astype(np.float16)
+    arr = np.frombuffer(buf, np.float16)
+    for start in range(0, arr.size, block.size):
+        part = arr[start : start + block.size]
+        part[...] = block[: part.size]
+    return buf
+
+
+def layer_arrays(buf: Any, tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The 32 (K, V) pairs of ``[tokens, 8, 128]`` laid out one after another in ``buf``."""
+    arr = np.frombuffer(buf, np.float16, count=LAYERS * 2 * tokens * HEADS * HEAD_DIM)
+    arr = arr.reshape(LAYERS, 2, tokens, HEADS, HEAD_DIM)
+    return [(arr[i, 0], arr[i, 1]) for i in range(LAYERS)]
+
+
+def prefaulted(nbytes: int) -> np.ndarray:
+    out = np.empty(nbytes, np.uint8)
+    out[::4096] = 0
+    return out
+
+
+# -- systems ----------------------------------------------------------------------------------
+#
+# A system has a receiver and a sender. ``receiver_setup`` returns what the sender needs
+# (address, port, registration keys); ``receive(n)`` returns once ``n`` caches have arrived
+# (immediately for one-sided writes); ``send(n)`` sends ``n`` caches back to back.
+
+
+class Receiver:
+    one_sided = False
+
+    def setup(self, addr: str, nbytes: int) -> Any:
+        raise NotImplementedError
+
+    def receive(self, n: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Sender:
+    def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
+        raise NotImplementedError
+
+    def send(self, n: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RawReceiver(Receiver):
+    def setup(self, addr: str, nbytes: int) -> Any:
+        import socket
+
+        self.listener = socket.create_server((addr, 0))
+        self.nbytes = nbytes
+        self.buf = prefaulted(nbytes)
+        self.sock: Any = None
+        return self.listener.getsockname()[1]
+
+    def receive(self, n: int) -> None:
+        if self.sock is None:
+            self.sock, _ = self.listener.accept()
+        view = memoryview(self.buf.data)
+        for _ in range(n):
+            got = 0
+            while got < self.nbytes:
+                k = self.sock.recv_into(view[got:], self.nbytes - got)
+                if k == 0:
+                    raise ConnectionError("sender closed early")
+                got += k
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.listener.close()
+
+
+class RawSender(Sender):
+    def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
+        import socket
+
+        self.sock = socket.create_connection((addr, info))
+        self.arrays = [a.data.cast("B") for kv in layer_arrays(cache, tokens) for a in kv]
+
+    def send(self, n: int) -> None:
+        for _ in range(n):
+            for a in self.arrays:
+                self.sock.sendall(a)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class ZmqReceiver(Receiver):
+    def setup(self, addr: str, nbytes: int) -> Any:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PULL)
+        self.sock.setsockopt(zmq.RCVHWM, 4)
+        port = self.sock.bind_to_random_port(f"tcp://{addr}")
+        self.nbytes = nbytes
+        return port
+
+    def receive(self, n: int) -> None:
+        for _ in range(n):
+            frames = self.sock.recv_multipart(copy=False)
+            got = sum(len(f.buffer) for f in frames)
+            if got != self.nbytes:
+                raise ValueError(f"received {got} bytes, expected {self.nbytes}")
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+class ZmqSender(Sender):
+    def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
+        import zmq
+
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, 4)
+        self.sock.connect(f"tcp://{addr}:{info}")
+        self.arrays = [a.data for kv in layer_arrays(cache, tokens) for a in kv]
+
+    def send(self, n: int) -> None:
+        for _ in range(n):
+            self.sock.send_multipart(self.arrays, copy=False)
+
+    def close(self) -> None:
+        self.sock.close(linger=1000)
+        self.ctx.term()
+
+
+class MooncakeReceiver(Receiver):
+    one_sided = True
+
+    def setup(self, addr: str, nbytes: int) -> Any:
+        from mooncake.engine import TransferEngine
+
+        self.engine = TransferEngine()
+        if self.engine.initialize(addr, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("TransferEngine.initialize failed")
+        self.buf = prefaulted(nbytes)
+        if self.engine.register_memory(self.buf.ctypes.data, nbytes) != 0:
+            raise RuntimeError("register_memory failed")
+        return f"{addr}:{self.engine.get_rpc_port()}", self.buf.ctypes.data
+
+    def receive(self, n: int) -> None:
+        pass
+
+
+class MooncakeSender(Sender):
+    def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
+        from mooncake.engine import TransferEngine
+
+        self.target, remote = info
+        self.engine = TransferEngine()
+        if self.engine.initialize(addr, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("TransferEngine.initialize failed")
+        arrays = [a for kv in layer_arrays(cache, tokens) for a in kv]
+        base = arrays[0].ctypes.data
+        total = sum(a.nbytes for a in arrays)
+        if self.engine.register_memory(base, total) != 0:
+            raise RuntimeError("register_memory failed")
+        self.src = [a.ctypes.data for a in arrays]
+        self.dst = [remote + (a.ctypes.data - base) for a in arrays]
+        self.lengths = [a.nbytes for a in arrays]
+
+    def send(self, n: int) -> None:
+        for _ in range(n):
+            rc = self.engine.batch_transfer_sync_write(self.target, self.src, self.dst, self.lengths)
+            if rc != 0:
+                raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
+
+
+class NixlReceiver(Receiver):
+    one_sided = True
+
+    def setup(self, addr: str, nbytes: int) -> Any:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent = nixl_agent("receiver", nixl_agent_config(backends=["UCX"]))
+        self.buf = prefaulted(nbytes)
+        self.reg = self.agent.register_memory([(self.buf.ctypes.data, nbytes, 0, "")], "DRAM")
+        return self.agent.get_agent_metadata(), self.buf.ctypes.data
+
+    def receive(self, n: int) -> None:
+        pass
+
+
+class NixlSender(Sender):
+    def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        meta, remote_base = info
+        self.agent = nixl_agent("sender", nixl_agent_config(backends=["UCX"]))
+        arrays = [a for kv in layer_arrays(cache, tokens) for a in kv]
+        base = arrays[0].ctypes.data
+        self.reg = self.agent.register_memory([(base, tokens * TOKEN_BYTES, 0, "")], "DRAM")
+        remote = self.agent.add_remote_agent(meta)
+        local = self.agent.get_xfer_descs([(a.ctypes.data, a.nbytes, 0) for a in arrays], "DRAM")
+        dst = self.agent.get_xfer_descs(
+            [(remote_base + a.ctypes.data - base, a.nbytes, 0) for a in arrays], "DRAM"
+        )
+        self.handle = self.agent.initialize_xfer("WRITE", local, dst, remote, b"kv")
+
+    def send(self, n: int) -> None:
+        for _ in range(n):
+            state = self.agent.transfer(self.handle)
+            while state not in ("DONE", "ERR"):
+                state = self.agent.check_xfer_state(self.handle)
+            if state == "ERR":
+                raise RuntimeError("NIXL transfer failed")
+
+
+class KvwireReceiver(Receiver):
+    """The server's event loop runs on its own thread, as in a serving process: it accepts
+    connections and handshakes whenever they come, not only while a receive is awaited."""
+
+    def setup(self, addr: str, nbytes: int) -> Any:
+        import asyncio
+        import threading
+
+        import kvwire
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server_cm = kvwire.serve(addr, 0, secret=SECRET)
+        self.server = self._call(self.server_cm.__aenter__())
+        return self.server.port
+
+    def _call(self, coro: Any) -> Any:
+        import asyncio
+
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def receive(self, n: int) -> None:
+        async def run() -> None:
+            for _ in range(n):
+                transfer = await self.server.accept()
+                async for layer in transfer:
+                    del layer  # the application takes each layer and lets it go
+
+        self._call(run())
+
+    def close(self) -> None:
+        self._call(self.server_cm.__aexit__(None, None, None))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class KvwireSender(Sender):
+    def __init__(self, codec: str) -> None:
+        self.codec = codec
+
+    def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
+        import asyncio
+
+        import kvwire
+
+        self.loop = asyncio.new_event_loop()
+        self.spec = kvwire.KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float16")
+        self.layers = layer_arrays(cache, tokens)
+        self.peer_cm = kvwire.connect(addr, info, secret=SECRET, codec=self.codec)
+        self.peer = self.loop.run_until_complete(self.peer_cm.__aenter__())
+        self.count = 0
+        self.codecs: dict[str, int] = {}
+
+    def send(self, n: int) -> None:
+        async def run() -> None:
+            for _ in range(n):
+                self.count += 1
+                receipt = await self.peer.send(f"r{self.count}", self.spec, self.layers)
+                for name, chunks in receipt.extra.get("chunks_by_codec", {}).items():
+                    self.codecs[name] = self.codecs.get(name, 0) + chunks
+
+        self.loop.run_until_complete(run())
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.peer_cm.__aexit__(None, None, None))
+        self.loop.close()
+
+
+def make_system(name: str) -> tuple[Receiver, Sender]:
+    if name == "raw":
+        return RawReceiver(), RawSender()
+    if name == "zmq":
+        return ZmqReceiver(), ZmqSender()
+    if name == "mooncake":
+        return MooncakeReceiver(), MooncakeSender()
+    if name == "nixl":
+        return NixlReceiver(), NixlSender()
+    if name.startswith("kvwire-"):
+        return KvwireReceiver(), KvwireSender(name.removeprefix("kvwire-"))
+    raise ValueError(f"unknown system {name!r}")
+
+
+def missing(name: str) -> str | None:
+    """Why ``name`` cannot run here, or ``None``."""
+    import importlib.util
+
+    module = {"zmq": "zmq", "mooncake": "mooncake", "nixl": "nixl"}.get(name)
+    if module is not None and importlib.util.find_spec(module) is None:
+        return f"{module} is not installed (pip install kvwire[peers])"
+    return None
+
+
+# -- one measurement: a forked receiver and sender ------------------------------------------------
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _quiet_env() -> None:
+    os.environ["UCX_TLS"] = "tcp"  # NIXL's UCX backend over TCP only
+    os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's per-connection INFO lines
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+def _enter_netns(ns: str | None) -> None:
+    if ns is None:
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    fd = os.open(f"/run/netns/{ns}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        os.close(fd)
+
+
+def _receiver_main(name: str, ns: str | None, addr: str, nbytes: int, conn: Connection) -> None:
+    try:
+        _quiet_env()
+        _enter_netns(ns)
+        receiver, _ = make_system(name)
+        conn.send(("ready", receiver.setup(addr, nbytes)))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            n = msg[1]
+            cpu0 = time.process_time()
+            receiver.receive(n)
+            end = time.perf_counter()
+            conn.recv()  # the sender finished: CPU counted up to here
+            conn.send(("done", end, time.process_time() - cpu0, receiver.one_sided))
+        receiver.close()
+        conn.send(("closed",))
+    except BaseException:
+        conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
+
+
+def _sender_main(name: str, ns: str | None, addr: str, tokens: int, cache: Any, conn: Connection) -> None:
+    try:
+        _quiet_env()
+        _enter_netns(ns)
+        _, sender = make_system(name)
+        info = conn.recv()
+        sender.setup(addr, info, cache, tokens)
+        conn.send(("ready",))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            n = msg[1]
+            cpu0 = time.process_time()
+            start = time.perf_counter()
+            sender.send(n)
+            end = time.perf_counter()
+            conn.send(("done", start, end, time.process_time() - cpu0))
+        extra = getattr(sender, "codecs", None)
+        sender.close()
+        conn.send(("closed", extra))
+    except BaseException:
+        conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
+
+
+@dataclass
+class Sample:
+    gbps: float
+    send_cpu: float  # s/GB
+    recv_cpu: float  # s/GB
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _expect(conn: Connection, timeout: float, what: str) -> tuple[Any, ...]:
+    if not conn.poll(timeout):
+        raise TimeoutError(f"no {what} within {timeout:.0f} s")
+    msg: tuple[Any, ...] = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(msg[1])
+    return msg
+
+
+def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout: float) -> Sample:
+    """Warm up once, then time ``count`` caches of ``tokens`` tokens from ``name``'s sender."""
+    ctx = mp.get_context("fork")
+    nbytes = tokens * TOKEN_BYTES
+    r_parent, r_child = ctx.Pipe()
+    s_parent, s_child = ctx.Pipe()
+    receiver = ctx.Process(target=_receiver_main, args=(name, link.receiver_ns, link.receiver_addr, nbytes, r_child), daemon=True)
+    sender = ctx.Process(target=_sender_main, args=(name, link.sender_ns, link.receiver_addr, tokens, cache, s_child), daemon=True)
+    receiver.start()
+    try:
+        info = _expect(r_parent, 60, "receiver setup")[1]
+        sender.start()
+        s_parent.send(info)
+        _expect(s_parent, 60, "sender setup")
+        result = None
+        for n in (1, count):  # warm-up, then the measurement
+            r_parent.send(("go", n))
+            s_parent.send(("go", n))
+            sent = _expect(s_parent, timeout, "end of sending")
+            r_parent.send(("end",))
+            got = _expect(r_parent, timeout, "end of receiving")
+            _, start, send_end, send_cpu = sent
+            _, recv_end, recv_cpu, one_sided = got
+            seconds = (send_end if one_sided else recv_end) - start
+            gb = n * nbytes / 1e9
+            result = Sample(gbps=8 * gb / seconds, send_cpu=send_cpu / gb, recv_cpu=recv_cpu / gb)
+        r_parent.send(("stop",))
+        s_parent.send(("stop",))
+        closed = _expect(s_parent, 30, "sender close")
+        _expect(r_parent, 30, "receiver close")
+        assert result is not None
+        if closed[1]:
+            result.extra["chunks_by_codec"] = closed[1]
+        return result
+    finally:
+        for proc in (sender, receiver):
+            if proc.pid is not None:
+                proc.join(2)
+                if proc.is_alive():
+                    proc.kill()
+                    proc.join()
+        for c in (r_parent, s_parent, r_child, s_child):
+            c.close()
+
+
+# -- links and loads ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Link:
+    name: str
+    sender_ns: str | None = None
+    receiver_ns: str | None = None
+    receiver_addr: str = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def open_link(name: str, rate_bps: float) -> Iterator[Link]:
+    if name == "loopback":
+        yield Link("loopback")
+        return
+    from kvwire.bench.netns import NetnsLink
+
+    with NetnsLink(rate_bps=rate_bps) as shaped:
+        yield Link(name, shaped.sender_ns, shaped.receiver_ns, shaped.receiver_addr)
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _churn(mib: int) -> None:
+    while True:
+        block = np.ones(mib * MiB, np.uint8)  # fault in, touch, free: memory pressure
+        del block
+
+
+@contextlib.contextmanager
+def load(kind: str, churn_mib: int) -> Iterator[None]:
+    """``busy``: a spinning process and a memory-churning one, stopped on every exit."""
+    if kind == "quiet":
+        yield
+        return
+    ctx = mp.get_context("fork")
+    procs = [ctx.Process(target=_spin, daemon=True), ctx.Process(target=_churn, args=(churn_mib,), daemon=True)]
+    for p in procs:
+        p.start()
+    try:
+        time.sleep(0.5)
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+# -- the run -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scenario:
+    link: str
+    load: str
+    tokens: int
+    count: int
+
+    @property
+    def label(self) -> str:
+        size = f"{self.tokens * TOKEN_BYTES // MiB} MiB" if self.count == 1 else f"{self.count} x {self.tokens * TOKEN_BYTES // MiB} MiB"
+        if self.tokens * TOKEN_BYTES == GiB and self.count == 1:
+            size = "1 GiB"
+        return f"{self.link}, {self.load}, {size}"
+
+
+def _fmt(values: list[float], digits: int = 3) -> str:
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}g}"
+    return f"{med:.{digits}g} ({min(values):.{digits}g}-{max(values):.{digits}g})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--systems", default="raw,kvwire-raw,mooncake,nixl,zmq",
+                    help="comma-separated: raw, kvwire-<codec>, mooncake, nixl, zmq")
+    ap.add_argument("--kvwire-codecs", default="", help="extra kvwire codecs to add, e.g. auto,fp8")
+    ap.add_argument("--links", default="loopback,veth", help="loopback and/or veth (root)")
+    ap.add_argument("--rate", type=float, default=10e9, help="veth rate in bit/s (default 10e9)")
+    ap.add_argument("--loads", default="quiet,busy")
+    ap.add_argument("--whole-tokens", type=int, default=8192, help="tokens of the whole cache (8192 = 1 GiB)")
+    ap.add_argument("--burst", default="20x1024", help="COUNTxTOKENS back-to-back caches (20x1024 = 20 x 128 MiB); '' to skip")
+    ap.add_argument("--burst-links", default="loopback", help="links the burst shape runs on")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--churn-mib", type=int, default=256)
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one measurement may take")
+    ap.add_argument("--json", help="write every sample to this file")
+    args = ap.parse_args(argv)
+
+    systems = [s for s in args.systems.split(",") if s]
+    systems += [f"kvwire-{c}" for c in args.kvwire_codecs.split(",") if c and f"kvwire-{c}" not in systems]
+    links = [x for x in args.links.split(",") if x]
+    scenarios: list[Scenario] = []
+    for link_name in links:
+        for load_kind in args.loads.split(","):
+            scenarios.append(Scenario(link_name, load_kind, args.whole_tokens, 1))
+            if args.burst and link_name in args.burst_links.split(","):
+                count, tokens = (int(x) for x in args.burst.split("x"))
+                scenarios.append(Scenario(link_name, load_kind, tokens, count))
+
+    skipped = {s: why for s in systems if (why := missing(s)) is not None}
+    if "veth" in links:
+        from kvwire.bench.netns import netns_available
+
+        reason = netns_available()
+        if reason is not None:
+            print(f"veth link skipped: {reason}", file=sys.stderr)
+            scenarios = [s for s in scenarios if s.link != "veth"]
+    for s, why in skipped.items():
+        print(f"{s}: skipped: {why}", file=sys.stderr)
+    runnable = [s for s in systems if s not in skipped]
+
+    largest = max(s.tokens for s in scenarios) * TOKEN_BYTES
+    cache = make_cache(largest)
+    samples: dict[tuple[Scenario, str], list[Sample]] = {}
+    failures: dict[tuple[Scenario, str], str] = {}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    t_start = time.perf_counter()
+    # Scenarios grouped by link and load so each namespace pair and load starts once.
+    for link_name in links:
+        group = [s for s in scenarios if s.link == link_name]
+        if not group:
+            continue
+        with open_link(link_name, args.rate) as link:
+            for load_kind in dict.fromkeys(s.load for s in group):
+                with load(load_kind, args.churn_mib):
+                    for sc in (s for s in group if s.load == load_kind):
+                        for rnd in range(args.rounds):
+                            for system in runnable:
+                                key = (sc, system)
+                                if key in failures:
+                                    continue
+                                try:
+                                    sample = measure(system, link, cache, sc.tokens, sc.count, args.timeout)
+                                except Exception as exc:
+                                    failures[key] = f"{type(exc).__name__}: {exc}"
+                                    print(f"[{sc.label}] {system}: failed: {failures[key]}", file=sys.stderr)
+                                    continue
+                                samples.setdefault(key, []).append(sample)
+                                print(f"[{sc.label}] round {rnd + 1} {system}: {sample.gbps:.2f} Gbit/s", file=sys.stderr)
+
+    print(f"\n{len(runnable)} systems, {args.rounds} interleaved rounds, {time.perf_counter() - t_start:.0f} s; "
+          f"Gbit/s of KV delivered and CPU s/GB per side: median (min-max)\n")
+    for sc in scenarios:
+        print(f"### {sc.label}\n")
+        print("| system | Gbit/s | vs raw | sender CPU s/GB | receiver CPU s/GB |")
+        print("|---|---|---|---|---|")
+        raw = samples.get((sc, "raw"))
+        raw_med = statistics.median(x.gbps for x in raw) if raw else None
+        for system in systems:
+            key = (sc, system)
+            if system in skipped or key in failures:
+                why = skipped.get(system) or failures[key]
+                print(f"| {system} | - | - | - | - | ({why})")
+                continue
+            got = samples.get(key, [])
+            rates = [x.gbps for x in got]
+            ratio = f"{statistics.median(rates) / raw_med:.2f}" if raw_med and rates else "-"
+            print(f"| {system} | {_fmt(rates)} | {ratio} | {_fmt([x.send_cpu for x in got], 2)} | {_fmt([x.recv_cpu for x in got], 2)} |")
+        print()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({
+                "args": vars(args),
+                "skipped": skipped,
+                "failures": {f"{k[0].label} / {k[1]}": v for k, v in failures.items()},
+                "samples": {f"{k[0].label} / {k[1]}": [x.__dict__ for x in v] for k, v in samples.items()},
+            }, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
