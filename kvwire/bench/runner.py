@@ -59,7 +59,7 @@ __all__ = [
 
 #: The secret both ``kvwire serve`` and ``kvwire bench --peer`` fall back to when neither
 #: ``--secret-file`` nor ``KVWIRE_SECRET`` is given. Public, so it authenticates nothing:
-#: for benches between machines you trust, never for real traffic.
+#: ``kvwire serve`` accepts it on loopback addresses only.
 DEV_SECRET = b"kvwire-development-secret"
 
 #: Key in a transfer's ``meta`` that marks it as part of a bench.

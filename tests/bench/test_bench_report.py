@@ -4,9 +4,12 @@ low utilization and the start block, on hand-made samples (no network, no clock)
 from __future__ import annotations
 
 import datetime
+import itertools
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import kvwire
 from kvwire.bench.report import (
@@ -131,3 +134,46 @@ def test_start_block_has_version_time_host_and_configuration() -> None:
     assert config["seed"] == 7 and config["chunk_bytes"] == 256 * 1024
     assert config["codec"] == "auto" and config["streams"] == "auto" and config["tokens"] == 16
     assert "secret" not in config and "do-not-print-this" not in repr(block)
+
+
+@given(
+    steps=st.lists(
+        st.tuples(st.floats(0.01, 0.7), st.integers(0, 10**7), st.integers(0, 3),
+                  st.dictionaries(st.sampled_from(["raw", "fp8", "int8", "int4"]), st.integers(0, 50))),
+        min_size=1, max_size=40,
+    ),
+    interval=st.floats(0.1, 2.0),
+)
+def test_intervals_partition_the_run(steps: list[tuple[float, int, int, dict[str, int]]],
+                                     interval: float) -> None:
+    # Whatever the sample spacing: intervals are contiguous, and their deltas add up to
+    # the run's totals (nothing counted twice or lost at the edges).
+    initial = {"t": 0.0, "bytes_sent": 0, "kv_bytes_done": 0, "transfers": 0, "cpu_s": 0.0,
+               "retransmits": 0, "chunks_by_codec": {}}
+    t = sent = transfers = 0.0
+    chunks: dict[str, int] = {}
+    samples = []
+    for dt, dbytes, dtransfers, dchunks in steps:
+        t += dt
+        sent += dbytes
+        transfers += dtransfers
+        for k, v in dchunks.items():
+            chunks[k] = chunks.get(k, 0) + v
+        samples.append(_sample(t, int(sent), int(transfers), t / 2, int(transfers), dict(chunks), 2))
+    ivs = intervals(samples, interval, initial)
+    assert ivs[0]["start"] == 0.0 and ivs[-1]["end"] == samples[-1]["t"]
+    assert all(a["end"] == b["start"] for a, b in itertools.pairwise(ivs))
+    assert sum(iv["transfers"] for iv in ivs) == transfers
+    assert sum(iv["retransmits"] for iv in ivs) == transfers
+    total: dict[str, int] = {}
+    for iv in ivs:
+        for k, v in iv["chunks_by_codec"].items():
+            total[k] = total.get(k, 0) + v
+    assert total == {k: v for k, v in chunks.items() if v}
+    assert sum(iv["sent_gbps"] * (iv["end"] - iv["start"]) for iv in ivs) == pytest.approx(sent * 8 / 1e9)
+    # Intervals end on a grid of ``interval`` from the start (iperf3-style): every one
+    # but the last ends at the first sample at or past a grid edge its start had not reached.
+    def cell(x: float) -> int:
+        return int(x / interval + 1e-9)
+
+    assert all(cell(iv["end"]) > cell(iv["start"]) for iv in ivs[:-1])
