@@ -185,3 +185,35 @@ async def test_geometry_mismatch_refused_when_the_destination_is_named() -> None
             assert transfer_err is not None and transfer_err.code == ErrorCode.INCOMPATIBLE_SPEC
             with pytest.raises(KvwireError):
                 await asyncio.wait_for(sending, 10)
+
+
+class CountingDestination(PagedDestination):
+    """Counts the chunks that had to be decoded elsewhere and scattered."""
+
+    scattered = 0
+
+    def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
+        view = self.view(layer, kind, start, int(data.shape[0]), layer_tokens)
+        if view is None or not np.shares_memory(view, data):
+            self.scattered += 1
+        super().write(layer, kind, start, data, layer_tokens)
+
+
+@pytest.mark.parametrize(("chunk_bytes", "in_place"), [(1024, True), (3000, False)])
+async def test_chunks_inside_one_block_land_in_it_without_a_scatter(chunk_bytes: int, in_place: bool) -> None:
+    # Half a block is 16 rows of 64 bytes: 1024-byte chunks are exactly half blocks, so each
+    # is read (or decoded) straight into its destination block; 3000-byte ones span blocks.
+    spec = PagedSpec(num_layers=2, block_shape=(4, 8, 32), dtype="float16")
+    src = caches(spec, 8, seed=9)
+    dst = caches(spec, 8, seed=10)
+    dest = CountingDestination(spec, dst, [6, 1, 4])
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=chunk_bytes) as peer:
+            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+            await asyncio.sleep(0)
+            await peer.send("req", spec.wire_spec(), PagedSource(spec, src, [0, 3, 5]))
+            transfer = await waiting
+            assert len([layer async for layer in transfer]) == 2
+    for li in range(2):
+        assert dst[li][[6, 1, 4]].tobytes() == src[li][[0, 3, 5]].tobytes()
+    assert (dest.scattered == 0) == in_place
