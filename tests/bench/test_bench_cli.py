@@ -111,3 +111,5 @@ def test_every_option_has_help(command: str) -> None:
     cmd = sub.choices[command]  # type: ignore[index]
     missing = [a.option_strings for a in cmd._actions if a.dest != "help" and not a.help]
     assert missing == []
+    text = cmd.format_help()  # renders (a stray % in a help string would raise here)
+    assert all(opt in text for a in cmd._actions for opt in a.option_strings)
