@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "kvwire"
-CORE = ["wire", "codec", "control", "consistency", "scheduler"]
+CORE = ["wire", "codec", "control", "consistency", "scheduler", "session"]
 BANNED = {"asyncio", "socket", "ssl", "selectors", "time", "uvloop", "threading", "redis"}
 # Packages allowed to do I/O: the transport, the bench tools, the test helpers, the CLI.
 IO_ALLOWED = {"aio", "bench", "testing"}

@@ -1,0 +1,42 @@
+"""kvwire sessions, sans-IO: the protocol logic above one connection.
+
+:mod:`kvwire.session.sender` runs a client session (N connections, transfers, credit,
+striping, resume), :mod:`kvwire.session.receiver` a server's sessions (admission, storage,
+acknowledgements, tombstones, the registry gate, every deadline).  Bytes and ``now`` in;
+bytes, events and ``get_timer()`` out.  ``kvwire.testing.SessionPair`` wires the two
+together in memory for deterministic fault tests.
+"""
+
+from kvwire.session.receiver import (
+    LayerReady,
+    ReceiverConfig,
+    ReceiverCore,
+    RegistryCheck,
+    RegistryPublish,
+    TransferArrived,
+)
+from kvwire.session.receiver import TransferFailed as IncomingFailed
+from kvwire.session.sender import (
+    SenderConfig,
+    SenderCore,
+    SessionFailed,
+    StreamWanted,
+    TransferDone,
+)
+from kvwire.session.sender import TransferFailed as OutgoingFailed
+
+__all__ = [
+    "IncomingFailed",
+    "LayerReady",
+    "OutgoingFailed",
+    "ReceiverConfig",
+    "ReceiverCore",
+    "RegistryCheck",
+    "RegistryPublish",
+    "SenderConfig",
+    "SenderCore",
+    "SessionFailed",
+    "StreamWanted",
+    "TransferArrived",
+    "TransferDone",
+]
