@@ -339,6 +339,9 @@ class SimState:
     remote_queued_s: float = 0.0
     link_queued_bytes: float = 0.0
     """Estimated bytes waiting for the link."""
+    local_pending: dict[int, int] = field(default_factory=dict)
+    """Blocks of the prefills queued or running locally (block -> count)."""
+    remote_pending: dict[int, int] = field(default_factory=dict)
     local_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     remote_cache: PrefixCache = field(default_factory=lambda: PrefixCache(0))
     local_queue: deque[int] = field(default_factory=deque)
@@ -475,6 +478,27 @@ def _bandwidth_sample(state: SimState) -> float:
     return bw
 
 
+def _planned_hit(cache: PrefixCache, pending: dict[int, int], hash_ids: Sequence[int]) -> int:
+    """Leading blocks a cluster holds or is computing (queued or running prefills): what
+    a prefill placed there now can expect to find when it starts, behind them."""
+    hit = 0
+    for h in hash_ids:
+        if h not in cache and not pending.get(h):
+            break
+        hit += 1
+    return hit
+
+
+def _pending(state: SimState, i: int, add: int) -> None:
+    pending = state.remote_pending if state.remote[i] else state.local_pending
+    for h in state.requests[i].hash_ids:
+        n = pending.get(h, 0) + add
+        if n:
+            pending[h] = n
+        else:
+            pending.pop(h, None)
+
+
 def _place(state: SimState, i: int) -> bool:
     """The policy's decision for request ``i`` at ``now`` (True: offload)."""
     if state.policy is PolicyName.LOCAL:
@@ -504,8 +528,8 @@ def _place(state: SimState, i: int) -> bool:
         threshold = state.adaptive.threshold_tokens
     state.thresholds_seen.append(threshold)
     # The scheduler sees what each cache holds now; the prefill looks again when it starts.
-    local_hit = state.local_cache.peek(r.hash_ids)
-    remote_hit = state.remote_cache.peek(r.hash_ids)
+    local_hit = _planned_hit(state.local_cache, state.local_pending, r.hash_ids)
+    remote_hit = _planned_hit(state.remote_cache, state.remote_pending, r.hash_ids)
     decision = decide(
         PolicyRequest(request_id=str(i), input_length=r.input_length, output_length=r.output_length),
         SchedulerState(
@@ -527,6 +551,7 @@ def _place(state: SimState, i: int) -> bool:
 def on_arrival(state: SimState, i: int) -> list[Event]:
     """Place request ``i`` and queue it for a prefill."""
     remote = state.remote[i] = _place(state, i)
+    _pending(state, i, +1)
     state.queued_est[i] = _est_prefill_s(state, i, remote)
     if remote:
         state.remote_queue.append(i)
@@ -556,6 +581,7 @@ def on_prefill_start(state: SimState, i: int) -> list[Event]:
 def on_prefill_end(state: SimState, i: int) -> list[Event]:
     """Free the server; the computed prefix enters that cluster's cache."""
     r = state.requests[i]
+    _pending(state, i, -1)
     out: list[Event]
     if state.remote[i]:
         state.remote_free += 1
