@@ -133,7 +133,8 @@ def one_interval(prev: Mapping[str, Any], group: Sequence[Mapping[str, Any]]) ->
     streams = [g["streams"] for g in group if g.get("streams") is not None]
     retr: int | None = None
     if end.get("retransmits") is not None and prev.get("retransmits") is not None:
-        retr = int(end["retransmits"]) - int(prev["retransmits"])
+        # A reconnected stream starts a new counter: never report a negative count.
+        retr = max(0, int(end["retransmits"]) - int(prev["retransmits"]))
     return {
         "start": prev["t"],
         "end": end["t"],

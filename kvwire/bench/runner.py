@@ -582,7 +582,7 @@ async def _send_loop(
             res.min_rtt_ms = stats.get("min_rtt_ms")
             retr1 = _retransmits(stats)
             if retr0 is not None and retr1 is not None:
-                res.retransmits = retr1 - retr0
+                res.retransmits = max(0, retr1 - retr0)  # a reconnect restarts a counter
             end_meta = {META_KEY: {"id": bench_id, "seed": cfg.seed, "end": True}}
             await peer.send(f"{bench_id}-end", spec, end_layers, meta=end_meta, timeout=30.0)
         finally:
