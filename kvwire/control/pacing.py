@@ -25,6 +25,7 @@ from kvwire.control.estimator import DeliveryRateEstimator
 __all__ = ["PROBE_CYCLE", "InflightController", "InflightTarget", "Pacer"]
 
 _MIB = 1 << 20
+_FRAME_SLACK = 4096  # a chunk frame's header and codec parameters, rounded up
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,8 +145,11 @@ class InflightController:
 
     @property
     def floor_bytes(self) -> int:
-        """Lowest target: ``max(min_bytes, 2 x streams x chunk_bytes)``, within ``max_bytes``."""
-        return min(self._max_bytes, max(self._min_bytes, 2 * self._streams * self._chunk))
+        """Lowest target: ``max(min_bytes, 2 x streams x (chunk_bytes + framing))``, within
+        ``max_bytes``: two whole frames per stream, headers and parameters included, so no
+        stream waits for another's ack while the window has room on paper."""
+        per_chunk = self._chunk + _FRAME_SLACK
+        return min(self._max_bytes, max(self._min_bytes, 2 * self._streams * per_chunk))
 
     @property
     def phase_gain(self) -> float:
