@@ -35,6 +35,7 @@ from kvwire.errors import (
     UsageError,
     error_from_code,
 )
+from kvwire.session.receiver import MAX_BLOCK_VERSION, wire_text
 from kvwire.spec import DTYPE_BY_ID, KVCache, KVSpec, Layer
 from kvwire.wire import (
     Begin,
@@ -56,13 +57,8 @@ from kvwire.wire.transfer import ChunkVerdict
 
 RAW_CODEC_ID = RawCodec.codec_id
 _log = logging.getLogger("kvwire")
-#: Longest error text this side puts in a RESET; text that came from the peer is never
-#: echoed back in full (a chunk per RESET would otherwise repeat it without bound).
-WIRE_TEXT_LIMIT = 160
-
-
-def _wire_text(text: str) -> str:
-    return text if len(text) <= WIRE_TEXT_LIMIT else text[: WIRE_TEXT_LIMIT - 3] + "..."
+# Error text in a RESET is short and never the peer's text in full (WIRE_TEXT_LIMIT).
+_wire_text = wire_text
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1069,10 +1065,6 @@ class Server:
             stream.conn.send_reset(transfer.transfer_id, exc.code, _wire_text(str(exc)))
         stream.conn.send_ack(address)
         stream.flush()
-
-
-#: Registries issue versions below 2**53 (exact in a double); anything above was never issued.
-MAX_BLOCK_VERSION = 1 << 53
 
 
 def _decode_blocks(begin: Begin) -> list[tuple[Any, int]]:

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.aio.server import WIRE_TEXT_LIMIT, Transfer
+from kvwire.aio.server import Transfer
 from kvwire.errors import ErrorCode
+from kvwire.session.receiver import WIRE_TEXT_LIMIT
 from kvwire.wire import Ack, Begin, Chunk, FrameDecoder, Reset, frame_bytes
 from kvwire.wire.frames import Accept, Ping
 from tests.conftest import SECRET, make_layers, same_cache
@@ -332,3 +333,12 @@ async def test_errors_have_one_class_per_wire_code_on_both_sides() -> None:
     for code in ErrorCode:
         err = kvwire.errors.error_from_code(code, "")
         assert err.code == code
+
+
+async def test_meta_over_64k_is_refused_once_not_reconnected_forever() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            with pytest.raises(kvwire.LimitExceededError):
+                await peer.send("meta", SPEC, layers(), meta={"x": "y" * 100_000}, timeout=10)
+            assert peer.statistics().get("resumes", 0) == 0
+            await peer.send("after", SPEC, layers(), timeout=10)
