@@ -76,6 +76,7 @@ class SessionPair:
         self, sender: SenderConfig, receiver: ReceiverConfig, *, faults: dict[int, Fault] | None = None,
         restart_at: frozenset[int] = frozenset(), allocate: Allocate = byte_buffer,
         registry: Callable[[tuple[tuple[bytes, int], ...]], KvwireError | None] | None = None,
+        abort_at: dict[int, str] | None = None,
     ) -> None:
         self.clock = FakeClock()
         self._rcfg = receiver
@@ -84,6 +85,9 @@ class SessionPair:
         self.sender = SenderCore(sender)
         self.faults = dict(faults or {})
         self.restart_at = restart_at
+        self.abort_at = dict(abort_at or {})
+        """Frame number -> request id the receiving application aborts when it passes
+        (a RESET racing the ACKs in flight)."""
         self.registry = registry
         self.links: dict[int, _Link] = {}
         self._cid = 0
@@ -229,6 +233,9 @@ class SessionPair:
             if n in self.restart_at:
                 self._restart()
                 return True
+            request = self.abort_at.get(n)
+            if request is not None and request in self.keys:
+                self.receiver.abort(self.keys[request], "aborted by the test", now)
             fault = self.faults.get(n)
             if fault is not None:
                 kind, arg = fault

@@ -107,10 +107,11 @@ FAULT = st.one_of(
     streams=st.integers(min_value=1, max_value=3),
     transfers=st.integers(min_value=1, max_value=3),
     budget_layers=st.integers(min_value=2, max_value=40),
+    aborts=st.dictionaries(st.integers(min_value=0, max_value=300), st.sampled_from(["t0", "t1"]), max_size=1),
 )
 def test_faults_never_break_the_invariants(
     faults: dict[int, tuple[str, int]], restart: set[int], fail_alloc: set[int], streams: int,
-    transfers: int, budget_layers: int,
+    transfers: int, budget_layers: int, aborts: dict[int, str],
 ) -> None:
     layer_bytes = 2 * 24 * BPT
     budget = budget_layers * layer_bytes
@@ -123,7 +124,8 @@ def test_faults_never_break_the_invariants(
         return byte_buffer(nbytes)
 
     scfg, rcfg = configs(streams, budget)
-    pair = SessionPair(scfg, rcfg, faults=faults, restart_at=frozenset(restart), allocate=allocate)
+    pair = SessionPair(scfg, rcfg, faults=faults, restart_at=frozenset(restart), allocate=allocate,
+                       abort_at=aborts)
     pair.run(until=0.5)
     sent = {}
     for i in range(transfers):
