@@ -316,7 +316,7 @@ def _print_table(results: tuple[PolicyResult, ...], caption: str, out: TextIO) -
     cols = ("policy", "capacity", "util", "thr rps", "saturated", "TTFT P50", "P90", "P99",
             "egress Gbit/s", "P99", "offload", "cache hit", "t (tok)", "Np/Nd", "slack")
     for col in cols:
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in results:
         table.add_row(
             r.policy,
