@@ -85,9 +85,9 @@ static const kv_u32 OVERFLOW_BITS[3] = {0x477FF000u /* 65520 */, 0x7F7F8000u, 0x
 /* fp8 / int8: one scale per row of `dim` elements.                                      */
 
 #define ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T)                                      \
-    KV_CLONES static int NAME##_encode_##SUF(const void* x, idx rows, idx dim, kv_u8* scales, \
-                                             kv_u8* codes_) {                                \
-        CODE_T* codes = (CODE_T*)codes_;                                                     \
+    KV_CLONES static int NAME##_encode_##SUF(const void* restrict x, idx rows, idx dim,        \
+                                             kv_u8* restrict scales, kv_u8* restrict codes_) {                                \
+        CODE_T* restrict codes = (CODE_T*)codes_;                                                   \
         for (idx r = 0; r < rows; ++r) {                                                     \
             const idx base = r * dim;                                                        \
             kv_u32 amax = 0;                                                                 \
@@ -107,9 +107,10 @@ static const kv_u32 OVERFLOW_BITS[3] = {0x477FF000u /* 65520 */, 0x7F7F8000u, 0x
 #define INT8_CODE(c) ((c) == -128)
 
 #define ROWWISE_DECODE(NAME, SUF, DEQUANT, CODE_T, BADCODE)                                  \
-    KV_CLONES static int NAME##_decode_##SUF(const kv_u8* codes_, const kv_u8* scales,       \
-                                             idx rows, idx dim, void* out) {                 \
-        const CODE_T* codes = (const CODE_T*)codes_;                                         \
+    KV_CLONES static int NAME##_decode_##SUF(const kv_u8* restrict codes_,                    \
+                                             const kv_u8* restrict scales, idx rows, idx dim, \
+                                             void* restrict out) {                 \
+        const CODE_T* restrict codes = (const CODE_T*)codes_;                                       \
         idx step = KV_BLOCK_ELEMS / dim;                                                     \
         if (step < 1) step = 1;                                                              \
         for (idx r0 = 0; r0 < rows; r0 += step) {                                            \
@@ -177,23 +178,16 @@ static void pack_finish(packer* pk) {
     if (pk->odd) *pk->p++ = pk->pend;
 }
 
-/* +0 for a zero minimum or maximum, whatever the sign of the zeros in the group */
-static inline float kv_plus_zero(float v) { return v == 0.0f ? 0.0f : v; }
-
-/* Order-preserving integer key of a (non-NaN) float, so that min/max vectorize as integer
- * reductions without fast-math; -0 sorts below +0, which kv_plus_zero makes irrelevant. */
-static inline int32_t f_key(float f) {
-    int32_t b = (int32_t)kv_f32_bits(f);
-    return b ^ ((b >> 31) & 0x7FFFFFFF);
-}
-static inline float key_f(int32_t k) { return kv_bits_f32((kv_u32)(k ^ ((k >> 31) & 0x7FFFFFFF))); }
-
+/* Group minimum and maximum as in the kernel: unsigned order keys of the values (integer
+ * min/max, which vectorize without fast-math), back to floats, -0 stored as +0. */
 #define INT4_ENCODE(SUF)                                                                     \
     KV_CLONES static int int4_encode_##SUF(const void* x, idx tokens, idx heads, idx dim,    \
                                            idx group, int is_v, kv_u8* scales, kv_u8* mins,  \
                                            kv_u8* packed, float* lo, float* hi,              \
-                                           kv_u8* tmp) {                                     \
+                                           kv_u32* keys, kv_u8* tmp) {                       \
         const idx hd = heads * dim;                                                          \
+        kv_u32* klo = keys;                                                                  \
+        kv_u32* khi = keys + hd;                                                             \
         packer pk = {packed, 0, 0};                                                          \
         kv_u32 mag = 0;                                                                      \
         if (!is_v) {                                                                         \
@@ -202,22 +196,22 @@ static inline float key_f(int32_t k) { return kv_bits_f32((kv_u32)(k ^ ((k >> 31
                 for (idx c = 0; c < hd; ++c) {                                               \
                     kv_u32 m = MAG_##SUF(x, t0 * hd + c);                                    \
                     mag = m > mag ? m : mag;                                                 \
-                    lo[c] = hi[c] = LOAD_##SUF(x, t0 * hd + c);                              \
+                    klo[c] = khi[c] = kv_order_key(LOAD_##SUF(x, t0 * hd + c));              \
                 }                                                                            \
                 for (idx t = t0 + 1; t < t1; ++t) {                                          \
                     for (idx c = 0; c < hd; ++c) {                                           \
                         kv_u32 m = MAG_##SUF(x, t * hd + c);                                 \
                         mag = m > mag ? m : mag;                                             \
-                        float v = LOAD_##SUF(x, t * hd + c);                                 \
-                        lo[c] = v < lo[c] ? v : lo[c];                                       \
-                        hi[c] = v > hi[c] ? v : hi[c];                                       \
+                        kv_u32 k = kv_order_key(LOAD_##SUF(x, t * hd + c));                  \
+                        klo[c] = k < klo[c] ? k : klo[c];                                    \
+                        khi[c] = k > khi[c] ? k : khi[c];                                    \
                     }                                                                        \
                 }                                                                            \
                 if (mag >= NONFINITE_##SUF) return KV_E_NONFINITE;                           \
                 int range = 0;                                                               \
                 for (idx c = 0; c < hd; ++c) {                                               \
-                    float l = kv_plus_zero(lo[c]);                                           \
-                    float s = kv_int4_scale(l, kv_plus_zero(hi[c]));                         \
+                    float l = kv_canonical_zero(kv_from_order_key(klo[c]));                  \
+                    float s = kv_int4_scale(l, kv_canonical_zero(kv_from_order_key(khi[c]))); \
                     range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;                  \
                     lo[c] = l;                                                               \
                     hi[c] = s;                                                               \
@@ -244,14 +238,14 @@ static inline float key_f(int32_t k) { return kv_bits_f32((kv_u32)(k ^ ((k >> 31
                 if (mag >= NONFINITE_##SUF) return KV_E_NONFINITE;                           \
                 for (idx k = 0; k < runs; ++k) {                                             \
                     const idx d0 = k * group, d1 = d0 + group < dim ? d0 + group : dim;      \
-                    int32_t kl = f_key(row[d0]), kh = kl;                                    \
+                    kv_u32 kl = kv_order_key(row[d0]), kh = kl;                              \
                     for (idx d = d0 + 1; d < d1; ++d) {                                      \
-                        int32_t kk = f_key(row[d]);                                          \
+                        kv_u32 kk = kv_order_key(row[d]);                                    \
                         kl = kk < kl ? kk : kl;                                              \
                         kh = kk > kh ? kk : kh;                                              \
                     }                                                                        \
-                    const float l = kv_plus_zero(key_f(kl));                                 \
-                    const float s = kv_int4_scale(l, kv_plus_zero(key_f(kh)));               \
+                    const float l = kv_canonical_zero(kv_from_order_key(kl));                \
+                    const float s = kv_int4_scale(l, kv_canonical_zero(kv_from_order_key(kh))); \
                     if ((kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u) return KV_E_RANGE;    \
                     st_f32(scales, r * runs + k, s);                                         \
                     st_f32(mins, r * runs + k, l);                                           \
@@ -473,7 +467,7 @@ static idx int4_groups(idx tokens, idx heads, idx dim, idx group, int is_v) {
 }
 
 typedef int (*i4_enc_fn)(const void*, idx, idx, idx, idx, int, kv_u8*, kv_u8*, kv_u8*, float*,
-                         float*, kv_u8*);
+                         float*, kv_u32*, kv_u8*);
 typedef int (*i4_dec_fn)(const kv_u8*, const kv_u8*, const kv_u8*, idx, idx, idx, idx, int, void*,
                          float*, float*);
 static const i4_enc_fn I4_ENC[3] = {int4_encode_F16, int4_encode_BF16, int4_encode_F32};
@@ -498,17 +492,19 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
     if (ok) {
         idx hd = heads * dim;
         float* lo = (float*)malloc(sizeof(float) * (size_t)(2 * hd + 2));
+        kv_u32* keys = (kv_u32*)malloc(sizeof(kv_u32) * (size_t)(2 * hd + 2));
         kv_u8* tmp = (kv_u8*)malloc((size_t)hd + 1);
-        if (lo == NULL || tmp == NULL) {
+        if (lo == NULL || keys == NULL || tmp == NULL) {
             st = KV_E_NOMEM;
         } else {
             i4_enc_fn fn = I4_ENC[dt];
             Py_BEGIN_ALLOW_THREADS
             st = fn(x.buf, tokens, heads, dim, group, is_v, (kv_u8*)sc.buf, (kv_u8*)mn.buf,
-                    (kv_u8*)pk.buf, lo, lo + hd + 1, tmp);
+                    (kv_u8*)pk.buf, lo, lo + hd + 1, keys, tmp);
             Py_END_ALLOW_THREADS
         }
         free(lo);
+        free(keys);
         free(tmp);
     }
     PyBuffer_Release(&x);
