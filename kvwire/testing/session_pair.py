@@ -100,6 +100,8 @@ class SessionPair:
         self.max_buffered = 0
         self._requests: dict[tuple[bytes, int], str] = {}
         self._orphans: list[_Link] = []
+        self.claim = True
+        """Whether the receiving application claims arrived transfers (accept()/expect())."""
         self.hold: set[str] = set()
         """Request ids whose ready layers the application leaves where they are."""
         self.held: list[tuple[tuple[bytes, int], int]] = []
@@ -158,9 +160,10 @@ class SessionPair:
             if isinstance(ev, TransferArrived):
                 self._requests[ev.key] = ev.request_id
                 self.keys[ev.request_id] = ev.key
-                self.receiver.claim(ev.key)
+                if self.claim:
+                    self.receiver.claim(ev.key)
             elif isinstance(ev, LayerReady):
-                if self._requests[ev.key] in self.hold:
+                if self._requests[ev.key] in self.hold or not self.claim:
                     self.held.append((ev.key, ev.layer))
                     continue
                 try:

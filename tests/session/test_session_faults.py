@@ -198,3 +198,24 @@ def test_registry_gate_refusal_fails_both_sides_before_data_moves() -> None:
     assert type(outcome.error).__name__ == "StaleVersionError"
     assert type(pair.failed_incoming["gate"]).__name__ == "StaleVersionError"
     assert pair.max_buffered == 0
+
+
+def test_unclaimed_transfers_count_toward_max_transfers_and_are_dropped_at_claim_timeout() -> None:
+    from dataclasses import replace
+
+    scfg, rcfg = configs(1, 1 << 20)
+    pair = SessionPair(scfg, replace(rcfg, max_transfers=2))
+    pair.claim = False  # nobody calls accept()/expect()
+    pair.run(until=0.5)
+    sent = {}
+    for i in range(3):
+        data = make_transfer(10 + i, layers=2, tokens=16)
+        sent[start(pair, f"u{i}", data, chunk_tokens=16)] = (f"u{i}", data)
+    pair.run(until=5.0)
+    kinds = [type(pair.outcomes[t]).__name__ for t in sorted(sent)]
+    assert kinds == ["TransferDone", "TransferDone", "TransferFailed"]
+    assert type(pair.outcomes[max(sent)].error).__name__ == "LimitExceededError"  # type: ignore[union-attr]
+    assert pair.receiver.buffered_bytes == 2 * 2 * (2 * 16 * BPT)
+    pair.run(until=rcfg.claim_timeout + 1)  # type: ignore[operator]
+    assert pair.receiver.counters["transfers_unclaimed"] == 2
+    assert pair.receiver.buffered_bytes == 0
