@@ -92,7 +92,8 @@ def threads(count: int, reps: int) -> None:
     rng = np.random.default_rng(1)
     xs = [(rng.standard_normal((1024, 8, 128)) * 2).astype(np.float16) for _ in range(count)]
     outs = [np.empty_like(x) for x in xs]
-    print(f"\nthreads: {count} threads, one [1024, 8, 128] float16 chunk each, aggregate GB/s (best of {reps})")
+    cores = len(os.sched_getaffinity(0))
+    print(f"\nthreads: {count} threads on {cores} cores, one [1024, 8, 128] float16 chunk each, aggregate GB/s (best of {reps})")
     print("| codec | encode 1 thread | encode threads | x | decode 1 thread | decode threads | x |")
     print("|---|---|---|---|---|---|---|")
     for name in QUANTIZERS:
@@ -182,12 +183,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="also time this many threads at once")
     parser.add_argument("--speed-only", action="store_true", help="skip the quality tables")
     args = parser.parse_args()
+    everywhere = os.sched_getaffinity(0)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     reps = 3 if args.quick else 10
     memcpy = speed(reps)
     compiled_vs_numpy(reps, memcpy)
     if args.threads > 1:
+        os.sched_setaffinity(0, everywhere)  # the threads need cores of their own
         threads(args.threads, reps)
     if args.speed_only:
         return
