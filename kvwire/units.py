@@ -87,19 +87,31 @@ def parse_rate(text: str) -> float:
     return result
 
 
-def _sig4(value: float) -> float:
-    """``value`` rounded to the four significant digits the formatters print, so a unit is
-    chosen for the number as printed (0.99999 s is "1 s", not "1000 ms")."""
-    return float(f"{value:.4g}")
+def _pick(value: float, units: tuple[tuple[str, float], ...]) -> tuple[str, float]:
+    """The largest unit in which ``value`` prints (four significant digits) as >= 1, and
+    the printed number; the last unit takes whatever is left."""
+    for name, scale in units:
+        printed = float(f"{value / scale:.4g}")
+        if abs(printed) >= 1:
+            return name, printed
+    name, scale = units[-1]
+    return name, float(f"{value / scale:.4g}")
+
+
+def _format(value: float, units: tuple[tuple[str, float], ...]) -> str:
+    # Printed again from the number as printed, so a value that rounds up into the next
+    # unit (999.96 Mbit/s, 1023.95 KiB) is written in that unit and reads back the same.
+    name, printed = _pick(value, units)
+    name, printed = _pick(printed * dict(units)[name], units)
+    return f"{printed:.4g} {name}"
+
+
+_RATE_UNITS = (("Tbit/s", 1e12), ("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3), ("bit/s", 1.0))
 
 
 def format_rate(bits_per_second: float) -> str:
     """``100 Gbit/s``, ``2.5 Gbit/s``, ``800 Mbit/s``: the largest prefix that keeps >= 1."""
-    bits_per_second = _sig4(bits_per_second)
-    for prefix, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(bits_per_second) >= scale:
-            return f"{bits_per_second / scale:.4g} {prefix}bit/s"
-    return f"{bits_per_second:.4g} bit/s"
+    return _format(bits_per_second, _RATE_UNITS)
 
 
 # -- durations ----------------------------------------------------------------------------------
@@ -136,15 +148,14 @@ def parse_duration(text: str, default_unit: str = "s") -> float:
     return value
 
 
+_TIME_UNITS = (("s", 1.0), ("ms", 1e-3), ("us", 1e-6), ("ns", 1e-9))
+
+
 def format_duration(seconds: float) -> str:
     """``20 ms``, ``1.5 s``, ``500 us``, ``0 s``: the largest unit that keeps >= 1 (up to s)."""
-    seconds = _sig4(seconds)
     if seconds == 0:
         return "0 s"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(seconds) >= scale:
-            return f"{seconds / scale:.4g} {unit}"
-    return f"{seconds / 1e-9:.4g} ns"
+    return _format(seconds, _TIME_UNITS)
 
 
 # -- sizes --------------------------------------------------------------------------------------
@@ -185,13 +196,14 @@ def parse_size(text: str) -> int:
     return round(value)
 
 
+_SIZE_UNITS = (("TiB", 1024.0**4), ("GiB", 1024.0**3), ("MiB", 1024.0**2), ("KiB", 1024.0), ("B", 1.0))
+
+
 def format_size(n_bytes: float) -> str:
     """``4 KiB``, ``128 MiB``, ``1 GiB``, ``100 B``: binary prefixes, largest that keeps >= 1."""
-    n_bytes = _sig4(n_bytes)
-    for prefix, scale in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n_bytes) >= scale:
-            return f"{n_bytes / scale:.4g} {prefix}"
-    return f"{n_bytes:.4g} B"
+    if n_bytes == 0:
+        return "0 B"
+    return _format(n_bytes, _SIZE_UNITS)
 
 
 # -- schedules ----------------------------------------------------------------------------------
