@@ -214,7 +214,7 @@ def plan_encode(
         epv = 4 if dtype == "float32" else 8
         nvec = dim // epv
         vector = (
-            dim % epv == 0 and nvec <= 128 and x_aligned and full % epv == 0
+            dim % epv == 0 and nvec <= 128 and x_aligned and full % epv == 0 and rows < 2**31
             and (4 * heads * chunk_tokens) % epv == 0 and (4 * heads * last) % epv == 0
         )
         args = ("x", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(chunk_tokens),

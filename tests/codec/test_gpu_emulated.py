@@ -283,3 +283,38 @@ def test_int4_range_beyond_float32_is_flagged(emu: Any) -> None:
     _, flags, _ = emu_encode(emu, get_codec("int4"), _placed(x, True), TensorKind.K, 32, "float32")
     with pytest.raises(UsageError, match="range"):
         g._check_flags(flags, "int4")
+
+
+def _near_boundaries(base: str, rows: int, seed: int) -> np.ndarray[Any, Any]:
+    """float32 rows whose quotients x / scale fall within a few ulp of the points where the
+    code changes (E4M3 midpoints, int8 half-integers): where a reciprocal shortcut would
+    round the other way."""
+    rng = np.random.default_rng(seed)
+    limit = 448.0 if base == "fp8" else 127.0
+    if base == "fp8":
+        mids = np.array([(1 + (2 * k + 1) / 16) * 2.0**e for e in range(-6, 9) for k in range(8)])
+    else:
+        mids = np.arange(127) + 0.5
+    mids = mids[mids < limit * 0.98]
+    out = np.empty((rows, 1, 128), np.float32)
+    for r in range(rows):
+        a0 = np.float32(rng.uniform(0.5, 2.0) * 2.0 ** rng.integers(-30, 30))
+        scale = a0 / np.float32(limit)
+        m = rng.choice(mids, 127)
+        x = (m * np.float64(scale)).astype(np.float32)
+        x = np.nextafter(x, np.float32(np.inf) * rng.choice([-1, 1], 127), dtype=np.float32) if r % 3 else x
+        steps = rng.integers(-24, 25, 127)
+        bits = x.view(np.int32) + steps.astype(np.int32)
+        x = np.minimum(np.abs(bits.view(np.float32)), a0) * rng.choice([-1, 1], 127).astype(np.float32)
+        out[r, 0, 0] = a0
+        out[r, 0, 1:] = x
+    return out
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8"])
+def test_emulated_division_shortcut_near_rounding_points(emu: Any, name: str) -> None:
+    x = _near_boundaries(name, 64, 3)
+    codec = get_codec(name)
+    payloads, flags, kernel = emu_encode(emu, codec, _placed(x, True), TensorKind.K, 64, "float32")
+    assert flags == 0 and "_encode_vec_" in kernel
+    assert payloads[0] == bytes(memoryview(codec.encode(x, TensorKind.K).payload).cast("B"))
