@@ -22,7 +22,6 @@ from kvwire.scheduler.simulator import (
     PolicyResult,
     SimulationConfig,
     offered_rate,
-    optimizer_for,
     policy_capacity,
     scale_to_load,
     simulate,
@@ -437,7 +436,6 @@ def run(args: argparse.Namespace) -> int:
                 np.quantile([r.input_length for r in reqs], np.linspace(0, 0.98, args.plot_points))
             )
         )
-        opt_sel = optimizer_for(reqs, config)
         pts = [
             (
                 float(t),
@@ -447,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
                     PolicyName.SELECTIVE,
                     seed=args.seed,
                     threshold_tokens=float(t),
-                    optimizer=opt_sel,
+                    optimizer=opt,
                 ).throughput_rps,
             )
             for t in np.append(grid, opt.threshold_tokens)
