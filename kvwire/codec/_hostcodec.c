@@ -81,13 +81,47 @@ static const kv_u32 OVERFLOW_BITS[3] = {0x477FF000u /* 65520 */, 0x7F7F8000u, 0x
 #define STORE_BF16(p, i, v) (((kv_u16*)(p))[i] = kv_f32_to_bf16(v))
 #define STORE_F32(p, i, v) (((float*)(p))[i] = (v))
 
+/* Decoders store float16 a row at a time: the values go to a float row buffer and
+ * kv_store_f16 converts the row, with F16C (vcvtps2ph, round to nearest even: the same
+ * bits as kv_f32_to_f16 for every value a decoder keeps) where the CPU has it. */
+#define EL_F16(p, i, t, j, v) ((t)[j] = (v))
+#define EL_BF16(p, i, t, j, v) STORE_BF16(p, i, v)
+#define EL_F32(p, i, t, j, v) STORE_F32(p, i, v)
+#define ROW_F16(p, base, t, n) kv_store_f16((kv_u16*)(p) + (base), (t), (n))
+#define ROW_BF16(p, base, t, n) ((void)0)
+#define ROW_F32(p, base, t, n) ((void)0)
+
+typedef void (*f16_row_fn)(kv_u16* restrict, const float* restrict, idx);
+
+KV_CLONES static void store_f16_generic(kv_u16* restrict dst, const float* restrict src, idx n) {
+    for (idx i = 0; i < n; ++i) dst[i] = kv_f32_to_f16(src[i]);
+}
+
+#if KV_HAVE_CLONES
+#include <immintrin.h>
+__attribute__((target("avx,f16c"))) static void store_f16_f16c(kv_u16* restrict dst,
+                                                               const float* restrict src, idx n) {
+    idx i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i*)(dst + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; ++i) dst[i] = kv_f32_to_f16(src[i]);
+}
+static int have_f16c(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}
+#endif
+
+static f16_row_fn kv_store_f16 = store_f16_generic;
+
 /* ------------------------------------------------------------------------------------ */
 /* fp8 / int8: one scale per row of `dim` elements.                                      */
 
 #define ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T)                                      \
     KV_CLONES static int NAME##_encode_##SUF(const void* restrict x, idx rows, idx dim,        \
                                              kv_u8* restrict scales, kv_u8* restrict codes_) {                                \
-        CODE_T* restrict codes = (CODE_T*)codes_;                                                   \
+        CODE_T* restrict codes = (CODE_T*)codes_;                                            \
         for (idx r = 0; r < rows; ++r) {                                                     \
             const idx base = r * dim;                                                        \
             kv_u32 amax = 0;                                                                 \
@@ -109,8 +143,8 @@ static const kv_u32 OVERFLOW_BITS[3] = {0x477FF000u /* 65520 */, 0x7F7F8000u, 0x
 #define ROWWISE_DECODE(NAME, SUF, DEQUANT, CODE_T, BADCODE)                                  \
     KV_CLONES static int NAME##_decode_##SUF(const kv_u8* restrict codes_,                    \
                                              const kv_u8* restrict scales, idx rows, idx dim, \
-                                             void* restrict out) {                 \
-        const CODE_T* restrict codes = (const CODE_T*)codes_;                                       \
+                                             void* restrict out, float* restrict rowtmp) {   \
+        const CODE_T* restrict codes = (const CODE_T*)codes_;                                \
         idx step = KV_BLOCK_ELEMS / dim;                                                     \
         if (step < 1) step = 1;                                                              \
         for (idx r0 = 0; r0 < rows; r0 += step) {                                            \
@@ -126,8 +160,9 @@ static const kv_u32 OVERFLOW_BITS[3] = {0x477FF000u /* 65520 */, 0x7F7F8000u, 0x
                     float v = DEQUANT(c, s);                                                 \
                     kv_u32 m = kv_f32_bits(v) & 0x7FFFFFFFu;                                 \
                     vmax = m > vmax ? m : vmax;                                              \
-                    STORE_##SUF(out, base + d, v);                                           \
+                    EL_##SUF(out, base + d, rowtmp, d, v);                                   \
                 }                                                                            \
+                ROW_##SUF(out, base, rowtmp, dim);                                           \
             }                                                                                \
             if (bad) return KV_E_CODE;                                                       \
             if (vmax >= 0x7F800000u) return KV_E_OVERFLOW;                                   \
@@ -289,7 +324,7 @@ static inline kv_u8 nib(const kv_u8* packed, idx i) {
     KV_CLONES static int int4_decode_##SUF(const kv_u8* packed, const kv_u8* scales,         \
                                            const kv_u8* mins, idx tokens, idx heads, idx dim, \
                                            idx group, int is_v, void* out, float* sc,        \
-                                           float* mn) {                                      \
+                                           float* mn, float* rowtmp) {                       \
         const idx hd = heads * dim;                                                          \
         kv_u32 vmax = 0;                                                                     \
         if (!is_v) {                                                                         \
@@ -313,23 +348,24 @@ static inline kv_u8 nib(const kv_u8* packed, idx i) {
                         kv_u32 m1 = kv_f32_bits(v1) & 0x7FFFFFFFu;                           \
                         vmax = m0 > vmax ? m0 : vmax;                                        \
                         vmax = m1 > vmax ? m1 : vmax;                                        \
-                        STORE_##SUF(out, base + 2 * j, v0);                                  \
-                        STORE_##SUF(out, base + 2 * j + 1, v1);                              \
+                        EL_##SUF(out, base + 2 * j, rowtmp, 2 * j, v0);                      \
+                        EL_##SUF(out, base + 2 * j + 1, rowtmp, 2 * j + 1, v1);              \
                     }                                                                        \
                     for (idx c = 2 * pairs; c < hd; ++c) {                                   \
                         float v = kv_int4_dequant(nib(packed, base + c), mn[c], sc[c]);      \
                         kv_u32 m = kv_f32_bits(v) & 0x7FFFFFFFu;                             \
                         vmax = m > vmax ? m : vmax;                                          \
-                        STORE_##SUF(out, base + c, v);                                       \
+                        EL_##SUF(out, base + c, rowtmp, c, v);                               \
                     }                                                                        \
                 } else {                                                                     \
                     for (idx c = 0; c < hd; ++c) {                                           \
                         float v = kv_int4_dequant(nib(packed, base + c), mn[c], sc[c]);      \
                         kv_u32 m = kv_f32_bits(v) & 0x7FFFFFFFu;                             \
                         vmax = m > vmax ? m : vmax;                                          \
-                        STORE_##SUF(out, base + c, v);                                       \
+                        EL_##SUF(out, base + c, rowtmp, c, v);                               \
                     }                                                                        \
                 }                                                                            \
+                ROW_##SUF(out, base, rowtmp, hd);                                            \
             }                                                                                \
         } else {                                                                             \
             const idx runs = (dim + group - 1) / group;                                      \
@@ -350,25 +386,26 @@ static inline kv_u8 nib(const kv_u8* packed, idx i) {
                             kv_u32 m1 = kv_f32_bits(v1) & 0x7FFFFFFFu;                       \
                             vmax = m0 > vmax ? m0 : vmax;                                    \
                             vmax = m1 > vmax ? m1 : vmax;                                    \
-                            STORE_##SUF(out, base + d0 + 2 * j, v0);                         \
-                            STORE_##SUF(out, base + d0 + 2 * j + 1, v1);                     \
+                            EL_##SUF(out, base + d0 + 2 * j, rowtmp, d0 + 2 * j, v0);        \
+                            EL_##SUF(out, base + d0 + 2 * j + 1, rowtmp, d0 + 2 * j + 1, v1); \
                         }                                                                    \
                         if (d0 + 2 * pairs < d1) {                                           \
                             const idx i = base + d1 - 1;                                     \
                             float v = kv_int4_dequant(nib(packed, i), l, s);                 \
                             kv_u32 m = kv_f32_bits(v) & 0x7FFFFFFFu;                         \
                             vmax = m > vmax ? m : vmax;                                      \
-                            STORE_##SUF(out, i, v);                                          \
+                            EL_##SUF(out, i, rowtmp, d1 - 1, v);                             \
                         }                                                                    \
                     } else {                                                                 \
                         for (idx d = d0; d < d1; ++d) {                                      \
                             float v = kv_int4_dequant(nib(packed, base + d), l, s);          \
                             kv_u32 m = kv_f32_bits(v) & 0x7FFFFFFFu;                         \
                             vmax = m > vmax ? m : vmax;                                      \
-                            STORE_##SUF(out, base + d, v);                                   \
+                            EL_##SUF(out, base + d, rowtmp, d, v);                           \
                         }                                                                    \
                     }                                                                        \
                 }                                                                            \
+                ROW_##SUF(out, base, rowtmp, dim);                                           \
             }                                                                                \
         }                                                                                    \
         if (vmax >= 0x7F800000u) return KV_E_OVERFLOW;                                       \
@@ -408,7 +445,7 @@ static int check_sizes(idx a, idx b) {
 }
 
 typedef int (*rw_enc_fn)(const void*, idx, idx, kv_u8*, kv_u8*);
-typedef int (*rw_dec_fn)(const kv_u8*, const kv_u8*, idx, idx, void*);
+typedef int (*rw_dec_fn)(const kv_u8*, const kv_u8*, idx, idx, void*, float*);
 static const rw_enc_fn RW_ENC[2][3] = {{fp8_encode_F16, fp8_encode_BF16, fp8_encode_F32},
                                        {int8_encode_F16, int8_encode_BF16, int8_encode_F32}};
 static const rw_dec_fn RW_DEC[2][3] = {{fp8_decode_F16, fp8_decode_BF16, fp8_decode_F32},
@@ -448,16 +485,24 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
              need(&out, rows * dim * itemsize(dt), "out");
     if (ok) {
         rw_dec_fn fn = RW_DEC[kind][dt];
-        Py_BEGIN_ALLOW_THREADS
-        st = check_scales((const kv_u8*)sc.buf, rows);
-        if (st == KV_OK) st = fn((const kv_u8*)co.buf, (const kv_u8*)sc.buf, rows, dim, out.buf);
-        Py_END_ALLOW_THREADS
+        float* rowtmp = (float*)malloc(sizeof(float) * (size_t)(dim + 1));
+        if (rowtmp == NULL) {
+            st = KV_E_NOMEM;
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            st = check_scales((const kv_u8*)sc.buf, rows);
+            if (st == KV_OK)
+                st = fn((const kv_u8*)co.buf, (const kv_u8*)sc.buf, rows, dim, out.buf, rowtmp);
+            Py_END_ALLOW_THREADS
+        }
+        free(rowtmp);
     } else if (!PyErr_Occurred()) {
         PyErr_SetString(PyExc_ValueError, "kind must be 0 (fp8) or 1 (int8)");
     }
     PyBuffer_Release(&sc);
     PyBuffer_Release(&co);
     PyBuffer_Release(&out);
+    if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
 
@@ -469,7 +514,7 @@ static idx int4_groups(idx tokens, idx heads, idx dim, idx group, int is_v) {
 typedef int (*i4_enc_fn)(const void*, idx, idx, idx, idx, int, kv_u8*, kv_u8*, kv_u8*, float*,
                          float*, kv_u32*, kv_u8*);
 typedef int (*i4_dec_fn)(const kv_u8*, const kv_u8*, const kv_u8*, idx, idx, idx, idx, int, void*,
-                         float*, float*);
+                         float*, float*, float*);
 static const i4_enc_fn I4_ENC[3] = {int4_encode_F16, int4_encode_BF16, int4_encode_F32};
 static const i4_dec_fn I4_DEC[3] = {int4_decode_F16, int4_decode_BF16, int4_decode_F32};
 
@@ -535,7 +580,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
     }
     if (ok) {
         idx hd = heads * dim;
-        float* buf = (float*)malloc(sizeof(float) * (size_t)(2 * hd + 2));
+        float* buf = (float*)malloc(sizeof(float) * (size_t)(3 * hd + 3));
         if (buf == NULL) {
             st = KV_E_NOMEM;
         } else {
@@ -547,7 +592,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
             if (st == KV_OK && (n & 1) && (p[n >> 1] >> 4)) st = KV_E_PAD;
             if (st == KV_OK)
                 st = fn(p, (const kv_u8*)sc.buf, (const kv_u8*)mn.buf, tokens, heads, dim, group,
-                        is_v, out.buf, buf, buf + hd + 1);
+                        is_v, out.buf, buf, buf + hd + 1, buf + 2 * hd + 2);
             Py_END_ALLOW_THREADS
         }
         free(buf);
@@ -579,7 +624,22 @@ static PyObject* py_isa(PyObject* self, PyObject* args) {
 #endif
 }
 
+/* f16c(enable) -> bool: use F16C for float16 stores (when the CPU has it); returns whether
+ * it is in use.  The test-suite runs the decoders both ways. */
+static PyObject* py_f16c(PyObject* self, PyObject* args) {
+    int enable;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "p", &enable)) return NULL;
+#if KV_HAVE_CLONES
+    kv_store_f16 = (enable && have_f16c()) ? store_f16_f16c : store_f16_generic;
+    return PyBool_FromLong(kv_store_f16 == store_f16_f16c);
+#else
+    return PyBool_FromLong(0);
+#endif
+}
+
 static PyMethodDef methods[] = {
+    {"f16c", py_f16c, METH_VARARGS, "f16c(enable) -> whether float16 stores use F16C"},
     {"encode_rows", py_encode_rows, METH_VARARGS,
      "encode_rows(kind, x, dtype, rows, dim, scales, codes) -> status (kind 0 fp8, 1 int8)"},
     {"decode_rows", py_decode_rows, METH_VARARGS,
@@ -598,4 +658,9 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__hostcodec(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__hostcodec(void) {
+#if KV_HAVE_CLONES
+    if (have_f16c()) kv_store_f16 = store_f16_f16c;
+#endif
+    return PyModule_Create(&module);
+}

@@ -9,10 +9,12 @@ or ``encode_numpy``/``decode_numpy``) is exercised here too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -44,7 +46,23 @@ def test_extension_was_built() -> None:
         "`python setup.py build_ext --inplace`) and read the build output for "
         "'WARNING: could not build'; set KVWIRE_NO_EXTENSIONS=1 to test the numpy path alone."
     )
-    assert isinstance(_host.isa(), str)
+    isa = _host.isa()
+    assert isinstance(isa, str)
+    if "AVX" in isa:  # an x86-64-v3 or v4 CPU has F16C: float16 stores use it
+        assert _host.ext.f16c(True)
+
+
+@contextlib.contextmanager
+def _f16c(enable: bool) -> Iterator[None]:
+    """float16 stores through F16C (where the CPU has it) or through kv_f32_to_f16."""
+    ext = _host.ext
+    assert ext is not None
+    default = ext.f16c(True)
+    ext.f16c(enable)
+    try:
+        yield
+    finally:
+        ext.f16c(default)
 
 
 def _codec(base: str, group: int = 32) -> Reference:
@@ -87,9 +105,10 @@ def _finite_patterns(dtype: str) -> np.ndarray[Any, Any]:
 
 
 @needs_ext
+@pytest.mark.parametrize("f16c", [True, False])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
-def test_every_16_bit_pattern_encodes_and_decodes_like_numpy(dtype: str, base: str) -> None:
+def test_every_16_bit_pattern_encodes_and_decodes_like_numpy(dtype: str, base: str, f16c: bool) -> None:
     values = _finite_patterns(dtype)
     n = values.size // 64 * 64
     rng = np.random.default_rng(7)
@@ -111,13 +130,15 @@ def test_every_16_bit_pattern_encodes_and_decodes_like_numpy(dtype: str, base: s
             except UsageError:  # int4: a shuffled bfloat16 group spans more than float32
                 assert base == "int4" and dtype == "bfloat16"
                 continue
-            for out in DTYPES:
-                _same_decode(codec, chunk.params, chunk.payload, x.shape, out, kind)
+            with _f16c(f16c):
+                for out in DTYPES:
+                    _same_decode(codec, chunk.params, chunk.payload, x.shape, out, kind)
 
 
 @needs_ext
+@pytest.mark.parametrize("f16c", [True, False])
 @pytest.mark.parametrize("base", ["fp8", "int8"])
-def test_every_code_at_many_scales_decodes_like_numpy(base: str) -> None:
+def test_every_code_at_many_scales_decodes_like_numpy(base: str, f16c: bool) -> None:
     codes = np.arange(256, dtype=np.uint8)
     codes = codes[(codes & 0x7F) != 0x7F] if base == "fp8" else codes[codes != 0x80]
     scales = np.array([0.0, 2.0**-149, 1e-40, 1e-30, 3e-8, 1.0 / 448, 0.37, 1.0, 146.3, 65504 / 448,
@@ -125,6 +146,11 @@ def test_every_code_at_many_scales_decodes_like_numpy(base: str) -> None:
     rows, dim = scales.size, codes.size
     payload = np.concatenate([scales.view(np.uint8), np.tile(codes, rows)])
     codec = _codec(base)
+    with _f16c(f16c):
+        _decode_each_scale(codec, payload, rows, dim)
+
+
+def _decode_each_scale(codec: Reference, payload: np.ndarray[Any, Any], rows: int, dim: int) -> None:
     for dtype in DTYPES:
         for r in range(rows):  # one scale per chunk so each row's error (if any) is seen
             one = np.concatenate([payload[4 * r : 4 * r + 4], payload[4 * rows + r * dim : 4 * rows + (r + 1) * dim]])
@@ -133,7 +159,13 @@ def test_every_code_at_many_scales_decodes_like_numpy(base: str) -> None:
 
 
 @needs_ext
-def test_every_int4_code_decodes_like_numpy() -> None:
+@pytest.mark.parametrize("f16c", [True, False])
+def test_every_int4_code_decodes_like_numpy(f16c: bool) -> None:
+    with _f16c(f16c):
+        _every_int4_code()
+
+
+def _every_int4_code() -> None:
     codes = np.arange(256, dtype=np.uint8)  # every pair of nibbles
     codec = _codec("int4", 4)
     rng = np.random.default_rng(3)
@@ -214,10 +246,15 @@ def _arrays(draw: st.DrawFn) -> np.ndarray[Any, Any]:
 @needs_ext
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=_arrays(), base=st.sampled_from(["fp8", "int8", "int4"]), kind=st.sampled_from(KINDS),
-       group=st.sampled_from([1, 2, 3, 7, 32, 255]), out_dtype=st.sampled_from(DTYPES))
+       group=st.sampled_from([1, 2, 3, 7, 32, 255]), out_dtype=st.sampled_from(DTYPES), f16c=st.booleans())
 def test_property_compiled_equals_numpy(
-    x: np.ndarray[Any, Any], base: str, kind: TensorKind, group: int, out_dtype: str
+    x: np.ndarray[Any, Any], base: str, kind: TensorKind, group: int, out_dtype: str, f16c: bool
 ) -> None:
+    with _f16c(f16c):
+        _compiled_equals_numpy(x, base, kind, group, out_dtype)
+
+
+def _compiled_equals_numpy(x: np.ndarray[Any, Any], base: str, kind: TensorKind, group: int, out_dtype: str) -> None:
     codec = _codec(base, group)
     _same_encode(codec, x, kind)
     try:
