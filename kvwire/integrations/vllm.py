@@ -108,8 +108,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             raise UsageError("kvwire connector: set kvwire_secret or kvwire_secret_file in kv_connector_extra_config")
         self._codec: str = str(extra.get("kvwire_codec", "raw"))
         self._streams: int | str = extra.get("kvwire_streams", 1)
+        chunk = extra.get("kvwire_chunk_bytes")
+        self._chunk_bytes: int | None = int(chunk) if chunk else None
         self._timeout: float = float(extra.get("kvwire_load_timeout", 60.0))
         self._load_all: bool = bool(extra.get("kvwire_load_all", False))
+        # A prefill instance usually finishes before the decode instance takes the request.
+        claim = extra.get("kvwire_claim_timeout", 600.0)
+        self._claim_timeout: float | None = float(claim) if claim is not None else None
         self._model: str = str(extra.get("kvwire_model", ""))
         # scheduler side
         self._pending_loads: dict[str, str] = {}
@@ -219,7 +224,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         if self._consumer:
             host, port = _split_addr(self._listen)
-            self._server = SyncServer(host, port, secret=self._secret, spec=self._spec.wire_spec())
+            self._server = SyncServer(
+                host, port, secret=self._secret, spec=self._spec.wire_spec(), claim_timeout=self._claim_timeout,
+            )
             logger.info("kvwire: receiving on %s:%d", host, self._server.port)
 
     def _meta(self) -> KvwireConnectorMetadata:
@@ -265,7 +272,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         if self._peer is None:
             host, port = _split_addr(self._peer_addr)
-            self._peer = SyncPeer(host, port, secret=self._secret, streams=self._streams, codec=self._codec)
+            options: dict[str, Any] = {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
+            self._peer = SyncPeer(
+                host, port, secret=self._secret, streams=self._streams, codec=self._codec, **options,
+            )
         for move in saves:
             if index == 0:
                 self._sending[move.req_id] = self._peer.begin(move.key, self._spec.wire_spec(), codec=move.codec or self._codec)
