@@ -88,10 +88,24 @@ static const kv_u32 OVERFLOW_BITS[3] = {0x477FF000u /* 65520 */, 0x7F7F8000u, 0x
 #define EL_BF16(p, i, t, j, v) STORE_BF16(p, i, v)
 #define EL_F32(p, i, t, j, v) STORE_F32(p, i, v)
 #define ROW_F16(p, base, t, n) kv_store_f16((kv_u16*)(p) + (base), (t), (n))
-#define ROW_BF16(p, base, t, n) ((void)0)
-#define ROW_F32(p, base, t, n) ((void)0)
+#define ROW_BF16(p, base, t, n) ((void)(t))
+#define ROW_F32(p, base, t, n) ((void)(t))
+
+/* Encoders read float16 a row at a time the same way (vcvtph2ps is exact, like
+ * kv_f16_to_f32, for every finite value; NaN and infinity are refused before use). */
+#define RL_F16(x, base, t, n) kv_load_f16((t), (const kv_u16*)(x) + (base), (n))
+#define RL_BF16(x, base, t, n) ((void)(t))
+#define RL_F32(x, base, t, n) ((void)(t))
+#define LD_F16(x, i, t, j) ((t)[j])
+#define LD_BF16(x, i, t, j) LOAD_BF16(x, i)
+#define LD_F32(x, i, t, j) LOAD_F32(x, i)
 
 typedef void (*f16_row_fn)(kv_u16* restrict, const float* restrict, idx);
+typedef void (*f16_load_fn)(float* restrict, const kv_u16* restrict, idx);
+
+KV_CLONES static void load_f16_generic(float* restrict dst, const kv_u16* restrict src, idx n) {
+    for (idx i = 0; i < n; ++i) dst[i] = kv_f16_to_f32(src[i]);
+}
 
 KV_CLONES static void store_f16_generic(kv_u16* restrict dst, const float* restrict src, idx n) {
     for (idx i = 0; i < n; ++i) dst[i] = kv_f32_to_f16(src[i]);
@@ -107,6 +121,13 @@ __attribute__((target("avx,f16c"))) static void store_f16_f16c(kv_u16* restrict 
                          _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
     for (; i < n; ++i) dst[i] = kv_f32_to_f16(src[i]);
 }
+__attribute__((target("avx,f16c"))) static void load_f16_f16c(float* restrict dst,
+                                                              const kv_u16* restrict src, idx n) {
+    idx i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + i))));
+    for (; i < n; ++i) dst[i] = kv_f16_to_f32(src[i]);
+}
 static int have_f16c(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
@@ -114,13 +135,15 @@ static int have_f16c(void) {
 #endif
 
 static f16_row_fn kv_store_f16 = store_f16_generic;
+static f16_load_fn kv_load_f16 = load_f16_generic;
 
 /* ------------------------------------------------------------------------------------ */
 /* fp8 / int8: one scale per row of `dim` elements.                                      */
 
 #define ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T)                                      \
     KV_CLONES static int NAME##_encode_##SUF(const void* restrict x, idx rows, idx dim,        \
-                                             kv_u8* restrict scales, kv_u8* restrict codes_) {                                \
+                                             kv_u8* restrict scales, kv_u8* restrict codes_, \
+                                             float* restrict rowtmp) {                       \
         CODE_T* restrict codes = (CODE_T*)codes_;                                            \
         for (idx r = 0; r < rows; ++r) {                                                     \
             const idx base = r * dim;                                                        \
@@ -132,7 +155,9 @@ static f16_row_fn kv_store_f16 = store_f16_generic;
             if (amax >= NONFINITE_##SUF) return KV_E_NONFINITE;                              \
             const float s = SCALE(AMAX_##SUF(amax));                                         \
             st_f32(scales, r, s);                                                            \
-            for (idx d = 0; d < dim; ++d) codes[base + d] = QUANT(LOAD_##SUF(x, base + d), s); \
+            RL_##SUF(x, base, rowtmp, dim);                                                  \
+            for (idx d = 0; d < dim; ++d)                                                    \
+                codes[base + d] = QUANT(LD_##SUF(x, base + d, rowtmp, d), s);                \
         }                                                                                    \
         return KV_OK;                                                                        \
     }
@@ -219,7 +244,7 @@ static void pack_finish(packer* pk) {
     KV_CLONES static int int4_encode_##SUF(const void* x, idx tokens, idx heads, idx dim,    \
                                            idx group, int is_v, kv_u8* scales, kv_u8* mins,  \
                                            kv_u8* packed, float* lo, float* hi,              \
-                                           kv_u32* keys, kv_u8* tmp) {                       \
+                                           kv_u32* keys, kv_u8* tmp, float* rowtmp) {        \
         const idx hd = heads * dim;                                                          \
         kv_u32* klo = keys;                                                                  \
         kv_u32* khi = keys + hd;                                                             \
@@ -228,16 +253,18 @@ static void pack_finish(packer* pk) {
         if (!is_v) {                                                                         \
             for (idx t0 = 0, b = 0; t0 < tokens; t0 += group, ++b) {                         \
                 const idx t1 = t0 + group < tokens ? t0 + group : tokens;                    \
+                RL_##SUF(x, t0 * hd, rowtmp, hd);                                            \
                 for (idx c = 0; c < hd; ++c) {                                               \
                     kv_u32 m = MAG_##SUF(x, t0 * hd + c);                                    \
                     mag = m > mag ? m : mag;                                                 \
-                    klo[c] = khi[c] = kv_order_key(LOAD_##SUF(x, t0 * hd + c));              \
+                    klo[c] = khi[c] = kv_order_key(LD_##SUF(x, t0 * hd + c, rowtmp, c));     \
                 }                                                                            \
                 for (idx t = t0 + 1; t < t1; ++t) {                                          \
+                    RL_##SUF(x, t * hd, rowtmp, hd);                                         \
                     for (idx c = 0; c < hd; ++c) {                                           \
                         kv_u32 m = MAG_##SUF(x, t * hd + c);                                 \
                         mag = m > mag ? m : mag;                                             \
-                        kv_u32 k = kv_order_key(LOAD_##SUF(x, t * hd + c));                  \
+                        kv_u32 k = kv_order_key(LD_##SUF(x, t * hd + c, rowtmp, c));         \
                         klo[c] = k < klo[c] ? k : klo[c];                                    \
                         khi[c] = k > khi[c] ? k : khi[c];                                    \
                     }                                                                        \
@@ -255,8 +282,9 @@ static void pack_finish(packer* pk) {
                 }                                                                            \
                 if (range) return KV_E_RANGE;                                                \
                 for (idx t = t0; t < t1; ++t) {                                              \
+                    RL_##SUF(x, t * hd, rowtmp, hd);                                         \
                     for (idx c = 0; c < hd; ++c)                                             \
-                        tmp[c] = kv_int4_quant(LOAD_##SUF(x, t * hd + c), lo[c], hi[c]);     \
+                        tmp[c] = kv_int4_quant(LD_##SUF(x, t * hd + c, rowtmp, c), lo[c], hi[c]); \
                     pack_append(&pk, tmp, hd);                                               \
                 }                                                                            \
             }                                                                                \
@@ -265,10 +293,11 @@ static void pack_finish(packer* pk) {
             float* row = lo;                                                                 \
             for (idx r = 0; r < tokens * heads; ++r) {                                       \
                 const idx base = r * dim;                                                    \
+                RL_##SUF(x, base, row, dim);                                                 \
                 for (idx d = 0; d < dim; ++d) {                                              \
                     kv_u32 m = MAG_##SUF(x, base + d);                                       \
                     mag = m > mag ? m : mag;                                                 \
-                    row[d] = LOAD_##SUF(x, base + d);                                        \
+                    row[d] = LD_##SUF(x, base + d, row, d);                                  \
                 }                                                                            \
                 if (mag >= NONFINITE_##SUF) return KV_E_NONFINITE;                           \
                 for (idx k = 0; k < runs; ++k) {                                             \
@@ -444,7 +473,7 @@ static int check_sizes(idx a, idx b) {
     return 1;
 }
 
-typedef int (*rw_enc_fn)(const void*, idx, idx, kv_u8*, kv_u8*);
+typedef int (*rw_enc_fn)(const void*, idx, idx, kv_u8*, kv_u8*, float*);
 typedef int (*rw_dec_fn)(const kv_u8*, const kv_u8*, idx, idx, void*, float*);
 static const rw_enc_fn RW_ENC[2][3] = {{fp8_encode_F16, fp8_encode_BF16, fp8_encode_F32},
                                        {int8_encode_F16, int8_encode_BF16, int8_encode_F32}};
@@ -462,15 +491,22 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
              need(&co, rows * dim, "codes");
     if (ok) {
         rw_enc_fn fn = RW_ENC[kind][dt];
-        Py_BEGIN_ALLOW_THREADS
-        st = fn(x.buf, rows, dim, (kv_u8*)sc.buf, (kv_u8*)co.buf);
-        Py_END_ALLOW_THREADS
+        float* rowtmp = (float*)malloc(sizeof(float) * (size_t)(dim + 1));
+        if (rowtmp == NULL) {
+            st = KV_E_NOMEM;
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            st = fn(x.buf, rows, dim, (kv_u8*)sc.buf, (kv_u8*)co.buf, rowtmp);
+            Py_END_ALLOW_THREADS
+        }
+        free(rowtmp);
     } else if (!PyErr_Occurred()) {
         PyErr_SetString(PyExc_ValueError, "kind must be 0 (fp8) or 1 (int8)");
     }
     PyBuffer_Release(&x);
     PyBuffer_Release(&sc);
     PyBuffer_Release(&co);
+    if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
 
@@ -512,7 +548,7 @@ static idx int4_groups(idx tokens, idx heads, idx dim, idx group, int is_v) {
 }
 
 typedef int (*i4_enc_fn)(const void*, idx, idx, idx, idx, int, kv_u8*, kv_u8*, kv_u8*, float*,
-                         float*, kv_u32*, kv_u8*);
+                         float*, kv_u32*, kv_u8*, float*);
 typedef int (*i4_dec_fn)(const kv_u8*, const kv_u8*, const kv_u8*, idx, idx, idx, idx, int, void*,
                          float*, float*, float*);
 static const i4_enc_fn I4_ENC[3] = {int4_encode_F16, int4_encode_BF16, int4_encode_F32};
@@ -536,7 +572,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
     }
     if (ok) {
         idx hd = heads * dim;
-        float* lo = (float*)malloc(sizeof(float) * (size_t)(2 * hd + 2));
+        float* lo = (float*)malloc(sizeof(float) * (size_t)(3 * hd + 3));
         kv_u32* keys = (kv_u32*)malloc(sizeof(kv_u32) * (size_t)(2 * hd + 2));
         kv_u8* tmp = (kv_u8*)malloc((size_t)hd + 1);
         if (lo == NULL || keys == NULL || tmp == NULL) {
@@ -545,7 +581,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
             i4_enc_fn fn = I4_ENC[dt];
             Py_BEGIN_ALLOW_THREADS
             st = fn(x.buf, tokens, heads, dim, group, is_v, (kv_u8*)sc.buf, (kv_u8*)mn.buf,
-                    (kv_u8*)pk.buf, lo, lo + hd + 1, keys, tmp);
+                    (kv_u8*)pk.buf, lo, lo + hd + 1, keys, tmp, lo + 2 * hd + 2);
             Py_END_ALLOW_THREADS
         }
         free(lo);
@@ -624,15 +660,17 @@ static PyObject* py_isa(PyObject* self, PyObject* args) {
 #endif
 }
 
-/* f16c(enable) -> bool: use F16C for float16 stores (when the CPU has it); returns whether
+/* f16c(enable) -> bool: use F16C for float16 loads and stores (when the CPU has it); returns whether
  * it is in use.  The test-suite runs the decoders both ways. */
 static PyObject* py_f16c(PyObject* self, PyObject* args) {
     int enable;
     (void)self;
     if (!PyArg_ParseTuple(args, "p", &enable)) return NULL;
 #if KV_HAVE_CLONES
-    kv_store_f16 = (enable && have_f16c()) ? store_f16_f16c : store_f16_generic;
-    return PyBool_FromLong(kv_store_f16 == store_f16_f16c);
+    int use = enable && have_f16c();
+    kv_store_f16 = use ? store_f16_f16c : store_f16_generic;
+    kv_load_f16 = use ? load_f16_f16c : load_f16_generic;
+    return PyBool_FromLong(use);
 #else
     return PyBool_FromLong(0);
 #endif
@@ -660,7 +698,10 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__hostcodec(void) {
 #if KV_HAVE_CLONES
-    if (have_f16c()) kv_store_f16 = store_f16_f16c;
+    if (have_f16c()) {
+        kv_store_f16 = store_f16_f16c;
+        kv_load_f16 = load_f16_f16c;
+    }
 #endif
     return PyModule_Create(&module);
 }
