@@ -221,8 +221,7 @@ def plan_encode(
                 np.int64(full), "out", "flags")
         if vector:
             lpr, vpl = (16, 1) if nvec <= 16 else (32, 1) if nvec <= 32 else (32, 2) if nvec <= 64 else (32, 4)
-            rpg = 4 if vpl == 1 else 1  # rows per lane group (kvquant.cu)
-            launch = Launch(f"kv_{base}_encode_vec_{suffix}_{lpr}_{vpl}", math.ceil(-(-rows // rpg) * lpr / _THREADS), args)
+            launch = Launch(f"kv_{base}_encode_vec_{suffix}_{lpr}_{vpl}", math.ceil(rows * lpr / _THREADS), args)
         else:
             launch = Launch(f"kv_{base}_encode_any_{suffix}", math.ceil(rows * 32 / _THREADS), args)
         return EncodePlan(sizes, 0, (launch,))

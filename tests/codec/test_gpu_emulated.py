@@ -287,8 +287,8 @@ def test_int4_range_beyond_float32_is_flagged(emu: Any) -> None:
 
 def _near_boundaries(base: str, rows: int, seed: int) -> np.ndarray[Any, Any]:
     """float32 rows whose quotients x / scale fall within a few ulp of the points where the
-    code changes (E4M3 midpoints, int8 half-integers): where a reciprocal shortcut would
-    round the other way."""
+    code changes (E4M3 midpoints, int8 half-integers): where any shortcut for the division
+    (a reciprocal, a fused multiply-add) would round the other way."""
     rng = np.random.default_rng(seed)
     limit = 448.0 if base == "fp8" else 127.0
     if base == "fp8":
@@ -312,7 +312,7 @@ def _near_boundaries(base: str, rows: int, seed: int) -> np.ndarray[Any, Any]:
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8"])
-def test_emulated_division_shortcut_near_rounding_points(emu: Any, name: str) -> None:
+def test_emulated_codes_near_rounding_points(emu: Any, name: str) -> None:
     x = _near_boundaries(name, 64, 3)
     codec = get_codec(name)
     payloads, flags, kernel = emu_encode(emu, codec, _placed(x, True), TensorKind.K, 64, "float32")

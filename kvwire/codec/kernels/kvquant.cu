@@ -68,53 +68,11 @@ __device__ __forceinline__ float kv_load_f32_any(const kv_u8* p) {
 template <int FP8> __device__ __forceinline__ kv_u8 kv_row_code(float v, float s) {
     return FP8 ? kv_fp8_quant(v, s) : (kv_u8)kv_int8_quant(v, s);
 }
-// The same code without a division per element.  With r = RN(1/divisor) a normal float,
-// q0 = RN(v * r) is within 2.5 ulp of RN(v / divisor), the quotient kv_row_code rounds; the
-// code only changes at E4M3 midpoints (low 20 bits 0x80000, for q >= 2^-6) or at int8
-// half-integers, so where q0 is more than 16 ulp from one, q0 gives the same code.  Near
-// one, below 2^-6 (fp8) and for rows whose 1/divisor is not a normal float, the IEEE
-// division runs (kv_row_code).
-__device__ __forceinline__ int kv_reciprocal_ok(float r) {
-    const kv_u32 e = kv_f32_bits(r) & 0x7F800000u;
-    return e != 0u && e != 0x7F800000u;
-}
-template <int FP8> __device__ __forceinline__ kv_u8 kv_row_code_fast(float v, float s, float r, int fast) {
-    if (fast) {
-        const float q0 = kv_mul(v, r);
-        const kv_u32 a = kv_f32_bits(q0) & 0x7FFFFFFFu;
-        if (FP8) {
-            const int off = (int)(a & 0xFFFFFu) - 0x80000;
-            if (a == 0u || (a >= 0x3C800000u && (off > 16 || off < -16))) return kv_f32_to_e4m3(q0);
-        } else {
-            const float rq = kv_rint(q0);
-            const float d = kv_bits_f32(kv_f32_bits(kv_sub(q0, rq)) & 0x7FFFFFFFu);  // exact
-            const float tol = kv_mul(kv_bits_f32(a), 1.9073486328125e-06f);  // |q0| * 2^-19: 8-16 ulp
-            if (kv_lt(kv_add(kv_add(d, tol), tol), 0.5f))
-                return (kv_u8)(signed char)kv_f32_to_int(kv_clamp(rq, -127.0f, 127.0f));
-        }
-    }
-    return kv_row_code<FP8>(v, s);
-}
 // Where a row's scale and codes go in the chunk payloads.
 struct KvRowPlace {
     kv_u8* scale;
     kv_u8* codes;
 };
-// 32-bit form for the fast kernels (rows < 2^31, checked by gpu.py): the divisions run once
-// per row, so they are a good part of a row's instructions.
-__device__ __forceinline__ KvRowPlace kv_row_place32(unsigned row, unsigned heads, unsigned dim, unsigned tokens,
-                                                     unsigned chunk_tokens, kv_i64 chunk_bytes, kv_u8* out) {
-    const unsigned t = row / heads;
-    const unsigned c = t / chunk_tokens;
-    const unsigned t0 = c * chunk_tokens;
-    const unsigned cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
-    const unsigned rr = row - t0 * heads;
-    kv_u8* base = out + c * chunk_bytes;
-    KvRowPlace p;
-    p.scale = base + 4ull * rr;
-    p.codes = base + 4ull * cnt * heads + (unsigned long long)rr * dim;
-    return p;
-}
 __device__ __forceinline__ KvRowPlace kv_row_place(kv_i64 row, int heads, int dim, kv_i64 tokens,
                                                    int chunk_tokens, kv_i64 chunk_bytes, kv_u8* out) {
     kv_i64 t = row / heads;
@@ -130,69 +88,54 @@ __device__ __forceinline__ KvRowPlace kv_row_place(kv_i64 row, int heads, int di
 }
 
 // fp8 / int8 encode, fast path: LPR lanes per row, each holding VPL 16-byte vectors in
-// registers (one read of the input); a lane group takes RPG consecutive rows and issues
-// all their loads before any arithmetic (memory parallelism).  The row maximum is taken
-// on magnitude bits (exact, order-free, no float compare).  Needs head_dim*itemsize % 16
-// == 0, a 16-byte aligned input, 4-byte aligned chunk payloads, 8-byte (16-bit input) /
-// 4-byte (float32) aligned code rows and rows < 2^31: gpu.py checks this and otherwise
-// uses rowwise_encode_any.
-template <int DT, int FP8, int LPR, int VPL, int RPG>
+// registers (one read of the input); the row maximum is taken on magnitude bits (exact,
+// order-free, no float compare).  Needs head_dim*itemsize % 16 == 0, a 16-byte aligned
+// input, 4-byte aligned chunk payloads and 8-byte (16-bit input) / 4-byte (float32)
+// aligned code rows: gpu.py checks this and otherwise uses rowwise_encode_any.
+template <int DT, int FP8, int LPR, int VPL>
 __device__ void rowwise_encode_vec(const uint4* x, kv_i64 tokens, int heads, int dim,
                                    int chunk_tokens, kv_i64 chunk_bytes, kv_u8* out, unsigned* flags) {
     constexpr int EPV = DT == 2 ? 4 : 8;
     const int nvec = dim / EPV;
     const kv_i64 rows = tokens * heads;
-    const kv_i64 row0 = ((kv_i64)blockIdx.x * blockDim.x + threadIdx.x) / LPR * RPG;
+    const kv_i64 row = ((kv_i64)blockIdx.x * blockDim.x + threadIdx.x) / LPR;
     const int lane = threadIdx.x & (LPR - 1);
-    uint4 v[RPG][VPL];
-    kv_u32 amax[RPG];
+    const bool active = row < rows;
+    uint4 v[VPL];
+    kv_u32 amax = 0;
 #pragma unroll
-    for (int r = 0; r < RPG; ++r) {
-        amax[r] = 0;
+    for (int j = 0; j < VPL; ++j) {
+        const int vi = lane + j * LPR;
+        if (active && vi < nvec) {
+            v[j] = __ldg(x + row * nvec + vi);
 #pragma unroll
-        for (int j = 0; j < VPL; ++j) {
-            const int vi = lane + j * LPR;
-            if (row0 + r < rows && vi < nvec) v[r][j] = __ldg(x + (row0 + r) * nvec + vi);
-            else v[r][j] = make_uint4(0u, 0u, 0u, 0u);
+            for (int e = 0; e < EPV; ++e) amax = kv_umax(amax, kv_mag<DT>(kv_elem<DT>(v[j], e)));
+        } else {
+            v[j] = make_uint4(0u, 0u, 0u, 0u);
         }
     }
 #pragma unroll
-    for (int r = 0; r < RPG; ++r)
+    for (int off = LPR / 2; off > 0; off >>= 1) amax = kv_umax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
+    if (!active) return;
+    const float s = FP8 ? kv_fp8_scale(kv_widen<DT>(amax)) : kv_int8_scale(kv_widen<DT>(amax));
+    const KvRowPlace place = kv_row_place(row, heads, dim, tokens, chunk_tokens, chunk_bytes, out);
+    if (lane == 0) {
+        *(float*)place.scale = s;
+        if (amax >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
+    }
 #pragma unroll
-        for (int j = 0; j < VPL; ++j)
+    for (int j = 0; j < VPL; ++j) {
+        const int vi = lane + j * LPR;
+        if (vi < nvec) {
+            kv_u32 lo = 0, hi = 0;
 #pragma unroll
-            for (int e = 0; e < EPV; ++e) amax[r] = kv_umax(amax[r], kv_mag<DT>(kv_elem<DT>(v[r][j], e)));
-#pragma unroll
-    for (int off = LPR / 2; off > 0; off >>= 1)
-#pragma unroll
-        for (int r = 0; r < RPG; ++r) amax[r] = kv_umax(amax[r], __shfl_xor_sync(0xFFFFFFFFu, amax[r], off));
-#pragma unroll
-    for (int r = 0; r < RPG; ++r) {
-        const kv_i64 row = row0 + r;
-        if (row >= rows) return;
-        const float s = FP8 ? kv_fp8_scale(kv_widen<DT>(amax[r])) : kv_int8_scale(kv_widen<DT>(amax[r]));
-        const KvRowPlace place = kv_row_place32((unsigned)row, (unsigned)heads, (unsigned)dim, (unsigned)tokens,
-                                                (unsigned)chunk_tokens, chunk_bytes, out);
-        if (lane == 0) {
-            *(float*)place.scale = s;
-            if (amax[r] >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
-        }
-        const float rcp = kv_div(1.0f, kv_divisor(s));
-        const int fast = kv_reciprocal_ok(rcp);
-#pragma unroll
-        for (int j = 0; j < VPL; ++j) {
-            const int vi = lane + j * LPR;
-            if (vi < nvec) {
-                kv_u32 lo = 0, hi = 0;
-#pragma unroll
-                for (int e = 0; e < EPV; ++e) {
-                    const kv_u32 code = kv_row_code_fast<FP8>(kv_widen<DT>(kv_elem<DT>(v[r][j], e)), s, rcp, fast);
-                    if (e < 4) lo |= code << (8 * e);
-                    else hi |= code << (8 * (e - 4));
-                }
-                if (EPV == 8) *(uint2*)(place.codes + vi * 8) = make_uint2(lo, hi);
-                else *(kv_u32*)(place.codes + vi * 4) = lo;
+            for (int e = 0; e < EPV; ++e) {
+                const kv_u32 code = kv_row_code<FP8>(kv_widen<DT>(kv_elem<DT>(v[j], e)), s);
+                if (e < 4) lo |= code << (8 * e);
+                else hi |= code << (8 * (e - 4));
             }
+            if (EPV == 8) *(uint2*)(place.codes + vi * 8) = make_uint2(lo, hi);
+            else *(kv_u32*)(place.codes + vi * 4) = lo;
         }
     }
 }
@@ -412,8 +355,7 @@ __device__ void int4_decode(const kv_u8* payload, kv_i64 tokens, int heads, int 
     extern "C" __global__ void kv_##NAME##_encode_vec_##SUF##_##LPR##_##VPL(                           \
         const uint4* x, kv_i64 tokens, int heads, int dim, int chunk_tokens, kv_i64 chunk_bytes,       \
         kv_u8* out, unsigned* flags) {                                                                 \
-        rowwise_encode_vec<DT, FP8, LPR, VPL, (VPL == 1 ? 4 : 1)>(x, tokens, heads, dim, chunk_tokens,     \
-                                                                 chunk_bytes, out, flags);              \
+        rowwise_encode_vec<DT, FP8, LPR, VPL>(x, tokens, heads, dim, chunk_tokens, chunk_bytes, out, flags); \
     }
 
 #define KV_ROWWISE(SUF, DT, FP8, NAME)                                                                 \
