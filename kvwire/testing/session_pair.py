@@ -96,6 +96,7 @@ class SessionPair:
         self.failed_incoming: dict[str, KvwireError] = {}
         self.outcomes: dict[int, TransferDone | OutgoingFailed] = {}
         self.ended_at: dict[int, float] = {}
+        self.began_at: dict[int, float] = {}  # filled in by whoever starts transfers
         self.session_error: KvwireError | None = None
         self.max_buffered = 0
         self._requests: dict[tuple[bytes, int], str] = {}
