@@ -67,23 +67,30 @@ def compiled_vs_numpy(reps: int, memcpy: float) -> None:
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((2048, 8, 128)) * 2).astype(np.float16)
     dst = np.empty_like(x)
+    ext = _host.ext
+    f16c = bool(ext.f16c(True))
     print(f"\ncompiled vs numpy reference, same chunk, GB/s of float16 per core (memcpy {memcpy:.2f} GB/s)")
-    print("| codec | kind | encode compiled | encode numpy | x | decode compiled | decode numpy | x | encode / memcpy | decode / memcpy |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("float16 loads/stores through F16C: " + ("yes; '(no F16C)' columns: through the kernel's own conversions" if f16c else "no"))
+    print("| codec | kind | encode compiled | (no F16C) | encode numpy | x | decode compiled | (no F16C) | decode numpy | x | encode / memcpy | decode / memcpy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in QUANTIZERS:
         codec: Any = get_codec(name)
         for kind in (TensorKind.K, TensorKind.V) if name == "int4" else (TensorKind.K,):
             ch = codec.encode(x, kind)
             enc = x.nbytes / _best(lambda c=codec, k=kind: c.encode(x, k), reps) / 1e9
-            enc_np = x.nbytes / _best(lambda c=codec, k=kind: c.encode_numpy(x, k), max(2, reps // 3)) / 1e9
             args = {"shape": x.shape, "dtype": "float16", "kind": kind, "out": dst}
             dec = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode(ch.params, ch.payload, **a), reps) / 1e9
+            ext.f16c(False)
+            enc_plain = x.nbytes / _best(lambda c=codec, k=kind: c.encode(x, k), reps) / 1e9
+            dec_plain = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode(ch.params, ch.payload, **a), reps) / 1e9
+            ext.f16c(True)
+            enc_np = x.nbytes / _best(lambda c=codec, k=kind: c.encode_numpy(x, k), max(2, reps // 3)) / 1e9
             dec_np = x.nbytes / _best(
                 lambda c=codec, ch=ch, a=args: c.decode_numpy(ch.params, ch.payload, **a), max(2, reps // 3)
             ) / 1e9
             print(
-                f"| {name} | {kind.name} | {enc:.3f} | {enc_np:.3f} | {enc / enc_np:.1f} | {dec:.3f} | {dec_np:.3f} "
-                f"| {dec / dec_np:.1f} | {enc / memcpy:.4f} | {dec / memcpy:.4f} |"
+                f"| {name} | {kind.name} | {enc:.3f} | {enc_plain:.3f} | {enc_np:.3f} | {enc / enc_np:.1f} | {dec:.3f} "
+                f"| {dec_plain:.3f} | {dec_np:.3f} | {dec / dec_np:.1f} | {enc / memcpy:.4f} | {dec / memcpy:.4f} |"
             )
 
 
