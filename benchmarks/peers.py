@@ -255,13 +255,22 @@ class MooncakeSender(Sender):
                 raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
 
 
+def _nixl_agent(name: str) -> Any:
+    """A NIXL agent whose UCX backend uses only this namespace's interface."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    agent = nixl_agent(name, nixl_agent_config(backends=[]))
+    params = agent.get_plugin_params("UCX")
+    params["ucx_devices"] = os.environ.get("UCX_NET_DEVICES", "")
+    agent.create_backend("UCX", params)
+    return agent
+
+
 class NixlReceiver(Receiver):
     one_sided = True
 
     def setup(self, addr: str, nbytes: int) -> Any:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        self.agent = nixl_agent("receiver", nixl_agent_config(backends=["UCX"]))
+        self.agent = _nixl_agent("receiver")
         self.buf = prefaulted(nbytes)
         self.reg = self.agent.register_memory([(self.buf.ctypes.data, nbytes, 0, "")], "DRAM")
         return self.agent.get_agent_metadata(), self.buf.ctypes.data
@@ -272,10 +281,9 @@ class NixlReceiver(Receiver):
 
 class NixlSender(Sender):
     def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
 
         meta, remote_base = info
-        self.agent = nixl_agent("sender", nixl_agent_config(backends=["UCX"]))
+        self.agent = _nixl_agent("sender")
         arrays = [a for kv in layer_arrays(cache, tokens) for a in kv]
         base = arrays[0].ctypes.data
         self.reg = self.agent.register_memory([(base, tokens * TOKEN_BYTES, 0, "")], "DRAM")
@@ -374,7 +382,7 @@ def make_system(name: str) -> tuple[Receiver, Sender]:
     if name == "nixl":
         return NixlReceiver(), NixlSender()
     if name.startswith("kvwire-"):
-        return KvwireReceiver(), KvwireSender(name.removeprefix("kvwire-"))
+        return KvwireReceiver(), KvwireSender(name.removeprefix("kvwire-").split("@")[0])
     raise ValueError(f"unknown system {name!r}")
 
 
@@ -393,8 +401,21 @@ def missing(name: str) -> str | None:
 _CLONE_NEWNET = 0x40000000
 
 
-def _quiet_env() -> None:
+_TREES: dict[str, str] = {}
+
+
+def _use_tree(name: str) -> None:
+    """``kvwire-<codec>@<tree>``: import kvwire from that source tree (``--kvwire-tree``)."""
+    if "@" not in name:
+        return
+    sys.path.insert(0, _TREES[name.split("@", 1)[1]])
+    for module in [m for m in sys.modules if m == "kvwire" or m.startswith("kvwire.")]:
+        del sys.modules[module]
+
+
+def _quiet_env(dev: str) -> None:
     os.environ["UCX_TLS"] = "tcp"  # NIXL's UCX backend over TCP only
+    os.environ["UCX_NET_DEVICES"] = dev  # the namespace's own interface
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's per-connection INFO lines
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
@@ -412,10 +433,11 @@ def _enter_netns(ns: str | None) -> None:
         os.close(fd)
 
 
-def _receiver_main(name: str, ns: str | None, addr: str, nbytes: int, conn: Connection) -> None:
+def _receiver_main(name: str, ns: str | None, dev: str, addr: str, nbytes: int, conn: Connection) -> None:
     try:
-        _quiet_env()
+        _quiet_env(dev)
         _enter_netns(ns)
+        _use_tree(name)
         receiver, _ = make_system(name)
         conn.send(("ready", receiver.setup(addr, nbytes)))
         while True:
@@ -434,10 +456,11 @@ def _receiver_main(name: str, ns: str | None, addr: str, nbytes: int, conn: Conn
         conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
 
 
-def _sender_main(name: str, ns: str | None, addr: str, tokens: int, cache: Any, conn: Connection) -> None:
+def _sender_main(name: str, ns: str | None, dev: str, addr: str, tokens: int, cache: Any, conn: Connection) -> None:
     try:
-        _quiet_env()
+        _quiet_env(dev)
         _enter_netns(ns)
+        _use_tree(name)
         _, sender = make_system(name)
         info = conn.recv()
         sender.setup(addr, info, cache, tokens)
@@ -451,7 +474,9 @@ def _sender_main(name: str, ns: str | None, addr: str, tokens: int, cache: Any, 
             start = time.perf_counter()
             sender.send(n)
             end = time.perf_counter()
-            conn.send(("done", start, end, time.process_time() - cpu0))
+            conn.send(("sent", start, end))
+            conn.recv()  # the receiver has everything: CPU counted up to here (I/O threads too)
+            conn.send(("cpu", time.process_time() - cpu0))
         extra = getattr(sender, "codecs", None)
         sender.close()
         conn.send(("closed", extra))
@@ -482,8 +507,8 @@ def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout:
     nbytes = tokens * TOKEN_BYTES
     r_parent, r_child = ctx.Pipe()
     s_parent, s_child = ctx.Pipe()
-    receiver = ctx.Process(target=_receiver_main, args=(name, link.receiver_ns, link.receiver_addr, nbytes, r_child), daemon=True)
-    sender = ctx.Process(target=_sender_main, args=(name, link.sender_ns, link.receiver_addr, tokens, cache, s_child), daemon=True)
+    receiver = ctx.Process(target=_receiver_main, args=(name, link.receiver_ns, link.receiver_dev, link.receiver_addr, nbytes, r_child), daemon=True)
+    sender = ctx.Process(target=_sender_main, args=(name, link.sender_ns, link.sender_dev, link.receiver_addr, tokens, cache, s_child), daemon=True)
     receiver.start()
     try:
         info = _expect(r_parent, 60, "receiver setup")[1]
@@ -497,7 +522,9 @@ def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout:
             sent = _expect(s_parent, timeout, "end of sending")
             r_parent.send(("end",))
             got = _expect(r_parent, timeout, "end of receiving")
-            _, start, send_end, send_cpu = sent
+            s_parent.send(("end",))
+            send_cpu = _expect(s_parent, timeout, "sender CPU time")[1]
+            _, start, send_end = sent
             _, recv_end, recv_cpu, one_sided = got
             seconds = (send_end if one_sided else recv_end) - start
             gb = n * nbytes / 1e9
@@ -530,6 +557,8 @@ class Link:
     sender_ns: str | None = None
     receiver_ns: str | None = None
     receiver_addr: str = "127.0.0.1"
+    sender_dev: str = "lo"
+    receiver_dev: str = "lo"
 
 
 @contextlib.contextmanager
@@ -540,7 +569,8 @@ def open_link(name: str, rate_bps: float) -> Iterator[Link]:
     from kvwire.bench.netns import NetnsLink
 
     with NetnsLink(rate_bps=rate_bps) as shaped:
-        yield Link(name, shaped.sender_ns, shaped.receiver_ns, shaped.receiver_addr)
+        yield Link(name, shaped.sender_ns, shaped.receiver_ns, shaped.receiver_addr,
+                   shaped.sender_dev, shaped.receiver_dev)
 
 
 def _spin() -> None:
@@ -615,12 +645,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--whole-tokens", type=int, default=8192, help="tokens of the whole cache (8192 = 1 GiB)")
     ap.add_argument("--burst", default="20x1024", help="COUNTxTOKENS back-to-back caches (20x1024 = 20 x 128 MiB); '' to skip")
     ap.add_argument("--burst-links", default="loopback", help="links the burst shape runs on")
+    ap.add_argument("--burst-loads", default="quiet", help="loads the burst shape runs under")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--churn-mib", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one measurement may take")
     ap.add_argument("--json", help="write every sample to this file")
+    ap.add_argument("--kvwire-tree", action="append", default=[], metavar="NAME=DIR",
+                    help="also import kvwire from source tree DIR as system kvwire-<codec>@NAME "
+                         "(name it in --systems), e.g. to compare two versions in one run")
     args = ap.parse_args(argv)
 
+    for spec in args.kvwire_tree:
+        tree_name, _, tree_dir = spec.partition("=")
+        _TREES[tree_name] = os.path.abspath(tree_dir)
     systems = [s for s in args.systems.split(",") if s]
     systems += [f"kvwire-{c}" for c in args.kvwire_codecs.split(",") if c and f"kvwire-{c}" not in systems]
     links = [x for x in args.links.split(",") if x]
@@ -628,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     for link_name in links:
         for load_kind in args.loads.split(","):
             scenarios.append(Scenario(link_name, load_kind, args.whole_tokens, 1))
-            if args.burst and link_name in args.burst_links.split(","):
+            if args.burst and link_name in args.burst_links.split(",") and load_kind in args.burst_loads.split(","):
                 count, tokens = (int(x) for x in args.burst.split("x"))
                 scenarios.append(Scenario(link_name, load_kind, tokens, count))
 
