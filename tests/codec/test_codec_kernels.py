@@ -130,6 +130,40 @@ def test_kernels_under_cupys_options_hold_no_flush_to_zero(tmp_path: Path) -> No
     assert "fma." not in text
     # float arithmetic is there, all of it round-to-nearest without flushing
     assert re.search(r"\bdiv\.rn\.f32\b", text) and re.search(r"\bmul\.rn\.f32\b", text)
+    # where NVRTC itself is installed (CuPy's compiler), the same through it
+    nvrtc = _nvrtc_ptx(kernel_source())
+    if nvrtc is not None:
+        assert ".entry kv_fp8_encode_vec_f16_16_1" in nvrtc
+        assert ".ftz" not in nvrtc and "fma." not in nvrtc
+
+
+def _nvrtc_ptx(source: str) -> str | None:
+    """PTX from NVRTC with CuPy's option list for an sm_90 device (None without NVRTC)."""
+    import glob
+    import site
+
+    libs = sorted(p for d in site.getsitepackages() for p in glob.glob(f"{d}/nvidia/*/lib/libnvrtc.so*")
+                  if "builtins" not in p and "alt" not in p)
+    if not libs:
+        return None
+    folder = str(Path(libs[0]).parent)
+    for builtins in sorted(glob.glob(f"{folder}/libnvrtc-builtins.so*")):
+        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(libs[0])
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), b"kern.cu", 0, None, None) == 0
+    opts = [o.encode() for o in (*COMPILE_OPTIONS, *CUPY_APPENDED_OPTIONS, "-arch=compute_90")]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    if rc != 0:
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise AssertionError(f"NVRTC failed: {log.value.decode()[:2000]}")
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    return ptx.value.decode()
 
 
 def test_kernel_source_covers_every_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
