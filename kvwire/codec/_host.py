@@ -61,6 +61,18 @@ def _input(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return _bytes_of(arr if arr.flags.aligned else arr.copy())
 
 
+def _target(result: np.ndarray[Any, Any], shape: tuple[int, int, int], *inputs: memoryview) -> np.ndarray[Any, Any]:
+    """``result`` when the loops can write it directly, else a fresh array to copy from.
+
+    The loops need a C-contiguous, aligned output that does not overlap the payload they
+    read (a caller decoding in place into the receive buffer gets one copy instead).
+    """
+    direct = result.flags.c_contiguous and result.flags.aligned
+    if direct and not any(np.may_share_memory(result, np.frombuffer(b, np.uint8)) for b in inputs):
+        return result
+    return np.empty(shape, result.dtype)
+
+
 def _raise(status: int, codec: str, dtype: str = "") -> None:
     if status == _NONFINITE:
         raise UsageError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
@@ -106,7 +118,7 @@ def decode_rows(
 ) -> None:
     """Decode fp8/int8 codes into ``result`` (any strides)."""
     assert ext is not None
-    target = result if result.flags.c_contiguous and result.flags.aligned else np.empty(shape, result.dtype)
+    target = _target(result, shape, scale_buf, code_buf)
     rows, dim = shape[0] * shape[1], shape[2]
     status = ext.decode_rows(which, scale_buf, code_buf, rows, dim, _DTYPE_CODE[dtype], _bytes_of(target))
     if status:
@@ -153,7 +165,7 @@ def int4_decode(
 ) -> None:
     """Decode int4 ``[scales, minimums, codes]`` into ``result`` (any strides)."""
     assert ext is not None
-    target = result if result.flags.c_contiguous and result.flags.aligned else np.empty(shape, result.dtype)
+    target = _target(result, shape, *bufs)
     status = ext.int4_decode(
         bufs[0], bufs[1], bufs[2], *shape, group, is_v, _DTYPE_CODE[dtype], _bytes_of(target)
     )

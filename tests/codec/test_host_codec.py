@@ -319,6 +319,24 @@ def test_misaligned_and_non_contiguous_input(base: str) -> None:
 
 
 @needs_ext
+@pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
+def test_decode_into_memory_overlapping_the_payload(base: str) -> None:
+    """Decoding in place over the received bytes gives the same values as from a copy."""
+    codec = _codec(base)
+    x = np.random.default_rng(2).standard_normal((16, 2, 32)).astype(np.float32)
+    for kind in KINDS:
+        chunk = codec.encode(x, kind)
+        payload = bytes(memoryview(chunk.payload).cast("B"))
+        want = codec.decode_numpy(chunk.params, payload, shape=x.shape, dtype="float32", kind=kind)
+        shared = bytearray(max(len(payload), x.nbytes))
+        shared[: len(payload)] = payload
+        out = np.frombuffer(shared, np.float32, count=x.size).reshape(x.shape)
+        got = codec.decode(chunk.params, memoryview(shared)[: len(payload)], shape=x.shape, dtype="float32",
+                           kind=kind, out=out)
+        assert got is out and out.tobytes() == want.tobytes()
+
+
+@needs_ext
 def test_compiled_entry_points_check_buffer_sizes() -> None:
     ext = _host.ext
     assert ext is not None
