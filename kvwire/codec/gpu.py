@@ -134,7 +134,7 @@ def _int4_group(codec: Codec) -> int:
     return inner.group if isinstance(inner, Int4Codec) else DEFAULT_GROUP
 
 
-def _check_flags(flags: int, codec: str) -> None:
+def _check_flags(flags: int, codec: str, dtype: str = "the output dtype") -> None:
     if flags & FLAG_NONFINITE:
         raise UsageError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
     if flags & FLAG_RANGE:
@@ -144,7 +144,7 @@ def _check_flags(flags: int, codec: str) -> None:
     if flags & FLAG_OVERFLOW:
         raise ProtocolError(f"{codec} scales overflow float32")
     if flags & FLAG_OUTSIDE:
-        raise ProtocolError(f"{codec} scales give values outside the output dtype")
+        raise ProtocolError(f"{codec} scales give values outside {dtype}")
 
 
 @dataclass
@@ -446,7 +446,7 @@ def decode_into(
             host_flags = pinned_empty(4)
             copy_to_host_async(flags, 0, host_flags, stream)
         stream.synchronize()
-        _check_flags(int(host_flags.view(np.uint32)[0]), base)
+        _check_flags(int(host_flags.view(np.uint32)[0]), base, dtype)
 
 
 def launch_decode(
