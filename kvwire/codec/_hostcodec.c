@@ -3,9 +3,10 @@
  * values are the numpy reference's bits (kvwire/codec/_numeric.py) by construction.
  *
  * The loops are plain C written for the auto-vectorizer (-O3, no FMA contraction, no
- * fast-math).  On x86-64 with GCC or Clang every hot loop is compiled several times
- * (target_clones: AVX-512, AVX2+F16C, baseline) and the loader picks the best clone for
- * the CPU it runs on, so one build runs on any x86-64.  Elsewhere the generic code is used.
+ * fast-math).  On x86-64 Linux with GCC every hot loop is compiled several times
+ * (target_clones: x86-64-v4 with AVX-512, x86-64-v3 with AVX2, baseline SSE2) and the
+ * loader picks the clone for the CPU it runs on, so one build runs on any x86-64; float16
+ * rows are converted with F16C where the CPU has it.  Elsewhere the generic code is used.
  *
  * Every entry point takes contiguous buffers and sizes, releases the GIL for the loop and
  * returns a status code (KV_OK or one of KV_E_*); the Python side validates arguments,
@@ -24,9 +25,13 @@
 #error "the wire format is little-endian; big-endian hosts use the numpy codecs"
 #endif
 
-#if defined(__x86_64__) && defined(__ELF__) && !defined(KV_NO_CLONES) && \
-    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 8))
+#if defined(__x86_64__) && defined(__ELF__) && !defined(KV_NO_CLONES) && !defined(__clang__) && \
+    defined(__GNUC__) && __GNUC__ >= 8
+#if __GNUC__ >= 11
 #define KV_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else /* no x86-64-vN names before GCC 11 */
+#define KV_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
 #define KV_HAVE_CLONES 1
 #else
 #define KV_CLONES
