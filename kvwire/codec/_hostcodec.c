@@ -303,23 +303,28 @@ static void pack_finish(packer* pk) {
                     kv_u32 m = MAG_##SUF(x, base + d);                                       \
                     mag = m > mag ? m : mag;                                                 \
                     row[d] = LD_##SUF(x, base + d, row, d);                                  \
+                    keys[d] = kv_order_key(row[d]);                                          \
                 }                                                                            \
                 if (mag >= NONFINITE_##SUF) return KV_E_NONFINITE;                           \
+                /* per-element minimum (rowtmp) and scale (hi) of each run, then one pass */ \
                 for (idx k = 0; k < runs; ++k) {                                             \
                     const idx d0 = k * group, d1 = d0 + group < dim ? d0 + group : dim;      \
-                    kv_u32 kl = kv_order_key(row[d0]), kh = kl;                              \
+                    kv_u32 kl = keys[d0], kh = kl;                                           \
                     for (idx d = d0 + 1; d < d1; ++d) {                                      \
-                        kv_u32 kk = kv_order_key(row[d]);                                    \
-                        kl = kk < kl ? kk : kl;                                              \
-                        kh = kk > kh ? kk : kh;                                              \
+                        kl = keys[d] < kl ? keys[d] : kl;                                    \
+                        kh = keys[d] > kh ? keys[d] : kh;                                    \
                     }                                                                        \
                     const float l = kv_canonical_zero(kv_from_order_key(kl));                \
                     const float s = kv_int4_scale(l, kv_canonical_zero(kv_from_order_key(kh))); \
                     if ((kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u) return KV_E_RANGE;    \
                     st_f32(scales, r * runs + k, s);                                         \
                     st_f32(mins, r * runs + k, l);                                           \
-                    for (idx d = d0; d < d1; ++d) tmp[d] = kv_int4_quant(row[d], l, s);      \
+                    for (idx d = d0; d < d1; ++d) {                                          \
+                        rowtmp[d] = l;                                                       \
+                        hi[d] = s;                                                           \
+                    }                                                                        \
                 }                                                                            \
+                for (idx d = 0; d < dim; ++d) tmp[d] = kv_int4_quant(row[d], rowtmp[d], hi[d]); \
                 pack_append(&pk, tmp, dim);                                                  \
             }                                                                                \
         }                                                                                    \
