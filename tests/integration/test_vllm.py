@@ -6,7 +6,8 @@ model dtype: a plain run (no connector), then a consumer process (kvwire server 
 worker) and a producer process over loopback.  The consumer's greedy tokens must equal the
 plain run's with the raw codec; fp8's agreement is reported; a negative control (the KV of
 another prompt sent under a request's id) must change the output, which proves the
-received cache is what the consumer attends to.
+received cache is what the consumer attends to; a request whose cache never comes is
+recomputed after the load timeout (``kv_load_failure_policy="recompute"``).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
     producer_job = _job(tmp / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
     consumer_job = _job(tmp / "consumer_job.json", [
         {"prompt": p, "kvwire_id": i, "max_tokens": MAX_TOKENS}
-        for p, i in ((a, "a-raw"), (b, "b-raw"), (a, "a-fp8"), (a, "a-wrong-kv"))
+        for p, i in ((a, "a-raw"), (b, "b-raw"), (a, "a-fp8"), (a, "a-wrong-kv"), (a, "never-sent"))
     ])
     port = _free_port()
     out = tmp / "consumer.json"
@@ -89,7 +90,7 @@ def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
     plain = [r["tokens"] for r in json.loads((tmp / "plain.json").read_text())]
     got = [r["tokens"] for r in json.loads(out.read_text())]
     return {
-        "plain": plain, "raw": got[:2], "fp8": got[2], "wrong_kv": got[3],
+        "plain": plain, "raw": got[:2], "fp8": got[2], "wrong_kv": got[3], "never_sent": got[4],
         "consumer_log": consumer_log.read_text(), "producer_log": (tmp / "producer.log").read_text(),
     }
 
@@ -110,7 +111,10 @@ def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: P
     report.write_text(json.dumps(old))
     # negative control: another prompt's KV under this request's id changes the output
     assert r["wrong_kv"] != plain_a
+    # a cache that never comes: the load times out, its blocks are reported, vLLM recomputes
+    assert r["never_sent"] == plain_a
     log = r["consumer_log"]
-    assert log.count("kvwire: external KV hit") == 4
+    assert log.count("kvwire: external KV hit") == 5
     assert log.count("kvwire: received KV of request") == 4
+    assert log.count("kvwire: receiving KV of request") == 1 and "'never-sent' not ready" in log
     assert r["producer_log"].count("kvwire: sent KV of request") == 4

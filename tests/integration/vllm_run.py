@@ -50,11 +50,14 @@ def connector_config(role: str, port: int, extra: dict[str, Any] | None = None) 
         kv_connector="KvwireConnector",
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role=role,
+        kv_load_failure_policy="recompute",  # a KV load that fails is recomputed, not fatal
         kv_connector_extra_config={
             "kvwire_listen": f"127.0.0.1:{port}",
             "kvwire_peer": f"127.0.0.1:{port}",
             "kvwire_secret": SECRET,
-            "kvwire_load_timeout": 120,
+            # The consumer generates only after the producer's sends were acknowledged, so
+            # every cache is already there; a request whose KV never comes waits this long.
+            "kvwire_load_timeout": 20,
             **(extra or {}),
         },
     )
