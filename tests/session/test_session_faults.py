@@ -10,6 +10,7 @@ Invariants, whatever the faults:
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -22,8 +23,12 @@ from kvwire.session.sender import SenderConfig, TransferDone
 from kvwire.testing.session_pair import SessionPair
 from kvwire.wire import Chunk
 
+#: Cases of the fault property test (KVWIRE_FAULT_CASES=10000 for a long run).
+CASES = int(os.environ.get("KVWIRE_FAULT_CASES", "400"))
 # Hypothesis reports a failing example through code that warns on this Python.
-pytestmark = [pytest.mark.timeout(600), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.timeout(max(600, CASES // 4)), pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 SECRET = b"session-secret-01"
 HEADS, HEAD_DIM, ITEM = 2, 8, 2
@@ -101,7 +106,7 @@ FAULT = st.one_of(
 )
 
 
-@settings(max_examples=int(__import__("os").environ.get("KVWIRE_FAULT_CASES", "400")), deadline=None,
+@settings(max_examples=CASES, deadline=None,
           derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     faults=st.dictionaries(st.integers(min_value=0, max_value=400), FAULT, max_size=6),
