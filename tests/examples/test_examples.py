@@ -9,7 +9,6 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -88,7 +87,6 @@ def test_interop_runs_with_whatever_is_installed() -> None:
 
 
 def test_prefill_offload_on_the_trace() -> None:
-    started = time.monotonic()
     out = run_example("prefill_offload.py", "--requests", "16", "--warmup-mib", "16")
     assert "workload: trace" in out
     assert "emulated:" in out and "real:" in out  # says what is and is not emulated
@@ -98,7 +96,6 @@ def test_prefill_offload_on_the_trace() -> None:
     assert out.count("-> remote") + out.count("-> local") == 16
     assert out.count("-> remote") >= 1  # it offloads what the policy says, by default
     assert "to the real model at this byte and time scale" in out
-    assert time.monotonic() - started < TIMEOUT
 
 
 def test_prefill_offload_falls_back_to_a_synthetic_workload(tmp_path: Path) -> None:
