@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import ssl as _ssl
@@ -35,8 +34,8 @@ from kvwire.errors import (
     UsageError,
     error_from_code,
 )
-from kvwire.session.receiver import MAX_BLOCK_VERSION, wire_text
-from kvwire.spec import DTYPE_BY_ID, KVCache, KVSpec, Layer
+from kvwire.session.receiver import MAX_BLOCK_VERSION, admit_begin, wire_text
+from kvwire.spec import KVCache, KVSpec, Layer
 from kvwire.wire import (
     Begin,
     ChunkReceived,
@@ -855,31 +854,10 @@ class Server:
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
             # Completed transfers the application has not claimed hold memory too.
             active = sum(1 for t in sess.transfers.values() if not t.complete or not t.claimed)
-            if active >= self.options.max_transfers:
-                raise LimitExceededError(f"more than {self.options.max_transfers} transfers in progress")
-            dtype = DTYPE_BY_ID.get(begin.dtype_id)
-            if dtype is None:
-                raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, f"unknown dtype id {begin.dtype_id}")
-            try:
-                spec = KVSpec(
-                    num_layers=begin.num_layers, num_kv_heads=begin.num_kv_heads,
-                    head_dim=begin.head_dim, dtype=dtype, model=begin.model,
-                )
-            except UsageError as exc:
-                raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, str(exc)) from None
-            if self._fingerprints and spec.fingerprint not in self._fingerprints:
-                raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, f"this server does not accept KV layout {spec}")
-            if len(begin.meta) > self.options.max_meta_bytes:
-                raise LimitExceededError(
-                    f"meta of {len(begin.meta)} bytes exceeds max_meta_bytes={self.options.max_meta_bytes}"
-                )
-            try:
-                meta = json.loads(begin.meta) if begin.meta else {}
-            except (ValueError, RecursionError):
-                raise ProtocolError("BEGIN meta is not JSON") from None
-            if not isinstance(meta, dict):
-                raise ProtocolError("BEGIN meta is not a JSON object")
-            _decode_blocks(begin)
+            spec, meta = admit_begin(
+                begin, active=active, max_transfers=self.options.max_transfers,
+                max_meta_bytes=self.options.max_meta_bytes, fingerprints=self._fingerprints,
+            )
         except KvwireError as exc:
             self.transfers_refused += 1
             stream.conn.send_reset(tid, exc.code, _wire_text(str(exc)))

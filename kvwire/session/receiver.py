@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
     ConnectionLostError,
     ErrorCode,
@@ -34,9 +35,10 @@ from kvwire.errors import (
     StaleVersionError,
     TransferAbortedError,
     TransferTimeoutError,
+    UsageError,
     error_from_code,
 )
-from kvwire.spec import DTYPE_BY_ID, DTYPES
+from kvwire.spec import DTYPE_BY_ID, DTYPES, KVSpec
 from kvwire.wire import (
     Begin,
     Chunk,
@@ -69,6 +71,45 @@ WIRE_TEXT_LIMIT = 160
 
 def wire_text(text: str) -> str:
     return text if len(text) <= WIRE_TEXT_LIMIT else text[: WIRE_TEXT_LIMIT - 3] + "..."
+
+
+def admit_begin(
+    begin: Begin, *, active: int, max_transfers: int, max_meta_bytes: int,
+    fingerprints: frozenset[bytes] | set[bytes] = frozenset(),
+) -> tuple[KVSpec, dict[str, object]]:
+    """Validate a BEGIN for a session with ``active`` transfers in progress or unclaimed.
+
+    Returns the transfer's layout and meta; raises the error its RESET carries (section
+    7.1 of docs/protocol.md): LIMIT_EXCEEDED, INCOMPATIBLE_SPEC or PROTOCOL_ERROR.
+    """
+    if active >= max_transfers:
+        raise LimitExceededError(f"more than {max_transfers} transfers in progress")
+    dtype = DTYPE_BY_ID.get(begin.dtype_id)
+    if dtype is None:
+        raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, f"unknown dtype id {begin.dtype_id}")
+    try:
+        spec = KVSpec(
+            num_layers=begin.num_layers, num_kv_heads=begin.num_kv_heads, head_dim=begin.head_dim,
+            dtype=dtype, model=begin.model,
+        )
+    except UsageError as exc:
+        raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, str(exc)) from None
+    if fingerprints and spec.fingerprint not in fingerprints:
+        raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, f"this server does not accept KV layout {spec}")
+    if len(begin.meta) > max_meta_bytes:
+        raise LimitExceededError(f"meta of {len(begin.meta)} bytes exceeds max_meta_bytes={max_meta_bytes}")
+    try:
+        meta = json.loads(begin.meta) if begin.meta else {}
+    except (ValueError, RecursionError):
+        raise ProtocolError("BEGIN meta is not JSON") from None
+    if not isinstance(meta, dict):
+        raise ProtocolError("BEGIN meta is not a JSON object")
+    try:
+        for bv in begin.blocks:
+            block_from_key(bv.block.decode("utf-8"))
+    except (UnicodeDecodeError, UsageError):
+        raise ProtocolError("BEGIN carries a malformed block id") from None
+    return spec, meta
 
 
 def raw_decode(chunk: Chunk, dest: memoryview) -> None:
@@ -455,25 +496,14 @@ class ReceiverCore:
             if tid in sess.transfers or tid in sess.completed:
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
             active = sum(1 for t in sess.transfers.values() if not t.complete or not t.claimed)
-            if active >= cfg.max_transfers:
-                raise LimitExceededError(f"more than {cfg.max_transfers} transfers in progress")
-            dtype = DTYPE_BY_ID.get(begin.dtype_id)
-            if dtype is None or not begin.num_layers or not begin.num_kv_heads or not begin.head_dim:
-                raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, "invalid KV layout")
-            if len(begin.meta) > cfg.max_meta_bytes:
-                raise LimitExceededError(f"meta of {len(begin.meta)} bytes exceeds max_meta_bytes")
-            try:
-                meta = json.loads(begin.meta) if begin.meta else {}
-            except (ValueError, RecursionError):
-                raise ProtocolError("BEGIN meta is not JSON") from None
-            if not isinstance(meta, dict):
-                raise ProtocolError("BEGIN meta is not a JSON object")
+            spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
+                                     max_meta_bytes=cfg.max_meta_bytes)
         except KvwireError as exc:
             self._count("transfers_refused")
             conn.send_reset(tid, exc.code, wire_text(str(exc)))
             return
         t = _Incoming(
-            key=(sess.session_id, tid), begin=begin, itemsize=DTYPES[dtype][1],
+            key=(sess.session_id, tid), begin=begin, itemsize=DTYPES[spec.dtype][1],
             state=IncomingTransfer(tid, begin.num_layers, layer_limit=1, max_tokens=cfg.max_tokens),
             deadline=None if cfg.transfer_timeout is None else now + cfg.transfer_timeout,
         )
@@ -633,6 +663,7 @@ __all__ = [
     "RegistryPublish",
     "TransferArrived",
     "TransferFailed",
+    "admit_begin",
     "raw_decode",
     "wire_text",
 ]
