@@ -94,7 +94,7 @@ class InflightController:
         max_bytes: int = 256 * _MIB,
         initial_bytes: int = 16 * _MIB,
         min_phase: float = 0.002,
-        max_ack_delay: float = 0.010,
+        max_ack_delay: float = 0.002,
         cycle: tuple[float, ...] = PROBE_CYCLE,
     ) -> None:
         """
@@ -107,7 +107,10 @@ class InflightController:
         :param min_phase: shortest phase in seconds, so a sub-millisecond loopback RTT does
             not cycle faster than acks arrive.
         :param max_ack_delay: most seconds of late acks (recent RTT above the minimum)
-            the window covers with extra bytes.
+            the window covers with extra bytes. Small by default: on sub-millisecond
+            paths the lateness is mostly the sender's own queue, and a window grown by it
+            only moves bytes into the transport's buffers (measured: 7-15 % lower goodput
+            at 10 ms on loopback and veth). Raise it for receivers known to ack late.
         :param cycle: gain per phase; must average to at most 1 over the cycle and hold at
             least one phase above 1 so the window probes.
         """

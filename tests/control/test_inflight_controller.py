@@ -53,7 +53,7 @@ def test_bad_parameters_are_refused() -> None:
 def test_late_or_bursty_acks_do_not_pin_the_window(gbps: float, late: float, burst: float) -> None:
     """A receiver that acks late (steadily, or in bursts) must not make the sender idle."""
     capacity = gbps * GBPS
-    ctl = InflightController(streams=4)
+    ctl = InflightController(streams=4, max_ack_delay=0.010)
     result = simulate(
         ctl.may_send, capacity=lambda t: capacity, duration=1.5,
         ack_delay=lambda t: 0.0 if t < 0.2 else late, ack_period=lambda t: burst,
@@ -70,7 +70,9 @@ def test_the_plain_bdp_window_pins_itself_where_the_controller_holds() -> None:
 
     old = InflightTarget()
     pinned = simulate(lambda e, n, t: old.may_send(e, n), capacity=lambda t: capacity, ack_delay=delay)
-    held = simulate(InflightController(streams=4).may_send, capacity=lambda t: capacity, ack_delay=delay)
+    held = simulate(
+        InflightController(streams=4, max_ack_delay=0.010).may_send, capacity=lambda t: capacity, ack_delay=delay,
+    )
     assert pinned.rate(1.0, 2.0) < 0.6 * capacity
     assert held.rate(1.0, 2.0) >= 0.95 * capacity
 
@@ -94,7 +96,7 @@ def test_target_recovers_after_the_estimate_dropped_and_the_link_frees(
     def ack_delay(t: float) -> float:
         return late if 0.5 <= t < 1.5 else 0.0
 
-    ctl = InflightController(streams=4)
+    ctl = InflightController(streams=4, max_ack_delay=0.010)
     result = simulate(
         ctl.may_send, capacity=capacity, ack_delay=ack_delay, duration=2.5,
         target_of=lambda e, now: ctl.target_bytes,
@@ -102,6 +104,18 @@ def test_target_recovers_after_the_estimate_dropped_and_the_link_frees(
     assert result.rate(1.0, 1.5) <= low_rate + 2 * MIB / 0.5  # the estimate really dropped
     assert result.rate(2.0, 2.5) >= 0.95 * high_rate  # and the window found the link again
     assert min(t for _, t in result.targets) >= ctl.floor_bytes
+
+
+@settings(max_examples=10, deadline=None)
+@given(gbps=st.sampled_from([1.0, 10.0, 25.0]), burst=st.sampled_from([0.0, 0.002, 0.005]))
+def test_default_window_holds_the_link_with_bursty_or_slightly_late_acks(gbps: float, burst: float) -> None:
+    capacity = gbps * GBPS
+    ctl = InflightController(streams=4)
+    result = simulate(
+        ctl.may_send, capacity=lambda t: capacity, duration=1.5,
+        ack_delay=lambda t: 0.0 if t < 0.2 else 0.002, ack_period=lambda t: burst,
+    )
+    assert result.rate(0.75, 1.5) >= 0.95 * capacity
 
 
 def test_the_gain_cycles_through_a_probe_and_a_drain() -> None:
