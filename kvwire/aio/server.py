@@ -34,7 +34,7 @@ from kvwire.errors import (
     UsageError,
     error_from_code,
 )
-from kvwire.session.receiver import MAX_BLOCK_VERSION, admit_begin, wire_text
+from kvwire.session.receiver import MAX_BLOCK_VERSION, admit_begin, check_chunk_size, wire_text
 from kvwire.spec import KVCache, KVSpec, Layer
 from kvwire.wire import (
     Begin,
@@ -312,15 +312,10 @@ class Transfer:
         st = self.state
         first = st.layer_tokens is None
         st.check(chunk)
-        bpt = self.spec.num_kv_heads * self.spec.head_dim * self.spec.itemsize
-        if chunk.token_count * bpt > self._opts.max_chunk_bytes:
-            raise LimitExceededError(
-                f"a chunk of {chunk.token_count * bpt} bytes exceeds this server's max_chunk_bytes"
-            )
-        if first and 2 * chunk.layer_tokens * bpt > self._opts.max_layer_bytes:
-            raise LimitExceededError(
-                f"a layer of {2 * chunk.layer_tokens * bpt} bytes exceeds this server's max_layer_bytes"
-            )
+        check_chunk_size(
+            chunk, self.spec.num_kv_heads * self.spec.head_dim * self.spec.itemsize,
+            max_chunk_bytes=self._opts.max_chunk_bytes, max_layer_bytes=self._opts.max_layer_bytes,
+        )
         codec = codec_by_id(chunk.codec_id)
         if codec.name not in self._codecs:
             raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {codec.name!r} is not accepted here")

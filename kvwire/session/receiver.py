@@ -112,6 +112,20 @@ def admit_begin(
     return spec, meta
 
 
+def check_chunk_size(chunk: Chunk, bytes_per_token: int, *, max_chunk_bytes: int, max_layer_bytes: int) -> None:
+    """Refuse (LIMIT_EXCEEDED) a chunk that would decode beyond ``max_chunk_bytes`` or
+    belongs to a layer beyond ``max_layer_bytes``, before anything is allocated or
+    decompressed: the sizes come from the chunk's header, which the peer chose."""
+    if chunk.token_count * bytes_per_token > max_chunk_bytes:
+        raise LimitExceededError(
+            f"a chunk of {chunk.token_count * bytes_per_token} bytes exceeds this server's max_chunk_bytes"
+        )
+    if 2 * chunk.layer_tokens * bytes_per_token > max_layer_bytes:
+        raise LimitExceededError(
+            f"a layer of {2 * chunk.layer_tokens * bytes_per_token} bytes exceeds this server's max_layer_bytes"
+        )
+
+
 def raw_decode(chunk: Chunk, dest: memoryview) -> None:
     """The ``raw`` codec: the payload is the data."""
     if chunk.codec_id != 0 or chunk.params:
@@ -616,12 +630,10 @@ class ReceiverCore:
         first = t.state.layer_tokens is None
         t.state.check(chunk)
         bpt = t.bpt
-        if chunk.token_count * bpt > self.config.max_chunk_bytes:
-            raise LimitExceededError("chunk exceeds max_chunk_bytes")
+        check_chunk_size(chunk, bpt, max_chunk_bytes=self.config.max_chunk_bytes,
+                         max_layer_bytes=self.config.max_layer_bytes)
         layer_bytes = 2 * chunk.layer_tokens * bpt
         if first:
-            if layer_bytes > self.config.max_layer_bytes:
-                raise LimitExceededError("layer exceeds max_layer_bytes")
             t.window = max(1, self.config.transfer_buffer_bytes // max(1, layer_bytes))
             self._grant(t, t.taken + t.window)
         if t.state.classify(chunk) is ChunkVerdict.DUPLICATE:
@@ -664,6 +676,7 @@ __all__ = [
     "TransferArrived",
     "TransferFailed",
     "admit_begin",
+    "check_chunk_size",
     "raw_decode",
     "wire_text",
 ]
