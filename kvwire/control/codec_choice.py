@@ -97,6 +97,11 @@ class CodecChooser:
         self._ratio = {c.name: c.size_ratio for c in ordered}
         self._speed: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode: dict[str, float | None] = {c.name: c.decode_bytes_per_s for c in ordered}
+        # Priors measured together (same host, same moment): while a decode prior has not
+        # been replaced by a measurement, it slows down as the measured encode does, so a
+        # host that got busier since the priors were taken does not keep an idle decoder.
+        self._encode_prior: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
+        self._decode_observed: set[str] = set()
         if pipeline not in _PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(_PIPELINES)}")
         self._pipeline = pipeline
@@ -126,7 +131,14 @@ class CodecChooser:
         return self._speed[codec]
 
     def decode_speed(self, codec: str) -> float | None:
-        return self._decode[codec]
+        """Decode speed used for ``codec``: measured, or the prior scaled like encode."""
+        decode = self._decode[codec]
+        if decode is None or codec in self._decode_observed:
+            return decode
+        prior, now = self._encode_prior[codec], self._speed[codec]
+        if prior is None or now is None or prior <= 0:
+            return decode
+        return decode * min(1.0, now / prior)
 
     def size_ratio(self, codec: str) -> float:
         return self._ratio[codec]
@@ -144,8 +156,9 @@ class CodecChooser:
         if codec not in self._decode or nbytes <= 0:
             return
         speed = nbytes / max(seconds, 1e-9)
-        old = self._decode[codec]
+        old = None if codec not in self._decode_observed else self._decode[codec]
         self._decode[codec] = speed if old is None else old + self._gain * (speed - old)
+        self._decode_observed.add(codec)
 
     def observe_size(self, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
         """Feed one measured size ratio (entropy stages vary with the data)."""
@@ -157,7 +170,7 @@ class CodecChooser:
     def delivered_rate(self, codec: str, bandwidth_bps: float) -> float:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
         link = bandwidth_bps / 8.0 / self._ratio[codec]
-        cpu = [v for v in (self._speed[codec], self._decode[codec]) if v is not None]
+        cpu = [v for v in (self._speed[codec], self.decode_speed(codec)) if v is not None]
         if not cpu:
             return link  # exact: nothing but the wire
         if self._pipeline == "full":

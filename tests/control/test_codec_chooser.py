@@ -202,3 +202,22 @@ def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
         best = max(_true_rate(pipeline, bandwidth, *p) for p in params.values())
         if abs(raw_rate - 0.95 * best) > 1e-6 * best:
             assert (choice.codec == "raw") == (raw_rate > 0.95 * best)
+
+
+def test_a_decode_prior_slows_down_with_the_measured_encode() -> None:
+    c = CodecChooser(
+        [
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB, decode_bytes_per_s=2 * GB),
+        ],
+        speed_gain=1.0,
+    )
+    assert c.decode_speed("fp8") == pytest.approx(2 * GB)
+    c.observe_encode("fp8", 500_000_000, 1.0)  # the host got busy: encode at a quarter
+    assert c.decode_speed("fp8") == pytest.approx(0.5 * GB)
+    c.observe_encode("fp8", 4_000_000_000, 1.0)  # faster than the prior: no extrapolation up
+    assert c.decode_speed("fp8") == pytest.approx(2 * GB)
+    c.observe_decode("fp8", 300_000_000, 1.0)  # a real measurement replaces the prior
+    assert c.decode_speed("fp8") == pytest.approx(0.3 * GB)
+    c.observe_encode("fp8", 100_000_000, 1.0)
+    assert c.decode_speed("fp8") == pytest.approx(0.3 * GB)
