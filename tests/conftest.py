@@ -1,14 +1,11 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from kvwire.codec import numpy_dtype
 
 SECRET = b"test-secret-0123"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
 def make_layers(num_layers: int, tokens: int, heads: int, head_dim: int, dtype: str = "float16", seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
