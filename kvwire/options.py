@@ -68,7 +68,7 @@ class ServeOptions(TypedDict, total=False):
     transfer_timeout: float | None
     codecs: Sequence[str]
     notsent_lowat: int | None
-    device: Literal["cpu", "gpu"]
+    device: str  # "cpu", "gpu" or "gpu:N"
     resume_timeout: float
     max_layer_bytes: int
     max_chunk_bytes: int
