@@ -102,7 +102,7 @@ def main() -> None:
                      f"codecs {', '.join(r['codecs_used'])}, "
                      f"max rel. error {'-' if err is None else f'{err:.3g}'}")
         est = r["estimated_gbps"]
-        print(f"{name:<16} {r['link_gbps']:>6.2f} Gb/s {r['goodput_gbps']:>9.3f} {r['wire_gbps']:>9.3f} "
+        print(f"{name:<16} {r['link_gbps']:>6.2f} Gbit/s {r['goodput_gbps']:>9.3f} {r['wire_gbps']:>9.3f} "
               f"{100 * (r['utilization'] or 0):>5.1f}% {'-' if est is None else f'{est:9.3f}'}  {check}")
     first = runs["10G raw"]
     if not isinstance(first, str) and first["per_transfer"]:
