@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.aio._arrays import as_device_array, as_host_array, is_device_array, iterate_layers
+from kvwire.aio._checks import check_number
 from kvwire.aio._codec_speed import codec_speeds
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol, finish_tasks, wait_closed
 from kvwire.aio.tcpinfo import read_tcp_info
@@ -100,20 +101,11 @@ class ClientOptions:
     """Broken streams one transfer lives through; one more fails it with ConnectionLostError."""
 
     def __post_init__(self) -> None:
-        def check(name: str, *, none_ok: bool = False, zero_ok: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and none_ok:
-                return
-            if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-                raise UsageError(f"{name} must be a number, got {value!r}")
-            if value < 0 or (value == 0 and not zero_ok):
-                raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
-
         for name in ("chunk_bytes", "connect_timeout", "max_streams"):
-            check(name)
-        check("idle_timeout", none_ok=True)
+            check_number(self, name)
+        check_number(self, "idle_timeout", none_ok=True)
         for name in ("reconnect_attempts", "reconnect_backoff", "max_reconnects", "max_transfer_reconnects"):
-            check(name, zero_ok=True)
+            check_number(self, name, zero_ok=True)
         if not MIN_MAX_FRAME_SIZE <= self.max_frame_size <= MAX_MAX_FRAME_SIZE:
             raise UsageError(f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]")
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.aio import _gpu
+from kvwire.aio._checks import check_number
 from kvwire.aio._pool import default_pool
 from kvwire.aio._stream import NOTSENT_LOWAT, StreamProtocol, finish_tasks, wait_closed
 from kvwire.codec import RawCodec, TensorKind, available_codecs, codec_by_id, numpy_dtype
@@ -117,23 +118,14 @@ class ServerOptions:
     """Largest ``meta`` (JSON object) a transfer may carry."""
 
     def __post_init__(self) -> None:
-        def positive(name: str, *, none_ok: bool = False, zero_ok: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and none_ok:
-                return
-            if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-                raise UsageError(f"{name} must be a number, got {value!r}")
-            if value < 0 or (value == 0 and not zero_ok):
-                raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
-
         for name in ("max_transfers", "transfer_buffer_bytes", "max_tokens", "max_sessions",
                      "max_streams", "handshake_timeout", "max_layer_bytes", "max_chunk_bytes",
                      "max_buffer_bytes"):
-            positive(name)
+            check_number(self, name)
         for name in ("idle_timeout", "transfer_timeout", "claim_timeout"):
-            positive(name, none_ok=True)
-        positive("resume_timeout", zero_ok=True)
-        positive("max_meta_bytes", zero_ok=True)
+            check_number(self, name, none_ok=True)
+        check_number(self, "resume_timeout", zero_ok=True)
+        check_number(self, "max_meta_bytes", zero_ok=True)
         if not MIN_MAX_FRAME_SIZE <= self.max_frame_size <= MAX_MAX_FRAME_SIZE:
             raise UsageError(f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]")
         if self.window < self.max_frame_size:
