@@ -43,10 +43,13 @@ __all__ = [
     "format_rate",
     "format_schedule",
     "format_size",
+    "number",
     "parse_duration",
     "parse_rate",
     "parse_schedule",
     "parse_size",
+    "positive",
+    "whole_number",
 ]
 
 Schedule = tuple[tuple[float, float], ...]
@@ -260,6 +263,43 @@ def format_schedule(schedule: Schedule) -> str:
 # -- argparse -----------------------------------------------------------------------------------
 
 T = TypeVar("T")
+
+
+def whole_number(text: str, *, minimum: int = 1) -> int:
+    """A whole number >= ``minimum`` (a count: ``--requests 4000``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a whole number") from None
+    if value < minimum:
+        raise UsageError(f"{text!r} must be >= {minimum}")
+    return value
+
+
+def number(text: str, *, strictly_positive: bool = True) -> float:
+    """A finite number > 0 (>= 0 when ``strictly_positive`` is false)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a number") from None
+    return _check_sign(value, text, strictly_positive)
+
+
+def positive(parse: Callable[[str], float], what: str) -> Callable[[str], float]:
+    """``parse`` (a rate or a duration parser here) refusing values that are not > 0."""
+
+    def parse_positive(text: str) -> float:
+        return _check_sign(parse(text), text, True, what)
+
+    parse_positive.__name__ = what
+    return parse_positive
+
+
+def _check_sign(value: float, text: str, strictly_positive: bool, what: str = "") -> float:
+    ok = value > 0 if strictly_positive else value >= 0
+    if not ok or not math.isfinite(value):
+        raise UsageError(f"{what + ' ' if what else ''}{text!r} must be {'> 0' if strictly_positive else '>= 0'}")
+    return value
 
 
 def argument_type(parse: Callable[[str], T], what: str | None = None) -> Callable[[str], T]:

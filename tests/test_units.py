@@ -16,10 +16,15 @@ from kvwire.units import (
     format_rate,
     format_schedule,
     format_size,
+    number,
     parse_duration,
     parse_rate,
     parse_schedule,
     parse_size,
+    whole_number,
+)
+from kvwire.units import (
+    positive as positive_value,
 )
 
 # .4g formatting keeps four significant digits: a round trip is within 5e-4 relative.
@@ -178,3 +183,38 @@ def test_parsers_raise_only_usage_error(text: str) -> None:
     for parse in (parse_rate, parse_duration, parse_size, parse_schedule):
         with contextlib.suppress(UsageError):
             parse(text)
+
+
+@given(st.integers(-10**6, 10**6), st.integers(-5, 5))
+def test_whole_number_accepts_exactly_the_integers_at_or_above_the_minimum(value: int, minimum: int) -> None:
+    if value >= minimum:
+        assert whole_number(str(value), minimum=minimum) == value
+    else:
+        with pytest.raises(UsageError, match=f"must be >= {minimum}"):
+            whole_number(str(value), minimum=minimum)
+
+
+@pytest.mark.parametrize("text", ["", "1.5", "ten", "1e3"])
+def test_whole_number_refuses_what_is_not_a_whole_number(text: str) -> None:
+    with pytest.raises(UsageError, match="not a whole number"):
+        whole_number(text)
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True), st.booleans())
+def test_number_keeps_finite_values_of_the_right_sign(value: float, strict: bool) -> None:
+    ok = (value > 0 if strict else value >= 0) and value != float("inf")
+    if ok:
+        assert number(repr(value), strictly_positive=strict) == value
+    else:
+        with pytest.raises(UsageError):
+            number(repr(value), strictly_positive=strict)
+
+
+def test_positive_wraps_a_unit_parser() -> None:
+    rate = positive_value(parse_rate, "link rate")
+    assert rate("10gbps") == 10e9
+    with pytest.raises(UsageError, match="link rate '0gbps' must be > 0"):
+        rate("0gbps")
+    assert positive_value(parse_duration, "duration")("20ms") == pytest.approx(0.02)
+    with pytest.raises(UsageError, match="must be > 0"):
+        positive_value(parse_duration, "duration")("0s")

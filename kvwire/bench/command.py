@@ -8,7 +8,6 @@ import dataclasses
 import ipaddress
 import json
 import logging
-import math
 import os
 import socket
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 from kvwire.bench.models import MODELS
 from kvwire.errors import KvwireError, UsageError
 from kvwire.units import (
+    argument_type,
     format_duration,
     format_rate,
     format_schedule,
@@ -28,6 +28,8 @@ from kvwire.units import (
     parse_rate,
     parse_schedule,
     parse_size,
+    positive,
+    whole_number,
 )
 
 __all__ = [
@@ -47,31 +49,8 @@ log = logging.getLogger("kvwire")
 # command: 10gbps, 20ms, 1MiB, 0s:10gbps,3s:2.5gbps (a bare duration is in seconds).
 
 
-def _arg(fn: Any, *extra: Any) -> Any:
-    """An argparse ``type=`` that turns UsageError into argparse's own error (exit 2)."""
-
-    def convert(text: str) -> Any:
-        try:
-            return fn(text, *extra)
-        except UsageError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = getattr(fn, "__name__", "value")
-    return convert
-
-
-def _rate(text: str) -> float:
-    rate = parse_rate(text)
-    if not rate > 0 or not math.isfinite(rate):
-        raise UsageError(f"link rate {text!r} must be > 0")
-    return rate
-
-
-def _positive_duration(text: str) -> float:
-    value = parse_duration(text)
-    if not value > 0:
-        raise UsageError(f"duration {text!r} must be > 0")
-    return value
+_LINK_RATE = argument_type(positive(parse_rate, "link rate"), "rate")
+_POSITIVE_DURATION = argument_type(positive(parse_duration, "duration"), "duration")
 
 
 def _streams(text: str) -> int | str:
@@ -116,16 +95,6 @@ def _port(text: str) -> int:
     if not 0 <= number < 65536:
         raise UsageError(f"--port takes an int in [0, 65535], not {number}")
     return number
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise UsageError(f"{text!r} must be >= 1")
-    return value
 
 
 # -- output checks ------------------------------------------------------------------------------
@@ -200,31 +169,31 @@ def add_parsers(subparsers: Any) -> None:
     )
     b.set_defaults(func=run_bench_command)
     link = b.add_argument_group("link")
-    link.add_argument("--link", type=_arg(_rate), metavar="RATE", help="link rate, e.g. 10gbps, 800mbps")
-    link.add_argument("--rtt", type=_arg(parse_duration), default=0.0, metavar="TIME",
+    link.add_argument("--link", type=_LINK_RATE, metavar="RATE", help="link rate, e.g. 10gbps, 800mbps")
+    link.add_argument("--rtt", type=argument_type(parse_duration), default=0.0, metavar="TIME",
                       help="round-trip time added by the emulator, e.g. 20ms (default 0)")
-    link.add_argument("--jitter", type=_arg(parse_duration), default=0.0, metavar="TIME",
+    link.add_argument("--jitter", type=argument_type(parse_duration), default=0.0, metavar="TIME",
                       help="+- variation of each one-way delay, e.g. 1ms (default 0)")
-    link.add_argument("--link-schedule", type=_arg(parse_schedule), metavar="TIME:RATE,...",
+    link.add_argument("--link-schedule", type=argument_type(parse_schedule), metavar="TIME:RATE,...",
                       help="rate over time, e.g. '0s:10gbps,3s:2.5gbps' (replaces --link)")
     link.add_argument("--kernel", action="store_true",
                       help="shape with tc tbf between two network namespaces (root only; rate only)")
-    link.add_argument("--peer", type=_arg(_hostport), metavar="HOST:PORT",
+    link.add_argument("--peer", type=argument_type(_hostport), metavar="HOST:PORT",
                       help="send to a remote `kvwire serve` instead of a local receiver")
     link.add_argument("--secret-file", metavar="FILE",
                       help="shared secret for --peer (else $KVWIRE_SECRET, else the development default)")
     load = b.add_argument_group("transfer")
-    load.add_argument("--codec", type=_arg(_codec), default="raw",
+    load.add_argument("--codec", type=argument_type(_codec), default="raw",
                       help="raw, fp8, int8, int4, auto or any registered codec (default raw)")
-    load.add_argument("--streams", type=_arg(_streams), default=4, metavar="N|auto",
+    load.add_argument("--streams", type=argument_type(_streams), default=4, metavar="N|auto",
                       help="TCP streams per session, or auto (default 4)")
     load.add_argument("--model", choices=sorted(MODELS), default="llama3-8b",
                       help="KV shape to send (default llama3-8b: 32 x 8 x 128 fp16)")
-    load.add_argument("--tokens", type=_arg(_positive_int), default=8192, metavar="N",
+    load.add_argument("--tokens", type=argument_type(whole_number, "int"), default=8192, metavar="N",
                       help="tokens per transfer (default 8192)")
-    load.add_argument("--chunk-size", type=_arg(parse_size), default=1 << 20, metavar="SIZE",
+    load.add_argument("--chunk-size", type=argument_type(parse_size), default=1 << 20, metavar="SIZE",
                       help="target size of one chunk of K or V before encoding (default 1MiB)")
-    load.add_argument("--duration", type=_arg(_positive_duration), default=10.0, metavar="TIME",
+    load.add_argument("--duration", type=_POSITIVE_DURATION, default=10.0, metavar="TIME",
                       help="keep starting transfers for this long (default 10s)")
     load.add_argument("--seed", type=int, default=0, metavar="N",
                       help="seed of the random cache (default 0)")
@@ -235,7 +204,7 @@ def add_parsers(subparsers: Any) -> None:
                      help="write the full report (start block, intervals, samples) here; - for stdout")
     out.add_argument("--plot", metavar="FILE.png",
                      help="plot wire rate, estimate and link rate over time (needs kvwire[plot])")
-    out.add_argument("--interval", type=_arg(_positive_duration), default=1.0, metavar="TIME",
+    out.add_argument("--interval", type=_POSITIVE_DURATION, default=1.0, metavar="TIME",
                      help="seconds between report lines and JSON intervals (default 1s)")
     out.add_argument("--quiet", action="store_true",
                      help="no progress, no report lines and no table (errors still go to stderr)")
@@ -252,7 +221,7 @@ def add_parsers(subparsers: Any) -> None:
         ),
     )
     s.set_defaults(func=run_serve_command)
-    s.add_argument("--port", type=_arg(_port), default=7070,
+    s.add_argument("--port", type=argument_type(_port), default=7070,
                    help="port to listen on (default 7070; 0 picks one)")
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")

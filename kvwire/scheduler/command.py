@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -33,59 +34,15 @@ from kvwire.units import (
     format_duration,
     format_rate,
     format_schedule,
+    number,
     parse_duration,
     parse_rate,
     parse_schedule,
+    positive,
+    whole_number,
 )
 
 __all__ = ["add_parser", "run"]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise UsageError(f"{text!r} must be >= 1")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise UsageError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise UsageError(f"{text!r} must be >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"{text!r} is not a number") from None
-    if not value > 0 or not math.isfinite(value):
-        raise UsageError(f"{text!r} must be > 0")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise UsageError(f"{text!r} is not a number") from None
-    if not value >= 0 or not math.isfinite(value):
-        raise UsageError(f"{text!r} must be >= 0")
-    return value
-
-
-def _positive_rate(text: str) -> float:
-    rate = parse_rate(text)
-    if not rate > 0:
-        raise UsageError(f"rate {text!r} must be > 0")
-    return rate
 
 
 def _policy(text: str) -> PolicyName:
@@ -102,10 +59,10 @@ def _policies(text: str) -> list[PolicyName]:
     return out
 
 
-POSITIVE_INT = argument_type(_positive_int, "int")
-NON_NEGATIVE_INT = argument_type(_non_negative_int, "int")
-POSITIVE = argument_type(_positive_float, "number")
-NON_NEGATIVE = argument_type(_non_negative_float, "number")
+POSITIVE_INT = argument_type(whole_number, "int")
+NON_NEGATIVE_INT = argument_type(functools.partial(whole_number, minimum=0), "int")
+POSITIVE = argument_type(number, "number")
+NON_NEGATIVE = argument_type(functools.partial(number, strictly_positive=False), "number")
 
 
 def add_parser(subparsers: Any) -> None:
@@ -177,7 +134,7 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--decode-batch", type=POSITIVE_INT, default=64,
                    help="concurrent sequences per decode instance (default 64)")
     link = s.add_mutually_exclusive_group()
-    link.add_argument("--link", type=argument_type(_positive_rate, "rate"), default=100e9,
+    link.add_argument("--link", type=argument_type(positive(parse_rate, "rate"), "rate"), default=100e9,
                       metavar="RATE", help="link rate, e.g. 100gbps, 10gbit, 800mbps (default 100gbps)")
     link.add_argument("--link-schedule", type=argument_type(parse_schedule, "schedule"),
                       metavar="SCHEDULE",
