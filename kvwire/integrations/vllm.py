@@ -21,6 +21,15 @@ Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]``
 instances); without it the name is a hash of the prompt tokens sent.  The consumer loads
 requests that carry a ``kvwire_id``, or every request with ``kvwire_load_all``.
 
+Versions (optional, ``kvwire_registry: "redis://..."`` on both instances, one shared
+Redis): the prompt's full blocks are named by a chained hash of their token ids
+(:mod:`kvwire.integrations.prefix`).  The producer names them with their current
+versions (``begin`` + ``commit``) in the transfer; the consumer's server checks them on
+arrival and publishes them (``serve(registry=...)``), and ``wait_for_layer_load`` checks
+them again before the first layer is used: a cache whose blocks are not exactly this
+prompt's, or are stale (invalidated since), is refused and its blocks are recomputed
+like a failed load.
+
 Blocks move as opaque bytes (:mod:`kvwire.paged`): block ``i`` of a layer is the cache
 tensor's ``[i]`` slab, whatever the attention backend packs inside it.  Layouts whose
 first axis is not the block index (K and V in separate leading planes) are refused.
@@ -29,6 +38,7 @@ first axis is not the block index (K and V in separate leading planes) are refus
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,8 +52,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvwire.errors import KvwireError, UsageError
+from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
-from kvwire.sync import ReceiveHandle, SendHandle, SyncPeer, SyncServer
+from kvwire.sync import Bridge, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -63,6 +74,7 @@ class _Move:
     key: str
     block_ids: list[int]
     codec: str | None = None
+    prefix: tuple[bytes, ...] = ()  # the blocks' registry ids (with kvwire_registry)
 
 
 @dataclass
@@ -116,9 +128,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         claim = extra.get("kvwire_claim_timeout", 600.0)
         self._claim_timeout: float | None = float(claim) if claim is not None else None
         self._model: str = str(extra.get("kvwire_model", ""))
+        registry = extra.get("kvwire_registry")
+        self._registry_url: str | None = str(registry) if registry else None
+        self._registry_namespace: str = str(extra.get("kvwire_registry_namespace", "kvwire"))
+        self._registry_ttl: float = float(extra.get("kvwire_registry_ttl", 30.0))
+        self._owner: str = str(extra.get("kvwire_registry_owner", f"kvwire-vllm-{os.getpid()}"))
+        self._bridge: Bridge | None = None
+        self._registry: SyncRegistry | None = None
+        self._expected: dict[str, tuple[bytes, ...]] = {}
         # scheduler side
         self._pending_loads: dict[str, str] = {}
-        self._partial: dict[str, tuple[str, list[int], int, str | None]] = {}
+        self._partial: dict[str, tuple[str, list[int], int, str | None, tuple[bytes, ...]]] = {}
         # worker side
         self._spec: PagedSpec | None = None
         self._caches: list[torch.Tensor] = []
@@ -141,6 +161,23 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         n = self._full_blocks(len(prompt)) * self._block_size
         digest = hashlib.sha256(torch.tensor(prompt[:n], dtype=torch.int64).numpy().tobytes()).hexdigest()
         return f"prompt:{digest[:32]}"
+
+    def _prefix(self, prompt: list[int], num_blocks: int) -> tuple[bytes, ...]:
+        if self._registry_url is None:
+            return ()
+        return tuple(prefix_block_ids(prompt, self._block_size, num_blocks, salt=self._model.encode()))
+
+    def _connect_registry(self) -> None:
+        if self._registry_url is None or self._registry is not None:
+            return
+        self._bridge = Bridge("kvwire-connector")
+        try:
+            self._registry = SyncRegistry.connect(self._registry_url, self._bridge, namespace=self._registry_namespace)
+        except BaseException:
+            self._bridge.close()
+            self._bridge = None
+            raise
+        logger.info("kvwire: prefix-block versions through the registry at %s", self._registry_url)
 
     def _wants_load(self, params: dict[str, Any] | None) -> bool:
         return self._load_all or bool(params and params.get("kvwire_id"))
@@ -169,31 +206,34 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             n = self._full_blocks(len(prompt))
             block_ids = list(new.block_ids[0])
             if new.req_id in self._pending_loads:
-                meta.loads.append(_Move(new.req_id, self._pending_loads.pop(new.req_id), block_ids[:n]))
+                meta.loads.append(_Move(
+                    new.req_id, self._pending_loads.pop(new.req_id), block_ids[:n], prefix=self._prefix(prompt, n),
+                ))
             elif self._producer and n > 0:
                 extra = new.sampling_params.extra_args if new.sampling_params is not None else None
                 params = (extra or {}).get("kv_transfer_params")
                 key = self._key(prompt, params)
                 codec = str(params["kvwire_codec"]) if params and params.get("kvwire_codec") else None
                 done = new.num_computed_tokens + scheduler_output.num_scheduled_tokens.get(new.req_id, 0)
+                prefix = self._prefix(prompt, n)
                 if done >= n * self._block_size:
-                    meta.saves.append(_Move(new.req_id, key, block_ids[:n], codec))
+                    meta.saves.append(_Move(new.req_id, key, block_ids[:n], codec, prefix))
                 else:  # chunked prefill: send once the full blocks are computed
-                    self._partial[new.req_id] = (key, block_ids, n, codec)
+                    self._partial[new.req_id] = (key, block_ids, n, codec, prefix)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self._partial:
                 continue
-            key, block_ids, n, codec = self._partial[req_id]
+            key, block_ids, n, codec, prefix = self._partial[req_id]
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 block_ids = block_ids + list(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if done >= n * self._block_size:
                 del self._partial[req_id]
-                meta.saves.append(_Move(req_id, key, block_ids[:n], codec))
+                meta.saves.append(_Move(req_id, key, block_ids[:n], codec, prefix))
             else:
-                self._partial[req_id] = (key, block_ids, n, codec)
+                self._partial[req_id] = (key, block_ids, n, codec, prefix)
         for req_id in list(self._pending_loads):
             if req_id in scheduler_output.finished_req_ids:
                 del self._pending_loads[req_id]
@@ -222,10 +262,15 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             len(self._caches), self._spec.block_shape, self._spec.dtype, self._spec.block_bytes,
             self._producer, self._consumer,
         )
+        self._connect_registry()
         if self._consumer:
             host, port = _split_addr(self._listen)
+            versioned: dict[str, Any] = {}
+            if self._registry is not None:
+                versioned = {"bridge": self._bridge, "registry": self._registry.registry}
             self._server = SyncServer(
                 host, port, secret=self._secret, spec=self._spec.wire_spec(), claim_timeout=self._claim_timeout,
+                **versioned,
             )
             logger.info("kvwire: receiving on %s:%d", host, self._server.port)
 
@@ -241,6 +286,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             dest = PagedDestination(self._spec, self._caches, move.block_ids)
             handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
             self._loading[move.req_id] = (handle, move.block_ids)
+            if self._registry is not None:
+                self._expected[move.req_id] = move.prefix
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading:
@@ -256,7 +303,21 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 handle.abort(str(exc))
                 self._load_errors.update(blocks)
                 del self._loading[req_id]
+                self._expected.pop(req_id, None)
                 continue
+            expected = self._expected.pop(req_id, None)
+            if expected is not None and self._registry is not None:
+                # Before the model reads the first layer: the cache must be this prompt's, fresh.
+                try:
+                    reason = self._registry.verify(expected, getattr(handle.transfer, "blocks", None) or [])
+                except KvwireError as exc:
+                    reason = f"registry check failed: {exc}"
+                if reason is not None:
+                    logger.error("kvwire: refused KV of request %s: %s", req_id, reason)
+                    handle.abort(reason)
+                    self._load_errors.update(blocks)
+                    del self._loading[req_id]
+                    continue
             if index == len(self._caches) - 1:
                 transfer = handle.transfer
                 wire = getattr(transfer, "wire_bytes", 0)
@@ -273,12 +334,23 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._peer is None:
             host, port = _split_addr(self._peer_addr)
             options: dict[str, Any] = {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
+            if self._bridge is not None:
+                options["bridge"] = self._bridge
             self._peer = SyncPeer(
                 host, port, secret=self._secret, streams=self._streams, codec=self._codec, **options,
             )
         for move in saves:
             if index == 0:
-                self._sending[move.req_id] = self._peer.begin(move.key, self._spec.wire_spec(), codec=move.codec or self._codec)
+                versions: dict[str, Any] = {}
+                if self._registry is not None:
+                    try:
+                        versions["blocks"] = self._registry.name(list(move.prefix), owner=self._owner, ttl=self._registry_ttl)
+                    except KvwireError as exc:
+                        logger.error("kvwire: not sending KV of request %s: naming its blocks failed: %s", move.req_id, exc)
+                        continue
+                self._sending[move.req_id] = self._peer.begin(
+                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **versions,
+                )
             handle = self._sending.get(move.req_id)
             if handle is not None:
                 handle.send_layer(*gather_layer(self._spec, kv_layer, move.block_ids))
@@ -298,6 +370,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         for req_id in finished_req_ids:
+            self._expected.pop(req_id, None)
             loading = self._loading.pop(req_id, None)
             if loading is not None:
                 loading[0].abort("request finished")
@@ -317,6 +390,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._registry is not None:
+            self._registry.close()
+            self._registry = None
+        if self._bridge is not None:
+            self._bridge.close()
+            self._bridge = None
 
 
 __all__ = ["KvwireConnector", "KvwireConnectorMetadata"]

@@ -7,11 +7,14 @@ worker) and a producer process over loopback.  The consumer's greedy tokens must
 plain run's with the raw codec; fp8's agreement is reported; a negative control (the KV of
 another prompt sent under a request's id) must change the output, which proves the
 received cache is what the consumer attends to; a request whose cache never comes is
-recomputed after the load timeout (``kv_load_failure_policy="recompute"``).
+recomputed after the load timeout (``kv_load_failure_policy="recompute"``).  With a
+registry (a private redis-server), a cache whose prefix block was invalidated after the
+send is refused by the consumer and recomputed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -19,10 +22,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvwire.aio.registry_redis import RedisRegistry
+from kvwire.integrations.prefix import prefix_block_ids
+from tests.consistency.conftest import find_redis_server, start_redis
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -48,11 +56,16 @@ def _job(path: Path, requests: list[dict[str, Any]]) -> Path:
     return path
 
 
+def _prompts() -> tuple[list[int], list[int], list[int]]:
+    rng = random.Random(7)
+    a, b, other = ([rng.randrange(512) for _ in range(PROMPT_TOKENS)] for _ in range(3))
+    return a, b, other
+
+
 def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
     model = tmp / "model"
     _run(["model", "--dir", str(model), "--dtype", dtype], tmp / "model.log", 300)
-    rng = random.Random(7)
-    a, b, other = ([rng.randrange(512) for _ in range(PROMPT_TOKENS)] for _ in range(3))
+    a, b, other = _prompts()
     plain_job = _job(tmp / "plain_job.json", [{"prompt": p, "max_tokens": MAX_TOKENS} for p in (a, b)])
     sent = [
         {"prompt": a, "kvwire_id": "a-raw"}, {"prompt": b, "kvwire_id": "b-raw"},
@@ -63,9 +76,25 @@ def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
         {"prompt": p, "kvwire_id": i, "max_tokens": MAX_TOKENS}
         for p, i in ((a, "a-raw"), (b, "b-raw"), (a, "a-fp8"), (a, "a-wrong-kv"), (a, "never-sent"))
     ])
+    _consume_after_produce(tmp, model, dtype, plain_job, producer_job, consumer_job)
+    plain = [r["tokens"] for r in json.loads((tmp / "plain.json").read_text())]
+    got = [r["tokens"] for r in json.loads((tmp / "consumer.json").read_text())]
+    return {
+        "plain": plain, "raw": got[:2], "fp8": got[2], "wrong_kv": got[3], "never_sent": got[4],
+        "consumer_log": (tmp / "consumer.log").read_text(), "producer_log": (tmp / "producer.log").read_text(),
+    }
+
+
+def _consume_after_produce(
+    tmp: Path, model: Path, dtype: str, plain_job: Path, producer_job: Path, consumer_job: Path,
+    extra: list[str] | None = None, after_producer: Callable[[], None] | None = None,
+    producer_model: Path | None = None,
+) -> None:
+    """A consumer starts (its kvwire server up), the plain run and then the producer run
+    (on ``producer_model`` if given), ``after_producer`` runs, and the consumer generates."""
     port = _free_port()
     out = tmp / "consumer.json"
-    common = ["--dir", str(model), "--dtype", dtype, "--port", str(port)]
+    common = ["--dir", str(model), "--dtype", dtype, "--port", str(port), *(extra or [])]
     consumer_log = tmp / "consumer.log"
     with consumer_log.open("w") as f:
         consumer = subprocess.Popen(
@@ -80,19 +109,16 @@ def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
             assert consumer.poll() is None, consumer_log.read_text()[-4000:]
             assert time.monotonic() < deadline, "consumer did not start"
             time.sleep(0.5)
-        _run(["producer", "--job", str(producer_job), "--out", str(tmp / "producer.json"), *common], tmp / "producer.log", 600)
+        producer = common if producer_model is None else [*common, "--dir", str(producer_model)]
+        _run(["producer", "--job", str(producer_job), "--out", str(tmp / "producer.json"), *producer], tmp / "producer.log", 600)
+        if after_producer is not None:
+            after_producer()
         Path(f"{out}.go").write_text("go")
         assert consumer.wait(600) == 0, consumer_log.read_text()[-4000:]
     finally:
         if consumer.poll() is None:
             consumer.kill()
             consumer.wait(30)
-    plain = [r["tokens"] for r in json.loads((tmp / "plain.json").read_text())]
-    got = [r["tokens"] for r in json.loads(out.read_text())]
-    return {
-        "plain": plain, "raw": got[:2], "fp8": got[2], "wrong_kv": got[3], "never_sent": got[4],
-        "consumer_log": consumer_log.read_text(), "producer_log": (tmp / "producer.log").read_text(),
-    }
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -118,3 +144,48 @@ def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: P
     assert log.count("kvwire: received KV of request") == 4
     assert log.count("kvwire: receiving KV of request") == 1 and "'never-sent' not ready" in log
     assert r["producer_log"].count("kvwire: sent KV of request") == 4
+
+
+def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> None:
+    """With a registry.  The producer runs an older model (other weights: its KV is stale
+    for the consumer's model) and names the prompts' blocks with their versions; then the
+    new weights invalidate prompt a's blocks (what a deployment does on a weight update),
+    not b's.  The consumer refuses a's cache and recomputes it (the plain run's tokens);
+    b's cache, still named fresh, is received and used, and the old weights' KV changes
+    its output: the check is what kept a's output right."""
+    binary = find_redis_server()
+    assert binary is not None, "redis-server not found (PATH or KVWIRE_REDIS_SERVER)"
+    redis = start_redis(binary, tmp_path / "redis")
+    try:
+        model, old_model = tmp_path / "model", tmp_path / "old-model"
+        _run(["model", "--dir", str(model), "--dtype", "float32"], tmp_path / "model.log", 300)
+        _run(["model", "--dir", str(old_model), "--dtype", "float32", "--seed", "1"], tmp_path / "old-model.log", 300)
+        a, b, _ = _prompts()
+        plain_job = _job(tmp_path / "plain_job.json", [{"prompt": p, "max_tokens": MAX_TOKENS} for p in (a, b)])
+        sent = [{"prompt": a, "kvwire_id": "a-versioned"}, {"prompt": b, "kvwire_id": "b-versioned"}]
+        producer_job = _job(tmp_path / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
+        consumer_job = _job(tmp_path / "consumer_job.json", [{**r, "max_tokens": MAX_TOKENS} for r in sent])
+        a_blocks = prefix_block_ids(a, 128, (PROMPT_TOKENS - 1) // 128)
+
+        async def new_weights_for_a() -> None:
+            async with await RedisRegistry.connect(redis.url) as reg:
+                named = await reg.lookup(a_blocks)
+                assert [blk for blk, _ in named] == a_blocks  # named by the producer, complete
+                await reg.invalidate_many(a_blocks)
+
+        _consume_after_produce(
+            tmp_path, model, "float32", plain_job, producer_job, consumer_job,
+            extra=["--registry", redis.url], after_producer=lambda: asyncio.run(new_weights_for_a()),
+            producer_model=old_model,
+        )
+    finally:
+        redis.stop()
+    plain_a, plain_b = [r["tokens"] for r in json.loads((tmp_path / "plain.json").read_text())]
+    got_a, got_b = [r["tokens"] for r in json.loads((tmp_path / "consumer.json").read_text())]
+    assert got_a == plain_a  # stale cache refused, prompt recomputed
+    assert got_b != plain_b  # the old weights' cache, not invalidated, was used
+    log = (tmp_path / "consumer.log").read_text()
+    assert log.count("kvwire: external KV hit") == 2
+    assert log.count("kvwire: refused KV of request") == 1 and "2 of its 2 prefix blocks are stale" in log
+    assert log.count("kvwire: received KV of request") == 1
+    assert (tmp_path / "producer.log").read_text().count("kvwire: sent KV of request") == 2

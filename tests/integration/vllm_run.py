@@ -6,6 +6,7 @@ Run as a script (vLLM spawns workers, hence the ``__main__`` guard):
     python tests/integration/vllm_run.py plain --dir D --job J.json --out O.json
     python tests/integration/vllm_run.py producer --dir D --job J.json --out O.json --port P
     python tests/integration/vllm_run.py consumer --dir D --job J.json --out O.json --port P
+    (producer and consumer: ``--registry redis://...`` names prefix blocks with versions)
 
 A job lists requests ``{"prompt": [token ids], "kvwire_id": str | null, "codec": str | null,
 "max_tokens": int}``; the output holds each request's greedy tokens and its latency.
@@ -106,9 +107,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--connector", default="kvwire", choices=["kvwire", "example"])
+    ap.add_argument("--seed", type=int, default=0, help="model: the random weights' seed")
+    ap.add_argument("--registry", help="kvwire_registry: a Redis URL for prefix-block versions")
     args = ap.parse_args(argv)
     if args.mode == "model":
-        make_model(args.dir, args.dtype, layers=args.layers, hidden=args.hidden)
+        make_model(args.dir, args.dtype, layers=args.layers, hidden=args.hidden, seed=args.seed)
         return 0
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -125,7 +128,8 @@ def main(argv: list[str]) -> int:
         llm = engine(args.dir, args.dtype, cfg)
     else:
         role = "kv_producer" if args.mode == "producer" else "kv_consumer"
-        llm = engine(args.dir, args.dtype, connector_config(role, args.port))
+        extra = {"kvwire_registry": args.registry} if args.registry else None
+        llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra))
     if args.mode == "consumer":
         Path(f"{args.out}.ready").write_text("ready")
         go = Path(f"{args.out}.go")

@@ -1,0 +1,171 @@
+"""Prefix-block naming and versions for engine connectors (kvwire.integrations.prefix),
+without an engine: block ids from token ids, naming through a real Redis registry, the
+receiver's check, and a paged transfer refused once a named block went stale."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.consistency import BlockId
+from kvwire.errors import StaleVersionError, UsageError
+from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
+from kvwire.paged import PagedDestination, PagedSpec, gather_layer
+from kvwire.sync import Bridge, SyncPeer, SyncServer
+from tests.conftest import SECRET
+from tests.consistency.conftest import IN_CI, RedisServer, find_redis_server, start_redis
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    binary = find_redis_server()
+    if binary is None:
+        message = "redis-server not found: install it, put it on PATH, or set KVWIRE_REDIS_SERVER"
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    server: RedisServer = start_redis(binary, tmp_path_factory.mktemp("redis"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def link(redis_url: str) -> Iterator[SyncRegistry]:
+    bridge = Bridge("test-registry")
+    reg = SyncRegistry.connect(redis_url, bridge, namespace=f"t-{uuid.uuid4().hex}")
+    try:
+        yield reg
+    finally:
+        reg.close()
+        bridge.close()
+
+
+# -- block ids ---------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 2**31), min_size=0, max_size=40),
+    block_size=st.integers(1, 8),
+    salt=st.binary(max_size=8),
+)
+def test_block_ids_name_the_prefix_up_to_each_block(tokens: list[int], block_size: int, salt: bytes) -> None:
+    n = len(tokens) // block_size
+    ids = prefix_block_ids(tokens, block_size, n, salt=salt)
+    assert len(ids) == n and len(set(ids)) == n
+    assert all(isinstance(i, bytes) and len(i) == 32 for i in ids)
+    # a prompt that shares the first k blocks shares exactly their ids
+    for k in range(n + 1):
+        assert prefix_block_ids(tokens[:k * block_size] + [7] * block_size, block_size, k, salt=salt) == ids[:k]
+    if n:
+        changed = list(tokens)
+        changed[0] += 1  # a token of block 0 changes every id after it
+        assert set(prefix_block_ids(changed, block_size, n, salt=salt)).isdisjoint(ids)
+        assert prefix_block_ids(tokens, block_size, n, salt=salt + b"x") != ids  # another model
+    if n >= 2:
+        changed = list(tokens)
+        changed[block_size] += 1  # block 1 changes: block 0 keeps its id
+        again = prefix_block_ids(changed, block_size, n, salt=salt)
+        assert again[0] == ids[0] and again[1] != ids[1]
+
+
+def test_block_ids_depend_on_block_size_and_refuse_bad_arguments() -> None:
+    tokens = list(range(16))
+    assert prefix_block_ids(tokens, 4, 2)[0] != prefix_block_ids(tokens, 8, 1)[0]
+    with pytest.raises(UsageError):
+        prefix_block_ids(tokens, 4, 5)
+    with pytest.raises(UsageError):
+        prefix_block_ids(tokens, 0, 1)
+
+
+# -- naming and checking through Redis ---------------------------------------------------------
+
+
+def test_sender_names_blocks_and_receiver_refuses_them_once_stale(link: SyncRegistry) -> None:
+    ids = prefix_block_ids(list(range(40)), 8, 5)
+    named = link.name(ids, owner="prefill")
+    assert [b for b, _ in named] == ids
+    versions = [v for _, v in named]
+    assert all(v > 0 for v in versions) and len(set(versions)) == len(versions)
+    # complete blocks keep their version when named again (another prefill of the same prompt)
+    assert link.name(ids, owner="prefill-2") == named
+    assert link.verify(ids, named) is None
+    # a cache of another prompt, or of fewer blocks, is not this prompt's cache
+    assert link.verify(prefix_block_ids(list(range(1, 41)), 8, 5), named) is not None
+    assert link.verify(ids, named[:4]) is not None
+    assert link.verify(ids, []) is not None
+    # a version the registry never issued is stale
+    assert link.verify(ids, [*named[:4], (ids[4], versions[4] + 1000)]) is not None
+    # invalidate one block after the send: the cache is refused
+    new = link.bridge.run(link.registry.invalidate(ids[2]))
+    assert new > max(versions)
+    reason = link.verify(ids, named)
+    assert reason is not None and "stale" in reason
+    # naming again recomputes that block at a newer version; the rest keep theirs
+    renamed = link.name(ids, owner="prefill")
+    assert [v for _, v in renamed][:2] == versions[:2] and renamed[2][1] > new
+    assert link.verify(ids, renamed) is None
+
+
+def test_naming_stops_at_a_block_another_prefill_is_computing(link: SyncRegistry) -> None:
+    ids = prefix_block_ids(list(range(24)), 8, 3)
+    other = link.bridge.run(link.registry.begin([ids[1]], owner="other", ttl=60.0))
+    assert other.started == (ids[1],)
+    named = link.name(ids, owner="prefill")
+    assert [b for b, _ in named] == ids[:1]
+    assert link.verify(ids, named) is not None  # a partly named cache is not used
+
+
+# -- on the wire: the receiving server checks the named versions ---------------------------------
+
+
+SPEC = PagedSpec(num_layers=2, block_shape=(2, 8, 16), dtype="float16")
+
+
+def _send(link: SyncRegistry, server: SyncServer, request_id: str, blocks: list[tuple[BlockId, int]],
+          src: list[np.ndarray], dst: list[np.ndarray]) -> tuple[object, object]:
+    with SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge=link.bridge) as peer:
+        h = server.expect(request_id, into=PagedDestination(SPEC, dst, [3, 0]), num_layers=2)
+        s = peer.begin(request_id, SPEC.wire_spec(), blocks=blocks)
+        for layer in range(2):
+            s.send_layer(*gather_layer(SPEC, src[layer], [1, 2]))
+        try:
+            receipt: object = s.wait(30)
+        except StaleVersionError as exc:
+            receipt = exc
+        try:
+            h.wait(5)
+            received: object = h.transfer.blocks
+        except Exception as exc:
+            received = exc
+            h.abort("test over")
+    return receipt, received
+
+
+def test_server_with_registry_takes_fresh_blocks_and_refuses_stale_ones(link: SyncRegistry) -> None:
+    rng = np.random.default_rng(0)
+    src = [rng.standard_normal((4, 2, 8, 16)).astype(np.float16) for _ in range(2)]
+    dst = [np.zeros((4, 2, 8, 16), np.float16) for _ in range(2)]
+    ids = prefix_block_ids(list(range(16)), 8, 2)
+    named = link.name(ids, owner="prefill")
+    with SyncServer(secret=SECRET, bridge=link.bridge, registry=link.registry) as server:
+        receipt, received = _send(link, server, "fresh", named, src, dst)
+        assert not isinstance(receipt, Exception)
+        assert received == named and link.verify(ids, received) is None  # what the consumer checks
+        assert dst[0][[3, 0]].tobytes() == src[0][[1, 2]].tobytes()
+        # bumped before the send: refused at BEGIN, no data lands
+        link.bridge.run(link.registry.invalidate(ids[1]))
+        dst2 = [np.zeros_like(d) for d in dst]
+        receipt, received = _send(link, server, "stale", named, src, dst2)
+        assert isinstance(receipt, StaleVersionError)
+        assert isinstance(received, Exception)
+        assert not any(d.any() for d in dst2)
