@@ -919,6 +919,11 @@ class Server:
             sess.bury(transfer, error)
             stream.conn.send_reset(transfer.transfer_id, error.code, _wire_text(str(error)))
             stream.flush()
+            # An expect() of this request learns it now rather than at its timeout: blocks
+            # refused as stale do not become fresh, so this cache will never be handed out.
+            for fut in self._expect_waiters.get(transfer.request_id, ()):
+                if not fut.done():
+                    fut.set_exception(error)
             return
         self._accept(stream, transfer)
 

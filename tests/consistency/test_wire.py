@@ -61,6 +61,13 @@ async def test_stale_transfer_is_refused_on_both_sides_before_data_moves(registr
             with pytest.raises(kvwire.TransferTimeoutError):
                 await server.expect("stale", timeout=0.3)  # never handed to the application
             assert server.statistics()["transfers_refused"] == 1
+            # an expect() already waiting is told at once, not at its own timeout
+            waiting = asyncio.create_task(server.expect("stale-again", timeout=30))
+            await asyncio.sleep(0)
+            with pytest.raises(kvwire.StaleVersionError):
+                await peer.send("stale-again", SPEC, make_layers(4, 8, 2, 16), blocks=[(5, v1)], timeout=10)
+            with pytest.raises(kvwire.StaleVersionError):
+                await asyncio.wait_for(waiting, 10)
             # the session is still usable
             await peer.send("after", SPEC, make_layers(4, 8, 2, 16), timeout=10)
 
