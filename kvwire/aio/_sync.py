@@ -1,22 +1,5 @@
-"""The synchronous bridge behind :mod:`kvwire.sync` (here because only kvwire.aio runs asyncio).
-
-A synchronous, thread-safe bridge to kvwire for callers that are not asyncio code.
-
-Serving engines call their KV hooks from model-runner threads, once per layer.  A
-:class:`Bridge` runs an event loop on a background thread; :class:`SyncServer` and
-:class:`SyncPeer` run ``kvwire.serve()`` / ``kvwire.connect()`` on it and hand out handles
-whose methods any thread may call:
-
-- :meth:`SyncPeer.begin` -> :class:`SendHandle`: ``send_layer(k, v)`` queues a layer
-  (it goes on the wire while the caller computes the next), ``wait()`` returns the
-  :class:`~kvwire.Receipt`, ``abort()`` gives up.
-- :meth:`SyncServer.expect` -> :class:`ReceiveHandle`: ``wait_layer(i)``, ``wait()``,
-  ``abort()``; with ``into=`` the layers land in the caller's memory.
-
-No method blocks the loop thread, and calling a blocking one *from* the loop thread is
-refused (it could never return).  :meth:`close` fails every waiter with
-:class:`~kvwire.ConnectionLostError` and joins the thread.
-"""
+"""The synchronous bridge behind :mod:`kvwire.sync`, which documents it (the code is here
+because only ``kvwire.aio`` runs an event loop)."""
 
 from __future__ import annotations
 
