@@ -2,11 +2,12 @@
 
 :class:`SenderCore` owns one client session: its stream slots (each a
 :class:`~kvwire.wire.Connection` while connected), the transfers in flight, which chunk goes
-on which stream (the one with the most connection credit, only for layers the receiver
-granted), acknowledgements, RESETs, and resume: when a stream breaks, what it carried
-unacknowledged goes back into the re-send set, and a reconnect of its slot is due after a
-doubling backoff (:class:`StreamWanted` tells the I/O layer to open one).  Reconnects are
-bounded per session and per transfer.  Every deadline goes through
+on which stream (the one with the most connection credit among the writable streams in use,
+only for layers the receiver granted, only while the bytes in flight stay within the limit
+the caller sets), acknowledgements, RESETs, and resume: when a stream breaks, what it carried
+unacknowledged goes back into the re-send set (:class:`ChunkLost`), and a reconnect of its
+slot is due after a doubling backoff (:class:`StreamWanted` tells the I/O layer to open one).
+Reconnects are bounded per session and per transfer.  Every deadline goes through
 :meth:`SenderCore.get_timer` / :meth:`SenderCore.handle_timer`; ``now`` is always passed in.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvwire.errors import (
+    AuthenticationError,
     ConnectionLostError,
     ErrorCode,
     KvwireError,
@@ -29,6 +31,7 @@ from kvwire.wire import (
     BlockVersion,
     Chunk,
     ChunkAcked,
+    ChunkAddress,
     Connection,
     ConnectionClosed,
     ConnectionConfig,
@@ -42,7 +45,8 @@ from kvwire.wire import (
     TransferReset,
     chunk_frame_size,
 )
-from kvwire.wire.connection import NO_SESSION
+from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
+from kvwire.wire.frames import Buffer, encode_body
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -53,6 +57,8 @@ class SenderConfig:
     streams: int = 1
     codecs: tuple[str, ...] = ("raw",)
     max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    fingerprint: bytes = NO_FINGERPRINT
+    """The KV layout this session is pinned to (all zero: none)."""
     connect_timeout: float = 10.0
     idle_timeout: float | None = 30.0
     reconnect_attempts: int = 5
@@ -70,6 +76,61 @@ class StreamWanted:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class StreamOpened:
+    """Stream ``index`` finished its handshake (``reconnect``: its slot was open before)."""
+
+    index: int
+    handshake: HandshakeComplete
+    reconnect: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamClosed:
+    """Stream ``index`` closed; ``resumed``: the session goes on and reconnects the slot."""
+
+    index: int
+    closed: ConnectionClosed
+    resumed: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkSent:
+    """A chunk went on stream ``stream``; ``queued``: more chunks were waiting behind it."""
+
+    address: ChunkAddress
+    stream: int
+    wire_size: int
+    kv_bytes: int
+    queued: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkDelivered:
+    """The receiver acknowledged a chunk of a live transfer."""
+
+    address: ChunkAddress
+    stream: int
+    wire_size: int
+    kv_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkLost:
+    """A chunk is no longer in flight without an acknowledgement of a live transfer (its
+    stream broke and it goes again, or its transfer is gone)."""
+
+    address: ChunkAddress
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferCredit:
+    """The receiver accepted the transfer and/or granted layers below ``layer_limit``."""
+
+    transfer_id: int
+    layer_limit: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TransferDone:
     transfer_id: int
     chunks: int
@@ -80,6 +141,8 @@ class TransferDone:
 class TransferFailed:
     transfer_id: int
     error: KvwireError
+    by_peer: bool = False
+    """The receiver reset it (``error`` carries its reason)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -87,7 +150,14 @@ class SessionFailed:
     error: KvwireError
 
 
-SenderEvent = StreamWanted | TransferDone | TransferFailed | SessionFailed
+SenderEvent = (
+    StreamWanted | StreamOpened | StreamClosed | ChunkSent | ChunkDelivered | ChunkLost | TransferCredit
+    | TransferDone | TransferFailed | SessionFailed
+)
+
+#: Counters a session keeps (see ``kvwire.aio.Peer.statistics``).
+COUNTERS = ("resumes", "reconnects", "chunks_resent", "goaways_received", "authentication_failures",
+            "transfers_reset_by_peer")
 
 
 @dataclass(eq=False)
@@ -95,7 +165,8 @@ class _Transfer:
     state: OutgoingTransfer
     begin: Begin
     deadline: float | None
-    queue: deque[tuple[Chunk, int]] = field(default_factory=deque)  # not yet on a stream
+    queue: deque[tuple[Chunk, int, int]] = field(default_factory=deque)  # chunk, wire, kv bytes
+    queued_bytes: int = 0
     error: KvwireError | None = None
     reconnects: int = 0
     done: bool = False
@@ -108,10 +179,21 @@ class _Slot:
     attempts: int = 0
     reconnect_at: float | None = None
     wanted: bool = False
+    was_open: bool = False  # open at least once: the next open is a reconnect
+    writable: bool = True
+    window: int = 0
+    tail: list[Buffer] = field(default_factory=list)  # the last bytes of a closed connection
+    closed: bool = False  # its connection closed; the I/O layer closes the transport
 
 
 class SenderCore:
-    """One client session (sans-IO)."""
+    """One client session (sans-IO).
+
+    The I/O layer sets :attr:`inflight_limit` (bytes in flight beyond which no chunk goes
+    while any is unacknowledged) and :attr:`active_streams` (how many of the first slots
+    chunks are striped over), and reports each transport's writability with
+    :meth:`set_writable`; after changing any of them it calls :meth:`pump`.
+    """
 
     def __init__(self, config: SenderConfig, *, nonce_source: Callable[[int], bytes] = secrets.token_bytes) -> None:
         if config.streams < 1:
@@ -124,9 +206,23 @@ class SenderCore:
         self._next_id = 1
         self._events: deque[SenderEvent] = deque()
         self.broken: KvwireError | None = None
-        self.resumes = 0
-        self.chunks_resent = 0
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.peer_codecs: tuple[str, ...] = ()
+        self.peer_max_frame_size = 0
+        self.max_transfers = 0
+        self.inflight_limit: int | None = None
+        self.active_streams: int | None = None
+        self.gate_blocked = False
+        """Whether the in-flight limit held a chunk back since the caller last cleared it."""
         self._want(0)  # the first stream creates the session; the others join it
+
+    @property
+    def resumes(self) -> int:
+        return self.counters["resumes"]
+
+    @property
+    def chunks_resent(self) -> int:
+        return self.counters["chunks_resent"]
 
     # -- streams -------------------------------------------------------------------------
 
@@ -140,20 +236,34 @@ class SenderCore:
         """The I/O layer connected slot ``index``: the handshake starts."""
         cfg = self.config
         slot = self._slots[index]
-        slot.wanted = False
-        slot.open = False
+        slot.wanted = slot.open = slot.closed = False
+        slot.writable = True
+        slot.tail = []
         slot.conn = Connection(Role.CLIENT, ConnectionConfig(
             secret=cfg.secret, codecs=cfg.codecs, max_frame_size=cfg.max_frame_size,
-            session_id=self.session_id, stream_index=index, handshake_timeout=cfg.connect_timeout,
-            idle_timeout=cfg.idle_timeout,
+            fingerprint=cfg.fingerprint, session_id=self.session_id, stream_index=index,
+            handshake_timeout=cfg.connect_timeout, idle_timeout=cfg.idle_timeout,
         ), now=now, nonce_source=self._nonce)
         slot.conn.initiate()
 
-    def stream_failed(self, index: int, now: float) -> None:
-        """Connecting slot ``index`` failed (refused, unreachable)."""
-        self._slots[index].wanted = False
-        self._slots[index].conn = None
-        self._retry(index, now, ConnectionLostError(f"cannot connect stream {index}"))
+    def stream_failed(self, index: int, now: float, error: KvwireError | None = None) -> None:
+        """Connecting slot ``index`` failed (refused, unreachable, TLS): before the session
+        exists that ends it with ``error``; later the slot is retried after a backoff."""
+        slot = self._slots[index]
+        slot.wanted = False
+        slot.conn = None
+        err = error or ConnectionLostError(f"cannot connect stream {index}")
+        if self.session_id == NO_SESSION:
+            self._break(err)
+        else:
+            self._retry(index, now, err)
+
+    def connection(self, index: int) -> Connection | None:
+        """The connection of slot ``index`` (None while it has none)."""
+        return self._slots[index].conn
+
+    def is_open(self, index: int) -> bool:
+        return self._slots[index].open
 
     def receive_data(self, index: int, data: bytes, now: float) -> None:
         conn = self._slots[index].conn
@@ -161,15 +271,43 @@ class SenderCore:
             return
         conn.receive_data(data, now)
         self._process(index, now)
-        self._pump()
+        self.pump()
+
+    def get_buffer(self, index: int) -> memoryview:
+        """A buffer for the next read of slot ``index``; then :meth:`buffer_updated`."""
+        conn = self._slots[index].conn
+        return conn.get_buffer() if conn is not None else memoryview(bytearray(65536))
+
+    def buffer_updated(self, index: int, nbytes: int, now: float) -> None:
+        conn = self._slots[index].conn
+        if conn is None:
+            return
+        conn.buffer_updated(nbytes, now)
+        self._process(index, now)
+        self.pump()
+
+    def buffers_to_send(self, index: int) -> list[Buffer]:
+        """What slot ``index`` has to write, payloads not copied."""
+        slot = self._slots[index]
+        if slot.conn is None:
+            out, slot.tail = slot.tail, []
+            return out
+        return slot.conn.data_to_send()
 
     def data_to_send(self, index: int) -> bytes:
-        conn = self._slots[index].conn
-        return b"" if conn is None else b"".join(bytes(p) for p in conn.data_to_send())
+        return b"".join(bytes(p) for p in self.buffers_to_send(index))
 
     def is_closed(self, index: int) -> bool:
-        conn = self._slots[index].conn
-        return conn is not None and conn.closed_event is not None
+        """Whether the connection of slot ``index`` is over (write what is left, then close)."""
+        slot = self._slots[index]
+        conn = slot.conn
+        return slot.closed if conn is None else conn.closed_event is not None
+
+    def set_writable(self, index: int, writable: bool) -> None:
+        """The transport of slot ``index`` paused (False) or resumed (True) writing."""
+        self._slots[index].writable = writable
+        if writable:
+            self.pump()
 
     def next_event(self) -> SenderEvent | None:
         return self._events.popleft() if self._events else None
@@ -178,35 +316,49 @@ class SenderCore:
     def open_streams(self) -> list[int]:
         return [i for i, s in enumerate(self._slots) if s.open]
 
+    @property
+    def bytes_in_flight(self) -> int:
+        """CHUNK bytes sent on open connections and not yet acknowledged."""
+        return sum(s.window - s.conn.send_credit for s in self._slots if s.open and s.conn is not None)
+
     # -- transfers -----------------------------------------------------------------------
 
     def begin(
         self, request_id: str, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype_id: int = 1,
         model: str = "", meta: bytes = b"{}", blocks: tuple[BlockVersion, ...] = (), now: float,
+        timeout: float | None = None,
     ) -> int:
-        """Start a transfer; returns its id.  Chunks follow with :meth:`add_chunk`."""
+        """Start a transfer; returns its id.  Chunks follow with :meth:`add_chunk`.
+
+        ``timeout`` (seconds) overrides the configured transfer timeout.
+        """
         if self.broken is not None:
             raise self.broken
         tid = self._next_id
-        self._next_id += 1
         begin = Begin(transfer_id=tid, num_layers=num_layers, num_kv_heads=num_kv_heads,
                       head_dim=head_dim, dtype_id=dtype_id, model=model, request_id=request_id,
                       meta=meta, blocks=blocks)
-        timeout = self.config.transfer_timeout
+        size = sum(len(p) for p in encode_body(begin)[1])
+        if self.peer_max_frame_size and size > self.peer_max_frame_size:
+            raise UsageError(f"meta and blocks take {size} bytes; the server accepts frames of "
+                             f"at most {self.peer_max_frame_size}")
+        self._next_id += 1
+        timeout = self.config.transfer_timeout if timeout is None else timeout
         self._transfers[tid] = _Transfer(OutgoingTransfer(tid, num_layers), begin,
                                          None if timeout is None else now + timeout)
-        for slot in self._slots:
-            if slot.open and slot.conn is not None:
-                slot.conn.send_begin(begin)
-                break
+        conn = self._any_open()
+        if conn is not None:
+            conn.send_begin(begin)
         return tid
 
-    def add_chunk(self, transfer_id: int, chunk: Chunk) -> None:
+    def add_chunk(self, transfer_id: int, chunk: Chunk, *, kv_bytes: int = 0) -> None:
         t = self._transfers.get(transfer_id)
         if t is None or t.error is not None:
             return
-        t.queue.append((chunk, chunk_frame_size(len(chunk.params), len(chunk.payload))))
-        self._pump()
+        size = chunk_frame_size(len(chunk.params), len(chunk.payload))
+        t.queue.append((chunk, size, kv_bytes))
+        t.queued_bytes += size
+        self.pump()
 
     def producer_done(self, transfer_id: int) -> None:
         t = self._transfers.get(transfer_id)
@@ -215,9 +367,34 @@ class SenderCore:
             self._check_done(t)
 
     def abort(self, transfer_id: int, error: KvwireError) -> None:
+        """The application gives the transfer up: the receiver is sent a RESET."""
         t = self._transfers.get(transfer_id)
         if t is not None:
             self._fail(t, error, reset=True)
+
+    def accepted(self, transfer_id: int) -> bool:
+        t = self._transfers.get(transfer_id)
+        return t is not None and t.state.accepted
+
+    def layer_limit(self, transfer_id: int) -> int:
+        """Layers below this may be sent (0 for an unknown or ended transfer)."""
+        t = self._transfers.get(transfer_id)
+        return 0 if t is None else t.state.layer_limit
+
+    def queued_bytes(self, transfer_id: int | None = None) -> int:
+        """Wire bytes added and not yet on a stream (of one transfer, or of all)."""
+        if transfer_id is None:
+            return sum(t.queued_bytes for t in self._transfers.values())
+        t = self._transfers.get(transfer_id)
+        return 0 if t is None else t.queued_bytes
+
+    def transfer(self, transfer_id: int) -> OutgoingTransfer | None:
+        t = self._transfers.get(transfer_id)
+        return None if t is None else t.state
+
+    @property
+    def transfers(self) -> int:
+        return len(self._transfers)
 
     # -- time ----------------------------------------------------------------------------
 
@@ -245,9 +422,15 @@ class SenderCore:
             if t.deadline is not None and now >= t.deadline:
                 self._fail(t, TransferTimeoutError(f"transfer {t.begin.request_id!r} did not complete in time"),
                            reset=True)
-        self._pump()
+        self.pump()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _any_open(self) -> Connection | None:
+        for s in self._slots:
+            if s.open and s.conn is not None:
+                return s.conn
+        return None
 
     def _process(self, index: int, now: float) -> None:
         slot = self._slots[index]
@@ -255,19 +438,26 @@ class SenderCore:
         while conn is not None and (ev := conn.next_event()) is not None:
             if isinstance(ev, ChunkAcked):
                 t = self._transfers.get(ev.address.transfer_id)
-                if t is not None:
-                    t.state.on_ack(ev.address)
-                    self._check_done(t)
+                sent = t.state.on_ack(ev.address) if t is not None else None
+                if t is None or sent is None:
+                    self._events.append(ChunkLost(address=ev.address))
+                    continue
+                self._events.append(ChunkDelivered(address=ev.address, stream=index, wire_size=ev.wire_size,
+                                                   kv_bytes=sent.kv_bytes))
+                self._check_done(t)
             elif isinstance(ev, TransferAccepted | CreditGranted):
                 t = self._transfers.get(ev.transfer_id)
                 if t is not None:
                     if isinstance(ev, TransferAccepted):
                         t.state.accepted = True
                     t.state.raise_limit(ev.layer_limit)
+                    self._events.append(TransferCredit(transfer_id=ev.transfer_id, layer_limit=t.state.layer_limit))
+                    self._check_done(t)
             elif isinstance(ev, TransferReset):
                 t = self._transfers.get(ev.transfer_id)
                 if t is not None:
-                    self._fail(t, ev.error(), reset=False)
+                    self.counters["transfers_reset_by_peer"] += 1
+                    self._fail(t, ev.error(), reset=False, by_peer=True)
             elif isinstance(ev, HandshakeComplete):
                 self._on_open(index, ev)
             elif isinstance(ev, ConnectionClosed):
@@ -275,13 +465,24 @@ class SenderCore:
 
     def _on_open(self, index: int, ev: HandshakeComplete) -> None:
         slot = self._slots[index]
+        assert slot.conn is not None
         if self.session_id == NO_SESSION:
             self.session_id = ev.session_id
+            self.peer_codecs = ev.peer_codecs
+            self.max_transfers = ev.max_transfers
+            self.peer_max_frame_size = ev.peer_max_frame_size
             for i in range(1, len(self._slots)):
                 self._want(i)
-        slot.open = True
+        elif ev.session_id != self.session_id:
+            slot.conn.close(ErrorCode.PROTOCOL_ERROR, "joined the wrong session")
+            return
+        reconnect = slot.was_open
+        slot.open = slot.was_open = True
         slot.attempts = 0
-        assert slot.conn is not None
+        slot.window = ev.window
+        if reconnect:
+            self.counters["reconnects"] += 1
+        self._events.append(StreamOpened(index=index, handshake=ev, reconnect=reconnect))
         for t in self._transfers.values():  # a BEGIN lost with a broken stream goes again
             if not t.state.accepted and t.error is None:
                 slot.conn.send_begin(t.begin)
@@ -289,39 +490,56 @@ class SenderCore:
     def _on_closed(self, index: int, ev: ConnectionClosed, now: float) -> None:
         slot = self._slots[index]
         was_open = slot.open
+        assert slot.conn is not None
+        slot.tail = slot.conn.data_to_send()  # a GOAWAY of ours still goes out
         slot.open = False
         slot.conn = None
-        if self.broken is not None:
-            return
+        slot.closed = True
+        if ev.goaway and ev.by_peer:
+            self.counters["goaways_received"] += 1
+        if isinstance(ev.error, AuthenticationError):
+            self.counters["authentication_failures"] += 1
+        resumed = self.broken is None and self._closed_resumes(index, ev, was_open, now)
+        self._events.append(StreamClosed(index=index, closed=ev, resumed=resumed))
+
+    def _closed_resumes(self, index: int, ev: ConnectionClosed, was_open: bool, now: float) -> bool:
+        """What a closed stream means for the session; whether the session goes on."""
+        cfg = self.config
         if self.session_id == NO_SESSION:
             self._break(ev.error or ConnectionLostError("the first stream closed during the handshake"))
-            return
+            return False
+        lost = ev.error or ConnectionLostError(f"stream {index} closed")
         if ev.code == ErrorCode.UNKNOWN_SESSION or (ev.error is not None and not ev.resumable and not was_open):
             self._break(ev.error or ConnectionLostError("the receiver lost the session"))
-            return
-        self._requeue(index)
-        clean = ev.goaway and ev.code == ErrorCode.NO_ERROR and self.open_streams
-        if clean:
-            return
-        if not ev.resumable and was_open:
-            self._break(ev.error or ConnectionLostError(f"stream {index} closed"))
-            return
-        if was_open:
-            self.resumes += 1
-            if self.resumes > self.config.max_reconnects:
-                self._break(ConnectionLostError(f"gave up after {self.config.max_reconnects} reconnects"))
-                return
-            for t in list(self._transfers.values()):
-                t.reconnects += 1
-                if t.reconnects > self.config.max_transfer_reconnects:
-                    self._fail(t, ConnectionLostError("the transfer lived through too many broken streams"),
-                               reset=True)
-        self._retry(index, now, ev.error or ConnectionLostError(f"stream {index} broke"))
+            return False
+        if ev.resumable and cfg.reconnect_attempts > 0:
+            self._requeue(index)
+            if was_open:
+                self.counters["resumes"] += 1
+                if self.resumes > cfg.max_reconnects:
+                    self._break(ConnectionLostError(
+                        f"stream {index} broke again after {cfg.max_reconnects} reconnects: giving up"))
+                    return False
+                for t in list(self._transfers.values()):
+                    t.reconnects += 1
+                    if t.reconnects > cfg.max_transfer_reconnects:
+                        self._fail(t, ConnectionLostError(
+                            f"transfer {t.state.transfer_id} lived through {cfg.max_transfer_reconnects} "
+                            "broken streams: giving up"), reset=True)
+            self._retry(index, now, lost)
+            return self.broken is None
+        if ev.goaway and ev.code == ErrorCode.NO_ERROR and self.open_streams:
+            # A clean goodbye on one stream: acks may still come on the others; what this
+            # stream carried unacknowledged goes again on them.
+            self._requeue(index)
+            return True
+        self._break(lost)
+        return False
 
     def _retry(self, index: int, now: float, error: KvwireError) -> None:
         slot = self._slots[index]
         if self.config.reconnect_attempts <= 0 or slot.attempts >= self.config.reconnect_attempts:
-            if not self.open_streams and not any(s.conn is not None or s.reconnect_at is not None
+            if not self.open_streams and not any(s.conn is not None or s.reconnect_at is not None or s.wanted
                                                  for s in self._slots):
                 self._break(ConnectionLostError(f"could not resume the session: {error}"))
             return
@@ -334,35 +552,53 @@ class SenderCore:
             lost = [s for s in t.state.unacked.values() if s.stream == index]
             for s in reversed(lost):
                 del t.state.unacked[s.address]
+                self._events.append(ChunkLost(address=s.address))
                 if s.chunk is not None:
-                    t.queue.appendleft((s.chunk, s.wire_size))
-                    self.chunks_resent += 1
+                    t.queue.appendleft((s.chunk, s.wire_size, s.kv_bytes))
+                    t.queued_bytes += s.wire_size
+                    self.counters["chunks_resent"] += 1
 
-    def _pump(self) -> None:
-        """Put queued chunks on the streams with credit, for granted layers only."""
-        for t in self._transfers.values():
+    def _best_stream(self, size: int) -> int | None:
+        """The writable open stream in use with the most credit that can take ``size`` bytes."""
+        best: int | None = None
+        credit = -1
+        for i, s in enumerate(self._slots[: self.active_streams]):
+            c = s.conn
+            if (s.open and s.writable and c is not None and c.state is State.OPEN and c.can_send_chunk(size)
+                    and c.send_credit > credit):
+                best, credit = i, c.send_credit
+        return best
+
+    def pump(self) -> None:
+        """Put queued chunks on the streams with credit, for granted layers only, while the
+        bytes in flight stay within :attr:`inflight_limit`."""
+        for t in list(self._transfers.values()):
             while t.error is None and t.state.accepted and t.queue:
-                chunk, size = t.queue[0]
+                chunk, size, kv_bytes = t.queue[0]
                 if chunk.layer >= t.state.layer_limit:
                     break
-                best: int | None = None
-                conn: Connection | None = None
-                for i, s in enumerate(self._slots):
-                    c = s.conn
-                    if (
-                        s.open and c is not None and c.state is State.OPEN and c.can_send_chunk(size)
-                        and (conn is None or c.send_credit > conn.send_credit)
-                    ):
-                        best, conn = i, c
-                if best is None or conn is None:
-                    return
                 if chunk.address in t.state.unacked:
                     t.queue.popleft()  # already on a stream (a re-send raced its ack)
+                    t.queued_bytes -= size
                     continue
+                limit = self.inflight_limit
+                if limit is not None:
+                    flight = self.bytes_in_flight
+                    if flight and flight + size > limit:
+                        self.gate_blocked = True
+                        return
+                best = self._best_stream(size)
+                if best is None:
+                    return
+                conn = self._slots[best].conn
+                assert conn is not None
                 conn.send_chunk(chunk, size)
                 t.queue.popleft()
+                t.queued_bytes -= size
                 t.state.on_sent(SentChunk(address=chunk.address, stream=best, wire_size=size,
-                                          kv_bytes=0, chunk=chunk))
+                                          kv_bytes=kv_bytes, chunk=chunk))
+                self._events.append(ChunkSent(address=chunk.address, stream=best, wire_size=size,
+                                              kv_bytes=kv_bytes, queued=self.queued_bytes() > 0))
 
     def _check_done(self, t: _Transfer) -> None:
         if t.error is None and not t.done and t.state.complete and not t.queue:
@@ -371,18 +607,18 @@ class SenderCore:
             self._events.append(TransferDone(transfer_id=t.state.transfer_id, chunks=t.state.chunks_sent,
                                              wire_bytes=t.state.wire_bytes))
 
-    def _fail(self, t: _Transfer, error: KvwireError, *, reset: bool) -> None:
+    def _fail(self, t: _Transfer, error: KvwireError, *, reset: bool, by_peer: bool = False) -> None:
         if t.error is not None or t.done:
             return
         t.error = error
         t.queue.clear()
+        t.queued_bytes = 0
         self._transfers.pop(t.state.transfer_id, None)
-        if reset:
-            for s in self._slots:
-                if s.open and s.conn is not None:
-                    s.conn.send_reset(t.state.transfer_id, error.code, str(error)[:160])
-                    break
-        self._events.append(TransferFailed(transfer_id=t.state.transfer_id, error=error))
+        for s in t.state.unacked.values():
+            self._events.append(ChunkLost(address=s.address))
+        if reset and (conn := self._any_open()) is not None:
+            conn.send_reset(t.state.transfer_id, error.code, str(error)[:160])
+        self._events.append(TransferFailed(transfer_id=t.state.transfer_id, error=error, by_peer=by_peer))
 
     def _break(self, error: KvwireError) -> None:
         if self.broken is None:
@@ -392,16 +628,36 @@ class SenderCore:
             self._fail(t, error, reset=False)
         for s in self._slots:
             s.reconnect_at = None
+            s.open = False
             if s.conn is not None and s.conn.closed_event is None:
                 s.conn.close(ErrorCode.SESSION_LOST, "another stream of this session was lost")
 
+    def close(self, now: float) -> None:
+        """The application ends the session: every transfer fails, every stream says GOAWAY."""
+        if self.broken is None:
+            self.broken = ConnectionLostError("peer closed")
+        for t in list(self._transfers.values()):
+            self._fail(t, self.broken, reset=False)
+        for s in self._slots:
+            s.reconnect_at = None
+            s.open = False
+            if s.conn is not None and s.conn.closed_event is None:
+                s.conn.close(ErrorCode.NO_ERROR, "client closing")
+
 
 __all__ = [
+    "COUNTERS",
+    "ChunkDelivered",
+    "ChunkLost",
+    "ChunkSent",
     "SenderConfig",
     "SenderCore",
     "SenderEvent",
     "SessionFailed",
+    "StreamClosed",
+    "StreamOpened",
     "StreamWanted",
+    "TransferCredit",
     "TransferDone",
     "TransferFailed",
 ]

@@ -1,0 +1,406 @@
+"""SenderCore's hooks for the I/O layer, with a fake clock and hand-driven receiver
+connections: handshake results, the in-flight limit, the active-stream limit, writability,
+delivery/loss events, credit queries, counters, RESET reasons and the session's end."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.errors import (
+    AuthenticationError,
+    ConnectionLostError,
+    ErrorCode,
+    LimitExceededError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    UsageError,
+)
+from kvwire.session.sender import (
+    ChunkDelivered,
+    ChunkLost,
+    ChunkSent,
+    SenderConfig,
+    SenderCore,
+    SenderEvent,
+    SessionFailed,
+    StreamClosed,
+    StreamOpened,
+    StreamWanted,
+    TransferCredit,
+    TransferDone,
+    TransferFailed,
+)
+from kvwire.wire import (
+    Chunk,
+    ChunkAddress,
+    ChunkReceived,
+    ClientAuthenticated,
+    Connection,
+    ConnectionConfig,
+    Role,
+    TransferBegun,
+    TransferReset,
+)
+
+SECRET = b"sender-core-secret"
+SESSION = bytes(range(16))
+FINGERPRINT = bytes(range(100, 116))
+WINDOW = 256 * 1024
+
+
+@dataclass
+class Harness:
+    """A SenderCore and one hand-driven server Connection per slot; nothing is acknowledged
+    unless the test says so."""
+
+    core: SenderCore
+    now: float = 0.0
+    servers: dict[int, Connection] = field(default_factory=dict)
+    events: list[SenderEvent] = field(default_factory=list)
+    received: list[tuple[int, ChunkAddress]] = field(default_factory=list)  # (stream, chunk) not acked
+    hellos: list[ClientAuthenticated] = field(default_factory=list)
+    layer_limit: int = 1 << 30
+    session_id: bytes = SESSION
+
+    def open(self, index: int) -> None:
+        self.servers[index] = Connection(Role.SERVER, ConnectionConfig(
+            secret=SECRET, codecs=("raw", "fp8"), window=WINDOW, max_transfers=7,
+            max_frame_size=128 * 1024), now=self.now)
+        self.core.stream_opened(index, self.now)
+
+    def step(self) -> None:
+        """Move bytes both ways until quiet; open every wanted stream."""
+        busy = True
+        while busy:
+            busy = False
+            while (ev := self.core.next_event()) is not None:
+                self.events.append(ev)
+                busy = True
+                if isinstance(ev, StreamWanted):
+                    self.open(ev.index)
+            for i, srv in list(self.servers.items()):
+                up = self.core.data_to_send(i)
+                if up and srv.closed_event is None:
+                    busy = True
+                    srv.receive_data(up, self.now)
+                    self._serve(i, srv)
+                down = b"".join(bytes(p) for p in srv.data_to_send())
+                if down:
+                    busy = True
+                    self.core.receive_data(i, down, self.now)
+
+    def _serve(self, index: int, srv: Connection) -> None:
+        while (ev := srv.next_event()) is not None:
+            if isinstance(ev, ClientAuthenticated):
+                self.hellos.append(ev)
+                srv.welcome(self.session_id, ("raw", "fp8"))
+            elif isinstance(ev, TransferBegun):
+                srv.send_accept(ev.frame.transfer_id, min(self.layer_limit, ev.frame.num_layers))
+            elif isinstance(ev, ChunkReceived):
+                self.received.append((index, ev.chunk.address))
+
+    def ack(self, n: int | None = None, *, order: random.Random | None = None) -> None:
+        """Acknowledge ``n`` (all) received chunks, oldest first or in a random order."""
+        if order is not None:
+            order.shuffle(self.received)
+        take, self.received = self.received[: n], self.received[n:] if n is not None else []
+        for index, address in take:
+            self.servers[index].send_ack(address)
+        self.step()
+
+    def kill(self, index: int) -> None:
+        """The TCP connection of slot ``index`` breaks (EOF both ways)."""
+        srv = self.servers.pop(index)
+        srv.receive_data(b"")
+        self.received = [r for r in self.received if r[0] != index]
+        self.core.receive_data(index, b"", self.now)
+        self.step()
+
+    def of(self, kind: type) -> list:  # type: ignore[type-arg]
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+def harness(streams: int = 1, **config: object) -> Harness:
+    h = Harness(SenderCore(SenderConfig(secret=SECRET, streams=streams, codecs=("raw",),
+                                        fingerprint=FINGERPRINT, **config)))  # type: ignore[arg-type]
+    h.step()
+    return h
+
+
+def chunk(tid: int, layer: int, kind: int, start: int, size: int = 1000) -> Chunk:
+    return Chunk(transfer_id=tid, layer=layer, kind=kind, codec_id=0, token_start=start, token_count=1,
+                 layer_tokens=1 << 20, params=b"", payload=bytes(size))
+
+
+def begin(h: Harness, layers: int = 4, **kw: object) -> int:
+    tid = h.core.begin("r", num_layers=layers, num_kv_heads=1, head_dim=8, now=h.now, **kw)  # type: ignore[arg-type]
+    h.step()
+    return tid
+
+
+def test_handshake_results_and_fingerprint_are_exposed() -> None:
+    h = harness(streams=3)
+    assert h.core.open_streams == [0, 1, 2]
+    assert h.core.session_id == SESSION
+    assert h.core.peer_codecs == ("raw", "fp8")
+    assert h.core.max_transfers == 7
+    assert h.core.peer_max_frame_size == 128 * 1024
+    assert all(hello.fingerprint == FINGERPRINT for hello in h.hellos)
+    opened = h.of(StreamOpened)
+    assert sorted(e.index for e in opened) == [0, 1, 2]
+    assert not any(e.reconnect for e in opened)
+
+
+def test_credit_events_and_queries() -> None:
+    h = harness()
+    h.layer_limit = 2
+    tid = begin(h)
+    assert h.core.accepted(tid) and h.core.layer_limit(tid) == 2
+    assert h.of(TransferCredit) == [TransferCredit(transfer_id=tid, layer_limit=2)]
+    h.core.add_chunk(tid, chunk(tid, 2, 0, 0), kv_bytes=10)  # not granted yet: stays queued
+    h.step()
+    assert h.core.queued_bytes(tid) > 0 and not h.of(ChunkSent)
+    h.servers[0].send_credit_frame(tid, 3)
+    h.step()
+    assert h.core.layer_limit(tid) == 3 and h.core.queued_bytes(tid) == 0
+    [sent] = h.of(ChunkSent)
+    assert sent.kv_bytes == 10 and sent.stream == 0 and not sent.queued
+    assert h.core.accepted(999) is False and h.core.layer_limit(999) == 0
+
+
+def test_delivery_events_carry_stream_sizes_and_kv_bytes_and_the_transfer_ends() -> None:
+    h = harness(streams=2)
+    tid = begin(h, layers=1)
+    for i in range(4):
+        h.core.add_chunk(tid, chunk(tid, 0, i % 2, i), kv_bytes=100 + i)
+    h.core.producer_done(tid)
+    h.step()
+    sent = {e.address: e for e in h.of(ChunkSent)}
+    h.ack()
+    delivered = h.of(ChunkDelivered)
+    assert len(delivered) == 4
+    for d in delivered:
+        assert (d.stream, d.wire_size, d.kv_bytes) == (sent[d.address].stream, sent[d.address].wire_size,
+                                                        sent[d.address].kv_bytes)
+    [done] = h.of(TransferDone)
+    assert done.transfer_id == tid and done.chunks == 4
+    assert h.core.bytes_in_flight == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(limit=st.integers(min_value=500, max_value=20_000), sizes=st.lists(
+    st.integers(min_value=1, max_value=4000), min_size=1, max_size=30), seed=st.integers(0, 1000),
+    streams=st.integers(1, 3))
+def test_bytes_in_flight_stay_within_the_limit(limit: int, sizes: list[int], seed: int, streams: int) -> None:
+    h = harness(streams=streams)
+    h.core.inflight_limit = limit
+    tid = begin(h, layers=1)
+    for i, size in enumerate(sizes):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i, size))
+    h.core.producer_done(tid)
+    h.step()
+    rng = random.Random(seed)
+    biggest = max(sizes) + 64
+    for _ in range(len(sizes) + 1):
+        flight = h.core.bytes_in_flight
+        assert flight <= max(limit, biggest)  # an empty flight may always send one chunk
+        sent = {e.address for e in h.of(ChunkSent)}
+        assert sent, "a chunk always goes when nothing is in flight"
+        h.ack(rng.randint(1, 3), order=rng)
+    assert h.of(TransferDone)
+
+
+def test_gate_holds_chunks_until_acks_make_room() -> None:
+    h = harness()
+    size = len(chunk(1, 0, 0, 0).payload)
+    tid = begin(h, layers=1)
+    h.core.inflight_limit = 2 * (size + 100)
+    for i in range(5):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.step()
+    assert len(h.of(ChunkSent)) == 2 and h.core.gate_blocked
+    h.ack(1)
+    assert len(h.of(ChunkSent)) == 3
+    assert h.of(ChunkSent)[-1].queued  # more were waiting behind it
+    h.core.inflight_limit = None  # the caller lifts the limit, then pumps
+    h.core.pump()
+    h.step()
+    assert len(h.of(ChunkSent)) == 5
+
+
+def test_chunks_go_only_on_the_active_streams() -> None:
+    h = harness(streams=3)
+    h.core.active_streams = 1
+    tid = begin(h, layers=1)
+    for i in range(6):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.step()
+    assert {e.stream for e in h.of(ChunkSent)} == {0}
+    h.core.active_streams = 3
+    for i in range(6, 30):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.step()
+    assert {e.stream for e in h.of(ChunkSent)} == {0, 1, 2}  # striped by most credit
+
+
+def test_a_paused_transport_gets_no_chunks_until_it_resumes() -> None:
+    h = harness(streams=2)
+    h.core.set_writable(0, False)
+    tid = begin(h, layers=1)
+    for i in range(4):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.step()
+    assert {e.stream for e in h.of(ChunkSent)} == {1}
+    h.core.set_writable(1, False)
+    h.core.add_chunk(tid, chunk(tid, 0, 0, 4))
+    h.step()
+    assert len(h.of(ChunkSent)) == 4 and h.core.queued_bytes(tid) > 0
+    h.core.set_writable(0, True)  # resuming pumps at once
+    h.step()
+    assert h.of(ChunkSent)[-1].stream == 0 and h.core.queued_bytes(tid) == 0
+
+
+def test_a_broken_stream_reports_its_unacked_chunks_lost_and_they_go_again() -> None:
+    h = harness(streams=2, reconnect_backoff=0.1)
+    tid = begin(h, layers=1)
+    for i in range(6):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.core.producer_done(tid)
+    h.step()
+    on_1 = {e.address for e in h.of(ChunkSent) if e.stream == 1}
+    assert on_1
+    h.kill(1)
+    assert {e.address for e in h.of(ChunkLost)} == on_1
+    [closed] = h.of(StreamClosed)
+    assert closed.index == 1 and closed.resumed
+    assert h.core.counters["resumes"] == 1 and h.core.counters["chunks_resent"] == len(on_1)
+    resent = [e for e in h.of(ChunkSent) if e.address in on_1]
+    assert len(resent) == 2 * len(on_1) and all(e.stream == 0 for e in resent[len(on_1):])
+    h.now = h.core.get_timer() or 0.0  # the reconnect backoff
+    h.core.handle_timer(h.now)
+    h.step()
+    assert h.core.open_streams == [0, 1] and h.core.counters["reconnects"] == 1
+    assert h.of(StreamOpened)[-1].reconnect
+    h.ack()
+    assert h.of(TransferDone)
+
+
+def test_reset_by_the_receiver_is_failed_with_its_reason_and_counted() -> None:
+    h = harness()
+    tid = begin(h)
+    h.servers[0].send_reset(tid, ErrorCode.LIMIT_EXCEEDED, "no room for you")
+    h.step()
+    [failed] = h.of(TransferFailed)
+    assert failed.by_peer and isinstance(failed.error, LimitExceededError)
+    assert "no room for you" in str(failed.error)
+    assert h.core.counters["transfers_reset_by_peer"] == 1
+    assert h.core.accepted(tid) is False
+
+
+def test_abort_sends_a_reset_and_reports_unacked_chunks_lost() -> None:
+    h = harness()
+    tid = begin(h, layers=1)
+    h.core.add_chunk(tid, chunk(tid, 0, 0, 0))
+    h.step()
+    h.core.abort(tid, TransferAbortedError("cancelled"))
+    up = h.core.data_to_send(0)
+    h.servers[0].receive_data(up, h.now)
+    resets = [e for e in iter(h.servers[0].next_event, None) if isinstance(e, TransferReset)]
+    assert resets and resets[0].code == ErrorCode.CANCELLED
+    h.step()
+    assert h.of(ChunkLost) and isinstance(h.of(TransferFailed)[0].error, TransferAbortedError)
+
+
+def test_a_begin_larger_than_the_peer_frame_limit_is_a_usage_error() -> None:
+    h = harness()
+    with pytest.raises(UsageError, match="meta and blocks"):
+        h.core.begin("big", num_layers=1, num_kv_heads=1, head_dim=8, meta=b"x" * (200 * 1024), now=0.0)
+    assert h.core.transfers == 0
+
+
+def test_begin_timeout_overrides_the_configured_deadline() -> None:
+    h = harness(transfer_timeout=100.0)
+    tid = begin(h, timeout=2.0)
+    assert h.core.get_timer() is not None and h.core.get_timer() <= 2.0  # type: ignore[operator]
+    h.now = 2.0
+    h.core.handle_timer(h.now)
+    h.step()
+    [failed] = h.of(TransferFailed)
+    assert failed.transfer_id == tid and isinstance(failed.error, TransferTimeoutError)
+
+
+def test_a_failed_first_connect_ends_the_session_with_the_given_error() -> None:
+    core = SenderCore(SenderConfig(secret=SECRET))
+    assert isinstance(core.next_event(), StreamWanted)
+    core.stream_failed(0, 0.0, AuthenticationError("certificate"))
+    [ev] = list(iter(core.next_event, None))
+    assert isinstance(ev, SessionFailed) and isinstance(ev.error, AuthenticationError)
+    with pytest.raises(AuthenticationError):
+        core.begin("x", num_layers=1, num_kv_heads=1, head_dim=8, now=0.0)
+
+
+def test_a_wrong_secret_is_counted_and_ends_the_session() -> None:
+    core = SenderCore(SenderConfig(secret=b"another-secret!!"))
+    h = Harness(core)
+    h.step()
+    assert isinstance(core.broken, AuthenticationError)
+    assert core.counters["authentication_failures"] == 1
+    assert h.of(SessionFailed)
+
+
+def test_a_stream_that_joins_another_session_is_closed() -> None:
+    h = harness(streams=1, reconnect_backoff=0.1)
+    h.session_id = bytes(16)[:-1] + b"\x01"  # the receiver now answers with another session
+    h.kill(0)
+    h.now = h.core.get_timer() or 0.0
+    h.core.handle_timer(h.now)
+    h.step()
+    assert h.core.open_streams == []
+    assert any(isinstance(e, StreamClosed) and e.closed.code == ErrorCode.PROTOCOL_ERROR for e in h.events)
+
+
+def test_a_clean_goaway_requeues_on_the_other_streams_without_reconnecting() -> None:
+    h = harness(streams=2)
+    tid = begin(h, layers=1)
+    for i in range(4):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.core.producer_done(tid)
+    h.step()
+    h.servers[1].close(ErrorCode.NO_ERROR, "bye")
+    h.received = [r for r in h.received if r[0] != 1]
+    h.step()
+    assert h.core.counters["goaways_received"] == 1 and h.core.counters["resumes"] == 0
+    assert h.core.open_streams == [0] and h.core.get_timer() is not None
+    h.ack()
+    assert h.of(TransferDone)
+
+
+def test_our_goaway_is_written_before_the_transport_closes() -> None:
+    h = harness(idle_timeout=2.0, reconnect_attempts=0)
+    h.now = 10.0
+    h.core.handle_timer(h.now)  # silence: the idle timer closes the stream with GOAWAY TIMEOUT
+    assert h.core.is_closed(0)
+    tail = h.core.data_to_send(0)
+    assert tail  # the GOAWAY
+    h.servers[0].receive_data(tail, h.now)
+    assert h.servers[0].closed_event is not None and h.servers[0].closed_event.goaway
+    assert isinstance(h.core.broken, TransferTimeoutError | ConnectionLostError)
+
+
+def test_close_fails_every_transfer_and_says_goaway_on_every_stream() -> None:
+    h = harness(streams=2)
+    tid = begin(h)
+    h.core.close(h.now)
+    assert all(h.core.is_closed(i) for i in range(2))
+    for i in range(2):
+        h.servers[i].receive_data(h.core.data_to_send(i), h.now)
+        closed = h.servers[i].closed_event
+        assert closed is not None and closed.code == ErrorCode.NO_ERROR
+    h.step()
+    assert [e.transfer_id for e in h.of(TransferFailed)] == [tid]
+    assert isinstance(h.core.broken, ConnectionLostError)
