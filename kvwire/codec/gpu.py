@@ -235,6 +235,9 @@ def plan_encode(
     b_last = (last * hd + 1) // 2
     full = 8 * g_full + b_full
     sizes = (full,) * (nchunks - 1) + (8 * g_last + b_last,)
+    fast = _plan_int4_vec(group, shape, dtype, kind, chunk_tokens, full, x_aligned=x_aligned)
+    if fast is not None:
+        return EncodePlan(sizes, 0, (fast,))
     total_groups = (nchunks - 1) * g_full + g_last
     total_bytes = (nchunks - 1) * b_full + b_last
     common = ("x", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(group),
@@ -247,12 +250,47 @@ def plan_encode(
     ))
 
 
+def _plan_int4_vec(
+    group: int, shape: tuple[int, int, int], dtype: str, kind: TensorKind, chunk_tokens: int,
+    full: int, *, x_aligned: bool,
+) -> Launch | None:
+    """The one-launch vector kernel that encodes int4 for this geometry, or None (then the
+    group-statistics and packing kernels run)."""
+    tokens, heads, dim = shape
+    epv = 4 if dtype == "float32" else 8
+    suffix = _SUFFIX[dtype]
+    if not x_aligned or tokens * heads * dim >= 2**31 or full % (epv // 2):
+        return None
+    args: tuple[Any, ...] = ("x", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(group),
+                             np.int32(chunk_tokens), np.int64(full))
+    if kind == TensorKind.V:
+        nvec = dim // epv
+        gv = group // epv
+        if dim % epv or nvec > 128 or (group < dim and (group % epv or gv & (gv - 1))):
+            return None
+        lpr, vpl = (16, 1) if nvec <= 16 else (32, 1) if nvec <= 32 else (32, 2) if nvec <= 64 else (32, 4)
+        rows = tokens * heads
+        return Launch(f"kv_int4_encode_v_vec_{suffix}_{lpr}_{vpl}", math.ceil(rows * lpr / _THREADS),
+                      (*args, "out", "flags"))
+    hd = heads * dim
+    if hd % epv or group > 64:
+        return None
+    kpt = 2 if group <= 8 else 8 if group <= 32 else 16
+    blocks_full = -(-chunk_tokens // group)
+    nchunks = -(-tokens // chunk_tokens)
+    last = tokens - (nchunks - 1) * chunk_tokens
+    total_blocks = (nchunks - 1) * blocks_full + -(-last // group)
+    slices = -(-(hd // epv) // 8)
+    return Launch(f"kv_int4_encode_k_vec_{suffix}_{kpt}", math.ceil(total_blocks * slices * 32 / _THREADS),
+                  (*args, np.int64(total_blocks), "out", "flags"))
+
+
 def plan_decode(
     base: str, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind,
-    *, out_aligned: bool,
+    *, out_aligned: bool, payload_aligned: bool = True,
 ) -> Launch:
     """The launch that decodes one chunk's plain payload into a ``shape`` destination
-    (``out_aligned``: it starts on 16 bytes)."""
+    (``out_aligned``: it starts on 16 bytes; ``payload_aligned``: the payload on 4)."""
     tokens, heads, dim = shape
     suffix = _SUFFIX[dtype]
     if base in ("fp8", "int8"):
@@ -264,6 +302,12 @@ def plan_decode(
         return Launch(f"kv_{base}_decode_any_{suffix}", math.ceil(rows * dim / _THREADS),
                       ("payload", np.int64(rows), np.int32(dim), "out", "flags"))
     n = tokens * heads * dim
+    epv = 4 if dtype == "float32" else 8
+    is_v = np.int32(TensorKind(kind) == TensorKind.V)
+    if dim % epv == 0 and out_aligned and payload_aligned and n < 2**31:
+        return Launch(f"kv_int4_decode_vec_{suffix}", math.ceil(n // epv / _THREADS),
+                      ("payload", np.uint32(tokens), np.uint32(heads), np.uint32(dim), np.uint32(params[0]),
+                       is_v, "out", "flags"))
     return Launch(f"kv_int4_decode_{suffix}", math.ceil((n + 1) // 2 / _THREADS),
                   ("payload", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(params[0]),
                    np.int32(TensorKind(kind) == TensorKind.V), "out", "flags"))
@@ -455,7 +499,8 @@ def launch_decode(
     """Queue the decode kernel of a plain payload already on the device (CuPy uint8) into
     ``out`` on the current stream; problems found in the codes are OR-ed into ``flags``."""
     shape = (int(out.shape[0]), int(out.shape[1]), int(out.shape[2]))
-    launch = plan_decode(base, params, shape, dtype, kind, out_aligned=out.data.ptr % 16 == 0)
+    launch = plan_decode(base, params, shape, dtype, kind, out_aligned=out.data.ptr % 16 == 0,
+                         payload_aligned=payload.data.ptr % 4 == 0)
     _run(launch, {"payload": payload, "out": out, "flags": flags})
 
 

@@ -351,6 +351,248 @@ __device__ void int4_decode(const kv_u8* payload, kv_i64 tokens, int heads, int 
     if (bad) atomicOr(flags, bad);
 }
 
+// int4 encode, values (groups of `group` channels inside each (token, head) row), fast
+// path: LPR lanes per row, each holding VPL 16-byte vectors in registers (one read of the
+// input).  A group is `gv` whole vectors, gv a power of two (the plan checks it; a group
+// that covers the row counts as LPR * VPL vectors, lanes past the row holding the
+// identity): minimum and maximum on order keys, first over a lane's slots of the same
+// group, then over its lanes with warp shuffles; -0/+0 made canonical +0.  The first lane
+// of a group writes its scale and minimum, every lane packs its codes (8 codes: 4 bytes,
+// float32: 4 codes, 2 bytes).  Needs head_dim*itemsize % 16 == 0 and a 16-byte aligned
+// input.
+template <int DT, int LPR, int VPL>
+__device__ void int4_encode_v_vec(const uint4* x, kv_i64 tokens, int heads, int dim, int group,
+                                  int chunk_tokens, kv_i64 chunk_bytes, kv_u8* out, unsigned* flags) {
+    constexpr int EPV = DT == 2 ? 4 : 8;
+    const int nvec = dim / EPV;
+    const kv_i64 rows = tokens * heads;
+    const kv_i64 row = ((kv_i64)blockIdx.x * blockDim.x + threadIdx.x) / LPR;
+    const int lane = threadIdx.x & (LPR - 1);
+    const bool active = row < rows;
+    const bool whole = group >= dim;  // one group per row
+    const int gv = whole ? LPR * VPL : group / EPV;
+    uint4 v[VPL];
+    kv_u32 lo[VPL], hi[VPL];
+    kv_u32 amax = 0;
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+        const int vi = lane + j * LPR;
+        lo[j] = 0xFFFFFFFFu;
+        hi[j] = 0u;
+        if (active && vi < nvec) {
+            v[j] = __ldg(x + row * nvec + vi);
+#pragma unroll
+            for (int e = 0; e < EPV; ++e) {
+                const kv_u32 b = kv_elem<DT>(v[j], e);
+                amax = kv_umax(amax, kv_mag<DT>(b));
+                const kv_u32 key = kv_order_key(kv_widen<DT>(b));
+                lo[j] = kv_umin(lo[j], key);
+                hi[j] = kv_umax(hi[j], key);
+            }
+        } else {
+            v[j] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    // a group wider than the lanes spans gv / LPR consecutive slots of every lane
+#pragma unroll
+    for (int span = 1; span < VPL; span <<= 1) {
+        if (span * LPR < gv) {
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) {
+                if ((j & span) == 0) {
+                    const kv_u32 l = kv_umin(lo[j], lo[j | span]), h = kv_umax(hi[j], hi[j | span]);
+                    lo[j] = lo[j | span] = l;
+                    hi[j] = hi[j | span] = h;
+                }
+            }
+        }
+    }
+    const int width = gv < LPR ? gv : LPR;  // lanes a group spans (a power of two)
+    for (int off = width >> 1; off > 0; off >>= 1) {
+#pragma unroll
+        for (int j = 0; j < VPL; ++j) {
+            lo[j] = kv_umin(lo[j], __shfl_xor_sync(0xFFFFFFFFu, lo[j], off));
+            hi[j] = kv_umax(hi[j], __shfl_xor_sync(0xFFFFFFFFu, hi[j], off));
+        }
+    }
+    if (!active) return;
+    if (amax >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
+    const kv_i64 t = row / heads;
+    const kv_i64 c = t / chunk_tokens;
+    const kv_i64 t0 = c * chunk_tokens;
+    const kv_i64 cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
+    const kv_i64 rr = row - t0 * heads;
+    const int runs = whole ? 1 : (dim + group - 1) / group;
+    const kv_i64 groups_c = cnt * heads * runs;
+    kv_u8* base = out + c * chunk_bytes;
+    kv_u8* codes = base + 8 * groups_c + rr * (dim / 2);
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+        const int vi = lane + j * LPR;
+        if (vi < nvec) {
+            const float flo = kv_canonical_zero(kv_from_order_key(lo[j]));
+            const float fhi = kv_canonical_zero(kv_from_order_key(hi[j]));
+            const float s = kv_int4_scale(flo, fhi);
+            const int r = whole ? 0 : vi / gv;
+            if (vi == r * gv) {  // the group's first vector
+                const kv_i64 gg = rr * runs + r;
+                kv_store_f32_any(base + 4 * gg, s);
+                kv_store_f32_any(base + 4 * (groups_c + gg), flo);
+                if ((kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u) atomicOr(flags, KV_FLAG_RANGE);
+            }
+            kv_u32 packed = 0;
+#pragma unroll
+            for (int e = 0; e < EPV; ++e)
+                packed |= (kv_u32)kv_int4_quant(kv_widen<DT>(kv_elem<DT>(v[j], e)), flo, s) << (4 * e);
+            if (EPV == 8) *(kv_u32*)(codes + vi * 4) = packed;
+            else *(kv_u16*)(codes + vi * 2) = (kv_u16)packed;
+        }
+    }
+}
+
+// int4 encode, keys (groups of `group` tokens per channel), fast path: a warp per (token
+// block of a chunk, 8 vectors of channels): lane = 8 * tl + cl, where the 4 token lanes tl
+// take tokens tl, tl + 4, ... of the block (KPT vectors in registers: one read of the
+// input) and cl is the channel vector; every token row of the warp is 128 contiguous
+// bytes.  Per channel, minimum and maximum on order keys over the lane's tokens, then over
+// the 4 token lanes with warp shuffles; token lane 0 writes the scales and minimums, every
+// lane packs the codes of its tokens.  Needs heads*head_dim*itemsize % 16 == 0, a 16-byte
+// aligned input and group <= 4 * KPT.
+template <int DT, int KPT>
+__device__ void int4_encode_k_vec(const uint4* x, kv_i64 tokens, int heads, int dim, int group,
+                                  int chunk_tokens, kv_i64 chunk_bytes, kv_i64 total_blocks, kv_u8* out,
+                                  unsigned* flags) {
+    constexpr int EPV = DT == 2 ? 4 : 8;
+    constexpr int TL = 4, CL = 8;
+    const kv_i64 hd = (kv_i64)heads * dim;
+    const int ncv = (int)(hd / EPV);
+    const int slices = (ncv + CL - 1) / CL;
+    const kv_i64 warp = ((kv_i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int lane = threadIdx.x & 31, tl = lane >> 3, cl = lane & (CL - 1);
+    const kv_i64 gb = warp / slices;
+    const int cv = (int)(warp - gb * slices) * CL + cl;
+    const bool active = gb < total_blocks && cv < ncv;
+    const kv_i64 blocks_full = (chunk_tokens + group - 1) / group;
+    const kv_i64 c = gb / blocks_full, b = gb - c * blocks_full;
+    const kv_i64 t0 = c * chunk_tokens;
+    const kv_i64 cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
+    const kv_i64 first = b * group;
+    const int count = (int)(cnt - first < group ? cnt - first : group);
+    uint4 v[KPT];
+    kv_u32 lo[EPV], hi[EPV];
+    kv_u32 amax = 0;
+#pragma unroll
+    for (int e = 0; e < EPV; ++e) {
+        lo[e] = 0xFFFFFFFFu;
+        hi[e] = 0u;
+    }
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+        const int k = tl + TL * j;
+        if (active && k < count) {
+            v[j] = __ldg(x + (t0 + first + k) * ncv + cv);
+#pragma unroll
+            for (int e = 0; e < EPV; ++e) {
+                const kv_u32 bits = kv_elem<DT>(v[j], e);
+                amax = kv_umax(amax, kv_mag<DT>(bits));
+                const kv_u32 key = kv_order_key(kv_widen<DT>(bits));
+                lo[e] = kv_umin(lo[e], key);
+                hi[e] = kv_umax(hi[e], key);
+            }
+        } else {
+            v[j] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+#pragma unroll
+    for (int off = CL; off < 32; off <<= 1) {
+#pragma unroll
+        for (int e = 0; e < EPV; ++e) {
+            lo[e] = kv_umin(lo[e], __shfl_xor_sync(0xFFFFFFFFu, lo[e], off));
+            hi[e] = kv_umax(hi[e], __shfl_xor_sync(0xFFFFFFFFu, hi[e], off));
+        }
+    }
+    if (!active) return;
+    if (amax >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
+    const kv_i64 groups_c = (cnt + group - 1) / group * hd;
+    kv_u8* base = out + c * chunk_bytes;
+    const kv_i64 gg = b * hd + (kv_i64)cv * EPV;
+    float flo[EPV], s[EPV];
+    unsigned bad = 0;
+#pragma unroll
+    for (int e = 0; e < EPV; ++e) {
+        flo[e] = kv_canonical_zero(kv_from_order_key(lo[e]));
+        s[e] = kv_int4_scale(flo[e], kv_canonical_zero(kv_from_order_key(hi[e])));
+        if (tl == 0) {
+            kv_store_f32_any(base + 4 * (gg + e), s[e]);
+            kv_store_f32_any(base + 4 * (groups_c + gg + e), flo[e]);
+            if ((kv_f32_bits(s[e]) & 0x7FFFFFFFu) >= 0x7F800000u) bad = KV_FLAG_RANGE;
+        }
+    }
+    if (bad) atomicOr(flags, bad);
+    kv_u8* codes = base + 8 * groups_c + (first * hd + (kv_i64)cv * EPV) / 2;
+#pragma unroll
+    for (int j = 0; j < KPT; ++j) {
+        const int k = tl + TL * j;
+        if (k < count) {
+            kv_u32 packed = 0;
+#pragma unroll
+            for (int e = 0; e < EPV; ++e)
+                packed |= (kv_u32)kv_int4_quant(kv_widen<DT>(kv_elem<DT>(v[j], e)), flo[e], s[e]) << (4 * e);
+            kv_u8* p = codes + (kv_i64)k * (hd / 2);
+            if (EPV == 8) *(kv_u32*)p = packed;
+            else *(kv_u16*)p = (kv_u16)packed;
+        }
+    }
+}
+
+// int4 decode of one chunk payload, fast path: one thread per 16 bytes of output, 32-bit
+// index arithmetic (one division per thread; a value run's group advances by counting).
+// Needs head_dim*itemsize % 16 == 0, a 16-byte aligned destination, a 4-byte aligned
+// payload and tokens*heads*head_dim < 2^31.
+template <int DT>
+__device__ void int4_decode_vec(const kv_u8* payload, unsigned tokens, unsigned heads, unsigned dim, unsigned group,
+                                int is_v, uint4* out, unsigned* flags) {
+    constexpr unsigned EPV = DT == 2 ? 4 : 8;
+    const unsigned hd = heads * dim;
+    const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= tokens * (hd / EPV)) return;
+    const unsigned runs = (dim + group - 1) / group;
+    const unsigned groups = is_v ? tokens * heads * runs : (tokens + group - 1) / group * hd;
+    const float* scales = (const float*)payload;
+    const float* mins = scales + groups;
+    const kv_u8* cp = payload + 8ull * groups + (unsigned long long)i * (EPV / 2);
+    const kv_u32 packed = EPV == 8 ? *(const kv_u32*)cp : (kv_u32)*(const kv_u16*)cp;
+    unsigned g, q = 0, rem = 0;
+    if (!is_v) {
+        const unsigned t = i / (hd / EPV);
+        g = t / group * hd + (i - t * (hd / EPV)) * EPV;
+    } else {
+        const unsigned row = i / (dim / EPV);
+        const unsigned d = (i - row * (dim / EPV)) * EPV;
+        q = d / group;
+        rem = d - q * group;
+        g = row * runs;
+    }
+    unsigned bad = 0;
+    kv_u32 o[4];
+#pragma unroll
+    for (unsigned e = 0; e < EPV; ++e) {
+        const unsigned ge = is_v ? g + q : g + e;
+        const float v = kv_int4_dequant((kv_u8)((packed >> (4 * e)) & 15u), mins[ge], scales[ge]);
+        kv_check_value<DT>(v, bad);
+        const kv_u32 bits = kv_narrow<DT>(v);
+        if (DT == 2) o[e] = bits;
+        else if (e & 1) o[e >> 1] |= bits << 16;
+        else o[e >> 1] = bits;
+        if (++rem == group) {
+            rem = 0;
+            ++q;
+        }
+    }
+    out[i] = make_uint4(o[0], o[1], o[2], o[3]);
+    if (bad) atomicOr(flags, bad);
+}
+
 #define KV_ROWWISE_VEC(SUF, DT, FP8, NAME, LPR, VPL)                                                   \
     extern "C" __global__ void kv_##NAME##_encode_vec_##SUF##_##LPR##_##VPL(                           \
         const uint4* x, kv_i64 tokens, int heads, int dim, int chunk_tokens, kv_i64 chunk_bytes,       \
@@ -402,6 +644,36 @@ KV_ROWWISE(f32, 2, 1, fp8)
 KV_ROWWISE(f16, 0, 0, int8)
 KV_ROWWISE(bf16, 1, 0, int8)
 KV_ROWWISE(f32, 2, 0, int8)
+#define KV_INT4_V_VEC(SUF, DT, LPR, VPL)                                                               \
+    extern "C" __global__ void kv_int4_encode_v_vec_##SUF##_##LPR##_##VPL(                             \
+        const uint4* x, kv_i64 tokens, int heads, int dim, int group, int chunk_tokens,                \
+        kv_i64 chunk_bytes, kv_u8* out, unsigned* flags) {                                             \
+        int4_encode_v_vec<DT, LPR, VPL>(x, tokens, heads, dim, group, chunk_tokens, chunk_bytes, out, flags); \
+    }
+#define KV_INT4_K_VEC(SUF, DT, KPT)                                                                    \
+    extern "C" __global__ void kv_int4_encode_k_vec_##SUF##_##KPT(                                     \
+        const uint4* x, kv_i64 tokens, int heads, int dim, int group, int chunk_tokens,                \
+        kv_i64 chunk_bytes, kv_i64 total_blocks, kv_u8* out, unsigned* flags) {                        \
+        int4_encode_k_vec<DT, KPT>(x, tokens, heads, dim, group, chunk_tokens, chunk_bytes, total_blocks, \
+                                   out, flags);                                                        \
+    }
+#define KV_INT4_VEC(SUF, DT)                                                                           \
+    KV_INT4_V_VEC(SUF, DT, 16, 1)                                                                      \
+    KV_INT4_V_VEC(SUF, DT, 32, 1)                                                                      \
+    KV_INT4_V_VEC(SUF, DT, 32, 2)                                                                      \
+    KV_INT4_V_VEC(SUF, DT, 32, 4)                                                                      \
+    KV_INT4_K_VEC(SUF, DT, 2)                                                                          \
+    KV_INT4_K_VEC(SUF, DT, 8)                                                                          \
+    KV_INT4_K_VEC(SUF, DT, 16)                                                                         \
+    extern "C" __global__ void kv_int4_decode_vec_##SUF(                                               \
+        const kv_u8* payload, unsigned tokens, unsigned heads, unsigned dim, unsigned group, int is_v,  \
+        uint4* out, unsigned* flags) {                                                                 \
+        int4_decode_vec<DT>(payload, tokens, heads, dim, group, is_v, out, flags);                     \
+    }
+
 KV_INT4(f16, 0)
 KV_INT4(bf16, 1)
 KV_INT4(f32, 2)
+KV_INT4_VEC(f16, 0)
+KV_INT4_VEC(bf16, 1)
+KV_INT4_VEC(f32, 2)
