@@ -12,9 +12,12 @@ The registry gate is an event: :class:`RegistryCheck` asks the I/O layer to run
 asks for ``publish`` before the last acknowledgement is released
 (:meth:`ReceiverCore.registry_published`).  The core never waits.
 
-Memory: layer buffers come from ``allocate`` (may raise MemoryError) and are counted
-against ``max_buffer_bytes`` until the application takes the layer or the transfer ends.
-A chunk counts as received only after ``decode`` has put its bytes in place.
+Memory: layer buffers come from a :class:`LayerStore` (by default ``allocate``, which may
+raise MemoryError, and ``decode``) and are counted against ``max_buffer_bytes`` until the
+application takes the layer or the transfer ends.  A chunk counts as received only after
+its bytes are in place.  Raw payloads may be read straight into their layer (the payload
+sink of each connection): that happens before the frame's CRC is checked, so it changes
+no transfer state; only the verified chunk does.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvwire.codec import codec_by_id
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
+    AuthenticationError,
     ConnectionLostError,
     ErrorCode,
     KvwireError,
@@ -38,7 +44,7 @@ from kvwire.errors import (
     UsageError,
     error_from_code,
 )
-from kvwire.spec import DTYPE_BY_ID, DTYPES, KVSpec
+from kvwire.spec import DTYPE_BY_ID, KVSpec
 from kvwire.wire import (
     Begin,
     Chunk,
@@ -55,7 +61,7 @@ from kvwire.wire import (
     TransferBegun,
     TransferReset,
 )
-from kvwire.wire.connection import NO_SESSION
+from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
 
 Key = tuple[bytes, int]
 """A transfer's identity on a server: (session id, transfer id)."""
@@ -139,12 +145,52 @@ def byte_buffer(nbytes: int) -> memoryview:
     return memoryview(bytearray(nbytes))
 
 
+class LayerStore:
+    """Where the layers of transfers live; the core decides, the store only holds bytes.
+
+    ``allocate`` gives the buffer of one layer when its first chunk is stored (it may raise
+    MemoryError or a KvwireError; nothing has changed then).  ``decode`` puts a verified
+    chunk's data in place; ``region`` names where a raw payload can be read straight into
+    (None: not possible).  ``offset`` is the chunk's byte offset in the layer (K, then V)
+    and ``nbytes`` its decoded size, both at the spec's dtype.
+    """
+
+    def allocate(self, key: Key, chunk: Chunk, nbytes: int) -> Any:
+        raise NotImplementedError
+
+    def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
+        raise NotImplementedError
+
+    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
+        return None
+
+
+class ByteStore(LayerStore):
+    """Layers as flat byte buffers from ``allocate``, chunks decoded by ``decode``."""
+
+    def __init__(self, allocate: Allocate = byte_buffer, decode: Decode = raw_decode) -> None:
+        self._allocate = allocate
+        self._decode = decode
+
+    def allocate(self, key: Key, chunk: Chunk, nbytes: int) -> Any:
+        return self._allocate(nbytes)
+
+    def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
+        self._decode(chunk, buffer[offset : offset + nbytes])
+
+    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
+        return buffer[offset : offset + nbytes] if isinstance(buffer, memoryview) else None
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReceiverConfig:
     """Limits and deadlines of a receiving server (see ``kvwire.aio.ServerOptions``)."""
 
     secret: bytes
     codecs: tuple[str, ...] = ("raw",)
+    """Codecs accepted (a CHUNK in another one fails its transfer with UNSUPPORTED_CODEC)."""
+    fingerprints: frozenset[bytes] = frozenset()
+    """KV layouts accepted (``KVSpec.fingerprint``); empty accepts any valid layout."""
     max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
     window: int = 32 * 1024 * 1024
     max_transfers: int = 64
@@ -170,15 +216,21 @@ class ReceiverConfig:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferArrived:
+    """A transfer was accepted (after the registry gate, if any): hand it to the application."""
+
     key: Key
     request_id: str
     meta: dict[str, object]
     num_layers: int
     layer_tokens_known: bool = False
+    spec: KVSpec | None = None
+    blocks: tuple[tuple[bytes, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerReady:
+    """Every byte of a layer is in place (the last one of a gated transfer: and published)."""
+
     key: Key
     layer: int
 
@@ -187,6 +239,7 @@ class LayerReady:
 class TransferFailed:
     key: Key
     error: KvwireError
+    request_id: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -201,34 +254,88 @@ class RegistryPublish:
     blocks: tuple[tuple[bytes, int], ...]
 
 
-ReceiverEvent = TransferArrived | LayerReady | TransferFailed | RegistryCheck | RegistryPublish
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AuthenticationFailed:
+    """A client on connection ``cid`` did not prove the secret."""
+
+    cid: int
+    error: KvwireError
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GoawayReceived:
+    cid: int
+    code: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamResumed:
+    session_id: bytes
+    stream_index: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferAborted:
+    """A transfer was given up: by the application, for want of a claim, or by the peer."""
+
+    key: Key
+    request_id: str
+    reason: str
+    by_peer: bool = False
+
+
+ReceiverEvent = (
+    TransferArrived | LayerReady | TransferFailed | RegistryCheck | RegistryPublish
+    | AuthenticationFailed | GoawayReceived | StreamResumed | TransferAborted
+)
 
 
 # -- state ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Reservation:
+    """A layer region a connection is reading a raw payload into, before its CRC is checked."""
+
+    view: memoryview
+    cid: int
+    layer: int
+    kind: int
+    start: int
+    end: int
+
+    def overlaps(self, layer: int, kind: int, start: int, end: int) -> bool:
+        return self.layer == layer and self.kind == kind and self.start < end and start < self.end
 
 
 @dataclass(eq=False)
 class _Incoming:
     key: Key
     begin: Begin
-    itemsize: int
+    spec: KVSpec
+    meta: dict[str, object]
     state: IncomingTransfer
     deadline: float | None
     accepted: bool = False
     claimed: bool = False
     claim_deadline: float | None = None
     error: KvwireError | None = None
-    buffers: dict[int, memoryview] = field(default_factory=dict)
+    buffers: dict[int, Any] = field(default_factory=dict)
+    costs: dict[int, int] = field(default_factory=dict)  # budget bytes per held layer
     held: int = 0
     taken: int = 0
     window: int = 1
+    external: bool = False  # new layers go to the caller's memory: all granted, not counted
+    inplace: dict[ChunkAddress, _Reservation] = field(default_factory=dict)
     publish_pending: list[tuple[int, ChunkAddress]] = field(default_factory=list)
     published: bool = False
     gated: bool = False  # goes through the registry gate
+    last_layer: int | None = None  # held back until the registry publish succeeds
 
     @property
     def bpt(self) -> int:
-        return self.begin.num_kv_heads * self.begin.head_dim * self.itemsize
+        return self.begin.num_kv_heads * self.begin.head_dim * self.spec.itemsize
 
     @property
     def complete(self) -> bool:
@@ -251,18 +358,19 @@ class ReceiverCore:
 
     def __init__(
         self, config: ReceiverConfig, *, allocate: Allocate = byte_buffer, decode: Decode = raw_decode,
-        nonce_source: Callable[[int], bytes] = secrets.token_bytes,
+        nonce_source: Callable[[int], bytes] = secrets.token_bytes, store: LayerStore | None = None,
     ) -> None:
         self.config = config
-        self._allocate = allocate
-        self._decode = decode
+        self._store = store if store is not None else ByteStore(allocate, decode)
         self._nonce = nonce_source
         self._conns: dict[int, Connection] = {}
         self._conn_session: dict[int, _Session] = {}
         self._sessions: dict[bytes, _Session] = {}
+        self._live: dict[Key, _Incoming] = {}  # not failed, not every layer taken
         self._events: deque[ReceiverEvent] = deque()
+        self._dirty: set[int] = set()
         self.buffered_bytes = 0
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, int] = {"transfers_accepted": 0, "transfers_refused": 0}
 
     # -- connections ---------------------------------------------------------------------
 
@@ -273,21 +381,40 @@ class ReceiverCore:
             window=cfg.window, max_transfers=cfg.max_transfers,
             handshake_timeout=cfg.handshake_timeout, idle_timeout=cfg.idle_timeout,
         )
-        self._conns[cid] = Connection(Role.SERVER, ccfg, now=now, nonce_source=self._nonce)
+        conn = Connection(Role.SERVER, ccfg, now=now, nonce_source=self._nonce)
+        conn.set_payload_sink(lambda head, size: self._sink(cid, head, size))
+        self._conns[cid] = conn
+        self._dirty.add(cid)
+
+    def connection(self, cid: int) -> Connection | None:
+        """The connection itself, for ``get_buffer()`` (zero-copy reads); feed what was
+        read through :meth:`buffer_updated`."""
+        return self._conns.get(cid)
 
     def receive_data(self, cid: int, data: bytes, now: float) -> None:
         """Bytes from connection ``cid`` (``b""``: the peer closed or the connection broke)."""
         conn = self._conns.get(cid)
-        if conn is None:
-            return
-        conn.receive_data(data, now)
-        self._process(cid, now)
+        if conn is not None:
+            conn.receive_data(data, now)
+            self._process(cid, now)
+
+    def buffer_updated(self, cid: int, nbytes: int, now: float) -> None:
+        """``nbytes`` were read into ``connection(cid).get_buffer()``."""
+        conn = self._conns.get(cid)
+        if conn is not None:
+            conn.buffer_updated(nbytes, now)
+            self._process(cid, now)
 
     def data_to_send(self, cid: int) -> bytes:
         conn = self._conns.get(cid)
         if conn is None:
             return b""
         return b"".join(bytes(p) for p in conn.data_to_send())
+
+    def take_dirty(self) -> set[int]:
+        """Connections that may have bytes to send or be closing since the last call."""
+        dirty, self._dirty = self._dirty, set()
+        return dirty
 
     def is_closed(self, cid: int) -> bool:
         """Whether the I/O layer should close ``cid`` once its last bytes are written."""
@@ -296,12 +423,30 @@ class ReceiverCore:
 
     def forget(self, cid: int) -> None:
         """The I/O layer closed ``cid``; nothing more will come from it."""
+        self._release_reservations(cid)
         self._conns.pop(cid, None)
         self._conn_session.pop(cid, None)
+        self._dirty.discard(cid)
+
+    def close(self, now: float) -> None:
+        """The server is closing: every connection says so, every session is lost."""
+        for cid, conn in list(self._conns.items()):
+            conn.close(ErrorCode.NO_ERROR, "server closing")
+            self._dirty.add(cid)
+        for sess in list(self._sessions.values()):
+            self._lose(sess, ConnectionLostError("server closed"))
+        for cid in list(self._conns):
+            self._process(cid, now)
+        for t in self._live.values():
+            t.deadline = t.claim_deadline = None
 
     @property
     def connections(self) -> list[int]:
         return list(self._conns)
+
+    @property
+    def sessions(self) -> int:
+        return len(self._sessions)
 
     # -- application ---------------------------------------------------------------------
 
@@ -314,27 +459,48 @@ class ReceiverCore:
             t.claimed = True
             t.claim_deadline = None
 
-    def take_layer(self, key: Key, layer: int) -> tuple[bytes, bytes]:
-        """The K and V bytes of a complete layer; its memory leaves the budget and the
+    def attach(self, key: Key) -> None:
+        """Layers not begun yet go to the caller's memory (not counted in the budget), so
+        every layer is granted at once."""
+        t = self._transfer(key)
+        if t is not None:
+            t.external = True
+            self._grant(t, t.begin.num_layers)
+
+    def pop_layer(self, key: Key, layer: int) -> Any:
+        """A complete layer's buffer, handed over: its memory leaves the budget and the
         sender gets credit for one more layer."""
         t = self._transfer(key)
-        if t is None or t.error is not None:
-            raise ConnectionLostError("no such transfer")
+        if t is None or t.error is not None or layer not in t.buffers:
+            raise ConnectionLostError("no such transfer or layer")
         buf = t.buffers.pop(layer)
-        half = len(buf) // 2
-        out = (bytes(buf[:half]), bytes(buf[half:]))
-        self._release(t, len(buf))
+        self._release(t, t.costs.pop(layer, 0))
         t.taken += 1
         self._grant(t, t.taken + t.window)
-        return out
+        if t.taken >= t.begin.num_layers:
+            self._live.pop(key, None)
+        return buf
+
+    def take_layer(self, key: Key, layer: int) -> tuple[bytes, bytes]:
+        """The K and V bytes of a complete layer (see :meth:`pop_layer`)."""
+        buf = self.pop_layer(key, layer)
+        half = len(buf) // 2
+        return bytes(buf[:half]), bytes(buf[half:])
 
     def abort(self, key: Key, reason: str, now: float) -> None:
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
         self._count("transfers_aborted")
-        self._fail(t, TransferAbortedError(f"receiver aborted: {reason}" if reason else "receiver aborted"),
-                   reset=True, even_if_complete=True)
+        why = f"receiver aborted transfer {t.begin.request_id!r}"
+        self._events.append(TransferAborted(key=key, request_id=t.begin.request_id, reason=reason))
+        self._fail(t, TransferAbortedError(f"{why}: {reason}" if reason else why), reset=True, even_if_complete=True)
+
+    def fail(self, key: Key, error: KvwireError, now: float) -> None:
+        """Fail a transfer with ``error``; the sender is told (RESET)."""
+        t = self._transfer(key)
+        if t is not None:
+            self._fail(t, error, reset=True, even_if_complete=True)
 
     def registry_checked(self, key: Key, stale: list[bytes] | None, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryCheck` (stale blocks, or the registry's error)."""
@@ -345,32 +511,37 @@ class ReceiverCore:
             self._count("transfers_refused")
             self._fail(t, error or StaleVersionError(f"stale prefix blocks: {stale!r}"[:200]), reset=True)
             return
-        self._accept(t)
+        self._accept(t, now)
 
     def registry_published(self, key: Key, error: KvwireError | None, now: float) -> None:
-        """The answer to a :class:`RegistryPublish`: the held acknowledgements go out."""
+        """The answer to a :class:`RegistryPublish`: the held acknowledgements go out, each
+        after the RESET on its own connection if publishing failed."""
         t = self._transfer(key)
         if t is None:
             return
         pending, t.publish_pending = t.publish_pending, []
+        sess = self._sessions.get(key[0])
         if error is not None:
-            self._fail(t, error, reset=True, even_if_complete=True)
+            self._fail(t, error, reset=False, even_if_complete=True)
         else:
             t.published = True
-            self._finish_if_complete(t)
+            t.deadline = None
+            if t.last_layer is not None:
+                self._events.append(LayerReady(key=key, layer=t.last_layer))
         for cid, address in pending:
-            conn = self._conns.get(cid)
+            conn = self._conn(cid)
             if conn is not None:
+                if sess is not None:
+                    self._repeat_reset(sess, conn, key[1])
                 conn.send_ack(address)
 
     # -- time ----------------------------------------------------------------------------
 
     def get_timer(self) -> float | None:
         times = [c.get_timer() for c in self._conns.values()]
-        for sess in self._sessions.values():
-            times.append(sess.lose_at)
-            for t in sess.transfers.values():
-                times += [t.deadline, t.claim_deadline]
+        times += [s.lose_at for s in self._sessions.values()]
+        for t in self._live.values():
+            times += [t.deadline, t.claim_deadline]
         real = [x for x in times if x is not None]
         return min(real) if real else None
 
@@ -383,15 +554,14 @@ class ReceiverCore:
         for sess in list(self._sessions.values()):
             if sess.lose_at is not None and now >= sess.lose_at:
                 self._lose(sess, ConnectionLostError("the client did not reconnect in time"))
-                continue
-            for t in list(sess.transfers.values()):
-                if t.deadline is not None and now >= t.deadline and t.error is None:
-                    self._fail(t, TransferTimeoutError(
-                        f"transfer {t.begin.request_id!r} not complete after {self.config.transfer_timeout} s"
-                    ), reset=True)
-                elif t.claim_deadline is not None and now >= t.claim_deadline and not t.claimed:
-                    self._count("transfers_unclaimed")
-                    self.abort(t.key, "not claimed in time", now)
+        for t in list(self._live.values()):
+            if t.deadline is not None and now >= t.deadline and t.error is None:
+                self._fail(t, TransferTimeoutError(
+                    f"transfer {t.begin.request_id!r} not complete after {self.config.transfer_timeout} s"
+                ), reset=True)
+            elif t.claim_deadline is not None and now >= t.claim_deadline and not t.claimed:
+                self._count("transfers_unclaimed")
+                self.abort(t.key, f"not claimed by the application within {self.config.claim_timeout} s", now)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -399,18 +569,24 @@ class ReceiverCore:
         self.counters[what] = self.counters.get(what, 0) + 1
 
     def _transfer(self, key: Key) -> _Incoming | None:
-        sess = self._sessions.get(key[0])
-        return sess.transfers.get(key[1]) if sess is not None else None
+        return self._live.get(key)
+
+    def _conn(self, cid: int) -> Connection | None:
+        conn = self._conns.get(cid)
+        if conn is not None:
+            self._dirty.add(cid)
+        return conn
 
     def _any_conn(self, sess: _Session) -> Connection | None:
         for cid in sess.streams.values():
             conn = self._conns.get(cid)
             if conn is not None and conn.closed_event is None:
+                self._dirty.add(cid)
                 return conn
         return None
 
     def _process(self, cid: int, now: float) -> None:
-        conn = self._conns.get(cid)
+        conn = self._conn(cid)
         while conn is not None and (ev := conn.next_event()) is not None:
             try:
                 if isinstance(ev, ChunkReceived):
@@ -422,16 +598,17 @@ class ReceiverCore:
                 elif isinstance(ev, HandshakeComplete):
                     self._on_open(cid, conn, ev)
                 elif isinstance(ev, TransferReset):
-                    sess = self._conn_session.get(cid)
-                    t = sess.transfers.get(ev.transfer_id) if sess is not None else None
-                    if t is not None:
-                        self._fail(t, ev.error(), reset=False, tombstone=error_from_code(ev.code, "reset by the client"))
+                    self._on_reset(cid, ev)
                 elif isinstance(ev, ConnectionClosed):
                     self._on_closed(cid, ev, now)
             except KvwireError as exc:
                 conn.close(exc.code, wire_text(str(exc)))
 
     def _on_authenticated(self, conn: Connection, ev: ClientAuthenticated) -> None:
+        fps = self.config.fingerprints
+        if ev.fingerprint != NO_FINGERPRINT and fps and ev.fingerprint not in fps:
+            conn.refuse(ErrorCode.INCOMPATIBLE_SPEC, "this server does not accept that KV layout")
+            return
         if ev.session_id == NO_SESSION:
             if len(self._sessions) >= self.config.max_sessions:
                 conn.refuse(ErrorCode.LIMIT_EXCEEDED, "server has reached max_sessions")
@@ -446,8 +623,12 @@ class ReceiverCore:
                 return
             old = sess.streams.pop(ev.stream_index, None)
             if old is not None and old in self._conns:
-                self._conns[old].close(ErrorCode.SESSION_LOST, "replaced by a reconnected stream")
+                # The client reconnects a slot whose old connection still looks up (a
+                # half-open TCP connection): the new one replaces it.
+                self._release_reservations(old)
                 self._conn_session.pop(old, None)
+                self._conns[old].close(ErrorCode.SESSION_LOST, "replaced by a reconnected stream")
+                self._dirty.add(old)
             if len(sess.streams) >= self.config.max_streams:
                 conn.refuse(ErrorCode.LIMIT_EXCEEDED, "stream limit reached")
                 return
@@ -459,20 +640,42 @@ class ReceiverCore:
             return
         sess.streams[ev.stream_index] = cid
         self._conn_session[cid] = sess
-        if sess.lose_at is not None:
-            sess.lose_at = None
+        sess.lose_at = None
+        if sess.transfers or sess.tombstones or sess.completed:
             self._count("resumes")
+            self._events.append(StreamResumed(session_id=sess.session_id, stream_index=ev.stream_index))
         for t in sess.transfers.values():  # CREDIT frames may have been lost with a stream
-            if t.error is None and t.accepted and t.state.layer_limit > 1:
+            if t.error is None and t.accepted and not t.state.complete and t.state.layer_limit > 1:
                 conn.send_credit_frame(t.key[1], t.state.layer_limit)
 
+    def _on_reset(self, cid: int, ev: TransferReset) -> None:
+        sess = self._conn_session.get(cid)
+        t = sess.transfers.get(ev.transfer_id) if sess is not None else None
+        if t is None:
+            return
+        self._count("transfers_aborted_by_peer")
+        self._events.append(TransferAborted(
+            key=t.key, request_id=t.begin.request_id, reason=wire_text(ev.message), by_peer=True,
+        ))
+        # The tombstone repeats the code, not the peer's text.
+        self._fail(t, ev.error(), reset=False, tombstone=error_from_code(ev.code, "reset by the client"))
+
     def _on_closed(self, cid: int, ev: ConnectionClosed, now: float) -> None:
+        if isinstance(ev.error, AuthenticationError):
+            self._count("authentication_failures")
+            self._events.append(AuthenticationFailed(cid=cid, error=ev.error))
+        elif ev.goaway:
+            self._count("goaways_received")
+            self._events.append(GoawayReceived(cid=cid, code=ev.code, message=wire_text(ev.message)))
+        self._release_reservations(cid)
         sess = self._conn_session.pop(cid, None)
         if sess is None or sess.closed:
             return
         for index, c in list(sess.streams.items()):
             if c == cid:
                 del sess.streams[index]
+        # A break is resumable even when every transfer is complete here: the client may
+        # still wait for acknowledgements that were lost with the stream.
         if ev.resumable and self.config.resume_timeout > 0:
             if not any(self._conns.get(c) is not None and self._conns[c].closed_event is None
                        for c in sess.streams.values()) and sess.lose_at is None:
@@ -483,12 +686,13 @@ class ReceiverCore:
             self._sessions.pop(sess.session_id, None)
 
     def _lose(self, sess: _Session, error: KvwireError) -> None:
+        """Every unfinished transfer of the session fails, its other streams close."""
         sess.closed = True
         sess.lose_at = None
         for t in list(sess.transfers.values()):
             self._fail(t, error, reset=False)
         for c in sess.streams.values():
-            conn = self._conns.get(c)
+            conn = self._conn(c)
             if conn is not None:
                 conn.close(ErrorCode.SESSION_LOST, "another stream of this session was lost")
         self._sessions.pop(sess.session_id, None)
@@ -500,7 +704,9 @@ class ReceiverCore:
         tid = begin.transfer_id
         existing = sess.transfers.get(tid)
         if existing is not None and existing.begin.request_id == begin.request_id:
-            if existing.accepted:  # re-sent after a broken stream
+            # Re-sent after a broken stream: answer again (unless the registry check still
+            # runs; its outcome will be sent).
+            if existing.accepted:
                 conn.send_accept(tid, existing.state.layer_limit)
             return
         if self._repeat_reset(sess, conn, tid):
@@ -509,47 +715,55 @@ class ReceiverCore:
         try:
             if tid in sess.transfers or tid in sess.completed:
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
+            # Completed transfers the application has not claimed hold memory too.
             active = sum(1 for t in sess.transfers.values() if not t.complete or not t.claimed)
             spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
-                                     max_meta_bytes=cfg.max_meta_bytes)
+                                     max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints)
         except KvwireError as exc:
             self._count("transfers_refused")
             conn.send_reset(tid, exc.code, wire_text(str(exc)))
             return
         t = _Incoming(
-            key=(sess.session_id, tid), begin=begin, itemsize=DTYPES[spec.dtype][1],
+            key=(sess.session_id, tid), begin=begin, spec=spec, meta=meta,
             state=IncomingTransfer(tid, begin.num_layers, layer_limit=1, max_tokens=cfg.max_tokens),
             deadline=None if cfg.transfer_timeout is None else now + cfg.transfer_timeout,
         )
+        # Completed transfers the application has taken leave only their id behind.
         for old in [i for i, x in sess.transfers.items() if x.claimed and x.complete and not x.buffers]:
             del sess.transfers[old]
             sess.completed[old] = None
             while len(sess.completed) > 4096:
                 sess.completed.popitem(last=False)
         sess.transfers[tid] = t
-        self._events.append(TransferArrived(key=t.key, request_id=begin.request_id, meta=meta,
-                                            num_layers=begin.num_layers))
-        if cfg.claim_timeout is not None:
-            t.claim_deadline = now + cfg.claim_timeout
+        self._live[t.key] = t
         if cfg.registry and begin.blocks:
             t.gated = True
             blocks = tuple((bv.block, bv.version) for bv in begin.blocks)
+            # Fail closed: a version the registry never issued is stale like an old one.
             if any(not 0 <= v < MAX_BLOCK_VERSION for _, v in blocks):
                 self._count("transfers_refused")
                 self._fail(t, StaleVersionError("a block version was never issued"), reset=True)
                 return
             self._events.append(RegistryCheck(key=t.key, blocks=blocks))
             return
-        self._accept(t)
+        self._accept(t, now)
 
-    def _accept(self, t: _Incoming) -> None:
+    def _accept(self, t: _Incoming, now: float) -> None:
         t.accepted = True
+        self._count("transfers_accepted")
         sess = self._sessions.get(t.key[0])
         conn = self._any_conn(sess) if sess is not None else None
         if conn is not None:
             conn.send_accept(t.key[1], t.state.layer_limit)
+        if self.config.claim_timeout is not None and not t.claimed:
+            t.claim_deadline = now + self.config.claim_timeout
+        self._events.append(TransferArrived(
+            key=t.key, request_id=t.begin.request_id, meta=t.meta, num_layers=t.begin.num_layers,
+            spec=t.spec, blocks=tuple((bv.block, bv.version) for bv in t.begin.blocks),
+        ))
 
     def _repeat_reset(self, sess: _Session, conn: Connection, tid: int) -> bool:
+        """Send again the RESET of a recently failed transfer; False if it did not fail."""
         error = sess.tombstones.get(tid)
         if error is None:
             return False
@@ -579,22 +793,27 @@ class ReceiverCore:
             return
         t.error = error
         t.buffers.clear()
+        t.costs.clear()
         self._release(t, t.held)
+        for r in t.inplace.values():  # never written again once the transfer is gone
+            conn = self._conns.get(r.cid)
+            if conn is not None:
+                conn.abandon_payload(r.view)
+        t.inplace.clear()
         t.deadline = t.claim_deadline = None
+        self._live.pop(t.key, None)
         sess = self._sessions.get(t.key[0])
         if sess is not None:
             sess.transfers.pop(t.key[1], None)
+            # Why it failed: a chunk of it still arriving gets the RESET again before its
+            # ACK on the same stream, so the sender never mistakes it for success.
             sess.tombstones[t.key[1]] = tombstone or error
             while len(sess.tombstones) > 4096:
                 sess.tombstones.popitem(last=False)
             conn = self._any_conn(sess)
             if reset and conn is not None:
                 conn.send_reset(t.key[1], error.code, wire_text(str(error)))
-        self._events.append(TransferFailed(key=t.key, error=error))
-
-    def _finish_if_complete(self, t: _Incoming) -> None:
-        if t.complete:
-            t.deadline = None
+        self._events.append(TransferFailed(key=t.key, error=error, request_id=t.begin.request_id))
 
     def _on_chunk(self, cid: int, conn: Connection, ev: ChunkReceived) -> None:
         chunk = ev.chunk
@@ -606,11 +825,12 @@ class ReceiverCore:
         t = sess.transfers.get(addr.transfer_id)
         if t is not None and t.error is None:
             try:
-                new = self._store(t, chunk)
+                new = self._store_chunk(cid, t, chunk)
             except KvwireError as exc:
                 self._fail(t, exc, reset=False)
             else:
                 if t.gated and t.state.complete and not t.published:
+                    # The last ack waits for the registry's verdict (a re-sent copy too).
                     t.publish_pending.append((cid, addr))
                     if new and len(t.publish_pending) == 1:
                         self._events.append(RegistryPublish(
@@ -620,59 +840,157 @@ class ReceiverCore:
         if self._repeat_reset(sess, conn, addr.transfer_id):
             pass
         elif t is None and addr.transfer_id not in sess.completed:
+            # Never begun (or long forgotten): the data was not stored, so say so first.
             conn.send_reset(addr.transfer_id, ErrorCode.PROTOCOL_ERROR, "no such transfer")
+        # Chunks of failed transfers are acknowledged too, after the RESET on the same
+        # stream: the ack returns the connection credit, the RESET the outcome.
         conn.send_ack(addr)
 
-    def _store(self, t: _Incoming, chunk: Chunk) -> bool:
-        """Verify and store a chunk; True when it was new.  Raises KvwireError to reset."""
+    def _check_chunk(self, t: _Incoming, chunk: Chunk) -> int:
+        """Raise unless ``chunk`` may belong to ``t``; return its layer's size in bytes."""
         if not t.accepted:
             raise ProtocolError("CHUNK before the transfer was accepted")
         first = t.state.layer_tokens is None
         t.state.check(chunk)
-        bpt = t.bpt
-        check_chunk_size(chunk, bpt, max_chunk_bytes=self.config.max_chunk_bytes,
+        check_chunk_size(chunk, t.bpt, max_chunk_bytes=self.config.max_chunk_bytes,
                          max_layer_bytes=self.config.max_layer_bytes)
-        layer_bytes = 2 * chunk.layer_tokens * bpt
-        if first:
+        name = codec_by_id(chunk.codec_id).name
+        if name not in self.config.codecs:
+            raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {name!r} is not accepted here")
+        layer_bytes = 2 * chunk.layer_tokens * t.bpt
+        if first:  # as many layers as transfer_buffer_bytes holds, at least one
             t.window = max(1, self.config.transfer_buffer_bytes // max(1, layer_bytes))
             self._grant(t, t.taken + t.window)
+        return layer_bytes
+
+    def _store_chunk(self, cid: int, t: _Incoming, chunk: Chunk) -> bool:
+        """Verify and store a chunk; True when it was new.  Raises KvwireError to reset.
+
+        A chunk counts as received only once its bytes are in place: a failure to allocate
+        or decode leaves the bookkeeping as it was (a re-sent copy is not mistaken for a
+        duplicate) and becomes a typed error, whatever raised it.
+        """
+        layer_bytes = self._check_chunk(t, chunk)
+        res = t.inplace.get(chunk.address)
+        inplace = False
+        if res is not None and res.cid == cid:
+            del t.inplace[chunk.address]
+            inplace = chunk.payload is res.view
         if t.state.classify(chunk) is ChunkVerdict.DUPLICATE:
             t.state.add(chunk)
             return False
         try:
-            buf = t.buffers.get(chunk.layer)
-            if buf is None:
-                if self.buffered_bytes + layer_bytes > self.config.max_buffer_bytes:
-                    raise LimitExceededError("the server's max_buffer_bytes is reached")
-                buf = self._allocate(layer_bytes)
-                self.buffered_bytes += layer_bytes
-                t.held += layer_bytes
-                t.buffers[chunk.layer] = buf
-            half = layer_bytes // 2
-            start = chunk.kind * half + chunk.token_start * bpt
-            self._decode(chunk, buf[start : start + chunk.token_count * bpt])
+            buf = self._layer_buffer(t, chunk, layer_bytes)
+            if not inplace:
+                self._evict_overlapping(t, chunk)
+                offset = chunk.kind * (layer_bytes // 2) + chunk.token_start * t.bpt
+                self._store.decode(t.key, chunk, buf, offset, chunk.token_count * t.bpt)
         except KvwireError:
             raise
         except MemoryError:
-            raise LimitExceededError("out of memory storing a chunk") from None
-        except Exception as exc:
-            raise ProtocolError(f"chunk could not be decoded ({type(exc).__name__})") from exc
+            raise LimitExceededError(f"out of memory storing a chunk of layer {chunk.layer}") from None
+        except Exception as exc:  # a codec or allocator failing on peer-chosen input
+            raise ProtocolError(
+                f"chunk of layer {chunk.layer} could not be decoded ({type(exc).__name__})"
+            ) from exc
         t.state.add(chunk)
         if t.state.layer_complete(chunk.layer):
-            self._events.append(LayerReady(key=t.key, layer=chunk.layer))
-            if t.state.complete and not t.gated:
-                t.deadline = None
+            if t.gated and t.state.complete:
+                t.last_layer = chunk.layer  # ready once its blocks are published
+            else:
+                self._events.append(LayerReady(key=t.key, layer=chunk.layer))
+                if t.state.complete:
+                    t.deadline = None
         return True
+
+    def _layer_buffer(self, t: _Incoming, chunk: Chunk, layer_bytes: int, *, count: bool = True) -> Any:
+        """The buffer of ``chunk``'s layer, allocated on its first chunk within the budget."""
+        if chunk.layer in t.buffers:
+            return t.buffers[chunk.layer]
+        cost = 0 if t.external else layer_bytes
+        limit = self.config.max_buffer_bytes
+        if cost and self.buffered_bytes + cost > limit:
+            if count:
+                self._count("buffer_budget_refusals")
+            raise LimitExceededError(
+                f"the server holds {self.buffered_bytes} bytes of received layers; "
+                f"{cost} more exceeds max_buffer_bytes={limit}"
+            )
+        buf = self._store.allocate(t.key, chunk, layer_bytes)
+        t.buffers[chunk.layer] = buf
+        t.costs[chunk.layer] = cost
+        t.held += cost
+        self.buffered_bytes += cost
+        return buf
+
+    # -- in-place receive ------------------------------------------------------------------
+
+    def _sink(self, cid: int, head: Chunk, size: int) -> memoryview | None:
+        """Where a raw chunk's payload can be received directly: its place in the layer.
+
+        The header has not passed its CRC yet, so nothing here changes what the transfer
+        has received, granted or acknowledged (at most the buffer of a granted layer is
+        allocated early).  The region must hold no verified bytes and not be arriving on
+        another connection: a corrupted copy can only spoil bytes no one has accepted.
+        """
+        sess = self._conn_session.get(cid)
+        t = sess.transfers.get(head.transfer_id) if sess is not None else None
+        if t is None or t.error is not None or not t.accepted:
+            return None
+        st = t.state
+        end = head.token_start + head.token_count
+        if (
+            head.codec_id != 0 or head.params or st.layer_tokens is None or head.layer_tokens != st.layer_tokens
+            or head.layer >= min(st.layer_limit, st.num_layers) or head.token_count == 0
+            or end > head.layer_tokens or head.token_count * t.bpt != size
+            or st.overlaps_received(head.layer, head.kind, head.token_start, head.token_count)
+            or any(r.overlaps(head.layer, head.kind, head.token_start, end) for r in t.inplace.values())
+        ):
+            return None
+        layer_bytes = 2 * head.layer_tokens * t.bpt
+        offset = head.kind * (layer_bytes // 2) + head.token_start * t.bpt
+        try:
+            buf = self._layer_buffer(t, head, layer_bytes, count=False)
+            view = self._store.region(t.key, head, buf, offset, size)
+        except Exception:
+            return None  # the verified chunk meets the same failure and fails the transfer
+        if view is None or len(view) != size or view.readonly:
+            return None
+        t.inplace[head.address] = _Reservation(view, cid, head.layer, head.kind, head.token_start, end)
+        return view
+
+    def _evict_overlapping(self, t: _Incoming, chunk: Chunk) -> None:
+        """A copy of these tokens is about to be stored: any connection still reading into
+        that region in place is switched to a private buffer first."""
+        end = chunk.token_start + chunk.token_count
+        for address, r in list(t.inplace.items()):
+            if r.overlaps(chunk.layer, chunk.kind, chunk.token_start, end):
+                conn = self._conns.get(r.cid)
+                if conn is not None:
+                    conn.abandon_payload(r.view)
+                del t.inplace[address]
+
+    def _release_reservations(self, cid: int) -> None:
+        """``cid`` is gone: its in-place reservations free their regions."""
+        for t in self._live.values():
+            for address in [a for a, r in t.inplace.items() if r.cid == cid]:
+                del t.inplace[address]
 
 
 __all__ = [
+    "AuthenticationFailed",
+    "ByteStore",
+    "GoawayReceived",
     "Key",
     "LayerReady",
+    "LayerStore",
     "ReceiverConfig",
     "ReceiverCore",
     "ReceiverEvent",
     "RegistryCheck",
     "RegistryPublish",
+    "StreamResumed",
+    "TransferAborted",
     "TransferArrived",
     "TransferFailed",
     "admit_begin",

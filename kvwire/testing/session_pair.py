@@ -173,7 +173,7 @@ class SessionPair:
                     continue  # it failed since; its TransferFailed event follows
                 self.delivered.setdefault(self._requests[ev.key], {})[ev.layer] = (k, v)
             elif isinstance(ev, IncomingFailed):
-                self.failed_incoming[self._requests.get(ev.key, "?")] = ev.error
+                self.failed_incoming[ev.request_id or self._requests.get(ev.key, "?")] = ev.error
             elif isinstance(ev, RegistryCheck):
                 err = self.registry(ev.blocks) if self.registry is not None else None
                 self.receiver.registry_checked(ev.key, None, err, now)

@@ -1,0 +1,500 @@
+"""The receiving session core on its own: a client connection speaks to it in memory, in
+fake time, and every hook the asyncio server relies on is checked here (layout and codec
+refusal, storage failures, in-place receive before the CRC, the byte budget, the registry
+gate, the events the server logs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.errors import ErrorCode, KvwireError
+from kvwire.session.receiver import (
+    AuthenticationFailed,
+    ByteStore,
+    LayerReady,
+    LayerStore,
+    ReceiverConfig,
+    ReceiverCore,
+    RegistryCheck,
+    RegistryPublish,
+    StreamResumed,
+    TransferAborted,
+    TransferArrived,
+    TransferFailed,
+)
+from kvwire.spec import KVSpec
+from kvwire.wire import (
+    Begin,
+    Chunk,
+    ChunkAcked,
+    Connection,
+    ConnectionClosed,
+    ConnectionConfig,
+    CreditGranted,
+    Event,
+    Role,
+    State,
+    TransferAccepted,
+    TransferReset,
+    chunk_frame_size,
+)
+from kvwire.wire.frames import BlockVersion
+
+SECRET = b"receiver-core-secret"
+HEADS, HEAD_DIM = 2, 4
+BPT = HEADS * HEAD_DIM * 2  # float16
+SPEC = KVSpec(num_layers=2, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float16")
+
+
+def begin(tid: int = 1, layers: int = 2, request: str = "r", **kw: Any) -> Begin:
+    fields: dict[str, Any] = dict(
+        transfer_id=tid, num_layers=layers, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype_id=1,
+        model="", request_id=request, meta=b"{}",
+    )
+    fields.update(kw)
+    return Begin(**fields)
+
+
+def chunk(tid: int = 1, layer: int = 0, kind: int = 0, start: int = 0, count: int = 8, tokens: int = 8,
+          codec_id: int = 0, fill: int | None = None) -> Chunk:
+    seed = (tid * 31 + layer * 7 + kind * 3 + start) % 251 if fill is None else fill
+    payload = bytes((seed + i) % 256 for i in range(count * BPT))
+    return Chunk(transfer_id=tid, layer=layer, kind=kind, codec_id=codec_id, token_start=start,
+                 token_count=count, layer_tokens=tokens, params=b"", payload=payload)
+
+
+Tap = Callable[[bytes], list[bytes]]
+
+
+class Harness:
+    """One client connection (cid 1) talking to a :class:`ReceiverCore` in memory."""
+
+    def __init__(self, config: ReceiverConfig | None = None, *, store: LayerStore | None = None,
+                 fingerprint: bytes | None = None, secret: bytes = SECRET) -> None:
+        self.now = 0.0
+        self.core = ReceiverCore(config or ReceiverConfig(secret=SECRET, codecs=("raw", "fp8")), store=store)
+        self.events: list[Any] = []
+        self.client_events: list[Event] = []
+        self.core.connection_made(1, self.now)
+        ccfg = ConnectionConfig(secret=secret) if fingerprint is None else ConnectionConfig(
+            secret=secret, fingerprint=fingerprint)
+        self.client = Connection(Role.CLIENT, ccfg, now=self.now)
+        self.client.initiate()
+        self.pump()
+
+    def pump(self, tap: Tap | None = None) -> None:
+        moving = True
+        while moving:
+            moving = False
+            for part in self.client.data_to_send():
+                data = bytes(part)
+                if data:
+                    moving = True
+                    for piece in tap(data) if tap is not None else [data]:
+                        self.core.receive_data(1, piece, self.now)
+            data = self.core.data_to_send(1)
+            if data:
+                moving = True
+                self.client.receive_data(data, self.now)
+            while (ev := self.client.next_event()) is not None:
+                self.client_events.append(ev)
+        while (rev := self.core.next_event()) is not None:
+            self.events.append(rev)
+
+    def send(self, c: Chunk, tap: Tap | None = None) -> None:
+        self.client.send_chunk(c, chunk_frame_size(len(c.params), len(c.payload)))
+        self.pump(tap)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+    def client_of(self, kind: type) -> list[Any]:
+        return [e for e in self.client_events if isinstance(e, kind)]
+
+    @property
+    def key(self) -> tuple[bytes, int]:
+        return self.of(TransferArrived)[0].key  # type: ignore[no-any-return]
+
+
+def test_handshake_and_begin_accept_and_arrive() -> None:
+    h = Harness()
+    assert h.client.state is State.OPEN
+    h.client.send_begin(begin())
+    h.pump()
+    [arrived] = h.of(TransferArrived)
+    assert arrived.request_id == "r" and arrived.spec == SPEC and arrived.num_layers == 2
+    assert h.client_of(TransferAccepted)[0].layer_limit == 1
+    assert h.core.counters["transfers_accepted"] == 1
+
+
+# -- layouts -------------------------------------------------------------------------------
+
+
+def test_a_session_pinned_to_another_layout_is_refused_at_authentication() -> None:
+    other = replace(SPEC, head_dim=8)
+    cfg = ReceiverConfig(secret=SECRET, fingerprints=frozenset({SPEC.fingerprint}))
+    h = Harness(cfg, fingerprint=other.fingerprint)
+    [closed] = h.client_of(ConnectionClosed)
+    assert closed.error is not None and closed.error.code == ErrorCode.INCOMPATIBLE_SPEC
+    assert h.core.sessions == 0
+    # the accepted layout opens
+    assert Harness(cfg, fingerprint=SPEC.fingerprint).client.state is State.OPEN
+
+
+def test_a_begin_of_another_layout_is_refused_with_incompatible_spec() -> None:
+    h = Harness(ReceiverConfig(secret=SECRET, fingerprints=frozenset({SPEC.fingerprint})))
+    h.client.send_begin(begin(head_dim=8))
+    h.pump()
+    [reset] = h.client_of(TransferReset)
+    assert reset.code == ErrorCode.INCOMPATIBLE_SPEC
+    assert h.core.counters["transfers_refused"] == 1 and not h.of(TransferArrived)
+    h.client.send_begin(begin(tid=2))
+    h.pump()
+    assert len(h.of(TransferArrived)) == 1
+
+
+# -- codecs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec_id", [1, 16, 35])
+def test_a_chunk_in_a_codec_not_accepted_fails_its_transfer_with_unsupported_codec(codec_id: int) -> None:
+    h = Harness(ReceiverConfig(secret=SECRET, codecs=("raw",)))
+    h.client.send_begin(begin())
+    h.pump()
+    h.send(chunk(codec_id=codec_id))
+    [failed] = h.of(TransferFailed)
+    assert failed.error.code == ErrorCode.UNSUPPORTED_CODEC
+    # the RESET goes out before the ACK on the same connection
+    kinds = [type(e) for e in h.client_events if isinstance(e, TransferReset | ChunkAcked)]
+    assert kinds == [TransferReset, ChunkAcked]
+    assert h.core.buffered_bytes == 0
+
+
+# -- storage -------------------------------------------------------------------------------
+
+
+class FlakyStore(ByteStore):
+    """Fails the ``fail_at``-th allocate or decode call with ``exc``; counts decodes."""
+
+    def __init__(self, fail_at: int, exc: BaseException) -> None:
+        super().__init__()
+        self.calls = 0
+        self.decodes = 0
+        self.fail_at = fail_at
+        self.exc = exc
+
+    def _maybe_fail(self) -> None:
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise self.exc
+
+    def allocate(self, key: Any, chunk: Chunk, nbytes: int) -> Any:
+        self._maybe_fail()
+        return super().allocate(key, chunk, nbytes)
+
+    def decode(self, key: Any, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
+        self._maybe_fail()
+        self.decodes += 1
+        super().decode(key, chunk, buffer, offset, nbytes)
+
+
+@settings(max_examples=60, deadline=None)
+@given(fail_at=st.integers(1, 12), exc=st.sampled_from([MemoryError(), ValueError("bad"), OverflowError(),
+                                                        RecursionError()]))
+def test_a_storage_failure_leaves_the_chunk_unreceived_and_becomes_a_typed_error(
+    fail_at: int, exc: BaseException,
+) -> None:
+    store = FlakyStore(fail_at, exc)
+    h = Harness(ReceiverConfig(secret=SECRET, transfer_buffer_bytes=1 << 20), store=store)
+    h.client.send_begin(begin(layers=2))
+    h.pump()
+    key = h.key
+    taken = 0
+    for layer in range(2):
+        for kind in range(2):
+            for start in (0, 4):
+                if h.of(TransferFailed):
+                    break
+                c = chunk(layer=layer, kind=kind, start=start, count=4)
+                h.send(c)
+                for ev in h.of(LayerReady)[taken:]:
+                    h.core.take_layer(key, ev.layer)
+                    taken += 1
+    failed = h.of(TransferFailed)
+    if fail_at > store.calls:  # the failure point was never reached: all delivered
+        assert not failed and taken == 2
+        return
+    [f] = failed
+    assert isinstance(f.error, KvwireError)
+    assert f.error.code in (ErrorCode.LIMIT_EXCEEDED, ErrorCode.PROTOCOL_ERROR)
+    # the failing chunk was never marked received: no layer became ready after it
+    assert taken == len(h.of(LayerReady)) <= 1
+    assert h.core.buffered_bytes == 0
+    # the sender learns it before the chunk's ACK
+    events = [e for e in h.client_events if isinstance(e, TransferReset | ChunkAcked)]
+    first_reset = next(i for i, e in enumerate(events) if isinstance(e, TransferReset))
+    assert all(isinstance(e, ChunkAcked) for e in events[:first_reset])
+
+
+def test_a_chunk_past_the_buffer_budget_fails_and_counts_a_refusal() -> None:
+    cfg = ReceiverConfig(secret=SECRET, max_buffer_bytes=2 * 8 * BPT, transfer_buffer_bytes=1 << 20)
+    h = Harness(cfg)
+    h.client.send_begin(begin(layers=2))
+    h.pump()
+    h.send(chunk(layer=0))
+    h.send(chunk(layer=1))
+    [failed] = h.of(TransferFailed)
+    assert failed.error.code == ErrorCode.LIMIT_EXCEEDED
+    assert h.core.counters["buffer_budget_refusals"] == 1
+    assert h.core.buffered_bytes == 0
+
+
+def test_attach_grants_every_layer_and_keeps_them_out_of_the_budget() -> None:
+    h = Harness()
+    h.client.send_begin(begin(layers=4))
+    h.pump()
+    h.core.attach(h.key)
+    h.pump()
+    assert h.client_of(CreditGranted)[-1].layer_limit == 4
+    for layer in range(4):
+        h.send(chunk(layer=layer, kind=0))
+        h.send(chunk(layer=layer, kind=1))
+    assert h.core.buffered_bytes == 0
+    assert sorted(e.layer for e in h.of(LayerReady)) == [0, 1, 2, 3]
+
+
+# -- in-place receive ----------------------------------------------------------------------
+
+
+class CountingStore(ByteStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.decodes = 0
+        self.buffers: dict[int, memoryview] = {}
+
+    def allocate(self, key: Any, chunk: Chunk, nbytes: int) -> Any:
+        buf = super().allocate(key, chunk, nbytes)
+        self.buffers[chunk.layer] = buf
+        return buf
+
+    def decode(self, key: Any, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
+        self.decodes += 1
+        super().decode(key, chunk, buffer, offset, nbytes)
+
+
+def split_after(n: int) -> Tap:
+    """Deliver each write in two parts: the first ``n`` bytes, then the rest (a CHUNK frame
+    larger than 64 KiB whose body is not all there is read into its sink)."""
+    return lambda data: [data[:n], data[n:]] if len(data) > n else [data]
+
+
+BIG = 8192  # tokens of BPT bytes: a 128 KiB payload, above the decoder's big-frame size
+
+
+def big_harness() -> tuple[Harness, CountingStore]:
+    store = CountingStore()
+    h = Harness(ReceiverConfig(secret=SECRET, transfer_buffer_bytes=1 << 30), store=store)
+    h.client.send_begin(begin(layers=2))
+    h.pump()
+    h.send(chunk(layer=0, kind=0, start=0, count=BIG, tokens=2 * BIG))  # tells the layer size
+    assert store.decodes == 1
+    return h, store
+
+
+def test_a_raw_payload_is_received_in_place() -> None:
+    h, store = big_harness()
+    c = chunk(layer=0, kind=1, start=0, count=BIG, tokens=2 * BIG)
+    h.send(c, split_after(40))
+    assert store.decodes == 1  # not copied by a decoder: it landed in its place
+    half = 2 * BIG * BPT
+    assert bytes(store.buffers[0][half : half + len(c.payload)]) == c.payload
+    assert len(h.client_of(ChunkAcked)) == 2
+
+
+@settings(max_examples=80, deadline=None)
+@given(bit=st.integers(0, (40 + 26 + BIG * BPT + 4) * 8 - 1), cut=st.integers(20, 60))
+def test_an_in_place_payload_changes_nothing_before_its_crc(bit: int, cut: int) -> None:
+    h, _ = big_harness()
+    key = h.key
+    t = h.core._live[key]
+    before = (repr(t.state.__dict__), dict(h.core.counters), h.core.buffered_bytes, len(h.events))
+    c = chunk(layer=0, kind=1, start=0, count=BIG, tokens=2 * BIG)
+
+    def flip(data: bytes) -> list[bytes]:
+        b = bytearray(data)
+        if len(b) > 1000:  # the CHUNK frame
+            b[bit // 8 % len(b)] ^= 1 << (bit % 8)
+        return split_after(cut)(bytes(b))
+
+    acks = len(h.client_of(ChunkAcked))
+    h.send(c, flip)
+    if h.client.state is State.OPEN and len(h.client_of(ChunkAcked)) > acks:
+        # the flip was caught as harmless only if the chunk still verified: impossible,
+        # every bit is covered by the CRC; so the chunk never counted
+        pytest.fail("a corrupted chunk was acknowledged")
+    after = (repr(t.state.__dict__), dict(h.core.counters), h.core.buffered_bytes, len(h.events))
+    assert after == before
+    assert not t.inplace  # the broken connection's reservation is gone
+
+
+def test_a_copy_stored_from_another_connection_evicts_an_in_place_reservation() -> None:
+    h, store = big_harness()
+    key = h.key
+    t = h.core._live[key]
+    c = chunk(layer=0, kind=1, start=0, count=BIG, tokens=2 * BIG)
+    view = h.core._sink(1, replace(c, payload=b""), len(c.payload))
+    assert view is not None and t.inplace
+    # the verified copy arrives (as if on another stream); the reservation is dropped
+    h.send(c)
+    assert not t.inplace and store.decodes == 2
+
+
+# -- budget --------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["send", "take", "abort", "timeout"]), st.integers(0, 2)),
+                max_size=30))
+def test_the_buffer_budget_returns_to_zero(actions: list[tuple[str, int]]) -> None:
+    cfg = ReceiverConfig(secret=SECRET, transfer_buffer_bytes=1 << 20, transfer_timeout=50.0,
+                         claim_timeout=None)
+    h = Harness(cfg)
+    for tid in range(3):
+        h.client.send_begin(begin(tid=tid, layers=2, request=f"r{tid}"))
+    h.pump()
+    keys = {e.request_id: e.key for e in h.of(TransferArrived)}
+    sent: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    taken: set[tuple[int, int]] = set()
+    for action, tid in actions:
+        if h.client.state is not State.OPEN:
+            break
+        key = keys[f"r{tid}"]
+        if action == "send" and sent[tid] < 4 and key in h.core._live:
+            layer, kind = divmod(sent[tid], 2)
+            h.send(chunk(tid=tid, layer=layer, kind=kind))
+            sent[tid] += 1
+        elif action == "take":
+            for ev in h.of(LayerReady):
+                if ev.key == key and (tid, ev.layer) not in taken and key in h.core._live:
+                    h.core.take_layer(key, ev.layer)
+                    taken.add((tid, ev.layer))
+        elif action == "abort":
+            h.core.abort(key, "test", h.now)
+            h.pump()
+        assert h.core.buffered_bytes == sum(t.held for t in h.core._live.values())
+    for key in keys.values():
+        for ev in h.of(LayerReady):
+            if ev.key == key and key in h.core._live and ev.layer in h.core._live[key].buffers:
+                h.core.take_layer(key, ev.layer)
+    h.now = 100.0
+    h.core.handle_timer(h.now)  # every unfinished transfer times out
+    assert h.core.buffered_bytes == 0
+
+
+# -- the registry gate and claims ----------------------------------------------------------
+
+
+def test_the_last_layer_of_a_gated_transfer_waits_for_its_publish() -> None:
+    h = Harness(ReceiverConfig(secret=SECRET, registry=True, transfer_buffer_bytes=1 << 20))
+    h.client.send_begin(begin(layers=2, blocks=(BlockVersion(block=b"i:1", version=3),)))
+    h.pump()
+    [check] = h.of(RegistryCheck)
+    assert not h.of(TransferArrived)  # handed out only once the registry agreed
+    h.core.registry_checked(check.key, [], None, h.now)
+    h.pump()
+    assert h.of(TransferArrived)
+    for layer in range(2):
+        h.send(chunk(layer=layer, kind=0))
+        h.send(chunk(layer=layer, kind=1))
+    assert [e.layer for e in h.of(LayerReady)] == [0]
+    assert len(h.client_of(ChunkAcked)) == 3  # the last ack waits too
+    [publish] = h.of(RegistryPublish)
+    h.core.registry_published(publish.key, None, h.now)
+    h.pump()
+    assert [e.layer for e in h.of(LayerReady)] == [0, 1]
+    assert len(h.client_of(ChunkAcked)) == 4
+
+
+def test_a_failed_publish_resets_before_the_last_ack() -> None:
+    h = Harness(ReceiverConfig(secret=SECRET, registry=True, transfer_buffer_bytes=1 << 20))
+    h.client.send_begin(begin(layers=1, blocks=(BlockVersion(block=b"i:1", version=3),)))
+    h.pump()
+    h.core.registry_checked(h.of(RegistryCheck)[0].key, [], None, h.now)
+    h.pump()
+    h.send(chunk(layer=0, kind=0))
+    h.send(chunk(layer=0, kind=1))
+    from kvwire.errors import StaleVersionError
+
+    h.core.registry_published(h.key, StaleVersionError("stale"), h.now)
+    h.pump()
+    tail = [type(e) for e in h.client_events if isinstance(e, TransferReset | ChunkAcked)][-2:]
+    assert tail == [TransferReset, ChunkAcked]
+    [failed] = h.of(TransferFailed)
+    assert failed.request_id == "r" and not h.of(LayerReady)
+
+
+def test_an_unclaimed_transfer_is_aborted_at_its_claim_deadline() -> None:
+    h = Harness(ReceiverConfig(secret=SECRET, claim_timeout=5.0))
+    h.client.send_begin(begin(layers=1))
+    h.pump()
+    h.send(chunk(layer=0, kind=0))
+    h.send(chunk(layer=0, kind=1))
+    assert h.core.get_timer() == pytest.approx(5.0)
+    h.now = 5.0
+    h.core.handle_timer(h.now)
+    h.pump()
+    assert h.core.counters["transfers_unclaimed"] == 1 and h.core.counters["transfers_aborted"] == 1
+    [aborted] = h.of(TransferAborted)
+    assert "not claimed" in aborted.reason and not aborted.by_peer
+    assert h.core.buffered_bytes == 0
+
+
+# -- events the server logs ----------------------------------------------------------------
+
+
+def test_a_wrong_secret_is_an_authentication_failure_event() -> None:
+    h = Harness(secret=b"not-the-right-secret")
+    [ev] = h.of(AuthenticationFailed)
+    assert ev.cid == 1
+    assert h.core.counters["authentication_failures"] == 1
+
+
+def test_a_peer_reset_is_counted_and_reported() -> None:
+    h = Harness()
+    h.client.send_begin(begin())
+    h.pump()
+    h.client.send_reset(1, ErrorCode.CANCELLED, "x" * 1000)
+    h.pump()
+    [ev] = h.of(TransferAborted)
+    assert ev.by_peer and len(ev.reason) <= 160
+    assert h.core.counters["transfers_aborted_by_peer"] == 1
+
+
+def test_a_reconnected_stream_resumes_its_session() -> None:
+    h = Harness(ReceiverConfig(secret=SECRET, resume_timeout=10.0))
+    h.client.send_begin(begin())
+    h.pump()
+    sid = h.client.session_id
+    h.core.receive_data(1, b"", h.now)  # the connection broke
+    h.core.forget(1)
+    assert h.core.get_timer() == pytest.approx(10.0)
+    h.core.connection_made(2, h.now)
+    client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=sid, stream_index=0), now=h.now)
+    client.initiate()
+    for _ in range(4):
+        for part in client.data_to_send():
+            h.core.receive_data(2, bytes(part), h.now)
+        data = h.core.data_to_send(2)
+        if data:
+            client.receive_data(data, h.now)
+    assert client.state is State.OPEN
+    while (ev := h.core.next_event()) is not None:
+        h.events.append(ev)
+    assert h.of(StreamResumed) and h.core.counters["resumes"] == 1
+    assert h.core.sessions == 1
