@@ -1,4 +1,5 @@
-"""Write the seed corpora of valid frames: fuzz/corpus/frames and fuzz/corpus/server.
+"""Write the seed corpora of valid frames: fuzz/corpus/frames, fuzz/corpus/server and
+fuzz/corpus/session.
 
     python fuzz/make_corpus.py
 """
@@ -39,9 +40,9 @@ BEGIN = Begin(
 )
 
 
-def chunk(layer: int, kind: int, start: int, count: int, tokens: int = 8) -> Chunk:
+def chunk(layer: int, kind: int, start: int, count: int, tokens: int = 8, tid: int = 1) -> Chunk:
     return Chunk(
-        transfer_id=1, layer=layer, kind=kind, codec_id=0, token_start=start, token_count=count,
+        transfer_id=tid, layer=layer, kind=kind, codec_id=0, token_start=start, token_count=count,
         layer_tokens=tokens, params=b"", payload=bytes(range(8 * count)),
     )
 
@@ -65,14 +66,45 @@ SINGLE = {
 }
 
 
-def whole_transfer() -> bytes:
+def whole_transfer(begin: Begin = BEGIN) -> bytes:
     """BEGIN then every chunk of a 2-layer, 8-token transfer (two chunks per K and V)."""
-    out = frame_bytes(BEGIN)
+    out = frame_bytes(begin)
     for layer in range(2):
         for kind in (0, 1):
             for start in (0, 4):
-                out += frame_bytes(chunk(layer, kind, start, 4))
+                out += frame_bytes(chunk(layer, kind, start, 4, tid=begin.transfer_id))
     return out
+
+
+def session_seeds() -> dict[str, bytes]:
+    """fuzz_session: byte 0 (0x80 fixes CRCs, 0x40 closes at the end, low 6 bits: read
+    size), byte 1 (what the application does), byte 2 (fake seconds per read), frames."""
+    begin = Begin(
+        transfer_id=1, num_layers=2, num_kv_heads=1, head_dim=4, dtype_id=1, model="m",
+        request_id="req-1", meta=b'{"prompt_tokens":8}', blocks=(BlockVersion(block=b"i:7", version=3),),
+    )
+    begin2 = Begin(
+        transfer_id=2, num_layers=2, num_kv_heads=1, head_dim=4, dtype_id=1, model="m",
+        request_id="req-2", meta=b"", blocks=(),
+    )
+    one, two = whole_transfer(begin), whole_transfer(begin2)
+    return {
+        "transfer_take": b"\xbf\x03\x00" + one,
+        "transfer_hold": b"\xbf\x00\x00" + one,
+        "transfer_split_close": b"\xc6\x03\x00" + one,
+        "two_transfers": b"\xbf\x01\x00" + one + two,
+        "registry_ok": b"\xbf\x0b\x00" + one,
+        "registry_stale": b"\xbf\x1b\x00" + one,
+        "registry_publish_fails": b"\xbf\x2b\x00" + one,
+        "abort": b"\xbf\x07\x00" + one,
+        "second_stream": b"\x8f\x43\x00" + one,
+        "resume": b"\xcf\x83\x00" + one[: len(one) // 2],
+        "slow_clock": b"\xbf\x02\x05" + one,
+        "reset_by_client": b"\xbf\x03\x00" + frame_bytes(begin)
+        + frame_bytes(chunk(0, 0, 0, 4)) + frame_bytes(Reset(transfer_id=1, code=12, message="x"))
+        + frame_bytes(chunk(0, 0, 4, 4)),
+        "duplicate_begin": b"\xbf\x03\x00" + frame_bytes(begin) + frame_bytes(begin) + one,
+    }
 
 
 def main() -> None:
@@ -99,7 +131,14 @@ def main() -> None:
     (server_dir / "preauth_handshake").write_bytes(b"\xff" + hello + auth + transfer)
     for name in ("chunk", "begin", "credit", "ack"):
         (server_dir / f"single_{name}").write_bytes(b"\x7f" + frame_bytes(SINGLE[name]))
-    print(f"wrote {len(list(frames_dir.iterdir()))} frame seeds, {len(list(server_dir.iterdir()))} server seeds")
+    session_dir = HERE / "corpus" / "session"
+    session_dir.mkdir(parents=True, exist_ok=True)
+    for name, seed in session_seeds().items():
+        (session_dir / name).write_bytes(seed)
+    print(
+        f"wrote {len(list(frames_dir.iterdir()))} frame seeds, {len(list(server_dir.iterdir()))} server seeds, "
+        f"{len(list(session_dir.iterdir()))} session seeds"
+    )
 
 
 if __name__ == "__main__":
