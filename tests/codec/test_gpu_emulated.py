@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvwire.codec import TensorKind, get_codec, numpy_dtype
@@ -31,6 +31,7 @@ CXX = shutil.which("g++") or shutil.which("c++")
 
 SHIM = r"""
 #include <algorithm>
+#include <atomic>
 #include <barrier>
 #include <cstdint>
 #include <cstring>
@@ -48,22 +49,45 @@ static dim3 blockDim;
 #define __device__
 #define __host__
 #define __forceinline__ inline
-template <class T> static inline T __ldg(const T* p) { return *p; }
+// What a GPU would refuse and a CPU lets pass is counted here (emu_errors): a vector
+// access off its alignment (a misaligned-address fault on the device), a shuffle that not
+// every lane of the warp reaches at the same call (undefined with a full mask: a lane
+// returned early or took another branch), a mask other than the full warp.
+static std::atomic<unsigned> emu_error_count{0};
+static inline void emu_check_align(const void* p, unsigned n) {
+    if ((uintptr_t)p % n) emu_error_count.fetch_add(1);
+}
+#define KV_ASSERT_ALIGNED(p, n) emu_check_align((const void*)(p), (n))
+template <class T> static inline T __ldg(const T* p) { emu_check_align(p, alignof(T)); return *p; }
 static inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
 using std::max;
 using std::min;
-struct EmuWarp { std::barrier<>* bar; unsigned vals[32]; };
+// A warp: 32 host threads in lock step at every shuffle (two barrier phases: publish,
+// then read), each with the count of shuffles it has made in the current warp body;
+// a lane that finishes its body publishes "exited" (-1).
+struct EmuWarp { std::barrier<>* bar; unsigned vals[32]; long seq[32]; };
 static thread_local EmuWarp* emu_warp;
-static inline unsigned __shfl_xor_sync(unsigned, unsigned v, int off) {
+static thread_local long emu_calls;
+static inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int off) {
+    if (emu_warp == nullptr) {  // a shuffle in a kernel not run as warps
+        emu_error_count.fetch_add(1);
+        return v;
+    }
     const unsigned lane = threadIdx.x & 31u;
+    if (mask != 0xFFFFFFFFu || off < 0 || off > 31) emu_error_count.fetch_add(1);
+    const long call = ++emu_calls;
     emu_warp->vals[lane] = v;
+    emu_warp->seq[lane] = call;
     emu_warp->bar->arrive_and_wait();
-    const unsigned r = emu_warp->vals[lane ^ (unsigned)off];
+    for (int l = 0; l < 32; ++l)
+        if (emu_warp->seq[l] != call) { emu_error_count.fetch_add(1); break; }
+    const unsigned r = emu_warp->vals[lane ^ ((unsigned)off & 31u)];
     emu_warp->bar->arrive_and_wait();
     return r;
 }
-// threaded: 32 threads run each warp in step (for kernels with warp shuffles);
-// otherwise the threads run one after another.
+// threaded: 32 threads run each warp in step (for kernels with warp shuffles); a thread
+// that is done drops out of the barrier, so lanes out of step end instead of hanging.
+// Otherwise the threads run one after another.
 static void emu_run(unsigned grid, unsigned block, int threaded, const std::function<void()>& body) {
     blockDim = dim3{block, 1, 1};
     if (!threaded) {
@@ -71,6 +95,7 @@ static void emu_run(unsigned grid, unsigned block, int threaded, const std::func
             for (unsigned t = 0; t < block; ++t) { blockIdx = dim3{b, 0, 0}; threadIdx = dim3{t, 0, 0}; body(); }
         return;
     }
+    if (block % 32) emu_error_count.fetch_add(1);
     std::barrier<> bar(32);
     EmuWarp warp;
     warp.bar = &bar;
@@ -82,11 +107,29 @@ static void emu_run(unsigned grid, unsigned block, int threaded, const std::func
                 for (unsigned w = 0; w < block; w += 32) {
                     blockIdx = dim3{b, 0, 0};
                     threadIdx = dim3{w + l, 0, 0};
+                    emu_calls = 0;
                     body();
+                    warp.seq[l] = -1;
                     bar.arrive_and_wait();
                 }
+            bar.arrive_and_drop();
         });
     for (auto& t : lanes) t.join();
+}
+extern "C" unsigned emu_errors() { return emu_error_count.exchange(0); }
+// controls for the checks above (not kernels of kvwire)
+extern "C" __global__ void kv_emu_control_divergent(unsigned* out) {
+    if (threadIdx.x % 32 == 5) return;  // one lane leaves before the shuffle
+    out[threadIdx.x] = __shfl_xor_sync(0xFFFFFFFFu, threadIdx.x, 1);
+}
+extern "C" __global__ void kv_emu_control_misaligned(unsigned char* out) {
+    KV_ASSERT_ALIGNED(out + 1 + 4 * threadIdx.x, 4);
+    out[threadIdx.x] = (unsigned char)__ldg((const uint4*)(out + 8)).x;
+}
+extern "C" __global__ void kv_emu_control_shuffle(unsigned* out) {
+    unsigned v = threadIdx.x;
+    for (int off = 16; off > 0; off >>= 1) v = std::max(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
+    out[threadIdx.x] = v + 1000 * __shfl_xor_sync(0xFFFFFFFFu, threadIdx.x, 3);
 }
 """
 
@@ -127,6 +170,7 @@ def _launch(lib: Any, launch: g.Launch, buffers: dict[str, np.ndarray[Any, Any]]
     threaded = int("_encode_" in launch.kernel)
     getattr(lib, "emu_" + launch.kernel)(ctypes.c_uint(max(1, launch.blocks)), ctypes.c_uint(g.THREADS),
                                          ctypes.c_int(threaded), *args)
+    assert lib.emu_errors() == 0, f"{launch.kernel}: misaligned access or divergent shuffle"
 
 
 def _placed(x: np.ndarray[Any, Any], aligned: bool) -> np.ndarray[Any, Any]:
@@ -156,8 +200,10 @@ def emu_encode(lib: Any, codec: Any, x: np.ndarray[Any, Any], kind: TensorKind, 
 
 def emu_decode(lib: Any, base: str, params: bytes, payload: bytes, out: np.ndarray[Any, Any],
                dtype: str, kind: TensorKind) -> int:
-    launch = g.plan_decode(base, params, out.shape, dtype, kind, out_aligned=out.ctypes.data % 16 == 0)
-    buffers = {"payload": np.frombuffer(payload, np.uint8).copy(), "out": out, "flags": np.zeros(1, np.uint32)}
+    dev = _placed(np.frombuffer(payload, np.uint8), True)
+    launch = g.plan_decode(base, params, out.shape, dtype, kind, out_aligned=out.ctypes.data % 16 == 0,
+                           payload_aligned=dev.ctypes.data % 4 == 0)
+    buffers = {"payload": dev, "out": out, "flags": np.zeros(1, np.uint32)}
     _launch(lib, launch, buffers)
     return int(buffers["flags"][0])
 
@@ -201,11 +247,11 @@ def test_emulated_kernels_match_numpy(emu: Any, case: Any, dtype: str, name: str
         out = _placed(np.full(shape, 0xFF, _bits(x).dtype), aligned)
         for i, s in enumerate(starts):
             part = x[s : s + step]
-            ref = codec.encode(part, kind)
+            ref = codec.encode_numpy(part, kind)
             assert payloads[i] == bytes(memoryview(ref.payload).cast("B")), (aligned, i)
             sub = out[s : s + part.shape[0]]
             assert emu_decode(emu, name, ref.params, payloads[i], sub, dtype, kind) == 0
-            want = codec.decode(ref.params, ref.payload, shape=part.shape, dtype=dtype, kind=kind)
+            want = codec.decode_numpy(ref.params, ref.payload, shape=part.shape, dtype=dtype, kind=kind)
             assert sub.tobytes() == _bits(want).tobytes(), (aligned, i)
 
 
@@ -234,7 +280,7 @@ def test_emulated_int4_any_geometry(emu: Any, tokens: int, heads: int, dim: int,
     payloads, flags, _ = emu_encode(emu, codec, _placed(_bits(x), True), kind, step, dtype)
     assert flags == 0
     for i, s in enumerate(range(0, tokens, max(1, min(step, tokens)))):
-        ref = codec.encode(x[s : s + step], kind)
+        ref = codec.encode_numpy(x[s : s + step], kind)
         assert payloads[i] == bytes(memoryview(ref.payload).cast("B"))
 
 
@@ -246,25 +292,25 @@ def test_emulated_flags_match_the_numpy_refusals(emu: Any, dtype: str, name: str
     x = _tricky(dtype, shape, 9)
     x[7, 1, 33] = np.nan
     with pytest.raises(UsageError):
-        codec.encode(x, TensorKind.K)
+        codec.encode_numpy(x, TensorKind.K)
     _, flags, _ = emu_encode(emu, codec, _placed(_bits(x), True), TensorKind.K, 8, dtype)
     with pytest.raises(UsageError, match="NaN or infinity"):
         g._check_flags(flags, name)
     x = _tricky(dtype, shape, 9)
-    ref = codec.encode(x, TensorKind.K)
+    ref = codec.encode_numpy(x, TensorKind.K)
     raw = bytearray(memoryview(ref.payload).cast("B"))
     out = _placed(np.empty(shape, _bits(x).dtype), True)
     if name != "int4":
         bad = bytearray(raw)
         bad[4 * 32 + 5] = 0x7F if name == "fp8" else 0x80
         with pytest.raises(ProtocolError):
-            codec.decode(b"", bytes(bad), shape=shape, dtype=dtype, kind=TensorKind.K)
+            codec.decode_numpy(b"", bytes(bad), shape=shape, dtype=dtype, kind=TensorKind.K)
         with pytest.raises(ProtocolError):
             g._check_flags(emu_decode(emu, name, b"", bytes(bad), out, dtype, TensorKind.K), name)
     big = bytearray(raw)
     big[0:4] = np.float32(3e38).tobytes()
     with pytest.raises(ProtocolError):
-        codec.decode(ref.params, bytes(big), shape=shape, dtype=dtype, kind=TensorKind.K)
+        codec.decode_numpy(ref.params, bytes(big), shape=shape, dtype=dtype, kind=TensorKind.K)
     with pytest.raises(ProtocolError):
         g._check_flags(emu_decode(emu, name, ref.params, bytes(big), out, dtype, TensorKind.K), name)
     with pytest.raises(ProtocolError):
@@ -279,7 +325,7 @@ def test_int4_range_beyond_float32_is_flagged(emu: Any) -> None:
     x = np.ones((32, 1, 8), np.float32)
     x[0, 0, 0], x[1, 0, 0] = 3e38, -3e38
     with pytest.raises(UsageError, match="range"):
-        get_codec("int4").encode(x, TensorKind.K)
+        get_codec("int4").encode_numpy(x, TensorKind.K)
     _, flags, _ = emu_encode(emu, get_codec("int4"), _placed(x, True), TensorKind.K, 32, "float32")
     with pytest.raises(UsageError, match="range"):
         g._check_flags(flags, "int4")
@@ -317,4 +363,167 @@ def test_emulated_codes_near_rounding_points(emu: Any, name: str) -> None:
     codec = get_codec(name)
     payloads, flags, kernel = emu_encode(emu, codec, _placed(x, True), TensorKind.K, 64, "float32")
     assert flags == 0 and "_encode_vec_" in kernel
-    assert payloads[0] == bytes(memoryview(codec.encode(x, TensorKind.K).payload).cast("B"))
+    assert payloads[0] == bytes(memoryview(codec.encode_numpy(x, TensorKind.K).payload).cast("B"))
+
+
+def _control(lib: Any, name: str, out: np.ndarray[Any, Any], grid: int = 2, threaded: int = 1) -> int:
+    getattr(lib, "emu_kv_emu_control_" + name)(ctypes.c_uint(grid), ctypes.c_uint(g.THREADS), ctypes.c_int(threaded),
+                                               ctypes.c_void_p(out.ctypes.data))
+    return int(lib.emu_errors())
+
+
+def test_the_emulation_refuses_what_a_gpu_would(emu: Any) -> None:
+    # a well-formed warp reduction: every lane gets its warp's maximum, xor partners swap
+    out = np.zeros(2 * g.THREADS, np.uint32)
+    assert _control(emu, "shuffle", out) == 0
+    t = np.arange(g.THREADS, dtype=np.uint32)
+    assert np.array_equal(out[: g.THREADS], (t | 31) + 1000 * (t ^ 3))
+    # a lane that returns before a shuffle, a shuffle outside a warp, a misaligned access
+    assert _control(emu, "divergent", np.zeros(2 * g.THREADS, np.uint32)) > 0
+    assert _control(emu, "shuffle", np.zeros(2 * g.THREADS, np.uint32), threaded=0) > 0
+    assert _control(emu, "misaligned", np.zeros(8 * g.THREADS, np.uint8)) > 0
+
+
+# Llama-like and other common geometries: int4 takes the one-launch vector kernels
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("shape", [(8192, 8, 128), (1000, 32, 128), (300, 4, 64), (77, 2, 256)])
+@pytest.mark.parametrize("group", [8, 16, 32, 64])
+@pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
+def test_int4_common_shapes_encode_in_one_vector_launch(dtype: str, shape: tuple[int, int, int], group: int,
+                                                        kind: TensorKind) -> None:
+    if dtype == "float32" and kind == TensorKind.V and group < 8:
+        pytest.skip("a float32 vector holds 4 values")  # pragma: no cover
+    plan = g.plan_encode("int4", group, shape, dtype, kind, 512, x_aligned=True)
+    assert len(plan.launches) == 1 and plan.stats_floats == 0
+    assert plan.launches[0].kernel.startswith(f"kv_int4_encode_{'v' if kind == TensorKind.V else 'k'}_vec_")
+    dec = g.plan_decode("int4", bytes([group]), (512, *shape[1:]), dtype, kind, out_aligned=True)
+    assert dec.kernel.startswith("kv_int4_decode_vec_")
+    # unaligned input, groups the vector kernels do not take: the two-step kernels
+    assert len(g.plan_encode("int4", group, shape, dtype, kind, 512, x_aligned=False).launches) == 2
+    assert len(g.plan_encode("int4", 96 if kind == TensorKind.K else 3, shape, dtype, kind, 512,
+                             x_aligned=True).launches) == 2
+
+
+STYLES = ("normal", "subnormal", "zeros", "ties", "constant", "mixed")
+
+
+def _adversarial(style: str, dtype: str, shape: tuple[int, int, int], seed: int) -> np.ndarray[Any, Any]:
+    """Data where a shortcut in the int4 kernels would show: subnormal values and ranges,
+    -0 next to +0 as group extremes, quotients exactly halfway between two codes (with a
+    group range of 15 units, (x - lo) / scale is x itself), groups of one repeated value
+    (scale 0), and a mix of all of them element by element."""
+    rng = np.random.default_rng(seed)
+    tiny = {"float16": 2.0**-20, "bfloat16": 2.0**-130, "float32": 2.0**-140}[dtype]
+    normal = rng.standard_normal(shape) * np.exp2(rng.integers(-8, 8, (shape[0], shape[1], 1)))
+    kinds = {
+        "normal": normal,
+        "subnormal": rng.standard_normal(shape) * tiny,
+        "zeros": rng.choice(np.array([0.0, -0.0, tiny, -tiny]), shape),
+        "ties": rng.choice(np.arange(31) / 2, shape, p=np.r_[0.3, np.full(29, 0.4 / 29), 0.3])
+        * np.exp2(float(rng.integers(-10, 10))) - np.float32(rng.choice([0.0, 4.0])),
+        "constant": np.broadcast_to(rng.choice([-0.0, 0.0, 1.5, -tiny], (1, shape[1], 1)), shape),
+    }
+    if style == "mixed":
+        pick = rng.integers(0, 5, shape)
+        x = np.choose(pick, [kinds[k] for k in ("normal", "subnormal", "zeros", "ties", "constant")])
+    else:
+        x = kinds[style]
+    return np.ascontiguousarray(x).astype(numpy_dtype(dtype))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    tokens=st.integers(1, 24), heads=st.integers(1, 3), dim=st.sampled_from([4, 8, 16, 24, 40, 64, 128, 256]),
+    step=st.integers(1, 24), group=st.sampled_from([1, 2, 3, 4, 5, 7, 8, 12, 16, 31, 32, 33, 64, 65, 128, 255]),
+    style=st.sampled_from(STYLES), seed=st.integers(0, 2**16), aligned=st.booleans(),
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]), kind=st.sampled_from([TensorKind.K, TensorKind.V]),
+    poison=st.sampled_from([None, None, np.nan, np.inf, -np.inf]), fast=st.booleans(),
+    fast_dim=st.sampled_from([8, 16, 24, 40, 64, 128, 192, 256, 512]), fast_group=st.sampled_from([8, 16, 32, 64, 128, 255]),
+)
+def test_emulated_int4_kernels_match_the_numpy_reference(
+    emu: Any, tokens: int, heads: int, dim: int, step: int, group: int, style: str, seed: int, aligned: bool,
+    dtype: str, kind: TensorKind, poison: float | None, fast: bool, fast_dim: int, fast_group: int,
+) -> None:
+    from kvwire.codec.int4 import Int4Codec
+
+    if fast:  # a geometry the one-launch vector kernels take (keys: any group up to 64)
+        dim, aligned = fast_dim, True
+        group = group if kind == TensorKind.K and group <= 64 else fast_group if fast_group < 255 or dim < 255 else 128
+    codec = Int4Codec(group)
+    shape = (tokens, heads, dim)
+    x = _adversarial(style, dtype, shape, seed)
+    if poison is not None:
+        x.reshape(-1)[seed % x.size] = poison
+    payloads, flags, kernel = emu_encode(emu, codec, _placed(_bits(x), aligned), kind, step, dtype)
+    event(kernel.rsplit("_", 2)[0] if "_vec_" in kernel else kernel)
+    assert not fast or kernel.startswith("kv_int4_encode_"), kernel
+    if poison is not None:
+        with pytest.raises(UsageError):
+            codec.encode_numpy(x, kind)
+        assert flags & g.FLAG_NONFINITE
+        return
+    assert flags == 0
+    step = max(1, min(step, tokens))
+    out = _placed(np.full(shape, 0xFF, _bits(x).dtype), aligned)
+    for i, s in enumerate(range(0, tokens, step)):
+        part = x[s : s + step]
+        ref = codec.encode_numpy(part, kind)
+        assert payloads[i] == bytes(memoryview(ref.payload).cast("B")), (i, s)
+        sub = out[s : s + part.shape[0]]
+        assert emu_decode(emu, "int4", ref.params, payloads[i], sub, dtype, kind) == 0
+        want = codec.decode_numpy(ref.params, ref.payload, shape=part.shape, dtype=dtype, kind=kind)
+        assert sub.tobytes() == _bits(want).tobytes(), (i, s)
+
+
+@pytest.mark.parametrize("style", ["normal", "zeros", "mixed"])
+@pytest.mark.parametrize(("dim", "group"), [(192, 192), (192, 255), (200, 250), (240, 64)])
+def test_emulated_int4_value_groups_over_several_vectors_of_a_lane(emu: Any, style: str, dim: int, group: int) -> None:
+    # float32 rows of 48-60 vectors: 32 lanes with 2 vectors each, and a group that spans
+    # both of a lane's vectors (merged in registers before the shuffles)
+    from kvwire.codec.int4 import Int4Codec
+
+    codec = Int4Codec(group)
+    x = _adversarial(style, "float32", (9, 3, dim), dim + group)
+    payloads, flags, kernel = emu_encode(emu, codec, _placed(x, True), TensorKind.V, 4, "float32")
+    assert kernel == "kv_int4_encode_v_vec_f32_32_2" and flags == 0
+    for i, s in enumerate(range(0, 9, 4)):
+        assert payloads[i] == bytes(memoryview(codec.encode_numpy(x[s : s + 4], TensorKind.V).payload).cast("B"))
+
+
+@pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_emulated_int4_vector_kernels_flag_range_and_nonfinite(emu: Any, kind: TensorKind, dtype: str) -> None:
+    from kvwire.codec.int4 import Int4Codec
+
+    codec = Int4Codec(32)
+    x = _adversarial("normal", dtype, (40, 2, 64), 3)
+    plan = g.plan_encode("int4", 32, x.shape, dtype, kind, 16, x_aligned=True)
+    assert "_vec_" in plan.launches[0].kernel
+    if dtype == "float32":
+        x[33, 1, 60], x[34, 1, 60] = 3e38, -3e38  # a group range beyond float32 (keys)
+        x[35, 0, 40], x[35, 0, 41] = 3e38, -3e38  # (values)
+        with pytest.raises(UsageError, match="range"):
+            codec.encode_numpy(x, kind)
+        _, flags, _ = emu_encode(emu, codec, _placed(x, True), kind, 16, dtype)
+        assert flags == g.FLAG_RANGE
+    x = _adversarial("normal", dtype, (40, 2, 64), 3)
+    x[39, 1, 63] = np.inf  # the very last element of the last (short) chunk
+    _, flags, _ = emu_encode(emu, codec, _placed(_bits(x), True), kind, 16, dtype)
+    assert flags & g.FLAG_NONFINITE
+
+
+def test_emulated_int4_decode_flags_values_outside_the_dtype(emu: Any) -> None:
+    from kvwire.codec.int4 import Int4Codec
+
+    codec = Int4Codec(32)
+    x = _adversarial("normal", "float16", (16, 2, 64), 4)
+    for kind in (TensorKind.K, TensorKind.V):
+        ref = codec.encode_numpy(x, kind)
+        raw = bytearray(memoryview(ref.payload).cast("B"))
+        raw[0:4] = np.float32(1e4).tobytes()  # 15 * 1e4 + lo leaves float16
+        with pytest.raises(ProtocolError):
+            codec.decode_numpy(ref.params, bytes(raw), shape=x.shape, dtype="float16", kind=kind)
+        out = _placed(np.empty(x.shape, np.uint16), True)
+        assert g.plan_decode("int4", ref.params, x.shape, "float16", kind, out_aligned=True).kernel == "kv_int4_decode_vec_f16"
+        flags = emu_decode(emu, "int4", ref.params, bytes(raw), out, "float16", kind)
+        assert flags == g.FLAG_OUTSIDE

@@ -15,6 +15,12 @@
 
 typedef long long kv_i64;
 
+// A vector access needs its natural alignment on the device (a misaligned one faults);
+// the CPU emulation of the kernels defines this to check it.
+#ifndef KV_ASSERT_ALIGNED
+#define KV_ASSERT_ALIGNED(p, n) ((void)0)
+#endif
+
 #define KV_FLAG_NONFINITE 1u  // encode: NaN or infinity in the input
 #define KV_FLAG_RANGE 2u      // encode (int4): a group's range overflows float32
 #define KV_FLAG_BADCODE 4u    // decode: fp8 NaN code or int8 -128
@@ -120,6 +126,7 @@ __device__ void rowwise_encode_vec(const uint4* x, kv_i64 tokens, int heads, int
     const float s = FP8 ? kv_fp8_scale(kv_widen<DT>(amax)) : kv_int8_scale(kv_widen<DT>(amax));
     const KvRowPlace place = kv_row_place(row, heads, dim, tokens, chunk_tokens, chunk_bytes, out);
     if (lane == 0) {
+        KV_ASSERT_ALIGNED(place.scale, 4);
         *(float*)place.scale = s;
         if (amax >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
     }
@@ -134,6 +141,7 @@ __device__ void rowwise_encode_vec(const uint4* x, kv_i64 tokens, int heads, int
                 if (e < 4) lo |= code << (8 * e);
                 else hi |= code << (8 * (e - 4));
             }
+            KV_ASSERT_ALIGNED(place.codes + vi * EPV, EPV);
             if (EPV == 8) *(uint2*)(place.codes + vi * 8) = make_uint2(lo, hi);
             else *(kv_u32*)(place.codes + vi * 4) = lo;
         }
@@ -188,8 +196,10 @@ __device__ void rowwise_decode_vec(const kv_u8* payload, unsigned rows, unsigned
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= rows * nvec) return;
     const unsigned row = i / nvec;
+    KV_ASSERT_ALIGNED(payload, 4);
     const float s = ((const float*)payload)[row];
     const kv_u8* codes = payload + 4ull * rows + (unsigned long long)i * EPV;
+    KV_ASSERT_ALIGNED(codes, EPV);
     kv_u32 c[2];
     if (EPV == 8) {
         const uint2 w = *(const uint2*)codes;
@@ -208,6 +218,7 @@ __device__ void rowwise_decode_vec(const kv_u8* payload, unsigned rows, unsigned
         else if (e & 1) o[e >> 1] |= b << 16;
         else o[e >> 1] = b;
     }
+    KV_ASSERT_ALIGNED(out + i, 16);
     out[i] = make_uint4(o[0], o[1], o[2], o[3]);
     if (bad) atomicOr(flags, bad);
 }
@@ -444,6 +455,7 @@ __device__ void int4_encode_v_vec(const uint4* x, kv_i64 tokens, int heads, int 
 #pragma unroll
             for (int e = 0; e < EPV; ++e)
                 packed |= (kv_u32)kv_int4_quant(kv_widen<DT>(kv_elem<DT>(v[j], e)), flo, s) << (4 * e);
+            KV_ASSERT_ALIGNED(codes + vi * (EPV / 2), EPV / 2);
             if (EPV == 8) *(kv_u32*)(codes + vi * 4) = packed;
             else *(kv_u16*)(codes + vi * 2) = (kv_u16)packed;
         }
@@ -539,6 +551,7 @@ __device__ void int4_encode_k_vec(const uint4* x, kv_i64 tokens, int heads, int 
             for (int e = 0; e < EPV; ++e)
                 packed |= (kv_u32)kv_int4_quant(kv_widen<DT>(kv_elem<DT>(v[j], e)), flo[e], s[e]) << (4 * e);
             kv_u8* p = codes + (kv_i64)k * (hd / 2);
+            KV_ASSERT_ALIGNED(p, EPV / 2);
             if (EPV == 8) *(kv_u32*)p = packed;
             else *(kv_u16*)p = (kv_u16)packed;
         }
@@ -561,6 +574,8 @@ __device__ void int4_decode_vec(const kv_u8* payload, unsigned tokens, unsigned 
     const float* scales = (const float*)payload;
     const float* mins = scales + groups;
     const kv_u8* cp = payload + 8ull * groups + (unsigned long long)i * (EPV / 2);
+    KV_ASSERT_ALIGNED(payload, 4);
+    KV_ASSERT_ALIGNED(cp, EPV / 2);
     const kv_u32 packed = EPV == 8 ? *(const kv_u32*)cp : (kv_u32)*(const kv_u16*)cp;
     unsigned g, q = 0, rem = 0;
     if (!is_v) {
@@ -589,6 +604,7 @@ __device__ void int4_decode_vec(const kv_u8* payload, unsigned tokens, unsigned 
             ++q;
         }
     }
+    KV_ASSERT_ALIGNED(out + i, 16);
     out[i] = make_uint4(o[0], o[1], o[2], o[3]);
     if (bad) atomicOr(flags, bad);
 }
