@@ -164,6 +164,12 @@ class LayerStore:
     def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
         return None
 
+    def opened(self, key: Key, spec: KVSpec) -> None:
+        """A transfer was accepted: its layers of ``spec`` may be allocated from now on."""
+
+    def closed(self, key: Key) -> None:
+        """A transfer failed or handed over every layer: nothing more is allocated for it."""
+
 
 class ByteStore(LayerStore):
     """Layers as flat byte buffers from ``allocate``, chunks decoded by ``decode``."""
@@ -233,6 +239,8 @@ class LayerReady:
 
     key: Key
     layer: int
+    wire_bytes: int = 0
+    """Bytes on the wire of the transfer's chunks stored so far (its total on the last layer)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -324,6 +332,7 @@ class _Incoming:
     buffers: dict[int, Any] = field(default_factory=dict)
     costs: dict[int, int] = field(default_factory=dict)  # budget bytes per held layer
     held: int = 0
+    wire_bytes: int = 0
     taken: int = 0
     window: int = 1
     external: bool = False  # new layers go to the caller's memory: all granted, not counted
@@ -479,6 +488,7 @@ class ReceiverCore:
         self._grant(t, t.taken + t.window)
         if t.taken >= t.begin.num_layers:
             self._live.pop(key, None)
+            self._store.closed(key)
         return buf
 
     def take_layer(self, key: Key, layer: int) -> tuple[bytes, bytes]:
@@ -527,7 +537,7 @@ class ReceiverCore:
             t.published = True
             t.deadline = None
             if t.last_layer is not None:
-                self._events.append(LayerReady(key=key, layer=t.last_layer))
+                self._events.append(LayerReady(key=key, layer=t.last_layer, wire_bytes=t.wire_bytes))
         for cid, address in pending:
             conn = self._conn(cid)
             if conn is not None:
@@ -740,9 +750,11 @@ class ReceiverCore:
             t.gated = True
             blocks = tuple((bv.block, bv.version) for bv in begin.blocks)
             # Fail closed: a version the registry never issued is stale like an old one.
-            if any(not 0 <= v < MAX_BLOCK_VERSION for _, v in blocks):
+            made_up = [b for b, v in blocks if not 0 <= v < MAX_BLOCK_VERSION]
+            if made_up:
                 self._count("transfers_refused")
-                self._fail(t, StaleVersionError("a block version was never issued"), reset=True)
+                self._fail(t, StaleVersionError(f"stale prefix blocks (versions never issued): {made_up!r}"[:200]),
+                           reset=True)
                 return
             self._events.append(RegistryCheck(key=t.key, blocks=blocks))
             return
@@ -750,6 +762,7 @@ class ReceiverCore:
 
     def _accept(self, t: _Incoming, now: float) -> None:
         t.accepted = True
+        self._store.opened(t.key, t.spec)
         self._count("transfers_accepted")
         sess = self._sessions.get(t.key[0])
         conn = self._any_conn(sess) if sess is not None else None
@@ -802,6 +815,8 @@ class ReceiverCore:
         t.inplace.clear()
         t.deadline = t.claim_deadline = None
         self._live.pop(t.key, None)
+        if t.accepted:
+            self._store.closed(t.key)
         sess = self._sessions.get(t.key[0])
         if sess is not None:
             sess.transfers.pop(t.key[1], None)
@@ -825,7 +840,7 @@ class ReceiverCore:
         t = sess.transfers.get(addr.transfer_id)
         if t is not None and t.error is None:
             try:
-                new = self._store_chunk(cid, t, chunk)
+                new = self._store_chunk(cid, t, chunk, ev.wire_size)
             except KvwireError as exc:
                 self._fail(t, exc, reset=False)
             else:
@@ -863,7 +878,7 @@ class ReceiverCore:
             self._grant(t, t.taken + t.window)
         return layer_bytes
 
-    def _store_chunk(self, cid: int, t: _Incoming, chunk: Chunk) -> bool:
+    def _store_chunk(self, cid: int, t: _Incoming, chunk: Chunk, wire_size: int = 0) -> bool:
         """Verify and store a chunk; True when it was new.  Raises KvwireError to reset.
 
         A chunk counts as received only once its bytes are in place: a failure to allocate
@@ -894,11 +909,12 @@ class ReceiverCore:
                 f"chunk of layer {chunk.layer} could not be decoded ({type(exc).__name__})"
             ) from exc
         t.state.add(chunk)
+        t.wire_bytes += wire_size
         if t.state.layer_complete(chunk.layer):
             if t.gated and t.state.complete:
                 t.last_layer = chunk.layer  # ready once its blocks are published
             else:
-                self._events.append(LayerReady(key=t.key, layer=chunk.layer))
+                self._events.append(LayerReady(key=t.key, layer=chunk.layer, wire_bytes=t.wire_bytes))
                 if t.state.complete:
                     t.deadline = None
         return True

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.aio.server import Transfer
+from kvwire.aio._receive import ArrayStore
 from kvwire.errors import ErrorCode
 from kvwire.session.receiver import WIRE_TEXT_LIMIT
 from kvwire.wire import Ack, Begin, Chunk, FrameDecoder, Reset, frame_bytes
@@ -50,16 +50,16 @@ async def frames_until(reader: asyncio.StreamReader, want: type, *, timeout: flo
 async def test_allocation_failure_fails_the_transfer_on_both_sides_and_never_gives_a_receipt(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    original = Transfer._out
+    original = ArrayStore.allocate
     failed: list[int] = []
 
-    def out_once_out_of_memory(self: Transfer, chunk: Chunk) -> Any:
+    def allocate_once_out_of_memory(self: ArrayStore, key: Any, chunk: Chunk, nbytes: int) -> Any:
         if chunk.layer == 2 and not failed:
             failed.append(chunk.layer)
             raise MemoryError
-        return original(self, chunk)
+        return original(self, key, chunk, nbytes)
 
-    monkeypatch.setattr(Transfer, "_out", out_once_out_of_memory)
+    monkeypatch.setattr(ArrayStore, "allocate", allocate_once_out_of_memory)
     sent = layers(1)
     async with loop_errors() as errors, kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=1024) as peer:

@@ -1,0 +1,101 @@
+"""Where received layers live: pooled host arrays, GPU arrays, or the caller's memory.
+
+:class:`ArrayStore` is the :class:`~kvwire.session.receiver.LayerStore` of the asyncio
+server: the session core decides when a layer is allocated and when a verified chunk is
+stored; this module only allocates, decodes (on the host or the GPU) and names the region
+a raw payload can be read straight into.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvwire.aio._gpu import GpuReceiver
+from kvwire.aio._pool import default_pool
+from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
+from kvwire.session.receiver import Key, LayerStore
+from kvwire.spec import KVSpec
+from kvwire.wire import Chunk
+
+INTO = object()
+"""The buffer of a layer received into the caller's memory (``Server.expect(into=...)``)."""
+
+
+@dataclass(eq=False)
+class _Target:
+    spec: KVSpec
+    dtype: Any
+    into: Any = None
+    checked: bool = False
+    layer_tokens: int | None = None
+
+
+class ArrayStore(LayerStore):
+    """Layer arrays (K, V) of ``[layer_tokens, heads, head_dim]`` per transfer."""
+
+    def __init__(self, device: str) -> None:
+        self.gpu = GpuReceiver(device) if device != "cpu" else None
+        self._targets: dict[Key, _Target] = {}
+
+    def opened(self, key: Key, spec: KVSpec) -> None:
+        self._targets[key] = _Target(spec, numpy_dtype(spec.dtype))
+
+    def closed(self, key: Key) -> None:
+        self._targets.pop(key, None)
+
+    def attach(self, key: Key, into: Any) -> None:
+        """Layers allocated from now on are ``into``'s; raises if it cannot hold the cache."""
+        tg = self._targets[key]
+        into.check(tg.spec, tg.layer_tokens)
+        tg.into = into
+        tg.checked = tg.layer_tokens is not None
+
+    def allocate(self, key: Key, chunk: Chunk, nbytes: int) -> Any:
+        tg = self._targets[key]
+        tg.layer_tokens = chunk.layer_tokens
+        if tg.into is not None:
+            if not tg.checked:
+                tg.into.check(tg.spec, chunk.layer_tokens)
+                tg.checked = True
+            return INTO
+        spec = tg.spec
+        shape = (chunk.layer_tokens, spec.num_kv_heads, spec.head_dim)
+        if self.gpu is not None:
+            return self.gpu.empty(shape, spec.dtype), self.gpu.empty(shape, spec.dtype)
+        pool = default_pool()  # reused, pre-faulted memory: no page faults per transfer
+        return pool.empty(shape, tg.dtype), pool.empty(shape, tg.dtype)
+
+    def _out(self, tg: _Target, chunk: Chunk, buffer: Any) -> Any:
+        if buffer is INTO:
+            return tg.into.view(chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
+        return buffer[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
+
+    def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
+        tg = self._targets[key]
+        spec = tg.spec
+        codec = codec_by_id(chunk.codec_id)
+        out = self._out(tg, chunk, buffer)
+        if self.gpu is not None:
+            self.gpu.decode(codec, chunk.params, chunk.payload, out, spec.dtype, TensorKind(chunk.kind))
+            return
+        if out is None:  # not one contiguous region of the caller's memory: decode, then scatter
+            out = np.empty((chunk.token_count, spec.num_kv_heads, spec.head_dim), tg.dtype)
+        codec.decode(chunk.params, chunk.payload, shape=out.shape, dtype=spec.dtype,
+                     kind=TensorKind(chunk.kind), out=out)
+        if buffer is INTO:
+            tg.into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
+
+    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
+        tg = self._targets.get(key)
+        if tg is None or self.gpu is not None:
+            return None
+        out = self._out(tg, head, buffer)
+        if out is None or out.nbytes != nbytes or not out.flags.c_contiguous:
+            return None
+        return memoryview(out.reshape(-1).view(np.uint8))
+
+
+__all__ = ["INTO", "ArrayStore"]

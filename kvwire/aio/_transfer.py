@@ -1,0 +1,151 @@
+"""The application's view of one incoming KV cache: metadata, layers as they complete."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from kvwire.aio._receive import INTO
+from kvwire.consistency.blocks import block_from_key
+from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
+from kvwire.session.receiver import Key, TransferArrived
+from kvwire.spec import KVCache, KVSpec, Layer
+
+if TYPE_CHECKING:
+    from kvwire.aio.server import Server
+
+
+class Transfer:
+    """One incoming KV cache: its metadata, its layers as they complete, or all of it.
+
+    Iterate (``async for layer in transfer``) to receive :class:`~kvwire.Layer` objects
+    in completion order, or ``await transfer.collect()`` for the whole cache; not both.
+    """
+
+    def __init__(self, server: Server, arrived: TransferArrived) -> None:
+        assert arrived.spec is not None
+        self._server = server
+        self._key: Key = arrived.key
+        self.transfer_id = arrived.key[1]
+        self.request_id = arrived.request_id
+        self.spec: KVSpec = arrived.spec
+        self.meta: dict[str, Any] = arrived.meta
+        self.blocks = [(block_from_key(b.decode("utf-8")), v) for b, v in arrived.blocks]
+        self._into: Any = None
+        self._ready: deque[int] = deque()
+        self._arrived_layers = 0
+        self._changed = asyncio.Event()
+        self._error: KvwireError | None = None
+        self._yielded = 0
+        self._consumer: str | None = None
+        self.wire_bytes = 0
+        """Bytes on the wire of the chunks stored so far (headers and CRCs included)."""
+        self.started = asyncio.get_event_loop().time()
+        self.finished: float | None = None
+        """Loop time of arrival, and of the last layer's (None until then)."""
+
+    # -- application side ---------------------------------------------------------------
+
+    def __aiter__(self) -> AsyncIterator[Layer]:
+        self._claim("iterate")
+        return self._layers()
+
+    async def collect(self, *, timeout: float | None = None, device: str | None = None) -> KVCache:
+        """Wait for every layer; return them as a :class:`~kvwire.KVCache` in layer order.
+
+        ``device`` ("cpu", "gpu" or "gpu:N") states where the arrays must be; it must match
+        the server's ``device`` option (layers are decoded where they will be used).
+        """
+        on_gpu = self._server.on_gpu
+        if device is not None and (device == "cpu") == on_gpu:
+            raise UsageError(f"this server decodes on {'gpu' if on_gpu else 'cpu'}; serve(device={device!r}) to change it")
+        self._claim("collect")
+        got: dict[int, tuple[Any, Any]] = {}
+
+        async def run() -> None:
+            async for layer in self._layers():
+                got[layer.index] = (layer.k, layer.v)
+
+        try:
+            await asyncio.wait_for(run(), timeout)
+        except KvwireError:
+            raise
+        except TimeoutError:
+            raise TransferTimeoutError(f"transfer {self.request_id!r} not complete in {timeout} s") from None
+        return KVCache(self.spec, [got[i] for i in range(self.spec.num_layers)])
+
+    @property
+    def complete(self) -> bool:
+        """Every layer is here (and, with a registry, its blocks are published)."""
+        return self._arrived_layers == self.spec.num_layers and self._error is None
+
+    def attach(self, into: Any) -> None:
+        """Receive the layers not yet begun straight into ``into`` (for instance a
+        :class:`kvwire.paged.PagedDestination`); ones already begun are copied there.
+
+        ``into`` provides ``check(spec, layer_tokens)``, ``view(...)``, ``write(...)`` and
+        ``layer(index)``.  Its memory is the caller's, so every layer is granted at once.
+        """
+        if self._server.on_gpu:
+            raise UsageError("into= needs a server with device='cpu'")
+        self._server._attach(self, into)
+        self._into = into
+
+    def abort(self, reason: str = "") -> None:
+        """Give up on this transfer: its layers are dropped and the sender's ``send()``
+        fails promptly with :class:`~kvwire.TransferAbortedError` (nothing happens if
+        the transfer already failed).  Leaving ``async for`` early or a ``collect()``
+        that times out aborts too."""
+        if self._error is None:
+            self._server._abort(self, reason)
+
+    def _claim(self, how: str) -> None:
+        if self._consumer is not None:
+            raise UsageError(f"transfer already consumed by {self._consumer}(); use one of iteration or collect()")
+        self._consumer = how
+
+    async def _layers(self) -> AsyncIterator[Layer]:
+        try:
+            while self._yielded < self.spec.num_layers:
+                if self._ready:
+                    index = self._ready.popleft()
+                    buf = self._server._take(self, index)
+                    if buf is INTO:
+                        k, v = self._into.layer(index)
+                    elif self._into is not None:  # begun before attach(): copy it there
+                        for kind, part in enumerate(buf):
+                            self._into.write(index, kind, 0, part, int(part.shape[0]))
+                        k, v = self._into.layer(index)
+                    else:
+                        k, v = buf
+                    self._yielded += 1
+                    yield Layer(index, k, v)
+                    continue
+                if self._error is not None:
+                    raise self._error
+                self._changed.clear()
+                await self._changed.wait()
+        finally:
+            if self._yielded < self.spec.num_layers and self._error is None:
+                self.abort("the application stopped taking layers")
+
+    # -- server side ----------------------------------------------------------------------
+
+    def _layer_ready(self, layer: int, wire_bytes: int) -> None:
+        self.wire_bytes = wire_bytes
+        self._arrived_layers += 1
+        if self._arrived_layers == self.spec.num_layers:
+            self.finished = asyncio.get_event_loop().time()
+        self._ready.append(layer)
+        self._changed.set()
+
+    def _fail(self, error: KvwireError) -> None:
+        if self._error is None:
+            self._error = error
+            self._ready.clear()  # never hand out a half-filled cache
+            self._changed.set()
+
+
+__all__ = ["Transfer"]
