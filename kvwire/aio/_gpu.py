@@ -17,8 +17,11 @@ from __future__ import annotations
 import asyncio
 import re
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractContextManager
 from typing import Any
+
+import numpy as np
 
 from kvwire.codec import gpu
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind
@@ -77,6 +80,65 @@ async def _wait(event: Any, device_id: int) -> None:
     await asyncio.get_running_loop().run_in_executor(None, block)
 
 
+def _device_context(device_id: int) -> Callable[[], AbstractContextManager[Any]]:
+    import cupy
+
+    def enter() -> AbstractContextManager[Any]:
+        ctx: AbstractContextManager[Any] = cupy.cuda.Device(device_id)
+        return ctx
+
+    return enter
+
+
+async def copy_ring(
+    src: Any,
+    spans: list[tuple[int, int]],
+    stream: Any,
+    device_id: int,
+    *,
+    depth: int | None = None,
+    alloc: Callable[[int], np.ndarray[Any, Any]] = gpu.pinned_empty,
+    copy: Callable[[Any, int, np.ndarray[Any, Any], Any], None] = gpu.copy_to_host_async,
+    wait: Callable[[Any, int], Awaitable[None]] = _wait,
+    on_device: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> AsyncIterator[tuple[int, np.ndarray[Any, Any]]]:
+    """``(i, host)`` for each ``(offset, nbytes)`` span of device buffer ``src``, in order:
+    ``host`` is a pinned copy of those bytes, ready to read.
+
+    The copies are queued on ``stream`` up to ``depth`` (default :data:`PIPELINE_DEPTH`)
+    spans ahead, each followed by an event; span i is yielded once its event has fired, and
+    with a depth above 1 the next copies are queued before it is yielded, so they run while
+    the caller sends it (depth 1: copy, yield, then the next copy).  ``alloc``, ``copy``,
+    ``wait`` and ``on_device`` are CuPy's by default (pinned buffer, async device-to-host
+    copy, event wait off the loop, ``with Device(device_id)``).
+    """
+    depth = PIPELINE_DEPTH if depth is None else depth
+    enter = on_device if on_device is not None else _device_context(device_id)
+    pending: deque[tuple[int, np.ndarray[Any, Any], Any]] = deque()
+    queued = 0
+
+    def queue_more() -> None:
+        nonlocal queued
+        with enter():
+            while queued < len(spans) and len(pending) < max(1, depth):
+                offset, nbytes = spans[queued]
+                host = alloc(nbytes)
+                copy(src, offset, host, stream)
+                pending.append((queued, host, stream.record()))
+                queued += 1
+
+    overlap = depth > 1
+    queue_more()
+    while pending:
+        i, host, ready = pending.popleft()
+        await wait(ready, device_id)
+        if overlap:
+            queue_more()
+        yield i, host
+        if not overlap:
+            queue_more()
+
+
 async def encode_chunks(
     codec: Codec, x: Any, kind: TensorKind, plan: list[tuple[int, int]], dtype: str
 ) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
@@ -103,33 +165,14 @@ async def encode_chunks(
     enc.check(int(flags.view("<u4")[0]))
     if len(enc.sizes) != len(plan):
         raise AssertionError("chunk plan and device encoding disagree")
-    pending: deque[tuple[int, Any, Any]] = deque()
-    queued = 0
-
-    def queue_more() -> None:
-        nonlocal queued
-        with x.device:
-            while queued < len(plan) and len(pending) < max(1, PIPELINE_DEPTH):
-                host = gpu.pinned_empty(enc.sizes[queued])
-                gpu.copy_to_host_async(enc.buffer, enc.offsets[queued], host, stream)
-                pending.append((queued, host, stream.record()))
-                queued += 1
-
-    overlap = PIPELINE_DEPTH > 1
-    queue_more()
     _base, entropy = gpu.split_codec(codec)
-    while pending:
-        i, host, ready = pending.popleft()
-        await _wait(ready, device_id)
-        if overlap:
-            queue_more()
+    spans = list(zip(enc.offsets, enc.sizes, strict=True))
+    async for i, host in copy_ring(enc.buffer, spans, stream, device_id):
         if entropy is None:
             chunk = gpu.finish_chunk(codec, enc, host.data)
         else:
             chunk = await loop.run_in_executor(None, gpu.finish_chunk, codec, enc, host.data)
         yield plan[i][0], plan[i][1], chunk
-        if not overlap:
-            queue_more()
 
 
 async def copy_raw_chunks(
@@ -148,31 +191,11 @@ async def copy_raw_chunks(
         x = cupy.ascontiguousarray(x)
         stream.wait_event(cupy.cuda.get_current_stream().record())
     row = int(x.nbytes // x.shape[0])
-    pending: deque[tuple[int, Any, Any]] = deque()
-    queued = 0
-
-    def queue_more() -> None:
-        nonlocal queued
-        with x.device:
-            while queued < len(plan) and len(pending) < max(1, PIPELINE_DEPTH):
-                start, count = plan[queued]
-                host = gpu.pinned_empty(count * row)
-                gpu.copy_to_host_async(x, start * row, host, stream)
-                pending.append((queued, host, stream.record()))
-                queued += 1
-
-    overlap = PIPELINE_DEPTH > 1
-    queue_more()
     dt = {"float16": "<f2", "float32": "<f4"}.get(str(x.dtype), "<u2")
-    while pending:
-        i, host, ready = pending.popleft()
-        await _wait(ready, device_id)
-        if overlap:
-            queue_more()
+    spans = [(start * row, count * row) for start, count in plan]
+    async for i, host in copy_ring(x, spans, stream, device_id):
         start, count = plan[i]
         yield start, count, host.view(dt).reshape((count, *x.shape[1:]))
-        if not overlap:
-            queue_more()
 
 
 class GpuReceiver:
