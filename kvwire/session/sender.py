@@ -355,7 +355,8 @@ class SenderCore:
         t = self._transfers.get(transfer_id)
         if t is None or t.error is not None:
             return
-        size = chunk_frame_size(len(chunk.params), len(chunk.payload))
+        payload = chunk.payload  # bytes, or any buffer (an array's nbytes, not its len)
+        size = chunk_frame_size(len(chunk.params), getattr(payload, "nbytes", None) or len(payload))
         t.queue.append((chunk, size, kv_bytes))
         t.queued_bytes += size
         self.pump()

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.aio.client import _layer_credit, _next_or_fail, _Outgoing
+from kvwire.aio._send import SendState, next_or_fail, until
 from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
 from tests.conftest import SECRET, make_layers
 
@@ -29,31 +29,39 @@ def layers(tokens: int = 256) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 async def test_credit_wait_sees_a_failure_that_arrived_before_it() -> None:
-    out = _Outgoing(1, 4, asyncio.get_running_loop())
-    out.state.accepted = True  # no layer granted yet
-    out.fail(kvwire.TransferAbortedError("reset while the layer was produced"))
+    st = SendState(asyncio.Event())
+    limit = [0]  # no layer granted yet
+    st.fail(kvwire.TransferAbortedError("reset while the layer was produced"))
     with pytest.raises(kvwire.TransferAbortedError):
-        await asyncio.wait_for(_layer_credit(out, 1), 2)
+        await asyncio.wait_for(until(st, lambda: limit[0] > 1), 2)
 
 
 async def test_credit_wait_returns_for_a_grant_that_arrived_before_it() -> None:
-    out = _Outgoing(1, 4, asyncio.get_running_loop())
-    out.state.accepted = True
-    out.state.raise_limit(2)
-    out.credit.set()
-    await asyncio.wait_for(_layer_credit(out, 1), 2)
+    st = SendState(asyncio.Event())
+    limit = [2]
+    await asyncio.wait_for(until(st, lambda: limit[0] > 1), 2)
+
+
+async def test_credit_wait_wakes_for_a_grant_that_arrives_while_it_waits() -> None:
+    st = SendState(asyncio.Event())
+    limit = [0]
+    waiter = asyncio.create_task(until(st, lambda: limit[0] > 1))
+    await asyncio.sleep(0)
+    limit[0] = 2
+    st.changed.set()  # what the peer's pump does after the core's credit event
+    await asyncio.wait_for(waiter, 2)
 
 
 async def test_layer_produced_in_the_same_tick_as_a_reset_is_not_sent() -> None:
-    out = _Outgoing(1, 4, asyncio.get_running_loop())
+    st = SendState(asyncio.Event())
     kv = layers()[0]
 
     async def producer() -> AsyncIterator[tuple[Any, Any]]:
-        out.fail(kvwire.TransferAbortedError("reset"))  # arrives while this layer is produced
+        st.fail(kvwire.TransferAbortedError("reset"))  # arrives while this layer is produced
         yield kv
 
     with pytest.raises(kvwire.TransferAbortedError):
-        await asyncio.wait_for(_next_or_fail(producer(), out), 2)
+        await asyncio.wait_for(next_or_fail(producer(), st), 2)
 
 
 # -- a fault that comes back after every reconnect ----------------------------------------

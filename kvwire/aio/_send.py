@@ -1,0 +1,251 @@
+"""The send pipeline of one transfer: the producer's layers checked, chunked, encoded (codec
+fixed or chosen per chunk) and handed to the session core once the receiver granted their
+layer; then the :class:`Receipt`.  Every protocol decision is the core's
+(:class:`kvwire.session.SenderCore`); this module only waits for its verdicts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvwire.aio._arrays import as_device_array, as_host_array, is_device_array, iterate_layers
+from kvwire.aio._codec_speed import codec_speeds
+from kvwire.aio._encode import device_chunks, host_chunks
+from kvwire.codec import TensorKind, get_codec
+from kvwire.control import CodecCandidate, CodecChooser
+from kvwire.errors import (
+    ErrorCode,
+    IncompatiblePeerError,
+    KvwireError,
+    TransferAbortedError,
+    UsageError,
+)
+from kvwire.session.sender import SenderCore, TransferDone
+from kvwire.spec import KVSpec
+from kvwire.wire import BlockVersion, Chunk, plan_chunks
+
+if TYPE_CHECKING:
+    from kvwire.aio.client import Peer
+
+#: Measurement clock (uvloop's loop clock ticks in whole milliseconds).
+clock = time.perf_counter
+AUTO = "auto"
+#: Codecs ``auto`` chooses among, most precise first.
+AUTO_CANDIDATES = ("raw", "fp8", "int8", "int4")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Receipt:
+    """What one completed ``send()`` did.  Every chunk was acknowledged by the receiver."""
+
+    request_id: str
+    transfer_id: int
+    codec: str
+    kv_bytes: int
+    """Bytes of the cache at its spec dtype."""
+    wire_bytes: int
+    """Bytes of CHUNK frames put on the wire (headers, params and CRCs included)."""
+    chunks: int
+    seconds: float
+    """From ``send()`` until the last acknowledgement."""
+    time_to_first_layer: float | None = None
+    """Seconds from ``send()`` until every chunk of the first layer was acknowledged."""
+    estimated_gbps: float | None = None
+    """The session's bandwidth estimate (from acknowledgements) when the send completed."""
+    rtt_ms: float | None = None
+    """The session's minimum RTT estimate when the send completed."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def goodput_gbps(self) -> float:
+        return self.kv_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(eq=False)
+class SendState:
+    """What the I/O layer learned about one transfer from the core's events."""
+
+    changed: asyncio.Event  # the peer's: set whenever the core reported anything
+    failed: asyncio.Event = field(default_factory=asyncio.Event)
+    error: KvwireError | None = None
+    done: TransferDone | None = None
+    layer_left: dict[int, int] = field(default_factory=dict)  # layer -> chunks not yet acked
+    first_layer_at: float | None = None
+
+    def fail(self, error: KvwireError) -> None:
+        if self.error is None:
+            self.error = error
+        self.failed.set()
+        self.changed.set()
+
+    def delivered(self, layer: int) -> None:
+        left = self.layer_left.get(layer, 0) - 1
+        self.layer_left[layer] = left
+        if left == 0 and self.first_layer_at is None:
+            self.first_layer_at = clock()
+
+
+async def until(st: SendState, ready: Callable[[], bool]) -> None:
+    """Wait until ``ready()`` or the transfer failed (raised).  The event is cleared before
+    the conditions are read, so a change at any time before (a RESET while a layer was
+    produced, a grant) is never lost."""
+    while True:
+        st.changed.clear()
+        if st.error is not None:
+            raise st.error
+        if ready():
+            return
+        await st.changed.wait()
+
+
+async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) -> tuple[Any, Any] | None:
+    """The producer's next layer, or the transfer's error if it fails first (a producer
+    waiting on something must not keep a dead transfer's ``send()`` alive)."""
+    if st.error is not None:
+        raise st.error
+    nxt = asyncio.ensure_future(producer.__anext__())
+    failed = asyncio.ensure_future(st.failed.wait())
+    try:
+        await asyncio.wait({nxt, failed}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        failed.cancel()
+    if nxt.done():
+        try:
+            item = nxt.result()
+        except StopAsyncIteration:
+            return None
+        if st.error is not None:
+            raise st.error  # failed while the layer was produced
+        return item
+    nxt.cancel()
+    assert st.error is not None
+    raise st.error
+
+
+def make_chooser(server_codecs: tuple[str, ...]) -> CodecChooser:
+    candidates = []
+    for name in AUTO_CANDIDATES:
+        if name in server_codecs:
+            ratio = get_codec(name).encoded_size_ratio((256, 8, 128), "float16")
+            enc, dec = codec_speeds(name)  # the receiver's decode measured here
+            candidates.append(CodecCandidate(name=name, size_ratio=ratio, encode_bytes_per_s=enc,
+                                             decode_bytes_per_s=dec))
+    if not candidates:
+        raise IncompatiblePeerError(
+            "codec 'auto' needs at least one of " + ", ".join(AUTO_CANDIDATES) + " on the server",
+            code=ErrorCode.UNSUPPORTED_CODEC,
+        )
+    return CodecChooser(candidates)
+
+
+async def send(
+    peer: Peer, request_id: str, spec: KVSpec, layers: Any, meta: bytes, codec_name: str,
+    blocks: tuple[BlockVersion, ...], deadline: float | None, timeout: float | None,
+) -> Receipt:
+    core = peer.core
+    peer.check_usable()
+    started = clock()
+    tid = core.begin(request_id, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                     head_dim=spec.head_dim, dtype_id=spec.dtype_id, model=spec.model, meta=meta,
+                     blocks=blocks, now=asyncio.get_running_loop().time(), timeout=timeout)
+    st = peer.sends[tid] = SendState(peer.changed)
+    peer.pump()
+    used: dict[str, int] = {}
+    kv_bytes = 0
+    try:
+        index, tokens = -1, None
+        producer = iterate_layers(layers)
+        while (item := await next_or_fail(producer, st)) is not None:
+            index += 1
+            if index >= spec.num_layers:
+                raise UsageError(f"layers yielded more than spec.num_layers={spec.num_layers}")
+            as_array = as_device_array if is_device_array(item[0]) else as_host_array
+            k = as_array(item[0], spec, f"layer {index} k")
+            v = as_array(item[1], spec, f"layer {index} v")
+            if k.shape[0] != v.shape[0] or (tokens is not None and k.shape[0] != tokens):
+                raise UsageError("every k and v of a cache must have the same token count")
+            tokens = k.shape[0]
+            kv_bytes += k.nbytes + v.nbytes
+            await until(st, _granted(core, tid, index))
+            await _send_layer(peer, st, tid, spec, index, k, v, codec_name, used, started, deadline)
+        if index + 1 != spec.num_layers:
+            raise UsageError(f"layers yielded {index + 1} layers, spec.num_layers={spec.num_layers}")
+        core.producer_done(tid)
+        peer.pump()
+        await until(st, lambda: st.done is not None)
+    except BaseException as exc:
+        if st.error is None:  # tell the receiver this transfer will not complete
+            core.abort(tid, exc if isinstance(exc, KvwireError) else TransferAbortedError(f"sender aborted: {exc!r}"))
+            peer.pump()
+        if isinstance(exc, asyncio.CancelledError | KvwireError):
+            raise
+        if isinstance(exc, Exception):  # the producer's own exception stays the cause
+            raise TransferAbortedError(f"layer producer failed: {exc!r}") from exc
+        raise
+    finally:
+        peer.sends.pop(tid, None)
+    done = st.done
+    assert done is not None
+    snap = peer.estimator.snapshot()
+    if codec_name == AUTO and len(used) == 1:
+        codec_name = next(iter(used))
+    return Receipt(
+        request_id=request_id, transfer_id=tid, codec=codec_name, kv_bytes=kv_bytes,
+        wire_bytes=done.wire_bytes, chunks=done.chunks, seconds=clock() - started,
+        time_to_first_layer=(st.first_layer_at - started) if st.first_layer_at else None,
+        estimated_gbps=snap.bandwidth_bps / 1e9 if snap.bandwidth_bps else None,
+        rtt_ms=snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
+        extra={"chunks_by_codec": used},
+    )
+
+
+def _granted(core: SenderCore, tid: int, layer: int) -> Callable[[], bool]:
+    return lambda: core.layer_limit(tid) > layer
+
+
+async def _send_layer(
+    peer: Peer, st: SendState, tid: int, spec: KVSpec, index: int, k: Any, v: Any, codec_name: str,
+    used: dict[str, int], started: float, deadline: float | None,
+) -> None:
+    """Chunk, encode and hand one layer to the core (K first, then V); each chunk waits
+    until the core put the one before on a stream."""
+    core = peer.core
+    tokens = int(k.shape[0])
+    bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
+    plan = plan_chunks(tokens, bpt, peer.options.chunk_bytes)
+    st.layer_left[index] = 2 * len(plan)
+    chooser = peer.chooser
+
+    def pick() -> Any:
+        if codec_name != AUTO:
+            return get_codec(codec_name)
+        assert chooser is not None
+        left = None if deadline is None else deadline - (clock() - started)
+        remaining = (spec.num_layers - index) * 2 * tokens * bpt
+        return get_codec(chooser.choose(
+            peer.estimator.bandwidth_bps, remaining_bytes=remaining if deadline is not None else None,
+            time_left=left,
+        ).codec)
+
+    for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
+        source = (host_chunks(arr, kind, plan, pick, chooser) if isinstance(arr, np.ndarray)
+                  else device_chunks(pick(), arr, kind, plan, spec.dtype, chooser))
+        async for start, count, codec, enc in source:
+            if st.error is not None:
+                raise st.error
+            used[codec.name] = used.get(codec.name, 0) + 1
+            chunk = Chunk(
+                transfer_id=tid, layer=index, kind=int(kind), codec_id=enc.codec_id, token_start=start,
+                token_count=count, layer_tokens=tokens, params=enc.params, payload=enc.payload,
+            )
+            core.add_chunk(tid, chunk, kv_bytes=count * bpt)
+            peer.pump()
+            await until(st, lambda: core.queued_bytes(tid) == 0)
+
+
+__all__ = ["AUTO", "Receipt", "SendState", "make_chooser", "next_or_fail", "send", "until"]
