@@ -3,7 +3,7 @@
 Run (on a machine with CuPy and a CUDA device; ``benchmarks/gpu_device.sh`` installs the
 wheels staged in ``.whl/`` first)::
 
-    python benchmarks/gpu_device.py [--out DIR] [--tokens 8192] [--skip-tests]
+    python benchmarks/gpu_device.py [--out DIR] [--tokens 8192] [--skip-tests] [--budget 360]
 
 1. ``pytest -m gpu`` (the GPU tests of the whole suite), log in ``DIR/pytest.log``.
 2. Bit-exactness against the numpy codecs on a Llama-3-8B-like cache: 32 layers x (K, V)
@@ -11,9 +11,10 @@ wheels staged in ``.whl/`` first)::
    chunks it (1 MiB), for fp8, int8, int4 and float16 / bfloat16: every chunk payload
    encoded on the GPU equals numpy's (SHA-256 per chunk; numpy runs in worker
    processes), and every tensor decoded on the GPU equals numpy's decode.
-3. Kernel speed with CUDA events: encode (whole tensor, one launch; int4 two) and decode
-   (per tensor) in GB/s of float16 input, against a device-to-device copy of the same
-   bytes (``copy / kernel`` time ratio: 1.0 = as fast as the copy).
+3. Kernel speed with CUDA events: encode (whole tensor, one launch) and decode (per
+   tensor) in GB/s of 16-bit input, against a device-to-device copy of the same bytes
+   (``copy / kernel`` time ratio: 1.0 = as fast as the copy); int4 separately for keys
+   and values (different kernels), with the names of the kernels that ran.
 4. A loopback transfer of the CuPy-resident cache to ``serve(device="gpu")``, with the
    chunk copies overlapped with sending (pipeline depth 4) and without (depth 1).
 
@@ -212,11 +213,29 @@ def _encode_all(codec: Any, tensors: list[Any], step: int, dtype: str) -> list[A
     return [gpu.encode_tensor(codec, t, TensorKind(i % 2), step, dtype=dtype) for i, t in enumerate(tensors)]
 
 
-def _decode_all(base: str, whole: list[Any], dst: list[Any], dtype: str, flags: Any) -> None:
+def _encode_all_as(codec: Any, tensors: list[Any], step: int, dtype: str, kind: int) -> list[Any]:
+    from kvwire.codec import gpu
+
+    return [gpu.encode_tensor(codec, t, TensorKind(kind), step, dtype=dtype) for t in tensors]
+
+
+def _decode_all(base: str, whole: list[Any], dst: list[Any], dtype: str, flags: Any, kind: int | None = None) -> None:
     from kvwire.codec import gpu
 
     for i, (e, d) in enumerate(zip(whole, dst, strict=True)):
-        gpu.launch_decode(base, e.params, e.buffer, d, dtype=dtype, kind=TensorKind(i % 2), flags=flags)
+        k = TensorKind(i % 2 if kind is None else kind)
+        gpu.launch_decode(base, e.params, e.buffer, d, dtype=dtype, kind=k, flags=flags)
+
+
+def _kernels(codec_name: str, shape: tuple[int, int, int], dtype: str, kind: int, step: int, aligned: bool) -> list[str]:
+    """The kernels that encode and decode a ``shape`` tensor (what the timings measured)."""
+    from kvwire.codec import gpu
+
+    group = gpu._int4_group(get_codec(codec_name))
+    plan = gpu.plan_encode(codec_name, group, shape, dtype, TensorKind(kind), step, x_aligned=aligned)
+    dec = gpu.plan_decode(codec_name, bytes([group]) if codec_name == "int4" else b"", shape, dtype,
+                          TensorKind(kind), out_aligned=aligned)
+    return [launch.kernel for launch in plan.launches] + [dec.kernel]
 
 
 def _speed_one(dtype: str, tokens: int, reps: int) -> dict[str, Any]:
@@ -238,29 +257,36 @@ def _speed_one(dtype: str, tokens: int, reps: int) -> dict[str, Any]:
     res[f"copy/{dtype}"] = {"ms": copy_ms, "input_GBps": nbytes / copy_ms / 1e6,
                             "per_tensor_ms": copy_each_ms}
     step = _plan(tokens)[0][1]
-    for codec_name in CODECS:
+    aligned = big.data.ptr % 16 == 0
+    # int4 keys and values take different kernels: both timed, the whole cache as each
+    runs = [(c, None) for c in CODECS if c != "int4"] + [("int4", 0), ("int4", 1)]
+    for codec_name, kind in runs:
         codec = get_codec(codec_name)
-        enc_ms = _events_ms(lambda codec=codec: _encode_all(codec, [big], step, dtype), reps)
+        label = codec_name if kind is None else f"{codec_name} {'KV'[kind]}"
+        k = 0 if kind is None else kind
+        enc_ms = _events_ms(lambda codec=codec, k=k: _encode_all_as(codec, [big], step, dtype, k), reps)
         enc_each_ms = _events_ms(lambda codec=codec: _encode_all(codec, tensors, step, dtype), reps)
         # decode: the payload as one chunk, straight into the destination
-        whole = _encode_all(codec, [big], int(big.shape[0]), dtype)
+        whole = _encode_all_as(codec, [big], int(big.shape[0]), dtype, k)
         flags = cupy.zeros(1, cupy.uint32)
-        dec_ms = _events_ms(lambda base=codec_name, whole=whole, flags=flags: _decode_all(base, whole, [big_dst], dtype, flags), reps)
+        dec_ms = _events_ms(lambda base=codec_name, whole=whole, flags=flags, k=k:
+                            _decode_all(base, whole, [big_dst], dtype, flags, k), reps)
         for e in whole:
             e.check()
         if int(flags.get()[0]):
             raise AssertionError(f"decode flags {int(flags.get()[0])} on valid payloads")
         del whole
-        res[f"{codec_name}/{dtype}"] = {
+        res[f"{label}/{dtype}"] = {
             "encode_ms": enc_ms, "encode_input_GBps": nbytes / enc_ms / 1e6,
             "encode_vs_copy": copy_ms / enc_ms,
             "decode_ms": dec_ms, "decode_output_GBps": nbytes / dec_ms / 1e6,
             "decode_vs_copy": copy_ms / dec_ms,
             "encode_per_tensor_ms": enc_each_ms, "encode_per_tensor_GBps": nbytes / enc_each_ms / 1e6,
+            "kernels": _kernels(codec_name, tuple(big.shape), dtype, k, step, aligned),
         }
-        print(f"speed {codec_name}/{dtype}: encode {nbytes / enc_ms / 1e6:.0f} GB/s ({copy_ms / enc_ms:.2f}x copy; "
+        print(f"speed {label}/{dtype}: encode {nbytes / enc_ms / 1e6:.0f} GB/s ({copy_ms / enc_ms:.2f}x copy; "
               f"64 launches {nbytes / enc_each_ms / 1e6:.0f} GB/s), decode {nbytes / dec_ms / 1e6:.0f} GB/s "
-              f"({copy_ms / dec_ms:.2f}x copy)", flush=True)
+              f"({copy_ms / dec_ms:.2f}x copy); kernels {res[f'{label}/{dtype}']['kernels']}", flush=True)
     return res
 
 
@@ -327,14 +353,15 @@ def summary(results: dict[str, Any]) -> str:
         lines.append("")
     sp = results.get("speed")
     if sp:
-        lines += ["| kernel | encode GB/s | encode / copy | encode, 64 launches GB/s | decode GB/s | decode / copy |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["| kernel | encode GB/s | encode / copy | encode, 64 launches GB/s | decode GB/s | decode / copy | kernels |",
+                  "|---|---|---|---|---|---|---|"]
         for k, v in sp.items():
             if k.startswith("copy/"):
-                lines.append(f"| device copy {k[5:]} | {v['input_GBps']:.0f} | 1.00 | | | |")
+                lines.append(f"| device copy {k[5:]} | {v['input_GBps']:.0f} | 1.00 | | | | |")
             else:
                 lines.append(f"| {k} | {v['encode_input_GBps']:.0f} | {v['encode_vs_copy']:.2f} | "
-                             f"{v['encode_per_tensor_GBps']:.0f} | {v['decode_output_GBps']:.0f} | {v['decode_vs_copy']:.2f} |")
+                             f"{v['encode_per_tensor_GBps']:.0f} | {v['decode_output_GBps']:.0f} | {v['decode_vs_copy']:.2f} | "
+                             f"{', '.join(v.get('kernels', []))} |")
         lines.append("")
     tr = results.get("transfer")
     if tr:
@@ -357,6 +384,8 @@ def main() -> None:
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--skip-exactness", action="store_true")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--budget", type=float, default=360.0,
+                    help="seconds after which the remaining steps are skipped (the run stays under 8 minutes)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -379,6 +408,10 @@ def main() -> None:
         steps.append(("exactness", exactness, (pool, args.tokens)))
     steps += [("speed", kernel_speed, (args.tokens, args.reps)), ("transfer", transfers, (args.tokens,))]
     for name, fn, fargs in steps:
+        if time.perf_counter() - t_start > args.budget:
+            results["errors"][name] = f"skipped: the run had used its {args.budget} s budget"
+            print(results["errors"][name], flush=True)
+            continue
         try:
             results[name] = fn(*fargs)
         except Exception:
