@@ -18,7 +18,7 @@ import logging
 import ssl as _ssl
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import TracebackType
 from typing import Any
 
@@ -230,17 +230,10 @@ class Server:
         self.registry = registry
         self._store = ArrayStore(options.device)
         self.on_gpu = self._store.gpu is not None
-        o = options
-        self._core = ReceiverCore(ReceiverConfig(
-            secret=bytes(secret), codecs=self.codecs, fingerprints=frozenset(s.fingerprint for s in o.specs),
-            max_frame_size=o.max_frame_size, window=o.window, max_transfers=o.max_transfers,
-            max_sessions=o.max_sessions, max_streams=o.max_streams, max_tokens=o.max_tokens,
-            transfer_buffer_bytes=o.transfer_buffer_bytes, max_layer_bytes=o.max_layer_bytes,
-            max_chunk_bytes=o.max_chunk_bytes, max_buffer_bytes=o.max_buffer_bytes,
-            max_meta_bytes=o.max_meta_bytes, handshake_timeout=o.handshake_timeout,
-            idle_timeout=o.idle_timeout, transfer_timeout=o.transfer_timeout,
-            resume_timeout=o.resume_timeout, claim_timeout=o.claim_timeout, registry=registry is not None,
-        ), store=self._store)
+        shared = {f.name: getattr(options, f.name) for f in fields(ReceiverConfig) if hasattr(options, f.name)}
+        shared.update(secret=bytes(secret), codecs=self.codecs, registry=registry is not None,
+                      fingerprints=frozenset(s.fingerprint for s in options.specs))
+        self._core = ReceiverCore(ReceiverConfig(**shared), store=self._store)
         self._server: asyncio.Server | None = None
         self._cids = itertools.count(1)
         self._streams: set[_Stream] = set()

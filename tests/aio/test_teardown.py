@@ -77,6 +77,7 @@ async def test_close_leaves_no_task_and_no_unretrieved_exception(
         # right after close(), not a loop iteration later: nothing it started still runs
         assert all(t.done() for t in started)
         assert not peer._tasks and not server._tasks
+        assert server._timer is None  # the pump's one timer is cancelled too
         await proxy.close()
         if send is not None:
             with pytest.raises(kvwire.KvwireError):
