@@ -1,0 +1,95 @@
+"""The server's receive wiring over real sockets: raw payloads land in their layer in place,
+other chunks are decoded once, a GPU server sends every chunk to its decoder (checked here
+with a host stand-in for the device), and ``statistics()`` keeps its keys."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.aio import _receive
+from kvwire.aio import server as server_module
+from kvwire.aio._receive import ArrayStore
+from kvwire.codec import numpy_dtype
+from tests.conftest import SECRET, make_layers, same_cache
+
+SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=4, head_dim=64, dtype="float16")
+
+
+def counting(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    calls = {"decode": 0, "region": 0}
+    decode, region = ArrayStore.decode, ArrayStore.region
+
+    def counted_decode(self: ArrayStore, *args: Any) -> None:
+        calls["decode"] += 1
+        decode(self, *args)
+
+    def counted_region(self: ArrayStore, *args: Any) -> memoryview | None:
+        view = region(self, *args)
+        calls["region"] += view is not None
+        return view
+
+    monkeypatch.setattr(ArrayStore, "decode", counted_decode)
+    monkeypatch.setattr(ArrayStore, "region", counted_region)
+    return calls
+
+
+async def send_and_collect(server: Any, layers: list[Any], *, device: str | None = None, **connect: Any) -> Any:
+    async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, **connect) as peer:
+        recv = asyncio.create_task(server.expect("r", timeout=20))
+        await peer.send("r", SPEC, layers, timeout=20)
+        return await (await recv).collect(timeout=20, device=device)
+
+
+async def test_raw_payloads_are_received_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = counting(monkeypatch)
+    layers = make_layers(3, 1024, 4, 64)  # 512 KiB per layer half: chunks above 64 KiB
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        cache = await send_and_collect(server, layers, chunk_bytes=128 * 1024, streams=2)
+        stats = server.statistics()
+    assert same_cache(cache.layers, layers)
+    assert calls["region"] > calls["decode"]  # most chunks never went through a decoder
+    for key in ("sessions", "connections", "transfers_accepted", "transfers_refused",
+                "pending_arrivals", "buffered_bytes"):
+        assert key in stats
+    assert stats["transfers_accepted"] == 1 and stats["buffered_bytes"] == 0
+
+
+class HostGpu:
+    """Stands in for ``_gpu.GpuReceiver``: "device" arrays are numpy arrays."""
+
+    def __init__(self, device: str) -> None:
+        self.decoded = 0
+
+    def empty(self, shape: tuple[int, int, int], dtype: str) -> Any:
+        return np.empty(shape, numpy_dtype(dtype))
+
+    def decode(self, codec: Any, params: bytes, payload: Any, out: Any, dtype: str, kind: Any) -> None:
+        self.decoded += 1
+        codec.decode(params, payload, shape=out.shape, dtype=dtype, kind=kind, out=out)
+
+
+async def test_a_gpu_server_decodes_every_chunk_on_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(server_module._gpu, "parse_device", lambda device: 0)
+    monkeypatch.setattr(_receive, "GpuReceiver", HostGpu)
+    calls = counting(monkeypatch)
+    layers = make_layers(3, 1024, 4, 64)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, device="gpu") as server:
+        gpu = server._store.gpu
+        assert isinstance(gpu, HostGpu)
+        cache = await send_and_collect(server, layers, device="gpu", chunk_bytes=128 * 1024)
+        assert same_cache(cache.layers, layers)
+        assert calls["region"] == 0 and gpu.decoded == calls["decode"] > 0
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            recv = asyncio.create_task(server.expect("cpu", timeout=20))
+            await peer.send("cpu", SPEC, layers, timeout=20)
+            transfer = await recv
+            with pytest.raises(kvwire.UsageError):
+                await transfer.collect(device="cpu")
+            with pytest.raises(kvwire.UsageError):
+                transfer.attach(object())
+            transfer.abort("test done")
