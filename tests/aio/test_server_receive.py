@@ -11,8 +11,7 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.aio import _receive
-from kvwire.aio import server as server_module
+from kvwire.aio import _gpu, _receive
 from kvwire.aio._receive import ArrayStore
 from kvwire.codec import numpy_dtype
 from tests.conftest import SECRET, make_layers, same_cache
@@ -74,7 +73,7 @@ class HostGpu:
 
 
 async def test_a_gpu_server_decodes_every_chunk_on_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(server_module._gpu, "parse_device", lambda device: 0)
+    monkeypatch.setattr(_gpu, "parse_device", lambda device: 0)
     monkeypatch.setattr(_receive, "GpuReceiver", HostGpu)
     calls = counting(monkeypatch)
     layers = make_layers(3, 1024, 4, 64)
