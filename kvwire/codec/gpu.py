@@ -273,15 +273,17 @@ def _plan_int4_vec(
         return Launch(f"kv_int4_encode_v_vec_{suffix}_{lpr}_{vpl}", math.ceil(rows * lpr / _THREADS),
                       (*args, "out", "flags"))
     hd = heads * dim
-    if hd % epv or group > 64:
+    if hd % epv:
         return None
-    kpt = 2 if group <= 8 else 8 if group <= 32 else 16
+    # token lanes x tokens each: fewest registers that hold a block (group <= 255)
+    tl, kpt = (4, 2) if group <= 8 else (4, 8) if group <= 32 else (4, 16) if group <= 64 else (
+        (8, 16) if group <= 128 else (16, 16))
     blocks_full = -(-chunk_tokens // group)
     nchunks = -(-tokens // chunk_tokens)
     last = tokens - (nchunks - 1) * chunk_tokens
     total_blocks = (nchunks - 1) * blocks_full + -(-last // group)
-    slices = -(-(hd // epv) // 8)
-    return Launch(f"kv_int4_encode_k_vec_{suffix}_{kpt}", math.ceil(total_blocks * slices * 32 / _THREADS),
+    slices = -(-(hd // epv) // (32 // tl))
+    return Launch(f"kv_int4_encode_k_vec_{suffix}_{tl}_{kpt}", math.ceil(total_blocks * slices * 32 / _THREADS),
                   (*args, np.int64(total_blocks), "out", "flags"))
 
 

@@ -128,7 +128,7 @@ def test_kernels_under_cupys_options_hold_no_flush_to_zero(tmp_path: Path) -> No
     assert {"kv_int4_stats_bf16", "kv_int4_pack_f32", "kv_int4_decode_f16"} <= entries
     for suffix in ("f16", "bf16", "f32"):  # int4: one-launch vector encode, vector decode
         assert {f"kv_int4_encode_v_vec_{suffix}_{lanes}" for lanes in ("16_1", "32_1", "32_2", "32_4")} <= entries
-        assert {f"kv_int4_encode_k_vec_{suffix}_{kpt}" for kpt in (2, 8, 16)} <= entries
+        assert {f"kv_int4_encode_k_vec_{suffix}_{v}" for v in ("4_2", "4_8", "4_16", "8_16", "16_16")} <= entries
         assert f"kv_int4_decode_vec_{suffix}" in entries
     # every encode entry reduces with warp shuffles on integer keys, never on floats
     assert "shfl.sync.bfly.b32" in text
@@ -140,7 +140,7 @@ def test_kernels_under_cupys_options_hold_no_flush_to_zero(tmp_path: Path) -> No
     nvrtc = _nvrtc_ptx(kernel_source())
     if nvrtc is not None:
         assert ".entry kv_fp8_encode_vec_f16_16_1" in nvrtc
-        assert ".entry kv_int4_encode_k_vec_bf16_8" in nvrtc and ".entry kv_int4_decode_vec_f32" in nvrtc
+        assert ".entry kv_int4_encode_k_vec_bf16_4_8" in nvrtc and ".entry kv_int4_decode_vec_f32" in nvrtc
         assert ".ftz" not in nvrtc and "fma." not in nvrtc
 
 

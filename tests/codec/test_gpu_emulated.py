@@ -406,8 +406,11 @@ def test_int4_common_shapes_encode_in_one_vector_launch(dtype: str, shape: tuple
     assert dec.kernel.startswith("kv_int4_decode_vec_")
     # unaligned input, groups the vector kernels do not take: the two-step kernels
     assert len(g.plan_encode("int4", group, shape, dtype, kind, 512, x_aligned=False).launches) == 2
-    assert len(g.plan_encode("int4", 96 if kind == TensorKind.K else 3, shape, dtype, kind, 512,
-                             x_aligned=True).launches) == 2
+    if kind == TensorKind.V:
+        assert len(g.plan_encode("int4", 3, shape, dtype, kind, 512, x_aligned=True).launches) == 2
+    else:  # keys: any group size in one launch
+        for big in (65, 128, 200, 255):
+            assert len(g.plan_encode("int4", big, shape, dtype, kind, 512, x_aligned=True).launches) == 1
 
 
 STYLES = ("normal", "subnormal", "zeros", "ties", "constant", "mixed")
@@ -439,8 +442,8 @@ def _adversarial(style: str, dtype: str, shape: tuple[int, int, int], seed: int)
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
-    tokens=st.integers(1, 24), heads=st.integers(1, 3), dim=st.sampled_from([4, 8, 16, 24, 40, 64, 128, 256]),
-    step=st.integers(1, 24), group=st.sampled_from([1, 2, 3, 4, 5, 7, 8, 12, 16, 31, 32, 33, 64, 65, 128, 255]),
+    tokens=st.integers(1, 40), heads=st.integers(1, 3), dim=st.sampled_from([4, 8, 16, 24, 40, 64, 128, 256]),
+    step=st.integers(1, 40), group=st.sampled_from([1, 2, 3, 4, 5, 7, 8, 12, 16, 31, 32, 33, 64, 65, 100, 128, 255]),
     style=st.sampled_from(STYLES), seed=st.integers(0, 2**16), aligned=st.booleans(),
     dtype=st.sampled_from(["float16", "bfloat16", "float32"]), kind=st.sampled_from([TensorKind.K, TensorKind.V]),
     poison=st.sampled_from([None, None, np.nan, np.inf, -np.inf]), fast=st.booleans(),
@@ -452,9 +455,10 @@ def test_emulated_int4_kernels_match_the_numpy_reference(
 ) -> None:
     from kvwire.codec.int4 import Int4Codec
 
-    if fast:  # a geometry the one-launch vector kernels take (keys: any group up to 64)
+    if fast:  # a geometry the one-launch vector kernels take (keys: any group)
         dim, aligned = fast_dim, True
-        group = group if kind == TensorKind.K and group <= 64 else fast_group if fast_group < 255 or dim < 255 else 128
+        if kind == TensorKind.V:
+            group = fast_group if fast_group < 255 or dim < 255 else 128
     codec = Int4Codec(group)
     shape = (tokens, heads, dim)
     x = _adversarial(style, dtype, shape, seed)
@@ -494,6 +498,21 @@ def test_emulated_int4_value_groups_over_several_vectors_of_a_lane(emu: Any, sty
     assert kernel == "kv_int4_encode_v_vec_f32_32_2" and flags == 0
     for i, s in enumerate(range(0, 9, 4)):
         assert payloads[i] == bytes(memoryview(_ref(codec).encode_numpy(x[s : s + 4], TensorKind.V).payload).cast("B"))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize(("group", "step", "kernel"), [(64, 300, "4_16"), (100, 250, "8_16"), (128, 300, "8_16"),
+                                                       (255, 300, "16_16"), (255, 600, "16_16")])
+def test_emulated_int4_key_groups_of_many_tokens(emu: Any, dtype: str, group: int, step: int, kernel: str) -> None:
+    # full blocks of 64-255 tokens: 4, 8 or 16 token lanes with 16 tokens each
+    from kvwire.codec.int4 import Int4Codec
+
+    codec = Int4Codec(group)
+    x = _adversarial("mixed", dtype, (530, 2, 24), group + step)
+    payloads, flags, name = emu_encode(emu, codec, _placed(_bits(x), True), TensorKind.K, step, dtype)
+    assert name == f"kv_int4_encode_k_vec_{g._SUFFIX[dtype]}_{kernel}" and flags == 0
+    for i, s in enumerate(range(0, 530, step)):
+        assert payloads[i] == bytes(memoryview(_ref(codec).encode_numpy(x[s : s + step], TensorKind.K).payload).cast("B"))
 
 
 @pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])

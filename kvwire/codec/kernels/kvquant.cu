@@ -463,24 +463,24 @@ __device__ void int4_encode_v_vec(const uint4* x, kv_i64 tokens, int heads, int 
 }
 
 // int4 encode, keys (groups of `group` tokens per channel), fast path: a warp per (token
-// block of a chunk, 8 vectors of channels): lane = 8 * tl + cl, where the 4 token lanes tl
-// take tokens tl, tl + 4, ... of the block (KPT vectors in registers: one read of the
-// input) and cl is the channel vector; every token row of the warp is 128 contiguous
-// bytes.  Per channel, minimum and maximum on order keys over the lane's tokens, then over
-// the 4 token lanes with warp shuffles; token lane 0 writes the scales and minimums, every
-// lane packs the codes of its tokens.  Needs heads*head_dim*itemsize % 16 == 0, a 16-byte
-// aligned input and group <= 4 * KPT.
-template <int DT, int KPT>
+// block of a chunk, CL = 32 / TL vectors of channels): lane = CL * tl + cl, where the TL
+// token lanes tl take tokens tl, tl + TL, ... of the block (KPT vectors in registers: one
+// read of the input) and cl is the channel vector; every token row of the warp is 16 * CL
+// contiguous bytes (whole 32-byte sectors).  Per channel, minimum and maximum on order
+// keys over the lane's tokens, then over the TL token lanes with warp shuffles; token lane
+// 0 writes the scales and minimums, every lane packs the codes of its tokens.  Needs
+// heads*head_dim*itemsize % 16 == 0, a 16-byte aligned input and group <= TL * KPT.
+template <int DT, int TL, int KPT>
 __device__ void int4_encode_k_vec(const uint4* x, kv_i64 tokens, int heads, int dim, int group,
                                   int chunk_tokens, kv_i64 chunk_bytes, kv_i64 total_blocks, kv_u8* out,
                                   unsigned* flags) {
     constexpr int EPV = DT == 2 ? 4 : 8;
-    constexpr int TL = 4, CL = 8;
+    constexpr int CL = 32 / TL;
     const kv_i64 hd = (kv_i64)heads * dim;
     const int ncv = (int)(hd / EPV);
     const int slices = (ncv + CL - 1) / CL;
     const kv_i64 warp = ((kv_i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31, tl = lane >> 3, cl = lane & (CL - 1);
+    const int lane = threadIdx.x & 31, tl = lane / CL, cl = lane & (CL - 1);
     const kv_i64 gb = warp / slices;
     const int cv = (int)(warp - gb * slices) * CL + cl;
     const bool active = gb < total_blocks && cv < ncv;
@@ -666,21 +666,23 @@ KV_ROWWISE(f32, 2, 0, int8)
         kv_i64 chunk_bytes, kv_u8* out, unsigned* flags) {                                             \
         int4_encode_v_vec<DT, LPR, VPL>(x, tokens, heads, dim, group, chunk_tokens, chunk_bytes, out, flags); \
     }
-#define KV_INT4_K_VEC(SUF, DT, KPT)                                                                    \
-    extern "C" __global__ void kv_int4_encode_k_vec_##SUF##_##KPT(                                     \
+#define KV_INT4_K_VEC(SUF, DT, TL, KPT)                                                                \
+    extern "C" __global__ void kv_int4_encode_k_vec_##SUF##_##TL##_##KPT(                              \
         const uint4* x, kv_i64 tokens, int heads, int dim, int group, int chunk_tokens,                \
         kv_i64 chunk_bytes, kv_i64 total_blocks, kv_u8* out, unsigned* flags) {                        \
-        int4_encode_k_vec<DT, KPT>(x, tokens, heads, dim, group, chunk_tokens, chunk_bytes, total_blocks, \
-                                   out, flags);                                                        \
+        int4_encode_k_vec<DT, TL, KPT>(x, tokens, heads, dim, group, chunk_tokens, chunk_bytes,        \
+                                       total_blocks, out, flags);                                      \
     }
 #define KV_INT4_VEC(SUF, DT)                                                                           \
     KV_INT4_V_VEC(SUF, DT, 16, 1)                                                                      \
     KV_INT4_V_VEC(SUF, DT, 32, 1)                                                                      \
     KV_INT4_V_VEC(SUF, DT, 32, 2)                                                                      \
     KV_INT4_V_VEC(SUF, DT, 32, 4)                                                                      \
-    KV_INT4_K_VEC(SUF, DT, 2)                                                                          \
-    KV_INT4_K_VEC(SUF, DT, 8)                                                                          \
-    KV_INT4_K_VEC(SUF, DT, 16)                                                                         \
+    KV_INT4_K_VEC(SUF, DT, 4, 2)                                                                       \
+    KV_INT4_K_VEC(SUF, DT, 4, 8)                                                                       \
+    KV_INT4_K_VEC(SUF, DT, 4, 16)                                                                      \
+    KV_INT4_K_VEC(SUF, DT, 8, 16)                                                                      \
+    KV_INT4_K_VEC(SUF, DT, 16, 16)                                                                     \
     extern "C" __global__ void kv_int4_decode_vec_##SUF(                                               \
         const kv_u8* payload, unsigned tokens, unsigned heads, unsigned dim, unsigned group, int is_v,  \
         uint4* out, unsigned* flags) {                                                                 \
