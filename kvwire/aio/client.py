@@ -58,7 +58,7 @@ from kvwire.session.sender import (
 )
 from kvwire.spec import KVSpec
 from kvwire.wire import BlockVersion
-from kvwire.wire.connection import NO_FINGERPRINT, ConnectionClosed
+from kvwire.wire.connection import NO_FINGERPRINT
 from kvwire.wire.frames import MAX_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
 
 _log = logging.getLogger("kvwire")
@@ -332,14 +332,14 @@ class Peer:
     def _on_closed(self, ev: StreamClosed) -> None:
         closed = ev.closed
         if closed.goaway and closed.by_peer:
-            _log.info("kvwire: %s", _closed_reason(closed, ev.index))
+            _log.info("kvwire: %s", ev.reason)
         if isinstance(closed.error, AuthenticationError):
             _log.warning("kvwire: authentication with %s:%s failed: %s", self.host, self.port, closed.error)
         if ev.resumed and closed.resumable:
             _log.info("kvwire: stream %d to %s:%s broke; resuming (%d of at most %d)", ev.index, self.host,
                       self.port, self.resumes, self.options.max_reconnects)
         if self._opening and self._open_error is None:
-            self._open_error = closed.error or ConnectionLostError(_closed_reason(closed, ev.index))
+            self._open_error = closed.error or ConnectionLostError(ev.reason)
 
     async def _connect(self, index: int) -> None:
         """Open slot ``index``'s TCP (and TLS) connection; the handshake is the core's."""
@@ -430,8 +430,6 @@ class Peer:
         """
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
-        if not isinstance(request_id, str) or not request_id or len(request_id.encode()) > 0xFFFF:
-            raise UsageError("request_id must be a non-empty str of at most 65535 UTF-8 bytes")
         codec_name = codec or self.codec
         if codec_name == AUTO:
             if self.chooser is None:
@@ -447,9 +445,8 @@ class Peer:
             meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
         except (TypeError, ValueError, RecursionError) as exc:
             raise UsageError(f"meta must be JSON-serialisable: {exc}") from None
-        versions = tuple(BlockVersion(block=_block_key(b), version=_version(v)) for b, v in (blocks or ()))
-        if len(versions) > 0xFFFF:
-            raise UsageError("at most 65535 blocks per transfer")
+        # a block id travels as its canonical type-tagged key (i:12, b:<hex>, s:<text>)
+        versions = tuple(BlockVersion(block=block_key(b).encode(), version=v) for b, v in (blocks or ()))
         if deadline is not None and codec_name != AUTO:
             raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
         return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)
@@ -544,28 +541,8 @@ class Peer:
                 self.pump()
 
 
-def _closed_reason(ev: ConnectionClosed, index: int) -> str:
-    who = "server" if ev.by_peer else "this side"
-    how = f"GOAWAY {ErrorCode(ev.code).name}" if ev.code in ErrorCode._value2member_map_ else f"code {ev.code}"
-    return f"stream {index} closed by {who} ({how}: {ev.message or 'no reason given'})"
-
-
 def _delta(now: int | None, before: int | None) -> int | None:
     return None if now is None or before is None else now - before
-
-
-def _version(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 64:
-        raise UsageError(f"a block version is an int in [0, 2**64), got {v!r}")
-    return v
-
-
-def _block_key(block: Any) -> bytes:
-    """A block id as it travels in BEGIN: its canonical type-tagged key (``i:12``, ``b:<hex>``, ``s:<text>``)."""
-    key = block_key(block).encode()
-    if len(key) > 255:
-        raise UsageError("block id too long for the wire (canonical key over 255 bytes)")
-    return key
 
 
 __all__ = ["ClientOptions", "Peer", "Receipt"]

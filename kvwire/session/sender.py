@@ -92,6 +92,13 @@ class StreamClosed:
     closed: ConnectionClosed
     resumed: bool
 
+    @property
+    def reason(self) -> str:
+        ev = self.closed
+        who = "server" if ev.by_peer else "this side"
+        how = f"GOAWAY {ErrorCode(ev.code).name}" if ev.code in ErrorCode._value2member_map_ else f"code {ev.code}"
+        return f"stream {self.index} closed by {who} ({how}: {ev.message or 'no reason given'})"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkSent:
@@ -236,7 +243,10 @@ class SenderCore:
         """The I/O layer connected slot ``index``: the handshake starts."""
         cfg = self.config
         slot = self._slots[index]
-        slot.wanted = slot.open = slot.closed = False
+        slot.wanted = slot.open = False
+        slot.closed = self.broken is not None  # too late: the I/O layer closes it again
+        if slot.closed:
+            return
         slot.writable = True
         slot.tail = []
         slot.conn = Connection(Role.CLIENT, ConnectionConfig(
@@ -334,6 +344,7 @@ class SenderCore:
         """
         if self.broken is not None:
             raise self.broken
+        _check_begin(request_id, blocks)
         tid = self._next_id
         begin = Begin(transfer_id=tid, num_layers=num_layers, num_kv_heads=num_kv_heads,
                       head_dim=head_dim, dtype_id=dtype_id, model=model, request_id=request_id,
@@ -644,6 +655,20 @@ class SenderCore:
             s.open = False
             if s.conn is not None and s.conn.closed_event is None:
                 s.conn.close(ErrorCode.NO_ERROR, "client closing")
+
+
+def _check_begin(request_id: str, blocks: tuple[BlockVersion, ...]) -> None:
+    """What BEGIN can carry: the wire's field limits, as usage errors before anything is sent."""
+    if not isinstance(request_id, str) or not request_id or len(request_id.encode()) > 0xFFFF:
+        raise UsageError("request_id must be a non-empty str of at most 65535 UTF-8 bytes")
+    if len(blocks) > 0xFFFF:
+        raise UsageError("at most 65535 blocks per transfer")
+    for b in blocks:
+        if len(b.block) > 255:
+            raise UsageError("block id too long for the wire (canonical key over 255 bytes)")
+        v = b.version
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 64:
+            raise UsageError(f"a block version is an int in [0, 2**64), got {v!r}")
 
 
 __all__ = [

@@ -36,6 +36,7 @@ from kvwire.session.sender import (
     TransferFailed,
 )
 from kvwire.wire import (
+    BlockVersion,
     Chunk,
     ChunkAddress,
     ChunkReceived,
@@ -404,3 +405,35 @@ def test_close_fails_every_transfer_and_says_goaway_on_every_stream() -> None:
     h.step()
     assert [e.transfer_id for e in h.of(TransferFailed)] == [tid]
     assert isinstance(h.core.broken, ConnectionLostError)
+
+
+@pytest.mark.parametrize("request_id, blocks", [
+    ("", ()),
+    ("x" * 70_000, ()),
+    ("r", (BlockVersion(block=b"k" * 256, version=1),)),
+    ("r", (BlockVersion(block=b"k", version=-1),)),
+    ("r", (BlockVersion(block=b"k", version=1 << 64),)),
+    ("r", (BlockVersion(block=b"k", version=True),)),
+    ("r", tuple(BlockVersion(block=b"k", version=i) for i in range(0x10000))),
+])
+def test_begin_refuses_what_the_wire_cannot_carry(request_id: str, blocks: tuple[BlockVersion, ...]) -> None:
+    h = harness()
+    with pytest.raises(UsageError):
+        h.core.begin(request_id, num_layers=1, num_kv_heads=1, head_dim=8, blocks=blocks, now=0.0)
+    assert h.core.transfers == 0 and not h.core.data_to_send(0)
+
+
+def test_a_connection_made_after_the_session_broke_is_closed_at_once() -> None:
+    core = SenderCore(SenderConfig(secret=SECRET, streams=2))
+    assert isinstance(core.next_event(), StreamWanted)
+    core.close(0.0)
+    core.stream_opened(0, 0.0)  # a connect that was already under way completes
+    assert core.is_closed(0) and core.connection(0) is None and not core.data_to_send(0)
+
+
+def test_the_close_reason_names_the_stream_the_side_and_the_code() -> None:
+    h = harness(streams=2)
+    h.servers[1].close(ErrorCode.NO_ERROR, "maintenance")
+    h.step()
+    [closed] = h.of(StreamClosed)
+    assert closed.reason == "stream 1 closed by server (GOAWAY NO_ERROR: maintenance)"
