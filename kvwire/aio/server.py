@@ -40,6 +40,7 @@ from kvwire.errors import (
 from kvwire.session.receiver import (
     AuthenticationFailed,
     GoawayReceived,
+    InternalError,
     Key,
     LayerReady,
     ReceiverConfig,
@@ -361,7 +362,10 @@ class Server:
         """Handle the core's events, write what it queued, re-arm the one timer."""
         core = self._core
         while (ev := core.next_event()) is not None:
-            self._on_event(ev)
+            try:
+                self._on_event(ev)
+            except Exception:
+                _log.exception("kvwire: internal error handling %s", type(ev).__name__)
         for cid in core.take_dirty():
             stream = self._by_cid.get(cid)
             if stream is not None:
@@ -408,6 +412,8 @@ class Server:
             _log.info("kvwire: GOAWAY from %s: code 0x%04x %s", self._peer(ev.cid), ev.code, ev.message)
         elif isinstance(ev, StreamResumed):
             _log.info("kvwire: session %s resumed stream %d", ev.session_id.hex()[:8], ev.stream_index)
+        elif isinstance(ev, InternalError):
+            _log.error("kvwire: internal error on a connection from %s", self._peer(ev.cid), exc_info=ev.error)
         elif isinstance(ev, TransferAborted):
             who = "reset by the client" if ev.by_peer else "aborted"
             _log.info("transfer %r %s: %s", ev.request_id, who, ev.reason or "no reason given")

@@ -293,9 +293,18 @@ class TransferAborted:
     by_peer: bool = False
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InternalError:
+    """Handling input from ``cid`` raised ``error`` (a bug): the connection was closed with
+    INTERNAL_ERROR; the I/O layer logs it."""
+
+    cid: int
+    error: Exception
+
+
 ReceiverEvent = (
     TransferArrived | LayerReady | TransferFailed | RegistryCheck | RegistryPublish
-    | AuthenticationFailed | GoawayReceived | StreamResumed | TransferAborted
+    | AuthenticationFailed | GoawayReceived | StreamResumed | TransferAborted | InternalError
 )
 
 
@@ -613,6 +622,9 @@ class ReceiverCore:
                     self._on_closed(cid, ev, now)
             except KvwireError as exc:
                 conn.close(exc.code, wire_text(str(exc)))
+            except Exception as exc:  # a bug or a failing hook: never a silent hang
+                conn.close(ErrorCode.INTERNAL_ERROR, f"internal error ({type(exc).__name__})")
+                self._events.append(InternalError(cid=cid, error=exc))
 
     def _on_authenticated(self, conn: Connection, ev: ClientAuthenticated) -> None:
         fps = self.config.fingerprints
@@ -997,6 +1009,7 @@ __all__ = [
     "AuthenticationFailed",
     "ByteStore",
     "GoawayReceived",
+    "InternalError",
     "Key",
     "LayerReady",
     "LayerStore",

@@ -17,6 +17,7 @@ from kvwire.errors import ErrorCode, KvwireError
 from kvwire.session.receiver import (
     AuthenticationFailed,
     ByteStore,
+    InternalError,
     LayerReady,
     LayerStore,
     ReceiverConfig,
@@ -498,3 +499,17 @@ def test_a_reconnected_stream_resumes_its_session() -> None:
         h.events.append(ev)
     assert h.of(StreamResumed) and h.core.counters["resumes"] == 1
     assert h.core.sessions == 1
+
+
+def test_a_bug_in_a_hook_closes_the_connection_with_internal_error_and_is_reported() -> None:
+    class Broken(ByteStore):
+        def opened(self, key: Any, spec: KVSpec) -> None:
+            raise RuntimeError("bug")
+
+    h = Harness(store=Broken())
+    h.client.send_begin(begin())
+    h.pump()
+    [ev] = h.of(InternalError)
+    assert isinstance(ev.error, RuntimeError) and ev.cid == 1
+    [closed] = h.client_of(ConnectionClosed)
+    assert closed.code == ErrorCode.INTERNAL_ERROR
