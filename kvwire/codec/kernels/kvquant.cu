@@ -5,7 +5,8 @@
 //
 // Encoding runs over a whole [tokens, heads, head_dim] tensor in one launch and writes the
 // payload of every chunk of a chunk plan (chunks of `chunk_tokens` tokens, the last one
-// shorter; chunk c's payload starts at c * chunk_bytes).  Decoding runs per chunk, straight
+// shorter; chunk c's payload starts at c * chunk_bytes); only int4 in geometries the vector
+// kernels do not take needs two.  Decoding runs per chunk, straight
 // into the destination.  Problems found on the device set bits in *flags (KV_FLAG_*); the
 // caller turns them into the same errors as the numpy codecs.
 //
@@ -276,7 +277,9 @@ __device__ __forceinline__ kv_i64 kv_int4_group_of(kv_i64 e, int heads, int dim,
     return (t * heads + h) * runs + d / group;
 }
 
-// int4 encode, step 1: one thread per group of the whole tensor: minimum and maximum on
+// int4 encode of the geometries the vector kernels below do not take (odd head_dim, value
+// groups that are not a power-of-two number of 16-byte vectors, an unaligned input), in
+// two launches.  Step 1: one thread per group of the whole tensor: minimum and maximum on
 // order keys (exact, -0 and +0 then made canonical +0), the NaN/inf check, scale and
 // minimum into the chunk payload and into stats[2*g], stats[2*g+1] for step 2.
 template <int DT>
