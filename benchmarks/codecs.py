@@ -1,20 +1,25 @@
 """Codec speed (vs. a memcpy of the same bytes, same run) and quality on real and synthetic KV.
 
-Run: ``python benchmarks/codecs.py [--quick] [--cpu N] [--threads T]``.  Speed is GB/s of
-float16 input on one core (``--cpu`` pins the process to that core); the ratio to
-``np.copyto`` of the same bytes is the figure to compare across machines.  The quantizers
-are timed twice: through the codec (the compiled loops when ``kvwire.codec._hostcodec`` is
-built) and through their numpy reference (``encode_numpy``/``decode_numpy``).  ``--threads``
-also times T threads encoding and decoding at once (the compiled loops release the GIL).
-Quality: relative L2 error ``||x^ - x|| / ||x||`` and wire bytes (params + payload) / float16
-bytes, per codec and layer, on ``tests/data/minilm_kv.npz`` and on Llama-like synthetic
-tensors with outlier key channels.
+Run: ``python benchmarks/codecs.py [--quick] [--cpu N] [--threads T] [--cpu-time]``.  Speed is
+GB/s of float16 input (encode) or output (decode) on one core (``--cpu`` pins the process to
+that core), the median of the repetitions; the ratio to ``np.copyto`` of the same bytes,
+measured in the same run, is the figure to compare across machines.  ``--cpu-time`` times
+with the thread's CPU clock instead of the wall clock (on a machine shared with other jobs
+the wall clock also counts the time other processes held the core).  The quantizers are timed
+through the codec (the compiled loops when ``kvwire.codec._hostcodec`` is built, at the
+best SIMD level the CPU has and at the generic level), and through their numpy reference
+(``encode_numpy``/``decode_numpy``), on a 1 MiB and a 4 MiB ``[tokens, 8, 128]`` chunk.
+``--threads`` also times T threads encoding and decoding at once (the compiled loops
+release the GIL).  Quality: relative L2 error ``||x^ - x|| / ||x||`` and wire bytes (params +
+payload) / float16 bytes, per codec and layer, on ``tests/data/minilm_kv.npz`` and on
+Llama-like synthetic tensors with outlier key channels.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -28,14 +33,18 @@ SAMPLE = Path(__file__).resolve().parents[1] / "tests/data/minilm_kv.npz"
 QUANTIZERS = ("fp8", "int8", "int4")
 
 
+CLOCK = time.perf_counter
+
+
 def _best(fn: Any, reps: int) -> float:
+    """Median seconds of ``reps`` calls (after one warm-up call)."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(CLOCK() - t0)
+    return statistics.median(times)
 
 
 def speed(reps: int) -> float:
@@ -43,7 +52,7 @@ def speed(reps: int) -> float:
     x = (rng.standard_normal((2048, 8, 128)) * 2).astype(np.float16)  # 4 MiB, one Llama-8B layer chunk
     dst = np.empty_like(x)
     memcpy = x.nbytes / _best(lambda: np.copyto(dst, x), reps) / 1e9
-    print(f"speed: [2048, 8, 128] float16 chunk ({x.nbytes >> 20} MiB), best of {reps}; memcpy {memcpy:.2f} GB/s")
+    print(f"speed: [2048, 8, 128] float16 chunk ({x.nbytes >> 20} MiB), median of {reps}; memcpy {memcpy:.2f} GB/s")
     print(f"compiled codec loops: {_host.isa() or 'not built (numpy path)'}")
     print("| codec | encode GB/s | encode / memcpy | decode GB/s | decode / memcpy |")
     print("|---|---|---|---|---|")
@@ -59,39 +68,46 @@ def speed(reps: int) -> float:
     return memcpy
 
 
-def compiled_vs_numpy(reps: int, memcpy: float) -> None:
-    """The quantizers through the compiled loops and through the numpy reference, same run."""
+def compiled_vs_numpy(reps: int) -> None:
+    """The quantizers through the compiled loops (best and generic level) and through the
+    numpy reference, on a 1 MiB and a 4 MiB chunk, each against memcpy of the same bytes."""
     if _host.ext is None:
         print("\ncompiled vs numpy: the compiled codecs are not built here (or KVWIRE_NO_EXTENSIONS is set)")
         return
+    best = _host.simd(_host.SIMD_AVX2)
+    assert best is not None
+    _host.simd(_host.SIMD_GENERIC)
+    generic = _host.isa()
+    _host.simd(_host.SIMD_AVX2)
+    print(f"\ncompiled ({_host.isa()}; generic: {generic}) vs numpy reference, GB/s of float16 per core, median of {reps}")
+    print("| chunk | codec | kind | encode | generic | numpy | decode | generic | numpy | encode / memcpy | decode / memcpy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((2048, 8, 128)) * 2).astype(np.float16)
-    dst = np.empty_like(x)
-    ext = _host.ext
-    f16c = bool(ext.f16c(True))
-    print(f"\ncompiled vs numpy reference, same chunk, GB/s of float16 per core (memcpy {memcpy:.2f} GB/s)")
-    print("float16 loads/stores through F16C: " + ("yes; '(no F16C)' columns: through the kernel's own conversions" if f16c else "no"))
-    print("| codec | kind | encode compiled | (no F16C) | encode numpy | x | decode compiled | (no F16C) | decode numpy | x | encode / memcpy | decode / memcpy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in QUANTIZERS:
-        codec: Any = get_codec(name)
-        for kind in (TensorKind.K, TensorKind.V) if name == "int4" else (TensorKind.K,):
-            ch = codec.encode(x, kind)
-            enc = x.nbytes / _best(lambda c=codec, k=kind: c.encode(x, k), reps) / 1e9
-            args = {"shape": x.shape, "dtype": "float16", "kind": kind, "out": dst}
-            dec = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode(ch.params, ch.payload, **a), reps) / 1e9
-            ext.f16c(False)
-            enc_plain = x.nbytes / _best(lambda c=codec, k=kind: c.encode(x, k), reps) / 1e9
-            dec_plain = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode(ch.params, ch.payload, **a), reps) / 1e9
-            ext.f16c(True)
-            enc_np = x.nbytes / _best(lambda c=codec, k=kind: c.encode_numpy(x, k), max(2, reps // 3)) / 1e9
-            dec_np = x.nbytes / _best(
-                lambda c=codec, ch=ch, a=args: c.decode_numpy(ch.params, ch.payload, **a), max(2, reps // 3)
-            ) / 1e9
-            print(
-                f"| {name} | {kind.name} | {enc:.3f} | {enc_plain:.3f} | {enc_np:.3f} | {enc / enc_np:.1f} | {dec:.3f} "
-                f"| {dec_plain:.3f} | {dec_np:.3f} | {dec / dec_np:.1f} | {enc / memcpy:.4f} | {dec / memcpy:.4f} |"
-            )
+    for tokens in (512, 2048):
+        x = (rng.standard_normal((tokens, 8, 128)) * 2).astype(np.float16)
+        dst = np.empty_like(x)
+        memcpy = x.nbytes / _best(lambda d=dst, v=x: np.copyto(d, v), reps) / 1e9
+        size = f"{x.nbytes >> 20} MiB (memcpy {memcpy:.2f})"
+        for name in QUANTIZERS:
+            codec: Any = get_codec(name)
+            for kind in (TensorKind.K, TensorKind.V) if name == "int4" else (TensorKind.K,):
+                ch = codec.encode(x, kind)
+                args = {"shape": x.shape, "dtype": "float16", "kind": kind, "out": dst}
+                row = []
+                for level in (best, _host.SIMD_GENERIC):
+                    _host.simd(level)
+                    enc = x.nbytes / _best(lambda c=codec, k=kind, v=x: c.encode(v, k), reps) / 1e9
+                    dec = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode(ch.params, ch.payload, **a), reps) / 1e9
+                    row.append((enc, dec))
+                _host.simd(_host.SIMD_AVX2)
+                few = max(2, reps // 3)
+                enc_np = x.nbytes / _best(lambda c=codec, k=kind, v=x: c.encode_numpy(v, k), few) / 1e9
+                dec_np = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode_numpy(ch.params, ch.payload, **a), few) / 1e9
+                (enc, dec), (enc_g, dec_g) = row
+                print(
+                    f"| {size} | {name} | {kind.name} | {enc:.3f} | {enc_g:.3f} | {enc_np:.3f} | {dec:.3f} | {dec_g:.3f} "
+                    f"| {dec_np:.3f} | {enc / memcpy:.4f} | {dec / memcpy:.4f} |"
+                )
 
 
 def threads(count: int, reps: int) -> None:
@@ -100,7 +116,7 @@ def threads(count: int, reps: int) -> None:
     xs = [(rng.standard_normal((1024, 8, 128)) * 2).astype(np.float16) for _ in range(count)]
     outs = [np.empty_like(x) for x in xs]
     cores = len(os.sched_getaffinity(0))
-    print(f"\nthreads: {count} threads on {cores} cores, one [1024, 8, 128] float16 chunk each, aggregate GB/s (best of {reps})")
+    print(f"\nthreads: {count} threads on {cores} cores, one [1024, 8, 128] float16 chunk each, aggregate GB/s (median of {reps})")
     print("| codec | encode 1 thread | encode threads | x | decode 1 thread | decode threads | x |")
     print("|---|---|---|---|---|---|---|")
     for name in QUANTIZERS:
@@ -189,13 +205,17 @@ def main() -> None:
     parser.add_argument("--cpu", type=int, default=None, help="pin the process to this core")
     parser.add_argument("--threads", type=int, default=0, help="also time this many threads at once")
     parser.add_argument("--speed-only", action="store_true", help="skip the quality tables")
+    parser.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU clock")
     args = parser.parse_args()
+    global CLOCK
+    if args.cpu_time:
+        CLOCK = time.thread_time
     everywhere = os.sched_getaffinity(0)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
-    reps = 3 if args.quick else 10
-    memcpy = speed(reps)
-    compiled_vs_numpy(reps, memcpy)
+    reps = 5 if args.quick else 15
+    speed(reps)
+    compiled_vs_numpy(reps)
     if args.threads > 1:
         os.sched_setaffinity(0, everywhere)  # the threads need cores of their own
         threads(args.threads, reps)

@@ -43,12 +43,27 @@ _NONFINITE, _RANGE, _CODE, _OVERFLOW, _DTYPE, _SCALE, _MIN, _PAD = range(1, 9)
 _BAD_CODE = {"fp8": "fp8 payload carries a NaN code", "int8": "int8 payload carries the code -128"}
 
 
+#: SIMD levels of the compiled loops: the generic C loops (kvquant.cuh's conversions), the
+#: same with float16 rows through F16C, the explicit AVX2 + F16C loops
+SIMD_GENERIC, SIMD_F16C, SIMD_AVX2 = 0, 1, 2
+
+
 def isa() -> str | None:
-    """The instruction set the compiled loops use on this CPU, or None without them."""
+    """The compiled loops in use on this CPU, in words, or None without them."""
     if ext is None:
         return None
     name: str = ext.isa()
     return name
+
+
+def simd(level: int) -> int | None:
+    """Use the compiled loops of ``level`` (capped at the best this CPU has); returns the
+    level now in use, or None without the extension.  Every level gives the same bytes;
+    the tests and ``benchmarks/codecs.py`` compare them."""
+    if ext is None:
+        return None
+    used: int = ext.simd(level)
+    return used
 
 
 def _bytes_of(arr: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

@@ -455,6 +455,584 @@ static inline kv_u8 nib(const kv_u8* packed, idx i) {
 INT4_DECODE(F16) INT4_DECODE(BF16) INT4_DECODE(F32)
 
 /* ------------------------------------------------------------------------------------ */
+/* Explicit AVX2 + F16C loops (x86-64 with GCC), chosen at run time.                     */
+/*                                                                                      */
+/* Eight float lanes at a time, each lane computing exactly what the kvquant.cuh function */
+/* computes for one element: the same IEEE operations in the same order (vdivps, vsubps,  */
+/* vmulps, vaddps and vroundps round to nearest even, like their scalar forms), the same  */
+/* bit arithmetic for E4M3, and comparisons and selects with the kernel's NaN and signed  */
+/* zero rules (maxps/minps return their second operand unless the first is greater/less, */
+/* which is kv_clamp).  Row tails shorter than a vector use the kvquant.cuh functions.    */
+/* Error checks keep the generic loops' order (per row for encode, per block of          */
+/* KV_BLOCK_ELEMS elements for decode), so the outcome is the same for every input.      */
+
+#if KV_HAVE_CLONES
+#define KV_HAVE_AVX2 1
+#define KV_AVX2 __attribute__((target("avx2,f16c")))
+#define KV_AVX2_INLINE __attribute__((target("avx2,f16c"), always_inline)) static inline
+
+KV_AVX2_INLINE __m256 v_ld_F16(const void* p, idx i) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)((const kv_u16*)p + i)));
+}
+KV_AVX2_INLINE __m256 v_ld_BF16(const void* p, idx i) {
+    __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)((const kv_u16*)p + i)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+KV_AVX2_INLINE __m256 v_ld_F32(const void* p, idx i) { return _mm256_loadu_ps((const float*)p + i); }
+
+/* vcvtps2ph rounds to nearest even and overflows to infinity: kv_f32_to_f16's bits for
+ * every non-NaN value (the decoders refuse NaN codes before their output is used). */
+KV_AVX2_INLINE void v_st_F16(void* p, idx i, __m256 v) {
+    _mm_storeu_si128((__m128i*)((kv_u16*)p + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+/* kv_f32_to_bf16 in lanes: NaN keeps its top bits and is made quiet, others round to even */
+KV_AVX2_INLINE void v_st_BF16(void* p, idx i, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), odd), 16);
+    const __m256i qnan = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, qnan, _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storeu_si128((__m128i*)((kv_u16*)p + i), w);
+}
+KV_AVX2_INLINE void v_st_F32(void* p, idx i, __m256 v) { _mm256_storeu_ps((float*)p + i, v); }
+
+KV_AVX2_INLINE __m256i v_abs_bits(__m256 v) {
+    return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
+}
+KV_AVX2_INLINE kv_u32 v_hmax_u32(__m256i v) {
+    __m128i m = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_max_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return (kv_u32)_mm_cvtsi128_si32(m);
+}
+KV_AVX2_INLINE kv_u32 v_hmin_u32(__m256i v) {
+    __m128i m = _mm_min_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_min_epu32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_min_epu32(m, _mm_shuffle_epi32(m, 0xB1));
+    return (kv_u32)_mm_cvtsi128_si32(m);
+}
+/* kv_divisor: a zero scale (either sign) divides by 1 */
+KV_AVX2_INLINE __m256 v_divisor(__m256 s) {
+    __m256i zero = _mm256_cmpeq_epi32(v_abs_bits(s), _mm256_setzero_si256());
+    return _mm256_blendv_ps(s, _mm256_set1_ps(1.0f), _mm256_castsi256_ps(zero));
+}
+/* kv_order_key */
+KV_AVX2_INLINE __m256i v_order_key(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i flip = _mm256_or_si256(_mm256_srai_epi32(u, 31), _mm256_set1_epi32((int)0x80000000u));
+    return _mm256_xor_si256(u, flip);
+}
+/* kv_f32_to_e4m3 in lanes (codes in the low byte of each 32-bit lane) */
+KV_AVX2_INLINE __m256i v_e4m3(__m256 q) {
+    const __m256i u = _mm256_castps_si256(q);
+    const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i sign = _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+    __m256i nrm = _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(0x7FFFF)), odd);
+    nrm = _mm256_sub_epi32(_mm256_srli_epi32(nrm, 20), _mm256_set1_epi32(960));
+    const __m256 sub_f = _mm256_add_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(16384.0f));
+    const __m256i sub = _mm256_sub_epi32(_mm256_castps_si256(sub_f), _mm256_set1_epi32(0x46800000));
+    __m256i r = _mm256_blendv_epi8(nrm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x3C800000), a));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7E), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x43DFFFFF)));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7F800000)));
+    return _mm256_or_si256(r, sign);
+}
+/* kv_clamp(x, lo, hi) for lo < hi: maxps(x, lo) is x > lo ? x : lo, minps(y, hi) y < hi ? y : hi */
+KV_AVX2_INLINE __m256 v_clamp(__m256 x, float lo, float hi) {
+    return _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(lo)), _mm256_set1_ps(hi));
+}
+KV_AVX2_INLINE __m256 v_rint(__m256 x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+/* eight 32-bit lanes holding bytes -> eight bytes at p */
+KV_AVX2_INLINE void v_store8_u8(kv_u8* p, __m256i r) {
+    __m128i w = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64((__m128i*)p, _mm_packus_epi16(w, w));
+}
+/* four vectors of eight 32-bit lanes holding bytes -> 32 bytes at p, in order */
+KV_AVX2_INLINE void v_store32_u8(kv_u8* p, __m256i r0, __m256i r1, __m256i r2, __m256i r3) {
+    __m256i b = _mm256_packus_epi16(_mm256_packus_epi32(r0, r1), _mm256_packus_epi32(r2, r3));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)p, b);
+}
+/* signed: int8 codes (in [-127, 127]) */
+KV_AVX2_INLINE void v_store8_i8(kv_u8* p, __m256i r) {
+    __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w));
+}
+KV_AVX2_INLINE void v_store32_i8(kv_u8* p, __m256i r0, __m256i r1, __m256i r2, __m256i r3) {
+    __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(r0, r1), _mm256_packs_epi32(r2, r3));
+    b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i*)p, b);
+}
+
+/* Quantizers of eight lanes, each kvquant.cuh's function for one element (exact path). */
+KV_AVX2_INLINE __m256i v_fp8_quant(__m256 x, __m256 divisor) { return v_e4m3(_mm256_div_ps(x, divisor)); }
+KV_AVX2_INLINE __m256i v_int8_quant(__m256 x, __m256 divisor) {
+    return _mm256_cvttps_epi32(v_clamp(v_rint(_mm256_div_ps(x, divisor)), -127.0f, 127.0f));
+}
+KV_AVX2_INLINE __m256i v_int4_quant(__m256 x, __m256 lo, __m256 divisor) {
+    return _mm256_cvttps_epi32(v_clamp(v_rint(_mm256_div_ps(_mm256_sub_ps(x, lo), divisor)), 0.0f, 15.0f));
+}
+
+/* Multiply, then verify (fast path).  A quantizer only needs x / d up to its final
+ * rounding to an integer grid (E4M3 mantissa, int8, int4), and q' = x * r with r = 1/d
+ * rounded is within 3 ulp of q = x / d rounded (|q - q'| <= 3 * 2^-24 * |q|).  Where q'
+ * lies farther than that from every rounding midpoint of the grid, q and q' round to the
+ * same code, so the code is kvquant.cuh's; a lane closer than a margin of 4x that bound
+ * (or NaN: a divisor whose reciprocal could overflow or be inexact gets r = NaN) marks
+ * its vectors for the exact path, which divides.  About one vector in ten thousand of
+ * Gaussian-like data takes it. */
+static inline float kv_recip(float d) {
+    const kv_u32 b = kv_f32_bits(d);
+    /* d normal and below 2^126: 1/d is finite and normal */
+    return (b >= 0x00800000u && b < 0x7E800000u) ? 1.0f / d : kv_bits_f32(0x7FC00000u);
+}
+KV_AVX2_INLINE __m256 v_off_grid(__m256 t, __m256 rt, float limit) {
+    __m256 dist = _mm256_castsi256_ps(v_abs_bits(_mm256_sub_ps(t, rt)));
+    return _mm256_cmp_ps(dist, _mm256_set1_ps(limit), _CMP_NLT_UQ); /* !(dist < limit): NaN too */
+}
+#define KV_FP8_LIMIT (0.5f - 1.52587890625e-05f)  /* 0.5 - 2^-16; |t| <= 16 */
+#define KV_INT8_LIMIT (0.5f - 1.220703125e-04f)   /* 0.5 - 2^-13; |q| <= 128 */
+#define KV_INT4_LIMIT (0.5f - 1.52587890625e-05f) /* 0.5 - 2^-16; 0 <= q <= 16 */
+/* E4M3 of q': t = |q'| scaled by 2^(3 - E) (E the binade, at least -6: the subnormal grid
+ * 2^-9 continues the lowest binade's) lies in [0, 16); its nearest integer n (rounded to
+ * even) is the mantissa with the implicit bit, code = 8 * (E + 6) + n, which carries into
+ * the exponent by itself and saturates at 0x7E (448).  q' is never NaN here. */
+KV_AVX2_INLINE __m256i v_fp8_fast(__m256 x, __m256 r, __m256* unsafe) {
+    const __m256 q = _mm256_mul_ps(x, r);
+    const __m256i u = _mm256_castps_si256(q);
+    const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i be = _mm256_max_epi32(_mm256_srli_epi32(a, 23), _mm256_set1_epi32(121));
+    const __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_sub_epi32(_mm256_set1_epi32(257), be), 23));
+    const __m256 t = _mm256_mul_ps(_mm256_castsi256_ps(a), sc);
+    const __m256 rt = v_rint(t);
+    *unsafe = _mm256_or_ps(*unsafe, v_off_grid(t, rt, KV_FP8_LIMIT));
+    __m256i code = _mm256_add_epi32(_mm256_cvttps_epi32(rt), _mm256_slli_epi32(be, 3));
+    code = _mm256_min_epu32(_mm256_sub_epi32(code, _mm256_set1_epi32(968)), _mm256_set1_epi32(0x7E));
+    return _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi32(u, 24), _mm256_set1_epi32(0x80)));
+}
+KV_AVX2_INLINE __m256i v_int8_fast(__m256 x, __m256 r, __m256* unsafe) {
+    const __m256 q = _mm256_mul_ps(x, r);
+    const __m256 rq = v_rint(q);
+    *unsafe = _mm256_or_ps(*unsafe, v_off_grid(q, rq, KV_INT8_LIMIT));
+    return _mm256_cvttps_epi32(v_clamp(rq, -127.0f, 127.0f));
+}
+KV_AVX2_INLINE __m256i v_int4_fast(__m256 x, __m256 lo, __m256 r, __m256* unsafe) {
+    const __m256 q = _mm256_mul_ps(_mm256_sub_ps(x, lo), r);
+    const __m256 rq = v_rint(q);
+    *unsafe = _mm256_or_ps(*unsafe, v_off_grid(q, rq, KV_INT4_LIMIT));
+    return _mm256_cvttps_epi32(v_clamp(rq, 0.0f, 15.0f));
+}
+KV_AVX2_INLINE int v_any(__m256 m) { return !_mm256_testz_ps(m, m); }
+
+/* Magnitude maximum of a row, as float32 bits (>= 0x7F800000: NaN or infinity present). */
+KV_AVX2_INLINE kv_u32 v_amax16(const kv_u16* p, idx n) {
+    __m256i m = _mm256_setzero_si256();
+    idx i = 0;
+    for (; i + 16 <= n; i += 16)
+        m = _mm256_max_epu16(m, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(p + i)),
+                                                 _mm256_set1_epi16(0x7FFF)));
+    __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    /* the maximum of eight u16 lanes is the complement of the minimum of their complements */
+    h = _mm_minpos_epu16(_mm_xor_si128(h, _mm_set1_epi16(-1)));
+    kv_u32 best = (kv_u32)(~_mm_cvtsi128_si32(h) & 0xFFFF);
+    for (; i < n; ++i) {
+        kv_u32 v = (kv_u32)(p[i] & 0x7FFFu);
+        best = v > best ? v : best;
+    }
+    return best;
+}
+KV_AVX2_INLINE kv_u32 v_amax_F16(const void* x, idx base, idx n) {
+    const kv_u32 m = v_amax16((const kv_u16*)x + base, n);
+    /* kv_f16_to_f32 is for finite halves: infinity and NaN map to float32 infinity here */
+    return m >= NONFINITE_F16 ? 0x7F800000u : kv_f32_bits(kv_f16_to_f32((kv_u16)m));
+}
+KV_AVX2_INLINE kv_u32 v_amax_BF16(const void* x, idx base, idx n) {
+    return v_amax16((const kv_u16*)x + base, n) << 16;
+}
+KV_AVX2_INLINE kv_u32 v_amax_F32(const void* x, idx base, idx n) {
+    const float* p = (const float*)x + base;
+    __m256i m = _mm256_setzero_si256();
+    idx i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_epu32(m, v_abs_bits(_mm256_loadu_ps(p + i)));
+    kv_u32 best = v_hmax_u32(m);
+    for (; i < n; ++i) {
+        kv_u32 v = kv_f32_bits(p[i]) & 0x7FFFFFFFu;
+        best = v > best ? v : best;
+    }
+    return best;
+}
+
+/* fp8 / int8 encode: per row, the magnitude maximum (scale), then one quantize pass
+ * reading the row again (from L1), 32 elements at a time, multiply-then-verify. */
+#define V_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, VEXACT, VFAST, STORE8, STORE32, CODE_T)     \
+    KV_AVX2 static int NAME##_encode_avx2_##SUF(const void* restrict x, idx rows, idx dim,   \
+                                                kv_u8* restrict scales, kv_u8* restrict codes, \
+                                                float* restrict rowtmp) {                      \
+        (void)rowtmp;                                                                          \
+        for (idx r = 0; r < rows; ++r) {                                                       \
+            const idx base = r * dim;                                                          \
+            const kv_u32 amax = v_amax_##SUF(x, base, dim);                                    \
+            if (amax >= 0x7F800000u) return KV_E_NONFINITE;                                    \
+            const float s = SCALE(kv_bits_f32(amax));                                          \
+            st_f32(scales, r, s);                                                              \
+            const __m256 dv = _mm256_set1_ps(kv_divisor(s));                                   \
+            const __m256 rv = _mm256_set1_ps(kv_recip(kv_divisor(s)));                         \
+            kv_u8* restrict out = codes + base;                                                \
+            idx d = 0;                                                                         \
+            for (; d + 32 <= dim; d += 32) {                                                   \
+                __m256 un = _mm256_setzero_ps();                                               \
+                const __m256 x0 = v_ld_##SUF(x, base + d), x1 = v_ld_##SUF(x, base + d + 8);  \
+                const __m256 x2 = v_ld_##SUF(x, base + d + 16), x3 = v_ld_##SUF(x, base + d + 24); \
+                __m256i c0 = VFAST(x0, rv, &un), c1 = VFAST(x1, rv, &un);                      \
+                __m256i c2 = VFAST(x2, rv, &un), c3 = VFAST(x3, rv, &un);                      \
+                if (v_any(un)) {                                                               \
+                    c0 = VEXACT(x0, dv);                                                       \
+                    c1 = VEXACT(x1, dv);                                                       \
+                    c2 = VEXACT(x2, dv);                                                       \
+                    c3 = VEXACT(x3, dv);                                                       \
+                }                                                                              \
+                STORE32(out + d, c0, c1, c2, c3);                                              \
+            }                                                                                  \
+            for (; d + 8 <= dim; d += 8) {                                                     \
+                __m256 un = _mm256_setzero_ps();                                               \
+                const __m256 x0 = v_ld_##SUF(x, base + d);                                     \
+                __m256i c0 = VFAST(x0, rv, &un);                                               \
+                if (v_any(un)) c0 = VEXACT(x0, dv);                                            \
+                STORE8(out + d, c0);                                                           \
+            }                                                                                  \
+            for (; d < dim; ++d) ((CODE_T*)out)[d] = QUANT(LOAD_##SUF(x, base + d), s);        \
+        }                                                                                      \
+        return KV_OK;                                                                          \
+    }
+
+/* fp8 / int8 decode: eight codes at a time straight into the output row.  Bad codes and
+ * the largest result are found per row from the codes: fp8's NaN codes are the largest
+ * 7-bit magnitude (0x7F) and int8's -128 the largest absolute value (128), and |code| *
+ * scale (one rounding, scale >= +0) grows with |code|, so the row's largest result is
+ * its largest code's. */
+KV_AVX2_INLINE kv_u32 fp8_v_rowmax(const kv_u8* c, idx n) {
+    __m256i m = _mm256_setzero_si256();
+    idx i = 0;
+    for (; i + 32 <= n; i += 32)
+        m = _mm256_max_epu8(m, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(c + i)), _mm256_set1_epi8(0x7F)));
+    __m128i h = _mm_max_epu8(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epu8(h, _mm_srli_si128(h, 8));
+    h = _mm_max_epu8(h, _mm_srli_si128(h, 4));
+    h = _mm_max_epu8(h, _mm_srli_si128(h, 2));
+    h = _mm_max_epu8(h, _mm_srli_si128(h, 1));
+    kv_u32 best = (kv_u32)(_mm_cvtsi128_si32(h) & 0xFF);
+    for (; i < n; ++i) best = (kv_u32)(c[i] & 0x7Fu) > best ? (kv_u32)(c[i] & 0x7Fu) : best;
+    return best;
+}
+KV_AVX2_INLINE kv_u32 int8_v_rowmax(const kv_u8* c, idx n) {
+    __m256i m = _mm256_setzero_si256();
+    idx i = 0;
+    for (; i + 32 <= n; i += 32) m = _mm256_max_epu8(m, _mm256_abs_epi8(_mm256_loadu_si256((const __m256i*)(c + i))));
+    __m128i h = _mm_max_epu8(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epu8(h, _mm_srli_si128(h, 8));
+    h = _mm_max_epu8(h, _mm_srli_si128(h, 4));
+    h = _mm_max_epu8(h, _mm_srli_si128(h, 2));
+    h = _mm_max_epu8(h, _mm_srli_si128(h, 1));
+    kv_u32 best = (kv_u32)(_mm_cvtsi128_si32(h) & 0xFF);
+    for (; i < n; ++i) {
+        kv_u32 a = (kv_u32)(c[i] & 0x80u ? 256u - c[i] : c[i]);
+        best = a > best ? a : best;
+    }
+    return best;
+}
+#define fp8_ROWBAD(m) ((m) == 0x7Fu)
+#define int8_ROWBAD(m) ((m) == 128u)
+#define fp8_ROWVAL(m, s) kv_fp8_dequant((kv_u8)(m), s)
+#define int8_ROWVAL(m, s) kv_mul((float)(m), s)
+
+/* fp8 code bytes (eight, in 32-bit lanes) to values * s: the E4M3 field shifted into the
+ * float32 field is the value * 2^-120 exactly (subnormal codes included); the sign is
+ * applied after the product (kv_mul(kv_neg(m), s) == -(m * s): rounding is symmetric). */
+KV_AVX2_INLINE __m256 fp8_v_scaled(__m256i c, __m256 s) {
+    const __m256 mag = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c, 20), _mm256_set1_epi32(0x07F00000)));
+    const __m256 v = _mm256_mul_ps(_mm256_mul_ps(mag, _mm256_set1_ps(1.329227995784916e36f /* 2^120 */)), s);
+    return _mm256_xor_ps(v, _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(c, 24), _mm256_set1_epi32((int)0x80000000u))));
+}
+KV_AVX2_INLINE __m256 int8_v_scaled(__m256i c, __m256 s) { return _mm256_mul_ps(_mm256_cvtepi32_ps(c), s); }
+
+#define V_ROWWISE_DECODE(NAME, SUF, DEQUANT, CODE_T, BADCODE, VLOAD)                          \
+    KV_AVX2 static int NAME##_decode_avx2_##SUF(const kv_u8* restrict codes_,                 \
+                                                const kv_u8* restrict scales, idx rows, idx dim, \
+                                                void* restrict out, float* restrict rowtmp) {  \
+        const CODE_T* restrict codes = (const CODE_T*)codes_;                                  \
+        (void)rowtmp;                                                                          \
+        idx step = KV_BLOCK_ELEMS / dim;                                                       \
+        if (step < 1) step = 1;                                                                \
+        for (idx r0 = 0; r0 < rows; r0 += step) {                                              \
+            const idx r1 = r0 + step < rows ? r0 + step : rows;                                \
+            int bad = 0;                                                                       \
+            kv_u32 vmax = 0;                                                                   \
+            for (idx r = r0; r < r1; ++r) {                                                    \
+                const float s = ld_f32(scales, r);                                             \
+                const __m256 sv = _mm256_set1_ps(s);                                           \
+                const idx base = r * dim;                                                      \
+                const kv_u32 m = NAME##_v_rowmax(codes_ + base, dim);                          \
+                bad |= NAME##_ROWBAD(m);                                                       \
+                const kv_u32 vm = kv_f32_bits(NAME##_ROWVAL(m, s)) & 0x7FFFFFFFu;              \
+                vmax = vm > vmax ? vm : vmax;                                                  \
+                idx d = 0;                                                                     \
+                for (; d + 8 <= dim; d += 8) {                                                 \
+                    __m256i c = VLOAD(_mm_loadl_epi64((const __m128i*)(codes_ + base + d)));   \
+                    v_st_##SUF(out, base + d, NAME##_v_scaled(c, sv));                         \
+                }                                                                              \
+                for (; d < dim; ++d) STORE_##SUF(out, base + d, DEQUANT(codes[base + d], s));  \
+            }                                                                                  \
+            if (bad) return KV_E_CODE;                                                         \
+            if (vmax >= 0x7F800000u) return KV_E_OVERFLOW;                                     \
+            if (vmax >= OVERFLOW_BITS[DT_##SUF]) return KV_E_DTYPE;                            \
+        }                                                                                      \
+        return KV_OK;                                                                          \
+    }
+
+#define V_FP8_ENC(SUF)                                                                       \
+    V_ROWWISE_ENCODE(fp8, SUF, kv_fp8_scale, kv_fp8_quant, v_fp8_quant, v_fp8_fast, v_store8_u8, \
+                     v_store32_u8, kv_u8)
+#define V_INT8_ENC(SUF)                                                                      \
+    V_ROWWISE_ENCODE(int8, SUF, kv_int8_scale, kv_int8_quant, v_int8_quant, v_int8_fast,       \
+                     v_store8_i8, v_store32_i8, signed char)
+#define V_FP8_DEC(SUF) V_ROWWISE_DECODE(fp8, SUF, kv_fp8_dequant, kv_u8, FP8_CODE, _mm256_cvtepu8_epi32)
+#define V_INT8_DEC(SUF) \
+    V_ROWWISE_DECODE(int8, SUF, kv_int8_dequant, signed char, INT8_CODE, _mm256_cvtepi8_epi32)
+V_FP8_ENC(F16) V_FP8_ENC(BF16) V_FP8_ENC(F32)
+V_INT8_ENC(F16) V_INT8_ENC(BF16) V_INT8_ENC(F32)
+V_FP8_DEC(F16) V_FP8_DEC(BF16) V_FP8_DEC(F32)
+V_INT8_DEC(F16) V_INT8_DEC(BF16) V_INT8_DEC(F32)
+
+/* int4 encode: keys (K) as in the generic loop, group minimum/maximum through 8-lane
+ * unsigned order keys; values (V) a row at a time, each run's minimum/maximum reduced in
+ * lanes and its codes quantized with the run's scalars broadcast. */
+#define V_INT4_ENCODE(SUF)                                                                   \
+    KV_AVX2 static int int4_encode_avx2_##SUF(const void* x, idx tokens, idx heads, idx dim,   \
+                                              idx group, int is_v, kv_u8* scales, kv_u8* mins, \
+                                              kv_u8* packed, float* lo, float* hi,             \
+                                              kv_u32* keys, kv_u8* tmp, float* rowtmp) {       \
+        const idx hd = heads * dim;                                                            \
+        packer pk = {packed, 0, 0};                                                            \
+        __m256i vmag = _mm256_setzero_si256();                                                 \
+        kv_u32 mag = 0;                                                                        \
+        if (!is_v) {                                                                           \
+            kv_u32* klo = keys;                                                                \
+            kv_u32* khi = keys + hd;                                                           \
+            for (idx t0 = 0, b = 0; t0 < tokens; t0 += group, ++b) {                           \
+                const idx t1 = t0 + group < tokens ? t0 + group : tokens;                      \
+                for (idx t = t0; t < t1; ++t) {                                                \
+                    const idx base = t * hd;                                                   \
+                    idx c = 0;                                                                 \
+                    for (; c + 8 <= hd; c += 8) {                                              \
+                        __m256 v = v_ld_##SUF(x, base + c);                                    \
+                        vmag = _mm256_max_epu32(vmag, v_abs_bits(v));                          \
+                        __m256i k = v_order_key(v);                                            \
+                        __m256i kl = k, kh = k;                                                \
+                        if (t != t0) {                                                         \
+                            kl = _mm256_min_epu32(k, _mm256_loadu_si256((const __m256i*)(klo + c))); \
+                            kh = _mm256_max_epu32(k, _mm256_loadu_si256((const __m256i*)(khi + c))); \
+                        }                                                                      \
+                        _mm256_storeu_si256((__m256i*)(klo + c), kl);                          \
+                        _mm256_storeu_si256((__m256i*)(khi + c), kh);                          \
+                    }                                                                          \
+                    for (; c < hd; ++c) {                                                      \
+                        float v = LOAD_##SUF(x, base + c);                                     \
+                        kv_u32 m = MAG_##SUF(x, base + c);                                     \
+                        mag = m > mag ? m : mag;                                               \
+                        kv_u32 k = kv_order_key(v);                                            \
+                        klo[c] = (t == t0 || k < klo[c]) ? k : klo[c];                         \
+                        khi[c] = (t == t0 || k > khi[c]) ? k : khi[c];                         \
+                    }                                                                          \
+                }                                                                              \
+                if (v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF) return KV_E_NONFINITE; \
+                int range = 0;                                                                 \
+                for (idx c = 0; c < hd; ++c) {                                                 \
+                    float l = kv_canonical_zero(kv_from_order_key(klo[c]));                    \
+                    float s = kv_int4_scale(l, kv_canonical_zero(kv_from_order_key(khi[c])));  \
+                    range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;                    \
+                    lo[c] = l;                                                                 \
+                    hi[c] = s;                                                                 \
+                    rowtmp[c] = kv_recip(kv_divisor(s));                                       \
+                    st_f32(scales, b * hd + c, s);                                             \
+                    st_f32(mins, b * hd + c, l);                                               \
+                }                                                                              \
+                if (range) return KV_E_RANGE;                                                  \
+                for (idx t = t0; t < t1; ++t) {                                                \
+                    const idx base = t * hd;                                                   \
+                    idx c = 0;                                                                 \
+                    for (; c + 8 <= hd; c += 8) {                                              \
+                        __m256 un = _mm256_setzero_ps();                                       \
+                        const __m256 v = v_ld_##SUF(x, base + c), l = _mm256_loadu_ps(lo + c); \
+                        __m256i q = v_int4_fast(v, l, _mm256_loadu_ps(rowtmp + c), &un);       \
+                        if (v_any(un)) q = v_int4_quant(v, l, v_divisor(_mm256_loadu_ps(hi + c))); \
+                        v_store8_u8(tmp + c, q);                                               \
+                    }                                                                          \
+                    for (; c < hd; ++c) tmp[c] = kv_int4_quant(LOAD_##SUF(x, base + c), lo[c], hi[c]); \
+                    pack_append(&pk, tmp, hd);                                                 \
+                }                                                                              \
+            }                                                                                  \
+        } else {                                                                               \
+            float* row = lo;                                                                   \
+            for (idx r = 0; r < tokens * heads; ++r) {                                         \
+                const idx base = r * dim;                                                      \
+                idx d = 0;                                                                     \
+                for (; d + 8 <= dim; d += 8) {                                                 \
+                    __m256 v = v_ld_##SUF(x, base + d);                                        \
+                    _mm256_storeu_ps(row + d, v);                                              \
+                    vmag = _mm256_max_epu32(vmag, v_abs_bits(v));                              \
+                }                                                                              \
+                for (; d < dim; ++d) {                                                         \
+                    row[d] = LOAD_##SUF(x, base + d);                                          \
+                    kv_u32 m = MAG_##SUF(x, base + d);                                         \
+                    mag = m > mag ? m : mag;                                                   \
+                }                                                                              \
+                if (v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF) return KV_E_NONFINITE; \
+                const idx runs = (dim + group - 1) / group;                                    \
+                for (idx k = 0; k < runs; ++k) {                                               \
+                    const idx d0 = k * group, d1 = d0 + group < dim ? d0 + group : dim;        \
+                    __m256i vl = _mm256_set1_epi32(-1), vh = _mm256_setzero_si256();           \
+                    idx e = d0;                                                                \
+                    for (; e + 8 <= d1; e += 8) {                                              \
+                        __m256i kk = v_order_key(_mm256_loadu_ps(row + e));                    \
+                        vl = _mm256_min_epu32(vl, kk);                                         \
+                        vh = _mm256_max_epu32(vh, kk);                                         \
+                    }                                                                          \
+                    kv_u32 kl = v_hmin_u32(vl), kh = v_hmax_u32(vh);                           \
+                    for (; e < d1; ++e) {                                                      \
+                        kv_u32 kk = kv_order_key(row[e]);                                      \
+                        kl = kk < kl ? kk : kl;                                                \
+                        kh = kk > kh ? kk : kh;                                                \
+                    }                                                                          \
+                    const float l = kv_canonical_zero(kv_from_order_key(kl));                  \
+                    const float s = kv_int4_scale(l, kv_canonical_zero(kv_from_order_key(kh))); \
+                    if ((kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u) return KV_E_RANGE;      \
+                    st_f32(scales, r * runs + k, s);                                           \
+                    st_f32(mins, r * runs + k, l);                                             \
+                    const __m256 lv = _mm256_set1_ps(l), dv = _mm256_set1_ps(kv_divisor(s));   \
+                    const __m256 rv = _mm256_set1_ps(kv_recip(kv_divisor(s)));                 \
+                    e = d0;                                                                    \
+                    for (; e + 8 <= d1; e += 8) {                                              \
+                        __m256 un = _mm256_setzero_ps();                                       \
+                        const __m256 v = _mm256_loadu_ps(row + e);                             \
+                        __m256i q = v_int4_fast(v, lv, rv, &un);                               \
+                        if (v_any(un)) q = v_int4_quant(v, lv, dv);                            \
+                        v_store8_u8(tmp + e, q);                                               \
+                    }                                                                          \
+                    for (; e < d1; ++e) tmp[e] = kv_int4_quant(row[e], l, s);                  \
+                }                                                                              \
+                pack_append(&pk, tmp, dim);                                                    \
+            }                                                                                  \
+        }                                                                                      \
+        pack_finish(&pk);                                                                      \
+        return KV_OK;                                                                          \
+    }
+
+V_INT4_ENCODE(F16) V_INT4_ENCODE(BF16) V_INT4_ENCODE(F32)
+
+/* sixteen int4 codes from eight packed bytes, as float32 in two vectors (element order) */
+KV_AVX2_INLINE void v_nibbles16(const kv_u8* p, __m256* c0, __m256* c1) {
+    __m128i b = _mm_loadl_epi64((const __m128i*)p);
+    __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15));
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+    __m128i il = _mm_unpacklo_epi8(lo, hi);
+    *c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(il));
+    *c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(il, 8)));
+}
+
+/* int4 decode: kv_int4_dequant (code * scale, then + minimum: two roundings) in lanes,
+ * sixteen elements at a time where the row (K) or run (V) starts on a byte boundary. */
+#define V_INT4_DECODE(SUF)                                                                   \
+    KV_AVX2 static int int4_decode_avx2_##SUF(const kv_u8* packed, const kv_u8* scales,        \
+                                              const kv_u8* mins, idx tokens, idx heads, idx dim, \
+                                              idx group, int is_v, void* out, float* sc,       \
+                                              float* mn, float* rowtmp) {                      \
+        const idx hd = heads * dim;                                                            \
+        __m256i vmx = _mm256_setzero_si256();                                                  \
+        kv_u32 vmax = 0;                                                                       \
+        (void)rowtmp;                                                                          \
+        if (!is_v) {                                                                           \
+            for (idx t = 0; t < tokens; ++t) {                                                 \
+                const idx b = t / group;                                                       \
+                if (t % group == 0) {                                                          \
+                    memcpy(sc, scales + 4 * b * hd, 4 * (size_t)hd);                           \
+                    memcpy(mn, mins + 4 * b * hd, 4 * (size_t)hd);                             \
+                }                                                                              \
+                const idx base = t * hd;                                                       \
+                idx c = 0;                                                                     \
+                if ((base & 1) == 0) {                                                         \
+                    const kv_u8* p = packed + (base >> 1);                                     \
+                    for (; c + 16 <= hd; c += 16) {                                            \
+                        __m256 c0, c1;                                                         \
+                        v_nibbles16(p + (c >> 1), &c0, &c1);                                   \
+                        __m256 v0 = _mm256_add_ps(_mm256_mul_ps(c0, _mm256_loadu_ps(sc + c)),  \
+                                                  _mm256_loadu_ps(mn + c));                    \
+                        __m256 v1 = _mm256_add_ps(_mm256_mul_ps(c1, _mm256_loadu_ps(sc + c + 8)), \
+                                                  _mm256_loadu_ps(mn + c + 8));                \
+                        vmx = _mm256_max_epu32(vmx, _mm256_max_epu32(v_abs_bits(v0), v_abs_bits(v1))); \
+                        v_st_##SUF(out, base + c, v0);                                         \
+                        v_st_##SUF(out, base + c + 8, v1);                                     \
+                    }                                                                          \
+                }                                                                              \
+                for (; c < hd; ++c) {                                                          \
+                    float v = kv_int4_dequant(nib(packed, base + c), mn[c], sc[c]);            \
+                    kv_u32 m = kv_f32_bits(v) & 0x7FFFFFFFu;                                   \
+                    vmax = m > vmax ? m : vmax;                                                \
+                    STORE_##SUF(out, base + c, v);                                             \
+                }                                                                              \
+            }                                                                                  \
+        } else {                                                                               \
+            const idx runs = (dim + group - 1) / group;                                        \
+            for (idx r = 0; r < tokens * heads; ++r) {                                         \
+                const idx base = r * dim;                                                      \
+                for (idx k = 0; k < runs; ++k) {                                               \
+                    const float s = ld_f32(scales, r * runs + k);                              \
+                    const float l = ld_f32(mins, r * runs + k);                                \
+                    const idx d0 = k * group, d1 = d0 + group < dim ? d0 + group : dim;        \
+                    idx d = d0;                                                                \
+                    if (((base + d0) & 1) == 0) {                                              \
+                        const __m256 sv = _mm256_set1_ps(s), lv = _mm256_set1_ps(l);           \
+                        const kv_u8* p = packed + ((base + d0) >> 1);                          \
+                        for (; d + 16 <= d1; d += 16) {                                        \
+                            __m256 c0, c1;                                                     \
+                            v_nibbles16(p + ((d - d0) >> 1), &c0, &c1);                        \
+                            __m256 v0 = _mm256_add_ps(_mm256_mul_ps(c0, sv), lv);              \
+                            __m256 v1 = _mm256_add_ps(_mm256_mul_ps(c1, sv), lv);              \
+                            vmx = _mm256_max_epu32(vmx, _mm256_max_epu32(v_abs_bits(v0), v_abs_bits(v1))); \
+                            v_st_##SUF(out, base + d, v0);                                     \
+                            v_st_##SUF(out, base + d + 8, v1);                                 \
+                        }                                                                      \
+                    }                                                                          \
+                    for (; d < d1; ++d) {                                                      \
+                        float v = kv_int4_dequant(nib(packed, base + d), l, s);                \
+                        kv_u32 m = kv_f32_bits(v) & 0x7FFFFFFFu;                               \
+                        vmax = m > vmax ? m : vmax;                                            \
+                        STORE_##SUF(out, base + d, v);                                         \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        kv_u32 w = v_hmax_u32(vmx);                                                            \
+        vmax = w > vmax ? w : vmax;                                                            \
+        if (vmax >= 0x7F800000u) return KV_E_OVERFLOW;                                         \
+        if (vmax >= OVERFLOW_BITS[DT_##SUF]) return KV_E_DTYPE;                                \
+        return KV_OK;                                                                          \
+    }
+
+V_INT4_DECODE(F16) V_INT4_DECODE(BF16) V_INT4_DECODE(F32)
+
+static int have_avx2(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+}
+#else
+#define KV_HAVE_AVX2 0
+#endif
+
+/* ------------------------------------------------------------------------------------ */
 /* Python bindings.                                                                      */
 
 static int need(Py_buffer* b, idx bytes, const char* what) {
@@ -489,6 +1067,21 @@ static const rw_enc_fn RW_ENC[2][3] = {{fp8_encode_F16, fp8_encode_BF16, fp8_enc
                                        {int8_encode_F16, int8_encode_BF16, int8_encode_F32}};
 static const rw_dec_fn RW_DEC[2][3] = {{fp8_decode_F16, fp8_decode_BF16, fp8_decode_F32},
                                        {int8_decode_F16, int8_decode_BF16, int8_decode_F32}};
+#if KV_HAVE_AVX2
+static const rw_enc_fn RW_ENC_AVX2[2][3] = {
+    {fp8_encode_avx2_F16, fp8_encode_avx2_BF16, fp8_encode_avx2_F32},
+    {int8_encode_avx2_F16, int8_encode_avx2_BF16, int8_encode_avx2_F32}};
+static const rw_dec_fn RW_DEC_AVX2[2][3] = {
+    {fp8_decode_avx2_F16, fp8_decode_avx2_BF16, fp8_decode_avx2_F32},
+    {int8_decode_avx2_F16, int8_decode_avx2_BF16, int8_decode_avx2_F32}};
+#endif
+
+/* Loops in use: SIMD_GENERIC (the C loops with kvquant.cuh's conversions, compiled as
+ * function clones), SIMD_F16C (the same loops reading and writing float16 rows through
+ * F16C) or SIMD_AVX2 (the explicit AVX2 + F16C loops above).  Set at import to the best
+ * the CPU has; simd(level) lowers it so that the tests compare every path. */
+enum { SIMD_GENERIC = 0, SIMD_F16C = 1, SIMD_AVX2 = 2 };
+static int kv_simd = SIMD_GENERIC;
 
 static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
     int kind, dt, st = KV_OK;
@@ -501,6 +1094,9 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
              need(&co, rows * dim, "codes");
     if (ok) {
         rw_enc_fn fn = RW_ENC[kind][dt];
+#if KV_HAVE_AVX2
+        if (kv_simd >= SIMD_AVX2) fn = RW_ENC_AVX2[kind][dt];
+#endif
         float* rowtmp = (float*)malloc(sizeof(float) * (size_t)(dim + 1));
         if (rowtmp == NULL) {
             st = KV_E_NOMEM;
@@ -531,6 +1127,9 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
              need(&out, rows * dim * itemsize(dt), "out");
     if (ok) {
         rw_dec_fn fn = RW_DEC[kind][dt];
+#if KV_HAVE_AVX2
+        if (kv_simd >= SIMD_AVX2) fn = RW_DEC_AVX2[kind][dt];
+#endif
         float* rowtmp = (float*)malloc(sizeof(float) * (size_t)(dim + 1));
         if (rowtmp == NULL) {
             st = KV_E_NOMEM;
@@ -563,6 +1162,10 @@ typedef int (*i4_dec_fn)(const kv_u8*, const kv_u8*, const kv_u8*, idx, idx, idx
                          float*, float*, float*);
 static const i4_enc_fn I4_ENC[3] = {int4_encode_F16, int4_encode_BF16, int4_encode_F32};
 static const i4_dec_fn I4_DEC[3] = {int4_decode_F16, int4_decode_BF16, int4_decode_F32};
+#if KV_HAVE_AVX2
+static const i4_enc_fn I4_ENC_AVX2[3] = {int4_encode_avx2_F16, int4_encode_avx2_BF16, int4_encode_avx2_F32};
+static const i4_dec_fn I4_DEC_AVX2[3] = {int4_decode_avx2_F16, int4_decode_avx2_BF16, int4_decode_avx2_F32};
+#endif
 
 /* int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed) -> status */
 static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
@@ -589,6 +1192,9 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
             st = KV_E_NOMEM;
         } else {
             i4_enc_fn fn = I4_ENC[dt];
+#if KV_HAVE_AVX2
+            if (kv_simd >= SIMD_AVX2) fn = I4_ENC_AVX2[dt];
+#endif
             Py_BEGIN_ALLOW_THREADS
             st = fn(x.buf, tokens, heads, dim, group, is_v, (kv_u8*)sc.buf, (kv_u8*)mn.buf,
                     (kv_u8*)pk.buf, lo, lo + hd + 1, keys, tmp, lo + 2 * hd + 2);
@@ -631,6 +1237,9 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
             st = KV_E_NOMEM;
         } else {
             i4_dec_fn fn = I4_DEC[dt];
+#if KV_HAVE_AVX2
+            if (kv_simd >= SIMD_AVX2) fn = I4_DEC_AVX2[dt];
+#endif
             const kv_u8* p = (const kv_u8*)pk.buf;
             Py_BEGIN_ALLOW_THREADS
             st = check_scales((const kv_u8*)sc.buf, g);
@@ -651,43 +1260,66 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
     return ok ? PyLong_FromLong(st) : NULL;
 }
 
-/* The instruction set the loops run with on this CPU (the clone the loader picked). */
-static PyObject* py_isa(PyObject* self, PyObject* args) {
-    (void)self;
-    (void)args;
+/* The clone of the generic loops the loader picked for this CPU. */
+static const char* clone_name(void) {
 #if KV_HAVE_CLONES
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
         __builtin_cpu_supports("avx512cd"))
-        return PyUnicode_FromString("x86-64-v4 (AVX-512)");
+        return "x86-64-v4";
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("bmi2"))
-        return PyUnicode_FromString("x86-64-v3 (AVX2, F16C)");
-    return PyUnicode_FromString("x86-64 (SSE2)");
+        return "x86-64-v3";
+    return "x86-64";
 #else
-    return PyUnicode_FromString("generic");
+    return "generic";
 #endif
 }
 
-/* f16c(enable) -> bool: use F16C for float16 loads and stores (when the CPU has it); returns whether
- * it is in use.  The test-suite runs the decoders both ways. */
-static PyObject* py_f16c(PyObject* self, PyObject* args) {
-    int enable;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "p", &enable)) return NULL;
-#if KV_HAVE_CLONES
-    int use = enable && have_f16c();
-    kv_store_f16 = use ? store_f16_f16c : store_f16_generic;
-    kv_load_f16 = use ? load_f16_f16c : load_f16_generic;
-    return PyBool_FromLong(use);
-#else
-    return PyBool_FromLong(0);
+static int best_simd(void) {
+#if KV_HAVE_AVX2
+    if (have_avx2()) return SIMD_AVX2;
 #endif
+#if KV_HAVE_CLONES
+    if (have_f16c()) return SIMD_F16C;
+#endif
+    return SIMD_GENERIC;
+}
+
+static void set_simd(int level) {
+    int best = best_simd();
+    kv_simd = level < best ? level : best;
+#if KV_HAVE_CLONES
+    kv_store_f16 = kv_simd >= SIMD_F16C ? store_f16_f16c : store_f16_generic;
+    kv_load_f16 = kv_simd >= SIMD_F16C ? load_f16_f16c : load_f16_generic;
+#endif
+}
+
+/* The loops in use on this CPU, in words. */
+static PyObject* py_isa(PyObject* self, PyObject* args) {
+    (void)self;
+    (void)args;
+    if (kv_simd >= SIMD_AVX2) return PyUnicode_FromString("AVX2 + F16C loops");
+    return PyUnicode_FromFormat(kv_simd >= SIMD_F16C ? "generic loops (%s clone), F16C rows"
+                                                     : "generic loops (%s clone)",
+                                clone_name());
+}
+
+/* simd(level) -> level in use: 0 the generic loops with kvquant.cuh's conversions, 1 the
+ * generic loops with float16 rows through F16C, 2 the AVX2 + F16C loops; a level above
+ * what the CPU has gives its best.  The test-suite runs every level it can. */
+static PyObject* py_simd(PyObject* self, PyObject* args) {
+    int level;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
+    set_simd(level);
+    return PyLong_FromLong(kv_simd);
 }
 
 static PyMethodDef methods[] = {
-    {"f16c", py_f16c, METH_VARARGS, "f16c(enable) -> whether float16 stores use F16C"},
+    {"simd", py_simd, METH_VARARGS,
+     "simd(level) -> level in use (0 generic, 1 generic with F16C rows, 2 AVX2 + F16C)"},
     {"encode_rows", py_encode_rows, METH_VARARGS,
      "encode_rows(kind, x, dtype, rows, dim, scales, codes) -> status (kind 0 fp8, 1 int8)"},
     {"decode_rows", py_decode_rows, METH_VARARGS,
@@ -696,7 +1328,7 @@ static PyMethodDef methods[] = {
      "int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed) -> status"},
     {"int4_decode", py_int4_decode, METH_VARARGS,
      "int4_decode(scales, mins, packed, tokens, heads, dim, group, is_v, dtype, out) -> status"},
-    {"isa", py_isa, METH_NOARGS, "isa() -> the instruction set the codec loops use here"},
+    {"isa", py_isa, METH_NOARGS, "isa() -> the codec loops in use on this CPU, in words"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -707,11 +1339,6 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__hostcodec(void) {
-#if KV_HAVE_CLONES
-    if (have_f16c()) {
-        kv_store_f16 = store_f16_f16c;
-        kv_load_f16 = load_f16_f16c;
-    }
-#endif
+    set_simd(SIMD_AVX2);
     return PyModule_Create(&module);
 }

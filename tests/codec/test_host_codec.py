@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -48,21 +49,40 @@ def test_extension_was_built() -> None:
     )
     isa = _host.isa()
     assert isinstance(isa, str)
-    if "AVX" in isa:  # an x86-64-v3 or v4 CPU has F16C: float16 stores use it
-        assert _host.ext.f16c(True)
+    best = _host.simd(_host.SIMD_AVX2)
+    assert best == max(LEVELS)
+    if platform.machine() in ("x86_64", "AMD64") and "avx2" in _cpu_flags():
+        assert best == _host.SIMD_AVX2 and isa == "AVX2 + F16C loops"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _levels() -> list[int]:
+    """The SIMD levels of the compiled loops this CPU can run (each one is compared)."""
+    if _host.ext is None:
+        return [0]
+    levels: list[int] = [level for level in (0, 1, 2) if _host.simd(level) == level]
+    _host.simd(_host.SIMD_AVX2)
+    return levels
+
+
+LEVELS = _levels()
 
 
 @contextlib.contextmanager
-def _f16c(enable: bool) -> Iterator[None]:
-    """float16 stores through F16C (where the CPU has it) or through kv_f32_to_f16."""
-    ext = _host.ext
-    assert ext is not None
-    default = ext.f16c(True)
-    ext.f16c(enable)
+def _simd(level: int) -> Iterator[None]:
+    """The compiled loops of one SIMD level (generic C, F16C rows, AVX2), then the best again."""
+    assert _host.simd(level) == level
     try:
         yield
     finally:
-        ext.f16c(default)
+        _host.simd(_host.SIMD_AVX2)
 
 
 def _codec(base: str, group: int = 32) -> Reference:
@@ -105,40 +125,43 @@ def _finite_patterns(dtype: str) -> np.ndarray[Any, Any]:
 
 
 @needs_ext
-@pytest.mark.parametrize("f16c", [True, False])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
-def test_every_16_bit_pattern_encodes_and_decodes_like_numpy(dtype: str, base: str, f16c: bool) -> None:
+def test_every_16_bit_pattern_encodes_and_decodes_like_numpy(dtype: str, base: str, level: int) -> None:
     values = _finite_patterns(dtype)
     n = values.size // 64 * 64
     rng = np.random.default_rng(7)
     # sorted rows (neighbouring values: narrow rows and groups, every code used) and a
     # shuffle (wide rows and groups, tiny values next to huge ones), plus every pattern
     # alone in its row next to a fixed larger value (each pattern quantized at one scale)
+    # (rows of 39 patterns and one larger value: the 32- and 8-element SIMD steps and a tail)
     big = np.full(values.size, values.dtype.type(1.5 if dtype == "float16" else 3e38))
+    m = values.size // 39 * 39
     chunks = [
         values[:n].reshape(-1, 2, 32),
         rng.permutation(values)[:n].reshape(-1, 4, 16),
         np.stack([values, big], axis=1).reshape(-1, 2, 2),
+        np.concatenate([rng.permutation(values)[:m].reshape(-1, 39), big[: m // 39, None]], axis=1).reshape(-1, 1, 40),
     ]
     codec = _codec(base)
-    for x in chunks:
-        for kind in KINDS:
-            _same_encode(codec, x, kind)
-            try:
-                chunk = codec.encode_numpy(x, kind)
-            except UsageError:  # int4: a shuffled bfloat16 group spans more than float32
-                assert base == "int4" and dtype == "bfloat16"
-                continue
-            with _f16c(f16c):
+    with _simd(level):
+        for x in chunks:
+            for kind in KINDS:
+                _same_encode(codec, x, kind)
+                try:
+                    chunk = codec.encode_numpy(x, kind)
+                except UsageError:  # int4: a shuffled bfloat16 group spans more than float32
+                    assert base == "int4" and dtype == "bfloat16"
+                    continue
                 for out in DTYPES:
                     _same_decode(codec, chunk.params, chunk.payload, x.shape, out, kind)
 
 
 @needs_ext
-@pytest.mark.parametrize("f16c", [True, False])
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("base", ["fp8", "int8"])
-def test_every_code_at_many_scales_decodes_like_numpy(base: str, f16c: bool) -> None:
+def test_every_code_at_many_scales_decodes_like_numpy(base: str, level: int) -> None:
     codes = np.arange(256, dtype=np.uint8)
     codes = codes[(codes & 0x7F) != 0x7F] if base == "fp8" else codes[codes != 0x80]
     scales = np.array([0.0, 2.0**-149, 1e-40, 1e-30, 3e-8, 1.0 / 448, 0.37, 1.0, 146.3, 65504 / 448,
@@ -146,7 +169,7 @@ def test_every_code_at_many_scales_decodes_like_numpy(base: str, f16c: bool) -> 
     rows, dim = scales.size, codes.size
     payload = np.concatenate([scales.view(np.uint8), np.tile(codes, rows)])
     codec = _codec(base)
-    with _f16c(f16c):
+    with _simd(level):
         _decode_each_scale(codec, payload, rows, dim)
 
 
@@ -159,9 +182,9 @@ def _decode_each_scale(codec: Reference, payload: np.ndarray[Any, Any], rows: in
 
 
 @needs_ext
-@pytest.mark.parametrize("f16c", [True, False])
-def test_every_int4_code_decodes_like_numpy(f16c: bool) -> None:
-    with _f16c(f16c):
+@pytest.mark.parametrize("level", LEVELS)
+def test_every_int4_code_decodes_like_numpy(level: int) -> None:
+    with _simd(level):
         _every_int4_code()
 
 
@@ -177,6 +200,63 @@ def _every_int4_code() -> None:
             mins = (rng.standard_normal(groups) * 10.0 ** rng.integers(-40, 30, groups)).astype(np.float32)
             payload = np.concatenate([scales.view(np.uint8), mins.view(np.uint8), codes])
             _same_decode(codec, bytes([4]), payload, shape, dtype, kind)
+
+
+def _near(values: np.ndarray[Any, Any], steps: int = 3) -> np.ndarray[Any, Any]:
+    """float32 ``values`` and their neighbours up to ``steps`` ulps either side."""
+    v = values.astype(np.float32)
+    out = [v]
+    up, down = v.copy(), v.copy()
+    for _ in range(steps):
+        up = np.nextafter(up, np.float32(np.inf))
+        down = np.nextafter(down, np.float32(-np.inf))
+        out += [up, down]
+    both: np.ndarray[Any, Any] = np.concatenate(out)
+    return both
+
+
+def _e4m3_midpoints() -> np.ndarray[Any, Any]:
+    grid = [m * 2.0**-9 for m in range(8)] + [(1 + m / 8) * 2.0**e for e in range(-6, 9) for m in range(8)]
+    grid.append(480.0)
+    g = np.array(grid)
+    mids: np.ndarray[Any, Any] = (g[:-1] + g[1:]) / 2
+    return mids
+
+
+@needs_ext
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
+def test_quotients_at_and_beside_rounding_midpoints_like_numpy(base: str, level: int) -> None:
+    """x / scale within a few ulps of every rounding midpoint of the code grid (and on it).
+
+    The SIMD loops multiply by the scale's reciprocal and verify that the result is far
+    from a midpoint; these inputs are the ones that must take their exact (dividing) path.
+    """
+    if base == "fp8":
+        targets, top = _e4m3_midpoints(), 448.0
+    elif base == "int8":
+        targets, top = np.arange(-127, 127) + 0.5, 127.0
+    else:
+        targets, top = np.arange(0, 15) + 0.5, 15.0
+    codec = _codec(base, 32)
+    for factor in (3.0, 0.1, 7.0 / 3.0, 1e-3, 12345.6, 2.0**-20):
+        q = _near(targets * factor)
+        q = np.concatenate([q, -q]) if base == "fp8" else q
+        for width in (31, 40, 128):  # each row: its largest value fixes the scale (top * factor)
+            count = -(-q.size // (width - 1))
+            body = np.resize(q, count * (width - 1)).reshape(count, width - 1)
+            rows = np.concatenate([np.full((count, 1), top * factor, np.float32), body.astype(np.float32)], axis=1)
+            if base == "int4":  # group minimum 0: put a zero in every row, keys grouped per token run
+                rows[:, 1] = 0.0
+                x = rows.reshape(count, 1, width)
+                with _simd(level):
+                    _same_encode(codec, x, TensorKind.V)
+                    _same_encode(codec, np.ascontiguousarray(rows.T).reshape(width, 1, count), TensorKind.K)
+            else:
+                with _simd(level):
+                    _same_encode(codec, rows.reshape(count, 1, width), TensorKind.K)
+                    if top * factor < 6e4:  # the same quotients from float16 inputs
+                        _same_encode(codec, rows.astype(np.float16).reshape(count, 1, width), TensorKind.K)
 
 
 @needs_ext
@@ -246,11 +326,11 @@ def _arrays(draw: st.DrawFn) -> np.ndarray[Any, Any]:
 @needs_ext
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(x=_arrays(), base=st.sampled_from(["fp8", "int8", "int4"]), kind=st.sampled_from(KINDS),
-       group=st.sampled_from([1, 2, 3, 7, 32, 255]), out_dtype=st.sampled_from(DTYPES), f16c=st.booleans())
+       group=st.sampled_from([1, 2, 3, 7, 32, 255]), out_dtype=st.sampled_from(DTYPES), level=st.sampled_from(LEVELS))
 def test_property_compiled_equals_numpy(
-    x: np.ndarray[Any, Any], base: str, kind: TensorKind, group: int, out_dtype: str, f16c: bool
+    x: np.ndarray[Any, Any], base: str, kind: TensorKind, group: int, out_dtype: str, level: int
 ) -> None:
-    with _f16c(f16c):
+    with _simd(level):
         _compiled_equals_numpy(x, base, kind, group, out_dtype)
 
 
