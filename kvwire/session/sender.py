@@ -172,6 +172,7 @@ class _Transfer:
     state: OutgoingTransfer
     begin: Begin
     deadline: float | None
+    timeout: float | None = None
     queue: deque[tuple[Chunk, int, int]] = field(default_factory=deque)  # chunk, wire, kv bytes
     queued_bytes: int = 0
     error: KvwireError | None = None
@@ -356,7 +357,7 @@ class SenderCore:
         self._next_id += 1
         timeout = self.config.transfer_timeout if timeout is None else timeout
         self._transfers[tid] = _Transfer(OutgoingTransfer(tid, num_layers), begin,
-                                         None if timeout is None else now + timeout)
+                                         None if timeout is None else now + timeout, timeout)
         conn = self._any_open()
         if conn is not None:
             conn.send_begin(begin)
@@ -432,8 +433,8 @@ class SenderCore:
                 self._want(i)
         for t in list(self._transfers.values()):
             if t.deadline is not None and now >= t.deadline:
-                self._fail(t, TransferTimeoutError(f"transfer {t.begin.request_id!r} did not complete in time"),
-                           reset=True)
+                self._fail(t, TransferTimeoutError(
+                    f"transfer {t.begin.request_id!r} did not complete in {t.timeout} s"), reset=True)
         self.pump()
 
     # -- internals -----------------------------------------------------------------------

@@ -437,3 +437,42 @@ def test_the_close_reason_names_the_stream_the_side_and_the_code() -> None:
     h.step()
     [closed] = h.of(StreamClosed)
     assert closed.reason == "stream 1 closed by server (GOAWAY NO_ERROR: maintenance)"
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["pause", "resume", "active", "ack", "add"]),
+                              st.integers(0, 2)), max_size=40))
+def test_chunks_never_go_on_a_paused_or_unused_stream(ops: list[tuple[str, int]]) -> None:
+    h = harness(streams=3)
+    tid = begin(h, layers=1)
+    paused: set[int] = set()
+    n = 0
+    for op, arg in ops:
+        before = len(h.of(ChunkSent))
+        if op == "pause":
+            paused.add(arg)
+            h.core.set_writable(arg, False)
+        elif op == "resume":
+            paused.discard(arg)
+            h.core.set_writable(arg, True)
+        elif op == "active":
+            h.core.active_streams = arg + 1
+            h.core.pump()
+        elif op == "ack":
+            h.ack(arg + 1)
+        else:
+            h.core.add_chunk(tid, chunk(tid, 0, 0, n))
+            n += 1
+        h.step()
+        active = h.core.active_streams or 3
+        for ev in h.of(ChunkSent)[before:]:
+            assert ev.stream not in paused and ev.stream < active
+    h.core.producer_done(tid)
+    for i in range(3):
+        h.core.set_writable(i, True)
+    h.core.active_streams = None
+    h.core.pump()
+    h.step()
+    h.ack()
+    assert len({e.address for e in h.of(ChunkSent)}) == n
+    assert h.of(TransferDone) and h.core.bytes_in_flight == 0
