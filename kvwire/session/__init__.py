@@ -17,15 +17,24 @@ from kvwire.session.receiver import (
 )
 from kvwire.session.receiver import TransferFailed as IncomingFailed
 from kvwire.session.sender import (
+    ChunkDelivered,
+    ChunkLost,
+    ChunkSent,
     SenderConfig,
     SenderCore,
     SessionFailed,
+    StreamClosed,
+    StreamOpened,
     StreamWanted,
+    TransferCredit,
     TransferDone,
 )
 from kvwire.session.sender import TransferFailed as OutgoingFailed
 
 __all__ = [
+    "ChunkDelivered",
+    "ChunkLost",
+    "ChunkSent",
     "IncomingFailed",
     "LayerReady",
     "OutgoingFailed",
@@ -36,7 +45,10 @@ __all__ = [
     "SenderConfig",
     "SenderCore",
     "SessionFailed",
+    "StreamClosed",
+    "StreamOpened",
     "StreamWanted",
     "TransferArrived",
+    "TransferCredit",
     "TransferDone",
 ]
