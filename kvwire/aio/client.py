@@ -218,6 +218,7 @@ class Peer:
         self._timer_at: float | None = None
         self._open_error: KvwireError | None = None
         self._pumping = self._again = False
+        self._resumes_logged = 0
 
     @property
     def session_id(self) -> bytes:
@@ -335,7 +336,8 @@ class Peer:
             _log.info("kvwire: %s", ev.reason)
         if isinstance(closed.error, AuthenticationError):
             _log.warning("kvwire: authentication with %s:%s failed: %s", self.host, self.port, closed.error)
-        if ev.resumed and closed.resumable:
+        if ev.resumed and self.resumes > self._resumes_logged:  # not again for a failed reconnect
+            self._resumes_logged = self.resumes
             _log.info("kvwire: stream %d to %s:%s broke; resuming (%d of at most %d)", ev.index, self.host,
                       self.port, self.resumes, self.options.max_reconnects)
         if self._opening and self._open_error is None:
