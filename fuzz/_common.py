@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import types
 from collections import deque
+from collections.abc import Callable
 from enum import Enum
+from typing import Any, Generic, TypeVar
 
 from kvwire.wire import (
     ChunkReceived,
@@ -14,6 +17,8 @@ from kvwire.wire import (
     State,
     TransferBegun,
 )
+
+T = TypeVar("T")
 
 SECRET = b"fuzz-secret-0123"
 MAX_FRAME = 64 * 1024
@@ -43,37 +48,66 @@ def handshake_bytes() -> tuple[bytes, bytes]:
     return hello, auth
 
 
-def _copy_state(obj: object) -> object:
-    """A copy of ``obj`` that shares nothing mutable with it: containers are copied, plain
-    objects (the decoder, a big frame in progress) copied attribute by attribute, frozen
-    values (frames, config, enums, bytes) shared.  Used to clone an opened Connection."""
-    if isinstance(obj, (bytearray, set, frozenset, bytes)):
-        return obj.copy() if isinstance(obj, (bytearray, set)) else obj
-    if isinstance(obj, (list, deque)):
-        return type(obj)(_copy_state(x) for x in obj)
-    if isinstance(obj, dict):
-        return type(obj)((k, _copy_state(v)) for k, v in obj.items())
-    if isinstance(obj, memoryview):
-        return memoryview(bytearray(obj))
-    if not _is_state(obj):
+def _copy_state(obj: object, memo: dict[int, object]) -> object:
+    """A copy of ``obj`` that shares nothing mutable with it: containers are copied, kvwire
+    objects (a connection, its decoder, a session) attribute by attribute, kvwire closures
+    and bound methods rebound to the copies of what they hold; immutable values (frozen
+    frames and configs, enums, bytes, plain functions) shared.  ``memo`` keeps objects
+    reachable twice (a session from two tables, a core from a closure) one object."""
+    if not isinstance(obj, (bytearray, set, list, deque, dict, memoryview)) and not _is_state(obj):
         return obj
-    if hasattr(obj, "__dict__"):
-        clone = object.__new__(type(obj))
-        for name, value in vars(obj).items():
-            setattr(clone, name, _copy_state(value))
-        return clone
-    if hasattr(type(obj), "__slots__"):
-        clone = object.__new__(type(obj))
-        slots: tuple[str, ...] = type(obj).__slots__  # type: ignore[attr-defined]
-        for name in slots:
+    done = memo.get(id(obj))
+    if done is not None:
+        return done
+    clone: Any
+    if isinstance(obj, (bytearray, set)):
+        clone = memo[id(obj)] = obj.copy()
+    elif isinstance(obj, memoryview):
+        clone = memo[id(obj)] = memoryview(bytearray(obj))
+    elif isinstance(obj, (list, deque)):
+        clone = memo[id(obj)] = type(obj)()
+        clone.extend(_copy_state(x, memo) for x in obj)
+    elif isinstance(obj, dict):
+        clone = memo[id(obj)] = type(obj)()
+        for k, v in obj.items():
+            clone[k] = _copy_state(v, memo)
+    elif isinstance(obj, types.MethodType):
+        clone = memo[id(obj)] = types.MethodType(obj.__func__, _copy_state(obj.__self__, memo))
+    elif isinstance(obj, types.FunctionType):
+        cells = tuple(
+            types.CellType(_copy_state(c.cell_contents, memo)) if _cell_full(c) else types.CellType()
+            for c in obj.__closure__ or ()
+        )
+        clone = memo[id(obj)] = types.FunctionType(
+            obj.__code__, obj.__globals__, obj.__name__, obj.__defaults__, cells
+        )
+        clone.__kwdefaults__ = obj.__kwdefaults__
+    else:
+        clone = memo[id(obj)] = object.__new__(type(obj))
+        if hasattr(obj, "__dict__"):
+            for name, value in vars(obj).items():
+                setattr(clone, name, _copy_state(value, memo))
+        for name in getattr(type(obj), "__slots__", ()):
             if hasattr(obj, name):
-                setattr(clone, name, _copy_state(getattr(obj, name)))
-        return clone
-    return obj
+                setattr(clone, name, _copy_state(getattr(obj, name), memo))
+    return clone
+
+
+def _cell_full(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
 
 
 def _is_state(obj: object) -> bool:
-    """A mutable kvwire object (not a frozen dataclass, an enum, a class or a function)."""
+    """A mutable kvwire object (not a frozen dataclass, an enum or a class), or a kvwire
+    closure or method bound to one."""
+    if isinstance(obj, types.MethodType):
+        return _is_state(obj.__self__)
+    if isinstance(obj, types.FunctionType):
+        return bool(obj.__closure__) and obj.__module__.startswith("kvwire.")
     cls = type(obj)
     if not cls.__module__.startswith("kvwire.") or isinstance(obj, Enum):
         return False
@@ -81,41 +115,99 @@ def _is_state(obj: object) -> bool:
     return params is None or not params.frozen
 
 
-def clone_connection(conn: Connection) -> Connection:
-    """A copy of ``conn`` that behaves exactly as ``conn`` would from here on (a fresh
-    server through the recorded handshake costs about 15 times as much as a new one)."""
-    return _copy_state(conn)  # type: ignore[return-value]
+class Cloner(Generic[T]):
+    """Copies of one prototype (an opened ``Connection``, a ``ReceiverCore`` with an open
+    session) that behave exactly as it would from here on, and share nothing mutable with
+    it: opening a fresh one through the recorded handshake costs several times as much.
+    The attributes that hold something mutable are found once."""
 
-
-class Cloner:
-    """:func:`clone_connection` of one prototype, many times: the attributes that hold
-    something mutable are found once; each clone shares the rest with the prototype."""
-
-    def __init__(self, proto: Connection) -> None:
+    def __init__(self, proto: T) -> None:
         self.proto = proto
-        self._shared = {k: v for k, v in vars(proto).items() if _copy_state(v) is v}
+        self._shared = {k: v for k, v in vars(proto).items() if _copy_state(v, {}) is v}
         self._copied = [k for k in vars(proto) if k not in self._shared]
 
-    def __call__(self) -> Connection:
+    def __call__(self) -> T:
         proto = self.proto
         clone = object.__new__(type(proto))
         state = vars(clone)
         state.update(self._shared)
+        memo: dict[int, object] = {id(proto): clone}
         for name in self._copied:
-            state[name] = _copy_state(getattr(proto, name))
+            state[name] = _copy_state(getattr(proto, name), memo)
         return clone
 
 
-def same_state(a: object, b: object) -> bool:
-    """Whether two connections (or parts of them) hold equal state."""
+def same_state(a: object, b: object, _seen: set[tuple[int, int]] | None = None) -> bool:
+    """Whether two connections or cores (or parts of them) hold equal state: the check
+    that a clone is what replaying the handshake gives."""
+    seen = set() if _seen is None else _seen
     if type(a) is not type(b):
         return False
+    if (id(a), id(b)) in seen:
+        return True
+    seen.add((id(a), id(b)))
     if isinstance(a, memoryview):
         return True  # the decoder's scratch: contents are not state
+    if isinstance(a, dict):
+        assert isinstance(b, dict)
+        return a.keys() == b.keys() and all(same_state(a[k], b[k], seen) for k in a)
+    if isinstance(a, (list, deque)):
+        assert isinstance(b, (list, deque))
+        return len(a) == len(b) and all(same_state(x, y, seen) for x, y in zip(a, b, strict=True))
+    if isinstance(a, types.MethodType):
+        assert isinstance(b, types.MethodType)
+        return a.__func__ is b.__func__ and same_state(a.__self__, b.__self__, seen)
+    if isinstance(a, types.FunctionType) and _is_state(a):
+        assert isinstance(b, types.FunctionType)
+        ca, cb = a.__closure__ or (), b.__closure__ or ()
+        return a.__code__ is b.__code__ and len(ca) == len(cb) and all(
+            same_state(x.cell_contents, y.cell_contents, seen) for x, y in zip(ca, cb, strict=True)
+        )
     if _is_state(a) and hasattr(a, "__dict__"):
         da, db = vars(a), vars(b)
-        return da.keys() == db.keys() and all(same_state(da[k], db[k]) for k in da)
+        return da.keys() == db.keys() and all(same_state(da[k], db[k], seen) for k in da)
     return bool(a == b)
+
+
+def mutable_parts(obj: object) -> dict[int, object]:
+    """Every mutable object reachable from ``obj`` the way :class:`Cloner` copies it, by id:
+    a clone and its prototype must have none in common."""
+    found: dict[int, object] = {}
+    todo = [obj]
+    while todo:
+        x = todo.pop()
+        if id(x) in found:
+            continue
+        if isinstance(x, (bytearray, set, memoryview)):
+            found[id(x)] = x
+        elif isinstance(x, (list, deque)):
+            found[id(x)] = x
+            todo.extend(x)
+        elif isinstance(x, dict):
+            found[id(x)] = x
+            todo.extend(x.values())
+        elif _is_state(x):
+            found[id(x)] = x
+            if isinstance(x, types.MethodType):
+                todo.append(x.__self__)
+            elif isinstance(x, types.FunctionType):
+                todo.extend(c.cell_contents for c in x.__closure__ or () if _cell_full(c))
+            else:
+                todo.extend(vars(x).values() if hasattr(x, "__dict__") else ())
+                todo.extend(getattr(x, n) for n in getattr(type(x), "__slots__", ()) if hasattr(x, n))
+    return found
+
+
+def check_cloner(cloner: Cloner[T], fresh: Callable[[], T], use: Callable[[T], object]) -> None:
+    """A clone holds what a fresh replay holds, shares nothing mutable with its prototype,
+    and ``use`` on a clone leaves the prototype as it was."""
+    clone = cloner()
+    assert same_state(clone, fresh()), "a clone differs from a replayed handshake"
+    shared = mutable_parts(clone).keys() & mutable_parts(cloner.proto).keys()
+    assert not shared, f"a clone shares {len(shared)} mutable objects with its prototype"
+    use(clone)
+    assert not same_state(clone, cloner.proto), "using a clone changed nothing"
+    assert same_state(cloner.proto, fresh()), "using a clone changed its prototype"
 
 
 def pump(conn: Connection) -> list[object]:

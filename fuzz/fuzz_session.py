@@ -1,7 +1,7 @@
 """atheris harness: the receiving session core (``kvwire.session.ReceiverCore``).
 
 Each input drives a fresh core whose first connection a real handshake with a known secret
-(fixed nonces) has already opened, so the fuzzer spends its time on what an authenticated
+(fixed nonces) has already opened (a clone of one opened once), so the fuzzer spends its time on what an authenticated
 client can send; the application around the core is driven by the input too.
 
 Input layout:
@@ -39,10 +39,43 @@ with atheris.instrument_imports():
     import kvwire
     from kvwire.session import receiver as rx
 
-from _common import SECRET, fix_crcs, fixed_nonce, session_handshake_bytes
+from _common import SECRET, Cloner, check_cloner, fix_crcs, fixed_nonce, session_handshake_bytes
+from make_corpus import session_seeds
 
 # A new session (stream 0), a second stream of it (stream 1), stream 0 again (a resume).
 (HELLO, AUTH), (HELLO2, AUTH2), (HELLO3, AUTH3) = session_handshake_bytes()
+
+
+def opened_core(registry: bool) -> rx.ReceiverCore:
+    """A core whose connection 1 the recorded handshake has opened (a new session)."""
+    core = rx.ReceiverCore(
+        rx.ReceiverConfig(
+            secret=SECRET, max_frame_size=64 * 1024, window=128 * 1024, max_transfers=4,
+            max_sessions=4, max_streams=4, max_tokens=4096, transfer_buffer_bytes=4096,
+            max_layer_bytes=64 * 1024, max_chunk_bytes=32 * 1024, max_buffer_bytes=96 * 1024,
+            registry=registry,
+        ),
+        nonce_source=fixed_nonce,
+    )
+    core.connection_made(1, 0.0)
+    for part in (HELLO, AUTH):
+        core.receive_data(1, part, 0.0)
+        core.data_to_send(1)
+    while core.next_event() is not None:
+        pass
+    assert not core.is_closed(1)
+    return core
+
+
+# Each input starts from a clone of one of these (the same state as replaying HELLO and
+# AUTH, at a fraction of the cost).  Checked here: a clone equals a replayed handshake, and
+# using a clone leaves the original as it was.
+CLONE = {registry: Cloner(opened_core(registry)) for registry in (False, True)}
+for _registry, _cloner in CLONE.items():
+    check_cloner(
+        _cloner, lambda r=_registry: opened_core(r),
+        lambda core: core.receive_data(1, session_seeds()["transfer_take"][3:], 0.0),
+    )
 
 
 def TestOneInput(data: bytes) -> None:
@@ -52,15 +85,7 @@ def TestOneInput(data: bytes) -> None:
     if mode & 0x80:
         rest = fix_crcs(rest)
     step = (mode & 0x3F) + 1
-    core = rx.ReceiverCore(
-        rx.ReceiverConfig(
-            secret=SECRET, max_frame_size=64 * 1024, window=128 * 1024, max_transfers=4,
-            max_sessions=4, max_streams=4, max_tokens=4096, transfer_buffer_bytes=4096,
-            max_layer_bytes=64 * 1024, max_chunk_bytes=32 * 1024, max_buffer_bytes=96 * 1024,
-            registry=bool(app & 0x08),
-        ),
-        nonce_source=fixed_nonce,
-    )
+    core = CLONE[bool(app & 0x08)]()
     limit = core.config.max_buffer_bytes
     now = 0.0
     keys: dict[tuple[bytes, int], bool] = {}  # arrived transfer -> still alive
@@ -105,9 +130,6 @@ def TestOneInput(data: bytes) -> None:
                 core.handle_timer(now)
                 application()
 
-    core.connection_made(1, now)
-    feed(1, HELLO)
-    feed(1, AUTH)
     for i in range(0, len(rest), step):
         feed(1, rest[i : i + step])
         if i == 0 and app & 0x40:
