@@ -22,6 +22,7 @@ no transfer state; only the verified chunk does.
 
 from __future__ import annotations
 
+import heapq
 import json
 import secrets
 from collections import OrderedDict, deque
@@ -71,6 +72,7 @@ Decode = Callable[[Chunk, memoryview], None]
 
 #: Versions registries issue are below this; anything above was never issued.
 MAX_BLOCK_VERSION = 1 << 53
+_CONN, _SESSION, _DEADLINE, _CLAIM = range(4)  # kinds of deadline (see ReceiverCore._note)
 #: Longest text this side puts in a RESET (peer text is never echoed back in full).
 WIRE_TEXT_LIMIT = 160
 
@@ -387,6 +389,9 @@ class ReceiverCore:
         self._live: dict[Key, _Incoming] = {}  # not failed, not every layer taken
         self._events: deque[ReceiverEvent] = deque()
         self._dirty: set[int] = set()
+        self._timers: list[tuple[float, int, tuple[int, Any]]] = []
+        self._timer_at: dict[tuple[int, Any], float] = {}
+        self._timer_seq = 0
         self.buffered_bytes = 0
         self.counters: dict[str, int] = {"transfers_accepted": 0, "transfers_refused": 0}
 
@@ -403,6 +408,7 @@ class ReceiverCore:
         conn.set_payload_sink(lambda head, size: self._sink(cid, head, size))
         self._conns[cid] = conn
         self._dirty.add(cid)
+        self._note(_CONN, cid)
 
     def connection(self, cid: int) -> Connection | None:
         """The connection itself, for ``get_buffer()`` (zero-copy reads); feed what was
@@ -557,30 +563,80 @@ class ReceiverCore:
     # -- time ----------------------------------------------------------------------------
 
     def get_timer(self) -> float | None:
-        times = [c.get_timer() for c in self._conns.values()]
-        times += [s.lose_at for s in self._sessions.values()]
-        for t in self._live.values():
-            times += [t.deadline, t.claim_deadline]
-        real = [x for x in times if x is not None]
-        return min(real) if real else None
+        """The earliest deadline of any connection, session or transfer (None: none)."""
+        heap = self._timers
+        while heap:
+            when, _, name = heap[0]
+            if self._timer_valid(name, when):
+                return when
+        return None
 
     def handle_timer(self, now: float) -> None:
-        for cid, conn in list(self._conns.items()):
-            when = conn.get_timer()
-            if when is not None and now >= when:
-                conn.handle_timer(now)
-                self._process(cid, now)
-        for sess in list(self._sessions.values()):
-            if sess.lose_at is not None and now >= sess.lose_at:
-                self._lose(sess, ConnectionLostError("the client did not reconnect in time"))
-        for t in list(self._live.values()):
-            if t.deadline is not None and now >= t.deadline and t.error is None:
+        heap = self._timers
+        while heap and heap[0][0] <= now:
+            when, _, name = heap[0]
+            if not self._timer_valid(name, when):
+                continue
+            heapq.heappop(heap)
+            del self._timer_at[name]
+            kind, ident = name
+            if kind == _CONN:
+                conn = self._conns.get(ident)
+                if conn is not None:
+                    conn.handle_timer(now)
+                    self._process(ident, now)
+            elif kind == _SESSION:
+                self._lose(self._sessions[ident], ConnectionLostError("the client did not reconnect in time"))
+            elif kind == _DEADLINE:
+                t = self._live[ident]
                 self._fail(t, TransferTimeoutError(
                     f"transfer {t.begin.request_id!r} not complete after {self.config.transfer_timeout} s"
                 ), reset=True)
-            elif t.claim_deadline is not None and now >= t.claim_deadline and not t.claimed:
+            else:
                 self._count("transfers_unclaimed")
-                self.abort(t.key, f"not claimed by the application within {self.config.claim_timeout} s", now)
+                self.abort(ident, f"not claimed by the application within {self.config.claim_timeout} s", now)
+
+    # -- deadlines -----------------------------------------------------------------------
+    #
+    # One heap over every deadline, so that get_timer() costs O(log n) per call, not a scan
+    # of every connection and transfer.  An entry is a hint: the deadline's current value
+    # (``_timer_value``) is the truth.  A deadline that moves later keeps its old entry,
+    # which is replaced by the new value when it reaches the top; one that moves earlier
+    # or appears is pushed by ``_note``.
+
+    def _timer_value(self, name: tuple[int, Any]) -> float | None:
+        kind, ident = name
+        if kind == _CONN:
+            conn = self._conns.get(ident)
+            return conn.get_timer() if conn is not None else None
+        if kind == _SESSION:
+            sess = self._sessions.get(ident)
+            return sess.lose_at if sess is not None else None
+        t = self._live.get(ident)
+        if t is None:
+            return None
+        return t.deadline if kind == _DEADLINE else (None if t.claimed else t.claim_deadline)
+
+    def _note(self, kind: int, ident: Any) -> None:
+        """Deadline ``(kind, ident)`` may have appeared or moved earlier."""
+        name = (kind, ident)
+        when = self._timer_value(name)
+        if when is not None and (name not in self._timer_at or when < self._timer_at[name]):
+            self._timer_at[name] = when
+            self._timer_seq += 1
+            heapq.heappush(self._timers, (when, self._timer_seq, name))
+
+    def _timer_valid(self, name: tuple[int, Any], when: float) -> bool:
+        """Whether the heap's top entry ``(when, name)`` is due as it says; if not, it is
+        dropped (and its deadline's current value pushed)."""
+        current = self._timer_value(name)
+        if self._timer_at.get(name) == when and current == when:
+            return True
+        heapq.heappop(self._timers)
+        if self._timer_at.get(name) == when:
+            del self._timer_at[name]
+            self._note(*name)
+        return False
 
     # -- internals -----------------------------------------------------------------------
 
@@ -625,6 +681,7 @@ class ReceiverCore:
             except Exception as exc:  # a bug or a failing hook: never a silent hang
                 conn.close(ErrorCode.INTERNAL_ERROR, f"internal error ({type(exc).__name__})")
                 self._events.append(InternalError(cid=cid, error=exc))
+        self._note(_CONN, cid)
 
     def _on_authenticated(self, conn: Connection, ev: ClientAuthenticated) -> None:
         fps = self.config.fingerprints
@@ -702,6 +759,7 @@ class ReceiverCore:
             if not any(self._conns.get(c) is not None and self._conns[c].closed_event is None
                        for c in sess.streams.values()) and sess.lose_at is None:
                 sess.lose_at = now + self.config.resume_timeout
+                self._note(_SESSION, sess.session_id)
         elif ev.error is not None or any(not t.complete for t in sess.transfers.values()):
             self._lose(sess, ev.error or ConnectionLostError("client connection closed mid-transfer"))
         elif not sess.streams:
@@ -758,6 +816,7 @@ class ReceiverCore:
                 sess.completed.popitem(last=False)
         sess.transfers[tid] = t
         self._live[t.key] = t
+        self._note(_DEADLINE, t.key)
         if cfg.registry and begin.blocks:
             t.gated = True
             blocks = tuple((bv.block, bv.version) for bv in begin.blocks)
@@ -782,6 +841,7 @@ class ReceiverCore:
             conn.send_accept(t.key[1], t.state.layer_limit)
         if self.config.claim_timeout is not None and not t.claimed:
             t.claim_deadline = now + self.config.claim_timeout
+            self._note(_CLAIM, t.key)
         self._events.append(TransferArrived(
             key=t.key, request_id=t.begin.request_id, meta=t.meta, num_layers=t.begin.num_layers,
             spec=t.spec, blocks=tuple((bv.block, bv.version) for bv in t.begin.blocks),

@@ -513,3 +513,51 @@ def test_a_bug_in_a_hook_closes_the_connection_with_internal_error_and_is_report
     assert isinstance(ev.error, RuntimeError) and ev.cid == 1
     [closed] = h.client_of(ConnectionClosed)
     assert closed.code == ErrorCode.INTERNAL_ERROR
+
+
+# -- the deadline heap ---------------------------------------------------------------------
+
+
+def every_deadline(core: ReceiverCore) -> float | None:
+    """get_timer() by brute force: every connection, session and transfer scanned."""
+    times = [c.get_timer() for c in core._conns.values()]
+    times += [s.lose_at for s in core._sessions.values()]
+    for t in core._live.values():
+        times += [t.deadline, None if t.claimed else t.claim_deadline]
+    real = [x for x in times if x is not None]
+    return min(real) if real else None
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["begin", "send", "claim", "wait", "break"]), st.floats(0, 20)),
+                max_size=25))
+def test_get_timer_is_the_earliest_deadline_of_all(actions: list[tuple[str, float]]) -> None:
+    cfg = ReceiverConfig(secret=SECRET, idle_timeout=8.0, transfer_timeout=30.0, claim_timeout=12.0,
+                         resume_timeout=5.0, transfer_buffer_bytes=1 << 20)
+    h = Harness(cfg)
+    tid = 0
+    sent: dict[int, int] = {}
+    for action, amount in actions:
+        if action == "begin" and h.client.state is State.OPEN:
+            tid += 1
+            h.client.send_begin(begin(tid=tid, layers=1, request=f"r{tid}"))
+            sent[tid] = 0
+        elif action == "send" and sent and h.client.state is State.OPEN:
+            t = max(sent)
+            if sent[t] < 2 and any(e.key[1] == t for e in h.of(TransferArrived)):
+                h.send(chunk(tid=t, layer=0, kind=sent[t]))
+                sent[t] += 1
+        elif action == "claim":
+            for ev in h.of(TransferArrived):
+                h.core.claim(ev.key)
+        elif action == "wait":
+            h.now += amount
+            h.core.handle_timer(h.now)
+        elif action == "break" and 1 in h.core.connections:
+            h.core.receive_data(1, b"", h.now)
+            h.core.forget(1)
+        if 1 in h.core.connections:
+            h.pump()
+        assert h.core.get_timer() == every_deadline(h.core)
+        when = h.core.get_timer()
+        assert action != "wait" or when is None or when > h.now  # nothing due is left behind
