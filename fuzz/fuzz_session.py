@@ -28,6 +28,7 @@ every transfer has been taken or aborted (and the timers have fired) it is back 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 
@@ -73,7 +74,7 @@ def opened_core(registry: bool) -> rx.ReceiverCore:
 CLONE = {registry: Cloner(opened_core(registry)) for registry in (False, True)}
 for _registry, _cloner in CLONE.items():
     check_cloner(
-        _cloner, lambda r=_registry: opened_core(r),
+        _cloner, functools.partial(opened_core, _registry),
         lambda core: core.receive_data(1, session_seeds()["transfer_take"][3:], 0.0),
     )
 
