@@ -1,0 +1,82 @@
+"""The client's GPU send path over real sockets, with the device side faked on the host:
+a tensor that is not a numpy array goes through ``kvwire.aio._gpu`` (one encode per tensor,
+chunks copied to host buffers, payloads in host arrays) and what arrives is what was sent."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.aio import _gpu, _send
+from kvwire.codec.base import EncodedChunk
+from tests.conftest import SECRET, make_layers, same_cache
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16)
+
+
+class FakeDevice:
+    """A tensor 'on a GPU': only shape, size and nbytes are visible outside the fake."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = host
+        self.shape, self.size, self.nbytes, self.dtype = host.shape, host.size, host.nbytes, host.dtype
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        raise BufferError("not readable from the host")
+
+
+def pinned(payload: Any) -> memoryview:
+    """The payload in a host array of its own, as the GPU path hands it over."""
+    return np.frombuffer(bytes(payload), dtype=np.uint8).copy().data
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+
+    async def copy_raw_chunks(x: FakeDevice, plan: list[tuple[int, int]]) -> AsyncIterator[tuple[int, int, Any]]:
+        calls.append("copy")
+        for start, count in plan:
+            yield start, count, np.array(x.host[start : start + count])
+
+    async def encode_chunks(codec: Any, x: FakeDevice, kind: Any, plan: list[tuple[int, int]],
+                            dtype: str) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
+        calls.append(f"encode:{codec.name}")
+        for start, count in plan:
+            enc = codec.encode(x.host[start : start + count], kind)
+            yield start, count, EncodedChunk(codec_id=enc.codec_id, params=enc.params, payload=pinned(enc.payload))
+
+    monkeypatch.setattr(_send, "is_device_array", lambda x: isinstance(x, FakeDevice))
+    monkeypatch.setattr(_send, "as_device_array", lambda x, spec, what: x)
+    monkeypatch.setattr(_gpu, "copy_raw_chunks", copy_raw_chunks)
+    monkeypatch.setattr(_gpu, "encode_chunks", encode_chunks)
+    return calls
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp8"])
+async def test_device_tensors_go_through_the_gpu_path_and_arrive(codec: str, fake_gpu: list[str]) -> None:
+    layers = make_layers(SPEC.num_layers, 96, SPEC.num_kv_heads, SPEC.head_dim, seed=3)
+    on_device = [(FakeDevice(k), FakeDevice(v)) for k, v in layers]
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec=codec, streams=2,
+                                  chunk_bytes=1024) as peer:
+            recv = asyncio.create_task(server.accept())
+            receipt = await peer.send("dev", SPEC, on_device, timeout=20)
+            cache = await (await recv).collect(timeout=20)
+    assert fake_gpu == (["copy"] if codec == "raw" else [f"encode:{codec}"]) * (2 * SPEC.num_layers)
+    assert receipt.kv_bytes == sum(k.nbytes + v.nbytes for k, v in layers)
+    if codec == "raw":
+        assert same_cache(cache.layers, layers)
+    else:
+        for (k, v), (k2, v2) in zip(layers, cache.layers, strict=True):
+            for a, b in ((k, k2), (v, v2)):
+                a32, b32 = a.astype(np.float32), b.astype(np.float32)
+                assert b.shape == a.shape and b.dtype == a.dtype
+                assert float(np.linalg.norm(a32 - b32) / np.linalg.norm(a32)) < 0.1
