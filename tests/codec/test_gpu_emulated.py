@@ -397,8 +397,6 @@ def test_the_emulation_refuses_what_a_gpu_would(emu: Any) -> None:
 @pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
 def test_int4_common_shapes_encode_in_one_vector_launch(dtype: str, shape: tuple[int, int, int], group: int,
                                                         kind: TensorKind) -> None:
-    if dtype == "float32" and kind == TensorKind.V and group < 8:
-        pytest.skip("a float32 vector holds 4 values")  # pragma: no cover
     plan = g.plan_encode("int4", group, shape, dtype, kind, 512, x_aligned=True)
     assert len(plan.launches) == 1 and plan.stats_floats == 0
     assert plan.launches[0].kernel.startswith(f"kv_int4_encode_{'v' if kind == TensorKind.V else 'k'}_vec_")
