@@ -340,7 +340,7 @@ class Server:
             if not fut.done():
                 fut.set_exception(ConnectionLostError("server closed"))
         await finish_tasks(self._tasks)
-        await wait_closed(streams, 1.0)  # type: ignore[arg-type]  # has .transport and .closed
+        await wait_closed(streams, 1.0)
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
