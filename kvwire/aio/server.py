@@ -149,6 +149,10 @@ class _Stream(asyncio.BufferedProtocol):
         self._write_high = write_high
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.server._closed:  # accepted while the server was closing
+            transport.close()
+            self.closed.set()
+            return
         self.transport = transport  # type: ignore[assignment]
         transport.set_write_buffer_limits(high=self._write_high, low=self._write_high // 4)  # type: ignore[attr-defined]
         tune_socket(transport.get_extra_info("socket"), self.server.options.notsent_lowat)
@@ -175,6 +179,8 @@ class _Stream(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         srv = self.server
+        if self.conn is None:
+            return
         srv._core.receive_data(self.cid, b"", srv._now())
         self.transport = None
         srv._pump()
