@@ -266,7 +266,9 @@ def _plan_int4_vec(
     if kind == TensorKind.V:
         nvec = dim // epv
         gv = group // epv
-        if dim % epv or nvec > 128 or (group < dim and (group % epv or gv & (gv - 1))):
+        # a group of whole vectors: a power of two of them, or any number with one vector
+        # a lane (nvec <= 32)
+        if dim % epv or nvec > 128 or (group < dim and (group % epv or (gv & (gv - 1) and nvec > 32))):
             return None
         lpr, vpl = (16, 1) if nvec <= 16 else (32, 1) if nvec <= 32 else (32, 2) if nvec <= 64 else (32, 4)
         rows = tokens * heads

@@ -68,22 +68,28 @@ using std::min;
 struct EmuWarp { std::barrier<>* bar; unsigned vals[32]; long seq[32]; };
 static thread_local EmuWarp* emu_warp;
 static thread_local long emu_calls;
-static inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int off) {
+static inline unsigned emu_shuffle(unsigned mask, unsigned v, unsigned src, bool bad_src) {
     if (emu_warp == nullptr) {  // a shuffle in a kernel not run as warps
         emu_error_count.fetch_add(1);
         return v;
     }
     const unsigned lane = threadIdx.x & 31u;
-    if (mask != 0xFFFFFFFFu || off < 0 || off > 31) emu_error_count.fetch_add(1);
+    if (mask != 0xFFFFFFFFu || bad_src) emu_error_count.fetch_add(1);
     const long call = ++emu_calls;
     emu_warp->vals[lane] = v;
     emu_warp->seq[lane] = call;
     emu_warp->bar->arrive_and_wait();
     for (int l = 0; l < 32; ++l)
         if (emu_warp->seq[l] != call) { emu_error_count.fetch_add(1); break; }
-    const unsigned r = emu_warp->vals[lane ^ ((unsigned)off & 31u)];
+    const unsigned r = emu_warp->vals[src & 31u];
     emu_warp->bar->arrive_and_wait();
     return r;
+}
+static inline unsigned __shfl_sync(unsigned mask, unsigned v, int src) {  // src modulo 32, as CUDA
+    return emu_shuffle(mask, v, (unsigned)src & 31u, false);
+}
+static inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int off) {
+    return emu_shuffle(mask, v, (threadIdx.x & 31u) ^ (unsigned)off, off < 0 || off > 31);
 }
 // threaded: 32 threads run each warp in step (for kernels with warp shuffles); a thread
 // that is done drops out of the barrier, so lanes out of step end instead of hanging.
@@ -406,6 +412,10 @@ def test_int4_common_shapes_encode_in_one_vector_launch(dtype: str, shape: tuple
     assert len(g.plan_encode("int4", group, shape, dtype, kind, 512, x_aligned=False).launches) == 2
     if kind == TensorKind.V:
         assert len(g.plan_encode("int4", 3, shape, dtype, kind, 512, x_aligned=True).launches) == 2
+        # 3 or 6 vectors a group: one launch while a lane holds one vector of the row
+        one_vector = shape[2] <= (128 if dtype == "float32" else 256)
+        assert len(g.plan_encode("int4", 24, shape, dtype, kind, 512, x_aligned=True).launches) == (
+            1 if one_vector or shape[2] <= 24 else 2)
     else:  # keys: any group size in one launch
         for big in (65, 128, 200, 255):
             assert len(g.plan_encode("int4", big, shape, dtype, kind, 512, x_aligned=True).launches) == 1
@@ -445,7 +455,7 @@ def _adversarial(style: str, dtype: str, shape: tuple[int, int, int], seed: int)
     style=st.sampled_from(STYLES), seed=st.integers(0, 2**16), aligned=st.booleans(),
     dtype=st.sampled_from(["float16", "bfloat16", "float32"]), kind=st.sampled_from([TensorKind.K, TensorKind.V]),
     poison=st.sampled_from([None, None, np.nan, np.inf, -np.inf]), fast=st.booleans(),
-    fast_dim=st.sampled_from([8, 16, 24, 40, 64, 128, 192, 256, 512]), fast_group=st.sampled_from([8, 16, 32, 64, 128, 255]),
+    fast_dim=st.sampled_from([8, 16, 24, 40, 64, 128, 192, 256, 512]), fast_group=st.sampled_from([8, 16, 24, 32, 40, 48, 64, 96, 128, 255]),
 )
 def test_emulated_int4_kernels_match_the_numpy_reference(
     emu: Any, tokens: int, heads: int, dim: int, step: int, group: int, style: str, seed: int, aligned: bool,
@@ -457,6 +467,9 @@ def test_emulated_int4_kernels_match_the_numpy_reference(
         dim, aligned = fast_dim, True
         if kind == TensorKind.V:
             group = fast_group if fast_group < 255 or dim < 255 else 128
+            epv = 4 if dtype == "float32" else 8
+            if group < dim and (group // epv) & (group // epv - 1):
+                dim = min(dim, 32 * epv)  # any number of vectors a group: one vector a lane
     codec = Int4Codec(group)
     shape = (tokens, heads, dim)
     x = _adversarial(style, dtype, shape, seed)
@@ -481,6 +494,22 @@ def test_emulated_int4_kernels_match_the_numpy_reference(
         assert emu_decode(emu, "int4", ref.params, payloads[i], sub, dtype, kind) == 0
         want = _ref(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype=dtype, kind=kind)
         assert sub.tobytes() == _bits(want).tobytes(), (i, s)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize(("dim", "group"), [(128, 24), (128, 40), (120, 48), (64, 24), (256, 72), (40, 24)])
+def test_emulated_int4_value_groups_of_any_number_of_vectors(emu: Any, dtype: str, dim: int, group: int) -> None:
+    # 3, 5, 6 or 9 vectors a group (float32: twice as many, or a whole row): gathered lane
+    # by lane with indexed shuffles, the last group of a row shorter
+    from kvwire.codec.int4 import Int4Codec
+
+    codec = Int4Codec(group)
+    x = _adversarial("mixed", dtype, (11, 3, dim), dim * group)
+    payloads, flags, kernel = emu_encode(emu, codec, _placed(_bits(x), True), TensorKind.V, 5, dtype)
+    one_vector = dim <= (128 if dtype == "float32" else 256)
+    assert kernel.startswith("kv_int4_encode_v_vec_") == one_vector and flags == 0
+    for i, s in enumerate(range(0, 11, 5)):
+        assert payloads[i] == bytes(memoryview(_ref(codec).encode_numpy(x[s : s + 5], TensorKind.V).payload).cast("B"))
 
 
 @pytest.mark.parametrize("style", ["normal", "zeros", "mixed"])

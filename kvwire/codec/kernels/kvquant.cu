@@ -367,13 +367,13 @@ __device__ void int4_decode(const kv_u8* payload, kv_i64 tokens, int heads, int 
 
 // int4 encode, values (groups of `group` channels inside each (token, head) row), fast
 // path: LPR lanes per row, each holding VPL 16-byte vectors in registers (one read of the
-// input).  A group is `gv` whole vectors, gv a power of two (the plan checks it; a group
-// that covers the row counts as LPR * VPL vectors, lanes past the row holding the
-// identity): minimum and maximum on order keys, first over a lane's slots of the same
-// group, then over its lanes with warp shuffles; -0/+0 made canonical +0.  The first lane
-// of a group writes its scale and minimum, every lane packs its codes (8 codes: 4 bytes,
-// float32: 4 codes, 2 bytes).  Needs head_dim*itemsize % 16 == 0 and a 16-byte aligned
-// input.
+// input).  A group is `gv` whole vectors (a group that covers the row counts as LPR * VPL
+// vectors, lanes past the row holding the identity); gv a power of two, or any gv with
+// one vector per lane (the plan checks it).  Minimum and maximum on order keys, first over
+// a lane's slots of the same group, then over its lanes with warp shuffles; -0/+0 made
+// canonical +0.  The first lane of a group writes its scale and minimum, every lane packs
+// its codes (8 codes: 4 bytes, float32: 4 codes, 2 bytes).  Needs head_dim*itemsize % 16
+// == 0 and a 16-byte aligned input.
 template <int DT, int LPR, int VPL>
 __device__ void int4_encode_v_vec(const uint4* x, kv_i64 tokens, int heads, int dim, int group,
                                   int chunk_tokens, kv_i64 chunk_bytes, kv_u8* out, unsigned* flags) {
@@ -421,13 +421,32 @@ __device__ void int4_encode_v_vec(const uint4* x, kv_i64 tokens, int heads, int 
             }
         }
     }
-    const int width = gv < LPR ? gv : LPR;  // lanes a group spans (a power of two)
-    for (int off = width >> 1; off > 0; off >>= 1) {
+    if ((gv & (gv - 1)) == 0) {
+        const int width = gv < LPR ? gv : LPR;  // lanes a group spans (a power of two)
+        for (int off = width >> 1; off > 0; off >>= 1) {
 #pragma unroll
-        for (int j = 0; j < VPL; ++j) {
-            lo[j] = kv_umin(lo[j], __shfl_xor_sync(0xFFFFFFFFu, lo[j], off));
-            hi[j] = kv_umax(hi[j], __shfl_xor_sync(0xFFFFFFFFu, hi[j], off));
+            for (int j = 0; j < VPL; ++j) {
+                lo[j] = kv_umin(lo[j], __shfl_xor_sync(0xFFFFFFFFu, lo[j], off));
+                hi[j] = kv_umax(hi[j], __shfl_xor_sync(0xFFFFFFFFu, hi[j], off));
+            }
         }
+    } else {
+        // any other number of vectors per group (VPL is 1 here: the plan checks it): every
+        // lane reads its group's gv lanes one by one, within its row's LPR lanes
+        const int base = (int)(threadIdx.x & 31) - lane;
+        const int first = base + lane / gv * gv, last = base + LPR - 1;
+        kv_u32 l = lo[0], h = hi[0];
+        for (int k = 0; k < gv; ++k) {
+            const int src = first + k < last ? first + k : last;
+            const kv_u32 ol = __shfl_sync(0xFFFFFFFFu, lo[0], src);
+            const kv_u32 oh = __shfl_sync(0xFFFFFFFFu, hi[0], src);
+            if (first + k <= last) {
+                l = kv_umin(l, ol);
+                h = kv_umax(h, oh);
+            }
+        }
+        lo[0] = l;
+        hi[0] = h;
     }
     if (!active) return;
     if (amax >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
