@@ -216,7 +216,8 @@ class Peer:
         self._tasks: set[asyncio.Task[None]] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
-        self._open_error: KvwireError | None = None
+        self._open_error: KvwireError | None = None  # a stream that failed while open() waits
+        self._opening = False
         self._pumping = self._again = False
         self._resumes_logged = 0
 
@@ -375,8 +376,6 @@ class Peer:
         task.add_done_callback(self._tasks.discard)
 
     # -- public API ----------------------------------------------------------------------
-
-    _opening = False
 
     async def open(self) -> None:
         self._opening = True
