@@ -513,6 +513,19 @@ KV_AVX2_INLINE kv_u32 v_hmin_u32(__m256i v) {
     m = _mm_min_epu32(m, _mm_shuffle_epi32(m, 0xB1));
     return (kv_u32)_mm_cvtsi128_si32(m);
 }
+/* minimum / maximum of eight finite lanes (which of -0 and +0 is unspecified) */
+KV_AVX2_INLINE float v_hmin_ps(__m256 v) {
+    __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_min_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+KV_AVX2_INLINE float v_hmax_ps(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
 /* kv_divisor: a zero scale (either sign) divides by 1 */
 KV_AVX2_INLINE __m256 v_divisor(__m256 s) {
     __m256i zero = _mm256_cmpeq_epi32(v_abs_bits(s), _mm256_setzero_si256());
@@ -628,6 +641,83 @@ KV_AVX2_INLINE __m256i v_int4_fast(__m256 x, __m256 lo, __m256 r, __m256* unsafe
 }
 KV_AVX2_INLINE int v_any(__m256 m) { return !_mm256_testz_ps(m, m); }
 
+/* fp8 of sixteen lanes through float16.  h = q' rounded to float16 (vcvtps2ph, nearest
+ * even; q' <= 448 (1 + 4 * 2^-24) in a fast row, so h <= 448).  Every E4M3 rounding midpoint
+ * from 2^-6 up is a float16 value.  Where h is not one, q' and q lie on h's side of every
+ * midpoint (q' is at least half a float16 ulp, 2^12 float32 ulps, from it), so rounding h
+ * to E4M3 gives q's code: (|h| + 0x40) >> 7 less the exponent bias difference (no tie to
+ * break; |h| below 2^-10 gives code 0 through the saturating subtraction).  Where h is a
+ * midpoint M (one lane in 128), q is placed against M with two truncations to float16 of
+ * x * r (1 -/+ 2^-19), which bracket q: RZ(lower) == M means q > M (the code rounded up,
+ * as computed), RZ(upper) < M means q < M (one less); neither means q is too close to M
+ * to tell, and h in [2^-10, 2^-6) (the E4M3 subnormal grid): both go to the exact path. */
+KV_AVX2_INLINE __m256i v_half16(__m256 x0, __m256 x1, __m256 r, int mode) {
+    const __m128i h0 = mode ? _mm256_cvtps_ph(_mm256_mul_ps(x0, r), _MM_FROUND_TO_ZERO)
+                            : _mm256_cvtps_ph(_mm256_mul_ps(x0, r), _MM_FROUND_TO_NEAREST_INT);
+    const __m128i h1 = mode ? _mm256_cvtps_ph(_mm256_mul_ps(x1, r), _MM_FROUND_TO_ZERO)
+                            : _mm256_cvtps_ph(_mm256_mul_ps(x1, r), _MM_FROUND_TO_NEAREST_INT);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1);
+}
+KV_AVX2_INLINE __m256i v_fp8_fast16(__m256 x0, __m256 x1, __m256 r, __m256 rlo, __m256 rhi, __m256i* unsafe) {
+    const __m256i mag = _mm256_set1_epi16(0x7FFF);
+    const __m256i h = v_half16(x0, x1, r, 0);
+    const __m256i ha = _mm256_and_si256(h, mag);
+    __m256i code = _mm256_srli_epi16(_mm256_subs_epu16(ha, _mm256_set1_epi16(0x1FC0)), 7);
+    const __m256i mid = _mm256_cmpeq_epi16(_mm256_and_si256(ha, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x40));
+    __m256i bad = _mm256_cmpeq_epi16(_mm256_srli_epi16(_mm256_sub_epi16(ha, _mm256_set1_epi16(0x1400)), 12),
+                                     _mm256_setzero_si256());
+    if (!_mm256_testz_si256(mid, mid)) {
+        const __m256i above = _mm256_cmpeq_epi16(_mm256_and_si256(v_half16(x0, x1, rlo, 1), mag), ha);
+        const __m256i not_below = _mm256_cmpeq_epi16(_mm256_and_si256(v_half16(x0, x1, rhi, 1), mag), ha);
+        /* one less where below (saturating: a "midpoint" pattern under 2^-10 stays code 0) */
+        code = _mm256_subs_epu16(code, _mm256_andnot_si256(not_below, _mm256_and_si256(mid, _mm256_set1_epi16(1))));
+        bad = _mm256_or_si256(bad, _mm256_andnot_si256(above, _mm256_and_si256(mid, not_below)));
+    }
+    *unsafe = _mm256_or_si256(*unsafe, bad);
+    return _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80)));
+}
+
+/* 32 codes of a row at out: fast path where it is safe, else the exact one. */
+KV_AVX2_INLINE void fp8_v_quant32(kv_u8* out, __m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 r, __m256 dv,
+                                  int fast) {
+    if (fast) {
+        __m256i un = _mm256_setzero_si256();
+        const __m256 rlo = _mm256_mul_ps(r, _mm256_set1_ps(1.0f - 1.9073486328125e-06f)); /* 1 - 2^-19 */
+        const __m256 rhi = _mm256_mul_ps(r, _mm256_set1_ps(1.0f + 1.9073486328125e-06f));
+        const __m256i a = v_fp8_fast16(x0, x1, r, rlo, rhi, &un), b = v_fp8_fast16(x2, x3, r, rlo, rhi, &un);
+        if (_mm256_testz_si256(un, un)) {
+            _mm256_storeu_si256((__m256i*)out, _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8));
+            return;
+        }
+    }
+    v_store32_u8(out, v_fp8_quant(x0, dv), v_fp8_quant(x1, dv), v_fp8_quant(x2, dv), v_fp8_quant(x3, dv));
+}
+KV_AVX2_INLINE void int8_v_quant32(kv_u8* out, __m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 r, __m256 dv,
+                                   int fast) {
+    if (fast) {
+        __m256 un = _mm256_setzero_ps();
+        const __m256i c0 = v_int8_fast(x0, r, &un), c1 = v_int8_fast(x1, r, &un);
+        const __m256i c2 = v_int8_fast(x2, r, &un), c3 = v_int8_fast(x3, r, &un);
+        if (!v_any(un)) {
+            v_store32_i8(out, c0, c1, c2, c3);
+            return;
+        }
+    }
+    v_store32_i8(out, v_int8_quant(x0, dv), v_int8_quant(x1, dv), v_int8_quant(x2, dv), v_int8_quant(x3, dv));
+}
+KV_AVX2_INLINE void fp8_v_quant8(kv_u8* out, __m256 x0, __m256 r, __m256 dv, int fast) {
+    __m256 un = _mm256_setzero_ps();
+    __m256i c = fast ? v_fp8_fast(x0, r, &un) : _mm256_setzero_si256();
+    if (!fast || v_any(un)) c = v_fp8_quant(x0, dv);
+    v_store8_u8(out, c);
+}
+KV_AVX2_INLINE void int8_v_quant8(kv_u8* out, __m256 x0, __m256 r, __m256 dv, int fast) {
+    __m256 un = _mm256_setzero_ps();
+    __m256i c = fast ? v_int8_fast(x0, r, &un) : _mm256_setzero_si256();
+    if (!fast || v_any(un)) c = v_int8_quant(x0, dv);
+    v_store8_i8(out, c);
+}
+
 /* Magnitude maximum of a row, as float32 bits (>= 0x7F800000: NaN or infinity present). */
 KV_AVX2_INLINE kv_u32 v_amax16(const kv_u16* p, idx n) {
     __m256i m = _mm256_setzero_si256();
@@ -668,7 +758,7 @@ KV_AVX2_INLINE kv_u32 v_amax_F32(const void* x, idx base, idx n) {
 
 /* fp8 / int8 encode: per row, the magnitude maximum (scale), then one quantize pass
  * reading the row again (from L1), 32 elements at a time, multiply-then-verify. */
-#define V_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, VEXACT, VFAST, STORE8, STORE32, CODE_T)     \
+#define V_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T)                                    \
     KV_AVX2 static int NAME##_encode_avx2_##SUF(const void* restrict x, idx rows, idx dim,   \
                                                 kv_u8* restrict scales, kv_u8* restrict codes, \
                                                 float* restrict rowtmp) {                      \
@@ -679,31 +769,15 @@ KV_AVX2_INLINE kv_u32 v_amax_F32(const void* x, idx base, idx n) {
             if (amax >= 0x7F800000u) return KV_E_NONFINITE;                                    \
             const float s = SCALE(kv_bits_f32(amax));                                          \
             st_f32(scales, r, s);                                                              \
-            const __m256 dv = _mm256_set1_ps(kv_divisor(s));                                   \
-            const __m256 rv = _mm256_set1_ps(kv_recip(kv_divisor(s)));                         \
+            const float rcp = kv_recip(kv_divisor(s));                                         \
+            const int fast = rcp == rcp; /* not NaN */                                         \
+            const __m256 dv = _mm256_set1_ps(kv_divisor(s)), rv = _mm256_set1_ps(rcp);         \
             kv_u8* restrict out = codes + base;                                                \
             idx d = 0;                                                                         \
-            for (; d + 32 <= dim; d += 32) {                                                   \
-                __m256 un = _mm256_setzero_ps();                                               \
-                const __m256 x0 = v_ld_##SUF(x, base + d), x1 = v_ld_##SUF(x, base + d + 8);  \
-                const __m256 x2 = v_ld_##SUF(x, base + d + 16), x3 = v_ld_##SUF(x, base + d + 24); \
-                __m256i c0 = VFAST(x0, rv, &un), c1 = VFAST(x1, rv, &un);                      \
-                __m256i c2 = VFAST(x2, rv, &un), c3 = VFAST(x3, rv, &un);                      \
-                if (v_any(un)) {                                                               \
-                    c0 = VEXACT(x0, dv);                                                       \
-                    c1 = VEXACT(x1, dv);                                                       \
-                    c2 = VEXACT(x2, dv);                                                       \
-                    c3 = VEXACT(x3, dv);                                                       \
-                }                                                                              \
-                STORE32(out + d, c0, c1, c2, c3);                                              \
-            }                                                                                  \
-            for (; d + 8 <= dim; d += 8) {                                                     \
-                __m256 un = _mm256_setzero_ps();                                               \
-                const __m256 x0 = v_ld_##SUF(x, base + d);                                     \
-                __m256i c0 = VFAST(x0, rv, &un);                                               \
-                if (v_any(un)) c0 = VEXACT(x0, dv);                                            \
-                STORE8(out + d, c0);                                                           \
-            }                                                                                  \
+            for (; d + 32 <= dim; d += 32)                                                     \
+                NAME##_v_quant32(out + d, v_ld_##SUF(x, base + d), v_ld_##SUF(x, base + d + 8), \
+                                 v_ld_##SUF(x, base + d + 16), v_ld_##SUF(x, base + d + 24), rv, dv, fast); \
+            for (; d + 8 <= dim; d += 8) NAME##_v_quant8(out + d, v_ld_##SUF(x, base + d), rv, dv, fast); \
             for (; d < dim; ++d) ((CODE_T*)out)[d] = QUANT(LOAD_##SUF(x, base + d), s);        \
         }                                                                                      \
         return KV_OK;                                                                          \
@@ -793,12 +867,8 @@ KV_AVX2_INLINE __m256 int8_v_scaled(__m256i c, __m256 s) { return _mm256_mul_ps(
         return KV_OK;                                                                          \
     }
 
-#define V_FP8_ENC(SUF)                                                                       \
-    V_ROWWISE_ENCODE(fp8, SUF, kv_fp8_scale, kv_fp8_quant, v_fp8_quant, v_fp8_fast, v_store8_u8, \
-                     v_store32_u8, kv_u8)
-#define V_INT8_ENC(SUF)                                                                      \
-    V_ROWWISE_ENCODE(int8, SUF, kv_int8_scale, kv_int8_quant, v_int8_quant, v_int8_fast,       \
-                     v_store8_i8, v_store32_i8, signed char)
+#define V_FP8_ENC(SUF) V_ROWWISE_ENCODE(fp8, SUF, kv_fp8_scale, kv_fp8_quant, kv_u8)
+#define V_INT8_ENC(SUF) V_ROWWISE_ENCODE(int8, SUF, kv_int8_scale, kv_int8_quant, signed char)
 #define V_FP8_DEC(SUF) V_ROWWISE_DECODE(fp8, SUF, kv_fp8_dequant, kv_u8, FP8_CODE, _mm256_cvtepu8_epi32)
 #define V_INT8_DEC(SUF) \
     V_ROWWISE_DECODE(int8, SUF, kv_int8_dequant, signed char, INT8_CODE, _mm256_cvtepi8_epi32)
@@ -807,9 +877,88 @@ V_INT8_ENC(F16) V_INT8_ENC(BF16) V_INT8_ENC(F32)
 V_FP8_DEC(F16) V_FP8_DEC(BF16) V_FP8_DEC(F32)
 V_INT8_DEC(F16) V_INT8_DEC(BF16) V_INT8_DEC(F32)
 
-/* int4 encode: keys (K) as in the generic loop, group minimum/maximum through 8-lane
- * unsigned order keys; values (V) a row at a time, each run's minimum/maximum reduced in
- * lanes and its codes quantized with the run's scalars broadcast. */
+/* int4 codes of 32 / 8 lanes: (x - lo) / d, multiply-then-verify as above.  In a fast lane
+ * 0 <= x - lo <= hi - lo (lo, hi the group's minimum and maximum, rounding is monotonic),
+ * so q' lies in [0, 15 (1 + 2^-21)] and rounds into [0, 15]: kv_clamp changes nothing and
+ * is left out; lanes with a NaN reciprocal are sent to the exact path by the check. */
+KV_AVX2_INLINE __m256i v_int4_fast_nc(__m256 x, __m256 lo, __m256 r, __m256* unsafe) {
+    const __m256 q = _mm256_mul_ps(_mm256_sub_ps(x, lo), r);
+    const __m256 rq = v_rint(q);
+    *unsafe = _mm256_or_ps(*unsafe, v_off_grid(q, rq, KV_INT4_LIMIT));
+    return _mm256_cvttps_epi32(rq);
+}
+KV_AVX2_INLINE void int4_v_quant32(kv_u8* out, const __m256* x, const __m256* lo, const __m256* r, const __m256* d) {
+    __m256 un = _mm256_setzero_ps();
+    __m256i c0 = v_int4_fast_nc(x[0], lo[0], r[0], &un), c1 = v_int4_fast_nc(x[1], lo[1], r[1], &un);
+    __m256i c2 = v_int4_fast_nc(x[2], lo[2], r[2], &un), c3 = v_int4_fast_nc(x[3], lo[3], r[3], &un);
+    if (v_any(un)) {
+        c0 = v_int4_quant(x[0], lo[0], d[0]);
+        c1 = v_int4_quant(x[1], lo[1], d[1]);
+        c2 = v_int4_quant(x[2], lo[2], d[2]);
+        c3 = v_int4_quant(x[3], lo[3], d[3]);
+    }
+    v_store32_u8(out, c0, c1, c2, c3);
+}
+KV_AVX2_INLINE void int4_v_quant8(kv_u8* out, __m256 x, __m256 lo, __m256 r, __m256 d) {
+    __m256 un = _mm256_setzero_ps();
+    __m256i c = v_int4_fast_nc(x, lo, r, &un);
+    if (v_any(un)) c = v_int4_quant(x, lo, d);
+    v_store8_u8(out, c);
+}
+
+/* Runs' minimum (in L) and maximum (in S) to the stored minimum (canonical zero) and scale
+ * (kv_int4_scale), with the reciprocal of the divisor in R (kv_recip); four runs at a time
+ * (x + 0 is x for every float but -0, which becomes +0: kv_canonical_zero).  Returns
+ * nonzero when a scale is not finite (KV_E_RANGE). */
+KV_AVX2 static int int4_v_run_scales(float* L, float* S, float* R, idx runs) {
+    idx k = 0;
+    int range = 0;
+    for (; k + 4 <= runs; k += 4) {
+        const __m128 l = _mm_add_ps(_mm_loadu_ps(L + k), _mm_setzero_ps());
+        const __m128 h = _mm_add_ps(_mm_loadu_ps(S + k), _mm_setzero_ps());
+        const __m128 s = _mm_div_ps(_mm_sub_ps(h, l), _mm_set1_ps(15.0f));
+        const __m128i sb = _mm_and_si128(_mm_castps_si128(s), _mm_set1_epi32(0x7FFFFFFF));
+        range |= !_mm_testz_si128(_mm_cmpgt_epi32(sb, _mm_set1_epi32(0x7F7FFFFF)), _mm_set1_epi32(-1));
+        const __m128 d = _mm_blendv_ps(s, _mm_set1_ps(1.0f), _mm_castsi128_ps(_mm_cmpeq_epi32(sb, _mm_setzero_si128())));
+        const __m128i db = _mm_castps_si128(d);
+        const __m128i ok = _mm_and_si128(_mm_cmpgt_epi32(db, _mm_set1_epi32(0x007FFFFF)),
+                                         _mm_cmpgt_epi32(_mm_set1_epi32(0x7E800000), db));
+        const __m128 r = _mm_blendv_ps(_mm_castsi128_ps(_mm_set1_epi32(0x7FC00000)),
+                                       _mm_div_ps(_mm_set1_ps(1.0f), d), _mm_castsi128_ps(ok));
+        _mm_storeu_ps(L + k, l);
+        _mm_storeu_ps(S + k, s);
+        _mm_storeu_ps(R + k, r);
+    }
+    for (; k < runs; ++k) {
+        const float l = kv_canonical_zero(L[k]);
+        const float s = kv_int4_scale(l, kv_canonical_zero(S[k]));
+        range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;
+        L[k] = l;
+        S[k] = s;
+        R[k] = kv_recip(kv_divisor(s));
+    }
+    return range;
+}
+
+/* pack_append with 32 codes to 16 bytes at a time while the output is on a byte boundary */
+KV_AVX2 static void pack_append_avx2(packer* pk, const kv_u8* c, idx n) {
+    idx i = 0;
+    if (!pk->odd) {
+        kv_u8* p = pk->p;
+        for (; i + 32 <= n; i += 32) {
+            __m256i m = _mm256_maddubs_epi16(_mm256_loadu_si256((const __m256i*)(c + i)), _mm256_set1_epi16(0x1001));
+            m = _mm256_permute4x64_epi64(_mm256_packus_epi16(m, m), 0x08);
+            _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(m));
+            p += 16;
+        }
+        pk->p = p;
+    }
+    pack_append(pk, c + i, n - i);
+}
+
+/* int4 encode: keys (K) per channel over the group's tokens, values (V) per run of a row.
+ * Group minimum and maximum with minps/maxps on the (finite) values: they pick the same
+ * value as the kernel's order keys except between -0 and +0, which canonical zero merges. */
 #define V_INT4_ENCODE(SUF)                                                                   \
     KV_AVX2 static int int4_encode_avx2_##SUF(const void* x, idx tokens, idx heads, idx dim,   \
                                               idx group, int is_v, kv_u8* scales, kv_u8* mins, \
@@ -820,8 +969,8 @@ V_INT8_DEC(F16) V_INT8_DEC(BF16) V_INT8_DEC(F32)
         __m256i vmag = _mm256_setzero_si256();                                                 \
         kv_u32 mag = 0;                                                                        \
         if (!is_v) {                                                                           \
-            kv_u32* klo = keys;                                                                \
-            kv_u32* khi = keys + hd;                                                           \
+            float* fmin = (float*)keys;                                                        \
+            float* fmax = (float*)keys + hd;                                                   \
             for (idx t0 = 0, b = 0; t0 < tokens; t0 += group, ++b) {                           \
                 const idx t1 = t0 + group < tokens ? t0 + group : tokens;                      \
                 for (idx t = t0; t < t1; ++t) {                                                \
@@ -830,29 +979,27 @@ V_INT8_DEC(F16) V_INT8_DEC(BF16) V_INT8_DEC(F32)
                     for (; c + 8 <= hd; c += 8) {                                              \
                         __m256 v = v_ld_##SUF(x, base + c);                                    \
                         vmag = _mm256_max_epu32(vmag, v_abs_bits(v));                          \
-                        __m256i k = v_order_key(v);                                            \
-                        __m256i kl = k, kh = k;                                                \
+                        __m256 vl = v, vh = v;                                                 \
                         if (t != t0) {                                                         \
-                            kl = _mm256_min_epu32(k, _mm256_loadu_si256((const __m256i*)(klo + c))); \
-                            kh = _mm256_max_epu32(k, _mm256_loadu_si256((const __m256i*)(khi + c))); \
+                            vl = _mm256_min_ps(v, _mm256_loadu_ps(fmin + c));                  \
+                            vh = _mm256_max_ps(v, _mm256_loadu_ps(fmax + c));                  \
                         }                                                                      \
-                        _mm256_storeu_si256((__m256i*)(klo + c), kl);                          \
-                        _mm256_storeu_si256((__m256i*)(khi + c), kh);                          \
+                        _mm256_storeu_ps(fmin + c, vl);                                        \
+                        _mm256_storeu_ps(fmax + c, vh);                                        \
                     }                                                                          \
                     for (; c < hd; ++c) {                                                      \
                         float v = LOAD_##SUF(x, base + c);                                     \
                         kv_u32 m = MAG_##SUF(x, base + c);                                     \
                         mag = m > mag ? m : mag;                                               \
-                        kv_u32 k = kv_order_key(v);                                            \
-                        klo[c] = (t == t0 || k < klo[c]) ? k : klo[c];                         \
-                        khi[c] = (t == t0 || k > khi[c]) ? k : khi[c];                         \
+                        fmin[c] = (t == t0 || v < fmin[c]) ? v : fmin[c];                      \
+                        fmax[c] = (t == t0 || v > fmax[c]) ? v : fmax[c];                      \
                     }                                                                          \
                 }                                                                              \
                 if (v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF) return KV_E_NONFINITE; \
                 int range = 0;                                                                 \
                 for (idx c = 0; c < hd; ++c) {                                                 \
-                    float l = kv_canonical_zero(kv_from_order_key(klo[c]));                    \
-                    float s = kv_int4_scale(l, kv_canonical_zero(kv_from_order_key(khi[c])));  \
+                    float l = kv_canonical_zero(fmin[c]);                                      \
+                    float s = kv_int4_scale(l, kv_canonical_zero(fmax[c]));                    \
                     range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;                    \
                     lo[c] = l;                                                                 \
                     hi[c] = s;                                                                 \
@@ -864,15 +1011,21 @@ V_INT8_DEC(F16) V_INT8_DEC(BF16) V_INT8_DEC(F32)
                 for (idx t = t0; t < t1; ++t) {                                                \
                     const idx base = t * hd;                                                   \
                     idx c = 0;                                                                 \
-                    for (; c + 8 <= hd; c += 8) {                                              \
-                        __m256 un = _mm256_setzero_ps();                                       \
-                        const __m256 v = v_ld_##SUF(x, base + c), l = _mm256_loadu_ps(lo + c); \
-                        __m256i q = v_int4_fast(v, l, _mm256_loadu_ps(rowtmp + c), &un);       \
-                        if (v_any(un)) q = v_int4_quant(v, l, v_divisor(_mm256_loadu_ps(hi + c))); \
-                        v_store8_u8(tmp + c, q);                                               \
+                    for (; c + 32 <= hd; c += 32) {                                            \
+                        __m256 xv[4], lv[4], rv[4], dv[4];                                     \
+                        for (int k = 0; k < 4; ++k) {                                          \
+                            xv[k] = v_ld_##SUF(x, base + c + 8 * k);                           \
+                            lv[k] = _mm256_loadu_ps(lo + c + 8 * k);                           \
+                            rv[k] = _mm256_loadu_ps(rowtmp + c + 8 * k);                       \
+                            dv[k] = v_divisor(_mm256_loadu_ps(hi + c + 8 * k));                \
+                        }                                                                      \
+                        int4_v_quant32(tmp + c, xv, lv, rv, dv);                               \
                     }                                                                          \
+                    for (; c + 8 <= hd; c += 8)                                                \
+                        int4_v_quant8(tmp + c, v_ld_##SUF(x, base + c), _mm256_loadu_ps(lo + c), \
+                                      _mm256_loadu_ps(rowtmp + c), v_divisor(_mm256_loadu_ps(hi + c))); \
                     for (; c < hd; ++c) tmp[c] = kv_int4_quant(LOAD_##SUF(x, base + c), lo[c], hi[c]); \
-                    pack_append(&pk, tmp, hd);                                                 \
+                    pack_append_avx2(&pk, tmp, hd);                                            \
                 }                                                                              \
             }                                                                                  \
         } else {                                                                               \
@@ -892,41 +1045,53 @@ V_INT8_DEC(F16) V_INT8_DEC(BF16) V_INT8_DEC(F32)
                 }                                                                              \
                 if (v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF) return KV_E_NONFINITE; \
                 const idx runs = (dim + group - 1) / group;                                    \
+                float* L = hi;                                                                 \
+                float* S = rowtmp;                                                             \
+                float* R = (float*)keys;                                                       \
+                for (idx k = 0; k < runs; ++k) { /* each run's minimum (L) and maximum (S) */ \
+                    const idx d0 = k * group, d1 = d0 + group < dim ? d0 + group : dim;        \
+                    float fl = row[d0], fh = row[d0];                                          \
+                    idx e = d0;                                                                \
+                    if (d1 - d0 >= 8) {                                                        \
+                        __m256 vl = _mm256_loadu_ps(row + d0), vh = vl;                        \
+                        for (e = d0 + 8; e + 8 <= d1; e += 8) {                                \
+                            const __m256 v = _mm256_loadu_ps(row + e);                         \
+                            vl = _mm256_min_ps(vl, v);                                         \
+                            vh = _mm256_max_ps(vh, v);                                         \
+                        }                                                                      \
+                        fl = v_hmin_ps(vl);                                                    \
+                        fh = v_hmax_ps(vh);                                                    \
+                    }                                                                          \
+                    for (; e < d1; ++e) {                                                      \
+                        fl = row[e] < fl ? row[e] : fl;                                        \
+                        fh = row[e] > fh ? row[e] : fh;                                        \
+                    }                                                                          \
+                    L[k] = fl;                                                                 \
+                    S[k] = fh;                                                                 \
+                }                                                                              \
+                if (int4_v_run_scales(L, S, R, runs)) return KV_E_RANGE;                       \
+                memcpy(scales + 4 * r * runs, S, 4 * (size_t)runs);                            \
+                memcpy(mins + 4 * r * runs, L, 4 * (size_t)runs);                              \
                 for (idx k = 0; k < runs; ++k) {                                               \
                     const idx d0 = k * group, d1 = d0 + group < dim ? d0 + group : dim;        \
-                    __m256i vl = _mm256_set1_epi32(-1), vh = _mm256_setzero_si256();           \
-                    idx e = d0;                                                                \
-                    for (; e + 8 <= d1; e += 8) {                                              \
-                        __m256i kk = v_order_key(_mm256_loadu_ps(row + e));                    \
-                        vl = _mm256_min_epu32(vl, kk);                                         \
-                        vh = _mm256_max_epu32(vh, kk);                                         \
-                    }                                                                          \
-                    kv_u32 kl = v_hmin_u32(vl), kh = v_hmax_u32(vh);                           \
-                    for (; e < d1; ++e) {                                                      \
-                        kv_u32 kk = kv_order_key(row[e]);                                      \
-                        kl = kk < kl ? kk : kl;                                                \
-                        kh = kk > kh ? kk : kh;                                                \
-                    }                                                                          \
-                    const float l = kv_canonical_zero(kv_from_order_key(kl));                  \
-                    const float s = kv_int4_scale(l, kv_canonical_zero(kv_from_order_key(kh))); \
-                    if ((kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u) return KV_E_RANGE;      \
-                    st_f32(scales, r * runs + k, s);                                           \
-                    st_f32(mins, r * runs + k, l);                                             \
+                    const float l = L[k], s = S[k];                                            \
                     const __m256 lv = _mm256_set1_ps(l), dv = _mm256_set1_ps(kv_divisor(s));   \
-                    const __m256 rv = _mm256_set1_ps(kv_recip(kv_divisor(s)));                 \
-                    e = d0;                                                                    \
-                    for (; e + 8 <= d1; e += 8) {                                              \
-                        __m256 un = _mm256_setzero_ps();                                       \
-                        const __m256 v = _mm256_loadu_ps(row + e);                             \
-                        __m256i q = v_int4_fast(v, lv, rv, &un);                               \
-                        if (v_any(un)) q = v_int4_quant(v, lv, dv);                            \
-                        v_store8_u8(tmp + e, q);                                               \
+                    const __m256 rv = _mm256_set1_ps(R[k]);                                    \
+                    idx e = d0;                                                                \
+                    for (; e + 32 <= d1; e += 32) {                                            \
+                        const __m256 xv[4] = {_mm256_loadu_ps(row + e), _mm256_loadu_ps(row + e + 8), \
+                                              _mm256_loadu_ps(row + e + 16), _mm256_loadu_ps(row + e + 24)}; \
+                        const __m256 lvs[4] = {lv, lv, lv, lv}, rvs[4] = {rv, rv, rv, rv};   \
+                        const __m256 dvs[4] = {dv, dv, dv, dv};                                \
+                        int4_v_quant32(tmp + e, xv, lvs, rvs, dvs);                            \
                     }                                                                          \
+                    for (; e + 8 <= d1; e += 8) int4_v_quant8(tmp + e, _mm256_loadu_ps(row + e), lv, rv, dv); \
                     for (; e < d1; ++e) tmp[e] = kv_int4_quant(row[e], l, s);                  \
                 }                                                                              \
-                pack_append(&pk, tmp, dim);                                                    \
+                pack_append_avx2(&pk, tmp, dim);                                               \
             }                                                                                  \
         }                                                                                      \
+        (void)hi;                                                                              \
         pack_finish(&pk);                                                                      \
         return KV_OK;                                                                          \
     }
