@@ -276,7 +276,7 @@ def test_non_finite_inputs_refused_like_numpy(base: str) -> None:
             for pos in (0, 37, 199):
                 x = rng.standard_normal((5, 2, 20)).astype(numpy_dtype(dtype))
                 raw = x.reshape(-1).view(np.uint32 if dtype == "float32" else np.uint16)
-                raw[pos] = bits
+                raw[pos] = raw.dtype.type(bits)
                 for kind in KINDS:
                     _same_encode(codec, x, kind)
                     with pytest.raises(UsageError):
