@@ -11,10 +11,11 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any, Unpack
 
-from kvwire.aio.client import ClientOptions, Peer, Receipt
-from kvwire.aio.server import Server, ServerOptions, Transfer, make_server_options
+from kvwire.aio.client import Peer
+from kvwire.aio.server import Server, Transfer
 from kvwire.errors import UsageError
 from kvwire.options import ConnectOptions, ServeOptions, Streams
+from kvwire.session.options import ClientOptions, Receipt, ServerOptions, make_server_options
 from kvwire.spec import KVSpec
 
 

@@ -25,6 +25,7 @@ from kvwire.errors import (
     TransferAbortedError,
     UsageError,
 )
+from kvwire.session.options import Receipt
 from kvwire.session.sender import SenderCore, TransferDone
 from kvwire.spec import KVSpec
 from kvwire.wire import BlockVersion, Chunk, plan_chunks
@@ -37,33 +38,6 @@ clock = time.perf_counter
 AUTO = "auto"
 #: Codecs ``auto`` chooses among, most precise first.
 AUTO_CANDIDATES = ("raw", "fp8", "int8", "int4")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Receipt:
-    """What one completed ``send()`` did.  Every chunk was acknowledged by the receiver."""
-
-    request_id: str
-    transfer_id: int
-    codec: str
-    kv_bytes: int
-    """Bytes of the cache at its spec dtype."""
-    wire_bytes: int
-    """Bytes of CHUNK frames put on the wire (headers, params and CRCs included)."""
-    chunks: int
-    seconds: float
-    """From ``send()`` until the last acknowledgement."""
-    time_to_first_layer: float | None = None
-    """Seconds from ``send()`` until every chunk of the first layer was acknowledged."""
-    estimated_gbps: float | None = None
-    """The session's bandwidth estimate (from acknowledgements) when the send completed."""
-    rtt_ms: float | None = None
-    """The session's minimum RTT estimate when the send completed."""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def goodput_gbps(self) -> float:
-        return self.kv_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
 @dataclass(eq=False)

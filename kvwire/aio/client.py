@@ -15,16 +15,14 @@ import json
 import logging
 import ssl as _ssl
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from kvwire.aio._checks import check_number
-from kvwire.aio._send import AUTO, Receipt, SendState, clock, make_chooser
+from kvwire.aio._send import AUTO, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
-from kvwire.aio._stream import NOTSENT_LOWAT, finish_tasks, tune_socket
+from kvwire.aio._stream import Pump, Stream
 from kvwire.aio.tcpinfo import read_tcp_info
-from kvwire.codec import available_codecs, get_codec
+from kvwire.codec import get_codec
 from kvwire.consistency.blocks import block_key
 from kvwire.control import (
     CodecChooser,
@@ -44,11 +42,11 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.options import Layers
+from kvwire.session.options import ClientOptions, Receipt
 from kvwire.session.sender import (
     ChunkDelivered,
     ChunkLost,
     ChunkSent,
-    SenderConfig,
     SenderCore,
     SessionFailed,
     StreamClosed,
@@ -58,130 +56,20 @@ from kvwire.session.sender import (
 )
 from kvwire.spec import KVSpec
 from kvwire.wire import BlockVersion
-from kvwire.wire.connection import NO_FINGERPRINT
-from kvwire.wire.frames import MAX_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
 
 _log = logging.getLogger("kvwire")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ClientOptions:
-    """Settings of a client session."""
-
-    chunk_bytes: int = 1 << 20
-    """Target size of one chunk of K or V before encoding."""
-    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
-    """Largest frame body this side accepts."""
-    connect_timeout: float = 10.0
-    """Seconds for TCP connect plus handshake, per stream."""
-    idle_timeout: float | None = 30.0
-    """Seconds without a complete frame from the server before a stream is considered
-    broken (a PING is sent after half of it)."""
-    notsent_lowat: int | None = NOTSENT_LOWAT
-    """TCP_NOTSENT_LOWAT (None leaves the kernel default)."""
-    spec: KVSpec | None = None
-    """Pin the session to one KV layout: a server that does not accept it refuses at connect."""
-    reconnect_attempts: int = 5
-    """When a stream breaks (EOF, reset, corruption, silence): reconnect attempts before
-    the session's transfers fail with ConnectionLostError; unacknowledged chunks are
-    re-sent.  0 turns resume off."""
-    reconnect_backoff: float = 0.05
-    """Seconds before the first reconnect attempt; doubles with each attempt."""
-    max_streams: int = 8
-    """With ``streams="auto"``: connections opened; the controller uses 1 to this many."""
-    max_reconnects: int = 32
-    """Broken streams the session resumes from in its lifetime; one more fails it with
-    ConnectionLostError (a fault that repeats after every reconnect cannot loop forever)."""
-    max_transfer_reconnects: int = 8
-    """Broken streams one transfer lives through; one more fails it with ConnectionLostError."""
-
-    def __post_init__(self) -> None:
-        for name in ("chunk_bytes", "connect_timeout", "max_streams"):
-            check_number(self, name)
-        check_number(self, "idle_timeout", none_ok=True)
-        for name in ("reconnect_attempts", "reconnect_backoff", "max_reconnects", "max_transfer_reconnects"):
-            check_number(self, name, zero_ok=True)
-        if not MIN_MAX_FRAME_SIZE <= self.max_frame_size <= MAX_MAX_FRAME_SIZE:
-            raise UsageError(f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]")
-
-
-class _Stream(asyncio.BufferedProtocol):
-    """One TCP connection of slot ``index``: bytes in go to the core, straight into its
-    frame decoder's buffer; writability goes to the core too."""
-
-    def __init__(self, peer: Peer, index: int) -> None:
-        self.peer, self.index = peer, index
-        self.transport: asyncio.Transport | None = None
-        self.closed = asyncio.Event()
-        self.acked_bytes = 0  # CHUNK bytes acknowledged on this stream
-        self._scratch = bytearray(0)
-
-    def _current(self) -> bool:
-        return self.peer.streams[self.index] is self and not self.peer.closed
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        if not self._current():
-            transport.abort()  # type: ignore[attr-defined]
-            return
-        transport.set_write_buffer_limits(high=4 << 20, low=1 << 20)  # type: ignore[attr-defined]
-        tune_socket(transport.get_extra_info("socket"), self.peer.options.notsent_lowat)
-        self.peer.core.stream_opened(self.index, self.peer.now())
-        self.peer.pump()
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if self._current():
-            return self.peer.core.get_buffer(self.index)
-        if not self._scratch:
-            self._scratch = bytearray(65536)  # a replaced connection's last bytes are dropped
-        return memoryview(self._scratch)
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self._current():
-            self.peer.core.buffer_updated(self.index, nbytes, self.peer.now())
-            self.peer.pump()
-
-    def eof_received(self) -> bool | None:
-        self._eof()
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._eof()
-        self.closed.set()
-        self.transport = None
-
-    def _eof(self) -> None:
-        if self._current():
-            self.peer.core.receive_data(self.index, b"", self.peer.now())  # a no-op once closed
-            self.peer.pump()
-
-    def pause_writing(self) -> None:
-        if self._current():
-            self.peer.core.set_writable(self.index, False)
-
-    def resume_writing(self) -> None:
-        if self._current():
-            self.peer.core.set_writable(self.index, True)
-            self.peer.pump()
-
-    def write(self, data: list[Any], close: bool) -> None:
-        tr = self.transport
-        if tr is not None and not tr.is_closing():
-            if data:
-                tr.writelines(data)
-            if close:
-                tr.close()
-
-
-class Peer:
+class Peer(Pump):
     """A client session of one or more TCP streams to one server; see :func:`kvwire.connect`."""
+
+    core: SenderCore
 
     def __init__(
         self, host: str, port: int, *, secret: bytes, streams: int | str, codec: str,
         ssl: _ssl.SSLContext | None, options: ClientOptions, server_hostname: str | None = None,
     ) -> None:
-        if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
-            raise UsageError("secret must be bytes of at least 8 bytes")
+        super().__init__()
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
             raise UsageError(f"port must be an int in [1, 65535], got {port!r}")
         self.stream_controller: StreamController | None = None
@@ -194,28 +82,18 @@ class Peer:
             get_codec(codec)  # unknown names fail here, before any connection
         self.host, self.port, self.codec, self.options = host, port, codec, options
         self._ssl, self._server_hostname = ssl, server_hostname
-        self.core = SenderCore(SenderConfig(
-            secret=bytes(secret), streams=streams, codecs=tuple(available_codecs()),
-            max_frame_size=options.max_frame_size,
-            fingerprint=options.spec.fingerprint if options.spec is not None else NO_FINGERPRINT,
-            connect_timeout=options.connect_timeout, idle_timeout=options.idle_timeout,
-            reconnect_attempts=options.reconnect_attempts, reconnect_backoff=options.reconnect_backoff,
-            max_reconnects=options.max_reconnects, max_transfer_reconnects=options.max_transfer_reconnects,
-        ))
+        self.core = SenderCore(options.sender_config(secret=secret, streams=streams))
+        self.notsent_lowat = options.notsent_lowat
         if self.stream_controller is not None:
             self.core.active_streams = self.stream_controller.streams
-        self.streams: list[_Stream] = []
+        self.streams: list[Stream] = []
         self.sends: dict[int, SendState] = {}
         self.changed = asyncio.Event()
         self.estimator = DeliveryRateEstimator()
         # Bytes in flight kept near one to two bandwidth-delay products across streams.
         self.inflight = InflightController(streams=streams, chunk_bytes=options.chunk_bytes)
         self.chooser: CodecChooser | None = None
-        self.closed = False
         self.bytes_sent = 0
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._timer: asyncio.TimerHandle | None = None
-        self._timer_at: float | None = None
         self._open_error: KvwireError | None = None  # a stream that failed while open() waits
         self._opening = False
         self._pumping = self._again = False
@@ -250,10 +128,6 @@ class Peer:
         """Streams chunks are striped over now (all of them unless ``streams="auto"``)."""
         return self.stream_controller.streams if self.stream_controller is not None else len(self.streams)
 
-    @staticmethod
-    def now() -> float:
-        return asyncio.get_running_loop().time()
-
     # -- the pump ------------------------------------------------------------------------
 
     def pump(self) -> None:
@@ -282,22 +156,30 @@ class Peer:
                 break
             core.inflight_limit = limit
             core.pump()
-        for i, s in enumerate(self.streams):
-            s.write(core.buffers_to_send(i), core.is_closed(i))
-        when = core.get_timer()
-        if when != self._timer_at:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer_at, self._timer = when, None
-            if when is not None and not self.closed:
-                self._timer = asyncio.get_running_loop().call_at(when, self._fire)
+        for s in self.streams:
+            s.flush()
+        self.arm_timer()
         if changed:
             self.changed.set()
 
-    def _fire(self) -> None:
-        self._timer = self._timer_at = None
-        self.core.handle_timer(self.now())
-        self.pump()
+    # -- what a stream asks of its pump --------------------------------------------------
+
+    def stream_made(self, stream: Stream) -> bool:
+        if not self.is_current(stream):
+            return False
+        self.core.stream_opened(stream.key, self.now())
+        return True
+
+    def is_current(self, stream: Stream) -> bool:
+        return self.streams[stream.key] is stream and not self.closed
+
+    def stream_lost(self, stream: Stream) -> None:
+        pass
+
+    def set_writable(self, stream: Stream, writable: bool) -> None:
+        self.core.set_writable(stream.key, writable)
+        if writable:
+            self.pump()
 
     def _on_event(self, ev: Any) -> None:
         est = self.estimator
@@ -310,7 +192,6 @@ class Peer:
             est.on_send(ev.address, ev.wire_size, clock(), app_limited=limited)
         elif isinstance(ev, ChunkDelivered):
             est.on_ack(ev.address, clock())
-            self.streams[ev.stream].acked_bytes += ev.wire_size
             st = self.sends.get(ev.address.transfer_id)
             if st is not None:
                 st.delivered(ev.address.layer)
@@ -325,7 +206,7 @@ class Peer:
             if (st := self.sends.get(ev.transfer_id)) is not None:
                 st.fail(ev.error)
         elif isinstance(ev, StreamWanted):
-            self._spawn(self._connect(ev.index))
+            self.spawn(self._connect(ev.index))
         elif isinstance(ev, StreamClosed):
             self._on_closed(ev)
         elif isinstance(ev, SessionFailed):
@@ -346,7 +227,7 @@ class Peer:
 
     async def _connect(self, index: int) -> None:
         """Open slot ``index``'s TCP (and TLS) connection; the handshake is the core's."""
-        proto = _Stream(self, index)
+        proto = Stream(self, index)
         self.streams[index:index + 1] = [proto]
         opts, loop = self.options, asyncio.get_running_loop()
         try:
@@ -369,11 +250,6 @@ class Peer:
                 self._open_error = err
             self.core.stream_failed(index, self.now(), err)
             self.pump()
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     # -- public API ----------------------------------------------------------------------
 
@@ -458,9 +334,9 @@ class Peer:
         snap = self.estimator.snapshot()
         streams = []
         for s in self.streams:
-            conn = self.core.connection(s.index)
+            conn = s.conn
             entry: dict[str, Any] = {
-                "index": s.index, "open": self.core.is_open(s.index) and s.transport is not None,
+                "index": s.key, "open": self.core.is_open(s.key) and s.transport is not None,
                 "bytes_sent": conn.bytes_sent if conn else 0, "credit": conn.send_credit if conn else 0,
                 "chunks_in_flight": len(conn.in_flight_chunks()) if conn else 0,
             }
@@ -490,24 +366,12 @@ class Peer:
             return
         self.core.close(self.now())
         self.pump()  # transfers fail, every stream writes its GOAWAY and closes
-        self.closed = True
-        if self._timer is not None:
-            self._timer.cancel()
-        await finish_tasks(self._tasks)
-        waits = [asyncio.ensure_future(s.closed.wait()) for s in self.streams if s.transport is not None]
-        if waits:
-            _, pending = await asyncio.wait(waits, timeout=1.0)
-            for w in pending:
-                w.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-        for s in self.streams:
-            if s.transport is not None:
-                s.transport.abort()  # its peer is not reading
+        await self.teardown(self.streams)
 
     async def __aenter__(self) -> Peer:
         await self.open()
         if self.stream_controller is not None:
-            self._spawn(self._control_streams())
+            self.spawn(self._control_streams())
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -524,15 +388,16 @@ class Peer:
             samples = []
             for s in self.streams[: ctl.streams]:
                 info = read_tcp_info(s.transport.get_extra_info("socket")) if s.transport is not None else None
-                prev_bytes, prev = last.get(s.index, (s.acked_bytes, None))
+                acked = self.core.acked_bytes(s.key)
+                prev_bytes, prev = last.get(s.key, (acked, None))
                 limited = info is not None and prev is not None and window_limited_from_counters(
                     busy_us=_delta(info.busy_time_us, prev.busy_time_us),
                     rwnd_limited_us=_delta(info.rwnd_limited_us, prev.rwnd_limited_us),
                     sndbuf_limited_us=_delta(info.sndbuf_limited_us, prev.sndbuf_limited_us),
                 )
-                samples.append(StreamSample(delivery_rate_bps=(s.acked_bytes - prev_bytes) * 8 / period,
+                samples.append(StreamSample(delivery_rate_bps=(acked - prev_bytes) * 8 / period,
                                             window_limited=limited))
-                last[s.index] = (s.acked_bytes, info)
+                last[s.key] = (acked, info)
             core = self.core
             idle = not core.transfers or (core.queued_bytes() == 0 and self.estimator.bytes_in_flight == 0)
             ctl.evaluate(samples, clock(), app_limited=idle)

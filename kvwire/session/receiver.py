@@ -63,6 +63,7 @@ from kvwire.wire import (
     TransferReset,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
+from kvwire.wire.frames import Buffer
 
 Key = tuple[bytes, int]
 """A transfer's identity on a server: (session id, transfer id)."""
@@ -429,11 +430,18 @@ class ReceiverCore:
             conn.buffer_updated(nbytes, now)
             self._process(cid, now)
 
-    def data_to_send(self, cid: int) -> bytes:
+    def get_buffer(self, cid: int) -> memoryview:
+        """A buffer for the next read of ``cid`` (zero-copy); then :meth:`buffer_updated`."""
         conn = self._conns.get(cid)
-        if conn is None:
-            return b""
-        return b"".join(bytes(p) for p in conn.data_to_send())
+        return conn.get_buffer() if conn is not None else memoryview(bytearray(65536))
+
+    def buffers_to_send(self, cid: int) -> list[Buffer]:
+        """What ``cid`` has to write, payloads not copied."""
+        conn = self._conns.get(cid)
+        return [] if conn is None else conn.data_to_send()
+
+    def data_to_send(self, cid: int) -> bytes:
+        return b"".join(bytes(p) for p in self.buffers_to_send(cid))
 
     def take_dirty(self) -> set[int]:
         """Connections that may have bytes to send or be closing since the last call."""

@@ -192,6 +192,7 @@ class _Slot:
     window: int = 0
     tail: list[Buffer] = field(default_factory=list)  # the last bytes of a closed connection
     closed: bool = False  # its connection closed; the I/O layer closes the transport
+    acked: int = 0  # CHUNK wire bytes acknowledged on this slot, over all its connections
 
 
 class SenderCore:
@@ -275,6 +276,10 @@ class SenderCore:
 
     def is_open(self, index: int) -> bool:
         return self._slots[index].open
+
+    def acked_bytes(self, index: int) -> int:
+        """CHUNK wire bytes acknowledged on slot ``index`` since the session began."""
+        return self._slots[index].acked
 
     def receive_data(self, index: int, data: bytes, now: float) -> None:
         conn = self._slots[index].conn
@@ -455,6 +460,7 @@ class SenderCore:
                 if t is None or sent is None:
                     self._events.append(ChunkLost(address=ev.address))
                     continue
+                slot.acked += ev.wire_size
                 self._events.append(ChunkDelivered(address=ev.address, stream=index, wire_size=ev.wire_size,
                                                    kv_bytes=sent.kv_bytes))
                 self._check_done(t)

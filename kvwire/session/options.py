@@ -1,0 +1,222 @@
+"""The public data of a session, no I/O: each side's options (validated, and turned into
+its core's config in one place) and the :class:`Receipt` of a completed send.
+
+``kvwire.aio`` re-exports them (``kvwire.aio.ClientOptions``, ``kvwire.aio.ServerOptions``,
+``kvwire.Receipt``); :mod:`kvwire.options` spells their fields out as typed keywords.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvwire.codec import available_codecs
+from kvwire.errors import UsageError
+from kvwire.session.receiver import ReceiverConfig
+from kvwire.session.sender import SenderConfig
+from kvwire.spec import KVSpec
+from kvwire.wire.connection import NO_FINGERPRINT
+from kvwire.wire.frames import MAX_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
+
+#: Unsent bytes the kernel may hold before the socket stops polling writable; keeps small
+#: frames (acks, credits) from queueing behind a full send buffer.
+NOTSENT_LOWAT = 1 << 20
+
+
+def check_number(owner: object, name: str, *, none_ok: bool = False, zero_ok: bool = False) -> None:
+    """:class:`~kvwire.UsageError` unless ``owner.<name>`` is a number > 0 (>= 0 with
+    ``zero_ok``; None is also accepted with ``none_ok``).  Booleans and NaN are refused."""
+    value = getattr(owner, name)
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
+        raise UsageError(f"{name} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not zero_ok):
+        raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+
+def _check_frame_size(size: int) -> None:
+    if not MIN_MAX_FRAME_SIZE <= size <= MAX_MAX_FRAME_SIZE:
+        raise UsageError(f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]")
+
+
+def _check_secret(secret: object) -> bytes:
+    if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
+        raise UsageError("secret must be bytes of at least 8 bytes")
+    return bytes(secret)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientOptions:
+    """Settings of a client session."""
+
+    chunk_bytes: int = 1 << 20
+    """Target size of one chunk of K or V before encoding."""
+    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    """Largest frame body this side accepts."""
+    connect_timeout: float = 10.0
+    """Seconds for TCP connect plus handshake, per stream."""
+    idle_timeout: float | None = 30.0
+    """Seconds without a complete frame from the server before a stream is considered
+    broken (a PING is sent after half of it)."""
+    notsent_lowat: int | None = NOTSENT_LOWAT
+    """TCP_NOTSENT_LOWAT (None leaves the kernel default)."""
+    spec: KVSpec | None = None
+    """Pin the session to one KV layout: a server that does not accept it refuses at connect."""
+    reconnect_attempts: int = 5
+    """When a stream breaks (EOF, reset, corruption, silence): reconnect attempts before
+    the session's transfers fail with ConnectionLostError; unacknowledged chunks are
+    re-sent.  0 turns resume off."""
+    reconnect_backoff: float = 0.05
+    """Seconds before the first reconnect attempt; doubles with each attempt."""
+    max_streams: int = 8
+    """With ``streams="auto"``: connections opened; the controller uses 1 to this many."""
+    max_reconnects: int = 32
+    """Broken streams the session resumes from in its lifetime; one more fails it with
+    ConnectionLostError (a fault that repeats after every reconnect cannot loop forever)."""
+    max_transfer_reconnects: int = 8
+    """Broken streams one transfer lives through; one more fails it with ConnectionLostError."""
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_bytes", "connect_timeout", "max_streams"):
+            check_number(self, name)
+        check_number(self, "idle_timeout", none_ok=True)
+        for name in ("reconnect_attempts", "reconnect_backoff", "max_reconnects", "max_transfer_reconnects"):
+            check_number(self, name, zero_ok=True)
+        _check_frame_size(self.max_frame_size)
+
+    def sender_config(self, *, secret: bytes, streams: int) -> SenderConfig:
+        """The session core's config for ``streams`` streams (every registered codec offered)."""
+        shared = {f.name: getattr(self, f.name) for f in fields(SenderConfig) if hasattr(self, f.name)}
+        fingerprint = self.spec.fingerprint if self.spec is not None else NO_FINGERPRINT
+        return SenderConfig(**shared, secret=_check_secret(secret), streams=streams,
+                            codecs=tuple(available_codecs()), fingerprint=fingerprint)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerOptions:
+    """Limits and defaults of a server.  Every bound is enforced before allocating."""
+
+    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    """Largest frame body accepted (a CHUNK body is 26 bytes + params + payload)."""
+    window: int = 32 * 1024 * 1024
+    """Connection credit: CHUNK bytes a client may have unacknowledged on one stream."""
+    max_transfers: int = 64
+    """Transfers in progress per session (more are refused with LIMIT_EXCEEDED)."""
+    transfer_buffer_bytes: int = 256 * 1024 * 1024
+    """Bytes of received layers buffered per transfer before the application takes
+    them (at least one layer is always granted, so a transfer can always progress)."""
+    max_tokens: int = 256 * 1024
+    """Largest token count per layer accepted (bounds one layer's allocation)."""
+    max_sessions: int = 256
+    """Concurrent client sessions (peers)."""
+    max_streams: int = 64
+    """TCP streams per session."""
+    handshake_timeout: float = 10.0
+    """Seconds a new connection has to complete the handshake."""
+    idle_timeout: float | None = 30.0
+    """Seconds without a complete frame from a client before its connection is closed
+    (a PING is sent after half of it)."""
+    transfer_timeout: float | None = 300.0
+    """Seconds from BEGIN until a transfer must be complete; then it fails with TIMEOUT
+    on both sides (None: no limit)."""
+    specs: tuple[KVSpec, ...] = ()
+    """KV layouts accepted; empty accepts any valid layout."""
+    codecs: tuple[str, ...] = ()
+    """Codecs accepted; empty means every registered codec."""
+    notsent_lowat: int | None = NOTSENT_LOWAT
+    """TCP_NOTSENT_LOWAT for accepted sockets (None leaves the kernel default)."""
+    device: str = "cpu"
+    """Where received layers live: "cpu" (numpy), or "gpu" (the current CUDA device) or
+    "gpu:N" (CuPy arrays on device N; quantized chunks are dequantized by the GPU kernels
+    straight into the layer; bfloat16 layers hold uint16 bit patterns)."""
+    resume_timeout: float = 10.0
+    """Seconds a session whose streams all broke waits for the client to reconnect before
+    its unfinished transfers fail with ConnectionLostError (0: no resume)."""
+    max_layer_bytes: int = 1 << 30
+    """Largest layer (K and V together, at the spec dtype) accepted; the sender's token
+    count and the spec's heads x head_dim are its choice, this bounds one allocation."""
+    max_chunk_bytes: int = 64 << 20
+    """Largest decoded size of one chunk: a compressed chunk that would expand beyond it
+    is refused before anything is decompressed."""
+    max_buffer_bytes: int = 4 << 30
+    """Server-wide: bytes of received layers held, in transfers still arriving and in
+    completed ones the application has not taken yet.  A transfer that would go beyond
+    it fails with LIMIT_EXCEEDED."""
+    claim_timeout: float | None = 60.0
+    """Seconds an arrived transfer waits for ``accept()``/``expect()`` to claim it; then
+    it is dropped (aborted if still arriving).  None: kept until the server closes."""
+    max_meta_bytes: int = 64 * 1024
+    """Largest ``meta`` (JSON object) a transfer may carry."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_transfers", "transfer_buffer_bytes", "max_tokens", "max_sessions",
+                     "max_streams", "handshake_timeout", "max_layer_bytes", "max_chunk_bytes",
+                     "max_buffer_bytes"):
+            check_number(self, name)
+        for name in ("idle_timeout", "transfer_timeout", "claim_timeout"):
+            check_number(self, name, none_ok=True)
+        check_number(self, "resume_timeout", zero_ok=True)
+        check_number(self, "max_meta_bytes", zero_ok=True)
+        _check_frame_size(self.max_frame_size)
+        if self.window < self.max_frame_size:
+            raise UsageError("window must be at least max_frame_size (one frame must fit)")
+
+    def receiver_config(self, *, secret: bytes, registry: bool) -> ReceiverConfig:
+        """The server core's config; codecs checked against the registered ones."""
+        codecs = self.codecs or tuple(available_codecs())
+        for name in codecs:
+            if name not in available_codecs():
+                raise UsageError(f"unknown codec {name!r}")
+        shared = {f.name: getattr(self, f.name) for f in fields(ReceiverConfig) if hasattr(self, f.name)}
+        shared.update(secret=_check_secret(secret), codecs=tuple(codecs), registry=registry,
+                      fingerprints=frozenset(s.fingerprint for s in self.specs))
+        return ReceiverConfig(**shared)
+
+
+def make_server_options(spec: KVSpec | Sequence[KVSpec] | None = None, **options: Any) -> ServerOptions:
+    """:class:`ServerOptions` from ``serve()``'s ``spec=`` and keywords."""
+    specs: tuple[KVSpec, ...]
+    if spec is None:
+        specs = ()
+    elif isinstance(spec, KVSpec):
+        specs = (spec,)
+    else:
+        specs = tuple(spec)
+    if "codecs" in options:
+        options["codecs"] = tuple(options["codecs"])
+    try:
+        return ServerOptions(specs=specs, **options)
+    except TypeError as exc:
+        raise UsageError(f"unknown server option: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Receipt:
+    """What one completed ``send()`` did.  Every chunk was acknowledged by the receiver."""
+
+    request_id: str
+    transfer_id: int
+    codec: str
+    kv_bytes: int
+    """Bytes of the cache at its spec dtype."""
+    wire_bytes: int
+    """Bytes of CHUNK frames put on the wire (headers, params and CRCs included)."""
+    chunks: int
+    seconds: float
+    """From ``send()`` until the last acknowledgement."""
+    time_to_first_layer: float | None = None
+    """Seconds from ``send()`` until every chunk of the first layer was acknowledged."""
+    estimated_gbps: float | None = None
+    """The session's bandwidth estimate (from acknowledgements) when the send completed."""
+    rtt_ms: float | None = None
+    """The session's minimum RTT estimate when the send completed."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def goodput_gbps(self) -> float:
+        return self.kv_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+__all__ = ["NOTSENT_LOWAT", "ClientOptions", "Receipt", "ServerOptions", "check_number", "make_server_options"]
