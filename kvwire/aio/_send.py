@@ -48,20 +48,13 @@ class SendState:
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     error: KvwireError | None = None
     done: TransferDone | None = None
-    layer_left: dict[int, int] = field(default_factory=dict)  # layer -> chunks not yet acked
-    first_layer_at: float | None = None
+    first_layer_at: float | None = None  # when every chunk of a layer was first acknowledged
 
     def fail(self, error: KvwireError) -> None:
         if self.error is None:
             self.error = error
         self.failed.set()
         self.changed.set()
-
-    def delivered(self, layer: int) -> None:
-        left = self.layer_left.get(layer, 0) - 1
-        self.layer_left[layer] = left
-        if left == 0 and self.first_layer_at is None:
-            self.first_layer_at = clock()
 
 
 async def until(st: SendState, ready: Callable[[], bool]) -> None:
@@ -192,7 +185,6 @@ async def _send_layer(
     tokens = int(k.shape[0])
     bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
     plan = plan_chunks(tokens, bpt, peer.options.chunk_bytes)
-    st.layer_left[index] = 2 * len(plan)
     chooser = peer.chooser
 
     def pick() -> Any:

@@ -11,7 +11,6 @@ in-flight limit and the streams in use from :mod:`kvwire.control`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl as _ssl
 from collections.abc import Callable, Sequence
@@ -23,7 +22,6 @@ from kvwire.aio._send import send as _send
 from kvwire.aio._stream import Pump, Stream
 from kvwire.aio.tcpinfo import read_tcp_info
 from kvwire.codec import get_codec
-from kvwire.consistency.blocks import block_key
 from kvwire.control import (
     CodecChooser,
     DeliveryRateEstimator,
@@ -53,9 +51,9 @@ from kvwire.session.sender import (
     StreamWanted,
     TransferDone,
     TransferFailed,
+    begin_fields,
 )
 from kvwire.spec import KVSpec
-from kvwire.wire import BlockVersion
 
 _log = logging.getLogger("kvwire")
 
@@ -193,8 +191,8 @@ class Peer(Pump):
         elif isinstance(ev, ChunkDelivered):
             est.on_ack(ev.address, clock())
             st = self.sends.get(ev.address.transfer_id)
-            if st is not None:
-                st.delivered(ev.address.layer)
+            if ev.layer_done and st is not None and st.first_layer_at is None:
+                st.first_layer_at = clock()
         elif isinstance(ev, ChunkLost):
             est.on_loss(ev.address)
         elif isinstance(ev, TransferDone):
@@ -259,18 +257,25 @@ class Peer(Pump):
             self.pump()
             n = self.core.config.streams
             await self._until(lambda: len(self.core.open_streams) == n, lambda: self._open_error)
-            if self.codec == AUTO:
-                self.chooser = make_chooser(self.server_codecs)
-            elif self.codec not in self.server_codecs:
-                raise IncompatiblePeerError(
-                    f"server does not accept codec {self.codec!r} (it accepts {', '.join(self.server_codecs)})",
-                    code=ErrorCode.UNSUPPORTED_CODEC,
-                )
+            self._use_codec(self.codec)
         except BaseException:
             await self.close()
             raise
         finally:
             self._opening = False
+
+    def _use_codec(self, name: str) -> None:
+        """Check that the server accepts codec ``name`` (for ``auto``: make the chooser)."""
+        if name == AUTO:
+            if self.chooser is None:
+                self.chooser = make_chooser(self.server_codecs)
+            return
+        get_codec(name)
+        if name not in self.server_codecs:
+            raise IncompatiblePeerError(
+                f"server does not accept codec {name!r} (it accepts {', '.join(self.server_codecs)})",
+                code=ErrorCode.UNSUPPORTED_CODEC,
+            )
 
     async def _until(self, ready: Callable[[], bool], error: Callable[[], KvwireError | None]) -> None:
         while True:
@@ -308,22 +313,8 @@ class Peer(Pump):
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
         codec_name = codec or self.codec
-        if codec_name == AUTO:
-            if self.chooser is None:
-                self.chooser = make_chooser(self.server_codecs)
-        else:
-            get_codec(codec_name)
-            if codec_name not in self.server_codecs:
-                raise IncompatiblePeerError(f"server does not accept codec {codec_name!r}",
-                                            code=ErrorCode.UNSUPPORTED_CODEC)
-        if meta is not None and not isinstance(meta, dict):
-            raise UsageError("meta must be a dict (it travels as a JSON object)")
-        try:
-            meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
-        except (TypeError, ValueError, RecursionError) as exc:
-            raise UsageError(f"meta must be JSON-serialisable: {exc}") from None
-        # a block id travels as its canonical type-tagged key (i:12, b:<hex>, s:<text>)
-        versions = tuple(BlockVersion(block=block_key(b).encode(), version=v) for b, v in (blocks or ()))
+        self._use_codec(codec_name)
+        meta_bytes, versions = begin_fields(meta, blocks)
         if deadline is not None and codec_name != AUTO:
             raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
         return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)

@@ -13,11 +13,14 @@ Reconnects are bounded per session and per transfer.  Every deadline goes throug
 
 from __future__ import annotations
 
+import json
 import secrets
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+from kvwire.consistency.blocks import block_key
 from kvwire.errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -119,6 +122,8 @@ class ChunkDelivered:
     stream: int
     wire_size: int
     kv_bytes: int
+    layer_done: bool = False
+    """This acknowledgement completed its layer: every token of K and V is acknowledged."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,6 +183,7 @@ class _Transfer:
     error: KvwireError | None = None
     reconnects: int = 0
     done: bool = False
+    tokens_acked: dict[int, int] = field(default_factory=dict)  # layer -> K and V tokens acknowledged
 
 
 @dataclass(eq=False)
@@ -461,8 +467,12 @@ class SenderCore:
                     self._events.append(ChunkLost(address=ev.address))
                     continue
                 slot.acked += ev.wire_size
+                layer_done = False
+                if (c := sent.chunk) is not None:
+                    acked = t.tokens_acked[c.layer] = t.tokens_acked.get(c.layer, 0) + c.token_count
+                    layer_done = acked == 2 * c.layer_tokens
                 self._events.append(ChunkDelivered(address=ev.address, stream=index, wire_size=ev.wire_size,
-                                                   kv_bytes=sent.kv_bytes))
+                                                   kv_bytes=sent.kv_bytes, layer_done=layer_done))
                 self._check_done(t)
             elif isinstance(ev, TransferAccepted | CreditGranted):
                 t = self._transfers.get(ev.transfer_id)
@@ -664,6 +674,18 @@ class SenderCore:
                 s.conn.close(ErrorCode.NO_ERROR, "client closing")
 
 
+def begin_fields(meta: object, blocks: Iterable[tuple[Any, int]] | None) -> tuple[bytes, tuple[BlockVersion, ...]]:
+    """What ``send(meta=, blocks=)`` puts in BEGIN: ``meta`` (a dict, None for ``{}``) as
+    compact JSON, each block id as its canonical type-tagged key (i:12, b:<hex>, s:<text>)."""
+    if meta is not None and not isinstance(meta, dict):
+        raise UsageError("meta must be a dict (it travels as a JSON object)")
+    try:
+        meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise UsageError(f"meta must be JSON-serialisable: {exc}") from None
+    return meta_bytes, tuple(BlockVersion(block=block_key(b).encode(), version=v) for b, v in blocks or ())
+
+
 def _check_begin(request_id: str, blocks: tuple[BlockVersion, ...]) -> None:
     """What BEGIN can carry: the wire's field limits, as usage errors before anything is sent."""
     if not isinstance(request_id, str) or not request_id or len(request_id.encode()) > 0xFFFF:
@@ -693,4 +715,5 @@ __all__ = [
     "TransferCredit",
     "TransferDone",
     "TransferFailed",
+    "begin_fields",
 ]

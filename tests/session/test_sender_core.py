@@ -193,6 +193,27 @@ def test_delivery_events_carry_stream_sizes_and_kv_bytes_and_the_transfer_ends()
     assert h.core.bytes_in_flight == 0
 
 
+def test_the_ack_that_completes_a_layer_says_so_and_each_slot_counts_its_acked_bytes() -> None:
+    h = harness(streams=2)
+    tid = begin(h, layers=2)
+    for layer in range(2):
+        for kind in range(2):
+            for start in range(2):  # two one-token chunks of a two-token layer, K and V
+                h.core.add_chunk(tid, Chunk(transfer_id=tid, layer=layer, kind=kind, codec_id=0,
+                                            token_start=start, token_count=1, layer_tokens=2, params=b"",
+                                            payload=bytes(100)))
+    h.core.producer_done(tid)
+    h.step()
+    h.ack()
+    delivered = h.of(ChunkDelivered)
+    assert len(delivered) == 8
+    for layer in range(2):
+        of_layer = [d for d in delivered if d.address.layer == layer]
+        assert [d.layer_done for d in of_layer] == [False, False, False, True]
+    for i in range(2):
+        assert h.core.acked_bytes(i) == sum(d.wire_size for d in delivered if d.stream == i)
+
+
 @settings(max_examples=60, deadline=None)
 @given(limit=st.integers(min_value=500, max_value=20_000), sizes=st.lists(
     st.integers(min_value=1, max_value=4000), min_size=1, max_size=30), seed=st.integers(0, 1000),
