@@ -641,16 +641,7 @@ KV_AVX2_INLINE __m256i v_int4_fast(__m256 x, __m256 lo, __m256 r, __m256* unsafe
 }
 KV_AVX2_INLINE int v_any(__m256 m) { return !_mm256_testz_ps(m, m); }
 
-/* fp8 of sixteen lanes through float16.  h = q' rounded to float16 (vcvtps2ph, nearest
- * even; q' <= 448 (1 + 4 * 2^-24) in a fast row, so h <= 448).  Every E4M3 rounding midpoint
- * from 2^-6 up is a float16 value.  Where h is not one, q' and q lie on h's side of every
- * midpoint (q' is at least half a float16 ulp, 2^12 float32 ulps, from it), so rounding h
- * to E4M3 gives q's code: (|h| + 0x40) >> 7 less the exponent bias difference (no tie to
- * break; |h| below 2^-10 gives code 0 through the saturating subtraction).  Where h is a
- * midpoint M (one lane in 128), q is placed against M with two truncations to float16 of
- * x * r (1 -/+ 2^-19), which bracket q: RZ(lower) == M means q > M (the code rounded up,
- * as computed), RZ(upper) < M means q < M (one less); neither means q is too close to M
- * to tell, and h in [2^-10, 2^-6) (the E4M3 subnormal grid): both go to the exact path. */
+/* x * r of sixteen lanes as float16, rounded to nearest even (mode 0) or toward zero. */
 KV_AVX2_INLINE __m256i v_half16(__m256 x0, __m256 x1, __m256 r, int mode) {
     const __m128i h0 = mode ? _mm256_cvtps_ph(_mm256_mul_ps(x0, r), _MM_FROUND_TO_ZERO)
                             : _mm256_cvtps_ph(_mm256_mul_ps(x0, r), _MM_FROUND_TO_NEAREST_INT);
@@ -658,23 +649,34 @@ KV_AVX2_INLINE __m256i v_half16(__m256 x0, __m256 x1, __m256 r, int mode) {
                             : _mm256_cvtps_ph(_mm256_mul_ps(x1, r), _MM_FROUND_TO_NEAREST_INT);
     return _mm256_inserti128_si256(_mm256_castsi128_si256(h0), h1, 1);
 }
-KV_AVX2_INLINE __m256i v_fp8_fast16(__m256 x0, __m256 x1, __m256 r, __m256 rlo, __m256 rhi, __m256i* unsafe) {
+/* fp8 of sixteen lanes from two float16 truncations that bracket q: lo = RZ(x * r (1 - 2^-19))
+ * and hi = RZ(x * r (1 + 2^-19)) satisfy lo <= q < hi + one float16 ulp in magnitude.  E4M3
+ * rounding midpoints from 2^-6 up are float16 values; with half-up rounding of lo and of hi
+ * (codes c(lo) and c(hi): the number of midpoints at or below each), c(lo) == c(hi) means
+ * no midpoint M has lo < M <= hi, so every M is either <= lo (then q > M) or > hi (then
+ * q < M): q's code is c(lo).  They differ when the bracket straddles a midpoint (about one
+ * lane in 2^15) and when it reaches into [2^-10, 2^-6) (the E4M3 subnormal grid): exact
+ * path.  No tie can remain: q equal to a midpoint has one inside the bracket.  The bracket
+ * holds because x * r_lo and x * r_hi are within 5 float32 ulps of q (1 -/+ 2^-19), far
+ * inside the 2^-19 nudge.  c(v) = (|v| - 0x1FC0) >> 7, saturating, is 0 under 2^-10; in a
+ * fast row |q'| <= 448 (1 + 2^-21), so hi <= 448 and no code passes 0x7E.  Truncation
+ * keeps the sign (and -0). */
+KV_AVX2_INLINE __m256i v_fp8_code16(__m256i ha) {
+    return _mm256_srli_epi16(_mm256_subs_epu16(ha, _mm256_set1_epi16(0x1FC0)), 7);
+}
+KV_AVX2_INLINE __m256i v_fp8_bracket16(__m256 x0, __m256 x1, __m256 rlo, __m256 rhi, __m256i* unsafe) {
     const __m256i mag = _mm256_set1_epi16(0x7FFF);
-    const __m256i h = v_half16(x0, x1, r, 0);
-    const __m256i ha = _mm256_and_si256(h, mag);
-    __m256i code = _mm256_srli_epi16(_mm256_subs_epu16(ha, _mm256_set1_epi16(0x1FC0)), 7);
-    const __m256i mid = _mm256_cmpeq_epi16(_mm256_and_si256(ha, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x40));
-    __m256i bad = _mm256_cmpeq_epi16(_mm256_srli_epi16(_mm256_sub_epi16(ha, _mm256_set1_epi16(0x1400)), 12),
-                                     _mm256_setzero_si256());
-    if (!_mm256_testz_si256(mid, mid)) {
-        const __m256i above = _mm256_cmpeq_epi16(_mm256_and_si256(v_half16(x0, x1, rlo, 1), mag), ha);
-        const __m256i not_below = _mm256_cmpeq_epi16(_mm256_and_si256(v_half16(x0, x1, rhi, 1), mag), ha);
-        /* one less where below (saturating: a "midpoint" pattern under 2^-10 stays code 0) */
-        code = _mm256_subs_epu16(code, _mm256_andnot_si256(not_below, _mm256_and_si256(mid, _mm256_set1_epi16(1))));
-        bad = _mm256_or_si256(bad, _mm256_andnot_si256(above, _mm256_and_si256(mid, not_below)));
-    }
-    *unsafe = _mm256_or_si256(*unsafe, bad);
-    return _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi16(h, 8), _mm256_set1_epi16(0x80)));
+    const __m256i lo = v_half16(x0, x1, rlo, 1);
+    const __m256i lo_a = _mm256_and_si256(lo, mag);
+    const __m256i code = v_fp8_code16(lo_a);
+    const __m256i hi_a = _mm256_and_si256(v_half16(x0, x1, rhi, 1), mag);
+    const __m256i code_hi = v_fp8_code16(hi_a);
+    /* the bracket reaches into [2^-10, 2^-6) */
+    const __m256i low = _mm256_and_si256(_mm256_cmpgt_epi16(hi_a, _mm256_set1_epi16(0x13FF)),
+                                         _mm256_cmpgt_epi16(_mm256_set1_epi16(0x2400), lo_a));
+    *unsafe = _mm256_or_si256(*unsafe, _mm256_or_si256(low, _mm256_xor_si256(_mm256_cmpeq_epi16(code, code_hi),
+                                                                              _mm256_set1_epi16(-1))));
+    return _mm256_or_si256(code, _mm256_and_si256(_mm256_srli_epi16(lo, 8), _mm256_set1_epi16(0x80)));
 }
 
 /* 32 codes of a row at out: fast path where it is safe, else the exact one. */
@@ -684,7 +686,7 @@ KV_AVX2_INLINE void fp8_v_quant32(kv_u8* out, __m256 x0, __m256 x1, __m256 x2, _
         __m256i un = _mm256_setzero_si256();
         const __m256 rlo = _mm256_mul_ps(r, _mm256_set1_ps(1.0f - 1.9073486328125e-06f)); /* 1 - 2^-19 */
         const __m256 rhi = _mm256_mul_ps(r, _mm256_set1_ps(1.0f + 1.9073486328125e-06f));
-        const __m256i a = v_fp8_fast16(x0, x1, r, rlo, rhi, &un), b = v_fp8_fast16(x2, x3, r, rlo, rhi, &un);
+        const __m256i a = v_fp8_bracket16(x0, x1, rlo, rhi, &un), b = v_fp8_bracket16(x2, x3, rlo, rhi, &un);
         if (_mm256_testz_si256(un, un)) {
             _mm256_storeu_si256((__m256i*)out, _mm256_permute4x64_epi64(_mm256_packus_epi16(a, b), 0xD8));
             return;

@@ -244,10 +244,20 @@ def test_quotients_at_and_beside_rounding_midpoints_like_numpy(base: str, level:
     for factor in (3.0, 0.1, 7.0 / 3.0, 1e-3, 12345.6, 2.0**-20):
         q = _near(targets * factor)
         q = np.concatenate([q, -q]) if base == "fp8" else q
-        for width in (31, 40, 128):  # each row: its largest value fixes the scale (top * factor)
-            count = -(-q.size // (width - 1))
-            body = np.resize(q, count * (width - 1)).reshape(count, width - 1)
-            rows = np.concatenate([np.full((count, 1), top * factor, np.float32), body.astype(np.float32)], axis=1)
+        q = q[np.abs(q) <= np.float32(top * factor)]  # no row maximum above top * factor
+        for width, alone in [(31, False), (40, False), (128, False), (40, True), (128, True)]:
+            # each row: its largest value fixes the scale (top * factor); either rows full of
+            # such quotients, or one per row among zeros (then its neighbours do not send its
+            # vector to the exact path), at every position in turn
+            if alone:
+                count = q.size
+                rows = np.zeros((count, width), np.float32)
+                rows[np.arange(count), 1 + np.arange(count) % (width - 1)] = q
+                rows[:, 0] = top * factor
+            else:
+                count = -(-q.size // (width - 1))
+                body = np.resize(q, count * (width - 1)).reshape(count, width - 1)
+                rows = np.concatenate([np.full((count, 1), top * factor, np.float32), body.astype(np.float32)], axis=1)
             if base == "int4":  # group minimum 0: put a zero in every row, keys grouped per token run
                 rows[:, 1] = 0.0
                 x = rows.reshape(count, 1, width)
