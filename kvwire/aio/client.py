@@ -40,7 +40,7 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.options import Layers
-from kvwire.session.options import ClientOptions, Receipt
+from kvwire.session.options import ClientOptions, Receipt, check_port
 from kvwire.session.sender import (
     ChunkDelivered,
     ChunkLost,
@@ -68,19 +68,16 @@ class Peer(Pump):
         ssl: _ssl.SSLContext | None, options: ClientOptions, server_hostname: str | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
-            raise UsageError(f"port must be an int in [1, 65535], got {port!r}")
+        check_port(port, 1)
         self.stream_controller: StreamController | None = None
         if streams == AUTO:
             streams = options.max_streams
             self.stream_controller = StreamController(max_streams=streams)
-        if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
-            raise UsageError("streams must be an int in [1, 64] or 'auto'")
+        self.core = SenderCore(options.sender_config(secret=secret, streams=streams))
         if codec != AUTO:
             get_codec(codec)  # unknown names fail here, before any connection
         self.host, self.port, self.codec, self.options = host, port, codec, options
         self._ssl, self._server_hostname = ssl, server_hostname
-        self.core = SenderCore(options.sender_config(secret=secret, streams=streams))
         self.notsent_lowat = options.notsent_lowat
         if self.stream_controller is not None:
             self.core.active_streams = self.stream_controller.streams
@@ -89,7 +86,7 @@ class Peer(Pump):
         self.changed = asyncio.Event()
         self.estimator = DeliveryRateEstimator()
         # Bytes in flight kept near one to two bandwidth-delay products across streams.
-        self.inflight = InflightController(streams=streams, chunk_bytes=options.chunk_bytes)
+        self.inflight = InflightController(streams=self.core.config.streams, chunk_bytes=options.chunk_bytes)
         self.chooser: CodecChooser | None = None
         self.bytes_sent = 0
         self._open_error: KvwireError | None = None  # a stream that failed while open() waits

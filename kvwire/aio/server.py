@@ -17,7 +17,6 @@ import itertools
 import logging
 import ssl as _ssl
 from collections import OrderedDict, deque
-from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -34,7 +33,7 @@ from kvwire.errors import (
     TransferTimeoutError,
     UsageError,
 )
-from kvwire.session.options import ServerOptions, make_server_options
+from kvwire.session.options import ServerOptions, check_port, make_server_options
 from kvwire.session.receiver import (
     AuthenticationFailed,
     GoawayReceived,
@@ -49,6 +48,7 @@ from kvwire.session.receiver import (
     TransferAborted,
     TransferArrived,
     TransferFailed,
+    stale_error,
 )
 
 _log = logging.getLogger("kvwire")
@@ -64,8 +64,7 @@ class Server(Pump):
         options: ServerOptions, registry: Any = None,
     ) -> None:
         super().__init__()
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise UsageError(f"port must be an int in [0, 65535], got {port!r}")
+        check_port(port, 0)
         config = options.receiver_config(secret=secret, registry=registry is not None)
         _gpu.parse_device(options.device)  # UsageError for an unknown or unusable device
         self.host = host
@@ -269,11 +268,9 @@ class Server(Pump):
         what = "check" if isinstance(ev, RegistryCheck) else "publish"
         error: KvwireError | None
         try:
-            if isinstance(ev, RegistryCheck):
-                bad = await self.registry.check_many(blocks)
-            else:
-                bad = await self.registry.publish(blocks)
-            error = _stale(bad) if bad else None
+            ask = self.registry.check_many if isinstance(ev, RegistryCheck) else self.registry.publish
+            bad = await ask(blocks)
+            error = stale_error(bad) if bad else None
         except KvwireError as exc:
             error = RegistryUnavailableError(f"registry {what} failed: {exc}")
         if self.closed:
@@ -330,12 +327,6 @@ class Server(Pump):
             raise
         self.core.attach(key)
         self.pump()
-
-
-def _stale(blocks: Sequence[Any]) -> StaleVersionError:
-    shown = ", ".join(repr(b) for b in list(blocks)[:8])
-    more = f" and {len(blocks) - 8} more" if len(blocks) > 8 else ""
-    return StaleVersionError(f"stale prefix blocks: {shown}{more}")
 
 
 __all__ = ["Server", "ServerOptions", "Transfer", "make_server_options"]

@@ -41,6 +41,12 @@ def _check_frame_size(size: int) -> None:
         raise UsageError(f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]")
 
 
+def check_port(port: object, lowest: int) -> None:
+    """:class:`~kvwire.UsageError` unless ``port`` is an int in [``lowest``, 65535]."""
+    if isinstance(port, bool) or not isinstance(port, int) or not lowest <= port <= 65535:
+        raise UsageError(f"port must be an int in [{lowest}, 65535], got {port!r}")
+
+
 def _check_secret(secret: object) -> bytes:
     if not isinstance(secret, bytes | bytearray) or len(secret) < 8:
         raise UsageError("secret must be bytes of at least 8 bytes")
@@ -86,8 +92,10 @@ class ClientOptions:
             check_number(self, name, zero_ok=True)
         _check_frame_size(self.max_frame_size)
 
-    def sender_config(self, *, secret: bytes, streams: int) -> SenderConfig:
+    def sender_config(self, *, secret: bytes, streams: object) -> SenderConfig:
         """The session core's config for ``streams`` streams (every registered codec offered)."""
+        if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
+            raise UsageError("streams must be an int in [1, 64] or 'auto'")
         shared = {f.name: getattr(self, f.name) for f in fields(SenderConfig) if hasattr(self, f.name)}
         fingerprint = self.spec.fingerprint if self.spec is not None else NO_FINGERPRINT
         return SenderConfig(**shared, secret=_check_secret(secret), streams=streams,
@@ -219,4 +227,4 @@ class Receipt:
         return self.kv_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-__all__ = ["NOTSENT_LOWAT", "ClientOptions", "Receipt", "ServerOptions", "check_number", "make_server_options"]
+__all__ = ["NOTSENT_LOWAT", "ClientOptions", "Receipt", "ServerOptions", "check_number", "check_port", "make_server_options"]

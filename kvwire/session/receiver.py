@@ -26,7 +26,7 @@ import heapq
 import json
 import secrets
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,14 @@ WIRE_TEXT_LIMIT = 160
 
 def wire_text(text: str) -> str:
     return text if len(text) <= WIRE_TEXT_LIMIT else text[: WIRE_TEXT_LIMIT - 3] + "..."
+
+
+def stale_error(blocks: Sequence[object], why: str = "") -> StaleVersionError:
+    """The error of a transfer refused (or unpublished) for stale prefix blocks: the first
+    eight named, the rest counted."""
+    shown = ", ".join(repr(b) for b in list(blocks)[:8])
+    more = f" and {len(blocks) - 8} more" if len(blocks) > 8 else ""
+    return StaleVersionError(f"stale prefix blocks{why}: {shown}{more}")
 
 
 def admit_begin(
@@ -193,7 +201,7 @@ class ByteStore(LayerStore):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ReceiverConfig:
-    """Limits and deadlines of a receiving server (see ``kvwire.aio.ServerOptions``)."""
+    """Limits and deadlines of a receiving server (made by ``ServerOptions.receiver_config``)."""
 
     secret: bytes
     codecs: tuple[str, ...] = ("raw",)
@@ -535,14 +543,14 @@ class ReceiverCore:
         if t is not None:
             self._fail(t, error, reset=True, even_if_complete=True)
 
-    def registry_checked(self, key: Key, stale: list[bytes] | None, error: KvwireError | None, now: float) -> None:
+    def registry_checked(self, key: Key, stale: Sequence[object] | None, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryCheck` (stale blocks, or the registry's error)."""
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
         if error is not None or stale:
             self._count("transfers_refused")
-            self._fail(t, error or StaleVersionError(f"stale prefix blocks: {stale!r}"[:200]), reset=True)
+            self._fail(t, error or stale_error(stale or ()), reset=True)
             return
         self._accept(t, now)
 
@@ -832,8 +840,7 @@ class ReceiverCore:
             made_up = [b for b, v in blocks if not 0 <= v < MAX_BLOCK_VERSION]
             if made_up:
                 self._count("transfers_refused")
-                self._fail(t, StaleVersionError(f"stale prefix blocks (versions never issued): {made_up!r}"[:200]),
-                           reset=True)
+                self._fail(t, stale_error(made_up, " (versions never issued)"), reset=True)
                 return
             self._events.append(RegistryCheck(key=t.key, blocks=blocks))
             return

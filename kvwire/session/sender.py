@@ -54,7 +54,7 @@ from kvwire.wire.frames import Buffer, encode_body
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SenderConfig:
-    """Settings of a client session (see ``kvwire.aio.ClientOptions``)."""
+    """Settings of a client session (made by ``kvwire.session.options.ClientOptions.sender_config``)."""
 
     secret: bytes
     streams: int = 1
