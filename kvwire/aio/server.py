@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 import ssl as _ssl
-from collections import OrderedDict, deque
+from collections import deque
 from types import TracebackType
 from typing import Any
 
@@ -81,7 +81,6 @@ class Server(Pump):
         self._cids = itertools.count(1)
         self._by_cid: dict[int, Stream] = {}
         self._transfers: dict[Key, Transfer] = {}
-        self._arrivals: OrderedDict[Key, Transfer] = OrderedDict()
         self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
@@ -101,9 +100,7 @@ class Server(Pump):
 
     async def accept(self, *, timeout: float | None = None) -> Transfer:
         """The next incoming transfer not claimed by :meth:`expect`."""
-        if self._arrivals:
-            _, t = self._arrivals.popitem(last=False)
-            self.core.claim(t._key)
+        if (t := self._arrived()) is not None:
             return t
         fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         self._accept_waiters.append(fut)
@@ -117,13 +114,10 @@ class Server(Pump):
         """
         if self._expect_waiters.get(request_id):
             raise UsageError(f"expect({request_id!r}) is already waiting for that request")
-        for key, t in self._arrivals.items():
-            if t.request_id == request_id:
-                del self._arrivals[key]
-                self.core.claim(key)
-                if into is not None:
-                    t.attach(into)
-                return t
+        if (t := self._arrived(request_id)) is not None:
+            if into is not None:
+                t.attach(into)
+            return t
         fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         self._expect_waiters.setdefault(request_id, deque()).append(fut)
         if into is not None:
@@ -138,6 +132,14 @@ class Server(Pump):
                     waiters.remove(fut)
                 if not waiters:
                     del self._expect_waiters[request_id]
+
+    def _arrived(self, request_id: str | None = None) -> Transfer | None:
+        """The oldest arrived transfer nobody claimed (of ``request_id``), now claimed."""
+        for key in self.core.unclaimed(request_id):
+            if (t := self._transfers.get(key)) is not None:
+                self.core.claim(key)
+                return t
+        return None
 
     @staticmethod
     async def _wait(fut: asyncio.Future[Transfer], timeout: float | None, what: str) -> Transfer:
@@ -154,7 +156,7 @@ class Server(Pump):
         return {
             "sessions": self.core.sessions,
             "connections": len(self._by_cid),
-            "pending_arrivals": len(self._arrivals),
+            "pending_arrivals": len(self.core.unclaimed()),
             "buffered_bytes": self.core.buffered_bytes,
             **self.core.counters,
         }
@@ -233,7 +235,6 @@ class Server(Pump):
             self._transfers[ev.key] = t
             self._deliver(t)
         elif isinstance(ev, TransferFailed):
-            self._arrivals.pop(ev.key, None)
             t = self._transfers.pop(ev.key, None)
             if t is not None:
                 t._fail(ev.error)
@@ -302,7 +303,6 @@ class Server(Pump):
                 self.core.claim(transfer._key)
                 fut.set_result(transfer)
                 return
-        self._arrivals[transfer._key] = transfer
 
     # -- what a Transfer asks of the core ---------------------------------------------------------
 

@@ -396,6 +396,7 @@ class ReceiverCore:
         self._conn_session: dict[int, _Session] = {}
         self._sessions: dict[bytes, _Session] = {}
         self._live: dict[Key, _Incoming] = {}  # not failed, not every layer taken
+        self._unclaimed: dict[Key, None] = {}  # arrived and not claimed, in arrival order
         self._events: deque[ReceiverEvent] = deque()
         self._dirty: set[int] = set()
         self._timers: list[tuple[float, int, tuple[int, Any]]] = []
@@ -493,7 +494,13 @@ class ReceiverCore:
     def next_event(self) -> ReceiverEvent | None:
         return self._events.popleft() if self._events else None
 
+    def unclaimed(self, request_id: str | None = None) -> list[Key]:
+        """Arrived transfers the application has not claimed, in arrival order (only those
+        of ``request_id`` if given)."""
+        return [k for k in self._unclaimed if request_id is None or self._live[k].begin.request_id == request_id]
+
     def claim(self, key: Key) -> None:
+        self._unclaimed.pop(key, None)
         t = self._transfer(key)
         if t is not None:
             t.claimed = True
@@ -854,6 +861,8 @@ class ReceiverCore:
         conn = self._any_conn(sess) if sess is not None else None
         if conn is not None:
             conn.send_accept(t.key[1], t.state.layer_limit)
+        if not t.claimed:
+            self._unclaimed[t.key] = None
         if self.config.claim_timeout is not None and not t.claimed:
             t.claim_deadline = now + self.config.claim_timeout
             self._note(_CLAIM, t.key)
@@ -902,6 +911,7 @@ class ReceiverCore:
         t.inplace.clear()
         t.deadline = t.claim_deadline = None
         self._live.pop(t.key, None)
+        self._unclaimed.pop(t.key, None)
         if t.accepted:
             self._store.closed(t.key)
         sess = self._sessions.get(t.key[0])

@@ -456,6 +456,25 @@ def test_an_unclaimed_transfer_is_aborted_at_its_claim_deadline() -> None:
     assert h.core.buffered_bytes == 0
 
 
+def test_unclaimed_lists_arrived_transfers_in_order_until_claimed_or_failed() -> None:
+    h = Harness(ReceiverConfig(secret=SECRET, claim_timeout=5.0))
+    for tid, request in ((1, "a"), (2, "b"), (3, "a")):
+        h.client.send_begin(begin(tid=tid, layers=1, request=request))
+    h.pump()
+    sid = h.key[0]
+    assert h.core.unclaimed() == [(sid, 1), (sid, 2), (sid, 3)]
+    assert h.core.unclaimed("a") == [(sid, 1), (sid, 3)] and h.core.unclaimed("c") == []
+    h.core.claim((sid, 1))
+    assert h.core.unclaimed("a") == [(sid, 3)]
+    h.core.abort((sid, 3), "gone", h.now)  # a failed transfer is no longer there to claim
+    h.pump()
+    assert h.core.unclaimed() == [(sid, 2)]
+    h.now = 5.0  # dropped at its claim deadline
+    h.core.handle_timer(h.now)
+    h.pump()
+    assert h.core.unclaimed() == []
+
+
 # -- events the server logs ----------------------------------------------------------------
 
 
