@@ -1507,5 +1507,11 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__hostcodec(void) {
     set_simd(SIMD_AVX2);
-    return PyModule_Create(&module);
+    PyObject* m = PyModule_Create(&module);
+    /* the highest level this build holds (the CPU may allow less): x86-64 with GCC has all */
+    if (m != NULL && PyModule_AddIntConstant(m, "SIMD_BUILT", KV_HAVE_AVX2 ? SIMD_AVX2 : KV_HAVE_CLONES ? SIMD_F16C : SIMD_GENERIC) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }
