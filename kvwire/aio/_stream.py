@@ -191,6 +191,12 @@ class Pump:
     def pump(self) -> None:
         raise NotImplementedError
 
+    def is_current(self, stream: Stream) -> bool:
+        return True
+
+    def stream_lost(self, stream: Stream) -> None:
+        """``stream``'s connection is gone (after the core saw its EOF)."""
+
     def arm_timer(self) -> None:
         """Keep the one timer at the core's ``get_timer()``."""
         when = None if self.closed else self.core.get_timer()

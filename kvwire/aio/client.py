@@ -168,9 +168,6 @@ class Peer(Pump):
     def is_current(self, stream: Stream) -> bool:
         return self.streams[stream.key] is stream and not self.closed
 
-    def stream_lost(self, stream: Stream) -> None:
-        pass
-
     def set_writable(self, stream: Stream, writable: bool) -> None:
         self.core.set_writable(stream.key, writable)
         if writable:

@@ -215,9 +215,6 @@ class Server(Pump):
         self._by_cid[stream.key] = stream
         return True
 
-    def is_current(self, stream: Stream) -> bool:
-        return True
-
     def stream_lost(self, stream: Stream) -> None:
         self.core.forget(stream.key)
         self._by_cid.pop(stream.key, None)

@@ -1,0 +1,145 @@
+"""The one connection protocol both pumps use, driven by hand: what reaches the core,
+what is written, and the side-specific parts left to its owner."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from kvwire.aio._stream import Stream
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[bytes] = []
+        self.closing = self.aborted = False
+        self.reading = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 1) if name == "peername" else default
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        pass
+
+    def is_closing(self) -> bool:
+        return self.closing or self.aborted
+
+    def writelines(self, data: Any) -> None:
+        self.written += [bytes(d) for d in data]
+
+    def close(self) -> None:
+        self.closing = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+
+class FakeCore:
+    def __init__(self) -> None:
+        self.buf = bytearray(16)
+        self.fed: list[tuple[int, bytes]] = []
+        self.out: list[bytes] = []
+        self.closed = False
+
+    def get_buffer(self, key: int) -> memoryview:
+        return memoryview(self.buf)
+
+    def buffer_updated(self, key: int, nbytes: int, now: float) -> None:
+        self.fed.append((key, bytes(self.buf[:nbytes])))
+
+    def receive_data(self, key: int, data: bytes, now: float) -> None:
+        self.fed.append((key, data))
+
+    def buffers_to_send(self, key: int) -> list[Any]:
+        out, self.out = self.out, []
+        return out
+
+    def is_closed(self, key: int) -> bool:
+        return self.closed
+
+    def connection(self, key: int) -> Any:
+        return None
+
+
+class Owner:
+    def __init__(self, *, want: bool = True) -> None:
+        self.core = FakeCore()
+        self.notsent_lowat: int | None = None
+        self.want, self.current = want, True
+        self.pumps = 0
+        self.lost: list[Stream] = []
+        self.writable: list[bool] = []
+
+    def now(self) -> float:
+        return 0.0
+
+    def pump(self) -> None:
+        self.pumps += 1
+
+    def stream_made(self, stream: Stream) -> bool:
+        return self.want
+
+    def is_current(self, stream: Stream) -> bool:
+        return self.current
+
+    def stream_lost(self, stream: Stream) -> None:
+        self.lost.append(stream)
+
+    def set_writable(self, stream: Stream, writable: bool) -> None:
+        self.writable.append(writable)
+
+
+async def test_bytes_go_to_the_core_and_its_answers_out_then_close() -> None:
+    owner, tr = Owner(), FakeTransport()
+    s = Stream(owner, 3)
+    s.connection_made(tr)
+    assert s.peer == ("127.0.0.1", 1) and owner.pumps == 1
+    s.get_buffer(-1)[:3] = b"abc"
+    s.buffer_updated(3)
+    assert owner.core.fed == [(3, b"abc")]
+    owner.core.out = [b"ack"]
+    s.flush()
+    assert tr.written == [b"ack"] and not tr.closing
+    owner.core.closed = True
+    s.flush()
+    assert tr.closing
+    s.pause_writing()
+    s.resume_writing()
+    assert owner.writable == [False, True]
+    s.connection_lost(None)
+    assert owner.core.fed[-1] == (3, b"") and owner.lost == [s] and s.closed.is_set() and s.transport is None
+
+
+async def test_a_replaced_stream_feeds_nothing_and_an_unwanted_one_is_aborted() -> None:
+    owner, tr = Owner(), FakeTransport()
+    s = Stream(owner, 0)
+    s.connection_made(tr)
+    owner.current = False  # its slot has a newer connection
+    s.get_buffer(-1)[:2] = b"zz"
+    s.buffer_updated(2)
+    s.eof_received()
+    s.pause_writing()
+    assert owner.core.fed == [] and owner.writable == []
+    unwanted, tr2 = Stream(Owner(want=False), 1), FakeTransport()
+    unwanted.connection_made(tr2)
+    assert tr2.aborted and not unwanted.made
+    unwanted.connection_lost(None)
+    assert unwanted.owner.lost == [] and unwanted.closed.is_set()  # type: ignore[attr-defined]
+
+
+async def test_pause_reading_is_idempotent_and_tracked() -> None:
+    owner, tr = Owner(), FakeTransport()
+    s = Stream(owner, 0)
+    s.connection_made(tr)
+    s.pause_reading(True)
+    s.pause_reading(True)
+    assert s.reading_paused and not tr.reading
+    s.pause_reading(False)
+    assert not s.reading_paused and tr.reading
