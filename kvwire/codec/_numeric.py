@@ -75,6 +75,16 @@ def check_finite_magnitudes(mag_max: npt.NDArray[Any], name: str, codec: str) ->
         )
 
 
+def fit_scale(scale: F32, top: np.float32) -> F32:
+    """Step down one ulp every scale whose largest code (``top``) would decode past float32
+    (float32 inputs within an ulp or two of its maximum), as the kernels do; in place."""
+    with np.errstate(over="ignore"):
+        over = np.isinf(scale * top) & np.isfinite(scale)
+    if over.any():
+        scale[over] = np.nextafter(scale[over], np.float32(0))
+    return scale
+
+
 def magnitude_to_f32(mag: npt.NDArray[Any], name: str, out: F32) -> F32:
     """float32 values of magnitude bit patterns (exact for every finite input)."""
     bits = out.view(np.uint32)

@@ -43,6 +43,7 @@ class Fp8Codec(RowScaledCodec):
             nm.check_finite_magnitudes(amax_bits, name, self.name)
             scale = nm.magnitude_to_f32(amax_bits, name, np.empty(r1 - r0, np.float32))
             np.divide(scale, nm.FP8_MAX, out=scale)
+            nm.fit_scale(scale, nm.FP8_MAX)
             scales_out[r0:r1] = scale
             # a zero scale means an all-zero row: dividing by 1 keeps its codes 0
             scale[scale == 0] = 1

@@ -42,6 +42,7 @@ class Int8Codec(RowScaledCodec):
             nm.check_finite_magnitudes(amax_bits, name, self.name)
             scale = nm.magnitude_to_f32(amax_bits, name, np.empty(r1 - r0, np.float32))
             np.divide(scale, INT8_MAX, out=scale)
+            nm.fit_scale(scale, INT8_MAX)
             scales_out[r0:r1] = scale
             scale[scale == 0] = 1
             q = nm.to_f32(block, name)

@@ -301,3 +301,25 @@ def test_codec_package_is_sans_io() -> None:
                 names = [node.module]
             for mod in names:
                 assert mod.split(".")[0] not in forbidden and not mod.startswith("kvwire.aio"), (path, mod)
+
+
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
+def test_float32_maximum_decodes_finite(name: str, kind: TensorKind) -> None:
+    # The scale of a row (group) holding float32's largest value would decode the largest
+    # code past float32; it steps down one ulp instead, in the numpy reference and the
+    # compiled loops alike, so the receiver never sees an overflowing scale.
+    top = np.finfo(np.float32).max
+    x = np.zeros((4, 2, 32), np.float32)
+    x[0, 0, 3] = top
+    x[1, 1, 5] = -top
+    x[2, 0, :] = top
+    x[3, 1, 7] = np.nextafter(top, np.float32(0))
+    codec = get_codec(name)
+    chunk = codec.encode(x, kind)
+    reference = codec.encode_numpy(x, kind)  # type: ignore[attr-defined]
+    assert bytes(chunk.payload) == bytes(reference.payload)
+    y = codec_by_id(chunk.codec_id).decode(chunk.params, chunk.payload, shape=x.shape, dtype="float32", kind=kind)
+    assert np.all(np.isfinite(y))
+    assert abs(float(y[0, 0, 3])) >= 0.99 * float(top)
+    _assert_within_bound(name, x, kind)

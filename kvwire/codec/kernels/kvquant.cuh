@@ -153,10 +153,17 @@ KV_HD float kv_e4m3_to_f32(kv_u8 c) {
     return (c & 0x80u) ? kv_neg(mag) : mag;
 }
 
-// Scales: one division form everywhere (x / s); a zero scale divides by 1.
-KV_HD float kv_fp8_scale(float absmax) { return kv_div(absmax, 448.0f); }
-KV_HD float kv_int8_scale(float absmax) { return kv_div(absmax, 127.0f); }
-KV_HD float kv_int4_scale(float lo, float hi) { return kv_div(kv_sub(hi, lo), 15.0f); }
+// Scales: one division form everywhere (x / s); a zero scale divides by 1.  A scale whose
+// largest code would decode past float32 (a float32 input within an ulp or two of its
+// maximum) steps down one ulp: the codes saturate and every decoded value stays finite.
+KV_HD float kv_fit_scale(float s, float top) {  // s itself not finite: left for the range check
+    const kv_u32 inf = 0x7F800000u;
+    return (kv_f32_bits(s) & inf) != inf && (kv_f32_bits(kv_mul(s, top)) & 0x7FFFFFFFu) == inf
+        ? kv_bits_f32(kv_f32_bits(s) - 1u) : s;
+}
+KV_HD float kv_fp8_scale(float absmax) { return kv_fit_scale(kv_div(absmax, 448.0f), 448.0f); }
+KV_HD float kv_int8_scale(float absmax) { return kv_fit_scale(kv_div(absmax, 127.0f), 127.0f); }
+KV_HD float kv_int4_scale(float lo, float hi) { return kv_fit_scale(kv_div(kv_sub(hi, lo), 15.0f), 15.0f); }
 KV_HD float kv_divisor(float s) { return kv_is_zero(s) ? 1.0f : s; }
 
 KV_HD kv_u8 kv_fp8_quant(float x, float s) { return kv_f32_to_e4m3(kv_div(x, kv_divisor(s))); }
