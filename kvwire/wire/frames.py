@@ -304,7 +304,7 @@ def _read_codec_list(r: _Reader) -> tuple[str, ...]:
 
 
 def _frame(ftype: FrameType, body_parts: Sequence[Buffer], flags: int = 0) -> list[Buffer]:
-    length = sum(len(p) for p in body_parts)
+    length = sum(memoryview(p).nbytes for p in body_parts)  # bytes, whatever the item size
     header = HEADER.pack(ftype, flags, 0, length)
     crc = crc32c(header)
     for part in body_parts:

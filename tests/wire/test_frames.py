@@ -29,7 +29,7 @@ from kvwire.wire import (
     Welcome,
     frame_bytes,
 )
-from kvwire.wire.frames import HEADER, MAGIC
+from kvwire.wire.frames import HEADER, MAGIC, _frame, encode_body
 
 SAMPLES = [
     Hello(min_version=1, max_version=1, nonce=bytes(range(32)), session_id=bytes(16), stream_index=3,
@@ -336,3 +336,20 @@ def test_bit_flips_anywhere_raise_only_protocol_errors(frames: list[int], flips:
         for i in range(0, len(data), step):
             dec.feed(bytes(data[i : i + step]))
             assert dec.buffered <= (1 << 20) + 12
+
+
+@pytest.mark.parametrize("fmt", ["H", "I", "d"])
+def test_payload_with_wide_items_is_framed_by_its_bytes(fmt: str) -> None:
+    # A payload handed over as a view of 2-, 4- or 8-byte items (e.g. a uint16 array's
+    # memoryview) is framed by its size in bytes, not its item count.
+    raw = bytes(range(256)) * 4
+    view = memoryview(raw).cast(fmt)
+    assert len(view) < len(raw)
+    frame = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"", payload=view)
+    ftype, parts = encode_body(frame)
+    wire = b"".join(bytes(memoryview(p).cast("B")) for p in _frame(ftype, parts))
+    [(got, size)] = FrameDecoder(1 << 20).feed(wire)
+    assert size == len(wire)
+    assert isinstance(got, Chunk) and bytes(got.payload) == raw
+
