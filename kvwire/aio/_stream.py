@@ -139,9 +139,35 @@ class Stream(asyncio.BufferedProtocol):
             return
         data = self.owner.core.buffers_to_send(self.key)
         if data:
-            tr.writelines(data)
+            write_parts(tr, data)
         if self.owner.core.is_closed(self.key):
             tr.close()
+
+
+#: Parts at least this large are written on their own; smaller neighbours are joined.
+LARGE_PART = 64 * 1024
+
+
+def write_parts(tr: asyncio.WriteTransport, parts: Sequence[Any]) -> None:
+    """Write frame parts without joining a large payload into a new bytes object.
+
+    ``writelines`` of a plain asyncio transport joins every part into one bytes object
+    before sending: a copy of every payload byte.  Small parts (headers, CRCs, acks) are
+    joined; each large one goes to ``write()``, which hands it to the socket directly when
+    nothing is queued and copies only what the kernel did not take.
+    """
+    small: list[Any] = []
+    for part in parts:
+        view = memoryview(part)
+        if view.nbytes < LARGE_PART:
+            small.append(view)
+            continue
+        if small:
+            tr.write(b"".join(small))
+            small = []
+        tr.write(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+    if small:
+        tr.write(b"".join(small))
 
 
 async def finish_tasks(tasks: set[asyncio.Task[None]]) -> None:

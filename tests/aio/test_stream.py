@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from kvwire.aio._stream import Stream
+import numpy as np
+
+from kvwire.aio._stream import LARGE_PART, Stream, write_parts
 
 
 class FakeTransport(asyncio.Transport):
@@ -25,8 +27,8 @@ class FakeTransport(asyncio.Transport):
     def is_closing(self) -> bool:
         return self.closing or self.aborted
 
-    def writelines(self, data: Any) -> None:
-        self.written += [bytes(d) for d in data]
+    def write(self, data: Any) -> None:
+        self.written.append(bytes(data))
 
     def close(self) -> None:
         self.closing = True
@@ -143,3 +145,18 @@ async def test_pause_reading_is_idempotent_and_tracked() -> None:
     assert s.reading_paused and not tr.reading
     s.pause_reading(False)
     assert not s.reading_paused and tr.reading
+
+
+def test_large_parts_are_written_alone_and_small_neighbours_joined() -> None:
+    # A frame's parts: header, a payload given as a view of 2-byte items, the CRC; then an
+    # ack.  Every byte goes out in order, the payload in one write of its own (not copied
+    # into a joined buffer), the small parts around it joined.
+    payload = np.arange(LARGE_PART, dtype=np.uint16)
+    parts = [b"HDR", b"params", memoryview(payload), b"CRC!", b"ack"]
+    tr = FakeTransport()
+    write_parts(tr, parts)
+    assert b"".join(tr.written) == b"HDR" + b"params" + payload.tobytes() + b"CRC!" + b"ack"
+    assert tr.written == [b"HDRparams", payload.tobytes(), b"CRC!ack"]
+    tr2 = FakeTransport()
+    write_parts(tr2, [b"a", b"b"])
+    assert tr2.written == [b"ab"]
