@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from kvwire.codec import numpy_dtype
+from tests.consistency.conftest import IN_CI, find_redis_server
 
 SECRET = b"test-secret-0123"
 
@@ -31,3 +32,18 @@ def same_cache(a: list[tuple[np.ndarray, np.ndarray]], b: list[tuple[np.ndarray,
 @pytest.fixture
 def secret() -> bytes:
     return SECRET
+
+
+@pytest.fixture(scope="session")
+def redis_binary() -> str:
+    """A real redis-server: missing, it fails the test in CI and skips it elsewhere."""
+    binary = find_redis_server()
+    if binary is None:
+        message = (
+            "redis-server not found: install it (apt-get install redis-server), put it on "
+            "PATH, or set KVWIRE_REDIS_SERVER; the Redis registry tests need a real server"
+        )
+        if IN_CI:
+            pytest.fail(message)
+        pytest.skip(message)
+    return binary

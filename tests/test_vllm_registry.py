@@ -18,20 +18,14 @@ from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
-from tests.consistency.conftest import IN_CI, RedisServer, find_redis_server, start_redis
+from tests.consistency.conftest import RedisServer, start_redis
 
 pytestmark = pytest.mark.timeout(90)
 
 
 @pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = find_redis_server()
-    if binary is None:
-        message = "redis-server not found: install it, put it on PATH, or set KVWIRE_REDIS_SERVER"
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    server: RedisServer = start_redis(binary, tmp_path_factory.mktemp("redis"))
+def redis_url(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server: RedisServer = start_redis(redis_binary, tmp_path_factory.mktemp("redis"))
     try:
         yield server.url
     finally:

@@ -112,20 +112,6 @@ def start_redis(binary: str, workdir: Path) -> RedisServer:
 
 
 @pytest.fixture(scope="session")
-def redis_binary() -> str:
-    binary = find_redis_server()
-    if binary is None:
-        message = (
-            "redis-server not found: install it (apt-get install redis-server), put it on "
-            "PATH, or set KVWIRE_REDIS_SERVER; the Redis registry tests need a real server"
-        )
-        if IN_CI:
-            pytest.fail(message)
-        pytest.skip(message)
-    return binary
-
-
-@pytest.fixture(scope="session")
 def redis_server(
     redis_binary: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RedisServer]:
