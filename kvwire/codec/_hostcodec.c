@@ -67,6 +67,12 @@ static inline void st_f32(kv_u8* p, idx i, float f) { memcpy(p + 4 * i, &f, 4); 
 /* float32 magnitude bits from which each output dtype overflows (see _numeric._OVERFLOW_AT) */
 static const kv_u32 OVERFLOW_BITS[3] = {0x477FF000u /* 65520 */, 0x7F7F8000u, 0x7F800000u};
 
+/* The verdict on a block of decoded values from their largest magnitude bits: past float32
+ * (a forged scale), past the output dtype, or fine. */
+static inline int decoded_status(kv_u32 vmax, int dt) {
+    return vmax >= 0x7F800000u ? KV_E_OVERFLOW : vmax >= OVERFLOW_BITS[dt] ? KV_E_DTYPE : KV_OK;
+}
+
 /* ------------------------------------------------------------------------------------ */
 /* Loaders and storers per dtype (the kvquant.cuh conversions).                          */
 
@@ -195,8 +201,7 @@ static f16_load_fn kv_load_f16 = load_f16_generic;
                 ROW_##SUF(out, base, rowtmp, dim);                                           \
             }                                                                                \
             if (bad) return KV_E_CODE;                                                       \
-            if (vmax >= 0x7F800000u) return KV_E_OVERFLOW;                                   \
-            if (vmax >= OVERFLOW_BITS[DT_##SUF]) return KV_E_DTYPE;                          \
+            { const int st_ = decoded_status(vmax, DT_##SUF); if (st_) return st_; }         \
         }                                                                                    \
         return KV_OK;                                                                        \
     }
@@ -447,8 +452,7 @@ static inline kv_u8 nib(const kv_u8* packed, idx i) {
                 ROW_##SUF(out, base, rowtmp, dim);                                           \
             }                                                                                \
         }                                                                                    \
-        if (vmax >= 0x7F800000u) return KV_E_OVERFLOW;                                       \
-        if (vmax >= OVERFLOW_BITS[DT_##SUF]) return KV_E_DTYPE;                              \
+        { const int st_ = decoded_status(vmax, DT_##SUF); if (st_) return st_; }             \
         return KV_OK;                                                                        \
     }
 
@@ -863,8 +867,7 @@ KV_AVX2_INLINE __m256 int8_v_scaled(__m256i c, __m256 s) { return _mm256_mul_ps(
                 for (; d < dim; ++d) STORE_##SUF(out, base + d, DEQUANT(codes[base + d], s));  \
             }                                                                                  \
             if (bad) return KV_E_CODE;                                                         \
-            if (vmax >= 0x7F800000u) return KV_E_OVERFLOW;                                     \
-            if (vmax >= OVERFLOW_BITS[DT_##SUF]) return KV_E_DTYPE;                            \
+            { const int st_ = decoded_status(vmax, DT_##SUF); if (st_) return st_; }           \
         }                                                                                      \
         return KV_OK;                                                                          \
     }
@@ -1184,8 +1187,7 @@ KV_AVX2_INLINE void v_nibbles16(const kv_u8* p, __m256* c0, __m256* c1) {
         }                                                                                      \
         kv_u32 w = v_hmax_u32(vmx);                                                            \
         vmax = w > vmax ? w : vmax;                                                            \
-        if (vmax >= 0x7F800000u) return KV_E_OVERFLOW;                                         \
-        if (vmax >= OVERFLOW_BITS[DT_##SUF]) return KV_E_DTYPE;                                \
+        { const int st_ = decoded_status(vmax, DT_##SUF); if (st_) return st_; }               \
         return KV_OK;                                                                          \
     }
 
