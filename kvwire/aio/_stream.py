@@ -30,7 +30,8 @@ class Core(Protocol):
     """What a stream asks of its side's session core (``SenderCore``, ``ReceiverCore``)."""
 
     def get_buffer(self, key: int, /) -> memoryview: ...
-    def buffer_updated(self, key: int, nbytes: int, now: float, /) -> None: ...
+    def buffer_updated(self, key: int, nbytes: int, now: float, /) -> bool:
+        """False when only bytes of an unfinished frame arrived: nothing to pump."""
     def receive_data(self, key: int, data: bytes, now: float, /) -> None: ...
     def buffers_to_send(self, key: int, /) -> list[Any]: ...
     def is_closed(self, key: int, /) -> bool: ...
@@ -96,8 +97,7 @@ class Stream(asyncio.BufferedProtocol):
         return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._current():
-            self.owner.core.buffer_updated(self.key, nbytes, self.owner.now())
+        if self._current() and self.owner.core.buffer_updated(self.key, nbytes, self.owner.now()):
             self.owner.pump()
 
     def eof_received(self) -> bool | None:

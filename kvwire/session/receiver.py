@@ -432,12 +432,14 @@ class ReceiverCore:
             conn.receive_data(data, now)
             self._process(cid, now)
 
-    def buffer_updated(self, cid: int, nbytes: int, now: float) -> None:
-        """``nbytes`` were read into ``connection(cid).get_buffer()``."""
+    def buffer_updated(self, cid: int, nbytes: int, now: float) -> bool:
+        """``nbytes`` were read into ``connection(cid).get_buffer()``.  False: they were
+        bytes of an unfinished frame only, nothing changed (no pump needed)."""
         conn = self._conns.get(cid)
-        if conn is not None:
-            conn.buffer_updated(nbytes, now)
-            self._process(cid, now)
+        if conn is None or not conn.buffer_updated(nbytes, now):
+            return False
+        self._process(cid, now)
+        return True
 
     def get_buffer(self, cid: int) -> memoryview:
         """A buffer for the next read of ``cid`` (zero-copy); then :meth:`buffer_updated`."""

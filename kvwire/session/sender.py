@@ -300,13 +300,15 @@ class SenderCore:
         conn = self._slots[index].conn
         return conn.get_buffer() if conn is not None else memoryview(bytearray(65536))
 
-    def buffer_updated(self, index: int, nbytes: int, now: float) -> None:
+    def buffer_updated(self, index: int, nbytes: int, now: float) -> bool:
+        """``nbytes`` were read into ``get_buffer(index)``.  False: they were bytes of an
+        unfinished frame only, nothing changed (no pump needed)."""
         conn = self._slots[index].conn
-        if conn is None:
-            return
-        conn.buffer_updated(nbytes, now)
+        if conn is None or not conn.buffer_updated(nbytes, now):
+            return False
         self._process(index, now)
         self.pump()
+        return True
 
     def buffers_to_send(self, index: int) -> list[Buffer]:
         """What slot ``index`` has to write, payloads not copied."""

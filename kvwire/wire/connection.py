@@ -345,16 +345,24 @@ class Connection:
         """
         return self._decoder.get_buffer()
 
-    def buffer_updated(self, nbytes: int, now: float | None = None) -> None:
-        """``nbytes`` were written into the buffer :meth:`get_buffer` returned."""
+    def buffer_updated(self, nbytes: int, now: float | None = None) -> bool:
+        """``nbytes`` were written into the buffer :meth:`get_buffer` returned.
+
+        Returns False when nothing but bytes of an unfinished frame arrived (no event, no
+        state change: the caller has nothing to process), True otherwise.
+        """
         if self.state is State.CLOSED:
-            return
+            return False
         try:
-            self._handle_frames(self._decoder.buffer_updated(nbytes), now)
+            frames = self._decoder.buffer_updated(nbytes)
+            if not frames:
+                return False
+            self._handle_frames(frames, now)
         except KvwireError as exc:
             self._fail(exc)
         except MemoryError:
             self._fail(LimitExceededError("out of memory receiving a frame"))
+        return True
 
     def _handle_frames(self, frames: list[tuple[Frame, int]], now: float | None) -> None:
         if frames and now is not None:

@@ -511,7 +511,7 @@ class _BigFrame:
     into ``dest``, then the CRC.
     """
 
-    __slots__ = ("crc", "dest", "filled", "ftype", "header", "length", "pre", "pre_need", "stage")
+    __slots__ = ("crc", "dest", "filled", "ftype", "header", "length", "pre", "pre_need", "running", "stage")
 
     PRE, DEST, CRC = 0, 1, 2
 
@@ -524,10 +524,14 @@ class _BigFrame:
         self.dest: memoryview | None = None
         self.filled = 0
         self.crc = bytearray()
+        # CRC32C of header, pre and dest[:filled], kept up as bytes land (while they are
+        # still in the cache) so the payload is not read a second time at the end
+        self.running = 0
         if self.pre_need:
             self.stage = self.PRE
         else:
             # Any other frame: its whole body goes into a buffer of its own.
+            self.running = crc32c(header)
             self.dest = memoryview(bytearray(length))
             self.stage = self.DEST if length else self.CRC
 
@@ -576,6 +580,7 @@ class FrameDecoder:
         big = self._big
         assert big is not None and big.dest is not None
         self.bytes_received += nbytes
+        big.running = crc32c(big.dest[big.filled : big.filled + nbytes], big.running)
         big.filled += nbytes
         if big.filled == len(big.dest):
             big.stage = _BigFrame.CRC
@@ -668,6 +673,7 @@ class FrameDecoder:
             assert big.dest is not None
             take = min(len(big.dest) - big.filled, len(view))
             big.dest[big.filled : big.filled + take] = view[:take]
+            big.running = crc32c(view[:take], big.running)
             big.filled += take
             view = view[take:]
             if big.filled < len(big.dest):
@@ -691,13 +697,13 @@ class FrameDecoder:
                 if dest is not None and (len(dest) != size or dest.readonly):
                     raise ValueError("payload sink returned a buffer of the wrong size")
         big.dest = dest if dest is not None else memoryview(bytearray(size))
+        big.running = crc32c(big.pre, crc32c(big.header))
         big.stage = _BigFrame.DEST if size else _BigFrame.CRC
 
     def _finish_big(self, big: _BigFrame) -> Frame:
         assert big.dest is not None
         (expected,) = CRC.unpack(big.crc)
-        crc = crc32c(big.dest, crc32c(big.pre, crc32c(big.header)))
-        if crc != expected:
+        if big.running != expected:
             raise IntegrityError(f"CRC32C mismatch on frame type 0x{big.ftype:02x}")
         _check_reserved(big.header)
         if big.ftype == FrameType.CHUNK:

@@ -49,12 +49,14 @@ class FakeCore:
         self.fed: list[tuple[int, bytes]] = []
         self.out: list[bytes] = []
         self.closed = False
+        self.progress = True  # what buffer_updated says: a frame completed
 
     def get_buffer(self, key: int) -> memoryview:
         return memoryview(self.buf)
 
-    def buffer_updated(self, key: int, nbytes: int, now: float) -> None:
+    def buffer_updated(self, key: int, nbytes: int, now: float) -> bool:
         self.fed.append((key, bytes(self.buf[:nbytes])))
+        return self.progress
 
     def receive_data(self, key: int, data: bytes, now: float) -> None:
         self.fed.append((key, data))
@@ -105,7 +107,11 @@ async def test_bytes_go_to_the_core_and_its_answers_out_then_close() -> None:
     assert s.peer == ("127.0.0.1", 1) and owner.pumps == 1
     s.get_buffer(-1)[:3] = b"abc"
     s.buffer_updated(3)
-    assert owner.core.fed == [(3, b"abc")]
+    assert owner.core.fed == [(3, b"abc")] and owner.pumps == 2
+    owner.core.progress = False  # only bytes of an unfinished frame: no pump
+    s.get_buffer(-1)[:1] = b"d"
+    s.buffer_updated(1)
+    assert owner.core.fed[-1] == (3, b"d") and owner.pumps == 2
     owner.core.out = [b"ack"]
     s.flush()
     assert tr.written == [b"ack"] and not tr.closing
