@@ -5,13 +5,34 @@ teardown helpers."""
 from __future__ import annotations
 
 import asyncio
+import platform
 import socket
+import sys
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvwire.session.options import NOTSENT_LOWAT
 
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+#: Largest SO_RCVLOWAT a stream sets while a large payload is arriving (see Stream.lowat).
+RCVLOWAT_MAX = 1 << 20
+#: Payload left below which a stream reads whatever arrives (SO_RCVLOWAT back at 1).
+RCVLOWAT_MIN = 64 * 1024
+
+
+def _kernel_sizes_rcvlowat() -> bool:
+    """Linux 4.18+ grows a TCP socket's receive buffer to fit its SO_RCVLOWAT and wakes a
+    reader whose window is closing; older kernels could leave a reader waiting."""
+    if sys.platform != "linux" or not hasattr(socket, "SO_RCVLOWAT"):
+        return False
+    try:
+        major, minor = (int(x) for x in platform.release().split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= (4, 18)
+
+
+USE_RCVLOWAT = _kernel_sizes_rcvlowat()
 
 
 def tune_socket(sock: Any, notsent_lowat: int | None = NOTSENT_LOWAT) -> None:
@@ -33,6 +54,8 @@ class Core(Protocol):
     def buffer_updated(self, key: int, nbytes: int, now: float, /) -> bool:
         """False when only bytes of an unfinished frame arrived: nothing to pump."""
     def receive_data(self, key: int, data: bytes, now: float, /) -> None: ...
+    def payload_remaining(self, key: int, /) -> int:
+        """Bytes of the frame being read that are sure to arrive before it completes."""
     def buffers_to_send(self, key: int, /) -> list[Any]: ...
     def is_closed(self, key: int, /) -> bool: ...
     def connection(self, key: int, /) -> Any: ...
@@ -69,6 +92,10 @@ class Stream(asyncio.BufferedProtocol):
         self.made = False
         self.closed = asyncio.Event()
         self._scratch = bytearray(0)
+        # The plain TCP socket whose SO_RCVLOWAT follows the payload being read (None: TLS,
+        # not a socket, or not supported), and the value it has now.
+        self._lowat_sock: Any = None
+        self._lowat = 1
 
     @property
     def conn(self) -> Any:
@@ -81,7 +108,10 @@ class Stream(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         transport.set_write_buffer_limits(high=4 << 20, low=1 << 20)  # type: ignore[attr-defined]
-        tune_socket(transport.get_extra_info("socket"), self.owner.notsent_lowat)
+        sock = transport.get_extra_info("socket")
+        tune_socket(sock, self.owner.notsent_lowat)
+        if USE_RCVLOWAT and sock is not None and transport.get_extra_info("sslcontext") is None:
+            self._lowat_sock = sock
         self.peer = transport.get_extra_info("peername")
         self.made = self.owner.stream_made(self)
         if not self.made:
@@ -97,8 +127,31 @@ class Stream(asyncio.BufferedProtocol):
         return memoryview(self._scratch)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._current() and self.owner.core.buffer_updated(self.key, nbytes, self.owner.now()):
+        if not self._current():
+            return
+        core = self.owner.core
+        if core.buffer_updated(self.key, nbytes, self.owner.now()):
             self.owner.pump()
+        if self._lowat_sock is not None:
+            self.lowat(core.payload_remaining(self.key))
+
+    def lowat(self, remaining: int) -> None:
+        """Wake up for reading only once ``remaining`` bytes (capped) have arrived.
+
+        While a large payload arrives, nothing can happen on the connection before all of
+        it is in: SO_RCVLOWAT makes the kernel hand it over in a few large reads instead
+        of many small ones (each a callback into Python).  Never more than the peer has
+        committed to send, so the wait always ends (the kernel also wakes a reader whose
+        receive window is closing, and on EOF or error).  Plain TCP only: under TLS the
+        transport may hold part of a record, so the socket could see fewer bytes.
+        """
+        want = min(remaining, RCVLOWAT_MAX) if remaining >= RCVLOWAT_MIN else 1
+        if want != self._lowat:
+            try:
+                self._lowat_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                self._lowat = want
+            except OSError:
+                self._lowat_sock = None  # not a TCP socket after all: read as it comes
 
     def eof_received(self) -> bool | None:
         self._eof()

@@ -446,6 +446,12 @@ class ReceiverCore:
         conn = self._conns.get(cid)
         return conn.get_buffer() if conn is not None else memoryview(bytearray(65536))
 
+    def payload_remaining(self, cid: int) -> int:
+        """Bytes of the frame ``cid`` is reading that are sure to arrive before anything
+        can happen on it (see :attr:`Connection.payload_remaining`)."""
+        conn = self._conns.get(cid)
+        return 0 if conn is None else conn.payload_remaining
+
     def buffers_to_send(self, cid: int) -> list[Buffer]:
         """What ``cid`` has to write, payloads not copied."""
         conn = self._conns.get(cid)

@@ -310,6 +310,12 @@ class SenderCore:
         self.pump()
         return True
 
+    def payload_remaining(self, index: int) -> int:
+        """Bytes of the frame slot ``index`` is reading that are sure to arrive before
+        anything can happen on it (see :attr:`Connection.payload_remaining`)."""
+        conn = self._slots[index].conn
+        return 0 if conn is None else conn.payload_remaining
+
     def buffers_to_send(self, index: int) -> list[Buffer]:
         """What slot ``index`` has to write, payloads not copied."""
         slot = self._slots[index]

@@ -345,6 +345,13 @@ class Connection:
         """
         return self._decoder.get_buffer()
 
+    @property
+    def payload_remaining(self) -> int:
+        """Bytes of the frame being read that are sure to come before it completes (see
+        :attr:`FrameDecoder.payload_remaining`); an I/O layer may wait for that many
+        before waking up to read (e.g. with SO_RCVLOWAT)."""
+        return self._decoder.payload_remaining
+
     def buffer_updated(self, nbytes: int, now: float | None = None) -> bool:
         """``nbytes`` were written into the buffer :meth:`get_buffer` returned.
 

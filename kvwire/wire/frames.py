@@ -730,6 +730,16 @@ class FrameDecoder:
             self._pos = 0
 
     @property
+    def payload_remaining(self) -> int:
+        """Bytes of a large frame's body that will be read straight into its buffer before
+        the frame can complete (0 when no such body is being read): the peer has
+        committed to sending at least this many more bytes."""
+        big = self._big
+        if big is None or big.stage != _BigFrame.DEST or big.dest is None:
+            return 0
+        return len(big.dest) - big.filled
+
+    @property
     def buffered(self) -> int:
         """Bytes held while waiting for the rest of a frame."""
         big = 0

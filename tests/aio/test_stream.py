@@ -4,22 +4,33 @@ what is written, and the side-specific parts left to its owner."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from typing import Any
 
 import numpy as np
 
-from kvwire.aio._stream import LARGE_PART, Stream, write_parts
+from kvwire.aio._stream import LARGE_PART, RCVLOWAT_MAX, RCVLOWAT_MIN, Stream, write_parts
+
+
+class FakeSocket:
+    def __init__(self) -> None:
+        self.lowat: list[int] = []
+
+    def setsockopt(self, level: int, name: int, value: int) -> None:
+        if (level, name) == (socket.SOL_SOCKET, socket.SO_RCVLOWAT):
+            self.lowat.append(value)
 
 
 class FakeTransport(asyncio.Transport):
-    def __init__(self) -> None:
+    def __init__(self, sock: FakeSocket | None = None, *, tls: bool = False) -> None:
         super().__init__()
         self.written: list[bytes] = []
         self.closing = self.aborted = False
         self.reading = True
+        self.extra = {"peername": ("127.0.0.1", 1), "socket": sock, "sslcontext": object() if tls else None}
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return ("127.0.0.1", 1) if name == "peername" else default
+        return self.extra.get(name, default)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         pass
@@ -50,6 +61,7 @@ class FakeCore:
         self.out: list[bytes] = []
         self.closed = False
         self.progress = True  # what buffer_updated says: a frame completed
+        self.remaining = 0  # what payload_remaining says
 
     def get_buffer(self, key: int) -> memoryview:
         return memoryview(self.buf)
@@ -60,6 +72,9 @@ class FakeCore:
 
     def receive_data(self, key: int, data: bytes, now: float) -> None:
         self.fed.append((key, data))
+
+    def payload_remaining(self, key: int) -> int:
+        return self.remaining
 
     def buffers_to_send(self, key: int) -> list[Any]:
         out, self.out = self.out, []
@@ -166,3 +181,25 @@ def test_large_parts_are_written_alone_and_small_neighbours_joined() -> None:
     tr2 = FakeTransport()
     write_parts(tr2, [b"a", b"b"])
     assert tr2.written == [b"ab"]
+
+
+async def test_rcvlowat_follows_the_payload_the_peer_committed_to() -> None:
+    """While a large payload arrives the socket wakes the reader only once (at most) the
+    rest of it is in; below RCVLOWAT_MIN, and after it, every byte wakes it again."""
+    owner, sock = Owner(), FakeSocket()
+    s = Stream(owner, 0)
+    s.connection_made(FakeTransport(sock))
+    for remaining in (0, 3 * RCVLOWAT_MAX, RCVLOWAT_MAX // 2, RCVLOWAT_MAX // 2, RCVLOWAT_MIN - 1, 0):
+        owner.core.remaining = remaining
+        s.get_buffer(-1)
+        s.buffer_updated(1)
+    assert sock.lowat == [RCVLOWAT_MAX, RCVLOWAT_MAX // 2, 1]  # set only when it changes
+
+
+async def test_rcvlowat_is_left_alone_under_tls() -> None:
+    owner, sock = Owner(), FakeSocket()
+    s = Stream(owner, 0)
+    s.connection_made(FakeTransport(sock, tls=True))
+    owner.core.remaining = RCVLOWAT_MAX
+    s.buffer_updated(1)
+    assert sock.lowat == []

@@ -202,14 +202,42 @@ def test_recv_into_path_yields_the_same_frames(data: st.DataObject) -> None:
     dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=4096)
     got = []
     pos = 0
+    quiet_until = 0  # the decoder promised that no frame completes before this offset
     while pos < len(stream):
+        remaining = dec.payload_remaining
+        assert pos + remaining <= len(stream)  # never more than the sender committed to
+        quiet_until = max(quiet_until, pos + remaining)
         buf = dec.get_buffer()
         n = min(len(buf), len(stream) - pos, data.draw(st.integers(1, 70_000)))
         buf[:n] = stream[pos : pos + n]
         pos += n
-        got += dec.buffer_updated(n)
+        done = dec.buffer_updated(n)
+        assert not done or pos > quiet_until
+        got += done
     assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
-    assert dec.buffered == 0 and dec.bytes_received == len(stream)
+    assert dec.buffered == 0 and dec.bytes_received == len(stream) and dec.payload_remaining == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 100_000 + 40), st.integers(1, 70_000))
+def test_a_flipped_bit_read_in_place_is_an_integrity_error(at: int, step: int) -> None:
+    """The CRC of a payload read straight into its buffer is kept up read by read: a bit
+    flipped anywhere in the frame, read in steps of any size, is still caught."""
+    chunk = Chunk(transfer_id=3, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"pp", payload=bytes(range(250)) * 400)
+    raw = bytearray(frame_bytes(chunk))
+    raw[at % len(raw)] ^= 0x04
+    dec = FrameDecoder(1 << 20, big_body=1024, payload_sink=lambda head, size: memoryview(bytearray(size)))
+    got = []
+    with contextlib.suppress(ProtocolError):  # IntegrityError, or a header field that no longer fits
+        pos = 0
+        while pos < len(raw):
+            buf = dec.get_buffer()
+            n = min(len(buf), len(raw) - pos, step)
+            buf[:n] = raw[pos : pos + n]
+            pos += n
+            got += dec.buffer_updated(n)
+    assert got == []  # refused, or (a longer length) still waiting: never delivered
 
 
 @settings(max_examples=60, deadline=None)
