@@ -31,6 +31,11 @@ OPTIONAL_EXTENSIONS = [
         depends=["kvwire/codec/kernels/kvquant.cuh"],
         extra_compile_args=_STRICT_FP,
     ),
+    Extension(
+        "kvwire.wire._crc32c",
+        sources=["kvwire/wire/_crc32c.c"],
+        extra_compile_args=["-O3", "-std=c11"],  # SIMD loops pick their ISA per function
+    ),
 ]
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Union
 
-from crc32c import crc32c
+from kvwire.wire.crc import crc32c
 
 from kvwire.errors import ErrorCode, FrameTooLargeError, IntegrityError, ProtocolError
 

@@ -1,0 +1,53 @@
+"""CRC32C of frames: the compiled ``kvwire.wire._crc32c`` where built, else the ``crc32c`` package.
+
+Both compute the same function, ``crc32c(data, value=0) -> int`` (Castagnoli, reflected
+polynomial 0x82F63B78) over any C-contiguous buffer, with continuation:
+``crc32c(b, crc32c(a)) == crc32c(a + b)``; ``value`` is taken modulo 2**32.  The extension
+picks its fastest loop at import (VPCLMULQDQ on AVX-512, PCLMULQDQ, the SSE4.2 crc32
+instruction, or a portable table) and releases the GIL for buffers of 8 KiB and more.
+``ext`` is None when the extension was not built (no compiler at install time) or when
+``KVWIRE_NO_EXTENSIONS=1`` is set at import; then the package's function is used.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+from typing import Protocol, Union
+
+import crc32c as _package
+
+#: what the frames pass (numpy arrays and any other C-contiguous buffer work too)
+Buffer = Union[bytes, bytearray, memoryview]
+
+
+class Crc32c(Protocol):
+    """The signature both implementations share (the package also takes a keyword)."""
+
+    def __call__(self, data: Buffer, value: int = 0, /) -> int: ...
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
+        return None
+    try:
+        from kvwire.wire import _crc32c  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    module: ModuleType = _crc32c
+    return module
+
+
+#: the compiled module, or None (then the crc32c package runs)
+ext: ModuleType | None = _load()
+
+#: ``crc32c(data, value=0) -> int``: the compiled function itself, or the package's (no
+#: Python frame in between, the frames call it on every header and body part)
+crc32c: Crc32c = ext.crc32c if ext is not None else _package.crc32c
+
+
+def implementation() -> str:
+    """What :func:`crc32c` runs, in words: ``"compiled <loop>"`` or ``"crc32c package"``."""
+    if ext is None:
+        return "crc32c package"
+    return f"compiled {ext.isa()}"
