@@ -16,9 +16,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Union
 
-from kvwire.wire.crc import crc32c
-
 from kvwire.errors import ErrorCode, FrameTooLargeError, IntegrityError, ProtocolError
+from kvwire.wire.crc import crc32c
 
 Buffer = Union[bytes, bytearray, memoryview]
 
