@@ -184,7 +184,7 @@ async def _send_layer(
     core = peer.core
     tokens = int(k.shape[0])
     bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
-    plan = plan_chunks(tokens, bpt, peer.options.chunk_bytes)
+    plan = plan_chunks(tokens, bpt, core.chunk_target(peer.options.chunk_bytes))
     chooser = peer.chooser
 
     def pick() -> Any:

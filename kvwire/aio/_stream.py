@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from kvwire.session.options import NOTSENT_LOWAT
+from kvwire.wire.frames import CheckedPayload
 
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 #: Largest SO_RCVLOWAT a stream sets while a large payload is arriving (see Stream.lowat).
@@ -211,6 +212,16 @@ def write_parts(tr: asyncio.WriteTransport, parts: Sequence[Any]) -> None:
     """
     small: list[Any] = []
     for part in parts:
+        if isinstance(part, CheckedPayload):  # checksummed piece by piece as it is written
+            if small:
+                tr.write(b"".join(small))
+                small = []
+            for piece in part.pieces():
+                if len(piece) < LARGE_PART:
+                    small.append(piece)
+                else:
+                    tr.write(piece)
+            continue
         view = memoryview(part)
         if view.nbytes < LARGE_PART:
             small.append(view)

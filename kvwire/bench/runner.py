@@ -119,7 +119,7 @@ class BenchConfig:
     """Measure a raw-socket baseline first (plain loopback only)."""
     seed: int = 0
     sample_interval: float = 0.1
-    chunk_bytes: int = 1 << 20
+    chunk_bytes: int = 4 << 20
     """Target size of one chunk of K or V before encoding (``ClientOptions.chunk_bytes``)."""
     interval: float = 1.0
     """Seconds between the per-interval reports (``intervals`` in the report)."""

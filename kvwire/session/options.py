@@ -57,8 +57,9 @@ def _check_secret(secret: object) -> bytes:
 class ClientOptions:
     """Settings of a client session."""
 
-    chunk_bytes: int = 1 << 20
-    """Target size of one chunk of K or V before encoding."""
+    chunk_bytes: int = 4 << 20
+    """Target size of one chunk of K or V before encoding (at most what the server's
+    frame limit holds: a smaller limit makes the chunks smaller)."""
     max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
     """Largest frame body this side accepts."""
     connect_timeout: float = 10.0

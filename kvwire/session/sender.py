@@ -49,7 +49,7 @@ from kvwire.wire import (
     chunk_frame_size,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-from kvwire.wire.frames import Buffer, encode_body
+from kvwire.wire.frames import Buffer, CheckedPayload, encode_body, plain_parts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -196,7 +196,7 @@ class _Slot:
     was_open: bool = False  # open at least once: the next open is a reconnect
     writable: bool = True
     window: int = 0
-    tail: list[Buffer] = field(default_factory=list)  # the last bytes of a closed connection
+    tail: list[Buffer | CheckedPayload] = field(default_factory=list)  # the last bytes of a closed connection
     closed: bool = False  # its connection closed; the I/O layer closes the transport
     acked: int = 0  # CHUNK wire bytes acknowledged on this slot, over all its connections
 
@@ -316,16 +316,17 @@ class SenderCore:
         conn = self._slots[index].conn
         return 0 if conn is None else conn.payload_remaining
 
-    def buffers_to_send(self, index: int) -> list[Buffer]:
-        """What slot ``index`` has to write, payloads not copied."""
+    def buffers_to_send(self, index: int) -> list[Buffer | CheckedPayload]:
+        """What slot ``index`` has to write, payloads not copied (a large payload as a
+        :class:`CheckedPayload`, checksummed as it is written)."""
         slot = self._slots[index]
         if slot.conn is None:
             out, slot.tail = slot.tail, []
             return out
-        return slot.conn.data_to_send()
+        return slot.conn.data_to_write()
 
     def data_to_send(self, index: int) -> bytes:
-        return b"".join(bytes(p) for p in self.buffers_to_send(index))
+        return b"".join(bytes(p) for p in plain_parts(self.buffers_to_send(index)))
 
     def is_closed(self, index: int) -> bool:
         """Whether the connection of slot ``index`` is over (write what is left, then close)."""
@@ -381,6 +382,16 @@ class SenderCore:
         if conn is not None:
             conn.send_begin(begin)
         return tid
+
+    def chunk_target(self, requested: int) -> int:
+        """Bytes of K or V (before encoding) to put in one chunk: ``requested``, or less
+        where the server's frame limit would not hold a chunk that large (with room for
+        the chunk's header and params and for an entropy stage that grows a chunk it
+        cannot shrink)."""
+        limit = self.peer_max_frame_size
+        if not limit:
+            return requested
+        return max(1, min(requested, (limit - 4096) * 255 // 256))
 
     def add_chunk(self, transfer_id: int, chunk: Chunk, *, kv_bytes: int = 0) -> None:
         t = self._transfers.get(transfer_id)
@@ -528,7 +539,7 @@ class SenderCore:
         slot = self._slots[index]
         was_open = slot.open
         assert slot.conn is not None
-        slot.tail = slot.conn.data_to_send()  # a GOAWAY of ours still goes out
+        slot.tail = slot.conn.data_to_write()  # a GOAWAY of ours still goes out
         slot.open = False
         slot.conn = None
         slot.closed = True

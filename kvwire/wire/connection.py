@@ -47,6 +47,7 @@ from kvwire.wire.frames import (
     Begin,
     Buffer,
     Challenge,
+    CheckedPayload,
     Chunk,
     ChunkAddress,
     Credit,
@@ -61,7 +62,9 @@ from kvwire.wire.frames import (
     Reset,
     UnknownFrame,
     Welcome,
+    encode_chunk_checked_as_written,
     encode_frame,
+    plain_parts,
     welcome_unsigned,
 )
 
@@ -270,7 +273,7 @@ class Connection:
         self._nonce = nonce_source
         self._decoder = FrameDecoder(HANDSHAKE_MAX_BODY)
         self._events: deque[Event] = deque()
-        self._out: list[Buffer] = []
+        self._out: list[Buffer | CheckedPayload] = []
         self._deadline: float | None = now + config.handshake_timeout
         self._last_rx = now
         self._ping_due: float | None = None
@@ -383,6 +386,12 @@ class Connection:
         return self._events.popleft() if self._events else None
 
     def data_to_send(self) -> list[Buffer]:
+        """What to write, as buffers (payloads not copied)."""
+        return plain_parts(self.data_to_write())
+
+    def data_to_write(self) -> list[Buffer | CheckedPayload]:
+        """What to write, payloads not copied, a large CHUNK payload and its trailer as one
+        :class:`CheckedPayload` whose CRC is computed as it is written (``pieces()``)."""
         out, self._out = self._out, []
         for part in out:
             self.bytes_sent += len(part)
@@ -536,7 +545,8 @@ class Connection:
         return True
 
     def _queue(self, frame: Frame) -> None:
-        self._out.extend(p for p in encode_frame(frame) if len(p))
+        parts = encode_chunk_checked_as_written(frame) if isinstance(frame, Chunk) else encode_frame(frame)
+        self._out.extend(p for p in parts if len(p))
 
     def _queue_signed(self, frame: Frame) -> bytes:
         parts = encode_frame(frame)

@@ -11,7 +11,7 @@ in its data.  docs/protocol.md is the normative description; this module follows
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Union
@@ -302,12 +302,19 @@ def _read_codec_list(r: _Reader) -> tuple[str, ...]:
 # Encoding.
 
 
-def _frame(ftype: FrameType, body_parts: Sequence[Buffer], flags: int = 0) -> list[Buffer]:
-    length = sum(memoryview(p).nbytes for p in body_parts)  # bytes, whatever the item size
+def _head(ftype: FrameType, body_parts: Sequence[Buffer], more: int = 0, flags: int = 0) -> tuple[bytes, int]:
+    """The header of a frame whose body is ``body_parts`` and ``more`` bytes after them,
+    and the CRC32C of header and parts."""
+    length = sum(memoryview(p).nbytes for p in body_parts) + more  # bytes, whatever the item size
     header = HEADER.pack(ftype, flags, 0, length)
     crc = crc32c(header)
     for part in body_parts:
         crc = crc32c(part, crc)
+    return header, crc
+
+
+def _frame(ftype: FrameType, body_parts: Sequence[Buffer], flags: int = 0) -> list[Buffer]:
+    header, crc = _head(ftype, body_parts, flags=flags)
     return [header, *body_parts, CRC.pack(crc)]
 
 
@@ -383,6 +390,68 @@ def encode_frame(frame: Frame) -> list[Buffer]:
     """``frame`` as a list of buffers for ``writelines`` (payload views are not copied)."""
     ftype, parts = encode_body(frame)
     return _frame(ftype, parts)
+
+
+#: Payloads at least this large are sent as a :class:`CheckedPayload` by a connection.
+CHECK_AS_WRITTEN = 256 * 1024
+#: A CheckedPayload up to this size is one piece (checksummed, then written whole); a
+#: larger one is written in pieces of CHECK_AS_WRITTEN.  Measured on loopback
+#: (docs/benchmarks.md): 4 MiB chunks in 256 KiB pieces were fastest; a 1 MiB chunk in
+#: pieces was slower than written whole.
+WRITE_WHOLE = 1 << 20
+
+
+class CheckedPayload:
+    """The end of a CHUNK frame, its payload and CRC32C trailer, with the CRC computed as
+    the payload is written rather than in a pass of its own before.
+
+    ``crc`` is the CRC of the frame up to the payload.  :meth:`pieces` yields the payload
+    in segments, each checksummed just before it is handed out (so the write that follows
+    reads it from the cache), then the trailer; :meth:`parts` gives payload and trailer at
+    once.  Either may be called once.
+    """
+
+    __slots__ = ("crc", "payload")
+
+    def __init__(self, payload: memoryview, crc: int) -> None:
+        self.payload = payload
+        self.crc = crc
+
+    def __len__(self) -> int:
+        return self.payload.nbytes + CRC_SIZE
+
+    def pieces(self, segment: int | None = None) -> Iterator[memoryview | bytes]:
+        payload, crc = self.payload, self.crc
+        if segment is None:
+            segment = payload.nbytes if payload.nbytes <= WRITE_WHOLE else CHECK_AS_WRITTEN
+        for at in range(0, payload.nbytes, segment):
+            piece = payload[at : at + segment]
+            crc = crc32c(piece, crc)
+            yield piece
+        yield CRC.pack(crc)
+
+    def parts(self) -> list[Buffer]:
+        return [self.payload, CRC.pack(crc32c(self.payload, self.crc))]
+
+
+def plain_parts(parts: list[Buffer | CheckedPayload]) -> list[Buffer]:
+    """``parts`` with each :class:`CheckedPayload` as its payload and trailer."""
+    if not any(isinstance(p, CheckedPayload) for p in parts):
+        return parts  # type: ignore[return-value]  # no CheckedPayload in it
+    return [q for p in parts for q in (p.parts() if isinstance(p, CheckedPayload) else (p,))]
+
+
+def encode_chunk_checked_as_written(chunk: Chunk) -> list[Buffer | CheckedPayload]:
+    """A CHUNK frame as :func:`encode_frame` gives it, except that a payload of at least
+    :data:`CHECK_AS_WRITTEN` bytes and the trailer are one :class:`CheckedPayload`."""
+    ftype, parts = encode_body(chunk)
+    payload = memoryview(parts[-1])
+    if payload.format != "B" or payload.ndim != 1:
+        payload = payload.cast("B")  # len() of every part is its byte count
+    if payload.nbytes < CHECK_AS_WRITTEN:
+        return list(_frame(ftype, [*parts[:-1], payload]))
+    header, crc = _head(ftype, parts[:-1], payload.nbytes)
+    return [header, *parts[:-1], CheckedPayload(payload, crc)]
 
 
 def frame_bytes(frame: Frame) -> bytes:

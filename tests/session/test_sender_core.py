@@ -345,6 +345,18 @@ def test_a_begin_larger_than_the_peer_frame_limit_is_a_usage_error() -> None:
     assert h.core.transfers == 0
 
 
+def test_chunks_are_planned_to_fit_the_server_frame_limit() -> None:
+    """The server here accepts frames of 128 KiB: a larger chunk target shrinks to fit it
+    (with room for header, params and an entropy stage), a smaller one is kept."""
+    h = harness()
+    limit = h.core.peer_max_frame_size
+    assert limit == 128 * 1024
+    target = h.core.chunk_target(4 << 20)
+    assert target < limit and target * 256 // 255 + 4096 <= limit
+    assert h.core.chunk_target(8192) == 8192
+    assert SenderCore(SenderConfig(secret=SECRET)).chunk_target(4 << 20) == 4 << 20  # no server yet
+
+
 def test_begin_timeout_overrides_the_configured_deadline() -> None:
     h = harness(transfer_timeout=100.0)
     tid = begin(h, timeout=2.0)

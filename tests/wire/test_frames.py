@@ -29,7 +29,17 @@ from kvwire.wire import (
     Welcome,
     frame_bytes,
 )
-from kvwire.wire.frames import HEADER, MAGIC, _frame, encode_body
+from kvwire.wire.frames import (
+    CHECK_AS_WRITTEN,
+    HEADER,
+    MAGIC,
+    WRITE_WHOLE,
+    CheckedPayload,
+    _frame,
+    encode_body,
+    encode_chunk_checked_as_written,
+    plain_parts,
+)
 
 SAMPLES = [
     Hello(min_version=1, max_version=1, nonce=bytes(range(32)), session_id=bytes(16), stream_index=3,
@@ -381,3 +391,28 @@ def test_payload_with_wide_items_is_framed_by_its_bytes(fmt: str) -> None:
     assert size == len(wire)
     assert isinstance(got, Chunk) and bytes(got.payload) == raw
 
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 3 * WRITE_WHOLE), st.sampled_from(["B", "H", "f"]), st.integers(0, 3))
+def test_a_payload_checked_as_written_makes_the_same_bytes(size: int, fmt: str, plen: int) -> None:
+    """A CHUNK encoded for writing piece by piece (CRC computed as each piece goes) is
+    byte for byte the frame encode_frame makes, whether written in pieces or as parts."""
+    import numpy as np
+
+    arr = np.arange(size // np.dtype(fmt).itemsize, dtype=fmt)
+    chunk = Chunk(transfer_id=9, layer=2, kind=1, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"q" * plen, payload=memoryview(arr))
+    expected = frame_bytes(chunk)
+    parts = encode_chunk_checked_as_written(chunk)
+    checked = [p for p in parts if isinstance(p, CheckedPayload)]
+    assert len(checked) == (1 if arr.nbytes >= CHECK_AS_WRITTEN else 0)
+    assert sum(len(p) for p in parts) == len(expected)  # len() is bytes, whatever the item size
+    assert b"".join(bytes(p) for p in plain_parts(parts)) == expected
+    pieces = [bytes(q) for p in encode_chunk_checked_as_written(chunk)
+              for q in (p.pieces() if isinstance(p, CheckedPayload) else (p,))]
+    assert b"".join(pieces) == expected
+    if checked:  # up to WRITE_WHOLE in one piece, else in pieces of CHECK_AS_WRITTEN
+        sizes = [len(q) for q in checked[0].pieces()][:-1]
+        assert sizes == ([arr.nbytes] if arr.nbytes <= WRITE_WHOLE
+                         else [min(CHECK_AS_WRITTEN, arr.nbytes - a) for a in range(0, arr.nbytes, CHECK_AS_WRITTEN)])
