@@ -10,29 +10,17 @@ The loops release the GIL, so encodes and decodes on executor threads run in par
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
+from kvwire._extensions import load_extension
 from kvwire.codec import _numeric as nm
 from kvwire.errors import ProtocolError, UsageError
 
-
-def _load() -> ModuleType | None:
-    if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
-        return None
-    try:
-        from kvwire.codec import _hostcodec  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    module: ModuleType = _hostcodec
-    return module
-
-
 #: the compiled module, or None (then the numpy code runs)
-ext: ModuleType | None = _load()
+ext: ModuleType | None = load_extension("kvwire.codec._hostcodec")
 
 FP8 = 0
 INT8 = 1

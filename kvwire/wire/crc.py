@@ -11,11 +11,12 @@ instruction, or a portable table) and releases the GIL for buffers of 8 KiB and 
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Protocol, Union
 
 import crc32c as _package
+
+from kvwire._extensions import load_extension
 
 #: what the frames pass (numpy arrays and any other C-contiguous buffer work too)
 Buffer = Union[bytes, bytearray, memoryview]
@@ -27,19 +28,8 @@ class Crc32c(Protocol):
     def __call__(self, data: Buffer, value: int = 0, /) -> int: ...
 
 
-def _load() -> ModuleType | None:
-    if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
-        return None
-    try:
-        from kvwire.wire import _crc32c  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    module: ModuleType = _crc32c
-    return module
-
-
 #: the compiled module, or None (then the crc32c package runs)
-ext: ModuleType | None = _load()
+ext: ModuleType | None = load_extension("kvwire.wire._crc32c")
 
 #: ``crc32c(data, value=0) -> int``: the compiled function itself, or the package's (no
 #: Python frame in between, the frames call it on every header and body part)
