@@ -408,7 +408,8 @@ class CheckedPayload:
     ``crc`` is the CRC of the frame up to the payload.  :meth:`pieces` yields the payload
     in segments, each checksummed just before it is handed out (so the write that follows
     reads it from the cache), then the trailer; :meth:`parts` gives payload and trailer at
-    once.  Either may be called once.
+    once.  Both read the payload as it is when they run (the caller's arrays must not change
+    until the send is acknowledged).
     """
 
     __slots__ = ("crc", "payload")
