@@ -234,6 +234,19 @@ async def test_tls_transfer_arrives_bit_identical(ca: trustme.CA, server_cert: t
     assert errors == []
 
 
+async def test_tls_transfer_of_large_chunks_arrives_bit_identical(ca: trustme.CA, server_cert: trustme.LeafCert) -> None:
+    """4 MiB chunks, written in checksummed pieces, through TLS (where the stream leaves
+    SO_RCVLOWAT alone)."""
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=8, head_dim=128)
+    layers = make_layers(2, 3000, 8, 128)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, ssl=server_context(server_cert)) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, ssl=client_context(ca),
+                                  server_hostname="localhost") as peer:
+            await peer.send("tls-big", spec, layers, timeout=30)
+        cache = await (await server.expect("tls-big", timeout=10)).collect(timeout=10)
+    assert same_cache(cache.layers, layers)
+
+
 async def test_mutual_tls_transfer(ca: trustme.CA, server_cert: trustme.LeafCert) -> None:
     client_cert = ca.issue_cert("client.kvwire.test")
     async with loop_errors() as errors:

@@ -36,6 +36,28 @@ async def test_32_layer_cache_arrives_bit_identical(streams: int) -> None:
         assert sum(1 for s in stats["streams"] if s["bytes_sent"] > 100_000) >= 2  # striped
 
 
+@pytest.mark.parametrize(("chunk_bytes", "server_frame"), [
+    (4 << 20, None),  # the defaults: 4 MiB chunks, written in 256 KiB pieces
+    (6 << 20, 8 << 20),  # a payload over SO_RCVLOWAT's cap
+    (4 << 20, 1 << 20),  # chunks shrunk to fit the server's frame limit
+    (1 << 20, None),  # written whole, checksummed just before
+])
+async def test_large_chunks_arrive_bit_identical(chunk_bytes: int, server_frame: int | None) -> None:
+    """Payloads checksummed as they are written and read with SO_RCVLOWAT: every byte as
+    sent, every chunk within the server's frame limit."""
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=8, head_dim=128, dtype="float16")
+    layers = make_layers(2, 5000, 8, 128)  # 9.8 MiB per K or V
+    opts = {} if server_frame is None else {"max_frame_size": server_frame + (64 << 10)}
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, **opts) as server:  # type: ignore[arg-type]
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=chunk_bytes) as peer:
+            receipt = await peer.send("big", spec, layers, timeout=30)
+        cache = await (await server.expect("big", timeout=10)).collect(timeout=10)
+    assert same_cache(cache.layers, layers)
+    limit = min(chunk_bytes, server_frame or chunk_bytes)
+    per_tensor = -(-5000 * 8 * 128 * 2 // limit)  # chunks of at most `limit` bytes each
+    assert receipt.chunks >= 2 * 2 * per_tensor
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 async def test_every_dtype_round_trips(dtype: str) -> None:
     spec = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype)
