@@ -178,9 +178,10 @@ class Peer(Pump):
         if isinstance(ev, ChunkSent):
             self.bytes_sent += ev.wire_size
             bdp = (est.max_filter_bps or 0) / 8 * (est.min_rtt or 0)
-            # As in TCP's rate sampling: nothing else queued and the pipe not full means the
-            # sample measures the producer, not the link.
-            limited = not ev.queued and bdp > 0 and est.bytes_in_flight + ev.wire_size < bdp
+            # As in TCP's rate sampling: with nothing else queued, a chunk that went out as
+            # it was produced (nothing held it back), or with the pipe not full, measures
+            # the producer (an encoder, the application), not the link.
+            limited = not ev.queued and (not ev.waited or (bdp > 0 and est.bytes_in_flight + ev.wire_size < bdp))
             est.on_send(ev.address, ev.wire_size, clock(), app_limited=limited)
         elif isinstance(ev, ChunkDelivered):
             est.on_ack(ev.address, clock())

@@ -1,0 +1,83 @@
+"""What the sender's pump tells the delivery-rate estimator, and the encode time it feeds
+``auto``: who set a chunk's pace, and the codec's own time without the wait for a worker."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from kvwire.aio import _encode
+from kvwire.aio.client import ClientOptions, Peer
+from kvwire.codec import TensorKind
+from kvwire.codec.base import EncodedChunk
+from kvwire.session.sender import ChunkSent
+from kvwire.wire import ChunkAddress
+from tests.conftest import SECRET
+
+
+def _peer() -> Peer:
+    return Peer("127.0.0.1", 1, secret=SECRET, streams=1, codec="raw", ssl=None,
+                options=ClientOptions())
+
+
+def _sent(i: int, *, queued: bool, waited: bool) -> ChunkSent:
+    return ChunkSent(address=ChunkAddress(transfer_id=1, layer=0, kind=0, token_start=i), stream=0,
+                     wire_size=1 << 20, kv_bytes=1 << 20, queued=queued, waited=waited)
+
+
+async def test_a_chunk_sent_as_produced_is_an_app_limited_sample() -> None:
+    peer = _peer()
+    peer._on_event(_sent(0, queued=False, waited=False))
+    assert peer.estimator.app_limited  # the producer set the pace
+
+
+async def test_a_chunk_the_path_held_back_or_with_more_queued_is_not() -> None:
+    for queued, waited in ((False, True), (True, False), (True, True)):
+        peer = _peer()  # no estimate yet: no pipe to be short of
+        peer._on_event(_sent(0, queued=queued, waited=waited))
+        assert not peer.estimator.app_limited, (queued, waited)
+
+
+class _SlowCodec:
+    """A quantizing codec whose encode takes 2 s of the (fake) clock."""
+
+    name, lossless, codec_id = "fake", False, 0x7E
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+
+    def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        self.clock[0] += 2.0
+        return EncodedChunk(self.codec_id, b"", b"\0" * 8)
+
+
+class _Chooser:
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, float]] = []
+
+    def observe_encode(self, codec: str, nbytes: int, seconds: float) -> None:
+        self.seen.append((codec, nbytes, seconds))
+
+    def observe_size(self, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
+        pass
+
+
+async def test_encode_time_is_the_codecs_own_not_the_wait_for_a_worker(monkeypatch: Any) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(_encode.time, "perf_counter", lambda: clock[0])
+    loop = asyncio.get_running_loop()
+    real = loop.run_in_executor
+
+    def queued(executor: Any, fn: Any, *args: Any) -> Any:
+        clock[0] += 10.0  # the job waits 10 s for a free worker, the loop 10 s to pick it up
+        fut = real(executor, fn, *args)
+        fut.add_done_callback(lambda _: clock.__setitem__(0, clock[0] + 10.0))
+        return fut
+
+    monkeypatch.setattr(loop, "run_in_executor", queued)
+    chooser = _Chooser()
+    x = np.zeros((4, 2, 8), np.float16)
+    await _encode.encode(_SlowCodec(clock), x, TensorKind.K, chooser)  # type: ignore[arg-type]
+    assert chooser.seen == [("fake", x.nbytes, 2.0)]
