@@ -8,7 +8,7 @@ import asyncio
 import platform
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from kvwire.session.options import NOTSENT_LOWAT
@@ -208,20 +208,11 @@ def write_parts(tr: asyncio.WriteTransport, parts: Sequence[Any]) -> None:
     ``writelines`` of a plain asyncio transport joins every part into one bytes object
     before sending: a copy of every payload byte.  Small parts (headers, CRCs, acks) are
     joined; each large one goes to ``write()``, which hands it to the socket directly when
-    nothing is queued and copies only what the kernel did not take.
+    nothing is queued and copies only what the kernel did not take.  A
+    :class:`CheckedPayload` is written piece by piece, each checksummed just before.
     """
     small: list[Any] = []
-    for part in parts:
-        if isinstance(part, CheckedPayload):  # checksummed piece by piece as it is written
-            if small:
-                tr.write(b"".join(small))
-                small = []
-            for piece in part.pieces():
-                if len(piece) < LARGE_PART:
-                    small.append(piece)
-                else:
-                    tr.write(piece)
-            continue
+    for part in _pieces(parts):
         view = memoryview(part)
         if view.nbytes < LARGE_PART:
             small.append(view)
@@ -232,6 +223,16 @@ def write_parts(tr: asyncio.WriteTransport, parts: Sequence[Any]) -> None:
         tr.write(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
     if small:
         tr.write(b"".join(small))
+
+
+def _pieces(parts: Sequence[Any]) -> Iterator[Any]:
+    """``parts`` with each :class:`CheckedPayload` as its pieces, each checksummed only
+    when it is asked for, that is just before it is written."""
+    for part in parts:
+        if isinstance(part, CheckedPayload):
+            yield from part.pieces()
+        else:
+            yield part
 
 
 async def finish_tasks(tasks: set[asyncio.Task[None]]) -> None:

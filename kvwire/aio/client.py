@@ -181,7 +181,8 @@ class Peer(Pump):
             # As in TCP's rate sampling: with nothing else queued, a chunk that went out as
             # it was produced (nothing held it back), or with the pipe not full, measures
             # the producer (an encoder, the application), not the link.
-            limited = not ev.queued and (not ev.waited or (bdp > 0 and est.bytes_in_flight + ev.wire_size < bdp))
+            pipe_short = bdp > 0 and est.bytes_in_flight + ev.wire_size < bdp
+            limited = not ev.queued and (not ev.waited or pipe_short)
             est.on_send(ev.address, ev.wire_size, clock(), app_limited=limited)
         elif isinstance(ev, ChunkDelivered):
             est.on_ack(ev.address, clock())

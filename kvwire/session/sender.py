@@ -114,7 +114,7 @@ class ChunkSent:
     wire_size: int
     kv_bytes: int
     queued: bool
-    waited: bool = True
+    waited: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

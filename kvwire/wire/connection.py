@@ -491,7 +491,8 @@ class Connection:
             raise UsageError(f"chunk frame of {wire_size} bytes exceeds the peer's limit")
         self.send_credit -= wire_size
         self._in_flight.setdefault(chunk.address, []).append(wire_size)
-        self._queue(chunk)
+        # A large payload is checksummed as it is written (CheckedPayload), not here.
+        self._out.extend(p for p in encode_chunk_checked_as_written(chunk) if len(p))
 
     def in_flight_chunks(self) -> list[ChunkAddress]:
         """Client: chunks sent on this connection and not yet acknowledged."""
@@ -545,8 +546,7 @@ class Connection:
         return True
 
     def _queue(self, frame: Frame) -> None:
-        parts = encode_chunk_checked_as_written(frame) if isinstance(frame, Chunk) else encode_frame(frame)
-        self._out.extend(p for p in parts if len(p))
+        self._out.extend(p for p in encode_frame(frame) if len(p))
 
     def _queue_signed(self, frame: Frame) -> bytes:
         parts = encode_frame(frame)

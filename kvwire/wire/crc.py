@@ -12,20 +12,18 @@ instruction, or a portable table) and releases the GIL for buffers of 8 KiB and 
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Protocol, Union
+from typing import Any, Protocol
 
 import crc32c as _package
 
 from kvwire._extensions import load_extension
 
-#: what the frames pass (numpy arrays and any other C-contiguous buffer work too)
-Buffer = Union[bytes, bytearray, memoryview]
-
 
 class Crc32c(Protocol):
-    """The signature both implementations share (the package also takes a keyword)."""
+    """The signature both implementations share (``data``: any C-contiguous buffer; the
+    package also takes ``value`` as a keyword)."""
 
-    def __call__(self, data: Buffer, value: int = 0, /) -> int: ...
+    def __call__(self, data: Any, value: int = 0, /) -> int: ...
 
 
 #: the compiled module, or None (then the crc32c package runs)
