@@ -203,3 +203,16 @@ async def test_rcvlowat_is_left_alone_under_tls() -> None:
     owner.core.remaining = RCVLOWAT_MAX
     s.buffer_updated(1)
     assert sock.lowat == []
+
+
+def test_a_checked_payload_is_written_piece_by_piece_as_its_frame() -> None:
+    from kvwire.wire import Chunk, frame_bytes
+    from kvwire.wire.frames import CHECK_AS_WRITTEN, encode_chunk_checked_as_written
+
+    payload = bytes(range(256)) * (9 * 1024)  # 2.25 MiB: pieces of CHECK_AS_WRITTEN
+    chunk = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"", payload=payload)
+    tr = FakeTransport()
+    write_parts(tr, [b"ack!", *encode_chunk_checked_as_written(chunk), b"next"])
+    assert b"".join(tr.written) == b"ack!" + frame_bytes(chunk) + b"next"
+    assert [len(w) for w in tr.written[1:-1]] == [CHECK_AS_WRITTEN] * 9  # each piece alone
