@@ -38,6 +38,8 @@ clock = time.perf_counter
 AUTO = "auto"
 #: Codecs ``auto`` chooses among, most precise first.
 AUTO_CANDIDATES = ("raw", "fp8", "int8", "int4")
+#: Size of a transfer's first chunk: until it arrives the receiver grants one layer only.
+LEAD_CHUNK_BYTES = 64 * 1024
 
 
 @dataclass(eq=False)
@@ -184,7 +186,8 @@ async def _send_layer(
     core = peer.core
     tokens = int(k.shape[0])
     bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
-    plan = plan_chunks(tokens, bpt, core.chunk_target(peer.options.chunk_bytes))
+    target = core.chunk_target(peer.options.chunk_bytes)
+    plan = plan_chunks(tokens, bpt, target)
     chooser = peer.chooser
 
     def pick() -> Any:
@@ -199,8 +202,14 @@ async def _send_layer(
         ).codec)
 
     for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
-        source = (host_chunks(arr, kind, plan, pick, chooser) if isinstance(arr, np.ndarray)
-                  else device_chunks(pick(), arr, kind, plan, spec.dtype, chooser))
+        host = isinstance(arr, np.ndarray)
+        chunks = plan
+        # The transfer's first chunk is small (the receiver grants its window once it knows
+        # the layer size); the GPU kernels quantize equal chunks only.
+        if index == 0 and kind is TensorKind.K and (host or codec_name.split("+")[0] == "raw"):
+            chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
+        source = (host_chunks(arr, kind, chunks, pick, chooser) if host
+                  else device_chunks(pick(), arr, kind, chunks, spec.dtype, chooser))
         async for start, count, codec, enc in source:
             if st.error is not None:
                 raise st.error

@@ -64,6 +64,10 @@ class CodecChoice:
     """``None`` when no deadline was given."""
 
 
+#: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
+FULL_SAMPLE_BYTES = 1 << 20
+
+
 class CodecChooser:
     """Chooses a codec per chunk from the bandwidth estimate and measured encode speeds."""
 
@@ -147,18 +151,25 @@ class CodecChooser:
         """Feed one measured encode: ``nbytes`` of fp16 input took ``seconds``."""
         if codec not in self._speed or nbytes <= 0:
             return
-        speed = nbytes / max(seconds, 1e-9)
-        old = self._speed[codec]
-        self._speed[codec] = speed if old is None else old + self._gain * (speed - old)
+        self._speed[codec] = self._blend(self._speed[codec], nbytes / max(seconds, 1e-9), nbytes)
 
     def observe_decode(self, codec: str, nbytes: int, seconds: float) -> None:
         """Feed one measured decode: ``nbytes`` of fp16 output took ``seconds``."""
         if codec not in self._decode or nbytes <= 0:
             return
         speed = nbytes / max(seconds, 1e-9)
-        old = None if codec not in self._decode_observed else self._decode[codec]
-        self._decode[codec] = speed if old is None else old + self._gain * (speed - old)
+        prior = self._decode[codec]
+        if codec not in self._decode_observed and nbytes >= FULL_SAMPLE_BYTES:
+            prior = None  # a real measurement replaces the prior
+        self._decode[codec] = self._blend(prior, speed, nbytes)
         self._decode_observed.add(codec)
+
+    def _blend(self, old: float | None, speed: float, nbytes: int) -> float:
+        """EWMA step; a sample smaller than FULL_SAMPLE_BYTES (a transfer's small first
+        chunk, timed mostly on call overhead) moves the estimate in proportion."""
+        if old is None:
+            return speed
+        return old + self._gain * min(1.0, nbytes / FULL_SAMPLE_BYTES) * (speed - old)
 
     def observe_size(self, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
         """Feed one measured size ratio (entropy stages vary with the data)."""

@@ -187,11 +187,16 @@ class OutgoingTransfer:
         return self.accepted and self.producer_done and not self.unacked
 
 
-def plan_chunks(tokens: int, bytes_per_token: int, chunk_bytes: int, *, align: int = 32) -> list[tuple[int, int]]:
+def plan_chunks(
+    tokens: int, bytes_per_token: int, chunk_bytes: int, *, align: int = 32, lead_bytes: int = 0,
+) -> list[tuple[int, int]]:
     """Split ``tokens`` into ``(start, count)`` ranges of about ``chunk_bytes`` each.
 
     Counts are multiples of ``align`` (so block-grouped codecs see whole blocks) except
-    the last one.
+    the last one.  With ``lead_bytes``, a first range of about that size (at least
+    ``align`` tokens) is split off the first chunk: the first CHUNK of a transfer is how
+    the receiver learns the layer size and grants more than one layer, so a small one
+    lets that grant come back while the rest of the layer is still being written.
     """
     if tokens <= 0:
         return []
@@ -204,4 +209,9 @@ def plan_chunks(tokens: int, bytes_per_token: int, chunk_bytes: int, *, align: i
         count = min(per, tokens - start)
         out.append((start, count))
         start += count
+    if lead_bytes > 0:
+        lead = max(align, lead_bytes // max(1, bytes_per_token) // align * align)
+        first = out[0][1]
+        if first > lead:
+            out[0:1] = [(0, lead), (lead, first - lead)]
     return out

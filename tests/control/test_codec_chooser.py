@@ -221,3 +221,22 @@ def test_a_decode_prior_slows_down_with_the_measured_encode() -> None:
     assert c.decode_speed("fp8") == pytest.approx(0.3 * GB)
     c.observe_encode("fp8", 100_000_000, 1.0)
     assert c.decode_speed("fp8") == pytest.approx(0.3 * GB)
+
+
+def test_a_small_measurement_moves_the_speed_in_proportion_to_its_size() -> None:
+    def chooser() -> CodecChooser:
+        return CodecChooser(
+            [CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=4 * GB, decode_bytes_per_s=4 * GB)],
+            speed_gain=0.5,
+        )
+
+    full, small = chooser(), chooser()
+    full.observe_encode("fp8", 1 << 20, (1 << 20) / (2 * GB))  # 2 GB/s over a whole sample
+    small.observe_encode("fp8", 1 << 16, (1 << 16) / (2 * GB))  # the same speed over 64 KiB
+    assert full.encode_speed("fp8") == pytest.approx(3 * GB)
+    assert small.encode_speed("fp8") == pytest.approx(4 * GB - 0.5 * 2 * GB / 16)
+    # a first small decode measurement blends with the prior instead of replacing it
+    small.observe_decode("fp8", 1 << 16, (1 << 16) / (1 * GB))
+    assert small.decode_speed("fp8") == pytest.approx(4 * GB - 1.5 * GB / 16, rel=1e-6)
+    full.observe_decode("fp8", 1 << 20, (1 << 20) / (1 * GB))
+    assert full.decode_speed("fp8") == pytest.approx(1 * GB)

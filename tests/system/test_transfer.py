@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import kvwire
+from kvwire.codec import TensorKind, get_codec
 from tests.conftest import SECRET, make_layers, same_cache
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,6 +57,40 @@ async def test_large_chunks_arrive_bit_identical(chunk_bytes: int, server_frame:
     limit = min(chunk_bytes, server_frame or chunk_bytes)
     per_tensor = -(-5000 * 8 * 128 * 2 // limit)  # chunks of at most `limit` bytes each
     assert receipt.chunks >= 2 * 2 * per_tensor
+
+
+@pytest.mark.parametrize("codec", ["raw", "int4"])
+async def test_a_transfer_begins_with_a_small_chunk(codec: str) -> None:
+    """The receiver grants one layer until the first chunk tells it the layer size: that
+    chunk is 64 KiB (K of layer 0), the rest of the cache is chunked as configured."""
+    spec = kvwire.KVSpec(num_layers=3, num_kv_heads=8, head_dim=128, dtype="float16")
+    layers = make_layers(3, 5000, 8, 128)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec=codec) as peer:
+            added: list[tuple[int, int, int, int]] = []
+            add = peer.core.add_chunk
+
+            def spy(tid: int, chunk: kvwire.wire.Chunk, **kw: int) -> None:
+                added.append((chunk.layer, chunk.kind, chunk.token_start, chunk.token_count))
+                add(tid, chunk, **kw)
+
+            peer.core.add_chunk = spy  # type: ignore[method-assign]
+            receipt = await peer.send("lead", spec, layers, timeout=30)
+        cache = await (await server.expect("lead", timeout=10)).collect(timeout=10)
+    assert added[0] == (0, 0, 0, 32)  # 32 tokens of 2 KiB
+    assert added[1] == (0, 0, 32, 2016)  # the rest of the first 4 MiB
+    assert [c for c in added if c[:2] == (0, 1)] == [(0, 1, 0, 2048), (0, 1, 2048, 2048), (0, 1, 4096, 904)]
+    assert [c for c in added if c[0] == 1][:3] == [(1, 0, 0, 2048), (1, 0, 2048, 2048), (1, 0, 4096, 904)]
+    assert receipt.chunks == len(added) == 3 * 2 * 3 + 1
+    # every chunk decodes to what the codec makes of exactly its own tokens
+    c = get_codec(codec)
+    for layer, kind, start, count in added:
+        sent = layers[layer][kind][start : start + count]
+        enc = c.encode(sent, TensorKind(kind))
+        want = c.decode(enc.params, enc.payload, shape=sent.shape, dtype="float16", kind=TensorKind(kind))
+        assert cache.layers[layer][kind][start : start + count].tobytes() == want.tobytes()
+    if codec == "raw":
+        assert same_cache(cache.layers, layers)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
