@@ -9,7 +9,9 @@ and emulator in three processes):
    step the estimate first comes within 15% of the new rate (target: 1 s);
 3. ``--link 1gbps --rtt 20ms --codec auto``: fp16 KV goodput over the link rate (above
    1 means the codec delivered more KV than the link carries raw);
-4. from run 1: time to first layer against the whole transfer.
+4. from run 1: time to first layer against the whole transfer;
+5. on each of 10 and 1 Gbit/s (20 ms): every fixed codec and ``auto``, fp16 KV goodput
+   each, and ``auto`` against the best fixed codec on that link (``--codec-links ''`` skips).
 
 Run::
 
@@ -64,6 +66,8 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=8.0)
     ap.add_argument("--streams", default="4", help="N or auto")
     ap.add_argument("--json", help="write every run's full report here")
+    ap.add_argument("--codec-links", default="10,1", help="Gbit/s of the links for the codec comparison ('' to skip)")
+    ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with")
     args = ap.parse_args()
     streams: int | str = args.streams if args.streams == "auto" else int(args.streams)
     common: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "duration": args.duration,
@@ -77,6 +81,15 @@ def main() -> None:
         ),
         "1G auto": _run("1 Gbit/s, 20 ms, auto", BenchConfig(link_bps=1e9, codec="auto", **common)),
     }
+    # The codec comparison reuses the runs above where they match.
+    compared: dict[float, dict[str, dict[str, Any] | str]] = {}
+    for gbps in (float(x) for x in args.codec_links.split(",") if x):
+        row = compared.setdefault(gbps, {})
+        for codec in [*args.codecs.split(","), "auto"]:
+            key = f"{gbps:g}G {codec}"
+            if key not in runs:
+                runs[key] = _run(f"{gbps:g} Gbit/s, 20 ms, {codec}", BenchConfig(link_bps=gbps * 1e9, codec=codec, **common))
+            row[codec] = runs[key]
 
     print()
     print(f"{args.model}, {args.tokens} tokens per transfer, {args.duration:g} s per run, "
@@ -85,6 +98,8 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     for name, r in runs.items():
+        if name not in ("10G raw", "10G->2.5G raw", "1G auto"):
+            continue  # the codec comparison has its own table
         if isinstance(r, str):
             print(f"{name:<16} {r}")
             continue
@@ -112,6 +127,24 @@ def main() -> None:
             print(f"time to first layer (10G raw): median {statistics.median(ttfl):.1f} ms of a "
                   f"{statistics.median(total):.0f} ms transfer ({first['transfers']} transfers; "
                   f"first transfer {ttfl[0]:.1f} of {total[0]:.0f} ms)")
+    if compared:
+        names = [*args.codecs.split(","), "auto"]
+        print("\nfp16 KV goodput, Gbit/s (auto's chunks by codec in brackets)")
+        head = f"{'link':>10} " + " ".join(f"{n:>8}" for n in names) + "  auto / best fixed"
+        print(head)
+        print("-" * len(head))
+        for gbps, row in compared.items():
+            got = {n: r["goodput_gbps"] for n, r in row.items() if not isinstance(r, str)}
+            cells = " ".join(f"{got[n]:>8.3f}" if n in got else f"{'failed':>8}" for n in names)
+            fixed = [v for n, v in got.items() if n != "auto"]
+            verdict = "-"
+            if "auto" in got and fixed:
+                best = max(fixed)
+                verdict = f"{got['auto'] / best:.2f} ({'yes' if got['auto'] >= best else 'no'})"
+            mix = row.get("auto")
+            used = ("  [" + ", ".join(f"{n} {100 * v:.0f}%" for n, v in mix["codec_shares"].items()) + "]"
+                    if isinstance(mix, dict) else "")
+            print(f"{gbps:>4g} Gbit/s {cells}  {verdict}{used}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(runs, fh, indent=2)

@@ -178,11 +178,12 @@ class Peer(Pump):
         if isinstance(ev, ChunkSent):
             self.bytes_sent += ev.wire_size
             bdp = (est.max_filter_bps or 0) / 8 * (est.min_rtt or 0)
-            # As in TCP's rate sampling: with nothing else queued, a chunk that went out as
-            # it was produced (nothing held it back), or with the pipe not full, measures
-            # the producer (an encoder, the application), not the link.
-            pipe_short = bdp > 0 and est.bytes_in_flight + ev.wire_size < bdp
-            limited = not ev.queued and (not ev.waited or pipe_short)
+            # As in TCP's rate sampling: a chunk sent with nothing queued behind it while
+            # less than one bandwidth-delay product was in flight found the pipe running
+            # dry; the producer (an encoder, the application), not the link, set the pace.
+            # A fast producer that keeps the pipe full is never app-limited, however its
+            # chunks meet the in-flight limit.
+            limited = not ev.queued and bdp > 0 and est.bytes_in_flight < bdp
             est.on_send(ev.address, ev.wire_size, clock(), app_limited=limited)
         elif isinstance(ev, ChunkDelivered):
             est.on_ack(ev.address, clock())

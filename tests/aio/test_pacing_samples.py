@@ -1,5 +1,6 @@
 """What the sender's pump tells the delivery-rate estimator, and the encode time it feeds
-``auto``: who set a chunk's pace, and the codec's own time without the wait for a worker."""
+``auto``: whether a chunk found the pipe running dry, and the codec's own time without the
+wait for a worker."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvwire.aio import _encode
 from kvwire.aio.client import ClientOptions, Peer
@@ -22,22 +24,41 @@ def _peer() -> Peer:
                 options=ClientOptions())
 
 
-def _sent(i: int, *, queued: bool, waited: bool) -> ChunkSent:
+def _sent(i: int, *, queued: bool) -> ChunkSent:
     return ChunkSent(address=ChunkAddress(transfer_id=1, layer=0, kind=0, token_start=i), stream=0,
-                     wire_size=1 << 20, kv_bytes=1 << 20, queued=queued, waited=waited)
+                     wire_size=1 << 20, kv_bytes=1 << 20, queued=queued)
 
 
-async def test_a_chunk_sent_as_produced_is_an_app_limited_sample() -> None:
+def _measured(peer: Peer) -> float:
+    """One link sample: 1 MiB acknowledged 1 ms after it was sent (about 8.4 Gbit/s, 1 ms
+    RTT): a bandwidth-delay product of 1 MiB.  Returns it in bytes."""
+    est = peer.estimator
+    est.on_send("probe", 1 << 20, 10.0, app_limited=False)
+    est.on_ack("probe", 10.001)
+    assert est.max_filter_bps is not None and est.min_rtt is not None
+    return est.max_filter_bps / 8 * est.min_rtt
+
+
+async def test_a_chunk_sent_into_a_pipe_running_dry_is_an_app_limited_sample() -> None:
     peer = _peer()
-    peer._on_event(_sent(0, queued=False, waited=False))
+    assert _measured(peer) == pytest.approx(1 << 20)
+    peer._on_event(_sent(0, queued=False))  # nothing in flight, nothing behind it
     assert peer.estimator.app_limited  # the producer set the pace
 
 
-async def test_a_chunk_the_path_held_back_or_with_more_queued_is_not() -> None:
-    for queued, waited in ((False, True), (True, False), (True, True)):
-        peer = _peer()  # no estimate yet: no pipe to be short of
-        peer._on_event(_sent(0, queued=queued, waited=waited))
-        assert not peer.estimator.app_limited, (queued, waited)
+async def test_a_chunk_with_the_pipe_full_or_more_queued_is_not() -> None:
+    peer = _peer()
+    _measured(peer)
+    peer.estimator.on_send("before", 2 << 20, 10.002, app_limited=False)  # two BDPs in flight
+    peer._on_event(_sent(0, queued=False))  # went out at once, but the link is still busy
+    assert not peer.estimator.app_limited
+    peer = _peer()
+    _measured(peer)
+    peer._on_event(_sent(0, queued=True))  # a producer ahead of the path
+    assert not peer.estimator.app_limited
+    peer = _peer()  # no estimate yet: no pipe to be short of
+    peer._on_event(_sent(0, queued=False))
+    assert not peer.estimator.app_limited
 
 
 class _SlowCodec:
