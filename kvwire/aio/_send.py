@@ -119,6 +119,8 @@ async def send(
     core = peer.core
     peer.check_usable()
     started = clock()
+    if not peer.sends:
+        peer.transport_meter.start()
     tid = core.begin(request_id, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                      head_dim=spec.head_dim, dtype_id=spec.dtype_id, model=spec.model, meta=meta,
                      blocks=blocks, now=asyncio.get_running_loop().time(), timeout=timeout)
@@ -196,9 +198,10 @@ async def _send_layer(
         assert chooser is not None
         left = None if deadline is None else deadline - (clock() - started)
         remaining = (spec.num_layers - index) * 2 * tokens * bpt
+        est = peer.estimator
         return get_codec(chooser.choose(
-            peer.estimator.bandwidth_bps, remaining_bytes=remaining if deadline is not None else None,
-            time_left=left,
+            est.bandwidth_bps, remaining_bytes=remaining if deadline is not None else None,
+            time_left=left, app_limited=est.app_limited, now=clock(),
         ).codec)
 
     for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):

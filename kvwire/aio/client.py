@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl as _ssl
+import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -56,6 +57,29 @@ from kvwire.session.sender import (
 from kvwire.spec import KVSpec
 
 _log = logging.getLogger("kvwire")
+#: Wire bytes acknowledged per measurement of the transport's CPU cost (for ``auto``).
+TRANSPORT_SAMPLE_BYTES = 32 << 20
+
+
+class _TransportMeter:
+    """The event loop thread's CPU seconds per wire byte acknowledged, fed to ``auto``:
+    on that thread run the framing, checksums and the kernel's copy of every write (the
+    encoders run on workers).  Restarted when a send begins on an idle peer, so time the
+    application spent on the loop between transfers is not counted."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self._bytes = 0
+        self._cpu = time.thread_time()
+
+    def delivered(self, wire_bytes: int, chooser: CodecChooser) -> None:
+        self._bytes += wire_bytes
+        if self._bytes >= TRANSPORT_SAMPLE_BYTES:
+            cpu = time.thread_time()
+            chooser.observe_transport(self._bytes, cpu - self._cpu)
+            self._bytes, self._cpu = 0, cpu
 
 
 class Peer(Pump):
@@ -88,6 +112,7 @@ class Peer(Pump):
         # Bytes in flight kept near one to two bandwidth-delay products across streams.
         self.inflight = InflightController(streams=self.core.config.streams, chunk_bytes=options.chunk_bytes)
         self.chooser: CodecChooser | None = None
+        self.transport_meter = _TransportMeter()
         self.bytes_sent = 0
         self._open_error: KvwireError | None = None  # a stream that failed while open() waits
         self._opening = False
@@ -182,11 +207,14 @@ class Peer(Pump):
             # less than one bandwidth-delay product was in flight found the pipe running
             # dry; the producer (an encoder, the application), not the link, set the pace.
             # A fast producer that keeps the pipe full is never app-limited, however its
-            # chunks meet the in-flight limit.
-            limited = not ev.queued and bdp > 0 and est.bytes_in_flight < bdp
+            # chunks meet the in-flight limit.  Before the first sample (no BDP known) a
+            # chunk alone measures its round trip, not the link: app-limited too.
+            limited = not ev.queued and (bdp <= 0 or est.bytes_in_flight < bdp)
             est.on_send(ev.address, ev.wire_size, clock(), app_limited=limited)
         elif isinstance(ev, ChunkDelivered):
             est.on_ack(ev.address, clock())
+            if self.chooser is not None:
+                self.transport_meter.delivered(ev.wire_size, self.chooser)
             st = self.sends.get(ev.address.transfer_id)
             if ev.layer_done and st is not None and st.first_layer_at is None:
                 st.first_layer_at = clock()

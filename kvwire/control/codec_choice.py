@@ -2,14 +2,18 @@
 
 A codec that shrinks the cache by ``size_ratio`` (wire bytes / fp16 bytes) lets a link
 of ``B`` bytes/s carry ``B / size_ratio`` bytes of fp16 KV per second, but every byte is
-also encoded by the sender and decoded by the receiver. Per fp16 byte the end-to-end cost
-has three parts: wire ``size_ratio / B``, encode ``1 / encode speed``, decode
-``1 / decode speed``. How they combine is the ``pipeline`` setting:
+also encoded by the sender and decoded by the receiver, and every wire byte costs the
+transport CPU too. Per fp16 byte the end-to-end cost has four parts: wire
+``size_ratio / B``, encode ``1 / encode speed``, decode ``1 / decode speed`` and
+transport ``size_ratio x transport cost`` (the sender's own CPU seconds per wire byte,
+measured as it sends: :meth:`CodecChooser.observe_transport`; left out until measured).
+How they combine is the ``pipeline`` setting:
 
-* ``"serial"`` (default): they add. Right when the transport, the encoder and the decoder
-  compete for the same cores (both ends on one host, a busy host, a transport that is
-  itself CPU-bound), which is exactly when quantizing loses; and the safe side otherwise.
-* ``"cpu"``: the wire overlaps the CPU work, encode and decode add (one CPU budget).
+* ``"cpu"`` (default): the wire overlaps the CPU work; encode, decode and transport add
+  (one CPU budget). On a path whose "wire" is itself CPU (loopback, a host where the
+  transport is CPU-bound) the transport term is what keeps quantizing from looking free;
+  on a real link the CPU work hides behind the wire.
+* ``"serial"``: everything adds, the wire too: the pessimistic bound.
 * ``"full"``: every stage overlaps; the slowest bounds the rate (separate, idle hosts).
 
 Delivered KV = 1 / cost. Raw has no encode or decode, so it is chosen whenever it is at
@@ -62,6 +66,8 @@ class CodecChoice:
     """Expected fp16 KV bytes/s delivered with this codec."""
     meets_deadline: bool | None
     """``None`` when no deadline was given."""
+    probe: bool = False
+    """Sent to measure the path, not because it is the best: see :meth:`CodecChooser.choose`."""
 
 
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
@@ -78,7 +84,8 @@ class CodecChooser:
         tolerance: float = 0.05,
         speed_gain: float = 0.25,
         deadline_margin: float = 0.1,
-        pipeline: str = "serial",
+        pipeline: str = "cpu",
+        probe_interval: float = 0.1,
     ) -> None:
         """
         :param tolerance: in throughput mode, a more precise codec within this fraction
@@ -88,6 +95,7 @@ class CodecChooser:
             of the deadline to count as meeting it, absorbing estimate noise.
         :param pipeline: how wire, encode and decode times combine: ``"serial"``,
             ``"cpu"`` or ``"full"`` (see the module docstring).
+        :param probe_interval: seconds between probes (see :meth:`choose`).
         """
         ordered = list(candidates)
         if not ordered:
@@ -106,6 +114,7 @@ class CodecChooser:
         # host that got busier since the priors were taken does not keep an idle decoder.
         self._encode_prior: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode_observed: set[str] = set()
+        self._transport: float | None = None  # sender CPU seconds per wire byte
         if pipeline not in _PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(_PIPELINES)}")
         self._pipeline = pipeline
@@ -117,6 +126,10 @@ class CodecChooser:
                 key=lambda c: -(c.precision if c.precision is not None else c.size_ratio),
             )
         ]
+        if probe_interval <= 0:
+            raise ValueError("probe_interval must be positive")
+        self._probe_interval = probe_interval
+        self._last_probe: float | None = None
         self._tolerance = tolerance
         self._gain = speed_gain
         self._deadline_margin = deadline_margin
@@ -164,6 +177,18 @@ class CodecChooser:
         self._decode[codec] = self._blend(prior, speed, nbytes)
         self._decode_observed.add(codec)
 
+    def observe_transport(self, wire_bytes: int, cpu_seconds: float) -> None:
+        """Feed one measurement of the transport's own CPU: ``cpu_seconds`` spent sending
+        ``wire_bytes`` (framing, checksums, the kernel's copy; not encoding)."""
+        if wire_bytes <= 0 or cpu_seconds < 0:
+            return
+        self._transport = self._blend(self._transport, cpu_seconds / wire_bytes, wire_bytes)
+
+    @property
+    def transport_cost(self) -> float | None:
+        """Measured transport CPU seconds per wire byte, ``None`` before the first."""
+        return self._transport
+
     def _blend(self, old: float | None, speed: float, nbytes: int) -> float:
         """EWMA step; a sample smaller than FULL_SAMPLE_BYTES (a transfer's small first
         chunk, timed mostly on call overhead) moves the estimate in proportion."""
@@ -180,13 +205,16 @@ class CodecChooser:
 
     def delivered_rate(self, codec: str, bandwidth_bps: float) -> float:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
-        link = bandwidth_bps / 8.0 / self._ratio[codec]
-        cpu = [v for v in (self._speed[codec], self.decode_speed(codec)) if v is not None]
-        if not cpu:
+        ratio = self._ratio[codec]
+        link = bandwidth_bps / 8.0 / ratio
+        speeds = [v for v in (self._speed[codec], self.decode_speed(codec)) if v is not None]
+        if self._transport:
+            speeds.append(1.0 / (ratio * self._transport))
+        if not speeds:
             return link  # exact: nothing but the wire
         if self._pipeline == "full":
-            return min(link, *cpu)
-        cpu_cost = sum(1.0 / v for v in cpu)
+            return min(link, *speeds)
+        cpu_cost = sum(1.0 / v for v in speeds)
         if self._pipeline == "cpu":
             return min(link, 1.0 / cpu_cost)
         return 1.0 / (1.0 / link + cpu_cost)
@@ -201,6 +229,8 @@ class CodecChooser:
         *,
         remaining_bytes: int | None = None,
         time_left: float | None = None,
+        app_limited: bool = False,
+        now: float | None = None,
     ) -> CodecChoice:
         """Choose the codec for the next chunk.
 
@@ -209,6 +239,14 @@ class CodecChooser:
         :param remaining_bytes: fp16 bytes of the transfer still to send, this chunk
             included; with ``time_left`` it selects deadline mode.
         :param time_left: seconds to the deadline.
+        :param app_limited: the sender's samples are app-limited now (the encoder, not the
+            path, sets the pace), so the estimate may be far below what the path carries.
+        :param now: with it, once per ``probe_interval`` a chunk is a probe: while
+            app-limited, a compact choice becomes raw (sent without encoding, it shows
+            what the path delivers, so a path faster than the encoder stops being taken
+            for a slow one; a link slower than the encoder keeps chunks queued, is never
+            app-limited and never probed this way); a raw choice becomes the best compact
+            codec, whose encode speed is measured again.  Throughput mode only.
         """
         if bandwidth_bps is None or bandwidth_bps <= 0:
             first = self._by_precision[0]
@@ -219,10 +257,45 @@ class CodecChooser:
         best = max(rates.values())
         for codec in self._by_precision:
             if rates[codec] >= best * (1.0 - self._tolerance):
-                return CodecChoice(
-                    codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None
-                )
-        raise AssertionError("unreachable: the best codec is within tolerance of itself")
+                break
+        else:
+            raise AssertionError("unreachable: the best codec is within tolerance of itself")
+        probe = self._probe(codec, rates, bandwidth_bps, app_limited, now)
+        if probe is not None:
+            return CodecChoice(codec=probe, delivered_bytes_per_s=rates[probe], meets_deadline=None, probe=True)
+        return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None)
+
+    def _probe(
+        self, chosen: str, rates: Mapping[str, float], bandwidth_bps: float, app_limited: bool, now: float | None,
+    ) -> str | None:
+        """A codec to send one chunk with instead of ``chosen``, to refresh what the
+        choice rests on, at most once per ``probe_interval``:
+
+        * a compact codec chosen while app-limited, whose CPU work cannot put wire bytes
+          out much faster than the estimate: raw, to see what the path carries (the
+          estimate may be only the encoder's pace; a link the encoder easily outruns is
+          app-limited only briefly, when a transfer starts, and is not probed);
+        * raw chosen: the best compact codec, so that its encode speed is measured again
+          (a speed measured on a busy host would otherwise keep it out forever).
+        """
+        free = self._by_precision[0]
+        if now is None or not self._is_free(free) or len(rates) < 2:
+            return None
+        if self._last_probe is not None and now - self._last_probe < self._probe_interval:
+            return None
+        if chosen != free:
+            cpu_wire = self.delivered_rate(chosen, math.inf) * self._ratio[chosen]  # wire bytes/s
+            if not app_limited or cpu_wire > 1.5 * bandwidth_bps / 8.0:
+                return None
+            probe = free
+        else:
+            probe = max((c for c in rates if c != free), key=lambda c: rates[c])
+        self._last_probe = now
+        return probe
+
+    def _is_free(self, codec: str) -> bool:
+        """No encode or decode cost and nothing saved on the wire: raw."""
+        return self._speed[codec] is None and self._decode[codec] is None and self._ratio[codec] >= 1.0
 
     def _choose_for_deadline(
         self, rates: Mapping[str, float], remaining_bytes: int, time_left: float

@@ -56,8 +56,17 @@ async def test_a_chunk_with_the_pipe_full_or_more_queued_is_not() -> None:
     _measured(peer)
     peer._on_event(_sent(0, queued=True))  # a producer ahead of the path
     assert not peer.estimator.app_limited
-    peer = _peer()  # no estimate yet: no pipe to be short of
+
+
+
+async def test_before_any_estimate_a_lone_chunk_is_app_limited() -> None:
+    """The first chunk of a session (a transfer's small lead chunk) measures its round
+    trip, not the link: it may raise the peak but must not set the goodput."""
+    peer = _peer()
     peer._on_event(_sent(0, queued=False))
+    assert peer.estimator.app_limited
+    peer = _peer()
+    peer._on_event(_sent(0, queued=True))
     assert not peer.estimator.app_limited
 
 
@@ -102,3 +111,45 @@ async def test_encode_time_is_the_codecs_own_not_the_wait_for_a_worker(monkeypat
     x = np.zeros((4, 2, 8), np.float16)
     await _encode.encode(_SlowCodec(clock), x, TensorKind.K, chooser)  # type: ignore[arg-type]
     assert chooser.seen == [("fake", x.nbytes, 2.0)]
+
+
+class _TransportChooser:
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def observe_transport(self, wire_bytes: int, cpu_seconds: float) -> None:
+        self.seen.append((wire_bytes, cpu_seconds))
+
+
+async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -> None:
+    """Every 32 MiB acknowledged, the event loop thread's CPU time since the last
+    measurement (framing, checksums, the kernel's copy) per wire byte; a send beginning on
+    an idle peer restarts the count, so the application's own time between transfers on
+    the loop is not the transport's."""
+    from kvwire.aio import client as client_mod
+    from kvwire.session.sender import ChunkDelivered
+
+    cpu = [50.0]
+    monkeypatch.setattr(client_mod.time, "thread_time", lambda: cpu[0])
+    peer = _peer()
+    chooser = _TransportChooser()
+    peer.chooser = chooser  # type: ignore[assignment]
+    peer.transport_meter.start()
+
+    def delivered(i: int, size: int) -> None:
+        peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=0, kind=0, token_start=i),
+                                      stream=0, wire_size=size, kv_bytes=size))
+
+    for i in range(7):
+        cpu[0] += 0.001
+        delivered(i, 4 << 20)  # 28 MiB: not yet
+    assert chooser.seen == []
+    cpu[0] += 0.001
+    delivered(7, 4 << 20)
+    assert chooser.seen == [(32 << 20, pytest.approx(0.008))]
+    cpu[0] += 5.0  # the application's work between transfers
+    peer.transport_meter.start()  # what send() does on an idle peer
+    for i in range(8):
+        cpu[0] += 0.002
+        delivered(8 + i, 4 << 20)
+    assert chooser.seen[1] == (32 << 20, pytest.approx(0.016))

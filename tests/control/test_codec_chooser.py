@@ -122,14 +122,14 @@ def test_receiver_decode_counts_against_a_codec() -> None:
         CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB, decode_bytes_per_s=0.4 * GB),
     ]
     # 10 Gbit/s, serial: fp8 costs 0.5/1.25 + 1/2 + 1/0.4 = 3.4 s/GB, raw 0.8 s/GB.
-    c = CodecChooser(candidates)
+    c = CodecChooser(candidates, pipeline="serial")
     assert c.choose(10e9).codec == "raw"
     assert c.delivered_rate("fp8", 10e9) == pytest.approx(GB / 3.4)
     # 1 Gbit/s: fp8 4 + 0.5 + 2.5 = 7 s/GB beats raw's 8 s/GB, only just.
     assert c.choose(1e9).codec == "fp8"
     assert c.delivered_rate("fp8", 1e9) == pytest.approx(GB / 7)
-    # Wire overlapped with one CPU budget: max(4, 3) s/GB at 1 Gbit/s.
-    assert CodecChooser(candidates, pipeline="cpu").delivered_rate("fp8", 1e9) == pytest.approx(0.25 * GB)
+    # Wire overlapped with one CPU budget (the default): max(4, 3) s/GB at 1 Gbit/s.
+    assert CodecChooser(candidates).delivered_rate("fp8", 1e9) == pytest.approx(0.25 * GB)
     # Every stage overlapped: the decoder's 0.4 GB/s bounds it at 10 Gbit/s.
     assert CodecChooser(candidates, pipeline="full").delivered_rate("fp8", 10e9) == pytest.approx(0.4 * GB)
     with pytest.raises(ValueError):
@@ -142,9 +142,30 @@ def test_a_cpu_bound_transport_keeps_raw() -> None:
     c = CodecChooser([
         CodecCandidate(name="raw", size_ratio=1.0),
         CodecCandidate(name="fp8", size_ratio=0.52, encode_bytes_per_s=0.8 * GB, decode_bytes_per_s=0.7 * GB),
-    ])
+    ], pipeline="serial")
     assert c.choose(2e9).codec == "raw"
     assert c.choose(0.5e9).codec == "fp8"  # 16 s/GB against 8.3 + 2.7
+
+
+def test_the_measured_transport_cpu_keeps_raw_where_the_wire_is_cpu() -> None:
+    """Loopback: 32 Gbit/s of raw (4 GB/s) with the sender's loop at 0.2 CPU s per GB.
+    fp8 halves the wire but costs 1/6 + 1/18 s/GB to code: without the transport term
+    its CPU budget (4.5 GB/s) beats the wire raw fills; with it, 0.52 x 0.2 more per GB
+    makes fp8 3.1 GB/s, and raw stays.  On a 10 Gbit/s link the same costs hide behind
+    the wire and fp8 delivers 2.4 GB/s against raw's 1.25."""
+    c = CodecChooser([
+        CodecCandidate(name="raw", size_ratio=1.0),
+        CodecCandidate(name="fp8", size_ratio=0.52, encode_bytes_per_s=6 * GB, decode_bytes_per_s=18 * GB),
+    ])
+    assert c.choose(32e9).codec == "fp8"
+    assert c.transport_cost is None
+    c.observe_transport(int(1 * GB), 0.2)
+    assert c.transport_cost == pytest.approx(0.2 / GB)
+    assert c.delivered_rate("raw", 32e9) == pytest.approx(4 * GB)  # min(wire, 1 / 0.2 s/GB)
+    assert c.delivered_rate("fp8", 32e9) == pytest.approx(1 / (1 / 6 + 1 / 18 + 0.52 * 0.2) * GB)
+    assert c.choose(32e9).codec == "raw"
+    assert c.choose(10e9).codec == "fp8"
+    assert c.delivered_rate("fp8", 10e9) == pytest.approx(1.25 / 0.52 * GB)
 
 
 def test_observed_decode_speed_moves_the_choice() -> None:
@@ -161,10 +182,15 @@ def test_observed_decode_speed_moves_the_choice() -> None:
     assert c.choose(1e9).codec == "raw"
 
 
-def _true_rate(pipeline: str, bandwidth_bps: float, ratio: float, enc: float | None, dec: float | None) -> float:
+def _true_rate(
+    pipeline: str, bandwidth_bps: float, ratio: float, enc: float | None, dec: float | None,
+    transport: float | None = None,
+) -> float:
     """KV bytes/s end to end, written out independently of the chooser."""
     wire = ratio * 8 / bandwidth_bps
     stages = [1 / s for s in (enc, dec) if s is not None]
+    if transport:
+        stages.append(ratio * transport)
     if pipeline == "serial":
         return 1 / (wire + sum(stages))
     if pipeline == "cpu":
@@ -181,10 +207,11 @@ _speed = st.one_of(st.none(), st.floats(0.05 * GB, 50 * GB))
     codecs=st.lists(st.tuples(st.floats(0.1, 0.99), _speed, _speed), min_size=1, max_size=4),
     time_left=st.one_of(st.none(), st.floats(0.001, 10.0)),
     pipeline=st.sampled_from(["serial", "cpu", "full"]),
+    transport=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
 )
 def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
     bandwidth: float, codecs: list[tuple[float, float | None, float | None]],
-    time_left: float | None, pipeline: str,
+    time_left: float | None, pipeline: str, transport: float | None,
 ) -> None:
     candidates = [CodecCandidate(name="raw", size_ratio=1.0)]
     candidates += [
@@ -192,9 +219,11 @@ def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
         for i, (r, e, d) in enumerate(codecs)
     ]
     chooser = CodecChooser(candidates, pipeline=pipeline)
+    if transport is not None:
+        chooser.observe_transport(int(GB), transport * GB)
     remaining = None if time_left is None else int(GB)
     choice = chooser.choose(bandwidth, remaining_bytes=remaining, time_left=time_left)
-    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s) for c in candidates}
+    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s, transport) for c in candidates}
     raw_rate = _true_rate(pipeline, bandwidth, *params["raw"])
     chosen_rate = _true_rate(pipeline, bandwidth, *params[choice.codec])
     assert choice.codec == "raw" or chosen_rate >= raw_rate * (1 - 1e-9)
@@ -240,3 +269,50 @@ def test_a_small_measurement_moves_the_speed_in_proportion_to_its_size() -> None
     assert small.decode_speed("fp8") == pytest.approx(4 * GB - 1.5 * GB / 16, rel=1e-6)
     full.observe_decode("fp8", 1 << 20, (1 << 20) / (1 * GB))
     assert full.decode_speed("fp8") == pytest.approx(1 * GB)
+
+
+def _with_free_raw(**kw: Any) -> CodecChooser:
+    return CodecChooser(
+        [
+            CodecCandidate(name="raw", size_ratio=1.0),  # no encode, no decode: free
+            CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB),
+        ],
+        pipeline="full", **kw,
+    )
+
+
+def test_an_app_limited_compact_choice_probes_with_raw_once_per_interval() -> None:
+    """An encoder slower than the path makes every sample app-limited: the estimate is
+    the encoder's pace, which can make the path look slow enough to keep quantizing.  A
+    raw chunk now and then shows what the path carries."""
+    c = _with_free_raw(probe_interval=0.1)
+    assert c.choose(8e9).codec == "fp8"  # 1 GB/s link: fp8 delivers 2
+    first = c.choose(8e9, app_limited=True, now=5.0)
+    assert (first.codec, first.probe) == ("raw", True)
+    assert [c.choose(8e9, app_limited=True, now=t).codec for t in (5.01, 5.05, 5.099)] == ["fp8"] * 3
+    assert c.choose(8e9, app_limited=True, now=5.2).probe
+    # not app-limited (a link slower than the encoder keeps chunks queued), or no clock: never
+    assert not any(c.choose(8e9, app_limited=False, now=t).probe for t in (9.0, 10.0, 11.0))
+    assert not c.choose(8e9, app_limited=True).probe
+    # an encoder that outruns the link (2 GB/s into 0.5 GB/s of wire against 0.1 GB/s):
+    # app-limited only as a transfer starts, never probed
+    assert not any(c.choose(0.8e9, app_limited=True, now=t).probe for t in (30.0, 31.0, 32.0))
+
+
+def test_a_raw_choice_probes_the_best_compact_codec_once_per_interval() -> None:
+    """An encode speed measured while the host was busy would keep a compact codec out
+    for good once raw is chosen (raw chunks measure no encoder): now and then one chunk
+    goes with the best compact codec and its speed is measured again."""
+    c = _with_free_raw(probe_interval=0.5)
+    got = [c.choose(100e9, now=t) for t in (1.0, 1.1, 1.4, 1.6)]
+    assert [(x.codec, x.probe) for x in got] == [("fp8", True), ("raw", False), ("raw", False), ("fp8", True)]
+    assert c.choose(100e9).codec == "raw"  # no clock: no probe
+    # a deadline decides by the deadline alone
+    assert not c.choose(100e9, remaining_bytes=1, time_left=1.0, now=9.0).probe
+
+
+def test_no_probe_without_a_free_codec() -> None:
+    c = chooser()  # raw here has a measured encode cost
+    assert not c.choose(10e9, app_limited=True, now=1.0).probe
+    with pytest.raises(ValueError):
+        _with_free_raw(probe_interval=0)
