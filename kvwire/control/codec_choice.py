@@ -19,7 +19,10 @@ How they combine is the ``pipeline`` setting:
 Delivered KV = 1 / cost. Raw has no encode or decode, so it is chosen whenever it is at
 least as fast as the best (within ``tolerance``, precision first): ``auto`` never lowers
 KV goodput by the model's measure. On a fast link the raw bytes win; on a slow one a
-compact codec does.
+compact codec does. The one exception is deliberate: given ``now``, one chunk per
+``probe_interval`` may be a probe that refreshes a measurement the model rests on (the
+path's rate while an encoder paces the sender, a compact codec's encode speed while raw
+is chosen; see :meth:`CodecChooser.choose`).
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
@@ -93,8 +96,8 @@ class CodecChooser:
         :param speed_gain: EWMA gain for encode-speed and size-ratio measurements.
         :param deadline_margin: in deadline mode, a codec must finish this fraction ahead
             of the deadline to count as meeting it, absorbing estimate noise.
-        :param pipeline: how wire, encode and decode times combine: ``"serial"``,
-            ``"cpu"`` or ``"full"`` (see the module docstring).
+        :param pipeline: how wire, encode, decode and transport costs combine:
+            ``"cpu"``, ``"serial"`` or ``"full"`` (see the module docstring).
         :param probe_interval: seconds between probes (see :meth:`choose`).
         """
         ordered = list(candidates)
