@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl as _ssl
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +114,7 @@ class Peer(Pump):
         self.inflight = InflightController(streams=self.core.config.streams, chunk_bytes=options.chunk_bytes)
         self.chooser: CodecChooser | None = None
         self.transport_meter = _TransportMeter()
+        self._last_sent_at = -math.inf  # when the last chunk went on a stream (app-limited test)
         self.bytes_sent = 0
         self._open_error: KvwireError | None = None  # a stream that failed while open() waits
         self._opening = False
@@ -202,15 +204,24 @@ class Peer(Pump):
         est = self.estimator
         if isinstance(ev, ChunkSent):
             self.bytes_sent += ev.wire_size
-            bdp = (est.max_filter_bps or 0) / 8 * (est.min_rtt or 0)
-            # As in TCP's rate sampling: a chunk sent with nothing queued behind it while
-            # less than one bandwidth-delay product was in flight found the pipe running
-            # dry; the producer (an encoder, the application), not the link, set the pace.
+            now = clock()
+            peak = est.max_filter_bps or 0
+            bdp = peak / 8 * (est.min_rtt or 0)
+            # As in TCP's rate sampling, a chunk with nothing queued behind it is an
+            # app-limited sample (the producer, an encoder or the application, set the
+            # pace, not the path) when it found the pipe running dry (less than one
+            # bandwidth-delay product in flight; before the first sample no BDP is known
+            # and a lone chunk measures its round trip), or when it went out as it was
+            # added after the producer took longer to make it than half its time on the
+            # wire at the path's peak rate (chunks larger than the BDP: an encoder slower
+            # than the path keeps about one in flight, which is no measure of the path).
             # A fast producer that keeps the pipe full is never app-limited, however its
-            # chunks meet the in-flight limit.  Before the first sample (no BDP known) a
-            # chunk alone measures its round trip, not the link: app-limited too.
-            limited = not ev.queued and (bdp <= 0 or est.bytes_in_flight < bdp)
-            est.on_send(ev.address, ev.wire_size, clock(), app_limited=limited)
+            # chunks meet the in-flight limit's gain cycle.
+            gap = now - self._last_sent_at
+            self._last_sent_at = now
+            slow = not ev.waited and gap * peak / 8 > 0.5 * ev.wire_size
+            limited = not ev.queued and (bdp <= 0 or est.bytes_in_flight < bdp or slow)
+            est.on_send(ev.address, ev.wire_size, now, app_limited=limited)
         elif isinstance(ev, ChunkDelivered):
             est.on_ack(ev.address, clock())
             if self.chooser is not None:

@@ -105,13 +105,16 @@ class StreamClosed:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChunkSent:
-    """A chunk went on stream ``stream``; ``queued``: more chunks were waiting behind it."""
+    """A chunk went on stream ``stream``; ``queued``: more chunks were waiting behind it;
+    ``waited``: it did not go out as it was added (credit, the in-flight limit or a paused
+    transport held it back), so the path, not the producer, set its pace."""
 
     address: ChunkAddress
     stream: int
     wire_size: int
     kv_bytes: int
     queued: bool
+    waited: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -224,6 +227,7 @@ class SenderCore:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.peer_codecs: tuple[str, ...] = ()
         self.peer_max_frame_size = 0
+        self._adding: ChunkAddress | None = None  # the chunk add_chunk() is putting on a stream
         self.max_transfers = 0
         self.inflight_limit: int | None = None
         self.active_streams: int | None = None
@@ -401,7 +405,11 @@ class SenderCore:
         size = chunk_frame_size(len(chunk.params), getattr(payload, "nbytes", None) or len(payload))
         t.queue.append((chunk, size, kv_bytes))
         t.queued_bytes += size
-        self.pump()
+        self._adding = chunk.address
+        try:
+            self.pump()
+        finally:
+            self._adding = None
 
     def producer_done(self, transfer_id: int) -> None:
         t = self._transfers.get(transfer_id)
@@ -646,7 +654,8 @@ class SenderCore:
                 t.state.on_sent(SentChunk(address=chunk.address, stream=best, wire_size=size,
                                           kv_bytes=kv_bytes, chunk=chunk))
                 self._events.append(ChunkSent(address=chunk.address, stream=best, wire_size=size,
-                                              kv_bytes=kv_bytes, queued=self.queued_bytes() > 0))
+                                              kv_bytes=kv_bytes, queued=self.queued_bytes() > 0,
+                                              waited=chunk.address != self._adding))
 
     def _check_done(self, t: _Transfer) -> None:
         if t.error is None and not t.done and t.state.complete and not t.queue:

@@ -1,6 +1,6 @@
 """What the sender's pump tells the delivery-rate estimator, and the encode time it feeds
-``auto``: whether a chunk found the pipe running dry, and the codec's own time without the
-wait for a worker."""
+``auto``: whether a chunk found the pipe running dry or its producer slow, and the codec's
+own time without the wait for a worker."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ def _peer() -> Peer:
                 options=ClientOptions())
 
 
-def _sent(i: int, *, queued: bool) -> ChunkSent:
+def _sent(i: int, *, queued: bool, waited: bool = False) -> ChunkSent:
     return ChunkSent(address=ChunkAddress(transfer_id=1, layer=0, kind=0, token_start=i), stream=0,
-                     wire_size=1 << 20, kv_bytes=1 << 20, queued=queued)
+                     wire_size=1 << 20, kv_bytes=1 << 20, queued=queued, waited=waited)
 
 
 def _measured(peer: Peer) -> float:
@@ -46,17 +46,43 @@ async def test_a_chunk_sent_into_a_pipe_running_dry_is_an_app_limited_sample() -
     assert peer.estimator.app_limited  # the producer set the pace
 
 
-async def test_a_chunk_with_the_pipe_full_or_more_queued_is_not() -> None:
+def _full_pipe(monkeypatch: Any, at: list[float]) -> Peer:
+    """A peer with two BDPs in flight and a clock the test moves."""
+    from kvwire.aio import client as client_mod
+
+    monkeypatch.setattr(client_mod, "clock", lambda: at[0])
     peer = _peer()
     _measured(peer)
-    peer.estimator.on_send("before", 2 << 20, 10.002, app_limited=False)  # two BDPs in flight
-    peer._on_event(_sent(0, queued=False))  # went out at once, but the link is still busy
-    assert not peer.estimator.app_limited
-    peer = _peer()
-    _measured(peer)
-    peer._on_event(_sent(0, queued=True))  # a producer ahead of the path
+    peer.estimator.on_send("before", 2 << 20, 10.002, app_limited=False)
+    return peer
+
+
+async def test_with_the_pipe_full_a_fast_producer_is_not_app_limited(monkeypatch: Any) -> None:
+    """1 MiB takes about 1 ms on this path: a chunk made 50 us after the one before,
+    going out as it was added (the in-flight limit had room), comes from a producer that
+    keeps up; so does one that waited for room, and one with more queued behind it."""
+    at = [20.0]
+    peer = _full_pipe(monkeypatch, at)
+    peer._on_event(_sent(0, queued=False, waited=True))
+    at[0] += 0.00005
+    peer._on_event(_sent(1, queued=False))
+    at[0] += 0.005
+    peer._on_event(_sent(2, queued=False, waited=True))  # held back 5 ms by the path
+    at[0] += 0.005
+    peer._on_event(_sent(3, queued=True))
     assert not peer.estimator.app_limited
 
+
+async def test_with_the_pipe_full_a_slow_producer_is_app_limited(monkeypatch: Any) -> None:
+    """A chunk larger than the BDP leaves the pipe "full" by bytes in flight even when an
+    encoder slower than the path makes it: 0.8 ms to make a chunk the path carries in
+    about 1 ms is the producer's pace."""
+    at = [20.0]
+    peer = _full_pipe(monkeypatch, at)
+    peer._on_event(_sent(0, queued=False, waited=True))
+    at[0] += 0.0008
+    peer._on_event(_sent(1, queued=False))
+    assert peer.estimator.app_limited
 
 
 async def test_before_any_estimate_a_lone_chunk_is_app_limited() -> None:

@@ -287,6 +287,28 @@ def test_a_paused_transport_gets_no_chunks_until_it_resumes() -> None:
     assert h.of(ChunkSent)[-1].stream == 0 and h.core.queued_bytes(tid) == 0
 
 
+def test_a_chunk_sent_as_it_was_added_did_not_wait_and_one_held_back_did() -> None:
+    """``ChunkSent.waited`` tells the estimator who set the pace: a chunk that went out
+    inside its own add_chunk() was paced by the producer; one the transport, credit or the
+    in-flight limit held back, by the path."""
+    h = harness()
+    tid = begin(h, layers=1)
+    h.core.add_chunk(tid, chunk(tid, 0, 0, 0))
+    h.step()
+    h.core.set_writable(0, False)
+    h.core.add_chunk(tid, chunk(tid, 0, 0, 1))
+    h.step()
+    h.core.set_writable(0, True)
+    h.step()
+    h.core.inflight_limit = 1  # only an empty flight may send
+    h.core.add_chunk(tid, chunk(tid, 0, 0, 2))
+    h.step()
+    h.ack()
+    h.core.pump()
+    h.step()
+    assert [(e.address.token_start, e.waited) for e in h.of(ChunkSent)] == [(0, False), (1, True), (2, True)]
+
+
 def test_a_broken_stream_reports_its_unacked_chunks_lost_and_they_go_again() -> None:
     h = harness(streams=2, reconnect_backoff=0.1)
     tid = begin(h, layers=1)
