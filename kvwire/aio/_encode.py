@@ -43,6 +43,11 @@ def _timed_encode(codec: Any, x: Any, kind: TensorKind) -> tuple[Any, float]:
     return enc, time.perf_counter() - t0
 
 
+def raw_based(name: str) -> bool:
+    """``raw`` or ``raw+<entropy stage>``: nothing for a GPU kernel to quantize."""
+    return name.split("+")[0] == "raw"
+
+
 async def host_chunks(
     arr: Any, kind: TensorKind, plan: list[tuple[int, int]], pick: Callable[[], Any], chooser: CodecChooser | None,
 ) -> AsyncIterator[Encoded]:
@@ -62,7 +67,7 @@ async def device_chunks(
     """
     from kvwire.aio import _gpu
 
-    if codec.name.split("+")[0] == "raw":
+    if raw_based(codec.name):
         async for start, count, host in _gpu.copy_raw_chunks(x, plan):
             if dtype == "bfloat16":
                 host = host.view(numpy_dtype("bfloat16"))
@@ -75,4 +80,4 @@ async def device_chunks(
         yield start, count, codec, enc
 
 
-__all__ = ["Encoded", "device_chunks", "encode", "host_chunks", "payload_size"]
+__all__ = ["Encoded", "device_chunks", "encode", "host_chunks", "payload_size", "raw_based"]

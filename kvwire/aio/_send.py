@@ -15,7 +15,7 @@ import numpy as np
 
 from kvwire.aio._arrays import as_device_array, as_host_array, is_device_array, iterate_layers
 from kvwire.aio._codec_speed import codec_speeds
-from kvwire.aio._encode import device_chunks, host_chunks
+from kvwire.aio._encode import device_chunks, host_chunks, raw_based
 from kvwire.codec import TensorKind, get_codec
 from kvwire.control import CodecCandidate, CodecChooser
 from kvwire.errors import (
@@ -209,7 +209,7 @@ async def _send_layer(
         chunks = plan
         # The transfer's first chunk is small (the receiver grants its window once it knows
         # the layer size); the GPU kernels quantize equal chunks only.
-        if index == 0 and kind is TensorKind.K and (host or codec_name.split("+")[0] == "raw"):
+        if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
         source = (host_chunks(arr, kind, chunks, pick, chooser) if host
                   else device_chunks(pick(), arr, kind, chunks, spec.dtype, chooser))

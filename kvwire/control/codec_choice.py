@@ -192,12 +192,13 @@ class CodecChooser:
         """Measured transport CPU seconds per wire byte, ``None`` before the first."""
         return self._transport
 
-    def _blend(self, old: float | None, speed: float, nbytes: int) -> float:
-        """EWMA step; a sample smaller than FULL_SAMPLE_BYTES (a transfer's small first
-        chunk, timed mostly on call overhead) moves the estimate in proportion."""
+    def _blend(self, old: float | None, value: float, nbytes: int) -> float:
+        """EWMA step of a speed or a cost, measured over ``nbytes``; a sample smaller than
+        FULL_SAMPLE_BYTES (a transfer's small first chunk, timed mostly on call overhead)
+        moves the estimate in proportion."""
         if old is None:
-            return speed
-        return old + self._gain * min(1.0, nbytes / FULL_SAMPLE_BYTES) * (speed - old)
+            return value
+        return old + self._gain * min(1.0, nbytes / FULL_SAMPLE_BYTES) * (value - old)
 
     def observe_size(self, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
         """Feed one measured size ratio (entropy stages vary with the data)."""
