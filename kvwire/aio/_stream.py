@@ -101,6 +101,7 @@ class Stream(asyncio.BufferedProtocol):
         # and whether the write limits are at 0 until the transport's buffer drains.
         self._pending: Iterator[Any] | None = None
         self._draining = False
+        self._gather = False  # whether the transport's writelines() is one writev
 
     @property
     def conn(self) -> Any:
@@ -118,6 +119,7 @@ class Stream(asyncio.BufferedProtocol):
         if USE_RCVLOWAT and sock is not None and transport.get_extra_info("sslcontext") is None:
             self._lowat_sock = sock
         self.peer = transport.get_extra_info("peername")
+        self._gather = gathers(transport)
         self.made = self.owner.stream_made(self)
         if not self.made:
             transport.abort()  # type: ignore[attr-defined]
@@ -184,7 +186,7 @@ class Stream(asyncio.BufferedProtocol):
         if self._draining and tr is not None and not tr.is_closing():
             # The kernel took everything buffered: go on with the frame it had no room for.
             if self._pending is not None:
-                self._pending = write_some(tr, self._pending)
+                self._pending = write_some(tr, self._pending, self._gather)
             if self._pending is not None or tr.get_write_buffer_size():
                 return  # waiting again (pause_writing came with the write)
             self._draining = False
@@ -219,7 +221,7 @@ class Stream(asyncio.BufferedProtocol):
             return
         data = self.owner.core.buffers_to_send(self.key)
         if data:
-            self._pending = write_some(tr, pieces_of(data))
+            self._pending = write_some(tr, pieces_of(data), self._gather)
             if self._pending is not None:
                 tr.set_write_buffer_limits(high=0)  # pause now, resume once drained
                 self._draining = True
@@ -234,15 +236,23 @@ LARGE_PART = 64 * 1024
 WRITE_HIGH, WRITE_LOW = 4 << 20, 1 << 20
 
 
-def write_some(tr: asyncio.WriteTransport, pieces: Iterator[Any]) -> Iterator[Any] | None:
+def gathers(tr: asyncio.BaseTransport) -> bool:
+    """Whether ``tr.writelines()`` hands its buffers to one scatter-gather write instead of
+    joining them into a new bytes object: uvloop's plain TCP transports (asyncio's own join
+    before Python 3.12; under TLS every byte is copied into the TLS object anyway)."""
+    return tr.get_extra_info("sslcontext") is None and type(tr).__module__.startswith("uvloop")
+
+
+def write_some(tr: asyncio.WriteTransport, pieces: Iterator[Any], gather: bool = False) -> Iterator[Any] | None:
     """Write frame parts without joining a large payload into a new bytes object, up to
     the first large one the kernel did not take whole; return the rest (None: all written).
 
-    ``writelines`` of a plain asyncio transport joins every part into one bytes object
-    before sending: a copy of every payload byte.  Small parts (headers, CRCs, acks) are
-    joined; each large one goes to ``write()``, which hands it to the socket directly when
-    nothing is queued.  A :class:`CheckedPayload` is written piece by piece, each
-    checksummed only when it is taken from ``pieces``.
+    ``writelines`` of asyncio's transports (before Python 3.12) joins every part into one
+    bytes object before sending: a copy of every payload byte.  Small parts (headers, CRCs,
+    acks) are joined; each large one goes to ``write()``, which hands it to the socket
+    directly when nothing is queued, or with ``gather`` (see :func:`gathers`) to
+    ``writelines()`` together with the small parts before it.  A :class:`CheckedPayload`
+    is written piece by piece, each checksummed only when it is taken from ``pieces``.
     """
     small: list[Any] = []
     for part in pieces:
@@ -250,10 +260,16 @@ def write_some(tr: asyncio.WriteTransport, pieces: Iterator[Any]) -> Iterator[An
         if view.nbytes < LARGE_PART:
             small.append(view)
             continue
-        if small:
-            tr.write(b"".join(small))
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        if small and gather:
+            tr.writelines((b"".join(small), view))  # one writev: no packet for the header alone
             small = []
-        tr.write(view if view.format == "B" and view.ndim == 1 else view.cast("B"))
+        else:
+            if small:
+                tr.write(b"".join(small))
+                small = []
+            tr.write(view)
         if tr.get_write_buffer_size():
             return pieces
     if small:

@@ -16,6 +16,7 @@ from kvwire.aio._stream import (
     WRITE_HIGH,
     WRITE_LOW,
     Stream,
+    gathers,
     pieces_of,
     write_some,
 )
@@ -37,7 +38,8 @@ class FakeTransport(asyncio.Transport):
 
     def __init__(self, sock: FakeSocket | None = None, *, tls: bool = False, room: int | None = None) -> None:
         super().__init__()
-        self.written: list[bytes] = []  # each write() as it was given
+        self.written: list[bytes] = []  # each write() as it was given (a writelines(): its last part)
+        self.gathered: list[list[bytes]] = []  # each writelines()
         self.sent = bytearray()  # what the kernel took, in order
         self.buffer = bytearray()
         self.room = room
@@ -75,6 +77,13 @@ class FakeTransport(asyncio.Transport):
             data = data[take:]
         self.buffer += data
         self._maybe_pause()
+
+    def writelines(self, parts: Any) -> None:
+        parts = [bytes(p) for p in parts]
+        self.gathered.append(parts)  # one scatter-gather write of all of them
+        self.write(b"".join(parts))
+        self.written.pop()
+        self.written.append(parts[-1])
 
     def drain(self, room: int | None = None) -> None:
         """The kernel takes the whole buffer and then has ``room`` bytes free."""
@@ -317,3 +326,36 @@ async def test_a_frame_the_kernel_takes_whole_leaves_the_write_limits_alone() ->
     s.flush()
     assert bytes(tr.sent) == frame_bytes(chunk) and tr.limits == [(WRITE_HIGH, WRITE_LOW)]
     assert owner.writable == []
+
+
+def test_with_gather_the_small_parts_go_in_one_write_with_the_large_part_after_them() -> None:
+    from kvwire.wire import Chunk, frame_bytes
+    from kvwire.wire.frames import CHECK_AS_WRITTEN, encode_chunk_checked_as_written
+
+    chunk = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"p", payload=bytes(range(256)) * (5 * CHECK_AS_WRITTEN // 256))
+    tr = FakeTransport()
+    assert write_some(tr, pieces_of([b"ack!", *encode_chunk_checked_as_written(chunk), b"next"]), gather=True) is None
+    assert bytes(tr.sent) == b"ack!" + frame_bytes(chunk) + b"next"
+    # The ack, the header and the params with the first piece; the other pieces alone; the
+    # CRC trailer and what follows joined at the end.
+    assert len(tr.gathered) == 1 and tr.gathered[0][0].startswith(b"ack!")
+    assert len(tr.gathered[0][1]) == CHECK_AS_WRITTEN
+    assert [len(w) for w in tr.written] == [CHECK_AS_WRITTEN] * 5 + [4 + 4]
+
+
+def test_gather_is_used_on_uvloop_tcp_only() -> None:
+    import uvloop
+
+    assert not gathers(FakeTransport()) and not gathers(FakeTransport(tls=True))
+    loop = uvloop.new_event_loop()
+    try:
+        server = loop.run_until_complete(loop.create_server(asyncio.Protocol, "127.0.0.1", 0))
+        port = server.sockets[0].getsockname()[1]
+        tr, _ = loop.run_until_complete(loop.create_connection(asyncio.Protocol, "127.0.0.1", port))
+        assert gathers(tr)
+        tr.close()
+        server.close()
+        loop.run_until_complete(server.wait_closed())
+    finally:
+        loop.close()
