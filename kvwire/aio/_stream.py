@@ -214,7 +214,7 @@ class Stream(asyncio.BufferedProtocol):
         checksummed) and the write limits drop to 0, so :meth:`resume_writing` comes when
         the kernel has taken that buffer and carries on.  Each piece is then checksummed
         just before the kernel copies it, both reads from the cache, instead of long before
-        from memory (on a busy host or a full link about half of all pieces were).
+        from memory (with a busy host's load, about half of all pieces were).
         """
         tr = self.transport
         if tr is None or tr.is_closing() or self._draining:
