@@ -97,10 +97,6 @@ class Stream(asyncio.BufferedProtocol):
         # not a socket, or not supported), and the value it has now.
         self._lowat_sock: Any = None
         self._lowat = 1
-        # The rest of a frame the kernel had no room for (its pieces not checksummed yet),
-        # and whether the write limits are at 0 until the transport's buffer drains.
-        self._pending: Iterator[Any] | None = None
-        self._draining = False
         self._gather = False  # whether the transport's writelines() is one writev
 
     @property
@@ -113,7 +109,7 @@ class Stream(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)  # type: ignore[attr-defined]
+        transport.set_write_buffer_limits(high=4 << 20, low=1 << 20)  # type: ignore[attr-defined]
         sock = transport.get_extra_info("socket")
         tune_socket(sock, self.owner.notsent_lowat)
         if USE_RCVLOWAT and sock is not None and transport.get_extra_info("sslcontext") is None:
@@ -167,7 +163,6 @@ class Stream(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._eof()
         self.transport = None
-        self._pending, self._draining = None, False  # the core re-sends what was not acked
         if self.made:
             self.owner.stream_lost(self)
         self.closed.set()
@@ -178,23 +173,10 @@ class Stream(asyncio.BufferedProtocol):
             self.owner.pump()
 
     def pause_writing(self) -> None:
-        if self._current() and not self._draining:  # (told once while a frame waits)
+        if self._current():
             self.owner.set_writable(self, False)
 
     def resume_writing(self) -> None:
-        tr = self.transport
-        if self._draining and tr is not None and not tr.is_closing():
-            # The kernel took everything buffered: go on with the frame it had no room for.
-            if self._pending is not None:
-                self._pending = write_some(tr, self._pending, self._gather)
-            if self._pending is not None or tr.get_write_buffer_size():
-                return  # waiting again (pause_writing came with the write)
-            self._draining = False
-            tr.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)
-            if self._current():
-                self.owner.set_writable(self, True)
-                self.flush()  # what the core queued meanwhile (a no-op if the owner pumped)
-            return
         if self._current():
             self.owner.set_writable(self, True)
 
@@ -207,33 +189,19 @@ class Stream(asyncio.BufferedProtocol):
         self.reading_paused = paused
 
     def flush(self) -> None:
-        """Write what the core has to send on this stream; close it once the core did.
-
-        A large frame goes out only as fast as the kernel takes it: once a piece stays
-        partly in the transport's buffer, the rest of the frame waits (its pieces not yet
-        checksummed) and the write limits drop to 0, so :meth:`resume_writing` comes when
-        the kernel has taken that buffer and carries on.  Each piece is then checksummed
-        just before the kernel copies it, both reads from the cache, instead of long before
-        from memory (with a busy host's load, about half of all pieces were).
-        """
+        """Write what the core has to send on this stream; close it once the core did."""
         tr = self.transport
-        if tr is None or tr.is_closing() or self._draining:
+        if tr is None or tr.is_closing():
             return
         data = self.owner.core.buffers_to_send(self.key)
         if data:
-            self._pending = write_some(tr, pieces_of(data), self._gather)
-            if self._pending is not None:
-                tr.set_write_buffer_limits(high=0)  # pause now, resume once drained
-                self._draining = True
-                return
+            write_parts(tr, data, self._gather)
         if self.owner.core.is_closed(self.key):
             tr.close()
 
 
 #: Parts at least this large are written on their own; smaller neighbours are joined.
 LARGE_PART = 64 * 1024
-#: A stream's transport write limits while it is not waiting for the kernel (see flush).
-WRITE_HIGH, WRITE_LOW = 4 << 20, 1 << 20
 
 
 def gathers(tr: asyncio.BaseTransport) -> bool:
@@ -243,19 +211,19 @@ def gathers(tr: asyncio.BaseTransport) -> bool:
     return tr.get_extra_info("sslcontext") is None and type(tr).__module__.startswith("uvloop")
 
 
-def write_some(tr: asyncio.WriteTransport, pieces: Iterator[Any], gather: bool = False) -> Iterator[Any] | None:
-    """Write frame parts without joining a large payload into a new bytes object, up to
-    the first large one the kernel did not take whole; return the rest (None: all written).
+def write_parts(tr: asyncio.WriteTransport, parts: Sequence[Any], gather: bool = False) -> None:
+    """Write frame parts without joining a large payload into a new bytes object.
 
     ``writelines`` of asyncio's transports (before Python 3.12) joins every part into one
     bytes object before sending: a copy of every payload byte.  Small parts (headers, CRCs,
     acks) are joined; each large one goes to ``write()``, which hands it to the socket
-    directly when nothing is queued, or with ``gather`` (see :func:`gathers`) to
-    ``writelines()`` together with the small parts before it.  A :class:`CheckedPayload`
-    is written piece by piece, each checksummed only when it is taken from ``pieces``.
+    directly when nothing is queued and copies only what the kernel did not take, or with
+    ``gather`` (see :func:`gathers`) to ``writelines()`` together with the small parts
+    before it: one writev, no packet for a frame's header alone.  A
+    :class:`CheckedPayload` is written piece by piece, each checksummed just before.
     """
     small: list[Any] = []
-    for part in pieces:
+    for part in _pieces(parts):
         view = memoryview(part)
         if view.nbytes < LARGE_PART:
             small.append(view)
@@ -263,21 +231,17 @@ def write_some(tr: asyncio.WriteTransport, pieces: Iterator[Any], gather: bool =
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
         if small and gather:
-            tr.writelines((b"".join(small), view))  # one writev: no packet for the header alone
-            small = []
+            tr.writelines((b"".join(small), view))
         else:
             if small:
                 tr.write(b"".join(small))
-                small = []
             tr.write(view)
-        if tr.get_write_buffer_size():
-            return pieces
+        small = []
     if small:
         tr.write(b"".join(small))
-    return None
 
 
-def pieces_of(parts: Sequence[Any]) -> Iterator[Any]:
+def _pieces(parts: Sequence[Any]) -> Iterator[Any]:
     """``parts`` with each :class:`CheckedPayload` as its pieces, each checksummed only
     when it is asked for, that is just before it is written."""
     for part in parts:

@@ -9,17 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.aio._stream import (
-    LARGE_PART,
-    RCVLOWAT_MAX,
-    RCVLOWAT_MIN,
-    WRITE_HIGH,
-    WRITE_LOW,
-    Stream,
-    gathers,
-    pieces_of,
-    write_some,
-)
+from kvwire.aio._stream import LARGE_PART, RCVLOWAT_MAX, RCVLOWAT_MIN, Stream, gathers, write_parts
 
 
 class FakeSocket:
@@ -32,21 +22,10 @@ class FakeSocket:
 
 
 class FakeTransport(asyncio.Transport):
-    """A transport whose "kernel" takes ``room`` more bytes (None: any number); the rest of
-    a write stays in its buffer until :meth:`drain`.  Pauses and resumes its protocol the
-    way asyncio's and uvloop's transports do (pause once over ``high``, resume at ``low``)."""
-
-    def __init__(self, sock: FakeSocket | None = None, *, tls: bool = False, room: int | None = None) -> None:
+    def __init__(self, sock: FakeSocket | None = None, *, tls: bool = False) -> None:
         super().__init__()
-        self.written: list[bytes] = []  # each write() as it was given (a writelines(): its last part)
-        self.gathered: list[list[bytes]] = []  # each writelines()
-        self.sent = bytearray()  # what the kernel took, in order
-        self.buffer = bytearray()
-        self.room = room
-        self.high, self.low = 64 * 1024, 16 * 1024
-        self.limits: list[tuple[int, int]] = []
-        self.protocol: Any = None
-        self.paused = False
+        self.written: list[bytes] = []
+        self.gathered: list[list[bytes]] = []
         self.closing = self.aborted = False
         self.reading = True
         self.extra = {"peername": ("127.0.0.1", 1), "socket": sock, "sslcontext": object() if tls else None}
@@ -55,49 +34,17 @@ class FakeTransport(asyncio.Transport):
         return self.extra.get(name, default)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        self.high = 64 * 1024 if high is None else high
-        self.low = (self.high // 4 if high else 0) if low is None else low
-        self.limits.append((self.high, self.low))
-        self._maybe_pause()
-
-    def get_write_buffer_size(self) -> int:
-        return len(self.buffer)
+        pass
 
     def is_closing(self) -> bool:
         return self.closing or self.aborted
 
     def write(self, data: Any) -> None:
-        data = bytes(data)
-        self.written.append(data)
-        if not self.buffer:
-            take = len(data) if self.room is None else min(self.room, len(data))
-            self.sent += data[:take]
-            if self.room is not None:
-                self.room -= take
-            data = data[take:]
-        self.buffer += data
-        self._maybe_pause()
+        self.written.append(bytes(data))
 
     def writelines(self, parts: Any) -> None:
-        parts = [bytes(p) for p in parts]
-        self.gathered.append(parts)  # one scatter-gather write of all of them
-        self.write(b"".join(parts))
-        self.written.pop()
-        self.written.append(parts[-1])
-
-    def drain(self, room: int | None = None) -> None:
-        """The kernel takes the whole buffer and then has ``room`` bytes free."""
-        self.sent += self.buffer
-        self.buffer.clear()
-        self.room = room
-        if self.paused and len(self.buffer) <= self.low:
-            self.paused = False
-            self.protocol.resume_writing()
-
-    def _maybe_pause(self) -> None:
-        if not self.paused and len(self.buffer) > self.high and self.protocol is not None:
-            self.paused = True
-            self.protocol.pause_writing()
+        self.gathered.append([bytes(p) for p in parts])  # one scatter-gather write
+        self.written.append(b"".join(self.gathered[-1]))
 
     def close(self) -> None:
         self.closing = True
@@ -233,11 +180,11 @@ def test_large_parts_are_written_alone_and_small_neighbours_joined() -> None:
     payload = np.arange(LARGE_PART, dtype=np.uint16)
     parts = [b"HDR", b"params", memoryview(payload), b"CRC!", b"ack"]
     tr = FakeTransport()
-    assert write_some(tr, pieces_of(parts)) is None
+    write_parts(tr, parts)
     assert b"".join(tr.written) == b"HDR" + b"params" + payload.tobytes() + b"CRC!" + b"ack"
     assert tr.written == [b"HDRparams", payload.tobytes(), b"CRC!ack"]
     tr2 = FakeTransport()
-    assert write_some(tr2, pieces_of([b"a", b"b"])) is None
+    write_parts(tr2, [b"a", b"b"])
     assert tr2.written == [b"ab"]
 
 
@@ -271,77 +218,35 @@ def test_a_checked_payload_is_written_piece_by_piece_as_its_frame() -> None:
     chunk = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
                   layer_tokens=1, params=b"", payload=payload)
     tr = FakeTransport()
-    assert write_some(tr, pieces_of([b"ack!", *encode_chunk_checked_as_written(chunk), b"next"])) is None
+    write_parts(tr, [b"ack!", *encode_chunk_checked_as_written(chunk), b"next"])
     assert b"".join(tr.written) == b"ack!" + frame_bytes(chunk) + b"next"
     assert [len(w) for w in tr.written[1:-1]] == [CHECK_AS_WRITTEN] * 9  # each piece alone
 
 
-async def test_a_frame_the_kernel_has_no_room_for_waits_with_its_pieces_unchecked() -> None:
-    """Once a piece stays partly in the transport's buffer the rest of the frame waits:
-    nothing else goes out, the write limits drop to 0, and when the kernel has taken the
-    buffer the rest follows, each piece checksummed only then (a piece changed while it
-    waited is sent, and checksummed, as it is then), before what the core queued meanwhile
-    and before the close."""
-    from kvwire.wire import Chunk, frame_bytes
-    from kvwire.wire.frames import CHECK_AS_WRITTEN, encode_chunk_checked_as_written
-
-    payload = bytearray(bytes(range(256)) * (5 * CHECK_AS_WRITTEN // 256))  # five pieces
-    chunk = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
-                  layer_tokens=1, params=b"", payload=memoryview(payload))
-    owner, tr = Owner(), FakeTransport(room=CHECK_AS_WRITTEN + 4096)  # the header, 1.x pieces
-    s = Stream(owner, 0)
-    tr.protocol = s
-    s.connection_made(tr)
-    assert tr.limits == [(WRITE_HIGH, WRITE_LOW)]
-    owner.core.out = [*encode_chunk_checked_as_written(chunk), b"next"]
-    s.flush()
-    assert tr.limits[-1] == (0, 0) and owner.writable == [False]
-    assert len(tr.written) == 3  # the header, the first piece, the second (partly taken)
-    payload[4 * CHECK_AS_WRITTEN :] = b"\xff" * CHECK_AS_WRITTEN  # the last piece, not yet sent
-    owner.core.out = [b"later"]
-    owner.core.closed = True
-    s.flush()  # waiting for the kernel: nothing taken from the core, no close
-    assert len(tr.written) == 3 and owner.core.out == [b"later"] and not tr.closing
-    tr.drain(room=CHECK_AS_WRITTEN // 2)  # takes the second piece's rest, then half a piece
-    assert len(tr.written) == 4 and not tr.closing and owner.writable == [False]
-    tr.drain()
-    changed = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
-                    layer_tokens=1, params=b"", payload=bytes(payload))
-    assert bytes(tr.sent) == frame_bytes(changed) + b"next" + b"later"
-    assert tr.limits[-1] == (WRITE_HIGH, WRITE_LOW) and owner.writable == [False, True]
-    assert tr.closing
-
-
-async def test_a_frame_the_kernel_takes_whole_leaves_the_write_limits_alone() -> None:
-    from kvwire.wire import Chunk, frame_bytes
-    from kvwire.wire.frames import CHECK_AS_WRITTEN, encode_chunk_checked_as_written
-
-    chunk = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
-                  layer_tokens=1, params=b"", payload=bytes(3 * CHECK_AS_WRITTEN))
-    owner, tr = Owner(), FakeTransport()
-    s = Stream(owner, 0)
-    tr.protocol = s
-    s.connection_made(tr)
-    owner.core.out = encode_chunk_checked_as_written(chunk)
-    s.flush()
-    assert bytes(tr.sent) == frame_bytes(chunk) and tr.limits == [(WRITE_HIGH, WRITE_LOW)]
-    assert owner.writable == []
-
-
 def test_with_gather_the_small_parts_go_in_one_write_with_the_large_part_after_them() -> None:
+    """What precedes a large part (an ack, a frame's header and params, the trailer of the
+    frame before) goes in one writelines() with it, so no write (and, with TCP_NODELAY, no
+    packet) carries a header alone; the bytes and their order are those of plain writes."""
     from kvwire.wire import Chunk, frame_bytes
     from kvwire.wire.frames import CHECK_AS_WRITTEN, encode_chunk_checked_as_written
 
-    chunk = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
-                  layer_tokens=1, params=b"p", payload=bytes(range(256)) * (5 * CHECK_AS_WRITTEN // 256))
+    def chunk(layer: int) -> Chunk:
+        return Chunk(transfer_id=1, layer=layer, kind=0, codec_id=0, token_start=0, token_count=1,
+                     layer_tokens=1, params=b"p", payload=bytes([layer]) * (5 * CHECK_AS_WRITTEN))
+
+    parts = [b"ack!", *encode_chunk_checked_as_written(chunk(0)), *encode_chunk_checked_as_written(chunk(1)), b"next"]
+    stream = b"ack!" + frame_bytes(chunk(0)) + frame_bytes(chunk(1)) + b"next"
     tr = FakeTransport()
-    assert write_some(tr, pieces_of([b"ack!", *encode_chunk_checked_as_written(chunk), b"next"]), gather=True) is None
-    assert bytes(tr.sent) == b"ack!" + frame_bytes(chunk) + b"next"
-    # The ack, the header and the params with the first piece; the other pieces alone; the
-    # CRC trailer and what follows joined at the end.
-    assert len(tr.gathered) == 1 and tr.gathered[0][0].startswith(b"ack!")
-    assert len(tr.gathered[0][1]) == CHECK_AS_WRITTEN
-    assert [len(w) for w in tr.written] == [CHECK_AS_WRITTEN] * 5 + [4 + 4]
+    write_parts(tr, parts, gather=True)
+    assert b"".join(tr.written) == stream
+    # Per frame: one writelines() of what came before it and its first piece, then four
+    # pieces alone; at the end the last trailer and "next" together.
+    assert len(tr.gathered) == 2 and [len(g[1]) for g in tr.gathered] == [CHECK_AS_WRITTEN] * 2
+    assert tr.gathered[0][0].startswith(b"ack!") and len(tr.gathered[1][0]) == len(tr.gathered[0][0])  # CRC + head
+    assert [len(w) for w in tr.written if w not in map(b"".join, tr.gathered)] == [CHECK_AS_WRITTEN] * 8 + [4 + 4]
+    plain = FakeTransport()
+    write_parts(plain, parts)
+    assert plain.gathered == [] and b"".join(plain.written) == stream
 
 
 def test_gather_is_used_on_uvloop_tcp_only() -> None:
