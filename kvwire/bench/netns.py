@@ -181,6 +181,7 @@ class NetnsLink:
         self._burst = burst_bytes
         self._latency = queue_latency
         self._created: list[str] = []
+        self._owner = os.getpid()  # only this process removes what it made (see close)
 
     # -- setup and teardown ------------------------------------------------------------
 
@@ -242,7 +243,14 @@ class NetnsLink:
         return self
 
     def close(self) -> None:
-        """Remove everything created (idempotent). Deleting a namespace removes its veth."""
+        """Remove everything created (idempotent). Deleting a namespace removes its veth.
+
+        A no-op in a forked child: it inherits the link, the signal handlers and the atexit
+        hook, and a child stopped with SIGTERM (a load process, a worker) must not remove
+        the namespaces its parent is still using.
+        """
+        if os.getpid() != self._owner:
+            return
         while self._created:
             ns = self._created.pop()
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)

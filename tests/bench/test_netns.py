@@ -109,3 +109,21 @@ def test_cleans_up_when_the_process_is_signalled(signame: str) -> None:
                 proc.wait()
     listing = _namespaces()
     assert all(ns not in listing for ns in names)
+
+
+def test_a_forked_child_stopped_by_a_signal_leaves_the_parents_namespaces() -> None:
+    """A child forked while a link is open inherits its signal handlers and atexit hook
+    (a benchmark's load process, stopped with SIGTERM): the namespaces stay until the
+    process that made them closes the link."""
+    import multiprocessing as mp
+
+    with NetnsLink(rate_bps=1e9) as link:
+        child = mp.get_context("fork").Process(target=time.sleep, args=(30,), daemon=True)
+        child.start()
+        time.sleep(0.2)
+        child.terminate()
+        child.join(10)
+        assert child.exitcode is not None
+        assert all(ns in _namespaces() for ns in link.namespaces)
+        names = link.namespaces
+    assert all(ns not in _namespaces() for ns in names)
