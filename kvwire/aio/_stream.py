@@ -230,13 +230,13 @@ def write_parts(tr: asyncio.WriteTransport, parts: Sequence[Any], gather: bool =
             continue
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
-        if small and gather:
-            tr.writelines((b"".join(small), view))
-        else:
-            if small:
-                tr.write(b"".join(small))
-            tr.write(view)
-        small = []
+        if small:
+            head, small = b"".join(small), []
+            if gather:
+                tr.writelines((head, view))
+                continue
+            tr.write(head)
+        tr.write(view)
     if small:
         tr.write(b"".join(small))
 
