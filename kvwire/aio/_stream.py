@@ -5,14 +5,29 @@ teardown helpers."""
 from __future__ import annotations
 
 import asyncio
+import os
 import platform
 import socket
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+from kvwire._extensions import load_extension
 from kvwire.session.options import NOTSENT_LOWAT
 from kvwire.wire.frames import CheckedPayload
+
+#: The compiled send queue (``kvwire/wire/_sendq.c``), or None: then every stream writes
+#: through its transport (:func:`write_parts`).
+_sendq = load_extension("kvwire.wire._sendq")
+#: A stream with its own send queue stops taking frames above this many queued bytes and
+#: takes them again at or below ``QUEUE_LOW`` (the transport's write limits).
+QUEUE_HIGH = 4 << 20
+QUEUE_LOW = 1 << 20
+#: Most bytes of a large payload the queue hands to the kernel per write, checksummed
+#: right after the kernel copied them (while they are in the cache): large enough for few
+#: writes per chunk on a shaped link, small enough that a piece and its copy stay in a
+#: core's L2 cache (docs/benchmarks.md compares 256 KiB, 512 KiB and whole payloads).
+SEND_PIECE = 512 * 1024
 
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 #: Largest SO_RCVLOWAT a stream sets while a large payload is arriving (see Stream.lowat).
@@ -98,6 +113,12 @@ class Stream(asyncio.BufferedProtocol):
         self._lowat_sock: Any = None
         self._lowat = 1
         self._gather = False  # whether the transport's writelines() is one writev
+        # The stream's own send queue on a duplicate of the socket's descriptor (plain TCP
+        # with the compiled queue), or None: writes go through the transport.
+        self._queue: Any = None
+        self._waiting = False  # the queue's descriptor is registered for writability
+        self._paused = False  # the owner was told the stream is not writable
+        self._close_queued = False  # close once the queue is written
 
     @property
     def conn(self) -> Any:
@@ -120,7 +141,23 @@ class Stream(asyncio.BufferedProtocol):
         if not self.made:
             transport.abort()  # type: ignore[attr-defined]
             return
+        if _sendq is not None and sock is not None and transport.get_extra_info("sslcontext") is None:
+            self._open_queue(sock)
         self.owner.pump()
+
+    def _open_queue(self, sock: Any) -> None:
+        """Write through a send queue of the stream's own instead of the transport.
+
+        The queue writes a duplicate of the socket's descriptor (the loop refuses a
+        writer on a descriptor its transport holds); everything this stream sends goes
+        through it, so the transport's write buffer stays empty and nothing interleaves.
+        """
+        assert _sendq is not None
+        try:
+            fd = os.dup(sock.fileno())
+        except (AttributeError, OSError, ValueError):
+            return  # not a real socket (a test transport): the transport writes
+        self._queue = _sendq.SendQueue(fd, piece=SEND_PIECE)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._current():
@@ -161,6 +198,7 @@ class Stream(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._drop_queue()
         self._eof()
         self.transport = None
         if self.made:
@@ -191,13 +229,70 @@ class Stream(asyncio.BufferedProtocol):
     def flush(self) -> None:
         """Write what the core has to send on this stream; close it once the core did."""
         tr = self.transport
-        if tr is None or tr.is_closing():
+        if tr is None or tr.is_closing() or self._close_queued:
             return
         data = self.owner.core.buffers_to_send(self.key)
+        q = self._queue
+        if q is None:
+            if data:
+                write_parts(tr, data, self._gather)
+            if self.owner.core.is_closed(self.key):
+                tr.close()
+            return
         if data:
-            write_parts(tr, data, self._gather)
+            q.push([(p.payload, p.crc) if isinstance(p, CheckedPayload) else p for p in data])
         if self.owner.core.is_closed(self.key):
+            self._close_queued = True
+        self._write_queue()
+
+    def _write_queue(self) -> None:
+        """Write what the queue holds until the kernel takes no more; wait for
+        writability while bytes are left; tell the owner when the stream crosses
+        ``QUEUE_HIGH`` / ``QUEUE_LOW``."""
+        q, tr = self._queue, self.transport
+        if q is None or tr is None:
+            return
+        try:
+            left = q.flush()
+        except OSError:
+            self.abort()  # the connection is broken: its loss reaches the core from the transport
+            return
+        loop = asyncio.get_running_loop()
+        if left and not self._waiting:
+            loop.add_writer(q.fd, self._write_queue)
+            self._waiting = True
+        elif not left and self._waiting:
+            loop.remove_writer(q.fd)
+            self._waiting = False
+        if not left and self._close_queued:
+            self._drop_queue()
             tr.close()
+            return
+        if left > QUEUE_HIGH and not self._paused:
+            self._paused = True
+            self.owner.set_writable(self, False)
+        elif left <= QUEUE_LOW and self._paused:
+            self._paused = False
+            if self._current():
+                self.owner.set_writable(self, True)  # last: it may pump, and flush again
+
+    def _drop_queue(self) -> None:
+        """Stop writing through the queue: what it holds is dropped, its descriptor closed."""
+        q, self._queue = self._queue, None
+        if q is None:
+            return
+        if self._waiting:
+            asyncio.get_running_loop().remove_writer(q.fd)
+            self._waiting = False
+        q.clear()
+        os.close(q.fd)
+
+    def abort(self) -> None:
+        """Close the connection at once, dropping whatever is not yet written."""
+        self._drop_queue()
+        tr = self.transport
+        if tr is not None:
+            tr.abort()
 
 
 #: Parts at least this large are written on their own; smaller neighbours are joined.
@@ -274,9 +369,8 @@ async def wait_closed(streams: Sequence[Stream], timeout: float) -> None:
             w.cancel()
         await asyncio.gather(*waits, return_exceptions=True)
     for s in streams:
-        tr = s.transport
-        if tr is not None and not s.closed.is_set():
-            tr.abort()
+        if s.transport is not None and not s.closed.is_set():
+            s.abort()
 
 
 class Pump:

@@ -546,6 +546,12 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* For other extensions (kvwire.wire._sendq), through the capsule _crc_update: the CRC32C
+ * value of `crc` continued over p[0..n), as crc32c(data, crc) computes it, GIL not needed. */
+static uint32_t crc_update(uint32_t crc, const uint8_t* p, size_t n) {
+    return n ? ~kv_fn(~crc, p, n) : crc;
+}
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvwire.wire._crc32c",
     "CRC32C (Castagnoli) with run-time dispatch: VPCLMULQDQ/AVX-512, PCLMULQDQ, SSE4.2, table.",
@@ -564,6 +570,12 @@ PyMODINIT_FUNC PyInit__crc32c(void) {
     if (m == NULL) return NULL;
     /* the highest level this build holds (the CPU may allow less) */
     if (PyModule_AddIntConstant(m, "LEVEL_BUILT", LEVEL_BUILT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject* api = PyCapsule_New((void*)crc_update, "kvwire.wire._crc32c._crc_update", NULL);
+    if (api == NULL || PyModule_AddObject(m, "_crc_update", api) < 0) {
+        Py_XDECREF(api);
         Py_DECREF(m);
         return NULL;
     }

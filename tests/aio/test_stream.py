@@ -4,12 +4,16 @@ what is written, and the side-specific parts left to its owner."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
+import struct
 from typing import Any
 
 import numpy as np
+import pytest
 
 from kvwire.aio._stream import LARGE_PART, RCVLOWAT_MAX, RCVLOWAT_MIN, Stream, gathers, write_parts
+from kvwire.wire.crc import crc32c
 
 
 class FakeSocket:
@@ -264,3 +268,108 @@ def test_gather_is_used_on_uvloop_tcp_only() -> None:
         loop.run_until_complete(server.wait_closed())
     finally:
         loop.close()
+
+
+# -- the compiled send queue on a real connection ----------------------------------------
+
+
+def _need_queue() -> None:
+    """The compiled queue must be there unless extensions are turned off on purpose."""
+    import kvwire.aio._stream as stream_mod
+
+    if stream_mod._sendq is None:
+        if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
+            pytest.skip("KVWIRE_NO_EXTENSIONS is set: streams write through their transports")
+        raise AssertionError("kvwire.wire._sendq is not built: reinstall with a C compiler present")
+
+
+async def _connected(owner: Owner) -> tuple[Stream, socket.socket]:
+    """A Stream connected over loopback to a plain socket the test reads from."""
+    loop = asyncio.get_running_loop()
+    lst = socket.create_server(("127.0.0.1", 0))
+    lst.setblocking(False)
+    accepted = asyncio.ensure_future(loop.sock_accept(lst))
+    _, stream = await loop.create_connection(lambda: Stream(owner, 1), *lst.getsockname())
+    peer, _ = await accepted
+    lst.close()
+    return stream, peer
+
+
+async def _read(peer: socket.socket, nbytes: int | None) -> bytes:
+    """``nbytes`` from ``peer`` (None: until EOF)."""
+    loop, got = asyncio.get_running_loop(), bytearray()
+    while nbytes is None or len(got) < nbytes:
+        data = await asyncio.wait_for(loop.sock_recv(peer, 1 << 20), 10)
+        if not data:
+            break
+        got += data
+    return bytes(got)
+
+
+async def test_with_the_send_queue_a_stream_stops_taking_frames_until_the_kernel_has_taken_them() -> None:
+    """Plain TCP with the compiled queue: the stream writes through it, not the transport;
+    above QUEUE_HIGH queued bytes the owner is told it is not writable, and writable again
+    once the peer read enough; the bytes are the frames' own."""
+    import kvwire.aio._stream as stream_mod
+    from kvwire.wire.frames import CheckedPayload
+
+    _need_queue()
+    owner = Owner()
+    stream, peer = await _connected(owner)
+    try:
+        assert stream._queue is not None
+        payload = memoryview(np.random.default_rng(5).integers(0, 256, 3 * stream_mod.QUEUE_HIGH, dtype=np.uint8))
+        owner.core.out = [b"head", CheckedPayload(payload, 99), b"tail"]
+        stream.flush()
+        assert owner.writable == [False]  # the peer reads nothing yet: most of it is queued
+        assert stream.transport is not None and stream.transport.get_write_buffer_size() == 0
+        expect = b"head" + bytes(payload) + struct.pack(">I", crc32c(payload, 99)) + b"tail"
+        assert await _read(peer, len(expect)) == expect
+        for _ in range(100):
+            if owner.writable == [False, True]:
+                break
+            await asyncio.sleep(0.01)
+        assert owner.writable == [False, True]
+        assert stream._queue.pending == 0
+    finally:
+        peer.close()
+        stream.abort()
+
+
+async def test_with_the_send_queue_a_closed_stream_writes_everything_before_its_eof() -> None:
+
+    _need_queue()
+    owner = Owner()
+    stream, peer = await _connected(owner)
+    try:
+        last = bytes(range(256)) * 40_000  # 10 MiB: more than the kernel takes at once
+        owner.core.out, owner.core.closed = [last], True
+        stream.flush()
+        assert stream.transport is not None and not stream.transport.is_closing()  # not yet written
+        assert await _read(peer, None) == last  # all of it, then EOF
+        await asyncio.wait_for(stream.closed.wait(), 10)
+        assert stream._queue is None  # its descriptor closed with it
+    finally:
+        peer.close()
+
+
+async def test_with_the_send_queue_abort_drops_what_is_queued_and_resets() -> None:
+
+    _need_queue()
+    owner = Owner()
+    stream, peer = await _connected(owner)
+    try:
+        owner.core.out = [b"x" * (16 << 20)]
+        stream.flush()
+        q = stream._queue
+        assert q is not None and q.pending > 0
+        fd = q.fd
+        stream.abort()
+        assert stream._queue is None and q.pending == 0
+        with pytest.raises(OSError):
+            os.fstat(fd)  # the queue's descriptor is closed
+        await asyncio.wait_for(stream.closed.wait(), 10)
+        got = await _read(peer, None)  # what the kernel had taken, then the end
+        assert len(got) < 16 << 20
+    finally:
+        peer.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 
@@ -411,23 +412,9 @@ async def test_streams_auto_opens_a_pool_and_delivers() -> None:
         kvwire.connect("127.0.0.1", 1, secret=SECRET, streams="many")
 
 
-@pytest.mark.parametrize("streams", [1, 2])
-def test_on_uvloop_frames_go_out_gathered_and_arrive_bit_identical(
-    streams: int, monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """On uvloop (what ``kvwire.aio.run`` uses) a stream writes each frame's head in one
-    writev with its first payload piece; a 128 MiB cache, more than the kernel takes at
-    once, arrives as sent."""
-    import kvwire.aio._stream as stream_mod
-
-    gathered: list[bool] = []
-    write_parts = stream_mod.write_parts
-
-    def spy(tr: object, parts: object, gather: bool = False) -> None:
-        gathered.append(gather)
-        write_parts(tr, parts, gather)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(stream_mod, "write_parts", spy)
+def _send_128_mib_on_uvloop(streams: int) -> None:
+    """A 128 MiB cache (more than the kernel takes at once) over ``kvwire.aio.run``'s
+    uvloop, sent and received bit-identical."""
     spec = kvwire.KVSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16")
     layers = make_layers(8, 4096, 8, 128)  # 8 MiB per K or V
 
@@ -440,4 +427,55 @@ def test_on_uvloop_frames_go_out_gathered_and_arrive_bit_identical(
 
     receipt, got = kvwire.aio.run(main())
     assert same_cache(got, layers) and receipt.chunks >= 2 * 8 * 2
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_on_uvloop_every_stream_writes_through_its_send_queue(
+    streams: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the compiled send queue, both sides' streams write through it (nothing through
+    the transport) and the cache arrives as sent."""
+    import kvwire.aio._stream as stream_mod
+
+    if stream_mod._sendq is None:
+        if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
+            pytest.skip("KVWIRE_NO_EXTENSIONS is set: streams write through their transports")
+        raise AssertionError("kvwire.wire._sendq is not built: reinstall with a C compiler present")
+    queued: list[bool] = []
+    through_transport: list[object] = []
+    open_queue, write_parts = stream_mod.Stream._open_queue, stream_mod.write_parts
+
+    def spy_open(self: stream_mod.Stream, sock: object) -> None:
+        open_queue(self, sock)
+        queued.append(self._queue is not None)
+
+    def spy_write(tr: object, parts: object, gather: bool = False) -> None:
+        through_transport.append(parts)
+        write_parts(tr, parts, gather)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stream_mod.Stream, "_open_queue", spy_open)
+    monkeypatch.setattr(stream_mod, "write_parts", spy_write)
+    _send_128_mib_on_uvloop(streams)
+    assert len(queued) == 2 * streams and all(queued)  # the client's streams and the server's
+    assert through_transport == []
+
+
+@pytest.mark.parametrize("streams", [1, 2])
+def test_without_the_send_queue_frames_go_out_gathered_on_uvloop_and_arrive_bit_identical(
+    streams: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the compiled send queue (not built) a stream writes through its transport:
+    on uvloop each frame's head in one writev with its first payload piece."""
+    import kvwire.aio._stream as stream_mod
+
+    gathered: list[bool] = []
+    write_parts = stream_mod.write_parts
+
+    def spy(tr: object, parts: object, gather: bool = False) -> None:
+        gathered.append(gather)
+        write_parts(tr, parts, gather)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stream_mod, "_sendq", None)
+    monkeypatch.setattr(stream_mod, "write_parts", spy)
+    _send_128_mib_on_uvloop(streams)
     assert gathered and all(gathered)  # both sides' streams, every write

@@ -1,0 +1,323 @@
+/* kvwire.wire._sendq: a stream's send queue, written to a non-blocking TCP socket with
+ * scatter-gather sendmsg() and the GIL released.
+ *
+ * The queue holds frame parts in order: plain buffers (headers, params, small payloads,
+ * control frames) and checked payloads (a CHUNK's payload followed by its CRC32C trailer;
+ * kvwire.wire.frames.CheckedPayload).  flush() writes until the queue is empty or the
+ * kernel takes no more (EAGAIN); the event loop calls it again when the socket is
+ * writable.  A checked payload is handed to the kernel a piece (`piece` bytes) per write, and
+ * the bytes the kernel took are checksummed right after the write returns, while they are
+ * still in the cache from its copy (a piece and its copy fit a core's L2 cache); the
+ * trailer goes out once the whole payload has been taken.  So no checksum stands between
+ * the socket becoming writable and its refill, and each byte is read from memory once (as
+ * it is not when a whole frame waits in a transport's buffer, checksummed long before the
+ * kernel reads it again).
+ *
+ * The CRC is the kvwire.wire._crc32c module's (its dispatched loop, taken through a
+ * capsule), so both compute the same function by construction.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#ifndef MSG_NOSIGNAL
+#define MSG_NOSIGNAL 0
+#endif
+
+#define IOV_PARTS 64 /* iovec entries per sendmsg() (IOV_MAX is at least 1024 on Linux) */
+
+typedef uint32_t (*crc_update_fn)(uint32_t crc, const uint8_t* p, size_t n);
+static crc_update_fn crc_update; /* standard CRC32C value in, value out (like crc32c()) */
+
+typedef struct {
+    Py_buffer view;
+    Py_ssize_t off;     /* bytes of view written */
+    int checked;        /* a payload followed by its 4-byte big-endian CRC32C trailer */
+    uint32_t crc;       /* checked: CRC of the frame through the `off` payload bytes written */
+    uint8_t trailer[4];
+    int trailer_off;    /* checked: trailer bytes written */
+} Part;
+
+typedef struct {
+    PyObject_HEAD
+    int fd;
+    Py_ssize_t piece; /* most bytes of a checked payload handed to the kernel per write */
+    Part* parts;
+    Py_ssize_t head, count, cap; /* parts[head .. count) are queued */
+    Py_ssize_t pending;          /* bytes queued, trailers included */
+    int busy;                    /* flush() is writing without the GIL */
+} SendQueue;
+
+static int check_idle(SendQueue* q) {
+    if (q->busy) {
+        PyErr_SetString(PyExc_RuntimeError, "SendQueue is being flushed by another thread");
+        return -1;
+    }
+    return 0;
+}
+
+static void release_range(SendQueue* q, Py_ssize_t from, Py_ssize_t to) {
+    for (Py_ssize_t i = from; i < to; i++) PyBuffer_Release(&q->parts[i].view);
+}
+
+static void compact(SendQueue* q) {
+    if (q->head == 0) return;
+    memmove(q->parts, q->parts + q->head, (size_t)(q->count - q->head) * sizeof(Part));
+    q->count -= q->head;
+    q->head = 0;
+}
+
+static int grow(SendQueue* q, Py_ssize_t extra) {
+    if (q->count + extra <= q->cap) return 0;
+    compact(q);
+    if (q->count + extra <= q->cap) return 0;
+    Py_ssize_t cap = q->cap ? q->cap : 16;
+    while (cap < q->count + extra) cap *= 2;
+    Part* p = PyMem_Realloc(q->parts, (size_t)cap * sizeof(Part));
+    if (p == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    q->parts = p;
+    q->cap = cap;
+    return 0;
+}
+
+static int sq_init(SendQueue* q, PyObject* args, PyObject* kwds) {
+    static char* kwlist[] = {"fd", "piece", NULL};
+    int fd;
+    Py_ssize_t piece = 512 * 1024;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|n", kwlist, &fd, &piece)) return -1;
+    if (fd < 0 || piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "SendQueue needs a descriptor >= 0 and piece > 0");
+        return -1;
+    }
+    q->fd = fd;
+    q->piece = piece;
+    return 0;
+}
+
+static void sq_dealloc(SendQueue* q) {
+    release_range(q, q->head, q->count);
+    PyMem_Free(q->parts);
+    Py_TYPE(q)->tp_free((PyObject*)q);
+}
+
+PyDoc_STRVAR(push_doc,
+             "push(parts, /)\n--\n\n"
+             "Queue frame parts in order: each a C-contiguous buffer, or a (payload, crc)\n"
+             "tuple: a payload followed by the big-endian CRC32C trailer of the frame, whose\n"
+             "CRC up to the payload is crc.  Nothing is written: see flush().  The buffers are\n"
+             "held (and must not change) until they are written or clear() drops them.");
+
+static void set_trailer(Part* p) {
+    uint32_t c = p->crc;
+    p->trailer[0] = (uint8_t)(c >> 24);
+    p->trailer[1] = (uint8_t)(c >> 16);
+    p->trailer[2] = (uint8_t)(c >> 8);
+    p->trailer[3] = (uint8_t)c;
+}
+
+static PyObject* sq_push(SendQueue* q, PyObject* arg) {
+    if (check_idle(q) < 0) return NULL;
+    PyObject* seq = PySequence_Fast(arg, "push() needs a sequence of parts");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (grow(q, n) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    Py_ssize_t start = q->count, added = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
+        Part* p = &q->parts[start + i];
+        memset(p, 0, sizeof(*p));
+        PyObject* obj = item;
+        if (PyTuple_Check(item)) {
+            if (PyTuple_GET_SIZE(item) != 2) {
+                PyErr_SetString(PyExc_TypeError, "a checked part is a (payload, crc) tuple");
+                goto fail;
+            }
+            unsigned long long v = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(item, 1));
+            if (v == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+            p->checked = 1;
+            p->crc = (uint32_t)v;
+            obj = PyTuple_GET_ITEM(item, 0);
+        }
+        if (PyObject_GetBuffer(obj, &p->view, PyBUF_SIMPLE) < 0) goto fail;
+        if (!PyBuffer_IsContiguous(&p->view, 'C')) {
+            PyBuffer_Release(&p->view);
+            PyErr_SetString(PyExc_BufferError, "push() needs C-contiguous buffers");
+            goto fail;
+        }
+        if (p->checked && p->view.len == 0) set_trailer(p); /* the trailer alone */
+        added++;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Part* p = &q->parts[start + i];
+        q->pending += p->view.len + (p->checked ? 4 : 0);
+    }
+    q->count += n;
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    release_range(q, start, start + added);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* Write until done, EAGAIN or a short write.  Runs without the GIL: touches only the
+ * queue (the event loop's thread holds it for the queue's owner, which waits). */
+static int write_out(SendQueue* q, int* err) {
+    struct iovec iov[IOV_PARTS];
+    for (;;) {
+        int n_iov = 0;
+        size_t want = 0;
+        for (Py_ssize_t i = q->head; i < q->count && n_iov < IOV_PARTS; i++) {
+            Part* p = &q->parts[i];
+            Py_ssize_t body = p->view.len - p->off;
+            if (body > 0 || !p->checked) {
+                iov[n_iov].iov_base = (char*)p->view.buf + p->off;
+                iov[n_iov].iov_len = (size_t)(p->checked && body > q->piece ? q->piece : body);
+                want += iov[n_iov++].iov_len;
+                if (p->checked) break; /* a piece at a time; the trailer once all is taken */
+                continue;
+            }
+            iov[n_iov].iov_base = p->trailer + p->trailer_off;
+            iov[n_iov].iov_len = (size_t)(4 - p->trailer_off);
+            want += iov[n_iov++].iov_len;
+        }
+        if (n_iov == 0) return 0;
+        struct msghdr msg;
+        memset(&msg, 0, sizeof(msg));
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)n_iov;
+        ssize_t sent = sendmsg(q->fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (sent < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+            *err = errno;
+            return -1;
+        }
+        q->pending -= sent;
+        size_t left = (size_t)sent;
+        while (q->head < q->count) {
+            Part* p = &q->parts[q->head];
+            size_t body = (size_t)(p->view.len - p->off);
+            size_t take = left < body ? left : body;
+            if (p->checked && take > 0) { /* what the kernel just copied, from the cache */
+                p->crc = crc_update(p->crc, (const uint8_t*)p->view.buf + p->off, take);
+                if (take == body) set_trailer(p);
+            }
+            p->off += (Py_ssize_t)take;
+            left -= take;
+            if (take < body) break;
+            if (p->checked) {
+                size_t t = (size_t)(4 - p->trailer_off);
+                if (left < t) {
+                    p->trailer_off += (int)left;
+                    left = 0;
+                    break;
+                }
+                left -= t;
+                p->trailer_off = 4;
+            }
+            q->head++; /* written whole; its buffer is released with the GIL held */
+        }
+        if ((size_t)sent < want) return 0; /* the kernel is full: wait until it is writable */
+    }
+}
+
+PyDoc_STRVAR(flush_doc,
+             "flush() -> int\n--\n\n"
+             "Write queued parts until none is left or the socket takes no more; the bytes\n"
+             "still queued.  Raises OSError for a socket error (the queue is kept; clear()\n"
+             "drops it).");
+
+static PyObject* sq_flush(SendQueue* q, PyObject* Py_UNUSED(ignored)) {
+    if (check_idle(q) < 0) return NULL;
+    Py_ssize_t head = q->head;
+    int err = 0, rc;
+    q->busy = 1;
+    Py_BEGIN_ALLOW_THREADS
+    rc = write_out(q, &err);
+    Py_END_ALLOW_THREADS
+    q->busy = 0;
+    release_range(q, head, q->head);
+    if (q->head == q->count) q->head = q->count = 0;
+    if (rc < 0) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromSsize_t(q->pending);
+}
+
+static PyObject* sq_clear(SendQueue* q, PyObject* Py_UNUSED(ignored)) {
+    if (check_idle(q) < 0) return NULL;
+    release_range(q, q->head, q->count);
+    q->head = q->count = 0;
+    q->pending = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject* sq_get_pending(SendQueue* q, void* Py_UNUSED(closure)) {
+    return PyLong_FromSsize_t(q->pending);
+}
+
+static PyObject* sq_get_fd(SendQueue* q, void* Py_UNUSED(closure)) { return PyLong_FromLong(q->fd); }
+
+static PyMethodDef sq_methods[] = {
+    {"push", (PyCFunction)sq_push, METH_O, push_doc},
+    {"flush", (PyCFunction)sq_flush, METH_NOARGS, flush_doc},
+    {"clear", (PyCFunction)sq_clear, METH_NOARGS, "clear()\n--\n\nDrop every queued part."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef sq_getset[] = {
+    {"pending", (getter)sq_get_pending, NULL, "bytes queued, not yet written", NULL},
+    {"fd", (getter)sq_get_fd, NULL, "the socket written to", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject SendQueueType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvwire.wire._sendq.SendQueue",
+    .tp_basicsize = sizeof(SendQueue),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = PyDoc_STR("SendQueue(fd, piece=524288)\n--\n\n"
+                        "Frame parts queued for a non-blocking socket (it does not own fd):\n"
+                        "push(), flush() when writable, pending, clear().  A checked payload\n"
+                        "goes out at most `piece` bytes per write, each checksummed as the\n"
+                        "kernel takes it; its trailer after the last."),
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)sq_init,
+    .tp_dealloc = (destructor)sq_dealloc,
+    .tp_methods = sq_methods,
+    .tp_getset = sq_getset,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvwire.wire._sendq",
+    "A stream's send queue: sendmsg() with the GIL released, payloads checksummed as written.",
+    -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__sendq(void) {
+    crc_update = (crc_update_fn)PyCapsule_Import("kvwire.wire._crc32c._crc_update", 0);
+    if (crc_update == NULL) return NULL;
+    if (PyType_Ready(&SendQueueType) < 0) return NULL;
+    PyObject* m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&SendQueueType);
+    if (PyModule_AddObject(m, "SendQueue", (PyObject*)&SendQueueType) < 0) {
+        Py_DECREF(&SendQueueType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,206 @@
+"""The compiled send queue (``kvwire.wire._sendq``) on real sockets: the bytes it writes
+are the frames' bytes in order, a checked payload's trailer is the CRC32C of the frame
+whatever the kernel takes per write, buffers are held exactly until written, and errors
+are clear.  Where the extension is not built (``KVWIRE_NO_EXTENSIONS=1``) streams write
+through their transports, which ``tests/aio/test_stream.py`` and the system tests cover."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire._extensions import load_extension
+from kvwire.wire import Chunk
+from kvwire.wire.crc import crc32c
+from kvwire.wire.frames import CheckedPayload, encode_chunk_checked_as_written, plain_parts
+
+sendq = load_extension("kvwire.wire._sendq")
+DISABLED = os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0")
+pytestmark = pytest.mark.skipif(DISABLED, reason="KVWIRE_NO_EXTENSIONS is set: streams use their transports")
+
+
+def test_the_extension_is_built() -> None:
+    assert sendq is not None, (
+        "kvwire.wire._sendq is not importable: the C extension was not built. Reinstall "
+        "with a C compiler present and read the build output for 'WARNING: could not build'."
+    )
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected TCP pair on loopback, the writer non-blocking with a small send buffer
+    (so that the kernel takes a large part over many writes)."""
+    lst = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lst.getsockname())
+    b, _ = lst.accept()
+    lst.close()
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+    a.setblocking(False)
+    b.settimeout(10)
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def trailer(payload: bytes | memoryview, crc: int) -> bytes:
+    return struct.pack(">I", crc32c(payload, crc))
+
+
+def drain(q: object, reader: socket.socket, nbytes: int) -> tuple[bytes, int]:
+    """Flush ``q`` whenever its socket is writable and read what arrives, as an event loop
+    would, until ``nbytes`` arrived; the bytes and the flushes it took."""
+    got, flushes, left = bytearray(), 0, 1
+    fd = q.fd  # type: ignore[attr-defined]
+    while len(got) < nbytes or left:
+        readable, writable, _ = select.select([reader], [fd] if left else [], [], 10)
+        assert readable or writable, "neither side can go on"
+        if writable:
+            left = q.flush()  # type: ignore[attr-defined]
+            flushes += 1
+        if readable:
+            data = reader.recv(1 << 20)
+            assert data, "the writer's side closed early"
+            got += data
+    return bytes(got), flushes
+
+
+part = st.one_of(
+    st.binary(max_size=2000).map(lambda b: ("plain", b)),
+    st.tuples(st.integers(0, 300_000), st.integers(0, 2**32 - 1)).map(lambda t: ("checked", t)),
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(parts=st.lists(part, max_size=8), seed=st.integers(0, 2**32 - 1))
+def test_writes_the_parts_in_order_and_each_checked_payload_with_its_trailer(
+    parts: list[tuple[str, object]], seed: int,
+) -> None:
+    assert sendq is not None
+    rng = np.random.default_rng(seed)
+    lst = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(lst.getsockname())
+    b, _ = lst.accept()
+    lst.close()
+    try:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        a.setblocking(False)
+        b.settimeout(10)
+        pushed: list[object] = []
+        expect = bytearray()
+        for kind, value in parts:
+            if kind == "plain":
+                assert isinstance(value, bytes)
+                pushed.append(value)
+                expect += value
+            else:
+                size, crc = value  # type: ignore[misc]
+                payload = memoryview(rng.integers(0, 256, size, dtype=np.uint8))
+                pushed.append((payload, crc))
+                expect += bytes(payload) + trailer(payload, crc)
+        q = sendq.SendQueue(a.fileno())
+        q.push(pushed)
+        assert q.pending == len(expect)
+        got, _ = drain(q, b, len(expect))
+        assert got == bytes(expect)
+        assert q.pending == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_chunk_frame_goes_out_as_the_transport_path_writes_it(pair: tuple[socket.socket, socket.socket]) -> None:
+    """The same CHUNK frame: its parts with the CheckedPayload as (payload, crc), against
+    the frame's plain bytes."""
+    assert sendq is not None
+    a, b = pair
+    payload = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
+    chunk = Chunk(transfer_id=7, layer=2, kind=1, codec_id=0, token_start=0, token_count=1536,
+                  layer_tokens=1536, params=b"", payload=payload)
+    parts = encode_chunk_checked_as_written(chunk)
+    assert any(isinstance(p, CheckedPayload) for p in parts)
+    expect = b"".join(bytes(p) for p in plain_parts(parts))
+    q = sendq.SendQueue(a.fileno())
+    q.push([(p.payload, p.crc) if isinstance(p, CheckedPayload) else p for p in parts])
+    got, flushes = drain(q, b, len(expect))
+    assert got == expect
+    assert flushes > 1  # the kernel took it over several writes
+
+
+def test_buffers_are_held_until_written_and_let_go_after(pair: tuple[socket.socket, socket.socket]) -> None:
+    assert sendq is not None
+    a, b = pair
+    plain, checked = bytearray(b"p" * 100_000), bytearray(b"c" * 100_000)
+    q = sendq.SendQueue(a.fileno())
+    q.push([plain, (checked, 0)])
+    with pytest.raises(BufferError):
+        plain.extend(b"x")  # exported to the queue: it cannot change size
+    with pytest.raises(BufferError):
+        checked.extend(b"x")
+    drain(q, b, 200_004)
+    plain.extend(b"x")  # written: released
+    checked.extend(b"x")
+
+
+def test_clear_drops_what_is_queued_and_releases_it(pair: tuple[socket.socket, socket.socket]) -> None:
+    assert sendq is not None
+    a, _ = pair
+    held = bytearray(1 << 20)
+    q = sendq.SendQueue(a.fileno())
+    q.push([held])
+    assert q.flush() > 0  # the reader does not read: most of it is left
+    q.clear()
+    assert q.pending == 0 and q.flush() == 0
+    held.extend(b"x")
+
+
+def test_a_socket_error_is_raised_and_the_queue_kept(pair: tuple[socket.socket, socket.socket]) -> None:
+    assert sendq is not None
+    a, b = pair
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    b.close()  # reset: the writer's next writes fail
+    q = sendq.SendQueue(a.fileno())
+    q.push([b"x" * 100_000])
+    with pytest.raises(OSError) as err:
+        for _ in range(100):
+            q.flush()
+    assert err.value.errno in (104, 32)  # ECONNRESET, EPIPE
+    assert q.pending > 0
+    q.clear()
+    assert q.pending == 0
+
+
+def test_bad_parts_raise_and_queue_nothing(pair: tuple[socket.socket, socket.socket]) -> None:
+    assert sendq is not None
+    a, _ = pair
+    q = sendq.SendQueue(a.fileno())
+    with pytest.raises(TypeError):
+        q.push([b"ok", (b"payload",)])  # a checked part is (payload, crc)
+    with pytest.raises(TypeError):
+        q.push([b"ok", ("not a buffer", 0)])
+    with pytest.raises((BufferError, ValueError)):  # numpy refuses a simple buffer of it
+        q.push([b"ok", np.zeros((4, 4), np.uint8)[:, ::2]])  # not contiguous
+    with pytest.raises(TypeError):
+        q.push(5)
+    assert q.pending == 0 and q.flush() == 0
+    with pytest.raises(ValueError):
+        sendq.SendQueue(-1)
+    assert q.fd == a.fileno()
+
+
+def test_an_empty_checked_payload_is_its_trailer(pair: tuple[socket.socket, socket.socket]) -> None:
+    assert sendq is not None
+    a, b = pair
+    q = sendq.SendQueue(a.fileno())
+    q.push([(b"", 0x12345678), b"!"])
+    got, _ = drain(q, b, 5)
+    assert got == trailer(b"", 0x12345678) + b"!"
