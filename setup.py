@@ -37,8 +37,8 @@ OPTIONAL_EXTENSIONS = [
         extra_compile_args=["-O3", "-std=c11"],  # SIMD loops pick their ISA per function
     ),
     Extension(  # needs _crc32c at import (its CRC loop, through a capsule)
-        "kvwire.wire._sendq",
-        sources=["kvwire/wire/_sendq.c"],
+        "kvwire.aio._sendq",
+        sources=["kvwire/aio/_sendq.c"],
         extra_compile_args=["-O3", "-std=gnu11"],  # sendmsg, struct iovec: POSIX
     ),
 ]

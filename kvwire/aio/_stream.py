@@ -16,9 +16,9 @@ from kvwire._extensions import load_extension
 from kvwire.session.options import NOTSENT_LOWAT
 from kvwire.wire.frames import CheckedPayload
 
-#: The compiled send queue (``kvwire/wire/_sendq.c``), or None: then every stream writes
+#: The compiled send queue (``kvwire/aio/_sendq.c``), or None: then every stream writes
 #: through its transport (:func:`write_parts`).
-_sendq = load_extension("kvwire.wire._sendq")
+_sendq = load_extension("kvwire.aio._sendq")
 #: A stream with its own send queue stops taking frames above this many queued bytes and
 #: takes them again at or below ``QUEUE_LOW`` (the transport's write limits).
 QUEUE_HIGH = 4 << 20
@@ -116,6 +116,7 @@ class Stream(asyncio.BufferedProtocol):
         # The stream's own send queue on a duplicate of the socket's descriptor (plain TCP
         # with the compiled queue), or None: writes go through the transport.
         self._queue: Any = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one its descriptor waits in
         self._waiting = False  # the queue's descriptor is registered for writability
         self._paused = False  # the owner was told the stream is not writable
         self._close_queued = False  # close once the queue is written
@@ -158,6 +159,7 @@ class Stream(asyncio.BufferedProtocol):
         except (AttributeError, OSError, ValueError):
             return  # not a real socket (a test transport): the transport writes
         self._queue = _sendq.SendQueue(fd, piece=SEND_PIECE)
+        self._loop = asyncio.get_running_loop()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._current():
@@ -249,15 +251,14 @@ class Stream(asyncio.BufferedProtocol):
         """Write what the queue holds until the kernel takes no more; wait for
         writability while bytes are left; tell the owner when the stream crosses
         ``QUEUE_HIGH`` / ``QUEUE_LOW``."""
-        q, tr = self._queue, self.transport
-        if q is None or tr is None:
+        q, tr, loop = self._queue, self.transport, self._loop
+        if q is None or tr is None or loop is None:
             return
         try:
             left = q.flush()
         except OSError:
             self.abort()  # the connection is broken: its loss reaches the core from the transport
             return
-        loop = asyncio.get_running_loop()
         if left and not self._waiting:
             loop.add_writer(q.fd, self._write_queue)
             self._waiting = True
@@ -270,7 +271,8 @@ class Stream(asyncio.BufferedProtocol):
             return
         if left > QUEUE_HIGH and not self._paused:
             self._paused = True
-            self.owner.set_writable(self, False)
+            if self._current():  # a replaced stream's key is its successor's
+                self.owner.set_writable(self, False)
         elif left <= QUEUE_LOW and self._paused:
             self._paused = False
             if self._current():
@@ -281,9 +283,9 @@ class Stream(asyncio.BufferedProtocol):
         q, self._queue = self._queue, None
         if q is None:
             return
-        if self._waiting:
-            asyncio.get_running_loop().remove_writer(q.fd)
-            self._waiting = False
+        if self._waiting and self._loop is not None:
+            self._loop.remove_writer(q.fd)
+        self._waiting = False
         q.clear()
         os.close(q.fd)
 

@@ -546,7 +546,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-/* For other extensions (kvwire.wire._sendq), through the capsule _crc_update: the CRC32C
+/* For other extensions (kvwire.aio._sendq), through the capsule _crc_update: the CRC32C
  * value of `crc` continued over p[0..n), as crc32c(data, crc) computes it, GIL not needed. */
 static uint32_t crc_update(uint32_t crc, const uint8_t* p, size_t n) {
     return n ? ~kv_fn(~crc, p, n) : crc;

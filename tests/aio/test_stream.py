@@ -280,7 +280,7 @@ def _need_queue() -> None:
     if stream_mod._sendq is None:
         if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
             pytest.skip("KVWIRE_NO_EXTENSIONS is set: streams write through their transports")
-        raise AssertionError("kvwire.wire._sendq is not built: reinstall with a C compiler present")
+        raise AssertionError("kvwire.aio._sendq is not built: reinstall with a C compiler present")
 
 
 async def _connected(owner: Owner) -> tuple[Stream, socket.socket]:

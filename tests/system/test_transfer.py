@@ -440,7 +440,7 @@ def test_on_uvloop_every_stream_writes_through_its_send_queue(
     if stream_mod._sendq is None:
         if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
             pytest.skip("KVWIRE_NO_EXTENSIONS is set: streams write through their transports")
-        raise AssertionError("kvwire.wire._sendq is not built: reinstall with a C compiler present")
+        raise AssertionError("kvwire.aio._sendq is not built: reinstall with a C compiler present")
     queued: list[bool] = []
     through_transport: list[object] = []
     open_queue, write_parts = stream_mod.Stream._open_queue, stream_mod.write_parts

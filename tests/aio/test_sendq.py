@@ -1,4 +1,4 @@
-"""The compiled send queue (``kvwire.wire._sendq``) on real sockets: the bytes it writes
+"""The compiled send queue (``kvwire.aio._sendq``) on real sockets: the bytes it writes
 are the frames' bytes in order, a checked payload's trailer is the CRC32C of the frame
 whatever the kernel takes per write, buffers are held exactly until written, and errors
 are clear.  Where the extension is not built (``KVWIRE_NO_EXTENSIONS=1``) streams write
@@ -22,14 +22,14 @@ from kvwire.wire import Chunk
 from kvwire.wire.crc import crc32c
 from kvwire.wire.frames import CheckedPayload, encode_chunk_checked_as_written, plain_parts
 
-sendq = load_extension("kvwire.wire._sendq")
+sendq = load_extension("kvwire.aio._sendq")
 DISABLED = os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0")
 pytestmark = pytest.mark.skipif(DISABLED, reason="KVWIRE_NO_EXTENSIONS is set: streams use their transports")
 
 
 def test_the_extension_is_built() -> None:
     assert sendq is not None, (
-        "kvwire.wire._sendq is not importable: the C extension was not built. Reinstall "
+        "kvwire.aio._sendq is not importable: the C extension was not built. Reinstall "
         "with a C compiler present and read the build output for 'WARNING: could not build'."
     )
 

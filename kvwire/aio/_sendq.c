@@ -1,4 +1,4 @@
-/* kvwire.wire._sendq: a stream's send queue, written to a non-blocking TCP socket with
+/* kvwire.aio._sendq: a stream's send queue, written to a non-blocking TCP socket with
  * scatter-gather sendmsg() and the GIL released.
  *
  * The queue holds frame parts in order: plain buffers (headers, params, small payloads,
@@ -14,7 +14,8 @@
  * kernel reads it again).
  *
  * The CRC is the kvwire.wire._crc32c module's (its dispatched loop, taken through a
- * capsule), so both compute the same function by construction.
+ * capsule), so both compute the same function by construction.  This is I/O, so it lives
+ * in kvwire.aio; the sans-IO core only hands it frame parts.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -171,8 +172,8 @@ fail:
     return NULL;
 }
 
-/* Write until done, EAGAIN or a short write.  Runs without the GIL: touches only the
- * queue (the event loop's thread holds it for the queue's owner, which waits). */
+/* Write until done, EAGAIN or a short write.  Runs without the GIL (`busy` turns away
+ * other threads' calls on this queue meanwhile). */
 static int write_out(SendQueue* q, int* err) {
     struct iovec iov[IOV_PARTS];
     for (;;) {
@@ -286,7 +287,7 @@ static PyGetSetDef sq_getset[] = {
 
 static PyTypeObject SendQueueType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvwire.wire._sendq.SendQueue",
+    .tp_name = "kvwire.aio._sendq.SendQueue",
     .tp_basicsize = sizeof(SendQueue),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = PyDoc_STR("SendQueue(fd, piece=524288)\n--\n\n"
@@ -302,7 +303,7 @@ static PyTypeObject SendQueueType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvwire.wire._sendq",
+    PyModuleDef_HEAD_INIT, "kvwire.aio._sendq",
     "A stream's send queue: sendmsg() with the GIL released, payloads checksummed as written.",
     -1, NULL, NULL, NULL, NULL, NULL,
 };
