@@ -116,6 +116,7 @@ class Stream(asyncio.BufferedProtocol):
         # The stream's own send queue on a duplicate of the socket's descriptor (plain TCP
         # with the compiled queue), or None: writes go through the transport.
         self._queue: Any = None
+        self._own: socket.socket | None = None  # the socket object on the queue's descriptor
         self._loop: asyncio.AbstractEventLoop | None = None  # the one its descriptor waits in
         self._waiting = False  # the queue's descriptor is registered for writability
         self._paused = False  # the owner was told the stream is not writable
@@ -155,11 +156,16 @@ class Stream(asyncio.BufferedProtocol):
         """
         assert _sendq is not None
         try:
-            fd = os.dup(sock.fileno())
+            own = socket.socket(fileno=os.dup(sock.fileno()))
         except (AttributeError, OSError, ValueError):
             return  # not a real socket (a test transport): the transport writes
-        self._queue = _sendq.SendQueue(fd, piece=SEND_PIECE)
+        self._own = own  # owns the duplicate; closed with the queue
+        self._queue = _sendq.SendQueue(own.fileno(), piece=SEND_PIECE)
         self._loop = asyncio.get_running_loop()
+        if self._lowat_sock is not None:
+            # SO_RCVLOWAT through it too: a loop's stand-in for its socket (uvloop's) may
+            # build a socket object, and ask the kernel what it is, for every option set.
+            self._lowat_sock = own
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._current():
@@ -287,7 +293,11 @@ class Stream(asyncio.BufferedProtocol):
             self._loop.remove_writer(q.fd)
         self._waiting = False
         q.clear()
-        os.close(q.fd)
+        if self._own is not None:
+            if self._lowat_sock is self._own:
+                self._lowat_sock = None
+            self._own.close()
+            self._own = None
 
     def abort(self) -> None:
         """Close the connection at once, dropping whatever is not yet written."""

@@ -373,3 +373,23 @@ async def test_with_the_send_queue_abort_drops_what_is_queued_and_resets() -> No
         assert len(got) < 16 << 20
     finally:
         peer.close()
+
+
+async def test_with_the_send_queue_rcvlowat_is_set_through_the_queues_socket_on_the_same_connection() -> None:
+    import kvwire.aio._stream as stream_mod
+
+    _need_queue()
+    if not stream_mod.USE_RCVLOWAT:
+        pytest.skip("this kernel does not size reads by SO_RCVLOWAT")
+    owner = Owner()
+    stream, peer = await _connected(owner)
+    try:
+        assert stream._own is not None and stream._lowat_sock is stream._own
+        stream.lowat(200_000)
+        assert stream.transport is not None
+        tsock = stream.transport.get_extra_info("socket")
+        assert tsock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 200_000  # the same socket
+        stream.abort()
+        assert stream._lowat_sock is None and stream._own is None
+    finally:
+        peer.close()
