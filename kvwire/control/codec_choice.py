@@ -22,7 +22,8 @@ KV goodput by the model's measure. On a fast link the raw bytes win; on a slow o
 compact codec does. The one exception is deliberate: given ``now``, one chunk per
 ``probe_interval`` may be a probe that refreshes a measurement the model rests on (the
 path's rate while an encoder paces the sender, a compact codec's encode speed while raw
-is chosen; see :meth:`CodecChooser.choose`).
+is chosen, another compact codec's speeds while one is chosen; see
+:meth:`CodecChooser.choose`).
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
@@ -89,6 +90,8 @@ class CodecChooser:
         deadline_margin: float = 0.1,
         pipeline: str = "cpu",
         probe_interval: float = 0.1,
+        refresh_after: float = 1.0,
+        refresh_share: float = 0.5,
     ) -> None:
         """
         :param tolerance: in throughput mode, a more precise codec within this fraction
@@ -99,6 +102,10 @@ class CodecChooser:
         :param pipeline: how wire, encode, decode and transport costs combine:
             ``"cpu"``, ``"serial"`` or ``"full"`` (see the module docstring).
         :param probe_interval: seconds between probes (see :meth:`choose`).
+        :param refresh_after: seconds after which a codec not sent since is a contender
+            to be measured again by a probe while another compact codec is chosen.
+        :param refresh_share: ... if its delivered rate, by the model, is at least this
+            share of the chosen codec's (one far behind is not worth a chunk).
         """
         ordered = list(candidates)
         if not ordered:
@@ -133,6 +140,11 @@ class CodecChooser:
             raise ValueError("probe_interval must be positive")
         self._probe_interval = probe_interval
         self._last_probe: float | None = None
+        if refresh_after <= 0 or not 0 < refresh_share <= 1:
+            raise ValueError("refresh_after must be positive and refresh_share in (0, 1]")
+        self._refresh_after = refresh_after
+        self._refresh_share = refresh_share
+        self._sent_at: dict[str, float] = {}  # when choose() last returned each codec
         self._tolerance = tolerance
         self._gain = speed_gain
         self._deadline_margin = deadline_margin
@@ -250,7 +262,9 @@ class CodecChooser:
             what the path delivers, so a path faster than the encoder stops being taken
             for a slow one; a link slower than the encoder keeps chunks queued, is never
             app-limited and never probed this way); a raw choice becomes the best compact
-            codec, whose encode speed is measured again.  Throughput mode only.
+            codec, whose encode speed is measured again; otherwise a compact choice may
+            become another compact codec not sent for ``refresh_after`` seconds, so that
+            its speeds are measured again too.  Throughput mode only.
         """
         if bandwidth_bps is None or bandwidth_bps <= 0:
             first = self._by_precision[0]
@@ -265,6 +279,8 @@ class CodecChooser:
         else:
             raise AssertionError("unreachable: the best codec is within tolerance of itself")
         probe = self._probe(codec, rates, bandwidth_bps, app_limited, now)
+        if now is not None:
+            self._sent_at[probe or codec] = now
         if probe is not None:
             return CodecChoice(codec=probe, delivered_bytes_per_s=rates[probe], meets_deadline=None, probe=True)
         return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None)
@@ -280,22 +296,42 @@ class CodecChooser:
           estimate may be only the encoder's pace; a link the encoder easily outruns is
           app-limited only briefly, when a transfer starts, and is not probed);
         * raw chosen: the best compact codec, so that its encode speed is measured again
-          (a speed measured on a busy host would otherwise keep it out forever).
+          (a speed measured on a busy host would otherwise keep it out forever);
+        * before either, another codec with something to measure, not sent for
+          ``refresh_after`` seconds, whose rate by the model is at least ``refresh_share``
+          of the chosen one's (the one sent longest ago first): its speeds were measured in
+          another moment of the host, and a chooser that never sends it again would keep a
+          slow measurement for good.
         """
-        free = self._by_precision[0]
-        if now is None or not self._is_free(free) or len(rates) < 2:
+        if now is None or len(rates) < 2:
             return None
         if self._last_probe is not None and now - self._last_probe < self._probe_interval:
             return None
-        if chosen != free:
-            cpu_wire = self.delivered_rate(chosen, math.inf) * self._ratio[chosen]  # wire bytes/s
-            if not app_limited or cpu_wire > 1.5 * bandwidth_bps / 8.0:
-                return None
-            probe = free
-        else:
+        free = self._by_precision[0]
+        # A stale contender first: it comes up once per refresh_after, the others may
+        # take every interval.
+        probe = self._stale_contender(chosen, rates, now)
+        if probe is None and self._is_free(free) and chosen == free:
             probe = max((c for c in rates if c != free), key=lambda c: rates[c])
-        self._last_probe = now
+        elif probe is None and self._is_free(free) and app_limited:
+            cpu_wire = self.delivered_rate(chosen, math.inf) * self._ratio[chosen]  # wire bytes/s
+            if cpu_wire <= 1.5 * bandwidth_bps / 8.0:
+                probe = free
+        if probe is not None:
+            self._last_probe = now
         return probe
+
+    def _stale_contender(self, chosen: str, rates: Mapping[str, float], now: float) -> str | None:
+        """The codec sent longest ago (never sent first; precision breaks ties) among those
+        that have something to measure, were not sent for ``refresh_after`` seconds and are
+        rated at least ``refresh_share`` of ``chosen``."""
+        floor = self._refresh_share * rates[chosen]
+        stale = [
+            c for c in self._by_precision
+            if c != chosen and not self._is_free(c) and rates[c] >= floor
+            and now - self._sent_at.get(c, -math.inf) >= self._refresh_after
+        ]
+        return min(stale, key=lambda c: self._sent_at.get(c, -math.inf)) if stale else None
 
     def _is_free(self, codec: str) -> bool:
         """No encode or decode cost and nothing saved on the wire: raw."""

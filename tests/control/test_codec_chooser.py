@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -311,8 +312,75 @@ def test_a_raw_choice_probes_the_best_compact_codec_once_per_interval() -> None:
     assert not c.choose(100e9, remaining_bytes=1, time_left=1.0, now=9.0).probe
 
 
-def test_no_probe_without_a_free_codec() -> None:
-    c = chooser()  # raw here has a measured encode cost
-    assert not c.choose(10e9, app_limited=True, now=1.0).probe
+def test_no_raw_probe_without_a_free_codec() -> None:
+    """Raw with a measured encode cost shows nothing about the path that fp8 does not:
+    an app-limited fp8 choice is not probed with it every interval.  (Each other codec is
+    sent once, as any not sent for refresh_after, and then not again before that.)"""
+    c = chooser(refresh_after=10.0)
+    got = [c.choose(10e9, app_limited=True, now=t) for t in (1.0, 1.2, 1.4, 1.6, 1.8, 2.0)]
+    assert [(x.codec, x.probe) for x in got] == [
+        ("raw", True), ("int4", True), ("fp8", False), ("fp8", False), ("fp8", False), ("fp8", False),
+    ]
     with pytest.raises(ValueError):
         _with_free_raw(probe_interval=0)
+    for bad in ({"refresh_after": 0}, {"refresh_share": 0}, {"refresh_share": 1.5}):
+        with pytest.raises(ValueError):
+            _with_free_raw(**bad)
+
+
+def _three_compact(**kw: Any) -> CodecChooser:
+    return CodecChooser(
+        [
+            CodecCandidate(name="raw", size_ratio=1.0),  # free
+            CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=4 * GB),
+            CodecCandidate(name="int8", size_ratio=0.5, encode_bytes_per_s=3 * GB),
+            CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=1 * GB),
+        ],
+        pipeline="full", probe_interval=0.1, refresh_after=1.0, **kw,
+    )
+
+
+def test_a_compact_choice_sends_a_stale_contender_now_and_then_and_a_faster_one_takes_over() -> None:
+    """int4's one measurement (1 GB/s, taken while the host was busy) would keep fp8 chosen
+    for good: once per refresh_after a chunk goes with it, and when it measures fast it is
+    chosen."""
+    c = _three_compact()
+    link = 16e9  # 2 GB/s: raw 2, fp8 4, int8 3, int4 1 GB/s (encode-bound); not app-limited
+    got = [c.choose(link, now=t) for t in (0.0, 0.05, 0.1, 0.2, 0.3, 0.5)]
+    # int8 (3 >= 0.5 x 4) has never been sent: refreshed first; int4 (1 < 2) is not a contender
+    assert [(x.codec, x.probe) for x in got] == [
+        ("int8", True), ("fp8", False), ("fp8", False), ("fp8", False), ("fp8", False), ("fp8", False),
+    ]
+    assert not c.choose(link, now=0.9).probe  # int8 was sent at 0.0: not stale yet
+    assert (c.choose(link, now=1.0).codec, c.choose(link, now=1.05).codec) == ("int8", "fp8")
+    # int4 measured again elsewhere at 8 GB/s (say a fresh prior): now a contender, and better
+    for _ in range(40):
+        c.observe_encode("int4", 4 << 20, (4 << 20) / (8 * GB))
+    assert c.choose(link, now=1.2).codec == "int4"
+
+
+def test_a_stale_contender_gets_its_refresh_while_raw_probes_an_app_limited_path() -> None:
+    """App-limited, every interval could be a raw probe of the path; the stale contender
+    still gets its chunk once per refresh_after, and raw the intervals between."""
+    c = _three_compact()
+    link = 16e9  # fp8's 4 GB/s into 1 GB/s of wire against 2 GB/s: raw probes apply
+    got = [(t, c.choose(link, app_limited=True, now=t)) for t in (0.0, 0.125, 0.25, 0.375, 1.0, 1.125)]
+    assert [(t, x.codec) for t, x in got if x.probe] == [
+        (0.0, "int8"), (0.125, "raw"), (0.25, "raw"), (0.375, "raw"), (1.0, "int8"), (1.125, "raw"),
+    ]
+
+
+def test_stale_contenders_take_turns_oldest_first_and_probes_keep_their_interval() -> None:
+    c = _three_compact(refresh_share=0.2)  # int4 (1 GB/s) is a contender too
+    link = 16e9
+    probes = [(t, x.codec) for t in [i / 20 for i in range(0, 60)] if (x := c.choose(link, now=t)).probe]
+    # int8 and int4 never sent: int8 first (precision breaks the tie), int4 a probe interval
+    # later; then each again once refresh_after after it was sent
+    assert probes[:2] == [(0.0, "int8"), (0.1, "int4")]
+    assert probes[2:4] == [(1.0, "int8"), (1.1, "int4")]
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(probes)]
+    assert min(gaps) >= 0.1 - 1e-9
+    assert all(codec in ("int8", "int4") for _, codec in probes)
+    # a deadline decides by the deadline alone; no clock, no probe
+    assert not c.choose(link, remaining_bytes=1, time_left=1.0, now=9.0).probe
+    assert not c.choose(link).probe
