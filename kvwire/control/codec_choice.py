@@ -297,11 +297,11 @@ class CodecChooser:
           app-limited only briefly, when a transfer starts, and is not probed);
         * raw chosen: the best compact codec, so that its encode speed is measured again
           (a speed measured on a busy host would otherwise keep it out forever);
-        * before either, another codec with something to measure, not sent for
-          ``refresh_after`` seconds, whose rate by the model is at least ``refresh_share``
-          of the chosen one's (the one sent longest ago first): its speeds were measured in
-          another moment of the host, and a chooser that never sends it again would keep a
-          slow measurement for good.
+        * before either, another codec held back by its CPU costs (not by the wire), not
+          sent for ``refresh_after`` seconds, whose rate by the model is at least
+          ``refresh_share`` of the chosen one's (the one sent longest ago first): its speeds
+          were measured in another moment of the host, and a chooser that never sends it
+          again would keep a slow measurement for good.
         """
         if now is None or len(rates) < 2:
             return None
@@ -310,7 +310,7 @@ class CodecChooser:
         free = self._by_precision[0]
         # A stale contender first: it comes up once per refresh_after, the others may
         # take every interval.
-        probe = self._stale_contender(chosen, rates, now)
+        probe = self._stale_contender(chosen, rates, bandwidth_bps, now)
         if probe is None and self._is_free(free) and chosen == free:
             probe = max((c for c in rates if c != free), key=lambda c: rates[c])
         elif probe is None and self._is_free(free) and app_limited:
@@ -321,14 +321,18 @@ class CodecChooser:
             self._last_probe = now
         return probe
 
-    def _stale_contender(self, chosen: str, rates: Mapping[str, float], now: float) -> str | None:
+    def _stale_contender(
+        self, chosen: str, rates: Mapping[str, float], bandwidth_bps: float, now: float,
+    ) -> str | None:
         """The codec sent longest ago (never sent first; precision breaks ties) among those
-        that have something to measure, were not sent for ``refresh_after`` seconds and are
-        rated at least ``refresh_share`` of ``chosen``."""
+        not sent for ``refresh_after`` seconds, rated at least ``refresh_share`` of
+        ``chosen`` and held back by their CPU costs rather than the wire (only a CPU speed
+        measured again can change their rate)."""
         floor = self._refresh_share * rates[chosen]
         stale = [
             c for c in self._by_precision
             if c != chosen and not self._is_free(c) and rates[c] >= floor
+            and rates[c] < (1.0 - self._tolerance) * bandwidth_bps / 8.0 / self._ratio[c]
             and now - self._sent_at.get(c, -math.inf) >= self._refresh_after
         ]
         return min(stale, key=lambda c: self._sent_at.get(c, -math.inf)) if stale else None

@@ -314,12 +314,13 @@ def test_a_raw_choice_probes_the_best_compact_codec_once_per_interval() -> None:
 
 def test_no_raw_probe_without_a_free_codec() -> None:
     """Raw with a measured encode cost shows nothing about the path that fp8 does not:
-    an app-limited fp8 choice is not probed with it every interval.  (Each other codec is
-    sent once, as any not sent for refresh_after, and then not again before that.)"""
+    an app-limited fp8 choice is not probed with it every interval.  (int4, held back by
+    its encoder, is sent once, as any such codec not sent for refresh_after; raw, held
+    back by the wire, never.)"""
     c = chooser(refresh_after=10.0)
     got = [c.choose(10e9, app_limited=True, now=t) for t in (1.0, 1.2, 1.4, 1.6, 1.8, 2.0)]
     assert [(x.codec, x.probe) for x in got] == [
-        ("raw", True), ("int4", True), ("fp8", False), ("fp8", False), ("fp8", False), ("fp8", False),
+        ("int4", True), ("fp8", False), ("fp8", False), ("fp8", False), ("fp8", False), ("fp8", False),
     ]
     with pytest.raises(ValueError):
         _with_free_raw(probe_interval=0)
@@ -357,6 +358,23 @@ def test_a_compact_choice_sends_a_stale_contender_now_and_then_and_a_faster_one_
     for _ in range(40):
         c.observe_encode("int4", 4 << 20, (4 << 20) / (8 * GB))
     assert c.choose(link, now=1.2).codec == "int4"
+
+
+def test_a_contender_held_back_by_the_wire_is_not_refreshed() -> None:
+    """On a slow link int8 delivers link / 0.5 whatever its encoder does: measuring it again
+    cannot change its rate, so it is not worth a chunk that puts twice int4's bytes on the
+    wire."""
+    c = CodecChooser(
+        [
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="int8", size_ratio=0.5, encode_bytes_per_s=3 * GB),
+            CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=3 * GB),
+        ],
+        pipeline="full", probe_interval=0.1, refresh_after=1.0,
+    )
+    link = 1e9  # 0.125 GB/s: int8 0.25, int4 0.5 GB/s, both wire-bound
+    got = [c.choose(link, now=t) for t in (0.0, 0.5, 1.0, 2.0, 3.0)]
+    assert {x.codec for x in got} == {"int4"} and not any(x.probe for x in got)
 
 
 def test_a_stale_contender_gets_its_refresh_while_raw_probes_an_app_limited_path() -> None:
