@@ -156,9 +156,14 @@ class Stream(asyncio.BufferedProtocol):
         """
         assert _sendq is not None
         try:
-            own = socket.socket(fileno=os.dup(sock.fileno()))
+            fd = os.dup(sock.fileno())
         except (AttributeError, OSError, ValueError):
             return  # not a real socket (a test transport): the transport writes
+        try:
+            own = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            return
         self._own = own  # owns the duplicate; closed with the queue
         self._queue = _sendq.SendQueue(own.fileno(), piece=SEND_PIECE)
         self._loop = asyncio.get_running_loop()

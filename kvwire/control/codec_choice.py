@@ -22,8 +22,7 @@ KV goodput by the model's measure. On a fast link the raw bytes win; on a slow o
 compact codec does. The one exception is deliberate: given ``now``, one chunk per
 ``probe_interval`` may be a probe that refreshes a measurement the model rests on (the
 path's rate while an encoder paces the sender, a compact codec's encode speed while raw
-is chosen, another compact codec's speeds while one is chosen; see
-:meth:`CodecChooser.choose`).
+is chosen, the speeds of a codec not sent for a while; see :meth:`CodecChooser.choose`).
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
@@ -102,8 +101,9 @@ class CodecChooser:
         :param pipeline: how wire, encode, decode and transport costs combine:
             ``"cpu"``, ``"serial"`` or ``"full"`` (see the module docstring).
         :param probe_interval: seconds between probes (see :meth:`choose`).
-        :param refresh_after: seconds after which a codec not sent since is a contender
-            to be measured again by a probe while another compact codec is chosen.
+        :param refresh_after: seconds after which a codec not sent since, and held back
+            by its CPU costs rather than the wire, is a contender for a probe chunk that
+            measures it again (see :meth:`choose`) ...
         :param refresh_share: ... if its delivered rate, by the model, is at least this
             share of the chosen codec's (one far behind is not worth a chunk).
         """
@@ -262,9 +262,10 @@ class CodecChooser:
             what the path delivers, so a path faster than the encoder stops being taken
             for a slow one; a link slower than the encoder keeps chunks queued, is never
             app-limited and never probed this way); a raw choice becomes the best compact
-            codec, whose encode speed is measured again; otherwise a compact choice may
-            become another compact codec not sent for ``refresh_after`` seconds, so that
-            its speeds are measured again too.  Throughput mode only.
+            codec, whose encode speed is measured again; before either, any choice may
+            become another codec held back by its CPU costs and not sent for
+            ``refresh_after`` seconds, so that its speeds are measured again too.
+            Throughput mode only.
         """
         if bandwidth_bps is None or bandwidth_bps <= 0:
             first = self._by_precision[0]
