@@ -4,9 +4,11 @@ what is written, and the side-specific parts left to its owner."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import struct
+from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
@@ -284,15 +286,33 @@ def _need_queue() -> None:
 
 
 async def _connected(owner: Owner) -> tuple[Stream, socket.socket]:
-    """A Stream connected over loopback to a plain socket the test reads from."""
+    """A Stream connected over loopback to a plain socket the test reads from, both with
+    small fixed buffers, so that the kernel holds no more than a few hundred KiB of what
+    the stream writes, whatever this host's autotuning limits."""
     loop = asyncio.get_running_loop()
     lst = socket.create_server(("127.0.0.1", 0))
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # the accepted socket's
     lst.setblocking(False)
     accepted = asyncio.ensure_future(loop.sock_accept(lst))
-    _, stream = await loop.create_connection(lambda: Stream(owner, 1), *lst.getsockname())
+    tr, stream = await loop.create_connection(lambda: Stream(owner, 1), *lst.getsockname())
+    tr.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
     peer, _ = await accepted
     lst.close()
     return stream, peer
+
+
+@contextlib.asynccontextmanager
+async def _queued() -> AsyncIterator[tuple[Owner, Stream, socket.socket]]:
+    """An owner, its stream writing through the send queue, and the peer socket; both
+    closed afterwards."""
+    _need_queue()
+    owner = Owner()
+    stream, peer = await _connected(owner)
+    try:
+        yield owner, stream, peer
+    finally:
+        peer.close()
+        stream.abort()
 
 
 async def _read(peer: socket.socket, nbytes: int | None) -> bytes:
@@ -313,10 +333,7 @@ async def test_with_the_send_queue_a_stream_stops_taking_frames_until_the_kernel
     import kvwire.aio._stream as stream_mod
     from kvwire.wire.frames import CheckedPayload
 
-    _need_queue()
-    owner = Owner()
-    stream, peer = await _connected(owner)
-    try:
+    async with _queued() as (owner, stream, peer):
         assert stream._queue is not None
         payload = memoryview(np.random.default_rng(5).integers(0, 256, 3 * stream_mod.QUEUE_HIGH, dtype=np.uint8))
         owner.core.out = [b"head", CheckedPayload(payload, 99), b"tail"]
@@ -331,17 +348,10 @@ async def test_with_the_send_queue_a_stream_stops_taking_frames_until_the_kernel
             await asyncio.sleep(0.01)
         assert owner.writable == [False, True]
         assert stream._queue.pending == 0
-    finally:
-        peer.close()
-        stream.abort()
 
 
 async def test_with_the_send_queue_a_closed_stream_writes_everything_before_its_eof() -> None:
-
-    _need_queue()
-    owner = Owner()
-    stream, peer = await _connected(owner)
-    try:
+    async with _queued() as (owner, stream, peer):
         last = bytes(range(256)) * 40_000  # 10 MiB: more than the kernel takes at once
         owner.core.out, owner.core.closed = [last], True
         stream.flush()
@@ -349,16 +359,10 @@ async def test_with_the_send_queue_a_closed_stream_writes_everything_before_its_
         assert await _read(peer, None) == last  # all of it, then EOF
         await asyncio.wait_for(stream.closed.wait(), 10)
         assert stream._queue is None  # its descriptor closed with it
-    finally:
-        peer.close()
 
 
 async def test_with_the_send_queue_abort_drops_what_is_queued_and_resets() -> None:
-
-    _need_queue()
-    owner = Owner()
-    stream, peer = await _connected(owner)
-    try:
+    async with _queued() as (owner, stream, peer):
         owner.core.out = [b"x" * (16 << 20)]
         stream.flush()
         q = stream._queue
@@ -371,19 +375,14 @@ async def test_with_the_send_queue_abort_drops_what_is_queued_and_resets() -> No
         await asyncio.wait_for(stream.closed.wait(), 10)
         got = await _read(peer, None)  # what the kernel had taken, then the end
         assert len(got) < 16 << 20
-    finally:
-        peer.close()
 
 
 async def test_with_the_send_queue_rcvlowat_is_set_through_the_queues_socket_on_the_same_connection() -> None:
     import kvwire.aio._stream as stream_mod
 
-    _need_queue()
     if not stream_mod.USE_RCVLOWAT:
         pytest.skip("this kernel does not size reads by SO_RCVLOWAT")
-    owner = Owner()
-    stream, peer = await _connected(owner)
-    try:
+    async with _queued() as (_, stream, _peer):
         assert stream._own is not None and stream._lowat_sock is stream._own
         stream.lowat(200_000)
         assert stream.transport is not None
@@ -391,5 +390,3 @@ async def test_with_the_send_queue_rcvlowat_is_set_through_the_queues_socket_on_
         assert tsock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 200_000  # the same socket
         stream.abort()
         assert stream._lowat_sock is None and stream._own is None
-    finally:
-        peer.close()
