@@ -6,6 +6,7 @@ through their transports, which ``tests/aio/test_stream.py`` and the system test
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -34,22 +35,28 @@ def test_the_extension_is_built() -> None:
     )
 
 
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+@contextlib.contextmanager
+def loopback_pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     """A connected TCP pair on loopback, the writer non-blocking with a small send buffer
     (so that the kernel takes a large part over many writes)."""
     lst = socket.create_server(("127.0.0.1", 0))
     a = socket.create_connection(lst.getsockname())
     b, _ = lst.accept()
     lst.close()
-    a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-    a.setblocking(False)
-    b.settimeout(10)
     try:
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
+        a.setblocking(False)
+        b.settimeout(10)
         yield a, b
     finally:
         a.close()
         b.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    with loopback_pair() as ab:
+        yield ab
 
 
 def trailer(payload: bytes | memoryview, crc: int) -> bytes:
@@ -87,14 +94,7 @@ def test_writes_the_parts_in_order_and_each_checked_payload_with_its_trailer(
 ) -> None:
     assert sendq is not None
     rng = np.random.default_rng(seed)
-    lst = socket.create_server(("127.0.0.1", 0))
-    a = socket.create_connection(lst.getsockname())
-    b, _ = lst.accept()
-    lst.close()
-    try:
-        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8192)
-        a.setblocking(False)
-        b.settimeout(10)
+    with loopback_pair() as (a, b):
         pushed: list[object] = []
         expect = bytearray()
         for kind, value in parts:
@@ -113,9 +113,6 @@ def test_writes_the_parts_in_order_and_each_checked_payload_with_its_trailer(
         got, _ = drain(q, b, len(expect))
         assert got == bytes(expect)
         assert q.pending == 0
-    finally:
-        a.close()
-        b.close()
 
 
 def test_a_chunk_frame_goes_out_as_the_transport_path_writes_it(pair: tuple[socket.socket, socket.socket]) -> None:
