@@ -135,16 +135,20 @@ class Stream(asyncio.BufferedProtocol):
         transport.set_write_buffer_limits(high=4 << 20, low=1 << 20)  # type: ignore[attr-defined]
         sock = transport.get_extra_info("socket")
         tune_socket(sock, self.owner.notsent_lowat)
-        if USE_RCVLOWAT and sock is not None and transport.get_extra_info("sslcontext") is None:
-            self._lowat_sock = sock
+        plain = sock is not None and transport.get_extra_info("sslcontext") is None  # TCP, no TLS
         self.peer = transport.get_extra_info("peername")
         self._gather = gathers(transport)
         self.made = self.owner.stream_made(self)
         if not self.made:
             transport.abort()  # type: ignore[attr-defined]
             return
-        if _sendq is not None and sock is not None and transport.get_extra_info("sslcontext") is None:
+        if plain and _sendq is not None:
             self._open_queue(sock)
+        if plain and USE_RCVLOWAT:
+            # Through the queue's socket object where there is one: a loop's stand-in for
+            # its socket (uvloop's) may build a socket object, and ask the kernel what it
+            # is, for every option set.
+            self._lowat_sock = self._own or sock
         self.owner.pump()
 
     def _open_queue(self, sock: Any) -> None:
@@ -167,10 +171,6 @@ class Stream(asyncio.BufferedProtocol):
         self._own = own  # owns the duplicate; closed with the queue
         self._queue = _sendq.SendQueue(own.fileno(), piece=SEND_PIECE)
         self._loop = asyncio.get_running_loop()
-        if self._lowat_sock is not None:
-            # SO_RCVLOWAT through it too: a loop's stand-in for its socket (uvloop's) may
-            # build a socket object, and ask the kernel what it is, for every option set.
-            self._lowat_sock = own
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._current():
