@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -92,16 +92,20 @@ def as_device_array(x: Any, spec: KVSpec, what: str) -> Any:
     return cupy.ascontiguousarray(x)
 
 
-async def iterate_layers(layers: Any) -> AsyncIterator[tuple[Any, Any]]:
-    """Yield ``(k, v)`` from a sequence, an iterable or an async iterable."""
+def sync_layers(layers: Any) -> Iterator[tuple[Any, Any]] | None:
+    """``(k, v)`` pairs of a sequence or an iterable, taken with ``next()``; None for an
+    async iterable (then :func:`iterate_layers`)."""
     if hasattr(layers, "__aiter__"):
-        async for item in layers:
-            yield _pair(item)
-    elif isinstance(layers, Iterable):
-        for item in layers:
-            yield _pair(item)
-    else:
+        return None
+    if not isinstance(layers, Iterable):
         raise UsageError("layers must be a sequence, an iterable or an async iterable of (k, v)")
+    return map(_pair, layers)
+
+
+async def iterate_layers(layers: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """Yield ``(k, v)`` from an async iterable (a sequence or an iterable: :func:`sync_layers`)."""
+    async for item in layers:
+        yield _pair(item)
 
 
 def _pair(item: Any) -> tuple[Any, Any]:

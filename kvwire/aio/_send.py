@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvwire.aio._arrays import as_device_array, as_host_array, is_device_array, iterate_layers
+from kvwire.aio._arrays import (
+    as_device_array,
+    as_host_array,
+    is_device_array,
+    iterate_layers,
+    sync_layers,
+)
 from kvwire.aio._codec_speed import codec_speeds
 from kvwire.aio._encode import device_chunks, host_chunks, raw_based
 from kvwire.codec import TensorKind, get_codec
@@ -40,6 +46,8 @@ AUTO = "auto"
 AUTO_CANDIDATES = ("raw", "fp8", "int8", "int4")
 #: Size of a transfer's first chunk: until it arrives the receiver grants one layer only.
 LEAD_CHUNK_BYTES = 64 * 1024
+#: Chunks of raw host arrays queued ahead of the streams (see ``_send_layer``).
+AHEAD_CHUNKS = 2
 
 
 @dataclass(eq=False)
@@ -130,8 +138,21 @@ async def send(
     kv_bytes = 0
     try:
         index, tokens = -1, None
-        producer = iterate_layers(layers)
-        while (item := await next_or_fail(producer, st)) is not None:
+        # A sequence or a plain iterable is read with next(): it cannot wait on anything,
+        # so it needs no race against the transfer's failure (next_or_fail's two futures
+        # and a wait for every layer).
+        sync = sync_layers(layers)
+        producer = iterate_layers(layers) if sync is None else None
+        while True:
+            if sync is not None:
+                if st.error is not None:
+                    raise st.error
+                item = next(sync, None)
+            else:
+                assert producer is not None
+                item = await next_or_fail(producer, st)
+            if item is None:
+                break
             index += 1
             if index >= spec.num_layers:
                 raise UsageError(f"layers yielded more than spec.num_layers={spec.num_layers}")
@@ -183,8 +204,8 @@ async def _send_layer(
     peer: Peer, st: SendState, tid: int, spec: KVSpec, index: int, k: Any, v: Any, codec_name: str,
     used: dict[str, int], started: float, deadline: float | None,
 ) -> None:
-    """Chunk, encode and hand one layer to the core (K first, then V); each chunk waits
-    until the core put the one before on a stream."""
+    """Chunk, encode and hand one layer to the core (K first, then V); an encoded chunk
+    waits until the core put the one before on a stream."""
     core = peer.core
     tokens = int(k.shape[0])
     bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
@@ -204,6 +225,11 @@ async def _send_layer(
             time_left=left, app_limited=est.app_limited, now=clock(),
         ).codec)
 
+    # Raw chunks of host arrays are views of the caller's memory, free to hold: up to
+    # AHEAD_CHUNKS of them wait in the core's queue, so the task wakes once per that many
+    # instead of once per chunk. An encoded chunk is memory, and ``auto`` picks each codec
+    # as late as it can: the next is made once the one before is on a stream.
+    ahead = AHEAD_CHUNKS * target if codec_name == "raw" and isinstance(k, np.ndarray) else 0
     for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
         host = isinstance(arr, np.ndarray)
         chunks = plan
@@ -223,7 +249,8 @@ async def _send_layer(
             )
             core.add_chunk(tid, chunk, kv_bytes=count * bpt)
             peer.pump()
-            await until(st, lambda: core.queued_bytes(tid) == 0)
+            if core.queued_bytes(tid) > ahead:
+                await until(st, lambda: core.queued_bytes(tid) == 0)
 
 
 __all__ = ["AUTO", "Receipt", "SendState", "make_chooser", "next_or_fail", "send", "until"]

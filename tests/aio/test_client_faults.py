@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import numpy as np
@@ -100,12 +100,19 @@ async def test_one_transfer_lives_through_a_bounded_number_of_broken_streams() -
 # -- errors and logs ---------------------------------------------------------------------
 
 
-async def test_producer_exception_is_the_cause_and_the_receiver_sees_an_abort() -> None:
+@pytest.mark.parametrize("kind", ["async generator", "generator"])
+async def test_producer_exception_is_the_cause_and_the_receiver_sees_an_abort(kind: str) -> None:
     boom = ValueError("the model crashed")
 
-    async def producer() -> AsyncIterator[tuple[Any, Any]]:
+    async def async_producer() -> AsyncIterator[tuple[Any, Any]]:
         yield layers()[0]
         raise boom
+
+    def sync_producer() -> Iterator[tuple[Any, Any]]:  # read with next(), not through futures
+        yield layers()[0]
+        raise boom
+
+    producer = async_producer if kind == "async generator" else sync_producer
 
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:

@@ -1,0 +1,101 @@
+"""How far the send task runs ahead of the streams: raw chunks of host arrays (views of the
+caller's memory) are queued up to ``AHEAD_CHUNKS`` chunk targets ahead; an encoded chunk
+is made only once the one before left the queue.  Driven against a stand-in core whose
+queue the test empties by hand, so each wake-up of the task is seen."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.aio._send import AHEAD_CHUNKS, SendState, _send_layer, clock
+from kvwire.wire import Chunk
+from kvwire.wire.frames import chunk_frame_size
+from tests.conftest import make_layers
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=16)
+TARGET = 4096  # bytes per chunk: 64 tokens of 64 bytes, 4 chunks of K and 4 of V per layer
+
+
+class WaitSeen(asyncio.Event):
+    """The transfer's change event, telling the test when the send task waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = asyncio.Event()
+
+    async def wait(self) -> Any:
+        self.waiting.set()
+        try:
+            return await super().wait()
+        finally:
+            self.waiting.clear()
+
+
+class QueueCore:
+    """What ``_send_layer`` asks of the session core, with a queue nothing drains."""
+
+    def __init__(self) -> None:
+        self.queue: list[Chunk] = []
+        self.added: list[Chunk] = []
+
+    def chunk_target(self, requested: int) -> int:
+        return requested
+
+    def add_chunk(self, transfer_id: int, chunk: Chunk, *, kv_bytes: int = 0) -> None:
+        self.queue.append(chunk)
+        self.added.append(chunk)
+
+    def queued_bytes(self, transfer_id: int | None = None) -> int:
+        return sum(chunk_frame_size(len(c.params), memoryview(c.payload).nbytes) for c in self.queue)
+
+
+async def batches(codec: str, k: Any, v: Any) -> tuple[list[int], QueueCore]:
+    """Run one layer's send; each time the task waits, count what it queued, then empty
+    the queue (the chunks went on a stream) and wake it."""
+    core = QueueCore()
+    peer = SimpleNamespace(core=core, options=SimpleNamespace(chunk_bytes=TARGET), chooser=None,
+                           pump=lambda: None, estimator=None)
+    changed = WaitSeen()
+    st = SendState(changed)
+    task = asyncio.create_task(_send_layer(peer, st, 1, SPEC, 1, k, v, codec, {}, clock(), None))  # type: ignore[arg-type]
+    seen: list[int] = []
+    while not task.done():
+        waiting = asyncio.create_task(changed.waiting.wait())
+        await asyncio.wait({task, waiting}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        if task.done():
+            break
+        assert changed.waiting.is_set(), "the send task neither waited nor finished"
+        seen.append(len(core.queue))
+        core.queue.clear()
+        changed.set()
+        await asyncio.sleep(0)  # let it run past the wait before looking again
+    await task
+    if core.queue:
+        seen.append(len(core.queue))
+    return seen, core
+
+
+async def test_raw_chunks_of_host_arrays_are_queued_ahead_in_batches() -> None:
+    k, v = make_layers(1, 256, SPEC.num_kv_heads, SPEC.head_dim, seed=3)[0]
+    seen, core = await batches("raw", k, v)
+    # Each frame is a little over TARGET, so the task stops after AHEAD_CHUNKS of them.
+    assert seen == [AHEAD_CHUNKS] * (8 // AHEAD_CHUNKS)
+    got = np.concatenate([np.frombuffer(c.payload, np.float16) for c in core.added if c.kind == 0])
+    assert np.array_equal(got, k.reshape(-1))  # K in token order, every byte, once
+
+
+@pytest.mark.parametrize("codec", ["int8", "raw+lz4"])
+async def test_an_encoded_chunk_waits_until_the_one_before_left_the_queue(codec: str) -> None:
+    k, v = make_layers(1, 256, SPEC.num_kv_heads, SPEC.head_dim, seed=3)[0]
+    seen, core = await batches(codec, k, v)
+    assert seen == [1] * 8
+    assert [(c.kind, c.token_start) for c in core.added] == [(kind, t) for kind in (0, 1) for t in (0, 64, 128, 192)]
