@@ -39,6 +39,10 @@ fails says why and the others still run.
 
 Absolute numbers depend on the host and what else runs on it; compare systems within one
 run (the ``vs raw`` column is the ratio to the raw pair's median in the same scenario).
+CPU is also given for both processes together, and its ratio to the raw pair's (``CPU vs
+raw``): on one host the kernel's work for a segment (its copy into the receiving socket on
+loopback, the veth and qdisc work on the shaped link) runs in whichever process's context
+it happens to, so one side's figure can fall while the other's rises.
 """
 
 from __future__ import annotations
@@ -718,20 +722,24 @@ def main(argv: list[str] | None = None) -> int:
           f"Gbit/s of KV delivered and CPU s/GB per side: median (min-max)\n")
     for sc in scenarios:
         print(f"### {sc.label}\n")
-        print("| system | Gbit/s | vs raw | sender CPU s/GB | receiver CPU s/GB |")
-        print("|---|---|---|---|---|")
+        print("| system | Gbit/s | vs raw | sender CPU s/GB | receiver CPU s/GB | both CPU s/GB | CPU vs raw |")
+        print("|---|---|---|---|---|---|---|")
         raw = samples.get((sc, "raw"))
         raw_med = statistics.median(x.gbps for x in raw) if raw else None
+        raw_cpu = statistics.median(x.send_cpu + x.recv_cpu for x in raw) if raw else None
         for system in systems:
             key = (sc, system)
             if system in skipped or key in failures:
                 why = skipped.get(system) or failures[key]
-                print(f"| {system} | - | - | - | - | ({why})")
+                print(f"| {system} | - | - | - | - | - | - | ({why})")
                 continue
             got = samples.get(key, [])
             rates = [x.gbps for x in got]
+            both = [x.send_cpu + x.recv_cpu for x in got]
             ratio = f"{statistics.median(rates) / raw_med:.2f}" if raw_med and rates else "-"
-            print(f"| {system} | {_fmt(rates)} | {ratio} | {_fmt([x.send_cpu for x in got], 2)} | {_fmt([x.recv_cpu for x in got], 2)} |")
+            cpu_ratio = f"{statistics.median(both) / raw_cpu:.2f}" if raw_cpu and both else "-"
+            print(f"| {system} | {_fmt(rates)} | {ratio} | {_fmt([x.send_cpu for x in got], 2)} "
+                  f"| {_fmt([x.recv_cpu for x in got], 2)} | {_fmt(both, 2)} | {cpu_ratio} |")
         print()
     if args.json:
         with open(args.json, "w") as fh:
