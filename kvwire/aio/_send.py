@@ -48,6 +48,9 @@ AUTO_CANDIDATES = ("raw", "fp8", "int8", "int4")
 LEAD_CHUNK_BYTES = 64 * 1024
 #: Chunks of raw host arrays queued ahead of the streams (see ``_send_layer``).
 AHEAD_CHUNKS = 2
+#: Longest the send task hands chunks to the core without letting the event loop run
+#: (seconds); docs/benchmarks.md compares every chunk, 2 ms, 5 ms and never.
+YIELD_AFTER = 0.002
 
 
 @dataclass(eq=False)
@@ -59,6 +62,7 @@ class SendState:
     error: KvwireError | None = None
     done: TransferDone | None = None
     first_layer_at: float | None = None  # when every chunk of a layer was first acknowledged
+    ran_since: float = 0.0  # when the send task last let the event loop run (see YIELD_AFTER)
 
     def fail(self, error: KvwireError) -> None:
         if self.error is None:
@@ -78,6 +82,7 @@ async def until(st: SendState, ready: Callable[[], bool]) -> None:
         if ready():
             return
         await st.changed.wait()
+        st.ran_since = clock()
 
 
 async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) -> tuple[Any, Any] | None:
@@ -251,6 +256,12 @@ async def _send_layer(
             peer.pump()
             if core.queued_bytes(tid) > ahead:
                 await until(st, lambda: core.queued_bytes(tid) == 0)
+            elif clock() - st.ran_since >= YIELD_AFTER:
+                # Nothing to wait for, but the loop runs at least this often: acks are
+                # read as they come (the estimate's samples, the window's room), other
+                # tasks and timers run, instead of all of it once the window is full.
+                await asyncio.sleep(0)
+                st.ran_since = clock()
 
 
 __all__ = ["AUTO", "Receipt", "SendState", "make_chooser", "next_or_fail", "send", "until"]

@@ -99,3 +99,44 @@ async def test_an_encoded_chunk_waits_until_the_one_before_left_the_queue(codec:
     seen, core = await batches(codec, k, v)
     assert seen == [1] * 8
     assert [(c.kind, c.token_start) for c in core.added] == [(kind, t) for kind in (0, 1) for t in (0, 64, 128, 192)]
+
+
+class CountingCore(QueueCore):
+    """A core whose queue is always empty (every chunk went on a stream at once); it
+    notes how often the event loop ran other work between two chunks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ticks = 0
+        self.ticks_at_add: list[int] = []
+
+    def add_chunk(self, transfer_id: int, chunk: Chunk, *, kv_bytes: int = 0) -> None:
+        self.added.append(chunk)
+        self.ticks_at_add.append(self.ticks)
+
+
+async def ticks_between_chunks(monkeypatch: pytest.MonkeyPatch, yield_after: float) -> list[int]:
+    from kvwire.aio import _send
+
+    monkeypatch.setattr(_send, "YIELD_AFTER", yield_after)
+    core = CountingCore()
+    peer = SimpleNamespace(core=core, options=SimpleNamespace(chunk_bytes=TARGET), chooser=None,
+                           pump=lambda: None, estimator=None)
+    st = SendState(asyncio.Event())
+    st.ran_since = clock()
+    task = asyncio.create_task(_send_layer(peer, st, 1, SPEC, 1, *make_layers(1, 256, 2, 16, seed=4)[0],  # type: ignore[arg-type]
+                                           "raw", {}, clock(), None))
+    while not task.done():  # another task on the same loop
+        core.ticks += 1
+        await asyncio.sleep(0)
+    await task
+    assert len(core.added) == 8
+    return [b - a for a, b in zip(core.ticks_at_add, core.ticks_at_add[1:], strict=False)]
+
+
+async def test_the_send_task_lets_the_loop_run_between_chunks_once_it_ran_long_enough(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert all(n > 0 for n in await ticks_between_chunks(monkeypatch, 0.0))
+    # Within the bound nothing else runs: the chunks of a layer go out in one stretch.
+    assert all(n == 0 for n in await ticks_between_chunks(monkeypatch, 3600.0))
