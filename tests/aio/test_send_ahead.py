@@ -1,7 +1,8 @@
 """How far the send task runs ahead of the streams: raw chunks of host arrays (views of the
 caller's memory) are queued up to ``AHEAD_CHUNKS`` chunk targets ahead; an encoded chunk
-is made only once the one before left the queue.  Driven against a stand-in core whose
-queue the test empties by hand, so each wake-up of the task is seen."""
+is made only once the one before left the queue; past ``YIELD_AFTER`` the task lets the
+event loop run between chunks.  Driven against a stand-in core whose queue the test
+empties by hand, so each wake-up of the task is seen."""
 
 from __future__ import annotations
 
