@@ -3,10 +3,23 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvwire._extensions import extensions_disabled
 from kvwire.codec import numpy_dtype
 from tests.consistency.conftest import IN_CI, find_redis_server
 
 SECRET = b"test-secret-0123"
+
+
+def require_send_queue() -> None:
+    """Skip where the compiled send queue is turned off on purpose (``KVWIRE_NO_EXTENSIONS``:
+    streams write through their transports, which other tests cover); fail where it was
+    meant to be built and is not."""
+    import kvwire.aio._stream as stream_mod
+
+    if stream_mod._sendq is None:
+        if extensions_disabled():
+            pytest.skip("KVWIRE_NO_EXTENSIONS is set: streams write through their transports")
+        raise AssertionError("kvwire.aio._sendq is not built: reinstall with a C compiler present")
 
 
 def make_layers(num_layers: int, tokens: int, heads: int, head_dim: int, dtype: str = "float16", seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -7,7 +7,6 @@ through their transports, which ``tests/aio/test_stream.py`` and the system test
 from __future__ import annotations
 
 import contextlib
-import os
 import select
 import socket
 import struct
@@ -18,13 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire._extensions import load_extension
+from kvwire._extensions import extensions_disabled, load_extension
 from kvwire.wire import Chunk
 from kvwire.wire.crc import crc32c
 from kvwire.wire.frames import CheckedPayload, encode_chunk_checked_as_written, plain_parts
 
 sendq = load_extension("kvwire.aio._sendq")
-DISABLED = os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0")
+DISABLED = extensions_disabled()
 pytestmark = pytest.mark.skipif(DISABLED, reason="KVWIRE_NO_EXTENSIONS is set: streams use their transports")
 
 

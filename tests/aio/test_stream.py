@@ -16,6 +16,7 @@ import pytest
 
 from kvwire.aio._stream import LARGE_PART, RCVLOWAT_MAX, RCVLOWAT_MIN, Stream, gathers, write_parts
 from kvwire.wire.crc import crc32c
+from tests.conftest import require_send_queue
 
 
 class FakeSocket:
@@ -275,16 +276,6 @@ def test_gather_is_used_on_uvloop_tcp_only() -> None:
 # -- the compiled send queue on a real connection ----------------------------------------
 
 
-def _need_queue() -> None:
-    """The compiled queue must be there unless extensions are turned off on purpose."""
-    import kvwire.aio._stream as stream_mod
-
-    if stream_mod._sendq is None:
-        if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
-            pytest.skip("KVWIRE_NO_EXTENSIONS is set: streams write through their transports")
-        raise AssertionError("kvwire.aio._sendq is not built: reinstall with a C compiler present")
-
-
 async def _connected(owner: Owner) -> tuple[Stream, socket.socket]:
     """A Stream connected over loopback to a plain socket the test reads from, both with
     small fixed buffers, so that the kernel holds no more than a few hundred KiB of what
@@ -305,7 +296,7 @@ async def _connected(owner: Owner) -> tuple[Stream, socket.socket]:
 async def _queued() -> AsyncIterator[tuple[Owner, Stream, socket.socket]]:
     """An owner, its stream writing through the send queue, and the peer socket; both
     closed afterwards."""
-    _need_queue()
+    require_send_queue()
     owner = Owner()
     stream, peer = await _connected(owner)
     try:

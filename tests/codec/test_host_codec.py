@@ -25,13 +25,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from kvwire._extensions import extensions_disabled
 from kvwire.codec import Fp8Codec, Int4Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
 from kvwire.errors import KvwireError, ProtocolError, UsageError
 from tests.codec.codec_helpers import DTYPES
 
 Reference = Fp8Codec | Int8Codec | Int4Codec
 
-DISABLED = os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0")
+DISABLED = extensions_disabled()
 needs_ext = pytest.mark.skipif(DISABLED, reason="KVWIRE_NO_EXTENSIONS is set: only the numpy path runs")
 KINDS = (TensorKind.K, TensorKind.V)
 ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import socket
 import struct
 
@@ -12,7 +11,7 @@ import pytest
 
 import kvwire
 from kvwire.codec import TensorKind, get_codec
-from tests.conftest import SECRET, make_layers, same_cache
+from tests.conftest import SECRET, make_layers, require_send_queue, same_cache
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -437,10 +436,7 @@ def test_on_uvloop_every_stream_writes_through_its_send_queue(
     the transport) and the cache arrives as sent."""
     import kvwire.aio._stream as stream_mod
 
-    if stream_mod._sendq is None:
-        if os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0"):
-            pytest.skip("KVWIRE_NO_EXTENSIONS is set: streams write through their transports")
-        raise AssertionError("kvwire.aio._sendq is not built: reinstall with a C compiler present")
+    require_send_queue()
     queued: list[bool] = []
     through_transport: list[object] = []
     open_queue, write_parts = stream_mod.Stream._open_queue, stream_mod.write_parts

@@ -31,9 +31,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvwire._extensions import extensions_disabled
 from kvwire.wire import crc
 
-DISABLED = os.environ.get("KVWIRE_NO_EXTENSIONS", "") not in ("", "0")
+DISABLED = extensions_disabled()
 IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 needs_ext = pytest.mark.skipif(crc.ext is None, reason="kvwire.wire._crc32c is not in use")
 NAMES = ["table", "sse4.2", "pclmulqdq", "avx512-vpclmulqdq"]
