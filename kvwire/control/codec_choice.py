@@ -312,12 +312,13 @@ class CodecChooser:
         # A stale contender first: it comes up once per refresh_after, the others may
         # take every interval.
         probe = self._stale_contender(chosen, rates, bandwidth_bps, now)
-        if probe is None and self._is_free(free) and chosen == free:
-            probe = max((c for c in rates if c != free), key=lambda c: rates[c])
-        elif probe is None and self._is_free(free) and app_limited:
-            cpu_wire = self.delivered_rate(chosen, math.inf) * self._ratio[chosen]  # wire bytes/s
-            if cpu_wire <= 1.5 * bandwidth_bps / 8.0:
-                probe = free
+        if probe is None and self._is_free(free):
+            if chosen == free:
+                probe = max((c for c in rates if c != free), key=lambda c: rates[c])
+            elif app_limited:
+                cpu_wire = self.delivered_rate(chosen, math.inf) * self._ratio[chosen]  # wire bytes/s
+                if cpu_wire <= 1.5 * bandwidth_bps / 8.0:
+                    probe = free
         if probe is not None:
             self._last_probe = now
         return probe
