@@ -133,7 +133,7 @@ static PyObject* sq_push(SendQueue* q, PyObject* arg) {
         Py_DECREF(seq);
         return NULL;
     }
-    Py_ssize_t start = q->count, added = 0;
+    Py_ssize_t start = q->count, added = 0, bytes = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
         Part* p = &q->parts[start + i];
@@ -157,12 +157,10 @@ static PyObject* sq_push(SendQueue* q, PyObject* arg) {
             goto fail;
         }
         if (p->checked && p->view.len == 0) set_trailer(p); /* the trailer alone */
+        bytes += p->view.len + (p->checked ? 4 : 0);
         added++;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        Part* p = &q->parts[start + i];
-        q->pending += p->view.len + (p->checked ? 4 : 0);
-    }
+    q->pending += bytes;
     q->count += n;
     Py_DECREF(seq);
     Py_RETURN_NONE;
