@@ -1,21 +1,28 @@
 """Encoding chunks of K or V for the wire: on the host (quantizing codecs off the event
 loop) or on the GPU that holds the tensor (``kvwire/aio/_gpu.py``).
 
-Both yield ``(token_start, token_count, codec, encoded)`` per chunk of a plan, and feed the
+Both yield ``(kind, token_start, token_count, codec, encoded)`` per chunk of a plan, and feed the
 measured encode speed and size to the ``auto`` codec chooser when there is one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections import deque
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from kvwire.codec import TensorKind, numpy_dtype
 from kvwire.control import CodecChooser
 
-Encoded = tuple[int, int, Any, Any]
+#: Chunks of a host array submitted for encoding before the consumer takes them
+ENCODE_AHEAD = 2
+#: (kind, token_start, token_count, codec, encoded) of one chunk
+Encoded = tuple[TensorKind, int, int, Any, Any]
+#: (kind, array, plan) of K or V: the chunks' (token_start, token_count) in order
+Part = tuple[TensorKind, Any, list[tuple[int, int]]]
 
 
 def payload_size(enc: Any) -> int:
@@ -23,11 +30,44 @@ def payload_size(enc: Any) -> int:
     return int(payload.nbytes) if hasattr(payload, "nbytes") else len(payload)
 
 
+def encodes_inline(codec: Any) -> bool:
+    """``raw`` makes its payload (a view of the input) at once, on the loop; every other
+    codec quantizes or compresses on a worker thread."""
+    return bool(codec.lossless) and "+" not in codec.name
+
+
 async def encode(codec: Any, x: Any, kind: TensorKind, chooser: CodecChooser | None) -> Any:
     """Encode one chunk; quantizing codecs run off the event loop so acks keep flowing."""
-    if codec.lossless and "+" not in codec.name:
+    if encodes_inline(codec):
         return codec.encode(x, kind)
-    enc, seconds = await asyncio.get_running_loop().run_in_executor(None, _timed_encode, codec, x, kind)
+    return await finish_encode(start_encode(codec, x, kind)[0], codec, x, chooser)
+
+
+def start_encode(
+    codec: Any, x: Any, kind: TensorKind, after: threading.Event | None = None,
+) -> tuple[asyncio.Future[tuple[Any, float]], threading.Event]:
+    """Submit a worker-thread encode now (running, or queued, before the caller yields);
+    with ``after``, the worker starts it once the encode that sets ``after`` has ended, so
+    chained encodes follow each other on the workers without waiting for the loop.
+    Returns the future and the event set when this encode has ended."""
+    ended = threading.Event()
+
+    def job() -> tuple[Any, float]:
+        try:
+            if after is not None:
+                after.wait()
+            return _timed_encode(codec, x, kind)
+        finally:
+            ended.set()
+
+    return asyncio.get_running_loop().run_in_executor(None, job), ended
+
+
+async def finish_encode(
+    fut: asyncio.Future[tuple[Any, float]], codec: Any, x: Any, chooser: CodecChooser | None,
+) -> Any:
+    """The encoded chunk of :func:`start_encode`, its speed and size told to the chooser."""
+    enc, seconds = await fut
     if chooser is not None:
         fp16_bytes = x.nbytes * 2 // x.itemsize
         chooser.observe_encode(codec.name, fp16_bytes, seconds)
@@ -49,17 +89,56 @@ def raw_based(name: str) -> bool:
 
 
 async def host_chunks(
-    arr: Any, kind: TensorKind, plan: list[tuple[int, int]], pick: Callable[[], Any], chooser: CodecChooser | None,
-) -> AsyncIterator[Encoded]:
-    """Chunks of a host array, each with the codec ``pick()`` chooses for it."""
-    for start, count in plan:
+    parts: list[Part], pick: Callable[[], Any], chooser: CodecChooser | None,
+) -> AsyncGenerator[Encoded, None]:
+    """Chunks of host arrays (each part's plan in turn), each with the codec ``pick()``
+    chooses for it.
+
+    Encoded ahead: up to :data:`ENCODE_AHEAD` chunks are submitted to the workers before
+    the consumer takes them, each starting as soon as the one before has ended, so the
+    encoder keeps working while the consumer sends (``auto`` picks a codec when its chunk
+    is submitted).  Close the iterator (``contextlib.aclosing``) to cancel what it
+    submitted and nobody took.
+    """
+    items = [(kind, arr, start, count) for kind, arr, plan in parts for start, count in plan]
+    pending: deque[tuple[Any, Any, Any]] = deque()  # (codec, chunk, payload or future)
+    last: threading.Event | None = None  # set when the latest submitted encode has ended
+    submitted = 0
+
+    def submit() -> None:
+        nonlocal last, submitted
+        kind, arr, s, c = items[submitted]
+        submitted += 1
         codec = pick()
-        yield start, count, codec, await encode(codec, arr[start : start + count], kind, chooser)
+        x = arr[s : s + c]
+        if encodes_inline(codec):
+            pending.append((codec, x, codec.encode(x, kind)))
+            return
+        fut, last = start_encode(codec, x, kind, after=last)
+        pending.append((codec, x, fut))
+
+    try:
+        for kind, _arr, s, c in items:
+            while submitted < len(items) and len(pending) < ENCODE_AHEAD:
+                submit()
+            codec, x, enc = pending.popleft()
+            if isinstance(enc, asyncio.Future):
+                enc = await finish_encode(enc, codec, x, chooser)
+            if submitted < len(items):
+                submit()  # the next encode is queued before this chunk is handed on
+            yield kind, s, c, codec, enc
+    finally:
+        for _codec, _x, fut in pending:
+            if isinstance(fut, asyncio.Future):
+                if not fut.done():
+                    fut.cancel()
+                elif not fut.cancelled():
+                    fut.exception()  # retrieved: the consumer stopped for a reason of its own
 
 
 async def device_chunks(
     codec: Any, x: Any, kind: TensorKind, plan: list[tuple[int, int]], dtype: str, chooser: CodecChooser | None,
-) -> AsyncIterator[Encoded]:
+) -> AsyncGenerator[Encoded, None]:
     """Chunks of a CuPy tensor: quantized on its GPU in one launch, the payloads copied to
     pinned host memory overlapped with sending.
 
@@ -71,13 +150,25 @@ async def device_chunks(
         async for start, count, host in _gpu.copy_raw_chunks(x, plan):
             if dtype == "bfloat16":
                 host = host.view(numpy_dtype("bfloat16"))
-            yield start, count, codec, await encode(codec, host, kind, chooser)
+            yield kind, start, count, codec, await encode(codec, host, kind, chooser)
         return
     t0 = time.perf_counter()
     async for start, count, enc in _gpu.encode_chunks(codec, x, kind, plan, dtype):
         if start == 0 and chooser is not None:
             chooser.observe_encode(codec.name, x.size * 2, time.perf_counter() - t0)
-        yield start, count, codec, enc
+        yield kind, start, count, codec, enc
 
 
-__all__ = ["Encoded", "device_chunks", "encode", "host_chunks", "payload_size", "raw_based"]
+async def device_parts(
+    parts: list[Part], pick: Callable[[], Any], dtype: str, chooser: CodecChooser | None,
+) -> AsyncGenerator[Encoded, None]:
+    """:func:`device_chunks` of each part in turn, the codec picked once per part."""
+    for kind, x, plan in parts:
+        async for item in device_chunks(pick(), x, kind, plan, dtype, chooser):
+            yield item
+
+
+__all__ = [
+    "ENCODE_AHEAD", "Encoded", "Part", "device_chunks", "device_parts", "encode", "encodes_inline", "finish_encode", "host_chunks",
+    "payload_size", "raw_based", "start_encode",
+]

@@ -6,6 +6,7 @@ layer; then the :class:`Receipt`.  Every protocol decision is the core's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from kvwire.aio._arrays import (
     sync_layers,
 )
 from kvwire.aio._codec_speed import codec_speeds
-from kvwire.aio._encode import device_chunks, host_chunks, raw_based
+from kvwire.aio._encode import Part, device_parts, host_chunks, raw_based
 from kvwire.codec import TensorKind, get_codec
 from kvwire.control import CodecCandidate, CodecChooser
 from kvwire.errors import (
@@ -232,19 +233,21 @@ async def _send_layer(
 
     # Raw chunks of host arrays are views of the caller's memory, free to hold: up to
     # AHEAD_CHUNKS of them wait in the core's queue, so the task wakes once per that many
-    # instead of once per chunk. An encoded chunk is memory, and ``auto`` picks each codec
-    # as late as it can: the next is made once the one before is on a stream.
+    # instead of once per chunk. An encoded chunk is memory: the next goes to the core once
+    # the one before is on a stream (host_chunks has encoded it meanwhile, one ahead).
     ahead = AHEAD_CHUNKS * target if codec_name == "raw" and isinstance(k, np.ndarray) else 0
+    host = isinstance(k, np.ndarray)
+    parts: list[Part] = []
     for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
-        host = isinstance(arr, np.ndarray)
         chunks = plan
         # The transfer's first chunk is small (the receiver grants its window once it knows
         # the layer size); the GPU kernels quantize equal chunks only.
         if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
-        source = (host_chunks(arr, kind, chunks, pick, chooser) if host
-                  else device_chunks(pick(), arr, kind, chunks, spec.dtype, chooser))
-        async for start, count, codec, enc in source:
+        parts.append((kind, arr, chunks))
+    source = host_chunks(parts, pick, chooser) if host else device_parts(parts, pick, spec.dtype, chooser)
+    async with contextlib.aclosing(source):
+        async for kind, start, count, codec, enc in source:
             if st.error is not None:
                 raise st.error
             used[codec.name] = used.get(codec.name, 0) + 1
