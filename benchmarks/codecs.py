@@ -78,11 +78,11 @@ def compiled_vs_numpy(reps: int) -> None:
     if _host.ext is None:
         print("\ncompiled vs numpy: the compiled codecs are not built here (or KVWIRE_NO_EXTENSIONS is set)")
         return
-    best = _host.simd(_host.SIMD_AVX2)
+    best = _host.simd(_host.SIMD_BEST)
     assert best is not None
     _host.simd(_host.SIMD_GENERIC)
     generic = _host.isa()
-    _host.simd(_host.SIMD_AVX2)
+    _host.simd(_host.SIMD_BEST)
     print(f"\ncompiled ({_host.isa()}; generic: {generic}) vs numpy reference, GB/s of float16 per core, median of {reps}")
     print("| chunk | codec | kind | encode | generic | numpy | decode | generic | numpy | encode / memcpy | decode / memcpy |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -103,7 +103,7 @@ def compiled_vs_numpy(reps: int) -> None:
                     enc = x.nbytes / _best(lambda c=codec, k=kind, v=x: c.encode(v, k), reps) / 1e9
                     dec = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode(ch.params, ch.payload, **a), reps) / 1e9
                     row.append((enc, dec))
-                _host.simd(_host.SIMD_AVX2)
+                _host.simd(_host.SIMD_BEST)
                 few = max(2, reps // 3)
                 enc_np = x.nbytes / _best(lambda c=codec, k=kind, v=x: c.encode_numpy(v, k), few) / 1e9
                 dec_np = x.nbytes / _best(lambda c=codec, ch=ch, a=args: c.decode_numpy(ch.params, ch.payload, **a), few) / 1e9

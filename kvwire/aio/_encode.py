@@ -89,15 +89,15 @@ def raw_based(name: str) -> bool:
 
 
 async def host_chunks(
-    parts: list[Part], pick: Callable[[], Any], chooser: CodecChooser | None,
+    parts: list[Part], pick: Callable[[], Any], chooser: CodecChooser | None, *, ahead: int = ENCODE_AHEAD,
 ) -> AsyncGenerator[Encoded, None]:
     """Chunks of host arrays (each part's plan in turn), each with the codec ``pick()``
-    chooses for it.
+    chooses for it (when its chunk is submitted).
 
-    Encoded ahead: up to :data:`ENCODE_AHEAD` chunks are submitted to the workers before
-    the consumer takes them, each starting as soon as the one before has ended, so the
-    encoder keeps working while the consumer sends (``auto`` picks a codec when its chunk
-    is submitted).  Close the iterator (``contextlib.aclosing``) to cancel what it
+    Encoded ahead: up to ``ahead`` chunks are submitted to the workers before the consumer
+    takes them, each starting as soon as the one before has ended, so the encoder keeps
+    working while the consumer sends; with ``ahead=0`` a chunk is encoded only once the
+    consumer asks for it.  Close the iterator (``contextlib.aclosing``) to cancel what it
     submitted and nobody took.
     """
     items = [(kind, arr, start, count) for kind, arr, plan in parts for start, count in plan]
@@ -119,12 +119,12 @@ async def host_chunks(
 
     try:
         for kind, _arr, s, c in items:
-            while submitted < len(items) and len(pending) < ENCODE_AHEAD:
+            while submitted < len(items) and (not pending or len(pending) < ahead):
                 submit()
             codec, x, enc = pending.popleft()
             if isinstance(enc, asyncio.Future):
                 enc = await finish_encode(enc, codec, x, chooser)
-            if submitted < len(items):
+            if ahead and submitted < len(items):
                 submit()  # the next encode is queued before this chunk is handed on
             yield kind, s, c, codec, enc
     finally:

@@ -22,7 +22,7 @@ from kvwire.aio._arrays import (
     sync_layers,
 )
 from kvwire.aio._codec_speed import codec_speeds
-from kvwire.aio._encode import Part, device_parts, host_chunks, raw_based
+from kvwire.aio._encode import ENCODE_AHEAD, Part, device_parts, host_chunks, raw_based
 from kvwire.codec import TensorKind, get_codec
 from kvwire.control import CodecCandidate, CodecChooser
 from kvwire.errors import (
@@ -245,7 +245,12 @@ async def _send_layer(
         if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
         parts.append((kind, arr, chunks))
-    source = host_chunks(parts, pick, chooser) if host else device_parts(parts, pick, spec.dtype, chooser)
+    # ``auto`` encodes a chunk only when it is asked for: its choice rests on measured encode
+    # speeds, and encodes overlapping the sending measure slower on a loaded host (in
+    # docs/benchmarks.md it then chose raw for a third of the chunks and delivered less).
+    ahead_encodes = 0 if codec_name == AUTO else ENCODE_AHEAD
+    source = (host_chunks(parts, pick, chooser, ahead=ahead_encodes) if host
+              else device_parts(parts, pick, spec.dtype, chooser))
     async with contextlib.aclosing(source):
         async for kind, start, count, codec, enc in source:
             if st.error is not None:

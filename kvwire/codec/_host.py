@@ -32,8 +32,11 @@ _BAD_CODE = {"fp8": "fp8 payload carries a NaN code", "int8": "int8 payload carr
 
 
 #: SIMD levels of the compiled loops: the generic C loops (kvquant.cuh's conversions), the
-#: same with float16 rows through F16C, the explicit AVX2 + F16C loops
-SIMD_GENERIC, SIMD_F16C, SIMD_AVX2 = 0, 1, 2
+#: same with float16 rows through F16C, the explicit AVX2 + F16C loops, and AVX-512 (F, BW)
+#: loops for fp8 and int8 (int4 stays on AVX2 there)
+SIMD_GENERIC, SIMD_F16C, SIMD_AVX2, SIMD_AVX512 = 0, 1, 2, 3
+#: the highest level: ``simd(SIMD_BEST)`` selects the best this CPU has
+SIMD_BEST = SIMD_AVX512
 
 
 def isa() -> str | None:

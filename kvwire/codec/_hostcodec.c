@@ -1193,12 +1193,187 @@ KV_AVX2_INLINE void v_nibbles16(const kv_u8* p, __m256* c0, __m256* c1) {
 
 V_INT4_DECODE(F16) V_INT4_DECODE(BF16) V_INT4_DECODE(F32)
 
+/* AVX-512 (F + BW) loops of fp8 and int8: the AVX2 loops' arithmetic lane for lane, on
+ * sixteen float32 lanes (thirty-two for fp8's float16 brackets).  The fast path is the
+ * same multiply-then-verify; a block with an unsafe lane, or a row without a usable
+ * reciprocal, goes through the AVX2 loops' exact path; the per-row maxima (scale, bad
+ * codes) are the AVX2 loops'.  int4 keeps its AVX2 loops at this level. */
+#define KV_HAVE_AVX512 1
+#define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx2,f16c")))
+#define KV_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx2,f16c"), always_inline)) static inline
+
+KV_AVX512_INLINE __m512 w_ld_F16(const void* p, idx i) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const kv_u16*)p + i)));
+}
+KV_AVX512_INLINE __m512 w_ld_BF16(const void* p, idx i) {
+    __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)((const kv_u16*)p + i)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+KV_AVX512_INLINE __m512 w_ld_F32(const void* p, idx i) { return _mm512_loadu_ps((const float*)p + i); }
+KV_AVX512_INLINE __m256 w_lo(__m512 v) { return _mm512_castps512_ps256(v); }
+KV_AVX512_INLINE __m256 w_hi(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+/* the stores of v_st_F16 (vcvtps2ph, round to nearest even), v_st_BF16 (on halves), v_st_F32 */
+KV_AVX512_INLINE void w_st_F16(void* p, idx i, __m512 v) {
+    _mm256_storeu_si256((__m256i*)((kv_u16*)p + i), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+KV_AVX512_INLINE void w_st_BF16(void* p, idx i, __m512 v) {
+    v_st_BF16(p, i, w_lo(v));
+    v_st_BF16(p, i + 8, w_hi(v));
+}
+KV_AVX512_INLINE void w_st_F32(void* p, idx i, __m512 v) { _mm512_storeu_ps((float*)p + i, v); }
+
+/* v_half16 and v_fp8_bracket16 on thirty-two lanes: RZ(x * r) as float16, and the E4M3
+ * codes of the bracket [RZ(x * rlo), RZ(x * rhi)] with the lanes it cannot decide. */
+KV_AVX512_INLINE __m512i w_half32(__m512 x0, __m512 x1, __m512 r) {
+    const __m256i h0 = _mm512_cvtps_ph(_mm512_mul_ps(x0, r), _MM_FROUND_TO_ZERO);
+    const __m256i h1 = _mm512_cvtps_ph(_mm512_mul_ps(x1, r), _MM_FROUND_TO_ZERO);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(h0), h1, 1);
+}
+KV_AVX512_INLINE __m512i w_fp8_code32(__m512i ha) {
+    return _mm512_srli_epi16(_mm512_subs_epu16(ha, _mm512_set1_epi16(0x1FC0)), 7);
+}
+KV_AVX512_INLINE __m512i w_fp8_bracket32(__m512 x0, __m512 x1, __m512 rlo, __m512 rhi, __mmask32* unsafe) {
+    const __m512i mag = _mm512_set1_epi16(0x7FFF);
+    const __m512i lo = w_half32(x0, x1, rlo);
+    const __m512i lo_a = _mm512_and_si512(lo, mag);
+    const __m512i code = w_fp8_code32(lo_a);
+    const __m512i hi_a = _mm512_and_si512(w_half32(x0, x1, rhi), mag);
+    const __m512i code_hi = w_fp8_code32(hi_a);
+    /* the bracket reaches into [2^-10, 2^-6), or straddles a midpoint */
+    const __mmask32 low = _mm512_cmpgt_epi16_mask(hi_a, _mm512_set1_epi16(0x13FF)) &
+                          _mm512_cmpgt_epi16_mask(_mm512_set1_epi16(0x2400), lo_a);
+    *unsafe |= low | _mm512_cmpneq_epi16_mask(code, code_hi);
+    return _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi16(lo, 8), _mm512_set1_epi16(0x80)));
+}
+/* 32 fp8 codes at out by the fast path; 0 (nothing stored) where a lane is unsafe */
+KV_AVX512_INLINE int fp8_w_fast32(kv_u8* out, __m512 x0, __m512 x1, __m512 rlo, __m512 rhi) {
+    __mmask32 un = 0;
+    const __m512i c = w_fp8_bracket32(x0, x1, rlo, rhi, &un);
+    if (un) return 0;
+    _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi16_epi8(c)); /* codes <= 0xFE */
+    return 1;
+}
+/* v_int8_fast on sixteen lanes */
+KV_AVX512_INLINE __m512i w_int8_fast(__m512 x, __m512 r, __mmask16* unsafe) {
+    const __m512 q = _mm512_mul_ps(x, r);
+    const __m512 rq = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 dist = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(q, rq)), _mm512_set1_epi32(0x7FFFFFFF)));
+    *unsafe |= _mm512_cmp_ps_mask(dist, _mm512_set1_ps(KV_INT8_LIMIT), _CMP_NLT_UQ); /* NaN too */
+    return _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(rq, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f)));
+}
+KV_AVX512_INLINE int int8_w_fast32(kv_u8* out, __m512 x0, __m512 x1, __m512 r, __m512 unused) {
+    (void)unused;
+    __mmask16 un = 0;
+    const __m512i c0 = w_int8_fast(x0, r, &un), c1 = w_int8_fast(x1, r, &un);
+    if (un) return 0;
+    _mm_storeu_si128((__m128i*)out, _mm512_cvtsepi32_epi8(c0)); /* codes in [-127, 127] */
+    _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtsepi32_epi8(c1));
+    return 1;
+}
+/* the two multipliers each fast path takes: fp8 the bracket's, int8 the reciprocal's */
+#define fp8_W_R0(rcp) _mm512_mul_ps(_mm512_set1_ps(rcp), _mm512_set1_ps(1.0f - 1.9073486328125e-06f))
+#define fp8_W_R1(rcp) _mm512_mul_ps(_mm512_set1_ps(rcp), _mm512_set1_ps(1.0f + 1.9073486328125e-06f))
+#define int8_W_R0(rcp) _mm512_set1_ps(rcp)
+#define int8_W_R1(rcp) _mm512_setzero_ps()
+
+#define W_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T)                                    \
+    KV_AVX512 static int NAME##_encode_avx512_##SUF(const void* restrict x, idx rows, idx dim, \
+                                                    kv_u8* restrict scales, kv_u8* restrict codes, \
+                                                    float* restrict rowtmp) {                  \
+        (void)rowtmp;                                                                          \
+        for (idx r = 0; r < rows; ++r) {                                                       \
+            const idx base = r * dim;                                                          \
+            const kv_u32 amax = v_amax_##SUF(x, base, dim);                                    \
+            if (amax >= 0x7F800000u) return KV_E_NONFINITE;                                    \
+            const float s = SCALE(kv_bits_f32(amax));                                          \
+            st_f32(scales, r, s);                                                              \
+            const float rcp = kv_recip(kv_divisor(s));                                         \
+            const int fast = rcp == rcp; /* not NaN */                                         \
+            const __m256 dv = _mm256_set1_ps(kv_divisor(s)), rv = _mm256_set1_ps(rcp);         \
+            const __m512 w0 = NAME##_W_R0(rcp), w1 = NAME##_W_R1(rcp);                         \
+            kv_u8* restrict out = codes + base;                                                \
+            idx d = 0;                                                                         \
+            for (; d + 32 <= dim; d += 32)                                                     \
+                if (!fast || !NAME##_w_fast32(out + d, w_ld_##SUF(x, base + d), w_ld_##SUF(x, base + d + 16), w0, w1)) \
+                    NAME##_v_quant32(out + d, v_ld_##SUF(x, base + d), v_ld_##SUF(x, base + d + 8), \
+                                     v_ld_##SUF(x, base + d + 16), v_ld_##SUF(x, base + d + 24), rv, dv, 0); \
+            for (; d + 8 <= dim; d += 8) NAME##_v_quant8(out + d, v_ld_##SUF(x, base + d), rv, dv, fast); \
+            for (; d < dim; ++d) ((CODE_T*)out)[d] = QUANT(LOAD_##SUF(x, base + d), s);        \
+        }                                                                                      \
+        return KV_OK;                                                                          \
+    }
+
+/* fp8_v_scaled / int8_v_scaled on sixteen lanes */
+KV_AVX512_INLINE __m512 fp8_w_scaled(__m512i c, __m512 s) {
+    const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(c, 20), _mm512_set1_epi32(0x07F00000)));
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(mag, _mm512_set1_ps(1.329227995784916e36f /* 2^120 */)), s);
+    return _mm512_castsi512_ps(_mm512_xor_si512(
+        _mm512_castps_si512(v), _mm512_and_si512(_mm512_slli_epi32(c, 24), _mm512_set1_epi32((int)0x80000000u))));
+}
+KV_AVX512_INLINE __m512 int8_w_scaled(__m512i c, __m512 s) { return _mm512_mul_ps(_mm512_cvtepi32_ps(c), s); }
+
+#define W_ROWWISE_DECODE(NAME, SUF, DEQUANT, CODE_T, WLOAD, VLOAD)                            \
+    KV_AVX512 static int NAME##_decode_avx512_##SUF(const kv_u8* restrict codes_,             \
+                                                    const kv_u8* restrict scales, idx rows, idx dim, \
+                                                    void* restrict out, float* restrict rowtmp) { \
+        const CODE_T* restrict codes = (const CODE_T*)codes_;                                  \
+        (void)rowtmp;                                                                          \
+        idx step = KV_BLOCK_ELEMS / dim;                                                       \
+        if (step < 1) step = 1;                                                                \
+        for (idx r0 = 0; r0 < rows; r0 += step) {                                              \
+            const idx r1 = r0 + step < rows ? r0 + step : rows;                                \
+            int bad = 0;                                                                       \
+            kv_u32 vmax = 0;                                                                   \
+            for (idx r = r0; r < r1; ++r) {                                                    \
+                const float s = ld_f32(scales, r);                                             \
+                const __m512 sw = _mm512_set1_ps(s);                                           \
+                const __m256 sv = _mm256_set1_ps(s);                                           \
+                const idx base = r * dim;                                                      \
+                const kv_u32 m = NAME##_v_rowmax(codes_ + base, dim);                          \
+                bad |= NAME##_ROWBAD(m);                                                       \
+                const kv_u32 vm = kv_f32_bits(NAME##_ROWVAL(m, s)) & 0x7FFFFFFFu;              \
+                vmax = vm > vmax ? vm : vmax;                                                  \
+                idx d = 0;                                                                     \
+                for (; d + 16 <= dim; d += 16) {                                               \
+                    __m512i c = WLOAD(_mm_loadu_si128((const __m128i*)(codes_ + base + d)));   \
+                    w_st_##SUF(out, base + d, NAME##_w_scaled(c, sw));                         \
+                }                                                                              \
+                for (; d + 8 <= dim; d += 8) {                                                 \
+                    __m256i c = VLOAD(_mm_loadl_epi64((const __m128i*)(codes_ + base + d)));   \
+                    v_st_##SUF(out, base + d, NAME##_v_scaled(c, sv));                         \
+                }                                                                              \
+                for (; d < dim; ++d) STORE_##SUF(out, base + d, DEQUANT(codes[base + d], s));  \
+            }                                                                                  \
+            if (bad) return KV_E_CODE;                                                         \
+            { const int st_ = decoded_status(vmax, DT_##SUF); if (st_) return st_; }           \
+        }                                                                                      \
+        return KV_OK;                                                                          \
+    }
+
+#define W_FP8_ENC(SUF) W_ROWWISE_ENCODE(fp8, SUF, kv_fp8_scale, kv_fp8_quant, kv_u8)
+#define W_INT8_ENC(SUF) W_ROWWISE_ENCODE(int8, SUF, kv_int8_scale, kv_int8_quant, signed char)
+#define W_FP8_DEC(SUF) \
+    W_ROWWISE_DECODE(fp8, SUF, kv_fp8_dequant, kv_u8, _mm512_cvtepu8_epi32, _mm256_cvtepu8_epi32)
+#define W_INT8_DEC(SUF) \
+    W_ROWWISE_DECODE(int8, SUF, kv_int8_dequant, signed char, _mm512_cvtepi8_epi32, _mm256_cvtepi8_epi32)
+W_FP8_ENC(F16) W_FP8_ENC(BF16) W_FP8_ENC(F32)
+W_INT8_ENC(F16) W_INT8_ENC(BF16) W_INT8_ENC(F32)
+W_FP8_DEC(F16) W_FP8_DEC(BF16) W_FP8_DEC(F32)
+W_INT8_DEC(F16) W_INT8_DEC(BF16) W_INT8_DEC(F32)
+
+static int have_avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+
 static int have_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
 }
 #else
 #define KV_HAVE_AVX2 0
+#define KV_HAVE_AVX512 0
 #endif
 
 /* ------------------------------------------------------------------------------------ */
@@ -1243,13 +1418,19 @@ static const rw_enc_fn RW_ENC_AVX2[2][3] = {
 static const rw_dec_fn RW_DEC_AVX2[2][3] = {
     {fp8_decode_avx2_F16, fp8_decode_avx2_BF16, fp8_decode_avx2_F32},
     {int8_decode_avx2_F16, int8_decode_avx2_BF16, int8_decode_avx2_F32}};
+static const rw_enc_fn RW_ENC_AVX512[2][3] = {
+    {fp8_encode_avx512_F16, fp8_encode_avx512_BF16, fp8_encode_avx512_F32},
+    {int8_encode_avx512_F16, int8_encode_avx512_BF16, int8_encode_avx512_F32}};
+static const rw_dec_fn RW_DEC_AVX512[2][3] = {
+    {fp8_decode_avx512_F16, fp8_decode_avx512_BF16, fp8_decode_avx512_F32},
+    {int8_decode_avx512_F16, int8_decode_avx512_BF16, int8_decode_avx512_F32}};
 #endif
 
 /* Loops in use: SIMD_GENERIC (the C loops with kvquant.cuh's conversions, compiled as
  * function clones), SIMD_F16C (the same loops reading and writing float16 rows through
  * F16C) or SIMD_AVX2 (the explicit AVX2 + F16C loops above).  Set at import to the best
  * the CPU has; simd(level) lowers it so that the tests compare every path. */
-enum { SIMD_GENERIC = 0, SIMD_F16C = 1, SIMD_AVX2 = 2 };
+enum { SIMD_GENERIC = 0, SIMD_F16C = 1, SIMD_AVX2 = 2, SIMD_AVX512 = 3 };
 static int kv_simd = SIMD_GENERIC;
 
 static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
@@ -1265,6 +1446,7 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
         rw_enc_fn fn = RW_ENC[kind][dt];
 #if KV_HAVE_AVX2
         if (kv_simd >= SIMD_AVX2) fn = RW_ENC_AVX2[kind][dt];
+        if (kv_simd >= SIMD_AVX512) fn = RW_ENC_AVX512[kind][dt];
 #endif
         float* rowtmp = (float*)malloc(sizeof(float) * (size_t)(dim + 1));
         if (rowtmp == NULL) {
@@ -1298,6 +1480,7 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
         rw_dec_fn fn = RW_DEC[kind][dt];
 #if KV_HAVE_AVX2
         if (kv_simd >= SIMD_AVX2) fn = RW_DEC_AVX2[kind][dt];
+        if (kv_simd >= SIMD_AVX512) fn = RW_DEC_AVX512[kind][dt];
 #endif
         float* rowtmp = (float*)malloc(sizeof(float) * (size_t)(dim + 1));
         if (rowtmp == NULL) {
@@ -1448,6 +1631,7 @@ static const char* clone_name(void) {
 
 static int best_simd(void) {
 #if KV_HAVE_AVX2
+    if (have_avx2() && have_avx512()) return SIMD_AVX512;
     if (have_avx2()) return SIMD_AVX2;
 #endif
 #if KV_HAVE_CLONES
@@ -1469,6 +1653,7 @@ static void set_simd(int level) {
 static PyObject* py_isa(PyObject* self, PyObject* args) {
     (void)self;
     (void)args;
+    if (kv_simd >= SIMD_AVX512) return PyUnicode_FromString("AVX-512 loops (fp8, int8; int4 on AVX2) + F16C");
     if (kv_simd >= SIMD_AVX2) return PyUnicode_FromString("AVX2 + F16C loops");
     return PyUnicode_FromFormat(kv_simd >= SIMD_F16C ? "generic loops (%s clone), F16C rows"
                                                      : "generic loops (%s clone)",
@@ -1508,10 +1693,10 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__hostcodec(void) {
-    set_simd(SIMD_AVX2);
+    set_simd(SIMD_AVX512);
     PyObject* m = PyModule_Create(&module);
     /* the highest level this build holds (the CPU may allow less): x86-64 with GCC has all */
-    if (m != NULL && PyModule_AddIntConstant(m, "SIMD_BUILT", KV_HAVE_AVX2 ? SIMD_AVX2 : KV_HAVE_CLONES ? SIMD_F16C : SIMD_GENERIC) < 0) {
+    if (m != NULL && PyModule_AddIntConstant(m, "SIMD_BUILT", KV_HAVE_AVX2 ? SIMD_AVX512 : KV_HAVE_CLONES ? SIMD_F16C : SIMD_GENERIC) < 0) {
         Py_DECREF(m);
         return NULL;
     }

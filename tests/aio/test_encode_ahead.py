@@ -163,3 +163,16 @@ async def test_closing_early_leaves_no_encode_unretrieved() -> None:
     assert reported == []
     # Nothing was submitted past what was ahead when the consumer stopped.
     assert len(codec.ended) == 1 + ENCODE_AHEAD
+
+
+async def test_ahead_zero_encodes_a_chunk_only_when_asked_for() -> None:
+    k, v = arrays()
+    codec = Watched("int8")
+    source = host_chunks(parts(k, v), lambda: codec, None, ahead=0)
+    async with contextlib.aclosing(source):
+        await anext(source)
+        for _ in range(20):
+            await asyncio.to_thread(codec.ended_event.wait, 0.01)
+        assert codec.ended == [key_of(k, TensorKind.K, 0)]
+        rest = [item async for item in source]
+    assert len(rest) == 7 and len(codec.ended) == 8

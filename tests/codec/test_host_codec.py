@@ -51,13 +51,17 @@ def test_extension_was_built() -> None:
     )
     isa = _host.isa()
     assert isinstance(isa, str)
-    best = _host.simd(_host.SIMD_AVX2)
+    best = _host.simd(_host.SIMD_BEST)
     assert best == max(LEVELS) and best <= _host.ext.SIMD_BUILT
     compiler = str(sysconfig.get_config_var("CC") or "")
     if platform.machine() in ("x86_64", "AMD64") and "gcc" in compiler:  # the SIMD loops are built
-        assert _host.ext.SIMD_BUILT == _host.SIMD_AVX2
-        if "avx2" in _cpu_flags() and "f16c" in _cpu_flags():
-            assert best == _host.SIMD_AVX2 and isa == "AVX2 + F16C loops"
+        assert _host.ext.SIMD_BUILT == _host.SIMD_AVX512
+        flags = _cpu_flags().split()
+        if "avx2" in flags and "f16c" in flags:
+            if "avx512f" in flags and "avx512bw" in flags:
+                assert best == _host.SIMD_AVX512 and isa == "AVX-512 loops (fp8, int8; int4 on AVX2) + F16C"
+            else:
+                assert best == _host.SIMD_AVX2 and isa == "AVX2 + F16C loops"
 
 
 def _cpu_flags() -> str:
@@ -72,8 +76,8 @@ def _levels() -> list[int]:
     """The SIMD levels of the compiled loops this CPU can run (each one is compared)."""
     if _host.ext is None:
         return [0]
-    levels: list[int] = [level for level in (0, 1, 2) if _host.simd(level) == level]
-    _host.simd(_host.SIMD_AVX2)
+    levels: list[int] = [level for level in range(_host.SIMD_BEST + 1) if _host.simd(level) == level]
+    _host.simd(_host.SIMD_BEST)
     return levels
 
 
@@ -82,12 +86,12 @@ LEVELS = _levels()
 
 @contextlib.contextmanager
 def _simd(level: int) -> Iterator[None]:
-    """The compiled loops of one SIMD level (generic C, F16C rows, AVX2), then the best again."""
+    """The compiled loops of one SIMD level (generic C, F16C rows, AVX2, AVX-512), then the best again."""
     assert _host.simd(level) == level
     try:
         yield
     finally:
-        _host.simd(_host.SIMD_AVX2)
+        _host.simd(_host.SIMD_BEST)
 
 
 def _codec(base: str, group: int = 32) -> Reference:
