@@ -764,8 +764,8 @@ KV_AVX2_INLINE kv_u32 v_amax_F32(const void* x, idx base, idx n) {
 
 /* fp8 / int8 encode: per row, the magnitude maximum (scale), then one quantize pass
  * reading the row again (from L1), 32 elements at a time, multiply-then-verify. */
-#define V_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T)                                    \
-    KV_AVX2 static int NAME##_encode_avx2_##SUF(const void* restrict x, idx rows, idx dim,   \
+#define SIMD_ROWWISE_ENCODE(NAME, ISA, ATTR, SUF, SCALE, QUANT, CODE_T, BLOCK32)                \
+    ATTR static int NAME##_encode_##ISA##_##SUF(const void* restrict x, idx rows, idx dim,     \
                                                 kv_u8* restrict scales, kv_u8* restrict codes, \
                                                 float* restrict rowtmp) {                      \
         (void)rowtmp;                                                                          \
@@ -780,14 +780,19 @@ KV_AVX2_INLINE kv_u32 v_amax_F32(const void* x, idx base, idx n) {
             const __m256 dv = _mm256_set1_ps(kv_divisor(s)), rv = _mm256_set1_ps(rcp);         \
             kv_u8* restrict out = codes + base;                                                \
             idx d = 0;                                                                         \
-            for (; d + 32 <= dim; d += 32)                                                     \
-                NAME##_v_quant32(out + d, v_ld_##SUF(x, base + d), v_ld_##SUF(x, base + d + 8), \
-                                 v_ld_##SUF(x, base + d + 16), v_ld_##SUF(x, base + d + 24), rv, dv, fast); \
+            for (; d + 32 <= dim; d += 32) BLOCK32(NAME, SUF);                                 \
             for (; d + 8 <= dim; d += 8) NAME##_v_quant8(out + d, v_ld_##SUF(x, base + d), rv, dv, fast); \
             for (; d < dim; ++d) ((CODE_T*)out)[d] = QUANT(LOAD_##SUF(x, base + d), s);        \
         }                                                                                      \
         return KV_OK;                                                                          \
     }
+/* 32 codes at out + d: the fast path where safe (``fast`` a per-vector argument), else exact */
+#define V_BLOCK32(NAME, SUF, FAST)                                                             \
+    NAME##_v_quant32(out + d, v_ld_##SUF(x, base + d), v_ld_##SUF(x, base + d + 8),            \
+                     v_ld_##SUF(x, base + d + 16), v_ld_##SUF(x, base + d + 24), rv, dv, FAST)
+#define V_BLOCK32_AVX2(NAME, SUF) V_BLOCK32(NAME, SUF, fast)
+#define V_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T) \
+    SIMD_ROWWISE_ENCODE(NAME, avx2, KV_AVX2, SUF, SCALE, QUANT, CODE_T, V_BLOCK32_AVX2)
 
 /* fp8 / int8 decode: eight codes at a time straight into the output row.  Bad codes and
  * the largest result are found per row from the codes: fp8's NaN codes are the largest
@@ -839,8 +844,8 @@ KV_AVX2_INLINE __m256 fp8_v_scaled(__m256i c, __m256 s) {
 }
 KV_AVX2_INLINE __m256 int8_v_scaled(__m256i c, __m256 s) { return _mm256_mul_ps(_mm256_cvtepi32_ps(c), s); }
 
-#define V_ROWWISE_DECODE(NAME, SUF, DEQUANT, CODE_T, BADCODE, VLOAD)                          \
-    KV_AVX2 static int NAME##_decode_avx2_##SUF(const kv_u8* restrict codes_,                 \
+#define SIMD_ROWWISE_DECODE(NAME, ISA, ATTR, SUF, DEQUANT, CODE_T, VLOAD, WIDE)                \
+    ATTR static int NAME##_decode_##ISA##_##SUF(const kv_u8* restrict codes_,                 \
                                                 const kv_u8* restrict scales, idx rows, idx dim, \
                                                 void* restrict out, float* restrict rowtmp) {  \
         const CODE_T* restrict codes = (const CODE_T*)codes_;                                  \
@@ -860,6 +865,7 @@ KV_AVX2_INLINE __m256 int8_v_scaled(__m256i c, __m256 s) { return _mm256_mul_ps(
                 const kv_u32 vm = kv_f32_bits(NAME##_ROWVAL(m, s)) & 0x7FFFFFFFu;              \
                 vmax = vm > vmax ? vm : vmax;                                                  \
                 idx d = 0;                                                                     \
+                WIDE(NAME, SUF);                                                               \
                 for (; d + 8 <= dim; d += 8) {                                                 \
                     __m256i c = VLOAD(_mm_loadl_epi64((const __m128i*)(codes_ + base + d)));   \
                     v_st_##SUF(out, base + d, NAME##_v_scaled(c, sv));                         \
@@ -871,12 +877,15 @@ KV_AVX2_INLINE __m256 int8_v_scaled(__m256i c, __m256 s) { return _mm256_mul_ps(
         }                                                                                      \
         return KV_OK;                                                                          \
     }
+#define V_NO_WIDE(NAME, SUF) ((void)0)
+#define V_ROWWISE_DECODE(NAME, SUF, DEQUANT, CODE_T, VLOAD) \
+    SIMD_ROWWISE_DECODE(NAME, avx2, KV_AVX2, SUF, DEQUANT, CODE_T, VLOAD, V_NO_WIDE)
 
 #define V_FP8_ENC(SUF) V_ROWWISE_ENCODE(fp8, SUF, kv_fp8_scale, kv_fp8_quant, kv_u8)
 #define V_INT8_ENC(SUF) V_ROWWISE_ENCODE(int8, SUF, kv_int8_scale, kv_int8_quant, signed char)
-#define V_FP8_DEC(SUF) V_ROWWISE_DECODE(fp8, SUF, kv_fp8_dequant, kv_u8, FP8_CODE, _mm256_cvtepu8_epi32)
+#define V_FP8_DEC(SUF) V_ROWWISE_DECODE(fp8, SUF, kv_fp8_dequant, kv_u8, _mm256_cvtepu8_epi32)
 #define V_INT8_DEC(SUF) \
-    V_ROWWISE_DECODE(int8, SUF, kv_int8_dequant, signed char, INT8_CODE, _mm256_cvtepi8_epi32)
+    V_ROWWISE_DECODE(int8, SUF, kv_int8_dequant, signed char, _mm256_cvtepi8_epi32)
 V_FP8_ENC(F16) V_FP8_ENC(BF16) V_FP8_ENC(F32)
 V_INT8_ENC(F16) V_INT8_ENC(BF16) V_INT8_ENC(F32)
 V_FP8_DEC(F16) V_FP8_DEC(BF16) V_FP8_DEC(F32)
@@ -1277,32 +1286,13 @@ KV_AVX512_INLINE int int8_w_fast32(kv_u8* out, __m512 x0, __m512 x1, __m512 r, _
 #define int8_W_R0(rcp) _mm512_set1_ps(rcp)
 #define int8_W_R1(rcp) _mm512_setzero_ps()
 
-#define W_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T)                                    \
-    KV_AVX512 static int NAME##_encode_avx512_##SUF(const void* restrict x, idx rows, idx dim, \
-                                                    kv_u8* restrict scales, kv_u8* restrict codes, \
-                                                    float* restrict rowtmp) {                  \
-        (void)rowtmp;                                                                          \
-        for (idx r = 0; r < rows; ++r) {                                                       \
-            const idx base = r * dim;                                                          \
-            const kv_u32 amax = v_amax_##SUF(x, base, dim);                                    \
-            if (amax >= 0x7F800000u) return KV_E_NONFINITE;                                    \
-            const float s = SCALE(kv_bits_f32(amax));                                          \
-            st_f32(scales, r, s);                                                              \
-            const float rcp = kv_recip(kv_divisor(s));                                         \
-            const int fast = rcp == rcp; /* not NaN */                                         \
-            const __m256 dv = _mm256_set1_ps(kv_divisor(s)), rv = _mm256_set1_ps(rcp);         \
-            const __m512 w0 = NAME##_W_R0(rcp), w1 = NAME##_W_R1(rcp);                         \
-            kv_u8* restrict out = codes + base;                                                \
-            idx d = 0;                                                                         \
-            for (; d + 32 <= dim; d += 32)                                                     \
-                if (!fast || !NAME##_w_fast32(out + d, w_ld_##SUF(x, base + d), w_ld_##SUF(x, base + d + 16), w0, w1)) \
-                    NAME##_v_quant32(out + d, v_ld_##SUF(x, base + d), v_ld_##SUF(x, base + d + 8), \
-                                     v_ld_##SUF(x, base + d + 16), v_ld_##SUF(x, base + d + 24), rv, dv, 0); \
-            for (; d + 8 <= dim; d += 8) NAME##_v_quant8(out + d, v_ld_##SUF(x, base + d), rv, dv, fast); \
-            for (; d < dim; ++d) ((CODE_T*)out)[d] = QUANT(LOAD_##SUF(x, base + d), s);        \
-        }                                                                                      \
-        return KV_OK;                                                                          \
-    }
+/* the AVX2 block's 32 codes by the wide fast path, else the AVX2 exact path */
+#define W_BLOCK32(NAME, SUF)                                                                   \
+    if (!fast || !NAME##_w_fast32(out + d, w_ld_##SUF(x, base + d), w_ld_##SUF(x, base + d + 16), \
+                                  NAME##_W_R0(rcp), NAME##_W_R1(rcp)))                        \
+    V_BLOCK32(NAME, SUF, 0)
+#define W_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T) \
+    SIMD_ROWWISE_ENCODE(NAME, avx512, KV_AVX512, SUF, SCALE, QUANT, CODE_T, W_BLOCK32)
 
 /* fp8_v_scaled / int8_v_scaled on sixteen lanes */
 KV_AVX512_INLINE __m512 fp8_w_scaled(__m512i c, __m512 s) {
@@ -1313,50 +1303,24 @@ KV_AVX512_INLINE __m512 fp8_w_scaled(__m512i c, __m512 s) {
 }
 KV_AVX512_INLINE __m512 int8_w_scaled(__m512i c, __m512 s) { return _mm512_mul_ps(_mm512_cvtepi32_ps(c), s); }
 
-#define W_ROWWISE_DECODE(NAME, SUF, DEQUANT, CODE_T, WLOAD, VLOAD)                            \
-    KV_AVX512 static int NAME##_decode_avx512_##SUF(const kv_u8* restrict codes_,             \
-                                                    const kv_u8* restrict scales, idx rows, idx dim, \
-                                                    void* restrict out, float* restrict rowtmp) { \
-        const CODE_T* restrict codes = (const CODE_T*)codes_;                                  \
-        (void)rowtmp;                                                                          \
-        idx step = KV_BLOCK_ELEMS / dim;                                                       \
-        if (step < 1) step = 1;                                                                \
-        for (idx r0 = 0; r0 < rows; r0 += step) {                                              \
-            const idx r1 = r0 + step < rows ? r0 + step : rows;                                \
-            int bad = 0;                                                                       \
-            kv_u32 vmax = 0;                                                                   \
-            for (idx r = r0; r < r1; ++r) {                                                    \
-                const float s = ld_f32(scales, r);                                             \
-                const __m512 sw = _mm512_set1_ps(s);                                           \
-                const __m256 sv = _mm256_set1_ps(s);                                           \
-                const idx base = r * dim;                                                      \
-                const kv_u32 m = NAME##_v_rowmax(codes_ + base, dim);                          \
-                bad |= NAME##_ROWBAD(m);                                                       \
-                const kv_u32 vm = kv_f32_bits(NAME##_ROWVAL(m, s)) & 0x7FFFFFFFu;              \
-                vmax = vm > vmax ? vm : vmax;                                                  \
-                idx d = 0;                                                                     \
-                for (; d + 16 <= dim; d += 16) {                                               \
-                    __m512i c = WLOAD(_mm_loadu_si128((const __m128i*)(codes_ + base + d)));   \
-                    w_st_##SUF(out, base + d, NAME##_w_scaled(c, sw));                         \
-                }                                                                              \
-                for (; d + 8 <= dim; d += 8) {                                                 \
-                    __m256i c = VLOAD(_mm_loadl_epi64((const __m128i*)(codes_ + base + d)));   \
-                    v_st_##SUF(out, base + d, NAME##_v_scaled(c, sv));                         \
-                }                                                                              \
-                for (; d < dim; ++d) STORE_##SUF(out, base + d, DEQUANT(codes[base + d], s));  \
-            }                                                                                  \
-            if (bad) return KV_E_CODE;                                                         \
-            { const int st_ = decoded_status(vmax, DT_##SUF); if (st_) return st_; }           \
+/* sixteen codes at a time before the AVX2 loop's eight */
+#define W_WIDE(NAME, SUF)                                                                      \
+    do {                                                                                       \
+        const __m512 sw = _mm512_set1_ps(s);                                                   \
+        for (; d + 16 <= dim; d += 16) {                                                       \
+            __m512i c = NAME##_W_LOAD(_mm_loadu_si128((const __m128i*)(codes_ + base + d)));   \
+            w_st_##SUF(out, base + d, NAME##_w_scaled(c, sw));                                 \
         }                                                                                      \
-        return KV_OK;                                                                          \
-    }
+    } while (0)
+#define fp8_W_LOAD _mm512_cvtepu8_epi32
+#define int8_W_LOAD _mm512_cvtepi8_epi32
+#define W_ROWWISE_DECODE(NAME, SUF, DEQUANT, CODE_T, VLOAD) \
+    SIMD_ROWWISE_DECODE(NAME, avx512, KV_AVX512, SUF, DEQUANT, CODE_T, VLOAD, W_WIDE)
 
 #define W_FP8_ENC(SUF) W_ROWWISE_ENCODE(fp8, SUF, kv_fp8_scale, kv_fp8_quant, kv_u8)
 #define W_INT8_ENC(SUF) W_ROWWISE_ENCODE(int8, SUF, kv_int8_scale, kv_int8_quant, signed char)
-#define W_FP8_DEC(SUF) \
-    W_ROWWISE_DECODE(fp8, SUF, kv_fp8_dequant, kv_u8, _mm512_cvtepu8_epi32, _mm256_cvtepu8_epi32)
-#define W_INT8_DEC(SUF) \
-    W_ROWWISE_DECODE(int8, SUF, kv_int8_dequant, signed char, _mm512_cvtepi8_epi32, _mm256_cvtepi8_epi32)
+#define W_FP8_DEC(SUF) W_ROWWISE_DECODE(fp8, SUF, kv_fp8_dequant, kv_u8, _mm256_cvtepu8_epi32)
+#define W_INT8_DEC(SUF) W_ROWWISE_DECODE(int8, SUF, kv_int8_dequant, signed char, _mm256_cvtepi8_epi32)
 W_FP8_ENC(F16) W_FP8_ENC(BF16) W_FP8_ENC(F32)
 W_INT8_ENC(F16) W_INT8_ENC(BF16) W_INT8_ENC(F32)
 W_FP8_DEC(F16) W_FP8_DEC(BF16) W_FP8_DEC(F32)
