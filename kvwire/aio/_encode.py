@@ -101,7 +101,8 @@ async def host_chunks(
     submitted and nobody took.
     """
     items = [(kind, arr, start, count) for kind, arr, plan in parts for start, count in plan]
-    pending: deque[tuple[Any, Any, Any]] = deque()  # (codec, chunk, payload or future)
+    # (codec, chunk, payload or future, the event its encode sets when it ended)
+    pending: deque[tuple[Any, Any, Any, threading.Event | None]] = deque()
     last: threading.Event | None = None  # set when the latest submitted encode has ended
     submitted = 0
 
@@ -112,28 +113,32 @@ async def host_chunks(
         codec = pick()
         x = arr[s : s + c]
         if encodes_inline(codec):
-            pending.append((codec, x, codec.encode(x, kind)))
+            pending.append((codec, x, codec.encode(x, kind), None))
             return
         fut, last = start_encode(codec, x, kind, after=last)
-        pending.append((codec, x, fut))
+        pending.append((codec, x, fut, last))
 
     try:
         for kind, _arr, s, c in items:
             while submitted < len(items) and (not pending or len(pending) < ahead):
                 submit()
-            codec, x, enc = pending.popleft()
+            codec, x, enc, _ended = pending.popleft()
             if isinstance(enc, asyncio.Future):
                 enc = await finish_encode(enc, codec, x, chooser)
             if ahead and submitted < len(items):
                 submit()  # the next encode is queued before this chunk is handed on
             yield kind, s, c, codec, enc
     finally:
-        for _codec, _x, fut in pending:
+        for _codec, _x, fut, ended in pending:
             if isinstance(fut, asyncio.Future):
                 if not fut.done():
                     fut.cancel()
                 elif not fut.cancelled():
                     fut.exception()  # retrieved: the consumer stopped for a reason of its own
+            if ended is not None:
+                # A cancelled encode never runs to set it: the next in the chain, if a
+                # worker has started it already, must not wait for it for ever.
+                ended.set()
 
 
 async def device_chunks(
@@ -169,6 +174,6 @@ async def device_parts(
 
 
 __all__ = [
-    "ENCODE_AHEAD", "Encoded", "Part", "device_chunks", "device_parts", "encode", "encodes_inline", "finish_encode", "host_chunks",
-    "payload_size", "raw_based", "start_encode",
+    "ENCODE_AHEAD", "Encoded", "Part", "device_chunks", "device_parts", "encode", "encodes_inline",
+    "finish_encode", "host_chunks", "payload_size", "raw_based", "start_encode",
 ]

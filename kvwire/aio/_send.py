@@ -234,7 +234,8 @@ async def _send_layer(
     # Raw chunks of host arrays are views of the caller's memory, free to hold: up to
     # AHEAD_CHUNKS of them wait in the core's queue, so the task wakes once per that many
     # instead of once per chunk. An encoded chunk is memory: the next goes to the core once
-    # the one before is on a stream (host_chunks has encoded it meanwhile, one ahead).
+    # the one before is on a stream (host_chunks has encoded it meanwhile, up to
+    # ENCODE_AHEAD chunks ahead, except for ``auto``).
     ahead = AHEAD_CHUNKS * target if codec_name == "raw" and isinstance(k, np.ndarray) else 0
     host = isinstance(k, np.ndarray)
     parts: list[Part] = []
