@@ -762,8 +762,6 @@ KV_AVX2_INLINE kv_u32 v_amax_F32(const void* x, idx base, idx n) {
     return best;
 }
 
-/* fp8 / int8 encode: per row, the magnitude maximum (scale), then one quantize pass
- * reading the row again (from L1), 32 elements at a time, multiply-then-verify. */
 /* Software prefetch ahead of an encode's sequential read of its input.  On a cache read
  * from memory (a 1 GiB cache in 4 MiB chunks) the hardware prefetcher alone left the AVX2
  * and AVX-512 encodes at two thirds of their in-cache speed: fp8 3.2 GB/s against 4.9
@@ -786,6 +784,9 @@ static inline void kv_prefetch_to(kv_prefetcher* pf, const void* upto) {
 #define ITEMSIZE_F16 2
 #define ITEMSIZE_BF16 2
 #define ITEMSIZE_F32 4
+/* fp8 / int8 encode: per row, the magnitude maximum (scale), then one quantize pass
+ * reading the row again (from L1), 32 elements at a time, multiply-then-verify (BLOCK32: the
+ * ISA's 32-element step). */
 #define SIMD_ROWWISE_ENCODE(NAME, ISA, ATTR, SUF, SCALE, QUANT, CODE_T, BLOCK32)                \
     ATTR static int NAME##_encode_##ISA##_##SUF(const void* restrict x, idx rows, idx dim,     \
                                                 kv_u8* restrict scales, kv_u8* restrict codes, \
