@@ -933,6 +933,14 @@ class ReceiverCore:
             conn = self._any_conn(sess)
             if reset and conn is not None:
                 conn.send_reset(t.key[1], error.code, wire_text(str(error)))
+            # Acknowledgements held for the registry's verdict go out now, each after the
+            # RESET on its own stream: every CHUNK gets its ACK (the stream's credit comes
+            # back), and none reads as success.
+            held, t.publish_pending = t.publish_pending, []
+            for cid, address in held:
+                if (c := self._conn(cid)) is not None:
+                    self._repeat_reset(sess, c, t.key[1])
+                    c.send_ack(address)
         self._events.append(TransferFailed(key=t.key, error=error, request_id=t.begin.request_id))
 
     def _on_chunk(self, cid: int, conn: Connection, ev: ChunkReceived) -> None:

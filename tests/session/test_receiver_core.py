@@ -440,6 +440,33 @@ def test_a_failed_publish_resets_before_the_last_ack() -> None:
     assert failed.request_id == "r" and not h.of(LayerReady)
 
 
+@pytest.mark.parametrize("how", ["abort", "deadline"])
+def test_a_transfer_failing_while_its_publish_runs_still_acks_the_held_chunk(how: str) -> None:
+    """The last ack, held for the registry, goes out (after the RESET) when the transfer
+    fails first: without it the stream's credit for that chunk would never come back."""
+    h = Harness(ReceiverConfig(secret=SECRET, registry=True, transfer_buffer_bytes=1 << 20, transfer_timeout=2.0))
+    h.client.send_begin(begin(layers=1, blocks=(BlockVersion(block=b"i:1", version=3),)))
+    h.pump()
+    h.core.registry_checked(h.of(RegistryCheck)[0].key, [], None, h.now)
+    h.pump()
+    h.send(chunk(layer=0, kind=0))
+    h.send(chunk(layer=0, kind=1))
+    assert len(h.client_of(ChunkAcked)) == 1 and h.of(RegistryPublish)
+    if how == "abort":
+        h.core.abort(h.key, "the test gives up", h.now)
+    else:
+        h.now = 10.0
+        h.core.handle_timer(h.now)
+    h.pump()
+    assert len(h.client_of(ChunkAcked)) == 2
+    tail = [type(e) for e in h.client_events if isinstance(e, TransferReset | ChunkAcked)][-2:]
+    assert tail == [TransferReset, ChunkAcked]
+    assert h.of(TransferFailed)
+    h.core.registry_published(h.key, None, h.now)  # the answer comes late: nothing more
+    h.pump()
+    assert len(h.client_of(ChunkAcked)) == 2 and not h.of(LayerReady)
+
+
 def test_an_unclaimed_transfer_is_aborted_at_its_claim_deadline() -> None:
     h = Harness(ReceiverConfig(secret=SECRET, claim_timeout=5.0))
     h.client.send_begin(begin(layers=1))
