@@ -401,6 +401,16 @@ def test_the_buffer_budget_returns_to_zero(actions: list[tuple[str, int]]) -> No
 # -- the registry gate and claims ----------------------------------------------------------
 
 
+def gated(layers: int = 1, **config: Any) -> Harness:
+    """A harness whose transfer (one block at version 3) the registry has let in."""
+    h = Harness(ReceiverConfig(secret=SECRET, registry=True, transfer_buffer_bytes=1 << 20, **config))
+    h.client.send_begin(begin(layers=layers, blocks=(BlockVersion(block=b"i:1", version=3),)))
+    h.pump()
+    h.core.registry_checked(h.of(RegistryCheck)[0].key, [], None, h.now)
+    h.pump()
+    return h
+
+
 def test_the_last_layer_of_a_gated_transfer_waits_for_its_publish() -> None:
     h = Harness(ReceiverConfig(secret=SECRET, registry=True, transfer_buffer_bytes=1 << 20))
     h.client.send_begin(begin(layers=2, blocks=(BlockVersion(block=b"i:1", version=3),)))
@@ -423,11 +433,7 @@ def test_the_last_layer_of_a_gated_transfer_waits_for_its_publish() -> None:
 
 
 def test_a_failed_publish_resets_before_the_last_ack() -> None:
-    h = Harness(ReceiverConfig(secret=SECRET, registry=True, transfer_buffer_bytes=1 << 20))
-    h.client.send_begin(begin(layers=1, blocks=(BlockVersion(block=b"i:1", version=3),)))
-    h.pump()
-    h.core.registry_checked(h.of(RegistryCheck)[0].key, [], None, h.now)
-    h.pump()
+    h = gated()
     h.send(chunk(layer=0, kind=0))
     h.send(chunk(layer=0, kind=1))
     from kvwire.errors import StaleVersionError
@@ -444,11 +450,7 @@ def test_a_failed_publish_resets_before_the_last_ack() -> None:
 def test_a_transfer_failing_while_its_publish_runs_still_acks_the_held_chunk(how: str) -> None:
     """The last ack, held for the registry, goes out (after the RESET) when the transfer
     fails first: without it the stream's credit for that chunk would never come back."""
-    h = Harness(ReceiverConfig(secret=SECRET, registry=True, transfer_buffer_bytes=1 << 20, transfer_timeout=2.0))
-    h.client.send_begin(begin(layers=1, blocks=(BlockVersion(block=b"i:1", version=3),)))
-    h.pump()
-    h.core.registry_checked(h.of(RegistryCheck)[0].key, [], None, h.now)
-    h.pump()
+    h = gated(transfer_timeout=2.0)
     h.send(chunk(layer=0, kind=0))
     h.send(chunk(layer=0, kind=1))
     assert len(h.client_of(ChunkAcked)) == 1 and h.of(RegistryPublish)
