@@ -1420,7 +1420,8 @@ static const rw_dec_fn RW_DEC_AVX512[2][3] = {
 
 /* Loops in use: SIMD_GENERIC (the C loops with kvquant.cuh's conversions, compiled as
  * function clones), SIMD_F16C (the same loops reading and writing float16 rows through
- * F16C) or SIMD_AVX2 (the explicit AVX2 + F16C loops above).  Set at import to the best
+ * F16C), SIMD_AVX2 (the explicit AVX2 + F16C loops above) or SIMD_AVX512 (the AVX-512
+ * loops of fp8 and int8, int4 on AVX2).  Set at import to the best
  * the CPU has; simd(level) lowers it so that the tests compare every path. */
 enum { SIMD_GENERIC = 0, SIMD_F16C = 1, SIMD_AVX2 = 2, SIMD_AVX512 = 3 };
 static int kv_simd = SIMD_GENERIC;
@@ -1653,7 +1654,8 @@ static PyObject* py_isa(PyObject* self, PyObject* args) {
 }
 
 /* simd(level) -> level in use: 0 the generic loops with kvquant.cuh's conversions, 1 the
- * generic loops with float16 rows through F16C, 2 the AVX2 + F16C loops; a level above
+ * generic loops with float16 rows through F16C, 2 the AVX2 + F16C loops, 3 the AVX-512 loops
+ * of fp8 and int8 (int4 on AVX2); a level above
  * what the CPU has gives its best.  The test-suite runs every level it can. */
 static PyObject* py_simd(PyObject* self, PyObject* args) {
     int level;
@@ -1665,7 +1667,7 @@ static PyObject* py_simd(PyObject* self, PyObject* args) {
 
 static PyMethodDef methods[] = {
     {"simd", py_simd, METH_VARARGS,
-     "simd(level) -> level in use (0 generic, 1 generic with F16C rows, 2 AVX2 + F16C)"},
+     "simd(level) -> level in use (0 generic, 1 generic with F16C rows, 2 AVX2 + F16C, 3 AVX-512)"},
     {"encode_rows", py_encode_rows, METH_VARARGS,
      "encode_rows(kind, x, dtype, rows, dim, scales, codes) -> status (kind 0 fp8, 1 int8)"},
     {"decode_rows", py_decode_rows, METH_VARARGS,
