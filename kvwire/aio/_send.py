@@ -236,8 +236,8 @@ async def _send_layer(
     # instead of once per chunk. An encoded chunk is memory: the next goes to the core once
     # the one before is on a stream (host_chunks has encoded it meanwhile, up to
     # ENCODE_AHEAD chunks ahead, except for ``auto``).
-    ahead = AHEAD_CHUNKS * target if codec_name == "raw" and isinstance(k, np.ndarray) else 0
     host = isinstance(k, np.ndarray)
+    queue_ahead = AHEAD_CHUNKS * target if codec_name == "raw" and host else 0
     parts: list[Part] = []
     for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
         chunks = plan
@@ -263,7 +263,7 @@ async def _send_layer(
             )
             core.add_chunk(tid, chunk, kv_bytes=count * bpt)
             peer.pump()
-            if core.queued_bytes(tid) > ahead:
+            if core.queued_bytes(tid) > queue_ahead:
                 await until(st, lambda: core.queued_bytes(tid) == 0)
             elif clock() - st.ran_since >= YIELD_AFTER:
                 # Nothing to wait for, but the loop runs at least this often: acks are
