@@ -1282,8 +1282,12 @@ KV_AVX512_INLINE __m512i w_fp8_bracket32(__m512 x0, __m512 x1, __m512 rlo, __m51
     *unsafe |= low | _mm512_cmpneq_epi16_mask(code, code_hi);
     return _mm512_or_si512(code, _mm512_and_si512(_mm512_srli_epi16(lo, 8), _mm512_set1_epi16(0x80)));
 }
-/* 32 fp8 codes at out by the fast path; 0 (nothing stored) where a lane is unsafe */
-KV_AVX512_INLINE int fp8_w_fast32(kv_u8* out, __m512 x0, __m512 x1, __m512 rlo, __m512 rhi) {
+/* 32 fp8 codes at out by the fast path (rcp: the row's reciprocal); 0 (nothing stored)
+ * where a lane is unsafe */
+KV_AVX512_INLINE int fp8_w_fast32(kv_u8* out, __m512 x0, __m512 x1, float rcp) {
+    const __m512 r = _mm512_set1_ps(rcp);
+    const __m512 rlo = _mm512_mul_ps(r, _mm512_set1_ps(1.0f - 1.9073486328125e-06f)); /* 1 - 2^-19 */
+    const __m512 rhi = _mm512_mul_ps(r, _mm512_set1_ps(1.0f + 1.9073486328125e-06f));
     __mmask32 un = 0;
     const __m512i c = w_fp8_bracket32(x0, x1, rlo, rhi, &un);
     if (un) return 0;
@@ -1299,8 +1303,8 @@ KV_AVX512_INLINE __m512i w_int8_fast(__m512 x, __m512 r, __mmask16* unsafe) {
     *unsafe |= _mm512_cmp_ps_mask(dist, _mm512_set1_ps(KV_INT8_LIMIT), _CMP_NLT_UQ); /* NaN too */
     return _mm512_cvttps_epi32(_mm512_min_ps(_mm512_max_ps(rq, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f)));
 }
-KV_AVX512_INLINE int int8_w_fast32(kv_u8* out, __m512 x0, __m512 x1, __m512 r, __m512 unused) {
-    (void)unused;
+KV_AVX512_INLINE int int8_w_fast32(kv_u8* out, __m512 x0, __m512 x1, float rcp) {
+    const __m512 r = _mm512_set1_ps(rcp);
     __mmask16 un = 0;
     const __m512i c0 = w_int8_fast(x0, r, &un), c1 = w_int8_fast(x1, r, &un);
     if (un) return 0;
@@ -1308,16 +1312,10 @@ KV_AVX512_INLINE int int8_w_fast32(kv_u8* out, __m512 x0, __m512 x1, __m512 r, _
     _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtsepi32_epi8(c1));
     return 1;
 }
-/* the two multipliers each fast path takes: fp8 the bracket's, int8 the reciprocal's */
-#define fp8_W_R0(rcp) _mm512_mul_ps(_mm512_set1_ps(rcp), _mm512_set1_ps(1.0f - 1.9073486328125e-06f))
-#define fp8_W_R1(rcp) _mm512_mul_ps(_mm512_set1_ps(rcp), _mm512_set1_ps(1.0f + 1.9073486328125e-06f))
-#define int8_W_R0(rcp) _mm512_set1_ps(rcp)
-#define int8_W_R1(rcp) _mm512_setzero_ps()
 
 /* the AVX2 block's 32 codes by the wide fast path, else the AVX2 exact path */
 #define W_BLOCK32(NAME, SUF)                                                                   \
-    if (!fast || !NAME##_w_fast32(out + d, w_ld_##SUF(x, base + d), w_ld_##SUF(x, base + d + 16), \
-                                  NAME##_W_R0(rcp), NAME##_W_R1(rcp)))                        \
+    if (!fast || !NAME##_w_fast32(out + d, w_ld_##SUF(x, base + d), w_ld_##SUF(x, base + d + 16), rcp)) \
     V_BLOCK32(NAME, SUF, 0)
 #define W_ROWWISE_ENCODE(NAME, SUF, SCALE, QUANT, CODE_T) \
     SIMD_ROWWISE_ENCODE(NAME, avx512, KV_AVX512, SUF, SCALE, QUANT, CODE_T, W_BLOCK32)
