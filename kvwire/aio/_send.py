@@ -135,6 +135,8 @@ async def send(
     started = clock()
     if not peer.sends:
         peer.transport_meter.start()
+        if peer.chooser is not None:
+            peer.chooser.observe_idle()  # the peer was idle (or its last transfer failed)
     tid = core.begin(request_id, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                      head_dim=spec.head_dim, dtype_id=spec.dtype_id, model=spec.model, meta=meta,
                      blocks=blocks, now=asyncio.get_running_loop().time(), timeout=timeout)
@@ -235,7 +237,7 @@ async def _send_layer(
     # AHEAD_CHUNKS of them wait in the core's queue, so the task wakes once per that many
     # instead of once per chunk. An encoded chunk is memory: the next goes to the core once
     # the one before is on a stream (host_chunks has encoded it meanwhile, up to
-    # ENCODE_AHEAD chunks ahead, except for ``auto``).
+    # ENCODE_AHEAD chunks ahead).
     host = isinstance(k, np.ndarray)
     queue_ahead = AHEAD_CHUNKS * target if codec_name == "raw" and host else 0
     parts: list[Part] = []
@@ -246,11 +248,7 @@ async def _send_layer(
         if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
         parts.append((kind, arr, chunks))
-    # ``auto`` encodes a chunk only when it is asked for: its choice rests on measured encode
-    # speeds, and encodes overlapping the sending measure slower on a loaded host (in
-    # docs/benchmarks.md it then chose raw for a third of the chunks and delivered less).
-    ahead_encodes = 0 if codec_name == AUTO else ENCODE_AHEAD
-    source = (host_chunks(parts, pick, chooser, ahead=ahead_encodes) if host
+    source = (host_chunks(parts, pick, chooser, ahead=ENCODE_AHEAD) if host
               else device_parts(parts, pick, spec.dtype, chooser))
     async with contextlib.aclosing(source):
         async for kind, start, count, codec, enc in source:

@@ -23,7 +23,7 @@ from kvwire.aio._send import AUTO, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
 from kvwire.aio._stream import Pump, Stream
 from kvwire.aio.tcpinfo import read_tcp_info
-from kvwire.codec import get_codec
+from kvwire.codec import codec_by_id, get_codec
 from kvwire.control import (
     CodecChooser,
     DeliveryRateEstimator,
@@ -223,9 +223,11 @@ class Peer(Pump):
             limited = not ev.queued and (bdp <= 0 or est.bytes_in_flight < bdp or slow)
             est.on_send(ev.address, ev.wire_size, now, app_limited=limited)
         elif isinstance(ev, ChunkDelivered):
-            est.on_ack(ev.address, clock())
+            now = clock()
+            est.on_ack(ev.address, now)
             if self.chooser is not None:
                 self.transport_meter.delivered(ev.wire_size, self.chooser)
+                self.chooser.observe_delivered(codec_by_id(ev.codec_id).name, ev.kv_bytes, now)
             st = self.sends.get(ev.address.transfer_id)
             if ev.layer_done and st is not None and st.first_layer_at is None:
                 st.first_layer_at = clock()
@@ -234,6 +236,8 @@ class Peer(Pump):
         elif isinstance(ev, TransferDone):
             if (st := self.sends.get(ev.transfer_id)) is not None:
                 st.done = ev
+            if self.chooser is not None and not self.core.bytes_in_flight and not self.core.queued_bytes():
+                self.chooser.observe_idle()  # until the next send, no codec sets the pace
         elif isinstance(ev, TransferFailed):
             if ev.by_peer:
                 _log.info("kvwire: transfer %d reset by the server: %s", ev.transfer_id, str(ev.error)[:200])

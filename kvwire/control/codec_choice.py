@@ -28,6 +28,24 @@ With a deadline the aim changes: keep as much precision as the deadline allows, 
 chooser walks from the most precise codec down and stops at the first that finishes in
 time.
 
+Measured goodput decides once there is any. The model's inputs are measured one stage at
+a time, and on a loaded host they add up wrongly (a speed measured while the host was
+busier keeps a codec out). So the transport also feeds the acknowledgement of every
+chunk (:meth:`CodecChooser.observe_delivered`), and a
+:class:`~kvwire.control.goodput.GoodputMeter` turns them into each codec's measured KV
+goodput, end to end. From the first measurement on, throughput mode sends the most
+precise codec within ``tolerance`` of the best *measured* rate (the leader), and now and
+then explores another codec for a short stint (``stint_chunks`` chunks) so that its rate
+is measured too: a codec never measured first (in the model's order), then each in turn
+once its wait has passed. A codec measured behind the leader waits twice as long before
+its next stint (``explore_after`` doubling up to ``explore_max``); one within tolerance
+waits ``explore_after`` again. A leader whose rate falls below another codec's last
+measurement hands over at once, and the new leader is measured all the time it is sent;
+so neither a stale high nor a stale low measurement lasts longer than one stint or one
+wait. The model still makes the first choice (before any acknowledgement), orders the
+codecs never measured, and makes deadline choices (with measured rates in place of its
+own where there are any).
+
 Codecs are named by string; the chooser never imports them. Encode speeds are measured
 by the transport and fed back through :meth:`CodecChooser.observe_encode`; decode speeds
 come from the receiver where it reports them, else from a local measurement, through
@@ -40,6 +58,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvwire.control.goodput import GoodputMeter
 
 __all__ = ["CodecCandidate", "CodecChoice", "CodecChooser"]
 
@@ -91,6 +111,11 @@ class CodecChooser:
         probe_interval: float = 0.1,
         refresh_after: float = 1.0,
         refresh_share: float = 0.5,
+        stint_chunks: int = 10,
+        explore_after: float = 0.5,
+        explore_max: float = 4.0,
+        hysteresis: float = 0.03,
+        meter: GoodputMeter | None = None,
     ) -> None:
         """
         :param tolerance: in throughput mode, a more precise codec within this fraction
@@ -106,6 +131,17 @@ class CodecChooser:
             measures it again (see :meth:`choose`) ...
         :param refresh_share: ... if its delivered rate, by the model, is at least this
             share of the chosen codec's (one far behind is not worth a chunk).
+        :param stint_chunks: chunks of one exploring stint (measured goodput, see the
+            module docstring): enough for one sample of the meter after the first
+            acknowledgement, plus a spare.
+        :param explore_after: seconds a codec waits for its next stint after one that
+            measured it within ``tolerance`` of the leader ...
+        :param explore_max: ... doubling after each stint that measured it behind, up to
+            this.
+        :param hysteresis: measured goodput changes the leader only once the leader
+            loses by this fraction more than the rule says (samples vary).
+        :param meter: the goodput meter fed by :meth:`observe_delivered` (default: a
+            :class:`~kvwire.control.goodput.GoodputMeter` with its defaults).
         """
         ordered = list(candidates)
         if not ordered:
@@ -148,6 +184,18 @@ class CodecChooser:
         self._tolerance = tolerance
         self._gain = speed_gain
         self._deadline_margin = deadline_margin
+        if stint_chunks < 1 or explore_after <= 0 or explore_max < explore_after:
+            raise ValueError("need stint_chunks >= 1 and 0 < explore_after <= explore_max")
+        self._stint_chunks = stint_chunks
+        self._explore_after, self._explore_max = explore_after, explore_max
+        self.meter = meter if meter is not None else GoodputMeter()
+        self._stint: str | None = None  # the codec being explored
+        self._stint_left = 0  # chunks of the stint still to choose
+        self._wait: dict[str, float] = {}  # each codec's wait between stints now
+        self._due: dict[str, float] = {}  # when each codec's next stint may start
+        self._explored: dict[str, int] = {}  # the meter's samples of a codec when its stint began
+        self._leader: str | None = None
+        self._hysteresis = hysteresis
 
     @classmethod
     def from_ratios(cls, ratios: Mapping[str, float], **kwargs: Any) -> CodecChooser:
@@ -198,6 +246,21 @@ class CodecChooser:
         if wire_bytes <= 0 or cpu_seconds < 0:
             return
         self._transport = self._blend(self._transport, cpu_seconds / wire_bytes, wire_bytes)
+
+    def observe_delivered(self, codec: str, kv_bytes: int, now: float) -> None:
+        """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
+        arrived (checked and decoded) at ``now``."""
+        if codec in self._ratio:
+            self.meter.on_ack(codec, kv_bytes, now)
+
+    def observe_idle(self) -> None:
+        """Nothing is left in flight or queued (the last transfer is done): the time until
+        the next acknowledgement is no codec's."""
+        self.meter.pause()
+
+    def goodput(self, codec: str) -> float | None:
+        """Measured fp16 KV bytes/s delivered with ``codec``; ``None`` before its first sample."""
+        return self.meter.rate(codec)
 
     @property
     def transport_cost(self) -> float | None:
@@ -265,13 +328,22 @@ class CodecChooser:
             codec, whose encode speed is measured again; before either, any choice may
             become another codec held back by its CPU costs and not sent for
             ``refresh_after`` seconds, so that its speeds are measured again too.
-            Throughput mode only.
+            Throughput mode only. Once :meth:`observe_delivered` has measured a codec's
+            goodput, throughput mode with ``now`` chooses on measured goodput instead
+            (the leader or an exploring stint, see the module docstring; such a stint's
+            chunks are the probes then), with or without a bandwidth estimate.
         """
+        deadline = remaining_bytes is not None and time_left is not None
+        if now is not None and not deadline and self.meter.measured:
+            known = bandwidth_bps is not None and bandwidth_bps > 0
+            return self._choose_measured(self.rates(bandwidth_bps if known else math.inf), now)
         if bandwidth_bps is None or bandwidth_bps <= 0:
             first = self._by_precision[0]
             return CodecChoice(codec=first, delivered_bytes_per_s=math.nan, meets_deadline=None)
         rates = self.rates(bandwidth_bps)
-        if remaining_bytes is not None and time_left is not None:
+        if deadline:
+            assert remaining_bytes is not None and time_left is not None
+            rates.update((c, r) for c, r in self.meter.measured.items() if c in rates)
             return self._choose_for_deadline(rates, remaining_bytes, time_left)
         best = max(rates.values())
         for codec in self._by_precision:
@@ -285,6 +357,57 @@ class CodecChooser:
         if probe is not None:
             return CodecChoice(codec=probe, delivered_bytes_per_s=rates[probe], meets_deadline=None, probe=True)
         return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None)
+
+    def _choose_measured(self, rates: Mapping[str, float], now: float) -> CodecChoice:
+        """Throughput mode on measured goodput: the leader, or a stint of another codec
+        (see the module docstring)."""
+        if self._stint is not None and self._stint_left > 0:
+            self._stint_left -= 1
+            return self._measured_choice(self._stint, rates, probe=True)
+        self._stint = None
+        measured = self.meter.measured
+        if self._leader in measured:  # a challenger must beat the leader by more than noise
+            measured[self._leader] *= 1.0 + self._hysteresis
+        best = max(measured.values())
+        leader = next(c for c in self._by_precision if measured.get(c, -1.0) >= best * (1.0 - self._tolerance))
+        if leader != self._leader:
+            if self._leader is not None:  # it was fine until now: measured again soon
+                self._wait[self._leader] = self._explore_after
+                self._due[self._leader] = now + self._explore_after
+            self._leader = leader
+        # A stint whose sample has come in since: a codec behind the leader waits longer.
+        for codec, samples in list(self._explored.items()):
+            if self.meter.samples(codec) > samples:
+                del self._explored[codec]
+                rate, lead = self.meter.measured[codec], self.meter.measured[leader]
+                wait = self._wait.get(codec, self._explore_after)
+                ahead = codec == leader or rate >= lead * (1.0 - self._tolerance)
+                wait = self._explore_after if ahead else min(2.0 * wait, self._explore_max)
+                self._wait[codec], self._due[codec] = wait, now + wait
+        due = [c for c in self._by_precision if c != leader and now >= self._due.get(c, -math.inf)]
+        if due:
+            # Never measured first, in the model's order; then the one waiting longest.
+            unmeasured = [c for c in due if c not in measured]
+            if unmeasured:
+                codec = max(unmeasured, key=lambda c: rates[c])
+            else:
+                codec = min(due, key=lambda c: self._due[c])
+            self._stint, self._stint_left = codec, self._stint_chunks - 1
+            self._explored[codec] = self.meter.samples(codec)
+            wait = self._wait.setdefault(codec, self._explore_after)
+            self._due[codec] = now + wait  # again after a wait even if no sample comes
+            return self._measured_choice(codec, rates, probe=True)
+        return self._measured_choice(leader, rates, probe=False)
+
+    def _measured_choice(self, codec: str, rates: Mapping[str, float], *, probe: bool) -> CodecChoice:
+        rate = self.meter.rate(codec)
+        return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec] if rate is None else rate,
+                           meets_deadline=None, probe=probe)
+
+    @property
+    def leader(self) -> str | None:
+        """The codec measured goodput favours now (``None`` before the first measurement)."""
+        return self._leader
 
     def _probe(
         self, chosen: str, rates: Mapping[str, float], bandwidth_bps: float, app_limited: bool, now: float | None,

@@ -125,6 +125,8 @@ class ChunkDelivered:
     stream: int
     wire_size: int
     kv_bytes: int
+    codec_id: int
+    """The chunk's codec (its wire id)."""
     layer_done: bool = False
     """This acknowledgement completed its layer: every token of K and V is acknowledged."""
 
@@ -494,12 +496,12 @@ class SenderCore:
                     self._events.append(ChunkLost(address=ev.address))
                     continue
                 slot.acked += ev.wire_size
-                layer_done = False
-                if (c := sent.chunk) is not None:
-                    acked = t.tokens_acked[c.layer] = t.tokens_acked.get(c.layer, 0) + c.token_count
-                    layer_done = acked == 2 * c.layer_tokens
+                c = sent.chunk
+                assert c is not None  # kept until acknowledged
+                acked = t.tokens_acked[c.layer] = t.tokens_acked.get(c.layer, 0) + c.token_count
                 self._events.append(ChunkDelivered(address=ev.address, stream=index, wire_size=ev.wire_size,
-                                                   kv_bytes=sent.kv_bytes, layer_done=layer_done))
+                                                   kv_bytes=sent.kv_bytes, codec_id=c.codec_id,
+                                                   layer_done=acked == 2 * c.layer_tokens))
                 self._check_done(t)
             elif isinstance(ev, TransferAccepted | CreditGranted):
                 t = self._transfers.get(ev.transfer_id)

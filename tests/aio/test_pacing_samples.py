@@ -146,6 +146,9 @@ class _TransportChooser:
     def observe_transport(self, wire_bytes: int, cpu_seconds: float) -> None:
         self.seen.append((wire_bytes, cpu_seconds))
 
+    def observe_delivered(self, codec: str, kv_bytes: int, now: float) -> None:
+        pass
+
 
 async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -> None:
     """Every 32 MiB acknowledged, the event loop thread's CPU time since the last
@@ -164,7 +167,7 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
 
     def delivered(i: int, size: int) -> None:
         peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=0, kind=0, token_start=i),
-                                      stream=0, wire_size=size, kv_bytes=size))
+                                      stream=0, wire_size=size, kv_bytes=size, codec_id=0))
 
     for i in range(7):
         cpu[0] += 0.001
