@@ -35,13 +35,17 @@ chunk (:meth:`CodecChooser.observe_delivered`), and a
 :class:`~kvwire.control.goodput.GoodputMeter` turns them into each codec's measured KV
 goodput, end to end. From the first measurement on, throughput mode sends the most
 precise codec within ``tolerance`` of the best *measured* rate (the leader), and now and
-then explores another codec for a short stint (``stint_chunks`` chunks) so that its rate
-is measured too: a codec never measured first (in the model's order), then each in turn
-once its wait has passed. A codec measured behind the leader waits twice as long before
-its next stint (``explore_after`` doubling up to ``explore_max``); one within tolerance
-waits ``explore_after`` again. A leader whose rate falls below another codec's last
-measurement hands over at once, and the new leader is measured all the time it is sent;
-so neither a stale high nor a stale low measurement lasts longer than one stint or one
+then explores another codec for a stint, until the meter has a new sample of it (at most
+``stint_max`` chunks): a codec never measured first (in the model's order), then each in
+turn once its wait has passed. Waits are counted in chunks, so exploring costs the same
+share on every link. A codec measured within tolerance of the leader waits
+``explore_after`` chunks; one behind waits at least twice as long as the last time, and
+long enough that its stints cost at most ``explore_cost`` of the chunks in between (a
+stint of a codec at half the leader's rate costs its length again), up to
+``explore_max``. A challenger must beat the leader by ``hysteresis`` more than the rule
+says. A leader whose rate falls below another codec's last measurement hands over at
+once, and the new leader is measured all the time it is sent; so neither a stale high nor
+a stale low measurement lasts longer than one stint or one
 wait. The model still makes the first choice (before any acknowledgement), orders the
 codecs never measured, and makes deadline choices (with measured rates in place of its
 own where there are any).
@@ -111,10 +115,13 @@ class CodecChooser:
         probe_interval: float = 0.1,
         refresh_after: float = 1.0,
         refresh_share: float = 0.5,
-        stint_chunks: int = 10,
-        explore_after: float = 0.5,
-        explore_max: float = 4.0,
+        stint_max: int = 64,
+        explore_after: int = 40,
+        explore_max: int = 2560,
+        explore_cost: float = 0.01,
         hysteresis: float = 0.03,
+        explore_floor: float = 0.5,
+        measure_goodput: bool = True,
         meter: GoodputMeter | None = None,
     ) -> None:
         """
@@ -131,15 +138,26 @@ class CodecChooser:
             measures it again (see :meth:`choose`) ...
         :param refresh_share: ... if its delivered rate, by the model, is at least this
             share of the chosen codec's (one far behind is not worth a chunk).
-        :param stint_chunks: chunks of one exploring stint (measured goodput, see the
-            module docstring): enough for one sample of the meter after the first
-            acknowledgement, plus a spare.
-        :param explore_after: seconds a codec waits for its next stint after one that
+        :param stint_max: most chunks of one exploring stint (measured goodput, see the
+            module docstring), which otherwise lasts until the meter has a new sample of
+            its codec.
+        :param explore_after: chunks a codec waits for its next stint after one that
             measured it within ``tolerance`` of the leader ...
         :param explore_max: ... doubling after each stint that measured it behind, up to
-            this.
+            this, and at least as long as makes its stints cost ``explore_cost`` of the
+            chunks in between (a codec far behind costs more per stint). Counted in chunks,
+            not seconds, the share spent exploring is the same on every link.
+        :param explore_cost: see ``explore_max``.
         :param hysteresis: measured goodput changes the leader only once the leader
             loses by this fraction more than the rule says (samples vary).
+        :param explore_floor: a codec never measured, rated by the model (calibrated by the
+            codecs measured, see :meth:`_calibration`) below this share of the leader's
+            measured goodput, is not explored at once but after the wait a stint of it
+            would cost (``explore_cost``).
+        :param measure_goodput: choose on measured goodput once there is any (the caller
+            feeds :meth:`observe_delivered`); until the first measurement the model's
+            choice goes unprobed, so that its first run is measured. ``False``: the model
+            alone, with its probes (see :meth:`choose`).
         :param meter: the goodput meter fed by :meth:`observe_delivered` (default: a
             :class:`~kvwire.control.goodput.GoodputMeter` with its defaults).
         """
@@ -184,18 +202,25 @@ class CodecChooser:
         self._tolerance = tolerance
         self._gain = speed_gain
         self._deadline_margin = deadline_margin
-        if stint_chunks < 1 or explore_after <= 0 or explore_max < explore_after:
-            raise ValueError("need stint_chunks >= 1 and 0 < explore_after <= explore_max")
-        self._stint_chunks = stint_chunks
+        if stint_max < 1 or explore_after < 1 or explore_max < explore_after or explore_cost <= 0:
+            raise ValueError("need stint_max >= 1, 1 <= explore_after <= explore_max and explore_cost > 0")
+        self._explore_cost = explore_cost
+        self._stint_max = stint_max
         self._explore_after, self._explore_max = explore_after, explore_max
         self.meter = meter if meter is not None else GoodputMeter()
-        self._stint: str | None = None  # the codec being explored
-        self._stint_left = 0  # chunks of the stint still to choose
-        self._wait: dict[str, float] = {}  # each codec's wait between stints now
-        self._due: dict[str, float] = {}  # when each codec's next stint may start
-        self._explored: dict[str, int] = {}  # the meter's samples of a codec when its stint began
+        # The codec being explored: (name, the meter's samples of it then, the chunk count then)
+        self._stint: tuple[str, int, int] | None = None
+        self._chosen = 0  # chunks chosen on measured goodput
+        self._wait: dict[str, int] = {}  # each codec's wait between stints now, in chunks
+        self._due: dict[str, int] = {}  # the chunk count from which its next stint may start
         self._leader: str | None = None
+        self._stint_len: int | None = None  # chunks the last stint with a sample took
+        self._model_due: dict[str, int] = {}  # never measured, far behind by the model: when due
         self._hysteresis = hysteresis
+        if not 0 <= explore_floor <= 1:
+            raise ValueError("explore_floor must be in [0, 1]")
+        self._explore_floor = explore_floor
+        self._measure = measure_goodput
 
     @classmethod
     def from_ratios(cls, ratios: Mapping[str, float], **kwargs: Any) -> CodecChooser:
@@ -250,7 +275,7 @@ class CodecChooser:
     def observe_delivered(self, codec: str, kv_bytes: int, now: float) -> None:
         """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
         arrived (checked and decoded) at ``now``."""
-        if codec in self._ratio:
+        if self._measure and codec in self._ratio:
             self.meter.on_ack(codec, kv_bytes, now)
 
     def observe_idle(self) -> None:
@@ -328,15 +353,32 @@ class CodecChooser:
             codec, whose encode speed is measured again; before either, any choice may
             become another codec held back by its CPU costs and not sent for
             ``refresh_after`` seconds, so that its speeds are measured again too.
-            Throughput mode only. Once :meth:`observe_delivered` has measured a codec's
-            goodput, throughput mode with ``now`` chooses on measured goodput instead
-            (the leader or an exploring stint, see the module docstring; such a stint's
-            chunks are the probes then), with or without a bandwidth estimate.
+            Throughput mode, and only with ``measure_goodput=False``. With measured
+            goodput (the default) and ``now``, throughput mode makes the model's choice
+            without probes until the first measurement, then chooses on measured goodput
+            (the leader or an exploring stint, see the module docstring; a stint's chunks
+            are the probes then), with or without a bandwidth estimate.
         """
+        choice = self._choose(bandwidth_bps, remaining_bytes=remaining_bytes, time_left=time_left,
+                              app_limited=app_limited, now=now)
+        self.meter.chosen(choice.codec)  # the goodput meter measures what is sent now
+        return choice
+
+    def _choose(
+        self,
+        bandwidth_bps: float | None,
+        *,
+        remaining_bytes: int | None = None,
+        time_left: float | None = None,
+        app_limited: bool = False,
+        now: float | None = None,
+    ) -> CodecChoice:
         deadline = remaining_bytes is not None and time_left is not None
-        if now is not None and not deadline and self.meter.measured:
-            known = bandwidth_bps is not None and bandwidth_bps > 0
-            return self._choose_measured(self.rates(bandwidth_bps if known else math.inf), now)
+        if now is not None and not deadline and self._measure:
+            if self.meter.measured:
+                bw = bandwidth_bps if bandwidth_bps is not None and bandwidth_bps > 0 else None
+                return self._choose_measured(self.rates(math.inf if bw is None else bw), bw)
+            now = None  # the model's choice, unprobed: its first run is measured
         if bandwidth_bps is None or bandwidth_bps <= 0:
             first = self._by_precision[0]
             return CodecChoice(codec=first, delivered_bytes_per_s=math.nan, meets_deadline=None)
@@ -358,46 +400,100 @@ class CodecChooser:
             return CodecChoice(codec=probe, delivered_bytes_per_s=rates[probe], meets_deadline=None, probe=True)
         return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None)
 
-    def _choose_measured(self, rates: Mapping[str, float], now: float) -> CodecChoice:
+    def _choose_measured(self, rates: Mapping[str, float], bandwidth_bps: float | None) -> CodecChoice:
         """Throughput mode on measured goodput: the leader, or a stint of another codec
         (see the module docstring)."""
-        if self._stint is not None and self._stint_left > 0:
-            self._stint_left -= 1
-            return self._measured_choice(self._stint, rates, probe=True)
-        self._stint = None
+        self._chosen += 1
+        count = self._chosen
+        if self._stint is not None:
+            codec, samples, began = self._stint
+            if self.meter.samples(codec) == samples and count - began < self._stint_max:
+                return self._measured_choice(codec, rates, probe=True)
+            self._stint = None
+            measured_now = self.meter.samples(codec) > samples
+        else:
+            codec, began, measured_now = "", count, False
         measured = self.meter.measured
         if self._leader in measured:  # a challenger must beat the leader by more than noise
             measured[self._leader] *= 1.0 + self._hysteresis
         best = max(measured.values())
         leader = next(c for c in self._by_precision if measured.get(c, -1.0) >= best * (1.0 - self._tolerance))
-        if leader != self._leader:
-            if self._leader is not None:  # it was fine until now: measured again soon
-                self._wait[self._leader] = self._explore_after
-                self._due[self._leader] = now + self._explore_after
-            self._leader = leader
-        # A stint whose sample has come in since: a codec behind the leader waits longer.
-        for codec, samples in list(self._explored.items()):
-            if self.meter.samples(codec) > samples:
-                del self._explored[codec]
-                rate, lead = self.meter.measured[codec], self.meter.measured[leader]
-                wait = self._wait.get(codec, self._explore_after)
-                ahead = codec == leader or rate >= lead * (1.0 - self._tolerance)
-                wait = self._explore_after if ahead else min(2.0 * wait, self._explore_max)
-                self._wait[codec], self._due[codec] = wait, now + wait
-        due = [c for c in self._by_precision if c != leader and now >= self._due.get(c, -math.inf)]
-        if due:
-            # Never measured first, in the model's order; then the one waiting longest.
-            unmeasured = [c for c in due if c not in measured]
-            if unmeasured:
-                codec = max(unmeasured, key=lambda c: rates[c])
+        lead = self.meter.measured[leader]
+        if measured_now:
+            self._stint_len = count - began
+        # A codec just measured, by a stint or as the leader it was until now, waits for
+        # its next stint: the longer, the further behind it is.
+        done = [c for c in (codec if measured_now else None, self._leader) if c is not None and c != leader]
+        self._leader = leader
+        for c in done:
+            rate = self.meter.measured[c]
+            if rate >= lead * (1.0 - self._tolerance):
+                wait = self._explore_after
             else:
-                codec = min(due, key=lambda c: self._due[c])
-            self._stint, self._stint_left = codec, self._stint_chunks - 1
-            self._explored[codec] = self.meter.samples(codec)
-            wait = self._wait.setdefault(codec, self._explore_after)
-            self._due[codec] = now + wait  # again after a wait even if no sample comes
-            return self._measured_choice(codec, rates, probe=True)
-        return self._measured_choice(leader, rates, probe=False)
+                stint = self._stint_len or 2 * self.meter.sample_acks
+                wait = max(2 * self._wait.get(c, self._explore_after), self._cost_wait(lead, rate, stint))
+            self._wait[c] = wait = min(wait, self._explore_max)
+            self._due[c] = count + wait
+        # Until a codec with CPU costs is measured, the model has nothing to be calibrated
+        # with: the best of them by the model is explored however far behind it looks.
+        uncalibrated = [c for c in self._by_precision if not self._is_free(c)]
+        first = (max(uncalibrated, key=lambda c: rates[c])
+                 if uncalibrated and not any(c in measured for c in uncalibrated) else None)
+        for c in self._by_precision:
+            if c in measured or c in self._due or c == first:
+                continue
+            model = self._calibrated(c, bandwidth_bps)
+            if model < self._explore_floor * lead:
+                # Never measured and far behind by the (calibrated) model: it waits as if
+                # measured so, unless the model comes closer meanwhile.
+                stint = self._stint_len or 2 * self.meter.sample_acks
+                self._model_due.setdefault(c, count + self._cost_wait(lead, model, stint))
+            else:
+                self._model_due.pop(c, None)
+        due = [c for c in self._by_precision if c != leader
+               and count >= self._due.get(c, 0) and count >= self._model_due.get(c, 0)]
+        if not due:
+            return self._measured_choice(leader, rates, probe=False)
+        # Never measured first, in the model's order; then the one waiting longest.
+        unmeasured = [c for c in due if c not in measured]
+        codec = max(unmeasured, key=lambda c: rates[c]) if unmeasured else min(due, key=lambda c: self._due[c])
+        self._stint = (codec, self.meter.samples(codec), count)
+        # Due again after its wait even if the stint ends without a sample.
+        self._due[codec] = count + self._stint_max + self._wait.setdefault(codec, self._explore_after)
+        return self._measured_choice(codec, rates, probe=True)
+
+    def _calibrated(self, codec: str, bandwidth_bps: float | None) -> float:
+        """The model's rate for ``codec``, its CPU part scaled by how far the model is off
+        for the codecs measured: their measured goodput over the model's CPU rate
+        (geometric mean). The model's speeds were measured one at a time, often on a host
+        busier or idler than now; the error is much the same for every codec, so it
+        carries over to those not measured. A codec measured at its wire bound (the link,
+        not the CPU, set its pace) only says how far off the model is at least: with no
+        other measurement, the largest such bound scales it, if it is above 1."""
+        exact: list[float] = []
+        at_least = 0.0
+        for c, rate in self.meter.measured.items():
+            cpu = self.delivered_rate(c, math.inf)
+            if self._is_free(c) or not 0 < cpu < math.inf or rate <= 0:
+                continue
+            if rate < (1.0 - self._tolerance) * self._wire_bound(c, bandwidth_bps):
+                exact.append(math.log(rate / cpu))
+            else:
+                at_least = max(at_least, rate / cpu)
+        scale = math.exp(sum(exact) / len(exact)) if exact else max(1.0, at_least)
+        cpu = self.delivered_rate(codec, math.inf)
+        return min(self._wire_bound(codec, bandwidth_bps), cpu if self._is_free(codec) else cpu * scale)
+
+    def _wire_bound(self, codec: str, bandwidth_bps: float | None) -> float:
+        """KV bytes/s the path carries with ``codec`` at the estimate (unbounded without one)."""
+        return math.inf if not bandwidth_bps else bandwidth_bps / 8.0 / self._ratio[codec]
+
+    def _cost_wait(self, lead: float, rate: float, stint: int) -> int:
+        """Chunks to wait so that a stint of ``stint`` chunks of a codec delivering ``rate``
+        (it costs ``stint x (lead / rate - 1)`` of the leader's chunks) is at most
+        ``explore_cost`` of the chunks until the next."""
+        cost = stint * (lead / max(rate, 1e-9) - 1.0)
+        return min(self._explore_max, max(self._explore_after, math.ceil(cost / self._explore_cost)))
 
     def _measured_choice(self, codec: str, rates: Mapping[str, float], *, probe: bool) -> CodecChoice:
         rate = self.meter.rate(codec)

@@ -8,19 +8,23 @@ acknowledgements of the chunks measure the whole pipeline at once, since a chunk
 acknowledged only once it was received, checked and decoded, and the sender's window
 keeps no more in flight than the slowest stage drains.
 
-A *run* is a sequence of acknowledgements of one codec's chunks with no other codec's in
-between. Its first acknowledgement starts the clock (the chunks in flight before it may
-be another codec's); every ``sample_acks`` after it make a sample, KV bytes acknowledged
-over the time they took; a codec's rate is the KV bytes of its last ``window`` samples over
-their time together (a short sample weighs in proportion). A run ends when
-another codec's chunk is acknowledged, or when the caller says the pipe went idle
-(:meth:`GoodputMeter.pause`: nothing left to send, so the gap to the next
+Only the codec the sender is choosing now (:meth:`GoodputMeter.chosen`) is measured. A
+*run* is a sequence of acknowledgements of its chunks while it is chosen. The run's first
+acknowledgement starts the clock (the chunks in flight before it were another codec's);
+every ``sample_acks`` after it make a sample, KV bytes acknowledged over the time they
+took; a codec's rate is that of its latest run: the KV bytes of the run's last ``window``
+samples over their time together (a short sample weighs in proportion; an earlier run's
+samples, measured in another moment of the host, no longer count). The run ends when the sender chooses
+another codec (the acknowledgements of the chunks still in flight then do not count: the
+next codec's encodes share the host with them), or when the caller says the pipe went
+idle (:meth:`GoodputMeter.pause`: nothing left to send, so the gap to the next
 acknowledgement is no codec's doing); a run that ends with at least ``min_acks`` counted
-is a (shorter) sample too.
+is a (shorter) sample too. Acknowledgements of another codec (the previous one's, still
+in flight when the run began) neither count nor end it.
 
 On two loaded cores one sample of 8 chunks (about 20 ms at 14 Gbit/s) varies by 10-20%
-from the next: the window averages a leader's recent samples, and an explored codec's
-samples from its stints.
+from the next: the window averages the samples of a codec sent for long (the ``auto``
+leader); a codec sent for a short stint has the one sample of it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class _Run:
     last: float
     kv_bytes: int = 0
     acks: int = 0
+    first: bool = True  # no sample of this run folded yet
 
 
 class GoodputMeter:
@@ -57,11 +62,21 @@ class GoodputMeter:
         self._rate: dict[str, float] = {}
         self._samples: dict[str, int] = {}
         self._run: _Run | None = None
+        self._chosen: str | None = None
+
+    def chosen(self, codec: str) -> None:
+        """The sender chooses ``codec`` for its next chunk (and, until told otherwise, for
+        those after it)."""
+        if codec != self._chosen:
+            self.pause()
+            self._chosen = codec
 
     def on_ack(self, codec: str, kv_bytes: int, now: float) -> None:
         """One chunk of ``codec`` carrying ``kv_bytes`` of fp16 KV was acknowledged."""
+        if codec != self._chosen:
+            return
         run = self._run
-        if run is None or run.codec != codec or now < run.last:
+        if run is None or now < run.last:
             self.pause()
             self._run = _Run(codec, start=now, last=now)
             return
@@ -70,7 +85,7 @@ class GoodputMeter:
         run.last = now
         if run.acks >= self._sample_acks:
             self._fold(run)
-            self._run = _Run(codec, start=now, last=now)
+            self._run = _Run(codec, start=now, last=now, first=False)
 
     def pause(self) -> None:
         """Nothing is in flight or queued: end the run (the next acknowledgement, whenever
@@ -84,9 +99,15 @@ class GoodputMeter:
         if seconds <= 0:
             return  # acknowledged all at once: no measure of a rate
         recent = self._recent.setdefault(run.codec, deque(maxlen=self._window))
+        if run.first:
+            recent.clear()  # a new run: the codec's rate is this run's
         recent.append((run.kv_bytes, seconds))
         self._rate[run.codec] = sum(b for b, _ in recent) / sum(t for _, t in recent)
         self._samples[run.codec] = self._samples.get(run.codec, 0) + 1
+
+    @property
+    def sample_acks(self) -> int:
+        return self._sample_acks
 
     def rate(self, codec: str) -> float | None:
         """Measured KV bytes/s of ``codec``; ``None`` before its first sample."""
