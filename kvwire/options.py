@@ -92,3 +92,4 @@ class ConnectOptions(TypedDict, total=False):
     max_streams: int
     max_reconnects: int
     max_transfer_reconnects: int
+    auto_codec: str

@@ -110,7 +110,9 @@ async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) 
     raise st.error
 
 
-def make_chooser(server_codecs: tuple[str, ...]) -> CodecChooser:
+def make_chooser(server_codecs: tuple[str, ...], mode: str = "model") -> CodecChooser:
+    """The ``auto`` chooser for a server accepting ``server_codecs``; ``mode`` is
+    :attr:`~kvwire.ClientOptions.auto_codec`."""
     candidates = []
     for name in AUTO_CANDIDATES:
         if name in server_codecs:
@@ -123,7 +125,7 @@ def make_chooser(server_codecs: tuple[str, ...]) -> CodecChooser:
             "codec 'auto' needs at least one of " + ", ".join(AUTO_CANDIDATES) + " on the server",
             code=ErrorCode.UNSUPPORTED_CODEC,
         )
-    return CodecChooser(candidates)
+    return CodecChooser(candidates, measure_goodput=mode == "measured")
 
 
 async def send(
@@ -248,7 +250,12 @@ async def _send_layer(
         if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
         parts.append((kind, arr, chunks))
-    source = (host_chunks(parts, pick, chooser, ahead=ENCODE_AHEAD) if host
+    # The model's ``auto`` encodes a chunk only when it is asked for: its choice rests on
+    # measured encode speeds, and encodes overlapping the sending measure slower on a
+    # loaded host (in docs/benchmarks.md it then chose raw for a third of the chunks and
+    # delivered less). Measured goodput has no such inputs and encodes ahead.
+    ahead = ENCODE_AHEAD if codec_name != AUTO or (chooser is not None and chooser.measures_goodput) else 0
+    source = (host_chunks(parts, pick, chooser, ahead=ahead) if host
               else device_parts(parts, pick, spec.dtype, chooser))
     async with contextlib.aclosing(source):
         async for kind, start, count, codec, enc in source:

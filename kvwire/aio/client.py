@@ -308,7 +308,7 @@ class Peer(Pump):
         """Check that the server accepts codec ``name`` (for ``auto``: make the chooser)."""
         if name == AUTO:
             if self.chooser is None:
-                self.chooser = make_chooser(self.server_codecs)
+                self.chooser = make_chooser(self.server_codecs, self.options.auto_codec)
             return
         get_codec(name)
         if name not in self.server_codecs:

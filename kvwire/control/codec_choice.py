@@ -97,6 +97,17 @@ class CodecChoice:
     """Sent to measure the path, not because it is the best: see :meth:`CodecChooser.choose`."""
 
 
+#: Share of the leader's measured goodput below which the model's best codec with CPU
+#: costs is not explored at once while no such codec is measured (see ``_choose_measured``).
+UNCALIBRATED_FLOOR = 0.1
+#: A codec that fills the wire has CPU to spare, by how much is not known: the model's
+#: CPU rates of the codecs not measured are scaled as if it had this much
+#: (``CodecChooser._calibrated``).
+WIRE_HEADROOM = 2.0
+#: How far behind the leader one goodput sample may put a codec as good as the leader (on
+#: two loaded cores a sample of 8 chunks varies by 10-20%, more while a transfer starts).
+SAMPLE_NOISE = 0.25
+
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
 
@@ -116,10 +127,10 @@ class CodecChooser:
         refresh_after: float = 1.0,
         refresh_share: float = 0.5,
         stint_max: int = 64,
-        explore_after: int = 40,
+        explore_after: int = 80,
         explore_max: int = 2560,
         explore_cost: float = 0.01,
-        hysteresis: float = 0.03,
+        hysteresis: float = 0.10,
         explore_floor: float = 0.5,
         measure_goodput: bool = True,
         meter: GoodputMeter | None = None,
@@ -215,6 +226,7 @@ class CodecChooser:
         self._due: dict[str, int] = {}  # the chunk count from which its next stint may start
         self._leader: str | None = None
         self._stint_len: int | None = None  # chunks the last stint with a sample took
+        self._far: dict[str, int] = {}  # stints in a row that measured a codec far behind
         self._model_due: dict[str, int] = {}  # never measured, far behind by the model: when due
         self._hysteresis = hysteresis
         if not 0 <= explore_floor <= 1:
@@ -427,18 +439,27 @@ class CodecChooser:
         self._leader = leader
         for c in done:
             rate = self.meter.measured[c]
+            far = rate < (1.0 - SAMPLE_NOISE) * lead
+            self._far[c] = self._far.get(c, 0) + 1 if far else 0
             if rate >= lead * (1.0 - self._tolerance):
                 wait = self._explore_after
             else:
-                stint = self._stint_len or 2 * self.meter.sample_acks
-                wait = max(2 * self._wait.get(c, self._explore_after), self._cost_wait(lead, rate, stint))
+                # Behind: twice the last wait; further behind than one noisy sample
+                # explains, twice in a row (one sample can be a moment of the host, a
+                # transfer's start), at least what its stints cost.
+                wait = 2 * self._wait.get(c, self._explore_after)
+                if self._far[c] >= 2:
+                    wait = max(wait, self._cost_wait(lead, rate, self._stint_len or 2 * self.meter.sample_acks))
             self._wait[c] = wait = min(wait, self._explore_max)
             self._due[c] = count + wait
         # Until a codec with CPU costs is measured, the model has nothing to be calibrated
-        # with: the best of them by the model is explored however far behind it looks.
+        # with: the best of them by the model is explored even if it looks far behind
+        # (the model's speeds can be a few times off), unless it looks ten times behind.
         uncalibrated = [c for c in self._by_precision if not self._is_free(c)]
         first = (max(uncalibrated, key=lambda c: rates[c])
                  if uncalibrated and not any(c in measured for c in uncalibrated) else None)
+        if first is not None and self._calibrated(first, bandwidth_bps) < UNCALIBRATED_FLOOR * lead:
+            first = None
         for c in self._by_precision:
             if c in measured or c in self._due or c == first:
                 continue
@@ -467,20 +488,21 @@ class CodecChooser:
         for the codecs measured: their measured goodput over the model's CPU rate
         (geometric mean). The model's speeds were measured one at a time, often on a host
         busier or idler than now; the error is much the same for every codec, so it
-        carries over to those not measured. A codec measured at its wire bound (the link,
-        not the CPU, set its pace) only says how far off the model is at least: with no
-        other measurement, the largest such bound scales it, if it is above 1."""
+        carries over to those not measured. A codec measured at its wire bound, or closer
+        to it than a sample's noise (the link may have set its pace, not the CPU), says how far off the model is at least: with no
+        other measurement, the largest such bound, times ``WIRE_HEADROOM``, scales it (if
+        that is above 1)."""
         exact: list[float] = []
         at_least = 0.0
         for c, rate in self.meter.measured.items():
             cpu = self.delivered_rate(c, math.inf)
             if self._is_free(c) or not 0 < cpu < math.inf or rate <= 0:
                 continue
-            if rate < (1.0 - self._tolerance) * self._wire_bound(c, bandwidth_bps):
+            if rate < (1.0 - SAMPLE_NOISE) * self._wire_bound(c, bandwidth_bps):
                 exact.append(math.log(rate / cpu))
             else:
                 at_least = max(at_least, rate / cpu)
-        scale = math.exp(sum(exact) / len(exact)) if exact else max(1.0, at_least)
+        scale = math.exp(sum(exact) / len(exact)) if exact else max(1.0, WIRE_HEADROOM * at_least)
         cpu = self.delivered_rate(codec, math.inf)
         return min(self._wire_bound(codec, bandwidth_bps), cpu if self._is_free(codec) else cpu * scale)
 
@@ -499,6 +521,11 @@ class CodecChooser:
         rate = self.meter.rate(codec)
         return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec] if rate is None else rate,
                            meets_deadline=None, probe=probe)
+
+    @property
+    def measures_goodput(self) -> bool:
+        """Chooses on measured goodput (``measure_goodput``)."""
+        return self._measure
 
     @property
     def leader(self) -> str | None:

@@ -53,6 +53,10 @@ def _check_secret(secret: object) -> bytes:
     return bytes(secret)
 
 
+#: Values of :attr:`ClientOptions.auto_codec`.
+AUTO_CODEC_MODES = ("model", "measured")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClientOptions:
     """Settings of a client session."""
@@ -84,8 +88,15 @@ class ClientOptions:
     ConnectionLostError (a fault that repeats after every reconnect cannot loop forever)."""
     max_transfer_reconnects: int = 8
     """Broken streams one transfer lives through; one more fails it with ConnectionLostError."""
+    auto_codec: str = "model"
+    """How ``codec="auto"`` chooses: ``"model"`` from the bandwidth estimate and the
+    codecs' measured CPU speeds, with probes; ``"measured"`` on each codec's KV goodput
+    measured from its acknowledgements, with exploring stints (see
+    ``kvwire.control.CodecChooser`` and docs/benchmarks.md for where each is ahead)."""
 
     def __post_init__(self) -> None:
+        if self.auto_codec not in AUTO_CODEC_MODES:
+            raise UsageError(f"auto_codec must be one of {', '.join(AUTO_CODEC_MODES)}, not {self.auto_codec!r}")
         for name in ("chunk_bytes", "connect_timeout", "max_streams"):
             check_number(self, name)
         check_number(self, "idle_timeout", none_ok=True)

@@ -22,8 +22,11 @@ RATIOS = {"raw": 1.0, "fp8": 0.52, "int8": 0.52, "int4": 0.375}
 
 
 def chooser(**kw: Any) -> CodecChooser:
-    """Sample every 2 acknowledgements, so that a stint is a few chunks."""
+    """Sample every 2 acknowledgements, so that a stint is a few chunks; exact samples
+    need little hysteresis."""
     kw.setdefault("meter", GoodputMeter(sample_acks=2, min_acks=2))
+    kw.setdefault("hysteresis", 0.03)
+    kw.setdefault("explore_after", 40)
     return CodecChooser.from_ratios(RATIOS, **kw)
 
 
@@ -130,10 +133,16 @@ def test_a_stint_costs_at_most_explore_cost_of_the_chunks_until_the_next() -> No
     ch = chooser(explore_after=1, explore_cost=0.01, explore_max=1 << 30)
     d = Driver(ch, {"raw": 10 * GB, "fp8": 1 * GB, "int8": 1 * GB, "int4": 1 * GB})
     d.run(6000)
-    # A stint of 3 chunks at a tenth of the leader's rate costs 27 of its chunks: the next
-    # comes no sooner than 2700 chunks later; in 6000, each codec gets at most 3 stints.
+    # A stint of 3 chunks at a tenth of the leader's rate costs 27 of its chunks. Measured
+    # so far behind twice in a row (once might be noise), the next comes no sooner than
+    # 2700 chunks later; in 6000, each codec gets its two stints and at most two more.
     for codec in ("fp8", "int8", "int4"):
-        assert 1 <= [c for c, _ in runs(d.sent)].count(codec) <= 3
+        starts = [i for i, (c, _) in enumerate(runs(d.sent)) if c == codec]
+        assert 2 <= len(starts) <= 4, starts
+    ch = chooser(explore_after=1, explore_cost=0.01, explore_max=1 << 30)
+    d = Driver(ch, {"raw": 10 * GB, "fp8": 1 * GB, "int8": 1 * GB, "int4": 1 * GB})
+    d.run(400)
+    assert [c for c, _ in runs(d.sent)].count("fp8") == 2  # once (noise?) and again, then no more
 
 
 def test_waits_stop_at_explore_max() -> None:
@@ -224,7 +233,9 @@ def _auto_against_fixed(
                        encode_bytes_per_s=None if c == "raw" else path.encode[c] * prior,  # type: ignore[operator]
                        decode_bytes_per_s=None if c == "raw" else path.decode[c] * prior)  # type: ignore[operator]
         for c, r in pipesim.RATIOS.items()
-    ])
+    # goodput alone (no share of it traded for precision); samples here vary by a few
+    # percent, not the 10-20% of two loaded cores the default hysteresis is made for
+    ], tolerance=0.0, hysteresis=0.03, explore_after=40)
     run = pipesim.auto(path, chunks, ch, link_gbps * 1e9, shake)
     sent = Counter(run.codecs[-last:] if last else run.codecs)
     return run.goodput / best, fixed[sent.most_common(1)[0][0]] / best, fixed, sent
@@ -241,18 +252,20 @@ CASE = {
 
 @settings(max_examples=60, deadline=None)
 @given(prior=st.floats(0.5, 2.0), **CASE)
-def test_auto_delivers_within_a_tenth_of_the_best_fixed_codec_with_priors_off_by_up_to_2x(
+def test_auto_delivers_close_to_the_best_fixed_codec_with_priors_off_by_up_to_2x(
     link_gbps: float, encode: tuple[float, float, float], decode: tuple[float, float, float],
     prior: float, jitter: float, seed: int,
 ) -> None:
     """The chooser's priors (encode and decode speeds, as measured at connect time) are
     ``prior`` times the truth (on a loaded host they were measured about 2x low); the
     path jitters each chunk by up to ``jitter``. Over 1024 chunks (4 GiB of KV) auto
-    delivers at least 0.9 of the best fixed codec (what it loses is mostly one stint of
-    each codec at the start), and the codec it sends most at least 0.9 of the best. (The
-    fixed codecs' goodputs are over all chunks; ``last`` leaves them alone.)"""
+    delivers at least 0.8 of the best fixed codec (typically 0.96-0.98). What it loses is
+    its stints, mostly near the start: a codec measured far behind once gets a second
+    stint (one sample can be a moment of the host), and where it is six times slower than
+    the best, two stints of 16 chunks cost 15% of 1024. The codec it sends most is within
+    0.9 of the best."""
     ratio, most, fixed, sent = _auto_against_fixed(link_gbps, encode, decode, prior, jitter, seed)
-    assert ratio >= 0.9, (fixed, sent)
+    assert ratio >= 0.8, (fixed, sent)
     assert most >= 0.9, (fixed, sent)
 
 

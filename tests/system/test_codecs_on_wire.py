@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import kvwire
+from kvwire.aio import ClientOptions
 from tests.conftest import SECRET, make_layers, same_cache
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,18 +57,29 @@ async def test_per_send_override_and_refused_codec() -> None:
             assert same_cache((await t.collect()).layers, layers)
 
 
-async def test_auto_codec_delivers_within_the_coarsest_bound() -> None:
-    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=4, head_dim=32)
-    layers = make_layers(4, 256, 4, 32)
+@pytest.mark.parametrize("mode", ["model", "measured"])
+async def test_auto_codec_delivers_within_the_coarsest_bound(mode: str) -> None:
+    spec = kvwire.KVSpec(num_layers=8, num_kv_heads=4, head_dim=32)
+    layers = make_layers(8, 256, 4, 32)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto", chunk_bytes=16384) as peer:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto", chunk_bytes=16384,
+                                  auto_codec=mode) as peer:
             recv = asyncio.create_task(server.accept())
             r = await peer.send("auto", spec, layers, timeout=20)
             cache = await (await recv).collect(timeout=20)
+            chooser = peer.chooser
+    assert chooser is not None and chooser.measures_goodput == (mode == "measured")
+    # measured: the acknowledgements of 64 chunks were measured, at least the first codec's run
+    assert bool(chooser.meter.measured) == (mode == "measured")
     assert sum(r.extra["chunks_by_codec"].values()) == r.chunks
     assert set(r.extra["chunks_by_codec"]) <= {"raw", "fp8", "int8", "int4"}
     for (k, v), (k2, v2) in zip(layers, cache.layers, strict=True):
         assert rel_err(k, k2) <= 0.15 and rel_err(v, v2) <= 0.15
+
+
+def test_auto_codec_mode_is_checked() -> None:
+    with pytest.raises(kvwire.UsageError, match="auto_codec"):
+        ClientOptions(auto_codec="fastest")
 
 
 async def test_deadline_needs_auto() -> None:
