@@ -20,7 +20,8 @@ measurement from a parent that has imported none of them:
 
 * ``raw``: ``sendall`` of each array / ``recv_into`` one reused, pre-faulted buffer;
 * ``kvwire-<codec>``: ``kvwire.connect(...).send`` / ``server.accept()`` and iterating the
-  layers (each dropped once seen);
+  layers (each dropped once seen); ``kvwire-auto-measured``: ``auto`` with
+  ``auto_codec="measured"``;
 * ``mooncake``: Mooncake Transfer Engine over TCP (``P2PHANDSHAKE``), one batch write of
   the 64 arrays into memory the receiver registered once;
 * ``nixl``: NIXL over UCX with ``UCX_TLS=tcp``, one WRITE of the 64 arrays into
@@ -356,7 +357,9 @@ class KvwireSender(Sender):
         self.loop = asyncio.new_event_loop()
         self.spec = kvwire.KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float16")
         self.layers = layer_arrays(cache, tokens)
-        self.peer_cm = kvwire.connect(addr, info, secret=SECRET, codec=self.codec)
+        codec, _, mode = self.codec.partition("-")
+        extra = {"auto_codec": mode} if mode else {}
+        self.peer_cm = kvwire.connect(addr, info, secret=SECRET, codec=codec, **extra)
         self.peer = self.loop.run_until_complete(self.peer_cm.__aenter__())
         self.count = 0
         self.codecs: dict[str, int] = {}

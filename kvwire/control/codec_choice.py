@@ -28,8 +28,9 @@ With a deadline the aim changes: keep as much precision as the deadline allows, 
 chooser walks from the most precise codec down and stops at the first that finishes in
 time.
 
-Measured goodput decides once there is any. The model's inputs are measured one stage at
-a time, and on a loaded host they add up wrongly (a speed measured while the host was
+With ``measure_goodput`` (``ClientOptions.auto_codec="measured"``), measured goodput
+decides once there is any. The model's inputs are measured one stage at a time, and on a
+loaded host they add up wrongly (a speed measured while the host was
 busier keeps a codec out). So the transport also feeds the acknowledgement of every
 chunk (:meth:`CodecChooser.observe_delivered`), and a
 :class:`~kvwire.control.goodput.GoodputMeter` turns them into each codec's measured KV
@@ -132,7 +133,7 @@ class CodecChooser:
         explore_cost: float = 0.01,
         hysteresis: float = 0.10,
         explore_floor: float = 0.5,
-        measure_goodput: bool = True,
+        measure_goodput: bool = False,
         meter: GoodputMeter | None = None,
     ) -> None:
         """
@@ -167,8 +168,9 @@ class CodecChooser:
             would cost (``explore_cost``).
         :param measure_goodput: choose on measured goodput once there is any (the caller
             feeds :meth:`observe_delivered`); until the first measurement the model's
-            choice goes unprobed, so that its first run is measured. ``False``: the model
-            alone, with its probes (see :meth:`choose`).
+            choice goes unprobed, so that its first run is measured. ``False`` (the
+            default): the model alone, with its probes (see :meth:`choose`);
+            :meth:`observe_delivered` is then ignored.
         :param meter: the goodput meter fed by :meth:`observe_delivered` (default: a
             :class:`~kvwire.control.goodput.GoodputMeter` with its defaults).
         """
@@ -366,7 +368,7 @@ class CodecChooser:
             become another codec held back by its CPU costs and not sent for
             ``refresh_after`` seconds, so that its speeds are measured again too.
             Throughput mode, and only with ``measure_goodput=False``. With measured
-            goodput (the default) and ``now``, throughput mode makes the model's choice
+            goodput and ``now``, throughput mode makes the model's choice
             without probes until the first measurement, then chooses on measured goodput
             (the leader or an exploring stint, see the module docstring; a stint's chunks
             are the probes then), with or without a bandwidth estimate.

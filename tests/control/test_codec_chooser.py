@@ -1,4 +1,5 @@
-"""CodecChooser decisions on exact bandwidths, ratios and encode speeds."""
+"""CodecChooser decisions on exact bandwidths, ratios and encode speeds (the model; on
+measured goodput: tests/control/test_codec_chooser_measured.py)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,7 @@ def chooser(**kw: Any) -> CodecChooser:
             CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB),
             CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=1 * GB),
         ],
-        # the examples below: free decode, overlapped encode; the model alone, with its
-        # probes (tests/control/test_codec_chooser_measured.py: on measured goodput)
-        **{"pipeline": "full", "measure_goodput": False, **kw},
+        **{"pipeline": "full", **kw},  # the examples below: free decode, overlapped encode
     )
 
 
@@ -280,7 +279,7 @@ def _with_free_raw(**kw: Any) -> CodecChooser:
             CodecCandidate(name="raw", size_ratio=1.0),  # no encode, no decode: free
             CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB),
         ],
-        pipeline="full", measure_goodput=False, **kw,
+        pipeline="full", **kw,
     )
 
 
@@ -339,7 +338,7 @@ def _three_compact(**kw: Any) -> CodecChooser:
             CodecCandidate(name="int8", size_ratio=0.5, encode_bytes_per_s=3 * GB),
             CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=1 * GB),
         ],
-        pipeline="full", probe_interval=0.1, refresh_after=1.0, measure_goodput=False, **kw,
+        pipeline="full", probe_interval=0.1, refresh_after=1.0, **kw,
     )
 
 

@@ -25,6 +25,7 @@ def chooser(**kw: Any) -> CodecChooser:
     """Sample every 2 acknowledgements, so that a stint is a few chunks; exact samples
     need little hysteresis."""
     kw.setdefault("meter", GoodputMeter(sample_acks=2, min_acks=2))
+    kw.setdefault("measure_goodput", True)
     kw.setdefault("hysteresis", 0.03)
     kw.setdefault("explore_after", 40)
     return CodecChooser.from_ratios(RATIOS, **kw)
@@ -84,7 +85,7 @@ def test_before_the_first_measurement_the_models_choice_is_not_probed() -> None:
     def make(**kw: Any) -> CodecChooser:  # raw is chosen on a fast link, fp8 probed
         return CodecChooser([CodecCandidate(name="raw", size_ratio=1.0),
                              CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB)],
-                            probe_interval=0.01, **kw)
+                            probe_interval=0.01, **{"measure_goodput": True, **kw})
 
     ch = make()
     assert not any(ch.choose(100e9, now=t / 10).probe for t in range(20))
@@ -235,7 +236,7 @@ def _auto_against_fixed(
         for c, r in pipesim.RATIOS.items()
     # goodput alone (no share of it traded for precision); samples here vary by a few
     # percent, not the 10-20% of two loaded cores the default hysteresis is made for
-    ], tolerance=0.0, hysteresis=0.03, explore_after=40)
+    ], tolerance=0.0, hysteresis=0.03, explore_after=40, measure_goodput=True)
     run = pipesim.auto(path, chunks, ch, link_gbps * 1e9, shake)
     sent = Counter(run.codecs[-last:] if last else run.codecs)
     return run.goodput / best, fixed[sent.most_common(1)[0][0]] / best, fixed, sent
