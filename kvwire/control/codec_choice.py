@@ -373,20 +373,13 @@ class CodecChooser:
             (the leader or an exploring stint, see the module docstring; a stint's chunks
             are the probes then), with or without a bandwidth estimate.
         """
-        choice = self._choose(bandwidth_bps, remaining_bytes=remaining_bytes, time_left=time_left,
-                              app_limited=app_limited, now=now)
-        self.meter.chosen(choice.codec)  # the goodput meter measures what is sent now
+        choice = self._choose(bandwidth_bps, remaining_bytes, time_left, app_limited, now)
+        if self._measure:
+            self.meter.chosen(choice.codec)  # the goodput meter measures what is sent now
         return choice
 
-    def _choose(
-        self,
-        bandwidth_bps: float | None,
-        *,
-        remaining_bytes: int | None = None,
-        time_left: float | None = None,
-        app_limited: bool = False,
-        now: float | None = None,
-    ) -> CodecChoice:
+    def _choose(self, bandwidth_bps: float | None, remaining_bytes: int | None, time_left: float | None,
+                app_limited: bool, now: float | None) -> CodecChoice:
         deadline = remaining_bytes is not None and time_left is not None
         if now is not None and not deadline and self._measure:
             if self.meter.measured:
