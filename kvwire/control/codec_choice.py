@@ -30,9 +30,9 @@ time.
 
 With ``measure_goodput`` (``ClientOptions.auto_codec="measured"``), measured goodput
 decides once there is any. The model's inputs are measured one stage at a time, and on a
-loaded host they add up wrongly (a speed measured while the host was
-busier keeps a codec out). So the transport also feeds the acknowledgement of every
-chunk (:meth:`CodecChooser.observe_delivered`), and a
+loaded host they add up wrongly (a speed measured while the host was busier keeps a codec
+out). So the transport also feeds the acknowledgement of every chunk
+(:meth:`CodecChooser.observe_delivered`), and a
 :class:`~kvwire.control.goodput.GoodputMeter` turns them into each codec's measured KV
 goodput, end to end. From the first measurement on, throughput mode sends the most
 precise codec within ``tolerance`` of the best *measured* rate (the leader), and now and
@@ -40,16 +40,18 @@ then explores another codec for a stint, until the meter has a new sample of it 
 ``stint_max`` chunks): a codec never measured first (in the model's order), then each in
 turn once its wait has passed. Waits are counted in chunks, so exploring costs the same
 share on every link. A codec measured within tolerance of the leader waits
-``explore_after`` chunks; one behind waits at least twice as long as the last time, and
-long enough that its stints cost at most ``explore_cost`` of the chunks in between (a
-stint of a codec at half the leader's rate costs its length again), up to
-``explore_max``. A challenger must beat the leader by ``hysteresis`` more than the rule
-says. A leader whose rate falls below another codec's last measurement hands over at
-once, and the new leader is measured all the time it is sent; so neither a stale high nor
-a stale low measurement lasts longer than one stint or one
-wait. The model still makes the first choice (before any acknowledgement), orders the
-codecs never measured, and makes deadline choices (with measured rates in place of its
-own where there are any).
+``explore_after`` chunks; one behind waits twice as long as the last time, and once
+measured further behind than a sample's noise (``SAMPLE_NOISE``) twice in a row, long
+enough that its stints cost at most ``explore_cost`` of the chunks in between (a stint of
+a codec at half the leader's rate costs its length again), up to ``explore_max``. A
+codec never measured that the model, calibrated by the codecs measured, rates below
+``explore_floor`` of the leader waits as if so measured. A challenger must beat the
+leader by ``hysteresis`` more than the rule says. A leader whose rate falls below another
+codec's last measurement (by that much) hands over at once, and the new leader is
+measured all the time it is sent; so neither a stale high nor a stale low measurement
+lasts longer than one stint or one wait. The model still makes the first choice (before
+any acknowledgement), orders the codecs never measured, and makes deadline choices (with
+measured rates in place of its own where there are any).
 
 Codecs are named by string; the chooser never imports them. Encode speeds are measured
 by the transport and fed back through :meth:`CodecChooser.observe_encode`; decode speeds
