@@ -225,9 +225,10 @@ class Peer(Pump):
         elif isinstance(ev, ChunkDelivered):
             now = clock()
             est.on_ack(ev.address, now)
-            if self.chooser is not None:
-                self.transport_meter.delivered(ev.wire_size, self.chooser)
-                self.chooser.observe_delivered(codec_by_id(ev.codec_id).name, ev.kv_bytes, now)
+            if (chooser := self.chooser) is not None:
+                self.transport_meter.delivered(ev.wire_size, chooser)
+                if chooser.measures_goodput:
+                    chooser.observe_delivered(codec_by_id(ev.codec_id).name, ev.kv_bytes, now)
             st = self.sends.get(ev.address.transfer_id)
             if ev.layer_done and st is not None and st.first_layer_at is None:
                 st.first_layer_at = clock()

@@ -158,14 +158,15 @@ class CodecChooser:
         :param explore_after: chunks a codec waits for its next stint after one that
             measured it within ``tolerance`` of the leader ...
         :param explore_max: ... doubling after each stint that measured it behind, up to
-            this, and at least as long as makes its stints cost ``explore_cost`` of the
-            chunks in between (a codec far behind costs more per stint). Counted in chunks,
-            not seconds, the share spent exploring is the same on every link.
+            this; once measured far behind twice in a row, at least as long as makes its
+            stints cost ``explore_cost`` of the chunks in between (a codec far behind
+            costs more per stint). Counted in chunks, not seconds, the share spent
+            exploring is the same on every link.
         :param explore_cost: see ``explore_max``.
         :param hysteresis: measured goodput changes the leader only once the leader
             loses by this fraction more than the rule says (samples vary).
         :param explore_floor: a codec never measured, rated by the model (calibrated by the
-            codecs measured, see :meth:`_calibration`) below this share of the leader's
+            codecs measured, see :meth:`_model_scale`) below this share of the leader's
             measured goodput, is not explored at once but after the wait a stint of it
             would cost (``explore_cost``).
         :param measure_goodput: choose on measured goodput once there is any (the caller
@@ -299,10 +300,6 @@ class CodecChooser:
         the next acknowledgement is no codec's."""
         self.meter.pause()
 
-    def goodput(self, codec: str) -> float | None:
-        """Measured fp16 KV bytes/s delivered with ``codec``; ``None`` before its first sample."""
-        return self.meter.rate(codec)
-
     @property
     def transport_cost(self) -> float | None:
         """Measured transport CPU seconds per wire byte, ``None`` before the first."""
@@ -427,7 +424,8 @@ class CodecChooser:
             measured[self._leader] *= 1.0 + self._hysteresis
         best = max(measured.values())
         leader = next(c for c in self._by_precision if measured.get(c, -1.0) >= best * (1.0 - self._tolerance))
-        lead = self.meter.measured[leader]
+        lead = self.meter.rate(leader)
+        assert lead is not None
         if measured_now:
             self._stint_len = count - began
         # A codec just measured, by a stint or as the leader it was until now, waits for
@@ -435,7 +433,8 @@ class CodecChooser:
         done = [c for c in (codec if measured_now else None, self._leader) if c is not None and c != leader]
         self._leader = leader
         for c in done:
-            rate = self.meter.measured[c]
+            rate = self.meter.rate(c)
+            assert rate is not None
             far = rate < (1.0 - SAMPLE_NOISE) * lead
             self._far[c] = self._far.get(c, 0) + 1 if far else 0
             if rate >= lead * (1.0 - self._tolerance):
@@ -455,12 +454,13 @@ class CodecChooser:
         uncalibrated = [c for c in self._by_precision if not self._is_free(c)]
         first = (max(uncalibrated, key=lambda c: rates[c])
                  if uncalibrated and not any(c in measured for c in uncalibrated) else None)
-        if first is not None and self._calibrated(first, bandwidth_bps) < UNCALIBRATED_FLOOR * lead:
+        scale = self._model_scale(bandwidth_bps)
+        if first is not None and self._calibrated(first, bandwidth_bps, scale) < UNCALIBRATED_FLOOR * lead:
             first = None
         for c in self._by_precision:
             if c in measured or c in self._due or c == first:
                 continue
-            model = self._calibrated(c, bandwidth_bps)
+            model = self._calibrated(c, bandwidth_bps, scale)
             if model < self._explore_floor * lead:
                 # Never measured and far behind by the (calibrated) model: it waits as if
                 # measured so, unless the model comes closer meanwhile.
@@ -480,14 +480,14 @@ class CodecChooser:
         self._due[codec] = count + self._stint_max + self._wait.setdefault(codec, self._explore_after)
         return self._measured_choice(codec, rates, probe=True)
 
-    def _calibrated(self, codec: str, bandwidth_bps: float | None) -> float:
-        """The model's rate for ``codec``, its CPU part scaled by how far the model is off
-        for the codecs measured: their measured goodput over the model's CPU rate
-        (geometric mean). The model's speeds were measured one at a time, often on a host
-        busier or idler than now; the error is much the same for every codec, so it
-        carries over to those not measured. A codec measured at its wire bound, or closer
-        to it than a sample's noise (the link may have set its pace, not the CPU), says how far off the model is at least: with no
-        other measurement, the largest such bound, times ``WIRE_HEADROOM``, scales it (if
+    def _model_scale(self, bandwidth_bps: float | None) -> float:
+        """How far the model is off for the codecs with CPU costs that were measured:
+        their measured goodput over the model's CPU rate (geometric mean). The model's
+        speeds were measured one at a time, often on a host busier or idler than now; the
+        error is much the same for every codec, so it carries over to those not measured.
+        A codec measured at its wire bound, or closer to it than a sample's noise (the
+        link may have set its pace, not the CPU), says how far off the model is at least:
+        with no other measurement, the largest such bound times ``WIRE_HEADROOM`` (if
         that is above 1)."""
         exact: list[float] = []
         at_least = 0.0
@@ -499,7 +499,10 @@ class CodecChooser:
                 exact.append(math.log(rate / cpu))
             else:
                 at_least = max(at_least, rate / cpu)
-        scale = math.exp(sum(exact) / len(exact)) if exact else max(1.0, WIRE_HEADROOM * at_least)
+        return math.exp(sum(exact) / len(exact)) if exact else max(1.0, WIRE_HEADROOM * at_least)
+
+    def _calibrated(self, codec: str, bandwidth_bps: float | None, scale: float) -> float:
+        """The model's rate for ``codec``, its CPU part times ``scale`` (:meth:`_model_scale`)."""
         cpu = self.delivered_rate(codec, math.inf)
         return min(self._wire_bound(codec, bandwidth_bps), cpu if self._is_free(codec) else cpu * scale)
 

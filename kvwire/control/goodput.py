@@ -14,10 +14,10 @@ acknowledgement starts the clock (the chunks in flight before it were another co
 every ``sample_acks`` after it make a sample, KV bytes acknowledged over the time they
 took; a codec's rate is that of its latest run: the KV bytes of the run's last ``window``
 samples over their time together (a short sample weighs in proportion; an earlier run's
-samples, measured in another moment of the host, no longer count). The run ends when the sender chooses
-another codec (the acknowledgements of the chunks still in flight then do not count: the
-next codec's encodes share the host with them), or when the caller says the pipe went
-idle (:meth:`GoodputMeter.pause`: nothing left to send, so the gap to the next
+samples, measured in another moment of the host, no longer count). The run ends when the
+sender chooses another codec (the acknowledgements of the chunks still in flight then do
+not count: the next codec's encodes share the host with them), or when the caller says
+the pipe went idle (:meth:`GoodputMeter.pause`: nothing left to send, so the gap to the next
 acknowledgement is no codec's doing); a run that ends with at least ``min_acks`` counted
 is a (shorter) sample too. Acknowledgements of another codec (the previous one's, still
 in flight when the run began) neither count nor end it.

@@ -140,14 +140,13 @@ async def test_encode_time_is_the_codecs_own_not_the_wait_for_a_worker(monkeypat
 
 
 class _TransportChooser:
+    measures_goodput = False
+
     def __init__(self) -> None:
         self.seen: list[tuple[int, float]] = []
 
     def observe_transport(self, wire_bytes: int, cpu_seconds: float) -> None:
         self.seen.append((wire_bytes, cpu_seconds))
-
-    def observe_delivered(self, codec: str, kv_bytes: int, now: float) -> None:
-        pass
 
 
 async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -> None:
