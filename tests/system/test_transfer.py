@@ -353,8 +353,10 @@ async def test_killed_stream_is_resumed_and_the_transfer_completes_identical(str
             go_on.set()
             receipt = await send
             cache = await collect
-            # the break was noticed: the slot reconnected and/or its chunks went again
-            assert peer.reconnects + peer.chunks_resent >= 1
+            # the break was noticed (its connection_lost ran before the producer went on):
+            # the session resumed the slot. Whether it also reconnected or resent chunks
+            # before the transfer ended depends on what was in flight on it.
+            assert peer.resumes >= 1
     assert same_cache(cache.layers, layers)
     assert receipt.kv_bytes == sum(k.nbytes + v.nbytes for k, v in layers)
 
