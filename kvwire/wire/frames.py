@@ -676,7 +676,7 @@ class FrameDecoder:
                     # Nothing buffered: a big frame can start straight from this view.
                     ftype, length = self._check_header(view)
                     need = HEADER_SIZE + length + CRC_SIZE
-                    if length + CRC_SIZE > self._big_body and len(view) < need:
+                    if length + CRC_SIZE > self._big_body and len(view) < need and not self._defer(ftype, out):
                         self._big = _BigFrame(bytes(view[:HEADER_SIZE]), ftype, length)
                         view = view[HEADER_SIZE:]
                         continue
@@ -689,6 +689,9 @@ class FrameDecoder:
             ftype, length = self._check_header(memoryview(self._buf)[self._pos : self._pos + HEADER_SIZE])
             need = HEADER_SIZE + length + CRC_SIZE
             if length + CRC_SIZE > self._big_body and avail < need:
+                if self._defer(ftype, out):
+                    self._compact()
+                    return out
                 header = bytes(self._buf[self._pos : self._pos + HEADER_SIZE])
                 rest = bytes(self._buf[self._pos + HEADER_SIZE :])
                 self._buf.clear()
@@ -708,6 +711,14 @@ class FrameDecoder:
             finally:
                 mv.release()
             out.append((self._finish(header, memoryview(body_crc)), need))
+
+    def _defer(self, ftype: int, out: list[tuple[Frame, int]]) -> bool:
+        """Whether an unfinished big CHUNK waits in the buffer until the frames before it
+        are handed over: the payload sink decides where its payload goes from what the
+        receiver has processed (the first chunk of a transfer tells it the layer's size),
+        so it is asked only after they are.  The frame needs more bytes anyway, and those
+        come with the next read."""
+        return bool(out) and ftype == FrameType.CHUNK and self.payload_sink is not None
 
     def _check_header(self, head: memoryview) -> tuple[int, int]:
         ftype, _flags, _reserved, length = HEADER.unpack(head[:HEADER_SIZE])

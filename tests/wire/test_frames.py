@@ -19,6 +19,7 @@ from kvwire.wire import (
     Challenge,
     Chunk,
     Credit,
+    Frame,
     FrameDecoder,
     GoAway,
     Hello,
@@ -279,6 +280,74 @@ def test_payload_sink_receives_big_chunk_payloads_in_place(data: st.DataObject) 
     assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
     [sunk] = sinks
     assert got[1][0].payload is sunk and bytes(sunk) == payload  # type: ignore[union-attr]
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_payload_sink_is_asked_only_after_the_frames_before_are_handed_over(data: st.DataObject) -> None:
+    """The sink decides from what the receiver has processed (the first chunk of a transfer
+    tells it the layer's size), so it is never asked about a chunk while a frame before it
+    sits completed but not yet returned; nothing waits for bytes that already arrived."""
+    frames: list[Frame] = []
+    for i in range(data.draw(st.integers(2, 6))):
+        if data.draw(st.booleans()):
+            frames.append(SAMPLES[data.draw(st.sampled_from([7, 10]))])  # type: ignore[arg-type]
+        else:
+            n = data.draw(st.sampled_from([1, 200, 2000, 6000]))
+            frames.append(Chunk(transfer_id=3, layer=i, kind=0, codec_id=0, token_start=0, token_count=n,
+                                layer_tokens=n, params=b"", payload=bytes([i]) * (16 * n)))
+    stream = memoryview(b"".join(frame_bytes(f) for f in frames))
+    got: list[tuple[Frame, int]] = []
+    asked: list[int] = []
+
+    def sink(head: Chunk, size: int) -> memoryview:
+        index = next(i for i, f in enumerate(frames) if isinstance(f, Chunk) and f.layer == head.layer)
+        assert len(got) == index  # every frame before it was returned, none after
+        asked.append(index)
+        return memoryview(bytearray(size))
+
+    dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=data.draw(st.integers(16, 5000)), payload_sink=sink)
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(stream) - pos, rng.randint(1, 40_000))
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        got += dec.buffer_updated(n)
+    assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
+    assert dec.buffered == 0 and dec.payload_remaining == 0
+    assert asked == sorted(set(asked))
+
+
+def test_a_chunk_behind_a_completed_frame_still_lands_in_the_sink() -> None:
+    """Read in 16 KiB pieces, the first chunk's end and the next one's head arrive together:
+    the next chunk waits in the buffer until the first is returned, then its payload goes
+    to the sink's buffer (not to a private copy)."""
+    first = Chunk(transfer_id=3, layer=0, kind=0, codec_id=0, token_start=0, token_count=4096,
+                  layer_tokens=4096, params=b"", payload=b"\x01" * 65536)
+    second = Chunk(transfer_id=3, layer=1, kind=0, codec_id=0, token_start=0, token_count=65536,
+                   layer_tokens=65536, params=b"", payload=b"\x02" * 1048576)
+    stream = memoryview(frame_bytes(first) + frame_bytes(second))
+    returned: list[Frame] = []
+    sunk: list[memoryview] = []
+
+    def sink(head: Chunk, size: int) -> memoryview | None:
+        if head.layer == 0 or not returned:
+            return None  # what a receiver says before it knows the layer size
+        sunk.append(memoryview(bytearray(size)))
+        return sunk[-1]
+
+    dec = FrameDecoder(8 << 20, scratch_size=16 * 1024, payload_sink=sink)
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        returned += [f for f, _ in dec.buffer_updated(n)]
+    assert [f.layer for f in returned] == [0, 1]  # type: ignore[union-attr]
+    assert len(sunk) == 1 and returned[1].payload is sunk[0]  # type: ignore[union-attr]
 
 
 def test_payload_sink_corruption_is_still_an_integrity_error() -> None:
