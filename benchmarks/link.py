@@ -68,10 +68,12 @@ def main() -> None:
     ap.add_argument("--json", help="write every run's full report here")
     ap.add_argument("--codec-links", default="10,1", help="Gbit/s of the links for the codec comparison ('' to skip)")
     ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with")
+    ap.add_argument("--auto-codec", choices=("model", "measured"), default="model",
+                    help="how auto chooses (ClientOptions.auto_codec)")
     args = ap.parse_args()
     streams: int | str = args.streams if args.streams == "auto" else int(args.streams)
     common: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "duration": args.duration,
-                              "streams": streams, "rtt": 0.020}
+                              "streams": streams, "rtt": 0.020, "auto_codec": args.auto_codec}
     step_at = args.duration / 2
     runs: dict[str, dict[str, Any] | str] = {
         "10G raw": _run("10 Gbit/s, 20 ms, raw", BenchConfig(link_bps=10e9, codec="raw", **common)),

@@ -18,6 +18,7 @@ from typing import Any
 
 from kvwire.bench.models import MODELS
 from kvwire.errors import KvwireError, UsageError
+from kvwire.session.options import AUTO_CODEC_MODES
 from kvwire.units import (
     argument_type,
     format_duration,
@@ -185,6 +186,9 @@ def add_parsers(subparsers: Any) -> None:
     load = b.add_argument_group("transfer")
     load.add_argument("--codec", type=argument_type(_codec), default="raw",
                       help="raw, fp8, int8, int4, auto or any registered codec (default raw)")
+    load.add_argument("--auto-codec", choices=AUTO_CODEC_MODES, default="model",
+                      help="how --codec auto chooses: model (default: the cost model) or measured "
+                           "(each codec's measured KV goodput)")
     load.add_argument("--streams", type=argument_type(_streams), default=4, metavar="N|auto",
                       help="TCP streams per session, or auto (default 4)")
     load.add_argument("--model", choices=sorted(MODELS), default="llama3-8b",
@@ -253,7 +257,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         if args.secret_file is not None and args.peer is None:
             raise UsageError("--secret-file is for --peer (local runs make their own secret)")
         cfg = BenchConfig(
-            model=args.model, tokens=args.tokens, codec=args.codec, streams=args.streams,
+            model=args.model, tokens=args.tokens, codec=args.codec, auto_codec=args.auto_codec,
+            streams=args.streams,
             duration=args.duration, link_bps=args.link, schedule=args.link_schedule or (),
             rtt=args.rtt, jitter=args.jitter, kernel=args.kernel, peer=args.peer,
             baseline=not args.no_baseline, seed=args.seed, chunk_bytes=args.chunk_size,
@@ -321,7 +326,7 @@ def _run_with_reports(cfg: Any, *, quiet: bool, argv: list[str]) -> dict[str, An
         return run_bench(cfg, argv=argv)
     header = (
         f"kvwire {__version__} bench: {cfg.model} x {cfg.tokens} tokens, {_where(cfg)}, "
-        f"codec {cfg.codec}, streams {cfg.streams}, chunk {format_size(cfg.chunk_bytes)}, "
+        f"codec {cfg.codec}{' (' + cfg.auto_codec + ')' if cfg.codec == 'auto' else ''}, streams {cfg.streams}, chunk {format_size(cfg.chunk_bytes)}, "
         f"seed {cfg.seed}, {format_duration(cfg.duration)}"
     )
 

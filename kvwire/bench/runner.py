@@ -44,6 +44,7 @@ from kvwire.bench.report import (
     trust_note,
 )
 from kvwire.errors import KvwireError, UsageError
+from kvwire.session.options import AUTO_CODEC_MODES
 from kvwire.spec import KVSpec
 
 __all__ = [
@@ -104,6 +105,8 @@ class BenchConfig:
     model: str = "llama3-8b"
     tokens: int = 8192
     codec: str = "raw"
+    auto_codec: str = "model"
+    """How ``codec="auto"`` chooses (``ClientOptions.auto_codec``: ``model`` or ``measured``)."""
     streams: int | str = 4
     duration: float = 10.0
     link_bps: float | None = None
@@ -136,6 +139,8 @@ class BenchConfig:
             raise UsageError("--chunk-size must be between 4 KiB and 64 MiB")
         if not self.interval > 0:
             raise UsageError("--interval must be > 0")
+        if self.auto_codec not in AUTO_CODEC_MODES:
+            raise UsageError(f"--auto-codec must be one of {', '.join(AUTO_CODEC_MODES)}")
         if self.peer is not None and (self.shaped or self.rtt or self.jitter or self.kernel):
             raise UsageError("--peer sends over the real network: drop --link/--rtt/--jitter/--kernel")
         if self.kernel and not self.shaped:
@@ -481,7 +486,7 @@ async def _send_loop(
     streams: Any = cfg.streams
     chunks_by_codec: dict[str, int] = {}
     async with connect(host, port, secret=secret, streams=streams, codec=cfg.codec,
-                       chunk_bytes=cfg.chunk_bytes) as peer:
+                       auto_codec=cfg.auto_codec, chunk_bytes=cfg.chunk_bytes) as peer:
         start = time.monotonic()
         base = t0 if t0 is not None else start
         res.started = start

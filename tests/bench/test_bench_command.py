@@ -122,6 +122,7 @@ def test_unreachable_peer_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFi
         ["--streams", "0"],
         ["--streams", "many"],
         ["--codec", "gzip"],
+        ["--auto-codec", "guess"],
         ["--model", "gpt-9"],
         ["--tokens", "0"],
         ["--peer", "nohost"],
@@ -167,6 +168,8 @@ def test_units_and_schedule_syntax() -> None:
     assert args.jitter == pytest.approx(500e-6) and args.duration == 2.0
     assert args.chunk_size == 256 * 1024 and args.interval == 0.5
     assert args.link_schedule == ((0.0, 10e9), (3.0, 2.5e9))
+    assert args.auto_codec == "model"  # the default
+    assert build_parser().parse_args(["bench", "--auto-codec", "measured"]).auto_codec == "measured"
     assert mean_rate(((0.0, 10e9), (3.0, 2.5e9)), 1.0, 5.0) == pytest.approx((2 * 10e9 + 2 * 2.5e9) / 4)
 
 

@@ -21,6 +21,7 @@ from kvwire.bench.report import (
     start_block,
 )
 from kvwire.bench.runner import BenchConfig
+from kvwire.errors import UsageError
 
 MiB = 1 << 20
 
@@ -123,7 +124,7 @@ def test_diagnosis_too_little_in_flight_and_the_estimator() -> None:
 
 
 def test_start_block_has_version_time_host_and_configuration() -> None:
-    cfg = BenchConfig(model="tiny", tokens=16, codec="auto", streams="auto", seed=7,
+    cfg = BenchConfig(model="tiny", tokens=16, codec="auto", auto_codec="measured", streams="auto", seed=7,
                       chunk_bytes=256 * 1024, secret=b"do-not-print-this")
     block = start_block(cfg, ["kvwire", "bench"])
     assert block["version"] == kvwire.__version__ and block["command"] == ["kvwire", "bench"]
@@ -133,7 +134,13 @@ def test_start_block_has_version_time_host_and_configuration() -> None:
     config = block["config"]
     assert config["seed"] == 7 and config["chunk_bytes"] == 256 * 1024
     assert config["codec"] == "auto" and config["streams"] == "auto" and config["tokens"] == 16
+    assert config["auto_codec"] == "measured"
     assert "secret" not in config and "do-not-print-this" not in repr(block)
+
+
+def test_auto_codec_mode_is_checked() -> None:
+    with pytest.raises(UsageError, match="--auto-codec"):
+        BenchConfig(model="tiny", codec="auto", auto_codec="guess")
 
 
 @given(
