@@ -45,7 +45,10 @@ measured further behind than a sample's noise (``SAMPLE_NOISE``) twice in a row,
 enough that its stints cost at most ``explore_cost`` of the chunks in between (a stint of
 a codec at half the leader's rate costs its length again), up to ``explore_max``. A
 codec never measured that the model, calibrated by the codecs measured, rates below
-``explore_floor`` of the leader waits as if so measured. A challenger must beat the
+``explore_floor`` of the leader waits as if so measured, and a codec the path could not
+carry as fast as the leader even at ``ESTIMATE_HEADROOM`` times the bandwidth estimate
+(``B / size_ratio``: raw on a slow link) is not explored at all while that holds: its
+stints would cost the most and cannot win. A challenger must beat the
 leader by ``hysteresis`` more than the rule says. A leader whose rate falls below another
 codec's last measurement (by that much) hands over at once, and the new leader is
 measured all the time it is sent; so neither a stale high nor a stale low measurement
@@ -107,6 +110,10 @@ UNCALIBRATED_FLOOR = 0.1
 #: CPU rates of the codecs not measured are scaled as if it had this much
 #: (``CodecChooser._calibrated``).
 WIRE_HEADROOM = 2.0
+#: How far the bandwidth estimate may be below what the path carries (it measures what was
+#: sent, and an encoder may have set that pace): a codec is not explored while the path
+#: could not carry it as fast as the leader even at this many times the estimate.
+ESTIMATE_HEADROOM = 2.0
 #: How far behind the leader one goodput sample may put a codec as good as the leader (on
 #: two loaded cores a sample of 8 chunks varies by 10-20%, more while a transfer starts).
 SAMPLE_NOISE = 0.25
@@ -468,8 +475,11 @@ class CodecChooser:
                 self._model_due.setdefault(c, count + self._cost_wait(lead, model, stint))
             else:
                 self._model_due.pop(c, None)
+        # A codec the path cannot carry fast enough to catch the leader, even at twice the
+        # estimate, is not explored while that holds (raw on a slow link).
         due = [c for c in self._by_precision if c != leader
-               and count >= self._due.get(c, 0) and count >= self._model_due.get(c, 0)]
+               and count >= self._due.get(c, 0) and count >= self._model_due.get(c, 0)
+               and ESTIMATE_HEADROOM * self._wire_bound(c, bandwidth_bps) >= lead]
         if not due:
             return self._measured_choice(leader, rates, probe=False)
         # Never measured first, in the model's order; then the one waiting longest.

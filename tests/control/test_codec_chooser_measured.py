@@ -108,7 +108,7 @@ def test_the_leader_is_the_most_precise_codec_within_tolerance_of_the_best() -> 
 
 def test_a_codec_behind_waits_longer_after_each_stint_and_one_within_tolerance_does_not() -> None:
     ch = chooser(explore_after=10, explore_cost=0.1, explore_max=10_000)
-    d = Driver(ch, {"raw": 4 * GB, "fp8": 3.98 * GB, "int8": 1 * GB, "int4": 2 * GB})
+    d = Driver(ch, {"raw": 4 * GB, "fp8": 3.98 * GB, "int8": 1 * GB, "int4": 2 * GB}, bandwidth_bps=40e9)
     d.run(2000)
     starts: dict[str, list[int]] = {c: [] for c in RATIOS}
     i = 0
@@ -132,7 +132,7 @@ def test_a_codec_behind_waits_longer_after_each_stint_and_one_within_tolerance_d
 
 def test_a_stint_costs_at_most_explore_cost_of_the_chunks_until_the_next() -> None:
     ch = chooser(explore_after=1, explore_cost=0.01, explore_max=1 << 30)
-    d = Driver(ch, {"raw": 10 * GB, "fp8": 1 * GB, "int8": 1 * GB, "int4": 1 * GB})
+    d = Driver(ch, {"raw": 10 * GB, "fp8": 1 * GB, "int8": 1 * GB, "int4": 1 * GB}, bandwidth_bps=100e9)
     d.run(6000)
     # A stint of 3 chunks at a tenth of the leader's rate costs 27 of its chunks. Measured
     # so far behind twice in a row (once might be noise), the next comes no sooner than
@@ -141,17 +141,34 @@ def test_a_stint_costs_at_most_explore_cost_of_the_chunks_until_the_next() -> No
         starts = [i for i, (c, _) in enumerate(runs(d.sent)) if c == codec]
         assert 2 <= len(starts) <= 4, starts
     ch = chooser(explore_after=1, explore_cost=0.01, explore_max=1 << 30)
-    d = Driver(ch, {"raw": 10 * GB, "fp8": 1 * GB, "int8": 1 * GB, "int4": 1 * GB})
+    d = Driver(ch, {"raw": 10 * GB, "fp8": 1 * GB, "int8": 1 * GB, "int4": 1 * GB}, bandwidth_bps=100e9)
     d.run(400)
     assert [c for c, _ in runs(d.sent)].count("fp8") == 2  # once (noise?) and again, then no more
 
 
 def test_waits_stop_at_explore_max() -> None:
     ch = chooser(explore_after=2, explore_cost=1e-6, explore_max=50)
-    d = Driver(ch, {"raw": 10 * GB, "fp8": 1 * GB, "int8": 1 * GB, "int4": 1 * GB})
+    d = Driver(ch, {"raw": 10 * GB, "fp8": 1 * GB, "int8": 1 * GB, "int4": 1 * GB}, bandwidth_bps=100e9)
     d.run(3000)
     stints = [c for c, _ in runs(d.sent)].count("fp8")
     assert stints >= 3000 // (50 + 3 * 3 + 3)  # once per explore_max and the others' stints
+
+
+def test_a_codec_the_path_cannot_carry_as_fast_as_the_leader_is_not_explored() -> None:
+    # A 1 Gbit/s link: raw delivers at most 0.125 GB/s of KV, 0.25 at twice the estimate,
+    # below what int4 is measured at; fp8 and int8 could (0.48 GB/s at twice the estimate).
+    true = {"raw": 0.12 * GB, "fp8": 0.24 * GB, "int8": 0.24 * GB, "int4": 0.32 * GB}
+    ch = chooser(explore_floor=0.0)  # not held back by the model either
+    d = Driver(ch, true, bandwidth_bps=1e9)
+    d.run(3000)
+    assert ch.leader == "int4"
+    assert "raw" not in d.sent
+    assert {"fp8", "int8"} <= set(d.sent)
+    # The estimate rises (a faster path): raw is explored again, and leads once it is ahead.
+    d.bw = 10e9
+    d.true["raw"] = 1.2 * GB
+    d.run(400)
+    assert "raw" in d.sent and ch.leader == "raw"
 
 
 def test_a_challenger_must_beat_the_leader_by_the_hysteresis() -> None:
