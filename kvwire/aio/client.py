@@ -228,7 +228,8 @@ class Peer(Pump):
             if (chooser := self.chooser) is not None:
                 self.transport_meter.delivered(ev.wire_size, chooser)
                 if chooser.measures_goodput:
-                    chooser.observe_delivered(codec_by_id(ev.codec_id).name, ev.kv_bytes, now)
+                    chooser.observe_delivered(codec_by_id(ev.codec_id).name, ev.kv_bytes, now,
+                                              first_layer=ev.address.layer == 0)
             st = self.sends.get(ev.address.transfer_id)
             if ev.layer_done and st is not None and st.first_layer_at is None:
                 st.first_layer_at = clock()

@@ -41,7 +41,8 @@ then explores another codec for a stint, until the meter has a new sample of it 
 turn once its wait has passed. Waits are counted in chunks, so exploring costs the same
 share on every link. A codec measured within tolerance of the leader waits
 ``explore_after`` chunks; one behind waits twice as long as the last time, and once
-measured further behind than a sample's noise (``SAMPLE_NOISE``) twice in a row, long
+measured further behind than a sample's noise (``SAMPLE_NOISE``) twice in a row (once, if
+it was measured at its wire bound: the path set that pace, not a moment of the host), long
 enough that its stints cost at most ``explore_cost`` of the chunks in between (a stint of
 a codec at half the leader's rate costs its length again), up to ``explore_max``. A
 codec never measured that the model, calibrated by the codecs measured, rates below
@@ -296,11 +297,13 @@ class CodecChooser:
             return
         self._transport = self._blend(self._transport, cpu_seconds / wire_bytes, wire_bytes)
 
-    def observe_delivered(self, codec: str, kv_bytes: int, now: float) -> None:
+    def observe_delivered(self, codec: str, kv_bytes: int, now: float, *, first_layer: bool = False) -> None:
         """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
-        arrived (checked and decoded) at ``now``."""
+        arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
+        transfer's first layer (paced by the receiver's first grant, see
+        :meth:`GoodputMeter.on_ack`)."""
         if self._measure and codec in self._ratio:
-            self.meter.on_ack(codec, kv_bytes, now)
+            self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer)
 
     def observe_idle(self) -> None:
         """Nothing is left in flight or queued (the last transfer is done): the time until
@@ -449,9 +452,12 @@ class CodecChooser:
             else:
                 # Behind: twice the last wait; further behind than one noisy sample
                 # explains, twice in a row (one sample can be a moment of the host, a
-                # transfer's start), at least what its stints cost.
+                # transfer's start), at least what its stints cost. Once is enough for a
+                # codec measured at its wire bound: the path, not a moment of the host,
+                # set its pace (raw on a slow link).
                 wait = 2 * self._wait.get(c, self._explore_after)
-                if self._far[c] >= 2:
+                at_wire = rate >= (1.0 - SAMPLE_NOISE) * self._wire_bound(c, bandwidth_bps)
+                if self._far[c] >= 2 or (far and at_wire):
                     wait = max(wait, self._cost_wait(lead, rate, self._stint_len or 2 * self.meter.sample_acks))
             self._wait[c] = wait = min(wait, self._explore_max)
             self._due[c] = count + wait

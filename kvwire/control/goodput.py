@@ -19,7 +19,10 @@ sender chooses another codec (the acknowledgements of the chunks still in flight
 not count: the next codec's encodes share the host with them), or when the caller says
 the pipe went idle (:meth:`GoodputMeter.pause`: nothing left to send, so the gap to the next
 acknowledgement is no codec's doing); a run that ends with at least ``min_acks`` counted
-is a (shorter) sample too. Acknowledgements of another codec (the previous one's, still
+is a (shorter) sample too. After a pause the next transfer's first layer does not start a
+run (``starts_run=False``): until the receiver's first credit comes back, a round trip
+after the transfer began, only that layer may be sent, so its acknowledgements come at
+the pace of that wait. Acknowledgements of another codec (the previous one's, still
 in flight when the run began) neither count nor end it.
 
 On two loaded cores one sample of 8 chunks (about 20 ms at 14 Gbit/s) varies by 10-20%
@@ -71,14 +74,20 @@ class GoodputMeter:
             self.pause()
             self._chosen = codec
 
-    def on_ack(self, codec: str, kv_bytes: int, now: float) -> None:
-        """One chunk of ``codec`` carrying ``kv_bytes`` of fp16 KV was acknowledged."""
+    def on_ack(self, codec: str, kv_bytes: int, now: float, *, starts_run: bool = True) -> None:
+        """One chunk of ``codec`` carrying ``kv_bytes`` of fp16 KV was acknowledged.
+
+        ``starts_run=False``: its pace was not the codec's (a chunk of a transfer's first
+        layer, sent while the receiver grants that layer only): it counts in a run under
+        way but does not start one.
+        """
         if codec != self._chosen:
             return
         run = self._run
         if run is None or now < run.last:
             self.pause()
-            self._run = _Run(codec, start=now, last=now)
+            if starts_run:
+                self._run = _Run(codec, start=now, last=now)
             return
         run.kv_bytes += kv_bytes
         run.acks += 1

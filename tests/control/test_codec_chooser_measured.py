@@ -171,6 +171,22 @@ def test_a_codec_the_path_cannot_carry_as_fast_as_the_leader_is_not_explored() -
     assert "raw" in d.sent and ch.leader == "raw"
 
 
+def test_a_codec_measured_at_its_wire_bound_and_far_behind_once_waits_what_its_stints_cost() -> None:
+    # 1 Gbit/s: raw's wire bound is 0.125 GB/s and it is measured there; int4 leads at
+    # 0.22 (too little to rule raw out by the estimate alone). One far-behind sample of a
+    # codec the path paced is not noise: the next stint waits what stints cost (about 3
+    # chunks x 0.83 / 1% = 250 chunks), not twice explore_after (80).
+    true = {"raw": 0.12 * GB, "fp8": 0.1 * GB, "int8": 0.1 * GB, "int4": 0.22 * GB}
+    ch = chooser(explore_floor=0.0, explore_cost=0.01)
+    d = Driver(ch, true, bandwidth_bps=1e9)
+    d.run(600)
+    starts = [i for i, (c, _) in enumerate(runs(d.sent)) if c == "raw"]
+    first = sum(n for _, n in runs(d.sent)[: starts[0]])
+    second = sum(n for _, n in runs(d.sent)[: starts[1]]) if len(starts) > 1 else len(d.sent)
+    assert ch.leader == "int4"
+    assert second - first >= 200
+
+
 def test_a_challenger_must_beat_the_leader_by_the_hysteresis() -> None:
     true = {"raw": 1 * GB, "fp8": 2 * GB, "int8": 2.12 * GB, "int4": 1 * GB}
     ch = chooser(tolerance=0.05, hysteresis=0.03)

@@ -118,3 +118,19 @@ def test_evenly_spaced_acks_measure_the_exact_rate(
     acks(m, "fp8", [i * period for i in range(chunks + 1)], kv)
     m.pause()
     assert m.rate("fp8") == pytest.approx(kv / period, rel=1e-6)
+
+
+def test_a_transfers_first_layer_does_not_start_a_run_but_counts_in_one_under_way() -> None:
+    m = GoodputMeter(sample_acks=2, min_acks=2)
+    m.chosen("int4")
+    # After a pause: the first layer's acks, then the wait for the receiver's grant (a
+    # round trip), then the flow. The run starts at the first ack after the wait.
+    for t in (0.0, 0.01, 0.02):
+        m.on_ack("int4", 4 * MIB, t, starts_run=False)
+    assert m.measured == {}
+    acks(m, "int4", [0.12, 0.13, 0.14])
+    assert m.rate("int4") == pytest.approx(2 * 4 * MIB / 0.02)  # the wait is not in it
+    # Under way, a first layer's ack (another transfer overlapping) counts as any other.
+    m.on_ack("int4", 4 * MIB, 0.15, starts_run=False)
+    acks(m, "int4", [0.16])
+    assert m.samples("int4") == 2 and m.rate("int4") == pytest.approx(4 * 4 * MIB / 0.04)
