@@ -26,6 +26,11 @@ __all__ = ["PROBE_CYCLE", "InflightController", "InflightTarget", "Pacer"]
 
 _MIB = 1 << 20
 _FRAME_SLACK = 4096  # a chunk frame's header and codec parameters, rounded up
+#: Longest queue (seconds of the path's bandwidth) the per-stream floor may add beyond two
+#: chunks and a bandwidth-delay product: on a slow path two chunks per stream are far more
+#: than the path needs (4 streams of 4 MiB chunks: 270 ms queued at 1 Gbit/s). Generous, so
+#: that a path slowed by a busy host (loopback under load) keeps its floor.
+FLOOR_QUEUE = 0.050
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,7 +84,8 @@ class InflightController:
     BDP from the windowed maximum delivery rate and the minimum RTT, the lateness from the
     recent minimum RTT above the all-time one (at most ``max_ack_delay``),
     clamped to ``[floor, max_bytes]`` where the floor is the larger of ``min_bytes`` and
-    ``2 x streams x chunk_bytes`` (two chunks queued per stream). Each phase lasts one
+    ``2 x streams x chunk_bytes`` (two chunks queued per stream), that second part no more
+    than the path needs (:meth:`floor_for`). Each phase lasts one
     minimum RTT (at least ``min_phase`` seconds); phases advance when the caller asks,
     with ``now``.
     """
@@ -136,6 +142,7 @@ class InflightController:
         self._phase = 0
         self._phase_start: float | None = None
         self._limited = False
+        self._floor = self.floor_bytes  # until there is an estimate (see floor_for)
         self._target = self._clamp(initial_bytes)
 
     # -- configuration -------------------------------------------------------------------
@@ -154,6 +161,18 @@ class InflightController:
         per_chunk = self._chunk + _FRAME_SLACK
         return min(self._max_bytes, max(self._min_bytes, 2 * self._streams * per_chunk))
 
+    def floor_for(self, bandwidth_bps: float, min_rtt: float) -> int:
+        """The floor on a path of ``bandwidth_bps`` and ``min_rtt``: :attr:`floor_bytes`,
+        but no more than two chunks and a bandwidth-delay product, or ``FLOOR_QUEUE``
+        seconds of the bandwidth if that is more (and never below ``min_bytes``). Two
+        chunks per stream keep every stream busy where acks come slower than the path
+        drains (loopback, a fast link); on a slow path they only queue: the path stays
+        full with one chunk in transmission, one waiting and a BDP on the way."""
+        per_chunk = self._chunk + _FRAME_SLACK
+        rate = bandwidth_bps / 8.0
+        needed = max(2 * per_chunk + rate * min_rtt, rate * FLOOR_QUEUE)
+        return max(self._min_bytes, min(self.floor_bytes, math.ceil(needed)))
+
     @property
     def phase_gain(self) -> float:
         return self._cycle[self._phase]
@@ -170,6 +189,7 @@ class InflightController:
         bandwidth = estimator.max_filter_bps
         min_rtt = estimator.min_rtt
         if bandwidth is None or min_rtt is None or bandwidth <= 0:
+            self._floor = self.floor_bytes
             self._target = self._clamp(self._initial)
             return self._target
         phase_len = max(min_rtt, self._min_phase)
@@ -181,6 +201,7 @@ class InflightController:
             self._phase = (self._phase + steps) % len(self._cycle)
             self._phase_start += steps * phase_len
             self._limited = False
+        self._floor = self.floor_for(bandwidth, min_rtt)
         bdp = bandwidth / 8.0 * min_rtt
         # Acks later than the path's minimum (a busy receiver) need bytes to cover the
         # wait, or the flight stalls and the estimate sinks with it; bounded so a queue of
@@ -207,7 +228,7 @@ class InflightController:
         return self._limited
 
     def _clamp(self, target: int) -> int:
-        return max(self.floor_bytes, min(self._max_bytes, target))
+        return max(self._floor, min(self._max_bytes, target))
 
 
 class Pacer:

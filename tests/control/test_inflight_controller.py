@@ -24,6 +24,33 @@ def test_floor_keeps_two_chunks_per_stream() -> None:
     assert ctl.update(est, 0.0) == ctl.floor_bytes  # the initial 16 MiB is below the floor
 
 
+def test_on_a_slow_path_the_floor_is_two_chunks_and_a_bdp_not_two_chunks_per_stream() -> None:
+    ctl = InflightController(streams=4, chunk_bytes=4 * MIB, min_bytes=4 * MIB)
+    frame = 4 * MIB + 4096
+    assert ctl.floor_bytes == 8 * frame  # 33.6 MB: 270 ms of a 1 Gbit/s link
+    # 1 Gbit/s, 20 ms: one chunk on the wire, one waiting, a BDP (2.5 MB) on the way.
+    assert ctl.floor_for(1e9, 0.020) == 2 * frame + 2_500_000
+    # A fast path keeps two chunks per stream (they drain within FLOOR_QUEUE)...
+    assert ctl.floor_for(25e9, 0.001) == ctl.floor_bytes
+    assert ctl.floor_for(10e9, 0.0001) == ctl.floor_bytes
+    # ... and a path between keeps what drains in FLOOR_QUEUE (50 ms of 2.5 Gbit/s).
+    assert ctl.floor_for(2.5e9, 0.0001) == 15_625_000
+    assert ctl.floor_for(1e6, 0.020) == 2 * frame + 2500  # two chunks even on the slowest path
+    assert InflightController(chunk_bytes=MIB).floor_for(1e6, 0.020) == 4 * MIB  # never below min_bytes
+
+
+def test_a_slow_long_path_is_kept_full_without_a_standing_queue_of_the_floor() -> None:
+    capacity = 1 * GBPS
+    ctl = InflightController(streams=4, chunk_bytes=4 * MIB)
+    result = simulate(ctl.may_send, capacity=lambda t: capacity, delay=0.010, chunk=4 * MIB, duration=6.0,
+                      target_of=lambda e, now: ctl.target_bytes)
+    assert result.rate(2.0, 6.0) >= 0.95 * capacity
+    late = [t for at, t in result.targets if at >= 2.0]
+    # Twice the BDP of a chunk's round trip (20 ms and its 33 ms on the wire), probed up by
+    # a quarter: well below two chunks per stream (33.6 MB, 270 ms queued).
+    assert max(late) <= 0.7 * ctl.floor_bytes
+
+
 def test_an_empty_flight_may_always_send() -> None:
     ctl = InflightController(min_bytes=MIB, max_bytes=MIB, initial_bytes=MIB)
     est = DeliveryRateEstimator()
@@ -103,7 +130,7 @@ def test_target_recovers_after_the_estimate_dropped_and_the_link_frees(
     )
     assert result.rate(1.0, 1.5) <= low_rate + 2 * MIB / 0.5  # the estimate really dropped
     assert result.rate(2.0, 2.5) >= 0.95 * high_rate  # and the window found the link again
-    assert min(t for _, t in result.targets) >= ctl.floor_bytes
+    assert min(t for _, t in result.targets) >= 4 * MIB  # min_bytes
 
 
 @settings(max_examples=10, deadline=None)
@@ -158,5 +185,8 @@ def test_target_is_never_below_the_floor_nor_above_the_ceiling(
             est.on_send(i, nbytes, now, app_limited=False)
             outstanding.append(i)
         target = ctl.update(est, now)
-        assert ctl.floor_bytes <= target <= 128 * MIB
+        bandwidth, min_rtt = est.max_filter_bps, est.min_rtt
+        floor = (ctl.floor_for(bandwidth, min_rtt) if bandwidth and min_rtt is not None else ctl.floor_bytes)
+        assert 4 * MIB <= floor <= ctl.floor_bytes
+        assert floor <= target <= 128 * MIB
         assert ctl.floor_bytes >= min(128 * MIB, 2 * streams * chunk)
