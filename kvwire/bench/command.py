@@ -324,9 +324,10 @@ def _run_with_reports(cfg: Any, *, quiet: bool, argv: list[str]) -> dict[str, An
 
     if quiet:
         return run_bench(cfg, argv=argv)
+    codec = f"{cfg.codec} ({cfg.auto_codec})" if cfg.codec == "auto" else cfg.codec
     header = (
         f"kvwire {__version__} bench: {cfg.model} x {cfg.tokens} tokens, {_where(cfg)}, "
-        f"codec {cfg.codec}{' (' + cfg.auto_codec + ')' if cfg.codec == 'auto' else ''}, streams {cfg.streams}, chunk {format_size(cfg.chunk_bytes)}, "
+        f"codec {codec}, streams {cfg.streams}, chunk {format_size(cfg.chunk_bytes)}, "
         f"seed {cfg.seed}, {format_duration(cfg.duration)}"
     )
 
