@@ -251,6 +251,19 @@ def test_a_flipped_bit_read_in_place_is_an_integrity_error(at: int, step: int) -
     assert got == []  # refused, or (a longer length) still waiting: never delivered
 
 
+def _read_in_steps(dec: FrameDecoder, stream: memoryview, rng: random.Random, most: int,
+                   got: list[tuple[Frame, int]]) -> None:
+    """Feed ``stream`` through get_buffer/buffer_updated in random reads of at most
+    ``most`` bytes, appending the frames to ``got`` as each read returns them."""
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(stream) - pos, rng.randint(1, most))
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        got += dec.buffer_updated(n)
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.data())
 def test_payload_sink_receives_big_chunk_payloads_in_place(data: st.DataObject) -> None:
@@ -268,15 +281,8 @@ def test_payload_sink_receives_big_chunk_payloads_in_place(data: st.DataObject) 
         return sinks[-1]
 
     dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=data.draw(st.integers(16, 5000)), payload_sink=sink)
-    rng = random.Random(data.draw(st.integers(0, 2**32)))
-    got = []
-    pos = 0
-    while pos < len(stream):
-        buf = dec.get_buffer()
-        n = min(len(buf), len(stream) - pos, rng.randint(1, 90_000))
-        buf[:n] = stream[pos : pos + n]
-        pos += n
-        got += dec.buffer_updated(n)
+    got: list[tuple[Frame, int]] = []
+    _read_in_steps(dec, stream, random.Random(data.draw(st.integers(0, 2**32))), 90_000, got)
     assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
     [sunk] = sinks
     assert got[1][0].payload is sunk and bytes(sunk) == payload  # type: ignore[union-attr]
@@ -307,14 +313,7 @@ def test_payload_sink_is_asked_only_after_the_frames_before_are_handed_over(data
         return memoryview(bytearray(size))
 
     dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=data.draw(st.integers(16, 5000)), payload_sink=sink)
-    rng = random.Random(data.draw(st.integers(0, 2**32)))
-    pos = 0
-    while pos < len(stream):
-        buf = dec.get_buffer()
-        n = min(len(buf), len(stream) - pos, rng.randint(1, 40_000))
-        buf[:n] = stream[pos : pos + n]
-        pos += n
-        got += dec.buffer_updated(n)
+    _read_in_steps(dec, stream, random.Random(data.draw(st.integers(0, 2**32))), 40_000, got)
     assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
     assert dec.buffered == 0 and dec.payload_remaining == 0
     assert asked == sorted(set(asked))
