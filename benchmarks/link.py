@@ -29,6 +29,7 @@ from typing import Any
 from kvwire.bench.models import MODELS
 from kvwire.bench.runner import BenchConfig, run_bench
 from kvwire.errors import KvwireError
+from kvwire.session.options import AUTO_CODEC_MODES
 
 
 def _after(samples: list[dict[str, Any]], t: float) -> list[dict[str, Any]]:
@@ -68,7 +69,7 @@ def main() -> None:
     ap.add_argument("--json", help="write every run's full report here")
     ap.add_argument("--codec-links", default="10,1", help="Gbit/s of the links for the codec comparison ('' to skip)")
     ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with")
-    ap.add_argument("--auto-codec", choices=("model", "measured"), default="model",
+    ap.add_argument("--auto-codec", choices=AUTO_CODEC_MODES, default="model",
                     help="how auto chooses (ClientOptions.auto_codec)")
     args = ap.parse_args()
     streams: int | str = args.streams if args.streams == "auto" else int(args.streams)

@@ -456,8 +456,8 @@ class CodecChooser:
                 # codec measured at its wire bound: the path, not a moment of the host,
                 # set its pace (raw on a slow link).
                 wait = 2 * self._wait.get(c, self._explore_after)
-                at_wire = rate >= (1.0 - SAMPLE_NOISE) * self._wire_bound(c, bandwidth_bps)
-                if self._far[c] >= 2 or (far and at_wire):
+                at_wire = far and rate >= (1.0 - SAMPLE_NOISE) * self._wire_bound(c, bandwidth_bps)
+                if self._far[c] >= 2 or at_wire:
                     wait = max(wait, self._cost_wait(lead, rate, self._stint_len or 2 * self.meter.sample_acks))
             self._wait[c] = wait = min(wait, self._explore_max)
             self._due[c] = count + wait
