@@ -6,6 +6,16 @@ delivery state (bytes delivered so far, when, and when the current flight began)
 ack it produces a :class:`RateSample`: bytes delivered over the interval the chunk was
 in flight.
 
+A sample is the lower of two rates over its chunk's flight: the ack rate (bytes
+delivered since the chunk was sent, over the time since the ack before its send) and the
+send rate (bytes sent from the send of the chunk last acked before it to its own send,
+over that time). Chunks are striped over several connections, so acks do not come in
+send order: a chunk sent early on a slow stream is acked after later ones, and acks that
+arrive bunched count it with them. Each rate therefore counts its own bytes (the send rate
+the bytes sent in its interval, not those delivered), so bunched acks cannot make a rate
+higher than the sender's; in send order both count the same bytes and this is the
+single-connection rule.
+
 Two views of bandwidth come out of the samples:
 
 * ``max_filter_bps``: the windowed maximum over the last ``window_rounds`` round trips.
@@ -35,7 +45,8 @@ class RateSample:
     delivered_bytes: int
     """Bytes acknowledged between the acked chunk's send and its ack."""
     interval: float
-    """Seconds those bytes took: the longer of the send and the ack intervals."""
+    """Seconds those bytes took: the longer of the ack interval and the time they take at
+    the rate the sender sent at."""
     rtt: float
     """Seconds from the chunk's send to its ack."""
     app_limited: bool
@@ -76,6 +87,8 @@ class _SentChunk:
     delivered_time: float
     first_sent_time: float
     app_limited: bool
+    sent_total: int  # bytes sent so far, this chunk's included
+    first_sent_total: int  # the same at first_sent_time
 
 
 class DeliveryRateEstimator:
@@ -117,6 +130,8 @@ class DeliveryRateEstimator:
         self._delivered = 0
         self._delivered_time = 0.0
         self._first_sent_time = 0.0
+        self._sent_total = 0
+        self._first_sent_total = 0
         # Delivered-byte mark until which samples are app-limited; 0 means not app-limited.
         self._app_limited_until = 0
 
@@ -160,8 +175,10 @@ class DeliveryRateEstimator:
         if self._bytes_in_flight == 0:
             # A new flight starts now: intervals must not include the idle time before it.
             self._first_sent_time = now
+            self._first_sent_total = self._sent_total
             self._delivered_time = now
         self._bytes_in_flight += nbytes
+        self._sent_total += nbytes
         if app_limited:
             self._app_limited_until = max(self._delivered + self._bytes_in_flight, 1)
         self._sent[chunk_key] = _SentChunk(
@@ -171,6 +188,8 @@ class DeliveryRateEstimator:
             delivered_time=self._delivered_time,
             first_sent_time=self._first_sent_time,
             app_limited=self._app_limited_until != 0,
+            sent_total=self._sent_total,
+            first_sent_total=self._first_sent_total,
         )
         self._last_now = max(self._last_now, now)
 
@@ -193,15 +212,22 @@ class DeliveryRateEstimator:
             self._next_round_delivered = self._delivered
             self._round_count += 1
 
-        # Later sends measure their flight from this chunk's send on.
-        self._first_sent_time = max(self._first_sent_time, chunk.sent_time)
+        # Later sends measure their flight from this chunk's send on (from the latest send
+        # acked: acks out of send order must not move it back).
+        if chunk.sent_time >= self._first_sent_time:
+            self._first_sent_time = chunk.sent_time
+            self._first_sent_total = chunk.sent_total
 
-        send_elapsed = chunk.sent_time - chunk.first_sent_time
+        delivered = self._delivered - chunk.delivered
         ack_elapsed = now - chunk.delivered_time
+        # The send rate as an interval for the delivered bytes: at the rate the sender sent
+        # at, they took this long.
+        sent = chunk.sent_total - chunk.first_sent_total
+        send_elapsed = (chunk.sent_time - chunk.first_sent_time) * delivered / sent if sent > 0 else 0.0
         interval = max(send_elapsed, ack_elapsed, self._min_interval)
         rtt = max(now - chunk.sent_time, 0.0)
         sample = RateSample(
-            delivered_bytes=self._delivered - chunk.delivered,
+            delivered_bytes=delivered,
             interval=interval,
             rtt=rtt,
             app_limited=chunk.app_limited,

@@ -7,6 +7,8 @@ import itertools
 from collections.abc import Callable
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.control import DeliveryRateEstimator, InflightTarget, Pacer
 
@@ -75,6 +77,65 @@ def test_idle_time_before_a_flight_is_not_counted() -> None:
     sample = est.on_ack(2, 10.01)
     assert sample is not None
     assert sample.interval == pytest.approx(0.01)
+
+
+def test_acks_out_of_send_order_cannot_make_a_rate_above_the_send_rate() -> None:
+    # Two streams. Stream A's 4 MiB chunk a0 is sent at 0 and held up; stream B sends
+    # 1 MiB chunks every 10 ms, each acked 20 ms later, and a0's ack comes between b2's
+    # and b3's.
+    est = DeliveryRateEstimator()
+    est.on_send("a0", 4 * MIB, 0.000, app_limited=False)
+    est.on_send("b0", MIB, 0.010, app_limited=False)
+    est.on_send("b1", MIB, 0.020, app_limited=False)
+    est.on_ack("b0", 0.030)
+    est.on_send("b2", MIB, 0.030, app_limited=False)
+    est.on_ack("b1", 0.040)
+    est.on_send("b3", MIB, 0.040, app_limited=False)
+    est.on_ack("b2", 0.050)
+    est.on_ack("a0", 0.060)
+    sample = est.on_ack("b3", 0.0601)
+    assert sample is not None
+    # b3 counts b2, a0 and itself: 6 MiB acked within 20.1 ms of b1's ack. From b1's send
+    # to b3's the sender sent 2 MiB in 20 ms (100 MiB/s): the sample is that, not 6 MiB
+    # in 20.1 ms (the rule for acks in send order, which reads 3x as much).
+    assert sample.delivered_bytes == 6 * MIB
+    assert sample.interval == pytest.approx(0.060)
+    assert sample.rate_bps == pytest.approx(8 * 100 * MIB)
+
+
+@st.composite
+def _constant_rate_flights(draw: st.DrawFn) -> tuple[list[tuple[float, int, int]], float]:
+    """Chunks of one size sent at a constant rate, each acked any time after its send, in
+    any order: ``[(time, 0 send / 1 ack, chunk)]`` in time order, and the send rate."""
+    n = draw(st.integers(2, 30))
+    gap = draw(st.floats(1e-4, 0.01))
+    delays = draw(st.lists(st.floats(1e-4, 0.1), min_size=n, max_size=n))
+    events = [(0.0, 0, 0), (1e-5, 1, 0)]  # the first chunk acked at once: the flight's start
+    events.append((gap, 0, n))  # a chunk acked last of all keeps the flight going
+    events.append((gap + 1.0, 1, n))
+    for k in range(1, n):
+        events.append((gap * (k + 1), 0, k))
+        events.append((gap * (k + 1) + delays[k], 1, k))
+    return sorted(events), MIB / gap
+
+
+@settings(max_examples=300, deadline=None)
+@given(_constant_rate_flights())
+def test_no_ack_order_makes_a_sample_above_a_constant_send_rate(
+    flights: tuple[list[tuple[float, int, int]], float],
+) -> None:
+    events, send_rate = flights
+    est = DeliveryRateEstimator()
+    for t, kind, k in events:
+        if kind == 0:
+            est.on_send(k, MIB, t, app_limited=False)
+            continue
+        sample = est.on_ack(k, t)
+        assert sample is not None
+        assert sample.interval >= sample.rtt - 1e-12
+        if k != 0:
+            assert sample.delivered_bytes / sample.interval <= send_rate * (1 + 1e-9)
+    assert est.bytes_in_flight == 0
 
 
 def test_app_limited_samples_do_not_lower_the_max_filter() -> None:
