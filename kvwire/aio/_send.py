@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -64,6 +65,9 @@ class SendState:
     done: TransferDone | None = None
     first_layer_at: float | None = None  # when every chunk of a layer was first acknowledged
     ran_since: float = 0.0  # when the send task last let the event loop run (see YIELD_AFTER)
+    # When the send task last came back from waiting on the session (a grant, its queue
+    # draining onto the streams): the path set the pace until then, not the producer.
+    resumed_at: float = -math.inf
 
     def fail(self, error: KvwireError) -> None:
         if self.error is None:
@@ -83,7 +87,7 @@ async def until(st: SendState, ready: Callable[[], bool]) -> None:
         if ready():
             return
         await st.changed.wait()
-        st.ran_since = clock()
+        st.ran_since = st.resumed_at = clock()
 
 
 async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) -> tuple[Any, Any] | None:

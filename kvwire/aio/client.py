@@ -216,8 +216,13 @@ class Peer(Pump):
             # wire at the path's peak rate (chunks larger than the BDP: an encoder slower
             # than the path keeps about one in flight, which is no measure of the path).
             # A fast producer that keeps the pipe full is never app-limited, however its
-            # chunks meet the in-flight limit's gain cycle.
-            gap = now - self._last_sent_at
+            # chunks meet the in-flight limit's gain cycle. The producer's time counts from
+            # the later of the last send and its send task's return from waiting on the
+            # session (for a grant, or for its queue to go out): a wait the path set is not
+            # the producer's (counted, it made raw chunks look slow whenever the peak was
+            # above the path's rate, after a drop, and kept the stale peak published).
+            st = self.sends.get(ev.address.transfer_id)
+            gap = now - max(self._last_sent_at, -math.inf if st is None else st.resumed_at)
             self._last_sent_at = now
             slow = not ev.waited and gap * peak / 8 > 0.5 * ev.wire_size
             limited = not ev.queued and (bdp <= 0 or est.bytes_in_flight < bdp or slow)

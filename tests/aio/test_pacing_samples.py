@@ -5,12 +5,14 @@ own time without the wait for a worker."""
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import numpy as np
 import pytest
 
 from kvwire.aio import _encode
+from kvwire.aio._send import SendState, until
 from kvwire.aio.client import ClientOptions, Peer
 from kvwire.codec import TensorKind
 from kvwire.codec.base import EncodedChunk
@@ -83,6 +85,45 @@ async def test_with_the_pipe_full_a_slow_producer_is_app_limited(monkeypatch: An
     at[0] += 0.0008
     peer._on_event(_sent(1, queued=False))
     assert peer.estimator.app_limited
+
+
+async def test_a_chunk_made_at_once_after_waiting_on_the_path_is_not_app_limited(monkeypatch: Any) -> None:
+    """A send task that waited 5 ms for its queue to go out (the path's pace) and made its
+    next chunk 20 us after it came back keeps up: that chunk is no app-limited sample,
+    though it went out as it was added 5 ms after the send before. Its transfer's send task
+    that had not waited (resumed long before) is the slow producer of the test above."""
+    at = [20.0]
+    peer = _full_pipe(monkeypatch, at)
+    st = SendState(changed=asyncio.Event())
+    peer.sends[1] = st
+    peer._on_event(_sent(0, queued=False, waited=True))
+    at[0] += 0.005
+    st.resumed_at = at[0] - 0.00002
+    peer._on_event(_sent(1, queued=False))
+    assert not peer.estimator.app_limited
+    at[0] += 0.005
+    peer._on_event(_sent(2, queued=False))  # 5 ms to make, no wait in between
+    assert peer.estimator.app_limited
+
+
+async def test_waiting_on_the_session_marks_when_the_send_task_resumed(monkeypatch: Any) -> None:
+    from kvwire.aio import _send
+
+    at = [5.0]
+    monkeypatch.setattr(_send, "clock", lambda: at[0])
+    st = SendState(changed=asyncio.Event())
+    ready = [False]
+    waiter = asyncio.ensure_future(until(st, lambda: ready[0]))
+    await asyncio.sleep(0)
+    assert st.resumed_at == -math.inf  # still waiting
+    at[0] = 7.0
+    ready[0] = True
+    st.changed.set()
+    await waiter
+    assert st.resumed_at == 7.0
+    at[0] = 9.0
+    await until(st, lambda: True)  # ready at once: no wait, no resume
+    assert st.resumed_at == 7.0
 
 
 async def test_before_any_estimate_a_lone_chunk_is_app_limited() -> None:
