@@ -19,9 +19,7 @@ How they combine is the ``pipeline`` setting:
 Delivered KV = 1 / cost. Raw has no encode or decode, so it is chosen whenever it is at
 least as fast as the best (within ``tolerance``, precision first): ``auto`` never lowers
 KV goodput by the model's measure. On a fast link the raw bytes win; on a slow one a
-compact codec does. Before the first bandwidth estimate (the chunks that fill a session's
-first window) the most compact codec goes: its encode costs little on a fast link, raw's
-wire bytes cost a slow one several times as much. The one exception is deliberate: given ``now``, one chunk per
+compact codec does. The one exception is deliberate: given ``now``, one chunk per
 ``probe_interval`` may be a probe that refreshes a measurement the model rests on (the
 path's rate while an encoder paces the sender, a compact codec's encode speed while raw
 is chosen, the speeds of a codec not sent for a while; see :meth:`CodecChooser.choose`).
@@ -364,9 +362,7 @@ class CodecChooser:
         """Choose the codec for the next chunk.
 
         :param bandwidth_bps: the published bandwidth estimate; ``None`` (no estimate
-            yet) picks the most compact codec (the smallest ``size_ratio``; ties, the
-            more precise): until the path has been measured, the wire bytes it saves on a
-            slow link far outweigh its encode on a fast one.
+            yet) picks the most precise codec.
         :param remaining_bytes: fp16 bytes of the transfer still to send, this chunk
             included; with ``time_left`` it selects deadline mode.
         :param time_left: seconds to the deadline.
@@ -400,7 +396,8 @@ class CodecChooser:
                 return self._choose_measured(self.rates(math.inf if bw is None else bw), bw)
             now = None  # the model's choice, unprobed: its first run is measured
         if bandwidth_bps is None or bandwidth_bps <= 0:
-            return CodecChoice(codec=self._most_compact(), delivered_bytes_per_s=math.nan, meets_deadline=None)
+            first = self._by_precision[0]
+            return CodecChoice(codec=first, delivered_bytes_per_s=math.nan, meets_deadline=None)
         rates = self.rates(bandwidth_bps)
         if deadline:
             assert remaining_bytes is not None and time_left is not None
@@ -418,14 +415,6 @@ class CodecChooser:
         if probe is not None:
             return CodecChoice(codec=probe, delivered_bytes_per_s=rates[probe], meets_deadline=None, probe=True)
         return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None)
-
-    def _most_compact(self) -> str:
-        """The choice before any bandwidth estimate (a session's first round trip, when the
-        chunks that fill the first window are chosen): the link may be anything. On a slow
-        one a raw chunk costs ``1 / size_ratio`` times a compact one's wire time (at
-        1 Gbit/s the nine raw chunks of a session's start cost 0.3 s, 4% of a 6 s run),
-        on a fast one a compact chunk costs only its encode. Ties: the more precise."""
-        return min(self._by_precision, key=lambda c: self._ratio[c])
 
     def _choose_measured(self, rates: Mapping[str, float], bandwidth_bps: float | None) -> CodecChoice:
         """Throughput mode on measured goodput: the leader, or a stint of another codec

@@ -70,24 +70,8 @@ def test_unmeasured_codec_is_optimistic() -> None:
     c = CodecChooser.from_ratios({"raw": 1.0, "int8": 0.52})
     assert c.codecs == ["raw", "int8"]
     assert c.choose(10e9).codec == "int8"
+    assert c.choose(None).codec == "raw"
     assert math.isnan(c.choose(None).delivered_bytes_per_s)
-
-
-def test_before_any_estimate_the_most_compact_codec_goes() -> None:
-    """The chunks of a session's first window are chosen before any acknowledgement: on a
-    1 Gbit/s link nine raw chunks cost 0.3 s where int4 takes a quarter of that."""
-    c = chooser()
-    assert c.choose(None).codec == "int4"
-    assert c.choose(0.0).codec == "int4"
-    assert c.choose(100e9).codec == "raw"  # once measured, a fast path keeps raw
-    # Ties go to the more precise codec; measured sizes move the choice.
-    c = CodecChooser.from_ratios({"raw": 1.0, "fp8": 0.52, "int8": 0.52})
-    assert c.choose(None).codec == "fp8"
-    c.observe_size("int8", 1000, 100)
-    assert c.choose(None).codec == "int8"
-    # Measured goodput mode: the first (unmeasured) run is the compact codec's.
-    m = CodecChooser.from_ratios({"raw": 1.0, "int4": 0.27}, measure_goodput=True)
-    assert m.choose(None, now=0.0).codec == "int4"
 
 
 def test_observed_size_ratio_is_smoothed() -> None:
