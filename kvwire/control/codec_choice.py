@@ -396,6 +396,9 @@ class CodecChooser:
                 return self._choose_measured(self.rates(math.inf if bw is None else bw), bw)
             now = None  # the model's choice, unprobed: its first run is measured
         if bandwidth_bps is None or bandwidth_bps <= 0:
+            # The most precise (raw): its samples measure the path. A compact first window
+            # costs less on a slow link, but its samples measure the encoder, and on
+            # loopback the model then kept choosing the compact codec from them.
             first = self._by_precision[0]
             return CodecChoice(codec=first, delivered_bytes_per_s=math.nan, meets_deadline=None)
         rates = self.rates(bandwidth_bps)
