@@ -221,10 +221,20 @@ class Peer(Pump):
             # session (for a grant, or for its queue to go out): a wait the path set is not
             # the producer's (counted, it made raw chunks look slow whenever the peak was
             # above the path's rate, after a drop, and kept the stale peak published).
+            # A producer's pause sets the pace only where chunks are larger than the BDP
+            # (one in flight is a full pipe by bytes) or the flight holds little beyond a
+            # BDP; with more than two chunks queued past it the path drains that queue
+            # through the pause and the samples measure the path (on two busy cores a raw
+            # sender descheduled for 2-7 ms with 90 MB in flight at 10 Gbit/s, 20 ms,
+            # marked most samples app-limited, and the stale peak was published between
+            # transfers). On loopback, where a chunk is larger than the BDP, this is
+            # what sends auto's raw probes while compact chunks back up at the receiver
+            # (counted there, auto stayed on int4 for 80% of one run's chunks).
             st = self.sends.get(ev.address.transfer_id)
             gap = now - max(self._last_sent_at, -math.inf if st is None else st.resumed_at)
             self._last_sent_at = now
-            slow = not ev.waited and gap * peak / 8 > 0.5 * ev.wire_size
+            slow = (not ev.waited and gap * peak / 8 > 0.5 * ev.wire_size
+                    and (ev.wire_size > bdp or est.bytes_in_flight < bdp + 2 * ev.wire_size))
             limited = not ev.queued and (bdp <= 0 or est.bytes_in_flight < bdp or slow)
             est.on_send(ev.address, ev.wire_size, now, app_limited=limited)
         elif isinstance(ev, ChunkDelivered):

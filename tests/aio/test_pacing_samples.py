@@ -26,9 +26,9 @@ def _peer() -> Peer:
                 options=ClientOptions())
 
 
-def _sent(i: int, *, queued: bool, waited: bool = False) -> ChunkSent:
+def _sent(i: int, *, queued: bool, waited: bool = False, size: int = 1 << 20) -> ChunkSent:
     return ChunkSent(address=ChunkAddress(transfer_id=1, layer=0, kind=0, token_start=i), stream=0,
-                     wire_size=1 << 20, kv_bytes=1 << 20, queued=queued, waited=waited)
+                     wire_size=size, kv_bytes=size, queued=queued, waited=waited)
 
 
 def _measured(peer: Peer) -> float:
@@ -77,13 +77,32 @@ async def test_with_the_pipe_full_a_fast_producer_is_not_app_limited(monkeypatch
 
 async def test_with_the_pipe_full_a_slow_producer_is_app_limited(monkeypatch: Any) -> None:
     """A chunk larger than the BDP leaves the pipe "full" by bytes in flight even when an
-    encoder slower than the path makes it: 0.8 ms to make a chunk the path carries in
-    about 1 ms is the producer's pace."""
+    encoder slower than the path makes it: 1.5 ms to make a 2 MiB chunk the path carries
+    in about 2 ms is the producer's pace."""
     at = [20.0]
     peer = _full_pipe(monkeypatch, at)
+    peer._on_event(_sent(0, queued=False, waited=True, size=2 << 20))
+    at[0] += 0.0015
+    peer._on_event(_sent(1, queued=False, size=2 << 20))
+    assert peer.estimator.app_limited
+
+
+async def test_a_pause_with_chunks_queued_past_the_bdp_is_not_app_limited(monkeypatch: Any) -> None:
+    """Chunks no larger than the BDP (a path with a long round trip): a producer's pause
+    with more than two chunks in flight beyond a BDP is drained through by the path's
+    queue, and the samples still measure the path; with the flight within two chunks of
+    a BDP the same pause is the producer's pace."""
+    at = [20.0]
+    peer = _full_pipe(monkeypatch, at)  # one BDP (1 MiB) and 1 MiB more in flight
     peer._on_event(_sent(0, queued=False, waited=True))
+    peer._on_event(_sent(1, queued=False, waited=True))  # 4 MiB in flight now
+    at[0] += 0.005
+    peer._on_event(_sent(2, queued=False))  # 5 ms to make: the path was never idle
+    assert not peer.estimator.app_limited
+    peer = _full_pipe(monkeypatch, at)
+    peer._last_sent_at = at[0]  # the last send (of the 2 MiB in flight) was now
     at[0] += 0.0008
-    peer._on_event(_sent(1, queued=False))
+    peer._on_event(_sent(0, queued=False))  # 2 MiB in flight: within two chunks of the BDP
     assert peer.estimator.app_limited
 
 
@@ -99,10 +118,10 @@ async def test_a_chunk_made_at_once_after_waiting_on_the_path_is_not_app_limited
     peer._on_event(_sent(0, queued=False, waited=True))
     at[0] += 0.005
     st.resumed_at = at[0] - 0.00002
-    peer._on_event(_sent(1, queued=False))
+    peer._on_event(_sent(1, queued=False, size=2 << 20))
     assert not peer.estimator.app_limited
     at[0] += 0.005
-    peer._on_event(_sent(2, queued=False))  # 5 ms to make, no wait in between
+    peer._on_event(_sent(2, queued=False, size=2 << 20))  # 5 ms to make, no wait in between
     assert peer.estimator.app_limited
 
 
