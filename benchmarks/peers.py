@@ -649,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--links", default="loopback,veth", help="loopback and/or veth (root)")
     ap.add_argument("--rate", type=float, default=10e9, help="veth rate in bit/s (default 10e9)")
     ap.add_argument("--loads", default="quiet,busy")
-    ap.add_argument("--whole-tokens", type=int, default=8192, help="tokens of the whole cache (8192 = 1 GiB)")
+    ap.add_argument("--whole-tokens", type=int, default=8192, help="tokens of the whole cache (8192 = 1 GiB); 0 to skip")
     ap.add_argument("--burst", default="20x1024", help="COUNTxTOKENS back-to-back caches (20x1024 = 20 x 128 MiB); '' to skip")
     ap.add_argument("--burst-links", default="loopback", help="links the burst shape runs on")
     ap.add_argument("--burst-loads", default="quiet", help="loads the burst shape runs under")
@@ -661,6 +661,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="also import kvwire from source tree DIR as system kvwire-<codec>@NAME "
                          "(name it in --systems), e.g. to compare two versions in one run")
     args = ap.parse_args(argv)
+    if args.whole_tokens < 0:
+        ap.error("--whole-tokens must be 0 (skip) or more")
+    burst: tuple[int, int] | None = None
+    if args.burst:
+        try:
+            count, tokens = (int(x) for x in args.burst.split("x"))
+        except ValueError:
+            ap.error(f"--burst takes COUNTxTOKENS (e.g. 20x1024), not {args.burst!r}")
+        if count < 1 or tokens < 1:
+            ap.error(f"--burst needs a count and tokens of at least 1, not {args.burst!r}")
+        burst = count, tokens
 
     for spec in args.kvwire_tree:
         tree_name, _, tree_dir = spec.partition("=")
@@ -671,10 +682,10 @@ def main(argv: list[str] | None = None) -> int:
     scenarios: list[Scenario] = []
     for link_name in links:
         for load_kind in args.loads.split(","):
-            scenarios.append(Scenario(link_name, load_kind, args.whole_tokens, 1))
-            if args.burst and link_name in args.burst_links.split(",") and load_kind in args.burst_loads.split(","):
-                count, tokens = (int(x) for x in args.burst.split("x"))
-                scenarios.append(Scenario(link_name, load_kind, tokens, count))
+            if args.whole_tokens:
+                scenarios.append(Scenario(link_name, load_kind, args.whole_tokens, 1))
+            if burst and link_name in args.burst_links.split(",") and load_kind in args.burst_loads.split(","):
+                scenarios.append(Scenario(link_name, load_kind, burst[1], burst[0]))
 
     skipped = {s: why for s in systems if (why := missing(s)) is not None}
     if "veth" in links:
@@ -687,6 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     for s, why in skipped.items():
         print(f"{s}: skipped: {why}", file=sys.stderr)
     runnable = [s for s in systems if s not in skipped]
+    if not scenarios:
+        ap.error("nothing to run: no scenario is left for these links, loads and shapes")
 
     largest = max(s.tokens for s in scenarios) * TOKEN_BYTES
     cache = make_cache(largest)

@@ -1,0 +1,45 @@
+"""benchmarks/peers.py runs end to end on loopback (raw pair and kvwire, tiny caches) and
+refuses arguments that would measure nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
+    out = tmp_path / "peers.json"
+    got = _run("--systems", "raw,kvwire-raw", "--links", "loopback", "--loads", "quiet",
+               "--whole-tokens", "0", "--burst", "2x16", "--rounds", "1", "--json", str(out))
+    assert got.returncode == 0, got.stderr
+    data = json.loads(out.read_text())
+    assert data["failures"] == {}
+    assert sorted(data["samples"]) == ["loopback, quiet, 2 x 2 MiB / kvwire-raw",
+                                      "loopback, quiet, 2 x 2 MiB / raw"]
+    for samples in data["samples"].values():
+        assert len(samples) == 1 and samples[0]["gbps"] > 0
+    kv = data["samples"]["loopback, quiet, 2 x 2 MiB / kvwire-raw"][0]
+    assert set(kv["extra"]["chunks_by_codec"]) == {"raw"}
+    assert "| kvwire-raw |" in got.stdout and "1 GiB" not in got.stdout  # no whole-cache shape
+
+
+def test_nothing_to_run_is_an_error() -> None:
+    got = _run("--whole-tokens", "0", "--burst", "")
+    assert got.returncode == 2
+    assert "nothing to run" in got.stderr
+
+
+def test_bad_shapes_are_refused() -> None:
+    for args, says in ((["--burst", "20"], "COUNTxTOKENS"), (["--burst", "0x1024"], "at least 1"),
+                       (["--whole-tokens", "-1"], "--whole-tokens")):
+        got = _run(*args)
+        assert got.returncode == 2, args
+        assert says in got.stderr, (args, got.stderr)
