@@ -72,9 +72,19 @@ def main() -> None:
     ap.add_argument("--auto-codec", choices=AUTO_CODEC_MODES, default="model",
                     help="how auto chooses (ClientOptions.auto_codec)")
     args = ap.parse_args()
-    streams: int | str = args.streams if args.streams == "auto" else int(args.streams)
+    try:
+        streams: int | str = args.streams if args.streams == "auto" else int(args.streams)
+        link_gbps = [float(x) for x in args.codec_links.split(",") if x]
+    except ValueError as exc:
+        ap.error(f"--streams takes N or auto, --codec-links Gbit/s separated by commas ({exc})")
     common: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "duration": args.duration,
                               "streams": streams, "rtt": 0.020, "auto_codec": args.auto_codec}
+    try:  # every run's settings are checked before the first one starts
+        for gbps in [10.0, *link_gbps]:
+            for codec in {"raw", "auto", *args.codecs.split(",")}:
+                BenchConfig(link_bps=gbps * 1e9, codec=codec, **common)
+    except KvwireError as exc:
+        ap.error(str(exc))
     step_at = args.duration / 2
     runs: dict[str, dict[str, Any] | str] = {
         "10G raw": _run("10 Gbit/s, 20 ms, raw", BenchConfig(link_bps=10e9, codec="raw", **common)),
@@ -87,7 +97,7 @@ def main() -> None:
     scenarios = list(runs)  # the first table; the codec comparison has its own
     # The codec comparison reuses the runs above where they match.
     compared: dict[float, dict[str, dict[str, Any] | str]] = {}
-    for gbps in (float(x) for x in args.codec_links.split(",") if x):
+    for gbps in link_gbps:
         row = compared.setdefault(gbps, {})
         for codec in [*args.codecs.split(","), "auto"]:
             key = f"{gbps:g}G {codec}"

@@ -43,6 +43,7 @@ from kvwire.bench.report import (
     start_block,
     trust_note,
 )
+from kvwire.codec.base import get_codec
 from kvwire.errors import KvwireError, UsageError
 from kvwire.session.options import AUTO_CODEC_MODES
 from kvwire.spec import KVSpec
@@ -139,6 +140,12 @@ class BenchConfig:
             raise UsageError("--chunk-size must be between 4 KiB and 64 MiB")
         if not self.interval > 0:
             raise UsageError("--interval must be > 0")
+        if self.codec != "auto":
+            get_codec(self.codec)  # UsageError naming the known codecs
+        if self.link_bps is not None and not self.link_bps > 0:
+            raise UsageError(f"link rate {self.link_bps!r} must be > 0 bit/s")
+        if any(not rate > 0 for _, rate in self.schedule):
+            raise UsageError("every rate of --link-schedule must be > 0 bit/s")
         if self.auto_codec not in AUTO_CODEC_MODES:
             raise UsageError(f"--auto-codec must be one of {', '.join(AUTO_CODEC_MODES)}")
         if self.peer is not None and (self.shaped or self.rtt or self.jitter or self.kernel):

@@ -143,6 +143,18 @@ def test_auto_codec_mode_is_checked() -> None:
         BenchConfig(model="tiny", codec="auto", auto_codec="guess")
 
 
+def test_codec_and_rates_are_checked() -> None:
+    with pytest.raises(UsageError, match=r"unknown codec 'fp9'.*int8\+zstd"):
+        BenchConfig(model="tiny", codec="fp9")
+    for bad in (0.0, -1e9, float("nan")):
+        with pytest.raises(UsageError, match="must be > 0"):
+            BenchConfig(model="tiny", link_bps=bad)
+    with pytest.raises(UsageError, match="--link-schedule"):
+        BenchConfig(model="tiny", schedule=((0.0, 1e9), (1.0, 0.0)))
+    for codec in ("auto", "raw", "int4+lz4"):
+        assert BenchConfig(model="tiny", codec=codec, link_bps=1e9).codec == codec
+
+
 @given(
     steps=st.lists(
         st.tuples(st.floats(0.01, 0.7), st.integers(0, 10**7), st.integers(0, 3),
