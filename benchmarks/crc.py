@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--cold-mib", type=int, default=1024, help="size of the cold buffer in MiB")
     ap.add_argument("--cpu", type=int, default=None, help="pin to this core")
     args = ap.parse_args()
+    if args.reps < 1 or args.cold_mib < 1:
+        ap.error("--reps and --cold-mib must be >= 1")
     print("$ " + " ".join([os.path.basename(sys.executable), *sys.argv]))
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})

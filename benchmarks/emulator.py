@@ -110,6 +110,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=0.5)
     parser.add_argument("--no-uvloop", action="store_true")
     args = parser.parse_args()
+    if not args.rate > 0 or (args.step is not None and not args.step > 0):
+        parser.error("--rate and --step must be > 0 bit/s")
+    if not args.seconds > 0 or not args.warmup >= 0 or not args.step_at >= 0:
+        parser.error("--seconds must be > 0, --warmup and --step-at >= 0")
     if not args.no_uvloop:
         try:
             import uvloop

@@ -247,6 +247,12 @@ def main() -> None:
     ap.add_argument("--role", choices=["parent", "server", "client"], default="parent", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.small < 0 or args.large < 0 or args.small + args.large < 1:
+        ap.error("--small and --large must be >= 0, and at least one transfer is needed")
+    if min(args.streams, args.window, args.buffer, args.small_layers, args.small_tokens,
+           args.large_layers, args.large_tokens) < 1 or args.chunk_kib < 4 or not args.timeout > 0:
+        ap.error("--streams, --window, --buffer, layers and tokens must be >= 1, "
+                 "--chunk-kib >= 4, --timeout > 0")
 
     if args.role != "parent":
         from kvwire.aio import run

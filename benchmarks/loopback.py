@@ -103,6 +103,8 @@ def main() -> None:
     ap.add_argument("--transfers", type=int, default=3, help="caches sent per run")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
+    if min(args.tokens, args.transfers, args.repeat) < 1:
+        ap.error("--tokens, --transfers and --repeat must be >= 1")
 
     cache_bytes = args.tokens * get_model(args.model).bytes_per_token()
     print(
