@@ -12,10 +12,15 @@ and emulator in three processes):
 4. from run 1: time to first layer against the whole transfer;
 5. on each of 10 and 1 Gbit/s (20 ms): every fixed codec and ``auto``, fp16 KV goodput
    each, and ``auto`` against the best fixed codec on that link (``--codec-links ''`` skips).
+   With ``--rounds N`` the comparison runs N interleaved rounds (the codecs' order rotated
+   each round) and reports medians with min-max, and ``auto`` against the best fixed codec
+   of each round: on a shared host the speed drifts between runs by more than the codecs
+   differ, so one run per codec ranks the host's moments as much as the codecs.
 
 Run::
 
     python benchmarks/link.py
+    python benchmarks/link.py --duration 6 --rounds 3
     python benchmarks/link.py --duration 6 --model llama3-8b --tokens 4096 --json out.json
 """
 
@@ -60,6 +65,16 @@ def _run(name: str, cfg: BenchConfig) -> dict[str, Any] | str:
         return f"failed: {exc}"
 
 
+def _cell(values: list[float], width: int) -> str:
+    """One codec's goodput: the value of one run, or median (min-max) of several."""
+    if not values:
+        return f"{'failed':>{width}}"
+    if len(values) == 1:
+        return f"{values[0]:>{width}.3f}"
+    text = f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
+    return f"{text:>{width}}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
@@ -71,7 +86,10 @@ def main() -> None:
     ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with")
     ap.add_argument("--auto-codec", choices=AUTO_CODEC_MODES, default="model",
                     help="how auto chooses (ClientOptions.auto_codec)")
+    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the codec comparison")
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     try:
         streams: int | str = args.streams if args.streams == "auto" else int(args.streams)
         link_gbps = [float(x) for x in args.codec_links.split(",") if x]
@@ -96,14 +114,17 @@ def main() -> None:
     }
     scenarios = list(runs)  # the first table; the codec comparison has its own
     # The codec comparison reuses the runs above where they match.
-    compared: dict[float, dict[str, dict[str, Any] | str]] = {}
-    for gbps in link_gbps:
-        row = compared.setdefault(gbps, {})
-        for codec in [*args.codecs.split(","), "auto"]:
-            key = f"{gbps:g}G {codec}"
-            if key not in runs:
-                runs[key] = _run(f"{gbps:g} Gbit/s, 20 ms, {codec}", BenchConfig(link_bps=gbps * 1e9, codec=codec, **common))
-            row[codec] = runs[key]
+    names = [*args.codecs.split(","), "auto"]
+    compared: dict[float, dict[str, list[dict[str, Any] | str]]] = {g: {n: [] for n in names} for g in link_gbps}
+    for rnd in range(args.rounds):
+        for gbps in link_gbps:
+            order = names[rnd % len(names):] + names[:rnd % len(names)]  # rotated: no codec always last
+            for codec in order:
+                key = f"{gbps:g}G {codec}" + (f" #{rnd + 1}" if rnd else "")
+                if key not in runs:
+                    what = f"{gbps:g} Gbit/s, 20 ms, {codec}" + (f", round {rnd + 1}" if args.rounds > 1 else "")
+                    runs[key] = _run(what, BenchConfig(link_bps=gbps * 1e9, codec=codec, **common))
+                compared[gbps][codec].append(runs[key])
 
     print()
     print(f"{args.model}, {args.tokens} tokens per transfer, {args.duration:g} s per run, "
@@ -141,23 +162,34 @@ def main() -> None:
                   f"{statistics.median(total):.0f} ms transfer ({first['transfers']} transfers; "
                   f"first transfer {ttfl[0]:.1f} of {total[0]:.0f} ms)")
     if compared:
-        names = [*args.codecs.split(","), "auto"]
-        print("\nfp16 KV goodput, Gbit/s (auto's chunks by codec in brackets)")
-        head = f"{'link':>10} " + " ".join(f"{n:>8}" for n in names) + "  auto / best fixed"
+        many = args.rounds > 1
+        print("\nfp16 KV goodput, Gbit/s" + (f", median of {args.rounds} rounds (min-max)" if many else "")
+              + " (auto's chunks by codec in brackets)")
+        width = 20 if many else 8
+        head = f"{'link':>10} " + " ".join(f"{n:>{width}}" for n in names) + "  auto / best fixed"
         print(head)
         print("-" * len(head))
         for gbps, row in compared.items():
-            got = {n: r["goodput_gbps"] for n, r in row.items() if not isinstance(r, str)}
-            cells = " ".join(f"{got[n]:>8.3f}" if n in got else f"{'failed':>8}" for n in names)
-            fixed = [v for n, v in got.items() if n != "auto"]
+            got = {n: [x["goodput_gbps"] for x in rs if not isinstance(x, str)] for n, rs in row.items()}
+            med = {n: statistics.median(v) for n, v in got.items() if v}
+
+            fixed = [v for n, v in med.items() if n != "auto"]
             verdict = "-"
-            if "auto" in got and fixed:
+            if "auto" in med and fixed:
                 best = max(fixed)
-                verdict = f"{got['auto'] / best:.2f} ({'yes' if got['auto'] >= best else 'no'})"
-            mix = row.get("auto")
-            used = ("  [" + ", ".join(f"{n} {100 * v:.0f}%" for n, v in mix["codec_shares"].items()) + "]"
-                    if isinstance(mix, dict) else "")
-            print(f"{gbps:>4g} Gbit/s {cells}  {verdict}{used}")
+                verdict = f"{med['auto'] / best:.2f} ({'yes' if med['auto'] >= best else 'no'})"
+                if many:  # within each round, against that round's best fixed codec
+                    per = []
+                    for rnd in range(args.rounds):
+                        one = {n: x["goodput_gbps"] for n, rs in row.items() if not isinstance(x := rs[rnd], str)}
+                        if "auto" in one and len(one) > 1:
+                            per.append(one["auto"] / max(v for n, v in one.items() if n != "auto"))
+                    verdict += " rounds " + ", ".join(f"{x:.2f}" for x in per)
+            mixes = [x["codec_shares"] for x in row["auto"] if not isinstance(x, str)]
+            shares = {n: statistics.fmean(m.get(n, 0.0) for m in mixes) for m in mixes for n in m}
+            used = ("  [" + ", ".join(f"{n} {100 * v:.0f}%" for n, v in sorted(shares.items(), key=lambda kv: -kv[1]))
+                    + "]") if shares else ""
+            print(f"{gbps:>4g} Gbit/s " + " ".join(_cell(got[n], width) for n in names) + f"  {verdict}{used}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(runs, fh, indent=2)
