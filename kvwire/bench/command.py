@@ -67,12 +67,9 @@ def _streams(text: str) -> int | str:
 
 
 def _codec(text: str) -> str:
-    from kvwire.codec import available_codecs
+    from kvwire.bench.runner import check_codec
 
-    known = available_codecs()
-    if text != "auto" and text not in known:
-        raise UsageError(f"unknown codec {text!r} (known: auto, {', '.join(sorted(known))})")
-    return text
+    return check_codec(text)
 
 
 def _hostport(text: str) -> tuple[str, int]:

@@ -43,7 +43,7 @@ from kvwire.bench.report import (
     start_block,
     trust_note,
 )
-from kvwire.codec.base import get_codec
+from kvwire.codec.base import available_codecs
 from kvwire.errors import KvwireError, UsageError
 from kvwire.session.options import AUTO_CODEC_MODES
 from kvwire.spec import KVSpec
@@ -99,6 +99,14 @@ def load_secret(path: str | None) -> tuple[bytes, str | None]:
 # -- configuration --------------------------------------------------------------------------
 
 
+def check_codec(name: str) -> str:
+    """``name`` if it is ``auto`` or a registered codec, else a UsageError naming them."""
+    known = available_codecs()
+    if name != "auto" and name not in known:
+        raise UsageError(f"unknown codec {name!r} (known: auto, {', '.join(known)})")
+    return name
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     """One bench run. Rates are bits/s, times seconds."""
@@ -140,8 +148,7 @@ class BenchConfig:
             raise UsageError("--chunk-size must be between 4 KiB and 64 MiB")
         if not self.interval > 0:
             raise UsageError("--interval must be > 0")
-        if self.codec != "auto":
-            get_codec(self.codec)  # UsageError naming the known codecs
+        check_codec(self.codec)
         if self.link_bps is not None and not self.link_bps > 0:
             raise UsageError(f"link rate {self.link_bps!r} must be > 0 bit/s")
         if any(not rate > 0 for _, rate in self.schedule):
