@@ -186,7 +186,7 @@ def main() -> None:
                             per.append(one["auto"] / max(v for n, v in one.items() if n != "auto"))
                     verdict += " rounds " + ", ".join(f"{x:.2f}" for x in per)
             mixes = [x["codec_shares"] for x in row["auto"] if not isinstance(x, str)]
-            shares = {n: statistics.fmean(m.get(n, 0.0) for m in mixes) for m in mixes for n in m}
+            shares = {n: statistics.fmean(m.get(n, 0.0) for m in mixes) for n in {n for m in mixes for n in m}}
             used = ("  [" + ", ".join(f"{n} {100 * v:.0f}%" for n, v in sorted(shares.items(), key=lambda kv: -kv[1]))
                     + "]") if shares else ""
             print(f"{gbps:>4g} Gbit/s " + " ".join(_cell(got[n], width) for n in names) + f"  {verdict}{used}")

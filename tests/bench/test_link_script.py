@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "link.py"
+from tests.bench.script_helpers import run_script
 
 
 def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+    return run_script("link.py", *args, timeout=timeout)
 
 
 def test_rounds_run_every_codec_each_round_and_compare_within_rounds(tmp_path: Path) -> None:

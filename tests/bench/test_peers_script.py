@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
+from tests.bench.script_helpers import run_script
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout)
+    return run_script("peers.py", *args, timeout=timeout)
 
 
 def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
