@@ -23,6 +23,7 @@ from typing import Any
 import crc32c as crc32c_package
 import numpy as np
 
+from kvwire.units import argument_type, whole_number
 from kvwire.wire import crc
 
 HOT_BYTES_PER_SAMPLE = 256 << 20  # a hot sample repeats the call over this many bytes
@@ -59,12 +60,10 @@ def _cpu_model() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--reps", type=int, default=7, help="timed samples per figure (median)")
-    ap.add_argument("--cold-mib", type=int, default=1024, help="size of the cold buffer in MiB")
+    ap.add_argument("--reps", type=argument_type(whole_number, "int"), default=7, help="timed samples per figure (median)")
+    ap.add_argument("--cold-mib", type=argument_type(whole_number, "int"), default=1024, help="size of the cold buffer in MiB")
     ap.add_argument("--cpu", type=int, default=None, help="pin to this core")
     args = ap.parse_args()
-    if args.reps < 1 or args.cold_mib < 1:
-        ap.error("--reps and --cold-mib must be >= 1")
     print("$ " + " ".join([os.path.basename(sys.executable), *sys.argv]))
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})

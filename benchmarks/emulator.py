@@ -24,6 +24,7 @@ import time
 from multiprocessing.connection import Connection
 
 from kvwire.bench.emulator import LinkEmulator
+from kvwire.units import argument_type, number
 
 _BLOCK = 4 << 20
 
@@ -103,17 +104,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rate", type=float, default=10e9, help="shaped rate, bits/s")
-    parser.add_argument("--step", type=float, default=None, help="rate after --step-at seconds")
-    parser.add_argument("--step-at", type=float, default=3.0)
-    parser.add_argument("--seconds", type=float, default=4.0)
-    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--rate", type=argument_type(number, "number"), default=10e9, help="shaped rate, bits/s")
+    parser.add_argument("--step", type=argument_type(number, "number"), default=None, help="rate after --step-at seconds")
+    parser.add_argument("--step-at", type=argument_type(lambda t: number(t, strictly_positive=False), "number"), default=3.0)
+    parser.add_argument("--seconds", type=argument_type(number, "number"), default=4.0)
+    parser.add_argument("--warmup", type=argument_type(lambda t: number(t, strictly_positive=False), "number"), default=0.5)
     parser.add_argument("--no-uvloop", action="store_true")
     args = parser.parse_args()
-    if not args.rate > 0 or (args.step is not None and not args.step > 0):
-        parser.error("--rate and --step must be > 0 bit/s")
-    if not args.seconds > 0 or not args.warmup >= 0 or not args.step_at >= 0:
-        parser.error("--seconds must be > 0, --warmup and --step-at >= 0")
     if not args.no_uvloop:
         try:
             import uvloop

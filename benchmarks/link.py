@@ -35,6 +35,7 @@ from kvwire.bench.models import MODELS
 from kvwire.bench.runner import BenchConfig, run_bench
 from kvwire.errors import KvwireError
 from kvwire.session.options import AUTO_CODEC_MODES
+from kvwire.units import argument_type, whole_number
 
 
 def _after(samples: list[dict[str, Any]], t: float) -> list[dict[str, Any]]:
@@ -86,10 +87,8 @@ def main() -> None:
     ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with")
     ap.add_argument("--auto-codec", choices=AUTO_CODEC_MODES, default="model",
                     help="how auto chooses (ClientOptions.auto_codec)")
-    ap.add_argument("--rounds", type=int, default=1, help="interleaved rounds of the codec comparison")
+    ap.add_argument("--rounds", type=argument_type(whole_number, "int"), default=1, help="interleaved rounds of the codec comparison")
     args = ap.parse_args()
-    if args.rounds < 1:
-        ap.error("--rounds must be >= 1")
     try:
         streams: int | str = args.streams if args.streams == "auto" else int(args.streams)
         link_gbps = [float(x) for x in args.codec_links.split(",") if x]

@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.units import argument_type, number, whole_number
+
 SECRET = b"load-benchmark-secret"
 MiB = 1 << 20
 
@@ -233,26 +235,22 @@ def _mib(n: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", type=int, default=1000, help="concurrent small transfers")
-    ap.add_argument("--large", type=int, default=8, help="concurrent large transfers")
-    ap.add_argument("--streams", type=int, default=4)
-    ap.add_argument("--window", type=int, default=8, help="server connection credit per stream, MiB")
-    ap.add_argument("--buffer", type=int, default=4, help="server transfer_buffer_bytes, MiB")
-    ap.add_argument("--chunk-kib", type=int, default=256, help="client chunk_bytes, KiB")
-    ap.add_argument("--small-layers", type=int, default=4)
-    ap.add_argument("--small-tokens", type=int, default=32)
-    ap.add_argument("--large-layers", type=int, default=8)
-    ap.add_argument("--large-tokens", type=int, default=1024)
-    ap.add_argument("--timeout", type=float, default=120.0, help="per-transfer deadline, seconds")
+    ap.add_argument("--small", type=argument_type(lambda t: whole_number(t, minimum=0), "int"), default=1000, help="concurrent small transfers")
+    ap.add_argument("--large", type=argument_type(lambda t: whole_number(t, minimum=0), "int"), default=8, help="concurrent large transfers")
+    ap.add_argument("--streams", type=argument_type(whole_number, "int"), default=4)
+    ap.add_argument("--window", type=argument_type(whole_number, "int"), default=8, help="server connection credit per stream, MiB")
+    ap.add_argument("--buffer", type=argument_type(whole_number, "int"), default=4, help="server transfer_buffer_bytes, MiB")
+    ap.add_argument("--chunk-kib", type=argument_type(lambda t: whole_number(t, minimum=4), "int"), default=256, help="client chunk_bytes, KiB")
+    ap.add_argument("--small-layers", type=argument_type(whole_number, "int"), default=4)
+    ap.add_argument("--small-tokens", type=argument_type(whole_number, "int"), default=32)
+    ap.add_argument("--large-layers", type=argument_type(whole_number, "int"), default=8)
+    ap.add_argument("--large-tokens", type=argument_type(whole_number, "int"), default=1024)
+    ap.add_argument("--timeout", type=argument_type(number, "number"), default=120.0, help="per-transfer deadline, seconds")
     ap.add_argument("--role", choices=["parent", "server", "client"], default="parent", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.small < 0 or args.large < 0 or args.small + args.large < 1:
-        ap.error("--small and --large must be >= 0, and at least one transfer is needed")
-    if min(args.streams, args.window, args.buffer, args.small_layers, args.small_tokens,
-           args.large_layers, args.large_tokens) < 1 or args.chunk_kib < 4 or not args.timeout > 0:
-        ap.error("--streams, --window, --buffer, layers and tokens must be >= 1, "
-                 "--chunk-kib >= 4, --timeout > 0")
+    if args.small + args.large < 1:
+        ap.error("--small and --large: at least one transfer is needed")
 
     if args.role != "parent":
         from kvwire.aio import run

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvwire.bench.models import MODELS, bench_cache, get_model
 from kvwire.bench.runner import raw_socket_run
+from kvwire.units import argument_type, whole_number
 
 _SECRET = b"loopback-bench-secret"
 
@@ -99,12 +100,10 @@ def kvwire_run(model: str, tokens: int, transfers: int, streams: int) -> dict[st
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--transfers", type=int, default=3, help="caches sent per run")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tokens", type=argument_type(whole_number, "int"), default=8192)
+    ap.add_argument("--transfers", type=argument_type(whole_number, "int"), default=3, help="caches sent per run")
+    ap.add_argument("--repeat", type=argument_type(whole_number, "int"), default=3)
     args = ap.parse_args()
-    if min(args.tokens, args.transfers, args.repeat) < 1:
-        ap.error("--tokens, --transfers and --repeat must be >= 1")
 
     cache_bytes = args.tokens * get_model(args.model).bytes_per_token()
     print(

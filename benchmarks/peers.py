@@ -642,6 +642,8 @@ def _fmt(values: list[float], digits: int = 3) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvwire.units import argument_type, whole_number
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="raw,kvwire-raw,mooncake,nixl,zmq",
                     help="comma-separated: raw, kvwire-<codec>, mooncake, nixl, zmq")
@@ -649,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--links", default="loopback,veth", help="loopback and/or veth (root)")
     ap.add_argument("--rate", type=float, default=10e9, help="veth rate in bit/s (default 10e9)")
     ap.add_argument("--loads", default="quiet,busy")
-    ap.add_argument("--whole-tokens", type=int, default=8192, help="tokens of the whole cache (8192 = 1 GiB); 0 to skip")
+    ap.add_argument("--whole-tokens", type=argument_type(lambda t: whole_number(t, minimum=0), "int"), default=8192, help="tokens of the whole cache (8192 = 1 GiB); 0 to skip")
     ap.add_argument("--burst", default="20x1024", help="COUNTxTOKENS back-to-back caches (20x1024 = 20 x 128 MiB); '' to skip")
     ap.add_argument("--burst-links", default="loopback", help="links the burst shape runs on")
     ap.add_argument("--burst-loads", default="quiet", help="loads the burst shape runs under")
@@ -661,8 +663,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="also import kvwire from source tree DIR as system kvwire-<codec>@NAME "
                          "(name it in --systems), e.g. to compare two versions in one run")
     args = ap.parse_args(argv)
-    if args.whole_tokens < 0:
-        ap.error("--whole-tokens must be 0 (skip) or more")
     burst: tuple[int, int] | None = None
     if args.burst:
         try:
