@@ -9,7 +9,9 @@ reverse direction gets the same delay and, optionally, its own shared rate.
 The proxy terminates TCP on both sides: each endpoint's TCP sees a short loopback
 path, and the emulated delay shows only in application-level round trips (TCP_INFO at
 the endpoints does not see it). A full bottleneck queue pushes back through TCP (the
-proxy stops reading) rather than dropping.
+proxy stops reading) rather than dropping. On Linux the bytes are spliced from socket to
+kernel pipe to socket and wait out the delay in the pipes (:mod:`kvwire.bench._splice`);
+elsewhere, or with ``splice=False``, they are read into Python and written out again.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from kvwire.bench._proxy import Action, ActionKind, ProxyConnection, TcpProxy
+from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
+from kvwire.bench._splice import SpliceConnection, SpliceProxy
 
 __all__ = ["LinkEmulator", "LinkStatistics", "RateSchedule"]
 
@@ -130,7 +134,8 @@ class _LinkPolicy:
         self._rng = rng
         self._last = -math.inf
 
-    def _when(self, now: float, nbytes: int) -> float:
+    def when(self, now: float, nbytes: int) -> float:
+        """When ``nbytes`` read at ``now`` may be written on."""
         t0 = self._emulator.start_time
         through = (
             now if self._bottleneck is None else t0 + self._bottleneck.finish(now - t0, nbytes)
@@ -142,10 +147,14 @@ class _LinkPolicy:
         return self._last
 
     def feed(self, data: bytes, now: float) -> Iterable[Action]:
-        return (Action(self._when(now, len(data)), ActionKind.DATA, data),)
+        return (Action(self.when(now, len(data)), ActionKind.DATA, data),)
+
+    def eof_at(self, now: float) -> float:
+        """When an EOF read at ``now`` may be passed on."""
+        return max(now + self._delay, self._last)
 
     def feed_eof(self, now: float) -> Iterable[Action]:
-        return (Action(max(now + self._delay, self._last), ActionKind.EOF),)
+        return (Action(self.eof_at(now), ActionKind.EOF),)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -183,6 +192,10 @@ class LinkEmulator:
     :param burst: seconds of unused capacity that may be caught up (a token bucket of
         ``rate x burst`` bytes); covers the proxy's own scheduling delays.
     :param seed: jitter's random seed, for repeatable runs.
+    :param splice: forward with splice(2), the bytes waiting in kernel pipes
+        (:mod:`kvwire.bench._splice`: about half the emulator's CPU per byte, which the
+        sender and receiver on the same host get back), or read them into Python and write
+        them out again. ``None`` (the default): splice where the platform has it (Linux).
     """
 
     def __init__(
@@ -200,6 +213,7 @@ class LinkEmulator:
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
         seed: int | None = None,
+        splice: bool | None = None,
     ) -> None:
         if delay < 0 or jitter < 0:
             raise ValueError("delay and jitter must be >= 0")
@@ -214,7 +228,13 @@ class LinkEmulator:
         self._rng = random.Random(seed)
         self.start_time = 0.0
         high = queue_bytes + self._in_delay_line(self.schedule.peak_bps)
-        self._proxy = TcpProxy(
+        if splice is None:
+            splice = SPLICE_AVAILABLE
+        elif splice and not SPLICE_AVAILABLE:
+            raise ValueError("splice=True needs splice(2), which this platform does not have")
+        self.splice = splice
+        proxy = SpliceProxy if splice else TcpProxy
+        self._proxy: TcpProxy | SpliceProxy = proxy(
             target_host,
             target_port,
             self._policies,
@@ -231,7 +251,7 @@ class LinkEmulator:
         peak = peak_bps if peak_bps is not None else 40e9
         return int(peak / 8.0 * (self.delay + self.jitter) * 1.25)
 
-    def _policies(self, conn: ProxyConnection) -> tuple[_LinkPolicy, _LinkPolicy]:
+    def _policies(self, conn: ProxyConnection | SpliceConnection) -> tuple[_LinkPolicy, _LinkPolicy]:
         backward = self._backward if self.reverse_schedule.peak_bps is not None else None
         return (
             _LinkPolicy(self, self._forward, self.delay, self.jitter, self._rng),

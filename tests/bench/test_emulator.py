@@ -1,4 +1,5 @@
-"""LinkEmulator: rate schedule arithmetic, and shaping real loopback transfers."""
+"""LinkEmulator: rate schedule arithmetic, and shaping real loopback transfers (with each
+pump: splice(2) through kernel pipes, and reading into Python)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,27 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvwire.bench.emulator import LinkEmulator, RateSchedule
+from kvwire.bench import emulator
+from kvwire.bench.emulator import SPLICE_AVAILABLE, LinkEmulator, RateSchedule
 
 MB = 1_000_000
+
+
+@pytest.fixture(params=[
+    pytest.param(True, id="splice", marks=pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")),
+    pytest.param(False, id="copy"),
+])
+def splice(request: pytest.FixtureRequest) -> bool:
+    value: bool = request.param
+    return value
+
+
+def test_splice_is_the_default_where_available(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert LinkEmulator("127.0.0.1", 9).splice is SPLICE_AVAILABLE
+    monkeypatch.setattr(emulator, "SPLICE_AVAILABLE", False)
+    assert LinkEmulator("127.0.0.1", 9).splice is False
+    with pytest.raises(ValueError, match="splice"):
+        LinkEmulator("127.0.0.1", 9, splice=True)
 
 
 def test_schedule_rate_at_and_finish_time() -> None:
@@ -100,11 +119,11 @@ async def blast(port: int, nbytes: int) -> None:
     writer.close()
 
 
-async def test_shapes_a_transfer_to_its_rate(counter: Counter) -> None:
+async def test_shapes_a_transfer_to_its_rate(counter: Counter, splice: bool) -> None:
     rate = 200e6
     nbytes = 15 * MB  # 0.6 s at 200 Mbit/s
     counter.expected = nbytes
-    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=rate) as link:
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=rate, splice=splice) as link:
         start = time.monotonic()
         await asyncio.wait_for(blast(link.port, nbytes), 5)
         await asyncio.wait_for(counter.finished.wait(), 5)
@@ -117,11 +136,11 @@ async def test_shapes_a_transfer_to_its_rate(counter: Counter) -> None:
     assert stats.connections == 1
 
 
-async def test_connections_share_the_rate(counter: Counter) -> None:
+async def test_connections_share_the_rate(counter: Counter, splice: bool) -> None:
     rate = 200e6
     each = 5 * MB
     counter.expected = 2 * each
-    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=rate) as link:
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=rate, splice=splice) as link:
         start = time.monotonic()
         await asyncio.wait_for(asyncio.gather(blast(link.port, each), blast(link.port, each)), 5)
         await asyncio.wait_for(counter.finished.wait(), 5)
@@ -130,12 +149,12 @@ async def test_connections_share_the_rate(counter: Counter) -> None:
     assert 8 * 2 * each / elapsed == pytest.approx(rate, rel=0.05)
 
 
-async def test_schedule_change_takes_effect(counter: Counter) -> None:
+async def test_schedule_change_takes_effect(counter: Counter, splice: bool) -> None:
     # 50 MB/s for 0.2 s (10 MB), then 12.5 MB/s: 15 MB take 0.2 + 0.4 = 0.6 s.
     nbytes = 15 * MB
     counter.expected = nbytes
     schedule = [(0.0, 400e6), (0.2, 100e6)]
-    async with LinkEmulator("127.0.0.1", counter.port, schedule=schedule) as link:
+    async with LinkEmulator("127.0.0.1", counter.port, schedule=schedule, splice=splice) as link:
         assert link.rate_at(0.1) == 400e6 and link.rate_at(0.3) == 100e6
         start = time.monotonic()
         await asyncio.wait_for(blast(link.port, nbytes), 5)
@@ -145,16 +164,16 @@ async def test_schedule_change_takes_effect(counter: Counter) -> None:
     assert elapsed == pytest.approx(0.6, rel=0.1)
 
 
-async def test_set_rate_at_runtime(counter: Counter) -> None:
-    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=100e6) as link:
+async def test_set_rate_at_runtime(counter: Counter, splice: bool) -> None:
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=100e6, splice=splice) as link:
         link.set_rate(300e6)
         assert link.statistics().rate_bps == 300e6
         assert link.rate_at(0.0) == 100e6
 
 
-async def test_delay_adds_round_trip_latency(counter: Counter) -> None:
+async def test_delay_adds_round_trip_latency(counter: Counter, splice: bool) -> None:
     delay = 0.05
-    async with LinkEmulator("127.0.0.1", counter.port, delay=delay) as link:
+    async with LinkEmulator("127.0.0.1", counter.port, delay=delay, splice=splice) as link:
         reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
         rtts = []
         for _ in range(3):
@@ -167,8 +186,8 @@ async def test_delay_adds_round_trip_latency(counter: Counter) -> None:
     assert min(rtts) < 2 * delay + 0.05
 
 
-async def test_jitter_keeps_delay_within_bounds(counter: Counter) -> None:
-    async with LinkEmulator("127.0.0.1", counter.port, delay=0.03, jitter=0.01, seed=1) as link:
+async def test_jitter_keeps_delay_within_bounds(counter: Counter, splice: bool) -> None:
+    async with LinkEmulator("127.0.0.1", counter.port, delay=0.03, jitter=0.01, seed=1, splice=splice) as link:
         reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
         for _ in range(3):
             start = time.monotonic()

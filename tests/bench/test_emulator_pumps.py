@@ -1,0 +1,198 @@
+"""Both link-emulator pumps on real loopback sockets: bytes intact and in order, EOF and
+resets passed on, a bounded queue against a receiver that stops reading, and nothing
+left open afterwards. The splice pump's delay line spans many kernel pipes here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import socket
+import struct
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from kvwire.bench._splice import PIPE_BYTES, READ_BUDGET, SpliceProxy
+from kvwire.bench.emulator import SPLICE_AVAILABLE, LinkEmulator
+
+MB = 1 << 20
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.fixture(params=[
+    pytest.param(True, id="splice", marks=pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")),
+    pytest.param(False, id="copy"),
+])
+def splice(request: pytest.FixtureRequest) -> bool:
+    value: bool = request.param
+    return value
+
+
+@contextlib.asynccontextmanager
+async def target(handler: Handler) -> AsyncIterator[int]:
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+async def digest_then_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Reads to EOF, answers with the SHA-256 of what it read, then closes."""
+    h = hashlib.sha256()
+    while data := await reader.read(MB):
+        h.update(data)
+    writer.write(h.digest())
+    await writer.drain()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_bytes_arrive_intact_and_eof_passes_both_ways(splice: bool) -> None:
+    data = os.urandom(24 * MB)
+    # 2 Gbit/s x 40 ms one way: about 10 MB wait in the delay line at once.
+    async with target(digest_then_reply) as port, LinkEmulator(
+        "127.0.0.1", port, rate_bps=2e9, delay=0.04, jitter=0.005, seed=3, splice=splice
+    ) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(data)
+        await asyncio.wait_for(writer.drain(), 10)
+        writer.write_eof()  # the target sees EOF only after every byte
+        reply = await asyncio.wait_for(reader.read(), 10)  # to the target's FIN
+        writer.close()
+        stats = link.statistics()
+        if splice:
+            assert isinstance(link._proxy, SpliceProxy)
+            assert link._proxy.pipes_created > 1  # the delay line spanned pipes
+    assert reply == hashlib.sha256(data).digest()
+    assert stats.bytes_forward == len(data) and stats.bytes_backward == 32
+
+
+async def test_connections_stay_separate(splice: bool) -> None:
+    blocks = [os.urandom(3 * MB + i) for i in range(4)]
+    async with target(digest_then_reply) as port, LinkEmulator(
+        "127.0.0.1", port, rate_bps=4e9, delay=0.005, splice=splice
+    ) as link:
+
+        async def one(block: bytes) -> bytes:
+            reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+            writer.write(block)
+            await writer.drain()
+            writer.write_eof()
+            reply = await reader.read()
+            writer.close()
+            return reply
+
+        replies = await asyncio.wait_for(asyncio.gather(*(one(b) for b in blocks)), 10)
+        assert link.statistics().connections == 4
+    assert replies == [hashlib.sha256(b).digest() for b in blocks]
+
+
+async def test_a_receiver_that_stops_reading_bounds_the_queue(splice: bool) -> None:
+    release = asyncio.Event()
+    received = [0]
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        while data := await reader.read(MB):
+            received[0] += len(data)
+
+    queue = 2 * MB
+    total = 64 * MB
+    async with target(slow) as port, LinkEmulator("127.0.0.1", port, queue_bytes=queue, splice=splice) as link:
+        _, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(os.urandom(total))
+        with pytest.raises(asyncio.TimeoutError):  # the target reads nothing: no way through
+            await asyncio.wait_for(writer.drain(), 1.0)
+        conn = link._proxy.connections[0]
+        assert conn.forward is not None
+        stats = conn.forward.statistics()
+        # Past the high-water mark reading stops; one read may overshoot it.
+        assert 0 < stats.queued_bytes <= queue + max(READ_BUDGET, MB)
+        assert stats.reading_paused
+        release.set()
+        await asyncio.wait_for(writer.drain(), 10)
+        writer.write_eof()
+        for _ in range(1000):
+            if received[0] == total:
+                break
+            await asyncio.sleep(0.01)
+        writer.close()
+    assert received[0] == total
+
+
+async def test_a_reset_is_passed_on(splice: bool) -> None:
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readexactly(4)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()
+
+    async with target(reset) as port, LinkEmulator("127.0.0.1", port, splice=splice) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(b"ping")
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        for _ in range(500):
+            if not link.statistics().active:
+                break
+            await asyncio.sleep(0.01)
+        assert link.statistics().active == 0
+
+
+async def test_an_unreachable_target_resets_the_client(splice: bool) -> None:
+    with socket.socket() as probe:  # a port with nothing listening
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with LinkEmulator("127.0.0.1", port, splice=splice) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+
+
+async def test_closing_with_bytes_in_flight_leaves_nothing_open(splice: bool) -> None:
+    async def sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.read(MB):
+            pass
+
+    async with target(sink) as port:
+        before = open_fds()
+        link = LinkEmulator("127.0.0.1", port, rate_bps=1e9, delay=0.2, splice=splice)
+        await link.start()
+        _, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(os.urandom(8 * MB + PIPE_BYTES // 3))
+        await asyncio.sleep(0.1)  # bytes are waiting out the delay now
+        assert link.statistics().bytes_forward == 0
+        await link.close()
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+        for _ in range(500):
+            if open_fds() <= before:
+                break
+            await asyncio.sleep(0.01)
+        assert open_fds() <= before
