@@ -4,11 +4,13 @@ A sender process runs a plain ``sendall`` loop and a receiver process a ``recv_i
 loop; the receiver samples its byte count every 10 ms. Three runs:
 
 1. raw: sender straight to receiver (what the machine can do);
-2. proxy, unlimited: through the emulator with no shaping (the proxy's ceiling);
-3. proxy at the target rate (default 10 Gbit/s), optionally with a step down.
+2. for each pump (``--pumps``: splice(2) through kernel pipes, and reading into Python),
+   through the emulator with no shaping (the proxy's ceiling) ...
+3. ... and at the target rate (default 10 Gbit/s), optionally with a step down.
 
-For the shaped run it prints the achieved rate over every whole second after a warm-up
-and its error against the rate in effect. Run::
+For the shaped runs it prints the achieved rate over every whole second after a warm-up
+and its error against the rate in effect, and for every run through the emulator its CPU
+seconds per GB forwarded (CPU the sender and receiver on the same host do not get). Run::
 
     python benchmarks/emulator.py --rate 10e9 --seconds 4
     python benchmarks/emulator.py --rate 10e9 --step 2.5e9 --seconds 6
@@ -19,11 +21,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
+import resource
 import socket
 import time
 from multiprocessing.connection import Connection
 
-from kvwire.bench.emulator import LinkEmulator
+from kvwire.bench.emulator import SPLICE_AVAILABLE, LinkEmulator
 from kvwire.units import argument_type, number
 
 _BLOCK = 4 << 20
@@ -100,6 +103,20 @@ def _rate(samples: list[tuple[float, int]], t0: float, t1: float) -> float:
     return 8.0 * (b[1] - a[1]) / (b[0] - a[0])
 
 
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _through(listener: socket.socket, seconds: float, **link_kwargs: object) -> tuple[list[tuple[float, int]], LinkEmulator, float]:
+    """A run through the emulator, and the emulator's CPU seconds per GB it forwarded (the
+    emulator is this process; sender and receiver are children)."""
+    cpu0 = _cpu()
+    samples, link = asyncio.run(_run_through(listener, seconds, **link_kwargs))
+    cpu = _cpu() - cpu0
+    return samples, link, cpu / max(samples[-1][1], 1) * 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,8 +126,15 @@ def main() -> None:
     parser.add_argument("--step-at", type=argument_type(lambda t: number(t, strictly_positive=False), "number"), default=3.0)
     parser.add_argument("--seconds", type=argument_type(number, "number"), default=4.0)
     parser.add_argument("--warmup", type=argument_type(lambda t: number(t, strictly_positive=False), "number"), default=0.5)
+    parser.add_argument("--pumps", default="splice,copy" if SPLICE_AVAILABLE else "copy",
+                        help="emulator pumps to run, in order: splice (splice(2), Linux) and/or copy")
     parser.add_argument("--no-uvloop", action="store_true")
     args = parser.parse_args()
+    pumps = [p for p in args.pumps.split(",") if p]
+    if not pumps or any(p not in ("splice", "copy") for p in pumps):
+        parser.error("--pumps takes splice and/or copy, comma-separated")
+    if "splice" in pumps and not SPLICE_AVAILABLE:
+        parser.error("the splice pump needs splice(2) (Linux)")
     if not args.no_uvloop:
         try:
             import uvloop
@@ -125,35 +149,36 @@ def main() -> None:
     raw_rate = _rate(raw, args.warmup, args.seconds)
     print(f"raw socket pair:        {raw_rate / 1e9:7.2f} Gbit/s")
 
-    open_samples, _ = asyncio.run(_run_through(listener, args.seconds, rate_bps=None))
-    open_rate = _rate(open_samples, args.warmup, args.seconds)
-    print(
-        f"proxy, unlimited:       {open_rate / 1e9:7.2f} Gbit/s  ({open_rate / raw_rate:.2f} x raw)"
-    )
-
     schedule = [(0.0, args.rate)]
     if args.step is not None:
         schedule.append((args.step_at, args.step))
-    shaped, link = asyncio.run(_run_through(listener, args.seconds, schedule=schedule))
-    # The receiver's clock starts at its first byte, the schedule's at the proxy start:
-    # the gap is the connection setup, well under a millisecond here.
-    whole = _rate(shaped, args.warmup, args.seconds)
-    print(f"proxy, shaped:          {whole / 1e9:7.2f} Gbit/s over {args.warmup}-{args.seconds} s")
-    t = args.warmup
-    worst = 0.0
-    while t + 1.0 <= args.seconds + 1e-9:
-        expected = link.rate_at(t + 0.5)
-        got = _rate(shaped, t, t + 1.0)
-        # A window straddling a step has no single expected rate.
-        straddles = args.step is not None and t < args.step_at < t + 1.0
-        if expected is not None and not straddles:
-            err = got / expected - 1.0
-            worst = max(worst, abs(err))
-            print(
-                f"  {t:4.1f}-{t + 1:4.1f} s: {got / 1e9:6.3f} Gbit/s vs {expected / 1e9:.3f}  ({err:+.2%})"
-            )
-        t += 0.5
-    print(f"worst 1 s error: {worst:.2%}; shaped rate is {args.rate / raw_rate:.2f} x raw capacity")
+    for pump in pumps:
+        splice = pump == "splice"
+        open_samples, _, open_cpu = _through(listener, args.seconds, rate_bps=None, splice=splice)
+        open_rate = _rate(open_samples, args.warmup, args.seconds)
+        print(f"{pump} pump, unlimited:  {open_rate / 1e9:7.2f} Gbit/s  ({open_rate / raw_rate:.2f} x raw), "
+              f"emulator CPU {open_cpu:.2f} s/GB")
+        shaped, link, shaped_cpu = _through(listener, args.seconds, schedule=schedule, splice=splice)
+        # The receiver's clock starts at its first byte, the schedule's at the proxy start:
+        # the gap is the connection setup, well under a millisecond here.
+        whole = _rate(shaped, args.warmup, args.seconds)
+        print(f"{pump} pump, shaped:     {whole / 1e9:7.2f} Gbit/s over {args.warmup}-{args.seconds} s, "
+              f"emulator CPU {shaped_cpu:.2f} s/GB")
+        t = args.warmup
+        worst = 0.0
+        while t + 1.0 <= args.seconds + 1e-9:
+            expected = link.rate_at(t + 0.5)
+            got = _rate(shaped, t, t + 1.0)
+            # A window straddling a step has no single expected rate.
+            straddles = args.step is not None and t < args.step_at < t + 1.0
+            if expected is not None and not straddles:
+                err = got / expected - 1.0
+                worst = max(worst, abs(err))
+                print(
+                    f"  {t:4.1f}-{t + 1:4.1f} s: {got / 1e9:6.3f} Gbit/s vs {expected / 1e9:.3f}  ({err:+.2%})"
+                )
+            t += 0.5
+        print(f"worst 1 s error: {worst:.2%}; shaped rate is {args.rate / raw_rate:.2f} x raw capacity")
     listener.close()
 
 

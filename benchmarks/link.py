@@ -31,6 +31,7 @@ import json
 import statistics
 from typing import Any
 
+from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench.models import MODELS
 from kvwire.bench.runner import BenchConfig, run_bench
 from kvwire.errors import KvwireError
@@ -87,6 +88,8 @@ def main() -> None:
     ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with")
     ap.add_argument("--auto-codec", choices=AUTO_CODEC_MODES, default="model",
                     help="how auto chooses (ClientOptions.auto_codec)")
+    ap.add_argument("--emulator", choices=EMULATOR_PUMPS, default="auto",
+                    help="the link emulator's pump (kvwire bench --emulator)")
     ap.add_argument("--rounds", type=argument_type(whole_number, "int"), default=1, help="interleaved rounds of the codec comparison")
     args = ap.parse_args()
     try:
@@ -95,7 +98,8 @@ def main() -> None:
     except ValueError as exc:
         ap.error(f"--streams takes N or auto, --codec-links Gbit/s separated by commas ({exc})")
     common: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "duration": args.duration,
-                              "streams": streams, "rtt": 0.020, "auto_codec": args.auto_codec}
+                              "streams": streams, "rtt": 0.020, "auto_codec": args.auto_codec,
+                              "emulator": args.emulator}
     try:  # every run's settings are checked before the first one starts
         for gbps in [10.0, *link_gbps]:
             for codec in {"raw", "auto", *args.codecs.split(",")}:
@@ -127,7 +131,7 @@ def main() -> None:
 
     print()
     print(f"{args.model}, {args.tokens} tokens per transfer, {args.duration:g} s per run, "
-          f"RTT 20 ms, {streams} streams")
+          f"RTT 20 ms, {streams} streams, emulator pump {BenchConfig(**common).emulator}")
     header = f"{'scenario':<16} {'link':>10} {'goodput':>9} {'wire':>9} {'util':>6} {'estimate':>9}  check"
     print(header)
     print("-" * len(header))

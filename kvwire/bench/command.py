@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench.models import MODELS
 from kvwire.errors import KvwireError, UsageError
 from kvwire.session.options import AUTO_CODEC_MODES
@@ -172,6 +173,10 @@ def add_parsers(subparsers: Any) -> None:
                       help="round-trip time added by the emulator, e.g. 20ms (default 0)")
     link.add_argument("--jitter", type=argument_type(parse_duration), default=0.0, metavar="TIME",
                       help="+- variation of each one-way delay, e.g. 1ms (default 0)")
+    link.add_argument("--emulator", choices=EMULATOR_PUMPS, default="auto",
+                      help="the emulator's pump: splice (splice(2) through kernel pipes, Linux; "
+                           "about half the CPU per byte), copy (through Python), auto (default: "
+                           "splice where available)")
     link.add_argument("--link-schedule", type=argument_type(parse_schedule), metavar="TIME:RATE,...",
                       help="rate over time, e.g. '0s:10gbps,3s:2.5gbps' (replaces --link)")
     link.add_argument("--kernel", action="store_true",
@@ -257,7 +262,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             model=args.model, tokens=args.tokens, codec=args.codec, auto_codec=args.auto_codec,
             streams=args.streams,
             duration=args.duration, link_bps=args.link, schedule=args.link_schedule or (),
-            rtt=args.rtt, jitter=args.jitter, kernel=args.kernel, peer=args.peer,
+            rtt=args.rtt, jitter=args.jitter, emulator=args.emulator, kernel=args.kernel, peer=args.peer,
             baseline=not args.no_baseline, seed=args.seed, chunk_bytes=args.chunk_size,
             interval=args.interval,
         )

@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.bench import EMULATOR_PUMPS
+from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
 from kvwire.bench.models import ModelShape, bench_cache, get_model, relative_error
 from kvwire.bench.report import (
     codec_shares,
@@ -123,6 +125,10 @@ class BenchConfig:
     """``((t, rate_bps), ...)`` from t = 0; replaces ``link_bps`` when given."""
     rtt: float = 0.0
     jitter: float = 0.0
+    emulator: str = "auto"
+    """The userspace emulator's pump: ``splice`` (splice(2) through kernel pipes, Linux),
+    ``copy`` (the bytes read into Python and written out again) or ``auto`` (splice where
+    available; with an emulator the config then holds the pump chosen)."""
     kernel: bool = False
     peer: tuple[str, int] | None = None
     secret: bytes = DEV_SECRET
@@ -155,6 +161,14 @@ class BenchConfig:
             raise UsageError("every rate of --link-schedule must be > 0 bit/s")
         if self.auto_codec not in AUTO_CODEC_MODES:
             raise UsageError(f"--auto-codec must be one of {', '.join(AUTO_CODEC_MODES)}")
+        if self.emulator not in EMULATOR_PUMPS:
+            raise UsageError(f"--emulator must be one of {', '.join(EMULATOR_PUMPS)}")
+        if self.emulator != "auto" and self.mode != "emulated":
+            raise UsageError("--emulator is for the userspace emulator (--link/--rtt/--jitter without --kernel)")
+        if self.emulator == "splice" and not SPLICE_AVAILABLE:
+            raise UsageError("--emulator splice needs splice(2) (Linux); use copy")
+        if self.emulator == "auto" and self.mode == "emulated":  # the report shows the pump that runs
+            object.__setattr__(self, "emulator", "splice" if SPLICE_AVAILABLE else "copy")
         if self.peer is not None and (self.shaped or self.rtt or self.jitter or self.kernel):
             raise UsageError("--peer sends over the real network: drop --link/--rtt/--jitter/--kernel")
         if self.kernel and not self.shaped:
@@ -386,7 +400,7 @@ def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None
 
 def _emulator_main(
     conn: Connection, steps: tuple[tuple[float, float], ...], delay: float, jitter: float,
-    interval: float,
+    interval: float, splice: bool,
 ) -> None:
     """Child process: a LinkEmulator in front of the receiver, sampling its byte count.
 
@@ -399,7 +413,8 @@ def _emulator_main(
         _, target = conn.recv()
         loop = asyncio.get_running_loop()
         link = LinkEmulator(
-            "127.0.0.1", target, schedule=list(steps) or None, delay=delay, jitter=jitter, seed=0
+            "127.0.0.1", target, schedule=list(steps) or None, delay=delay, jitter=jitter, seed=0,
+            splice=splice,
         )
         async with link:
             # Translate the start to time.monotonic(), the clock shared with the other processes.
@@ -762,7 +777,8 @@ def run_bench(
             eproc = econn = None
             if cfg.mode == "emulated":
                 eproc, econn = stack.enter_context(
-                    _child(_emulator_main, cfg.steps, cfg.rtt / 2, cfg.jitter, 0.05)
+                    _child(_emulator_main, cfg.steps, cfg.rtt / 2, cfg.jitter, 0.05,
+                           cfg.emulator == "splice")
                 )
             _, port = _expect(rconn, "receiver", rproc, _READY_TIMEOUT)
             if eproc is not None and econn is not None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvwire.bench.emulator import SPLICE_AVAILABLE
 from kvwire.bench.models import MODELS, bench_cache, relative_error
 from kvwire.bench.runner import mean_rate
 from kvwire.cli import build_parser, main
@@ -70,6 +71,13 @@ def test_emulated_link_json_and_plot(tmp_path: Path) -> None:
     assert doc["wire_bytes"] < doc["kv_bytes"]  # int8 halves the cache
     assert 0 < doc["max_rel_error"] < 0.05
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert doc["start"]["config"]["emulator"] == ("splice" if SPLICE_AVAILABLE else "copy")
+
+
+def test_emulated_link_through_the_copying_pump(tmp_path: Path) -> None:
+    doc = _bench(tmp_path, "--link", "200mbps", "--rtt", "4ms", "--emulator", "copy")
+    assert doc["mode"] == "emulated" and doc["start"]["config"]["emulator"] == "copy"
+    assert 0 < doc["utilization"] <= 1.1 and doc["max_rel_error"] == 0.0
 
 
 def test_serve_and_peer(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvwire
+from kvwire.bench import runner
 from kvwire.bench.report import (
     codec_shares,
     diagnose,
@@ -141,6 +142,23 @@ def test_start_block_has_version_time_host_and_configuration() -> None:
 def test_auto_codec_mode_is_checked() -> None:
     with pytest.raises(UsageError, match="--auto-codec"):
         BenchConfig(model="tiny", codec="auto", auto_codec="guess")
+
+
+def test_emulator_pump_is_checked_and_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = "splice" if runner.SPLICE_AVAILABLE else "copy"
+    assert BenchConfig(model="tiny", link_bps=1e9).emulator == expected  # the pump that runs
+    assert BenchConfig(model="tiny").emulator == "auto"  # loopback: no emulator runs
+    assert BenchConfig(model="tiny", rtt=0.01, emulator="copy").emulator == "copy"
+    with pytest.raises(UsageError, match="--emulator must be one of auto, splice, copy"):
+        BenchConfig(model="tiny", link_bps=1e9, emulator="zerocopy")
+    with pytest.raises(UsageError, match="--emulator is for the userspace emulator"):
+        BenchConfig(model="tiny", emulator="copy")  # plain loopback
+    with pytest.raises(UsageError, match="--emulator is for the userspace emulator"):
+        BenchConfig(model="tiny", link_bps=1e9, kernel=True, emulator="splice")
+    monkeypatch.setattr(runner, "SPLICE_AVAILABLE", False)
+    assert BenchConfig(model="tiny", link_bps=1e9).emulator == "copy"
+    with pytest.raises(UsageError, match=r"needs splice\(2\) \(Linux\)"):
+        BenchConfig(model="tiny", link_bps=1e9, emulator="splice")
 
 
 def test_codec_and_rates_are_checked() -> None:

@@ -18,7 +18,7 @@ def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
 def test_rounds_run_every_codec_each_round_and_compare_within_rounds(tmp_path: Path) -> None:
     out = tmp_path / "link.json"
     got = _run("--model", "tiny", "--tokens", "64", "--duration", "0.5", "--rounds", "2",
-               "--codec-links", "1", "--codecs", "raw,int4", "--json", str(out))
+               "--codec-links", "1", "--codecs", "raw,int4", "--emulator", "copy", "--json", str(out))
     assert got.returncode == 0, got.stderr
     runs = json.loads(out.read_text())
     # the first table's runs, round 1 reusing "1G auto", and round 2 of each codec
@@ -26,6 +26,8 @@ def test_rounds_run_every_codec_each_round_and_compare_within_rounds(tmp_path: P
                             "1G int4 #2", "1G raw", "1G raw #2"]
     assert all(isinstance(r, dict) and r["goodput_gbps"] > 0 for r in runs.values()), runs
     assert "median of 2 rounds (min-max)" in got.stdout
+    assert "emulator pump copy" in got.stdout
+    assert all(r["start"]["config"]["emulator"] == "copy" for r in runs.values())
     row = next(line for line in got.stdout.splitlines() if line.strip().startswith("1 Gbit/s"))
     cells = re.findall(r"(\d+\.\d+) \((\d+\.\d+)-(\d+\.\d+)\)", row)
     assert len(cells) == 3  # raw, int4, auto
