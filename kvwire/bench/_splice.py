@@ -4,8 +4,10 @@ and wait out the emulated link in kernel pipes, never in Python memory.
 The emulator shares the host with the sender and the receiver it stands between, so its
 CPU is taken from the transfer it measures. Read into Python and written out again, each
 byte costs two kernel copies, a user-space copy and an allocation; spliced, the pages the
-sender's kernel filled are passed on by reference (on a 2-core host: about 0.6 of a core
-at 10 Gbit/s before, see docs/benchmarks.md).
+sender's kernel filled are passed on by reference. Measured on 2 cores at 10 Gbit/s
+(docs/benchmarks.md): the emulator's share of a core fell from 0.6 to 0.35, the
+receiver's copy out of spliced pages costs more (part of the saving comes back there), and
+the unshaped ceiling is lower (about 12 Gbit/s against 15).
 
 Each direction keeps a FIFO of segments: a pipe, a byte count, and the time those bytes
 may leave (the policy's: through the shared bottleneck, plus the delay). A read splices

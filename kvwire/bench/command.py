@@ -174,9 +174,9 @@ def add_parsers(subparsers: Any) -> None:
     link.add_argument("--jitter", type=argument_type(parse_duration), default=0.0, metavar="TIME",
                       help="+- variation of each one-way delay, e.g. 1ms (default 0)")
     link.add_argument("--emulator", choices=EMULATOR_PUMPS, default="auto",
-                      help="the emulator's pump: splice (splice(2) through kernel pipes, Linux; "
-                           "about half the CPU per byte), copy (through Python), auto (default: "
-                           "splice where available)")
+                      help="the emulator's pump: splice (splice(2) through kernel pipes, Linux; less "
+                           "CPU per byte), copy (through Python; a higher ceiling for links above "
+                           "about 11 Gbit/s on 2 cores), auto (default: splice where available)")
     link.add_argument("--link-schedule", type=argument_type(parse_schedule), metavar="TIME:RATE,...",
                       help="rate over time, e.g. '0s:10gbps,3s:2.5gbps' (replaces --link)")
     link.add_argument("--kernel", action="store_true",

@@ -193,9 +193,10 @@ class LinkEmulator:
         ``rate x burst`` bytes); covers the proxy's own scheduling delays.
     :param seed: jitter's random seed, for repeatable runs.
     :param splice: forward with splice(2), the bytes waiting in kernel pipes
-        (:mod:`kvwire.bench._splice`: about half the emulator's CPU per byte, which the
-        sender and receiver on the same host get back), or read them into Python and write
-        them out again. ``None`` (the default): splice where the platform has it (Linux).
+        (:mod:`kvwire.bench._splice`: a third to a half less of the emulator's CPU per byte,
+        part of which the receiver pays back; a lower unshaped ceiling), or read them into
+        Python and write them out again. ``None`` (the default): splice where the platform
+        has it (Linux).
     """
 
     def __init__(
