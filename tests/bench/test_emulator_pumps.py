@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import hashlib
 import os
 import socket
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from kvwire.bench import _splice as splice_module
 from kvwire.bench._splice import PIPE_BYTES, READ_BUDGET, SpliceProxy
 from kvwire.bench.emulator import SPLICE_AVAILABLE, LinkEmulator
 
@@ -196,3 +198,25 @@ async def test_closing_with_bytes_in_flight_leaves_nothing_open(splice: bool) ->
                 break
             await asyncio.sleep(0.01)
         assert open_fds() <= before
+
+
+@pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")
+async def test_pipes_full_before_their_byte_budget_are_rotated(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pipes left at the kernel's default 16 slots (as over a user's pipe quota) fill up long
+    # before PIPE_BYTES: each refused splice moves on to a new pipe, and nothing is lost.
+    monkeypatch.setattr(splice_module, "_F_SETPIPE_SZ", fcntl.F_GETPIPE_SZ)
+    data = os.urandom(12 * MB)
+    async with target(digest_then_reply) as port, LinkEmulator(
+        "127.0.0.1", port, rate_bps=2e9, delay=0.03, splice=True
+    ) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(data)
+        await asyncio.wait_for(writer.drain(), 10)
+        writer.write_eof()
+        reply = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert isinstance(link._proxy, SpliceProxy)
+        created = link._proxy.pipes_created
+    assert reply == hashlib.sha256(data).digest()
+    # 7.5 MB wait in the delay line: 8-13 pipes of PIPE_BYTES; these took about 50
+    assert created > 3 * 7.5e6 / PIPE_BYTES
