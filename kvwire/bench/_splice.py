@@ -134,6 +134,7 @@ class SpliceDirection:
         self._low = self._high // 2
         self._reading = False
         self._eof_read = False
+        self._starved = False  # no pipe could be made: reading waits for one of ours
         self._waiting_writable = False
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -173,7 +174,16 @@ class SpliceDirection:
         while budget > 0 and not self._closed:
             tail = self._tail
             if tail is None or tail.filled >= PIPE_BYTES:
-                tail = self._tail = self._pool.get()
+                try:
+                    tail = self._tail = self._pool.get()
+                except OSError:  # out of descriptors, or of the user's pipe quota
+                    if not self._segments:
+                        self._conn._fail()  # nothing in flight will free a pipe
+                        return
+                    # Read on once this direction hands a pipe back.
+                    self._starved = True
+                    self._pause_reading()
+                    break
             want = min(PIPE_BYTES - tail.filled, budget)
             try:
                 n = os.splice(self._src, tail.w, want, flags=_FLAGS)
@@ -268,7 +278,8 @@ class SpliceDirection:
                     pipe.filled = 0
                 else:
                     self._pool.put(pipe)
-        if self._queued <= self._low:
+                self._starved = False
+        if self._queued <= self._low and not self._starved:
             self._resume_reading()
 
     def _on_writable(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -220,3 +221,43 @@ async def test_pipes_full_before_their_byte_budget_are_rotated(monkeypatch: pyte
     assert reply == hashlib.sha256(data).digest()
     # 7.5 MB wait in the delay line: 8-13 pipes of PIPE_BYTES; these took about 50
     assert created > 3 * 7.5e6 / PIPE_BYTES
+
+
+def _pipe_limit(monkeypatch: pytest.MonkeyPatch, most: int) -> None:
+    """Every pipe past the first ``most`` fails as it would out of descriptors."""
+    real = splice_module._PipePool.get
+
+    def get(self: splice_module._PipePool) -> splice_module._KernelPipe:
+        if not self._free and self.created >= most:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(self)
+
+    monkeypatch.setattr(splice_module._PipePool, "get", get)
+
+
+@pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")
+async def test_out_of_pipes_waits_for_its_own_to_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pipe_limit(monkeypatch, 3)  # far fewer than the delay line wants
+    data = os.urandom(16 * MB)
+    async with target(digest_then_reply) as port, LinkEmulator(
+        "127.0.0.1", port, rate_bps=2e9, delay=0.03, splice=True
+    ) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(data)
+        await asyncio.wait_for(writer.drain(), 20)
+        writer.write_eof()
+        reply = await asyncio.wait_for(reader.read(), 20)
+        writer.close()
+        assert isinstance(link._proxy, SpliceProxy) and link._proxy.pipes_created == 3
+    assert reply == hashlib.sha256(data).digest()
+
+
+@pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")
+async def test_no_pipe_at_all_resets_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pipe_limit(monkeypatch, 0)
+    async with target(digest_then_reply) as port, LinkEmulator("127.0.0.1", port, splice=True) as link:
+        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
+        writer.write(b"x" * 1000)
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(reader.read(), 5)
+        writer.close()
