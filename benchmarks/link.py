@@ -32,6 +32,7 @@ import statistics
 from typing import Any
 
 from kvwire.bench import EMULATOR_PUMPS
+from kvwire.bench.command import stream_count
 from kvwire.bench.models import MODELS
 from kvwire.bench.runner import BenchConfig, run_bench
 from kvwire.errors import KvwireError
@@ -82,7 +83,8 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="llama3-8b")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--duration", type=float, default=8.0)
-    ap.add_argument("--streams", default="4", help="N or auto")
+    ap.add_argument("--streams", type=argument_type(stream_count), default=4, metavar="N|auto",
+                    help="TCP streams, 1-64, or auto (default 4)")
     ap.add_argument("--json", help="write every run's full report here")
     ap.add_argument("--codec-links", default="10,1", help="Gbit/s of the links for the codec comparison ('' to skip)")
     ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with")
@@ -92,11 +94,11 @@ def main() -> None:
                     help="the link emulator's pump (kvwire bench --emulator)")
     ap.add_argument("--rounds", type=argument_type(whole_number, "int"), default=1, help="interleaved rounds of the codec comparison")
     args = ap.parse_args()
+    streams: int | str = args.streams
     try:
-        streams: int | str = args.streams if args.streams == "auto" else int(args.streams)
         link_gbps = [float(x) for x in args.codec_links.split(",") if x]
     except ValueError as exc:
-        ap.error(f"--streams takes N or auto, --codec-links Gbit/s separated by commas ({exc})")
+        ap.error(f"--codec-links takes Gbit/s separated by commas ({exc})")
     common: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "duration": args.duration,
                               "streams": streams, "rtt": 0.020, "auto_codec": args.auto_codec,
                               "emulator": args.emulator}

@@ -55,7 +55,8 @@ _LINK_RATE = argument_type(positive(parse_rate, "link rate"), "rate")
 _POSITIVE_DURATION = argument_type(positive(parse_duration, "duration"), "duration")
 
 
-def _streams(text: str) -> int | str:
+def stream_count(text: str) -> int | str:
+    """``--streams``: an int in [1, 64] or ``auto`` (with kvwire.units' ``argument_type``)."""
     if text == "auto":
         return "auto"
     try:
@@ -191,7 +192,7 @@ def add_parsers(subparsers: Any) -> None:
     load.add_argument("--auto-codec", choices=AUTO_CODEC_MODES, default="model",
                       help="how --codec auto chooses: model (default: the cost model) or measured "
                            "(each codec's measured KV goodput)")
-    load.add_argument("--streams", type=argument_type(_streams), default=4, metavar="N|auto",
+    load.add_argument("--streams", type=argument_type(stream_count), default=4, metavar="N|auto",
                       help="TCP streams per session, or auto (default 4)")
     load.add_argument("--model", choices=sorted(MODELS), default="llama3-8b",
                       help="KV shape to send (default llama3-8b: 32 x 8 x 128 fp16)")

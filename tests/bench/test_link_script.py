@@ -41,7 +41,7 @@ def test_rounds_run_every_codec_each_round_and_compare_within_rounds(tmp_path: P
 
 
 def test_bad_arguments_are_usage_errors() -> None:
-    for args, says in ((["--rounds", "0"], "--rounds"), (["--streams", "x"], "--streams"),
+    for args, says in ((["--rounds", "0"], "--rounds"), (["--streams", "x"], "--streams"), (["--streams", "65"], "[1, 64]"),
                        (["--codecs", "raw,fp9"], "unknown codec 'fp9'"),
                        (["--codec-links", "0"], "must be > 0"), (["--duration", "0"], "--duration")):
         got = _run(*args, timeout=60)
