@@ -412,8 +412,11 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         f"{side} {_pct(cpu.get(side))}" for side in ("sender", "receiver", "emulator")
         if cpu.get(side) is not None
     )
+    link = format_rate(r["link_gbps"] * 1e9) if r["link_gbps"] else "unshaped"
+    if r["mode"] == "emulated":
+        link += f", emulated ({r['start']['config']['emulator']} pump)"
     rows: list[tuple[str, str]] = [
-        ("link", format_rate(r["link_gbps"] * 1e9) if r["link_gbps"] else "unshaped"),
+        ("link", link),
         ("RTT", _fmt(r["rtt_ms"], ".3g", " ms")),
         ("codec", codec),
         ("streams", streams),

@@ -36,6 +36,7 @@ def test_json_to_stdout_interval_lines_and_what_auto_chose() -> None:
     assert len(INTERVAL_LINE.findall(proc.stderr)) >= 2, proc.stderr
     assert "wire rate (measured)" in proc.stderr and "note: trust the wire rate" in proc.stderr
     start = doc["start"]
+    assert f"emulated ({start['config']['emulator']} pump)" in proc.stderr
     assert start["version"] == kvwire.__version__ and start["timestamp"]
     assert start["command"][:2] == ["kvwire", "bench"] and start["host"]["hostname"]
     assert start["config"]["chunk_bytes"] == 64 * 1024 and start["config"]["seed"] == 5
