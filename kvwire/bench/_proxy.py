@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 __all__ = [
     "Action",
@@ -29,11 +29,14 @@ __all__ = [
     "PassThrough",
     "Pipe",
     "PipeStatistics",
+    "ProxyBase",
     "ProxyConnection",
     "TcpProxy",
+    "reset_on_close",
 ]
 
 _READ_SIZE = 1024 * 1024
+C = TypeVar("C")
 
 
 class ActionKind(Enum):
@@ -384,10 +387,7 @@ class ProxyConnection:
             if reset:
                 sock = transport.get_extra_info("socket")
                 if sock is not None:
-                    with contextlib.suppress(OSError):
-                        sock.setsockopt(
-                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-                        )
+                    reset_on_close(sock)
             if side is flushed or not reset:
                 transport.close()
             else:
@@ -412,7 +412,51 @@ class ProxyConnection:
         self._terminate(None, reset=False)
 
 
-class TcpProxy:
+def reset_on_close(sock: socket.socket) -> None:
+    """Make closing ``sock`` send a TCP reset (SO_LINGER with a zero timeout)."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+
+class ProxyBase(Generic[C]):
+    """What a proxy keeps, whichever pump it runs: the target, where it listens, its
+    connections and the tasks it started."""
+
+    def __init__(
+        self,
+        target_host: str,
+        target_port: int,
+        *,
+        listen_host: str = "127.0.0.1",
+        listen_port: int = 0,
+        high_water: int = 4 * 1024 * 1024,
+    ) -> None:
+        self.target_host = target_host
+        self.target_port = target_port
+        self.listen_host = listen_host
+        self.listen_port = listen_port
+        self.high_water = high_water
+        self.connections: list[C] = []
+        """Every connection accepted so far, in order (index = position)."""
+        self.active: set[C] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _connection_done(self, conn: C) -> None:
+        self.active.discard(conn)
+
+    async def _cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class TcpProxy(ProxyBase[ProxyConnection]):
     """Listens on ``listen_host:listen_port`` and pipes every connection to the target."""
 
     def __init__(
@@ -425,17 +469,10 @@ class TcpProxy:
         listen_port: int = 0,
         high_water: int = 4 * 1024 * 1024,
     ) -> None:
-        self.target_host = target_host
-        self.target_port = target_port
+        super().__init__(target_host, target_port, listen_host=listen_host, listen_port=listen_port,
+                         high_water=high_water)
         self._policy_factory = policies
-        self.listen_host = listen_host
-        self.listen_port = listen_port
-        self.high_water = high_water
-        self.connections: list[ProxyConnection] = []
-        """Every connection accepted so far, in order (index = position)."""
-        self.active: set[ProxyConnection] = set()
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def port(self) -> int:
@@ -447,19 +484,11 @@ class TcpProxy:
     def _policies(self, conn: ProxyConnection) -> tuple[DirectionPolicy, DirectionPolicy]:
         return self._policy_factory(conn)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     def _accept(self) -> _Side:
         conn = ProxyConnection(self, len(self.connections))
         self.connections.append(conn)
         self.active.add(conn)
         return conn.client
-
-    def _connection_done(self, conn: ProxyConnection) -> None:
-        self.active.discard(conn)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -472,10 +501,7 @@ class TcpProxy:
             self._server.close()
         for conn in list(self.active):
             conn.abort()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._cancel_tasks()
         if self._server is not None:
             await self._server.wait_closed()
             self._server = None

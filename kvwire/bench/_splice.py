@@ -27,14 +27,13 @@ import fcntl
 import math
 import os
 import socket
-import struct
 import sys
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
-from kvwire.bench._proxy import PipeStatistics
+from kvwire.bench._proxy import PipeStatistics, ProxyBase, reset_on_close
 
 __all__ = ["AVAILABLE", "SpliceConnection", "SpliceDirection", "SpliceProxy", "TimedPolicy"]
 
@@ -395,8 +394,7 @@ class SpliceConnection:
             if sock is None or sock.fileno() < 0:
                 continue
             if reset:
-                with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                reset_on_close(sock)
             sock.close()
         if not self.closed.done():
             self.closed.set_result(None)
@@ -407,7 +405,7 @@ class SpliceConnection:
         self._terminate(reset=True)
 
 
-class SpliceProxy:
+class SpliceProxy(ProxyBase[SpliceConnection]):
     """Listens on ``listen_host:listen_port`` and splices every connection to the target
     (the same surface as the copying ``TcpProxy``, for the link emulator)."""
 
@@ -423,17 +421,10 @@ class SpliceProxy:
     ) -> None:
         if not AVAILABLE:
             raise OSError(errno.ENOSYS, "splice(2) is not available here")
-        self.target_host = target_host
-        self.target_port = target_port
+        super().__init__(target_host, target_port, listen_host=listen_host, listen_port=listen_port,
+                         high_water=high_water)
         self._policy_factory = policies
-        self.listen_host = listen_host
-        self.listen_port = listen_port
-        self.high_water = high_water
-        self.connections: list[SpliceConnection] = []
-        """Every connection accepted so far, in order (index = position)."""
-        self.active: set[SpliceConnection] = set()
         self._listener: socket.socket | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._pool = _PipePool()
 
     @property
@@ -450,14 +441,6 @@ class SpliceProxy:
 
     def _policies(self, conn: SpliceConnection) -> tuple[TimedPolicy, TimedPolicy]:
         return self._policy_factory(conn)
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _connection_done(self, conn: SpliceConnection) -> None:
-        self.active.discard(conn)
 
     async def start(self) -> None:
         listener = socket.create_server((self.listen_host, self.listen_port), backlog=128)
@@ -484,10 +467,7 @@ class SpliceProxy:
     async def close(self) -> None:
         for conn in list(self.active):
             conn.abort()
-        for task in list(self._tasks):
-            task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._cancel_tasks()
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -12,17 +12,9 @@ import pytest
 
 from kvwire.bench import emulator
 from kvwire.bench.emulator import SPLICE_AVAILABLE, LinkEmulator, RateSchedule
+from tests.bench.servers import target
 
 MB = 1_000_000
-
-
-@pytest.fixture(params=[
-    pytest.param(True, id="splice", marks=pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")),
-    pytest.param(False, id="copy"),
-])
-def splice(request: pytest.FixtureRequest) -> bool:
-    value: bool = request.param
-    return value
 
 
 def test_splice_is_the_default_where_available(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,39 +62,23 @@ class Counter:
 @pytest.fixture
 async def counter() -> AsyncIterator[Counter]:
     state = Counter()
-    tasks: set[asyncio.Task[None]] = set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        tasks.add(task)
         index = len(state.per_conn)
         state.per_conn.append(0)
-        try:
-            while data := await reader.read(1 << 20):
-                if data.startswith(b"PING"):
-                    writer.write(b"PONG")
-                    continue
-                state.per_conn[index] += len(data)
-                state.total += len(data)
-                state.last_byte_at = time.monotonic()
-                if state.expected and state.total >= state.expected:
-                    state.finished.set()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
+        while data := await reader.read(1 << 20):
+            if data.startswith(b"PING"):
+                writer.write(b"PONG")
+                continue
+            state.per_conn[index] += len(data)
+            state.total += len(data)
+            state.last_byte_at = time.monotonic()
+            if state.expected and state.total >= state.expected:
+                state.finished.set()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    state.port = server.sockets[0].getsockname()[1]
-    try:
+    async with target(handle) as port:
+        state.port = port
         yield state
-    finally:
-        server.close()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await server.wait_closed()
 
 
 async def blast(port: int, nbytes: int) -> None:

@@ -12,52 +12,15 @@ import hashlib
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
 from kvwire.bench import _splice as splice_module
 from kvwire.bench._splice import PIPE_BYTES, READ_BUDGET, SpliceProxy
 from kvwire.bench.emulator import SPLICE_AVAILABLE, LinkEmulator
+from tests.bench.servers import target
 
 MB = 1 << 20
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@pytest.fixture(params=[
-    pytest.param(True, id="splice", marks=pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")),
-    pytest.param(False, id="copy"),
-])
-def splice(request: pytest.FixtureRequest) -> bool:
-    value: bool = request.param
-    return value
-
-
-@contextlib.asynccontextmanager
-async def target(handler: Handler) -> AsyncIterator[int]:
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        tasks.add(task)
-        try:
-            await handler(reader, writer)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    try:
-        yield server.sockets[0].getsockname()[1]
-    finally:
-        server.close()
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await server.wait_closed()
 
 
 async def digest_then_reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -67,6 +30,17 @@ async def digest_then_reply(reader: asyncio.StreamReader, writer: asyncio.Stream
         h.update(data)
     writer.write(h.digest())
     await writer.drain()
+
+
+async def through(port: int, data: bytes, timeout: float = 10) -> bytes:
+    """Sends ``data`` to ``port``, half-closes, and returns what comes back until EOF."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    await asyncio.wait_for(writer.drain(), timeout)
+    writer.write_eof()  # the target sees EOF only after every byte
+    reply = await asyncio.wait_for(reader.read(), timeout)  # to the target's FIN
+    writer.close()
+    return reply
 
 
 def open_fds() -> int:
@@ -79,12 +53,7 @@ async def test_bytes_arrive_intact_and_eof_passes_both_ways(splice: bool) -> Non
     async with target(digest_then_reply) as port, LinkEmulator(
         "127.0.0.1", port, rate_bps=2e9, delay=0.04, jitter=0.005, seed=3, splice=splice
     ) as link:
-        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
-        writer.write(data)
-        await asyncio.wait_for(writer.drain(), 10)
-        writer.write_eof()  # the target sees EOF only after every byte
-        reply = await asyncio.wait_for(reader.read(), 10)  # to the target's FIN
-        writer.close()
+        reply = await through(link.port, data)
         stats = link.statistics()
         if splice:
             assert isinstance(link._proxy, SpliceProxy)
@@ -98,17 +67,7 @@ async def test_connections_stay_separate(splice: bool) -> None:
     async with target(digest_then_reply) as port, LinkEmulator(
         "127.0.0.1", port, rate_bps=4e9, delay=0.005, splice=splice
     ) as link:
-
-        async def one(block: bytes) -> bytes:
-            reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
-            writer.write(block)
-            await writer.drain()
-            writer.write_eof()
-            reply = await reader.read()
-            writer.close()
-            return reply
-
-        replies = await asyncio.wait_for(asyncio.gather(*(one(b) for b in blocks)), 10)
+        replies = await asyncio.gather(*(through(link.port, b) for b in blocks))
         assert link.statistics().connections == 4
     assert replies == [hashlib.sha256(b).digest() for b in blocks]
 
@@ -210,12 +169,7 @@ async def test_pipes_full_before_their_byte_budget_are_rotated(monkeypatch: pyte
     async with target(digest_then_reply) as port, LinkEmulator(
         "127.0.0.1", port, rate_bps=2e9, delay=0.03, splice=True
     ) as link:
-        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
-        writer.write(data)
-        await asyncio.wait_for(writer.drain(), 10)
-        writer.write_eof()
-        reply = await asyncio.wait_for(reader.read(), 10)
-        writer.close()
+        reply = await through(link.port, data)
         assert isinstance(link._proxy, SpliceProxy)
         created = link._proxy.pipes_created
     assert reply == hashlib.sha256(data).digest()
@@ -242,12 +196,7 @@ async def test_out_of_pipes_waits_for_its_own_to_drain(monkeypatch: pytest.Monke
     async with target(digest_then_reply) as port, LinkEmulator(
         "127.0.0.1", port, rate_bps=2e9, delay=0.03, splice=True
     ) as link:
-        reader, writer = await asyncio.open_connection("127.0.0.1", link.port)
-        writer.write(data)
-        await asyncio.wait_for(writer.drain(), 20)
-        writer.write_eof()
-        reply = await asyncio.wait_for(reader.read(), 20)
-        writer.close()
+        reply = await through(link.port, data, timeout=20)
         assert isinstance(link._proxy, SpliceProxy) and link._proxy.pipes_created == 3
     assert reply == hashlib.sha256(data).digest()
 
