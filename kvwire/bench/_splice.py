@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import math
 import os
 import socket
@@ -46,7 +45,10 @@ READ_BUDGET = 4 << 20
 """Most bytes one readiness event reads, so that one busy connection cannot starve the
 others or the writer."""
 
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+if sys.platform != "win32":  # importable everywhere; used only where AVAILABLE
+    import fcntl
+
+    _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 _FLAGS = getattr(os, "SPLICE_F_NONBLOCK", 2) | getattr(os, "SPLICE_F_MOVE", 1)
 
 
