@@ -5,7 +5,8 @@ import pytest
 
 from kvwire._extensions import extensions_disabled
 from kvwire.codec import numpy_dtype
-from tests.consistency.conftest import IN_CI, find_redis_server
+from tests.consistency.conftest import find_redis_server
+from tests.environment import IN_CI
 
 SECRET = b"test-secret-0123"
 

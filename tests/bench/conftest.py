@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.bench.emulator import SPLICE_AVAILABLE
+from tests.environment import needs_splice
 
 
-@pytest.fixture(params=[
-    pytest.param(True, id="splice", marks=pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")),
-    pytest.param(False, id="copy"),
-])
+@pytest.fixture(params=[pytest.param(True, id="splice", marks=needs_splice), pytest.param(False, id="copy")])
 def splice(request: pytest.FixtureRequest) -> bool:
     """``LinkEmulator(splice=...)``: the splice(2) pump, then the copying one."""
     value: bool = request.param

@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.bench import emulator
 from kvwire.bench.emulator import SPLICE_AVAILABLE, LinkEmulator, RateSchedule
-from tests.bench.servers import target
+from tests.servers import target
 
 MB = 1_000_000
 

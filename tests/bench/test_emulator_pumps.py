@@ -17,8 +17,9 @@ import pytest
 
 from kvwire.bench import _splice as splice_module
 from kvwire.bench._splice import PIPE_BYTES, READ_BUDGET, SpliceProxy
-from kvwire.bench.emulator import SPLICE_AVAILABLE, LinkEmulator
-from tests.bench.servers import target
+from kvwire.bench.emulator import LinkEmulator
+from tests.environment import needs_splice
+from tests.servers import target
 
 MB = 1 << 20
 
@@ -160,7 +161,7 @@ async def test_closing_with_bytes_in_flight_leaves_nothing_open(splice: bool) ->
         assert open_fds() <= before
 
 
-@pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")
+@needs_splice
 async def test_pipes_full_before_their_byte_budget_are_rotated(monkeypatch: pytest.MonkeyPatch) -> None:
     # Pipes left at the kernel's default 16 slots (as over a user's pipe quota) fill up long
     # before PIPE_BYTES: each refused splice moves on to a new pipe, and nothing is lost.
@@ -189,7 +190,7 @@ def _pipe_limit(monkeypatch: pytest.MonkeyPatch, most: int) -> None:
     monkeypatch.setattr(splice_module._PipePool, "get", get)
 
 
-@pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")
+@needs_splice
 async def test_out_of_pipes_waits_for_its_own_to_drain(monkeypatch: pytest.MonkeyPatch) -> None:
     _pipe_limit(monkeypatch, 3)  # far fewer than the delay line wants
     data = os.urandom(16 * MB)
@@ -201,7 +202,7 @@ async def test_out_of_pipes_waits_for_its_own_to_drain(monkeypatch: pytest.Monke
     assert reply == hashlib.sha256(data).digest()
 
 
-@pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")
+@needs_splice
 async def test_no_pipe_at_all_resets_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
     _pipe_limit(monkeypatch, 0)
     async with target(digest_then_reply) as port, LinkEmulator("127.0.0.1", port, splice=True) as link:

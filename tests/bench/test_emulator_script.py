@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import re
 
-import pytest
-
-from kvwire.bench.emulator import SPLICE_AVAILABLE
 from tests.bench.script_helpers import run_script
+from tests.environment import needs_splice
 
 
-@pytest.mark.skipif(not SPLICE_AVAILABLE, reason="splice(2) is Linux-only")
+@needs_splice
 def test_each_pump_reports_its_rate_and_cpu() -> None:
     got = run_script("emulator.py", "--rate", "1e9", "--seconds", "1.5", "--warmup", "0.25", timeout=120)
     assert got.returncode == 0, got.stderr

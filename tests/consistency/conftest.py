@@ -19,8 +19,7 @@ import pytest
 from kvwire.aio.registry_memory import MemoryRegistry
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import Registry
-
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+from tests.environment import IN_CI
 
 
 def find_redis_server() -> str | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvwire.testing.fault_proxy import CLEAN, FaultPlan, FaultProxy, Faults
+from tests.servers import target
 
 
 @dataclass
@@ -27,12 +28,8 @@ class Sink:
 @pytest.fixture
 async def sink() -> AsyncIterator[Sink]:
     state = Sink()
-    handlers: set[asyncio.Task[None]] = set()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        handlers.add(task)
         buf = bytearray()
         ev = asyncio.Event()
         state.received.append(buf)
@@ -48,22 +45,12 @@ async def sink() -> AsyncIterator[Sink]:
                 buf += data
             if not state.read:
                 await asyncio.sleep(30)
-        except (ConnectionError, asyncio.CancelledError):
-            pass
         finally:
             ev.set()
-            writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    state.port = server.sockets[0].getsockname()[1]
-    try:
+    async with target(handle) as port:
+        state.port = port
         yield state
-    finally:
-        server.close()
-        for task in handlers:
-            task.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
-        await server.wait_closed()
 
 
 async def send_and_close(port: int, data: bytes) -> bytes:

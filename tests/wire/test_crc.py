@@ -33,9 +33,9 @@ from hypothesis import strategies as st
 
 from kvwire._extensions import extensions_disabled
 from kvwire.wire import crc
+from tests.environment import IN_CI
 
 DISABLED = extensions_disabled()
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
 needs_ext = pytest.mark.skipif(crc.ext is None, reason="kvwire.wire._crc32c is not in use")
 NAMES = ["table", "sse4.2", "pclmulqdq", "avx512-vpclmulqdq"]
 CHECK = 0xE3069283  # CRC32C of b"123456789", the catalogue's check value

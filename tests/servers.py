@@ -1,4 +1,4 @@
-"""Loopback servers for the link emulator's tests."""
+"""A loopback server for the proxy tests (the link emulator's, the fault proxy's)."""
 
 from __future__ import annotations
 
