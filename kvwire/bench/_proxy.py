@@ -36,7 +36,8 @@ __all__ = [
 ]
 
 _READ_SIZE = 1024 * 1024
-C = TypeVar("C")
+C = TypeVar("C")  # a proxy's connection type
+P = TypeVar("P")  # its per-direction policy type
 
 
 class ActionKind(Enum):
@@ -302,9 +303,6 @@ class Pipe:
         self._timer = self._loop.call_at(due, self._on_timer)
 
 
-PolicyFactory = Callable[["ProxyConnection"], tuple[DirectionPolicy, DirectionPolicy]]
-
-
 class ProxyConnection:
     """One accepted connection and its companion connection to the target."""
 
@@ -418,14 +416,15 @@ def reset_on_close(sock: socket.socket) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
 
 
-class ProxyBase(Generic[C]):
-    """What a proxy keeps, whichever pump it runs: the target, where it listens, its
-    connections and the tasks it started."""
+class ProxyBase(Generic[C, P]):
+    """What a proxy keeps, whichever pump it runs: the target, the policies, where it
+    listens, its connections and the tasks it started."""
 
     def __init__(
         self,
         target_host: str,
         target_port: int,
+        policies: Callable[[C], tuple[P, P]],
         *,
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
@@ -433,6 +432,7 @@ class ProxyBase(Generic[C]):
     ) -> None:
         self.target_host = target_host
         self.target_port = target_port
+        self._policy_factory = policies
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.high_water = high_water
@@ -440,6 +440,9 @@ class ProxyBase(Generic[C]):
         """Every connection accepted so far, in order (index = position)."""
         self.active: set[C] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def _policies(self, conn: C) -> tuple[P, P]:
+        return self._policy_factory(conn)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -456,23 +459,10 @@ class ProxyBase(Generic[C]):
             await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-class TcpProxy(ProxyBase[ProxyConnection]):
+class TcpProxy(ProxyBase[ProxyConnection, DirectionPolicy]):
     """Listens on ``listen_host:listen_port`` and pipes every connection to the target."""
 
-    def __init__(
-        self,
-        target_host: str,
-        target_port: int,
-        policies: PolicyFactory,
-        *,
-        listen_host: str = "127.0.0.1",
-        listen_port: int = 0,
-        high_water: int = 4 * 1024 * 1024,
-    ) -> None:
-        super().__init__(target_host, target_port, listen_host=listen_host, listen_port=listen_port,
-                         high_water=high_water)
-        self._policy_factory = policies
-        self._server: asyncio.Server | None = None
+    _server: asyncio.Server | None = None
 
     @property
     def port(self) -> int:
@@ -480,9 +470,6 @@ class TcpProxy(ProxyBase[ProxyConnection]):
             raise RuntimeError("the proxy is not started")
         port: int = self._server.sockets[0].getsockname()[1]
         return port
-
-    def _policies(self, conn: ProxyConnection) -> tuple[DirectionPolicy, DirectionPolicy]:
-        return self._policy_factory(conn)
 
     def _accept(self) -> _Side:
         conn = ProxyConnection(self, len(self.connections))

@@ -28,7 +28,6 @@ import os
 import socket
 import sys
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -326,9 +325,6 @@ class SpliceDirection:
         self._queued = 0
 
 
-PolicyFactory = Callable[["SpliceConnection"], tuple[TimedPolicy, TimedPolicy]]
-
-
 class SpliceConnection:
     """One accepted connection and its companion connection to the target."""
 
@@ -368,6 +364,7 @@ class SpliceConnection:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         forward, backward = proxy._policies(self)
         high, pool = proxy.high_water, proxy._pool
+        assert pool is not None  # connections come only after start()
         self.forward = SpliceDirection(self, self.client, upstream, forward, high_water=high, pool=pool)
         self.backward = SpliceDirection(self, upstream, self.client, backward, high_water=high, pool=pool)
         self.forward.start()
@@ -407,27 +404,12 @@ class SpliceConnection:
         self._terminate(reset=True)
 
 
-class SpliceProxy(ProxyBase[SpliceConnection]):
+class SpliceProxy(ProxyBase[SpliceConnection, TimedPolicy]):
     """Listens on ``listen_host:listen_port`` and splices every connection to the target
     (the same surface as the copying ``TcpProxy``, for the link emulator)."""
 
-    def __init__(
-        self,
-        target_host: str,
-        target_port: int,
-        policies: PolicyFactory,
-        *,
-        listen_host: str = "127.0.0.1",
-        listen_port: int = 0,
-        high_water: int = 4 * 1024 * 1024,
-    ) -> None:
-        if not AVAILABLE:
-            raise OSError(errno.ENOSYS, "splice(2) is not available here")
-        super().__init__(target_host, target_port, listen_host=listen_host, listen_port=listen_port,
-                         high_water=high_water)
-        self._policy_factory = policies
-        self._listener: socket.socket | None = None
-        self._pool = _PipePool()
+    _listener: socket.socket | None = None
+    _pool: _PipePool | None = None  # from start() on
 
     @property
     def port(self) -> int:
@@ -439,12 +421,12 @@ class SpliceProxy(ProxyBase[SpliceConnection]):
     @property
     def pipes_created(self) -> int:
         """Pipes made so far (the pool reuses them)."""
-        return self._pool.created
-
-    def _policies(self, conn: SpliceConnection) -> tuple[TimedPolicy, TimedPolicy]:
-        return self._policy_factory(conn)
+        return 0 if self._pool is None else self._pool.created
 
     async def start(self) -> None:
+        if not AVAILABLE:
+            raise OSError(errno.ENOSYS, "splice(2) is not available here")
+        self._pool = _PipePool()
         listener = socket.create_server((self.listen_host, self.listen_port), backlog=128)
         listener.setblocking(False)
         self._listener = listener
@@ -473,4 +455,5 @@ class SpliceProxy(ProxyBase[SpliceConnection]):
         if self._listener is not None:
             self._listener.close()
             self._listener = None
-        self._pool.close()
+        if self._pool is not None:
+            self._pool.close()
