@@ -10,6 +10,8 @@ uses the wall clock).  The quantizers are timed
 through the codec (the compiled loops when ``kvwire.codec._hostcodec`` is built, at the
 best SIMD level the CPU has and at the generic level), and through their numpy reference
 (``encode_numpy``/``decode_numpy``), on a 1 MiB and a 4 MiB ``[tokens, 8, 128]`` chunk.
+``--levels`` times only every SIMD level of the compiled loops the CPU runs, in
+interleaved rounds, in cache and on a 256 MiB cache read from memory.
 ``--threads`` also times T threads encoding and decoding at once (the compiled loops
 release the GIL).  Quality: relative L2 error ``||x^ - x|| / ||x||`` and wire bytes (params +
 payload) / float16 bytes, per codec and layer, on ``tests/data/minilm_kv.npz`` and on
@@ -112,6 +114,57 @@ def compiled_vs_numpy(reps: int) -> None:
                     f"| {size} | {name} | {kind.name} | {enc:.3f} | {enc_g:.3f} | {enc_np:.3f} | {dec:.3f} | {dec_g:.3f} "
                     f"| {dec_np:.3f} | {enc / memcpy:.4f} | {dec / memcpy:.4f} |"
                 )
+
+
+def levels(reps: int) -> None:
+    """Every SIMD level of the compiled loops this CPU runs, in interleaved rounds (each
+    round times every level once, so a drift of the host lands on all of them): encode and
+    decode of a 4 MiB chunk in cache, and encode of a 256 MiB cache read in 4 MiB chunks,
+    which is not in the CPU's caches (what a sender encodes)."""
+    if _host.ext is None:
+        print("\nSIMD levels: the compiled codecs are not built here (or KVWIRE_NO_EXTENSIONS is set)")
+        return
+    found = [level for level in range(_host.SIMD_BEST + 1) if _host.simd(level) == level]
+    names = {}
+    for level in found:
+        _host.simd(level)
+        names[level] = _host.isa()
+    _host.simd(_host.SIMD_BEST)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((2048, 8, 128)) * 2).astype(np.float16)
+    big = (rng.standard_normal((64 * 2048, 8, 128)) * 2).astype(np.float16)
+    dst = np.empty_like(x)
+    memcpy = x.nbytes / _best(lambda: np.copyto(dst, x), reps) / 1e9
+    print(f"\nSIMD levels, GB/s of float16 per core, median of {reps} interleaved rounds; memcpy of the 4 MiB chunk {memcpy:.2f}")
+    for level in found:
+        print(f"- level {level}: {names[level]}")
+    print("| codec | kind | level | encode, in cache | encode, from memory | decode, in cache | encode / memcpy |")
+    print("|---|---|---|---|---|---|---|")
+    for name in QUANTIZERS:
+        codec: Any = get_codec(name)
+        for kind in (TensorKind.K, TensorKind.V) if name == "int4" else (TensorKind.K,):
+            ch = codec.encode(x, kind)
+            args = {"shape": x.shape, "dtype": "float16", "kind": kind, "out": dst}
+            times: dict[int, list[list[float]]] = {level: [[], [], []] for level in found}
+
+            def stream(c: Any = codec, k: TensorKind = kind) -> None:
+                for i in range(0, big.shape[0], 2048):
+                    c.encode(big[i : i + 2048], k)
+
+            for _ in range(reps):
+                for level in found:
+                    _host.simd(level)
+                    for slot, fn in ((1, stream), (0, lambda c=codec, k=kind: c.encode(x, k)),
+                                     (2, lambda c=codec, ch=ch, a=args: c.decode(ch.params, ch.payload, **a))):
+                        if slot != 1:
+                            fn()  # the stream evicted the chunk: in cache again
+                        t0 = CLOCK()
+                        fn()
+                        times[level][slot].append(CLOCK() - t0)
+            _host.simd(_host.SIMD_BEST)
+            for level in found:
+                enc, enc_mem, dec = (n / statistics.median(t) / 1e9 for n, t in zip((x.nbytes, big.nbytes, x.nbytes), times[level], strict=True))
+                print(f"| {name} | {kind.name} | {level} | {enc:.2f} | {enc_mem:.2f} | {dec:.2f} | {enc / memcpy:.3f} |")
 
 
 def threads(count: int, reps: int) -> None:
@@ -218,6 +271,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="also time this many threads at once")
     parser.add_argument("--speed-only", action="store_true", help="skip the quality tables")
     parser.add_argument("--cpu-time", action="store_true", help="time with the thread's CPU clock")
+    parser.add_argument("--levels", action="store_true",
+                        help="only the table of every SIMD level the CPU runs (interleaved rounds, in cache and from memory)")
     args = parser.parse_args()
     global CLOCK
     if args.cpu_time:
@@ -226,6 +281,9 @@ def main() -> None:
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     reps = 5 if args.quick else 15
+    if args.levels:
+        levels(reps)
+        return
     speed(reps)
     compiled_vs_numpy(reps)
     if args.threads > 1:

@@ -1234,7 +1234,8 @@ V_INT4_DECODE(F16) V_INT4_DECODE(BF16) V_INT4_DECODE(F32)
  * sixteen float32 lanes (thirty-two for fp8's float16 brackets).  The fast path is the
  * same multiply-then-verify; a block with an unsafe lane, or a row without a usable
  * reciprocal, goes through the AVX2 loops' exact path; the per-row maxima (scale, bad
- * codes) are the AVX2 loops'.  int4 keeps its AVX2 loops at this level. */
+ * codes) are the AVX2 loops'.  int4 encode has loops of its own at this level (below); int4
+ * decode keeps its AVX2 loop. */
 #define KV_HAVE_AVX512 1
 #define KV_AVX512 __attribute__((target("avx512f,avx512bw,avx2,f16c")))
 #define KV_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx2,f16c"), always_inline)) static inline
@@ -1352,6 +1353,280 @@ W_INT8_ENC(F16) W_INT8_ENC(BF16) W_INT8_ENC(F32)
 W_FP8_DEC(F16) W_FP8_DEC(BF16) W_FP8_DEC(F32)
 W_INT8_DEC(F16) W_INT8_DEC(BF16) W_INT8_DEC(F32)
 
+/* int4 encode on sixteen lanes: the AVX2 loop's steps, codes by v_int4_fast_nc's
+ * multiply-then-verify on sixteen lanes (a block of 32 or 16 with an unsafe lane takes the
+ * AVX2 exact path, which divides), minima and maxima over sixteen lanes, and the codes
+ * packed 64 at a time.  Same codes, scales and minimums as the AVX2 loop by construction:
+ * the quantizer's arithmetic is lane for lane the same, and a minimum or maximum is exact
+ * in any order of reduction (no NaN reaches it; -0 and +0 are merged afterwards). */
+KV_AVX512_INLINE __m512i w_int4_fast_nc(__m512 x, __m512 lo, __m512 r, __mmask16* unsafe) {
+    const __m512 q = _mm512_mul_ps(_mm512_sub_ps(x, lo), r);
+    const __m512 rq = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 dist = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(q, rq)), _mm512_set1_epi32(0x7FFFFFFF)));
+    *unsafe |= _mm512_cmp_ps_mask(dist, _mm512_set1_ps(KV_INT4_LIMIT), _CMP_NLT_UQ); /* NaN too */
+    return _mm512_cvttps_epi32(rq);
+}
+/* n (16 or 32) codes of one run from row at out */
+KV_AVX512_INLINE void int4_w_quant(kv_u8* out, const float* row, int n, __m512 lo, __m512 r, __m256 lo8, __m256 d8) {
+    __mmask16 un = 0;
+    const __m512i c0 = w_int4_fast_nc(_mm512_loadu_ps(row), lo, r, &un);
+    const __m512i c1 = n == 32 ? w_int4_fast_nc(_mm512_loadu_ps(row + 16), lo, r, &un) : c0;
+    if (!un) {
+        _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(c0)); /* codes in [0, 15] */
+        if (n == 32) _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(c1));
+        return;
+    }
+    for (int k = 0; k < n; k += 8) v_store8_u8(out + k, v_int4_quant(_mm256_loadu_ps(row + k), lo8, d8));
+}
+/* 32 K codes of one token's channels: x0, x1 their values, lo, r and hi the channels'
+ * minima, reciprocals and scales (the exact path divides by kv_divisor of the scale) */
+KV_AVX512_INLINE void int4_w_quant_k(kv_u8* out, __m512 x0, __m512 x1, const float* lo, const float* r,
+                                     const float* hi) {
+    __mmask16 un = 0;
+    const __m512i c0 = w_int4_fast_nc(x0, _mm512_loadu_ps(lo), _mm512_loadu_ps(r), &un);
+    const __m512i c1 = w_int4_fast_nc(x1, _mm512_loadu_ps(lo + 16), _mm512_loadu_ps(r + 16), &un);
+    if (!un) {
+        _mm_storeu_si128((__m128i*)out, _mm512_cvtepi32_epi8(c0));
+        _mm_storeu_si128((__m128i*)(out + 16), _mm512_cvtepi32_epi8(c1));
+        return;
+    }
+    const __m256 xs[4] = {w_lo(x0), w_hi(x0), w_lo(x1), w_hi(x1)};
+    for (int k = 0; k < 4; ++k)
+        v_store8_u8(out + 8 * k, v_int4_quant(xs[k], _mm256_loadu_ps(lo + 8 * k), v_divisor(_mm256_loadu_ps(hi + 8 * k))));
+}
+/* pack_append with 64 codes to 32 bytes at a time while the output is on a byte boundary */
+KV_AVX512 static void pack_append_avx512(packer* pk, const kv_u8* c, idx n) {
+    idx i = 0;
+    if (!pk->odd) {
+        kv_u8* p = pk->p;
+        for (; i + 64 <= n; i += 64) {
+            const __m512i m = _mm512_maddubs_epi16(_mm512_loadu_si512((const void*)(c + i)), _mm512_set1_epi16(0x1001));
+            _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi16_epi8(m));
+            p += 32;
+        }
+        pk->p = p;
+    }
+    pack_append_avx2(pk, c + i, n - i);
+}
+/* int4_v_run_scales on sixteen runs at a time */
+KV_AVX512 static int int4_w_run_scales(float* L, float* S, float* R, idx runs) {
+    idx k = 0;
+    __mmask16 range = 0;
+    for (; k + 16 <= runs; k += 16) {
+        const __m512 l = _mm512_add_ps(_mm512_loadu_ps(L + k), _mm512_setzero_ps());
+        const __m512 h = _mm512_add_ps(_mm512_loadu_ps(S + k), _mm512_setzero_ps());
+        const __m512 s = _mm512_div_ps(_mm512_sub_ps(h, l), _mm512_set1_ps(15.0f));
+        const __m512i sb = _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32(0x7FFFFFFF));
+        range |= _mm512_cmpgt_epi32_mask(sb, _mm512_set1_epi32(0x7F7FFFFF));
+        const __m512 d = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(sb, _mm512_setzero_si512()), s, _mm512_set1_ps(1.0f));
+        const __m512i db = _mm512_castps_si512(d);
+        const __mmask16 ok = _mm512_cmpgt_epi32_mask(db, _mm512_set1_epi32(0x007FFFFF)) &
+                             _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(0x7E800000), db);
+        const __m512 r = _mm512_mask_blend_ps(ok, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)),
+                                              _mm512_div_ps(_mm512_set1_ps(1.0f), d));
+        _mm512_storeu_ps(L + k, l);
+        _mm512_storeu_ps(S + k, s);
+        _mm512_storeu_ps(R + k, r);
+    }
+    return int4_v_run_scales(L + k, S + k, R + k, runs - k) | (range != 0);
+}
+/* minima (maxima) of four sixteen-lane vectors as four floats, in order: halves, then
+ * quarters of two vectors at once, then within each 128-bit lane (finite lanes; which of
+ * -0 and +0 is unspecified) */
+#define W_REDUCE4(NAME, OP)                                                                    \
+    KV_AVX512_INLINE __m128 NAME(__m512 a, __m512 b, __m512 c, __m512 d) {                      \
+        const __m512 ab = OP(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE)); \
+        const __m512 cd = OP(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE)); \
+        __m512 m = OP(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));  \
+        m = OP(m, _mm512_permute_ps(m, 0x4E));                                                 \
+        m = OP(m, _mm512_permute_ps(m, 0xB1));                                                 \
+        return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), m)); \
+    }
+W_REDUCE4(w_min4, _mm512_min_ps)
+W_REDUCE4(w_max4, _mm512_max_ps)
+/* minimum and maximum of the n (a multiple of 16) values at p, as sixteen lanes each */
+KV_AVX512_INLINE void w_minmax(const float* p, idx n, __m512* lo, __m512* hi) {
+    __m512 vl = _mm512_loadu_ps(p), vh = vl;
+    for (idx e = 16; e < n; e += 16) {
+        const __m512 v = _mm512_loadu_ps(p + e);
+        vl = _mm512_min_ps(vl, v);
+        vh = _mm512_max_ps(vh, v);
+    }
+    *lo = vl;
+    *hi = vh;
+}
+/* K as the AVX2 loop, sixteen channels at a time.  V a token (heads rows) at a time, not a
+ * row: the token's rows to float32, every run's minimum and maximum (four whole runs at
+ * once where every run is whole and a multiple of sixteen long), all their scales in one
+ * pass, then the codes of the whole token packed at once. */
+#define W_INT4_ENCODE(SUF)                                                                   \
+    KV_AVX512 static int int4_encode_avx512_##SUF(const void* x, idx tokens, idx heads, idx dim, \
+                                                  idx group, int is_v, kv_u8* scales, kv_u8* mins, \
+                                                  kv_u8* packed, float* lo, float* hi,         \
+                                                  kv_u32* keys, kv_u8* tmp, float* rowtmp) {   \
+        const idx hd = heads * dim;                                                            \
+        packer pk = {packed, 0, 0};                                                            \
+        kv_prefetcher pf = kv_prefetch_start(x, tokens * hd * ITEMSIZE_##SUF);                 \
+        __m512i wmag = _mm512_setzero_si512();                                                 \
+        kv_u32 mag = 0;                                                                        \
+        if (!is_v) {                                                                           \
+            float* fmin = (float*)keys;                                                        \
+            float* fmax = (float*)keys + hd;                                                   \
+            __m256i vmag = _mm256_setzero_si256();                                             \
+            for (idx t0 = 0, b = 0; t0 < tokens; t0 += group, ++b) {                           \
+                const idx t1 = t0 + group < tokens ? t0 + group : tokens;                      \
+                for (idx t = t0; t < t1; ++t) {                                                \
+                    const idx base = t * hd;                                                   \
+                    kv_prefetch_to(&pf, (const char*)x + (base + hd) * ITEMSIZE_##SUF);        \
+                    idx c = 0;                                                                 \
+                    for (; c + 16 <= hd; c += 16) {                                            \
+                        const __m512 v = w_ld_##SUF(x, base + c);                              \
+                        wmag = _mm512_max_epu32(wmag, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF))); \
+                        __m512 vl = v, vh = v;                                                 \
+                        if (t != t0) {                                                         \
+                            vl = _mm512_min_ps(v, _mm512_loadu_ps(fmin + c));                  \
+                            vh = _mm512_max_ps(v, _mm512_loadu_ps(fmax + c));                  \
+                        }                                                                      \
+                        _mm512_storeu_ps(fmin + c, vl);                                        \
+                        _mm512_storeu_ps(fmax + c, vh);                                        \
+                    }                                                                          \
+                    for (; c + 8 <= hd; c += 8) {                                              \
+                        const __m256 v = v_ld_##SUF(x, base + c);                              \
+                        vmag = _mm256_max_epu32(vmag, v_abs_bits(v));                          \
+                        __m256 vl = v, vh = v;                                                 \
+                        if (t != t0) {                                                         \
+                            vl = _mm256_min_ps(v, _mm256_loadu_ps(fmin + c));                  \
+                            vh = _mm256_max_ps(v, _mm256_loadu_ps(fmax + c));                  \
+                        }                                                                      \
+                        _mm256_storeu_ps(fmin + c, vl);                                        \
+                        _mm256_storeu_ps(fmax + c, vh);                                        \
+                    }                                                                          \
+                    for (; c < hd; ++c) {                                                      \
+                        float v = LOAD_##SUF(x, base + c);                                     \
+                        kv_u32 m = MAG_##SUF(x, base + c);                                     \
+                        mag = m > mag ? m : mag;                                               \
+                        fmin[c] = (t == t0 || v < fmin[c]) ? v : fmin[c];                      \
+                        fmax[c] = (t == t0 || v > fmax[c]) ? v : fmax[c];                      \
+                    }                                                                          \
+                }                                                                              \
+                if (_mm512_cmpge_epu32_mask(wmag, _mm512_set1_epi32(0x7F800000)) ||            \
+                    v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF)                 \
+                    return KV_E_NONFINITE;                                                     \
+                int range = 0;                                                                 \
+                for (idx c = 0; c < hd; ++c) {                                                 \
+                    float l = kv_canonical_zero(fmin[c]);                                      \
+                    float s = kv_int4_scale(l, kv_canonical_zero(fmax[c]));                    \
+                    range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;                    \
+                    lo[c] = l;                                                                 \
+                    hi[c] = s;                                                                 \
+                    rowtmp[c] = kv_recip(kv_divisor(s));                                       \
+                    st_f32(scales, b * hd + c, s);                                             \
+                    st_f32(mins, b * hd + c, l);                                               \
+                }                                                                              \
+                if (range) return KV_E_RANGE;                                                  \
+                for (idx t = t0; t < t1; ++t) {                                                \
+                    const idx base = t * hd;                                                   \
+                    idx c = 0;                                                                 \
+                    for (; c + 32 <= hd; c += 32)                                              \
+                        int4_w_quant_k(tmp + c, w_ld_##SUF(x, base + c), w_ld_##SUF(x, base + c + 16), \
+                                       lo + c, rowtmp + c, hi + c);                            \
+                    for (; c + 8 <= hd; c += 8)                                                \
+                        int4_v_quant8(tmp + c, v_ld_##SUF(x, base + c), _mm256_loadu_ps(lo + c), \
+                                      _mm256_loadu_ps(rowtmp + c), v_divisor(_mm256_loadu_ps(hi + c))); \
+                    for (; c < hd; ++c) tmp[c] = kv_int4_quant(LOAD_##SUF(x, base + c), lo[c], hi[c]); \
+                    pack_append_avx512(&pk, tmp, hd);                                          \
+                }                                                                              \
+            }                                                                                  \
+            pack_finish(&pk);                                                                  \
+            return KV_OK;                                                                      \
+        }                                                                                      \
+        float* row = lo;                                                                       \
+        const idx runs = (dim + group - 1) / group, truns = heads * runs;                      \
+        float* L = hi;                                                                         \
+        float* S = rowtmp;                                                                     \
+        float* R = (float*)keys;                                                               \
+        for (idx t = 0; t < tokens; ++t) {                                                     \
+            const idx base = t * hd;                                                           \
+            kv_prefetch_to(&pf, (const char*)x + (base + hd) * ITEMSIZE_##SUF);                \
+            idx d = 0;                                                                         \
+            for (; d + 16 <= hd; d += 16) {                                                    \
+                const __m512 v = w_ld_##SUF(x, base + d);                                      \
+                _mm512_storeu_ps(row + d, v);                                                  \
+                wmag = _mm512_max_epu32(wmag, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF))); \
+            }                                                                                  \
+            for (; d < hd; ++d) {                                                              \
+                row[d] = LOAD_##SUF(x, base + d);                                              \
+                kv_u32 m = MAG_##SUF(x, base + d);                                             \
+                mag = m > mag ? m : mag;                                                       \
+            }                                                                                  \
+            if (_mm512_cmpge_epu32_mask(wmag, _mm512_set1_epi32(0x7F800000)) || mag >= NONFINITE_##SUF) \
+                return KV_E_NONFINITE;                                                         \
+            idx j = 0;                                                                         \
+            if (group % 16 == 0 && dim % group == 0) /* every run full: four runs at a time */ \
+                for (; j + 4 <= truns; j += 4) {                                               \
+                    __m512 l0, h0, l1, h1, l2, h2, l3, h3;                                     \
+                    w_minmax(row + j * group, group, &l0, &h0);                                \
+                    w_minmax(row + (j + 1) * group, group, &l1, &h1);                          \
+                    w_minmax(row + (j + 2) * group, group, &l2, &h2);                          \
+                    w_minmax(row + (j + 3) * group, group, &l3, &h3);                          \
+                    _mm_storeu_ps(L + j, w_min4(l0, l1, l2, l3));                              \
+                    _mm_storeu_ps(S + j, w_max4(h0, h1, h2, h3));                              \
+                }                                                                              \
+            for (; j < truns; ++j) { /* each run's minimum (L) and maximum (S) */             \
+                const idx k = j % runs, r0 = (j / runs) * dim;                                 \
+                const idx d0 = r0 + k * group, d1 = k * group + group < dim ? d0 + group : r0 + dim; \
+                float fl = row[d0], fh = row[d0];                                              \
+                idx e = d0;                                                                    \
+                if (d1 - d0 >= 16) {                                                           \
+                    __m512 vl = _mm512_loadu_ps(row + d0), vh = vl;                            \
+                    for (e = d0 + 16; e + 16 <= d1; e += 16) {                                 \
+                        const __m512 v = _mm512_loadu_ps(row + e);                             \
+                        vl = _mm512_min_ps(vl, v);                                             \
+                        vh = _mm512_max_ps(vh, v);                                             \
+                    }                                                                          \
+                    fl = _mm512_reduce_min_ps(vl);                                             \
+                    fh = _mm512_reduce_max_ps(vh);                                             \
+                } else if (d1 - d0 >= 8) {                                                     \
+                    fl = v_hmin_ps(_mm256_loadu_ps(row + d0));                                 \
+                    fh = v_hmax_ps(_mm256_loadu_ps(row + d0));                                 \
+                    e = d0 + 8;                                                                \
+                }                                                                              \
+                for (; e < d1; ++e) {                                                          \
+                    fl = row[e] < fl ? row[e] : fl;                                            \
+                    fh = row[e] > fh ? row[e] : fh;                                            \
+                }                                                                              \
+                L[j] = fl;                                                                     \
+                S[j] = fh;                                                                     \
+            }                                                                                  \
+            if (int4_w_run_scales(L, S, R, truns)) return KV_E_RANGE;                          \
+            memcpy(scales + 4 * t * truns, S, 4 * (size_t)truns);                              \
+            memcpy(mins + 4 * t * truns, L, 4 * (size_t)truns);                                \
+            for (idx j = 0; j < truns; ++j) {                                                  \
+                const idx k = j % runs, r0 = (j / runs) * dim;                                 \
+                const idx d0 = r0 + k * group, d1 = k * group + group < dim ? d0 + group : r0 + dim; \
+                const float l = L[j], s = S[j];                                                \
+                const __m512 lw = _mm512_set1_ps(l), rw = _mm512_set1_ps(R[j]);                \
+                const __m256 lv = _mm256_set1_ps(l), dv = _mm256_set1_ps(kv_divisor(s));       \
+                idx e = d0;                                                                    \
+                for (; e + 32 <= d1; e += 32) int4_w_quant(tmp + e, row + e, 32, lw, rw, lv, dv); \
+                if (e + 16 <= d1) {                                                            \
+                    int4_w_quant(tmp + e, row + e, 16, lw, rw, lv, dv);                        \
+                    e += 16;                                                                   \
+                }                                                                              \
+                if (e + 8 <= d1) {                                                             \
+                    int4_v_quant8(tmp + e, _mm256_loadu_ps(row + e), lv, _mm256_set1_ps(R[j]), dv); \
+                    e += 8;                                                                    \
+                }                                                                              \
+                for (; e < d1; ++e) tmp[e] = kv_int4_quant(row[e], l, s);                      \
+            }                                                                                  \
+            pack_append_avx512(&pk, tmp, hd);                                                  \
+        }                                                                                      \
+        pack_finish(&pk);                                                                      \
+        return KV_OK;                                                                          \
+    }
+W_INT4_ENCODE(F16) W_INT4_ENCODE(BF16) W_INT4_ENCODE(F32)
+
 static int have_avx512(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
@@ -1419,7 +1694,7 @@ static const rw_dec_fn RW_DEC_AVX512[2][3] = {
 /* Loops in use: SIMD_GENERIC (the C loops with kvquant.cuh's conversions, compiled as
  * function clones), SIMD_F16C (the same loops reading and writing float16 rows through
  * F16C), SIMD_AVX2 (the explicit AVX2 + F16C loops above) or SIMD_AVX512 (the AVX-512
- * loops of fp8 and int8, int4 on AVX2).  Set at import to the best
+ * loops of fp8 and int8, and of int4 encode).  Set at import to the best
  * the CPU has; simd(level) lowers it so that the tests compare every path. */
 enum { SIMD_GENERIC = 0, SIMD_F16C = 1, SIMD_AVX2 = 2, SIMD_AVX512 = 3 };
 static int kv_simd = SIMD_GENERIC;
@@ -1508,6 +1783,7 @@ static const i4_dec_fn I4_DEC[3] = {int4_decode_F16, int4_decode_BF16, int4_deco
 #if KV_HAVE_AVX2
 static const i4_enc_fn I4_ENC_AVX2[3] = {int4_encode_avx2_F16, int4_encode_avx2_BF16, int4_encode_avx2_F32};
 static const i4_dec_fn I4_DEC_AVX2[3] = {int4_decode_avx2_F16, int4_decode_avx2_BF16, int4_decode_avx2_F32};
+static const i4_enc_fn I4_ENC_AVX512[3] = {int4_encode_avx512_F16, int4_encode_avx512_BF16, int4_encode_avx512_F32};
 #endif
 
 /* int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed) -> status */
@@ -1537,6 +1813,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
             i4_enc_fn fn = I4_ENC[dt];
 #if KV_HAVE_AVX2
             if (kv_simd >= SIMD_AVX2) fn = I4_ENC_AVX2[dt];
+            if (kv_simd >= SIMD_AVX512) fn = I4_ENC_AVX512[dt];
 #endif
             Py_BEGIN_ALLOW_THREADS
             st = fn(x.buf, tokens, heads, dim, group, is_v, (kv_u8*)sc.buf, (kv_u8*)mn.buf,
@@ -1644,7 +1921,7 @@ static void set_simd(int level) {
 static PyObject* py_isa(PyObject* self, PyObject* args) {
     (void)self;
     (void)args;
-    if (kv_simd >= SIMD_AVX512) return PyUnicode_FromString("AVX-512 loops (fp8, int8; int4 on AVX2) + F16C");
+    if (kv_simd >= SIMD_AVX512) return PyUnicode_FromString("AVX-512 loops (fp8, int8, int4 encode) + F16C");
     if (kv_simd >= SIMD_AVX2) return PyUnicode_FromString("AVX2 + F16C loops");
     return PyUnicode_FromFormat(kv_simd >= SIMD_F16C ? "generic loops (%s clone), F16C rows"
                                                      : "generic loops (%s clone)",
@@ -1653,7 +1930,7 @@ static PyObject* py_isa(PyObject* self, PyObject* args) {
 
 /* simd(level) -> level in use: 0 the generic loops with kvquant.cuh's conversions, 1 the
  * generic loops with float16 rows through F16C, 2 the AVX2 + F16C loops, 3 the AVX-512 loops
- * of fp8 and int8 (int4 on AVX2); a level above
+ * of fp8, int8 and int4 encode (int4 decode on AVX2); a level above
  * what the CPU has gives its best.  The test-suite runs every level it can. */
 static PyObject* py_simd(PyObject* self, PyObject* args) {
     int level;
