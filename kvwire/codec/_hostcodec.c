@@ -948,7 +948,9 @@ KV_AVX2_INLINE void int4_v_quant8(kv_u8* out, __m256 x, __m256 lo, __m256 r, __m
 /* Runs' minimum (in L) and maximum (in S) to the stored minimum (canonical zero) and scale
  * (kv_int4_scale), with the reciprocal of the divisor in R (kv_recip); four runs at a time
  * (x + 0 is x for every float but -0, which becomes +0: kv_canonical_zero).  Returns
- * nonzero when a scale is not finite (KV_E_RANGE). */
+ * nonzero when a scale is not finite (KV_E_RANGE).  kv_fit_scale is left out in the lanes:
+ * it never changes a finite (hi - lo) / 15, whose product with 15 cannot round past the
+ * largest float32 (test_int4_scales_never_need_fitting checks every float32 where it could). */
 KV_AVX2 static int int4_v_run_scales(float* L, float* S, float* R, idx runs) {
     idx k = 0;
     int range = 0;

@@ -58,9 +58,10 @@ any acknowledgement), orders the codecs never measured, and makes deadline choic
 measured rates in place of its own where there are any).
 
 Codecs are named by string; the chooser never imports them. Encode speeds are measured
-by the transport and fed back through :meth:`CodecChooser.observe_encode`; decode speeds
-come from the receiver where it reports them, else from a local measurement, through
-:meth:`CodecChooser.observe_decode`.
+by the transport and fed back through :meth:`CodecChooser.observe_encode`. Decode speeds
+are the priors (``kvwire.aio`` measures decode on the sender at connect: the protocol does
+not carry the receiver's), scaled down as the measured encode slows (:meth:`decode_speed`);
+a caller that measures decode can feed :meth:`CodecChooser.observe_decode`.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class CodecCandidate:
     name: str
     size_ratio: float
     """Wire bytes per fp16 byte (1.0 for raw, about 0.52 for fp8 with per-(token, head)
-    scales, about 0.27 for int4 with group scales)."""
+    scales, 0.375 for int4 with groups of 32: codes 0.25, scales and minimums 0.125)."""
     encode_bytes_per_s: float | None = None
     """Prior encode speed in fp16 input bytes/s; ``None`` = not yet measured (treated as
     unlimited, so an unmeasured codec gets tried and measured)."""
