@@ -997,6 +997,37 @@ KV_AVX2 static void pack_append_avx2(packer* pk, const kv_u8* c, idx n) {
     pack_append(pk, c + i, n - i);
 }
 
+/* K: eight channels of a token into the group's running minima and maxima (the token
+ * the group's first: they start from it); the magnitude maximum carried on */
+KV_AVX2_INLINE __m256i int4_k_minmax8(__m256 v, int first, float* fmin, float* fmax, __m256i vmag) {
+    __m256 vl = v, vh = v;
+    if (!first) {
+        vl = _mm256_min_ps(v, _mm256_loadu_ps(fmin));
+        vh = _mm256_max_ps(v, _mm256_loadu_ps(fmax));
+    }
+    _mm256_storeu_ps(fmin, vl);
+    _mm256_storeu_ps(fmax, vh);
+    return _mm256_max_epu32(vmag, v_abs_bits(v));
+}
+/* K: a group's (block b's) channel minima and maxima to its stored minimums and scales,
+ * and per channel in lo, hi, rcp the minimum, the scale and the reciprocal of its
+ * divisor.  Nonzero when a scale is not finite (KV_E_RANGE). */
+static inline int int4_k_group_scales(const float* fmin, const float* fmax, idx hd, idx b, float* lo, float* hi,
+                                      float* rcp, kv_u8* scales, kv_u8* mins) {
+    int range = 0;
+    for (idx c = 0; c < hd; ++c) {
+        const float l = kv_canonical_zero(fmin[c]);
+        const float s = kv_int4_scale(l, kv_canonical_zero(fmax[c]));
+        range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;
+        lo[c] = l;
+        hi[c] = s;
+        rcp[c] = kv_recip(kv_divisor(s));
+        st_f32(scales, b * hd + c, s);
+        st_f32(mins, b * hd + c, l);
+    }
+    return range;
+}
+
 /* int4 encode: keys (K) per channel over the group's tokens, values (V) per run of a row.
  * Group minimum and maximum with minps/maxps on the (finite) values: they pick the same
  * value as the kernel's order keys except between -0 and +0, which canonical zero merges. */
@@ -1019,17 +1050,8 @@ KV_AVX2 static void pack_append_avx2(packer* pk, const kv_u8* c, idx n) {
                     const idx base = t * hd;                                                   \
                     kv_prefetch_to(&pf, (const char*)x + (base + hd) * ITEMSIZE_##SUF);        \
                     idx c = 0;                                                                 \
-                    for (; c + 8 <= hd; c += 8) {                                              \
-                        __m256 v = v_ld_##SUF(x, base + c);                                    \
-                        vmag = _mm256_max_epu32(vmag, v_abs_bits(v));                          \
-                        __m256 vl = v, vh = v;                                                 \
-                        if (t != t0) {                                                         \
-                            vl = _mm256_min_ps(v, _mm256_loadu_ps(fmin + c));                  \
-                            vh = _mm256_max_ps(v, _mm256_loadu_ps(fmax + c));                  \
-                        }                                                                      \
-                        _mm256_storeu_ps(fmin + c, vl);                                        \
-                        _mm256_storeu_ps(fmax + c, vh);                                        \
-                    }                                                                          \
+                    for (; c + 8 <= hd; c += 8)                                                \
+                        vmag = int4_k_minmax8(v_ld_##SUF(x, base + c), t == t0, fmin + c, fmax + c, vmag); \
                     for (; c < hd; ++c) {                                                      \
                         float v = LOAD_##SUF(x, base + c);                                     \
                         kv_u32 m = MAG_##SUF(x, base + c);                                     \
@@ -1039,18 +1061,7 @@ KV_AVX2 static void pack_append_avx2(packer* pk, const kv_u8* c, idx n) {
                     }                                                                          \
                 }                                                                              \
                 if (v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF) return KV_E_NONFINITE; \
-                int range = 0;                                                                 \
-                for (idx c = 0; c < hd; ++c) {                                                 \
-                    float l = kv_canonical_zero(fmin[c]);                                      \
-                    float s = kv_int4_scale(l, kv_canonical_zero(fmax[c]));                    \
-                    range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;                    \
-                    lo[c] = l;                                                                 \
-                    hi[c] = s;                                                                 \
-                    rowtmp[c] = kv_recip(kv_divisor(s));                                       \
-                    st_f32(scales, b * hd + c, s);                                             \
-                    st_f32(mins, b * hd + c, l);                                               \
-                }                                                                              \
-                if (range) return KV_E_RANGE;                                                  \
+                if (int4_k_group_scales(fmin, fmax, hd, b, lo, hi, rowtmp, scales, mins)) return KV_E_RANGE; \
                 for (idx t = t0; t < t1; ++t) {                                                \
                     const idx base = t * hd;                                                   \
                     idx c = 0;                                                                 \
@@ -1493,17 +1504,8 @@ KV_AVX512_INLINE void w_minmax(const float* p, idx n, __m512* lo, __m512* hi) {
                         _mm512_storeu_ps(fmin + c, vl);                                        \
                         _mm512_storeu_ps(fmax + c, vh);                                        \
                     }                                                                          \
-                    for (; c + 8 <= hd; c += 8) {                                              \
-                        const __m256 v = v_ld_##SUF(x, base + c);                              \
-                        vmag = _mm256_max_epu32(vmag, v_abs_bits(v));                          \
-                        __m256 vl = v, vh = v;                                                 \
-                        if (t != t0) {                                                         \
-                            vl = _mm256_min_ps(v, _mm256_loadu_ps(fmin + c));                  \
-                            vh = _mm256_max_ps(v, _mm256_loadu_ps(fmax + c));                  \
-                        }                                                                      \
-                        _mm256_storeu_ps(fmin + c, vl);                                        \
-                        _mm256_storeu_ps(fmax + c, vh);                                        \
-                    }                                                                          \
+                    for (; c + 8 <= hd; c += 8)                                                \
+                        vmag = int4_k_minmax8(v_ld_##SUF(x, base + c), t == t0, fmin + c, fmax + c, vmag); \
                     for (; c < hd; ++c) {                                                      \
                         float v = LOAD_##SUF(x, base + c);                                     \
                         kv_u32 m = MAG_##SUF(x, base + c);                                     \
@@ -1515,18 +1517,7 @@ KV_AVX512_INLINE void w_minmax(const float* p, idx n, __m512* lo, __m512* hi) {
                 if (_mm512_cmpge_epu32_mask(wmag, _mm512_set1_epi32(0x7F800000)) ||            \
                     v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF)                 \
                     return KV_E_NONFINITE;                                                     \
-                int range = 0;                                                                 \
-                for (idx c = 0; c < hd; ++c) {                                                 \
-                    float l = kv_canonical_zero(fmin[c]);                                      \
-                    float s = kv_int4_scale(l, kv_canonical_zero(fmax[c]));                    \
-                    range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;                    \
-                    lo[c] = l;                                                                 \
-                    hi[c] = s;                                                                 \
-                    rowtmp[c] = kv_recip(kv_divisor(s));                                       \
-                    st_f32(scales, b * hd + c, s);                                             \
-                    st_f32(mins, b * hd + c, l);                                               \
-                }                                                                              \
-                if (range) return KV_E_RANGE;                                                  \
+                if (int4_k_group_scales(fmin, fmax, hd, b, lo, hi, rowtmp, scales, mins)) return KV_E_RANGE; \
                 for (idx t = t0; t < t1; ++t) {                                                \
                     const idx base = t * hd;                                                   \
                     idx c = 0;                                                                 \
