@@ -1028,6 +1028,16 @@ static inline int int4_k_group_scales(const float* fmin, const float* fmax, idx 
     return range;
 }
 
+/* K: the channels of a token past the last eight, one at a time, as int4_k_minmax8 */
+#define INT4_K_MINMAX_TAIL(SUF)                                                              \
+    for (; c < hd; ++c) {                                                                    \
+        float v = LOAD_##SUF(x, base + c);                                                   \
+        kv_u32 m = MAG_##SUF(x, base + c);                                                   \
+        mag = m > mag ? m : mag;                                                             \
+        fmin[c] = (t == t0 || v < fmin[c]) ? v : fmin[c];                                    \
+        fmax[c] = (t == t0 || v > fmax[c]) ? v : fmax[c];                                    \
+    }
+
 /* int4 encode: keys (K) per channel over the group's tokens, values (V) per run of a row.
  * Group minimum and maximum with minps/maxps on the (finite) values: they pick the same
  * value as the kernel's order keys except between -0 and +0, which canonical zero merges. */
@@ -1052,13 +1062,7 @@ static inline int int4_k_group_scales(const float* fmin, const float* fmax, idx 
                     idx c = 0;                                                                 \
                     for (; c + 8 <= hd; c += 8)                                                \
                         vmag = int4_k_minmax8(v_ld_##SUF(x, base + c), t == t0, fmin + c, fmax + c, vmag); \
-                    for (; c < hd; ++c) {                                                      \
-                        float v = LOAD_##SUF(x, base + c);                                     \
-                        kv_u32 m = MAG_##SUF(x, base + c);                                     \
-                        mag = m > mag ? m : mag;                                               \
-                        fmin[c] = (t == t0 || v < fmin[c]) ? v : fmin[c];                      \
-                        fmax[c] = (t == t0 || v > fmax[c]) ? v : fmax[c];                      \
-                    }                                                                          \
+                    INT4_K_MINMAX_TAIL(SUF);                                                   \
                 }                                                                              \
                 if (v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF) return KV_E_NONFINITE; \
                 if (int4_k_group_scales(fmin, fmax, hd, b, lo, hi, rowtmp, scales, mins)) return KV_E_RANGE; \
@@ -1506,13 +1510,7 @@ KV_AVX512_INLINE void w_minmax(const float* p, idx n, __m512* lo, __m512* hi) {
                     }                                                                          \
                     for (; c + 8 <= hd; c += 8)                                                \
                         vmag = int4_k_minmax8(v_ld_##SUF(x, base + c), t == t0, fmin + c, fmax + c, vmag); \
-                    for (; c < hd; ++c) {                                                      \
-                        float v = LOAD_##SUF(x, base + c);                                     \
-                        kv_u32 m = MAG_##SUF(x, base + c);                                     \
-                        mag = m > mag ? m : mag;                                               \
-                        fmin[c] = (t == t0 || v < fmin[c]) ? v : fmin[c];                      \
-                        fmax[c] = (t == t0 || v > fmax[c]) ? v : fmax[c];                      \
-                    }                                                                          \
+                    INT4_K_MINMAX_TAIL(SUF);                                                   \
                 }                                                                              \
                 if (_mm512_cmpge_epu32_mask(wmag, _mm512_set1_epi32(0x7F800000)) ||            \
                     v_hmax_u32(vmag) >= 0x7F800000u || mag >= NONFINITE_##SUF)                 \
