@@ -1376,11 +1376,13 @@ W_INT8_DEC(F16) W_INT8_DEC(BF16) W_INT8_DEC(F32)
  * packed 64 at a time.  Same codes, scales and minimums as the AVX2 loop by construction:
  * the quantizer's arithmetic is lane for lane the same, and a minimum or maximum is exact
  * in any order of reduction (no NaN reaches it; -0 and +0 are merged afterwards). */
+KV_AVX512_INLINE __m512i w_abs_bits(__m512 v) {
+    return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+}
 KV_AVX512_INLINE __m512i w_int4_fast_nc(__m512 x, __m512 lo, __m512 r, __mmask16* unsafe) {
     const __m512 q = _mm512_mul_ps(_mm512_sub_ps(x, lo), r);
     const __m512 rq = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 dist = _mm512_castsi512_ps(
-        _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(q, rq)), _mm512_set1_epi32(0x7FFFFFFF)));
+    const __m512 dist = _mm512_castsi512_ps(w_abs_bits(_mm512_sub_ps(q, rq)));
     *unsafe |= _mm512_cmp_ps_mask(dist, _mm512_set1_ps(KV_INT4_LIMIT), _CMP_NLT_UQ); /* NaN too */
     return _mm512_cvttps_epi32(rq);
 }
@@ -1411,6 +1413,17 @@ KV_AVX512_INLINE void int4_w_quant_k(kv_u8* out, __m512 x0, __m512 x1, const flo
     const __m256 xs[4] = {w_lo(x0), w_hi(x0), w_lo(x1), w_hi(x1)};
     for (int k = 0; k < 4; ++k)
         v_store8_u8(out + 8 * k, v_int4_quant(xs[k], _mm256_loadu_ps(lo + 8 * k), v_divisor(_mm256_loadu_ps(hi + 8 * k))));
+}
+/* int4_k_minmax8 on sixteen channels */
+KV_AVX512_INLINE __m512i int4_k_minmax16(__m512 v, int first, float* fmin, float* fmax, __m512i wmag) {
+    __m512 vl = v, vh = v;
+    if (!first) {
+        vl = _mm512_min_ps(v, _mm512_loadu_ps(fmin));
+        vh = _mm512_max_ps(v, _mm512_loadu_ps(fmax));
+    }
+    _mm512_storeu_ps(fmin, vl);
+    _mm512_storeu_ps(fmax, vh);
+    return _mm512_max_epu32(wmag, w_abs_bits(v));
 }
 /* pack_append with 64 codes to 32 bytes at a time while the output is on a byte boundary */
 KV_AVX512 static void pack_append_avx512(packer* pk, const kv_u8* c, idx n) {
@@ -1497,17 +1510,8 @@ KV_AVX512_INLINE void w_minmax(const float* p, idx n, __m512* lo, __m512* hi) {
                     const idx base = t * hd;                                                   \
                     kv_prefetch_to(&pf, (const char*)x + (base + hd) * ITEMSIZE_##SUF);        \
                     idx c = 0;                                                                 \
-                    for (; c + 16 <= hd; c += 16) {                                            \
-                        const __m512 v = w_ld_##SUF(x, base + c);                              \
-                        wmag = _mm512_max_epu32(wmag, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF))); \
-                        __m512 vl = v, vh = v;                                                 \
-                        if (t != t0) {                                                         \
-                            vl = _mm512_min_ps(v, _mm512_loadu_ps(fmin + c));                  \
-                            vh = _mm512_max_ps(v, _mm512_loadu_ps(fmax + c));                  \
-                        }                                                                      \
-                        _mm512_storeu_ps(fmin + c, vl);                                        \
-                        _mm512_storeu_ps(fmax + c, vh);                                        \
-                    }                                                                          \
+                    for (; c + 16 <= hd; c += 16)                                              \
+                        wmag = int4_k_minmax16(w_ld_##SUF(x, base + c), t == t0, fmin + c, fmax + c, wmag); \
                     for (; c + 8 <= hd; c += 8)                                                \
                         vmag = int4_k_minmax8(v_ld_##SUF(x, base + c), t == t0, fmin + c, fmax + c, vmag); \
                     INT4_K_MINMAX_TAIL(SUF);                                                   \
@@ -1544,7 +1548,7 @@ KV_AVX512_INLINE void w_minmax(const float* p, idx n, __m512* lo, __m512* hi) {
             for (; d + 16 <= hd; d += 16) {                                                    \
                 const __m512 v = w_ld_##SUF(x, base + d);                                      \
                 _mm512_storeu_ps(row + d, v);                                                  \
-                wmag = _mm512_max_epu32(wmag, _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF))); \
+                wmag = _mm512_max_epu32(wmag, w_abs_bits(v)); \
             }                                                                                  \
             for (; d < hd; ++d) {                                                              \
                 row[d] = LOAD_##SUF(x, base + d);                                              \
@@ -1570,12 +1574,9 @@ KV_AVX512_INLINE void w_minmax(const float* p, idx n, __m512* lo, __m512* hi) {
                 float fl = row[d0], fh = row[d0];                                              \
                 idx e = d0;                                                                    \
                 if (d1 - d0 >= 16) {                                                           \
-                    __m512 vl = _mm512_loadu_ps(row + d0), vh = vl;                            \
-                    for (e = d0 + 16; e + 16 <= d1; e += 16) {                                 \
-                        const __m512 v = _mm512_loadu_ps(row + e);                             \
-                        vl = _mm512_min_ps(vl, v);                                             \
-                        vh = _mm512_max_ps(vh, v);                                             \
-                    }                                                                          \
+                    __m512 vl, vh;                                                             \
+                    w_minmax(row + d0, (d1 - d0) & ~(idx)15, &vl, &vh);                        \
+                    e = d0 + ((d1 - d0) & ~(idx)15);                                           \
                     fl = _mm512_reduce_min_ps(vl);                                             \
                     fh = _mm512_reduce_max_ps(vh);                                             \
                 } else if (d1 - d0 >= 8) {                                                     \
