@@ -11,10 +11,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvwire.bench.emulator import SPLICE_AVAILABLE
-from kvwire.bench.models import MODELS, bench_cache, relative_error
+from kvwire.bench.models import MODELS, bench_cache, layer_error, relative_error
 from kvwire.bench.runner import mean_rate
 from kvwire.cli import build_parser, main
 
@@ -196,6 +197,29 @@ def test_bench_cache_is_deterministic_and_error_is_relative() -> None:
     assert relative_error(a, b) == 0.0
     assert relative_error(bench_cache(tiny, 16, seed=4), a) > 0.5
     assert all(not (k == v).all() for k, v in a)  # K and V differ
+
+
+def test_layer_error_checks_every_token_for_identity_and_a_slice_for_the_error() -> None:
+    tiny = MODELS["tiny"]
+    want = bench_cache(tiny, 16, seed=3)[0]
+    assert layer_error(want, (want[0].copy(), want[1].copy()), 0, 8) == 0.0
+    # one flipped bit in a token outside the measured slice is still not identical
+    k = want[0].copy()
+    k.view(np.uint16)[15, 0, 0] ^= 1
+    assert layer_error((k, want[1]), want, 0, 8) == 0.0  # the slice (tokens 0-1) is exact
+    assert layer_error((k, want[1]), want, 7, 8) > 0  # tokens 14-15 hold the change
+    # a lossy copy: each slice's error is that slice's relative error
+    noisy = tuple((t.astype(np.float32) * 1.01).astype(t.dtype) for t in want)
+    for part in range(8):
+        lo, hi = 2 * part, 2 * part + 2
+        exact = relative_error([(noisy[0][lo:hi], noisy[1][lo:hi])], [(want[0][lo:hi], want[1][lo:hi])])
+        assert layer_error(noisy, want, part, 8) == exact > 0
+    # a slice with no token (fewer tokens than parts): the whole layer
+    short = tuple(t[:3] for t in want)
+    assert layer_error(tuple(t[:3] for t in noisy), short, 0, 8) == relative_error(
+        [tuple(t[:3] for t in noisy)], [short])
+    with pytest.raises(ValueError):
+        layer_error(want, want, 8, 8)
 
 
 
