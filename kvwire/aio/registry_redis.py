@@ -164,7 +164,7 @@ class RedisWatcher:
         if pubsub is not None:
             # The connection is being thrown away; a failure to close it changes nothing.
             with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8
 
 
 class RedisRegistry:
