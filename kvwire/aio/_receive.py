@@ -8,6 +8,7 @@ a raw payload can be read straight into.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,9 @@ class ArrayStore(LayerStore):
     def __init__(self, device: str) -> None:
         self.gpu = GpuReceiver(device) if device != "cpu" else None
         self._targets: dict[Key, _Target] = {}
+        self.decoded: dict[int, list[int]] = {}
+        """By codec id: ``[elements, thread CPU nanoseconds]`` decoded so far (a GPU's
+        decode counts the host's share: launches and copies)."""
 
     def opened(self, key: Key, spec: KVSpec) -> None:
         self._targets[key] = _Target(spec, numpy_dtype(spec.dtype))
@@ -75,6 +79,13 @@ class ArrayStore(LayerStore):
 
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
         tg = self._targets[key]
+        t0 = time.thread_time_ns()
+        self._decode(tg, chunk, buffer)
+        tally = self.decoded.setdefault(chunk.codec_id, [0, 0])
+        tally[0] += chunk.token_count * tg.spec.num_kv_heads * tg.spec.head_dim
+        tally[1] += time.thread_time_ns() - t0
+
+    def _decode(self, tg: _Target, chunk: Chunk, buffer: Any) -> None:
         spec = tg.spec
         codec = codec_by_id(chunk.codec_id)
         out = self._out(tg, chunk, buffer)

@@ -47,6 +47,7 @@ from kvwire.session.sender import (
     ChunkDelivered,
     ChunkLost,
     ChunkSent,
+    ReceiverCosts,
     SenderCore,
     SessionFailed,
     StreamClosed,
@@ -114,6 +115,8 @@ class Peer(Pump):
         self.inflight = InflightController(streams=self.core.config.streams, chunk_bytes=options.chunk_bytes)
         self.chooser: CodecChooser | None = None
         self.transport_meter = _TransportMeter()
+        # What receiving costs the server, as its REPORTs say (statistics()["receiver"]).
+        self.receiver: dict[str, Any] = {"transport_s_per_gb": None, "decode_gbps": {}}
         self._last_sent_at = -math.inf  # when the last chunk went on a stream (app-limited test)
         self.bytes_sent = 0
         self._open_error: KvwireError | None = None  # a stream that failed while open() waits
@@ -250,6 +253,8 @@ class Peer(Pump):
                 st.first_layer_at = clock()
         elif isinstance(ev, ChunkLost):
             est.on_loss(ev.address)
+        elif isinstance(ev, ReceiverCosts):
+            self._receiver_costs(ev)
         elif isinstance(ev, TransferDone):
             if (st := self.sends.get(ev.transfer_id)) is not None:
                 st.done = ev
@@ -376,6 +381,28 @@ class Peer(Pump):
             raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
         return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)
 
+    def _receiver_costs(self, ev: ReceiverCosts) -> None:
+        """The server's REPORT: kept for :meth:`statistics`, and fed to ``auto``."""
+        decode: dict[str, float] = {}
+        for cid, seconds in ev.decode_s_per_element.items():
+            try:
+                decode[codec_by_id(cid).name] = seconds
+            except KvwireError:
+                continue  # a codec this side does not know: advisory, ignored
+        if ev.transport_s_per_byte is not None:
+            self.receiver["transport_s_per_gb"] = ev.transport_s_per_byte * 1e9
+        for name, seconds in decode.items():
+            self.receiver["decode_gbps"][name] = 2 / seconds / 1e9  # fp16 bytes per second
+        chooser = self.chooser
+        if chooser is None:
+            return
+        if ev.transport_s_per_byte is not None:
+            chooser.observe_receiver_transport(ev.transport_s_per_byte)
+        for name, seconds in decode.items():
+            # Only codecs the chooser counts a decode for (raw lands in place).
+            if name in chooser.codecs and chooser.decode_speed(name) is not None:
+                chooser.observe_decode(name, 2 << 20, seconds * (1 << 20))
+
     def statistics(self) -> dict[str, Any]:
         """A snapshot: the bandwidth/RTT estimate, bytes in flight, and per stream credit,
         bytes and (on Linux, direct paths) the kernel's TCP_INFO view."""
@@ -404,6 +431,8 @@ class Peer(Pump):
             "srtt_ms": snap.srtt * 1e3 if snap.srtt is not None else None,
             "bytes_in_flight": snap.bytes_in_flight, "inflight_target": self.inflight.update(self.estimator, clock()),
             "streams": streams, "transfers_in_flight": self.core.transfers, "bytes_sent": self.bytes_sent,
+            "receiver": {"transport_s_per_gb": self.receiver["transport_s_per_gb"],
+                         "decode_gbps": dict(self.receiver["decode_gbps"])},
             **self.core.counters,
         }
 

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import ssl as _ssl
+import time
 from collections import deque
 from types import TracebackType
 from typing import Any
@@ -53,6 +54,50 @@ from kvwire.session.receiver import (
 
 _log = logging.getLogger("kvwire")
 
+#: Seconds over which the server measures what receiving costs it, and tells the clients
+#: that sent data meanwhile (REPORT, docs/protocol.md 4.10).
+REPORT_INTERVAL = 0.25
+#: Fewest CHUNK bytes received in an interval for its transport cost to be reported, and
+#: fewest elements a codec decoded for its decode cost to be.
+REPORT_MIN_BYTES = 1 << 20
+REPORT_MIN_ELEMENTS = 1 << 18
+
+
+class _CostMeter:
+    """What receiving costs this server, measured on the event loop's thread (where the
+    core reads, checks and decodes every chunk): its CPU time per CHUNK byte received,
+    decoding excluded, and each codec's decode time per element, over intervals of
+    :data:`REPORT_INTERVAL`.  The loop's CPU time is the whole process's view of that
+    thread: every session, and whatever else the application runs on the loop."""
+
+    def __init__(self, core: ReceiverCore, store: ArrayStore) -> None:
+        self._core, self._store = core, store
+        self._at: float | None = None
+        self._cpu = self._bytes = 0
+        self._decoded: dict[int, tuple[int, int]] = {}
+
+    def tick(self, now: float) -> None:
+        """Report if an interval has passed since the last (or start one)."""
+        if self._at is not None and now - self._at < REPORT_INTERVAL:
+            return
+        cpu, received = time.thread_time_ns(), self._core.chunk_bytes_received
+        decoded = {c: (e, ns) for c, (e, ns) in self._store.decoded.items()}
+        if self._at is not None:
+            wire = received - self._bytes
+            decode: dict[int, float] = {}
+            decode_ns = 0
+            for c, (e, ns) in decoded.items():
+                e0, ns0 = self._decoded.get(c, (0, 0))
+                decode_ns += ns - ns0
+                if c != 0 and e - e0 >= REPORT_MIN_ELEMENTS:  # raw lands in place: nothing to decode
+                    decode[c] = (ns - ns0) / 1e9 / (e - e0)
+            transport = (cpu - self._cpu - decode_ns) / 1e9 / wire if wire >= REPORT_MIN_BYTES else None
+            if transport is not None and transport <= 0:
+                transport = None
+            if transport is not None or decode:
+                self._core.report(transport, decode)
+        self._at, self._cpu, self._bytes, self._decoded = now, cpu, received, decoded
+
 
 class Server(Pump):
     """A running kvwire server; use through ``async with kvwire.serve(...)``."""
@@ -77,6 +122,7 @@ class Server(Pump):
         self._store = ArrayStore(options.device)
         self.on_gpu = self._store.gpu is not None
         self.core = ReceiverCore(config, store=self._store)
+        self._costs = _CostMeter(self.core, self._store)
         self._server: asyncio.Server | None = None
         self._cids = itertools.count(1)
         self._by_cid: dict[int, Stream] = {}
@@ -195,6 +241,8 @@ class Server(Pump):
     def pump(self) -> None:
         """Handle the core's events, write what it queued, re-arm the one timer."""
         core = self.core
+        if not self.closed:
+            self._costs.tick(self.now())
         while (ev := core.next_event()) is not None:
             try:
                 self._on_event(ev)

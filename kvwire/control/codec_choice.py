@@ -42,7 +42,8 @@ turn once its wait has passed. Waits are counted in chunks, so exploring costs t
 share on every link. A codec measured within tolerance of the leader waits
 ``explore_after`` chunks; one behind waits twice as long as the last time, and once
 measured further behind than a sample's noise (``SAMPLE_NOISE``) twice in a row (once, if
-it was measured at its wire bound: the path set that pace, not a moment of the host), long
+it was measured at its wire bound: the path set that pace, not a moment of the host, or
+below ``HOPELESS`` of the leader: no sample's noise explains that), long
 enough that its stints cost at most ``explore_cost`` of the chunks in between (a stint of
 a codec at half the leader's rate costs its length again), up to ``explore_max``. A
 codec never measured that the model, calibrated by the codecs measured, rates below
@@ -59,9 +60,17 @@ measured rates in place of its own where there are any).
 
 Codecs are named by string; the chooser never imports them. Encode speeds are measured
 by the transport and fed back through :meth:`CodecChooser.observe_encode`. Decode speeds
-are the priors (``kvwire.aio`` measures decode on the sender at connect: the protocol does
-not carry the receiver's), scaled down as the measured encode slows (:meth:`decode_speed`);
-a caller that measures decode can feed :meth:`CodecChooser.observe_decode`.
+are measured by the receiver, which says what decoding costs it in its REPORT frames
+(docs/protocol.md 4.10; ``kvwire.aio`` feeds them to :meth:`CodecChooser.observe_decode`,
+the first replacing the prior). Until then they are the priors (measured on the sender
+at connect), scaled down as the measured encode slows (:meth:`decode_speed`). The
+receiver's CPU per wire byte (:meth:`CodecChooser.observe_receiver_transport`, from the
+same REPORTs) is a stage of its own where the stages run apart (``pipeline="full"``:
+the receiver's event loop receives and decodes, so its rate is bounded by both together)
+and adds to the total in ``"serial"``; the one CPU budget of ``"cpu"`` leaves it out: it
+models the sender's host, and on loopback, where each side has a core of its own,
+counting the receiver's transport there made ``auto`` take int8 over raw at half raw's
+rate (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -119,6 +128,10 @@ ESTIMATE_HEADROOM = 2.0
 #: How far behind the leader one goodput sample may put a codec as good as the leader (on
 #: two loaded cores a sample of 8 chunks varies by 10-20%, more while a transfer starts).
 SAMPLE_NOISE = 0.25
+#: A codec measured below this share of the leader's goodput is behind for good, not by a
+#: sample's noise: one such stint is enough to wait what its stints cost (a second one
+#: of a codec ten times slower cost 12% of 1024 chunks in the fake-time pipeline).
+HOPELESS = 0.25
 
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
@@ -204,6 +217,7 @@ class CodecChooser:
         self._encode_prior: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode_observed: set[str] = set()
         self._transport: float | None = None  # sender CPU seconds per wire byte
+        self._receiver_transport: float | None = None  # receiver CPU seconds per wire byte
         if pipeline not in _PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(_PIPELINES)}")
         self._pipeline = pipeline
@@ -298,6 +312,17 @@ class CodecChooser:
             return
         self._transport = self._blend(self._transport, cpu_seconds / wire_bytes, wire_bytes)
 
+    def observe_receiver_transport(self, seconds_per_byte: float) -> None:
+        """Feed the receiver's reported CPU seconds per wire byte received, decoding
+        excluded (each report is a measurement over an interval: one full EWMA sample)."""
+        if seconds_per_byte > 0 and math.isfinite(seconds_per_byte):
+            self._receiver_transport = self._blend(self._receiver_transport, seconds_per_byte, FULL_SAMPLE_BYTES)
+
+    @property
+    def receiver_transport_cost(self) -> float | None:
+        """The receiver's reported CPU seconds per wire byte, ``None`` before a report."""
+        return self._receiver_transport
+
     def observe_delivered(self, codec: str, kv_bytes: int, now: float, *, first_layer: bool = False) -> None:
         """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
         arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
@@ -335,17 +360,25 @@ class CodecChooser:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
         ratio = self._ratio[codec]
         link = bandwidth_bps / 8.0 / ratio
-        speeds = [v for v in (self._speed[codec], self.decode_speed(codec)) if v is not None]
+        encode, decode = self._speed[codec], self.decode_speed(codec)
+        speeds = [v for v in (encode, decode) if v is not None]
         if self._transport:
             speeds.append(1.0 / (ratio * self._transport))
-        if not speeds:
-            return link  # exact: nothing but the wire
+        receiver = ratio * self._receiver_transport if self._receiver_transport else 0.0
         if self._pipeline == "full":
-            return min(link, *speeds)
+            # The receiver's loop receives and decodes: one stage, their costs add.
+            stages = [v for v in (encode, 1.0 / (ratio * self._transport) if self._transport else None)
+                      if v is not None]
+            recv_cost = receiver + (1.0 / decode if decode else 0.0)
+            if recv_cost:
+                stages.append(1.0 / recv_cost)
+            return min([link, *stages])
+        if not speeds and not receiver:
+            return link  # exact: nothing but the wire
         cpu_cost = sum(1.0 / v for v in speeds)
         if self._pipeline == "cpu":
-            return min(link, 1.0 / cpu_cost)
-        return 1.0 / (1.0 / link + cpu_cost)
+            return min(link, 1.0 / cpu_cost) if cpu_cost else link
+        return 1.0 / (1.0 / link + cpu_cost + receiver)
 
     def rates(self, bandwidth_bps: float) -> dict[str, float]:
         """Delivered KV bytes/s per codec, most precise first."""
@@ -458,10 +491,11 @@ class CodecChooser:
                 # explains, twice in a row (one sample can be a moment of the host, a
                 # transfer's start), at least what its stints cost. Once is enough for a
                 # codec measured at its wire bound: the path, not a moment of the host,
-                # set its pace (raw on a slow link).
+                # set its pace (raw on a slow link); and for one so far behind that no
+                # sample's noise explains it.
                 wait = 2 * self._wait.get(c, self._explore_after)
                 at_wire = far and rate >= (1.0 - SAMPLE_NOISE) * self._wire_bound(c, bandwidth_bps)
-                if self._far[c] >= 2 or at_wire:
+                if self._far[c] >= 2 or at_wire or rate < HOPELESS * lead:
                     wait = max(wait, self._cost_wait(lead, rate, self._stint_len or 2 * self.meter.sample_acks))
             self._wait[c] = wait = min(wait, self._explore_max)
             self._due[c] = count + wait

@@ -26,7 +26,7 @@ import heapq
 import json
 import secrets
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,9 +56,12 @@ from kvwire.wire import (
     Connection,
     ConnectionClosed,
     ConnectionConfig,
+    DecodeCost,
     HandshakeComplete,
     IncomingTransfer,
+    Report,
     Role,
+    State,
     TransferBegun,
     TransferReset,
 )
@@ -380,6 +383,14 @@ class _Session:
     completed: OrderedDict[int, None] = field(default_factory=OrderedDict)
     lose_at: float | None = None
     closed: bool = False
+    unreported: int = 0  # CHUNK bytes received since the last REPORT to this session
+
+
+def _u32_scaled(seconds: float | None, unit: int) -> int:
+    """``seconds`` per unit as whole nanoseconds per 2^20 units, within a u32 (0: none)."""
+    if seconds is None or not seconds > 0 or seconds == float("inf"):
+        return 0
+    return max(1, min(0xFFFFFFFF, round(seconds * 1e9 * unit)))
 
 
 class ReceiverCore:
@@ -403,6 +414,9 @@ class ReceiverCore:
         self._timer_at: dict[tuple[int, Any], float] = {}
         self._timer_seq = 0
         self.buffered_bytes = 0
+        self.chunk_bytes_received = 0
+        """Bytes of CHUNK frames received, every session together (what :meth:`report`'s
+        transport cost is per)."""
         self.counters: dict[str, int] = {"transfers_accepted": 0, "transfers_refused": 0}
 
     # -- connections ---------------------------------------------------------------------
@@ -592,6 +606,31 @@ class ReceiverCore:
                 conn.send_ack(address)
 
     # -- time ----------------------------------------------------------------------------
+
+    def report(self, transport_s_per_byte: float | None, decode_s_per_element: Mapping[int, float]) -> int:
+        """Tell every session that sent CHUNK bytes since it was last told what receiving
+        costs this server (a REPORT on one of its open connections; advisory, see
+        docs/protocol.md 4.10): ``transport_s_per_byte``, CPU seconds per byte of CHUNK
+        frames received, decoding excluded (None: not measured), and by codec id the CPU
+        seconds per element decoded.  The I/O layer measures them over an interval of its
+        choosing and calls this at most once per interval.  Returns the sessions told."""
+        report = Report(
+            transport_ns_per_mib=_u32_scaled(transport_s_per_byte, 1 << 20),
+            decode=tuple(DecodeCost(codec_id=c, ns_per_melem=_u32_scaled(v, 1 << 20))
+                         for c, v in sorted(decode_s_per_element.items()) if _u32_scaled(v, 1 << 20)),
+        )
+        if not report.transport_ns_per_mib and not report.decode:
+            return 0
+        told = 0
+        for sess in self._sessions.values():
+            if sess.closed or not sess.unreported:
+                continue
+            conn = self._any_conn(sess)
+            if conn is not None and conn.state is State.OPEN:
+                conn.send_report(report)
+                sess.unreported = 0
+                told += 1
+        return told
 
     def get_timer(self) -> float | None:
         """The earliest deadline of any connection, session or transfer (None: none)."""
@@ -947,6 +986,9 @@ class ReceiverCore:
         chunk = ev.chunk
         addr = chunk.address
         sess = self._conn_session.get(cid)
+        self.chunk_bytes_received += ev.wire_size
+        if sess is not None:
+            sess.unreported += ev.wire_size
         if sess is None:
             conn.send_ack(addr)
             return

@@ -41,6 +41,7 @@ from kvwire.wire import (
     CreditGranted,
     HandshakeComplete,
     OutgoingTransfer,
+    ReportReceived,
     Role,
     SentChunk,
     State,
@@ -167,9 +168,19 @@ class SessionFailed:
     error: KvwireError
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReceiverCosts:
+    """The server's REPORT: what receiving costs it (advisory; docs/protocol.md 4.10)."""
+
+    transport_s_per_byte: float | None
+    """CPU seconds per byte of CHUNK frames received, decoding excluded (None: not measured)."""
+    decode_s_per_element: dict[int, float]
+    """By codec id: CPU seconds per element decoded (only the codecs it measured)."""
+
+
 SenderEvent = (
     StreamWanted | StreamOpened | StreamClosed | ChunkSent | ChunkDelivered | ChunkLost | TransferCredit
-    | TransferDone | TransferFailed | SessionFailed
+    | TransferDone | TransferFailed | SessionFailed | ReceiverCosts
 )
 
 #: Counters a session keeps (see ``kvwire.aio.Peer.statistics``).
@@ -516,6 +527,13 @@ class SenderCore:
                 if t is not None:
                     self.counters["transfers_reset_by_peer"] += 1
                     self._fail(t, ev.error(), reset=False, by_peer=True)
+            elif isinstance(ev, ReportReceived):
+                r = ev.report
+                self._events.append(ReceiverCosts(
+                    transport_s_per_byte=r.transport_ns_per_mib / 1e9 / (1 << 20) if r.transport_ns_per_mib else None,
+                    decode_s_per_element={d.codec_id: d.ns_per_melem / 1e9 / (1 << 20)
+                                          for d in r.decode if d.ns_per_melem},
+                ))
             elif isinstance(ev, HandshakeComplete):
                 self._on_open(index, ev)
             elif isinstance(ev, ConnectionClosed):
@@ -735,6 +753,7 @@ __all__ = [
     "ChunkDelivered",
     "ChunkLost",
     "ChunkSent",
+    "ReceiverCosts",
     "SenderConfig",
     "SenderCore",
     "SenderEvent",

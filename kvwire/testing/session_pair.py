@@ -22,6 +22,7 @@ from kvwire.session.receiver import (
 )
 from kvwire.session.receiver import TransferFailed as IncomingFailed
 from kvwire.session.sender import (
+    ReceiverCosts,
     SenderConfig,
     SenderCore,
     SessionFailed,
@@ -98,6 +99,8 @@ class SessionPair:
         self.ended_at: dict[int, float] = {}
         self.began_at: dict[int, float] = {}  # filled in by whoever starts transfers
         self.session_error: KvwireError | None = None
+        self.receiver_costs: list[ReceiverCosts] = []
+        """What the receiver's REPORTs told the sender, in order."""
         self.max_buffered = 0
         self._requests: dict[tuple[bytes, int], str] = {}
         self._orphans: list[_Link] = []
@@ -137,6 +140,8 @@ class SessionPair:
                 self.ended_at[ev.transfer_id] = now
             elif isinstance(ev, SessionFailed):
                 self.session_error = ev.error
+            elif isinstance(ev, ReceiverCosts):
+                self.receiver_costs.append(ev)
         for link in list(self.links.values()) + self._orphans:
             if link.closed:
                 continue

@@ -59,6 +59,7 @@ from kvwire.wire.frames import (
     PayloadSink,
     Ping,
     Pong,
+    Report,
     Reset,
     UnknownFrame,
     Welcome,
@@ -165,6 +166,13 @@ class PongReceived:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ReportReceived:
+    """Client side: the server said what receiving costs it (advisory)."""
+
+    report: Report
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UnknownFrameReceived:
     frame: UnknownFrame
 
@@ -201,7 +209,7 @@ RESUMABLE_CODES = frozenset({ErrorCode.INTEGRITY_ERROR, ErrorCode.TIMEOUT, Error
 Event = (
     ClientAuthenticated | HandshakeComplete | TransferBegun | TransferAccepted | ChunkReceived
     | ChunkAcked | CreditGranted | TransferReset | PingReceived | PongReceived
-    | UnknownFrameReceived | ConnectionClosed
+    | ReportReceived | UnknownFrameReceived | ConnectionClosed
 )
 
 
@@ -532,6 +540,11 @@ class Connection:
         if self._require_open(Role.SERVER):
             self._queue(Credit(transfer_id=transfer_id, layer_limit=layer_limit))
 
+    def send_report(self, report: Report) -> None:
+        """Tell the client what receiving costs this server (REPORT, advisory)."""
+        if self._require_open(Role.SERVER):
+            self._queue(report)
+
     # -- internals ----------------------------------------------------------------------
 
     def _require_open(self, role: Role) -> bool:
@@ -714,6 +727,11 @@ class Connection:
         self._events.append(TransferReset(transfer_id=frame.transfer_id, code=frame.code, message=frame.message))
         return State.OPEN
 
+    def _on_report(self, frame: Frame, size: int) -> State:
+        assert isinstance(frame, Report)
+        self._events.append(ReportReceived(report=frame))
+        return State.OPEN
+
     def _on_ping(self, frame: Frame, size: int) -> State:
         assert isinstance(frame, Ping)
         self._queue(Pong(opaque=frame.opaque))
@@ -743,6 +761,7 @@ _TRANSITIONS: dict[tuple[State, type], Callable[[Connection, Frame, int], State]
     (State.OPEN, Accept): Connection._on_accept,
     (State.OPEN, Ack): Connection._on_ack,
     (State.OPEN, Credit): Connection._on_credit,
+    (State.OPEN, Report): Connection._on_report,
     # both ways
     (State.OPEN, Reset): Connection._on_reset,
     (State.OPEN, Ping): Connection._on_ping,
@@ -751,7 +770,7 @@ _TRANSITIONS: dict[tuple[State, type], Callable[[Connection, Frame, int], State]
 
 #: Frames only the client may send (a server receiving any other is a protocol error).
 _CLIENT_SENDS = {Begin, Chunk}
-_SERVER_SENDS = {Accept, Ack, Credit}
+_SERVER_SENDS = {Accept, Ack, Credit, Report}
 
 
 def _role_checked(
@@ -790,6 +809,7 @@ __all__ = [
     "HandshakeComplete",
     "PingReceived",
     "PongReceived",
+    "ReportReceived",
     "Role",
     "State",
     "TransferAccepted",

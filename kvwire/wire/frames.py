@@ -56,6 +56,7 @@ class FrameType(IntEnum):
     ACK = 0x13
     CREDIT = 0x14
     RESET = 0x15
+    REPORT = 0x16
     PING = 0x20
     PONG = 0x21
     GOAWAY = 0x30
@@ -178,6 +179,23 @@ class Reset:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DecodeCost:
+    """One codec's decode cost in a REPORT: CPU nanoseconds per 2^20 elements decoded."""
+
+    codec_id: int
+    ns_per_melem: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+    """What receiving costs the server (advisory, server to client, docs/protocol.md 4.10)."""
+
+    transport_ns_per_mib: int
+    """CPU nanoseconds per MiB of CHUNK frames received, decoding excluded (0: not measured)."""
+    decode: tuple[DecodeCost, ...] = ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Ping:
     opaque: int
 
@@ -203,7 +221,7 @@ class UnknownFrame:
 
 
 Frame = Union[
-    Hello, Challenge, Auth, Welcome, Begin, Accept, Chunk, Ack, Credit, Reset, Ping, Pong,
+    Hello, Challenge, Auth, Welcome, Begin, Accept, Chunk, Ack, Credit, Reset, Report, Ping, Pong,
     GoAway, UnknownFrame,
 ]
 
@@ -223,6 +241,8 @@ _ACK = struct.Struct(">QHBxI")
 _CREDIT = struct.Struct(">QI")
 _RESET_FIXED = struct.Struct(">QH")
 _PING = struct.Struct(">Q")
+_REPORT_FIXED = struct.Struct(">IB")
+_DECODE_COST = struct.Struct(">BI")
 _BLOCK_VERSION_TAIL = struct.Struct(">Q")
 
 
@@ -357,6 +377,12 @@ def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
     if isinstance(frame, GoAway):
         msg = _message(frame.message)
         return FrameType.GOAWAY, [_U16.pack(frame.code), _U16.pack(len(msg)), msg]
+    if isinstance(frame, Report):
+        _check_report(frame)
+        body = bytearray(_REPORT_FIXED.pack(frame.transport_ns_per_mib, len(frame.decode)))
+        for d in frame.decode:
+            body += _DECODE_COST.pack(d.codec_id, d.ns_per_melem)
+        return FrameType.REPORT, [bytes(body)]
     if isinstance(frame, Ping):
         return FrameType.PING, [_PING.pack(frame.opaque)]
     if isinstance(frame, Pong):
@@ -376,6 +402,18 @@ def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
     if isinstance(frame, UnknownFrame):
         raise ProtocolError("unknown frames are not sent")
     raise TypeError(f"not a frame: {frame!r}")
+
+
+def _check_report(frame: Report) -> None:
+    if len(frame.decode) > 255:
+        raise ProtocolError("REPORT has more than 255 decode entries")
+    ids = [d.codec_id for d in frame.decode]
+    if len(set(ids)) != len(ids):
+        raise ProtocolError("REPORT names a codec twice")
+    if not 0 <= frame.transport_ns_per_mib <= 0xFFFFFFFF or any(
+        not (0 <= d.codec_id <= 0xFF and 0 <= d.ns_per_melem <= 0xFFFFFFFF) for d in frame.decode
+    ):
+        raise ProtocolError("REPORT field out of range")
 
 
 def welcome_unsigned(frame: Welcome) -> bytes:
@@ -526,6 +564,15 @@ def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
         msg = r.text(r.u16())
         r.end()
         return GoAway(code=code, message=msg)
+    if ftype == FrameType.REPORT:
+        r = _Reader(body, "REPORT")
+        transport, count = r.unpack(_REPORT_FIXED)
+        decode = tuple(DecodeCost(codec_id=int(c), ns_per_melem=int(ns))
+                       for c, ns in (r.unpack(_DECODE_COST) for _ in range(count)))
+        r.end()
+        report = Report(transport_ns_per_mib=int(transport), decode=decode)
+        _check_report(report)
+        return report
     if ftype in (FrameType.PING, FrameType.PONG):
         r = _Reader(body, "PING")
         (opaque,) = r.unpack(_PING)
@@ -877,6 +924,7 @@ __all__ = [
     "Chunk",
     "ChunkAddress",
     "Credit",
+    "DecodeCost",
     "ErrorCode",
     "Frame",
     "FrameDecoder",
@@ -886,6 +934,7 @@ __all__ = [
     "PayloadSink",
     "Ping",
     "Pong",
+    "Report",
     "Reset",
     "UnknownFrame",
     "Welcome",

@@ -92,3 +92,50 @@ async def test_a_gpu_server_decodes_every_chunk_on_its_device(monkeypatch: pytes
             with pytest.raises(kvwire.UsageError):
                 transfer.attach(object())
             transfer.abort("test done")
+
+
+@pytest.mark.parametrize("codec", ["int8", "auto"])
+async def test_the_server_reports_its_costs_and_auto_weighs_them(
+    monkeypatch: pytest.MonkeyPatch, codec: str,
+) -> None:
+    """REPORT end to end: the server measures its decode and its CPU per byte received
+    (on its loop's thread), tells the client, and ``auto`` takes the decode speeds
+    (docs/protocol.md 4.10).  Every pump is an interval here, so reports come at all."""
+    from kvwire.aio import client, server
+
+    monkeypatch.setattr(server, "REPORT_INTERVAL", 0.0)
+    monkeypatch.setattr(server, "REPORT_MIN_BYTES", 1)
+    monkeypatch.setattr(server, "REPORT_MIN_ELEMENTS", 1)
+    seen: list[Any] = []
+    costs = client.Peer._receiver_costs
+
+    def record(self: client.Peer, ev: Any) -> None:
+        seen.append(ev)
+        costs(self, ev)
+
+    monkeypatch.setattr(client.Peer, "_receiver_costs", record)
+    layers = make_layers(3, 1024, 4, 64)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as srv, \
+            kvwire.connect("127.0.0.1", srv.port, secret=SECRET, codec=codec, chunk_bytes=128 * 1024) as peer:
+        for i in range(3):
+            recv = asyncio.create_task(srv.expect(f"r{i}", timeout=20))
+            await peer.send(f"r{i}", SPEC, layers, timeout=20)
+            await (await recv).collect(timeout=20)
+        stats = peer.statistics()["receiver"]
+        chooser = peer.chooser
+    assert seen, "no REPORT reached the client"
+    assert stats["transport_s_per_gb"] is not None and stats["transport_s_per_gb"] > 0
+    reported: dict[str, list[float]] = {}
+    for ev in seen:
+        for cid, seconds in ev.decode_s_per_element.items():
+            assert cid != 0  # raw lands in place: never reported
+            reported.setdefault(kvwire.codec.codec_by_id(cid).name, []).append(2 / seconds)
+    assert set(stats["decode_gbps"]) == set(reported)
+    if codec == "int8":
+        assert chooser is None and set(reported) == {"int8"}
+        return
+    assert chooser is not None and reported  # auto sent some compact chunks (its probes at least)
+    assert chooser.receiver_transport_cost is not None
+    for name, speeds in reported.items():
+        # The first report replaced the prior; later ones are blended in: within their range.
+        assert min(speeds) * (1 - 1e-9) <= chooser.decode_speed(name) <= max(speeds) * (1 + 1e-9)

@@ -186,18 +186,20 @@ def test_observed_decode_speed_moves_the_choice() -> None:
 
 def _true_rate(
     pipeline: str, bandwidth_bps: float, ratio: float, enc: float | None, dec: float | None,
-    transport: float | None = None,
+    transport: float | None = None, receiver: float | None = None,
 ) -> float:
-    """KV bytes/s end to end, written out independently of the chooser."""
+    """KV bytes/s end to end, written out independently of the chooser: ``receiver`` is
+    the receiver's CPU per wire byte, on the thread that also decodes."""
     wire = ratio * 8 / bandwidth_bps
     stages = [1 / s for s in (enc, dec) if s is not None]
     if transport:
         stages.append(ratio * transport)
     if pipeline == "serial":
-        return 1 / (wire + sum(stages))
+        return 1 / (wire + sum(stages) + ratio * (receiver or 0))
     if pipeline == "cpu":
         return 1 / max(wire, sum(stages))
-    return 1 / max([wire, *stages])
+    apart = [1 / s for s in (enc,) if s is not None] + ([ratio * transport] if transport else [])
+    return 1 / max([wire, *apart, ratio * (receiver or 0) + (1 / dec if dec else 0)])
 
 
 _speed = st.one_of(st.none(), st.floats(0.05 * GB, 50 * GB))
@@ -210,10 +212,11 @@ _speed = st.one_of(st.none(), st.floats(0.05 * GB, 50 * GB))
     time_left=st.one_of(st.none(), st.floats(0.001, 10.0)),
     pipeline=st.sampled_from(["serial", "cpu", "full"]),
     transport=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
+    receiver=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
 )
 def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
     bandwidth: float, codecs: list[tuple[float, float | None, float | None]],
-    time_left: float | None, pipeline: str, transport: float | None,
+    time_left: float | None, pipeline: str, transport: float | None, receiver: float | None,
 ) -> None:
     candidates = [CodecCandidate(name="raw", size_ratio=1.0)]
     candidates += [
@@ -223,9 +226,12 @@ def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
     chooser = CodecChooser(candidates, pipeline=pipeline)
     if transport is not None:
         chooser.observe_transport(int(GB), transport * GB)
+    if receiver is not None:
+        chooser.observe_receiver_transport(receiver)
     remaining = None if time_left is None else int(GB)
     choice = chooser.choose(bandwidth, remaining_bytes=remaining, time_left=time_left)
-    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s, transport) for c in candidates}
+    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s, transport, receiver)
+              for c in candidates}
     raw_rate = _true_rate(pipeline, bandwidth, *params["raw"])
     chosen_rate = _true_rate(pipeline, bandwidth, *params[choice.codec])
     assert choice.codec == "raw" or chosen_rate >= raw_rate * (1 - 1e-9)
@@ -233,6 +239,33 @@ def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
         best = max(_true_rate(pipeline, bandwidth, *p) for p in params.values())
         if abs(raw_rate - 0.95 * best) > 1e-6 * best:
             assert (choice.codec == "raw") == (raw_rate > 0.95 * best)
+
+
+def test_the_receivers_reported_costs() -> None:
+    """A REPORT's decode replaces the prior at once; its transport cost is the receiver's
+    own stage where the stages run apart and adds in the serial bound, not in the one
+    CPU budget of the default pipeline."""
+    candidates = [
+        CodecCandidate(name="raw", size_ratio=1.0),
+        CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=4 * GB, decode_bytes_per_s=8 * GB),
+    ]
+    cpu, full, serial = (CodecChooser(candidates, pipeline=p) for p in ("cpu", "full", "serial"))
+    for c in (cpu, full, serial):
+        assert c.receiver_transport_cost is None
+        c.observe_decode("fp8", 2 << 20, (2 << 20) / (2 * GB))  # one report: 2 GB/s there
+        assert c.decode_speed("fp8") == pytest.approx(2 * GB)
+        for bad in (0.0, -1.0, math.inf, math.nan):
+            c.observe_receiver_transport(bad)
+        assert c.receiver_transport_cost is None
+        c.observe_receiver_transport(1 / GB)
+        c.observe_receiver_transport(3 / GB)  # smoothed (gain 0.25)
+        assert c.receiver_transport_cost == pytest.approx(1.5 / GB)
+    # fp8 at 10 Gbit/s: wire 0.4 s/GB, encode 0.25, decode 0.5, receiver 0.5 x 1.5 = 0.75
+    assert cpu.delivered_rate("fp8", 10e9) == pytest.approx(GB / 0.75)  # encode + decode
+    assert full.delivered_rate("fp8", 10e9) == pytest.approx(GB / (0.5 + 0.75))  # the receiver's loop
+    assert serial.delivered_rate("fp8", 10e9) == pytest.approx(GB / (0.4 + 0.25 + 0.5 + 0.75))
+    assert full.delivered_rate("raw", 10e9) == pytest.approx(GB / 1.5)  # raw's wire bytes, received
+    assert cpu.delivered_rate("raw", 10e9) == pytest.approx(1.25 * GB)
 
 
 def test_a_decode_prior_slows_down_with_the_measured_encode() -> None:

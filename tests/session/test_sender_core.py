@@ -24,6 +24,7 @@ from kvwire.session.sender import (
     ChunkDelivered,
     ChunkLost,
     ChunkSent,
+    ReceiverCosts,
     SenderConfig,
     SenderCore,
     SenderEvent,
@@ -43,6 +44,8 @@ from kvwire.wire import (
     ClientAuthenticated,
     Connection,
     ConnectionConfig,
+    DecodeCost,
+    Report,
     Role,
     TransferBegun,
     TransferReset,
@@ -531,3 +534,15 @@ def test_chunks_never_go_on_a_paused_or_unused_stream(ops: list[tuple[str, int]]
     h.ack()
     assert len({e.address for e in h.of(ChunkSent)}) == n
     assert h.of(TransferDone) and h.core.bytes_in_flight == 0
+
+
+def test_a_report_becomes_receiver_costs_in_seconds() -> None:
+    h = harness(streams=2)
+    h.servers[1].send_report(Report(transport_ns_per_mib=1 << 20, decode=(
+        DecodeCost(codec_id=1, ns_per_melem=3 << 20), DecodeCost(codec_id=2, ns_per_melem=0))))
+    h.servers[0].send_report(Report(transport_ns_per_mib=0, decode=()))
+    h.step()
+    costs = h.of(ReceiverCosts)
+    assert len(costs) == 2
+    assert ReceiverCosts(transport_s_per_byte=1e-9, decode_s_per_element={1: 3e-9}) in costs  # 0: not measured
+    assert ReceiverCosts(transport_s_per_byte=None, decode_s_per_element={}) in costs

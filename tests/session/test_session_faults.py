@@ -227,3 +227,29 @@ def test_unclaimed_transfers_count_toward_max_transfers_and_are_dropped_at_claim
     pair.run(until=rcfg.claim_timeout + 1)  # type: ignore[operator]
     assert pair.receiver.counters["transfers_unclaimed"] == 2
     assert pair.receiver.buffered_bytes == 0
+
+
+def test_reports_reach_the_sessions_that_sent_data_since_the_last() -> None:
+    scfg, rcfg = configs(2, 1 << 20)
+    pair = SessionPair(scfg, rcfg)
+    pair.run(until=1.0)  # handshakes
+    assert pair.receiver.report(1e-9, {1: 2e-10}) == 0  # no CHUNK bytes yet: nobody to tell
+    data = make_transfer(0, layers=3, tokens=40)
+    start(pair, "r0", data, chunk_tokens=16)
+    pair.run(until=DEADLINE)
+    assert pair.receiver.chunk_bytes_received > 3 * 2 * 40 * BPT  # payloads and frame overhead
+    assert pair.receiver.report(None, {}) == 0  # nothing measured: nothing sent
+    assert pair.receiver.report(1.5e-9, {1: 2e-10, 3: 0.0}) == 1
+    pair.run(until=DEADLINE + 1)
+    [costs] = pair.receiver_costs
+    # whole nanoseconds per MiB / per 2^20 elements on the wire
+    assert costs.transport_s_per_byte == round(1.5e-9 * 1e9 * (1 << 20)) / 1e9 / (1 << 20)
+    assert costs.decode_s_per_element == {1: round(2e-10 * 1e9 * (1 << 20)) / 1e9 / (1 << 20)}
+    assert pair.receiver.report(1.5e-9, {}) == 0  # nothing received since
+    start(pair, "r1", make_transfer(1, layers=1, tokens=8), chunk_tokens=8)
+    pair.run(until=2 * DEADLINE)
+    assert pair.receiver.report(100.0, {}) == 1  # beyond a u32: the largest value
+    pair.run(until=2 * DEADLINE + 1)
+    assert pair.receiver_costs[-1].transport_s_per_byte == 0xFFFFFFFF / 1e9 / (1 << 20)
+    assert pair.receiver_costs[-1].decode_s_per_element == {}
+    assert all(isinstance(o, TransferDone) for o in pair.outcomes.values())

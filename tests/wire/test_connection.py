@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvwire.errors import AuthenticationError, ErrorCode, ProtocolError, TransferTimeoutError
+from kvwire.errors import (
+    AuthenticationError,
+    ErrorCode,
+    ProtocolError,
+    TransferTimeoutError,
+    UsageError,
+)
 from kvwire.testing.memory import MemoryPair
 from kvwire.wire import (
     Accept,
@@ -21,11 +27,14 @@ from kvwire.wire import (
     ConnectionConfig,
     Credit,
     CreditGranted,
+    DecodeCost,
     GoAway,
     HandshakeComplete,
     Hello,
     Ping,
     Pong,
+    Report,
+    ReportReceived,
     Reset,
     Role,
     State,
@@ -190,7 +199,7 @@ ALL_FRAMES = [
             codecs=("raw",), proof=b"w" * 32),
     BEGIN, Accept(transfer_id=1, layer_limit=1), chunk(), Ack(transfer_id=1, layer=0, kind=0, token_start=0),
     Credit(transfer_id=1, layer_limit=1), Reset(transfer_id=1, code=1, message=""), Ping(opaque=1),
-    Pong(opaque=1),
+    Pong(opaque=1), Report(transport_ns_per_mib=1, decode=(DecodeCost(codec_id=1, ns_per_melem=2),)),
 ]
 
 
@@ -247,7 +256,7 @@ def test_open_state_accepts_only_the_peer_roles_frames(role: Role, frame: object
     while (e := conn.next_event()) is not None:
         events.append(e)
     client_sends = (Begin, Chunk)
-    server_sends = (Accept, Credit)
+    server_sends = (Accept, Credit, Report)
     both = (Reset, Ping, Pong)
     legal = isinstance(frame, both) or (
         role is Role.SERVER and isinstance(frame, client_sends)
@@ -257,6 +266,24 @@ def test_open_state_accepts_only_the_peer_roles_frames(role: Role, frame: object
     else:
         assert conn.state is State.CLOSED
         assert isinstance(events[-1], ConnectionClosed)
+
+
+def test_report_goes_from_server_to_client_only() -> None:
+    pair = MemoryPair.create()
+    report = Report(transport_ns_per_mib=5, decode=(DecodeCost(codec_id=3, ns_per_melem=9),))
+    with pytest.raises(UsageError):
+        pair.server.send_report(report)  # not open yet
+    pair.handshake()
+    with pytest.raises(UsageError):
+        pair.client.send_report(report)
+    pair.server.send_report(report)
+    cev, _ = pair.pump()
+    assert [e for e in cev if isinstance(e, ReportReceived)] == [ReportReceived(report=report)]
+    assert pair.client.state is State.OPEN and pair.server.state is State.OPEN
+    pair.server.close()
+    pair.pump()
+    pair.server.send_report(report)  # closed: dropped, like any send
+    assert not pair.server.data_to_send()
 
 
 def test_eof_mid_handshake_is_connection_lost() -> None:

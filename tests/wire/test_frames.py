@@ -19,12 +19,14 @@ from kvwire.wire import (
     Challenge,
     Chunk,
     Credit,
+    DecodeCost,
     Frame,
     FrameDecoder,
     GoAway,
     Hello,
     Ping,
     Pong,
+    Report,
     Reset,
     UnknownFrame,
     Welcome,
@@ -36,6 +38,7 @@ from kvwire.wire.frames import (
     MAGIC,
     WRITE_WHOLE,
     CheckedPayload,
+    FrameType,
     _frame,
     encode_body,
     encode_chunk_checked_as_written,
@@ -57,6 +60,9 @@ SAMPLES = [
     Ack(transfer_id=7, layer=2, kind=1, token_start=512),
     Credit(transfer_id=7, layer_limit=16),
     Reset(transfer_id=7, code=9, message="stale"),
+    Report(transport_ns_per_mib=314_573, decode=(DecodeCost(codec_id=1, ns_per_melem=209_715),
+                                                 DecodeCost(codec_id=3, ns_per_melem=0xFFFFFFFF))),
+    Report(transport_ns_per_mib=0),
     Ping(opaque=42),
     Pong(opaque=42),
     GoAway(code=4, message="authentication failed"),
@@ -77,6 +83,49 @@ def test_literal_ack_bytes() -> None:
     import crc32c
 
     assert raw[24:] == crc32c.crc32c(raw[:24]).to_bytes(4, "big")
+
+
+def test_literal_report_bytes() -> None:
+    # docs/protocol.md 4.10: u32 transport_ns, u8 count, then (u8 codec_id, u32 decode_ns) each
+    raw = frame_bytes(Report(transport_ns_per_mib=0x01020304, decode=(DecodeCost(codec_id=2, ns_per_melem=7),)))
+    assert raw[:8] == bytes.fromhex("160000000000000a")  # type 0x16, flags 0, reserved 0, length 10
+    assert raw[8:18] == bytes.fromhex("01020304" "01" "02" "00000007")
+    import crc32c
+
+    assert raw[18:] == crc32c.crc32c(raw[:18]).to_bytes(4, "big")
+
+
+@pytest.mark.parametrize("body, why", [
+    (bytes.fromhex("00000001" "02" "01 00000005" "01 00000006".replace(" ", "")), "twice"),
+    (bytes.fromhex("00000001" "02" "0100000005"), "truncated"),
+    (bytes.fromhex("00000001" "00" "ff"), "trailing"),
+    (bytes.fromhex("000001"), "truncated"),
+])
+def test_malformed_report_is_a_protocol_error(body: bytes, why: str) -> None:
+    raw = b"".join(bytes(p) for p in _frame(FrameType.REPORT, [body]))
+    with pytest.raises(ProtocolError, match=why):
+        FrameDecoder(1 << 20).feed(raw)
+
+
+def test_report_fields_are_checked_when_encoded() -> None:
+    with pytest.raises(ProtocolError, match="twice"):
+        frame_bytes(Report(transport_ns_per_mib=1, decode=(DecodeCost(codec_id=1, ns_per_melem=1),) * 2))
+    with pytest.raises(ProtocolError, match="range"):
+        frame_bytes(Report(transport_ns_per_mib=1 << 32))
+    with pytest.raises(ProtocolError, match="range"):
+        frame_bytes(Report(transport_ns_per_mib=1, decode=(DecodeCost(codec_id=256, ns_per_melem=1),)))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 0xFFFFFFFF),
+       st.dictionaries(st.integers(0, 255), st.integers(0, 0xFFFFFFFF), max_size=40))
+def test_any_report_round_trips(transport: int, decode: dict[int, int]) -> None:
+    report = Report(transport_ns_per_mib=transport,
+                    decode=tuple(DecodeCost(codec_id=c, ns_per_melem=v) for c, v in decode.items()))
+    raw = frame_bytes(report)
+    assert len(raw) == 8 + 5 + 5 * len(decode) + 4
+    [(got, size)] = FrameDecoder(1 << 20).feed(raw)
+    assert got == report and size == len(raw)
 
 
 def test_literal_hello_starts_with_magic() -> None:

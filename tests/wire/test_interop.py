@@ -29,7 +29,7 @@ STEP = 5.0  # seconds any single wait may take
 
 # Frame types (docs/protocol.md, "Frame types").
 HELLO, CHALLENGE, AUTH, WELCOME = 0x01, 0x02, 0x03, 0x04
-BEGIN, ACCEPT, CHUNK, ACK, CREDIT, RESET = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15
+BEGIN, ACCEPT, CHUNK, ACK, CREDIT, RESET, REPORT = 0x10, 0x11, 0x12, 0x13, 0x14, 0x15, 0x16
 PING, PONG, GOAWAY = 0x20, 0x21, 0x30
 
 # Error codes (docs/protocol.md, "Error codes").
@@ -170,8 +170,9 @@ def begin_body(tid: int, num_layers: int, heads: int, head_dim: int, dtype_id: i
     )
 
 
-def chunk_frame(tid: int, layer: int, kind: int, start: int, count: int, layer_tokens: int, payload: bytes) -> bytes:
-    fixed = CHUNK_FIXED.pack(tid, layer, kind, 0x00, start, count, layer_tokens, 0)  # raw codec, no params
+def chunk_frame(tid: int, layer: int, kind: int, start: int, count: int, layer_tokens: int, payload: bytes,
+                codec: int = 0x00) -> bytes:
+    fixed = CHUNK_FIXED.pack(tid, layer, kind, codec, start, count, layer_tokens, 0)  # no params
     return frame(CHUNK, fixed + payload)
 
 
@@ -186,6 +187,7 @@ class Sender:
     unacked: dict[tuple[int, int, int, int], list[int]] = field(default_factory=dict)
     acks: list[tuple[int, int, int, int]] = field(default_factory=list)
     pongs: list[int] = field(default_factory=list)
+    reports: list[tuple[int, dict[int, int]]] = field(default_factory=list)  # (transport_ns, {codec: decode_ns})
 
     async def pump(self) -> None:
         """Read and apply one frame from the server."""
@@ -204,6 +206,13 @@ class Sender:
             self.acks.append(addr)
         elif ftype == PONG:
             self.pongs.append(struct.unpack(">Q", body)[0])
+        elif ftype == REPORT:
+            transport, count = struct.unpack_from(">IB", body)
+            assert len(body) == 5 + 5 * count
+            entries = [struct.unpack_from(">BI", body, 5 + 5 * i) for i in range(count)]
+            decode = dict(entries)
+            assert len(decode) == count  # each codec once
+            self.reports.append((transport, decode))
         elif ftype == RESET:
             tid, code, n = struct.unpack_from(">QHH", body)
             raise AssertionError(f"RESET of transfer {tid}: 0x{code:04x} {body[12:12 + n].decode()}")
@@ -211,10 +220,11 @@ class Sender:
             raise AssertionError(f"GOAWAY {parse_goaway(body)}")
         # any other type: ignored
 
-    async def send_chunk(self, tid: int, layer: int, kind: int, start: int, count: int, layer_tokens: int, payload: bytes) -> None:
+    async def send_chunk(self, tid: int, layer: int, kind: int, start: int, count: int, layer_tokens: int,
+                         payload: bytes, codec: int = 0x00) -> None:
         while layer >= self.layer_limit.get(tid, 0):
             await self.pump()
-        data = chunk_frame(tid, layer, kind, start, count, layer_tokens, payload)
+        data = chunk_frame(tid, layer, kind, start, count, layer_tokens, payload, codec)
         while len(data) > self.credit:
             await self.pump()
         self.credit -= len(data)
@@ -285,6 +295,45 @@ async def test_independent_client_transfers_a_cache() -> None:
 
             writer.write(frame(GOAWAY, struct.pack(">HH", NO_ERROR, 0)))
             await writer.drain()
+        finally:
+            received.cancel()
+            await close(writer)
+
+
+async def test_independent_client_reads_the_servers_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """REPORT as docs/protocol.md 4.10 lays it out, for raw chunks and int8 ones built from
+    docs/codecs.md (f32 scales per (token, head), then int8 codes).  The server reports
+    on every pump here (its interval and minimums patched), so some reports must come."""
+    from kvwire.aio import server as server_module
+
+    monkeypatch.setattr(server_module, "REPORT_INTERVAL", 0.0)
+    monkeypatch.setattr(server_module, "REPORT_MIN_BYTES", 1)
+    monkeypatch.setattr(server_module, "REPORT_MIN_ELEMENTS", 1)
+    heads, head_dim, tokens = 2, 4, 10
+    async with kvwire.serve(secret=SECRET) as server:
+        received = asyncio.ensure_future(_collect(server))
+        reader, writer, welcome = await open_session(server.port)
+        try:
+            assert "int8" in welcome.codecs
+            tx = Sender(reader, writer, credit=welcome.window)
+            writer.write(frame(BEGIN, begin_body(1, 1, heads, head_dim, 1, "", "reports", b"{}")))
+            rows = tokens * heads
+            scales = struct.pack(f"<{rows}f", *([0.5] * rows))
+            codes = bytes((i % 255) - 127 & 0xFF for i in range(rows * head_dim))
+            await tx.send_chunk(1, 0, 0, 0, tokens, tokens, scales + codes, codec=0x02)  # K: int8
+            await tx.send_chunk(1, 0, 1, 0, tokens, tokens, bytes(2 * rows * head_dim))  # V: raw zeros
+            while tx.unacked:
+                await tx.pump()
+            _, cache = await asyncio.wait_for(received, STEP)
+            k = cache.layers[0][0].astype(np.float32).reshape(-1)
+            assert k.tolist() == [0.5 * ((i % 255) - 127) for i in range(rows * head_dim)]
+            writer.write(frame(PING, struct.pack(">Q", 1)))  # a PONG comes after any REPORT queued
+            while not tx.pongs:
+                await tx.pump()
+            assert tx.reports, "no REPORT arrived"
+            assert any(transport > 0 for transport, _ in tx.reports)
+            decoded = {c for _, decode in tx.reports for c in decode}
+            assert decoded == {0x02}  # the int8 chunk's decode; raw is never reported
         finally:
             received.cancel()
             await close(writer)
