@@ -23,10 +23,12 @@ from kvwire.wire import (
     Challenge,
     Chunk,
     Credit,
+    DecodeCost,
     GoAway,
     Hello,
     Ping,
     Pong,
+    Report,
     Reset,
     Welcome,
     frame_bytes,
@@ -62,6 +64,7 @@ SINGLE = {
     "reset": Reset(transfer_id=1, code=12, message="cancelled"),
     "ping": Ping(opaque=42),
     "pong": Pong(opaque=42),
+    "report": Report(transport_ns_per_mib=314_573, decode=(DecodeCost(codec_id=1, ns_per_melem=209_715),)),
     "goaway": GoAway(code=1, message="bye"),
 }
 
@@ -129,7 +132,7 @@ def main() -> None:
     )
     hello, auth = handshake_bytes()
     (server_dir / "preauth_handshake").write_bytes(b"\xff" + hello + auth + transfer)
-    for name in ("chunk", "begin", "credit", "ack"):
+    for name in ("chunk", "begin", "credit", "ack", "report"):
         (server_dir / f"single_{name}").write_bytes(b"\x7f" + frame_bytes(SINGLE[name]))
     session_dir = HERE / "corpus" / "session"
     session_dir.mkdir(parents=True, exist_ok=True)

@@ -331,6 +331,8 @@ class Peer(Pump):
         if name == AUTO:
             if self.chooser is None:
                 self.chooser = make_chooser(self.server_codecs, self.options.auto_codec)
+                if self.core.path_rtt is not None:
+                    self.chooser.observe_path_rtt(self.core.path_rtt)
             return
         get_codec(name)
         if name not in self.server_codecs:

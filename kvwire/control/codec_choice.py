@@ -133,6 +133,13 @@ SAMPLE_NOISE = 0.25
 #: of a codec ten times slower cost 12% of 1024 chunks in the fake-time pipeline).
 HOPELESS = 0.25
 
+#: A path whose round trip before any data is at least this long (seconds) is another host
+#: across a network (a metro or wide-area path), not loopback or a data center: the first
+#: window goes out with the most compact codec (see :meth:`CodecChooser.observe_path_rtt`).
+#: Well above what a loaded host's loop takes to answer on loopback (its clock may tick in
+#: whole milliseconds).
+LONG_PATH_RTT = 0.005
+
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
 
@@ -217,6 +224,7 @@ class CodecChooser:
         self._encode_prior: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode_observed: set[str] = set()
         self._transport: float | None = None  # sender CPU seconds per wire byte
+        self._path_rtt: float | None = None  # the path's round trip before any data
         self._receiver_transport: float | None = None  # receiver CPU seconds per wire byte
         if pipeline not in _PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(_PIPELINES)}")
@@ -312,6 +320,14 @@ class CodecChooser:
             return
         self._transport = self._blend(self._transport, cpu_seconds / wire_bytes, wire_bytes)
 
+    def observe_path_rtt(self, seconds: float) -> None:
+        """The path's round trip as the connection's handshake measured it (before any
+        data, so with nothing queued).  On a path of at least :data:`LONG_PATH_RTT`, the
+        choice before the first bandwidth estimate is the most compact codec instead of
+        the most precise: see :meth:`choose`."""
+        if seconds >= 0 and math.isfinite(seconds):
+            self._path_rtt = seconds if self._path_rtt is None else min(self._path_rtt, seconds)
+
     def observe_receiver_transport(self, seconds_per_byte: float) -> None:
         """Feed the receiver's reported CPU seconds per wire byte received, decoding
         excluded (each report is a measurement over an interval: one full EWMA sample)."""
@@ -396,7 +412,8 @@ class CodecChooser:
         """Choose the codec for the next chunk.
 
         :param bandwidth_bps: the published bandwidth estimate; ``None`` (no estimate
-            yet) picks the most precise codec.
+            yet) picks the most precise codec, or the most compact on a long path
+            (:meth:`observe_path_rtt`).
         :param remaining_bytes: fp16 bytes of the transfer still to send, this chunk
             included; with ``time_left`` it selects deadline mode.
         :param time_left: seconds to the deadline.
@@ -430,10 +447,17 @@ class CodecChooser:
                 return self._choose_measured(self.rates(math.inf if bw is None else bw), bw)
             now = None  # the model's choice, unprobed: its first run is measured
         if bandwidth_bps is None or bandwidth_bps <= 0:
-            # The most precise (raw): its samples measure the path. A compact first window
-            # costs less on a slow link, but its samples measure the encoder, and on
-            # loopback the model then kept choosing the compact codec from them.
-            first = self._by_precision[0]
+            # Nothing measured yet. On a short path (loopback, a rack) the most precise
+            # (raw): its samples measure the path; a compact first window's samples
+            # measure the encoder there, and the model then kept choosing the compact
+            # codec from them. On a long path (its handshake round trip at least
+            # LONG_PATH_RTT) the window, not the encoder, paces the first round trips, and
+            # the most compact codec carries the most KV in them (raw's first window was
+            # 2% of a 6 s run at 1 Gbit/s, 20 ms, and cost 2% of its goodput).
+            if self._path_rtt is not None and self._path_rtt >= LONG_PATH_RTT:
+                first = min(self._by_precision, key=lambda c: self._ratio[c])
+            else:
+                first = self._by_precision[0]
             return CodecChoice(codec=first, delivered_bytes_per_s=math.nan, meets_deadline=None)
         rates = self.rates(bandwidth_bps)
         if deadline:

@@ -242,6 +242,9 @@ class SenderCore:
         self.peer_max_frame_size = 0
         self._adding: ChunkAddress | None = None  # the chunk add_chunk() is putting on a stream
         self.max_transfers = 0
+        self.path_rtt: float | None = None
+        """The shortest HELLO-to-CHALLENGE round trip of the session's streams (seconds;
+        None until one was timed): what the path's round trip is before any data moved."""
         self.inflight_limit: int | None = None
         self.active_streams: int | None = None
         self.gate_blocked = False
@@ -542,6 +545,8 @@ class SenderCore:
     def _on_open(self, index: int, ev: HandshakeComplete) -> None:
         slot = self._slots[index]
         assert slot.conn is not None
+        if ev.hello_rtt is not None:
+            self.path_rtt = ev.hello_rtt if self.path_rtt is None else min(self.path_rtt, ev.hello_rtt)
         if self.session_id == NO_SESSION:
             self.session_id = ev.session_id
             self.peer_codecs = ev.peer_codecs

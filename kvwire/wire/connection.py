@@ -114,6 +114,9 @@ class HandshakeComplete:
     peer_max_frame_size: int
     window: int
     max_transfers: int
+    hello_rtt: float | None = None
+    """Client side: seconds from HELLO to CHALLENGE (one round trip of the path, the server's
+    answer included), when the shell passed ``now``; None otherwise."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,6 +287,9 @@ class Connection:
         self._out: list[Buffer | CheckedPayload] = []
         self._deadline: float | None = now + config.handshake_timeout
         self._last_rx = now
+        self._hello_at = now  # when HELLO went out (client)
+        self._rx_now: float | None = None  # the ``now`` of the frames being handled
+        self.hello_rtt: float | None = None
         self._ping_due: float | None = None
         self._ping_seq = 0
         self._hello_body = b""
@@ -383,6 +389,7 @@ class Connection:
         return True
 
     def _handle_frames(self, frames: list[tuple[Frame, int]], now: float | None) -> None:
+        self._rx_now = now
         if frames and now is not None:
             self._last_rx = now
         for frame, size in frames:
@@ -637,6 +644,8 @@ class Connection:
         if not MIN_PROTOCOL_VERSION <= frame.version <= PROTOCOL_VERSION:
             raise IncompatiblePeerError(f"server chose unsupported protocol version {frame.version}", code=ErrorCode.UNSUPPORTED_VERSION)
         self._challenge_body = _body_of(frame)
+        if self._rx_now is not None:
+            self.hello_rtt = max(0.0, self._rx_now - self._hello_at)
         self._client_proof = client_proof(self.config.secret, self._hello_body, self._challenge_body)
         self._queue(Auth(proof=self._client_proof))
         return State.CLIENT_AUTH_SENT
@@ -675,7 +684,7 @@ class Connection:
             HandshakeComplete(
                 session_id=frame.session_id, stream_index=self.stream_index,
                 peer_codecs=frame.codecs, peer_max_frame_size=frame.max_frame_size,
-                window=frame.window, max_transfers=frame.max_transfers,
+                window=frame.window, max_transfers=frame.max_transfers, hello_rtt=self.hello_rtt,
             )
         )
         return State.OPEN

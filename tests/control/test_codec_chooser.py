@@ -241,6 +241,32 @@ def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
             assert (choice.codec == "raw") == (raw_rate > 0.95 * best)
 
 
+def test_before_any_estimate_a_long_path_starts_compact_and_a_short_one_raw() -> None:
+    c = CodecChooser([
+        CodecCandidate(name="raw", size_ratio=1.0),
+        CodecCandidate(name="fp8", size_ratio=0.52, encode_bytes_per_s=5 * GB),
+        CodecCandidate(name="int8", size_ratio=0.52, encode_bytes_per_s=7 * GB),
+        CodecCandidate(name="int4", size_ratio=0.375, encode_bytes_per_s=4 * GB),
+    ])
+    assert c.choose(None).codec == "raw"  # round trip unknown: the most precise
+    for bad in (-1.0, math.inf, math.nan):
+        c.observe_path_rtt(bad)
+    assert c.choose(None).codec == "raw"
+    c.observe_path_rtt(0.0002)  # loopback, a rack
+    assert c.choose(None).codec == "raw"
+    long = CodecChooser.from_ratios({"raw": 1.0, "fp8": 0.52, "int8": 0.52})
+    long.observe_path_rtt(0.020)  # another site
+    assert long.choose(None).codec == "fp8"  # the most compact; precision breaks the tie
+    long.observe_path_rtt(0.001)  # the shortest round trip seen counts
+    assert long.choose(None).codec == "raw"
+    c.observe_path_rtt(0.3)
+    assert c.choose(None).codec == "raw"  # 0.2 ms was seen: still a short path
+    wide = CodecChooser.from_ratios({"raw": 1.0, "fp8": 0.52, "int4": 0.375})
+    wide.observe_path_rtt(0.020)
+    assert wide.choose(None).codec == "int4"
+    assert wide.choose(1e9).codec == "int4"  # then the model (free codecs: the wire alone)
+
+
 def test_the_receivers_reported_costs() -> None:
     """A REPORT's decode replaces the prior at once; its transport cost is the receiver's
     own stage where the stages run apart and adds in the serial bound, not in the one

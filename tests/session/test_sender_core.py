@@ -546,3 +546,25 @@ def test_a_report_becomes_receiver_costs_in_seconds() -> None:
     assert len(costs) == 2
     assert ReceiverCosts(transport_s_per_byte=1e-9, decode_s_per_element={1: 3e-9}) in costs  # 0: not measured
     assert ReceiverCosts(transport_s_per_byte=None, decode_s_per_element={}) in costs
+
+
+def _slow_first_challenge(streams: int) -> SenderCore:
+    """A session whose first stream's CHALLENGE comes 40 ms after its HELLO; the rest of
+    its handshakes (and every other stream's) are answered at once."""
+    h = Harness(SenderCore(SenderConfig(secret=SECRET, streams=streams, codecs=("raw",), fingerprint=FINGERPRINT)))
+    h.now = 5.0
+    [wanted] = [e for e in iter(h.core.next_event, None) if isinstance(e, StreamWanted)]
+    h.open(wanted.index)
+    srv = h.servers[0]
+    srv.receive_data(h.core.data_to_send(0), 5.0)
+    h._serve(0, srv)
+    h.now = 5.04
+    h.core.receive_data(0, b"".join(bytes(p) for p in srv.data_to_send()), h.now)
+    h.step()
+    assert len(h.core.open_streams) == streams
+    return h.core
+
+
+def test_the_session_keeps_the_shortest_handshake_round_trip() -> None:
+    assert _slow_first_challenge(1).path_rtt == pytest.approx(0.04)
+    assert _slow_first_challenge(2).path_rtt == 0.0  # the second stream's, answered at once

@@ -286,6 +286,24 @@ def test_report_goes_from_server_to_client_only() -> None:
     assert not pair.server.data_to_send()
 
 
+def test_the_client_times_hello_to_challenge_when_given_now() -> None:
+    cfg = ConnectionConfig(secret=b"test-secret")
+    client, server = Connection(Role.CLIENT, cfg, now=10.0), Connection(Role.SERVER, cfg, now=10.0)
+    client.initiate()
+    server.receive_data(b"".join(bytes(p) for p in client.data_to_send()), now=10.01)
+    client.receive_data(b"".join(bytes(p) for p in server.data_to_send()), now=10.03)  # CHALLENGE
+    server.receive_data(b"".join(bytes(p) for p in client.data_to_send()), now=10.04)  # AUTH
+    while server.next_event() is not None:
+        pass
+    server.welcome(b"S" * 16, ("raw",))
+    client.receive_data(b"".join(bytes(p) for p in server.data_to_send()), now=10.06)
+    [done] = [e for e in iter(client.next_event, None) if isinstance(e, HandshakeComplete)]
+    assert done.hello_rtt == pytest.approx(0.03)  # HELLO at 10.0, CHALLENGE at 10.03
+    pair = MemoryPair.create()  # no ``now`` passed with the bytes: not timed
+    pair.handshake()
+    assert [e.hello_rtt for e in pair.client_events if isinstance(e, HandshakeComplete)] == [None]
+
+
 def test_eof_mid_handshake_is_connection_lost() -> None:
     from kvwire.errors import ConnectionLostError
 
