@@ -61,6 +61,9 @@ REPORT_INTERVAL = 0.25
 #: fewest elements a codec decoded for its decode cost to be.
 REPORT_MIN_BYTES = 1 << 20
 REPORT_MIN_ELEMENTS = 1 << 18
+#: An interval longer than this (seconds) went by without data (the pump runs as data
+#: arrives): whatever else the loop did meanwhile is not receiving's cost.
+REPORT_IDLE = 1.0
 
 
 class _CostMeter:
@@ -77,12 +80,13 @@ class _CostMeter:
         self._decoded: dict[int, tuple[int, int]] = {}
 
     def tick(self, now: float) -> None:
-        """Report if an interval has passed since the last (or start one)."""
+        """Report if an interval has passed since the last (or start one); one longer
+        than :data:`REPORT_IDLE` only starts the next."""
         if self._at is not None and now - self._at < REPORT_INTERVAL:
             return
         cpu, received = time.thread_time_ns(), self._core.chunk_bytes_received
         decoded = {c: (e, ns) for c, (e, ns) in self._store.decoded.items()}
-        if self._at is not None:
+        if self._at is not None and now - self._at <= REPORT_IDLE:
             wire = received - self._bytes
             decode: dict[int, float] = {}
             decode_ns = 0

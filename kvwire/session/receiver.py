@@ -386,11 +386,12 @@ class _Session:
     unreported: int = 0  # CHUNK bytes received since the last REPORT to this session
 
 
-def _u32_scaled(seconds: float | None, unit: int) -> int:
-    """``seconds`` per unit as whole nanoseconds per 2^20 units, within a u32 (0: none)."""
+def _ns_per_mi(seconds: float | None) -> int:
+    """CPU ``seconds`` per byte or element as whole nanoseconds per 2^20 of them, within a
+    u32 (REPORT's fields; 0: not measured)."""
     if seconds is None or not seconds > 0 or seconds == float("inf"):
         return 0
-    return max(1, min(0xFFFFFFFF, round(seconds * 1e9 * unit)))
+    return max(1, min(0xFFFFFFFF, round(seconds * 1e9 * (1 << 20))))
 
 
 class ReceiverCore:
@@ -615,9 +616,9 @@ class ReceiverCore:
         seconds per element decoded.  The I/O layer measures them over an interval of its
         choosing and calls this at most once per interval.  Returns the sessions told."""
         report = Report(
-            transport_ns_per_mib=_u32_scaled(transport_s_per_byte, 1 << 20),
-            decode=tuple(DecodeCost(codec_id=c, ns_per_melem=_u32_scaled(v, 1 << 20))
-                         for c, v in sorted(decode_s_per_element.items()) if _u32_scaled(v, 1 << 20)),
+            transport_ns_per_mib=_ns_per_mi(transport_s_per_byte),
+            decode=tuple(DecodeCost(codec_id=c, ns_per_melem=_ns_per_mi(v))
+                         for c, v in sorted(decode_s_per_element.items()) if _ns_per_mi(v)),
         )
         if not report.transport_ns_per_mib and not report.decode:
             return 0

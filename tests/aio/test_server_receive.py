@@ -139,3 +139,41 @@ async def test_the_server_reports_its_costs_and_auto_weighs_them(
     for name, speeds in reported.items():
         # The first report replaced the prior; later ones are blended in: within their range.
         assert min(speeds) * (1 - 1e-9) <= chooser.decode_speed(name) <= max(speeds) * (1 + 1e-9)
+
+
+def test_the_cost_meter_reports_per_interval_and_skips_an_idle_one() -> None:
+    from kvwire.aio.server import REPORT_IDLE, REPORT_INTERVAL, _CostMeter
+
+    class Core:
+        def __init__(self) -> None:
+            self.chunk_bytes_received = 0
+            self.reports: list[tuple[float | None, dict[int, float]]] = []
+
+        def report(self, transport: float | None, decode: dict[int, float]) -> int:
+            self.reports.append((transport, decode))
+            return 1
+
+    class Store:
+        def __init__(self) -> None:
+            self.decoded: dict[int, list[int]] = {}
+
+    core, store = Core(), Store()
+    meter = _CostMeter(core, store)  # type: ignore[arg-type]
+    meter.tick(100.0)  # starts the first interval
+    core.chunk_bytes_received = 64 << 20
+    store.decoded = {2: [1 << 20, 2_000_000], 0: [1 << 20, 500_000]}
+    meter.tick(100.0 + REPORT_INTERVAL / 2)  # not yet
+    assert core.reports == []
+    meter.tick(100.0 + REPORT_INTERVAL)
+    [(transport, decode)] = core.reports
+    assert decode == {2: pytest.approx(2e-3 / (1 << 20))}  # raw (0) is never reported
+    assert transport is None or transport > 0  # the loop's CPU, decoding excluded, per byte
+    core.chunk_bytes_received += 64 << 20
+    store.decoded = {2: [2 << 20, 4_000_000]}
+    idle = 100.0 + REPORT_INTERVAL + 2 * REPORT_IDLE
+    meter.tick(idle)  # an idle stretch: no report, a new interval
+    assert len(core.reports) == 1
+    core.chunk_bytes_received += 64 << 20
+    store.decoded = {2: [3 << 20, 5_000_000]}
+    meter.tick(idle + REPORT_INTERVAL)
+    assert len(core.reports) == 2 and core.reports[1][1] == {2: pytest.approx(1e-3 / (1 << 20))}
