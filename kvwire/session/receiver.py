@@ -56,7 +56,6 @@ from kvwire.wire import (
     Connection,
     ConnectionClosed,
     ConnectionConfig,
-    DecodeCost,
     HandshakeComplete,
     IncomingTransfer,
     Report,
@@ -386,14 +385,6 @@ class _Session:
     unreported: int = 0  # CHUNK bytes received since the last REPORT to this session
 
 
-def _ns_per_mi(seconds: float | None) -> int:
-    """CPU ``seconds`` per byte or element as whole nanoseconds per 2^20 of them, within a
-    u32 (REPORT's fields; 0: not measured)."""
-    if seconds is None or not seconds > 0 or seconds == float("inf"):
-        return 0
-    return max(1, min(0xFFFFFFFF, round(seconds * 1e9 * (1 << 20))))
-
-
 class ReceiverCore:
     """Every connection, session and transfer of one receiving server (sans-IO)."""
 
@@ -615,11 +606,7 @@ class ReceiverCore:
         frames received, decoding excluded (None: not measured), and by codec id the CPU
         seconds per element decoded.  The I/O layer measures them over an interval of its
         choosing and calls this at most once per interval.  Returns the sessions told."""
-        report = Report(
-            transport_ns_per_mib=_ns_per_mi(transport_s_per_byte),
-            decode=tuple(DecodeCost(codec_id=c, ns_per_melem=_ns_per_mi(v))
-                         for c, v in sorted(decode_s_per_element.items()) if _ns_per_mi(v)),
-        )
+        report = Report.of_seconds(transport_s_per_byte, decode_s_per_element)
         if not report.transport_ns_per_mib and not report.decode:
             return 0
         told = 0

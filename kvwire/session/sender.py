@@ -531,12 +531,8 @@ class SenderCore:
                     self.counters["transfers_reset_by_peer"] += 1
                     self._fail(t, ev.error(), reset=False, by_peer=True)
             elif isinstance(ev, ReportReceived):
-                r = ev.report
-                self._events.append(ReceiverCosts(
-                    transport_s_per_byte=r.transport_ns_per_mib / 1e9 / (1 << 20) if r.transport_ns_per_mib else None,
-                    decode_s_per_element={d.codec_id: d.ns_per_melem / 1e9 / (1 << 20)
-                                          for d in r.decode if d.ns_per_melem},
-                ))
+                self._events.append(ReceiverCosts(transport_s_per_byte=ev.report.transport_s_per_byte,
+                                                  decode_s_per_element=ev.report.decode_s_per_element))
             elif isinstance(ev, HandshakeComplete):
                 self._on_open(index, ev)
             elif isinstance(ev, ConnectionClosed):

@@ -11,7 +11,7 @@ in its data.  docs/protocol.md is the normative description; this module follows
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Union
@@ -186,6 +186,18 @@ class DecodeCost:
     ns_per_melem: int
 
 
+def _ns_per_mi(seconds: float | None) -> int:
+    """CPU ``seconds`` per byte or element as whole nanoseconds per 2^20 of them, within a
+    u32 (REPORT's fields; 0: not measured)."""
+    if seconds is None or not 0 < seconds < float("inf"):
+        return 0
+    return max(1, min(0xFFFFFFFF, round(seconds * 1e9 * (1 << 20))))
+
+
+def _seconds_per_one(ns_per_mi: int) -> float:
+    return ns_per_mi / 1e9 / (1 << 20)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Report:
     """What receiving costs the server (advisory, server to client, docs/protocol.md 4.10)."""
@@ -193,6 +205,24 @@ class Report:
     transport_ns_per_mib: int
     """CPU nanoseconds per MiB of CHUNK frames received, decoding excluded (0: not measured)."""
     decode: tuple[DecodeCost, ...] = ()
+
+    @classmethod
+    def of_seconds(cls, transport_s_per_byte: float | None, decode_s_per_element: Mapping[int, float]) -> Report:
+        """The REPORT of CPU seconds per byte received (None: not measured) and, by codec
+        id, per element decoded; values that round to nothing are left out."""
+        decode = ((c, _ns_per_mi(v)) for c, v in sorted(decode_s_per_element.items()))
+        return cls(transport_ns_per_mib=_ns_per_mi(transport_s_per_byte),
+                   decode=tuple(DecodeCost(codec_id=c, ns_per_melem=ns) for c, ns in decode if ns))
+
+    @property
+    def transport_s_per_byte(self) -> float | None:
+        """CPU seconds per byte of CHUNK frames received (None: not measured)."""
+        return _seconds_per_one(self.transport_ns_per_mib) if self.transport_ns_per_mib else None
+
+    @property
+    def decode_s_per_element(self) -> dict[int, float]:
+        """By codec id, CPU seconds per element decoded (the codecs measured)."""
+        return {d.codec_id: _seconds_per_one(d.ns_per_melem) for d in self.decode if d.ns_per_melem}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
