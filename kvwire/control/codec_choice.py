@@ -376,25 +376,22 @@ class CodecChooser:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
         ratio = self._ratio[codec]
         link = bandwidth_bps / 8.0 / ratio
+        # CPU seconds per fp16 byte of each stage (0: free or not measured)
         encode, decode = self._speed[codec], self.decode_speed(codec)
-        speeds = [v for v in (encode, decode) if v is not None]
-        if self._transport:
-            speeds.append(1.0 / (ratio * self._transport))
-        receiver = ratio * self._receiver_transport if self._receiver_transport else 0.0
-        if self._pipeline == "full":
-            # The receiver's loop receives and decodes: one stage, their costs add.
-            stages = [v for v in (encode, 1.0 / (ratio * self._transport) if self._transport else None)
-                      if v is not None]
-            recv_cost = receiver + (1.0 / decode if decode else 0.0)
-            if recv_cost:
-                stages.append(1.0 / recv_cost)
-            return min([link, *stages])
-        if not speeds and not receiver:
+        enc = 1.0 / encode if encode else 0.0
+        dec = 1.0 / decode if decode else 0.0
+        send = ratio * self._transport if self._transport else 0.0
+        recv = ratio * self._receiver_transport if self._receiver_transport else 0.0
+        if not (enc or dec or send or recv):
             return link  # exact: nothing but the wire
-        cpu_cost = sum(1.0 / v for v in speeds)
+        if self._pipeline == "full":
+            # Every stage apart; the receiver's loop receives and decodes: one stage.
+            stages = (encode, 1.0 / send if send else None, 1.0 / (dec + recv) if recv else decode)
+            return min([link, *(v for v in stages if v)])
+        cpu = enc + dec + send
         if self._pipeline == "cpu":
-            return min(link, 1.0 / cpu_cost) if cpu_cost else link
-        return 1.0 / (1.0 / link + cpu_cost + receiver)
+            return min(link, 1.0 / cpu) if cpu else link
+        return 1.0 / (1.0 / link + cpu + recv)
 
     def rates(self, bandwidth_bps: float) -> dict[str, float]:
         """Delivered KV bytes/s per codec, most precise first."""
