@@ -113,10 +113,10 @@ def layer_error(
     (checked over every token); otherwise measured over the ``part``-th of ``parts``
     equal slices of the tokens.
 
-    Converting float16 to float32 is a scalar loop in numpy (about 3 ns an element): a whole
-    32 MiB layer took about 0.1 s of CPU per transfer, a tenth of the receiver's share of two
-    cores in ``kvwire bench``. A slice that moves with every pass over the layers
-    still reaches every token of every layer.
+    numpy converts float16 to float32 one element at a time: for a whole 32 MiB layer per
+    transfer that took 0.15-0.2 of a core in ``kvwire bench``'s receiver process
+    (docs/benchmarks.md), on the cores the transfer runs on. A slice that moves with every
+    pass over the layers still reaches every token of every layer.
     """
     if not 0 <= part < parts:
         raise ValueError("need 0 <= part < parts")

@@ -258,7 +258,7 @@ class BenchReceiver:
     for bit over all its tokens, and where they differ (a lossy codec), the relative
     error over an eighth of its tokens, the eighth moving on with each pass over the
     layers (:func:`~kvwire.bench.models.layer_error`: converting a whole layer to float32
-    cost the receiver a tenth of two cores); ``max_rel_error`` is the worst of these.
+    cost the receiver 0.15-0.2 of a core); ``max_rel_error`` is the worst of these.
     Layers are dropped as they arrive:
     holding whole caches (a GiB each) would make the receiver, not the transport,
     what the bench measures.
