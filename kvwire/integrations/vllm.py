@@ -274,6 +274,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
             logger.info("kvwire: receiving on %s:%d", host, self._server.port)
 
+    @property
+    def listen_port(self) -> int | None:
+        """The port the consumer worker's kvwire server listens on, once its caches are
+        registered (``kvwire_listen`` may name port 0: the system picks a free one); None on
+        a producer or the scheduler side."""
+        return None if self._server is None else self._server.port
+
     def _meta(self) -> KvwireConnectorMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvwireConnectorMetadata)

@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -37,12 +36,6 @@ pytestmark = pytest.mark.timeout(1200)
 RUN = Path(__file__).with_name("vllm_run.py")
 PROMPT_TOKENS = 300  # two full 128-token blocks are sent; the last 44 tokens computed locally
 MAX_TOKENS = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run(args: list[str], log: Path, timeout: float) -> None:
@@ -92,13 +85,14 @@ def _consume_after_produce(
 ) -> None:
     """A consumer starts (its kvwire server up), the plain run and then the producer run
     (on ``producer_model`` if given), ``after_producer`` runs, and the consumer generates."""
-    port = _free_port()
     out = tmp / "consumer.json"
-    common = ["--dir", str(model), "--dtype", dtype, "--port", str(port), *(extra or [])]
+    common = ["--dir", str(model), "--dtype", dtype, *(extra or [])]
     consumer_log = tmp / "consumer.log"
     with consumer_log.open("w") as f:
+        # Port 0: the consumer's server binds a free port and names it in its ready file.  A
+        # port probed here could be taken by then (both vLLMs open ephemeral ports meanwhile).
         consumer = subprocess.Popen(
-            [sys.executable, str(RUN), "consumer", "--job", str(consumer_job), "--out", str(out), *common],
+            [sys.executable, str(RUN), "consumer", "--job", str(consumer_job), "--out", str(out), "--port", "0", *common],
             stdout=f, stderr=subprocess.STDOUT,
         )
     try:
@@ -109,7 +103,8 @@ def _consume_after_produce(
             assert consumer.poll() is None, consumer_log.read_text()[-4000:]
             assert time.monotonic() < deadline, "consumer did not start"
             time.sleep(0.5)
-        producer = common if producer_model is None else [*common, "--dir", str(producer_model)]
+        port = Path(f"{out}.ready").read_text()
+        producer = [*common, "--port", port] if producer_model is None else [*common, "--port", port, "--dir", str(producer_model)]
         _run(["producer", "--job", str(producer_job), "--out", str(tmp / "producer.json"), *producer], tmp / "producer.log", 600)
         if after_producer is not None:
             after_producer()

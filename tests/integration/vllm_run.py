@@ -10,8 +10,8 @@ Run as a script (vLLM spawns workers, hence the ``__main__`` guard):
 
 A job lists requests ``{"prompt": [token ids], "kvwire_id": str | null, "codec": str | null,
 "max_tokens": int}``; the output holds each request's greedy tokens and its latency.
-The consumer writes ``<out>.ready`` once its engine (and kvwire server) is up and waits
-for ``<out>.go`` before generating.
+The consumer writes ``<out>.ready`` (its kvwire server's port: ``--port 0`` binds a free
+one) once its engine and server are up, and waits for ``<out>.go`` before generating.
 """
 
 from __future__ import annotations
@@ -131,7 +131,12 @@ def main(argv: list[str]) -> int:
         extra = {"kvwire_registry": args.registry} if args.registry else None
         llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra))
     if args.mode == "consumer":
-        Path(f"{args.out}.ready").write_text("ready")
+        # The server's port (bound as --port says, 0 for a free one), for the producer.
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        ready, partial = Path(f"{args.out}.ready"), Path(f"{args.out}.ready.tmp")
+        partial.write_text(str(get_kv_transfer_group().listen_port))
+        partial.replace(ready)  # whole, never seen half-written
         go = Path(f"{args.out}.go")
         deadline = time.monotonic() + 600
         while not go.exists():
