@@ -20,8 +20,9 @@ measurement from a parent that has imported none of them:
 
 * ``raw``: ``sendall`` of each array / ``recv_into`` one reused, pre-faulted buffer;
 * ``kvwire-<codec>``: ``kvwire.connect(...).send`` / ``server.accept()`` and iterating the
-  layers (each dropped once seen); ``kvwire-auto-measured``: ``auto`` with
-  ``auto_codec="measured"``;
+  layers (each dropped once seen), each send awaited before the next starts;
+  ``kvwire-<codec>*N``: up to N sends in flight at once (each still awaited for its
+  receipt); ``kvwire-auto-measured``: ``auto`` with ``auto_codec="measured"``;
 * ``mooncake``: Mooncake Transfer Engine over TCP (``P2PHANDSHAKE``), one batch write of
   the 64 arrays into memory the receiver registered once;
 * ``nixl``: NIXL over UCX with ``UCX_TLS=tcp``, one WRITE of the 64 arrays into
@@ -346,8 +347,13 @@ class KvwireReceiver(Receiver):
 
 
 class KvwireSender(Sender):
+    """``kvwire-<codec>``: each ``peer.send`` awaited before the next; ``kvwire-<codec>*N``:
+    up to N sends in flight at once, each still awaited for its receipt."""
+
     def __init__(self, codec: str) -> None:
+        codec, _, depth = codec.partition("*")
         self.codec = codec
+        self.depth = int(depth or 1)
 
     def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
         import asyncio
@@ -365,12 +371,24 @@ class KvwireSender(Sender):
         self.codecs: dict[str, int] = {}
 
     def send(self, n: int) -> None:
+        import asyncio
+
+        async def one() -> None:
+            self.count += 1
+            receipt = await self.peer.send(f"r{self.count}", self.spec, self.layers)
+            for name, chunks in receipt.extra.get("chunks_by_codec", {}).items():
+                self.codecs[name] = self.codecs.get(name, 0) + chunks
+
         async def run() -> None:
+            pending: set[asyncio.Task[None]] = set()
             for _ in range(n):
-                self.count += 1
-                receipt = await self.peer.send(f"r{self.count}", self.spec, self.layers)
-                for name, chunks in receipt.extra.get("chunks_by_codec", {}).items():
-                    self.codecs[name] = self.codecs.get(name, 0) + chunks
+                if len(pending) >= self.depth:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        task.result()
+                pending.add(asyncio.ensure_future(one()))
+            for task in pending:
+                await task
 
         self.loop.run_until_complete(run())
 
@@ -646,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="raw,kvwire-raw,mooncake,nixl,zmq",
-                    help="comma-separated: raw, kvwire-<codec>, mooncake, nixl, zmq")
+                    help="comma-separated: raw, kvwire-<codec>[*N], mooncake, nixl, zmq")
     ap.add_argument("--kvwire-codecs", default="", help="extra kvwire codecs to add, e.g. auto,fp8")
     ap.add_argument("--links", default="loopback,veth", help="loopback and/or veth (root)")
     ap.add_argument("--rate", type=float, default=10e9, help="veth rate in bit/s (default 10e9)")
@@ -678,6 +696,10 @@ def main(argv: list[str] | None = None) -> int:
         _TREES[tree_name] = os.path.abspath(tree_dir)
     systems = [s for s in args.systems.split(",") if s]
     systems += [f"kvwire-{c}" for c in args.kvwire_codecs.split(",") if c and f"kvwire-{c}" not in systems]
+    for s in systems:
+        depth = s.split("@")[0].partition("*")[2]
+        if s.startswith("kvwire-") and "*" in s and not (depth.isdigit() and int(depth) >= 1):
+            ap.error(f"{s}: kvwire-<codec>*N takes N >= 1 sends in flight")
     links = [x for x in args.links.split(",") if x]
     scenarios: list[Scenario] = []
     for link_name in links:

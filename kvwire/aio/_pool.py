@@ -18,6 +18,7 @@ own limits (transfer buffer, concurrent transfers), not here.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import weakref
@@ -99,7 +100,7 @@ class ReceivePool:
         Its memory returns to the pool when the array and every view of it are gone.
         """
         dt = np.dtype(dtype)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        nbytes = math.prod(shape) * dt.itemsize  # np.prod costs 5 us a call, a third of this
         if nbytes == 0:
             return np.empty(shape, dt)
         cls = size_class(nbytes)
