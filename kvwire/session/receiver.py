@@ -445,6 +445,8 @@ class ReceiverCore:
         if conn is None or not conn.buffer_updated(nbytes, now):
             return False
         self._process(cid, now)
+        if conn.start_deferred(now):  # a CHUNK behind those frames: its payload's place
+            self._process(cid, now)
         return True
 
     def get_buffer(self, cid: int) -> memoryview:

@@ -388,6 +388,24 @@ class Connection:
             self._fail(LimitExceededError("out of memory receiving a frame"))
         return True
 
+    def start_deferred(self, now: float | None = None) -> bool:
+        """Call after handling what :meth:`buffer_updated` produced: a large CHUNK whose
+        head arrived behind other frames gets its payload's place now (the payload sink
+        is asked), so the next :meth:`get_buffer` is that place.  Returns True when this
+        changed something to process (an error, frames), like :meth:`buffer_updated`."""
+        if self.state is State.CLOSED:
+            return False
+        try:
+            frames = self._decoder.start_deferred()
+            if not frames:
+                return False
+            self._handle_frames(frames, now)
+        except KvwireError as exc:
+            self._fail(exc)
+        except MemoryError:
+            self._fail(LimitExceededError("out of memory receiving a frame"))
+        return True
+
     def _handle_frames(self, frames: list[tuple[Frame, int]], now: float | None) -> None:
         self._rx_now = now
         if frames and now is not None:

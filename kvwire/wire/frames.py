@@ -682,6 +682,10 @@ class _BigFrame:
             self.stage = self.DEST if length else self.CRC
 
 
+#: A CHUNK's frame header and fixed fields: what is read after a big frame's body.
+_CHUNK_HEAD = HEADER_SIZE + CHUNK_FIXED.size
+
+
 class FrameDecoder:
     """Turns a byte stream into frames.
 
@@ -704,17 +708,28 @@ class FrameDecoder:
         self.bytes_received = 0
         self._scratch = memoryview(bytearray(scratch_size))
         self._handed_dest = False
+        self._deferred = False  # a big CHUNK waits in the buffer (see _defer)
         self.payload_sink = payload_sink
 
     # -- recv_into style --------------------------------------------------------------
 
     def get_buffer(self) -> memoryview:
-        """Where the next read should go: the rest of a big frame's body, or scratch."""
+        """Where the next read should go: the rest of a big frame's body, or scratch.
+
+        With a payload sink, once a big frame's body is in, the read after it is sized
+        to its CRC and the fixed fields of the frame after it: if that is a CHUNK, none
+        of its payload lands in scratch (to be copied to its place later), and
+        :meth:`start_deferred` gives it its place before the next read.
+        """
         big = self._big
-        if big is not None and big.stage == _BigFrame.DEST:
-            assert big.dest is not None
-            self._handed_dest = True
-            return big.dest[big.filled :]
+        if big is not None:
+            if big.stage == _BigFrame.DEST:
+                assert big.dest is not None
+                self._handed_dest = True
+                return big.dest[big.filled :]
+            if big.stage == _BigFrame.CRC and self.payload_sink is not None:
+                self._handed_dest = False
+                return self._scratch[: CRC_SIZE - len(big.crc) + _CHUNK_HEAD]
         self._handed_dest = False
         return self._scratch
 
@@ -737,6 +752,7 @@ class FrameDecoder:
     def feed(self, data: Buffer) -> list[tuple[Frame, int]]:
         """Add ``data``; return the frames it completed with their wire sizes."""
         self.bytes_received += len(data)
+        self._deferred = False  # the buffered bytes are taken up again here
         out: list[tuple[Frame, int]] = []
         view = memoryview(data)
         while True:
@@ -794,8 +810,21 @@ class FrameDecoder:
         are handed over: the payload sink decides where its payload goes from what the
         receiver has processed (the first chunk of a transfer tells it the layer's size),
         so it is asked only after they are.  The frame needs more bytes anyway, and those
-        come with the next read."""
-        return bool(out) and ftype == FrameType.CHUNK and self.payload_sink is not None
+        come with the next read, or :meth:`start_deferred` starts it once they are handled."""
+        if bool(out) and ftype == FrameType.CHUNK and self.payload_sink is not None:
+            self._deferred = True
+            return True
+        return False
+
+    def start_deferred(self) -> list[tuple[Frame, int]]:
+        """Start the big CHUNK that waits in the buffer (see :meth:`_defer`), now that the
+        frames before it were handled: its payload sink is asked, so the next
+        :meth:`get_buffer` is the payload's place.  Returns the frames completed (none: a
+        deferred frame needs more bytes than are buffered); raises like :meth:`feed`."""
+        if not self._deferred:
+            return []
+        self._deferred = False
+        return self.feed(b"")
 
     def _check_header(self, head: memoryview) -> tuple[int, int]:
         ftype, _flags, _reserved, length = HEADER.unpack(head[:HEADER_SIZE])

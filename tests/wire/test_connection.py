@@ -358,3 +358,37 @@ def test_no_idle_timeout_means_no_timer() -> None:
     pair = MemoryPair.create(client_config=cfg, server_config=cfg)
     pair.handshake()
     assert pair.client.get_timer() is None and pair.server.get_timer() is None
+
+
+def test_a_chunk_head_started_after_the_frames_before_it_fails_the_connection_if_impossible() -> None:
+    """start_deferred(): a CHUNK head read behind a PING is started once the PING was
+    handled; one whose params are longer than its body fails the connection then (as a
+    read would have), and start_deferred() says there is something to process."""
+    from kvwire.errors import IntegrityError
+    from kvwire.wire import PingReceived
+    from kvwire.wire.frames import CHUNK_FIXED, HEADER, FrameType
+
+    pair = MemoryPair.create()
+    pair.handshake()
+    conn = pair.server
+    conn.set_payload_sink(lambda head, size: memoryview(bytearray(size)))
+    # A body just over the 64 KiB that makes a frame big, params of 65535 bytes in it.
+    bad_head = HEADER.pack(FrameType.CHUNK, 0, 0, 65540) + CHUNK_FIXED.pack(1, 0, 0, 0, 0, 1, 1, 65535)
+    data = frame_bytes(Ping(opaque=4)) + bad_head
+    buf = conn.get_buffer()
+    buf[: len(data)] = data
+    assert conn.buffer_updated(len(data), now=1.0)
+    assert conn.next_event() == PingReceived(opaque=4) and conn.state is State.OPEN
+    assert conn.start_deferred(now=1.0)
+    events = []
+    while (e := conn.next_event()) is not None:
+        events.append(e)
+    assert isinstance(events[-1], ConnectionClosed) and isinstance(events[-1].error, IntegrityError)
+    assert conn.state is State.CLOSED and not conn.start_deferred(now=1.0)
+
+
+def test_start_deferred_with_nothing_waiting_changes_nothing() -> None:
+    pair = MemoryPair.create()
+    pair.handshake()
+    assert not pair.server.start_deferred(now=1.0)
+    assert pair.server.next_event() is None and pair.server.state is State.OPEN

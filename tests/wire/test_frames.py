@@ -34,7 +34,10 @@ from kvwire.wire import (
 )
 from kvwire.wire.frames import (
     CHECK_AS_WRITTEN,
+    CHUNK_FIXED,
+    CRC_SIZE,
     HEADER,
+    HEADER_SIZE,
     MAGIC,
     WRITE_WHOLE,
     CheckedPayload,
@@ -301,9 +304,10 @@ def test_a_flipped_bit_read_in_place_is_an_integrity_error(at: int, step: int) -
 
 
 def _read_in_steps(dec: FrameDecoder, stream: memoryview, rng: random.Random, most: int,
-                   got: list[tuple[Frame, int]]) -> None:
+                   got: list[tuple[Frame, int]], *, start_deferred: bool = False) -> None:
     """Feed ``stream`` through get_buffer/buffer_updated in random reads of at most
-    ``most`` bytes, appending the frames to ``got`` as each read returns them."""
+    ``most`` bytes, appending the frames to ``got`` as each read returns them; with
+    ``start_deferred``, a chunk behind them is started after each read, as a receiver does."""
     pos = 0
     while pos < len(stream):
         buf = dec.get_buffer()
@@ -311,6 +315,8 @@ def _read_in_steps(dec: FrameDecoder, stream: memoryview, rng: random.Random, mo
         buf[:n] = stream[pos : pos + n]
         pos += n
         got += dec.buffer_updated(n)
+        if start_deferred:
+            got += dec.start_deferred()
 
 
 @settings(max_examples=60, deadline=None)
@@ -331,7 +337,8 @@ def test_payload_sink_receives_big_chunk_payloads_in_place(data: st.DataObject) 
 
     dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=data.draw(st.integers(16, 5000)), payload_sink=sink)
     got: list[tuple[Frame, int]] = []
-    _read_in_steps(dec, stream, random.Random(data.draw(st.integers(0, 2**32))), 90_000, got)
+    _read_in_steps(dec, stream, random.Random(data.draw(st.integers(0, 2**32))), 90_000, got,
+                   start_deferred=data.draw(st.booleans()))
     assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
     [sunk] = sinks
     assert got[1][0].payload is sunk and bytes(sunk) == payload  # type: ignore[union-attr]
@@ -362,7 +369,8 @@ def test_payload_sink_is_asked_only_after_the_frames_before_are_handed_over(data
         return memoryview(bytearray(size))
 
     dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=data.draw(st.integers(16, 5000)), payload_sink=sink)
-    _read_in_steps(dec, stream, random.Random(data.draw(st.integers(0, 2**32))), 40_000, got)
+    _read_in_steps(dec, stream, random.Random(data.draw(st.integers(0, 2**32))), 40_000, got,
+                   start_deferred=data.draw(st.booleans()))
     assert [_normalise(f) for f, _ in got] == [_normalise(f) for f in frames]
     assert dec.buffered == 0 and dec.payload_remaining == 0
     assert asked == sorted(set(asked))
@@ -396,6 +404,52 @@ def test_a_chunk_behind_a_completed_frame_still_lands_in_the_sink() -> None:
         returned += [f for f, _ in dec.buffer_updated(n)]
     assert [f.layer for f in returned] == [0, 1]  # type: ignore[union-attr]
     assert len(sunk) == 1 and returned[1].payload is sunk[0]  # type: ignore[union-attr]
+
+
+def test_after_a_payload_the_next_chunk_head_is_read_alone_and_its_payload_lands_in_place() -> None:
+    """As a receiver reads (whatever is there, up to the buffer's size): once a payload is
+    in, the next read is its CRC and the next CHUNK's head only; start_deferred() then asks
+    the sink, and that chunk's payload is read straight into its place, whole.  No byte of
+    it passes through scratch (to be copied later), and a chunk costs two reads."""
+    chunks = [Chunk(transfer_id=3, layer=i, kind=0, codec_id=0, token_start=0, token_count=4096,
+                    layer_tokens=4096, params=b"", payload=bytes([i + 1]) * 65536) for i in range(3)]
+    stream = memoryview(b"".join(frame_bytes(c) for c in chunks))
+    sunk: list[memoryview] = []
+
+    def sink(head: Chunk, size: int) -> memoryview:
+        sunk.append(memoryview(bytearray(size)))
+        return sunk[-1]
+
+    dec = FrameDecoder(8 << 20, scratch_size=16 * 1024, payload_sink=sink)
+    reads: list[int] = []
+    got: list[tuple[Frame, int]] = []
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        reads.append(n)
+        got += dec.buffer_updated(n)
+        got += dec.start_deferred()
+    head = HEADER_SIZE + CHUNK_FIXED.size
+    # The first chunk's head comes with 16 KiB of scratch; after that: CRC + head, payload.
+    assert reads == [16 * 1024, 65536 + head - 16 * 1024, CRC_SIZE + head, 65536, CRC_SIZE + head, 65536, CRC_SIZE]
+    assert [f for f, _ in got] == chunks
+    assert len(sunk) == 3 and all(f.payload is view for (f, _), view in zip(got, sunk, strict=True))  # type: ignore[union-attr]
+    assert dec.start_deferred() == [] and dec.buffered == 0
+
+
+def test_a_deferred_chunk_with_an_impossible_params_length_fails_when_started() -> None:
+    """start_deferred() raises what feed() would have: the head of a CHUNK whose params
+    are longer than its body, arrived behind a PING, is refused once it is started."""
+    body = CHUNK_FIXED.pack(3, 0, 0, 0, 0, 1, 1, 65535)  # params of 65535 bytes...
+    bad_head = HEADER.pack(FrameType.CHUNK, 0, 0, 2000) + body  # ...in a body of 2000
+    dec = FrameDecoder(1 << 20, big_body=1024, payload_sink=lambda head, size: memoryview(bytearray(size)))
+    got = dec.feed(frame_bytes(Ping(opaque=1)) + bad_head)
+    assert [f for f, _ in got] == [Ping(opaque=1)]  # the chunk waits behind it
+    with pytest.raises(IntegrityError, match="params longer than its body"):
+        dec.start_deferred()
 
 
 def test_payload_sink_corruption_is_still_an_integrity_error() -> None:
