@@ -598,12 +598,21 @@ def open_link(name: str, rate_bps: float) -> Iterator[Link]:
                    shaped.sender_dev, shaped.receiver_dev)
 
 
+def _default_signals() -> None:
+    """A load process ends quietly on terminate(): not through the handlers it inherited
+    from the parent (which turn SIGTERM into a KeyboardInterrupt and its traceback)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops it
+
+
 def _spin() -> None:
+    _default_signals()
     while True:
         pass
 
 
 def _churn(mib: int) -> None:
+    _default_signals()
     while True:
         block = np.ones(mib * MiB, np.uint8)  # fault in, touch, free: memory pressure
         del block

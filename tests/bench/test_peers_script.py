@@ -32,6 +32,15 @@ def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
     assert "| kvwire-raw |" in got.stdout and "1 GiB" not in got.stdout  # no whole-cache shape
 
 
+def test_the_busy_load_starts_and_stops_without_a_trace() -> None:
+    """The load processes end on terminate() as they should: no traceback of theirs."""
+    got = _run("--systems", "raw", "--links", "loopback", "--loads", "busy", "--whole-tokens", "16",
+               "--burst", "", "--rounds", "1", "--churn-mib", "8")
+    assert got.returncode == 0, got.stderr
+    assert "loopback, busy" in got.stdout
+    assert "Traceback" not in got.stderr and "KeyboardInterrupt" not in got.stderr, got.stderr
+
+
 def test_sends_in_flight_must_be_a_positive_count() -> None:
     for system in ("kvwire-raw*0", "kvwire-raw*x", "kvwire-raw*"):
         got = _run("--systems", system, "--links", "loopback")
