@@ -376,6 +376,23 @@ def test_payload_sink_is_asked_only_after_the_frames_before_are_handed_over(data
     assert asked == sorted(set(asked))
 
 
+def _read_all(dec: FrameDecoder, stream: memoryview, got: list[Frame], *, start_deferred: bool) -> list[int]:
+    """Read ``stream`` as a receiver does (each read as large as the buffer handed out),
+    appending the frames to ``got``; the size of each read."""
+    reads: list[int] = []
+    pos = 0
+    while pos < len(stream):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(stream) - pos)
+        buf[:n] = stream[pos : pos + n]
+        pos += n
+        reads.append(n)
+        got += [f for f, _ in dec.buffer_updated(n)]
+        if start_deferred:
+            got += [f for f, _ in dec.start_deferred()]
+    return reads
+
+
 def test_a_chunk_behind_a_completed_frame_still_lands_in_the_sink() -> None:
     """Read in 16 KiB pieces, the first chunk's end and the next one's head arrive together:
     the next chunk waits in the buffer until the first is returned, then its payload goes
@@ -395,13 +412,7 @@ def test_a_chunk_behind_a_completed_frame_still_lands_in_the_sink() -> None:
         return sunk[-1]
 
     dec = FrameDecoder(8 << 20, scratch_size=16 * 1024, payload_sink=sink)
-    pos = 0
-    while pos < len(stream):
-        buf = dec.get_buffer()
-        n = min(len(buf), len(stream) - pos)
-        buf[:n] = stream[pos : pos + n]
-        pos += n
-        returned += [f for f, _ in dec.buffer_updated(n)]
+    _read_all(dec, stream, returned, start_deferred=False)
     assert [f.layer for f in returned] == [0, 1]  # type: ignore[union-attr]
     assert len(sunk) == 1 and returned[1].payload is sunk[0]  # type: ignore[union-attr]
 
@@ -421,22 +432,13 @@ def test_after_a_payload_the_next_chunk_head_is_read_alone_and_its_payload_lands
         return sunk[-1]
 
     dec = FrameDecoder(8 << 20, scratch_size=16 * 1024, payload_sink=sink)
-    reads: list[int] = []
-    got: list[tuple[Frame, int]] = []
-    pos = 0
-    while pos < len(stream):
-        buf = dec.get_buffer()
-        n = min(len(buf), len(stream) - pos)
-        buf[:n] = stream[pos : pos + n]
-        pos += n
-        reads.append(n)
-        got += dec.buffer_updated(n)
-        got += dec.start_deferred()
+    got: list[Frame] = []
+    reads = _read_all(dec, stream, got, start_deferred=True)
     head = HEADER_SIZE + CHUNK_FIXED.size
     # The first chunk's head comes with 16 KiB of scratch; after that: CRC + head, payload.
     assert reads == [16 * 1024, 65536 + head - 16 * 1024, CRC_SIZE + head, 65536, CRC_SIZE + head, 65536, CRC_SIZE]
-    assert [f for f, _ in got] == chunks
-    assert len(sunk) == 3 and all(f.payload is view for (f, _), view in zip(got, sunk, strict=True))  # type: ignore[union-attr]
+    assert got == chunks
+    assert len(sunk) == 3 and all(f.payload is view for f, view in zip(got, sunk, strict=True))  # type: ignore[union-attr]
     assert dec.start_deferred() == [] and dec.buffered == 0
 
 
