@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 from kvwire.errors import (
     AuthenticationError,
@@ -339,12 +340,7 @@ class Connection:
                 send_goaway=False, error=None,
             )
             return
-        try:
-            self._handle_frames(self._decoder.feed(data), now)
-        except KvwireError as exc:
-            self._fail(exc)
-        except MemoryError:
-            self._fail(LimitExceededError("out of memory receiving a frame"))
+        self._take_frames(self._decoder.feed, data, now=now)
 
     def set_payload_sink(self, sink: PayloadSink | None) -> None:
         """Receive large CHUNK payloads into buffers ``sink`` chooses (see FrameDecoder)."""
@@ -377,16 +373,7 @@ class Connection:
         """
         if self.state is State.CLOSED:
             return False
-        try:
-            frames = self._decoder.buffer_updated(nbytes)
-            if not frames:
-                return False
-            self._handle_frames(frames, now)
-        except KvwireError as exc:
-            self._fail(exc)
-        except MemoryError:
-            self._fail(LimitExceededError("out of memory receiving a frame"))
-        return True
+        return self._take_frames(self._decoder.buffer_updated, nbytes, now=now)
 
     def start_deferred(self, now: float | None = None) -> bool:
         """Call after handling what :meth:`buffer_updated` produced: a large CHUNK whose
@@ -395,8 +382,13 @@ class Connection:
         changed something to process (an error, frames), like :meth:`buffer_updated`."""
         if self.state is State.CLOSED:
             return False
+        return self._take_frames(self._decoder.start_deferred, now=now)
+
+    def _take_frames(self, decode: Callable[..., list[tuple[Frame, int]]], *args: Any, now: float | None) -> bool:
+        """Handle the frames ``decode(*args)`` completes; a decoding error fails the
+        connection.  False when it completed none (nothing to process), else True."""
         try:
-            frames = self._decoder.start_deferred()
+            frames = decode(*args)
             if not frames:
                 return False
             self._handle_frames(frames, now)
