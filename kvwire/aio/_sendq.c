@@ -8,7 +8,9 @@
  * writable.  A checked payload is handed to the kernel a piece (`piece` bytes) per write, and
  * the bytes the kernel took are checksummed right after the write returns, while they are
  * still in the cache from its copy (a piece and its copy fit a core's L2 cache); the
- * trailer goes out once the whole payload has been taken.  So no checksum stands between
+ * trailer goes out once the whole payload has been taken.  A payload in several buffers (a
+ * KV chunk's K and V) is a chain of checked parts: each but the last has no trailer and
+ * hands its CRC on to the next.  So no checksum stands between
  * the socket becoming writable and its refill, and each byte is read from memory once (as
  * it is not when a whole frame waits in a transport's buffer, checksummed long before the
  * kernel reads it again).
@@ -39,6 +41,7 @@ typedef struct {
     Py_buffer view;
     Py_ssize_t off;     /* bytes of view written */
     int checked;        /* a payload followed by its 4-byte big-endian CRC32C trailer */
+    int more;           /* checked, no trailer: the next part continues the payload and its CRC */
     uint32_t crc;       /* checked: CRC of the frame through the `off` payload bytes written */
     uint8_t trailer[4];
     int trailer_off;    /* checked: trailer bytes written */
@@ -113,8 +116,11 @@ PyDoc_STRVAR(push_doc,
              "push(parts, /)\n--\n\n"
              "Queue frame parts in order: each a C-contiguous buffer, or a (payload, crc)\n"
              "tuple: a payload followed by the big-endian CRC32C trailer of the frame, whose\n"
-             "CRC up to the payload is crc.  Nothing is written: see flush().  The buffers are\n"
-             "held (and must not change) until they are written or clear() drops them.");
+             "CRC up to the payload is crc.  A (payload, crc, True) tuple has no trailer: the\n"
+             "payload goes on in the next part, a checked tuple of the same call whose crc is\n"
+             "ignored (it continues this one's); parts of such a chain must not be empty.\n"
+             "Nothing is written: see flush().  The buffers are held (and must not change)\n"
+             "until they are written or clear() drops them.");
 
 static void set_trailer(Part* p) {
     uint32_t c = p->crc;
@@ -134,21 +140,31 @@ static PyObject* sq_push(SendQueue* q, PyObject* arg) {
         return NULL;
     }
     Py_ssize_t start = q->count, added = 0, bytes = 0;
+    int chained = 0; /* the part before has `more`: this one continues its payload */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
         Part* p = &q->parts[start + i];
         memset(p, 0, sizeof(*p));
         PyObject* obj = item;
         if (PyTuple_Check(item)) {
-            if (PyTuple_GET_SIZE(item) != 2) {
-                PyErr_SetString(PyExc_TypeError, "a checked part is a (payload, crc) tuple");
+            Py_ssize_t size = PyTuple_GET_SIZE(item);
+            if (size != 2 && size != 3) {
+                PyErr_SetString(PyExc_TypeError, "a checked part is a (payload, crc) or (payload, crc, more) tuple");
                 goto fail;
             }
             unsigned long long v = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(item, 1));
             if (v == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+            if (size == 3) {
+                int more = PyObject_IsTrue(PyTuple_GET_ITEM(item, 2));
+                if (more < 0) goto fail;
+                p->more = more;
+            }
             p->checked = 1;
             p->crc = (uint32_t)v;
             obj = PyTuple_GET_ITEM(item, 0);
+        } else if (chained) {
+            PyErr_SetString(PyExc_ValueError, "a (payload, crc, True) part must be followed by a checked part");
+            goto fail;
         }
         if (PyObject_GetBuffer(obj, &p->view, PyBUF_SIMPLE) < 0) goto fail;
         if (!PyBuffer_IsContiguous(&p->view, 'C')) {
@@ -156,9 +172,19 @@ static PyObject* sq_push(SendQueue* q, PyObject* arg) {
             PyErr_SetString(PyExc_BufferError, "push() needs C-contiguous buffers");
             goto fail;
         }
+        if ((p->more || chained) && p->view.len == 0) {
+            PyBuffer_Release(&p->view);
+            PyErr_SetString(PyExc_ValueError, "the parts of a chained payload must not be empty");
+            goto fail;
+        }
         if (p->checked && p->view.len == 0) set_trailer(p); /* the trailer alone */
-        bytes += p->view.len + (p->checked ? 4 : 0);
+        bytes += p->view.len + (p->checked && !p->more ? 4 : 0);
+        chained = p->more;
         added++;
+    }
+    if (chained) {
+        PyErr_SetString(PyExc_ValueError, "a (payload, crc, True) part must be followed by a checked part");
+        goto fail;
     }
     q->pending += bytes;
     q->count += n;
@@ -211,12 +237,17 @@ static int write_out(SendQueue* q, int* err) {
             size_t take = left < body ? left : body;
             if (p->checked && take > 0) { /* what the kernel just copied, from the cache */
                 p->crc = crc_update(p->crc, (const uint8_t*)p->view.buf + p->off, take);
-                if (take == body) set_trailer(p);
+                if (take == body) {
+                    if (p->more)
+                        q->parts[q->head + 1].crc = p->crc; /* the payload goes on there */
+                    else
+                        set_trailer(p);
+                }
             }
             p->off += (Py_ssize_t)take;
             left -= take;
             if (take < body) break;
-            if (p->checked) {
+            if (p->checked && !p->more) {
                 size_t t = (size_t)(4 - p->trailer_off);
                 if (left < t) {
                     p->trailer_off += (int)left;

@@ -253,7 +253,7 @@ class Stream(asyncio.BufferedProtocol):
                 tr.close()
             return
         if data:
-            q.push([(p.payload, p.crc) if isinstance(p, CheckedPayload) else p for p in data])
+            q.push([x for p in data for x in (_checked_parts(p) if isinstance(p, CheckedPayload) else (p,))])
         if self.owner.core.is_closed(self.key):
             self._close_queued = True
         self._write_queue()
@@ -310,6 +310,15 @@ class Stream(asyncio.BufferedProtocol):
         tr = self.transport
         if tr is not None:
             tr.abort()
+
+
+def _checked_parts(p: CheckedPayload) -> tuple[tuple[Any, ...], ...]:
+    """A CheckedPayload as the send queue's checked parts: ``(payload, crc)``, or for a
+    payload in several buffers a chain in which each but the last hands its CRC on."""
+    if not p.rest:
+        return ((p.payload, p.crc),)
+    views = p.views
+    return ((views[0], p.crc, True), *((v, 0, True) for v in views[1:-1]), (views[-1], 0))
 
 
 #: Parts at least this large are written on their own; smaller neighbours are joined.

@@ -26,6 +26,10 @@ from kvwire.wire.connection import (
     UnknownFrameReceived,
 )
 from kvwire.wire.frames import (
+    KIND_K,
+    KIND_KV,
+    KIND_V,
+    KV_CHUNK_VERSION,
     PROTOCOL_VERSION,
     Accept,
     Ack,
@@ -61,6 +65,10 @@ from kvwire.wire.transfer import (
 )
 
 __all__ = [
+    "KIND_K",
+    "KIND_KV",
+    "KIND_V",
+    "KV_CHUNK_VERSION",
     "PROTOCOL_VERSION",
     "Accept",
     "Ack",

@@ -36,6 +36,9 @@ from kvwire.errors import (
 from kvwire.wire.frames import (
     FINGERPRINT_SIZE,
     HANDSHAKE_MAX_BODY,
+    KIND_KV,
+    KIND_V,
+    KV_CHUNK_VERSION,
     MAX_MAX_FRAME_SIZE,
     MIN_MAX_FRAME_SIZE,
     MIN_PROTOCOL_VERSION,
@@ -118,6 +121,8 @@ class HandshakeComplete:
     hello_rtt: float | None = None
     """Client side: seconds from HELLO to CHALLENGE (one round trip of the path, the server's
     answer included), when the shell passed ``now``; None otherwise."""
+    version: int = MIN_PROTOCOL_VERSION
+    """The protocol version the handshake agreed on."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -242,8 +247,12 @@ class ConnectionConfig:
     """Once open: seconds without a complete frame from the peer before the connection
     is closed with TIMEOUT.  A PING goes out after half of it, so a live but quiet peer
     answers.  Must exceed the time one max-size frame takes on the link."""
+    max_version: int = PROTOCOL_VERSION
+    """The highest protocol version this side speaks (tests of older peers lower it)."""
 
     def __post_init__(self) -> None:
+        if not MIN_PROTOCOL_VERSION <= self.max_version <= PROTOCOL_VERSION:
+            raise UsageError(f"max_version must be in [{MIN_PROTOCOL_VERSION}, {PROTOCOL_VERSION}]")
         if not isinstance(self.secret, bytes | bytearray) or len(self.secret) < 8:
             raise UsageError("secret must be bytes of at least 8 bytes")
         if not MIN_MAX_FRAME_SIZE <= self.max_frame_size <= MAX_MAX_FRAME_SIZE:
@@ -258,14 +267,21 @@ def _sha(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def client_proof(secret: bytes, hello: bytes, challenge: bytes) -> bytes:
-    """HMAC-SHA256 the client sends in AUTH (see docs/protocol.md, Authentication)."""
-    return hmac.new(secret, b"kvwire/1 client" + _sha(hello) + _sha(challenge), "sha256").digest()
+def _label(version: int, role: str) -> bytes:
+    return f"kvwire/{version} {role}".encode()
 
 
-def server_proof(secret: bytes, hello: bytes, challenge: bytes, cproof: bytes, welcome: bytes) -> bytes:
+def client_proof(secret: bytes, hello: bytes, challenge: bytes, version: int = MIN_PROTOCOL_VERSION) -> bytes:
+    """HMAC-SHA256 the client sends in AUTH (see docs/protocol.md, Authentication); each
+    protocol version has its own label."""
+    return hmac.new(secret, _label(version, "client") + _sha(hello) + _sha(challenge), "sha256").digest()
+
+
+def server_proof(
+    secret: bytes, hello: bytes, challenge: bytes, cproof: bytes, welcome: bytes, version: int = MIN_PROTOCOL_VERSION,
+) -> bytes:
     """HMAC-SHA256 the server sends in WELCOME."""
-    msg = b"kvwire/1 server" + _sha(hello) + _sha(challenge) + cproof + _sha(welcome)
+    msg = _label(version, "server") + _sha(hello) + _sha(challenge) + cproof + _sha(welcome)
     return hmac.new(secret, msg, "sha256").digest()
 
 
@@ -284,6 +300,9 @@ class Connection:
         self.state = State.CLIENT_IDLE if role is Role.CLIENT else State.SERVER_AWAIT_HELLO
         self._nonce = nonce_source
         self._decoder = FrameDecoder(HANDSHAKE_MAX_BODY)
+        self._decoder.max_kind = KIND_V  # KV chunks once version 2 is agreed
+        self.version: int | None = None
+        """The protocol version agreed (None until CHALLENGE)."""
         self._events: deque[Event] = deque()
         self._out: list[Buffer | CheckedPayload] = []
         self._deadline: float | None = now + config.handshake_timeout
@@ -318,7 +337,7 @@ class Connection:
             raise UsageError("initiate() is for a new client connection")
         cfg = self.config
         hello = Hello(
-            min_version=MIN_PROTOCOL_VERSION, max_version=PROTOCOL_VERSION,
+            min_version=MIN_PROTOCOL_VERSION, max_version=cfg.max_version,
             nonce=self._nonce(NONCE_SIZE), session_id=cfg.session_id,
             stream_index=cfg.stream_index, max_frame_size=cfg.max_frame_size,
             codecs=cfg.codecs, fingerprint=cfg.fingerprint,
@@ -465,7 +484,7 @@ class Connection:
         )
         unsigned = welcome_unsigned(w)
         proof = server_proof(
-            cfg.secret, self._hello_body, self._challenge_body, self._client_proof, unsigned
+            cfg.secret, self._hello_body, self._challenge_body, self._client_proof, unsigned, self._agreed
         )
         self._queue(
             Welcome(
@@ -482,7 +501,7 @@ class Connection:
             HandshakeComplete(
                 session_id=session_id, stream_index=self.stream_index,
                 peer_codecs=self.peer_codecs, peer_max_frame_size=self.peer_max_frame_size,
-                window=cfg.window, max_transfers=cfg.max_transfers,
+                window=cfg.window, max_transfers=cfg.max_transfers, version=self._agreed,
             )
         )
 
@@ -511,6 +530,8 @@ class Connection:
             raise ConnectionLostError("connection is closed")
         if wire_size > self.send_credit:
             raise UsageError("send_chunk() without enough connection credit")
+        if chunk.kind == KIND_KV and not self.sends_kv_chunks:
+            raise UsageError(f"a KV chunk needs protocol version {KV_CHUNK_VERSION}; this connection speaks {self.version}")
         body_limit = self.peer_max_frame_size
         if wire_size - 12 > body_limit:
             raise UsageError(f"chunk frame of {wire_size} bytes exceeds the peer's limit")
@@ -632,37 +653,55 @@ class Connection:
         self.closed_event = ev
         self._events.append(ev)
 
+    def _agree(self, version: int) -> None:
+        """The protocol version is chosen: CHUNK kinds follow it."""
+        self.version = version
+        self._decoder.max_kind = KIND_KV if version >= KV_CHUNK_VERSION else KIND_V
+
+    @property
+    def _agreed(self) -> int:
+        assert self.version is not None, "no protocol version agreed yet"
+        return self.version
+
+    @property
+    def sends_kv_chunks(self) -> bool:
+        """Whether CHUNKs of kind KV (K and V together) may go out on this connection."""
+        return self.version is not None and self.version >= KV_CHUNK_VERSION
+
     # Transition handlers: (connection, frame, wire size) -> new state.
 
     def _on_hello(self, frame: Frame, size: int) -> State:
         assert isinstance(frame, Hello)
         if frame.min_version > frame.max_version:
             raise ProtocolError("HELLO min_version is above max_version")
-        if frame.max_version < MIN_PROTOCOL_VERSION or frame.min_version > PROTOCOL_VERSION:
-            self.refuse(ErrorCode.UNSUPPORTED_VERSION, f"server speaks versions {MIN_PROTOCOL_VERSION}..{PROTOCOL_VERSION}")
+        top = self.config.max_version
+        if frame.max_version < MIN_PROTOCOL_VERSION or frame.min_version > top:
+            self.refuse(ErrorCode.UNSUPPORTED_VERSION, f"server speaks versions {MIN_PROTOCOL_VERSION}..{top}")
             return State.CLOSED
         if not MIN_MAX_FRAME_SIZE <= frame.max_frame_size <= MAX_MAX_FRAME_SIZE:
             raise ProtocolError("HELLO max_frame_size out of range")
         self._hello = frame
         self._hello_body = _body_of(frame)
-        challenge = Challenge(version=min(PROTOCOL_VERSION, frame.max_version), nonce=self._nonce(NONCE_SIZE))
+        self._agree(min(top, frame.max_version))
+        challenge = Challenge(version=self.version, nonce=self._nonce(NONCE_SIZE))
         self._challenge_body = self._queue_signed(challenge)
         return State.SERVER_CHALLENGE_SENT
 
     def _on_challenge(self, frame: Frame, size: int) -> State:
         assert isinstance(frame, Challenge)
-        if not MIN_PROTOCOL_VERSION <= frame.version <= PROTOCOL_VERSION:
+        if not MIN_PROTOCOL_VERSION <= frame.version <= self.config.max_version:
             raise IncompatiblePeerError(f"server chose unsupported protocol version {frame.version}", code=ErrorCode.UNSUPPORTED_VERSION)
+        self._agree(frame.version)
         self._challenge_body = _body_of(frame)
         if self._rx_now is not None:
             self.hello_rtt = max(0.0, self._rx_now - self._hello_at)
-        self._client_proof = client_proof(self.config.secret, self._hello_body, self._challenge_body)
+        self._client_proof = client_proof(self.config.secret, self._hello_body, self._challenge_body, frame.version)
         self._queue(Auth(proof=self._client_proof))
         return State.CLIENT_AUTH_SENT
 
     def _on_auth(self, frame: Frame, size: int) -> State:
         assert isinstance(frame, Auth) and self._hello is not None
-        expected = client_proof(self.config.secret, self._hello_body, self._challenge_body)
+        expected = client_proof(self.config.secret, self._hello_body, self._challenge_body, self._agreed)
         if not hmac.compare_digest(expected, frame.proof):
             raise AuthenticationError("client failed to prove the shared secret")
         self._client_proof = frame.proof
@@ -679,7 +718,7 @@ class Connection:
         assert isinstance(frame, Welcome)
         expected = server_proof(
             self.config.secret, self._hello_body, self._challenge_body, self._client_proof,
-            welcome_unsigned(frame),
+            welcome_unsigned(frame), self._agreed,
         )
         if not hmac.compare_digest(expected, frame.proof):
             raise AuthenticationError("server failed to prove the shared secret")
@@ -695,6 +734,7 @@ class Connection:
                 session_id=frame.session_id, stream_index=self.stream_index,
                 peer_codecs=frame.codecs, peer_max_frame_size=frame.max_frame_size,
                 window=frame.window, max_transfers=frame.max_transfers, hello_rtt=self.hello_rtt,
+                version=self._agreed,
             )
         )
         return State.OPEN

@@ -22,8 +22,14 @@ from kvwire.wire.crc import crc32c
 Buffer = Union[bytes, bytearray, memoryview]
 
 MAGIC = b"KVWIRE\r\n"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
+#: The protocol version from which a CHUNK may carry K and V together (``KIND_KV``).
+KV_CHUNK_VERSION = 2
+
+#: CHUNK kinds: a range of the layer's K, of its V, or (from version 2) of both, K's bytes
+#: then V's, in one frame.
+KIND_K, KIND_V, KIND_KV = 0, 1, 2
 
 HEADER = struct.Struct(">BBHI")
 HEADER_SIZE = HEADER.size  # 8
@@ -142,7 +148,9 @@ class Chunk:
     token_count: int
     layer_tokens: int
     params: bytes
-    payload: Buffer
+    payload: Buffer | tuple[Buffer, ...]
+    """The codec payload.  A chunk to send may give it in parts (a KV chunk: K's bytes,
+    then V's), sent one after the other as one payload; a received chunk's is one buffer."""
 
     @property
     def address(self) -> ChunkAddress:
@@ -375,7 +383,10 @@ def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
             frame.transfer_id, frame.layer, frame.kind, frame.codec_id, frame.token_start,
             frame.token_count, frame.layer_tokens, len(frame.params),
         )
-        return FrameType.CHUNK, [fixed, frame.params, frame.payload]
+        payload = frame.payload
+        if isinstance(payload, tuple):
+            return FrameType.CHUNK, [fixed, frame.params, *payload]
+        return FrameType.CHUNK, [fixed, frame.params, payload]
     if isinstance(frame, Ack):
         return FrameType.ACK, [_ACK.pack(frame.transfer_id, frame.layer, frame.kind, frame.token_start)]
     if isinstance(frame, Credit):
@@ -473,34 +484,46 @@ class CheckedPayload:
     """The end of a CHUNK frame, its payload and CRC32C trailer, with the CRC computed as
     the payload is written rather than in a pass of its own before.
 
-    ``crc`` is the CRC of the frame up to the payload.  :meth:`pieces` yields the payload
-    in segments, each checksummed just before it is handed out (so the write that follows
-    reads it from the cache), then the trailer; :meth:`parts` gives payload and trailer at
-    once.  Both read the payload as it is when they run (the caller's arrays must not change
-    until the send is acknowledged).
+    ``crc`` is the CRC of the frame up to the payload.  The payload is ``payload`` followed
+    by the buffers of ``rest`` (a KV chunk's V after its K), one CRC over all of them.
+    :meth:`pieces` yields the payload in segments, each checksummed just before it is
+    handed out (so the write that follows reads it from the cache), then the trailer;
+    :meth:`parts` gives payload and trailer at once.  Both read the payload as it is when
+    they run (the caller's arrays must not change until the send is acknowledged).
     """
 
-    __slots__ = ("crc", "payload")
+    __slots__ = ("crc", "payload", "rest")
 
-    def __init__(self, payload: memoryview, crc: int) -> None:
+    def __init__(self, payload: memoryview, crc: int, rest: tuple[memoryview, ...] = ()) -> None:
         self.payload = payload
         self.crc = crc
+        self.rest = rest
+
+    @property
+    def views(self) -> tuple[memoryview, ...]:
+        """The payload's buffers in order (bytes, format ``B``)."""
+        return (self.payload, *self.rest)
 
     def __len__(self) -> int:
-        return self.payload.nbytes + CRC_SIZE
+        return sum(v.nbytes for v in self.views) + CRC_SIZE
 
     def pieces(self, segment: int | None = None) -> Iterator[memoryview | bytes]:
-        payload, crc = self.payload, self.crc
-        if segment is None:
-            segment = payload.nbytes if payload.nbytes <= WRITE_WHOLE else CHECK_AS_WRITTEN
-        for at in range(0, payload.nbytes, segment):
-            piece = payload[at : at + segment]
-            crc = crc32c(piece, crc)
-            yield piece
+        crc = self.crc
+        for payload in self.views:
+            step = segment
+            if step is None:
+                step = payload.nbytes if payload.nbytes <= WRITE_WHOLE else CHECK_AS_WRITTEN
+            for at in range(0, payload.nbytes, step):
+                piece = payload[at : at + step]
+                crc = crc32c(piece, crc)
+                yield piece
         yield CRC.pack(crc)
 
     def parts(self) -> list[Buffer]:
-        return [self.payload, CRC.pack(crc32c(self.payload, self.crc))]
+        crc = self.crc
+        for v in self.views:
+            crc = crc32c(v, crc)
+        return [*self.views, CRC.pack(crc)]
 
 
 def plain_parts(parts: list[Buffer | CheckedPayload]) -> list[Buffer]:
@@ -514,13 +537,20 @@ def encode_chunk_checked_as_written(chunk: Chunk) -> list[Buffer | CheckedPayloa
     """A CHUNK frame as :func:`encode_frame` gives it, except that a payload of at least
     :data:`CHECK_AS_WRITTEN` bytes and the trailer are one :class:`CheckedPayload`."""
     ftype, parts = encode_body(chunk)
-    payload = memoryview(parts[-1])
-    if payload.format != "B" or payload.ndim != 1:
-        payload = payload.cast("B")  # len() of every part is its byte count
-    if payload.nbytes < CHECK_AS_WRITTEN:
-        return list(_frame(ftype, [*parts[:-1], payload]))
-    header, crc = _head(ftype, parts[:-1], payload.nbytes)
-    return [header, *parts[:-1], CheckedPayload(payload, crc)]
+    head = parts[:2]  # fixed fields, params
+    views = [_byte_view(p) for p in parts[2:]]
+    size = sum(v.nbytes for v in views)
+    if size < CHECK_AS_WRITTEN:
+        return list(_frame(ftype, [*head, *views]))
+    header, crc = _head(ftype, head, size)
+    views = [v for v in views if v.nbytes]
+    return [header, *head, CheckedPayload(views[0], crc, tuple(views[1:]))]
+
+
+def _byte_view(part: Buffer) -> memoryview:
+    """``part`` as a 1-d view of bytes (so len() of every part is its byte count)."""
+    view = memoryview(part)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def frame_bytes(frame: Frame) -> bytes:
@@ -537,15 +567,23 @@ def chunk_frame_size(params_len: int, payload_len: int) -> int:
 # Decoding.
 
 
-def decode_body(ftype: int, flags: int, body: Buffer) -> Frame:
-    """Parse a CRC-verified body.  Raises ProtocolError for any malformation."""
+def _bad_kind(kind: int, max_kind: int) -> ProtocolError:
+    known = "K (0), V (1) or KV (2)" if max_kind >= KIND_KV else "K (0) or V (1)"
+    return ProtocolError(f"CHUNK kind {kind} is not {known}")
+
+
+def decode_body(ftype: int, flags: int, body: Buffer, *, max_kind: int = KIND_KV) -> Frame:
+    """Parse a CRC-verified body.  Raises ProtocolError for any malformation.
+
+    ``max_kind``: the highest CHUNK kind the connection's protocol version knows
+    (``KIND_V`` in version 1)."""
     if ftype == FrameType.CHUNK:
         r = _Reader(body, "CHUNK")
         tid, layer, kind, codec_id, start, count, ltok, plen = r.unpack(CHUNK_FIXED)
         params = bytes(r.take(int(plen)))
         payload = r.rest()
-        if kind not in (0, 1):
-            raise ProtocolError(f"CHUNK kind {kind} is neither K (0) nor V (1)")
+        if kind > max_kind:
+            raise _bad_kind(kind, max_kind)
         return Chunk(
             transfer_id=int(tid), layer=int(layer), kind=int(kind), codec_id=int(codec_id),
             token_start=int(start), token_count=int(count), layer_tokens=int(ltok),
@@ -710,6 +748,8 @@ class FrameDecoder:
         self._handed_dest = False
         self._deferred = False  # a big CHUNK waits in the buffer (see _defer)
         self.payload_sink = payload_sink
+        self.max_kind = KIND_KV
+        """The highest CHUNK kind accepted (a version-1 connection sets ``KIND_V``)."""
 
     # -- recv_into style --------------------------------------------------------------
 
@@ -803,7 +843,7 @@ class FrameDecoder:
                 body_crc = bytes(mv[start + HEADER_SIZE : start + need])
             finally:
                 mv.release()
-            out.append((self._finish(header, memoryview(body_crc)), need))
+            out.append((self._finish(header, memoryview(body_crc), self.max_kind), need))
 
     def _defer(self, ftype: int, out: list[tuple[Frame, int]]) -> bool:
         """Whether an unfinished big CHUNK waits in the buffer until the frames before it
@@ -877,7 +917,7 @@ class FrameDecoder:
         size = big.length - len(big.pre)
         dest: memoryview | None = None
         if big.ftype == FrameType.CHUNK and self.payload_sink is not None:
-            head = _chunk_from(big.pre, b"")
+            head = _chunk_from(big.pre, b"", self.max_kind)
             if head is not None:
                 dest = self.payload_sink(head, size)
                 if dest is not None and (len(dest) != size or dest.readonly):
@@ -893,9 +933,9 @@ class FrameDecoder:
             raise IntegrityError(f"CRC32C mismatch on frame type 0x{big.ftype:02x}")
         _check_reserved(big.header)
         if big.ftype == FrameType.CHUNK:
-            chunk = _chunk_from(big.pre, big.dest)
+            chunk = _chunk_from(big.pre, big.dest, self.max_kind)
             if chunk is None:
-                raise ProtocolError("CHUNK kind is neither K (0) nor V (1)")
+                raise _bad_kind(big.pre[10], self.max_kind)
             return chunk
         return decode_body(big.ftype, big.header[1], big.dest)
 
@@ -934,14 +974,14 @@ class FrameDecoder:
         return len(self._buf) - self._pos + big
 
     @staticmethod
-    def _finish(header: bytes, body_crc: memoryview) -> Frame:
+    def _finish(header: bytes, body_crc: memoryview, max_kind: int) -> Frame:
         body = body_crc[:-CRC_SIZE]
         (expected,) = CRC.unpack(body_crc[-CRC_SIZE:])
         if crc32c(body, crc32c(header)) != expected:
             raise IntegrityError(f"CRC32C mismatch on frame type 0x{header[0]:02x}")
         _check_reserved(header)
         ftype, flags, _, _ = HEADER.unpack(header)
-        return decode_body(ftype, flags, body)
+        return decode_body(ftype, flags, body, max_kind=max_kind)
 
 
 def _check_reserved(header: bytes) -> None:
@@ -950,10 +990,10 @@ def _check_reserved(header: bytes) -> None:
         raise ProtocolError("reserved header bits set")
 
 
-def _chunk_from(pre: Buffer, payload: Buffer) -> Chunk | None:
-    """A Chunk from its fixed fields + params and a payload; None for a bad kind."""
+def _chunk_from(pre: Buffer, payload: Buffer, max_kind: int) -> Chunk | None:
+    """A Chunk from its fixed fields + params and a payload; None for a kind above ``max_kind``."""
     tid, layer, kind, codec_id, start, count, ltok, _plen = CHUNK_FIXED.unpack_from(pre)
-    if kind not in (0, 1):
+    if kind > max_kind:
         return None
     return Chunk(
         transfer_id=tid, layer=layer, kind=kind, codec_id=codec_id, token_start=start,
@@ -969,6 +1009,10 @@ __all__ = [
     "FRAME_OVERHEAD",
     "HANDSHAKE_MAX_BODY",
     "HEADER_SIZE",
+    "KIND_K",
+    "KIND_KV",
+    "KIND_V",
+    "KV_CHUNK_VERSION",
     "MAGIC",
     "NONCE_SIZE",
     "PROOF_SIZE",

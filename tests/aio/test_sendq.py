@@ -83,6 +83,9 @@ def drain(q: object, reader: socket.socket, nbytes: int) -> tuple[bytes, int]:
 part = st.one_of(
     st.binary(max_size=2000).map(lambda b: ("plain", b)),
     st.tuples(st.integers(0, 300_000), st.integers(0, 2**32 - 1)).map(lambda t: ("checked", t)),
+    # one payload in several buffers (a KV chunk's K and V): one CRC, one trailer
+    st.tuples(st.lists(st.integers(1, 200_000), min_size=2, max_size=3), st.integers(0, 2**32 - 1))
+    .map(lambda t: ("chained", t)),
 )
 
 
@@ -101,11 +104,18 @@ def test_writes_the_parts_in_order_and_each_checked_payload_with_its_trailer(
                 assert isinstance(value, bytes)
                 pushed.append(value)
                 expect += value
-            else:
+            elif kind == "checked":
                 size, crc = value  # type: ignore[misc]
                 payload = memoryview(rng.integers(0, 256, size, dtype=np.uint8))
                 pushed.append((payload, crc))
                 expect += bytes(payload) + trailer(payload, crc)
+            else:
+                sizes, crc = value  # type: ignore[misc]
+                views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
+                # every part of the chain after the first carries a wrong crc: it is ignored
+                pushed += [(views[0], crc, True), *((v, 12345, True) for v in views[1:-1]), (views[-1], 999)]
+                whole = b"".join(bytes(v) for v in views)
+                expect += whole + trailer(whole, crc)
         q = sendq.SendQueue(a.fileno())
         q.push(pushed)
         assert q.pending == len(expect)
@@ -130,6 +140,46 @@ def test_a_chunk_frame_goes_out_as_the_transport_path_writes_it(pair: tuple[sock
     got, flushes = drain(q, b, len(expect))
     assert got == expect
     assert flushes > 1  # the kernel took it over several writes
+
+
+def test_a_kv_chunk_in_two_buffers_goes_out_as_one_frame(pair: tuple[socket.socket, socket.socket]) -> None:
+    """A KV chunk's payload is the caller's K and V, two buffers: the stream pushes them as
+    a chain, and the bytes are the frame's, one CRC over both."""
+    from kvwire.aio._stream import _checked_parts
+
+    assert sendq is not None
+    a, b = pair
+    rng = np.random.default_rng(4)
+    k, v = (rng.integers(0, 256, 1 << 20, dtype=np.uint8) for _ in range(2))
+    chunk = Chunk(transfer_id=7, layer=2, kind=2, codec_id=0, token_start=0, token_count=512,
+                  layer_tokens=512, params=b"", payload=(k.data, v.data))
+    parts = encode_chunk_checked_as_written(chunk)
+    [checked] = [p for p in parts if isinstance(p, CheckedPayload)]
+    assert len(checked.views) == 2 and len(checked) == (2 << 20) + 4
+    expect = b"".join(bytes(p) for p in plain_parts(parts))
+    assert expect[-4:] == trailer(k.tobytes() + v.tobytes(), checked.crc)
+    q = sendq.SendQueue(a.fileno())
+    q.push([x for p in parts for x in (_checked_parts(p) if isinstance(p, CheckedPayload) else (p,))])
+    got, _ = drain(q, b, len(expect))
+    assert got == expect
+    # the Python writer's pieces are the same bytes
+    assert b"".join(bytes(x) for x in checked.pieces()) == expect[-len(checked):]
+
+
+@pytest.mark.parametrize("parts", [
+    [(b"k", 0, True)],  # the chain never goes on
+    [(b"k", 0, True), b"plain"],  # nor with a plain part
+    [(b"", 0, True), (b"v", 0)],  # empty parts of a chain
+    [(b"k", 0, True), (b"", 0)],
+    [(b"k", 0, True, 1)],  # not a checked tuple
+])
+def test_a_bad_chain_is_refused_and_nothing_is_queued(pair: tuple[socket.socket, socket.socket], parts: list[object]) -> None:
+    assert sendq is not None
+    a, _ = pair
+    q = sendq.SendQueue(a.fileno())
+    with pytest.raises((ValueError, TypeError)):
+        q.push(parts)
+    assert q.pending == 0 and q.flush() == 0
 
 
 def test_buffers_are_held_until_written_and_let_go_after(pair: tuple[socket.socket, socket.socket]) -> None:

@@ -41,10 +41,13 @@ from kvwire.wire import (
     TransferAccepted,
     TransferBegun,
     Welcome,
+    KIND_KV,
+    KV_CHUNK_VERSION,
+    PROTOCOL_VERSION,
     chunk_frame_size,
     frame_bytes,
 )
-from kvwire.wire.connection import TRANSITIONS
+from kvwire.wire.connection import TRANSITIONS, client_proof, server_proof
 
 BEGIN = Begin(transfer_id=1, num_layers=2, num_kv_heads=1, head_dim=4, dtype_id=1, model="",
               request_id="r", meta=b"{}")
@@ -121,11 +124,86 @@ def test_handshake_timeout() -> None:
 
 def test_version_mismatch_is_refused() -> None:
     server = Connection(Role.SERVER, ConnectionConfig(secret=b"test-secret"))
-    hello = Hello(min_version=2, max_version=3, nonce=b"n" * 32, session_id=bytes(16),
+    hello = Hello(min_version=PROTOCOL_VERSION + 1, max_version=PROTOCOL_VERSION + 2, nonce=b"n" * 32, session_id=bytes(16),
                   stream_index=0, max_frame_size=1 << 22, codecs=("raw",), fingerprint=bytes(16))
     server.receive_data(frame_bytes(hello))
     ev = server.next_event()
     assert isinstance(ev, ConnectionClosed) and ev.code == ErrorCode.UNSUPPORTED_VERSION
+
+
+@pytest.mark.parametrize(("client_max", "server_max"), [(2, 2), (1, 2), (2, 1), (1, 1)])
+def test_the_highest_common_version_is_agreed(client_max: int, server_max: int) -> None:
+    pair = MemoryPair.create(client_config=ConnectionConfig(secret=b"test-secret", max_version=client_max),
+                             server_config=ConnectionConfig(secret=b"test-secret", max_version=server_max))
+    pair.handshake()
+    agreed = min(client_max, server_max)
+    assert pair.client.version == pair.server.version == agreed
+    for events in (pair.client_events, pair.server_events):
+        [done] = [e for e in events if isinstance(e, HandshakeComplete)]
+        assert done.version == agreed
+    assert pair.client.sends_kv_chunks is (agreed >= KV_CHUNK_VERSION)
+
+
+def test_a_server_that_only_speaks_a_newer_version_is_refused_by_the_client() -> None:
+    client = Connection(Role.CLIENT, ConnectionConfig(secret=b"test-secret", max_version=1))
+    client.initiate()
+    client.data_to_send()
+    client.receive_data(frame_bytes(Challenge(version=2, nonce=b"c" * 32)))
+    ev = client.next_event()
+    assert isinstance(ev, ConnectionClosed) and ev.code == ErrorCode.UNSUPPORTED_VERSION
+
+
+def test_proofs_are_bound_to_the_version() -> None:
+    secret, hello, challenge = b"test-secret", b"hello", b"challenge"
+    assert client_proof(secret, hello, challenge, 1) != client_proof(secret, hello, challenge, 2)
+    assert server_proof(secret, hello, challenge, b"p", b"w", 1) != server_proof(secret, hello, challenge, b"p", b"w", 2)
+
+
+def test_max_version_outside_the_known_range_is_a_usage_error() -> None:
+    for bad in (0, PROTOCOL_VERSION + 1):
+        with pytest.raises(UsageError, match="max_version"):
+            ConnectionConfig(secret=b"test-secret", max_version=bad)
+
+
+def _open_pair(version: int) -> MemoryPair:
+    pair = MemoryPair.create(client_config=ConnectionConfig(secret=b"test-secret", max_version=version))
+    pair.handshake()
+    pair.client.send_begin(BEGIN)
+    pair.pump()
+    pair.server.send_accept(1, 2)
+    pair.pump()
+    return pair
+
+
+def test_a_kv_chunk_crosses_a_version_2_connection() -> None:
+    pair = _open_pair(2)
+    kv = Chunk(transfer_id=1, layer=0, kind=KIND_KV, codec_id=0, token_start=0, token_count=2,
+               layer_tokens=2, params=b"", payload=(b"\x01" * 16, b"\x02" * 16))
+    pair.client.send_chunk(kv, chunk_frame_size(0, 32))
+    _, sev = pair.pump()
+    [got] = [e for e in sev if isinstance(e, ChunkReceived)]
+    assert got.chunk.kind == KIND_KV and bytes(got.chunk.payload) == b"\x01" * 16 + b"\x02" * 16
+    pair.server.send_ack(got.chunk.address)
+    cev, _ = pair.pump()
+    assert [e.address.kind for e in cev if isinstance(e, ChunkAcked)] == [KIND_KV]
+
+
+def test_a_kv_chunk_is_refused_on_a_version_1_connection() -> None:
+    pair = _open_pair(1)
+    kv = Chunk(transfer_id=1, layer=0, kind=KIND_KV, codec_id=0, token_start=0, token_count=2,
+               layer_tokens=2, params=b"", payload=b"\x01" * 32)
+    with pytest.raises(UsageError, match="version 2"):
+        pair.client.send_chunk(kv, chunk_frame_size(0, 32))
+    # A peer that sends one anyway breaks version 1: PROTOCOL_ERROR, whatever its size.
+    for size in (32, 256 * 1024):
+        pair = _open_pair(1)
+        raw = frame_bytes(Chunk(transfer_id=1, layer=0, kind=KIND_KV, codec_id=0, token_start=0,
+                                token_count=size // 16, layer_tokens=size // 16, params=b"", payload=bytes(size)))
+        pair.server.receive_data(raw)
+        closed = []
+        while (e := pair.server.next_event()) is not None:
+            closed += [e] if isinstance(e, ConnectionClosed) else []
+        assert closed and closed[0].code == ErrorCode.PROTOCOL_ERROR and "K (0) or V (1)" in closed[0].message
 
 
 def test_transfer_flow_and_credit_accounting() -> None:

@@ -589,3 +589,46 @@ def test_a_payload_checked_as_written_makes_the_same_bytes(size: int, fmt: str, 
         sizes = [len(q) for q in checked[0].pieces()][:-1]
         assert sizes == ([arr.nbytes] if arr.nbytes <= WRITE_WHOLE
                          else [min(CHECK_AS_WRITTEN, arr.nbytes - a) for a in range(0, arr.nbytes, CHECK_AS_WRITTEN)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 2 * WRITE_WHOLE), min_size=2, max_size=3), st.sampled_from(["B", "H"]))
+def test_a_payload_in_several_buffers_is_one_payload_on_the_wire(sizes: list[int], fmt: str) -> None:
+    """A chunk to send may give its payload in parts (a KV chunk: K's bytes, then V's): the
+    frame is the one a single joined payload makes, written whole, in pieces or as parts,
+    and it decodes to that payload."""
+    import numpy as np
+
+    arrays = [np.arange(n // np.dtype(fmt).itemsize, dtype=fmt) for n in sizes]
+    split = Chunk(transfer_id=9, layer=2, kind=2, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"", payload=tuple(memoryview(a) for a in arrays))
+    joined = b"".join(a.tobytes() for a in arrays)
+    expected = frame_bytes(Chunk(transfer_id=9, layer=2, kind=2, codec_id=0, token_start=0, token_count=1,
+                                 layer_tokens=1, params=b"", payload=joined))
+    assert frame_bytes(split) == expected
+    parts = encode_chunk_checked_as_written(split)
+    assert sum(len(p) for p in parts) == len(expected)
+    assert b"".join(bytes(p) for p in plain_parts(parts)) == expected
+    pieces = [bytes(q) for p in parts for q in (p.pieces() if isinstance(p, CheckedPayload) else (p,))]
+    assert b"".join(pieces) == expected
+    checked = [p for p in parts if isinstance(p, CheckedPayload)]
+    assert len(checked) == (1 if len(joined) >= CHECK_AS_WRITTEN else 0)
+    if checked:
+        assert all(v.nbytes for v in checked[0].views)  # empty buffers are left out
+    [(got, _)] = FrameDecoder(1 << 23).feed(expected)
+    assert isinstance(got, Chunk) and got.kind == 2 and bytes(got.payload) == joined
+
+
+@pytest.mark.parametrize("big", [False, True])
+def test_a_decoder_below_version_2_refuses_kv_chunks(big: bool) -> None:
+    size = 256 * 1024 if big else 64
+    wire = frame_bytes(Chunk(transfer_id=1, layer=0, kind=2, codec_id=0, token_start=0, token_count=1,
+                             layer_tokens=1, params=b"", payload=bytes(size)))
+    dec = FrameDecoder(1 << 20, big_body=64 * 1024)
+    dec.max_kind = 1
+    with pytest.raises(ProtocolError, match="kind 2 is not K \\(0\\) or V \\(1\\)"):
+        dec.feed(wire)
+    dec = FrameDecoder(1 << 20, big_body=64 * 1024)
+    with pytest.raises(ProtocolError, match="kind 3 is not K \\(0\\), V \\(1\\) or KV \\(2\\)"):
+        dec.feed(frame_bytes(Chunk(transfer_id=1, layer=0, kind=3, codec_id=0, token_start=0, token_count=1,
+                                   layer_tokens=1, params=b"", payload=bytes(size))))
