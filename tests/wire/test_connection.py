@@ -13,6 +13,9 @@ from kvwire.errors import (
 )
 from kvwire.testing.memory import MemoryPair
 from kvwire.wire import (
+    KIND_KV,
+    KV_CHUNK_VERSION,
+    PROTOCOL_VERSION,
     Accept,
     Ack,
     Auth,
@@ -41,9 +44,6 @@ from kvwire.wire import (
     TransferAccepted,
     TransferBegun,
     Welcome,
-    KIND_KV,
-    KV_CHUNK_VERSION,
-    PROTOCOL_VERSION,
     chunk_frame_size,
     frame_bytes,
 )
