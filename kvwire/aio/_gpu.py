@@ -207,7 +207,7 @@ class GpuReceiver:
             raise UsageError("GpuReceiver needs a GPU device")
         self.device_id = index
 
-    def empty(self, shape: tuple[int, int, int], dtype: str) -> Any:
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         """An uninitialised layer tensor on the device (bfloat16 as uint16 bits)."""
         import cupy
 

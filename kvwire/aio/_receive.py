@@ -19,7 +19,8 @@ from kvwire.aio._pool import default_pool
 from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
 from kvwire.session.receiver import Key, LayerStore
 from kvwire.spec import KVSpec
-from kvwire.wire import Chunk
+from kvwire.wire import KIND_KV, Chunk
+from kvwire.wire.transfer import split_kv
 
 INTO = object()
 """The buffer of a layer received into the caller's memory (``Server.expect(into=...)``)."""
@@ -35,7 +36,9 @@ class _Target:
 
 
 class ArrayStore(LayerStore):
-    """Layer arrays (K, V) of ``[layer_tokens, heads, head_dim]`` per transfer."""
+    """Layer arrays (K, V) of ``[layer_tokens, heads, head_dim]`` per transfer: the two
+    halves of one ``[2, layer_tokens, heads, head_dim]`` array, so a KV chunk of the whole
+    layer is read straight into it."""
 
     def __init__(self, device: str) -> None:
         self.gpu = GpuReceiver(device) if device != "cpu" else None
@@ -66,11 +69,10 @@ class ArrayStore(LayerStore):
                 tg.checked = True
             return INTO
         spec = tg.spec
-        shape = (chunk.layer_tokens, spec.num_kv_heads, spec.head_dim)
+        shape = (2, chunk.layer_tokens, spec.num_kv_heads, spec.head_dim)
         if self.gpu is not None:
-            return self.gpu.empty(shape, spec.dtype), self.gpu.empty(shape, spec.dtype)
-        pool = default_pool()  # reused, pre-faulted memory: no page faults per transfer
-        return pool.empty(shape, tg.dtype), pool.empty(shape, tg.dtype)
+            return self.gpu.empty(shape, spec.dtype)
+        return default_pool().empty(shape, tg.dtype)  # reused, pre-faulted: no page faults per transfer
 
     def _out(self, tg: _Target, chunk: Chunk, buffer: Any) -> Any:
         if buffer is INTO:
@@ -80,9 +82,10 @@ class ArrayStore(LayerStore):
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
         tg = self._targets[key]
         t0 = time.thread_time_ns()
-        self._decode(tg, chunk, buffer)
+        for part in split_kv(chunk) if chunk.kind == KIND_KV else (chunk,):
+            self._decode(tg, part, buffer)
         tally = self.decoded.setdefault(chunk.codec_id, [0, 0])
-        tally[0] += chunk.token_count * tg.spec.num_kv_heads * tg.spec.head_dim
+        tally[0] += (2 if chunk.kind == KIND_KV else 1) * chunk.token_count * tg.spec.num_kv_heads * tg.spec.head_dim
         tally[1] += time.thread_time_ns() - t0
 
     def _decode(self, tg: _Target, chunk: Chunk, buffer: Any) -> None:
@@ -103,7 +106,11 @@ class ArrayStore(LayerStore):
         tg = self._targets.get(key)
         if tg is None or self.gpu is not None:
             return None
-        out = self._out(tg, head, buffer)
+        if head.kind == KIND_KV:  # K and V of the whole layer lie together, of less they do not
+            whole = buffer is not INTO and head.token_start == 0 and head.token_count == head.layer_tokens
+            out = buffer if whole else None
+        else:
+            out = self._out(tg, head, buffer)
         if out is None or out.nbytes != nbytes or not out.flags.c_contiguous:
             return None
         return memoryview(out.reshape(-1).view(np.uint8))

@@ -65,7 +65,8 @@ from kvwire.wire import (
     TransferReset,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-from kvwire.wire.frames import Buffer
+from kvwire.wire.frames import KIND_KV, Buffer
+from kvwire.wire.transfer import split_kv
 
 Key = tuple[bytes, int]
 """A transfer's identity on a server: (session id, transfer id)."""
@@ -135,14 +136,23 @@ def check_chunk_size(chunk: Chunk, bytes_per_token: int, *, max_chunk_bytes: int
     """Refuse (LIMIT_EXCEEDED) a chunk that would decode beyond ``max_chunk_bytes`` or
     belongs to a layer beyond ``max_layer_bytes``, before anything is allocated or
     decompressed: the sizes come from the chunk's header, which the peer chose."""
-    if chunk.token_count * bytes_per_token > max_chunk_bytes:
-        raise LimitExceededError(
-            f"a chunk of {chunk.token_count * bytes_per_token} bytes exceeds this server's max_chunk_bytes"
-        )
+    size = chunk_span(chunk, bytes_per_token, 0)[1]
+    if size > max_chunk_bytes:
+        raise LimitExceededError(f"a chunk of {size} bytes exceeds this server's max_chunk_bytes")
     if 2 * chunk.layer_tokens * bytes_per_token > max_layer_bytes:
         raise LimitExceededError(
             f"a layer of {2 * chunk.layer_tokens * bytes_per_token} bytes exceeds this server's max_layer_bytes"
         )
+
+
+def chunk_span(chunk: Chunk, bytes_per_token: int, layer_bytes: int) -> tuple[int, int]:
+    """``(offset, nbytes)`` of ``chunk``'s data in its layer's bytes (K, then V, each half
+    of ``layer_bytes``).  For a KV chunk ``offset`` is that of its K range (its V range lies
+    half a layer further) and ``nbytes`` the size of both."""
+    nbytes = chunk.token_count * bytes_per_token
+    if chunk.kind == KIND_KV:
+        return chunk.token_start * bytes_per_token, 2 * nbytes
+    return chunk.kind * (layer_bytes // 2) + chunk.token_start * bytes_per_token, nbytes
 
 
 def raw_decode(chunk: Chunk, dest: memoryview) -> None:
@@ -165,7 +175,9 @@ class LayerStore:
     MemoryError or a KvwireError; nothing has changed then).  ``decode`` puts a verified
     chunk's data in place; ``region`` names where a raw payload can be read straight into
     (None: not possible).  ``offset`` is the chunk's byte offset in the layer (K, then V)
-    and ``nbytes`` its decoded size, both at the spec's dtype.
+    and ``nbytes`` its decoded size, both at the spec's dtype; for a KV chunk (raw K and V
+    of one token range), the offset of its K range and the size of both
+    (:func:`chunk_span`).
     """
 
     def allocate(self, key: Key, chunk: Chunk, nbytes: int) -> Any:
@@ -195,10 +207,20 @@ class ByteStore(LayerStore):
         return self._allocate(nbytes)
 
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
+        if chunk.kind == KIND_KV:
+            n, half = nbytes // 2, len(buffer) // 2
+            k, v = split_kv(chunk)
+            self._decode(k, buffer[offset : offset + n])
+            self._decode(v, buffer[half + offset : half + offset + n])
+            return
         self._decode(chunk, buffer[offset : offset + nbytes])
 
     def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
-        return buffer[offset : offset + nbytes] if isinstance(buffer, memoryview) else None
+        if not isinstance(buffer, memoryview):
+            return None
+        if head.kind == KIND_KV and (offset or nbytes != len(buffer)):
+            return None  # K and V of part of the layer: two places
+        return buffer[offset : offset + nbytes]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -336,7 +358,8 @@ class _Reservation:
     end: int
 
     def overlaps(self, layer: int, kind: int, start: int, end: int) -> bool:
-        return self.layer == layer and self.kind == kind and self.start < end and start < self.end
+        same = self.kind == kind or KIND_KV in (self.kind, kind)  # a KV range is a K and a V range
+        return self.layer == layer and same and self.start < end and start < self.end
 
 
 @dataclass(eq=False)
@@ -1043,8 +1066,7 @@ class ReceiverCore:
             buf = self._layer_buffer(t, chunk, layer_bytes)
             if not inplace:
                 self._evict_overlapping(t, chunk)
-                offset = chunk.kind * (layer_bytes // 2) + chunk.token_start * t.bpt
-                self._store.decode(t.key, chunk, buf, offset, chunk.token_count * t.bpt)
+                self._store.decode(t.key, chunk, buf, *chunk_span(chunk, t.bpt, layer_bytes))
         except KvwireError:
             raise
         except MemoryError:
@@ -1103,13 +1125,13 @@ class ReceiverCore:
         if (
             head.codec_id != 0 or head.params or st.layer_tokens is None or head.layer_tokens != st.layer_tokens
             or head.layer >= min(st.layer_limit, st.num_layers) or head.token_count == 0
-            or end > head.layer_tokens or head.token_count * t.bpt != size
+            or end > head.layer_tokens or chunk_span(head, t.bpt, 0)[1] != size
             or st.overlaps_received(head.layer, head.kind, head.token_start, head.token_count)
             or any(r.overlaps(head.layer, head.kind, head.token_start, end) for r in t.inplace.values())
         ):
             return None
         layer_bytes = 2 * head.layer_tokens * t.bpt
-        offset = head.kind * (layer_bytes // 2) + head.token_start * t.bpt
+        offset = chunk_span(head, t.bpt, layer_bytes)[0]
         try:
             buf = self._layer_buffer(t, head, layer_bytes, count=False)
             view = self._store.region(t.key, head, buf, offset, size)
@@ -1157,6 +1179,7 @@ __all__ = [
     "TransferFailed",
     "admit_begin",
     "check_chunk_size",
+    "chunk_span",
     "raw_decode",
     "wire_text",
 ]

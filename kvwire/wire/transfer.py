@@ -2,19 +2,35 @@
 
 A transfer is one request's KV cache.  The sender splits every layer's K and V into
 chunks along the token axis; a chunk is addressed by (transfer id, layer, kind,
-token_start).  The receiver de-duplicates by address and knows a layer is complete when
-K and V both cover ``[0, layer_tokens)``.  The sender knows the transfer is complete when
+token_start).  From protocol version 2 a chunk of kind KV carries a token range of K and
+V together (a small layer's K and V in one frame).  The receiver de-duplicates by
+address and knows a layer is complete when K and V both cover ``[0, layer_tokens)``.  The sender knows the transfer is complete when
 its producer is exhausted and every chunk it sent is acknowledged.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
 from kvwire.errors import ErrorCode, ProtocolError, error_from_code
-from kvwire.wire.frames import Chunk, ChunkAddress
+from kvwire.wire.frames import KIND_K, KIND_KV, KIND_V, Chunk, ChunkAddress
+
+#: The kinds whose token ranges a chunk of each kind covers, and must not overlap.
+_CROSSES = {KIND_K: (KIND_KV,), KIND_V: (KIND_KV,), KIND_KV: (KIND_K, KIND_V)}
+
+
+def split_kv(chunk: Chunk) -> tuple[Chunk, Chunk]:
+    """A raw KV chunk as the K chunk and the V chunk of its token range (views of its
+    payload, which is K's bytes, then V's).  ProtocolError if its payload has an odd size."""
+    payload = memoryview(chunk.payload).cast("B")  # type: ignore[arg-type]  # a received chunk's: one buffer
+    half, odd = divmod(payload.nbytes, 2)
+    if odd:
+        raise ProtocolError(f"KV chunk payload of {payload.nbytes} bytes is not two equal halves")
+    return (dataclasses.replace(chunk, kind=KIND_K, payload=payload[:half]),
+            dataclasses.replace(chunk, kind=KIND_V, payload=payload[half:]))
 
 
 class ChunkVerdict(Enum):
@@ -29,6 +45,15 @@ class _Coverage:
     starts: list[int] = field(default_factory=list)
     counts: dict[int, int] = field(default_factory=dict)
     covered: int = 0
+
+    def overlaps(self, start: int, count: int) -> bool:
+        """Whether ``[start, start + count)`` overlaps a range recorded here."""
+        i = bisect.bisect_right(self.starts, start)
+        if i > 0:
+            prev = self.starts[i - 1]
+            if prev + self.counts[prev] > start:
+                return True
+        return i < len(self.starts) and self.starts[i] < start + count
 
     def classify(self, start: int, count: int) -> ChunkVerdict:
         """What :meth:`add` would say, changing nothing (ProtocolError for an overlap)."""
@@ -79,6 +104,8 @@ class IncomingTransfer:
             )
         if chunk.token_count == 0 or chunk.token_start + chunk.token_count > chunk.layer_tokens:
             raise ProtocolError("chunk token range outside its layer")
+        if chunk.kind == KIND_KV and (chunk.codec_id != 0 or chunk.params):
+            raise ProtocolError("a KV chunk carries raw data only (codec 0, no params)")
         if chunk.layer_tokens > self.max_tokens:
             raise error_from_code(
                 ErrorCode.LIMIT_EXCEEDED, f"{chunk.layer_tokens} tokens exceeds this server's limit of {self.max_tokens}",
@@ -89,35 +116,38 @@ class IncomingTransfer:
             raise ProtocolError("layers of one transfer disagree on the token count")
 
     def overlaps_received(self, layer: int, kind: int, start: int, count: int) -> bool:
-        """Whether tokens ``[start, start + count)`` of (layer, kind) hold verified data."""
+        """Whether tokens ``[start, start + count)`` of (layer, kind) hold verified data
+        (for a KV range: of K or of V)."""
         if layer in self._complete:
             return True
-        cov = self._cov.get((layer, kind))
-        if cov is None:
-            return False
-        i = bisect.bisect_right(cov.starts, start)
-        if i > 0:
-            prev = cov.starts[i - 1]
-            if prev + cov.counts[prev] > start:
+        for k in (kind, *_CROSSES[kind]):
+            cov = self._cov.get((layer, k))
+            if cov is not None and cov.overlaps(start, count):
                 return True
-        return i < len(cov.starts) and cov.starts[i] < start + count
+        return False
 
     def classify(self, chunk: Chunk) -> ChunkVerdict:
         """Whether ``chunk`` is new or a duplicate, changing nothing (call :meth:`check`
-        first).  A receiver stores a NEW chunk's data first and :meth:`add` s it after, so
-        a chunk counts as received only once its bytes are in place."""
+        first; ProtocolError for an overlap).  A receiver stores a NEW chunk's data first
+        and :meth:`add` s it after, so a chunk counts as received only once its bytes are
+        in place.  A duplicate has the address and token count of a chunk received; a KV
+        range must not overlap a K or V range received, nor they a KV range."""
         cov = self._cov.get((chunk.layer, chunk.kind))
-        if cov is None:
-            return ChunkVerdict.NEW
-        return cov.classify(chunk.token_start, chunk.token_count)
+        verdict = ChunkVerdict.NEW if cov is None else cov.classify(chunk.token_start, chunk.token_count)
+        if verdict is ChunkVerdict.NEW:
+            for k in _CROSSES[chunk.kind]:
+                other = self._cov.get((chunk.layer, k))
+                if other is not None and other.overlaps(chunk.token_start, chunk.token_count):
+                    raise ProtocolError("chunk token ranges overlap")
+        return verdict
 
     def add(self, chunk: Chunk) -> ChunkVerdict:
         """Record ``chunk`` (call :meth:`check` first)."""
-        cov = self._cov.setdefault((chunk.layer, chunk.kind), _Coverage())
-        verdict = cov.add(chunk.token_start, chunk.token_count)
+        verdict = self.classify(chunk)
         if verdict is ChunkVerdict.DUPLICATE:
             self.duplicates += 1
         else:
+            self._cov.setdefault((chunk.layer, chunk.kind), _Coverage()).add(chunk.token_start, chunk.token_count)
             self.chunks_received += 1
         return verdict
 
@@ -127,12 +157,15 @@ class IncomingTransfer:
         lt = self.layer_tokens
         if lt is None:
             return False
-        k = self._cov.get((layer, 0))
-        v = self._cov.get((layer, 1))
-        if k is not None and v is not None and k.covered == lt and v.covered == lt:
+        k, v, kv = (self._covered(layer, kind) for kind in (KIND_K, KIND_V, KIND_KV))
+        if k + kv == lt and v + kv == lt:
             self._complete.add(layer)
             return True
         return False
+
+    def _covered(self, layer: int, kind: int) -> int:
+        cov = self._cov.get((layer, kind))
+        return 0 if cov is None else cov.covered
 
     @property
     def complete(self) -> bool:
