@@ -36,7 +36,7 @@ from kvwire.errors import (
 from kvwire.session.options import Receipt
 from kvwire.session.sender import SenderCore, TransferDone
 from kvwire.spec import KVSpec
-from kvwire.wire import BlockVersion, Chunk, plan_chunks
+from kvwire.wire import KIND_KV, BlockVersion, Chunk, plan_chunks
 
 if TYPE_CHECKING:
     from kvwire.aio.client import Peer
@@ -224,6 +224,21 @@ async def _send_layer(
     tokens = int(k.shape[0])
     bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
     target = core.chunk_target(peer.options.chunk_bytes)
+    host = isinstance(k, np.ndarray)
+    if codec_name == "raw" and host and index > 0 and core.kv_chunks and 2 * tokens * bpt <= target:
+        # K and V in one chunk (protocol version 2): half the frames, acks and per-chunk
+        # work on both sides, and the receiver reads them straight into the layer's array.
+        # Not the first layer: its small first chunk is how the receiver learns the layer
+        # size and grants more than one layer.
+        raw = get_codec("raw")
+        payload = (raw.encode(k, TensorKind.K).payload, raw.encode(v, TensorKind.V).payload)
+        used["raw"] = used.get("raw", 0) + 1
+        core.add_chunk(tid, Chunk(transfer_id=tid, layer=index, kind=KIND_KV, codec_id=raw.codec_id, token_start=0,
+                                  token_count=tokens, layer_tokens=tokens, params=b"", payload=payload),
+                       kv_bytes=2 * tokens * bpt)
+        peer.pump()
+        await _after_chunk(core, st, tid, AHEAD_CHUNKS * target)
+        return
     plan = plan_chunks(tokens, bpt, target)
     chooser = peer.chooser
 
@@ -244,7 +259,6 @@ async def _send_layer(
     # instead of once per chunk. An encoded chunk is memory: the next goes to the core once
     # the one before is on a stream (host_chunks has encoded it meanwhile, up to
     # ENCODE_AHEAD chunks ahead).
-    host = isinstance(k, np.ndarray)
     queue_ahead = AHEAD_CHUNKS * target if codec_name == "raw" and host else 0
     parts: list[Part] = []
     for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
@@ -272,14 +286,20 @@ async def _send_layer(
             )
             core.add_chunk(tid, chunk, kv_bytes=count * bpt)
             peer.pump()
-            if core.queued_bytes(tid) > queue_ahead:
-                await until(st, lambda: core.queued_bytes(tid) == 0)
-            elif clock() - st.ran_since >= YIELD_AFTER:
-                # Nothing to wait for, but the loop runs at least this often: acks are
-                # read as they come (the estimate's samples, the window's room), other
-                # tasks and timers run, instead of all of it once the window is full.
-                await asyncio.sleep(0)
-                st.ran_since = clock()
+            await _after_chunk(core, st, tid, queue_ahead)
+
+
+async def _after_chunk(core: SenderCore, st: SendState, tid: int, queue_ahead: int) -> None:
+    """After a chunk went to the core: wait while more than ``queue_ahead`` bytes of the
+    transfer are queued, else let the loop run if the task has held it long enough."""
+    if core.queued_bytes(tid) > queue_ahead:
+        await until(st, lambda: core.queued_bytes(tid) == 0)
+    elif clock() - st.ran_since >= YIELD_AFTER:
+        # Nothing to wait for, but the loop runs at least this often: acks are read as
+        # they come (the estimate's samples, the window's room), other tasks and timers
+        # run, instead of all of it once the window is full.
+        await asyncio.sleep(0)
+        st.ran_since = clock()
 
 
 __all__ = ["AUTO", "Receipt", "SendState", "make_chooser", "next_or_fail", "send", "until"]

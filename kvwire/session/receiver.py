@@ -1120,6 +1120,8 @@ class ReceiverCore:
         t = sess.transfers.get(head.transfer_id) if sess is not None else None
         if t is None or t.error is not None or not t.accepted:
             return None
+        if head.kind == KIND_KV and not ((c := self._conns.get(cid)) is not None and c.sends_kv_chunks):
+            return None  # not in this connection's version: refused once verified
         st = t.state
         end = head.token_start + head.token_count
         if (

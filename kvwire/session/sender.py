@@ -50,7 +50,7 @@ from kvwire.wire import (
     chunk_frame_size,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-from kvwire.wire.frames import Buffer, CheckedPayload, encode_body, plain_parts
+from kvwire.wire.frames import KIND_KV, KV_CHUNK_VERSION, Buffer, CheckedPayload, encode_body, plain_parts
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -240,6 +240,8 @@ class SenderCore:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.peer_codecs: tuple[str, ...] = ()
         self.peer_max_frame_size = 0
+        self.version: int | None = None
+        """The protocol version of the session's streams (None until the first opened)."""
         self._adding: ChunkAddress | None = None  # the chunk add_chunk() is putting on a stream
         self.max_transfers = 0
         self.path_rtt: float | None = None
@@ -403,6 +405,12 @@ class SenderCore:
             conn.send_begin(begin)
         return tid
 
+    @property
+    def kv_chunks(self) -> bool:
+        """Whether the session's protocol version lets a chunk carry K and V together
+        (kind KV); False until the first stream opened."""
+        return self.version is not None and self.version >= KV_CHUNK_VERSION
+
     def chunk_target(self, requested: int) -> int:
         """Bytes of K or V (before encoding) to put in one chunk: ``requested``, or less
         where the server's frame limit would not hold a chunk that large (with room for
@@ -417,8 +425,11 @@ class SenderCore:
         t = self._transfers.get(transfer_id)
         if t is None or t.error is not None:
             return
-        payload = chunk.payload  # bytes, or any buffer (an array's nbytes, not its len)
-        size = chunk_frame_size(len(chunk.params), getattr(payload, "nbytes", None) or len(payload))
+        if chunk.kind == KIND_KV and not self.kv_chunks:
+            raise UsageError(f"a KV chunk needs protocol version {KV_CHUNK_VERSION}; the session speaks {self.version}")
+        payload = chunk.payload
+        parts = payload if isinstance(payload, tuple) else (payload,)
+        size = chunk_frame_size(len(chunk.params), sum(_nbytes(p) for p in parts))
         t.queue.append((chunk, size, kv_bytes))
         t.queued_bytes += size
         self._adding = chunk.address
@@ -512,7 +523,8 @@ class SenderCore:
                 slot.acked += ev.wire_size
                 c = sent.chunk
                 assert c is not None  # kept until acknowledged
-                acked = t.tokens_acked[c.layer] = t.tokens_acked.get(c.layer, 0) + c.token_count
+                tokens = 2 * c.token_count if c.kind == KIND_KV else c.token_count
+                acked = t.tokens_acked[c.layer] = t.tokens_acked.get(c.layer, 0) + tokens
                 self._events.append(ChunkDelivered(address=ev.address, stream=index, wire_size=ev.wire_size,
                                                    kv_bytes=sent.kv_bytes, codec_id=c.codec_id,
                                                    layer_done=acked == 2 * c.layer_tokens))
@@ -548,10 +560,14 @@ class SenderCore:
             self.peer_codecs = ev.peer_codecs
             self.max_transfers = ev.max_transfers
             self.peer_max_frame_size = ev.peer_max_frame_size
+            self.version = ev.version
             for i in range(1, len(self._slots)):
                 self._want(i)
         elif ev.session_id != self.session_id:
             slot.conn.close(ErrorCode.PROTOCOL_ERROR, "joined the wrong session")
+            return
+        elif ev.version != self.version:  # its chunks may be on any stream: one version for all
+            slot.conn.close(ErrorCode.PROTOCOL_ERROR, f"stream speaks version {ev.version}, its session {self.version}")
             return
         reconnect = slot.was_open
         slot.open = slot.was_open = True
@@ -721,6 +737,12 @@ class SenderCore:
             s.open = False
             if s.conn is not None and s.conn.closed_event is None:
                 s.conn.close(ErrorCode.NO_ERROR, "client closing")
+
+
+def _nbytes(buffer: Buffer) -> int:
+    """Bytes of ``buffer`` (an array's nbytes, not its len)."""
+    nbytes = getattr(buffer, "nbytes", None)
+    return len(buffer) if nbytes is None else int(nbytes)
 
 
 def begin_fields(meta: object, blocks: Iterable[tuple[Any, int]] | None) -> tuple[bytes, tuple[BlockVersion, ...]]:

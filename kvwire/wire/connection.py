@@ -37,7 +37,6 @@ from kvwire.wire.frames import (
     FINGERPRINT_SIZE,
     HANDSHAKE_MAX_BODY,
     KIND_KV,
-    KIND_V,
     KV_CHUNK_VERSION,
     MAX_MAX_FRAME_SIZE,
     MIN_MAX_FRAME_SIZE,
@@ -300,7 +299,6 @@ class Connection:
         self.state = State.CLIENT_IDLE if role is Role.CLIENT else State.SERVER_AWAIT_HELLO
         self._nonce = nonce_source
         self._decoder = FrameDecoder(HANDSHAKE_MAX_BODY)
-        self._decoder.max_kind = KIND_V  # KV chunks once version 2 is agreed
         self.version: int | None = None
         """The protocol version agreed (None until CHALLENGE)."""
         self._events: deque[Event] = deque()
@@ -654,9 +652,7 @@ class Connection:
         self._events.append(ev)
 
     def _agree(self, version: int) -> None:
-        """The protocol version is chosen: CHUNK kinds follow it."""
         self.version = version
-        self._decoder.max_kind = KIND_KV if version >= KV_CHUNK_VERSION else KIND_V
 
     @property
     def _agreed(self) -> int:
@@ -748,6 +744,10 @@ class Connection:
 
     def _on_chunk(self, frame: Frame, size: int) -> State:
         assert isinstance(frame, Chunk)
+        if frame.kind == KIND_KV and not self.sends_kv_chunks:
+            # Checked here, in frame order, not when decoding: the frames before it (HELLO
+            # among them) may be decoded from the same read before any is handled.
+            raise ProtocolError(f"CHUNK kind {frame.kind} is not K (0) or V (1) in version {self.version}")
         self.recv_unacked += size
         if self.recv_unacked > self.config.window:
             self.recv_unacked -= size

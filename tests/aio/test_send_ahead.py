@@ -43,9 +43,10 @@ class WaitSeen(asyncio.Event):
 class QueueCore:
     """What ``_send_layer`` asks of the session core, with a queue nothing drains."""
 
-    def __init__(self) -> None:
+    def __init__(self, kv_chunks: bool = False) -> None:
         self.queue: list[Chunk] = []
         self.added: list[Chunk] = []
+        self.kv_chunks = kv_chunks  # the session's protocol version carries KV chunks
 
     def chunk_target(self, requested: int) -> int:
         return requested
@@ -55,7 +56,11 @@ class QueueCore:
         self.added.append(chunk)
 
     def queued_bytes(self, transfer_id: int | None = None) -> int:
-        return sum(chunk_frame_size(len(c.params), memoryview(c.payload).nbytes) for c in self.queue)
+        return sum(chunk_frame_size(len(c.params), sum(memoryview(p).nbytes for p in _parts(c))) for c in self.queue)
+
+
+def _parts(c: Chunk) -> tuple[Any, ...]:
+    return c.payload if isinstance(c.payload, tuple) else (c.payload,)
 
 
 async def batches(codec: str, k: Any, v: Any) -> tuple[list[int], QueueCore]:
@@ -141,3 +146,31 @@ async def test_the_send_task_lets_the_loop_run_between_chunks_once_it_ran_long_e
     assert all(n > 0 for n in await ticks_between_chunks(monkeypatch, 0.0))
     # Within the bound nothing else runs: the chunks of a layer go out in one stretch.
     assert all(n == 0 for n in await ticks_between_chunks(monkeypatch, 3600.0))
+
+
+@pytest.mark.parametrize(("codec", "layer", "tokens", "kv_chunks", "paired"), [
+    ("raw", 1, 32, True, True),  # K and V of the layer fit one chunk target: one KV chunk
+    ("raw", 0, 32, True, False),  # the first layer keeps its small first chunk
+    ("raw", 1, 64, True, False),  # K and V together exceed the target
+    ("raw", 1, 32, False, False),  # a version-1 server
+    ("int8", 1, 32, True, False),  # KV chunks are raw only
+])
+async def test_a_small_raw_layer_goes_as_one_kv_chunk_of_views(
+    codec: str, layer: int, tokens: int, kv_chunks: bool, paired: bool,
+) -> None:
+    core = QueueCore(kv_chunks)
+    core.queued_bytes = lambda transfer_id=None: 0  # type: ignore[method-assign]  # every chunk leaves at once
+    peer = SimpleNamespace(core=core, options=SimpleNamespace(chunk_bytes=TARGET), chooser=None,
+                           pump=lambda: None, estimator=None)
+    k, v = make_layers(1, tokens, SPEC.num_kv_heads, SPEC.head_dim, seed=5)[0]
+    used: dict[str, int] = {}
+    await _send_layer(peer, SendState(asyncio.Event()), 1, SPEC, layer, k, v, codec, used, clock(), None)  # type: ignore[arg-type]
+    if not paired:
+        assert all(c.kind in (0, 1) for c in core.added) and len(core.added) >= 2
+        return
+    [c] = core.added
+    assert (c.kind, c.token_start, c.token_count, c.layer_tokens, c.codec_id) == (2, 0, tokens, tokens, 0)
+    pk, pv = _parts(c)
+    assert np.shares_memory(np.frombuffer(pk, np.uint8), k) and np.shares_memory(np.frombuffer(pv, np.uint8), v)
+    assert bytes(pk) + bytes(pv) == k.tobytes() + v.tobytes()
+    assert used == {"raw": 1}

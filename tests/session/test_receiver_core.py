@@ -31,6 +31,7 @@ from kvwire.session.receiver import (
 )
 from kvwire.spec import KVSpec
 from kvwire.wire import (
+    KIND_KV,
     Begin,
     Chunk,
     ChunkAcked,
@@ -354,6 +355,53 @@ def test_a_copy_stored_from_another_connection_evicts_an_in_place_reservation() 
     # the verified copy arrives (as if on another stream); the reservation is dropped
     h.send(c)
     assert not t.inplace and store.decodes == 2
+
+
+def kv_chunk(layer: int, start: int, count: int, tokens: int) -> Chunk:
+    k, v = chunk(layer=layer, kind=0, start=start, count=count, tokens=tokens), chunk(
+        layer=layer, kind=1, start=start, count=count, tokens=tokens)
+    return replace(k, kind=KIND_KV, payload=k.payload + v.payload)
+
+
+def test_a_kv_chunk_of_a_whole_layer_is_received_in_place() -> None:
+    h, store = big_harness()
+    h.send(chunk(layer=0, kind=0, start=BIG, count=BIG, tokens=2 * BIG))
+    h.send(chunk(layer=0, kind=1, start=0, count=2 * BIG, tokens=2 * BIG))
+    decodes = store.decodes
+    c = kv_chunk(1, 0, 2 * BIG, 2 * BIG)
+    h.send(c, split_after(40))
+    assert store.decodes == decodes  # K and V lie together in the layer's buffer: read in place
+    assert bytes(store.buffers[1]) == c.payload
+    assert [e.layer for e in h.of(LayerReady)] == [0, 1]
+    assert h.client_of(ChunkAcked)[-1].address == c.address
+
+
+def test_a_kv_chunk_of_part_of_a_layer_is_decoded_into_both_places() -> None:
+    h, store = big_harness()
+    tokens = 2 * BIG
+    h.send(chunk(layer=0, kind=0, start=BIG, count=BIG, tokens=tokens))
+    h.send(chunk(layer=0, kind=1, start=0, count=tokens, tokens=tokens))
+    first, second = kv_chunk(1, 0, BIG, tokens), kv_chunk(1, BIG, BIG, tokens)
+    for c in (second, first):
+        h.send(c, split_after(40))
+    half = tokens * BPT
+    buf = bytes(store.buffers[1])
+    n = BIG * BPT
+    k = first.payload[:n] + second.payload[:n]
+    v = first.payload[n:] + second.payload[n:]
+    assert buf == k + v
+    assert [e.layer for e in h.of(LayerReady)] == [0, 1] and len(buf) == 2 * half
+
+
+def test_a_kv_chunk_overlapping_a_k_chunk_fails_its_transfer() -> None:
+    h = Harness()
+    h.client.send_begin(begin(layers=1))
+    h.pump()
+    h.send(chunk(layer=0, kind=0, start=0, count=4, tokens=8))
+    h.send(kv_chunk(0, 0, 8, 8))
+    [reset] = h.client_of(TransferReset)
+    assert reset.code == ErrorCode.PROTOCOL_ERROR and "overlap" in reset.message
+    assert len(h.client_of(ChunkAcked)) == 2  # the refused chunk's credit still comes back
 
 
 # -- budget --------------------------------------------------------------------------------
