@@ -121,9 +121,9 @@ async def _send_paged(spec: PagedSpec, src: list[np.ndarray], src_ids: list[int]
             else:
                 await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids))
                 transfer = await server.expect("req", into=dest, timeout=10)
-            got = [layer async for layer in transfer]
+            got = sorted([layer async for layer in transfer], key=lambda layer: layer.index)  # completion order
     assert [layer.index for layer in got] == list(range(spec.num_layers))
-    assert got[0].k is dst[0] and list(got[0].v) == dst_ids
+    assert all(layer.k is dst[layer.index] and list(layer.v) == dst_ids for layer in got)
     return transfer
 
 

@@ -111,20 +111,22 @@ def hello_body(
 
 async def handshake(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, secret: bytes, fp: bytes = bytes(16),
-    session: bytes = bytes(16),
+    session: bytes = bytes(16), version: int = 1,
 ) -> Welcome | tuple[int, str]:
-    """HELLO -> CHALLENGE -> AUTH -> WELCOME; the server's GOAWAY (code, message) if refused."""
-    hello = hello_body(fp=fp, session=session)
+    """HELLO (versions 1 to ``version``) -> CHALLENGE -> AUTH -> WELCOME; the server's
+    GOAWAY (code, message) if refused."""
+    hello = hello_body(fp=fp, session=session, max_version=version)
     writer.write(frame(HELLO, hello))
     ftype, challenge = await read_frame(reader)
     if ftype == GOAWAY:
         return parse_goaway(challenge)
     assert ftype == CHALLENGE and len(challenge) == 34
-    (version,) = struct.unpack_from(">H", challenge)
-    assert version == 1
+    (chosen,) = struct.unpack_from(">H", challenge)
+    assert chosen == version  # the server speaks versions 1 and 2: the highest common one
 
     sha = lambda b: hashlib.sha256(b).digest()  # noqa: E731
-    client_proof = hmac.new(secret, b"kvwire/1 client" + sha(hello) + sha(challenge), "sha256").digest()
+    label = f"kvwire/{chosen} ".encode()
+    client_proof = hmac.new(secret, label + b"client" + sha(hello) + sha(challenge), "sha256").digest()
     writer.write(frame(AUTH, client_proof))
 
     ftype, body = await read_frame(reader)
@@ -137,16 +139,17 @@ async def handshake(
     unsigned, proof = body[:pos], body[pos:]
     expected = hmac.new(
         secret,
-        b"kvwire/1 server" + sha(hello) + sha(challenge) + client_proof + sha(unsigned),
+        label + b"server" + sha(hello) + sha(challenge) + client_proof + sha(unsigned),
         "sha256",
     ).digest()
     assert hmac.compare_digest(proof, expected), "server failed to prove the secret"
     return Welcome(sid, mfs, window, max_transfers, codecs)
 
 
-async def open_session(port: int, secret: bytes = SECRET, fp: bytes = bytes(16), session: bytes = bytes(16)):  # type: ignore[no-untyped-def]
+async def open_session(port: int, secret: bytes = SECRET, fp: bytes = bytes(16), session: bytes = bytes(16),  # type: ignore[no-untyped-def]
+                       version: int = 1):
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    result = await handshake(reader, writer, secret, fp, session)
+    result = await handshake(reader, writer, secret, fp, session, version)
     return reader, writer, result
 
 
@@ -297,6 +300,68 @@ async def test_independent_client_transfers_a_cache() -> None:
             await writer.drain()
         finally:
             received.cancel()
+            await close(writer)
+
+
+async def test_independent_client_sends_kv_chunks_in_version_2() -> None:
+    """Version 2: a KV chunk carries a token range of K and V, K's bytes then V's; a whole
+    layer in one frame, or part of one."""
+    num_layers, heads, head_dim, tokens = 3, 2, 4, 10
+    spec = kvwire.KVSpec(num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, dtype="float16", model="interop")
+    rng = np.random.default_rng(8)
+    layers = [tuple(rng.standard_normal((tokens, heads, head_dim)).astype(np.float16) for _ in range(2))
+              for _ in range(num_layers)]
+    async with kvwire.serve(secret=SECRET, spec=spec) as server:
+        received = asyncio.ensure_future(_collect(server))
+        reader, writer, welcome = await open_session(server.port, fp=spec.fingerprint, version=2)
+        try:
+            assert isinstance(welcome, Welcome)
+            tx = Sender(reader, writer, credit=welcome.window)
+            writer.write(frame(BEGIN, begin_body(1, num_layers, heads, head_dim, 1, "interop", "interop-kv", b"")))
+            while 1 not in tx.layer_limit:
+                await tx.pump()
+            k, v = layers[0]
+            await tx.send_chunk(1, 0, 2, 0, tokens, tokens, k.tobytes() + v.tobytes())  # the whole layer
+            while tx.layer_limit[1] < num_layers:
+                await tx.pump()
+            for index in (1, 2):  # K and V of tokens [0, 6) and [6, 10): layer 1 as KV, layer 2 as K, V
+                k, v = layers[index]
+                for start, count in ((0, 6), (6, 4)):
+                    rows = slice(start, start + count)
+                    if index == 1:
+                        await tx.send_chunk(1, index, 2, start, count, tokens, k[rows].tobytes() + v[rows].tobytes())
+                    else:
+                        await tx.send_chunk(1, index, 0, start, count, tokens, k[rows].tobytes())
+                        await tx.send_chunk(1, index, 1, start, count, tokens, v[rows].tobytes())
+            while tx.unacked:
+                await tx.pump()
+            assert (1, 0, 2, 0) in tx.acks and (1, 1, 2, 6) in tx.acks  # ACKs name the KV address
+            _transfer, cache = await asyncio.wait_for(received, STEP)
+            for (k, v), (rk, rv) in zip(layers, cache.layers, strict=True):
+                assert rk.tobytes() == k.tobytes() and rv.tobytes() == v.tobytes()
+        finally:
+            received.cancel()
+            await close(writer)
+
+
+async def test_a_kv_chunk_in_version_1_is_a_protocol_error() -> None:
+    spec = kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype="float16", model="interop")
+    async with kvwire.serve(secret=SECRET, spec=spec) as server:
+        reader, writer, welcome = await open_session(server.port, fp=spec.fingerprint, version=1)
+        try:
+            assert isinstance(welcome, Welcome)
+            tx = Sender(reader, writer, credit=welcome.window)
+            writer.write(frame(BEGIN, begin_body(1, 1, 1, 4, 1, "interop", "interop-v1", b"")))
+            while 1 not in tx.layer_limit:
+                await tx.pump()
+            writer.write(chunk_frame(1, 0, 2, 0, 2, 2, bytes(32)))
+            while True:
+                ftype, body = await read_frame(reader)
+                if ftype == GOAWAY:
+                    break
+            code, message = parse_goaway(body)
+            assert code == 0x0001 and "kind 2" in message  # PROTOCOL_ERROR
+        finally:
             await close(writer)
 
 
