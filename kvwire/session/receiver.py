@@ -159,9 +159,10 @@ def raw_decode(chunk: Chunk, dest: memoryview) -> None:
     """The ``raw`` codec: the payload is the data."""
     if chunk.codec_id != 0 or chunk.params:
         raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec id {chunk.codec_id} is not accepted")
-    if len(chunk.payload) != len(dest):
-        raise ProtocolError(f"raw payload of {len(chunk.payload)} bytes, expected {len(dest)}")
-    dest[:] = memoryview(chunk.payload).cast("B")
+    payload = memoryview(chunk.payload_buffer).cast("B")
+    if len(payload) != len(dest):
+        raise ProtocolError(f"raw payload of {len(payload)} bytes, expected {len(dest)}")
+    dest[:] = payload
 
 
 def byte_buffer(nbytes: int) -> memoryview:

@@ -50,7 +50,14 @@ from kvwire.wire import (
     chunk_frame_size,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-from kvwire.wire.frames import KIND_KV, KV_CHUNK_VERSION, Buffer, CheckedPayload, encode_body, plain_parts
+from kvwire.wire.frames import (
+    KIND_KV,
+    KV_CHUNK_VERSION,
+    Buffer,
+    CheckedPayload,
+    encode_body,
+    plain_parts,
+)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

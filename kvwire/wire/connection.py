@@ -678,8 +678,9 @@ class Connection:
             raise ProtocolError("HELLO max_frame_size out of range")
         self._hello = frame
         self._hello_body = _body_of(frame)
-        self._agree(min(top, frame.max_version))
-        challenge = Challenge(version=self.version, nonce=self._nonce(NONCE_SIZE))
+        version = min(top, frame.max_version)
+        self._agree(version)
+        challenge = Challenge(version=version, nonce=self._nonce(NONCE_SIZE))
         self._challenge_body = self._queue_signed(challenge)
         return State.SERVER_CHALLENGE_SENT
 

@@ -153,6 +153,14 @@ class Chunk:
     then V's), sent one after the other as one payload; a received chunk's is one buffer."""
 
     @property
+    def payload_buffer(self) -> Buffer:
+        """The payload as one buffer: a received chunk's as it is, one given in parts joined."""
+        payload = self.payload
+        if isinstance(payload, tuple):
+            return b"".join(memoryview(p).cast("B") for p in payload)
+        return payload
+
+    @property
     def address(self) -> ChunkAddress:
         return ChunkAddress(
             transfer_id=self.transfer_id, layer=self.layer, kind=self.kind, token_start=self.token_start

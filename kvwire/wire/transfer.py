@@ -25,7 +25,7 @@ _CROSSES = {KIND_K: (KIND_KV,), KIND_V: (KIND_KV,), KIND_KV: (KIND_K, KIND_V)}
 def split_kv(chunk: Chunk) -> tuple[Chunk, Chunk]:
     """A raw KV chunk as the K chunk and the V chunk of its token range (views of its
     payload, which is K's bytes, then V's).  ProtocolError if its payload has an odd size."""
-    payload = memoryview(chunk.payload).cast("B")  # type: ignore[arg-type]  # a received chunk's: one buffer
+    payload = memoryview(chunk.payload_buffer).cast("B")
     half, odd = divmod(payload.nbytes, 2)
     if odd:
         raise ProtocolError(f"KV chunk payload of {payload.nbytes} bytes is not two equal halves")

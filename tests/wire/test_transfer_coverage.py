@@ -5,6 +5,8 @@ protocol error."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,7 +34,7 @@ def receive(t: IncomingTransfer, c: Chunk) -> ChunkVerdict:
 def partition(draw: st.DrawFn, start: int, end: int) -> list[tuple[int, int]]:
     cuts = sorted(set(draw(st.lists(st.integers(start + 1, end - 1), max_size=4)))) if end - start > 1 else []
     bounds = [start, *cuts, end]
-    return [(a, b - a) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [(a, b - a) for a, b in itertools.pairwise(bounds)]
 
 
 @st.composite
@@ -54,7 +56,7 @@ def layer_plans(draw: st.DrawFn) -> tuple[int, list[Chunk]]:
 @settings(max_examples=200, deadline=None)
 @given(layer_plans())
 def test_k_v_and_kv_chunks_complete_a_layer_together(plan: tuple[int, list[Chunk]]) -> None:
-    tokens, chunks = plan
+    _tokens, chunks = plan
     t = transfer()
     distinct = {c.address for c in chunks}
     seen = set()
