@@ -651,9 +651,6 @@ class Connection:
         self.closed_event = ev
         self._events.append(ev)
 
-    def _agree(self, version: int) -> None:
-        self.version = version
-
     @property
     def _agreed(self) -> int:
         assert self.version is not None, "no protocol version agreed yet"
@@ -678,8 +675,7 @@ class Connection:
             raise ProtocolError("HELLO max_frame_size out of range")
         self._hello = frame
         self._hello_body = _body_of(frame)
-        version = min(top, frame.max_version)
-        self._agree(version)
+        self.version = version = min(top, frame.max_version)
         challenge = Challenge(version=version, nonce=self._nonce(NONCE_SIZE))
         self._challenge_body = self._queue_signed(challenge)
         return State.SERVER_CHALLENGE_SENT
@@ -688,7 +684,7 @@ class Connection:
         assert isinstance(frame, Challenge)
         if not MIN_PROTOCOL_VERSION <= frame.version <= self.config.max_version:
             raise IncompatiblePeerError(f"server chose unsupported protocol version {frame.version}", code=ErrorCode.UNSUPPORTED_VERSION)
-        self._agree(frame.version)
+        self.version = frame.version
         self._challenge_body = _body_of(frame)
         if self._rx_now is not None:
             self.hello_rtt = max(0.0, self._rx_now - self._hello_at)

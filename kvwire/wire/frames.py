@@ -583,8 +583,7 @@ def _bad_kind(kind: int, max_kind: int) -> ProtocolError:
 def decode_body(ftype: int, flags: int, body: Buffer, *, max_kind: int = KIND_KV) -> Frame:
     """Parse a CRC-verified body.  Raises ProtocolError for any malformation.
 
-    ``max_kind``: the highest CHUNK kind the connection's protocol version knows
-    (``KIND_V`` in version 1)."""
+    ``max_kind``: the highest CHUNK kind accepted (``KIND_V`` for version 1 alone)."""
     if ftype == FrameType.CHUNK:
         r = _Reader(body, "CHUNK")
         tid, layer, kind, codec_id, start, count, ltok, plen = r.unpack(CHUNK_FIXED)
@@ -757,7 +756,9 @@ class FrameDecoder:
         self._deferred = False  # a big CHUNK waits in the buffer (see _defer)
         self.payload_sink = payload_sink
         self.max_kind = KIND_KV
-        """The highest CHUNK kind accepted (a version-1 connection sets ``KIND_V``)."""
+        """The highest CHUNK kind accepted (``KIND_V`` for version 1 alone).  A
+        :class:`~kvwire.wire.Connection` leaves it and checks a KV chunk against the version
+        it agreed on as it handles the frame, in frame order."""
 
     # -- recv_into style --------------------------------------------------------------
 

@@ -161,7 +161,7 @@ begins = st.builds(
 )
 chunks = st.builds(
     Chunk, transfer_id=st.one_of(st.integers(0, 3), u64), layer=st.one_of(st.integers(0, 3), u16),
-    kind=st.integers(0, 1), codec_id=st.one_of(st.integers(0, 8), u8),
+    kind=st.integers(0, 3), codec_id=st.one_of(st.integers(0, 8), u8),  # 2: KV (version 2), 3: unknown
     token_start=st.one_of(st.integers(0, 64), u32), token_count=st.one_of(st.integers(0, 64), u32),
     layer_tokens=st.one_of(st.integers(0, 64), u32), params=st.binary(max_size=16),
     payload=st.binary(max_size=256),

@@ -153,7 +153,7 @@ class TwoEndpoints(RuleBasedStateMachine):
     def send_chunk(self, data: st.DataObject, tokens: int) -> None:
         tid = data.draw(st.sampled_from(sorted(self.accepted)))
         layer = data.draw(st.integers(0, 3))
-        kind = data.draw(st.integers(0, 1))
+        kind = data.draw(st.integers(0, 2))  # K, V or (version 2) KV
         start = data.draw(st.integers(0, 10_000))
         key = (tid, layer, kind, start)
         payload = bytes(tokens * 16)
