@@ -225,21 +225,6 @@ async def _send_layer(
     bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
     target = core.chunk_target(peer.options.chunk_bytes)
     host = isinstance(k, np.ndarray)
-    if codec_name == "raw" and host and index > 0 and core.kv_chunks and 2 * tokens * bpt <= target:
-        # K and V in one chunk (protocol version 2): half the frames, acks and per-chunk
-        # work on both sides, and the receiver reads them straight into the layer's array.
-        # Not the first layer: its small first chunk is how the receiver learns the layer
-        # size and grants more than one layer.
-        raw = get_codec("raw")
-        payload = (raw.encode(k, TensorKind.K).payload, raw.encode(v, TensorKind.V).payload)
-        used["raw"] = used.get("raw", 0) + 1
-        core.add_chunk(tid, Chunk(transfer_id=tid, layer=index, kind=KIND_KV, codec_id=raw.codec_id, token_start=0,
-                                  token_count=tokens, layer_tokens=tokens, params=b"", payload=payload),
-                       kv_bytes=2 * tokens * bpt)
-        peer.pump()
-        await _after_chunk(core, st, tid, AHEAD_CHUNKS * target)
-        return
-    plan = plan_chunks(tokens, bpt, target)
     chooser = peer.chooser
 
     def pick() -> Any:
@@ -253,6 +238,29 @@ async def _send_layer(
             est.bandwidth_bps, remaining_bytes=remaining if deadline is not None else None,
             time_left=left, app_limited=est.app_limited, now=clock(),
         ).codec)
+
+    chosen: Any = None
+    if codec_name in ("raw", AUTO) and host and index > 0 and core.kv_chunks and 2 * tokens * bpt <= target:
+        # K and V in one chunk (protocol version 2), where the layer goes raw: half the
+        # frames, acks and per-chunk work on both sides, and the receiver reads them
+        # straight into the layer's array. Not the first layer: its small first chunk is
+        # how the receiver learns the layer size and grants more than one layer.
+        chosen = pick()
+        if chosen.name == "raw":
+            payload = (chosen.encode(k, TensorKind.K).payload, chosen.encode(v, TensorKind.V).payload)
+            used["raw"] = used.get("raw", 0) + 1
+            core.add_chunk(tid, Chunk(transfer_id=tid, layer=index, kind=KIND_KV, codec_id=chosen.codec_id,
+                                      token_start=0, token_count=tokens, layer_tokens=tokens, params=b"",
+                                      payload=payload),
+                           kv_bytes=2 * tokens * bpt)
+            peer.pump()
+            await _after_chunk(core, st, tid, AHEAD_CHUNKS * target)
+            return
+    plan = plan_chunks(tokens, bpt, target)
+    first = [chosen] if chosen is not None else []  # ``auto`` chose a compact codec: the first chunk's
+
+    def next_codec() -> Any:
+        return first.pop() if first else pick()
 
     # Raw chunks of host arrays are views of the caller's memory, free to hold: up to
     # AHEAD_CHUNKS of them wait in the core's queue, so the task wakes once per that many
@@ -273,7 +281,7 @@ async def _send_layer(
     # loaded host (in docs/benchmarks.md it then chose raw for a third of the chunks and
     # delivered less). Measured goodput has no such inputs and encodes ahead.
     ahead = ENCODE_AHEAD if codec_name != AUTO or (chooser is not None and chooser.measures_goodput) else 0
-    source = (host_chunks(parts, pick, chooser, ahead=ahead) if host
+    source = (host_chunks(parts, next_codec, chooser, ahead=ahead) if host
               else device_parts(parts, pick, spec.dtype, chooser))
     async with contextlib.aclosing(source):
         async for kind, start, count, codec, enc in source:

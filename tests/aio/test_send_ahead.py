@@ -174,3 +174,42 @@ async def test_a_small_raw_layer_goes_as_one_kv_chunk_of_views(
     assert np.shares_memory(np.frombuffer(pk, np.uint8), k) and np.shares_memory(np.frombuffer(pv, np.uint8), v)
     assert bytes(pk) + bytes(pv) == k.tobytes() + v.tobytes()
     assert used == {"raw": 1}
+
+
+class ScriptedChooser:
+    """``auto``'s chooser, answering each ``choose`` with the next codec of a script."""
+
+    measures_goodput = False
+
+    def __init__(self, *script: str) -> None:
+        self.script = list(script)
+        self.calls = 0
+
+    def choose(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return SimpleNamespace(codec=self.script.pop(0) if len(self.script) > 1 else self.script[0])
+
+    def observe_encode(self, *args: Any) -> None:
+        pass
+
+    observe_size = observe_encode
+
+
+@pytest.mark.parametrize(("script", "kinds"), [
+    (("raw",), [2]),  # auto chose raw for the layer: one KV chunk
+    (("int8",), [0, 1]),  # a compact codec: K and V chunks, each its own choice
+    (("int8", "raw"), [0, 1]),  # the first choice is not asked again: it is the first chunk's
+])
+async def test_auto_sends_a_small_layer_it_chose_raw_for_as_one_kv_chunk(script: tuple[str, ...], kinds: list[int]) -> None:
+    core = QueueCore(kv_chunks=True)
+    core.queued_bytes = lambda transfer_id=None: 0  # type: ignore[method-assign]
+    chooser = ScriptedChooser(*script)
+    peer = SimpleNamespace(core=core, options=SimpleNamespace(chunk_bytes=TARGET), chooser=chooser,
+                           pump=lambda: None, estimator=SimpleNamespace(bandwidth_bps=1e9, app_limited=False))
+    k, v = make_layers(1, 32, SPEC.num_kv_heads, SPEC.head_dim, seed=6)[0]
+    used: dict[str, int] = {}
+    await _send_layer(peer, SendState(asyncio.Event()), 1, SPEC, 1, k, v, "auto", used, clock(), None)  # type: ignore[arg-type]
+    assert [c.kind for c in core.added] == kinds
+    assert chooser.calls == len(core.added)  # one choice per chunk sent, none thrown away
+    if script[0] != "raw":
+        assert core.added[0].codec_id == 2  # int8: the choice made for the layer
