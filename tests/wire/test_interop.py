@@ -223,6 +223,13 @@ class Sender:
             raise AssertionError(f"GOAWAY {parse_goaway(body)}")
         # any other type: ignored
 
+    async def begin(self, tid: int, num_layers: int, heads: int, head_dim: int, model: str, request_id: str,
+                    meta: bytes = b"") -> None:
+        """BEGIN a float16 transfer and wait for its ACCEPT."""
+        self.writer.write(frame(BEGIN, begin_body(tid, num_layers, heads, head_dim, 1, model, request_id, meta)))
+        while tid not in self.layer_limit:
+            await self.pump()
+
     async def send_chunk(self, tid: int, layer: int, kind: int, start: int, count: int, layer_tokens: int,
                          payload: bytes, codec: int = 0x00) -> None:
         while layer >= self.layer_limit.get(tid, 0):
@@ -263,9 +270,7 @@ async def test_independent_client_transfers_a_cache() -> None:
 
             writer.write(frame(PING, struct.pack(">Q", 0xC0FFEE)))
             writer.write(frame(0x7E, b"an unknown frame type is ignored once open"))
-            writer.write(frame(BEGIN, begin_body(1, num_layers, heads, head_dim, 1, "interop", "interop-1", b'{"n":1}')))
-            while 1 not in tx.layer_limit:
-                await tx.pump()
+            await tx.begin(1, num_layers, heads, head_dim, "interop", "interop-1", b'{"n":1}')
             assert tx.layer_limit[1] == 1  # ACCEPT grants at least one layer
 
             sent = 0
@@ -317,9 +322,7 @@ async def test_independent_client_sends_kv_chunks_in_version_2() -> None:
         try:
             assert isinstance(welcome, Welcome)
             tx = Sender(reader, writer, credit=welcome.window)
-            writer.write(frame(BEGIN, begin_body(1, num_layers, heads, head_dim, 1, "interop", "interop-kv", b"")))
-            while 1 not in tx.layer_limit:
-                await tx.pump()
+            await tx.begin(1, num_layers, heads, head_dim, "interop", "interop-kv")
             k, v = layers[0]
             await tx.send_chunk(1, 0, 2, 0, tokens, tokens, k.tobytes() + v.tobytes())  # the whole layer
             while tx.layer_limit[1] < num_layers:
@@ -351,9 +354,7 @@ async def test_a_kv_chunk_in_version_1_is_a_protocol_error() -> None:
         try:
             assert isinstance(welcome, Welcome)
             tx = Sender(reader, writer, credit=welcome.window)
-            writer.write(frame(BEGIN, begin_body(1, 1, 1, 4, 1, "interop", "interop-v1", b"")))
-            while 1 not in tx.layer_limit:
-                await tx.pump()
+            await tx.begin(1, 1, 1, 4, "interop", "interop-v1")
             writer.write(chunk_frame(1, 0, 2, 0, 2, 2, bytes(32)))
             while True:
                 ftype, body = await read_frame(reader)
@@ -470,9 +471,7 @@ async def test_broken_stream_resumes_and_resends_unacknowledged_chunks() -> None
         try:
             assert isinstance(welcome, Welcome)
             tx = Sender(reader, writer, credit=welcome.window)
-            writer.write(frame(BEGIN, begin_body(5, num_layers, heads, head_dim, 1, "", "resume-1", b"")))
-            while 5 not in tx.layer_limit:
-                await tx.pump()
+            await tx.begin(5, num_layers, heads, head_dim, "", "resume-1")
             for layer, kind, start in plan[:3]:  # part of layer 0's K, never acknowledged here
                 await tx.send_chunk(5, layer, kind, start, 4, tokens, payload(layer, kind, start))
         finally:
