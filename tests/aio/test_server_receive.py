@@ -58,13 +58,36 @@ async def test_raw_payloads_are_received_in_place(monkeypatch: pytest.MonkeyPatc
     assert stats["transfers_accepted"] == 1 and stats["buffered_bytes"] == 0
 
 
+async def test_a_small_layer_goes_as_one_kv_chunk_and_lands_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """128 tokens: each layer half is 64 KiB, so a layer's K and V fit one chunk. Layer 0
+    goes as a K and a V chunk, the others as one KV chunk each (protocol version 2), and
+    each after the first (which tells the server the layer size) is read straight into its
+    layer's array."""
+    calls = counting(monkeypatch)
+    layers = make_layers(3, 128, 4, 64)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            recv = asyncio.create_task(server.expect("r", timeout=20))
+            receipt = await peer.send("r", SPEC, layers, timeout=20)
+            transfer = await recv
+            arrived = [layer async for layer in transfer]
+    assert receipt.chunks == 2 + 2
+    assert calls == {"decode": 1, "region": 3}
+    assert sorted(layer.index for layer in arrived) == [0, 1, 2]
+    for layer in arrived:
+        k, v = layers[layer.index]
+        assert np.array_equal(layer.k, k) and np.array_equal(layer.v, v)
+        # the two halves of one pooled array: V right after K
+        assert layer.v.ctypes.data == layer.k.ctypes.data + layer.k.nbytes
+
+
 class HostGpu:
     """Stands in for ``_gpu.GpuReceiver``: "device" arrays are numpy arrays."""
 
     def __init__(self, device: str) -> None:
         self.decoded = 0
 
-    def empty(self, shape: tuple[int, int, int], dtype: str) -> Any:
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         return np.empty(shape, numpy_dtype(dtype))
 
     def decode(self, codec: Any, params: bytes, payload: Any, out: Any, dtype: str, kind: Any) -> None:

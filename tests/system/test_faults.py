@@ -93,7 +93,8 @@ def _kind(exc: BaseException) -> str:
 
 async def run_case(
     server: kvwire.Server, plan: FaultPlan, rid: str, layers: list[tuple[np.ndarray, np.ndarray]],
-    *, streams: int = 1, send_timeout: float = SEND_TIMEOUT,
+    *, streams: int = 1, send_timeout: float = SEND_TIMEOUT, spec: kvwire.KVSpec = SPEC,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> Outcome:
     """One transfer through a FaultProxy whose first connection gets ``plan``."""
     loop = asyncio.get_running_loop()
@@ -111,10 +112,10 @@ async def run_case(
 
     async def send(port: int) -> str:
         async with kvwire.connect(
-            "127.0.0.1", port, secret=SECRET, streams=streams, chunk_bytes=CHUNK_BYTES,
+            "127.0.0.1", port, secret=SECRET, streams=streams, chunk_bytes=chunk_bytes,
             connect_timeout=CONNECT_TIMEOUT,
         ) as peer:
-            await peer.send(rid, SPEC, layers, timeout=send_timeout)
+            await peer.send(rid, spec, layers, timeout=send_timeout)
         return "completed"
 
     receiver = asyncio.create_task(receive())
@@ -148,13 +149,14 @@ async def run_case(
     return Outcome(s_out, r_out, loop.time() - t0)
 
 
-async def clean_bytes(server: kvwire.Server, layers: list[tuple[np.ndarray, np.ndarray]], streams: int) -> tuple[int, int]:
+async def clean_bytes(server: kvwire.Server, layers: list[tuple[np.ndarray, np.ndarray]], streams: int,
+                      spec: kvwire.KVSpec = SPEC, chunk_bytes: int = CHUNK_BYTES) -> tuple[int, int]:
     """Bytes each direction of connection 0 carries in a clean run (handshake included)."""
     async with FaultProxy("127.0.0.1", server.port) as proxy:
         async with kvwire.connect(
-            "127.0.0.1", proxy.port, secret=SECRET, streams=streams, chunk_bytes=CHUNK_BYTES,
+            "127.0.0.1", proxy.port, secret=SECRET, streams=streams, chunk_bytes=chunk_bytes,
         ) as peer:
-            await peer.send(f"clean-{streams}", SPEC, layers, timeout=SEND_TIMEOUT)
+            await peer.send(f"clean-{streams}", spec, layers, timeout=SEND_TIMEOUT)
         await (await server.expect(f"clean-{streams}", timeout=5)).collect(timeout=5)
         conn = proxy.connections[0]
         assert conn.forward is not None and conn.backward is not None
@@ -276,6 +278,42 @@ async def test_30_random_bit_flips_never_deliver_corruption() -> None:
             after = await run_case(server, CLEAN, "after-flips", layers)
             assert after.row == "completed-identical", after
     rows = check_invariants(outcomes, errors, "bit flips")
+    assert rows.get("corrupted", 0) == 0
+
+
+# Layers whose K and V go as one KV chunk (protocol version 2) of 128 KiB: above the
+# receiver's big-frame size, so each is read in place into its layer's array.
+KV_SPEC = kvwire.KVSpec(num_layers=4, num_kv_heads=8, head_dim=64, dtype="float16")
+KV_CHUNK_BYTES = 2 * TOKENS * 8 * 64 * 2
+
+
+async def test_drops_and_flips_of_kv_chunks_read_in_place_complete_identical_or_fail_typed() -> None:
+    rng = random.Random(4321)
+    layers = make_layers(KV_SPEC.num_layers, TOKENS, KV_SPEC.num_kv_heads, KV_SPEC.head_dim, seed=16)
+    kw: dict[str, Any] = {"spec": KV_SPEC, "chunk_bytes": KV_CHUNK_BYTES}
+    async with loop_errors() as errors:
+        async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+            async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=KV_CHUNK_BYTES) as peer:
+                receipt = await peer.send("kv-shape", KV_SPEC, layers, timeout=SEND_TIMEOUT)
+            await (await server.expect("kv-shape", timeout=5)).collect(timeout=5)
+            # layer 0 as a K and a V chunk, every other layer as one KV chunk
+            assert receipt.chunks == 2 + (KV_SPEC.num_layers - 1)
+            totals = {s: await clean_bytes(server, layers, s, **kw) for s in (1, 2)}
+            outcomes = []
+            for i in range(24):
+                streams = 1 + i % 2
+                direction = "forward" if rng.random() < 0.8 else "backward"
+                total = totals[streams][0 if direction == "forward" else 1]
+                if i % 2:
+                    faults = Faults(flip_bits=(rng.randrange(0, 8 * total),))
+                else:
+                    faults = Faults(drop_at=rng.randrange(0, total), drop_mode=rng.choice(["close", "reset"]))
+                plan = FaultPlan(forward=faults) if direction == "forward" else FaultPlan(backward=faults)
+                outcomes.append((f"{faults} {direction} streams={streams}",
+                                 await run_case(server, plan, f"kv-{i}", layers, streams=streams, **kw)))
+            after = await run_case(server, CLEAN, "kv-after", layers, **kw)
+            assert after.row == "completed-identical", after
+    rows = check_invariants(outcomes, errors, "KV chunks")
     assert rows.get("corrupted", 0) == 0
 
 
