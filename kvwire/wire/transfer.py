@@ -4,8 +4,9 @@ A transfer is one request's KV cache.  The sender splits every layer's K and V i
 chunks along the token axis; a chunk is addressed by (transfer id, layer, kind,
 token_start).  From protocol version 2 a chunk of kind KV carries a token range of K and
 V together (a small layer's K and V in one frame).  The receiver de-duplicates by
-address and knows a layer is complete when K and V both cover ``[0, layer_tokens)``.  The sender knows the transfer is complete when
-its producer is exhausted and every chunk it sent is acknowledged.
+address and knows a layer is complete when K and V both cover ``[0, layer_tokens)``.
+The sender knows the transfer is complete when its producer is exhausted and every chunk
+it sent is acknowledged.
 """
 
 from __future__ import annotations
@@ -56,28 +57,21 @@ class _Coverage:
         return i < len(self.starts) and self.starts[i] < start + count
 
     def classify(self, start: int, count: int) -> ChunkVerdict:
-        """What :meth:`add` would say, changing nothing (ProtocolError for an overlap)."""
+        """A range starting where one was recorded is a duplicate (ProtocolError with
+        another count); a new one must not overlap any (ProtocolError)."""
         if start in self.counts:
             if self.counts[start] != count:
                 raise ProtocolError("chunk re-sent with a different token range")
             return ChunkVerdict.DUPLICATE
-        i = bisect.bisect_left(self.starts, start)
-        if i > 0:
-            prev = self.starts[i - 1]
-            if prev + self.counts[prev] > start:
-                raise ProtocolError("chunk token ranges overlap")
-        if i < len(self.starts) and start + count > self.starts[i]:
+        if self.overlaps(start, count):
             raise ProtocolError("chunk token ranges overlap")
         return ChunkVerdict.NEW
 
-    def add(self, start: int, count: int) -> ChunkVerdict:
-        if self.classify(start, count) is ChunkVerdict.DUPLICATE:
-            return ChunkVerdict.DUPLICATE
-        i = bisect.bisect_left(self.starts, start)
-        self.starts.insert(i, start)
+    def insert(self, start: int, count: int) -> None:
+        """Record a range :meth:`classify` found NEW."""
+        bisect.insort(self.starts, start)
         self.counts[start] = count
         self.covered += count
-        return ChunkVerdict.NEW
 
 
 class IncomingTransfer:
@@ -147,7 +141,7 @@ class IncomingTransfer:
         if verdict is ChunkVerdict.DUPLICATE:
             self.duplicates += 1
         else:
-            self._cov.setdefault((chunk.layer, chunk.kind), _Coverage()).add(chunk.token_start, chunk.token_count)
+            self._cov.setdefault((chunk.layer, chunk.kind), _Coverage()).insert(chunk.token_start, chunk.token_count)
             self.chunks_received += 1
         return verdict
 
