@@ -20,7 +20,6 @@ from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
 from kvwire.session.receiver import Key, LayerStore
 from kvwire.spec import KVSpec
 from kvwire.wire import KIND_KV, Chunk
-from kvwire.wire.transfer import split_kv
 
 INTO = object()
 """The buffer of a layer received into the caller's memory (``Server.expect(into=...)``)."""
@@ -82,10 +81,9 @@ class ArrayStore(LayerStore):
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
         tg = self._targets[key]
         t0 = time.thread_time_ns()
-        for part in split_kv(chunk) if chunk.kind == KIND_KV else (chunk,):
-            self._decode(tg, part, buffer)
+        self._decode(tg, chunk, buffer)
         tally = self.decoded.setdefault(chunk.codec_id, [0, 0])
-        tally[0] += (2 if chunk.kind == KIND_KV else 1) * chunk.token_count * tg.spec.num_kv_heads * tg.spec.head_dim
+        tally[0] += chunk.token_count * tg.spec.num_kv_heads * tg.spec.head_dim
         tally[1] += time.thread_time_ns() - t0
 
     def _decode(self, tg: _Target, chunk: Chunk, buffer: Any) -> None:

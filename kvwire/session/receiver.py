@@ -176,9 +176,10 @@ class LayerStore:
     MemoryError or a KvwireError; nothing has changed then).  ``decode`` puts a verified
     chunk's data in place; ``region`` names where a raw payload can be read straight into
     (None: not possible).  ``offset`` is the chunk's byte offset in the layer (K, then V)
-    and ``nbytes`` its decoded size, both at the spec's dtype; for a KV chunk (raw K and V
-    of one token range), the offset of its K range and the size of both
-    (:func:`chunk_span`).
+    and ``nbytes`` its decoded size, both at the spec's dtype (:func:`chunk_span`).  A KV
+    chunk (raw K and V of one token range) is decoded as its K and its V chunk
+    (:func:`~kvwire.wire.transfer.split_kv`); ``region`` may be asked for one, with the
+    offset of its K range and the size of both.
     """
 
     def allocate(self, key: Key, chunk: Chunk, nbytes: int) -> Any:
@@ -208,12 +209,6 @@ class ByteStore(LayerStore):
         return self._allocate(nbytes)
 
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
-        if chunk.kind == KIND_KV:
-            n, half = nbytes // 2, len(buffer) // 2
-            k, v = split_kv(chunk)
-            self._decode(k, buffer[offset : offset + n])
-            self._decode(v, buffer[half + offset : half + offset + n])
-            return
         self._decode(chunk, buffer[offset : offset + nbytes])
 
     def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
@@ -1067,7 +1062,8 @@ class ReceiverCore:
             buf = self._layer_buffer(t, chunk, layer_bytes)
             if not inplace:
                 self._evict_overlapping(t, chunk)
-                self._store.decode(t.key, chunk, buf, *chunk_span(chunk, t.bpt, layer_bytes))
+                for part in split_kv(chunk) if chunk.kind == KIND_KV else (chunk,):
+                    self._store.decode(t.key, part, buf, *chunk_span(part, t.bpt, layer_bytes))
         except KvwireError:
             raise
         except MemoryError:
@@ -1125,16 +1121,16 @@ class ReceiverCore:
             return None  # not in this connection's version: refused once verified
         st = t.state
         end = head.token_start + head.token_count
+        layer_bytes = 2 * head.layer_tokens * t.bpt
+        offset, nbytes = chunk_span(head, t.bpt, layer_bytes)
         if (
             head.codec_id != 0 or head.params or st.layer_tokens is None or head.layer_tokens != st.layer_tokens
             or head.layer >= min(st.layer_limit, st.num_layers) or head.token_count == 0
-            or end > head.layer_tokens or chunk_span(head, t.bpt, 0)[1] != size
+            or end > head.layer_tokens or nbytes != size
             or st.overlaps_received(head.layer, head.kind, head.token_start, head.token_count)
             or any(r.overlaps(head.layer, head.kind, head.token_start, end) for r in t.inplace.values())
         ):
             return None
-        layer_bytes = 2 * head.layer_tokens * t.bpt
-        offset = chunk_span(head, t.bpt, layer_bytes)[0]
         try:
             buf = self._layer_buffer(t, head, layer_bytes, count=False)
             view = self._store.region(t.key, head, buf, offset, size)
