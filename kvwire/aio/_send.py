@@ -236,7 +236,7 @@ async def _send_layer(
         est = peer.estimator
         return get_codec(chooser.choose(
             est.bandwidth_bps, remaining_bytes=remaining if deadline is not None else None,
-            time_left=left, app_limited=est.app_limited, now=clock(),
+            time_left=left, app_limited=est.app_limited, now=clock(), peak_bps=est.max_filter_bps,
         ).codec)
 
     chosen: Any = None
@@ -267,7 +267,10 @@ async def _send_layer(
     # instead of once per chunk. An encoded chunk is memory: the next goes to the core once
     # the one before is on a stream (host_chunks has encoded it meanwhile, up to
     # ENCODE_AHEAD chunks ahead).
-    queue_ahead = AHEAD_CHUNKS * target if codec_name == "raw" and host else 0
+    # ``auto``'s raw chunks too: they cost nothing to hold either, and a raw chunk that
+    # waited for the queue to drain before the next was chosen left the pipe empty at
+    # every chunk (on two busy cores ``auto`` then delivered less than any fixed codec).
+    queue_ahead = AHEAD_CHUNKS * target if host else 0
     parts: list[Part] = []
     for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
         chunks = plan
@@ -276,11 +279,10 @@ async def _send_layer(
         if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
         parts.append((kind, arr, chunks))
-    # The model's ``auto`` encodes a chunk only when it is asked for: its choice rests on
-    # measured encode speeds, and encodes overlapping the sending measure slower on a
-    # loaded host (in docs/benchmarks.md it then chose raw for a third of the chunks and
-    # delivered less). Measured goodput has no such inputs and encodes ahead.
-    ahead = ENCODE_AHEAD if codec_name != AUTO or (chooser is not None and chooser.measures_goodput) else 0
+    # ``auto`` encodes ahead as a fixed codec does: encoded only when asked for, a chunk's
+    # encode left the pipe empty while it ran (on two busy cores ``auto`` then delivered
+    # less than any fixed codec; docs/benchmarks.md).
+    ahead = ENCODE_AHEAD
     source = (host_chunks(parts, next_codec, chooser, ahead=ahead) if host
               else device_parts(parts, pick, spec.dtype, chooser))
     async with contextlib.aclosing(source):
@@ -294,7 +296,7 @@ async def _send_layer(
             )
             core.add_chunk(tid, chunk, kv_bytes=count * bpt)
             peer.pump()
-            await _after_chunk(core, st, tid, queue_ahead)
+            await _after_chunk(core, st, tid, queue_ahead if codec.name == "raw" else 0)
 
 
 async def _after_chunk(core: SenderCore, st: SendState, tid: int, queue_ahead: int) -> None:

@@ -6,7 +6,8 @@ also encoded by the sender and decoded by the receiver, and every wire byte cost
 transport CPU too. Per fp16 byte the end-to-end cost has four parts: wire
 ``size_ratio / B``, encode ``1 / encode speed``, decode ``1 / decode speed`` and
 transport ``size_ratio x transport cost`` (the sender's own CPU seconds per wire byte,
-measured as it sends: :meth:`CodecChooser.observe_transport`; left out until measured).
+measured as it sends, for each codec apart: :meth:`CodecChooser.observe_transport`; left
+out until measured).
 How they combine is the ``pipeline`` setting:
 
 * ``"cpu"`` (default): the wire overlaps the CPU work; encode, decode and transport add
@@ -140,6 +141,13 @@ HOPELESS = 0.25
 #: whole milliseconds).
 LONG_PATH_RTT = 0.005
 
+#: Raw, sent first on a short path, stays chosen until the path's rate (measured while the
+#: path, not the sender, set the pace) has grown by less than FILL_GROWTH over this many
+#: chunks in a row: BBR's test for a full pipe, counted in chunks (about a round trip
+#: each where a chunk is larger than the path's bandwidth-delay product).
+FILL_CHUNKS = 3
+FILL_GROWTH = 1.25
+
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
 
@@ -192,7 +200,8 @@ class CodecChooser:
             costs more per stint). Counted in chunks, not seconds, the share spent
             exploring is the same on every link.
         :param explore_cost: see ``explore_max``.
-        :param hysteresis: measured goodput changes the leader only once the leader
+        :param hysteresis: the model changes codec only for one it rates faster by
+            more than this fraction; measured goodput changes the leader only once the leader
             loses by this fraction more than the rule says (samples vary).
         :param explore_floor: a codec never measured, rated by the model (calibrated by the
             codecs measured, see :meth:`_model_scale`) below this share of the leader's
@@ -224,6 +233,7 @@ class CodecChooser:
         self._encode_prior: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode_observed: set[str] = set()
         self._transport: float | None = None  # sender CPU seconds per wire byte
+        self._transport_by: dict[str, float] = {}  # the same, measured while each codec was sent
         self._path_rtt: float | None = None  # the path's round trip before any data
         self._receiver_transport: float | None = None  # receiver CPU seconds per wire byte
         if pipeline not in _PIPELINES:
@@ -269,6 +279,10 @@ class CodecChooser:
             raise ValueError("explore_floor must be in [0, 1]")
         self._explore_floor = explore_floor
         self._measure = measure_goodput
+        self._held: str | None = None  # the last choice in throughput mode, probes aside
+        self._path_bps: float | None = None  # the path's rate when it last set the pace
+        self._filling = False  # raw went first, the path's rate still grows (FILL_CHUNKS)
+        self._fill_bps, self._fill_count = 0.0, 0
 
     @classmethod
     def from_ratios(cls, ratios: Mapping[str, float], **kwargs: Any) -> CodecChooser:
@@ -313,12 +327,23 @@ class CodecChooser:
         self._decode[codec] = self._blend(prior, speed, nbytes)
         self._decode_observed.add(codec)
 
-    def observe_transport(self, wire_bytes: int, cpu_seconds: float) -> None:
+    def observe_transport(self, wire_bytes: int, cpu_seconds: float, codec: str | None = None) -> None:
         """Feed one measurement of the transport's own CPU: ``cpu_seconds`` spent sending
-        ``wire_bytes`` (framing, checksums, the kernel's copy; not encoding)."""
+        ``wire_bytes`` (framing, checksums, the kernel's copy; not encoding), all or
+        nearly all of them of ``codec`` when given.
+
+        What a wire byte costs depends on the codec: measured while int8 was sent, the
+        sender's loop spent twice as much per wire byte as while raw was (a chunk's work
+        is per fp16 byte as much as per wire byte: chunks hold the same tokens), and that
+        figure, charged to raw, made raw look CPU-bound and kept int8 chosen at 0.7 of
+        raw's rate. A codec's own measurement is used for it; one not yet measured takes
+        the latest of any codec."""
         if wire_bytes <= 0 or cpu_seconds < 0:
             return
-        self._transport = self._blend(self._transport, cpu_seconds / wire_bytes, wire_bytes)
+        cost = cpu_seconds / wire_bytes
+        self._transport = self._blend(self._transport, cost, wire_bytes)
+        if codec in self._ratio:
+            self._transport_by[codec] = self._blend(self._transport_by.get(codec), cost, wire_bytes)
 
     def observe_path_rtt(self, seconds: float) -> None:
         """The path's round trip as the connection's handshake measured it (before any
@@ -357,6 +382,11 @@ class CodecChooser:
         """Measured transport CPU seconds per wire byte, ``None`` before the first."""
         return self._transport
 
+    def transport_cost_of(self, codec: str) -> float | None:
+        """Transport CPU seconds per wire byte of ``codec``: its own measurement, else
+        :attr:`transport_cost`."""
+        return self._transport_by.get(codec, self._transport)
+
     def _blend(self, old: float | None, value: float, nbytes: int) -> float:
         """EWMA step of a speed or a cost, measured over ``nbytes``; a sample smaller than
         FULL_SAMPLE_BYTES (a transfer's small first chunk, timed mostly on call overhead)
@@ -380,7 +410,8 @@ class CodecChooser:
         encode, decode = self._speed[codec], self.decode_speed(codec)
         enc = 1.0 / encode if encode else 0.0
         dec = 1.0 / decode if decode else 0.0
-        send = ratio * self._transport if self._transport else 0.0
+        transport = self.transport_cost_of(codec)
+        send = ratio * transport if transport else 0.0
         recv = ratio * self._receiver_transport if self._receiver_transport else 0.0
         if not (enc or dec or send or recv):
             return link  # exact: nothing but the wire
@@ -405,6 +436,7 @@ class CodecChooser:
         time_left: float | None = None,
         app_limited: bool = False,
         now: float | None = None,
+        peak_bps: float | None = None,
     ) -> CodecChoice:
         """Choose the codec for the next chunk.
 
@@ -416,6 +448,11 @@ class CodecChooser:
         :param time_left: seconds to the deadline.
         :param app_limited: the sender's samples are app-limited now (the encoder, not the
             path, sets the pace), so the estimate may be far below what the path carries.
+            In throughput mode the model then takes the path's rate as at least what it
+            was when the path last set the pace (``peak_bps``, or the estimate, of the
+            last call that was not app-limited), and a raw choice stays raw: with the
+            sender, not the path, the bottleneck, a codec that spends CPU to save wire
+            bytes cannot deliver more.
         :param now: with it, once per ``probe_interval`` a chunk is a probe: while
             app-limited, a compact choice becomes raw (sent without encoding, it shows
             what the path delivers, so a path faster than the encoder stops being taken
@@ -429,14 +466,16 @@ class CodecChooser:
             without probes until the first measurement, then chooses on measured goodput
             (the leader or an exploring stint, see the module docstring; a stint's chunks
             are the probes then), with or without a bandwidth estimate.
+        :param peak_bps: the estimator's windowed peak (its max filter): what the path
+            has shown it carries; remembered from calls that are not app-limited (above).
         """
-        choice = self._choose(bandwidth_bps, remaining_bytes, time_left, app_limited, now)
+        choice = self._choose(bandwidth_bps, remaining_bytes, time_left, app_limited, now, peak_bps)
         if self._measure:
             self.meter.chosen(choice.codec)  # the goodput meter measures what is sent now
         return choice
 
     def _choose(self, bandwidth_bps: float | None, remaining_bytes: int | None, time_left: float | None,
-                app_limited: bool, now: float | None) -> CodecChoice:
+                app_limited: bool, now: float | None, peak_bps: float | None) -> CodecChoice:
         deadline = remaining_bytes is not None and time_left is not None
         if now is not None and not deadline and self._measure:
             if self.meter.measured:
@@ -455,18 +494,55 @@ class CodecChooser:
                 first = min(self._by_precision, key=lambda c: self._ratio[c])
             else:
                 first = self._by_precision[0]
+            if not deadline:
+                self._held = first
+                self._filling = self._fill_count < FILL_CHUNKS  # once per chooser
             return CodecChoice(codec=first, delivered_bytes_per_s=math.nan, meets_deadline=None)
-        rates = self.rates(bandwidth_bps)
         if deadline:
+            rates = self.rates(bandwidth_bps)
             assert remaining_bytes is not None and time_left is not None
             rates.update((c, r) for c, r in self.meter.measured.items() if c in rates)
             return self._choose_for_deadline(rates, remaining_bytes, time_left)
+        if not app_limited:
+            # The path set the pace: what it carried is worth remembering.
+            path = self._path_bps = max(bandwidth_bps, peak_bps or 0.0)
+            if self._filling:
+                # BBR's full pipe: the path's rate stopped growing by a quarter.
+                if path >= FILL_GROWTH * self._fill_bps:
+                    self._fill_bps, self._fill_count = path, 0
+                else:
+                    self._fill_count += 1
+                    self._filling = self._fill_count < FILL_CHUNKS
+        elif self._path_bps is not None:
+            # The sender set the pace (an encoder, its CPU): the estimate is what it sent,
+            # a floor of the path's rate, not its ceiling. Taken as the ceiling, whatever
+            # codec is CPU-bound makes raw look slower than it: on two busy cores the
+            # compact codecs' encoders then paced the estimate down to 3 Gbit/s of a
+            # loopback that carried 12-16 raw, and the model kept them for good.
+            bandwidth_bps = max(bandwidth_bps, self._path_bps)
+        rates = self.rates(bandwidth_bps)
         best = max(rates.values())
         for codec in self._by_precision:
             if rates[codec] >= best * (1.0 - self._tolerance):
                 break
         else:
             raise AssertionError("unreachable: the best codec is within tolerance of itself")
+        held = self._held
+        if held is not None and held != codec and rates[held] * (1.0 + self._hysteresis) >= rates[codec]:
+            # Not better by more than the rates' noise: the codec sent until now stays.
+            # Codecs within 10% of each other (fp8, int8 and int4 on a loaded host) took
+            # turns chunk by chunk as measurements moved, and each change of codec costs
+            # the pipeline a restart: less delivered than any of them sent alone.
+            codec = held
+        free = self._by_precision[0]
+        if held == free and self._is_free(free) and (app_limited or self._filling):
+            # Raw held back by the sender, not the path (its first round trips, a CPU
+            # shared with other work): a codec that costs CPU to save wire bytes can only
+            # be slower. Nor is the path known while its rate still grows: the estimate of
+            # a transfer's first chunks was half what raw carried over loopback a moment
+            # later, and a compact codec chosen on it kept the transfer.
+            codec = free
+        self._held = codec
         probe = self._probe(codec, rates, bandwidth_bps, app_limited, now)
         if now is not None:
             self._sent_at[probe or codec] = now

@@ -14,7 +14,7 @@ import pytest
 from kvwire.aio import _encode
 from kvwire.aio._send import SendState, until
 from kvwire.aio.client import ClientOptions, Peer
-from kvwire.codec import TensorKind
+from kvwire.codec import TensorKind, get_codec
 from kvwire.codec.base import EncodedChunk
 from kvwire.session.sender import ChunkSent
 from kvwire.wire import ChunkAddress
@@ -204,16 +204,18 @@ class _TransportChooser:
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, float]] = []
+        self.codecs: list[str | None] = []
 
-    def observe_transport(self, wire_bytes: int, cpu_seconds: float) -> None:
+    def observe_transport(self, wire_bytes: int, cpu_seconds: float, codec: str | None = None) -> None:
         self.seen.append((wire_bytes, cpu_seconds))
+        self.codecs.append(codec)
 
 
 async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -> None:
     """Every 32 MiB acknowledged, the event loop thread's CPU time since the last
-    measurement (framing, checksums, the kernel's copy) per wire byte; a send beginning on
-    an idle peer restarts the count, so the application's own time between transfers on
-    the loop is not the transport's."""
+    measurement (framing, checksums, the kernel's copy) per wire byte, the peer's first
+    measurement left out (warm-up); a send beginning on an idle peer restarts the count,
+    so the application's own time between transfers on the loop is not the transport's."""
     from kvwire.aio import client as client_mod
     from kvwire.session.sender import ChunkDelivered
 
@@ -228,6 +230,10 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
         peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=0, kind=0, token_start=i),
                                       stream=0, wire_size=size, kv_bytes=size, codec_id=0))
 
+    for i in range(8):
+        cpu[0] += 0.003
+        delivered(100 + i, 4 << 20)  # the peer's first 32 MiB: its code paths' first use
+    assert chooser.seen == []
     for i in range(7):
         cpu[0] += 0.001
         delivered(i, 4 << 20)  # 28 MiB: not yet
@@ -241,3 +247,12 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
         cpu[0] += 0.002
         delivered(8 + i, 4 << 20)
     assert chooser.seen[1] == (32 << 20, pytest.approx(0.016))
+    assert chooser.codecs == ["raw", "raw"]  # every byte raw's: raw's own measurement too
+    # a measurement is a codec's only if nearly all its bytes were (75%)
+    for i, codec_id in enumerate([0] * 6 + [get_codec("int8").codec_id] * 2):
+        peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=1, kind=0, token_start=i),
+                                      stream=0, wire_size=4 << 20, kv_bytes=4 << 20, codec_id=codec_id))
+    for i, codec_id in enumerate([0] * 5 + [get_codec("int8").codec_id] * 3):
+        peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=2, kind=0, token_start=i),
+                                      stream=0, wire_size=4 << 20, kv_bytes=4 << 20, codec_id=codec_id))
+    assert chooser.codecs[2:] == ["raw", None]

@@ -205,7 +205,8 @@ async def test_auto_sends_a_small_layer_it_chose_raw_for_as_one_kv_chunk(script:
     core.queued_bytes = lambda transfer_id=None: 0  # type: ignore[method-assign]
     chooser = ScriptedChooser(*script)
     peer = SimpleNamespace(core=core, options=SimpleNamespace(chunk_bytes=TARGET), chooser=chooser,
-                           pump=lambda: None, estimator=SimpleNamespace(bandwidth_bps=1e9, app_limited=False))
+                           pump=lambda: None, estimator=SimpleNamespace(bandwidth_bps=1e9, app_limited=False,
+                                                                         max_filter_bps=1e9))
     k, v = make_layers(1, 32, SPEC.num_kv_heads, SPEC.head_dim, seed=6)[0]
     used: dict[str, int] = {}
     await _send_layer(peer, SendState(asyncio.Event()), 1, SPEC, 1, k, v, "auto", used, clock(), None)  # type: ignore[arg-type]

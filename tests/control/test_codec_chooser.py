@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.control import CodecCandidate, CodecChooser
+from kvwire.control import codec_choice
 
 GB = 1e9
 
@@ -357,7 +358,9 @@ def test_an_app_limited_compact_choice_probes_with_raw_once_per_interval() -> No
     assert not c.choose(8e9, app_limited=True).probe
     # an encoder that outruns the link (2 GB/s into 0.5 GB/s of wire against 0.1 GB/s):
     # app-limited only as a transfer starts, never probed
-    assert not any(c.choose(0.8e9, app_limited=True, now=t).probe for t in (30.0, 31.0, 32.0))
+    slow = _with_free_raw(probe_interval=0.1)
+    assert slow.choose(0.8e9).codec == "fp8"
+    assert not any(slow.choose(0.8e9, app_limited=True, now=t).probe for t in (30.0, 31.0, 32.0))
 
 
 def test_a_raw_choice_probes_the_best_compact_codec_once_per_interval() -> None:
@@ -462,3 +465,115 @@ def test_stale_contenders_take_turns_oldest_first_and_probes_keep_their_interval
     # a deadline decides by the deadline alone; no clock, no probe
     assert not c.choose(link, remaining_bytes=1, time_left=1.0, now=9.0).probe
     assert not c.choose(link).probe
+
+
+def _cpu_bound(**kw: Any) -> CodecChooser:
+    """Two cores shared with other work: raw's transport costs 0.4 ns a byte (2.5 GB/s),
+    int4 encodes at 1 GB/s."""
+    c = CodecChooser(
+        [
+            CodecCandidate(name="raw", size_ratio=1.0),  # free
+            CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=1 * GB),
+        ],
+        **kw,
+    )
+    c.observe_transport(64 << 20, 0.4e-9 * (64 << 20))
+    return c
+
+
+def test_an_app_limited_estimate_is_a_floor_of_the_path_not_its_ceiling() -> None:
+    """int4's encoder paces the estimate down to what it makes (1 GB/s of KV: 2 Gbit/s
+    of wire), app-limited. Taken as the path's ceiling, that estimate keeps int4 for good
+    (raw 0.25 GB/s against int4 1 GB/s) on a path that carried 16 Gbit/s; as a floor,
+    with the path's last rate as the ceiling, raw (2 GB/s) is chosen again."""
+    c = _cpu_bound()
+    assert c.choose(16e9).codec == "raw"
+    assert c.choose(2e9).codec == "int4"  # the path itself slowed: int4 is right
+    assert c.choose(2e9, app_limited=True).codec == "int4"  # and stays so: its last rate was 2
+    # the path carried 16 Gbit/s at its peak, while a moment of the host held the
+    # estimate at 4 (raw 0.5 GB/s against int4 1): int4, then raw as soon as int4's own
+    # pace is what the estimate shows
+    p = _cpu_bound()
+    assert p.choose(4e9, peak_bps=16e9).codec == "int4"
+    assert p.choose(2e9, app_limited=True).codec == "raw"
+    # without a rate of the path (never measured while it set the pace): the estimate
+    fresh = _cpu_bound()
+    assert fresh.choose(None).codec == "raw"
+    fresh._held = None  # as if the first choice had been another
+    assert fresh.choose(2e9, app_limited=True).codec == "int4"
+    # a deadline decides by the estimate it is given
+    assert c.choose(2e9, remaining_bytes=1 << 30, time_left=2.0, app_limited=True).codec == "int4"
+
+
+def test_raw_held_back_by_the_sender_stays_raw() -> None:
+    """Raw app-limited (a transfer's first round trips, a sender short of CPU): the path is
+    not what limits, so a codec that costs CPU to save wire bytes cannot deliver more; the
+    estimate of those moments (0.1 Gbit/s from a transfer's first, small chunk) must not
+    send the transfer to int4. Nor may the path's rate while it still grows: raw stays
+    until it grew by less than a quarter over FILL_CHUNKS chunks, then the model decides."""
+    c = _cpu_bound()
+    assert c.choose(None).codec == "raw"  # a short path: raw first
+    assert [c.choose(bw, app_limited=True).codec for bw in (0.1e9, 1e9, 2e9)] == ["raw"] * 3
+    # the path sets the pace; its rate grows (1, 2, 2.4 Gbit/s), then no longer
+    assert [c.choose(bw).codec for bw in (1e9, 2e9, 2.4e9, 2.4e9)] == ["raw"] * 4
+    assert codec_choice.FILL_CHUNKS == 3 and codec_choice.FILL_GROWTH == 1.25
+    # 2 Gbit/s was the last rate that grew by a quarter; three chunks after it the pipe is full
+    assert c.choose(2.4e9).codec == "int4"  # the path carries 2.4 Gbit/s: int4 delivers more
+    assert c.choose(2.4e9, app_limited=True).codec == "int4"  # not raw: not held
+    # once per chooser: raw chosen again later is held only while app-limited
+    c.choose(100e9)
+    assert c.choose(100e9).codec == "raw"
+    assert c.choose(1e9).codec == "int4"
+    # probes still measure the compact codecs now and then
+    h = _cpu_bound(probe_interval=0.1)
+    h.choose(None)
+    got = [h.choose(1e9, app_limited=True, now=t) for t in (1.0, 1.05, 1.2)]
+    assert [(x.codec, x.probe) for x in got] == [("int4", True), ("raw", False), ("int4", True)]
+    # a long path starts compact and is not held
+    long = _cpu_bound()
+    long.observe_path_rtt(0.02)
+    assert long.choose(None).codec == "int4"
+    assert long.choose(1e9).codec == "int4"
+    assert long.choose(40e9, app_limited=True).codec == "raw"
+
+
+def test_the_model_keeps_its_codec_unless_another_is_faster_by_the_hysteresis() -> None:
+    """fp8 and int8 within 10% of each other by the model (speeds measured moment by
+    moment on a loaded host move them past each other): the codec sent stays, so the
+    pipeline is not restarted at every chunk; one faster by more than that takes over."""
+    c = CodecChooser(
+        [
+            CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB),
+            CodecCandidate(name="int8", size_ratio=0.5, encode_bytes_per_s=2 * GB),
+        ],
+        pipeline="full", hysteresis=0.10,
+    )
+    link = 80e9  # 10 GB/s of wire: both encoder-bound
+
+    def measured(codec: str, speed: float) -> None:
+        for _ in range(60):  # until the EWMA has it
+            c.observe_encode(codec, 1 << 30, (1 << 30) / speed)
+        assert c.encode_speed(codec) == pytest.approx(speed, rel=1e-4)
+
+    assert c.choose(link).codec == "fp8"
+    measured("int8", 2.1 * GB)  # 5% faster: not enough
+    assert c.choose(link).codec == "fp8"
+    measured("int8", 2.5 * GB)  # now int8 leads by more than 10%
+    assert c.choose(link).codec == "int8"
+    measured("fp8", 2.6 * GB)  # fp8 4% ahead: int8 stays
+    assert c.choose(link).codec == "int8"
+
+
+def test_a_codecs_own_transport_cost_is_used_for_it() -> None:
+    """Per wire byte int8's chunks cost the loop twice what raw's do (a chunk's work is per
+    token as much as per byte): int8's figure charged to raw made raw look CPU-bound."""
+    c = _cpu_bound()  # 0.4 ns a wire byte measured, no codec named
+    assert c.transport_cost_of("raw") == c.transport_cost_of("int4") == pytest.approx(0.4e-9)
+    c.observe_transport(64 << 20, 1.6e-9 * (64 << 20), "int4")
+    assert c.transport_cost_of("int4") == pytest.approx(1.6e-9)
+    assert c.transport_cost_of("raw") == c.transport_cost == pytest.approx(0.4e-9 + 0.25 * 1.2e-9)
+    c.observe_transport(64 << 20, 0.2e-9 * (64 << 20), "raw")
+    assert c.transport_cost_of("raw") == pytest.approx(0.2e-9)
+    assert c.transport_cost_of("int4") == pytest.approx(1.6e-9)
+    c.observe_transport(64 << 20, 0.2e-9 * (64 << 20), "nonsense")  # unknown: the shared figure only
+    assert c.transport_cost_of("nonsense") == c.transport_cost
