@@ -11,8 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.control import CodecCandidate, CodecChooser
-from kvwire.control import codec_choice
+from kvwire.control import CodecCandidate, CodecChooser, codec_choice
 
 GB = 1e9
 
