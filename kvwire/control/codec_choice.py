@@ -10,10 +10,16 @@ measured as it sends, for each codec apart: :meth:`CodecChooser.observe_transpor
 out until measured).
 How they combine is the ``pipeline`` setting:
 
-* ``"cpu"`` (default): the wire overlaps the CPU work; encode, decode and transport add
-  (one CPU budget). On a path whose "wire" is itself CPU (loopback, a host where the
-  transport is CPU-bound) the transport term is what keeps quantizing from looking free;
-  on a real link the CPU work hides behind the wire.
+* ``"hosts"`` (default): each host's CPU work adds up, the sender's (encode and its
+  transport) and the receiver's (decode and its transport, reported in its REPORTs);
+  the two hosts and the wire overlap, and the slowest of the three bounds the rate. On a
+  path whose "wire" is itself CPU (loopback, a host where the transport is CPU-bound) the
+  transport term is what keeps quantizing from looking free; on a real link the CPU work
+  hides behind the wire.
+* ``"cpu"``: the wire overlaps the CPU work; encode, decode and the sender's transport
+  add (one CPU budget, as if one host did all of it). Over a 10 Gbit/s veth link between
+  two processes it charged the receiver's decode to the sender and kept int8 where int4
+  delivered 15% more (docs/benchmarks.md).
 * ``"serial"``: everything adds, the wire too: the pessimistic bound.
 * ``"full"``: every stage overlaps; the slowest bounds the rate (separate, idle hosts).
 
@@ -24,6 +30,16 @@ compact codec does. The one exception is deliberate: given ``now``, one chunk pe
 ``probe_interval`` may be a probe that refreshes a measurement the model rests on (the
 path's rate while an encoder paces the sender, a compact codec's encode speed while raw
 is chosen, the speeds of a codec not sent for a while; see :meth:`CodecChooser.choose`).
+
+What the wire term rests on is the bandwidth estimate, and an estimate taken while the
+sender, not the path, set the pace (app-limited: an encoder, a CPU shared with other
+work, a transfer's first round trips) is a floor of the path's rate, not its ceiling.
+So while app-limited the model takes the path's rate as at least what it was when the
+path last set the pace (the estimator's peak then); raw, sent first on a short path,
+stays chosen while the sender limits and until the path's rate stops growing (BBR's
+full pipe, :data:`FILL_CHUNKS`); and a less precise codec must beat the one sent until
+now by ``hysteresis``, so that codecs the model rates within noise of each other do not
+take turns (each change costs the pipeline a restart).
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
@@ -66,8 +82,8 @@ are measured by the receiver, which says what decoding costs it in its REPORT fr
 the first replacing the prior). Until then they are the priors (measured on the sender
 at connect), scaled down as the measured encode slows (:meth:`decode_speed`). The
 receiver's CPU per wire byte (:meth:`CodecChooser.observe_receiver_transport`, from the
-same REPORTs) is a stage of its own where the stages run apart (``pipeline="full"``:
-the receiver's event loop receives and decodes, so its rate is bounded by both together)
+same REPORTs) counts on the receiver's host (``pipeline="hosts"``, and ``"full"``: the
+receiver's event loop receives and decodes, so its rate is bounded by both together)
 and adds to the total in ``"serial"``; the one CPU budget of ``"cpu"`` leaves it out: it
 models the sender's host, and on loopback, where each side has a core of its own,
 counting the receiver's transport there made ``auto`` take int8 over raw at half raw's
@@ -85,7 +101,7 @@ from kvwire.control.goodput import GoodputMeter
 
 __all__ = ["CodecCandidate", "CodecChoice", "CodecChooser"]
 
-_PIPELINES = ("serial", "cpu", "full")
+_PIPELINES = ("serial", "cpu", "hosts", "full")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,7 +178,7 @@ class CodecChooser:
         tolerance: float = 0.05,
         speed_gain: float = 0.25,
         deadline_margin: float = 0.1,
-        pipeline: str = "cpu",
+        pipeline: str = "hosts",
         probe_interval: float = 0.1,
         refresh_after: float = 1.0,
         refresh_share: float = 0.5,
@@ -182,7 +198,7 @@ class CodecChooser:
         :param deadline_margin: in deadline mode, a codec must finish this fraction ahead
             of the deadline to count as meeting it, absorbing estimate noise.
         :param pipeline: how wire, encode, decode and transport costs combine:
-            ``"cpu"``, ``"serial"`` or ``"full"`` (see the module docstring).
+            ``"hosts"``, ``"cpu"``, ``"serial"`` or ``"full"`` (see the module docstring).
         :param probe_interval: seconds between probes (see :meth:`choose`).
         :param refresh_after: seconds after which a codec not sent since, and held back
             by its CPU costs rather than the wire, is a contender for a probe chunk that
@@ -200,8 +216,10 @@ class CodecChooser:
             costs more per stint). Counted in chunks, not seconds, the share spent
             exploring is the same on every link.
         :param explore_cost: see ``explore_max``.
-        :param hysteresis: the model changes codec only for one it rates faster by
-            more than this fraction; measured goodput changes the leader only once the leader
+        :param hysteresis: the model changes to a less precise codec only for one it
+            rates faster than the codec sent until now by more than this fraction
+            (to a more precise one within ``tolerance`` of the best, as always);
+            measured goodput changes the leader only once the leader
             loses by this fraction more than the rule says (samples vary).
         :param explore_floor: a codec never measured, rated by the model (calibrated by the
             codecs measured, see :meth:`_model_scale`) below this share of the leader's
@@ -415,6 +433,10 @@ class CodecChooser:
         recv = ratio * self._receiver_transport if self._receiver_transport else 0.0
         if not (enc or dec or send or recv):
             return link  # exact: nothing but the wire
+        if self._pipeline == "hosts":
+            # Each host's CPU work adds up; the two hosts and the wire overlap.
+            sender, receiver = enc + send, dec + recv
+            return min(link, 1.0 / sender if sender else math.inf, 1.0 / receiver if receiver else math.inf)
         if self._pipeline == "full":
             # Every stage apart; the receiver's loop receives and decodes: one stage.
             stages = (encode, 1.0 / send if send else None, 1.0 / (dec + recv) if recv else decode)
@@ -528,11 +550,15 @@ class CodecChooser:
         else:
             raise AssertionError("unreachable: the best codec is within tolerance of itself")
         held = self._held
-        if held is not None and held != codec and rates[held] * (1.0 + self._hysteresis) >= rates[codec]:
-            # Not better by more than the rates' noise: the codec sent until now stays.
-            # Codecs within 10% of each other (fp8, int8 and int4 on a loaded host) took
-            # turns chunk by chunk as measurements moved, and each change of codec costs
-            # the pipeline a restart: less delivered than any of them sent alone.
+        order = self._by_precision
+        if (held is not None and held != codec and order.index(held) < order.index(codec)
+                and rates[held] * (1.0 + self._hysteresis) >= rates[codec]):
+            # A less precise codec must be faster than the one sent until now by more
+            # than the rates' noise (a more precise one takes over within ``tolerance``
+            # of the best: between the two the choice stays put). Codecs within 10% of
+            # each other (fp8, int8 and int4 on a loaded host) took turns chunk by chunk
+            # as measurements moved, and each change of codec costs the pipeline a
+            # restart: less delivered than any of them sent alone.
             codec = held
         free = self._by_precision[0]
         if held == free and self._is_free(free) and (app_limited or self._filling):

@@ -130,8 +130,11 @@ def test_receiver_decode_counts_against_a_codec() -> None:
     # 1 Gbit/s: fp8 4 + 0.5 + 2.5 = 7 s/GB beats raw's 8 s/GB, only just.
     assert c.choose(1e9).codec == "fp8"
     assert c.delivered_rate("fp8", 1e9) == pytest.approx(GB / 7)
-    # Wire overlapped with one CPU budget (the default): max(4, 3) s/GB at 1 Gbit/s.
-    assert CodecChooser(candidates).delivered_rate("fp8", 1e9) == pytest.approx(0.25 * GB)
+    # Wire overlapped with one CPU budget: max(4, 3) s/GB at 1 Gbit/s.
+    assert CodecChooser(candidates, pipeline="cpu").delivered_rate("fp8", 1e9) == pytest.approx(0.25 * GB)
+    # Each host's budget apart (the default): the receiver's decode, 2.5 s/GB, at 10 Gbit/s.
+    assert CodecChooser(candidates).delivered_rate("fp8", 10e9) == pytest.approx(0.4 * GB)
+    assert CodecChooser(candidates).delivered_rate("fp8", 1e9) == pytest.approx(0.25 * GB)  # the wire
     # Every stage overlapped: the decoder's 0.4 GB/s bounds it at 10 Gbit/s.
     assert CodecChooser(candidates, pipeline="full").delivered_rate("fp8", 10e9) == pytest.approx(0.4 * GB)
     with pytest.raises(ValueError):
@@ -155,19 +158,22 @@ def test_the_measured_transport_cpu_keeps_raw_where_the_wire_is_cpu() -> None:
     its CPU budget (4.5 GB/s) beats the wire raw fills; with it, 0.52 x 0.2 more per GB
     makes fp8 3.1 GB/s, and raw stays.  On a 10 Gbit/s link the same costs hide behind
     the wire and fp8 delivers 2.4 GB/s against raw's 1.25."""
-    c = CodecChooser([
-        CodecCandidate(name="raw", size_ratio=1.0),
-        CodecCandidate(name="fp8", size_ratio=0.52, encode_bytes_per_s=6 * GB, decode_bytes_per_s=18 * GB),
-    ])
-    assert c.choose(32e9).codec == "fp8"
-    assert c.transport_cost is None
-    c.observe_transport(int(1 * GB), 0.2)
-    assert c.transport_cost == pytest.approx(0.2 / GB)
-    assert c.delivered_rate("raw", 32e9) == pytest.approx(4 * GB)  # min(wire, 1 / 0.2 s/GB)
-    assert c.delivered_rate("fp8", 32e9) == pytest.approx(1 / (1 / 6 + 1 / 18 + 0.52 * 0.2) * GB)
-    assert c.choose(32e9).codec == "raw"
-    assert c.choose(10e9).codec == "fp8"
-    assert c.delivered_rate("fp8", 10e9) == pytest.approx(1.25 / 0.52 * GB)
+    for pipeline in ("cpu", "hosts"):
+        c = CodecChooser([
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="fp8", size_ratio=0.52, encode_bytes_per_s=6 * GB, decode_bytes_per_s=18 * GB),
+        ], pipeline=pipeline)
+        assert c.choose(32e9).codec == "fp8"
+        assert c.transport_cost is None
+        c.observe_transport(int(1 * GB), 0.2)
+        assert c.transport_cost == pytest.approx(0.2 / GB)
+        assert c.delivered_rate("raw", 32e9) == pytest.approx(4 * GB)  # min(wire, 1 / 0.2 s/GB)
+        # one budget: encode, decode and transport; the sender's host: encode and transport
+        cost = 1 / 6 + 1 / 18 + 0.52 * 0.2 if pipeline == "cpu" else 1 / 6 + 0.52 * 0.2
+        assert c.delivered_rate("fp8", 32e9) == pytest.approx(GB / cost)
+        assert c.choose(32e9).codec == "raw"
+        assert c.choose(10e9).codec == "fp8"
+        assert c.delivered_rate("fp8", 10e9) == pytest.approx(1.25 / 0.52 * GB)
 
 
 def test_observed_decode_speed_moves_the_choice() -> None:
@@ -198,6 +204,10 @@ def _true_rate(
         return 1 / (wire + sum(stages) + ratio * (receiver or 0))
     if pipeline == "cpu":
         return 1 / max(wire, sum(stages))
+    if pipeline == "hosts":
+        sender = (1 / enc if enc else 0) + (ratio * transport if transport else 0)
+        receiver_cpu = (1 / dec if dec else 0) + ratio * (receiver or 0)
+        return 1 / max(wire, sender, receiver_cpu)
     apart = [1 / s for s in (enc,) if s is not None] + ([ratio * transport] if transport else [])
     return 1 / max([wire, *apart, ratio * (receiver or 0) + (1 / dec if dec else 0)])
 
@@ -210,7 +220,7 @@ _speed = st.one_of(st.none(), st.floats(0.05 * GB, 50 * GB))
     bandwidth=st.floats(1e8, 4e11),
     codecs=st.lists(st.tuples(st.floats(0.1, 0.99), _speed, _speed), min_size=1, max_size=4),
     time_left=st.one_of(st.none(), st.floats(0.001, 10.0)),
-    pipeline=st.sampled_from(["serial", "cpu", "full"]),
+    pipeline=st.sampled_from(["serial", "cpu", "hosts", "full"]),
     transport=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
     receiver=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
 )
@@ -269,14 +279,14 @@ def test_before_any_estimate_a_long_path_starts_compact_and_a_short_one_raw() ->
 
 def test_the_receivers_reported_costs() -> None:
     """A REPORT's decode replaces the prior at once; its transport cost is the receiver's
-    own stage where the stages run apart and adds in the serial bound, not in the one
-    CPU budget of the default pipeline."""
+    own stage where the stages run apart, adds to the receiver's host in the default
+    pipeline and to the serial bound, not in the one CPU budget of ``"cpu"``."""
     candidates = [
         CodecCandidate(name="raw", size_ratio=1.0),
         CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=4 * GB, decode_bytes_per_s=8 * GB),
     ]
-    cpu, full, serial = (CodecChooser(candidates, pipeline=p) for p in ("cpu", "full", "serial"))
-    for c in (cpu, full, serial):
+    cpu, full, serial, hosts = (CodecChooser(candidates, pipeline=p) for p in ("cpu", "full", "serial", "hosts"))
+    for c in (cpu, full, serial, hosts):
         assert c.receiver_transport_cost is None
         c.observe_decode("fp8", 2 << 20, (2 << 20) / (2 * GB))  # one report: 2 GB/s there
         assert c.decode_speed("fp8") == pytest.approx(2 * GB)
@@ -292,6 +302,9 @@ def test_the_receivers_reported_costs() -> None:
     assert serial.delivered_rate("fp8", 10e9) == pytest.approx(GB / (0.4 + 0.25 + 0.5 + 0.75))
     assert full.delivered_rate("raw", 10e9) == pytest.approx(GB / 1.5)  # raw's wire bytes, received
     assert cpu.delivered_rate("raw", 10e9) == pytest.approx(1.25 * GB)
+    # the receiver's host: decode 0.5 + its transport 0.75 s/GB, against the sender's 0.25
+    assert hosts.delivered_rate("fp8", 10e9) == pytest.approx(GB / 1.25)
+    assert hosts.delivered_rate("raw", 10e9) == pytest.approx(GB / 1.5)
 
 
 def test_a_decode_prior_slows_down_with_the_measured_encode() -> None:
@@ -539,7 +552,8 @@ def test_raw_held_back_by_the_sender_stays_raw() -> None:
 def test_the_model_keeps_its_codec_unless_another_is_faster_by_the_hysteresis() -> None:
     """fp8 and int8 within 10% of each other by the model (speeds measured moment by
     moment on a loaded host move them past each other): the codec sent stays, so the
-    pipeline is not restarted at every chunk; one faster by more than that takes over."""
+    pipeline is not restarted at every chunk. A less precise codec takes over once faster
+    by more than the hysteresis, a more precise one once within tolerance of the best."""
     c = CodecChooser(
         [
             CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB),
@@ -559,8 +573,10 @@ def test_the_model_keeps_its_codec_unless_another_is_faster_by_the_hysteresis() 
     assert c.choose(link).codec == "fp8"
     measured("int8", 2.5 * GB)  # now int8 leads by more than 10%
     assert c.choose(link).codec == "int8"
-    measured("fp8", 2.6 * GB)  # fp8 4% ahead: int8 stays
-    assert c.choose(link).codec == "int8"
+    measured("fp8", 2.4 * GB)  # fp8 more precise, 4% behind: within tolerance, it takes over
+    assert c.choose(link).codec == "fp8"
+    measured("int8", 2.6 * GB)  # int8 8% ahead: not enough to leave fp8 again
+    assert c.choose(link).codec == "fp8"
 
 
 def test_a_codecs_own_transport_cost_is_used_for_it() -> None:
