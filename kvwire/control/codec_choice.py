@@ -39,7 +39,7 @@ path last set the pace (the estimator's peak then); raw, sent first on a short p
 stays chosen while the sender limits and until the path's rate stops growing (BBR's
 full pipe, :data:`FILL_CHUNKS`); and a less precise codec must beat the one sent until
 now by ``hysteresis``, so that codecs the model rates within noise of each other do not
-take turns (each change costs the pipeline a restart).
+take turns chunk by chunk.
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
@@ -557,8 +557,8 @@ class CodecChooser:
             # than the rates' noise (a more precise one takes over within ``tolerance``
             # of the best: between the two the choice stays put). Codecs within 10% of
             # each other (fp8, int8 and int4 on a loaded host) took turns chunk by chunk
-            # as measurements moved, and each change of codec costs the pipeline a
-            # restart: less delivered than any of them sent alone.
+            # as their measurements moved; with chunks encoded only when asked for,
+            # that delivered less than any of them sent alone.
             codec = held
         free = self._by_precision[0]
         if held == free and self._is_free(free) and (app_limited or self._filling):
