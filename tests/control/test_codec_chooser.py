@@ -502,12 +502,15 @@ def test_an_app_limited_estimate_is_a_floor_of_the_path_not_its_ceiling() -> Non
     assert c.choose(16e9).codec == "raw"
     assert c.choose(2e9).codec == "int4"  # the path itself slowed: int4 is right
     assert c.choose(2e9, app_limited=True).codec == "int4"  # and stays so: its last rate was 2
-    # the path carried 16 Gbit/s at its peak, while a moment of the host held the
-    # estimate at 4 (raw 0.5 GB/s against int4 1): int4, then raw as soon as int4's own
-    # pace is what the estimate shows
+    # while the path sets the pace its rate is its peak, not the estimate's mean over
+    # half a second (4 Gbit/s, raw 0.5 GB/s against int4 1, a moment of the host)
     p = _cpu_bound()
-    assert p.choose(4e9, peak_bps=16e9).codec == "int4"
-    assert p.choose(2e9, app_limited=True).codec == "raw"
+    assert p.choose(4e9, peak_bps=16e9).codec == "raw"
+    assert p.choose(4e9, peak_bps=4e9).codec == "int4"
+    assert p.choose(2e9, app_limited=True, peak_bps=99e9).codec == "int4"  # app-limited: not this peak
+    assert p.choose(2e9, peak_bps=16e9).codec == "raw"  # the path carries 16 again
+    p.choose(1e9, peak_bps=1e9)
+    assert p.choose(2e9, app_limited=True).codec == "int4"
     # without a rate of the path (never measured while it set the pace): the estimate
     fresh = _cpu_bound()
     assert fresh.choose(None).codec == "raw"
