@@ -34,12 +34,13 @@ is chosen, the speeds of a codec not sent for a while; see :meth:`CodecChooser.c
 What the wire term rests on is the bandwidth estimate, and an estimate taken while the
 sender, not the path, set the pace (app-limited: an encoder, a CPU shared with other
 work, a transfer's first round trips) is a floor of the path's rate, not its ceiling.
-So while app-limited the model takes the path's rate as at least what it was when the
-path last set the pace (the estimator's peak then); raw, sent first on a short path,
-stays chosen while the sender limits and until the path's rate stops growing (BBR's
-full pipe, :data:`FILL_CHUNKS`); and a less precise codec must beat the one sent until
-now by ``hysteresis``, so that codecs the model rates within noise of each other do not
-take turns chunk by chunk.
+So the model takes the path's rate as the estimator's peak while the path sets the
+pace (``peak_bps``; the published estimate is a mean over half a second) and, while
+app-limited, as at least that peak when the path last set the pace; raw, sent first on
+a short path, stays chosen while the sender limits and until the path's rate stops
+growing (BBR's full pipe, :data:`FILL_CHUNKS`); and a less precise codec must beat the
+one sent until now by ``hysteresis``, so that codecs the model rates within noise of
+each other do not take turns chunk by chunk.
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
@@ -471,10 +472,10 @@ class CodecChooser:
         :param app_limited: the sender's samples are app-limited now (the encoder, not the
             path, sets the pace), so the estimate may be far below what the path carries.
             In throughput mode the model then takes the path's rate as at least what it
-            was when the path last set the pace (``peak_bps``, or the estimate, of the
-            last call that was not app-limited), and a raw choice stays raw: with the
-            sender, not the path, the bottleneck, a codec that spends CPU to save wire
-            bytes cannot deliver more.
+            was when the path last set the pace (the larger of ``peak_bps`` and the
+            estimate, of the last call that was not app-limited), and a raw choice stays
+            raw: with the sender, not the path, the bottleneck, a codec that spends CPU to
+            save wire bytes cannot deliver more.
         :param now: with it, once per ``probe_interval`` a chunk is a probe: while
             app-limited, a compact choice becomes raw (sent without encoding, it shows
             what the path delivers, so a path faster than the encoder stops being taken
@@ -489,7 +490,9 @@ class CodecChooser:
             (the leader or an exploring stint, see the module docstring; a stint's chunks
             are the probes then), with or without a bandwidth estimate.
         :param peak_bps: the estimator's windowed peak (its max filter): what the path
-            has shown it carries; remembered from calls that are not app-limited (above).
+            has shown it carries. In throughput mode, on a call that is not app-limited,
+            the model rates the wire at the larger of it and ``bandwidth_bps``, and
+            remembers that rate for the app-limited calls after it.
         """
         choice = self._choose(bandwidth_bps, remaining_bytes, time_left, app_limited, now, peak_bps)
         if self._measure:
