@@ -66,7 +66,7 @@ from kvwire.wire import (
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
 from kvwire.wire.frames import KIND_KV, Buffer
-from kvwire.wire.transfer import split_kv
+from kvwire.wire.transfer import kinds_overlap, split_kv
 
 Key = tuple[bytes, int]
 """A transfer's identity on a server: (session id, transfer id)."""
@@ -354,8 +354,8 @@ class _Reservation:
     end: int
 
     def overlaps(self, layer: int, kind: int, start: int, end: int) -> bool:
-        same = self.kind == kind or KIND_KV in (self.kind, kind)  # a KV range is a K and a V range
-        return self.layer == layer and same and self.start < end and start < self.end
+        return (self.layer == layer and kinds_overlap(self.kind, kind)
+                and self.start < end and start < self.end)
 
 
 @dataclass(eq=False)

@@ -23,6 +23,12 @@ from kvwire.wire.frames import KIND_K, KIND_KV, KIND_V, Chunk, ChunkAddress
 _CROSSES = {KIND_K: (KIND_KV,), KIND_V: (KIND_KV,), KIND_KV: (KIND_K, KIND_V)}
 
 
+def kinds_overlap(a: int, b: int) -> bool:
+    """Whether token ranges of chunk kinds ``a`` and ``b`` hold the same tensors' data:
+    the same kind, or KV and K or V (a KV range is a K range and a V range)."""
+    return a == b or b in _CROSSES.get(a, ())
+
+
 def split_kv(chunk: Chunk) -> tuple[Chunk, Chunk]:
     """A raw KV chunk as the K chunk and the V chunk of its token range (views of its
     payload, which is K's bytes, then V's).  ProtocolError if its payload has an odd size."""

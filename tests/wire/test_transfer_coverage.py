@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvwire.errors import ProtocolError
 from kvwire.wire import KIND_K, KIND_KV, KIND_V, Chunk, ChunkVerdict, IncomingTransfer
-from kvwire.wire.transfer import split_kv
+from kvwire.wire.transfer import kinds_overlap, split_kv
 
 
 def chunk(kind: int, start: int, count: int, tokens: int, layer: int = 0, codec_id: int = 0) -> Chunk:
@@ -125,3 +125,13 @@ def test_split_kv_gives_the_k_and_v_chunks_of_the_range() -> None:
     with pytest.raises(ProtocolError, match="two equal halves"):
         split_kv(Chunk(transfer_id=1, layer=2, kind=KIND_KV, codec_id=0, token_start=4, token_count=2,
                        layer_tokens=8, params=b"", payload=b"x" * 15))
+
+
+def test_kinds_overlap_is_the_coverage_rule() -> None:
+    """The one rule both the coverage and the receiver's in-place reservations use: a KV
+    range covers K and V, K and V do not cover each other; symmetric."""
+    kinds = (KIND_K, KIND_V, KIND_KV)
+    pairs = {(a, b) for a in kinds for b in kinds if kinds_overlap(a, b)}
+    assert pairs == {(KIND_K, KIND_K), (KIND_V, KIND_V), (KIND_KV, KIND_KV), (KIND_K, KIND_KV),
+                     (KIND_KV, KIND_K), (KIND_V, KIND_KV), (KIND_KV, KIND_V)}
+    assert not kinds_overlap(7, KIND_K) and kinds_overlap(7, 7)
