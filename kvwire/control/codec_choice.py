@@ -35,8 +35,9 @@ What the wire term rests on is the bandwidth estimate, and an estimate taken whi
 sender, not the path, set the pace (app-limited: an encoder, a CPU shared with other
 work, a transfer's first round trips) is a floor of the path's rate, not its ceiling.
 So the model takes the path's rate as the estimator's peak while the path sets the
-pace (``peak_bps``; the published estimate is a mean over half a second) and, while
-app-limited, as at least that peak when the path last set the pace; raw, sent first on
+pace on a short path (``peak_bps``; the published estimate is a mean over half a second,
+which on a long path spans many round trips and is kept) and, while app-limited, as at
+least that peak when the path last set the pace; raw, sent first on
 a short path, stays chosen while the sender limits and until the path's rate stops
 growing (BBR's full pipe, :data:`FILL_CHUNKS`); and a less precise codec must beat the
 one sent until now by ``hysteresis``, so that codecs the model rates within noise of
@@ -491,8 +492,8 @@ class CodecChooser:
             are the probes then), with or without a bandwidth estimate.
         :param peak_bps: the estimator's windowed peak (its max filter): what the path
             has shown it carries. In throughput mode, on a call that is not app-limited,
-            the model rates the wire at the larger of it and ``bandwidth_bps``, and
-            remembers that rate for the app-limited calls after it.
+            the model remembers the larger of it and ``bandwidth_bps`` for the app-limited
+            calls after it, and on a short path rates the wire at it.
         """
         choice = self._choose(bandwidth_bps, remaining_bytes, time_left, app_limited, now, peak_bps)
         if self._measure:
@@ -515,7 +516,7 @@ class CodecChooser:
             # LONG_PATH_RTT) the window, not the encoder, paces the first round trips, and
             # the most compact codec carries the most KV in them (raw's first window was
             # 2% of a 6 s run at 1 Gbit/s, 20 ms, and cost 2% of its goodput).
-            if self._path_rtt is not None and self._path_rtt >= LONG_PATH_RTT:
+            if self._long_path():
                 first = min(self._by_precision, key=lambda c: self._ratio[c])
             else:
                 first = self._by_precision[0]
@@ -529,12 +530,18 @@ class CodecChooser:
             rates.update((c, r) for c, r in self.meter.measured.items() if c in rates)
             return self._choose_for_deadline(rates, remaining_bytes, time_left)
         if not app_limited:
-            # The path set the pace: its rate is its peak (BBR's bottleneck bandwidth).
-            # The published estimate is a mean over half a second, and in a burst of small
-            # transfers, each with its first round trips in it, it read 13 Gbit/s of a
-            # loopback whose peak was 25: raw, rated on it, lost to int8, which
-            # delivered a third less.
-            path = bandwidth_bps = self._path_bps = max(bandwidth_bps, peak_bps or 0.0)
+            # The path set the pace: its rate is its peak (BBR's bottleneck bandwidth),
+            # remembered for the app-limited calls after it. On a short path the model
+            # rates the wire at it too: the published estimate is a mean over half a
+            # second, and in a burst of small transfers, each with its first round trips
+            # in it, it read 13 Gbit/s of a loopback whose peak was 25 (raw, rated on it,
+            # lost to int8, which delivered a third less). On a long path the mean spans
+            # many round trips and follows the link, while acknowledgements released in
+            # bunches lift the peak above it (rated at the peak, the 8-bit codecs tied
+            # int4 on a 20 ms, 10 Gbit/s link and were kept at 0.90 of its rate).
+            path = self._path_bps = max(bandwidth_bps, peak_bps or 0.0)
+            if not self._long_path():
+                bandwidth_bps = path
             if self._filling:
                 # BBR's full pipe: the path's rate stopped growing by a quarter.
                 if path >= FILL_GROWTH * self._fill_bps:
@@ -768,6 +775,10 @@ class CodecChooser:
             and now - self._sent_at.get(c, -math.inf) >= self._refresh_after
         ]
         return min(stale, key=lambda c: self._sent_at.get(c, -math.inf)) if stale else None
+
+    def _long_path(self) -> bool:
+        """The handshake's round trip was at least :data:`LONG_PATH_RTT`."""
+        return self._path_rtt is not None and self._path_rtt >= LONG_PATH_RTT
 
     def _is_free(self, codec: str) -> bool:
         """No encode or decode cost and nothing saved on the wire: raw."""

@@ -511,6 +511,12 @@ def test_an_app_limited_estimate_is_a_floor_of_the_path_not_its_ceiling() -> Non
     assert p.choose(2e9, peak_bps=16e9).codec == "raw"  # the path carries 16 again
     p.choose(1e9, peak_bps=1e9)
     assert p.choose(2e9, app_limited=True).codec == "int4"
+    # a long path: the wire rated at the estimate (its mean spans many round trips; the
+    # peak, lifted by acknowledgements in bunches, is only remembered as the floor)
+    far = _cpu_bound()
+    far.observe_path_rtt(0.02)
+    assert far.choose(4e9, peak_bps=16e9).codec == "int4"
+    assert far.choose(2e9, app_limited=True).codec == "raw"
     # without a rate of the path (never measured while it set the pace) and no raw held:
     # the estimate as it is
     fresh = _cpu_bound()
