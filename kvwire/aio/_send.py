@@ -23,7 +23,7 @@ from kvwire.aio._arrays import (
     sync_layers,
 )
 from kvwire.aio._codec_speed import codec_speeds
-from kvwire.aio._encode import ENCODE_AHEAD, Part, device_parts, host_chunks, raw_based
+from kvwire.aio._encode import Part, device_parts, host_chunks, raw_based
 from kvwire.codec import TensorKind, get_codec
 from kvwire.control import CodecCandidate, CodecChooser
 from kvwire.errors import (
@@ -262,14 +262,14 @@ async def _send_layer(
     def next_codec() -> Any:
         return first.pop() if first else pick()
 
-    # Raw chunks of host arrays are views of the caller's memory, free to hold: up to
-    # AHEAD_CHUNKS of them wait in the core's queue, so the task wakes once per that many
-    # instead of once per chunk. An encoded chunk is memory: the next goes to the core once
-    # the one before is on a stream (host_chunks has encoded it meanwhile, up to
-    # ENCODE_AHEAD chunks ahead).
-    # ``auto``'s raw chunks too: they cost nothing to hold either, and a raw chunk that
-    # waited for the queue to drain before the next was chosen left the pipe empty at
-    # every chunk (on two busy cores ``auto`` then delivered less than any fixed codec).
+    # Raw chunks of host arrays (``auto``'s included) are views of the caller's memory,
+    # free to hold: up to AHEAD_CHUNKS of them wait in the core's queue, so the task wakes
+    # once per that many instead of once per chunk. An encoded chunk is memory: the next
+    # goes to the core once the one before is on a stream (host_chunks has encoded it
+    # meanwhile, up to ENCODE_AHEAD chunks ahead, for ``auto`` as for a fixed codec).
+    # Encoded only when asked for, or with each raw chunk waiting for the queue to drain,
+    # ``auto`` left the pipe empty at every chunk and on two busy cores delivered less
+    # than any fixed codec (docs/benchmarks.md).
     queue_ahead = AHEAD_CHUNKS * target if host else 0
     parts: list[Part] = []
     for kind, arr in ((TensorKind.K, k), (TensorKind.V, v)):
@@ -279,11 +279,7 @@ async def _send_layer(
         if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
         parts.append((kind, arr, chunks))
-    # ``auto`` encodes ahead as a fixed codec does: encoded only when asked for, a chunk's
-    # encode left the pipe empty while it ran (on two busy cores ``auto`` then delivered
-    # less than any fixed codec; docs/benchmarks.md).
-    ahead = ENCODE_AHEAD
-    source = (host_chunks(parts, next_codec, chooser, ahead=ahead) if host
+    source = (host_chunks(parts, next_codec, chooser) if host
               else device_parts(parts, pick, spec.dtype, chooser))
     async with contextlib.aclosing(source):
         async for kind, start, count, codec, enc in source:

@@ -944,7 +944,7 @@ class FrameDecoder:
         if big.ftype == FrameType.CHUNK:
             chunk = _chunk_from(big.pre, big.dest, self.max_kind)
             if chunk is None:
-                raise _bad_kind(big.pre[10], self.max_kind)
+                raise _bad_kind(CHUNK_FIXED.unpack_from(big.pre)[2], self.max_kind)
             return chunk
         return decode_body(big.ftype, big.header[1], big.dest)
 
