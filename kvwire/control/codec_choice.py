@@ -12,10 +12,11 @@ How they combine is the ``pipeline`` setting:
 
 * ``"hosts"`` (default): each host's CPU work adds up, the sender's (encode and its
   transport) and the receiver's (decode and its transport, reported in its REPORTs);
-  the two hosts and the wire overlap, and the slowest of the three bounds the rate. On a
-  path whose "wire" is itself CPU (loopback, a host where the transport is CPU-bound) the
-  transport term is what keeps quantizing from looking free; on a real link the CPU work
-  hides behind the wire.
+  the two hosts and the wire overlap, and the slowest of the three bounds the rate (of
+  a codec that encodes or decodes, the three bend it below the slowest when they are
+  close: :data:`STAGE_COUPLING`). On a path whose "wire" is itself CPU (loopback, a host
+  where the transport is CPU-bound) the transport term is what keeps quantizing from
+  looking free; on a real link the CPU work hides behind the wire.
 * ``"cpu"``: the wire overlaps the CPU work; encode, decode and the sender's transport
   add (one CPU budget, as if one host did all of it). Over a 10 Gbit/s veth link between
   two processes it charged the receiver's decode to the sender and kept int8 where int4
@@ -169,6 +170,30 @@ FILL_GROWTH = 1.25
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
 
+#: How sharply the rate of a codec that encodes or decodes bends below its slowest stage
+#: (``pipeline="hosts"``): ``(sum of rate ** -STAGE_COUPLING) ** (-1 / STAGE_COUPLING)``
+#: over the wire and the two hosts. An encoder whose speed swings chunk by chunk, with a
+#: few chunks of buffer between it and the wire, leaves the wire idle for part of the
+#: time when the two rates are close (a tandem queue's throughput is below its slowest
+#: stage's, the most when the stages are equal): over a 10 Gbit/s, 20 ms link the 8-bit
+#: codecs, rated by their slowest stage at 19 Gbit/s (the wire) with their sender's CPU at
+#: 21, delivered 16.5-16.8, while int4, whose wire is twice as far, delivered what its
+#: CPU was rated at (docs/benchmarks.md). At 4, two equal stages deliver 0.84 of either;
+#: a stage twice as fast as the slowest costs it 1.5%. Raw has no encoder: the slowest
+#: of its stages bounds it (on loopback its "wire" is the same CPU as its transport).
+STAGE_COUPLING = 4.0
+
+
+def coupled(rates: Iterable[float]) -> float:
+    """The rate of stages of ``rates`` in a pipeline with little buffering between them
+    (:data:`STAGE_COUPLING`); an infinite rate (a stage with no cost) drops out, a stage
+    that moves nothing stops the pipeline."""
+    rates = list(rates)
+    if any(r <= 0 for r in rates):
+        return 0.0
+    total = math.fsum(r**-STAGE_COUPLING for r in rates)
+    return float(total ** (-1.0 / STAGE_COUPLING))
+
 
 class CodecChooser:
     """Chooses a codec per chunk from the bandwidth estimate and measured encode speeds."""
@@ -177,7 +202,7 @@ class CodecChooser:
         self,
         candidates: Iterable[CodecCandidate],
         *,
-        tolerance: float = 0.05,
+        tolerance: float = 0.02,
         speed_gain: float = 0.25,
         deadline_margin: float = 0.1,
         pipeline: str = "hosts",
@@ -188,7 +213,7 @@ class CodecChooser:
         explore_after: int = 80,
         explore_max: int = 2560,
         explore_cost: float = 0.01,
-        hysteresis: float = 0.10,
+        hysteresis: float = 0.05,
         explore_floor: float = 0.5,
         measure_goodput: bool = False,
         meter: GoodputMeter | None = None,
@@ -416,11 +441,14 @@ class CodecChooser:
         return old + self._gain * min(1.0, nbytes / FULL_SAMPLE_BYTES) * (value - old)
 
     def observe_size(self, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
-        """Feed one measured size ratio (entropy stages vary with the data)."""
+        """Feed one measured size ratio (entropy stages vary with the data), weighed by
+        its size as the speeds are: int4 packs tokens in groups, and a chunk of one token
+        measured 4.25 wire bytes per fp16 byte (0.375 in whole chunks); at a full
+        sample's weight it made int4 look three times its size over a 1 Gbit/s link, where
+        fp8 then took over, and a codec no longer sent is not measured again."""
         if codec not in self._ratio or fp16_bytes <= 0 or wire_bytes <= 0:
             return
-        ratio = wire_bytes / fp16_bytes
-        self._ratio[codec] += self._gain * (ratio - self._ratio[codec])
+        self._ratio[codec] = self._blend(self._ratio[codec], wire_bytes / fp16_bytes, fp16_bytes)
 
     def delivered_rate(self, codec: str, bandwidth_bps: float) -> float:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
@@ -438,7 +466,8 @@ class CodecChooser:
         if self._pipeline == "hosts":
             # Each host's CPU work adds up; the two hosts and the wire overlap.
             sender, receiver = enc + send, dec + recv
-            return min(link, 1.0 / sender if sender else math.inf, 1.0 / receiver if receiver else math.inf)
+            hosts = (link, 1.0 / sender if sender else math.inf, 1.0 / receiver if receiver else math.inf)
+            return coupled(hosts) if enc or dec else min(hosts)
         if self._pipeline == "full":
             # Every stage apart; the receiver's loop receives and decodes: one stage.
             stages = (encode, 1.0 / send if send else None, 1.0 / (dec + recv) if recv else decode)
@@ -539,9 +568,10 @@ class CodecChooser:
             # many round trips and follows the link, while acknowledgements released in
             # bunches lift the peak above it (rated at the peak, the 8-bit codecs tied
             # int4 on a 20 ms, 10 Gbit/s link and were kept at 0.90 of its rate).
-            path = self._path_bps = max(bandwidth_bps, peak_bps or 0.0)
-            if not self._long_path():
-                bandwidth_bps = path
+            if self._long_path():
+                path = self._path_bps = bandwidth_bps
+            else:
+                path = self._path_bps = bandwidth_bps = max(bandwidth_bps, peak_bps or 0.0)
             if self._filling:
                 # BBR's full pipe: the path's rate stopped growing by a quarter.
                 if path >= FILL_GROWTH * self._fill_bps:

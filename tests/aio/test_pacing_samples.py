@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -182,7 +183,7 @@ class _Chooser:
 
 async def test_encode_time_is_the_codecs_own_not_the_wait_for_a_worker(monkeypatch: Any) -> None:
     clock = [100.0]
-    monkeypatch.setattr(_encode.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(_encode.time, "thread_time", lambda: clock[0])
     loop = asyncio.get_running_loop()
     real = loop.run_in_executor
 
@@ -197,6 +198,23 @@ async def test_encode_time_is_the_codecs_own_not_the_wait_for_a_worker(monkeypat
     x = np.zeros((4, 2, 8), np.float16)
     await _encode.encode(_SlowCodec(clock), x, TensorKind.K, chooser)  # type: ignore[arg-type]
     assert chooser.seen == [("fake", x.nbytes, 2.0)]
+
+
+class _SleepyCodec(_SlowCodec):
+    """A codec whose worker is off its core for 0.3 s in every encode (as a thread is
+    while other work holds the CPU)."""
+
+    def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        time.sleep(0.3)
+        return EncodedChunk(self.codec_id, b"", b"\0" * 8)
+
+
+async def test_encode_time_is_the_workers_cpu_time_not_the_clocks() -> None:
+    chooser = _Chooser()
+    x = np.zeros((4, 2, 8), np.float16)
+    await _encode.encode(_SleepyCodec([0.0]), x, TensorKind.K, chooser)  # type: ignore[arg-type]
+    [(name, nbytes, seconds)] = chooser.seen
+    assert (name, nbytes) == ("fake", x.nbytes) and 0 <= seconds < 0.15
 
 
 class _TransportChooser:

@@ -74,10 +74,15 @@ def test_unmeasured_codec_is_optimistic() -> None:
     assert math.isnan(c.choose(None).delivered_bytes_per_s)
 
 
-def test_observed_size_ratio_is_smoothed() -> None:
+def test_observed_size_ratio_is_smoothed_and_weighed_by_size() -> None:
     c = chooser(speed_gain=0.5)
-    c.observe_size("fp8", 1000, 400)
+    c.observe_size("fp8", 5 << 20, 2 << 20)  # 0.4 over a whole sample: half way there
     assert c.size_ratio("fp8") == pytest.approx(0.45)
+    # int4 packs tokens in groups: a chunk of one token is 4.25 times its fp16 size, and
+    # it weighs what its bytes do (2 KiB of a 1 MiB sample).
+    c.observe_size("int4", 2048, 8705)
+    assert 0.25 < c.size_ratio("int4") < 0.26
+    assert c.choose(1e9).codec == "int4"
 
 
 def test_deadline_keeps_precision_when_it_fits() -> None:
@@ -132,9 +137,11 @@ def test_receiver_decode_counts_against_a_codec() -> None:
     assert c.delivered_rate("fp8", 1e9) == pytest.approx(GB / 7)
     # Wire overlapped with one CPU budget: max(4, 3) s/GB at 1 Gbit/s.
     assert CodecChooser(candidates, pipeline="cpu").delivered_rate("fp8", 1e9) == pytest.approx(0.25 * GB)
-    # Each host's budget apart (the default): the receiver's decode, 2.5 s/GB, at 10 Gbit/s.
-    assert CodecChooser(candidates).delivered_rate("fp8", 10e9) == pytest.approx(0.4 * GB)
-    assert CodecChooser(candidates).delivered_rate("fp8", 1e9) == pytest.approx(0.25 * GB)  # the wire
+    # Each host's budget apart (the default): the receiver's decode, 2.5 s/GB, at 10 Gbit/s,
+    # bent below by the encoder's 0.5 and the wire's 0.4 (STAGE_COUPLING).
+    hosts = CodecChooser(candidates)
+    assert hosts.delivered_rate("fp8", 10e9) == pytest.approx(GB / (2.5**4 + 0.5**4 + 0.4**4) ** 0.25)
+    assert hosts.delivered_rate("fp8", 1e9) == pytest.approx(GB / (2.5**4 + 0.5**4 + 4**4) ** 0.25)  # the wire
     # Every stage overlapped: the decoder's 0.4 GB/s bounds it at 10 Gbit/s.
     assert CodecChooser(candidates, pipeline="full").delivered_rate("fp8", 10e9) == pytest.approx(0.4 * GB)
     with pytest.raises(ValueError):
@@ -168,12 +175,17 @@ def test_the_measured_transport_cpu_keeps_raw_where_the_wire_is_cpu() -> None:
         c.observe_transport(int(1 * GB), 0.2)
         assert c.transport_cost == pytest.approx(0.2 / GB)
         assert c.delivered_rate("raw", 32e9) == pytest.approx(4 * GB)  # min(wire, 1 / 0.2 s/GB)
-        # one budget: encode, decode and transport; the sender's host: encode and transport
-        cost = 1 / 6 + 1 / 18 + 0.52 * 0.2 if pipeline == "cpu" else 1 / 6 + 0.52 * 0.2
-        assert c.delivered_rate("fp8", 32e9) == pytest.approx(GB / cost)
+        # one budget: encode, decode and transport, against the wire's 0.13 s/GB; the
+        # hosts: the sender's encode and transport, the receiver's decode and the wire,
+        # bent below the slowest (STAGE_COUPLING)
+        sender, receiver = 1 / 6 + 0.52 * 0.2, 1 / 18
+        for gbps, wire in ((32e9, 0.52 / 4), (10e9, 0.52 / 1.25)):
+            cost = (max(wire, sender + receiver) if pipeline == "cpu"
+                    else (wire**4 + sender**4 + receiver**4) ** 0.25)
+            assert c.delivered_rate("fp8", gbps) == pytest.approx(GB / cost)
         assert c.choose(32e9).codec == "raw"
         assert c.choose(10e9).codec == "fp8"
-        assert c.delivered_rate("fp8", 10e9) == pytest.approx(1.25 / 0.52 * GB)
+        assert c.delivered_rate("fp8", 10e9) > 0.95 * 1.25 / 0.52 * GB  # hidden behind the wire, nearly
 
 
 def test_observed_decode_speed_moves_the_choice() -> None:
@@ -207,6 +219,8 @@ def _true_rate(
     if pipeline == "hosts":
         sender = (1 / enc if enc else 0) + (ratio * transport if transport else 0)
         receiver_cpu = (1 / dec if dec else 0) + ratio * (receiver or 0)
+        if enc or dec:  # an encoder's pace against the wire's: the 4-norm of the times
+            return 1 / (wire**4 + sender**4 + receiver_cpu**4) ** 0.25
         return 1 / max(wire, sender, receiver_cpu)
     apart = [1 / s for s in (enc,) if s is not None] + ([ratio * transport] if transport else [])
     return 1 / max([wire, *apart, ratio * (receiver or 0) + (1 / dec if dec else 0)])
@@ -247,8 +261,8 @@ def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
     assert choice.codec == "raw" or chosen_rate >= raw_rate * (1 - 1e-9)
     if time_left is None:  # throughput mode: raw whenever it is within tolerance of the best
         best = max(_true_rate(pipeline, bandwidth, *p) for p in params.values())
-        if abs(raw_rate - 0.95 * best) > 1e-6 * best:
-            assert (choice.codec == "raw") == (raw_rate > 0.95 * best)
+        if abs(raw_rate - 0.98 * best) > 1e-6 * best:  # the default tolerance, 2%
+            assert (choice.codec == "raw") == (raw_rate > 0.98 * best)
 
 
 def test_before_any_estimate_a_long_path_starts_compact_and_a_short_one_raw() -> None:
@@ -303,7 +317,9 @@ def test_the_receivers_reported_costs() -> None:
     assert full.delivered_rate("raw", 10e9) == pytest.approx(GB / 1.5)  # raw's wire bytes, received
     assert cpu.delivered_rate("raw", 10e9) == pytest.approx(1.25 * GB)
     # the receiver's host: decode 0.5 + its transport 0.75 s/GB, against the sender's 0.25
-    assert hosts.delivered_rate("fp8", 10e9) == pytest.approx(GB / 1.25)
+    # and the wire's 0.4 (an encoder's stages: the 4-norm of their times, STAGE_COUPLING)
+    assert hosts.delivered_rate("fp8", 10e9) == pytest.approx(GB / (0.4**4 + 0.25**4 + 1.25**4) ** 0.25)
+    assert 0.99 * GB / 1.25 < hosts.delivered_rate("fp8", 10e9) < GB / 1.25
     assert hosts.delivered_rate("raw", 10e9) == pytest.approx(GB / 1.5)
 
 
@@ -511,12 +527,15 @@ def test_an_app_limited_estimate_is_a_floor_of_the_path_not_its_ceiling() -> Non
     assert p.choose(2e9, peak_bps=16e9).codec == "raw"  # the path carries 16 again
     p.choose(1e9, peak_bps=1e9)
     assert p.choose(2e9, app_limited=True).codec == "int4"
-    # a long path: the wire rated at the estimate (its mean spans many round trips; the
-    # peak, lifted by acknowledgements in bunches, is only remembered as the floor)
+    # a long path: the wire rated at the estimate, and the floor is the estimate too (its
+    # mean spans many round trips; the peak, lifted by acknowledgements in bunches, read
+    # 11-12 Gbit/s of a 10 Gbit/s link)
     far = _cpu_bound()
     far.observe_path_rtt(0.02)
     assert far.choose(4e9, peak_bps=16e9).codec == "int4"
-    assert far.choose(2e9, app_limited=True).codec == "raw"
+    assert far.choose(2e9, app_limited=True).codec == "int4"  # at least 4: int4 still
+    assert far.choose(16e9, peak_bps=16e9).codec == "raw"
+    assert far.choose(2e9, app_limited=True).codec == "raw"  # at least 16
     # without a rate of the path (never measured while it set the pace) and no raw held:
     # the estimate as it is
     fresh = _cpu_bound()
@@ -558,16 +577,16 @@ def test_raw_held_back_by_the_sender_stays_raw() -> None:
 
 
 def test_the_model_keeps_its_codec_unless_another_is_faster_by_the_hysteresis() -> None:
-    """fp8 and int8 within 10% of each other by the model (speeds measured moment by
+    """fp8 and int8 within 5% of each other by the model (speeds measured moment by
     moment on a loaded host move them past each other): the codec sent stays, and they
     do not take turns chunk by chunk. A less precise codec takes over once faster by more
-    than the hysteresis, a more precise one once within tolerance of the best."""
+    than the hysteresis (5%), a more precise one once within tolerance (2%) of the best."""
     c = CodecChooser(
         [
             CodecCandidate(name="fp8", size_ratio=0.5, encode_bytes_per_s=2 * GB),
             CodecCandidate(name="int8", size_ratio=0.5, encode_bytes_per_s=2 * GB),
         ],
-        pipeline="full", hysteresis=0.10,
+        pipeline="full",
     )
     link = 80e9  # 10 GB/s of wire: both encoder-bound
 
@@ -577,13 +596,13 @@ def test_the_model_keeps_its_codec_unless_another_is_faster_by_the_hysteresis() 
         assert c.encode_speed(codec) == pytest.approx(speed, rel=1e-4)
 
     assert c.choose(link).codec == "fp8"
-    measured("int8", 2.1 * GB)  # 5% faster: not enough
+    measured("int8", 2.08 * GB)  # 4% faster: not enough
     assert c.choose(link).codec == "fp8"
-    measured("int8", 2.5 * GB)  # now int8 leads by more than 10%
+    measured("int8", 2.2 * GB)  # now int8 leads by more than 5%
     assert c.choose(link).codec == "int8"
-    measured("fp8", 2.4 * GB)  # fp8 more precise, 4% behind: within tolerance, it takes over
+    measured("fp8", 2.17 * GB)  # fp8 more precise, 1.4% behind: within tolerance, it takes over
     assert c.choose(link).codec == "fp8"
-    measured("int8", 2.6 * GB)  # int8 8% ahead: not enough to leave fp8 again
+    measured("int8", 2.26 * GB)  # int8 4% ahead: not enough to leave fp8 again
     assert c.choose(link).codec == "fp8"
 
 
