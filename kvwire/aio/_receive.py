@@ -45,6 +45,9 @@ class ArrayStore(LayerStore):
         self.decoded: dict[int, list[int]] = {}
         """By codec id: ``[elements, thread CPU nanoseconds]`` decoded so far (a GPU's
         decode counts the host's share: launches and copies)."""
+        self.allocated_ns = 0
+        """Thread CPU nanoseconds spent allocating layers so far: a slab the pool has not
+        held before is faulted in as it is made, once, not per byte received."""
 
     def opened(self, key: Key, spec: KVSpec) -> None:
         self._targets[key] = _Target(spec, numpy_dtype(spec.dtype))
@@ -69,9 +72,13 @@ class ArrayStore(LayerStore):
             return INTO
         spec = tg.spec
         shape = (2, chunk.layer_tokens, spec.num_kv_heads, spec.head_dim)
-        if self.gpu is not None:
-            return self.gpu.empty(shape, spec.dtype)
-        return default_pool().empty(shape, tg.dtype)  # reused, pre-faulted: no page faults per transfer
+        t0 = time.thread_time_ns()
+        try:
+            if self.gpu is not None:
+                return self.gpu.empty(shape, spec.dtype)
+            return default_pool().empty(shape, tg.dtype)  # reused, pre-faulted: no page faults per transfer
+        finally:
+            self.allocated_ns += time.thread_time_ns() - t0
 
     def _out(self, tg: _Target, chunk: Chunk, buffer: Any) -> Any:
         if buffer is INTO:

@@ -179,6 +179,7 @@ def test_the_cost_meter_reports_per_interval_and_skips_an_idle_one() -> None:
     class Store:
         def __init__(self) -> None:
             self.decoded: dict[int, list[int]] = {}
+            self.allocated_ns = 0
 
     core, store = Core(), Store()
     meter = _CostMeter(core, store)  # type: ignore[arg-type]
@@ -200,3 +201,35 @@ def test_the_cost_meter_reports_per_interval_and_skips_an_idle_one() -> None:
     store.decoded = {2: [3 << 20, 5_000_000]}
     meter.tick(idle + REPORT_INTERVAL)
     assert len(core.reports) == 2 and core.reports[1][1] == {2: pytest.approx(1e-3 / (1 << 20))}
+
+
+def test_the_cost_meter_leaves_out_what_allocating_layers_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slab new to the pool is faulted in once as it is made: not a cost per byte
+    received. The loop thread spent 100 ms in an interval: 20 decoding, 70 allocating."""
+    from kvwire.aio import server
+    from kvwire.aio.server import REPORT_INTERVAL, _CostMeter
+
+    cpu = [0]
+    monkeypatch.setattr(server.time, "thread_time_ns", lambda: cpu[0])
+
+    class Core:
+        chunk_bytes_received = 0
+        reports: list[float | None] = []
+
+        def report(self, transport: float | None, decode: dict[int, float]) -> int:
+            self.reports.append(transport)
+            return 1
+
+    class Store:
+        decoded: dict[int, list[int]] = {}
+        allocated_ns = 5_000_000  # before the interval: not this interval's
+
+    core, store = Core(), Store()
+    meter = _CostMeter(core, store)  # type: ignore[arg-type]
+    meter.tick(100.0)
+    core.chunk_bytes_received = 64 << 20
+    store.decoded = {2: [1 << 20, 20_000_000]}
+    store.allocated_ns += 70_000_000
+    cpu[0] += 100_000_000
+    meter.tick(100.0 + REPORT_INTERVAL)
+    assert core.reports == [pytest.approx(10e-3 / (64 << 20))]
