@@ -514,7 +514,25 @@ class Sample:
     gbps: float
     send_cpu: float  # s/GB
     recv_cpu: float  # s/GB
+    host_cpu: float | None = None  # s/GB, every CPU of the host (/proc/stat), None if unread
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def host_busy_seconds() -> float | None:
+    """CPU seconds the whole host has spent busy since boot (``/proc/stat``: every state
+    but idle and iowait), or None where there is no such file. Counts what the two
+    processes' own CPU times miss: softirq work done while no process ran (a shaped
+    link's packets released by a timer), the kernel threads; and, under a load, the load."""
+    try:
+        with open("/proc/stat") as fh:
+            fields = fh.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK")
 
 
 def _expect(conn: Connection, timeout: float, what: str) -> tuple[Any, ...]:
@@ -542,18 +560,21 @@ def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout:
         _expect(s_parent, 60, "sender setup")
         result = None
         for n in (1, count):  # warm-up, then the measurement
+            host0 = host_busy_seconds()
             r_parent.send(("go", n))
             s_parent.send(("go", n))
             sent = _expect(s_parent, timeout, "end of sending")
             r_parent.send(("end",))
             got = _expect(r_parent, timeout, "end of receiving")
+            host1 = host_busy_seconds()
             s_parent.send(("end",))
             send_cpu = _expect(s_parent, timeout, "sender CPU time")[1]
             _, start, send_end = sent
             _, recv_end, recv_cpu, one_sided = got
             seconds = (send_end if one_sided else recv_end) - start
             gb = n * nbytes / 1e9
-            result = Sample(gbps=8 * gb / seconds, send_cpu=send_cpu / gb, recv_cpu=recv_cpu / gb)
+            host = (host1 - host0) / gb if host0 is not None and host1 is not None else None
+            result = Sample(gbps=8 * gb / seconds, send_cpu=send_cpu / gb, recv_cpu=recv_cpu / gb, host_cpu=host)
         r_parent.send(("stop",))
         s_parent.send(("stop",))
         closed = _expect(s_parent, 30, "sender close")
@@ -657,6 +678,10 @@ class Scenario:
         if self.tokens * TOKEN_BYTES == GiB and self.count == 1:
             size = "1 GiB"
         return f"{self.link}, {self.load}, {size}"
+
+
+def _host_cpu(got: list[Sample]) -> list[float]:
+    return [x.host_cpu for x in got if x.host_cpu is not None]
 
 
 def _fmt(values: list[float], digits: int = 3) -> str:
@@ -769,24 +794,30 @@ def main(argv: list[str] | None = None) -> int:
           f"Gbit/s of KV delivered and CPU s/GB per side: median (min-max)\n")
     for sc in scenarios:
         print(f"### {sc.label}\n")
-        print("| system | Gbit/s | vs raw | sender CPU s/GB | receiver CPU s/GB | both CPU s/GB | CPU vs raw |")
-        print("|---|---|---|---|---|---|---|")
+        print("| system | Gbit/s | vs raw | sender CPU s/GB | receiver CPU s/GB | both CPU s/GB | CPU vs raw "
+              "| host CPU s/GB | host CPU vs raw |")
+        print("|---|---|---|---|---|---|---|---|---|")
         raw = samples.get((sc, "raw"))
         raw_med = statistics.median(x.gbps for x in raw) if raw else None
         raw_cpu = statistics.median(x.send_cpu + x.recv_cpu for x in raw) if raw else None
+        raw_host = _host_cpu(raw or []) if sc.load == "quiet" else []
+        raw_host_med = statistics.median(raw_host) if raw_host else None
         for system in systems:
             key = (sc, system)
             if system in skipped or key in failures:
                 why = skipped.get(system) or failures[key]
-                print(f"| {system} | - | - | - | - | - | - | ({why})")
+                print(f"| {system} | - | - | - | - | - | - | - | - | ({why})")
                 continue
             got = samples.get(key, [])
             rates = [x.gbps for x in got]
             both = [x.send_cpu + x.recv_cpu for x in got]
+            host = _host_cpu(got) if sc.load == "quiet" else []  # busy: the load's too
             ratio = f"{statistics.median(rates) / raw_med:.2f}" if raw_med and rates else "-"
             cpu_ratio = f"{statistics.median(both) / raw_cpu:.2f}" if raw_cpu and both else "-"
+            host_ratio = f"{statistics.median(host) / raw_host_med:.2f}" if raw_host_med and host else "-"
             print(f"| {system} | {_fmt(rates)} | {ratio} | {_fmt([x.send_cpu for x in got], 2)} "
-                  f"| {_fmt([x.recv_cpu for x in got], 2)} | {_fmt(both, 2)} | {cpu_ratio} |")
+                  f"| {_fmt([x.recv_cpu for x in got], 2)} | {_fmt(both, 2)} | {cpu_ratio} "
+                  f"| {_fmt(host, 2) if host else '-'} | {host_ratio} |")
         print()
     if args.json:
         with open(args.json, "w") as fh:
