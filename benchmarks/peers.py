@@ -20,9 +20,11 @@ measurement from a parent that has imported none of them:
 
 * ``raw``: ``sendall`` of each array / ``recv_into`` one reused, pre-faulted buffer;
 * ``kvwire-<codec>``: ``kvwire.connect(...).send`` / ``server.accept()`` and iterating the
-  layers (each dropped once seen), each send awaited before the next starts;
-  ``kvwire-<codec>*N``: up to N sends in flight at once (each still awaited for its
-  receipt); ``kvwire-auto-measured``: ``auto`` with ``auto_codec="measured"``;
+  layers (each dropped once seen), each send awaited before the next starts, both ends on
+  asyncio's own event loop; ``kvwire-<codec>*N``: up to N sends in flight at once (each
+  still awaited for its receipt); ``kvwire-auto-measured``: ``auto`` with
+  ``auto_codec="measured"``; a ``/uvloop`` suffix (``kvwire-raw/uvloop``) runs both ends
+  on uvloop, as ``kvwire.aio.run`` does;
 * ``mooncake``: Mooncake Transfer Engine over TCP (``P2PHANDSHAKE``), one batch write of
   the 64 arrays into memory the receiver registered once;
 * ``nixl``: NIXL over UCX with ``UCX_TLS=tcp``, one WRITE of the 64 arrays into
@@ -35,7 +37,9 @@ windows, registrations and receive pools are warm, as in a serving process). Tim
 the receiver has every byte; for the one-sided writes (Mooncake, NIXL), until the
 sender's write completes, which is when those engines report the data placed. CPU
 seconds per GB are each process's own CPU time (all its threads) over the measured
-interval, per GB of KV. Rounds are interleaved (round 1 of every system, then round 2,
+interval, per GB of KV, and (quiet rows) the whole host's busy time over it from
+``/proc/stat``, which also counts the kernel's work done outside either process (a
+shaped link's packets released by a timer while no process runs). Rounds are interleaved (round 1 of every system, then round 2,
 ...), and each figure is the median with min and max. A system that is not installed or
 fails says why and the others still run.
 
@@ -313,13 +317,15 @@ class KvwireReceiver(Receiver):
     """The server's event loop runs on its own thread, as in a serving process: it accepts
     connections and handshakes whenever they come, not only while a receive is awaited."""
 
+    def __init__(self, loop: str = "asyncio") -> None:
+        self.loop_kind = loop
+
     def setup(self, addr: str, nbytes: int) -> Any:
-        import asyncio
         import threading
 
         import kvwire
 
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(self.loop_kind)
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.server_cm = kvwire.serve(addr, 0, secret=SECRET)
@@ -350,17 +356,16 @@ class KvwireSender(Sender):
     """``kvwire-<codec>``: each ``peer.send`` awaited before the next; ``kvwire-<codec>*N``:
     up to N sends in flight at once, each still awaited for its receipt."""
 
-    def __init__(self, codec: str) -> None:
+    def __init__(self, codec: str, loop: str = "asyncio") -> None:
         codec, _, depth = codec.partition("*")
         self.codec = codec
         self.depth = int(depth or 1)
+        self.loop_kind = loop
 
     def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
-        import asyncio
-
         import kvwire
 
-        self.loop = asyncio.new_event_loop()
+        self.loop = new_loop(self.loop_kind)
         self.spec = kvwire.KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float16")
         self.layers = layer_arrays(cache, tokens)
         codec, _, mode = self.codec.partition("-")
@@ -407,8 +412,22 @@ def make_system(name: str) -> tuple[Receiver, Sender]:
     if name == "nixl":
         return NixlReceiver(), NixlSender()
     if name.startswith("kvwire-"):
-        return KvwireReceiver(), KvwireSender(name.removeprefix("kvwire-").split("@")[0])
+        spec, _, loop = name.removeprefix("kvwire-").split("@")[0].partition("/")
+        if loop not in ("", "uvloop"):
+            raise ValueError(f"unknown event loop {loop!r} in {name!r}")
+        return KvwireReceiver(loop or "asyncio"), KvwireSender(spec, loop or "asyncio")
     raise ValueError(f"unknown system {name!r}")
+
+
+def new_loop(kind: str) -> Any:
+    """An event loop of ``kind``: ``"asyncio"`` or ``"uvloop"``."""
+    import asyncio
+
+    if kind == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
 
 
 def missing(name: str) -> str | None:
@@ -698,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="raw,kvwire-raw,mooncake,nixl,zmq",
-                    help="comma-separated: raw, kvwire-<codec>[*N], mooncake, nixl, zmq")
+                    help="comma-separated: raw, kvwire-<codec>[*N][/uvloop], mooncake, nixl, zmq")
     ap.add_argument("--kvwire-codecs", default="", help="extra kvwire codecs to add, e.g. auto,fp8")
     ap.add_argument("--links", default="loopback,veth", help="loopback and/or veth (root)")
     ap.add_argument("--rate", type=float, default=10e9, help="veth rate in bit/s (default 10e9)")
@@ -731,9 +750,12 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     systems += [f"kvwire-{c}" for c in args.kvwire_codecs.split(",") if c and f"kvwire-{c}" not in systems]
     for s in systems:
-        depth = s.split("@")[0].partition("*")[2]
-        if s.startswith("kvwire-") and "*" in s and not (depth.isdigit() and int(depth) >= 1):
+        spec, _, loop = s.split("@")[0].partition("/")
+        depth = spec.partition("*")[2]
+        if s.startswith("kvwire-") and "*" in spec and not (depth.isdigit() and int(depth) >= 1):
             ap.error(f"{s}: kvwire-<codec>*N takes N >= 1 sends in flight")
+        if s.startswith("kvwire-") and loop not in ("", "uvloop"):
+            ap.error(f"{s}: the only other event loop is /uvloop")
     links = [x for x in args.links.split(",") if x]
     scenarios: list[Scenario] = []
     for link_name in links:

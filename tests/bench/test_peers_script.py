@@ -16,16 +16,18 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
-    got = _run("--systems", "raw,kvwire-raw,kvwire-raw*2", "--links", "loopback", "--loads", "quiet",
-               "--whole-tokens", "0", "--burst", "3x16", "--rounds", "1", "--json", str(out))
+    got = _run("--systems", "raw,kvwire-raw,kvwire-raw*2,kvwire-raw/uvloop", "--links", "loopback",
+               "--loads", "quiet", "--whole-tokens", "0", "--burst", "3x16", "--rounds", "1", "--json", str(out))
     assert got.returncode == 0, got.stderr
     data = json.loads(out.read_text())
     assert data["failures"] == {}
     assert sorted(data["samples"]) == ["loopback, quiet, 3 x 2 MiB / kvwire-raw",
                                       "loopback, quiet, 3 x 2 MiB / kvwire-raw*2",
+                                      "loopback, quiet, 3 x 2 MiB / kvwire-raw/uvloop",
                                       "loopback, quiet, 3 x 2 MiB / raw"]
     for samples in data["samples"].values():
-        assert len(samples) == 1 and samples[0]["gbps"] > 0
+        # the whole host's busy CPU over the interval counts both processes' and more
+        assert len(samples) == 1 and samples[0]["gbps"] > 0 and samples[0]["host_cpu"] >= 0
     one, two = (data["samples"][f"loopback, quiet, 3 x 2 MiB / {name}"][0]["extra"]["chunks_by_codec"]
                 for name in ("kvwire-raw", "kvwire-raw*2"))
     assert set(one) == {"raw"} and one == two  # two in flight: every send completed, each chunk raw
@@ -46,6 +48,12 @@ def test_sends_in_flight_must_be_a_positive_count() -> None:
         got = _run("--systems", system, "--links", "loopback")
         assert got.returncode == 2, system
         assert "N >= 1 sends in flight" in got.stderr, got.stderr
+
+
+def test_an_unknown_event_loop_is_refused() -> None:
+    got = _run("--systems", "kvwire-raw/trio", "--links", "loopback")
+    assert got.returncode == 2
+    assert "/uvloop" in got.stderr, got.stderr
 
 
 def test_nothing_to_run_is_an_error() -> None:
