@@ -38,7 +38,7 @@ work, a transfer's first round trips) is a floor of the path's rate, not its cei
 So the model takes the path's rate as the estimator's peak while the path sets the
 pace on a short path (``peak_bps``; the published estimate is a mean over half a second,
 which on a long path spans many round trips and is kept) and, while app-limited, as at
-least that peak when the path last set the pace; raw, sent first on
+least that rate when the path last set the pace; raw, sent first on
 a short path, stays chosen while the sender limits and until the path's rate stops
 growing (BBR's full pipe, :data:`FILL_CHUNKS`); and a less precise codec must beat the
 one sent until now by ``hysteresis``, so that codecs the model rates within noise of
@@ -502,8 +502,9 @@ class CodecChooser:
         :param app_limited: the sender's samples are app-limited now (the encoder, not the
             path, sets the pace), so the estimate may be far below what the path carries.
             In throughput mode the model then takes the path's rate as at least what it
-            was when the path last set the pace (the larger of ``peak_bps`` and the
-            estimate, of the last call that was not app-limited), and a raw choice stays
+            was when the path last set the pace (of the last call that was not
+            app-limited: on a short path the larger of ``peak_bps`` and the estimate, on
+            a long one the estimate), and a raw choice stays
             raw: with the sender, not the path, the bottleneck, a codec that spends CPU to
             save wire bytes cannot deliver more.
         :param now: with it, once per ``probe_interval`` a chunk is a probe: while
@@ -520,9 +521,10 @@ class CodecChooser:
             (the leader or an exploring stint, see the module docstring; a stint's chunks
             are the probes then), with or without a bandwidth estimate.
         :param peak_bps: the estimator's windowed peak (its max filter): what the path
-            has shown it carries. In throughput mode, on a call that is not app-limited,
-            the model remembers the larger of it and ``bandwidth_bps`` for the app-limited
-            calls after it, and on a short path rates the wire at it.
+            has shown it carries. In throughput mode, on a call that is not app-limited
+            and on a short path, the model rates the wire at the larger of it and
+            ``bandwidth_bps``, and remembers that for the app-limited calls after it (on
+            a long path it is not used).
         """
         choice = self._choose(bandwidth_bps, remaining_bytes, time_left, app_limited, now, peak_bps)
         if self._measure:
@@ -559,15 +561,15 @@ class CodecChooser:
             rates.update((c, r) for c, r in self.meter.measured.items() if c in rates)
             return self._choose_for_deadline(rates, remaining_bytes, time_left)
         if not app_limited:
-            # The path set the pace: its rate is its peak (BBR's bottleneck bandwidth),
-            # remembered for the app-limited calls after it. On a short path the model
-            # rates the wire at it too: the published estimate is a mean over half a
-            # second, and in a burst of small transfers, each with its first round trips
-            # in it, it read 13 Gbit/s of a loopback whose peak was 25 (raw, rated on it,
-            # lost to int8, which delivered a third less). On a long path the mean spans
-            # many round trips and follows the link, while acknowledgements released in
-            # bunches lift the peak above it (rated at the peak, the 8-bit codecs tied
-            # int4 on a 20 ms, 10 Gbit/s link and were kept at 0.90 of its rate).
+            # The path set the pace: its rate, remembered for the app-limited calls after
+            # it, is on a short path its peak (BBR's bottleneck bandwidth): the published
+            # estimate is a mean over half a second, and in a burst of small transfers,
+            # each with its first round trips in it, it read 13 Gbit/s of a loopback whose
+            # peak was 25 (raw, rated on it, lost to int8, which delivered a third less).
+            # On a long path the mean spans many round trips and follows the link, while
+            # acknowledgements released in bunches lift the peak above it (11-12 Gbit/s
+            # of a 10 Gbit/s, 20 ms link: rated at it, the 8-bit codecs tied int4 there
+            # and were kept at 0.90 of its rate).
             if self._long_path():
                 path = self._path_bps = bandwidth_bps
             else:
