@@ -542,16 +542,10 @@ def host_busy_seconds() -> float | None:
     but idle and iowait), or None where there is no such file. Counts what the two
     processes' own CPU times miss: softirq work done while no process ran (a shaped
     link's packets released by a timer), the kernel threads; and, under a load, the load."""
-    try:
-        with open("/proc/stat") as fh:
-            fields = fh.readline().split()
-    except OSError:
-        return None
-    if not fields or fields[0] != "cpu":
-        return None
-    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
-    busy = sum(ticks) - ticks[3] - ticks[4]
-    return busy / os.sysconf("SC_CLK_TCK")
+    from kvwire.bench.report import machine_cpu_times
+
+    times = machine_cpu_times()
+    return None if times is None else times[0]
 
 
 def _expect(conn: Connection, timeout: float, what: str) -> tuple[Any, ...]:

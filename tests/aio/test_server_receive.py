@@ -213,16 +213,18 @@ def test_the_cost_meter_leaves_out_what_allocating_layers_cost(monkeypatch: pyte
     monkeypatch.setattr(server.time, "thread_time_ns", lambda: cpu[0])
 
     class Core:
-        chunk_bytes_received = 0
-        reports: list[float | None] = []
+        def __init__(self) -> None:
+            self.chunk_bytes_received = 0
+            self.reports: list[float | None] = []
 
         def report(self, transport: float | None, decode: dict[int, float]) -> int:
             self.reports.append(transport)
             return 1
 
     class Store:
-        decoded: dict[int, list[int]] = {}
-        allocated_ns = 5_000_000  # before the interval: not this interval's
+        def __init__(self) -> None:
+            self.decoded: dict[int, list[int]] = {}
+            self.allocated_ns = 5_000_000  # before the interval: not this interval's
 
     core, store = Core(), Store()
     meter = _CostMeter(core, store)  # type: ignore[arg-type]
