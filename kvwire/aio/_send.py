@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -114,6 +115,14 @@ async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) 
     raise st.error
 
 
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def make_chooser(server_codecs: tuple[str, ...], mode: str = "model") -> CodecChooser:
     """The ``auto`` chooser for a server accepting ``server_codecs``; ``mode`` is
     :attr:`~kvwire.ClientOptions.auto_codec`."""
@@ -132,8 +141,9 @@ def make_chooser(server_codecs: tuple[str, ...], mode: str = "model") -> CodecCh
     if mode == "measured":
         # Measured goodput's samples vary by 10-20% on two loaded cores: a wider band
         # than the model's (docs/architecture.md).
-        return CodecChooser(candidates, measure_goodput=True, tolerance=0.05, hysteresis=0.10)
-    return CodecChooser(candidates)
+        return CodecChooser(candidates, measure_goodput=True, tolerance=0.05, hysteresis=0.10,
+                            cores=available_cpus())
+    return CodecChooser(candidates, cores=available_cpus())
 
 
 async def send(

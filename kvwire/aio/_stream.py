@@ -5,6 +5,7 @@ teardown helpers."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import platform
 import socket
@@ -61,6 +62,21 @@ def tune_socket(sock: Any, notsent_lowat: int | None = NOTSENT_LOWAT) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, notsent_lowat)
     except OSError:
         pass  # not a TCP socket (e.g. a test transport), or an older kernel
+
+
+def on_this_host(transport: Any) -> bool:
+    """The connection's other end is on this host: its peer address is a loopback address
+    or the connection's own (IP addresses only; anything else, or no transport: False)."""
+    if transport is None:
+        return False
+    peer, own = transport.get_extra_info("peername"), transport.get_extra_info("sockname")
+    if not isinstance(peer, tuple) or not isinstance(own, tuple) or not peer or not own:
+        return False
+    try:
+        address = ipaddress.ip_address(peer[0])
+    except ValueError:
+        return False
+    return address.is_loopback or peer[0] == own[0]
 
 
 class Core(Protocol):

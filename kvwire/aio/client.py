@@ -21,7 +21,7 @@ from typing import Any
 
 from kvwire.aio._send import AUTO, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
-from kvwire.aio._stream import Pump, Stream
+from kvwire.aio._stream import Pump, Stream, on_this_host
 from kvwire.aio.tcpinfo import read_tcp_info
 from kvwire.codec import codec_by_id, get_codec
 from kvwire.control import (
@@ -347,6 +347,8 @@ class Peer(Pump):
                 self.chooser = make_chooser(self.server_codecs, self.options.auto_codec)
                 if self.core.path_rtt is not None:
                     self.chooser.observe_path_rtt(self.core.path_rtt)
+                if any(on_this_host(s.transport) for s in self.streams):
+                    self.chooser.observe_shared_host()
             return
         get_codec(name)
         if name not in self.server_codecs:

@@ -11,12 +11,15 @@ out until measured).
 How they combine is the ``pipeline`` setting:
 
 * ``"hosts"`` (default): each host's CPU work adds up, the sender's (encode and its
-  transport) and the receiver's (decode and its transport, reported in its REPORTs);
-  the two hosts and the wire overlap, and the slowest of the three bounds the rate (of
-  a codec that encodes or decodes, the three bend it below the slowest when they are
-  close: :data:`STAGE_COUPLING`). On a path whose "wire" is itself CPU (loopback, a host
-  where the transport is CPU-bound) the transport term is what keeps quantizing from
-  looking free; on a real link the CPU work hides behind the wire.
+  transport) on its ``cores`` and the receiver's (decode and its transport, reported in
+  its REPORTs) on its event loop's thread; with more than one core the sender's encoder
+  chain (a worker thread) and its loop are stages of their own too, and a receiver on
+  the same host (:meth:`CodecChooser.observe_shared_host`) adds its work to the
+  sender's budget. The hosts and the wire overlap, and the slowest stage bounds the
+  rate (of a codec that encodes or decodes, stages bend it below the slowest when they
+  are close: :data:`STAGE_COUPLING`). On a path whose "wire" is itself CPU (loopback, a
+  host where the transport is CPU-bound) the transport term is what keeps quantizing
+  from looking free; on a real link the CPU work hides behind the wire.
 * ``"cpu"``: the wire overlaps the CPU work; encode, decode and the sender's transport
   add (one CPU budget, as if one host did all of it). Over a 10 Gbit/s veth link between
   two processes it charged the receiver's decode to the sender and kept int8 where int4
@@ -217,6 +220,7 @@ class CodecChooser:
         explore_floor: float = 0.5,
         measure_goodput: bool = False,
         meter: GoodputMeter | None = None,
+        cores: int = 1,
     ) -> None:
         """
         :param tolerance: in throughput mode, a more precise codec within this fraction
@@ -259,6 +263,11 @@ class CodecChooser:
             :meth:`observe_delivered` is then ignored.
         :param meter: the goodput meter fed by :meth:`observe_delivered` (default: a
             :class:`~kvwire.control.goodput.GoodputMeter` with its defaults).
+        :param cores: CPUs the sender's work may use (``pipeline="hosts"``). With one,
+            its encodes and its transport add up on one budget; with more, the encodes
+            (a chain on a worker thread) and the transport (the event loop's thread) each
+            bound the rate apart, and together ``cores`` times one budget; see
+            :meth:`observe_shared_host` for a receiver on the same host.
         """
         ordered = list(candidates)
         if not ordered:
@@ -324,6 +333,10 @@ class CodecChooser:
             raise ValueError("explore_floor must be in [0, 1]")
         self._explore_floor = explore_floor
         self._measure = measure_goodput
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+            raise ValueError("cores must be an int >= 1")
+        self._cores = cores
+        self._shared_host = False  # the receiver runs on this host (observe_shared_host)
         self._held: str | None = None  # the last choice in throughput mode, probes aside
         self._path_bps: float | None = None  # the path's rate when it last set the pace
         self._filling = False  # raw went first, the path's rate still grows (FILL_CHUNKS)
@@ -389,6 +402,24 @@ class CodecChooser:
         self._transport = self._blend(self._transport, cost, wire_bytes)
         if codec in self._ratio:
             self._transport_by[codec] = self._blend(self._transport_by.get(codec), cost, wire_bytes)
+
+    def observe_shared_host(self) -> None:
+        """The receiver runs on this host (loopback, or this host's own address): in
+        ``pipeline="hosts"`` the two ends' CPU work shares the sender's ``cores``, its
+        encodes and transport and the receiver's decode and transport on one budget of
+        ``cores``. (Rated as if each end had its host, the compact codecs' encoders beat
+        raw over loopback, where raw delivered 40% more.)"""
+        self._shared_host = True
+
+    @property
+    def cores(self) -> int:
+        """CPUs the sender's work may use (the ``cores`` argument)."""
+        return self._cores
+
+    @property
+    def shared_host(self) -> bool:
+        """The receiver runs on this host (:meth:`observe_shared_host`)."""
+        return self._shared_host
 
     def observe_path_rtt(self, seconds: float) -> None:
         """The path's round trip as the connection's handshake measured it (before any
@@ -464,10 +495,8 @@ class CodecChooser:
         if not (enc or dec or send or recv):
             return link  # exact: nothing but the wire
         if self._pipeline == "hosts":
-            # Each host's CPU work adds up; the two hosts and the wire overlap.
-            sender, receiver = enc + send, dec + recv
-            hosts = (link, 1.0 / sender if sender else math.inf, 1.0 / receiver if receiver else math.inf)
-            return coupled(hosts) if enc or dec else min(hosts)
+            # Each host's CPU work adds up on its cores; the hosts and the wire overlap.
+            return self._hosts_rate(link, enc, send, dec + recv, coded=bool(enc or dec))
         if self._pipeline == "full":
             # Every stage apart; the receiver's loop receives and decodes: one stage.
             stages = (encode, 1.0 / send if send else None, 1.0 / (dec + recv) if recv else decode)
@@ -476,6 +505,21 @@ class CodecChooser:
         if self._pipeline == "cpu":
             return min(link, 1.0 / cpu) if cpu else link
         return 1.0 / (1.0 / link + cpu + recv)
+
+    def _hosts_rate(self, link: float, enc: float, send: float, receiver: float, *, coded: bool) -> float:
+        """``pipeline="hosts"``: the wire, the receiver's loop (its decode and transport:
+        one thread) and the sender's budget of ``cores`` (the receiver's work on it too
+        on a shared host); with more than one core, the sender's encoder chain and its
+        loop apart as well. Per fp16 byte: ``enc``, ``send`` and ``receiver`` seconds;
+        ``coded``: the codec encodes or decodes (its stages are coupled)."""
+        def rate(seconds: float, work: float = 1.0) -> float:
+            return work / seconds if seconds else math.inf
+
+        budget = enc + send + (receiver if self._shared_host else 0.0)
+        stages = [link, rate(receiver), rate(budget, self._cores)]
+        if self._cores > 1:
+            stages += [rate(enc), rate(send)]
+        return coupled(stages) if coded else min(stages)
 
     def rates(self, bandwidth_bps: float) -> dict[str, float]:
         """Delivered KV bytes/s per codec, most precise first."""

@@ -382,3 +382,39 @@ async def test_with_the_send_queue_rcvlowat_is_set_through_the_queues_socket_on_
         assert tsock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 200_000  # the same socket
         stream.abort()
         assert stream._lowat_sock is None and stream._own is None
+
+
+class _Addresses:
+    def __init__(self, peer: Any, own: Any) -> None:
+        self.extra = {"peername": peer, "sockname": own}
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.extra.get(name, default)
+
+
+def test_a_peer_on_this_host_is_one_at_a_loopback_address_or_the_connections_own() -> None:
+    from kvwire.aio._stream import on_this_host
+
+    assert on_this_host(_Addresses(("127.0.0.1", 9), ("127.0.0.1", 5)))
+    assert on_this_host(_Addresses(("127.3.2.1", 9), ("10.0.0.1", 5)))
+    assert on_this_host(_Addresses(("::1", 9, 0, 0), ("::1", 5, 0, 0)))
+    assert on_this_host(_Addresses(("10.1.2.3", 9), ("10.1.2.3", 5)))  # this host's own address
+    assert not on_this_host(_Addresses(("10.1.2.3", 9), ("10.1.2.4", 5)))  # another host (or namespace)
+    assert not on_this_host(_Addresses("/tmp/kv.sock", "/tmp/kv.sock"))  # not an IP connection
+    assert not on_this_host(_Addresses(("not-an-address", 9), ("x", 5)))
+    assert not on_this_host(_Addresses(None, None))
+    assert not on_this_host(None)
+
+
+async def test_auto_over_loopback_counts_both_ends_on_this_hosts_cores() -> None:
+    import kvwire
+    from kvwire.aio._send import available_cpus
+
+    secret = b"k" * 32
+    async with kvwire.serve("127.0.0.1", 0, secret=secret) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=secret, codec="auto") as peer:
+            chooser = peer.chooser
+            assert chooser is not None
+            assert chooser.shared_host and chooser.cores == available_cpus() >= 1
+        async with kvwire.connect("127.0.0.1", server.port, secret=secret, codec="raw") as fixed:
+            assert fixed.chooser is None

@@ -204,7 +204,7 @@ def test_observed_decode_speed_moves_the_choice() -> None:
 
 def _true_rate(
     pipeline: str, bandwidth_bps: float, ratio: float, enc: float | None, dec: float | None,
-    transport: float | None = None, receiver: float | None = None,
+    transport: float | None = None, receiver: float | None = None, cores: int = 1, shared: bool = False,
 ) -> float:
     """KV bytes/s end to end, written out independently of the chooser: ``receiver`` is
     the receiver's CPU per wire byte, on the thread that also decodes."""
@@ -217,11 +217,16 @@ def _true_rate(
     if pipeline == "cpu":
         return 1 / max(wire, sum(stages))
     if pipeline == "hosts":
-        sender = (1 / enc if enc else 0) + (ratio * transport if transport else 0)
+        encode, send = (1 / enc if enc else 0), (ratio * transport if transport else 0)
         receiver_cpu = (1 / dec if dec else 0) + ratio * (receiver or 0)
-        if enc or dec:  # an encoder's pace against the wire's: the 4-norm of the times
-            return 1 / (wire**4 + sender**4 + receiver_cpu**4) ** 0.25
-        return 1 / max(wire, sender, receiver_cpu)
+        # times per byte: the wire, the receiver's loop, the sender's cores (shared with
+        # the receiver on one host), and with more than one core its two threads apart
+        times = [wire, receiver_cpu, (encode + send + (receiver_cpu if shared else 0)) / cores]
+        if cores > 1:
+            times += [encode, send]
+        if enc or dec:  # an encoder's pace against the others': the 4-norm of the times
+            return 1 / sum(t**4 for t in times) ** 0.25
+        return 1 / max(times)
     apart = [1 / s for s in (enc,) if s is not None] + ([ratio * transport] if transport else [])
     return 1 / max([wire, *apart, ratio * (receiver or 0) + (1 / dec if dec else 0)])
 
@@ -237,24 +242,31 @@ _speed = st.one_of(st.none(), st.floats(0.05 * GB, 50 * GB))
     pipeline=st.sampled_from(["serial", "cpu", "hosts", "full"]),
     transport=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
     receiver=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
+    cores=st.integers(1, 8),
+    shared=st.booleans(),
 )
 def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
     bandwidth: float, codecs: list[tuple[float, float | None, float | None]],
     time_left: float | None, pipeline: str, transport: float | None, receiver: float | None,
+    cores: int, shared: bool,
 ) -> None:
     candidates = [CodecCandidate(name="raw", size_ratio=1.0)]
     candidates += [
         CodecCandidate(name=f"q{i}", size_ratio=r, encode_bytes_per_s=e, decode_bytes_per_s=d)
         for i, (r, e, d) in enumerate(codecs)
     ]
-    chooser = CodecChooser(candidates, pipeline=pipeline)
+    if pipeline != "hosts":
+        cores, shared = 1, False  # the other pipelines do not count cores
+    chooser = CodecChooser(candidates, pipeline=pipeline, cores=cores)
+    if shared:
+        chooser.observe_shared_host()
     if transport is not None:
         chooser.observe_transport(int(GB), transport * GB)
     if receiver is not None:
         chooser.observe_receiver_transport(receiver)
     remaining = None if time_left is None else int(GB)
     choice = chooser.choose(bandwidth, remaining_bytes=remaining, time_left=time_left)
-    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s, transport, receiver)
+    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s, transport, receiver, cores, shared)
               for c in candidates}
     raw_rate = _true_rate(pipeline, bandwidth, *params["raw"])
     chosen_rate = _true_rate(pipeline, bandwidth, *params[choice.codec])
@@ -289,6 +301,39 @@ def test_before_any_estimate_a_long_path_starts_compact_and_a_short_one_raw() ->
     wide.observe_path_rtt(0.020)
     assert wide.choose(None).codec == "int4"
     assert wide.choose(1e9).codec == "int4"  # then the model (free codecs: the wire alone)
+
+
+def test_the_senders_cores_and_a_receiver_on_the_same_host() -> None:
+    """int4 over 10 Gbit/s: encode 0.25 s/GB, the sender's transport 0.1 (0.4 a wire
+    byte), the receiver's loop 0.2 (decode 0.1, 0.4 a wire byte); its wire 0.2 s/GB.
+    One core: the sender's 0.35 on one budget. Two: the encoder chain and the loop apart,
+    and 0.35 over two cores. A receiver on the same host: its 0.2 joins the budget."""
+    def make(cores: int) -> CodecChooser:
+        c = CodecChooser([
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=4 * GB, decode_bytes_per_s=10 * GB),
+        ], cores=cores)
+        c.observe_transport(int(GB), 0.4, "int4")
+        c.observe_receiver_transport(0.4 / GB)
+        return c
+
+    def norm(*times: float) -> float:
+        return GB / sum(t**4 for t in times) ** 0.25
+
+    one, two, shared = make(1), make(2), make(2)
+    shared.observe_shared_host()
+    assert (one.cores, two.cores, one.shared_host, shared.shared_host) == (1, 2, False, True)
+    assert one.delivered_rate("int4", 10e9) == pytest.approx(norm(0.2, 0.2, 0.35))
+    assert two.delivered_rate("int4", 10e9) == pytest.approx(norm(0.2, 0.2, 0.35 / 2, 0.25, 0.1))
+    assert shared.delivered_rate("int4", 10e9) == pytest.approx(norm(0.2, 0.2, 0.55 / 2, 0.25, 0.1))
+    assert one.delivered_rate("int4", 10e9) < shared.delivered_rate("int4", 10e9) < two.delivered_rate("int4", 10e9)
+    # raw: its transport (0.4 s/GB) on the loop; on a shared host the receiver's 0.4 too,
+    # over two cores: the slowest bounds it
+    assert two.delivered_rate("raw", 100e9) == pytest.approx(GB / 0.4)
+    assert shared.delivered_rate("raw", 100e9) == pytest.approx(GB / 0.4)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError):
+            CodecChooser.from_ratios({"raw": 1.0}, cores=bad)  # type: ignore[arg-type]
 
 
 def test_the_receivers_reported_costs() -> None:
