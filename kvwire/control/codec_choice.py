@@ -175,7 +175,7 @@ FULL_SAMPLE_BYTES = 1 << 20
 
 #: How sharply the rate of a codec that encodes or decodes bends below its slowest stage
 #: (``pipeline="hosts"``): ``(sum of rate ** -STAGE_COUPLING) ** (-1 / STAGE_COUPLING)``
-#: over the wire and the two hosts. An encoder whose speed swings chunk by chunk, with a
+#: over its stages. An encoder whose speed swings chunk by chunk, with a
 #: few chunks of buffer between it and the wire, leaves the wire idle for part of the
 #: time when the two rates are close (a tandem queue's throughput is below its slowest
 #: stage's, the most when the stages are equal): over a 10 Gbit/s, 20 ms link the 8-bit
