@@ -621,6 +621,34 @@ def test_raw_held_back_by_the_sender_stays_raw() -> None:
     assert long.choose(40e9, app_limited=True).codec == "raw"
 
 
+def test_on_a_short_path_raw_stays_until_the_transports_cost_is_measured() -> None:
+    """With its encode prior alone a compact codec looks free of the transport's cost;
+    on a short path, where the "wire" may be that same CPU, raw held stays until the
+    transport's cost is measured (the peer's second 32 MiB)."""
+    def make() -> CodecChooser:
+        return CodecChooser([
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="int4", size_ratio=0.375, encode_bytes_per_s=6.75 * GB),
+        ])
+
+    near = make()
+    near.observe_path_rtt(0.0002)
+    assert near.choose(None).codec == "raw"
+    # the path stops growing at 18 Gbit/s: int4, by its prior, 54 Gbit/s of CPU
+    assert [near.choose(18e9).codec for _ in range(6)] == ["raw"] * 6
+    near.observe_transport(32 << 20, 0.25e-9 * (32 << 20))  # 0.25 ns a byte: now the model decides
+    assert near.choose(18e9).codec == "int4"
+    # a path of unknown length, or a long one, is not held for it
+    unknown = make()
+    assert unknown.choose(None).codec == "raw"
+    assert [unknown.choose(18e9).codec for _ in range(4)][-1] == "int4"
+    far = make()
+    far.observe_path_rtt(0.02)
+    assert far.choose(None).codec == "int4"
+    assert [far.choose(100e9).codec for _ in range(4)] == ["raw"] * 4  # the pipe is full
+    assert far.choose(18e9).codec == "int4"  # raw held, but a long path's window paces it
+
+
 def test_the_model_keeps_its_codec_unless_another_is_faster_by_the_hysteresis() -> None:
     """fp8 and int8 within 5% of each other by the model (speeds measured moment by
     moment on a loaded host move them past each other): the codec sent stays, and they
