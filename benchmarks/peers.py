@@ -412,11 +412,18 @@ def make_system(name: str) -> tuple[Receiver, Sender]:
     if name == "nixl":
         return NixlReceiver(), NixlSender()
     if name.startswith("kvwire-"):
-        spec, _, loop = name.removeprefix("kvwire-").split("@")[0].partition("/")
-        if loop not in ("", "uvloop"):
+        spec, loop = kvwire_system(name)
+        if loop not in ("asyncio", "uvloop"):
             raise ValueError(f"unknown event loop {loop!r} in {name!r}")
-        return KvwireReceiver(loop or "asyncio"), KvwireSender(spec, loop or "asyncio")
+        return KvwireReceiver(loop), KvwireSender(spec, loop)
     raise ValueError(f"unknown system {name!r}")
+
+
+def kvwire_system(name: str) -> tuple[str, str]:
+    """``kvwire-<codec>[*N][/<loop>][@<tree>]`` as (``<codec>[*N]``, the event loop:
+    ``asyncio`` unless named)."""
+    spec, _, loop = name.removeprefix("kvwire-").split("@")[0].partition("/")
+    return spec, loop or "asyncio"
 
 
 def new_loop(kind: str) -> Any:
@@ -533,19 +540,11 @@ class Sample:
     gbps: float
     send_cpu: float  # s/GB
     recv_cpu: float  # s/GB
-    host_cpu: float | None = None  # s/GB, every CPU of the host (/proc/stat), None if unread
+    # s/GB, the whole host's busy time (/proc/stat), None if unread: it also counts what
+    # the two processes' own CPU times miss, softirq work done while no process ran (a
+    # shaped link's packets released by a timer) and the kernel threads; and a load.
+    host_cpu: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def host_busy_seconds() -> float | None:
-    """CPU seconds the whole host has spent busy since boot (``/proc/stat``: every state
-    but idle and iowait), or None where there is no such file. Counts what the two
-    processes' own CPU times miss: softirq work done while no process ran (a shaped
-    link's packets released by a timer), the kernel threads; and, under a load, the load."""
-    from kvwire.bench.report import machine_cpu_times
-
-    times = machine_cpu_times()
-    return None if times is None else times[0]
 
 
 def _expect(conn: Connection, timeout: float, what: str) -> tuple[Any, ...]:
@@ -559,6 +558,8 @@ def _expect(conn: Connection, timeout: float, what: str) -> tuple[Any, ...]:
 
 def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout: float) -> Sample:
     """Warm up once, then time ``count`` caches of ``tokens`` tokens from ``name``'s sender."""
+    from kvwire.bench.report import machine_cpu_times
+
     ctx = mp.get_context("fork")
     nbytes = tokens * TOKEN_BYTES
     r_parent, r_child = ctx.Pipe()
@@ -573,20 +574,20 @@ def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout:
         _expect(s_parent, 60, "sender setup")
         result = None
         for n in (1, count):  # warm-up, then the measurement
-            host0 = host_busy_seconds()
+            host0 = machine_cpu_times()
             r_parent.send(("go", n))
             s_parent.send(("go", n))
             sent = _expect(s_parent, timeout, "end of sending")
             r_parent.send(("end",))
             got = _expect(r_parent, timeout, "end of receiving")
-            host1 = host_busy_seconds()
+            host1 = machine_cpu_times()
             s_parent.send(("end",))
             send_cpu = _expect(s_parent, timeout, "sender CPU time")[1]
             _, start, send_end = sent
             _, recv_end, recv_cpu, one_sided = got
             seconds = (send_end if one_sided else recv_end) - start
             gb = n * nbytes / 1e9
-            host = (host1 - host0) / gb if host0 is not None and host1 is not None else None
+            host = (host1[0] - host0[0]) / gb if host0 is not None and host1 is not None else None
             result = Sample(gbps=8 * gb / seconds, send_cpu=send_cpu / gb, recv_cpu=recv_cpu / gb, host_cpu=host)
         r_parent.send(("stop",))
         s_parent.send(("stop",))
@@ -744,11 +745,13 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     systems += [f"kvwire-{c}" for c in args.kvwire_codecs.split(",") if c and f"kvwire-{c}" not in systems]
     for s in systems:
-        spec, _, loop = s.split("@")[0].partition("/")
+        if not s.startswith("kvwire-"):
+            continue
+        spec, loop = kvwire_system(s)
         depth = spec.partition("*")[2]
-        if s.startswith("kvwire-") and "*" in spec and not (depth.isdigit() and int(depth) >= 1):
+        if "*" in spec and not (depth.isdigit() and int(depth) >= 1):
             ap.error(f"{s}: kvwire-<codec>*N takes N >= 1 sends in flight")
-        if s.startswith("kvwire-") and loop not in ("", "uvloop"):
+        if loop not in ("asyncio", "uvloop"):
             ap.error(f"{s}: the only other event loop is /uvloop")
     links = [x for x in args.links.split(",") if x]
     scenarios: list[Scenario] = []

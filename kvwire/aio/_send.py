@@ -138,12 +138,12 @@ def make_chooser(server_codecs: tuple[str, ...], mode: str = "model") -> CodecCh
             "codec 'auto' needs at least one of " + ", ".join(AUTO_CANDIDATES) + " on the server",
             code=ErrorCode.UNSUPPORTED_CODEC,
         )
+    cores = available_cpus()
     if mode == "measured":
         # Measured goodput's samples vary by 10-20% on two loaded cores: a wider band
         # than the model's (docs/architecture.md).
-        return CodecChooser(candidates, measure_goodput=True, tolerance=0.05, hysteresis=0.10,
-                            cores=available_cpus())
-    return CodecChooser(candidates, cores=available_cpus())
+        return CodecChooser(candidates, measure_goodput=True, tolerance=0.05, hysteresis=0.10, cores=cores)
+    return CodecChooser(candidates, cores=cores)
 
 
 async def send(
