@@ -556,6 +556,18 @@ def _expect(conn: Connection, timeout: float, what: str) -> tuple[Any, ...]:
     return msg
 
 
+def tcp_counters(pid: int) -> dict[str, int] | None:
+    """TCP's segment counters in the network namespace of process ``pid`` (``OutSegs``,
+    ``RetransSegs``), or ``None`` if unread: on the shaped link a system that sends more
+    segments per byte, or loses more, pays for it in kernel copies and softirq time."""
+    try:
+        with open(f"/proc/{pid}/net/snmp") as fh:
+            lines = [line.split() for line in fh if line.startswith("Tcp:")]
+        return {k: int(v) for k, v in zip(lines[0][1:], lines[1][1:]) if k in ("OutSegs", "RetransSegs")}
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout: float) -> Sample:
     """Warm up once, then time ``count`` caches of ``tokens`` tokens from ``name``'s sender."""
     from kvwire.bench.report import machine_cpu_times
@@ -575,12 +587,14 @@ def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout:
         result = None
         for n in (1, count):  # warm-up, then the measurement
             host0 = machine_cpu_times()
+            tcp0 = tcp_counters(sender.pid) if link.sender_ns and sender.pid else None
             r_parent.send(("go", n))
             s_parent.send(("go", n))
             sent = _expect(s_parent, timeout, "end of sending")
             r_parent.send(("end",))
             got = _expect(r_parent, timeout, "end of receiving")
             host1 = machine_cpu_times()
+            tcp1 = tcp_counters(sender.pid) if link.sender_ns and sender.pid else None
             s_parent.send(("end",))
             send_cpu = _expect(s_parent, timeout, "sender CPU time")[1]
             _, start, send_end = sent
@@ -589,6 +603,10 @@ def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout:
             gb = n * nbytes / 1e9
             host = (host1[0] - host0[0]) / gb if host0 is not None and host1 is not None else None
             result = Sample(gbps=8 * gb / seconds, send_cpu=send_cpu / gb, recv_cpu=recv_cpu / gb, host_cpu=host)
+            if tcp0 is not None and tcp1 is not None:
+                segs = tcp1["OutSegs"] - tcp0["OutSegs"]
+                result.extra["segments_per_mb"] = segs / (n * nbytes / 1e6)
+                result.extra["retransmitted"] = (tcp1["RetransSegs"] - tcp0["RetransSegs"]) / max(segs, 1)
         r_parent.send(("stop",))
         s_parent.send(("stop",))
         closed = _expect(s_parent, 30, "sender close")

@@ -15,7 +15,8 @@ How they combine is the ``pipeline`` setting:
   its REPORTs) on its event loop's thread; with more than one core the sender's encoder
   chain (a worker thread) and its loop are stages of their own too, and a receiver on
   the same host (:meth:`CodecChooser.observe_shared_host`) adds its work to the
-  sender's budget. The hosts and the wire overlap, and the slowest stage bounds the
+  sender's budget, which is then no more than the CPU the path itself shows it gets (the
+  path's rate times what a wire byte costs both ends). The hosts and the wire overlap, and the slowest stage bounds the
   rate (of a codec that encodes or decodes, stages bend it below the slowest when they
   are close: :data:`STAGE_COUPLING`). On a path whose "wire" is itself CPU (loopback, a
   host where the transport is CPU-bound) the transport term is what keeps quantizing
@@ -408,8 +409,10 @@ class CodecChooser:
         """The receiver runs on this host (loopback, or this host's own address): in
         ``pipeline="hosts"`` the two ends' CPU work shares the sender's ``cores``, its
         encodes and transport and the receiver's decode and transport on one budget of
-        ``cores``. (Rated as if each end had its host, the compact codecs' encoders beat
-        raw over loopback, where raw delivered 40% more.)"""
+        ``cores``, or of the CPU the path shows the two ends get, if less (see
+        :meth:`_budget_cores`). (Rated as if each end had its host, the compact codecs'
+        encoders beat raw over loopback, where raw delivered 40% more.) The path is
+        short then, whatever the handshake's round trip."""
         self._shared_host = True
 
     @property
@@ -497,7 +500,8 @@ class CodecChooser:
             return link  # exact: nothing but the wire
         if self._pipeline == "hosts":
             # Each host's CPU work adds up on its cores; the hosts and the wire overlap.
-            return self._hosts_rate(link, enc, send, dec + recv, coded=bool(enc or dec))
+            return self._hosts_rate(link, enc, send, dec + recv, coded=bool(enc or dec),
+                                    cores=self._budget_cores(bandwidth_bps))
         if self._pipeline == "full":
             # Every stage apart; the receiver's loop receives and decodes: one stage.
             stages = (encode, 1.0 / send if send else None, 1.0 / (dec + recv) if recv else decode)
@@ -507,17 +511,41 @@ class CodecChooser:
             return min(link, 1.0 / cpu) if cpu else link
         return 1.0 / (1.0 / link + cpu + recv)
 
-    def _hosts_rate(self, link: float, enc: float, send: float, receiver: float, *, coded: bool) -> float:
+    def _budget_cores(self, bandwidth_bps: float) -> float:
+        """CPUs the sender's budget has (``pipeline="hosts"``): ``cores``; on a shared host
+        (:meth:`observe_shared_host`) no more than the path at ``bandwidth_bps`` keeps busy.
+
+        Between two processes on one host the "wire" is the same CPUs as everything else:
+        carrying ``bandwidth_bps`` costs that many wire bytes a second times the raw
+        transport's cost per wire byte at both ends, and that is the CPU the two ends
+        were seen to get. On an idle host the two
+        processes take both cores, but on a busy one they shared one core's worth; rated
+        with both, int8 and int4 looked 25-40% faster than raw over loopback, where raw
+        delivered 30-50% more (docs/benchmarks.md). Rated with the CPU the path shows, a
+        compact codec beats raw there only if its encode, decode and transport of its
+        smaller wire bytes cost less CPU per fp16 byte than raw's transport. Unknown
+        until the transport's cost is measured (``cores`` then)."""
+        cores = float(self._cores)
+        if not self._shared_host or not math.isfinite(bandwidth_bps):
+            return cores
+        send = self._transport_by.get(self._by_precision[0], self._transport)
+        if send is None:
+            return cores
+        return min(cores, bandwidth_bps / 8.0 * (send + (self._receiver_transport or 0.0)))
+
+    def _hosts_rate(self, link: float, enc: float, send: float, receiver: float, *, coded: bool,
+                    cores: float) -> float:
         """``pipeline="hosts"``: the wire, the receiver's loop (its decode and transport:
-        one thread) and the sender's budget of ``cores`` (the receiver's work on it too
-        on a shared host); with more than one core, the sender's encoder chain and its
-        loop apart as well. Per fp16 byte: ``enc``, ``send`` and ``receiver`` seconds;
-        ``coded``: the codec encodes or decodes (its stages are coupled)."""
+        one thread) and the sender's budget of ``cores`` CPUs (the receiver's work on it
+        too on a shared host); with more than one core (``self.cores``), the sender's
+        encoder chain and its loop apart as well. Per fp16 byte: ``enc``, ``send`` and
+        ``receiver`` seconds; ``coded``: the codec encodes or decodes (its stages are
+        coupled)."""
         def rate(seconds: float, work: float = 1.0) -> float:
             return work / seconds if seconds else math.inf
 
         budget = enc + send + (receiver if self._shared_host else 0.0)
-        stages = [link, rate(receiver), rate(budget, self._cores)]
+        stages = [link, rate(receiver), rate(budget, cores)]
         if self._cores > 1:
             stages += [rate(enc), rate(send)]
         return coupled(stages) if coded else min(stages)
@@ -652,7 +680,8 @@ class CodecChooser:
             # that delivered less than any of them sent alone.
             codec = held
         free = self._by_precision[0]
-        unmeasured = self._transport is None and self._path_rtt is not None and not self._long_path()
+        short = self._shared_host or (self._path_rtt is not None and not self._long_path())
+        unmeasured = self._transport is None and short
         if held == free and self._is_free(free) and (app_limited or self._filling or unmeasured):
             # Raw held back by the sender, not the path (its first round trips, a CPU
             # shared with other work): a codec that costs CPU to save wire bytes can only
@@ -858,8 +887,10 @@ class CodecChooser:
         return min(stale, key=lambda c: self._sent_at.get(c, -math.inf)) if stale else None
 
     def _long_path(self) -> bool:
-        """The handshake's round trip was at least :data:`LONG_PATH_RTT`."""
-        return self._path_rtt is not None and self._path_rtt >= LONG_PATH_RTT
+        """The handshake's round trip was at least :data:`LONG_PATH_RTT`, to a receiver not
+        on this host. (On two busy cores a loopback handshake took longer than that, and
+        the most compact codec then went first and stayed.)"""
+        return not self._shared_host and self._path_rtt is not None and self._path_rtt >= LONG_PATH_RTT
 
     def _is_free(self, codec: str) -> bool:
         """No encode or decode cost and nothing saved on the wire: raw."""

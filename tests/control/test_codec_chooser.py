@@ -220,8 +220,13 @@ def _true_rate(
         encode, send = (1 / enc if enc else 0), (ratio * transport if transport else 0)
         receiver_cpu = (1 / dec if dec else 0) + ratio * (receiver or 0)
         # times per byte: the wire, the receiver's loop, the sender's cores (shared with
-        # the receiver on one host), and with more than one core its two threads apart
-        times = [wire, receiver_cpu, (encode + send + (receiver_cpu if shared else 0)) / cores]
+        # the receiver on one host, and no more than the path keeps busy there: its
+        # wire bytes a second times their cost at both ends), and with more than one
+        # core its two threads apart
+        budget = float(cores)
+        if shared and transport:
+            budget = min(budget, bandwidth_bps / 8 * (transport + (receiver or 0)))
+        times = [wire, receiver_cpu, (encode + send + (receiver_cpu if shared else 0)) / budget]
         if cores > 1:
             times += [encode, send]
         if enc or dec:  # an encoder's pace against the others': the 4-norm of the times
@@ -307,7 +312,9 @@ def test_the_senders_cores_and_a_receiver_on_the_same_host() -> None:
     """int4 over 10 Gbit/s: encode 0.25 s/GB, the sender's transport 0.1 (0.4 a wire
     byte), the receiver's loop 0.2 (decode 0.1, 0.4 a wire byte); its wire 0.2 s/GB.
     One core: the sender's 0.35 on one budget. Two: the encoder chain and the loop apart,
-    and 0.35 over two cores. A receiver on the same host: its 0.2 joins the budget."""
+    and 0.35 over two cores. A receiver on the same host: its 0.2 joins the budget, and
+    the budget has no more CPUs than the path keeps busy (wire bytes a second times their
+    0.8 s/GB at both ends)."""
     def make(cores: int) -> CodecChooser:
         c = CodecChooser([
             CodecCandidate(name="raw", size_ratio=1.0),
@@ -325,8 +332,10 @@ def test_the_senders_cores_and_a_receiver_on_the_same_host() -> None:
     assert (one.cores, two.cores, one.shared_host, shared.shared_host) == (1, 2, False, True)
     assert one.delivered_rate("int4", 10e9) == pytest.approx(norm(0.2, 0.2, 0.35))
     assert two.delivered_rate("int4", 10e9) == pytest.approx(norm(0.2, 0.2, 0.35 / 2, 0.25, 0.1))
-    assert shared.delivered_rate("int4", 10e9) == pytest.approx(norm(0.2, 0.2, 0.55 / 2, 0.25, 0.1))
-    assert one.delivered_rate("int4", 10e9) < shared.delivered_rate("int4", 10e9) < two.delivered_rate("int4", 10e9)
+    # 40 Gbit/s keeps 4 CPUs busy: both cores; 10 Gbit/s one
+    assert shared.delivered_rate("int4", 40e9) == pytest.approx(norm(0.05, 0.2, 0.55 / 2, 0.25, 0.1))
+    assert shared.delivered_rate("int4", 10e9) == pytest.approx(norm(0.2, 0.2, 0.55, 0.25, 0.1))
+    assert one.delivered_rate("int4", 40e9) < shared.delivered_rate("int4", 40e9) < two.delivered_rate("int4", 40e9)
     # raw: its transport (0.4 s/GB) on the loop; on a shared host the receiver's 0.4 too,
     # over two cores: the slowest bounds it
     assert two.delivered_rate("raw", 100e9) == pytest.approx(GB / 0.4)
@@ -647,6 +656,57 @@ def test_on_a_short_path_raw_stays_until_the_transports_cost_is_measured() -> No
     assert far.choose(None).codec == "int4"
     assert [far.choose(100e9).codec for _ in range(4)] == ["raw"] * 4  # the pipe is full
     assert far.choose(18e9).codec == "int4"  # raw held, but a long path's window paces it
+
+
+def test_a_receiver_on_this_host_makes_the_path_short_whatever_its_handshake_took() -> None:
+    """On two busy cores a loopback handshake took over LONG_PATH_RTT: on a shared host
+    the first choice is still raw, held until the transport's cost is measured."""
+    c = CodecChooser([
+        CodecCandidate(name="raw", size_ratio=1.0),
+        CodecCandidate(name="int4", size_ratio=0.375, encode_bytes_per_s=6.75 * GB),
+    ])
+    c.observe_path_rtt(0.02)
+    c.observe_shared_host()
+    assert c.choose(None).codec == "raw"
+    assert [c.choose(18e9).codec for _ in range(6)] == ["raw"] * 6
+    c.observe_transport(32 << 20, 0.25e-9 * (32 << 20))
+    assert c.choose(18e9).codec in ("raw", "int4")  # the model decides from here
+
+
+def test_on_a_shared_host_the_budget_is_the_cpu_the_path_shows() -> None:
+    """Two processes on two busy cores (the busy loopback of docs/benchmarks.md): raw's
+    transport 0.26 ns a wire byte, the receiver's 0.23; int4 encodes at 3.3 GB/s, decodes
+    at 10, its loop 0.45 ns a wire byte. Raw carried 13 Gbit/s: 1.6 GB/s times 0.49 ns,
+    0.8 of a CPU for both ends. On that, int4's 0.58 ns of CPU per fp16 byte delivers
+    1.4 GB/s, less than raw; rated on both cores it looked almost twice raw's rate. Between
+    two hosts the same costs do make int4 the faster: the receiver's work is its own."""
+    def make(shared: bool) -> CodecChooser:
+        c = CodecChooser([
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="int4", size_ratio=0.27, encode_bytes_per_s=3.3 * GB, decode_bytes_per_s=10 * GB),
+        ], cores=2)
+        c.observe_path_rtt(0.0001)
+        if shared:
+            c.observe_shared_host()
+        c.observe_transport(int(GB), 0.26, "raw")
+        c.observe_transport(int(GB), 0.45, "int4")
+        c.observe_receiver_transport(0.23 / GB)
+        return c
+
+    here, apart = make(True), make(False)
+    path = 13e9
+    cpus = path / 8 * 0.49e-9
+    enc, loop, receiver = 1 / 3.3, 0.27 * 0.45, 0.1 + 0.27 * 0.23  # ns per fp16 byte
+    times = [0.27 * 8 / 13, receiver, (enc + loop + receiver) / cpus, enc, loop]
+    assert here.delivered_rate("int4", path) == pytest.approx(GB / sum(t**4 for t in times) ** 0.25)
+    assert here.delivered_rate("int4", path) < here.delivered_rate("raw", path) == pytest.approx(path / 8)
+    assert here.choose(path).codec == "raw"
+    assert apart.delivered_rate("int4", path) > 1.5 * apart.delivered_rate("raw", path)
+    assert apart.choose(path).codec == "int4"
+    # a path faster than the two cores keep busy: the cores bound the budget
+    fast = 100e9
+    times = [0.27 * 8 / 100, receiver, (enc + loop + receiver) / 2, enc, loop]
+    assert here.delivered_rate("int4", fast) == pytest.approx(GB / sum(t**4 for t in times) ** 0.25)
 
 
 def test_the_model_keeps_its_codec_unless_another_is_faster_by_the_hysteresis() -> None:
