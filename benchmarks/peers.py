@@ -563,7 +563,7 @@ def tcp_counters(pid: int) -> dict[str, int] | None:
     try:
         with open(f"/proc/{pid}/net/snmp") as fh:
             lines = [line.split() for line in fh if line.startswith("Tcp:")]
-        return {k: int(v) for k, v in zip(lines[0][1:], lines[1][1:]) if k in ("OutSegs", "RetransSegs")}
+        return {k: int(v) for k, v in zip(lines[0][1:], lines[1][1:], strict=True) if k in ("OutSegs", "RetransSegs")}
     except (OSError, IndexError, ValueError):
         return None
 

@@ -7,6 +7,8 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.bench.script_helpers import run_script
 
 
@@ -68,3 +70,23 @@ def test_bad_shapes_are_refused() -> None:
         got = _run(*args)
         assert got.returncode == 2, args
         assert says in got.stderr, (args, got.stderr)
+
+
+def test_over_the_shaped_link_the_senders_tcp_segments_are_counted(tmp_path: Path) -> None:
+    """On the veth link each sample says how many TCP segments the sender's namespace sent
+    per MB of KV and what share of them were retransmissions (read from /proc/PID/net)."""
+    from kvwire.bench.netns import netns_available
+
+    reason = netns_available()
+    if reason is not None:
+        pytest.skip(reason)
+    out = tmp_path / "peers.json"
+    got = _run("--systems", "raw,kvwire-raw", "--links", "veth", "--rate", "1e9", "--loads", "quiet",
+               "--whole-tokens", "64", "--burst", "", "--rounds", "1", "--json", str(out))
+    assert got.returncode == 0, got.stderr
+    data = json.loads(out.read_text())
+    assert sorted(data["samples"]) == ["veth, quiet, 8 MiB / kvwire-raw", "veth, quiet, 8 MiB / raw"]
+    for (sample,) in data["samples"].values():
+        extra = sample["extra"]
+        # at least one segment per MSS of the bytes sent; a retransmitted share in [0, 1]
+        assert extra["segments_per_mb"] >= 1e6 / 65536 and 0 <= extra["retransmitted"] <= 1
