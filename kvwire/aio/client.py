@@ -65,15 +65,28 @@ TRANSPORT_SAMPLE_BYTES = 32 << 20
 CODEC_SHARE = 0.75
 
 
+def runnable_ns() -> int | None:
+    """Nanoseconds the calling thread has been running or waiting for a CPU (Linux's
+    ``/proc/thread-self/schedstat``: time on a CPU, time waiting on a run queue), or
+    ``None`` where unreadable."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as fh:
+            run, wait = fh.read().split()[:2]
+        return int(run) + int(wait)
+    except (OSError, ValueError):
+        return None
+
+
 class _TransportMeter:
     """The event loop thread's CPU seconds per wire byte acknowledged, fed to ``auto``:
     on that thread run the framing, checksums and the kernel's copy of every write (the
     encoders run on workers).  A measurement whose bytes were nearly all one codec's
-    (``CODEC_SHARE``) is that codec's too.  Restarted when a send begins on an idle peer,
-    so time the application spent on the loop between transfers is not counted.  The
-    peer's first measurement is not fed: it counts the first use of every code path (over
-    loopback 0.74 ns a byte against 0.25 after it, and raw, measured first, looked
-    CPU-bound)."""
+    (``CODEC_SHARE``) is that codec's too, with the share of its time the thread was
+    runnable (:func:`runnable_ns`: near 1 when the CPU, not the path, held the sender
+    back).  Restarted when a send begins on an idle peer, so time the application spent
+    on the loop between transfers is not counted.  The peer's first measurement is not
+    fed: it counts the first use of every code path (over loopback 0.74 ns a byte against
+    0.25 after it, and raw, measured first, looked CPU-bound)."""
 
     def __init__(self) -> None:
         self._warm = False
@@ -83,18 +96,23 @@ class _TransportMeter:
         self._bytes = 0
         self._by_codec: dict[str, int] = {}
         self._cpu = time.thread_time()
+        self._wall = clock()
+        self._runnable = runnable_ns()
 
     def delivered(self, wire_bytes: int, chooser: CodecChooser, codec: str) -> None:
         self._bytes += wire_bytes
         self._by_codec[codec] = self._by_codec.get(codec, 0) + wire_bytes
         if self._bytes >= TRANSPORT_SAMPLE_BYTES:
-            cpu = time.thread_time()
+            cpu, wall, runnable = time.thread_time(), clock(), runnable_ns()
             top = max(self._by_codec, key=self._by_codec.__getitem__)
             own = top if self._by_codec[top] >= CODEC_SHARE * self._bytes else None
+            share = None
+            if runnable is not None and self._runnable is not None and wall > self._wall:
+                share = (runnable - self._runnable) / 1e9 / (wall - self._wall)
             if self._warm:
-                chooser.observe_transport(self._bytes, cpu - self._cpu, own)
+                chooser.observe_transport(self._bytes, cpu - self._cpu, own, runnable=share)
             self._warm = True
-            self._bytes, self._cpu = 0, cpu
+            self._bytes, self._cpu, self._wall, self._runnable = 0, cpu, wall, runnable
             self._by_codec.clear()
 
 

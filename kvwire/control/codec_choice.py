@@ -7,7 +7,9 @@ transport CPU too. Per fp16 byte the end-to-end cost has four parts: wire
 ``size_ratio / B``, encode ``1 / encode speed``, decode ``1 / decode speed`` and
 transport ``size_ratio x transport cost`` (the sender's own CPU seconds per wire byte,
 measured as it sends, for each codec apart: :meth:`CodecChooser.observe_transport`; left
-out until measured).
+out until measured; a codec not measured yet is charged the cost measured while others
+were sent, per wire byte, or on a shared host raw's per fp16 byte: see
+:meth:`CodecChooser._send_cost`).
 How they combine is the ``pipeline`` setting:
 
 * ``"hosts"`` (default): each host's CPU work adds up, the sender's (encode and its
@@ -172,6 +174,10 @@ LONG_PATH_RTT = 0.005
 FILL_CHUNKS = 3
 FILL_GROWTH = 1.25
 
+#: How far above 1 a runnable share may read (a thread's run and wait times against the
+#: clock, read a moment apart) and still count, as 1.
+RUNNABLE_SLACK = 0.05
+
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
 
@@ -290,6 +296,7 @@ class CodecChooser:
         self._decode_observed: set[str] = set()
         self._transport: float | None = None  # sender CPU seconds per wire byte
         self._transport_by: dict[str, float] = {}  # the same, measured while each codec was sent
+        self._runnable_by: dict[str, float] = {}  # the sender loop's runnable share meanwhile
         self._path_rtt: float | None = None  # the path's round trip before any data
         self._receiver_transport: float | None = None  # receiver CPU seconds per wire byte
         if pipeline not in _PIPELINES:
@@ -387,10 +394,13 @@ class CodecChooser:
         self._decode[codec] = self._blend(prior, speed, nbytes)
         self._decode_observed.add(codec)
 
-    def observe_transport(self, wire_bytes: int, cpu_seconds: float, codec: str | None = None) -> None:
+    def observe_transport(self, wire_bytes: int, cpu_seconds: float, codec: str | None = None, *,
+                          runnable: float | None = None) -> None:
         """Feed one measurement of the transport's own CPU: ``cpu_seconds`` spent sending
         ``wire_bytes`` (framing, checksums, the kernel's copy; not encoding), all or
-        nearly all of them of ``codec`` when given.
+        nearly all of them of ``codec`` when given; ``runnable``: the share of the
+        measurement's time the sender's loop was running or waiting for a CPU, not for
+        the path (see :meth:`_budget_cores`).
 
         What a wire byte costs depends on the codec: measured while int8 was sent, the
         sender's loop spent twice as much per wire byte as while raw was (a chunk's work
@@ -404,6 +414,9 @@ class CodecChooser:
         self._transport = self._blend(self._transport, cost, wire_bytes)
         if codec in self._ratio:
             self._transport_by[codec] = self._blend(self._transport_by.get(codec), cost, wire_bytes)
+            if runnable is not None and 0.0 < runnable <= 1.0 + RUNNABLE_SLACK:
+                share = min(runnable, 1.0)
+                self._runnable_by[codec] = self._blend(self._runnable_by.get(codec), share, wire_bytes)
 
     def observe_shared_host(self) -> None:
         """The receiver runs on this host (loopback, or this host's own address): in
@@ -411,8 +424,7 @@ class CodecChooser:
         encodes and transport and the receiver's decode and transport on one budget of
         ``cores``, or of the CPU the path shows the two ends get, if less (see
         :meth:`_budget_cores`). (Rated as if each end had its host, the compact codecs'
-        encoders beat raw over loopback, where raw delivered 40% more.) The path is
-        short then, whatever the handshake's round trip."""
+        encoders beat raw over loopback, where raw delivered 40% more.)"""
         self._shared_host = True
 
     @property
@@ -426,12 +438,21 @@ class CodecChooser:
         return self._shared_host
 
     def observe_path_rtt(self, seconds: float) -> None:
-        """The path's round trip as the connection's handshake measured it (before any
-        data, so with nothing queued).  On a path of at least :data:`LONG_PATH_RTT`, the
-        choice before the first bandwidth estimate is the most compact codec instead of
-        the most precise: see :meth:`choose`."""
-        if seconds >= 0 and math.isfinite(seconds):
-            self._path_rtt = seconds if self._path_rtt is None else min(self._path_rtt, seconds)
+        """A round trip of the path: the connection's handshake (before any data, so with
+        nothing queued), then the estimator's minimum as data flows; the shortest counts.
+        On a path of at least :data:`LONG_PATH_RTT`, the choice before the first
+        bandwidth estimate is the most compact codec instead of the most precise: see
+        :meth:`choose`. A path found short after a long first round trip (a busy host's
+        handshake over loopback took longer than that, and int4 went first and stayed)
+        opens again as a short one, if the transport's cost is not measured yet: raw,
+        held until it is, and until the path's rate stops growing."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            return
+        was_long = self._long_path()
+        self._path_rtt = seconds if self._path_rtt is None else min(self._path_rtt, seconds)
+        if was_long and not self._long_path() and self._transport is None and self._held is not None:
+            self._held = self._by_precision[0]
+            self._filling = self._fill_count < FILL_CHUNKS
 
     def observe_receiver_transport(self, seconds_per_byte: float) -> None:
         """Feed the receiver's reported CPU seconds per wire byte received, decoding
@@ -467,6 +488,33 @@ class CodecChooser:
         :attr:`transport_cost`."""
         return self._transport_by.get(codec, self._transport)
 
+    def _send_cost(self, codec: str) -> float:
+        """The sender's transport CPU seconds per fp16 byte of ``codec`` (0: not measured).
+
+        Its own measurement per wire byte times its size ratio; else the transport's
+        measured cost per wire byte times the ratio, the least it can cost: its chunks
+        are the same chunks with fewer wire bytes, and much of a chunk's work (its
+        frames, writes, acknowledgement, the loop's turns) does not shrink with them. On
+        a shared host (:meth:`observe_shared_host`), where that work is the same CPU as
+        the path's, a codec not yet measured is charged up to the most it can cost
+        instead, raw's cost per byte (its size ratio 1), as far as raw's loop was seen
+        runnable (:meth:`_budget_cores`): all of it where the CPU, not the path, held
+        raw back. Over loopback int4 cost the sender's loop 0.15-0.19 ns per fp16 byte
+        sent alone, 0.56-0.69 ns per wire byte against raw's 0.25-0.30
+        (docs/benchmarks.md); rated at its ratio times raw's, it looked faster than raw
+        by the model and was chosen where raw delivered more. Over an emulated link (a
+        proxy on this host, which the sender waits for) charged all of raw's per byte,
+        int4 lost chunks to fp8 and int8 that delivered less."""
+        ratio = self._ratio[codec]
+        own = self._transport_by.get(codec)
+        if own is not None:
+            return ratio * own
+        free = self._by_precision[0]
+        raw, runnable = self._transport_by.get(free), self._runnable_by.get(free)
+        if self._shared_host and raw is not None and runnable is not None:
+            return raw * (ratio + (1.0 - ratio) * runnable)
+        return ratio * self._transport if self._transport is not None else 0.0
+
     def _blend(self, old: float | None, value: float, nbytes: int) -> float:
         """EWMA step of a speed or a cost, measured over ``nbytes``; a sample smaller than
         FULL_SAMPLE_BYTES (a transfer's small first chunk, timed mostly on call overhead)
@@ -493,8 +541,7 @@ class CodecChooser:
         encode, decode = self._speed[codec], self.decode_speed(codec)
         enc = 1.0 / encode if encode else 0.0
         dec = 1.0 / decode if decode else 0.0
-        transport = self.transport_cost_of(codec)
-        send = ratio * transport if transport else 0.0
+        send = self._send_cost(codec)
         recv = ratio * self._receiver_transport if self._receiver_transport else 0.0
         if not (enc or dec or send or recv):
             return link  # exact: nothing but the wire
@@ -513,25 +560,33 @@ class CodecChooser:
 
     def _budget_cores(self, bandwidth_bps: float) -> float:
         """CPUs the sender's budget has (``pipeline="hosts"``): ``cores``; on a shared host
-        (:meth:`observe_shared_host`) no more than the path at ``bandwidth_bps`` keeps busy.
+        (:meth:`observe_shared_host`) no more than the path at ``bandwidth_bps`` shows the
+        two ends get.
 
-        Between two processes on one host the "wire" is the same CPUs as everything else:
-        carrying ``bandwidth_bps`` costs that many wire bytes a second times the raw
-        transport's cost per wire byte at both ends, and that is the CPU the two ends
-        were seen to get. On an idle host the two
-        processes take both cores, but on a busy one they shared one core's worth; rated
-        with both, int8 and int4 looked 25-40% faster than raw over loopback, where raw
-        delivered 30-50% more (docs/benchmarks.md). Rated with the CPU the path shows, a
-        compact codec beats raw there only if its encode, decode and transport of its
-        smaller wire bytes cost less CPU per fp16 byte than raw's transport. Unknown
-        until the transport's cost is measured (``cores`` then)."""
+        Between two processes on one host over loopback the "wire" is the same CPUs as
+        everything else: carrying ``bandwidth_bps`` costs that many wire bytes a second
+        times raw's transport cost per wire byte at both ends, and that is the CPU the
+        two ends were seen to get, if the sender never waited for the path meanwhile. On
+        an idle host the two processes had both cores, on a busy one about one core's
+        worth between them; rated with both, int8 and int4 looked up to 70% faster than
+        raw over a busy loopback, where raw delivered 30-40% more (docs/benchmarks.md).
+        Rated with the CPU the path shows, a compact codec beats raw there only if its
+        encode, decode and transport of its smaller wire bytes cost less CPU per fp16
+        byte than raw's transport. Where the path is a link of its own (a shaped one, an
+        emulator's proxy on this host) the sender waits for it much of the time, and the
+        CPU it shows is a floor: so that CPU is divided by the share of the time the
+        sender's loop was runnable while raw was sent (``runnable`` of
+        :meth:`observe_transport`). Capped at the CPU alone, ``auto`` sent raw over an
+        emulated 10 Gbit/s link (its proxy on 127.0.0.1) at 0.59 of int4's goodput.
+        ``cores`` until raw's transport cost and that share are measured."""
         cores = float(self._cores)
-        if not self._shared_host or not math.isfinite(bandwidth_bps):
+        free = self._by_precision[0]
+        runnable = self._runnable_by.get(free)
+        send = self._transport_by.get(free)
+        if not self._shared_host or not math.isfinite(bandwidth_bps) or runnable is None or send is None:
             return cores
-        send = self._transport_by.get(self._by_precision[0], self._transport)
-        if send is None:
-            return cores
-        return min(cores, bandwidth_bps / 8.0 * (send + (self._receiver_transport or 0.0)))
+        used = bandwidth_bps / 8.0 * (send + (self._receiver_transport or 0.0))
+        return min(cores, used / runnable)
 
     def _hosts_rate(self, link: float, enc: float, send: float, receiver: float, *, coded: bool,
                     cores: float) -> float:
@@ -680,8 +735,7 @@ class CodecChooser:
             # that delivered less than any of them sent alone.
             codec = held
         free = self._by_precision[0]
-        short = self._shared_host or (self._path_rtt is not None and not self._long_path())
-        unmeasured = self._transport is None and short
+        unmeasured = self._transport is None and self._path_rtt is not None and not self._long_path()
         if held == free and self._is_free(free) and (app_limited or self._filling or unmeasured):
             # Raw held back by the sender, not the path (its first round trips, a CPU
             # shared with other work): a codec that costs CPU to save wire bytes can only
@@ -887,10 +941,9 @@ class CodecChooser:
         return min(stale, key=lambda c: self._sent_at.get(c, -math.inf)) if stale else None
 
     def _long_path(self) -> bool:
-        """The handshake's round trip was at least :data:`LONG_PATH_RTT`, to a receiver not
-        on this host. (On two busy cores a loopback handshake took longer than that, and
-        the most compact codec then went first and stayed.)"""
-        return not self._shared_host and self._path_rtt is not None and self._path_rtt >= LONG_PATH_RTT
+        """The shortest round trip seen (:meth:`observe_path_rtt`) was at least
+        :data:`LONG_PATH_RTT`."""
+        return self._path_rtt is not None and self._path_rtt >= LONG_PATH_RTT
 
     def _is_free(self, codec: str) -> bool:
         """No encode or decode cost and nothing saved on the wire: raw."""

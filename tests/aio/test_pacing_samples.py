@@ -224,9 +224,13 @@ class _TransportChooser:
         self.seen: list[tuple[int, float]] = []
         self.codecs: list[str | None] = []
 
-    def observe_transport(self, wire_bytes: int, cpu_seconds: float, codec: str | None = None) -> None:
+        self.runnable: list[float | None] = []
+
+    def observe_transport(self, wire_bytes: int, cpu_seconds: float, codec: str | None = None, *,
+                          runnable: float | None = None) -> None:
         self.seen.append((wire_bytes, cpu_seconds))
         self.codecs.append(codec)
+        self.runnable.append(runnable)
 
 
 async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -> None:
@@ -237,8 +241,10 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
     from kvwire.aio import client as client_mod
     from kvwire.session.sender import ChunkDelivered
 
-    cpu = [50.0]
+    cpu, wall, runnable = [50.0], [1000.0], [7 * 10**9]
     monkeypatch.setattr(client_mod.time, "thread_time", lambda: cpu[0])
+    monkeypatch.setattr(client_mod, "clock", lambda: wall[0])
+    monkeypatch.setattr(client_mod, "runnable_ns", lambda: runnable[0])
     peer = _peer()
     chooser = _TransportChooser()
     peer.chooser = chooser  # type: ignore[assignment]
@@ -254,17 +260,23 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
     assert chooser.seen == []
     for i in range(7):
         cpu[0] += 0.001
+        wall[0] += 0.002
+        runnable[0] += 1_900_000  # running or waiting for a CPU 95% of the time
         delivered(i, 4 << 20)  # 28 MiB: not yet
     assert chooser.seen == []
     cpu[0] += 0.001
+    wall[0] += 0.002
+    runnable[0] += 1_900_000
     delivered(7, 4 << 20)
     assert chooser.seen == [(32 << 20, pytest.approx(0.008))]
+    assert chooser.runnable == [pytest.approx(0.95)]
     cpu[0] += 5.0  # the application's work between transfers
     peer.transport_meter.start()  # what send() does on an idle peer
     for i in range(8):
         cpu[0] += 0.002
         delivered(8 + i, 4 << 20)
     assert chooser.seen[1] == (32 << 20, pytest.approx(0.016))
+    assert chooser.runnable[1] is None  # the clock did not move: no share to tell
     assert chooser.codecs == ["raw", "raw"]  # every byte raw's: raw's own measurement too
     # a measurement is a codec's only if nearly all its bytes were (75%)
     for i, codec_id in enumerate([0] * 6 + [get_codec("int8").codec_id] * 2):
@@ -274,3 +286,23 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
         peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=2, kind=0, token_start=i),
                                       stream=0, wire_size=4 << 20, kv_bytes=4 << 20, codec_id=codec_id))
     assert chooser.codecs[2:] == ["raw", None]
+
+
+def test_runnable_ns_counts_the_threads_time_on_a_cpu() -> None:
+    """Linux's schedstat of the calling thread: its time on a CPU (what thread_time
+    counts) plus its time waiting for one; it never counts less than the former."""
+    import sys
+
+    from kvwire.aio.client import runnable_ns
+
+    before, cpu0 = runnable_ns(), time.thread_time_ns()
+    if sys.platform != "linux":
+        assert before is None
+        return
+    assert isinstance(before, int)
+    x = 0
+    for i in range(3_000_000):
+        x += i
+    after, cpu1 = runnable_ns(), time.thread_time_ns()
+    # the scheduler's count may lag the thread's clock by a tick (10 ms at HZ=100)
+    assert after is not None and after - before >= (cpu1 - cpu0) - 20_000_000 > 0

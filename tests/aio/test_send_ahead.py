@@ -184,6 +184,7 @@ class ScriptedChooser:
     def __init__(self, *script: str) -> None:
         self.script = list(script)
         self.calls = 0
+        self.rtts: list[float] = []
 
     def choose(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -193,6 +194,9 @@ class ScriptedChooser:
         pass
 
     observe_size = observe_encode
+
+    def observe_path_rtt(self, seconds: float) -> None:
+        self.rtts.append(seconds)
 
 
 @pytest.mark.parametrize(("script", "kinds"), [
@@ -206,11 +210,12 @@ async def test_auto_sends_a_small_layer_it_chose_raw_for_as_one_kv_chunk(script:
     chooser = ScriptedChooser(*script)
     peer = SimpleNamespace(core=core, options=SimpleNamespace(chunk_bytes=TARGET), chooser=chooser,
                            pump=lambda: None, estimator=SimpleNamespace(bandwidth_bps=1e9, app_limited=False,
-                                                                         max_filter_bps=1e9))
+                                                                         max_filter_bps=1e9, min_rtt=0.0004))
     k, v = make_layers(1, 32, SPEC.num_kv_heads, SPEC.head_dim, seed=6)[0]
     used: dict[str, int] = {}
     await _send_layer(peer, SendState(asyncio.Event()), 1, SPEC, 1, k, v, "auto", used, clock(), None)  # type: ignore[arg-type]
     assert [c.kind for c in core.added] == kinds
     assert chooser.calls == len(core.added)  # one choice per chunk sent, none thrown away
+    assert chooser.rtts == [0.0004] * chooser.calls  # each told the data's round trip first
     if script[0] != "raw":
         assert core.added[0].codec_id == 2  # int8: the choice made for the layer

@@ -205,6 +205,7 @@ def test_observed_decode_speed_moves_the_choice() -> None:
 def _true_rate(
     pipeline: str, bandwidth_bps: float, ratio: float, enc: float | None, dec: float | None,
     transport: float | None = None, receiver: float | None = None, cores: int = 1, shared: bool = False,
+    runnable: float | None = None,
 ) -> float:
     """KV bytes/s end to end, written out independently of the chooser: ``receiver`` is
     the receiver's CPU per wire byte, on the thread that also decodes."""
@@ -221,11 +222,11 @@ def _true_rate(
         receiver_cpu = (1 / dec if dec else 0) + ratio * (receiver or 0)
         # times per byte: the wire, the receiver's loop, the sender's cores (shared with
         # the receiver on one host, and no more than the path keeps busy there: its
-        # wire bytes a second times their cost at both ends), and with more than one
-        # core its two threads apart
+        # wire bytes a second times their cost at both ends, over the share of the time
+        # the sender was runnable), and with more than one core its two threads apart
         budget = float(cores)
-        if shared and transport:
-            budget = min(budget, bandwidth_bps / 8 * (transport + (receiver or 0)))
+        if shared and transport and runnable:
+            budget = min(budget, bandwidth_bps / 8 * (transport + (receiver or 0)) / runnable)
         times = [wire, receiver_cpu, (encode + send + (receiver_cpu if shared else 0)) / budget]
         if cores > 1:
             times += [encode, send]
@@ -249,11 +250,12 @@ _speed = st.one_of(st.none(), st.floats(0.05 * GB, 50 * GB))
     receiver=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
     cores=st.integers(1, 8),
     shared=st.booleans(),
+    runnable=st.one_of(st.none(), st.floats(0.01, 1.0)),
 )
 def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
     bandwidth: float, codecs: list[tuple[float, float | None, float | None]],
     time_left: float | None, pipeline: str, transport: float | None, receiver: float | None,
-    cores: int, shared: bool,
+    cores: int, shared: bool, runnable: float | None,
 ) -> None:
     candidates = [CodecCandidate(name="raw", size_ratio=1.0)]
     candidates += [
@@ -267,12 +269,15 @@ def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
         chooser.observe_shared_host()
     if transport is not None:
         chooser.observe_transport(int(GB), transport * GB)
+        if shared:  # each codec's own cost per wire byte (one not measured is charged raw's per byte)
+            for c in candidates:
+                chooser.observe_transport(int(GB), transport * GB, c.name, runnable=runnable)
     if receiver is not None:
         chooser.observe_receiver_transport(receiver)
     remaining = None if time_left is None else int(GB)
     choice = chooser.choose(bandwidth, remaining_bytes=remaining, time_left=time_left)
-    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s, transport, receiver, cores, shared)
-              for c in candidates}
+    params = {c.name: (c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s, transport, receiver, cores, shared,
+                       runnable) for c in candidates}
     raw_rate = _true_rate(pipeline, bandwidth, *params["raw"])
     chosen_rate = _true_rate(pipeline, bandwidth, *params[choice.codec])
     assert choice.codec == "raw" or chosen_rate >= raw_rate * (1 - 1e-9)
@@ -320,6 +325,7 @@ def test_the_senders_cores_and_a_receiver_on_the_same_host() -> None:
             CodecCandidate(name="raw", size_ratio=1.0),
             CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=4 * GB, decode_bytes_per_s=10 * GB),
         ], cores=cores)
+        c.observe_transport(int(GB), 0.4, "raw", runnable=1.0)  # the path's rate is the CPU's
         c.observe_transport(int(GB), 0.4, "int4")
         c.observe_receiver_transport(0.4 / GB)
         return c
@@ -658,19 +664,31 @@ def test_on_a_short_path_raw_stays_until_the_transports_cost_is_measured() -> No
     assert far.choose(18e9).codec == "int4"  # raw held, but a long path's window paces it
 
 
-def test_a_receiver_on_this_host_makes_the_path_short_whatever_its_handshake_took() -> None:
-    """On two busy cores a loopback handshake took over LONG_PATH_RTT: on a shared host
-    the first choice is still raw, held until the transport's cost is measured."""
-    c = CodecChooser([
-        CodecCandidate(name="raw", size_ratio=1.0),
-        CodecCandidate(name="int4", size_ratio=0.375, encode_bytes_per_s=6.75 * GB),
-    ])
-    c.observe_path_rtt(0.02)
-    c.observe_shared_host()
-    assert c.choose(None).codec == "raw"
-    assert [c.choose(18e9).codec for _ in range(6)] == ["raw"] * 6
-    c.observe_transport(32 << 20, 0.25e-9 * (32 << 20))
-    assert c.choose(18e9).codec in ("raw", "int4")  # the model decides from here
+def test_a_path_found_short_after_a_long_handshake_opens_again_as_a_short_one() -> None:
+    """On two busy cores a loopback handshake took over LONG_PATH_RTT and int4 went
+    first; the data's round trips then show the path short: raw, held until the
+    transport's cost is measured, as on any short path. Not once it is measured, and not
+    on a path that stays long."""
+    def make() -> CodecChooser:
+        c = CodecChooser([
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="int4", size_ratio=0.375, encode_bytes_per_s=6.75 * GB),
+        ])
+        c.observe_path_rtt(0.008)
+        assert c.choose(None).codec == "int4"
+        return c
+
+    busy = make()
+    busy.observe_path_rtt(0.0004)
+    assert [busy.choose(18e9).codec for _ in range(6)] == ["raw"] * 6
+    far = make()
+    far.observe_path_rtt(0.02)  # longer: the shortest counts
+    far.observe_path_rtt(0.006)
+    assert far.choose(18e9).codec == "int4"
+    late = make()
+    late.observe_transport(32 << 20, 0.25e-9 * (32 << 20))
+    late.observe_path_rtt(0.0004)
+    assert late.choose(18e9).codec == "int4"  # the model decides: int4 by its prior is faster
 
 
 def test_on_a_shared_host_the_budget_is_the_cpu_the_path_shows() -> None:
@@ -680,7 +698,7 @@ def test_on_a_shared_host_the_budget_is_the_cpu_the_path_shows() -> None:
     0.8 of a CPU for both ends. On that, int4's 0.58 ns of CPU per fp16 byte delivers
     1.4 GB/s, less than raw; rated on both cores it looked almost twice raw's rate. Between
     two hosts the same costs do make int4 the faster: the receiver's work is its own."""
-    def make(shared: bool) -> CodecChooser:
+    def make(shared: bool, runnable: float | None = 1.0) -> CodecChooser:
         c = CodecChooser([
             CodecCandidate(name="raw", size_ratio=1.0),
             CodecCandidate(name="int4", size_ratio=0.27, encode_bytes_per_s=3.3 * GB, decode_bytes_per_s=10 * GB),
@@ -688,7 +706,7 @@ def test_on_a_shared_host_the_budget_is_the_cpu_the_path_shows() -> None:
         c.observe_path_rtt(0.0001)
         if shared:
             c.observe_shared_host()
-        c.observe_transport(int(GB), 0.26, "raw")
+        c.observe_transport(int(GB), 0.26, "raw", runnable=runnable)  # 1: the loop never waited for the path
         c.observe_transport(int(GB), 0.45, "int4")
         c.observe_receiver_transport(0.23 / GB)
         return c
@@ -707,6 +725,49 @@ def test_on_a_shared_host_the_budget_is_the_cpu_the_path_shows() -> None:
     fast = 100e9
     times = [0.27 * 8 / 100, receiver, (enc + loop + receiver) / 2, enc, loop]
     assert here.delivered_rate("int4", fast) == pytest.approx(GB / sum(t**4 for t in times) ** 0.25)
+    # a link of its own on this host (an emulator's proxy): raw's loop waited for it 2/3
+    # of the time, so the CPU it showed is a third of what the two ends may get
+    linked = make(True)
+    for _ in range(60):  # until the EWMA has it
+        linked.observe_transport(int(GB), 0.26, "raw", runnable=1 / 3)
+    times = [0.27 * 8 / 13, receiver, (enc + loop + receiver) / min(2, 3 * cpus), enc, loop]
+    assert linked.delivered_rate("int4", path) == pytest.approx(GB / sum(t**4 for t in times) ** 0.25, rel=1e-3)
+    assert linked.choose(path).codec == "int4"
+    # the share unknown (no schedstat), or nonsense: the cores
+    times = [0.27 * 8 / 13, receiver, (enc + loop + receiver) / 2, enc, loop]
+    for share in (None, 0.0, -1.0, 2.0, math.nan):
+        unknown = make(True, share)
+        assert unknown.delivered_rate("int4", path) == pytest.approx(GB / sum(t**4 for t in times) ** 0.25)
+
+
+def test_on_a_shared_host_a_codec_not_measured_costs_the_loop_up_to_what_raw_does_per_byte() -> None:
+    """A compact codec's chunks are raw's chunks with fewer wire bytes: its transport costs
+    at least its size ratio times raw's per wire byte and at most raw's per fp16 byte.
+    Between hosts the model charges the least until the codec is measured; on a shared
+    host, where that work is the same CPU as the path's, up to the most, as far as raw's
+    loop was runnable (all of it where the CPU, not the path, held raw back)."""
+    def make(shared: bool, runnable: float | None) -> CodecChooser:
+        c = CodecChooser([
+            CodecCandidate(name="raw", size_ratio=1.0),
+            CodecCandidate(name="int4", size_ratio=0.25, encode_bytes_per_s=4 * GB),
+        ])
+        if shared:
+            c.observe_shared_host()
+        c.observe_transport(int(GB), 0.3, "raw", runnable=runnable)  # 0.3 ns a byte
+        return c
+
+    wire = 0.25 * 8 / 1000  # s/GB at 1 Tbit/s: the CPU decides
+
+    def int4(c: CodecChooser, send: float) -> None:
+        assert c.delivered_rate("int4", 1e12) == pytest.approx(GB / (wire**4 + (0.25 + send) ** 4) ** 0.25)
+
+    int4(make(False, 1.0), 0.25 * 0.3)  # between hosts: the least
+    int4(make(True, None), 0.25 * 0.3)  # nothing tells how far the CPU held raw back
+    int4(make(True, 1.0), 0.3)  # loopback: the CPU, never the path: the most
+    int4(make(True, 0.4), 0.3 * (0.25 + 0.75 * 0.4))  # a link of its own on this host
+    here = make(True, 1.0)
+    here.observe_transport(int(GB), 0.6, "int4")  # measured while int4 was sent: its own
+    int4(here, 0.25 * 0.6)
 
 
 def test_the_model_keeps_its_codec_unless_another_is_faster_by_the_hysteresis() -> None:
