@@ -19,6 +19,10 @@ The systems, each in its own sender and receiver processes, forked fresh for eve
 measurement from a parent that has imported none of them:
 
 * ``raw``: ``sendall`` of each array / ``recv_into`` one reused, pre-faulted buffer;
+  ``raw/<habits>``: the same with some of kvwire's sending habits, ``+``-separated, to
+  tell what each costs: ``p<size>`` writes pieces of that size (``p512k``),
+  ``lowat<size>`` sets TCP_NOTSENT_LOWAT, ``nb`` writes non-blocking and waits in
+  ``select()``, ``crc`` takes each piece's CRC32C after its write (``raw/p512k+lowat1m+nb``);
 * ``kvwire-<codec>``: ``kvwire.connect(...).send`` / ``server.accept()`` and iterating the
   layers (each dropped once seen), each send awaited before the next starts, both ends on
   asyncio's own event loop; ``kvwire-<codec>*N``: up to N sends in flight at once (each
@@ -179,6 +183,74 @@ class RawSender(Sender):
 
     def close(self) -> None:
         self.sock.close()
+
+
+_SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20}
+
+
+def raw_habits(name: str) -> dict[str, Any]:
+    """``raw/<habits>`` as :class:`RawHabitsSender`'s keywords; ValueError names what is wrong."""
+    habits: dict[str, Any] = {"piece": None, "lowat": 0, "nonblocking": False, "crc": False}
+
+    def size(text: str) -> int:
+        unit = _SIZE_UNITS.get(text[-1:].lower(), 1)
+        digits = text[:-1] if unit > 1 else text
+        if not digits.isdigit() or int(digits) < 1:
+            raise ValueError(f"{name}: {text!r} is not a size such as 512k or 1m")
+        return int(digits) * unit
+
+    for habit in name.partition("/")[2].split("+"):
+        if habit == "nb":
+            habits["nonblocking"] = True
+        elif habit == "crc":
+            habits["crc"] = True
+        elif habit.startswith("lowat"):
+            habits["lowat"] = size(habit[5:])
+        elif habit.startswith("p"):
+            habits["piece"] = size(habit[1:])
+        else:
+            raise ValueError(f"{name}: unknown habit {habit!r} (p<size>, lowat<size>, nb, crc)")
+    return habits
+
+
+class RawHabitsSender(RawSender):
+    """``raw/<habits>``: the raw pair's sender with some of kvwire's habits (see the
+    module docstring): which of them costs the sender's CPU."""
+
+    def __init__(self, *, piece: int | None, lowat: int, nonblocking: bool, crc: bool) -> None:
+        self.piece, self.lowat, self.nonblocking, self.crc = piece, lowat, nonblocking, crc
+
+    def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
+        import socket
+
+        super().setup(addr, info, cache, tokens)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self.lowat:
+            self.sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, "TCP_NOTSENT_LOWAT", 25), self.lowat)
+        self.sock.setblocking(not self.nonblocking)
+
+    def send(self, n: int) -> None:
+        import select
+
+        from kvwire.wire.crc import crc32c
+
+        for _ in range(n):
+            for a in self.arrays:
+                off, piece = 0, self.piece or len(a)
+                while off < len(a):
+                    view = a[off : off + piece]
+                    if self.nonblocking:
+                        try:
+                            sent = self.sock.send(view)
+                        except BlockingIOError:
+                            select.select([], [self.sock], [])
+                            continue
+                    else:
+                        self.sock.sendall(view)
+                        sent = len(view)
+                    if self.crc:
+                        crc32c(view[:sent])
+                    off += sent
 
 
 class ZmqReceiver(Receiver):
@@ -405,6 +477,8 @@ class KvwireSender(Sender):
 def make_system(name: str) -> tuple[Receiver, Sender]:
     if name == "raw":
         return RawReceiver(), RawSender()
+    if name.startswith("raw/"):
+        return RawReceiver(), RawHabitsSender(**raw_habits(name))
     if name == "zmq":
         return ZmqReceiver(), ZmqSender()
     if name == "mooncake":
@@ -730,7 +804,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="raw,kvwire-raw,mooncake,nixl,zmq",
-                    help="comma-separated: raw, kvwire-<codec>[*N][/uvloop], mooncake, nixl, zmq")
+                    help="comma-separated: raw, raw/<habits>, kvwire-<codec>[*N][/uvloop], mooncake, nixl, zmq")
     ap.add_argument("--kvwire-codecs", default="", help="extra kvwire codecs to add, e.g. auto,fp8")
     ap.add_argument("--links", default="loopback,veth", help="loopback and/or veth (root)")
     ap.add_argument("--rate", type=float, default=10e9, help="veth rate in bit/s (default 10e9)")
@@ -763,6 +837,11 @@ def main(argv: list[str] | None = None) -> int:
     systems = [s for s in args.systems.split(",") if s]
     systems += [f"kvwire-{c}" for c in args.kvwire_codecs.split(",") if c and f"kvwire-{c}" not in systems]
     for s in systems:
+        if s.startswith("raw/"):
+            try:
+                raw_habits(s)
+            except ValueError as exc:
+                ap.error(str(exc))
         if not s.startswith("kvwire-"):
             continue
         spec, loop = kvwire_system(s)

@@ -36,6 +36,23 @@ def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
     assert "| kvwire-raw |" in got.stdout and "1 GiB" not in got.stdout  # no whole-cache shape
 
 
+def test_the_raw_pair_with_kvwires_sending_habits(tmp_path: Path) -> None:
+    """``raw/<habits>``: pieces, TCP_NOTSENT_LOWAT, non-blocking writes, a CRC after each
+    write; every byte still arrives (the receiver reads each cache's whole size)."""
+    out = tmp_path / "peers.json"
+    systems = ["raw/p64k", "raw/p64k+lowat1m+nb+crc", "raw/lowat4m+nb"]
+    got = _run("--systems", ",".join(systems), "--links", "loopback", "--loads", "quiet",
+               "--whole-tokens", "0", "--burst", "3x16", "--rounds", "1", "--json", str(out))
+    assert got.returncode == 0, got.stderr
+    data = json.loads(out.read_text())
+    assert data["failures"] == {}
+    assert sorted(data["samples"]) == sorted(f"loopback, quiet, 3 x 2 MiB / {s}" for s in systems)
+    for bad, says in (("raw/p0", "not a size"), ("raw/lowatx", "not a size"), ("raw/zerocopy", "unknown habit")):
+        got = _run("--systems", bad, "--links", "loopback")
+        assert got.returncode == 2, bad
+        assert says in got.stderr, (bad, got.stderr)
+
+
 def test_the_busy_load_starts_and_stops_without_a_trace() -> None:
     """The load processes end on terminate() as they should: no traceback of theirs."""
     got = _run("--systems", "raw", "--links", "loopback", "--loads", "busy", "--whole-tokens", "16",
