@@ -43,7 +43,10 @@ sender's write completes, which is when those engines report the data placed. CP
 seconds per GB are each process's own CPU time (all its threads) over the measured
 interval, per GB of KV, and (quiet rows) the whole host's busy time over it from
 ``/proc/stat``, which also counts the kernel's work done outside either process (a
-shaped link's packets released by a timer while no process runs). Rounds are interleaved (round 1 of every system, then round 2,
+shaped link's packets released by a timer while no process runs). On the shaped link the
+JSON samples also hold the TCP segments the sender's namespace sent per MB of KV and the
+share of them retransmitted (``segments_per_mb``, ``retransmitted``, from
+``/proc/<pid>/net/snmp``). Rounds are interleaved (round 1 of every system, then round 2,
 ...), and each figure is the median with min and max. A system that is not installed or
 fails says why and the others still run.
 

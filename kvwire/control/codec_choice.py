@@ -8,7 +8,7 @@ transport CPU too. Per fp16 byte the end-to-end cost has four parts: wire
 transport ``size_ratio x transport cost`` (the sender's own CPU seconds per wire byte,
 measured as it sends, for each codec apart: :meth:`CodecChooser.observe_transport`; left
 out until measured; a codec not measured yet is charged the cost measured while others
-were sent, per wire byte, or on a shared host raw's per fp16 byte: see
+were sent, per wire byte, or on a shared host up to raw's per fp16 byte: see
 :meth:`CodecChooser._send_cost`).
 How they combine is the ``pipeline`` setting:
 
@@ -17,12 +17,13 @@ How they combine is the ``pipeline`` setting:
   its REPORTs) on its event loop's thread; with more than one core the sender's encoder
   chain (a worker thread) and its loop are stages of their own too, and a receiver on
   the same host (:meth:`CodecChooser.observe_shared_host`) adds its work to the
-  sender's budget, which is then no more than the CPU the path itself shows it gets (the
-  path's rate times what a wire byte costs both ends). The hosts and the wire overlap, and the slowest stage bounds the
-  rate (of a codec that encodes or decodes, stages bend it below the slowest when they
-  are close: :data:`STAGE_COUPLING`). On a path whose "wire" is itself CPU (loopback, a
-  host where the transport is CPU-bound) the transport term is what keeps quantizing
-  from looking free; on a real link the CPU work hides behind the wire.
+  sender's budget, which is then no more than the CPU the path shows the two ends get
+  (see :meth:`CodecChooser._budget_cores`). The hosts and the wire overlap, and the
+  slowest stage bounds the rate (of a codec that encodes or decodes, stages bend it
+  below the slowest when they are close: :data:`STAGE_COUPLING`). On a path whose
+  "wire" is itself CPU (loopback, a host where the transport is CPU-bound) the
+  transport term is what keeps quantizing from looking free; on a real link the CPU
+  work hides behind the wire.
 * ``"cpu"``: the wire overlaps the CPU work; encode, decode and the sender's transport
   add (one CPU budget, as if one host did all of it). Over a 10 Gbit/s veth link between
   two processes it charged the receiver's decode to the sender and kept int8 where int4
@@ -297,7 +298,7 @@ class CodecChooser:
         self._transport: float | None = None  # sender CPU seconds per wire byte
         self._transport_by: dict[str, float] = {}  # the same, measured while each codec was sent
         self._runnable_by: dict[str, float] = {}  # the sender loop's runnable share meanwhile
-        self._path_rtt: float | None = None  # the path's round trip before any data
+        self._path_rtt: float | None = None  # the shortest round trip seen (observe_path_rtt)
         self._receiver_transport: float | None = None  # receiver CPU seconds per wire byte
         if pipeline not in _PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(_PIPELINES)}")
