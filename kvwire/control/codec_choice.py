@@ -498,9 +498,8 @@ class CodecChooser:
         frames, writes, acknowledgement, the loop's turns) does not shrink with them. On
         a shared host (:meth:`observe_shared_host`), where that work is the same CPU as
         the path's, a codec not yet measured is charged up to the most it can cost
-        instead, raw's cost per byte (its size ratio 1), as far as raw's loop was seen
-        runnable (:meth:`_budget_cores`): all of it where the CPU, not the path, held
-        raw back. Over loopback int4 cost the sender's loop 0.15-0.19 ns per fp16 byte
+        instead, raw's cost per byte (its size ratio 1), as far as the CPU, not the
+        path, held raw back (:meth:`_cpu_held`): all of it over loopback. Over loopback int4 cost the sender's loop 0.15-0.19 ns per fp16 byte
         sent alone, 0.56-0.69 ns per wire byte against raw's 0.25-0.30
         (docs/benchmarks.md); rated at its ratio times raw's, it looked faster than raw
         by the model and was chosen where raw delivered more. Over an emulated link (a
@@ -510,11 +509,19 @@ class CodecChooser:
         own = self._transport_by.get(codec)
         if own is not None:
             return ratio * own
-        free = self._by_precision[0]
-        raw, runnable = self._transport_by.get(free), self._runnable_by.get(free)
-        if self._shared_host and raw is not None and runnable is not None:
-            return raw * (ratio + (1.0 - ratio) * runnable)
+        raw, held = self._transport_by.get(self._by_precision[0]), self._cpu_held()
+        if self._shared_host and raw is not None and held is not None:
+            return raw * (ratio + (1.0 - ratio) * held)
         return ratio * self._transport if self._transport is not None else 0.0
+
+    def _cpu_held(self) -> float | None:
+        """How far the CPU, not the path, held raw back while it was sent: the share of
+        the time its loop was runnable (running or waiting for a CPU; ``None``: not
+        measured). Over loopback nearly all of it (73-83% on two busy cores, where it
+        waited the rest for a receiver that waited for a CPU); over an emulated 10 Gbit/s
+        link on this host 16-21%, and 50-64% while that host's two cores were saturated
+        by the emulator, sender and receiver; at 1 Gbit/s 12%."""
+        return self._runnable_by.get(self._by_precision[0])
 
     def _blend(self, old: float | None, value: float, nbytes: int) -> float:
         """EWMA step of a speed or a cost, measured over ``nbytes``; a sample smaller than
@@ -575,19 +582,21 @@ class CodecChooser:
         encode, decode and transport of its smaller wire bytes cost less CPU per fp16
         byte than raw's transport. Where the path is a link of its own (a shaped one, an
         emulator's proxy on this host) the sender waits for it much of the time, and the
-        CPU it shows is a floor: so that CPU is divided by the share of the time the
-        sender's loop was runnable while raw was sent (``runnable`` of
+        CPU it shows is a floor: so that CPU is divided by how far the CPU held raw back
+        (:meth:`_cpu_held`: raw's loop's share of the time runnable, ``runnable`` of
         :meth:`observe_transport`). Capped at the CPU alone, ``auto`` sent raw over an
-        emulated 10 Gbit/s link (its proxy on 127.0.0.1) at 0.59 of int4's goodput.
-        ``cores`` until raw's transport cost and that share are measured."""
+        emulated 10 Gbit/s link (its proxy on 127.0.0.1) at 0.59 of int4's goodput; with
+        every loop runnable half the time or more taken as held back by the CPU alone, in
+        half the runs there (the emulator's work on the same two cores, which a compact
+        codec saves too, is not counted). Over a busy loopback the division lifts the
+        budget a fifth above what raw used. ``cores`` until raw's transport cost and that
+        share are measured."""
         cores = float(self._cores)
-        free = self._by_precision[0]
-        runnable = self._runnable_by.get(free)
-        send = self._transport_by.get(free)
-        if not self._shared_host or not math.isfinite(bandwidth_bps) or runnable is None or send is None:
+        held, send = self._cpu_held(), self._transport_by.get(self._by_precision[0])
+        if not self._shared_host or not math.isfinite(bandwidth_bps) or held is None or send is None:
             return cores
         used = bandwidth_bps / 8.0 * (send + (self._receiver_transport or 0.0))
-        return min(cores, used / runnable)
+        return min(cores, used / held)
 
     def _hosts_rate(self, link: float, enc: float, send: float, receiver: float, *, coded: bool,
                     cores: float) -> float:

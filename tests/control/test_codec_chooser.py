@@ -223,7 +223,8 @@ def _true_rate(
         # times per byte: the wire, the receiver's loop, the sender's cores (shared with
         # the receiver on one host, and no more than the path keeps busy there: its
         # wire bytes a second times their cost at both ends, over the share of the time
-        # the sender was runnable), and with more than one core its two threads apart
+        # the sender's loop was runnable), and with more than one core its two threads
+        # apart
         budget = float(cores)
         if shared and transport and runnable:
             budget = min(budget, bandwidth_bps / 8 * (transport + (receiver or 0)) / runnable)
@@ -285,6 +286,39 @@ def test_auto_never_picks_a_codec_slower_end_to_end_than_raw(
         best = max(_true_rate(pipeline, bandwidth, *p) for p in params.values())
         if abs(raw_rate - 0.98 * best) > 1e-6 * best:  # the default tolerance, 2%
             assert (choice.codec == "raw") == (raw_rate > 0.98 * best)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    bandwidth=st.floats(1e8, 4e11),
+    codecs=st.lists(st.tuples(st.floats(0.1, 0.99), _speed, _speed), min_size=1, max_size=3),
+    transport=st.floats(0.01 / GB, 5 / GB),
+    receiver=st.one_of(st.none(), st.floats(0.01 / GB, 5 / GB)),
+    cores=st.integers(1, 8),
+    runnable=st.floats(0.01, 1.0),
+)
+def test_on_a_shared_host_every_codecs_rate_is_the_reference_models(
+    bandwidth: float, codecs: list[tuple[float, float | None, float | None]], transport: float,
+    receiver: float | None, cores: int, runnable: float,
+) -> None:
+    """The shared host's budget, capped by the CPU the path shows over how far the CPU
+    held raw back, against the model written out above (every codec's transport cost
+    measured, so none is charged raw's per byte)."""
+    candidates = [CodecCandidate(name="raw", size_ratio=1.0)]
+    candidates += [
+        CodecCandidate(name=f"q{i}", size_ratio=r, encode_bytes_per_s=e, decode_bytes_per_s=d)
+        for i, (r, e, d) in enumerate(codecs)
+    ]
+    chooser = CodecChooser(candidates, cores=cores)
+    chooser.observe_shared_host()
+    for c in candidates:
+        chooser.observe_transport(int(GB), transport * GB, c.name, runnable=runnable)
+    if receiver is not None:
+        chooser.observe_receiver_transport(receiver)
+    for c in candidates:
+        want = _true_rate("hosts", bandwidth, c.size_ratio, c.encode_bytes_per_s, c.decode_bytes_per_s,
+                          transport, receiver, cores, True, runnable)
+        assert chooser.delivered_rate(c.name, bandwidth) == pytest.approx(want, rel=1e-9)
 
 
 def test_before_any_estimate_a_long_path_starts_compact_and_a_short_one_raw() -> None:
@@ -725,14 +759,18 @@ def test_on_a_shared_host_the_budget_is_the_cpu_the_path_shows() -> None:
     fast = 100e9
     times = [0.27 * 8 / 100, receiver, (enc + loop + receiver) / 2, enc, loop]
     assert here.delivered_rate("int4", fast) == pytest.approx(GB / sum(t**4 for t in times) ** 0.25)
-    # a link of its own on this host (an emulator's proxy): raw's loop waited for it 2/3
-    # of the time, so the CPU it showed is a third of what the two ends may get
+    # a link of its own on this host (an emulator's proxy): raw's loop was runnable a
+    # fifth of the time: the CPU it showed, over that, is what the two ends may get
     linked = make(True)
     for _ in range(60):  # until the EWMA has it
-        linked.observe_transport(int(GB), 0.26, "raw", runnable=1 / 3)
-    times = [0.27 * 8 / 13, receiver, (enc + loop + receiver) / min(2, 3 * cpus), enc, loop]
+        linked.observe_transport(int(GB), 0.26, "raw", runnable=0.2)
+    times = [0.27 * 8 / 13, receiver, (enc + loop + receiver) / min(2, cpus / 0.2), enc, loop]
     assert linked.delivered_rate("int4", path) == pytest.approx(GB / sum(t**4 for t in times) ** 0.25, rel=1e-3)
     assert linked.choose(path).codec == "int4"
+    # runnable 80% of the time: the CPU raw used over 0.8
+    busy = make(True, 0.8)
+    times = [0.27 * 8 / 13, receiver, (enc + loop + receiver) / (cpus / 0.8), enc, loop]
+    assert busy.delivered_rate("int4", path) == pytest.approx(GB / sum(t**4 for t in times) ** 0.25)
     # the share unknown (no schedstat), or nonsense: the cores
     times = [0.27 * 8 / 13, receiver, (enc + loop + receiver) / 2, enc, loop]
     for share in (None, 0.0, -1.0, 2.0, math.nan):
@@ -764,7 +802,8 @@ def test_on_a_shared_host_a_codec_not_measured_costs_the_loop_up_to_what_raw_doe
     int4(make(False, 1.0), 0.25 * 0.3)  # between hosts: the least
     int4(make(True, None), 0.25 * 0.3)  # nothing tells how far the CPU held raw back
     int4(make(True, 1.0), 0.3)  # loopback: the CPU, never the path: the most
-    int4(make(True, 0.4), 0.3 * (0.25 + 0.75 * 0.4))  # a link of its own on this host
+    int4(make(True, 0.8), 0.3 * (0.25 + 0.75 * 0.8))  # runnable 80% of the time
+    int4(make(True, 0.2), 0.3 * (0.25 + 0.75 * 0.2))  # a link of its own on this host
     here = make(True, 1.0)
     here.observe_transport(int(GB), 0.6, "int4")  # measured while int4 was sent: its own
     int4(here, 0.25 * 0.6)
