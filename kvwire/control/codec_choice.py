@@ -585,12 +585,13 @@ class CodecChooser:
         CPU it shows is a floor: so that CPU is divided by how far the CPU held raw back
         (:meth:`_cpu_held`: raw's loop's share of the time runnable, ``runnable`` of
         :meth:`observe_transport`). Capped at the CPU alone, ``auto`` sent raw over an
-        emulated 10 Gbit/s link (its proxy on 127.0.0.1) at 0.59 of int4's goodput; with
-        every loop runnable half the time or more taken as held back by the CPU alone, in
-        half the runs there (the emulator's work on the same two cores, which a compact
-        codec saves too, is not counted). Over a busy loopback the division lifts the
-        budget a fifth above what raw used. ``cores`` until raw's transport cost and that
-        share are measured."""
+        emulated 10 Gbit/s link (its proxy on 127.0.0.1) at 0.59 of int4's goodput. With
+        a loop runnable half the time or more taken as held back by the CPU alone, it
+        still did in 3 of 8 runs: there the emulator, sender and receiver saturated the
+        two cores, raw's loop was runnable 50-64% of the time, and the emulator's work,
+        which a compact codec saves too, is not in the model. Over a busy loopback the
+        division lifts the budget about a fifth above what raw used. ``cores`` until
+        raw's transport cost and that share are measured."""
         cores = float(self._cores)
         held, send = self._cpu_held(), self._transport_by.get(self._by_precision[0])
         if not self._shared_host or not math.isfinite(bandwidth_bps) or held is None or send is None:
