@@ -248,8 +248,9 @@ async def _send_layer(
         left = None if deadline is None else deadline - (clock() - started)
         remaining = (spec.num_layers - index) * 2 * tokens * bpt
         est = peer.estimator
-        if est.min_rtt is not None:  # the data's round trip: below a busy host's handshake
-            chooser.observe_path_rtt(est.min_rtt)
+        rtt = est.min_rtt
+        if rtt is not None:  # the data's round trip: below a busy host's handshake
+            chooser.observe_path_rtt(rtt)
         return get_codec(chooser.choose(
             est.bandwidth_bps, remaining_bytes=remaining if deadline is not None else None,
             time_left=left, app_limited=est.app_limited, now=clock(), peak_bps=est.max_filter_bps,

@@ -297,7 +297,7 @@ class CodecChooser:
         self._decode_observed: set[str] = set()
         self._transport: float | None = None  # sender CPU seconds per wire byte
         self._transport_by: dict[str, float] = {}  # the same, measured while each codec was sent
-        self._runnable_by: dict[str, float] = {}  # the sender loop's runnable share meanwhile
+        self._raw_runnable: float | None = None  # the sender loop's runnable share while raw was sent
         self._path_rtt: float | None = None  # the shortest round trip seen (observe_path_rtt)
         self._receiver_transport: float | None = None  # receiver CPU seconds per wire byte
         if pipeline not in _PIPELINES:
@@ -401,7 +401,7 @@ class CodecChooser:
         ``wire_bytes`` (framing, checksums, the kernel's copy; not encoding), all or
         nearly all of them of ``codec`` when given; ``runnable``: the share of the
         measurement's time the sender's loop was running or waiting for a CPU, not for
-        the path (see :meth:`_budget_cores`).
+        the path (kept from raw's measurements: see :meth:`_budget_cores`).
 
         What a wire byte costs depends on the codec: measured while int8 was sent, the
         sender's loop spent twice as much per wire byte as while raw was (a chunk's work
@@ -415,9 +415,9 @@ class CodecChooser:
         self._transport = self._blend(self._transport, cost, wire_bytes)
         if codec in self._ratio:
             self._transport_by[codec] = self._blend(self._transport_by.get(codec), cost, wire_bytes)
-            if runnable is not None and 0.0 < runnable <= 1.0 + RUNNABLE_SLACK:
-                share = min(runnable, 1.0)
-                self._runnable_by[codec] = self._blend(self._runnable_by.get(codec), share, wire_bytes)
+            free = codec == self._by_precision[0]
+            if free and runnable is not None and 0.0 < runnable <= 1.0 + RUNNABLE_SLACK:
+                self._raw_runnable = self._blend(self._raw_runnable, min(runnable, 1.0), wire_bytes)
 
     def observe_shared_host(self) -> None:
         """The receiver runs on this host (loopback, or this host's own address): in
@@ -499,29 +499,24 @@ class CodecChooser:
         a shared host (:meth:`observe_shared_host`), where that work is the same CPU as
         the path's, a codec not yet measured is charged up to the most it can cost
         instead, raw's cost per byte (its size ratio 1), as far as the CPU, not the
-        path, held raw back (:meth:`_cpu_held`): all of it over loopback. Over loopback int4 cost the sender's loop 0.15-0.19 ns per fp16 byte
-        sent alone, 0.56-0.69 ns per wire byte against raw's 0.25-0.30
-        (docs/benchmarks.md); rated at its ratio times raw's, it looked faster than raw
-        by the model and was chosen where raw delivered more. Over an emulated link (a
-        proxy on this host, which the sender waits for) charged all of raw's per byte,
-        int4 lost chunks to fp8 and int8 that delivered less."""
+        path, held raw back: in proportion to the share of the time raw's loop was
+        runnable (``runnable`` of :meth:`observe_transport`; near all of it over
+        loopback, 73-83% on two busy cores; over an emulated 10 Gbit/s link on this host
+        16-21%, 50-64% while that host's two cores were saturated, 12% at 1 Gbit/s).
+        Over loopback int4 cost the sender's loop 0.15-0.19 ns per fp16 byte sent alone,
+        0.56-0.69 ns per wire byte against raw's 0.25-0.30 (docs/benchmarks.md); rated at
+        its ratio times raw's, it looked faster than raw by the model and was chosen
+        where raw delivered more. Over an emulated link (a proxy on this host, which the
+        sender waits for) charged all of raw's per byte, int4 lost chunks to fp8 and int8
+        that delivered less."""
         ratio = self._ratio[codec]
         own = self._transport_by.get(codec)
         if own is not None:
             return ratio * own
-        raw, held = self._transport_by.get(self._by_precision[0]), self._cpu_held()
-        if self._shared_host and raw is not None and held is not None:
-            return raw * (ratio + (1.0 - ratio) * held)
+        raw, runnable = self._transport_by.get(self._by_precision[0]), self._raw_runnable
+        if self._shared_host and raw is not None and runnable is not None:
+            return raw * (ratio + (1.0 - ratio) * runnable)
         return ratio * self._transport if self._transport is not None else 0.0
-
-    def _cpu_held(self) -> float | None:
-        """How far the CPU, not the path, held raw back while it was sent: the share of
-        the time its loop was runnable (running or waiting for a CPU; ``None``: not
-        measured). Over loopback nearly all of it (73-83% on two busy cores, where it
-        waited the rest for a receiver that waited for a CPU); over an emulated 10 Gbit/s
-        link on this host 16-21%, and 50-64% while that host's two cores were saturated
-        by the emulator, sender and receiver; at 1 Gbit/s 12%."""
-        return self._runnable_by.get(self._by_precision[0])
 
     def _blend(self, old: float | None, value: float, nbytes: int) -> float:
         """EWMA step of a speed or a cost, measured over ``nbytes``; a sample smaller than
@@ -582,22 +577,22 @@ class CodecChooser:
         encode, decode and transport of its smaller wire bytes cost less CPU per fp16
         byte than raw's transport. Where the path is a link of its own (a shaped one, an
         emulator's proxy on this host) the sender waits for it much of the time, and the
-        CPU it shows is a floor: so that CPU is divided by how far the CPU held raw back
-        (:meth:`_cpu_held`: raw's loop's share of the time runnable, ``runnable`` of
-        :meth:`observe_transport`). Capped at the CPU alone, ``auto`` sent raw over an
-        emulated 10 Gbit/s link (its proxy on 127.0.0.1) at 0.59 of int4's goodput. With
-        a loop runnable half the time or more taken as held back by the CPU alone, it
-        still did in 3 of 8 runs: there the emulator, sender and receiver saturated the
-        two cores, raw's loop was runnable 50-64% of the time, and the emulator's work,
-        which a compact codec saves too, is not in the model. Over a busy loopback the
-        division lifts the budget about a fifth above what raw used. ``cores`` until
-        raw's transport cost and that share are measured."""
+        CPU it shows is a floor: so that CPU is divided by the share of the time raw's
+        loop was runnable (``runnable`` of :meth:`observe_transport`). Capped at the CPU
+        alone, ``auto`` sent raw over an emulated 10 Gbit/s link (its proxy on
+        127.0.0.1) at 0.59 of int4's goodput. With a loop runnable half the time or more
+        taken as held back by the CPU alone, it still did in 3 of 8 runs: there the
+        emulator, sender and receiver saturated the two cores, raw's loop was runnable
+        50-64% of the time, and the emulator's work, which a compact codec saves too, is
+        not in the model. Over a busy loopback the division lifts the budget about a
+        fifth above what raw used. ``cores`` until raw's transport cost and that share
+        are measured."""
         cores = float(self._cores)
-        held, send = self._cpu_held(), self._transport_by.get(self._by_precision[0])
-        if not self._shared_host or not math.isfinite(bandwidth_bps) or held is None or send is None:
+        runnable, send = self._raw_runnable, self._transport_by.get(self._by_precision[0])
+        if not self._shared_host or not math.isfinite(bandwidth_bps) or runnable is None or send is None:
             return cores
         used = bandwidth_bps / 8.0 * (send + (self._receiver_transport or 0.0))
-        return min(cores, used / held)
+        return min(cores, used / runnable)
 
     def _hosts_rate(self, link: float, enc: float, send: float, receiver: float, *, coded: bool,
                     cores: float) -> float:
