@@ -33,6 +33,7 @@ from kvwire.units import (
     positive,
     whole_number,
 )
+from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
 
 __all__ = [
     "add_parsers",
@@ -198,8 +199,8 @@ def add_parsers(subparsers: Any) -> None:
                       help="KV shape to send (default llama3-8b: 32 x 8 x 128 fp16)")
     load.add_argument("--tokens", type=argument_type(whole_number, "int"), default=8192, metavar="N",
                       help="tokens per transfer (default 8192)")
-    load.add_argument("--chunk-size", type=argument_type(parse_size), default=4 << 20, metavar="SIZE",
-                      help="target size of one chunk of K or V before encoding (default 4MiB)")
+    load.add_argument("--chunk-size", type=argument_type(parse_size), default=DEFAULT_CHUNK_BYTES, metavar="SIZE",
+                      help=f"target size of one chunk of K or V before encoding (default {format_size(DEFAULT_CHUNK_BYTES)})")
     load.add_argument("--duration", type=_POSITIVE_DURATION, default=10.0, metavar="TIME",
                       help="keep starting transfers for this long (default 10s)")
     load.add_argument("--seed", type=int, default=0, metavar="N",

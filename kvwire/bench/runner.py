@@ -49,6 +49,7 @@ from kvwire.codec.base import available_codecs
 from kvwire.errors import KvwireError, UsageError
 from kvwire.session.options import AUTO_CODEC_MODES
 from kvwire.spec import KVSpec
+from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
 
 __all__ = [
     "DEV_SECRET",
@@ -140,7 +141,7 @@ class BenchConfig:
     """Measure a raw-socket baseline first (plain loopback only)."""
     seed: int = 0
     sample_interval: float = 0.1
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Target size of one chunk of K or V before encoding (``ClientOptions.chunk_bytes``)."""
     interval: float = 1.0
     """Seconds between the per-interval reports (``intervals`` in the report)."""

@@ -17,7 +17,13 @@ from kvwire.session.receiver import ReceiverConfig
 from kvwire.session.sender import SenderConfig
 from kvwire.spec import KVSpec
 from kvwire.wire.connection import NO_FINGERPRINT
-from kvwire.wire.frames import MAX_MAX_FRAME_SIZE, MIN_MAX_FRAME_SIZE
+from kvwire.wire.frames import (
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_FRAME_SIZE,
+    DEFAULT_WINDOW,
+    MAX_MAX_FRAME_SIZE,
+    MIN_MAX_FRAME_SIZE,
+)
 
 #: Unsent bytes the kernel may hold before the socket stops polling writable; keeps small
 #: frames (acks, credits) from queueing behind a full send buffer.
@@ -61,10 +67,10 @@ AUTO_CODEC_MODES = ("model", "measured")
 class ClientOptions:
     """Settings of a client session."""
 
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Target size of one chunk of K or V before encoding (at most what the server's
     frame limit holds: a smaller limit makes the chunks smaller)."""
-    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     """Largest frame body this side accepts."""
     connect_timeout: float = 10.0
     """Seconds for TCP connect plus handshake, per stream."""
@@ -118,9 +124,9 @@ class ClientOptions:
 class ServerOptions:
     """Limits and defaults of a server.  Every bound is enforced before allocating."""
 
-    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     """Largest frame body accepted (a CHUNK body is 26 bytes + params + payload)."""
-    window: int = 32 * 1024 * 1024
+    window: int = DEFAULT_WINDOW
     """Connection credit: CHUNK bytes a client may have unacknowledged on one stream."""
     max_transfers: int = 64
     """Transfers in progress per session (more are refused with LIMIT_EXCEEDED)."""

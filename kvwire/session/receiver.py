@@ -65,7 +65,7 @@ from kvwire.wire import (
     TransferReset,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-from kvwire.wire.frames import KIND_KV, Buffer
+from kvwire.wire.frames import DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW, KIND_KV, Buffer
 from kvwire.wire.transfer import kinds_overlap, split_kv
 
 Key = tuple[bytes, int]
@@ -228,8 +228,8 @@ class ReceiverConfig:
     """Codecs accepted (a CHUNK in another one fails its transfer with UNSUPPORTED_CODEC)."""
     fingerprints: frozenset[bytes] = frozenset()
     """KV layouts accepted (``KVSpec.fingerprint``); empty accepts any valid layout."""
-    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
-    window: int = 32 * 1024 * 1024
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    window: int = DEFAULT_WINDOW
     max_transfers: int = 64
     max_sessions: int = 256
     max_streams: int = 64

@@ -51,6 +51,7 @@ from kvwire.wire import (
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
 from kvwire.wire.frames import (
+    DEFAULT_MAX_FRAME_SIZE,
     KIND_KV,
     KV_CHUNK_VERSION,
     Buffer,
@@ -67,7 +68,7 @@ class SenderConfig:
     secret: bytes
     streams: int = 1
     codecs: tuple[str, ...] = ("raw",)
-    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     fingerprint: bytes = NO_FINGERPRINT
     """The KV layout this session is pinned to (all zero: none)."""
     connect_timeout: float = 10.0

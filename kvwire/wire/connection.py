@@ -34,6 +34,8 @@ from kvwire.errors import (
     error_from_code,
 )
 from kvwire.wire.frames import (
+    DEFAULT_MAX_FRAME_SIZE,
+    DEFAULT_WINDOW,
     FINGERPRINT_SIZE,
     HANDSHAKE_MAX_BODY,
     KIND_KV,
@@ -229,9 +231,9 @@ class ConnectionConfig:
     """Shared secret both peers prove with HMAC-SHA256."""
     codecs: tuple[str, ...] = ("raw",)
     """Codecs this side can send (client) or decode (server)."""
-    max_frame_size: int = 4 * 1024 * 1024 + 64 * 1024
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     """Largest frame body this side accepts."""
-    window: int = 32 * 1024 * 1024
+    window: int = DEFAULT_WINDOW
     """Server: initial connection credit in bytes (unacknowledged CHUNK bytes)."""
     max_transfers: int = 64
     """Server: concurrent transfers per session."""

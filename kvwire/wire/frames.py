@@ -44,6 +44,14 @@ HANDSHAKE_MAX_BODY = 16 * 1024
 MIN_MAX_FRAME_SIZE = 64 * 1024
 #: The largest max-frame-size a peer may announce.
 MAX_MAX_FRAME_SIZE = 1 << 30
+#: kvwire's default chunk (K or V bytes before encoding, ``ClientOptions.chunk_bytes``)
+#: and the max-frame-size both sides announce by default: one such chunk with room for
+#: its header and codec parameters (docs/benchmarks.md measures 1, 2, 4 and 16 MiB).
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_MAX_FRAME_SIZE = DEFAULT_CHUNK_BYTES + 64 * 1024
+#: The connection credit a kvwire server grants by default (unacknowledged CHUNK bytes per
+#: stream): eight default chunks.
+DEFAULT_WINDOW = 8 * DEFAULT_CHUNK_BYTES
 
 NONCE_SIZE = 32
 SESSION_ID_SIZE = 16

@@ -11,6 +11,7 @@ import pytest
 
 import kvwire
 from kvwire.codec import TensorKind, get_codec
+from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
 from tests.conftest import SECRET, make_layers, require_send_queue, same_cache
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,7 +39,8 @@ async def test_32_layer_cache_arrives_bit_identical(streams: int) -> None:
 
 
 @pytest.mark.parametrize(("chunk_bytes", "server_frame"), [
-    (4 << 20, None),  # the defaults: 4 MiB chunks, written in 256 KiB pieces
+    (DEFAULT_CHUNK_BYTES, None),  # the defaults (4 MiB chunks), written in pieces
+    (16 << 20, 16 << 20),  # one chunk per K or V, written in pieces
     (6 << 20, 8 << 20),  # a payload over SO_RCVLOWAT's cap
     (4 << 20, 1 << 20),  # chunks shrunk to fit the server's frame limit
     (1 << 20, None),  # written whole, checksummed just before
@@ -62,11 +64,11 @@ async def test_large_chunks_arrive_bit_identical(chunk_bytes: int, server_frame:
 @pytest.mark.parametrize("codec", ["raw", "int4"])
 async def test_a_transfer_begins_with_a_small_chunk(codec: str) -> None:
     """The receiver grants one layer until the first chunk tells it the layer size: that
-    chunk is 64 KiB (K of layer 0), the rest of the cache is chunked as configured."""
+    chunk is 64 KiB (K of layer 0), the rest of the cache is chunked as configured (4 MiB)."""
     spec = kvwire.KVSpec(num_layers=3, num_kv_heads=8, head_dim=128, dtype="float16")
     layers = make_layers(3, 5000, 8, 128)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec=codec) as peer:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec=codec, chunk_bytes=4 << 20) as peer:
             added: list[tuple[int, int, int, int]] = []
             add = peer.core.add_chunk
 
