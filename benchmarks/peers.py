@@ -20,9 +20,9 @@ measurement from a parent that has imported none of them:
 
 * ``raw``: ``sendall`` of each array / ``recv_into`` one reused, pre-faulted buffer;
   ``raw/<habits>``: the same with some of kvwire's sending habits, ``+``-separated, to
-  tell what each costs: ``p<size>`` writes pieces of that size (``p512k``),
+  tell what each costs: ``p<size>`` writes pieces of that size (``p512KiB``),
   ``lowat<size>`` sets TCP_NOTSENT_LOWAT, ``nb`` writes non-blocking and waits in
-  ``select()``, ``crc`` takes each piece's CRC32C after its write (``raw/p512k+lowat1m+nb``);
+  ``select()``, ``crc`` takes each piece's CRC32C after its write (``raw/p512KiB+lowat1MiB+nb``);
 * ``kvwire-<codec>``: ``kvwire.connect(...).send`` / ``server.accept()`` and iterating the
   layers (each dropped once seen), each send awaited before the next starts, both ends on
   asyncio's own event loop; ``kvwire-<codec>*N``: up to N sends in flight at once (each
@@ -188,19 +188,21 @@ class RawSender(Sender):
         self.sock.close()
 
 
-_SIZE_UNITS = {"k": 1 << 10, "m": 1 << 20}
-
-
 def raw_habits(name: str) -> dict[str, Any]:
     """``raw/<habits>`` as :class:`RawHabitsSender`'s keywords; ValueError names what is wrong."""
+    from kvwire.errors import UsageError
+    from kvwire.units import parse_size
+
     habits: dict[str, Any] = {"piece": None, "lowat": 0, "nonblocking": False, "crc": False}
 
     def size(text: str) -> int:
-        unit = _SIZE_UNITS.get(text[-1:].lower(), 1)
-        digits = text[:-1] if unit > 1 else text
-        if not digits.isdigit() or int(digits) < 1:
-            raise ValueError(f"{name}: {text!r} is not a size such as 512k or 1m")
-        return int(digits) * unit
+        try:
+            value = parse_size(text)
+        except UsageError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{name}: {text!r} is not a size such as 512KiB or 1MiB")
+        return value
 
     for habit in name.partition("/")[2].split("+"):
         if habit == "nb":
