@@ -50,6 +50,7 @@ from kvwire.wire import (
     TransferBegun,
     TransferReset,
 )
+from kvwire.wire.frames import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW
 
 SECRET = b"sender-core-secret"
 SESSION = bytes(range(16))
@@ -380,6 +381,16 @@ def test_chunks_are_planned_to_fit_the_server_frame_limit() -> None:
     assert target < limit and target * 256 // 255 + 4096 <= limit
     assert h.core.chunk_target(8192) == 8192
     assert SenderCore(SenderConfig(secret=SECRET)).chunk_target(4 << 20) == 4 << 20  # no server yet
+
+
+def test_the_default_chunk_fits_the_default_frame_limit() -> None:
+    """A default server's frame limit holds a default chunk whole (with the room
+    ``chunk_target`` keeps for the header and an entropy stage's growth), and its window
+    two such frames: a chunk split in two by the limit doubles the per-chunk work."""
+    core = SenderCore(SenderConfig(secret=SECRET))
+    core.peer_max_frame_size = DEFAULT_MAX_FRAME_SIZE  # as a default server's WELCOME sets it
+    assert core.chunk_target(DEFAULT_CHUNK_BYTES) == DEFAULT_CHUNK_BYTES
+    assert DEFAULT_WINDOW >= 2 * DEFAULT_MAX_FRAME_SIZE
 
 
 def test_begin_timeout_overrides_the_configured_deadline() -> None:
