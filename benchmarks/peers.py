@@ -664,16 +664,17 @@ def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout:
         s_parent.send(info)
         _expect(s_parent, 60, "sender setup")
         result = None
+        count_tcp = bool(link.sender_ns and sender.pid)  # the sender's own namespace
         for n in (1, count):  # warm-up, then the measurement
             host0 = machine_cpu_times()
-            tcp0 = tcp_counters(sender.pid) if link.sender_ns and sender.pid else None
+            tcp0 = tcp_counters(sender.pid) if count_tcp else None
             r_parent.send(("go", n))
             s_parent.send(("go", n))
             sent = _expect(s_parent, timeout, "end of sending")
             r_parent.send(("end",))
             got = _expect(r_parent, timeout, "end of receiving")
             host1 = machine_cpu_times()
-            tcp1 = tcp_counters(sender.pid) if link.sender_ns and sender.pid else None
+            tcp1 = tcp_counters(sender.pid) if count_tcp else None
             s_parent.send(("end",))
             send_cpu = _expect(s_parent, timeout, "sender CPU time")[1]
             _, start, send_end = sent
