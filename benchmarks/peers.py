@@ -415,11 +415,20 @@ class KvwireReceiver(Receiver):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
     def receive(self, n: int) -> None:
+        import asyncio
+
+        async def take(transfer: Any) -> None:
+            async for layer in transfer:
+                del layer  # the application takes each layer and lets it go
+
         async def run() -> None:
+            # Each transfer on a task of its own, as a server taking several requests
+            # does: with ``kvwire-<codec>*N`` the next transfer's layers are taken while
+            # the one before still arrives, not held until it is done.
+            tasks = []
             for _ in range(n):
-                transfer = await self.server.accept()
-                async for layer in transfer:
-                    del layer  # the application takes each layer and lets it go
+                tasks.append(asyncio.ensure_future(take(await self.server.accept())))
+            await asyncio.gather(*tasks)
 
         self._call(run())
 
