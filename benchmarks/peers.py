@@ -26,7 +26,8 @@ measurement from a parent that has imported none of them:
 * ``kvwire-<codec>``: ``kvwire.connect(...).send`` / ``server.accept()`` and iterating the
   layers (each dropped once seen), each send awaited before the next starts, both ends on
   asyncio's own event loop; ``kvwire-<codec>*N``: up to N sends in flight at once (each
-  still awaited for its receipt); ``kvwire-auto-measured``: ``auto`` with
+  still awaited for its receipt; the receiver takes each transfer on a task of its own);
+  ``kvwire-auto-measured``: ``auto`` with
   ``auto_codec="measured"``; a ``/uvloop`` suffix (``kvwire-raw/uvloop``) runs both ends
   on uvloop, as ``kvwire.aio.run`` does;
 * ``mooncake``: Mooncake Transfer Engine over TCP (``P2PHANDSHAKE``), one batch write of
