@@ -456,7 +456,8 @@ class Peer(Pump):
                 entry["tcp"] = {
                     "rtt_ms": info.rtt_us / 1e3 if info.rtt_us is not None else None,
                     "delivery_rate_gbps": info.delivery_rate * 8 / 1e9 if info.delivery_rate is not None else None,
-                    "cwnd": info.snd_cwnd, "total_retrans": info.total_retrans, "notsent_bytes": info.notsent_bytes,
+                    "cwnd": info.snd_cwnd, "total_retrans": info.total_retrans, "dsack_dups": info.dsack_dups,
+                    "notsent_bytes": info.notsent_bytes,
                 }
             streams.append(entry)
         return {

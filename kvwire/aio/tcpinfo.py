@@ -47,6 +47,8 @@ _FIELDS: dict[str, tuple[int, str]] = {
     "delivered": (192, "I"),
     "bytes_sent": (200, "Q"),
     "bytes_retrans": (208, "Q"),
+    "dsack_dups": (216, "I"),
+    "reord_seen": (220, "I"),
     "snd_wnd": (228, "I"),
 }
 _APP_LIMITED_BYTE = 7  # bit 0: tcpi_delivery_rate_app_limited
@@ -88,6 +90,11 @@ class TcpInfo:
     delivered: int | None = None
     bytes_sent: int | None = None
     bytes_retrans: int | None = None
+    dsack_dups: int | None = None
+    """Segments the peer reported received twice (D-SACK): retransmits that were not
+    needed (Linux 5.0+)."""
+    reord_seen: int | None = None
+    """Times the sender saw reordering (Linux 5.0+)."""
     snd_wnd: int | None = None
     delivery_rate_app_limited: bool | None = None
 

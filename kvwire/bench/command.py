@@ -159,7 +159,8 @@ def add_parsers(subparsers: Any) -> None:
         description=(
             "Send a model's KV cache (random fp16 of the model's shape) again and again for "
             "--duration and report goodput, wire rate, link utilization, the bandwidth "
-            "estimate, time to first layer, CPU use, TCP retransmits and the codec's error. "
+            "estimate, time to first layer, CPU use, TCP retransmits (and how many of them the "
+            "receiver got twice) and the codec's error. "
             "Without --link it runs over plain loopback against a raw-socket baseline "
             "measured in the same run; with --link/--rtt through a userspace link emulator "
             "(or --kernel: tbf between two network namespaces, root only); with --peer to a "
@@ -391,7 +392,7 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvwire.bench.report import format_shares
+    from kvwire.bench.report import format_retransmits, format_shares
 
     where = {
         "loopback": "loopback",
@@ -437,7 +438,7 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         rows.append(("machine CPU busy", f"{_pct(cpu['machine_busy'])} of {cpu['cores']} cores"
                      f" ({_pct(cpu.get('others'))} by other processes)"))
     rows += [
-        ("TCP retransmits (sender)", "-" if r["retransmits"] is None else str(r["retransmits"])),
+        ("TCP retransmits (sender)", format_retransmits(r)),
         ("max rel. error (checked layers)", "see the server's output" if r["mode"] == "peer" else _fmt(r["max_rel_error"], ".3g")),
     ]
     if r.get("baseline_gbps") is not None:

@@ -496,14 +496,17 @@ class _SendResult:
     machine: tuple[float, float] | None = None
     """Busy and total CPU seconds of the whole machine while it sent."""
     retransmits: int | None = None
+    spurious_retransmits: int | None = None
+    """Of ``retransmits``, those the receiver's kernel reported as duplicates (D-SACK)."""
     initial: dict[str, Any] = field(default_factory=dict)
     """The sampled counters at the start (``t`` from the link's start)."""
 
 
-def _retransmits(stats: dict[str, Any]) -> int | None:
-    """TCP segments the kernel retransmitted, summed over the session's streams."""
-    counts = [s["tcp"]["total_retrans"] for s in stats.get("streams", ())
-              if isinstance(s.get("tcp"), dict) and s["tcp"].get("total_retrans") is not None]
+def _retransmits(stats: dict[str, Any], counter: str = "total_retrans") -> int | None:
+    """TCP segments the kernel retransmitted (``counter="dsack_dups"``: that the peer
+    reported receiving twice), summed over the session's streams."""
+    counts = [s["tcp"][counter] for s in stats.get("streams", ())
+              if isinstance(s.get("tcp"), dict) and s["tcp"].get(counter) is not None]
     return sum(counts) if counts else None
 
 
@@ -530,7 +533,8 @@ async def _send_loop(
         res.started = start
         cpu0 = _cpu()
         machine0 = machine_cpu_times()
-        retr0 = _retransmits(peer.statistics())
+        stats0 = peer.statistics()
+        retr0, dup0 = _retransmits(stats0), _retransmits(stats0, "dsack_dups")
 
         res.initial = {
             "t": start - base, "bytes_sent": peer.bytes_sent, "kv_bytes_done": 0,
@@ -623,9 +627,11 @@ async def _send_loop(
             stats = peer.statistics()
             res.estimated_gbps = stats.get("estimated_gbps")
             res.min_rtt_ms = stats.get("min_rtt_ms")
-            retr1 = _retransmits(stats)
+            retr1, dup1 = _retransmits(stats), _retransmits(stats, "dsack_dups")
             if retr0 is not None and retr1 is not None:
                 res.retransmits = max(0, retr1 - retr0)  # a reconnect restarts a counter
+            if dup0 is not None and dup1 is not None:
+                res.spurious_retransmits = max(0, dup1 - dup0)
             end_meta = {META_KEY: {"id": bench_id, "seed": cfg.seed, "end": True}}
             await peer.send(f"{bench_id}-end", spec, end_layers, meta=end_meta, timeout=30.0)
         finally:
@@ -856,6 +862,7 @@ def run_bench(
         bytes_in_flight_mean=statistics.fmean(inflight) if inflight else None,
         cpu=cpu,
         retransmits=send.retransmits,
+        spurious_retransmits=send.spurious_retransmits,
         transfers=len(receipts),
         incomplete_transfers=send.incomplete,
         kv_bytes_per_transfer=cfg.tokens * model.bytes_per_token(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -24,6 +25,15 @@ def _kvwire(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess[str]
     env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
     return subprocess.run([sys.executable, "-m", "kvwire", *argv], capture_output=True,
                           text=True, timeout=timeout, env=env, check=False)
+
+
+def _kernel() -> tuple[int, int]:
+    """The running Linux kernel's (major, minor); (0, 0) elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return (0, 0)
+    major, _, rest = platform.release().partition(".")
+    minor = rest.split(".")[0].split("-")[0]
+    return (int(major), int(minor)) if major.isdigit() and minor.isdigit() else (0, 0)
 
 
 def test_json_to_stdout_interval_lines_and_what_auto_chose() -> None:
@@ -58,6 +68,11 @@ def test_json_to_stdout_interval_lines_and_what_auto_chose() -> None:
     for side in ("sender", "receiver", "emulator"):
         assert cpu[side] > 0
     assert isinstance(doc["retransmits"], int) and doc["retransmits"] >= 0
+    # Of them, those the receiver reported receiving twice (Linux 5.0+ counts them).
+    spurious = doc["spurious_retransmits"]
+    assert spurious is None or (isinstance(spurious, int) and spurious >= 0)
+    if _kernel() >= (5, 0):  # peer.statistics() carries each stream's tcpi_dsack_dups
+        assert isinstance(spurious, int)
     assert "wire rate" in doc["trust"]
     assert doc["diagnosis"] is None or doc["diagnosis"].startswith("utilization ")
 

@@ -17,6 +17,7 @@ from kvwire.bench.report import (
     codec_shares,
     diagnose,
     format_interval,
+    format_retransmits,
     format_shares,
     intervals,
     start_block,
@@ -214,3 +215,19 @@ def test_intervals_partition_the_run(steps: list[tuple[float, int, int, dict[str
         return int(x / interval + 1e-9)
 
     assert all(cell(iv["end"]) > cell(iv["start"]) for iv in ivs[:-1])
+
+
+@pytest.mark.parametrize(("retransmits", "spurious", "text"), [
+    (None, None, "-"),
+    (None, 4, "-"),
+    (0, 0, "0"),
+    (12, None, "12"),  # a kernel without tcpi_dsack_dups
+    (206, 205, "206 (205 of them not needed: D-SACK)"),
+    (3, 0, "3 (0 of them not needed: D-SACK)"),
+    # D-SACKs of retransmits from before the run can arrive in it: never more than sent.
+    (3, 5, "3 (3 of them not needed: D-SACK)"),
+])
+def test_retransmits_with_the_ones_not_needed(retransmits: int | None, spurious: int | None, text: str) -> None:
+    assert format_retransmits({"retransmits": retransmits, "spurious_retransmits": spurious}) == text
+    if spurious is None:  # a report from before the field existed
+        assert format_retransmits({"retransmits": retransmits}) == text

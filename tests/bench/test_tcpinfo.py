@@ -65,6 +65,9 @@ def test_loopback_counters_after_a_transfer() -> None:
             assert info.delivery_rate > 0
         if info.busy_time_us is not None:
             assert info.busy_time_us >= 0
+        if info.length >= 224:  # Linux 5.0+: the D-SACK and reordering counters
+            assert info.dsack_dups is not None and info.dsack_dups >= 0
+            assert info.reord_seen is not None and info.reord_seen >= 0
         server_info = read_tcp_info(server)
         assert server_info is not None and server_info.bytes_received is not None
         assert server_info.bytes_received >= len(payload)
@@ -98,9 +101,11 @@ def test_full_layout_offsets() -> None:
     struct.pack_into("=I", raw, 148, 444)
     struct.pack_into("=Q", raw, 160, 555)
     struct.pack_into("=QQQ", raw, 168, 6, 7, 8)
+    struct.pack_into("=II", raw, 216, 9, 10)
     info = parse_tcp_info(bytes(raw))
     assert (info.pacing_rate, info.bytes_acked, info.notsent_bytes) == (111, 222, 333)
     assert (info.min_rtt_us, info.delivery_rate) == (444, 555)
     assert (info.busy_time_us, info.rwnd_limited_us, info.sndbuf_limited_us) == (6, 7, 8)
     assert info.delivery_rate_bps == 8 * 555
+    assert (info.dsack_dups, info.reord_seen) == (9, 10)
     assert info.snd_wnd is None
