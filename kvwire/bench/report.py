@@ -165,9 +165,9 @@ def format_shares(shares: Mapping[str, float]) -> str:
 
 def format_retransmits(result: Mapping[str, Any]) -> str:
     """The sender's TCP retransmits, with how many of them the receiver's kernel reported
-    receiving twice (D-SACK): ``206 (205 of them not needed: D-SACK)``. Over an emulated
-    link on one host nearly all are: a tail loss probe sent while the acks waited for a
-    busy process, not a lost packet."""
+    receiving twice (D-SACK): ``206 (205 of them not needed: D-SACK)``. Over the link
+    emulator on one host nearly all are (tail loss probes, not lost packets:
+    docs/benchmarks.md)."""
     retr, dup = result.get("retransmits"), result.get("spurious_retransmits")
     if retr is None:
         return "-"
