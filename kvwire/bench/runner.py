@@ -502,9 +502,10 @@ class _SendResult:
     """The sampled counters at the start (``t`` from the link's start)."""
 
 
-def _retransmits(stats: dict[str, Any], counter: str = "total_retrans") -> int | None:
-    """TCP segments the kernel retransmitted (``counter="dsack_dups"``: that the peer
-    reported receiving twice), summed over the session's streams."""
+def _tcp_count(stats: dict[str, Any], counter: str = "total_retrans") -> int | None:
+    """A TCP_INFO counter of ``peer.statistics()`` summed over the session's streams:
+    segments the kernel retransmitted (``total_retrans``), or of them those the peer
+    reported receiving twice (``dsack_dups``)."""
     counts = [s["tcp"][counter] for s in stats.get("streams", ())
               if isinstance(s.get("tcp"), dict) and s["tcp"].get(counter) is not None]
     return sum(counts) if counts else None
@@ -534,7 +535,7 @@ async def _send_loop(
         cpu0 = _cpu()
         machine0 = machine_cpu_times()
         stats0 = peer.statistics()
-        retr0, dup0 = _retransmits(stats0), _retransmits(stats0, "dsack_dups")
+        retr0, dup0 = _tcp_count(stats0), _tcp_count(stats0, "dsack_dups")
 
         res.initial = {
             "t": start - base, "bytes_sent": peer.bytes_sent, "kv_bytes_done": 0,
@@ -561,7 +562,7 @@ async def _send_loop(
                 "streams": peer.active_streams,
                 "bytes_in_flight": stats.get("bytes_in_flight"),
                 "inflight_target": stats.get("inflight_target"),
-                "retransmits": _retransmits(stats),
+                "retransmits": _tcp_count(stats),
                 "cpu_s": _cpu() - cpu0,
                 "chunks_by_codec": dict(chunks_by_codec),
             }
@@ -627,7 +628,7 @@ async def _send_loop(
             stats = peer.statistics()
             res.estimated_gbps = stats.get("estimated_gbps")
             res.min_rtt_ms = stats.get("min_rtt_ms")
-            retr1, dup1 = _retransmits(stats), _retransmits(stats, "dsack_dups")
+            retr1, dup1 = _tcp_count(stats), _tcp_count(stats, "dsack_dups")
             if retr0 is not None and retr1 is not None:
                 res.retransmits = max(0, retr1 - retr0)  # a reconnect restarts a counter
             if dup0 is not None and dup1 is not None:
