@@ -445,13 +445,16 @@ class CodecChooser:
         bandwidth estimate is the most compact codec instead of the most precise: see
         :meth:`choose`. A path found short after a long first round trip (a busy host's
         handshake over loopback took longer than that, and int4 went first and stayed)
-        opens again as a short one, if the transport's cost is not measured yet: raw,
-        held until it is, and until the path's rate stops growing."""
+        opens again as a short one, if raw's transport cost is not measured yet: raw,
+        held until it is, and until the path's rate stops growing. (Not "any codec's
+        cost": int4's, measured first on two busy cores while the data's round trips
+        still read above the mark, kept raw from ever being sent, its cost then charged at
+        int4's per wire byte, twice raw's.)"""
         if not (seconds >= 0 and math.isfinite(seconds)):
             return
         was_long = self._long_path()
         self._path_rtt = seconds if self._path_rtt is None else min(self._path_rtt, seconds)
-        if was_long and not self._long_path() and self._transport is None and self._held is not None:
+        if was_long and not self._long_path() and not self._free_measured() and self._held is not None:
             self._held = self._by_precision[0]
             self._filling = self._fill_count < FILL_CHUNKS
 
@@ -517,6 +520,11 @@ class CodecChooser:
         if self._shared_host and raw is not None and runnable is not None:
             return raw * (ratio + (1.0 - ratio) * runnable)
         return ratio * self._transport if self._transport is not None else 0.0
+
+    def _free_measured(self) -> bool:
+        """Whether raw's own transport cost is measured (:meth:`observe_transport` with
+        ``codec`` raw): until it is, raw is charged what other codecs cost per wire byte."""
+        return self._by_precision[0] in self._transport_by
 
     def _blend(self, old: float | None, value: float, nbytes: int) -> float:
         """EWMA step of a speed or a cost, measured over ``nbytes``; a sample smaller than
@@ -741,14 +749,14 @@ class CodecChooser:
             # that delivered less than any of them sent alone.
             codec = held
         free = self._by_precision[0]
-        unmeasured = self._transport is None and self._path_rtt is not None and not self._long_path()
+        unmeasured = not self._free_measured() and self._path_rtt is not None and not self._long_path()
         if held == free and self._is_free(free) and (app_limited or self._filling or unmeasured):
             # Raw held back by the sender, not the path (its first round trips, a CPU
             # shared with other work): a codec that costs CPU to save wire bytes can only
             # be slower. Nor is the path known while its rate still grows: the estimate of
             # a transfer's first chunks was half what raw carried over loopback a moment
             # later, and a compact codec chosen on it kept the transfer. Nor, on a short
-            # path, before the transport's cost is measured: with their encode priors
+            # path, before raw's transport cost is measured: with their encode priors
             # alone the compact codecs looked free, int4 took a burst's first transfer
             # at 18 Gbit/s of a loopback that carried 30 raw, and kept the burst.
             codec = free

@@ -673,7 +673,8 @@ def test_raw_held_back_by_the_sender_stays_raw() -> None:
 def test_on_a_short_path_raw_stays_until_the_transports_cost_is_measured() -> None:
     """With its encode prior alone a compact codec looks free of the transport's cost;
     on a short path, where the "wire" may be that same CPU, raw held stays until the
-    transport's cost is measured (the peer's second 32 MiB)."""
+    transport's cost is measured (the peer's second 32 MiB), raw's own: a measurement
+    of chunks of several codecs tells nothing of it."""
     def make() -> CodecChooser:
         return CodecChooser([
             CodecCandidate(name="raw", size_ratio=1.0),
@@ -685,7 +686,9 @@ def test_on_a_short_path_raw_stays_until_the_transports_cost_is_measured() -> No
     assert near.choose(None).codec == "raw"
     # the path stops growing at 18 Gbit/s: int4, by its prior, 54 Gbit/s of CPU
     assert [near.choose(18e9).codec for _ in range(6)] == ["raw"] * 6
-    near.observe_transport(32 << 20, 0.25e-9 * (32 << 20))  # 0.25 ns a byte: now the model decides
+    near.observe_transport(32 << 20, 0.25e-9 * (32 << 20))  # mixed chunks: raw's still unknown
+    assert near.choose(18e9).codec == "raw"
+    near.observe_transport(32 << 20, 0.25e-9 * (32 << 20), "raw")  # 0.25 ns a byte: now the model decides
     assert near.choose(18e9).codec == "int4"
     # a path of unknown length, or a long one, is not held for it
     unknown = make()
@@ -700,9 +703,10 @@ def test_on_a_short_path_raw_stays_until_the_transports_cost_is_measured() -> No
 
 def test_a_path_found_short_after_a_long_handshake_opens_again_as_a_short_one() -> None:
     """On two busy cores a loopback handshake took over LONG_PATH_RTT and int4 went
-    first; the data's round trips then show the path short: raw, held until the
+    first; the data's round trips then show the path short: raw, held until its
     transport's cost is measured, as on any short path. Not once it is measured, and not
-    on a path that stays long."""
+    on a path that stays long. int4's own cost, measured first, does not count: charged at
+    int4's cost per wire byte, raw was never sent again on a busy loopback."""
     def make() -> CodecChooser:
         c = CodecChooser([
             CodecCandidate(name="raw", size_ratio=1.0),
@@ -720,9 +724,18 @@ def test_a_path_found_short_after_a_long_handshake_opens_again_as_a_short_one() 
     far.observe_path_rtt(0.006)
     assert far.choose(18e9).codec == "int4"
     late = make()
-    late.observe_transport(32 << 20, 0.25e-9 * (32 << 20))
+    late.observe_transport(32 << 20, 0.25e-9 * (32 << 20), "raw")
     late.observe_path_rtt(0.0004)
     assert late.choose(18e9).codec == "int4"  # the model decides: int4 by its prior is faster
+    for other in ("int4", None):  # int4's own cost, or one of mixed chunks: raw's is not known
+        first = make()
+        first.observe_transport(32 << 20, 0.6e-9 * (32 << 20), other)
+        first.observe_path_rtt(0.0004)
+        assert [first.choose(18e9).codec for _ in range(4)] == ["raw"] * 4
+        first.observe_transport(32 << 20, 0.25e-9 * (32 << 20), "raw")
+        while first._filling:  # the path's rate stopped growing: the model decides
+            first.choose(18e9)
+        assert first.choose(18e9).codec == "int4"
 
 
 def test_on_a_shared_host_the_budget_is_the_cpu_the_path_shows() -> None:
