@@ -179,6 +179,15 @@ FILL_GROWTH = 1.25
 #: clock, read a moment apart) and still count, as 1.
 RUNNABLE_SLACK = 0.05
 
+#: A runnable share at least this high counts as 1: the loop waited for a CPU, not for
+#: the path. Two processes on two busy cores wait for each other now and then (raw's loop
+#: runnable 0.82-0.96 of the time over a busy loopback), and each such wait, divided out
+#: of the budget (:meth:`CodecChooser._budget_cores`), gave the compact codecs a bonus of
+#: as much over raw, which delivered 10-30% more than they did. An emulated link on this
+#: host holds the loop far longer (runnable 0.16-0.21 of the time at 10 Gbit/s, 0.50-0.64
+#: with the host's two cores saturated).
+CPU_BOUND_SHARE = 0.8
+
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
 
@@ -417,7 +426,8 @@ class CodecChooser:
             self._transport_by[codec] = self._blend(self._transport_by.get(codec), cost, wire_bytes)
             free = codec == self._by_precision[0]
             if free and runnable is not None and 0.0 < runnable <= 1.0 + RUNNABLE_SLACK:
-                self._raw_runnable = self._blend(self._raw_runnable, min(runnable, 1.0), wire_bytes)
+                share = 1.0 if runnable >= CPU_BOUND_SHARE else runnable
+                self._raw_runnable = self._blend(self._raw_runnable, share, wire_bytes)
 
     def observe_shared_host(self) -> None:
         """The receiver runs on this host (loopback, or this host's own address): in
@@ -504,7 +514,8 @@ class CodecChooser:
         instead, raw's cost per byte (its size ratio 1), as far as the CPU, not the
         path, held raw back: in proportion to the share of the time raw's loop was
         runnable (``runnable`` of :meth:`observe_transport`; near all of it over
-        loopback, 73-83% on two busy cores; over an emulated 10 Gbit/s link on this host
+        loopback, 73-96% on two busy cores, where 80% or more counts as all of it,
+        :data:`CPU_BOUND_SHARE`; over an emulated 10 Gbit/s link on this host
         16-21%, 50-64% while that host's two cores were saturated, 12% at 1 Gbit/s).
         Over loopback int4 cost the sender's loop 0.15-0.19 ns per fp16 byte sent alone,
         0.56-0.69 ns per wire byte against raw's 0.25-0.30 (docs/benchmarks.md); rated at
@@ -592,9 +603,13 @@ class CodecChooser:
         taken as held back by the CPU alone, it still did in 3 of 8 runs: there the
         emulator, sender and receiver saturated the two cores, raw's loop was runnable
         50-64% of the time, and the emulator's work, which a compact codec saves too, is
-        not in the model. Over a busy loopback the division lifts the budget about a
-        fifth above what raw used. ``cores`` until raw's transport cost and that share
-        are measured."""
+        not in the model. Over a busy loopback raw's loop was runnable 82-96% of the
+        time, the two ends waiting for each other's CPU now and then: a share of
+        :data:`CPU_BOUND_SHARE` or more counts as all of it, so the budget is what raw
+        used (divided by such a share, it was up to a fifth more, and int8 and int4
+        took most of the chunks in 7 of 12 runs, against 3 of 12 with the rule, where
+        raw alone delivered 10-30% more). ``cores`` until raw's transport cost and that
+        share are measured."""
         cores = float(self._cores)
         runnable, send = self._raw_runnable, self._transport_by.get(self._by_precision[0])
         if not self._shared_host or not math.isfinite(bandwidth_bps) or runnable is None or send is None:
