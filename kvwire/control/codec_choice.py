@@ -309,6 +309,13 @@ class CodecChooser:
         self._raw_runnable: float | None = None  # the sender loop's runnable share while raw was sent
         self._path_rtt: float | None = None  # the shortest round trip seen (observe_path_rtt)
         self._receiver_transport: float | None = None  # receiver CPU seconds per wire byte
+        # The model's inputs change only through the observe_* methods; each counts here,
+        # and rates() answers again from its last result while neither they nor the
+        # bandwidth asked about changed (with raw sent, most chunks: a choice's four rates
+        # cost about a sixth of the sender's Python per chunk).
+        self._inputs = 0
+        self._rates_for: tuple[int, float] | None = None
+        self._rates: dict[str, float] = {}
         if pipeline not in _PIPELINES:
             raise ValueError(f"pipeline must be one of {', '.join(_PIPELINES)}")
         self._pipeline = pipeline
@@ -392,6 +399,7 @@ class CodecChooser:
         if codec not in self._speed or nbytes <= 0:
             return
         self._speed[codec] = self._blend(self._speed[codec], nbytes / max(seconds, 1e-9), nbytes)
+        self._inputs += 1
 
     def observe_decode(self, codec: str, nbytes: int, seconds: float) -> None:
         """Feed one measured decode: ``nbytes`` of fp16 output took ``seconds``."""
@@ -403,6 +411,7 @@ class CodecChooser:
             prior = None  # a real measurement replaces the prior
         self._decode[codec] = self._blend(prior, speed, nbytes)
         self._decode_observed.add(codec)
+        self._inputs += 1
 
     def observe_transport(self, wire_bytes: int, cpu_seconds: float, codec: str | None = None, *,
                           runnable: float | None = None) -> None:
@@ -421,6 +430,7 @@ class CodecChooser:
         if wire_bytes <= 0 or cpu_seconds < 0:
             return
         cost = cpu_seconds / wire_bytes
+        self._inputs += 1
         self._transport = self._blend(self._transport, cost, wire_bytes)
         if codec in self._ratio:
             self._transport_by[codec] = self._blend(self._transport_by.get(codec), cost, wire_bytes)
@@ -437,6 +447,7 @@ class CodecChooser:
         :meth:`_budget_cores`). (Rated as if each end had its host, the compact codecs'
         encoders beat raw over loopback, where raw delivered 40% more.)"""
         self._shared_host = True
+        self._inputs += 1
 
     @property
     def cores(self) -> int:
@@ -473,6 +484,7 @@ class CodecChooser:
         excluded (each report is a measurement over an interval: one full EWMA sample)."""
         if seconds_per_byte > 0 and math.isfinite(seconds_per_byte):
             self._receiver_transport = self._blend(self._receiver_transport, seconds_per_byte, FULL_SAMPLE_BYTES)
+            self._inputs += 1
 
     @property
     def receiver_transport_cost(self) -> float | None:
@@ -554,6 +566,7 @@ class CodecChooser:
         if codec not in self._ratio or fp16_bytes <= 0 or wire_bytes <= 0:
             return
         self._ratio[codec] = self._blend(self._ratio[codec], wire_bytes / fp16_bytes, fp16_bytes)
+        self._inputs += 1
 
     def delivered_rate(self, codec: str, bandwidth_bps: float) -> float:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
@@ -636,7 +649,11 @@ class CodecChooser:
 
     def rates(self, bandwidth_bps: float) -> dict[str, float]:
         """Delivered KV bytes/s per codec, most precise first."""
-        return {c: self.delivered_rate(c, bandwidth_bps) for c in self._by_precision}
+        key = (self._inputs, bandwidth_bps)
+        if key != self._rates_for:
+            self._rates = {c: self.delivered_rate(c, bandwidth_bps) for c in self._by_precision}
+            self._rates_for = key
+        return dict(self._rates)
 
     def choose(
         self,

@@ -872,3 +872,49 @@ def test_a_codecs_own_transport_cost_is_used_for_it() -> None:
     assert c.transport_cost_of("int4") == pytest.approx(1.6e-9)
     c.observe_transport(64 << 20, 0.2e-9 * (64 << 20), "nonsense")  # unknown: the shared figure only
     assert c.transport_cost_of("nonsense") == c.transport_cost
+
+
+_OBSERVATION = st.one_of(
+    st.tuples(st.just("encode"), st.sampled_from(["raw", "fp8", "int4"]), st.integers(1, 1 << 24), st.floats(1e-6, 1.0)),
+    st.tuples(st.just("decode"), st.sampled_from(["fp8", "int4"]), st.integers(1, 1 << 24), st.floats(1e-6, 1.0)),
+    st.tuples(st.just("transport"), st.sampled_from(["raw", "fp8", "int4", None]), st.integers(1, 1 << 26),
+              st.floats(1e-4, 1.0), st.one_of(st.none(), st.floats(0.01, 1.0))),
+    st.tuples(st.just("receiver"), st.floats(1e-11, 1e-8)),
+    st.tuples(st.just("size"), st.sampled_from(["fp8", "int4"]), st.integers(1, 1 << 22), st.integers(1, 1 << 22)),
+    st.tuples(st.just("shared")),
+    st.tuples(st.just("rtt"), st.floats(1e-5, 0.05)),
+    st.tuples(st.just("rates"), st.sampled_from([1e9, 10e9, 10e9, 40e9])),
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(steps=st.lists(_OBSERVATION, max_size=30), cores=st.integers(1, 4))
+def test_rates_answered_again_are_the_rates_computed_afresh(steps: list[tuple[Any, ...]], cores: int) -> None:
+    """rates() answers from its last result while the model's inputs and the bandwidth
+    asked about are unchanged: after any sequence of observations its answer is what
+    delivered_rate() computes now, and a caller changing the dict it got changes nothing."""
+    c = CodecChooser([
+        CodecCandidate(name="raw", size_ratio=1.0),
+        CodecCandidate(name="fp8", size_ratio=0.52, encode_bytes_per_s=5 * GB, decode_bytes_per_s=9 * GB),
+        CodecCandidate(name="int4", size_ratio=0.28, encode_bytes_per_s=4 * GB, decode_bytes_per_s=8 * GB),
+    ], cores=cores)
+    for step in steps:
+        kind = step[0]
+        if kind == "encode":
+            c.observe_encode(step[1], step[2], step[3])
+        elif kind == "decode":
+            c.observe_decode(step[1], step[2], step[3])
+        elif kind == "transport":
+            c.observe_transport(step[2], step[3] * step[2] * 1e-9, step[1], runnable=step[4])
+        elif kind == "receiver":
+            c.observe_receiver_transport(step[1])
+        elif kind == "size":
+            c.observe_size(step[1], step[2], step[3])
+        elif kind == "shared":
+            c.observe_shared_host()
+        elif kind == "rtt":
+            c.observe_path_rtt(step[1])
+        else:
+            got = c.rates(step[1])
+            got["raw"] = -1.0  # the caller's copy
+        assert c.rates(10e9) == {name: c.delivered_rate(name, 10e9) for name in c.codecs}
