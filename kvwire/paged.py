@@ -221,8 +221,12 @@ def gather_layer(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]
 class PagedSource:
     """A request's layers out of per-layer paged caches, for ``peer.send(..., layers=source)``.
 
-    Iterating gathers one layer at a time, so the first layer is on the wire before the
-    last is copied.
+    Host caches are sent straight from their blocks: each layer's K and V are
+    :class:`BlockRows`, and a raw chunk is written from the blocks with no copy (a
+    quantizing codec gathers the rows of each chunk it encodes).  So, like any array given
+    to ``send()``, the blocks must not change until ``send()`` returns; gather the layers
+    with :func:`gather_layer` to free them sooner.  GPU caches are gathered one layer at a
+    time, on their GPU.
     """
 
     def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
@@ -232,14 +236,24 @@ class PagedSource:
         self.caches = list(caches)
         self.block_ids = block_ids
         for i, cache in enumerate(self.caches):
-            _check_ids(block_ids, _as_blocks(spec, cache, f"cache {i}")[0].shape[0], "source", distinct=False)
+            self._ids = _check_ids(block_ids, _as_blocks(spec, cache, f"cache {i}")[0].shape[0], "source", distinct=False)
 
     def __len__(self) -> int:
         return self.spec.num_layers
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        spec = self.spec
+        ids = self._ids
+        halves = (_halves(spec, ids, 0), _halves(spec, ids, 1))
+        dtype = numpy_dtype(spec.dtype)
         for cache in self.caches:
-            yield gather_layer(self.spec, cache, self.block_ids)
+            blocks, device = _as_blocks(spec, cache, "cache")
+            if device:
+                yield gather_layer(spec, cache, ids)
+                continue
+            flat = blocks.reshape(-1).view(np.uint8).data
+            k, v = (BlockRows(flat, h, spec.rows_per_block, spec.row_elems, dtype) for h in halves)
+            yield k, v
 
 
 class PagedDestination:
@@ -268,6 +282,8 @@ class PagedDestination:
         self._rows = spec.rows_per_block
         self._width = spec.row_elems
         self._dtype = numpy_dtype(spec.dtype)
+        # Each host cache as one flat byte view: a block's rows are slices of it.
+        self._flat = [] if self._device else [memoryview(v.reshape(-1).view(np.uint8)) for v in self._blocks]
 
     @property
     def wire_spec(self) -> KVSpec:
@@ -316,6 +332,17 @@ class PagedDestination:
         row: np.ndarray = self._blocks[layer][int(self.block_ids[slot]), offset : offset + n]
         return row.reshape(count, 1, self._width)
 
+    def regions(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> list[memoryview] | None:
+        """The destination's places for this token range of K (``kind`` 0) or V (1), in
+        order, as writable byte views: one per block it touches (its rows of that block's
+        half), or None when there are none (a GPU cache, a range that does not fit).
+        A raw chunk is received straight into them, however many blocks it spans."""
+        if (self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks)
+                or kind not in (0, 1) or count < 1 or start < 0 or start + count > layer_tokens):
+            return None
+        halves = _halves(self.spec, self.block_ids, kind)
+        return _places(self._flat[layer], halves, self._rows, self.spec.block_bytes // 2 // self._rows, start, count)
+
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
         """Scatter ``data`` (``[count, 1, row_elems]``, decoded) into the destination blocks."""
         self.check(self.wire_spec, layer_tokens)
@@ -325,6 +352,20 @@ class PagedDestination:
                 f"chunk layer {layer} tokens [{start}, {start + count}) is outside the destination",
                 code=ErrorCode.INCOMPATIBLE_SPEC,
             )
+        if not self._device:
+            places = self.regions(layer, kind, start, count, layer_tokens)
+            assert places is not None  # the range was checked above
+            src = np.ascontiguousarray(data)
+            if len(places) == 1 and _same_memory(np.frombuffer(places[0], np.uint8), src):
+                return  # decoded in place (view())
+            flat = src.reshape(-1).view(np.uint8).data
+            at = 0
+            for place in places:
+                place[:] = flat[at : at + place.nbytes]
+                at += place.nbytes
+            return
+        import cupy
+
         blocks = self._blocks[layer]
         flat = data.reshape(count, self._width)
         half = self.spec.block_elems // 2
@@ -335,15 +376,99 @@ class PagedDestination:
             offset = kind * half + row * self._width
             dst = blocks[int(self.block_ids[slot]), offset : offset + n * self._width]
             src = flat[done : done + n].reshape(-1)
-            if self._device:
-                import cupy
-
-                if self.spec.dtype == "bfloat16" and not isinstance(src, cupy.ndarray):
-                    src = np.ascontiguousarray(src).view(np.uint16)
-                dst[...] = cupy.asarray(src)
-            elif not _same_memory(dst, src):
-                dst[...] = src
+            if self.spec.dtype == "bfloat16" and not isinstance(src, cupy.ndarray):
+                src = np.ascontiguousarray(src).view(np.uint16)
+            dst[...] = cupy.asarray(src)
             done += n
+
+
+def _halves(spec: PagedSpec, block_ids: np.ndarray, kind: int) -> np.ndarray:
+    """Byte offset in a layer's cache of each block's K half (``kind`` 0) or V half (1)."""
+    return block_ids * spec.block_bytes + kind * (spec.block_bytes // 2)
+
+
+def _places(flat: memoryview, halves: np.ndarray, rows: int, row_bytes: int, start: int, count: int) -> list[memoryview]:
+    """Where wire rows ``[start, start + count)`` lie in ``flat`` (a layer's cache as
+    bytes), given each block's half at ``halves`` holding ``rows`` rows: one view per
+    block the range touches (the first and the last may be partial)."""
+    first, row = divmod(start, rows)
+    last = (start + count - 1) // rows
+    at = halves[first : last + 1].tolist()
+    at[0] += row * row_bytes
+    size = [rows * row_bytes] * len(at)
+    size[0] -= row * row_bytes
+    size[-1] -= (last * rows + rows - start - count) * row_bytes
+    return [flat[a : a + n] for a, n in zip(at, size, strict=True)]
+
+
+class BlockRows:
+    """A layer's K or V for :class:`PagedSource`: the wire rows of a request's blocks where
+    they lie in the cache, not gathered.
+
+    It stands where a ``[tokens, 1, row_elems]`` array would (``shape``, ``dtype``,
+    ``nbytes``, slicing by rows).  A raw chunk sends its rows straight from the blocks
+    (:meth:`byte_views`: one buffer per block, written with one scatter-gather write per
+    piece); a quantizing codec reads them gathered (:meth:`gather`, or ``np.asarray``).
+    """
+
+    __slots__ = ("_flat", "_halves", "_row_bytes", "_rows", "_start", "dtype", "shape")
+
+    def __init__(self, flat: memoryview, halves: np.ndarray, rows: int, row_elems: int, dtype: np.dtype,
+                 start: int = 0, count: int | None = None) -> None:
+        self._flat, self._halves, self._rows = flat, halves, rows
+        self._row_bytes = row_elems * dtype.itemsize
+        self._start = start
+        count = halves.size * rows - start if count is None else count
+        self.dtype = dtype
+        self.shape = (count, 1, row_elems)
+
+    @property
+    def ndim(self) -> int:
+        return 3
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.dtype.itemsize)
+
+    @property
+    def size(self) -> int:
+        return self.shape[0] * self.shape[2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.shape[0] * self._row_bytes
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, key: slice) -> BlockRows:
+        if not isinstance(key, slice):
+            raise TypeError("BlockRows takes a slice of rows")
+        start, stop, step = key.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("BlockRows takes a slice of rows with step 1")
+        return BlockRows(self._flat, self._halves, self._rows, self.shape[2], self.dtype,
+                         self._start + start, max(0, stop - start))
+
+    def byte_views(self) -> list[memoryview]:
+        """The rows' bytes where they lie, in order: one view per block touched."""
+        if not self.shape[0]:
+            return []
+        return _places(self._flat, self._halves, self._rows, self._row_bytes, self._start, self.shape[0])
+
+    def gather(self) -> np.ndarray:
+        """The rows copied into one new ``[tokens, 1, row_elems]`` array."""
+        out = np.empty(self.shape, self.dtype)
+        flat = out.reshape(-1).view(np.uint8).data
+        at = 0
+        for view in self.byte_views():
+            flat[at : at + view.nbytes] = view
+            at += view.nbytes
+        return out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self.gather()
+        return out if dtype is None else out.astype(dtype, copy=False)
 
 
 def _same_memory(a: np.ndarray, b: Any) -> bool:
@@ -353,4 +478,4 @@ def _same_memory(a: np.ndarray, b: Any) -> bool:
     return bool(ia["data"][0] == ib["data"][0] and a.nbytes == b.nbytes)
 
 
-__all__ = ["PagedDestination", "PagedSource", "PagedSpec", "gather_layer", "host_view"]
+__all__ = ["BlockRows", "PagedDestination", "PagedSource", "PagedSpec", "gather_layer", "host_view"]

@@ -12,9 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvwire
+from kvwire.aio import _stream
 from kvwire.codec import numpy_dtype
 from kvwire.errors import ErrorCode, KvwireError, UsageError
-from kvwire.paged import PagedDestination, PagedSource, PagedSpec, gather_layer
+from kvwire.paged import BlockRows, PagedDestination, PagedSource, PagedSpec, gather_layer
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
@@ -190,19 +191,24 @@ async def test_geometry_mismatch_refused_when_the_destination_is_named() -> None
 class CountingDestination(PagedDestination):
     """Counts the chunks that had to be decoded elsewhere and scattered."""
 
-    scattered = 0
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.scattered = 0
+        self.scattered_layers: set[int] = set()
 
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
         view = self.view(layer, kind, start, int(data.shape[0]), layer_tokens)
         if view is None or not np.shares_memory(view, data):
             self.scattered += 1
+            self.scattered_layers.add(layer)
         super().write(layer, kind, start, data, layer_tokens)
 
 
 @pytest.mark.parametrize(("chunk_bytes", "in_place"), [(1024, True), (3000, False)])
 async def test_chunks_inside_one_block_land_in_it_without_a_scatter(chunk_bytes: int, in_place: bool) -> None:
     # Half a block is 16 rows of 64 bytes: 1024-byte chunks are exactly half blocks, so each
-    # is read (or decoded) straight into its destination block; 3000-byte ones span blocks.
+    # is read (or decoded) straight into its destination block; 3000-byte ones span blocks,
+    # and a frame that small is decoded, then scattered.
     spec = PagedSpec(num_layers=2, block_shape=(4, 8, 32), dtype="float16")
     src = caches(spec, 8, seed=9)
     dst = caches(spec, 8, seed=10)
@@ -217,3 +223,107 @@ async def test_chunks_inside_one_block_land_in_it_without_a_scatter(chunk_bytes:
     for li in range(2):
         assert dst[li][[6, 1, 4]].tobytes() == src[li][[0, 3, 5]].tobytes()
     assert (dest.scattered == 0) == in_place
+
+
+@pytest.mark.parametrize("compiled_queue", [True, False])
+@pytest.mark.parametrize("streams", [1, 3])
+async def test_large_chunks_spanning_blocks_are_read_straight_into_them(
+    compiled_queue: bool, streams: int, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large raw chunk over many blocks is read from the socket into those blocks (a
+    scatter read over their places), not decoded elsewhere and copied; only the first
+    layer's first chunks (sent before the receiver knows the layer size) are.  The
+    sender writes it from its own blocks (no gather).  With or without the compiled send
+    queue, the stream reads through a socket object of its own."""
+    if not compiled_queue:
+        monkeypatch.setattr(_stream, "_sendq", None)
+    spec = PagedSpec(num_layers=3, block_shape=(2, 4, 8, 64), dtype="float16")  # 8 KiB blocks
+    src = caches(spec, 80, seed=11)
+    dst = caches(spec, 80, seed=12)
+    rng = np.random.default_rng(13)
+    src_ids, dst_ids = rng.choice(80, 64, replace=False), rng.choice(80, 64, replace=False)
+    dest = CountingDestination(spec, dst, dst_ids)
+    before = [c.copy() for c in dst]
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=96 * 1024,
+                                  streams=streams) as peer:
+            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+            await asyncio.sleep(0)
+            receipt = await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids))
+            transfer = await waiting
+            assert len([layer async for layer in transfer]) == 3
+    assert receipt.chunks > 12
+    for li in range(3):
+        assert dst[li][dst_ids].tobytes() == src[li][src_ids].tobytes()
+        untouched = np.setdiff1d(np.arange(80), dst_ids)
+        assert dst[li][untouched].tobytes() == before[li][untouched].tobytes()
+    # Only chunks of the first layer sent before the receiver knew its size (the first, and
+    # small ones after it) were decoded and scattered.
+    assert dest.scattered_layers <= {0} and dest.scattered <= 3
+
+
+@settings(max_examples=80, deadline=None)
+@given(shape=block_shapes, dtype=st.sampled_from(["float16", "bfloat16", "float32"]), data=st.data())
+def test_regions_are_each_blocks_rows_in_wire_order(shape: tuple[int, ...], dtype: str, data: st.DataObject) -> None:
+    """``regions()`` names, in order, where wire rows [start, start + count) of K or V lie:
+    checked against the element positions the wire layout defines (block ``ids[r // rows]``,
+    its K or V half, row ``r % rows``), on a cache whose every element holds its index."""
+    spec = PagedSpec(num_layers=1, block_shape=shape, dtype=dtype)
+    num_blocks = data.draw(st.integers(1, 8))
+    ids = data.draw(st.permutations(range(num_blocks)).map(lambda p: p[: max(1, len(p) // 2 + 1)]))
+    index = np.arange(num_blocks * spec.block_elems, dtype=np.int64).reshape(num_blocks, *shape)
+    cache = np.zeros(index.shape, numpy_dtype(dtype))
+    dest = PagedDestination(spec, [cache], ids)
+    tokens = dest.layer_tokens
+    kind = data.draw(st.sampled_from([0, 1]))
+    start = data.draw(st.integers(0, tokens - 1))
+    count = data.draw(st.integers(1, tokens - start))
+    places = dest.regions(0, kind, start, count, tokens)
+    assert places is not None and all(p.nbytes for p in places)
+    # Write each place's position in the range, element by element, then read the cache.
+    marks = np.arange(1, count * spec.row_elems + 1)
+    flat = np.zeros(cache.size, np.int64)
+    cache_bytes = memoryview(cache.reshape(-1).view(np.uint8))
+    base = np.frombuffer(cache_bytes, np.uint8).ctypes.data
+    itemsize, at = cache.itemsize, 0
+    for p in places:
+        first = (np.frombuffer(p, np.uint8).ctypes.data - base) // itemsize
+        n = p.nbytes // itemsize
+        flat[first : first + n] = marks[at : at + n]
+        at += n
+    assert at == marks.size
+    rows, width, half = spec.rows_per_block, spec.row_elems, spec.block_elems // 2
+    want = np.zeros(cache.size, np.int64)
+    for r in range(start, start + count):
+        block, row = ids[r // rows], r % rows
+        first = block * spec.block_elems + kind * half + row * width
+        want[first : first + width] = marks[(r - start) * width : (r - start + 1) * width]
+    assert (flat == want).all()
+    assert dest.regions(0, kind, start, tokens - start + 1, tokens) is None  # past the end
+    assert dest.regions(0, 2, start, count, tokens) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=block_shapes, dtype=st.sampled_from(["float16", "bfloat16", "float32"]), data=st.data())
+def test_block_rows_are_the_gathered_layer_sent_from_the_blocks(shape: tuple[int, ...], dtype: str, data: st.DataObject) -> None:
+    """What PagedSource yields for a host cache stands for gather_layer's arrays: the same
+    shape, dtype and size, the same rows when gathered, and, as the buffers a raw chunk
+    sends, the same bytes, for the whole layer and any slice of rows."""
+    spec = PagedSpec(num_layers=2, block_shape=shape, dtype=dtype)
+    num_blocks = data.draw(st.integers(1, 8))
+    src = caches(spec, num_blocks, seed=data.draw(st.integers(0, 100)))
+    ids = data.draw(st.lists(st.integers(0, num_blocks - 1), min_size=1, max_size=10))
+    layers = list(PagedSource(spec, src, ids))
+    assert len(layers) == 2
+    for (k, v), cache in zip(layers, src, strict=True):
+        for rows, want in zip((k, v), gather_layer(spec, cache, ids), strict=True):
+            assert isinstance(rows, BlockRows)
+            assert rows.shape == want.shape and rows.dtype == want.dtype and rows.nbytes == want.nbytes
+            assert rows.gather().tobytes() == want.tobytes() == np.asarray(rows).tobytes()
+            a = data.draw(st.integers(0, len(want) - 1))
+            b = data.draw(st.integers(a, len(want)))
+            part = rows[a:b]
+            assert len(part) == b - a and part.gather().tobytes() == want[a:b].tobytes()
+            assert b"".join(bytes(x) for x in part.byte_views()) == want[a:b].tobytes()
+    with pytest.raises(ValueError, match="step 1"):
+        layers[0][0][::2]

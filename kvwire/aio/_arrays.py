@@ -9,6 +9,7 @@ import numpy as np
 
 from kvwire.codec import numpy_dtype
 from kvwire.errors import UsageError
+from kvwire.paged import BlockRows
 from kvwire.spec import KVSpec
 
 
@@ -26,10 +27,14 @@ def is_device_array(x: Any) -> bool:
     return False
 
 
-def as_host_array(x: Any, spec: KVSpec, what: str) -> np.ndarray:
-    """``x`` as a C-contiguous numpy array ``[tokens, heads, head_dim]`` of ``spec.dtype``."""
+def as_host_array(x: Any, spec: KVSpec, what: str) -> Any:
+    """``x`` as a C-contiguous numpy array ``[tokens, heads, head_dim]`` of ``spec.dtype``
+    (a paged cache's :class:`~kvwire.paged.BlockRows` as they are)."""
     want = numpy_dtype(spec.dtype)
-    if isinstance(x, np.ndarray):
+    arr: Any
+    if isinstance(x, BlockRows):
+        arr = x  # rows of a paged cache's blocks, sent from where they lie
+    elif isinstance(x, np.ndarray):
         arr = x
     elif hasattr(x, "__dlpack__"):
         try:
@@ -56,7 +61,7 @@ def as_host_array(x: Any, spec: KVSpec, what: str) -> np.ndarray:
         )
     if arr.shape[0] < 1:
         raise UsageError(f"{what} has no tokens")
-    return np.ascontiguousarray(arr)
+    return arr if isinstance(arr, BlockRows) else np.ascontiguousarray(arr)
 
 
 def as_device_array(x: Any, spec: KVSpec, what: str) -> Any:

@@ -14,8 +14,9 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from kvwire.codec import TensorKind, numpy_dtype
+from kvwire.codec import EncodedChunk, TensorKind, numpy_dtype
 from kvwire.control import CodecChooser
+from kvwire.paged import BlockRows
 
 #: Chunks of a host array submitted for encoding before the consumer takes them
 ENCODE_AHEAD = 2
@@ -27,7 +28,20 @@ Part = tuple[TensorKind, Any, list[tuple[int, int]]]
 
 def payload_size(enc: Any) -> int:
     payload = enc.payload
+    if isinstance(payload, tuple):
+        return sum(memoryview(p).nbytes for p in payload)
     return int(payload.nbytes) if hasattr(payload, "nbytes") else len(payload)
+
+
+def encode_host(codec: Any, x: Any, kind: TensorKind) -> Any:
+    """``codec.encode(x, kind)`` of a host chunk.  Rows of a paged cache's blocks
+    (:class:`~kvwire.paged.BlockRows`) go raw as they lie (the payload is their blocks'
+    buffers), and gathered into one array for any other codec."""
+    if isinstance(x, BlockRows):
+        if codec.name == "raw":
+            return EncodedChunk(codec.codec_id, b"", tuple(x.byte_views()))
+        x = x.gather()
+    return codec.encode(x, kind)
 
 
 def encodes_inline(codec: Any) -> bool:
@@ -39,7 +53,7 @@ def encodes_inline(codec: Any) -> bool:
 async def encode(codec: Any, x: Any, kind: TensorKind, chooser: CodecChooser | None) -> Any:
     """Encode one chunk; quantizing codecs run off the event loop so acks keep flowing."""
     if encodes_inline(codec):
-        return codec.encode(x, kind)
+        return encode_host(codec, x, kind)
     return await finish_encode(start_encode(codec, x, kind)[0], codec, x, chooser)
 
 
@@ -83,7 +97,7 @@ def _timed_encode(codec: Any, x: Any, kind: TensorKind) -> tuple[Any, float]:
     kept that speed; on its CPU time the same chunks measured 3.7-4.7. The transport's
     and the receiver's decode costs are CPU time too.)"""
     t0 = time.thread_time()
-    enc = codec.encode(x, kind)
+    enc = encode_host(codec, x, kind)
     return enc, time.thread_time() - t0
 
 
@@ -117,7 +131,7 @@ async def host_chunks(
         codec = pick()
         x = arr[s : s + c]
         if encodes_inline(codec):
-            pending.append((codec, x, codec.encode(x, kind), None))
+            pending.append((codec, x, encode_host(codec, x, kind), None))
             return
         fut, last = start_encode(codec, x, kind, after=last)
         pending.append((codec, x, fut, last))
@@ -178,6 +192,6 @@ async def device_parts(
 
 
 __all__ = [
-    "ENCODE_AHEAD", "Encoded", "Part", "device_chunks", "device_parts", "encode", "encodes_inline",
+    "ENCODE_AHEAD", "Encoded", "Part", "device_chunks", "device_parts", "encode", "encode_host", "encodes_inline",
     "finish_encode", "host_chunks", "payload_size", "raw_based", "start_encode",
 ]

@@ -17,7 +17,7 @@ import numpy as np
 from kvwire.aio._gpu import GpuReceiver
 from kvwire.aio._pool import default_pool
 from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
-from kvwire.session.receiver import Key, LayerStore
+from kvwire.session.receiver import Key, LayerStore, Region
 from kvwire.spec import KVSpec
 from kvwire.wire import KIND_KV, Chunk
 
@@ -102,23 +102,51 @@ class ArrayStore(LayerStore):
             return
         if out is None:  # not one contiguous region of the caller's memory: decode, then scatter
             out = np.empty((chunk.token_count, spec.num_kv_heads, spec.head_dim), tg.dtype)
-        codec.decode(chunk.params, chunk.payload, shape=out.shape, dtype=spec.dtype,
+        codec.decode(chunk.params, chunk.payload_buffer, shape=out.shape, dtype=spec.dtype,
                      kind=TensorKind(chunk.kind), out=out)
         if buffer is INTO:
             tg.into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
 
-    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
+    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> Region | None:
         tg = self._targets.get(key)
         if tg is None or self.gpu is not None:
             return None
-        if head.kind == KIND_KV:  # K and V of the whole layer lie together, of less they do not
-            whole = buffer is not INTO and head.token_start == 0 and head.token_count == head.layer_tokens
-            out = buffer if whole else None
-        else:
-            out = self._out(tg, head, buffer)
-        if out is None or out.nbytes != nbytes or not out.flags.c_contiguous:
+        kinds = (TensorKind.K, TensorKind.V) if head.kind == KIND_KV else (TensorKind(head.kind),)
+        if buffer is INTO:
+            places = self._into_places(tg, head, kinds)
+        elif head.kind == KIND_KV and head.token_start == 0 and head.token_count == head.layer_tokens:
+            places = [_bytes(buffer)]  # K and V of the whole layer lie together
+        else:  # K's range, then V's for a KV chunk of part of the layer
+            end = head.token_start + head.token_count
+            places = [_bytes(buffer[kind][head.token_start : end]) for kind in kinds]
+        if places is None or any(p is None for p in places) or sum(p.nbytes for p in places) != nbytes:
             return None
-        return memoryview(out.reshape(-1).view(np.uint8))
+        return places[0] if len(places) == 1 else tuple(places)
+
+    @staticmethod
+    def _into_places(tg: _Target, head: Chunk, kinds: tuple[TensorKind, ...]) -> list[Any] | None:
+        """The caller's places for a chunk: its destination's ``regions()`` where it has
+        them (a range over several blocks), else the one ``view()``."""
+        into = tg.into
+        regions = getattr(into, "regions", None)
+        places: list[Any] = []
+        for kind in kinds:
+            args = (head.layer, int(kind), head.token_start, head.token_count, head.layer_tokens)
+            if regions is not None:
+                got = regions(*args)
+                if got is None:
+                    return None
+                places.extend(got)
+            else:
+                places.append(_bytes(into.view(*args)))
+        return places
+
+
+def _bytes(out: Any) -> memoryview | None:
+    """A C-contiguous array as a flat writable byte view (None: none, or not contiguous)."""
+    if out is None or not out.flags.c_contiguous:
+        return None
+    return memoryview(out.reshape(-1).view(np.uint8))
 
 
 __all__ = ["INTO", "ArrayStore"]

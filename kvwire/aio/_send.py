@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from kvwire.aio._arrays import (
     as_device_array,
     as_host_array,
@@ -24,7 +22,7 @@ from kvwire.aio._arrays import (
     sync_layers,
 )
 from kvwire.aio._codec_speed import codec_speeds
-from kvwire.aio._encode import Part, device_parts, host_chunks, raw_based
+from kvwire.aio._encode import Part, device_parts, encode_host, host_chunks, raw_based
 from kvwire.codec import TensorKind, get_codec
 from kvwire.control import CodecCandidate, CodecChooser
 from kvwire.errors import (
@@ -224,6 +222,10 @@ async def send(
     )
 
 
+def _parts(payload: Any) -> tuple[Any, ...]:
+    return payload if isinstance(payload, tuple) else (payload,)
+
+
 def _granted(core: SenderCore, tid: int, layer: int) -> Callable[[], bool]:
     return lambda: core.layer_limit(tid) > layer
 
@@ -238,7 +240,7 @@ async def _send_layer(
     tokens = int(k.shape[0])
     bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
     target = core.chunk_target(peer.options.chunk_bytes)
-    host = isinstance(k, np.ndarray)
+    host = not is_device_array(k)
     chooser = peer.chooser
 
     def pick() -> Any:
@@ -264,7 +266,10 @@ async def _send_layer(
         # how the receiver learns the layer size and grants more than one layer.
         chosen = pick()
         if chosen.name == "raw":
-            payload = (chosen.encode(k, TensorKind.K).payload, chosen.encode(v, TensorKind.V).payload)
+            payload = tuple(
+                b for x, kind in ((k, TensorKind.K), (v, TensorKind.V))
+                for b in _parts(encode_host(chosen, x, kind).payload)
+            )
             used["raw"] = used.get("raw", 0) + 1
             core.add_chunk(tid, Chunk(transfer_id=tid, layer=index, kind=KIND_KV, codec_id=chosen.codec_id,
                                       token_start=0, token_count=tokens, layer_tokens=tokens, params=b"",

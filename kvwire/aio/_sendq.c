@@ -9,8 +9,9 @@
  * the bytes the kernel took are checksummed right after the write returns, while they are
  * still in the cache from its copy (a piece and its copy fit a core's L2 cache); the
  * trailer goes out once the whole payload has been taken.  A payload in several buffers (a
- * KV chunk's K and V) is a chain of checked parts: each but the last has no trailer and
- * hands its CRC on to the next.  So no checksum stands between
+ * KV chunk's K and V, the rows of a paged cache's blocks) is a chain of checked parts: each
+ * but the last has no trailer and hands its CRC on to the next, and one write takes up to
+ * a piece's worth of them.  So no checksum stands between
  * the socket becoming writable and its refill, and each byte is read from memory once (as
  * it is not when a whole frame waits in a transport's buffer, checksummed long before the
  * kernel reads it again).
@@ -203,14 +204,22 @@ static int write_out(SendQueue* q, int* err) {
     for (;;) {
         int n_iov = 0;
         size_t want = 0;
+        size_t budget = (size_t)q->piece; /* checked payload bytes left for this write */
         for (Py_ssize_t i = q->head; i < q->count && n_iov < IOV_PARTS; i++) {
             Part* p = &q->parts[i];
             Py_ssize_t body = p->view.len - p->off;
             if (body > 0 || !p->checked) {
+                size_t len = (size_t)body;
+                if (p->checked && len > budget) len = budget;
                 iov[n_iov].iov_base = (char*)p->view.buf + p->off;
-                iov[n_iov].iov_len = (size_t)(p->checked && body > q->piece ? q->piece : body);
+                iov[n_iov].iov_len = len;
                 want += iov[n_iov++].iov_len;
-                if (p->checked) break; /* a piece at a time; the trailer once all is taken */
+                if (p->checked) {
+                    /* A piece at a time (a chained payload's small parts gathered into one,
+                     * up to `piece` bytes); the trailer once all is taken. */
+                    budget -= len;
+                    if (!p->more || len < (size_t)body || budget == 0) break;
+                }
                 continue;
             }
             iov[n_iov].iov_base = p->trailer + p->trailer_off;

@@ -88,6 +88,8 @@ class Core(Protocol):
     def receive_data(self, key: int, data: bytes, now: float, /) -> None: ...
     def payload_remaining(self, key: int, /) -> int:
         """Bytes of the frame being read that are sure to arrive before it completes."""
+    def scatter_buffers(self, key: int, /) -> list[memoryview]:
+        """Where a payload received into several places goes next, for one scatter read."""
     def buffers_to_send(self, key: int, /) -> list[Any]: ...
     def is_closed(self, key: int, /) -> bool: ...
     def connection(self, key: int, /) -> Any: ...
@@ -132,7 +134,9 @@ class Stream(asyncio.BufferedProtocol):
         # The stream's own send queue on a duplicate of the socket's descriptor (plain TCP
         # with the compiled queue), or None: writes go through the transport.
         self._queue: Any = None
-        self._own: socket.socket | None = None  # the socket object on the queue's descriptor
+        # The stream's own socket object on a duplicate of the descriptor (plain TCP): the
+        # queue writes it, scatter reads and SO_RCVLOWAT go through it.
+        self._own: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one its descriptor waits in
         self._waiting = False  # the queue's descriptor is registered for writability
         self._paused = False  # the owner was told the stream is not writable
@@ -158,7 +162,7 @@ class Stream(asyncio.BufferedProtocol):
         if not self.made:
             transport.abort()  # type: ignore[attr-defined]
             return
-        if plain and _sendq is not None:
+        if plain:
             self._open_queue(sock)
         if plain and USE_RCVLOWAT:
             # Through the queue's socket object where there is one: a loop's stand-in for
@@ -168,13 +172,12 @@ class Stream(asyncio.BufferedProtocol):
         self.owner.pump()
 
     def _open_queue(self, sock: Any) -> None:
-        """Write through a send queue of the stream's own instead of the transport.
-
-        The queue writes a duplicate of the socket's descriptor (the loop refuses a
-        writer on a descriptor its transport holds); everything this stream sends goes
-        through it, so the transport's write buffer stays empty and nothing interleaves.
+        """A socket object of the stream's own on a duplicate of the socket's descriptor
+        (the loop refuses a writer on a descriptor its transport holds), for scatter reads
+        and, with the compiled queue, to write through a send queue of the stream's own
+        instead of the transport: everything this stream sends goes through it, so the
+        transport's write buffer stays empty and nothing interleaves.
         """
-        assert _sendq is not None
         try:
             fd = os.dup(sock.fileno())
         except (AttributeError, OSError, ValueError):
@@ -185,8 +188,9 @@ class Stream(asyncio.BufferedProtocol):
             os.close(fd)
             return
         self._own = own  # owns the duplicate; closed with the queue
-        self._queue = _sendq.SendQueue(own.fileno(), piece=SEND_PIECE)
-        self._loop = asyncio.get_running_loop()
+        if _sendq is not None:
+            self._queue = _sendq.SendQueue(own.fileno(), piece=SEND_PIECE)
+            self._loop = asyncio.get_running_loop()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._current():
@@ -201,8 +205,31 @@ class Stream(asyncio.BufferedProtocol):
         core = self.owner.core
         if core.buffer_updated(self.key, nbytes, self.owner.now()):
             self.owner.pump()
+        if self._own is not None:
+            self._scatter_read(core)
         if self._lowat_sock is not None:
             self.lowat(core.payload_remaining(self.key))
+
+    def _scatter_read(self, core: Core) -> None:
+        """Read what has arrived of a payload that goes to several places (the blocks of a
+        paged cache) with one ``recvmsg_into`` per batch of places, instead of a read per
+        place through the transport.  Reads until the kernel has no more (the transport's
+        next read wakes the stream as ever) or the payload is in."""
+        while (own := self._own) is not None and not self.reading_paused and self._current():
+            bufs = core.scatter_buffers(self.key)
+            if not bufs:
+                return
+            try:
+                n = own.recvmsg_into(bufs, 0, socket.MSG_DONTWAIT)[0]
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self.abort()  # the connection is broken: its loss reaches the core from the transport
+                return
+            if not n:
+                return  # EOF: the transport reads it too, and tells the core
+            if core.buffer_updated(self.key, n, self.owner.now()):
+                self.owner.pump()
 
     def lowat(self, remaining: int) -> None:
         """Wake up for reading only once ``remaining`` bytes (capped) have arrived.
@@ -306,14 +333,14 @@ class Stream(asyncio.BufferedProtocol):
                 self.owner.set_writable(self, True)  # last: it may pump, and flush again
 
     def _drop_queue(self) -> None:
-        """Stop writing through the queue: what it holds is dropped, its descriptor closed."""
+        """Stop writing through the queue (what it holds is dropped) and reading through
+        the stream's own socket object; its descriptor is closed."""
         q, self._queue = self._queue, None
-        if q is None:
-            return
-        if self._waiting and self._loop is not None:
-            self._loop.remove_writer(q.fd)
-        self._waiting = False
-        q.clear()
+        if q is not None:
+            if self._waiting and self._loop is not None:
+                self._loop.remove_writer(q.fd)
+            self._waiting = False
+            q.clear()
         if self._own is not None:
             if self._lowat_sock is self._own:
                 self._lowat_sock = None

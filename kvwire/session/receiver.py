@@ -65,13 +65,21 @@ from kvwire.wire import (
     TransferReset,
 )
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
-from kvwire.wire.frames import DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW, KIND_KV, Buffer
+from kvwire.wire.frames import (
+    DEFAULT_MAX_FRAME_SIZE,
+    DEFAULT_WINDOW,
+    KIND_KV,
+    Buffer,
+    scatter_nbytes,
+)
 from kvwire.wire.transfer import kinds_overlap, split_kv
 
 Key = tuple[bytes, int]
 """A transfer's identity on a server: (session id, transfer id)."""
 
 Allocate = Callable[[int], memoryview]
+#: Where a raw payload can be read straight into: one byte buffer, or several in order.
+Region = memoryview | tuple[memoryview, ...]
 Decode = Callable[[Chunk, memoryview], None]
 
 #: Versions registries issue are below this; anything above was never issued.
@@ -174,8 +182,10 @@ class LayerStore:
 
     ``allocate`` gives the buffer of one layer when its first chunk is stored (it may raise
     MemoryError or a KvwireError; nothing has changed then).  ``decode`` puts a verified
-    chunk's data in place; ``region`` names where a raw payload can be read straight into
-    (None: not possible).  ``offset`` is the chunk's byte offset in the layer (K, then V)
+    chunk's data in place; ``region`` names where a raw payload can be read straight into:
+    one writable byte buffer, or a tuple of them that the payload fills in order (a
+    scattered place: a KV chunk's K and V of part of a layer, blocks of a paged cache), or
+    None (not possible).  ``offset`` is the chunk's byte offset in the layer (K, then V)
     and ``nbytes`` its decoded size, both at the spec's dtype (:func:`chunk_span`).  A KV
     chunk (raw K and V of one token range) is decoded as its K and its V chunk
     (:func:`~kvwire.wire.transfer.split_kv`); ``region`` may be asked for one, with the
@@ -188,7 +198,7 @@ class LayerStore:
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
         raise NotImplementedError
 
-    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
+    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> Region | None:
         return None
 
     def opened(self, key: Key, spec: KVSpec) -> None:
@@ -211,11 +221,14 @@ class ByteStore(LayerStore):
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
         self._decode(chunk, buffer[offset : offset + nbytes])
 
-    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> memoryview | None:
+    def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> Region | None:
         if not isinstance(buffer, memoryview):
             return None
         if head.kind == KIND_KV and (offset or nbytes != len(buffer)):
-            return None  # K and V of part of the layer: two places
+            # K and V of part of the layer: two places, the K range's and the V range's
+            half = nbytes // 2
+            v_at = len(buffer) // 2 + offset
+            return (buffer[offset : offset + half], buffer[v_at : v_at + half])
         return buffer[offset : offset + nbytes]
 
 
@@ -346,7 +359,7 @@ ReceiverEvent = (
 class _Reservation:
     """A layer region a connection is reading a raw payload into, before its CRC is checked."""
 
-    view: memoryview
+    view: Region
     cid: int
     layer: int
     kind: int
@@ -472,6 +485,12 @@ class ReceiverCore:
         """A buffer for the next read of ``cid`` (zero-copy); then :meth:`buffer_updated`."""
         conn = self._conns.get(cid)
         return conn.get_buffer() if conn is not None else memoryview(bytearray(65536))
+
+    def scatter_buffers(self, cid: int) -> list[memoryview]:
+        """Buffers for a scatter read of ``cid`` (a payload received into several places:
+        see :meth:`Connection.scatter_buffers`), or none; then :meth:`buffer_updated`."""
+        conn = self._conns.get(cid)
+        return [] if conn is None else conn.scatter_buffers()
 
     def payload_remaining(self, cid: int) -> int:
         """Bytes of the frame ``cid`` is reading that are sure to arrive before anything
@@ -1105,7 +1124,7 @@ class ReceiverCore:
 
     # -- in-place receive ------------------------------------------------------------------
 
-    def _sink(self, cid: int, head: Chunk, size: int) -> memoryview | None:
+    def _sink(self, cid: int, head: Chunk, size: int) -> Region | None:
         """Where a raw chunk's payload can be received directly: its place in the layer.
 
         The header has not passed its CRC yet, so nothing here changes what the transfer
@@ -1136,8 +1155,8 @@ class ReceiverCore:
             view = self._store.region(t.key, head, buf, offset, size)
         except Exception:
             return None  # the verified chunk meets the same failure and fails the transfer
-        if view is None or len(view) != size or view.readonly:
-            return None
+        if view is None or scatter_nbytes(view) != size or (isinstance(view, memoryview) and view.readonly):
+            return None  # (the decoder checks the rest of a tuple's buffers as it takes them)
         t.inplace[head.address] = _Reservation(view, cid, head.layer, head.kind, head.token_start, end)
         return view
 
@@ -1170,6 +1189,7 @@ __all__ = [
     "ReceiverConfig",
     "ReceiverCore",
     "ReceiverEvent",
+    "Region",
     "RegistryCheck",
     "RegistryPublish",
     "StreamResumed",

@@ -340,6 +340,12 @@ class SenderCore:
         self.pump()
         return True
 
+    def scatter_buffers(self, index: int) -> list[memoryview]:
+        """Buffers for a scatter read of slot ``index`` (see
+        :meth:`Connection.scatter_buffers`: none here, a sender's payloads are small)."""
+        conn = self._slots[index].conn
+        return [] if conn is None else conn.scatter_buffers()
+
     def payload_remaining(self, index: int) -> int:
         """Bytes of the frame slot ``index`` is reading that are sure to arrive before
         anything can happen on it (see :attr:`Connection.payload_remaining`)."""

@@ -492,6 +492,86 @@ static PyObject* py_crc32c(PyObject* self, PyObject* const* args, Py_ssize_t nar
     return PyLong_FromUnsignedLong((unsigned long)(uint32_t)~crc);
 }
 
+PyDoc_STRVAR(crc32c_scatter_doc,
+             "crc32c_scatter($module, buffers, nbytes, value=0, /)\n--\n\n"
+             "CRC32C of the first ``nbytes`` of the buffers of the sequence ``buffers``, one\n"
+             "after the other, continuing from ``value``; returns ``(crc, index, offset)``:\n"
+             "where the byte after them is (``buffers[index]``, ``offset`` into it; a buffer\n"
+             "taken whole moves ``index`` past it).  ValueError if they hold fewer bytes.\n"
+             "The GIL is released while the CRC runs over 8 KiB and more.");
+
+static PyObject* py_crc32c_scatter(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs < 2 || nargs > 3) {
+        PyErr_Format(PyExc_TypeError,
+                     "crc32c_scatter() takes 2 or 3 positional arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyNumber_AsSsize_t(args[1], PyExc_OverflowError);
+    if (nbytes == -1 && PyErr_Occurred()) return NULL;
+    if (nbytes < 0) {
+        PyErr_SetString(PyExc_ValueError, "crc32c_scatter(): nbytes must not be negative");
+        return NULL;
+    }
+    uint32_t value = 0;
+    if (nargs == 3) {
+        unsigned long long v = PyLong_AsUnsignedLongLongMask(args[2]);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+        value = (uint32_t)v;
+    }
+    PyObject* seq = PySequence_Fast(args[0], "crc32c_scatter(): buffers must be a sequence");
+    if (seq == NULL) return NULL;
+    const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq);
+    Py_buffer* views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(count ? count : 1));
+    if (views == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    /* the buffers the bytes lie in: whole ones, then the one they end in */
+    Py_ssize_t held = 0, left = nbytes, index = 0, offset = 0;
+    while (left > 0 && index < count) {
+        Py_buffer* v = &views[held];
+        if (PyObject_GetBuffer(items[index], v, PyBUF_SIMPLE) < 0) goto fail;
+        held++;
+        if (!PyBuffer_IsContiguous(v, 'C')) {
+            PyErr_SetString(PyExc_BufferError, "crc32c_scatter() needs C-contiguous buffers");
+            goto fail;
+        }
+        if (v->len > left) {
+            offset = left;
+            left = 0;
+            break;
+        }
+        left -= v->len;
+        index++;
+    }
+    if (left > 0) {
+        PyErr_Format(PyExc_ValueError, "crc32c_scatter(): the buffers hold fewer than %zd bytes", nbytes);
+        goto fail;
+    }
+    const crc_fn fn = kv_fn;
+    uint32_t crc = ~value;
+    int release = nbytes >= GIL_RELEASE_MIN;
+    PyThreadState* ts = release ? PyEval_SaveThread() : NULL;
+    Py_ssize_t rest = nbytes;
+    for (Py_ssize_t i = 0; i < held; i++) {
+        size_t n = (size_t)(views[i].len < rest ? views[i].len : rest);
+        if (n) crc = fn(crc, (const uint8_t*)views[i].buf, n);
+        rest -= (Py_ssize_t)n;
+    }
+    if (release) PyEval_RestoreThread(ts);
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    return Py_BuildValue("(knn)", (unsigned long)(uint32_t)~crc, index, offset);
+fail:
+    for (Py_ssize_t i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seq);
+    return NULL;
+}
+
 static PyObject* py_isa(PyObject* self, PyObject* args) {
     (void)self;
     (void)args;
@@ -535,6 +615,8 @@ static PyObject* py_xpow(PyObject* self, PyObject* arg) {
 
 static PyMethodDef methods[] = {
     {"crc32c", (PyCFunction)(void (*)(void))py_crc32c, METH_FASTCALL, crc32c_doc},
+    {"crc32c_scatter", (PyCFunction)(void (*)(void))py_crc32c_scatter, METH_FASTCALL,
+     crc32c_scatter_doc},
     {"isa", py_isa, METH_NOARGS, "isa() -> the name of the loop in use"},
     {"levels", py_levels, METH_NOARGS,
      "levels() -> names of the levels this CPU runs, index = level (0 table, 1 sse4.2,\n"

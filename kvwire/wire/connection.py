@@ -365,7 +365,7 @@ class Connection:
         """Receive large CHUNK payloads into buffers ``sink`` chooses (see FrameDecoder)."""
         self._decoder.payload_sink = sink
 
-    def abandon_payload(self, view: memoryview) -> bool:
+    def abandon_payload(self, view: memoryview | tuple[memoryview, ...]) -> bool:
         """Never write ``view`` (a buffer the payload sink gave) again; see FrameDecoder."""
         return self._decoder.abandon_payload(view)
 
@@ -376,6 +376,14 @@ class Connection:
         is copied once between the socket and the codec.
         """
         return self._decoder.get_buffer()
+
+    def scatter_buffers(self) -> list[memoryview]:
+        """The rest of a payload being read into several buffers, for one scatter read
+        (see :meth:`FrameDecoder.scatter_buffers`); then call :meth:`buffer_updated`.
+        Empty when there is none: :meth:`get_buffer` is then the place."""
+        if self.state is State.CLOSED:
+            return []
+        return self._decoder.scatter_buffers()
 
     @property
     def payload_remaining(self) -> int:

@@ -11,6 +11,7 @@ instruction, or a portable table) and releases the GIL for buffers of 8 KiB and 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -39,3 +40,31 @@ def implementation() -> str:
     if ext is None:
         return "crc32c package"
     return f"compiled {ext.isa()}"
+
+
+class Crc32cScatter(Protocol):
+    def __call__(self, buffers: Sequence[Any], nbytes: int, value: int = 0, /) -> tuple[int, int, int]: ...
+
+
+def _crc32c_scatter(buffers: Sequence[Any], nbytes: int, value: int = 0, /) -> tuple[int, int, int]:
+    """What the compiled ``crc32c_scatter`` computes, with :func:`crc32c` per buffer."""
+    if nbytes < 0:
+        raise ValueError("crc32c_scatter(): nbytes must not be negative")
+    crc, left, index = value, nbytes, 0
+    while left > 0 and index < len(buffers):
+        view = memoryview(buffers[index]).cast("B")
+        if view.nbytes > left:
+            return crc32c(view[:left], crc), index, left
+        crc = crc32c(view, crc)
+        left -= view.nbytes
+        index += 1
+    if left > 0:
+        raise ValueError(f"crc32c_scatter(): the buffers hold fewer than {nbytes} bytes")
+    return crc32c(b"", crc), index, 0
+
+
+#: ``crc32c_scatter(buffers, nbytes, value=0) -> (crc, index, offset)``: the CRC32C of
+#: the first ``nbytes`` of ``buffers`` one after the other, continuing from ``value``, and
+#: where the byte after them lies (``buffers[index]`` at ``offset``; a buffer taken whole
+#: moves ``index`` past it).  One call for a read scattered over many buffers.
+crc32c_scatter: Crc32cScatter = ext.crc32c_scatter if ext is not None else _crc32c_scatter

@@ -17,7 +17,7 @@ from enum import IntEnum
 from typing import Any, Union
 
 from kvwire.errors import ErrorCode, FrameTooLargeError, IntegrityError, ProtocolError
-from kvwire.wire.crc import crc32c
+from kvwire.wire.crc import crc32c, crc32c_scatter
 
 Buffer = Union[bytes, bytearray, memoryview]
 
@@ -508,12 +508,13 @@ class CheckedPayload:
     they run (the caller's arrays must not change until the send is acknowledged).
     """
 
-    __slots__ = ("crc", "payload", "rest")
+    __slots__ = ("_size", "crc", "payload", "rest")
 
     def __init__(self, payload: memoryview, crc: int, rest: tuple[memoryview, ...] = ()) -> None:
         self.payload = payload
         self.crc = crc
         self.rest = rest
+        self._size = payload.nbytes + sum(v.nbytes for v in rest) + CRC_SIZE
 
     @property
     def views(self) -> tuple[memoryview, ...]:
@@ -521,7 +522,7 @@ class CheckedPayload:
         return (self.payload, *self.rest)
 
     def __len__(self) -> int:
-        return sum(v.nbytes for v in self.views) + CRC_SIZE
+        return self._size
 
     def pieces(self, segment: int | None = None) -> Iterator[memoryview | bytes]:
         crc = self.crc
@@ -697,9 +698,21 @@ def decode_body(ftype: int, flags: int, body: Buffer, *, max_kind: int = KIND_KV
     return UnknownFrame(type=ftype, flags=flags, body=bytes(body))
 
 
-PayloadSink = Callable[[Chunk, int], "memoryview | None"]
+PayloadSink = Callable[[Chunk, int], "memoryview | tuple[memoryview, ...] | None"]
 """Called with a CHUNK's fields (empty payload) and its payload length before the payload
-arrives; returns a writable buffer of exactly that length for it, or None."""
+arrives; returns a writable buffer of exactly that length for it, a tuple of writable byte
+buffers that together are that long (the payload is scattered over them, in order: see
+:meth:`FrameDecoder.scatter_buffers`), or None."""
+
+#: Most buffers :meth:`FrameDecoder.scatter_buffers` hands out for one read.
+SCATTER_MAX = 512
+
+
+def scatter_nbytes(dest: memoryview | tuple[memoryview, ...]) -> int:
+    """Bytes a payload sink's buffer (or tuple of buffers) holds."""
+    if isinstance(dest, tuple):
+        return sum(v.nbytes for v in dest)
+    return dest.nbytes
 
 
 class _BigFrame:
@@ -710,7 +723,8 @@ class _BigFrame:
     into ``dest``, then the CRC.
     """
 
-    __slots__ = ("crc", "dest", "filled", "ftype", "header", "length", "pre", "pre_need", "running", "stage")
+    __slots__ = ("crc", "dest", "filled", "ftype", "header", "length", "pre", "pre_need", "running", "seg",
+                 "seg_off", "size", "stage")
 
     PRE, DEST, CRC = 0, 1, 2
 
@@ -720,8 +734,13 @@ class _BigFrame:
         self.length = length
         self.pre = bytearray()
         self.pre_need = CHUNK_FIXED.size if ftype == FrameType.CHUNK else 0
-        self.dest: memoryview | None = None
+        # Where the body (a CHUNK's payload) goes: one buffer, or several in order (a
+        # scattered payload: ``seg``, ``seg_off`` is where the next byte goes); ``size``
+        # bytes in all, ``filled`` of them in.
+        self.dest: memoryview | tuple[memoryview, ...] | None = None
+        self.size = 0
         self.filled = 0
+        self.seg = self.seg_off = 0
         self.crc = bytearray()
         # CRC32C of header, pre and dest[:filled], kept up as bytes land (while they are
         # still in the cache) so the payload is not read a second time at the end
@@ -732,6 +751,7 @@ class _BigFrame:
             # Any other frame: its whole body goes into a buffer of its own.
             self.running = crc32c(header)
             self.dest = memoryview(bytearray(length))
+            self.size = length
             self.stage = self.DEST if length else self.CRC
 
 
@@ -761,6 +781,7 @@ class FrameDecoder:
         self.bytes_received = 0
         self._scratch = memoryview(bytearray(scratch_size))
         self._handed_dest = False
+        self._handed_views: Sequence[memoryview] = ()  # of a scattered payload, as handed out
         self._deferred = False  # a big CHUNK waits in the buffer (see _defer)
         self.payload_sink = payload_sink
         self.max_kind = KIND_KV
@@ -781,28 +802,80 @@ class FrameDecoder:
         big = self._big
         if big is not None:
             if big.stage == _BigFrame.DEST:
-                assert big.dest is not None
+                dest = big.dest
+                assert dest is not None
                 self._handed_dest = True
-                return big.dest[big.filled :]
+                if isinstance(dest, tuple):
+                    view = dest[big.seg][big.seg_off :]
+                    self._handed_views = (view,)
+                    return view
+                return dest[big.filled :]
             if big.stage == _BigFrame.CRC and self.payload_sink is not None:
                 self._handed_dest = False
                 return self._scratch[: CRC_SIZE - len(big.crc) + _CHUNK_HEAD]
         self._handed_dest = False
         return self._scratch
 
+    def scatter_buffers(self) -> list[memoryview]:
+        """Where the next read should go when a payload is being read into several buffers
+        (a payload sink returned a tuple): the rest of them, in order (at most
+        ``SCATTER_MAX``), for one scatter read (``recvmsg_into``); then
+        :meth:`buffer_updated` with the bytes read.  Empty when no such payload is being
+        read (:meth:`get_buffer` is then the only place)."""
+        big = self._big
+        if big is None or big.stage != _BigFrame.DEST or not isinstance(big.dest, tuple):
+            return []
+        self._handed_dest = True
+        segs = big.dest
+        views = [segs[big.seg][big.seg_off :], *segs[big.seg + 1 : big.seg + SCATTER_MAX]]
+        self._handed_views = views
+        return views
+
     def buffer_updated(self, nbytes: int) -> list[tuple[Frame, int]]:
-        """Account for ``nbytes`` written into the last :meth:`get_buffer`; return frames."""
+        """Account for ``nbytes`` written into the last :meth:`get_buffer` (or
+        :meth:`scatter_buffers`); return frames."""
         if not self._handed_dest:
             return self.feed(self._scratch[:nbytes])
         self._handed_dest = False
         big = self._big
         assert big is not None and big.dest is not None
         self.bytes_received += nbytes
-        big.running = crc32c(big.dest[big.filled : big.filled + nbytes], big.running)
-        big.filled += nbytes
-        if big.filled == len(big.dest):
+        if isinstance(big.dest, tuple):
+            # The views handed out start at (seg, seg_off), then whole segments follow.
+            big.running, index, offset = crc32c_scatter(self._handed_views, nbytes, big.running)
+            self._handed_views = ()
+            if index:
+                big.seg += index
+                big.seg_off = offset
+            else:
+                big.seg_off += offset
+            big.filled += nbytes
+        else:
+            big.running = crc32c(big.dest[big.filled : big.filled + nbytes], big.running)
+            big.filled += nbytes
+        if big.filled == big.size:
             big.stage = _BigFrame.CRC
         return []
+
+    @staticmethod
+    def _fill_segments(big: _BigFrame, nbytes: int, src: memoryview) -> None:
+        """Advance a scattered payload by ``nbytes`` copied from ``src``, each piece
+        checksummed as it lands."""
+        segs = big.dest
+        assert isinstance(segs, tuple)
+        done = 0
+        while done < nbytes:
+            seg = segs[big.seg]
+            take = min(seg.nbytes - big.seg_off, nbytes - done)
+            piece = seg[big.seg_off : big.seg_off + take]
+            piece[:] = src[done : done + take]
+            big.running = crc32c(piece, big.running)
+            done += take
+            big.seg_off += take
+            if big.seg_off == seg.nbytes:
+                big.seg += 1
+                big.seg_off = 0
+        big.filled += nbytes
 
     # -- plain bytes --------------------------------------------------------------------
 
@@ -913,13 +986,17 @@ class FrameDecoder:
                     return self._feed_big(view, out)
             self._start_dest(big)
         if big.stage == _BigFrame.DEST:
-            assert big.dest is not None
-            take = min(len(big.dest) - big.filled, len(view))
-            big.dest[big.filled : big.filled + take] = view[:take]
-            big.running = crc32c(view[:take], big.running)
-            big.filled += take
+            dest = big.dest
+            assert dest is not None
+            take = min(big.size - big.filled, len(view))
+            if isinstance(dest, tuple):
+                self._fill_segments(big, take, view)
+            else:
+                dest[big.filled : big.filled + take] = view[:take]
+                big.running = crc32c(view[:take], big.running)
+                big.filled += take
             view = view[take:]
-            if big.filled < len(big.dest):
+            if big.filled < big.size:
                 return view
             big.stage = _BigFrame.CRC
         take = min(CRC_SIZE - len(big.crc), len(view))
@@ -932,14 +1009,16 @@ class FrameDecoder:
 
     def _start_dest(self, big: _BigFrame) -> None:
         size = big.length - len(big.pre)
-        dest: memoryview | None = None
+        dest: memoryview | tuple[memoryview, ...] | None = None
         if big.ftype == FrameType.CHUNK and self.payload_sink is not None:
             head = _chunk_from(big.pre, b"", self.max_kind)
             if head is not None:
                 dest = self.payload_sink(head, size)
-                if dest is not None and (len(dest) != size or dest.readonly):
-                    raise ValueError("payload sink returned a buffer of the wrong size")
+                if dest is not None:
+                    _check_sink_buffer(dest, size)
         big.dest = dest if dest is not None else memoryview(bytearray(size))
+        big.size = size
+        big.seg = big.seg_off = 0
         big.running = crc32c(big.pre, crc32c(big.header))
         big.stage = _BigFrame.DEST if size else _BigFrame.CRC
 
@@ -954,16 +1033,27 @@ class FrameDecoder:
             if chunk is None:
                 raise _bad_kind(CHUNK_FIXED.unpack_from(big.pre)[2], self.max_kind)
             return chunk
+        assert not isinstance(big.dest, tuple)  # only a CHUNK's payload goes to a sink
         return decode_body(big.ftype, big.header[1], big.dest)
 
-    def abandon_payload(self, view: memoryview) -> bool:
-        """Stop reading the current frame into ``view`` (a sink buffer): the rest goes to a
-        private copy, so ``view`` is never written again.  True if it was in use."""
+    def abandon_payload(self, view: memoryview | tuple[memoryview, ...]) -> bool:
+        """Stop reading the current frame into ``view`` (what the payload sink returned):
+        the rest goes to a private copy, so ``view`` is never written again.  True if it
+        was in use."""
         big = self._big
         if big is None or big.dest is None or big.dest is not view:
             return False
-        private = memoryview(bytearray(len(view)))
-        private[: big.filled] = view[: big.filled]
+        private = memoryview(bytearray(big.size))
+        if isinstance(view, tuple):
+            at = 0
+            for seg in view:
+                take = min(seg.nbytes, big.filled - at)
+                if take <= 0:
+                    break
+                private[at : at + take] = seg[:take]
+                at += take
+        else:
+            private[: big.filled] = view[: big.filled]
         big.dest = private
         return True
 
@@ -980,7 +1070,7 @@ class FrameDecoder:
         big = self._big
         if big is None or big.stage != _BigFrame.DEST or big.dest is None:
             return 0
-        return len(big.dest) - big.filled
+        return big.size - big.filled
 
     @property
     def buffered(self) -> int:
@@ -1001,13 +1091,27 @@ class FrameDecoder:
         return decode_body(ftype, flags, body, max_kind=max_kind)
 
 
+def _check_sink_buffer(dest: memoryview | tuple[memoryview, ...], size: int) -> None:
+    """A payload sink's answer must be writable bytes, ``size`` of them in all."""
+    views = dest if isinstance(dest, tuple) else (dest,)
+    total = 0
+    for v in views:
+        if type(v) is not memoryview or v.readonly or v.ndim != 1 or v.itemsize != 1:
+            raise ValueError("payload sink returned a buffer that is not writable bytes (a 1-D memoryview of bytes)")
+        if not v.nbytes and len(views) > 1:
+            raise ValueError("payload sink returned an empty buffer among several")
+        total += v.nbytes
+    if not views or total != size:
+        raise ValueError("payload sink returned a buffer of the wrong size")
+
+
 def _check_reserved(header: bytes) -> None:
     """A CRC-verified header with reserved bits set was sent that way: a protocol error."""
     if header[2] or header[3]:
         raise ProtocolError("reserved header bits set")
 
 
-def _chunk_from(pre: Buffer, payload: Buffer, max_kind: int) -> Chunk | None:
+def _chunk_from(pre: Buffer, payload: Buffer | tuple[memoryview, ...], max_kind: int) -> Chunk | None:
     """A Chunk from its fixed fields + params and a payload; None for a kind above ``max_kind``."""
     tid, layer, kind, codec_id, start, count, ltok, _plen = CHUNK_FIXED.unpack_from(pre)
     if kind > max_kind:
@@ -1034,6 +1138,7 @@ __all__ = [
     "NONCE_SIZE",
     "PROOF_SIZE",
     "PROTOCOL_VERSION",
+    "SCATTER_MAX",
     "SESSION_ID_SIZE",
     "Accept",
     "Ack",
@@ -1062,4 +1167,5 @@ __all__ = [
     "decode_body",
     "encode_frame",
     "frame_bytes",
+    "scatter_nbytes",
 ]

@@ -83,16 +83,20 @@ def drain(q: object, reader: socket.socket, nbytes: int) -> tuple[bytes, int]:
 part = st.one_of(
     st.binary(max_size=2000).map(lambda b: ("plain", b)),
     st.tuples(st.integers(0, 300_000), st.integers(0, 2**32 - 1)).map(lambda t: ("checked", t)),
-    # one payload in several buffers (a KV chunk's K and V): one CRC, one trailer
+    # one payload in several buffers (a KV chunk's K and V; a paged cache's blocks, many
+    # small ones gathered into one write up to a piece): one CRC, one trailer
     st.tuples(st.lists(st.integers(1, 200_000), min_size=2, max_size=3), st.integers(0, 2**32 - 1))
+    .map(lambda t: ("chained", t)),
+    st.tuples(st.lists(st.integers(1, 9000), min_size=2, max_size=80), st.integers(0, 2**32 - 1))
     .map(lambda t: ("chained", t)),
 )
 
 
 @settings(max_examples=40, deadline=None)
-@given(parts=st.lists(part, max_size=8), seed=st.integers(0, 2**32 - 1))
+@given(parts=st.lists(part, max_size=8), seed=st.integers(0, 2**32 - 1),
+       piece=st.sampled_from([1, 4096, 20_000, 512 * 1024]))
 def test_writes_the_parts_in_order_and_each_checked_payload_with_its_trailer(
-    parts: list[tuple[str, object]], seed: int,
+    parts: list[tuple[str, object]], seed: int, piece: int,
 ) -> None:
     assert sendq is not None
     rng = np.random.default_rng(seed)
@@ -116,7 +120,7 @@ def test_writes_the_parts_in_order_and_each_checked_payload_with_its_trailer(
                 pushed += [(views[0], crc, True), *((v, 12345, True) for v in views[1:-1]), (views[-1], 999)]
                 whole = b"".join(bytes(v) for v in views)
                 expect += whole + trailer(whole, crc)
-        q = sendq.SendQueue(a.fileno())
+        q = sendq.SendQueue(a.fileno(), piece=piece)
         q.push(pushed)
         assert q.pending == len(expect)
         got, _ = drain(q, b, len(expect))

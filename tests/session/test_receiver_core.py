@@ -376,14 +376,18 @@ def test_a_kv_chunk_of_a_whole_layer_is_received_in_place() -> None:
     assert h.client_of(ChunkAcked)[-1].address == c.address
 
 
-def test_a_kv_chunk_of_part_of_a_layer_is_decoded_into_both_places() -> None:
+def test_a_kv_chunk_of_part_of_a_layer_is_received_in_place_in_both_places() -> None:
+    """Its K and its V lie apart in the layer's buffer: the payload is read straight into
+    the two (the store names them as a tuple of places), not decoded from a copy."""
     h, store = big_harness()
     tokens = 2 * BIG
     h.send(chunk(layer=0, kind=0, start=BIG, count=BIG, tokens=tokens))
     h.send(chunk(layer=0, kind=1, start=0, count=tokens, tokens=tokens))
+    decodes = store.decodes
     first, second = kv_chunk(1, 0, BIG, tokens), kv_chunk(1, BIG, BIG, tokens)
     for c in (second, first):
         h.send(c, split_after(40))
+    assert store.decodes == decodes
     half = tokens * BPT
     buf = bytes(store.buffers[1])
     n = BIG * BPT

@@ -453,3 +453,47 @@ def test_bad_argument_counts() -> None:
         crc.ext.crc32c(b"", value=0)  # positional-only
     with pytest.raises(TypeError):
         package.crc32c()
+
+
+# -- crc32c_scatter: one call over the buffers a scatter read filled -------------------------
+
+
+def _scatter_impls() -> list[Callable[..., tuple[int, int, int]]]:
+    impls: list[Callable[..., tuple[int, int, int]]] = [crc._crc32c_scatter]
+    if crc.ext is not None:
+        impls.append(crc.ext.crc32c_scatter)
+    return impls
+
+
+@pytest.mark.parametrize("impl", _scatter_impls(), ids=lambda f: f.__module__)
+@settings(max_examples=150, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 20_000), max_size=12), seed=st.integers(0, 2**32),
+    cut=st.floats(0, 1), value=st.integers(0, 2**32 - 1),
+)
+def test_crc32c_scatter_is_the_crc_of_the_bytes_in_order(
+    impl: Callable[..., tuple[int, int, int]], sizes: list[int], seed: int, cut: float, value: int,
+) -> None:
+    data = _random_bytes(sum(sizes), seed)
+    bufs, at = [], 0
+    for n in sizes:
+        bufs.append(bytearray(data[at : at + n]))
+        at += n
+    nbytes = int(cut * len(data))
+    crc_value, index, offset = impl(bufs, nbytes, value)
+    assert crc_value == package.crc32c(data[:nbytes], value)
+    # where the next byte lies: past every buffer taken whole, ``offset`` into the next
+    assert sum(sizes[:index]) + offset == nbytes
+    assert offset == 0 or offset < sizes[index]  # a buffer the bytes end in, not one they fill
+    if crc.ext is not None:
+        assert impl(bufs, nbytes, value) == crc._crc32c_scatter(bufs, nbytes, value)
+
+
+@pytest.mark.parametrize("impl", _scatter_impls(), ids=lambda f: f.__module__)
+def test_crc32c_scatter_refuses_more_bytes_than_the_buffers_hold(impl: Callable[..., tuple[int, int, int]]) -> None:
+    with pytest.raises(ValueError, match="fewer than 11 bytes"):
+        impl([b"abc", bytearray(7)], 11)
+    with pytest.raises(ValueError, match="negative"):
+        impl([b"abc"], -1)
+    assert impl([], 0, 7) == (7, 0, 0)
+    assert impl([b"", b"ab", b""], 2) == (package.crc32c(b"ab"), 2, 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 
 import pytest
@@ -465,6 +466,157 @@ def test_payload_sink_corruption_is_still_an_integrity_error() -> None:
     dec = FrameDecoder(1 << 20, payload_sink=lambda head, size: memoryview(bytearray(size)))
     with pytest.raises(IntegrityError):
         dec.feed(bytes(raw))
+
+
+# -- a payload scattered over several buffers ---------------------------------------------
+
+
+def _segments(size: int, cuts: list[int]) -> tuple[memoryview, ...]:
+    """``size`` bytes as separate writable buffers cut at ``cuts`` (none empty)."""
+    bounds = sorted({0, size, *(c % size for c in cuts)})
+    return tuple(memoryview(bytearray(b - a)) for a, b in itertools.pairwise(bounds))
+
+
+def _read_scattered(dec: FrameDecoder, stream: memoryview, rng: random.Random, most: int,
+                    got: list[tuple[Frame, int]]) -> int:
+    """Feed ``stream`` as the stream does: each read through get_buffer(), or, where the
+    decoder hands out scatter buffers, a scatter read of any size over them (as
+    ``recvmsg_into`` fills them: in order).  Returns the number of scatter reads."""
+    pos = scatters = 0
+    while pos < len(stream):
+        bufs = dec.scatter_buffers() if rng.random() < 0.7 else []
+        if bufs:
+            n = min(sum(b.nbytes for b in bufs), len(stream) - pos, rng.randint(1, most))
+            left = n
+            for b in bufs:
+                take = min(b.nbytes, left)
+                b[:take] = stream[pos + n - left : pos + n - left + take]
+                left -= take
+            scatters += 1
+        else:
+            buf = dec.get_buffer()
+            n = min(len(buf), len(stream) - pos, rng.randint(1, most))
+            buf[:n] = stream[pos : pos + n]
+        pos += n
+        got += dec.buffer_updated(n)
+        got += dec.start_deferred()
+    return scatters
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.data())
+def test_a_payload_scattered_over_the_sinks_buffers_lands_in_them_in_order(data: st.DataObject) -> None:
+    """A sink may give a chunk's place as several buffers (a paged cache's blocks): the
+    payload fills them in order, read through get_buffer() one buffer at a time, through
+    scatter reads over many, or fed; the chunk's payload is that tuple, and the frames
+    around it are unchanged."""
+    size = data.draw(st.integers(20_000, 60_000))  # more than a feed step: read in stages
+    payload = random.Random(data.draw(st.integers(0, 2**32))).randbytes(size)
+    chunk = Chunk(transfer_id=3, layer=1, kind=1, codec_id=0, token_start=64, token_count=8,
+                  layer_tokens=128, params=b"p" * data.draw(st.integers(0, 8)), payload=payload)
+    frames = [SAMPLES[7], chunk, SAMPLES[10], chunk]
+    stream = memoryview(b"".join(frame_bytes(f) for f in frames))  # type: ignore[arg-type]
+    cuts = data.draw(st.lists(st.integers(1, size - 1), max_size=40))
+    sinks: list[tuple[memoryview, ...]] = []
+
+    def sink(head: Chunk, n: int) -> tuple[memoryview, ...]:
+        assert n == size
+        sinks.append(_segments(n, cuts))
+        return sinks[-1]
+
+    dec = FrameDecoder(1 << 20, big_body=1024, scratch_size=data.draw(st.integers(16, 5000)), payload_sink=sink)
+    got: list[tuple[Frame, int]] = []
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    if data.draw(st.booleans()):
+        _read_scattered(dec, stream, rng, data.draw(st.sampled_from([7, 5000, 70_000])), got)
+    else:
+        pos = 0
+        while pos < len(stream):
+            step = rng.randint(1, 9000)
+            got += dec.feed(stream[pos : pos + step])
+            pos += step
+    assert [f.address if isinstance(f, Chunk) else f for f, _ in got] == [  # type: ignore[union-attr]
+        f.address if isinstance(f, Chunk) else f for f in frames
+    ]
+    assert len(sinks) == 2
+    for (frame, _), sunk in zip((got[1], got[3]), sinks, strict=True):
+        assert frame.payload is sunk  # type: ignore[union-attr]
+        assert b"".join(bytes(v) for v in sunk) == payload
+    assert dec.buffered == 0 and dec.payload_remaining == 0 and dec.scatter_buffers() == []
+
+
+def test_scatter_reads_take_many_buffers_at_once() -> None:
+    """Scatter reads fill a 64-buffer place in a few reads, not one read per buffer."""
+    chunk = Chunk(transfer_id=3, layer=0, kind=0, codec_id=0, token_start=0, token_count=4096,
+                  layer_tokens=4096, params=b"", payload=bytes(range(256)) * 1024)
+    sunk: list[tuple[memoryview, ...]] = []
+
+    def sink(head: Chunk, size: int) -> tuple[memoryview, ...]:
+        sunk.append(tuple(memoryview(bytearray(size // 64)) for _ in range(64)))
+        return sunk[-1]
+
+    dec = FrameDecoder(1 << 20, big_body=1024, payload_sink=sink)
+    got: list[tuple[Frame, int]] = []
+    scatters = _read_scattered(dec, memoryview(frame_bytes(chunk)), random.Random(1), 1 << 20, got)
+    [(frame, _)] = got
+    assert frame.address == chunk.address and frame.payload is sunk[0]  # type: ignore[union-attr]
+    assert b"".join(bytes(v) for v in sunk[0]) == chunk.payload
+    assert 1 <= scatters <= 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 100_000 + 40), st.integers(1, 70_000), st.lists(st.integers(1, 99_999), max_size=20))
+def test_a_flipped_bit_in_a_scattered_payload_is_an_integrity_error(at: int, step: int, cuts: list[int]) -> None:
+    """The CRC is kept up over the buffers as bytes land in them: a bit flipped anywhere is
+    caught, however the payload was cut and read."""
+    chunk = Chunk(transfer_id=3, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"pp", payload=bytes(range(250)) * 400)
+    raw = bytearray(frame_bytes(chunk))
+    raw[at % len(raw)] ^= 0x04
+    dec = FrameDecoder(1 << 20, big_body=1024, payload_sink=lambda head, size: _segments(size, cuts))
+    got: list[tuple[Frame, int]] = []
+    with contextlib.suppress(ProtocolError):  # IntegrityError, or a header field that no longer fits
+        _read_scattered(dec, memoryview(raw), random.Random(step), step, got)
+    assert got == []
+
+
+def test_abandoning_a_scattered_payload_moves_the_rest_to_a_private_copy() -> None:
+    chunk = Chunk(transfer_id=3, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"", payload=bytes(range(256)) * 300)
+    places: list[tuple[memoryview, ...]] = []
+
+    def sink(head: Chunk, size: int) -> tuple[memoryview, ...]:
+        places.append(_segments(size, [1000, 30_000, 60_000]))
+        return places[-1]
+
+    dec = FrameDecoder(1 << 20, big_body=1024, payload_sink=sink)
+    stream = frame_bytes(chunk)
+    got = dec.feed(stream[:40_000])
+    assert got == [] and dec.abandon_payload(places[0]) and not dec.abandon_payload(places[0])
+    before = [bytes(v) for v in places[0]]
+    got = dec.feed(stream[40_000:])
+    [(frame, _)] = got
+    assert frame == chunk  # the private copy, whole
+    assert [bytes(v) for v in places[0]] == before  # never written again
+
+
+@pytest.mark.parametrize("bad", ["empty", "short", "readonly", "not bytes"])
+def test_a_sink_giving_bad_buffers_is_a_usage_bug(bad: str) -> None:
+    chunk = Chunk(transfer_id=3, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"", payload=b"\x05" * 10_000)
+
+    def sink(head: Chunk, size: int) -> tuple[memoryview, ...]:
+        a, b = memoryview(bytearray(size - 100)), memoryview(bytearray(100))
+        return {
+            "empty": (a, memoryview(bytearray(0)), b),
+            "short": (a, b[:50]),
+            "readonly": (a, memoryview(bytes(100))),
+            "not bytes": (a, memoryview(bytearray(100)).cast("H")),
+        }[bad]
+
+    dec = FrameDecoder(1 << 20, big_body=1024, payload_sink=sink)
+    with pytest.raises(ValueError, match="payload sink returned"):
+        dec.feed(frame_bytes(chunk)[:2000])  # the frame is incomplete: its place is asked for
 
 
 # -- hostile input: sizes, reserved bits, bit flips ---------------------------------------
