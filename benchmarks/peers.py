@@ -28,8 +28,11 @@ measurement from a parent that has imported none of them:
   asyncio's own event loop; ``kvwire-<codec>*N``: up to N sends in flight at once (each
   still awaited for its receipt; the receiver takes each transfer on a task of its own);
   ``kvwire-auto-measured``: ``auto`` with
-  ``auto_codec="measured"``; a ``/uvloop`` suffix (``kvwire-raw/uvloop``) runs both ends
-  on uvloop, as ``kvwire.aio.run`` does;
+  ``auto_codec="measured"``; after a ``/``, ``+``-separated: ``uvloop`` runs both ends
+  on uvloop, as ``kvwire.aio.run`` does (``kvwire-raw/uvloop``), ``paged`` sends the same
+  bytes out of a paged cache and receives them into one, as a serving engine does
+  (``kvwire.paged``: blocks of 16 tokens, 64 KiB per layer, at random block ids on both
+  sides; ``kvwire-raw/paged``);
 * ``mooncake``: Mooncake Transfer Engine over TCP (``P2PHANDSHAKE``), one batch write of
   the 64 arrays into memory the receiver registered once;
 * ``nixl``: NIXL over UCX with ``UCX_TLS=tcp``, one WRITE of the 64 arrays into
@@ -66,6 +69,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import json
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -391,12 +395,40 @@ class NixlSender(Sender):
                 raise RuntimeError("NIXL transfer failed")
 
 
+#: ``/paged``: tokens per block, and the block shape of one layer's cache (vLLM's layout
+#: of K then V per block; kvwire treats a block as opaque bytes)
+PAGE_TOKENS = 16
+PAGE_SHAPE = (2, PAGE_TOKENS, HEADS, HEAD_DIM)
+
+
+def paged_spec() -> Any:
+    from kvwire.paged import PagedSpec
+
+    return PagedSpec(num_layers=LAYERS, block_shape=PAGE_SHAPE, dtype="float16", model="peers")
+
+
+def paged_caches(tokens: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """Per layer a pre-faulted cache of ``[blocks, *PAGE_SHAPE]`` with room for a quarter
+    more blocks than ``tokens`` need, and the block ids of a request of ``tokens``: the
+    cache's blocks in a random order, as an engine's free list hands them out."""
+    blocks = -(-tokens // PAGE_TOKENS)
+    room = blocks + blocks // 4 + 1
+    caches = [prefaulted(room * math.prod(PAGE_SHAPE) * 2).view(np.float16).reshape(room, *PAGE_SHAPE)
+              for _ in range(LAYERS)]
+    ids = np.random.default_rng(seed).permutation(room)[:blocks]
+    return caches, ids
+
+
 class KvwireReceiver(Receiver):
     """The server's event loop runs on its own thread, as in a serving process: it accepts
-    connections and handshakes whenever they come, not only while a receive is awaited."""
+    connections and handshakes whenever they come, not only while a receive is awaited.
+    ``paged``: each transfer is received into a paged cache (``server.expect(...,
+    into=PagedDestination(...))``) at new random block ids."""
 
-    def __init__(self, loop: str = "asyncio") -> None:
+    def __init__(self, loop: str = "asyncio", paged: bool = False) -> None:
         self.loop_kind = loop
+        self.paged = paged
+        self.count = 0
 
     def setup(self, addr: str, nbytes: int) -> Any:
         import threading
@@ -408,6 +440,9 @@ class KvwireReceiver(Receiver):
         self.thread.start()
         self.server_cm = kvwire.serve(addr, 0, secret=SECRET)
         self.server = self._call(self.server_cm.__aenter__())
+        if self.paged:
+            self.blocks = -(-(nbytes // TOKEN_BYTES) // PAGE_TOKENS)
+            self.caches, _ = paged_caches(nbytes // TOKEN_BYTES, seed=1)
         return self.server.port
 
     def _call(self, coro: Any) -> Any:
@@ -422,13 +457,22 @@ class KvwireReceiver(Receiver):
             async for layer in transfer:
                 del layer  # the application takes each layer and lets it go
 
+        async def next_transfer() -> Any:
+            if not self.paged:
+                return await self.server.accept()
+            from kvwire.paged import PagedDestination
+
+            self.count += 1  # the sender's request ids, in order; new block ids for each
+            ids = np.random.default_rng(self.count).permutation(len(self.caches[0]))[: self.blocks]
+            return await self.server.expect(f"r{self.count}", into=PagedDestination(paged_spec(), self.caches, ids))
+
         async def run() -> None:
             # Each transfer on a task of its own, as a server taking several requests
             # does: with ``kvwire-<codec>*N`` the next transfer's layers are taken while
             # the one before still arrives, not held until it is done.
             tasks = []
             for _ in range(n):
-                tasks.append(asyncio.ensure_future(take(await self.server.accept())))
+                tasks.append(asyncio.ensure_future(take(await next_transfer())))
             await asyncio.gather(*tasks)
 
         self._call(run())
@@ -443,18 +487,31 @@ class KvwireSender(Sender):
     """``kvwire-<codec>``: each ``peer.send`` awaited before the next; ``kvwire-<codec>*N``:
     up to N sends in flight at once, each still awaited for its receipt."""
 
-    def __init__(self, codec: str, loop: str = "asyncio") -> None:
+    def __init__(self, codec: str, loop: str = "asyncio", paged: bool = False) -> None:
         codec, _, depth = codec.partition("*")
         self.codec = codec
         self.depth = int(depth or 1)
         self.loop_kind = loop
+        self.paged = paged
 
     def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
         import kvwire
 
         self.loop = new_loop(self.loop_kind)
         self.spec = kvwire.KVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype="float16")
-        self.layers = layer_arrays(cache, tokens)
+        self.layers: Any = layer_arrays(cache, tokens)
+        if self.paged:  # the same bytes, block by block at random ids of a paged cache
+            from kvwire.paged import PagedSource
+
+            caches, ids = paged_caches(tokens, seed=2)
+            for (k, v), layer in zip(self.layers, caches, strict=True):
+                for b, block in enumerate(ids):
+                    rows = slice(b * PAGE_TOKENS, min((b + 1) * PAGE_TOKENS, tokens))
+                    n = rows.stop - rows.start
+                    layer[block, 0, :n], layer[block, 1, :n] = k[rows], v[rows]
+            pspec = paged_spec()
+            self.spec = pspec.wire_spec()
+            self.layers = PagedSource(pspec, caches, ids)
         codec, _, mode = self.codec.partition("-")
         extra = {"auto_codec": mode} if mode else {}
         self.peer_cm = kvwire.connect(addr, info, secret=SECRET, codec=codec, **extra)
@@ -501,18 +558,21 @@ def make_system(name: str) -> tuple[Receiver, Sender]:
     if name == "nixl":
         return NixlReceiver(), NixlSender()
     if name.startswith("kvwire-"):
-        spec, loop = kvwire_system(name)
-        if loop not in ("asyncio", "uvloop"):
-            raise ValueError(f"unknown event loop {loop!r} in {name!r}")
-        return KvwireReceiver(loop), KvwireSender(spec, loop)
+        spec, loop, paged = kvwire_system(name)
+        return KvwireReceiver(loop, paged), KvwireSender(spec, loop, paged)
     raise ValueError(f"unknown system {name!r}")
 
 
-def kvwire_system(name: str) -> tuple[str, str]:
-    """``kvwire-<codec>[*N][/<loop>][@<tree>]`` as (``<codec>[*N]``, the event loop:
-    ``asyncio`` unless named)."""
-    spec, _, loop = name.removeprefix("kvwire-").split("@")[0].partition("/")
-    return spec, loop or "asyncio"
+def kvwire_system(name: str) -> tuple[str, str, bool]:
+    """``kvwire-<codec>[*N][/<option>[+<option>]][@<tree>]`` as (``<codec>[*N]``, the event
+    loop: ``asyncio`` unless ``uvloop`` is named, whether ``paged``); ValueError for an
+    unknown option."""
+    spec, _, options = name.removeprefix("kvwire-").split("@")[0].partition("/")
+    chosen = set(options.split("+")) - {""}
+    unknown = chosen - {"uvloop", "paged"}
+    if unknown:
+        raise ValueError(f"{name}: unknown option {sorted(unknown)[0]!r} (uvloop, paged)")
+    return spec, "uvloop" if "uvloop" in chosen else "asyncio", "paged" in chosen
 
 
 def new_loop(kind: str) -> Any:
@@ -860,12 +920,13 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error(str(exc))
         if not s.startswith("kvwire-"):
             continue
-        spec, loop = kvwire_system(s)
+        try:
+            spec, _, _ = kvwire_system(s)
+        except ValueError as exc:
+            ap.error(str(exc))
         depth = spec.partition("*")[2]
         if "*" in spec and not (depth.isdigit() and int(depth) >= 1):
             ap.error(f"{s}: kvwire-<codec>*N takes N >= 1 sends in flight")
-        if loop not in ("asyncio", "uvloop"):
-            ap.error(f"{s}: the only other event loop is /uvloop")
     links = [x for x in args.links.split(",") if x]
     scenarios: list[Scenario] = []
     for link_name in links:

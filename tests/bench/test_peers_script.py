@@ -19,21 +19,23 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
-    got = _run("--systems", "raw,kvwire-raw,kvwire-raw*2,kvwire-raw/uvloop", "--links", "loopback",
+    got = _run("--systems", "raw,kvwire-raw,kvwire-raw*2,kvwire-raw/uvloop,kvwire-raw/paged+uvloop", "--links", "loopback",
                "--loads", "quiet", "--whole-tokens", "0", "--burst", "3x16", "--rounds", "1", "--json", str(out))
     assert got.returncode == 0, got.stderr
     data = json.loads(out.read_text())
     assert data["failures"] == {}
     assert sorted(data["samples"]) == ["loopback, quiet, 3 x 2 MiB / kvwire-raw",
                                       "loopback, quiet, 3 x 2 MiB / kvwire-raw*2",
+                                      "loopback, quiet, 3 x 2 MiB / kvwire-raw/paged+uvloop",
                                       "loopback, quiet, 3 x 2 MiB / kvwire-raw/uvloop",
                                       "loopback, quiet, 3 x 2 MiB / raw"]
     for samples in data["samples"].values():
         # the whole host's busy CPU over the interval counts both processes' and more
         assert len(samples) == 1 and samples[0]["gbps"] > 0 and samples[0]["host_cpu"] >= 0
-    one, two = (data["samples"][f"loopback, quiet, 3 x 2 MiB / {name}"][0]["extra"]["chunks_by_codec"]
-                for name in ("kvwire-raw", "kvwire-raw*2"))
+    one, two, paged = (data["samples"][f"loopback, quiet, 3 x 2 MiB / {name}"][0]["extra"]["chunks_by_codec"]
+                       for name in ("kvwire-raw", "kvwire-raw*2", "kvwire-raw/paged+uvloop"))
     assert set(one) == {"raw"} and one == two  # two in flight: every send completed, each chunk raw
+    assert set(paged) == {"raw"}  # out of a paged cache and into one (each transfer expected by id)
     assert "| kvwire-raw |" in got.stdout and "1 GiB" not in got.stdout  # no whole-cache shape
 
 
@@ -70,10 +72,10 @@ def test_sends_in_flight_must_be_a_positive_count() -> None:
         assert "N >= 1 sends in flight" in got.stderr, got.stderr
 
 
-def test_an_unknown_event_loop_is_refused() -> None:
+def test_an_unknown_option_is_refused() -> None:
     got = _run("--systems", "kvwire-raw/trio", "--links", "loopback")
     assert got.returncode == 2
-    assert "/uvloop" in got.stderr, got.stderr
+    assert "unknown option 'trio' (uvloop, paged)" in got.stderr, got.stderr
 
 
 def test_nothing_to_run_is_an_error() -> None:
