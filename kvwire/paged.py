@@ -31,6 +31,7 @@ import numpy as np
 from kvwire.codec import numpy_dtype
 from kvwire.errors import ErrorCode, KvwireError, UsageError
 from kvwire.spec import DTYPES, KVSpec
+from kvwire.wire.frames import ByteRanges
 
 _MAX_ROW = 0xFFFF
 
@@ -387,18 +388,25 @@ def _halves(spec: PagedSpec, block_ids: np.ndarray, kind: int) -> np.ndarray:
     return block_ids * spec.block_bytes + kind * (spec.block_bytes // 2)
 
 
-def _places(flat: memoryview, halves: np.ndarray, rows: int, row_bytes: int, start: int, count: int) -> list[memoryview]:
-    """Where wire rows ``[start, start + count)`` lie in ``flat`` (a layer's cache as
-    bytes), given each block's half at ``halves`` holding ``rows`` rows: one view per
-    block the range touches (the first and the last may be partial)."""
+def _spans(halves: np.ndarray, rows: int, row_bytes: int, start: int, count: int) -> np.ndarray:
+    """Where wire rows ``[start, start + count)`` lie in a layer's cache as bytes, given
+    each block's half at ``halves`` holding ``rows`` rows: ``[blocks touched, 2]`` int64
+    (byte offset, size), one per block (the first and the last may be partial)."""
     first, row = divmod(start, rows)
     last = (start + count - 1) // rows
-    at = halves[first : last + 1].tolist()
-    at[0] += row * row_bytes
-    size = [rows * row_bytes] * len(at)
-    size[0] -= row * row_bytes
-    size[-1] -= (last * rows + rows - start - count) * row_bytes
-    return [flat[a : a + n] for a, n in zip(at, size, strict=True)]
+    spans = np.empty((last - first + 1, 2), np.int64)
+    spans[:, 0] = halves[first : last + 1]
+    spans[:, 1] = rows * row_bytes
+    spans[0, 0] += row * row_bytes
+    spans[0, 1] -= row * row_bytes
+    spans[-1, 1] -= (last * rows + rows - start - count) * row_bytes
+    return spans
+
+
+def _places(flat: memoryview, halves: np.ndarray, rows: int, row_bytes: int, start: int, count: int) -> list[memoryview]:
+    """The views of ``flat`` that :func:`_spans` names, in order."""
+    pairs = _spans(halves, rows, row_bytes, start, count).ravel().tolist()
+    return [flat[pairs[i] : pairs[i] + pairs[i + 1]] for i in range(0, len(pairs), 2)]
 
 
 class BlockRows:
@@ -407,8 +415,9 @@ class BlockRows:
 
     It stands where a ``[tokens, 1, row_elems]`` array would (``shape``, ``dtype``,
     ``nbytes``, slicing by rows).  A raw chunk sends its rows straight from the blocks
-    (:meth:`byte_views`: one buffer per block, written with one scatter-gather write per
-    piece); a quantizing codec reads them gathered (:meth:`gather`, or ``np.asarray``).
+    (:meth:`byte_ranges`: a range per block, which the compiled send queue writes with one
+    scatter-gather write per piece, no Python object per block); a quantizing codec reads
+    them gathered (:meth:`gather`, or ``np.asarray``).
     """
 
     __slots__ = ("_flat", "_halves", "_row_bytes", "_rows", "_start", "dtype", "shape")
@@ -455,6 +464,13 @@ class BlockRows:
         if not self.shape[0]:
             return []
         return _places(self._flat, self._halves, self._rows, self._row_bytes, self._start, self.shape[0])
+
+    def byte_ranges(self) -> ByteRanges:
+        """The rows' bytes where they lie, as ranges of the cache (what a raw chunk sends)."""
+        if not self.shape[0]:
+            raise ValueError("no rows to send")
+        spans = _spans(self._halves, self._rows, self._row_bytes, self._start, self.shape[0])
+        return ByteRanges(self._flat, spans.data, self.nbytes)
 
     def gather(self) -> np.ndarray:
         """The rows copied into one new ``[tokens, 1, row_elems]`` array."""

@@ -27,10 +27,8 @@ Part = tuple[TensorKind, Any, list[tuple[int, int]]]
 
 
 def payload_size(enc: Any) -> int:
-    payload = enc.payload
-    if isinstance(payload, tuple):
-        return sum(memoryview(p).nbytes for p in payload)
-    return int(payload.nbytes) if hasattr(payload, "nbytes") else len(payload)
+    parts = enc.payload if isinstance(enc.payload, tuple) else (enc.payload,)
+    return sum(int(p.nbytes) if hasattr(p, "nbytes") else len(p) for p in parts)
 
 
 def encode_host(codec: Any, x: Any, kind: TensorKind) -> Any:
@@ -39,7 +37,7 @@ def encode_host(codec: Any, x: Any, kind: TensorKind) -> Any:
     buffers), and gathered into one array for any other codec."""
     if isinstance(x, BlockRows):
         if codec.name == "raw":
-            return EncodedChunk(codec.codec_id, b"", tuple(x.byte_views()))
+            return EncodedChunk(codec.codec_id, b"", x.byte_ranges())
         x = x.gather()
     return codec.encode(x, kind)
 

@@ -39,7 +39,10 @@ typedef uint32_t (*crc_update_fn)(uint32_t crc, const uint8_t* p, size_t n);
 static crc_update_fn crc_update; /* standard CRC32C value in, value out (like crc32c()) */
 
 typedef struct {
-    Py_buffer view;
+    Py_buffer view;     /* a range part's buf/len are its range of the buffer */
+    int borrowed;       /* a range of a buffer another part (the item's last range) holds */
+    void* held_buf;     /* the last range of a ranges item: the buffer as acquired, */
+    Py_ssize_t held_len; /* restored before it is released (held_buf != NULL) */
     Py_ssize_t off;     /* bytes of view written */
     int checked;        /* a payload followed by its 4-byte big-endian CRC32C trailer */
     int more;           /* checked, no trailer: the next part continues the payload and its CRC */
@@ -67,7 +70,15 @@ static int check_idle(SendQueue* q) {
 }
 
 static void release_range(SendQueue* q, Py_ssize_t from, Py_ssize_t to) {
-    for (Py_ssize_t i = from; i < to; i++) PyBuffer_Release(&q->parts[i].view);
+    for (Py_ssize_t i = from; i < to; i++) {
+        Part* p = &q->parts[i];
+        if (p->borrowed) continue;
+        if (p->held_buf != NULL) {
+            p->view.buf = p->held_buf;
+            p->view.len = p->held_len;
+        }
+        PyBuffer_Release(&p->view);
+    }
 }
 
 static void compact(SendQueue* q) {
@@ -120,8 +131,34 @@ PyDoc_STRVAR(push_doc,
              "CRC up to the payload is crc.  A (payload, crc, True) tuple has no trailer: the\n"
              "payload goes on in the next part, a checked tuple of the same call whose crc is\n"
              "ignored (it continues this one's); parts of such a chain must not be empty.\n"
-             "Nothing is written: see flush().  The buffers are held (and must not change)\n"
-             "until they are written or clear() drops them.");
+             "A (buffer, crc, more, spans) tuple is a checked payload made of ranges of one\n"
+             "buffer, in order: spans is a C-contiguous buffer of int64 (start, size) pairs,\n"
+             "each range non-empty and inside buffer (a chain of parts, no Python object per\n"
+             "range).  Nothing is written: see flush().  The buffers are held (and must not\n"
+             "change) until they are written or clear() drops them.");
+
+/* The (start, size) int64 pairs of a ranges part, checked against the buffer's length:
+ * their count, or -1 with an exception set. */
+static Py_ssize_t read_spans(PyObject* spans, Py_ssize_t buflen, Py_buffer* out) {
+    if (PyObject_GetBuffer(spans, out, PyBUF_SIMPLE) < 0) return -1;
+    if (!PyBuffer_IsContiguous(out, 'C') || out->len % (Py_ssize_t)(2 * sizeof(int64_t)) || out->len == 0) {
+        PyBuffer_Release(out);
+        PyErr_SetString(PyExc_ValueError, "spans must be a non-empty C-contiguous buffer of int64 (start, size) pairs");
+        return -1;
+    }
+    Py_ssize_t n = out->len / (Py_ssize_t)(2 * sizeof(int64_t));
+    const int64_t* sp = (const int64_t*)out->buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t start = sp[2 * i], size = sp[2 * i + 1];
+        if (start < 0 || size <= 0 || start > (int64_t)buflen - size) {
+            PyBuffer_Release(out);
+            PyErr_Format(PyExc_ValueError, "range %zd (start %lld, size %lld) is empty or outside a buffer of %zd bytes",
+                         i, (long long)start, (long long)size, buflen);
+            return -1;
+        }
+    }
+    return n;
+}
 
 static void set_trailer(Part* p) {
     uint32_t c = p->crc;
@@ -131,12 +168,72 @@ static void set_trailer(Part* p) {
     p->trailer[3] = (uint8_t)c;
 }
 
+/* Parts a push item becomes: a ranges item one per range (its spans' pairs), else one;
+ * -1 with an exception set. */
+static Py_ssize_t item_parts(PyObject* item) {
+    if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) return 1;
+    Py_buffer spans;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 3), &spans, PyBUF_SIMPLE) < 0) return -1;
+    Py_ssize_t n = spans.len / (Py_ssize_t)(2 * sizeof(int64_t));
+    PyBuffer_Release(&spans);
+    return n > 0 ? n : 1; /* an empty one is refused below */
+}
+
+/* A ranges item (buffer, crc, more, spans) as parts from `at`: a chain of checked parts,
+ * one per range, the buffer held by the last.  The parts added, or -1 with an exception
+ * set (nothing held). */
+static Py_ssize_t push_ranges(SendQueue* q, Py_ssize_t at, PyObject* item, Py_ssize_t* bytes) {
+    unsigned long long v = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(item, 1));
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    int more = PyObject_IsTrue(PyTuple_GET_ITEM(item, 2));
+    if (more < 0) return -1;
+    Py_buffer base, spans;
+    if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 0), &base, PyBUF_SIMPLE) < 0) return -1;
+    if (!PyBuffer_IsContiguous(&base, 'C')) {
+        PyBuffer_Release(&base);
+        PyErr_SetString(PyExc_BufferError, "push() needs C-contiguous buffers");
+        return -1;
+    }
+    Py_ssize_t count = read_spans(PyTuple_GET_ITEM(item, 3), base.len, &spans);
+    if (count < 0) {
+        PyBuffer_Release(&base);
+        return -1;
+    }
+    const int64_t* sp = (const int64_t*)spans.buf;
+    for (Py_ssize_t r = 0; r < count; r++) {
+        Part* p = &q->parts[at + r];
+        memset(p, 0, sizeof(*p));
+        p->view = base; /* shallow copies: the last one holds the buffer */
+        p->view.buf = (char*)base.buf + sp[2 * r];
+        p->view.len = (Py_ssize_t)sp[2 * r + 1];
+        p->borrowed = r + 1 < count;
+        p->checked = 1;
+        p->more = r + 1 < count ? 1 : more;
+        p->crc = (uint32_t)v;
+        *bytes += p->view.len;
+    }
+    Part* last = &q->parts[at + count - 1];
+    last->held_buf = base.buf;
+    last->held_len = base.len;
+    if (!last->more) *bytes += 4;
+    PyBuffer_Release(&spans);
+    return count;
+}
+
 static PyObject* sq_push(SendQueue* q, PyObject* arg) {
     if (check_idle(q) < 0) return NULL;
     PyObject* seq = PySequence_Fast(arg, "push() needs a sequence of parts");
     if (seq == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (grow(q, n) < 0) {
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t k = item_parts(PySequence_Fast_GET_ITEM(seq, i));
+        if (k < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        total += k;
+    }
+    if (grow(q, total) < 0) {
         Py_DECREF(seq);
         return NULL;
     }
@@ -144,13 +241,21 @@ static PyObject* sq_push(SendQueue* q, PyObject* arg) {
     int chained = 0; /* the part before has `more`: this one continues its payload */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
-        Part* p = &q->parts[start + i];
+        if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 4) {
+            Py_ssize_t k = push_ranges(q, start + added, item, &bytes);
+            if (k < 0) goto fail;
+            added += k;
+            chained = q->parts[start + added - 1].more;
+            continue;
+        }
+        Part* p = &q->parts[start + added];
         memset(p, 0, sizeof(*p));
         PyObject* obj = item;
         if (PyTuple_Check(item)) {
             Py_ssize_t size = PyTuple_GET_SIZE(item);
             if (size != 2 && size != 3) {
-                PyErr_SetString(PyExc_TypeError, "a checked part is a (payload, crc) or (payload, crc, more) tuple");
+                PyErr_SetString(PyExc_TypeError,
+                                "a checked part is a (payload, crc), (payload, crc, more) or (buffer, crc, more, spans) tuple");
                 goto fail;
             }
             unsigned long long v = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(item, 1));
@@ -188,7 +293,7 @@ static PyObject* sq_push(SendQueue* q, PyObject* arg) {
         goto fail;
     }
     q->pending += bytes;
-    q->count += n;
+    q->count += added;
     Py_DECREF(seq);
     Py_RETURN_NONE;
 fail:

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from kvwire._extensions import load_extension
 from kvwire.session.options import NOTSENT_LOWAT
-from kvwire.wire.frames import CheckedPayload
+from kvwire.wire.frames import ByteRanges, CheckedPayload
 
 #: The compiled send queue (``kvwire/aio/_sendq.c``), or None: then every stream writes
 #: through its transport (:func:`write_parts`).
@@ -357,11 +357,17 @@ class Stream(asyncio.BufferedProtocol):
 
 def _checked_parts(p: CheckedPayload) -> tuple[tuple[Any, ...], ...]:
     """A CheckedPayload as the send queue's checked parts: ``(payload, crc)``, or for a
-    payload in several buffers a chain in which each but the last hands its CRC on."""
-    if not p.rest:
-        return ((p.payload, p.crc),)
+    payload in several buffers a chain in which each but the last hands its CRC on; byte
+    ranges of one buffer as one ``(buffer, crc, more, spans)`` part."""
     views = p.views
-    return ((views[0], p.crc, True), *((v, 0, True) for v in views[1:-1]), (views[-1], 0))
+    if len(views) == 1 and not isinstance(p.payload, ByteRanges):
+        return ((p.payload, p.crc),)
+    last = len(views) - 1
+    return tuple(
+        (v.base, 0 if i else p.crc, i < last, v.spans) if isinstance(v, ByteRanges)
+        else (v, 0 if i else p.crc, True) if i < last else (v, 0 if i else p.crc)
+        for i, v in enumerate(views)
+    )
 
 
 #: Parts at least this large are written on their own; smaller neighbours are joined.

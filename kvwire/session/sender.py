@@ -55,6 +55,7 @@ from kvwire.wire.frames import (
     KIND_KV,
     KV_CHUNK_VERSION,
     Buffer,
+    ByteRanges,
     CheckedPayload,
     encode_body,
     plain_parts,
@@ -753,8 +754,10 @@ class SenderCore:
                 s.conn.close(ErrorCode.NO_ERROR, "client closing")
 
 
-def _nbytes(buffer: Buffer) -> int:
-    """Bytes of ``buffer`` (an array's nbytes, not its len)."""
+def _nbytes(buffer: Buffer | ByteRanges) -> int:
+    """Bytes of ``buffer`` (an array's nbytes, not its len; byte ranges' sum)."""
+    if isinstance(buffer, ByteRanges):
+        return buffer.nbytes
     nbytes = getattr(buffer, "nbytes", None)
     return len(buffer) if nbytes is None else int(nbytes)
 

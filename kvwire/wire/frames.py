@@ -156,16 +156,20 @@ class Chunk:
     token_count: int
     layer_tokens: int
     params: bytes
-    payload: Buffer | tuple[Buffer, ...]
+    payload: Payload
     """The codec payload.  A chunk to send may give it in parts (a KV chunk: K's bytes,
-    then V's), sent one after the other as one payload; a received chunk's is one buffer."""
+    then V's), sent one after the other as one payload, each a buffer or the
+    :class:`ByteRanges` of one; a received chunk's is one buffer, or the buffers its
+    payload sink named."""
 
     @property
     def payload_buffer(self) -> Buffer:
         """The payload as one buffer: a received chunk's as it is, one given in parts joined."""
         payload = self.payload
+        if isinstance(payload, ByteRanges):
+            payload = (payload,)
         if isinstance(payload, tuple):
-            return b"".join(memoryview(p).cast("B") for p in payload)
+            return b"".join(v for p in payload for v in _buffers(p))
         return payload
 
     @property
@@ -376,6 +380,37 @@ def _read_codec_list(r: _Reader) -> tuple[str, ...]:
 # Encoding.
 
 
+class ByteRanges:
+    """Part of a payload whose bytes are ranges of one buffer, in order (the rows of a
+    paged cache's blocks): ``base`` (bytes, format ``B``) and ``spans``, a C-contiguous
+    buffer of int64 ``(start, size)`` pairs, each range non-empty.  The compiled send queue
+    writes them as they are, with no Python object per range; :meth:`views` gives a view
+    per range for every other path."""
+
+    __slots__ = ("base", "nbytes", "spans")
+
+    def __init__(self, base: memoryview, spans: Buffer, nbytes: int) -> None:
+        self.base = base
+        self.spans = spans
+        self.nbytes = nbytes
+
+    def views(self) -> list[memoryview]:
+        pairs = memoryview(self.spans).cast("B").cast("q").tolist()
+        base = self.base
+        return [base[pairs[i] : pairs[i] + pairs[i + 1]] for i in range(0, len(pairs), 2)]
+
+
+Payload = Union[Buffer, ByteRanges, tuple[Union[Buffer, ByteRanges], ...]]
+"""A CHUNK's payload: one buffer, byte ranges of one, or parts of either kind in order."""
+
+
+def _buffers(part: Buffer | ByteRanges) -> list[memoryview]:
+    """A payload part as byte views (one, or one per range)."""
+    if isinstance(part, ByteRanges):
+        return part.views()
+    return [_byte_view(part)]
+
+
 def _head(ftype: FrameType, body_parts: Sequence[Buffer], more: int = 0, flags: int = 0) -> tuple[bytes, int]:
     """The header of a frame whose body is ``body_parts`` and ``more`` bytes after them,
     and the CRC32C of header and parts."""
@@ -392,17 +427,20 @@ def _frame(ftype: FrameType, body_parts: Sequence[Buffer], flags: int = 0) -> li
     return [header, *body_parts, CRC.pack(crc)]
 
 
+def _chunk_head(frame: Chunk) -> list[Buffer]:
+    """A CHUNK's body before its payload: the fixed fields, then the params."""
+    fixed = CHUNK_FIXED.pack(
+        frame.transfer_id, frame.layer, frame.kind, frame.codec_id, frame.token_start,
+        frame.token_count, frame.layer_tokens, len(frame.params),
+    )
+    return [fixed, frame.params]
+
+
 def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
     """The frame type and body parts of ``frame`` (payloads are not copied)."""
     if isinstance(frame, Chunk):
-        fixed = CHUNK_FIXED.pack(
-            frame.transfer_id, frame.layer, frame.kind, frame.codec_id, frame.token_start,
-            frame.token_count, frame.layer_tokens, len(frame.params),
-        )
-        payload = frame.payload
-        if isinstance(payload, tuple):
-            return FrameType.CHUNK, [fixed, frame.params, *payload]
-        return FrameType.CHUNK, [fixed, frame.params, payload]
+        payload = frame.payload if isinstance(frame.payload, tuple) else (frame.payload,)
+        return FrameType.CHUNK, [*_chunk_head(frame), *(v for p in payload for v in _plain(p))]
     if isinstance(frame, Ack):
         return FrameType.ACK, [_ACK.pack(frame.transfer_id, frame.layer, frame.kind, frame.token_start)]
     if isinstance(frame, Credit):
@@ -510,23 +548,28 @@ class CheckedPayload:
 
     __slots__ = ("_size", "crc", "payload", "rest")
 
-    def __init__(self, payload: memoryview, crc: int, rest: tuple[memoryview, ...] = ()) -> None:
+    def __init__(self, payload: memoryview | ByteRanges, crc: int,
+                 rest: tuple[memoryview | ByteRanges, ...] = ()) -> None:
         self.payload = payload
         self.crc = crc
         self.rest = rest
         self._size = payload.nbytes + sum(v.nbytes for v in rest) + CRC_SIZE
 
     @property
-    def views(self) -> tuple[memoryview, ...]:
-        """The payload's buffers in order (bytes, format ``B``)."""
+    def views(self) -> tuple[memoryview | ByteRanges, ...]:
+        """The payload's buffers in order (bytes, format ``B``, or byte ranges of one)."""
         return (self.payload, *self.rest)
+
+    def buffers(self) -> list[memoryview]:
+        """The payload's bytes in order as views, each range of a :class:`ByteRanges` one."""
+        return [b for v in self.views for b in _buffers(v)]
 
     def __len__(self) -> int:
         return self._size
 
     def pieces(self, segment: int | None = None) -> Iterator[memoryview | bytes]:
         crc = self.crc
-        for payload in self.views:
+        for payload in self.buffers():
             step = segment
             if step is None:
                 step = payload.nbytes if payload.nbytes <= WRITE_WHOLE else CHECK_AS_WRITTEN
@@ -538,9 +581,10 @@ class CheckedPayload:
 
     def parts(self) -> list[Buffer]:
         crc = self.crc
-        for v in self.views:
+        views = self.buffers()
+        for v in views:
             crc = crc32c(v, crc)
-        return [*self.views, CRC.pack(crc)]
+        return [*views, CRC.pack(crc)]
 
 
 def plain_parts(parts: list[Buffer | CheckedPayload]) -> list[Buffer]:
@@ -552,16 +596,25 @@ def plain_parts(parts: list[Buffer | CheckedPayload]) -> list[Buffer]:
 
 def encode_chunk_checked_as_written(chunk: Chunk) -> list[Buffer | CheckedPayload]:
     """A CHUNK frame as :func:`encode_frame` gives it, except that a payload of at least
-    :data:`CHECK_AS_WRITTEN` bytes and the trailer are one :class:`CheckedPayload`."""
-    ftype, parts = encode_body(chunk)
-    head = parts[:2]  # fixed fields, params
-    views = [_byte_view(p) for p in parts[2:]]
+    :data:`CHECK_AS_WRITTEN` bytes and the trailer are one :class:`CheckedPayload` (its
+    :class:`ByteRanges` parts kept as they are)."""
+    payload = chunk.payload
+    parts = payload if isinstance(payload, tuple) else (payload,)
+    views = [p if isinstance(p, ByteRanges) else _byte_view(p) for p in parts]
     size = sum(v.nbytes for v in views)
+    head = _chunk_head(chunk)
     if size < CHECK_AS_WRITTEN:
-        return list(_frame(ftype, [*head, *views]))
-    header, crc = _head(ftype, head, size)
+        return [*_frame(FrameType.CHUNK, [*head, *(b for v in views for b in _buffers(v))])]
+    header, crc = _head(FrameType.CHUNK, head, size)
     views = [v for v in views if v.nbytes]
     return [header, *head, CheckedPayload(views[0], crc, tuple(views[1:]))]
+
+
+def _plain(part: Buffer | ByteRanges) -> list[Buffer]:
+    """A payload part as buffers: itself, or a ByteRanges' views."""
+    if isinstance(part, ByteRanges):
+        return list(part.views())
+    return [part]
 
 
 def _byte_view(part: Buffer) -> memoryview:
@@ -1145,6 +1198,7 @@ __all__ = [
     "Auth",
     "Begin",
     "BlockVersion",
+    "ByteRanges",
     "Challenge",
     "Chunk",
     "ChunkAddress",

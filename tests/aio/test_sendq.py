@@ -89,6 +89,11 @@ part = st.one_of(
     .map(lambda t: ("chained", t)),
     st.tuples(st.lists(st.integers(1, 9000), min_size=2, max_size=80), st.integers(0, 2**32 - 1))
     .map(lambda t: ("chained", t)),
+    # byte ranges of one buffer (a paged cache's blocks, no Python object per range), alone
+    # or chained with a plain buffer after them
+    st.tuples(st.lists(st.tuples(st.integers(0, 300_000), st.integers(1, 40_000)), min_size=1, max_size=60),
+              st.integers(0, 2**32 - 1), st.booleans())
+    .map(lambda t: ("ranges", t)),
 )
 
 
@@ -113,6 +118,19 @@ def test_writes_the_parts_in_order_and_each_checked_payload_with_its_trailer(
                 payload = memoryview(rng.integers(0, 256, size, dtype=np.uint8))
                 pushed.append((payload, crc))
                 expect += bytes(payload) + trailer(payload, crc)
+            elif kind == "ranges":
+                ranges, crc, then_plain = value  # type: ignore[misc]
+                base = rng.integers(0, 256, 340_000, dtype=np.uint8)
+                spans = np.array(ranges, np.int64)
+                ranged = b"".join(base[a : a + n].tobytes() for a, n in ranges)
+                if then_plain:  # the payload goes on in a buffer of its own
+                    tail = memoryview(rng.integers(0, 256, 5000, dtype=np.uint8))
+                    pushed += [(base, crc, True, spans), (tail, 7)]
+                    whole = ranged + bytes(tail)
+                else:
+                    pushed.append((base, crc, False, spans))
+                    whole = ranged
+                expect += whole + trailer(whole, crc)
             else:
                 sizes, crc = value  # type: ignore[misc]
                 views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
@@ -184,6 +202,30 @@ def test_a_bad_chain_is_refused_and_nothing_is_queued(pair: tuple[socket.socket,
     with pytest.raises((ValueError, TypeError)):
         q.push(parts)
     assert q.pending == 0 and q.flush() == 0
+
+
+@pytest.mark.parametrize(("spans", "says"), [
+    (np.zeros((0, 2), np.int64), "non-empty"),
+    (np.array([[0, 10], [5, 0]], np.int64), "range 1 .* is empty or outside"),
+    (np.array([[95, 10]], np.int64), "range 0 .* is empty or outside"),
+    (np.array([[-1, 2]], np.int64), "is empty or outside"),
+    (np.array([0, 10, 3], np.int64), "pairs"),
+])
+def test_bad_ranges_are_refused_and_nothing_is_queued(
+    pair: tuple[socket.socket, socket.socket], spans: np.ndarray, says: str,
+) -> None:
+    assert sendq is not None
+    a, _ = pair
+    q = sendq.SendQueue(a.fileno())
+    base = bytearray(100)
+    with pytest.raises(ValueError, match=says):
+        q.push([b"head", (base, 0, False, spans)])
+    assert q.pending == 0
+    base.extend(b"x")  # no buffer export is left behind: the bytearray may resize
+    q.push([(base, 0, False, np.array([[1, 100]], np.int64))])
+    assert q.pending == 104
+    q.clear()
+    base.extend(b"y")
 
 
 def test_buffers_are_held_until_written_and_let_go_after(pair: tuple[socket.socket, socket.socket]) -> None:

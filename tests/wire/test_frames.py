@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -41,6 +42,7 @@ from kvwire.wire.frames import (
     HEADER_SIZE,
     MAGIC,
     WRITE_WHOLE,
+    ByteRanges,
     CheckedPayload,
     FrameType,
     _frame,
@@ -466,6 +468,39 @@ def test_payload_sink_corruption_is_still_an_integrity_error() -> None:
     dec = FrameDecoder(1 << 20, payload_sink=lambda head, size: memoryview(bytearray(size)))
     with pytest.raises(IntegrityError):
         dec.feed(bytes(raw))
+
+
+# -- a payload given as byte ranges of one buffer -----------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 600_000), st.integers(1, 70_000)), min_size=1, max_size=30),
+       st.booleans(), st.integers(0, 2**32))
+def test_byte_ranges_frame_as_the_bytes_they_name(ranges: list[tuple[int, int]], with_tail: bool, seed: int) -> None:
+    """A payload of ByteRanges (a paged cache's rows where they lie) makes the frame of the
+    bytes they name, in order, whichever way the frame is written: checked as written in
+    pieces, as plain parts, or (small) as a plain frame."""
+    import numpy as np
+
+    base = np.random.default_rng(seed).integers(0, 256, 670_000, dtype=np.uint8)
+    spans = np.array(ranges, np.int64)
+    ranged = ByteRanges(memoryview(base), spans, int(spans[:, 1].sum()))
+    tail = b"\x09" * 3000
+    payload = (ranged, tail) if with_tail else ranged
+    data = b"".join(base[a : a + n].tobytes() for a, n in ranges) + (tail if with_tail else b"")
+    chunk = Chunk(transfer_id=9, layer=2, kind=1, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"qq", payload=payload)
+    expected = frame_bytes(replace(chunk, payload=data))
+    assert frame_bytes(chunk) == expected and chunk.payload_buffer == data
+    parts = encode_chunk_checked_as_written(chunk)
+    assert sum(len(p) for p in parts) == len(expected)
+    assert b"".join(bytes(p) for p in plain_parts(parts)) == expected
+    pieces = b"".join(bytes(q) for p in parts for q in (p.pieces() if isinstance(p, CheckedPayload) else (p,)))
+    assert pieces == expected
+    checked = [p for p in parts if isinstance(p, CheckedPayload)]
+    assert len(checked) == (1 if len(data) >= CHECK_AS_WRITTEN else 0)
+    if checked:
+        assert checked[0].views[0] is ranged  # kept as ranges for the send queue
 
 
 # -- a payload scattered over several buffers ---------------------------------------------
