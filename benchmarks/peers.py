@@ -19,6 +19,9 @@ The systems, each in its own sender and receiver processes, forked fresh for eve
 measurement from a parent that has imported none of them:
 
 * ``raw``: ``sendall`` of each array / ``recv_into`` one reused, pre-faulted buffer;
+  ``raw-paged``: the same bytes between paged caches (as ``/paged`` below), each layer's
+  blocks whole with ``sendmsg`` / ``recvmsg_into`` over up to 1024 blocks, no protocol:
+  what the layout itself costs;
   ``raw/<habits>``: the same with some of kvwire's sending habits, ``+``-separated, to
   tell what each costs: ``p<size>`` writes pieces of that size (``p512KiB``),
   ``lowat<size>`` sets TCP_NOTSENT_LOWAT, ``nb`` writes non-blocking and waits in
@@ -419,6 +422,84 @@ def paged_caches(tokens: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
     return caches, ids
 
 
+def paged_source(layers: list[tuple[np.ndarray, np.ndarray]], tokens: int) -> tuple[list[np.ndarray], np.ndarray]:
+    """:func:`paged_caches` holding ``layers`` block by block (K, then V, per block)."""
+    caches, ids = paged_caches(tokens, seed=2)
+    for (k, v), layer in zip(layers, caches, strict=True):
+        for b, block in enumerate(ids):
+            rows = slice(b * PAGE_TOKENS, min((b + 1) * PAGE_TOKENS, tokens))
+            n = rows.stop - rows.start
+            layer[block, 0, :n], layer[block, 1, :n] = k[rows], v[rows]
+    return caches, ids
+
+
+def block_views(cache: np.ndarray, ids: np.ndarray) -> list[memoryview]:
+    """Each block ``ids[i]`` of ``cache`` as one byte view, in order."""
+    flat = cache.reshape(len(cache), -1).view(np.uint8)
+    return [flat[i].data for i in ids.tolist()]
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` without their first ``n`` bytes."""
+    i = 0
+    while i < len(views) and n >= views[i].nbytes:
+        n -= views[i].nbytes
+        i += 1
+    return ([views[i][n:]] if n else []) + views[i + (1 if n else 0) :]
+
+
+class RawPagedReceiver(RawReceiver):
+    """``raw-paged``: the raw pair between paged caches, no protocol at all: each layer's
+    blocks, whole (K then V), read with ``recvmsg_into`` (MSG_WAITALL) straight into the
+    destination's blocks, new random block ids per cache.  What a paged transfer costs by
+    its layout."""
+
+    def setup(self, addr: str, nbytes: int) -> Any:
+        port = super().setup(addr, 0)
+        tokens = nbytes // TOKEN_BYTES
+        self.nbytes = nbytes
+        self.caches, _ = paged_caches(tokens, seed=1)
+        self.blocks = -(-tokens // PAGE_TOKENS)
+        self.count = 0
+        return port
+
+    def receive(self, n: int) -> None:
+        import socket
+
+        if self.sock is None:
+            self.sock, _ = self.listener.accept()
+        for _ in range(n):
+            self.count += 1
+            ids = np.random.default_rng(self.count).permutation(len(self.caches[0]))[: self.blocks]
+            for cache in self.caches:
+                views = block_views(cache, ids)
+                while views:  # MSG_WAITALL: all of them in one call, as a reader in C would
+                    k = self.sock.recvmsg_into(views[:1024], 0, socket.MSG_WAITALL)[0]
+                    if k == 0:
+                        raise ConnectionError("sender closed early")
+                    views = _advance(views, k)
+
+
+class RawPagedSender(RawSender):
+    """``raw-paged``: each layer's blocks, whole, with ``sendmsg`` over up to 1024 of them."""
+
+    def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
+        import socket
+
+        if tokens % PAGE_TOKENS:
+            raise ValueError(f"raw-paged sends whole blocks: tokens must be a multiple of {PAGE_TOKENS}")
+        self.sock = socket.create_connection((addr, info))
+        caches, ids = paged_source(layer_arrays(cache, tokens), tokens)
+        self.views = [block_views(c, ids) for c in caches]
+
+    def send(self, n: int) -> None:
+        for _ in range(n):
+            for layer in self.views:
+                views = layer
+                while views:
+                    views = _advance(views, self.sock.sendmsg(views[:1024]))
+
+
 class KvwireReceiver(Receiver):
     """The server's event loop runs on its own thread, as in a serving process: it accepts
     connections and handshakes whenever they come, not only while a receive is awaited.
@@ -503,12 +584,7 @@ class KvwireSender(Sender):
         if self.paged:  # the same bytes, block by block at random ids of a paged cache
             from kvwire.paged import PagedSource
 
-            caches, ids = paged_caches(tokens, seed=2)
-            for (k, v), layer in zip(self.layers, caches, strict=True):
-                for b, block in enumerate(ids):
-                    rows = slice(b * PAGE_TOKENS, min((b + 1) * PAGE_TOKENS, tokens))
-                    n = rows.stop - rows.start
-                    layer[block, 0, :n], layer[block, 1, :n] = k[rows], v[rows]
+            caches, ids = paged_source(self.layers, tokens)
             pspec = paged_spec()
             self.spec = pspec.wire_spec()
             self.layers = PagedSource(pspec, caches, ids)
@@ -549,6 +625,8 @@ class KvwireSender(Sender):
 def make_system(name: str) -> tuple[Receiver, Sender]:
     if name == "raw":
         return RawReceiver(), RawSender()
+    if name == "raw-paged":
+        return RawPagedReceiver(), RawPagedSender()
     if name.startswith("raw/"):
         return RawReceiver(), RawHabitsSender(**raw_habits(name))
     if name == "zmq":
@@ -880,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--systems", default="raw,kvwire-raw,mooncake,nixl,zmq",
-                    help="comma-separated: raw, raw/<habits>, kvwire-<codec>[*N][/uvloop], mooncake, nixl, zmq")
+                    help="comma-separated: raw, raw/<habits>, raw-paged, kvwire-<codec>[*N][/uvloop+paged], mooncake, nixl, zmq")
     ap.add_argument("--kvwire-codecs", default="", help="extra kvwire codecs to add, e.g. auto,fp8")
     ap.add_argument("--links", default="loopback,veth", help="loopback and/or veth (root)")
     ap.add_argument("--rate", type=float, default=10e9, help="veth rate in bit/s (default 10e9)")

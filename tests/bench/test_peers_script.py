@@ -19,7 +19,7 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
-    got = _run("--systems", "raw,kvwire-raw,kvwire-raw*2,kvwire-raw/uvloop,kvwire-raw/paged+uvloop", "--links", "loopback",
+    got = _run("--systems", "raw,raw-paged,kvwire-raw,kvwire-raw*2,kvwire-raw/uvloop,kvwire-raw/paged+uvloop", "--links", "loopback",
                "--loads", "quiet", "--whole-tokens", "0", "--burst", "3x16", "--rounds", "1", "--json", str(out))
     assert got.returncode == 0, got.stderr
     data = json.loads(out.read_text())
@@ -28,7 +28,8 @@ def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
                                       "loopback, quiet, 3 x 2 MiB / kvwire-raw*2",
                                       "loopback, quiet, 3 x 2 MiB / kvwire-raw/paged+uvloop",
                                       "loopback, quiet, 3 x 2 MiB / kvwire-raw/uvloop",
-                                      "loopback, quiet, 3 x 2 MiB / raw"]
+                                      "loopback, quiet, 3 x 2 MiB / raw",
+                                      "loopback, quiet, 3 x 2 MiB / raw-paged"]
     for samples in data["samples"].values():
         # the whole host's busy CPU over the interval counts both processes' and more
         assert len(samples) == 1 and samples[0]["gbps"] > 0 and samples[0]["host_cpu"] >= 0
