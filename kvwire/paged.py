@@ -236,7 +236,7 @@ class PagedSource:
         self.spec = spec
         self.caches = list(caches)
         self.block_ids = block_ids
-        for i, cache in enumerate(self.caches):
+        for i, cache in enumerate(self.caches):  # the same ids, checked against each cache
             self._ids = _check_ids(block_ids, _as_blocks(spec, cache, f"cache {i}")[0].shape[0], "source", distinct=False)
 
     def __len__(self) -> int:
@@ -283,8 +283,10 @@ class PagedDestination:
         self._rows = spec.rows_per_block
         self._width = spec.row_elems
         self._dtype = numpy_dtype(spec.dtype)
-        # Each host cache as one flat byte view: a block's rows are slices of it.
+        # Each host cache as one flat byte view (a block's rows are slices of it), and the
+        # offset in it of each destination block's K half and V half.
         self._flat = [] if self._device else [memoryview(v.reshape(-1).view(np.uint8)) for v in self._blocks]
+        self._halves = (_halves(spec, self.block_ids, 0), _halves(spec, self.block_ids, 1))
 
     @property
     def wire_spec(self) -> KVSpec:
@@ -341,8 +343,8 @@ class PagedDestination:
         if (self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks)
                 or kind not in (0, 1) or count < 1 or start < 0 or start + count > layer_tokens):
             return None
-        halves = _halves(self.spec, self.block_ids, kind)
-        return _places(self._flat[layer], halves, self._rows, self.spec.block_bytes // 2 // self._rows, start, count)
+        return _places(self._flat[layer], self._halves[kind], self._rows, self.spec.block_bytes // 2 // self._rows,
+                       start, count)
 
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
         """Scatter ``data`` (``[count, 1, row_elems]``, decoded) into the destination blocks."""

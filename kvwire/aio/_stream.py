@@ -163,15 +163,15 @@ class Stream(asyncio.BufferedProtocol):
             transport.abort()  # type: ignore[attr-defined]
             return
         if plain:
-            self._open_queue(sock)
+            self._open_own(sock)
         if plain and USE_RCVLOWAT:
-            # Through the queue's socket object where there is one: a loop's stand-in for
+            # Through the stream's own socket object where there is one: a loop's stand-in for
             # its socket (uvloop's) may build a socket object, and ask the kernel what it
             # is, for every option set.
             self._lowat_sock = self._own or sock
         self.owner.pump()
 
-    def _open_queue(self, sock: Any) -> None:
+    def _open_own(self, sock: Any) -> None:
         """A socket object of the stream's own on a duplicate of the socket's descriptor
         (the loop refuses a writer on a descriptor its transport holds), for scatter reads
         and, with the compiled queue, to write through a send queue of the stream's own
@@ -187,7 +187,7 @@ class Stream(asyncio.BufferedProtocol):
         except OSError:
             os.close(fd)
             return
-        self._own = own  # owns the duplicate; closed with the queue
+        self._own = own  # owns the duplicate; closed by _close_own()
         if _sendq is not None:
             self._queue = _sendq.SendQueue(own.fileno(), piece=SEND_PIECE)
             self._loop = asyncio.get_running_loop()
@@ -254,7 +254,7 @@ class Stream(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._drop_queue()
+        self._close_own()
         self._eof()
         self.transport = None
         if self.made:
@@ -320,7 +320,7 @@ class Stream(asyncio.BufferedProtocol):
             loop.remove_writer(q.fd)
             self._waiting = False
         if not left and self._close_queued:
-            self._drop_queue()
+            self._close_own()
             tr.close()
             return
         if left > QUEUE_HIGH and not self._paused:
@@ -332,7 +332,7 @@ class Stream(asyncio.BufferedProtocol):
             if self._current():
                 self.owner.set_writable(self, True)  # last: it may pump, and flush again
 
-    def _drop_queue(self) -> None:
+    def _close_own(self) -> None:
         """Stop writing through the queue (what it holds is dropped) and reading through
         the stream's own socket object; its descriptor is closed."""
         q, self._queue = self._queue, None
@@ -349,7 +349,7 @@ class Stream(asyncio.BufferedProtocol):
 
     def abort(self) -> None:
         """Close the connection at once, dropping whatever is not yet written."""
-        self._drop_queue()
+        self._close_own()
         tr = self.transport
         if tr is not None:
             tr.abort()

@@ -443,17 +443,17 @@ def test_on_uvloop_every_stream_writes_through_its_send_queue(
     require_send_queue()
     queued: list[bool] = []
     through_transport: list[object] = []
-    open_queue, write_parts = stream_mod.Stream._open_queue, stream_mod.write_parts
+    open_own, write_parts = stream_mod.Stream._open_own, stream_mod.write_parts
 
     def spy_open(self: stream_mod.Stream, sock: object) -> None:
-        open_queue(self, sock)
+        open_own(self, sock)
         queued.append(self._queue is not None)
 
     def spy_write(tr: object, parts: object, gather: bool = False) -> None:
         through_transport.append(parts)
         write_parts(tr, parts, gather)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(stream_mod.Stream, "_open_queue", spy_open)
+    monkeypatch.setattr(stream_mod.Stream, "_open_own", spy_open)
     monkeypatch.setattr(stream_mod, "write_parts", spy_write)
     _send_128_mib_on_uvloop(streams)
     assert len(queued) == 2 * streams and all(queued)  # the client's streams and the server's
