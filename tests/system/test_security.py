@@ -247,6 +247,31 @@ async def test_tls_transfer_of_large_chunks_arrives_bit_identical(ca: trustme.CA
     assert same_cache(cache.layers, layers)
 
 
+async def test_tls_paged_transfer_lands_in_the_named_blocks(ca: trustme.CA, server_cert: trustme.LeafCert) -> None:
+    """Large chunks over many blocks, through TLS: the stream has no socket of its own to
+    scatter-read with, so the payload goes into the blocks one place per read."""
+    import numpy as np
+
+    from kvwire.paged import PagedDestination, PagedSource, PagedSpec
+
+    spec = PagedSpec(num_layers=2, block_shape=(2, 4, 8, 64), dtype="float16")  # 8 KiB blocks
+    rng = np.random.default_rng(5)
+    src = [rng.standard_normal((40, *spec.block_shape), dtype=np.float32).astype(np.float16) for _ in range(2)]
+    dst = [np.zeros_like(c) for c in src]
+    src_ids, dst_ids = rng.choice(40, 32, replace=False), rng.choice(40, 32, replace=False)
+    dest = PagedDestination(spec, dst, dst_ids)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, ssl=server_context(server_cert)) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, ssl=client_context(ca),
+                                  server_hostname="localhost", chunk_bytes=96 * 1024) as peer:
+            waiting = asyncio.create_task(server.expect("tls-paged", into=dest, timeout=10))
+            await asyncio.sleep(0)
+            await peer.send("tls-paged", spec.wire_spec(), PagedSource(spec, src, src_ids), timeout=30)
+            transfer = await waiting
+            assert len([layer async for layer in transfer]) == 2
+    for li in range(2):
+        assert dst[li][dst_ids].tobytes() == src[li][src_ids].tobytes()
+
+
 async def test_mutual_tls_transfer(ca: trustme.CA, server_cert: trustme.LeafCert) -> None:
     client_cert = ca.issue_cert("client.kvwire.test")
     async with loop_errors() as errors:
