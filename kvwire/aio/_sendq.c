@@ -137,6 +137,13 @@ PyDoc_STRVAR(push_doc,
              "range).  Nothing is written: see flush().  The buffers are held (and must not\n"
              "change) until they are written or clear() drops them.");
 
+/* Value `i` of an int64 array that may not be aligned. */
+static int64_t int64_at(const void* buf, Py_ssize_t i) {
+    int64_t v;
+    memcpy(&v, (const char*)buf + i * (Py_ssize_t)sizeof(int64_t), sizeof(v));
+    return v;
+}
+
 /* The (start, size) int64 pairs of a ranges part, checked against the buffer's length:
  * their count, or -1 with an exception set. */
 static Py_ssize_t read_spans(PyObject* spans, Py_ssize_t buflen, Py_buffer* out) {
@@ -147,9 +154,8 @@ static Py_ssize_t read_spans(PyObject* spans, Py_ssize_t buflen, Py_buffer* out)
         return -1;
     }
     Py_ssize_t n = out->len / (Py_ssize_t)(2 * sizeof(int64_t));
-    const int64_t* sp = (const int64_t*)out->buf;
     for (Py_ssize_t i = 0; i < n; i++) {
-        int64_t start = sp[2 * i], size = sp[2 * i + 1];
+        int64_t start = int64_at(out->buf, 2 * i), size = int64_at(out->buf, 2 * i + 1);
         if (start < 0 || size <= 0 || start > (int64_t)buflen - size) {
             PyBuffer_Release(out);
             PyErr_Format(PyExc_ValueError, "range %zd (start %lld, size %lld) is empty or outside a buffer of %zd bytes",
@@ -199,13 +205,12 @@ static Py_ssize_t push_ranges(SendQueue* q, Py_ssize_t at, PyObject* item, Py_ss
         PyBuffer_Release(&base);
         return -1;
     }
-    const int64_t* sp = (const int64_t*)spans.buf;
     for (Py_ssize_t r = 0; r < count; r++) {
         Part* p = &q->parts[at + r];
         memset(p, 0, sizeof(*p));
         p->view = base; /* shallow copies: the last one holds the buffer */
-        p->view.buf = (char*)base.buf + sp[2 * r];
-        p->view.len = (Py_ssize_t)sp[2 * r + 1];
+        p->view.buf = (char*)base.buf + int64_at(spans.buf, 2 * r);
+        p->view.len = (Py_ssize_t)int64_at(spans.buf, 2 * r + 1);
         p->borrowed = r + 1 < count;
         p->checked = 1;
         p->more = r + 1 < count ? 1 : more;

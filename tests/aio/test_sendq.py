@@ -228,6 +228,19 @@ def test_bad_ranges_are_refused_and_nothing_is_queued(
     base.extend(b"y")
 
 
+def test_ranges_given_in_any_buffer_of_int64_pairs(pair: tuple[socket.socket, socket.socket]) -> None:
+    """The spans may be any buffer of int64 pairs, aligned or not (a slice of bytes)."""
+    assert sendq is not None
+    a, b = pair
+    base = bytes(range(256))
+    spans = memoryview(b"\x00" + np.array([[200, 50], [3, 7]], np.int64).tobytes())[1:]
+    q = sendq.SendQueue(a.fileno())
+    q.push([(base, 11, False, spans)])
+    want = base[200:250] + base[3:10]
+    got, _ = drain(q, b, len(want) + 4)
+    assert got == want + trailer(want, 11)
+
+
 def test_buffers_are_held_until_written_and_let_go_after(pair: tuple[socket.socket, socket.socket]) -> None:
     assert sendq is not None
     a, b = pair
