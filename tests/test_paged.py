@@ -262,6 +262,34 @@ async def test_large_chunks_spanning_blocks_are_read_straight_into_them(
     assert dest.scattered_layers <= {0} and dest.scattered <= 3
 
 
+def test_large_chunks_spanning_blocks_on_uvloop() -> None:
+    """The same on uvloop (as ``kvwire.aio.run`` runs): the stream's scatter reads on its
+    own socket object and uvloop's reads of the transport share one socket."""
+    import uvloop
+
+    spec = PagedSpec(num_layers=2, block_shape=(2, 4, 8, 64), dtype="float16")
+    src = caches(spec, 80, seed=14)
+    dst = [np.zeros_like(c) for c in src]
+    rng = np.random.default_rng(15)
+    src_ids, dst_ids = rng.choice(80, 64, replace=False), rng.choice(80, 64, replace=False)
+    dest = CountingDestination(spec, dst, dst_ids)
+
+    async def main() -> int:
+        async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+            async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=96 * 1024,
+                                      streams=2) as peer:
+                waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+                await asyncio.sleep(0)
+                await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids), timeout=20)
+                transfer = await waiting
+                return len([layer async for layer in transfer])
+
+    assert uvloop.run(main()) == 2
+    for li in range(2):
+        assert dst[li][dst_ids].tobytes() == src[li][src_ids].tobytes()
+    assert dest.scattered_layers <= {0}
+
+
 @settings(max_examples=80, deadline=None)
 @given(shape=block_shapes, dtype=st.sampled_from(["float16", "bfloat16", "float32"]), data=st.data())
 def test_regions_are_each_blocks_rows_in_wire_order(shape: tuple[int, ...], dtype: str, data: st.DataObject) -> None:
