@@ -422,6 +422,11 @@ def paged_caches(tokens: int, seed: int) -> tuple[list[np.ndarray], np.ndarray]:
     return caches, ids
 
 
+def destination_ids(caches: list[np.ndarray], blocks: int, count: int) -> np.ndarray:
+    """The block ids transfer ``count`` is received into: new random ones each time."""
+    return np.random.default_rng(count).permutation(len(caches[0]))[:blocks]
+
+
 def paged_source(layers: list[tuple[np.ndarray, np.ndarray]], tokens: int) -> tuple[list[np.ndarray], np.ndarray]:
     """:func:`paged_caches` holding ``layers`` block by block (K, then V, per block)."""
     caches, ids = paged_caches(tokens, seed=2)
@@ -470,7 +475,7 @@ class RawPagedReceiver(RawReceiver):
             self.sock, _ = self.listener.accept()
         for _ in range(n):
             self.count += 1
-            ids = np.random.default_rng(self.count).permutation(len(self.caches[0]))[: self.blocks]
+            ids = destination_ids(self.caches, self.blocks, self.count)
             for cache in self.caches:
                 views = block_views(cache, ids)
                 while views:  # MSG_WAITALL: all of them in one call, as a reader in C would
@@ -544,7 +549,7 @@ class KvwireReceiver(Receiver):
             from kvwire.paged import PagedDestination
 
             self.count += 1  # the sender's request ids, in order; new block ids for each
-            ids = np.random.default_rng(self.count).permutation(len(self.caches[0]))[: self.blocks]
+            ids = destination_ids(self.caches, self.blocks, self.count)
             return await self.server.expect(f"r{self.count}", into=PagedDestination(paged_spec(), self.caches, ids))
 
         async def run() -> None:

@@ -343,8 +343,9 @@ class PagedDestination:
         if (self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks)
                 or kind not in (0, 1) or count < 1 or start < 0 or start + count > layer_tokens):
             return None
-        return _places(self._flat[layer], self._halves[kind], self._rows, self.spec.block_bytes // 2 // self._rows,
-                       start, count)
+        row_bytes = self.spec.block_bytes // 2 // self._rows
+        spans = _spans(self._halves[kind], self._rows, row_bytes, start, count)
+        return ByteRanges(self._flat[layer], spans.data, count * row_bytes).views()
 
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
         """Scatter ``data`` (``[count, 1, row_elems]``, decoded) into the destination blocks."""
@@ -405,12 +406,6 @@ def _spans(halves: np.ndarray, rows: int, row_bytes: int, start: int, count: int
     return spans
 
 
-def _places(flat: memoryview, halves: np.ndarray, rows: int, row_bytes: int, start: int, count: int) -> list[memoryview]:
-    """The views of ``flat`` that :func:`_spans` names, in order."""
-    pairs = _spans(halves, rows, row_bytes, start, count).ravel().tolist()
-    return [flat[pairs[i] : pairs[i] + pairs[i + 1]] for i in range(0, len(pairs), 2)]
-
-
 class BlockRows:
     """A layer's K or V for :class:`PagedSource`: the wire rows of a request's blocks where
     they lie in the cache, not gathered.
@@ -463,9 +458,7 @@ class BlockRows:
 
     def byte_views(self) -> list[memoryview]:
         """The rows' bytes where they lie, in order: one view per block touched."""
-        if not self.shape[0]:
-            return []
-        return _places(self._flat, self._halves, self._rows, self._row_bytes, self._start, self.shape[0])
+        return self.byte_ranges().views() if self.shape[0] else []
 
     def byte_ranges(self) -> ByteRanges:
         """The rows' bytes where they lie, as ranges of the cache (what a raw chunk sends)."""

@@ -453,6 +453,15 @@ PyDoc_STRVAR(crc32c_doc,
              "taken modulo 2**32 like the crc32c package): crc32c(b, crc32c(a)) ==\n"
              "crc32c(a + b).  The GIL is released for buffers of 8 KiB and more.");
 
+/* A CRC ``value`` argument: any int (or __index__), reduced modulo 2**32, as the
+ * package's "K" format does.  0, or -1 with an exception set. */
+static int crc_value(PyObject* arg, uint32_t* value) {
+    unsigned long long v = PyLong_AsUnsignedLongLongMask(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *value = (uint32_t)v;
+    return 0;
+}
+
 static PyObject* py_crc32c(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
     if (nargs < 1 || nargs > 2) {
@@ -468,14 +477,9 @@ static PyObject* py_crc32c(PyObject* self, PyObject* const* args, Py_ssize_t nar
         return NULL;
     }
     uint32_t value = 0;
-    if (nargs == 2) {
-        /* any int (or __index__), reduced modulo 2**32, as the package's "K" format does */
-        unsigned long long v = PyLong_AsUnsignedLongLongMask(args[1]);
-        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyBuffer_Release(&view);
-            return NULL;
-        }
-        value = (uint32_t)v;
+    if (nargs == 2 && crc_value(args[1], &value) < 0) {
+        PyBuffer_Release(&view);
+        return NULL;
     }
     const uint8_t* data = (const uint8_t*)view.buf;
     const size_t len = (size_t)view.len;
@@ -514,11 +518,7 @@ static PyObject* py_crc32c_scatter(PyObject* self, PyObject* const* args, Py_ssi
         return NULL;
     }
     uint32_t value = 0;
-    if (nargs == 3) {
-        unsigned long long v = PyLong_AsUnsignedLongLongMask(args[2]);
-        if (v == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-        value = (uint32_t)v;
-    }
+    if (nargs == 3 && crc_value(args[2], &value) < 0) return NULL;
     PyObject* seq = PySequence_Fast(args[0], "crc32c_scatter(): buffers must be a sequence");
     if (seq == NULL) return NULL;
     const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);

@@ -440,7 +440,7 @@ def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
     """The frame type and body parts of ``frame`` (payloads are not copied)."""
     if isinstance(frame, Chunk):
         payload = frame.payload if isinstance(frame.payload, tuple) else (frame.payload,)
-        return FrameType.CHUNK, [*_chunk_head(frame), *(v for p in payload for v in _plain(p))]
+        return FrameType.CHUNK, [*_chunk_head(frame), *(v for p in payload for v in _buffers(p))]
     if isinstance(frame, Ack):
         return FrameType.ACK, [_ACK.pack(frame.transfer_id, frame.layer, frame.kind, frame.token_start)]
     if isinstance(frame, Credit):
@@ -608,13 +608,6 @@ def encode_chunk_checked_as_written(chunk: Chunk) -> list[Buffer | CheckedPayloa
     header, crc = _head(FrameType.CHUNK, head, size)
     views = [v for v in views if v.nbytes]
     return [header, *head, CheckedPayload(views[0], crc, tuple(views[1:]))]
-
-
-def _plain(part: Buffer | ByteRanges) -> list[Buffer]:
-    """A payload part as buffers: itself, or a ByteRanges' views."""
-    if isinstance(part, ByteRanges):
-        return list(part.views())
-    return [part]
 
 
 def _byte_view(part: Buffer) -> memoryview:
