@@ -340,12 +340,18 @@ class PagedDestination:
         order, as writable byte views: one per block it touches (its rows of that block's
         half), or None when there are none (a GPU cache, a range that does not fit).
         A raw chunk is received straight into them, however many blocks it spans."""
+        ranges = self.ranges(layer, kind, start, count, layer_tokens)
+        return None if ranges is None else ranges.views()
+
+    def ranges(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> ByteRanges | None:
+        """The same places as :meth:`regions`, as byte ranges of the layer's cache (what a
+        quantized chunk is decoded straight into)."""
         if (self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks)
                 or kind not in (0, 1) or count < 1 or start < 0 or start + count > layer_tokens):
             return None
         row_bytes = self.spec.block_bytes // 2 // self._rows
         spans = _spans(self._halves[kind], self._rows, row_bytes, start, count)
-        return ByteRanges(self._flat[layer], spans.data, count * row_bytes).views()
+        return ByteRanges(self._flat[layer], spans.data, count * row_bytes)
 
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
         """Scatter ``data`` (``[count, 1, row_elems]``, decoded) into the destination blocks."""
@@ -413,8 +419,9 @@ class BlockRows:
     It stands where a ``[tokens, 1, row_elems]`` array would (``shape``, ``dtype``,
     ``nbytes``, slicing by rows).  A raw chunk sends its rows straight from the blocks
     (:meth:`byte_ranges`: a range per block, which the compiled send queue writes with one
-    scatter-gather write per piece, no Python object per block); a quantizing codec reads
-    them gathered (:meth:`gather`, or ``np.asarray``).
+    scatter-gather write per piece, no Python object per block); ``fp8`` and ``int8`` read
+    them where they lie too (``Codec.encode_ranges``), any other codec gathered
+    (:meth:`gather`, or ``np.asarray``).
     """
 
     __slots__ = ("_flat", "_halves", "_row_bytes", "_rows", "_start", "dtype", "shape")

@@ -34,10 +34,15 @@ def payload_size(enc: Any) -> int:
 def encode_host(codec: Any, x: Any, kind: TensorKind) -> Any:
     """``codec.encode(x, kind)`` of a host chunk.  Rows of a paged cache's blocks
     (:class:`~kvwire.paged.BlockRows`) go raw as they lie (the payload is their blocks'
-    buffers), and gathered into one array for any other codec."""
+    buffers), are quantized where they lie by a codec that can
+    (``Codec.encode_ranges``), and are gathered into one array for any other."""
     if isinstance(x, BlockRows):
+        ranges = x.byte_ranges()
         if codec.name == "raw":
-            return EncodedChunk(codec.codec_id, b"", x.byte_ranges())
+            return EncodedChunk(codec.codec_id, b"", ranges)
+        enc = codec.encode_ranges(ranges.base, ranges.spans, x.shape, x.dtype.name, kind)
+        if enc is not None:
+            return enc
         x = x.gather()
     return codec.encode(x, kind)
 

@@ -100,12 +100,28 @@ class ArrayStore(LayerStore):
         if self.gpu is not None:
             self.gpu.decode(codec, chunk.params, chunk.payload, out, spec.dtype, TensorKind(chunk.kind))
             return
+        if out is None and buffer is INTO and self._decode_ranges(tg, chunk, codec):
+            return
         if out is None:  # not one contiguous region of the caller's memory: decode, then scatter
             out = np.empty((chunk.token_count, spec.num_kv_heads, spec.head_dim), tg.dtype)
         codec.decode(chunk.params, chunk.payload_buffer, shape=out.shape, dtype=spec.dtype,
                      kind=TensorKind(chunk.kind), out=out)
         if buffer is INTO:
             tg.into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
+
+    @staticmethod
+    def _decode_ranges(tg: _Target, chunk: Chunk, codec: Any) -> bool:
+        """Decode a chunk straight into its destination's byte ranges (the rows of a paged
+        cache's blocks) when the destination names them and the codec can; False when
+        nothing was written."""
+        ranges = getattr(tg.into, "ranges", None)
+        where = None if ranges is None else ranges(
+            chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
+        if where is None:
+            return False
+        shape = (chunk.token_count, tg.spec.num_kv_heads, tg.spec.head_dim)
+        return bool(codec.decode_ranges(chunk.params, chunk.payload_buffer, where.base, where.spans,
+                                        shape=shape, dtype=tg.spec.dtype, kind=TensorKind(chunk.kind)))
 
     def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> Region | None:
         tg = self._targets.get(key)

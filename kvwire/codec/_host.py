@@ -133,6 +133,47 @@ def decode_rows(
         result[...] = target
 
 
+def _aligned(base: memoryview, itemsize: int) -> bool:
+    return int(np.frombuffer(base, np.uint8).ctypes.data) % itemsize == 0
+
+
+def encode_rows_at(
+    which: int, base: memoryview, spans: Any, shape: tuple[int, int, int], name: str, codec: str
+) -> np.ndarray[Any, Any] | None:
+    """fp8 or int8 payload of the rows of a ``[tokens, heads, dim]`` chunk that lie at byte
+    ranges of ``base`` (``spans``: int64 ``(start, size)`` pairs, in order, whole rows),
+    read where they lie; None when ``base`` is not aligned to the element size (the
+    caller gathers the rows instead)."""
+    assert ext is not None
+    if not _aligned(base, nm.numpy_dtype(name).itemsize):
+        return None
+    rows, dim = shape[0] * shape[1], shape[2]
+    payload = np.empty(rows * 4 + rows * dim, np.uint8)
+    status = ext.encode_rows(
+        which, base, _DTYPE_CODE[name], rows, dim, payload[: rows * 4], payload[rows * 4 :], spans
+    )
+    if status:
+        _raise(status, codec)
+    return payload
+
+
+def decode_rows_at(
+    which: int, scale_buf: memoryview, code_buf: memoryview, shape: tuple[int, int, int], dtype: str,
+    base: memoryview, spans: Any, codec: str,
+) -> bool:
+    """Decode fp8/int8 codes straight into the byte ranges of ``base`` where the rows go
+    (``spans`` as for :func:`encode_rows_at`); False, with nothing written, when ``base``
+    is not aligned to the element size."""
+    assert ext is not None
+    if not _aligned(base, nm.numpy_dtype(dtype).itemsize):
+        return False
+    rows, dim = shape[0] * shape[1], shape[2]
+    status = ext.decode_rows(which, scale_buf, code_buf, rows, dim, _DTYPE_CODE[dtype], base, spans)
+    if status:
+        _raise(status, codec, dtype)
+    return True
+
+
 def int4_encode(
     arr: np.ndarray[Any, Any], name: str, group: int, is_v: bool, ngroups: int
 ) -> np.ndarray[Any, Any]:

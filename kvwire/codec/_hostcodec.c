@@ -1691,15 +1691,73 @@ static const rw_dec_fn RW_DEC_AVX512[2][3] = {
 enum { SIMD_GENERIC = 0, SIMD_F16C = 1, SIMD_AVX2 = 2, SIMD_AVX512 = 3 };
 static int kv_simd = SIMD_GENERIC;
 
+/* Where a chunk's rows lie: the whole buffer in order, or (with spans) int64 (start, size)
+ * byte ranges of it, in order, each a whole number of rows (the rows of a paged cache's
+ * blocks).  Checks every range against the buffer, the row size and the element size. */
+typedef struct {
+    const long long* pairs; /* NULL: the buffer itself, from its start */
+    idx n;                  /* ranges */
+} row_ranges;
+
+static int parse_ranges(Py_buffer* spans, Py_buffer* base, const char* what, idx rows, idx row_bytes, idx item,
+                        row_ranges* rr) {
+    rr->pairs = NULL;
+    rr->n = 1;
+    if (spans->obj == NULL) return need(base, rows * row_bytes, what);
+    if (spans->len == 0 || spans->len % 16 != 0) {
+        PyErr_SetString(PyExc_ValueError, "spans must be (start, size) int64 pairs");
+        return 0;
+    }
+    rr->pairs = (const long long*)spans->buf;
+    rr->n = spans->len / 16;
+    idx total = 0;
+    for (idx i = 0; i < rr->n; i++) {
+        long long start, size;
+        memcpy(&start, (const char*)spans->buf + 16 * i, 8);
+        memcpy(&size, (const char*)spans->buf + 16 * i + 8, 8);
+        if (start < 0 || size <= 0 || start > base->len || size > base->len - start) {
+            PyErr_Format(PyExc_ValueError, "range %zd (%lld, %lld) is not in the %zd-byte %s", i, start,
+                         size, base->len, what);
+            return 0;
+        }
+        if (size % row_bytes != 0 || ((uintptr_t)base->buf + (uintptr_t)start) % (uintptr_t)item != 0) {
+            PyErr_Format(PyExc_ValueError, "range %zd (%lld, %lld) is not whole aligned rows of %zd bytes", i, start,
+                         size, row_bytes);
+            return 0;
+        }
+        total += (idx)size;
+    }
+    if (total != rows * row_bytes) {
+        PyErr_Format(PyExc_ValueError, "ranges hold %zd bytes, expected %zd", total, rows * row_bytes);
+        return 0;
+    }
+    return 1;
+}
+
+/* The i-th range: its byte offset in the buffer and its rows. */
+static void range_at(const row_ranges* rr, idx i, idx rows, idx row_bytes, idx* offset, idx* nrows) {
+    if (rr->pairs == NULL) {
+        *offset = 0;
+        *nrows = rows;
+        return;
+    }
+    long long start, size;
+    memcpy(&start, (const char*)rr->pairs + 16 * i, 8);
+    memcpy(&size, (const char*)rr->pairs + 16 * i + 8, 8);
+    *offset = (idx)start;
+    *nrows = (idx)size / row_bytes;
+}
+
 static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
     int kind, dt, st = KV_OK;
     idx rows, dim;
-    Py_buffer x, sc, co;
+    Py_buffer x, sc, co, spans = {0};
+    row_ranges rr;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iy*innw*w*", &kind, &x, &dt, &rows, &dim, &sc, &co)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*innw*w*|y*", &kind, &x, &dt, &rows, &dim, &sc, &co, &spans)) return NULL;
     int ok = (kind == 0 || kind == 1) && check_dt(dt) && check_sizes(rows, dim) &&
-             need(&x, rows * dim * itemsize(dt), "input") && need(&sc, rows * 4, "scales") &&
-             need(&co, rows * dim, "codes");
+             need(&sc, rows * 4, "scales") && need(&co, rows * dim, "codes") &&
+             parse_ranges(&spans, &x, "input", rows, dim * itemsize(dt), itemsize(dt), &rr);
     if (ok) {
         rw_enc_fn fn = RW_ENC[kind][dt];
 #if KV_HAVE_AVX2
@@ -1711,7 +1769,14 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
             st = KV_E_NOMEM;
         } else {
             Py_BEGIN_ALLOW_THREADS
-            st = fn(x.buf, rows, dim, (kv_u8*)sc.buf, (kv_u8*)co.buf, rowtmp);
+            idx done = 0;
+            for (idx i = 0; i < rr.n && st == KV_OK; i++) {
+                idx offset, n;
+                range_at(&rr, i, rows, dim * itemsize(dt), &offset, &n);
+                st = fn((const char*)x.buf + offset, n, dim, (kv_u8*)sc.buf + 4 * done,
+                        (kv_u8*)co.buf + done * dim, rowtmp);
+                done += n;
+            }
             Py_END_ALLOW_THREADS
         }
         free(rowtmp);
@@ -1721,6 +1786,7 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
     PyBuffer_Release(&x);
     PyBuffer_Release(&sc);
     PyBuffer_Release(&co);
+    if (spans.obj != NULL) PyBuffer_Release(&spans);
     if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
@@ -1728,12 +1794,13 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
 static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
     int kind, dt, st = KV_OK;
     idx rows, dim;
-    Py_buffer sc, co, out;
+    Py_buffer sc, co, out, spans = {0};
+    row_ranges rr;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iy*y*nniw*", &kind, &sc, &co, &rows, &dim, &dt, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "iy*y*nniw*|y*", &kind, &sc, &co, &rows, &dim, &dt, &out, &spans)) return NULL;
     int ok = (kind == 0 || kind == 1) && check_dt(dt) && check_sizes(rows, dim) &&
              need(&sc, rows * 4, "scales") && need(&co, rows * dim, "codes") &&
-             need(&out, rows * dim * itemsize(dt), "out");
+             parse_ranges(&spans, &out, "out", rows, dim * itemsize(dt), itemsize(dt), &rr);
     if (ok) {
         rw_dec_fn fn = RW_DEC[kind][dt];
 #if KV_HAVE_AVX2
@@ -1746,8 +1813,14 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
         } else {
             Py_BEGIN_ALLOW_THREADS
             st = check_scales((const kv_u8*)sc.buf, rows);
-            if (st == KV_OK)
-                st = fn((const kv_u8*)co.buf, (const kv_u8*)sc.buf, rows, dim, out.buf, rowtmp);
+            idx done = 0;
+            for (idx i = 0; i < rr.n && st == KV_OK; i++) {
+                idx offset, n;
+                range_at(&rr, i, rows, dim * itemsize(dt), &offset, &n);
+                st = fn((const kv_u8*)co.buf + done * dim, (const kv_u8*)sc.buf + 4 * done, n, dim,
+                        (char*)out.buf + offset, rowtmp);
+                done += n;
+            }
             Py_END_ALLOW_THREADS
         }
         free(rowtmp);
@@ -1757,6 +1830,7 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
     PyBuffer_Release(&sc);
     PyBuffer_Release(&co);
     PyBuffer_Release(&out);
+    if (spans.obj != NULL) PyBuffer_Release(&spans);
     if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
@@ -1936,9 +2010,11 @@ static PyMethodDef methods[] = {
     {"simd", py_simd, METH_VARARGS,
      "simd(level) -> level in use (0 generic, 1 generic with F16C rows, 2 AVX2 + F16C, 3 AVX-512)"},
     {"encode_rows", py_encode_rows, METH_VARARGS,
-     "encode_rows(kind, x, dtype, rows, dim, scales, codes) -> status (kind 0 fp8, 1 int8)"},
+     "encode_rows(kind, x, dtype, rows, dim, scales, codes[, spans]) -> status (kind 0 fp8, 1 int8); "
+     "with spans (int64 start, size pairs), the rows are those byte ranges of x"},
     {"decode_rows", py_decode_rows, METH_VARARGS,
-     "decode_rows(kind, scales, codes, rows, dim, dtype, out) -> status"},
+     "decode_rows(kind, scales, codes, rows, dim, dtype, out[, spans]) -> status; "
+     "with spans (int64 start, size pairs), the rows go to those byte ranges of out"},
     {"int4_encode", py_int4_encode, METH_VARARGS,
      "int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed) -> status"},
     {"int4_decode", py_int4_decode, METH_VARARGS,

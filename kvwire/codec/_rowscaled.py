@@ -36,6 +36,23 @@ class RowScaledCodec(Codec):
         payload = _host.encode_rows(self.host_loop, arr, name, self.name)
         return EncodedChunk(self.codec_id, b"", payload.data)
 
+    def encode_ranges(
+        self, base: memoryview, spans: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
+    ) -> EncodedChunk | None:
+        if _host.ext is None:
+            return None
+        payload = _host.encode_rows_at(self.host_loop, base, spans, nm.check_shape(shape, self.name), dtype, self.name)
+        return None if payload is None else EncodedChunk(self.codec_id, b"", payload.data)
+
+    def decode_ranges(
+        self, params: bytes, payload: Any, base: memoryview, spans: Any, *,
+        shape: tuple[int, int, int], dtype: str, kind: TensorKind,
+    ) -> bool:
+        if _host.ext is None:
+            return False
+        shape, scale_buf, code_buf = self._payload(params, payload, shape)
+        return _host.decode_rows_at(self.host_loop, scale_buf, code_buf, shape, dtype, base, spans, self.name)
+
     @abstractmethod
     def encode_numpy(self, x: Any, kind: TensorKind) -> EncodedChunk:
         """The numpy reference encoder (what :meth:`encode` runs without the extension)."""
@@ -95,10 +112,16 @@ class RowScaledCodec(Codec):
         dtype: str,
         out: np.ndarray[Any, Any] | None,
     ) -> tuple[tuple[int, int, int], np.ndarray[Any, Any], memoryview, memoryview]:
+        shape, scale_buf, code_buf = self._payload(params, payload, shape)
+        return shape, nm.output_array(out, shape, dtype), scale_buf, code_buf
+
+    def _payload(
+        self, params: bytes, payload: Any, shape: tuple[int, int, int]
+    ) -> tuple[tuple[int, int, int], memoryview, memoryview]:
+        """The checked shape and the payload's scales and codes."""
         if params:
             raise ProtocolError(f"{self.name} codec takes no parameters")
         shape = nm.check_shape(shape, self.name)
-        result = nm.output_array(out, shape, dtype)
         rows, dim = shape[0] * shape[1], shape[2]
         scale_buf, code_buf = nm.split_payload(payload, [rows * 4, rows * dim], self.name)
-        return shape, result, scale_buf, code_buf
+        return shape, scale_buf, code_buf

@@ -65,6 +65,27 @@ class Codec(ABC):
         come from :meth:`encode` for that shape (truncated, wrong length, bad parameters).
         """
 
+    def encode_ranges(
+        self, base: memoryview, spans: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
+    ) -> EncodedChunk | None:
+        """Encode a chunk of ``shape`` whose rows (``shape[2]`` elements each) lie at byte
+        ranges of ``base``, reading them where they lie: the rows of a paged cache's blocks.
+        ``spans`` is a buffer of int64 ``(start, size)`` pairs, in order, each a whole
+        number of rows.  Gives the bytes :meth:`encode` gives for the rows gathered, or None
+        when this codec reads only one array (the caller then gathers and calls
+        :meth:`encode`)."""
+        return None
+
+    def decode_ranges(
+        self, params: bytes, payload: Any, base: memoryview, spans: Any, *,
+        shape: tuple[int, int, int], dtype: str, kind: TensorKind,
+    ) -> bool:
+        """Decode a chunk of ``shape`` straight into the byte ranges of ``base`` where its
+        rows go (``spans`` as for :meth:`encode_ranges`).  True when done; False, with
+        nothing written, when this codec decodes only into one array (the caller then
+        decodes and scatters).  Raises as :meth:`decode` does."""
+        return False
+
     def encoded_size_ratio(self, shape: tuple[int, int, int], dtype: str) -> float:
         """Wire bytes / fp16 bytes expected for a chunk of ``shape`` (before entropy coding)."""
         return 1.0
