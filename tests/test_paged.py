@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvwire
 from kvwire.aio import _stream
-from kvwire.codec import numpy_dtype
+from kvwire.codec import Fp8Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
 from kvwire.errors import ErrorCode, KvwireError, UsageError
 from kvwire.paged import BlockRows, PagedDestination, PagedSource, PagedSpec, gather_layer
 from tests.conftest import SECRET
@@ -359,3 +359,49 @@ def test_block_rows_are_the_gathered_layer_sent_from_the_blocks(shape: tuple[int
                 assert [bytes(x) for x in ranges.views()] == [bytes(x) for x in part.byte_views()]
     with pytest.raises(ValueError, match="step 1"):
         layers[0][0][::2]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("codec", ["fp8", "int8"])
+async def test_quantized_chunks_read_and_land_where_the_blocks_lie(
+    codec: str, compiled: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp8 and int8 chunks over many blocks are quantized from the sender's blocks where
+    they lie and decoded straight into the receiver's (the compiled row loops over byte
+    ranges): no gather, no decode elsewhere and scatter.  Without the extension both sides
+    gather and scatter instead.  Either way each block holds exactly the codec's round trip
+    of its rows."""
+    if not compiled:
+        monkeypatch.setattr(_host, "ext", None)
+    else:
+        if _host.ext is None:
+            pytest.skip("KVWIRE_NO_EXTENSIONS is set: only the numpy path runs")
+
+        def no_gather(self: BlockRows) -> np.ndarray:
+            raise AssertionError("rows were gathered")
+
+        monkeypatch.setattr(BlockRows, "gather", no_gather)
+    spec = PagedSpec(num_layers=2, block_shape=(2, 16, 2, 64), dtype="bfloat16")  # 8 KiB blocks, rows of 64
+    src = caches(spec, 40, seed=16)
+    dst = caches(spec, 40, seed=17)
+    rng = np.random.default_rng(18)
+    src_ids, dst_ids = rng.choice(40, 24, replace=False), rng.choice(40, 24, replace=False)
+    dest = CountingDestination(spec, dst, dst_ids)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=64 * 1024, streams=2,
+                                  codec=codec) as peer:
+            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+            await asyncio.sleep(0)
+            receipt = await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids))
+            transfer = await waiting
+            assert len([layer async for layer in transfer]) == 2
+    assert receipt.chunks >= 8 and receipt.codec == codec
+    c = get_codec(codec)
+    assert isinstance(c, Fp8Codec | Int8Codec)
+    for li in range(2):
+        got = gather_layer(spec, dst[li], dst_ids)
+        for kind, rows in enumerate(np.asarray(a) for a in gather_layer(spec, src[li], src_ids)):
+            enc = c.encode_numpy(rows, TensorKind(kind))
+            want = c.decode_numpy(enc.params, enc.payload, shape=rows.shape, dtype=spec.dtype, kind=TensorKind(kind))
+            assert np.asarray(got[kind]).tobytes() == want.tobytes()
+    assert (dest.scattered == 0) == compiled

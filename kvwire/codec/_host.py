@@ -17,6 +17,7 @@ import numpy as np
 
 from kvwire._extensions import load_extension
 from kvwire.codec import _numeric as nm
+from kvwire.codec.base import numpy_dtype
 from kvwire.errors import ProtocolError, UsageError
 
 #: the compiled module, or None (then the numpy code runs)
@@ -145,7 +146,7 @@ def encode_rows_at(
     read where they lie; None when ``base`` is not aligned to the element size (the
     caller gathers the rows instead)."""
     assert ext is not None
-    if not _aligned(base, nm.numpy_dtype(name).itemsize):
+    if not _aligned(base, numpy_dtype(name).itemsize):
         return None
     rows, dim = shape[0] * shape[1], shape[2]
     payload = np.empty(rows * 4 + rows * dim, np.uint8)
@@ -165,7 +166,7 @@ def decode_rows_at(
     (``spans`` as for :func:`encode_rows_at`); False, with nothing written, when ``base``
     is not aligned to the element size."""
     assert ext is not None
-    if not _aligned(base, nm.numpy_dtype(dtype).itemsize):
+    if not _aligned(base, numpy_dtype(dtype).itemsize):
         return False
     rows, dim = shape[0] * shape[1], shape[2]
     status = ext.decode_rows(which, scale_buf, code_buf, rows, dim, _DTYPE_CODE[dtype], base, spans)

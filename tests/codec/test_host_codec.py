@@ -108,6 +108,8 @@ def _outcome(fn: Any) -> tuple[str, Any]:
         return type(exc).__name__, str(exc)
     if isinstance(result, np.ndarray):
         return "ok", (str(result.dtype), result.shape, result.tobytes())
+    if isinstance(result, bool):
+        return "ok", result
     return "ok", (result.params, bytes(memoryview(result.payload).cast("B")))
 
 
@@ -428,6 +430,146 @@ def test_property_corrupted_payloads_decode_like_numpy(
     elif cut < 0:
         del data[cut:]
     _same_decode(codec, chunk.params, bytes(data), x.shape, out_dtype, kind)
+
+
+# ---------------------------------------------------------------------------------------
+# Rows where they lie (a paged cache's blocks): encode_ranges / decode_ranges
+
+SENTINEL = 0x5A
+
+
+@st.composite
+def _row_places(draw: st.DrawFn, rows: int) -> tuple[list[tuple[int, int]], int]:
+    """``rows`` rows cut into runs, each placed at its own row slot of a larger buffer, in
+    a shuffled order with gaps between: the runs' (first slot, row count) in row order, and
+    the buffer's size in rows."""
+    cuts = sorted(draw(st.sets(st.integers(1, rows - 1), max_size=6))) if rows > 1 else []
+    runs = [b - a for a, b in zip([0, *cuts], [*cuts, rows], strict=True)]
+    order = draw(st.permutations(range(len(runs))))
+    slots: list[tuple[int, int]] = [(0, 0)] * len(runs)
+    at = 0
+    for i in order:
+        at += draw(st.integers(0, 2))  # a gap that must stay untouched
+        slots[i] = (at, runs[i])
+        at += runs[i]
+    return slots, at + draw(st.integers(0, 2))
+
+
+def _spans(slots: list[tuple[int, int]], row_bytes: int) -> np.ndarray[Any, Any]:
+    return np.array([(first * row_bytes, count * row_bytes) for first, count in slots], np.int64)
+
+
+def _gathered(base: np.ndarray[Any, Any], spans: np.ndarray[Any, Any]) -> bytes:
+    return b"".join(base[start : start + size].tobytes() for start, size in spans)
+
+
+@needs_ext
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=_arrays(), base=st.sampled_from(["fp8", "int8"]), kind=st.sampled_from(KINDS),
+       out_dtype=st.sampled_from(DTYPES), level=st.sampled_from(LEVELS), data=st.data())
+def test_property_rows_where_they_lie_equal_gathered_rows(
+    x: np.ndarray[Any, Any], base: str, kind: TensorKind, out_dtype: str, level: int, data: st.DataObject
+) -> None:
+    """Encoding rows scattered over a buffer (``encode_ranges``) gives the bytes (or the
+    error) of encoding them gathered; decoding into scattered rows (``decode_ranges``)
+    writes exactly what ``decode`` gives, there and nowhere else, or raises as it does."""
+    codec = _codec(base)
+    tokens, heads, dim = x.shape
+    slots, size = data.draw(_row_places(tokens * heads))
+    row_bytes = dim * x.itemsize
+    spans = _spans(slots, row_bytes)
+    buf = np.full(size * row_bytes, SENTINEL, np.uint8)
+    rows = x.reshape(-1).view(np.uint8)
+    at = 0
+    for start, n in spans:
+        buf[start : start + n] = rows[at : at + n]
+        at += n
+    with _simd(level):
+        got = _outcome(lambda: codec.encode_ranges(memoryview(buf), spans.data, x.shape, x.dtype.name, kind))
+        assert got == _outcome(lambda: codec.encode(x, kind))
+    if got[0] != "ok":
+        return
+    params, payload = got[1]
+    if data.draw(st.booleans()):  # a corrupted payload: the same error, or the same values
+        corrupt = bytearray(payload)
+        corrupt[data.draw(st.integers(0, len(corrupt) - 1))] = data.draw(st.integers(0, 255))
+        payload = bytes(corrupt)
+    out_row = dim * numpy_dtype(out_dtype).itemsize
+    out_spans = _spans(slots, out_row)
+    out = np.full(size * out_row, SENTINEL, np.uint8)
+    want = _outcome(lambda: codec.decode(params, payload, shape=x.shape, dtype=out_dtype, kind=kind))
+    with _simd(level):
+        done = _outcome(lambda: codec.decode_ranges(params, payload, memoryview(out), out_spans.data,
+                                                    shape=x.shape, dtype=out_dtype, kind=kind))
+    if want[0] != "ok":
+        assert done == want
+        return
+    assert done == ("ok", True)
+    assert _gathered(out, out_spans) == want[1][2]
+    mask = np.ones(out.size, bool)
+    for start, n in out_spans:
+        mask[start : start + n] = False
+    assert (out[mask] == SENTINEL).all()
+
+
+@needs_ext
+def test_compiled_row_loops_refuse_bad_ranges() -> None:
+    """Ranges outside the buffer, not whole rows, not aligned to the element, or not adding
+    up to the chunk are refused before any row is read or written."""
+    ext = _host.ext
+    assert ext is not None
+    x = np.zeros(128, np.uint16)  # 8 rows of 16 float16
+    sc, co = np.empty(16, np.uint8), np.empty(64, np.uint8)  # 4 rows
+
+    def enc(*pairs: tuple[int, int]) -> int:
+        spans = np.array(pairs, np.int64).reshape(-1, 2)
+        return int(ext.encode_rows(0, x.view(np.uint8), 0, 4, 16, sc, co, spans))
+
+    assert enc((0, 64), (128, 64)) == 0  # rows 0-1 and 4-5
+    for pairs, match in [
+        (((0, 64), (224, 64)), "not in the 256-byte input"),
+        (((-32, 64), (0, 64)), "not in"),
+        (((0, 0), (0, 128)), "not in"),
+        (((0, 48), (64, 80)), "not whole aligned rows"),
+        (((1, 64), (128, 64)), "not whole aligned rows"),
+        (((0, 64),), "ranges hold 64 bytes, expected 128"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            enc(*pairs)
+    with pytest.raises(ValueError, match="int64 pairs"):
+        ext.encode_rows(0, x.view(np.uint8), 0, 4, 16, sc, co, b"\0" * 24)
+    out = np.full(256, SENTINEL, np.uint8)
+    with pytest.raises(ValueError, match="not in the 256-byte out"):
+        ext.decode_rows(0, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 0, out,
+                        np.array([[0, 64], [256, 64]], np.int64))
+    assert (out == SENTINEL).all()
+
+
+@pytest.mark.parametrize("base", ["fp8", "int8"])
+def test_rows_where_they_lie_fall_back_to_gathering(base: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the extension, or on a buffer not aligned to the element size, the codec
+    says it cannot (None / False, nothing written) and the caller gathers; the codecs
+    that read only one array (raw, int4, an entropy stage) always say so."""
+    codec = _codec(base)
+    x = np.random.default_rng(3).standard_normal((4, 2, 16)).astype(np.float16)
+    spans = np.array([[0, x.nbytes]], np.int64)
+    chunk = codec.encode_numpy(x, TensorKind.K)
+    shifted = np.zeros(x.nbytes + 1, np.uint8)[1:]
+    shifted[:] = x.reshape(-1).view(np.uint8)
+    if _host.ext is not None:
+        assert codec.encode_ranges(memoryview(shifted), spans.data, x.shape, "float16", TensorKind.K) is None
+        assert not codec.decode_ranges(chunk.params, chunk.payload, memoryview(shifted), spans.data,
+                                       shape=x.shape, dtype="float16", kind=TensorKind.K)
+        assert shifted.tobytes() == x.tobytes()
+    flat = memoryview(x.reshape(-1).view(np.uint8))
+    for other in ("raw", "int4", f"{base}+lz4"):
+        assert get_codec(other).encode_ranges(flat, spans.data, x.shape, "float16", TensorKind.K) is None
+    monkeypatch.setattr(_host, "ext", None)
+    assert codec.encode_ranges(flat, spans.data, x.shape, "float16", TensorKind.K) is None
+    out = np.zeros_like(x)
+    assert not codec.decode_ranges(chunk.params, chunk.payload, memoryview(out.reshape(-1).view(np.uint8)),
+                                   spans.data, shape=x.shape, dtype="float16", kind=TensorKind.K)
+    assert not out.any()
 
 
 # ---------------------------------------------------------------------------------------
