@@ -219,15 +219,30 @@ def gather_layer(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]
     return blocks[ids, :half].reshape(shape), blocks[ids, half:].reshape(shape)
 
 
+def layer_rows(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]:
+    """One layer's ``(k, v)`` for ``send()`` as they lie in ``cache`` at ``block_ids``:
+    :class:`BlockRows` of a host cache (not copied, so the blocks must not change until the
+    send that carries them has returned), or gathered by :func:`gather_layer` from a GPU
+    cache (on its GPU)."""
+    blocks, device = _as_blocks(spec, cache, "cache")
+    if device:
+        return gather_layer(spec, cache, block_ids)
+    ids = _check_ids(block_ids, blocks.shape[0], "source", distinct=False)
+    flat = blocks.reshape(-1).view(np.uint8).data
+    dtype = numpy_dtype(spec.dtype)
+    k, v = (BlockRows(flat, _halves(spec, ids, kind), spec.rows_per_block, spec.row_elems, dtype) for kind in (0, 1))
+    return k, v
+
+
 class PagedSource:
     """A request's layers out of per-layer paged caches, for ``peer.send(..., layers=source)``.
 
     Host caches are sent straight from their blocks: each layer's K and V are
-    :class:`BlockRows`, and a raw chunk is written from the blocks with no copy (a
-    quantizing codec gathers the rows of each chunk it encodes).  So, like any array given
-    to ``send()``, the blocks must not change until ``send()`` returns; gather the layers
-    with :func:`gather_layer` to free them sooner.  GPU caches are gathered one layer at a
-    time, on their GPU.
+    :class:`BlockRows` (:func:`layer_rows`); a raw chunk is written from the blocks and
+    fp8/int8 quantize the rows where they lie, with no copy (another codec gathers the rows
+    of each chunk it encodes).  So, like any array given to ``send()``, the blocks must not
+    change until ``send()`` returns; gather the layers with :func:`gather_layer` to free
+    them sooner.  GPU caches are gathered one layer at a time, on their GPU.
     """
 
     def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
@@ -243,18 +258,8 @@ class PagedSource:
         return self.spec.num_layers
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
-        spec = self.spec
-        ids = self._ids
-        halves = (_halves(spec, ids, 0), _halves(spec, ids, 1))
-        dtype = numpy_dtype(spec.dtype)
         for cache in self.caches:
-            blocks, device = _as_blocks(spec, cache, "cache")
-            if device:
-                yield gather_layer(spec, cache, ids)
-                continue
-            flat = blocks.reshape(-1).view(np.uint8).data
-            k, v = (BlockRows(flat, h, spec.rows_per_block, spec.row_elems, dtype) for h in halves)
-            yield k, v
+            yield layer_rows(self.spec, cache, self._ids)
 
 
 class PagedDestination:
@@ -496,4 +501,4 @@ def _same_memory(a: np.ndarray, b: Any) -> bool:
     return bool(ia["data"][0] == ib["data"][0] and a.nbytes == b.nbytes)
 
 
-__all__ = ["BlockRows", "PagedDestination", "PagedSource", "PagedSpec", "gather_layer", "host_view"]
+__all__ = ["BlockRows", "PagedDestination", "PagedSource", "PagedSpec", "gather_layer", "host_view", "layer_rows"]

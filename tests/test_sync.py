@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -16,8 +18,10 @@ from kvwire.errors import (
     TransferTimeoutError,
     UsageError,
 )
-from kvwire.paged import PagedDestination, PagedSpec, gather_layer
+from kvwire.aio import _stream
+from kvwire.paged import PagedDestination, PagedSpec, gather_layer, layer_rows
 from kvwire.sync import Bridge, SyncPeer, SyncServer
+from kvwire.testing import FaultPlan, FaultProxy, Faults
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(90)
@@ -172,3 +176,42 @@ def test_paged_receive_into_engine_blocks_from_threads() -> None:
     for layer in range(2):
         assert dst[layer][[8, 0, 3]].tobytes() == src[layer][[5, 1, 2]].tobytes()
         assert not dst[layer][[1, 2, 4, 5, 6, 7]].any()
+
+
+@pytest.mark.parametrize("compiled_queue", [True, False])
+def test_closing_the_peer_lets_go_of_blocks_a_stuck_send_holds(compiled_queue: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layers sent from the blocks where they lie (``layer_rows``, as the vLLM connector
+    sends them) over a path that stalls mid-transfer: the wait times out with the blocks
+    still held.  Aborting the send alone leaves what the streams had queued (they would
+    still write it); closing the peer lets go of every block (the queues drop what they
+    held), so an engine may hand the blocks back: this is what the connector does after a
+    send that failed."""
+    if not compiled_queue:
+        monkeypatch.setattr(_stream, "_sendq", None)
+    spec = PagedSpec(num_layers=2, block_shape=(2, 16, 8, 128), dtype="float16")  # 64 KiB blocks, 5 MiB in all
+    rng = np.random.default_rng(1)
+    caches = [rng.standard_normal((48, 2, 16, 8, 128), dtype=np.float32).astype(np.float16) for _ in range(2)]
+    refs = [weakref.ref(c) for c in caches]
+    stall = FaultPlan(forward=Faults(stall_at=300_000))
+    bridge = Bridge("proxy")
+    with SyncServer(secret=SECRET) as server:
+        proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: stall)
+        bridge.run(proxy.start(), 10)
+        try:
+            peer = SyncPeer("127.0.0.1", proxy.port, secret=SECRET, chunk_bytes=64 * 1024)
+            server.expect("stuck")
+            send = peer.begin("stuck", spec.wire_spec())
+            for cache in caches:
+                send.send_layer(*layer_rows(spec, cache, np.arange(40)))
+            del caches, cache
+            with pytest.raises(TransferTimeoutError):
+                send.wait(0.5)
+            assert proxy.statistics().bytes_forward <= 300_000  # the transfer is stuck
+            send.abort()
+            del send
+            peer.close()
+            gc.collect()
+            assert [r() for r in refs] == [None, None]
+        finally:
+            bridge.run(proxy.close(), 10)
+            bridge.close()

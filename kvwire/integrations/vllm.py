@@ -4,10 +4,13 @@ Load it with ``kv_connector="KvwireConnector"`` and
 ``kv_connector_module_path="kvwire.integrations.vllm"``; see docs/integrations.md for the
 exact configuration.
 
-- **Producer** (prefill instance, ``kv_role="kv_producer"``): ``save_kv_layer`` gathers
-  the request's full prompt blocks of each layer as soon as the layer is computed and
-  queues them on a kvwire transfer (the next layer computes while this one is on the
-  wire); ``wait_for_save`` waits for the receiver's acknowledgement.
+- **Producer** (prefill instance, ``kv_role="kv_producer"``): ``save_kv_layer`` queues
+  the request's full prompt blocks of each layer on a kvwire transfer as soon as the layer
+  is computed, where they lie (no copy; the next layer computes while this one is on the
+  wire); ``wait_for_save`` waits for the receiver's acknowledgement, so the blocks are
+  not freed before every byte of them was sent.  A send that fails or times out closes
+  the connection before ``wait_for_save`` returns: nothing reads the blocks after that
+  (the next save connects again).
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
   worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
   down to the block size) as an external hit, ``start_load_kv`` names the blocks vLLM
@@ -53,7 +56,7 @@ from vllm.logger import init_logger
 
 from kvwire.errors import KvwireError, UsageError
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
-from kvwire.paged import PagedDestination, PagedSpec, gather_layer
+from kvwire.paged import PagedDestination, PagedSpec, layer_rows
 from kvwire.sync import Bridge, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 
 if TYPE_CHECKING:
@@ -242,7 +245,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._partial.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-        # Blocks are copied out before send (and waited for in wait_for_save): vLLM may free them now.
+        # wait_for_save returned only once the blocks were sent, or the connection that read
+        # them was closed: vLLM may free them now.
         return False, None
 
     # -- worker side --------------------------------------------------------------------------------
@@ -360,20 +364,35 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 )
             handle = self._sending.get(move.req_id)
             if handle is not None:
-                handle.send_layer(*gather_layer(self._spec, kv_layer, move.block_ids))
+                handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
 
     def wait_for_save(self) -> None:
+        failed = False
         for req_id, handle in list(self._sending.items()):
             try:
                 receipt = handle.wait(self._timeout)
             except KvwireError as exc:
                 logger.error("kvwire: sending KV of request %s failed: %s", req_id, exc)
+                failed = True
             else:
                 logger.info(
                     "kvwire: sent KV of request %s as %r: %d bytes, %d on the wire, %.1f ms",
                     req_id, handle.request_id, receipt.kv_bytes, receipt.wire_bytes, receipt.seconds * 1e3,
                 )
             del self._sending[req_id]
+        if failed:
+            self._let_go_of_blocks()
+
+    def _let_go_of_blocks(self) -> None:
+        """After a send that did not end with the receiver's acknowledgement: close the
+        connection, which ends every send on it and drops the bytes its streams still
+        hold, so nothing reads the blocks once vLLM frees them."""
+        for handle in self._sending.values():
+            handle.abort()
+        self._sending.clear()
+        if self._peer is not None:
+            self._peer.close()
+            self._peer = None
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         for req_id in finished_req_ids:
@@ -381,9 +400,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             loading = self._loading.pop(req_id, None)
             if loading is not None:
                 loading[0].abort("request finished")
-            sending = self._sending.pop(req_id, None)
-            if sending is not None:
-                sending.abort()
+            if req_id in self._sending:
+                logger.error("kvwire: request %s finished while its KV was being sent", req_id)
+                self._let_go_of_blocks()
         return None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
