@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvwire
+from kvwire.aio import _stream
 from kvwire.errors import (
     ConnectionLostError,
     KvwireError,
@@ -18,7 +19,6 @@ from kvwire.errors import (
     TransferTimeoutError,
     UsageError,
 )
-from kvwire.aio import _stream
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer, layer_rows
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from kvwire.testing import FaultPlan, FaultProxy, Faults
