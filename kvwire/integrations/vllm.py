@@ -7,10 +7,15 @@ exact configuration.
 - **Producer** (prefill instance, ``kv_role="kv_producer"``): ``save_kv_layer`` queues
   the request's full prompt blocks of each layer on a kvwire transfer as soon as the layer
   is computed, where they lie (no copy; the next layer computes while this one is on the
-  wire); ``wait_for_save`` waits for the receiver's acknowledgement, so the blocks are
-  not freed before every byte of them was sent.  A send that fails or times out closes
-  the connection before ``wait_for_save`` returns: nothing reads the blocks after that
-  (the next save connects again).
+  wire).  The engine does not wait for the wire (``kvwire_async_save``, the default): a
+  request whose KV is being sent keeps its blocks when it finishes (``request_finished``
+  returns True) until ``get_finished`` reports the send ended, acknowledged or let go of,
+  so vLLM goes on with its next step while the KV drains.  With ``kvwire_async_save:
+  false``, ``wait_for_save`` waits for the receiver's acknowledgement instead.  A send
+  that fails or times out closes the connection before its blocks are reported or
+  ``wait_for_save`` returns: nothing reads them after that (the next save connects
+  again).  ``shutdown`` lets the sends in flight finish (each within
+  ``kvwire_load_timeout``) before it closes.
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
   worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
   down to the block size) as an external hit, ``start_load_kv`` names the blocks vLLM
@@ -43,6 +48,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +133,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._chunk_bytes: int | None = int(chunk) if chunk else None
         self._timeout: float = float(extra.get("kvwire_load_timeout", 60.0))
         self._load_all: bool = bool(extra.get("kvwire_load_all", False))
+        self._async_save: bool = bool(extra.get("kvwire_async_save", True))
         # A prefill instance usually finishes before the decode instance takes the request.
         claim = extra.get("kvwire_claim_timeout", 600.0)
         self._claim_timeout: float | None = float(claim) if claim is not None else None
@@ -142,6 +149,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # scheduler side
         self._pending_loads: dict[str, str] = {}
         self._partial: dict[str, tuple[str, list[int], int, str | None, tuple[bytes, ...]]] = {}
+        self._saving: set[str] = set()  # requests whose send was scheduled (async save: blocks kept)
         # worker side
         self._spec: PagedSpec | None = None
         self._caches: list[torch.Tensor] = []
@@ -149,7 +157,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._server: SyncServer | None = None
         self._peer: SyncPeer | None = None
         self._loading: dict[str, tuple[ReceiveHandle, list[int]]] = {}
-        self._sending: dict[str, SendHandle] = {}
+        self._sending: dict[str, SendHandle] = {}  # sends begun in this step
+        # async save: sends past their step (with the time they must end by), sends that
+        # ended (acknowledged, failed and let go of, or never begun) and finished requests
+        # whose send has not ended yet
+        self._in_flight: dict[str, tuple[SendHandle, float]] = {}
+        self._ended: set[str] = set()
+        self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
 
     # -- helpers ----------------------------------------------------------------------------
@@ -221,6 +235,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 prefix = self._prefix(prompt, n)
                 if done >= n * self._block_size:
                     meta.saves.append(_Move(new.req_id, key, block_ids[:n], codec, prefix))
+                    self._saving.add(new.req_id)
                 else:  # chunked prefill: send once the full blocks are computed
                     self._partial[new.req_id] = (key, block_ids, n, codec, prefix)
         cached = scheduler_output.scheduled_cached_reqs
@@ -235,6 +250,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if done >= n * self._block_size:
                 del self._partial[req_id]
                 meta.saves.append(_Move(req_id, key, block_ids[:n], codec, prefix))
+                self._saving.add(req_id)
             else:
                 self._partial[req_id] = (key, block_ids, n, codec, prefix)
         for req_id in list(self._pending_loads):
@@ -245,9 +261,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._partial.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-        # wait_for_save returned only once the blocks were sent, or the connection that read
-        # them was closed: vLLM may free them now.
-        return False, None
+        saving = request.request_id in self._saving
+        self._saving.discard(request.request_id)
+        # Async save: the blocks stay until the worker's get_finished reports the send
+        # ended.  Otherwise wait_for_save returned only once they were sent, or the
+        # connection that read them was closed: vLLM may free them now.
+        return saving and self._async_save, None
 
     # -- worker side --------------------------------------------------------------------------------
 
@@ -367,19 +386,46 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
 
     def wait_for_save(self) -> None:
+        if self._async_save:
+            deadline = time.monotonic() + self._timeout
+            self._in_flight.update((req_id, (handle, deadline)) for req_id, handle in self._sending.items())
+            self._sending.clear()
+            if self._producer and self._spec is not None:
+                # a scheduled save that never began (its blocks could not be named) has ended
+                self._ended.update(m.req_id for m in self._meta().saves if m.req_id not in self._in_flight)
+            self._reap()
+            return
         failed = False
         for req_id, handle in list(self._sending.items()):
-            try:
-                receipt = handle.wait(self._timeout)
-            except KvwireError as exc:
-                logger.error("kvwire: sending KV of request %s failed: %s", req_id, exc)
-                failed = True
-            else:
-                logger.info(
-                    "kvwire: sent KV of request %s as %r: %d bytes, %d on the wire, %.1f ms",
-                    req_id, handle.request_id, receipt.kv_bytes, receipt.wire_bytes, receipt.seconds * 1e3,
-                )
+            failed |= not self._ended_well(req_id, handle, self._timeout)
             del self._sending[req_id]
+        if failed:
+            self._let_go_of_blocks()
+
+    def _ended_well(self, req_id: str, handle: SendHandle, timeout: float | None) -> bool:
+        """Wait up to ``timeout`` for a send and log how it ended; False unless the
+        receiver acknowledged it."""
+        try:
+            receipt = handle.wait(timeout)
+        except KvwireError as exc:
+            logger.error("kvwire: sending KV of request %s failed: %s", req_id, exc)
+            return False
+        logger.info(
+            "kvwire: sent KV of request %s as %r: %d bytes, %d on the wire, %.1f ms",
+            req_id, handle.request_id, receipt.kv_bytes, receipt.wire_bytes, receipt.seconds * 1e3,
+        )
+        return True
+
+    def _reap(self) -> None:
+        """Async save: the sends that ended (or are past their time) leave the flight;
+        any that did not end acknowledged lets go of every block."""
+        now = time.monotonic()
+        failed = False
+        for req_id, (handle, deadline) in list(self._in_flight.items()):
+            if handle.done or now >= deadline:
+                failed |= not self._ended_well(req_id, handle, 0)
+                del self._in_flight[req_id]
+                self._ended.add(req_id)
         if failed:
             self._let_go_of_blocks()
 
@@ -387,9 +433,18 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """After a send that did not end with the receiver's acknowledgement: close the
         connection, which ends every send on it and drops the bytes its streams still
         hold, so nothing reads the blocks once vLLM frees them."""
-        for handle in self._sending.values():
+        for req_id, handle in self._sending.items():
             handle.abort()
+            self._ended.add(req_id)
         self._sending.clear()
+        for req_id, (handle, _) in self._in_flight.items():
+            if handle.done:
+                self._ended_well(req_id, handle, 0)
+            else:
+                handle.abort()
+                logger.error("kvwire: sending KV of request %s failed: its connection was closed", req_id)
+            self._ended.add(req_id)
+        self._in_flight.clear()
         if self._peer is not None:
             self._peer.close()
             self._peer = None
@@ -403,13 +458,29 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if req_id in self._sending:
                 logger.error("kvwire: request %s finished while its KV was being sent", req_id)
                 self._let_go_of_blocks()
-        return None, None
+            if req_id in self._in_flight or req_id in self._ended:
+                self._finished_sends.add(req_id)
+        if not self._async_save:  # every send ended in wait_for_save
+            self._ended.clear()
+            self._finished_sends.clear()
+            return None, None
+        self._reap()
+        sent = self._finished_sends & self._ended
+        self._finished_sends -= sent
+        self._ended -= sent
+        return sent or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def shutdown(self) -> None:
+        failed = False
+        for req_id, (handle, deadline) in list(self._in_flight.items()):  # let them finish
+            failed |= not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic()))
+            del self._in_flight[req_id]
+        if failed:
+            self._let_go_of_blocks()
         if self._peer is not None:
             self._peer.close()
             self._peer = None

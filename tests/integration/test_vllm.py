@@ -29,6 +29,8 @@ import pytest
 
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.integrations.prefix import prefix_block_ids
+from kvwire.sync import Bridge
+from kvwire.testing import FaultPlan, FaultProxy, Faults
 from tests.consistency.conftest import find_redis_server, start_redis
 
 pytestmark = pytest.mark.timeout(1200)
@@ -81,10 +83,13 @@ def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
 def _consume_after_produce(
     tmp: Path, model: Path, dtype: str, plain_job: Path, producer_job: Path, consumer_job: Path,
     extra: list[str] | None = None, after_producer: Callable[[], None] | None = None,
-    producer_model: Path | None = None,
+    producer_model: Path | None = None, producer_port: Callable[[str], str] | None = None,
+    producer_run: Callable[[list[str]], None] | None = None,
 ) -> None:
     """A consumer starts (its kvwire server up), the plain run and then the producer run
-    (on ``producer_model`` if given), ``after_producer`` runs, and the consumer generates."""
+    (on ``producer_model`` if given; sent to the port ``producer_port`` gives for the
+    consumer's, and run by ``producer_run`` if given), ``after_producer`` runs, and the
+    consumer generates."""
     out = tmp / "consumer.json"
     common = ["--dir", str(model), "--dtype", dtype, *(extra or [])]
     consumer_log = tmp / "consumer.log"
@@ -104,8 +109,14 @@ def _consume_after_produce(
             assert time.monotonic() < deadline, "consumer did not start"
             time.sleep(0.5)
         port = Path(f"{out}.ready").read_text()
+        if producer_port is not None:
+            port = producer_port(port)
         producer = [*common, "--port", port] if producer_model is None else [*common, "--port", port, "--dir", str(producer_model)]
-        _run(["producer", "--job", str(producer_job), "--out", str(tmp / "producer.json"), *producer], tmp / "producer.log", 600)
+        args = ["producer", "--job", str(producer_job), "--out", str(tmp / "producer.json"), *producer]
+        if producer_run is not None:
+            producer_run(args)
+        else:
+            _run(args, tmp / "producer.log", 600)
         if after_producer is not None:
             after_producer()
         Path(f"{out}.go").write_text("go")
@@ -147,7 +158,8 @@ def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> N
     new weights invalidate prompt a's blocks (what a deployment does on a weight update),
     not b's.  The consumer refuses a's cache and recomputes it (the plain run's tokens);
     b's cache, still named fresh, is received and used, and the old weights' KV changes
-    its output: the check is what kept a's output right."""
+    its output: the check is what kept a's output right.  The producer waits for each send
+    in ``wait_for_save`` here (``kvwire_async_save: false``)."""
     binary = find_redis_server()
     assert binary is not None, "redis-server not found (PATH or KVWIRE_REDIS_SERVER)"
     redis = start_redis(binary, tmp_path / "redis")
@@ -170,7 +182,7 @@ def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> N
 
         _consume_after_produce(
             tmp_path, model, "float32", plain_job, producer_job, consumer_job,
-            extra=["--registry", redis.url], after_producer=lambda: asyncio.run(new_weights_for_a()),
+            extra=["--registry", redis.url, "--sync-save"], after_producer=lambda: asyncio.run(new_weights_for_a()),
             producer_model=old_model,
         )
     finally:
@@ -184,3 +196,62 @@ def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> N
     assert log.count("kvwire: refused KV of request") == 1 and "2 of its 2 prefix blocks are stale" in log
     assert log.count("kvwire: received KV of request") == 1
     assert (tmp_path / "producer.log").read_text().count("kvwire: sent KV of request") == 2
+
+
+def test_producer_goes_on_while_its_kv_is_on_the_wire(tmp_path: Path) -> None:
+    """The producer's engine does not wait for the wire (``kvwire_async_save``, the
+    default).  Between producer and consumer a proxy stalls the KV mid-transfer until the
+    test resumes it: the producer's ``generate()`` returns (its results are written) while
+    the path is still stalled, its blocks kept for the send; once the path resumes, its
+    shutdown lets the sends finish, and the consumer continues from that KV exactly as a
+    plain run does.  (Were the engine waiting for the send, ``generate()`` could not
+    return before the resume, and the send would time out.)"""
+    model = tmp_path / "model"
+    _run(["model", "--dir", str(model), "--dtype", "float32"], tmp_path / "model.log", 300)
+    a, b, _ = _prompts()
+    plain_job = _job(tmp_path / "plain_job.json", [{"prompt": p, "max_tokens": MAX_TOKENS} for p in (a, b)])
+    sent = [{"prompt": a, "kvwire_id": "a-stalled"}, {"prompt": b, "kvwire_id": "b-stalled"}]
+    producer_job = _job(tmp_path / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
+    consumer_job = _job(tmp_path / "consumer_job.json", [{**r, "max_tokens": MAX_TOKENS} for r in sent])
+    bridge = Bridge("stall-proxy")
+    proxy: FaultProxy | None = None
+
+    def between(port: str) -> str:
+        nonlocal proxy
+        stall = FaultPlan(forward=Faults(stall_at=200_000))  # until resume()
+        proxy = FaultProxy("127.0.0.1", int(port), plan=lambda i: stall)
+        bridge.run(proxy.start(), 10)
+        return str(proxy.port)
+
+    def produce(args: list[str]) -> None:
+        log = tmp_path / "producer.log"
+        out = tmp_path / "producer.json"
+        with log.open("w") as f:
+            producer = subprocess.Popen([sys.executable, str(RUN), *args], stdout=f, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 600
+            while not out.exists():
+                assert producer.poll() is None, log.read_text()[-4000:]
+                assert time.monotonic() < deadline, "the producer's generate() did not return"
+                time.sleep(0.2)
+            assert proxy is not None
+            assert proxy.statistics().bytes_forward <= 200_000  # still stalled: the KV is not through
+            proxy.resume()
+            assert producer.wait(600) == 0, log.read_text()[-4000:]
+        finally:
+            if producer.poll() is None:
+                producer.kill()
+                producer.wait(30)
+
+    try:
+        _consume_after_produce(tmp_path, model, "float32", plain_job, producer_job, consumer_job,
+                               producer_port=between, producer_run=produce)
+    finally:
+        if proxy is not None:
+            bridge.run(proxy.close(), 10)
+        bridge.close()
+    plain = [r["tokens"] for r in json.loads((tmp_path / "plain.json").read_text())]
+    got = [r["tokens"] for r in json.loads((tmp_path / "consumer.json").read_text())]
+    assert got == plain  # raw KV, bit-exact, received after the stall
+    assert (tmp_path / "producer.log").read_text().count("kvwire: sent KV of request") == 2
+    assert (tmp_path / "consumer.log").read_text().count("kvwire: received KV of request") == 2

@@ -109,6 +109,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--connector", default="kvwire", choices=["kvwire", "example"])
     ap.add_argument("--seed", type=int, default=0, help="model: the random weights' seed")
     ap.add_argument("--registry", help="kvwire_registry: a Redis URL for prefix-block versions")
+    ap.add_argument("--sync-save", action="store_true", help="kvwire_async_save: false (wait_for_save waits)")
     args = ap.parse_args(argv)
     if args.mode == "model":
         make_model(args.dir, args.dtype, layers=args.layers, hidden=args.hidden, seed=args.seed)
@@ -128,7 +129,9 @@ def main(argv: list[str]) -> int:
         llm = engine(args.dir, args.dtype, cfg)
     else:
         role = "kv_producer" if args.mode == "producer" else "kv_consumer"
-        extra = {"kvwire_registry": args.registry} if args.registry else None
+        extra: dict[str, Any] = {"kvwire_registry": args.registry} if args.registry else {}
+        if args.sync_save:
+            extra["kvwire_async_save"] = False
         llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra))
     if args.mode == "consumer":
         # The server's port (bound as --port says, 0 for a free one), for the producer.
