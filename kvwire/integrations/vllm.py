@@ -14,8 +14,9 @@ exact configuration.
   false``, ``wait_for_save`` waits for the receiver's acknowledgement instead.  A send
   that fails or times out closes the connection before its blocks are reported or
   ``wait_for_save`` returns: nothing reads them after that (the next save connects
-  again).  ``shutdown`` lets the sends in flight finish (each within
-  ``kvwire_load_timeout``) before it closes.
+  again).  A request preempted while its send is in flight waits for that send before
+  the step's forward reuses its blocks (``bind_connector_metadata``).  ``shutdown`` lets
+  the sends in flight finish (each within ``kvwire_load_timeout``) before it closes.
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
   worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
   down to the block size) as an external hit, ``start_load_kv`` names the blocks vLLM
@@ -92,6 +93,8 @@ class KvwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     loads: list[_Move] = field(default_factory=list)
     saves: list[_Move] = field(default_factory=list)
+    #: requests with a send that vLLM preempted in this step (their blocks are reused now)
+    preempted: list[str] = field(default_factory=list)
 
 
 def _split_addr(addr: str) -> tuple[str, int]:
@@ -256,6 +259,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for req_id in list(self._pending_loads):
             if req_id in scheduler_output.finished_req_ids:
                 del self._pending_loads[req_id]
+        meta.preempted = sorted(set(scheduler_output.preempted_req_ids or ()) & self._saving)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -384,6 +388,19 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             handle = self._sending.get(move.req_id)
             if handle is not None:
                 handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Before this step's forward: a preempted request's blocks may be written by it,
+        # so a send still reading them must end first (or be let go of).
+        preempted = [r for r in getattr(connector_metadata, "preempted", ()) if r in self._in_flight]
+        failed = False
+        for req_id in preempted:
+            handle, deadline = self._in_flight.pop(req_id)
+            failed |= not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic()))
+            self._ended.add(req_id)
+        if failed:
+            self._let_go_of_blocks()
 
     def wait_for_save(self) -> None:
         if self._async_save:

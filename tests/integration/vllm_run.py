@@ -89,10 +89,11 @@ def generate(llm: Any, job: list[dict[str, Any]]) -> list[dict[str, Any]]:
             temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True,
             extra_args={"kv_transfer_params": params} if params else None,
         )
+        started = time.time()
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": req["prompt"]}], sp, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        results.append({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds})
+        results.append({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds, "started": started})
     return results
 
 
