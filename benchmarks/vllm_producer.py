@@ -119,8 +119,12 @@ def main() -> None:
                         raise SystemExit(f"{name}: no KV arrived for {missing}, see {tmp}/{name}.log")
                     engine_s[mode].append(statistics.median(x["seconds"] for x in results))
                     through_s[mode].append(max(receiver.done[i] for i in ids) - results[0]["started"])
+                    t0 = results[0]["started"]
+                    starts = " ".join(f"{x['started'] - t0:.1f}" for x in results)
+                    ends = " ".join(f"{receiver.done[i] - t0:.1f}" for i in ids)
                     print(f"round {r} {mode}: {engine_s[mode][-1] * 1e3:.0f} ms per prompt, "
-                          f"all KV through in {through_s[mode][-1]:.2f} s", flush=True)
+                          f"all KV through in {through_s[mode][-1]:.2f} s (prompts started at {starts} s, "
+                          f"their KV acknowledged at {ends} s)", flush=True)
                     kv_bytes = kv_bytes or _kv_bytes(tmp / f"{name}.log")
     finally:
         bridge.run(proxy.close(), 10)
