@@ -24,26 +24,18 @@ import asyncio
 import json
 import random
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from vllm_ttft import _run, make_model  # this script's folder is on sys.path when run
+
 import kvwire
 from kvwire.sync import Bridge
 from kvwire.testing import FaultPlan, FaultProxy, Faults
 
-RUN = Path(__file__).resolve().parents[1] / "tests" / "integration" / "vllm_run.py"
 SECRET = b"integration-test-secret"  # vllm_run.py's
-
-
-def _run(args: list[str], log: Path) -> None:
-    with log.open("w") as f:
-        rc = subprocess.run([sys.executable, str(RUN), *args], stdout=f, stderr=subprocess.STDOUT, check=False).returncode
-    if rc != 0:
-        raise SystemExit(f"{args[0]} failed, see {log}:\n{log.read_text()[-3000:]}")
 
 
 class Receiver:
@@ -98,9 +90,7 @@ def main() -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="kvwire-producer-") as d:
             tmp = Path(d)
-            model = tmp / "model"
-            _run(["model", "--dir", str(model), "--dtype", args.dtype, "--layers", str(args.layers),
-                  "--hidden", str(args.hidden)], tmp / "model.log")
+            model = make_model(tmp, args.dtype, args.layers, args.hidden)
             rng = random.Random(5)
             prompts = [[rng.randrange(512) for _ in range(args.prompt_tokens)] for _ in range(args.prompts + 1)]
             for r in range(args.rounds):

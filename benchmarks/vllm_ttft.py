@@ -43,6 +43,14 @@ def _run(args: list[str], log: Path) -> None:
         raise SystemExit(f"{args[0]} failed, see {log}:\n{log.read_text()[-3000:]}")
 
 
+def make_model(tmp: Path, dtype: str, layers: int, hidden: int) -> Path:
+    """A tiny random Llama written to ``tmp/model`` (``vllm_run.py model``); its path."""
+    model = tmp / "model"
+    _run(["model", "--dir", str(model), "--dtype", dtype, "--layers", str(layers), "--hidden", str(hidden)],
+         tmp / "model.log")
+    return model
+
+
 def _pair(tmp: Path, name: str, common: list[str], consumer_job: list[dict[str, Any]],
           producer_job: list[dict[str, Any]], extra: list[str]) -> list[dict[str, Any]]:
     (tmp / f"{name}_c.json").write_text(json.dumps(consumer_job))
@@ -83,9 +91,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="kvwire-ttft-") as d:
         tmp = Path(d)
-        model = tmp / "model"
-        _run(["model", "--dir", str(model), "--dtype", args.dtype, "--layers", str(args.layers),
-              "--hidden", str(args.hidden)], tmp / "model.log")
+        model = make_model(tmp, args.dtype, args.layers, args.hidden)
         rng = random.Random(3)
 
         def prompt() -> list[int]:

@@ -225,6 +225,19 @@ async def test_chunks_inside_one_block_land_in_it_without_a_scatter(chunk_bytes:
     assert (dest.scattered == 0) == in_place
 
 
+async def _send_into(spec: PagedSpec, src: list[np.ndarray], src_ids: Any, dest: PagedDestination,
+                     **options: Any) -> tuple[Any, int]:
+    """``src``'s blocks sent into ``dest`` over loopback (the destination named before the
+    send begins); the receipt and the number of layers received."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, **options) as peer:
+            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+            await asyncio.sleep(0)
+            receipt = await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids))
+            transfer = await waiting
+            return receipt, len([layer async for layer in transfer])
+
+
 @pytest.mark.parametrize("compiled_queue", [True, False])
 @pytest.mark.parametrize("streams", [1, 3])
 async def test_large_chunks_spanning_blocks_are_read_straight_into_them(
@@ -244,15 +257,8 @@ async def test_large_chunks_spanning_blocks_are_read_straight_into_them(
     src_ids, dst_ids = rng.choice(80, 64, replace=False), rng.choice(80, 64, replace=False)
     dest = CountingDestination(spec, dst, dst_ids)
     before = [c.copy() for c in dst]
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=96 * 1024,
-                                  streams=streams) as peer:
-            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
-            await asyncio.sleep(0)
-            receipt = await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids))
-            transfer = await waiting
-            assert len([layer async for layer in transfer]) == 3
-    assert receipt.chunks > 12
+    receipt, layers = await _send_into(spec, src, src_ids, dest, chunk_bytes=96 * 1024, streams=streams)
+    assert layers == 3 and receipt.chunks > 12
     for li in range(3):
         assert dst[li][dst_ids].tobytes() == src[li][src_ids].tobytes()
         untouched = np.setdiff1d(np.arange(80), dst_ids)
@@ -387,15 +393,8 @@ async def test_quantized_chunks_read_and_land_where_the_blocks_lie(
     rng = np.random.default_rng(18)
     src_ids, dst_ids = rng.choice(40, 24, replace=False), rng.choice(40, 24, replace=False)
     dest = CountingDestination(spec, dst, dst_ids)
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=64 * 1024, streams=2,
-                                  codec=codec) as peer:
-            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
-            await asyncio.sleep(0)
-            receipt = await peer.send("req", spec.wire_spec(), PagedSource(spec, src, src_ids))
-            transfer = await waiting
-            assert len([layer async for layer in transfer]) == 2
-    assert receipt.chunks >= 8 and receipt.codec == codec
+    receipt, layers = await _send_into(spec, src, src_ids, dest, chunk_bytes=64 * 1024, streams=2, codec=codec)
+    assert layers == 2 and receipt.chunks >= 8 and receipt.codec == codec
     c = get_codec(codec)
     assert isinstance(c, Fp8Codec | Int8Codec)
     for li in range(2):
