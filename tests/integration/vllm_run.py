@@ -44,7 +44,7 @@ def make_model(directory: Path, dtype: str, *, layers: int = 4, hidden: int = 25
     model.save_pretrained(directory)
 
 
-def connector_config(role: str, port: int, extra: dict[str, Any] | None = None) -> Any:
+def connector_config(role: str, port: int, extra: dict[str, Any] | None = None, peer_host: str = "127.0.0.1") -> Any:
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(
@@ -54,7 +54,7 @@ def connector_config(role: str, port: int, extra: dict[str, Any] | None = None) 
         kv_load_failure_policy="recompute",  # a KV load that fails is recomputed, not fatal
         kv_connector_extra_config={
             "kvwire_listen": f"127.0.0.1:{port}",
-            "kvwire_peer": f"127.0.0.1:{port}",
+            "kvwire_peer": f"{peer_host}:{port}",
             "kvwire_secret": SECRET,
             # The consumer generates only after the producer's sends were acknowledged, so
             # every cache is already there; a request whose KV never comes waits this long.
@@ -111,6 +111,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, help="model: the random weights' seed")
     ap.add_argument("--registry", help="kvwire_registry: a Redis URL for prefix-block versions")
     ap.add_argument("--sync-save", action="store_true", help="kvwire_async_save: false (wait_for_save waits)")
+    ap.add_argument("--peer-host", default="127.0.0.1", help="producer: the consumer's kvwire server address")
     args = ap.parse_args(argv)
     if args.mode == "model":
         make_model(args.dir, args.dtype, layers=args.layers, hidden=args.hidden, seed=args.seed)
@@ -133,7 +134,7 @@ def main(argv: list[str]) -> int:
         extra: dict[str, Any] = {"kvwire_registry": args.registry} if args.registry else {}
         if args.sync_save:
             extra["kvwire_async_save"] = False
-        llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra))
+        llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra, args.peer_host))
     if args.mode == "consumer":
         # The server's port (bound as --port says, 0 for a free one), for the producer.
         from vllm.distributed.kv_transfer import get_kv_transfer_group
