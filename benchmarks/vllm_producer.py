@@ -14,10 +14,11 @@ this process (``--link proxy``, :class:`kvwire.testing.FaultProxy`: Python, so i
 the CPU with the engine), or by the kernel (``--link veth``, root: producer and server in
 two network namespaces joined by a veth pair shaped by ``tc tbf``,
 :class:`kvwire.bench.netns.NetnsLink`).  Per round, one producer process per mode, in
-turn, prefills the same prompts one ``generate(max_tokens=1)`` at a time (the first is a
-warm-up and not counted).  Reported per mode, medians over rounds: the engine's seconds
-per prompt (what ``generate()`` took: prefill, plus the wait for the send when it waits)
-and the seconds from the first counted prompt's start to the last one's KV acknowledged.
+turn, prefills the same prompts one ``generate(max_tokens=1)`` at a time.  Reported per mode,
+medians over rounds: the engine's seconds per prompt (what ``generate()`` took: prefill,
+plus the wait for the send when it waits; the first prompt, a warm-up, not counted) and
+the seconds from the first prompt's start to the last one's KV acknowledged (all
+prompts, the warm-up's KV included).
 """
 
 from __future__ import annotations
@@ -144,13 +145,15 @@ def report(args: argparse.Namespace, tmp: Path, receiver: Receiver, where: list[
                 ).returncode
             if rc != 0:
                 raise SystemExit(f"producer failed:\n{log.read_text()[-3000:]}")
-            results = json.loads((tmp / f"{name}.out").read_text())[1:]
-            ids = [f"{name}-{i}" for i in range(1, len(prompts))]
+            results = json.loads((tmp / f"{name}.out").read_text())
+            ids = [f"{name}-{i}" for i in range(len(prompts))]
             done = receiver.done
             missing = [i for i in ids if i not in done]
             if missing:
                 raise SystemExit(f"{name}: no KV arrived for {missing}:\n{log.read_text()[-3000:]}")
-            engine_s[mode].append(statistics.median(x["seconds"] for x in results))
+            engine_s[mode].append(statistics.median(x["seconds"] for x in results[1:]))
+            # From the warm-up's start: going on, the warm-up's KV is still on the wire when
+            # the first counted prompt starts (waiting, it is not), and the link is FIFO.
             t0 = results[0]["started"]
             through_s[mode].append(max(done[i] for i in ids) - t0)
             starts = " ".join(f"{x['started'] - t0:.1f}" for x in results)
