@@ -1,0 +1,168 @@
+"""The vLLM connector's producer side driven step by step, as vLLM's worker drives it, with
+real torch caches, a real kvwire server and a proxy that stalls the path: when a send's
+blocks are given back to vLLM and when nothing reads them any more.  (A real engine runs
+in test_vllm.py; a preemption while a send is in flight cannot be placed there at will.)
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvwire.errors import KvwireError
+from kvwire.paged import PagedSpec, gather_layer, host_view
+from kvwire.sync import Bridge, SyncServer
+from kvwire.testing import FaultPlan, FaultProxy, Faults
+
+with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = "connector-test-secret"
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+BLOCKS = list(range(3, 259))  # 256 blocks of 32 KiB per layer: 32 MiB in all, more than socket buffers hold
+STALL_AT = 64 * 1024
+
+
+@pytest.fixture
+def path() -> Iterator[tuple[SyncServer, FaultProxy, Bridge]]:
+    """A kvwire server behind a proxy that stalls the producer's bytes after 64 KiB, until resumed."""
+    bridge = Bridge("stall-proxy")
+    server = SyncServer(secret=SECRET.encode())
+    stall = FaultPlan(forward=Faults(stall_at=STALL_AT))
+    proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: stall)
+    bridge.run(proxy.start(), 10)
+    try:
+        yield server, proxy, bridge
+    finally:
+        bridge.run(proxy.close(), 10)
+        server.close()
+        bridge.close()
+
+
+def resume_once_stalled(proxy: FaultProxy, bridge: Bridge, after: float = 0.0) -> None:
+    """Resume the path once its stall began (a resume before it would not end it), ``after``
+    seconds later, on the proxy's loop."""
+    for _ in range(600):
+        if proxy.statistics().stalls:
+            break
+        threading.Event().wait(0.05)
+    assert proxy.statistics().stalls == 1, "the path never stalled"
+    threading.Event().wait(after)
+    bridge.call_soon(proxy.resume)
+
+
+def producer(port: int, load_timeout: float) -> tuple[KvwireConnector, KvwireConnector, list[torch.Tensor]]:
+    """The scheduler-side and worker-side connectors of a producer, the worker's caches registered."""
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm",
+            kv_role="kv_producer",
+            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_peer": f"127.0.0.1:{port}",
+                                       "kvwire_load_timeout": load_timeout},
+        ),
+        cache_config=CacheConfig(block_size=16),
+    )
+    scheduler = KvwireConnector(cfg, KVConnectorRole.SCHEDULER)
+    worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn((300, 2, 16, 256), generator=gen) for _ in LAYERS]  # 32 KiB blocks
+    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
+    return scheduler, worker, caches
+
+
+def step(worker: KvwireConnector, meta: KvwireConnectorMetadata, caches: list[torch.Tensor] | None) -> None:
+    """One engine step: the metadata bound, the forward (each layer saved), wait_for_save."""
+    worker.bind_connector_metadata(meta)
+    if caches is not None:
+        for name, cache in zip(LAYERS, caches, strict=True):
+            worker.save_kv_layer(name, cache, None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def sent_layers(caches: list[torch.Tensor]) -> list[tuple[np.ndarray, np.ndarray]]:
+    spec = PagedSpec.of(caches[0], num_layers=len(caches))
+    return [tuple(np.array(a) for a in gather_layer(spec, host_view(c, "float32"), BLOCKS)) for c in caches]  # type: ignore[misc]
+
+
+def received(handle: Any) -> list[tuple[bytes, bytes]]:
+    layers = [handle.wait_layer(i, timeout=30) for i in range(len(LAYERS))]
+    return [(np.asarray(layer.k).tobytes(), np.asarray(layer.v).tobytes()) for layer in layers]
+
+
+def test_blocks_are_kept_until_the_send_ended(path: Any) -> None:
+    """The engine's step returns with the send in flight (the path stalled); the request,
+    finished, is not reported while its send reads the blocks, and is once the receiver
+    acknowledged every byte."""
+    server, proxy, bridge = path
+    scheduler, worker, caches = producer(proxy.port, load_timeout=60)
+    handle = server.expect("kept")
+    want = [(k.tobytes(), v.tobytes()) for k, v in sent_layers(caches)]
+    try:
+        scheduler._saving.add("r1")  # what build_connector_meta records when it schedules the save
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "kept", BLOCKS)]), caches)
+        assert proxy.statistics().bytes_forward <= STALL_AT  # the step returned, the send in flight
+        assert worker.get_finished({"r1"}) == (None, None)  # the request finished; its send has not
+        assert scheduler.request_finished(_Request("r1"), BLOCKS) == (True, None)  # vLLM keeps the blocks
+        resume_once_stalled(proxy, bridge)
+        assert received(handle) == want
+        finished: set[str] = set()
+        for _ in range(300):
+            done, _ = worker.get_finished(set())
+            finished |= done or set()
+            if finished:
+                break
+            threading.Event().wait(0.05)
+        assert finished == {"r1"}
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("ends", [True, False])
+def test_a_preempted_requests_send_ends_before_the_forward_reuses_its_blocks(path: Any, ends: bool) -> None:
+    """vLLM preempts a request whose send is in flight: the next step's forward writes its
+    blocks.  Binding that step's metadata waits for the send: if the path resumes in time
+    the receiver gets the blocks as they were; if not, the send is let go of (the
+    connection closed) and no transfer completes with the overwritten blocks, even once
+    the path resumes."""
+    server, proxy, bridge = path
+    scheduler, worker, caches = producer(proxy.port, load_timeout=30 if ends else 1)
+    handle = server.expect("preempted")
+    want = [(k.tobytes(), v.tobytes()) for k, v in sent_layers(caches)]
+    try:
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r2", "preempted", BLOCKS)]), caches)
+        assert proxy.statistics().bytes_forward <= STALL_AT
+        if ends:
+            threading.Thread(target=resume_once_stalled, args=(proxy, bridge, 0.5)).start()  # while the step waits
+        worker.bind_connector_metadata(KvwireConnectorMetadata(preempted=["r2"]))
+        for cache in caches:  # the forward of the step that preempted r2 reuses its blocks
+            cache[BLOCKS] = 7.0
+        worker.clear_connector_metadata()
+        if ends:
+            assert received(handle) == want
+        else:
+            resume_once_stalled(proxy, bridge)
+            with pytest.raises(KvwireError):
+                handle.wait(5)
+            assert handle.layers_done() < len(LAYERS)
+    finally:
+        worker.shutdown()
+
+
+class _Request:
+    """What request_finished reads of a vLLM request."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
