@@ -138,7 +138,7 @@ def test_a_preempted_requests_send_ends_before_the_forward_reuses_its_blocks(pat
     connection closed) and no transfer completes with the overwritten blocks, even once
     the path resumes."""
     server, proxy, bridge = path
-    scheduler, worker, caches = producer(proxy.port, load_timeout=30 if ends else 1)
+    _, worker, caches = producer(proxy.port, load_timeout=30 if ends else 1)
     handle = server.expect("preempted")
     want = [(k.tobytes(), v.tobytes()) for k, v in sent_layers(caches)]
     try:
