@@ -98,7 +98,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
 
-    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kvwire-producer-") as d:
+    with tempfile.TemporaryDirectory(prefix="kvwire-producer-") as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
         if args.link == "veth":
             from kvwire.bench.netns import NetnsLink
