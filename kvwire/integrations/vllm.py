@@ -12,9 +12,10 @@ exact configuration.
   returns True) until ``get_finished`` reports the send ended, acknowledged or let go of,
   so vLLM goes on with its next step while the KV drains.  With ``kvwire_async_save:
   false``, ``wait_for_save`` waits for the receiver's acknowledgement instead.  A send
-  that fails or times out closes the connection before its blocks are reported or
-  ``wait_for_save`` returns: nothing reads them after that (the next save connects
-  again).  A request preempted while its send is in flight waits for that send before
+  that fails, or does not end within ``kvwire_load_timeout`` of its turn (its step, or
+  the end of the send before it: sends go first come, first served), closes the
+  connection before its blocks are reported or ``wait_for_save`` returns: nothing reads
+  them after that (the next save connects again).  A request preempted while its send is in flight waits for that send before
   the step's forward reuses its blocks (``bind_connector_metadata``).  ``shutdown`` lets
   the sends in flight finish (each within ``kvwire_load_timeout``) before it closes.
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
@@ -161,10 +162,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._peer: SyncPeer | None = None
         self._loading: dict[str, tuple[ReceiveHandle, list[int]]] = {}
         self._sending: dict[str, SendHandle] = {}  # sends begun in this step
-        # async save: sends past their step (with the time they must end by), sends that
-        # ended (acknowledged, failed and let go of, or never begun) and finished requests
-        # whose send has not ended yet
+        # async save: sends past their step, oldest first (with the time their step ended),
+        # sends that ended (acknowledged, failed and let go of, or never begun) and finished
+        # requests whose send has not ended yet.  Sends on one connection go first come,
+        # first served, so only the oldest can be late: it has kvwire_load_timeout from its
+        # step or from the end of the send before it, whichever came later.
         self._in_flight: dict[str, tuple[SendHandle, float]] = {}
+        self._last_end = 0.0
         self._ended: set[str] = set()
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
@@ -396,16 +400,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         preempted = [r for r in getattr(connector_metadata, "preempted", ()) if r in self._in_flight]
         failed = False
         for req_id in preempted:
-            handle, deadline = self._in_flight.pop(req_id)
-            failed |= not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic()))
+            handle, _ = self._in_flight.pop(req_id)
+            failed |= not self._ended_well(req_id, handle, self._timeout)
             self._ended.add(req_id)
         if failed:
             self._let_go_of_blocks()
 
     def wait_for_save(self) -> None:
         if self._async_save:
-            deadline = time.monotonic() + self._timeout
-            self._in_flight.update((req_id, (handle, deadline)) for req_id, handle in self._sending.items())
+            now = time.monotonic()
+            self._in_flight.update((req_id, (handle, now)) for req_id, handle in self._sending.items())
             self._sending.clear()
             if self._producer and self._spec is not None:
                 # a scheduled save that never began (its blocks could not be named) has ended
@@ -434,13 +438,20 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return True
 
     def _reap(self) -> None:
-        """Async save: the sends that ended (or are past their time) leave the flight;
-        any that did not end acknowledged lets go of every block."""
+        """Async save: the sends that ended leave the flight, and the oldest too once it is
+        past its time; any that did not end acknowledged lets go of every block."""
         now = time.monotonic()
         failed = False
-        for req_id, (handle, deadline) in list(self._in_flight.items()):
-            if handle.done or now >= deadline:
+        for req_id, (handle, _) in list(self._in_flight.items()):
+            if handle.done:
                 failed |= not self._ended_well(req_id, handle, 0)
+                del self._in_flight[req_id]
+                self._ended.add(req_id)
+                self._last_end = now
+        if self._in_flight and not failed:
+            req_id, (handle, since) = next(iter(self._in_flight.items()))
+            if now >= max(since, self._last_end) + self._timeout:
+                failed = not self._ended_well(req_id, handle, 0)  # a timeout, unless it just ended
                 del self._in_flight[req_id]
                 self._ended.add(req_id)
         if failed:
@@ -493,9 +504,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         failed = False
-        for req_id, (handle, deadline) in list(self._in_flight.items()):  # let them finish
-            failed |= not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic()))
+        for req_id, (handle, _) in list(self._in_flight.items()):  # let them finish, oldest first
+            failed = not self._ended_well(req_id, handle, self._timeout)
             del self._in_flight[req_id]
+            if failed:
+                break
         if failed:
             self._let_go_of_blocks()
         if self._peer is not None:

@@ -161,6 +161,44 @@ def test_a_preempted_requests_send_ends_before_the_forward_reuses_its_blocks(pat
         worker.shutdown()
 
 
+def test_sends_queued_behind_others_have_their_time_from_their_turn() -> None:
+    """Going on, the engine can queue sends faster than the link carries them; they go
+    first come, first served.  ``kvwire_load_timeout`` bounds each from its turn (its step,
+    or the end of the send before it), not from its step: eight sends of 8 MiB over a
+    path capped at 16 MiB/s (half a second each) with a 3 s timeout all arrive intact,
+    though the last waits well over 3 s behind the others, and none is let go of."""
+    bridge = Bridge("rate-proxy")
+    server = SyncServer(secret=SECRET.encode())
+    capped = FaultPlan(forward=Faults(rate_bps=16 * 2**20 * 8))
+    proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: capped)
+    bridge.run(proxy.start(), 10)
+    _, worker, caches = producer(proxy.port, load_timeout=3)
+    blocks = BLOCKS[:64]  # 8 MiB per request over the four layers
+    names = [f"queued-{i}" for i in range(8)]
+    handles = [server.expect(name) for name in names]
+    try:
+        for i, name in enumerate(names):
+            step(worker, KvwireConnectorMetadata(saves=[_Move(f"r{i}", name, blocks)]), caches)
+        finished: set[str] = set()
+        for _ in range(600):
+            done, _ = worker.get_finished({f"r{i}" for i in range(8)} if not finished else set())
+            finished |= done or set()
+            if len(finished) == 8:
+                break
+            threading.Event().wait(0.05)
+        assert finished == {f"r{i}" for i in range(8)}
+        assert worker._peer is not None  # never let go of: no send was late
+        spec = PagedSpec.of(caches[0], num_layers=len(caches))
+        want = [tuple(np.array(a).tobytes() for a in gather_layer(spec, host_view(c, "float32"), blocks)) for c in caches]
+        for handle in handles:
+            assert received(handle) == want
+    finally:
+        worker.shutdown()
+        bridge.run(proxy.close(), 10)
+        server.close()
+        bridge.close()
+
+
 class _Request:
     """What request_finished reads of a vLLM request."""
 
