@@ -17,6 +17,7 @@ from typing import Any
 from kvwire.codec import EncodedChunk, TensorKind, numpy_dtype
 from kvwire.control import CodecChooser
 from kvwire.paged import BlockRows
+from kvwire.wire.frames import payload_nbytes
 
 #: Chunks of a host array submitted for encoding before the consumer takes them
 ENCODE_AHEAD = 2
@@ -27,8 +28,7 @@ Part = tuple[TensorKind, Any, list[tuple[int, int]]]
 
 
 def payload_size(enc: Any) -> int:
-    parts = enc.payload if isinstance(enc.payload, tuple) else (enc.payload,)
-    return sum(int(p.nbytes) if hasattr(p, "nbytes") else len(p) for p in parts)
+    return payload_nbytes(enc.payload)
 
 
 def encode_host(codec: Any, x: Any, kind: TensorKind) -> Any:

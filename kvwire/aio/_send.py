@@ -36,6 +36,7 @@ from kvwire.session.options import Receipt
 from kvwire.session.sender import SenderCore, TransferDone
 from kvwire.spec import KVSpec
 from kvwire.wire import KIND_KV, BlockVersion, Chunk, plan_chunks
+from kvwire.wire.frames import payload_parts
 
 if TYPE_CHECKING:
     from kvwire.aio.client import Peer
@@ -222,10 +223,6 @@ async def send(
     )
 
 
-def _parts(payload: Any) -> tuple[Any, ...]:
-    return payload if isinstance(payload, tuple) else (payload,)
-
-
 def _granted(core: SenderCore, tid: int, layer: int) -> Callable[[], bool]:
     return lambda: core.layer_limit(tid) > layer
 
@@ -268,7 +265,7 @@ async def _send_layer(
         if chosen.name == "raw":
             payload = tuple(
                 b for x, kind in ((k, TensorKind.K), (v, TensorKind.V))
-                for b in _parts(encode_host(chosen, x, kind).payload)
+                for b in payload_parts(encode_host(chosen, x, kind).payload)
             )
             used["raw"] = used.get("raw", 0) + 1
             core.add_chunk(tid, Chunk(transfer_id=tid, layer=index, kind=KIND_KV, codec_id=chosen.codec_id,

@@ -55,9 +55,9 @@ from kvwire.wire.frames import (
     KIND_KV,
     KV_CHUNK_VERSION,
     Buffer,
-    ByteRanges,
     CheckedPayload,
     encode_body,
+    payload_nbytes,
     plain_parts,
 )
 
@@ -442,9 +442,7 @@ class SenderCore:
             return
         if chunk.kind == KIND_KV and not self.kv_chunks:
             raise UsageError(f"a KV chunk needs protocol version {KV_CHUNK_VERSION}; the session speaks {self.version}")
-        payload = chunk.payload
-        parts = payload if isinstance(payload, tuple) else (payload,)
-        size = chunk_frame_size(len(chunk.params), sum(_nbytes(p) for p in parts))
+        size = chunk_frame_size(len(chunk.params), payload_nbytes(chunk.payload))
         t.queue.append((chunk, size, kv_bytes))
         t.queued_bytes += size
         self._adding = chunk.address
@@ -752,14 +750,6 @@ class SenderCore:
             s.open = False
             if s.conn is not None and s.conn.closed_event is None:
                 s.conn.close(ErrorCode.NO_ERROR, "client closing")
-
-
-def _nbytes(buffer: Buffer | ByteRanges) -> int:
-    """Bytes of ``buffer`` (an array's nbytes, not its len; byte ranges' sum)."""
-    if isinstance(buffer, ByteRanges):
-        return buffer.nbytes
-    nbytes = getattr(buffer, "nbytes", None)
-    return len(buffer) if nbytes is None else int(nbytes)
 
 
 def begin_fields(meta: object, blocks: Iterable[tuple[Any, int]] | None) -> tuple[bytes, tuple[BlockVersion, ...]]:

@@ -60,7 +60,7 @@ def _crc32c_scatter(buffers: Sequence[Any], nbytes: int, value: int = 0, /) -> t
         index += 1
     if left > 0:
         raise ValueError(f"crc32c_scatter(): the buffers hold fewer than {nbytes} bytes")
-    return crc32c(b"", crc), index, 0
+    return crc, index, 0
 
 
 #: ``crc32c_scatter(buffers, nbytes, value=0) -> (crc, index, offset)``: the CRC32C of

@@ -166,10 +166,8 @@ class Chunk:
     def payload_buffer(self) -> Buffer:
         """The payload as one buffer: a received chunk's as it is, one given in parts joined."""
         payload = self.payload
-        if isinstance(payload, ByteRanges):
-            payload = (payload,)
-        if isinstance(payload, tuple):
-            return b"".join(v for p in payload for v in _buffers(p))
+        if isinstance(payload, (tuple, ByteRanges)):
+            return b"".join(v for p in payload_parts(payload) for v in _buffers(p))
         return payload
 
     @property
@@ -404,6 +402,24 @@ Payload = Union[Buffer, ByteRanges, tuple[Union[Buffer, ByteRanges], ...]]
 """A CHUNK's payload: one buffer, byte ranges of one, or parts of either kind in order."""
 
 
+def payload_parts(payload: Payload) -> tuple[Buffer | ByteRanges, ...]:
+    """A payload's parts in order (one for a payload given whole)."""
+    return payload if isinstance(payload, tuple) else (payload,)
+
+
+def payload_nbytes(payload: Payload) -> int:
+    """Bytes of a payload, whatever its parts (an array's ``nbytes``, not its ``len``;
+    byte ranges' sum)."""
+    total = 0
+    for part in payload_parts(payload):
+        if isinstance(part, ByteRanges):
+            total += part.nbytes
+            continue
+        nbytes = getattr(part, "nbytes", None)
+        total += len(part) if nbytes is None else int(nbytes)
+    return total
+
+
 def _buffers(part: Buffer | ByteRanges) -> list[memoryview]:
     """A payload part as byte views (one, or one per range)."""
     if isinstance(part, ByteRanges):
@@ -439,8 +455,7 @@ def _chunk_head(frame: Chunk) -> list[Buffer]:
 def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
     """The frame type and body parts of ``frame`` (payloads are not copied)."""
     if isinstance(frame, Chunk):
-        payload = frame.payload if isinstance(frame.payload, tuple) else (frame.payload,)
-        return FrameType.CHUNK, [*_chunk_head(frame), *(v for p in payload for v in _buffers(p))]
+        return FrameType.CHUNK, [*_chunk_head(frame), *(v for p in payload_parts(frame.payload) for v in _buffers(p))]
     if isinstance(frame, Ack):
         return FrameType.ACK, [_ACK.pack(frame.transfer_id, frame.layer, frame.kind, frame.token_start)]
     if isinstance(frame, Credit):
@@ -598,9 +613,7 @@ def encode_chunk_checked_as_written(chunk: Chunk) -> list[Buffer | CheckedPayloa
     """A CHUNK frame as :func:`encode_frame` gives it, except that a payload of at least
     :data:`CHECK_AS_WRITTEN` bytes and the trailer are one :class:`CheckedPayload` (its
     :class:`ByteRanges` parts kept as they are)."""
-    payload = chunk.payload
-    parts = payload if isinstance(payload, tuple) else (payload,)
-    views = [p if isinstance(p, ByteRanges) else _byte_view(p) for p in parts]
+    views = [p if isinstance(p, ByteRanges) else _byte_view(p) for p in payload_parts(chunk.payload)]
     size = sum(v.nbytes for v in views)
     head = _chunk_head(chunk)
     if size < CHECK_AS_WRITTEN:
@@ -1214,5 +1227,7 @@ __all__ = [
     "decode_body",
     "encode_frame",
     "frame_bytes",
+    "payload_nbytes",
+    "payload_parts",
     "scatter_nbytes",
 ]
