@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kvwire
 from kvwire._extensions import extensions_disabled
 from kvwire.aio import _stream
-from kvwire.codec import Fp8Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
+from kvwire.codec import Fp8Codec, Int4Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
 from kvwire.errors import ErrorCode, KvwireError, UsageError
 from kvwire.paged import BlockRows, PagedDestination, PagedSource, PagedSpec, gather_layer
 from tests.conftest import SECRET
@@ -371,15 +371,16 @@ def test_block_rows_are_the_gathered_layer_sent_from_the_blocks(shape: tuple[int
 # With KVWIRE_NO_EXTENSIONS=1 only the numpy path exists; otherwise the compiled case runs
 # (and fails if the extension was not built, as test_extension_was_built does).
 @pytest.mark.parametrize("compiled", [False] if extensions_disabled() else [True, False])
-@pytest.mark.parametrize("codec", ["fp8", "int8"])
+@pytest.mark.parametrize("codec", ["fp8", "int8", "int4", "int8+zstd"])
 async def test_quantized_chunks_read_and_land_where_the_blocks_lie(
     codec: str, compiled: bool, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """fp8 and int8 chunks over many blocks are quantized from the sender's blocks where
-    they lie and decoded straight into the receiver's (the compiled row loops over byte
-    ranges): no gather, no decode elsewhere and scatter.  Without the extension both sides
-    gather and scatter instead.  Either way each block holds exactly the codec's round trip
-    of its rows."""
+    """fp8, int8 and int4 chunks (and behind an entropy stage) over many blocks are
+    quantized from the sender's blocks where they lie and decoded straight into the
+    receiver's (the compiled loops over byte ranges): no gather, no decode elsewhere and
+    scatter.  Without the extension both sides gather and scatter instead.  Either way
+    each block holds exactly the codec's round trip of its rows (chunks are whole int4
+    K groups of 32 rows, so the layer's round trip is the chunks')."""
     if not compiled:
         monkeypatch.setattr(_host, "ext", None)
     else:
@@ -397,8 +398,8 @@ async def test_quantized_chunks_read_and_land_where_the_blocks_lie(
     dest = CountingDestination(spec, dst, dst_ids)
     receipt, layers = await _send_into(spec, src, src_ids, dest, chunk_bytes=64 * 1024, streams=2, codec=codec)
     assert layers == 2 and receipt.chunks >= 8 and receipt.codec == codec
-    c = get_codec(codec)
-    assert isinstance(c, Fp8Codec | Int8Codec)
+    c = get_codec(codec.partition("+")[0])
+    assert isinstance(c, Fp8Codec | Int8Codec | Int4Codec)
     for li in range(2):
         got = gather_layer(spec, dst[li], dst_ids)
         for kind, rows in enumerate(np.asarray(a) for a in gather_layer(spec, src[li], src_ids)):

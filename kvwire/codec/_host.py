@@ -203,6 +203,57 @@ def int4_encode(
     return payload
 
 
+def _int4_ranges_fit(base: memoryview, spans: Any, shape: tuple[int, int, int], name: str) -> bool:
+    """Whether the int4 loops can run over ``spans`` of ``base``: an even number of
+    elements per token (every piece's codes start on a byte), whole tokens per range, and a
+    base aligned to the element size."""
+    item = numpy_dtype(name).itemsize
+    hd = shape[1] * shape[2]
+    sizes = np.frombuffer(spans, np.int64)[1::2]
+    return hd % 2 == 0 and _aligned(base, item) and not np.any(sizes % (hd * item))
+
+
+def int4_encode_at(
+    base: memoryview, spans: Any, shape: tuple[int, int, int], name: str, group: int, is_v: bool, ngroups: int
+) -> np.ndarray[Any, Any] | None:
+    """int4 payload of the tokens of a ``[tokens, heads, dim]`` chunk that lie at byte
+    ranges of ``base`` (``spans``: int64 ``(start, size)`` pairs, in order), read where
+    they lie; None when the loops cannot (:func:`_int4_ranges_fit`; the caller gathers)."""
+    assert ext is not None
+    if not _int4_ranges_fit(base, spans, shape, name):
+        return None
+    n = shape[0] * shape[1] * shape[2]
+    payload = np.empty(8 * ngroups + n // 2, np.uint8)
+    status = ext.int4_encode(
+        base, _DTYPE_CODE[name], *shape, group, is_v,
+        payload[: 4 * ngroups], payload[4 * ngroups : 8 * ngroups], payload[8 * ngroups :], spans,
+    )
+    if status == _RANGE:
+        # as int4_encode: NaN/inf anywhere is refused before any group's range
+        pairs = np.frombuffer(spans, np.int64).reshape(-1, 2).tolist()
+        rows = np.concatenate([np.frombuffer(base[s : s + k], np.uint8) for s, k in pairs])
+        nm.check_finite_magnitudes(nm.magnitude_bits(rows.view(numpy_dtype(name)), name), name, "int4")
+    if status:
+        _raise(status, "int4")
+    return payload
+
+
+def int4_decode_at(
+    bufs: list[memoryview], shape: tuple[int, int, int], group: int, is_v: bool, dtype: str,
+    base: memoryview, spans: Any,
+) -> bool:
+    """Decode int4 ``[scales, minimums, codes]`` straight into the byte ranges of ``base``
+    where the tokens go (``spans`` as for :func:`int4_encode_at`); False, with nothing
+    written, when the loops cannot."""
+    assert ext is not None
+    if not _int4_ranges_fit(base, spans, shape, dtype):
+        return False
+    status = ext.int4_decode(bufs[0], bufs[1], bufs[2], *shape, group, is_v, _DTYPE_CODE[dtype], base, spans)
+    if status:
+        _raise(status, "int4", dtype)
+    return True
+
+
 def int4_decode(
     bufs: list[memoryview],
     shape: tuple[int, int, int],

@@ -1835,6 +1835,14 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
     return ok ? PyLong_FromLong(st) : NULL;
 }
 
+/* int4 over ranges needs an even number of elements per token, so that every piece's
+ * codes start on a byte. */
+static int int4_spans_fit(Py_buffer* spans, idx hd) {
+    if (spans->obj == NULL || hd % 2 == 0) return 1;
+    PyErr_SetString(PyExc_ValueError, "int4 over ranges needs an even number of elements per token");
+    return 0;
+}
+
 static idx int4_groups(idx tokens, idx heads, idx dim, idx group, int is_v) {
     return is_v ? tokens * heads * ((dim + group - 1) / group)
                 : ((tokens + group - 1) / group) * heads * dim;
@@ -1852,28 +1860,84 @@ static const i4_dec_fn I4_DEC_AVX2[3] = {int4_decode_avx2_F16, int4_decode_avx2_
 static const i4_enc_fn I4_ENC_AVX512[3] = {int4_encode_avx512_F16, int4_encode_avx512_BF16, int4_encode_avx512_F32};
 #endif
 
-/* int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed) -> status */
+/* int4 over ranges: the chunk's tokens lie at byte ranges of a buffer (whole tokens, in
+ * order; the rows of a paged cache's blocks).  The loops above run piece by piece where
+ * the tokens lie: a V row, and a K group inside one range, is read (or written) in place;
+ * only a K group across two ranges goes through a scratch group of tokens.  Every piece
+ * starts on a K group and, with heads * dim even, on a byte of codes, so its scales,
+ * minimums and codes are the payload's from that point on. */
+typedef struct {
+    const row_ranges* rr;
+    idx rows, row_bytes; /* the chunk's tokens, bytes of one */
+    idx i;               /* the range the next token lies in */
+    idx off, left;       /* its byte offset, and the tokens left in the range from it */
+} token_cursor;
+
+static void cursor_start(token_cursor* c, const row_ranges* rr, idx rows, idx row_bytes) {
+    c->rr = rr;
+    c->rows = rows;
+    c->row_bytes = row_bytes;
+    c->i = 0;
+    range_at(rr, 0, rows, row_bytes, &c->off, &c->left);
+}
+
+/* Move past n tokens; with buf, copy them from the buffer into buf (gather) or, with
+ * scatter, from buf into the buffer. */
+static void cursor_move(token_cursor* c, char* base, char* buf, idx n, int scatter) {
+    while (n > 0) {
+        const idx k = n < c->left ? n : c->left;
+        const size_t bytes = (size_t)(k * c->row_bytes);
+        if (buf != NULL) {
+            if (scatter) memcpy(base + c->off, buf, bytes);
+            else memcpy(buf, base + c->off, bytes);
+            buf += bytes;
+        }
+        c->off += k * c->row_bytes;
+        c->left -= k;
+        n -= k;
+        if (c->left == 0 && ++c->i < c->rr->n) range_at(c->rr, c->i, c->rows, c->row_bytes, &c->off, &c->left);
+    }
+}
+
+/* The next piece of the rest of the chunk: its tokens, and whether they lie in one range. */
+static idx next_piece(const token_cursor* c, idx rest, idx group, int is_v, int* in_place) {
+    *in_place = 1;
+    if (is_v || c->left >= rest) return c->left < rest ? c->left : rest;
+    if (c->left >= group) return c->left / group * group;
+    *in_place = 0;
+    return group < rest ? group : rest;
+}
+
+/* The payload's offsets where a piece starting at token t begins: groups and code bytes. */
+static idx int4_groups_before(idx t, idx heads, idx dim, idx group, int is_v) {
+    return is_v ? t * heads * ((dim + group - 1) / group) : t / group * heads * dim;
+}
+
+/* int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed[, spans])
+ * -> status; with spans (whole tokens, heads * dim even) x is the buffer they lie in */
 static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
     int dt, is_v, st = KV_OK;
     idx tokens, heads, dim, group;
-    Py_buffer x, sc, mn, pk;
+    Py_buffer x, sc, mn, pk, spans = {0};
+    row_ranges rr;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*innnnpw*w*w*", &x, &dt, &tokens, &heads, &dim, &group, &is_v,
-                          &sc, &mn, &pk))
+    if (!PyArg_ParseTuple(args, "y*innnnpw*w*w*|y*", &x, &dt, &tokens, &heads, &dim, &group, &is_v,
+                          &sc, &mn, &pk, &spans))
         return NULL;
     int ok = check_dt(dt) && check_sizes(tokens, heads) && check_sizes(tokens * heads, dim) &&
-             check_sizes(group, 1);
+             check_sizes(group, 1) && int4_spans_fit(&spans, heads * dim);
     if (ok) {
         idx n = tokens * heads * dim, g = int4_groups(tokens, heads, dim, group, is_v);
-        ok = need(&x, n * itemsize(dt), "input") && need(&sc, 4 * g, "scales") &&
-             need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes");
+        ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
+             parse_ranges(&spans, &x, "input", tokens, heads * dim * itemsize(dt), itemsize(dt), &rr);
     }
     if (ok) {
-        idx hd = heads * dim;
+        const idx hd = heads * dim, tb = hd * itemsize(dt);
         float* lo = (float*)malloc(sizeof(float) * (size_t)(3 * hd + 3));
         kv_u32* keys = (kv_u32*)malloc(sizeof(kv_u32) * (size_t)(2 * hd + 2));
         kv_u8* tmp = (kv_u8*)malloc((size_t)hd + 1);
-        if (lo == NULL || keys == NULL || tmp == NULL) {
+        char* group_buf = spans.obj != NULL && !is_v ? (char*)malloc((size_t)(group * tb)) : NULL;
+        if (lo == NULL || keys == NULL || tmp == NULL || (spans.obj != NULL && !is_v && group_buf == NULL)) {
             st = KV_E_NOMEM;
         } else {
             i4_enc_fn fn = I4_ENC[dt];
@@ -1882,44 +1946,60 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
             if (kv_simd >= SIMD_AVX512) fn = I4_ENC_AVX512[dt];
 #endif
             Py_BEGIN_ALLOW_THREADS
-            st = fn(x.buf, tokens, heads, dim, group, is_v, (kv_u8*)sc.buf, (kv_u8*)mn.buf,
-                    (kv_u8*)pk.buf, lo, lo + hd + 1, keys, tmp, lo + 2 * hd + 2);
+            token_cursor c;
+            cursor_start(&c, &rr, tokens, tb);
+            for (idx t = 0; t < tokens && st == KV_OK;) {
+                int in_place;
+                const idx n = next_piece(&c, tokens - t, group, is_v, &in_place);
+                const char* src = (const char*)x.buf + c.off;
+                cursor_move(&c, (char*)x.buf, in_place ? NULL : group_buf, n, 0);
+                if (!in_place) src = group_buf;
+                const idx g0 = int4_groups_before(t, heads, dim, group, is_v);
+                st = fn(src, n, heads, dim, group, is_v, (kv_u8*)sc.buf + 4 * g0, (kv_u8*)mn.buf + 4 * g0,
+                        (kv_u8*)pk.buf + t * hd / 2, lo, lo + hd + 1, keys, tmp, lo + 2 * hd + 2);
+                t += n;
+            }
             Py_END_ALLOW_THREADS
         }
         free(lo);
         free(keys);
         free(tmp);
+        free(group_buf);
     }
     PyBuffer_Release(&x);
     PyBuffer_Release(&sc);
     PyBuffer_Release(&mn);
     PyBuffer_Release(&pk);
+    if (spans.obj != NULL) PyBuffer_Release(&spans);
     if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
 
-/* int4_decode(scales, mins, packed, tokens, heads, dim, group, is_v, dtype, out) -> status */
+/* int4_decode(scales, mins, packed, tokens, heads, dim, group, is_v, dtype, out[, spans])
+ * -> status; with spans (as for int4_encode) out is the buffer the tokens go to */
 static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
     int dt, is_v, st = KV_OK;
     idx tokens, heads, dim, group;
-    Py_buffer sc, mn, pk, out;
+    Py_buffer sc, mn, pk, out, spans = {0};
+    row_ranges rr;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*y*nnnnpiw*", &sc, &mn, &pk, &tokens, &heads, &dim, &group,
-                          &is_v, &dt, &out))
+    if (!PyArg_ParseTuple(args, "y*y*y*nnnnpiw*|y*", &sc, &mn, &pk, &tokens, &heads, &dim, &group,
+                          &is_v, &dt, &out, &spans))
         return NULL;
     int ok = check_dt(dt) && check_sizes(tokens, heads) && check_sizes(tokens * heads, dim) &&
-             check_sizes(group, 1);
+             check_sizes(group, 1) && int4_spans_fit(&spans, heads * dim);
     idx n = 0, g = 0;
     if (ok) {
         n = tokens * heads * dim;
         g = int4_groups(tokens, heads, dim, group, is_v);
-        ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") &&
-             need(&pk, (n + 1) / 2, "codes") && need(&out, n * itemsize(dt), "out");
+        ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
+             parse_ranges(&spans, &out, "out", tokens, heads * dim * itemsize(dt), itemsize(dt), &rr);
     }
     if (ok) {
-        idx hd = heads * dim;
+        const idx hd = heads * dim, tb = hd * itemsize(dt);
         float* buf = (float*)malloc(sizeof(float) * (size_t)(3 * hd + 3));
-        if (buf == NULL) {
+        char* group_buf = spans.obj != NULL && !is_v ? (char*)malloc((size_t)(group * tb)) : NULL;
+        if (buf == NULL || (spans.obj != NULL && !is_v && group_buf == NULL)) {
             st = KV_E_NOMEM;
         } else {
             i4_dec_fn fn = I4_DEC[dt];
@@ -1931,17 +2011,28 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
             st = check_scales((const kv_u8*)sc.buf, g);
             if (st == KV_OK) st = check_mins((const kv_u8*)mn.buf, g);
             if (st == KV_OK && (n & 1) && (p[n >> 1] >> 4)) st = KV_E_PAD;
-            if (st == KV_OK)
-                st = fn(p, (const kv_u8*)sc.buf, (const kv_u8*)mn.buf, tokens, heads, dim, group,
-                        is_v, out.buf, buf, buf + hd + 1, buf + 2 * hd + 2);
+            token_cursor c;
+            cursor_start(&c, &rr, tokens, tb);
+            for (idx t = 0; t < tokens && st == KV_OK;) {
+                int in_place;
+                const idx m = next_piece(&c, tokens - t, group, is_v, &in_place);
+                const idx g0 = int4_groups_before(t, heads, dim, group, is_v);
+                st = fn(p + t * hd / 2, (const kv_u8*)sc.buf + 4 * g0, (const kv_u8*)mn.buf + 4 * g0, m, heads,
+                        dim, group, is_v, in_place ? (char*)out.buf + c.off : group_buf, buf, buf + hd + 1,
+                        buf + 2 * hd + 2);
+                if (st == KV_OK) cursor_move(&c, (char*)out.buf, in_place ? NULL : group_buf, m, 1);
+                t += m;
+            }
             Py_END_ALLOW_THREADS
         }
         free(buf);
+        free(group_buf);
     }
     PyBuffer_Release(&sc);
     PyBuffer_Release(&mn);
     PyBuffer_Release(&pk);
     PyBuffer_Release(&out);
+    if (spans.obj != NULL) PyBuffer_Release(&spans);
     if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
@@ -2016,9 +2107,9 @@ static PyMethodDef methods[] = {
      "decode_rows(kind, scales, codes, rows, dim, dtype, out[, spans]) -> status; "
      "with spans (int64 start, size pairs), the rows go to those byte ranges of out"},
     {"int4_encode", py_int4_encode, METH_VARARGS,
-     "int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed) -> status"},
+     "int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed[, spans]) -> status"},
     {"int4_decode", py_int4_decode, METH_VARARGS,
-     "int4_decode(scales, mins, packed, tokens, heads, dim, group, is_v, dtype, out) -> status"},
+     "int4_decode(scales, mins, packed, tokens, heads, dim, group, is_v, dtype, out[, spans]) -> status"},
     {"isa", py_isa, METH_NOARGS, "isa() -> the codec loops in use on this CPU, in words"},
     {NULL, NULL, 0, NULL},
 };

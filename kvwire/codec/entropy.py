@@ -15,6 +15,7 @@ import lz4.block
 import numpy as np
 import zstandard
 
+from kvwire.codec import _host
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind, numpy_dtype
 from kvwire.errors import ProtocolError
 
@@ -58,8 +59,22 @@ class EntropyCodec(Codec):
 
     def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
         chunk = self.inner.encode(x, kind)
+        return self._pack(chunk, np.asarray(x).dtype.itemsize if self.inner.name == "raw" else 1)
+
+    def encode_ranges(
+        self, base: memoryview, spans: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
+    ) -> EncodedChunk | None:
+        """The inner codec's payload of rows where they lie (when it can read them so),
+        compressed as :meth:`encode` does; ``raw`` is gathered (its bytes are shuffled)."""
+        if self.inner.name == "raw":
+            return None
+        chunk = self.inner.encode_ranges(base, spans, shape, dtype, kind)
+        return None if chunk is None else self._pack(chunk, 1)
+
+    def _pack(self, chunk: EncodedChunk, width: int) -> EncodedChunk:
+        """The inner chunk compressed (its bytes shuffled by ``width`` first) when that is
+        smaller, else as it is."""
         data = memoryview(chunk.payload).cast("B")
-        width = np.asarray(x).dtype.itemsize if self.inner.name == "raw" else 1
         plain = _shuffle(data, width) if width > 1 else data
         packed = self._compress(plain)
         if len(packed) < data.nbytes:
@@ -76,6 +91,27 @@ class EntropyCodec(Codec):
         kind: TensorKind,
         out: np.ndarray[Any, Any] | None = None,
     ) -> np.ndarray[Any, Any]:
+        inner_params, plain = self._unpack(params, payload, shape, dtype, kind)
+        return self.inner.decode(inner_params, plain, shape=shape, dtype=dtype, kind=kind, out=out)
+
+    def decode_ranges(
+        self, params: bytes, payload: Any, base: memoryview, spans: Any, *,
+        shape: tuple[int, int, int], dtype: str, kind: TensorKind,
+    ) -> bool:
+        """Decompress, then let the inner codec decode into the ranges where it can.  False
+        at once where it never can (``raw``, no compiled loops); a False from the inner
+        codec after decompressing (a misaligned buffer) costs the caller a second
+        decompress."""
+        if self.inner.name == "raw" or _host.ext is None:
+            return False
+        inner_params, plain = self._unpack(params, payload, shape, dtype, kind)
+        return self.inner.decode_ranges(inner_params, plain, base, spans, shape=shape, dtype=dtype, kind=kind)
+
+    def _unpack(
+        self, params: bytes, payload: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
+    ) -> tuple[bytes, Any]:
+        """The inner codec's params and payload (decompressed and unshuffled when it was
+        compressed)."""
         if not params or params[0] & ~FLAG_COMPRESSED:
             raise ProtocolError(f"{self.name} params must start with a flag byte of 0 or 1")
         inner_params = bytes(params[1:])
@@ -90,7 +126,7 @@ class EntropyCodec(Codec):
                 raise ProtocolError(f"{self.name} payload decompressed to {len(plain)} bytes, expected {size}")
             width = self._shuffle_width(dtype)
             payload = _unshuffle(plain, width) if width > 1 else plain
-        return self.inner.decode(inner_params, payload, shape=shape, dtype=dtype, kind=kind, out=out)
+        return inner_params, payload
 
     def encoded_size_ratio(self, shape: tuple[int, int, int], dtype: str) -> float:
         return self.inner.encoded_size_ratio(shape, dtype)

@@ -66,6 +66,26 @@ class Int4Codec(Codec):
         payload = _host.int4_encode(arr, name, self.group, kind == TensorKind.V, ngroups)
         return EncodedChunk(self.codec_id, bytes([self.group]), payload.data)
 
+    def encode_ranges(
+        self, base: memoryview, spans: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
+    ) -> EncodedChunk | None:
+        if _host.ext is None:
+            return None
+        shape = nm.check_shape(shape, self.name)
+        kind = TensorKind(kind)
+        payload = _host.int4_encode_at(
+            base, spans, shape, dtype, self.group, kind == TensorKind.V, group_count(shape, kind, self.group))
+        return None if payload is None else EncodedChunk(self.codec_id, bytes([self.group]), payload.data)
+
+    def decode_ranges(
+        self, params: bytes, payload: Any, base: memoryview, spans: Any, *,
+        shape: tuple[int, int, int], dtype: str, kind: TensorKind,
+    ) -> bool:
+        if _host.ext is None:
+            return False
+        group, shape, kind, bufs = self._payload(params, payload, shape, kind)
+        return _host.int4_decode_at(bufs, shape, group, kind == TensorKind.V, dtype, base, spans)
+
     def encode_numpy(self, x: Any, kind: TensorKind) -> EncodedChunk:
         """The numpy reference encoder (what :meth:`encode` runs without the extension)."""
         arr, name = nm.as_chunk(x)
@@ -142,16 +162,10 @@ class Int4Codec(Codec):
         *,
         reference: bool,
     ) -> np.ndarray[Any, Any]:
-        group = _group_from_params(params)
-        shape = nm.check_shape(shape, self.name)
-        try:
-            kind = TensorKind(kind)
-        except ValueError:
-            raise UsageError(f"int4: unknown tensor kind {kind!r}") from None
+        group, shape, kind, bufs = self._payload(params, payload, shape, kind)
         result = nm.output_array(out, shape, dtype)
         n = shape[0] * shape[1] * shape[2]
         ngroups = group_count(shape, kind, group)
-        bufs = nm.split_payload(payload, [4 * ngroups, 4 * ngroups, (n + 1) // 2], self.name)
         if _host.ext is not None and not reference:
             _host.int4_decode(bufs, shape, group, kind == TensorKind.V, dtype, result)
             return result
@@ -179,6 +193,21 @@ class Int4Codec(Codec):
         if target is not result:
             result[...] = target
         return result
+
+    def _payload(
+        self, params: bytes, payload: Any, shape: tuple[int, int, int], kind: TensorKind
+    ) -> tuple[int, tuple[int, int, int], TensorKind, list[memoryview]]:
+        """The group size, the checked shape and kind, and the payload's scales, minimums
+        and codes."""
+        group = _group_from_params(params)
+        shape = nm.check_shape(shape, self.name)
+        try:
+            kind = TensorKind(kind)
+        except ValueError:
+            raise UsageError(f"int4: unknown tensor kind {kind!r}") from None
+        n = shape[0] * shape[1] * shape[2]
+        ngroups = group_count(shape, kind, group)
+        return group, shape, kind, nm.split_payload(payload, [4 * ngroups, 4 * ngroups, (n + 1) // 2], self.name)
 
     def encoded_size_ratio(self, shape: tuple[int, int, int], dtype: str) -> float:
         n = shape[0] * shape[1] * shape[2]

@@ -463,20 +463,35 @@ def _gathered(base: np.ndarray[Any, Any], spans: np.ndarray[Any, Any]) -> bytes:
     return b"".join(base[start : start + size].tobytes() for start, size in spans)
 
 
+def _ranged_codec(base: str, group: int) -> Any:
+    """fp8, int8, int4 of ``group``, or one of them behind an entropy stage."""
+    if "+" in base:
+        inner = base.partition("+")[0]
+        return type(get_codec(base))(_codec(inner, group))
+    return _codec(base, group)
+
+
 @needs_ext
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(x=_arrays(), base=st.sampled_from(["fp8", "int8"]), kind=st.sampled_from(KINDS),
-       out_dtype=st.sampled_from(DTYPES), level=st.sampled_from(LEVELS), data=st.data())
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=_arrays(), base=st.sampled_from(["fp8", "int8", "int4", "fp8+lz4", "int4+zstd"]), kind=st.sampled_from(KINDS),
+       group=st.sampled_from([1, 3, 7, 32]), out_dtype=st.sampled_from(DTYPES), level=st.sampled_from(LEVELS),
+       data=st.data())
 def test_property_rows_where_they_lie_equal_gathered_rows(
-    x: np.ndarray[Any, Any], base: str, kind: TensorKind, out_dtype: str, level: int, data: st.DataObject
+    x: np.ndarray[Any, Any], base: str, kind: TensorKind, group: int, out_dtype: str, level: int,
+    data: st.DataObject,
 ) -> None:
     """Encoding rows scattered over a buffer (``encode_ranges``) gives the bytes (or the
     error) of encoding them gathered; decoding into scattered rows (``decode_ranges``)
-    writes exactly what ``decode`` gives, there and nowhere else, or raises as it does."""
-    codec = _codec(base)
+    writes exactly what ``decode`` gives, there and nowhere else, or raises as it does.
+    fp8 and int8 rows are a head's; int4's are whole tokens (a K group runs across
+    tokens, so across ranges: those groups go through scratch), with an even number of
+    elements, else it says it cannot (None / False, nothing written)."""
+    codec = _ranged_codec(base, group)
     tokens, heads, dim = x.shape
-    slots, size = data.draw(_row_places(tokens * heads))
-    row_bytes = dim * x.itemsize
+    int4 = base.startswith("int4")
+    row_elems = heads * dim if int4 else dim
+    slots, size = data.draw(_row_places(tokens if int4 else tokens * heads))
+    row_bytes = row_elems * x.itemsize
     spans = _spans(slots, row_bytes)
     buf = np.full(size * row_bytes, SENTINEL, np.uint8)
     rows = x.reshape(-1).view(np.uint8)
@@ -484,9 +499,21 @@ def test_property_rows_where_they_lie_equal_gathered_rows(
     for start, n in spans:
         buf[start : start + n] = rows[at : at + n]
         at += n
+    gathered = _outcome(lambda: codec.encode(x, kind))
+    out_row = row_elems * numpy_dtype(out_dtype).itemsize
+    out_spans = _spans(slots, out_row)
+    out = np.full(size * out_row, SENTINEL, np.uint8)
+    if int4 and row_elems % 2:
+        assert codec.encode_ranges(memoryview(buf), spans.data, x.shape, x.dtype.name, kind) is None
+        if gathered[0] == "ok":
+            params, payload = gathered[1]
+            assert not codec.decode_ranges(params, payload, memoryview(out), out_spans.data,
+                                           shape=x.shape, dtype=out_dtype, kind=kind)
+            assert (out == SENTINEL).all()
+        return
     with _simd(level):
         got = _outcome(lambda: codec.encode_ranges(memoryview(buf), spans.data, x.shape, x.dtype.name, kind))
-        assert got == _outcome(lambda: codec.encode(x, kind))
+        assert got == gathered
     if got[0] != "ok":
         return
     params, payload = got[1]
@@ -494,9 +521,6 @@ def test_property_rows_where_they_lie_equal_gathered_rows(
         corrupt = bytearray(payload)
         corrupt[data.draw(st.integers(0, len(corrupt) - 1))] = data.draw(st.integers(0, 255))
         payload = bytes(corrupt)
-    out_row = dim * numpy_dtype(out_dtype).itemsize
-    out_spans = _spans(slots, out_row)
-    out = np.full(size * out_row, SENTINEL, np.uint8)
     want = _outcome(lambda: codec.decode(params, payload, shape=x.shape, dtype=out_dtype, kind=kind))
     with _simd(level):
         done = _outcome(lambda: codec.decode_ranges(params, payload, memoryview(out), out_spans.data,
@@ -538,6 +562,19 @@ def test_compiled_row_loops_refuse_bad_ranges() -> None:
             enc(*pairs)
     with pytest.raises(ValueError, match="int64 pairs"):
         ext.encode_rows(0, x.view(np.uint8), 0, 4, 16, sc, co, b"\0" * 24)
+    # int4: ranges of whole tokens (heads * dim elements), an even number of them
+    sc4, mn4, pk4 = np.empty(4 * 32, np.uint8), np.empty(4 * 32, np.uint8), np.empty(32, np.uint8)
+    tokens_of = np.array([[0, 64], [128, 64]], np.int64)  # 2 tokens of 2 x 16, group 2, K
+    assert ext.int4_encode(x.view(np.uint8), 0, 2, 2, 16, 2, False, sc4, mn4, pk4, tokens_of) == 0
+    with pytest.raises(ValueError, match="not whole aligned rows of 64 bytes"):
+        ext.int4_encode(x.view(np.uint8), 0, 2, 2, 16, 2, False, sc4, mn4, pk4,
+                        np.array([[0, 96], [128, 32]], np.int64))
+    with pytest.raises(ValueError, match="even number of elements"):
+        ext.int4_encode(x.view(np.uint8), 0, 2, 1, 15, 2, False, sc4, mn4, pk4, np.array([[0, 60]], np.int64))
+    out4 = np.full(256, SENTINEL, np.uint8)
+    with pytest.raises(ValueError, match="ranges hold 64 bytes, expected 128"):
+        ext.int4_decode(sc4, mn4, pk4, 2, 2, 16, 2, False, 0, out4, np.array([[0, 64]], np.int64))
+    assert (out4 == SENTINEL).all()
     out = np.full(256, SENTINEL, np.uint8)
     with pytest.raises(ValueError, match="not in the 256-byte out"):
         ext.decode_rows(0, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 0, out,
@@ -545,31 +582,71 @@ def test_compiled_row_loops_refuse_bad_ranges() -> None:
     assert (out == SENTINEL).all()
 
 
-@pytest.mark.parametrize("base", ["fp8", "int8"])
+@needs_ext
+def test_int4_where_they_lie_refuses_nan_before_a_groups_range() -> None:
+    """As for a gathered chunk, a NaN anywhere wins over a group whose range overflows
+    float32, though the loops meet the overflowing group (in the first range) first."""
+    x = np.ones((64, 1, 16), np.float32)
+    x[0, 0, 0], x[1, 0, 0] = -3e38, 3e38
+    x[60, 0, 3] = np.nan
+    buf = np.zeros(x.nbytes + 64, np.uint8)
+    buf[: 32 * 64] = x[:32].reshape(-1).view(np.uint8)
+    buf[32 * 64 + 64 :] = x[32:].reshape(-1).view(np.uint8)
+    spans = np.array([[0, 32 * 64], [32 * 64 + 64, 32 * 64]], np.int64)
+    codec = Int4Codec(32)
+    want = _outcome(lambda: codec.encode(x, TensorKind.K))
+    assert want[0] == "UsageError" and "NaN" in want[1]
+    assert _outcome(lambda: codec.encode_ranges(memoryview(buf), spans.data, x.shape, "float32", TensorKind.K)) == want
+    x[60, 0, 3] = 1.0
+    buf[32 * 64 + 64 :] = x[32:].reshape(-1).view(np.uint8)
+    want = _outcome(lambda: codec.encode(x, TensorKind.K))
+    assert want[0] == "UsageError" and "range exceeds float32" in want[1]
+    assert _outcome(lambda: codec.encode_ranges(memoryview(buf), spans.data, x.shape, "float32", TensorKind.K)) == want
+
+
+@pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
 def test_rows_where_they_lie_fall_back_to_gathering(base: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the extension, or on a buffer not aligned to the element size, the codec
-    says it cannot (None / False, nothing written) and the caller gathers; the codecs
-    that read only one array (raw, int4, an entropy stage) always say so."""
+    (and its entropy stage) says it cannot (None / False, nothing written) and the caller
+    gathers; so does int4 for ranges that cut a token or an odd number of elements per
+    token, and raw behind an entropy stage (its bytes are shuffled whole) always."""
     codec = _codec(base)
+    staged = get_codec(f"{base}+lz4")
     x = np.random.default_rng(3).standard_normal((4, 2, 16)).astype(np.float16)
     spans = np.array([[0, x.nbytes]], np.int64)
     chunk = codec.encode_numpy(x, TensorKind.K)
+    staged_chunk = staged.encode(x, TensorKind.K)
     shifted = np.zeros(x.nbytes + 1, np.uint8)[1:]
     shifted[:] = x.reshape(-1).view(np.uint8)
     if _host.ext is not None:
-        assert codec.encode_ranges(memoryview(shifted), spans.data, x.shape, "float16", TensorKind.K) is None
-        assert not codec.decode_ranges(chunk.params, chunk.payload, memoryview(shifted), spans.data,
+        for c, ch in ((codec, chunk), (staged, staged_chunk)):
+            assert c.encode_ranges(memoryview(shifted), spans.data, x.shape, "float16", TensorKind.K) is None
+            assert not c.decode_ranges(ch.params, ch.payload, memoryview(shifted), spans.data,
                                        shape=x.shape, dtype="float16", kind=TensorKind.K)
-        assert shifted.tobytes() == x.tobytes()
+            assert shifted.tobytes() == x.tobytes()
     flat = memoryview(x.reshape(-1).view(np.uint8))
-    for other in ("raw", "int4", f"{base}+lz4"):
+    for other in ("raw", "raw+lz4"):
         assert get_codec(other).encode_ranges(flat, spans.data, x.shape, "float16", TensorKind.K) is None
+    raw_lz4 = get_codec("raw+lz4").encode(x, TensorKind.K)
+    assert not get_codec("raw+lz4").decode_ranges(raw_lz4.params, raw_lz4.payload, memoryview(shifted), spans.data,
+                                                  shape=x.shape, dtype="float16", kind=TensorKind.K)
+    if base == "int4" and _host.ext is not None:
+        halves = np.array([[0, 32], [32, x.nbytes - 32]], np.int64)  # a token cut in two
+        assert codec.encode_ranges(flat, halves.data, x.shape, "float16", TensorKind.K) is None
+        odd = x[:, :1, :15].copy()  # 15 elements a token
+        odd_spans = np.array([[0, odd.nbytes]], np.int64)
+        odd_flat = memoryview(odd.reshape(-1).view(np.uint8))
+        assert codec.encode_ranges(odd_flat, odd_spans.data, odd.shape, "float16", TensorKind.V) is None
+        odd_chunk = codec.encode(odd, TensorKind.V)
+        assert not codec.decode_ranges(odd_chunk.params, odd_chunk.payload, odd_flat, odd_spans.data,
+                                       shape=odd.shape, dtype="float16", kind=TensorKind.V)
     monkeypatch.setattr(_host, "ext", None)
-    assert codec.encode_ranges(flat, spans.data, x.shape, "float16", TensorKind.K) is None
-    out = np.zeros_like(x)
-    assert not codec.decode_ranges(chunk.params, chunk.payload, memoryview(out.reshape(-1).view(np.uint8)),
+    for c, ch in ((codec, chunk), (staged, staged_chunk)):
+        assert c.encode_ranges(flat, spans.data, x.shape, "float16", TensorKind.K) is None
+        out = np.zeros_like(x)
+        assert not c.decode_ranges(ch.params, ch.payload, memoryview(out.reshape(-1).view(np.uint8)),
                                    spans.data, shape=x.shape, dtype="float16", kind=TensorKind.K)
-    assert not out.any()
+        assert not out.any()
 
 
 # ---------------------------------------------------------------------------------------
