@@ -15,16 +15,19 @@ exact configuration.
   that fails, or does not end within ``kvwire_load_timeout`` of its turn (its step, or
   the end of the send before it: sends go first come, first served), closes the
   connection before its blocks are reported or ``wait_for_save`` returns: nothing reads
-  them after that (the next save connects again).  A request preempted while its send is in flight waits for that send before
-  the step's forward reuses its blocks (``bind_connector_metadata``).  ``shutdown`` lets
-  the sends in flight finish (each within ``kvwire_load_timeout``) before it closes.
+  them after that (the next save connects again).  A request preempted while its send
+  is in flight waits for that send before the step's forward reuses its blocks
+  (``bind_connector_metadata``); one preempted during its chunked prefill, before its
+  send, is sent from the blocks it has once resumed.  ``shutdown`` lets the sends in
+  flight finish (each within ``kvwire_load_timeout``) before it closes.
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
   worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
   down to the block size) as an external hit, ``start_load_kv`` names the blocks vLLM
   allocated as the destination (chunks land straight in them), ``wait_for_layer_load``
   blocks until that layer is in.  A load that fails or times out reports its blocks
   through ``get_block_ids_with_load_errors`` (vLLM then recomputes them); finished or
-  aborted requests abort their receive.
+  aborted requests abort their receive.  A request loads once: preempted after its
+  load (its blocks freed), it is computed locally when resumed.
 
 Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]`` (pass
 ``SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": ...}})`` on both
@@ -152,6 +155,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._expected: dict[str, tuple[bytes, ...]] = {}
         # scheduler side
         self._pending_loads: dict[str, str] = {}
+        self._loaded: set[str] = set()  # requests whose one load was scheduled
         self._partial: dict[str, tuple[str, list[int], int, str | None, tuple[bytes, ...]]] = {}
         self._saving: set[str] = set()  # requests whose send was scheduled (async save: blocks kept)
         # worker side
@@ -212,7 +216,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self._consumer or not self._wants_load(request.kv_transfer_params):
             return 0, False
         tokens = self._full_blocks(len(request.prompt_token_ids or [])) * self._block_size
-        if tokens == 0 or num_computed_tokens > 0:
+        if tokens == 0 or num_computed_tokens > 0 or request.request_id in self._loaded:
+            # A request back in the queue after its load (preempted, its blocks freed):
+            # its one transfer was taken, so it is computed here.
             return 0, False
         logger.info("kvwire: external KV hit for request %s: %d tokens to receive", request.request_id, tokens)
         return tokens, False
@@ -230,6 +236,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             n = self._full_blocks(len(prompt))
             block_ids = list(new.block_ids[0])
             if new.req_id in self._pending_loads:
+                self._loaded.add(new.req_id)
                 meta.loads.append(_Move(
                     new.req_id, self._pending_loads.pop(new.req_id), block_ids[:n], prefix=self._prefix(prompt, n),
                 ))
@@ -246,12 +253,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 else:  # chunked prefill: send once the full blocks are computed
                     self._partial[new.req_id] = (key, block_ids, n, codec, prefix)
         cached = scheduler_output.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in self._partial:
                 continue
             key, block_ids, n, codec, prefix = self._partial[req_id]
             new_ids = cached.new_block_ids[i]
-            if new_ids is not None:
+            if req_id in resumed:
+                # Preempted, its blocks freed, and now resumed: ``new_block_ids`` are all
+                # of its blocks (found in the prefix cache or new), not more of them.
+                block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
                 block_ids = block_ids + list(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)
             if done >= n * self._block_size:
@@ -269,6 +281,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._partial.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self._loaded.discard(request.request_id)
         saving = request.request_id in self._saving
         self._saving.discard(request.request_id)
         # Async save: the blocks stay until the worker's get_finished reports the send

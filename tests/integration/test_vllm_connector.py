@@ -22,8 +22,10 @@ from kvwire.testing import FaultPlan, FaultProxy, Faults
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm import SamplingParams
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
 
@@ -200,7 +202,89 @@ def test_sends_queued_behind_others_have_their_time_from_their_turn() -> None:
 
 
 class _Request:
-    """What request_finished reads of a vLLM request."""
+    """What the scheduler-side connector reads of a vLLM request."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, prompt: list[int] | None = None, kvwire_id: str | None = None) -> None:
         self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.kv_transfer_params = {"kvwire_id": kvwire_id} if kvwire_id else None
+
+
+# -- the scheduler side through preemption, with vLLM's own scheduler output -------------------
+
+
+def scheduler_side(role: str) -> KvwireConnector:
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role=role,
+            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_peer": "127.0.0.1:1",
+                                       "kvwire_listen": "127.0.0.1:0"},
+        ),
+        cache_config=CacheConfig(block_size=16),
+    )
+    return KvwireConnector(cfg, KVConnectorRole.SCHEDULER)
+
+
+def new_request(req_id: str, prompt: list[int], block_ids: list[int], kvwire_id: str) -> NewRequestData:
+    return NewRequestData(
+        req_id=req_id, prompt_token_ids=prompt, mm_features=[],
+        sampling_params=SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": kvwire_id}}),
+        pooling_params=None, block_ids=(block_ids,), num_computed_tokens=0, lora_request=None,
+    )
+
+
+def schedule(*, new: list[NewRequestData] | None = None, cached: list[tuple[str, list[int] | None, int]] | None = None,
+             resumed: set[str] | None = None, scheduled: dict[str, int] | None = None,
+             preempted: set[str] | None = None) -> SchedulerOutput:
+    """A step's scheduler output: new requests, cached ones as (id, new block ids, tokens
+    computed), those of them resumed from preemption, tokens scheduled, requests preempted."""
+    out = SchedulerOutput.make_empty()
+    cached = cached or []
+    out.scheduled_new_reqs = list(new or [])
+    out.scheduled_cached_reqs = CachedRequestData(
+        req_ids=[r for r, _, _ in cached], resumed_req_ids=set(resumed or ()), new_token_ids=[], all_token_ids={},
+        new_block_ids=[None if ids is None else (ids,) for _, ids, _ in cached],
+        num_computed_tokens=[c for _, _, c in cached], num_output_tokens=[0 for _ in cached],
+    )
+    out.num_scheduled_tokens = dict(scheduled or {})
+    out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+    out.preempted_req_ids = set(preempted or ())
+    return out
+
+
+def test_a_request_preempted_in_its_chunked_prefill_is_sent_from_its_new_blocks() -> None:
+    """Prefilled in chunks, a request's full blocks are sent once computed.  One preempted
+    before that loses its blocks; resumed, vLLM gives it all its blocks anew
+    (``resumed_req_ids``), and its send names those, not the freed ones; one not
+    preempted is sent from the blocks it had and those added since."""
+    sched = scheduler_side("kv_producer")
+    prompt = list(range(100))  # 6 full blocks of 16 are sent, the last 4 tokens not
+    meta = sched.build_connector_meta(schedule(
+        new=[new_request("p", prompt, [10, 11, 12, 13], "pre"), new_request("q", prompt, [20, 21, 22, 23], "kept")],
+        scheduled={"p": 64, "q": 64},
+    ))
+    assert meta.saves == []  # 64 of 96 tokens computed: not yet
+    meta = sched.build_connector_meta(schedule(preempted={"p"}, cached=[("q", [24, 25, 26], 64)], scheduled={"q": 36}))
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.saves] == [("q", "kept", [20, 21, 22, 23, 24, 25])]
+    assert meta.preempted == []  # no send of p's was scheduled
+    meta = sched.build_connector_meta(schedule(
+        cached=[("p", [40, 41, 42, 43, 44, 45, 46], 0)], resumed={"p"}, scheduled={"p": 100},
+    ))
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.saves] == [("p", "pre", [40, 41, 42, 43, 44, 45])]
+
+
+def test_a_request_preempted_after_its_load_is_computed_when_resumed() -> None:
+    """A consumer's request loads its prompt's blocks once; preempted afterwards (its
+    blocks freed) and back in the queue, it reports no external hit, so vLLM computes it
+    instead of waiting out the load timeout for a transfer that was already taken."""
+    sched = scheduler_side("kv_consumer")
+    prompt = list(range(100))
+    request = _Request("c", prompt, "loaded")
+    assert sched.get_num_new_matched_tokens(request, 0) == (96, False)
+    sched.update_state_after_alloc(request, None, 96)  # type: ignore[arg-type]
+    meta = sched.build_connector_meta(schedule(new=[new_request("c", prompt, list(range(7)), "loaded")],
+                                               scheduled={"c": 4}))
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.loads] == [("c", "loaded", list(range(6)))]
+    assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # preempted, back in the queue
+    other = _Request("d", prompt, "other")
+    assert sched.get_num_new_matched_tokens(other, 0) == (96, False)  # others still load
