@@ -218,7 +218,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tokens = self._full_blocks(len(request.prompt_token_ids or [])) * self._block_size
         if tokens == 0 or num_computed_tokens > 0 or request.request_id in self._loaded:
             # A request back in the queue after its load (preempted, its blocks freed):
-            # its one transfer was taken, so it is computed here.
+            # its one transfer was taken, so it is computed here.  (A hit reported for it
+            # would have its new blocks taken as loaded: no load is scheduled for a
+            # resumed request.)
             return 0, False
         logger.info("kvwire: external KV hit for request %s: %d tokens to receive", request.request_id, tokens)
         return tokens, False

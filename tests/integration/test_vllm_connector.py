@@ -1,7 +1,9 @@
 """The vLLM connector's producer side driven step by step, as vLLM's worker drives it, with
 real torch caches, a real kvwire server and a proxy that stalls the path: when a send's
 blocks are given back to vLLM and when nothing reads them any more.  (A real engine runs
-in test_vllm.py; a preemption while a send is in flight cannot be placed there at will.)
+in test_vllm.py, preempting requests too; a preemption while a send is in flight cannot
+be placed there at will.)  Then the scheduler side through preemption, fed vLLM's own
+scheduler output objects.
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ def test_a_request_preempted_in_its_chunked_prefill_is_sent_from_its_new_blocks(
 def test_a_request_preempted_after_its_load_is_computed_when_resumed() -> None:
     """A consumer's request loads its prompt's blocks once; preempted afterwards (its
     blocks freed) and back in the queue, it reports no external hit, so vLLM computes it
-    instead of waiting out the load timeout for a transfer that was already taken."""
+    (its transfer was taken; a hit would have its new blocks taken as loaded)."""
     sched = scheduler_side("kv_consumer")
     prompt = list(range(100))
     request = _Request("c", prompt, "loaded")

@@ -64,31 +64,52 @@ def connector_config(role: str, port: int, extra: dict[str, Any] | None = None, 
     )
 
 
-def engine(model: Path, dtype: str, kv_transfer_config: Any = None) -> Any:
+def engine(model: Path, dtype: str, kv_transfer_config: Any = None, *, kv_blocks: int | None = None,
+           prefill_chunk: int | None = None) -> Any:
+    """The engine; with ``kv_blocks`` a cache of that many blocks (prompts of 1024 tokens
+    at most) and its statistics kept, with ``prefill_chunk`` prompts prefilled that many
+    tokens a step each, four of them at a time."""
     from vllm import LLM
 
+    tight: dict[str, Any] = {}
+    if kv_blocks is not None:
+        tight = {"num_gpu_blocks_override": kv_blocks, "disable_log_stats": False}
+    if prefill_chunk is not None:
+        tight |= {"enable_chunked_prefill": True, "long_prefill_token_threshold": prefill_chunk,
+                  "max_num_batched_tokens": 4 * prefill_chunk}
     # One process (engine core and worker in-process): starts in a third of the time.
     return LLM(
         model=str(model), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
-        gpu_memory_utilization=0.3, enable_prefix_caching=False, max_model_len=4096, seed=0,
-        distributed_executor_backend="uni", kv_transfer_config=kv_transfer_config,
+        gpu_memory_utilization=0.3, enable_prefix_caching=False, max_model_len=1024 if kv_blocks else 4096,
+        seed=0, distributed_executor_backend="uni", kv_transfer_config=kv_transfer_config, **tight,
     )
 
 
-def generate(llm: Any, job: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _sampling(req: dict[str, Any]) -> Any:
     from vllm import SamplingParams
 
+    params: dict[str, Any] = {}
+    if req.get("kvwire_id"):
+        params["kvwire_id"] = req["kvwire_id"]
+    if req.get("codec"):
+        params["kvwire_codec"] = req["codec"]
+    return SamplingParams(
+        temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True,
+        extra_args={"kv_transfer_params": params} if params else None,
+    )
+
+
+def generate(llm: Any, job: list[dict[str, Any]], *, batch: bool = False) -> list[dict[str, Any]]:
+    """Each request of ``job`` in a ``generate()`` of its own, or all in one (``batch``)."""
+    if batch:
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": r["prompt"]} for r in job], [_sampling(r) for r in job],
+                            use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        return [{"tokens": list(o.outputs[0].token_ids), "seconds": seconds} for o in outs]
     results = []
     for req in job:
-        params: dict[str, Any] = {}
-        if req.get("kvwire_id"):
-            params["kvwire_id"] = req["kvwire_id"]
-        if req.get("codec"):
-            params["kvwire_codec"] = req["codec"]
-        sp = SamplingParams(
-            temperature=0.0, max_tokens=req.get("max_tokens", 8), ignore_eos=True,
-            extra_args={"kv_transfer_params": params} if params else None,
-        )
+        sp = _sampling(req)
         started = time.time()
         t0 = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": req["prompt"]}], sp, use_tqdm=False)
@@ -112,6 +133,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--registry", help="kvwire_registry: a Redis URL for prefix-block versions")
     ap.add_argument("--sync-save", action="store_true", help="kvwire_async_save: false (wait_for_save waits)")
     ap.add_argument("--peer-host", default="127.0.0.1", help="producer: the consumer's kvwire server address")
+    ap.add_argument("--kv-blocks", type=int, help="a KV cache of this many blocks; preemptions counted in OUT.metrics.json")
+    ap.add_argument("--prefill-chunk", type=int, help="chunked prefill: tokens per request per step, four at a time")
+    ap.add_argument("--batch", action="store_true", help="the job's requests in one generate()")
     args = ap.parse_args(argv)
     if args.mode == "model":
         make_model(args.dir, args.dtype, layers=args.layers, hidden=args.hidden, seed=args.seed)
@@ -134,7 +158,8 @@ def main(argv: list[str]) -> int:
         extra: dict[str, Any] = {"kvwire_registry": args.registry} if args.registry else {}
         if args.sync_save:
             extra["kvwire_async_save"] = False
-        llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra, args.peer_host))
+        llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra, args.peer_host),
+                     kv_blocks=args.kv_blocks, prefill_chunk=args.prefill_chunk)
     if args.mode == "consumer":
         # The server's port (bound as --port says, 0 for a free one), for the producer.
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -148,8 +173,11 @@ def main(argv: list[str]) -> int:
             if time.monotonic() > deadline:
                 return 3
             time.sleep(0.2)
-    results = generate(llm, job)
+    results = generate(llm, job, batch=args.batch)
     args.out.write_text(json.dumps(results))
+    if args.kv_blocks is not None:
+        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+        Path(f"{args.out}.metrics.json").write_text(json.dumps({"preemptions": preemptions}))
     return 0
 
 
