@@ -152,34 +152,46 @@ def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: P
     assert r["producer_log"].count("kvwire: sent KV of request") == 4
 
 
+def _tight_pair(tmp: Path, prompts: list[list[int]], max_tokens: int, *, side: str,
+                producer_args: list[str] | None = None, extra: list[str] | None = None) -> dict[str, Any]:
+    """Each prompt produced (one token) and consumed (``max_tokens``) under its own id,
+    with ``producer_args`` for the producer and ``extra`` for both: vLLM's preemption
+    count on ``side`` (``producer`` or ``consumer``), the plain and the consumer's tokens,
+    and the two logs."""
+    model = tmp / "model"
+    _run(["model", "--dir", str(model), "--dtype", "float32"], tmp / "model.log", 300)
+    plain_job = _job(tmp / "plain_job.json", [{"prompt": p, "max_tokens": max_tokens} for p in prompts])
+    sent = [{"prompt": p, "kvwire_id": f"tight-{i}"} for i, p in enumerate(prompts)]
+    producer_job = _job(tmp / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
+    consumer_job = _job(tmp / "consumer_job.json", [{**r, "max_tokens": max_tokens} for r in sent])
+
+    def producer(args: list[str]) -> None:
+        _run([*args, *(producer_args or [])], tmp / "producer.log", 600)
+
+    _consume_after_produce(tmp, model, "float32", plain_job, producer_job, consumer_job, extra=extra,
+                           producer_run=producer)
+    return {
+        "preemptions": json.loads(Path(f"{tmp / side}.json.metrics.json").read_text())["preemptions"],
+        "plain": [r["tokens"] for r in json.loads((tmp / "plain.json").read_text())],
+        "got": [r["tokens"] for r in json.loads((tmp / "consumer.json").read_text())],
+        "consumer_log": (tmp / "consumer.log").read_text(), "producer_log": (tmp / "producer.log").read_text(),
+    }
+
+
 def test_kv_of_requests_the_producer_preempts_mid_prefill(tmp_path: Path) -> None:
     """A producer with a cache of 16 blocks of 128 tokens prefills four prompts of 900
     tokens at once, 128 tokens a step each: vLLM preempts some of them (their blocks
     freed) and resumes them later on other blocks, some in their chunked prefill before
     their send, some with their send under way.  Every request's KV reaches the consumer
     as the prompt's own: its tokens equal the plain run's for each prompt."""
-    model = tmp_path / "model"
-    _run(["model", "--dir", str(model), "--dtype", "float32"], tmp_path / "model.log", 300)
     rng = random.Random(11)
     prompts = [[rng.randrange(512) for _ in range(900)] for _ in range(4)]
-    plain_job = _job(tmp_path / "plain_job.json", [{"prompt": p, "max_tokens": MAX_TOKENS} for p in prompts])
-    sent = [{"prompt": p, "kvwire_id": f"tight-{i}"} for i, p in enumerate(prompts)]
-    producer_job = _job(tmp_path / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
-    consumer_job = _job(tmp_path / "consumer_job.json", [{**r, "max_tokens": MAX_TOKENS} for r in sent])
-
-    def tight_producer(args: list[str]) -> None:
-        _run([*args, "--kv-blocks", "16", "--prefill-chunk", "128", "--batch"], tmp_path / "producer.log", 600)
-
-    _consume_after_produce(tmp_path, model, "float32", plain_job, producer_job, consumer_job,
-                           producer_run=tight_producer)
-    metrics = json.loads(Path(f"{tmp_path / 'producer.json'}.metrics.json").read_text())
-    assert metrics["preemptions"] > 0, "the producer preempted nothing: the test did not test preemption"
-    plain = [r["tokens"] for r in json.loads((tmp_path / "plain.json").read_text())]
-    got = [r["tokens"] for r in json.loads((tmp_path / "consumer.json").read_text())]
-    assert got == plain
-    log = (tmp_path / "consumer.log").read_text()
-    assert log.count("kvwire: received KV of request") == 4
-    assert (tmp_path / "producer.log").read_text().count("kvwire: sent KV of request") == 4
+    r = _tight_pair(tmp_path, prompts, MAX_TOKENS, side="producer",
+                    producer_args=["--kv-blocks", "16", "--prefill-chunk", "128", "--batch"])
+    assert r["preemptions"] > 0, "the producer preempted nothing: the test did not test preemption"
+    assert r["got"] == r["plain"]
+    assert r["consumer_log"].count("kvwire: received KV of request") == 4
+    assert r["producer_log"].count("kvwire: sent KV of request") == 4
 
 
 def test_consumer_preempting_a_request_after_its_load_computes_it(tmp_path: Path) -> None:
@@ -190,22 +202,12 @@ def test_consumer_preempting_a_request_after_its_load_computes_it(tmp_path: Path
     and every request's tokens equal the plain run's.  (Reported as a hit again, its
     prompt's new blocks were taken as loaded though no load came for a resumed request:
     they held whatever they held, and its tokens went wrong.)"""
-    model = tmp_path / "model"
-    _run(["model", "--dir", str(model), "--dtype", "float32"], tmp_path / "model.log", 300)
     rng = random.Random(13)
     prompts = [[rng.randrange(512) for _ in range(630)] for _ in range(3)]
-    plain_job = _job(tmp_path / "plain_job.json", [{"prompt": p, "max_tokens": 16} for p in prompts])
-    sent = [{"prompt": p, "kvwire_id": f"decoded-{i}"} for i, p in enumerate(prompts)]
-    producer_job = _job(tmp_path / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
-    consumer_job = _job(tmp_path / "consumer_job.json", [{**r, "max_tokens": 16} for r in sent])
-    _consume_after_produce(tmp_path, model, "float32", plain_job, producer_job, consumer_job,
-                           extra=["--kv-blocks", "16", "--batch"])
-    metrics = json.loads(Path(f"{tmp_path / 'consumer.json'}.metrics.json").read_text())
-    assert metrics["preemptions"] > 0, "the consumer preempted nothing: the test did not test preemption"
-    plain = [r["tokens"] for r in json.loads((tmp_path / "plain.json").read_text())]
-    got = [r["tokens"] for r in json.loads((tmp_path / "consumer.json").read_text())]
-    assert got == plain
-    log = (tmp_path / "consumer.log").read_text()
+    r = _tight_pair(tmp_path, prompts, 16, side="consumer", extra=["--kv-blocks", "16", "--batch"])
+    assert r["preemptions"] > 0, "the consumer preempted nothing: the test did not test preemption"
+    assert r["got"] == r["plain"]
+    log = r["consumer_log"]
     assert log.count("kvwire: external KV hit") == 3
     assert log.count("kvwire: received KV of request") == 3
     assert "not ready" not in log
