@@ -239,10 +239,11 @@ class PagedSource:
 
     Host caches are sent straight from their blocks: each layer's K and V are
     :class:`BlockRows` (:func:`layer_rows`); a raw chunk is written from the blocks and
-    fp8/int8/int4 quantize the rows where they lie, with no copy (``raw`` behind an entropy
-    stage gathers the rows of each chunk it encodes).  So, like any array given to ``send()``, the blocks must not
-    change until ``send()`` returns; gather the layers with :func:`gather_layer` to free
-    them sooner.  GPU caches are gathered one layer at a time, on their GPU.
+    fp8/int8/int4 quantize the rows where they lie, with no copy (``raw`` behind an
+    entropy stage gathers the rows of each chunk it encodes).  So, like any array given to
+    ``send()``, the blocks must not change until ``send()`` returns; gather the layers with
+    :func:`gather_layer` to free them sooner.  GPU caches are gathered one layer at a
+    time, on their GPU.
     """
 
     def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
@@ -425,8 +426,8 @@ class BlockRows:
     ``nbytes``, slicing by rows).  A raw chunk sends its rows straight from the blocks
     (:meth:`byte_ranges`: a range per block, which the compiled send queue writes with one
     scatter-gather write per piece, no Python object per block); ``fp8``, ``int8`` and
-    ``int4`` read them where they lie too (``Codec.encode_ranges``), any other codec gathered
-    (:meth:`gather`, or ``np.asarray``).
+    ``int4`` (behind an entropy stage too) read them where they lie (``Codec.encode_ranges``);
+    ``raw`` behind an entropy stage gathers them (:meth:`gather`, or ``np.asarray``).
     """
 
     __slots__ = ("_flat", "_halves", "_row_bytes", "_rows", "_start", "dtype", "shape")
