@@ -222,11 +222,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # would have its new blocks taken as loaded: no load is scheduled for a
             # resumed request.)
             return 0, False
-        logger.info("kvwire: external KV hit for request %s: %d tokens to receive", request.request_id, tokens)
         return tokens, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:
+            # Logged here, once: vLLM asks get_num_new_matched_tokens again every step a
+            # request waits for blocks.
+            logger.info("kvwire: external KV hit for request %s: %d tokens to receive", request.request_id,
+                        num_external_tokens)
             self._pending_loads[request.request_id] = self._key(
                 list(request.prompt_token_ids or []), request.kv_transfer_params,
             )
