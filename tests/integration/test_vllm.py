@@ -155,9 +155,10 @@ def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: P
 def _tight_pair(tmp: Path, prompts: list[list[int]], max_tokens: int, *, side: str,
                 producer_args: list[str] | None = None, extra: list[str] | None = None) -> dict[str, Any]:
     """Each prompt produced (one token) and consumed (``max_tokens``) under its own id,
-    with ``producer_args`` for the producer and ``extra`` for both: vLLM's preemption
-    count on ``side`` (``producer`` or ``consumer``), the plain and the consumer's tokens,
-    and the two logs."""
+    with ``producer_args`` for the producer and ``extra`` for both (one of them with
+    ``--kv-blocks``): vLLM's counters on ``side`` (``producer`` or ``consumer``: its
+    preemptions and prefix-cache hits), the plain and the consumer's tokens, and the two
+    logs."""
     model = tmp / "model"
     _run(["model", "--dir", str(model), "--dtype", "float32"], tmp / "model.log", 300)
     plain_job = _job(tmp / "plain_job.json", [{"prompt": p, "max_tokens": max_tokens} for p in prompts])
@@ -171,7 +172,7 @@ def _tight_pair(tmp: Path, prompts: list[list[int]], max_tokens: int, *, side: s
     _consume_after_produce(tmp, model, "float32", plain_job, producer_job, consumer_job, extra=extra,
                            producer_run=producer)
     return {
-        "preemptions": json.loads(Path(f"{tmp / side}.json.metrics.json").read_text())["preemptions"],
+        **json.loads(Path(f"{tmp / side}.json.metrics.json").read_text()),
         "plain": [r["tokens"] for r in json.loads((tmp / "plain.json").read_text())],
         "got": [r["tokens"] for r in json.loads((tmp / "consumer.json").read_text())],
         "consumer_log": (tmp / "consumer.log").read_text(), "producer_log": (tmp / "producer.log").read_text(),
@@ -211,6 +212,22 @@ def test_consumer_preempting_a_request_after_its_load_computes_it(tmp_path: Path
     assert log.count("kvwire: external KV hit") == 3
     assert log.count("kvwire: received KV of request") == 3
     assert "not ready" not in log
+
+
+def test_producer_with_its_prefix_cache_sends_cached_blocks(tmp_path: Path) -> None:
+    """A producer with vLLM's prefix cache on (its default) prefills a prompt, the same
+    prompt again (its blocks found in the cache, not computed) and a prompt sharing its
+    first 640 tokens, one after the other: each send names the request's blocks, cached
+    ones included, and the consumer's tokens equal the plain run's for all three."""
+    rng = random.Random(17)
+    a = [rng.randrange(512) for _ in range(900)]
+    shared = a[:640] + [rng.randrange(512) for _ in range(260)]
+    r = _tight_pair(tmp_path, [a, a, shared], MAX_TOKENS, side="producer",
+                    producer_args=["--kv-blocks", "64", "--prefix-caching"])
+    assert r["got"] == r["plain"]
+    assert r["consumer_log"].count("kvwire: received KV of request") == 3
+    assert r["producer_log"].count("kvwire: sent KV of request") == 3
+    assert r["prefix_cache_hit_tokens"] >= 640 + 896, "the producer's prefix cache was not hit"
 
 
 def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> None:

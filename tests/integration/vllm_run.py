@@ -65,10 +65,11 @@ def connector_config(role: str, port: int, extra: dict[str, Any] | None = None, 
 
 
 def engine(model: Path, dtype: str, kv_transfer_config: Any = None, *, kv_blocks: int | None = None,
-           prefill_chunk: int | None = None) -> Any:
+           prefill_chunk: int | None = None, prefix_caching: bool = False) -> Any:
     """The engine; with ``kv_blocks`` a cache of that many blocks (prompts of 1024 tokens
     at most) and its statistics kept, with ``prefill_chunk`` prompts prefilled that many
-    tokens a step each, four of them at a time."""
+    tokens a step each, four of them at a time, with ``prefix_caching`` vLLM's prefix
+    cache on."""
     from vllm import LLM
 
     tight: dict[str, Any] = {}
@@ -80,7 +81,7 @@ def engine(model: Path, dtype: str, kv_transfer_config: Any = None, *, kv_blocks
     # One process (engine core and worker in-process): starts in a third of the time.
     return LLM(
         model=str(model), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,
-        gpu_memory_utilization=0.3, enable_prefix_caching=False, max_model_len=1024 if kv_blocks else 4096,
+        gpu_memory_utilization=0.3, enable_prefix_caching=prefix_caching, max_model_len=1024 if kv_blocks else 4096,
         seed=0, distributed_executor_backend="uni", kv_transfer_config=kv_transfer_config, **tight,
     )
 
@@ -133,9 +134,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--registry", help="kvwire_registry: a Redis URL for prefix-block versions")
     ap.add_argument("--sync-save", action="store_true", help="kvwire_async_save: false (wait_for_save waits)")
     ap.add_argument("--peer-host", default="127.0.0.1", help="producer: the consumer's kvwire server address")
-    ap.add_argument("--kv-blocks", type=int, help="a KV cache of this many blocks; preemptions counted in OUT.metrics.json")
+    ap.add_argument("--kv-blocks", type=int,
+                    help="a KV cache of this many blocks; preemptions and prefix-cache hits counted in OUT.metrics.json")
     ap.add_argument("--prefill-chunk", type=int, help="chunked prefill: tokens per request per step, four at a time")
     ap.add_argument("--batch", action="store_true", help="the job's requests in one generate()")
+    ap.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix cache on")
     args = ap.parse_args(argv)
     if args.mode == "model":
         make_model(args.dir, args.dtype, layers=args.layers, hidden=args.hidden, seed=args.seed)
@@ -159,7 +162,7 @@ def main(argv: list[str]) -> int:
         if args.sync_save:
             extra["kvwire_async_save"] = False
         llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra, args.peer_host),
-                     kv_blocks=args.kv_blocks, prefill_chunk=args.prefill_chunk)
+                     kv_blocks=args.kv_blocks, prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching)
     if args.mode == "consumer":
         # The server's port (bound as --port says, 0 for a free one), for the producer.
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -176,8 +179,12 @@ def main(argv: list[str]) -> int:
     results = generate(llm, job, batch=args.batch)
     args.out.write_text(json.dumps(results))
     if args.kv_blocks is not None:
-        preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
-        Path(f"{args.out}.metrics.json").write_text(json.dumps({"preemptions": preemptions}))
+        counters = {"vllm:num_preemptions": "preemptions", "vllm:prefix_cache_hits": "prefix_cache_hit_tokens"}
+        metrics = dict.fromkeys(counters.values(), 0)
+        for m in llm.get_metrics():
+            if m.name in counters:
+                metrics[counters[m.name]] += m.value
+        Path(f"{args.out}.metrics.json").write_text(json.dumps(metrics))
     return 0
 
 
