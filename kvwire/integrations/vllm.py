@@ -418,6 +418,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         preempted = [r for r in getattr(connector_metadata, "preempted", ()) if r in self._in_flight]
         failed = False
         for req_id in preempted:
+            logger.info("kvwire: request %s preempted with its send in flight: waiting for the send", req_id)
             handle, _ = self._in_flight.pop(req_id)
             failed |= not self._ended_well(req_id, handle, self._timeout)
             self._ended.add(req_id)
