@@ -267,7 +267,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if req_id in resumed:
                 # Preempted, its blocks freed, and now resumed: ``new_block_ids`` are all
                 # of its blocks (found in the prefix cache or new), not more of them.
-                block_ids = list(new_ids[0]) if new_ids is not None else []
+                if new_ids is None:  # none named: nothing of it can be sent
+                    del self._partial[req_id]
+                    continue
+                block_ids = list(new_ids[0])
             elif new_ids is not None:
                 block_ids = block_ids + list(new_ids[0])
             done = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens.get(req_id, 0)

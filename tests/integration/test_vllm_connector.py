@@ -273,6 +273,11 @@ def test_a_request_preempted_in_its_chunked_prefill_is_sent_from_its_new_blocks(
         cached=[("p", [40, 41, 42, 43, 44, 45, 46], 0)], resumed={"p"}, scheduled={"p": 100},
     ))
     assert [(m.req_id, m.key, m.block_ids) for m in meta.saves] == [("p", "pre", [40, 41, 42, 43, 44, 45])]
+    # resumed with no blocks named: nothing of it is sent, now or later
+    sched.build_connector_meta(schedule(new=[new_request("s", prompt, [50, 51], "none")], scheduled={"s": 32}))
+    assert sched.build_connector_meta(schedule(cached=[("s", None, 0)], resumed={"s"}, scheduled={"s": 16})).saves == []
+    assert sched.build_connector_meta(schedule(cached=[("s", [60, 61, 62, 63, 64, 65], 16)],
+                                               scheduled={"s": 84})).saves == []
 
 
 def test_a_request_preempted_after_its_load_is_computed_when_resumed() -> None:
