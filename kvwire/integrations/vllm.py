@@ -118,6 +118,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if groups > 1:
+            # Each group has its own block table; the connector moves one (the first) for
+            # every layer, which would send and fill other groups' layers at wrong blocks.
+            raise UsageError(
+                f"kvwire connector: the KV cache has {groups} groups (vLLM's hybrid KV cache manager); "
+                "it moves one: start vLLM with --disable-hybrid-kv-cache-manager"
+            )
         cfg = self._kv_transfer_config
         self._block_size: int = vllm_config.cache_config.block_size
         self._producer: bool = bool(cfg.is_kv_producer)

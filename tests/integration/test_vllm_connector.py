@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvwire.errors import KvwireError
+from kvwire.errors import KvwireError, UsageError
 from kvwire.paged import PagedSpec, gather_layer, host_view
 from kvwire.sync import Bridge, SyncServer
 from kvwire.testing import FaultPlan, FaultProxy, Faults
@@ -28,6 +28,7 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
 
@@ -295,3 +296,24 @@ def test_a_request_preempted_after_its_load_is_computed_when_resumed() -> None:
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # preempted, back in the queue
     other = _Request("d", prompt, "other")
     assert sched.get_num_new_matched_tokens(other, 0) == (96, False)  # others still load
+
+
+def test_a_kv_cache_of_several_groups_is_refused() -> None:
+    """vLLM's hybrid KV cache manager (enabled explicitly) gives each group of layers a
+    block table of its own; the connector moves one table for every layer, so it refuses
+    such a cache at once, saying how to run, on both sides."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    two = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(LAYERS[:2], spec), KVCacheGroupSpec(LAYERS[2:], spec)])
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_both",
+            kv_connector_extra_config={"kvwire_secret": SECRET},
+        ),
+        cache_config=CacheConfig(block_size=16),
+    )
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(UsageError, match=r"2 groups.*--disable-hybrid-kv-cache-manager"):
+            KvwireConnector(cfg, role, two)
+    KvwireConnector(cfg, KVConnectorRole.SCHEDULER, one)
