@@ -228,9 +228,15 @@ def layer_rows(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]:
     if device:
         return gather_layer(spec, cache, block_ids)
     ids = _check_ids(block_ids, blocks.shape[0], "source", distinct=False)
+    return _block_rows(spec, blocks, (_halves(spec, ids, 0), _halves(spec, ids, 1)))
+
+
+def _block_rows(spec: PagedSpec, blocks: np.ndarray, halves: tuple[np.ndarray, np.ndarray]) -> tuple[Any, Any]:
+    """The K and V :class:`BlockRows` of a host cache's ``blocks`` (``[num_blocks,
+    block_elems]``) whose halves lie at byte offsets ``halves`` (:func:`_halves`)."""
     flat = blocks.reshape(-1).view(np.uint8).data
     dtype = numpy_dtype(spec.dtype)
-    k, v = (BlockRows(flat, _halves(spec, ids, kind), spec.rows_per_block, spec.row_elems, dtype) for kind in (0, 1))
+    k, v = (BlockRows(flat, h, spec.rows_per_block, spec.row_elems, dtype) for h in halves)
     return k, v
 
 
@@ -259,8 +265,12 @@ class PagedSource:
         return self.spec.num_layers
 
     def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        # as layer_rows for each layer, the ids (checked in __init__) placed once
+        spec, ids = self.spec, self._ids
+        halves = (_halves(spec, ids, 0), _halves(spec, ids, 1))
         for cache in self.caches:
-            yield layer_rows(self.spec, cache, self._ids)
+            blocks, device = _as_blocks(spec, cache, "cache")
+            yield gather_layer(spec, cache, ids) if device else _block_rows(spec, blocks, halves)
 
 
 class PagedDestination:

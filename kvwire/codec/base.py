@@ -72,8 +72,8 @@ class Codec(ABC):
         ranges of ``base``, reading them where they lie: the rows of a paged cache's blocks.
         ``spans`` is a buffer of int64 ``(start, size)`` pairs, in order, each a whole
         number of rows.  Gives the bytes :meth:`encode` gives for the rows gathered, or None
-        when this codec reads only one array (the caller then gathers and calls
-        :meth:`encode`)."""
+        when this codec reads only one array, or cannot read these ranges (int4: ranges
+        that cut a token; the caller then gathers and calls :meth:`encode`)."""
         return None
 
     def decode_ranges(
