@@ -78,6 +78,21 @@ def test_many_threads_send_and_receive_layer_by_layer() -> None:
         assert [(g.k.tobytes(), g.v.tobytes()) for g in got[rid]] == [(k.tobytes(), v.tobytes()) for k, v in layers]
 
 
+def test_the_server_keeps_no_handle_its_caller_let_go_of() -> None:
+    """A handle whose transfer arrived, once its caller lets go of it, is freed with the
+    layers it holds: a long-running server (one expect() per request) does not grow."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        refs = []
+        for i in range(3):
+            h = server.expect(f"r{i}", timeout=30)
+            peer.send(f"r{i}", SPEC, make_layers(3, 4, 2, 16, "float32", seed=i), timeout=30)
+            h.wait(30)
+            refs.append(weakref.ref(h.wait_layer(0).k))
+            del h
+        gc.collect()
+        assert all(r() is None for r in refs)
+
+
 def test_wait_times_out_and_then_still_completes() -> None:
     with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
         h = server.expect("late")

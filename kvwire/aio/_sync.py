@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import weakref
 from collections.abc import AsyncIterator, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
@@ -224,7 +225,9 @@ class SyncServer:
         self._own_bridge = bridge is None
         self.bridge = bridge or Bridge("kvwire-server")
         self._server: Any = None
-        self._handles: set[ReceiveHandle] = set()
+        # The handles to fail if the server closes first: weak, so that one its caller let
+        # go of (and the layers it holds) is freed, not kept for the server's lifetime.
+        self._handles: weakref.WeakSet[ReceiveHandle] = weakref.WeakSet()
 
         async def start() -> Any:
             server = kvwire.serve(host, port, secret=secret, **options)
