@@ -16,7 +16,9 @@ so the fingerprint the handshake compares differs whenever the two sides disagre
   from the cache by block id (one copy, in the array's own library: numpy, torch, CuPy).
 - :class:`PagedDestination`: given to ``Server.expect(request_id, into=...)``; chunks are
   received straight into the destination blocks when a chunk lies inside one block, and
-  scattered there otherwise.
+  scattered there otherwise.  A destination block id of ``DROP`` (-1) receives that block
+  of the incoming cache and drops it: the receiver already holds it (found in its own
+  prefix cache, for instance) or does not want it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from kvwire.spec import DTYPES, KVSpec
 from kvwire.wire.frames import ByteRanges
 
 _MAX_ROW = 0xFFFF
+
+#: A destination block id: that block of the incoming cache is received and dropped.
+DROP = -1
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -184,18 +189,21 @@ def _as_blocks(spec: PagedSpec, cache: Any, what: str) -> tuple[Any, bool]:
     return arr.reshape(arr.shape[0], spec.block_elems), device
 
 
-def _check_ids(block_ids: Any, num_blocks: int, what: str, *, distinct: bool) -> np.ndarray:
+def _check_ids(block_ids: Any, num_blocks: int, what: str, *, distinct: bool, drops: bool = False) -> np.ndarray:
+    """``block_ids`` as int64, each a block of a cache of ``num_blocks`` (or ``DROP`` where
+    ``drops``); with ``distinct`` no block named twice."""
     ids = np.asarray(block_ids)
     if ids.ndim != 1 or ids.size == 0:
         raise UsageError(f"{what}: block ids must be a non-empty 1-D sequence")
     if ids.dtype.kind not in "iu":
         raise UsageError(f"{what}: block ids must be integers, got {ids.dtype}")
     ids = ids.astype(np.int64)
-    bad = ids[(ids < 0) | (ids >= num_blocks)]
+    named = ids[ids != DROP] if drops else ids
+    bad = named[(named < 0) | (named >= num_blocks)]
     if bad.size:
         raise UsageError(f"{what}: block id {int(bad[0])} is out of range for a cache of {num_blocks} blocks")
-    if distinct and np.unique(ids).size != ids.size:
-        values, counts = np.unique(ids, return_counts=True)
+    if distinct and np.unique(named).size != named.size:
+        values, counts = np.unique(named, return_counts=True)
         raise UsageError(f"{what}: block id {int(values[counts > 1][0])} is named twice")
     return ids
 
@@ -279,7 +287,10 @@ class PagedDestination:
     Give it to ``Server.expect(request_id, into=destination)``.  The incoming cache must
     carry exactly ``len(block_ids)`` blocks of the same geometry (anything else fails the
     transfer with ``INCOMPATIBLE_SPEC`` on both sides).  Destination block ids must be
-    distinct: two received blocks can't both land in one.
+    distinct: two received blocks can't both land in one.  A block id of :data:`DROP`
+    (-1) drops that incoming block: it is received (the sender sends the whole cache) and
+    written nowhere.  Chunks that touch a dropped block are received into scratch memory
+    and their kept rows copied to their blocks; the others land in place as usual.
     """
 
     def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
@@ -291,7 +302,8 @@ class PagedDestination:
         self._blocks = [v for v, _ in views]
         self._device = any(d for _, d in views)
         num_blocks = min(v.shape[0] for v in self._blocks)
-        self.block_ids = _check_ids(block_ids, num_blocks, "destination", distinct=True)
+        self.block_ids = _check_ids(block_ids, num_blocks, "destination", distinct=True, drops=True)
+        self._kept = self.block_ids != DROP
         if not self._device:
             for i, v in enumerate(self._blocks):
                 if not v.flags.writeable:
@@ -328,13 +340,15 @@ class PagedDestination:
             )
 
     def layer(self, index: int) -> tuple[Any, Any]:
-        """What a received :class:`~kvwire.Layer` carries: the layer's cache and the block ids."""
+        """What a received :class:`~kvwire.Layer` carries: the layer's cache and the block
+        ids (``DROP`` where a block was dropped)."""
         return self.caches[index], self.block_ids
 
     def _locate(self, kind: int, start: int, count: int) -> tuple[int, int, int] | None:
         """(block slot, first element, element count) when the range lies in one block."""
         slot, row = divmod(start, self._rows)
-        if count < 1 or row + count > self._rows or slot >= self.block_ids.size or kind not in (0, 1):
+        if (count < 1 or row + count > self._rows or slot >= self.block_ids.size or kind not in (0, 1)
+                or not self._kept[slot]):
             return None
         offset = kind * (self.spec.block_elems // 2) + row * self._width
         return slot, offset, count * self._width
@@ -355,7 +369,8 @@ class PagedDestination:
         """The destination's places for this token range of K (``kind`` 0) or V (1), in
         order, as writable byte views: one per block it touches (its rows of that block's
         half), or None when there are none (a GPU cache, a range that does not fit).
-        A raw chunk is received straight into them, however many blocks it spans."""
+        A raw chunk is received straight into them, however many blocks it spans (None
+        where it touches a dropped block)."""
         ranges = self.ranges(layer, kind, start, count, layer_tokens)
         return None if ranges is None else ranges.views()
 
@@ -363,7 +378,8 @@ class PagedDestination:
         """The same places as :meth:`regions`, as byte ranges of the layer's cache (what a
         quantized chunk is decoded straight into)."""
         if (self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks)
-                or kind not in (0, 1) or count < 1 or start < 0 or start + count > layer_tokens):
+                or kind not in (0, 1) or count < 1 or start < 0 or start + count > layer_tokens
+                or not self._kept[start // self._rows : (start + count - 1) // self._rows + 1].all()):
             return None
         row_bytes = self.spec.block_bytes // 2 // self._rows
         spans = _spans(self._halves[kind], self._rows, row_bytes, start, count)
@@ -378,6 +394,9 @@ class PagedDestination:
                 f"chunk layer {layer} tokens [{start}, {start + count}) is outside the destination",
                 code=ErrorCode.INCOMPATIBLE_SPEC,
             )
+        if not self._device and not self._kept.all():
+            self._write_kept(layer, kind, start, data)
+            return
         if not self._device:
             places = self.regions(layer, kind, start, count, layer_tokens)
             assert places is not None  # the range was checked above
@@ -399,12 +418,29 @@ class PagedDestination:
         while done < count:
             slot, row = divmod(start + done, self._rows)
             n = min(count - done, self._rows - row)
+            if not self._kept[slot]:
+                done += n
+                continue
             offset = kind * half + row * self._width
             dst = blocks[int(self.block_ids[slot]), offset : offset + n * self._width]
             src = flat[done : done + n].reshape(-1)
             if self.spec.dtype == "bfloat16" and not isinstance(src, cupy.ndarray):
                 src = np.ascontiguousarray(src).view(np.uint16)
             dst[...] = cupy.asarray(src)
+            done += n
+
+
+    def _write_kept(self, layer: int, kind: int, start: int, data: Any) -> None:
+        """Host cache: the rows of ``data`` whose blocks are kept, block by block."""
+        rows = np.ascontiguousarray(data).reshape(-1, self._width)
+        blocks = self._blocks[layer]
+        done = 0
+        while done < rows.shape[0]:
+            slot, row = divmod(start + done, self._rows)
+            n = min(rows.shape[0] - done, self._rows - row)
+            if self._kept[slot]:
+                offset = kind * (self.spec.block_elems // 2) + row * self._width
+                blocks[int(self.block_ids[slot]), offset : offset + n * self._width] = rows[done : done + n].reshape(-1)
             done += n
 
 
@@ -512,4 +548,4 @@ def _same_memory(a: np.ndarray, b: Any) -> bool:
     return bool(ia["data"][0] == ib["data"][0] and a.nbytes == b.nbytes)
 
 
-__all__ = ["BlockRows", "PagedDestination", "PagedSource", "PagedSpec", "gather_layer", "host_view", "layer_rows"]
+__all__ = ["DROP", "BlockRows", "PagedDestination", "PagedSource", "PagedSpec", "gather_layer", "host_view", "layer_rows"]

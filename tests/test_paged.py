@@ -16,7 +16,15 @@ from kvwire._extensions import extensions_disabled
 from kvwire.aio import _stream
 from kvwire.codec import Fp8Codec, Int4Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
 from kvwire.errors import ErrorCode, KvwireError, UsageError
-from kvwire.paged import BlockRows, PagedDestination, PagedSource, PagedSpec, gather_layer
+from kvwire.paged import (
+    DROP,
+    BlockRows,
+    PagedDestination,
+    PagedSource,
+    PagedSpec,
+    gather_layer,
+    layer_rows,
+)
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
@@ -407,3 +415,82 @@ async def test_quantized_chunks_read_and_land_where_the_blocks_lie(
             want = c.decode_numpy(enc.params, enc.payload, shape=rows.shape, dtype=spec.dtype, kind=TensorKind(kind))
             assert np.asarray(got[kind]).tobytes() == want.tobytes()
     assert (dest.scattered == 0) == compiled
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    shape=block_shapes,
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    data=st.data(),
+)
+def test_dropped_blocks_are_written_nowhere(shape: tuple[int, ...], dtype: str, data: st.DataObject) -> None:
+    """A destination naming ``DROP`` for some blocks: whatever the chunks' cuts, the kept
+    blocks receive exactly their rows and no other block of the cache changes; a chunk
+    that touches a dropped block gets no place to be read or decoded into."""
+    spec = PagedSpec(num_layers=2, block_shape=shape, dtype=dtype)
+    n = data.draw(st.integers(1, 6), label="blocks")
+    src = caches(spec, n, seed=1)
+    dst = caches(spec, 12, seed=2)
+    before = [c.copy() for c in dst]
+    targets = data.draw(st.permutations(range(12)), label="targets")[:n]
+    dropped = data.draw(st.lists(st.booleans(), min_size=n, max_size=n), label="dropped")
+    ids = [DROP if d else t for t, d in zip(targets, dropped, strict=True)]
+    dest = PagedDestination(spec, dst, ids)
+    assert dest.layer_tokens == spec.tokens(n)
+    layers = [tuple(np.asarray(a) for a in gather_layer(spec, src[li], list(range(n)))) for li in range(2)]
+    cuts = data.draw(st.lists(st.integers(0, 4 * dest.layer_tokens), max_size=5), label="cuts")
+    scatter(dest, layers, cuts)
+    for li in range(2):
+        for b in range(12):
+            want = src[li][targets.index(b)] if b in ids else before[li][b]
+            assert dst[li][b].tobytes() == want.tobytes()
+    rows = spec.rows_per_block
+    for slot, d in enumerate(dropped):
+        touching = (slot * rows, rows)
+        assert (dest.view(0, 0, *touching, dest.layer_tokens) is None) == d
+        assert (dest.ranges(0, 1, *touching, dest.layer_tokens) is None) == d
+        assert (dest.regions(0, 0, 0, dest.layer_tokens, dest.layer_tokens) is None) == any(dropped)
+
+
+def test_drop_is_the_only_negative_block_id() -> None:
+    spec = PagedSpec(num_layers=1, block_shape=(2, 8), dtype="float32")
+    cache = caches(spec, 4, 0)
+    with pytest.raises(UsageError, match="block id -2 is out of range"):
+        PagedDestination(spec, cache, [0, -2])
+    with pytest.raises(UsageError, match="block id -1 is out of range"):
+        layer_rows(spec, cache[0], [DROP, 1])  # a source names the blocks it sends
+    assert list(PagedDestination(spec, cache, [DROP, 3, DROP]).block_ids) == [DROP, 3, DROP]
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp8", "int4", "int8+zstd"])
+async def test_a_transfer_lands_in_its_kept_blocks_and_drops_the_others(codec: str) -> None:
+    """Over loopback, a whole cache is sent into a destination that drops some of its
+    blocks (the first ones, as a receiver whose prefix cache holds them, and one further
+    on): each kept block holds its rows (raw: exactly; a quantized codec: its round trip),
+    and every other block of the receiver's cache is as it was, whether its chunks went in
+    place or through scratch (K and V in one chunk included)."""
+    spec = PagedSpec(num_layers=3, block_shape=(2, 16, 2, 64), dtype="bfloat16")  # rows of 64
+    src = caches(spec, 40, seed=21)
+    dst = caches(spec, 40, seed=22)
+    before = [c.copy() for c in dst]
+    rng = np.random.default_rng(23)
+    src_ids, targets = rng.choice(40, 12, replace=False), rng.choice(40, 12, replace=False)
+    ids = [DROP if slot in (0, 1, 2, 7) else int(t) for slot, t in enumerate(targets)]
+    for chunk_bytes in (16 * 1024, 1 << 20):  # chunks of a few blocks; a layer's K and V in one
+        receipt, layers = await _send_into(spec, src, src_ids, PagedDestination(spec, dst, ids),
+                                           chunk_bytes=chunk_bytes, streams=2, codec=codec)
+        assert layers == 3 and receipt.codec == codec
+        c = get_codec(codec.partition("+")[0])
+        for li in range(3):
+            want = [np.asarray(a) for a in gather_layer(spec, src[li], src_ids)]
+            if c.name != "raw":
+                want = [c.decode_numpy((e := c.encode_numpy(w, TensorKind(k))).params, e.payload, shape=w.shape,
+                                       dtype=spec.dtype, kind=TensorKind(k)) for k, w in enumerate(want)]
+            rows = spec.rows_per_block
+            for slot, b in enumerate(ids):
+                if b != DROP:
+                    got = gather_layer(spec, dst[li], [b])
+                    for kind in (0, 1):
+                        assert np.asarray(got[kind]).tobytes() == want[kind][slot * rows : (slot + 1) * rows].tobytes()
+            for b in set(range(40)) - set(ids):
+                assert dst[li][b].tobytes() == before[li][b].tobytes()
