@@ -22,12 +22,16 @@ exact configuration.
   flight finish (each within ``kvwire_load_timeout``) before it closes.
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
   worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
-  down to the block size) as an external hit, ``start_load_kv`` names the blocks vLLM
-  allocated as the destination (chunks land straight in them), ``wait_for_layer_load``
-  blocks until that layer is in.  A load that fails or times out reports its blocks
-  through ``get_block_ids_with_load_errors`` (vLLM then recomputes them); finished or
-  aborted requests abort their receive.  A request loads once: preempted after its
-  load (its blocks freed), it is computed locally when resumed.
+  down to the block size) as an external hit, less those vLLM found in its own prefix
+  cache; ``start_load_kv`` names the blocks vLLM allocated as the destination (chunks land
+  straight in them; the cached blocks' part of the transfer is received and dropped),
+  ``wait_for_layer_load`` blocks until that layer is in.  A request whose full blocks
+  are all cached here loads nothing: its transfer is received and dropped as it comes, so
+  it does not wait on the server until ``kvwire_claim_timeout``.  A load that fails or
+  times out reports its blocks through ``get_block_ids_with_load_errors`` (vLLM then
+  recomputes them); finished or aborted requests abort their receive.  A request loads
+  once: preempted after its load (its blocks freed), it is computed locally when
+  resumed.
 
 Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]`` (pass
 ``SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": ...}})`` on both
@@ -67,7 +71,7 @@ from vllm.logger import init_logger
 
 from kvwire.errors import KvwireError, UsageError
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
-from kvwire.paged import PagedDestination, PagedSpec, layer_rows
+from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
 from kvwire.sync import Bridge, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 
 if TYPE_CHECKING:
@@ -95,8 +99,11 @@ class _Move:
 class KvwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler tells the workers for one step."""
 
+    #: block ids DROP where vLLM's prefix cache holds the block: that part is dropped
     loads: list[_Move] = field(default_factory=list)
     saves: list[_Move] = field(default_factory=list)
+    #: transfers for requests computed here (their blocks all cached): received and dropped
+    drops: list[_Move] = field(default_factory=list)
     #: requests with a send that vLLM preempted in this step (their blocks are reused now)
     preempted: list[str] = field(default_factory=list)
 
@@ -162,8 +169,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._registry: SyncRegistry | None = None
         self._expected: dict[str, tuple[bytes, ...]] = {}
         # scheduler side
-        self._pending_loads: dict[str, str] = {}
-        self._loaded: set[str] = set()  # requests whose one load was scheduled
+        self._pending_loads: dict[str, tuple[str, int]] = {}  # key, full blocks cached here
+        self._pending_drops: dict[str, str] = {}
+        self._loaded: set[str] = set()  # requests whose one load (or drop) was scheduled
         self._partial: dict[str, tuple[str, list[int], int, str | None, tuple[bytes, ...]]] = {}
         self._saving: set[str] = set()  # requests whose send was scheduled (async save: blocks kept)
         # worker side
@@ -172,7 +180,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._index: dict[str, int] = {}
         self._server: SyncServer | None = None
         self._peer: SyncPeer | None = None
-        self._loading: dict[str, tuple[ReceiveHandle, list[int]]] = {}
+        self._loading: dict[str, tuple[ReceiveHandle, list[int]]] = {}  # the blocks loaded into
+        self._dropping: dict[str, ReceiveHandle] = {}
         self._sending: dict[str, SendHandle] = {}  # sends begun in this step
         # async save: sends past their step, oldest first (with the time their step ended),
         # sends that ended (acknowledged, failed and let go of, or never begun) and finished
@@ -224,23 +233,39 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self._consumer or not self._wants_load(request.kv_transfer_params):
             return 0, False
         tokens = self._full_blocks(len(request.prompt_token_ids or [])) * self._block_size
-        if tokens == 0 or num_computed_tokens > 0 or request.request_id in self._loaded:
+        if tokens == 0 or request.request_id in self._loaded:
             # A request back in the queue after its load (preempted, its blocks freed):
             # its one transfer was taken, so it is computed here.  (A hit reported for it
             # would have its new blocks taken as loaded: no load is scheduled for a
             # resumed request.)
             return 0, False
-        return tokens, False
+        # ``num_computed_tokens``: whole blocks found in this instance's prefix cache.  The
+        # rest of the full blocks are loaded (the transfer carries them all: the cached
+        # ones' part is dropped on arrival).
+        return max(0, tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        if not self._consumer or not self._wants_load(request.kv_transfer_params) or req_id in self._loaded:
+            return
+        prompt = list(request.prompt_token_ids or [])
+        n = self._full_blocks(len(prompt))
+        if n == 0:
+            return  # nothing is sent for it
+        key = self._key(prompt, request.kv_transfer_params)
+        # Logged here, once: vLLM asks get_num_new_matched_tokens again every step a
+        # request waits for blocks.
+        cached = n - num_external_tokens // self._block_size
         if num_external_tokens > 0:
-            # Logged here, once: vLLM asks get_num_new_matched_tokens again every step a
-            # request waits for blocks.
-            logger.info("kvwire: external KV hit for request %s: %d tokens to receive", request.request_id,
-                        num_external_tokens)
-            self._pending_loads[request.request_id] = self._key(
-                list(request.prompt_token_ids or []), request.kv_transfer_params,
-            )
+            logger.info("kvwire: external KV hit for request %s: %d tokens to receive%s", req_id, num_external_tokens,
+                        f" ({cached} blocks cached here)" if cached else "")
+            self._pending_loads[req_id] = (key, cached)
+        else:
+            # Computed here (its full blocks all in the prefix cache): its transfer is
+            # taken all the same, or it would wait on the server until the claim timeout.
+            logger.info("kvwire: request %s is computed here (its %d full blocks are cached): its KV is "
+                        "received and dropped", req_id, n)
+            self._pending_drops[req_id] = key
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvwireConnectorMetadata()
@@ -250,10 +275,15 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             block_ids = list(new.block_ids[0])
             if new.req_id in self._pending_loads:
                 self._loaded.add(new.req_id)
+                key, in_cache = self._pending_loads.pop(new.req_id)
                 meta.loads.append(_Move(
-                    new.req_id, self._pending_loads.pop(new.req_id), block_ids[:n], prefix=self._prefix(prompt, n),
+                    new.req_id, key, [DROP] * in_cache + block_ids[in_cache:n], prefix=self._prefix(prompt, n),
                 ))
-            elif self._producer and n > 0:
+                continue
+            if new.req_id in self._pending_drops:
+                self._loaded.add(new.req_id)
+                meta.drops.append(_Move(new.req_id, self._pending_drops.pop(new.req_id), [DROP] * n))
+            if self._producer and n > 0:
                 extra = new.sampling_params.extra_args if new.sampling_params is not None else None
                 params = (extra or {}).get("kv_transfer_params")
                 key = self._key(prompt, params)
@@ -288,15 +318,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._saving.add(req_id)
             else:
                 self._partial[req_id] = (key, block_ids, n, codec, prefix)
-        for req_id in list(self._pending_loads):
-            if req_id in scheduler_output.finished_req_ids:
-                del self._pending_loads[req_id]
+        for pending in (self._pending_loads, self._pending_drops):
+            for req_id in scheduler_output.finished_req_ids & pending.keys():
+                del pending[req_id]
         meta.preempted = sorted(set(scheduler_output.preempted_req_ids or ()) & self._saving)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._partial.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
+        self._pending_drops.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
         saving = request.request_id in self._saving
         self._saving.discard(request.request_id)
@@ -341,6 +372,19 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         a producer or the scheduler side."""
         return None if self._server is None else self._server.port
 
+    def server_statistics(self) -> dict[str, Any] | None:
+        """The consumer worker's kvwire server's :meth:`~kvwire.Server.statistics`
+        (``pending_arrivals``: transfers arrived that no request took; bytes held; event
+        counts); None on a producer or the scheduler side."""
+        if self._server is None:
+            return None
+        server = self._server.server
+
+        async def snapshot() -> dict[str, Any]:
+            return dict(server.statistics())
+
+        return self._server.bridge.run(snapshot(), 10)
+
     def _meta(self) -> KvwireConnectorMetadata:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvwireConnectorMetadata)
@@ -349,12 +393,18 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self._server is None or self._spec is None:
             return
-        for move in self._meta().loads:
+        meta = self._meta()
+        for move in meta.loads:
             dest = PagedDestination(self._spec, self._caches, move.block_ids)
             handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
-            self._loading[move.req_id] = (handle, move.block_ids)
+            self._loading[move.req_id] = (handle, [b for b in move.block_ids if b != DROP])
             if self._registry is not None:
                 self._expected[move.req_id] = move.prefix
+        for move in meta.drops:  # nothing waits for these: get_finished lets them go
+            dest = PagedDestination(self._spec, self._caches, move.block_ids)
+            self._dropping[move.req_id] = self._server.expect(
+                move.key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
+            )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading:
@@ -507,7 +557,18 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._peer.close()
             self._peer = None
 
+    def _reap_drops(self) -> None:
+        for req_id, handle in list(self._dropping.items()):
+            if handle.done:
+                logger.info("kvwire: dropped the KV of request %s (computed here)", req_id)
+            elif handle.error is not None:
+                logger.warning("kvwire: dropping the KV of request %s failed: %s", req_id, handle.error)
+            else:
+                continue
+            del self._dropping[req_id]
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._reap_drops()
         for req_id in finished_req_ids:
             self._expected.pop(req_id, None)
             loading = self._loading.pop(req_id, None)
@@ -533,6 +594,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return errors
 
     def shutdown(self) -> None:
+        self._reap_drops()
+        for receive in self._dropping.values():
+            receive.abort("shutting down")
+        self._dropping.clear()
         failed = False
         for req_id, (handle, _) in list(self._in_flight.items()):  # let them finish, oldest first
             failed = not self._ended_well(req_id, handle, self._timeout)

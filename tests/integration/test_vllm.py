@@ -230,6 +230,30 @@ def test_producer_with_its_prefix_cache_sends_cached_blocks(tmp_path: Path) -> N
     assert r["prefix_cache_hit_tokens"] >= 640 + 896, "the producer's prefix cache was not hit"
 
 
+def test_consumer_with_its_prefix_cache_loads_only_the_blocks_it_lacks(tmp_path: Path) -> None:
+    """A consumer with vLLM's prefix cache on decodes a prompt (loaded whole), the same
+    prompt again (its full blocks all cached here: computed here, its transfer received and
+    dropped) and a prompt sharing the first 640 tokens (5 blocks cached here: their part of
+    the transfer dropped, the other 2 loaded).  The tokens equal the plain run's for all
+    three, and no transfer is left waiting on the consumer's server.  (Before, a request
+    with any block cached here loaded nothing, and its transfer waited on the server until
+    the claim timeout, ten minutes.)"""
+    rng = random.Random(19)
+    a = [rng.randrange(512) for _ in range(900)]
+    shared = a[:640] + [rng.randrange(512) for _ in range(260)]
+    r = _tight_pair(tmp_path, [a, a, shared], MAX_TOKENS, side="consumer",
+                    extra=["--kv-blocks", "64", "--prefix-caching"])
+    assert r["got"] == r["plain"]
+    assert r["prefix_cache_hit_tokens"] >= 896 + 640, "the consumer's prefix cache was not hit"
+    assert r["pending_arrivals"] == 0
+    log = r["consumer_log"]
+    assert log.count("kvwire: external KV hit") == 2 and "256 tokens to receive (5 blocks cached here)" in log
+    assert log.count("kvwire: received KV of request") == 2
+    assert log.count("is computed here (its 7 full blocks are cached)") == 1
+    assert log.count("kvwire: dropped the KV of request") == 1
+    assert r["producer_log"].count("kvwire: sent KV of request") == 3
+
+
 def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> None:
     """With a registry.  The producer runs an older model (other weights: its KV is stale
     for the consumer's model) and names the prompts' blocks with their versions; then the

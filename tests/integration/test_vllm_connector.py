@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvwire.errors import KvwireError, UsageError
-from kvwire.paged import PagedSpec, gather_layer, host_view
-from kvwire.sync import Bridge, SyncServer
+from kvwire.paged import DROP, PagedSource, PagedSpec, gather_layer, host_view
+from kvwire.sync import Bridge, SyncPeer, SyncServer
 from kvwire.testing import FaultPlan, FaultProxy, Faults
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
@@ -296,6 +296,89 @@ def test_a_request_preempted_after_its_load_is_computed_when_resumed() -> None:
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # preempted, back in the queue
     other = _Request("d", prompt, "other")
     assert sched.get_num_new_matched_tokens(other, 0) == (96, False)  # others still load
+
+
+def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
+    """With vLLM's prefix cache on, a consumer's request whose first blocks are cached
+    here reports only the rest as its hit, and its load names DROP for the cached blocks
+    (their part of the transfer is dropped on arrival).  One whose full blocks are all
+    cached loads nothing, and its transfer is dropped as it comes instead of waiting on the
+    server until the claim timeout; each once."""
+    sched = scheduler_side("kv_consumer")
+    prompt = list(range(100))  # 6 full blocks of 16
+    part, whole, gone = _Request("p", prompt, "part"), _Request("w", prompt, "whole"), _Request("g", prompt, "gone")
+    assert sched.get_num_new_matched_tokens(part, 64) == (32, False)
+    sched.update_state_after_alloc(part, None, 32)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(whole, 96) == (0, False)
+    sched.update_state_after_alloc(whole, None, 0)  # type: ignore[arg-type]
+    sched.update_state_after_alloc(gone, None, 0)  # type: ignore[arg-type]
+    meta = sched.build_connector_meta(schedule(
+        new=[new_request("p", prompt, list(range(10, 17)), "part"), new_request("w", prompt, list(range(20, 27)), "whole")],
+        scheduled={"p": 4, "w": 4},
+    ))
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.loads] == [("p", "part", [DROP] * 4 + [14, 15])]
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.drops] == [("w", "whole", [DROP] * 6)]
+    sched.request_finished(gone, [])  # finished before it was scheduled: nothing to drop
+    assert sched.build_connector_meta(schedule(new=[new_request("g", prompt, [1, 2], "gone")])).drops == []
+    # preempted and back in the queue: the one transfer was taken, nothing loads or drops
+    assert sched.get_num_new_matched_tokens(part, 0) == (0, False)
+    sched.update_state_after_alloc(whole, None, 0)  # type: ignore[arg-type]
+    meta = sched.build_connector_meta(schedule(new=[new_request("w", prompt, [30, 31], "whole")]))
+    assert meta.loads == [] and meta.drops == []
+
+
+def test_a_consumer_loads_the_blocks_it_lacks_and_drops_the_rest() -> None:
+    """A consumer worker given a load whose first blocks are DROP and a drop: the load's
+    blocks hold the sent blocks' bytes, no other block changes, and the dropped transfer
+    (one arrived before the worker named it, one after) is taken off the server, leaving
+    nothing pending there."""
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
+            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
+                                       "kvwire_load_timeout": 30},
+        ),
+        cache_config=CacheConfig(block_size=16),
+    )
+    worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
+    gen = torch.Generator().manual_seed(1)
+    caches = [torch.randn((64, 2, 16, 64), generator=gen) for _ in LAYERS]
+    before = [c.clone() for c in caches]
+    src = [torch.randn((64, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
+    assert worker.listen_port is not None
+    spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+    sent = [5, 9, 2, 30, 17, 8]
+
+    def pending() -> int:
+        stats = worker.server_statistics()
+        assert stats is not None
+        return int(stats["pending_arrivals"])
+
+    try:
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode(), streams=2) as peer:
+            peer.send("whole", spec.wire_spec(), PagedSource(spec, src, sent), timeout=30)
+            assert pending() == 1
+            worker.bind_connector_metadata(KvwireConnectorMetadata(
+                loads=[_Move("p", "part", [DROP] * 4 + [40, 41])], drops=[_Move("w", "whole", [DROP] * 6)],
+            ))
+            worker.start_load_kv(None)  # type: ignore[arg-type]
+            peer.send("part", spec.wire_spec(), PagedSource(spec, src, sent), timeout=30)
+            for name in LAYERS:
+                worker.wait_for_layer_load(name)
+            worker.clear_connector_metadata()
+            for _ in range(200):
+                worker.get_finished(set())
+                if not worker._dropping:
+                    break
+                threading.Event().wait(0.05)
+        assert not worker._dropping and pending() == 0
+        for layer in range(len(LAYERS)):
+            for b in range(64):
+                want = {40: src[layer][17], 41: src[layer][8]}.get(b, before[layer][b])
+                assert torch.equal(caches[layer][b], want), (layer, b)
+    finally:
+        worker.shutdown()
 
 
 def test_a_kv_cache_of_several_groups_is_refused() -> None:

@@ -135,7 +135,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--sync-save", action="store_true", help="kvwire_async_save: false (wait_for_save waits)")
     ap.add_argument("--peer-host", default="127.0.0.1", help="producer: the consumer's kvwire server address")
     ap.add_argument("--kv-blocks", type=int,
-                    help="a KV cache of this many blocks; preemptions and prefix-cache hits counted in OUT.metrics.json")
+                    help="a KV cache of this many blocks; preemptions and prefix-cache hits (a consumer: transfers "
+                         "left pending on its server too) counted in OUT.metrics.json")
     ap.add_argument("--prefill-chunk", type=int, help="chunked prefill: tokens per request per step, four at a time")
     ap.add_argument("--batch", action="store_true", help="the job's requests in one generate()")
     ap.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix cache on")
@@ -184,6 +185,9 @@ def main(argv: list[str]) -> int:
         for m in llm.get_metrics():
             if m.name in counters:
                 metrics[counters[m.name]] += m.value
+        if args.mode == "consumer":  # transfers that arrived and that no request took
+            stats = get_kv_transfer_group().server_statistics()
+            metrics["pending_arrivals"] = stats["pending_arrivals"]
         Path(f"{args.out}.metrics.json").write_text(json.dumps(metrics))
     return 0
 
