@@ -289,8 +289,10 @@ class PagedDestination:
     transfer with ``INCOMPATIBLE_SPEC`` on both sides).  Destination block ids must be
     distinct: two received blocks can't both land in one.  A block id of :data:`DROP`
     (-1) drops that incoming block: it is received (the sender sends the whole cache) and
-    written nowhere.  Chunks that touch a dropped block are received into scratch memory
-    and their kept rows copied to their blocks; the others land in place as usual.
+    written nowhere in the caches.  Its rows get places in a scratch buffer of the
+    destination's own (one layer's dropped blocks), so a raw chunk over kept and dropped
+    blocks is still read straight into its places; a quantized chunk over both is decoded
+    into scratch and its kept rows copied to their blocks.
     """
 
     def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
@@ -304,6 +306,11 @@ class PagedDestination:
         num_blocks = min(v.shape[0] for v in self._blocks)
         self.block_ids = _check_ids(block_ids, num_blocks, "destination", distinct=True, drops=True)
         self._kept = self.block_ids != DROP
+        self._all_kept = bool(self._kept.all())
+        # A dropped block's rows go to its own place in scratch (K half, V half): places
+        # of one read must not overlap, or the CRC taken over them would not be the bytes'.
+        self._drop_index = np.cumsum(~self._kept) - 1
+        self._scratch: np.ndarray | None = None
         if not self._device:
             for i, v in enumerate(self._blocks):
                 if not v.flags.writeable:
@@ -347,21 +354,25 @@ class PagedDestination:
     def _locate(self, kind: int, start: int, count: int) -> tuple[int, int, int] | None:
         """(block slot, first element, element count) when the range lies in one block."""
         slot, row = divmod(start, self._rows)
-        if (count < 1 or row + count > self._rows or slot >= self.block_ids.size or kind not in (0, 1)
-                or not self._kept[slot]):
+        if count < 1 or row + count > self._rows or slot >= self.block_ids.size or kind not in (0, 1):
             return None
         offset = kind * (self.spec.block_elems // 2) + row * self._width
         return slot, offset, count * self._width
 
     def view(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> np.ndarray | None:
-        """A writable array ``[count, 1, row_elems]`` in the destination for this token range,
-        or None when there is none (the range spans blocks, lies on a GPU, or does not fit)."""
+        """A writable array ``[count, 1, row_elems]`` in the destination for this token range
+        (in scratch for a dropped block), or None when there is none (the range spans
+        blocks, lies on a GPU, or does not fit)."""
         if self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks):
             return None
         where = self._locate(kind, start, count)
         if where is None:
             return None
         slot, offset, n = where
+        if not self._kept[slot]:  # its scratch place
+            within = offset - kind * (self.spec.block_elems // 2)
+            half: np.ndarray = self._scratch_half(kind, slot).view(self._dtype)
+            return half[within : within + n].reshape(count, 1, self._width)
         row: np.ndarray = self._blocks[layer][int(self.block_ids[slot]), offset : offset + n]
         return row.reshape(count, 1, self._width)
 
@@ -369,21 +380,51 @@ class PagedDestination:
         """The destination's places for this token range of K (``kind`` 0) or V (1), in
         order, as writable byte views: one per block it touches (its rows of that block's
         half), or None when there are none (a GPU cache, a range that does not fit).
-        A raw chunk is received straight into them, however many blocks it spans (None
-        where it touches a dropped block)."""
-        ranges = self.ranges(layer, kind, start, count, layer_tokens)
-        return None if ranges is None else ranges.views()
+        A raw chunk is received straight into them, however many blocks it spans (a
+        dropped block's rows into their place in scratch)."""
+        if self._all_kept:
+            ranges = self.ranges(layer, kind, start, count, layer_tokens)
+            return None if ranges is None else ranges.views()
+        if not self._fits(layer, kind, start, count, layer_tokens):
+            return None
+        first = start // self._rows
+        halves = self._halves[kind]
+        flat = self._flat[layer]
+        places = []
+        for i, (at, size) in enumerate(_spans(halves, self._rows, self._row_bytes, start, count).tolist()):
+            slot = first + i
+            if self._kept[slot]:
+                places.append(flat[at : at + size])
+            else:  # at is the rows' offset from the block's half (at halves[slot])
+                within = at - int(halves[slot])
+                places.append(memoryview(self._scratch_half(kind, slot))[within : within + size])
+        return places
 
     def ranges(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> ByteRanges | None:
         """The same places as :meth:`regions`, as byte ranges of the layer's cache (what a
         quantized chunk is decoded straight into)."""
-        if (self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks)
-                or kind not in (0, 1) or count < 1 or start < 0 or start + count > layer_tokens
-                or not self._kept[start // self._rows : (start + count - 1) // self._rows + 1].all()):
-            return None
-        row_bytes = self.spec.block_bytes // 2 // self._rows
-        spans = _spans(self._halves[kind], self._rows, row_bytes, start, count)
-        return ByteRanges(self._flat[layer], spans.data, count * row_bytes)
+        if not self._fits(layer, kind, start, count, layer_tokens) or not (
+                self._all_kept or self._kept[start // self._rows : (start + count - 1) // self._rows + 1].all()):
+            return None  # (a dropped block's scratch is not in the layer's buffer)
+        spans = _spans(self._halves[kind], self._rows, self._row_bytes, start, count)
+        return ByteRanges(self._flat[layer], spans.data, count * self._row_bytes)
+
+    def _fits(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> bool:
+        """A host destination, and the rows lie in it."""
+        return not (self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks)
+                    or kind not in (0, 1) or count < 1 or start < 0 or start + count > layer_tokens)
+
+    @property
+    def _row_bytes(self) -> int:
+        return self.spec.block_bytes // 2 // self._rows
+
+    def _scratch_half(self, kind: int, slot: int) -> np.ndarray:
+        """The scratch bytes of dropped block ``slot``'s K (``kind`` 0) or V half, for every
+        layer (made at first use)."""
+        if self._scratch is None:
+            dropped = int(self.block_ids.size - np.count_nonzero(self._kept))
+            self._scratch = np.empty((2, dropped, self.spec.block_bytes // 2), np.uint8)
+        return self._scratch[kind, int(self._drop_index[slot])]
 
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
         """Scatter ``data`` (``[count, 1, row_elems]``, decoded) into the destination blocks."""
@@ -394,7 +435,7 @@ class PagedDestination:
                 f"chunk layer {layer} tokens [{start}, {start + count}) is outside the destination",
                 code=ErrorCode.INCOMPATIBLE_SPEC,
             )
-        if not self._device and not self._kept.all():
+        if not self._device and not self._all_kept:
             self._write_kept(layer, kind, start, data)
             return
         if not self._device:
@@ -440,7 +481,10 @@ class PagedDestination:
             n = min(rows.shape[0] - done, self._rows - row)
             if self._kept[slot]:
                 offset = kind * (self.spec.block_elems // 2) + row * self._width
-                blocks[int(self.block_ids[slot]), offset : offset + n * self._width] = rows[done : done + n].reshape(-1)
+                place = blocks[int(self.block_ids[slot]), offset : offset + n * self._width]
+                part = rows[done : done + n].reshape(-1)
+                if not _same_memory(place, part):  # not decoded in place (view())
+                    place[...] = part
             done += n
 
 
