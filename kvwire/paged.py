@@ -397,7 +397,7 @@ class PagedDestination:
                 places.append(flat[at : at + size])
             else:  # at is the rows' offset from the block's half (at halves[slot])
                 within = at - int(halves[slot])
-                places.append(memoryview(self._scratch_half(kind, slot))[within : within + size])
+                places.append(self._scratch_half(kind, slot)[within : within + size].data)
         return places
 
     def ranges(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> ByteRanges | None:
@@ -424,7 +424,8 @@ class PagedDestination:
         if self._scratch is None:
             dropped = int(self.block_ids.size - np.count_nonzero(self._kept))
             self._scratch = np.empty((2, dropped, self.spec.block_bytes // 2), np.uint8)
-        return self._scratch[kind, int(self._drop_index[slot])]
+        half: np.ndarray = self._scratch[kind, int(self._drop_index[slot])]
+        return half
 
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
         """Scatter ``data`` (``[count, 1, row_elems]``, decoded) into the destination blocks."""
