@@ -14,7 +14,7 @@ import pytest
 import kvwire
 from kvwire.codec import numpy_dtype
 from kvwire.codec.gpu import gpu_available
-from kvwire.paged import PagedDestination, PagedSource, PagedSpec, gather_layer
+from kvwire.paged import DROP, PagedDestination, PagedSource, PagedSpec, gather_layer
 from tests.conftest import SECRET
 
 pytestmark = [
@@ -46,24 +46,29 @@ def test_gather_on_gpu_matches_host(dtype: str) -> None:
     assert k.get().tobytes() == hk.tobytes() and v.get().tobytes() == hv.tobytes()
 
 
+@pytest.mark.parametrize("drop", [False, True])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-async def test_gpu_source_to_gpu_destination(dtype: str) -> None:
+async def test_gpu_source_to_gpu_destination(dtype: str, drop: bool) -> None:
+    """Blocks land in the GPU cache's named blocks; with ``DROP`` for the first, it is
+    received and written nowhere."""
     spec = PagedSpec(num_layers=2, block_shape=(2, 16, 64), dtype=dtype)
+    ids = [DROP, 0, 3] if drop else [7, 0, 3]
     src_host = host_caches(spec, 8, 1)
     dst_host = [np.zeros_like(c) for c in host_caches(spec, 8, 2)]
     src = [to_gpu(c) for c in src_host]
     dst = [to_gpu(c) for c in dst_host]
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=20_000) as peer:
-            waiting = asyncio.create_task(server.expect("g", into=PagedDestination(spec, dst, [7, 0, 3]), timeout=30))
+            waiting = asyncio.create_task(server.expect("g", into=PagedDestination(spec, dst, ids), timeout=30))
             await asyncio.sleep(0)
             await peer.send("g", spec.wire_spec(), PagedSource(spec, src, [1, 6, 2]))
             transfer = await waiting
             assert [layer.index async for layer in transfer] == [0, 1]
     for s, d in zip(src_host, dst, strict=True):
         got = d.get()
-        assert got[[7, 0, 3]].tobytes() == s[[1, 6, 2]].view(got.dtype).tobytes()
-        assert not got[[1, 2, 4, 5, 6]].any()
+        kept = [(b, a) for b, a in zip(ids, [1, 6, 2], strict=True) if b != DROP]
+        assert got[[b for b, _ in kept]].tobytes() == s[[a for _, a in kept]].view(got.dtype).tobytes()
+        assert not got[[b for b in range(8) if b not in ids]].any()
 
 
 async def test_torch_cuda_tensors_through_dlpack() -> None:
