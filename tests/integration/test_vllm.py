@@ -214,15 +214,19 @@ def test_consumer_preempting_a_request_after_its_load_computes_it(tmp_path: Path
     assert "not ready" not in log
 
 
+def _repeated_and_shared(seed: int) -> list[list[int]]:
+    """A 900-token prompt, the same again, and one sharing its first 640 tokens (5 blocks)."""
+    rng = random.Random(seed)
+    a = [rng.randrange(512) for _ in range(900)]
+    return [a, a, a[:640] + [rng.randrange(512) for _ in range(260)]]
+
+
 def test_producer_with_its_prefix_cache_sends_cached_blocks(tmp_path: Path) -> None:
     """A producer with vLLM's prefix cache on (its default) prefills a prompt, the same
     prompt again (its blocks found in the cache, not computed) and a prompt sharing its
     first 640 tokens, one after the other: each send names the request's blocks, cached
     ones included, and the consumer's tokens equal the plain run's for all three."""
-    rng = random.Random(17)
-    a = [rng.randrange(512) for _ in range(900)]
-    shared = a[:640] + [rng.randrange(512) for _ in range(260)]
-    r = _tight_pair(tmp_path, [a, a, shared], MAX_TOKENS, side="producer",
+    r = _tight_pair(tmp_path, _repeated_and_shared(17), MAX_TOKENS, side="producer",
                     producer_args=["--kv-blocks", "64", "--prefix-caching"])
     assert r["got"] == r["plain"]
     assert r["consumer_log"].count("kvwire: received KV of request") == 3
@@ -238,10 +242,7 @@ def test_consumer_with_its_prefix_cache_loads_only_the_blocks_it_lacks(tmp_path:
     three, and no transfer is left waiting on the consumer's server.  (Before, a request
     with any block cached here loaded nothing, and its transfer waited on the server until
     the claim timeout, ten minutes.)"""
-    rng = random.Random(19)
-    a = [rng.randrange(512) for _ in range(900)]
-    shared = a[:640] + [rng.randrange(512) for _ in range(260)]
-    r = _tight_pair(tmp_path, [a, a, shared], MAX_TOKENS, side="consumer",
+    r = _tight_pair(tmp_path, _repeated_and_shared(19), MAX_TOKENS, side="consumer",
                     extra=["--kv-blocks", "64", "--prefix-caching"])
     assert r["got"] == r["plain"]
     assert r["prefix_cache_hit_tokens"] >= 896 + 640, "the consumer's prefix cache was not hit"
