@@ -2,15 +2,16 @@
 blocks the receiver's prefix cache already holds), against the same transfer with every
 block kept, measured in the same run.
 
-Two processes over loopback, ``codec="raw"``: the sender sends ``--blocks`` blocks per
+Two processes over loopback, ``--codec`` (``raw`` by default): the sender sends ``--blocks`` blocks per
 layer out of a paged cache (``PagedSource``) and the receiver receives them into its own
 (``PagedDestination``) at random block ids, the first ``--drop`` of them named ``DROP``.
 Caches shaped like vLLM's CPU backend for Llama-3-8B (32 layers, blocks of ``[8 heads,
 128 tokens, 2 x 128]`` bfloat16, 512 KiB); 16 blocks (2,048 tokens, 256 MiB) per transfer.
 Rounds alternate the two variants; each reports Gbit/s of KV sent (every block is on the
-wire either way) and each process's CPU seconds per GB.  Medians over ``--rounds``::
+wire either way; KV, not wire bytes, for a quantizing codec) and each process's CPU
+seconds per GB of KV.  Medians over ``--rounds``::
 
-    python benchmarks/paged_drop.py [--blocks 16] [--drop 8] [--transfers 12] [--rounds 3]
+    python benchmarks/paged_drop.py [--codec raw] [--blocks 16] [--drop 8] [--transfers 12] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -67,13 +68,13 @@ def _receive(ports: Any, results: Any, blocks: int, drop: int, transfers: int) -
     asyncio.run(main())
 
 
-def _send(port: int, blocks: int, transfers: int) -> tuple[float, float]:
+def _send(port: int, blocks: int, transfers: int, codec: str) -> tuple[float, float]:
     caches = _caches(2)
     spec = PagedSpec.of(caches[0], num_layers=LAYERS)
     rng = np.random.default_rng(6)
 
     async def main() -> tuple[float, float]:
-        async with kvwire.connect("127.0.0.1", port, secret=SECRET, codec="raw") as peer:
+        async with kvwire.connect("127.0.0.1", port, secret=SECRET, codec=codec) as peer:
             wall = cpu = 0.0
             for i in range(transfers + 1):
                 if i == 1:
@@ -85,13 +86,13 @@ def _send(port: int, blocks: int, transfers: int) -> tuple[float, float]:
     return asyncio.run(main())
 
 
-def _round(blocks: int, drop: int, transfers: int) -> tuple[float, float, float]:
+def _round(blocks: int, drop: int, transfers: int, codec: str) -> tuple[float, float, float]:
     ctx = mp.get_context("spawn")
     ports, results = ctx.Queue(), ctx.Queue()
     receiver = ctx.Process(target=_receive, args=(ports, results, blocks, drop, transfers))
     receiver.start()
     try:
-        seconds, sender_cpu = _send(ports.get(timeout=60), blocks, transfers)
+        seconds, sender_cpu = _send(ports.get(timeout=60), blocks, transfers, codec)
         receiver_cpu = results.get(timeout=120)
     finally:
         receiver.join(30)
@@ -101,6 +102,7 @@ def _round(blocks: int, drop: int, transfers: int) -> tuple[float, float, float]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--codec", default="raw")
     ap.add_argument("--blocks", type=int, default=16, help="blocks per layer per transfer")
     ap.add_argument("--drop", type=int, default=8, help="of them, dropped by the receiver")
     ap.add_argument("--transfers", type=int, default=12)
@@ -111,8 +113,9 @@ def main() -> None:
     runs: dict[int, list[tuple[float, float, float]]] = {0: [], args.drop: []}
     for _ in range(args.rounds):
         for drop in runs:
-            runs[drop].append(_round(args.blocks, drop, args.transfers))
-    print(f"{args.transfers} x {LAYERS * args.blocks * 512 // 1024} MiB, raw, loopback; medians of {args.rounds} rounds")
+            runs[drop].append(_round(args.blocks, drop, args.transfers, args.codec))
+    print(f"{args.transfers} x {LAYERS * args.blocks * 512 // 1024} MiB, {args.codec}, loopback; "
+          f"medians of {args.rounds} rounds")
     print("| blocks dropped | Gbit/s of KV sent | sender CPU s/GB | receiver CPU s/GB |")
     print("|---|---|---|---|")
     for drop, samples in runs.items():

@@ -163,8 +163,9 @@ def decode_rows_at(
     base: memoryview, spans: Any, codec: str,
 ) -> bool:
     """Decode fp8/int8 codes straight into the byte ranges of ``base`` where the rows go
-    (``spans`` as for :func:`encode_rows_at`); False, with nothing written, when ``base``
-    is not aligned to the element size."""
+    (``spans`` as for :func:`encode_rows_at`; a range starting at -1 is rows written
+    nowhere, a block the receiver drops); False, with nothing written, when ``base`` is
+    not aligned to the element size."""
     assert ext is not None
     if not _aligned(base, numpy_dtype(dtype).itemsize):
         return False
@@ -244,9 +245,10 @@ def int4_decode_at(
 ) -> bool:
     """Decode int4 ``[scales, minimums, codes]`` straight into the byte ranges of ``base``
     where the tokens go (``spans`` as for :func:`int4_encode_at`); False, with nothing
-    written, when the loops cannot."""
+    written, when the loops cannot, or a range is skipped (starts at -1: the int4 loops
+    write every token)."""
     assert ext is not None
-    if not _int4_ranges_fit(base, spans, shape, dtype):
+    if not _int4_ranges_fit(base, spans, shape, dtype) or np.any(np.frombuffer(spans, np.int64)[0::2] < 0):
         return False
     status = ext.int4_decode(bufs[0], bufs[1], bufs[2], *shape, group, is_v, _DTYPE_CODE[dtype], base, spans)
     if status:

@@ -1693,14 +1693,17 @@ static int kv_simd = SIMD_GENERIC;
 
 /* Where a chunk's rows lie: the whole buffer in order, or (with spans) int64 (start, size)
  * byte ranges of it, in order, each a whole number of rows (the rows of a paged cache's
- * blocks).  Checks every range against the buffer, the row size and the element size. */
+ * blocks).  Checks every range against the buffer, the row size and the element size.
+ * With `skips` (a decode), a range may start at SKIP_RANGE: its rows are written nowhere
+ * (a block the receiver drops). */
+#define SKIP_RANGE (-1LL)
 typedef struct {
     const long long* pairs; /* NULL: the buffer itself, from its start */
     idx n;                  /* ranges */
 } row_ranges;
 
 static int parse_ranges(Py_buffer* spans, Py_buffer* base, const char* what, idx rows, idx row_bytes, idx item,
-                        row_ranges* rr) {
+                        int skips, row_ranges* rr) {
     rr->pairs = NULL;
     rr->n = 1;
     if (spans->obj == NULL) return need(base, rows * row_bytes, what);
@@ -1715,6 +1718,10 @@ static int parse_ranges(Py_buffer* spans, Py_buffer* base, const char* what, idx
         long long start, size;
         memcpy(&start, (const char*)spans->buf + 16 * i, 8);
         memcpy(&size, (const char*)spans->buf + 16 * i + 8, 8);
+        if (skips && start == SKIP_RANGE && size > 0 && size % row_bytes == 0) {
+            total += (idx)size;
+            continue;
+        }
         if (start < 0 || size <= 0 || start > base->len || size > base->len - start) {
             PyErr_Format(PyExc_ValueError, "range %zd (%lld, %lld) is not in the %zd-byte %s", i, start,
                          size, base->len, what);
@@ -1757,7 +1764,7 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
     if (!PyArg_ParseTuple(args, "iy*innw*w*|y*", &kind, &x, &dt, &rows, &dim, &sc, &co, &spans)) return NULL;
     int ok = (kind == 0 || kind == 1) && check_dt(dt) && check_sizes(rows, dim) &&
              need(&sc, rows * 4, "scales") && need(&co, rows * dim, "codes") &&
-             parse_ranges(&spans, &x, "input", rows, dim * itemsize(dt), itemsize(dt), &rr);
+             parse_ranges(&spans, &x, "input", rows, dim * itemsize(dt), itemsize(dt), 0, &rr);
     if (ok) {
         rw_enc_fn fn = RW_ENC[kind][dt];
 #if KV_HAVE_AVX2
@@ -1800,7 +1807,7 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
     if (!PyArg_ParseTuple(args, "iy*y*nniw*|y*", &kind, &sc, &co, &rows, &dim, &dt, &out, &spans)) return NULL;
     int ok = (kind == 0 || kind == 1) && check_dt(dt) && check_sizes(rows, dim) &&
              need(&sc, rows * 4, "scales") && need(&co, rows * dim, "codes") &&
-             parse_ranges(&spans, &out, "out", rows, dim * itemsize(dt), itemsize(dt), &rr);
+             parse_ranges(&spans, &out, "out", rows, dim * itemsize(dt), itemsize(dt), 1, &rr);
     if (ok) {
         rw_dec_fn fn = RW_DEC[kind][dt];
 #if KV_HAVE_AVX2
@@ -1817,8 +1824,9 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
             for (idx i = 0; i < rr.n && st == KV_OK; i++) {
                 idx offset, n;
                 range_at(&rr, i, rows, dim * itemsize(dt), &offset, &n);
-                st = fn((const kv_u8*)co.buf + done * dim, (const kv_u8*)sc.buf + 4 * done, n, dim,
-                        (char*)out.buf + offset, rowtmp);
+                if (offset != SKIP_RANGE)
+                    st = fn((const kv_u8*)co.buf + done * dim, (const kv_u8*)sc.buf + 4 * done, n, dim,
+                            (char*)out.buf + offset, rowtmp);
                 done += n;
             }
             Py_END_ALLOW_THREADS
@@ -1929,7 +1937,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
     if (ok) {
         idx n = tokens * heads * dim, g = int4_groups(tokens, heads, dim, group, is_v);
         ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
-             parse_ranges(&spans, &x, "input", tokens, heads * dim * itemsize(dt), itemsize(dt), &rr);
+             parse_ranges(&spans, &x, "input", tokens, heads * dim * itemsize(dt), itemsize(dt), 0, &rr);
     }
     if (ok) {
         const idx hd = heads * dim, tb = hd * itemsize(dt);
@@ -1993,7 +2001,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
         n = tokens * heads * dim;
         g = int4_groups(tokens, heads, dim, group, is_v);
         ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
-             parse_ranges(&spans, &out, "out", tokens, heads * dim * itemsize(dt), itemsize(dt), &rr);
+             parse_ranges(&spans, &out, "out", tokens, heads * dim * itemsize(dt), itemsize(dt), 0, &rr);
     }
     if (ok) {
         const idx hd = heads * dim, tb = hd * itemsize(dt);
@@ -2105,7 +2113,8 @@ static PyMethodDef methods[] = {
      "with spans (int64 start, size pairs), the rows are those byte ranges of x"},
     {"decode_rows", py_decode_rows, METH_VARARGS,
      "decode_rows(kind, scales, codes, rows, dim, dtype, out[, spans]) -> status; "
-     "with spans (int64 start, size pairs), the rows go to those byte ranges of out"},
+     "with spans (int64 start, size pairs), the rows go to those byte ranges of out (a start of -1:\n"
+     "those rows are written nowhere, and not decoded: a value there out dtype cannot hold raises nothing)"},
     {"int4_encode", py_int4_encode, METH_VARARGS,
      "int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed[, spans]) -> status"},
     {"int4_decode", py_int4_decode, METH_VARARGS,

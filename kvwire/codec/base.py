@@ -81,9 +81,11 @@ class Codec(ABC):
         shape: tuple[int, int, int], dtype: str, kind: TensorKind,
     ) -> bool:
         """Decode a chunk of ``shape`` straight into the byte ranges of ``base`` where its
-        rows go (``spans`` as for :meth:`encode_ranges`).  True when done; False, with
-        nothing written, when this codec decodes only into one array (the caller then
-        decodes and scatters).  Raises as :meth:`decode` does."""
+        rows go (``spans`` as for :meth:`encode_ranges`; a range starting at -1 is rows
+        written nowhere, a block the receiver drops).  True when done; False, with nothing
+        written, when this codec decodes only into one array, or cannot skip rows (the
+        caller then decodes and scatters).  Raises as :meth:`decode` does (skipped rows are
+        not decoded: a value there that ``dtype`` cannot hold raises nothing)."""
         return False
 
     def encoded_size_ratio(self, shape: tuple[int, int, int], dtype: str) -> float:

@@ -383,7 +383,8 @@ class ByteRanges:
     paged cache's blocks): ``base`` (bytes, format ``B``) and ``spans``, a C-contiguous
     buffer of int64 ``(start, size)`` pairs, each range non-empty.  The compiled send queue
     writes them as they are, with no Python object per range; :meth:`views` gives a view
-    per range for every other path."""
+    per range for every other path.  (A destination's ranges to decode into may also name
+    rows written nowhere, with a start of -1; those have no view.)"""
 
     __slots__ = ("base", "nbytes", "spans")
 
@@ -394,6 +395,8 @@ class ByteRanges:
 
     def views(self) -> list[memoryview]:
         pairs = memoryview(self.spans).cast("B").cast("q").tolist()
+        if any(pairs[i] < 0 for i in range(0, len(pairs), 2)):
+            raise ValueError("a range written nowhere (start -1) has no view")
         base = self.base
         return [base[pairs[i] : pairs[i] + pairs[i + 1]] for i in range(0, len(pairs), 2)]
 

@@ -537,6 +537,56 @@ def test_property_rows_where_they_lie_equal_gathered_rows(
 
 
 @needs_ext
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=_arrays(), base=st.sampled_from(["fp8", "int8", "int4", "int8+zstd", "int4+zstd"]), kind=st.sampled_from(KINDS),
+       out_dtype=st.sampled_from(DTYPES), level=st.sampled_from(LEVELS), data=st.data())
+def test_property_ranges_starting_at_minus_one_are_written_nowhere(
+    x: np.ndarray[Any, Any], base: str, kind: TensorKind, out_dtype: str, level: int, data: st.DataObject,
+) -> None:
+    """Decoding into ranges some of which start at -1 (the rows of blocks a receiver
+    drops): fp8 and int8 write every other range exactly as ``decode`` gives it and
+    nothing else.  Where ``decode`` raises they raise the same, or succeed when only
+    skipped rows held what it refused (they are not decoded), and write nothing outside
+    the other ranges either way.  int4 declines (False), nothing written."""
+    codec = _ranged_codec(base, 32)
+    tokens, heads, dim = x.shape
+    int4 = base.startswith("int4")
+    row_elems = heads * dim if int4 else dim
+    enc = _outcome(lambda: codec.encode(x, kind))
+    if enc[0] != "ok":
+        return
+    params, payload = enc[1]
+    slots, size = data.draw(_row_places(tokens if int4 else tokens * heads))
+    skipped = data.draw(st.lists(st.booleans(), min_size=len(slots), max_size=len(slots)))
+    out_row = row_elems * numpy_dtype(out_dtype).itemsize
+    places = _spans(slots, out_row)
+    spans = places.copy()
+    spans[np.array(skipped, bool), 0] = -1
+    out = np.full(size * out_row, SENTINEL, np.uint8)
+    want = _outcome(lambda: codec.decode(params, payload, shape=x.shape, dtype=out_dtype, kind=kind))
+    with _simd(level):
+        done = _outcome(lambda: codec.decode_ranges(params, payload, memoryview(out), spans.data,
+                                                    shape=x.shape, dtype=out_dtype, kind=kind))
+    if int4:  # (with none skipped, the property above holds)
+        if any(skipped):
+            assert done == ("ok", False) and (out == SENTINEL).all()
+        return
+    untouched = np.ones(out.size, bool)
+    for (start, n), skip in zip(places, skipped, strict=True):
+        untouched[start : start + n] = skip
+    assert (out[untouched] == SENTINEL).all()
+    if want[0] != "ok":
+        assert done in (want, ("ok", True))
+        return
+    assert done == ("ok", True)
+    decoded, at = want[1][2], 0
+    for (start, n), skip in zip(places, skipped, strict=True):
+        if not skip:
+            assert out[start : start + n].tobytes() == decoded[at : at + n]
+        at += n
+
+
+@needs_ext
 def test_compiled_row_loops_refuse_bad_ranges() -> None:
     """Ranges outside the buffer, not whole rows, not aligned to the element, or not adding
     up to the chunk are refused before any row is read or written."""
@@ -580,6 +630,18 @@ def test_compiled_row_loops_refuse_bad_ranges() -> None:
         ext.decode_rows(0, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 0, out,
                         np.array([[0, 64], [256, 64]], np.int64))
     assert (out == SENTINEL).all()
+    # A decode's range may start at -1 (rows written nowhere), but whole rows; an encode's
+    # may not, nor may any other negative start.
+    for pairs, match in [(((-1, 48), (0, 80)), "not in"), (((-2, 64), (0, 64)), "not in")]:
+        with pytest.raises(ValueError, match=match):
+            ext.decode_rows(0, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 0, out,
+                            np.array(pairs, np.int64))
+    assert (out == SENTINEL).all()
+    with pytest.raises(ValueError, match="not in"):
+        enc((-1, 64), (0, 64))
+    assert ext.decode_rows(0, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 0, out,
+                           np.array([[-1, 64], [64, 64]], np.int64)) == 0
+    assert (out[64:128] == 0).all() and (out[:64] == SENTINEL).all() and (out[128:] == SENTINEL).all()
 
 
 @needs_ext
