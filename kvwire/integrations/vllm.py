@@ -169,7 +169,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._registry: SyncRegistry | None = None
         self._expected: dict[str, tuple[bytes, ...]] = {}
         # scheduler side
-        self._pending_loads: dict[str, tuple[str, int]] = {}  # key, full blocks cached here
+        self._local_hits: dict[str, int] = {}  # tokens vLLM found in its prefix cache
+        self._pending_loads: dict[str, tuple[str, int, int]] = {}  # key, blocks cached here, blocks loaded
         self._pending_drops: dict[str, str] = {}
         self._loaded: set[str] = set()  # requests whose one load (or drop) was scheduled
         self._partial: dict[str, tuple[str, list[int], int, str | None, tuple[bytes, ...]]] = {}
@@ -242,6 +243,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # ``num_computed_tokens``: whole blocks found in this instance's prefix cache.  The
         # rest of the full blocks are loaded (the transfer carries them all: the cached
         # ones' part is dropped on arrival).
+        self._local_hits[request.request_id] = num_computed_tokens
         return max(0, tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -253,18 +255,19 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if n == 0:
             return  # nothing is sent for it
         key = self._key(prompt, request.kv_transfer_params)
+        cached = min(n, self._local_hits.pop(req_id, 0) // self._block_size)
         # Logged here, once: vLLM asks get_num_new_matched_tokens again every step a
         # request waits for blocks.
-        cached = n - num_external_tokens // self._block_size
         if num_external_tokens > 0:
             logger.info("kvwire: external KV hit for request %s: %d tokens to receive%s", req_id, num_external_tokens,
                         f" ({cached} blocks cached here)" if cached else "")
-            self._pending_loads[req_id] = (key, cached)
+            self._pending_loads[req_id] = (key, cached, min(n - cached, num_external_tokens // self._block_size))
         else:
-            # Computed here (its full blocks all in the prefix cache): its transfer is
-            # taken all the same, or it would wait on the server until the claim timeout.
-            logger.info("kvwire: request %s is computed here (its %d full blocks are cached): its KV is "
-                        "received and dropped", req_id, n)
+            # Computed here (its full blocks in the prefix cache, or vLLM took no hit): its
+            # transfer is taken all the same, or it would wait on the server until the
+            # claim timeout.
+            logger.info("kvwire: request %s is computed here (%d of its %d full blocks cached): its KV is "
+                        "received and dropped", req_id, cached, n)
             self._pending_drops[req_id] = key
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -275,10 +278,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             block_ids = list(new.block_ids[0])
             if new.req_id in self._pending_loads:
                 self._loaded.add(new.req_id)
-                key, in_cache = self._pending_loads.pop(new.req_id)
-                meta.loads.append(_Move(
-                    new.req_id, key, [DROP] * in_cache + block_ids[in_cache:n], prefix=self._prefix(prompt, n),
-                ))
+                # The transfer carries every full block: those cached here, and any past
+                # the tokens vLLM took as loaded (it computes them), are dropped.
+                key, in_cache, loaded = self._pending_loads.pop(new.req_id)
+                ids = [DROP] * in_cache + block_ids[in_cache : in_cache + loaded]
+                meta.loads.append(_Move(new.req_id, key, ids + [DROP] * (n - len(ids)), prefix=self._prefix(prompt, n)))
                 continue
             if new.req_id in self._pending_drops:
                 self._loaded.add(new.req_id)
@@ -328,6 +332,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._partial.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         self._pending_drops.pop(request.request_id, None)
+        self._local_hits.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
         saving = request.request_id in self._saving
         self._saving.discard(request.request_id)

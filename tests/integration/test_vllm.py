@@ -250,7 +250,7 @@ def test_consumer_with_its_prefix_cache_loads_only_the_blocks_it_lacks(tmp_path:
     log = r["consumer_log"]
     assert log.count("kvwire: external KV hit") == 2 and "256 tokens to receive (5 blocks cached here)" in log
     assert log.count("kvwire: received KV of request") == 2
-    assert log.count("is computed here (its 7 full blocks are cached)") == 1
+    assert log.count("is computed here (7 of its 7 full blocks cached)") == 1
     assert log.count("kvwire: dropped the KV of request") == 1
     assert r["producer_log"].count("kvwire: sent KV of request") == 3
 
