@@ -563,6 +563,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._peer = None
 
     def _reap_drops(self) -> None:
+        """The drops that ended (the transfer taken and dropped, or failed) are let go of."""
         for req_id, handle in list(self._dropping.items()):
             if handle.done:
                 logger.info("kvwire: dropped the KV of request %s (computed here)", req_id)
