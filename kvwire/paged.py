@@ -425,10 +425,13 @@ class PagedDestination:
 
     def _scratch_half(self, kind: int, slot: int) -> np.ndarray:
         """The scratch bytes of dropped block ``slot``'s K (``kind`` 0) or V half, for every
-        layer (made at first use)."""
+        layer (taken at first use from the receive pool: memory already faulted in, given
+        back when the destination is garbage)."""
         if self._scratch is None:
+            from kvwire.aio._pool import default_pool
+
             dropped = int(self.block_ids.size - np.count_nonzero(self._kept))
-            self._scratch = np.empty((2, dropped, self.spec.block_bytes // 2), np.uint8)
+            self._scratch = default_pool().empty((2, dropped, self.spec.block_bytes // 2), np.uint8)
         half: np.ndarray = self._scratch[kind, int(self._drop_index[slot])]
         return half
 

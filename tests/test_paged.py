@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 from typing import Any
 
@@ -466,6 +467,27 @@ def test_dropped_blocks_are_written_nowhere(shape: tuple[int, ...], dtype: str, 
                 want = np.full_like(want, 0).view(np.uint8)
                 want[...] = 0x5A
             assert dst[li][b].tobytes() == want.tobytes()
+
+
+def test_dropped_blocks_scratch_comes_from_the_receive_pool() -> None:
+    """A destination's scratch for its dropped blocks is leased from the receive pool (no
+    fresh pages to fault in for every transfer) and goes back to it with the destination."""
+    from kvwire.aio._pool import ReceivePool
+
+    spec = PagedSpec(num_layers=1, block_shape=(2, 4, 2, 64), dtype="float16")
+    cache = caches(spec, 8, 0)
+    pool = ReceivePool(1 << 30)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("kvwire.aio._pool.default_pool", lambda: pool)
+        first = PagedDestination(spec, cache, [DROP, 3, DROP])
+        assert first.view(0, 1, 0, 4, first.layer_tokens) is not None  # a dropped block's place
+        assert pool.misses == 1 and pool.leased_bytes >= 2 * 2 * spec.block_bytes // 2
+        del first
+        gc.collect()
+        assert pool.leased_bytes == 0 and pool.idle_bytes > 0
+        second = PagedDestination(spec, cache, [5, DROP, DROP])
+        assert second.regions(0, 0, 0, second.layer_tokens, second.layer_tokens) is not None
+        assert pool.hits == 1 and pool.idle_bytes == 0  # the same slab, leased again
 
 
 def test_drop_is_the_only_negative_block_id() -> None:
