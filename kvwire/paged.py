@@ -291,9 +291,8 @@ class PagedDestination:
     (-1) drops that incoming block: it is received (the sender sends the whole cache) and
     written nowhere in the caches.  Its rows get places in a scratch buffer of the
     destination's own (one layer's dropped blocks), so a raw chunk over kept and dropped
-    blocks is still read straight into its places; an fp8 or int8 chunk over both is
-    decoded straight into the kept blocks (the dropped rows skipped), and an int4 one into
-    scratch, its kept rows then copied to their blocks.
+    blocks is still read straight into its places, and a quantized chunk over both is
+    decoded straight into the kept blocks (the dropped rows skipped).
     """
 
     def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
@@ -404,8 +403,9 @@ class PagedDestination:
     def ranges(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> ByteRanges | None:
         """The same places as :meth:`regions`, as byte ranges of the layer's cache (what a
         quantized chunk is decoded straight into).  A dropped block's range starts at
-        ``DROP`` (-1): its rows go nowhere (fp8 and int8 skip them; a codec that cannot
-        declines, and the chunk is decoded elsewhere and its kept rows copied)."""
+        ``DROP`` (-1): its rows go nowhere (the compiled codec loops skip them; a codec
+        that cannot declines, and the chunk is decoded elsewhere and its kept rows
+        copied)."""
         if not self._fits(layer, kind, start, count, layer_tokens):
             return None
         spans = _spans(self._halves[kind], self._rows, self._row_bytes, start, count)

@@ -244,11 +244,11 @@ def int4_decode_at(
     base: memoryview, spans: Any,
 ) -> bool:
     """Decode int4 ``[scales, minimums, codes]`` straight into the byte ranges of ``base``
-    where the tokens go (``spans`` as for :func:`int4_encode_at`); False, with nothing
-    written, when the loops cannot, or a range is skipped (starts at -1: the int4 loops
-    write every token)."""
+    where the tokens go (``spans`` as for :func:`int4_encode_at`; a range starting at -1
+    is tokens written nowhere, decoded only where a K group runs into a written range);
+    False, with nothing written, when the loops cannot."""
     assert ext is not None
-    if not _int4_ranges_fit(base, spans, shape, dtype) or np.any(np.frombuffer(spans, np.int64)[0::2] < 0):
+    if not _int4_ranges_fit(base, spans, shape, dtype):
         return False
     status = ext.int4_decode(bufs[0], bufs[1], bufs[2], *shape, group, is_v, _DTYPE_CODE[dtype], base, spans)
     if status:

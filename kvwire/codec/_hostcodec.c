@@ -1879,31 +1879,39 @@ typedef struct {
     idx rows, row_bytes; /* the chunk's tokens, bytes of one */
     idx i;               /* the range the next token lies in */
     idx off, left;       /* its byte offset, and the tokens left in the range from it */
+    int skip;            /* the range starts at SKIP_RANGE: its tokens are written nowhere */
 } token_cursor;
+
+static void cursor_range(token_cursor* c) {
+    range_at(c->rr, c->i, c->rows, c->row_bytes, &c->off, &c->left);
+    c->skip = c->off == SKIP_RANGE;
+}
 
 static void cursor_start(token_cursor* c, const row_ranges* rr, idx rows, idx row_bytes) {
     c->rr = rr;
     c->rows = rows;
     c->row_bytes = row_bytes;
     c->i = 0;
-    range_at(rr, 0, rows, row_bytes, &c->off, &c->left);
+    cursor_range(c);
 }
 
 /* Move past n tokens; with buf, copy them from the buffer into buf (gather) or, with
- * scatter, from buf into the buffer. */
+ * scatter, from buf into the buffer (the tokens of a skipped range nowhere). */
 static void cursor_move(token_cursor* c, char* base, char* buf, idx n, int scatter) {
     while (n > 0) {
         const idx k = n < c->left ? n : c->left;
         const size_t bytes = (size_t)(k * c->row_bytes);
         if (buf != NULL) {
-            if (scatter) memcpy(base + c->off, buf, bytes);
-            else memcpy(buf, base + c->off, bytes);
+            if (!c->skip) {
+                if (scatter) memcpy(base + c->off, buf, bytes);
+                else memcpy(buf, base + c->off, bytes);
+            }
             buf += bytes;
         }
-        c->off += k * c->row_bytes;
+        if (!c->skip) c->off += k * c->row_bytes;
         c->left -= k;
         n -= k;
-        if (c->left == 0 && ++c->i < c->rr->n) range_at(c->rr, c->i, c->rows, c->row_bytes, &c->off, &c->left);
+        if (c->left == 0 && ++c->i < c->rr->n) cursor_range(c);
     }
 }
 
@@ -1984,7 +1992,9 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
 }
 
 /* int4_decode(scales, mins, packed, tokens, heads, dim, group, is_v, dtype, out[, spans])
- * -> status; with spans (as for int4_encode) out is the buffer the tokens go to */
+ * -> status; with spans (as for int4_encode) out is the buffer the tokens go to; a range
+ * starting at SKIP_RANGE is tokens written nowhere (decoded only where a K group runs
+ * into a written range) */
 static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
     int dt, is_v, st = KV_OK;
     idx tokens, heads, dim, group;
@@ -2001,7 +2011,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
         n = tokens * heads * dim;
         g = int4_groups(tokens, heads, dim, group, is_v);
         ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
-             parse_ranges(&spans, &out, "out", tokens, heads * dim * itemsize(dt), itemsize(dt), 0, &rr);
+             parse_ranges(&spans, &out, "out", tokens, heads * dim * itemsize(dt), itemsize(dt), 1, &rr);
     }
     if (ok) {
         const idx hd = heads * dim, tb = hd * itemsize(dt);
@@ -2025,6 +2035,11 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
                 int in_place;
                 const idx m = next_piece(&c, tokens - t, group, is_v, &in_place);
                 const idx g0 = int4_groups_before(t, heads, dim, group, is_v);
+                if (in_place && c.skip) { /* tokens written nowhere: not decoded */
+                    cursor_move(&c, (char*)out.buf, NULL, m, 1);
+                    t += m;
+                    continue;
+                }
                 st = fn(p + t * hd / 2, (const kv_u8*)sc.buf + 4 * g0, (const kv_u8*)mn.buf + 4 * g0, m, heads,
                         dim, group, is_v, in_place ? (char*)out.buf + c.off : group_buf, buf, buf + hd + 1,
                         buf + 2 * hd + 2);
@@ -2118,7 +2133,8 @@ static PyMethodDef methods[] = {
     {"int4_encode", py_int4_encode, METH_VARARGS,
      "int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed[, spans]) -> status"},
     {"int4_decode", py_int4_decode, METH_VARARGS,
-     "int4_decode(scales, mins, packed, tokens, heads, dim, group, is_v, dtype, out[, spans]) -> status"},
+     "int4_decode(scales, mins, packed, tokens, heads, dim, group, is_v, dtype, out[, spans]) -> status; "
+     "a range starting at -1: tokens written nowhere"},
     {"isa", py_isa, METH_NOARGS, "isa() -> the codec loops in use on this CPU, in words"},
     {NULL, NULL, 0, NULL},
 };

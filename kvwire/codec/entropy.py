@@ -100,8 +100,8 @@ class EntropyCodec(Codec):
     ) -> bool:
         """Decompress, then let the inner codec decode into the ranges where it can.  False
         at once where it never can (``raw``, no compiled loops); a False from the inner
-        codec after decompressing (a misaligned buffer; int4 and skipped rows) costs the
-        caller a second decompress."""
+        codec after decompressing (a misaligned buffer) costs the caller a second
+        decompress."""
         if self.inner.name == "raw" or _host.ext is None:
             return False
         inner_params, plain = self._unpack(params, payload, shape, dtype, kind)

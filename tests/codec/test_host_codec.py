@@ -544,11 +544,13 @@ def test_property_ranges_starting_at_minus_one_are_written_nowhere(
     x: np.ndarray[Any, Any], base: str, kind: TensorKind, out_dtype: str, level: int, data: st.DataObject,
 ) -> None:
     """Decoding into ranges some of which start at -1 (the rows of blocks a receiver
-    drops): fp8 and int8 write every other range exactly as ``decode`` gives it and
-    nothing else.  Where ``decode`` raises they raise the same, or succeed when only
-    skipped rows held what it refused (they are not decoded), and write nothing outside
-    the other ranges either way.  int4 declines (False), nothing written."""
-    codec = _ranged_codec(base, 32)
+    drops): every other range is written exactly as ``decode`` gives it, and nothing
+    else.  Where ``decode`` raises, the same is raised, or none when only skipped rows
+    held what it refused (they are not decoded), and nothing is written outside the other
+    ranges either way.  int4's rows are whole tokens; a K group (of 1, 3, 7 or 32 tokens)
+    across a skipped and a written range is decoded and only its written tokens kept; with
+    an odd number of elements per token it declines (False), nothing written."""
+    codec = _ranged_codec(base, data.draw(st.sampled_from([1, 3, 7, 32]), label="group"))
     tokens, heads, dim = x.shape
     int4 = base.startswith("int4")
     row_elems = heads * dim if int4 else dim
@@ -567,9 +569,8 @@ def test_property_ranges_starting_at_minus_one_are_written_nowhere(
     with _simd(level):
         done = _outcome(lambda: codec.decode_ranges(params, payload, memoryview(out), spans.data,
                                                     shape=x.shape, dtype=out_dtype, kind=kind))
-    if int4:  # (with none skipped, the property above holds)
-        if any(skipped):
-            assert done == ("ok", False) and (out == SENTINEL).all()
+    if int4 and row_elems % 2:
+        assert done == ("ok", False) and (out == SENTINEL).all()
         return
     untouched = np.ones(out.size, bool)
     for (start, n), skip in zip(places, skipped, strict=True):
@@ -631,7 +632,7 @@ def test_compiled_row_loops_refuse_bad_ranges() -> None:
                         np.array([[0, 64], [256, 64]], np.int64))
     assert (out == SENTINEL).all()
     # A decode's range may start at -1 (rows written nowhere), but whole rows; an encode's
-    # may not, nor may any other negative start.
+    # may not, nor may any other negative start (int4 alike).
     for pairs, match in [(((-1, 48), (0, 80)), "not in"), (((-2, 64), (0, 64)), "not in")]:
         with pytest.raises(ValueError, match=match):
             ext.decode_rows(0, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 0, out,
@@ -642,6 +643,11 @@ def test_compiled_row_loops_refuse_bad_ranges() -> None:
     assert ext.decode_rows(0, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 0, out,
                            np.array([[-1, 64], [64, 64]], np.int64)) == 0
     assert (out[64:128] == 0).all() and (out[:64] == SENTINEL).all() and (out[128:] == SENTINEL).all()
+    with pytest.raises(ValueError, match="not in"):
+        ext.int4_encode(x.view(np.uint8), 0, 2, 2, 16, 2, False, sc4, mn4, pk4, np.array([[-1, 64], [0, 64]], np.int64))
+    with pytest.raises(ValueError, match="not in"):  # a skipped range of part of a token
+        ext.int4_decode(sc4, mn4, pk4, 2, 2, 16, 2, False, 0, out4, np.array([[-1, 32], [0, 96]], np.int64))
+    assert (out4 == SENTINEL).all()
 
 
 @needs_ext
