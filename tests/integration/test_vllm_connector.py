@@ -2,8 +2,9 @@
 real torch caches, a real kvwire server and a proxy that stalls the path: when a send's
 blocks are given back to vLLM and when nothing reads them any more.  (A real engine runs
 in test_vllm.py, preempting requests too; a preemption while a send is in flight cannot
-be placed there at will.)  Then the scheduler side through preemption, fed vLLM's own
-scheduler output objects.
+be placed there at will.)  Then the scheduler side through preemption and with the
+consumer's prefix cache, fed vLLM's own scheduler output objects, and a consumer worker
+that loads part of a transfer and drops another.
 """
 
 from __future__ import annotations
@@ -337,9 +338,9 @@ def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
 
 def test_a_consumer_loads_the_blocks_it_lacks_and_drops_the_rest() -> None:
     """A consumer worker given a load whose first blocks are DROP and a drop: the load's
-    blocks hold the sent blocks' bytes, no other block changes, and the dropped transfer
-    (one arrived before the worker named it, one after) is taken off the server, leaving
-    nothing pending there."""
+    blocks hold the sent blocks' bytes, no other block changes, and both transfers (the
+    dropped one arrived before the worker named it, the loaded one after) are taken off
+    the server, leaving nothing pending there."""
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
