@@ -9,7 +9,9 @@ another prompt sent under a request's id) must change the output, which proves t
 received cache is what the consumer attends to; a request whose cache never comes is
 recomputed after the load timeout (``kv_load_failure_policy="recompute"``).  With a
 registry (a private redis-server), a cache whose prefix block was invalidated after the
-send is refused by the consumer and recomputed.
+send is refused by the consumer and recomputed.  Engines with small caches preempt
+requests on either side; with vLLM's prefix cache on, a producer sends cached blocks and
+a consumer loads only the blocks it lacks.
 """
 
 from __future__ import annotations
