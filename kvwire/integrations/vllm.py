@@ -406,11 +406,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._registry is not None:
                 self._expected[move.req_id] = move.prefix
         for move in meta.drops:  # nothing waits for these: get_finished lets them go
-            # A transfer that comes at all comes within the claim timeout (the server would
-            # drop it after that), so the drop waits as long: none is left behind.
+            # As long as a load would wait for its transfer: a drop for a transfer that
+            # never comes (kvwire_load_all, a producer that did not send) is let go of then.
             dest = PagedDestination(self._spec, self._caches, move.block_ids)
             self._dropping[move.req_id] = self._server.expect(
-                move.key, into=dest, num_layers=self._spec.num_layers, timeout=self._claim_timeout,
+                move.key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
             )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
