@@ -382,22 +382,17 @@ class PagedDestination:
         half), or None when there are none (a GPU cache, a range that does not fit).
         A raw chunk is received straight into them, however many blocks it spans (a
         dropped block's rows into their place in scratch)."""
-        if self._all_kept:
-            ranges = self.ranges(layer, kind, start, count, layer_tokens)
-            return None if ranges is None else ranges.views()
-        if not self._fits(layer, kind, start, count, layer_tokens):
-            return None
-        first = start // self._rows
-        halves = self._halves[kind]
-        flat = self._flat[layer]
+        where = self.ranges(layer, kind, start, count, layer_tokens)
+        if where is None or self._all_kept:
+            return None if where is None else where.views()
+        first, row = divmod(start, self._rows)
         places = []
-        for i, (at, size) in enumerate(_spans(halves, self._rows, self._row_bytes, start, count).tolist()):
-            slot = first + i
-            if self._kept[slot]:
-                places.append(flat[at : at + size])
-            else:  # at is the rows' offset from the block's half (at halves[slot])
-                within = at - int(halves[slot])
-                places.append(self._scratch_half(kind, slot)[within : within + size].data)
+        for i, (at, size) in enumerate(np.frombuffer(where.spans, np.int64).reshape(-1, 2).tolist()):
+            if at != DROP:
+                places.append(where.base[at : at + size])
+            else:  # only the first range can start inside its block
+                within = row * self._row_bytes if i == 0 else 0
+                places.append(self._scratch_half(kind, first + i)[within : within + size].data)
         return places
 
     def ranges(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> ByteRanges | None:
@@ -445,7 +440,12 @@ class PagedDestination:
                 code=ErrorCode.INCOMPATIBLE_SPEC,
             )
         if not self._device and not self._all_kept:
-            self._write_kept(layer, kind, start, data)
+            rows = np.ascontiguousarray(data).reshape(count, self._width)
+            for block, offset, done, n in self._kept_pieces(kind, start, count):
+                place = self._blocks[layer][block, offset : offset + n * self._width]
+                part = rows[done : done + n].reshape(-1)
+                if not _same_memory(place, part):  # not decoded in place (view())
+                    place[...] = part
             return
         if not self._device:
             places = self.regions(layer, kind, start, count, layer_tokens)
@@ -461,39 +461,24 @@ class PagedDestination:
             return
         import cupy
 
-        blocks = self._blocks[layer]
         flat = data.reshape(count, self._width)
-        half = self.spec.block_elems // 2
-        done = 0
-        while done < count:
-            slot, row = divmod(start + done, self._rows)
-            n = min(count - done, self._rows - row)
-            if not self._kept[slot]:
-                done += n
-                continue
-            offset = kind * half + row * self._width
-            dst = blocks[int(self.block_ids[slot]), offset : offset + n * self._width]
+        for block, offset, done, n in self._kept_pieces(kind, start, count):
+            dst = self._blocks[layer][block, offset : offset + n * self._width]
             src = flat[done : done + n].reshape(-1)
             if self.spec.dtype == "bfloat16" and not isinstance(src, cupy.ndarray):
                 src = np.ascontiguousarray(src).view(np.uint16)
             dst[...] = cupy.asarray(src)
-            done += n
 
-
-    def _write_kept(self, layer: int, kind: int, start: int, data: Any) -> None:
-        """Host cache: the rows of ``data`` whose blocks are kept, block by block."""
-        rows = np.ascontiguousarray(data).reshape(-1, self._width)
-        blocks = self._blocks[layer]
+    def _kept_pieces(self, kind: int, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
+        """Rows ``[start, start + count)`` of K (``kind`` 0) or V block by block, for the
+        kept blocks: (block id, first element of the rows in it, first of them in the range,
+        how many)."""
         done = 0
-        while done < rows.shape[0]:
+        while done < count:
             slot, row = divmod(start + done, self._rows)
-            n = min(rows.shape[0] - done, self._rows - row)
+            n = min(count - done, self._rows - row)
             if self._kept[slot]:
-                offset = kind * (self.spec.block_elems // 2) + row * self._width
-                place = blocks[int(self.block_ids[slot]), offset : offset + n * self._width]
-                part = rows[done : done + n].reshape(-1)
-                if not _same_memory(place, part):  # not decoded in place (view())
-                    place[...] = part
+                yield int(self.block_ids[slot]), kind * (self.spec.block_elems // 2) + row * self._width, done, n
             done += n
 
 
