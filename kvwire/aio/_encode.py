@@ -27,10 +27,6 @@ Encoded = tuple[TensorKind, int, int, Any, Any]
 Part = tuple[TensorKind, Any, list[tuple[int, int]]]
 
 
-def payload_size(enc: Any) -> int:
-    return payload_nbytes(enc.payload)
-
-
 def encode_host(codec: Any, x: Any, kind: TensorKind) -> Any:
     """``codec.encode(x, kind)`` of a host chunk.  Rows of a paged cache's blocks
     (:class:`~kvwire.paged.BlockRows`) go raw as they lie (the payload is their blocks'
@@ -88,7 +84,7 @@ async def finish_encode(
     if chooser is not None:
         fp16_bytes = x.nbytes * 2 // x.itemsize
         chooser.observe_encode(codec.name, fp16_bytes, seconds)
-        chooser.observe_size(codec.name, fp16_bytes, payload_size(enc) + len(enc.params))
+        chooser.observe_size(codec.name, fp16_bytes, payload_nbytes(enc.payload) + len(enc.params))
     return enc
 
 
@@ -196,5 +192,5 @@ async def device_parts(
 
 __all__ = [
     "ENCODE_AHEAD", "Encoded", "Part", "device_chunks", "device_parts", "encode", "encode_host", "encodes_inline",
-    "finish_encode", "host_chunks", "payload_size", "raw_based", "start_encode",
+    "finish_encode", "host_chunks", "raw_based", "start_encode",
 ]
