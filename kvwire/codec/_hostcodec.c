@@ -1908,7 +1908,7 @@ static void cursor_move(token_cursor* c, char* base, char* buf, idx n, int scatt
             }
             buf += bytes;
         }
-        if (!c->skip) c->off += k * c->row_bytes;
+        c->off += k * c->row_bytes;
         c->left -= k;
         n -= k;
         if (c->left == 0 && ++c->i < c->rr->n) cursor_range(c);
