@@ -170,8 +170,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._expected: dict[str, tuple[bytes, ...]] = {}
         # scheduler side
         self._local_hits: dict[str, int] = {}  # tokens vLLM found in its prefix cache
-        self._pending_loads: dict[str, tuple[str, int, int]] = {}  # key, blocks cached here, blocks loaded
-        self._pending_drops: dict[str, str] = {}
+        # key, full blocks cached here, blocks loaded (none: the transfer is only dropped)
+        self._pending_loads: dict[str, tuple[str, int, int]] = {}
         self._loaded: set[str] = set()  # requests whose one load (or drop) was scheduled
         self._partial: dict[str, tuple[str, list[int], int, str | None, tuple[bytes, ...]]] = {}
         self._saving: set[str] = set()  # requests whose send was scheduled (async save: blocks kept)
@@ -261,14 +261,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if num_external_tokens > 0:
             logger.info("kvwire: external KV hit for request %s: %d tokens to receive%s", req_id, num_external_tokens,
                         f" ({cached} blocks cached here)" if cached else "")
-            self._pending_loads[req_id] = (key, cached, min(n - cached, num_external_tokens // self._block_size))
         else:
             # Computed here (its full blocks in the prefix cache, or vLLM took no hit): its
             # transfer is taken all the same, or it would wait on the server until the
             # claim timeout.
             logger.info("kvwire: request %s is computed here (%d of its %d full blocks cached): its KV is "
                         "received and dropped", req_id, cached, n)
-            self._pending_drops[req_id] = key
+        self._pending_loads[req_id] = (key, cached, min(n - cached, num_external_tokens // self._block_size))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvwireConnectorMetadata()
@@ -282,11 +281,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # the tokens vLLM took as loaded (it computes them), are dropped.
                 key, in_cache, loaded = self._pending_loads.pop(new.req_id)
                 ids = [DROP] * in_cache + block_ids[in_cache : in_cache + loaded]
-                meta.loads.append(_Move(new.req_id, key, ids + [DROP] * (n - len(ids)), prefix=self._prefix(prompt, n)))
-                continue
-            if new.req_id in self._pending_drops:
-                self._loaded.add(new.req_id)
-                meta.drops.append(_Move(new.req_id, self._pending_drops.pop(new.req_id), [DROP] * n))
+                ids += [DROP] * (n - len(ids))
+                if loaded:
+                    meta.loads.append(_Move(new.req_id, key, ids, prefix=self._prefix(prompt, n)))
+                    continue
+                meta.drops.append(_Move(new.req_id, key, ids))
             if self._producer and n > 0:
                 extra = new.sampling_params.extra_args if new.sampling_params is not None else None
                 params = (extra or {}).get("kv_transfer_params")
@@ -322,16 +321,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._saving.add(req_id)
             else:
                 self._partial[req_id] = (key, block_ids, n, codec, prefix)
-        for pending in (self._pending_loads, self._pending_drops):
-            for req_id in scheduler_output.finished_req_ids & pending.keys():
-                del pending[req_id]
+        for req_id in scheduler_output.finished_req_ids & self._pending_loads.keys():
+            del self._pending_loads[req_id]
         meta.preempted = sorted(set(scheduler_output.preempted_req_ids or ()) & self._saving)
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._partial.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
-        self._pending_drops.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
         saving = request.request_id in self._saving
