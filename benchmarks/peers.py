@@ -25,7 +25,8 @@ measurement from a parent that has imported none of them:
   ``raw/<habits>``: the same with some of kvwire's sending habits, ``+``-separated, to
   tell what each costs: ``p<size>`` writes pieces of that size (``p512KiB``),
   ``lowat<size>`` sets TCP_NOTSENT_LOWAT, ``nb`` writes non-blocking and waits in
-  ``select()``, ``crc`` takes each piece's CRC32C after its write (``raw/p512KiB+lowat1MiB+nb``);
+  ``select()``, ``crc`` takes each piece's CRC32C after its write, ``crcthread`` each
+  array's CRC32C on a second thread while the array is written (``raw/p512KiB+lowat1MiB+nb``);
 * ``kvwire-<codec>``: ``kvwire.connect(...).send`` / ``server.accept()`` and iterating the
   layers (each dropped once seen), each send awaited before the next starts, both ends on
   asyncio's own event loop; ``kvwire-<codec>*N``: up to N sends in flight at once (each
@@ -201,7 +202,7 @@ def raw_habits(name: str) -> dict[str, Any]:
     from kvwire.errors import UsageError
     from kvwire.units import parse_size
 
-    habits: dict[str, Any] = {"piece": None, "lowat": 0, "nonblocking": False, "crc": False}
+    habits: dict[str, Any] = {"piece": None, "lowat": 0, "nonblocking": False, "crc": False, "crc_thread": False}
 
     def size(text: str) -> int:
         try:
@@ -217,12 +218,14 @@ def raw_habits(name: str) -> dict[str, Any]:
             habits["nonblocking"] = True
         elif habit == "crc":
             habits["crc"] = True
+        elif habit == "crcthread":
+            habits["crc_thread"] = True
         elif habit.startswith("lowat"):
             habits["lowat"] = size(habit[5:])
         elif habit.startswith("p"):
             habits["piece"] = size(habit[1:])
         else:
-            raise ValueError(f"{name}: unknown habit {habit!r} (p<size>, lowat<size>, nb, crc)")
+            raise ValueError(f"{name}: unknown habit {habit!r} (p<size>, lowat<size>, nb, crc, crcthread)")
     return habits
 
 
@@ -230,8 +233,9 @@ class RawHabitsSender(RawSender):
     """``raw/<habits>``: the raw pair's sender with some of kvwire's habits (see the
     module docstring): which of them costs the sender's CPU."""
 
-    def __init__(self, *, piece: int | None, lowat: int, nonblocking: bool, crc: bool) -> None:
+    def __init__(self, *, piece: int | None, lowat: int, nonblocking: bool, crc: bool, crc_thread: bool) -> None:
         self.piece, self.lowat, self.nonblocking, self.crc = piece, lowat, nonblocking, crc
+        self.crc_thread = crc_thread
 
     def setup(self, addr: str, info: Any, cache: Any, tokens: int) -> None:
         import socket
@@ -244,11 +248,14 @@ class RawHabitsSender(RawSender):
 
     def send(self, n: int) -> None:
         import select
+        from concurrent.futures import ThreadPoolExecutor
 
         from kvwire.wire.crc import crc32c
 
+        pool = ThreadPoolExecutor(1) if self.crc_thread else None
         for _ in range(n):
             for a in self.arrays:
+                checked = pool.submit(crc32c, a) if pool is not None else None
                 off, piece = 0, self.piece or len(a)
                 while off < len(a):
                     view = a[off : off + piece]
@@ -264,6 +271,10 @@ class RawHabitsSender(RawSender):
                     if self.crc:
                         crc32c(view[:sent])
                     off += sent
+                if checked is not None:
+                    checked.result()
+        if pool is not None:
+            pool.shutdown()
 
 
 class ZmqReceiver(Receiver):

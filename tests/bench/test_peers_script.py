@@ -42,9 +42,9 @@ def test_a_burst_only_run_measures_both_systems(tmp_path: Path) -> None:
 
 def test_the_raw_pair_with_kvwires_sending_habits(tmp_path: Path) -> None:
     """``raw/<habits>``: pieces, TCP_NOTSENT_LOWAT, non-blocking writes, a CRC after each
-    write; every byte still arrives (the receiver reads each cache's whole size)."""
+    write or on a second thread; every byte still arrives (the receiver reads each cache's whole size)."""
     out = tmp_path / "peers.json"
-    systems = ["raw/p64KiB", "raw/p64KiB+lowat1MiB+nb+crc", "raw/lowat4MiB+nb"]
+    systems = ["raw/p64KiB", "raw/p64KiB+lowat1MiB+nb+crc", "raw/lowat4MiB+nb", "raw/p64KiB+nb+crcthread"]
     got = _run("--systems", ",".join(systems), "--links", "loopback", "--loads", "quiet",
                "--whole-tokens", "0", "--burst", "3x16", "--rounds", "1", "--json", str(out))
     assert got.returncode == 0, got.stderr
