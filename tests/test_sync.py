@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import weakref
@@ -157,6 +158,37 @@ def test_close_releases_every_waiting_thread() -> None:
     assert not server.bridge._thread.is_alive()
     with pytest.raises(ConnectionLostError):
         server.expect("after")
+
+
+def test_close_lists_its_handles_while_another_thread_expects() -> None:
+    """close() lists the handles to fail while expect() may add one on another thread: an
+    expect() that comes while the list is being made waits for it, so close() neither
+    raises ("Set changed size during iteration") nor leaves a handle waiting."""
+    server = SyncServer(secret=SECRET)
+    handles = [server.expect(f"x{i}") for i in range(4)]
+    late: list[Any] = []
+
+    def expect_late() -> None:
+        # the server closed first: told at once (ConnectionLostError), nothing to wait for
+        with contextlib.suppress(ConnectionLostError):
+            late.append(server.expect("late"))
+
+    class Interrupted(weakref.WeakSet):  # type: ignore[type-arg]
+        """Another thread expects while close() is in the middle of listing the set."""
+
+        def __iter__(self) -> Any:
+            for i, item in enumerate(super().__iter__()):
+                if i == 1:
+                    other = threading.Thread(target=expect_late)
+                    other.start()
+                    other.join(0.5)  # blocked until the list is made
+                yield item
+
+    server._handles = Interrupted(handles)
+    server.close()
+    for h in handles + late:
+        with pytest.raises((ConnectionLostError, TransferAbortedError)):
+            h.wait(10)
 
 
 def test_blocking_call_from_the_loop_thread_is_refused() -> None:

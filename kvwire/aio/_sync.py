@@ -227,7 +227,10 @@ class SyncServer:
         self._server: Any = None
         # The handles to fail if the server closes first: weak, so that one its caller let
         # go of (and the layers it holds) is freed, not kept for the server's lifetime.
+        # expect() may add to it on any thread while close() lists it: under the lock (a
+        # WeakSet is listed by Python code, which another thread's add() can interrupt).
         self._handles: weakref.WeakSet[ReceiveHandle] = weakref.WeakSet()
+        self._handles_lock = threading.Lock()
 
         async def start() -> Any:
             server = kvwire.serve(host, port, secret=secret, **options)
@@ -251,7 +254,8 @@ class SyncServer:
                num_layers: int | None = None) -> ReceiveHandle:
         """Start waiting for ``request_id``'s transfer; returns at once."""
         handle = ReceiveHandle(self.bridge, request_id, num_layers)
-        self._handles.add(handle)
+        with self._handles_lock:
+            self._handles.add(handle)
         self.bridge.submit(handle._run(self._server, into, timeout))
         return handle
 
@@ -260,7 +264,9 @@ class SyncServer:
             return
         with contextlib.suppress(KvwireError):
             self.bridge.run(self._server.close(), timeout)
-        for h in list(self._handles):
+        with self._handles_lock:
+            handles = list(self._handles)
+        for h in handles:
             h._fail(ConnectionLostError("server closed"))
         if self._own_bridge:
             self.bridge.close(timeout)
