@@ -32,7 +32,6 @@ from kvwire.errors import (
     RegistryUnavailableError,
     StaleVersionError,
     TransferTimeoutError,
-    UsageError,
 )
 from kvwire.session.options import ServerOptions, check_port, make_server_options
 from kvwire.session.receiver import (
@@ -166,11 +165,12 @@ class Server(Pump):
         """The transfer for ``request_id``, whether it arrived already or arrives later.
 
         ``into`` (e.g. a :class:`kvwire.paged.PagedDestination`) receives the layers into
-        the caller's memory; see :meth:`Transfer.attach`.
+        the caller's memory; see :meth:`Transfer.attach`.  Several transfers may carry one
+        request id (requests that share a prompt, or a name derived from it): several
+        ``expect()`` of that id wait side by side and take one transfer each, in the order
+        they were made, as the transfers arrive in order.
         """
-        if self._expect_waiters.get(request_id):
-            raise UsageError(f"expect({request_id!r}) is already waiting for that request")
-        if (t := self._arrived(request_id)) is not None:
+        if (t := self._arrived(request_id)) is not None:  # (then none of this id is waiting)
             if into is not None:
                 t.attach(into)
             return t
@@ -295,10 +295,14 @@ class Server(Pump):
                 t._fail(ev.error)
             elif isinstance(ev.error, StaleVersionError | RegistryUnavailableError):
                 # Refused by the registry before it arrived: blocks refused as stale do not
-                # become fresh, so an expect() of it learns now rather than at its timeout.
-                for fut in self._expect_waiters.get(ev.request_id, ()):
-                    if not fut.done():
+                # become fresh, so the expect() it would have gone to (the oldest waiting)
+                # learns now rather than at its timeout.
+                waiters = self._expect_waiters.get(ev.request_id, deque())
+                while waiters:
+                    if not (fut := waiters.popleft()).done():
+                        self._expect_into.pop(fut, None)
                         fut.set_exception(ev.error)
+                        break
         elif isinstance(ev, RegistryCheck | RegistryPublish):
             self.spawn(self._registry_call(ev))
         elif isinstance(ev, AuthenticationFailed):
@@ -346,7 +350,7 @@ class Server(Pump):
                 if into is not None:
                     try:
                         transfer.attach(into)
-                    except KvwireError as exc:
+                    except KvwireError as exc:  # the transfer failed with it
                         fut.set_exception(exc)
                         return
                 self.core.claim(transfer._key)

@@ -35,7 +35,8 @@ exact configuration.
 
 Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]`` (pass
 ``SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": ...}})`` on both
-instances); without it the name is a hash of the prompt tokens sent.  The consumer loads
+instances); without it the name is a hash of the prompt tokens sent.  Requests of one
+name each take one transfer of it, in the order they were scheduled.  The consumer loads
 requests that carry a ``kvwire_id``, or every request with ``kvwire_load_all``.
 
 Versions (optional, ``kvwire_registry: "redis://..."`` on both instances, one shared

@@ -61,13 +61,19 @@ async def test_stale_transfer_is_refused_on_both_sides_before_data_moves(registr
             with pytest.raises(kvwire.TransferTimeoutError):
                 await server.expect("stale", timeout=0.3)  # never handed to the application
             assert server.statistics()["transfers_refused"] == 1
-            # an expect() already waiting is told at once, not at its own timeout
+            # an expect() already waiting is told at once, not at its own timeout; a second
+            # expect() of the same id waits on for the next transfer of that id
             waiting = asyncio.create_task(server.expect("stale-again", timeout=30))
+            second = asyncio.create_task(server.expect("stale-again", timeout=30))
             await asyncio.sleep(0)
             with pytest.raises(kvwire.StaleVersionError):
                 await peer.send("stale-again", SPEC, make_layers(4, 8, 2, 16), blocks=[(5, v1)], timeout=10)
             with pytest.raises(kvwire.StaleVersionError):
                 await asyncio.wait_for(waiting, 10)
+            assert not second.done()
+            fresh = make_layers(4, 8, 2, 16, seed=3)
+            await peer.send("stale-again", SPEC, fresh, timeout=10)
+            assert same_cache((await (await asyncio.wait_for(second, 10)).collect(timeout=10)).layers, fresh)
             # the session is still usable
             await peer.send("after", SPEC, make_layers(4, 8, 2, 16), timeout=10)
 

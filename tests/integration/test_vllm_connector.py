@@ -4,7 +4,7 @@ blocks are given back to vLLM and when nothing reads them any more.  (A real eng
 in test_vllm.py, preempting requests too; a preemption while a send is in flight cannot
 be placed there at will.)  Then the scheduler side through preemption and with the
 consumer's prefix cache, fed vLLM's own scheduler output objects, and a consumer worker
-that loads part of a transfer and drops another.
+that loads part of a transfer and drops another, and two requests of one name.
 """
 
 from __future__ import annotations
@@ -386,6 +386,52 @@ def test_a_consumer_loads_the_blocks_it_lacks_and_drops_the_rest() -> None:
             for b in range(64):
                 want = {40: src[layer][17], 41: src[layer][8]}.get(b, before[layer][b])
                 assert torch.equal(caches[layer][b], want), (layer, b)
+    finally:
+        worker.shutdown()
+
+
+def test_requests_that_share_a_name_each_take_a_transfer_of_it() -> None:
+    """Requests of one name (``kvwire_load_all`` names a request by its full blocks, and a
+    prompt sampled n ways shares its ``kvwire_id``): a drop waiting for its transfer, then
+    a load of the same name. Each takes one of the two transfers sent under that name, in
+    the order they were named: the load is not refused for the drop waiting before it."""
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
+            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
+                                       "kvwire_load_timeout": 30},
+        ),
+        cache_config=CacheConfig(block_size=16),
+    )
+    worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
+    gen = torch.Generator().manual_seed(2)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    first, second = ([torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS] for _ in range(2))
+    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
+    assert worker.listen_port is not None
+    spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+    try:
+        worker.bind_connector_metadata(KvwireConnectorMetadata(drops=[_Move("b", "shared", [DROP] * 3)]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.clear_connector_metadata()
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "shared", [DROP, 4, 5])]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            for src in (first, second):
+                peer.send("shared", spec.wire_spec(), PagedSource(spec, src, [0, 1, 2]), timeout=30)
+            for name in LAYERS:
+                worker.wait_for_layer_load(name)
+            worker.clear_connector_metadata()
+            assert worker.get_block_ids_with_load_errors() == set()
+            for _ in range(200):
+                worker.get_finished(set())
+                if not worker._dropping:
+                    break
+                threading.Event().wait(0.05)
+        stats = worker.server_statistics()
+        assert not worker._dropping and stats is not None and stats["pending_arrivals"] == 0
+        for layer in range(len(LAYERS)):  # the load took the second transfer, the drop the first
+            assert torch.equal(caches[layer][4], second[layer][1]) and torch.equal(caches[layer][5], second[layer][2])
     finally:
         worker.shutdown()
 

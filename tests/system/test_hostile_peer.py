@@ -310,17 +310,6 @@ def test_connect_options_are_validated(option: dict[str, Any]) -> None:
         kvwire.connect("127.0.0.1", 1, secret=SECRET, **option)
 
 
-async def test_second_expect_of_one_request_is_a_usage_error() -> None:
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        first = asyncio.create_task(server.expect("dup", timeout=5))
-        await asyncio.sleep(0)
-        with pytest.raises(kvwire.UsageError):
-            await server.expect("dup", timeout=5)
-        first.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await first
-
-
 async def test_errors_have_one_class_per_wire_code_on_both_sides() -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, codecs=["raw", "fp8"], max_tokens=64) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:

@@ -124,6 +124,31 @@ async def test_expect_before_and_after_arrival() -> None:
             await server.expect("never", timeout=0.1)
 
 
+async def test_expects_of_one_request_id_take_one_transfer_each_in_order() -> None:
+    """Requests that share a name (one prompt sampled n ways, or a name derived from the
+    prompt) each expect() it: each takes one transfer, the oldest expect() first; one that
+    gave up is passed over, and one made after the transfers came takes the oldest left."""
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=8)
+    caches = [make_layers(2, 5, 1, 8, seed=i) for i in range(4)]
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        first = asyncio.create_task(server.expect("shared", timeout=30))
+        gave_up = asyncio.create_task(server.expect("shared", timeout=30))
+        second = asyncio.create_task(server.expect("shared", timeout=30))
+        await asyncio.sleep(0)
+        gave_up.cancel()
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            for cache in caches:
+                await peer.send("shared", spec, cache, timeout=10)
+            got = [await asyncio.wait_for(first, 10), await asyncio.wait_for(second, 10),
+                   await server.expect("shared", timeout=5), await server.expect("shared", timeout=5)]
+            for t, cache in zip(got, caches, strict=True):
+                assert same_cache((await t.collect(timeout=10)).layers, cache)
+            with pytest.raises(kvwire.TransferTimeoutError):
+                await server.expect("shared", timeout=0.1)
+        with pytest.raises(asyncio.CancelledError):
+            await gave_up
+
+
 async def test_16_concurrent_transfers_on_one_peer() -> None:
     spec = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=32)
     caches = {f"r{i}": make_layers(4, 50 + i, 2, 32, seed=i) for i in range(16)}
