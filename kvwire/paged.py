@@ -197,6 +197,8 @@ def _check_ids(block_ids: Any, num_blocks: int, what: str, *, distinct: bool, dr
         raise UsageError(f"{what}: block ids must be a non-empty 1-D sequence")
     if ids.dtype.kind not in "iu":
         raise UsageError(f"{what}: block ids must be integers, got {ids.dtype}")
+    if ids.dtype.kind == "u" and (big := ids[ids >= num_blocks]).size:  # before int64 wraps one to DROP
+        raise UsageError(f"{what}: block id {int(big[0])} is out of range for a cache of {num_blocks} blocks")
     ids = ids.astype(np.int64)
     named = ids[ids != DROP] if drops else ids
     bad = named[(named < 0) | (named >= num_blocks)]

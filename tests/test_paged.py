@@ -497,6 +497,9 @@ def test_drop_is_the_only_negative_block_id() -> None:
     with pytest.raises(UsageError, match="block id -1 is out of range"):
         layer_rows(spec, cache[0], [DROP, 1])  # a source names the blocks it sends
     assert list(PagedDestination(spec, cache, [DROP, 3, DROP]).block_ids) == [DROP, 3, DROP]
+    with pytest.raises(UsageError, match=f"block id {2**64 - 1} is out of range"):  # not -1 once cast
+        PagedDestination(spec, cache, np.array([1, 2**64 - 1], dtype=np.uint64))
+    assert list(PagedDestination(spec, cache, np.array([3, 0], dtype=np.uint8)).block_ids) == [3, 0]
 
 
 @pytest.mark.parametrize("codec", ["raw", "fp8", "int8", "int4", "int8+zstd"])
