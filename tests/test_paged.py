@@ -235,6 +235,40 @@ async def test_chunks_inside_one_block_land_in_it_without_a_scatter(chunk_bytes:
     assert (dest.scattered == 0) == in_place
 
 
+@pytest.mark.parametrize("codec_class", [Fp8Codec, Int8Codec, Int4Codec])
+async def test_quantized_chunks_inside_a_dropped_block_are_not_decoded(
+    codec_class: type, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunks of half a block, quantized, into a destination that drops a block: the kept
+    blocks hold what a destination dropping nothing gets, and no chunk is decoded whole
+    (into its view, which for a dropped block's chunk is scratch): each goes into the
+    destination's ranges, where a dropped block's are skipped (by the compiled loops;
+    without them every chunk is decoded whole)."""
+    spec = PagedSpec(num_layers=2, block_shape=(4, 8, 32), dtype="float16")
+    src = caches(spec, 8, seed=11)
+    dst = caches(spec, 8, seed=12)
+    ref = caches(spec, 8, seed=13)
+    before = [c.copy() for c in dst]
+    whole: list[tuple[int, ...]] = []
+    decode = codec_class.decode
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        whole.append(kwargs["shape"])
+        return decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(codec_class, "decode", counted)
+    codec = codec_class.name
+    for cache, ids in ((ref, [6, 2, 4]), (dst, [6, DROP, 4])):
+        receipt, layers = await _send_into(spec, src, [0, 3, 5], PagedDestination(spec, cache, ids),
+                                           chunk_bytes=1024, codec=codec)
+        assert layers == 2 and receipt.codec == codec
+    assert (whole == []) == (_host.ext is not None)
+    for li in range(2):
+        assert dst[li][[6, 4]].tobytes() == ref[li][[6, 4]].tobytes()
+        for b in (0, 1, 2, 3, 5, 7):
+            assert dst[li][b].tobytes() == before[li][b].tobytes()
+
+
 async def _send_into(spec: PagedSpec, src: list[np.ndarray], src_ids: Any, dest: PagedDestination,
                      **options: Any) -> tuple[Any, int]:
     """``src``'s blocks sent into ``dest`` over loopback (the destination named before the

@@ -96,12 +96,16 @@ class ArrayStore(LayerStore):
     def _decode(self, tg: _Target, chunk: Chunk, buffer: Any) -> None:
         spec = tg.spec
         codec = codec_by_id(chunk.codec_id)
-        out = self._out(tg, chunk, buffer)
         if self.gpu is not None:
+            out = self._out(tg, chunk, buffer)
             self.gpu.decode(codec, chunk.params, chunk.payload, out, spec.dtype, TensorKind(chunk.kind))
             return
-        if out is None and buffer is INTO and self._decode_ranges(tg, chunk, codec):
+        # Into the destination's ranges where it names them, even for a chunk inside one
+        # block: a dropped block's range is skipped (its view would be scratch, decoded for
+        # nothing).
+        if buffer is INTO and self._decode_ranges(tg, chunk, codec):
             return
+        out = self._out(tg, chunk, buffer)
         if out is None:  # not one contiguous region of the caller's memory: decode, then scatter
             out = np.empty((chunk.token_count, spec.num_kv_heads, spec.head_dim), tg.dtype)
         codec.decode(chunk.params, chunk.payload_buffer, shape=out.shape, dtype=spec.dtype,
