@@ -14,6 +14,12 @@ dropped. Memory that is still visible anywhere can therefore never be handed out
 
 The pool holds at most ``max_bytes`` of idle slabs; leased memory is bounded by the server's
 own limits (transfer buffer, concurrent transfers), not here.
+
+A slab is given back by a finalizer, which runs whenever its owner is collected: on any
+thread, at any allocation (a garbage collection), including one the pool makes while it
+holds its own lock. So giving back only queues the slab, without waiting for the lock;
+whoever holds the lock next files the queued slabs. A lease still alive at interpreter exit
+is not given back (its memory may still be read or written by whatever runs then).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import math
 import os
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any
 
 import numpy as np
@@ -77,6 +83,8 @@ class ReceivePool:
         self._idle: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self._idle_bytes = 0
         self._leased_bytes = 0
+        # Slabs given back and not yet filed as idle (see the module docstring).
+        self._returned: deque[np.ndarray] = deque()
         self.hits = 0
         self.misses = 0
 
@@ -87,12 +95,16 @@ class ReceivePool:
     @property
     def idle_bytes(self) -> int:
         """Bytes of slabs waiting to be reused."""
-        return self._idle_bytes
+        with self._lock:
+            self._file_returned()
+            return self._idle_bytes
 
     @property
     def leased_bytes(self) -> int:
         """Bytes of slabs some array or view still refers to."""
-        return self._leased_bytes
+        with self._lock:
+            self._file_returned()
+            return self._leased_bytes
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """A C-contiguous array of ``shape`` and ``dtype`` with undefined contents.
@@ -107,56 +119,79 @@ class ReceivePool:
         slab = self._take(cls)
         owner = _Owner(slab, nbytes)
         arr: np.ndarray = np.asarray(owner).view(dt).reshape(shape)
-        weakref.finalize(owner, self._give_back, slab)
+        # Not at exit: a lease alive then may still be in use by what runs at exit.
+        weakref.finalize(owner, self._give_back, slab).atexit = False
         return arr
 
     def reserve(self, nbytes: int, count: int = 1) -> None:
         """Fault in ``count`` idle slabs for ``nbytes`` each now, ahead of the first transfer."""
         cls = size_class(nbytes)
         with self._lock:
+            self._file_returned()
             room = (self._max_bytes - self._idle_bytes) // cls
         for _ in range(min(count, max(room, 0))):
-            self._put_idle(cls, _new_slab(cls))
+            slab = _new_slab(cls)
+            with self._lock:
+                self._file_returned()
+                self._put_idle(cls, slab)
 
     def clear(self) -> None:
         """Drop every idle slab (leased ones return, or not, as their owners die)."""
         with self._lock:
+            self._file_returned()
             self._idle.clear()
             self._idle_bytes = 0
 
     def _take(self, cls: int) -> np.ndarray:
         with self._lock:
-            self._leased_bytes += cls
+            self._file_returned()
             free = self._idle.get(cls)
             if free:
                 slab = free.pop()
                 if not free:
                     del self._idle[cls]
                 self._idle_bytes -= cls
+                self._leased_bytes += cls
                 self.hits += 1
                 return slab
             self.misses += 1
-        return _new_slab(cls)
+        slab = _new_slab(cls)  # outside the lock: faulting pages in takes a while
+        with self._lock:
+            self._leased_bytes += cls
+        return slab
 
     def _give_back(self, slab: np.ndarray) -> None:
-        cls = slab.nbytes
-        with self._lock:
-            self._leased_bytes -= cls
-        self._put_idle(cls, slab)
+        """The finalizer of a lease: queue its slab, and file it now if the lock is free
+        (never wait for it: this thread may be the one holding it)."""
+        self._returned.append(slab)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._file_returned()
+            finally:
+                self._lock.release()
+
+    def _file_returned(self) -> None:
+        """File the slabs given back since (the lock held).  A collection here may queue
+        more; they are filed by this same loop."""
+        while self._returned:
+            slab = self._returned.popleft()
+            self._leased_bytes -= slab.nbytes
+            self._put_idle(slab.nbytes, slab)
 
     def _put_idle(self, cls: int, slab: np.ndarray) -> None:
-        with self._lock:
-            if cls > self._max_bytes:
-                return
-            while self._idle_bytes + cls > self._max_bytes and self._idle:
-                old_cls, slabs = next(iter(self._idle.items()))
-                slabs.pop(0)
-                self._idle_bytes -= old_cls
-                if not slabs:
-                    del self._idle[old_cls]
-            self._idle.setdefault(cls, []).append(slab)
-            self._idle.move_to_end(cls)
-            self._idle_bytes += cls
+        """Keep ``slab`` as idle, evicting the least recently returned over ``max_bytes``
+        (the lock held)."""
+        if cls > self._max_bytes:
+            return
+        while self._idle_bytes + cls > self._max_bytes and self._idle:
+            old_cls, slabs = next(iter(self._idle.items()))
+            slabs.pop(0)
+            self._idle_bytes -= old_cls
+            if not slabs:
+                del self._idle[old_cls]
+        self._idle.setdefault(cls, []).append(slab)
+        self._idle.move_to_end(cls)
+        self._idle_bytes += cls
 
 
 def _new_slab(nbytes: int) -> np.ndarray:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
+import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -124,6 +128,54 @@ def test_reused_memory_never_aliases_anything_still_held(ops: list[tuple[str, in
         for p, v in views:
             assert np.all(v == p)
         assert pool.idle_bytes <= bound
+
+
+def test_a_lease_collected_while_the_pool_holds_its_lock_is_given_back() -> None:
+    """A lease in a reference cycle is collected when a garbage collection runs, which may
+    be inside an allocation the pool makes under its own lock: its finalizer must not wait
+    for that lock (it would wait forever), and its slab still comes back."""
+    pool = ReceivePool(1 << 24)
+    cycle: list[object] = [pool.empty((1000,), np.uint8)]
+    cycle.append(cycle)
+    del cycle
+    finished = threading.Event()
+
+    def collect_under_the_lock() -> None:
+        with pool._lock:  # as if the collection began inside the pool's own critical section
+            gc.collect()
+        finished.set()
+
+    worker = threading.Thread(target=collect_under_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert finished.is_set(), "the finalizer waited for the lock its own thread held"
+    assert pool.leased_bytes == 0 and pool.idle_bytes == size_class(1000)
+    again = pool.empty((1000,), np.uint8)
+    assert pool.hits == 1 and again.size == 1000
+
+
+def test_a_lease_alive_at_exit_is_not_handed_out_again() -> None:
+    """At interpreter exit a lease still referenced stays leased: what runs at exit (an
+    atexit hook, a daemon thread) gets other memory, not memory that is still in use."""
+    script = textwrap.dedent("""
+        import atexit
+        import numpy as np
+        from kvwire.aio._pool import ReceivePool
+
+        pool = ReceivePool(1 << 24)
+
+        def late():
+            b = pool.empty((1000,), np.uint8)
+            b[:] = 7
+            print("shared" if np.shares_memory(A, b) else "apart", int(A[0]))
+
+        atexit.register(late)
+        A = pool.empty((1000,), np.uint8)
+        A[:] = 1
+    """)
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.split() == ["apart", "1"]
 
 
 async def _receive(server: kvwire.Server, peer: kvwire.Peer, name: str, spec: kvwire.KVSpec, layers: list[tuple[np.ndarray, np.ndarray]]) -> kvwire.KVCache:
