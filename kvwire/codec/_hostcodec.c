@@ -1697,6 +1697,8 @@ static int kv_simd = SIMD_GENERIC;
  * With `skips` (a decode), a range may start at SKIP_RANGE: its rows are written nowhere
  * (a block the receiver drops). */
 #define SKIP_RANGE (-1LL)
+/* A K group copied whole into scratch holds at most the chunk's tokens (a group may be larger). */
+#define MIN_IDX(a, b) ((a) < (b) ? (a) : (b))
 typedef struct {
     const long long* pairs; /* NULL: the buffer itself, from its start */
     idx n;                  /* ranges */
@@ -1713,11 +1715,16 @@ static int parse_ranges(Py_buffer* spans, Py_buffer* base, const char* what, idx
     }
     rr->pairs = (const long long*)spans->buf;
     rr->n = spans->len / 16;
+    const idx want = rows * row_bytes;
     idx total = 0;
     for (idx i = 0; i < rr->n; i++) {
         long long start, size;
         memcpy(&start, (const char*)spans->buf + 16 * i, 8);
         memcpy(&size, (const char*)spans->buf + 16 * i + 8, 8);
+        if (size > 0 && (idx)size > want - total) { /* before the sum could wrap (a skipped range's size is unbounded) */
+            PyErr_Format(PyExc_ValueError, "ranges hold more than the expected %zd bytes", want);
+            return 0;
+        }
         if (skips && start == SKIP_RANGE && size > 0 && size % row_bytes == 0) {
             total += (idx)size;
             continue;
@@ -1734,8 +1741,8 @@ static int parse_ranges(Py_buffer* spans, Py_buffer* base, const char* what, idx
         }
         total += (idx)size;
     }
-    if (total != rows * row_bytes) {
-        PyErr_Format(PyExc_ValueError, "ranges hold %zd bytes, expected %zd", total, rows * row_bytes);
+    if (total != want) {
+        PyErr_Format(PyExc_ValueError, "ranges hold %zd bytes, expected %zd", total, want);
         return 0;
     }
     return 1;
@@ -1952,7 +1959,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
         float* lo = (float*)malloc(sizeof(float) * (size_t)(3 * hd + 3));
         kv_u32* keys = (kv_u32*)malloc(sizeof(kv_u32) * (size_t)(2 * hd + 2));
         kv_u8* tmp = (kv_u8*)malloc((size_t)hd + 1);
-        char* group_buf = spans.obj != NULL && !is_v ? (char*)malloc((size_t)(group * tb)) : NULL;
+        char* group_buf = spans.obj != NULL && !is_v ? (char*)malloc((size_t)(MIN_IDX(group, tokens) * tb)) : NULL;
         if (lo == NULL || keys == NULL || tmp == NULL || (spans.obj != NULL && !is_v && group_buf == NULL)) {
             st = KV_E_NOMEM;
         } else {
@@ -2016,7 +2023,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
     if (ok) {
         const idx hd = heads * dim, tb = hd * itemsize(dt);
         float* buf = (float*)malloc(sizeof(float) * (size_t)(3 * hd + 3));
-        char* group_buf = spans.obj != NULL && !is_v ? (char*)malloc((size_t)(group * tb)) : NULL;
+        char* group_buf = spans.obj != NULL && !is_v ? (char*)malloc((size_t)(MIN_IDX(group, tokens) * tb)) : NULL;
         if (buf == NULL || (spans.obj != NULL && !is_v && group_buf == NULL)) {
             st = KV_E_NOMEM;
         } else {

@@ -648,6 +648,42 @@ def test_compiled_row_loops_refuse_bad_ranges() -> None:
     with pytest.raises(ValueError, match="not in"):  # a skipped range of part of a token
         ext.int4_decode(sc4, mn4, pk4, 2, 2, 16, 2, False, 0, out4, np.array([[-1, 32], [0, 96]], np.int64))
     assert (out4 == SENTINEL).all()
+    # Skipped ranges are not in the buffer, so their sizes are bounded by the chunk's rows
+    # alone: sizes whose sum wraps around to the chunk's bytes are refused, not walked.
+    wrapping = np.array([[0, 64], [-1, 1 << 62], [-1, 1 << 62], [-1, 1 << 62], [-1, (1 << 62) + 64]], np.int64)
+    assert int(wrapping[:, 1].astype(object).sum()) % (1 << 64) == 128
+    out[:] = SENTINEL
+    with pytest.raises(ValueError, match="ranges hold more than the expected 128 bytes"):
+        ext.decode_rows(0, np.zeros(16, np.uint8), np.zeros(64, np.uint8), 4, 16, 0, out, wrapping)
+    with pytest.raises(ValueError, match="ranges hold more than the expected 128 bytes"):
+        ext.int4_decode(sc4, mn4, pk4, 2, 2, 16, 2, False, 0, out4, wrapping)
+    assert (out == SENTINEL).all() and (out4 == SENTINEL).all()
+
+
+@needs_ext
+def test_int4_k_group_larger_than_the_chunk_over_ranges() -> None:
+    """A K group larger than the chunk (any group up to the wire's 255, or a caller's
+    larger one) is one group of the chunk's tokens: across two ranges it is copied
+    whole into scratch of that many tokens, and encodes and decodes as the gathered chunk."""
+    ext = _host.ext
+    assert ext is not None
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((3, 1, 2)).astype(np.float16)  # 3 tokens of 4 bytes
+    spread = np.zeros(16, np.float16)  # token 0 at bytes 0-3, tokens 1-2 at bytes 8-15
+    spread[0:2], spread[4:8] = x[0].ravel(), x[1:].ravel()
+    spans = np.array([[0, 4], [8, 8]], np.int64)
+    for group in (4, 255, 1 << 62):  # group * 4 bytes wraps a 64-bit size at 2**62
+        plain = [np.zeros(8, np.uint8), np.zeros(8, np.uint8), np.zeros(3, np.uint8)]
+        where = [np.zeros(8, np.uint8), np.zeros(8, np.uint8), np.zeros(3, np.uint8)]
+        assert ext.int4_encode(x.view(np.uint8).ravel(), 0, 3, 1, 2, group, False, *plain) == 0
+        assert ext.int4_encode(spread.view(np.uint8), 0, 3, 1, 2, group, False, *where, spans) == 0
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(plain, where, strict=True))
+        out = np.full(16, SENTINEL, np.uint8)
+        assert ext.int4_decode(*plain, 3, 1, 2, group, False, 0, out, spans) == 0
+        flat = np.zeros(12, np.uint8)
+        assert ext.int4_decode(*plain, 3, 1, 2, group, False, 0, flat) == 0
+        assert out[:4].tobytes() == flat[:4].tobytes() and out[8:].tobytes() == flat[4:].tobytes()
+        assert (out[4:8] == SENTINEL).all()
 
 
 @needs_ext
