@@ -207,6 +207,42 @@ async def _noop() -> None:
     return None
 
 
+def test_a_receive_aborted_as_soon_as_it_was_made_writes_nothing() -> None:
+    """abort() right after expect(), before the loop even began the receive: the transfer
+    that comes later is not received into the caller's blocks (the caller gave them up)."""
+    spec = PagedSpec(num_layers=2, block_shape=(2, 8, 16), dtype="float16")
+    rng = np.random.default_rng(3)
+    src = [rng.standard_normal((6, 2, 8, 16)).astype(np.float16) for _ in range(2)]
+    dst = [np.zeros((9, 2, 8, 16), np.float16) for _ in range(2)]
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        for attempt in range(5):  # the loop may begin the receive before or after abort()
+            h = server.expect(f"p{attempt}", into=PagedDestination(spec, dst, [8, 0, 3]))
+            h.abort("request cancelled")
+            s = peer.begin(f"p{attempt}", spec.wire_spec())
+            for layer in range(2):
+                s.send_layer(*gather_layer(spec, src[layer], [5, 1, 2]))
+            with contextlib.suppress(KvwireError):
+                s.wait(0.5)  # unclaimed: taken by nobody (or aborted, if it had been claimed)
+            with pytest.raises(TransferAbortedError):
+                h.wait(5)
+            assert not h.done and h.layers_done() == 0
+            assert not any(dst[layer].any() for layer in range(2)), attempt
+
+
+def test_waiting_for_a_layer_past_the_transfers_last_is_an_error_once_it_arrives() -> None:
+    """Without num_layers, a wait for layer 3 of what turns out to be a 3-layer transfer
+    ends with a UsageError when the transfer arrives, not at its timeout."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("three")
+        s = peer.begin("three", SPEC)
+        for k, v in make_layers(3, 4, 2, 16, "float32"):
+            s.send_layer(k, v)
+        with pytest.raises(UsageError, match="the transfer has 3 layers"):
+            h.wait_layer(3, timeout=20)
+        s.wait(30)
+        assert h.wait_layer(2, timeout=5).index == 2
+
+
 def test_paged_receive_into_engine_blocks_from_threads() -> None:
     spec = PagedSpec(num_layers=2, block_shape=(2, 8, 16), dtype="float16")
     rng = np.random.default_rng(0)

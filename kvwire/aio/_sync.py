@@ -117,13 +117,20 @@ class ReceiveHandle:
 
     async def _run(self, server: Any, into: Any, timeout: float | None) -> None:
         self._task = asyncio.current_task()
+        if self._error is not None:  # aborted before this began: expect nothing
+            return
         try:
             transfer = await server.expect(self.request_id, into=into, timeout=timeout) if into is not None \
                 else await server.expect(self.request_id, timeout=timeout)
             with self._cond:
-                self._transfer = transfer
-                self._num_layers = transfer.spec.num_layers
-                self._cond.notify_all()
+                aborted = self._error is not None  # abort() came while the transfer was handed over
+                if not aborted:
+                    self._transfer = transfer
+                    self._num_layers = transfer.spec.num_layers
+                    self._cond.notify_all()
+            if aborted:
+                transfer.abort(f"receive of {self.request_id!r} aborted")
+                return
             async for layer in transfer:
                 with self._cond:
                     self._layers[layer.index] = layer
@@ -183,7 +190,12 @@ class ReceiveHandle:
         """Block until layer ``index`` has arrived; return it (raises the transfer's error)."""
         if index < 0 or (self._num_layers is not None and index >= self._num_layers):
             raise UsageError(f"layer {index} out of range")
-        self._wait_for(lambda: index in self._layers, timeout, f"layer {index}")
+        # Once the transfer arrived (or ended) its layer count is known: an index past it
+        # is an error then, not a wait without end.
+        self._wait_for(lambda: index in self._layers or self._done or (
+            self._num_layers is not None and index >= self._num_layers), timeout, f"layer {index}")
+        if index not in self._layers:
+            raise UsageError(f"layer {index} out of range: the transfer has {self._num_layers} layers")
         return self._layers[index]
 
     def wait(self, timeout: float | None = None) -> None:
@@ -290,11 +302,11 @@ class SendHandle:
         self.num_layers = num_layers
         self._lock = threading.Lock()
         self._queued = 0
-        self._queue: asyncio.Queue[Any] | None = None
+        # Bound to the bridge's loop on first use there (put_nowait runs on the loop thread).
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._future: concurrent.futures.Future[Any] | None = None
 
     async def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
-        assert self._queue is not None
         for _ in range(self.num_layers):
             item = await self._queue.get()
             if item is _END:
@@ -308,7 +320,6 @@ class SendHandle:
             if self._queued >= self.num_layers:
                 raise UsageError(f"all {self.num_layers} layers of {self.request_id!r} were already queued")
             self._queued += 1
-            assert self._queue is not None
             self._bridge.call_soon(self._queue.put_nowait, (k, v))
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -360,16 +371,7 @@ class SyncPeer:
     def begin(self, request_id: str, spec: KVSpec, **send_options: Any) -> SendHandle:
         """Start a transfer whose layers come later through :meth:`SendHandle.send_layer`."""
         handle = SendHandle(self.bridge, request_id, spec.num_layers)
-
-        async def run() -> Any:
-            handle._queue = asyncio.Queue()
-            started.set()
-            return await self._peer.send(request_id, spec, handle._layers(), **send_options)
-
-        started = threading.Event()
-        handle._future = self.bridge.submit(run())
-        if not self.bridge.in_loop_thread():
-            started.wait(5.0)
+        handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
         return handle
 
     def send(self, request_id: str, spec: KVSpec, layers: Any, *, timeout: float | None = None,

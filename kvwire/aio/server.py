@@ -180,6 +180,12 @@ class Server(Pump):
             self._expect_into[fut] = into
         try:
             return await self._wait(fut, timeout, f"expect({request_id!r})")
+        except BaseException:
+            # Cancelled after the transfer was handed over: nobody will take it, so it must
+            # not go on (into the caller's memory, or held here) until its session ends.
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                fut.result().abort(f"expect({request_id!r}) was cancelled")
+            raise
         finally:
             self._expect_into.pop(fut, None)
             waiters = self._expect_waiters.get(request_id)

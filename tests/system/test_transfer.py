@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -147,6 +148,28 @@ async def test_expects_of_one_request_id_take_one_transfer_each_in_order() -> No
                 await server.expect("shared", timeout=0.1)
         with pytest.raises(asyncio.CancelledError):
             await gave_up
+
+
+async def test_an_expect_cancelled_as_its_transfer_is_handed_over_aborts_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """expect() cancelled in the moment its transfer was handed to it (the transfer is
+    its, but the caller is gone): the transfer is aborted, and the sender told, rather
+    than received for nobody."""
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=8)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        waiting = asyncio.create_task(server.expect("gone"))
+        await asyncio.sleep(0)
+        deliver = server._deliver
+
+        def deliver_then_cancel(transfer: Any) -> None:
+            deliver(transfer)
+            waiting.cancel()
+
+        monkeypatch.setattr(server, "_deliver", deliver_then_cancel)
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            with pytest.raises(kvwire.TransferAbortedError):
+                await peer.send("gone", spec, make_layers(2, 64, 1, 8), timeout=10)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
 
 
 async def test_16_concurrent_transfers_on_one_peer() -> None:
