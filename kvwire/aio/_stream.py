@@ -29,6 +29,9 @@ QUEUE_LOW = 1 << 20
 #: writes per chunk on a shaped link, small enough that a piece and its copy stay in a
 #: core's L2 cache (docs/benchmarks.md compares 256 KiB, 512 KiB and whole payloads).
 SEND_PIECE = 512 * 1024
+#: Seconds a stream the core closed may take to write what it has left (its GOAWAY) before
+#: its socket is dropped: a peer that reads nothing does not keep it open, nor what it holds.
+CLOSE_LINGER = 5.0
 
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 #: Largest SO_RCVLOWAT a stream sets while a large payload is arriving (see Stream.lowat).
@@ -141,6 +144,7 @@ class Stream(asyncio.BufferedProtocol):
         self._waiting = False  # the queue's descriptor is registered for writability
         self._paused = False  # the owner was told the stream is not writable
         self._close_queued = False  # close once the queue is written
+        self._linger: asyncio.TimerHandle | None = None  # drops the socket if closing takes too long
 
     @property
     def conn(self) -> Any:
@@ -254,6 +258,9 @@ class Stream(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         self._close_own()
         self._eof()
         self.transport = None
@@ -294,12 +301,18 @@ class Stream(asyncio.BufferedProtocol):
                 write_parts(tr, data, self._gather)
             if self.owner.core.is_closed(self.key):
                 tr.close()
+                self._arm_linger()
             return
         if data:
             q.push([x for p in data for x in (_checked_parts(p) if isinstance(p, CheckedPayload) else (p,))])
         if self.owner.core.is_closed(self.key):
             self._close_queued = True
+            self._arm_linger()
         self._write_queue()
+
+    def _arm_linger(self) -> None:
+        if self._linger is None:
+            self._linger = asyncio.get_running_loop().call_later(CLOSE_LINGER, self.abort)
 
     def _write_queue(self) -> None:
         """Write what the queue holds until the kernel takes no more; wait for

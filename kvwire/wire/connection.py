@@ -657,6 +657,10 @@ class Connection:
             error = ConnectionLostError("connection closed during the handshake")
         self.state = State.CLOSED
         self._deadline = None
+        # Bytes may still arrive until the socket is gone (its GOAWAY still being written):
+        # they go to scratch, not into a payload's place (caller memory a copy from another
+        # stream may since have filled and delivered), which is let go of.
+        self._decoder.close()
         ev = ConnectionClosed(code=int(code), message=message, by_peer=by_peer, error=error, goaway=goaway)
         self.closed_event = ev
         self._events.append(ev)

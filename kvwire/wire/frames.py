@@ -1098,6 +1098,17 @@ class FrameDecoder:
         assert not isinstance(big.dest, tuple)  # only a CHUNK's payload goes to a sink
         return decode_body(big.ftype, big.header[1], big.dest)
 
+    def close(self) -> None:
+        """No frame will be taken any more (the connection closed): the unfinished one is
+        dropped, so the place its payload was being read into is neither written again
+        nor held, and every later read goes to scratch."""
+        self._big = None
+        self._buf = bytearray()
+        self._pos = 0
+        self._handed_dest = False
+        self._handed_views = ()
+        self._deferred = False
+
     def abandon_payload(self, view: memoryview | tuple[memoryview, ...]) -> bool:
         """Stop reading the current frame into ``view`` (what the payload sink returned):
         the rest goes to a private copy, so ``view`` is never written again.  True if it

@@ -54,3 +54,93 @@ async def test_corrupted_chunk_header_never_overwrites_verified_tokens(field: st
         rk, rv = cache.layers[0]
         assert rk.tobytes() == k.tobytes() and rv.tobytes() == v.tobytes()
         await T.close(w2)
+
+
+async def _backed_up(server: kvwire.Server, w: asyncio.StreamWriter) -> object:
+    """Stop reading what the server writes (a stuck peer) until its writes back up; its stream."""
+    stream = next(iter(server._by_cid.values()))
+    ping = T.frame(T.PING, struct.pack(">Q", 1))
+    while stream._queue is None or stream._queue.pending == 0:
+        w.write(ping * 200)
+        await w.drain()
+        await asyncio.sleep(0.01)
+    return stream
+
+
+async def test_a_replaced_stream_never_writes_the_layer_it_was_reading_into() -> None:
+    """Stream A, whose peer reads nothing, is mid-way through V's payload (read in place)
+    when the client reconnects its slot: A is replaced, but its socket stays open until
+    its GOAWAY is written. B sends V whole and the layer is delivered; the rest of A's
+    payload arriving afterwards must not land in the delivered layer."""
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((N, H, D)).astype(np.float16)
+    v = rng.standard_normal((N, H, D)).astype(np.float16)
+    async with kvwire.serve(secret=T.SECRET, resume_timeout=5) as server:
+        got = asyncio.ensure_future(T._collect(server))
+        r, w, wel = await T.open_session(server.port)
+        tx = T.Sender(r, w, credit=wel.window)
+        w.write(T.frame(T.BEGIN, T.begin_body(1, L, H, D, 1, "x", "req", b"")))
+        while 1 not in tx.layer_limit:
+            await tx.pump()
+        await tx.send_chunk(1, 0, 0, 0, 96, N, k[0:96].tobytes())
+        while tx.unacked:
+            await tx.pump()
+        stream = await _backed_up(server, w)
+        w.write(T.chunk_frame(1, 0, 1, 0, N, N, v.tobytes())[: 8 + 26 + 1000])
+        await w.drain()
+        for _ in range(300):
+            await asyncio.sleep(0.01)
+            if server.core.payload_remaining(stream.key):  # type: ignore[attr-defined]
+                break
+        assert server.core.payload_remaining(stream.key)  # type: ignore[attr-defined]
+        r2, w2, wel2 = await T.open_session(server.port, session=wel.session_id)
+        tx2 = T.Sender(r2, w2, credit=wel2.window, layer_limit={1: 1})
+        await tx2.send_chunk(1, 0, 1, 0, N, N, v.tobytes())
+        await tx2.send_chunk(1, 0, 0, 96, 32, N, k[96:128].tobytes())
+        while tx2.unacked:
+            await tx2.pump()
+        _, cache = await asyncio.wait_for(got, 5)
+        rk, rv = cache.layers[0]
+        assert rk.tobytes() == k.tobytes() and rv.tobytes() == v.tobytes()
+        w.write(b"\xee" * 261144)  # A's frame goes on
+        await w.drain()
+        await asyncio.sleep(0.3)
+        assert np.asarray(rv).tobytes() == v.tobytes()
+        w.transport.abort()
+        await T.close(w2)
+
+
+async def test_a_closed_stream_whose_peer_reads_nothing_is_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The idle timeout closes a stream mid-payload whose peer reads nothing, so its GOAWAY
+    cannot be written: after CLOSE_LINGER its socket is dropped, and the layer memory its
+    unfinished payload was being read into goes back to the receive pool."""
+    from kvwire.aio import _stream
+    from kvwire.aio._pool import default_pool
+
+    monkeypatch.setattr(_stream, "CLOSE_LINGER", 0.5)
+    k = np.ones((N, H, D), np.float16)
+    leased = default_pool().leased_bytes
+    async with kvwire.serve(secret=T.SECRET, resume_timeout=0.5, idle_timeout=1.0) as server:
+        accepted = asyncio.ensure_future(server.accept())
+        r, w, wel = await T.open_session(server.port)
+        tx = T.Sender(r, w, credit=wel.window)
+        w.write(T.frame(T.BEGIN, T.begin_body(1, L, H, D, 1, "x", "req", b"")))
+        while 1 not in tx.layer_limit:
+            await tx.pump()
+        await tx.send_chunk(1, 0, 0, 0, 96, N, k[0:96].tobytes())
+        while tx.unacked:
+            await tx.pump()
+        await _backed_up(server, w)
+        w.write(T.chunk_frame(1, 0, 1, 0, N, N, bytes(N * H * D * 2))[: 8 + 26 + 1000])
+        await w.drain()
+        transfer = await accepted
+        with pytest.raises(kvwire.KvwireError):
+            await transfer.collect(timeout=10)  # the session is lost: the transfer fails
+        del transfer
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if server.statistics()["connections"] == 0 and default_pool().leased_bytes <= leased:
+                break
+        assert server.statistics()["connections"] == 0
+        assert default_pool().leased_bytes <= leased
+        w.transport.abort()
