@@ -182,6 +182,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._index: dict[str, int] = {}
         self._server: SyncServer | None = None
         self._peer: SyncPeer | None = None
+        self._unconnected: KvwireConnectorMetadata | None = None  # the step whose connect failed
         self._loading: dict[str, tuple[ReceiveHandle, list[int]]] = {}  # the blocks loaded into
         self._dropping: dict[str, ReceiveHandle] = {}
         self._sending: dict[str, SendHandle] = {}  # sends begun in this step
@@ -287,7 +288,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     meta.loads.append(_Move(new.req_id, key, ids, prefix=self._prefix(prompt, n)))
                     continue
                 meta.drops.append(_Move(new.req_id, key, ids))
-            if self._producer and n > 0:
+            # Sent once: a request preempted after its send was scheduled and resumed comes
+            # back here as new with some schedulers (vLLM's model runner V2); a second send
+            # would read its blocks past the point get_finished reports them free.
+            if self._producer and n > 0 and new.req_id not in self._saving:
                 extra = new.sampling_params.extra_args if new.sampling_params is not None else None
                 params = (extra or {}).get("kv_transfer_params")
                 key = self._key(prompt, params)
@@ -450,17 +454,26 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if not self._producer or self._spec is None:
             return
         index = self._index.get(layer_name)
-        saves = self._meta().saves
-        if index is None or not saves:
+        meta = self._meta()
+        saves = meta.saves
+        if index is None or not saves or meta is self._unconnected:
             return
         if self._peer is None:
             host, port = _split_addr(self._peer_addr)
             options: dict[str, Any] = {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
             if self._bridge is not None:
                 options["bridge"] = self._bridge
-            self._peer = SyncPeer(
-                host, port, secret=self._secret, streams=self._streams, codec=self._codec, **options,
-            )
+            try:
+                self._peer = SyncPeer(
+                    host, port, secret=self._secret, streams=self._streams, codec=self._codec, **options,
+                )
+            except KvwireError as exc:
+                # Not the engine's step to fail: this step's saves end unsent (their blocks
+                # are let go of as any failed send's), and the next step's connect again.
+                logger.error("kvwire: not sending KV of requests %s: cannot connect to %s: %s",
+                             ", ".join(m.req_id for m in saves), self._peer_addr, exc)
+                self._unconnected = meta
+                return
         for move in saves:
             if index == 0:
                 versions: dict[str, Any] = {}

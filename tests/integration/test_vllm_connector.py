@@ -9,6 +9,7 @@ that loads part of a transfer and drops another, and two requests of one name.
 
 from __future__ import annotations
 
+import socket
 import threading
 import warnings
 from collections.abc import Iterator
@@ -132,6 +133,36 @@ def test_blocks_are_kept_until_the_send_ended(path: Any) -> None:
                 break
             threading.Event().wait(0.05)
         assert finished == {"r1"}
+    finally:
+        worker.shutdown()
+
+
+def test_a_consumer_that_cannot_be_reached_fails_the_send_not_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nothing listens where the producer sends: the engine's step goes on (one connect
+    attempt for the step, not one per layer), the request is reported finished so vLLM
+    frees its blocks, and the next step connects again, this time to a server."""
+    from kvwire.integrations import vllm as connector
+
+    attempts: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> SyncPeer:
+        attempts.append(1)
+        return SyncPeer(*args, **kwargs)
+
+    monkeypatch.setattr(connector, "SyncPeer", counted)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()  # nothing listens there now
+    _, worker, caches = producer(port, load_timeout=5)
+    try:
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "lost", BLOCKS)]), caches)
+        assert len(attempts) == 1
+        assert worker.get_finished({"r1"}) == ({"r1"}, None)
+        with SyncServer(secret=SECRET.encode(), port=port) as server:
+            handle = server.expect("found")
+            step(worker, KvwireConnectorMetadata(saves=[_Move("r2", "found", BLOCKS)]), caches)
+            assert received(handle) == [(k.tobytes(), v.tobytes()) for k, v in sent_layers(caches)]
     finally:
         worker.shutdown()
 
@@ -280,6 +311,24 @@ def test_a_request_preempted_in_its_chunked_prefill_is_sent_from_its_new_blocks(
     assert sched.build_connector_meta(schedule(cached=[("s", None, 0)], resumed={"s"}, scheduled={"s": 16})).saves == []
     assert sched.build_connector_meta(schedule(cached=[("s", [60, 61, 62, 63, 64, 65], 16)],
                                                scheduled={"s": 84})).saves == []
+
+
+def test_a_request_sent_then_preempted_is_not_sent_again_when_resumed_as_new() -> None:
+    """vLLM's model runner V2 lists a resumed request among the new ones, with all its
+    (new) blocks. One whose send was scheduled before it was preempted is not sent again:
+    a second send would read its new blocks after get_finished reported it (its first
+    send's end) and vLLM reused them. Until it finishes; then a new request of that id is."""
+    sched = scheduler_side("kv_producer")
+    prompt = list(range(33))  # 2 full blocks
+    meta = sched.build_connector_meta(schedule(new=[new_request("p", prompt, [10, 11, 12], "x")], scheduled={"p": 33}))
+    assert [(m.req_id, m.block_ids) for m in meta.saves] == [("p", [10, 11])]
+    meta = sched.build_connector_meta(schedule(preempted={"p"}))
+    assert meta.preempted == ["p"]
+    meta = sched.build_connector_meta(schedule(new=[new_request("p", prompt, [40, 41, 42], "x")], scheduled={"p": 33}))
+    assert meta.saves == []
+    assert sched.request_finished(_Request("p"), [40, 41, 42]) == (True, None)  # type: ignore[arg-type]
+    meta = sched.build_connector_meta(schedule(new=[new_request("p", prompt, [50, 51, 52], "x")], scheduled={"p": 33}))
+    assert [(m.req_id, m.block_ids) for m in meta.saves] == [("p", [50, 51])]
 
 
 def test_a_request_preempted_after_its_load_is_computed_when_resumed() -> None:
