@@ -145,6 +145,7 @@ class Stream(asyncio.BufferedProtocol):
         self._paused = False  # the owner was told the stream is not writable
         self._close_queued = False  # close once the queue is written
         self._linger: asyncio.TimerHandle | None = None  # drops the socket if closing takes too long
+        self.pushed = 0  # bytes ever put in the send queue (see written())
 
     @property
     def conn(self) -> Any:
@@ -304,11 +305,21 @@ class Stream(asyncio.BufferedProtocol):
                 self._arm_linger()
             return
         if data:
+            before = q.pending
             q.push([x for p in data for x in (_checked_parts(p) if isinstance(p, CheckedPayload) else (p,))])
+            self.pushed += q.pending - before
         if self.owner.core.is_closed(self.key):
             self._close_queued = True
             self._arm_linger()
         self._write_queue()
+
+    def written(self) -> int:
+        """Of the bytes ever put in the send queue (:attr:`pushed`), those no longer in it:
+        taken by the kernel (which copied them), or dropped with the queue.  The queue
+        holds the caller's buffers themselves until then; a transport copies what the
+        kernel does not take, so without a queue nothing is held (both stay 0)."""
+        q = self._queue
+        return self.pushed - (q.pending if q is not None else 0)
 
     def _arm_linger(self) -> None:
         if self._linger is None:

@@ -374,6 +374,20 @@ class SyncPeer:
         handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
         return handle
 
+    def write_marks(self, timeout: float = 5.0) -> Any:
+        """:meth:`kvwire.Peer.write_marks` from any thread; pass it to :meth:`written_past`."""
+        async def marks() -> Any:
+            return self._peer.write_marks()
+
+        return self.bridge.run(marks(), timeout)
+
+    def written_past(self, marks: Any) -> bool:
+        """Whether the streams wrote (or dropped) everything they held at ``marks``."""
+        async def past() -> bool:
+            return bool(self._peer.written_past(marks))
+
+        return bool(self.bridge.run(past(), 5.0))
+
     def send(self, request_id: str, spec: KVSpec, layers: Any, *, timeout: float | None = None,
              **send_options: Any) -> Any:
         """Send a whole cache and wait for its receipt."""

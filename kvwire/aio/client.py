@@ -219,6 +219,21 @@ class Peer(Pump):
         if changed:
             self.changed.set()
 
+    # -- the caller's buffers the streams still hold -----------------------------------------
+
+    def write_marks(self) -> list[tuple[Stream, int]]:
+        """Where each stream's writing stands now (everything the core has to send handed
+        to them first): :meth:`written_past` of it is True once all of it was written (or
+        dropped), so no buffer of a send that has ended is read any more.  A send that
+        failed may have left frames queued on the streams; its caller's arrays are free
+        once the streams got this far."""
+        self.pump()
+        return [(s, s.pushed) for s in self.streams]
+
+    @staticmethod
+    def written_past(marks: list[tuple[Stream, int]]) -> bool:
+        return all(s.written() >= mark for s, mark in marks)
+
     # -- what a stream asks of its pump --------------------------------------------------
 
     def stream_made(self, stream: Stream) -> bool:

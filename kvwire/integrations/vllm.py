@@ -12,10 +12,12 @@ exact configuration.
   returns True) until ``get_finished`` reports the send ended, acknowledged or let go of,
   so vLLM goes on with its next step while the KV drains.  With ``kvwire_async_save:
   false``, ``wait_for_save`` waits for the receiver's acknowledgement instead.  A send
-  that fails, or does not end within ``kvwire_load_timeout`` of its turn (its step, or
-  the end of the send before it: sends go first come, first served), closes the
-  connection before its blocks are reported or ``wait_for_save`` returns: nothing reads
-  them after that (the next save connects again).  A request preempted while its send
+  that fails with its connection, or does not end within ``kvwire_load_timeout`` of its
+  turn (its step, or the end of the send before it: sends go first come, first served),
+  closes the connection before its blocks are reported or ``wait_for_save`` returns:
+  nothing reads them after that (the next save connects again).  With the async save,
+  one that fails on its own (the consumer aborted it) is reported once the streams wrote
+  what they held of it, and the connection goes on.  A request preempted while its send
   is in flight waits for that send before the step's forward reuses its blocks
   (``bind_connector_metadata``); one preempted during its chunked prefill, before its
   send, is sent from the blocks it has once resumed.  ``shutdown`` lets the sends in
@@ -194,6 +196,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._in_flight: dict[str, tuple[SendHandle, float]] = {}
         self._last_end = 0.0
         self._ended: set[str] = set()
+        # Sends that failed on their own (the consumer aborted one, say) while the
+        # connection goes on: their frames already queued on the streams still read their
+        # blocks until written, so each waits for the streams to get past where they stood
+        # (their write marks, with the time it failed) before its request counts as ended.
+        self._draining: dict[str, tuple[Any, float]] = {}
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
 
@@ -537,15 +544,30 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _reap(self) -> None:
         """Async save: the sends that ended leave the flight, and the oldest too once it is
-        past its time; any that did not end acknowledged lets go of every block."""
+        past its time.  One that failed on its own, the connection still up, ends once the
+        streams wrote what they held of it; any other that did not end acknowledged (or a
+        drain past its time) lets go of every block."""
         now = time.monotonic()
         failed = False
         for req_id, (handle, _) in list(self._in_flight.items()):
             if handle.done:
-                failed |= not self._ended_well(req_id, handle, 0)
                 del self._in_flight[req_id]
-                self._ended.add(req_id)
                 self._last_end = now
+                if self._ended_well(req_id, handle, 0):
+                    self._ended.add(req_id)
+                elif (marks := self._write_marks()) is not None:
+                    self._draining[req_id] = (marks, now)
+                else:
+                    failed = True
+                    self._ended.add(req_id)
+        for req_id, (marks, since) in list(self._draining.items()):
+            if self._peer is not None and self._peer.written_past(marks):
+                del self._draining[req_id]
+                self._ended.add(req_id)
+            elif now >= since + self._timeout:
+                logger.error("kvwire: the failed send of request %s still holds its blocks after %.0f s",
+                             req_id, self._timeout)
+                failed = True
         if self._in_flight and not failed:
             req_id, (handle, since) = next(iter(self._in_flight.items()))
             if now >= max(since, self._last_end) + self._timeout:
@@ -555,10 +577,23 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if failed:
             self._let_go_of_blocks()
 
+    def _write_marks(self) -> Any:
+        """The streams' write marks, or None when there is no healthy connection to wait
+        on (then only closing it frees the blocks)."""
+        peer = self._peer
+        if peer is None or peer.peer.core.broken is not None:
+            return None
+        try:
+            return peer.write_marks()
+        except KvwireError:
+            return None
+
     def _let_go_of_blocks(self) -> None:
         """After a send that did not end with the receiver's acknowledgement: close the
         connection, which ends every send on it and drops the bytes its streams still
         hold, so nothing reads the blocks once vLLM frees them."""
+        self._ended.update(self._draining)
+        self._draining.clear()
         for req_id, handle in self._sending.items():
             handle.abort()
             self._ended.add(req_id)
@@ -596,7 +631,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if req_id in self._sending:
                 logger.error("kvwire: request %s finished while its KV was being sent", req_id)
                 self._let_go_of_blocks()
-            if req_id in self._in_flight or req_id in self._ended:
+            if req_id in self._in_flight or req_id in self._draining or req_id in self._ended:
                 self._finished_sends.add(req_id)
         if not self._async_save:  # every send ended in wait_for_save
             self._ended.clear()

@@ -169,3 +169,36 @@ async def test_resumes_are_logged_and_counted(caplog: pytest.LogCaptureFixture) 
                 assert peer.statistics()["resumes"] == 1
                 assert server.statistics()["resumes"] >= 1
     assert any("resuming" in r.getMessage() for r in caplog.records if r.name == "kvwire")
+
+
+@pytest.mark.parametrize("compiled_queue", [True, False])
+async def test_write_marks_tell_when_the_streams_no_longer_hold_what_was_queued(
+    compiled_queue: bool, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A send's frames wait in a stream's send queue while the path is stalled: a write
+    mark taken then is not passed until they are written.  Without the compiled queue the
+    transport copies what the kernel does not take, so nothing of the caller's is held and
+    every mark is passed at once."""
+    from kvwire.aio import _stream
+
+    if not compiled_queue:
+        monkeypatch.setattr(_stream, "_sendq", None)
+    spec = kvwire.KVSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16")
+    layers = make_layers(8, 1024, 8, 128, "float16")  # 32 MiB, more than the socket buffers hold
+    stall = FaultPlan(forward=Faults(stall_at=1 << 20))
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with FaultProxy("127.0.0.1", server.port, plan=lambda i: stall) as proxy:
+            receiving = asyncio.ensure_future(server.accept())
+            async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET) as peer:
+                sending = asyncio.ensure_future(peer.send("r", spec, layers, timeout=60))
+                for _ in range(500):
+                    await asyncio.sleep(0.01)
+                    queued = sum(s._queue.pending for s in peer.streams if s._queue is not None)
+                    if proxy.statistics().stalls and (queued or not compiled_queue):
+                        break
+                marks = peer.write_marks()
+                assert peer.written_past(marks) is not compiled_queue
+                proxy.resume()
+                await sending
+                assert peer.written_past(marks)
+                await (await receiving).collect(timeout=30)

@@ -167,6 +167,47 @@ def test_a_consumer_that_cannot_be_reached_fails_the_send_not_the_step(monkeypat
         worker.shutdown()
 
 
+def test_a_send_the_consumer_aborts_fails_alone() -> None:
+    """Two sends in flight; the consumer gives one up (its request was cancelled there).
+    The other is received whole over the same connection, and the aborted one's request
+    is reported finished once the streams wrote what they held of it (not by closing the
+    connection, which would fail every send on it)."""
+    bridge = Bridge("rate-proxy")
+    server = SyncServer(secret=SECRET.encode())
+    capped = FaultPlan(forward=Faults(rate_bps=16 * 2**20 * 8))  # 16 MiB/s: each send takes 0.5 s
+    proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: capped)
+    bridge.run(proxy.start(), 10)
+    _, worker, caches = producer(proxy.port, load_timeout=60)
+    a, b = server.expect("a"), server.expect("b")
+    try:
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "a", BLOCKS[:64]), _Move("r2", "b", BLOCKS[:64])]),
+             caches)
+        peer = worker._peer
+        a.wait_layer(0, 30)
+        a.abort("cancelled by its client")
+        finished: set[str] = set()
+        for i in range(600):
+            done, _ = worker.get_finished({"r1", "r2"} if i == 0 else set())
+            finished |= done or set()
+            if finished == {"r1", "r2"}:
+                break
+            threading.Event().wait(0.05)
+        assert finished == {"r1", "r2"}
+        assert worker._peer is peer  # the connection went on
+        b.wait(30)
+        spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+        for i, cache in enumerate(caches):
+            k, v = gather_layer(spec, host_view(cache, "float32"), BLOCKS[:64])
+            got = b.wait_layer(i, 5)
+            assert np.asarray(got.k).tobytes() == np.asarray(k).tobytes()
+            assert np.asarray(got.v).tobytes() == np.asarray(v).tobytes()
+    finally:
+        worker.shutdown()
+        bridge.run(proxy.close(), 10)
+        server.close()
+        bridge.close()
+
+
 @pytest.mark.parametrize("ends", [True, False])
 def test_a_preempted_requests_send_ends_before_the_forward_reuses_its_blocks(path: Any, ends: bool) -> None:
     """vLLM preempts a request whose send is in flight: the next step's forward writes its
