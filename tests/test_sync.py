@@ -229,6 +229,22 @@ def test_a_receive_aborted_as_soon_as_it_was_made_writes_nothing() -> None:
             assert not any(dst[layer].any() for layer in range(2)), attempt
 
 
+def test_abort_returns_once_the_transfer_is_stopped() -> None:
+    """abort() from the caller's thread returns only once the loop stopped the transfer,
+    so the memory it was receiving into may be reused right away."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        for attempt in range(3):
+            h = server.expect(f"live{attempt}")
+            s = peer.begin(f"live{attempt}", SPEC)
+            k, v = make_layers(1, 4, 2, 16, "float32")[0]
+            s.send_layer(k, v)
+            h.wait_layer(0, timeout=30)
+            h.abort("request cancelled")
+            assert h.transfer._error is not None  # stopped on the loop before abort() returned
+            with pytest.raises(KvwireError):
+                s.wait(30)
+
+
 def test_waiting_for_a_layer_past_the_transfers_last_is_an_error_once_it_arrives() -> None:
     """Without num_layers, a wait for layer 3 of what turns out to be a 3-layer transfer
     ends with a UsageError when the transfer arrives, not at its timeout."""

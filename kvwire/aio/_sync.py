@@ -202,8 +202,12 @@ class ReceiveHandle:
         """Block until every layer has arrived."""
         self._wait_for(lambda: self._done, timeout, "transfer")
 
-    def abort(self, reason: str = "") -> None:
-        """Stop receiving: the sender is told (when the transfer began) and waiters fail."""
+    def abort(self, reason: str = "", timeout: float = 5.0) -> None:
+        """Stop receiving: the sender is told (when the transfer began) and waiters fail.
+
+        From another thread it returns once the loop has stopped the transfer (at most
+        ``timeout`` seconds), so the caller may reuse the destination's memory then: no
+        chunk is written into it afterwards."""
         self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted{': ' + reason if reason else ''}"))
         if self._bridge.closed:
             return
@@ -226,7 +230,20 @@ class ReceiveHandle:
             if self._task is not None:
                 self._task.cancel()
 
-        self._bridge.call_soon(cancel)
+        if self._bridge.in_loop_thread():
+            cancel()
+            return
+        done = threading.Event()
+
+        def cancel_and_tell() -> None:
+            try:
+                cancel()
+            finally:
+                done.set()
+
+        with contextlib.suppress(ConnectionLostError):  # the bridge closed meanwhile: nothing runs
+            self._bridge.call_soon(cancel_and_tell)
+            done.wait(timeout)
 
 
 class SyncServer:
