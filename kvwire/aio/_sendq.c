@@ -63,7 +63,13 @@ typedef struct {
 
 static int check_idle(SendQueue* q) {
     if (q->busy) {
-        PyErr_SetString(PyExc_RuntimeError, "SendQueue is being flushed by another thread");
+        /* a flush on another thread, or a call from code a push or a release ran (an
+         * __index__, a finalizer): either would move the parts under the running call */
+        PyErr_SetString(PyExc_RuntimeError, "SendQueue is in use (by another thread, or re-entered)");
+        return -1;
+    }
+    if (q->piece <= 0) {
+        PyErr_SetString(PyExc_ValueError, "SendQueue was not initialised");
         return -1;
     }
     return 0;
@@ -205,6 +211,12 @@ static Py_ssize_t push_ranges(SendQueue* q, Py_ssize_t at, PyObject* item, Py_ss
         PyBuffer_Release(&base);
         return -1;
     }
+    if (at + count > q->cap) { /* the spans grew since they were counted (by code a conversion ran) */
+        PyBuffer_Release(&spans);
+        PyBuffer_Release(&base);
+        PyErr_SetString(PyExc_ValueError, "a ranges item's spans changed while it was pushed");
+        return -1;
+    }
     for (Py_ssize_t r = 0; r < count; r++) {
         Part* p = &q->parts[at + r];
         memset(p, 0, sizeof(*p));
@@ -227,18 +239,25 @@ static Py_ssize_t push_ranges(SendQueue* q, Py_ssize_t at, PyObject* item, Py_ss
 
 static PyObject* sq_push(SendQueue* q, PyObject* arg) {
     if (check_idle(q) < 0) return NULL;
-    PyObject* seq = PySequence_Fast(arg, "push() needs a sequence of parts");
+    if (!PySequence_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "push() needs a sequence of parts");
+        return NULL;
+    }
+    PyObject* seq = PySequence_Tuple(arg); /* a copy: the caller's list may change meanwhile */
     if (seq == NULL) return NULL;
+    q->busy = 1; /* what a part's conversion runs (an __index__) cannot move the parts */
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t k = item_parts(PySequence_Fast_GET_ITEM(seq, i));
         if (k < 0) {
+            q->busy = 0;
             Py_DECREF(seq);
             return NULL;
         }
         total += k;
     }
     if (grow(q, total) < 0) {
+        q->busy = 0;
         Py_DECREF(seq);
         return NULL;
     }
@@ -299,10 +318,12 @@ static PyObject* sq_push(SendQueue* q, PyObject* arg) {
     }
     q->pending += bytes;
     q->count += added;
+    q->busy = 0;
     Py_DECREF(seq);
     Py_RETURN_NONE;
 fail:
     release_range(q, start, start + added);
+    q->busy = 0;
     Py_DECREF(seq);
     return NULL;
 }
@@ -396,8 +417,8 @@ static PyObject* sq_flush(SendQueue* q, PyObject* Py_UNUSED(ignored)) {
     Py_BEGIN_ALLOW_THREADS
     rc = write_out(q, &err);
     Py_END_ALLOW_THREADS
+    release_range(q, head, q->head); /* still busy: a finalizer this runs cannot move the parts */
     q->busy = 0;
-    release_range(q, head, q->head);
     if (q->head == q->count) q->head = q->count = 0;
     if (rc < 0) {
         errno = err;
@@ -408,7 +429,9 @@ static PyObject* sq_flush(SendQueue* q, PyObject* Py_UNUSED(ignored)) {
 
 static PyObject* sq_clear(SendQueue* q, PyObject* Py_UNUSED(ignored)) {
     if (check_idle(q) < 0) return NULL;
+    q->busy = 1;
     release_range(q, q->head, q->count);
+    q->busy = 0;
     q->head = q->count = 0;
     q->pending = 0;
     Py_RETURN_NONE;

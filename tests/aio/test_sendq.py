@@ -309,3 +309,62 @@ def test_an_empty_checked_payload_is_its_trailer(pair: tuple[socket.socket, sock
     q.push([(b"", 0x12345678), b"!"])
     got, _ = drain(q, b, 5)
     assert got == trailer(b"", 0x12345678) + b"!"
+
+
+def test_code_a_push_or_a_release_runs_cannot_reenter_the_queue(pair: tuple[socket.socket, socket.socket]) -> None:
+    """Converting a part (a crc's ``__index__``) or letting go of a written one (a
+    finalizer) runs Python code; a push or clear from there would move the parts under
+    the running call. It is refused, and what was queued goes out intact."""
+    import weakref
+
+    a, b = pair
+    assert sendq is not None
+    q = sendq.SendQueue(a.fileno(), piece=4096)
+    inner: list[BaseException] = []
+
+    class Crc:
+        def __index__(self) -> int:
+            try:
+                q.push([b"inner"] * 100)
+            except RuntimeError as exc:
+                inner.append(exc)
+            return 0
+
+    q.push([(b"outer", Crc())])
+    assert len(inner) == 1 and "re-entered" in str(inner[0])
+    grown = bytearray(np.array([0, 1], np.int64).tobytes())
+
+    class Grow:
+        def __index__(self) -> int:
+            grown.extend(np.array([0, 1] * 500, np.int64).tobytes())
+            return 0
+
+    with pytest.raises(ValueError, match="spans changed"):
+        q.push([(bytearray(64), Grow(), False, grown)])
+
+    class Hooked(bytearray):
+        pass
+
+    first = Hooked(b"A" * 10)
+    refused: list[BaseException] = []
+
+    def push_when_let_go() -> None:
+        try:
+            q.push([b"late"])
+        except RuntimeError as exc:
+            refused.append(exc)
+
+    weakref.finalize(first, push_when_let_go)
+    q.push([first, b"B" * 10])
+    del first
+    got, _ = drain(q, b, 5 + 4 + 20)
+    assert q.pending == 0 and len(refused) == 1  # let go of during the flush: the late push refused
+    assert got == b"outer" + trailer(b"outer", 0) + b"A" * 10 + b"B" * 10
+
+
+def test_a_queue_never_initialised_refuses_work() -> None:
+    assert sendq is not None
+    q = sendq.SendQueue.__new__(sendq.SendQueue)
+    for call in (lambda: q.push([b"x"]), q.flush, q.clear):
+        with pytest.raises(ValueError, match="not initialised"):
+            call()
