@@ -191,6 +191,30 @@ def test_close_lists_its_handles_while_another_thread_expects() -> None:
             h.wait(10)
 
 
+def test_closing_a_bridge_whose_loop_is_stuck_releases_its_waiters() -> None:
+    """A shared bridge closed while its loop is stuck (cancelling what runs on it times
+    out): a thread waiting on a receive with no timeout is released all the same."""
+    import time
+
+    bridge = Bridge("stuck")
+    server = SyncServer(secret=SECRET, bridge=bridge)
+    bridge.call_soon(time.sleep, 15)  # the loop is busy for longer than this test waits
+    h = server.expect("never")
+    seen: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            h.wait()
+        except KvwireError as exc:
+            seen.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    bridge.close(timeout=0.2)
+    waiter.join(10)
+    assert not waiter.is_alive() and len(seen) == 1 and isinstance(seen[0], ConnectionLostError)
+
+
 def test_blocking_call_from_the_loop_thread_is_refused() -> None:
     bridge = Bridge()
     try:

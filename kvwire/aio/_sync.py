@@ -34,6 +34,9 @@ class Bridge:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._closed = False
         self._lock = threading.Lock()
+        # Handles whose waiters wait on a condition of their own: woken when this closes,
+        # even if what ran on the loop never got to tell them (a loop too busy to cancel).
+        self._watched: weakref.WeakSet[ReceiveHandle] = weakref.WeakSet()
         self._thread.start()
         self._ready.wait()
 
@@ -78,14 +81,18 @@ class Bridge:
                 raise ConnectionLostError("the kvwire bridge is closed")
             self.loop.call_soon_threadsafe(fn, *args)
 
+    def watch(self, handle: ReceiveHandle) -> None:
+        with self._lock:
+            self._watched.add(handle)
+
     def close(self, timeout: float = 5.0) -> None:
         """Cancel what still runs on the loop, stop it and join the thread (idempotent)."""
+        if self.in_loop_thread():
+            raise UsageError("Bridge.close() from the loop thread")
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-        if self.in_loop_thread():
-            raise UsageError("Bridge.close() from the loop thread")
 
         async def cancel_all() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -97,6 +104,10 @@ class Bridge:
             asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+        with self._lock:
+            watched = list(self._watched)
+        for handle in watched:
+            handle._wake()
 
 
 class ReceiveHandle:
@@ -112,6 +123,7 @@ class ReceiveHandle:
         self._done = False
         self._transfer: Any = None
         self._task: asyncio.Task[None] | None = None
+        bridge.watch(self)
 
     # -- loop side ----------------------------------------------------------------------
 
@@ -150,6 +162,11 @@ class ReceiveHandle:
         with self._cond:
             if self._error is None and not self._done:
                 self._error = error
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        """The bridge closed: waiters look again (and see it closed)."""
+        with self._cond:
             self._cond.notify_all()
 
     # -- caller side ----------------------------------------------------------------------
