@@ -6,7 +6,8 @@ one Redis Cluster slot and every script may touch all of its keys.
 =============================  ========  ====================================================
 key                            type      content
 =============================  ========  ====================================================
-``{ns}:seq``                   string    last version handed out (INCR); never reset
+``{ns}:seq``                   string    last version handed out (INCR, never below
+                                         the Redis clock in microseconds)
 ``{ns}:b:<canonical id>``      hash      ``v`` version, ``c`` "1" if complete else "0",
                                          ``l`` lease id holding it in flight (absent if none),
                                          ``e`` that lease's expiry (Redis TIME, microseconds)
@@ -18,7 +19,11 @@ key                            type      content
 
 Block hashes never expire: a version must never be handed out twice, and forgetting a block
 would let its counter restart. Versions come from the one ``seq`` counter, so even a lost
-block hash cannot bring an old version back. Lease liveness is decided inside the scripts
+block hash cannot bring an old version back; and a new version is never below the Redis
+server's clock in microseconds, so a Redis that lost ``seq`` itself (restarted without
+persistence, crashed between snapshots, failed over to a replica behind it) still hands out
+versions above those it issued before (unless it had issued more than one per microsecond
+since its epoch, far beyond any real rate). Lease liveness is decided inside the scripts
 against ``redis.call('TIME')``, one clock for every client, so client clock skew is moot.
 """
 
@@ -30,6 +35,20 @@ from kvwire.errors import UsageError
 _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+"""
+
+# The next version from counter ``key``: INCR, but never below the server's clock in
+# microseconds (see the module docstring). Needs ``now`` (_NOW). (Versions go into text
+# with string.format('%.0f'): Lua's own number-to-text keeps 14 digits.)
+_NEXT = """
+local function next_version(key)
+  local v = redis.call('INCR', key)
+  if v < now then
+    redis.call('SET', key, now)
+    v = now
+  end
+  return v
+end
 """
 
 # Frees the blocks a lease still holds and deletes the lease. KEYS[first..] are blocks.
@@ -77,6 +96,7 @@ return out
 
 COMMIT = (
     _NOW
+    + _NEXT
     + _FREE
     + """
 -- KEYS: lease, seq, block...   ARGV: lease_id, channel, canonical id per block
@@ -100,10 +120,10 @@ if #lost > 1 then
 end
 local out = {0}
 for i = 3, #KEYS do
-  local v = redis.call('INCR', KEYS[2])
+  local v = next_version(KEYS[2])
   redis.call('HSET', KEYS[i], 'v', v, 'c', '1')
   redis.call('HDEL', KEYS[i], 'l', 'e')
-  redis.call('PUBLISH', ARGV[2], v .. ' ' .. ARGV[i])
+  redis.call('PUBLISH', ARGV[2], string.format('%.0f ', v) .. ARGV[i])
   out[#out + 1] = v
 end
 redis.call('DEL', KEYS[1])
@@ -141,19 +161,23 @@ return 0
 """
 )
 
-INVALIDATE = """
+INVALIDATE = (
+    _NOW
+    + _NEXT
+    + """
 -- KEYS: seq, block...   ARGV: channel, canonical id per block
 -- returns {version...}
 local out = {}
 for i = 2, #KEYS do
-  local v = redis.call('INCR', KEYS[1])
+  local v = next_version(KEYS[1])
   redis.call('HSET', KEYS[i], 'v', v, 'c', '0')
   redis.call('HDEL', KEYS[i], 'l', 'e')
-  redis.call('PUBLISH', ARGV[1], v .. ' ' .. ARGV[i])
+  redis.call('PUBLISH', ARGV[1], string.format('%.0f ', v) .. ARGV[i])
   out[#out + 1] = v
 end
 return out
 """
+)
 
 PUBLISH = """
 -- KEYS: seq, block...   ARGV: channel, then canonical id and version per block
@@ -169,7 +193,7 @@ for i = 2, #KEYS do
     if pv > tonumber(redis.call('GET', KEYS[1]) or '0') then
       redis.call('SET', KEYS[1], pv)
     end
-    redis.call('PUBLISH', ARGV[1], pv .. ' ' .. ARGV[2 * i - 2])
+    redis.call('PUBLISH', ARGV[1], string.format('%.0f ', pv) .. ARGV[2 * i - 2])
   elseif not (pv == v and h[2] == '1') then
     rejected[#rejected + 1] = i - 1
   end

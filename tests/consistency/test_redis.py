@@ -64,6 +64,31 @@ async def test_server_dies_mid_use(redis_binary: str, tmp_path: Path) -> None:
         server.stop()
 
 
+async def test_a_redis_that_lost_its_data_never_hands_out_an_old_version_again(redis_server: RedisServer) -> None:
+    """Redis restarted without its data (no persistence, a crash between snapshots, a
+    replica behind its primary): the version counter is gone, yet the versions handed out
+    afterwards are above every earlier one, so a copy cached at an old version is still
+    stale after the block is recomputed."""
+    import redis.asyncio as aioredis
+
+    namespace = f"lost-{uuid.uuid4().hex}"
+    reg = await RedisRegistry.connect(redis_server.url, namespace=namespace, timeout=5.0)
+    async with reg:
+        [(_, v1)] = await reg.commit(await reg.begin([b"b1"], owner="a"))  # a consumer caches b1 at v1
+        v2 = await reg.invalidate(b"b1")  # new weights
+        assert v2 > v1
+        raw = aioredis.from_url(redis_server.url)
+        try:
+            for key in await raw.keys(f"{{{namespace}}}*"):
+                await raw.delete(key)  # the namespace's data, the counter included, is lost
+        finally:
+            await raw.aclose()
+        [(_, v3)] = await reg.commit(await reg.begin([b"b1"], owner="c"))  # recomputed with the new weights
+        assert v3 > v2
+        assert await reg.check_many([(b"b1", v1)]) == [b"b1"]  # the old copy is stale
+        assert await reg.check_many([(b"b1", v3)]) == []
+
+
 def test_many_processes_no_lost_update(redis_server: RedisServer) -> None:
     namespace = f"mp-{uuid.uuid4().hex}"
     procs, ops = 8, 500
