@@ -24,7 +24,6 @@ The rules (the contract both backends keep):
 from __future__ import annotations
 
 import heapq
-import math
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -78,11 +77,17 @@ def new_lease_id() -> str:
     return secrets.token_hex(12)
 
 
+#: Longest lease ttl, seconds (a year): a lease is held while a block is computed; a longer
+#: one is a mistake, and past about 9e12 s Redis cannot store the lease's expiry at all.
+MAX_TTL = 365 * 24 * 3600.0
+
+
 def check_ttl(ttl: float) -> float:
-    """``ttl`` as a float, or :class:`UsageError` if it is not a positive finite number."""
+    """``ttl`` as a float, or :class:`UsageError` if it is not a positive number of seconds
+    up to :data:`MAX_TTL`."""
     ttl = float(ttl)
-    if not (ttl > 0.0 and math.isfinite(ttl)):
-        raise UsageError(f"lease ttl must be a positive finite number of seconds, not {ttl!r}")
+    if not (0.0 < ttl <= MAX_TTL):
+        raise UsageError(f"lease ttl must be a positive number of seconds up to {MAX_TTL:.0f}, not {ttl!r}")
     return ttl
 
 

@@ -54,6 +54,9 @@ async def test_duplicates_and_types(registry: Registry) -> None:
         await registry.begin([1.5], owner="a")  # type: ignore[list-item]
     with pytest.raises(UsageError):
         await registry.begin([1], owner="a", ttl=0)
+    with pytest.raises(UsageError, match="up to"):  # past what Redis can store: refused before any write
+        await registry.begin([7], owner="a", ttl=1e16)
+    assert (await registry.begin([7], owner="b")).started == (7,)  # nothing was left holding it
 
 
 async def test_invalidate_makes_holders_stale(registry: Registry) -> None:
