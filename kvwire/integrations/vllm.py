@@ -31,7 +31,9 @@ exact configuration.
   are all cached here loads nothing: its transfer is received and dropped as it comes, so
   it does not wait on the server until ``kvwire_claim_timeout``.  A load that fails or
   times out reports its blocks through ``get_block_ids_with_load_errors`` (vLLM then
-  recomputes them); finished or aborted requests abort their receive.  A request loads
+  recomputes them); finished or aborted requests abort their receive.  A load given up
+  before its transfer came (the request finished, or timed out) drops that transfer when
+  it comes, as long as a load would wait for it.  A request loads
   once: preempted after its load (its blocks freed), it is computed locally when
   resumed.
 
@@ -185,7 +187,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._server: SyncServer | None = None
         self._peer: SyncPeer | None = None
         self._unconnected: KvwireConnectorMetadata | None = None  # the step whose connect failed
-        self._loading: dict[str, tuple[ReceiveHandle, list[int]]] = {}  # the blocks loaded into
+        # the blocks loaded into, and how many blocks the transfer carries
+        self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
         self._sending: dict[str, SendHandle] = {}  # sends begun in this step
         # async save: sends past their step, oldest first (with the time their step ended),
@@ -411,16 +414,30 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for move in meta.loads:
             dest = PagedDestination(self._spec, self._caches, move.block_ids)
             handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
-            self._loading[move.req_id] = (handle, [b for b in move.block_ids if b != DROP])
+            self._loading[move.req_id] = (handle, [b for b in move.block_ids if b != DROP], len(move.block_ids))
             if self._registry is not None:
                 self._expected[move.req_id] = move.prefix
         for move in meta.drops:  # nothing waits for these: get_finished lets them go
-            # As long as a load would wait for its transfer: a drop for a transfer that
-            # never comes (kvwire_load_all, a producer that did not send) is let go of then.
-            dest = PagedDestination(self._spec, self._caches, move.block_ids)
-            self._dropping[move.req_id] = self._server.expect(
-                move.key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
-            )
+            self._drop(move.req_id, move.key, move.block_ids)
+
+    def _drop(self, req_id: str, key: str, block_ids: list[int]) -> None:
+        """Take ``key``'s transfer as it comes and drop it (every id DROP), so that it
+        does not wait on the server until the claim timeout.  As long as a load would
+        wait for its transfer: a drop for a transfer that never comes (kvwire_load_all, a
+        producer that did not send) is let go of then."""
+        assert self._server is not None and self._spec is not None
+        dest = PagedDestination(self._spec, self._caches, block_ids)
+        self._dropping[req_id] = self._server.expect(
+            key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
+        )
+
+    def _give_up_load(self, req_id: str, reason: str) -> None:
+        """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does."""
+        handle, _, total = self._loading.pop(req_id)
+        arrived = handle.transfer is not None
+        handle.abort(reason)
+        if not arrived and self._server is not None:
+            self._drop(req_id, handle.request_id, [DROP] * total)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading:
@@ -428,14 +445,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         index = self._index.get(layer_name)
         if index is None:
             return
-        for req_id, (handle, blocks) in list(self._loading.items()):
+        for req_id, (handle, blocks, _) in list(self._loading.items()):
             try:
                 handle.wait_layer(index, timeout=self._timeout)
             except KvwireError as exc:
                 logger.error("kvwire: receiving KV of request %s failed: %s", req_id, exc)
-                handle.abort(str(exc))
+                self._give_up_load(req_id, str(exc))
                 self._load_errors.update(blocks)
-                del self._loading[req_id]
                 self._expected.pop(req_id, None)
                 continue
             expected = self._expected.pop(req_id, None)
@@ -625,9 +641,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._reap_drops()
         for req_id in finished_req_ids:
             self._expected.pop(req_id, None)
-            loading = self._loading.pop(req_id, None)
-            if loading is not None:
-                loading[0].abort("request finished")
+            if req_id in self._loading:
+                self._give_up_load(req_id, "request finished")
             if req_id in self._sending:
                 logger.error("kvwire: request %s finished while its KV was being sent", req_id)
                 self._let_go_of_blocks()

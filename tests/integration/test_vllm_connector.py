@@ -526,6 +526,45 @@ def test_requests_that_share_a_name_each_take_a_transfer_of_it() -> None:
         worker.shutdown()
 
 
+def test_a_load_given_up_before_its_transfer_came_drops_the_transfer_when_it_does() -> None:
+    """A consumer's request finishes (cancelled by its client) before its transfer came:
+    the transfer that comes afterwards is taken and dropped, not left on the server until
+    the claim timeout, and it writes none of the blocks the request had (vLLM freed them)."""
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
+            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
+                                       "kvwire_load_timeout": 30},
+        ),
+        cache_config=CacheConfig(block_size=16),
+    )
+    worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
+    gen = torch.Generator().manual_seed(3)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    before = [c.clone() for c in caches]
+    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
+    assert worker.listen_port is not None
+    spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+    try:
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "late", [4, 5, 6])]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.clear_connector_metadata()
+        worker.get_finished({"c"})  # finished before its transfer came
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            peer.send("late", spec.wire_spec(), PagedSource(spec, src, [0, 1, 2]), timeout=30)
+            for _ in range(200):
+                worker.get_finished(set())
+                if not worker._dropping:
+                    break
+                threading.Event().wait(0.05)
+        stats = worker.server_statistics()
+        assert not worker._dropping and stats is not None and stats["pending_arrivals"] == 0
+        assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+    finally:
+        worker.shutdown()
+
+
 def test_a_kv_cache_of_several_groups_is_refused() -> None:
     """vLLM's hybrid KV cache manager (enabled explicitly) gives each group of layers a
     block table of its own; the connector moves one table for every layer, so it refuses
