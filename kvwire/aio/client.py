@@ -140,6 +140,9 @@ class Peer(Pump):
         if self.stream_controller is not None:
             self.core.active_streams = self.stream_controller.streams
         self.streams: list[Stream] = []
+        # Streams a reconnect replaced whose sockets are still open (a GOAWAY being
+        # written): their send queues may still hold the caller's buffers.
+        self._retired: list[Stream] = []
         self.sends: dict[int, SendState] = {}
         self.changed = asyncio.Event()
         self.estimator = DeliveryRateEstimator()
@@ -228,7 +231,7 @@ class Peer(Pump):
         failed may have left frames queued on the streams; its caller's arrays are free
         once the streams got this far."""
         self.pump()
-        return [(s, s.pushed) for s in self.streams]
+        return [(s, s.pushed) for s in (*self.streams, *self._retired) if s.transport is not None]
 
     @staticmethod
     def written_past(marks: list[tuple[Stream, int]]) -> bool:
@@ -335,6 +338,7 @@ class Peer(Pump):
     async def _connect(self, index: int) -> None:
         """Open slot ``index``'s TCP (and TLS) connection; the handshake is the core's."""
         proto = Stream(self, index)
+        self._retired = [s for s in (*self._retired, *self.streams[index:index + 1]) if s.transport is not None]
         self.streams[index:index + 1] = [proto]
         opts, loop = self.options, asyncio.get_running_loop()
         try:
@@ -350,7 +354,7 @@ class Peer(Pump):
             err = AuthenticationError(f"TLS certificate verification failed: {exc}")
         except _ssl.SSLError as exc:
             err = ConnectionLostError(f"TLS handshake with {self.host}:{self.port} failed: {exc}")
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a host name the resolver refuses (UnicodeError)
             err = ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}")
         if not self.closed and self.streams[index] is proto:
             if self._opening and self._open_error is None:
@@ -495,7 +499,8 @@ class Peer(Pump):
             return
         self.core.close(self.now())
         self.pump()  # transfers fail, every stream writes its GOAWAY and closes
-        await self.teardown(self.streams)
+        await self.teardown([*self.streams, *(s for s in self._retired if s.transport is not None)])
+        self._retired.clear()
 
     async def __aenter__(self) -> Peer:
         await self.open()

@@ -202,3 +202,43 @@ async def test_write_marks_tell_when_the_streams_no_longer_hold_what_was_queued(
                 await sending
                 assert peer.written_past(marks)
                 await (await receiving).collect(timeout=30)
+
+
+async def test_a_replaced_stream_still_counts_until_its_socket_is_gone() -> None:
+    """A stream the idle timeout gave up on (its peer stalled) is replaced by a reconnect,
+    but its socket stays open while its GOAWAY waits to be written, its send queue still
+    holding the caller's buffers: write marks wait for it too, and close() leaves none of
+    it holding them."""
+    spec = kvwire.KVSpec(num_layers=8, num_kv_heads=8, head_dim=128)
+    layers = make_layers(8, 8192, 8, 128)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with FaultProxy("127.0.0.1", server.port) as proxy:
+            peer = kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, streams=1, idle_timeout=1.0)
+            await peer.__aenter__()
+            try:
+                old = peer.streams[0]
+                sending = asyncio.create_task(peer.send("x", spec, layers))
+                await asyncio.sleep(0.05)
+                proxy.stall(0)
+                for _ in range(100):
+                    await asyncio.sleep(0.1)
+                    if peer.streams[0] is not old and peer.core.is_open(0):
+                        break
+                assert peer.streams[0] is not old and old.transport is not None
+                assert old._queue is not None and old._queue.pending > 0
+                sending.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await sending
+                marks = peer.write_marks()
+                assert not peer.written_past(marks)  # the old stream still holds what it had
+            finally:
+                await peer.close()
+            assert old._queue is None  # dropped with its buffers
+
+
+async def test_a_host_name_the_resolver_refuses_is_a_connection_error() -> None:
+    """A host name with a label over 63 characters fails to encode (UnicodeError, not an
+    OSError): connect() fails with ConnectionLostError instead of waiting for ever."""
+    host = "a" * 64 + ".example"
+    with pytest.raises(kvwire.ConnectionLostError, match="cannot connect"):
+        await asyncio.wait_for(kvwire.connect(host, 5555, secret=SECRET, connect_timeout=1).__aenter__(), 30)
