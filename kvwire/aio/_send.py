@@ -99,6 +99,9 @@ async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) 
     failed = asyncio.ensure_future(st.failed.wait())
     try:
         await asyncio.wait({nxt, failed}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # send() cancelled: the producer's wait ends with it
+        nxt.cancel()
+        raise
     finally:
         failed.cancel()
     if nxt.done():

@@ -242,3 +242,39 @@ async def test_a_host_name_the_resolver_refuses_is_a_connection_error() -> None:
     host = "a" * 64 + ".example"
     with pytest.raises(kvwire.ConnectionLostError, match="cannot connect"):
         await asyncio.wait_for(kvwire.connect(host, 5555, secret=SECRET, connect_timeout=1).__aenter__(), 30)
+
+
+async def test_a_cancelled_send_ends_its_producers_wait() -> None:
+    """send() cancelled while its producer waits for the next layer (the model computing
+    it): the producer's wait ends with it (its finally runs, it never goes on), nothing of
+    the send is left running, and the next send on the peer works."""
+    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=16)
+    layers = make_layers(4, 256, 2, 16)
+    gate = asyncio.Event()
+    state = {"went_on": False, "finally": False}
+
+    async def producer() -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        try:
+            yield layers[0]
+            await gate.wait()
+            state["went_on"] = True
+            for kv in layers[1:]:
+                yield kv
+        finally:
+            state["finally"] = True
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            before = set(asyncio.all_tasks())
+            sending = asyncio.create_task(peer.send("r", spec, producer(), timeout=30))
+            await asyncio.sleep(0.3)
+            sending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+            await asyncio.sleep(0.1)
+            left = [t for t in asyncio.all_tasks() if t not in before and t is not asyncio.current_task()]
+            assert left == [] and state["finally"]
+            gate.set()
+            await asyncio.sleep(0.1)
+            assert not state["went_on"]
+            assert (await peer.send("r2", spec, layers, timeout=10)).chunks > 0
