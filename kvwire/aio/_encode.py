@@ -58,10 +58,12 @@ async def encode(codec: Any, x: Any, kind: TensorKind, chooser: CodecChooser | N
 
 def start_encode(
     codec: Any, x: Any, kind: TensorKind, after: threading.Event | None = None,
+    stop: threading.Event | None = None,
 ) -> tuple[asyncio.Future[tuple[Any, float]], threading.Event]:
     """Submit a worker-thread encode now (running, or queued, before the caller yields);
     with ``after``, the worker starts it once the encode that sets ``after`` has ended, so
-    chained encodes follow each other on the workers without waiting for the loop.
+    chained encodes follow each other on the workers without waiting for the loop; once
+    ``stop`` is set, one not yet started never starts (nobody will take it).
     Returns the future and the event set when this encode has ended."""
     ended = threading.Event()
 
@@ -69,6 +71,8 @@ def start_encode(
         try:
             if after is not None:
                 after.wait()
+            if stop is not None and stop.is_set():
+                raise asyncio.CancelledError  # its future was cancelled: nothing reads this
             return _timed_encode(codec, x, kind)
         finally:
             ended.set()
@@ -121,6 +125,7 @@ async def host_chunks(
     # (codec, chunk, payload or future, the event its encode sets when it ended)
     pending: deque[tuple[Any, Any, Any, threading.Event | None]] = deque()
     last: threading.Event | None = None  # set when the latest submitted encode has ended
+    stop = threading.Event()  # set once nobody takes the encodes not yet started
     submitted = 0
 
     def submit() -> None:
@@ -132,7 +137,7 @@ async def host_chunks(
         if encodes_inline(codec):
             pending.append((codec, x, encode_host(codec, x, kind), None))
             return
-        fut, last = start_encode(codec, x, kind, after=last)
+        fut, last = start_encode(codec, x, kind, after=last, stop=stop)
         pending.append((codec, x, fut, last))
 
     try:
@@ -146,6 +151,7 @@ async def host_chunks(
                 submit()  # the next encode is queued before this chunk is handed on
             yield kind, s, c, codec, enc
     finally:
+        stop.set()  # before the chain is released below: what it starts encodes nothing
         for _codec, _x, fut, ended in pending:
             if isinstance(fut, asyncio.Future):
                 if not fut.done():

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvwire.aio._encode import ENCODE_AHEAD, host_chunks
+from kvwire.aio._encode import ENCODE_AHEAD, host_chunks, start_encode
 from kvwire.codec import TensorKind, get_codec
 
 pytestmark = pytest.mark.timeout(60)
@@ -176,3 +176,19 @@ async def test_ahead_zero_encodes_a_chunk_only_when_asked_for() -> None:
         assert codec.ended == [key_of(k, TensorKind.K, 0)]
         rest = [item async for item in source]
     assert len(rest) == 7 and len(codec.ended) == 8
+
+
+async def test_an_encode_stopped_before_its_turn_never_runs() -> None:
+    """A chained encode whose consumer gave up (``stop`` set, as host_chunks does when it
+    is closed or cancelled) does not run when its turn comes, once the encode before it
+    has ended: nobody would take what it encodes from the caller's array."""
+    k, _ = arrays()
+    codec = Watched("int8", hold=0.3)
+    stop = threading.Event()
+    first, first_ended = start_encode(codec, k[:64], TensorKind.K)
+    second, second_ended = start_encode(codec, k[64:128], TensorKind.K, after=first_ended, stop=stop)
+    stop.set()
+    second.cancel()
+    await first
+    assert await asyncio.get_running_loop().run_in_executor(None, second_ended.wait, 30)
+    assert codec.ended == [key_of(k, TensorKind.K, 0)]
