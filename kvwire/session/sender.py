@@ -243,6 +243,8 @@ class SenderCore:
         self.session_id = NO_SESSION
         self._slots = [_Slot() for _ in range(config.streams)]
         self._transfers: dict[int, _Transfer] = {}
+        # RESETs of transfers that failed while no stream was open: (id, code, message)
+        self._unsent_resets: list[tuple[int, ErrorCode, str]] = []
         self._next_id = 1
         self._events: deque[SenderEvent] = deque()
         self.broken: KvwireError | None = None
@@ -592,6 +594,9 @@ class SenderCore:
         for t in self._transfers.values():  # a BEGIN lost with a broken stream goes again
             if not t.state.accepted and t.error is None:
                 slot.conn.send_begin(t.begin)
+        for transfer_id, code, message in self._unsent_resets:  # so the receiver lets go of them now
+            slot.conn.send_reset(transfer_id, code, message)
+        self._unsent_resets.clear()
 
     def _on_closed(self, index: int, ev: ConnectionClosed, now: float) -> None:
         slot = self._slots[index]
@@ -723,8 +728,11 @@ class SenderCore:
         self._transfers.pop(t.state.transfer_id, None)
         for s in t.state.unacked.values():
             self._events.append(ChunkLost(address=s.address))
-        if reset and (conn := self._any_open()) is not None:
-            conn.send_reset(t.state.transfer_id, error.code, str(error)[:160])
+        if reset:
+            if (conn := self._any_open()) is not None:
+                conn.send_reset(t.state.transfer_id, error.code, str(error)[:160])
+            else:  # no stream open now (a reconnect backing off): on the next one that opens
+                self._unsent_resets.append((t.state.transfer_id, error.code, str(error)[:160]))
         self._events.append(TransferFailed(transfer_id=t.state.transfer_id, error=error, by_peer=by_peer))
 
     def _break(self, error: KvwireError) -> None:

@@ -68,6 +68,7 @@ class Harness:
     servers: dict[int, Connection] = field(default_factory=dict)
     events: list[SenderEvent] = field(default_factory=list)
     received: list[tuple[int, ChunkAddress]] = field(default_factory=list)  # (stream, chunk) not acked
+    resets: list[tuple[int, int]] = field(default_factory=list)  # (stream, transfer id) RESET by the client
     hellos: list[ClientAuthenticated] = field(default_factory=list)
     layer_limit: int = 1 << 30
     session_id: bytes = SESSION
@@ -108,6 +109,8 @@ class Harness:
                 srv.send_accept(ev.frame.transfer_id, min(self.layer_limit, ev.frame.num_layers))
             elif isinstance(ev, ChunkReceived):
                 self.received.append((index, ev.chunk.address))
+            elif isinstance(ev, TransferReset):
+                self.resets.append((index, ev.transfer_id))
 
     def ack(self, n: int | None = None, *, order: random.Random | None = None) -> None:
         """Acknowledge ``n`` (all) received chunks, oldest first or in a random order."""
@@ -362,6 +365,25 @@ def test_abort_sends_a_reset_and_reports_unacked_chunks_lost() -> None:
     assert resets and resets[0].code == ErrorCode.CANCELLED
     h.step()
     assert h.of(ChunkLost) and isinstance(h.of(TransferFailed)[0].error, TransferAbortedError)
+
+
+def test_a_transfer_that_fails_while_no_stream_is_open_is_reset_on_the_next_that_opens() -> None:
+    """Aborted while its only stream is down (a reconnect backing off): the RESET cannot
+    go now, so it goes on the stream that opens next, and the receiver lets go of the
+    transfer then instead of at its own timeout."""
+    h = harness(reconnect_backoff=0.1)
+    tid = begin(h, layers=1)
+    h.core.add_chunk(tid, chunk(tid, 0, 0, 0))
+    h.step()
+    h.kill(0)
+    assert h.core.open_streams == []
+    h.core.abort(tid, TransferAbortedError("cancelled"))
+    h.step()
+    assert isinstance(h.of(TransferFailed)[0].error, TransferAbortedError) and h.resets == []
+    h.now = h.core.get_timer() or 0.0  # the reconnect backoff
+    h.core.handle_timer(h.now)
+    h.step()
+    assert h.core.open_streams == [0] and h.resets == [(0, tid)]
 
 
 def test_a_begin_larger_than_the_peer_frame_limit_is_a_usage_error() -> None:
