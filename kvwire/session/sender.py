@@ -658,7 +658,13 @@ class SenderCore:
         slot.attempts += 1
 
     def _requeue(self, index: int) -> None:
-        """What the closed stream carried unacknowledged goes back to the front of the queue."""
+        """What the closed stream carried unacknowledged goes back to the front of the queue,
+        and BEGINs not yet answered go again on a stream still open (the one that carried
+        them may never come back; a BEGIN the server has is answered by ACCEPT again)."""
+        if (conn := self._any_open()) is not None:
+            for t in self._transfers.values():
+                if not t.state.accepted and t.error is None:
+                    conn.send_begin(t.begin)
         for t in self._transfers.values():
             lost = [s for s in t.state.unacked.values() if s.stream == index]
             for s in reversed(lost):

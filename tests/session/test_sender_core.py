@@ -386,6 +386,18 @@ def test_a_transfer_that_fails_while_no_stream_is_open_is_reset_on_the_next_that
     assert h.core.open_streams == [0] and h.resets == [(0, tid)]
 
 
+def test_a_begin_lost_with_its_stream_goes_again_on_another() -> None:
+    """The stream that carried a BEGIN breaks before the server saw it and does not come
+    back (yet): the BEGIN goes again on the stream still open, and the transfer is
+    accepted there, without waiting for the broken one to reconnect."""
+    h = harness(streams=2, reconnect_backoff=60.0)
+    tid = h.core.begin("r", num_layers=1, num_kv_heads=1, head_dim=8, now=h.now)
+    h.kill(0)  # the BEGIN queued on stream 0 never reached the server
+    assert h.core.open_streams == [1]
+    h.step()
+    assert h.core.accepted(tid)
+
+
 def test_a_begin_larger_than_the_peer_frame_limit_is_a_usage_error() -> None:
     h = harness()
     with pytest.raises(UsageError, match="meta and blocks"):
