@@ -230,8 +230,8 @@ class SenderCore:
     """One client session (sans-IO).
 
     The I/O layer sets :attr:`inflight_limit` (bytes in flight beyond which no chunk goes
-    while any is unacknowledged) and :attr:`active_streams` (how many of the first slots
-    chunks are striped over), and reports each transport's writability with
+    while any is unacknowledged) and :attr:`active_streams` (over how many of the first
+    open slots chunks are striped), and reports each transport's writability with
     :meth:`set_writable`; after changing any of them it calls :meth:`pump`.
     """
 
@@ -676,12 +676,23 @@ class SenderCore:
                     self.counters["chunks_resent"] += 1
 
     def _best_stream(self, size: int) -> int | None:
-        """The writable open stream in use with the most credit that can take ``size`` bytes."""
+        """The writable open stream in use with the most credit that can take ``size`` bytes.
+
+        The streams in use are the first :attr:`active_streams` open ones: a slot that is
+        down (reconnecting, or given up on while another stream is open) hands its share to
+        the next open slot, so data never waits on a slot that may not come back."""
         best: int | None = None
         credit = -1
-        for i, s in enumerate(self._slots[: self.active_streams]):
+        in_use = 0
+        active = len(self._slots) if self.active_streams is None else self.active_streams
+        for i, s in enumerate(self._slots):
+            if in_use >= active:
+                break
+            if not s.open:
+                continue
+            in_use += 1
             c = s.conn
-            if (s.open and s.writable and c is not None and c.state is State.OPEN and c.can_send_chunk(size)
+            if (s.writable and c is not None and c.state is State.OPEN and c.can_send_chunk(size)
                     and c.send_credit > credit):
                 best, credit = i, c.send_credit
         return best

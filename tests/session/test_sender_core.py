@@ -277,6 +277,23 @@ def test_chunks_go_only_on_the_active_streams() -> None:
     assert {e.stream for e in h.of(ChunkSent)} == {0, 1, 2}  # striped by most credit
 
 
+def test_a_slot_in_use_that_is_down_hands_its_share_to_the_next_open_one() -> None:
+    """One stream in use (as ``streams="auto"`` starts), and its slot breaks and stays
+    down: the chunks go on the next open slot instead of waiting for it."""
+    h = harness(streams=2, reconnect_backoff=60.0)
+    h.core.active_streams = 1
+    tid = begin(h, layers=1)
+    h.kill(0)
+    assert h.core.open_streams == [1]
+    for i in range(4):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.core.producer_done(tid)
+    h.step()
+    assert {e.stream for e in h.of(ChunkSent)} == {1}
+    h.ack()
+    assert h.of(TransferDone)
+
+
 def test_a_paused_transport_gets_no_chunks_until_it_resumes() -> None:
     h = harness(streams=2)
     h.core.set_writable(0, False)
