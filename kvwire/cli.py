@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,12 +21,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it cleans up as for Ctrl-C."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         return int(args.func(args) or 0)
+    except _Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -107,6 +108,10 @@ def check_output_path(path: str, what: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"{what} {path!r} is a directory")
+    if _not_a_file(target):  # a pipe or a device (/dev/stdout): written as it is
+        if not os.access(target, os.W_OK):
+            raise UsageError(f"{what} {path!r} is not writable")
+        return
     folder = target.parent
     if not folder.is_dir():
         raise UsageError(f"{what} {path!r}: no such directory {str(folder)!r}")
@@ -135,8 +140,22 @@ def _check_plot(path: str) -> None:
     check_output_path(path, "--plot")
 
 
+def _not_a_file(target: Path) -> bool:
+    """Whether ``target`` exists and is something other than a regular file."""
+    try:
+        return not stat.S_ISREG(target.stat().st_mode)
+    except OSError:
+        return False
+
+
 def _write_atomic(path: str, text: str) -> None:
+    """``text`` into file ``path`` whole or not at all (a new file renamed over it); a pipe
+    or a device is written as it is."""
     target = Path(path)
+    if _not_a_file(target):
+        with open(target, "w") as f:
+            f.write(text)
+        return
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
@@ -284,6 +303,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
         return _fail("bench", exc, 2)
     except KvwireError as exc:
         return _fail("bench", exc, 1)
+    except MemoryError:
+        return _fail("bench", KvwireError(f"not enough memory for a cache of {cfg.tokens} tokens of "
+                                          f"{cfg.model} (--tokens)"), 1)
 
     text = json.dumps(result, indent=2) + "\n"
     code = 0

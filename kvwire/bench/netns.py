@@ -107,8 +107,8 @@ def _cleanup_all() -> None:
 
 
 def _on_signal(signum: int, frame: FrameType | None) -> None:
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)  # before the cleanup forgets it
     _cleanup_all()
-    previous = _previous_handlers.get(signum, signal.SIG_DFL)
     if callable(previous):
         previous(signum, frame)
     elif previous == signal.SIG_DFL:

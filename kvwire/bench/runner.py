@@ -21,6 +21,7 @@ import resource
 import secrets
 import socket
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -113,6 +114,11 @@ def check_codec(name: str) -> str:
     return name
 
 
+#: Shortest --interval (the runner samples ten times a second: a report per interval much
+#: shorter than that would only repeat samples).
+MIN_INTERVAL = 0.01
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     """One bench run. Rates are bits/s, times seconds."""
@@ -150,14 +156,16 @@ class BenchConfig:
         get_model(self.model)
         if self.tokens < 1:
             raise UsageError("--tokens must be >= 1")
+        if self.seed < 0:
+            raise UsageError(f"--seed must be >= 0, not {self.seed}")
         if not self.duration > 0:
             raise UsageError("--duration must be > 0")
         if self.rtt < 0 or self.jitter < 0:
             raise UsageError("--rtt and --jitter must be >= 0")
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise UsageError("--chunk-size must be between 4 KiB and 64 MiB")
-        if not self.interval > 0:
-            raise UsageError("--interval must be > 0")
+        if not self.interval >= MIN_INTERVAL:
+            raise UsageError(f"--interval must be at least {MIN_INTERVAL * 1e3:.0f} ms")
         check_codec(self.codec)
         if self.link_bps is not None and not self.link_bps > 0:
             raise UsageError(f"link rate {self.link_bps!r} must be > 0 bit/s")
@@ -379,6 +387,28 @@ async def serve_benches(
         return reports
 
 
+def _tc_error(exc: BaseException) -> str:
+    """What a failed ``ip``/``tc`` command said, or the exception."""
+    if isinstance(exc, subprocess.CalledProcessError):
+        said = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
+        return f"{' '.join(map(str, exc.cmd))}: {said.strip() or f'exit {exc.returncode}'}"
+    return str(exc)
+
+
+def _die_with_parent() -> None:
+    """A child process ends when the bench process does, however that ends (a signal
+    that leaves it no cleanup included): Linux's parent-death signal."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent already ended before this was set
+        os._exit(1)
+
+
 def _enter_netns(name: str) -> None:
     from kvwire.bench.netns import _setns
 
@@ -393,6 +423,7 @@ def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None
     """Child process: a server that receives one bench and reports it."""
     from kvwire.aio import run
 
+    _die_with_parent()
     try:
         if netns is not None:
             _enter_netns(netns)
@@ -439,6 +470,7 @@ def _emulator_main(
             return samples
 
     cpu_used = [0.0]
+    _die_with_parent()
     try:
         samples = asyncio.run(main())
         conn.send(("done", samples, cpu_used[0]))
@@ -454,7 +486,11 @@ def _expect(conn: Connection, what: str, proc: BaseProcess, timeout: float) -> t
             raise KvwireError(f"the {what} process exited (code {proc.exitcode})")
         if time.monotonic() > deadline:
             raise KvwireError(f"the {what} process did not answer within {timeout:.0f} s")
-    msg: tuple[Any, ...] = conn.recv()
+    try:
+        msg: tuple[Any, ...] = conn.recv()
+    except EOFError:  # it ended without a word (killed, or crashed)
+        proc.join(1)
+        raise KvwireError(f"the {what} process exited (code {proc.exitcode})") from None
     if msg[0] == "error":
         raise KvwireError(str(msg[1]))
     return msg
@@ -469,6 +505,9 @@ def _child(target: Callable[..., None], *args: Any) -> Iterator[tuple[BaseProces
     child.close()
     try:
         yield proc, parent
+    except BaseException:  # the run failed or was interrupted: nothing to wait for
+        proc.terminate()
+        raise
     finally:
         proc.join(5)
         if proc.is_alive():
@@ -592,8 +631,10 @@ async def _send_loop(
                 await asyncio.to_thread(set_rate, rate)
 
         tasks = [asyncio.create_task(sample())]
+        reshaping: asyncio.Task[None] | None = None
         if set_rate is not None and len(cfg.steps) > 1:
-            tasks.append(asyncio.create_task(reshape()))
+            reshaping = asyncio.create_task(reshape())
+            tasks.append(reshaping)
         # A transfer still running at the end may finish; one that takes far longer
         # (a cache too big for the link) is abandoned and counted as incomplete.
         hard_stop = start + max(2 * cfg.duration, cfg.duration + 30.0)
@@ -639,6 +680,9 @@ async def _send_loop(
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        if reshaping is not None and not reshaping.cancelled() and (exc := reshaping.exception()) is not None:
+            # the link stayed at its last rate: the report would measure another schedule
+            raise KvwireError(f"--kernel: changing the link's rate failed: {_tc_error(exc)}")
     return res
 
 
@@ -646,6 +690,7 @@ async def _send_loop(
 
 
 def _raw_receiver(conn: Connection, netns: str | None) -> None:
+    _die_with_parent()
     if netns is not None:
         _enter_netns(netns)
     listener = socket.socket()
@@ -674,6 +719,7 @@ def _raw_sender(
     conn: Connection, port: int, model: str, tokens: int, seed: int, seconds: float | None,
     transfers: int | None,
 ) -> None:
+    _die_with_parent()
     layers = bench_cache(get_model(model), tokens, seed)
     views = [memoryview(t.data).cast("B") for pair in layers for t in pair]
     sock = socket.create_connection(("127.0.0.1", port))
@@ -783,8 +829,8 @@ def run_bench(
                     link = stack.enter_context(
                         NetnsLink(rate_bps=cfg.steps[0][1], burst_bytes=burst)
                     )
-                except (NetnsUnavailable, OSError) as exc:
-                    raise KvwireError(f"--kernel: cannot set up the namespaces: {exc}") from exc
+                except (NetnsUnavailable, OSError, subprocess.CalledProcessError) as exc:
+                    raise KvwireError(f"--kernel: cannot set up the link: {_tc_error(exc)}") from exc
                 host = link.receiver_addr
             rproc, rconn = stack.enter_context(
                 _child(_receiver_main, secret, host if link else "127.0.0.1",

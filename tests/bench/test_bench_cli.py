@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -131,3 +132,72 @@ def test_every_option_has_help(command: str) -> None:
     assert missing == []
     text = cmd.format_help()  # renders (a stray % in a help string would raise here)
     assert all(opt in text for a in cmd._actions for opt in a.option_strings)
+
+
+def test_arguments_that_would_crash_or_hang_a_run_are_refused() -> None:
+    for argv, says in ((["--seed", "-1"], "--seed must be >= 0"), (["--interval", "1ns"], "--interval must be at least")):
+        proc = _kvwire("bench", "--model", "tiny", "--duration", "1s", *argv, timeout=60)
+        assert proc.returncode == 2, (argv, proc.stderr)
+        assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_json_into_a_pipe(tmp_path: Path) -> None:
+    """``--json`` naming a pipe (or a device) writes into it, instead of renaming a file
+    over it."""
+    import threading
+
+    fifo = tmp_path / "report.fifo"
+    os.mkfifo(fifo)
+    got: list[str] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    proc = _kvwire("bench", "--model", "tiny", "--tokens", "64", "--duration", "1s", "--no-baseline",
+                   "--quiet", "--json", str(fifo))
+    reader.join(30)
+    assert proc.returncode == 0, proc.stderr
+    assert fifo.is_fifo() and json.loads(got[0])["transfers"] >= 1
+
+
+def test_sigterm_ends_the_run_and_its_processes() -> None:
+    """A run ended by SIGTERM (a supervisor stopping it) cleans up as for Ctrl-C: its
+    child processes end with it, and it exits 143."""
+    import signal
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
+    with subprocess.Popen([sys.executable, "-m", "kvwire", "bench", "--model", "tiny", "--tokens", "256",
+                           "--duration", "20s", "--link", "1gbps"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        children: set[int] = set()
+        try:
+            deadline = time.monotonic() + 60
+            while len(children) < 2 and time.monotonic() < deadline:  # the receiver and the emulator
+                time.sleep(0.2)
+                children = _children(proc.pid)
+            assert len(children) >= 2
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 143
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    deadline = time.monotonic() + 15
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in children)
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            found |= {int(c) for c in (task / "children").read_text().split()}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
