@@ -21,7 +21,7 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer, layer_rows
-from kvwire.sync import Bridge, SyncPeer, SyncServer
+from kvwire.sync import Bridge, ReceiveHandle, SyncPeer, SyncServer
 from kvwire.testing import FaultPlan, FaultProxy, Faults
 from tests.conftest import SECRET, make_layers
 
@@ -197,9 +197,8 @@ def test_closing_a_bridge_whose_loop_is_stuck_releases_its_waiters() -> None:
     import time
 
     bridge = Bridge("stuck")
-    server = SyncServer(secret=SECRET, bridge=bridge)
-    bridge.call_soon(time.sleep, 15)  # the loop is busy for longer than this test waits
-    h = server.expect("never")
+    bridge.call_soon(time.sleep, 2)  # the loop is busy for longer than close() waits for it
+    h = ReceiveHandle(bridge, "never", None)  # as SyncServer.expect() makes it
     seen: list[BaseException] = []
 
     def wait() -> None:
@@ -213,6 +212,8 @@ def test_closing_a_bridge_whose_loop_is_stuck_releases_its_waiters() -> None:
     bridge.close(timeout=0.2)
     waiter.join(10)
     assert not waiter.is_alive() and len(seen) == 1 and isinstance(seen[0], ConnectionLostError)
+    bridge._thread.join(10)  # the loop, unstuck, ends what it still ran
+    assert not bridge._thread.is_alive() and bridge.loop.is_closed()
 
 
 def test_blocking_call_from_the_loop_thread_is_refused() -> None:

@@ -46,7 +46,15 @@ class Bridge:
         try:
             self.loop.run_forever()
         finally:
-            self.loop.close()
+            try:  # what close() could not cancel in time (a loop that was stuck) ends here
+                pending = asyncio.all_tasks(self.loop)
+                for task in pending:
+                    task.cancel()
+                if pending:
+                    self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            finally:
+                self.loop.close()
 
     @property
     def closed(self) -> bool:
