@@ -204,11 +204,14 @@ async def test_write_marks_tell_when_the_streams_no_longer_hold_what_was_queued(
                 await (await receiving).collect(timeout=30)
 
 
-async def test_a_replaced_stream_still_counts_until_its_socket_is_gone() -> None:
+async def test_a_replaced_stream_still_counts_until_its_socket_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream the idle timeout gave up on (its peer stalled) is replaced by a reconnect,
     but its socket stays open while its GOAWAY waits to be written, its send queue still
     holding the caller's buffers: write marks wait for it too, and close() leaves none of
     it holding them."""
+    from kvwire.aio import _stream
+
+    monkeypatch.setattr(_stream, "CLOSE_LINGER", 120.0)  # the old socket stays until close(), however slow the host
     spec = kvwire.KVSpec(num_layers=8, num_kv_heads=8, head_dim=128)
     layers = make_layers(8, 8192, 8, 128)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:

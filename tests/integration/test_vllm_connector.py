@@ -426,11 +426,8 @@ def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
     assert meta.loads == [] and meta.drops == []
 
 
-def test_a_consumer_loads_the_blocks_it_lacks_and_drops_the_rest() -> None:
-    """A consumer worker given a load whose first blocks are DROP and a drop: the load's
-    blocks hold the sent blocks' bytes, no other block changes, and both transfers (the
-    dropped one arrived before the worker named it, the loaded one after) are taken off
-    the server, leaving nothing pending there."""
+def consumer_worker(caches: list[torch.Tensor]) -> tuple[KvwireConnector, PagedSpec]:
+    """A consumer's worker-side connector with ``caches`` registered (its server listening)."""
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
@@ -440,13 +437,30 @@ def test_a_consumer_loads_the_blocks_it_lacks_and_drops_the_rest() -> None:
         cache_config=CacheConfig(block_size=16),
     )
     worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
+    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
+    assert worker.listen_port is not None
+    return worker, PagedSpec.of(caches[0], num_layers=len(LAYERS))
+
+
+def drops_ended(worker: KvwireConnector) -> None:
+    """Step the worker (get_finished) until its drops were let go of, at most 10 s."""
+    for _ in range(200):
+        worker.get_finished(set())
+        if not worker._dropping:
+            return
+        threading.Event().wait(0.05)
+
+
+def test_a_consumer_loads_the_blocks_it_lacks_and_drops_the_rest() -> None:
+    """A consumer worker given a load whose first blocks are DROP and a drop: the load's
+    blocks hold the sent blocks' bytes, no other block changes, and both transfers (the
+    dropped one arrived before the worker named it, the loaded one after) are taken off
+    the server, leaving nothing pending there."""
     gen = torch.Generator().manual_seed(1)
     caches = [torch.randn((64, 2, 16, 64), generator=gen) for _ in LAYERS]
     before = [c.clone() for c in caches]
     src = [torch.randn((64, 2, 16, 64), generator=gen) for _ in LAYERS]
-    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
-    assert worker.listen_port is not None
-    spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+    worker, spec = consumer_worker(caches)
     sent = [5, 9, 2, 30, 17, 8]
 
     def pending() -> int:
@@ -466,11 +480,7 @@ def test_a_consumer_loads_the_blocks_it_lacks_and_drops_the_rest() -> None:
             for name in LAYERS:
                 worker.wait_for_layer_load(name)
             worker.clear_connector_metadata()
-            for _ in range(200):
-                worker.get_finished(set())
-                if not worker._dropping:
-                    break
-                threading.Event().wait(0.05)
+            drops_ended(worker)
         assert not worker._dropping and pending() == 0
         for layer in range(len(LAYERS)):
             for b in range(64):
@@ -485,21 +495,10 @@ def test_requests_that_share_a_name_each_take_a_transfer_of_it() -> None:
     prompt sampled n ways shares its ``kvwire_id``): a drop waiting for its transfer, then
     a load of the same name. Each takes one of the two transfers sent under that name, in
     the order they were named: the load is not refused for the drop waiting before it."""
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
-                                       "kvwire_load_timeout": 30},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
-    worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
     gen = torch.Generator().manual_seed(2)
     caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
     first, second = ([torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS] for _ in range(2))
-    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
-    assert worker.listen_port is not None
-    spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+    worker, spec = consumer_worker(caches)
     try:
         worker.bind_connector_metadata(KvwireConnectorMetadata(drops=[_Move("b", "shared", [DROP] * 3)]))
         worker.start_load_kv(None)  # type: ignore[arg-type]
@@ -513,11 +512,7 @@ def test_requests_that_share_a_name_each_take_a_transfer_of_it() -> None:
                 worker.wait_for_layer_load(name)
             worker.clear_connector_metadata()
             assert worker.get_block_ids_with_load_errors() == set()
-            for _ in range(200):
-                worker.get_finished(set())
-                if not worker._dropping:
-                    break
-                threading.Event().wait(0.05)
+            drops_ended(worker)
         stats = worker.server_statistics()
         assert not worker._dropping and stats is not None and stats["pending_arrivals"] == 0
         for layer in range(len(LAYERS)):  # the load took the second transfer, the drop the first
@@ -530,22 +525,11 @@ def test_a_load_given_up_before_its_transfer_came_drops_the_transfer_when_it_doe
     """A consumer's request finishes (cancelled by its client) before its transfer came:
     the transfer that comes afterwards is taken and dropped, not left on the server until
     the claim timeout, and it writes none of the blocks the request had (vLLM freed them)."""
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
-                                       "kvwire_load_timeout": 30},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
-    worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
     gen = torch.Generator().manual_seed(3)
     caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
     before = [c.clone() for c in caches]
     src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
-    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
-    assert worker.listen_port is not None
-    spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+    worker, spec = consumer_worker(caches)
     try:
         worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "late", [4, 5, 6])]))
         worker.start_load_kv(None)  # type: ignore[arg-type]
@@ -553,11 +537,7 @@ def test_a_load_given_up_before_its_transfer_came_drops_the_transfer_when_it_doe
         worker.get_finished({"c"})  # finished before its transfer came
         with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
             peer.send("late", spec.wire_spec(), PagedSource(spec, src, [0, 1, 2]), timeout=30)
-            for _ in range(200):
-                worker.get_finished(set())
-                if not worker._dropping:
-                    break
-                threading.Event().wait(0.05)
+            drops_ended(worker)
         stats = worker.server_statistics()
         assert not worker._dropping and stats is not None and stats["pending_arrivals"] == 0
         assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))

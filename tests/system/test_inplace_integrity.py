@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,6 +16,20 @@ from tests.wire import test_interop as T
 
 pytestmark = pytest.mark.timeout(30)
 L, H, D, N = 1, 8, 128, 128  # 32 tokens of K = 64 KiB: above the in-place threshold
+
+
+async def _first_tokens(server: kvwire.Server, k: np.ndarray) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any]:
+    """A session of the independent peer that began transfer 1 (one layer) and had K's
+    first 96 tokens acknowledged: its reader, writer and WELCOME."""
+    r, w, wel = await T.open_session(server.port)
+    tx = T.Sender(r, w, credit=wel.window)
+    w.write(T.frame(T.BEGIN, T.begin_body(1, L, H, D, 1, "x", "req", b"")))
+    while 1 not in tx.layer_limit:
+        await tx.pump()
+    await tx.send_chunk(1, 0, 0, 0, 96, N, k[0:96].tobytes())
+    while tx.unacked:
+        await tx.pump()
+    return r, w, wel
 
 
 @pytest.mark.parametrize("field,offset,value", [
@@ -27,14 +42,7 @@ async def test_corrupted_chunk_header_never_overwrites_verified_tokens(field: st
     v = rng.standard_normal((N, H, D)).astype(np.float16)
     async with kvwire.serve(secret=T.SECRET, resume_timeout=5) as server:
         got = asyncio.ensure_future(T._collect(server))
-        r, w, wel = await T.open_session(server.port)
-        tx = T.Sender(r, w, credit=wel.window)
-        w.write(T.frame(T.BEGIN, T.begin_body(1, L, H, D, 1, "x", "req", b"")))
-        while 1 not in tx.layer_limit:
-            await tx.pump()
-        await tx.send_chunk(1, 0, 0, 0, 96, N, k[0:96].tobytes())
-        while tx.unacked:
-            await tx.pump()
+        r, w, wel = await _first_tokens(server, k)
         bad = bytearray(T.chunk_frame(1, 0, 0, 96, 32, N, k[96:128].tobytes()))
         struct.pack_into(">I", bad, offset, value)  # the bit flip in transit
         w.write(bytes(bad))
@@ -77,14 +85,7 @@ async def test_a_replaced_stream_never_writes_the_layer_it_was_reading_into() ->
     v = rng.standard_normal((N, H, D)).astype(np.float16)
     async with kvwire.serve(secret=T.SECRET, resume_timeout=5) as server:
         got = asyncio.ensure_future(T._collect(server))
-        r, w, wel = await T.open_session(server.port)
-        tx = T.Sender(r, w, credit=wel.window)
-        w.write(T.frame(T.BEGIN, T.begin_body(1, L, H, D, 1, "x", "req", b"")))
-        while 1 not in tx.layer_limit:
-            await tx.pump()
-        await tx.send_chunk(1, 0, 0, 0, 96, N, k[0:96].tobytes())
-        while tx.unacked:
-            await tx.pump()
+        _, w, wel = await _first_tokens(server, k)
         stream = await _backed_up(server, w)
         w.write(T.chunk_frame(1, 0, 1, 0, N, N, v.tobytes())[: 8 + 26 + 1000])
         await w.drain()
@@ -122,14 +123,7 @@ async def test_a_closed_stream_whose_peer_reads_nothing_is_dropped(monkeypatch: 
     leased = default_pool().leased_bytes
     async with kvwire.serve(secret=T.SECRET, resume_timeout=0.5, idle_timeout=1.0) as server:
         accepted = asyncio.ensure_future(server.accept())
-        r, w, wel = await T.open_session(server.port)
-        tx = T.Sender(r, w, credit=wel.window)
-        w.write(T.frame(T.BEGIN, T.begin_body(1, L, H, D, 1, "x", "req", b"")))
-        while 1 not in tx.layer_limit:
-            await tx.pump()
-        await tx.send_chunk(1, 0, 0, 0, 96, N, k[0:96].tobytes())
-        while tx.unacked:
-            await tx.pump()
+        _, w, _ = await _first_tokens(server, k)
         await _backed_up(server, w)
         w.write(T.chunk_frame(1, 0, 1, 0, N, N, bytes(N * H * D * 2))[: 8 + 26 + 1000])
         await w.drain()
