@@ -577,7 +577,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     failed = True
                     self._ended.add(req_id)
         for req_id, (marks, since) in list(self._draining.items()):
-            if self._peer is not None and self._peer.written_past(marks):
+            if self._written_past(marks):
                 del self._draining[req_id]
                 self._ended.add(req_id)
             elif now >= since + self._timeout:
@@ -603,6 +603,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return peer.write_marks()
         except KvwireError:
             return None
+
+    def _written_past(self, marks: Any) -> bool:
+        if self._peer is None:
+            return False
+        try:
+            return self._peer.written_past(marks)
+        except KvwireError:  # the loop did not answer: not known to be past them yet
+            return False
 
     def _let_go_of_blocks(self) -> None:
         """After a send that did not end with the receiver's acknowledgement: close the
