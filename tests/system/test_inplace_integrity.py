@@ -68,7 +68,13 @@ async def _backed_up(server: kvwire.Server, w: asyncio.StreamWriter) -> object:
     """Stop reading what the server writes (a stuck peer) until its writes back up; its stream."""
     stream = next(iter(server._by_cid.values()))
     ping = T.frame(T.PING, struct.pack(">Q", 1))
-    while stream._queue is None or stream._queue.pending == 0:
+
+    def waiting() -> int:  # bytes the server could not write yet: in its send queue, or its transport's
+        if stream._queue is not None:
+            return int(stream._queue.pending)
+        return stream.transport.get_write_buffer_size() if stream.transport is not None else 0
+
+    while waiting() == 0:
         w.write(ping * 200)
         await w.drain()
         await asyncio.sleep(0.01)
