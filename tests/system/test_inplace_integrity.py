@@ -18,6 +18,12 @@ pytestmark = pytest.mark.timeout(30)
 L, H, D, N = 1, 8, 128, 128  # 32 tokens of K = 64 KiB: above the in-place threshold
 
 
+def _layer() -> tuple[np.ndarray, np.ndarray]:
+    """The one layer's K and V the transfers here carry."""
+    rng = np.random.default_rng(1)
+    return tuple(rng.standard_normal((N, H, D)).astype(np.float16) for _ in range(2))  # type: ignore[return-value]
+
+
 async def _first_tokens(server: kvwire.Server, k: np.ndarray) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Any]:
     """A session of the independent peer that began transfer 1 (one layer) and had K's
     first 96 tokens acknowledged: its reader, writer and WELCOME."""
@@ -37,9 +43,7 @@ async def _first_tokens(server: kvwire.Server, k: np.ndarray) -> tuple[asyncio.S
     ("layer_tokens", 8 + 20, N + 1024),  # a wrong layer size must not be learnt from it
 ])
 async def test_corrupted_chunk_header_never_overwrites_verified_tokens(field: str, offset: int, value: int) -> None:
-    rng = np.random.default_rng(1)
-    k = rng.standard_normal((N, H, D)).astype(np.float16)
-    v = rng.standard_normal((N, H, D)).astype(np.float16)
+    k, v = _layer()
     async with kvwire.serve(secret=T.SECRET, resume_timeout=5) as server:
         got = asyncio.ensure_future(T._collect(server))
         r, w, wel = await _first_tokens(server, k)
@@ -86,9 +90,7 @@ async def test_a_replaced_stream_never_writes_the_layer_it_was_reading_into() ->
     when the client reconnects its slot: A is replaced, but its socket stays open until
     its GOAWAY is written. B sends V whole and the layer is delivered; the rest of A's
     payload arriving afterwards must not land in the delivered layer."""
-    rng = np.random.default_rng(1)
-    k = rng.standard_normal((N, H, D)).astype(np.float16)
-    v = rng.standard_normal((N, H, D)).astype(np.float16)
+    k, v = _layer()
     async with kvwire.serve(secret=T.SECRET, resume_timeout=5) as server:
         got = asyncio.ensure_future(T._collect(server))
         _, w, wel = await _first_tokens(server, k)
