@@ -72,6 +72,10 @@ class _LeaseRecord:
     keys: list[str] = field(default_factory=list)
 
 
+#: Outdated expiry entries the heap may hold beyond twice the live leases (see _push_expiry).
+_HEAP_SLACK = 64
+
+
 def new_lease_id() -> str:
     """A fresh random lease id (96 bits; collisions are not a practical concern)."""
     return secrets.token_hex(12)
@@ -150,6 +154,16 @@ class RegistryCore:
             heapq.heappop(self._expiries)
         return None
 
+    def _push_expiry(self, at: float, lease_id: str) -> None:
+        """Queue a lease's expiry.  Entries outdated by a renew, a commit or a release stay
+        in the heap until their time; once they outnumber the live leases the heap is
+        rebuilt from those, so it stays within twice their number (plus a constant) however
+        often leases are renewed or committed before they expire."""
+        heapq.heappush(self._expiries, (at, lease_id))
+        if len(self._expiries) > 2 * len(self._leases) + _HEAP_SLACK:
+            self._expiries = [(rec.expires_at, lid) for lid, rec in self._leases.items()]
+            heapq.heapify(self._expiries)
+
     def _drop_lease(self, lease_id: str, rec: _LeaseRecord) -> None:
         for key in rec.keys:
             state = self._blocks.get(key)
@@ -190,7 +204,7 @@ class RegistryCore:
                 started.append(key)
         if started:
             self._leases[lease_id] = _LeaseRecord(owner, expires_at, started)
-            heapq.heappush(self._expiries, (expires_at, lease_id))
+            self._push_expiry(expires_at, lease_id)
         return Lease(
             lease_id=lease_id,
             owner=owner,
@@ -242,7 +256,7 @@ class RegistryCore:
         if rec is None:
             raise LeaseExpiredError(f"lease {lease.lease_id} ({lease.owner}) is no longer live")
         rec.expires_at = now + ttl
-        heapq.heappush(self._expiries, (rec.expires_at, lease.lease_id))
+        self._push_expiry(rec.expires_at, lease.lease_id)
         return replace(lease, ttl=ttl, expires_at=rec.expires_at)
 
     def release(self, lease: Lease, *, now: float) -> None:

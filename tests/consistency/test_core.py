@@ -63,6 +63,24 @@ def test_renew_moves_expiry() -> None:
         core.renew(lease, ttl=1.0, now=5.5)
 
 
+def test_the_expiry_heap_stays_bounded_by_the_live_leases() -> None:
+    """Renewing a lease, or committing leases long before their ttl, leaves outdated expiry
+    entries behind; they must not pile up with the number of calls."""
+    core = RegistryCore()
+    kept = core.begin([0], owner="a", ttl=10.0, now=0.0)
+    now = 0.0
+    for i in range(1, 20_001):
+        now = i * 1e-3
+        kept = core.renew(kept, ttl=10.0, now=now)  # one more entry each time
+        core.commit(core.begin([i], owner="b", ttl=3600.0, now=now), now=now)  # and another
+        assert len(core._expiries) <= 2 * len(core.live_leases(now)) + 64 + 1
+    # expiry is still exact after the rebuilds
+    assert core.next_expiry() == kept.expires_at == now + 10.0
+    assert core.begin([0], owner="c", ttl=1.0, now=kept.expires_at - 1e-6).busy == (0,)
+    assert core.expire(kept.expires_at) == [kept.lease_id]
+    assert core.next_expiry() is None
+
+
 def test_versions_unique_and_growing() -> None:
     core = RegistryCore()
     seen: list[int] = []
