@@ -56,9 +56,14 @@ _LEASE_GRACE_MS = 1000
 _POLL_S = 0.2
 
 
-async def _guard(what: str, awaitable: Awaitable[T]) -> T:
+async def _guard(what: str, awaitable: Awaitable[T], timeout: float) -> T:
+    """``awaitable``'s result; Redis unreachable, failing or silent for ``timeout`` seconds
+    is a :class:`RegistryUnavailableError`.  The bound is kept here as well as on the
+    socket: a client the caller wrapped may have no ``socket_timeout`` at all."""
     try:
-        return await awaitable
+        return await asyncio.wait_for(awaitable, timeout)
+    except TimeoutError as exc:
+        raise RegistryUnavailableError(f"redis registry: {what}: no reply within {timeout:g} s") from exc
     except (RedisError, OSError) as exc:
         raise RegistryUnavailableError(f"redis registry: {what} failed: {exc}") from exc
 
@@ -96,7 +101,7 @@ class RedisWatcher:
         self._registry._watchers.add(self)
         channel = self._registry.layout.channel
         try:
-            await pubsub.subscribe(channel)
+            await asyncio.wait_for(pubsub.subscribe(channel), self._registry.timeout)
             # Wait for the server's confirmation, so changes made after this returns are
             # delivered (SUBSCRIBE and a later PUBLISH travel on different connections).
             while True:
@@ -105,9 +110,9 @@ class RedisWatcher:
                     raise RegistryUnavailableError("redis registry: no SUBSCRIBE confirmation")
                 if msg.get("type") == "subscribe":
                     break
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError) as exc:  # TimeoutError among them
             await self.aclose()
-            raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc}") from exc
+            raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc!r}") from exc
         except BaseException:
             await self.aclose()
             raise
@@ -168,7 +173,11 @@ class RedisWatcher:
 
 
 class RedisRegistry:
-    """The registry on Redis. Create with :meth:`connect` (or wrap an existing client)."""
+    """The registry on Redis. Create with :meth:`connect` (or wrap an existing client).
+
+    A wrapped client may decode replies or not; ``timeout`` (seconds) bounds every call
+    whatever the client's own socket timeouts.
+    """
 
     def __init__(
         self,
@@ -211,7 +220,7 @@ class RedisRegistry:
         )
         registry = cls(client, namespace=namespace, owns_client=True, timeout=timeout)
         try:
-            await _guard(f"connecting to {url}", client.ping())
+            await _guard(f"connecting to {url}", client.ping(), timeout)
         except BaseException:
             await registry.close()
             raise
@@ -239,6 +248,7 @@ class RedisRegistry:
                 keys=[self.layout.lease(lease_id), *(self.layout.block(k) for k in keys)],
                 args=[lease_id, ttl_us, px],
             ),
+            self.timeout,
         )
         started: list[BlockId] = []
         busy: list[BlockId] = []
@@ -277,6 +287,7 @@ class RedisRegistry:
                 keys=[self.layout.lease(lease.lease_id), self.layout.seq, *rkeys],
                 args=[lease.lease_id, self.layout.channel, *keys],
             ),
+            self.timeout,
         )
         status = int(reply[0])
         if status == -1:
@@ -301,6 +312,7 @@ class RedisRegistry:
                 keys=[self.layout.lease(lease.lease_id), *rkeys],
                 args=[lease.lease_id, ttl_us, px],
             ),
+            self.timeout,
         )
         if int(reply) < 0:
             raise LeaseExpiredError(f"lease {lease.lease_id} ({lease.owner}) is no longer live")
@@ -322,6 +334,7 @@ class RedisRegistry:
         await _guard(
             "release",
             self._release(keys=[self.layout.lease(lease.lease_id), *rkeys], args=[lease.lease_id]),
+            self.timeout,
         )
 
     async def _read(self, keys: Sequence[str]) -> list[tuple[int, bool]]:
@@ -331,8 +344,8 @@ class RedisRegistry:
         async with self.client.pipeline(transaction=True) as pipe:
             for key in keys:
                 pipe.hmget(self.layout.block(key), "v", "c")
-            replies = await _guard("read", pipe.execute())
-        return [(int(v) if v is not None else 0, c == b"1") for v, c in replies]
+            replies = await _guard("read", pipe.execute(), self.timeout)
+        return [(int(v) if v is not None else 0, c is not None and _decode(c) == "1") for v, c in replies]
 
     async def lookup(self, blocks: Iterable[BlockLike]) -> list[VersionedBlock]:
         self._live()
@@ -360,6 +373,7 @@ class RedisRegistry:
                 keys=[self.layout.seq, *(self.layout.block(k) for k in keys)],
                 args=[self.layout.channel, *keys],
             ),
+            self.timeout,
         )
         return [(block_from_key(k), int(v)) for k, v in zip(keys, reply, strict=True)]
 
@@ -404,6 +418,7 @@ class RedisRegistry:
             self._publish(
                 keys=[self.layout.seq, *(self.layout.block(k) for k, _ in items)], args=args
             ),
+            self.timeout,
         )
         return [block_from_key(items[int(i) - 1][0]) for i in reply]
 

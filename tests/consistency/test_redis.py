@@ -127,3 +127,55 @@ def test_many_processes_no_lost_update(redis_server: RedisServer) -> None:
                 assert state[0][0] == max(versions), "the last update was lost"
 
     asyncio.run(final())
+
+
+async def test_a_wrapped_client_that_decodes_replies_works_alike(redis_server: RedisServer) -> None:
+    """A client made with ``decode_responses=True`` answers str where kvwire's own answers
+    bytes: a committed block must still read as complete."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_server.url, decode_responses=True)
+    reg = RedisRegistry(client, namespace=f"dec-{uuid.uuid4().hex}")
+    try:
+        lease = await reg.begin([b"a", b"b"], owner="p")
+        assert lease.started == (b"a", b"b")
+        committed = await reg.commit(lease)
+        assert await reg.lookup([b"a", b"b"]) == committed
+        [(_, va), (_, vb)] = committed
+        await reg.check(b"a", va)
+        assert await reg.check_many([(b"a", va), (b"b", vb - 1)]) == [b"b"]
+        assert await reg.superseded([(b"a", va)]) == []
+        assert (await reg.begin([b"a"], owner="q")).complete == ((b"a", va),)
+        async with reg.watch() as watcher:
+            v2 = await reg.invalidate(b"a")
+            assert await asyncio.wait_for(anext(watcher), 10) == (b"a", v2)
+    finally:
+        await reg.close()
+        await client.aclose()
+
+
+async def test_a_wrapped_client_without_socket_timeout_does_not_hang(redis_binary: str, tmp_path: Path) -> None:
+    """A Redis that accepts but never answers (here: stopped) fails each call within the
+    registry's ``timeout``, even when the wrapped client itself would wait forever."""
+    import signal
+
+    import redis.asyncio as aioredis
+
+    server = start_redis(redis_binary, tmp_path)
+    client = aioredis.from_url(server.url, socket_timeout=None)  # waits forever on its own
+    reg = RedisRegistry(client, namespace="silent", timeout=0.5)
+    try:
+        [(_, v)] = await reg.commit(await reg.begin([1], owner="a"))
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            for op in (reg.check(1, v), reg.begin([2], owner="a"), reg.invalidate(1), reg.publish([(1, v + 1)])):
+                with pytest.raises(RegistryUnavailableError, match="no reply within"):
+                    await asyncio.wait_for(op, 10)
+            with pytest.raises(RegistryUnavailableError):
+                await asyncio.wait_for(reg.watch().__aenter__(), 10)
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+    finally:
+        await reg.close()
+        await client.aclose()
+        server.stop()
