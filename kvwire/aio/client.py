@@ -476,7 +476,7 @@ class Peer(Pump):
                     "rtt_ms": info.rtt_us / 1e3 if info.rtt_us is not None else None,
                     "delivery_rate_gbps": info.delivery_rate * 8 / 1e9 if info.delivery_rate is not None else None,
                     "cwnd": info.snd_cwnd, "total_retrans": info.total_retrans, "dsack_dups": info.dsack_dups,
-                    "notsent_bytes": info.notsent_bytes,
+                    "notsent_bytes": info.notsent_bytes, "bytes_acked": info.bytes_acked,
                 }
             streams.append(entry)
         return {

@@ -74,6 +74,9 @@ META_KEY = "kvwire_bench"
 #: A lossy layer's relative error is measured over this share of its tokens (see BenchReceiver).
 CHECK_PARTS = 8
 
+#: The run's closing message waits behind whatever the sender still holds of an abandoned
+#: transfer, minutes on a slow link; it fails only once nothing moved for this long (s).
+END_STALL = 30.0
 _READY_TIMEOUT = 60.0  # spawning a child imports numpy and kvwire: seconds on a slow box
 
 
@@ -550,6 +553,32 @@ def _tcp_count(stats: dict[str, Any], counter: str = "total_retrans") -> int | N
     return sum(counts) if counts else None
 
 
+def _moved(peer: Any) -> tuple[int, int | None]:
+    """What shows the sender's bytes moving: chunks sent, and the bytes TCP had
+    acknowledged on the session's streams (None where TCP_INFO does not say)."""
+    return peer.bytes_sent, _tcp_count(peer.statistics(), "bytes_acked")
+
+
+async def _send_end(peer: Any, request_id: str, spec: KVSpec, layers: Any, meta: dict[str, Any]) -> None:
+    """Send the run's closing message.  On a slow link it may queue behind minutes of an
+    abandoned transfer's bytes, so it has no deadline of its own: it fails once nothing
+    moved for :data:`END_STALL` seconds."""
+    send = asyncio.ensure_future(peer.send(request_id, spec, layers, meta=meta, timeout=None))
+    try:
+        moved, since = _moved(peer), time.monotonic()
+        while not send.done():
+            await asyncio.wait({send}, timeout=min(1.0, END_STALL))
+            now_moved = _moved(peer)
+            if now_moved != moved:
+                moved, since = now_moved, time.monotonic()
+            elif time.monotonic() - since >= END_STALL and not send.done():
+                raise KvwireError(f"the run's end did not reach the receiver: nothing moved for {END_STALL:.0f} s")
+        send.result()
+    finally:
+        send.cancel()
+        await asyncio.gather(send, return_exceptions=True)
+
+
 async def _send_loop(
     cfg: BenchConfig, host: str, port: int, secret: bytes, bench_id: str, t0: float | None,
     on_progress: Progress | None, set_rate: Callable[[float], None] | None = None,
@@ -675,7 +704,7 @@ async def _send_loop(
             if dup0 is not None and dup1 is not None:
                 res.spurious_retransmits = max(0, dup1 - dup0)
             end_meta = {META_KEY: {"id": bench_id, "seed": cfg.seed, "end": True}}
-            await peer.send(f"{bench_id}-end", spec, end_layers, meta=end_meta, timeout=30.0)
+            await _send_end(peer, f"{bench_id}-end", spec, end_layers, end_meta)
         finally:
             for task in tasks:
                 task.cancel()

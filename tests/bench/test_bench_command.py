@@ -233,3 +233,39 @@ def test_kernel_shaped_link(tmp_path: Path) -> None:
     doc = _bench(tmp_path, "--kernel", "--link-schedule", "0s:400mbps,0.5s:200mbps", "--tokens", "512")
     assert doc["mode"] == "kernel" and 0.2 <= doc["link_gbps"] <= 0.4
     assert 0 < doc["utilization"] <= 1.1 and doc["max_rel_error"] == 0.0
+
+
+class _SlowPeer:
+    """A peer whose ``send`` ends after ``moves`` ticks, its counters moving (or not)."""
+
+    def __init__(self, moves: int, moving: bool) -> None:
+        self.bytes_sent, self.moves, self.moving, self.timeouts = 0, moves, moving, []
+
+    def statistics(self) -> dict[str, Any]:
+        return {"streams": []}
+
+    async def send(self, request_id: str, spec: Any, layers: Any, *, meta: Any, timeout: float | None) -> None:
+        import asyncio
+
+        self.timeouts.append(timeout)
+        for _ in range(self.moves):
+            await asyncio.sleep(0.02)
+            if self.moving:
+                self.bytes_sent += 1
+
+
+def test_the_runs_end_waits_while_bytes_move_and_fails_once_they_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The closing message may queue behind minutes of an abandoned transfer's bytes on a
+    slow link: no deadline while they move, an error once nothing moves."""
+    import asyncio
+
+    from kvwire.bench import runner
+    from kvwire.errors import KvwireError
+
+    monkeypatch.setattr(runner, "END_STALL", 0.5)
+    moving = _SlowPeer(moves=40, moving=True)  # 0.8 s of moving bytes, longer than END_STALL
+    asyncio.run(runner._send_end(moving, "end", None, None, {}))
+    assert moving.timeouts == [None] and moving.bytes_sent == 40
+    stuck = _SlowPeer(moves=10_000, moving=False)
+    with pytest.raises(KvwireError, match="nothing moved"):
+        asyncio.run(runner._send_end(stuck, "end", None, None, {}))
