@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +44,13 @@ class TraceRequest:
 
 def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequest, ...]:
     """Read a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
-    ``output_length``, ``hash_ids``), sorted by arrival. A ``.gz`` file is decompressed."""
+    ``output_length``, ``hash_ids``), sorted by arrival. A ``.gz`` file (any case) is decompressed.
+    Timestamps must be finite and lengths >= 0; a bad record is reported by path and line."""
     out: list[TraceRequest] = []
     try:
         with (
             gzip.open(path, "rt", encoding="utf-8")
-            if str(path).endswith(".gz")
+            if str(path).lower().endswith(".gz")
             else open(path, encoding="utf-8")
         ) as f:
             for lineno, line in enumerate(f, 1):
@@ -56,19 +58,23 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
                     continue
                 try:
                     obj = json.loads(line)
-                    out.append(
-                        TraceRequest(
-                            arrival_s=float(obj["timestamp"]) / 1000.0,
-                            input_length=int(obj["input_length"]),
-                            output_length=int(obj["output_length"]),
-                            hash_ids=tuple(int(h) for h in obj.get("hash_ids", ())),
-                        )
+                    req = TraceRequest(
+                        arrival_s=float(obj["timestamp"]) / 1000.0,
+                        input_length=int(obj["input_length"]),
+                        output_length=int(obj["output_length"]),
+                        hash_ids=tuple(int(h) for h in obj.get("hash_ids", ())),
                     )
-                except (KeyError, TypeError, ValueError) as exc:
+                except (KeyError, TypeError, ValueError, OverflowError) as exc:
                     raise UsageError(f"{path}:{lineno}: not a trace record ({exc})") from None
+                if not math.isfinite(req.arrival_s):
+                    raise UsageError(f"{path}:{lineno}: timestamp must be a finite number")
+                if req.input_length < 0 or req.output_length < 0:
+                    raise UsageError(f"{path}:{lineno}: input_length and output_length must be >= 0")
+                out.append(req)
                 if limit is not None and len(out) >= limit:
                     break
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
+    except (OSError, EOFError, UnicodeDecodeError, zlib.error) as exc:
+        # zlib.error: a .gz file whose compressed data is corrupt (not an OSError).
         raise UsageError(f"cannot read trace {path}: {exc}") from None
     if not out:
         raise UsageError(f"trace {path} holds no requests")

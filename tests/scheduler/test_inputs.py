@@ -1,0 +1,70 @@
+"""Inputs the scheduler reads (traces, profiles) are checked, and bad ones are usage
+errors that say where, not tracebacks."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from kvwire.errors import UsageError
+from kvwire.scheduler.workload import load_trace
+
+
+def _record(i: int, **over: object) -> dict[str, object]:
+    rec: dict[str, object] = {
+        "timestamp": 100 * i,
+        "input_length": 4000,
+        "output_length": 50,
+        "hash_ids": [i],
+    }
+    rec.update(over)
+    return rec
+
+
+def _write_trace(path: Path, bad: dict[str, object]) -> None:
+    lines = [json.dumps(_record(0)), json.dumps(_record(1)), json.dumps(_record(2, **bad))]
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"output_length": -100000},
+        {"input_length": -5},
+        {"timestamp": float("nan")},
+        {"timestamp": float("inf")},
+        {"timestamp": float("-inf")},
+    ],
+)
+def test_trace_rejects_values_a_request_cannot_have(tmp_path: Path, bad: dict[str, object]) -> None:
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, bad)  # json.dumps writes NaN / Infinity, which json.loads reads back
+    with pytest.raises(UsageError, match=rf"{path}:3:"):
+        load_trace(path)
+
+
+def test_trace_accepts_zero_lengths(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, {"input_length": 0, "output_length": 0})
+    assert load_trace(path)[-1].input_length == 0
+
+
+def test_corrupt_gzip_trace_is_a_usage_error(tmp_path: Path) -> None:
+    raw = bytearray(gzip.compress(b"".join(
+        json.dumps(_record(i, input_length=1000 + 37 * i)).encode() + b"\n" for i in range(2000)
+    )))
+    raw[40] ^= 0xFF  # inside the deflate stream: zlib.error, not OSError
+    raw[41] ^= 0x55
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(UsageError, match="cannot read trace"):
+        load_trace(path)
+
+
+def test_gzip_trace_with_an_upper_case_suffix(tmp_path: Path) -> None:
+    path = tmp_path / "T.JSONL.GZ"
+    path.write_bytes(gzip.compress(json.dumps(_record(0)).encode() + b"\n"))
+    assert len(load_trace(path)) == 1
