@@ -28,6 +28,7 @@ User profiles are JSON or TOML files::
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import dataclass
 from importlib import resources
@@ -86,6 +87,13 @@ class ModelProfile:
         n = len(self.tokens)
         if n == 0 or len(self.kv_bytes) != n or len(self.prefill_s) != n:
             raise UsageError(f"profile {self.name!r}: tokens, kv_bytes, prefill_s lengths differ")
+        for field_name, values in (
+            ("tokens", self.tokens),
+            ("kv_bytes", self.kv_bytes),
+            ("prefill_s", self.prefill_s),
+        ):
+            if not all(math.isfinite(v) for v in values):
+                raise UsageError(f"profile {self.name!r}: {field_name} must be finite numbers")
         if any(b <= a for a, b in zip(self.tokens, self.tokens[1:], strict=False)):
             raise UsageError(f"profile {self.name!r}: tokens must be strictly increasing")
         if self.tokens[0] <= 0:
@@ -214,7 +222,10 @@ def load_profile(source: str | Path) -> ModelProfile:
         raise UsageError(
             f"profile {str(source)!r} is neither a file nor a built-in ({', '.join(BUILTIN_PROFILES)})"
         )
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read profile {path}: {exc}") from None
     try:
         data: Any = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvwire.errors import UsageError
+from kvwire.scheduler.profile import ModelProfile, load_profile
 from kvwire.scheduler.workload import load_trace
 
 
@@ -68,3 +69,40 @@ def test_gzip_trace_with_an_upper_case_suffix(tmp_path: Path) -> None:
     path = tmp_path / "T.JSONL.GZ"
     path.write_bytes(gzip.compress(json.dumps(_record(0)).encode() + b"\n"))
     assert len(load_trace(path)) == 1
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "prefill_s=[0.4, inf]",
+        "prefill_s=[0.4, nan]",
+        "kv_bytes=[2e8, nan]",
+        "tokens=[1024, inf]",
+    ],
+)
+def test_profile_values_must_be_finite(tmp_path: Path, line: str) -> None:
+    fields = {"tokens": "tokens=[1024, 8192]", "kv_bytes": "kv_bytes=[2e8, 3e8]",
+              "prefill_s": "prefill_s=[0.4, 0.7]"}
+    fields[line.split("=")[0]] = line
+    path = tmp_path / "p.toml"
+    path.write_text('name="x"\n' + "\n".join(fields.values()) + "\n")
+    with pytest.raises(UsageError, match="finite"):
+        load_profile(path)
+
+
+def test_profile_json_nan_is_rejected() -> None:
+    data = {"tokens": [1024, 8192], "kv_bytes": [2e8, 3e8], "prefill_s": [0.4, float("nan")]}
+    with pytest.raises(UsageError, match="finite"):
+        ModelProfile.from_dict(data)
+
+
+def test_unreadable_profile_is_a_usage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "p.json"
+    path.write_text("{}")
+
+    def refuse(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)  # chmod does not stop root
+    with pytest.raises(UsageError, match="cannot read profile"):
+        load_profile(path)
