@@ -782,6 +782,10 @@ class ReceiverCore:
         self._note(_CONN, cid)
 
     def _on_authenticated(self, conn: Connection, ev: ClientAuthenticated) -> None:
+        if conn.state is not State.SERVER_AUTHENTICATED:
+            # The connection failed after its AUTH, on a frame read with it (a client must
+            # wait for WELCOME): it opens no session and replaces no stream.
+            return
         fps = self.config.fingerprints
         if ev.fingerprint != NO_FINGERPRINT and fps and ev.fingerprint not in fps:
             conn.refuse(ErrorCode.INCOMPATIBLE_SPEC, "this server does not accept that KV layout")

@@ -46,7 +46,7 @@ from kvwire.wire import (
     TransferReset,
     chunk_frame_size,
 )
-from kvwire.wire.frames import BlockVersion
+from kvwire.wire.frames import BlockVersion, FrameType, Ping, frame_bytes
 
 SECRET = b"receiver-core-secret"
 HEADS, HEAD_DIM = 2, 4
@@ -599,6 +599,58 @@ def test_a_reconnected_stream_resumes_its_session() -> None:
         h.events.append(ev)
     assert h.of(StreamResumed) and h.core.counters["resumes"] == 1
     assert h.core.sessions == 1
+
+
+def _join_with_a_frame_behind_auth(core: ReceiverCore, cid: int, now: float, sid: bytes = bytes(16)) -> Connection:
+    """A client that writes a PING in the same read as its AUTH (before WELCOME)."""
+    core.connection_made(cid, now)
+    client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=sid, stream_index=0), now=now)
+    client.initiate()
+    for _ in range(4):
+        data = b"".join(bytes(part) for part in client.data_to_send())
+        if data[:1] == bytes([FrameType.AUTH]):
+            data += frame_bytes(Ping(opaque=1))
+        core.receive_data(cid, data, now)
+        data = core.data_to_send(cid)
+        if data:
+            client.receive_data(data, now)
+    return client
+
+
+def test_a_connection_failing_right_after_auth_opens_no_session() -> None:
+    """A frame read with AUTH fails the connection; it must not leave behind a session
+    with no stream (never lost, never removed), or a few such connections fill
+    max_sessions for good."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_sessions=2, resume_timeout=1.0))
+    for cid in (2, 3, 4):
+        client = _join_with_a_frame_behind_auth(h.core, cid, h.now)
+        assert client.state is not State.OPEN
+        [closed] = [e for e in iter(client.next_event, None) if isinstance(e, ConnectionClosed)]
+        assert closed.code == ErrorCode.PROTOCOL_ERROR
+        h.core.forget(cid)
+    assert h.core.sessions == 1  # the harness's own
+    h.core.connection_made(5, h.now)
+    ok = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET), now=h.now)
+    ok.initiate()
+    for _ in range(4):
+        for part in ok.data_to_send():
+            h.core.receive_data(5, bytes(part), h.now)
+        data = h.core.data_to_send(5)
+        if data:
+            ok.receive_data(data, h.now)
+    assert ok.state is State.OPEN and h.core.sessions == 2
+
+
+def test_a_join_failing_right_after_auth_leaves_the_live_stream_alone() -> None:
+    h = Harness(ReceiverConfig(secret=SECRET, resume_timeout=1.0))
+    h.client.send_begin(begin())
+    h.pump()
+    _join_with_a_frame_behind_auth(h.core, 2, h.now, sid=h.client.session_id)
+    h.core.forget(2)
+    h.pump()
+    assert not h.client_of(ConnectionClosed) and h.client.state is State.OPEN
+    h.send(chunk(layer=0, kind=0))  # the transfer goes on over the stream it had
+    assert h.client_of(ChunkAcked)
 
 
 def test_a_bug_in_a_hook_closes_the_connection_with_internal_error_and_is_reported() -> None:
