@@ -1,4 +1,8 @@
-"""A prefix cache over fixed-size KV blocks, evicting the least recently used block."""
+"""A prefix cache over fixed-size KV blocks, evicting the least recently used block.
+
+The blocks of one prefix are refreshed last block first, so the first block is the most
+recently used of them and eviction takes a prefix from its end: a partly evicted prefix
+keeps the leading blocks that are still of use."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ class PrefixCache:
     """LRU over block ids; a hit is the longest run of leading blocks present.
 
     Only a *complete* prefix is reusable: KV of block ``i`` depends on every token before
-    it, so a present block after a missing one is of no use.
+    it, so a present block after a missing one is of no use. A lookup or insert refreshes
+    a prefix's blocks from the last to the first, so of one prefix the tail is evicted
+    before the head (and a prompt longer than the cache keeps its first blocks).
     """
 
     __slots__ = ("_blocks", "capacity_blocks", "evictions")
@@ -41,13 +47,11 @@ class PrefixCache:
         return hit
 
     def lookup(self, hash_ids: Sequence[int]) -> int:
-        """Number of leading blocks present; they become most recently used."""
-        hit = 0
-        for h in hash_ids:
-            if h not in self._blocks:
-                break
+        """Number of leading blocks present; they become most recently used, the first
+        block most of all."""
+        hit = self.peek(hash_ids)
+        for h in reversed(hash_ids[:hit]):
             self._blocks.move_to_end(h)
-            hit += 1
         return hit
 
     def insert(self, hash_ids: Sequence[int]) -> None:
@@ -55,7 +59,7 @@ class PrefixCache:
         if self.capacity_blocks == 0:
             return
         blocks = self._blocks
-        for h in hash_ids:
+        for h in reversed(hash_ids):
             if h in blocks:
                 blocks.move_to_end(h)
             else:

@@ -195,12 +195,12 @@ def test_finite_lru_cache_evicts_the_least_recently_used() -> None:
     big = simulate(trace, config(local_cache_blocks=4), PolicyName.LOCAL)
     assert small.cache_hit_ratio == 0.0
     assert big.cache_hit_ratio == pytest.approx(1024 / 3072)
-    # Eviction is per block, least recently used first: after A and B (both 1,2) the
-    # order is 1, 2; C inserts 3 and evicts only block 1, so D=(1,2) misses at its first
-    # block and a present block 2 after a missing one is of no use.
+    # Eviction is per block, least recently used first, and a prefix's blocks are
+    # refreshed last first: after A and B (both 1,2) block 2 is the least recent; C
+    # inserts 3 and evicts only block 2, so D=(1,2) still hits its first block.
     trace2 = [req(0.0, (1, 2)), req(20.0, (1, 2)), req(40.0, (3,)), req(60.0, (1, 2))]
     r = simulate(trace2, config(local_cache_blocks=2), PolicyName.LOCAL)
-    assert r.cache_hit_ratio == pytest.approx(1024 / (1024 * 3 + 512))
+    assert r.cache_hit_ratio == pytest.approx((1024 + 512) / (1024 * 3 + 512))
 
 
 def test_profile_sets_the_cache_size() -> None:

@@ -54,9 +54,32 @@ def test_lru_prefix_cache() -> None:
     c.insert([1, 2, 3])
     assert c.lookup([1, 2, 3, 4]) == 3
     assert c.lookup([9, 2, 3]) == 0  # blocks after a miss are of no use
-    c.insert([7, 8])  # evicts the least recently used (1)
-    assert c.lookup([1, 2]) == 0 and len(c) == 4 and c.evictions == 1
+    c.insert([7, 8])  # evicts the least recently used prefix from its end (block 3)
+    assert len(c) == 4 and c.evictions == 1 and 3 not in c
+    assert c.lookup([1, 2, 3]) == 2
     assert PrefixCache(0).lookup([1]) == 0
+
+
+def test_lru_evicts_a_prefix_from_its_end() -> None:
+    # A partly evicted prefix keeps its head (still reusable), not its tail (of no use
+    # without the head).
+    c = PrefixCache(4)
+    c.insert([10, 11, 12])
+    c.insert([20, 21])
+    assert c.peek([10, 11, 12]) == 2 and c.peek([20, 21]) == 2
+    # After a lookup too: the looked-up prefix's head is the most recently used block.
+    c = PrefixCache(3)
+    c.insert([1, 2])
+    c.insert([5])
+    assert c.lookup([1, 2]) == 2
+    c.insert([6, 7])  # two of 1, 2, 5 go: 5 (least recent), then 2 (the tail of 1, 2)
+    assert c.peek([1, 2]) == 1 and c.peek([6, 7]) == 2 and 5 not in c
+
+
+def test_prompt_longer_than_the_cache_keeps_its_first_blocks() -> None:
+    c = PrefixCache(4)
+    c.insert([1, 2, 3, 4, 5, 6])
+    assert c.peek([1, 2, 3, 4, 5, 6]) == 4 and c.evictions == 2
 
 
 def test_link_schedule_integrates_rate() -> None:
