@@ -201,6 +201,12 @@ class LayerStore:
     def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> Region | None:
         return None
 
+    def footprint(self, nbytes: int) -> int:
+        """The memory a layer of ``nbytes`` takes once allocated: what ``max_buffer_bytes``
+        and ``transfer_buffer_bytes`` count.  A store allocating in coarser units (a pool's
+        smallest buffer) says so here, or tiny layers would hold far more than is counted."""
+        return nbytes
+
     def opened(self, key: Key, spec: KVSpec) -> None:
         """A transfer was accepted: its layers of ``spec`` may be allocated from now on."""
 
@@ -1061,7 +1067,7 @@ class ReceiverCore:
             raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {name!r} is not accepted here")
         layer_bytes = 2 * chunk.layer_tokens * t.bpt
         if first:  # as many layers as transfer_buffer_bytes holds, at least one
-            t.window = max(1, self.config.transfer_buffer_bytes // max(1, layer_bytes))
+            t.window = max(1, self.config.transfer_buffer_bytes // max(1, self._store.footprint(layer_bytes)))
             self._grant(t, t.taken + t.window)
         return layer_bytes
 
@@ -1110,7 +1116,7 @@ class ReceiverCore:
         """The buffer of ``chunk``'s layer, allocated on its first chunk within the budget."""
         if chunk.layer in t.buffers:
             return t.buffers[chunk.layer]
-        cost = 0 if t.external else layer_bytes
+        cost = 0 if t.external else self._store.footprint(layer_bytes)
         limit = self.config.max_buffer_bytes
         if cost and self.buffered_bytes + cost > limit:
             if count:

@@ -257,6 +257,34 @@ def test_a_chunk_past_the_buffer_budget_fails_and_counts_a_refusal() -> None:
     assert h.core.buffered_bytes == 0
 
 
+def test_the_budget_counts_what_the_store_allocates_for_a_layer() -> None:
+    """A store whose smallest buffer is 64 KiB: layers of a few bytes each must be counted
+    at 64 KiB, or a transfer of many tiny layers holds thousands of times the budget."""
+
+    class Coarse(ByteStore):
+        def footprint(self, nbytes: int) -> int:
+            return max(nbytes, 64 * 1024)
+
+    cfg = ReceiverConfig(secret=SECRET, max_buffer_bytes=1 << 20, transfer_buffer_bytes=256 << 20)
+    h = Harness(cfg, store=Coarse())
+    h.client.send_begin(begin(layers=40))
+    h.pump()
+    for layer in range(40):
+        h.send(chunk(layer=layer, kind=0, count=1, tokens=1))
+        if h.of(TransferFailed):
+            break
+    [failed] = h.of(TransferFailed)
+    assert failed.error.code == ErrorCode.LIMIT_EXCEEDED
+    assert layer == 16  # 16 layers of 64 KiB fill the 1 MiB budget
+    assert h.core.counters["buffer_budget_refusals"] == 1 and h.core.buffered_bytes == 0
+    # and a transfer's window is counted the same way
+    h2 = Harness(replace(cfg, transfer_buffer_bytes=256 * 1024), store=Coarse())
+    h2.client.send_begin(begin(layers=40))
+    h2.pump()
+    h2.send(chunk(layer=0, kind=0, count=1, tokens=1))
+    assert h2.client_of(CreditGranted)[-1].layer_limit == 4
+
+
 def test_attach_grants_every_layer_and_keeps_them_out_of_the_budget() -> None:
     h = Harness()
     h.client.send_begin(begin(layers=4))
