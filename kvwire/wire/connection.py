@@ -731,6 +731,10 @@ class Connection:
             raise AuthenticationError("server failed to prove the shared secret")
         if not MIN_MAX_FRAME_SIZE <= frame.max_frame_size <= MAX_MAX_FRAME_SIZE:
             raise ProtocolError("WELCOME max_frame_size out of range")
+        if frame.window < frame.max_frame_size:
+            # A CHUNK as large as the server accepts would never fit: the client would wait
+            # for credit forever.
+            raise ProtocolError("WELCOME window smaller than its max_frame_size")
         self.session_id = frame.session_id
         self.peer_codecs = frame.codecs
         self.peer_max_frame_size = frame.max_frame_size

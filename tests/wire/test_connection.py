@@ -96,6 +96,22 @@ def test_server_that_does_not_know_the_secret_is_caught_by_the_client() -> None:
     assert isinstance(closed.error, AuthenticationError)
 
 
+def test_a_welcome_window_smaller_than_its_max_frame_size_is_refused() -> None:
+    """A server (not kvwire's, whose config refuses it) granting less credit than the frames
+    it accepts: a chunk of that size could never be sent, and the client would wait for
+    credit forever.  The client refuses the WELCOME instead."""
+    scfg = ConnectionConfig(secret=b"test-secret", max_frame_size=1 << 20, window=1 << 20)
+    object.__setattr__(scfg, "window", 1 << 16)  # past the config's own check
+    pair = MemoryPair.create(server_config=scfg)
+    pair.client.initiate()
+    pair.pump()
+    pair.server.welcome(b"S" * 16, ("raw",))
+    cev, _ = pair.pump()
+    [closed] = [e for e in cev if isinstance(e, ConnectionClosed)]
+    assert closed.code == ErrorCode.PROTOCOL_ERROR and "window" in str(closed.error)
+    assert pair.client.state is State.CLOSED
+
+
 def test_replayed_auth_is_refused() -> None:
     first = MemoryPair.create()
     first.client.initiate()
