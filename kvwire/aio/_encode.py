@@ -8,6 +8,7 @@ measured encode speed and size to the ``auto`` codec chooser when there is one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections import deque
@@ -171,29 +172,35 @@ async def device_chunks(
     pinned host memory overlapped with sending.
 
     ``raw`` (and ``raw+...``) has no kernel: the chunks are copied to the host as they are.
+    Closing this iterator closes the copies' iterator at once (its pinned buffers, events
+    and device buffers released before ``aclose()`` returns).
     """
     from kvwire.aio import _gpu
 
     if raw_based(codec.name):
-        async for start, count, host in _gpu.copy_raw_chunks(x, plan):
-            if dtype == "bfloat16":
-                host = host.view(numpy_dtype("bfloat16"))
-            yield kind, start, count, codec, await encode(codec, host, kind, chooser)
+        async with contextlib.aclosing(_gpu.copy_raw_chunks(x, plan)) as raw:
+            async for start, count, host in raw:
+                if dtype == "bfloat16":
+                    host = host.view(numpy_dtype("bfloat16"))
+                yield kind, start, count, codec, await encode(codec, host, kind, chooser)
         return
     t0 = time.perf_counter()
-    async for start, count, enc in _gpu.encode_chunks(codec, x, kind, plan, dtype):
-        if start == 0 and chooser is not None:
-            chooser.observe_encode(codec.name, x.size * 2, time.perf_counter() - t0)
-        yield kind, start, count, codec, enc
+    async with contextlib.aclosing(_gpu.encode_chunks(codec, x, kind, plan, dtype)) as chunks:
+        async for start, count, enc in chunks:
+            if start == 0 and chooser is not None:
+                chooser.observe_encode(codec.name, x.size * 2, time.perf_counter() - t0)
+            yield kind, start, count, codec, enc
 
 
 async def device_parts(
     parts: list[Part], pick: Callable[[], Any], dtype: str, chooser: CodecChooser | None,
 ) -> AsyncGenerator[Encoded, None]:
-    """:func:`device_chunks` of each part in turn, the codec picked once per part."""
+    """:func:`device_chunks` of each part in turn, the codec picked once per part; closing
+    this iterator closes the part's at once."""
     for kind, x, plan in parts:
-        async for item in device_chunks(pick(), x, kind, plan, dtype, chooser):
-            yield item
+        async with contextlib.aclosing(device_chunks(pick(), x, kind, plan, dtype, chooser)) as chunks:
+            async for item in chunks:
+                yield item
 
 
 __all__ = [

@@ -15,9 +15,10 @@ kernel straight into the layer, on a non-blocking stream of that device.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -90,6 +91,23 @@ def _device_context(device_id: int) -> Callable[[], AbstractContextManager[Any]]
     return enter
 
 
+def _settle(events: list[Any], enter: Callable[[], AbstractContextManager[Any]]) -> None:
+    """Block until each of ``events`` has fired: the pinned buffers their copies write may
+    go back to CuPy's pool (and the device buffers they read be freed) after this.
+
+    Synchronous on purpose: it runs where a send was cancelled or failed, and an await
+    there could be cancelled in turn and let the buffers go with the copies in flight.  An
+    event that cannot be synchronized belongs to a device in a sticky error state, where
+    no copy runs any more; the error is not raised here, so it does not replace the one
+    that ended the send."""
+    if not events:
+        return
+    with enter():
+        for event in events:
+            with contextlib.suppress(Exception):
+                event.synchronize()
+
+
 async def copy_ring(
     src: Any,
     spans: list[tuple[int, int]],
@@ -97,11 +115,11 @@ async def copy_ring(
     device_id: int,
     *,
     depth: int | None = None,
-    alloc: Callable[[int], np.ndarray[Any, Any]] = gpu.pinned_empty,
-    copy: Callable[[Any, int, np.ndarray[Any, Any], Any], None] = gpu.copy_to_host_async,
+    alloc: Callable[[int], np.ndarray[Any, Any]] | None = None,
+    copy: Callable[[Any, int, np.ndarray[Any, Any], Any], None] | None = None,
     wait: Callable[[Any, int], Awaitable[None]] = _wait,
     on_device: Callable[[], AbstractContextManager[Any]] | None = None,
-) -> AsyncIterator[tuple[int, np.ndarray[Any, Any]]]:
+) -> AsyncGenerator[tuple[int, np.ndarray[Any, Any]], None]:
     """``(i, host)`` for each ``(offset, nbytes)`` span of device buffer ``src``, in order:
     ``host`` is a pinned copy of those bytes, ready to read.
 
@@ -109,11 +127,19 @@ async def copy_ring(
     spans ahead, each followed by an event; span i is yielded once its event has fired, and
     with a depth above 1 the next copies are queued before it is yielded, so they run while
     the caller sends it (depth 1: copy, yield, then the next copy).  ``alloc``, ``copy``,
-    ``wait`` and ``on_device`` are CuPy's by default (pinned buffer, async device-to-host
-    copy, event wait off the loop, ``with Device(device_id)``).
+    ``wait`` and ``on_device`` are CuPy's by default (pinned buffer
+    (:func:`~kvwire.codec.gpu.pinned_empty`), async device-to-host copy
+    (:func:`~kvwire.codec.gpu.copy_to_host_async`), event wait off the loop,
+    ``with Device(device_id)``).
+
+    Closed or failed early, it waits (blocking) for the copies still in flight before it
+    lets their pinned buffers go: none returns to the pool with a copy writing into it.
     """
     depth = PIPELINE_DEPTH if depth is None else depth
+    alloc = gpu.pinned_empty if alloc is None else alloc
+    copy = gpu.copy_to_host_async if copy is None else copy
     enter = on_device if on_device is not None else _device_context(device_id)
+    # (span, its pinned buffer, the event after its copy) of every copy not yet waited for
     pending: deque[tuple[int, np.ndarray[Any, Any], Any]] = deque()
     queued = 0
 
@@ -128,25 +154,30 @@ async def copy_ring(
                 queued += 1
 
     overlap = depth > 1
-    queue_more()
-    while pending:
-        i, host, ready = pending.popleft()
-        await wait(ready, device_id)
-        if overlap:
-            queue_more()
-        yield i, host
-        if not overlap:
-            queue_more()
+    try:
+        queue_more()
+        while pending:
+            i, host, ready = pending[0]
+            await wait(ready, device_id)
+            pending.popleft()
+            if overlap:
+                queue_more()
+            yield i, host
+            if not overlap:
+                queue_more()
+    finally:
+        _settle([ready for _i, _host, ready in pending], enter)
+        pending.clear()
 
 
 async def encode_chunks(
     codec: Codec, x: Any, kind: TensorKind, plan: list[tuple[int, int]], dtype: str
-) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
+) -> AsyncGenerator[tuple[int, int, EncodedChunk], None]:
     """``(token_start, token_count, chunk)`` for each chunk of ``plan`` of CuPy tensor ``x``.
 
     ``plan`` is :func:`~kvwire.wire.transfer.plan_chunks`' (equal counts but the last).
     UsageError before the first chunk when the tensor holds NaN or infinity (or, for
-    int4, a group range beyond float32).
+    int4, a group range beyond float32).  Closing it closes its ring of copies at once.
     """
     import cupy
 
@@ -161,27 +192,33 @@ async def encode_chunks(
             flags = gpu.pinned_empty(4)
             gpu.copy_to_host_async(enc.flags, 0, flags, stream)
             flags_ready = stream.record()
-    await _wait(flags_ready, device_id)
+    try:
+        await _wait(flags_ready, device_id)
+    except BaseException:
+        _settle([flags_ready], _device_context(device_id))  # the flags' copy lands first
+        raise
     enc.check(int(flags.view("<u4")[0]))
     if len(enc.sizes) != len(plan):
         raise AssertionError("chunk plan and device encoding disagree")
     _base, entropy = gpu.split_codec(codec)
     spans = list(zip(enc.offsets, enc.sizes, strict=True))
-    async for i, host in copy_ring(enc.buffer, spans, stream, device_id):
-        if entropy is None:
-            chunk = gpu.finish_chunk(codec, enc, host.data)
-        else:
-            chunk = await loop.run_in_executor(None, gpu.finish_chunk, codec, enc, host.data)
-        yield plan[i][0], plan[i][1], chunk
+    async with contextlib.aclosing(copy_ring(enc.buffer, spans, stream, device_id)) as ring:
+        async for i, host in ring:
+            if entropy is None:
+                chunk = gpu.finish_chunk(codec, enc, host.data)
+            else:
+                chunk = await loop.run_in_executor(None, gpu.finish_chunk, codec, enc, host.data)
+            yield plan[i][0], plan[i][1], chunk
 
 
 async def copy_raw_chunks(
     x: Any, plan: list[tuple[int, int]]
-) -> AsyncIterator[tuple[int, int, Any]]:
+) -> AsyncGenerator[tuple[int, int, Any], None]:
     """``(token_start, token_count, host array)`` of each chunk of ``x``, for host codecs.
 
     The copies run on the transfer stream into pinned memory, overlapped like
-    :func:`encode_chunks`; bfloat16 comes back as its uint16 bits.
+    :func:`encode_chunks`; bfloat16 comes back as its uint16 bits.  Closing it closes its
+    ring of copies at once.
     """
     import cupy
 
@@ -193,9 +230,10 @@ async def copy_raw_chunks(
     row = int(x.nbytes // x.shape[0])
     dt = {"float16": "<f2", "float32": "<f4"}.get(str(x.dtype), "<u2")
     spans = [(start * row, count * row) for start, count in plan]
-    async for i, host in copy_ring(x, spans, stream, device_id):
-        start, count = plan[i]
-        yield start, count, host.view(dt).reshape((count, *x.shape[1:]))
+    async with contextlib.aclosing(copy_ring(x, spans, stream, device_id)) as ring:
+        async for i, host in ring:
+            start, count = plan[i]
+            yield start, count, host.view(dt).reshape((count, *x.shape[1:]))
 
 
 class GpuReceiver:

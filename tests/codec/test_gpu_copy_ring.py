@@ -19,11 +19,13 @@ from kvwire.aio import _gpu
 
 
 class FakeEvent:
-    def __init__(self, log: list[str], index: int) -> None:
-        self.log, self.index, self.done = log, index, False
+    def __init__(self, stream: FakeStream, index: int) -> None:
+        self.stream, self.index, self.done = stream, index, False
 
-    def synchronize(self) -> None:  # pragma: no cover - the fake wait below is used
-        raise AssertionError("the ring waits through its wait function")
+    def synchronize(self) -> None:
+        """What the ring calls, blocking, for the copies in flight when it is closed early."""
+        self.stream.land(self.index)
+        self.stream.log.append(f"sync {self.index}")
 
 
 class FakeStream:
@@ -41,17 +43,20 @@ class FakeStream:
         self.queued.append((src, offset, host))
 
     def record(self) -> FakeEvent:
-        ev = FakeEvent(self.log, len(self.events))
+        ev = FakeEvent(self, len(self.events))
         self.events.append(ev)
         return ev
 
+    def land(self, index: int) -> None:
+        """Everything queued up to event ``index`` lands, in stream order."""
+        for src, offset, host in self.queued[: index + 1]:
+            host[...] = src[offset : offset + host.nbytes]
+        for ev in self.events[: index + 1]:
+            ev.done = True
+
     async def wait(self, event: FakeEvent, device_id: int) -> None:
         assert device_id == 3
-        # everything queued up to this event lands, in stream order
-        for src, offset, host in self.queued[: event.index + 1]:
-            host[...] = src[offset : offset + host.nbytes]
-        for ev in self.events[: event.index + 1]:
-            ev.done = True
+        self.land(event.index)
         self.log.append(f"wait {event.index}")
 
     @contextlib.contextmanager
@@ -133,3 +138,6 @@ async def test_a_consumer_that_stops_early_leaves_no_copy_unqueued_beyond_the_ri
         break
     await ring.aclose()
     assert len(stream.queued) <= 4
+    # the copies queued ahead were waited for (blocking) before their buffers were let go
+    assert all(ev.done for ev in stream.events)
+    assert [e for e in stream.log if e.startswith("sync")] == [f"sync {i}" for i in range(1, len(stream.queued))]
