@@ -401,6 +401,7 @@ class _Incoming:
     published: bool = False
     gated: bool = False  # goes through the registry gate
     last_layer: int | None = None  # held back until the registry publish succeeds
+    begin_cid: int | None = None  # the connection that carried BEGIN: ACCEPT goes there
 
     @property
     def bpt(self) -> int:
@@ -915,6 +916,7 @@ class ReceiverCore:
             key=(sess.session_id, tid), begin=begin, spec=spec, meta=meta,
             state=IncomingTransfer(tid, begin.num_layers, layer_limit=1, max_tokens=cfg.max_tokens),
             deadline=None if cfg.transfer_timeout is None else now + cfg.transfer_timeout,
+            begin_cid=cid,
         )
         # Completed transfers the application has taken leave only their id behind.
         for old in [i for i, x in sess.transfers.items() if x.claimed and x.complete and not x.buffers]:
@@ -943,7 +945,16 @@ class ReceiverCore:
         self._store.opened(t.key, t.spec)
         self._count("transfers_accepted")
         sess = self._sessions.get(t.key[0])
-        conn = self._any_conn(sess) if sess is not None else None
+        # On the stream that carried BEGIN while it is open (the spec), else on any.
+        conn = None
+        if sess is not None and t.begin_cid in sess.streams.values():
+            conn = self._conns.get(t.begin_cid)
+            if conn is not None and conn.closed_event is None:
+                self._dirty.add(t.begin_cid)
+            else:
+                conn = None
+        if conn is None and sess is not None:
+            conn = self._any_conn(sess)
         if conn is not None:
             conn.send_accept(t.key[1], t.state.layer_limit)
         if not t.claimed:

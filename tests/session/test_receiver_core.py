@@ -681,6 +681,34 @@ def test_a_join_failing_right_after_auth_leaves_the_live_stream_alone() -> None:
     assert h.client_of(ChunkAcked)
 
 
+def test_accept_goes_on_the_stream_that_carried_begin() -> None:
+    """The spec: the server answers BEGIN on the stream that carried it (a client may wait
+    on that stream alone, and the first stream may be half-open)."""
+    h = Harness()
+    h.core.connection_made(2, h.now)
+    second = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=h.client.session_id,
+                                                      stream_index=1), now=h.now)
+    second.initiate()
+    events: list[Event] = []
+
+    def pump_second() -> None:
+        for _ in range(4):
+            for part in second.data_to_send():
+                h.core.receive_data(2, bytes(part), h.now)
+            data = h.core.data_to_send(2)
+            if data:
+                second.receive_data(data, h.now)
+            events.extend(iter(second.next_event, None))
+        h.pump()
+
+    pump_second()
+    assert second.state is State.OPEN
+    second.send_begin(begin(tid=5))
+    pump_second()
+    assert [e.transfer_id for e in events if isinstance(e, TransferAccepted)] == [5]
+    assert not h.client_of(TransferAccepted)
+
+
 def test_a_bug_in_a_hook_closes_the_connection_with_internal_error_and_is_reported() -> None:
     class Broken(ByteStore):
         def opened(self, key: Any, spec: KVSpec) -> None:
