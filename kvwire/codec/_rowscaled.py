@@ -87,7 +87,11 @@ class RowScaledCodec(Codec):
         shape, result, scale_buf, code_buf = self._split(params, payload, shape, dtype, out)
         rows, dim = shape[0] * shape[1], shape[2]
         scales = nm.read_scales(scale_buf, rows, self.name)
-        target = result if result.flags.c_contiguous else np.empty(shape, result.dtype)
+        # the codes are read a block at a time while earlier blocks are stored: an `out`
+        # over the payload (decoding in place in a receive buffer) is written through a
+        # fresh array, or it would overwrite codes not read yet
+        overlaps = any(np.may_share_memory(result, np.frombuffer(b, np.uint8)) for b in (scale_buf, code_buf))
+        target = result if result.flags.c_contiguous and not overlaps else np.empty(shape, result.dtype)
         flat = target.reshape(rows, dim)
         codes = np.frombuffer(code_buf, np.uint8).reshape(rows, dim)
         vals = np.empty(nm.BLOCK_ELEMS + dim, np.float32)

@@ -181,6 +181,8 @@ class Int4Codec(Codec):
         np.bitwise_and(packed, np.uint8(15), out=codes[0::2], casting="unsafe")
         np.right_shift(packed, np.uint8(4), out=codes[1::2], casting="unsafe")
         vals = codes[:n].reshape(shape)
+        # scales, minimums and codes are all copied out of the payload above, so an `out`
+        # over the payload (decoding in place in a receive buffer) can be written directly
         target = result if result.flags.c_contiguous else np.empty(shape, result.dtype)
         nm.scale_and_store(
             vals,

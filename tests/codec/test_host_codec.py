@@ -793,6 +793,33 @@ def test_decode_into_memory_overlapping_the_payload(base: str) -> None:
         assert got is out and out.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("base", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("numpy_path", ["decode_numpy", "decode without the extension"])
+def test_numpy_decode_into_memory_overlapping_a_payload_of_many_blocks(
+    base: str, dtype: str, numpy_path: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The numpy path decodes a chunk of several working blocks in place over the received
+    bytes (``out`` starting where the payload starts) to the values of a decode from a copy:
+    the codes of later blocks are not overwritten before they are read."""
+    if numpy_path != "decode_numpy":
+        monkeypatch.setattr(_host, "ext", None)
+    codec = _codec(base)
+    shape = (4096, 2, 32)  # 4 blocks of BLOCK_ELEMS
+    x = np.random.default_rng(3).standard_normal(shape).astype(np.float16)
+    for kind in KINDS:
+        chunk = codec.encode_numpy(x, kind)
+        payload = bytes(memoryview(chunk.payload).cast("B"))
+        want = codec.decode_numpy(chunk.params, payload, shape=shape, dtype=dtype, kind=kind)
+        size = x.size * numpy_dtype(dtype).itemsize
+        shared = np.zeros(max(len(payload), size), np.uint8)
+        shared[: len(payload)] = np.frombuffer(payload, np.uint8)
+        out = shared[:size].view(numpy_dtype(dtype)).reshape(shape)
+        decode = codec.decode_numpy if numpy_path == "decode_numpy" else codec.decode
+        got = decode(chunk.params, memoryview(shared)[: len(payload)], shape=shape, dtype=dtype, kind=kind, out=out)
+        assert got is out and out.tobytes() == want.tobytes()
+
+
 @needs_ext
 def test_compiled_entry_points_check_buffer_sizes() -> None:
     ext = _host.ext
