@@ -785,8 +785,8 @@ class _BigFrame:
     into ``dest``, then the CRC.
     """
 
-    __slots__ = ("crc", "dest", "filled", "ftype", "header", "length", "pre", "pre_need", "running", "seg",
-                 "seg_off", "size", "stage")
+    __slots__ = ("crc", "dest", "filled", "ftype", "header", "length", "malformed", "pre", "pre_need", "running",
+                 "seg", "seg_off", "size", "stage")
 
     PRE, DEST, CRC = 0, 1, 2
 
@@ -804,6 +804,9 @@ class _BigFrame:
         self.filled = 0
         self.seg = self.seg_off = 0
         self.crc = bytearray()
+        # Why the body cannot be a valid frame, found before its CRC could be checked: it
+        # is read to scratch, and refused as a protocol error once the CRC holds.
+        self.malformed: str | None = None
         # CRC32C of header, pre and dest[:filled], kept up as bytes land (while they are
         # still in the cache) so the payload is not read a second time at the end
         self.running = 0
@@ -1042,8 +1045,11 @@ class FrameDecoder:
                 plen = int(CHUNK_FIXED.unpack(big.pre)[-1])
                 big.pre_need += plen
                 if big.pre_need > big.length:
-                    # Before the CRC can be checked: as likely a corrupted length as a bad peer.
-                    raise IntegrityError("CHUNK params longer than its body")
+                    # Before the CRC can be checked: as likely a corrupted length as a bad
+                    # peer.  The rest of the body goes to scratch; the CRC then tells which.
+                    big.malformed = "CHUNK params longer than its body"
+                    big.pre_need = len(big.pre)
+                    plen = 0
                 if plen:
                     return self._feed_big(view, out)
             self._start_dest(big)
@@ -1072,7 +1078,7 @@ class FrameDecoder:
     def _start_dest(self, big: _BigFrame) -> None:
         size = big.length - len(big.pre)
         dest: memoryview | tuple[memoryview, ...] | None = None
-        if big.ftype == FrameType.CHUNK and self.payload_sink is not None:
+        if big.ftype == FrameType.CHUNK and self.payload_sink is not None and big.malformed is None:
             head = _chunk_from(big.pre, b"", self.max_kind)
             if head is not None:
                 dest = self.payload_sink(head, size)
@@ -1090,6 +1096,8 @@ class FrameDecoder:
         if big.running != expected:
             raise IntegrityError(f"CRC32C mismatch on frame type 0x{big.ftype:02x}")
         _check_reserved(big.header)
+        if big.malformed is not None:
+            raise ProtocolError(big.malformed)
         if big.ftype == FrameType.CHUNK:
             chunk = _chunk_from(big.pre, big.dest, self.max_kind)
             if chunk is None:

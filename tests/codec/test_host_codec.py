@@ -816,7 +816,7 @@ def test_numpy_decode_into_memory_overlapping_a_payload_of_many_blocks(
         shared[: len(payload)] = np.frombuffer(payload, np.uint8)
         out = shared[:size].view(numpy_dtype(dtype)).reshape(shape)
         decode = codec.decode_numpy if numpy_path == "decode_numpy" else codec.decode
-        got = decode(chunk.params, memoryview(shared)[: len(payload)], shape=shape, dtype=dtype, kind=kind, out=out)
+        got = decode(chunk.params, shared.data[: len(payload)], shape=shape, dtype=dtype, kind=kind, out=out)
         assert got is out and out.tobytes() == want.tobytes()
 
 

@@ -34,9 +34,11 @@ from kvwire.wire import (
     Welcome,
     frame_bytes,
 )
+from kvwire.wire.crc import crc32c
 from kvwire.wire.frames import (
     CHECK_AS_WRITTEN,
     CHUNK_FIXED,
+    CRC,
     CRC_SIZE,
     HEADER,
     HEADER_SIZE,
@@ -448,16 +450,30 @@ def test_after_a_payload_the_next_chunk_head_is_read_alone_and_its_payload_lands
     assert dec.start_deferred() == [] and dec.buffered == 0
 
 
-def test_a_deferred_chunk_with_an_impossible_params_length_fails_when_started() -> None:
-    """start_deferred() raises what feed() would have: the head of a CHUNK whose params
-    are longer than its body, arrived behind a PING, is refused once it is started."""
+@pytest.mark.parametrize("crc_ok", [True, False])
+def test_a_large_chunk_with_an_impossible_params_length_is_judged_by_its_crc(crc_ok: bool) -> None:
+    """A CHUNK read in stages whose params are longer than its body: the rest of the body
+    goes to scratch (never to the payload sink), and the CRC decides what it was: valid, a
+    peer breaking the protocol (PROTOCOL_ERROR, final, as for a small frame); not, line
+    noise (INTEGRITY_ERROR).  Arrived behind a PING, its head waits to be started."""
     body = CHUNK_FIXED.pack(3, 0, 0, 0, 0, 1, 1, 65535)  # params of 65535 bytes...
-    bad_head = HEADER.pack(FrameType.CHUNK, 0, 0, 2000) + body  # ...in a body of 2000
-    dec = FrameDecoder(1 << 20, big_body=1024, payload_sink=lambda head, size: memoryview(bytearray(size)))
-    got = dec.feed(frame_bytes(Ping(opaque=1)) + bad_head)
+    body += bytes(2000 - len(body))  # ...in a body of 2000
+    header = HEADER.pack(FrameType.CHUNK, 0, 0, len(body))
+    crc = crc32c(body, crc32c(header)) ^ (0 if crc_ok else 1)
+    frame = header + body + CRC.pack(crc)
+    sunk: list[int] = []
+
+    def sink(head: Chunk, size: int) -> memoryview:
+        sunk.append(size)
+        return memoryview(bytearray(size))
+
+    dec = FrameDecoder(1 << 20, big_body=1024, payload_sink=sink)
+    got = dec.feed(frame_bytes(Ping(opaque=1)) + frame[:HEADER_SIZE + CHUNK_FIXED.size])
     assert [f for f, _ in got] == [Ping(opaque=1)]  # the chunk waits behind it
-    with pytest.raises(IntegrityError, match="params longer than its body"):
-        dec.start_deferred()
+    assert dec.start_deferred() == []
+    with pytest.raises(ProtocolError if crc_ok else IntegrityError, match="params longer than its body" if crc_ok else "CRC"):
+        dec.feed(frame[HEADER_SIZE + CHUNK_FIXED.size:])
+    assert sunk == []
 
 
 def test_payload_sink_corruption_is_still_an_integrity_error() -> None:
