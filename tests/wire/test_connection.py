@@ -456,28 +456,40 @@ def test_no_idle_timeout_means_no_timer() -> None:
 
 def test_a_chunk_head_started_after_the_frames_before_it_fails_the_connection_if_impossible() -> None:
     """start_deferred(): a CHUNK head read behind a PING is started once the PING was
-    handled; one whose params are longer than its body fails the connection then (as a
-    read would have), and start_deferred() says there is something to process."""
-    from kvwire.errors import IntegrityError
+    handled; one whose params are longer than its body is read to its CRC, then fails the
+    connection with PROTOCOL_ERROR (the CRC holds: the peer sent it that way)."""
+    from kvwire.errors import ProtocolError
     from kvwire.wire import PingReceived
-    from kvwire.wire.frames import CHUNK_FIXED, HEADER, FrameType
+    from kvwire.wire.crc import crc32c
+    from kvwire.wire.frames import CHUNK_FIXED, CRC, HEADER, FrameType
 
     pair = MemoryPair.create()
     pair.handshake()
     conn = pair.server
     conn.set_payload_sink(lambda head, size: memoryview(bytearray(size)))
     # A body just over the 64 KiB that makes a frame big, params of 65535 bytes in it.
-    bad_head = HEADER.pack(FrameType.CHUNK, 0, 0, 65540) + CHUNK_FIXED.pack(1, 0, 0, 0, 0, 1, 1, 65535)
+    body = CHUNK_FIXED.pack(1, 0, 0, 0, 0, 1, 1, 65535)
+    body += bytes(65540 - len(body))
+    header = HEADER.pack(FrameType.CHUNK, 0, 0, len(body))
+    bad_head = header + body[: CHUNK_FIXED.size]
     data = frame_bytes(Ping(opaque=4)) + bad_head
     buf = conn.get_buffer()
     buf[: len(data)] = data
     assert conn.buffer_updated(len(data), now=1.0)
     assert conn.next_event() == PingReceived(opaque=4) and conn.state is State.OPEN
-    assert conn.start_deferred(now=1.0)
+    assert not conn.start_deferred(now=1.0)  # its body is still to come
+    rest = memoryview(body[CHUNK_FIXED.size :] + CRC.pack(crc32c(body, crc32c(header))))
+    while rest and conn.state is State.OPEN:
+        buf = conn.get_buffer()
+        n = min(len(buf), len(rest))
+        buf[:n] = rest[:n]
+        rest = rest[n:]
+        conn.buffer_updated(n, now=1.0)
     events = []
     while (e := conn.next_event()) is not None:
         events.append(e)
-    assert isinstance(events[-1], ConnectionClosed) and isinstance(events[-1].error, IntegrityError)
+    assert isinstance(events[-1], ConnectionClosed) and isinstance(events[-1].error, ProtocolError)
+    assert events[-1].code == ErrorCode.PROTOCOL_ERROR
     assert conn.state is State.CLOSED and not conn.start_deferred(now=1.0)
 
 
