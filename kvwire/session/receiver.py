@@ -946,11 +946,11 @@ class ReceiverCore:
         self._count("transfers_accepted")
         sess = self._sessions.get(t.key[0])
         # On the stream that carried BEGIN while it is open (the spec), else on any.
-        conn = None
-        if sess is not None and t.begin_cid in sess.streams.values():
-            conn = self._conns.get(t.begin_cid)
+        conn, cid = None, t.begin_cid
+        if sess is not None and cid is not None and cid in sess.streams.values():
+            conn = self._conns.get(cid)
             if conn is not None and conn.closed_event is None:
-                self._dirty.add(t.begin_cid)
+                self._dirty.add(cid)
             else:
                 conn = None
         if conn is None and sess is not None:
