@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.codec import _numeric as nm
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind, numpy_dtype
 from kvwire.errors import ProtocolError
 
@@ -16,7 +17,10 @@ class RawCodec(Codec):
     lossless = True
 
     def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
-        arr = np.ascontiguousarray(x)
+        # the input rules of every codec: a non-empty [tokens, heads, head_dim] array of
+        # float16, bfloat16 or float32 in little-endian order (the wire's); a valid
+        # C-contiguous array is not copied (the payload is a view of it)
+        arr, _name = nm.as_chunk(x)
         return EncodedChunk(self.codec_id, b"", arr.reshape(-1).view(np.uint8).data)
 
     def decode(
@@ -31,14 +35,14 @@ class RawCodec(Codec):
     ) -> np.ndarray:
         if params:
             raise ProtocolError("raw codec takes no parameters")
+        shape = nm.check_shape(shape, self.name)
         dt = numpy_dtype(dtype)
-        expected = shape[0] * shape[1] * shape[2] * dt.itemsize
-        if len(payload) != expected:
-            raise ProtocolError(f"raw payload is {len(payload)} bytes, expected {expected}")
-        src = np.frombuffer(payload, dtype=dt).reshape(shape)
+        (buf,) = nm.split_payload(payload, [shape[0] * shape[1] * shape[2] * dt.itemsize], self.name)
+        result = nm.output_array(out, shape, dtype)
+        src = np.frombuffer(buf, dtype=dt).reshape(shape)
         if out is not None:
-            out[...] = src
-            return out
+            result[...] = src
+            return result
         return src.copy()
 
     def encoded_size_ratio(self, shape: tuple[int, int, int], dtype: str) -> float:

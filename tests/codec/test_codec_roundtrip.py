@@ -142,9 +142,11 @@ def test_decode_into_out_and_strided_out(name: str) -> None:
     view = big[:, :, ::2]
     codec_by_id(chunk.codec_id).decode(chunk.params, chunk.payload, shape=x.shape, dtype="float16", kind=TensorKind.K, out=view)
     assert np.array_equal(view, expected) and not big[:, :, 1::2].any()
-    if not name.startswith("raw"):
-        with pytest.raises(UsageError):
-            codec_by_id(chunk.codec_id).decode(chunk.params, chunk.payload, shape=x.shape, dtype="float16", kind=TensorKind.K, out=np.empty(x.shape, np.float32))
+    # an out of another dtype (nothing is cast) or shape (nothing is broadcast): every
+    # codec, raw included, refuses it
+    for wrong in (np.empty(x.shape, np.float32), np.empty((3, *x.shape), np.float16), np.empty((1, 2, 16), np.float16)):
+        with pytest.raises(UsageError, match="out must be float16"):
+            codec_by_id(chunk.codec_id).decode(chunk.params, chunk.payload, shape=x.shape, dtype="float16", kind=TensorKind.K, out=wrong)
 
 
 def test_fp8_codes_match_ml_dtypes_saturating_cast() -> None:
@@ -182,13 +184,26 @@ def test_encoded_size_ratio_matches_payload() -> None:
         assert codec.encoded_size_ratio(x.shape, "float16") == pytest.approx(actual, abs=1e-4)
 
 
-def test_bad_inputs_are_usage_errors() -> None:
-    with pytest.raises(UsageError):
-        get_codec("fp8").encode(np.ones((4, 4), np.float16), TensorKind.K)
-    with pytest.raises(UsageError):
-        get_codec("int8").encode(np.ones((2, 2, 2), np.int32), TensorKind.K)
-    with pytest.raises(UsageError):
-        get_codec("int4").encode(np.ones((0, 2, 2), np.float16), TensorKind.K)
+@pytest.mark.parametrize("name", ALL)
+def test_bad_inputs_are_usage_errors(name: str) -> None:
+    """Every codec, raw included, takes only what the wire can say: a non-empty
+    [tokens, heads, head_dim] array of float16, bfloat16 or float32, little-endian."""
+    for bad in (np.ones((4, 4), np.float16), np.ones((2, 2, 2), np.int32), np.ones((0, 2, 2), np.float16),
+                np.ones((2, 2, 2), np.float64), np.ones(3, np.float16), np.ones((2, 2, 2), ">f2"),
+                np.ones((2, 2, 2), ">f4")):
+        with pytest.raises(UsageError):
+            get_codec(name).encode(bad, TensorKind.K)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_raw_payload_is_a_view_of_a_contiguous_input(dtype: str) -> None:
+    """The transport's raw chunks (contiguous token ranges of checked arrays) are sent from
+    the caller's memory: checking the input copies nothing."""
+    x = np.arange(8 * 2 * 4, dtype=np.float32).astype(numpy_dtype(dtype)).reshape(8, 2, 4)
+    part = x[2:5]
+    payload = get_codec("raw").encode(part, TensorKind.K).payload
+    assert np.shares_memory(np.frombuffer(payload, np.uint8), x)
+    assert bytes(payload) == part.tobytes()
 
 
 def _encoded(name: str) -> tuple[kc.EncodedChunk, tuple[int, int, int]]:
