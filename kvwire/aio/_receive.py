@@ -17,6 +17,7 @@ import numpy as np
 from kvwire.aio._gpu import GpuReceiver
 from kvwire.aio._pool import default_pool
 from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
+from kvwire.errors import UsageError
 from kvwire.session.receiver import Key, LayerStore, Region
 from kvwire.spec import KVSpec
 from kvwire.wire import KIND_KV, Chunk
@@ -55,8 +56,19 @@ class ArrayStore(LayerStore):
     def closed(self, key: Key) -> None:
         self._targets.pop(key, None)
 
+    def attachable(self, key: Key) -> None:
+        """Raise :class:`~kvwire.UsageError` unless the transfer ``key`` can be given a
+        destination: it is still receiving and has none yet."""
+        tg = self._targets.get(key)
+        if tg is None:
+            raise UsageError("the transfer has ended: no layer of it is left to receive into a destination")
+        if tg.into is not None:
+            raise UsageError("the transfer already has a destination: its layers go there, a second one is refused")
+
     def attach(self, key: Key, into: Any) -> None:
-        """Layers allocated from now on are ``into``'s; raises if it cannot hold the cache."""
+        """Layers allocated from now on are ``into``'s; raises if it cannot hold the cache
+        (:class:`~kvwire.UsageError` if the transfer ended or already has a destination)."""
+        self.attachable(key)
         tg = self._targets[key]
         into.check(tg.spec, tg.layer_tokens)
         tg.into = into

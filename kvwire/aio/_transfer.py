@@ -87,9 +87,19 @@ class Transfer:
 
         ``into`` provides ``check(spec, layer_tokens)``, ``view(...)``, ``write(...)`` and
         ``layer(index)``.  Its memory is the caller's, so every layer is granted at once.
+
+        A transfer has at most one destination: attaching a second one or attaching to a
+        transfer that ended (every layer taken) raises :class:`~kvwire.UsageError`, and
+        attaching to one that failed raises its error; the transfer is left as it was.
         """
         if self._server.on_gpu:
             raise UsageError("into= needs a server with device='cpu'")
+        if self._into is not None:
+            raise UsageError("the transfer already has a destination: its layers go there, a second one is refused")
+        if self._error is not None:
+            raise self._error
+        if self._yielded >= self.spec.num_layers:
+            raise UsageError("the transfer has ended: every layer of it was taken")
         self._server._attach(self, into)
         self._into = into
 

@@ -384,6 +384,7 @@ class Server(Pump):
 
     def _attach(self, transfer: Transfer, into: Any) -> None:
         key = transfer._key
+        self._store.attachable(key)  # (UsageError: the transfer goes on as it was)
         try:
             self._store.attach(key, into)
         except KvwireError as exc:

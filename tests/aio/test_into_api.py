@@ -1,0 +1,67 @@
+"""Receiving into caller memory, the API's edges: one destination per transfer, none for a
+transfer that ended."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.errors import TransferAbortedError, UsageError
+from kvwire.paged import PagedDestination, PagedSource, PagedSpec
+from tests.conftest import SECRET
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = PagedSpec(num_layers=3, block_shape=(2, 16, 8, 64), dtype="float16")
+
+
+def filled(num_blocks: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((num_blocks, *SPEC.block_shape), dtype=np.float32).astype(np.float16)
+            for _ in range(SPEC.num_layers)]
+
+
+def zeros(num_blocks: int) -> list[np.ndarray]:
+    return [np.zeros((num_blocks, *SPEC.block_shape), np.float16) for _ in range(SPEC.num_layers)]
+
+
+async def test_a_second_destination_is_refused_and_the_first_keeps_the_layers() -> None:
+    src = filled(4, seed=1)
+    first, second = zeros(4), zeros(4)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=1 << 20) as peer:
+            waiting = asyncio.create_task(server.expect("req", into=PagedDestination(SPEC, first, [0, 1]), timeout=10))
+            await asyncio.sleep(0)
+            sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
+            transfer = await waiting
+            with pytest.raises(UsageError, match="already has a destination"):
+                transfer.attach(PagedDestination(SPEC, second, [0, 1]))
+            layers = [layer async for layer in transfer]
+            await sending  # the refused attach left the transfer going
+    assert sorted(layer.index for layer in layers) == list(range(SPEC.num_layers))
+    for layer in layers:
+        assert layer.k is first[layer.index]
+        assert first[layer.index][[0, 1]].tobytes() == src[layer.index][[2, 3]].tobytes()
+        assert not second[layer.index].any()
+
+
+@pytest.mark.parametrize("end", ["aborted", "all-taken"])
+async def test_attach_to_a_transfer_that_ended_raises_a_kvwire_error(end: str) -> None:
+    src = filled(4, seed=2)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
+            transfer = await server.accept(timeout=10)
+            if end == "aborted":
+                transfer.abort("not wanted")
+            else:
+                assert len([layer async for layer in transfer]) == SPEC.num_layers
+            await asyncio.gather(sending, return_exceptions=True)
+            dst = zeros(4)
+            expected = TransferAbortedError if end == "aborted" else UsageError
+            with pytest.raises(expected):
+                transfer.attach(PagedDestination(SPEC, dst, [0, 1]))
+    assert not any(d.any() for d in dst)
