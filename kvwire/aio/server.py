@@ -32,6 +32,7 @@ from kvwire.errors import (
     RegistryUnavailableError,
     StaleVersionError,
     TransferTimeoutError,
+    UsageError,
 )
 from kvwire.session.options import ServerOptions, check_port, make_server_options
 from kvwire.session.receiver import (
@@ -168,11 +169,15 @@ class Server(Pump):
         the caller's memory; see :meth:`Transfer.attach`.  Several transfers may carry one
         request id (requests that share a prompt, or a name derived from it): several
         ``expect()`` of that id wait side by side and take one transfer each, in the order
-        they were made, as the transfers arrive in order.
+        they were made, as the transfers arrive in order.  ``into`` on a server with
+        ``device="gpu"`` raises :class:`~kvwire.UsageError` at once; a destination that
+        refuses the transfer (its ``check()`` raises) fails it, and this raises that error.
         """
+        if into is not None and self.on_gpu:
+            raise UsageError("into= needs a server with device='cpu' (a GPU server decodes into its own arrays)")
         if (t := self._arrived(request_id)) is not None:  # (then none of this id is waiting)
             if into is not None:
-                t.attach(into)
+                self._attach_claimed(t, into)
             return t
         fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         self._expect_waiters.setdefault(request_id, deque()).append(fut)
@@ -355,8 +360,8 @@ class Server(Pump):
                 into = self._expect_into.pop(fut, None)
                 if into is not None:
                     try:
-                        transfer.attach(into)
-                    except KvwireError as exc:  # the transfer failed with it
+                        self._attach_claimed(transfer, into)
+                    except Exception as exc:  # the transfer failed with it
                         fut.set_exception(exc)
                         return
                 self.core.claim(transfer._key)
@@ -381,6 +386,19 @@ class Server(Pump):
     def _abort(self, transfer: Transfer, reason: str) -> None:
         self.core.abort(transfer._key, reason, self.now())
         self.pump()
+
+    def _attach_claimed(self, transfer: Transfer, into: Any) -> None:
+        """``transfer.attach(into)`` for a transfer that ``expect()`` hands out: if it
+        raises, the transfer is failed (nobody will take it) and the error re-raised."""
+        try:
+            transfer.attach(into)
+        except Exception as exc:
+            if transfer._error is None:
+                error = exc if isinstance(exc, KvwireError) else KvwireError(
+                    f"the destination refused transfer {transfer.request_id!r}: {exc!r}")
+                self.core.fail(transfer._key, error, self.now())
+                self.pump()
+            raise
 
     def _attach(self, transfer: Transfer, into: Any) -> None:
         key = transfer._key

@@ -1,5 +1,6 @@
 """Receiving into caller memory, the API's edges: one destination per transfer, none for a
-transfer that ended."""
+transfer that ended, ``into=`` refused at once on a GPU server, and a destination that
+refuses the cache fails the transfer."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.errors import TransferAbortedError, UsageError
+from kvwire.errors import KvwireError, TransferAbortedError, UsageError
 from kvwire.paged import PagedDestination, PagedSource, PagedSpec
 from tests.conftest import SECRET
 
@@ -26,6 +27,13 @@ def filled(num_blocks: int, seed: int) -> list[np.ndarray]:
 
 def zeros(num_blocks: int) -> list[np.ndarray]:
     return [np.zeros((num_blocks, *SPEC.block_shape), np.float16) for _ in range(SPEC.num_layers)]
+
+
+class RefusingDestination(PagedDestination):
+    """A destination whose ``check()`` fails with an error of its own (not a KvwireError)."""
+
+    def check(self, spec: kvwire.KVSpec, layer_tokens: int | None = None) -> None:
+        raise RuntimeError("this destination takes nothing")
 
 
 async def test_a_second_destination_is_refused_and_the_first_keeps_the_layers() -> None:
@@ -65,3 +73,38 @@ async def test_attach_to_a_transfer_that_ended_raises_a_kvwire_error(end: str) -
             with pytest.raises(expected):
                 transfer.attach(PagedDestination(SPEC, dst, [0, 1]))
     assert not any(d.any() for d in dst)
+
+
+async def test_into_on_a_gpu_server_is_refused_before_any_transfer() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        server.on_gpu = True  # what a device="gpu" server sets (no GPU is needed to refuse)
+        with pytest.raises(UsageError, match="device='cpu'"):
+            await server.expect("req", into=PagedDestination(SPEC, zeros(4), [0, 1]), timeout=2)
+
+
+async def test_a_destination_that_refuses_the_cache_fails_the_transfer_it_was_waiting_for() -> None:
+    src = filled(4, seed=3)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            waiting = asyncio.create_task(
+                server.expect("req", into=RefusingDestination(SPEC, zeros(4), [0, 1]), timeout=5))
+            await asyncio.sleep(0)
+            sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
+            with pytest.raises(RuntimeError, match="takes nothing"):
+                await waiting
+            with pytest.raises(KvwireError):
+                await sending
+            stats = server.statistics()
+    assert stats["pending_arrivals"] == 0 and stats["buffered_bytes"] == 0
+
+
+async def test_a_destination_that_refuses_an_arrived_cache_fails_the_transfer() -> None:
+    src = filled(4, seed=4)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            await peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10)  # held, unclaimed
+            assert server.statistics()["buffered_bytes"] > 0
+            with pytest.raises(RuntimeError, match="takes nothing"):
+                await server.expect("req", into=RefusingDestination(SPEC, zeros(4), [0, 1]), timeout=5)
+            stats = server.statistics()
+    assert stats["pending_arrivals"] == 0 and stats["buffered_bytes"] == 0  # nothing held for nobody
