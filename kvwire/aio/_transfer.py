@@ -21,7 +21,8 @@ class Transfer:
     """One incoming KV cache: its metadata, its layers as they complete, or all of it.
 
     Iterate (``async for layer in transfer``) to receive :class:`~kvwire.Layer` objects
-    in completion order, or ``await transfer.collect()`` for the whole cache; not both.
+    in completion order, or ``await transfer.collect()`` for the whole cache (not for one
+    received into a destination); not both.
     """
 
     def __init__(self, server: Server, arrived: TransferArrived) -> None:
@@ -57,7 +58,16 @@ class Transfer:
 
         ``device`` ("cpu", "gpu" or "gpu:N") states where the arrays must be; it must match
         the server's ``device`` option (layers are decoded where they will be used).
+
+        Refused (:class:`~kvwire.UsageError`) for a transfer received into a destination
+        (``expect(into=...)``, :meth:`attach`): its layers are already in the caller's
+        memory, so iterate to learn when each is complete.
         """
+        if self._into is not None:
+            raise UsageError(
+                "collect() of a transfer received into a destination: its layers are in the "
+                "destination's memory; iterate (async for layer in transfer) to wait for them"
+            )
         on_gpu = self._server.on_gpu
         if device is not None and (device == "cpu") == on_gpu:
             raise UsageError(f"this server decodes on {'gpu' if on_gpu else 'cpu'}; serve(device={device!r}) to change it")
@@ -88,9 +98,10 @@ class Transfer:
         ``into`` provides ``check(spec, layer_tokens)``, ``view(...)``, ``write(...)`` and
         ``layer(index)``.  Its memory is the caller's, so every layer is granted at once.
 
-        A transfer has at most one destination: attaching a second one or attaching to a
-        transfer that ended (every layer taken) raises :class:`~kvwire.UsageError`, and
-        attaching to one that failed raises its error; the transfer is left as it was.
+        A transfer has at most one destination: attaching a second one, attaching to a
+        transfer that ended (every layer taken) or one being collected raises
+        :class:`~kvwire.UsageError`, and attaching to one that failed raises its error;
+        the transfer is left as it was.
         """
         if self._server.on_gpu:
             raise UsageError("into= needs a server with device='cpu'")
@@ -100,6 +111,8 @@ class Transfer:
             raise self._error
         if self._yielded >= self.spec.num_layers:
             raise UsageError("the transfer has ended: every layer of it was taken")
+        if self._consumer == "collect":
+            raise UsageError("the transfer is being collected: collect() does not take a destination's layers")
         self._server._attach(self, into)
         self._into = into
 

@@ -1,10 +1,11 @@
 """Receiving into caller memory, the API's edges: one destination per transfer, none for a
-transfer that ended, ``into=`` refused at once on a GPU server, and a destination that
-refuses the cache fails the transfer."""
+transfer that ended, ``into=`` refused at once on a GPU server, a destination that
+refuses the cache fails the transfer, and ``collect()`` is not for such a transfer."""
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import numpy as np
 import pytest
@@ -108,3 +109,37 @@ async def test_a_destination_that_refuses_an_arrived_cache_fails_the_transfer() 
                 await server.expect("req", into=RefusingDestination(SPEC, zeros(4), [0, 1]), timeout=5)
             stats = server.statistics()
     assert stats["pending_arrivals"] == 0 and stats["buffered_bytes"] == 0  # nothing held for nobody
+
+
+async def test_collect_is_refused_for_a_transfer_with_a_destination() -> None:
+    src = filled(4, seed=5)
+    dst = zeros(4)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            waiting = asyncio.create_task(server.expect("req", into=PagedDestination(SPEC, dst, [0, 1]), timeout=10))
+            await asyncio.sleep(0)
+            sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
+            transfer = await waiting
+            with pytest.raises(UsageError, match="async for"):
+                await transfer.collect(timeout=10)
+            layers = [layer async for layer in transfer]  # the refused collect() took nothing
+            await sending
+    assert len(layers) == SPEC.num_layers
+    assert all(dst[i][[0, 1]].tobytes() == src[i][[2, 3]].tobytes() for i in range(SPEC.num_layers))
+
+
+async def test_a_transfer_being_collected_takes_no_destination() -> None:
+    src = filled(4, seed=6)
+    dst = zeros(4)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
+            transfer = await server.accept(timeout=10)
+            collecting: asyncio.Task[Any] = asyncio.create_task(transfer.collect(timeout=10))
+            await asyncio.sleep(0)  # collect() has claimed the transfer
+            with pytest.raises(UsageError, match="collected"):
+                transfer.attach(PagedDestination(SPEC, dst, [0, 1]))
+            cache = await collecting
+            await sending
+    assert cache.num_tokens == SPEC.tokens(2)
+    assert not any(d.any() for d in dst)
