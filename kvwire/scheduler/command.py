@@ -59,6 +59,17 @@ def _policies(text: str) -> list[PolicyName]:
     return out
 
 
+def _real(text: str) -> float:
+    """A finite number of either sign (a log-normal's mu)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise UsageError(f"{text!r} must be a finite number")
+    return value
+
+
 POSITIVE_INT = argument_type(whole_number, "int")
 NON_NEGATIVE_INT = argument_type(functools.partial(whole_number, minimum=0), "int")
 POSITIVE = argument_type(number, "number")
@@ -99,7 +110,7 @@ def add_parser(subparsers: Any) -> None:
                    help="synthetic: number of requests (default 4000)")
     w.add_argument("--rate", type=POSITIVE, default=2.0, metavar="RPS",
                    help="synthetic: Poisson arrivals per second (default 2)")
-    w.add_argument("--mu", type=float, default=9.90, help="synthetic: log-normal mu of the input length (default 9.90)")
+    w.add_argument("--mu", type=argument_type(_real, "number"), default=9.90, help="synthetic: log-normal mu of the input length (default 9.90)")
     w.add_argument("--sigma", type=POSITIVE, default=1.00,
                    help="synthetic: log-normal sigma of the input length (default 1.00)")
     w.add_argument("--min-tokens", type=POSITIVE_INT, default=128,
@@ -110,7 +121,7 @@ def add_parser(subparsers: Any) -> None:
                    help="synthetic: clip the log-normal to [min, max] instead of truncating it")
     w.add_argument("--output-tokens", type=POSITIVE_INT, default=1024,
                    help="synthetic: output length of every request (default 1024)")
-    w.add_argument("--seed", type=int, default=0,
+    w.add_argument("--seed", type=NON_NEGATIVE_INT, default=0,
                    help="seed of the synthetic workload and of the bandwidth noise (default 0)")
     s = p.add_argument_group("system")
     s.add_argument("--profile", default="hybrid-1t",
@@ -185,8 +196,16 @@ def _preflight(args: argparse.Namespace) -> None:
         _check_output(args.plot, "--plot")
         try:
             import matplotlib  # noqa: F401
+            from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install kvwire[plot])") from None
+        suffix = Path(args.plot).suffix.lower().lstrip(".")
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix and suffix not in formats:
+            raise UsageError(
+                f"--plot {args.plot!r}: matplotlib cannot write {suffix!r} files "
+                f"(use one of {', '.join(sorted(formats))})"
+            )
     if args.min_tokens >= args.max_tokens:
         raise UsageError("--min-tokens must be below --max-tokens")
 

@@ -162,3 +162,30 @@ def test_every_option_has_help() -> None:
     sim = sub.choices["simulate"]
     for action in sim._actions:
         assert action.help, action.option_strings
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--seed", "-1"], ["--mu", "nan"], ["--mu", "inf"], ["--mu", "x"]],
+)
+def test_simulate_cli_rejects_bad_numbers(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    # --seed -1 was a numpy ValueError traceback, --mu nan an OverflowError one.
+    with pytest.raises(SystemExit) as exc:
+        parse(["simulate", *argv])
+    assert exc.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_simulate_cli_accepts_a_negative_mu() -> None:
+    assert parse(["simulate", "--mu", "-1.5"]).mu == -1.5
+
+
+def test_simulate_cli_checks_the_plot_format_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    # A huge workload: if the format were found wrong only when the plot is written, this
+    # test would take hours.
+    args = parse(["simulate", "--requests", "10000000", "--plot", str(tmp_path / "p.svgx")])
+    assert run(args) == 2
+    assert "cannot write 'svgx'" in capsys.readouterr().err
