@@ -26,7 +26,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from kvwire.consistency import BlockId, Registry
+from kvwire.consistency import BlockId, Lease, Registry
 from kvwire.errors import KvwireError, UsageError
 from kvwire.sync import Bridge
 
@@ -51,17 +51,33 @@ def prefix_block_ids(tokens: Sequence[int], block_size: int, num_blocks: int, *,
 async def name_blocks(registry: Registry, blocks: Sequence[BlockId], *, owner: str, ttl: float = 30.0) -> list[tuple[BlockId, int]]:
     """``(block, version)`` for the blocks a sender holds: complete ones at their version,
     the others committed now at a new one; stops at the first block another live lease is
-    computing.  Raises :class:`~kvwire.StaleVersionError` if a block changed meanwhile."""
+    computing.  Raises :class:`~kvwire.StaleVersionError` if a block changed meanwhile.
+
+    A commit that fails or is cancelled (a caller's timeout) releases the lease before the
+    error goes on, so its blocks are not left in flight, unnameable by other producers,
+    for the rest of ``ttl``."""
     lease = await registry.begin(list(blocks), owner=owner, ttl=ttl)
     versions: dict[Any, int] = dict(lease.complete)
     if lease.started:
-        versions.update(await registry.commit(lease))
+        try:
+            versions.update(await registry.commit(lease))
+        except BaseException:
+            await _release(registry, lease)
+            raise
     named: list[tuple[BlockId, int]] = []
     for block in blocks:
         if block not in versions:
             break
         named.append((block, versions[block]))
     return named
+
+
+async def _release(registry: Registry, lease: Lease) -> None:
+    """Release ``lease`` after its commit failed or was cancelled (errors ignored: the
+    lease then ends with its ttl).  Awaited, not shielded: this package runs no event loop
+    of its own (no asyncio here), so only a second cancellation during it stops it."""
+    with contextlib.suppress(Exception):
+        await registry.release(lease)
 
 
 async def verify_blocks(registry: Registry, expected: Sequence[BlockId], announced: Sequence[tuple[BlockId, int]]) -> str | None:
