@@ -455,22 +455,49 @@ def validate_payload(
         raise ProtocolError("int4 payload has a non-zero padding nibble")
 
 
+def check_dtype(dtype: str) -> str:
+    """``dtype`` when the kernels have it (float16, bfloat16, float32); UsageError else."""
+    if dtype not in _SUFFIX:
+        raise UsageError(f"unsupported dtype {dtype!r}; the GPU codecs take float16, bfloat16 or float32")
+    return dtype
+
+
+def check_destination(out: Any, dtype: str) -> tuple[int, int, int]:
+    """The ``[tokens, heads, head_dim]`` shape of decode destination ``out`` once it is
+    checked against what the kernel of ``dtype`` writes: UsageError unless ``out`` is a
+    C-contiguous three-dimensional array of ``dtype`` (bfloat16: CuPy's own or its uint16
+    or int16 bits, as :func:`dtype_name` takes them).  A kernel of another element width
+    would write past the end of ``out`` or leave part of it unwritten."""
+    check_dtype(dtype)
+    if getattr(out, "ndim", None) != 3:
+        raise UsageError(f"decode_into needs a [tokens, heads, head_dim] destination, got shape {getattr(out, 'shape', None)}")
+    try:
+        got: str | None = dtype_name(out, dtype)
+    except UsageError:
+        got = None
+    if got != dtype:
+        want = "bfloat16 (or its uint16 bits)" if dtype == "bfloat16" else dtype
+        raise UsageError(f"decode_into: a {dtype} chunk decodes into a {want} destination, got {out.dtype}")
+    if not out.flags.c_contiguous:
+        raise UsageError("decode_into needs a C-contiguous destination")
+    return (int(out.shape[0]), int(out.shape[1]), int(out.shape[2]))
+
+
 def decode_into(
     codec: Codec, params: bytes, payload: Any, out: Any, *, dtype: str, kind: TensorKind,
     stream: Any = None,
 ) -> None:
-    """Decode one chunk into CuPy ``out`` (``[tokens, heads, head_dim]``, C-contiguous).
+    """Decode one chunk into CuPy ``out`` (``[tokens, heads, head_dim]``, C-contiguous, of
+    ``dtype``; bfloat16 also as its uint16 bits): UsageError for any other destination.
 
     Runs on ``out``'s device and on ``stream`` (default: the current one), and waits for
     the kernel (its flags say whether the codes were valid).  ``raw`` chunks are copied
     in as they are.
     """
+    shape = check_destination(out, dtype)
+    kind = TensorKind(kind)
     import cupy
 
-    shape = (int(out.shape[0]), int(out.shape[1]), int(out.shape[2]))
-    kind = TensorKind(kind)
-    if not out.flags.c_contiguous:
-        raise UsageError("decode_into needs a C-contiguous destination")
     with out.device:
         stream = stream if stream is not None else cupy.cuda.get_current_stream()
         base, params, plain = _plain(codec, params, payload, shape, dtype, kind)
@@ -521,6 +548,7 @@ def decode_on_device(
 
     For bfloat16 the array holds the uint16 bit patterns.
     """
+    check_dtype(dtype)
     import cupy
 
     out = cupy.empty(shape, cupy.float32 if dtype == "float32" else cupy.float16 if dtype == "float16" else cupy.uint16)

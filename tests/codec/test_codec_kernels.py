@@ -377,7 +377,8 @@ def test_gpu_tensor_encode_and_decode_match_numpy(shape: tuple[int, int, int], d
     assert len(enc.sizes) == len(plan)
     dest = cupy.full(shape, 0xFFFF if dtype != "float32" else 0xFFFFFFFF,
                      cupy.uint32 if dtype == "float32" else cupy.uint16)
-    dest = dest.view(cupy.float32) if dtype == "float32" else dest
+    # the destination of the dtype (bfloat16: its uint16 bits), every bit set to start with
+    dest = dest.view(cupy.float32) if dtype == "float32" else dest.view(cupy.float16) if dtype == "float16" else dest
     for i, (s, c) in enumerate(plan):
         ref = codec.encode(x[s : s + c], kind)
         got = gpu.finish_chunk(codec, enc, buf[enc.offsets[i] : enc.offsets[i] + enc.sizes[i]].data)
@@ -431,7 +432,7 @@ def test_gpu_refusals_match_numpy(shape: tuple[int, int, int], dtype: str, name:
     x = _tricky(dtype, shape, 29)
     ref = codec.encode(x, TensorKind.K)
     raw = bytearray(_payload(ref))
-    out = cupy.empty(x.shape, cupy.float32 if dtype == "float32" else cupy.uint16)
+    out = cupy.empty(x.shape, cupy.float32 if dtype == "float32" else cupy.float16 if dtype == "float16" else cupy.uint16)
     if name != "int4":
         rows = shape[0] * shape[1]
         bad_code = bytearray(raw)
