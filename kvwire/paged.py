@@ -433,9 +433,18 @@ class PagedDestination:
         return half
 
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
-        """Scatter ``data`` (``[count, 1, row_elems]``, decoded) into the destination blocks."""
+        """Scatter ``data`` (``[count, 1, row_elems]`` of the caches' dtype, decoded) into
+        the destination blocks; :class:`~kvwire.UsageError` for data of another shape or
+        dtype (its bytes are never reinterpreted, cast or cut)."""
         self.check(self.wire_spec, layer_tokens)
-        count = int(data.shape[0])
+        shape = tuple(int(d) for d in getattr(data, "shape", ()))
+        count = shape[0] if shape else 0
+        if shape != (count, 1, self._width):
+            raise UsageError(f"write() takes rows [count, 1, {self._width}], got an array shaped {shape}")
+        dtype = getattr(data, "dtype", None)
+        bits = self._device and self.spec.dtype == "bfloat16" and dtype == np.uint16  # CuPy's bfloat16
+        if not (isinstance(dtype, np.dtype) and (dtype == self._dtype or bits)):
+            raise UsageError(f"write() takes {self.spec.dtype} rows (the caches' dtype), got {dtype}")
         if not 0 <= layer < len(self._blocks) or start < 0 or start + count > self.layer_tokens:
             raise KvwireError(
                 f"chunk layer {layer} tokens [{start}, {start + count}) is outside the destination",

@@ -574,3 +574,25 @@ async def test_a_transfer_lands_in_its_kept_blocks_and_drops_the_others(codec: s
                         assert np.asarray(got[kind]).tobytes() == want[kind][slot * rows : (slot + 1) * rows].tobytes()
             for b in set(range(40)) - set(ids):
                 assert dst[li][b].tobytes() == before[li][b].tobytes()
+
+
+@pytest.mark.parametrize("ids", [[0, 1], [0, DROP]])
+@pytest.mark.parametrize("what", ["dtype", "wider", "narrower", "flat"])
+def test_write_refuses_rows_of_another_dtype_or_shape(ids: list[int], what: str) -> None:
+    # Rows are never reinterpreted, cast or cut: a float32 block's bytes are not float16's.
+    spec = PagedSpec(num_layers=1, block_shape=(2, 4, 8), dtype="float16")
+    rows, width = spec.rows_per_block, spec.row_elems
+    data = {
+        "dtype": np.full((rows, 1, width), 1.5, np.float32),
+        "wider": np.full((rows, 1, 2 * width), 1.5, np.float16),
+        "narrower": np.full((rows, 1, width // 2), 1.5, np.float16),
+        "flat": np.full((rows, width), 1.5, np.float16),
+    }[what]
+    dst = [np.zeros((2, *spec.block_shape), np.float16)]
+    dest = PagedDestination(spec, dst, ids)
+    with pytest.raises(UsageError, match="write"):
+        dest.write(0, 0, 0, data, spec.tokens(2))
+    assert not dst[0].any()
+    dest.write(0, 0, 0, np.full((rows, 1, width), 1.5, np.float16), spec.tokens(2))  # the rows it takes
+    assert np.all(dst[0][0].reshape(-1)[: spec.block_elems // 2] == 1.5)
+
