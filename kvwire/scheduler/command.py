@@ -22,6 +22,7 @@ from kvwire.scheduler.simulator import (
     PolicyName,
     PolicyResult,
     SimulationConfig,
+    model_cluster,
     offered_rate,
     policy_capacity,
     scale_to_load,
@@ -96,7 +97,7 @@ def add_parser(subparsers: Any) -> None:
     w.add_argument("--trace", metavar="FILE",
                    help="Mooncake-format JSONL trace (.gz accepted); omitted: synthetic log-normal")
     w.add_argument("--limit", type=POSITIVE_INT, metavar="N",
-                   help="use only the first N requests of the trace")
+                   help="use only the first N records of the trace, in file order")
     load = w.add_mutually_exclusive_group()
     load.add_argument("--speedup", type=POSITIVE, default=1.0, metavar="X",
                       help="compress arrival times by this factor (default 1: as recorded)")
@@ -149,7 +150,8 @@ def add_parser(subparsers: Any) -> None:
                       metavar="RATE", help="link rate, e.g. 100gbps, 10gbit, 800mbps (default 100gbps)")
     link.add_argument("--link-schedule", type=argument_type(parse_schedule, "schedule"),
                       metavar="SCHEDULE",
-                      help="rate over time, e.g. 0s:10gbps,300s:1gbps,600s:10gbps (replaces --link)")
+                      help="rate over time from the first arrival, e.g. 0s:10gbps,300s:1gbps,600s:10gbps "
+                           "(replaces --link)")
     s.add_argument("--rtt", type=argument_type(parse_duration, "duration"), default=0.01,
                    metavar="TIME", help="round-trip time between the clusters (default 10ms)")
     s.add_argument("--cache-blocks", type=NON_NEGATIVE_INT, metavar="N",
@@ -225,9 +227,10 @@ def _workload(args: argparse.Namespace) -> tuple[TraceRequest, ...]:
             output_tokens=args.output_tokens,
             clip=args.clip_lengths,
         )
-    if args.speedup != 1.0:
-        reqs = tuple(replace(r, arrival_s=r.arrival_s / args.speedup) for r in reqs)
-    return reqs
+    # The link schedule's times count from the first arrival, whatever clock the trace's
+    # timestamps are on (--load rescales from it too).
+    t0 = min(r.arrival_s for r in reqs)
+    return tuple(replace(r, arrival_s=(r.arrival_s - t0) / args.speedup) for r in reqs)
 
 
 def _config(args: argparse.Namespace) -> SimulationConfig:
@@ -355,7 +358,7 @@ def _document(
             "offload_fraction": b.offload_fraction,
             "binding": str(b.binding),
             "balance_slack": _json_safe(b.balance_slack),
-            "egress_bps": _json_safe(config.link.mean_rate(max(r.arrival_s for r in reqs) or 1.0)),
+            "egress_bps": _json_safe(model_cluster(reqs, config).egress_bps),
         },
         "policies": {r.policy: r.as_json() for r in results},
     }
@@ -389,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
         f"{b.decode_instances:g} ({config.cluster.split_granularity} split, balance slack "
         f"{b.balance_slack:+.2f}), Lambda_max={b.lambda_max_rps:.3f} rps, binding: {b.binding}\n"
         f"link {format_schedule(tuple(zip(config.link.starts_s, config.link.rates_bps, strict=True)))}"
-        f" (mean {format_rate(config.link.mean_rate(max(r.arrival_s for r in reqs) or 1.0))} over "
+        f" (mean {format_rate(model_cluster(reqs, config).egress_bps)} over "
         f"the arrivals), RTT {format_duration(config.rtt_s)}"
     )
     _print_table(results, caption, out)

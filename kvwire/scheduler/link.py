@@ -44,9 +44,13 @@ class LinkSchedule:
 
     def mean_rate(self, horizon_s: float) -> float:
         """Time-averaged rate over ``[0, horizon_s]``."""
-        if horizon_s <= 0:
-            return self.rates_bps[0]
-        return 8.0 * self.bytes_between(0.0, horizon_s) / horizon_s
+        return self.mean_rate_between(0.0, horizon_s)
+
+    def mean_rate_between(self, t0: float, t1: float) -> float:
+        """Time-averaged rate over ``[t0, t1]`` (``t1 <= t0``: the rate at ``t0``)."""
+        if t1 <= t0:
+            return self.rate_at(t0)
+        return 8.0 * self.bytes_between(t0, t1) / (t1 - t0)
 
     def bytes_between(self, t0: float, t1: float) -> float:
         total = 0.0

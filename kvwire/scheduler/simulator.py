@@ -711,12 +711,13 @@ def scale_to_load(requests: Sequence[TraceRequest], rate_rps: float) -> tuple[Tr
 
 def model_cluster(requests: Sequence[TraceRequest], config: SimulationConfig) -> ClusterConfig:
     """The model's cluster for this trace: its mean output length and the link's mean rate
-    over the arrival window."""
-    horizon = max(r.arrival_s for r in requests) or 1.0
+    over the arrival window (first to last arrival; the schedule is on the trace's clock)."""
+    first = min(r.arrival_s for r in requests)
+    last = max(r.arrival_s for r in requests)
     mean_out = float(np.mean([r.output_length for r in requests])) or 1.0
     return replace(
         config.cluster,
-        egress_bps=config.link.mean_rate(horizon),
+        egress_bps=config.link.mean_rate_between(first, last),
         mean_output_tokens=max(mean_out, 1.0),
     )
 

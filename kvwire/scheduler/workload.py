@@ -45,7 +45,8 @@ class TraceRequest:
 def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequest, ...]:
     """Read a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
     ``output_length``, ``hash_ids``), sorted by arrival. A ``.gz`` file (any case) is decompressed.
-    Timestamps must be finite and lengths >= 0; a bad record is reported by path and line."""
+    Timestamps must be finite and lengths >= 0; a bad record is reported by path and line.
+    ``limit``: keep the first ``limit`` records in file order (then sort them)."""
     out: list[TraceRequest] = []
     try:
         with (

@@ -189,3 +189,42 @@ def test_simulate_cli_checks_the_plot_format_before_running(
     args = parse(["simulate", "--requests", "10000000", "--plot", str(tmp_path / "p.svgx")])
     assert run(args) == 2
     assert "cannot write 'svgx'" in capsys.readouterr().err
+
+
+def _trace_file(path: Path, offset_ms: int) -> Path:
+    lines = [
+        json.dumps({"timestamp": offset_ms + 700 * i, "input_length": 3000 + 997 * (i % 40),
+                    "output_length": 20, "hash_ids": [i]})
+        for i in range(120)
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _close(a: object, b: object) -> bool:
+    """Equal, floats to 1e-9 (shifted timestamps round differently)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, float) and isinstance(b, float):
+        return bool(a == pytest.approx(b, rel=1e-9, abs=1e-9))
+    return a == b
+
+
+@pytest.mark.parametrize("speedup", ["1", "2"])
+def test_simulate_cli_link_schedule_counts_from_the_first_arrival(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], speedup: str
+) -> None:
+    # The same trace with timestamps starting at 0 and at 1000 s gives the same run: the
+    # schedule's times (and the mean link rate the model uses) count from the first arrival.
+    docs = []
+    for offset in (0, 1_000_000):
+        trace = _trace_file(tmp_path / f"t{offset}.jsonl", offset)
+        args = parse(["simulate", "--trace", str(trace), "--policy", "selective", "--json", "-",
+                      "--speedup", speedup, "--link-schedule", "0s:1gbps,30s:8gbps"])
+        assert run(args) == 0
+        docs.append(json.loads(capsys.readouterr().out))
+    for part in ("model", "policies"):
+        assert _close(docs[0][part], docs[1][part]), part
+    # 84 s of arrivals (42 s at --speedup 2): 30 s at 1 Gbit/s, the rest at 8.
+    span = 83.3 / float(speedup)
+    assert docs[0]["model"]["egress_bps"] == pytest.approx((30 * 1e9 + (span - 30) * 8e9) / span)

@@ -10,6 +10,7 @@ from kvwire.scheduler.profile import builtin_profile
 from kvwire.scheduler.simulator import (
     PolicyName,
     SimulationConfig,
+    model_cluster,
     simulate,
     simulate_policies,
 )
@@ -132,3 +133,16 @@ def test_prefix_cache_hits_are_counted() -> None:
     assert 0.2 < r.cache_hit_ratio < 1
     no_cache = SimulationConfig(cluster=HYBRID, remote_cache_blocks=0, local_cache_blocks=0)
     assert simulate(shared_prefix_trace(), no_cache, PolicyName.OFFLOAD_ALL).cache_hit_ratio == 0
+
+
+def test_model_link_rate_is_averaged_over_the_arrival_window() -> None:
+    # Arrivals from 1000 s to 1300 s; the link is at 8 Gbit/s for all of that window.
+    trace = [
+        TraceRequest(arrival_s=1000.0 + 3.0 * i, input_length=4000, output_length=10, hash_ids=(i,))
+        for i in range(101)
+    ]
+    link = LinkSchedule(starts_s=(0.0, 1000.0), rates_bps=(1e9, 8e9))
+    cfg = SimulationConfig(cluster=ClusterConfig(remote_profile=builtin_profile("hybrid-1t")), link=link)
+    assert model_cluster(trace, cfg).egress_bps == pytest.approx(8e9)
+    assert link.mean_rate_between(500.0, 1500.0) == pytest.approx(4.5e9)
+    assert link.mean_rate_between(1200.0, 1200.0) == 8e9
