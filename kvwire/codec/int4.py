@@ -212,8 +212,12 @@ class Int4Codec(Codec):
         return group, shape, kind, nm.split_payload(payload, [4 * ngroups, 4 * ngroups, (n + 1) // 2], self.name)
 
     def encoded_size_ratio(self, shape: tuple[int, int, int], dtype: str) -> float:
+        """The mean over a K and a V chunk of ``shape`` (a layer sends one of each): their
+        group counts differ where ``head_dim`` or the token count is not a multiple of the
+        group."""
         n = shape[0] * shape[1] * shape[2]
-        size = 8 * group_count(shape, TensorKind.K, self.group) + (n + 1) // 2
+        groups = group_count(shape, TensorKind.K, self.group) + group_count(shape, TensorKind.V, self.group)
+        size = 4 * groups + (n + 1) // 2
         return size / (2.0 * n)
 
 

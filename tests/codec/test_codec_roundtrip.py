@@ -174,14 +174,18 @@ def test_entropy_stage_applied_only_when_it_shrinks() -> None:
     assert _payload_bytes(dropped) == _payload_bytes(get_codec("int4").encode(noise, TensorKind.V))
 
 
-def test_encoded_size_ratio_matches_payload() -> None:
-    x = np.ones((64, 8, 128), np.float16)
+@pytest.mark.parametrize("shape", [(64, 8, 128), (64, 2, 80), (48, 2, 80)])
+def test_encoded_size_ratio_matches_payload(shape: tuple[int, int, int]) -> None:
+    """The expected size of a layer's chunks of ``shape``: the mean of its K and its V chunk
+    (int4 groups K and V differently: they differ where head_dim or the token count is not
+    a multiple of the group)."""
+    x = np.ones(shape, np.float16)
     for name in ALL:
         codec = get_codec(name)
         base = get_codec(name.split("+")[0])
-        chunk = base.encode(x, TensorKind.K)
-        actual = (len(_payload_bytes(chunk)) + len(chunk.params)) / x.nbytes
-        assert codec.encoded_size_ratio(x.shape, "float16") == pytest.approx(actual, abs=1e-4)
+        chunks = [base.encode(x, kind) for kind in KINDS]
+        actual = sum(len(_payload_bytes(c)) + len(c.params) for c in chunks) / (2 * x.nbytes)
+        assert codec.encoded_size_ratio(x.shape, "float16") == pytest.approx(actual, abs=1e-4), name
 
 
 @pytest.mark.parametrize("name", ALL)
