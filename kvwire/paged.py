@@ -163,7 +163,14 @@ def host_view(x: Any, dtype: str) -> np.ndarray:
 
 def _device_view(x: Any, dtype: str) -> Any:
     """A CuPy array sharing ``x``'s GPU memory (bfloat16 as uint16 bits)."""
-    import cupy
+    try:
+        import cupy
+    except ImportError:
+        from kvwire.aio._gpu import INSTALL_HINT
+
+        where = getattr(x, "device", None)
+        where = "a GPU" if where is None else f"device {where}"
+        raise UsageError(f"a cache on {where} is not in host memory: reading it needs CuPy ({INSTALL_HINT})") from None
 
     if not isinstance(x, cupy.ndarray):
         if dtype == "bfloat16" and type(x).__module__.startswith("torch"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import sys
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 import kvwire
 from kvwire._extensions import extensions_disabled
 from kvwire.aio import _stream
+from kvwire.aio._arrays import as_device_array
 from kvwire.codec import Fp8Codec, Int4Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
 from kvwire.errors import ErrorCode, KvwireError, UsageError
 from kvwire.paged import (
@@ -596,3 +598,21 @@ def test_write_refuses_rows_of_another_dtype_or_shape(ids: list[int], what: str)
     dest.write(0, 0, 0, np.full((rows, 1, width), 1.5, np.float16), spec.tokens(2))  # the rows it takes
     assert np.all(dst[0][0].reshape(-1)[: spec.block_elems // 2] == 1.5)
 
+
+class _DeviceArray:
+    """Stands for a tensor in device memory (DLPack device type 2, CUDA)."""
+
+    shape = (4, 2, 16)
+    dtype = "float16"
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (2, 0)
+
+
+def test_a_device_cache_without_cupy_is_a_usage_error_naming_the_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as if CuPy were not installed
+    spec = PagedSpec(num_layers=1, block_shape=(2, 16), dtype="float16")
+    for make in (lambda: PagedSource(spec, [_DeviceArray()], [0]), lambda: PagedDestination(spec, [_DeviceArray()], [0]),
+                 lambda: as_device_array(_DeviceArray(), spec.wire_spec(), "k")):  # what send() is given
+        with pytest.raises(UsageError, match=r"CuPy \(pip install kvwire\[gpu-cuda12\]"):
+            make()

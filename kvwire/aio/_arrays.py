@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.aio._gpu import INSTALL_HINT
 from kvwire.codec import numpy_dtype
 from kvwire.errors import UsageError
 from kvwire.paged import BlockRows
@@ -73,7 +74,7 @@ def as_device_array(x: Any, spec: KVSpec, what: str) -> Any:
     try:
         import cupy
     except ImportError:
-        raise UsageError(f"{what} lives on a GPU: sending it needs CuPy (pip install kvwire[gpu])") from None
+        raise UsageError(f"{what} lives on a GPU: sending it needs CuPy ({INSTALL_HINT})") from None
 
     if not isinstance(x, cupy.ndarray):
         view = getattr(x, "view", None)
