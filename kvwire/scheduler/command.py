@@ -170,7 +170,8 @@ def add_parser(subparsers: Any) -> None:
                    default=list(PolicyName), metavar="LIST",
                    help="comma-separated: " + ", ".join(PolicyName) + " (default: all)")
     o.add_argument("--threshold", type=NON_NEGATIVE, metavar="TOKENS",
-                   help="fixed t for selective / start t for adaptive (default: the optimizer's)")
+                   help="fixed t for selective (default: the optimizer's); adaptive ignores it "
+                        "and follows the optimizer's t for its bandwidth estimate")
     o.add_argument("--json", metavar="FILE",
                    help="write the configuration and per-policy results as JSON ('-': stdout)")
     o.add_argument("--plot", metavar="FILE.png",

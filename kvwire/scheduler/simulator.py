@@ -196,12 +196,14 @@ def threshold_table(
     prefill_instances: float,
     step_tokens: float = 256.0,
     bandwidths_bps: Sequence[float] | None = None,
+    include_bps: Sequence[float] = (),
 ) -> ThresholdTable:
     """Tabulate :func:`optimize`'s threshold over bandwidth (default 0.1 Gbit/s to
-    1 Tbit/s, 8 points a decade) at split ``prefill_instances``."""
-    grid = sorted(
-        bandwidths_bps if bandwidths_bps is not None else (10 ** (8 + i / 8) for i in range(33))
-    )
+    1 Tbit/s, 8 points a decade) at split ``prefill_instances``. ``include_bps``: more
+    bandwidths to tabulate exactly (``adaptive`` adds the link's nominal rate, so its
+    threshold there is the optimizer's, not the one of the grid point below it)."""
+    base = bandwidths_bps if bandwidths_bps is not None else (10 ** (8 + i / 8) for i in range(33))
+    grid = sorted({float(b) for b in (*base, *include_bps)})
     if not grid or grid[0] <= 0:
         raise UsageError("threshold table bandwidths must be > 0")
     raw = [
@@ -323,6 +325,8 @@ class SimState:
     table: ThresholdTable | None = None
     adaptive: AdaptiveState | None = None
     next_control_s: float = 0.0
+    last_control_s: float = 0.0
+    """When ``adaptive``'s estimate was last updated (its starting value: at time 0)."""
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     # resources
     prefill_instances: float = 0.0
@@ -408,7 +412,7 @@ def new_state(
     if policy is PolicyName.ADAPTIVE:
         bw = config.link.rate_at(0.0)
         start = threshold_tokens
-        if math.isinf(start) and table is not None:
+        if table is not None:
             start = table.threshold_at(bw)
         state.adaptive = AdaptiveState(
             threshold_tokens=start, nominal_bps=bw, tuned_bps=bw, estimate_bps=bw
@@ -499,6 +503,15 @@ def _pending(state: SimState, i: int, add: int) -> None:
             pending.pop(h, None)
 
 
+def _smoothing(elapsed_s: float, time_constant_s: float) -> float:
+    """Weight of a new bandwidth sample in an exponential moving average with time
+    constant ``time_constant_s``, ``elapsed_s`` after the previous sample: control steps
+    run only at arrivals, so their spacing varies and the weight must follow it."""
+    if time_constant_s <= 0:
+        return 1.0
+    return -math.expm1(-max(elapsed_s, 0.0) / time_constant_s)
+
+
 def _place(state: SimState, i: int) -> bool:
     """The policy's decision for request ``i`` at ``now`` (True: offload)."""
     if state.policy is PolicyName.LOCAL:
@@ -517,13 +530,12 @@ def _place(state: SimState, i: int) -> bool:
                 state.table,
                 local_backlog_s=local_s,
                 remote_backlog_s=remote_s,
-                smoothing=min(
-                    1.0,
-                    state.config.control_interval_s
-                    / max(state.config.bandwidth_time_constant_s, 1e-9),
+                smoothing=_smoothing(
+                    state.now - state.last_control_s, state.config.bandwidth_time_constant_s
                 ),
                 hysteresis=state.config.hysteresis,
             )
+            state.last_control_s = state.now
             state.next_control_s = state.now + state.config.control_interval_s
         threshold = state.adaptive.threshold_tokens
     state.thresholds_seen.append(threshold)
@@ -959,8 +971,10 @@ def simulate(
 ) -> PolicyResult:
     """Replay ``requests`` under ``policy``. Deterministic for a given ``seed``.
 
-    ``threshold_tokens`` overrides the optimizer's ``t`` for ``selective`` and the starting
-    ``t`` of ``adaptive``. ``table``: ``adaptive``'s threshold table (computed when absent).
+    ``threshold_tokens`` overrides the optimizer's ``t`` for ``selective`` (``adaptive``
+    takes its threshold from its table: at the link's nominal rate the optimizer's).
+    ``table``: ``adaptive``'s threshold table (computed when absent, with the nominal rate
+    tabulated exactly).
     """
     policy = PolicyName(policy)
     if not requests:
@@ -975,13 +989,14 @@ def simulate(
     if threshold_tokens is not None and policy is PolicyName.SELECTIVE:
         t = threshold_tokens
     if policy is PolicyName.ADAPTIVE:
-        t = threshold_tokens if threshold_tokens is not None else math.inf
+        t = math.inf
         if table is None:
             table = threshold_table(
                 dist,
                 model_cluster(requests, config),
                 prefill_instances=n_p,
                 step_tokens=config.threshold_step_tokens,
+                include_bps=(config.link.rate_at(0.0),) if config.link.rate_at(0.0) > 0 else (),
             )
     state = new_state(
         requests, config, policy, prefill_instances=n_p, threshold_tokens=t, table=table, seed=seed

@@ -4,6 +4,7 @@ and beat a fixed threshold when the link dips."""
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,12 +20,15 @@ from kvwire.scheduler.simulator import (
     AdaptiveState,
     PolicyName,
     SimulationConfig,
+    ThresholdTable,
+    new_state,
+    on_arrival,
     optimizer_for,
     retune_threshold,
     simulate,
     threshold_table,
 )
-from kvwire.scheduler.workload import LengthDistribution, load_trace, synthetic_trace
+from kvwire.scheduler.workload import LengthDistribution, TraceRequest, load_trace, synthetic_trace
 
 TRACE = Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_synthetic.jsonl.gz"
 HYBRID = ClusterConfig(remote_profile=builtin_profile("hybrid-1t"))
@@ -121,8 +125,10 @@ def test_adaptive_beats_selective_on_a_bandwidth_dip() -> None:
     sel = simulate(trace, config, PolicyName.SELECTIVE, optimizer=opt)
     ada = simulate(trace, config, PolicyName.ADAPTIVE, optimizer=opt)
     assert ada.retunes > 0
-    assert ada.throughput_rps >= sel.throughput_rps
-    assert ada.ttft_p90_s <= sel.ttft_p90_s
+    # selective knows the schedule in advance; adaptive, seeing only the live rate through
+    # a 60 s average, gives up a little throughput (under 5%) for a much lower P90.
+    assert ada.throughput_rps >= 0.95 * sel.throughput_rps
+    assert ada.ttft_p90_s <= 0.8 * sel.ttft_p90_s
     # And against the fixed threshold for the provisioned 10 Gbit/s:
     nominal = optimizer_for(trace, SimulationConfig(cluster=HYBRID, link=LinkSchedule.constant(10e9)))
     fixed = simulate(trace, config, PolicyName.SELECTIVE, optimizer=opt,
@@ -153,3 +159,58 @@ def test_adaptive_beats_selective_on_the_public_trace_with_a_dip() -> None:
     assert ada.retunes > 0
     assert ada.throughput_rps >= sel.throughput_rps
     assert ada.ttft_p90_s < sel.ttft_p90_s
+
+
+@pytest.mark.parametrize(("profile", "gbps"), [("hybrid-1t", 5.0), ("llama-3-70b", 20.0)])
+def test_adaptive_equals_selective_on_a_constant_link_off_the_table_grid(
+    profile: str, gbps: float
+) -> None:
+    # 5 and 20 Gbit/s fall between the table's grid points (8 a decade); adaptive's
+    # threshold at the nominal rate is still the optimizer's, as selective's is.
+    trace = synthetic_trace(np.random.default_rng(0), requests=300, rate_rps=2.0)
+    config = SimulationConfig(cluster=ClusterConfig(remote_profile=builtin_profile(profile)),
+                              link=LinkSchedule.constant(gbps * 1e9))
+    opt = optimizer_for(trace, config)
+    sel = simulate(trace, config, PolicyName.SELECTIVE, optimizer=opt)
+    ada = simulate(trace, config, PolicyName.ADAPTIVE, optimizer=opt)
+    assert ada.threshold_tokens == sel.threshold_tokens == opt.threshold_tokens
+    assert ada.retunes == 0
+    assert ada.finish_order == sel.finish_order and ada.ttft_p90_s == sel.ttft_p90_s
+
+
+def test_adaptive_ignores_a_given_threshold() -> None:
+    # threshold_tokens (--threshold) fixes selective's t; adaptive's comes from its table.
+    # It used to be adaptive's start, clamped into the bounds at the first arrival (so it
+    # had no effect) and counted as a retune.
+    trace = synthetic_trace(np.random.default_rng(2), requests=200, rate_rps=2.0)
+    config = SimulationConfig(cluster=HYBRID, link=LinkSchedule.constant(10e9))
+    opt = optimizer_for(trace, config)
+    plain = simulate(trace, config, PolicyName.ADAPTIVE, optimizer=opt)
+    for t in (2000.0, 100_000.0):
+        given = simulate(trace, config, PolicyName.ADAPTIVE, optimizer=opt, threshold_tokens=t)
+        assert given.retunes == plain.retunes == 0
+        assert given.threshold_tokens == plain.threshold_tokens == opt.threshold_tokens
+
+
+def test_bandwidth_average_has_a_time_constant_in_seconds() -> None:
+    # The link drops from 10 to 1 Gbit/s at 200 s. With a 60 s time constant the estimate
+    # 60 s later has closed 1 - 1/e of the gap however sparse the arrivals (control steps
+    # run only at arrivals). It used to weigh each step 1/60 whatever time had passed: a
+    # time constant of 60 arrivals, 300 s at one arrival every 5 s.
+    link = LinkSchedule(starts_s=(0.0, 200.0), rates_bps=(10e9, 1e9))
+    config = SimulationConfig(cluster=HYBRID, link=link)
+    table = ThresholdTable((1e8,), (20_000.0,))
+    for gap in (5.0, 1.0):
+        n = int(260 / gap) + 1
+        trace = [TraceRequest(arrival_s=i * gap, input_length=1000, output_length=1, hash_ids=(i,))
+                 for i in range(n)]
+        st = new_state(trace, config, PolicyName.ADAPTIVE, prefill_instances=5, table=table)
+        for i in range(n):  # place each request at its arrival, as on_arrival does
+            st.now = trace[i].arrival_s
+            if st.now >= 200.0:
+                st.link_rate_bps = 1e9
+            on_arrival(st, i)
+        assert st.adaptive is not None
+        # The sample at 200 s is already 1 Gbit/s: the gap decays from the step before.
+        expected = 1e9 + 9e9 * math.exp(-(260.0 - (200.0 - gap)) / 60.0)
+        assert st.adaptive.estimate_bps == pytest.approx(expected, rel=1e-9)
