@@ -429,6 +429,7 @@ class ProxyBase(Generic[C, P]):
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
         high_water: int = 4 * 1024 * 1024,
+        client_rcvbuf: int | None = None,
     ) -> None:
         self.target_host = target_host
         self.target_port = target_port
@@ -436,6 +437,10 @@ class ProxyBase(Generic[C, P]):
         self.listen_host = listen_host
         self.listen_port = listen_port
         self.high_water = high_water
+        # SO_RCVBUF of accepted connections (None: the kernel's autotuning): what a client
+        # may have sent that the proxy has not read yet stays within it, so a slow link's
+        # queue is not the kernel's megabytes on top of ``high_water``.
+        self.client_rcvbuf = client_rcvbuf
         self.connections: list[C] = []
         """Every connection accepted so far, in order (index = position)."""
         self.active: set[C] = set()
@@ -443,6 +448,16 @@ class ProxyBase(Generic[C, P]):
 
     def _policies(self, conn: C) -> tuple[P, P]:
         return self._policy_factory(conn)
+
+    def _listener(self) -> socket.socket:
+        """The listening socket, with :attr:`client_rcvbuf` set before any connection
+        arrives (accepted sockets inherit it, and their window scale is chosen from it)."""
+        family = socket.AF_INET6 if ":" in self.listen_host else socket.AF_INET
+        listener = socket.create_server((self.listen_host, self.listen_port), family=family, backlog=128)
+        if self.client_rcvbuf is not None:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.client_rcvbuf)
+        listener.setblocking(False)
+        return listener
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -479,9 +494,7 @@ class TcpProxy(ProxyBase[ProxyConnection, DirectionPolicy]):
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            self._accept, self.listen_host, self.listen_port, backlog=128
-        )
+        self._server = await loop.create_server(self._accept, sock=self._listener(), backlog=128)
 
     async def close(self) -> None:
         if self._server is not None:

@@ -408,14 +408,14 @@ class SpliceProxy(ProxyBase[SpliceConnection, TimedPolicy]):
     """Listens on ``listen_host:listen_port`` and splices every connection to the target
     (the same surface as the copying ``TcpProxy``, for the link emulator)."""
 
-    _listener: socket.socket | None = None
+    _listening: socket.socket | None = None
     _pool: _PipePool | None = None  # from start() on
 
     @property
     def port(self) -> int:
-        if self._listener is None:
+        if self._listening is None:
             raise RuntimeError("the proxy is not started")
-        port: int = self._listener.getsockname()[1]
+        port: int = self._listening.getsockname()[1]
         return port
 
     @property
@@ -427,9 +427,8 @@ class SpliceProxy(ProxyBase[SpliceConnection, TimedPolicy]):
         if not AVAILABLE:
             raise OSError(errno.ENOSYS, "splice(2) is not available here")
         self._pool = _PipePool()
-        listener = socket.create_server((self.listen_host, self.listen_port), backlog=128)
-        listener.setblocking(False)
-        self._listener = listener
+        listener = self._listener()
+        self._listening = listener
         self._spawn(self._accept_loop(listener))
 
     async def _accept_loop(self, listener: socket.socket) -> None:
@@ -452,8 +451,8 @@ class SpliceProxy(ProxyBase[SpliceConnection, TimedPolicy]):
         for conn in list(self.active):
             conn.abort()
         await self._cancel_tasks()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        if self._listening is not None:
+            self._listening.close()
+            self._listening = None
         if self._pool is not None:
             self._pool.close()

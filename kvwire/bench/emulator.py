@@ -28,9 +28,23 @@ from kvwire.bench._proxy import Action, ActionKind, ProxyConnection, TcpProxy
 from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
 from kvwire.bench._splice import SpliceConnection, SpliceProxy
 
-__all__ = ["LinkEmulator", "LinkStatistics", "RateSchedule"]
+__all__ = ["LinkEmulator", "LinkStatistics", "RateSchedule", "default_queue_bytes"]
 
 _MIB = 1024 * 1024
+#: How long the bottleneck's queue lasts at the link's (peak) rate, as tbf's latency in
+#: :mod:`kvwire.bench.netns`; between :data:`MIN_QUEUE` and :data:`MAX_QUEUE` per connection.
+QUEUE_TIME = 0.05
+MIN_QUEUE = 64 * 1024
+MAX_QUEUE = 4 * _MIB
+
+
+def default_queue_bytes(peak_bps: float | None) -> int:
+    """The bottleneck queue of one connection on a link of ``peak_bps`` (None: unlimited):
+    :data:`QUEUE_TIME` of the rate, so a slow link does not queue many seconds of bytes
+    (at 2 Mbit/s, 4 MiB would be 17 s)."""
+    if peak_bps is None:
+        return MAX_QUEUE
+    return int(min(MAX_QUEUE, max(MIN_QUEUE, peak_bps / 8.0 * QUEUE_TIME)))
 
 
 class RateSchedule:
@@ -187,8 +201,11 @@ class LinkEmulator:
     :param schedule: ``[(t, rate_bps), ...]``: the forward rate from ``t`` seconds after
         start, e.g. ``[(0.0, 10e9), (3.0, 2.5e9)]``.
     :param reverse_rate_bps: shared rate for target-to-client bytes (``None``: unlimited).
-    :param queue_bytes: bottleneck queue beyond the bytes in the delay line; a sender
-        ahead of the link by more is pushed back through TCP.
+    :param queue_bytes: bottleneck queue of each connection beyond the bytes in the delay
+        line; a sender ahead of the link by more is pushed back through TCP.  Default
+        (None): :func:`default_queue_bytes` of the peak rate.  Below :data:`MAX_QUEUE`
+        the proxy's receive buffer is set to it too, so the kernel does not queue
+        megabytes more than it.
     :param burst: seconds of unused capacity that may be caught up (a token bucket of
         ``rate x burst`` bytes); covers the proxy's own scheduling delays.
     :param seed: jitter's random seed, for repeatable runs.
@@ -209,7 +226,7 @@ class LinkEmulator:
         jitter: float = 0.0,
         schedule: Sequence[tuple[float, float | None]] | None = None,
         reverse_rate_bps: float | None = None,
-        queue_bytes: int = 4 * _MIB,
+        queue_bytes: int | None = None,
         burst: float = 0.005,
         listen_host: str = "127.0.0.1",
         listen_port: int = 0,
@@ -228,6 +245,9 @@ class LinkEmulator:
         self._backward = _Bottleneck(self.reverse_schedule, burst)
         self._rng = random.Random(seed)
         self.start_time = 0.0
+        if queue_bytes is None:
+            queue_bytes = default_queue_bytes(self.schedule.peak_bps)
+        self.queue_bytes = queue_bytes
         high = queue_bytes + self._in_delay_line(self.schedule.peak_bps)
         if splice is None:
             splice = SPLICE_AVAILABLE
@@ -242,6 +262,7 @@ class LinkEmulator:
             listen_host=listen_host,
             listen_port=listen_port,
             high_water=high,
+            client_rcvbuf=queue_bytes if queue_bytes < MAX_QUEUE else None,
         )
 
     def _in_delay_line(self, peak_bps: float | None) -> int:

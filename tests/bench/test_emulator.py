@@ -172,3 +172,39 @@ async def test_jitter_keeps_delay_within_bounds(counter: Counter, splice: bool) 
             rtt = time.monotonic() - start
             assert 2 * 0.02 <= rtt < 2 * 0.04 + 0.05
         writer.close()
+
+
+def test_the_default_queue_lasts_the_same_time_at_every_rate() -> None:
+    assert emulator.default_queue_bytes(None) == emulator.MAX_QUEUE
+    assert emulator.default_queue_bytes(10e9) == emulator.MAX_QUEUE
+    assert emulator.default_queue_bytes(100e6) == int(100e6 / 8 * emulator.QUEUE_TIME)
+    assert emulator.default_queue_bytes(1e6) == emulator.MIN_QUEUE
+    assert LinkEmulator("127.0.0.1", 9, rate_bps=100e6).queue_bytes == int(100e6 / 8 * emulator.QUEUE_TIME)
+    assert LinkEmulator("127.0.0.1", 9, rate_bps=100e6, queue_bytes=12345).queue_bytes == 12345
+
+
+async def test_a_slow_link_queues_a_fraction_of_a_second_not_megabytes(counter: Counter, splice: bool) -> None:
+    """A sender writing as fast as it can into an 8 Mbit/s link: what it got rid of and the
+    link has not carried yet is the bottleneck's queue (50 ms, its 64 KiB floor here) and
+    small socket buffers, not the 4 MiB of a fast link plus the kernel's autotuned
+    megabytes (which made the bench's last message wait a minute behind them)."""
+    import socket
+
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=8e6, splice=splice) as link:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+        sock.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(sock, ("127.0.0.1", link.port))
+        block, written = bytes(64 * 1024), 0
+        until = time.monotonic() + 1.5  # long enough to fill every buffer on the way
+        try:
+            while time.monotonic() < until:
+                try:
+                    written += sock.send(block)
+                except BlockingIOError:
+                    await asyncio.sleep(0.01)
+            ahead = written - link.statistics().bytes_forward
+        finally:
+            sock.close()
+    assert ahead < 1 << 20, f"{ahead} bytes queued ahead of an 8 Mbit/s link"
