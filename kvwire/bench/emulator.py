@@ -28,7 +28,7 @@ from kvwire.bench._proxy import Action, ActionKind, ProxyConnection, TcpProxy
 from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
 from kvwire.bench._splice import SpliceConnection, SpliceProxy
 
-__all__ = ["LinkEmulator", "LinkStatistics", "RateSchedule", "default_queue_bytes"]
+__all__ = ["SPLICE_AVAILABLE", "LinkEmulator", "LinkStatistics", "RateSchedule", "default_queue_bytes"]
 
 _MIB = 1024 * 1024
 #: How long the bottleneck's queue lasts at the link's (peak) rate, as tbf's latency in
