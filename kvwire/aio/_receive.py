@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.aio._gpu import GpuReceiver
-from kvwire.aio._pool import default_pool
+from kvwire.aio._pool import default_pool, size_class
 from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
 from kvwire.errors import UsageError
 from kvwire.session.receiver import Key, LayerStore, Region
@@ -73,6 +73,10 @@ class ArrayStore(LayerStore):
         into.check(tg.spec, tg.layer_tokens)
         tg.into = into
         tg.checked = tg.layer_tokens is not None
+
+    def footprint(self, nbytes: int) -> int:
+        """A host layer takes a pool slab: its size class, at least 64 KiB."""
+        return nbytes if self.gpu is not None else size_class(nbytes)
 
     def allocate(self, key: Key, chunk: Chunk, nbytes: int) -> Any:
         tg = self._targets[key]

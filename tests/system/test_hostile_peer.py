@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvwire
+from kvwire.aio._pool import size_class
 from kvwire.aio._receive import ArrayStore
 from kvwire.errors import ErrorCode
 from kvwire.session.receiver import WIRE_TEXT_LIMIT
@@ -202,8 +203,21 @@ async def test_unclaimed_transfers_count_toward_max_transfers_and_are_dropped_af
             assert same_cache((await (await recv).collect(timeout=10)).layers, sent)
 
 
+async def test_tiny_layers_count_as_the_memory_they_take() -> None:
+    """Layers of a few bytes each take a 64 KiB pool slab: the budget counts that, so a
+    transfer of many tiny layers cannot hold thousands of times max_buffer_bytes."""
+    spec = kvwire.KVSpec(num_layers=40, num_kv_heads=1, head_dim=8)
+    tiny = make_layers(spec.num_layers, 1, 1, 8, seed=3)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_buffer_bytes=1 << 20) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            with pytest.raises(kvwire.LimitExceededError):
+                await peer.send("tiny", spec, tiny, timeout=10)  # nobody takes its layers
+            assert server.statistics()["buffered_bytes"] <= 1 << 20
+
+
 async def test_server_wide_byte_budget_refuses_what_does_not_fit() -> None:
-    layer_bytes = 2 * TOKENS * SPEC.num_kv_heads * SPEC.head_dim * 2
+    # A layer counts as the pool slab it takes (its size class, at least 64 KiB).
+    layer_bytes = size_class(2 * TOKENS * SPEC.num_kv_heads * SPEC.head_dim * 2)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_buffer_bytes=5 * layer_bytes) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
             await peer.send("one", SPEC, layers(), timeout=10)  # 4 layers held, unclaimed
