@@ -168,8 +168,9 @@ class ServerOptions:
     is refused before anything is decompressed."""
     max_buffer_bytes: int = 4 << 30
     """Server-wide: bytes of received layers held, in transfers still arriving and in
-    completed ones the application has not taken yet.  A transfer that would go beyond
-    it fails with LIMIT_EXCEEDED."""
+    completed ones the application has not taken yet, each counted at the memory it takes
+    (a host layer's pool slab: at least 64 KiB).  A transfer that would go beyond it fails
+    with LIMIT_EXCEEDED."""
     claim_timeout: float | None = 60.0
     """Seconds an arrived transfer waits for ``accept()``/``expect()`` to claim it; then
     it is dropped (aborted if still arriving).  None: kept until the server closes."""
