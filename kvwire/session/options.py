@@ -7,6 +7,7 @@ its core's config in one place) and the :class:`Receipt` of a completed send.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -25,25 +26,47 @@ from kvwire.wire.frames import (
     MIN_MAX_FRAME_SIZE,
 )
 
+#: Most streams a session may have (client and server).
+MAX_STREAMS = 64
+#: TCP_NOTSENT_LOWAT is a C int.
+_MAX_LOWAT = (1 << 31) - 1
+
 #: Unsent bytes the kernel may hold before the socket stops polling writable; keeps small
 #: frames (acks, credits) from queueing behind a full send buffer.
 NOTSENT_LOWAT = 1 << 20
 
 
 def check_number(owner: object, name: str, *, none_ok: bool = False, zero_ok: bool = False) -> None:
-    """:class:`~kvwire.UsageError` unless ``owner.<name>`` is a number > 0 (>= 0 with
-    ``zero_ok``; None is also accepted with ``none_ok``).  Booleans and NaN are refused."""
+    """:class:`~kvwire.UsageError` unless ``owner.<name>`` is a finite number > 0 (>= 0 with
+    ``zero_ok``; None is also accepted with ``none_ok``).  Booleans, NaN and infinities are
+    refused (where None is accepted, it is the way to say "no limit")."""
     value = getattr(owner, name)
     if value is None and none_ok:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        raise UsageError(f"{name} must be a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        hint = " (None for no limit)" if none_ok else ""
+        raise UsageError(f"{name} must be a finite number{hint}, got {value!r}")
     if value < 0 or (value == 0 and not zero_ok):
         raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
+def check_int(owner: object, name: str, *, minimum: int = 1, maximum: int | None = None,
+              none_ok: bool = False) -> None:
+    """:class:`~kvwire.UsageError` unless ``owner.<name>`` is an int (not a bool, not a
+    float such as 1e9) in [``minimum``, ``maximum``]; None is also accepted with
+    ``none_ok``.  Counts and sizes go into frames and socket options as integers."""
+    value = getattr(owner, name)
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise UsageError(f"{name} must be an int, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise UsageError(f"{name} must be an int {bound}, got {value!r}")
+
+
 def _check_frame_size(size: int) -> None:
-    if not MIN_MAX_FRAME_SIZE <= size <= MAX_MAX_FRAME_SIZE:
+    if isinstance(size, bool) or not isinstance(size, int) or not MIN_MAX_FRAME_SIZE <= size <= MAX_MAX_FRAME_SIZE:
         raise UsageError(f"max_frame_size must be in [{MIN_MAX_FRAME_SIZE}, {MAX_MAX_FRAME_SIZE}]")
 
 
@@ -103,17 +126,22 @@ class ClientOptions:
     def __post_init__(self) -> None:
         if self.auto_codec not in AUTO_CODEC_MODES:
             raise UsageError(f"auto_codec must be one of {', '.join(AUTO_CODEC_MODES)}, not {self.auto_codec!r}")
-        for name in ("chunk_bytes", "connect_timeout", "max_streams"):
-            check_number(self, name)
+        check_int(self, "chunk_bytes")
+        check_int(self, "max_streams", maximum=MAX_STREAMS)
+        for name in ("reconnect_attempts", "max_reconnects", "max_transfer_reconnects"):
+            check_int(self, name, minimum=0)
+        check_int(self, "notsent_lowat", minimum=0, maximum=_MAX_LOWAT, none_ok=True)
+        check_number(self, "connect_timeout")
         check_number(self, "idle_timeout", none_ok=True)
-        for name in ("reconnect_attempts", "reconnect_backoff", "max_reconnects", "max_transfer_reconnects"):
-            check_number(self, name, zero_ok=True)
+        check_number(self, "reconnect_backoff", zero_ok=True)
         _check_frame_size(self.max_frame_size)
+        if self.spec is not None and not isinstance(self.spec, KVSpec):
+            raise UsageError(f"spec must be a KVSpec or None, got {self.spec!r}")
 
     def sender_config(self, *, secret: bytes, streams: object) -> SenderConfig:
         """The session core's config for ``streams`` streams (every registered codec offered)."""
-        if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= 64:
-            raise UsageError("streams must be an int in [1, 64] or 'auto'")
+        if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
+            raise UsageError(f"streams must be an int in [1, {MAX_STREAMS}] or 'auto'")
         shared = {f.name: getattr(self, f.name) for f in fields(SenderConfig) if hasattr(self, f.name)}
         fingerprint = self.spec.fingerprint if self.spec is not None else NO_FINGERPRINT
         return SenderConfig(**shared, secret=_check_secret(secret), streams=streams,
@@ -178,15 +206,22 @@ class ServerOptions:
     """Largest ``meta`` (JSON object) a transfer may carry."""
 
     def __post_init__(self) -> None:
-        for name in ("max_transfers", "transfer_buffer_bytes", "max_tokens", "max_sessions",
-                     "max_streams", "handshake_timeout", "max_layer_bytes", "max_chunk_bytes",
-                     "max_buffer_bytes"):
-            check_number(self, name)
+        for name in ("transfer_buffer_bytes", "max_tokens", "max_sessions", "max_streams",
+                     "max_layer_bytes", "max_chunk_bytes", "max_buffer_bytes"):
+            check_int(self, name)
+        check_int(self, "max_transfers", maximum=(1 << 32) - 1)  # WELCOME's u32
+        check_int(self, "max_meta_bytes", minimum=0)
+        check_int(self, "notsent_lowat", minimum=0, maximum=_MAX_LOWAT, none_ok=True)
+        check_number(self, "handshake_timeout")
         for name in ("idle_timeout", "transfer_timeout", "claim_timeout"):
             check_number(self, name, none_ok=True)
         check_number(self, "resume_timeout", zero_ok=True)
-        check_number(self, "max_meta_bytes", zero_ok=True)
         _check_frame_size(self.max_frame_size)
+        check_int(self, "window", minimum=1, maximum=(1 << 64) - 1)  # WELCOME's u64
+        if not all(isinstance(spec, KVSpec) for spec in self.specs):
+            raise UsageError("specs must be KVSpec objects")
+        if not all(isinstance(name, str) for name in self.codecs):
+            raise UsageError("codecs must be a list of codec names")
         if self.window < self.max_frame_size:
             raise UsageError("window must be at least max_frame_size (one frame must fit)")
 
@@ -212,6 +247,8 @@ def make_server_options(spec: KVSpec | Sequence[KVSpec] | None = None, **options
     else:
         specs = tuple(spec)
     if "codecs" in options:
+        if isinstance(options["codecs"], str | bytes):
+            raise UsageError(f"codecs must be a list of codec names, not one string: {options['codecs']!r}")
         options["codecs"] = tuple(options["codecs"])
     try:
         return ServerOptions(specs=specs, **options)

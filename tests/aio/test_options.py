@@ -1,0 +1,85 @@
+"""Client and server options are checked when they are made: a value that cannot work
+(a float count, an infinite timeout, a socket option out of range, a spec that is not one)
+is a UsageError there, not an internal error, a hang or a TypeError on the first
+connection."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from typing import Any
+
+import pytest
+
+import kvwire
+from kvwire.errors import UsageError
+from kvwire.session.options import ClientOptions, ServerOptions, make_server_options
+from tests.conftest import SECRET, make_layers
+
+BAD_CLIENT: list[dict[str, Any]] = [
+    {"notsent_lowat": "1MiB"},
+    {"notsent_lowat": 1.5},
+    {"notsent_lowat": 1 << 32},
+    {"notsent_lowat": -1},
+    {"chunk_bytes": math.inf},
+    {"chunk_bytes": 4e6},
+    {"spec": "llama"},
+    {"max_frame_size": None},
+    {"max_frame_size": "x"},
+    {"max_streams": 100},
+    {"max_streams": 4.0},
+    {"reconnect_attempts": 2.5},
+    {"connect_timeout": math.inf},
+    {"idle_timeout": math.nan},
+]
+
+BAD_SERVER: list[dict[str, Any]] = [
+    {"window": math.inf},
+    {"window": math.nan},
+    {"window": 1e9},
+    {"window": "big"},
+    {"window": 1 << 64},
+    {"max_transfers": 2.5},
+    {"max_transfers": math.inf},
+    {"max_transfers": 1 << 32},
+    {"transfer_buffer_bytes": 1e9},
+    {"notsent_lowat": "x"},
+    {"handshake_timeout": math.inf},
+    {"transfer_timeout": math.inf},
+    {"max_meta_bytes": True},
+]
+
+
+@pytest.mark.parametrize("options", BAD_CLIENT, ids=lambda o: repr(o))
+def test_a_client_option_that_cannot_work_is_refused_up_front(options: dict[str, Any]) -> None:
+    with pytest.raises(UsageError, match=next(iter(options))):
+        ClientOptions(**options)
+
+
+@pytest.mark.parametrize("options", BAD_SERVER, ids=lambda o: repr(o))
+def test_a_server_option_that_cannot_work_is_refused_up_front(options: dict[str, Any]) -> None:
+    with pytest.raises(UsageError, match=next(iter(options))):
+        ServerOptions(**options)
+
+
+def test_codecs_given_as_one_string_are_refused() -> None:
+    with pytest.raises(UsageError, match="list of codec names"):
+        make_server_options(codecs="raw")
+    assert make_server_options(codecs=["raw"]).codecs == ("raw",)
+
+
+def test_the_defaults_and_ordinary_values_still_work() -> None:
+    ClientOptions()
+    ServerOptions()
+    ClientOptions(notsent_lowat=None, idle_timeout=None, reconnect_attempts=0, max_streams=64)
+    ServerOptions(window=1 << 40, max_transfers=(1 << 32) - 1, transfer_timeout=None, claim_timeout=None)
+
+
+async def test_a_large_window_written_as_an_int_reaches_the_client() -> None:
+    """The largest values the options take are the ones the wire carries."""
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, window=10**9, max_transfers=(1 << 32) - 1) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, notsent_lowat=(1 << 31) - 1) as peer:
+            receive = asyncio.ensure_future(server.expect("r", timeout=10))
+            await peer.send("r", spec, make_layers(2, 8, 2, 16), timeout=10)
+            await (await receive).collect(timeout=10)
