@@ -73,6 +73,10 @@ def window_limited_from_counters(
     return limited > threshold * busy_us
 
 
+#: Share of an interval an evaluation may come early and still count.
+_EARLY = 0.1
+
+
 class StreamController:
     """Chooses the number of streams in use from per-stream delivery samples."""
 
@@ -138,7 +142,10 @@ class StreamController:
             about the path can be drawn, so the count is held.
         """
         total = sum(s.delivery_rate_bps for s in samples)
-        if self._next_eval is not None and now < self._next_eval:
+        # A caller sleeping one interval between calls wakes a little early or late (an
+        # event loop's timer ticks in milliseconds): early by a tenth of an interval still
+        # counts, or every other period would be skipped and its samples lost.
+        if self._next_eval is not None and now < self._next_eval - _EARLY * self._interval:
             return self._decide(StreamVerdict.HOLD, total)
         self._next_eval = now + self._interval
         if app_limited or not samples:

@@ -43,6 +43,17 @@ def test_evaluations_before_the_timer_hold() -> None:
     assert d.verdict is StreamVerdict.HOLD and d.streams == 2
 
 
+def test_an_evaluation_a_little_early_still_counts() -> None:
+    """A caller sleeping one interval between calls wakes a fraction of a millisecond
+    early about as often as late; those calls must not be dropped."""
+    ctl = StreamController(max_streams=4, interval=0.25)
+    t = 0.0
+    for expected in (2, 3, 4):
+        d = ctl.evaluate(limited(1e9, ctl.streams), t)
+        assert d.verdict is StreamVerdict.GROW and d.streams == expected
+        t += 0.25 - 0.0005
+
+
 def test_reverts_a_stream_that_did_not_raise_the_total() -> None:
     ctl = StreamController(max_streams=8, interval=0.25, backoff=5.0)
     t = 0.0
