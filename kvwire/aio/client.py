@@ -147,7 +147,10 @@ class Peer(Pump):
         self.changed = asyncio.Event()
         self.estimator = DeliveryRateEstimator()
         # Bytes in flight kept near one to two bandwidth-delay products across streams.
-        self.inflight = InflightController(streams=self.core.config.streams, chunk_bytes=options.chunk_bytes)
+        # Its floor keeps two chunks queued per stream in use (with "auto": those the
+        # controller uses, not every connection opened).
+        self.inflight = InflightController(streams=self.core.active_streams or self.core.config.streams,
+                                           chunk_bytes=options.chunk_bytes)
         self.chooser: CodecChooser | None = None
         self.transport_meter = _TransportMeter()
         # What receiving costs the server, as its REPORTs say (statistics()["receiver"]).
@@ -537,6 +540,7 @@ class Peer(Pump):
             ctl.evaluate(samples, clock(), app_limited=idle)
             if core.active_streams != ctl.streams:
                 core.active_streams = ctl.streams
+                self.inflight.set_streams(ctl.streams)
                 core.pump()
                 self.pump()
 

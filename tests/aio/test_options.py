@@ -83,3 +83,17 @@ async def test_a_large_window_written_as_an_int_reaches_the_client() -> None:
             receive = asyncio.ensure_future(server.expect("r", timeout=10))
             await peer.send("r", spec, make_layers(2, 8, 2, 16), timeout=10)
             await (await receive).collect(timeout=10)
+
+
+async def test_with_auto_streams_the_in_flight_floor_is_for_the_streams_in_use() -> None:
+    """streams="auto" opens max_streams connections but starts on one: two chunks queued
+    per stream in use, not per connection opened (four times the queue with 4)."""
+    from kvwire.control import InflightController
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams="auto", max_streams=4) as peer:
+            in_use = peer.active_streams
+            assert in_use < 4
+            chunk = ClientOptions().chunk_bytes
+            assert peer.inflight.floor_bytes == InflightController(streams=in_use, chunk_bytes=chunk).floor_bytes
+            assert peer.inflight.floor_bytes < InflightController(streams=4, chunk_bytes=chunk).floor_bytes
