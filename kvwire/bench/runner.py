@@ -48,7 +48,7 @@ from kvwire.bench.report import (
 )
 from kvwire.codec.base import available_codecs
 from kvwire.errors import KvwireError, UsageError
-from kvwire.session.options import AUTO_CODEC_MODES
+from kvwire.session.options import AUTO_CODEC_MODES, ServerOptions
 from kvwire.spec import KVSpec
 from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
 
@@ -96,7 +96,7 @@ def load_secret(path: str | None) -> tuple[bytes, str | None]:
         return data, None
     env = os.environ.get("KVWIRE_SECRET")
     if env:
-        data = env.encode().strip()
+        data = os.fsencode(env).strip()  # the variable's bytes, whatever their encoding
         if len(data) < 8:
             raise UsageError("KVWIRE_SECRET holds fewer than 8 bytes")
         return data, None
@@ -120,6 +120,10 @@ def check_codec(name: str) -> str:
 #: Shortest --interval (the runner samples ten times a second: a report per interval much
 #: shorter than that would only repeat samples).
 MIN_INTERVAL = 0.01
+#: Largest --tokens: a kvwire server's default ``max_tokens`` per layer.
+MAX_TOKENS = ServerOptions().max_tokens
+#: Longest --rtt and --jitter (seconds): no link delays a byte longer.
+MAX_RTT = 60.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,14 +161,14 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         get_model(self.model)
-        if self.tokens < 1:
-            raise UsageError("--tokens must be >= 1")
+        if not 1 <= self.tokens <= MAX_TOKENS:
+            raise UsageError(f"--tokens must be in [1, {MAX_TOKENS}] (what a kvwire server accepts per layer)")
         if self.seed < 0:
             raise UsageError(f"--seed must be >= 0, not {self.seed}")
         if not self.duration > 0:
             raise UsageError("--duration must be > 0")
-        if self.rtt < 0 or self.jitter < 0:
-            raise UsageError("--rtt and --jitter must be >= 0")
+        if not (0 <= self.rtt <= MAX_RTT and 0 <= self.jitter <= MAX_RTT):
+            raise UsageError(f"--rtt and --jitter must be between 0 and {MAX_RTT:.0f} s")
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise UsageError("--chunk-size must be between 4 KiB and 64 MiB")
         if not self.interval >= MIN_INTERVAL:

@@ -152,6 +152,9 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
         ["--kernel"],
         ["--peer", "127.0.0.1:7070", "--link", "1gbps"],
         ["--secret-file", "x"],
+        ["--tokens", "99999999999999999999"],  # past what a server accepts (it was a traceback)
+        ["--link", "1gbps", "--rtt", "1e300"],  # (an OverflowError in the emulator, exit 1)
+        ["--link", "1gbps", "--jitter", "61s"],
     ],
 )
 def test_inconsistent_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:

@@ -95,3 +95,13 @@ def test_bad_log_level_exits_2() -> None:
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(["serve", "--log-level", "loud"])
     assert exc.value.code == 2
+
+
+def test_a_secret_variable_that_is_not_utf8_is_used_as_its_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment holds bytes; one that does not decode as UTF-8 reaches Python
+    surrogate-escaped, and is the secret all the same (it was a UnicodeEncodeError)."""
+    from kvwire.bench.runner import load_secret
+
+    raw = b"\xff\xfe-not-utf8-secret"
+    monkeypatch.setenv("KVWIRE_SECRET", os.fsdecode(raw))
+    assert load_secret(None) == (raw, None)
