@@ -137,7 +137,7 @@ class CodecChoice:
     delivered_bytes_per_s: float
     """Expected fp16 KV bytes/s delivered with this codec."""
     meets_deadline: bool | None
-    """``None`` when no deadline was given."""
+    """``None`` when no deadline was given, or nothing is measured yet to judge it by."""
     probe: bool = False
     """Sent to measure the path, not because it is the best: see :meth:`CodecChooser.choose`."""
 
@@ -329,6 +329,11 @@ class CodecChooser:
         ]
         if probe_interval <= 0:
             raise ValueError("probe_interval must be positive")
+        for value, name in ((tolerance, "tolerance"), (hysteresis, "hysteresis"), (explore_cost, "explore_cost")):
+            if not 0 <= value < 1:
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
+        if not 0 <= deadline_margin < 1:
+            raise ValueError(f"deadline_margin must be in [0, 1), got {deadline_margin!r}")
         self._probe_interval = probe_interval
         self._last_probe: float | None = None
         if refresh_after <= 0 or not 0 < refresh_share <= 1:

@@ -917,3 +917,12 @@ def test_rates_answered_again_are_the_rates_computed_afresh(steps: list[tuple[An
             got = c.rates(step[1])
             got["raw"] = -1.0  # the caller's copy
         assert c.rates(10e9) == {name: c.delivered_rate(name, 10e9) for name in c.codecs}
+
+
+@pytest.mark.parametrize("option", [{"tolerance": -0.1}, {"tolerance": math.nan}, {"hysteresis": 1.5},
+                                    {"deadline_margin": -1.0}, {"deadline_margin": 1.0}, {"explore_cost": math.inf}])
+def test_shares_outside_zero_to_one_are_refused_when_made(option: dict[str, float]) -> None:
+    """They failed later: a negative tolerance with an AssertionError in choose(), a
+    deadline margin of -1 with a ZeroDivisionError."""
+    with pytest.raises(ValueError, match=next(iter(option))):
+        CodecChooser([CodecCandidate(name="raw", size_ratio=1.0)], **option)
