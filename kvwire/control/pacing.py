@@ -240,8 +240,8 @@ class Pacer:
     def __init__(self, rate_bps: float | None = None, *, burst_bytes: int = 2 * _MIB) -> None:
         if burst_bytes <= 0:
             raise ValueError("burst_bytes must be positive")
-        if rate_bps is not None and rate_bps <= 0:
-            raise ValueError("rate_bps must be positive or None")
+        if rate_bps is not None and not 0 < rate_bps < math.inf:
+            raise ValueError("rate_bps must be a positive finite number, or None")
         self._rate_bps = rate_bps
         self._burst = float(burst_bytes)
         self._tokens = float(burst_bytes)
@@ -253,8 +253,8 @@ class Pacer:
         return self._rate_bps
 
     def set_rate(self, rate_bps: float | None, now: float) -> None:
-        if rate_bps is not None and rate_bps <= 0:
-            raise ValueError("rate_bps must be positive or None")
+        if rate_bps is not None and not 0 < rate_bps < math.inf:
+            raise ValueError("rate_bps must be a positive finite number, or None")
         self._refill(now)
         self._rate_bps = rate_bps
 

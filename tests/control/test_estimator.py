@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable
 
 import pytest
@@ -344,3 +345,11 @@ def test_pacer_spaces_releases_at_rate() -> None:
     pacer.on_send(1000, 0.001)
     pacer.set_rate(None, 0.001)
     assert pacer.next_send_time(10**9, 0.001) == 0.001
+
+
+@pytest.mark.parametrize("rate", [0.0, -1.0, math.nan, math.inf])
+def test_a_pacer_refuses_a_rate_that_is_not_a_positive_finite_number(rate: float) -> None:
+    with pytest.raises(ValueError, match="rate_bps"):
+        Pacer(rate)
+    with pytest.raises(ValueError, match="rate_bps"):
+        Pacer(8e6).set_rate(rate, now=0.0)
