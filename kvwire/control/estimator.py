@@ -384,6 +384,15 @@ class DeliveryRateEstimator:
             return None
         return self._min_rtts[0][1]
 
+    def min_rtt_outlook(self) -> tuple[float, float | None] | None:
+        """When the minimum RTT was sampled, and what the minimum falls back to once that
+        sample leaves the window (the least RTT sampled after it; None if none): a
+        fallback well above the minimum means every later sample waited in a queue."""
+        mins = self._min_rtts
+        if not mins:
+            return None
+        return mins[0][0], (mins[1][1] if len(mins) > 1 else None)
+
     @property
     def recent_min_rtt(self) -> float | None:
         """Minimum ack RTT over the last three round trips (seconds): the path's RTT as the

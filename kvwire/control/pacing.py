@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvwire.control.estimator import DeliveryRateEstimator
 
-__all__ = ["PROBE_CYCLE", "InflightController", "InflightTarget", "Pacer"]
+__all__ = ["PROBE_CYCLE", "PROBE_RTT_AFTER", "InflightController", "InflightTarget", "Pacer"]
 
 _MIB = 1 << 20
 _FRAME_SLACK = 4096  # a chunk frame's header and codec parameters, rounded up
@@ -76,6 +76,14 @@ class InflightTarget:
 PROBE_CYCLE: tuple[float, ...] = (1.25, 0.75, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
 """Gain per phase: probe up by a quarter, drain what the probe queued, cruise six phases."""
 
+#: Age (seconds) of the minimum RTT sample at which the controller checks whether the
+#: minimum is about to expire into a queued one (the estimator keeps it 10 s).
+PROBE_RTT_AFTER = 8.0
+#: Shortest drain (seconds) that refreshes the minimum RTT; see ``InflightController``.
+PROBE_RTT_TIME = 0.2
+#: A fallback minimum RTT more than this many times the current one was queued.
+PROBE_RTT_INFLATION = 1.25
+
 
 class InflightController:
     """The sender's in-flight window: probes upward, covers late acks, never below a floor.
@@ -88,6 +96,16 @@ class InflightController:
     than the path needs (:meth:`floor_for`). Each phase lasts one
     minimum RTT (at least ``min_phase`` seconds); phases advance when the caller asks,
     with ``now``.
+
+    A window of twice the BDP keeps about one BDP queued, so a sender that never runs out
+    of data samples no RTT without its own queue once its first samples leave the
+    estimator's window: the minimum RTT would then rise to the queued one, the window with
+    it, the queue with that, every 10 s (measured: a busy session at 1 Gbit/s, 20 ms,
+    from 25 to 100 ms and 8 to 29 MB in flight in 30 s, ``benchmarks/standing_queue.py``).
+    So, as BBR's ProbeRTT does, when the minimum is :data:`PROBE_RTT_AFTER` seconds old
+    and what it would fall back to is more than :data:`PROBE_RTT_INFLATION` times it, the
+    target drops to one chunk until the queue has drained and one more round trip passed
+    (at least :data:`PROBE_RTT_TIME`): the chunk sent then samples the path's RTT again.
     """
 
     def __init__(
@@ -144,6 +162,10 @@ class InflightController:
         self._limited = False
         self._floor = self.floor_bytes  # until there is an estimate (see floor_for)
         self._target = self._clamp(initial_bytes)
+        self._probe_rtt_until: float | None = None  # while draining to refresh the min RTT
+        self._probe_rtt_ended = -math.inf
+        self.probe_rtt_count = 0
+        """Drains made to refresh the minimum RTT so far."""
 
     # -- configuration -------------------------------------------------------------------
 
@@ -202,6 +224,10 @@ class InflightController:
             self._phase_start += steps * phase_len
             self._limited = False
         self._floor = self.floor_for(bandwidth, min_rtt)
+        if self._probing_rtt(estimator, bandwidth, min_rtt, now):
+            # Only one chunk in flight: the queue drains, and that chunk's RTT is the path's.
+            self._target = min(self._max_bytes, self._chunk + _FRAME_SLACK)
+            return self._target
         bdp = bandwidth / 8.0 * min_rtt
         # Acks later than the path's minimum (a busy receiver) need bytes to cover the
         # wait, or the flight stalls and the estimate sinks with it; bounded so a queue of
@@ -212,6 +238,34 @@ class InflightController:
         raw = self.phase_gain * (self._gain * bdp + cover + estimator.extra_acked_bytes)
         self._target = self._clamp(math.ceil(raw))
         return self._target
+
+    @property
+    def probing_rtt(self) -> bool:
+        """Whether the last :meth:`update` held the window down to refresh the min RTT."""
+        return self._probe_rtt_until is not None
+
+    def _probing_rtt(self, estimator: DeliveryRateEstimator, bandwidth: float, min_rtt: float,
+                     now: float) -> bool:
+        if self._probe_rtt_until is not None:
+            if now < self._probe_rtt_until:
+                return True
+            self._probe_rtt_until = None
+            self._probe_rtt_ended = now
+            return False
+        if now - self._probe_rtt_ended < PROBE_RTT_AFTER:
+            return False  # one drain per period: its sample may take a while to become the minimum
+        outlook = estimator.min_rtt_outlook()
+        if outlook is None or estimator.bytes_in_flight == 0:
+            return False  # nothing queued of ours: the next samples are the path's
+        sampled_at, fallback = outlook
+        if now - sampled_at < PROBE_RTT_AFTER:
+            return False
+        if fallback is not None and fallback <= PROBE_RTT_INFLATION * min_rtt:
+            return False  # what follows the minimum is not queued: let it take over
+        drain = estimator.bytes_in_flight * 8.0 / bandwidth
+        self._probe_rtt_until = now + max(PROBE_RTT_TIME, drain + min_rtt)
+        self.probe_rtt_count += 1
+        return True
 
     def may_send(self, estimator: DeliveryRateEstimator, nbytes: int, now: float) -> bool:
         """Whether ``nbytes`` more may go now; an empty flight may always send."""

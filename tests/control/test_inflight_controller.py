@@ -190,3 +190,29 @@ def test_target_is_never_below_the_floor_nor_above_the_ceiling(
         assert 4 * MIB <= floor <= ctl.floor_bytes
         assert floor <= target <= 128 * MIB
         assert ctl.floor_bytes >= min(128 * MIB, 2 * streams * chunk)
+
+
+def test_a_sender_that_never_runs_dry_keeps_its_minimum_rtt() -> None:
+    """Twice the BDP in flight keeps about a BDP queued, so once the first RTT samples
+    leave the estimator's 10 s window every sample has the sender's own queue in it.
+    Without a drain now and then the minimum RTT, the window and the queue grew in steps
+    every 10 s (20 ms path: 54 ms for a 4 MiB chunk's round trip, then 100 ms and more).
+    With it the minimum stays the path's, and the link stays nearly full."""
+    capacity = 1 * GBPS
+    ctl = InflightController(streams=4, chunk_bytes=4 * MIB)
+    est = DeliveryRateEstimator()
+    rtts: list[tuple[float, float]] = []
+
+    def target_of(e: DeliveryRateEstimator, now: float) -> int:
+        if e.min_rtt is not None:
+            rtts.append((now, e.min_rtt))
+        return ctl.target_bytes
+
+    result = simulate(ctl.may_send, capacity=lambda t: capacity, delay=0.010, chunk=4 * MIB, duration=45.0,
+                      target_of=target_of, estimator=est)
+    one_chunk = 0.020 + 4 * MIB / capacity  # a chunk's round trip with nothing ahead of it
+    assert max(rtt for at, rtt in rtts if at >= 12.0) <= 1.25 * one_chunk
+    assert ctl.probe_rtt_count >= 3  # one in every 8 to 10 s while the sender is busy
+    assert result.rate(2.0, 45.0) >= 0.93 * capacity
+    late = [t for at, t in result.targets if at >= 12.0]
+    assert max(late) <= 0.7 * ctl.floor_bytes  # as on a path that was never queued (above)
