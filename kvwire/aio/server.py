@@ -109,6 +109,14 @@ class _CostMeter:
         self._allocated = allocated
 
 
+def _abort_handed(fut: asyncio.Future[Transfer], why: str) -> None:
+    """A wait that ends (cancelled) after its transfer was handed over: nobody will take
+    that transfer, so it must not go on (into the caller's memory, or held here) until
+    its session ends."""
+    if fut.done() and not fut.cancelled() and fut.exception() is None:
+        fut.result().abort(why)
+
+
 class Server(Pump):
     """A running kvwire server; use through ``async with kvwire.serve(...)``."""
 
@@ -140,8 +148,13 @@ class Server(Pump):
         self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
+        self._closing = False  # from the start of close(): nothing new may wait
 
     async def start(self) -> None:
+        if self._closing:
+            raise UsageError("the server is closed: make a new one")
+        if self._server is not None:
+            raise UsageError("the server is already listening")
         loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(
@@ -156,11 +169,19 @@ class Server(Pump):
 
     async def accept(self, *, timeout: float | None = None) -> Transfer:
         """The next incoming transfer not claimed by :meth:`expect`."""
+        self._check_open()
         if (t := self._arrived()) is not None:
             return t
         fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         self._accept_waiters.append(fut)
-        return await self._wait(fut, timeout, "accept()")
+        try:
+            return await self._wait(fut, timeout, "accept()")
+        except BaseException:
+            _abort_handed(fut, "accept() was cancelled")
+            raise
+        finally:
+            if fut in self._accept_waiters:
+                self._accept_waiters.remove(fut)
 
     async def expect(self, request_id: str, *, timeout: float | None = None, into: Any = None) -> Transfer:
         """The transfer for ``request_id``, whether it arrived already or arrives later.
@@ -173,6 +194,7 @@ class Server(Pump):
         ``device="gpu"`` raises :class:`~kvwire.UsageError` at once; a destination that
         refuses the transfer (its ``check()`` raises) fails it, and this raises that error.
         """
+        self._check_open()
         if into is not None and self.on_gpu:
             raise UsageError("into= needs a server with device='cpu' (a GPU server decodes into its own arrays)")
         if (t := self._arrived(request_id)) is not None:  # (then none of this id is waiting)
@@ -186,10 +208,7 @@ class Server(Pump):
         try:
             return await self._wait(fut, timeout, f"expect({request_id!r})")
         except BaseException:
-            # Cancelled after the transfer was handed over: nobody will take it, so it must
-            # not go on (into the caller's memory, or held here) until its session ends.
-            if fut.done() and not fut.cancelled() and fut.exception() is None:
-                fut.result().abort(f"expect({request_id!r}) was cancelled")
+            _abort_handed(fut, f"expect({request_id!r}) was cancelled")
             raise
         finally:
             self._expect_into.pop(fut, None)
@@ -199,6 +218,10 @@ class Server(Pump):
                     waiters.remove(fut)
                 if not waiters:
                     del self._expect_waiters[request_id]
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ConnectionLostError("the server is closed")
 
     def _arrived(self, request_id: str | None = None) -> Transfer | None:
         """The oldest arrived transfer nobody claimed (of ``request_id``), now claimed."""
@@ -230,11 +253,17 @@ class Server(Pump):
 
     async def close(self) -> None:
         """Stop listening, close every connection and end every task and timer this server
-        started (the one teardown path: after it returns nothing of it is pending)."""
+        started (the one teardown path: after it returns nothing of it is pending).
+        Transfers that arrived and were never claimed are dropped with their memory;
+        :meth:`accept` and :meth:`expect` raise :class:`~kvwire.ConnectionLostError`
+        from now on."""
+        self._closing = True
         if self._server is not None:
             self._server.close()
         streams = list(self._by_cid.values())
         if not self.closed:
+            for key in self.core.unclaimed():  # complete ones too: nobody can take them now
+                self.core.fail(key, ConnectionLostError("server closed"), self.now())
             self.core.close(self.now())
             self.pump()
         waiters = [*self._accept_waiters, *(f for q in self._expect_waiters.values() for f in q)]
@@ -344,6 +373,8 @@ class Server(Pump):
             error = stale_error(bad) if bad else None
         except KvwireError as exc:
             error = RegistryUnavailableError(f"registry {what} failed: {exc}")
+        except Exception as exc:  # a registry of the caller's that raises its own errors: fail closed
+            error = RegistryUnavailableError(f"registry {what} failed: {exc!r}")
         if self.closed:
             return
         if isinstance(ev, RegistryCheck):

@@ -1,0 +1,113 @@
+"""A server's waits and its teardown: nothing waits for ever on a closed server, nothing a
+cancelled wait was handed stays held, a registry failing in its own way fails closed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+import kvwire
+from kvwire.aio._pool import default_pool
+from kvwire.errors import ConnectionLostError, UsageError
+from tests.conftest import SECRET, make_layers
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16)
+
+
+def layers() -> list[Any]:
+    return make_layers(3, 8, 2, 16)
+
+
+async def test_accept_and_expect_after_close_fail_at_once() -> None:
+    server = await kvwire.serve("127.0.0.1", 0, secret=SECRET).__aenter__()
+    await server.close()
+    for wait in (server.accept(), server.expect("x"), server.accept(timeout=30), server.expect("x", timeout=30)):
+        with pytest.raises(ConnectionLostError, match="closed"):
+            await asyncio.wait_for(wait, 5)
+    with pytest.raises(UsageError, match="closed"):
+        await server.start()
+
+
+async def test_start_twice_is_refused() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        with pytest.raises(UsageError, match="already listening"):
+            await server.start()
+
+
+async def test_a_cancelled_accept_does_not_keep_the_transfer_it_was_handed() -> None:
+    """The transfer was claimed for accept() just as its task was cancelled: nobody will
+    take it, so it is aborted and its memory is given back, not held until the server
+    closes (claim_timeout does not cover a claimed transfer)."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        accepting = asyncio.ensure_future(server.accept())
+        await asyncio.sleep(0)
+        [fut] = server._accept_waiters
+
+        async def cancel_once_handed() -> None:
+            while not fut.done():
+                await asyncio.sleep(0)
+            accepting.cancel()
+
+        canceller = asyncio.ensure_future(cancel_once_handed())
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            sending = asyncio.ensure_future(peer.send("a", SPEC, layers(), timeout=10))
+            await canceller
+            with pytest.raises(asyncio.CancelledError):
+                await accepting
+            with contextlib.suppress(kvwire.TransferAbortedError):
+                await sending  # complete already, or aborted with the transfer
+        for _ in range(100):
+            if server.statistics()["buffered_bytes"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.statistics()["buffered_bytes"] == 0
+        assert not server._transfers
+
+
+async def test_timed_out_accepts_leave_no_waiter_behind() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        for _ in range(50):
+            with pytest.raises(kvwire.TransferTimeoutError):
+                await server.accept(timeout=0.001)
+        assert not server._accept_waiters
+
+
+async def test_close_drops_transfers_nobody_claimed_with_their_memory() -> None:
+    leased = default_pool().leased_bytes
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, claim_timeout=None) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            await peer.send("unclaimed", SPEC, layers(), timeout=10)
+        assert server.statistics()["pending_arrivals"] == 1
+    assert server.statistics()["pending_arrivals"] == 0 and server.statistics()["buffered_bytes"] == 0
+    assert not server._transfers
+    assert default_pool().leased_bytes == leased
+    with pytest.raises(ConnectionLostError):
+        await server.accept()
+
+
+class _BrokenRegistry:
+    """A registry of the caller's whose calls fail with an error of its own kind."""
+
+    async def check_many(self, pairs: Iterable[Any]) -> list[Any]:
+        raise RuntimeError("the registry's database is down")
+
+    async def publish(self, pairs: Iterable[Any]) -> list[Any]:
+        raise RuntimeError("the registry's database is down")
+
+
+async def test_a_registry_raising_its_own_error_fails_the_transfer_closed() -> None:
+    """Not a KvwireError: the transfer was neither refused nor accepted, and send() and
+    expect() waited until their own timeouts (for ever without one)."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, registry=_BrokenRegistry()) as server:  # type: ignore[arg-type]
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            receiving = asyncio.ensure_future(server.expect("gated", timeout=30))
+            with pytest.raises(kvwire.KvwireError, match="registry"):
+                await asyncio.wait_for(peer.send("gated", SPEC, layers(), blocks=[(b"b0", 1)]), 15)
+            receiving.cancel()
+            await asyncio.gather(receiving, return_exceptions=True)
