@@ -232,6 +232,32 @@ async def _noop() -> None:
     return None
 
 
+def test_closing_a_sync_server_or_peer_from_the_bridges_loop_is_refused() -> None:
+    """It cannot wait for the loop it runs on: it said nothing and closed nothing, and the
+    server went on listening (documented: refused with UsageError)."""
+    bridge = Bridge()
+    try:
+        server = SyncServer(secret=SECRET, bridge=bridge)
+        peer = SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge=bridge)
+
+        async def close_both_here() -> list[str]:
+            refused = []
+            for thing in (peer, server):
+                try:
+                    thing.close()
+                except UsageError:
+                    refused.append(type(thing).__name__)
+            return refused
+
+        assert bridge.run(close_both_here(), 10) == ["SyncPeer", "SyncServer"]
+        assert not server.server.closed
+        peer.close()
+        server.close()
+        assert server.server.closed
+    finally:
+        bridge.close()
+
+
 def test_a_receive_aborted_as_soon_as_it_was_made_writes_nothing() -> None:
     """abort() right after expect(), before the loop even began the receive: the transfer
     that comes later is not received into the caller's blocks (the caller gave them up)."""

@@ -316,6 +316,8 @@ class SyncServer:
     def close(self, timeout: float = 5.0) -> None:
         if self.bridge.closed:
             return
+        if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
+            raise UsageError("SyncServer.close() from the bridge's own loop: await the server's close() there")
         with contextlib.suppress(KvwireError):
             self.bridge.run(self._server.close(), timeout)
         with self._handles_lock:
@@ -438,6 +440,8 @@ class SyncPeer:
     def close(self, timeout: float = 5.0) -> None:
         if self.bridge.closed:
             return
+        if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
+            raise UsageError("SyncPeer.close() from the bridge's own loop: await the peer's close() there")
         with contextlib.suppress(KvwireError):
             self.bridge.run(self._peer.close(), timeout)
         if self._own_bridge:
