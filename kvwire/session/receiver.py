@@ -74,6 +74,9 @@ from kvwire.wire.frames import (
 )
 from kvwire.wire.transfer import kinds_overlap, split_kv
 
+#: Recent RESETs of a session said again on every stream that joins it (see _Session.resets).
+_RESETS_KEPT = 256
+
 Key = tuple[bytes, int]
 """A transfer's identity on a server: (session id, transfer id)."""
 
@@ -419,6 +422,9 @@ class _Session:
     transfers: dict[int, _Incoming] = field(default_factory=dict)
     tombstones: OrderedDict[int, KvwireError] = field(default_factory=OrderedDict)
     completed: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    # Transfers this side failed and told the client so: that RESET may have found no open
+    # stream, or gone out on one that broke with it; a stream that joins says it again.
+    resets: OrderedDict[int, None] = field(default_factory=OrderedDict)
     lose_at: float | None = None
     closed: bool = False
     unreported: int = 0  # CHUNK bytes received since the last REPORT to this session
@@ -835,6 +841,10 @@ class ReceiverCore:
         for t in sess.transfers.values():  # CREDIT frames may have been lost with a stream
             if t.error is None and t.accepted and not t.state.complete and t.state.layer_limit > 1:
                 conn.send_credit_frame(t.key[1], t.state.layer_limit)
+        # So may RESETs: a sender whose chunks were all acknowledged, waiting for a layer
+        # grant, would otherwise wait for ever (a client ignores a RESET it has no transfer for).
+        for tid in [tid for tid in sess.resets if tid in sess.tombstones]:
+            self._repeat_reset(sess, conn, tid)
 
     def _on_reset(self, cid: int, ev: TransferReset) -> None:
         sess = self._conn_session.get(cid)
@@ -1019,8 +1029,12 @@ class ReceiverCore:
             while len(sess.tombstones) > 4096:
                 sess.tombstones.popitem(last=False)
             conn = self._any_conn(sess)
-            if reset and conn is not None:
-                conn.send_reset(t.key[1], error.code, wire_text(str(error)))
+            if reset:
+                sess.resets[t.key[1]] = None
+                while len(sess.resets) > _RESETS_KEPT:
+                    sess.resets.popitem(last=False)
+                if conn is not None:
+                    conn.send_reset(t.key[1], error.code, wire_text(str(error)))
             # Acknowledgements held for the registry's verdict go out now, each after the
             # RESET on its own stream: every CHUNK gets its ACK (the stream's credit comes
             # back), and none reads as success.

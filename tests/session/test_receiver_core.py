@@ -709,6 +709,34 @@ def test_accept_goes_on_the_stream_that_carried_begin() -> None:
     assert not h.client_of(TransferAccepted)
 
 
+def test_a_transfer_failed_while_no_stream_was_open_is_reset_on_the_stream_that_joins() -> None:
+    """The application gave the transfer up while the client was reconnecting: its RESET
+    had no stream to go on.  A sender with every chunk acknowledged, waiting for a grant,
+    sends nothing that would draw the RESET out: the stream that joins must carry it."""
+    h = Harness(ReceiverConfig(secret=SECRET, resume_timeout=10.0))
+    h.client.send_begin(begin(layers=2))
+    h.pump()
+    h.send(chunk(layer=0, kind=0))
+    sid = h.client.session_id
+    h.core.receive_data(1, b"", h.now)  # the connection broke
+    h.core.forget(1)
+    h.core.abort(h.key, "the application gave up", h.now)  # no stream to tell
+    h.core.connection_made(2, h.now)
+    client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=sid, stream_index=0), now=h.now)
+    client.initiate()
+    events: list[Event] = []
+    for _ in range(4):
+        for part in client.data_to_send():
+            h.core.receive_data(2, bytes(part), h.now)
+        data = h.core.data_to_send(2)
+        if data:
+            client.receive_data(data, h.now)
+        events.extend(iter(client.next_event, None))
+    assert client.state is State.OPEN
+    [reset] = [e for e in events if isinstance(e, TransferReset)]
+    assert reset.transfer_id == 1 and reset.code == ErrorCode.CANCELLED
+
+
 def test_a_bug_in_a_hook_closes_the_connection_with_internal_error_and_is_reported() -> None:
     class Broken(ByteStore):
         def opened(self, key: Any, spec: KVSpec) -> None:
