@@ -57,6 +57,7 @@ from kvwire.session.sender import (
     begin_fields,
 )
 from kvwire.spec import KVSpec
+from kvwire.wire.connection import NO_SESSION
 
 _log = logging.getLogger("kvwire")
 #: Wire bytes acknowledged per measurement of the transport's CPU cost (for ``auto``).
@@ -335,8 +336,14 @@ class Peer(Pump):
             self._resumes_logged = self.resumes
             _log.info("kvwire: stream %d to %s:%s broke; resuming (%d of at most %d)", ev.index, self.host,
                       self.port, self.resumes, self.options.max_reconnects)
-        if self._opening and self._open_error is None:
+        if self._opening and self._open_error is None and not (ev.resumed and self._session_made):
+            # (a later stream of a session already made is reconnected like any other)
             self._open_error = closed.error or ConnectionLostError(ev.reason)
+
+    @property
+    def _session_made(self) -> bool:
+        """Whether the server welcomed a first stream: a session exists to resume."""
+        return self.core.session_id != NO_SESSION
 
     async def _connect(self, index: int) -> None:
         """Open slot ``index``'s TCP (and TLS) connection; the handshake is the core's."""

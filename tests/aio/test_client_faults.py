@@ -295,3 +295,24 @@ async def test_a_cancelled_send_ends_its_producers_wait() -> None:
             await asyncio.sleep(0.1)
             assert not state["went_on"]
             assert (await peer.send("r2", spec, layers, timeout=10)).chunks > 0
+
+
+@pytest.mark.parametrize("fault", [FaultPlan(backward=Faults(drop_at=40)),
+                                   FaultPlan(forward=Faults(drop_at=10, drop_mode="reset"))],
+                         ids=["dropped-in-welcome", "reset-in-hello"])
+async def test_a_later_stream_breaking_in_its_handshake_is_reconnected_not_fatal(fault: FaultPlan) -> None:
+    """The session exists once the first stream is welcomed: a later stream of it that
+    breaks in its handshake is reconnected like any other, and connect() succeeds (it
+    failed with 'connection closed during the handshake')."""
+    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=32)
+    layers = make_layers(4, 64, 2, 32)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        # the proxy's third connection is stream 2's first
+        async with FaultProxy("127.0.0.1", server.port, plan=lambda i: fault if i == 2 else FaultPlan()) as proxy:
+            async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, streams=4, connect_timeout=5) as peer:
+                assert len(proxy.connections) == 5  # stream 2 connected twice
+                receiving = asyncio.ensure_future(server.expect("a", timeout=30))
+                await peer.send("a", spec, layers, timeout=30)
+                got = await (await receiving).collect(timeout=30)
+                assert all(np.array_equal(a, b) for (k, v), (gk, gv) in zip(layers, got.layers, strict=True)
+                           for a, b in ((k, gk), (v, gv)))
