@@ -285,7 +285,8 @@ class Pipe:
             elif head.kind is ActionKind.EOF:
                 self.eof_sent = True
                 if dst.can_write_eof() and not dst.is_closing():
-                    dst.write_eof()
+                    with contextlib.suppress(OSError):  # reset meanwhile: its loss comes on its own
+                        dst.write_eof()
                 self._conn._eof_sent()
             else:
                 self._conn._terminate(self._dst, reset=head.kind is ActionKind.RESET)

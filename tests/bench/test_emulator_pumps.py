@@ -211,3 +211,33 @@ async def test_no_pipe_at_all_resets_the_connection(monkeypatch: pytest.MonkeyPa
         with pytest.raises(ConnectionResetError):
             await asyncio.wait_for(reader.read(), 5)
         writer.close()
+
+
+async def test_a_delayed_eof_to_a_side_that_reset_raises_nothing_into_the_loop() -> None:
+    """The target reset the connection while the client's EOF waited behind delayed bytes:
+    writing that EOF fails, and the proxy must not hand the OSError to the event loop's
+    exception handler (tests that check the handler saw nothing would fail at random)."""
+    from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
+
+    errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+
+    async def reset_early(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.05)
+        writer.close()  # client data unread: the close is a reset
+
+    server = await asyncio.start_server(reset_early, "127.0.0.1", 0)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        async with FaultProxy("127.0.0.1", port, plan=FaultPlan(forward=Faults(delay=0.3))) as proxy:
+            _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+            writer.write(b"x" * 1000)
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write_eof()  # queued behind the delayed bytes
+            await asyncio.sleep(1.0)
+            writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not errors
