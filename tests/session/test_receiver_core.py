@@ -613,15 +613,7 @@ def test_a_reconnected_stream_resumes_its_session() -> None:
     h.core.receive_data(1, b"", h.now)  # the connection broke
     h.core.forget(1)
     assert h.core.get_timer() == pytest.approx(10.0)
-    h.core.connection_made(2, h.now)
-    client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=sid, stream_index=0), now=h.now)
-    client.initiate()
-    for _ in range(4):
-        for part in client.data_to_send():
-            h.core.receive_data(2, bytes(part), h.now)
-        data = h.core.data_to_send(2)
-        if data:
-            client.receive_data(data, h.now)
+    client, _ = join(h.core, 2, h.now, session_id=sid)
     assert client.state is State.OPEN
     while (ev := h.core.next_event()) is not None:
         h.events.append(ev)
@@ -629,20 +621,27 @@ def test_a_reconnected_stream_resumes_its_session() -> None:
     assert h.core.sessions == 1
 
 
-def _join_with_a_frame_behind_auth(core: ReceiverCore, cid: int, now: float, sid: bytes = bytes(16)) -> Connection:
-    """A client that writes a PING in the same read as its AUTH (before WELCOME)."""
+def join(core: ReceiverCore, cid: int, now: float, *, session_id: bytes = bytes(16), stream_index: int = 0,
+         after_auth: bytes = b"") -> tuple[Connection, list[Event]]:
+    """Another client connection ``cid`` through its handshake with ``core`` (joining
+    ``session_id`` if given); ``after_auth``: bytes written in the same read as its AUTH,
+    before WELCOME.  The connection and the events it saw."""
     core.connection_made(cid, now)
-    client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=sid, stream_index=0), now=now)
+    client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=session_id,
+                                                      stream_index=stream_index), now=now)
     client.initiate()
+    events: list[Event] = []
     for _ in range(4):
         data = b"".join(bytes(part) for part in client.data_to_send())
-        if data[:1] == bytes([FrameType.AUTH]):
-            data += frame_bytes(Ping(opaque=1))
-        core.receive_data(cid, data, now)
-        data = core.data_to_send(cid)
+        if after_auth and data[:1] == bytes([FrameType.AUTH]):
+            data += after_auth
         if data:
-            client.receive_data(data, now)
-    return client
+            core.receive_data(cid, data, now)
+        out = core.data_to_send(cid)
+        if out:
+            client.receive_data(out, now)
+        events.extend(iter(client.next_event, None))
+    return client, events
 
 
 def test_a_connection_failing_right_after_auth_opens_no_session() -> None:
@@ -651,21 +650,13 @@ def test_a_connection_failing_right_after_auth_opens_no_session() -> None:
     max_sessions for good."""
     h = Harness(ReceiverConfig(secret=SECRET, max_sessions=2, resume_timeout=1.0))
     for cid in (2, 3, 4):
-        client = _join_with_a_frame_behind_auth(h.core, cid, h.now)
+        client, events = join(h.core, cid, h.now, after_auth=frame_bytes(Ping(opaque=1)))
         assert client.state is not State.OPEN
-        [closed] = [e for e in iter(client.next_event, None) if isinstance(e, ConnectionClosed)]
+        [closed] = [e for e in events if isinstance(e, ConnectionClosed)]
         assert closed.code == ErrorCode.PROTOCOL_ERROR
         h.core.forget(cid)
     assert h.core.sessions == 1  # the harness's own
-    h.core.connection_made(5, h.now)
-    ok = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET), now=h.now)
-    ok.initiate()
-    for _ in range(4):
-        for part in ok.data_to_send():
-            h.core.receive_data(5, bytes(part), h.now)
-        data = h.core.data_to_send(5)
-        if data:
-            ok.receive_data(data, h.now)
+    ok, _ = join(h.core, 5, h.now)
     assert ok.state is State.OPEN and h.core.sessions == 2
 
 
@@ -673,7 +664,7 @@ def test_a_join_failing_right_after_auth_leaves_the_live_stream_alone() -> None:
     h = Harness(ReceiverConfig(secret=SECRET, resume_timeout=1.0))
     h.client.send_begin(begin())
     h.pump()
-    _join_with_a_frame_behind_auth(h.core, 2, h.now, sid=h.client.session_id)
+    join(h.core, 2, h.now, session_id=h.client.session_id, after_auth=frame_bytes(Ping(opaque=1)))
     h.core.forget(2)
     h.pump()
     assert not h.client_of(ConnectionClosed) and h.client.state is State.OPEN
@@ -721,17 +712,7 @@ def test_a_transfer_failed_while_no_stream_was_open_is_reset_on_the_stream_that_
     h.core.receive_data(1, b"", h.now)  # the connection broke
     h.core.forget(1)
     h.core.abort(h.key, "the application gave up", h.now)  # no stream to tell
-    h.core.connection_made(2, h.now)
-    client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=sid, stream_index=0), now=h.now)
-    client.initiate()
-    events: list[Event] = []
-    for _ in range(4):
-        for part in client.data_to_send():
-            h.core.receive_data(2, bytes(part), h.now)
-        data = h.core.data_to_send(2)
-        if data:
-            client.receive_data(data, h.now)
-        events.extend(iter(client.next_event, None))
+    client, events = join(h.core, 2, h.now, session_id=sid)
     assert client.state is State.OPEN
     [reset] = [e for e in events if isinstance(e, TransferReset)]
     assert reset.transfer_id == 1 and reset.code == ErrorCode.CANCELLED
