@@ -26,7 +26,7 @@ import heapq
 import json
 import secrets
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -763,8 +763,12 @@ class ReceiverCore:
             self._dirty.add(cid)
         return conn
 
-    def _any_conn(self, sess: _Session) -> Connection | None:
-        for cid in sess.streams.values():
+    def _any_conn(self, sess: _Session, prefer: int | None = None) -> Connection | None:
+        """An open connection of ``sess``: ``prefer``'s while it is one of them and open."""
+        cids: Iterable[int] = sess.streams.values()
+        if prefer is not None and prefer in cids:
+            cids = (prefer, *cids)
+        for cid in cids:
             conn = self._conns.get(cid)
             if conn is not None and conn.closed_event is None:
                 self._dirty.add(cid)
@@ -843,8 +847,8 @@ class ReceiverCore:
                 conn.send_credit_frame(t.key[1], t.state.layer_limit)
         # So may RESETs: a sender whose chunks were all acknowledged, waiting for a layer
         # grant, would otherwise wait for ever (a client ignores a RESET it has no transfer for).
-        for tid in [tid for tid in sess.resets if tid in sess.tombstones]:
-            self._repeat_reset(sess, conn, tid)
+        for tid in sess.resets:
+            self._repeat_reset(sess, conn, tid)  # (nothing for a tombstone gone meanwhile)
 
     def _on_reset(self, cid: int, ev: TransferReset) -> None:
         sess = self._conn_session.get(cid)
@@ -956,15 +960,7 @@ class ReceiverCore:
         self._count("transfers_accepted")
         sess = self._sessions.get(t.key[0])
         # On the stream that carried BEGIN while it is open (the spec), else on any.
-        conn, cid = None, t.begin_cid
-        if sess is not None and cid is not None and cid in sess.streams.values():
-            conn = self._conns.get(cid)
-            if conn is not None and conn.closed_event is None:
-                self._dirty.add(cid)
-            else:
-                conn = None
-        if conn is None and sess is not None:
-            conn = self._any_conn(sess)
+        conn = self._any_conn(sess, prefer=t.begin_cid) if sess is not None else None
         if conn is not None:
             conn.send_accept(t.key[1], t.state.layer_limit)
         if not t.claimed:
