@@ -66,9 +66,9 @@ class ArrayStore(LayerStore):
             raise UsageError("the transfer already has a destination: its layers go there, a second one is refused")
 
     def attach(self, key: Key, into: Any) -> None:
-        """Layers allocated from now on are ``into``'s; raises if it cannot hold the cache
-        (:class:`~kvwire.UsageError` if the transfer ended or already has a destination)."""
-        self.attachable(key)
+        """Layers allocated from now on are ``into``'s; raises if it cannot hold the cache.
+        The caller checked :meth:`attachable` first (its error leaves the transfer as it
+        was; this one's fails it)."""
         tg = self._targets[key]
         into.check(tg.spec, tg.layer_tokens)
         tg.into = into
