@@ -183,8 +183,8 @@ def test_simulate_cli_accepts_a_negative_mu() -> None:
 def test_simulate_cli_checks_the_plot_format_before_running(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # matplotlib is a test dependency: the format check needs it.  A huge workload: if the format were found wrong only when the plot is written, this
-    # test would take hours.
+    # matplotlib is a test dependency (the format check needs it). A huge workload: if the
+    # format were found wrong only when the plot is written, this test would take hours.
     args = parse(["simulate", "--requests", "10000000", "--plot", str(tmp_path / "p.svgx")])
     assert run(args) == 2
     assert "cannot write 'svgx'" in capsys.readouterr().err
