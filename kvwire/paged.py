@@ -169,7 +169,7 @@ def _device_view(x: Any, dtype: str) -> Any:
     try:
         import cupy
     except ImportError:
-        from kvwire.aio._gpu import INSTALL_HINT
+        from kvwire.codec.gpu import INSTALL_HINT
 
         where = getattr(x, "device", None)
         where = "a GPU" if where is None else f"device {where}"

@@ -31,7 +31,7 @@ from kvwire.errors import UsageError
 #: chunk copies queued ahead of the chunk being sent (1: copy, then send, no overlap)
 PIPELINE_DEPTH = 4
 
-INSTALL_HINT = "pip install kvwire[gpu-cuda12] or kvwire[gpu-cuda13]"
+INSTALL_HINT = gpu.INSTALL_HINT
 
 
 def parse_device(device: str) -> int | None:

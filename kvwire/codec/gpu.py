@@ -30,6 +30,9 @@ from kvwire.codec.entropy import FLAG_COMPRESSED, EntropyCodec, inner_payload_si
 from kvwire.codec.int4 import DEFAULT_GROUP, Int4Codec, group_count
 from kvwire.errors import ProtocolError, UsageError
 
+#: How to get CuPy, for the errors of paths that need it.
+INSTALL_HINT = "pip install kvwire[gpu-cuda12] or kvwire[gpu-cuda13]"
+
 KERNEL_DIR = Path(__file__).with_name("kernels")
 #: every file the kernels are built from (all of them go into the source string)
 SOURCE_FILES = ("kvquant.cuh", "kvquant.cu")
