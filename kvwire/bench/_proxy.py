@@ -31,11 +31,14 @@ __all__ = [
     "PipeStatistics",
     "ProxyBase",
     "ProxyConnection",
+    "QueueGate",
     "TcpProxy",
+    "gate_of",
     "reset_on_close",
 ]
 
 _READ_SIZE = 1024 * 1024
+_MIN_READ = 16 * 1024
 C = TypeVar("C")  # a proxy's connection type
 P = TypeVar("P")  # its per-direction policy type
 
@@ -63,6 +66,29 @@ class DirectionPolicy(Protocol):
     def feed(self, data: bytes, now: float) -> Iterable[Action]: ...
 
     def feed_eof(self, now: float) -> Iterable[Action]: ...
+
+
+class QueueGate(Protocol):
+    """A queue shared by several pipes (a link's bottleneck): each pipe stops reading its
+    source while the queue is full, and reads again once it has drained to its low mark."""
+
+    def room(self, now: float) -> int:
+        """Bytes the queue may still take at ``now`` (0 or less: full)."""
+        ...
+
+    def drained(self, now: float) -> bool:
+        """Whether the queue is at or below its low mark, where paused readers resume."""
+        ...
+
+    def wait(self, now: float, wake: Callable[[], None]) -> None:
+        """Call ``wake`` once, when the queue has drained to its low mark."""
+        ...
+
+
+def gate_of(policy: object) -> QueueGate | None:
+    """The shared queue a direction's policy feeds (its ``gate``), if any."""
+    gate: QueueGate | None = getattr(policy, "gate", None)
+    return gate
 
 
 class PassThrough:
@@ -110,6 +136,11 @@ class _Side(asyncio.BufferedProtocol):
         self.conn._side_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        pipe = self.outgoing
+        if pipe is not None and pipe.gate is not None:
+            # Read no more than a shared queue has room for (and not a tiny piece).
+            room = pipe.gate.room(pipe.loop.time())
+            return self._view[: max(_MIN_READ, min(room, _READ_SIZE))]
         return self._view
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -163,13 +194,15 @@ class Pipe:
         self._src = src
         self._dst = dst
         self.policy = policy
-        self._loop = asyncio.get_running_loop()
+        self.gate = gate_of(policy)
+        self.loop = self._loop = asyncio.get_running_loop()
         self._queue: deque[Action] = deque()
         self._queued_bytes = 0
         self._high = max(high_water, 1)
         self._low = self._high // 2
         self._reading_paused = False
         self._writing_paused = False
+        self._eof_read = False
         self._last_at = -math.inf
         self._hold_until = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -197,8 +230,10 @@ class Pipe:
         self._push(self.policy.feed(data, self._loop.time()))
 
     def feed_eof(self) -> None:
-        if self._closed:
+        if self._closed or self._eof_read:
+            # Some event loops (uvloop) report the EOF again when reading resumes after it.
             return
+        self._eof_read = True
         self._push(self.policy.feed_eof(self._loop.time()))
 
     def push(self, actions: Iterable[Action]) -> None:
@@ -213,9 +248,15 @@ class Pipe:
             self._last_at = action.at
             self._queue.append(action)
             self._queued_bytes += len(action.data)
-        if self._queued_bytes > self._high and not self._reading_paused:
-            self._reading_paused = True
-            self._pause_source(True)
+        if not self._reading_paused:
+            gate = self.gate
+            if self._queued_bytes > self._high:
+                self._reading_paused = True
+                self._pause_source(True)
+            elif gate is not None and gate.room(now := self._loop.time()) <= 0:
+                self._reading_paused = True
+                self._pause_source(True)
+                gate.wait(now, self._kick)
         self._kick()
 
     def set_writing_paused(self, paused: bool) -> None:
@@ -291,9 +332,13 @@ class Pipe:
             else:
                 self._conn._terminate(self._dst, reset=head.kind is ActionKind.RESET)
                 return
-        if self._reading_paused and self._queued_bytes <= self._low:
-            self._reading_paused = False
-            self._pause_source(False)
+        if self._reading_paused and self._queued_bytes <= self._low and not (self._closed or self._eof_read):
+            gate = self.gate
+            if gate is not None and not gate.drained(now):
+                gate.wait(now, self._kick)
+            else:
+                self._reading_paused = False
+                self._pause_source(False)
 
     def _arm(self, due: float) -> None:
         if math.isinf(due) or due >= self._timer_at:
@@ -351,7 +396,8 @@ class ProxyConnection:
         self.client.flush_early()
         self.upstream.flush_early()
         assert self.client.transport is not None
-        if not self.client.transport.is_closing():
+        if not (self.client.transport.is_closing() or self.forward.statistics().reading_paused):
+            # (What arrived early may have filled the queue: the pipe resumes it then.)
             self.client.transport.resume_reading()
 
     def _eof_sent(self) -> None:

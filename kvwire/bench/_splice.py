@@ -31,7 +31,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvwire.bench._proxy import PipeStatistics, ProxyBase, reset_on_close
+from kvwire.bench._proxy import PipeStatistics, ProxyBase, gate_of, reset_on_close
 
 __all__ = ["AVAILABLE", "SpliceConnection", "SpliceDirection", "SpliceProxy", "TimedPolicy"]
 
@@ -126,6 +126,7 @@ class SpliceDirection:
         self._conn = conn
         self._src, self._dst = src.fileno(), dst.fileno()
         self._policy = policy
+        self._gate = gate_of(policy)
         self._pool = pool
         self._segments: deque[_Segment] = deque()
         self._tail: _KernelPipe | None = None
@@ -185,6 +186,17 @@ class SpliceDirection:
                     self._pause_reading()
                     break
             want = min(PIPE_BYTES - tail.filled, budget)
+            gate = self._gate
+            if gate is not None:
+                # A queue shared with other connections (the link's): no more than it
+                # has room for, and none while it is full.
+                now = self._loop.time()
+                room = gate.room(now)
+                if room <= 0:
+                    self._pause_reading()
+                    gate.wait(now, self._pump)
+                    break
+                want = min(want, room)
             try:
                 n = os.splice(self._src, tail.w, want, flags=_FLAGS)
             except BlockingIOError:
@@ -279,8 +291,12 @@ class SpliceDirection:
                 else:
                     self._pool.put(pipe)
                 self._starved = False
-        if self._queued <= self._low and not self._starved:
-            self._resume_reading()
+        if self._queued <= self._low and not (self._starved or self._reading or self._eof_read):
+            gate = self._gate
+            if gate is not None and not gate.drained(now):
+                gate.wait(now, self._pump)
+            else:
+                self._resume_reading()
 
     def _on_writable(self) -> None:
         self._loop.remove_writer(self._dst)

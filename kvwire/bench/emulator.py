@@ -20,7 +20,8 @@ import asyncio
 import bisect
 import math
 import random
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -32,14 +33,14 @@ __all__ = ["SPLICE_AVAILABLE", "LinkEmulator", "LinkStatistics", "RateSchedule",
 
 _MIB = 1024 * 1024
 #: How long the bottleneck's queue lasts at the link's (peak) rate, as tbf's latency in
-#: :mod:`kvwire.bench.netns`; between :data:`MIN_QUEUE` and :data:`MAX_QUEUE` per connection.
+#: :mod:`kvwire.bench.netns`; between :data:`MIN_QUEUE` and :data:`MAX_QUEUE`, shared by every connection.
 QUEUE_TIME = 0.05
 MIN_QUEUE = 64 * 1024
 MAX_QUEUE = 4 * _MIB
 
 
 def default_queue_bytes(peak_bps: float | None) -> int:
-    """The bottleneck queue of one connection on a link of ``peak_bps`` (None: unlimited):
+    """The bottleneck's queue on a link of ``peak_bps`` (None: unlimited), every connection's:
     :data:`QUEUE_TIME` of the rate, so a slow link does not queue many seconds of bytes
     (at 2 Mbit/s, 4 MiB would be 17 s)."""
     if peak_bps is None:
@@ -132,6 +133,67 @@ class _Bottleneck:
         return max(self.free_at, now)
 
 
+class _SharedQueue:
+    """The bytes in one direction's bottleneck that it has not passed yet, from every
+    connection: one queue of ``limit`` bytes, as a router's port has (the pumps' gate,
+    :class:`kvwire.bench._proxy.QueueGate`). Times are the event loop's."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(limit, 1)
+        self._low = self.limit // 2
+        self._through: deque[tuple[float, int]] = deque()  # (leaves the bottleneck, bytes)
+        self._bytes = 0
+        self._waiters: dict[Callable[[], None], None] = {}
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, through: float, nbytes: int) -> None:
+        self._through.append((through, nbytes))
+        self._bytes += nbytes
+
+    def backlog(self, now: float) -> int:
+        through = self._through
+        while through and through[0][0] <= now:
+            self._bytes -= through.popleft()[1]
+        return self._bytes
+
+    def room(self, now: float) -> int:
+        return self.limit - self.backlog(now)
+
+    def drained(self, now: float) -> bool:
+        return self.backlog(now) <= self._low
+
+    def wait(self, now: float, wake: Callable[[], None]) -> None:
+        self._waiters[wake] = None
+        if self._timer is None:
+            self._arm(now)
+
+    def _arm(self, now: float) -> None:
+        # When enough of the oldest bytes have left for the rest to be at the low mark.
+        left, at = self.backlog(now), now
+        for through, nbytes in self._through:
+            if left <= self._low:
+                break
+            left -= nbytes
+            at = through
+        self._timer = asyncio.get_running_loop().call_at(at, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = asyncio.get_running_loop().time()
+        if not self.drained(now):
+            self._arm(now)
+            return
+        waiters, self._waiters = self._waiters, {}
+        for wake in waiters:
+            wake()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._waiters.clear()
+
+
 class _LinkPolicy:
     def __init__(
         self,
@@ -140,9 +202,12 @@ class _LinkPolicy:
         delay: float,
         jitter: float,
         rng: random.Random,
+        gate: _SharedQueue | None = None,
     ) -> None:
         self._emulator = emulator
         self._bottleneck = bottleneck
+        self.gate = gate
+        """The bottleneck's queue, shared with every connection (None: no bottleneck)."""
         self._delay = delay
         self._jitter = jitter
         self._rng = rng
@@ -154,6 +219,8 @@ class _LinkPolicy:
         through = (
             now if self._bottleneck is None else t0 + self._bottleneck.finish(now - t0, nbytes)
         )
+        if self.gate is not None:
+            self.gate.add(through, nbytes)
         extra = self._delay
         if self._jitter:
             extra = max(0.0, extra + self._rng.uniform(-self._jitter, self._jitter))
@@ -180,6 +247,9 @@ class LinkStatistics:
     bytes_forward: int
     """Bytes written to the target so far."""
     bytes_backward: int
+    queued_bytes: int
+    """Bytes read from the senders that the forward bottleneck has not passed yet (its
+    queue, shared by every connection; 0 on an unlimited link)."""
     rate_bps: float | None
     """Forward rate in effect now (``None``: unlimited)."""
     reverse_rate_bps: float | None
@@ -201,11 +271,12 @@ class LinkEmulator:
     :param schedule: ``[(t, rate_bps), ...]``: the forward rate from ``t`` seconds after
         start, e.g. ``[(0.0, 10e9), (3.0, 2.5e9)]``.
     :param reverse_rate_bps: shared rate for target-to-client bytes (``None``: unlimited).
-    :param queue_bytes: bottleneck queue of each connection beyond the bytes in the delay
-        line; a sender ahead of the link by more is pushed back through TCP.  Default
-        (None): :func:`default_queue_bytes` of the peak rate.  Below :data:`MAX_QUEUE`
-        the proxy's receive buffer is set to it too, so the kernel does not queue
-        megabytes more than it.
+    :param queue_bytes: the bottleneck's queue, shared by every connection (as a router
+        port's), beyond the bytes in the delay line: while it is full the proxy reads
+        from no connection, so senders ahead of the link by more are pushed back through
+        TCP.  Default (None): :func:`default_queue_bytes` of the peak rate.  Below
+        :data:`MAX_QUEUE` the proxy's receive buffer is set to it too, so the kernel does
+        not queue megabytes more than it.
     :param burst: seconds of unused capacity that may be caught up (a token bucket of
         ``rate x burst`` bytes); covers the proxy's own scheduling delays.
     :param seed: jitter's random seed, for repeatable runs.
@@ -248,6 +319,8 @@ class LinkEmulator:
         if queue_bytes is None:
             queue_bytes = default_queue_bytes(self.schedule.peak_bps)
         self.queue_bytes = queue_bytes
+        self._forward_queue = _SharedQueue(queue_bytes)
+        self._backward_queue = _SharedQueue(queue_bytes)
         high = queue_bytes + self._in_delay_line(self.schedule.peak_bps)
         if splice is None:
             splice = SPLICE_AVAILABLE
@@ -276,8 +349,10 @@ class LinkEmulator:
     def _policies(self, conn: ProxyConnection | SpliceConnection) -> tuple[_LinkPolicy, _LinkPolicy]:
         backward = self._backward if self.reverse_schedule.peak_bps is not None else None
         return (
-            _LinkPolicy(self, self._forward, self.delay, self.jitter, self._rng),
-            _LinkPolicy(self, backward, self.delay, self.jitter, self._rng),
+            _LinkPolicy(self, self._forward, self.delay, self.jitter, self._rng, self._forward_queue),
+            _LinkPolicy(
+                self, backward, self.delay, self.jitter, self._rng, self._backward_queue if backward else None
+            ),
         )
 
     @property
@@ -312,6 +387,7 @@ class LinkEmulator:
             active=len(self._proxy.active),
             bytes_forward=sum(c.forward.bytes_out for c in conns if c.forward),
             bytes_backward=sum(c.backward.bytes_out for c in conns if c.backward),
+            queued_bytes=self._forward_queue.backlog(asyncio.get_running_loop().time()),
             rate_bps=self.schedule.rate_at(elapsed),
             reverse_rate_bps=self.reverse_schedule.rate_at(elapsed),
         )
@@ -322,6 +398,8 @@ class LinkEmulator:
 
     async def close(self) -> None:
         await self._proxy.close()
+        self._forward_queue.close()
+        self._backward_queue.close()
 
     async def __aenter__(self) -> LinkEmulator:
         await self.start()

@@ -208,3 +208,70 @@ async def test_a_slow_link_queues_a_fraction_of_a_second_not_megabytes(counter: 
         finally:
             sock.close()
     assert ahead < 1 << 20, f"{ahead} bytes queued ahead of an 8 Mbit/s link"
+
+
+async def test_connections_share_one_bottleneck_queue(counter: Counter, splice: bool) -> None:
+    """Eight senders writing as fast as they can into one 8 Mbit/s link: what the emulator
+    holds for the link is one queue of ``queue_bytes`` for all of them (a router port's),
+    not one per connection (eight times as long a wait for every byte). A reader that
+    finds the queue full reads no more; the copying pump may overshoot by one small read
+    per connection."""
+    import contextlib
+    import socket
+
+    senders, queue = 8, 64 * 1024
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=8e6, queue_bytes=queue, splice=splice) as link:
+        loop = asyncio.get_running_loop()
+        socks = []
+        for _ in range(senders):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, ("127.0.0.1", link.port))
+            socks.append(sock)
+        block, written = bytes(64 * 1024), 0
+        held, reported = [], []
+        until = time.monotonic() + 1.5
+        try:
+            while time.monotonic() < until:
+                for sock in socks:
+                    with contextlib.suppress(BlockingIOError):
+                        written += sock.send(block)
+                stats = link.statistics()
+                reported.append(stats.queued_bytes)
+                held.append(sum(c.forward.statistics().queued_bytes for c in link._proxy.connections if c.forward))
+                await asyncio.sleep(0.002)
+            carried = link.statistics().bytes_forward
+        finally:
+            for sock in socks:
+                sock.close()
+    assert carried > 0 and written > carried + senders * queue  # every sender was held back
+    # No delay line here: what the pumps hold is what the bottleneck has not passed yet.
+    bound = queue + senders * 16 * 1024
+    assert max(held) <= bound, f"{max(held)} bytes held for the link by {senders} connections"
+    assert 0 < max(reported) <= bound
+
+
+async def test_the_shared_queue_wakes_its_readers_once_drained_to_half() -> None:
+    loop = asyncio.get_running_loop()
+    queue = emulator._SharedQueue(1000)
+    now = loop.time()
+    for i in range(10):  # 100 bytes leaving every 10 ms
+        queue.add(now + 0.01 * (i + 1), 100)
+    assert queue.room(now) == 0 and not queue.drained(now)
+    woken: list[int] = []
+    done = asyncio.Event()
+
+    def wake(tag: int) -> None:
+        woken.append(queue.backlog(loop.time()))
+        if len(woken) == 2:
+            done.set()
+
+    queue.wait(now, lambda: wake(1))
+    queue.wait(now, lambda: wake(2))
+    await asyncio.wait_for(done.wait(), 5)
+    assert all(left <= 500 for left in woken)  # each woken once, at or below the low mark
+    await asyncio.sleep(0.02)
+    assert len(woken) == 2
+    assert queue.backlog(loop.time() + 1) == 0
+    queue.close()
