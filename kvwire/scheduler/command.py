@@ -103,7 +103,7 @@ def add_parser(subparsers: Any) -> None:
                       help="compress arrival times by this factor (default 1: as recorded)")
     load.add_argument("--load", type=POSITIVE, metavar="F",
                       help="rescale arrivals so the offered rate is F x the model's capacity "
-                           "of --load-baseline (e.g. 0.7)")
+                           "of --load-baseline (e.g. 0.7), at --threshold for selective")
     w.add_argument("--load-baseline", type=argument_type(_policy, "policy"),
                    default=PolicyName.SELECTIVE, metavar="POLICY",
                    help="policy whose capacity --load refers to (default: selective)")
@@ -265,14 +265,21 @@ def _config(args: argparse.Namespace) -> SimulationConfig:
 
 
 def _at_load(
-    reqs: tuple[TraceRequest, ...], config: SimulationConfig, load: float, baseline: PolicyName
+    reqs: tuple[TraceRequest, ...],
+    config: SimulationConfig,
+    load: float,
+    baseline: PolicyName,
+    threshold_tokens: float | None = None,
 ) -> tuple[tuple[TraceRequest, ...], float]:
     """Arrivals rescaled so the offered rate is ``load`` x the baseline's capacity. The
     model's capacity depends on the mean link rate over the arrival window, which the
-    rescaling changes under a rate schedule: a few fixed-point rounds settle it."""
+    rescaling changes under a rate schedule: a few fixed-point rounds settle it.
+    ``threshold_tokens`` (``--threshold``) is the threshold ``selective`` runs at, so its
+    capacity is taken there; other baselines ignore it, as they do in the simulation."""
+    fixed = threshold_tokens if baseline is PolicyName.SELECTIVE else None
     cap = math.nan
     for _ in range(4):
-        cap = policy_capacity(baseline, reqs, config).lambda_max_rps
+        cap = policy_capacity(baseline, reqs, config, threshold_tokens=fixed).lambda_max_rps
         if not math.isfinite(cap) or cap <= 0:
             raise UsageError(f"the model gives {baseline} no finite capacity to scale --load to")
         if abs(offered_rate(reqs) / cap - load) < 1e-3 * load:
@@ -374,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
         reqs = _workload(args)
         config = _config(args)
         if args.load is not None:
-            reqs, _ = _at_load(reqs, config, args.load, args.load_baseline)
+            reqs, _ = _at_load(reqs, config, args.load, args.load_baseline, args.threshold)
         opt, results = simulate_policies(
             reqs, config, args.policy, seed=args.seed, threshold_tokens=args.threshold
         )

@@ -227,3 +227,16 @@ def test_simulate_cli_link_schedule_counts_from_the_first_arrival(
     # 84 s of arrivals (42 s at --speedup 2): 30 s at 1 Gbit/s, the rest at 8.
     span = 83.3 / float(speedup)
     assert docs[0]["model"]["egress_bps"] == pytest.approx((30 * 1e9 + (span - 30) * 8e9) / span)
+
+
+def test_load_scales_to_selective_capacity_at_the_given_threshold(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # --load took the capacity at the optimizer's t*, not at --threshold: with a fixed
+    # threshold of 60K the run was at utilization 1.89 instead of 0.5.
+    args = parse(["simulate", "--requests", "200", "--policy", "selective", "--threshold", "60000",
+                  "--load", "0.5", "--json", "-"])
+    assert run(args) == 0
+    sel = json.loads(capsys.readouterr().out)["policies"]["selective"]
+    assert sel["threshold_tokens"] == 60000
+    assert sel["utilization"] == pytest.approx(0.5, rel=0.01)
