@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.codec import numpy_dtype
-from kvwire.errors import ErrorCode, KvwireError, UsageError
+from kvwire.errors import IncompatiblePeerError, UsageError
 from kvwire.spec import DTYPES, KVSpec
 from kvwire.wire.frames import ByteRanges
 
@@ -344,18 +344,17 @@ class PagedDestination:
         return self.spec.tokens(int(self.block_ids.size))
 
     def check(self, spec: KVSpec, layer_tokens: int | None = None) -> None:
-        """Raise ``KvwireError(INCOMPATIBLE_SPEC)`` unless a cache of ``spec`` with
-        ``layer_tokens`` tokens per layer fits this destination exactly."""
+        """Raise :class:`~kvwire.IncompatiblePeerError` (``INCOMPATIBLE_SPEC``) unless a
+        cache of ``spec`` with ``layer_tokens`` tokens per layer fits this destination
+        exactly."""
         if spec.fingerprint != self.wire_spec.fingerprint:
-            raise KvwireError(
-                f"incoming cache layout {spec} does not match the destination's {self.wire_spec}",
-                code=ErrorCode.INCOMPATIBLE_SPEC,
+            raise IncompatiblePeerError(
+                f"incoming cache layout {spec} does not match the destination's {self.wire_spec}"
             )
         if layer_tokens is not None and layer_tokens != self.layer_tokens:
             got = layer_tokens / self._rows
-            raise KvwireError(
-                f"incoming cache has {got:g} blocks per layer, the destination names {self.block_ids.size}",
-                code=ErrorCode.INCOMPATIBLE_SPEC,
+            raise IncompatiblePeerError(
+                f"incoming cache has {got:g} blocks per layer, the destination names {self.block_ids.size}"
             )
 
     def layer(self, index: int) -> tuple[Any, Any]:
@@ -456,9 +455,8 @@ class PagedDestination:
         if not (isinstance(dtype, np.dtype) and (dtype == self._dtype or bits)):
             raise UsageError(f"write() takes {self.spec.dtype} rows (the caches' dtype), got {dtype}")
         if not 0 <= layer < len(self._blocks) or start < 0 or start + count > self.layer_tokens:
-            raise KvwireError(
-                f"chunk layer {layer} tokens [{start}, {start + count}) is outside the destination",
-                code=ErrorCode.INCOMPATIBLE_SPEC,
+            raise IncompatiblePeerError(
+                f"chunk layer {layer} tokens [{start}, {start + count}) is outside the destination"
             )
         if not self._device and not self._all_kept:
             rows = np.ascontiguousarray(data).reshape(count, self._width)

@@ -18,7 +18,7 @@ from kvwire._extensions import extensions_disabled
 from kvwire.aio import _stream
 from kvwire.aio._arrays import as_device_array
 from kvwire.codec import Fp8Codec, Int4Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
-from kvwire.errors import ErrorCode, KvwireError, UsageError
+from kvwire.errors import ErrorCode, IncompatiblePeerError, KvwireError, UsageError
 from kvwire.paged import (
     DROP,
     BlockRows,
@@ -94,7 +94,7 @@ def test_wire_spec_fingerprint_covers_block_geometry() -> None:
     assert a.wire_spec().fingerprint != same_elems.wire_spec().fingerprint
     assert a.wire_spec().fingerprint == PagedSpec(num_layers=2, block_shape=(4, 16, 64)).wire_spec().fingerprint
     assert a.rows_per_block * a.row_elems * 2 == a.block_elems
-    with pytest.raises(KvwireError) as err:
+    with pytest.raises(IncompatiblePeerError) as err:
         PagedDestination(a, caches(a, 4, 0), [0, 1]).check(same_elems.wire_spec(), 2 * a.rows_per_block)
     assert err.value.code == ErrorCode.INCOMPATIBLE_SPEC
 
@@ -117,7 +117,7 @@ def test_block_id_errors_are_clear() -> None:
     with pytest.raises(UsageError, match="even number"):
         PagedSpec(num_layers=1, block_shape=(3, 3))
     dest = PagedDestination(spec, cache, [0, 1])
-    with pytest.raises(KvwireError, match="3 blocks per layer, the destination names 2"):
+    with pytest.raises(IncompatiblePeerError, match="3 blocks per layer, the destination names 2"):
         dest.check(spec.wire_spec(), spec.tokens(3))
     assert dest.view(0, 0, 0, 1, spec.tokens(3)) is None  # a mismatched header gets no memory
 
@@ -174,13 +174,15 @@ async def test_block_count_mismatch_fails_both_sides() -> None:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
             waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
             await asyncio.sleep(0)
-            with pytest.raises(KvwireError) as sent:
+            with pytest.raises(IncompatiblePeerError) as sent:
                 await peer.send("req", spec.wire_spec(), PagedSource(spec, src, [0, 1, 2]))
             assert sent.value.code == ErrorCode.INCOMPATIBLE_SPEC
             transfer = await waiting
-            with pytest.raises(KvwireError, match="3 blocks per layer, the destination names 2"):
+            # The same class on both peers (errors.py): not a bare KvwireError here.
+            with pytest.raises(IncompatiblePeerError, match="3 blocks per layer, the destination names 2") as got:
                 async for _ in transfer:
                     pass
+            assert got.value.code == ErrorCode.INCOMPATIBLE_SPEC
     assert all(a.tobytes() == b.tobytes() for a, b in zip(dst, before, strict=True))
 
 
@@ -195,8 +197,9 @@ async def test_geometry_mismatch_refused_when_the_destination_is_named() -> None
                 await server.expect("req", into=PagedDestination(spec, caches(spec, 2, 1), [1]), timeout=10)
             except KvwireError as exc:
                 transfer_err = exc
-            assert transfer_err is not None and transfer_err.code == ErrorCode.INCOMPATIBLE_SPEC
-            with pytest.raises(KvwireError):
+            assert isinstance(transfer_err, IncompatiblePeerError)
+            assert transfer_err.code == ErrorCode.INCOMPATIBLE_SPEC
+            with pytest.raises(IncompatiblePeerError):
                 await asyncio.wait_for(sending, 10)
 
 
@@ -597,6 +600,23 @@ def test_write_refuses_rows_of_another_dtype_or_shape(ids: list[int], what: str)
     assert not dst[0].any()
     dest.write(0, 0, 0, np.full((rows, 1, width), 1.5, np.float16), spec.tokens(2))  # the rows it takes
     assert np.all(dst[0][0].reshape(-1)[: spec.block_elems // 2] == 1.5)
+
+
+def test_write_outside_the_destination_is_an_incompatible_peer() -> None:
+    # What a peer sent that does not fit: IncompatiblePeerError, the class the sender gets.
+    spec = PagedSpec(num_layers=1, block_shape=(2, 4, 8), dtype="float16")
+    rows, width = spec.rows_per_block, spec.row_elems
+    dst = [np.zeros((2, *spec.block_shape), np.float16)]
+    dest = PagedDestination(spec, dst, [0, 1])
+    data = np.full((rows, 1, width), 1.5, np.float16)
+    with pytest.raises(IncompatiblePeerError, match="outside the destination") as err:
+        dest.write(1, 0, 0, data, spec.tokens(2))
+    assert err.value.code == ErrorCode.INCOMPATIBLE_SPEC
+    with pytest.raises(IncompatiblePeerError, match="outside the destination"):
+        dest.write(0, 0, spec.tokens(2) - 1, data, spec.tokens(2))
+    with pytest.raises(IncompatiblePeerError, match="blocks per layer"):
+        dest.write(0, 0, 0, data, spec.tokens(3))
+    assert not dst[0].any()
 
 
 class _DeviceArray:
