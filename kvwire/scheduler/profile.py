@@ -155,7 +155,8 @@ class ModelProfile:
                     int(data["cache_blocks"]) if data.get("cache_blocks") is not None else None
                 ),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            # OverflowError: an integer too large for a float (JSON and TOML allow any).
             raise UsageError(f"bad profile: {exc}") from None
 
 

@@ -3,6 +3,7 @@ errors that say where, not tracebacks."""
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvwire.errors import UsageError
+from kvwire.scheduler.command import add_parser, run
 from kvwire.scheduler.profile import ModelProfile, load_profile
 from kvwire.scheduler.workload import load_trace
 
@@ -106,3 +108,24 @@ def test_unreadable_profile_is_a_usage_error(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(Path, "read_bytes", refuse)  # chmod does not stop root
     with pytest.raises(UsageError, match="cannot read profile"):
         load_profile(path)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"tokens": [1024, 1' + "0" * 400 + '], "kv_bytes": [1, 2], "prefill_s": [1, 2]}',
+        '{"tokens": [1024, 2048], "kv_bytes": [1, 2], "prefill_s": [1, 2], "cache_blocks": 1e400}',
+    ],
+)
+def test_profile_number_too_large_is_a_usage_error(
+    tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An integer too large for a float was an OverflowError traceback.
+    path = tmp_path / "p.json"
+    path.write_text(text)
+    with pytest.raises(UsageError, match="bad profile"):
+        load_profile(path)
+    ap = argparse.ArgumentParser(prog="kvwire")
+    add_parser(ap.add_subparsers(dest="command", required=True))
+    assert run(ap.parse_args(["simulate", "--requests", "20", "--profile", str(path)])) == 2
+    assert "bad profile" in capsys.readouterr().err
