@@ -30,13 +30,23 @@ BlockLike = int | bytes | bytearray | memoryview | str
 MAX_KEY_CHARS = 4096
 """Longest canonical key accepted; block ids are hashes, so anything longer is a bug."""
 
+# An int of more bits has more decimal digits than a key may hold (13654 bits: at least
+# 4110 digits); checked before formatting, which Python refuses past 4300 digits by default
+# (and which would be slow for a huge int anyway).
+_MAX_INT_BITS = MAX_KEY_CHARS * 10 // 3
+
 
 def block_key(block: object) -> str:
     """The canonical, type-tagged key of ``block``; raises :class:`UsageError` if invalid."""
     if isinstance(block, bool):
         raise UsageError("a block id cannot be a bool")
     if isinstance(block, int):
-        key = f"i:{block:d}"
+        if block.bit_length() > _MAX_INT_BITS:
+            raise UsageError(f"block id too long (an int of {block.bit_length()} bits)")
+        try:
+            key = f"i:{block:d}"
+        except ValueError as exc:  # past sys.get_int_max_str_digits(), if set below ours
+            raise UsageError(f"block id too long (an int of {block.bit_length()} bits)") from exc
     elif isinstance(block, bytes | bytearray | memoryview):
         key = "b:" + bytes(block).hex()
     elif isinstance(block, str):

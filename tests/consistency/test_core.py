@@ -38,6 +38,23 @@ def test_block_keys_are_type_tagged_and_reversible() -> None:
         block_from_key("q:1")
 
 
+def test_an_int_block_id_too_long_is_a_usage_error() -> None:
+    """An int whose decimal key would pass 4096 characters is refused like any over-long
+    id, however large (Python refuses to format past 4300 digits with a ValueError)."""
+    assert block_key(10**4093) == "i:1" + "0" * 4093  # 4096 key characters: the longest
+    for bad in (10**4094, -(10**4093), 2**13653, 10**5000, -(10**5000), 2**100_000):
+        with pytest.raises(UsageError, match="too long"):
+            block_key(bad)
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(640)  # an application's lower limit
+    try:
+        assert block_key(10**600) == "i:1" + "0" * 600
+        with pytest.raises(UsageError, match="too long"):
+            block_key(10**700)
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
 def test_expiry_is_exact() -> None:
     core = RegistryCore()
     lease = core.begin([1, 2], owner="a", ttl=10.0, now=100.0)
