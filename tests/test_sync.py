@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import threading
@@ -102,6 +103,23 @@ def test_wait_times_out_and_then_still_completes() -> None:
         peer.send("late", SPEC, make_layers(3, 4, 2, 16, "float32"), timeout=30)
         h.wait(30)
         assert h.done and h.layers_done() == 3
+
+
+def test_send_timeout_bounds_the_send_as_peer_send_does() -> None:
+    """SyncPeer.send(timeout=) is Peer.send(timeout=): the send times out and the receiver
+    is told of a timeout, not of a sender cancelled by a bridge that gave up waiting."""
+    first = make_layers(1, 4, 2, 16, "float32")[0]
+
+    async def stalled() -> Any:
+        yield first
+        await asyncio.Event().wait()  # the next layer never comes
+
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("slow")
+        with pytest.raises(TransferTimeoutError, match=r"did not complete in 0\.2 s"):
+            peer.send("slow", SPEC, stalled(), timeout=0.2)
+        with pytest.raises(TransferTimeoutError, match=r"did not complete in 0\.2 s"):
+            h.wait(30)
 
 
 def test_receiver_abort_fails_waiters_and_sender() -> None:

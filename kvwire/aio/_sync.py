@@ -77,11 +77,13 @@ class Bridge:
             coro.close()
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
         fut = self.submit(coro)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
+        # Not fut.result(timeout): its TimeoutError is TimeoutError itself, so a
+        # TransferTimeoutError the coroutine raised would read as this wait's timeout.
+        done, _ = concurrent.futures.wait([fut], timeout)
+        if not done:
             fut.cancel()
-            raise TransferTimeoutError(f"not done in {timeout} s") from None
+            raise TransferTimeoutError(f"not done in {timeout} s")
+        return fut.result()
 
     def call_soon(self, fn: Any, *args: Any) -> None:
         with self._lock:
@@ -434,8 +436,11 @@ class SyncPeer:
 
     def send(self, request_id: str, spec: KVSpec, layers: Any, *, timeout: float | None = None,
              **send_options: Any) -> Any:
-        """Send a whole cache and wait for its receipt."""
-        return self.bridge.run(self._peer.send(request_id, spec, layers, **send_options), timeout)
+        """Send a whole cache and wait for its receipt.  ``timeout`` bounds the whole send
+        as :meth:`kvwire.Peer.send`'s does (TransferTimeoutError; the receiver is told)."""
+        # Peer.send ends on its own timeout: waiting here for less would cancel it, and its
+        # receiver would be told of a cancelled sender instead of a timeout.
+        return self.bridge.run(self._peer.send(request_id, spec, layers, timeout=timeout, **send_options))
 
     def close(self, timeout: float = 5.0) -> None:
         if self.bridge.closed:
