@@ -309,7 +309,7 @@ def _print_table(results: tuple[PolicyResult, ...], caption: str, out: TextIO) -
             _fmt(r.capacity_rps, ".3f"),
             _fmt(r.utilization, ".2f"),
             _fmt(r.throughput_rps, ".3f"),
-            "SATURATED" if r.saturated else "no",
+            "n/a" if r.saturated is None else "SATURATED" if r.saturated else "no",
             _fmt(r.ttft_p50_s, ".2f"),
             _fmt(r.ttft_p90_s, ".2f"),
             _fmt(r.ttft_p99_s, ".2f"),
@@ -390,12 +390,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     b = opt.best
     saturated = [r.policy for r in results if r.saturated]
+    saturated_text = ", ".join(saturated) or "none"
+    if results and all(r.saturated is None for r in results):
+        saturated_text = "n/a (the arrivals span under 1 s)"
     load_text = (
         f"offered {offered_rate(reqs):.3f} rps"
         + (f" = {args.load:g} x {args.load_baseline}'s capacity" if args.load else "")
     )
     caption = (
-        f"{len(reqs)} requests, {load_text}; saturated: {', '.join(saturated) or 'none'}\n"
+        f"{len(reqs)} requests, {load_text}; saturated: {saturated_text}\n"
         f"model: t*={b.threshold_tokens:.0f} tokens, N_p/N_d={b.prefill_instances:g}/"
         f"{b.decode_instances:g} ({config.cluster.split_granularity} split, balance slack "
         f"{b.balance_slack:+.2f}), Lambda_max={b.lambda_max_rps:.3f} rps, binding: {b.binding}\n"

@@ -104,6 +104,9 @@ DEFAULT_CACHE_BLOCKS_PER_INSTANCE = 8192
 """Prefix-cache blocks per instance when neither the profile nor the config says."""
 SATURATION_MARGIN = 0.95
 """A policy is *saturated* when it completes fewer than this share of the offered rate."""
+MIN_ARRIVAL_WINDOW_S = 1.0
+"""Egress is reported in 1-second averages over the arrival window; a window shorter than
+one of them is too short to say: its egress mean and P99 and ``saturated`` are n/a."""
 
 
 class PolicyName(StrEnum):
@@ -814,9 +817,10 @@ class PolicyResult:
     ttft_p90_s: float
     ttft_p99_s: float
     egress_gbps_mean: float
-    """Mean egress over the arrival window (first to last arrival)."""
+    """Mean of the 1-second egress averages in the arrival window: the whole seconds from
+    the first arrival that end by the last one (NaN, n/a, when it spans under 1 s)."""
     egress_gbps_p99: float
-    """P99 of the 1-second egress averages in the arrival window."""
+    """P99 of the same 1-second averages (NaN when the window spans under 1 s)."""
     egress_gbps_peak: float
     """Highest 1-second average of the whole run."""
     offload_fraction: float
@@ -828,6 +832,8 @@ class PolicyResult:
     decode_instances: float
     offered_rps: float = math.nan
     """Arrivals per second over the arrival window."""
+    arrival_window_s: float = math.nan
+    """Last arrival minus first arrival."""
     capacity_rps: float = math.nan
     """The model's ``Lambda_max`` for this policy's threshold and split."""
     capacity_realized_rps: float = math.nan
@@ -845,9 +851,12 @@ class PolicyResult:
         return self.offered_rps / self.capacity_rps if self.capacity_rps > 0 else math.inf
 
     @property
-    def saturated(self) -> bool:
+    def saturated(self) -> bool | None:
         """Fewer completions per second than :data:`SATURATION_MARGIN` of the offered rate:
-        the queues grow for as long as the arrivals last."""
+        the queues grow for as long as the arrivals last. ``None`` (n/a) when the arrivals
+        span less than :data:`MIN_ARRIVAL_WINDOW_S` (a burst: no rate to keep up with)."""
+        if not self.arrival_window_s >= MIN_ARRIVAL_WINDOW_S or not math.isfinite(self.offered_rps):
+            return None
         return bool(self.throughput_rps < SATURATION_MARGIN * self.offered_rps)
 
     def as_json(self) -> dict[str, float | int | str | bool | None]:
@@ -920,14 +929,10 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
     throughput = (done - 1) / span if span > 0 else done / makespan
     tt = np.asarray([x for x in state.ttft_s if not math.isnan(x)])
     bins = egress_bins(state.transfers, first_arrival, last_arrival)
-    window = max(last_arrival - first_arrival, 1.0)
-    in_window = bins[: max(1, math.ceil(window))]
-    window_bytes = sum(
-        b * max(0.0, min(e, last_arrival) - max(s, first_arrival)) / (e - s)
-        if e > s
-        else (b if first_arrival <= s <= last_arrival else 0.0)
-        for s, e, b in state.transfers
-    )
+    # Mean and P99 over the same bins: the whole seconds of the arrival window (the drain
+    # after the last arrival does not dilute them). None whole: too short to say.
+    window = last_arrival - first_arrival
+    in_window = bins[: math.floor(window)] if window >= MIN_ARRIVAL_WINDOW_S else bins[:0]
     thr: float | None
     if state.policy is PolicyName.SELECTIVE:
         thr = state.threshold_tokens
@@ -945,8 +950,8 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
         ttft_p50_s=_percentile(tt, 50),
         ttft_p90_s=_percentile(tt, 90),
         ttft_p99_s=_percentile(tt, 99),
-        egress_gbps_mean=8.0 * window_bytes / window / 1e9,
-        egress_gbps_p99=_percentile(in_window, 99) * 8.0 / 1e9 if state.transfers else 0.0,
+        egress_gbps_mean=float(in_window.mean()) * 8.0 / 1e9 if in_window.size else math.nan,
+        egress_gbps_p99=_percentile(in_window, 99) * 8.0 / 1e9,
         egress_gbps_peak=float(bins.max()) * 8.0 / 1e9 if state.transfers else 0.0,
         offload_fraction=sum(state.remote) / n,
         cache_hit_ratio=sum(state.hit_tokens) / max(1, sum(r.input_length for r in reqs)),
@@ -954,6 +959,7 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
         prefill_instances=n_p,
         decode_instances=state.config.cluster.local_instances - n_p,
         offered_rps=offered_rate(reqs),
+        arrival_window_s=last_arrival - first_arrival,
         retunes=state.adaptive.retunes if state.adaptive is not None else 0,
         finish_order=tuple(state.finish_order),
     )

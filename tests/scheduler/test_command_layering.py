@@ -240,3 +240,21 @@ def test_load_scales_to_selective_capacity_at_the_given_threshold(
     sel = json.loads(capsys.readouterr().out)["policies"]["selective"]
     assert sel["threshold_tokens"] == 60000
     assert sel["utilization"] == pytest.approx(0.5, rel=0.01)
+
+
+def test_simulate_cli_burst_reports_na(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Five arrivals at one timestamp: egress mean 0.0 but P99 9.96 and "saturated" were
+    # printed; the window is too short to say either.
+    trace = tmp_path / "same.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": 7, "input_length": 3000 * (i + 1), "output_length": 10,
+                    "hash_ids": [i]}) + "\n"
+        for i in range(5)
+    ))
+    args = parse(["simulate", "--trace", str(trace), "--policy", "offload-all", "--json", "-"])
+    assert run(args) == 0
+    captured = capsys.readouterr()
+    r = json.loads(captured.out)["policies"]["offload-all"]
+    assert r["saturated"] is None and r["egress_gbps_mean"] is None and r["egress_gbps_p99"] is None
+    assert r["egress_gbps_peak"] > 0
+    assert "saturated: n/a" in " ".join(captured.err.split())

@@ -217,4 +217,31 @@ def test_offloaded_request_times_add_up() -> None:
     # at 1 MB/s = 1.024 s, RTT/2 = 0.05 s: TTFT 2.098 s.
     r = simulate([req(0.0, (1, 2))], config(rtt_s=0.1), PolicyName.OFFLOAD_ALL)
     assert r.ttft_p50_s == pytest.approx(1.024 + 1.024 + 0.05)
-    assert not math.isnan(r.egress_gbps_mean)
+    # One arrival: no window to average egress over (n/a), but the peak is there.
+    assert math.isnan(r.egress_gbps_mean) and r.egress_gbps_peak > 0
+
+
+def test_egress_mean_and_p99_share_the_arrival_window() -> None:
+    # Arrivals at 0 and 2.5 s, offload-all, 1000 tokens each: transfers of 1 MB at 1 MB/s
+    # over 1-2 s and 3.5-4.5 s. The window's whole seconds are [0, 1) and [1, 2): 0 and
+    # 1 MB/s, so the mean is 0.5 MB/s (it was 1 MB / 2.5 s while P99 took 3 bins).
+    trace = [TraceRequest(arrival_s=t, input_length=1000, output_length=1, hash_ids=(i,))
+             for i, t in enumerate((0.0, 2.5))]
+    r = simulate(trace, config(), PolicyName.OFFLOAD_ALL)
+    assert r.egress_gbps_mean == pytest.approx(0.5 * 8e6 / 1e9)
+    assert r.egress_gbps_p99 == pytest.approx(0.99 * 8e6 / 1e9)
+    assert r.egress_gbps_peak == pytest.approx(8e6 / 1e9)
+    assert r.saturated is not None
+
+
+def test_a_burst_under_a_second_has_no_egress_or_saturation_figures() -> None:
+    # Five arrivals at one instant: the egress mean was 0 but its P99 not, and the policy
+    # was flagged saturated against an infinite offered rate. Both are n/a now.
+    trace = [req(7.0, (i,)) for i in range(5)]
+    r = simulate(trace, config(), PolicyName.OFFLOAD_ALL)
+    assert math.isnan(r.egress_gbps_mean) and math.isnan(r.egress_gbps_p99)
+    assert r.saturated is None
+    doc = r.as_json()
+    assert doc["egress_gbps_mean"] is None and doc["egress_gbps_p99"] is None
+    assert doc["saturated"] is None
+    assert doc["egress_gbps_peak"] == pytest.approx(8e6 / 1e9)
