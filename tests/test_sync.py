@@ -234,6 +234,38 @@ def test_closing_a_bridge_whose_loop_is_stuck_releases_its_waiters() -> None:
     assert not bridge._thread.is_alive() and bridge.loop.is_closed()
 
 
+def _error_of_a_call_blocked_when_the_bridge_closes(bridge: Bridge, call: Any, started: threading.Event) -> BaseException:
+    seen: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            seen.append(exc)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    assert started.wait(30)
+    bridge.close()
+    t.join(30)
+    assert not t.is_alive() and len(seen) == 1
+    return seen[0]
+
+
+def test_closing_a_bridge_fails_a_blocked_run_with_a_kvwire_error() -> None:
+    """A thread blocked in Bridge.run when the bridge closes gets ConnectionLostError, not
+    concurrent.futures.CancelledError."""
+    bridge = Bridge("shared")
+    started = threading.Event()
+
+    async def forever() -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    err = _error_of_a_call_blocked_when_the_bridge_closes(bridge, lambda: bridge.run(forever()), started)
+    assert isinstance(err, ConnectionLostError), repr(err)
+
+
 def test_blocking_call_from_the_loop_thread_is_refused() -> None:
     bridge = Bridge()
     try:

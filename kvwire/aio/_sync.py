@@ -83,7 +83,12 @@ class Bridge:
         if not done:
             fut.cancel()
             raise TransferTimeoutError(f"not done in {timeout} s")
-        return fut.result()
+        try:
+            return fut.result()
+        except concurrent.futures.CancelledError:  # not a kvwire error: say what ended it
+            if self._closed:
+                raise ConnectionLostError("the kvwire bridge was closed while the call ran") from None
+            raise TransferAbortedError("the call was cancelled on the bridge's loop") from None
 
     def call_soon(self, fn: Any, *args: Any) -> None:
         with self._lock:
