@@ -14,8 +14,9 @@ whose methods any thread may call:
 
 No method blocks the loop thread, and calling a blocking one *from* the loop thread is
 refused (it could never return).  ``close()`` fails every waiter with
-:class:`~kvwire.ConnectionLostError` and joins the thread.  The implementation lives in
-``kvwire.aio`` (the only package that runs an event loop).
+:class:`~kvwire.ConnectionLostError` and joins the thread; a shared :class:`Bridge` closed
+first closes the servers and peers that run on it (their sockets do not outlive it).  The
+implementation lives in ``kvwire.aio`` (the only package that runs an event loop).
 """
 
 from kvwire.aio._sync import Bridge, ReceiveHandle, SendHandle, SyncPeer, SyncServer

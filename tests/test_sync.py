@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import socket
 import threading
 import weakref
 from typing import Any
@@ -264,6 +265,47 @@ def test_closing_a_bridge_fails_a_blocked_run_with_a_kvwire_error() -> None:
 
     err = _error_of_a_call_blocked_when_the_bridge_closes(bridge, lambda: bridge.run(forever()), started)
     assert isinstance(err, ConnectionLostError), repr(err)
+
+
+def test_closing_a_bridge_fails_a_blocked_sync_send_with_a_kvwire_error() -> None:
+    bridge = Bridge("shared")
+    started = threading.Event()
+    first = make_layers(1, 4, 2, 16, "float32")[0]
+
+    async def stalled() -> Any:
+        yield first
+        started.set()
+        await asyncio.Event().wait()  # the next layer never comes
+
+    with SyncServer(secret=SECRET) as server:
+        peer = SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge=bridge)
+        server.expect("stalled")
+        err = _error_of_a_call_blocked_when_the_bridge_closes(
+            bridge, lambda: peer.send("stalled", SPEC, stalled()), started)
+        assert isinstance(err, ConnectionLostError), repr(err)
+        assert peer.peer.closed  # closed with the bridge: no socket of it is left open
+        peer.close()
+
+
+def test_closing_a_shared_bridge_closes_the_servers_and_peers_on_it() -> None:
+    """A bridge closed before the SyncServer and SyncPeer on it closes them: their sockets,
+    the listening one too, do not outlive it (their close() afterwards has nothing to do)."""
+    bridge = Bridge("shared")
+    server = SyncServer(secret=SECRET, bridge=bridge)
+    peer = SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge=bridge, streams=2)
+    h = server.expect("a")
+    peer.send("a", SPEC, make_layers(3, 4, 2, 16, "float32"), timeout=30)
+    h.wait(30)
+    pending = server.expect("never")
+    bridge.close()
+    assert server.server.closed and peer.peer.closed
+    assert not bridge._thread.is_alive()
+    with pytest.raises(ConnectionLostError):
+        pending.wait(10)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=10).close()
+    peer.close()
+    server.close()
 
 
 def test_blocking_call_from_the_loop_thread_is_refused() -> None:

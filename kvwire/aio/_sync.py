@@ -37,6 +37,9 @@ class Bridge:
         # Handles whose waiters wait on a condition of their own: woken when this closes,
         # even if what ran on the loop never got to tell them (a loop too busy to cancel).
         self._watched: weakref.WeakSet[ReceiveHandle] = weakref.WeakSet()
+        # The servers and peers running on the loop (SyncServer, SyncPeer): close() closes
+        # them before it cancels the rest, so that no socket outlives the bridge.
+        self._owned: dict[int, Any] = {}
         self._thread.start()
         self._ready.wait()
 
@@ -100,23 +103,46 @@ class Bridge:
         with self._lock:
             self._watched.add(handle)
 
+    async def own(self, thing: Any) -> None:
+        """On the loop: ``thing`` (a running Server or Peer) is closed by :meth:`close`
+        (closed at once if the bridge is closing already)."""
+        with self._lock:
+            closing = self._closed
+            if not closing:
+                self._owned[id(thing)] = thing
+        if closing:
+            await thing.close()
+            raise ConnectionLostError("the kvwire bridge is closed")
+
+    def disown(self, thing: Any) -> None:
+        with self._lock:
+            self._owned.pop(id(thing), None)
+
     def close(self, timeout: float = 5.0) -> None:
-        """Cancel what still runs on the loop, stop it and join the thread (idempotent)."""
+        """Close the servers and peers that run on the loop (their sockets, the listening
+        one too), cancel what still runs on it, stop it and join the thread (idempotent;
+        each step waits at most ``timeout`` seconds)."""
         if self.in_loop_thread():
             raise UsageError("Bridge.close() from the loop thread")
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            owned = list(self._owned.values())
+            self._owned.clear()
 
-        async def cancel_all() -> None:
+        async def close_all() -> None:
+            if owned:  # their close() fails their transfers and waiters with their own errors
+                closing = asyncio.gather(*(thing.close() for thing in owned), return_exceptions=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(closing, timeout)
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
         with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
-            asyncio.run_coroutine_threadsafe(cancel_all(), self.loop).result(timeout)
+            asyncio.run_coroutine_threadsafe(close_all(), self.loop).result(2 * timeout)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         with self._lock:
@@ -296,6 +322,7 @@ class SyncServer:
         async def start() -> Any:
             server = kvwire.serve(host, port, secret=secret, **options)
             await server.start()
+            await self.bridge.own(server)
             return server
 
         try:
@@ -327,6 +354,7 @@ class SyncServer:
             raise UsageError("SyncServer.close() from the bridge's own loop: await the server's close() there")
         with contextlib.suppress(KvwireError):
             self.bridge.run(self._server.close(), timeout)
+        self.bridge.disown(self._server)
         with self._handles_lock:
             handles = list(self._handles)
         for h in handles:
@@ -406,6 +434,7 @@ class SyncPeer:
         async def open_peer() -> Any:
             peer = kvwire.connect(host, port, secret=secret, **options)
             await peer.__aenter__()
+            await self.bridge.own(peer)
             return peer
 
         try:
@@ -454,6 +483,7 @@ class SyncPeer:
             raise UsageError("SyncPeer.close() from the bridge's own loop: await the peer's close() there")
         with contextlib.suppress(KvwireError):
             self.bridge.run(self._peer.close(), timeout)
+        self.bridge.disown(self._peer)
         if self._own_bridge:
             self.bridge.close(timeout)
 
