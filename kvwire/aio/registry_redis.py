@@ -22,7 +22,9 @@ from kvwire.consistency.core import (
     Lease,
     VersionedBlock,
     check_ttl,
+    exhausted_error,
     explain_stale,
+    never_issued_error,
     new_lease_id,
     pairs_keys,
     stale_error,
@@ -295,6 +297,8 @@ class RedisRegistry:
         if status == -2:
             lost = [block_from_key(keys[int(i) - 1]) for i in reply[1:]]
             raise stale_error(lost, "blocks changed while in flight")
+        if status == -3:
+            raise exhausted_error(len(keys))
         return [(block_from_key(k), int(v)) for k, v in zip(keys, reply[1:], strict=True)]
 
     async def renew(self, lease: Lease, ttl: float | None = None) -> Lease:
@@ -341,11 +345,23 @@ class RedisRegistry:
         """``(version, complete)`` of each canonical key, from one consistent snapshot."""
         if not keys:
             return []
+        return (await self._snapshot(keys, with_seq=False))[0]
+
+    async def _snapshot(self, keys: Sequence[str], *, with_seq: bool) -> tuple[list[tuple[int, bool]], int]:
+        """:meth:`_read`, and the last version handed out (0 unless ``with_seq``), in one
+        consistent snapshot."""
         async with self.client.pipeline(transaction=True) as pipe:
             for key in keys:
                 pipe.hmget(self.layout.block(key), "v", "c")
+            if with_seq:
+                pipe.get(self.layout.seq)
             replies = await _guard("read", pipe.execute(), self.timeout)
-        return [(int(v) if v is not None else 0, c is not None and _decode(c) == "1") for v, c in replies]
+        seq = 0
+        if with_seq:
+            raw = replies.pop()
+            seq = int(raw) if raw is not None else 0
+        states = [(int(v) if v is not None else 0, c is not None and _decode(c) == "1") for v, c in replies]
+        return states, seq
 
     async def lookup(self, blocks: Iterable[BlockLike]) -> list[VersionedBlock]:
         self._live()
@@ -375,7 +391,9 @@ class RedisRegistry:
             ),
             self.timeout,
         )
-        return [(block_from_key(k), int(v)) for k, v in zip(keys, reply, strict=True)]
+        if int(reply[0]) == -3:
+            raise exhausted_error(len(keys))
+        return [(block_from_key(k), int(v)) for k, v in zip(keys, reply[1:], strict=True)]
 
     async def check(self, block: BlockLike, version: int) -> None:
         self._live()
@@ -395,14 +413,17 @@ class RedisRegistry:
         ]
 
     async def superseded(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
-        """The blocks :meth:`publish` would reject now (a read-only dry run)."""
+        """The blocks :meth:`publish` would reject now (a read-only dry run); a version above
+        the last one handed out (which publish refuses) is listed too."""
         self._live()
         items = pairs_keys(pairs)
-        states = await self._read([k for k, _ in items])
+        if not items:
+            return []
+        states, seq = await self._snapshot([k for k, _ in items], with_seq=True)
         return [
             block_from_key(key)
             for (key, version), (current, complete) in zip(items, states, strict=True)
-            if not (version > current or (version == current and complete))
+            if version > seq or not (version > current or (version == current and complete))
         ]
 
     async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
@@ -420,7 +441,10 @@ class RedisRegistry:
             ),
             self.timeout,
         )
-        return [block_from_key(items[int(i) - 1][0]) for i in reply]
+        if int(reply[0]) == -1:
+            key, version = items[int(reply[1]) - 1]
+            raise never_issued_error(block_from_key(key), version, int(reply[2]))
+        return [block_from_key(items[int(i) - 1][0]) for i in reply[1:]]
 
     def watch(self) -> RedisWatcher:
         self._live()

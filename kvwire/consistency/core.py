@@ -10,9 +10,12 @@ The rules (the contract both backends keep):
 * Every block has a version, an integer that only grows, drawn from one registry-wide
   counter (so a version is never handed out twice, even for different blocks). An unknown
   block has version 0 and is not complete.
-* ``commit`` and ``invalidate`` each give a block a new version; ``publish`` may raise it to
-  a version issued elsewhere. After ``commit``/``publish`` the block is *complete* at that
-  version; after ``invalidate`` it is not complete (no data exists for the new version).
+* ``commit`` and ``invalidate`` each give a block a new version; ``publish`` confirms a
+  version the registry issued (never one above the last it handed out, so it never moves the
+  counter). After ``commit``/``publish`` the block is *complete* at that version; after
+  ``invalidate`` it is not complete (no data exists for the new version).
+* Versions stay below ``2**53`` (exact in Lua and JSON): a commit or invalidation that would
+  need a version past :data:`MAX_VERSION` is refused, changing nothing.
 * A block is *fresh* at version ``v`` iff it is complete and its version is exactly ``v``.
   Anything else (older, never issued, invalidated, unknown) is stale: fail closed.
 * ``begin`` starts only blocks that are neither complete nor in flight under a live lease;
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 from kvwire.consistency.blocks import BlockId, block_from_key, block_key, unique_keys
 from kvwire.consistency.errors import LeaseExpiredError
-from kvwire.errors import StaleVersionError, UsageError
+from kvwire.errors import LimitExceededError, StaleVersionError, UsageError
 
 VersionedBlock = tuple[BlockId, int]
 """A block id with a version: what lookup, commit, invalidate_many and watch return."""
@@ -95,14 +98,31 @@ def check_ttl(ttl: float) -> float:
     return ttl
 
 
-def check_version(version: object) -> int:
-    """``version`` if it is an int in ``[0, 2**53)``, else :class:`UsageError`.
+#: Highest version a registry hands out (``2**53 - 1``): versions stay exact in Lua (doubles)
+#: and in JSON.
+MAX_VERSION = 2**53 - 1
 
-    The bound keeps versions exact in Lua (doubles) and in JSON.
-    """
-    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version < 2**53:
-        raise UsageError(f"a version is a non-negative int, not {version!r}")
+
+def check_version(version: object) -> int:
+    """``version`` if it is an int in ``[0, MAX_VERSION]``, else :class:`UsageError`."""
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_VERSION:
+        raise UsageError(f"a version is a non-negative int below 2**53, not {version!r}")
     return version
+
+
+def exhausted_error(count: int) -> LimitExceededError:
+    """The error of a commit or invalidation needing ``count`` versions past :data:`MAX_VERSION`."""
+    return LimitExceededError(
+        f"the registry's version counter is exhausted: no {count} new version(s) below 2**53 are left"
+    )
+
+
+def never_issued_error(block: object, version: int, last: int) -> UsageError:
+    """The error of a publish of a version above the last one the registry handed out."""
+    return UsageError(
+        f"publish confirms versions this registry issued: block {block!r} version {version} "
+        f"is above the last one it handed out ({last})"
+    )
 
 
 def pairs_keys(pairs: Iterable[tuple[object, int]]) -> list[tuple[str, int]]:
@@ -233,6 +253,7 @@ class RegistryCore:
         if lost:
             self._drop_lease(lease.lease_id, rec)
             raise stale_error([block_from_key(k) for k in lost], "blocks changed while in flight")
+        self._reserve(len(keys))
         out: list[VersionedBlock] = []
         for key in keys:
             state = self._blocks[key]
@@ -291,8 +312,10 @@ class RegistryCore:
 
     def invalidate_many(self, blocks: Iterable[object]) -> list[VersionedBlock]:
         """:meth:`invalidate` each block (duplicates once); returns ``[(block, version)]``."""
+        keys = unique_keys(blocks)
+        self._reserve(len(keys))
         out: list[VersionedBlock] = []
-        for key in unique_keys(blocks):
+        for key in keys:
             state = self._blocks.setdefault(key, BlockState())
             self._seq += 1
             state.version = self._seq
@@ -303,6 +326,11 @@ class RegistryCore:
             self._events.append(item)
         return out
 
+    def _reserve(self, count: int) -> None:
+        """Raise :class:`LimitExceededError` unless ``count`` more versions fit below 2**53."""
+        if self._seq + count > MAX_VERSION:
+            raise exhausted_error(count)
+
     def publish(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
         """Record blocks received complete at given versions; returns the rejected ones.
 
@@ -310,22 +338,30 @@ class RegistryCore:
         block, or equal to it while the block is complete (idempotent re-publish). An
         accepted newer version makes the block complete at ``v`` and takes it away from any
         in-flight lease. Anything else is rejected as stale: it would overwrite newer data.
+
+        A ``v`` above the last version this registry handed out was never issued: the call
+        raises :class:`UsageError` and changes nothing (publish confirms versions, it never
+        moves the counter, so no later commit can be handed a version twice).
         """
+        items = pairs_keys(pairs)
+        for key, version in items:
+            if version > self._seq:
+                raise never_issued_error(block_from_key(key), version, self._seq)
         rejected: list[BlockId] = []
-        for key, version in pairs_keys(pairs):
+        for key, version in items:
             state = self._blocks.setdefault(key, BlockState())
             if version > state.version:
                 state.version = version
                 state.complete = True
                 state.lease_id = None
-                self._seq = max(self._seq, version)
                 self._events.append((block_from_key(key), version))
             elif not (version == state.version and state.complete):
                 rejected.append(block_from_key(key))
         return rejected
 
     def superseded(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
-        """The blocks :meth:`publish` would reject now, without changing anything.
+        """The blocks :meth:`publish` would reject now, without changing anything; a version
+        above the last one handed out (which publish refuses) is listed too.
 
         A receiver asks this when a transfer announces its blocks, to refuse stale data
         before it moves; :meth:`publish` at completion stays the authoritative check.
@@ -333,7 +369,9 @@ class RegistryCore:
         out: list[BlockId] = []
         for key, version in pairs_keys(pairs):
             state = self._blocks.get(key) or BlockState()
-            if not (version > state.version or (version == state.version and state.complete)):
+            if version > self._seq or not (
+                version > state.version or (version == state.version and state.complete)
+            ):
                 out.append(block_from_key(key))
         return out
 
@@ -390,13 +428,16 @@ def explain_stale(block: object, version: int, current: int, complete: bool) -> 
 
 
 __all__ = [
+    "MAX_VERSION",
     "BlockState",
     "Lease",
     "RegistryCore",
     "VersionedBlock",
     "check_ttl",
     "check_version",
+    "exhausted_error",
     "explain_stale",
+    "never_issued_error",
     "new_lease_id",
     "pairs_keys",
     "stale_error",

@@ -23,7 +23,10 @@ block hash cannot bring an old version back; and a new version is never below th
 server's clock in microseconds, so a Redis that lost ``seq`` itself (restarted without
 persistence, crashed between snapshots, failed over to a replica behind it) still hands out
 versions above those it issued before (unless it had issued more than one per microsecond
-since its epoch, far beyond any real rate). Lease liveness is decided inside the scripts
+since its epoch, far beyond any real rate). ``PUBLISH`` never moves ``seq``: it refuses a
+version above it (never issued), so neither can a published version be handed out again
+nor one far above the clock outlive a lost ``seq``. A script that would need a version
+past ``2**53 - 1`` (exact in a double) refuses, changing nothing. Lease liveness is decided inside the scripts
 against ``redis.call('TIME')``, one clock for every client, so client clock skew is moot.
 """
 
@@ -39,13 +42,25 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
 # The next version from counter ``key``: INCR, but never below the server's clock in
 # microseconds (see the module docstring). Needs ``now`` (_NOW). (Versions go into text
-# with string.format('%.0f'): Lua's own number-to-text keeps 14 digits.)
+# with string.format('%.0f'): Lua's own number-to-text keeps 14 digits.) ``versions_left``
+# says whether ``n`` more versions stay within MAX_VERSION (2**53 - 1, exact in a double);
+# a script asks it before writing anything, so an exhausted counter changes nothing, and
+# next_version fails rather than hand out an inexact version if one was not asked first.
 _NEXT = """
+local MAX_VERSION = 9007199254740991
+local function versions_left(key, n)
+  local seq = tonumber(redis.call('GET', key) or '0')
+  -- (subtracting: seq + n could round past MAX_VERSION in a double)
+  return n <= MAX_VERSION - math.max(seq + 1, now) + 1
+end
 local function next_version(key)
   local v = redis.call('INCR', key)
   if v < now then
     redis.call('SET', key, now)
     v = now
+  end
+  if v > MAX_VERSION then
+    error('version counter exhausted')
   end
   return v
 end
@@ -101,6 +116,7 @@ COMMIT = (
     + """
 -- KEYS: lease, seq, block...   ARGV: lease_id, channel, canonical id per block
 -- returns {0, version...} | {-1} lease not live | {-2, index...} blocks lost (1-based)
+--   | {-3} no versions left below 2**53 (nothing changed, the lease stays)
 local exp = tonumber(redis.call('GET', KEYS[1]) or '0')
 if exp <= now then
   free(3, ARGV[1])
@@ -117,6 +133,9 @@ if #lost > 1 then
   free(3, ARGV[1])
   redis.call('DEL', KEYS[1])
   return lost
+end
+if not versions_left(KEYS[2], #KEYS - 2) then
+  return {-3}
 end
 local out = {0}
 for i = 3, #KEYS do
@@ -166,8 +185,11 @@ INVALIDATE = (
     + _NEXT
     + """
 -- KEYS: seq, block...   ARGV: channel, canonical id per block
--- returns {version...}
-local out = {}
+-- returns {0, version...} | {-3} no versions left below 2**53 (nothing changed)
+if not versions_left(KEYS[1], #KEYS - 1) then
+  return {-3}
+end
+local out = {0}
 for i = 2, #KEYS do
   local v = next_version(KEYS[1])
   redis.call('HSET', KEYS[i], 'v', v, 'c', '0')
@@ -181,8 +203,15 @@ return out
 
 PUBLISH = """
 -- KEYS: seq, block...   ARGV: channel, then canonical id and version per block
--- returns the 1-based indexes of the rejected (stale) pairs
-local rejected = {}
+-- returns {0, index...}: the 1-based indexes of the rejected (stale) pairs
+--   | {-1, index, seq}: that pair's version is above seq, never issued (nothing changed)
+local seq = tonumber(redis.call('GET', KEYS[1]) or '0')
+for i = 2, #KEYS do
+  if tonumber(ARGV[2 * i - 1]) > seq then
+    return {-1, i - 1, string.format('%.0f', seq)}
+  end
+end
+local rejected = {0}
 for i = 2, #KEYS do
   local pv = tonumber(ARGV[2 * i - 1])
   local h = redis.call('HMGET', KEYS[i], 'v', 'c')
@@ -190,9 +219,6 @@ for i = 2, #KEYS do
   if pv > v then
     redis.call('HSET', KEYS[i], 'v', pv, 'c', '1')
     redis.call('HDEL', KEYS[i], 'l', 'e')
-    if pv > tonumber(redis.call('GET', KEYS[1]) or '0') then
-      redis.call('SET', KEYS[1], pv)
-    end
     redis.call('PUBLISH', ARGV[1], string.format('%.0f ', pv) .. ARGV[2 * i - 2])
   elseif not (pv == v and h[2] == '1') then
     rejected[#rejected + 1] = i - 1

@@ -7,6 +7,8 @@ import asyncio
 import pytest
 
 import kvwire
+from kvwire.aio.registry_memory import MemoryRegistry
+from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import LeaseExpiredError, Registry
 from kvwire.errors import StaleVersionError, UsageError
 
@@ -147,16 +149,17 @@ async def test_publish(registry: Registry) -> None:
     [(_, v)] = await registry.commit(await registry.begin(["p"], owner="a"))
     assert await registry.publish([("p", v)]) == []  # idempotent
     assert await registry.publish([("p", v - 1)]) == ["p"]  # older: refused
-    assert await registry.publish([("q", 1000), ("p", v + 10)]) == []
-    assert await registry.lookup(["q", "p"]) == [("q", 1000), ("p", v + 10)]
-    # the counter moved past published versions: new versions stay unique and growing
-    assert await registry.invalidate("p") > 1000
+    w = await registry.invalidate("w")  # a newer version, issued (for another block)
+    assert await registry.publish([("q", v), ("p", w)]) == []
+    assert await registry.lookup(["q", "p"]) == [("q", v), ("p", w)]
+    assert await registry.invalidate("p") > w
     # a publish newer than an in-flight lease takes the block away from it
     lease = await registry.begin(["r"], owner="a")
-    assert await registry.publish([("r", 5000)]) == []
+    x = await registry.invalidate("x")
+    assert await registry.publish([("r", x)]) == []
     with pytest.raises(StaleVersionError):
         await registry.commit(lease)
-    await registry.check("r", 5000)
+    await registry.check("r", x)
     inv = await registry.invalidate("r")
     assert await registry.publish([("r", inv)]) == ["r"]  # no data at an invalidation version
     with pytest.raises(UsageError):
@@ -167,9 +170,67 @@ async def test_watch_delivers(registry: Registry) -> None:
     async with registry.watch() as watcher:
         [(_, v1)] = await registry.commit(await registry.begin([b"k"], owner="a"))
         v2 = await registry.invalidate(b"k")
-        await registry.publish([("z", v2 + 5)])
+        await registry.publish([("z", v2)])
         got = [await asyncio.wait_for(anext(watcher), 5) for _ in range(3)]
-    assert got == [(b"k", v1), (b"k", v2), ("z", v2 + 5)]
+    assert got == [(b"k", v1), (b"k", v2), ("z", v2)]
+
+
+async def test_publish_refuses_a_version_never_issued(registry: Registry) -> None:
+    """Publish confirms versions the registry handed out: one above the last (a peer's
+    made-up ``2**53 - 1``, a version from another registry) is a UsageError and changes
+    nothing, so it can neither push the counter to 2**53 (the next commit's version refused
+    by check) nor make Redis round two commits to one version."""
+    async with registry.watch() as watcher:
+        with pytest.raises(UsageError, match="above the last one it handed out"):
+            await registry.publish([("x", 2**53 - 1)])  # nothing handed out yet
+        [(_, v)] = await registry.commit(await registry.begin(["a"], owner="o"))
+        for pairs in ([("x", 2**53 - 1)], [("x", v + 1)], [("a", v), ("x", v + 1)]):
+            with pytest.raises(UsageError, match="above the last one it handed out"):
+                await registry.publish(pairs)
+        assert await registry.superseded([("x", v + 1), ("a", v)]) == ["x"]  # publish would refuse it
+        versions = []
+        for block in ("b", "c", "d"):
+            versions += await registry.commit(await registry.begin([block], owner="o"))
+        # nothing was published: the first notifications are the commits
+        got = [await asyncio.wait_for(anext(watcher), 5) for _ in range(4)]
+        assert got == [("a", v), *versions]
+    assert await registry.lookup(["x"]) == []
+    # the counter did not move: the versions are the next ones, distinct and valid
+    assert [vv for _, vv in versions] == sorted({vv for _, vv in versions})
+    assert v < versions[0][1] < 2**53
+    assert await registry.check_many(versions) == []
+    assert await registry.publish([("x", versions[-1][1])]) == []  # issued: accepted
+
+
+async def _set_counter(registry: Registry, last: int) -> None:
+    """Make ``last`` the last version ``registry`` handed out (white box)."""
+    if isinstance(registry, MemoryRegistry):
+        registry.core._seq = last
+    else:
+        assert isinstance(registry, RedisRegistry)
+        await registry.client.set(registry.layout.seq, last)
+
+
+async def test_no_version_past_2_53_is_handed_out(registry: Registry) -> None:
+    """A commit or invalidation that would need a version past 2**53 - 1 (inexact in Lua,
+    refused by check) is a LimitExceededError and changes nothing; the last one still works."""
+    await _set_counter(registry, 2**53 - 3)
+    lease = await registry.begin(["a", "b", "c"], owner="o")
+    with pytest.raises(kvwire.LimitExceededError, match="exhausted"):
+        await registry.commit(lease)
+    with pytest.raises(kvwire.LimitExceededError, match="exhausted"):
+        await registry.invalidate_many(["x", "y", "z"])
+    assert await registry.lookup(["a"]) == [] and await registry.check_many([("x", 0)]) == ["x"]
+    assert (await registry.begin(["a"], owner="p")).busy == ("a",)  # still the lease's
+    await registry.release(lease)
+    assert await registry.invalidate_many(["x", "y"]) == [("x", 2**53 - 2), ("y", 2**53 - 1)]
+    lease = await registry.begin(["a"], owner="o")
+    with pytest.raises(kvwire.LimitExceededError):
+        await registry.commit(lease)
+    with pytest.raises(kvwire.LimitExceededError):
+        await registry.invalidate("z")
+    assert await registry.publish([("y", 2**53 - 1)]) == ["y"]  # invalidated: no data there
+    assert await registry.check_many([("y", 2**53 - 1)]) == ["y"]
 
 
 async def test_watch_ends_on_close(registry: Registry) -> None:

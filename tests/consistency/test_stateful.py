@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from kvwire.aio.registry_memory import MemoryRegistry
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import Lease, LeaseExpiredError, Registry
-from kvwire.errors import StaleVersionError
+from kvwire.errors import StaleVersionError, UsageError
 from tests.consistency.conftest import RedisServer
 
 T = TypeVar("T")
@@ -154,18 +154,23 @@ class RegistryMachine(RuleBasedStateMachine):
         self.complete[block] = False
         self.holder.pop(block, None)
 
-    @rule(block=st.integers(0, 5), delta=st.integers(-2, 3))
+    @rule(block=st.integers(0, 5), delta=st.integers(-2, 4))
     def publish(self, block: int, delta: int) -> None:
         current = self.version.get(block, 0)
-        version = current + delta if delta <= 0 else self.max_version + delta
+        # delta > 0: the last version handed out (maybe another block's), one below, or
+        # above it (never issued)
+        version = current + delta if delta <= 0 else self.max_version + delta - 2
         if version < 0:
             return
+        if version > self.max_version:
+            with pytest.raises(UsageError, match="above the last one"):
+                self.run(self.reg.publish([(block, version)]))
+            return  # refused whole: nothing changed, the counter did not move
         rejected = self.run(self.reg.publish([(block, version)]))
         accept = version > current or (version == current and self.complete.get(block, False))
         assert rejected == ([] if accept else [block])
         if accept and version > current:
             self.version[block] = version
-            self.max_version = max(self.max_version, version)
             self.complete[block] = True
             self.holder.pop(block, None)
 
