@@ -35,7 +35,12 @@ from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-__all__ = ["DeliveryRateEstimator", "EstimatorSnapshot", "RateSample"]
+__all__ = ["QUEUED_DELAY", "DeliveryRateEstimator", "EstimatorSnapshot", "RateSample"]
+
+#: A chunk whose round trip exceeded the minimum RTT by this much, and by the minimum
+#: itself, waited behind a backlog on its way: whatever was before it kept the bottleneck
+#: busy, so its sample measures the path even when the sender had run out of data.
+QUEUED_DELAY = 0.010
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,7 +55,8 @@ class RateSample:
     rtt: float
     """Seconds from the chunk's send to its ack."""
     app_limited: bool
-    """The sender had nothing queued while this chunk was in flight."""
+    """The sender had nothing queued while this chunk was in flight, and the chunk did not
+    wait behind a backlog (:data:`QUEUED_DELAY`)."""
     round_count: int
     """Round trips completed when the sample was taken."""
 
@@ -226,11 +232,18 @@ class DeliveryRateEstimator:
         send_elapsed = (chunk.sent_time - chunk.first_sent_time) * delivered / sent if sent > 0 else 0.0
         interval = max(send_elapsed, ack_elapsed, self._min_interval)
         rtt = max(now - chunk.sent_time, 0.0)
+        # A sender that ran out of data may still have filled the path: a small transfer on
+        # a slow link sits in socket buffers and the bottleneck's queue for seconds. Such a
+        # chunk's long wait says the link, not the sender, set its pace; without this, a
+        # link slower than every transfer would only ever give app-limited samples, and an
+        # early burst (a token bucket's) would stand as its estimate for good.
+        min_rtt = self.min_rtt
+        queued = min_rtt is not None and rtt - min_rtt >= max(min_rtt, QUEUED_DELAY)
         sample = RateSample(
             delivered_bytes=delivered,
             interval=interval,
             rtt=rtt,
-            app_limited=chunk.app_limited,
+            app_limited=chunk.app_limited and not queued,
             round_count=self._round_count,
         )
         self._samples += 1

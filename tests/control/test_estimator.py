@@ -158,6 +158,47 @@ def test_app_limited_samples_do_not_lower_the_max_filter() -> None:
     assert est.bandwidth_bps == pytest.approx(peak)
 
 
+def test_a_link_slower_than_every_transfer_is_measured_after_a_token_bucket_burst() -> None:
+    """Transfers of 5 x 52 KB over a 1 Mbit/s link whose token bucket lets its first 64 KiB
+    through at once (tbf): the sender hands each whole transfer to the kernel and runs dry,
+    so it is app-limited by its own account; but its chunks wait seconds in the queue, so
+    their samples measure the link and the burst's 75 Mbit/s does not stand for good."""
+    est = DeliveryRateEstimator()
+    rate, chunk, base = 1e6, 52_000, 0.005
+    t, free = 0.0, 0.0  # when the link is next free
+    for transfer in range(12):
+        for i in range(5):
+            est.on_send((transfer, i), chunk, t, app_limited=i == 4)
+        acks = []
+        for i in range(5):
+            if transfer == 0 and i == 0:
+                served = t  # in the bucket's burst
+            else:
+                served = max(free, t) + chunk * 8 / rate
+                free = served
+            acks.append(served + base)
+        for i, at in enumerate(acks):
+            sample = est.on_ack((transfer, i), at)
+            assert sample is not None
+            if i >= 2:  # it waited behind the ones before it (two chunks' worth: the
+                # minimum RTT, once the burst's has expired, is one chunk's serialization)
+                assert not sample.app_limited
+        t = acks[-1]
+    assert est.bandwidth_bps is not None and est.bandwidth_bps < 2 * rate
+
+
+def test_a_chunk_that_did_not_queue_keeps_its_app_limited_mark() -> None:
+    est = DeliveryRateEstimator()
+    est.on_send(0, MIB, 0.0, app_limited=False)
+    est.on_ack(0, 0.002)  # min RTT 2 ms
+    est.on_send(1, 1000, 1.0, app_limited=True)
+    slow = est.on_ack(1, 1.0 + 0.002 + 0.0099)  # 9.9 ms more: not yet a backlog
+    assert slow is not None and slow.app_limited
+    est.on_send(2, 1000, 2.0, app_limited=True)
+    queued = est.on_ack(2, 2.0 + 0.002 + 0.0101)
+    assert queued is not None and not queued.app_limited
+
+
 def test_app_limited_mark_clears_once_that_data_is_delivered() -> None:
     est = DeliveryRateEstimator()
     est.on_send(1, 100, 0.0, app_limited=True)
