@@ -308,6 +308,20 @@ def test_closing_a_shared_bridge_closes_the_servers_and_peers_on_it() -> None:
     server.close()
 
 
+def test_misuse_is_a_usage_error_at_once() -> None:
+    """As the async API says it: UsageError when the call is made, not an AttributeError
+    or a wait that can only time out."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        for spec in (None, "spec", SPEC.num_layers):
+            with pytest.raises(UsageError, match="spec must be a kvwire"):
+                peer.begin("x", spec)  # type: ignore[arg-type]
+            with pytest.raises(UsageError, match="spec must be a kvwire"):
+                peer.send("x", spec, make_layers(3, 4, 2, 16, "float32"), timeout=30)  # type: ignore[arg-type]
+        for request_id in (5, b"x", ""):
+            with pytest.raises(UsageError, match="request_id must be a non-empty str"):
+                server.expect(request_id, timeout=30)  # type: ignore[arg-type]
+
+
 def test_blocking_call_from_the_loop_thread_is_refused() -> None:
     bridge = Bridge()
     try:

@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import kvwire
+from kvwire.aio.server import check_request_id
 from kvwire.errors import (
     ConnectionLostError,
     KvwireError,
@@ -341,6 +342,7 @@ class SyncServer:
     def expect(self, request_id: str, *, into: Any = None, timeout: float | None = None,
                num_layers: int | None = None) -> ReceiveHandle:
         """Start waiting for ``request_id``'s transfer; returns at once."""
+        check_request_id(request_id)  # at once, not from the wait
         handle = ReceiveHandle(self.bridge, request_id, num_layers)
         with self._handles_lock:
             self._handles.add(handle)
@@ -450,6 +452,8 @@ class SyncPeer:
 
     def begin(self, request_id: str, spec: KVSpec, **send_options: Any) -> SendHandle:
         """Start a transfer whose layers come later through :meth:`SendHandle.send_layer`."""
+        if not isinstance(spec, KVSpec):
+            raise UsageError("spec must be a kvwire.KVSpec")
         handle = SendHandle(self.bridge, request_id, spec.num_layers)
         handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
         return handle

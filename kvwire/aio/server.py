@@ -109,6 +109,13 @@ class _CostMeter:
         self._allocated = allocated
 
 
+def check_request_id(request_id: object) -> None:
+    """UsageError unless ``request_id`` is one a sender can send (a wait for any other could
+    only time out)."""
+    if not isinstance(request_id, str) or not request_id or len(request_id.encode()) > 0xFFFF:
+        raise UsageError(f"request_id must be a non-empty str of at most 65535 UTF-8 bytes, got {request_id!r:.80}")
+
+
 def _abort_handed(fut: asyncio.Future[Transfer], why: str) -> None:
     """A wait that ends (cancelled) after its transfer was handed over: nobody will take
     that transfer, so it must not go on (into the caller's memory, or held here) until
@@ -194,6 +201,7 @@ class Server(Pump):
         ``device="gpu"`` raises :class:`~kvwire.UsageError` at once; a destination that
         refuses the transfer (its ``check()`` raises) fails it, and this raises that error.
         """
+        check_request_id(request_id)
         self._check_open()
         if into is not None and self.on_gpu:
             raise UsageError("into= needs a server with device='cpu' (a GPU server decodes into its own arrays)")

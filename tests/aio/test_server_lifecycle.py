@@ -34,6 +34,14 @@ async def test_accept_and_expect_after_close_fail_at_once() -> None:
         await server.start()
 
 
+@pytest.mark.parametrize("request_id", [5, b"x", "", None, "x" * 65536])
+async def test_expect_of_an_id_no_sender_can_send_is_refused_at_once(request_id: Any) -> None:
+    # A sender's request id is a non-empty str: a wait for anything else could only time out.
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        with pytest.raises(UsageError, match="request_id must be a non-empty str"):
+            await asyncio.wait_for(server.expect(request_id, timeout=30), 5)
+
+
 async def test_start_twice_is_refused() -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         with pytest.raises(UsageError, match="already listening"):
