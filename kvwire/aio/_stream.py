@@ -306,7 +306,7 @@ class Stream(asyncio.BufferedProtocol):
             return
         if data:
             before = q.pending
-            q.push([x for p in data for x in (_checked_parts(p) if isinstance(p, CheckedPayload) else (p,))])
+            q.push(_queue_parts(data))
             self.pushed += q.pending - before
         if self.owner.core.is_closed(self.key):
             self._close_queued = True
@@ -377,6 +377,32 @@ class Stream(asyncio.BufferedProtocol):
         tr = self.transport
         if tr is not None:
             tr.abort()
+
+
+def _queue_parts(data: Sequence[Any]) -> list[Any]:
+    """What the core has to send as the send queue's parts: checked payloads as
+    :func:`_checked_parts`, large buffers as they are, and each run of small parts (frame
+    heads, CRCs, control frames) joined into one bytes object: the queue keeps an entry of
+    about 150 bytes per part, so 20-byte frames queued one by one (a peer's flood of PINGs
+    answered while it does not read) would cost many times the bytes counted."""
+    parts: list[Any] = []
+    small: list[Any] = []
+    for p in data:
+        if isinstance(p, CheckedPayload):
+            if small:
+                parts.append(small[0] if len(small) == 1 else b"".join(small))
+                small = []
+            parts.extend(_checked_parts(p))
+        elif memoryview(p).nbytes < LARGE_PART:
+            small.append(p)
+        else:
+            if small:
+                parts.append(small[0] if len(small) == 1 else b"".join(small))
+                small = []
+            parts.append(p)
+    if small:
+        parts.append(small[0] if len(small) == 1 else b"".join(small))
+    return parts
 
 
 def _checked_parts(p: CheckedPayload) -> tuple[tuple[Any, ...], ...]:

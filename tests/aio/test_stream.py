@@ -195,6 +195,29 @@ def test_large_parts_are_written_alone_and_small_neighbours_joined() -> None:
     assert tr2.written == [b"ab"]
 
 
+def test_the_send_queue_gets_each_run_of_small_parts_as_one() -> None:
+    """The compiled queue keeps an entry per part (about 150 bytes): 20-byte frames pushed
+    one by one (a PING flood answered while the peer does not read) would cost many times
+    the bytes the queue counts against its limit. Small runs are joined; a checked payload
+    and a large buffer pass as they are, in order."""
+    from kvwire.aio._stream import _queue_parts
+    from kvwire.wire import Chunk
+    from kvwire.wire.frames import CheckedPayload, encode_chunk_checked_as_written
+
+    pongs = [struct.pack("<5sQ", b"PONG!", i) for i in range(1000)]
+    assert _queue_parts(pongs) == [b"".join(pongs)]
+    payload = bytes(range(256)) * (4 * 1024)
+    chunk = Chunk(transfer_id=1, layer=0, kind=0, codec_id=0, token_start=0, token_count=1,
+                  layer_tokens=1, params=b"", payload=payload)
+    *heads, checked = encode_chunk_checked_as_written(chunk)
+    assert isinstance(checked, CheckedPayload)
+    big = memoryview(np.arange(LARGE_PART, dtype=np.uint16))
+    parts = _queue_parts([b"ack1", b"ack2", *heads, checked, b"ack3", big, b"x"])
+    assert parts[0] == b"ack1ack2" + b"".join(bytes(h) for h in heads)
+    assert parts[1] == (checked.payload, checked.crc)
+    assert parts[2:] == [b"ack3", big, b"x"]
+
+
 async def test_rcvlowat_follows_the_payload_the_peer_committed_to() -> None:
     """While a large payload arrives the socket wakes the reader only once (at most) the
     rest of it is in; below RCVLOWAT_MIN, and after it, every byte wakes it again."""
