@@ -264,6 +264,7 @@ class OptimizerResult:
     lambda_best_over_splits: tuple[float, ...] = field(default=())
     """``max over N_p of Lambda_max(t)`` over ``thresholds``."""
     step_tokens: float = 0.0
+    """The grid's step (the one asked for, or wider past :data:`MAX_GRID_POINTS` points)."""
 
     @property
     def threshold_tokens(self) -> float:
@@ -274,13 +275,32 @@ class OptimizerResult:
         return self.best.binding
 
 
-def _grid(dist: LengthDistribution, step_tokens: float) -> npt.NDArray[np.float64]:
+MAX_GRID_POINTS = 65536
+"""Most thresholds :func:`optimize` tries: past ``MAX_GRID_POINTS x step_tokens`` (16.8M
+tokens at the default 256) the step widens to a multiple of ``step_tokens``, so the
+optimizer's work and memory stay bounded whatever the longest prompt."""
+
+
+def _grid(dist: LengthDistribution, step_tokens: float) -> tuple[npt.NDArray[np.float64], float]:
     # From "offload everything" (t = 0 keeps only zero-length requests local) to "offload
     # nothing" (t = the longest length).
     top = dist.max
+    if (top + step_tokens) / step_tokens > MAX_GRID_POINTS:
+        # A multiple of the step, with a point of slack for arange's rounding.
+        step_tokens *= math.ceil(top / (step_tokens * (MAX_GRID_POINTS - 2)))
     grid = np.arange(0.0, top + step_tokens, step_tokens)
     grid[-1] = max(grid[-1], top)
-    return grid
+    return grid, step_tokens
+
+
+def _classes(
+    dist: LengthDistribution, grid: npt.NDArray[np.float64]
+) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.intp]]:
+    """The model depends on ``t`` only through which lengths are above it, so every grid
+    point between two consecutive distinct lengths gives the same capacity. Returns the
+    first grid point of each such run (ascending) and, per grid point, its run's index."""
+    new_run = np.diff(np.searchsorted(dist.lengths, grid, side="right"), prepend=-1) != 0
+    return np.flatnonzero(new_run), np.cumsum(new_run) - 1
 
 
 def best_split(
@@ -299,22 +319,27 @@ def optimize(
     step_tokens: float = 256.0,
     prefill_instances: float | None = None,
 ) -> OptimizerResult:
-    """Grid search over the threshold (``step_tokens`` apart) and the split ``N_p``
-    (every value at the config's split granularity, or only ``prefill_instances``)."""
+    """Grid search over the threshold (``step_tokens`` apart, wider past
+    :data:`MAX_GRID_POINTS` points) and the split ``N_p`` (every value at the config's
+    split granularity, or only ``prefill_instances``)."""
     if step_tokens <= 0:
         raise UsageError("step_tokens must be > 0")
-    grid = _grid(dist, step_tokens)
+    grid, step_tokens = _grid(dist, step_tokens)
+    # Evaluated once per run of grid points with the same lengths above them (at most
+    # one per distinct length), at its first point: what the first best of the whole grid
+    # would be, since max() keeps the first of equal ranks.
+    starts, run_of = _classes(dist, grid)
     splits = [prefill_instances] if prefill_instances is not None else config.splits()
     local = config.local_prefill_profile
-    terms = [_terms(dist, config, float(t), local) for t in grid]
+    terms = [_terms(dist, config, float(grid[i]), local) for i in starts]
     table = [[_assemble(tt, config, float(n_p)) for tt in terms] for n_p in splits]
     best = max((c for row in table for c in row), key=_rank)
     row = next(r for r in table if r[0].prefill_instances == best.prefill_instances)
-    over_splits = [max(r[i].lambda_max_rps for r in table) for i in range(len(grid))]
+    lam = np.asarray([[c.lambda_max_rps for c in r] for r in table], dtype=np.float64)
     return OptimizerResult(
         best=best,
-        thresholds=tuple(float(t) for t in grid),
-        lambda_at_best_split=tuple(c.lambda_max_rps for c in row),
-        lambda_best_over_splits=tuple(over_splits),
+        thresholds=tuple(grid.tolist()),
+        lambda_at_best_split=tuple(np.asarray([c.lambda_max_rps for c in row])[run_of].tolist()),
+        lambda_best_over_splits=tuple(lam.max(axis=0)[run_of].tolist()),
         step_tokens=step_tokens,
     )

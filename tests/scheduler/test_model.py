@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.scheduler.model import Bound, ClusterConfig, capacity, optimize
+from kvwire.scheduler.model import Bound, Capacity, ClusterConfig, capacity, optimize
 from kvwire.scheduler.profile import ModelProfile, builtin_profile
 from kvwire.scheduler.workload import LengthDistribution
 
@@ -135,3 +135,49 @@ def test_more_remote_instances_never_lower_lambda(t: float, n_r: int) -> None:
     a = capacity(SMALL, base, threshold_tokens=t, prefill_instances=4).lambda_max_rps
     b = capacity(SMALL, more, threshold_tokens=t, prefill_instances=4).lambda_max_rps
     assert b >= a
+
+
+def test_optimizer_work_is_bounded_by_the_distinct_lengths(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One 10M-token prompt made the grid 39K thresholds x every split (a 1e8-token one
+    # took 21 s). The model is constant between consecutive distinct lengths: it is
+    # evaluated once per such run, and the step widens past MAX_GRID_POINTS points.
+    from kvwire.scheduler import model
+
+    config = ClusterConfig(remote_profile=HYBRID)
+    huge = LengthDistribution([2000, 1e12])
+    res = optimize(huge, config)
+    assert len(res.thresholds) <= model.MAX_GRID_POINTS
+    assert res.step_tokens % 256 == 0 and res.thresholds[-2] < 1e12 <= res.thresholds[-1]
+    calls = 0
+    real = model._assemble
+
+    def counting(*args: object) -> Capacity:
+        nonlocal calls
+        calls += 1
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(model, "_assemble", counting)
+    res = optimize(LengthDistribution([2000, 1e7]), config)
+    assert calls <= 3 * len(config.splits())  # t below 2000, in [2000, 1e7), at 1e7
+    assert res.threshold_tokens == 2048 and res.step_tokens == 256
+
+
+@pytest.mark.parametrize("step", [100.0, 256.0, 700.0])
+def test_optimizer_curves_match_the_model_at_every_grid_point(step: float) -> None:
+    dist = LengthDistribution([0, 300, 300, 1000, 1900, 2000, 2000, 5000])
+    config = cfg(local=8)
+    res = optimize(dist, config, step_tokens=step)
+    n_p = res.best.prefill_instances
+    for t, lam, env in zip(res.thresholds, res.lambda_at_best_split, res.lambda_best_over_splits, strict=True):
+        assert lam == capacity(dist, config, threshold_tokens=t, prefill_instances=n_p).lambda_max_rps
+        assert env == max(
+            capacity(dist, config, threshold_tokens=t, prefill_instances=s).lambda_max_rps
+            for s in config.splits()
+        )
+    # The best is the first grid point of the best (t, N_p), as a full grid search finds.
+    ranks = [
+        (capacity(dist, config, threshold_tokens=t, prefill_instances=s), s, t)
+        for s in config.splits() for t in res.thresholds
+    ]
+    first = max(ranks, key=lambda x: (x[0].lambda_max_rps, min(x[0].remote_path_rps, x[0].local_path_rps)))
+    assert (res.best.prefill_instances, res.threshold_tokens) == (first[1], first[2])
