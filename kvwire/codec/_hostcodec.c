@@ -948,9 +948,23 @@ KV_AVX2_INLINE void int4_v_quant8(kv_u8* out, __m256 x, __m256 lo, __m256 r, __m
 /* Runs' minimum (in L) and maximum (in S) to the stored minimum (canonical zero) and scale
  * (kv_int4_scale), with the reciprocal of the divisor in R (kv_recip); four runs at a time
  * (x + 0 is x for every float but -0, which becomes +0: kv_canonical_zero).  Returns
- * nonzero when a scale is not finite (KV_E_RANGE).  kv_fit_scale is left out in the lanes:
- * it never changes a finite (hi - lo) / 15, whose product with 15 cannot round past the
- * largest float32 (test_int4_scales_never_need_fitting checks every float32 where it could). */
+ * nonzero when a scale is not finite (KV_E_RANGE).  kv_int4_fit is left out in the lanes:
+ * it only changes a scale whose top code decodes past float32 (15 * s + lo, as the decoder
+ * computes it), which the lanes check; four runs with such a lane (a maximum within a few
+ * ulps of the float32 maximum and a large positive minimum), or with a scale that is not
+ * finite, are done again by kv_int4_scale itself. */
+static int int4_run_scales(float* L, float* S, float* R, idx runs) {
+    int range = 0;
+    for (idx k = 0; k < runs; ++k) {
+        const float l = kv_canonical_zero(L[k]);
+        const float s = kv_int4_scale(l, kv_canonical_zero(S[k]));
+        range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;
+        L[k] = l;
+        S[k] = s;
+        R[k] = kv_recip(kv_divisor(s));
+    }
+    return range;
+}
 KV_AVX2 static int int4_v_run_scales(float* L, float* S, float* R, idx runs) {
     idx k = 0;
     int range = 0;
@@ -958,8 +972,13 @@ KV_AVX2 static int int4_v_run_scales(float* L, float* S, float* R, idx runs) {
         const __m128 l = _mm_add_ps(_mm_loadu_ps(L + k), _mm_setzero_ps());
         const __m128 h = _mm_add_ps(_mm_loadu_ps(S + k), _mm_setzero_ps());
         const __m128 s = _mm_div_ps(_mm_sub_ps(h, l), _mm_set1_ps(15.0f));
+        const __m128 top = _mm_add_ps(_mm_mul_ps(s, _mm_set1_ps(15.0f)), l);
+        const __m128i tb = _mm_and_si128(_mm_castps_si128(top), _mm_set1_epi32(0x7FFFFFFF));
+        if (__builtin_expect(!_mm_testz_si128(_mm_cmpgt_epi32(tb, _mm_set1_epi32(0x7F7FFFFF)), _mm_set1_epi32(-1)), 0)) {
+            range |= int4_run_scales(L + k, S + k, R + k, 4);
+            continue;
+        }
         const __m128i sb = _mm_and_si128(_mm_castps_si128(s), _mm_set1_epi32(0x7FFFFFFF));
-        range |= !_mm_testz_si128(_mm_cmpgt_epi32(sb, _mm_set1_epi32(0x7F7FFFFF)), _mm_set1_epi32(-1));
         const __m128 d = _mm_blendv_ps(s, _mm_set1_ps(1.0f), _mm_castsi128_ps(_mm_cmpeq_epi32(sb, _mm_setzero_si128())));
         const __m128i db = _mm_castps_si128(d);
         const __m128i ok = _mm_and_si128(_mm_cmpgt_epi32(db, _mm_set1_epi32(0x007FFFFF)),
@@ -970,15 +989,7 @@ KV_AVX2 static int int4_v_run_scales(float* L, float* S, float* R, idx runs) {
         _mm_storeu_ps(S + k, s);
         _mm_storeu_ps(R + k, r);
     }
-    for (; k < runs; ++k) {
-        const float l = kv_canonical_zero(L[k]);
-        const float s = kv_int4_scale(l, kv_canonical_zero(S[k]));
-        range |= (kv_f32_bits(s) & 0x7FFFFFFFu) >= 0x7F800000u;
-        L[k] = l;
-        S[k] = s;
-        R[k] = kv_recip(kv_divisor(s));
-    }
-    return range;
+    return range | int4_run_scales(L + k, S + k, R + k, runs - k);
 }
 
 /* pack_append with 32 codes to 16 bytes at a time while the output is on a byte boundary */
@@ -1442,13 +1453,18 @@ KV_AVX512 static void pack_append_avx512(packer* pk, const kv_u8* c, idx n) {
 /* int4_v_run_scales on sixteen runs at a time */
 KV_AVX512 static int int4_w_run_scales(float* L, float* S, float* R, idx runs) {
     idx k = 0;
-    __mmask16 range = 0;
+    int range = 0;
     for (; k + 16 <= runs; k += 16) {
         const __m512 l = _mm512_add_ps(_mm512_loadu_ps(L + k), _mm512_setzero_ps());
         const __m512 h = _mm512_add_ps(_mm512_loadu_ps(S + k), _mm512_setzero_ps());
         const __m512 s = _mm512_div_ps(_mm512_sub_ps(h, l), _mm512_set1_ps(15.0f));
+        const __m512 top = _mm512_add_ps(_mm512_mul_ps(s, _mm512_set1_ps(15.0f)), l);
+        const __m512i tb = _mm512_and_si512(_mm512_castps_si512(top), _mm512_set1_epi32(0x7FFFFFFF));
+        if (__builtin_expect(_mm512_cmpgt_epi32_mask(tb, _mm512_set1_epi32(0x7F7FFFFF)) != 0, 0)) {
+            range |= int4_run_scales(L + k, S + k, R + k, 16);
+            continue;
+        }
         const __m512i sb = _mm512_and_si512(_mm512_castps_si512(s), _mm512_set1_epi32(0x7FFFFFFF));
-        range |= _mm512_cmpgt_epi32_mask(sb, _mm512_set1_epi32(0x7F7FFFFF));
         const __m512 d = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(sb, _mm512_setzero_si512()), s, _mm512_set1_ps(1.0f));
         const __m512i db = _mm512_castps_si512(d);
         const __mmask16 ok = _mm512_cmpgt_epi32_mask(db, _mm512_set1_epi32(0x007FFFFF)) &
@@ -1459,7 +1475,7 @@ KV_AVX512 static int int4_w_run_scales(float* L, float* S, float* R, idx runs) {
         _mm512_storeu_ps(S + k, s);
         _mm512_storeu_ps(R + k, r);
     }
-    return int4_v_run_scales(L + k, S + k, R + k, runs - k) | (range != 0);
+    return range | int4_v_run_scales(L + k, S + k, R + k, runs - k);
 }
 /* minima (maxima) of four sixteen-lane vectors as four floats, in order: halves, then
  * quarters of two vectors at once, then within each 128-bit lane (finite lanes; which of

@@ -85,6 +85,18 @@ def fit_scale(scale: F32, top: np.float32) -> F32:
     return scale
 
 
+def fit_int4_scale(scale: F32, lo: F32) -> F32:
+    """Step down one ulp, until it is finite, every finite scale whose top code decodes
+    past float32 (``15 * scale + lo``, rounded twice, as the decoder computes it), as the
+    kernels do (``kv_int4_fit``); in place.  ``lo`` has ``scale``'s shape."""
+    with np.errstate(over="ignore"):
+        while True:
+            over = np.isinf(scale * np.float32(15.0) + lo) & np.isfinite(scale)
+            if not over.any():
+                return scale
+            scale[over] = np.nextafter(scale[over], np.float32(0))
+
+
 def magnitude_to_f32(mag: npt.NDArray[Any], name: str, out: F32) -> F32:
     """float32 values of magnitude bit patterns (exact for every finite input)."""
     bits = out.view(np.uint32)

@@ -108,7 +108,7 @@ class Int4Codec(Codec):
         if not np.all(np.isfinite(scale)):
             raise UsageError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
         np.divide(scale, INT4_MAX, out=scale)
-        nm.fit_scale(scale, INT4_MAX)
+        nm.fit_int4_scale(scale, lo)
         ngroups = scale.size
         n = xf.size
         payload = np.empty(8 * ngroups + (n + 1) // 2, np.uint8)

@@ -579,3 +579,37 @@ def test_emulated_int4_decode_flags_values_outside_the_dtype(emu: Any) -> None:
         assert g.plan_decode("int4", ref.params, x.shape, "float16", kind, out_aligned=True).kernel == "kv_int4_decode_vec_f16"
         flags = emu_decode(emu, "int4", ref.params, bytes(raw), out, "float16", kind)
         assert flags == g.FLAG_OUTSIDE
+
+
+@pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
+@pytest.mark.parametrize(("shape", "group", "step"), [((32, 2, 64), 8, 16), ((40, 2, 64), 32, 32), ((7, 1, 6), 3, 4)])
+def test_emulated_int4_top_code_near_float32_maximum(
+    emu: Any, kind: TensorKind, shape: tuple[int, int, int], group: int, step: int
+) -> None:
+    """Groups of float32 inputs whose top code decodes past float32 unless the scale steps
+    down (kv_int4_fit, with a large positive minimum and a maximum at float32's largest
+    value or an ulp below): the vector kernels and the any-shape ones give numpy's bytes,
+    and the chunks decode, to finite values."""
+    from kvwire.codec.int4 import Int4Codec
+
+    codec = Int4Codec(group)
+    rng = np.random.default_rng(17)
+    n = shape[0] * shape[1] * shape[2]
+    hi = (0x7F7FFFFF - rng.integers(0, 2, n)).astype(np.uint32).view(np.float32).reshape(shape)
+    x = np.minimum(rng.integers(0x7C000000, 0x7F7FFFFF, n), 0x7F7FFFFE).astype(np.uint32).view(np.float32)
+    x = x.reshape(shape).copy()
+    if kind == TensorKind.K:
+        x[1::group] = hi[1::group]  # each key group: one token at the top
+    else:
+        x[:, :, 1::group] = hi[:, :, 1::group]  # each value run: one channel at the top
+    payloads, flags, _kernel = emu_encode(emu, codec, _placed(x, True), kind, step, "float32")
+    assert flags == 0
+    out = _placed(np.full(shape, np.nan, np.float32), True)
+    for i, s0 in enumerate(range(0, shape[0], step)):
+        part = x[s0 : s0 + step]
+        ref = _ref(codec).encode_numpy(part, kind)
+        assert payloads[i] == bytes(memoryview(ref.payload).cast("B")), i
+        sub = out[s0 : s0 + part.shape[0]]
+        assert emu_decode(emu, "int4", ref.params, payloads[i], sub, "float32", kind) == 0
+        want = _ref(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype="float32", kind=kind)
+        assert sub.tobytes() == want.tobytes() and np.all(np.isfinite(sub))

@@ -323,15 +323,49 @@ def test_int4_range_overflow_and_signed_zero_groups_like_numpy() -> None:
 
 
 def test_int4_scales_never_need_fitting() -> None:
-    """kv_fit_scale steps a scale down where scale x top rounds past the largest float32;
-    the SIMD int4 loops leave it out because a finite (hi - lo) / 15 never needs it.  Below
-    the top 2^21 float32 values, (v / 15) x 15 <= v (1 + 2^-23)^2 stays finite; here are all
-    of those (and for int8's 127 the one value that does need it, which its loops keep)."""
+    """kv_fit_scale steps a scale down where scale x top rounds past the largest float32; a
+    finite (hi - lo) / 15 never needs it for int4 (its own rule, kv_int4_fit, is about
+    15 x s + lo: test_int4_top_code_near_float32_maximum_like_numpy).  Below the top 2^21
+    float32 values, (v / 15) x 15 <= v (1 + 2^-23)^2 stays finite; here are all of those
+    (and for int8's 127 the one value that does need it, which its loops keep)."""
     bits = np.arange(0x7F7FFFFF - (1 << 21), 0x7F7FFFFF + 1, dtype=np.uint32)
     v = bits.view(np.float32)
     with np.errstate(over="ignore"):
         assert not np.isinf((v / np.float32(15)) * np.float32(15)).any()
         assert np.isinf((v / np.float32(127)) * np.float32(127)).sum() == 1
+
+
+def _int4_top_pairs(count: int, seed: int) -> np.ndarray[Any, Any]:
+    """``count`` float32 (minimum, maximum) pairs, the maximum float32's largest value or
+    an ulp below and the minimum from 2^-22 of it up: for about one in ten 15 x s + lo
+    rounds past float32 although 15 x s does not."""
+    rng = np.random.default_rng(seed)
+    hi = (0x7F7FFFFF - rng.integers(0, 2, count)).astype(np.uint32)
+    lo = np.minimum(rng.integers(0x74000000, 0x7F7FFFFF, count), hi).astype(np.uint32)
+    return np.stack([lo, hi], axis=1).view(np.float32)
+
+
+@needs_ext
+@pytest.mark.parametrize("level", LEVELS)
+def test_int4_top_code_near_float32_maximum_like_numpy(level: int) -> None:
+    """Groups whose top code decodes past float32 unless the scale steps down (kv_int4_fit):
+    the V loops check four (AVX2) or sixteen (AVX-512) runs' scales at once and redo the
+    runs with such a lane through kv_int4_scale; K groups go through it per channel.  Every
+    chunk is numpy's bytes and decodes (it used to be refused: "int4 scales overflow
+    float32")."""
+    pairs = _int4_top_pairs(4099, 5)  # a run count that leaves a tail of runs
+    codec = _codec("int4", 2)
+    with _simd(level):
+        for kind, x in ((TensorKind.V, pairs.reshape(1, 1, -1)), (TensorKind.K, pairs.T.reshape(2, 1, -1)),
+                        (TensorKind.V, pairs.reshape(-1, 1, 2)), (TensorKind.V, pairs.reshape(1, -1, 2))):
+            _same_encode(codec, x, kind)
+            chunk = codec.encode(x, kind)
+            _same_decode(codec, chunk.params, chunk.payload, x.shape, "float32", kind)
+            y = codec.decode(chunk.params, chunk.payload, shape=x.shape, dtype="float32", kind=kind)
+            assert np.all(np.isfinite(y))
+    with np.errstate(over="ignore"):  # the pairs are what they claim to be
+        s = (pairs[:, 1] - pairs[:, 0]) / np.float32(15)
+        assert np.isinf(s * np.float32(15) + pairs[:, 0]).sum() > 150 and not np.isinf(s * np.float32(15)).any()
 
 
 # ---------------------------------------------------------------------------------------

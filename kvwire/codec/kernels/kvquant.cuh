@@ -163,7 +163,20 @@ KV_HD float kv_fit_scale(float s, float top) {  // s itself not finite: left for
 }
 KV_HD float kv_fp8_scale(float absmax) { return kv_fit_scale(kv_div(absmax, 448.0f), 448.0f); }
 KV_HD float kv_int8_scale(float absmax) { return kv_fit_scale(kv_div(absmax, 127.0f), 127.0f); }
-KV_HD float kv_int4_scale(float lo, float hi) { return kv_fit_scale(kv_div(kv_sub(hi, lo), 15.0f), 15.0f); }
+// int4 decodes code * s + lo: its top code's value 15 * s + lo (both roundings, as the
+// decoder computes it) must stay finite, not only 15 * s.  With a large positive minimum and
+// a maximum within a few ulps of the float32 maximum it can round past it; s then steps down
+// one ulp at a time until it does not (a step or two; the codes saturate at 15).  This
+// includes kv_fit_scale's rule (15 * s + lo is infinite when 15 * s is), and then no code
+// decodes past float32: c * s + lo <= 15 * s + lo for lo >= 0 (rounding is monotonic), and
+// |c * s + lo| <= max(15 * s, |lo|) for lo < 0.
+KV_HD float kv_int4_fit(float s, float lo) {  // s itself not finite: left for the range check
+    const kv_u32 inf = 0x7F800000u;
+    while ((kv_f32_bits(s) & inf) != inf && (kv_f32_bits(kv_add(kv_mul(s, 15.0f), lo)) & 0x7FFFFFFFu) == inf)
+        s = kv_bits_f32(kv_f32_bits(s) - 1u);
+    return s;
+}
+KV_HD float kv_int4_scale(float lo, float hi) { return kv_int4_fit(kv_div(kv_sub(hi, lo), 15.0f), lo); }
 KV_HD float kv_divisor(float s) { return kv_is_zero(s) ? 1.0f : s; }
 
 KV_HD kv_u8 kv_fp8_quant(float x, float s) { return kv_f32_to_e4m3(kv_div(x, kv_divisor(s))); }
