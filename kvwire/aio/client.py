@@ -160,6 +160,7 @@ class Peer(Pump):
         self.bytes_sent = 0
         self._open_error: KvwireError | None = None  # a stream that failed while open() waits
         self._opening = False
+        self._opened = False  # open() succeeded (through ``async with kvwire.connect(...)``)
         self._pumping = self._again = False
         self._resumes_logged = 0
 
@@ -381,6 +382,7 @@ class Peer(Pump):
             n = self.core.config.streams
             await self._until(lambda: len(self.core.open_streams) == n, lambda: self._open_error)
             self._use_codec(self.codec)
+            self._opened = True
         except BaseException:
             await self.close()
             raise
@@ -439,6 +441,9 @@ class Peer(Pump):
         """
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
+        self.check_usable()
+        if not self._opened:
+            raise UsageError("the peer is not connected: use `async with kvwire.connect(...) as peer`")
         codec_name = codec or self.codec
         self._use_codec(codec_name)
         meta_bytes, versions = begin_fields(meta, blocks)

@@ -230,6 +230,8 @@ class Server(Pump):
     def _check_open(self) -> None:
         if self._closing:
             raise ConnectionLostError("the server is closed")
+        if self._server is None:  # nothing could ever arrive
+            raise UsageError("the server is not listening: use `async with kvwire.serve(...) as server`")
 
     def _arrived(self, request_id: str | None = None) -> Transfer | None:
         """The oldest arrived transfer nobody claimed (of ``request_id``), now claimed."""

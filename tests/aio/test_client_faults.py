@@ -261,6 +261,20 @@ async def test_a_host_name_the_resolver_refuses_is_a_connection_error() -> None:
         await asyncio.wait_for(kvwire.connect(host, 5555, secret=SECRET, connect_timeout=1).__aenter__(), 30)
 
 
+@pytest.mark.parametrize("codec", ["raw", "auto"])
+async def test_a_peer_never_opened_says_how_to_open_it(codec: str) -> None:
+    # Not "the server does not accept codec 'raw' (it accepts )": the peer never connected.
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        peer = kvwire.connect("127.0.0.1", server.port, secret=SECRET)
+        try:
+            with pytest.raises(kvwire.UsageError, match=r"async with kvwire\.connect"):
+                await peer.send("a", SPEC, layers(), codec=codec)
+        finally:
+            await peer.close()
+        with pytest.raises(kvwire.ConnectionLostError, match="closed"):  # closed: not a misuse
+            await peer.send("a", SPEC, layers(), codec=codec)
+
+
 async def test_a_cancelled_send_ends_its_producers_wait() -> None:
     """send() cancelled while its producer waits for the next layer (the model computing
     it): the producer's wait ends with it (its finally runs, it never goes on), nothing of

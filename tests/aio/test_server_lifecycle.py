@@ -42,6 +42,17 @@ async def test_expect_of_an_id_no_sender_can_send_is_refused_at_once(request_id:
             await asyncio.wait_for(server.expect(request_id, timeout=30), 5)
 
 
+async def test_accept_and_expect_before_start_say_how_to_start_it() -> None:
+    # A server that never listened: nothing can arrive, so no wait (here without end).
+    server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
+    try:
+        for wait in (server.accept(), server.expect("x"), server.accept(timeout=30), server.expect("x", timeout=30)):
+            with pytest.raises(UsageError, match=r"async with kvwire\.serve"):
+                await asyncio.wait_for(wait, 5)
+    finally:
+        await server.close()
+
+
 async def test_start_twice_is_refused() -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         with pytest.raises(UsageError, match="already listening"):
