@@ -1938,6 +1938,20 @@ static void cursor_move(token_cursor* c, char* base, char* buf, idx n, int scatt
     }
 }
 
+/* Whether the next n tokens all lie in skipped ranges (written nowhere); a piece across
+ * ranges (a K group) may span several. */
+static int cursor_skips(const token_cursor* c, idx n) {
+    if (!c->skip) return 0;
+    idx left = c->left;
+    for (idx i = c->i + 1; left < n && i < c->rr->n; ++i) {
+        idx off, rows;
+        range_at(c->rr, i, c->rows, c->row_bytes, &off, &rows);
+        if (off != SKIP_RANGE) return 0;
+        left += rows;
+    }
+    return 1;
+}
+
 /* The next piece of the rest of the chunk: its tokens, and whether they lie in one range. */
 static idx next_piece(const token_cursor* c, idx rest, idx group, int is_v, int* in_place) {
     *in_place = 1;
@@ -2058,7 +2072,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
                 int in_place;
                 const idx m = next_piece(&c, tokens - t, group, is_v, &in_place);
                 const idx g0 = int4_groups_before(t, heads, dim, group, is_v);
-                if (in_place && c.skip) { /* tokens written nowhere: not decoded */
+                if (cursor_skips(&c, m)) { /* tokens written nowhere (in one range or several): not decoded */
                     cursor_move(&c, (char*)out.buf, NULL, m, 1);
                     t += m;
                     continue;

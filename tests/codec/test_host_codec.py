@@ -10,6 +10,7 @@ or ``encode_numpy``/``decode_numpy``) is exercised here too.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import platform
 import subprocess
@@ -619,6 +620,57 @@ def test_property_ranges_starting_at_minus_one_are_written_nowhere(
         if not skip:
             assert out[start : start + n].tobytes() == decoded[at : at + n]
         at += n
+
+
+@needs_ext
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(group=st.integers(2, 8), blocks=st.integers(2, 4), heads=st.integers(1, 2), half_dim=st.integers(1, 3),
+       out_dtype=st.sampled_from(DTYPES), level=st.sampled_from(LEVELS), data=st.data())
+def test_property_int4_key_groups_written_nowhere_are_not_decoded(
+    group: int, blocks: int, heads: int, half_dim: int, out_dtype: str, level: int, data: st.DataObject,
+) -> None:
+    """K groups whose tokens all lie in skipped ranges (start -1) are not decoded, however
+    many ranges they are cut into (paged blocks smaller than a group): a forged scale there
+    raises nothing, and every written range is what ``decode`` gives for it.  (A group cut
+    into two skipped ranges used to be decoded into scratch and raise.)"""
+    tokens, dim = blocks * group, 2 * half_dim
+    x = np.random.default_rng(data.draw(st.integers(0, 2**16), label="seed")).standard_normal(
+        (tokens, heads, dim)).astype(np.float16)
+    codec = _codec("int4", group)
+    chunk = codec.encode(x, TensorKind.K)
+    forged = data.draw(st.sets(st.integers(0, blocks - 1), min_size=1, max_size=blocks - 1), label="forged blocks")
+    # a group boundary is a range boundary around each forged group; any token may be one
+    cuts = {b * group for b in forged} | {(b + 1) * group for b in forged}
+    cuts |= data.draw(st.sets(st.integers(1, tokens - 1), max_size=8), label="cuts")
+    edges = sorted(cuts - {0, tokens})
+    runs = list(itertools.pairwise([0, *edges, tokens]))
+    skip = [a // group in forged or data.draw(st.booleans(), label="skip a written run") for a, _ in runs]
+    scales = np.frombuffer(bytearray(memoryview(chunk.payload).cast("B")), np.uint8)
+    groups = blocks * heads * dim
+    s = scales[: 4 * groups].view("<f4").reshape(blocks, heads * dim)
+    for b in forged:
+        s[b] = np.float32(1e38)  # code 15 (each channel's largest) decodes past float32
+    forged_payload = scales.tobytes()
+    with pytest.raises(ProtocolError):
+        codec.decode(chunk.params, forged_payload, shape=x.shape, dtype=out_dtype, kind=TensorKind.K)
+    want = codec.decode(chunk.params, chunk.payload, shape=x.shape, dtype=out_dtype, kind=TensorKind.K)
+    row = heads * dim * numpy_dtype(out_dtype).itemsize
+    slots, at = [], 0
+    for a, b in runs:
+        slots.append((at, b - a))
+        at += b - a + 1  # a gap that must stay untouched
+    spans = _spans(slots, row)
+    spans[np.array(skip, bool), 0] = -1
+    out = np.full(at * row, SENTINEL, np.uint8)
+    with _simd(level):
+        assert codec.decode_ranges(chunk.params, forged_payload, memoryview(out), spans.data,
+                                   shape=x.shape, dtype=out_dtype, kind=TensorKind.K)
+    untouched = np.ones(out.size, bool)
+    for (a, b), (first, _n), skipped in zip(runs, slots, skip, strict=True):
+        if not skipped:
+            assert out[first * row : (first + b - a) * row].tobytes() == want[a:b].tobytes()
+            untouched[first * row : (first + b - a) * row] = False
+    assert (out[untouched] == SENTINEL).all()
 
 
 @needs_ext
