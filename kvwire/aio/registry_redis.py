@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -194,6 +194,7 @@ class RedisRegistry:
         self.timeout = timeout
         self._owns_client = owns_client
         self._watchers: set[RedisWatcher] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._begin = client.register_script(lua.BEGIN)
         self._commit = client.register_script(lua.COMMIT)
@@ -244,14 +245,24 @@ class RedisRegistry:
         keys = unique_keys(blocks)
         lease_id = new_lease_id()
         ttl_us, px = _ttl_args(ttl)
-        reply = await _guard(
-            "begin",
-            self._begin(
-                keys=[self.layout.lease(lease_id), *(self.layout.block(k) for k in keys)],
-                args=[lease_id, ttl_us, px],
-            ),
-            self.timeout,
-        )
+        rkeys = [self.layout.lease(lease_id), *(self.layout.block(k) for k in keys)]
+        await self._settle()
+        try:
+            reply = await _guard("begin", self._begin(keys=rkeys, args=[lease_id, ttl_us, px]), self.timeout)
+            return self._lease(lease_id, owner, ttl, keys, reply)
+        except (Exception, asyncio.CancelledError) as exc:
+            # The script may have run (a reply lost or late, a cancellation after sending):
+            # the caller, who never got the lease, could not release its blocks, and a new
+            # begin would find them busy until the ttl.  Release it by id, leaving the lease
+            # key dead for its ttl so a BEGIN still on its way changes nothing.  In a task
+            # of its own: a cancellation is not delayed, and the next begin waits for it.
+            undo = self._spawn(self._released(rkeys, [lease_id, px], max(ttl, self.timeout)))
+            if not isinstance(exc, asyncio.CancelledError):
+                await asyncio.wait({undo}, timeout=self.timeout)
+            raise
+
+    def _lease(self, lease_id: str, owner: str, ttl: float, keys: list[str], reply: Any) -> Lease:
+        """The lease of a BEGIN script's ``reply``."""
         started: list[BlockId] = []
         busy: list[BlockId] = []
         complete: list[VersionedBlock] = []
@@ -335,11 +346,35 @@ class RedisRegistry:
         if not lease.started:
             return
         _, rkeys = self._lease_keys(lease)
-        await _guard(
-            "release",
-            self._release(keys=[self.layout.lease(lease.lease_id), *rkeys], args=[lease.lease_id]),
-            self.timeout,
+        # In a task of its own, awaited shielded: a caller cancelled while releasing (e.g.
+        # cleaning up after a cancelled commit) still gets its blocks freed.
+        task = self._spawn(
+            self._released([self.layout.lease(lease.lease_id), *rkeys], [lease.lease_id], self.timeout)
         )
+        error = await asyncio.shield(task)
+        if error is not None:
+            raise error
+
+    async def _released(self, keys: list[str], args: list[str | int], bound: float) -> Exception | None:
+        """Run RELEASE; its error is returned, not raised (nobody may be waiting for it)."""
+        try:
+            await _guard("release", self._release(keys=keys, args=args), bound)
+        except Exception as exc:
+            return exc
+        return None
+
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Run ``coro`` as a task the registry keeps (and :meth:`close` waits for)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _settle(self) -> None:
+        """Wait (at most ``timeout``) for the releases still running, so a begin after a
+        begin or release that failed or was cancelled finds those blocks free."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=self.timeout)
 
     async def _read(self, keys: Sequence[str]) -> list[tuple[int, bool]]:
         """``(version, complete)`` of each canonical key, from one consistent snapshot."""
@@ -456,6 +491,12 @@ class RedisRegistry:
         self._closed = True
         for watcher in tuple(self._watchers):
             await watcher.aclose()
+        if self._background:  # releases still running: give them the time of one call
+            _, pending = await asyncio.wait(set(self._background), timeout=self.timeout)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
         if self._owns_client:
             # Closing a broken connection: nothing is left to protect.
             with contextlib.suppress(RedisError, OSError):

@@ -173,9 +173,16 @@ return new_exp
 RELEASE = (
     _FREE
     + """
--- KEYS: lease, block...   ARGV: lease_id
+-- KEYS: lease, block...   ARGV: lease_id[, dead_px]
+-- With dead_px (undoing a begin whose reply was lost) the lease key is left dead (expiry 0)
+-- for dead_px ms rather than deleted, so a BEGIN of this lease id still on its way finds
+-- the id in use and changes nothing.
 free(2, ARGV[1])
-redis.call('DEL', KEYS[1])
+if ARGV[2] then
+  redis.call('SET', KEYS[1], 0, 'PX', ARGV[2])
+else
+  redis.call('DEL', KEYS[1])
+end
 return 0
 """
 )

@@ -74,8 +74,10 @@ async def name_blocks(registry: Registry, blocks: Sequence[BlockId], *, owner: s
 
 async def _release(registry: Registry, lease: Lease) -> None:
     """Release ``lease`` after its commit failed or was cancelled (errors ignored: the
-    lease then ends with its ttl).  Awaited, not shielded: this package runs no event loop
-    of its own (no asyncio here), so only a second cancellation during it stops it."""
+    lease then ends with its ttl).  Not shielded here (this package imports no asyncio):
+    the registries kvwire ships finish a release that a second cancellation interrupts
+    (``MemoryRegistry.release`` never suspends; ``RedisRegistry.release`` runs in a task of
+    its own).  With another registry, a second cancellation may leave the lease to its ttl."""
     with contextlib.suppress(Exception):
         await registry.release(lease)
 

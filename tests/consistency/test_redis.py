@@ -10,6 +10,7 @@ import sys
 import uuid
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,3 +180,110 @@ async def test_a_wrapped_client_without_socket_timeout_does_not_hang(redis_binar
         await reg.close()
         await client.aclose()
         server.stop()
+
+
+@pytest.mark.parametrize("failure", ["timeout", "connection", "cancel"])
+async def test_a_begin_whose_reply_is_lost_leaves_nothing_held(
+    redis_server: RedisServer, failure: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """BEGIN ran on the server but its reply never arrived (too late, connection dropped,
+    caller cancelled): the caller never got the lease, so the registry releases it itself
+    and a new begin (always safe, says the doc) starts the blocks instead of finding them
+    busy for the whole ttl."""
+    import redis.asyncio as aioredis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    reg = await RedisRegistry.connect(redis_server.url, namespace=f"lost-{uuid.uuid4().hex}", timeout=0.5)
+    real = reg._begin
+    ran = asyncio.Event()
+
+    async def reply_lost(**kwargs: Any) -> Any:
+        await real(**kwargs)  # the script ran...
+        ran.set()
+        if failure == "connection":
+            raise RedisConnectionError("connection lost while reading the reply")
+        await asyncio.Event().wait()  # ...and its reply never comes
+
+    async with reg:
+        monkeypatch.setattr(reg, "_begin", reply_lost)
+        if failure == "cancel":
+            task = asyncio.create_task(reg.begin([b"blk", b"blk2"], owner="a", ttl=30))
+            await asyncio.wait_for(ran.wait(), 5)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            with pytest.raises(RegistryUnavailableError):
+                await reg.begin([b"blk", b"blk2"], owner="a", ttl=30)
+        assert ran.is_set()
+        monkeypatch.setattr(reg, "_begin", real)
+        retry = await reg.begin([b"blk", b"blk2"], owner="a-retry", ttl=30)
+        assert retry.started == (b"blk", b"blk2") and retry.busy == ()
+        raw = aioredis.from_url(redis_server.url)
+        try:
+            leases = await raw.keys(f"{{{reg.namespace}}}:lease:*")
+            # the retry's lease, and the undone one left dead (expiry 0) until its ttl
+            assert sorted([await raw.get(k) for k in leases]) == sorted([b"0", str(round(retry.expires_at * 1e6)).encode()])
+        finally:
+            await raw.aclose()
+
+
+async def test_a_begin_arriving_after_its_undo_changes_nothing(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A begin times out before its BEGIN reached the server; the undo runs first, the
+    BEGIN (on another connection) after it: it finds its lease id dead and takes nothing."""
+    from redis.exceptions import ResponseError
+
+    reg = await RedisRegistry.connect(redis_server.url, namespace=f"late-{uuid.uuid4().hex}", timeout=0.5)
+    real = reg._begin
+    sent: list[dict[str, Any]] = []
+
+    async def delayed(**kwargs: Any) -> Any:
+        sent.append(kwargs)
+        await asyncio.Event().wait()  # still on its way when the caller gives up
+
+    async with reg:
+        monkeypatch.setattr(reg, "_begin", delayed)
+        with pytest.raises(RegistryUnavailableError, match="no reply"):
+            await reg.begin([7], owner="a", ttl=30)
+        monkeypatch.setattr(reg, "_begin", real)
+        with pytest.raises(ResponseError, match="already in use"):
+            await real(**sent[0])  # the late BEGIN
+        assert (await reg.begin([7], owner="b", ttl=30)).started == (7,)
+
+
+async def test_name_blocks_frees_its_lease_when_cancelled_again_while_releasing(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """name_blocks releases its lease after a cancelled commit; a second cancellation (a
+    bridge closing, a task group) arriving during that release must not stop it."""
+    from kvwire.integrations.prefix import name_blocks, prefix_block_ids
+
+    blocks = prefix_block_ids(list(range(64)), 16, 4, salt=b"m")
+    reg = await RedisRegistry.connect(redis_server.url, namespace=f"nb-{uuid.uuid4().hex}")
+    committing, releasing = asyncio.Event(), asyncio.Event()
+    real_release = reg._release
+
+    async def hang(lease: Any) -> Any:
+        committing.set()
+        await asyncio.Event().wait()
+
+    async def slow_release(**kwargs: Any) -> Any:
+        releasing.set()
+        await asyncio.sleep(0.3)
+        return await real_release(**kwargs)
+
+    async with reg:
+        monkeypatch.setattr(reg, "commit", hang)
+        monkeypatch.setattr(reg, "_release", slow_release)
+        naming = asyncio.create_task(name_blocks(reg, blocks, owner="p1", ttl=30))
+        await asyncio.wait_for(committing.wait(), 5)
+        naming.cancel()
+        await asyncio.wait_for(releasing.wait(), 5)
+        naming.cancel()  # again, while the lease is being released
+        with pytest.raises(asyncio.CancelledError):
+            await naming
+        monkeypatch.undo()
+        named = await name_blocks(reg, blocks, owner="p2", ttl=30)
+        assert [b for b, _ in named] == blocks
