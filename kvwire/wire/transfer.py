@@ -19,8 +19,16 @@ from enum import Enum, auto
 from kvwire.errors import ErrorCode, ProtocolError, error_from_code
 from kvwire.wire.frames import KIND_K, KIND_KV, KIND_V, Chunk, ChunkAddress
 
+#: Most chunks one (layer, kind) of a transfer may arrive in (LIMIT_EXCEEDED beyond): the
+#: receiver remembers each range until the layer is complete, and a peer sending one token
+#: per chunk, last token first, would otherwise cost it memory and time per range (a
+#: 262144-token layer: 30 MB and a quadratic insert).  kvwire's sender never plans more
+#: (:func:`plan_chunks`).
+MAX_RANGES = 16384
+
 #: The kinds whose token ranges a chunk of each kind covers, and must not overlap.
 _CROSSES = {KIND_K: (KIND_KV,), KIND_V: (KIND_KV,), KIND_KV: (KIND_K, KIND_V)}
+_KIND_NAMES = {KIND_K: "K", KIND_V: "V", KIND_KV: "K and V"}
 
 
 def kinds_overlap(a: int, b: int) -> bool:
@@ -128,13 +136,21 @@ class IncomingTransfer:
 
     def classify(self, chunk: Chunk) -> ChunkVerdict:
         """Whether ``chunk`` is new or a duplicate, changing nothing (call :meth:`check`
-        first; ProtocolError for an overlap).  A receiver stores a NEW chunk's data first
+        first; ProtocolError for an overlap, LIMIT_EXCEEDED past :data:`MAX_RANGES`; any
+        chunk of a complete layer is a duplicate).  A receiver stores a NEW chunk's data first
         and :meth:`add` s it after, so a chunk counts as received only once its bytes are
         in place.  A duplicate has the address and token count of a chunk received; a KV
         range must not overlap a K or V range received, nor they a KV range."""
+        if chunk.layer in self._complete:
+            # Its ranges are forgotten: every token is here, so whatever it holds is late.
+            return ChunkVerdict.DUPLICATE
         cov = self._cov.get((chunk.layer, chunk.kind))
         verdict = ChunkVerdict.NEW if cov is None else cov.classify(chunk.token_start, chunk.token_count)
         if verdict is ChunkVerdict.NEW:
+            if cov is not None and len(cov.starts) >= MAX_RANGES:
+                raise error_from_code(
+                    ErrorCode.LIMIT_EXCEEDED, f"more than {MAX_RANGES} chunks for one layer's {_KIND_NAMES[chunk.kind]}",
+                )
             for k in _CROSSES[chunk.kind]:
                 other = self._cov.get((chunk.layer, k))
                 if other is not None and other.overlaps(chunk.token_start, chunk.token_count):
@@ -160,6 +176,8 @@ class IncomingTransfer:
         k, v, kv = (self._covered(layer, kind) for kind in (KIND_K, KIND_V, KIND_KV))
         if k + kv == lt and v + kv == lt:
             self._complete.add(layer)
+            for kind in (KIND_K, KIND_V, KIND_KV):  # a complete layer needs no ranges
+                self._cov.pop((layer, kind), None)
             return True
         return False
 
@@ -226,7 +244,7 @@ def plan_chunks(
     """Split ``tokens`` into ``(start, count)`` ranges of about ``chunk_bytes`` each.
 
     Counts are multiples of ``align`` (so block-grouped codecs see whole blocks) except
-    the last one.  With ``lead_bytes``, a first range of about that size (at least
+    the last one, and there are at most :data:`MAX_RANGES` ranges.  With ``lead_bytes``, a first range of about that size (at least
     ``align`` tokens) is split off the first chunk: the first CHUNK of a transfer is how
     the receiver learns the layer size and grants more than one layer, so a small one
     lets that grant come back while the rest of the layer is still being written.
@@ -236,6 +254,11 @@ def plan_chunks(
     per = max(1, chunk_bytes // max(1, bytes_per_token))
     if per >= align:
         per -= per % align
+    need = -(-tokens // (MAX_RANGES - 1))
+    if need > per:
+        # Never more ranges than a receiver takes (a lead range included): a small
+        # ``chunk_bytes`` on a very large layer gets larger chunks.
+        per = -(-need // align) * align
     out = []
     start = 0
     while start < tokens:

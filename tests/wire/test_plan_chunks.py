@@ -38,3 +38,16 @@ def test_a_lead_chunk_of_64_kib() -> None:
     assert plan_chunks(5000, 2048, 4 << 20) == [(0, 2048), (2048, 2048), (4096, 904)]
     assert plan_chunks(20, 2048, 4 << 20, lead_bytes=64 << 10) == [(0, 20)]  # already small
     assert plan_chunks(0, 2048, 4 << 20, lead_bytes=64 << 10) == []
+
+
+@given(tokens=st.integers(1, 1 << 20), bpt=st.integers(1, 4096), chunk=st.integers(1, 1 << 16),
+       align=st.sampled_from([1, 32]), lead=st.sampled_from([0, 64 << 10]))
+def test_a_plan_never_has_more_ranges_than_a_receiver_keeps(tokens: int, bpt: int, chunk: int, align: int,
+                                                            lead: int) -> None:
+    from kvwire.wire.transfer import MAX_RANGES
+
+    plan = plan_chunks(tokens, bpt, chunk, align=align, lead_bytes=lead)
+    assert len(plan) <= MAX_RANGES
+    assert sum(c for _, c in plan) == tokens
+    if -(-tokens // (MAX_RANGES - 1)) > max(1, chunk // bpt) and not lead:  # stretched: still aligned
+        assert all(c % align == 0 for _, c in plan[:-1])

@@ -135,3 +135,33 @@ def test_kinds_overlap_is_the_coverage_rule() -> None:
     assert pairs == {(KIND_K, KIND_K), (KIND_V, KIND_V), (KIND_KV, KIND_KV), (KIND_K, KIND_KV),
                      (KIND_KV, KIND_K), (KIND_V, KIND_KV), (KIND_KV, KIND_V)}
     assert not kinds_overlap(7, KIND_K) and kinds_overlap(7, 7)
+
+
+def test_a_complete_layer_forgets_its_ranges_and_takes_any_later_chunk_for_a_duplicate() -> None:
+    """Once K and V cover the layer its ranges are dropped (a peer sending one token per
+    chunk left megabytes of them per layer); a chunk for it after that, whatever its range,
+    holds nothing new (as a chunk of a completed transfer)."""
+    t = transfer(layers=2)
+    for kind in (KIND_K, KIND_V):
+        for start in range(63, -1, -1):
+            assert receive(t, chunk(kind, start, 1, 64)) is ChunkVerdict.NEW
+    assert t.layer_complete(0) and not t.complete
+    assert not t._cov  # nothing kept for the complete layer
+    for late in (chunk(KIND_K, 5, 1, 64), chunk(KIND_V, 3, 7, 64), chunk(KIND_KV, 0, 64, 64)):
+        assert receive(t, late) is ChunkVerdict.DUPLICATE
+    assert t.chunks_received == 128 and t.duplicates == 3
+    assert receive(t, chunk(KIND_K, 0, 64, 64, layer=1)) is ChunkVerdict.NEW  # other layers as before
+
+
+def test_a_layer_in_more_ranges_than_a_receiver_keeps_is_refused() -> None:
+    from kvwire.errors import LimitExceededError
+    from kvwire.wire.transfer import MAX_RANGES
+
+    tokens = MAX_RANGES + 10
+    t = transfer()
+    for start in range(tokens - 1, tokens - 1 - MAX_RANGES, -1):
+        receive(t, chunk(KIND_K, start, 1, tokens))
+    with pytest.raises(LimitExceededError, match=f"more than {MAX_RANGES} chunks for one layer's K"):
+        receive(t, chunk(KIND_K, 0, 1, tokens))
+    assert t.chunks_received == MAX_RANGES
+    assert receive(t, chunk(KIND_V, 0, tokens, tokens)) is ChunkVerdict.NEW  # per (layer, kind)
