@@ -320,6 +320,11 @@ def test_misuse_is_a_usage_error_at_once() -> None:
         for request_id in (5, b"x", ""):
             with pytest.raises(UsageError, match="request_id must be a non-empty str"):
                 server.expect(request_id, timeout=30)  # type: ignore[arg-type]
+        for timeout in (-1, 0, float("nan"), float("inf")):
+            with pytest.raises(UsageError, match="timeout"):
+                server.expect("x", timeout=timeout)
+            with pytest.raises(UsageError, match="timeout"):
+                peer.send("x", SPEC, make_layers(3, 4, 2, 16, "float32"), timeout=timeout)
 
 
 def test_blocking_call_from_the_loop_thread_is_refused() -> None:

@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import kvwire
+from kvwire.aio._transfer import check_seconds
 from kvwire.aio.server import check_request_id
 from kvwire.errors import (
     ConnectionLostError,
@@ -343,6 +344,7 @@ class SyncServer:
                num_layers: int | None = None) -> ReceiveHandle:
         """Start waiting for ``request_id``'s transfer; returns at once."""
         check_request_id(request_id)  # at once, not from the wait
+        check_seconds("timeout", timeout)
         handle = ReceiveHandle(self.bridge, request_id, num_layers)
         with self._handles_lock:
             self._handles.add(handle)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import types
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -10,11 +11,19 @@ from typing import TYPE_CHECKING, Any
 from kvwire.aio._receive import INTO
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
+from kvwire.session.options import check_number
 from kvwire.session.receiver import Key, TransferArrived
 from kvwire.spec import KVCache, KVSpec, Layer
 
 if TYPE_CHECKING:
     from kvwire.aio.server import Server
+
+
+def check_seconds(name: str, value: object) -> None:
+    """:class:`~kvwire.UsageError` unless ``value`` (the argument ``name`` of a call) is a
+    finite number of seconds > 0 or None (no limit): the rule ``serve()`` applies to its
+    timeouts."""
+    check_number(types.SimpleNamespace(**{name: value}), name, none_ok=True)
 
 
 class Transfer:
@@ -63,6 +72,7 @@ class Transfer:
         (``expect(into=...)``, :meth:`attach`): its layers are already in the caller's
         memory, so iterate to learn when each is complete.
         """
+        check_seconds("timeout", timeout)
         if self._into is not None:
             raise UsageError(
                 "collect() of a transfer received into a destination: its layers are in the "

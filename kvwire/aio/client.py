@@ -22,6 +22,7 @@ from typing import Any
 from kvwire.aio._send import AUTO, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
 from kvwire.aio._stream import Pump, Stream, on_this_host
+from kvwire.aio._transfer import check_seconds
 from kvwire.aio.tcpinfo import read_tcp_info
 from kvwire.codec import codec_by_id, get_codec
 from kvwire.control import (
@@ -441,10 +442,12 @@ class Peer(Pump):
         """
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
+        check_seconds("timeout", timeout)
+        check_seconds("deadline", deadline)
         self.check_usable()
         if not self._opened:
             raise UsageError("the peer is not connected: use `async with kvwire.connect(...) as peer`")
-        codec_name = codec or self.codec
+        codec_name = codec if codec is not None else self.codec
         self._use_codec(codec_name)
         meta_bytes, versions = begin_fields(meta, blocks)
         if deadline is not None and codec_name != AUTO:

@@ -24,7 +24,7 @@ from typing import Any
 from kvwire.aio import _gpu
 from kvwire.aio._receive import ArrayStore
 from kvwire.aio._stream import Pump, Stream
-from kvwire.aio._transfer import Transfer
+from kvwire.aio._transfer import Transfer, check_seconds
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
     ConnectionLostError,
@@ -176,6 +176,7 @@ class Server(Pump):
 
     async def accept(self, *, timeout: float | None = None) -> Transfer:
         """The next incoming transfer not claimed by :meth:`expect`."""
+        check_seconds("timeout", timeout)
         self._check_open()
         if (t := self._arrived()) is not None:
             return t
@@ -202,6 +203,7 @@ class Server(Pump):
         refuses the transfer (its ``check()`` raises) fails it, and this raises that error.
         """
         check_request_id(request_id)
+        check_seconds("timeout", timeout)
         self._check_open()
         if into is not None and self.on_gpu:
             raise UsageError("into= needs a server with device='cpu' (a GPU server decodes into its own arrays)")

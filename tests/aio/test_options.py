@@ -97,3 +97,40 @@ async def test_with_auto_streams_the_in_flight_floor_is_for_the_streams_in_use()
             chunk = ClientOptions().chunk_bytes
             assert peer.inflight.floor_bytes == InflightController(streams=in_use, chunk_bytes=chunk).floor_bytes
             assert peer.inflight.floor_bytes < InflightController(streams=4, chunk_bytes=chunk).floor_bytes
+
+
+BAD_SECONDS: list[Any] = [-5, 0, math.nan, math.inf, -math.inf, True, "1"]
+
+
+@pytest.mark.parametrize("value", BAD_SECONDS, ids=repr)
+async def test_a_timeout_of_a_call_that_cannot_work_is_refused_up_front(value: Any) -> None:
+    """send(timeout=, deadline=), expect/accept/collect(timeout=) follow serve()'s rule for
+    its timeouts: a finite number > 0, or None for no limit; not a send that times out at
+    once (-5) or never (nan, inf), and nothing is sent."""
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto") as peer:
+            with pytest.raises(UsageError, match="timeout"):
+                await peer.send("t", spec, make_layers(2, 4, 2, 16), timeout=value)
+            with pytest.raises(UsageError, match="deadline"):
+                await peer.send("d", spec, make_layers(2, 4, 2, 16), deadline=value)
+            with pytest.raises(UsageError, match="timeout"):
+                await server.expect("t", timeout=value)
+            with pytest.raises(UsageError, match="timeout"):
+                await server.accept(timeout=value)
+            await peer.send("c", spec, make_layers(2, 4, 2, 16), timeout=30)
+            transfer = await server.expect("c", timeout=30)
+            with pytest.raises(UsageError, match="timeout"):
+                await transfer.collect(timeout=value)
+            assert len((await transfer.collect(timeout=30)).layers) == 2  # refused, not consumed
+            assert server.statistics()["pending_arrivals"] == 0  # "t" and "d" never went out
+
+
+async def test_an_empty_codec_name_is_refused_not_the_peers_codec() -> None:
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="int8") as peer:
+            with pytest.raises(UsageError, match="unknown codec ''"):
+                await peer.send("e", spec, make_layers(2, 4, 2, 16), codec="")
+            receipt = await peer.send("n", spec, make_layers(2, 4, 2, 16), codec=None)
+            assert receipt.codec == "int8"
