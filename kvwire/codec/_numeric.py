@@ -223,12 +223,15 @@ def check_shape(shape: Any, codec: str) -> tuple[int, int, int]:
 def output_array(
     out: np.ndarray[Any, Any] | None, shape: tuple[int, int, int], dtype: str
 ) -> np.ndarray[Any, Any]:
-    """``out`` checked against ``shape``/``dtype``, or a new array."""
+    """``out`` checked against ``shape``/``dtype`` and writable (the one check of every
+    decode path, compiled and numpy alike), or a new array."""
     dt = numpy_dtype(dtype)
     if out is None:
         return np.empty(shape, dt)
     if out.shape != shape or out.dtype != dt:
         raise UsageError(f"out must be {dtype} {shape}, got {out.dtype} {out.shape}")
+    if not out.flags.writeable:
+        raise UsageError("out is read-only")
     return out
 
 

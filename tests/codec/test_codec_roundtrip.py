@@ -149,6 +149,33 @@ def test_decode_into_out_and_strided_out(name: str) -> None:
             codec_by_id(chunk.codec_id).decode(chunk.params, chunk.payload, shape=x.shape, dtype="float16", kind=TensorKind.K, out=wrong)
 
 
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(ALL), kind=st.sampled_from(KINDS), dtype=st.sampled_from(DTYPES),
+       form=st.sampled_from(["flag", "strided", "frombuffer"]), reference=st.booleans())
+def test_property_read_only_out_is_a_usage_error(
+    name: str, kind: TensorKind, dtype: str, form: str, reference: bool
+) -> None:
+    # a read-only out is refused before anything is decoded, with kvwire's UsageError on the
+    # compiled path and the numpy path alike (it was a TypeError from the extension's
+    # argument parsing, or numpy's ValueError)
+    x = np.random.default_rng(4).standard_normal((5, 2, 6)).astype(numpy_dtype(dtype))
+    codec = get_codec(name)
+    chunk = codec.encode(x, kind)
+    if form == "flag":
+        out = np.zeros(x.shape, numpy_dtype(dtype))
+        out.flags.writeable = False
+    elif form == "strided":
+        big = np.zeros((5, 2, 12), numpy_dtype(dtype))
+        big.flags.writeable = False
+        out = big[:, :, ::2]
+    else:
+        out = np.frombuffer(bytes(x.nbytes), numpy_dtype(dtype)).reshape(x.shape)
+    decode = getattr(codec, "decode_numpy", codec.decode) if reference else codec.decode
+    with pytest.raises(UsageError, match="read-only"):
+        decode(chunk.params, chunk.payload, shape=x.shape, dtype=dtype, kind=kind, out=out)
+    assert not out.any()
+
+
 def test_fp8_codes_match_ml_dtypes_saturating_cast() -> None:
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((64, 4, 32)) * 50).astype(np.float32)
