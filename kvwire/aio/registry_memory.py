@@ -7,6 +7,7 @@ without awaiting in between, so each operation is atomic with respect to other t
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from types import TracebackType
@@ -22,7 +23,11 @@ DEFAULT_WATCH_BUFFER = 10_000
 
 
 class MemoryWatcher:
-    """Notifications of one :class:`MemoryRegistry`, buffered up to ``maxlen`` entries."""
+    """Notifications of one :class:`MemoryRegistry`, buffered up to ``maxlen`` entries.
+
+    The registry holds its watchers weakly: one abandoned without ``aclose`` (a ``break``
+    out of a bare ``async for``) stops buffering once it is garbage collected.
+    """
 
     def __init__(self, registry: MemoryRegistry, maxlen: int) -> None:
         self._registry = registry
@@ -100,7 +105,8 @@ class MemoryRegistry:
         self.core = RegistryCore()
         self._clock = clock
         self._watch_buffer = watch_buffer
-        self._watchers: set[MemoryWatcher] = set()
+        # Weak: an abandoned watcher must not buffer (and be visited) until close().
+        self._watchers: weakref.WeakSet[MemoryWatcher] = weakref.WeakSet()
         self._closed = False
 
     def _now(self) -> float:

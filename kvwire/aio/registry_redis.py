@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import weakref
 from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -84,7 +85,8 @@ class RedisWatcher:
 
     Pub/sub delivers at most once: a watcher whose connection breaks raises
     :class:`NotificationsLostError` (it may have missed changes) instead of reconnecting
-    silently.
+    silently.  The registry holds its watchers weakly: one abandoned without ``aclose`` (a
+    ``break`` out of a bare ``async for``) closes its subscription once garbage collected.
     """
 
     def __init__(self, registry: RedisRegistry) -> None:
@@ -92,6 +94,7 @@ class RedisWatcher:
         self._pubsub: PubSub | None = None
         self._reading: asyncio.Event | None = None
         self._closed = False
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     async def _subscribe(self) -> PubSub:
         if self._pubsub is not None:
@@ -101,6 +104,11 @@ class RedisWatcher:
         pubsub = self._registry.client.pubsub()
         self._pubsub = pubsub
         self._registry._watchers.add(self)
+        # Holds the pubsub and the registry, never this watcher: collected, it is closed.
+        self._finalizer = weakref.finalize(
+            self, _close_abandoned, asyncio.get_running_loop(), self._registry, pubsub
+        )
+        self._finalizer.atexit = False
         channel = self._registry.layout.channel
         try:
             await asyncio.wait_for(pubsub.subscribe(channel), self._registry.timeout)
@@ -168,10 +176,31 @@ class RedisWatcher:
 
     async def _close_pubsub(self) -> None:
         pubsub, self._pubsub = self._pubsub, None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
         if pubsub is not None:
-            # The connection is being thrown away; a failure to close it changes nothing.
-            with contextlib.suppress(RedisError, OSError):
-                await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8
+            await _close_quietly(pubsub)
+
+
+async def _close_quietly(pubsub: PubSub) -> None:
+    # The connection is being thrown away; a failure to close it changes nothing.
+    with contextlib.suppress(RedisError, OSError):
+        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8
+
+
+def _close_abandoned(loop: asyncio.AbstractEventLoop, registry: RedisRegistry, pubsub: PubSub) -> None:
+    """A watcher was garbage collected with its subscription open: close it on its loop
+    (as a task the registry keeps; from whatever thread the collection ran in)."""
+    with contextlib.suppress(RuntimeError):  # the loop is closed: so is the connection
+        loop.call_soon_threadsafe(lambda: registry._spawn(_close_unwatched(pubsub)))
+
+
+async def _close_unwatched(pubsub: PubSub) -> None:
+    # Nobody awaits this task: whatever closing fails with (a client closed meanwhile
+    # included) has nobody to tell.
+    with contextlib.suppress(Exception):
+        await _close_quietly(pubsub)
 
 
 class RedisRegistry:
@@ -193,7 +222,8 @@ class RedisRegistry:
         self.layout = lua.KeyLayout(namespace)
         self.timeout = timeout
         self._owns_client = owns_client
-        self._watchers: set[RedisWatcher] = set()
+        # Weak: an abandoned watcher must not hold its subscription until close().
+        self._watchers: weakref.WeakSet[RedisWatcher] = weakref.WeakSet()
         self._background: set[asyncio.Task[Any]] = set()
         self._closed = False
         self._begin = client.register_script(lua.BEGIN)

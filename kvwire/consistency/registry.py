@@ -15,7 +15,8 @@ DEFAULT_TTL = 30.0
 
 @runtime_checkable
 class Watcher(Protocol):
-    """An async iterator of ``(block, version)`` changes; close it when done.
+    """An async iterator of ``(block, version)`` changes; close it when done (one abandoned
+    unclosed is released when garbage collected: the registry holds watchers weakly).
 
     ``async with reg.watch() as w`` subscribes before the body runs, so every change made
     after entering is delivered; a bare ``async for`` subscribes on the first iteration.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -231,6 +232,41 @@ async def test_no_version_past_2_53_is_handed_out(registry: Registry) -> None:
         await registry.invalidate("z")
     assert await registry.publish([("y", 2**53 - 1)]) == ["y"]  # invalidated: no data there
     assert await registry.check_many([("y", 2**53 - 1)]) == ["y"]
+
+
+async def test_an_abandoned_watcher_is_released(registry: Registry) -> None:
+    """A watcher left by ``break`` out of a bare ``async for`` (never closed) stops being
+    served once collected: memory no longer buffers for it, Redis closes its subscription.
+    One still referenced keeps receiving."""
+
+    async def first_change() -> object:
+        async for item in registry.watch():
+            return item  # leaves the loop: the watcher is abandoned, not closed
+        return None
+
+    async with registry.watch() as kept:
+        for _ in range(3):
+            task = asyncio.create_task(first_change())
+            while not task.done():  # a bare async for subscribes on its first iteration
+                await registry.invalidate("x")
+                await asyncio.sleep(0.05)
+            assert (await task)[0] == "x"  # type: ignore[index]
+        gc.collect()
+        for _ in range(100):
+            if len(registry._watchers) == 1:  # type: ignore[attr-defined]
+                break
+            await asyncio.sleep(0.05)
+        assert list(registry._watchers) == [kept]  # type: ignore[attr-defined]
+        if isinstance(registry, RedisRegistry):
+            for _ in range(100):
+                [(_, subscribers)] = await registry.client.pubsub_numsub(registry.layout.channel)
+                if subscribers == 1:
+                    break
+                await asyncio.sleep(0.05)
+            assert subscribers == 1  # only kept's
+        v = await registry.invalidate("y")
+        while (item := await asyncio.wait_for(anext(kept), 5)) != ("y", v):
+            assert item[0] == "x"
 
 
 async def test_watch_ends_on_close(registry: Registry) -> None:
