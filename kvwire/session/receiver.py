@@ -853,14 +853,20 @@ class ReceiverCore:
     def _on_reset(self, cid: int, ev: TransferReset) -> None:
         sess = self._conn_session.get(cid)
         t = sess.transfers.get(ev.transfer_id) if sess is not None else None
-        if t is None:
+        if t is None or t.error is not None:
             return
+        if t.complete and t.claimed:
+            return  # too late to matter: the application has the whole cache; nothing fails
+        # A complete transfer nobody claimed fails too: its sender's send() did not succeed,
+        # so handing it out would deliver what the sender reports as not sent (and a retry
+        # would make a second one).  Counted and reported only as what fails a transfer.
         self._count("transfers_aborted_by_peer")
         self._events.append(TransferAborted(
             key=t.key, request_id=t.begin.request_id, reason=wire_text(ev.message), by_peer=True,
         ))
         # The tombstone repeats the code, not the peer's text.
-        self._fail(t, ev.error(), reset=False, tombstone=error_from_code(ev.code, "reset by the client"))
+        self._fail(t, ev.error(), reset=False, even_if_complete=True,
+                   tombstone=error_from_code(ev.code, "reset by the client"))
 
     def _on_closed(self, cid: int, ev: ConnectionClosed, now: float) -> None:
         if isinstance(ev.error, AuthenticationError):

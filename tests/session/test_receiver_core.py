@@ -605,6 +605,47 @@ def test_a_peer_reset_is_counted_and_reported() -> None:
     assert h.core.counters["transfers_aborted_by_peer"] == 1
 
 
+def complete_transfer(claim: bool) -> Harness:
+    h = Harness()
+    h.client.send_begin(begin(layers=1))
+    h.pump()
+    if claim:
+        h.core.claim(h.key)
+    h.send(chunk(layer=0, kind=0))
+    h.send(chunk(layer=0, kind=1))
+    assert h.of(LayerReady) and not h.of(TransferFailed)
+    return h
+
+
+def test_a_peer_reset_of_a_complete_transfer_nobody_claimed_fails_it() -> None:
+    """Every chunk arrived, then the sender's send() ended without success (cancelled) and
+    it reset the transfer: the cache is not handed out later (a retry would make a second
+    one, holding memory), and the RESET is counted and reported as what failed it."""
+    h = complete_transfer(claim=False)
+    assert h.core.unclaimed() == [h.key] and h.core.buffered_bytes > 0
+    h.client.send_reset(1, ErrorCode.CANCELLED, "sender aborted: CancelledError()")
+    h.pump()
+    [failed] = h.of(TransferFailed)
+    assert failed.key == h.key and failed.error.code == ErrorCode.CANCELLED
+    [ev] = h.of(TransferAborted)
+    assert ev.by_peer and ev.key == h.key
+    assert h.core.counters["transfers_aborted_by_peer"] == 1
+    assert h.core.unclaimed() == [] and h.core.buffered_bytes == 0
+    with pytest.raises(KvwireError):
+        h.core.pop_layer(h.key, 0)
+
+
+def test_a_peer_reset_of_a_complete_transfer_the_application_claimed_is_not_counted() -> None:
+    """Too late to matter: the application holds the whole cache.  Nothing fails, so
+    nothing is counted or reported as a transfer reset by the client."""
+    h = complete_transfer(claim=True)
+    h.client.send_reset(1, ErrorCode.CANCELLED, "sender aborted: CancelledError()")
+    h.pump()
+    assert not h.of(TransferFailed) and not h.of(TransferAborted)
+    assert h.core.counters.get("transfers_aborted_by_peer", 0) == 0
+    assert len(h.core.take_layer(h.key, 0)[0]) == 8 * BPT
+
+
 def test_a_reconnected_stream_resumes_its_session() -> None:
     h = Harness(ReceiverConfig(secret=SECRET, resume_timeout=10.0))
     h.client.send_begin(begin())
