@@ -157,7 +157,7 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--cache-blocks", type=NON_NEGATIVE_INT, metavar="N",
                    help="prefix cache of each cluster, 512-token blocks "
                         "(default: the profile's per-instance size x instances)")
-    a = p.add_argument_group("adaptive policy")
+    a = p.add_argument_group("adaptive policy and the link rules")
     a.add_argument("--bandwidth-noise", type=NON_NEGATIVE, default=0.0,
                    help="relative standard deviation of the bandwidth estimate (default 0)")
     a.add_argument("--bandwidth-window", type=argument_type(parse_duration, "duration"),
@@ -165,6 +165,11 @@ def add_parser(subparsers: Any) -> None:
                    help="time constant of adaptive's bandwidth average (default 60s)")
     a.add_argument("--hysteresis", type=NON_NEGATIVE, default=0.25,
                    help="relative bandwidth change before adaptive retunes (default 0.25)")
+    a.add_argument("--egress-window", type=argument_type(parse_duration, "duration"),
+                   default=60.0, metavar="TIME",
+                   help="selective and adaptive: the egress demand decide() sees is the KV they "
+                        "offloaded over this window; near the link's rate it raises the threshold, "
+                        "then refuses to offload (default 60s; 0: no demand, those rules off)")
     o = p.add_argument_group("policies and output")
     o.add_argument("--policy", type=argument_type(_policies, "policies"),
                    default=list(PolicyName), metavar="LIST",
@@ -261,6 +266,7 @@ def _config(args: argparse.Namespace) -> SimulationConfig:
         bandwidth_noise=args.bandwidth_noise,
         bandwidth_time_constant_s=args.bandwidth_window,
         hysteresis=args.hysteresis,
+        egress_window_s=args.egress_window,
     )
 
 
@@ -356,6 +362,7 @@ def _document(
             "decode_batch_max": config.cluster.decode_batch_max,
             "link_schedule": [[t, r] for t, r in zip(config.link.starts_s, config.link.rates_bps, strict=True)],
             "rtt_s": config.rtt_s,
+            "egress_window_s": config.egress_window_s,
             "cache_blocks": {"remote": config.cache_blocks("remote"), "local": config.cache_blocks("local")},
         },
         "model": {

@@ -34,7 +34,8 @@ Policies: ``local`` (homogeneous PD, nothing offloaded), ``offload-all`` (every 
 remote), ``selective`` (:func:`decide` with the optimizer's threshold for the trace and the
 mean link rate, held fixed), ``adaptive`` (the threshold the optimizer gives for the live
 bandwidth estimate, looked up in a :class:`ThresholdTable` and retuned with hysteresis,
-see :func:`retune_threshold`).
+see :func:`retune_threshold`). Both pass :func:`decide` the egress demand of their recent
+offloads (:func:`egress_demand`), so its link rules act on top of either threshold.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ __all__ = [
     "SimState",
     "SimulationConfig",
     "ThresholdTable",
+    "egress_demand",
     "model_cluster",
     "new_state",
     "offered_rate",
@@ -145,14 +147,19 @@ class SimulationConfig:
     """Relative standard deviation of the bandwidth estimate the policy sees (seeded)."""
     threshold_step_tokens: float = 256.0
     """Grid step of the optimizer that sets the thresholds."""
+    egress_window_s: float = 60.0
+    """Window of the egress demand ``selective`` and ``adaptive`` pass to :func:`decide`
+    (:func:`egress_demand`, the KV offloaded per second over it): as it nears the link's
+    rate, decide raises the threshold and then refuses to offload (0: no demand, those
+    rules never fire)."""
 
     def __post_init__(self) -> None:
         if self.rtt_s < 0 or self.control_interval_s <= 0:
             raise UsageError("rtt must be >= 0 and the control interval > 0")
         if self.bandwidth_noise < 0 or self.hysteresis < 0:
             raise UsageError("bandwidth_noise and hysteresis must be >= 0")
-        if self.bandwidth_time_constant_s < 0:
-            raise UsageError("bandwidth_time_constant_s must be >= 0")
+        if self.bandwidth_time_constant_s < 0 or self.egress_window_s < 0:
+            raise UsageError("bandwidth_time_constant_s and egress_window_s must be >= 0")
         for blocks in (self.remote_cache_blocks, self.local_cache_blocks):
             if blocks is not None and blocks < 0:
                 raise UsageError("cache sizes must be >= 0 blocks")
@@ -346,6 +353,8 @@ class SimState:
     remote_queued_s: float = 0.0
     link_queued_bytes: float = 0.0
     """Estimated bytes waiting for the link."""
+    offloaded: deque[tuple[float, float]] = field(default_factory=deque)
+    """``(time, estimated KV bytes)`` of the offloads of the last ``egress_window_s``."""
     local_pending: dict[int, int] = field(default_factory=dict)
     """Blocks of the prefills queued or running locally (block -> count)."""
     remote_pending: dict[int, int] = field(default_factory=dict)
@@ -364,6 +373,8 @@ class SimState:
     queued_est: list[float] = field(default_factory=list)
     """Estimated prefill seconds (while queued) or bytes to ship (while waiting for the link)."""
     ttft_s: list[float] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    """:func:`decide`'s reason for each request (``""``: the policy does not ask it)."""
     # records
     transfers: list[tuple[float, float, float]] = field(default_factory=list)
     """``(start, end, bytes)`` of every transfer."""
@@ -411,6 +422,7 @@ def new_state(
         ship_bytes=[0.0] * n,
         queued_est=[0.0] * n,
         ttft_s=[math.nan] * n,
+        reasons=[""] * n,
     )
     if policy is PolicyName.ADAPTIVE:
         bw = config.link.rate_at(0.0)
@@ -453,6 +465,19 @@ def backlogs(state: SimState, bandwidth_bps: float) -> tuple[float, float]:
         link = math.inf
     remote = state.remote_queued_s / max(cl.remote_instances, 1) + link
     return local, remote
+
+
+def egress_demand(state: SimState) -> float:
+    """The egress the load already offloaded needs, bits per second, as :func:`decide`
+    reads it (``egress_demand_bps``): the KV bytes of the offloads placed in the last
+    ``egress_window_s`` seconds of simulated time (each estimated when it was placed),
+    over that window. Deterministic. A window much longer than one transfer keeps a
+    single large KV from reading as a full link."""
+    window = state.config.egress_window_s
+    if window <= 0:
+        return 0.0
+    since = state.now - window
+    return 8.0 * sum(b for t, b in state.offloaded if t > since) / window
 
 
 def _dispatch_prefills(state: SimState) -> list[Event]:
@@ -542,6 +567,8 @@ def _place(state: SimState, i: int) -> bool:
             state.next_control_s = state.now + state.config.control_interval_s
         threshold = state.adaptive.threshold_tokens
     state.thresholds_seen.append(threshold)
+    while state.offloaded and state.offloaded[0][0] <= state.now - state.config.egress_window_s:
+        state.offloaded.popleft()
     # The scheduler sees what each cache holds now; the prefill looks again when it starts.
     local_hit = _planned_hit(state.local_cache, state.local_pending, r.hash_ids)
     remote_hit = _planned_hit(state.remote_cache, state.remote_pending, r.hash_ids)
@@ -550,6 +577,7 @@ def _place(state: SimState, i: int) -> bool:
         SchedulerState(
             threshold_tokens=threshold,
             bandwidth_bps=bw,
+            egress_demand_bps=egress_demand(state),
             local_prefix_hit=tuple((h, 0) for h in r.hash_ids[:local_hit]),
             remotes=(
                 ClusterView(name=REMOTE, prefix_hit=tuple((h, 0) for h in r.hash_ids[:remote_hit])),
@@ -557,7 +585,11 @@ def _place(state: SimState, i: int) -> bool:
             block_tokens=BLOCK_TOKENS,
         ),
     )
-    return isinstance(decision, Offload)
+    state.reasons[i] = decision.reason
+    if isinstance(decision, Offload):
+        state.offloaded.append((state.now, _ship_bytes(state, i)))
+        return True
+    return False
 
 
 # -- the handlers ---------------------------------------------------------------------------

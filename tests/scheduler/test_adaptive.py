@@ -117,10 +117,12 @@ def test_adaptive_equals_selective_on_a_constant_link() -> None:
 def test_adaptive_beats_selective_on_a_bandwidth_dip() -> None:
     # 10 Gbit/s, 1 Gbit/s from 200 s to 400 s, 10 Gbit/s again; 2 req/s of the case-study
     # log-normal workload (about the capacity at 10 Gbit/s). selective holds the optimizer's
-    # threshold for the mean rate; adaptive follows the live estimate.
+    # threshold for the mean rate; adaptive follows the live estimate. The thresholds
+    # alone: decide's link rules off (no egress demand, --egress-window 0), which would
+    # otherwise move both policies (test_link_rules_fire_when_the_link_stays_congested).
     trace = synthetic_trace(np.random.default_rng(1), requests=800, rate_rps=2.0)
     link = LinkSchedule(starts_s=(0.0, 200.0, 400.0), rates_bps=(10e9, 1e9, 10e9))
-    config = SimulationConfig(cluster=HYBRID, link=link)
+    config = SimulationConfig(cluster=HYBRID, link=link, egress_window_s=0.0)
     opt = optimizer_for(trace, config)
     sel = simulate(trace, config, PolicyName.SELECTIVE, optimizer=opt)
     ada = simulate(trace, config, PolicyName.ADAPTIVE, optimizer=opt)
@@ -148,11 +150,12 @@ def test_adaptive_does_not_flap_on_a_noisy_constant_link(noise: float) -> None:
 
 
 def test_adaptive_beats_selective_on_the_public_trace_with_a_dip() -> None:
-    # The Mooncake trace at twice its pace over 10 Gbit/s with 1 Gbit/s from 100 s to 200 s.
+    # The Mooncake trace at twice its pace over 10 Gbit/s with 1 Gbit/s from 100 s to 200 s
+    # (the thresholds alone, decide's link rules off, as above).
     trace = load_trace(TRACE)
     trace = tuple(replace(r, arrival_s=r.arrival_s / 2) for r in trace)
     link = LinkSchedule(starts_s=(0.0, 100.0, 200.0), rates_bps=(10e9, 1e9, 10e9))
-    config = SimulationConfig(cluster=HYBRID, link=link)
+    config = SimulationConfig(cluster=HYBRID, link=link, egress_window_s=0.0)
     opt = optimizer_for(trace, config)
     sel = simulate(trace, config, PolicyName.SELECTIVE, optimizer=opt)
     ada = simulate(trace, config, PolicyName.ADAPTIVE, optimizer=opt)

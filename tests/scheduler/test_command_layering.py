@@ -258,3 +258,11 @@ def test_simulate_cli_burst_reports_na(tmp_path: Path, capsys: pytest.CaptureFix
     assert r["saturated"] is None and r["egress_gbps_mean"] is None and r["egress_gbps_p99"] is None
     assert r["egress_gbps_peak"] > 0
     assert "saturated: n/a" in " ".join(captured.err.split())
+
+
+def test_simulate_cli_egress_window(capsys: pytest.CaptureFixture[str]) -> None:
+    assert parse(["simulate"]).egress_window == 60.0
+    args = parse(["simulate", "--requests", "50", "--policy", "selective", "--egress-window", "0",
+                  "--json", "-"])
+    assert run(args) == 0
+    assert json.loads(capsys.readouterr().out)["system"]["egress_window_s"] == 0.0

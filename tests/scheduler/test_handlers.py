@@ -15,6 +15,7 @@ from kvwire.scheduler.simulator import (
     EventKind,
     PolicyName,
     SimulationConfig,
+    egress_demand,
     new_state,
     on_arrival,
     on_decode_end,
@@ -245,3 +246,30 @@ def test_a_burst_under_a_second_has_no_egress_or_saturation_figures() -> None:
     assert doc["egress_gbps_mean"] is None and doc["egress_gbps_p99"] is None
     assert doc["saturated"] is None
     assert doc["egress_gbps_peak"] == pytest.approx(8e6 / 1e9)
+
+
+def test_the_policy_sees_the_egress_demand_of_recent_offloads() -> None:
+    # Link 1 MB/s (8 Mbit/s), a 10 s window, threshold 500: each 4096-token request ships
+    # 4.096 MB. The demand is the KV offloaded in the last 10 s, per second: after two
+    # offloads u = 8.192 MB / 10 MB = 0.82, between soft 0.7 and hard 0.97 (the threshold
+    # rises to 1383 tokens, still below 4096); after three u = 1.23: nothing more goes
+    # remote until the first offload leaves the window. The simulator used to pass no
+    # demand, so these rules never fired.
+    trace = [req(t, tuple(range(10 * i, 10 * i + 8))) for i, t in enumerate((0, 1, 2, 3, 10.5))]
+    cfg = config(egress_window_s=10.0)
+    st = new_state(trace, cfg, PolicyName.SELECTIVE, prefill_instances=1, threshold_tokens=500)
+    demands = []
+    for i, r in enumerate(trace):
+        st.now = r.arrival_s
+        demands.append(egress_demand(st))
+        on_arrival(st, i)
+    assert demands[:4] == pytest.approx([0.0, 8 * 4.096e5, 8 * 8.192e5, 8 * 12.288e5])
+    assert st.reasons == ["long", "long", "long", "link-saturated", "long"]
+    assert st.remote == [True, True, True, False, True]
+    # Window 0: no demand, the old behaviour.
+    st = new_state(trace, config(egress_window_s=0.0), PolicyName.SELECTIVE,
+                   prefill_instances=1, threshold_tokens=500)
+    for i, r in enumerate(trace):
+        st.now = r.arrival_s
+        on_arrival(st, i)
+    assert st.reasons == ["long"] * 5

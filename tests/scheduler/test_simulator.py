@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,9 @@ from kvwire.scheduler.simulator import (
     PolicyName,
     SimulationConfig,
     model_cluster,
+    new_state,
+    optimizer_for,
+    run_events,
     simulate,
     simulate_policies,
 )
@@ -146,3 +151,27 @@ def test_model_link_rate_is_averaged_over_the_arrival_window() -> None:
     assert model_cluster(trace, cfg).egress_bps == pytest.approx(8e9)
     assert link.mean_rate_between(500.0, 1500.0) == pytest.approx(4.5e9)
     assert link.mean_rate_between(1200.0, 1200.0) == 8e9
+
+
+def test_link_rules_fire_when_the_link_stays_congested() -> None:
+    # 10 Gbit/s, then 1 Gbit/s for good from 60 s: the KV selective offloads needs more
+    # than the link carries. The simulator now passes decide the egress demand (the KV
+    # offloaded over the last egress_window_s), so decide raises the threshold and then
+    # refuses offloads instead of queueing KV on the link without bound. With no demand
+    # (window 0, what the simulator used to do) those rules never fire.
+    trace = synthetic_trace(np.random.default_rng(1), requests=300, rate_rps=1.0)
+    link = LinkSchedule(starts_s=(0.0, 60.0), rates_bps=(10e9, 1e9))
+    runs = {}
+    for window in (0.0, 60.0):
+        config = SimulationConfig(cluster=HYBRID, link=link, prefill_instances=5,
+                                  egress_window_s=window)
+        t = optimizer_for(trace, config).threshold_tokens
+        state = run_events(new_state(trace, config, PolicyName.SELECTIVE, prefill_instances=5,
+                                     threshold_tokens=t))
+        runs[window] = (Counter(state.reasons), simulate(trace, config, PolicyName.SELECTIVE))
+    (off_reasons, off), (on_reasons, on) = runs[0.0], runs[60.0]
+    assert off_reasons["link-saturated"] == 0
+    assert on_reasons["link-saturated"] > 10
+    assert on.offload_fraction < 0.5 * off.offload_fraction
+    assert on.throughput_rps > 1.3 * off.throughput_rps
+    assert on.ttft_p99_s < 0.6 * off.ttft_p99_s
