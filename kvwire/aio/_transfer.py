@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+from kvwire.aio import _gpu
 from kvwire.aio._receive import INTO
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
@@ -66,7 +67,8 @@ class Transfer:
         """Wait for every layer; return them as a :class:`~kvwire.KVCache` in layer order.
 
         ``device`` ("cpu", "gpu" or "gpu:N") states where the arrays must be; it must match
-        the server's ``device`` option (layers are decoded where they will be used).
+        the server's ``device`` option (layers are decoded where they will be used):
+        :class:`~kvwire.UsageError` otherwise, and for a string that names no device.
 
         Refused (:class:`~kvwire.UsageError`) for a transfer received into a destination
         (``expect(into=...)``, :meth:`attach`): its layers are already in the caller's
@@ -78,9 +80,8 @@ class Transfer:
                 "collect() of a transfer received into a destination: its layers are in the "
                 "destination's memory; iterate (async for layer in transfer) to wait for them"
             )
-        on_gpu = self._server.on_gpu
-        if device is not None and (device == "cpu") == on_gpu:
-            raise UsageError(f"this server decodes on {'gpu' if on_gpu else 'cpu'}; serve(device={device!r}) to change it")
+        if device is not None:
+            self._check_device(device)
         self._claim("collect")
         got: dict[int, tuple[Any, Any]] = {}
 
@@ -95,6 +96,13 @@ class Transfer:
         except TimeoutError:
             raise TransferTimeoutError(f"transfer {self.request_id!r} not complete in {timeout} s") from None
         return KVCache(self.spec, [got[i] for i in range(self.spec.num_layers)])
+
+    def _check_device(self, device: str) -> None:
+        on_gpu = self._server.on_gpu
+        if device != "cpu":  # the server's own parser: "bogus" is no device (nor a hint to serve it)
+            _gpu.parse_device(device)
+        if (device == "cpu") == on_gpu:
+            raise UsageError(f"this server decodes on {'gpu' if on_gpu else 'cpu'}; serve(device={device!r}) to change it")
 
     @property
     def complete(self) -> bool:

@@ -117,6 +117,41 @@ async def test_a_gpu_server_decodes_every_chunk_on_its_device(monkeypatch: pytes
             transfer.abort("test done")
 
 
+async def test_collect_names_a_device_that_is_no_device_as_such() -> None:
+    """collect(device="bogus") on a CPU server is no device at all (the parser serve() uses
+    says so), not a hint to serve(device='bogus'); a device this server does not decode
+    on is refused too; neither consumes the transfer."""
+    layers = make_layers(3, 64, 4, 64)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            recv = asyncio.create_task(server.expect("r", timeout=20))
+            await peer.send("r", SPEC, layers, timeout=20)
+            transfer = await recv
+            for bogus in ("bogus", "gpu:x", "", "CPU", 5):
+                with pytest.raises(kvwire.UsageError, match="device must be 'cpu', 'gpu' or 'gpu:N'"):
+                    await transfer.collect(device=bogus, timeout=20)
+            with pytest.raises(kvwire.UsageError, match="gpu"):  # a CPU server (here: and no CuPy)
+                await transfer.collect(device="gpu", timeout=20)
+            assert same_cache((await transfer.collect(device="cpu", timeout=20)).layers, layers)
+
+
+async def test_a_gpu_server_refuses_a_device_that_is_no_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    parse = _gpu.parse_device
+    monkeypatch.setattr(_gpu, "parse_device", lambda device: 0 if device in ("gpu", "gpu:0") else parse(device))
+    monkeypatch.setattr(_receive, "GpuReceiver", HostGpu)
+    layers = make_layers(3, 64, 4, 64)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, device="gpu") as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            recv = asyncio.create_task(server.expect("r", timeout=20))
+            await peer.send("r", SPEC, layers, timeout=20)
+            transfer = await recv
+            with pytest.raises(kvwire.UsageError, match="device must be 'cpu', 'gpu' or 'gpu:N'"):
+                await transfer.collect(device="bogus", timeout=20)
+            with pytest.raises(kvwire.UsageError, match="decodes on gpu"):
+                await transfer.collect(device="cpu", timeout=20)
+            assert same_cache((await transfer.collect(device="gpu:0", timeout=20)).layers, layers)
+
+
 @pytest.mark.parametrize("codec", ["int8", "auto"])
 async def test_the_server_reports_its_costs_and_auto_weighs_them(
     monkeypatch: pytest.MonkeyPatch, codec: str,
