@@ -279,6 +279,17 @@ class NetnsLink:
         self._shape(self.sender_ns, self.sender_dev, rate_bps, verb)
         self.rate_bps = rate_bps
 
+    def tx_bytes(self) -> int:
+        """Bytes the sender's end of the veth has transmitted (through tbf: what the
+        shaped link carried, headers included)."""
+        self._check(self.sender_ns)
+        with _inside(self.sender_ns), open("/proc/thread-self/net/dev") as f:
+            for line in f:
+                name, sep, fields = line.partition(":")
+                if sep and name.strip() == self.sender_dev:
+                    return int(fields.split()[8])  # receive: 8 fields, then transmit bytes
+        raise OSError(f"no device {self.sender_dev} in {self.sender_ns}")
+
     def socket(
         self, ns: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM
     ) -> socket.socket:

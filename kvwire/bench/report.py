@@ -197,16 +197,19 @@ def format_interval(iv: Mapping[str, Any], codec: str) -> str:
     return "  ".join(parts)
 
 
-def trust_note(mode: str) -> str:
-    """Which rate to believe, and why."""
-    where = {
-        "emulated": "bytes the link emulator forwarded",
-        "kernel": "bytes acknowledged by the receiver through the shaped link",
-        "loopback": "bytes acknowledged by the receiver",
-        "peer": "bytes acknowledged by the remote receiver",
-    }.get(mode, "bytes acknowledged")
+def trust_note(mode: str, *, measured_link: bool = True) -> str:
+    """Which rate to believe, what it is computed from, and why."""
+    if mode == "emulated" and measured_link:
+        where = "bytes the link emulator forwarded"
+    elif mode == "kernel" and measured_link:
+        where = "bytes the shaped veth transmitted, headers included"
+    else:
+        where = {
+            "peer": "chunk bytes the remote receiver acknowledged",
+        }.get(mode, "chunk bytes the receiver acknowledged")
     return (
-        f"trust the wire rate (measured: {where} per second over the run); the estimate is "
+        f"trust the wire rate (measured: {where}, an abandoned transfer's included, "
+        "divided by the run's seconds); the estimate is "
         "the sender's recent, ack-based view that steers streams and codecs, and it lags "
         "or overshoots around changes"
     )
@@ -258,7 +261,10 @@ def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float =
                 + (f" (estimate {est:.3g} Gbit/s under the link's {link_gbps:.3g})" if est is not None and est < 0.8 * link_gbps else "")
             )
     wire = result.get("wire_gbps")
-    if not causes and est is not None and wire and abs(est - wire) > 0.25 * wire:
+    abandoned = result.get("incomplete_transfers") or 0
+    # The estimate at the end of a run that waited on an abandoned transfer says nothing
+    # of the rate over the run: not a cause.
+    if not causes and not abandoned and est is not None and wire and abs(est - wire) > 0.25 * wire:
         causes.append(
             f"estimator: {est:.3g} Gbit/s at the end against {wire:.3g} Gbit/s measured"
         )
@@ -267,7 +273,14 @@ def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float =
         causes.append(
             "no single limit found (CPU of a core: " + (", ".join(parts) or "n/a") + ")"
         )
-    return f"utilization {100 * util:.0f}%: " + "; ".join(causes)
+    line = f"utilization {100 * util:.0f}%: " + "; ".join(causes)
+    if abandoned:
+        line += (
+            f" ({abandoned} transfer{'s' if abandoned > 1 else ''} abandoned at the run's hard stop: the run's seconds "
+            "include its wait, and a cache too large for the link leaves it idle between "
+            "transfers)"
+        )
+    return line
 
 
 def merge_counts(items: Iterable[Mapping[str, int]]) -> dict[str, int]:

@@ -77,6 +77,9 @@ CHECK_PARTS = 8
 #: The run's closing message waits behind whatever the sender still holds of an abandoned
 #: transfer, minutes on a slow link; it fails only once nothing moved for this long (s).
 END_STALL = 30.0
+#: A transfer still running when --duration ends may finish; one that takes longer than
+#: this past the end (or twice the duration, if that is longer) is abandoned (s).
+ABANDON_AFTER = 30.0
 _READY_TIMEOUT = 60.0  # spawning a child imports numpy and kvwire: seconds on a slow box
 
 
@@ -546,6 +549,11 @@ class _SendResult:
     """Of ``retransmits``, those the receiver's kernel reported as duplicates (D-SACK)."""
     initial: dict[str, Any] = field(default_factory=dict)
     """The sampled counters at the start (``t`` from the link's start)."""
+    acked_bytes: int = 0
+    """CHUNK wire bytes the receiver acknowledged from start to end, those of an
+    abandoned transfer included."""
+    link_samples: list[tuple[float, int]] = field(default_factory=list)
+    """``(time.monotonic(), bytes)`` the shaped link transmitted (kernel mode)."""
 
 
 def _tcp_count(stats: dict[str, Any], counter: str = "total_retrans") -> int | None:
@@ -561,6 +569,11 @@ def _moved(peer: Any) -> tuple[int, int | None]:
     """What shows the sender's bytes moving: chunks sent, and the bytes TCP had
     acknowledged on the session's streams (None where TCP_INFO does not say)."""
     return peer.bytes_sent, _tcp_count(peer.statistics(), "bytes_acked")
+
+
+def _acked(peer: Any) -> int:
+    """CHUNK wire bytes the receiver acknowledged on every stream of the session so far."""
+    return sum(peer.core.acked_bytes(s.key) for s in peer.streams)
 
 
 async def _send_end(peer: Any, request_id: str, spec: KVSpec, layers: Any, meta: dict[str, Any]) -> None:
@@ -586,7 +599,7 @@ async def _send_end(peer: Any, request_id: str, spec: KVSpec, layers: Any, meta:
 async def _send_loop(
     cfg: BenchConfig, host: str, port: int, secret: bytes, bench_id: str, t0: float | None,
     on_progress: Progress | None, set_rate: Callable[[float], None] | None = None,
-    on_interval: Progress | None = None,
+    on_interval: Progress | None = None, link_bytes: Callable[[], int] | None = None,
 ) -> _SendResult:
     from kvwire.aio import connect
 
@@ -608,6 +621,9 @@ async def _send_loop(
         machine0 = machine_cpu_times()
         stats0 = peer.statistics()
         retr0, dup0 = _tcp_count(stats0), _tcp_count(stats0, "dsack_dups")
+        acked0 = _acked(peer)
+        if link_bytes is not None:
+            res.link_samples.append((start, link_bytes()))
 
         res.initial = {
             "t": start - base, "bytes_sent": peer.bytes_sent, "kv_bytes_done": 0,
@@ -639,6 +655,8 @@ async def _send_loop(
                 "chunks_by_codec": dict(chunks_by_codec),
             }
             sampler["last_t"], sampler["last_b"] = now, sent
+            if link_bytes is not None:
+                res.link_samples.append((now, link_bytes()))
             res.samples.append(point)
             pending.append(point)
             if on_progress is not None:
@@ -670,7 +688,7 @@ async def _send_loop(
             tasks.append(reshaping)
         # A transfer still running at the end may finish; one that takes far longer
         # (a cache too big for the link) is abandoned and counted as incomplete.
-        hard_stop = start + max(2 * cfg.duration, cfg.duration + 30.0)
+        hard_stop = start + max(2 * cfg.duration, cfg.duration + ABANDON_AFTER)
         try:
             i = 0
             while True:
@@ -695,6 +713,7 @@ async def _send_loop(
             tasks[0].cancel()  # the sampler: one last sample covers every completed transfer
             await asyncio.gather(tasks[0], return_exceptions=True)
             take_sample(final=True)
+            res.acked_bytes = _acked(peer) - acked0
             res.cpu_s = _cpu() - cpu0
             machine1 = machine_cpu_times()
             if machine0 is not None and machine1 is not None:
@@ -885,7 +904,8 @@ def run_bench(
                 t0 = time.monotonic()
                 with _inside(link.sender_ns):
                     send = run(_send_loop(cfg, host, port, secret, bench_id, t0, on_progress,
-                                          set_rate=link.set_rate, on_interval=on_interval))
+                                          set_rate=link.set_rate, on_interval=on_interval,
+                                          link_bytes=link.tx_bytes))
             else:
                 send = run(_send_loop(cfg, "127.0.0.1", port, secret, bench_id, t0, on_progress,
                                       on_interval=on_interval))
@@ -895,14 +915,20 @@ def run_bench(
                 _, emu_samples, emulator_cpu = _expect(econn, "emulator", eproc, 30.0)
 
     base = t0 if t0 is not None else send.started
-    if emu_samples:
-        _wire_from_link(send.samples, emu_samples, base, cfg.sample_interval)
+    link_samples = emu_samples or send.link_samples
+    if link_samples:
+        _wire_from_link(send.samples, link_samples, base, cfg.sample_interval)
     receipts = send.receipts
     kv = sum(r.kv_bytes for r in receipts)
     wire = sum(r.wire_bytes for r in receipts)
-    seconds = send.ended - send.started if receipts else 0.0
+    # The run lasts from the first transfer's start to the last one's end, or to the hard
+    # stop that abandoned a transfer: the wire rate counts every byte carried meanwhile
+    # (what the link forwarded, else what the receiver acknowledged), not only those of
+    # the transfers that completed.
+    seconds = max(0.0, send.ended - send.started)
+    carried = _carried(link_samples, send.started, send.ended) if link_samples else send.acked_bytes
     goodput = kv * 8 / seconds / 1e9 if seconds > 0 else 0.0
-    wire_gbps = wire * 8 / seconds / 1e9 if seconds > 0 else 0.0
+    wire_gbps = carried * 8 / seconds / 1e9 if seconds > 0 else 0.0
     link_bps = mean_rate(cfg.steps, send.started - base, send.ended - base)
     ttfl = [r.time_to_first_layer for r in receipts if r.time_to_first_layer is not None]
     all_chunks: dict[str, int] = {}
@@ -913,9 +939,9 @@ def run_bench(
     inflight = [s["bytes_in_flight"] for s in send.samples if s.get("bytes_in_flight") is not None]
     span = max(seconds, 1e-9)
     cpu: dict[str, Any] = {
-        "sender": send.cpu_s / span if receipts else None,
-        "receiver": receiver_cpu / span if receiver_cpu is not None and receipts else None,
-        "emulator": emulator_cpu / span if emulator_cpu is not None and receipts else None,
+        "sender": send.cpu_s / span if seconds > 0 else None,
+        "receiver": receiver_cpu / span if receiver_cpu is not None and seconds > 0 else None,
+        "emulator": emulator_cpu / span if emulator_cpu is not None and seconds > 0 else None,
         "cores": os.cpu_count(),
     }
     if send.machine is not None and send.machine[1] > 0:
@@ -948,6 +974,7 @@ def run_bench(
         kv_bytes_per_transfer=cfg.tokens * model.bytes_per_token(),
         kv_bytes=kv,
         wire_bytes=wire,
+        carried_bytes=carried,
         seconds=seconds,
         goodput_gbps=goodput,
         wire_gbps=wire_gbps,
@@ -974,18 +1001,26 @@ def run_bench(
     )
     result["intervals"] = intervals(send.samples, cfg.interval, send.initial) if send.initial else []
     result["streams_over_time"] = [[iv["end"], iv["streams"]] for iv in result["intervals"]]
-    result["trust"] = trust_note(cfg.mode)
+    result["trust"] = trust_note(cfg.mode, measured_link=bool(link_samples))
     from kvwire.aio import ServerOptions
 
     result["diagnosis"] = diagnose(result, window_bytes=ServerOptions().window)
     return result
 
 
+def _carried(link: list[tuple[float, int]], start: float, end: float) -> int:
+    """Bytes a link's counter samples ``(time, bytes)`` grew by from ``start`` to ``end``."""
+    times = np.array([t for t, _ in link])
+    counts = np.array([b for _, b in link], dtype=np.float64)
+    return max(0, round(float(np.interp(end, times, counts)) - float(np.interp(start, times, counts))))
+
+
 def _wire_from_link(
     samples: list[dict[str, Any]], link: list[tuple[float, int]], base: float, interval: float
 ) -> None:
-    """Replace each sample's wire rate by the emulator's forwarded bytes over the same
-    interval (what actually crossed the link, not what the sender handed to TCP)."""
+    """Replace each sample's wire rate by the link's byte counter (the emulator's
+    forwarded bytes, or the shaped veth's transmitted ones) over the same interval: what
+    actually crossed the link, not what the sender handed to TCP."""
     times = np.array([t - base for t, _ in link])
     counts = np.array([b for _, b in link], dtype=np.float64)
     if not samples:

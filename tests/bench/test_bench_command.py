@@ -238,6 +238,34 @@ def test_kernel_shaped_link(tmp_path: Path) -> None:
     assert 0 < doc["utilization"] <= 1.1 and doc["max_rel_error"] == 0.0
 
 
+@pytest.mark.parametrize("kernel", [pytest.param(False, id="emulated"), pytest.param(True, id="kernel")])
+def test_an_abandoned_transfer_counts_in_the_wire_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: bool
+) -> None:
+    """A cache too large for the link in the run is abandoned at the hard stop; the bytes
+    the link carried for it count in the wire rate and utilization over the run's seconds
+    (they read 0: only completed transfers counted, and seconds was 0 without one)."""
+    from kvwire.bench import runner
+    from kvwire.bench.netns import netns_available
+
+    if kernel and (reason := netns_available()) is not None and not IN_CI:
+        pytest.skip(reason)
+    monkeypatch.setattr(runner, "ABANDON_AFTER", 0.5)  # the hard stop 2 s after the start
+    out = tmp_path / "r.json"
+    # 8 MiB a transfer over 16 Mbit/s: about 4 s each, none completes in the run.
+    argv = ["bench", "--model", "tiny", "--tokens", "2048", "--duration", "1", "--link", "16mbps",
+            "--quiet", "--json", str(out), *(["--kernel"] if kernel else [])]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["transfers"] == 0 and doc["incomplete_transfers"] == 1
+    assert doc["seconds"] > 0 and doc["carried_bytes"] > 0
+    assert doc["wire_gbps"] > 0 and doc["utilization"] > 0
+    assert doc["cpu"]["sender"] is not None
+    assert "an abandoned transfer's included" in doc["trust"]
+    if doc["diagnosis"] is not None:
+        assert "abandoned" in doc["diagnosis"] and "estimator" not in doc["diagnosis"]
+
+
 class _SlowPeer:
     """A peer whose ``send`` ends after ``moves`` ticks, its counters moving (or not)."""
 

@@ -125,6 +125,25 @@ def test_diagnosis_too_little_in_flight_and_the_estimator() -> None:
     assert line is not None and "no single limit found" in line
 
 
+def test_diagnosis_of_a_run_with_an_abandoned_transfer_blames_no_estimator() -> None:
+    """A run that waited on an abandoned transfer ends with an estimate that says nothing
+    of the run: the diagnosis does not blame the estimator, and says a transfer was
+    abandoned."""
+    line = diagnose(_result(rtt_ms=None, estimated_gbps=8.0, wire_gbps=4.0, incomplete_transfers=1),
+                    window_bytes=32 * MiB)
+    assert line is not None and "estimator" not in line
+    assert "1 transfer abandoned at the run's hard stop" in line
+
+
+def test_trust_note_says_what_the_wire_rate_counts() -> None:
+    from kvwire.bench.report import trust_note
+
+    assert "bytes the link emulator forwarded, an abandoned transfer's included" in trust_note("emulated")
+    assert "bytes the shaped veth transmitted" in trust_note("kernel")
+    assert "chunk bytes the receiver acknowledged" in trust_note("loopback")
+    assert "chunk bytes the remote receiver acknowledged" in trust_note("peer")
+
+
 def test_start_block_has_version_time_host_and_configuration() -> None:
     cfg = BenchConfig(model="tiny", tokens=16, codec="auto", auto_codec="measured", streams="auto", seed=7,
                       chunk_bytes=256 * 1024, secret=b"do-not-print-this")
