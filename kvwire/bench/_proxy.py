@@ -72,6 +72,9 @@ class QueueGate(Protocol):
     """A queue shared by several pipes (a link's bottleneck): each pipe stops reading its
     source while the queue is full, and reads again once it has drained to its low mark."""
 
+    read_size: int
+    """Most bytes one connection reads at once (its turn)."""
+
     def room(self, now: float) -> int:
         """Bytes the queue may still take at ``now`` (0 or less: full)."""
         ...
@@ -138,9 +141,11 @@ class _Side(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         pipe = self.outgoing
         if pipe is not None and pipe.gate is not None:
-            # Read no more than a shared queue has room for (and not a tiny piece).
-            room = pipe.gate.room(pipe.loop.time())
-            return self._view[: max(_MIN_READ, min(room, _READ_SIZE))]
+            # Read a turn's worth, no more than a shared queue has room for (and not a
+            # tiny piece).
+            gate = pipe.gate
+            room = gate.room(pipe.loop.time())
+            return self._view[: max(_MIN_READ, min(room, gate.read_size, _READ_SIZE))]
         return self._view
 
     def buffer_updated(self, nbytes: int) -> None:

@@ -54,7 +54,9 @@ _FLAGS = getattr(os, "SPLICE_F_NONBLOCK", 2) | getattr(os, "SPLICE_F_MOVE", 1)
 class TimedPolicy(Protocol):
     """When bytes read now may be written on (the link emulator's per-direction policy)."""
 
-    def when(self, now: float, nbytes: int) -> float: ...
+    def pieces(self, now: float, nbytes: int) -> list[tuple[int, float]]:
+        """``nbytes`` read at ``now`` as pieces in order: (bytes, when they may leave)."""
+        ...
 
     def eof_at(self, now: float) -> float: ...
 
@@ -189,14 +191,16 @@ class SpliceDirection:
             gate = self._gate
             if gate is not None:
                 # A queue shared with other connections (the link's): no more than it
-                # has room for, and none while it is full.
+                # has room for, none while it is full, and one turn per readiness event
+                # (the connections whose sockets are ready read in turn).
                 now = self._loop.time()
                 room = gate.room(now)
                 if room <= 0:
                     self._pause_reading()
                     gate.wait(now, self._pump)
                     break
-                want = min(want, room)
+                want = min(want, room, gate.read_size)
+                budget = min(budget, want)
             try:
                 n = os.splice(self._src, tail.w, want, flags=_FLAGS)
             except BlockingIOError:
@@ -213,16 +217,17 @@ class SpliceDirection:
             if n == 0:
                 self._on_eof()
                 return
-            due = max(self._policy.when(self._loop.time(), n), self._last_due)
-            self._last_due = due
             tail.filled += n
             tail.unread += n
             segments = self._segments
-            last = segments[-1] if segments else None
-            if last is not None and last.pipe is tail and last.due == due:
-                last.nbytes += n
-            else:
-                segments.append(_Segment(tail, n, due))
+            for size, when in self._policy.pieces(self._loop.time(), n):
+                due = max(when, self._last_due)
+                self._last_due = due
+                last = segments[-1] if segments else None
+                if last is not None and last.pipe is tail and last.due == due:
+                    last.nbytes += size
+                else:
+                    segments.append(_Segment(tail, size, due))
             self._queued += n
             self.bytes_in += n
             budget -= n

@@ -37,6 +37,10 @@ _MIB = 1024 * 1024
 QUEUE_TIME = 0.05
 MIN_QUEUE = 64 * 1024
 MAX_QUEUE = 4 * _MIB
+#: Bytes read at once are scheduled in pieces of this long at the link's rate (at least
+#: :data:`MIN_PIECE`), each leaving when it is through.
+PIECE_TIME = 0.001
+MIN_PIECE = 4096
 
 
 def default_queue_bytes(peak_bps: float | None) -> int:
@@ -141,6 +145,9 @@ class _SharedQueue:
     def __init__(self, limit: int) -> None:
         self.limit = max(limit, 1)
         self._low = self.limit // 2
+        self.read_size = max(16 * 1024, self.limit // 8)
+        """Most a connection reads at once while the queue is shared: each reader takes its
+        turn, not all the room the queue has when they are woken."""
         self._through: deque[tuple[float, int]] = deque()  # (leaves the bottleneck, bytes)
         self._bytes = 0
         self._waiters: dict[Callable[[], None], None] = {}
@@ -227,8 +234,28 @@ class _LinkPolicy:
         self._last = through + extra
         return self._last
 
+    def pieces(self, now: float, nbytes: int) -> list[tuple[int, float]]:
+        """``nbytes`` read at ``now`` as pieces of about :data:`PIECE_TIME` of the link's
+        rate, each with the time it may be written on: a read's first bytes leave when
+        they are through, not when its last byte is (a 600 KB read at 100 Mbit/s would
+        hold its first byte 50 ms)."""
+        rate = self._emulator.schedule.rate_at(now - self._emulator.start_time)
+        size = nbytes if rate is None else max(MIN_PIECE, int(rate / 8.0 * PIECE_TIME))
+        out = []
+        while nbytes > 0:
+            n = nbytes if nbytes < 2 * size else size
+            out.append((n, self.when(now, n)))
+            nbytes -= n
+        return out
+
     def feed(self, data: bytes, now: float) -> Iterable[Action]:
-        return (Action(self.when(now, len(data)), ActionKind.DATA, data),)
+        if len(data) < 2 * MIN_PIECE:
+            return (Action(self.when(now, len(data)), ActionKind.DATA, data),)
+        actions, at = [], 0
+        for n, due in self.pieces(now, len(data)):
+            actions.append(Action(due, ActionKind.DATA, data[at : at + n]))
+            at += n
+        return actions
 
     def eof_at(self, now: float) -> float:
         """When an EOF read at ``now`` may be passed on."""
@@ -275,8 +302,9 @@ class LinkEmulator:
         port's), beyond the bytes in the delay line: while it is full the proxy reads
         from no connection, so senders ahead of the link by more are pushed back through
         TCP.  Default (None): :func:`default_queue_bytes` of the peak rate.  Below
-        :data:`MAX_QUEUE` the proxy's receive buffer is set to it too, so the kernel does
-        not queue megabytes more than it.
+        :data:`MAX_QUEUE` an eighth of it (at least 32 KiB) is each accepted socket's
+        receive buffer and the rest the proxy's shared queue, so the kernel does not
+        queue megabytes more than it.
     :param burst: seconds of unused capacity that may be caught up (a token bucket of
         ``rate x burst`` bytes); covers the proxy's own scheduling delays.
     :param seed: jitter's random seed, for repeatable runs.
@@ -319,8 +347,14 @@ class LinkEmulator:
         if queue_bytes is None:
             queue_bytes = default_queue_bytes(self.schedule.peak_bps)
         self.queue_bytes = queue_bytes
-        self._forward_queue = _SharedQueue(queue_bytes)
-        self._backward_queue = _SharedQueue(queue_bytes)
+        # Below MAX_QUEUE each accepted socket's receive buffer holds a small part of the
+        # queue (what arrives while the proxy is not reading) and the shared queue the
+        # rest, so a sender gets about ``queue_bytes`` ahead of the link, not the kernel's
+        # doubled buffer on top of it.
+        rcvbuf = max(MIN_QUEUE // 2, queue_bytes // 8) if queue_bytes < MAX_QUEUE else None
+        shared = queue_bytes if rcvbuf is None else max(queue_bytes - rcvbuf, rcvbuf)
+        self._forward_queue = _SharedQueue(shared)
+        self._backward_queue = _SharedQueue(shared)
         high = queue_bytes + self._in_delay_line(self.schedule.peak_bps)
         if splice is None:
             splice = SPLICE_AVAILABLE
@@ -335,7 +369,7 @@ class LinkEmulator:
             listen_host=listen_host,
             listen_port=listen_port,
             high_water=high,
-            client_rcvbuf=queue_bytes if queue_bytes < MAX_QUEUE else None,
+            client_rcvbuf=rcvbuf,
         )
 
     def _in_delay_line(self, peak_bps: float | None) -> int:
@@ -348,8 +382,11 @@ class LinkEmulator:
 
     def _policies(self, conn: ProxyConnection | SpliceConnection) -> tuple[_LinkPolicy, _LinkPolicy]:
         backward = self._backward if self.reverse_schedule.peak_bps is not None else None
+        limited = any(rate is not None for _, rate in self.schedule.steps)
         return (
-            _LinkPolicy(self, self._forward, self.delay, self.jitter, self._rng, self._forward_queue),
+            _LinkPolicy(
+                self, self._forward, self.delay, self.jitter, self._rng, self._forward_queue if limited else None
+            ),
             _LinkPolicy(
                 self, backward, self.delay, self.jitter, self._rng, self._backward_queue if backward else None
             ),

@@ -4,6 +4,7 @@ pump: splice(2) through kernel pipes, and reading into Python)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -216,7 +217,6 @@ async def test_connections_share_one_bottleneck_queue(counter: Counter, splice: 
     not one per connection (eight times as long a wait for every byte). A reader that
     finds the queue full reads no more; the copying pump may overshoot by one small read
     per connection."""
-    import contextlib
     import socket
 
     senders, queue = 8, 64 * 1024
@@ -275,3 +275,50 @@ async def test_the_shared_queue_wakes_its_readers_once_drained_to_half() -> None
     assert len(woken) == 2
     assert queue.backlog(loop.time() + 1) == 0
     queue.close()
+
+
+def test_a_read_leaves_the_link_in_pieces_each_when_it_is_through() -> None:
+    """600 KB read at once from a 100 Mbit/s link: its first bytes may leave after 1 ms
+    (as on a wire), not when the read's last byte is through 48 ms later."""
+    link = LinkEmulator("127.0.0.1", 9, rate_bps=100e6, burst=0.0)
+    forward, _ = link._policies(None)  # type: ignore[arg-type]
+    pieces = forward.pieces(0.0, 600_000)
+    assert sum(n for n, _ in pieces) == 600_000
+    assert {n for n, _ in pieces[:-1]} == {12_500}  # 1 ms of the rate each
+    assert pieces[0][1] == pytest.approx(0.001)
+    assert pieces[-1][1] == pytest.approx(0.048)
+    assert [due for _, due in pieces] == sorted(due for _, due in pieces)
+    unlimited, _ = LinkEmulator("127.0.0.1", 9)._policies(None)  # type: ignore[arg-type]
+    assert unlimited.pieces(0.0, 600_000) == [(600_000, 0.0)]
+
+
+async def test_connections_take_turns_at_a_full_queue(counter: Counter, splice: bool) -> None:
+    """Four senders always ahead of a 100 Mbit/s link: each gets a turn when the shared
+    queue has room (one read each per readiness), so none is starved by the one whose
+    socket the event loop happens to report first (it had taken all the room: 95 of 100
+    Mbit/s)."""
+    import socket
+    import threading
+
+    stop = threading.Event()
+
+    def blast(port: int) -> None:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.settimeout(5)
+            block = bytes(16 * 1024)
+            with contextlib.suppress(OSError):
+                while not stop.is_set():
+                    sock.sendall(block)
+
+    async with LinkEmulator("127.0.0.1", counter.port, rate_bps=100e6, splice=splice) as link:
+        threads = [threading.Thread(target=blast, args=(link.port,), daemon=True) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        try:
+            await asyncio.sleep(2.0)
+            carried = [c.forward.statistics().bytes_out for c in link._proxy.connections if c.forward]
+        finally:
+            stop.set()
+            await asyncio.gather(*(asyncio.to_thread(thread.join, 10) for thread in threads))
+    assert len(carried) == 4 and sum(carried) > 0
+    assert min(carried) >= sum(carried) / 10, carried
