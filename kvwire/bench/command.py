@@ -444,7 +444,9 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         ("RTT", _fmt(r["rtt_ms"], ".3g", " ms")),
         ("codec", codec),
         ("streams", streams),
-        ("chunk size", format_size(r["chunk_bytes"])),
+        ("chunk size", format_size(r["chunk_bytes"]) + (
+            f" (asked {format_size(r['chunk_bytes_requested'])}: the receiver's frame limit)"
+            if r["chunk_bytes"] != r["chunk_bytes_requested"] else "")),
         ("transfers", f"{r['transfers']} x {r['kv_bytes_per_transfer'] / 1e6:.1f} MB"
          + (f" ({r['incomplete_transfers']} abandoned)" if r["incomplete_transfers"] else "")),
         ("seconds", _fmt(r["seconds"], ".2f")),

@@ -48,9 +48,11 @@ from kvwire.bench.report import (
 )
 from kvwire.codec.base import available_codecs
 from kvwire.errors import KvwireError, UsageError
+from kvwire.options import ServeOptions
 from kvwire.session.options import AUTO_CODEC_MODES, ServerOptions
 from kvwire.spec import KVSpec
-from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
+from kvwire.units import format_size
+from kvwire.wire.frames import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW
 
 __all__ = [
     "DEV_SECRET",
@@ -224,6 +226,15 @@ class BenchConfig:
         return "loopback"
 
 
+def receiver_options(chunk_bytes: int) -> ServeOptions:
+    """``max_frame_size`` and ``window`` of the bench's own receiver: frames that hold a
+    chunk of ``chunk_bytes`` whole (the sender cuts chunks to fit the server's frame limit,
+    less its header room and 1/256 for an entropy stage that cannot shrink it), and credit
+    for at least two of them per stream."""
+    frame = max(DEFAULT_MAX_FRAME_SIZE, chunk_bytes + -(-chunk_bytes // 255) + 64 * 1024)
+    return ServeOptions(max_frame_size=frame, window=max(DEFAULT_WINDOW, 2 * frame))
+
+
 def rate_at(steps: Sequence[tuple[float, float]], t: float) -> float | None:
     """The rate of a step schedule at ``t`` (``None`` without a schedule)."""
     rate: float | None = None
@@ -380,11 +391,16 @@ def _transfer_line(entry: dict[str, Any]) -> str:
 async def serve_benches(
     host: str, port: int, *, secret: bytes, once: bool = False,
     log: Callable[[str], None] = print, ready: Callable[[int], None] | None = None,
+    chunk_bytes: int | None = None,
 ) -> list[dict[str, Any]]:
-    """``kvwire serve``: receive bench (and any other) transfers, logging each one."""
+    """``kvwire serve``: receive bench (and any other) transfers, logging each one.
+
+    ``chunk_bytes``: accept chunks that large (:func:`receiver_options`; default: the
+    server's default frame limit)."""
     from kvwire.aio import serve
 
-    async with serve(host, port, secret=secret) as server:
+    options = receiver_options(chunk_bytes) if chunk_bytes is not None else ServeOptions()
+    async with serve(host, port, secret=secret, **options) as server:
         if ready is not None:
             ready(server.port)
         reports = await BenchReceiver(server, log).run(once=once)
@@ -429,7 +445,7 @@ def _enter_netns(name: str) -> None:
         os.close(fd)
 
 
-def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None) -> None:
+def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None, chunk_bytes: int) -> None:
     """Child process: a server that receives one bench and reports it."""
     from kvwire.aio import run
 
@@ -440,7 +456,7 @@ def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None
         cpu0 = _cpu()
         reports = run(
             serve_benches(host, 0, secret=secret, once=True, log=lambda _l: None,
-                          ready=lambda port: conn.send(("ready", port)))
+                          ready=lambda port: conn.send(("ready", port)), chunk_bytes=chunk_bytes)
         )
         conn.send(("done", reports[0], _cpu() - cpu0))
     except BaseException as exc:  # reported to the parent, which raises it
@@ -554,6 +570,9 @@ class _SendResult:
     abandoned transfer included."""
     link_samples: list[tuple[float, int]] = field(default_factory=list)
     """``(time.monotonic(), bytes)`` the shaped link transmitted (kernel mode)."""
+    chunk_bytes: int = 0
+    """The chunk size the sender used: the one asked for, or less where the server's
+    frame limit holds no chunk that large."""
 
 
 def _tcp_count(stats: dict[str, Any], counter: str = "total_retrans") -> int | None:
@@ -600,6 +619,7 @@ async def _send_loop(
     cfg: BenchConfig, host: str, port: int, secret: bytes, bench_id: str, t0: float | None,
     on_progress: Progress | None, set_rate: Callable[[float], None] | None = None,
     on_interval: Progress | None = None, link_bytes: Callable[[], int] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> _SendResult:
     from kvwire.aio import connect
 
@@ -614,6 +634,10 @@ async def _send_loop(
     chunks_by_codec: dict[str, int] = {}
     async with connect(host, port, secret=secret, streams=streams, codec=cfg.codec,
                        auto_codec=cfg.auto_codec, chunk_bytes=cfg.chunk_bytes) as peer:
+        res.chunk_bytes = peer.core.chunk_target(cfg.chunk_bytes)
+        if res.chunk_bytes < cfg.chunk_bytes and log is not None:
+            log(f"warning: the receiver accepts frames of at most {format_size(peer.core.peer_max_frame_size)}: "
+                f"chunks of {format_size(res.chunk_bytes)}, not the {format_size(cfg.chunk_bytes)} asked for")
         start = time.monotonic()
         base = t0 if t0 is not None else start
         res.started = start
@@ -859,7 +883,7 @@ def run_bench(
     if cfg.mode == "peer":
         assert cfg.peer is not None
         send = run(_send_loop(cfg, cfg.peer[0], cfg.peer[1], cfg.secret, bench_id, None, on_progress,
-                              on_interval=on_interval))
+                              on_interval=on_interval, log=log))
     else:
         secret = secrets.token_bytes(32)
         with contextlib.ExitStack() as stack:
@@ -886,7 +910,7 @@ def run_bench(
                 host = link.receiver_addr
             rproc, rconn = stack.enter_context(
                 _child(_receiver_main, secret, host if link else "127.0.0.1",
-                       link.receiver_ns if link else None)
+                       link.receiver_ns if link else None, cfg.chunk_bytes)
             )
             eproc = econn = None
             if cfg.mode == "emulated":
@@ -905,10 +929,10 @@ def run_bench(
                 with _inside(link.sender_ns):
                     send = run(_send_loop(cfg, host, port, secret, bench_id, t0, on_progress,
                                           set_rate=link.set_rate, on_interval=on_interval,
-                                          link_bytes=link.tx_bytes))
+                                          link_bytes=link.tx_bytes, log=log))
             else:
                 send = run(_send_loop(cfg, "127.0.0.1", port, secret, bench_id, t0, on_progress,
-                                      on_interval=on_interval))
+                                      on_interval=on_interval, log=log))
             _, receiver, receiver_cpu = _expect(rconn, "receiver", rproc, 300.0)
             if eproc is not None and econn is not None:
                 econn.send(("stop",))
@@ -959,7 +983,8 @@ def run_bench(
         codecs_used=sorted(all_chunks),
         codec_shares=codec_shares(all_chunks),
         chunks_by_codec=all_chunks,
-        chunk_bytes=cfg.chunk_bytes,
+        chunk_bytes=send.chunk_bytes,
+        chunk_bytes_requested=cfg.chunk_bytes,
         seed=cfg.seed,
         streams=cfg.streams,
         streams_min=min(stream_counts) if stream_counts else None,
@@ -1004,7 +1029,8 @@ def run_bench(
     result["trust"] = trust_note(cfg.mode, measured_link=bool(link_samples))
     from kvwire.aio import ServerOptions
 
-    result["diagnosis"] = diagnose(result, window_bytes=ServerOptions().window)
+    window = ServerOptions().window if cfg.mode == "peer" else receiver_options(cfg.chunk_bytes)["window"]
+    result["diagnosis"] = diagnose(result, window_bytes=window)
     return result
 
 

@@ -114,6 +114,53 @@ def test_serve_and_peer(tmp_path: Path) -> None:
     assert f"{doc['transfers']} transfers" in out and "max_rel_error 0 " in out
 
 
+def test_chunk_size_above_the_default_frame_limit_is_used(tmp_path: Path) -> None:
+    """The bench's own receiver accepts frames that hold the --chunk-size asked for (it
+    kept the default 4 MiB limit, and the sender cut every chunk to fit it)."""
+    doc = _bench(tmp_path, "--tokens", "16384", "--chunk-size", "16MiB", "--no-baseline")
+    # 64 MiB a transfer: a 16 MiB chunk carries a layer's K and V together after the
+    # first layer; 4 MiB chunks took 16 and more.
+    assert sum(doc["chunks_by_codec"].values()) <= 8 * doc["transfers"]
+    assert doc["chunk_bytes"] == doc["chunk_bytes_requested"] == 16 << 20
+
+
+def test_peer_reports_the_chunk_size_its_frame_limit_allows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A `kvwire serve` with the default frame limit takes no 16 MiB chunk: the report
+    gives the chunk size used, and a warning says so."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("KVWIRE_SECRET", None)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "kvwire", "serve", "--port", "0", "--once"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )
+    try:
+        assert server.stderr is not None
+        port = None
+        while port is None:
+            line = server.stderr.readline()
+            assert line, "kvwire serve ended"
+            match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+            port = match[1] if match else None
+        reader = threading.Thread(target=server.stderr.read, daemon=True)  # never blocks it
+        reader.start()
+        out = tmp_path / "r.json"
+        assert main(["bench", "--model", "tiny", "--tokens", "64", "--duration", "0.5",
+                     "--chunk-size", "16MiB", "--peer", f"127.0.0.1:{port}", "--json", str(out)]) == 0
+        server.wait(timeout=20)
+        reader.join(timeout=5)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+        assert server.stderr is not None
+        server.stderr.close()
+    doc = json.loads(out.read_text())
+    assert doc["chunk_bytes_requested"] == 16 << 20 and doc["chunk_bytes"] < 4200 * 1024
+    assert "warning: the receiver accepts frames of at most" in capsys.readouterr().err
+
+
 def test_unreachable_peer_fails_cleanly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Nothing listens there: the run fails with a message and exit code 1, not a traceback.
     assert main(["bench", "--model", "tiny", "--tokens", "8", "--duration", "0.2", "--quiet",
