@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import threading
+from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,30 +23,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the program is, so that it cleans up as for Ctrl-C."""
+    """SIGTERM or SIGHUP, raised where the program is, so that it cleans up as for
+    Ctrl-C (the default action ends the process without running any cleanup)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
-def _on_sigterm(signum: int, frame: object) -> None:
-    raise _Terminated
+def _on_terminate(signum: int, frame: object) -> None:
+    raise _Terminated(signum)
+
+
+_TERMINATING: dict[int, str] = {signal.SIGTERM: "terminated", signal.SIGHUP: "hangup"}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    # For the run only: a caller that runs main() in its own process keeps its handler.
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if threading.current_thread() is threading.main_thread() else None
+    # For the run only: a caller that runs main() in its own process keeps its handlers.
+    # A signal the process ignores (nohup's SIGHUP) stays ignored.
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for signum in _TERMINATING:
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                previous[signum] = signal.signal(signum, _on_terminate)
     try:
         return int(args.func(args) or 0)
-    except _Terminated:
-        print("terminated", file=sys.stderr)
-        return 143
+    except _Terminated as exc:
+        print(_TERMINATING.get(exc.signum, "terminated"), file=sys.stderr)
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ of microseconds. For rate *and* delay, run the userspace
 the emulator alone.
 
 Everything created is removed on exit of the ``with`` block, on failure while creating,
-at interpreter exit, and on SIGINT/SIGTERM.
+at interpreter exit, and on SIGINT/SIGTERM/SIGHUP (those the process does not ignore).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import multiprocessing as mp
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -34,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
-__all__ = ["NetnsLink", "NetnsUnavailable", "netns_available"]
+__all__ = ["NetnsLink", "NetnsUnavailable", "netns_available", "sweep_stale"]
 
 _CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
@@ -99,6 +100,9 @@ def _child(ns: str, fn: Callable[..., Any], args: tuple[Any, ...], out: Any) -> 
 _live: set[NetnsLink] = set()
 _lock = threading.Lock()
 _previous_handlers: dict[int, Any] = {}
+#: Signals whose default action ends the process without running atexit hooks: the
+#: namespaces are removed first (a terminal that closes sends SIGHUP).
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _cleanup_all() -> None:
@@ -121,7 +125,7 @@ def _register(link: NetnsLink) -> None:
         first = not _live
         _live.add(link)
     if first and threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
+        for signum in _SIGNALS:
             _previous_handlers[signum] = signal.getsignal(signum)
             signal.signal(signum, _on_signal)
 
@@ -138,6 +142,43 @@ def _unregister(link: NetnsLink) -> None:
 
 
 atexit.register(_cleanup_all)
+
+#: The names :class:`NetnsLink` gives its namespaces: ``kvwire-<pid>-<tag>-<s|r>``.
+_NAME = re.compile(r"kvwire-(\d+)-[0-9a-f]{6}-[sr]")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Remove the namespaces that links of ended processes left behind (a process killed
+    with SIGKILL runs no cleanup): those named ``kvwire-<pid>-...`` whose process no longer
+    exists and in which no process runs. Returns the names removed."""
+    try:
+        names = sorted(os.listdir("/run/netns"))
+    except OSError:
+        return []
+    removed: list[str] = []
+    for name in names:
+        match = _NAME.fullmatch(name)
+        if match is None or int(match[1]) == os.getpid() or _pid_alive(int(match[1])):
+            continue
+        try:
+            users = subprocess.run(["ip", "netns", "pids", name], capture_output=True, timeout=10)
+            if users.returncode != 0 or users.stdout.strip():
+                continue
+            if subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10).returncode == 0:
+                removed.append(name)
+        except (OSError, subprocess.SubprocessError):
+            continue
+    return removed
 
 
 class NetnsLink:
@@ -182,6 +223,7 @@ class NetnsLink:
         self._latency = queue_latency
         self._created: list[str] = []
         self._owner = os.getpid()  # only this process removes what it made (see close)
+        self.swept: list[str] = []  # what open() removed of ended processes (sweep_stale)
 
     # -- setup and teardown ------------------------------------------------------------
 
@@ -219,6 +261,7 @@ class NetnsLink:
         reason = netns_available()
         if reason is not None:
             raise NetnsUnavailable(reason)
+        self.swept = sweep_stale()
         _register(self)
         try:
             for ns in (self.sender_ns, self.receiver_ns):

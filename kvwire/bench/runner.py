@@ -907,6 +907,8 @@ def run_bench(
                     )
                 except (NetnsUnavailable, OSError, subprocess.CalledProcessError) as exc:
                     raise KvwireError(f"--kernel: cannot set up the link: {_tc_error(exc)}") from exc
+                if link.swept:
+                    log(f"removed network namespaces that ended runs left: {', '.join(link.swept)}")
                 host = link.receiver_addr
             rproc, rconn = stack.enter_context(
                 _child(_receiver_main, secret, host if link else "127.0.0.1",

@@ -158,9 +158,11 @@ def test_json_into_a_pipe(tmp_path: Path) -> None:
     assert fifo.is_fifo() and json.loads(got[0])["transfers"] >= 1
 
 
-def test_sigterm_ends_the_run_and_its_processes() -> None:
-    """A run ended by SIGTERM (a supervisor stopping it) cleans up as for Ctrl-C: its
-    child processes end with it, and it exits 143."""
+@pytest.mark.parametrize(("signame", "code", "says"), [("SIGTERM", 143, "terminated"), ("SIGHUP", 129, "hangup")])
+def test_sigterm_ends_the_run_and_its_processes(signame: str, code: int, says: str) -> None:
+    """A run ended by SIGTERM (a supervisor stopping it) or SIGHUP (its terminal closed)
+    cleans up as for Ctrl-C: its child processes end with it, and it exits 128 + the
+    signal's number."""
     import signal
     import time
 
@@ -175,8 +177,9 @@ def test_sigterm_ends_the_run_and_its_processes() -> None:
                 time.sleep(0.2)
                 children = _children(proc.pid)
             assert len(children) >= 2
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(30) == 143
+            proc.send_signal(getattr(signal, signame))
+            assert proc.wait(30) == code
+            assert proc.stderr is not None and says in proc.stderr.read()
         finally:
             if proc.poll() is None:
                 proc.kill()

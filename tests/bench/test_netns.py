@@ -82,7 +82,7 @@ def test_cleans_up_when_the_body_fails() -> None:
         link.socket(link.sender_ns)
 
 
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_cleans_up_when_the_process_is_signalled(signame: str) -> None:
     import signal
     import sys
@@ -130,3 +130,29 @@ def test_a_forked_child_stopped_by_a_signal_leaves_the_parents_namespaces() -> N
         assert all(ns in _namespaces() for ns in link.namespaces)
         names = link.namespaces
     assert all(ns not in _namespaces() for ns in names)
+
+
+def test_opening_removes_the_namespaces_of_ended_processes_only() -> None:
+    """A run killed with SIGKILL (or from before SIGHUP was handled) leaves its
+    namespaces: the next link removes them, unless their process still runs."""
+    import os
+    import sys
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)
+    dead = f"kvwire-{int(ended.stdout)}-abcdef-s"
+    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) as running:
+        alive = f"kvwire-{running.pid}-abcdef-r"
+        other = f"other-{int(ended.stdout)}-abcdef-s"
+        try:
+            for name in (dead, alive, other):
+                subprocess.run(["ip", "netns", "add", name], check=True, capture_output=True)
+            with NetnsLink(rate_bps=1e9) as link:
+                assert link.swept == [dead]
+                listing = _namespaces().split()
+                assert dead not in listing and alive in listing and other in listing
+                assert f"kvwire-{os.getpid()}-" in _namespaces()  # its own
+        finally:
+            running.kill()
+            for name in (dead, alive, other):
+                subprocess.run(["ip", "netns", "del", name], capture_output=True)
