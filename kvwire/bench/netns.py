@@ -126,7 +126,10 @@ def _register(link: NetnsLink) -> None:
         _live.add(link)
     if first and threading.current_thread() is threading.main_thread():
         for signum in _SIGNALS:
-            _previous_handlers[signum] = signal.getsignal(signum)
+            current = signal.getsignal(signum)
+            if current == signal.SIG_IGN:  # a signal the process ignores does not end it
+                continue
+            _previous_handlers[signum] = current
             signal.signal(signum, _on_signal)
 
 

@@ -114,6 +114,40 @@ def test_cleans_up_when_the_process_is_signalled(signame: str) -> None:
     assert all(ns not in listing for ns in names)
 
 
+def test_an_ignored_signal_stays_ignored() -> None:
+    """A process that ignores SIGINT (a background job of a script, ``trap '' INT``) keeps
+    ignoring it: the link's handler took its place and removed the namespaces on SIGINT
+    while the process went on using them."""
+    import signal
+    import sys
+
+    script = (
+        "import signal, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "from kvwire.bench.netns import NetnsLink\n"
+        "link = NetnsLink(rate_bps=1e9).open()\n"
+        "print(link.sender_ns, link.receiver_ns, flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            names = proc.stdout.readline().split()
+            assert len(names) == 2
+            proc.send_signal(signal.SIGINT)
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(1)
+            assert all(ns in _namespaces() for ns in names)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert all(ns not in _namespaces() for ns in names)
+
+
 def test_a_forked_child_stopped_by_a_signal_leaves_the_parents_namespaces() -> None:
     """A child forked while a link is open inherits its signal handlers and atexit hook
     (a benchmark's load process, stopped with SIGTERM): the namespaces stay until the
