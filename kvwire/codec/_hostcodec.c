@@ -21,6 +21,19 @@
 
 #include "kernels/kvquant.cuh"
 
+/* The loops run with subnormals kept (MXCSR's FTZ and DAZ clear) whatever the calling thread
+ * had set: a library built with -ffast-math sets both when it is loaded, and with them the
+ * loops would flush subnormal inputs and results and give other codes than the GPU kernels
+ * (which never flush: no .ftz) for the same tensor. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define KV_FP_ENTER const unsigned int kv_saved_csr = _mm_getcsr(); _mm_setcsr(kv_saved_csr & ~0x8040u);
+#define KV_FP_LEAVE _mm_setcsr(kv_saved_csr);
+#else
+#define KV_FP_ENTER
+#define KV_FP_LEAVE
+#endif
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "the wire format is little-endian; big-endian hosts use the numpy codecs"
 #endif
@@ -1799,6 +1812,7 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
             st = KV_E_NOMEM;
         } else {
             Py_BEGIN_ALLOW_THREADS
+            KV_FP_ENTER
             idx done = 0;
             for (idx i = 0; i < rr.n && st == KV_OK; i++) {
                 idx offset, n;
@@ -1807,6 +1821,7 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
                         (kv_u8*)co.buf + done * dim, rowtmp);
                 done += n;
             }
+            KV_FP_LEAVE
             Py_END_ALLOW_THREADS
         }
         free(rowtmp);
@@ -1842,6 +1857,7 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
             st = KV_E_NOMEM;
         } else {
             Py_BEGIN_ALLOW_THREADS
+            KV_FP_ENTER
             st = check_scales((const kv_u8*)sc.buf, rows);
             idx done = 0;
             for (idx i = 0; i < rr.n && st == KV_OK; i++) {
@@ -1852,6 +1868,7 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
                             (char*)out.buf + offset, rowtmp);
                 done += n;
             }
+            KV_FP_LEAVE
             Py_END_ALLOW_THREADS
         }
         free(rowtmp);
@@ -1999,6 +2016,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
             if (kv_simd >= SIMD_AVX512) fn = I4_ENC_AVX512[dt];
 #endif
             Py_BEGIN_ALLOW_THREADS
+            KV_FP_ENTER
             token_cursor c;
             cursor_start(&c, &rr, tokens, tb);
             for (idx t = 0; t < tokens && st == KV_OK;) {
@@ -2012,6 +2030,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
                         (kv_u8*)pk.buf + t * hd / 2, lo, lo + hd + 1, keys, tmp, lo + 2 * hd + 2);
                 t += n;
             }
+            KV_FP_LEAVE
             Py_END_ALLOW_THREADS
         }
         free(lo);
@@ -2063,6 +2082,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
 #endif
             const kv_u8* p = (const kv_u8*)pk.buf;
             Py_BEGIN_ALLOW_THREADS
+            KV_FP_ENTER
             st = check_scales((const kv_u8*)sc.buf, g);
             if (st == KV_OK) st = check_mins((const kv_u8*)mn.buf, g);
             if (st == KV_OK && (n & 1) && (p[n >> 1] >> 4)) st = KV_E_PAD;
@@ -2083,6 +2103,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
                 if (st == KV_OK) cursor_move(&c, (char*)out.buf, in_place ? NULL : group_buf, m, 1);
                 t += m;
             }
+            KV_FP_LEAVE
             Py_END_ALLOW_THREADS
         }
         free(buf);

@@ -978,3 +978,48 @@ def test_concurrent_threads_give_the_same_bytes() -> None:
     for t in threads:
         t.join(timeout=60)
     assert got == want
+
+
+@needs_ext
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="FTZ/DAZ are bits of x86's MXCSR")
+def test_compiled_codes_ignore_a_flush_to_zero_mode_the_caller_set(tmp_path: Any) -> None:
+    """A library built with -ffast-math sets FTZ and DAZ when it is loaded: the compiled
+    loops then flushed subnormals and sent other codes than the GPU kernels (which never
+    flush) for the same tensor. They run with both clear, and leave the caller's mode as it
+    was."""
+    import ctypes
+
+    src = tmp_path / "csr.c"
+    src.write_text("#include <xmmintrin.h>\nunsigned get_csr(void) { return _mm_getcsr(); }\n"
+                   "void set_csr(unsigned v) { _mm_setcsr(v); }\n")
+    lib_path = tmp_path / "libcsr.so"
+    cc = str(sysconfig.get_config_var("CC") or "cc").split()
+    subprocess.run([*cc, "-shared", "-fPIC", "-O1", str(src), "-o", str(lib_path)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.get_csr.restype = ctypes.c_uint
+    lib.set_csr.argtypes = [ctypes.c_uint]
+    rng = np.random.default_rng(7)
+    tiny = (rng.standard_normal((8, 2, 64)) * 1e-6).astype(np.float16)  # subnormal float16s
+    tiny32 = (rng.standard_normal((8, 2, 64)) * 1e-39).astype(np.float32)  # subnormal float32s
+
+    def run() -> list[bytes]:
+        out = []
+        for codec in (Fp8Codec(), Int8Codec(), Int4Codec(32)):
+            for x in (tiny, tiny32):
+                for kind in KINDS:
+                    enc = codec.encode(x, kind)
+                    out.append(bytes(enc.params) + bytes(enc.payload))
+                    dtype = str(x.dtype)
+                    out.append(codec.decode(enc.params, enc.payload, shape=x.shape, dtype=dtype, kind=kind).tobytes())
+        return out
+
+    expected = run()
+    saved = lib.get_csr()
+    lib.set_csr(saved | 0x8040)
+    try:
+        got = run()
+        mode = lib.get_csr()
+    finally:
+        lib.set_csr(saved)
+    assert mode == saved | 0x8040  # the caller's mode, as it set it
+    assert got == expected
