@@ -228,6 +228,8 @@ def output_array(
     dt = numpy_dtype(dtype)
     if out is None:
         return np.empty(shape, dt)
+    if not isinstance(out, np.ndarray):
+        raise UsageError(f"out must be a numpy array, got {type(out).__name__}")
     if out.shape != shape or out.dtype != dt:
         raise UsageError(f"out must be {dtype} {shape}, got {out.dtype} {out.shape}")
     if not out.flags.writeable:

@@ -24,6 +24,10 @@ class TensorKind(IntEnum):
     K = 0
     V = 1
 
+    @classmethod
+    def _missing_(cls, value: object) -> TensorKind:
+        raise UsageError(f"kind must be TensorKind.K or TensorKind.V (0 or 1), got {value!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class EncodedChunk:

@@ -176,6 +176,23 @@ def test_property_read_only_out_is_a_usage_error(
     assert not out.any()
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_an_out_that_is_not_an_array_and_a_kind_that_is_not_one_are_usage_errors(name: str) -> None:
+    # They were an AttributeError ('list' object has no attribute 'shape') and, for int4,
+    # a ValueError from the enum.
+    x = np.random.default_rng(5).standard_normal((4, 2, 8)).astype(np.float16)
+    codec = get_codec(name)
+    chunk = codec.encode(x, TensorKind.K)
+    for out in ([0], bytearray(x.nbytes), memoryview(bytearray(x.nbytes))):
+        with pytest.raises(UsageError, match="out must be a numpy array"):
+            codec.decode(chunk.params, chunk.payload, shape=x.shape, dtype="float16", kind=TensorKind.K, out=out)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"kind must be TensorKind\.K or TensorKind\.V"):
+        TensorKind(2)
+    if name.startswith("int4"):
+        with pytest.raises(UsageError, match="kind must be"):
+            codec.encode(x, 2)  # type: ignore[arg-type]
+
+
 def test_fp8_codes_match_ml_dtypes_saturating_cast() -> None:
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((64, 4, 32)) * 50).astype(np.float32)
