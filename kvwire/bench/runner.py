@@ -47,7 +47,7 @@ from kvwire.bench.report import (
     trust_note,
 )
 from kvwire.codec.base import available_codecs
-from kvwire.errors import KvwireError, UsageError
+from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.options import ServeOptions
 from kvwire.session.options import AUTO_CODEC_MODES, ServerOptions
 from kvwire.spec import KVSpec
@@ -83,6 +83,15 @@ END_STALL = 30.0
 #: this past the end (or twice the duration, if that is longer) is abandoned (s).
 ABANDON_AFTER = 30.0
 _READY_TIMEOUT = 60.0  # spawning a child imports numpy and kvwire: seconds on a slow box
+
+#: A server drops the state of a bench (its reference cache: up to 512 MiB) that saw no
+#: transfer begin or layer arrive for this long (s): its sender ended without the run's
+#: end message. Generous: the end message may queue minutes behind an abandoned transfer.
+BENCH_IDLE = 900.0
+#: Benches a server keeps the state of at once; a new one drops the least recently active.
+MAX_BENCHES = 16
+#: Seconds between a server's checks for benches whose sender went away.
+PRUNE_INTERVAL = 5.0
 
 
 def load_secret(path: str | None) -> tuple[bytes, str | None]:
@@ -268,6 +277,10 @@ class _BenchState:
     max_rel_error: float | None = None
     checked_layers: int = 0
     reference: tuple[tuple[Any, ...], list[tuple[np.ndarray, np.ndarray]]] | None = None
+    active: float = field(default_factory=time.monotonic)
+    """When a transfer of the bench last began or brought a layer."""
+    busy: int = 0
+    """Transfers of the bench being received now."""
 
     def sent(self, spec: KVSpec, tokens: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """The cache the sender sent, regenerated from its seed (kept: it is small)."""
@@ -292,6 +305,11 @@ class BenchReceiver:
     Layers are dropped as they arrive:
     holding whole caches (a GiB each) would make the receiver, not the transport,
     what the bench measures.
+
+    A bench whose sender ended without the end message (interrupted, crashed, cut off)
+    has its state dropped, with a log line: when a transfer of it fails because its
+    session was lost, when no client session is left, after :data:`BENCH_IDLE` seconds
+    without activity, or to keep at most :data:`MAX_BENCHES`.
     """
 
     def __init__(self, server: Any, log: Callable[[str], None] | None = None) -> None:
@@ -302,31 +320,81 @@ class BenchReceiver:
     async def run(self, *, once: bool = False) -> list[dict[str, Any]]:
         """Receive until a bench ends (``once``) or forever; returns the bench reports."""
         reports: list[dict[str, Any]] = []
+        pruner = asyncio.create_task(self._prune_every(PRUNE_INTERVAL))
+        try:
+            while True:
+                transfer = await self.server.accept()
+                report = await self.handle(transfer)
+                if report is not None:
+                    reports.append(report)
+                    if once:
+                        return reports
+        finally:
+            pruner.cancel()
+            await asyncio.gather(pruner, return_exceptions=True)
+
+    async def _prune_every(self, interval: float) -> None:
         while True:
-            transfer = await self.server.accept()
-            report = await self.handle(transfer)
-            if report is not None:
-                reports.append(report)
-                if once:
-                    return reports
+            await asyncio.sleep(interval)
+            self.prune()
+
+    def prune(self, now: float | None = None) -> None:
+        """Drop the benches whose sender is gone: all of them when no client session is
+        left, else those idle for :data:`BENCH_IDLE` seconds (none being received)."""
+        now = time.monotonic() if now is None else now
+        no_sessions = not self.server.statistics().get("sessions", 0)
+        for state in list(self._benches.values()):
+            if state.busy:
+                continue
+            if no_sessions:
+                self._drop(state, "its client is gone")
+            elif now - state.active >= BENCH_IDLE:
+                self._drop(state, f"nothing of it arrived for {now - state.active:.0f} s")
+
+    def _drop(self, state: _BenchState, why: str) -> None:
+        if self._benches.get(state.bench_id) is state:
+            del self._benches[state.bench_id]
+            self.log(f"bench {state.bench_id}: dropped without its end ({why}): "
+                     f"{len(state.transfers)} transfers received, {state.failed} failed")
+
+    def _state(self, bench_id: str) -> _BenchState:
+        state = self._benches.get(bench_id)
+        if state is None:
+            idle = sorted((s for s in self._benches.values() if not s.busy), key=lambda s: s.active)
+            for old in idle[: max(0, len(self._benches) + 1 - MAX_BENCHES)]:
+                self._drop(old, f"{MAX_BENCHES} benches kept at most")
+            state = self._benches[bench_id] = _BenchState(bench_id)
+        state.active = time.monotonic()
+        return state
 
     async def handle(self, transfer: Any) -> dict[str, Any] | None:
         meta = transfer.meta.get(META_KEY) if isinstance(transfer.meta, dict) else None
         bench = meta if isinstance(meta, dict) and isinstance(meta.get("id"), str) else None
-        state = self._benches.setdefault(bench["id"], _BenchState(bench["id"])) if bench else None
+        state = self._state(bench["id"]) if bench else None
         check = len(state.transfers) % transfer.spec.num_layers if state is not None else -1
         kept: tuple[Any, Any] | None = None
         tokens = kv_bytes = 0
+        if state is not None:
+            state.busy += 1
         try:
-            async for layer in transfer:
-                tokens = int(layer.k.shape[0])
-                kv_bytes += int(layer.k.nbytes) + int(layer.v.nbytes)
-                if layer.index == check:
-                    kept = (layer.k, layer.v)
+            try:
+                async for layer in transfer:
+                    tokens = int(layer.k.shape[0])
+                    kv_bytes += int(layer.k.nbytes) + int(layer.v.nbytes)
+                    if layer.index == check:
+                        kept = (layer.k, layer.v)
+                    if state is not None:
+                        state.active = time.monotonic()
+            finally:
+                if state is not None:
+                    state.busy -= 1
+                    state.active = time.monotonic()
         except KvwireError as exc:
             self.log(f"{transfer.request_id}: failed: {exc}")
             if state is not None:
                 state.failed += 1
+                if isinstance(exc, ConnectionLostError):  # its session is gone: no end will come
+                    self._drop(state, "its session was lost")
             return None
         seconds = (transfer.finished or transfer.started) - transfer.started
         entry: dict[str, Any] = {
@@ -340,7 +408,7 @@ class BenchReceiver:
             self.log(_transfer_line(entry))
             return None
         if bench.get("end"):
-            del self._benches[state.bench_id]
+            self._benches.pop(state.bench_id, None)
             return self._finish(state)
         if kept is not None:
             sent = state.sent(transfer.spec, tokens, int(bench.get("seed", 0)))
