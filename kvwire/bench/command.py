@@ -310,8 +310,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
     text = json.dumps(result, indent=2) + "\n"
     code = 0
     if args.json == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _stdout_gone("the report (--json -)")
+            code = 1
     elif args.json is not None:
         try:
             _write_atomic(args.json, text)
@@ -329,8 +333,19 @@ def run_bench_command(args: argparse.Namespace) -> int:
             print(f"kvwire bench: error: cannot write {args.plot!r}: {exc}", file=sys.stderr)
             code = 1
     if not args.quiet:
-        _print_summary(result, stderr=args.json == "-")
+        _print_summary(result, stderr=args.json == "-")  # rich exits 1 on a closed stdout
     return code
+
+
+def _stdout_gone(what: str) -> None:
+    """Stdout's reader went away (``kvwire bench --json - | head``): say so in one line,
+    and point stdout at /dev/null so that the interpreter's last flush does not fail
+    again."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    print(f"kvwire bench: error: stdout was closed before {what} was written", file=sys.stderr)
 
 
 def _where(cfg: Any) -> str:

@@ -158,6 +158,21 @@ def test_json_into_a_pipe(tmp_path: Path) -> None:
     assert fifo.is_fifo() and json.loads(got[0])["transfers"] >= 1
 
 
+def test_json_to_a_closed_stdout_fails_in_one_line() -> None:
+    """``kvwire bench --json - | true``: the reader is gone when the report comes; one
+    line and exit code 1, not a BrokenPipeError traceback."""
+    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
+    with subprocess.Popen([sys.executable, "-m", "kvwire", "bench", "--model", "tiny", "--tokens", "64",
+                           "--duration", "1s", "--no-baseline", "--json", "-"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # before the report: the run takes a second and more
+        err = proc.stderr.read()
+        assert proc.wait(60) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert "kvwire bench: error: stdout was closed before the report (--json -) was written" in err
+
+
 @pytest.mark.parametrize(("signame", "code", "says"), [("SIGTERM", 143, "terminated"), ("SIGHUP", 129, "hangup")])
 def test_sigterm_ends_the_run_and_its_processes(signame: str, code: int, says: str) -> None:
     """A run ended by SIGTERM (a supervisor stopping it) or SIGHUP (its terminal closed)
