@@ -779,12 +779,14 @@ class SenderCore:
 
 def begin_fields(meta: object, blocks: Iterable[tuple[Any, int]] | None) -> tuple[bytes, tuple[BlockVersion, ...]]:
     """What ``send(meta=, blocks=)`` puts in BEGIN: ``meta`` (a dict, None for ``{}``) as
-    compact JSON, each block id as its canonical type-tagged key (i:12, b:<hex>, s:<text>)."""
+    compact JSON in UTF-8, each block id as its canonical type-tagged key (i:12, b:<hex>,
+    s:<text>).  What a receiver refuses is a UsageError here: NaN and infinities (not
+    JSON) and strings that are not Unicode (a lone surrogate)."""
     if meta is not None and not isinstance(meta, dict):
         raise UsageError("meta must be a dict (it travels as a JSON object)")
     try:
-        meta_bytes = json.dumps(meta or {}, separators=(",", ":")).encode()
-    except (TypeError, ValueError, RecursionError) as exc:
+        meta_bytes = json.dumps(meta or {}, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    except (TypeError, ValueError, RecursionError) as exc:  # (UnicodeEncodeError is a ValueError)
         raise UsageError(f"meta must be JSON-serialisable: {exc}") from None
     return meta_bytes, tuple(BlockVersion(block=block_key(b).encode(), version=v) for b, v in blocks or ())
 

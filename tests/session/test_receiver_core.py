@@ -161,6 +161,36 @@ def test_a_begin_of_another_layout_is_refused_with_incompatible_spec() -> None:
     assert len(h.of(TransferArrived)) == 1
 
 
+# -- meta ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("meta", [
+    '{"a":1}'.encode("utf-16"),  # JSON, but not in UTF-8 (json.loads of bytes guesses UTF-16)
+    '{"a":1}'.encode("utf-32"),
+    b'{"a":"\xed\xa0\x80"}',  # a surrogate encoded as if UTF-8: invalid UTF-8
+    b"\xef\xbb\xbf{}",  # a byte order mark
+    b'{"a":NaN}', b'{"a":Infinity}', b'{"a":-Infinity}',  # Python's constants, not JSON
+    b'{"a":1e999}',  # beyond a double: it would read as infinity
+    b'{"a":"\\ud800"}', b'{"\\udc00":1}', b'{"a":[{"b":"x\\udbff"}]}',  # lone surrogates
+], ids=["utf16", "utf32", "encoded-surrogate", "bom", "nan", "infinity", "-infinity", "overflow",
+        "lone-surrogate", "lone-surrogate-key", "nested-lone-surrogate"])
+def test_meta_that_is_not_a_json_object_in_utf8_is_refused_with_protocol_error(meta: bytes) -> None:
+    h = Harness()
+    h.client.send_begin(begin(meta=meta))
+    h.pump()
+    [reset] = h.client_of(TransferReset)
+    assert reset.code == ErrorCode.PROTOCOL_ERROR and "meta" in reset.message
+    assert not h.of(TransferArrived) and h.core.counters["transfers_refused"] == 1
+
+
+def test_meta_in_utf8_with_paired_surrogate_escapes_arrives_as_sent() -> None:
+    h = Harness()
+    h.client.send_begin(begin(meta='{"é":"ü","s":"\\ud83d\\ude00","x":1.5}'.encode()))
+    h.pump()
+    [arrived] = h.of(TransferArrived)
+    assert arrived.meta == {"é": "ü", "s": "\U0001f600", "x": 1.5}
+
+
 # -- codecs --------------------------------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ from kvwire.errors import (
     TransferTimeoutError,
     UsageError,
 )
+from kvwire.session.receiver import parse_meta
 from kvwire.session.sender import (
     ChunkDelivered,
     ChunkLost,
@@ -35,6 +36,7 @@ from kvwire.session.sender import (
     TransferCredit,
     TransferDone,
     TransferFailed,
+    begin_fields,
 )
 from kvwire.wire import (
     BlockVersion,
@@ -541,6 +543,19 @@ def test_begin_refuses_what_the_wire_cannot_carry(request_id: str, blocks: tuple
     with pytest.raises(UsageError):
         h.core.begin(request_id, num_layers=1, num_kv_heads=1, head_dim=8, blocks=blocks, now=0.0)
     assert h.core.transfers == 0 and not h.core.data_to_send(0)
+
+
+@pytest.mark.parametrize("meta", [{"x": float("nan")}, {"x": float("inf")}, {"x": "\ud800"}, {"\udc00": 1}],
+                         ids=["nan", "inf", "lone-surrogate", "lone-surrogate-key"])
+def test_meta_a_receiver_would_refuse_is_a_usage_error_before_anything_is_sent(meta: dict[str, object]) -> None:
+    with pytest.raises(UsageError, match="JSON"):
+        begin_fields(meta, None)
+
+
+def test_meta_goes_as_json_in_utf8() -> None:
+    meta, _ = begin_fields({"é": "\U0001f600", "n": 1.5}, None)
+    assert meta.decode("utf-8") == '{"é":"\U0001f600","n":1.5}'
+    assert parse_meta(meta) == {"é": "\U0001f600", "n": 1.5}
 
 
 def test_a_connection_made_after_the_session_broke_is_closed_at_once() -> None:
