@@ -233,7 +233,8 @@ def add_parsers(subparsers: Any) -> None:
     out.add_argument("--plot", metavar="FILE.png",
                      help="plot wire rate, estimate and link rate over time (needs kvwire[plot])")
     out.add_argument("--interval", type=_POSITIVE_DURATION, default=1.0, metavar="TIME",
-                     help="seconds between report lines and JSON intervals (default 1s)")
+                     help="seconds between report lines and JSON intervals (default 1s; at least 100ms, "
+                          "the sample period)")
     out.add_argument("--quiet", action="store_true",
                      help="no progress, no report lines and no table (errors still go to stderr)")
 

@@ -131,9 +131,9 @@ def check_codec(name: str) -> str:
     return name
 
 
-#: Shortest --interval (the runner samples ten times a second: a report per interval much
-#: shorter than that would only repeat samples).
-MIN_INTERVAL = 0.01
+#: The runner's sample period (s), and so the shortest --interval: an interval groups
+#: samples, and one shorter than a sample period was reported as a sample period anyway.
+MIN_INTERVAL = 0.1
 #: Largest --tokens: a kvwire server's default ``max_tokens`` per layer.
 MAX_TOKENS = ServerOptions().max_tokens
 #: Longest --rtt and --jitter (seconds): no link delays a byte longer.
@@ -167,7 +167,7 @@ class BenchConfig:
     baseline: bool = True
     """Measure a raw-socket baseline first (plain loopback only)."""
     seed: int = 0
-    sample_interval: float = 0.1
+    sample_interval: float = MIN_INTERVAL
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     """Target size of one chunk of K or V before encoding (``ClientOptions.chunk_bytes``)."""
     interval: float = 1.0
@@ -185,8 +185,13 @@ class BenchConfig:
             raise UsageError(f"--rtt and --jitter must be between 0 and {MAX_RTT:.0f} s")
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise UsageError("--chunk-size must be between 4 KiB and 64 MiB")
-        if not self.interval >= MIN_INTERVAL:
-            raise UsageError(f"--interval must be at least {MIN_INTERVAL * 1e3:.0f} ms")
+        if not self.sample_interval > 0:
+            raise UsageError("sample_interval must be > 0")
+        if not self.interval >= self.sample_interval - 1e-9:
+            raise UsageError(
+                f"--interval must be at least {self.sample_interval * 1e3:.0f} ms "
+                "(the bench samples its counters that often)"
+            )
         check_codec(self.codec)
         if self.link_bps is not None and not self.link_bps > 0:
             raise UsageError(f"link rate {self.link_bps!r} must be > 0 bit/s")

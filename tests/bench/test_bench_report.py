@@ -144,6 +144,16 @@ def test_trust_note_says_what_the_wire_rate_counts() -> None:
     assert "chunk bytes the remote receiver acknowledged" in trust_note("peer")
 
 
+def test_an_interval_shorter_than_the_sample_period_is_refused() -> None:
+    """Intervals group the samples taken every 100 ms: a 10 ms --interval was accepted and
+    reported 100 ms intervals."""
+    with pytest.raises(UsageError, match="--interval must be at least 100 ms"):
+        BenchConfig(model="tiny", interval=0.05)
+    assert BenchConfig(model="tiny", interval=0.1).interval == 0.1
+    with pytest.raises(UsageError, match="--interval must be at least 50 ms"):
+        BenchConfig(model="tiny", interval=0.02, sample_interval=0.05)
+
+
 def test_start_block_has_version_time_host_and_configuration() -> None:
     cfg = BenchConfig(model="tiny", tokens=16, codec="auto", auto_codec="measured", streams="auto", seed=7,
                       chunk_bytes=256 * 1024, secret=b"do-not-print-this")
