@@ -581,8 +581,10 @@ class SenderCore:
         elif ev.session_id != self.session_id:
             slot.conn.close(ErrorCode.PROTOCOL_ERROR, "joined the wrong session")
             return
-        elif ev.version != self.version:  # its chunks may be on any stream: one version for all
-            slot.conn.close(ErrorCode.PROTOCOL_ERROR, f"stream speaks version {ev.version}, its session {self.version}")
+        elif (why := self._differs(ev)) is not None:
+            # A transfer's chunks go on any stream, sized and coded by the session's values:
+            # a stream that announces other ones could refuse them (docs/protocol.md 6.1).
+            slot.conn.close(ErrorCode.PROTOCOL_ERROR, f"stream {index} {why}")
             return
         reconnect = slot.was_open
         slot.open = slot.was_open = True
@@ -597,6 +599,21 @@ class SenderCore:
         for transfer_id, code, message in self._unsent_resets:  # so the receiver lets go of them now
             slot.conn.send_reset(transfer_id, code, message)
         self._unsent_resets.clear()
+
+    def _differs(self, ev: HandshakeComplete) -> str | None:
+        """How a joining stream's handshake differs from the session's (None: it does not):
+        the version agreed, and WELCOME's max_frame_size, max_transfers and codecs."""
+        if ev.version != self.version:
+            return f"speaks version {ev.version}, its session {self.version}"
+        if ev.peer_max_frame_size != self.peer_max_frame_size:
+            return (f"was welcomed with max_frame_size {ev.peer_max_frame_size}, "
+                    f"its session with {self.peer_max_frame_size}")
+        if ev.max_transfers != self.max_transfers:
+            return f"was welcomed with max_transfers {ev.max_transfers}, its session with {self.max_transfers}"
+        if set(ev.peer_codecs) != set(self.peer_codecs):
+            return (f"was welcomed with codecs {', '.join(ev.peer_codecs) or 'none'}, "
+                    f"its session with {', '.join(self.peer_codecs)}")
+        return None
 
     def _on_closed(self, index: int, ev: ConnectionClosed, now: float) -> None:
         slot = self._slots[index]

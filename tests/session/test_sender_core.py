@@ -74,11 +74,15 @@ class Harness:
     hellos: list[ClientAuthenticated] = field(default_factory=list)
     layer_limit: int = 1 << 30
     session_id: bytes = SESSION
+    welcomes: dict[int, dict[str, object]] = field(default_factory=dict)
+    """Per slot: what its server's WELCOME says otherwise (max_frame_size, window,
+    max_transfers, codecs)."""
 
     def open(self, index: int) -> None:
-        self.servers[index] = Connection(Role.SERVER, ConnectionConfig(
-            secret=SECRET, codecs=("raw", "fp8"), window=WINDOW, max_transfers=7,
-            max_frame_size=128 * 1024), now=self.now)
+        cfg: dict[str, object] = dict(secret=SECRET, codecs=("raw", "fp8"), window=WINDOW, max_transfers=7,
+                                      max_frame_size=128 * 1024)
+        cfg.update(self.welcomes.get(index, {}))
+        self.servers[index] = Connection(Role.SERVER, ConnectionConfig(**cfg), now=self.now)  # type: ignore[arg-type]
         self.core.stream_opened(index, self.now)
 
     def step(self) -> None:
@@ -106,7 +110,7 @@ class Harness:
         while (ev := srv.next_event()) is not None:
             if isinstance(ev, ClientAuthenticated):
                 self.hellos.append(ev)
-                srv.welcome(self.session_id, ("raw", "fp8"))
+                srv.welcome(self.session_id, srv.config.codecs)
             elif isinstance(ev, TransferBegun):
                 srv.send_accept(ev.frame.transfer_id, min(self.layer_limit, ev.frame.num_layers))
             elif isinstance(ev, ChunkReceived):
@@ -485,6 +489,34 @@ def test_a_stream_that_joins_another_session_is_closed() -> None:
     h.step()
     assert h.core.open_streams == []
     assert any(isinstance(e, StreamClosed) and e.closed.code == ErrorCode.PROTOCOL_ERROR for e in h.events)
+
+
+@pytest.mark.parametrize("welcome, what", [
+    (dict(max_frame_size=64 * 1024), "max_frame_size 65536"),
+    (dict(max_transfers=3), "max_transfers 3"),
+    (dict(codecs=("raw",)), "codecs raw"),
+    (dict(codecs=("fp8", "raw")), None),  # the same codecs in another order
+    (dict(window=2 * WINDOW), None),  # connection credit is the stream's own
+])
+def test_a_stream_welcomed_with_other_session_wide_values_loses_the_session(
+    welcome: dict[str, object], what: str | None,
+) -> None:
+    """Chunks are sized and coded by the session's WELCOME values and may go on any
+    stream: a join announcing others (here a smaller frame limit, which made send_chunk()
+    raise UsageError) is a protocol error, as a version mismatch is."""
+    h = Harness(SenderCore(SenderConfig(secret=SECRET, streams=2, codecs=("raw",))))
+    h.welcomes[1] = welcome
+    h.step()
+    if what is None:
+        assert h.core.open_streams == [0, 1] and h.core.broken is None
+        return
+    assert h.core.open_streams == []
+    err = h.core.broken
+    assert err is not None and err.code == ErrorCode.PROTOCOL_ERROR and what in str(err), err
+    [failed] = h.of(SessionFailed)
+    assert failed.error is err
+    with pytest.raises(type(err)):
+        h.core.begin("r", num_layers=1, num_kv_heads=1, head_dim=8, now=h.now)
 
 
 def test_a_clean_goaway_requeues_on_the_other_streams_without_reconnecting() -> None:
