@@ -172,7 +172,7 @@ class SpliceDirection:
             self._reading = False
 
     def _on_readable(self) -> None:
-        budget = READ_BUDGET
+        budget = READ_BUDGET if self._gate is None else self._gate.read_size
         rotated = False
         while budget > 0 and not self._closed:
             tail = self._tail
@@ -191,16 +191,16 @@ class SpliceDirection:
             gate = self._gate
             if gate is not None:
                 # A queue shared with other connections (the link's): no more than it
-                # has room for, none while it is full, and one turn per readiness event
-                # (the connections whose sockets are ready read in turn).
+                # has room for, none while it is full, and one turn (the queue's
+                # read_size, the budget) per readiness event: the connections whose
+                # sockets are ready read in turn.
                 now = self._loop.time()
                 room = gate.room(now)
                 if room <= 0:
                     self._pause_reading()
                     gate.wait(now, self._pump)
                     break
-                want = min(want, room, gate.read_size)
-                budget = min(budget, want)
+                want = min(want, room)
             try:
                 n = os.splice(self._src, tail.w, want, flags=_FLAGS)
             except BlockingIOError:
