@@ -356,8 +356,9 @@ def _where(cfg: Any) -> str:
         return "loopback"
     link = format_schedule(cfg.steps) if len(cfg.steps) > 1 else (
         format_rate(cfg.steps[0][1]) if cfg.steps else "unshaped")
-    kind = "kernel-shaped link (tbf)" if cfg.mode == "kernel" else "emulated link"
-    return f"{kind} {link}, RTT {format_duration(cfg.rtt)}"
+    if cfg.mode == "kernel":  # tbf adds no delay: the table gives the RTT measured
+        return f"kernel-shaped link (tbf) {link}, no added delay"
+    return f"emulated link {link}, RTT {format_duration(cfg.rtt)}"
 
 
 def _run_with_reports(cfg: Any, *, quiet: bool, argv: list[str]) -> dict[str, Any]:

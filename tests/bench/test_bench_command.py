@@ -217,6 +217,17 @@ def test_kernel_without_root_is_a_clear_error(
     assert "root" in capsys.readouterr().err
 
 
+def test_header_line_names_the_delay_the_link_adds() -> None:
+    """--kernel adds no delay (tbf shapes the rate only): its header said "RTT 0 s" while
+    the table gave the RTT measured."""
+    from kvwire.bench.command import _where
+    from kvwire.bench.runner import BenchConfig
+
+    kernel = _where(BenchConfig(model="tiny", kernel=True, link_bps=100e6))
+    assert kernel == "kernel-shaped link (tbf) 100 Mbit/s, no added delay"
+    assert _where(BenchConfig(model="tiny", link_bps=100e6, rtt=0.02)) == "emulated link 100 Mbit/s, RTT 20 ms"
+
+
 def test_units_and_schedule_syntax() -> None:
     # One syntax for every command (kvwire.units): rates, durations (bare = seconds), sizes,
     # and TIME:RATE schedules.
