@@ -190,7 +190,7 @@ def add_parsers(subparsers: Any) -> None:
     )
     b.set_defaults(func=run_bench_command)
     link = b.add_argument_group("link")
-    link.add_argument("--link", type=_LINK_RATE, metavar="RATE", help="link rate, e.g. 10gbps, 800mbps")
+    link.add_argument("--link", type=_LINK_RATE, metavar="RATE", help="link rate, e.g. 10gbps, 800mbps (at least 10kbps)")
     link.add_argument("--rtt", type=argument_type(parse_duration), default=0.0, metavar="TIME",
                       help="round-trip time added by the emulator, e.g. 20ms (default 0)")
     link.add_argument("--jitter", type=argument_type(parse_duration), default=0.0, metavar="TIME",

@@ -51,7 +51,7 @@ from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.options import ServeOptions
 from kvwire.session.options import AUTO_CODEC_MODES, ServerOptions
 from kvwire.spec import KVSpec
-from kvwire.units import format_size
+from kvwire.units import format_rate, format_size
 from kvwire.wire.frames import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW
 
 __all__ = [
@@ -138,6 +138,9 @@ MIN_INTERVAL = 0.1
 MAX_TOKENS = ServerOptions().max_tokens
 #: Longest --rtt and --jitter (seconds): no link delays a byte longer.
 MAX_RTT = 60.0
+#: Slowest link rate (bit/s): slower, the handshakes of a session's streams (hundreds of
+#: bytes each, up to 64 streams) do not cross the link within the server's 10 s.
+MIN_LINK_BPS = 10e3
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -193,10 +196,12 @@ class BenchConfig:
                 "(the bench samples its counters that often)"
             )
         check_codec(self.codec)
-        if self.link_bps is not None and not self.link_bps > 0:
-            raise UsageError(f"link rate {self.link_bps!r} must be > 0 bit/s")
-        if any(not rate > 0 for _, rate in self.schedule):
-            raise UsageError("every rate of --link-schedule must be > 0 bit/s")
+        slowest = format_rate(MIN_LINK_BPS)
+        why = "(slower, the connections' handshakes do not cross the link in time)"
+        if self.link_bps is not None and not self.link_bps >= MIN_LINK_BPS:
+            raise UsageError(f"--link must be at least {slowest}, not {format_rate(self.link_bps)} {why}")
+        if any(not rate >= MIN_LINK_BPS for _, rate in self.schedule):
+            raise UsageError(f"every rate of --link-schedule must be at least {slowest} {why}")
         if self.auto_codec not in AUTO_CODEC_MODES:
             raise UsageError(f"--auto-codec must be one of {', '.join(AUTO_CODEC_MODES)}")
         if self.emulator not in EMULATOR_PUMPS:

@@ -194,11 +194,15 @@ def test_emulator_pump_is_checked_and_resolved(monkeypatch: pytest.MonkeyPatch) 
 def test_codec_and_rates_are_checked() -> None:
     with pytest.raises(UsageError, match=r"unknown codec 'fp9'.*int8\+zstd"):
         BenchConfig(model="tiny", codec="fp9")
-    for bad in (0.0, -1e9, float("nan")):
-        with pytest.raises(UsageError, match="must be > 0"):
+    # Slower than 10 kbit/s, the handshakes did not cross the link in time: a rate of
+    # 1 bit/s was accepted and failed with "handshake did not complete in time".
+    for bad in (0.0, -1e9, float("nan"), 1.0, 9_999.0):
+        with pytest.raises(UsageError, match="--link must be at least 10 kbit/s"):
             BenchConfig(model="tiny", link_bps=bad)
-    with pytest.raises(UsageError, match="--link-schedule"):
-        BenchConfig(model="tiny", schedule=((0.0, 1e9), (1.0, 0.0)))
+    for slow in (0.0, 1.0):
+        with pytest.raises(UsageError, match="every rate of --link-schedule must be at least 10 kbit/s"):
+            BenchConfig(model="tiny", schedule=((0.0, 1e9), (1.0, slow)))
+    assert BenchConfig(model="tiny", link_bps=10e3).link_bps == 10e3
     for codec in ("auto", "raw", "int4+lz4"):
         assert BenchConfig(model="tiny", codec=codec, link_bps=1e9).codec == codec
 
