@@ -374,8 +374,14 @@ class SenderCore:
         return slot.closed if conn is None else conn.closed_event is not None
 
     def set_writable(self, index: int, writable: bool) -> None:
-        """The transport of slot ``index`` paused (False) or resumed (True) writing."""
-        self._slots[index].writable = writable
+        """The transport of slot ``index`` paused (False) or resumed (True) writing: no
+        chunk goes on it meanwhile, and its PINGs are answered once it resumes (the last
+        one only, :meth:`Connection.set_output_blocked`), so a server that floods PINGs and
+        reads nothing does not grow what this side queues."""
+        slot = self._slots[index]
+        slot.writable = writable
+        if slot.conn is not None:
+            slot.conn.set_output_blocked(not writable)
         if writable:
             self.pump()
 

@@ -312,6 +312,8 @@ class Connection:
         self.hello_rtt: float | None = None
         self._ping_due: float | None = None
         self._ping_seq = 0
+        self._output_blocked = False
+        self._pong_owed: int | None = None  # the latest PING's opaque, answered once unblocked
         self._hello_body = b""
         self._challenge_body = b""
         self._client_proof = b""
@@ -551,6 +553,20 @@ class Connection:
     def in_flight_chunks(self) -> list[ChunkAddress]:
         """Client: chunks sent on this connection and not yet acknowledged."""
         return list(self._in_flight)
+
+    def set_output_blocked(self, blocked: bool) -> None:
+        """The I/O layer's writes of this connection backed up (True: the peer does not
+        read what it is sent, or not as fast) or drained again (False).
+
+        While they are backed up a PING is not answered at once: the PONG of the latest
+        one goes out when they drain (docs/protocol.md 4.11), so a peer that sends PINGs
+        and reads nothing costs this side no memory per PING, while this side goes on
+        reading (acknowledgements and RESETs arrive as they come)."""
+        self._output_blocked = blocked
+        if not blocked and self._pong_owed is not None:
+            opaque, self._pong_owed = self._pong_owed, None
+            if self.state is State.OPEN:
+                self._queue(Pong(opaque=opaque))
 
     def send_reset(self, transfer_id: int, code: ErrorCode, message: str) -> None:
         if self.state is State.OPEN:
@@ -808,7 +824,10 @@ class Connection:
 
     def _on_ping(self, frame: Frame, size: int) -> State:
         assert isinstance(frame, Ping)
-        self._queue(Pong(opaque=frame.opaque))
+        if self._output_blocked:
+            self._pong_owed = frame.opaque  # (see set_output_blocked)
+        else:
+            self._queue(Pong(opaque=frame.opaque))
         self._events.append(PingReceived(opaque=frame.opaque))
         return State.OPEN
 

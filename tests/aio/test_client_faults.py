@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -13,7 +14,18 @@ import pytest
 
 import kvwire
 from kvwire.aio._send import SendState, next_or_fail, until
+from kvwire.aio._stream import QUEUE_HIGH
 from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
+from kvwire.wire import (
+    ClientAuthenticated,
+    Connection,
+    ConnectionConfig,
+    Ping,
+    Report,
+    Role,
+    State,
+    frame_bytes,
+)
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(60)
@@ -330,3 +342,67 @@ async def test_a_later_stream_breaking_in_its_handshake_is_reconnected_not_fatal
                 got = await (await receiving).collect(timeout=30)
                 assert all(np.array_equal(a, b) for (k, v), (gk, gv) in zip(layers, got.layers, strict=True)
                            for a, b in ((k, gk), (v, gv)))
+
+
+# -- a server that floods PINGs and reads nothing ------------------------------------------
+
+
+async def _fake_server_handshake(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                                 session_id: bytes = b"F" * 16) -> Connection:
+    """A server side written with the sans-IO connection: the handshake only."""
+    conn = Connection(Role.SERVER, ConnectionConfig(secret=SECRET))
+    while conn.state is not State.OPEN:
+        data = await reader.read(65536)
+        assert data, "the client went away during the handshake"
+        conn.receive_data(data)
+        while (ev := conn.next_event()) is not None:
+            if isinstance(ev, ClientAuthenticated):
+                conn.welcome(ev.session_id if any(ev.session_id) else session_id, ("raw",))
+        writer.write(b"".join(bytes(p) for p in conn.data_to_send()))
+    return conn
+
+
+async def test_a_server_flooding_pings_while_it_reads_nothing_does_not_grow_the_clients_queue() -> None:
+    """Each PING answered at once with a PONG the server never reads: the client's send
+    queue grew by a PONG per PING without bound (the server pauses reading in this case;
+    the client goes on reading, for its acks, and owes one PONG instead)."""
+    flood = frame_bytes(Ping(opaque=7)) * 50_000  # 1 MB of PINGs per write
+    megabytes = 8
+    held: list[Any] = []  # a transport that is not read holds nothing else alive
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(asyncio.current_task())
+        try:
+            await _fake_server_handshake(reader, writer)
+            writer.transport.pause_reading()  # reads nothing from here on
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            for _ in range(megabytes):
+                writer.write(flood)
+                await writer.drain()
+            writer.write(frame_bytes(Report(transport_ns_per_mib=1000)))  # marks the end
+            await writer.drain()
+            await asyncio.Event().wait()
+        finally:
+            writer.transport.abort()
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        port = srv.sockets[0].getsockname()[1]
+        async with kvwire.connect("127.0.0.1", port, secret=SECRET, idle_timeout=None) as peer:
+            stream = peer.streams[0]
+            sock = stream.transport.get_extra_info("socket") if stream.transport is not None else None
+            if sock is not None:  # the kernel takes little of what the client queues
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            for _ in range(3000):  # every PING before the REPORT was read and handled
+                if peer.receiver["transport_s_per_gb"] is not None:
+                    break
+                await asyncio.sleep(0.01)
+            assert peer.receiver["transport_s_per_gb"] is not None
+            queued = stream._queue.pending if stream._queue is not None else stream.transport.get_write_buffer_size()
+            assert queued <= QUEUE_HIGH + (1 << 20), f"{queued:,} bytes queued for a server that reads nothing"
+    finally:
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        srv.close()
+        await srv.wait_closed()

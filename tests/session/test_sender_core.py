@@ -47,10 +47,12 @@ from kvwire.wire import (
     Connection,
     ConnectionConfig,
     DecodeCost,
+    Pong,
     Report,
     Role,
     TransferBegun,
     TransferReset,
+    frame_bytes,
 )
 from kvwire.wire.frames import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW
 
@@ -315,6 +317,20 @@ def test_a_paused_transport_gets_no_chunks_until_it_resumes() -> None:
     h.core.set_writable(0, True)  # resuming pumps at once
     h.step()
     assert h.of(ChunkSent)[-1].stream == 0 and h.core.queued_bytes(tid) == 0
+
+
+def test_a_paused_transport_queues_no_pong_per_ping_and_answers_the_last_when_it_resumes() -> None:
+    """A server flooding PINGs while it reads nothing: each PING answered at once grew the
+    client's send queue without bound (the client goes on reading, for its acks)."""
+    h = harness(streams=1)
+    h.core.set_writable(0, False)
+    srv = h.servers[0]
+    for i in range(1, 1001):
+        srv.send_ping(i)
+    h.core.receive_data(0, b"".join(bytes(p) for p in srv.data_to_send()), h.now)
+    assert h.core.data_to_send(0) == b""
+    h.core.set_writable(0, True)
+    assert h.core.data_to_send(0) == frame_bytes(Pong(opaque=1000))
 
 
 def test_a_chunk_sent_as_it_was_added_did_not_wait_and_one_held_back_did() -> None:

@@ -447,6 +447,28 @@ def test_idle_timer_pings_then_closes() -> None:
     assert c.get_timer() is None
 
 
+def test_pings_while_output_is_blocked_are_answered_once_with_the_latest_when_it_drains() -> None:
+    """A peer that floods PINGs and reads nothing: while this side's writes are backed up
+    it queues no PONG per PING (the flood would grow its memory without bound), and
+    answers the latest once they drain; then it answers each PING at once again."""
+    from kvwire.wire import FrameDecoder
+
+    pair = MemoryPair.create()
+    pair.handshake()
+    c = pair.client
+    c.set_output_blocked(True)
+    c.receive_data(b"".join(frame_bytes(Ping(opaque=i)) for i in range(1, 10_001)), now=1.0)
+    assert not c.data_to_send() and c.state is State.OPEN
+    c.set_output_blocked(False)
+    frames = [f for f, _ in FrameDecoder(1 << 16).feed(b"".join(bytes(p) for p in c.data_to_send()))]
+    assert frames == [Pong(opaque=10_000)]
+    c.set_output_blocked(False)  # nothing more is owed
+    assert not c.data_to_send()
+    c.receive_data(frame_bytes(Ping(opaque=7)), now=2.0)
+    frames = [f for f, _ in FrameDecoder(1 << 16).feed(b"".join(bytes(p) for p in c.data_to_send()))]
+    assert frames == [Pong(opaque=7)]
+
+
 def test_no_idle_timeout_means_no_timer() -> None:
     cfg = ConnectionConfig(secret=b"test-secret", idle_timeout=None)
     pair = MemoryPair.create(client_config=cfg, server_config=cfg)
