@@ -123,6 +123,10 @@ class Stream(asyncio.BufferedProtocol):
 
     def __init__(self, owner: Owner, key: int) -> None:
         self.owner, self.key = owner, key
+        # When the connection began: the protocol is made as the TCP connection is accepted
+        # (server) or before it is opened (client), before any TLS handshake, and the
+        # handshake deadline counts from here (docs/protocol.md 5.8, 5.9).
+        self.started = owner.now()
         self.transport: asyncio.Transport | None = None
         self.peer: Any = None  # the remote address
         self.reading_paused = False

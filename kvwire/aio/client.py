@@ -248,7 +248,7 @@ class Peer(Pump):
     def stream_made(self, stream: Stream) -> bool:
         if not self.is_current(stream):
             return False
-        self.core.stream_opened(stream.key, self.now())
+        self.core.stream_opened(stream.key, self.now(), started=stream.started)
         return True
 
     def is_current(self, stream: Stream) -> bool:

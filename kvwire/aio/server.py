@@ -321,7 +321,7 @@ class Server(Pump):
     def stream_made(self, stream: Stream) -> bool:
         if self.closed:  # accepted while the server was closing
             return False
-        self.core.connection_made(stream.key, self.now())
+        self.core.connection_made(stream.key, self.now(), started=stream.started)
         self._by_cid[stream.key] = stream
         return True
 

@@ -508,14 +508,16 @@ class ReceiverCore:
 
     # -- connections ---------------------------------------------------------------------
 
-    def connection_made(self, cid: int, now: float) -> None:
+    def connection_made(self, cid: int, now: float, started: float | None = None) -> None:
+        """Connection ``cid`` is up; ``started``: when it was accepted, if earlier (before a
+        TLS handshake): its handshake deadline counts from then."""
         cfg = self.config
         ccfg = ConnectionConfig(
             secret=cfg.secret, codecs=cfg.codecs, max_frame_size=cfg.max_frame_size,
             window=cfg.window, max_transfers=cfg.max_transfers,
             handshake_timeout=cfg.handshake_timeout, idle_timeout=cfg.idle_timeout,
         )
-        conn = Connection(Role.SERVER, ccfg, now=now, nonce_source=self._nonce)
+        conn = Connection(Role.SERVER, ccfg, now=now, started=started, nonce_source=self._nonce)
         conn.set_payload_sink(lambda head, size: self._sink(cid, head, size))
         self._conns[cid] = conn
         self._dirty.add(cid)

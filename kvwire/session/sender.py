@@ -280,8 +280,10 @@ class SenderCore:
             slot.wanted = True
             self._events.append(StreamWanted(index=index))
 
-    def stream_opened(self, index: int, now: float) -> None:
-        """The I/O layer connected slot ``index``: the handshake starts."""
+    def stream_opened(self, index: int, now: float, started: float | None = None) -> None:
+        """The I/O layer connected slot ``index``: the handshake starts.  ``started``: when
+        connecting began, if earlier (the TCP connect, a TLS handshake): the handshake
+        deadline (``connect_timeout``) counts from then."""
         cfg = self.config
         slot = self._slots[index]
         slot.wanted = slot.open = False
@@ -294,7 +296,7 @@ class SenderCore:
             secret=cfg.secret, codecs=cfg.codecs, max_frame_size=cfg.max_frame_size,
             fingerprint=cfg.fingerprint, session_id=self.session_id, stream_index=index,
             handshake_timeout=cfg.connect_timeout, idle_timeout=cfg.idle_timeout,
-        ), now=now, nonce_source=self._nonce)
+        ), now=now, started=started, nonce_source=self._nonce)
         slot.conn.initiate()
 
     def stream_failed(self, index: int, now: float, error: KvwireError | None = None) -> None:

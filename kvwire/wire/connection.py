@@ -243,7 +243,8 @@ class ConnectionConfig:
     """Client: session to join (zero: a new one)."""
     stream_index: int = 0
     handshake_timeout: float = 10.0
-    """Seconds from start until the handshake must be complete."""
+    """Seconds from the start of the connection (``Connection(started=)``: the TCP connect
+    or accept, before any TLS handshake) until the handshake must be complete."""
     idle_timeout: float | None = 30.0
     """Once open: seconds without a complete frame from the peer before the connection
     is closed with TIMEOUT.  A PING goes out after half of it, so a live but quiet peer
@@ -293,9 +294,12 @@ class Connection:
     """The state of one kvwire TCP connection (either role)."""
 
     def __init__(
-        self, role: Role, config: ConnectionConfig, *, now: float = 0.0,
+        self, role: Role, config: ConnectionConfig, *, now: float = 0.0, started: float | None = None,
         nonce_source: Callable[[int], bytes] = secrets.token_bytes,
     ) -> None:
+        """``started``: when the connection began, if before ``now`` (a TLS handshake ran in
+        between): the handshake deadline counts from it, so it covers the TLS handshake
+        too, and only what is left of it remains for the kvwire handshake."""
         self.role = role
         self.config = config
         self.state = State.CLIENT_IDLE if role is Role.CLIENT else State.SERVER_AWAIT_HELLO
@@ -305,7 +309,7 @@ class Connection:
         """The protocol version agreed (None until CHALLENGE)."""
         self._events: deque[Event] = deque()
         self._out: list[Buffer | CheckedPayload] = []
-        self._deadline: float | None = now + config.handshake_timeout
+        self._deadline: float | None = min(now, now if started is None else started) + config.handshake_timeout
         self._last_rx = now
         self._hello_at = now  # when HELLO went out (client)
         self._rx_now: float | None = None  # the ``now`` of the frames being handled

@@ -7,8 +7,10 @@ Certificates come from a throwaway CA made by ``trustme`` for each test run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import random
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -337,6 +339,75 @@ async def test_tls_client_rejects_server_with_untrusted_certificate(server_cert:
         with pytest.raises(kvwire.AuthenticationError):
             await asyncio.wait_for(_connect_and_send(server.port, client_context(other_ca), "x"), 10)
         assert server.statistics()["sessions"] == 0
+
+
+async def test_the_server_handshake_deadline_counts_from_the_tcp_accept_and_covers_tls(
+    ca: trustme.CA, server_cert: trustme.LeafCert,
+) -> None:
+    """One deadline covers the TLS and the kvwire handshake (protocol.md 5.8, 5.9): the
+    server made it when TLS was done, so a client that took its time over TLS had a whole
+    handshake_timeout more for the kvwire handshake (a WELCOME at 7 s with 4 s)."""
+    timeout, delay = 10.0, 2.0
+    async with kvwire.serve(
+        "127.0.0.1", 0, secret=SECRET, ssl=server_context(server_cert), handshake_timeout=timeout,
+    ) as server:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket()
+        sock.setblocking(False)
+        await loop.sock_connect(sock, ("127.0.0.1", server.port))
+        connected = loop.time()
+        await asyncio.sleep(delay)  # the client begins TLS late
+        _, writer = await asyncio.open_connection(sock=sock, ssl=client_context(ca), server_hostname="localhost")
+        try:
+            assert await wait_until(lambda: len(server._by_cid) == 1, 5)
+            [conn] = [server.core.connection(cid) for cid in server._by_cid]
+            assert conn is not None and conn.state is State.SERVER_AWAIT_HELLO
+            deadline = conn.get_timer()
+            assert deadline is not None and connected < deadline <= connected + timeout + delay / 2, (
+                deadline - connected)
+        finally:
+            writer.close()
+
+
+async def test_the_client_handshake_deadline_counts_from_the_tcp_connect_and_covers_tls(
+    ca: trustme.CA, server_cert: trustme.LeafCert,
+) -> None:
+    """connect_timeout bounds the TCP connect, the TLS handshake and the kvwire handshake
+    together: the kvwire handshake gets what the TLS handshake left of it."""
+    timeout, delay = 10.0, 2.0
+    held: list[Any] = []
+    loop = asyncio.get_running_loop()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+
+    async def slow_tls() -> None:
+        sock, _ = await loop.sock_accept(listener)
+        await asyncio.sleep(delay)  # the client's ClientHello waits in the socket
+        tr, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock, ssl=server_context(server_cert))
+        held.append(tr)  # then it answers nothing
+
+    serving = asyncio.ensure_future(slow_tls())
+    peer = kvwire.connect("127.0.0.1", listener.getsockname()[1], secret=SECRET, ssl=client_context(ca),
+                          server_hostname="localhost", connect_timeout=timeout)
+    began = loop.time()
+    opening = asyncio.ensure_future(peer.open())
+    try:
+        assert await wait_until(lambda: peer.core.connection(0) is not None, 10)
+        conn = peer.core.connection(0)
+        assert conn is not None and conn.state is State.CLIENT_HELLO_SENT
+        deadline = conn.get_timer()
+        assert deadline is not None and began < deadline <= began + timeout + delay / 2, deadline - began
+    finally:
+        opening.cancel()
+        serving.cancel()
+        for task in (opening, serving):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for tr in held:
+            tr.abort()
+        listener.close()
 
 
 async def test_failed_tls_handshakes_leave_no_server_state(ca: trustme.CA, server_cert: trustme.LeafCert) -> None:

@@ -138,6 +138,21 @@ def test_handshake_timeout() -> None:
     assert conn.get_timer() is None
 
 
+@pytest.mark.parametrize("role", [Role.SERVER, Role.CLIENT])
+def test_the_handshake_deadline_counts_from_when_the_connection_started(role: Role) -> None:
+    """A connection made after a TLS handshake (``now``) that began earlier (``started``):
+    one deadline covers both, what is left of it for the kvwire handshake."""
+    cfg = ConnectionConfig(secret=b"test-secret", handshake_timeout=4)
+    conn = Connection(role, cfg, now=103.5, started=100.0)
+    assert conn.get_timer() == 104.0
+    conn.handle_timer(104.0)
+    ev = conn.next_event()
+    assert isinstance(ev, ConnectionClosed) and isinstance(ev.error, TransferTimeoutError)
+    # a start past the deadline: it has passed already; no start (or a later one): from now
+    assert Connection(role, cfg, now=110.0, started=100.0).get_timer() == 104.0
+    assert Connection(role, cfg, now=100.0).get_timer() == Connection(role, cfg, now=100.0, started=101.0).get_timer() == 104.0
+
+
 def test_version_mismatch_is_refused() -> None:
     server = Connection(Role.SERVER, ConnectionConfig(secret=b"test-secret"))
     hello = Hello(min_version=PROTOCOL_VERSION + 1, max_version=PROTOCOL_VERSION + 2, nonce=b"n" * 32, session_id=bytes(16),
