@@ -263,7 +263,8 @@ def add_parsers(subparsers: Any) -> None:
 
 
 def _fail(command: str, exc: Exception, code: int) -> int:
-    print(f"kvwire {command}: error: {exc}", file=sys.stderr)
+    # Some errors have no text of their own (a bare TimeoutError): name them then.
+    print(f"kvwire {command}: error: {str(exc) or type(exc).__name__}", file=sys.stderr)
     return code
 
 

@@ -219,3 +219,15 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_an_error_without_text_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    # An error raised with no message printed "kvwire bench: error: " and nothing after.
+    from kvwire.bench.command import _fail
+    from kvwire.errors import ConnectionLostError
+
+    assert _fail("bench", ConnectionLostError(""), 1) == 1
+    assert _fail("serve", TimeoutError(), 1) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "kvwire bench: error: ConnectionLostError", "kvwire serve: error: TimeoutError",
+    ]
