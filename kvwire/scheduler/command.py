@@ -166,10 +166,11 @@ def add_parser(subparsers: Any) -> None:
     a.add_argument("--hysteresis", type=NON_NEGATIVE, default=0.25,
                    help="relative bandwidth change before adaptive retunes (default 0.25)")
     a.add_argument("--egress-window", type=argument_type(parse_duration, "duration"),
-                   default=60.0, metavar="TIME",
-                   help="selective and adaptive: the egress demand decide() sees is the KV they "
-                        "offloaded over this window; near the link's rate it raises the threshold, "
-                        "then refuses to offload (default 60s; 0: no demand, those rules off)")
+                   default=0.0, metavar="TIME",
+                   help="selective and adaptive: pass decide() the KV they offloaded over this "
+                        "window as egress demand (e.g. 60s), so its link rules raise the threshold, "
+                        "then refuse to offload, when the link carries less than their threshold's "
+                        "plan needs (default 0: no demand, those rules off)")
     o = p.add_argument_group("policies and output")
     o.add_argument("--policy", type=argument_type(_policies, "policies"),
                    default=list(PolicyName), metavar="LIST",
@@ -411,7 +412,12 @@ def run(args: argparse.Namespace) -> int:
         f"{b.balance_slack:+.2f}), Lambda_max={b.lambda_max_rps:.3f} rps, binding: {b.binding}\n"
         f"link {format_schedule(tuple(zip(config.link.starts_s, config.link.rates_bps, strict=True)))}"
         f" (mean {format_rate(model_cluster(reqs, config).egress_bps)} over "
-        f"the arrivals), RTT {format_duration(config.rtt_s)}"
+        f"the arrivals), RTT {format_duration(config.rtt_s)}; decide's link rules: "
+        + (
+            f"on (egress demand over {format_duration(config.egress_window_s)})"
+            if config.egress_window_s > 0
+            else "off (no --egress-window)"
+        )
     )
     _print_table(results, caption, out)
     doc = _document(args, reqs, config, opt, results)

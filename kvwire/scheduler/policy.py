@@ -1,23 +1,35 @@
 """Per-request placement: prefill locally, or offload to a remote prefill cluster.
 
 ``decide(request, state)`` is a pure function. The state carries what a serving stack knows
-at decision time: the current length threshold, the live egress bandwidth estimate, the
-egress the already-offloaded load needs, and, per cluster, the longest complete prefix it
-holds for this request, as the consistency registry's ``lookup`` returns it (a sequence of
-``(block, version)`` pairs, ``block_tokens`` tokens each).
+at decision time: the current length threshold and, optionally, the egress that threshold
+was planned to use, the live egress bandwidth estimate, the egress demand on the link, and,
+per cluster, the longest complete prefix it holds for this request, as the consistency
+registry's ``lookup`` returns it (a sequence of ``(block, version)`` pairs,
+``block_tokens`` tokens each).
 
 Rules, in order:
 
 1. No usable bandwidth (estimate <= 0, or no remote cluster): local.
-2. Egress utilization ``u = demand / bandwidth`` raises the threshold above ``soft`` and
-   refuses offload at ``u >= hard``: only the longest prefills, which carry the most
-   compute per byte shipped, still go remote when the link fills up.
+2. Egress utilization ``u`` (:attr:`SchedulerState.utilization`) raises the threshold above
+   the soft level and refuses offload at the hard level: only the longest prefills, which
+   carry the most compute per byte shipped, still go remote when the link fills up.
+   Without a plan ``u = demand / bandwidth`` and the levels are ``soft_utilization`` and
+   ``hard_utilization``. With a plan (``planned_egress_bps``, the egress the threshold was
+   chosen to use, e.g. :attr:`Capacity.egress_demand_bps <kvwire.scheduler.model.Capacity>`)
+   the rules guard the plan instead of fighting it: demand above the planned egress is
+   load beyond what the plan can serve on any path (moving prefills to a local cluster
+   that is overloaded too does not help), so ``u = min(demand, planned) / bandwidth``, and
+   the levels start at the plan's own utilization of the bandwidth it was made for. On
+   the link the plan expected, ``u`` never exceeds the soft level, whatever the load; it
+   does when the link carries less than the plan needs at the current load (a step down,
+   a link shared with more traffic than planned).
 3. The incremental length is the input minus the prefix hit *where the prefill would run*.
    If it is short locally, run it locally (short prefills cost little and ship nothing).
 4. Long locally: offload to the remote cluster with the best prefix hit, if the request's
    incremental length there is still above the threshold. If it is below (that cluster
-   holds most of the prefix), offload anyway while bandwidth is plentiful (``u < soft``):
-   the remote cache saves a long local prefill at the price of shipping the KV.
+   holds most of the prefix), offload anyway while bandwidth is plentiful (``u`` at most
+   the soft level): the remote cache saves a long local prefill at the price of shipping
+   the KV, egress no plan counted on.
 """
 
 from __future__ import annotations
@@ -61,30 +73,88 @@ class ClusterView:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerState:
-    """Everything ``decide`` reads besides the request."""
+    """Everything ``decide`` reads besides the request. Rates are bits per second."""
 
     threshold_tokens: float
     """Incremental lengths above this go remote (the optimizer's or the controller's ``t``)."""
     bandwidth_bps: float
-    """Live estimate of the egress bandwidth available, bits per second."""
+    """Live estimate of the egress bandwidth the offloads can use: the link's rate now, or
+    on a link shared with other traffic the share left to them (what a throughput
+    estimator of these transfers measures)."""
     egress_demand_bps: float = 0.0
-    """Egress the load already offloaded needs, bits per second."""
+    """Egress the offloads ask of the link: the KV of recent offloads per second (e.g. the
+    bytes offloaded over the last minute x 8 / 60). Without a plan, other traffic may be
+    counted here instead, with ``bandwidth_bps`` the whole link. 0 (the default): unknown,
+    and the utilization rules never fire."""
     local_prefix_hit: PrefixHit = ()
     """The local cluster's longest cached prefix for this request."""
     remotes: tuple[ClusterView, ...] = ()
     block_tokens: int = 512
     soft_utilization: float = 0.7
-    """Above this egress utilization the threshold starts to rise."""
+    """Above this egress utilization the threshold starts to rise (and a request short only
+    on a remote cluster stays local); with a plan, above the plan's utilization if higher."""
     hard_utilization: float = 0.97
-    """At or above this utilization nothing more is offloaded."""
+    """At or above this utilization nothing more is offloaded; with a plan whose
+    utilization is above ``soft_utilization``, that utilization plus
+    ``hard_utilization - soft_utilization``."""
     threshold_gain: float = 4.0
-    """Threshold multiplier at ``hard_utilization`` is ``1 + threshold_gain``."""
+    """Threshold multiplier at the hard level is ``1 + threshold_gain``."""
+    planned_egress_bps: float | None = None
+    """Egress the threshold was chosen to use at the load it plans for, e.g. the
+    optimizer's :attr:`Capacity.egress_demand_bps <kvwire.scheduler.model.Capacity>` (the
+    offloaded share's KV at ``Lambda_max``; for an egress-bound optimum, the whole link).
+    ``None`` (the default; also NaN, inf or < 0): no plan, the rules compare the demand
+    with the bandwidth alone. Demand above the plan counts as load beyond what the plan can
+    serve on any path and is not held against the link (see :attr:`utilization`; 0: a plan
+    that ships nothing, the rules never fire), so pass it only when ``threshold_tokens``
+    comes from a plan that budgets the link, and count other traffic in ``bandwidth_bps``
+    (the share left to the offloads), not in the demand."""
+    planned_bandwidth_bps: float | None = None
+    """Bandwidth the plan was made for (the optimizer's ``egress_bps``); ``None`` (or not
+    > 0): ``bandwidth_bps``. A live estimate below it is the link carrying less than planned."""
+
+    @property
+    def has_plan(self) -> bool:
+        """A usable plan: ``planned_egress_bps`` finite and >= 0."""
+        p = self.planned_egress_bps
+        return p is not None and math.isfinite(p) and p >= 0
+
+    @property
+    def planned_utilization(self) -> float:
+        """The plan's utilization of the bandwidth it was made for (0 without a plan, or
+        with no bandwidth to plan on)."""
+        if not self.has_plan:
+            return 0.0
+        assert self.planned_egress_bps is not None
+        if self.planned_egress_bps <= 0:
+            return 0.0
+        bw = self.planned_bandwidth_bps
+        if bw is None or not bw > 0:
+            bw = self.bandwidth_bps
+        return self.planned_egress_bps / bw if bw > 0 else 0.0
 
     @property
     def utilization(self) -> float:
+        """The egress utilization the rules read: ``demand / bandwidth``, with the demand
+        counted up to ``planned_egress_bps`` when there is a plan (``inf``: no bandwidth)."""
         if self.bandwidth_bps <= 0:
             return math.inf
-        return max(0.0, self.egress_demand_bps) / self.bandwidth_bps
+        demand = max(0.0, self.egress_demand_bps)
+        if self.has_plan:
+            assert self.planned_egress_bps is not None
+            demand = min(demand, self.planned_egress_bps)
+        return demand / self.bandwidth_bps
+
+    @property
+    def levels(self) -> tuple[float, float]:
+        """``(soft, hard)``: where the threshold starts to rise and where offload stops.
+        ``soft_utilization`` and ``hard_utilization``, moved up to start at the plan's
+        utilization when that is higher (the band keeps its width)."""
+        soft, hard = self.soft_utilization, self.hard_utilization
+        planned = self.planned_utilization
+        if planned <= soft:
+            return soft, hard
+        return planned, planned + (hard - soft)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,11 +185,11 @@ def hit_tokens(hit: Sequence[tuple[int, int]], input_length: int, block_tokens: 
 def effective_threshold(state: SchedulerState) -> float:
     """The threshold after the egress-utilization raise (``inf``: offload nothing)."""
     u = state.utilization
-    soft, hard = state.soft_utilization, state.hard_utilization
-    if u >= hard:
-        return math.inf
+    soft, hard = state.levels
     if u <= soft:
         return state.threshold_tokens
+    if u >= hard:
+        return math.inf
     return state.threshold_tokens * (1.0 + state.threshold_gain * (u - soft) / (hard - soft))
 
 
@@ -139,6 +209,6 @@ def decide(request: PolicyRequest, state: SchedulerState) -> Decision:
     remote_incr = n - hit_tokens(best.prefix_hit, n, bt)
     if remote_incr > t_eff:
         return Offload(cluster=best.name, incremental_tokens=remote_incr, reason="long")
-    if state.utilization < state.soft_utilization:
+    if state.utilization <= state.levels[0]:
         return Offload(cluster=best.name, incremental_tokens=remote_incr, reason="remote-prefix")
     return Local(incremental_tokens=local_incr, reason="bandwidth-tight")

@@ -34,8 +34,10 @@ Policies: ``local`` (homogeneous PD, nothing offloaded), ``offload-all`` (every 
 remote), ``selective`` (:func:`decide` with the optimizer's threshold for the trace and the
 mean link rate, held fixed), ``adaptive`` (the threshold the optimizer gives for the live
 bandwidth estimate, looked up in a :class:`ThresholdTable` and retuned with hysteresis,
-see :func:`retune_threshold`). Both pass :func:`decide` the egress demand of their recent
-offloads (:func:`egress_demand`), so its link rules act on top of either threshold.
+see :func:`retune_threshold`). Both pass :func:`decide` the egress their threshold was
+planned for (:func:`planned_egress`) and, when ``egress_window_s`` > 0 (off by default),
+the egress demand of their recent offloads (:func:`egress_demand`), so its link rules act
+on top of either threshold when the link carries less than that plan needs.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from __future__ import annotations
 import bisect
 import heapq
 import math
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import IntEnum, StrEnum
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +95,7 @@ __all__ = [
     "on_transfer_end",
     "on_transfer_start",
     "optimizer_for",
+    "planned_egress",
     "policy_capacity",
     "retune_threshold",
     "run_events",
@@ -147,11 +151,14 @@ class SimulationConfig:
     """Relative standard deviation of the bandwidth estimate the policy sees (seeded)."""
     threshold_step_tokens: float = 256.0
     """Grid step of the optimizer that sets the thresholds."""
-    egress_window_s: float = 60.0
+    egress_window_s: float = 0.0
     """Window of the egress demand ``selective`` and ``adaptive`` pass to :func:`decide`
-    (:func:`egress_demand`, the KV offloaded per second over it): as it nears the link's
-    rate, decide raises the threshold and then refuses to offload (0: no demand, those
-    rules never fire)."""
+    (:func:`egress_demand`, the KV offloaded per second over it). 0 (the default): no
+    demand, decide's utilization rules never fire and the thresholds act alone. > 0 (60 s
+    is a sensible value): when the link carries less than the threshold's plan needs at
+    the current load (:func:`planned_egress`), decide raises the threshold, then refuses to
+    offload. Off by default because a dip the link's queue can absorb is not told apart
+    from a lasting step down (docs/scheduler.md, "When the link changes")."""
 
     def __post_init__(self) -> None:
         if self.rtt_s < 0 or self.control_interval_s <= 0:
@@ -382,6 +389,13 @@ class SimState:
     finish_order: list[int] = field(default_factory=list)
     first_finish_s: float = math.nan
     last_finish_s: float = math.nan
+    # the plan the thresholds come from
+    plan_lengths: LengthDistribution | None = None
+    """Incremental lengths the optimizer planned with (``None``: no plan is passed)."""
+    plan_cluster: ClusterConfig | None = None
+    """The model's cluster, its ``egress_bps`` the link's mean rate (:func:`model_cluster`)."""
+    plans: dict[tuple[float, float], float] = field(default_factory=dict)
+    """Planned egress by ``(threshold, bandwidth)``, computed once each."""
 
 
 def new_state(
@@ -393,8 +407,11 @@ def new_state(
     threshold_tokens: float = math.inf,
     table: ThresholdTable | None = None,
     seed: int = 0,
+    plan_lengths: LengthDistribution | None = None,
 ) -> SimState:
-    """An idle system at time 0: empty queues and caches, every server free."""
+    """An idle system at time 0: empty queues and caches, every server free. The plan
+    :func:`planned_egress` reads is the model's for these requests (``plan_lengths``: their
+    incremental lengths when already computed)."""
     cl = config.cluster
     n_p = prefill_instances
     n_d = cl.local_instances - n_p
@@ -424,6 +441,11 @@ def new_state(
         ttft_s=[math.nan] * n,
         reasons=[""] * n,
     )
+    if requests:
+        state.plan_lengths = (
+            plan_lengths if plan_lengths is not None else LengthDistribution.from_trace(requests)
+        )
+        state.plan_cluster = model_cluster(requests, config)
     if policy is PolicyName.ADAPTIVE:
         bw = config.link.rate_at(0.0)
         start = threshold_tokens
@@ -478,6 +500,29 @@ def egress_demand(state: SimState) -> float:
         return 0.0
     since = state.now - window
     return 8.0 * sum(b for t, b in state.offloaded if t > since) / window
+
+
+def planned_egress(state: SimState, threshold_tokens: float) -> tuple[float, float] | None:
+    """``(egress, bandwidth)`` the policy's threshold was planned for, as :func:`decide`
+    reads them (``planned_egress_bps``, ``planned_bandwidth_bps``): the model's egress
+    demand at ``Lambda_max`` (:attr:`Capacity.egress_demand_bps`) for this threshold and
+    split, at the bandwidth the threshold was chosen for: ``selective``'s the link's mean
+    rate over the arrivals (its threshold is the optimizer's for it), ``adaptive``'s the
+    estimate its controller last tuned its bounds for. ``None``: no plan (no model, or an
+    unbounded egress demand)."""
+    if state.plan_lengths is None or state.plan_cluster is None:
+        return None
+    bw = state.adaptive.tuned_bps if state.adaptive is not None else state.plan_cluster.egress_bps
+    key = (threshold_tokens, bw)
+    if key not in state.plans:
+        state.plans[key] = capacity(
+            state.plan_lengths,
+            state.plan_cluster.with_egress(bw),
+            threshold_tokens=threshold_tokens,
+            prefill_instances=state.prefill_instances,
+        ).egress_demand_bps
+    planned = state.plans[key]
+    return (planned, bw) if math.isfinite(planned) else None
 
 
 def _dispatch_prefills(state: SimState) -> list[Event]:
@@ -572,12 +617,17 @@ def _place(state: SimState, i: int) -> bool:
     # The scheduler sees what each cache holds now; the prefill looks again when it starts.
     local_hit = _planned_hit(state.local_cache, state.local_pending, r.hash_ids)
     remote_hit = _planned_hit(state.remote_cache, state.remote_pending, r.hash_ids)
+    demand = egress_demand(state)
+    # No demand, no rule reads the plan: skip computing it.
+    plan = planned_egress(state, threshold) if demand > 0 else None
     decision = decide(
         PolicyRequest(request_id=str(i), input_length=r.input_length, output_length=r.output_length),
         SchedulerState(
             threshold_tokens=threshold,
             bandwidth_bps=bw,
-            egress_demand_bps=egress_demand(state),
+            egress_demand_bps=demand,
+            planned_egress_bps=plan[0] if plan is not None else None,
+            planned_bandwidth_bps=plan[1] if plan is not None else None,
             local_prefix_hit=tuple((h, 0) for h in r.hash_ids[:local_hit]),
             remotes=(
                 ClusterView(name=REMOTE, prefix_hit=tuple((h, 0) for h in r.hash_ids[:remote_hit])),
@@ -874,6 +924,9 @@ class PolicyResult:
     """The model's ``Theta_pdd / prefill rate - 1`` at this policy's split (0: balanced)."""
     retunes: int = 0
     """``adaptive``: how often its threshold moved."""
+    decisions: tuple[tuple[str, int], ...] = ()
+    """``selective`` and ``adaptive``: how many requests got each of :func:`decide`'s
+    reasons (``"long"``, ``"short"``, ``"link-saturated"``...), by reason."""
     finish_order: tuple[int, ...] = ()
     """Trace indices in order of completion (each exactly once)."""
 
@@ -891,7 +944,7 @@ class PolicyResult:
             return None
         return bool(self.throughput_rps < SATURATION_MARGIN * self.offered_rps)
 
-    def as_json(self) -> dict[str, float | int | str | bool | None]:
+    def as_json(self) -> dict[str, Any]:
         out: dict[str, float | int | str | bool | None] = {
             "throughput_rps": self.throughput_rps,
             "offered_rps": self.offered_rps,
@@ -919,7 +972,12 @@ class PolicyResult:
             out["threshold_tokens"] = self.threshold_tokens
         if self.policy == PolicyName.ADAPTIVE:
             out["retunes"] = self.retunes
-        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()}
+        doc: dict[str, Any] = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in out.items()
+        }
+        if self.decisions:
+            doc["decisions"] = dict(self.decisions)
+        return doc
 
 
 def _percentile(values: np.ndarray, q: float) -> float:
@@ -993,6 +1051,7 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
         offered_rps=offered_rate(reqs),
         arrival_window_s=last_arrival - first_arrival,
         retunes=state.adaptive.retunes if state.adaptive is not None else 0,
+        decisions=tuple(sorted(Counter(x for x in state.reasons if x).items())),
         finish_order=tuple(state.finish_order),
     )
 
@@ -1037,7 +1096,14 @@ def simulate(
                 include_bps=(config.link.rate_at(0.0),) if config.link.rate_at(0.0) > 0 else (),
             )
     state = new_state(
-        requests, config, policy, prefill_instances=n_p, threshold_tokens=t, table=table, seed=seed
+        requests,
+        config,
+        policy,
+        prefill_instances=n_p,
+        threshold_tokens=t,
+        table=table,
+        seed=seed,
+        plan_lengths=dist,
     )
     run_events(state)
     result = _summarize(state, n_p)

@@ -118,8 +118,8 @@ def test_adaptive_beats_selective_on_a_bandwidth_dip() -> None:
     # 10 Gbit/s, 1 Gbit/s from 200 s to 400 s, 10 Gbit/s again; 2 req/s of the case-study
     # log-normal workload (about the capacity at 10 Gbit/s). selective holds the optimizer's
     # threshold for the mean rate; adaptive follows the live estimate. The thresholds
-    # alone: decide's link rules off (no egress demand, --egress-window 0), which would
-    # otherwise move both policies (test_link_rules_fire_when_the_link_stays_congested).
+    # alone: decide's link rules off (no egress demand, --egress-window 0, the default),
+    # which would otherwise move both policies on this dip (docs/scheduler.md).
     trace = synthetic_trace(np.random.default_rng(1), requests=800, rate_rps=2.0)
     link = LinkSchedule(starts_s=(0.0, 200.0, 400.0), rates_bps=(10e9, 1e9, 10e9))
     config = SimulationConfig(cluster=HYBRID, link=link, egress_window_s=0.0)

@@ -261,8 +261,21 @@ def test_simulate_cli_burst_reports_na(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_simulate_cli_egress_window(capsys: pytest.CaptureFixture[str]) -> None:
-    assert parse(["simulate"]).egress_window == 60.0
-    args = parse(["simulate", "--requests", "50", "--policy", "selective", "--egress-window", "0",
-                  "--json", "-"])
-    assert run(args) == 0
-    assert json.loads(capsys.readouterr().out)["system"]["egress_window_s"] == 0.0
+    # Off by default (no demand: decide's utilization rules never fire); --egress-window
+    # turns them on, and the JSON says which ran.
+    assert parse(["simulate"]).egress_window == 0.0
+    docs, captions = [], []
+    for extra in ([], ["--egress-window", "60s"]):
+        args = parse(["simulate", "--requests", "50", "--policy", "selective", "--json", "-", *extra])
+        assert run(args) == 0
+        captured = capsys.readouterr()
+        docs.append(json.loads(captured.out))
+        captions.append(" ".join(captured.err.split()))
+    assert [d["system"]["egress_window_s"] for d in docs] == [0.0, 60.0]
+    assert "decide's link rules: off (no --egress-window)" in captions[0]
+    assert "decide's link rules: on (egress demand over 60 s)" in captions[1]
+    # Each request's reason from decide, counted: 50 in all.
+    for d in docs:
+        decisions = d["policies"]["selective"]["decisions"]
+        assert set(decisions) <= {"long", "short", "remote-prefix", "bandwidth-tight", "link-saturated"}
+        assert sum(decisions.values()) == 50

@@ -14,6 +14,7 @@ from kvwire.scheduler.simulator import (
     Event,
     EventKind,
     PolicyName,
+    SimState,
     SimulationConfig,
     egress_demand,
     new_state,
@@ -25,6 +26,7 @@ from kvwire.scheduler.simulator import (
     on_prefill_start,
     on_transfer_end,
     on_transfer_start,
+    planned_egress,
     simulate,
 )
 from kvwire.scheduler.workload import TraceRequest
@@ -248,28 +250,64 @@ def test_a_burst_under_a_second_has_no_egress_or_saturation_figures() -> None:
     assert doc["egress_gbps_peak"] == pytest.approx(8e6 / 1e9)
 
 
-def test_the_policy_sees_the_egress_demand_of_recent_offloads() -> None:
-    # Link 1 MB/s (8 Mbit/s), a 10 s window, threshold 500: each 4096-token request ships
-    # 4.096 MB. The demand is the KV offloaded in the last 10 s, per second: after two
-    # offloads u = 8.192 MB / 10 MB = 0.82, between soft 0.7 and hard 0.97 (the threshold
-    # rises to 1383 tokens, still below 4096); after three u = 1.23: nothing more goes
-    # remote until the first offload leaves the window. The simulator used to pass no
-    # demand, so these rules never fired.
-    trace = [req(t, tuple(range(10 * i, 10 * i + 8))) for i, t in enumerate((0, 1, 2, 3, 10.5))]
-    cfg = config(egress_window_s=10.0)
-    st = new_state(trace, cfg, PolicyName.SELECTIVE, prefill_instances=1, threshold_tokens=500)
+def _place_all(st: SimState) -> list[float]:
     demands = []
-    for i, r in enumerate(trace):
+    for i, r in enumerate(st.requests):
         st.now = r.arrival_s
+        for k, start in enumerate(st.config.link.starts_s):
+            if start <= st.now and st.link_rate_bps != st.config.link.rates_bps[k]:
+                on_link_change(st, k)
         demands.append(egress_demand(st))
         on_arrival(st, i)
+    return demands
+
+
+FIVE = [req(t, tuple(range(10 * i, 10 * i + 8))) for i, t in enumerate((0, 1, 2, 3, 10.5))]
+"""Five 4096-token prompts sharing nothing: each ships 4.096 MB (32.768 Mbit)."""
+
+
+def test_the_policy_sees_the_egress_demand_of_recent_offloads() -> None:
+    # Link 1 MB/s (8 Mbit/s), a 10 s window, threshold 500. The demand is the KV offloaded
+    # in the last 10 s, per second: 3.28, 6.55, then 9.83 Mbit/s after three offloads.
+    # The plan: every prompt is above 500, so p = 1 and the egress binds (the remote
+    # instances are twice as fast as the link), Lambda_max = 8 / 32.768 req/s and the
+    # planned egress is the whole link: 8 Mbit/s. Demand beyond it (9.83) is load beyond
+    # Lambda_max, not a link short of the plan: u = min(9.83, 8) / 8 = 1.0, the plan's own
+    # level, and nothing is refused.
+    cfg = config(egress_window_s=10.0, cluster=cluster(remote=2))
+    st = new_state(FIVE, cfg, PolicyName.SELECTIVE, prefill_instances=1, threshold_tokens=500)
+    plan = planned_egress(st, 500)
+    assert plan is not None and plan == pytest.approx((8e6, 8e6))
+    demands = _place_all(st)
     assert demands[:4] == pytest.approx([0.0, 8 * 4.096e5, 8 * 8.192e5, 8 * 12.288e5])
+    assert st.reasons == ["long"] * 5
+    # With no plan (the rules against the link alone, as the simulator used to pass them)
+    # u = 9.83 / 8 = 1.23 >= 0.97 refuses the fourth offload, until the first leaves the
+    # window; after two u = 0.82 raised the threshold to 1383, still below 4096.
+    st = new_state(FIVE, cfg, PolicyName.SELECTIVE, prefill_instances=1, threshold_tokens=500)
+    st.plan_lengths = None
+    assert planned_egress(st, 500) is None
+    _place_all(st)
     assert st.reasons == ["long", "long", "long", "link-saturated", "long"]
     assert st.remote == [True, True, True, False, True]
-    # Window 0: no demand, the old behaviour.
-    st = new_state(trace, config(egress_window_s=0.0), PolicyName.SELECTIVE,
+    # Window 0 (the default): no demand, no rule fires.
+    st = new_state(FIVE, config(cluster=cluster(remote=2)), PolicyName.SELECTIVE,
                    prefill_instances=1, threshold_tokens=500)
-    for i, r in enumerate(trace):
-        st.now = r.arrival_s
-        on_arrival(st, i)
+    _place_all(st)
     assert st.reasons == ["long"] * 5
+
+
+def test_the_link_rules_fire_when_the_link_carries_less_than_planned() -> None:
+    # As above, but the link drops to 2 Mbit/s at 2.5 s for good. The plan is for the
+    # link's mean rate over the arrivals, (2.5 x 8 + 8 x 2) / 10.5 = 3.43 Mbit/s, all of
+    # it planned egress (u_plan = 1, levels 1.0 and 1.27). Before the drop u = 3.28 / 8
+    # and min(6.55, 3.43) / 8 = 0.43: long. After it, u = min(9.83, 3.43) / 2 = 1.71 >=
+    # 1.27: nothing more goes remote, and at 10.5 s (6.55 Mbit/s in the window) still not.
+    link = LinkSchedule(starts_s=(0.0, 2.5), rates_bps=(8e6, 2e6))
+    cfg = config(egress_window_s=10.0, cluster=cluster(remote=2), link=link)
+    st = new_state(FIVE, cfg, PolicyName.SELECTIVE, prefill_instances=1, threshold_tokens=500)
+    plan = planned_egress(st, 500)
+    assert plan is not None and plan == pytest.approx((36e6 / 10.5, 36e6 / 10.5))
+    _place_all(st)
+    assert st.reasons == ["long", "long", "long", "link-saturated", "link-saturated"]
+    assert st.remote == [True, True, True, False, False]

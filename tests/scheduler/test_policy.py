@@ -72,6 +72,76 @@ def test_remote_prefix_used_only_when_bandwidth_is_plentiful() -> None:
     assert tight == Local(incremental_tokens=20000, reason="bandwidth-tight")
 
 
+def test_without_a_plan_the_levels_are_the_fixed_ones() -> None:
+    s = state(egress_demand_bps=85e9)
+    assert not s.has_plan and s.planned_utilization == 0.0
+    assert s.levels == (0.7, 0.97) and s.utilization == pytest.approx(0.85)
+
+
+def test_a_plan_that_fills_the_link_is_not_fought() -> None:
+    # The optimizer's threshold for an egress-bound link plans to fill it: 100 Gbit/s of
+    # KV on the 100 Gbit/s link. Demand above the plan (here twice it: offered load beyond
+    # Lambda_max) is load the plan cannot serve on any path, not a link short of the plan,
+    # so the rules see at most the plan: u = 1.0, the soft level; nothing rises.
+    planned = {"planned_egress_bps": 100e9, "planned_bandwidth_bps": 100e9}
+    remotes = (ClusterView(name="east", prefix_hit=hit(35)),)
+    for demand in (50e9, 100e9, 200e9):
+        s = state(egress_demand_bps=demand, remotes=remotes, **planned)
+        assert s.levels == pytest.approx((1.0, 1.27))
+        assert s.utilization == pytest.approx(min(demand, 100e9) / 100e9)
+        assert effective_threshold(s) == 8192
+        assert decide(req(12000), s).reason == "remote-prefix"
+        assert decide(req(50000), s).reason == "long"
+    # Without the plan the same demands raise the threshold and then refuse everything.
+    assert effective_threshold(state(egress_demand_bps=85e9)) > 8192
+    assert decide(req(50000), state(egress_demand_bps=200e9)).reason == "link-saturated"
+
+
+def test_a_link_short_of_the_plan_raises_the_threshold_then_refuses() -> None:
+    # Planned: 10 Gbit/s of KV on a 10 Gbit/s link. The link steps down to 8 Gbit/s:
+    # at full load (demand >= plan) u = 10/8 = 1.25, inside the band [1.0, 1.27]: the
+    # threshold rises 4 x 0.25 / 0.27 = 3.7-fold more, and a request short only on the
+    # remote cluster stays local. At 5 Gbit/s (u = 2) nothing more goes remote. At half
+    # the planned load the 8 Gbit/s link still carries the plan (u = 0.625): no change.
+    planned = {"planned_egress_bps": 10e9, "planned_bandwidth_bps": 10e9}
+    remotes = (ClusterView(name="east", prefix_hit=hit(35)),)
+    short = state(bandwidth_bps=8e9, egress_demand_bps=30e9, remotes=remotes, **planned)
+    assert short.utilization == pytest.approx(1.25)
+    assert effective_threshold(short) == pytest.approx(8192 * (1 + 4 * 0.25 / 0.27))  # 38.5K
+    assert decide(req(20000), short).reason == "short"
+    assert decide(req(100_000), short).reason == "long"
+    # 60000 tokens, 100 blocks (51200) cached remotely: long locally, short there.
+    near = (ClusterView(name="east", prefix_hit=hit(100)),)
+    tight = state(bandwidth_bps=8e9, egress_demand_bps=30e9, remotes=near, **planned)
+    assert decide(req(60000), tight) == Local(incremental_tokens=60000, reason="bandwidth-tight")
+    down = state(bandwidth_bps=5e9, egress_demand_bps=10e9, **planned)
+    assert decide(req(100_000), down).reason == "link-saturated"
+    half = state(bandwidth_bps=8e9, egress_demand_bps=5e9, remotes=remotes, **planned)
+    assert effective_threshold(half) == 8192
+    assert decide(req(20000), half).reason == "remote-prefix"
+
+
+def test_a_plan_below_the_soft_level_keeps_the_fixed_levels() -> None:
+    # A remote-compute-bound plan uses 30% of the link: the levels stay at 0.7 and 0.97,
+    # and the planned bandwidth defaults to the live estimate.
+    s = state(egress_demand_bps=90e9, planned_egress_bps=30e9)
+    assert s.planned_utilization == pytest.approx(0.3) and s.levels == (0.7, 0.97)
+    assert s.utilization == pytest.approx(0.3)
+    assert effective_threshold(s) == 8192
+    # The live estimate at a third of the planned bandwidth: u = 0.9.
+    low = state(bandwidth_bps=100e9 / 3, egress_demand_bps=90e9, planned_egress_bps=30e9,
+                planned_bandwidth_bps=100e9)
+    assert low.utilization == pytest.approx(0.9)
+    assert effective_threshold(low) > 8192
+
+
+@pytest.mark.parametrize("planned", [None, math.nan, math.inf, -1.0])
+def test_no_usable_plan_is_no_plan(planned: float | None) -> None:
+    s = state(egress_demand_bps=85e9, planned_egress_bps=planned)
+    assert not s.has_plan and s.levels == (0.7, 0.97)
+    assert effective_threshold(s) == effective_threshold(state(egress_demand_bps=85e9))
+
+
 def test_best_cache_hit_chooses_the_cluster() -> None:
     remotes = (ClusterView(name="a", prefix_hit=hit(2)), ClusterView(name="b", prefix_hit=hit(10)))
     d = decide(req(50_000), state(remotes=remotes))
@@ -93,9 +163,18 @@ def test_values_are_frozen() -> None:
     demand=st.floats(0, 1e12),
     lh=st.integers(0, 400),
     rh=st.integers(0, 400),
+    planned=st.none() | st.floats(0, 1e12),
+    planned_bw=st.none() | st.floats(0, 1e12),
 )
 def test_decide_is_total_and_consistent(
-    n: int, t: float, bw: float, demand: float, lh: int, rh: int
+    n: int,
+    t: float,
+    bw: float,
+    demand: float,
+    lh: int,
+    rh: int,
+    planned: float | None,
+    planned_bw: float | None,
 ) -> None:
     s = state(
         threshold_tokens=t,
@@ -103,12 +182,20 @@ def test_decide_is_total_and_consistent(
         egress_demand_bps=demand,
         local_prefix_hit=hit(lh),
         remotes=(ClusterView(name="east", prefix_hit=hit(rh)),),
+        planned_egress_bps=planned,
+        planned_bandwidth_bps=planned_bw,
     )
     d = decide(req(n), s)
     assert 0 <= d.incremental_tokens <= n
+    soft, hard = s.levels
+    assert s.soft_utilization <= soft <= hard
     if bw == 0:
-        assert isinstance(d, Local)
+        assert isinstance(d, Local) and math.isinf(effective_threshold(s))
     if isinstance(d, Offload):
         # Something offloaded is long locally; the link has room for it.
         assert n - min(lh * 512, n) > effective_threshold(s)
-        assert s.utilization < s.hard_utilization
+        assert s.utilization < hard
+    if planned is not None and bw > 0 and (planned_bw is None or planned_bw == bw):
+        # On the link the plan was made for, the plan is never fought, whatever the load.
+        assert effective_threshold(s) == t
+        assert d.reason not in ("link-saturated", "bandwidth-tight")

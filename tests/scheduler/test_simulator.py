@@ -14,6 +14,7 @@ from kvwire.scheduler.simulator import (
     SimulationConfig,
     model_cluster,
     new_state,
+    offered_rate,
     optimizer_for,
     run_events,
     simulate,
@@ -153,12 +154,43 @@ def test_model_link_rate_is_averaged_over_the_arrival_window() -> None:
     assert link.mean_rate_between(1200.0, 1200.0) == 8e9
 
 
+def test_link_rules_leave_the_plan_alone_on_the_link_it_was_made_for() -> None:
+    # A constant 10 Gbit/s link, offered 4 req/s against the model's 2.81: the optimizer's
+    # threshold (19456, egress-bound) plans to fill the link, and under overload the KV
+    # offloaded per second exceeds it. decide reads that demand up to the plan's egress
+    # (planned_egress), so with the demand fed in (window 60 s) nothing is raised or
+    # refused: every figure equals window 0's. Against the link alone (no plan, as the
+    # simulator passed it before) the same demand raised the threshold for 65 of the
+    # prompts, moved them onto the 6.7x slower local prefill, and doubled the makespan.
+    trace = synthetic_trace(np.random.default_rng(1), requests=300, rate_rps=4.0)
+    link = LinkSchedule.constant(10e9)
+    off, on = (
+        SimulationConfig(cluster=HYBRID, link=link, egress_window_s=w) for w in (0.0, 60.0)
+    )
+    opt = optimizer_for(trace, on)
+    assert opt.best.binding == "egress-bandwidth" and offered_rate(trace) > opt.best.lambda_max_rps
+    for policy in (PolicyName.SELECTIVE, PolicyName.ADAPTIVE):
+        assert simulate(trace, on, policy, optimizer=opt) == simulate(trace, off, policy, optimizer=opt)
+    states = []
+    for plan in (True, False):
+        state = new_state(trace, on, PolicyName.SELECTIVE, prefill_instances=opt.best.prefill_instances,
+                          threshold_tokens=opt.threshold_tokens)
+        if not plan:
+            state.plan_lengths = None
+        states.append(run_events(state))
+    planned, unplanned = states
+    assert Counter(planned.reasons) == {"short": 161, "long": 139}
+    assert Counter(unplanned.reasons) == {"short": 226, "long": 74}
+    assert unplanned.last_finish_s > 1.9 * planned.last_finish_s
+
+
 def test_link_rules_fire_when_the_link_stays_congested() -> None:
     # 10 Gbit/s, then 1 Gbit/s for good from 60 s: the KV selective offloads needs more
-    # than the link carries. The simulator now passes decide the egress demand (the KV
-    # offloaded over the last egress_window_s), so decide raises the threshold and then
-    # refuses offloads instead of queueing KV on the link without bound. With no demand
-    # (window 0, what the simulator used to do) those rules never fire.
+    # than the link carries, and more than its threshold's plan (for the link's mean
+    # rate) needs of it. Passed the egress demand (the KV offloaded over the last
+    # egress_window_s), decide raises the threshold and then refuses offloads instead of
+    # queueing KV on the link without bound. With no demand (window 0, the default) those
+    # rules never fire.
     trace = synthetic_trace(np.random.default_rng(1), requests=300, rate_rps=1.0)
     link = LinkSchedule(starts_s=(0.0, 60.0), rates_bps=(10e9, 1e9))
     runs = {}
