@@ -192,6 +192,9 @@ SenderEvent = (
     | TransferDone | TransferFailed | SessionFailed | ReceiverCosts
 )
 
+#: Completed transfers a session remembers for a late :meth:`SenderCore.abort`.
+COMPLETED_KEPT = 1024
+
 #: Counters a session keeps (see ``kvwire.aio.Peer.statistics``).
 COUNTERS = ("resumes", "reconnects", "chunks_resent", "goaways_received", "authentication_failures",
             "transfers_reset_by_peer")
@@ -245,6 +248,9 @@ class SenderCore:
         self._transfers: dict[int, _Transfer] = {}
         # RESETs of transfers that failed while no stream was open: (id, code, message)
         self._unsent_resets: list[tuple[int, ErrorCode, str]] = []
+        # The latest transfers that completed (every chunk acknowledged), so that a sender
+        # that gives one up before it took its receipt can still tell the receiver (abort()).
+        self._completed: dict[int, None] = {}
         self._next_id = 1
         self._events: deque[SenderEvent] = deque()
         self.broken: KvwireError | None = None
@@ -468,10 +474,18 @@ class SenderCore:
             self._check_done(t)
 
     def abort(self, transfer_id: int, error: KvwireError) -> None:
-        """The application gives the transfer up: the receiver is sent a RESET."""
+        """The application gives the transfer up: the receiver is sent a RESET.
+
+        Also for a transfer that completed (every chunk acknowledged, :class:`TransferDone`)
+        but whose sender gives up before it took the receipt (a ``send()`` cancelled then):
+        it did not succeed, so the receiver is told too, best effort (it fails the transfer
+        unless its application holds it already, docs/protocol.md 10)."""
         t = self._transfers.get(transfer_id)
         if t is not None:
             self._fail(t, error, reset=True)
+        elif transfer_id in self._completed:
+            del self._completed[transfer_id]
+            self._send_reset(transfer_id, error)
 
     def accepted(self, transfer_id: int) -> bool:
         t = self._transfers.get(transfer_id)
@@ -758,6 +772,9 @@ class SenderCore:
         if t.error is None and not t.done and t.state.complete and not t.queue:
             t.done = True
             del self._transfers[t.state.transfer_id]
+            self._completed[t.state.transfer_id] = None
+            if len(self._completed) > COMPLETED_KEPT:
+                del self._completed[next(iter(self._completed))]
             self._events.append(TransferDone(transfer_id=t.state.transfer_id, chunks=t.state.chunks_sent,
                                              wire_bytes=t.state.wire_bytes))
 
@@ -771,11 +788,14 @@ class SenderCore:
         for s in t.state.unacked.values():
             self._events.append(ChunkLost(address=s.address))
         if reset:
-            if (conn := self._any_open()) is not None:
-                conn.send_reset(t.state.transfer_id, error.code, str(error)[:160])
-            else:  # no stream open now (a reconnect backing off): on the next one that opens
-                self._unsent_resets.append((t.state.transfer_id, error.code, str(error)[:160]))
+            self._send_reset(t.state.transfer_id, error)
         self._events.append(TransferFailed(transfer_id=t.state.transfer_id, error=error, by_peer=by_peer))
+
+    def _send_reset(self, transfer_id: int, error: KvwireError) -> None:
+        if (conn := self._any_open()) is not None:
+            conn.send_reset(transfer_id, error.code, str(error)[:160])
+        else:  # no stream open now (a reconnect backing off): on the next one that opens
+            self._unsent_resets.append((transfer_id, error.code, str(error)[:160]))
 
     def _break(self, error: KvwireError) -> None:
         if self.broken is None:

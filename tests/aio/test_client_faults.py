@@ -15,6 +15,7 @@ import pytest
 import kvwire
 from kvwire.aio._send import SendState, next_or_fail, until
 from kvwire.aio._stream import QUEUE_HIGH
+from kvwire.session.sender import TransferDone
 from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
 from kvwire.wire import (
     ClientAuthenticated,
@@ -406,3 +407,34 @@ async def test_a_server_flooding_pings_while_it_reads_nothing_does_not_grow_the_
         await asyncio.gather(*held, return_exceptions=True)
         srv.close()
         await srv.wait_closed()
+
+
+async def test_a_send_cancelled_after_every_chunk_was_acknowledged_is_not_delivered() -> None:
+    """The last ACK arrived (the core completed the transfer) and send() was cancelled
+    before it took the receipt: it raised CancelledError, so the receiver must not hand
+    the transfer out; the sender sends its RESET all the same."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            sending = asyncio.ensure_future(peer.send("late", SPEC, layers(), timeout=30))
+            on_event = peer._on_event
+
+            def cancel_when_done(ev: Any) -> None:
+                on_event(ev)
+                if isinstance(ev, TransferDone):
+                    sending.cancel()  # before the send task runs again to take its receipt
+
+            peer._on_event = cancel_when_done  # type: ignore[method-assign]
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+            peer._on_event = on_event  # type: ignore[method-assign]
+            for _ in range(500):
+                if server.statistics()["pending_arrivals"] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.statistics()["pending_arrivals"] == 0, "a cancelled send was delivered"
+            with pytest.raises(kvwire.TransferTimeoutError):
+                await server.expect("late", timeout=0.2)
+            # the session goes on
+            receiving = asyncio.ensure_future(server.expect("next", timeout=30))
+            await peer.send("next", SPEC, layers(), timeout=30)
+            assert len((await (await receiving).collect(timeout=30)).layers) == SPEC.num_layers

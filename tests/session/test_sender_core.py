@@ -406,6 +406,27 @@ def test_abort_sends_a_reset_and_reports_unacked_chunks_lost() -> None:
     assert h.of(ChunkLost) and isinstance(h.of(TransferFailed)[0].error, TransferAbortedError)
 
 
+def test_abort_of_a_transfer_completed_but_not_yet_taken_still_sends_a_reset() -> None:
+    """Every chunk acknowledged (TransferDone queued), then the send() is cancelled before
+    it took its receipt: it did not succeed, so the receiver is told (it delivered such a
+    transfer, 6 of 92 cancelled sends); only once per transfer, and only for one the
+    session ran."""
+    h = harness()
+    tid = begin(h, layers=1)
+    h.core.add_chunk(tid, chunk(tid, 0, 0, 0))
+    h.core.producer_done(tid)
+    h.step()
+    h.ack()
+    assert h.of(TransferDone) and h.core.transfer(tid) is None and h.resets == []
+    h.core.abort(tid, TransferAbortedError("cancelled"))
+    h.step()
+    assert h.resets == [(0, tid)] and not h.of(TransferFailed)
+    h.core.abort(tid, TransferAbortedError("cancelled"))
+    h.core.abort(tid + 1, TransferAbortedError("cancelled"))  # never begun
+    h.step()
+    assert h.resets == [(0, tid)]
+
+
 def test_a_transfer_that_fails_while_no_stream_is_open_is_reset_on_the_next_that_opens() -> None:
     """Aborted while its only stream is down (a reconnect backing off): the RESET cannot
     go now, so it goes on the stream that opens next, and the receiver lets go of the
