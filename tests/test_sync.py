@@ -23,7 +23,7 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer, layer_rows
-from kvwire.sync import Bridge, ReceiveHandle, SyncPeer, SyncServer
+from kvwire.sync import Bridge, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 from kvwire.testing import FaultPlan, FaultProxy, Faults
 from tests.conftest import SECRET, make_layers
 
@@ -285,6 +285,31 @@ def test_closing_a_bridge_fails_a_blocked_sync_send_with_a_kvwire_error() -> Non
         assert isinstance(err, ConnectionLostError), repr(err)
         assert peer.peer.closed  # closed with the bridge: no socket of it is left open
         peer.close()
+
+
+def test_a_send_handle_waiting_when_its_bridge_closes_fails_with_connection_lost() -> None:
+    """kvwire.sync says close() fails every waiter with ConnectionLostError: a SendHandle's
+    wait() said TransferAbortedError when the bridge cancelled its send (one the peer's own
+    close did not end first); abort() still says TransferAbortedError."""
+    bridge = Bridge("shared")
+    started = threading.Event()
+
+    async def forever() -> None:  # a send that nothing but the bridge's close ends
+        started.set()
+        await asyncio.Event().wait()
+
+    handle = SendHandle(bridge, "r", 1)  # as SyncPeer.begin() makes it
+    handle._future = bridge.submit(forever())
+    err = _error_of_a_call_blocked_when_the_bridge_closes(bridge, lambda: handle.wait(30), started)
+    assert isinstance(err, ConnectionLostError), repr(err)
+
+    other = Bridge("other")
+    aborted = SendHandle(other, "a", 1)
+    aborted._future = other.submit(forever())
+    aborted.abort()
+    other.close()
+    with pytest.raises(TransferAbortedError):
+        aborted.wait(5)
 
 
 def test_closing_a_shared_bridge_closes_the_servers_and_peers_on_it() -> None:

@@ -388,6 +388,7 @@ class SendHandle:
         # Bound to the bridge's loop on first use there (put_nowait runs on the loop thread).
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._future: concurrent.futures.Future[Any] | None = None
+        self._aborted = False
 
     async def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
         for _ in range(self.num_layers):
@@ -406,7 +407,10 @@ class SendHandle:
             self._bridge.call_soon(self._queue.put_nowait, (k, v))
 
     def wait(self, timeout: float | None = None) -> Any:
-        """Block until the receiver acknowledged everything; the :class:`~kvwire.Receipt`."""
+        """Block until the receiver acknowledged everything; the :class:`~kvwire.Receipt`.
+
+        Raises the send's error; :class:`~kvwire.TransferAbortedError` after :meth:`abort`,
+        :class:`~kvwire.ConnectionLostError` when the bridge closed under it."""
         if self._bridge.in_loop_thread():
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
         assert self._future is not None
@@ -415,6 +419,9 @@ class SendHandle:
         except concurrent.futures.TimeoutError:
             raise TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s") from None
         except concurrent.futures.CancelledError:
+            if self._bridge.closed and not self._aborted:
+                raise ConnectionLostError(
+                    f"the kvwire bridge was closed while sending {self.request_id!r}") from None
             raise TransferAbortedError(f"send of {self.request_id!r} aborted") from None
 
     @property
@@ -422,8 +429,10 @@ class SendHandle:
         return self._future is not None and self._future.done()
 
     def abort(self) -> None:
-        """Give up on this transfer (the send is cancelled; waiters fail)."""
+        """Give up on this transfer (the send is cancelled; waiters fail with
+        :class:`~kvwire.TransferAbortedError`)."""
         if self._future is not None:
+            self._aborted = True
             self._future.cancel()
 
 
