@@ -52,6 +52,7 @@ from kvwire.session.sender import (
     SenderCore,
     SessionFailed,
     StreamClosed,
+    StreamGivenUp,
     StreamWanted,
     TransferDone,
     TransferFailed,
@@ -325,6 +326,8 @@ class Peer(Pump):
             self.spawn(self._connect(ev.index))
         elif isinstance(ev, StreamClosed):
             self._on_closed(ev)
+        elif isinstance(ev, StreamGivenUp):
+            self._on_given_up(ev)
         elif isinstance(ev, SessionFailed):
             est.forget_all()
 
@@ -341,6 +344,16 @@ class Peer(Pump):
         if self._opening and self._open_error is None and not (ev.resumed and self._session_made):
             # (a later stream of a session already made is reconnected like any other)
             self._open_error = closed.error or ConnectionLostError(ev.reason)
+
+    def _on_given_up(self, ev: StreamGivenUp) -> None:
+        """A slot the session goes on without: with a fixed stream count, ``open()`` fails
+        with its error (the streams asked for cannot all open); with ``"auto"`` the peer
+        settles for the streams the server lets it open."""
+        left = self.core.open_streams
+        _log.warning("kvwire: stream %d to %s:%s given up (%s); the session goes on with stream(s) %s",
+                     ev.index, self.host, self.port, ev.error, ", ".join(map(str, left)) or "none open now")
+        if self._opening and self._open_error is None and self.stream_controller is None:
+            self._open_error = ev.error
 
     @property
     def _session_made(self) -> bool:
@@ -369,19 +382,42 @@ class Peer(Pump):
         except (OSError, ValueError) as exc:  # ValueError: a host name the resolver refuses (UnicodeError)
             err = ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}")
         if not self.closed and self.streams[index] is proto:
-            if self._opening and self._open_error is None:
-                self._open_error = err
+            if self._opening and self._open_error is None and not self._session_made:
+                self._open_error = err  # (a later stream of the session is retried by the core)
             self.core.stream_failed(index, self.now(), err)
             self.pump()
 
     # -- public API ----------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Open the session: its first stream (bounded by ``connect_timeout``, its TCP
+        connect, TLS and kvwire handshakes together), then the others join it within
+        another ``connect_timeout``; so ``open()`` takes at most twice that.
+
+        With a fixed stream count every stream must open: a stream given up (its joins
+        failed ``reconnect_attempts`` times, or the server refused it with LIMIT_EXCEEDED)
+        fails ``open()`` with its error, one not open in time with TransferTimeoutError.
+        With ``streams="auto"`` the peer goes on with the streams that opened: once every
+        slot is open or given up, or when the time is up (a slot still joining then joins
+        later, as a reconnect would)."""
         self._opening = True
         try:
             self.pump()
-            n = self.core.config.streams
-            await self._until(lambda: len(self.core.open_streams) == n, lambda: self._open_error)
+            await self._until(lambda: self._session_made, lambda: self._open_error)
+            joining = asyncio.timeout(self.options.connect_timeout)
+            try:
+                async with joining:
+                    await self._until(self._streams_settled, lambda: self._open_error)
+            except TimeoutError:
+                if not joining.expired():
+                    raise  # the session's own error (a TransferTimeoutError is a TimeoutError)
+                if self.stream_controller is None or not self.core.open_streams:
+                    missing = [i for i in range(self.core.config.streams) if not self.core.is_open(i)]
+                    raise TransferTimeoutError(
+                        f"stream(s) {', '.join(map(str, missing))} did not join the session in "
+                        f"connect_timeout={self.options.connect_timeout} s") from None
+                # "auto": on with the streams open; the others join when they can
+            self._settle_streams()
             self._use_codec(self.codec)
             self._opened = True
         except BaseException:
@@ -389,6 +425,23 @@ class Peer(Pump):
             raise
         finally:
             self._opening = False
+
+    def _streams_settled(self) -> bool:
+        """Whether ``open()`` is done waiting: every stream open, or with ``"auto"`` every
+        one open or given up (at least one open)."""
+        core, n = self.core, self.core.config.streams
+        if self.stream_controller is None:
+            return len(core.open_streams) == n
+        return bool(core.open_streams) and all(core.is_open(i) or core.is_given_up(i) for i in range(n))
+
+    def _settle_streams(self) -> None:
+        """``streams="auto"`` with slots given up (the server allows fewer streams): the
+        controller chooses among the others only."""
+        ctl = self.stream_controller
+        usable = sum(not self.core.is_given_up(i) for i in range(self.core.config.streams))
+        if ctl is not None and usable < self.core.config.streams:
+            self.stream_controller = StreamController(max_streams=max(1, usable))
+            self.core.active_streams = self.stream_controller.streams
 
     def _use_codec(self, name: str) -> None:
         """Check that the server accepts codec ``name`` (for ``auto``: make the chooser)."""
@@ -538,7 +591,8 @@ class Peer(Pump):
         while not self.closed:
             await asyncio.sleep(period)
             samples = []
-            for s in self.streams[: ctl.streams]:
+            # The streams chunks go on: the first ctl.streams open ones (SenderCore._best_stream).
+            for s in [s for s in self.streams if self.core.is_open(s.key)][: ctl.streams]:
                 info = read_tcp_info(s.transport.get_extra_info("socket")) if s.transport is not None else None
                 acked = self.core.acked_bytes(s.key)
                 prev_bytes, prev = last.get(s.key, (acked, None))

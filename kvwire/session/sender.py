@@ -99,7 +99,8 @@ class StreamOpened:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamClosed:
-    """Stream ``index`` closed; ``resumed``: the session goes on and reconnects the slot."""
+    """Stream ``index`` closed; ``resumed``: the session goes on (and reconnects the slot,
+    unless a :class:`StreamGivenUp` of it follows)."""
 
     index: int
     closed: ConnectionClosed
@@ -111,6 +112,16 @@ class StreamClosed:
         who = "server" if ev.by_peer else "this side"
         how = f"GOAWAY {ErrorCode(ev.code).name}" if ev.code in ErrorCode._value2member_map_ else f"code {ev.code}"
         return f"stream {self.index} closed by {who} ({how}: {ev.message or 'no reason given'})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamGivenUp:
+    """Slot ``index`` is given up while the session goes on with its other streams: its
+    reconnects (or joins) were used up, or the server refused it with LIMIT_EXCEEDED (it
+    allows no more streams per session).  Nothing reconnects it; chunks go on the others."""
+
+    index: int
+    error: KvwireError
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,7 +199,7 @@ class ReceiverCosts:
 
 
 SenderEvent = (
-    StreamWanted | StreamOpened | StreamClosed | ChunkSent | ChunkDelivered | ChunkLost | TransferCredit
+    StreamWanted | StreamOpened | StreamClosed | StreamGivenUp | ChunkSent | ChunkDelivered | ChunkLost | TransferCredit
     | TransferDone | TransferFailed | SessionFailed | ReceiverCosts
 )
 
@@ -226,6 +237,7 @@ class _Slot:
     window: int = 0
     tail: list[Buffer | CheckedPayload] = field(default_factory=list)  # the last bytes of a closed connection
     closed: bool = False  # its connection closed; the I/O layer closes the transport
+    given_up: bool = False  # not reconnected any more (StreamGivenUp)
     acked: int = 0  # CHUNK wire bytes acknowledged on this slot, over all its connections
 
 
@@ -323,6 +335,11 @@ class SenderCore:
 
     def is_open(self, index: int) -> bool:
         return self._slots[index].open
+
+    def is_given_up(self, index: int) -> bool:
+        """Whether slot ``index`` was given up (:class:`StreamGivenUp`) while the session
+        goes on: it will not open again."""
+        return self._slots[index].given_up
 
     def acked_bytes(self, index: int) -> int:
         """CHUNK wire bytes acknowledged on slot ``index`` since the session began."""
@@ -611,6 +628,7 @@ class SenderCore:
         reconnect = slot.was_open
         slot.open = slot.was_open = True
         slot.attempts = 0
+        slot.given_up = False
         slot.window = ev.window
         if reconnect:
             self.counters["reconnects"] += 1
@@ -659,6 +677,11 @@ class SenderCore:
             self._break(ev.error or ConnectionLostError("the first stream closed during the handshake"))
             return False
         lost = ev.error or ConnectionLostError(f"stream {index} closed")
+        if ev.code == ErrorCode.LIMIT_EXCEEDED and ev.error is not None and not was_open:
+            # A join the server refused: the session has as many streams as it allows.
+            # The session goes on with the streams it has; this slot is not retried.
+            self._give_up(index, ev.error)
+            return self.broken is None
         if ev.code == ErrorCode.UNKNOWN_SESSION or (ev.error is not None and not ev.resumable and not was_open):
             self._break(ev.error or ConnectionLostError("the receiver lost the session"))
             return False
@@ -689,12 +712,24 @@ class SenderCore:
     def _retry(self, index: int, now: float, error: KvwireError) -> None:
         slot = self._slots[index]
         if self.config.reconnect_attempts <= 0 or slot.attempts >= self.config.reconnect_attempts:
-            if not self.open_streams and not any(s.conn is not None or s.reconnect_at is not None or s.wanted
-                                                 for s in self._slots):
-                self._break(ConnectionLostError(f"could not resume the session: {error}"))
+            what = "reconnect" if slot.was_open else "join the session"
+            self._give_up(index, ConnectionLostError(
+                f"stream {index} could not {what} in {slot.attempts + 1} attempts: {error}"), last=error)
             return
         slot.reconnect_at = now + self.config.reconnect_backoff * (2 ** slot.attempts)
         slot.attempts += 1
+
+    def _give_up(self, index: int, error: KvwireError, last: KvwireError | None = None) -> None:
+        """No more connections for slot ``index``: the session goes on with its other
+        streams, or, with none open nor coming, is lost."""
+        slot = self._slots[index]
+        slot.reconnect_at = None
+        if not self.open_streams and not any(s.conn is not None or s.reconnect_at is not None or s.wanted
+                                             for s in self._slots):
+            self._break(ConnectionLostError(f"could not resume the session: {last or error}"))
+            return
+        slot.given_up = True
+        self._events.append(StreamGivenUp(index=index, error=error))
 
     def _requeue(self, index: int) -> None:
         """What the closed stream carried unacknowledged goes back to the front of the queue,
@@ -861,6 +896,7 @@ __all__ = [
     "SenderEvent",
     "SessionFailed",
     "StreamClosed",
+    "StreamGivenUp",
     "StreamOpened",
     "StreamWanted",
     "TransferCredit",

@@ -438,3 +438,59 @@ async def test_a_send_cancelled_after_every_chunk_was_acknowledged_is_not_delive
             receiving = asyncio.ensure_future(server.expect("next", timeout=30))
             await peer.send("next", SPEC, layers(), timeout=30)
             assert len((await (await receiving).collect(timeout=30)).layers) == SPEC.num_layers
+
+
+# -- streams that cannot join ------------------------------------------------------------
+
+
+async def test_open_fails_when_a_stream_can_never_join_instead_of_waiting_for_ever() -> None:
+    """Stream 0 opens; every join of stream 1 is dropped after its HELLO (a resumable
+    break): once its reconnect_attempts were used the slot was given up silently, and
+    open() waited for it with no end (still waiting after 40 s)."""
+    drop_joins = FaultPlan(forward=Faults(drop_at=20))
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with FaultProxy("127.0.0.1", server.port, plan=lambda i: drop_joins if i else FaultPlan()) as proxy:
+            peer = kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, streams=2, connect_timeout=5,
+                                  reconnect_attempts=3, reconnect_backoff=0.01)
+            with pytest.raises(kvwire.ConnectionLostError, match="stream 1 could not join the session in 4 attempts"):
+                await asyncio.wait_for(peer.open(), 20)
+            assert peer.closed and len(proxy.connections) == 5
+
+
+async def test_open_is_bounded_when_a_stream_joins_too_slowly() -> None:
+    """Joins that are never answered (each attempt waits out connect_timeout): open()
+    gives the other streams connect_timeout after the first one opened, then fails (a
+    fixed count) or goes on with the streams open ("auto"; the others keep trying, as
+    reconnects do)."""
+    stall_joins = FaultPlan(forward=Faults(stall_at=0))
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with FaultProxy("127.0.0.1", server.port, plan=lambda i: stall_joins if i else FaultPlan()) as proxy:
+            peer = kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, streams=2, connect_timeout=1)
+            with pytest.raises(kvwire.TransferTimeoutError, match=r"stream\(s\) 1 did not join the session"):
+                await asyncio.wait_for(peer.open(), 20)
+            assert peer.closed
+        async with FaultProxy("127.0.0.1", server.port, plan=lambda i: stall_joins if i else FaultPlan()) as proxy:
+            async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, streams="auto", max_streams=3,
+                                      connect_timeout=1) as peer:
+                assert peer.core.open_streams == [0]
+                receiving = asyncio.ensure_future(server.expect("auto", timeout=30))
+                await peer.send("auto", SPEC, layers(), timeout=30)
+                assert len((await (await receiving).collect(timeout=30)).layers) == SPEC.num_layers
+
+
+async def test_auto_streams_settle_for_the_streams_the_server_allows() -> None:
+    """streams="auto" opens max_streams streams; a server allowing fewer per session
+    (max_streams=3) refuses the rest with LIMIT_EXCEEDED, which failed connect() outright:
+    now the peer goes on with the 3 it has.  A fixed count the server refuses still fails
+    with LimitExceededError."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_streams=3) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams="auto", max_streams=6) as peer:
+            assert len(peer.core.open_streams) == 3
+            assert sum(peer.core.is_given_up(i) for i in range(6)) == 3
+            assert peer.stream_controller is not None
+            receiving = asyncio.ensure_future(server.expect("auto", timeout=30))
+            await peer.send("auto", SPEC, layers(), timeout=30)
+            assert len((await (await receiving).collect(timeout=30)).layers) == SPEC.num_layers
+        with pytest.raises(kvwire.LimitExceededError):
+            async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=4):
+                pass

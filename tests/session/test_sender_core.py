@@ -31,6 +31,7 @@ from kvwire.session.sender import (
     SenderEvent,
     SessionFailed,
     StreamClosed,
+    StreamGivenUp,
     StreamOpened,
     StreamWanted,
     TransferCredit,
@@ -79,6 +80,12 @@ class Harness:
     welcomes: dict[int, dict[str, object]] = field(default_factory=dict)
     """Per slot: what its server's WELCOME says otherwise (max_frame_size, window,
     max_transfers, codecs)."""
+    refuse: dict[int, ErrorCode] = field(default_factory=dict)
+    """Per slot: the GOAWAY code its server refuses it with after AUTH instead of WELCOME."""
+    unreachable: set[int] = field(default_factory=set)
+    """Slots whose TCP connect fails (``stream_failed``)."""
+    connects: dict[int, int] = field(default_factory=dict)
+    """Connection attempts per slot."""
 
     def open(self, index: int) -> None:
         cfg: dict[str, object] = dict(secret=SECRET, codecs=("raw", "fp8"), window=WINDOW, max_transfers=7,
@@ -96,7 +103,11 @@ class Harness:
                 self.events.append(ev)
                 busy = True
                 if isinstance(ev, StreamWanted):
-                    self.open(ev.index)
+                    self.connects[ev.index] = self.connects.get(ev.index, 0) + 1
+                    if ev.index in self.unreachable:
+                        self.core.stream_failed(ev.index, self.now, ConnectionLostError("refused"))
+                    else:
+                        self.open(ev.index)
             for i, srv in list(self.servers.items()):
                 up = self.core.data_to_send(i)
                 if up and srv.closed_event is None:
@@ -112,7 +123,10 @@ class Harness:
         while (ev := srv.next_event()) is not None:
             if isinstance(ev, ClientAuthenticated):
                 self.hellos.append(ev)
-                srv.welcome(self.session_id, srv.config.codecs)
+                if index in self.refuse:
+                    srv.refuse(self.refuse[index], "refused")
+                else:
+                    srv.welcome(self.session_id, srv.config.codecs)
             elif isinstance(ev, TransferBegun):
                 srv.send_accept(ev.frame.transfer_id, min(self.layer_limit, ev.frame.num_layers))
             elif isinstance(ev, ChunkReceived):
@@ -139,6 +153,17 @@ class Harness:
 
     def of(self, kind: type) -> list:  # type: ignore[type-arg]
         return [e for e in self.events if isinstance(e, kind)]
+
+    def advance(self, until: float) -> None:
+        """Fire the core's timers (reconnect backoffs, deadlines, pings) up to ``until``."""
+        while True:
+            self.step()
+            when = self.core.get_timer()
+            if when is None or when > until:
+                self.now = until
+                return
+            self.now = max(self.now, when)
+            self.core.handle_timer(self.now)
 
 
 def harness(streams: int = 1, **config: object) -> Harness:
@@ -554,6 +579,60 @@ def test_a_stream_welcomed_with_other_session_wide_values_loses_the_session(
     assert failed.error is err
     with pytest.raises(type(err)):
         h.core.begin("r", num_layers=1, num_kv_heads=1, head_dim=8, now=h.now)
+
+
+@pytest.mark.parametrize("how", ["connect-refused", "goaway-timeout-in-handshake"])
+def test_a_join_that_never_succeeds_is_given_up_once_its_attempts_are_used_up(how: str) -> None:
+    """The slot was retried until its reconnect_attempts were used, then silently left
+    down while stream 0 was open, and open() waited for it for ever: now the core says it
+    gave the slot up (StreamGivenUp), and the session goes on with the others."""
+    h = Harness(SenderCore(SenderConfig(secret=SECRET, streams=2, codecs=("raw",), reconnect_attempts=3,
+                                        reconnect_backoff=0.1)))
+    if how == "connect-refused":
+        h.unreachable.add(1)
+    else:
+        h.refuse[1] = ErrorCode.TIMEOUT  # a break, resumable: retried
+    h.advance(60.0)
+    assert h.connects == {0: 1, 1: 4}  # the join and its 3 reconnects; nothing after
+    [given_up] = h.of(StreamGivenUp)
+    assert given_up.index == 1 and isinstance(given_up.error, ConnectionLostError)
+    assert "stream 1 could not join the session in 4 attempts" in str(given_up.error)
+    assert h.core.is_given_up(1) and not h.core.is_given_up(0)
+    assert h.core.broken is None and h.core.open_streams == [0] and not h.of(SessionFailed)
+    tid = begin(h, layers=1)
+    for i in range(3):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.step()
+    assert [i for i, _ in h.received] == [0, 0, 0]
+
+
+def test_a_join_refused_with_limit_exceeded_is_given_up_at_once_and_the_session_goes_on() -> None:
+    """A server with max_streams below the client's stream count refuses the extra joins
+    with LIMIT_EXCEEDED: that was fatal to the whole session; now those slots are given up
+    (not retried: the server said no) and the session goes on with the streams it has."""
+    h = Harness(SenderCore(SenderConfig(secret=SECRET, streams=4, codecs=("raw",))))
+    h.refuse[2] = h.refuse[3] = ErrorCode.LIMIT_EXCEEDED
+    h.advance(60.0)
+    assert h.connects == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert sorted(g.index for g in h.of(StreamGivenUp)) == [2, 3]
+    assert all(isinstance(g.error, LimitExceededError) for g in h.of(StreamGivenUp))
+    assert h.core.broken is None and h.core.open_streams == [0, 1]
+    # the first stream refused (max_sessions) is still the end of it: there is no session
+    first = Harness(SenderCore(SenderConfig(secret=SECRET, streams=2, codecs=("raw",))))
+    first.refuse[0] = ErrorCode.LIMIT_EXCEEDED
+    first.advance(60.0)
+    assert isinstance(first.core.broken, LimitExceededError) and not first.of(StreamGivenUp)
+
+
+def test_a_slot_given_up_with_no_stream_open_loses_the_session() -> None:
+    h = Harness(SenderCore(SenderConfig(secret=SECRET, streams=1, codecs=("raw",), reconnect_attempts=2,
+                                        reconnect_backoff=0.1)))
+    h.step()
+    h.unreachable.add(0)
+    h.kill(0)
+    h.advance(60.0)
+    assert isinstance(h.core.broken, ConnectionLostError) and "could not resume the session" in str(h.core.broken)
+    assert not h.of(StreamGivenUp) and h.of(SessionFailed)
 
 
 def test_a_clean_goaway_requeues_on_the_other_streams_without_reconnecting() -> None:
