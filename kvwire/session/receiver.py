@@ -916,9 +916,11 @@ class ReceiverCore:
         self._events.append(TransferAborted(
             key=t.key, request_id=t.begin.request_id, reason=wire_text(ev.message), by_peer=True,
         ))
-        # The tombstone repeats the code, not the peer's text.
-        self._fail(t, ev.error(), reset=False, even_if_complete=True,
-                   tombstone=error_from_code(ev.code, "reset by the client"))
+        # The tombstone repeats the code, not the peer's text (NO_ERROR or an unknown code
+        # as PROTOCOL_ERROR, the error the transfer failed with).
+        error = ev.error()
+        self._fail(t, error, reset=False, even_if_complete=True,
+                   tombstone=error_from_code(error.code, "reset by the client"))
 
     def _on_closed(self, cid: int, ev: ConnectionClosed, now: float) -> None:
         if isinstance(ev.error, AuthenticationError):

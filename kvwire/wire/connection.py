@@ -162,6 +162,12 @@ class TransferReset:
     message: str
 
     def error(self) -> KvwireError:
+        """The error the RESET fails its transfer with: its code's (section 11).  NO_ERROR
+        is no reason for a transfer to fail (one that succeeds ends by its last ACK): a
+        RESET carrying it is a ProtocolError, like one with a code not in the table."""
+        if self.code == ErrorCode.NO_ERROR:
+            return ProtocolError(f"peer reset the transfer with code NO_ERROR: {self.message}",
+                                 code=ErrorCode.PROTOCOL_ERROR)
         return error_from_code(self.code, self.message)
 
 

@@ -635,6 +635,22 @@ def test_a_peer_reset_is_counted_and_reported() -> None:
     assert h.core.counters["transfers_aborted_by_peer"] == 1
 
 
+@pytest.mark.parametrize("code", [ErrorCode.NO_ERROR, 0x7777])
+def test_a_peer_reset_with_no_error_or_an_unknown_code_fails_the_transfer_as_a_protocol_error(code: int) -> None:
+    """NO_ERROR is no reason for a transfer to fail: it was failed with a plain
+    KvwireError(NO_ERROR), and its later chunks answered with RESET(NO_ERROR)."""
+    h = Harness()
+    h.client.send_begin(begin())
+    h.pump()
+    h.client.send_reset(1, code, "why not")  # type: ignore[arg-type]
+    h.pump()
+    [failed] = h.of(TransferFailed)
+    assert type(failed.error).__name__ == "ProtocolError" and failed.error.code == ErrorCode.PROTOCOL_ERROR
+    h.send(chunk(layer=0, kind=0))
+    [reset] = h.client_of(TransferReset)
+    assert reset.code == ErrorCode.PROTOCOL_ERROR
+
+
 def complete_transfer(claim: bool) -> Harness:
     h = Harness()
     h.client.send_begin(begin(layers=1))

@@ -417,6 +417,16 @@ def test_reset_by_the_receiver_is_failed_with_its_reason_and_counted() -> None:
     assert h.core.accepted(tid) is False
 
 
+def test_a_reset_with_no_error_fails_the_transfer_as_a_protocol_error() -> None:
+    h = harness()
+    tid = begin(h)
+    h.servers[0].send_reset(tid, ErrorCode.NO_ERROR, "all good?")
+    h.step()
+    [failed] = h.of(TransferFailed)
+    assert failed.by_peer and type(failed.error).__name__ == "ProtocolError"
+    assert failed.error.code == ErrorCode.PROTOCOL_ERROR and "NO_ERROR" in str(failed.error)
+
+
 def test_abort_sends_a_reset_and_reports_unacked_chunks_lost() -> None:
     h = harness()
     tid = begin(h, layers=1)
