@@ -34,10 +34,10 @@ from typing import Any
 from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench.command import stream_count
 from kvwire.bench.models import MODELS
-from kvwire.bench.runner import BenchConfig, run_bench
+from kvwire.bench.runner import MIN_LINK_BPS, BenchConfig, run_bench
 from kvwire.errors import KvwireError
 from kvwire.session.options import AUTO_CODEC_MODES
-from kvwire.units import argument_type, whole_number
+from kvwire.units import argument_type, format_rate, whole_number
 
 
 def _after(samples: list[dict[str, Any]], t: float) -> list[dict[str, Any]]:
@@ -99,6 +99,8 @@ def main() -> None:
         link_gbps = [float(x) for x in args.codec_links.split(",") if x]
     except ValueError as exc:
         ap.error(f"--codec-links takes Gbit/s separated by commas ({exc})")
+    if any(not gbps * 1e9 >= MIN_LINK_BPS for gbps in link_gbps):
+        ap.error(f"--codec-links: every link must be at least {format_rate(MIN_LINK_BPS)}")
     common: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "duration": args.duration,
                               "streams": streams, "rtt": 0.020, "auto_codec": args.auto_codec,
                               "emulator": args.emulator}

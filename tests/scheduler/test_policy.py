@@ -194,7 +194,7 @@ def test_decide_is_total_and_consistent(
     if isinstance(d, Offload):
         # Something offloaded is long locally; the link has room for it.
         assert n - min(lh * 512, n) > effective_threshold(s)
-        assert s.utilization < hard
+        assert s.utilization <= soft or s.utilization < hard  # (a plan's huge level: soft == hard in floats)
     if planned is not None and bw > 0 and (planned_bw is None or planned_bw == bw):
         # On the link the plan was made for, the plan is never fought, whatever the load.
         assert effective_threshold(s) == t
