@@ -579,6 +579,11 @@ class Connection:
                 self._queue(Pong(opaque=opaque))
 
     def send_reset(self, transfer_id: int, code: ErrorCode, message: str) -> None:
+        if code == ErrorCode.NO_ERROR:
+            # A RESET never carries NO_ERROR (4.9: a peer takes it for PROTOCOL_ERROR). A
+            # local error with no wire code of its own (a lost connection, a server
+            # closing) gives the transfer up: CANCELLED.
+            code = ErrorCode.CANCELLED
         if self.state is State.OPEN:
             self._queue(Reset(transfer_id=transfer_id, code=int(code), message=message))
 

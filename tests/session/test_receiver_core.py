@@ -46,7 +46,7 @@ from kvwire.wire import (
     TransferReset,
     chunk_frame_size,
 )
-from kvwire.wire.frames import BlockVersion, FrameType, Ping, frame_bytes
+from kvwire.wire.frames import BlockVersion, FrameType, Ping, Reset, frame_bytes
 
 SECRET = b"receiver-core-secret"
 HEADS, HEAD_DIM = 2, 4
@@ -642,7 +642,8 @@ def test_a_peer_reset_with_no_error_or_an_unknown_code_fails_the_transfer_as_a_p
     h = Harness()
     h.client.send_begin(begin())
     h.pump()
-    h.client.send_reset(1, code, "why not")  # type: ignore[arg-type]
+    # (as a peer of its own would: a kvwire Connection never puts NO_ERROR in a RESET)
+    h.client._queue(Reset(transfer_id=1, code=code, message="why not"))
     h.pump()
     [failed] = h.of(TransferFailed)
     assert type(failed.error).__name__ == "ProtocolError" and failed.error.code == ErrorCode.PROTOCOL_ERROR

@@ -55,7 +55,7 @@ from kvwire.wire import (
     TransferReset,
     frame_bytes,
 )
-from kvwire.wire.frames import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW
+from kvwire.wire.frames import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW, Reset
 
 SECRET = b"sender-core-secret"
 SESSION = bytes(range(16))
@@ -420,7 +420,8 @@ def test_reset_by_the_receiver_is_failed_with_its_reason_and_counted() -> None:
 def test_a_reset_with_no_error_fails_the_transfer_as_a_protocol_error() -> None:
     h = harness()
     tid = begin(h)
-    h.servers[0].send_reset(tid, ErrorCode.NO_ERROR, "all good?")
+    # (as a server of its own would: a kvwire Connection never puts NO_ERROR in a RESET)
+    h.servers[0]._queue(Reset(transfer_id=tid, code=ErrorCode.NO_ERROR, message="all good?"))
     h.step()
     [failed] = h.of(TransferFailed)
     assert failed.by_peer and type(failed.error).__name__ == "ProtocolError"

@@ -43,6 +43,7 @@ from kvwire.wire import (
     State,
     TransferAccepted,
     TransferBegun,
+    TransferReset,
     Welcome,
     chunk_frame_size,
     frame_bytes,
@@ -535,3 +536,15 @@ def test_start_deferred_with_nothing_waiting_changes_nothing() -> None:
     pair.handshake()
     assert not pair.server.start_deferred(now=1.0)
     assert pair.server.next_event() is None and pair.server.state is State.OPEN
+
+
+def test_a_reset_never_carries_no_error() -> None:
+    """A local error with no wire code (ConnectionLostError: a lost connection, a server
+    closing) gave RESET(NO_ERROR), which a peer takes for PROTOCOL_ERROR (4.9): it goes
+    out as CANCELLED, the transfer given up."""
+    pair = _open_pair(2)
+    pair.client.send_reset(7, ErrorCode.NO_ERROR, "server closed")
+    pair.client.send_reset(8, ErrorCode.TIMEOUT, "late")
+    pair.pump()
+    resets = [ev for ev in pair.server_events if isinstance(ev, TransferReset)]
+    assert [(r.transfer_id, r.code) for r in resets] == [(7, ErrorCode.CANCELLED), (8, ErrorCode.TIMEOUT)]
