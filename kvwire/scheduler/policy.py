@@ -110,14 +110,18 @@ class SchedulerState:
     comes from a plan that budgets the link, and count other traffic in ``bandwidth_bps``
     (the share left to the offloads), not in the demand."""
     planned_bandwidth_bps: float | None = None
-    """Bandwidth the plan was made for (the optimizer's ``egress_bps``); ``None`` (or not
-    > 0): ``bandwidth_bps``. A live estimate below it is the link carrying less than planned."""
+    """Bandwidth the plan was made for (the optimizer's ``egress_bps``), required with a
+    plan: a live estimate below it is the link carrying less than planned. ``None`` (or not
+    a finite number > 0): no plan (were the plan taken as made for the live estimate, the
+    link could never fall short of it and the rules would never fire)."""
 
     @property
     def has_plan(self) -> bool:
-        """A usable plan: ``planned_egress_bps`` finite and >= 0."""
-        p = self.planned_egress_bps
-        return p is not None and math.isfinite(p) and p >= 0
+        """A usable plan: ``planned_egress_bps`` finite and >= 0, ``planned_bandwidth_bps``
+        finite and > 0."""
+        p, bw = self.planned_egress_bps, self.planned_bandwidth_bps
+        return (p is not None and math.isfinite(p) and p >= 0
+                and bw is not None and math.isfinite(bw) and bw > 0)
 
     @property
     def planned_utilization(self) -> float:
@@ -125,13 +129,8 @@ class SchedulerState:
         with no bandwidth to plan on)."""
         if not self.has_plan:
             return 0.0
-        assert self.planned_egress_bps is not None
-        if self.planned_egress_bps <= 0:
-            return 0.0
-        bw = self.planned_bandwidth_bps
-        if bw is None or not bw > 0:
-            bw = self.bandwidth_bps
-        return self.planned_egress_bps / bw if bw > 0 else 0.0
+        assert self.planned_egress_bps is not None and self.planned_bandwidth_bps is not None
+        return self.planned_egress_bps / self.planned_bandwidth_bps
 
     @property
     def utilization(self) -> float:

@@ -122,9 +122,8 @@ def test_a_link_short_of_the_plan_raises_the_threshold_then_refuses() -> None:
 
 
 def test_a_plan_below_the_soft_level_keeps_the_fixed_levels() -> None:
-    # A remote-compute-bound plan uses 30% of the link: the levels stay at 0.7 and 0.97,
-    # and the planned bandwidth defaults to the live estimate.
-    s = state(egress_demand_bps=90e9, planned_egress_bps=30e9)
+    # A remote-compute-bound plan uses 30% of the link: the levels stay at 0.7 and 0.97.
+    s = state(egress_demand_bps=90e9, planned_egress_bps=30e9, planned_bandwidth_bps=100e9)
     assert s.planned_utilization == pytest.approx(0.3) and s.levels == (0.7, 0.97)
     assert s.utilization == pytest.approx(0.3)
     assert effective_threshold(s) == 8192
@@ -135,9 +134,14 @@ def test_a_plan_below_the_soft_level_keeps_the_fixed_levels() -> None:
     assert effective_threshold(low) > 8192
 
 
-@pytest.mark.parametrize("planned", [None, math.nan, math.inf, -1.0])
-def test_no_usable_plan_is_no_plan(planned: float | None) -> None:
-    s = state(egress_demand_bps=85e9, planned_egress_bps=planned)
+@pytest.mark.parametrize(("planned", "planned_bw"), [
+    (None, 100e9), (math.nan, 100e9), (math.inf, 100e9), (-1.0, 100e9),
+    (30e9, None), (30e9, 0.0), (30e9, math.nan), (30e9, math.inf),
+])
+def test_no_usable_plan_is_no_plan(planned: float | None, planned_bw: float | None) -> None:
+    # A plan without the bandwidth it was made for is none: taken as made for the live
+    # estimate, the link could never fall short of it and no rule would ever fire.
+    s = state(egress_demand_bps=85e9, planned_egress_bps=planned, planned_bandwidth_bps=planned_bw)
     assert not s.has_plan and s.levels == (0.7, 0.97)
     assert effective_threshold(s) == effective_threshold(state(egress_demand_bps=85e9))
 
@@ -195,7 +199,7 @@ def test_decide_is_total_and_consistent(
         # Something offloaded is long locally; the link has room for it.
         assert n - min(lh * 512, n) > effective_threshold(s)
         assert s.utilization <= soft or s.utilization < hard  # (a plan's huge level: soft == hard in floats)
-    if planned is not None and bw > 0 and (planned_bw is None or planned_bw == bw):
+    if s.has_plan and bw > 0 and planned_bw == bw:
         # On the link the plan was made for, the plan is never fought, whatever the load.
         assert effective_threshold(s) == t
         assert d.reason not in ("link-saturated", "bandwidth-tight")
