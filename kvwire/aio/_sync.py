@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 
 import kvwire
 from kvwire.aio._transfer import check_seconds
-from kvwire.aio.server import check_request_id
 from kvwire.errors import (
     ConnectionLostError,
     KvwireError,
@@ -22,6 +21,7 @@ from kvwire.errors import (
     TransferTimeoutError,
     UsageError,
 )
+from kvwire.session.sender import check_request_id
 from kvwire.spec import KVSpec, Layer
 
 T = TypeVar("T")

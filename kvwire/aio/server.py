@@ -51,6 +51,7 @@ from kvwire.session.receiver import (
     TransferFailed,
     stale_error,
 )
+from kvwire.session.sender import check_request_id
 
 _log = logging.getLogger("kvwire")
 
@@ -107,13 +108,6 @@ class _CostMeter:
                 self._core.report(transport, decode)
         self._at, self._cpu, self._bytes, self._decoded = now, cpu, received, decoded
         self._allocated = allocated
-
-
-def check_request_id(request_id: object) -> None:
-    """UsageError unless ``request_id`` is one a sender can send (a wait for any other could
-    only time out)."""
-    if not isinstance(request_id, str) or not request_id or len(request_id.encode()) > 0xFFFF:
-        raise UsageError(f"request_id must be a non-empty str of at most 65535 UTF-8 bytes, got {request_id!r:.80}")
 
 
 def _abort_handed(fut: asyncio.Future[Transfer], why: str) -> None:

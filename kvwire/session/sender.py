@@ -871,10 +871,20 @@ def begin_fields(meta: object, blocks: Iterable[tuple[Any, int]] | None) -> tupl
     return meta_bytes, tuple(BlockVersion(block=block_key(b).encode(), version=v) for b, v in blocks or ())
 
 
+def check_request_id(request_id: object) -> None:
+    """UsageError unless ``request_id`` is one BEGIN can carry: a non-empty str of at most
+    65535 bytes in UTF-8 (a lone surrogate has none)."""
+    try:
+        ok = isinstance(request_id, str) and 0 < len(request_id.encode()) <= 0xFFFF
+    except UnicodeEncodeError:
+        ok = False
+    if not ok:
+        raise UsageError(f"request_id must be a non-empty str of at most 65535 UTF-8 bytes, got {request_id!r:.80}")
+
+
 def _check_begin(request_id: str, blocks: tuple[BlockVersion, ...]) -> None:
     """What BEGIN can carry: the wire's field limits, as usage errors before anything is sent."""
-    if not isinstance(request_id, str) or not request_id or len(request_id.encode()) > 0xFFFF:
-        raise UsageError("request_id must be a non-empty str of at most 65535 UTF-8 bytes")
+    check_request_id(request_id)
     if len(blocks) > 0xFFFF:
         raise UsageError("at most 65535 blocks per transfer")
     for b in blocks:

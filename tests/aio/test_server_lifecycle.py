@@ -34,7 +34,7 @@ async def test_accept_and_expect_after_close_fail_at_once() -> None:
         await server.start()
 
 
-@pytest.mark.parametrize("request_id", [5, b"x", "", None, "x" * 65536])
+@pytest.mark.parametrize("request_id", [5, b"x", "", None, "x" * 65536, "\ud800"])
 async def test_expect_of_an_id_no_sender_can_send_is_refused_at_once(request_id: Any) -> None:
     # A sender's request id is a non-empty str: a wait for anything else could only time out.
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:

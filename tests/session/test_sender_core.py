@@ -691,6 +691,7 @@ def test_close_fails_every_transfer_and_says_goaway_on_every_stream() -> None:
 @pytest.mark.parametrize("request_id, blocks", [
     ("", ()),
     ("x" * 70_000, ()),
+    ("\ud800", ()),  # no UTF-8 for a lone surrogate (was a UnicodeEncodeError)
     ("r", (BlockVersion(block=b"k" * 256, version=1),)),
     ("r", (BlockVersion(block=b"k", version=-1),)),
     ("r", (BlockVersion(block=b"k", version=1 << 64),)),
