@@ -23,8 +23,6 @@ no transfer state; only the verified chunk does.
 from __future__ import annotations
 
 import heapq
-import json
-import math
 import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -46,6 +44,7 @@ from kvwire.errors import (
     UsageError,
     error_from_code,
 )
+from kvwire.session.meta import parse_meta
 from kvwire.spec import DTYPE_BY_ID, KVSpec
 from kvwire.wire import (
     Begin,
@@ -137,60 +136,6 @@ def admit_begin(
     except (UnicodeDecodeError, UsageError):
         raise ProtocolError("BEGIN carries a malformed block id") from None
     return spec, meta
-
-
-def _refuse_constant(name: str) -> object:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is beyond a double")
-    return value
-
-
-def _has_lone_surrogate(value: object) -> bool:
-    """Whether a parsed JSON value holds a string (key or value) with a lone surrogate (an
-    escape such as ``\\ud800`` not paired): text that is no Unicode, which no UTF-8 encoder
-    takes back (the application could not log it, store it or send it on)."""
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return False
-
-
-def parse_meta(meta: bytes) -> dict[str, object]:
-    """BEGIN meta as the application gets it: empty is ``{}``, else a JSON object in UTF-8
-    (docs/protocol.md 2, 4.5).  ProtocolError for anything else: bytes that are not strict
-    UTF-8 (``json.loads`` of bytes would guess UTF-16 or UTF-32 and let encoded surrogates
-    through), text that is not JSON (Python's ``NaN``, ``Infinity``, ``-Infinity`` included),
-    a number beyond a double, a string with a lone surrogate, or a value other than an object."""
-    if not meta:
-        return {}
-    try:
-        text = bytes(meta).decode("utf-8")
-    except UnicodeDecodeError:
-        raise ProtocolError("BEGIN meta is not UTF-8") from None
-    try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError):
-        raise ProtocolError("BEGIN meta is not JSON") from None
-    if not isinstance(value, dict):
-        raise ProtocolError("BEGIN meta is not a JSON object")
-    if _has_lone_surrogate(value):
-        raise ProtocolError("BEGIN meta holds a string that is not Unicode (a lone surrogate)")
-    return value
 
 
 def check_chunk_size(chunk: Chunk, bytes_per_token: int, *, max_chunk_bytes: int, max_layer_bytes: int) -> None:

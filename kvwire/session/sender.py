@@ -26,9 +26,11 @@ from kvwire.errors import (
     ConnectionLostError,
     ErrorCode,
     KvwireError,
+    ProtocolError,
     TransferTimeoutError,
     UsageError,
 )
+from kvwire.session.meta import parse_meta
 from kvwire.wire import (
     Begin,
     BlockVersion,
@@ -868,6 +870,10 @@ def begin_fields(meta: object, blocks: Iterable[tuple[Any, int]] | None) -> tupl
         meta_bytes = json.dumps(meta or {}, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
     except (TypeError, ValueError, RecursionError) as exc:  # (UnicodeEncodeError is a ValueError)
         raise UsageError(f"meta must be JSON-serialisable: {exc}") from None
+    try:
+        parse_meta(meta_bytes)  # what a receiver would refuse (a number beyond a double)
+    except ProtocolError as exc:
+        raise UsageError(f"meta must be JSON a receiver takes: {str(exc).removeprefix('BEGIN ')}") from None
     return meta_bytes, tuple(BlockVersion(block=block_key(b).encode(), version=v) for b, v in blocks or ())
 
 

@@ -171,9 +171,10 @@ def test_a_begin_of_another_layout_is_refused_with_incompatible_spec() -> None:
     b"\xef\xbb\xbf{}",  # a byte order mark
     b'{"a":NaN}', b'{"a":Infinity}', b'{"a":-Infinity}',  # Python's constants, not JSON
     b'{"a":1e999}',  # beyond a double: it would read as infinity
+    b'{"a":1' + b"0" * 400 + b'}', b'{"a":-1' + b"0" * 5000 + b'}',  # integers beyond a double too
     b'{"a":"\\ud800"}', b'{"\\udc00":1}', b'{"a":[{"b":"x\\udbff"}]}',  # lone surrogates
 ], ids=["utf16", "utf32", "encoded-surrogate", "bom", "nan", "infinity", "-infinity", "overflow",
-        "lone-surrogate", "lone-surrogate-key", "nested-lone-surrogate"])
+        "int-overflow", "long-int", "lone-surrogate", "lone-surrogate-key", "nested-lone-surrogate"])
 def test_meta_that_is_not_a_json_object_in_utf8_is_refused_with_protocol_error(meta: bytes) -> None:
     h = Harness()
     h.client.send_begin(begin(meta=meta))

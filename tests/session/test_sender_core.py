@@ -20,7 +20,7 @@ from kvwire.errors import (
     TransferTimeoutError,
     UsageError,
 )
-from kvwire.session.receiver import parse_meta
+from kvwire.session.meta import parse_meta
 from kvwire.session.sender import (
     ChunkDelivered,
     ChunkLost,
@@ -705,8 +705,9 @@ def test_begin_refuses_what_the_wire_cannot_carry(request_id: str, blocks: tuple
     assert h.core.transfers == 0 and not h.core.data_to_send(0)
 
 
-@pytest.mark.parametrize("meta", [{"x": float("nan")}, {"x": float("inf")}, {"x": "\ud800"}, {"\udc00": 1}],
-                         ids=["nan", "inf", "lone-surrogate", "lone-surrogate-key"])
+@pytest.mark.parametrize("meta", [{"x": float("nan")}, {"x": float("inf")}, {"x": "\ud800"}, {"\udc00": 1},
+                                  {"x": 10**400}],
+                         ids=["nan", "inf", "lone-surrogate", "lone-surrogate-key", "int-beyond-a-double"])
 def test_meta_a_receiver_would_refuse_is_a_usage_error_before_anything_is_sent(meta: dict[str, object]) -> None:
     with pytest.raises(UsageError, match="JSON"):
         begin_fields(meta, None)
