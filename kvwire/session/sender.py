@@ -102,7 +102,8 @@ class StreamOpened:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StreamClosed:
     """Stream ``index`` closed; ``resumed``: the session goes on (and reconnects the slot,
-    unless a :class:`StreamGivenUp` of it follows)."""
+    unless a :class:`StreamGivenUp` of it comes with this close: it is queued just before
+    this event when the close used up the slot's reconnects)."""
 
     index: int
     closed: ConnectionClosed
