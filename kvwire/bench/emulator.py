@@ -239,7 +239,8 @@ class _LinkPolicy:
         rate, each with the time it may be written on: a read's first bytes leave when
         they are through, not when its last byte is (a 600 KB read at 100 Mbit/s would
         hold its first byte 50 ms)."""
-        rate = self._emulator.schedule.rate_at(now - self._emulator.start_time)
+        bottleneck = self._bottleneck  # this direction's rate (None: unlimited)
+        rate = None if bottleneck is None else bottleneck.schedule.rate_at(now - self._emulator.start_time)
         size = nbytes if rate is None else max(MIN_PIECE, int(rate / 8.0 * PIECE_TIME))
         out = []
         while nbytes > 0:
@@ -344,6 +345,9 @@ class LinkEmulator:
         self._backward = _Bottleneck(self.reverse_schedule, burst)
         self._rng = random.Random(seed)
         self.start_time = 0.0
+        # The reverse direction's queue follows its own rate (its sockets are the target's
+        # side, whose receive buffers the proxy leaves to the kernel).
+        reverse_queue = queue_bytes if queue_bytes is not None else default_queue_bytes(self.reverse_schedule.peak_bps)
         if queue_bytes is None:
             queue_bytes = default_queue_bytes(self.schedule.peak_bps)
         self.queue_bytes = queue_bytes
@@ -354,7 +358,7 @@ class LinkEmulator:
         rcvbuf = max(MIN_QUEUE // 2, queue_bytes // 8) if queue_bytes < MAX_QUEUE else None
         shared = queue_bytes if rcvbuf is None else max(queue_bytes - rcvbuf, rcvbuf)
         self._forward_queue = _SharedQueue(shared)
-        self._backward_queue = _SharedQueue(shared)
+        self._backward_queue = _SharedQueue(reverse_queue)
         high = queue_bytes + self._in_delay_line(self.schedule.peak_bps)
         if splice is None:
             splice = SPLICE_AVAILABLE

@@ -290,6 +290,15 @@ def test_a_read_leaves_the_link_in_pieces_each_when_it_is_through() -> None:
     assert [due for _, due in pieces] == sorted(due for _, due in pieces)
     unlimited, _ = LinkEmulator("127.0.0.1", 9)._policies(None)  # type: ignore[arg-type]
     assert unlimited.pieces(0.0, 600_000) == [(600_000, 0.0)]
+    # The reverse direction by its own rate: one piece when it is unlimited (not 4 KiB
+    # slices of the forward rate's), 1 ms of its rate when it has one.
+    _, back = link._policies(None)  # type: ignore[arg-type]
+    assert back.pieces(0.0, 600_000) == [(600_000, 0.0)]
+    slow_back = LinkEmulator("127.0.0.1", 9, rate_bps=10e9, reverse_rate_bps=10e6, burst=0.0)
+    _, back = slow_back._policies(None)  # type: ignore[arg-type]
+    first, *_ = back.pieces(0.0, 100_000)
+    assert first == (4096, pytest.approx(4096 * 8 / 10e6))  # 1 ms is under MIN_PIECE here
+    assert slow_back._backward_queue.limit == emulator.default_queue_bytes(10e6)
 
 
 async def test_connections_take_turns_at_a_full_queue(counter: Counter, splice: bool) -> None:
