@@ -34,16 +34,25 @@ PIPELINE_DEPTH = 4
 INSTALL_HINT = gpu.INSTALL_HINT
 
 
-def parse_device(device: str) -> int | None:
-    """``None`` for "cpu"; the CUDA device number for "gpu" (the current one) or "gpu:N".
-
-    UsageError for anything else, and for a GPU that CuPy cannot use.
-    """
+def check_device_name(device: object) -> re.Match[str] | None:
+    """UsageError unless ``device`` is "cpu", "gpu" or "gpu:N" (the name only: nothing is
+    probed); the match of a GPU name, None for "cpu"."""
     if device == "cpu":
         return None
     m = re.fullmatch(r"gpu(?::(\d+))?", device) if isinstance(device, str) else None
     if m is None:
         raise UsageError(f"device must be 'cpu', 'gpu' or 'gpu:N', got {device!r}")
+    return m
+
+
+def parse_device(device: str) -> int | None:
+    """``None`` for "cpu"; the CUDA device number for "gpu" (the current one) or "gpu:N".
+
+    UsageError for anything else, and for a GPU that CuPy cannot use.
+    """
+    m = check_device_name(device)
+    if m is None:
+        return None
     if not gpu.gpu_available():
         raise UsageError(f"device={device!r} needs CuPy and a CUDA device ({INSTALL_HINT})")
     import cupy

@@ -99,8 +99,7 @@ class Transfer:
 
     def _check_device(self, device: str) -> None:
         on_gpu = self._server.on_gpu
-        if device != "cpu":  # the server's own parser: "bogus" is no device (nor a hint to serve it)
-            _gpu.parse_device(device)
+        _gpu.check_device_name(device)  # "bogus" is no device (nor a hint to serve it)
         if (device == "cpu") == on_gpu:
             raise UsageError(f"this server decodes on {'gpu' if on_gpu else 'cpu'}; serve(device={device!r}) to change it")
 
