@@ -350,8 +350,11 @@ class Peer(Pump):
         with its error (the streams asked for cannot all open); with ``"auto"`` the peer
         settles for the streams the server lets it open."""
         left = self.core.open_streams
-        _log.warning("kvwire: stream %d to %s:%s given up (%s); the session goes on with stream(s) %s",
-                     ev.index, self.host, self.port, ev.error, ", ".join(map(str, left)) or "none open now")
+        # With "auto", a server allowing fewer streams than it tries is expected: not a warning.
+        expected = self.stream_controller is not None and ev.error.code == ErrorCode.LIMIT_EXCEEDED
+        _log.log(logging.INFO if expected else logging.WARNING,
+                 "kvwire: stream %d to %s:%s given up (%s); the session goes on with stream(s) %s",
+                 ev.index, self.host, self.port, ev.error, ", ".join(map(str, left)) or "none open now")
         if self._opening and self._open_error is None and self.stream_controller is None:
             self._open_error = ev.error
 

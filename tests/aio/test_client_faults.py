@@ -478,15 +478,19 @@ async def test_open_is_bounded_when_a_stream_joins_too_slowly() -> None:
                 assert len((await (await receiving).collect(timeout=30)).layers) == SPEC.num_layers
 
 
-async def test_auto_streams_settle_for_the_streams_the_server_allows() -> None:
+async def test_auto_streams_settle_for_the_streams_the_server_allows(caplog: pytest.LogCaptureFixture) -> None:
     """streams="auto" opens max_streams streams; a server allowing fewer per session
     (max_streams=3) refuses the rest with LIMIT_EXCEEDED, which failed connect() outright:
-    now the peer goes on with the 3 it has.  A fixed count the server refuses still fails
-    with LimitExceededError."""
+    now the peer goes on with the 3 it has (an expected outcome: logged as information,
+    not warned about).  A fixed count the server refuses still fails with
+    LimitExceededError."""
+    caplog.set_level(logging.INFO, logger="kvwire")
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_streams=3) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams="auto", max_streams=6) as peer:
             assert len(peer.core.open_streams) == 3
             assert sum(peer.core.is_given_up(i) for i in range(6)) == 3
+            given_up = [r for r in caplog.records if "given up" in r.getMessage()]
+            assert len(given_up) == 3 and {r.levelno for r in given_up} == {logging.INFO}
             assert peer.stream_controller is not None
             receiving = asyncio.ensure_future(server.expect("auto", timeout=30))
             await peer.send("auto", SPEC, layers(), timeout=30)
