@@ -700,8 +700,8 @@ class SenderCore:
                     t.reconnects += 1
                     if t.reconnects > cfg.max_transfer_reconnects:
                         self._fail(t, ConnectionLostError(
-                            f"transfer {t.state.transfer_id} lived through {cfg.max_transfer_reconnects} "
-                            "broken streams: giving up"), reset=True)
+                            f"transfer {t.state.transfer_id}: {t.reconnects} streams broke under it "
+                            f"(max_transfer_reconnects={cfg.max_transfer_reconnects}): giving up"), reset=True)
             self._retry(index, now, lost)
             return self.broken is None
         if ev.goaway and ev.code == ErrorCode.NO_ERROR and self.open_streams:
@@ -716,8 +716,9 @@ class SenderCore:
         slot = self._slots[index]
         if self.config.reconnect_attempts <= 0 or slot.attempts >= self.config.reconnect_attempts:
             what = "reconnect" if slot.was_open else "join the session"
+            tries = slot.attempts + 1
             self._give_up(index, ConnectionLostError(
-                f"stream {index} could not {what} in {slot.attempts + 1} attempts: {error}"), last=error)
+                f"stream {index} could not {what} in {tries} attempt{'s' if tries > 1 else ''}: {error}"), last=error)
             return
         slot.reconnect_at = now + self.config.reconnect_backoff * (2 ** slot.attempts)
         slot.attempts += 1
