@@ -700,8 +700,8 @@ class SenderCore:
                     t.reconnects += 1
                     if t.reconnects > cfg.max_transfer_reconnects:
                         self._fail(t, ConnectionLostError(
-                            f"transfer {t.state.transfer_id}: {t.reconnects} streams broke under it "
-                            f"(max_transfer_reconnects={cfg.max_transfer_reconnects}): giving up"), reset=True)
+                            f"transfer {t.state.transfer_id}: giving up after {t.reconnects} broken streams "
+                            f"(max_transfer_reconnects={cfg.max_transfer_reconnects})"), reset=True)
             self._retry(index, now, lost)
             return self.broken is None
         if ev.goaway and ev.code == ErrorCode.NO_ERROR and self.open_streams:
