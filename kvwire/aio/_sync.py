@@ -13,7 +13,6 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import kvwire
-from kvwire.aio._transfer import check_seconds
 from kvwire.errors import (
     ConnectionLostError,
     KvwireError,
@@ -21,6 +20,7 @@ from kvwire.errors import (
     TransferTimeoutError,
     UsageError,
 )
+from kvwire.session.options import check_seconds
 from kvwire.session.sender import check_request_id
 from kvwire.spec import KVSpec, Layer
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import types
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -12,19 +11,12 @@ from kvwire.aio import _gpu
 from kvwire.aio._receive import INTO
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
-from kvwire.session.options import check_number
+from kvwire.session.options import check_seconds
 from kvwire.session.receiver import Key, TransferArrived
 from kvwire.spec import KVCache, KVSpec, Layer
 
 if TYPE_CHECKING:
     from kvwire.aio.server import Server
-
-
-def check_seconds(name: str, value: object) -> None:
-    """:class:`~kvwire.UsageError` unless ``value`` (the argument ``name`` of a call) is a
-    finite number of seconds > 0 or None (no limit): the rule ``serve()`` applies to its
-    timeouts."""
-    check_number(types.SimpleNamespace(**{name: value}), name, none_ok=True)
 
 
 class Transfer:

@@ -22,7 +22,6 @@ from typing import Any
 from kvwire.aio._send import AUTO, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
 from kvwire.aio._stream import Pump, Stream, on_this_host
-from kvwire.aio._transfer import check_seconds
 from kvwire.aio.tcpinfo import read_tcp_info
 from kvwire.codec import codec_by_id, get_codec
 from kvwire.control import (
@@ -43,7 +42,7 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.options import Layers
-from kvwire.session.options import ClientOptions, Receipt, check_port
+from kvwire.session.options import ClientOptions, Receipt, check_port, check_seconds
 from kvwire.session.sender import (
     ChunkDelivered,
     ChunkLost,

@@ -24,7 +24,7 @@ from typing import Any
 from kvwire.aio import _gpu
 from kvwire.aio._receive import ArrayStore
 from kvwire.aio._stream import Pump, Stream
-from kvwire.aio._transfer import Transfer, check_seconds
+from kvwire.aio._transfer import Transfer
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
     ConnectionLostError,
@@ -34,7 +34,7 @@ from kvwire.errors import (
     TransferTimeoutError,
     UsageError,
 )
-from kvwire.session.options import ServerOptions, check_port, make_server_options
+from kvwire.session.options import ServerOptions, check_port, check_seconds, make_server_options
 from kvwire.session.receiver import (
     AuthenticationFailed,
     GoawayReceived,

@@ -40,7 +40,18 @@ def check_number(owner: object, name: str, *, none_ok: bool = False, zero_ok: bo
     """:class:`~kvwire.UsageError` unless ``owner.<name>`` is a finite number > 0 (>= 0 with
     ``zero_ok``; None is also accepted with ``none_ok``).  Booleans, NaN and infinities are
     refused (where None is accepted, it is the way to say "no limit")."""
-    value = getattr(owner, name)
+    check_value(name, getattr(owner, name), none_ok=none_ok, zero_ok=zero_ok)
+
+
+def check_seconds(name: str, value: object) -> None:
+    """:class:`~kvwire.UsageError` unless ``value`` (the argument ``name`` of a call) is a
+    finite number of seconds > 0 or None (no limit): the rule ``serve()`` applies to its
+    timeouts."""
+    check_value(name, value, none_ok=True)
+
+
+def check_value(name: str, value: object, *, none_ok: bool = False, zero_ok: bool = False) -> None:
+    """:func:`check_number`'s rule for a value named ``name``."""
     if value is None and none_ok:
         return
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
