@@ -225,6 +225,7 @@ class RedisRegistry:
         # Weak: an abandoned watcher must not hold its subscription until close().
         self._watchers: weakref.WeakSet[RedisWatcher] = weakref.WeakSet()
         self._background: set[asyncio.Task[Any]] = set()
+        self._releases: set[asyncio.Task[Any]] = set()  # those of _background a begin waits for
         self._closed = False
         self._begin = client.register_script(lua.BEGIN)
         self._commit = client.register_script(lua.COMMIT)
@@ -286,7 +287,7 @@ class RedisRegistry:
             # begin would find them busy until the ttl.  Release it by id, leaving the lease
             # key dead for its ttl so a BEGIN still on its way changes nothing.  In a task
             # of its own: a cancellation is not delayed, and the next begin waits for it.
-            undo = self._spawn(self._released(rkeys, [lease_id, px], max(ttl, self.timeout)))
+            undo = self._spawn(self._released(rkeys, [lease_id, px], max(ttl, self.timeout)), release=True)
             if not isinstance(exc, asyncio.CancelledError):
                 await asyncio.wait({undo}, timeout=self.timeout)
             raise
@@ -379,7 +380,7 @@ class RedisRegistry:
         # In a task of its own, awaited shielded: a caller cancelled while releasing (e.g.
         # cleaning up after a cancelled commit) still gets its blocks freed.
         task = self._spawn(
-            self._released([self.layout.lease(lease.lease_id), *rkeys], [lease.lease_id], self.timeout)
+            self._released([self.layout.lease(lease.lease_id), *rkeys], [lease.lease_id], self.timeout), release=True
         )
         error = await asyncio.shield(task)
         if error is not None:
@@ -393,18 +394,23 @@ class RedisRegistry:
             return exc
         return None
 
-    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Run ``coro`` as a task the registry keeps (and :meth:`close` waits for)."""
+    def _spawn(self, coro: Coroutine[Any, Any, T], *, release: bool = False) -> asyncio.Task[T]:
+        """Run ``coro`` as a task the registry keeps (and :meth:`close` waits for; with
+        ``release``, a lease's release, which a begin waits for too)."""
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        if release:
+            self._releases.add(task)
+            task.add_done_callback(self._releases.discard)
         return task
 
     async def _settle(self) -> None:
         """Wait (at most ``timeout``) for the releases still running, so a begin after a
-        begin or release that failed or was cancelled finds those blocks free."""
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=self.timeout)
+        begin or release that failed or was cancelled finds those blocks free (not for a
+        watcher's subscription being closed)."""
+        if self._releases:
+            await asyncio.wait(set(self._releases), timeout=self.timeout)
 
     async def _read(self, keys: Sequence[str]) -> list[tuple[int, bool]]:
         """``(version, complete)`` of each canonical key, from one consistent snapshot."""

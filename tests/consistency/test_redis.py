@@ -288,3 +288,17 @@ async def test_name_blocks_frees_its_lease_when_cancelled_again_while_releasing(
         monkeypatch.undo()
         named = await name_blocks(reg, blocks, owner="p2", ttl=30)
         assert [b for b, _ in named] == blocks
+
+
+async def test_a_begin_waits_for_releases_only(redis_server: RedisServer) -> None:
+    """A begin waits for the registry's releases still running (its blocks may be among
+    them), not for its other background work: a watcher's subscription being closed, here
+    one that never ends, held every begin for the registry's whole timeout."""
+    reg = await RedisRegistry.connect(redis_server.url, namespace=f"settle-{uuid.uuid4().hex}", timeout=60)
+    async with reg:
+        stuck = asyncio.Event()
+        other = reg._spawn(stuck.wait())  # background work that is not a release
+        lease = await asyncio.wait_for(reg.begin([b"blk"], owner="a", ttl=30), 10)
+        assert lease.started == (b"blk",) and not other.done()
+        await reg.release(lease)
+        stuck.set()
