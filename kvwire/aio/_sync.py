@@ -248,8 +248,10 @@ class ReceiveHandle:
 
     def wait_layer(self, index: int, timeout: float | None = None) -> Layer:
         """Block until layer ``index`` has arrived; return it (raises the transfer's error)."""
-        if index < 0 or (self._num_layers is not None and index >= self._num_layers):
+        if index < 0:
             raise UsageError(f"layer {index} out of range")
+        if self._num_layers is not None and index >= self._num_layers:
+            raise UsageError(f"layer {index} out of range: the transfer has {self._num_layers} layers")
         # Once the transfer arrived (or ended) its layer count is known: an index past it
         # is an error then, not a wait without end.
         self._wait_for(lambda: index in self._layers or self._done or (
