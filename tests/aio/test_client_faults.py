@@ -245,7 +245,7 @@ async def test_a_replaced_stream_still_counts_until_its_socket_is_gone(monkeypat
                     sending = asyncio.create_task(peer.send("x", spec, layers))
                     await asyncio.sleep(0.05)
                     proxy.stall(0)
-                    for _ in range(100):
+                    for _ in range(300):  # the idle timeout, then a reconnect: up to 30 s on a busy host
                         await asyncio.sleep(0.1)
                         if peer.streams[0] is not old and peer.core.is_open(0):
                             break
