@@ -493,7 +493,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             except KvwireError as exc:
                 # Not the engine's step to fail: this step's saves end unsent (their blocks
                 # are let go of as any failed send's), and the next step's connect again.
-                logger.error("kvwire: not sending KV of requests %s: cannot connect to %s: %s",
+                logger.error("kvwire: not sending KV of requests %s to %s: %s",
                              ", ".join(m.req_id for m in saves), self._peer_addr, exc)
                 self._unconnected = meta
                 return
