@@ -74,9 +74,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from kvwire.codec import get_codec
 from kvwire.errors import KvwireError, UsageError
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
 from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
+from kvwire.session.options import MAX_STREAMS, check_value
 from kvwire.sync import Bridge, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 
 if TYPE_CHECKING:
@@ -114,10 +116,41 @@ class KvwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
 
 def _split_addr(addr: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPv6]:PORT`` included (the brackets are not the host's)."""
     host, _, port = addr.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
     if not host or not port.isdigit():
         raise UsageError(f"expected HOST:PORT, got {addr!r}")
     return host, int(port)
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    """A boolean setting: a bool, or true/false (1/0, yes/no, on/off) as text, as a CLI or a
+    YAML file may give it ("false" is not true)."""
+    value = extra.get(key, default)
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise UsageError(f"kvwire connector: {key} must be true or false, got {value!r}")
+
+
+def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
+    """A time in seconds, > 0 and finite."""
+    value: Any = extra.get(key, default)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"kvwire connector: {key} must be a number of seconds, got {value!r}") from None
+    check_value(key, seconds)
+    return seconds
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -154,21 +187,34 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._secret = str(secret).encode()
         else:
             raise UsageError("kvwire connector: set kvwire_secret or kvwire_secret_file in kv_connector_extra_config")
+        if len(self._secret) < 8:
+            raise UsageError("kvwire connector: the secret must be at least 8 bytes")
+        # Every setting is checked here: a bad one found at the first connect would leave
+        # each request unsent, step after step, as if the network were down.
         self._codec: str = str(extra.get("kvwire_codec", "raw"))
-        self._streams: int | str = extra.get("kvwire_streams", 1)
+        if self._codec != "auto":
+            get_codec(self._codec)
+        self._streams: int | str = self._stream_count(extra.get("kvwire_streams", 1))
         chunk = extra.get("kvwire_chunk_bytes")
-        self._chunk_bytes: int | None = int(chunk) if chunk else None
-        self._timeout: float = float(extra.get("kvwire_load_timeout", 60.0))
-        self._load_all: bool = bool(extra.get("kvwire_load_all", False))
-        self._async_save: bool = bool(extra.get("kvwire_async_save", True))
+        try:
+            self._chunk_bytes: int | None = int(chunk) if chunk else None
+        except (TypeError, ValueError):
+            raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be a number of bytes, got {chunk!r}") from None
+        if self._chunk_bytes is not None and self._chunk_bytes <= 0:
+            raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be > 0, got {chunk!r}")
+        self._timeout: float = _seconds(extra, "kvwire_load_timeout", 60.0)
+        self._load_all: bool = _flag(extra, "kvwire_load_all", False)
+        self._async_save: bool = _flag(extra, "kvwire_async_save", True)
         # A prefill instance usually finishes before the decode instance takes the request.
-        claim = extra.get("kvwire_claim_timeout", 600.0)
-        self._claim_timeout: float | None = float(claim) if claim is not None else None
+        self._claim_timeout: float | None = (
+            None if extra.get("kvwire_claim_timeout", 600.0) is None else _seconds(extra, "kvwire_claim_timeout", 600.0)
+        )
+        self._num_blocks: int | None = getattr(kv_cache_config, "num_blocks", None)
         self._model: str = str(extra.get("kvwire_model", ""))
         registry = extra.get("kvwire_registry")
         self._registry_url: str | None = str(registry) if registry else None
         self._registry_namespace: str = str(extra.get("kvwire_registry_namespace", "kvwire"))
-        self._registry_ttl: float = float(extra.get("kvwire_registry_ttl", 30.0))
+        self._registry_ttl: float = _seconds(extra, "kvwire_registry_ttl", 30.0)
         self._owner: str = str(extra.get("kvwire_registry_owner", f"kvwire-vllm-{os.getpid()}"))
         self._bridge: Bridge | None = None
         self._registry: SyncRegistry | None = None
@@ -353,6 +399,19 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # connection that read them was closed: vLLM may free them now.
         return saving and self._async_save, None
 
+    @staticmethod
+    def _stream_count(value: object) -> int | str:
+        """kvwire_streams: an int in [1, 64] (as text too) or "auto"."""
+        if value == "auto":
+            return "auto"
+        try:
+            count = int(str(value)) if not isinstance(value, bool) else None
+        except ValueError:
+            count = None
+        if count is None or not 1 <= count <= MAX_STREAMS:
+            raise UsageError(f"kvwire connector: kvwire_streams must be an int in [1, {MAX_STREAMS}] or 'auto', got {value!r}")
+        return count
+
     # -- worker side --------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -362,6 +421,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         first = self._caches[0]
         if any(tuple(c.shape[1:]) != tuple(first.shape[1:]) or c.dtype != first.dtype for c in self._caches):
             raise UsageError("kvwire connector: every layer's KV cache must have the same block geometry")
+        if self._num_blocks is not None and first.shape[0] != self._num_blocks:
+            # e.g. [2, num_blocks, ...]: K and V in leading planes, whose blocks are not slabs
+            raise UsageError(
+                f"kvwire connector: the KV cache is shaped {tuple(first.shape)}, but its first axis must be "
+                f"the block index ({self._num_blocks} blocks): this attention backend's layout is not supported"
+            )
         if first.shape[0] == 2 and first.ndim >= 3 and tuple(first.shape[1:2]) != (self._block_size,):
             logger.warning("kvwire: cache shaped %s; blocks are taken along the first axis", tuple(first.shape))
         self._spec = PagedSpec.of(first, num_layers=len(self._caches), model=self._model)
@@ -506,12 +571,21 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     except KvwireError as exc:
                         logger.error("kvwire: not sending KV of request %s: naming its blocks failed: %s", move.req_id, exc)
                         continue
-                self._sending[move.req_id] = self._peer.begin(
-                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **versions,
-                )
-            handle = self._sending.get(move.req_id)
-            if handle is not None:
-                handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
+            try:
+                if index == 0:
+                    self._sending[move.req_id] = self._peer.begin(
+                        move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **versions,
+                    )
+                handle = self._sending.get(move.req_id)
+                if handle is not None:
+                    handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
+            except KvwireError as exc:
+                # One request's send failing is not the engine's step failing: it ends
+                # unsent (its blocks let go of as any failed send's).
+                logger.error("kvwire: not sending KV of request %s: %s", move.req_id, exc)
+                failed = self._sending.pop(move.req_id, None)
+                if failed is not None:
+                    failed.abort()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

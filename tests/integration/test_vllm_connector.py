@@ -564,3 +564,79 @@ def test_a_kv_cache_of_several_groups_is_refused() -> None:
         with pytest.raises(UsageError, match=r"2 groups.*--disable-hybrid-kv-cache-manager"):
             KvwireConnector(cfg, role, two)
     KvwireConnector(cfg, KVConnectorRole.SCHEDULER, one)
+
+
+def connector_config(extra: dict[str, Any], role: str = "kv_producer") -> VllmConfig:
+    return VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role=role,
+            kv_connector_extra_config={"kvwire_secret": SECRET, **extra},
+        ),
+        cache_config=CacheConfig(block_size=16),
+    )
+
+
+@pytest.mark.parametrize(("extra", "says"), [
+    ({"kvwire_codec": "bogus"}, "unknown codec 'bogus'"),
+    ({"kvwire_streams": "x"}, "kvwire_streams must be"), ({"kvwire_streams": 0}, "kvwire_streams must be"),
+    ({"kvwire_secret": "short"}, "at least 8 bytes"),
+    ({"kvwire_chunk_bytes": "big"}, "kvwire_chunk_bytes must be"), ({"kvwire_chunk_bytes": -1}, "must be > 0"),
+    ({"kvwire_load_timeout": "abc"}, "kvwire_load_timeout must be a number"),
+    ({"kvwire_load_timeout": float("nan")}, "kvwire_load_timeout must be a finite number"),
+    ({"kvwire_claim_timeout": -1}, "kvwire_claim_timeout must be > 0"),
+    ({"kvwire_async_save": "maybe"}, "kvwire_async_save must be true or false"),
+])
+def test_settings_are_checked_when_the_connector_is_made(extra: dict[str, Any], says: str) -> None:
+    """A bad setting found only at the first connect left every request unsent, step after
+    step, logged as a network error; a short secret failed on one side only."""
+    with pytest.raises(UsageError, match=says):
+        KvwireConnector(connector_config(extra), KVConnectorRole.WORKER)
+
+
+def test_boolean_settings_given_as_text_mean_what_they_say() -> None:
+    # bool("false") is True: async save was on and the consumer expected KV for every request
+    for text, value in (("false", False), ("False", False), ("0", False), ("true", True), ("yes", True)):
+        c = KvwireConnector(connector_config({"kvwire_async_save": text, "kvwire_load_all": text}),
+                            KVConnectorRole.WORKER)
+        assert c._async_save is value and c._load_all is value
+    assert KvwireConnector(connector_config({"kvwire_streams": "4"}), KVConnectorRole.WORKER)._streams == 4
+    assert KvwireConnector(connector_config({"kvwire_streams": "auto"}), KVConnectorRole.WORKER)._streams == "auto"
+
+
+def test_an_ipv6_address_in_brackets() -> None:
+    from kvwire.integrations.vllm import _split_addr
+
+    assert _split_addr("[::1]:7070") == ("::1", 7070)
+    assert _split_addr("127.0.0.1:7070") == ("127.0.0.1", 7070)
+    with pytest.raises(UsageError, match="HOST:PORT"):
+        _split_addr("[::1]")
+
+
+def test_a_cache_whose_first_axis_is_not_the_block_index_is_refused() -> None:
+    """[2, num_blocks, ...] (K and V in leading planes, as GPU flash attention lays it out):
+    its "blocks" would be the K and V planes; it is refused when the caches are registered,
+    not found out by a UsageError raised into the engine's forward (or, with block ids 0
+    and 1 only, wrong data sent without an error)."""
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=4, head_size=64, dtype=torch.float32)
+    kv_config = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                              kv_cache_groups=[KVCacheGroupSpec(layer_names=LAYERS, kv_cache_spec=spec)])
+    worker = KvwireConnector(connector_config({"kvwire_peer": "127.0.0.1:9"}), KVConnectorRole.WORKER, kv_config)
+    with pytest.raises(UsageError, match="first axis must be the block index"):
+        worker.register_kv_caches({n: torch.zeros((2, 64, 16, 4, 64)) for n in LAYERS})
+    fine = KvwireConnector(connector_config({"kvwire_peer": "127.0.0.1:9"}), KVConnectorRole.WORKER, kv_config)
+    fine.register_kv_caches({n: torch.zeros((64, 2, 16, 4, 64)) for n in LAYERS})
+
+
+def test_a_send_that_fails_for_one_request_does_not_fail_the_step(
+    path: tuple[SyncServer, FaultProxy, Bridge],
+) -> None:
+    """A request whose blocks are out of the cache's range: its send ends unsent with an
+    error logged; the step, and the other request's send, go on."""
+    server, _proxy, _bridge = path
+    _scheduler, worker, caches = producer(server.port, load_timeout=30)
+    bad = _Move(req_id="bad", key="bad", block_ids=[1, 500])
+    good = _Move(req_id="good", key="good", block_ids=BLOCKS[:4])
+    handle = server.expect("good")
+    step(worker, KvwireConnectorMetadata(saves=[bad, good]), caches)
+    assert "bad" not in worker._sending and "bad" not in worker._in_flight
+    assert len(received(handle)) == len(LAYERS)
