@@ -426,10 +426,30 @@ def test_abort_returns_once_the_transfer_is_stopped() -> None:
             k, v = make_layers(1, 4, 2, 16, "float32")[0]
             s.send_layer(k, v)
             h.wait_layer(0, timeout=30)
-            h.abort("request cancelled")
+            assert h.abort("request cancelled") is True
             assert h.transfer._error is not None  # stopped on the loop before abort() returned
             with pytest.raises(KvwireError):
                 s.wait(30)
+
+
+def test_abort_says_when_the_loop_did_not_stop_the_transfer_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop held up elsewhere past abort()'s timeout: abort() returned as if the transfer
+    were stopped, and a caller reusing the destination's memory could see late chunks
+    written into it. It returns False then."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("held")
+        s = peer.begin("held", SPEC)
+        k, v = make_layers(1, 4, 2, 16, "float32")[0]
+        s.send_layer(k, v)
+        h.wait_layer(0, timeout=30)
+        held: list[Any] = []
+        monkeypatch.setattr(h._bridge, "call_soon", held.append)  # the loop never gets to it
+        assert h.abort("request cancelled", timeout=0.05) is False
+        monkeypatch.undo()
+        for fn in held:
+            h._bridge.call_soon(fn)
+        with pytest.raises(KvwireError):
+            s.wait(30)
 
 
 def test_waiting_for_a_layer_past_the_transfers_last_is_an_error_once_it_arrives() -> None:

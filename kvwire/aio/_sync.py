@@ -264,15 +264,17 @@ class ReceiveHandle:
         """Block until every layer has arrived."""
         self._wait_for(lambda: self._done, timeout, "transfer")
 
-    def abort(self, reason: str = "", timeout: float = 5.0) -> None:
+    def abort(self, reason: str = "", timeout: float = 5.0) -> bool:
         """Stop receiving: the sender is told (when the transfer began) and waiters fail.
 
         From another thread it returns once the loop has stopped the transfer (at most
         ``timeout`` seconds), so the caller may reuse the destination's memory then: no
-        chunk is written into it afterwards."""
+        chunk is written into it afterwards.  Returns whether that is so: False when the
+        loop did not get to it within ``timeout`` (a loop held up elsewhere), and a chunk
+        may still be written into the destination."""
         self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted{': ' + reason if reason else ''}"))
         if self._bridge.closed:
-            return
+            return True
 
         def cancel() -> None:
             t = self._transfer
@@ -294,7 +296,7 @@ class ReceiveHandle:
 
         if self._bridge.in_loop_thread():
             cancel()
-            return
+            return True
         done = threading.Event()
 
         def cancel_and_tell() -> None:
@@ -303,9 +305,11 @@ class ReceiveHandle:
             finally:
                 done.set()
 
-        with contextlib.suppress(ConnectionLostError):  # the bridge closed meanwhile: nothing runs
+        try:
             self._bridge.call_soon(cancel_and_tell)
-            done.wait(timeout)
+        except ConnectionLostError:  # the bridge closed meanwhile: nothing runs any more
+            return True
+        return done.wait(timeout)
 
 
 class SyncServer:

@@ -496,11 +496,18 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
         )
 
+    @staticmethod
+    def _abort(req_id: str, handle: ReceiveHandle, reason: str) -> None:
+        """Stop a load whose blocks vLLM will recompute into; say so if it may still write."""
+        if not handle.abort(reason):
+            logger.error("kvwire: the receive of request %s was not stopped in time (kvwire's loop is held up): "
+                         "a late chunk may still be written into its blocks", req_id)
+
     def _give_up_load(self, req_id: str, reason: str) -> None:
         """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does."""
         handle, _, total = self._loading.pop(req_id)
         arrived = handle.transfer is not None
-        handle.abort(reason)
+        self._abort(req_id, handle, reason)
         if not arrived and self._server is not None:
             self._drop(req_id, handle.request_id, [DROP] * total)
 
@@ -528,7 +535,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     reason = f"registry check failed: {exc}"
                 if reason is not None:
                     logger.error("kvwire: refused KV of request %s: %s", req_id, reason)
-                    handle.abort(reason)
+                    self._abort(req_id, handle, reason)
                     self._load_errors.update(blocks)
                     del self._loading[req_id]
                     continue
