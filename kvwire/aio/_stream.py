@@ -391,21 +391,19 @@ def _queue_parts(data: Sequence[Any]) -> list[Any]:
     answered while it does not read) would cost many times the bytes counted."""
     parts: list[Any] = []
     small: list[Any] = []
+
+    def join_small() -> None:
+        if small:
+            parts.append(small[0] if len(small) == 1 else b"".join(small))
+            small.clear()
+
     for p in data:
-        if isinstance(p, CheckedPayload):
-            if small:
-                parts.append(small[0] if len(small) == 1 else b"".join(small))
-                small = []
-            parts.extend(_checked_parts(p))
-        elif memoryview(p).nbytes < LARGE_PART:
+        if not isinstance(p, CheckedPayload) and memoryview(p).nbytes < LARGE_PART:
             small.append(p)
-        else:
-            if small:
-                parts.append(small[0] if len(small) == 1 else b"".join(small))
-                small = []
-            parts.append(p)
-    if small:
-        parts.append(small[0] if len(small) == 1 else b"".join(small))
+            continue
+        join_small()
+        parts.extend(_checked_parts(p) if isinstance(p, CheckedPayload) else (p,))
+    join_small()
     return parts
 
 

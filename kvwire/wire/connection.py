@@ -315,7 +315,7 @@ class Connection:
         """The protocol version agreed (None until CHALLENGE)."""
         self._events: deque[Event] = deque()
         self._out: list[Buffer | CheckedPayload] = []
-        self._deadline: float | None = min(now, now if started is None else started) + config.handshake_timeout
+        self._deadline: float | None = (now if started is None else min(now, started)) + config.handshake_timeout
         self._last_rx = now
         self._hello_at = now  # when HELLO went out (client)
         self._rx_now: float | None = None  # the ``now`` of the frames being handled
