@@ -123,16 +123,23 @@ def test_send_timeout_bounds_the_send_as_peer_send_does() -> None:
             h.wait(30)
 
 
+def one_layer_received(server: SyncServer, peer: SyncPeer, request_id: str) -> tuple[ReceiveHandle, SendHandle]:
+    """A transfer of ``SPEC`` begun, its first layer sent and received: its receive and send handles."""
+    h = server.expect(request_id)
+    s = peer.begin(request_id, SPEC)
+    k, v = make_layers(1, 4, 2, 16, "float32")[0]
+    s.send_layer(k, v)
+    h.wait_layer(0, timeout=30)
+    return h, s
+
+
 def test_receiver_abort_fails_waiters_and_sender() -> None:
     with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
-        h = server.expect("gone")
-        s = peer.begin("gone", SPEC)
-        k, v = make_layers(1, 4, 2, 16, "float32")[0]
-        s.send_layer(k, v)
-        h.wait_layer(0, timeout=30)
+        h, s = one_layer_received(server, peer, "gone")
         h.abort("request cancelled")
         with pytest.raises(TransferAbortedError):
             h.wait(5)
+        k, v = make_layers(1, 4, 2, 16, "float32")[0]
         s.send_layer(k, v)
         s.send_layer(k, v)
         with pytest.raises(KvwireError):
@@ -421,11 +428,7 @@ def test_abort_returns_once_the_transfer_is_stopped() -> None:
     so the memory it was receiving into may be reused right away."""
     with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
         for attempt in range(3):
-            h = server.expect(f"live{attempt}")
-            s = peer.begin(f"live{attempt}", SPEC)
-            k, v = make_layers(1, 4, 2, 16, "float32")[0]
-            s.send_layer(k, v)
-            h.wait_layer(0, timeout=30)
+            h, s = one_layer_received(server, peer, f"live{attempt}")
             assert h.abort("request cancelled") is True
             assert h.transfer._error is not None  # stopped on the loop before abort() returned
             with pytest.raises(KvwireError):
@@ -437,11 +440,7 @@ def test_abort_says_when_the_loop_did_not_stop_the_transfer_in_time(monkeypatch:
     were stopped, and a caller reusing the destination's memory could see late chunks
     written into it. It returns False then."""
     with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
-        h = server.expect("held")
-        s = peer.begin("held", SPEC)
-        k, v = make_layers(1, 4, 2, 16, "float32")[0]
-        s.send_layer(k, v)
-        h.wait_layer(0, timeout=30)
+        h, s = one_layer_received(server, peer, "held")
         held: list[Any] = []
         monkeypatch.setattr(h._bridge, "call_soon", held.append)  # the loop never gets to it
         assert h.abort("request cancelled", timeout=0.05) is False
