@@ -191,8 +191,9 @@ class Peer(Pump):
 
     @property
     def active_streams(self) -> int:
-        """Streams chunks are striped over now (all of them unless ``streams="auto"``)."""
-        return self.stream_controller.streams if self.stream_controller is not None else len(self.streams)
+        """Streams chunks are striped over now: the open ones (with ``streams="auto"``, of
+        those the controller uses).  A slot given up, or reconnecting, is not counted."""
+        return self.core.streams_in_use
 
     # -- the pump ------------------------------------------------------------------------
 

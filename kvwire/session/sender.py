@@ -421,6 +421,14 @@ class SenderCore:
         return [i for i, s in enumerate(self._slots) if s.open]
 
     @property
+    def streams_in_use(self) -> int:
+        """How many streams chunks are striped over now: the first :attr:`active_streams`
+        open ones (every open one while it is None).  A slot reconnecting or given up is
+        not one of them (its share goes to the next open slot, :meth:`_best_stream`)."""
+        n = sum(s.open for s in self._slots)
+        return n if self.active_streams is None else min(n, self.active_streams)
+
+    @property
     def bytes_in_flight(self) -> int:
         """CHUNK bytes sent on open connections and not yet acknowledged."""
         return sum(s.window - s.conn.send_credit for s in self._slots if s.open and s.conn is not None)

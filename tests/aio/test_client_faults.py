@@ -4,6 +4,7 @@ and logs a user sees."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -498,3 +499,33 @@ async def test_auto_streams_settle_for_the_streams_the_server_allows(caplog: pyt
         with pytest.raises(kvwire.LimitExceededError):
             async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=4):
                 pass
+
+
+# -- a slot given up after open() ------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _peer_that_gave_up_slot_2(**connect: Any) -> AsyncIterator[kvwire.Peer]:
+    """A peer of three streams whose stream 2 breaks once it is open and can never come
+    back (every later connection through the proxy is closed at once): its slot is given
+    up and the session goes on with streams 0 and 1."""
+    drop = FaultPlan(forward=Faults(drop_at=0))
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with FaultProxy("127.0.0.1", server.port, plan=lambda i: drop if i >= 3 else FaultPlan()) as proxy:
+            async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, reconnect_attempts=1,
+                                      reconnect_backoff=0.01, **connect) as peer:
+                assert peer.core.open_streams == [0, 1, 2]
+                peer.streams[2].abort()
+                for _ in range(1000):
+                    if peer.core.is_given_up(2):
+                        break
+                    await asyncio.sleep(0.01)
+                assert peer.core.is_given_up(2) and peer.core.open_streams == [0, 1]
+                yield peer
+
+
+async def test_active_streams_does_not_count_a_slot_given_up() -> None:
+    """With a fixed count, active_streams was the number of slots: still 3 after stream 2
+    was given up, while chunks went on 2.  It is the streams chunks are striped over now."""
+    async with _peer_that_gave_up_slot_2(streams=3) as peer:
+        assert peer.active_streams == 2

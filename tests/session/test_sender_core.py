@@ -327,6 +327,32 @@ def test_a_slot_in_use_that_is_down_hands_its_share_to_the_next_open_one() -> No
     assert h.of(TransferDone)
 
 
+def test_streams_in_use_counts_the_open_streams_of_those_in_use() -> None:
+    """What ``Peer.active_streams`` reports: the streams chunks go on now, not the slots
+    (a slot given up stayed counted).  A slot reconnecting is not counted until it is back."""
+    h = harness(streams=3, reconnect_attempts=1, reconnect_backoff=0.1)
+    assert h.core.streams_in_use == 3
+    h.core.active_streams = 2
+    assert h.core.streams_in_use == 2
+    h.unreachable.add(2)
+    h.kill(2)
+    h.advance(10.0)
+    assert h.core.is_given_up(2)
+    h.core.active_streams = 3
+    assert h.core.streams_in_use == 2
+    h.core.active_streams = None
+    assert h.core.streams_in_use == 2
+    h.kill(1)  # reconnects after its backoff
+    assert h.core.streams_in_use == 1
+    h.advance(20.0)
+    assert h.core.open_streams == [0, 1] and h.core.streams_in_use == 2
+    tid = begin(h, layers=1)
+    for i in range(12):
+        h.core.add_chunk(tid, chunk(tid, 0, 0, i))
+    h.step()
+    assert len({e.stream for e in h.of(ChunkSent)}) == h.core.streams_in_use
+
+
 def test_a_paused_transport_gets_no_chunks_until_it_resumes() -> None:
     h = harness(streams=2)
     h.core.set_writable(0, False)
