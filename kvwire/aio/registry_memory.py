@@ -167,10 +167,7 @@ class MemoryRegistry:
 
     async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         self._now()
-        try:
-            return self.core.publish(pairs)
-        finally:
-            self._notify()
+        return self.core.publish(pairs)
 
     def watch(self) -> MemoryWatcher:
         if self._closed:

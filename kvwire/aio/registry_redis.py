@@ -232,7 +232,6 @@ class RedisRegistry:
         self._renew = client.register_script(lua.RENEW)
         self._release = client.register_script(lua.RELEASE)
         self._invalidate = client.register_script(lua.INVALIDATE)
-        self._publish = client.register_script(lua.PUBLISH)
 
     @classmethod
     async def connect(
@@ -486,36 +485,25 @@ class RedisRegistry:
     async def superseded(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         """The blocks :meth:`publish` would reject now (a read-only dry run); a version above
         the last one handed out (which publish refuses) is listed too."""
+        return await self.check_many(pairs)
+
+    async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
+        """Confirm each ``(block, version)``: the rejected blocks, those not complete at
+        exactly that version (a version above the block's own was issued to another block,
+        or to none).  Writes nothing; one snapshot of the blocks and the counter."""
         self._live()
         items = pairs_keys(pairs)
         if not items:
             return []
         states, seq = await self._snapshot([k for k, _ in items], with_seq=True)
+        for key, version in items:
+            if version > seq:
+                raise never_issued_error(block_from_key(key), version, seq)
         return [
             block_from_key(key)
             for (key, version), (current, complete) in zip(items, states, strict=True)
-            if version > seq or not (version > current or (version == current and complete))
+            if not (complete and current == version)
         ]
-
-    async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
-        self._live()
-        items = pairs_keys(pairs)
-        if not items:
-            return []
-        args: list[str | int] = [self.layout.channel]
-        for key, version in items:
-            args += [key, version]
-        reply = await _guard(
-            "publish",
-            self._publish(
-                keys=[self.layout.seq, *(self.layout.block(k) for k, _ in items)], args=args
-            ),
-            self.timeout,
-        )
-        if int(reply[0]) == -1:
-            key, version = items[int(reply[1]) - 1]
-            raise never_issued_error(block_from_key(key), version, int(reply[2]))
-        return [block_from_key(items[int(i) - 1][0]) for i in reply[1:]]
 
     def watch(self) -> RedisWatcher:
         self._live()

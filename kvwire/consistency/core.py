@@ -10,10 +10,12 @@ The rules (the contract both backends keep):
 * Every block has a version, an integer that only grows, drawn from one registry-wide
   counter (so a version is never handed out twice, even for different blocks). An unknown
   block has version 0 and is not complete.
-* ``commit`` and ``invalidate`` each give a block a new version; ``publish`` confirms a
-  version the registry issued (never one above the last it handed out, so it never moves the
-  counter). After ``commit``/``publish`` the block is *complete* at that version; after
-  ``invalidate`` it is not complete (no data exists for the new version).
+* Only ``commit`` and ``invalidate`` give a block a version, a new one each time. After
+  ``commit`` the block is *complete* at that version; after ``invalidate`` it is not
+  complete (no data exists for the new version). ``publish`` confirms that a block is
+  complete at exactly the given version and changes nothing: a version above the block's
+  own was issued to another block or to none, and is refused (one above the last handed
+  out raises), so no writer makes data fresh under a version the block was not given.
 * Versions stay below ``2**53`` (exact in Lua and JSON): a commit or invalidation that would
   need a version past :data:`MAX_VERSION` is refused, changing nothing.
 * A block is *fresh* at version ``v`` iff it is complete and its version is exactly ``v``.
@@ -239,8 +241,8 @@ class RegistryCore:
         """Complete every block ``lease`` started; returns ``[(block, new_version)]``.
 
         Raises :class:`LeaseExpiredError` if the lease is not live, or
-        :class:`StaleVersionError` if some block was invalidated, published newer or taken
-        over while in flight; in both cases nothing is committed and the lease is gone.
+        :class:`StaleVersionError` if some block was invalidated or taken over while in
+        flight; in both cases nothing is committed and the lease is gone.
         """
         if not lease.started:
             return []
@@ -332,57 +334,41 @@ class RegistryCore:
             raise exhausted_error(count)
 
     def publish(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
-        """Record blocks received complete at given versions; returns the rejected ones.
+        """Confirm blocks received at given versions; returns the rejected ones.
 
-        ``(block, v)`` is accepted iff ``v`` is newer than the registry's version for the
-        block, or equal to it while the block is complete (idempotent re-publish). An
-        accepted newer version makes the block complete at ``v`` and takes it away from any
-        in-flight lease. Anything else is rejected as stale: it would overwrite newer data.
+        ``(block, v)`` is accepted iff the block is complete at exactly ``v`` (fresh): a
+        confirmation, which changes nothing and may be repeated.  Anything else is rejected:
+        an older version (superseded), an invalidated or unknown block, and a version above
+        the block's current one, which was issued to another block or to none (only a commit
+        or an invalidation gives a block a version), so a writer cannot make its data fresh
+        under a version the block was never given.
 
-        A ``v`` above the last version this registry handed out was never issued: the call
-        raises :class:`UsageError` and changes nothing (publish confirms versions, it never
-        moves the counter, so no later commit can be handed a version twice).
+        A ``v`` above the last version this registry handed out was never issued at all:
+        the call raises :class:`UsageError` and changes nothing.
         """
         items = pairs_keys(pairs)
         for key, version in items:
             if version > self._seq:
                 raise never_issued_error(block_from_key(key), version, self._seq)
-        rejected: list[BlockId] = []
-        for key, version in items:
-            state = self._blocks.setdefault(key, BlockState())
-            if version > state.version:
-                state.version = version
-                state.complete = True
-                state.lease_id = None
-                self._events.append((block_from_key(key), version))
-            elif not (version == state.version and state.complete):
-                rejected.append(block_from_key(key))
-        return rejected
+        return [block_from_key(key) for key, version in items if not self._fresh(key, version)]
 
     def superseded(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
         """The blocks :meth:`publish` would reject now, without changing anything; a version
-        above the last one handed out (which publish refuses) is listed too.
+        above the last one handed out (which publish refuses) is listed too: the blocks not
+        fresh, as :meth:`stale`.
 
         A receiver asks this when a transfer announces its blocks, to refuse stale data
         before it moves; :meth:`publish` at completion stays the authoritative check.
         """
-        out: list[BlockId] = []
-        for key, version in pairs_keys(pairs):
-            state = self._blocks.get(key) or BlockState()
-            if version > self._seq or not (
-                version > state.version or (version == state.version and state.complete)
-            ):
-                out.append(block_from_key(key))
-        return out
+        return self.stale(pairs)
+
+    def _fresh(self, key: str, version: int) -> bool:
+        state = self._blocks.get(key)
+        return state is not None and state.complete and state.version == version
 
     def stale(self, pairs: Iterable[tuple[object, int]]) -> list[BlockId]:
         """The blocks of ``pairs`` that are not fresh at the given version, in order."""
-        out: list[BlockId] = []
-        for key, version in pairs_keys(pairs):
-            state = self._blocks.get(key)
-            if state is None or not state.complete or state.version != version:
-                out.append(block_from_key(key))
-        return out
+        return [block_from_key(key) for key, version in pairs_keys(pairs) if not self._fresh(key, version)]
 
     def check(self, block: object, version: int) -> None:
         """Raise :class:`StaleVersionError` unless ``block`` is fresh at ``version``."""

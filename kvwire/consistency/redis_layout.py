@@ -13,8 +13,8 @@ key                            type      content
                                          ``e`` that lease's expiry (Redis TIME, microseconds)
 ``{ns}:lease:<lease id>``      string    expiry (Redis TIME, microseconds); PX set slightly
                                          past it so Redis reclaims dead leases by itself
-``{ns}:events`` (channel)      pub/sub   ``"<version> <canonical id>"`` per commit,
-                                         invalidation or accepted publish
+``{ns}:events`` (channel)      pub/sub   ``"<version> <canonical id>"`` per commit
+                                         or invalidation
 =============================  ========  ====================================================
 
 Block hashes never expire: a version must never be handed out twice, and forgetting a block
@@ -23,9 +23,9 @@ block hash cannot bring an old version back; and a new version is never below th
 server's clock in microseconds, so a Redis that lost ``seq`` itself (restarted without
 persistence, crashed between snapshots, failed over to a replica behind it) still hands out
 versions above those it issued before (unless it had issued more than one per microsecond
-since its epoch, far beyond any real rate). ``PUBLISH`` never moves ``seq``: it refuses a
-version above it (never issued), so neither can a published version be handed out again
-nor one far above the clock outlive a lost ``seq``. A script that would need a version
+since its epoch, far beyond any real rate). Only ``COMMIT`` and ``INVALIDATE`` give a block
+a version; ``publish`` writes nothing (it reads the blocks and ``seq`` in one ``MULTI`` and
+confirms blocks complete at exactly the versions given). A script that would need a version
 past ``2**53 - 1`` (exact in a double) refuses, changing nothing. Lease liveness is decided inside the scripts
 against ``redis.call('TIME')``, one clock for every client, so client clock skew is moot.
 """
@@ -208,32 +208,6 @@ return out
 """
 )
 
-PUBLISH = """
--- KEYS: seq, block...   ARGV: channel, then canonical id and version per block
--- returns {0, index...}: the 1-based indexes of the rejected (stale) pairs
---   | {-1, index, seq}: that pair's version is above seq, never issued (nothing changed)
-local seq = tonumber(redis.call('GET', KEYS[1]) or '0')
-for i = 2, #KEYS do
-  if tonumber(ARGV[2 * i - 1]) > seq then
-    return {-1, i - 1, string.format('%.0f', seq)}
-  end
-end
-local rejected = {0}
-for i = 2, #KEYS do
-  local pv = tonumber(ARGV[2 * i - 1])
-  local h = redis.call('HMGET', KEYS[i], 'v', 'c')
-  local v = tonumber(h[1]) or 0
-  if pv > v then
-    redis.call('HSET', KEYS[i], 'v', pv, 'c', '1')
-    redis.call('HDEL', KEYS[i], 'l', 'e')
-    redis.call('PUBLISH', ARGV[1], string.format('%.0f ', pv) .. ARGV[2 * i - 2])
-  elseif not (pv == v and h[2] == '1') then
-    rejected[#rejected + 1] = i - 1
-  end
-end
-return rejected
-"""
-
 
 class KeyLayout:
     """The key names of one namespace."""
@@ -255,4 +229,4 @@ class KeyLayout:
         return self.prefix + "lease:" + lease_id
 
 
-__all__ = ["BEGIN", "COMMIT", "INVALIDATE", "PUBLISH", "RELEASE", "RENEW", "KeyLayout"]
+__all__ = ["BEGIN", "COMMIT", "INVALIDATE", "RELEASE", "RENEW", "KeyLayout"]
