@@ -5,10 +5,12 @@
  * control frames) and checked payloads (a CHUNK's payload followed by its CRC32C trailer;
  * kvwire.wire.frames.CheckedPayload).  flush() writes until the queue is empty or the
  * kernel takes no more (EAGAIN); the event loop calls it again when the socket is
- * writable.  A checked payload is handed to the kernel a piece (`piece` bytes) per write, and
- * the bytes the kernel took are checksummed right after the write returns, while they are
- * still in the cache from its copy (a piece and its copy fit a core's L2 cache); the
- * trailer goes out once the whole payload has been taken.  A payload in several buffers (a
+ * writable.  A checked payload is handed to the kernel a piece (`piece` bytes) per write.
+ * Right after a write the next piece is checksummed, so the kernel's copy of it then reads
+ * it from the cache (a piece and its copy fit a core's L2 cache); bytes the kernel takes
+ * before they were checksummed (a payload's first piece) are checksummed right after the
+ * write, while still in the cache from its copy.  The trailer goes out once the whole
+ * payload has been taken.  A payload in several buffers (a
  * KV chunk's K and V, the rows of a paged cache's blocks) is a chain of checked parts: each
  * but the last has no trailer and hands its CRC on to the next, and one write takes up to
  * a piece's worth of them.  So no checksum stands between
@@ -46,7 +48,8 @@ typedef struct {
     Py_ssize_t off;     /* bytes of view written */
     int checked;        /* a payload followed by its 4-byte big-endian CRC32C trailer */
     int more;           /* checked, no trailer: the next part continues the payload and its CRC */
-    uint32_t crc;       /* checked: CRC of the frame through the `off` payload bytes written */
+    uint32_t crc;       /* checked: CRC of the frame through the first `ck` payload bytes */
+    Py_ssize_t ck;      /* checked: payload bytes checksummed (at least `off` once written) */
     uint8_t trailer[4];
     int trailer_off;    /* checked: trailer bytes written */
 } Part;
@@ -328,6 +331,35 @@ fail:
     return NULL;
 }
 
+/* Checksum part `i`'s payload through byte `upto` (> its ck); once the whole payload is,
+ * hand its CRC on to the next part of the chain, or set its trailer. */
+static void check_to(SendQueue* q, Py_ssize_t i, Py_ssize_t upto) {
+    Part* p = &q->parts[i];
+    p->crc = crc_update(p->crc, (const uint8_t*)p->view.buf + p->ck, (size_t)(upto - p->ck));
+    p->ck = upto;
+    if (upto < p->view.len) return;
+    if (p->more)
+        q->parts[i + 1].crc = p->crc; /* the payload goes on there */
+    else
+        set_trailer(p);
+}
+
+/* Checksum the checked payload bytes the next write will take (up to a piece of them), so
+ * that the kernel then copies them from the cache.  Done right after a write: where the
+ * kernel took all, the next write follows at once; where it was full, this runs while it
+ * drains, not between the socket becoming writable and its refill. */
+static void check_ahead(SendQueue* q) {
+    Py_ssize_t budget = q->piece;
+    for (Py_ssize_t i = q->head, n = 0; i < q->count && n < IOV_PARTS && budget > 0; i++, n++) {
+        Part* p = &q->parts[i];
+        if (!p->checked) continue;
+        Py_ssize_t span = p->view.len - p->off;
+        if (span > budget) span = budget;
+        if (p->ck < p->off + span) check_to(q, i, p->off + span);
+        budget -= span;
+    }
+}
+
 /* Write until done, EAGAIN or a short write.  Runs without the GIL (`busy` turns away
  * other threads' calls on this queue meanwhile). */
 static int write_out(SendQueue* q, int* err) {
@@ -375,15 +407,8 @@ static int write_out(SendQueue* q, int* err) {
             Part* p = &q->parts[q->head];
             size_t body = (size_t)(p->view.len - p->off);
             size_t take = left < body ? left : body;
-            if (p->checked && take > 0) { /* what the kernel just copied, from the cache */
-                p->crc = crc_update(p->crc, (const uint8_t*)p->view.buf + p->off, take);
-                if (take == body) {
-                    if (p->more)
-                        q->parts[q->head + 1].crc = p->crc; /* the payload goes on there */
-                    else
-                        set_trailer(p);
-                }
-            }
+            if (p->checked && p->ck < p->off + (Py_ssize_t)take) /* what the kernel just copied */
+                check_to(q, q->head, p->off + (Py_ssize_t)take);
             p->off += (Py_ssize_t)take;
             left -= take;
             if (take < body) break;
@@ -399,6 +424,7 @@ static int write_out(SendQueue* q, int* err) {
             }
             q->head++; /* written whole; its buffer is released with the GIL held */
         }
+        check_ahead(q);
         if ((size_t)sent < want) return 0; /* the kernel is full: wait until it is writable */
     }
 }
