@@ -349,6 +349,7 @@ class Peer(Pump):
         """A slot the session goes on without: with a fixed stream count, ``open()`` fails
         with its error (the streams asked for cannot all open); with ``"auto"`` the peer
         settles for the streams the server lets it open."""
+        self._fit_streams()
         left = self.core.open_streams
         # With "auto", a server allowing fewer streams than it tries is expected: not a warning.
         expected = self.stream_controller is not None and ev.error.code == ErrorCode.LIMIT_EXCEEDED
@@ -420,7 +421,6 @@ class Peer(Pump):
                         f"stream(s) {', '.join(map(str, missing))} did not join the session in "
                         f"connect_timeout={self.options.connect_timeout} s") from None
                 # "auto": on with the streams open; the others join when they can
-            self._settle_streams()
             self._use_codec(self.codec)
             self._opened = True
         except BaseException:
@@ -437,14 +437,17 @@ class Peer(Pump):
             return len(core.open_streams) == n
         return bool(core.open_streams) and all(core.is_open(i) or core.is_given_up(i) for i in range(n))
 
-    def _settle_streams(self) -> None:
-        """``streams="auto"`` with slots given up (the server allows fewer streams): the
-        controller chooses among the others only."""
-        ctl = self.stream_controller
-        usable = sum(not self.core.is_given_up(i) for i in range(self.core.config.streams))
-        if ctl is not None and usable < self.core.config.streams:
-            self.stream_controller = StreamController(max_streams=max(1, usable))
-            self.core.active_streams = self.stream_controller.streams
+    def _fit_streams(self) -> None:
+        """A slot was given up: the streams in use fit the slots left.  With
+        ``streams="auto"`` the controller chooses among those only (the server allows fewer
+        streams, or a slot could not reconnect, during open() or after it); the in-flight
+        floor counts no more streams than are left."""
+        core = self.core
+        left = max(1, sum(not core.is_given_up(i) for i in range(core.config.streams)))
+        if (ctl := self.stream_controller) is not None:
+            ctl.limit(left)
+            core.active_streams = ctl.streams
+        self.inflight.set_streams(min(left, core.active_streams or left))
 
     def _use_codec(self, name: str) -> None:
         """Check that the server accepts codec ``name`` (for ``auto``: make the chooser)."""

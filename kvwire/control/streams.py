@@ -129,6 +129,27 @@ class StreamController:
     def streams(self) -> int:
         return self._streams
 
+    @property
+    def max_streams(self) -> int:
+        """The most streams it may choose."""
+        return self._max
+
+    def limit(self, max_streams: int) -> None:
+        """Lower :attr:`max_streams` to ``max_streams`` (streams that can no longer exist,
+        such as a session's slots given up); a higher value changes nothing.  A count above
+        it comes down at once, and a grow still waiting for its verdict is then not judged
+        (its rate was measured with streams no longer in use)."""
+        if max_streams < 1:
+            raise ValueError("max_streams must be >= 1")
+        if max_streams >= self._max:
+            return
+        self._max = max_streams
+        self._min = min(self._min, max_streams)
+        if self._streams > max_streams:
+            self._streams = max_streams
+            self._rate_before_grow = None
+            self._link_limited_runs = 0
+
     def get_timer(self) -> float | None:
         """When the next evaluation is due; ``None`` before the first one."""
         return self._next_eval

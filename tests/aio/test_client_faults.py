@@ -529,3 +529,33 @@ async def test_active_streams_does_not_count_a_slot_given_up() -> None:
     was given up, while chunks went on 2.  It is the streams chunks are striped over now."""
     async with _peer_that_gave_up_slot_2(streams=3) as peer:
         assert peer.active_streams == 2
+
+
+async def test_auto_streams_never_choose_more_streams_than_the_slots_left() -> None:
+    """streams="auto": the controller's range was capped by the slots given up only when
+    open() ended; a slot given up later left it free to grow to every slot, asking for
+    streams that no longer exist.  Now its range (and the in-flight floor's stream count)
+    comes down as soon as a slot is given up."""
+    from kvwire.aio._send import clock
+    from kvwire.control import InflightController, StreamSample
+
+    async with _peer_that_gave_up_slot_2(streams="auto", max_streams=3) as peer:
+        ctl = peer.stream_controller
+        assert ctl is not None
+        window_limited = StreamSample(delivery_rate_bps=1e9, window_limited=True)
+        start = clock() + 100  # evaluations the controller's own loop does not interleave with
+        for i in range(6):  # every stream window-limited, the total rising with each
+            ctl.evaluate([window_limited] * ctl.streams, start + i)
+        assert ctl.streams == 2
+        assert peer.inflight.floor_bytes <= InflightController(
+            streams=2, chunk_bytes=peer.options.chunk_bytes).floor_bytes
+
+
+async def test_the_in_flight_floor_follows_the_streams_left_with_a_fixed_count() -> None:
+    """The in-flight floor keeps two chunks queued per stream in use: with a fixed count
+    it stayed sized for every slot after one was given up."""
+    from kvwire.control import InflightController
+
+    async with _peer_that_gave_up_slot_2(streams=3) as peer:
+        assert peer.inflight.floor_bytes == InflightController(
+            streams=2, chunk_bytes=peer.options.chunk_bytes).floor_bytes

@@ -111,6 +111,30 @@ def test_never_below_min_or_above_max() -> None:
         assert ctl.streams >= 2
 
 
+def test_a_lowered_limit_brings_the_count_down_and_caps_every_later_grow() -> None:
+    """Streams that can no longer exist (a session's slots given up): the count comes down
+    to what is left at once, and window-limited samples grow it no further."""
+    ctl = StreamController(max_streams=4, interval=0.1)
+    t = 0.0
+    for _ in range(2):
+        ctl.evaluate(limited(1e9, ctl.streams), t)
+        t += 0.1
+    assert ctl.streams == 3
+    ctl.limit(2)
+    assert ctl.streams == 2 and ctl.max_streams == 2
+    for _ in range(10):
+        d = ctl.evaluate(limited(1e9, ctl.streams), t)
+        t += 0.1
+        assert d.streams == 2 and d.verdict is StreamVerdict.HOLD  # (no verdict on the grow cut short)
+    ctl.limit(3)  # a higher limit changes nothing
+    assert ctl.max_streams == 2
+    low = StreamController(min_streams=2, initial_streams=2, max_streams=3)
+    low.limit(1)
+    assert low.streams == 1
+    with pytest.raises(ValueError):
+        low.limit(0)
+
+
 def test_window_limited_from_counters() -> None:
     assert window_limited_from_counters(busy_us=1000, rwnd_limited_us=0, sndbuf_limited_us=800)
     assert not window_limited_from_counters(
