@@ -27,7 +27,8 @@ exact configuration.
   down to the block size) as an external hit, less those vLLM found in its own prefix
   cache; ``start_load_kv`` names the blocks vLLM allocated as the destination (chunks land
   straight in them; the cached blocks' part of the transfer is received and dropped),
-  ``wait_for_layer_load`` blocks until that layer is in.  A request whose full blocks
+  ``wait_for_layer_load`` blocks until that layer is in (at most ``kvwire_load_timeout``
+  for all the step's loads together, not one per request).  A request whose full blocks
   are all cached here loads nothing: its transfer is received and dropped as it comes, so
   it does not wait on the server until ``kvwire_claim_timeout``.  A load that fails or
   times out reports its blocks through ``get_block_ids_with_load_errors`` (vLLM then
@@ -517,9 +518,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         index = self._index.get(layer_name)
         if index is None:
             return
+        # One kvwire_load_timeout for the layer, whatever the number of requests loading:
+        # each waits for what is left of it (a request whose layer is in does not wait).
+        deadline = time.monotonic() + self._timeout
         for req_id, (handle, blocks, _) in list(self._loading.items()):
             try:
-                handle.wait_layer(index, timeout=self._timeout)
+                handle.wait_layer(index, timeout=max(0.0, deadline - time.monotonic()))
             except KvwireError as exc:
                 logger.error("kvwire: receiving KV of request %s failed: %s", req_id, exc)
                 self._give_up_load(req_id, str(exc))

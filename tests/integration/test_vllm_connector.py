@@ -4,7 +4,8 @@ blocks are given back to vLLM and when nothing reads them any more.  (A real eng
 in test_vllm.py, preempting requests too; a preemption while a send is in flight cannot
 be placed there at will.)  Then the scheduler side through preemption and with the
 consumer's prefix cache, fed vLLM's own scheduler output objects, and a consumer worker
-that loads part of a transfer and drops another, and two requests of one name.
+that loads part of a transfer and drops another, two requests of one name, and loads
+waited for within one load timeout per layer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvwire.errors import KvwireError, UsageError
+from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
 from kvwire.paged import DROP, PagedSource, PagedSpec, gather_layer, host_view
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from kvwire.testing import FaultPlan, FaultProxy, Faults
@@ -426,13 +427,13 @@ def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
     assert meta.loads == [] and meta.drops == []
 
 
-def consumer_worker(caches: list[torch.Tensor]) -> tuple[KvwireConnector, PagedSpec]:
+def consumer_worker(caches: list[torch.Tensor], load_timeout: float = 30) -> tuple[KvwireConnector, PagedSpec]:
     """A consumer's worker-side connector with ``caches`` registered (its server listening)."""
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
             kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
-                                       "kvwire_load_timeout": 30},
+                                       "kvwire_load_timeout": load_timeout},
         ),
         cache_config=CacheConfig(block_size=16),
     )
@@ -541,6 +542,54 @@ def test_a_load_given_up_before_its_transfer_came_drops_the_transfer_when_it_doe
         stats = worker.server_statistics()
         assert not worker._dropping and stats is not None and stats["pending_arrivals"] == 0
         assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+    finally:
+        worker.shutdown()
+
+
+def test_a_layer_waits_for_its_loads_within_one_load_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two requests load: the first one's transfer never comes, the second one's is in.
+    ``wait_for_layer_load`` gives the step one ``kvwire_load_timeout`` for all of them, not
+    one per request: the first wait takes all of it (the clock is fake: it moves by what a
+    wait that ran out was given), and the second gets what is left, nothing; its layer is
+    there, so it loads all the same, and only the first request's blocks are recomputed."""
+    from kvwire.aio._sync import ReceiveHandle
+    from kvwire.integrations import vllm as connector
+
+    clock = [0.0]
+    given: list[float | None] = []
+    real_wait_layer = ReceiveHandle.wait_layer
+
+    def wait_layer(handle: ReceiveHandle, index: int, timeout: float | None = None) -> Any:
+        given.append(timeout)
+        try:
+            return real_wait_layer(handle, index, timeout)
+        except TransferTimeoutError:
+            clock[0] += timeout or 0.0
+            raise
+
+    monkeypatch.setattr(connector, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(ReceiveHandle, "wait_layer", wait_layer)
+    gen = torch.Generator().manual_seed(4)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker, spec = consumer_worker(caches, load_timeout=0.5)
+    try:
+        worker.bind_connector_metadata(KvwireConnectorMetadata(
+            loads=[_Move("never", "never-sent", [1, 2]), _Move("in", "arrived", [4, 5])],
+        ))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            peer.send("arrived", spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30)
+        worker._loading["in"][0].wait(30)  # every layer of it is in before the step waits
+        worker.wait_for_layer_load(LAYERS[0])
+        assert given == [0.5, 0.0]  # one deadline for the layer's loads
+        for name in LAYERS[1:]:
+            worker.wait_for_layer_load(name)
+        worker.clear_connector_metadata()
+        assert worker.get_block_ids_with_load_errors() == {1, 2}
+        assert not worker._loading
+        for layer in range(len(LAYERS)):
+            assert torch.equal(caches[layer][4], src[layer][0]) and torch.equal(caches[layer][5], src[layer][1])
     finally:
         worker.shutdown()
 
