@@ -15,7 +15,8 @@ exact configuration.
   that fails with its connection, or does not end within ``kvwire_load_timeout`` of its
   turn (its step, or the end of the send before it: sends go first come, first served),
   closes the connection before its blocks are reported or ``wait_for_save`` returns:
-  nothing reads them after that (the next save connects again).  With the async save,
+  nothing reads them after that (the next save connects again), and the sends behind it,
+  which end with the connection, are not waited for.  With the async save,
   one that fails on its own (the consumer aborted it) is reported once the streams wrote
   what they held of it, and the connection goes on.  A request preempted while its send
   is in flight waits for that send before the step's forward reuses its blocks
@@ -607,8 +608,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for req_id in preempted:
             logger.info("kvwire: request %s preempted with its send in flight: waiting for the send", req_id)
             handle, _ = self._in_flight.pop(req_id)
-            failed |= not self._ended_well(req_id, handle, self._timeout)
             self._ended.add(req_id)
+            if not self._ended_well(req_id, handle, self._timeout):
+                failed = True
+                if not handle.done:
+                    # Not ended in its time: the connection is closed, which ends the sends
+                    # still in flight (the other preempted ones too); none is waited for.
+                    break
         if failed:
             self._let_go_of_blocks()
 
@@ -624,8 +630,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         failed = False
         for req_id, handle in list(self._sending.items()):
-            failed |= not self._ended_well(req_id, handle, self._timeout)
             del self._sending[req_id]
+            if not self._ended_well(req_id, handle, self._timeout):
+                failed = True
+                if not handle.done:
+                    # Not ended in its time: the sends behind it on the connection cannot
+                    # end before it, and closing the connection ends them all (their turn
+                    # never comes); none is waited for.
+                    if self._sending:
+                        logger.error("kvwire: not sending KV of requests %s: the send before them did not end "
+                                     "within %g s", ", ".join(self._sending), self._timeout)
+                    break
         if failed:
             self._let_go_of_blocks()
 

@@ -5,7 +5,7 @@ in test_vllm.py, preempting requests too; a preemption while a send is in flight
 be placed there at will.)  Then the scheduler side through preemption and with the
 consumer's prefix cache, fed vLLM's own scheduler output objects, and a consumer worker
 that loads part of a transfer and drops another, two requests of one name, and loads
-waited for within one load timeout per layer.
+waited for within one load timeout per layer (and sends behind a late one not waited for).
 """
 
 from __future__ import annotations
@@ -71,14 +71,15 @@ def resume_once_stalled(proxy: FaultProxy, bridge: Bridge, after: float = 0.0) -
     bridge.call_soon(proxy.resume)
 
 
-def producer(port: int, load_timeout: float) -> tuple[KvwireConnector, KvwireConnector, list[torch.Tensor]]:
+def producer(port: int, load_timeout: float,
+             async_save: bool = True) -> tuple[KvwireConnector, KvwireConnector, list[torch.Tensor]]:
     """The scheduler-side and worker-side connectors of a producer, the worker's caches registered."""
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm",
             kv_role="kv_producer",
             kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_peer": f"127.0.0.1:{port}",
-                                       "kvwire_load_timeout": load_timeout},
+                                       "kvwire_load_timeout": load_timeout, "kvwire_async_save": async_save},
         ),
         cache_config=CacheConfig(block_size=16),
     )
@@ -236,6 +237,40 @@ def test_a_preempted_requests_send_ends_before_the_forward_reuses_its_blocks(pat
             with pytest.raises(KvwireError):
                 handle.wait(5)
             assert handle.layers_done() < len(LAYERS)
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("where", ["wait_for_save", "preempted"])
+def test_sends_behind_one_that_did_not_end_in_time_are_not_waited_for(
+    path: Any, monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    """Two sends on a stalled path, waited for by the step: with ``kvwire_async_save:
+    false`` in ``wait_for_save``, or both requests preempted with their sends in flight.
+    The first does not end within ``kvwire_load_timeout``: the connection is closed, which
+    ends the second too (sends go first come, first served: its turn never comes), so the
+    step does not wait another ``kvwire_load_timeout`` for it, and both end let go of."""
+    from kvwire.aio._sync import SendHandle
+
+    given: list[float | None] = []
+    real_wait = SendHandle.wait
+
+    def wait(handle: SendHandle, timeout: float | None = None) -> Any:
+        given.append(timeout)
+        return real_wait(handle, timeout)
+
+    monkeypatch.setattr(SendHandle, "wait", wait)
+    _, proxy, _ = path
+    _, worker, caches = producer(proxy.port, load_timeout=0.5, async_save=where == "preempted")
+    try:
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "first", BLOCKS), _Move("r2", "second", BLOCKS)]),
+             caches)
+        if where == "preempted":
+            worker.bind_connector_metadata(KvwireConnectorMetadata(preempted=["r1", "r2"]))
+            worker.clear_connector_metadata()
+            assert worker.get_finished({"r1", "r2"}) == ({"r1", "r2"}, None)
+        assert [t for t in given if t] == [0.5]  # the first one's wait, not the second's
+        assert worker._peer is None and not worker._sending and not worker._in_flight
     finally:
         worker.shutdown()
 
