@@ -25,7 +25,7 @@ _sendq = load_extension("kvwire.aio._sendq")
 QUEUE_HIGH = 4 << 20
 QUEUE_LOW = 1 << 20
 #: Most bytes of a large payload the queue hands to the kernel per write, checksummed
-#: right after the kernel copied them (while they are in the cache): large enough for few
+#: right after the write before (so the kernel copies them from the cache): large enough for few
 #: writes per chunk on a shaped link, small enough that a piece and its copy stay in a
 #: core's L2 cache (docs/benchmarks.md compares 256 KiB, 512 KiB and whole payloads).
 SEND_PIECE = 512 * 1024
