@@ -497,7 +497,8 @@ class Peer(Pump):
         chunk from the live bandwidth estimate and each codec's measured encode speed, and
         with ``deadline`` (seconds) steps down in precision only as far as needed to finish
         in time.  ``timeout`` bounds the whole send (TransferTimeoutError).  ``blocks``
-        lists the ``(block id, version)`` of the prefix blocks this cache holds.
+        lists the ``(block id, version)`` pairs of the prefix blocks this cache holds
+        (anything else, an entry not a pair or a bare ``str``, is a UsageError).
         """
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")

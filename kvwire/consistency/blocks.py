@@ -18,6 +18,7 @@ given                   canonical key                returned as
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from kvwire.errors import UsageError
 
@@ -97,12 +98,38 @@ def unique_keys(blocks: Iterable[object]) -> list[str]:
     return list(seen)
 
 
+def block_pairs(pairs: Iterable[Any], name: str = "pairs") -> list[tuple[Any, Any]]:
+    """The ``(block, version)`` entries of ``pairs`` (the argument called ``name``), each
+    unpacked and nothing else checked; :class:`UsageError` unless ``pairs`` is an iterable
+    of two-item entries (a bare ``str``/``bytes`` is refused, it would be iterated, and so is
+    a ``str``/``bytes`` entry: ``"ab"`` is not the pair ``("a", "b")``)."""
+    if isinstance(pairs, str | bytes | bytearray | memoryview):
+        raise UsageError(f"{name} is a list of (block id, version) pairs, not a single {type(pairs).__name__}")
+    try:
+        entries = iter(pairs)
+    except TypeError:
+        raise UsageError(f"{name} is a list of (block id, version) pairs, not {type(pairs).__name__}") from None
+    out: list[tuple[Any, Any]] = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, str | bytes | bytearray | memoryview):
+            try:
+                block, version = entry
+            except (TypeError, ValueError):
+                pass
+            else:
+                out.append((block, version))
+                continue
+        raise UsageError(f"{name}[{i}] is not a (block id, version) pair: {entry!r:.80}")
+    return out
+
+
 __all__ = [
     "MAX_KEY_CHARS",
     "BlockId",
     "BlockLike",
     "block_from_key",
     "block_key",
+    "block_pairs",
     "canonical",
     "unique_keys",
 ]

@@ -33,7 +33,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
-from kvwire.consistency.blocks import BlockId, block_from_key, block_key, unique_keys
+from kvwire.consistency.blocks import BlockId, block_from_key, block_key, block_pairs, unique_keys
 from kvwire.consistency.errors import LeaseExpiredError
 from kvwire.errors import LimitExceededError, StaleVersionError, UsageError
 
@@ -128,10 +128,9 @@ def never_issued_error(block: object, version: int, last: int) -> UsageError:
 
 
 def pairs_keys(pairs: Iterable[tuple[object, int]]) -> list[tuple[str, int]]:
-    """Validated ``(canonical key, version)`` pairs."""
-    if isinstance(pairs, str | bytes):
-        raise UsageError("pass a list of (block, version) pairs")
-    return [(block_key(block), check_version(version)) for block, version in pairs]
+    """Validated ``(canonical key, version)`` pairs; :class:`UsageError` naming what is wrong
+    (not a list of pairs, an entry not a pair, a bad block id or version)."""
+    return [(block_key(block), check_version(version)) for block, version in block_pairs(pairs)]
 
 
 def stale_error(stale: Sequence[BlockId], what: str = "stale") -> StaleVersionError:

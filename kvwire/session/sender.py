@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwire.consistency.blocks import block_key
+from kvwire.consistency.blocks import block_key, block_pairs
 from kvwire.errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -884,7 +884,8 @@ def begin_fields(meta: object, blocks: Iterable[tuple[Any, int]] | None) -> tupl
         parse_meta(meta_bytes)  # what a receiver would refuse (a number beyond a double)
     except ProtocolError as exc:
         raise UsageError(f"meta must be JSON a receiver takes: {str(exc).removeprefix('BEGIN ')}") from None
-    return meta_bytes, tuple(BlockVersion(block=block_key(b).encode(), version=v) for b, v in blocks or ())
+    pairs = block_pairs(blocks, "blocks") if blocks is not None else []
+    return meta_bytes, tuple(BlockVersion(block=block_key(b).encode(), version=v) for b, v in pairs)
 
 
 def check_request_id(request_id: object) -> None:

@@ -90,6 +90,28 @@ async def test_check_unknown_and_future(registry: Registry) -> None:
     assert await registry.check_many([]) == []
 
 
+BAD_PAIRS = [
+    ([(1,)], r"pairs\[0\] is not a \(block id, version\) pair: \(1,\)"),
+    ([("a", 1), ("a", 1, 2)], r"pairs\[1\] is not a \(block id, version\) pair: \('a', 1, 2\)"),
+    (["ab"], r"pairs\[0\] is not a \(block id, version\) pair: 'ab'"),  # not ("a", "b")
+    ([5], r"pairs\[0\] is not a \(block id, version\) pair: 5"),
+    ("ab", r"not a single str"),
+    (b"ab", r"not a single bytes"),
+    (5, r"not int"),
+]
+
+
+@pytest.mark.parametrize("method", ["check_many", "superseded", "publish"])
+@pytest.mark.parametrize("pairs, message", BAD_PAIRS)
+async def test_malformed_pairs_are_usage_errors_naming_the_entry(
+    registry: Registry, method: str, pairs: object, message: str
+) -> None:
+    [(_, v)] = await registry.commit(await registry.begin(["a"], owner="a"))
+    with pytest.raises(UsageError, match=message):
+        await getattr(registry, method)(pairs)
+    assert await registry.check_many([("a", v)]) == []
+
+
 async def test_invalidate_in_flight_fails_commit(registry: Registry) -> None:
     lease = await registry.begin([1, 2], owner="a")
     await registry.invalidate(2)

@@ -50,6 +50,30 @@ async def test_never_issued_versions_are_refused_and_never_published(registry: A
             await peer.send("fresh", SPEC, make_layers(4, 8, 2, 16), blocks=[("blk-y", v2)], timeout=10)
 
 
+@pytest.mark.parametrize("with_registry", [True, False], ids=["registry", "no-registry"])
+async def test_malformed_blocks_are_usage_errors_before_anything_is_sent(registry: Any, with_registry: bool) -> None:
+    lease = await registry.begin(["a"], owner="a", ttl=30)
+    versions = await registry.commit(lease)
+    bad: list[tuple[Any, str]] = [
+        ([("a", 1, 2)], r"blocks\[0\] is not a \(block id, version\) pair: \('a', 1, 2\)"),
+        ([*versions, "a"], r"blocks\[1\] is not a \(block id, version\) pair: 'a'"),
+        ("ab", "blocks is a list of \\(block id, version\\) pairs, not a single str"),
+        ([5], r"blocks\[0\] is not a \(block id, version\) pair: 5"),
+        (7, "not int"),
+    ]
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, registry=registry if with_registry else None) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            for blocks, message in bad:
+                with pytest.raises(kvwire.UsageError, match=message):
+                    await peer.send("bad", SPEC, make_layers(4, 8, 2, 16), blocks=blocks, timeout=10)
+            stats = server.statistics()
+            assert stats["transfers_accepted"] == 0 and stats["transfers_refused"] == 0
+            layers = make_layers(4, 8, 2, 16)
+            recv = asyncio.create_task(server.expect("good"))
+            await peer.send("good", SPEC, layers, blocks=versions, timeout=10)  # the session is still usable
+            assert same_cache((await (await recv).collect(timeout=10)).layers, layers)
+
+
 async def test_stale_transfer_is_refused_on_both_sides_before_data_moves(registry: Any) -> None:
     lease = await registry.begin([5], owner="a", ttl=30)
     [(_, v1)] = await registry.commit(lease)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -737,6 +738,26 @@ def test_begin_refuses_what_the_wire_cannot_carry(request_id: str, blocks: tuple
 def test_meta_a_receiver_would_refuse_is_a_usage_error_before_anything_is_sent(meta: dict[str, object]) -> None:
     with pytest.raises(UsageError, match="JSON"):
         begin_fields(meta, None)
+
+
+@pytest.mark.parametrize("blocks, message", [
+    ([("a", 1, 2)], r"blocks\[0\] is not a \(block id, version\) pair"),
+    ([("a", 1), ("b",)], r"blocks\[1\] is not a \(block id, version\) pair"),
+    (["ab"], r"blocks\[0\] is not a \(block id, version\) pair: 'ab'"),
+    ([5], r"blocks\[0\] is not a \(block id, version\) pair: 5"),
+    ("ab", "not a single str"),
+    (5, "not int"),
+])
+def test_blocks_that_are_not_pairs_are_a_usage_error(blocks: object, message: str) -> None:
+    with pytest.raises(UsageError, match=message):
+        begin_fields(None, blocks)  # type: ignore[arg-type]
+
+
+def test_blocks_go_as_canonical_keys() -> None:
+    pairs: list[Any] = [(1, 2), ["s", 3], (b"\x01", 4)]  # a list entry (JSON's pairs) is a pair too
+    _, versions = begin_fields(None, pairs)
+    assert versions == (BlockVersion(block=b"i:1", version=2), BlockVersion(block=b"s:s", version=3),
+                        BlockVersion(block=b"b:01", version=4))
 
 
 def test_meta_goes_as_json_in_utf8() -> None:
