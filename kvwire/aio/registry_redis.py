@@ -435,9 +435,7 @@ class RedisRegistry:
 
     async def lookup(self, blocks: Iterable[BlockLike]) -> list[VersionedBlock]:
         self._live()
-        if isinstance(blocks, str | bytes | bytearray | memoryview):
-            raise UsageError("pass a list of block ids, not a single id")
-        keys = [block_key(b) for b in blocks]
+        keys = unique_keys(blocks)  # duplicates dropped, first occurrence kept
         out: list[VersionedBlock] = []
         for key, (version, complete) in zip(keys, await self._read(keys), strict=True):
             if not complete:

@@ -291,12 +291,10 @@ class RegistryCore:
     # ---- versions -------------------------------------------------------------------
 
     def lookup(self, blocks: Iterable[object]) -> list[VersionedBlock]:
-        """The longest prefix of ``blocks`` (in order) whose blocks are all complete."""
-        if isinstance(blocks, str | bytes | bytearray | memoryview):
-            raise UsageError("pass a list of block ids, not a single id")
+        """The longest prefix of ``blocks`` (in order, duplicates dropped, first occurrence
+        kept) whose blocks are all complete."""
         out: list[VersionedBlock] = []
-        for block in blocks:
-            key = block_key(block)
+        for key in unique_keys(blocks):
             state = self._blocks.get(key)
             if state is None or not state.complete:
                 break

@@ -49,6 +49,11 @@ async def test_duplicates_and_types(registry: Registry) -> None:
     assert lease.started == (5, b"ab", "5")
     versions = await registry.commit(lease)
     assert await registry.lookup([5, memoryview(b"ab"), "5"]) == versions
+    # duplicates are dropped, first occurrence kept, as in begin and invalidate_many
+    assert await registry.lookup([5, 5, bytearray(b"ab"), b"ab", "5", 5]) == versions
+    assert await registry.lookup(["5", 5, "5"]) == [versions[2], versions[0]]
+    with pytest.raises(UsageError):
+        await registry.lookup("abc")
     with pytest.raises(UsageError):
         await registry.begin([True], owner="a")
     with pytest.raises(UsageError):

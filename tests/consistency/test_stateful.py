@@ -175,7 +175,7 @@ class RegistryMachine(RuleBasedStateMachine):
     @rule(blocks=BLOCKS)
     def lookup(self, blocks: list[int]) -> None:
         expected = []
-        for block in blocks:
+        for block in dict.fromkeys(blocks):  # duplicates dropped, first occurrence kept
             if not self.complete.get(block, False):
                 break
             expected.append((block, self.version[block]))
