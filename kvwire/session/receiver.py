@@ -950,7 +950,8 @@ class ReceiverCore:
             t.gated = True
             blocks = tuple((bv.block, bv.version) for bv in begin.blocks)
             # Fail closed: a version the registry never issued is stale like an old one.
-            made_up = [b for b, v in blocks if not 0 <= v < MAX_BLOCK_VERSION]
+            # Named as the sender gave them (admit_begin checked that each key decodes).
+            made_up = [block_from_key(b.decode("utf-8")) for b, v in blocks if not 0 <= v < MAX_BLOCK_VERSION]
             if made_up:
                 self._count("transfers_refused")
                 self._fail(t, stale_error(made_up, " (versions never issued)"), reset=True)
