@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any, Unpack
 
+from kvwire.aio._pool import default_max_bytes
 from kvwire.aio.client import Peer
 from kvwire.aio.server import Server, Transfer
 from kvwire.errors import UsageError
@@ -35,8 +36,10 @@ def serve(
     :mod:`kvwire.consistency` registry) makes the server refuse transfers whose prefix
     blocks are stale and publish the blocks of those it completes; ``options`` are the
     fields of :class:`ServerOptions` (limits, windows, timeouts; typed by
-    :class:`kvwire.options.ServeOptions`).  Use as ``async with``.
+    :class:`kvwire.options.ServeOptions`).  Use as ``async with``.  An invalid
+    ``KVWIRE_RECV_POOL_MB`` (the receive pool's size) is a UsageError here.
     """
+    default_max_bytes()  # a bad setting fails here, not every transfer once one arrives
     return Server(
         host, port, secret=secret, ssl=ssl, options=make_server_options(spec, **options),
         registry=registry,

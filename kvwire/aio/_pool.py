@@ -33,7 +33,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReceivePool", "default_pool", "size_class"]
+from kvwire.errors import UsageError
+
+__all__ = ["ReceivePool", "default_max_bytes", "default_pool", "size_class"]
 
 _PAGE = 4096
 _MIN_CLASS = 64 * 1024
@@ -203,14 +205,22 @@ def _new_slab(nbytes: int) -> np.ndarray:
 _DEFAULT_MAX = 1 << 30
 
 
-def _default_max_bytes() -> int:
-    value = os.environ.get("KVWIRE_RECV_POOL_MB")
-    if value is None:
+def default_max_bytes() -> int:
+    """The idle bytes the process-wide pool keeps: ``KVWIRE_RECV_POOL_MB`` MiB, 1 GiB when it
+    is unset or empty.  :class:`~kvwire.UsageError` naming the variable and its value unless
+    that is a whole number of MiB, 0 or more (``serve()`` checks it before it listens)."""
+    value = os.environ.get("KVWIRE_RECV_POOL_MB", "")
+    if not value.strip():
         return _DEFAULT_MAX
     try:
-        return max(0, int(value)) << 20
+        mib = int(value)
     except ValueError:
-        return _DEFAULT_MAX
+        mib = -1
+    if mib < 0:
+        raise UsageError(
+            f"KVWIRE_RECV_POOL_MB must be a whole number of MiB, 0 or more (0: no reuse), not {value!r:.80}"
+        )
+    return mib << 20
 
 
 _default: ReceivePool | None = None
@@ -220,10 +230,11 @@ _default_lock = threading.Lock()
 def default_pool() -> ReceivePool:
     """The process-wide pool received layers are allocated from.
 
-    Holds at most 1 GiB of idle buffers, or ``KVWIRE_RECV_POOL_MB`` MiB (``0``: no reuse).
+    Holds at most 1 GiB of idle buffers, or ``KVWIRE_RECV_POOL_MB`` MiB (``0``: no reuse);
+    an invalid setting is a :class:`~kvwire.UsageError` (:func:`default_max_bytes`).
     """
     global _default
     with _default_lock:
         if _default is None:
-            _default = ReceivePool(_default_max_bytes())
+            _default = ReceivePool(default_max_bytes())
         return _default

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvwire
+from kvwire.aio import _pool
 from kvwire.aio._pool import ReceivePool, default_pool, size_class
 from tests.conftest import SECRET, make_layers, same_cache
 
@@ -218,3 +219,23 @@ def test_leases_keep_every_spec_dtype(dtype: str) -> None:
     dt = numpy_dtype(dtype)
     a = ReceivePool(1 << 20).empty((5, 2, 8), dt)
     assert a.dtype == dt and a.shape == (5, 2, 8) and a.flags.c_contiguous and a.flags.writeable
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "1.5", "1e3", "-0x1"])
+def test_an_invalid_pool_size_is_a_usage_error_naming_it(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    # it was silently replaced by the default (or, negative, by 0)
+    monkeypatch.setenv("KVWIRE_RECV_POOL_MB", value)
+    monkeypatch.setattr(_pool, "_default", None)  # the process-wide pool is made on first use
+    message = f"KVWIRE_RECV_POOL_MB must be a whole number of MiB.*not {value!r}"
+    with pytest.raises(kvwire.UsageError, match=message):
+        default_pool()
+    with pytest.raises(kvwire.UsageError, match=message):  # before it listens, not at each transfer
+        kvwire.serve("127.0.0.1", 0, secret=SECRET)
+    assert _pool._default is None
+
+
+@pytest.mark.parametrize("value, max_bytes", [("", 1 << 30), (" ", 1 << 30), ("0", 0), ("512", 512 << 20), (" 64 ", 64 << 20)])
+def test_a_valid_pool_size_sets_the_bound(monkeypatch: pytest.MonkeyPatch, value: str, max_bytes: int) -> None:
+    monkeypatch.setenv("KVWIRE_RECV_POOL_MB", value)
+    monkeypatch.setattr(_pool, "_default", None)
+    assert default_pool().max_bytes == max_bytes
