@@ -22,6 +22,7 @@ from kvwire.scheduler.simulator import (
     PolicyName,
     PolicyResult,
     SimulationConfig,
+    check_workload,
     model_cluster,
     offered_rate,
     policy_capacity,
@@ -29,7 +30,7 @@ from kvwire.scheduler.simulator import (
     simulate,
     simulate_policies,
 )
-from kvwire.scheduler.workload import TraceRequest, load_trace, synthetic_trace
+from kvwire.scheduler.workload import MAX_TOKENS, TraceRequest, load_trace, synthetic_trace
 from kvwire.units import (
     argument_type,
     format_duration,
@@ -147,11 +148,12 @@ def add_parser(subparsers: Any) -> None:
                    help="concurrent sequences per decode instance (default 64)")
     link = s.add_mutually_exclusive_group()
     link.add_argument("--link", type=argument_type(positive(parse_rate, "rate"), "rate"), default=100e9,
-                      metavar="RATE", help="link rate, e.g. 100gbps, 10gbit, 800mbps (default 100gbps)")
+                      metavar="RATE", help="link rate, e.g. 100gbps, 10gbit, 800mbps (default 100gbps; "
+                           "10kbps to 1000tbps)")
     link.add_argument("--link-schedule", type=argument_type(parse_schedule, "schedule"),
                       metavar="SCHEDULE",
                       help="rate over time from the first arrival, e.g. 0s:10gbps,300s:1gbps,600s:10gbps "
-                           "(replaces --link)")
+                           "(replaces --link; rates as --link's)")
     s.add_argument("--rtt", type=argument_type(parse_duration, "duration"), default=0.01,
                    metavar="TIME", help="round-trip time between the clusters (default 10ms)")
     s.add_argument("--cache-blocks", type=NON_NEGATIVE_INT, metavar="N",
@@ -217,6 +219,9 @@ def _preflight(args: argparse.Namespace) -> None:
             )
     if args.min_tokens >= args.max_tokens:
         raise UsageError("--min-tokens must be below --max-tokens")
+    for option in ("min_tokens", "max_tokens", "output_tokens"):
+        if getattr(args, option) > MAX_TOKENS:
+            raise UsageError(f"--{option.replace('_', '-')} must be at most {MAX_TOKENS:,} tokens")
 
 
 def _workload(args: argparse.Namespace) -> tuple[TraceRequest, ...]:
@@ -237,7 +242,9 @@ def _workload(args: argparse.Namespace) -> tuple[TraceRequest, ...]:
     # The link schedule's times count from the first arrival, whatever clock the trace's
     # timestamps are on (--load rescales from it too).
     t0 = min(r.arrival_s for r in reqs)
-    return tuple(replace(r, arrival_s=(r.arrival_s - t0) / args.speedup) for r in reqs)
+    reqs = tuple(replace(r, arrival_s=(r.arrival_s - t0) / args.speedup) for r in reqs)
+    check_workload(reqs)
+    return reqs
 
 
 def _config(args: argparse.Namespace) -> SimulationConfig:
@@ -292,6 +299,7 @@ def _at_load(
         if abs(offered_rate(reqs) / cap - load) < 1e-3 * load:
             break
         reqs = scale_to_load(reqs, load * cap)
+        check_workload(reqs)
     return reqs, cap
 
 
@@ -390,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
         config = _config(args)
         if args.load is not None:
             reqs, _ = _at_load(reqs, config, args.load, args.load_baseline, args.threshold)
+            check_workload(reqs)
         opt, results = simulate_policies(
             reqs, config, args.policy, seed=args.seed, threshold_tokens=args.threshold
         )

@@ -7,15 +7,22 @@ import math
 from dataclasses import dataclass
 
 from kvwire.errors import UsageError
+from kvwire.units import format_rate
 
-__all__ = ["LinkSchedule"]
+__all__ = ["MAX_RATE_BPS", "MIN_RATE_BPS", "LinkSchedule"]
+
+MIN_RATE_BPS = 10e3
+"""Slowest link rate the simulator takes (10 kbit/s; 0 is an outage), as ``kvwire bench``."""
+MAX_RATE_BPS = 1e15
+"""Fastest link rate the simulator takes (1 Pbit/s)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkSchedule:
     """Rate ``rates_bps[i]`` from ``starts_s[i]`` until the next start (the last one holds
     forever). A zero rate models an outage; the last rate must be positive so every queued
-    transfer eventually finishes."""
+    transfer eventually finishes. A rate other than 0 lies between :data:`MIN_RATE_BPS`
+    and :data:`MAX_RATE_BPS`."""
 
     starts_s: tuple[float, ...] = (0.0,)
     rates_bps: tuple[float, ...] = (100e9,)
@@ -23,12 +30,20 @@ class LinkSchedule:
     def __post_init__(self) -> None:
         if not self.starts_s or len(self.starts_s) != len(self.rates_bps):
             raise UsageError("a link schedule needs one rate per start time")
+        if not all(math.isfinite(s) for s in self.starts_s):
+            raise UsageError("schedule starts must be finite")
         if self.starts_s[0] != 0.0 or any(
             b <= a for a, b in zip(self.starts_s, self.starts_s[1:], strict=False)
         ):
             raise UsageError("schedule starts must begin at 0 and increase")
         if any(r < 0 or not math.isfinite(r) for r in self.rates_bps) or self.rates_bps[-1] <= 0:
             raise UsageError("rates must be finite and >= 0, and the last one > 0")
+        for r in self.rates_bps:
+            if r and not MIN_RATE_BPS <= r <= MAX_RATE_BPS:
+                raise UsageError(
+                    f"link rate {format_rate(r)} is out of range: 0 (an outage), or "
+                    "10 kbit/s to 1 Pbit/s"
+                )
 
     @classmethod
     def constant(cls, rate_bps: float) -> LinkSchedule:

@@ -71,7 +71,7 @@ from kvwire.scheduler.policy import (
     SchedulerState,
     decide,
 )
-from kvwire.scheduler.workload import BLOCK_TOKENS, LengthDistribution, TraceRequest
+from kvwire.scheduler.workload import BLOCK_TOKENS, MAX_TOKENS, LengthDistribution, TraceRequest
 
 __all__ = [
     "DEFAULT_CACHE_BLOCKS_PER_INSTANCE",
@@ -82,7 +82,9 @@ __all__ = [
     "SimState",
     "SimulationConfig",
     "ThresholdTable",
+    "check_workload",
     "egress_demand",
+    "egress_runs",
     "model_cluster",
     "new_state",
     "offered_rate",
@@ -110,6 +112,9 @@ DEFAULT_CACHE_BLOCKS_PER_INSTANCE = 8192
 """Prefix-cache blocks per instance when neither the profile nor the config says."""
 SATURATION_MARGIN = 0.95
 """A policy is *saturated* when it completes fewer than this share of the offered rate."""
+MAX_ARRIVAL_SPAN_S = 1e9
+"""Longest arrival window the simulator takes (last arrival minus first): 10^9 s, about 31.7
+years of simulated time."""
 MIN_ARRIVAL_WINDOW_S = 1.0
 """Egress is reported in 1-second averages over the arrival window; a window shorter than
 one of them is too short to say: its egress mean and P99 and ``saturated`` are n/a."""
@@ -764,7 +769,8 @@ HANDLERS: dict[EventKind, Callable[[SimState, int], list[Event]]] = {
 
 def run_events(state: SimState) -> SimState:
     """Run the simulation to the end: every arrival and link change is an initial event;
-    handlers add the rest."""
+    handlers add the rest. A time that overflows (inputs far out of range: a decode step
+    or an RTT of 10^300 s) is a :class:`UsageError`, not a run that never ends."""
     heap: list[tuple[float, int, int, int]] = []
     seq = 0
 
@@ -779,6 +785,11 @@ def run_events(state: SimState) -> SimState:
         push((start, EventKind.LINK_CHANGE, k))
     while heap:
         t, kind, _, idx = heapq.heappop(heap)
+        if not math.isfinite(t):
+            raise UsageError(
+                "the simulated time overflowed: a decode step, RTT, profile latency or "
+                "link rate far out of range"
+            )
         state.now = t
         for ev in HANDLERS[EventKind(kind)](state, idx):
             push(ev)
@@ -786,6 +797,29 @@ def run_events(state: SimState) -> SimState:
 
 
 # -- the model's side ------------------------------------------------------------------------
+
+
+def check_workload(requests: Sequence[TraceRequest]) -> None:
+    """Raise :class:`UsageError` unless ``requests`` can be simulated: at least one,
+    arrival times finite and spanning at most :data:`MAX_ARRIVAL_SPAN_S`, lengths between
+    0 and :data:`~kvwire.scheduler.workload.MAX_TOKENS`."""
+    if not requests:
+        raise UsageError("no requests to simulate")
+    arrivals = [r.arrival_s for r in requests]
+    if not all(math.isfinite(t) for t in arrivals):
+        raise UsageError("arrival times must be finite")
+    span = max(arrivals) - min(arrivals)
+    if not span <= MAX_ARRIVAL_SPAN_S:
+        raise UsageError(
+            f"the arrivals span {span:.3g} s; at most {MAX_ARRIVAL_SPAN_S:.0e} s (about 31.7 years) "
+            "can be simulated"
+        )
+    for r in requests:
+        if not (0 <= r.input_length <= MAX_TOKENS and 0 <= r.output_length <= MAX_TOKENS):
+            raise UsageError(
+                f"request lengths must be between 0 and {MAX_TOKENS:,} tokens "
+                f"(got {r.input_length} in, {r.output_length} out)"
+            )
 
 
 def offered_rate(requests: Sequence[TraceRequest]) -> float:
@@ -984,25 +1018,94 @@ def _percentile(values: np.ndarray, q: float) -> float:
     return float(np.percentile(values, q)) if values.size else math.nan
 
 
-def egress_bins(transfers: Sequence[tuple[float, float, float]], t0: float, t1: float) -> np.ndarray:
-    """Bytes per 1-second bin from ``t0`` (the last bin ends at or after ``t1``), each
-    transfer spread evenly over its duration."""
-    end = max([t1, *(e for _, e, _ in transfers)])
-    bins = np.zeros(math.ceil(end - t0) + 2)
+EgressRun = tuple[int, int, float]
+"""``(first, stop, bytes)``: 1-second bins ``first`` to ``stop - 1`` each carried ``bytes``."""
+
+
+def egress_runs(transfers: Sequence[tuple[float, float, float]], t0: float) -> list[EgressRun]:
+    """Bytes per 1-second bin from ``t0``, each transfer spread evenly over its duration,
+    as ascending, disjoint runs of equal bins (a bin in no run carried nothing). Memory
+    and time grow with the number of transfers, not with the seconds they span: a
+    transfer over a slow link may take months of simulated time."""
+    points: dict[int, float] = {}
+    edges: list[tuple[float, float]] = []
     for s, e, b in transfers:
         if b <= 0:
             continue
         a, z = s - t0, e - t0
         if z - a <= 0:
-            bins[int(a)] += b
+            k = math.floor(a)
+            points[k] = points.get(k, 0.0) + b
             continue
         rate = b / (z - a)
-        k = int(a)
-        while k < z:
-            lo, hi = max(a, k), min(z, k + 1)
-            bins[k] += rate * (hi - lo)
-            k += 1
-    return bins
+        edges += [(a, rate), (z, -rate)]
+    edges.sort()
+    partial = points
+    runs: list[EgressRun] = []
+
+    def spread(x: float, y: float, rate: float) -> None:
+        kx, ky = math.floor(x), math.floor(y)
+        if kx == ky:
+            partial[kx] = partial.get(kx, 0.0) + rate * (y - x)
+            return
+        partial[kx] = partial.get(kx, 0.0) + rate * (kx + 1 - x)
+        if ky > kx + 1:
+            runs.append((kx + 1, ky, rate))
+        if y > ky:
+            partial[ky] = partial.get(ky, 0.0) + rate * (y - ky)
+
+    rate, active, prev = 0.0, 0, -math.inf
+    for x, change in edges:
+        if active and x > prev:
+            spread(prev, x, rate)
+        rate += change
+        active += 1 if change > 0 else -1
+        if not active:
+            rate = 0.0  # no rounding left over between transfers
+        prev = x
+    # The segments are disjoint, so only an instantaneous transfer's bin can fall inside
+    # a run of whole bins: split the run there.
+    keys = sorted(partial)
+    out: list[EgressRun] = []
+    for first, stop, value in runs:
+        cur = first
+        for k in keys[bisect.bisect_left(keys, first) : bisect.bisect_left(keys, stop)]:
+            if k > cur:
+                out.append((cur, k, value))
+            partial[k] += value
+            cur = k + 1
+        if stop > cur:
+            out.append((cur, stop, value))
+    out += [(k, k + 1, v) for k, v in partial.items() if v > 0]
+    out.sort()
+    return out
+
+
+def _window_stats(runs: Sequence[EgressRun], nbins: int) -> tuple[float, float]:
+    """Mean and P99 (``numpy.percentile``'s linear method) of bins ``0`` to ``nbins - 1``,
+    bytes; NaN for no bins."""
+    if nbins <= 0:
+        return math.nan, math.nan
+    values: list[float] = []
+    counts: list[int] = []
+    for first, stop, value in runs:
+        n = min(stop, nbins) - max(first, 0)
+        if n > 0:
+            values.append(value)
+            counts.append(n)
+    if nbins > sum(counts):
+        values.append(0.0)
+        counts.append(nbins - sum(counts))
+    vals = np.asarray(values, dtype=np.float64)
+    cnt = np.asarray(counts, dtype=np.int64)
+    mean = float(np.dot(vals, cnt) / nbins)
+    order = np.argsort(vals, kind="stable")
+    vals, ends = vals[order], np.cumsum(cnt[order])
+    h = (nbins - 1) * 0.99
+    lo = math.floor(h)
+    a = float(vals[np.searchsorted(ends, lo, side="right")])
+    b = float(vals[np.searchsorted(ends, min(lo + 1, nbins - 1), side="right")])
+    return mean, a + (b - a) * (h - lo)
 
 
 def _summarize(state: SimState, n_p: float) -> PolicyResult:
@@ -1018,11 +1121,13 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
     span = state.last_finish_s - state.first_finish_s
     throughput = (done - 1) / span if span > 0 else done / makespan
     tt = np.asarray([x for x in state.ttft_s if not math.isnan(x)])
-    bins = egress_bins(state.transfers, first_arrival, last_arrival)
+    runs = egress_runs(state.transfers, first_arrival)
     # Mean and P99 over the same bins: the whole seconds of the arrival window (the drain
     # after the last arrival does not dilute them). None whole: too short to say.
     window = last_arrival - first_arrival
-    in_window = bins[: math.floor(window)] if window >= MIN_ARRIVAL_WINDOW_S else bins[:0]
+    egress_mean, egress_p99 = _window_stats(
+        runs, math.floor(window) if window >= MIN_ARRIVAL_WINDOW_S else 0
+    )
     thr: float | None
     if state.policy is PolicyName.SELECTIVE:
         thr = state.threshold_tokens
@@ -1040,9 +1145,9 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
         ttft_p50_s=_percentile(tt, 50),
         ttft_p90_s=_percentile(tt, 90),
         ttft_p99_s=_percentile(tt, 99),
-        egress_gbps_mean=float(in_window.mean()) * 8.0 / 1e9 if in_window.size else math.nan,
-        egress_gbps_p99=_percentile(in_window, 99) * 8.0 / 1e9,
-        egress_gbps_peak=float(bins.max()) * 8.0 / 1e9 if state.transfers else 0.0,
+        egress_gbps_mean=egress_mean * 8.0 / 1e9,
+        egress_gbps_p99=egress_p99 * 8.0 / 1e9,
+        egress_gbps_peak=max((v for *_, v in runs), default=0.0) * 8.0 / 1e9,
         offload_fraction=sum(state.remote) / n,
         cache_hit_ratio=sum(state.hit_tokens) / max(1, sum(r.input_length for r in reqs)),
         threshold_tokens=thr,
@@ -1074,8 +1179,7 @@ def simulate(
     tabulated exactly).
     """
     policy = PolicyName(policy)
-    if not requests:
-        raise UsageError("no requests to simulate")
+    check_workload(requests)
     cl = config.cluster
     if policy is not PolicyName.LOCAL and cl.remote_instances < 1:
         raise UsageError(f"policy {policy} needs at least one remote instance")
@@ -1136,6 +1240,7 @@ def simulate_policies(
     threshold_tokens: float | None = None,
 ) -> tuple[OptimizerResult, tuple[PolicyResult, ...]]:
     """The optimizer's answer for the trace, then every policy replayed on it."""
+    check_workload(requests)
     opt = optimizer_for(requests, config)
     results = tuple(
         simulate(requests, config, p, seed=seed, threshold_tokens=threshold_tokens, optimizer=opt)

@@ -19,6 +19,8 @@ from kvwire.errors import UsageError
 
 __all__ = [
     "BLOCK_TOKENS",
+    "MAX_TIMESTAMP_MS",
+    "MAX_TOKENS",
     "LengthDistribution",
     "TraceRequest",
     "incremental_lengths",
@@ -28,6 +30,12 @@ __all__ = [
 
 BLOCK_TOKENS = 512
 """Tokens per prefix block in the Mooncake trace format and in the consistency registry."""
+MAX_TOKENS = 1 << 27
+"""Longest input or output a request may have: 134,217,728 tokens (128M, far beyond any
+model's context), so that no length can make the simulation's numbers overflow."""
+MAX_TIMESTAMP_MS = 1e15
+"""Largest trace timestamp, in either direction: 10^15 ms (about 31,700 years, so epoch
+milliseconds fit with room to spare)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,7 +53,8 @@ class TraceRequest:
 def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequest, ...]:
     """Read a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
     ``output_length``, ``hash_ids``), sorted by arrival. A ``.gz`` file (any case) is decompressed.
-    Timestamps must be finite and lengths >= 0; a bad record is reported by path and line.
+    Timestamps must be finite and at most :data:`MAX_TIMESTAMP_MS` either side of 0, and
+    lengths between 0 and :data:`MAX_TOKENS`; a bad record is reported by path and line.
     ``limit``: keep the first ``limit`` records in file order (then sort them)."""
     out: list[TraceRequest] = []
     try:
@@ -69,8 +78,17 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
                     raise UsageError(f"{path}:{lineno}: not a trace record ({exc})") from None
                 if not math.isfinite(req.arrival_s):
                     raise UsageError(f"{path}:{lineno}: timestamp must be a finite number")
+                if not abs(req.arrival_s) <= MAX_TIMESTAMP_MS / 1000.0:
+                    raise UsageError(
+                        f"{path}:{lineno}: timestamp must be within {MAX_TIMESTAMP_MS:.0e} ms of 0"
+                    )
                 if req.input_length < 0 or req.output_length < 0:
                     raise UsageError(f"{path}:{lineno}: input_length and output_length must be >= 0")
+                if req.input_length > MAX_TOKENS or req.output_length > MAX_TOKENS:
+                    raise UsageError(
+                        f"{path}:{lineno}: input_length and output_length must be at most "
+                        f"{MAX_TOKENS:,} tokens"
+                    )
                 out.append(req)
                 if limit is not None and len(out) >= limit:
                     break
@@ -101,6 +119,8 @@ def synthetic_trace(
     prefixes: every request gets fresh block ids."""
     if requests <= 0 or rate_rps <= 0:
         raise UsageError("requests and rate must be positive")
+    if max(min_tokens, max_tokens, output_tokens) > MAX_TOKENS:
+        raise UsageError(f"lengths must be at most {MAX_TOKENS:,} tokens")
     gaps = rng.exponential(1.0 / rate_rps, size=requests)
     arrivals = np.cumsum(gaps) - gaps[0]
     if clip:
