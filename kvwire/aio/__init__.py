@@ -63,8 +63,10 @@ def connect(
     path rewards (more while one stream's window is the limit, fewer when not).
     ``codec`` is the default for :meth:`Peer.send` (``"auto"``: chosen per chunk from
     the live bandwidth estimate); ``options`` are the fields of :class:`ClientOptions`
-    (typed by :class:`kvwire.options.ConnectOptions`).
-    Use as ``async with``.
+    (typed by :class:`kvwire.options.ConnectOptions`).  ``ssl`` (a client
+    :class:`ssl.SSLContext`) runs every stream over TLS, checking the server's certificate
+    against ``server_hostname`` (default ``host``); ``server_hostname`` without ``ssl`` is a
+    UsageError.  Use as ``async with``.
     """
     known = {f.name for f in fields(ClientOptions)}
     unknown = set(options) - known

@@ -129,6 +129,11 @@ class Peer(Pump):
     ) -> None:
         super().__init__()
         check_port(port, 1)
+        if server_hostname is not None and ssl is None:
+            raise UsageError(
+                "server_hostname= is the name TLS checks the server's certificate against; "
+                "it needs ssl= (an SSLContext): without ssl= the connection is plain TCP"
+            )
         self.stream_controller: StreamController | None = None
         if streams == AUTO:
             streams = options.max_streams

@@ -68,6 +68,12 @@ def test_codecs_given_as_one_string_are_refused() -> None:
     assert make_server_options(codecs=["raw"]).codecs == ("raw",)
 
 
+def test_server_hostname_without_ssl_is_refused() -> None:
+    # it was ignored: the connection went out as plain TCP, checking no certificate
+    with pytest.raises(UsageError, match=r"server_hostname= .* needs ssl="):
+        kvwire.connect("127.0.0.1", 1, secret=SECRET, server_hostname="localhost")
+
+
 def test_the_defaults_and_ordinary_values_still_work() -> None:
     ClientOptions()
     ServerOptions()
