@@ -24,7 +24,8 @@ class Transfer:
 
     Iterate (``async for layer in transfer``) to receive :class:`~kvwire.Layer` objects
     in completion order, or ``await transfer.collect()`` for the whole cache (not for one
-    received into a destination); not both.
+    received into a destination); not both.  One let go of (garbage collected) before its
+    layers were taken is aborted, as by :meth:`abort`.
     """
 
     def __init__(self, server: Server, arrived: TransferArrived) -> None:
@@ -137,6 +138,7 @@ class Transfer:
         if self._consumer is not None:
             raise UsageError(f"transfer already consumed by {self._consumer}(); use one of iteration or collect()")
         self._consumer = how
+        self._server._taking(self)
 
     async def _layers(self) -> AsyncIterator[Layer]:
         try:

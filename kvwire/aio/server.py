@@ -17,6 +17,7 @@ import itertools
 import logging
 import ssl as _ssl
 import time
+import weakref
 from collections import deque
 from types import TracebackType
 from typing import Any
@@ -118,6 +119,15 @@ def _abort_handed(fut: asyncio.Future[Transfer], why: str) -> None:
         fut.result().abort(why)
 
 
+def _let_go(server: weakref.ref[Server], loop: asyncio.AbstractEventLoop, key: Key) -> None:
+    """A transfer handed to the application was garbage collected (on whatever thread
+    collected it): its server hears of it on its loop."""
+    s = server()
+    if s is not None and not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(s._let_go, key)
+
+
 class Server(Pump):
     """A running kvwire server; use through ``async with kvwire.serve(...)``."""
 
@@ -145,7 +155,12 @@ class Server(Pump):
         self._server: asyncio.Server | None = None
         self._cids = itertools.count(1)
         self._by_cid: dict[int, Stream] = {}
+        # Transfers not yet handed to the application, and those being taken (iterated or
+        # collected), are held here.  One handed out and not yet taken is held only weakly,
+        # so one the application lets go of is aborted (its layers dropped, the sender
+        # told) instead of held until the session ends.
         self._transfers: dict[Key, Transfer] = {}
+        self._handed: weakref.WeakValueDictionary[Key, Transfer] = weakref.WeakValueDictionary()
         self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
@@ -233,9 +248,36 @@ class Server(Pump):
         """The oldest arrived transfer nobody claimed (of ``request_id``), now claimed."""
         for key in self.core.unclaimed(request_id):
             if (t := self._transfers.get(key)) is not None:
-                self.core.claim(key)
+                self._hand_out(t)
                 return t
         return None
+
+    def _hand_out(self, transfer: Transfer) -> None:
+        """``transfer`` goes to the application: claimed, and from now on held only weakly
+        (see ``_handed``)."""
+        key = transfer._key
+        self.core.claim(key)
+        if self._transfers.pop(key, None) is not None:
+            self._handed[key] = transfer
+            weakref.finalize(transfer, _let_go, weakref.ref(self), asyncio.get_running_loop(), key)
+
+    def _taking(self, transfer: Transfer) -> None:
+        """The application began taking ``transfer``'s layers: held strongly again (a task
+        waiting on its layers is then kept by the server, as asyncio needs; leaving the
+        iteration early aborts the transfer)."""
+        if self._handed.pop(transfer._key, None) is not None:
+            self._transfers[transfer._key] = transfer
+
+    def _transfer(self, key: Key) -> Transfer | None:
+        return self._transfers.get(key) or self._handed.get(key)
+
+    def _let_go(self, key: Key) -> None:
+        """The application let go of a transfer it was handed (garbage collected): one
+        not fully taken is aborted, so its layers do not stay buffered until the session
+        ends (nothing happens to one that ended)."""
+        if not self.closed:
+            self.core.abort(key, "the application let go of the transfer without taking every layer", self.now())
+            self.pump()
 
     @staticmethod
     async def _wait(fut: asyncio.Future[Transfer], timeout: float | None, what: str) -> Transfer:
@@ -328,7 +370,7 @@ class Server(Pump):
 
     def _on_event(self, ev: ReceiverEvent) -> None:
         if isinstance(ev, LayerReady):
-            t = self._transfers.get(ev.key)
+            t = self._transfer(ev.key)
             if t is not None:
                 t._layer_ready(ev.layer, ev.wire_bytes)
         elif isinstance(ev, TransferArrived):
@@ -336,7 +378,7 @@ class Server(Pump):
             self._transfers[ev.key] = t
             self._deliver(t)
         elif isinstance(ev, TransferFailed):
-            t = self._transfers.pop(ev.key, None)
+            t = self._transfers.pop(ev.key, None) or self._handed.pop(ev.key, None)
             if t is not None:
                 t._fail(ev.error)
             elif isinstance(ev.error, StaleVersionError | RegistryUnavailableError):
@@ -401,13 +443,13 @@ class Server(Pump):
                     except Exception as exc:  # the transfer failed with it
                         fut.set_exception(exc)
                         return
-                self.core.claim(transfer._key)
+                self._hand_out(transfer)
                 fut.set_result(transfer)
                 return
         while self._accept_waiters:
             fut = self._accept_waiters.popleft()
             if not fut.done():
-                self.core.claim(transfer._key)
+                self._hand_out(transfer)
                 fut.set_result(transfer)
                 return
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import Iterable
 from typing import Any
 
@@ -87,6 +88,49 @@ async def test_a_cancelled_accept_does_not_keep_the_transfer_it_was_handed() -> 
             await asyncio.sleep(0.02)
         assert server.statistics()["buffered_bytes"] == 0
         assert not server._transfers
+
+
+@pytest.mark.parametrize("how", ["accept", "expect", "iterated"])
+async def test_a_transfer_the_application_lets_go_of_is_aborted_and_its_memory_given_back(how: str) -> None:
+    """Handed out, then dropped before every layer was taken: claim_timeout no longer
+    covers it, so the server held its layers (counted against max_buffer_bytes) until the
+    session ended; a few such transfers refused every later send."""
+    leased = default_pool().leased_bytes
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, claim_timeout=None) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            await peer.send("a", SPEC, layers(), timeout=10)
+            assert server.statistics()["buffered_bytes"] > 0
+            aborted = server.statistics().get("transfers_aborted", 0)
+            transfer = await (server.accept() if how == "accept" else server.expect("a"))
+            if how == "iterated":
+                async for _ in transfer:
+                    break  # leaving the loop early aborts too (once: not again when let go of)
+            del transfer
+            gc.collect()
+            for _ in range(100):
+                if server.statistics()["buffered_bytes"] == 0:
+                    break
+                await asyncio.sleep(0.02)
+            assert server.statistics()["buffered_bytes"] == 0
+            assert server.statistics().get("transfers_aborted", 0) == aborted + 1
+            assert not server._transfers and not server._handed
+            await peer.send("b", SPEC, layers(), timeout=10)  # the session goes on
+            taken = [layer.index async for layer in await server.expect("b", timeout=10)]
+            assert taken == [0, 1, 2]
+    assert default_pool().leased_bytes == leased
+
+
+async def test_a_transfer_taken_whole_and_let_go_of_is_not_aborted() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            sending = asyncio.ensure_future(peer.send("a", SPEC, layers(), timeout=10))
+            transfer = await server.expect("a", timeout=10)
+            await transfer.collect(timeout=10)
+            await sending
+            del transfer
+            gc.collect()
+            await asyncio.sleep(0.05)
+            assert server.statistics().get("transfers_aborted", 0) == 0
 
 
 async def test_timed_out_accepts_leave_no_waiter_behind() -> None:
