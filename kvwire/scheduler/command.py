@@ -137,7 +137,8 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--local-instances", type=POSITIVE_INT, default=8,
                    help="local PD instances, split between prefill and decode (default 8)")
     s.add_argument("--prefill-instances", type=NON_NEGATIVE, metavar="N_P",
-                   help="local prefill instances N_p (default: the model's best split per policy)")
+                   help="local prefill instances N_p, > 0 unless the only policy is offload-all "
+                        "(default: the model's best split per policy)")
     s.add_argument("--split-granularity", choices=["instance", "gpu"], default="instance",
                    help="prefill/decode split in whole instances or in GPUs (default instance)")
     s.add_argument("--gpus-per-instance", type=POSITIVE_INT, default=8,

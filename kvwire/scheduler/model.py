@@ -318,10 +318,11 @@ def optimize(
     *,
     step_tokens: float = 256.0,
     prefill_instances: float | None = None,
+    min_prefill_instances: float = 0.0,
 ) -> OptimizerResult:
     """Grid search over the threshold (``step_tokens`` apart, wider past
     :data:`MAX_GRID_POINTS` points) and the split ``N_p`` (every value at the config's
-    split granularity, or only ``prefill_instances``)."""
+    split granularity from ``min_prefill_instances`` up, or only ``prefill_instances``)."""
     if step_tokens <= 0:
         raise UsageError("step_tokens must be > 0")
     grid, step_tokens = _grid(dist, step_tokens)
@@ -329,7 +330,16 @@ def optimize(
     # one per distinct length), at its first point: what the first best of the whole grid
     # would be, since max() keeps the first of equal ranks.
     starts, run_of = _classes(dist, grid)
-    splits = [prefill_instances] if prefill_instances is not None else config.splits()
+    splits = (
+        [prefill_instances]
+        if prefill_instances is not None
+        else [n for n in config.splits() if n >= min_prefill_instances - 1e-9]
+    )
+    if not splits:
+        raise UsageError(
+            f"no split of {config.local_instances} local instances has N_p >= "
+            f"{min_prefill_instances:g} and a decode instance"
+        )
     local = config.local_prefill_profile
     terms = [_terms(dist, config, float(grid[i]), local) for i in starts]
     table = [[_assemble(tt, config, float(n_p)) for tt in terms] for n_p in splits]

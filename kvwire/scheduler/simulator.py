@@ -854,12 +854,20 @@ def model_cluster(requests: Sequence[TraceRequest], config: SimulationConfig) ->
 
 
 def optimizer_for(requests: Sequence[TraceRequest], config: SimulationConfig) -> OptimizerResult:
-    """The model's answer for this trace: incremental lengths, mean output, mean link rate."""
+    """The model's answer for this trace: incremental lengths, mean output, mean link rate.
+
+    ``selective`` and ``adaptive`` run at its split, and the requests they keep local need
+    a local prefill server: without ``config.prefill_instances`` it searches only the
+    splits that leave one (``N_p`` of at least one split step), where there are any. (The
+    bare model may find ``N_p = 0`` best, every prefill remote; that is ``offload-all``.)"""
+    cl = config.cluster
+    floor = cl.split_step if config.prefill_instances is None and len(cl.splits()) > 1 else 0.0
     return optimize(
         LengthDistribution.from_trace(requests),
         model_cluster(requests, config),
         step_tokens=config.threshold_step_tokens,
         prefill_instances=config.prefill_instances,
+        min_prefill_instances=floor,
     )
 
 
@@ -875,10 +883,14 @@ def _split_for(
         n_p = best_split(dist, cl, threshold_tokens=-1.0).prefill_instances
     else:
         n_p = opt.best.prefill_instances
-    if policy is not PolicyName.OFFLOAD_ALL and n_p <= 0:
-        # The model may find offloading everything best; a prefill path still needs a
-        # local server for the requests that stay.
-        n_p = cl.split_step
+    if policy is not PolicyName.OFFLOAD_ALL and n_p <= 1e-9:
+        # The requests that stay local need a local prefill server (it used to be added
+        # silently, an instance taken from decode, while the threshold and the model's
+        # figures stayed those of the split without it).
+        raise UsageError(
+            f"bad split: N_p = {n_p:g} leaves {policy} no local prefill server "
+            f"(only offload-all runs without one)"
+        )
     if cl.local_instances - n_p < cl.split_step - 1e-9:
         raise UsageError(f"bad split: {n_p:g} prefill of {cl.local_instances} local instances")
     return n_p
@@ -1242,6 +1254,9 @@ def simulate_policies(
     """The optimizer's answer for the trace, then every policy replayed on it."""
     check_workload(requests)
     opt = optimizer_for(requests, config)
+    dist = LengthDistribution.from_trace(requests)
+    for p in policies:  # a split some policy cannot run at fails before any run
+        _split_for(PolicyName(p), dist, config, opt)
     results = tuple(
         simulate(requests, config, p, seed=seed, threshold_tokens=threshold_tokens, optimizer=opt)
         for p in policies
