@@ -13,7 +13,7 @@ from kvwire.cli import main
 from kvwire.errors import UsageError
 from kvwire.scheduler.model import ClusterConfig
 from kvwire.scheduler.profile import builtin_profile
-from kvwire.scheduler.simulator import PolicyName, SimulationConfig, simulate, simulate_policies
+from kvwire.scheduler.simulator import SimulationConfig, simulate, simulate_policies
 from kvwire.scheduler.workload import synthetic_trace
 
 TRACE = synthetic_trace(np.random.default_rng(0), requests=50, rate_rps=2.0)
