@@ -411,12 +411,17 @@ def run(args: argparse.Namespace) -> int:
     saturated_text = ", ".join(saturated) or "none"
     if results and all(r.saturated is None for r in results):
         saturated_text = "n/a (the arrivals span under 1 s)"
+    offered = offered_rate(reqs)
+    # One request has no rate (NaN), a burst at one instant an infinite one: n/a, as in
+    # the table and the JSON.
     load_text = (
-        f"offered {offered_rate(reqs):.3f} rps"
+        f"offered {offered:.3f} rps"
         + (f" = {args.load:g} x {args.load_baseline}'s capacity" if args.load else "")
+        if math.isfinite(offered)
+        else "offered rate n/a"
     )
     caption = (
-        f"{len(reqs)} requests, {load_text}; saturated: {saturated_text}\n"
+        f"{len(reqs)} request{'' if len(reqs) == 1 else 's'}, {load_text}; saturated: {saturated_text}\n"
         f"model: t*={b.threshold_tokens:.0f} tokens, N_p/N_d={b.prefill_instances:g}/"
         f"{b.decode_instances:g} ({config.cluster.split_granularity} split, balance slack "
         f"{b.balance_slack:+.2f}), Lambda_max={b.lambda_max_rps:.3f} rps, binding: {b.binding}\n"

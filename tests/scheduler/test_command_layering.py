@@ -260,6 +260,23 @@ def test_simulate_cli_burst_reports_na(tmp_path: Path, capsys: pytest.CaptureFix
     assert "saturated: n/a" in " ".join(captured.err.split())
 
 
+@pytest.mark.parametrize("records", [1, 20])
+def test_simulate_cli_offered_rate_without_a_span_is_na(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], records: int
+) -> None:
+    # One record printed "offered nan rps", twenty at one timestamp "offered inf rps".
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": 0, "input_length": 1000 + i, "output_length": 5, "hash_ids": [i]}) + "\n"
+        for i in range(records)
+    ))
+    assert run(parse(["simulate", "--trace", str(trace), "--policy", "selective"])) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    noun = "request" if records == 1 else "requests"
+    assert f"{records} {noun}, offered rate n/a; saturated: n/a" in out
+    assert "nan" not in out and "inf" not in out
+
+
 def test_simulate_cli_egress_window(capsys: pytest.CaptureFixture[str]) -> None:
     # Off by default (no demand: decide's utilization rules never fire); --egress-window
     # turns them on, and the JSON says which ran.
