@@ -54,6 +54,7 @@ from kvwire.wire import (
 from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
 from kvwire.wire.frames import (
     DEFAULT_MAX_FRAME_SIZE,
+    FRAME_OVERHEAD,
     KIND_KV,
     KV_CHUNK_VERSION,
     Buffer,
@@ -272,6 +273,8 @@ class SenderCore:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.peer_codecs: tuple[str, ...] = ()
         self.peer_max_frame_size = 0
+        self.peer_window = 0
+        """The first stream's WELCOME window: a CHUNK is never larger on the wire."""
         self.version: int | None = None
         """The protocol version of the session's streams (None until the first opened)."""
         self._adding: ChunkAddress | None = None  # the chunk add_chunk() is putting on a stream
@@ -478,6 +481,8 @@ class SenderCore:
         limit = self.peer_max_frame_size
         if not limit:
             return requested
+        if self.peer_window:  # a frame is its body and FRAME_OVERHEAD: all of it within the window
+            limit = min(limit, self.peer_window - FRAME_OVERHEAD)
         return max(1, min(requested, (limit - 4096) * 255 // 256))
 
     def add_chunk(self, transfer_id: int, chunk: Chunk, *, kv_bytes: int = 0) -> None:
@@ -487,6 +492,9 @@ class SenderCore:
         if chunk.kind == KIND_KV and not self.kv_chunks:
             raise UsageError(f"a KV chunk needs protocol version {KV_CHUNK_VERSION}; the session speaks {self.version}")
         size = chunk_frame_size(len(chunk.params), payload_nbytes(chunk.payload))
+        if self.peer_window and size > self.peer_window:
+            # Connection credit never exceeds the window: it could wait for ever.
+            raise UsageError(f"chunk frame of {size} bytes exceeds the peer's window of {self.peer_window} bytes")
         t.queue.append((chunk, size, kv_bytes))
         t.queued_bytes += size
         self._adding = chunk.address
@@ -625,6 +633,7 @@ class SenderCore:
             self.peer_codecs = ev.peer_codecs
             self.max_transfers = ev.max_transfers
             self.peer_max_frame_size = ev.peer_max_frame_size
+            self.peer_window = ev.window
             self.version = ev.version
             for i in range(1, len(self._slots)):
                 self._want(i)

@@ -62,6 +62,31 @@ async def test_large_chunks_arrive_bit_identical(chunk_bytes: int, server_frame:
     assert receipt.chunks >= 2 * 2 * per_tensor
 
 
+@pytest.mark.parametrize("head_dim", [32749, 32753, 32755])
+async def test_a_chunk_larger_than_the_window_on_the_wire_fails_at_once(head_dim: int) -> None:
+    """A window equal to the frame limit (allowed) cannot hold a frame of that limit's
+    body: a frame is its body and 12 bytes more.  A token row between the two waited for
+    credit for ever; it is refused at once, and the session goes on."""
+    spec = kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=head_dim, dtype="float16")
+    layer = np.ones((4, 1, head_dim), np.float16)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_frame_size=65536, window=65536) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            wire = 2 * head_dim + 26 + 12  # one token row's CHUNK frame
+            if wire <= 65536:
+                receiving = asyncio.ensure_future(server.expect("fits", timeout=10))
+                await asyncio.wait_for(peer.send("fits", spec, [(layer, layer)]), 10)
+                cache = await (await receiving).collect(timeout=10)
+                assert same_cache(cache.layers, [(layer, layer)])
+            else:
+                with pytest.raises(kvwire.UsageError, match="window"):
+                    await asyncio.wait_for(peer.send("too-big", spec, [(layer, layer)]), 10)
+            small = kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16")
+            rows = np.ones((4, 1, 8), np.float16)
+            receiving = asyncio.ensure_future(server.expect("after", timeout=10))
+            await asyncio.wait_for(peer.send("after", small, [(rows, rows)]), 10)
+            await (await receiving).collect(timeout=10)
+
+
 @pytest.mark.parametrize("codec", ["raw", "int4"])
 async def test_a_transfer_begins_with_a_small_chunk(codec: str) -> None:
     """The receiver grants one layer until the first chunk tells it the layer size: that
