@@ -251,6 +251,8 @@ class ServerOptions:
 def make_server_options(spec: KVSpec | Sequence[KVSpec] | None = None, **options: Any) -> ServerOptions:
     """:class:`ServerOptions` from ``serve()``'s ``spec=`` and keywords."""
     specs: tuple[KVSpec, ...]
+    if "specs" in options:
+        raise UsageError("the layouts a server accepts are serve()'s spec=: a KVSpec or a list of them (not specs=)")
     if spec is None:
         specs = ()
     elif isinstance(spec, KVSpec):

@@ -68,6 +68,14 @@ def test_codecs_given_as_one_string_are_refused() -> None:
     assert make_server_options(codecs=["raw"]).codecs == ("raw",)
 
 
+def test_specs_is_refused_pointing_at_spec() -> None:
+    # it failed with "unknown server option: ... got multiple values for keyword argument 'specs'"
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=2)
+    with pytest.raises(UsageError, match="spec="):
+        kvwire.serve("127.0.0.1", 0, secret=b"s" * 32, specs=[spec])  # type: ignore[call-arg]
+    assert kvwire.serve("127.0.0.1", 0, secret=b"s" * 32, spec=[spec]).options.specs == (spec,)
+
+
 def test_server_hostname_without_ssl_is_refused() -> None:
     # it was ignored: the connection went out as plain TCP, checking no certificate
     with pytest.raises(UsageError, match=r"server_hostname= .* needs ssl="):
