@@ -125,6 +125,16 @@ def check_output_path(path: str, what: str) -> None:
         raise UsageError(f"{what} {path!r} is not writable")
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether two output paths name one file (spelled alike or not, or hard-linked)."""
+    if Path(a).resolve() == Path(b).resolve():
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist yet
+        return False
+
+
 def _check_plot(path: str) -> None:
     try:
         from matplotlib.figure import Figure
@@ -276,6 +286,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     try:
         # Every output and optional extra is checked before the run, not after it.
+        if args.json not in (None, "-") and args.plot is not None and _same_file(args.json, args.plot):
+            # The plot, written last, would replace the report.
+            raise UsageError(f"--json and --plot name the same file {args.plot!r}: give each its own")
         if args.json is not None and args.json != "-":
             check_output_path(args.json, "--json")
         if args.plot is not None:

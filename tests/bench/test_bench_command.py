@@ -209,6 +209,20 @@ def test_inconsistent_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixtur
     assert "kvwire bench: error:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spelling", ["same", "dot"])
+def test_one_file_for_json_and_plot_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spelling: str
+) -> None:
+    # The plot, written last, replaced the report.
+    out = tmp_path / "r.png"
+    other = str(out) if spelling == "same" else str(tmp_path / "." / "r.png")
+    argv = ["bench", "--model", "tiny", "--tokens", "64", "--duration", "1", "--quiet",
+            "--json", str(out), "--plot", other]
+    assert main(argv) == 2
+    assert "--json and --plot name the same file" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_kernel_without_root_is_a_clear_error(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -260,6 +260,22 @@ def test_simulate_cli_burst_reports_na(tmp_path: Path, capsys: pytest.CaptureFix
     assert "saturated: n/a" in " ".join(captured.err.split())
 
 
+@pytest.mark.parametrize("spelling", ["same", "dot", "link"])
+def test_simulate_cli_refuses_one_file_for_two_outputs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spelling: str
+) -> None:
+    # --json same.png --plot same.png exited 0: the plot, written last, replaced the JSON.
+    out = tmp_path / "same.png"
+    other = {"same": str(out), "dot": str(tmp_path / "." / "same.png"), "link": str(tmp_path / "ln.png")}[spelling]
+    if spelling == "link":
+        out.write_text("old")
+        (tmp_path / "ln.png").hardlink_to(out)
+    args = parse(["simulate", "--requests", "30", "--json", str(out), "--plot", other])
+    assert run(args) == 2
+    assert "--json and --plot name the same file" in capsys.readouterr().err
+    assert not out.exists() or out.read_text() == "old"
+
+
 @pytest.mark.parametrize("records", [1, 20])
 def test_simulate_cli_offered_rate_without_a_span_is_na(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], records: int
