@@ -53,6 +53,8 @@ class TraceRequest:
 def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequest, ...]:
     """Read a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
     ``output_length``, ``hash_ids``), sorted by arrival. A ``.gz`` file (any case) is decompressed.
+    Lengths and hash ids are whole numbers (``4000`` or ``4000.0``; not ``1000.7``, ``true``
+    or ``"4000"``), the timestamp any number, ``hash_ids`` (optional) a list.
     Timestamps must be finite and at most :data:`MAX_TIMESTAMP_MS` either side of 0, and
     lengths between 0 and :data:`MAX_TOKENS`; a bad record is reported by path and line.
     ``limit``: keep the first ``limit`` records in file order (then sort them)."""
@@ -68,11 +70,16 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
                     continue
                 try:
                     obj = json.loads(line)
+                    if not isinstance(obj, dict):
+                        raise ValueError(f"a record is a JSON object, not {type(obj).__name__}")
+                    hash_ids = obj.get("hash_ids", [])
+                    if not isinstance(hash_ids, list):
+                        raise ValueError(f"hash_ids must be a list, not {json.dumps(hash_ids)}")
                     req = TraceRequest(
-                        arrival_s=float(obj["timestamp"]) / 1000.0,
-                        input_length=int(obj["input_length"]),
-                        output_length=int(obj["output_length"]),
-                        hash_ids=tuple(int(h) for h in obj.get("hash_ids", ())),
+                        arrival_s=_number(obj["timestamp"], "timestamp") / 1000.0,
+                        input_length=_whole(obj["input_length"], "input_length"),
+                        output_length=_whole(obj["output_length"], "output_length"),
+                        hash_ids=tuple(_whole(h, "a hash id") for h in hash_ids),
                     )
                 except (KeyError, TypeError, ValueError, OverflowError) as exc:
                     raise UsageError(f"{path}:{lineno}: not a trace record ({exc})") from None
@@ -99,6 +106,22 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
         raise UsageError(f"trace {path} holds no requests")
     out.sort(key=lambda r: r.arrival_s)
     return tuple(out)
+
+
+def _number(value: object, what: str) -> float:
+    """A JSON number as a float (a boolean or a string is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{what} must be a number, not {json.dumps(value)}")
+    return float(value)
+
+
+def _whole(value: object, what: str) -> int:
+    """A JSON number with a whole value (``4000`` or ``4000.0``) as an int; ``1000.7``,
+    ``true`` or ``"4000"`` is refused rather than rounded or converted."""
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or (isinstance(value, float) and not value.is_integer())):
+        raise ValueError(f"{what} must be a whole number, not {json.dumps(value)}")
+    return int(value)
 
 
 def synthetic_trace(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,42 @@ def test_trace_rejects_values_a_request_cannot_have(tmp_path: Path, bad: dict[st
     _write_trace(path, bad)  # json.dumps writes NaN / Infinity, which json.loads reads back
     with pytest.raises(UsageError, match=rf"{path}:3:"):
         load_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("bad", "said"),
+    [
+        ({"input_length": 1000.7}, "input_length must be a whole number, not 1000.7"),
+        ({"input_length": True}, "input_length must be a whole number, not true"),
+        ({"output_length": "50"}, 'output_length must be a whole number, not "50"'),
+        ({"hash_ids": [1.5, 2]}, "a hash id must be a whole number, not 1.5"),
+        ({"hash_ids": [True]}, "a hash id must be a whole number, not true"),
+        ({"hash_ids": "12"}, 'hash_ids must be a list, not "12"'),
+        ({"timestamp": False}, "timestamp must be a number, not false"),
+        ({"timestamp": "100"}, 'timestamp must be a number, not "100"'),
+    ],
+)
+def test_trace_refuses_values_it_used_to_coerce(tmp_path: Path, bad: dict[str, object], said: str) -> None:
+    # 1000.7 became 1000, true 1, [1.5, 2] the ids [1, 2], "50" 50.
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, bad)
+    with pytest.raises(UsageError, match=rf"{path}:3: .*{re.escape(said)}"):
+        load_trace(path)
+
+
+def test_trace_record_that_is_not_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(_record(0)) + "\n[1, 2]\n")
+    with pytest.raises(UsageError, match=rf"{path}:2: .*a JSON object"):
+        load_trace(path)
+
+
+def test_trace_takes_whole_numbers_written_as_floats(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, {"input_length": 4000.0, "hash_ids": [7.0], "timestamp": 250.5})
+    last = load_trace(path)[-1]
+    assert (last.input_length, last.hash_ids, last.arrival_s) == (4000, (7,), 0.2505)
+    assert isinstance(last.input_length, int) and isinstance(last.hash_ids[0], int)
 
 
 def test_trace_accepts_zero_lengths(tmp_path: Path) -> None:
