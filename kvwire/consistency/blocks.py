@@ -17,6 +17,7 @@ given                   canonical key                returned as
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -64,22 +65,24 @@ def block_key(block: object) -> str:
 
 
 def block_from_key(key: str) -> BlockId:
-    """The block id a canonical key stands for (inverse of :func:`block_key`)."""
+    """The block id a canonical key stands for (inverse of :func:`block_key`).  Only the
+    canonical form is one: ``i:01``, ``i:+1``, ``i: 1`` or ``b:AB`` raise
+    :class:`UsageError`, so one block never travels under two keys."""
     tag, sep, body = key.partition(":")
+    block: BlockId | None = None
     if sep:
         if tag == "i":
-            try:
-                return int(body)
-            except ValueError:
-                pass
+            if body.isascii() and body.lstrip("-").isdigit():
+                with contextlib.suppress(ValueError):  # (past sys.get_int_max_str_digits())
+                    block = int(body)
         elif tag == "b":
-            try:
-                return bytes.fromhex(body)
-            except ValueError:
-                pass
+            with contextlib.suppress(ValueError):
+                block = bytes.fromhex(body)
         elif tag == "s":
             return body
-    raise UsageError(f"not a canonical block key: {key!r}")
+    if block is None or block_key(block) != key:
+        raise UsageError(f"not a canonical block key: {key!r}")
+    return block
 
 
 def canonical(block: object) -> BlockId:

@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvwire.consistency import (
     LeaseExpiredError,
@@ -36,6 +38,24 @@ def test_block_keys_are_type_tagged_and_reversible() -> None:
             block_key(bad)
     with pytest.raises(UsageError):
         block_from_key("q:1")
+
+
+@pytest.mark.parametrize("key", ["i:01", "i:+1", "i:-0", "i:1_0", "i: 1", "i:1 ", "i:\u0661", "i:", "i:-",
+                                 "b:AB", "b:0", "b:a b", "b: 01", "x:1", "i1", ""])
+def test_only_the_canonical_key_names_a_block(key: str) -> None:
+    """Python's int() and bytes.fromhex() read these too: one block had several keys
+    (protocol.md 7.3: a key not of the canonical form is PROTOCOL_ERROR)."""
+    with pytest.raises(UsageError, match="canonical"):
+        block_from_key(key)
+
+
+@given(st.text(max_size=12) | st.from_regex(r"\A[ib]:[-+ 0-9a-fA-F_]{0,6}\Z"))
+def test_a_key_read_back_is_the_key_of_its_block(key: str) -> None:
+    try:
+        block = block_from_key(key)
+    except UsageError:
+        return
+    assert block_key(block) == key
 
 
 def test_an_int_block_id_too_long_is_a_usage_error() -> None:
