@@ -140,15 +140,19 @@ class ZstdCodec(EntropyCodec):
         return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
 
     def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
+        """Exactly ``size`` bytes from exactly one zstd frame, never more.
+
+        The frame header's content size is only a claim: the blocks after it may produce
+        far more (an RLE block is 128 KiB for 4 bytes), and zstd notices the difference
+        only at the end of the frame.  So the frame is decompressed in one call into an
+        output of ``size`` bytes (the header must say ``size``, and ``decompress`` sizes
+        its output by the header), which fails as soon as a block would go past it.
+        """
         try:
             params = zstandard.get_frame_parameters(data)
             if params.content_size != size:
                 raise ProtocolError(f"{self.name} frame announces {params.content_size} bytes, expected {size}")
-            obj = zstandard.ZstdDecompressor().decompressobj()
-            plain = obj.decompress(data)
-            if obj.unused_data or not obj.eof:
-                raise ProtocolError(f"{self.name} payload is not exactly one zstd frame")
-            return plain
+            return zstandard.ZstdDecompressor().decompress(data, max_output_size=size, allow_extra_data=False)
         except zstandard.ZstdError as exc:
             raise ProtocolError(f"{self.name} payload is not a valid zstd frame: {exc}") from None
 
@@ -161,6 +165,7 @@ class Lz4Codec(EntropyCodec):
         return bytes(lz4.block.compress(data, store_size=False))
 
     def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
+        # Into an output of exactly ``size`` bytes: a block that would produce more fails.
         try:
             return bytes(lz4.block.decompress(data, uncompressed_size=size))
         except (lz4.block.LZ4BlockError, ValueError) as exc:
