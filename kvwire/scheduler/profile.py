@@ -2,9 +2,12 @@
 
 A profile is a handful of measured points ``(tokens, kv_bytes, prefill_seconds)`` for one
 serving instance; values in between are interpolated linearly and values outside are
-extrapolated along the nearest segment (clamped at zero), because prefill cost and KV size
-are close to affine over each measured decade and a measured curve must not be replaced by
-a guessed shape.
+extrapolated along the nearest segment, because prefill cost and KV size are close to
+affine over each measured decade and a measured curve must not be replaced by a guessed
+shape. The KV size is clamped at zero; a profile whose prefill latency, so extended,
+falls below zero at 0 tokens, or to zero or below by
+:data:`~kvwire.scheduler.workload.MAX_TOKENS`, is refused (a prefill that takes no time
+would give the model infinite capacity there), rather than clamped.
 
 Built-in profiles (``builtin_profile(name)``):
 
@@ -38,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import UsageError
+from kvwire.scheduler.workload import MAX_TOKENS
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -100,6 +104,25 @@ class ModelProfile:
             raise UsageError(f"profile {self.name!r}: token counts must be positive")
         if any(v < 0 for v in self.kv_bytes) or any(v <= 0 for v in self.prefill_s):
             raise UsageError(f"profile {self.name!r}: sizes must be >= 0, latencies > 0")
+        if n > 1:
+            self._check_extension(self.tokens[:2], self.prefill_s[:2], 0.0)
+            self._check_extension(self.tokens[-2:], self.prefill_s[-2:], float(MAX_TOKENS))
+
+    def _check_extension(self, xs: tuple[float, ...], ys: tuple[float, ...], at: float) -> None:
+        """Refuse a first (last) segment whose line, extended down to 0 tokens (up to
+        :data:`MAX_TOKENS`), gives a negative (no) prefill latency."""
+        (x0, x1), (y0, y1) = xs, ys
+        slope = (y1 - y0) / (x1 - x0)
+        value = y0 + slope * (at - x0)
+        below = at < x0
+        if (value < 0) if below else (value <= 0 and at > x1):
+            zero = x0 - y0 / slope
+            side = f"below its first point ({x0:g} tokens)" if below else f"past its last point ({x1:g} tokens)"
+            raise UsageError(
+                f"profile {self.name!r}: prefill_s extended {side} reaches 0 s at "
+                f"{zero:,.0f} tokens, so a prompt of {'fewer' if below else 'more'} tokens would "
+                "take no time; add a point at a length there"
+            )
 
     def prefill_seconds(self, tokens: float) -> float:
         """Prefill latency of ``tokens`` new tokens on one instance."""
@@ -155,6 +178,8 @@ class ModelProfile:
                     int(data["cache_blocks"]) if data.get("cache_blocks") is not None else None
                 ),
             )
+        except UsageError:
+            raise  # the profile's own checks say what is wrong
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
             # OverflowError: an integer too large for a float (JSON and TOML allow any).
             raise UsageError(f"bad profile: {exc}") from None

@@ -166,3 +166,30 @@ def test_profile_number_too_large_is_a_usage_error(
     add_parser(ap.add_subparsers(dest="command", required=True))
     assert run(ap.parse_args(["simulate", "--requests", "20", "--profile", str(path)])) == 2
     assert "bad profile" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("prefill_s", "where"),
+    [((1.0, 3.0), "below its first point .* 500 tokens"), ((3.0, 1.0), "past its last point .* 2,500 tokens")],
+)
+def test_profile_whose_latency_line_reaches_zero_is_refused(prefill_s: tuple[float, float], where: str) -> None:
+    # It was clamped to 0 s: prompts under 500 tokens (over 2,500) took no time, and the
+    # model's local capacity for them was infinite.
+    with pytest.raises(UsageError, match=f"prefill_s extended {where}"):
+        ModelProfile(name="p", tokens=(1000.0, 2000.0), kv_bytes=(1e6, 2e6), prefill_s=prefill_s)
+
+
+def test_profile_file_whose_latency_line_reaches_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text("tokens = [1000, 2000]\nkv_bytes = [1e6, 2e6]\nprefill_s = [1.0, 3.0]\n")
+    with pytest.raises(UsageError, match="below its first point"):
+        load_profile(path)
+    ap = argparse.ArgumentParser()
+    add_parser(ap.add_subparsers())
+    assert run(ap.parse_args(["simulate", "--requests", "20", "--local-profile", str(path)])) == 2
+    assert "kvwire simulate: profile 'custom': prefill_s extended below" in capsys.readouterr().err
+
+
+def test_profiles_through_zero_or_above_are_kept() -> None:
+    for prefill_s in ((1.0, 2.0), (2.0, 2.0), (1.5, 2.0)):
+        ModelProfile(name="p", tokens=(1000.0, 2000.0), kv_bytes=(1e6, 2e6), prefill_s=prefill_s)
