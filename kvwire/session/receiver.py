@@ -423,6 +423,7 @@ class _Session:
     lose_at: float | None = None
     closed: bool = False
     unreported: int = 0  # CHUNK bytes received since the last REPORT to this session
+    version: int | None = None  # the protocol version every stream of it speaks (6.1)
 
 
 class ReceiverCore:
@@ -809,12 +810,18 @@ class ReceiverCore:
                 conn.refuse(ErrorCode.LIMIT_EXCEEDED, "server has reached max_sessions")
                 return
             sid = self._nonce(16)
-            self._sessions[sid] = _Session(sid)
+            self._sessions[sid] = _Session(sid, version=conn.version)
         else:
             sid = ev.session_id
             sess = self._sessions.get(sid)
             if sess is None or sess.closed:
                 conn.refuse(ErrorCode.UNKNOWN_SESSION, "no such session")
+                return
+            if conn.version != sess.version:
+                # Every stream of a session speaks one version (its chunks may go on any):
+                # the join is refused, the session and its streams go on.
+                conn.refuse(ErrorCode.UNSUPPORTED_VERSION,
+                            f"this session speaks protocol version {sess.version}, this stream {conn.version}")
                 return
             old = sess.streams.pop(ev.stream_index, None)
             if old is not None and old in self._conns:

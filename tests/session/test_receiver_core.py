@@ -46,7 +46,7 @@ from kvwire.wire import (
     TransferReset,
     chunk_frame_size,
 )
-from kvwire.wire.frames import BlockVersion, FrameType, Ping, Reset, frame_bytes
+from kvwire.wire.frames import PROTOCOL_VERSION, BlockVersion, FrameType, Ping, Reset, frame_bytes
 
 SECRET = b"receiver-core-secret"
 HEADS, HEAD_DIM = 2, 4
@@ -78,14 +78,15 @@ class Harness:
     """One client connection (cid 1) talking to a :class:`ReceiverCore` in memory."""
 
     def __init__(self, config: ReceiverConfig | None = None, *, store: LayerStore | None = None,
-                 fingerprint: bytes | None = None, secret: bytes = SECRET) -> None:
+                 fingerprint: bytes | None = None, secret: bytes = SECRET,
+                 max_version: int = PROTOCOL_VERSION) -> None:
         self.now = 0.0
         self.core = ReceiverCore(config or ReceiverConfig(secret=SECRET, codecs=("raw", "fp8")), store=store)
         self.events: list[Any] = []
         self.client_events: list[Event] = []
         self.core.connection_made(1, self.now)
-        ccfg = ConnectionConfig(secret=secret) if fingerprint is None else ConnectionConfig(
-            secret=secret, fingerprint=fingerprint)
+        ccfg = ConnectionConfig(secret=secret, max_version=max_version) if fingerprint is None else ConnectionConfig(
+            secret=secret, fingerprint=fingerprint, max_version=max_version)
         self.client = Connection(Role.CLIENT, ccfg, now=self.now)
         self.client.initiate()
         self.pump()
@@ -711,13 +712,13 @@ def test_a_reconnected_stream_resumes_its_session() -> None:
 
 
 def join(core: ReceiverCore, cid: int, now: float, *, session_id: bytes = bytes(16), stream_index: int = 0,
-         after_auth: bytes = b"") -> tuple[Connection, list[Event]]:
+         after_auth: bytes = b"", max_version: int = PROTOCOL_VERSION) -> tuple[Connection, list[Event]]:
     """Another client connection ``cid`` through its handshake with ``core`` (joining
     ``session_id`` if given); ``after_auth``: bytes written in the same read as its AUTH,
     before WELCOME.  The connection and the events it saw."""
     core.connection_made(cid, now)
     client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET, session_id=session_id,
-                                                      stream_index=stream_index), now=now)
+                                                      stream_index=stream_index, max_version=max_version), now=now)
     client.initiate()
     events: list[Event] = []
     for _ in range(4):
@@ -759,6 +760,36 @@ def test_a_join_failing_right_after_auth_leaves_the_live_stream_alone() -> None:
     assert not h.client_of(ConnectionClosed) and h.client.state is State.OPEN
     h.send(chunk(layer=0, kind=0))  # the transfer goes on over the stream it had
     assert h.client_of(ChunkAcked)
+
+
+@pytest.mark.parametrize("session_version", [1, PROTOCOL_VERSION])
+@pytest.mark.parametrize("join_version", [1, PROTOCOL_VERSION])
+@pytest.mark.parametrize("stream_index", [0, 1])
+def test_a_join_speaking_another_version_than_its_session_is_refused_and_the_session_goes_on(
+    session_version: int, join_version: int, stream_index: int,
+) -> None:
+    """Every stream of a session speaks one version (protocol.md 6.1): a join that does
+    not is refused with UNSUPPORTED_VERSION, replaces no stream (stream_index 0 is the live
+    one's) and leaves the session's transfers alone."""
+    h = Harness(ReceiverConfig(secret=SECRET, resume_timeout=1.0), max_version=session_version)
+    assert h.client.version == session_version
+    h.client.send_begin(begin(layers=2))
+    h.pump()
+    h.send(chunk(layer=0, kind=0))
+    second, events = join(h.core, 2, h.now, session_id=h.client.session_id, stream_index=stream_index,
+                          max_version=join_version)
+    h.pump()
+    if join_version == session_version:
+        assert second.state is State.OPEN
+        return
+    [closed] = [e for e in events if isinstance(e, ConnectionClosed)]
+    assert closed.code == ErrorCode.UNSUPPORTED_VERSION and second.state is not State.OPEN
+    h.core.forget(2)
+    h.pump()
+    assert not h.client_of(ConnectionClosed) and h.client.state is State.OPEN
+    assert not h.of(TransferFailed) and h.core.sessions == 1
+    h.send(chunk(layer=0, kind=1))  # the transfer completes its layer on the stream it had
+    assert len(h.client_of(ChunkAcked)) == 2 and h.of(LayerReady)
 
 
 def test_accept_goes_on_the_stream_that_carried_begin() -> None:
