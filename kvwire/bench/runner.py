@@ -82,6 +82,8 @@ END_STALL = 30.0
 #: A transfer still running when --duration ends may finish; one that takes longer than
 #: this past the end (or twice the duration, if that is longer) is abandoned (s).
 ABANDON_AFTER = 30.0
+EMULATOR_SAMPLE_S = 0.01
+"""How often the emulator process samples its byte counter (the per-sample wire rate)."""
 _READY_TIMEOUT = 60.0  # spawning a child imports numpy and kvwire: seconds on a slow box
 
 #: A server drops the state of a bench (its reference cache: up to 512 MiB) that saw no
@@ -566,10 +568,26 @@ def _emulator_main(
             conn.send(("ready", link.port, start))
             samples: list[tuple[float, int]] = []
             cpu0 = _cpu()
-            while not conn.poll():
-                samples.append((time.monotonic(), link.statistics().bytes_forward))
-                await asyncio.sleep(interval)
-            samples.append((time.monotonic(), link.statistics().bytes_forward))
+            # A request wakes the loop at once: ("count",) is answered with the byte count
+            # of that moment (the run's exact start and end); anything else stops it.
+            wake = asyncio.Event()
+            loop.add_reader(conn.fileno(), wake.set)
+            try:
+                while True:
+                    stop = False
+                    while not stop and conn.poll():
+                        if conn.recv()[0] == "count":
+                            conn.send(("count", link.statistics().bytes_forward))
+                        else:
+                            stop = True
+                    samples.append((time.monotonic(), link.statistics().bytes_forward))
+                    if stop:
+                        break
+                    wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(wake.wait(), interval)
+            finally:
+                loop.remove_reader(conn.fileno())
             cpu_used[0] = _cpu() - cpu0
             return samples
 
@@ -648,6 +666,9 @@ class _SendResult:
     abandoned transfer included."""
     link_samples: list[tuple[float, int]] = field(default_factory=list)
     """``(time.monotonic(), bytes)`` the shaped link transmitted (kernel mode)."""
+    carried: int | None = None
+    """Bytes the link (emulator or shaped veth) carried from start to end, read from its
+    counter at both; None without a link."""
     chunk_bytes: int = 0
     """The chunk size the sender used: the one asked for, or less where the server's
     frame limit holds no chunk that large."""
@@ -697,8 +718,12 @@ async def _send_loop(
     cfg: BenchConfig, host: str, port: int, secret: bytes, bench_id: str, t0: float | None,
     on_progress: Progress | None, set_rate: Callable[[float], None] | None = None,
     on_interval: Progress | None = None, link_bytes: Callable[[], int] | None = None,
-    log: Callable[[str], None] | None = None,
+    log: Callable[[str], None] | None = None, link_count: Callable[[], int] | None = None,
 ) -> _SendResult:
+    """Send for ``cfg.duration``. ``link_bytes``: the shaped link's byte counter, read at
+    every sample (kernel mode); ``link_count``: a counter read only at the run's start
+    and end (the emulator's, asked across a pipe); either makes ``carried_bytes`` what
+    the link carried between the two, exactly."""
     from kvwire.aio import connect
 
     model = get_model(cfg.model)
@@ -716,6 +741,8 @@ async def _send_loop(
         if res.chunk_bytes < cfg.chunk_bytes and log is not None:
             log(f"warning: the receiver accepts frames of at most {format_size(peer.core.peer_max_frame_size)}: "
                 f"chunks of {format_size(res.chunk_bytes)}, not the {format_size(cfg.chunk_bytes)} asked for")
+        counter = link_count or link_bytes
+        count0 = counter() if counter is not None else 0  # before the first byte of the run
         start = time.monotonic()
         base = t0 if t0 is not None else start
         res.started = start
@@ -812,6 +839,8 @@ async def _send_loop(
                 if time.monotonic() - start >= cfg.duration:
                     break
             res.ended = time.monotonic()
+            if counter is not None:  # every completed transfer's bytes have crossed it
+                res.carried = counter() - count0
             tasks[0].cancel()  # the sampler: one last sample covers every completed transfer
             await asyncio.gather(tasks[0], return_exceptions=True)
             take_sample(final=True)
@@ -995,9 +1024,9 @@ def run_bench(
             eproc = econn = None
             if cfg.mode == "emulated":
                 eproc, econn = stack.enter_context(
-                    # Its byte counter every 10 ms: the run's end falls between two
-                    # samples, and the wire rate interpolates there.
-                    _child(_emulator_main, cfg.steps, cfg.rtt / 2, cfg.jitter, 0.01,
+                    # Its byte counter every EMULATOR_SAMPLE_S for the per-sample wire
+                    # rate; the run's start and end are read exactly (emulator_count).
+                    _child(_emulator_main, cfg.steps, cfg.rtt / 2, cfg.jitter, EMULATOR_SAMPLE_S,
                            cfg.emulator == "splice")
                 )
             _, port = _expect(rconn, "receiver", rproc, _READY_TIMEOUT)
@@ -1013,8 +1042,16 @@ def run_bench(
                                           set_rate=link.set_rate, on_interval=on_interval,
                                           link_bytes=link.tx_bytes, log=log))
             else:
+                emulator_count = None
+                if eproc is not None and econn is not None:
+                    emu_proc, emu_conn = eproc, econn
+
+                    def emulator_count() -> int:
+                        emu_conn.send(("count",))
+                        return int(_expect(emu_conn, "emulator", emu_proc, 30.0)[1])
+
                 send = run(_send_loop(cfg, "127.0.0.1", port, secret, bench_id, t0, on_progress,
-                                      on_interval=on_interval, log=log))
+                                      on_interval=on_interval, log=log, link_count=emulator_count))
             _, receiver, receiver_cpu = _expect(rconn, "receiver", rproc, 300.0)
             if eproc is not None and econn is not None:
                 econn.send(("stop",))
@@ -1032,7 +1069,7 @@ def run_bench(
     # (what the link forwarded, else what the receiver acknowledged), not only those of
     # the transfers that completed.
     seconds = max(0.0, send.ended - send.started)
-    carried = _carried(link_samples, send.started, send.ended) if link_samples else send.acked_bytes
+    carried = send.carried if send.carried is not None else send.acked_bytes
     goodput = kv * 8 / seconds / 1e9 if seconds > 0 else 0.0
     wire_gbps = carried * 8 / seconds / 1e9 if seconds > 0 else 0.0
     link_bps = mean_rate(cfg.steps, send.started - base, send.ended - base)
@@ -1114,13 +1151,6 @@ def run_bench(
     window = ServerOptions().window if cfg.mode == "peer" else receiver_options(cfg.chunk_bytes)["window"]
     result["diagnosis"] = diagnose(result, window_bytes=window)
     return result
-
-
-def _carried(link: list[tuple[float, int]], start: float, end: float) -> int:
-    """Bytes a link's counter samples ``(time, bytes)`` grew by from ``start`` to ``end``."""
-    times = np.array([t for t, _ in link])
-    counts = np.array([b for _, b in link], dtype=np.float64)
-    return max(0, round(float(np.interp(end, times, counts)) - float(np.interp(start, times, counts))))
 
 
 def _wire_from_link(
