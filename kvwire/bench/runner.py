@@ -760,9 +760,24 @@ async def _send_loop(
         }
 
         sampler = {"last_t": time.monotonic(), "last_b": peer.bytes_sent,
-                   "edge": start - base + cfg.interval}
+                   "edge": start - base + cfg.interval, "kv": 0}
         pending: list[dict[str, Any]] = []  # samples of the interval in progress
         reported = [res.initial]  # the sample that ended the last reported interval
+
+        def kv_acknowledged() -> int:
+            """fp16 KV the receiver has acknowledged: the completed transfers', and the
+            chunks of those in flight as their ACKs come (a transfer's KV is credited as
+            it arrives, not all in the interval it ends in). Never decreasing: a transfer
+            that just completed (or was abandoned) may have left the session before its
+            receipt is counted."""
+            in_flight = 0
+            for tid in list(peer.sends):
+                transfer = peer.core.transfer(tid)
+                if transfer is not None:
+                    in_flight += transfer.kv_bytes_acked
+            credited = max(int(sampler["kv"]), kv_done + in_flight)
+            sampler["kv"] = credited
+            return credited
 
         def take_sample(final: bool = False) -> None:
             now, sent = time.monotonic(), peer.bytes_sent
@@ -774,7 +789,7 @@ async def _send_loop(
                 "estimated_gbps": stats.get("estimated_gbps"),
                 "link_gbps": link / 1e9 if link is not None else None,
                 "bytes_sent": sent,
-                "kv_bytes_done": kv_done,
+                "kv_bytes_done": kv_acknowledged(),
                 "transfers": len(res.receipts),
                 "streams": peer.active_streams,
                 "bytes_in_flight": stats.get("bytes_in_flight"),

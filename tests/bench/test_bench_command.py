@@ -386,3 +386,90 @@ def test_the_runs_end_waits_while_bytes_move_and_fails_once_they_stop(monkeypatc
     stuck = _SlowPeer(moves=10_000, moving=False)
     with pytest.raises(KvwireError, match="nothing moved"):
         asyncio.run(runner._send_end(stuck, "end", None, None, {}))
+
+
+class _AckedTransfer:
+    def __init__(self) -> None:
+        self.kv_bytes_acked = 0
+
+
+class _PacedPeer:
+    """A peer whose transfers are acknowledged a quarter at a time, one quarter between
+    two of the bench's samples (it waits for each sample: no timing involved)."""
+
+    QUARTERS = 4
+
+    def __init__(self, kv_bytes: int) -> None:
+        import asyncio
+
+        from kvwire.session.options import Receipt
+
+        self.receipt = Receipt
+        self.kv = kv_bytes
+        self.bytes_sent = 0
+        self.active_streams = 1
+        self.streams: list[Any] = []
+        self.sends: dict[int, object] = {}
+        self.transfers: dict[int, _AckedTransfer] = {}
+        self.sampled = asyncio.Event()
+        self.core = self
+        self.peer_max_frame_size = 1 << 30
+        self.next_id = 0
+
+    def chunk_target(self, requested: int) -> int:
+        return requested
+
+    def transfer(self, transfer_id: int) -> _AckedTransfer | None:
+        return self.transfers.get(transfer_id)
+
+    def statistics(self) -> dict[str, Any]:
+        self.sampled.set()
+        return {"streams": []}
+
+    async def __aenter__(self) -> _PacedPeer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    async def send(self, request_id: str, spec: Any, layers: Any, *, meta: Any, timeout: float | None) -> Any:
+        self.next_id += 1
+        tid = self.next_id
+        if not request_id.endswith("-end"):
+            t = self.transfers[tid] = _AckedTransfer()
+            self.sends[tid] = object()
+            for _ in range(self.QUARTERS):
+                t.kv_bytes_acked += self.kv // self.QUARTERS
+                self.bytes_sent += self.kv // self.QUARTERS
+                self.sampled.clear()
+                await self.sampled.wait()
+            # As in the session: the transfer leaves it before send() returns its receipt.
+            del self.sends[tid], self.transfers[tid]
+        return self.receipt(request_id=request_id, transfer_id=tid, codec="raw", kv_bytes=self.kv,
+                            wire_bytes=self.kv, chunks=self.QUARTERS, seconds=0.4)
+
+
+def test_an_intervals_goodput_counts_the_kv_acknowledged_in_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer's whole KV was credited to the interval it ended in (4.3 Gbit/s in the
+    last 300 ms interval of a 1 Gbit/s link); it is now credited as its chunks are
+    acknowledged."""
+    import asyncio
+
+    import kvwire.aio
+    from kvwire.bench import runner
+    from kvwire.bench.report import intervals
+
+    kv = 4 * 1_000_000
+    peer = _PacedPeer(kv)
+    monkeypatch.setattr(kvwire.aio, "connect", lambda *a, **k: peer)
+    cfg = runner.BenchConfig(model="tiny", tokens=64, duration=0.5, peer=("127.0.0.1", 1),
+                             sample_interval=0.01, interval=0.01)
+    res = asyncio.run(runner._send_loop(cfg, "127.0.0.1", 1, b"", "b", None, None))
+    done = [s["kv_bytes_done"] for s in res.samples]
+    assert len(res.receipts) >= 2 and done[-1] == kv * len(res.receipts)
+    assert any(d % kv for d in done)  # mid-transfer samples count the quarters acknowledged
+    # A sample per quarter acknowledged: none is credited more, a completion included.
+    steps = [b["kv_bytes_done"] - a["kv_bytes_done"] for a, b in zip([res.initial, *res.samples], res.samples, strict=False)]
+    assert all(0 <= step <= kv // 4 for step in steps), steps
+    ivs = intervals(res.samples, cfg.interval, res.initial)
+    assert sum(iv["goodput_gbps"] * (iv["end"] - iv["start"]) for iv in ivs) * 1e9 / 8 == pytest.approx(done[-1])
