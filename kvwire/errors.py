@@ -160,4 +160,4 @@ def error_from_code(code: int, message: str) -> KvwireError:
     except ValueError:
         return ProtocolError(f"peer error 0x{code:04x}: {message}", code=ErrorCode.PROTOCOL_ERROR)
     cls = _BY_CODE.get(ecode, KvwireError)
-    return cls(message, code=ecode)
+    return cls(message or f"{ecode.name} (no message given)", code=ecode)

@@ -338,6 +338,7 @@ async def test_errors_have_one_class_per_wire_code_on_both_sides() -> None:
     for code in ErrorCode:
         err = kvwire.errors.error_from_code(code, "")
         assert err.code == code
+        assert code.name in str(err)  # a peer's GOAWAY or RESET with no text: not an empty message
 
 
 async def test_meta_over_64k_is_refused_once_not_reconnected_forever() -> None:
