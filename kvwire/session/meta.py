@@ -9,7 +9,7 @@ import sys
 
 from kvwire.errors import ProtocolError
 
-__all__ = ["parse_meta"]
+__all__ = ["meta_footprint", "parse_meta"]
 
 
 class _BeyondDouble(ValueError):
@@ -79,3 +79,20 @@ def parse_meta(meta: bytes) -> dict[str, object]:
     if _has_lone_surrogate(value):
         raise ProtocolError("BEGIN meta holds a string that is not Unicode (a lone surrogate)")
     return value
+
+
+def meta_footprint(value: object) -> int:
+    """Bytes a parsed meta takes in memory, about: every object of it at ``sys.getsizeof``
+    (an object met twice, such as a small int or a repeated key, is counted twice).  Parsed
+    JSON can take twenty times its text (``[{},{},...]``: an empty dict for 3 bytes)."""
+    total = 0
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        total += sys.getsizeof(v)
+        if isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return total

@@ -14,10 +14,11 @@ asks for ``publish`` before the last acknowledgement is released
 
 Memory: layer buffers come from a :class:`LayerStore` (by default ``allocate``, which may
 raise MemoryError, and ``decode``) and are counted against ``max_buffer_bytes`` until the
-application takes the layer or the transfer ends.  A chunk counts as received only after
-its bytes are in place.  Raw payloads may be read straight into their layer (the payload
-sink of each connection): that happens before the frame's CRC is checked, so it changes
-no transfer state; only the verified chunk does.
+application takes the layer or the transfer ends; so is what BEGIN makes the server keep
+(prefix blocks and meta, :func:`begin_footprint`), until the last layer is taken.  A chunk
+counts as received only after its bytes are in place.  Raw payloads may be read straight
+into their layer (the payload sink of each connection): that happens before the frame's
+CRC is checked, so it changes no transfer state; only the verified chunk does.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import heapq
 import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvwire.codec import codec_by_id
@@ -44,7 +45,7 @@ from kvwire.errors import (
     UsageError,
     error_from_code,
 )
-from kvwire.session.meta import parse_meta
+from kvwire.session.meta import meta_footprint, parse_meta
 from kvwire.spec import DTYPE_BY_ID, KVSpec
 from kvwire.wire import (
     Begin,
@@ -90,6 +91,10 @@ MAX_BLOCK_VERSION = 1 << 53
 _CONN, _SESSION, _DEADLINE, _CLAIM = range(4)  # kinds of deadline (see ReceiverCore._note)
 #: Longest text this side puts in a RESET (peer text is never echoed back in full).
 WIRE_TEXT_LIMIT = 160
+#: Budget bytes of one prefix block of a transfer beyond twice its key's length (the key
+#: as received, and the block id handed to the application): the objects that hold them
+#: and its version (about 230 bytes measured; see :func:`begin_footprint`).
+BLOCK_ENTRY_BYTES = 256
 
 
 def wire_text(text: str) -> str:
@@ -102,6 +107,15 @@ def stale_error(blocks: Sequence[object], why: str = "") -> StaleVersionError:
     shown = ", ".join(repr(b) for b in list(blocks)[:8])
     more = f" and {len(blocks) - 8} more" if len(blocks) > 8 else ""
     return StaleVersionError(f"stale prefix blocks{why}: {shown}{more}")
+
+
+def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
+    """Budget bytes of what ``begin`` makes the server keep with its transfer besides its
+    layers, at about the memory it takes: the prefix block list and a meta that is not empty
+    (as received and as parsed).  Counted against ``max_buffer_bytes`` from BEGIN until the
+    transfer fails or its last layer is taken: a BEGIN may carry thousands of blocks."""
+    blocks = sum(2 * len(bv.block) + BLOCK_ENTRY_BYTES for bv in begin.blocks)
+    return blocks + (len(begin.meta) + meta_footprint(meta) if meta else 0)
 
 
 def admit_begin(
@@ -389,7 +403,7 @@ class _Incoming:
     error: KvwireError | None = None
     buffers: dict[int, Any] = field(default_factory=dict)
     costs: dict[int, int] = field(default_factory=dict)  # budget bytes per held layer
-    held: int = 0
+    held: int = 0  # budget bytes: its layers (costs), prefix blocks and meta
     wire_bytes: int = 0
     taken: int = 0
     window: int = 1
@@ -592,6 +606,11 @@ class ReceiverCore:
         if t.taken >= t.begin.num_layers:
             self._live.pop(key, None)
             self._store.closed(key)
+            # Its prefix blocks and meta are the application's now: the server forgets them
+            # (the transfer's id stays, to answer a re-sent BEGIN) and gives their budget back.
+            t.begin = replace(t.begin, meta=b"", blocks=())
+            t.meta = {}
+            self._release(t, t.held)
         return buf
 
     def take_layer(self, key: Key, layer: int) -> tuple[bytes, bytes]:
@@ -934,6 +953,13 @@ class ReceiverCore:
             active = sum(1 for t in sess.transfers.values() if not t.complete or not t.claimed)
             spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
                                      max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints)
+            extra = begin_footprint(begin, meta)
+            if extra and self.buffered_bytes + extra > cfg.max_buffer_bytes:
+                self._count("buffer_budget_refusals")
+                raise LimitExceededError(
+                    f"the server holds {self.buffered_bytes} bytes of transfers; the prefix blocks and "
+                    f"meta of this one take {extra} more, which exceeds max_buffer_bytes={cfg.max_buffer_bytes}"
+                )
         except KvwireError as exc:
             self._count("transfers_refused")
             conn.send_reset(tid, exc.code, wire_text(str(exc)))
@@ -952,6 +978,7 @@ class ReceiverCore:
                 sess.completed.popitem(last=False)
         sess.transfers[tid] = t
         self._live[t.key] = t
+        self._charge(t, extra)  # given back when it fails or its last layer is taken
         self._note(_DEADLINE, t.key)
         if cfg.registry and begin.blocks:
             t.gated = True
@@ -1003,6 +1030,10 @@ class ReceiverCore:
         conn = self._any_conn(sess) if sess is not None else None
         if conn is not None and t.accepted:
             conn.send_credit_frame(t.key[1], limit)
+
+    def _charge(self, t: _Incoming, nbytes: int) -> None:
+        t.held += nbytes
+        self.buffered_bytes += nbytes
 
     def _release(self, t: _Incoming, nbytes: int) -> None:
         nbytes = min(nbytes, t.held)
@@ -1156,7 +1187,7 @@ class ReceiverCore:
             if count:
                 self._count("buffer_budget_refusals")
             raise LimitExceededError(
-                f"the server holds {self.buffered_bytes} bytes of received layers; "
+                f"the server holds {self.buffered_bytes} bytes of transfers; "
                 f"{cost} more exceeds max_buffer_bytes={limit}"
             )
         buf = self._store.allocate(t.key, chunk, layer_bytes)
@@ -1241,6 +1272,7 @@ __all__ = [
     "TransferArrived",
     "TransferFailed",
     "admit_begin",
+    "begin_footprint",
     "check_chunk_size",
     "chunk_span",
     "raw_decode",

@@ -5,6 +5,8 @@ gate, the events the server logs)."""
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -14,7 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.errors import ErrorCode, KvwireError
+from kvwire.session.meta import parse_meta
 from kvwire.session.receiver import (
+    BLOCK_ENTRY_BYTES,
     AuthenticationFailed,
     ByteStore,
     InternalError,
@@ -28,6 +32,7 @@ from kvwire.session.receiver import (
     TransferAborted,
     TransferArrived,
     TransferFailed,
+    begin_footprint,
 )
 from kvwire.spec import KVSpec
 from kvwire.wire import (
@@ -331,6 +336,58 @@ def test_attach_grants_every_layer_and_keeps_them_out_of_the_budget() -> None:
     assert sorted(e.layer for e in h.of(LayerReady)) == [0, 1, 2, 3]
 
 
+def blocks_of(n: int, first: int = 0) -> tuple[BlockVersion, ...]:
+    """``n`` prefix blocks with keys of 255 bytes, the longest there are."""
+    return tuple(BlockVersion(block=f"s:{i:0253d}".encode(), version=i) for i in range(first, first + n))
+
+
+def test_a_begins_prefix_blocks_and_meta_count_in_the_buffer_budget() -> None:
+    """A BEGIN may carry thousands of block keys and 64 KiB of meta, which the server keeps
+    with the transfer until its last layer is taken: they count against max_buffer_bytes
+    like its layers, and a BEGIN that would go beyond is refused with LIMIT_EXCEEDED."""
+    blocks = blocks_of(500)
+    meta = json.dumps({"x": [{}] * 500}).encode()  # parsed: an empty dict per 3 bytes of text
+    cost = begin_footprint(begin(blocks=blocks, meta=meta), parse_meta(meta))
+    assert cost >= 500 * (2 * 255 + BLOCK_ENTRY_BYTES) + len(meta) + 500 * sys.getsizeof({})
+    layer = 2 * 8 * BPT
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=2 * cost + 2 * layer, transfer_buffer_bytes=1 << 20))
+    for tid in (1, 2, 3):
+        h.client.send_begin(begin(tid=tid, request=f"r{tid}", blocks=blocks, meta=meta))
+    h.pump()
+    assert [e.request_id for e in h.of(TransferArrived)] == ["r1", "r2"]
+    arrived = h.of(TransferArrived)[0]
+    assert arrived.blocks == tuple((b.block, b.version) for b in blocks) and arrived.meta == parse_meta(meta)
+    [refused] = h.client_of(TransferReset)
+    assert refused.transfer_id == 3 and refused.code == ErrorCode.LIMIT_EXCEEDED
+    assert h.core.counters["buffer_budget_refusals"] == 1 and h.core.buffered_bytes == 2 * cost
+    # The first completes and is taken: its blocks and meta leave the budget and the server.
+    key = arrived.key
+    h.core.claim(key)
+    for layer_index in (0, 1):
+        h.send(chunk(layer=layer_index, kind=0))
+        h.send(chunk(layer=layer_index, kind=1))
+        h.core.take_layer(key, layer_index)
+        h.pump()
+    assert h.core.buffered_bytes == cost
+    [kept] = [t for t in h.core._sessions[key[0]].transfers.values() if t.key == key]
+    assert kept.begin.blocks == () and kept.begin.meta == b"" and kept.meta == {}
+    # The second fails: the same.
+    h.core.abort(h.of(TransferArrived)[1].key, "test", h.now)
+    h.pump()
+    assert h.core.buffered_bytes == 0
+    h.client.send_begin(begin(tid=4, request="r4", blocks=blocks, meta=meta))
+    h.pump()
+    assert h.of(TransferArrived)[-1].request_id == "r4" and h.core.buffered_bytes == cost
+
+
+def test_a_transfer_without_blocks_or_meta_is_charged_only_its_layers() -> None:
+    h = Harness()
+    for tid, meta in ((1, b""), (2, b"{}")):
+        h.client.send_begin(begin(tid=tid, request=f"r{tid}", meta=meta))
+    h.pump()
+    assert len(h.of(TransferArrived)) == 2 and h.core.buffered_bytes == 0
+
+
 # -- in-place receive ----------------------------------------------------------------------
 
 
@@ -473,13 +530,16 @@ def test_a_kv_chunk_overlapping_a_k_chunk_fails_its_transfer() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["send", "take", "abort", "timeout"]), st.integers(0, 2)),
-                max_size=30))
-def test_the_buffer_budget_returns_to_zero(actions: list[tuple[str, int]]) -> None:
+                max_size=30),
+       st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=3, max_size=3))
+def test_the_buffer_budget_returns_to_zero(actions: list[tuple[str, int]], extras: list[tuple[int, int]]) -> None:
     cfg = ReceiverConfig(secret=SECRET, transfer_buffer_bytes=1 << 20, transfer_timeout=50.0,
                          claim_timeout=None)
     h = Harness(cfg)
-    for tid in range(3):
-        h.client.send_begin(begin(tid=tid, layers=2, request=f"r{tid}"))
+    for tid, (nblocks, nmeta) in enumerate(extras):  # prefix blocks and meta count too
+        meta = json.dumps({f"k{i}": [i] for i in range(nmeta)}).encode()
+        h.client.send_begin(begin(tid=tid + 1, layers=2, request=f"r{tid}", blocks=blocks_of(nblocks, 100 * tid),
+                                  meta=meta))
     h.pump()
     keys = {e.request_id: e.key for e in h.of(TransferArrived)}
     sent: dict[int, int] = {0: 0, 1: 0, 2: 0}
@@ -490,7 +550,7 @@ def test_the_buffer_budget_returns_to_zero(actions: list[tuple[str, int]]) -> No
         key = keys[f"r{tid}"]
         if action == "send" and sent[tid] < 4 and key in h.core._live:
             layer, kind = divmod(sent[tid], 2)
-            h.send(chunk(tid=tid, layer=layer, kind=kind))
+            h.send(chunk(tid=tid + 1, layer=layer, kind=kind))
             sent[tid] += 1
         elif action == "take":
             for ev in h.of(LayerReady):
@@ -501,6 +561,7 @@ def test_the_buffer_budget_returns_to_zero(actions: list[tuple[str, int]]) -> No
             h.core.abort(key, "test", h.now)
             h.pump()
         assert h.core.buffered_bytes == sum(t.held for t in h.core._live.values())
+    assert h.client.state is State.OPEN and len(keys) == 3
     for key in keys.values():
         for ev in h.of(LayerReady):
             if ev.key == key and key in h.core._live and ev.layer in h.core._live[key].buffers:
