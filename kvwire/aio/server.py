@@ -303,6 +303,10 @@ class Server(Pump):
         """Stop listening, close every connection and end every task and timer this server
         started (the one teardown path: after it returns nothing of it is pending).
         Transfers that arrived and were never claimed are dropped with their memory;
+        those handed out and not taken whole fail (:class:`~kvwire.ConnectionLostError`).
+        Their senders are told first, each by a RESET that says the server is shutting
+        down (their ``send()`` fails with :class:`~kvwire.TransferAbortedError` saying
+        so), then every stream closes with ``GOAWAY(NO_ERROR, "server closing")``.
         :meth:`accept` and :meth:`expect` raise :class:`~kvwire.ConnectionLostError`
         from now on."""
         self._closing = True
@@ -310,9 +314,14 @@ class Server(Pump):
             self._server.close()
         streams = list(self._by_cid.values())
         if not self.closed:
-            for key in self.core.unclaimed():  # complete ones too: nobody can take them now
-                self.core.fail(key, ConnectionLostError("server closed"), self.now())
-            self.core.close(self.now())
+            now = self.now()
+            # Complete ones too: nobody can take them now. Each sender hears why before its
+            # streams close; a GOAWAY alone says only that a stream closed.
+            for key in dict.fromkeys([*self.core.unclaimed(), *self._transfers, *self._handed]):
+                t = self._transfer(key)
+                what = f"transfer {t.request_id!r}: " if t is not None else ""
+                self.core.fail(key, ConnectionLostError(f"{what}the server is shutting down"), now)
+            self.core.close(now)
             self.pump()
         waiters = [*self._accept_waiters, *(f for q in self._expect_waiters.values() for f in q)]
         for fut in waiters:
