@@ -9,6 +9,7 @@ import ipaddress
 import json
 import logging
 import os
+import signal
 import socket
 import stat
 import sys
@@ -577,6 +578,9 @@ def configure_logging(level: str) -> logging.Handler:
     return handler
 
 
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
     from kvwire.aio import run
     from kvwire.bench.runner import load_secret, serve_benches
@@ -601,8 +605,10 @@ def run_serve_command(args: argparse.Namespace) -> int:
             log.info("listening on %s:%d", args.host, port)
 
         try:
+            # Ctrl-C (or SIGTERM, SIGHUP) closes the server first: a sender with a
+            # transfer in progress is told that the server is shutting down.
             run(serve_benches(args.host, args.port, secret=secret, once=args.once,
-                              log=log.info, ready=ready))
+                              log=log.info, ready=ready, stop_signals=_STOP_SIGNALS))
         except UsageError as exc:
             log.error("%s", exc)
             return 2

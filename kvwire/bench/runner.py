@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import resource
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -471,19 +472,37 @@ def _transfer_line(entry: dict[str, Any]) -> str:
 async def serve_benches(
     host: str, port: int, *, secret: bytes, once: bool = False,
     log: Callable[[str], None] = print, ready: Callable[[int], None] | None = None,
-    chunk_bytes: int | None = None,
+    chunk_bytes: int | None = None, stop_signals: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """``kvwire serve``: receive bench (and any other) transfers, logging each one.
 
     ``chunk_bytes``: accept chunks that large (:func:`receiver_options`; default: the
-    server's default frame limit)."""
+    server's default frame limit). ``stop_signals`` (``kvwire serve``: SIGINT, SIGTERM,
+    SIGHUP; main thread only, a signal the process ignores stays ignored): the first one
+    closes the server before anything else stops, so every sender with a transfer in
+    progress is told that the server is shutting down (stopped first, the receiving
+    loop's abandoned transfer told it "the application stopped taking layers"); then
+    the signal is raised again with the process's own handler (Ctrl-C's
+    KeyboardInterrupt). A second one stops at once."""
     from kvwire.aio import serve
 
     options = receiver_options(chunk_bytes) if chunk_bytes is not None else ServeOptions()
     async with serve(host, port, secret=secret, **options) as server:
         if ready is not None:
             ready(server.port)
-        reports = await BenchReceiver(server, log).run(once=once)
+        receiving = asyncio.ensure_future(BenchReceiver(server, log).run(once=once))
+        with _stopping_on(stop_signals, server, receiving) as stopped:
+            try:
+                await asyncio.wait({receiving})
+            finally:
+                if not receiving.done():
+                    receiving.cancel()
+                    await asyncio.gather(receiving, return_exceptions=True)
+        if stopped:
+            if not receiving.cancelled():
+                receiving.exception()  # retrieved: what ended it is the shutdown's doing
+            stopped[0].raise_again()
+        reports = receiving.result()
         # The end transfer is complete here, but its last acknowledgements may still be
         # on their way: closing now would fail the sender's send(). Wait for the sender
         # to hang up (briefly: a sender that stays connected is not waited for).
@@ -491,6 +510,69 @@ async def serve_benches(
         while server.statistics().get("sessions", 0) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.02)
         return reports
+
+
+class _Stop:
+    """A signal that stopped :func:`serve_benches`, and the handler it had before."""
+
+    def __init__(self, signum: int, previous: Any) -> None:
+        self.signum, self.previous = signum, previous
+
+    def raise_again(self) -> None:
+        """What the signal does without :func:`serve_benches`' handling: Ctrl-C raises
+        KeyboardInterrupt, a handler of the program's own runs (``kvwire``'s raises for
+        SIGTERM and SIGHUP), else the default action ends the process."""
+        if self.signum != signal.SIGINT and callable(self.previous):
+            self.previous(self.signum, None)
+        if self.signum == signal.SIGINT or callable(self.previous):
+            raise KeyboardInterrupt
+        signal.signal(self.signum, self.previous)
+        signal.raise_signal(self.signum)
+        raise KeyboardInterrupt  # a default action that does not end the process
+
+
+@contextlib.contextmanager
+def _stopping_on(
+    signums: Sequence[int], server: Any, receiving: asyncio.Future[Any]
+) -> Iterator[list[_Stop]]:
+    """While inside: the first of ``signums`` closes ``server`` (its senders told why),
+    then cancels ``receiving``; the list it yields then holds that signal. A second
+    stops at once, with the handler the signal had."""
+    loop = asyncio.get_running_loop()
+    previous: dict[int, Any] = {}
+    stopped: list[_Stop] = []
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            loop.remove_signal_handler(signum)
+            signal.signal(signum, handler)
+        previous.clear()
+
+    # (The loop's handler replaces the signal's while inside; restore() puts it back.)
+
+    def on_signal(signum: int) -> None:
+        if stopped:  # a second one: no more waiting
+            handler = previous.get(signum, signal.SIG_DFL)
+            restore()
+            _Stop(signum, handler).raise_again()
+            return
+        stopped.append(_Stop(signum, previous[signum]))
+        closing = asyncio.ensure_future(server.close())
+        closing.add_done_callback(lambda _: receiving.cancel())
+
+    for signum in signums:
+        handler = signal.getsignal(signum)
+        if handler is signal.SIG_IGN or handler is None:
+            continue
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals
+            continue
+        previous[signum] = handler
+    try:
+        yield stopped
+    finally:
+        restore()
 
 
 def _tc_error(exc: BaseException) -> str:

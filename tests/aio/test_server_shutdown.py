@@ -4,6 +4,12 @@ its streams close: their send() says the server is shutting down."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -50,3 +56,37 @@ async def test_close_tells_the_sender_the_server_is_shutting_down(taken: bool) -
                 with pytest.raises(ConnectionLostError, match="the server is shutting down"):
                     await taking
             stop.set()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+async def test_kvwire_serve_stopped_by_a_signal_tells_the_sender(signum: int) -> None:
+    """Ctrl-C on `kvwire serve` stopped its handler first, whose RESET said "the
+    application stopped taking layers"; the server now closes first."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "KVWIRE_SECRET": SECRET.decode()}
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvwire", "serve", "--host", "127.0.0.1", "--port", "0",
+        stderr=subprocess.PIPE, env=env,
+    )
+    try:
+        assert server.stderr is not None
+        line = (await asyncio.wait_for(server.stderr.readline(), 30)).decode()
+        match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        assert match, line
+        stop = asyncio.Event()
+        async with kvwire.connect("127.0.0.1", int(match[1]), secret=SECRET, streams=2) as peer:
+            sending = asyncio.ensure_future(peer.send("x", SPEC, _first_layer_then_wait(stop), timeout=30))
+            await _wait_first_layer_acked(peer)
+            server.send_signal(signum)
+            with pytest.raises(kvwire.TransferAbortedError) as err:
+                await sending
+            stop.set()
+        assert "the server is shutting down" in str(err.value), err.value
+        rest = (await asyncio.wait_for(server.stderr.read(), 30)).decode()
+        assert await asyncio.wait_for(server.wait(), 30) == 128 + signum, rest
+        assert ("interrupted" if signum == signal.SIGINT else "terminated") in rest
+    finally:
+        if server.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                server.kill()
+            await server.wait()
