@@ -208,8 +208,9 @@ class ServerOptions:
     max_buffer_bytes: int = 4 << 30
     """Server-wide: bytes of received layers held, in transfers still arriving and in
     completed ones the application has not taken yet, each counted at the memory it takes
-    (a host layer's pool slab: at least 64 KiB), and of what their BEGINs made the server
-    keep (prefix block lists and meta, until the last layer is taken).  A transfer that
+    (a host layer's pool slab: at least 64 KiB), of what their BEGINs made the server
+    keep (prefix block lists and meta, until the last layer is taken), and of the token
+    ranges it remembers until their layer is complete (128 bytes each).  A transfer that
     would go beyond it is refused at BEGIN or fails with LIMIT_EXCEEDED."""
     claim_timeout: float | None = 60.0
     """Seconds an arrived transfer waits for ``accept()``/``expect()`` to claim it; then

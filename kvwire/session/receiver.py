@@ -73,7 +73,7 @@ from kvwire.wire.frames import (
     Buffer,
     scatter_nbytes,
 )
-from kvwire.wire.transfer import kinds_overlap, split_kv
+from kvwire.wire.transfer import RANGE_BYTES, kinds_overlap, split_kv
 
 #: Recent RESETs of a session said again on every stream that joins it (see _Session.resets).
 _RESETS_KEPT = 256
@@ -403,7 +403,8 @@ class _Incoming:
     error: KvwireError | None = None
     buffers: dict[int, Any] = field(default_factory=dict)
     costs: dict[int, int] = field(default_factory=dict)  # budget bytes per held layer
-    held: int = 0  # budget bytes: its layers (costs), prefix blocks and meta
+    held: int = 0  # budget bytes: its layers (costs), prefix blocks and meta, ranges
+    range_cost: int = 0  # budget bytes of the token ranges its state remembers
     wire_bytes: int = 0
     taken: int = 0
     window: int = 1
@@ -1154,6 +1155,12 @@ class ReceiverCore:
             return False
         try:
             buf = self._layer_buffer(t, chunk, layer_bytes)
+            if not t.state.completes(chunk) and self.buffered_bytes + RANGE_BYTES > self.config.max_buffer_bytes:
+                self._count("buffer_budget_refusals")
+                raise LimitExceededError(
+                    f"the server holds {self.buffered_bytes} bytes of transfers; remembering the token "
+                    f"range of one more chunk exceeds max_buffer_bytes={self.config.max_buffer_bytes}"
+                )
             if not inplace:
                 self._evict_overlapping(t, chunk)
                 for part in split_kv(chunk) if chunk.kind == KIND_KV else (chunk,):
@@ -1168,7 +1175,15 @@ class ReceiverCore:
             ) from exc
         t.state.add(chunk)
         t.wire_bytes += wire_size
-        if t.state.layer_complete(chunk.layer):
+        complete = t.state.layer_complete(chunk.layer)
+        # Each range remembered until its layer is complete counts in the budget.
+        ranges = RANGE_BYTES * t.state.ranges
+        if ranges > t.range_cost:
+            self._charge(t, ranges - t.range_cost)
+        else:
+            self._release(t, t.range_cost - ranges)
+        t.range_cost = ranges
+        if complete:
             if t.gated and t.state.complete:
                 t.last_layer = chunk.layer  # ready once its blocks are published
             else:

@@ -25,6 +25,11 @@ from kvwire.wire.frames import KIND_K, KIND_KV, KIND_V, Chunk, ChunkAddress
 #: 262144-token layer: 30 MB and a quadratic insert).  kvwire's sender never plans more
 #: (:func:`plan_chunks`).
 MAX_RANGES = 16384
+#: What the receiver counts against its buffer budget for each range it remembers (a sorted
+#: start, a dict entry and the ints they hold: about 90 to 120 bytes measured).  Ranges of
+#: every (layer, kind) of every granted layer add up: 16384 one-token chunks per kind over a
+#: few thousand granted layers of a small layout would otherwise hold GiBs uncounted.
+RANGE_BYTES = 128
 
 #: The kinds whose token ranges a chunk of each kind covers, and must not overlap.
 _CROSSES = {KIND_K: (KIND_KV,), KIND_V: (KIND_KV,), KIND_KV: (KIND_K, KIND_V)}
@@ -99,6 +104,8 @@ class IncomingTransfer:
         self.layer_tokens: int | None = None
         self._cov: dict[tuple[int, int], _Coverage] = {}
         self._complete: set[int] = set()
+        self.ranges = 0
+        """Token ranges remembered (those of layers not complete yet)."""
         self.chunks_received = 0
         self.duplicates = 0
 
@@ -164,8 +171,20 @@ class IncomingTransfer:
             self.duplicates += 1
         else:
             self._cov.setdefault((chunk.layer, chunk.kind), _Coverage()).insert(chunk.token_start, chunk.token_count)
+            self.ranges += 1
             self.chunks_received += 1
         return verdict
+
+    def completes(self, chunk: Chunk) -> bool:
+        """Whether a NEW ``chunk`` (see :meth:`classify`) completes its layer: once it is
+        added, the layer's ranges are forgotten rather than one more remembered."""
+        lt = self.layer_tokens
+        if lt is None or chunk.layer in self._complete:
+            return False
+        k, v, kv = (self._covered(chunk.layer, kind) for kind in (KIND_K, KIND_V, KIND_KV))
+        n = chunk.token_count
+        k, v, kv = (k + n * (chunk.kind == KIND_K), v + n * (chunk.kind == KIND_V), kv + n * (chunk.kind == KIND_KV))
+        return k + kv == lt and v + kv == lt
 
     def layer_complete(self, layer: int) -> bool:
         if layer in self._complete:
@@ -177,7 +196,9 @@ class IncomingTransfer:
         if k + kv == lt and v + kv == lt:
             self._complete.add(layer)
             for kind in (KIND_K, KIND_V, KIND_KV):  # a complete layer needs no ranges
-                self._cov.pop((layer, kind), None)
+                cov = self._cov.pop((layer, kind), None)
+                if cov is not None:
+                    self.ranges -= len(cov.starts)
             return True
         return False
 

@@ -52,6 +52,7 @@ from kvwire.wire import (
     chunk_frame_size,
 )
 from kvwire.wire.frames import PROTOCOL_VERSION, BlockVersion, FrameType, Ping, Reset, frame_bytes
+from kvwire.wire.transfer import RANGE_BYTES
 
 SECRET = b"receiver-core-secret"
 HEADS, HEAD_DIM = 2, 4
@@ -302,7 +303,8 @@ def test_the_budget_counts_what_the_store_allocates_for_a_layer() -> None:
         def footprint(self, nbytes: int) -> int:
             return max(nbytes, 64 * 1024)
 
-    cfg = ReceiverConfig(secret=SECRET, max_buffer_bytes=1 << 20, transfer_buffer_bytes=256 << 20)
+    # (each layer also remembers the token range of its K chunk: its V is not sent)
+    cfg = ReceiverConfig(secret=SECRET, max_buffer_bytes=(1 << 20) + 16 * RANGE_BYTES, transfer_buffer_bytes=256 << 20)
     h = Harness(cfg, store=Coarse())
     h.client.send_begin(begin(layers=40))
     h.pump()
@@ -312,7 +314,7 @@ def test_the_budget_counts_what_the_store_allocates_for_a_layer() -> None:
             break
     [failed] = h.of(TransferFailed)
     assert failed.error.code == ErrorCode.LIMIT_EXCEEDED
-    assert layer == 16  # 16 layers of 64 KiB fill the 1 MiB budget
+    assert layer == 16  # 16 layers of 64 KiB (and a range each) fill the budget
     assert h.core.counters["buffer_budget_refusals"] == 1 and h.core.buffered_bytes == 0
     # and a transfer's window is counted the same way
     h2 = Harness(replace(cfg, transfer_buffer_bytes=256 * 1024), store=Coarse())
@@ -334,6 +336,32 @@ def test_attach_grants_every_layer_and_keeps_them_out_of_the_budget() -> None:
         h.send(chunk(layer=layer, kind=1))
     assert h.core.buffered_bytes == 0
     assert sorted(e.layer for e in h.of(LayerReady)) == [0, 1, 2, 3]
+
+
+def test_the_token_ranges_a_server_remembers_count_in_the_buffer_budget() -> None:
+    """Until a layer is complete the server remembers the token range of each of its chunks
+    (up to 16384 per kind): one token per chunk over every granted layer would hold memory
+    no budget counted.  Each range counts RANGE_BYTES until its layer is complete."""
+    layer = 2 * 64 * BPT
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=2 * layer + 40 * RANGE_BYTES,
+                               transfer_buffer_bytes=1 << 20))
+    h.client.send_begin(begin(layers=2))
+    h.pump()
+    for start in range(20):
+        h.send(chunk(layer=0, kind=0, start=start, count=1, tokens=64))
+    assert h.core.buffered_bytes == layer + 20 * RANGE_BYTES
+    h.send(chunk(layer=0, kind=0, start=20, count=44, tokens=64))
+    assert h.core.buffered_bytes == layer + 21 * RANGE_BYTES
+    h.send(chunk(layer=0, kind=1, start=0, count=64, tokens=64))  # complete: its ranges are forgotten
+    assert h.core.buffered_bytes == layer and [e.layer for e in h.of(LayerReady)] == [0]
+    for start in range(64):
+        h.send(chunk(layer=1, kind=0, start=start, count=1, tokens=64))
+        if h.of(TransferFailed):
+            break
+    assert start == 40  # 40 ranges fill what the two layers leave of the budget
+    [failed] = h.of(TransferFailed)
+    assert failed.error.code == ErrorCode.LIMIT_EXCEEDED
+    assert h.core.counters["buffer_budget_refusals"] == 1 and h.core.buffered_bytes == 0
 
 
 def blocks_of(n: int, first: int = 0) -> tuple[BlockVersion, ...]:

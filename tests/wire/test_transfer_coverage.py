@@ -5,14 +5,16 @@ protocol error."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.errors import ProtocolError
-from kvwire.wire import KIND_K, KIND_KV, KIND_V, Chunk, ChunkVerdict, IncomingTransfer
+from kvwire.wire import KIND_K, KIND_KV, KIND_V, Chunk, ChunkAddress, ChunkVerdict, IncomingTransfer
 from kvwire.wire.transfer import kinds_overlap, split_kv
 
 
@@ -165,3 +167,32 @@ def test_a_layer_in_more_ranges_than_a_receiver_keeps_is_refused() -> None:
         receive(t, chunk(KIND_K, 0, 1, tokens))
     assert t.chunks_received == MAX_RANGES
     assert receive(t, chunk(KIND_V, 0, tokens, tokens)) is ChunkVerdict.NEW  # per (layer, kind)
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(layer_plans(), st.integers(1, 3), st.randoms(use_true_random=False))
+def test_ranges_counts_what_is_remembered_and_completes_predicts_a_layers_end(
+    plan: tuple[int, list[Chunk]], layers: int, rnd: random.Random,
+) -> None:
+    """``ranges`` is what a receiver charges its budget for: every range of a layer not yet
+    complete, none of a complete one.  ``completes`` tells, before a NEW chunk is stored,
+    whether it ends its layer (so it needs no budget for one more range)."""
+    _tokens, chunks = plan
+    t = transfer(layers)
+    queues = [[dataclasses.replace(c, layer=i) for c in chunks] for i in range(layers)]
+    remembered: dict[int, set[ChunkAddress]] = {i: set() for i in range(layers)}
+    while any(queues):
+        c = rnd.choice([q for q in queues if q]).pop(0)  # the layers interleaved
+        t.check(c)
+        new = t.classify(c) is ChunkVerdict.NEW
+        ends = t.completes(c) if new else None
+        t.add(c)
+        done = t.layer_complete(c.layer)
+        if new:
+            remembered[c.layer].add(c.address)
+            assert ends == done
+        if done:
+            remembered[c.layer].clear()
+        assert t.ranges == sum(len(r) for r in remembered.values())
+    assert t.ranges == 0 and t.complete
