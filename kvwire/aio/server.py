@@ -28,6 +28,7 @@ from kvwire.aio._stream import Pump, Stream
 from kvwire.aio._transfer import Transfer
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
+    ErrorCode,
     ConnectionLostError,
     KvwireError,
     RegistryUnavailableError,
@@ -304,9 +305,11 @@ class Server(Pump):
         started (the one teardown path: after it returns nothing of it is pending).
         Transfers that arrived and were never claimed are dropped with their memory;
         those handed out and not taken whole fail (:class:`~kvwire.ConnectionLostError`).
-        Their senders are told first, each by a RESET that says the server is shutting
-        down (their ``send()`` fails with :class:`~kvwire.TransferAbortedError` saying
-        so), then every stream closes with ``GOAWAY(NO_ERROR, "server closing")``.
+        Their senders are told first, each by a ``RESET(SESSION_LOST)`` that says the
+        server is shutting down (their ``send()`` fails with
+        :class:`~kvwire.ConnectionLostError` saying so: a transfer to send again, to this
+        server once it is back or to another), then every stream closes with
+        ``GOAWAY(NO_ERROR, "server closing")``.
         :meth:`accept` and :meth:`expect` raise :class:`~kvwire.ConnectionLostError`
         from now on."""
         self._closing = True
@@ -320,7 +323,8 @@ class Server(Pump):
             for key in dict.fromkeys([*self.core.unclaimed(), *self._transfers, *self._handed]):
                 t = self._transfer(key)
                 what = f"transfer {t.request_id!r}: " if t is not None else ""
-                self.core.fail(key, ConnectionLostError(f"{what}the server is shutting down"), now)
+                error = ConnectionLostError(f"{what}the server is shutting down", code=ErrorCode.SESSION_LOST)
+                self.core.fail(key, error, now)
             self.core.close(now)
             self.pump()
         waiters = [*self._accept_waiters, *(f for q in self._expect_waiters.values() for f in q)]
