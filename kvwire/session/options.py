@@ -210,8 +210,10 @@ class ServerOptions:
     completed ones the application has not taken yet, each counted at the memory it takes
     (a host layer's pool slab: at least 64 KiB), of what their BEGINs made the server
     keep (prefix block lists and meta, until the last layer is taken), and of the token
-    ranges it remembers until their layer is complete (128 bytes each).  A transfer that
-    would go beyond it is refused at BEGIN or fails with LIMIT_EXCEEDED."""
+    ranges it remembers until their layer is complete (128 bytes each).  Layers alone stay
+    within it; the rest may take the total an eighth past it (at least 1 MiB), so layers
+    that fill it still leave room.  A transfer that would go beyond is refused at BEGIN or
+    fails with LIMIT_EXCEEDED."""
     claim_timeout: float | None = 60.0
     """Seconds an arrived transfer waits for ``accept()``/``expect()`` to claim it; then
     it is dropped (aborted if still arriving).  None: kept until the server closes."""

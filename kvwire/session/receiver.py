@@ -75,6 +75,11 @@ from kvwire.wire.frames import (
 )
 from kvwire.wire.transfer import RANGE_BYTES, kinds_overlap, split_kv
 
+#: The least room past max_buffer_bytes for what a server remembers of its transfers
+#: besides their layers (prefix block lists, meta, token ranges): an eighth of the budget,
+#: at least this (8192 ranges), so a small budget filled by layers still takes chunks.
+KEPT_ROOM_MIN = 1 << 20
+
 #: Recent RESETs of a session said again on every stream that joins it (see _Session.resets).
 _RESETS_KEPT = 256
 
@@ -115,7 +120,8 @@ def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
     (as received and as parsed).  Counted against ``max_buffer_bytes`` from BEGIN until the
     transfer fails or its last layer is taken: a BEGIN may carry thousands of blocks."""
     blocks = sum(2 * len(bv.block) + BLOCK_ENTRY_BYTES for bv in begin.blocks)
-    return blocks + (len(begin.meta) + meta_footprint(meta) if meta else 0)
+    # The meta as received is kept whatever it parses to (b"{}" and 64 KiB of spaces too).
+    return blocks + (len(begin.meta) if begin.meta != b"{}" else 0) + (meta_footprint(meta) if meta else 0)
 
 
 def admit_begin(
@@ -404,6 +410,7 @@ class _Incoming:
     buffers: dict[int, Any] = field(default_factory=dict)
     costs: dict[int, int] = field(default_factory=dict)  # budget bytes per held layer
     held: int = 0  # budget bytes: its layers (costs), prefix blocks and meta, ranges
+    kept: int = 0  # of held: what the server remembers of it besides layers (blocks, meta, ranges)
     range_cost: int = 0  # budget bytes of the token ranges its state remembers
     wire_bytes: int = 0
     taken: int = 0
@@ -462,6 +469,10 @@ class ReceiverCore:
         self._timer_at: dict[tuple[int, Any], float] = {}
         self._timer_seq = 0
         self.buffered_bytes = 0
+        self.kept_bytes = 0
+        """Of buffered_bytes: what the server remembers of its transfers besides their layers
+        (prefix block lists, meta, token ranges), which may take it past max_buffer_bytes by
+        an eighth of it, at least KEPT_ROOM_MIN (layers alone stay within it)."""
         self.chunk_bytes_received = 0
         """Bytes of CHUNK frames received, every session together (what :meth:`report`'s
         transport cost is per)."""
@@ -611,7 +622,7 @@ class ReceiverCore:
             # (the transfer's id stays, to answer a re-sent BEGIN) and gives their budget back.
             t.begin = replace(t.begin, meta=b"", blocks=())
             t.meta = {}
-            self._release(t, t.held)
+            self._release_all(t)
         return buf
 
     def take_layer(self, key: Key, layer: int) -> tuple[bytes, bytes]:
@@ -955,11 +966,12 @@ class ReceiverCore:
             spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
                                      max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints)
             extra = begin_footprint(begin, meta)
-            if extra and self.buffered_bytes + extra > cfg.max_buffer_bytes:
+            if extra and not self._kept_room(extra):
                 self._count("buffer_budget_refusals")
                 raise LimitExceededError(
                     f"the server holds {self.buffered_bytes} bytes of transfers; the prefix blocks and "
-                    f"meta of this one take {extra} more, which exceeds max_buffer_bytes={cfg.max_buffer_bytes}"
+                    f"meta of this one take {extra} more, which exceeds max_buffer_bytes={cfg.max_buffer_bytes} "
+                    f"and the room past it its bookkeeping may take"
                 )
         except KvwireError as exc:
             self._count("transfers_refused")
@@ -979,7 +991,7 @@ class ReceiverCore:
                 sess.completed.popitem(last=False)
         sess.transfers[tid] = t
         self._live[t.key] = t
-        self._charge(t, extra)  # given back when it fails or its last layer is taken
+        self._keep(t, extra)  # given back when it fails or its last layer is taken
         self._note(_DEADLINE, t.key)
         if cfg.registry and begin.blocks:
             t.gated = True
@@ -1041,6 +1053,30 @@ class ReceiverCore:
         t.held -= nbytes
         self.buffered_bytes -= nbytes
 
+    def _keep(self, t: _Incoming, nbytes: int) -> None:
+        """Charge what the server remembers of ``t`` besides its layers."""
+        t.kept += nbytes
+        self.kept_bytes += nbytes
+        self._charge(t, nbytes)
+
+    def _forget(self, t: _Incoming, nbytes: int) -> None:
+        nbytes = min(nbytes, t.kept)
+        t.kept -= nbytes
+        self.kept_bytes -= nbytes
+        self._release(t, nbytes)
+
+    def _release_all(self, t: _Incoming) -> None:
+        self._forget(t, t.kept)
+        self._release(t, t.held)
+        t.range_cost = 0
+
+    def _kept_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more of what the server remembers besides layers fit: up to an
+        eighth past max_buffer_bytes (at least KEPT_ROOM_MIN), so layers that fill the budget
+        leave room for it."""
+        limit = self.config.max_buffer_bytes
+        return self.buffered_bytes + nbytes <= limit + max(limit // 8, KEPT_ROOM_MIN)
+
     def _fail(
         self, t: _Incoming, error: KvwireError, *, reset: bool, even_if_complete: bool = False,
         tombstone: KvwireError | None = None,
@@ -1050,7 +1086,7 @@ class ReceiverCore:
         t.error = error
         t.buffers.clear()
         t.costs.clear()
-        self._release(t, t.held)
+        self._release_all(t)
         for r in t.inplace.values():  # never written again once the transfer is gone
             conn = self._conns.get(r.cid)
             if conn is not None:
@@ -1155,11 +1191,12 @@ class ReceiverCore:
             return False
         try:
             buf = self._layer_buffer(t, chunk, layer_bytes)
-            if not t.state.completes(chunk) and self.buffered_bytes + RANGE_BYTES > self.config.max_buffer_bytes:
+            if not self._kept_room(RANGE_BYTES) and not t.state.completes(chunk):
                 self._count("buffer_budget_refusals")
                 raise LimitExceededError(
                     f"the server holds {self.buffered_bytes} bytes of transfers; remembering the token "
-                    f"range of one more chunk exceeds max_buffer_bytes={self.config.max_buffer_bytes}"
+                    f"range of one more chunk exceeds max_buffer_bytes={self.config.max_buffer_bytes} "
+                    f"and the room past it its bookkeeping may take"
                 )
             if not inplace:
                 self._evict_overlapping(t, chunk)
@@ -1179,9 +1216,9 @@ class ReceiverCore:
         # Each range remembered until its layer is complete counts in the budget.
         ranges = RANGE_BYTES * t.state.ranges
         if ranges > t.range_cost:
-            self._charge(t, ranges - t.range_cost)
+            self._keep(t, ranges - t.range_cost)
         else:
-            self._release(t, t.range_cost - ranges)
+            self._forget(t, t.range_cost - ranges)
         t.range_cost = ranges
         if complete:
             if t.gated and t.state.complete:
@@ -1198,7 +1235,7 @@ class ReceiverCore:
             return t.buffers[chunk.layer]
         cost = 0 if t.external else self._store.footprint(layer_bytes)
         limit = self.config.max_buffer_bytes
-        if cost and self.buffered_bytes + cost > limit:
+        if cost and self.buffered_bytes - self.kept_bytes + cost > limit:  # layers alone within it
             if count:
                 self._count("buffer_budget_refusals")
             raise LimitExceededError(

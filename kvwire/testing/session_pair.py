@@ -102,6 +102,8 @@ class SessionPair:
         self.receiver_costs: list[ReceiverCosts] = []
         """What the receiver's REPORTs told the sender, in order."""
         self.max_buffered = 0
+        self.max_layers_buffered = 0
+        """The most bytes the receiver held in layers (its buffered_bytes less kept_bytes)."""
         self._requests: dict[tuple[bytes, int], str] = {}
         self._orphans: list[_Link] = []
         self.claim = True
@@ -156,6 +158,8 @@ class SessionPair:
         self._orphans = [x for x in self._orphans if not x.closed]
         progressed |= self._application()
         self.max_buffered = max(self.max_buffered, self.receiver.buffered_bytes)
+        self.max_layers_buffered = max(self.max_layers_buffered,
+                                       self.receiver.buffered_bytes - self.receiver.kept_bytes)
         return progressed
 
     def _application(self) -> bool:

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvwire.session.receiver as receiver_module
 from kvwire.errors import ErrorCode, KvwireError
 from kvwire.session.meta import parse_meta
 from kvwire.session.receiver import (
@@ -338,13 +339,14 @@ def test_attach_grants_every_layer_and_keeps_them_out_of_the_budget() -> None:
     assert sorted(e.layer for e in h.of(LayerReady)) == [0, 1, 2, 3]
 
 
-def test_the_token_ranges_a_server_remembers_count_in_the_buffer_budget() -> None:
+def test_the_token_ranges_a_server_remembers_count_in_the_buffer_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """Until a layer is complete the server remembers the token range of each of its chunks
     (up to 16384 per kind): one token per chunk over every granted layer would hold memory
     no budget counted.  Each range counts RANGE_BYTES until its layer is complete."""
     layer = 2 * 64 * BPT
-    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=2 * layer + 40 * RANGE_BYTES,
-                               transfer_buffer_bytes=1 << 20))
+    monkeypatch.setattr(receiver_module, "KEPT_ROOM_MIN", 0)  # the room past the budget: an eighth of it
+    budget = 2 * layer + 40 * RANGE_BYTES
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=budget, transfer_buffer_bytes=1 << 20))
     h.client.send_begin(begin(layers=2))
     h.pump()
     for start in range(20):
@@ -358,10 +360,32 @@ def test_the_token_ranges_a_server_remembers_count_in_the_buffer_budget() -> Non
         h.send(chunk(layer=1, kind=0, start=start, count=1, tokens=64))
         if h.of(TransferFailed):
             break
-    assert start == 40  # 40 ranges fill what the two layers leave of the budget
+    assert start == 40 + budget // 8 // RANGE_BYTES  # what the two layers leave, and the room past it
     [failed] = h.of(TransferFailed)
     assert failed.error.code == ErrorCode.LIMIT_EXCEEDED
     assert h.core.counters["buffer_budget_refusals"] == 1 and h.core.buffered_bytes == 0
+
+
+def test_layers_that_fill_the_budget_exactly_still_leave_room_for_their_ranges() -> None:
+    """A budget of exactly one layer granted one layer; its chunks' ranges, charged on top,
+    then failed the transfer that fit before they were counted."""
+    layer = 2 * 64 * BPT
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=layer, transfer_buffer_bytes=layer))
+    h.client.send_begin(begin(layers=2, meta=b'{"a": 1}'))
+    h.pump()
+    for kind in (0, 1):
+        for start in range(0, 64, 8):
+            h.send(chunk(layer=0, kind=kind, start=start, count=8, tokens=64))
+    assert not h.of(TransferFailed) and [e.layer for e in h.of(LayerReady)] == [0]
+    assert h.core.buffered_bytes - h.core.kept_bytes == layer
+
+
+def test_a_meta_padded_with_whitespace_is_charged_as_received() -> None:
+    """b"{}" and 64 KiB of spaces parses to an empty dict, which was charged nothing while
+    the server kept the 64 KiB."""
+    padded = b"{}" + b" " * 65534
+    assert begin_footprint(begin(meta=padded), parse_meta(padded)) >= len(padded)
+    assert begin_footprint(begin(meta=b"{}"), {}) == 0
 
 
 def blocks_of(n: int, first: int = 0) -> tuple[BlockVersion, ...]:
@@ -369,7 +393,7 @@ def blocks_of(n: int, first: int = 0) -> tuple[BlockVersion, ...]:
     return tuple(BlockVersion(block=f"s:{i:0253d}".encode(), version=i) for i in range(first, first + n))
 
 
-def test_a_begins_prefix_blocks_and_meta_count_in_the_buffer_budget() -> None:
+def test_a_begins_prefix_blocks_and_meta_count_in_the_buffer_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """A BEGIN may carry thousands of block keys and 64 KiB of meta, which the server keeps
     with the transfer until its last layer is taken: they count against max_buffer_bytes
     like its layers, and a BEGIN that would go beyond is refused with LIMIT_EXCEEDED."""
@@ -378,6 +402,7 @@ def test_a_begins_prefix_blocks_and_meta_count_in_the_buffer_budget() -> None:
     cost = begin_footprint(begin(blocks=blocks, meta=meta), parse_meta(meta))
     assert cost >= 500 * (2 * 255 + BLOCK_ENTRY_BYTES) + len(meta) + 500 * sys.getsizeof({})
     layer = 2 * 8 * BPT
+    monkeypatch.setattr(receiver_module, "KEPT_ROOM_MIN", 0)  # the room past the budget: an eighth of it
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=2 * cost + 2 * layer, transfer_buffer_bytes=1 << 20))
     for tid in (1, 2, 3):
         h.client.send_begin(begin(tid=tid, request=f"r{tid}", blocks=blocks, meta=meta))
