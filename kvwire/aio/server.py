@@ -28,8 +28,8 @@ from kvwire.aio._stream import Pump, Stream
 from kvwire.aio._transfer import Transfer
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
-    ErrorCode,
     ConnectionLostError,
+    ErrorCode,
     KvwireError,
     RegistryUnavailableError,
     StaleVersionError,
@@ -120,11 +120,12 @@ def _abort_handed(fut: asyncio.Future[Transfer], why: str) -> None:
         fut.result().abort(why)
 
 
-def _let_go(server: weakref.ref[Server], loop: asyncio.AbstractEventLoop, key: Key) -> None:
+def _let_go(server: weakref.ref[Server], loop: asyncio.AbstractEventLoop, key: Key, request_id: str) -> None:
     """A transfer handed to the application was garbage collected (on whatever thread
     collected it): its server hears of it on its loop."""
     s = server()
     if s is not None and not loop.is_closed():
+        s._letting_go[key] = request_id  # (close() fails it too if it runs first)
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(s._let_go, key)
 
@@ -162,6 +163,7 @@ class Server(Pump):
         # told) instead of held until the session ends.
         self._transfers: dict[Key, Transfer] = {}
         self._handed: weakref.WeakValueDictionary[Key, Transfer] = weakref.WeakValueDictionary()
+        self._letting_go: dict[Key, str] = {}  # handed out, garbage collected, not aborted yet: request ids
         self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
@@ -260,7 +262,7 @@ class Server(Pump):
         self.core.claim(key)
         if self._transfers.pop(key, None) is not None:
             self._handed[key] = transfer
-            weakref.finalize(transfer, _let_go, weakref.ref(self), asyncio.get_running_loop(), key)
+            weakref.finalize(transfer, _let_go, weakref.ref(self), asyncio.get_running_loop(), key, transfer.request_id)
 
     def _taking(self, transfer: Transfer) -> None:
         """The application began taking ``transfer``'s layers: held strongly again (a task
@@ -276,6 +278,7 @@ class Server(Pump):
         """The application let go of a transfer it was handed (garbage collected): one
         not fully taken is aborted, so its layers do not stay buffered until the session
         ends (nothing happens to one that ended)."""
+        self._letting_go.pop(key, None)
         if not self.closed:
             self.core.abort(key, "the application let go of the transfer without taking every layer", self.now())
             self.pump()
@@ -320,9 +323,10 @@ class Server(Pump):
             now = self.now()
             # Complete ones too: nobody can take them now. Each sender hears why before its
             # streams close; a GOAWAY alone says only that a stream closed.
-            for key in dict.fromkeys([*self.core.unclaimed(), *self._transfers, *self._handed]):
+            for key in dict.fromkeys([*self.core.unclaimed(), *self._transfers, *self._handed, *self._letting_go]):
                 t = self._transfer(key)
-                what = f"transfer {t.request_id!r}: " if t is not None else ""
+                rid = t.request_id if t is not None else self._letting_go.get(key)
+                what = f"transfer {rid!r}: " if rid is not None else ""
                 error = ConnectionLostError(f"{what}the server is shutting down", code=ErrorCode.SESSION_LOST)
                 self.core.fail(key, error, now)
             self.core.close(now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -36,8 +37,8 @@ async def _wait_first_layer_acked(peer: Any) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.mark.parametrize("taken", [False, True], ids=["unclaimed", "being-taken"])
-async def test_close_tells_the_sender_the_server_is_shutting_down(taken: bool) -> None:
+@pytest.mark.parametrize("taken", [False, True, None], ids=["unclaimed", "being-taken", "let-go"])
+async def test_close_tells_the_sender_the_server_is_shutting_down(taken: bool | None) -> None:
     # The sender learnt only that its streams closed ("stream N closed"), or, where the
     # application's task was stopped first, "the application stopped taking layers".
     stop = asyncio.Event()
@@ -48,9 +49,14 @@ async def test_close_tells_the_sender_the_server_is_shutting_down(taken: bool) -
             if taken:
                 transfer = await server.expect("a", timeout=10)
                 taking = asyncio.ensure_future(transfer.collect(timeout=30))
+            elif taken is None:  # handed out, let go of, and the server closing before it aborts it
+                transfer = await server.expect("a", timeout=10)
             await _wait_first_layer_acked(peer)
+            if taken is None:
+                del transfer
+                gc.collect()
             await server.close()
-            with pytest.raises(kvwire.ConnectionLostError, match="transfer .a.: the server is shutting down"):
+            with pytest.raises(kvwire.ConnectionLostError, match="transfer 'a': the server is shutting down"):
                 await sending
             if taking is not None:
                 with pytest.raises(ConnectionLostError, match="the server is shutting down"):
