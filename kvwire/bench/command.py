@@ -21,6 +21,7 @@ from typing import Any
 from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench.models import MODELS
 from kvwire.errors import KvwireError, UsageError
+from kvwire.scheduler.command import same_file
 from kvwire.session.options import AUTO_CODEC_MODES
 from kvwire.units import (
     argument_type,
@@ -124,16 +125,6 @@ def check_output_path(path: str, what: str) -> None:
     os.unlink(probe)
     if target.exists() and not os.access(target, os.W_OK):
         raise UsageError(f"{what} {path!r} is not writable")
-
-
-def _same_file(a: str, b: str) -> bool:
-    """Whether two output paths name one file (spelled alike or not, or hard-linked)."""
-    if Path(a).resolve() == Path(b).resolve():
-        return True
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist yet
-        return False
 
 
 def _check_plot(path: str) -> None:
@@ -287,7 +278,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     try:
         # Every output and optional extra is checked before the run, not after it.
-        if args.json not in (None, "-") and args.plot is not None and _same_file(args.json, args.plot):
+        if args.json not in (None, "-") and args.plot is not None and same_file(args.json, args.plot):
             # The plot, written last, would replace the report.
             raise UsageError(f"--json and --plot name the same file {args.plot!r}: give each its own")
         if args.json is not None and args.json != "-":

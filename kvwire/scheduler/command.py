@@ -201,8 +201,9 @@ def _check_output(path: str, what: str) -> None:
         raise UsageError(f"{what} {path!r} is not writable")
 
 
-def _same_file(a: str, b: str) -> bool:
-    """Whether two output paths name one file (spelled alike or not, or hard-linked)."""
+def same_file(a: str, b: str) -> bool:
+    """Whether two output paths name one file (spelled alike or not, or hard-linked); the
+    bench's outputs are checked with it too."""
     if Path(a).resolve() == Path(b).resolve():
         return True
     try:
@@ -212,7 +213,7 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _preflight(args: argparse.Namespace) -> None:
-    if args.json and args.json != "-" and args.plot and _same_file(args.json, args.plot):
+    if args.json and args.json != "-" and args.plot and same_file(args.json, args.plot):
         # The plot, written last, would replace the JSON.
         raise UsageError(f"--json and --plot name the same file {args.plot!r}: give each its own")
     if args.json and args.json != "-":

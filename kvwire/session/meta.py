@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterator
 
 from kvwire.errors import ProtocolError
 
@@ -36,24 +37,33 @@ def _double_int(text: str) -> int:
     return value
 
 
-def _has_lone_surrogate(value: object) -> bool:
-    """Whether a parsed JSON value holds a string (key or value) with a lone surrogate (an
-    escape such as ``\\ud800`` not paired): text that is no Unicode, which no UTF-8 encoder
-    takes back (the application could not log it, store it or send it on)."""
+def _nodes(value: object) -> Iterator[object]:
+    """Every value of a parsed JSON value, itself included: dict keys and values, list
+    items, all the way down (without recursion: JSON nests deeper than Python's stack)."""
     stack = [value]
     while stack:
         v = stack.pop()
-        if isinstance(v, str):
-            try:
-                v.encode("utf-8")
-            except UnicodeEncodeError:
-                return True
-        elif isinstance(v, dict):
+        yield v
+        if isinstance(v, dict):
             stack.extend(v.keys())
             stack.extend(v.values())
         elif isinstance(v, list):
             stack.extend(v)
+
+
+def _not_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
     return False
+
+
+def _has_lone_surrogate(value: object) -> bool:
+    """Whether a parsed JSON value holds a string (key or value) with a lone surrogate (an
+    escape such as ``\\ud800`` not paired): text that is no Unicode, which no UTF-8 encoder
+    takes back (the application could not log it, store it or send it on)."""
+    return any(isinstance(v, str) and _not_unicode(v) for v in _nodes(value))
 
 
 def parse_meta(meta: bytes) -> dict[str, object]:
@@ -85,14 +95,4 @@ def meta_footprint(value: object) -> int:
     """Bytes a parsed meta takes in memory, about: every object of it at ``sys.getsizeof``
     (an object met twice, such as a small int or a repeated key, is counted twice).  Parsed
     JSON can take twenty times its text (``[{},{},...]``: an empty dict for 3 bytes)."""
-    total = 0
-    stack = [value]
-    while stack:
-        v = stack.pop()
-        total += sys.getsizeof(v)
-        if isinstance(v, dict):
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return total
+    return sum(sys.getsizeof(v) for v in _nodes(value))
