@@ -1245,8 +1245,7 @@ class ReceiverCore:
         buf = self._store.allocate(t.key, chunk, layer_bytes)
         t.buffers[chunk.layer] = buf
         t.costs[chunk.layer] = cost
-        t.held += cost
-        self.buffered_bytes += cost
+        self._charge(t, cost)
         return buf
 
     # -- in-place receive ------------------------------------------------------------------

@@ -64,7 +64,6 @@ async def test_close_tells_the_sender_the_server_is_shutting_down(taken: bool | 
             stop.set()
 
 
-@pytest.mark.skipif(not hasattr(signal, "SIGINT") or os.name != "posix", reason="POSIX signals")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 async def test_kvwire_serve_stopped_by_a_signal_tells_the_sender(signum: int) -> None:
     """Ctrl-C on `kvwire serve` stopped its handler first, whose RESET said "the
