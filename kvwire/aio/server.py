@@ -164,6 +164,7 @@ class Server(Pump):
         self._transfers: dict[Key, Transfer] = {}
         self._handed: weakref.WeakValueDictionary[Key, Transfer] = weakref.WeakValueDictionary()
         self._letting_go: dict[Key, str] = {}  # handed out, garbage collected, not aborted yet: request ids
+        self._finalizers: dict[Key, weakref.finalize[Any, Any]] = {}  # of those in _handed
         self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
@@ -262,14 +263,17 @@ class Server(Pump):
         self.core.claim(key)
         if self._transfers.pop(key, None) is not None:
             self._handed[key] = transfer
-            weakref.finalize(transfer, _let_go, weakref.ref(self), asyncio.get_running_loop(), key, transfer.request_id)
+            self._finalizers[key] = weakref.finalize(
+                transfer, _let_go, weakref.ref(self), asyncio.get_running_loop(), key, transfer.request_id)
 
     def _taking(self, transfer: Transfer) -> None:
         """The application began taking ``transfer``'s layers: held strongly again (a task
         waiting on its layers is then kept by the server, as asyncio needs; leaving the
-        iteration early aborts the transfer)."""
+        iteration early aborts the transfer, so no finalizer is needed any more)."""
         if self._handed.pop(transfer._key, None) is not None:
             self._transfers[transfer._key] = transfer
+        if (f := self._finalizers.pop(transfer._key, None)) is not None:
+            f.detach()
 
     def _transfer(self, key: Key) -> Transfer | None:
         return self._transfers.get(key) or self._handed.get(key)
@@ -279,6 +283,7 @@ class Server(Pump):
         not fully taken is aborted, so its layers do not stay buffered until the session
         ends (nothing happens to one that ended)."""
         self._letting_go.pop(key, None)
+        self._finalizers.pop(key, None)
         if not self.closed:
             self.core.abort(key, "the application let go of the transfer without taking every layer", self.now())
             self.pump()
@@ -396,6 +401,8 @@ class Server(Pump):
             self._deliver(t)
         elif isinstance(ev, TransferFailed):
             t = self._transfers.pop(ev.key, None) or self._handed.pop(ev.key, None)
+            if (f := self._finalizers.pop(ev.key, None)) is not None:
+                f.detach()
             if t is not None:
                 t._fail(ev.error)
             elif isinstance(ev.error, StaleVersionError | RegistryUnavailableError):
