@@ -452,7 +452,7 @@ class Peer(Pump):
         if (ctl := self.stream_controller) is not None:
             ctl.limit(left)
             core.active_streams = ctl.streams
-        self.inflight.set_streams(min(left, core.active_streams or left))
+        self.inflight.set_streams(ctl.streams if ctl is not None else left)
 
     def _use_codec(self, name: str) -> None:
         """Check that the server accepts codec ``name`` (for ``auto``: make the chooser)."""

@@ -50,6 +50,7 @@ from kvwire.bench.report import (
 from kvwire.codec.base import available_codecs
 from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.options import ServeOptions
+from kvwire.scheduler.link import MIN_RATE_BPS
 from kvwire.session.options import AUTO_CODEC_MODES, ServerOptions
 from kvwire.spec import KVSpec
 from kvwire.units import format_rate, format_size
@@ -142,8 +143,9 @@ MAX_TOKENS = ServerOptions().max_tokens
 #: Longest --rtt and --jitter (seconds): no link delays a byte longer.
 MAX_RTT = 60.0
 #: Slowest link rate (bit/s): slower, the handshakes of a session's streams (hundreds of
-#: bytes each, up to 64 streams) do not cross the link within the server's 10 s.
-MIN_LINK_BPS = 10e3
+#: bytes each, up to 64 streams) do not cross the link within the server's 10 s.  The
+#: simulator takes the same floor.
+MIN_LINK_BPS = MIN_RATE_BPS
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

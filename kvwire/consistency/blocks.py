@@ -71,10 +71,9 @@ def block_from_key(key: str) -> BlockId:
     tag, sep, body = key.partition(":")
     block: BlockId | None = None
     if sep:
-        if tag == "i":
-            if body.isascii() and body.lstrip("-").isdigit():
-                with contextlib.suppress(ValueError):  # (past sys.get_int_max_str_digits())
-                    block = int(body)
+        if tag == "i":  # (int() reads more than decimal: the round trip below refuses it)
+            with contextlib.suppress(ValueError):
+                block = int(body)
         elif tag == "b":
             with contextlib.suppress(ValueError):
                 block = bytes.fromhex(body)

@@ -413,7 +413,6 @@ def run(args: argparse.Namespace) -> int:
         config = _config(args)
         if args.load is not None:
             reqs, _ = _at_load(reqs, config, args.load, args.load_baseline, args.threshold)
-            check_workload(reqs)
         opt, results = simulate_policies(
             reqs, config, args.policy, seed=args.seed, threshold_tokens=args.threshold
         )

@@ -12,7 +12,8 @@ from kvwire.units import format_rate
 __all__ = ["MAX_RATE_BPS", "MIN_RATE_BPS", "LinkSchedule"]
 
 MIN_RATE_BPS = 10e3
-"""Slowest link rate the simulator takes (10 kbit/s; 0 is an outage), as ``kvwire bench``."""
+"""Slowest link rate the simulator takes (10 kbit/s; 0 is an outage), and ``kvwire bench``
+(:data:`kvwire.bench.runner.MIN_LINK_BPS`)."""
 MAX_RATE_BPS = 1e15
 """Fastest link rate the simulator takes (1 Pbit/s)."""
 
@@ -42,7 +43,7 @@ class LinkSchedule:
             if r and not MIN_RATE_BPS <= r <= MAX_RATE_BPS:
                 raise UsageError(
                     f"link rate {format_rate(r)} is out of range: 0 (an outage), or "
-                    "10 kbit/s to 1 Pbit/s"
+                    f"{format_rate(MIN_RATE_BPS)} to {format_rate(MAX_RATE_BPS)}"
                 )
 
     @classmethod
