@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any, Unpack
 
-from kvwire.aio._pool import default_max_bytes
 from kvwire.aio.client import Peer
 from kvwire.aio.server import Server, Transfer
 from kvwire.errors import UsageError
@@ -39,7 +38,6 @@ def serve(
     :class:`kvwire.options.ServeOptions`).  Use as ``async with``.  An invalid
     ``KVWIRE_RECV_POOL_MB`` (the receive pool's size) is a UsageError here.
     """
-    default_max_bytes()  # a bad setting fails here, not every transfer once one arrives
     return Server(
         host, port, secret=secret, ssl=ssl, options=make_server_options(spec, **options),
         registry=registry,

@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from kvwire.aio import _gpu
+from kvwire.aio._pool import default_max_bytes
 from kvwire.aio._receive import ArrayStore
 from kvwire.aio._stream import Pump, Stream
 from kvwire.aio._transfer import Transfer
@@ -143,6 +144,7 @@ class Server(Pump):
         check_port(port, 0)
         config = options.receiver_config(secret=secret, registry=registry is not None)
         _gpu.parse_device(options.device)  # UsageError for an unknown or unusable device
+        default_max_bytes()  # a bad KVWIRE_RECV_POOL_MB fails here, not every transfer once one arrives
         self.host = host
         self.port = 0
         self._requested_port = port
