@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 from collections.abc import AsyncIterator, Iterator
@@ -228,10 +229,16 @@ async def test_a_replaced_stream_still_counts_until_its_socket_is_gone(monkeypat
     That needs the old stream's queue to hold bytes when it is replaced: more in flight
     than the kernel's buffers between it and the stalled proxy absorb.  On a loaded host
     the in-flight target can fall to what those buffers take, so a try that finds the
-    queue empty is not counted, and up to three are made."""
+    queue empty is not counted, and up to three are made; and the in-flight floor is
+    raised to 64 MiB, far above what those buffers take, so a loaded host's falling
+    target does not leave the queue empty in every try."""
     from kvwire.aio import _stream
+    from kvwire.aio import client as client_module
+    from kvwire.control import InflightController
 
     monkeypatch.setattr(_stream, "CLOSE_LINGER", 120.0)  # the old socket stays until close(), however slow the host
+    monkeypatch.setattr(client_module, "InflightController",
+                        functools.partial(InflightController, min_bytes=64 << 20))
     held = _stream._sendq is not None  # without the extension a transport copies: nothing is held
     spec = kvwire.KVSpec(num_layers=8, num_kv_heads=8, head_dim=128)
     layers = make_layers(8, 8192, 8, 128)
