@@ -269,6 +269,8 @@ class ConnectionConfig:
             )
         if self.window < self.max_frame_size:
             raise UsageError("window must be at least max_frame_size")
+        if not 1 <= self.max_transfers <= 0xFFFFFFFF:  # WELCOME's u32, never 0 (4.4)
+            raise UsageError("max_transfers must be in [1, 2^32 - 1]")
 
 
 def _sha(data: bytes) -> bytes:
@@ -766,6 +768,10 @@ class Connection:
             # A CHUNK as large as the server accepts would never fit: the client would wait
             # for credit forever.
             raise ProtocolError("WELCOME window smaller than its max_frame_size")
+        if frame.max_transfers == 0:
+            # Every BEGIN would be refused with LIMIT_EXCEEDED: a session that can carry
+            # nothing is refused here, with a reason, not at the first send.
+            raise ProtocolError("WELCOME max_transfers is 0")
         self.session_id = frame.session_id
         self.peer_codecs = frame.codecs
         self.peer_max_frame_size = frame.max_frame_size

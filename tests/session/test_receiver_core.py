@@ -169,6 +169,35 @@ def test_a_begin_of_another_layout_is_refused_with_incompatible_spec() -> None:
     assert len(h.of(TransferArrived)) == 1
 
 
+def test_a_begin_refused_at_admission_frees_its_id_and_a_registry_refusal_does_not() -> None:
+    """docs/protocol.md 7.1: a BEGIN refused for a condition checked at BEGIN leaves nothing
+    behind (the same id may be sent again and is decided afresh); a transfer the registry
+    refused was admitted and failed, so its id gets the same RESET again."""
+    from kvwire.errors import StaleVersionError
+
+    h = Harness(ReceiverConfig(secret=SECRET, max_transfers=1, registry=True))
+    h.client.send_begin(begin(tid=1, layers=1))
+    h.client.send_begin(begin(tid=2, layers=1, request="r2"))
+    h.pump()
+    [full] = h.client_of(TransferReset)
+    assert full.transfer_id == 2 and full.code == ErrorCode.LIMIT_EXCEEDED
+    h.send(chunk(tid=1, layer=0, kind=0, tokens=8))
+    h.send(chunk(tid=1, layer=0, kind=1, tokens=8))
+    h.core.claim(h.key)
+    h.core.take_layer(h.key, 0)  # its last layer: the transfer no longer counts
+    h.client.send_begin(begin(tid=2, layers=1, request="r2", blocks=(BlockVersion(block=b"i:1", version=3),)))
+    h.pump()
+    [check] = h.of(RegistryCheck)  # admitted this time
+    assert check.key[1] == 2 and len(h.client_of(TransferReset)) == 1
+    h.core.registry_checked(check.key, [], StaleVersionError("block 1 is stale"), h.now)
+    h.pump()
+    h.client.send_begin(begin(tid=2, layers=1, request="r2", blocks=(BlockVersion(block=b"i:1", version=3),)))
+    h.pump()
+    resets = h.client_of(TransferReset)
+    assert [(r.transfer_id, r.code) for r in resets[1:]] == [(2, ErrorCode.STALE_VERSION)] * 2
+    assert len(h.of(RegistryCheck)) == 1  # not checked again
+
+
 # -- meta ----------------------------------------------------------------------------------
 
 

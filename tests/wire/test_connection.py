@@ -113,6 +113,21 @@ def test_a_welcome_window_smaller_than_its_max_frame_size_is_refused() -> None:
     assert pair.client.state is State.CLOSED
 
 
+def test_a_welcome_with_no_transfers_is_refused() -> None:
+    """A server (not kvwire's, whose config refuses it) announcing max_transfers 0 would
+    refuse every BEGIN: the client refuses the WELCOME, naming the field."""
+    scfg = ConnectionConfig(secret=b"test-secret")
+    object.__setattr__(scfg, "max_transfers", 0)  # past the config's own check
+    pair = MemoryPair.create(server_config=scfg)
+    pair.client.initiate()
+    pair.pump()
+    pair.server.welcome(b"S" * 16, ("raw",))
+    cev, _ = pair.pump()
+    [closed] = [e for e in cev if isinstance(e, ConnectionClosed)]
+    assert closed.code == ErrorCode.PROTOCOL_ERROR and "max_transfers" in str(closed.error)
+    assert pair.client.state is State.CLOSED
+
+
 def test_replayed_auth_is_refused() -> None:
     first = MemoryPair.create()
     first.client.initiate()
