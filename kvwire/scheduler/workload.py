@@ -188,18 +188,23 @@ def incremental_lengths(
     requests: Iterable[TraceRequest], *, block_tokens: int = BLOCK_TOKENS
 ) -> npt.NDArray[np.float64]:
     """Each request's length after the longest prefix hit in an unbounded prefix cache that
-    has seen every earlier request: the lengths the model's threshold applies to."""
+    has seen every request that arrived before it: the lengths the model's threshold
+    applies to.  Requests are taken in arrival order (those arriving at the same time in
+    the order given), whatever the order of ``requests``; the lengths come back in the
+    order given."""
+    reqs = list(requests)
     seen: set[int] = set()
-    out: list[float] = []
-    for r in requests:
+    out = np.zeros(len(reqs), dtype=np.float64)
+    for i in sorted(range(len(reqs)), key=lambda i: reqs[i].arrival_s):  # stable: ties as given
+        r = reqs[i]
         hit = 0
         for h in r.hash_ids:
             if h not in seen:
                 break
             hit += 1
         seen.update(r.hash_ids)
-        out.append(float(max(0, r.input_length - hit * block_tokens)))
-    return np.asarray(out, dtype=np.float64)
+        out[i] = float(max(0, r.input_length - hit * block_tokens))
+    return out
 
 
 class LengthDistribution:

@@ -207,3 +207,18 @@ def test_link_rules_fire_when_the_link_stays_congested() -> None:
     assert on.offload_fraction < 0.5 * off.offload_fraction
     assert on.throughput_rps > 1.3 * off.throughput_rps
     assert on.ttft_p99_s < 0.6 * off.ttft_p99_s
+
+
+def test_the_model_reads_a_trace_in_arrival_order_whatever_the_order_of_the_list() -> None:
+    """A library caller may pass requests in any order: the prefix hits the model counts
+    (and so its split and capacity) are those of arrival order, like the replay's."""
+    from kvwire.scheduler.workload import incremental_lengths
+
+    trace = shared_prefix_trace()
+    shuffled = [trace[i] for i in np.random.default_rng(5).permutation(len(trace))]
+    forward = incremental_lengths(trace)
+    by_request = dict(zip(trace, forward, strict=True))
+    assert list(incremental_lengths(shuffled)) == [by_request[r] for r in shuffled]
+    assert forward[0] == trace[0].input_length and forward.sum() < sum(r.input_length for r in trace)
+    cfg = SimulationConfig(cluster=HYBRID)
+    assert optimizer_for(shuffled, cfg) == optimizer_for(trace, cfg)
