@@ -106,6 +106,14 @@ def wire_text(text: str) -> str:
     return text if len(text) <= WIRE_TEXT_LIMIT else text[: WIRE_TEXT_LIMIT - 3] + "..."
 
 
+def detached(error: KvwireError) -> KvwireError:
+    """``error`` as something to keep: without the traceback, context and cause raising it
+    attached, whose frames would keep their locals alive (a chunk's payload, its layer's
+    buffer) for as long as the error is kept."""
+    error.__traceback__ = error.__context__ = error.__cause__ = None
+    return error
+
+
 def stale_error(blocks: Sequence[object], why: str = "") -> StaleVersionError:
     """The error of a transfer refused (or unpublished) for stale prefix blocks: the first
     eight named, the rest counted."""
@@ -927,7 +935,9 @@ class ReceiverCore:
                 sess.lose_at = now + self.config.resume_timeout
                 self._note(_SESSION, sess.session_id)
         elif ev.error is not None or any(not t.complete for t in sess.transfers.values()):
-            self._lose(sess, ev.error or ConnectionLostError("client connection closed mid-transfer"))
+            # (the connection's error may have been raised decoding a frame: kept detached)
+            self._lose(sess, detached(ev.error) if ev.error is not None
+                       else ConnectionLostError("client connection closed mid-transfer"))
         elif not sess.streams:
             self._sessions.pop(sess.session_id, None)
 
@@ -1101,8 +1111,10 @@ class ReceiverCore:
         if sess is not None:
             sess.transfers.pop(t.key[1], None)
             # Why it failed: a chunk of it still arriving gets the RESET again before its
-            # ACK on the same stream, so the sender never mistakes it for success.
-            sess.tombstones[t.key[1]] = tombstone or error
+            # ACK on the same stream, so the sender never mistakes it for success.  A new
+            # error of the same code and text: never one that was raised (see detached()).
+            why = tombstone or error
+            sess.tombstones[t.key[1]] = error_from_code(why.code, str(why))
             while len(sess.tombstones) > 4096:
                 sess.tombstones.popitem(last=False)
             conn = self._any_conn(sess)
@@ -1137,7 +1149,7 @@ class ReceiverCore:
             try:
                 new = self._store_chunk(cid, t, chunk, ev.wire_size)
             except KvwireError as exc:
-                self._fail(t, exc, reset=False)
+                self._fail(t, detached(exc), reset=False)
             else:
                 if t.gated and t.state.complete and not t.published:
                     # The last ack waits for the registry's verdict (a re-sent copy too).

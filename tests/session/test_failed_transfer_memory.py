@@ -1,0 +1,98 @@
+"""What the receiving core keeps of a failed transfer: nothing that pins its memory.
+
+A transfer that fails inside the chunk path (a store or codec raising) leaves a tombstone
+and a TransferFailed event; neither may keep the raised exception's traceback (its frames
+hold the chunk and the layer's buffer), context or cause."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import Any
+
+import pytest
+
+from kvwire.errors import ErrorCode, ProtocolError
+from kvwire.session.receiver import ByteStore, ReceiverConfig, ReceiverCore, TransferArrived, TransferFailed
+from kvwire.wire import Begin, Chunk, Connection, ConnectionConfig, Role, State, chunk_frame_size
+
+SECRET = b"failed-transfer-memory"
+HEADS, HEAD_DIM = 1, 4
+BPT = HEADS * HEAD_DIM * 2  # float16
+
+
+class Slab(bytearray):
+    """A layer buffer that can be watched with a weak reference."""
+
+
+def begin(tid: int, request: str = "r") -> Begin:
+    return Begin(transfer_id=tid, num_layers=2, num_kv_heads=HEADS, head_dim=HEAD_DIM, dtype_id=1,
+                 model="", request_id=request, meta=b"{}")
+
+
+def chunk(tid: int, tokens: int = 8) -> Chunk:
+    return Chunk(transfer_id=tid, layer=0, kind=0, codec_id=0, token_start=0, token_count=tokens,
+                 layer_tokens=tokens, params=b"", payload=bytes(tokens * BPT))
+
+
+class Pair:
+    def __init__(self, core: ReceiverCore) -> None:
+        self.core = core
+        self.events: list[Any] = []
+        core.connection_made(1, 0.0)
+        self.client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET), now=0.0)
+        self.client.initiate()
+        self.pump()
+        assert self.client.state is State.OPEN
+
+    def pump(self) -> None:
+        moving = True
+        while moving:
+            moving = False
+            for part in self.client.data_to_send():
+                if data := bytes(part):
+                    moving = True
+                    self.core.receive_data(1, data, 0.0)
+            if data := self.core.data_to_send(1):
+                moving = True
+                self.client.receive_data(data, 0.0)
+            while self.client.next_event() is not None:
+                pass
+        while (ev := self.core.next_event()) is not None:
+            self.events.append(ev)
+
+
+def _raising(kind: str) -> Any:
+    def decode(c: Chunk, dest: memoryview) -> None:
+        held = dest  # noqa: F841 (a local of a frame the traceback would keep)
+        if kind == "kvwire":
+            raise ProtocolError("this chunk does not decode")
+        raise ValueError("a codec's own error")  # becomes a ProtocolError from it
+    return decode
+
+
+@pytest.mark.parametrize("kind", ["kvwire", "other"])
+def test_a_transfer_failed_in_the_chunk_path_keeps_no_traceback_nor_its_layer(kind: str) -> None:
+    slabs: list[weakref.ref[Slab]] = []
+
+    def allocate(nbytes: int) -> memoryview:
+        slab = Slab(nbytes)
+        slabs.append(weakref.ref(slab))
+        return memoryview(slab)
+
+    core = ReceiverCore(ReceiverConfig(secret=SECRET), store=ByteStore(allocate, _raising(kind)))
+    p = Pair(core)
+    p.client.send_begin(begin(1))
+    p.pump()
+    [arrived] = [e for e in p.events if isinstance(e, TransferArrived)]
+    c = chunk(1)
+    p.client.send_chunk(c, chunk_frame_size(0, len(c.payload)))
+    p.pump()
+    [failed] = [e for e in p.events if isinstance(e, TransferFailed)]
+    assert failed.key == arrived.key and failed.error.code == ErrorCode.PROTOCOL_ERROR
+    assert core.buffered_bytes == 0 and len(slabs) == 1
+    [tombstone] = core._sessions[arrived.key[0]].tombstones.values()
+    for error in (tombstone, failed.error):
+        assert error.__traceback__ is None and error.__context__ is None and error.__cause__ is None
+    gc.collect()
+    assert slabs[0]() is None, "the failed transfer's layer buffer is still referenced"
