@@ -255,6 +255,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """True: ``wait_for_layer_load`` and ``save_kv_layer`` run as Python around each
+        attention layer, which a full CUDA graph's replay skips (the layer read before its
+        KV is in, or never sent); vLLM then captures piecewise graphs, which call them."""
+        return True
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _full_blocks(self, num_prompt_tokens: int) -> int:

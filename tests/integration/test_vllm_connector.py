@@ -724,3 +724,10 @@ def test_a_send_that_fails_for_one_request_does_not_fail_the_step(
     step(worker, KvwireConnectorMetadata(saves=[bad, good]), caches)
     assert "bad" not in worker._sending and "bad" not in worker._in_flight
     assert len(received(handle)) == len(LAYERS)
+
+
+def test_the_connector_asks_for_piecewise_cuda_graphs() -> None:
+    """Its per-layer hooks are Python around the attention op: a full CUDA graph's replay
+    would skip them, so vLLM must capture piecewise graphs (it asks the connector)."""
+    assert KvwireConnector.requires_piecewise_for_cudagraph({}) is True
+    assert KvwireConnector.requires_piecewise_for_cudagraph({"kvwire_async_save": False}) is True
