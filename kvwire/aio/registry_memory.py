@@ -74,13 +74,17 @@ class MemoryWatcher:
     async def __anext__(self) -> VersionedBlock:
         self._subscribe()
         while True:
-            if self._buffer:
-                return self._buffer.popleft()
             if self._overflowed:
+                # Told at once, not once the buffer drains: a reader that stays behind would
+                # never learn of the gap.  What is buffered predates the re-read the reader
+                # now does, so it goes too.
                 self._overflowed = False
+                self._buffer.clear()
                 raise NotificationsLostError(
                     f"watcher fell more than {self._maxlen} notifications behind"
                 )
+            if self._buffer:
+                return self._buffer.popleft()
             if self._closed:
                 raise StopAsyncIteration
             self._wakeup.clear()

@@ -311,3 +311,23 @@ async def test_context_manager(registry: Registry) -> None:
         assert await reg.lookup([]) == []
     with pytest.raises(UsageError):
         await registry.invalidate(1)
+
+
+async def test_a_memory_watcher_behind_learns_of_an_overflow_at_its_next_read() -> None:
+    """A change dropped because the buffer was full is reported at the next read, not once
+    the buffer drains: a reader that stays one item behind (the writer always a step ahead)
+    never emptied it, so it kept reading later changes without learning of the gap."""
+    from kvwire.consistency import NotificationsLostError
+
+    reg = MemoryRegistry(watch_buffer=2)
+    async with reg, reg.watch() as watcher:
+        await reg.invalidate_many(["a", "b"])
+        await reg.invalidate("dropped")  # the buffer is full: this one is lost
+        with pytest.raises(NotificationsLostError):
+            await anext(watcher)
+        v = await reg.invalidate("after")  # the reader re-read the state; later changes come
+        assert await anext(watcher) == ("after", v)
+        await reg.invalidate("n0")
+        for i in range(5):  # one item behind within the buffer: nothing lost, no error
+            await reg.invalidate(f"n{i + 1}")
+            assert (await anext(watcher))[0] == f"n{i}"
