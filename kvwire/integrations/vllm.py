@@ -117,14 +117,18 @@ class KvwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
     preempted: list[str] = field(default_factory=list)
 
 
-def _split_addr(addr: str) -> tuple[str, int]:
-    """``HOST:PORT``, ``[IPv6]:PORT`` included (the brackets are not the host's)."""
+def _split_addr(addr: str, key: str = "address", *, any_port: bool = False) -> tuple[str, int]:
+    """``HOST:PORT``, ``[IPv6]:PORT`` included (the brackets are not the host's); the port
+    in 1-65535 (0 too with ``any_port``: a listener's "any free port")."""
     host, _, port = addr.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
-    if not host or not port.isdigit():
-        raise UsageError(f"expected HOST:PORT, got {addr!r}")
-    return host, int(port)
+    if not host or not re.fullmatch(r"[0-9]{1,5}", port):
+        raise UsageError(f"kvwire connector: {key} must be HOST:PORT, got {addr!r}")
+    number = int(port)
+    if not (0 if any_port else 1) <= number <= 65535:
+        raise UsageError(f"kvwire connector: {key}'s port must be in {0 if any_port else 1}-65535, got {addr!r}")
+    return host, number
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
@@ -178,8 +182,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._producer: bool = bool(cfg.is_kv_producer)
         self._consumer: bool = bool(cfg.is_kv_consumer)
         extra = cfg.kv_connector_extra_config or {}
-        self._listen: str = str(extra.get("kvwire_listen", "127.0.0.1:7070"))
+        self._listen: tuple[str, int] = _split_addr(
+            str(extra.get("kvwire_listen", "127.0.0.1:7070")), "kvwire_listen", any_port=True)
         self._peer_addr: str = str(extra.get("kvwire_peer", "127.0.0.1:7070"))
+        self._peer_host, self._peer_port = _split_addr(self._peer_addr, "kvwire_peer")
         secret = extra.get("kvwire_secret")
         secret_file = extra.get("kvwire_secret_file")
         if secret_file:
@@ -198,8 +204,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             get_codec(self._codec)
         self._streams: int | str = self._stream_count(extra.get("kvwire_streams", 1))
         chunk = extra.get("kvwire_chunk_bytes")
-        try:
-            self._chunk_bytes: int | None = int(chunk) if chunk else None
+        try:  # unset (None) is the client's default; 0 is refused, not taken as unset
+            if isinstance(chunk, bool):
+                raise TypeError
+            self._chunk_bytes: int | None = None if chunk is None else int(chunk)
         except (TypeError, ValueError):
             raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be a number of bytes, got {chunk!r}") from None
         if self._chunk_bytes is not None and self._chunk_bytes <= 0:
@@ -446,7 +454,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._connect_registry()
         if self._consumer:
-            host, port = _split_addr(self._listen)
+            host, port = self._listen
             versioned: dict[str, Any] = {}
             if self._registry is not None:
                 versioned = {"bridge": self._bridge, "registry": self._registry.registry}
@@ -566,7 +574,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if index is None or not saves or meta is self._unconnected:
             return
         if self._peer is None:
-            host, port = _split_addr(self._peer_addr)
+            host, port = self._peer_host, self._peer_port
             options: dict[str, Any] = {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
             if self._bridge is not None:
                 options["bridge"] = self._bridge

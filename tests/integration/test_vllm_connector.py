@@ -669,10 +669,18 @@ def connector_config(extra: dict[str, Any], role: str = "kv_producer") -> VllmCo
     ({"kvwire_load_timeout": float("nan")}, "kvwire_load_timeout must be a finite number"),
     ({"kvwire_claim_timeout": -1}, "kvwire_claim_timeout must be > 0"),
     ({"kvwire_async_save": "maybe"}, "kvwire_async_save must be true or false"),
+    ({"kvwire_chunk_bytes": 0}, "must be > 0"), ({"kvwire_chunk_bytes": "0"}, "must be > 0"),
+    ({"kvwire_peer": "decode-host"}, "kvwire_peer must be HOST:PORT"),
+    ({"kvwire_peer": "decode-host:http"}, "kvwire_peer must be HOST:PORT"),
+    ({"kvwire_peer": "[::1]:99999"}, "kvwire_peer's port must be in 1-65535"),
+    ({"kvwire_peer": "decode-host:0"}, "kvwire_peer's port must be in 1-65535"),
+    ({"kvwire_listen": "0.0.0.0:70000"}, "kvwire_listen's port must be in 0-65535"),
+    ({"kvwire_listen": ":7070"}, "kvwire_listen must be HOST:PORT"),
 ])
 def test_settings_are_checked_when_the_connector_is_made(extra: dict[str, Any], says: str) -> None:
     """A bad setting found only at the first connect left every request unsent, step after
-    step, logged as a network error; a short secret failed on one side only."""
+    step, logged as a network error (a malformed kvwire_peer raised out of the forward
+    pass); a short secret failed on one side only; a chunk size of 0 was taken as unset."""
     with pytest.raises(UsageError, match=says):
         KvwireConnector(connector_config(extra), KVConnectorRole.WORKER)
 
@@ -692,6 +700,7 @@ def test_an_ipv6_address_in_brackets() -> None:
 
     assert _split_addr("[::1]:7070") == ("::1", 7070)
     assert _split_addr("127.0.0.1:7070") == ("127.0.0.1", 7070)
+    assert _split_addr("0.0.0.0:0", any_port=True) == ("0.0.0.0", 0)
     with pytest.raises(UsageError, match="HOST:PORT"):
         _split_addr("[::1]")
 
