@@ -52,6 +52,7 @@ from kvwire.session.receiver import (
     TransferAborted,
     TransferArrived,
     TransferFailed,
+    quoted_id,
     stale_error,
 )
 from kvwire.session.sender import check_request_id
@@ -333,7 +334,7 @@ class Server(Pump):
             for key in dict.fromkeys([*self.core.unclaimed(), *self._transfers, *self._handed, *self._letting_go]):
                 t = self._transfer(key)
                 rid = t.request_id if t is not None else self._letting_go.get(key)
-                what = f"transfer {rid!r}: " if rid is not None else ""
+                what = f"transfer {quoted_id(rid)}: " if rid is not None else ""
                 error = ConnectionLostError(f"{what}the server is shutting down", code=ErrorCode.SESSION_LOST)
                 self.core.fail(key, error, now)
             self.core.close(now)
@@ -500,7 +501,7 @@ class Server(Pump):
         except Exception as exc:
             if transfer._error is None:
                 error = exc if isinstance(exc, KvwireError) else KvwireError(
-                    f"the destination refused transfer {transfer.request_id!r}: {exc!r}")
+                    f"the destination refused transfer {quoted_id(transfer.request_id)}: {exc!r}")
                 self.core.fail(transfer._key, error, self.now())
                 self.pump()
             raise

@@ -80,6 +80,9 @@ from kvwire.wire.transfer import RANGE_BYTES, kinds_overlap, split_kv
 #: at least this (8192 ranges), so a small budget filled by layers still takes chunks.
 KEPT_ROOM_MIN = 1 << 20
 
+#: Failed transfers a session remembers why (see _Session.tombstones): each its RESET's
+#: code and text, so at most about WIRE_TEXT_LIMIT * 4 + 200 bytes apiece.
+TOMBSTONES_KEPT = 4096
 #: Recent RESETs of a session said again on every stream that joins it (see _Session.resets).
 _RESETS_KEPT = 256
 
@@ -102,8 +105,19 @@ WIRE_TEXT_LIMIT = 160
 BLOCK_ENTRY_BYTES = 256
 
 
+#: Most characters of a request id's repr that a message quotes.
+QUOTED_ID_LIMIT = 48
+
+
 def wire_text(text: str) -> str:
     return text if len(text) <= WIRE_TEXT_LIMIT else text[: WIRE_TEXT_LIMIT - 3] + "..."
+
+
+def quoted_id(request_id: str) -> str:
+    """``repr(request_id)`` for a message, shortened: an id may be 65535 bytes, whose repr
+    (control characters escaped) is four times that."""
+    text = repr(request_id[:QUOTED_ID_LIMIT])
+    return text if len(text) <= QUOTED_ID_LIMIT else text[: QUOTED_ID_LIMIT - 4] + "..." + text[0]
 
 
 def detached(error: KvwireError) -> KvwireError:
@@ -445,7 +459,9 @@ class _Session:
     session_id: bytes
     streams: dict[int, int] = field(default_factory=dict)  # stream index -> connection id
     transfers: dict[int, _Incoming] = field(default_factory=dict)
-    tombstones: OrderedDict[int, KvwireError] = field(default_factory=OrderedDict)
+    # Why recent transfers failed: the code and text of their RESET (at most
+    # WIRE_TEXT_LIMIT characters), the last TOMBSTONES_KEPT.
+    tombstones: OrderedDict[int, tuple[ErrorCode, str]] = field(default_factory=OrderedDict)
     completed: OrderedDict[int, None] = field(default_factory=OrderedDict)
     # Transfers this side failed and told the client so: that RESET may have found no open
     # stream, or gone out on one that broke with it; a stream that joins says it again.
@@ -644,7 +660,7 @@ class ReceiverCore:
         if t is None or t.error is not None:
             return
         self._count("transfers_aborted")
-        why = f"receiver aborted transfer {t.begin.request_id!r}"
+        why = f"receiver aborted transfer {quoted_id(t.begin.request_id)}"
         self._events.append(TransferAborted(key=key, request_id=t.begin.request_id, reason=reason))
         self._fail(t, TransferAbortedError(f"{why}: {reason}" if reason else why), reset=True, even_if_complete=True)
 
@@ -738,7 +754,7 @@ class ReceiverCore:
             elif kind == _DEADLINE:
                 t = self._live[ident]
                 self._fail(t, TransferTimeoutError(
-                    f"transfer {t.begin.request_id!r} not complete after {self.config.transfer_timeout} s"
+                    f"transfer {quoted_id(t.begin.request_id)} not complete after {self.config.transfer_timeout} s"
                 ), reset=True)
             else:
                 self._count("transfers_unclaimed")
@@ -1038,10 +1054,10 @@ class ReceiverCore:
 
     def _repeat_reset(self, sess: _Session, conn: Connection, tid: int) -> bool:
         """Send again the RESET of a recently failed transfer; False if it did not fail."""
-        error = sess.tombstones.get(tid)
-        if error is None:
+        why = sess.tombstones.get(tid)
+        if why is None:
             return False
-        conn.send_reset(tid, error.code, wire_text(str(error)))
+        conn.send_reset(tid, *why)
         return True
 
     def _grant(self, t: _Incoming, limit: int) -> None:
@@ -1111,11 +1127,12 @@ class ReceiverCore:
         if sess is not None:
             sess.transfers.pop(t.key[1], None)
             # Why it failed: a chunk of it still arriving gets the RESET again before its
-            # ACK on the same stream, so the sender never mistakes it for success.  A new
-            # error of the same code and text: never one that was raised (see detached()).
+            # ACK on the same stream, so the sender never mistakes it for success.  Only
+            # the code and the text as on the wire: never an exception (see detached()),
+            # and never more text than a RESET carries.
             why = tombstone or error
-            sess.tombstones[t.key[1]] = error_from_code(why.code, str(why))
-            while len(sess.tombstones) > 4096:
+            sess.tombstones[t.key[1]] = (why.code, wire_text(str(why)))
+            while len(sess.tombstones) > TOMBSTONES_KEPT:
                 sess.tombstones.popitem(last=False)
             conn = self._any_conn(sess)
             if reset:
@@ -1338,6 +1355,7 @@ __all__ = [
     "begin_footprint",
     "check_chunk_size",
     "chunk_span",
+    "quoted_id",
     "raw_decode",
     "wire_text",
 ]

@@ -13,8 +13,23 @@ from typing import Any
 import pytest
 
 from kvwire.errors import ErrorCode, ProtocolError
-from kvwire.session.receiver import ByteStore, ReceiverConfig, ReceiverCore, TransferArrived, TransferFailed
-from kvwire.wire import Begin, Chunk, Connection, ConnectionConfig, Role, State, chunk_frame_size
+from kvwire.session.receiver import (
+    ByteStore,
+    ReceiverConfig,
+    ReceiverCore,
+    TransferArrived,
+    TransferFailed,
+)
+from kvwire.wire import (
+    Begin,
+    Chunk,
+    Connection,
+    ConnectionConfig,
+    Role,
+    State,
+    TransferReset,
+    chunk_frame_size,
+)
 
 SECRET = b"failed-transfer-memory"
 HEADS, HEAD_DIM = 1, 4
@@ -39,6 +54,7 @@ class Pair:
     def __init__(self, core: ReceiverCore) -> None:
         self.core = core
         self.events: list[Any] = []
+        self.client_events: list[Any] = []
         core.connection_made(1, 0.0)
         self.client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET), now=0.0)
         self.client.initiate()
@@ -56,8 +72,8 @@ class Pair:
             if data := self.core.data_to_send(1):
                 moving = True
                 self.client.receive_data(data, 0.0)
-            while self.client.next_event() is not None:
-                pass
+            while (cev := self.client.next_event()) is not None:
+                self.client_events.append(cev)
         while (ev := self.core.next_event()) is not None:
             self.events.append(ev)
 
@@ -92,7 +108,44 @@ def test_a_transfer_failed_in_the_chunk_path_keeps_no_traceback_nor_its_layer(ki
     assert failed.key == arrived.key and failed.error.code == ErrorCode.PROTOCOL_ERROR
     assert core.buffered_bytes == 0 and len(slabs) == 1
     [tombstone] = core._sessions[arrived.key[0]].tombstones.values()
-    for error in (tombstone, failed.error):
-        assert error.__traceback__ is None and error.__context__ is None and error.__cause__ is None
+    for kept in (*(tombstone if isinstance(tombstone, tuple) else (tombstone,)), failed.error):
+        if isinstance(kept, BaseException):
+            assert kept.__traceback__ is None and kept.__context__ is None and kept.__cause__ is None
     gc.collect()
     assert slabs[0]() is None, "the failed transfer's layer buffer is still referenced"
+
+
+# -- what a tombstone and a failed transfer's error say ------------------------------------
+
+LONG_ID = "\x00" * 65535  # a request id at its limit; its repr is 262142 characters
+
+
+def _aborted_and_timed_out() -> tuple[Pair, list[TransferFailed]]:
+    core = ReceiverCore(ReceiverConfig(secret=SECRET, transfer_timeout=5.0))
+    p = Pair(core)
+    p.client.send_begin(begin(1, LONG_ID))
+    p.client.send_begin(begin(2, LONG_ID))
+    p.pump()
+    keys = [e.key for e in p.events if isinstance(e, TransferArrived)]
+    assert len(keys) == 2
+    core.abort(keys[0], "no room for it", 1.0)
+    core.handle_timer(10.0)  # the other one's deadline passed
+    p.pump()
+    return p, [e for e in p.events if isinstance(e, TransferFailed)]
+
+
+def test_failed_transfers_quote_a_shortened_request_id_and_keep_only_wire_text() -> None:
+    from kvwire.session.receiver import WIRE_TEXT_LIMIT
+
+    p, failed = _aborted_and_timed_out()
+    assert [f.error.code for f in failed] == [ErrorCode.CANCELLED, ErrorCode.TIMEOUT]
+    for f in failed:
+        assert f.request_id == LONG_ID  # the event names it whole; its message does not
+        assert len(str(f.error)) < 2 * WIRE_TEXT_LIMIT, str(f.error)[:200]
+    assert "no room for it" in str(failed[0].error)
+    [tombstones] = [s.tombstones for s in p.core._sessions.values()]
+    assert set(tombstones) == {1, 2}
+    for _code, text in tombstones.values():
+        assert isinstance(text, str) and len(text) <= WIRE_TEXT_LIMIT
+    resets = [(e.transfer_id, e.code, e.message) for e in p.client_events if isinstance(e, TransferReset)]
+    assert sorted(resets) == sorted((tid, code, text) for tid, (code, text) in tombstones.items())
