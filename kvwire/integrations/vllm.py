@@ -177,6 +177,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 f"kvwire connector: the KV cache has {groups} groups (vLLM's hybrid KV cache manager); "
                 "it moves one: start vLLM with --disable-hybrid-kv-cache-manager"
             )
+        parallel = vllm_config.parallel_config
+        for setting, size in (("tensor_parallel_size", parallel.tensor_parallel_size),
+                              ("pipeline_parallel_size", parallel.pipeline_parallel_size)):
+            if size > 1:
+                # Each rank's worker holds a shard of the KV cache (heads, or layers): every
+                # rank would bind one kvwire_listen, or send its shard under the same name.
+                raise UsageError(
+                    f"kvwire connector: {setting} is {size}; the connector moves one worker's whole KV cache "
+                    f"and supports neither tensor nor pipeline parallelism: run vLLM with {setting}=1"
+                )
         cfg = self._kv_transfer_config
         self._block_size: int = vllm_config.cache_config.block_size
         self._producer: bool = bool(cfg.is_kv_producer)

@@ -650,6 +650,25 @@ def test_a_kv_cache_of_several_groups_is_refused() -> None:
     KvwireConnector(cfg, KVConnectorRole.SCHEDULER, one)
 
 
+@pytest.mark.parametrize("setting", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_tensor_and_pipeline_parallelism_are_refused(setting: str) -> None:
+    """Every rank's worker makes a connector holding its shard of the KV cache: a consumer's
+    ranks all bound kvwire_listen (rank 1 failed with an OS error) and a producer's sent
+    every shard under one name. Refused on every role, naming the setting."""
+    from vllm.config import ParallelConfig
+
+    cfg = VllmConfig(
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
+            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0"},
+        ),
+        cache_config=CacheConfig(block_size=16), parallel_config=ParallelConfig(**{setting: 2}),
+    )
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(UsageError, match=f"{setting} is 2.*{setting}=1"):
+            KvwireConnector(cfg, role)
+
+
 def connector_config(extra: dict[str, Any], role: str = "kv_producer") -> VllmConfig:
     return VllmConfig(
         kv_transfer_config=KVTransferConfig(
