@@ -32,8 +32,9 @@ exact configuration.
   for all the step's loads together, not one per request).  A request whose full blocks
   are all cached here loads nothing: its transfer is received and dropped as it comes, so
   it does not wait on the server until ``kvwire_claim_timeout``.  A load that fails or
-  times out reports its blocks through ``get_block_ids_with_load_errors`` (vLLM then
-  recomputes them); finished or aborted requests abort their receive.  A load given up
+  times out reports its blocks through ``get_block_ids_with_load_errors``: vLLM then
+  recomputes them with ``KVTransferConfig(kv_load_failure_policy="recompute")``, and fails
+  the request with its default policy, ``"fail"``; finished or aborted requests abort their receive.  A load given up
   before its transfer came (the request finished, or timed out) drops that transfer when
   it comes, as long as a load would wait for it.  A request loads
   once: preempted after its load (its blocks freed), it is computed locally when
@@ -51,8 +52,8 @@ Redis): the prompt's full blocks are named by a chained hash of their token ids
 versions (``begin`` + ``commit``) in the transfer; the consumer's server checks them on
 arrival and publishes them (``serve(registry=...)``), and ``wait_for_layer_load`` checks
 them again before the first layer is used: a cache whose blocks are not exactly this
-prompt's, or are stale (invalidated since), is refused and its blocks are recomputed
-like a failed load.
+prompt's, or are stale (invalidated since), is refused and its blocks are reported
+like a failed load's (recomputed with ``kv_load_failure_policy="recompute"``).
 
 Blocks move as opaque bytes (:mod:`kvwire.paged`): block ``i`` of a layer is the cache
 tensor's ``[i]`` slab, whatever the attention backend packs inside it.  Layouts whose

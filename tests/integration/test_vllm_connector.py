@@ -759,3 +759,19 @@ def test_the_connector_asks_for_piecewise_cuda_graphs() -> None:
     would skip them, so vLLM must capture piecewise graphs (it asks the connector)."""
     assert KvwireConnector.requires_piecewise_for_cudagraph({}) is True
     assert KvwireConnector.requires_piecewise_for_cudagraph({"kvwire_async_save": False}) is True
+
+
+def test_the_documented_consumer_recomputes_a_failed_load() -> None:
+    """A failed load's blocks go to get_block_ids_with_load_errors; vLLM recomputes them
+    only with kv_load_failure_policy="recompute" (its default, "fail", fails the request).
+    The consumer configuration in docs/integrations.md, evaluated as written, sets it."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "integrations.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'kv_role="kv_consumer"' in b]
+    assert len(blocks) == 1
+    call = blocks[0][blocks[0].index("KVTransferConfig("):].rstrip().removesuffix(")")  # drop LLM(...)'s ")"
+    config = eval(call, {"KVTransferConfig": KVTransferConfig})  # noqa: S307 (the docs' own example)
+    assert config.kv_load_failure_policy == "recompute"
+    assert config.is_kv_consumer
