@@ -1,7 +1,8 @@
 """Registry backend on a shared Redis (redis-py asyncio client).
 
-Every mutation is one Lua script (atomic on the server); reads are one MULTI/EXEC
-snapshot. Notifications travel on a pub/sub channel published from inside the scripts.
+Every mutation is one Lua script (atomic on the server); so is every read (one consistent
+snapshot).  A block is complete only under the Redis server lifetime (``run_id``) that
+committed it, decided inside the scripts (see :mod:`kvwire.consistency.redis_layout`). Notifications travel on a pub/sub channel published from inside the scripts.
 Any Redis failure raises :class:`RegistryUnavailableError`: nothing is ever reported fresh
 without Redis having confirmed it. Commands are not retried, because a reply lost in transit
 leaves the outcome unknown; the caller decides (e.g. re-``begin``, which is safe).
@@ -232,6 +233,7 @@ class RedisRegistry:
         self._renew = client.register_script(lua.RENEW)
         self._release = client.register_script(lua.RELEASE)
         self._invalidate = client.register_script(lua.INVALIDATE)
+        self._read_script = client.register_script(lua.READ)
 
     @classmethod
     async def connect(
@@ -411,33 +413,34 @@ class RedisRegistry:
         if self._releases:
             await asyncio.wait(set(self._releases), timeout=self.timeout)
 
-    async def _read(self, keys: Sequence[str]) -> list[tuple[int, bool]]:
-        """``(version, complete)`` of each canonical key, from one consistent snapshot."""
+    async def _read(self, keys: Sequence[str]) -> list[tuple[int, bool, bool]]:
+        """``(version, complete, earlier)`` of each canonical key, from one consistent
+        snapshot; ``earlier``: committed under another server lifetime (so not complete)."""
         if not keys:
             return []
         return (await self._snapshot(keys, with_seq=False))[0]
 
-    async def _snapshot(self, keys: Sequence[str], *, with_seq: bool) -> tuple[list[tuple[int, bool]], int]:
+    async def _snapshot(
+        self, keys: Sequence[str], *, with_seq: bool
+    ) -> tuple[list[tuple[int, bool, bool]], int]:
         """:meth:`_read`, and the last version handed out (0 unless ``with_seq``), in one
-        consistent snapshot."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            for key in keys:
-                pipe.hmget(self.layout.block(key), "v", "c")
-            if with_seq:
-                pipe.get(self.layout.seq)
-            replies = await _guard("read", pipe.execute(), self.timeout)
-        seq = 0
-        if with_seq:
-            raw = replies.pop()
-            seq = int(raw) if raw is not None else 0
-        states = [(int(v) if v is not None else 0, c is not None and _decode(c) == "1") for v, c in replies]
-        return states, seq
+        consistent snapshot (the READ script)."""
+        reply = await _guard(
+            "read",
+            self._read_script(
+                keys=[self.layout.seq, *(self.layout.block(k) for k in keys)],
+                args=["1" if with_seq else "0"],
+            ),
+            self.timeout,
+        )
+        states = [(int(reply[i]), int(reply[i + 1]) == 1, int(reply[i + 1]) == 2) for i in range(1, len(reply), 2)]
+        return states, int(reply[0])
 
     async def lookup(self, blocks: Iterable[BlockLike]) -> list[VersionedBlock]:
         self._live()
         keys = unique_keys(blocks)  # duplicates dropped, first occurrence kept
         out: list[VersionedBlock] = []
-        for key, (version, complete) in zip(keys, await self._read(keys), strict=True):
+        for key, (version, complete, _) in zip(keys, await self._read(keys), strict=True):
             if not complete:
                 break
             out.append((block_from_key(key), version))
@@ -466,9 +469,9 @@ class RedisRegistry:
     async def check(self, block: BlockLike, version: int) -> None:
         self._live()
         pairs = pairs_keys([(block, version)])
-        [(current, complete)] = await self._read([pairs[0][0]])
+        [(current, complete, earlier)] = await self._read([pairs[0][0]])
         if not (complete and current == pairs[0][1]):
-            raise explain_stale(block, version, current, complete)
+            raise explain_stale(block, version, current, complete, earlier_server=earlier)
 
     async def check_many(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         self._live()
@@ -476,7 +479,7 @@ class RedisRegistry:
         states = await self._read([k for k, _ in items])
         return [
             block_from_key(key)
-            for (key, version), (current, complete) in zip(items, states, strict=True)
+            for (key, version), (current, complete, _) in zip(items, states, strict=True)
             if not (complete and current == version)
         ]
 
@@ -499,7 +502,7 @@ class RedisRegistry:
                 raise never_issued_error(block_from_key(key), version, seq)
         return [
             block_from_key(key)
-            for (key, version), (current, complete) in zip(items, states, strict=True)
+            for (key, version), (current, complete, _) in zip(items, states, strict=True)
             if not (complete and current == version)
         ]
 

@@ -395,14 +395,20 @@ class RegistryCore:
         return {lid: rec.expires_at for lid, rec in self._leases.items()}
 
 
-def explain_stale(block: object, version: int, current: int, complete: bool) -> StaleVersionError:
-    """A :class:`StaleVersionError` saying why ``block`` at ``version`` is not fresh."""
+def explain_stale(
+    block: object, version: int, current: int, complete: bool, *, earlier_server: bool = False
+) -> StaleVersionError:
+    """A :class:`StaleVersionError` saying why ``block`` at ``version`` is not fresh;
+    ``earlier_server``: the block was committed under another Redis server lifetime (the
+    server restarted or failed over since), so it is not complete there."""
     if current == 0:
         why = "unknown to the registry"
     elif version < current:
         why = f"older than the registry's version {current}"
     elif version > current:
         why = f"never issued (the registry holds version {current})"
+    elif earlier_server:
+        why = "committed before the Redis server restarted or failed over (recompute it)"
     elif not complete:
         why = "invalidated or not yet committed"
     else:

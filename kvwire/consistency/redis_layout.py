@@ -10,7 +10,8 @@ key                            type      content
                                          the Redis clock in microseconds)
 ``{ns}:b:<canonical id>``      hash      ``v`` version, ``c`` "1" if complete else "0",
                                          ``l`` lease id holding it in flight (absent if none),
-                                         ``e`` that lease's expiry (Redis TIME, microseconds)
+                                         ``e`` that lease's expiry (Redis TIME, microseconds),
+                                         ``r`` the server's ``run_id`` when begun/committed
 ``{ns}:lease:<lease id>``      string    expiry (Redis TIME, microseconds); PX set slightly
                                          past it so Redis reclaims dead leases by itself
 ``{ns}:events`` (channel)      pub/sub   ``"<version> <canonical id>"`` per commit
@@ -28,6 +29,17 @@ a version; ``publish`` writes nothing (it reads the blocks and ``seq`` in one ``
 confirms blocks complete at exactly the versions given). A script that would need a version
 past ``2**53 - 1`` (exact in a double) refuses, changing nothing. Lease liveness is decided inside the scripts
 against ``redis.call('TIME')``, one clock for every client, so client clock skew is moot.
+
+A block is complete only under the Redis server lifetime that committed it: ``BEGIN`` and
+``COMMIT`` record the server's ``run_id`` (``INFO server``; new at every start, and a
+replica's differs from its primary's) in the block, and every script and read compares it
+with the ``run_id`` of the server running it.  A data set restored from an older snapshot
+(a crash between snapshots, a failover to a replica behind its primary) brings back blocks
+as they were before later invalidations; those blocks carry an earlier ``run_id``, so they
+read as not complete (stale; ``begin`` starts them again) and their leases cannot commit.
+The comparison runs inside the server, in the same atomic script as the read or write, so a
+client that reconnected without noticing (a connection pool, a retrying client) cannot
+pair one server's answer with another's identity.
 """
 
 from __future__ import annotations
@@ -38,6 +50,15 @@ from kvwire.errors import UsageError
 _NOW = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+"""
+
+# Shared prologue: ``run``, the run_id of the server running the script (INFO server; a
+# few microseconds).  Blocks are complete only under the run_id that committed them.
+_RUN = """
+local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
+if not run then
+  return redis.error_reply('no run_id in INFO server')
+end
 """
 
 # The next version from counter ``key``: INCR, but never below the server's clock in
@@ -79,9 +100,12 @@ end
 
 BEGIN = (
     _NOW
+    + _RUN
     + """
 -- KEYS: lease, block...   ARGV: lease_id, ttl_us, lease_px
 -- returns {expiry_us, state1, version1, state2, version2, ...}; state s=started b=busy c=complete
+-- A block begun or committed under another run_id (an earlier server lifetime restored from
+-- a snapshot, another server) is neither busy nor complete: it is started again.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.error_reply('lease id already in use')
 end
@@ -89,14 +113,14 @@ local exp = now + tonumber(ARGV[2])
 local out = {exp}
 local started = 0
 for i = 2, #KEYS do
-  local h = redis.call('HMGET', KEYS[i], 'v', 'c', 'l', 'e')
+  local h = redis.call('HMGET', KEYS[i], 'v', 'c', 'l', 'e', 'r')
   local v = tonumber(h[1]) or 0
-  if h[3] and tonumber(h[4]) > now then
+  if h[3] and tonumber(h[4]) > now and h[5] == run then
     out[#out + 1] = 'b'
-  elseif h[2] == '1' then
+  elseif h[2] == '1' and h[5] == run then
     out[#out + 1] = 'c'
   else
-    redis.call('HSET', KEYS[i], 'v', v, 'c', '0', 'l', ARGV[1], 'e', exp)
+    redis.call('HSET', KEYS[i], 'v', v, 'c', '0', 'l', ARGV[1], 'e', exp, 'r', run)
     started = started + 1
     out[#out + 1] = 's'
   end
@@ -111,11 +135,13 @@ return out
 
 COMMIT = (
     _NOW
+    + _RUN
     + _NEXT
     + _FREE
     + """
 -- KEYS: lease, seq, block...   ARGV: lease_id, channel, canonical id per block
--- returns {0, version...} | {-1} lease not live | {-2, index...} blocks lost (1-based)
+-- returns {0, version...} | {-1} lease not live | {-2, index...} blocks lost (1-based:
+--   held by another lease or none, or begun under another run_id)
 --   | {-3} no versions left below 2**53 (nothing changed, the lease stays)
 local exp = tonumber(redis.call('GET', KEYS[1]) or '0')
 if exp <= now then
@@ -125,7 +151,8 @@ if exp <= now then
 end
 local lost = {-2}
 for i = 3, #KEYS do
-  if redis.call('HGET', KEYS[i], 'l') ~= ARGV[1] then
+  local h = redis.call('HMGET', KEYS[i], 'l', 'r')
+  if h[1] ~= ARGV[1] or h[2] ~= run then
     lost[#lost + 1] = i - 2
   end
 end
@@ -140,7 +167,7 @@ end
 local out = {0}
 for i = 3, #KEYS do
   local v = next_version(KEYS[2])
-  redis.call('HSET', KEYS[i], 'v', v, 'c', '1')
+  redis.call('HSET', KEYS[i], 'v', v, 'c', '1', 'r', run)
   redis.call('HDEL', KEYS[i], 'l', 'e')
   redis.call('PUBLISH', ARGV[2], string.format('%.0f ', v) .. ARGV[i])
   out[#out + 1] = v
@@ -209,6 +236,33 @@ return out
 )
 
 
+READ = (
+    _RUN
+    + """
+-- KEYS: seq, block...   ARGV: '1' to read seq, else '0'
+-- returns {seq or 0, version1, state1, ...}: state 1 complete, 2 complete under another
+-- run_id (stale: committed in an earlier server lifetime or on another server), 0 not
+-- complete.  Writes nothing.
+local out = {0}
+if ARGV[1] == '1' then
+  out[1] = tonumber(redis.call('GET', KEYS[1]) or '0')
+end
+for i = 2, #KEYS do
+  local h = redis.call('HMGET', KEYS[i], 'v', 'c', 'r')
+  out[#out + 1] = tonumber(h[1]) or 0
+  if h[2] ~= '1' then
+    out[#out + 1] = 0
+  elseif h[3] == run then
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 2
+  end
+end
+return out
+"""
+)
+
+
 class KeyLayout:
     """The key names of one namespace."""
 
@@ -229,4 +283,4 @@ class KeyLayout:
         return self.prefix + "lease:" + lease_id
 
 
-__all__ = ["BEGIN", "COMMIT", "INVALIDATE", "RELEASE", "RENEW", "KeyLayout"]
+__all__ = ["BEGIN", "COMMIT", "INVALIDATE", "READ", "RELEASE", "RENEW", "KeyLayout"]

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,16 +74,18 @@ class RedisServer:
                 self.process.wait(5)
 
 
-def start_redis(binary: str, workdir: Path) -> RedisServer:
-    """A throwaway redis-server on a free loopback port, no persistence."""
+def start_redis(binary: str, workdir: Path, *, port: int | None = None, args: Sequence[str] = ()) -> RedisServer:
+    """A throwaway redis-server on a free loopback port (or ``port``), no persistence of its
+    own (``SAVE`` still writes ``workdir``'s snapshot, which a server started there loads);
+    ``args``: more command-line options."""
     workdir.mkdir(parents=True, exist_ok=True)
-    for _ in range(5):  # the free port may be taken between probing and binding
-        port = _free_port()
+    for _ in range(5 if port is None else 1):  # the free port may be taken between probing and binding
+        use = _free_port() if port is None else port
         proc = subprocess.Popen(
             [
                 binary,
                 "--port",
-                str(port),
+                str(use),
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -96,17 +98,18 @@ def start_redis(binary: str, workdir: Path) -> RedisServer:
                 "no",
                 "--loglevel",
                 "warning",
+                *args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and proc.poll() is None:
-            if _answers(port):
-                return RedisServer(proc, port)
+            if _answers(use):
+                return RedisServer(proc, use)
             time.sleep(0.02)
         with contextlib.suppress(Exception):
-            RedisServer(proc, port).stop()
+            RedisServer(proc, use).stop()
     raise RuntimeError(f"{binary} did not start on a loopback port")
 
 

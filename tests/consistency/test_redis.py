@@ -3,23 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import uuid
 from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import NotificationsLostError, RegistryUnavailableError
-from kvwire.errors import KvwireError
+from kvwire.errors import KvwireError, StaleVersionError
 from tests.consistency.conftest import RedisServer, start_redis
 
 pytestmark = pytest.mark.timeout(60)
+T = TypeVar("T")
 WORKER = Path(__file__).with_name("redis_worker.py")
 
 
@@ -88,6 +91,89 @@ async def test_a_redis_that_lost_its_data_never_hands_out_an_old_version_again(r
         assert v3 > v2
         assert await reg.check_many([(b"b1", v1)]) == [b"b1"]  # the old copy is stale
         assert await reg.check_many([(b"b1", v3)]) == []
+
+
+async def _answered(call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``'s result once a restarted server answers: a pooled connection to the server
+    that died fails the first call (RegistryUnavailableError), the next ones reconnect."""
+    for _ in range(5):
+        with contextlib.suppress(RegistryUnavailableError):
+            return await call()
+        await asyncio.sleep(0.1)
+    return await call()
+
+
+async def test_a_redis_restored_from_an_older_snapshot_reports_no_earlier_block_fresh(
+    redis_binary: str, tmp_path: Path
+) -> None:
+    """Redis crashed between snapshots: restarted from the last one, it brings blocks back as
+    they were before later invalidations.  A copy cached then, and a lease that lost its
+    block after the snapshot, must not pass as fresh; the same registry object (its client
+    reconnecting by itself) must not be fooled either."""
+    server = start_redis(redis_binary, tmp_path)
+    reg = await RedisRegistry.connect(server.url, namespace="rb", timeout=2.0)
+    try:
+        [(_, v1)] = await reg.commit(await reg.begin([b"blk"], owner="a"))  # a decode node caches blk at v1
+        lease = await reg.begin([b"busy"], owner="b", ttl=60)  # in flight at the snapshot
+        await reg.client.save()
+        v2 = await reg.invalidate(b"blk")  # new weights, after the snapshot
+        await reg.invalidate(b"busy")  # taken from the lease: its data is outdated
+        assert await reg.check_many([(b"blk", v1)]) == [b"blk"]
+        server.process.kill()  # crash before the next snapshot
+        server.process.wait(5)
+        server = start_redis(redis_binary, tmp_path, port=server.port)  # loads the snapshot
+        assert await _answered(lambda: reg.check_many([(b"blk", v1)])) == [b"blk"]
+        assert await reg.lookup([b"blk"]) == []
+        assert await reg.superseded([(b"blk", v1)]) == [b"blk"]
+        assert await reg.publish([(b"blk", v1)]) == [b"blk"]
+        with pytest.raises(StaleVersionError, match="restarted"):
+            await reg.check(b"blk", v1)
+        with pytest.raises(StaleVersionError, match="changed while in flight"):
+            await reg.commit(lease)
+        again = await reg.begin([b"blk", b"busy"], owner="c")  # computed again, not complete
+        assert again.started == (b"blk", b"busy") and again.complete == ()
+        [(_, v3), _] = await reg.commit(again)
+        assert v3 > v2
+        assert await reg.check_many([(b"blk", v3)]) == []
+        assert await reg.lookup([b"blk"]) == [(b"blk", v3)]
+    finally:
+        await reg.close()
+        server.stop()
+
+
+async def test_a_replica_promoted_after_a_failover_reports_no_earlier_block_fresh(
+    redis_binary: str, tmp_path: Path
+) -> None:
+    """A replica may lag its primary (invalidations it never received); once promoted it
+    cannot tell, so no block committed on the primary is fresh there (fail closed) and
+    begin starts them again."""
+    import redis.asyncio as aioredis
+
+    from kvwire.consistency.blocks import block_key
+
+    primary = start_redis(redis_binary, tmp_path / "primary")
+    replica = start_redis(redis_binary, tmp_path / "replica", args=["--replicaof", "127.0.0.1", str(primary.port)])
+    raw = aioredis.from_url(replica.url)
+    reg = await RedisRegistry.connect(primary.url, namespace="fo", timeout=2.0)
+    try:
+        [(_, v1)] = await reg.commit(await reg.begin([b"blk"], owner="a"))
+        for _ in range(200):  # bounded: until the replica holds the commit
+            if await raw.hget(reg.layout.block(block_key(b"blk")), "c") == b"1":
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the replica never received the commit")
+        primary.stop()
+        await raw.replicaof("NO", "ONE")
+        async with await RedisRegistry.connect(replica.url, namespace="fo", timeout=2.0) as promoted:
+            assert await promoted.check_many([(b"blk", v1)]) == [b"blk"]
+            assert await promoted.lookup([b"blk"]) == []
+            assert (await promoted.begin([b"blk"], owner="b")).started == (b"blk",)
+    finally:
+        await reg.close()
+        await raw.aclose()
+        replica.stop()
+        primary.stop()
 
 
 def test_many_processes_no_lost_update(redis_server: RedisServer) -> None:
