@@ -42,7 +42,9 @@ exact configuration.
 
 Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]`` (pass
 ``SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": ...}})`` on both
-instances); without it the name is a hash of the prompt tokens sent.  Requests of one
+instances) and a hash of the prompt tokens sent (``<kvwire_id>#prompt:<hash>``); without
+an id by the hash alone.  So a transfer is loaded only by a request whose full blocks hold
+the same tokens: a reused id, or a transfer left over from another prompt, is not.  Requests of one
 name each take one transfer of it, in the order they were scheduled.  The consumer loads
 requests that carry a ``kvwire_id``, or every request with ``kvwire_load_all``.
 
@@ -288,10 +290,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return max(0, (num_prompt_tokens - 1) // self._block_size)
 
     def _key(self, prompt: list[int], params: dict[str, Any] | None) -> str:
-        if params and params.get("kvwire_id"):
-            return str(params["kvwire_id"])
+        """The transfer's name: a digest of the prompt's full blocks' token ids (what is
+        sent), after the request's ``kvwire_id`` when it has one.  Both sides name it so:
+        a transfer only meets a request whose full blocks hold the same tokens, and a
+        reused id, or a transfer left over from another prompt, is not loaded."""
         n = self._full_blocks(len(prompt)) * self._block_size
         digest = hashlib.sha256(torch.tensor(prompt[:n], dtype=torch.int64).numpy().tobytes()).hexdigest()
+        if params and params.get("kvwire_id"):
+            return f"{params['kvwire_id']}#prompt:{digest[:32]}"
         return f"prompt:{digest[:32]}"
 
     def _prefix(self, prompt: list[int], num_blocks: int) -> tuple[bytes, ...]:

@@ -337,6 +337,14 @@ def scheduler_side(role: str) -> KvwireConnector:
     return KvwireConnector(cfg, KVConnectorRole.SCHEDULER)
 
 
+def named(kvwire_id: str, prompt: list[int], block_size: int = 16) -> str:
+    """The transfer name of a request: its kvwire_id and a digest of its full blocks' tokens."""
+    import hashlib
+
+    n = (len(prompt) - 1) // block_size * block_size
+    return f"{kvwire_id}#prompt:" + hashlib.sha256(np.array(prompt[:n], "<i8").tobytes()).hexdigest()[:32]
+
+
 def new_request(req_id: str, prompt: list[int], block_ids: list[int], kvwire_id: str) -> NewRequestData:
     return NewRequestData(
         req_id=req_id, prompt_token_ids=prompt, mm_features=[],
@@ -377,12 +385,12 @@ def test_a_request_preempted_in_its_chunked_prefill_is_sent_from_its_new_blocks(
     ))
     assert meta.saves == []  # 64 of 96 tokens computed: not yet
     meta = sched.build_connector_meta(schedule(preempted={"p"}, cached=[("q", [24, 25, 26], 64)], scheduled={"q": 36}))
-    assert [(m.req_id, m.key, m.block_ids) for m in meta.saves] == [("q", "kept", [20, 21, 22, 23, 24, 25])]
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.saves] == [("q", named("kept", prompt), [20, 21, 22, 23, 24, 25])]
     assert meta.preempted == []  # no send of p's was scheduled
     meta = sched.build_connector_meta(schedule(
         cached=[("p", [40, 41, 42, 43, 44, 45, 46], 0)], resumed={"p"}, scheduled={"p": 100},
     ))
-    assert [(m.req_id, m.key, m.block_ids) for m in meta.saves] == [("p", "pre", [40, 41, 42, 43, 44, 45])]
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.saves] == [("p", named("pre", prompt), [40, 41, 42, 43, 44, 45])]
     # resumed with no blocks named: nothing of it is sent, now or later
     sched.build_connector_meta(schedule(new=[new_request("s", prompt, [50, 51], "none")], scheduled={"s": 32}))
     assert sched.build_connector_meta(schedule(cached=[("s", None, 0)], resumed={"s"}, scheduled={"s": 16})).saves == []
@@ -419,10 +427,39 @@ def test_a_request_preempted_after_its_load_is_computed_when_resumed() -> None:
     sched.update_state_after_alloc(request, None, 96)  # type: ignore[arg-type]
     meta = sched.build_connector_meta(schedule(new=[new_request("c", prompt, list(range(7)), "loaded")],
                                                scheduled={"c": 4}))
-    assert [(m.req_id, m.key, m.block_ids) for m in meta.loads] == [("c", "loaded", list(range(6)))]
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.loads] == [("c", named("loaded", prompt), list(range(6)))]
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # preempted, back in the queue
     other = _Request("d", prompt, "other")
     assert sched.get_num_new_matched_tokens(other, 0) == (96, False)  # others still load
+
+
+def test_a_transfer_is_named_by_its_prompt_too() -> None:
+    """One kvwire_id given to two prompts (an id reused, or a transfer left over from
+    another prompt): the producer's send of one and the consumer's load of the other had
+    the same name, the id, so the consumer loaded the other prompt's KV without an error.
+    The name now carries a digest of the full blocks' tokens, alike on both sides for the
+    same prompt, different for another; the tokens past the full blocks do not count."""
+    producer_side, consumer_side = scheduler_side("kv_producer"), scheduler_side("kv_consumer")
+    p1, p2 = list(range(100)), list(range(1000, 1100))
+
+    def send_key(prompt: list[int]) -> str:
+        meta = producer_side.build_connector_meta(schedule(new=[new_request("s", prompt, list(range(7)), "x")],
+                                                           scheduled={"s": len(prompt)}))
+        producer_side.request_finished(_Request("s"), [])  # type: ignore[arg-type]
+        return meta.saves[0].key
+
+    def load_key(prompt: list[int]) -> str:
+        request = _Request("l", prompt, "x")
+        assert consumer_side.get_num_new_matched_tokens(request, 0) == (96, False)
+        consumer_side.update_state_after_alloc(request, None, 96)  # type: ignore[arg-type]
+        meta = consumer_side.build_connector_meta(schedule(new=[new_request("l", prompt, list(range(7)), "x")],
+                                                           scheduled={"l": 4}))
+        consumer_side.request_finished(request, [])  # type: ignore[arg-type]
+        return meta.loads[0].key
+
+    assert send_key(p1) == load_key(p1) == named("x", p1)
+    assert load_key(p2) != send_key(p1)
+    assert send_key(p1[:-1] + [7]) == send_key(p1)  # the last, partial block is not sent
 
 
 def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
@@ -450,9 +487,10 @@ def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
         scheduled={"p": 4, "w": 4, "t": 36},
     ))
     assert [(m.req_id, m.key, m.block_ids) for m in meta.loads] == [
-        ("p", "part", [DROP] * 4 + [14, 15]), ("t", "trimmed", [DROP] * 2 + [32, 33] + [DROP] * 2),
+        ("p", named("part", prompt), [DROP] * 4 + [14, 15]),
+        ("t", named("trimmed", prompt), [DROP] * 2 + [32, 33] + [DROP] * 2),
     ]
-    assert [(m.req_id, m.key, m.block_ids) for m in meta.drops] == [("w", "whole", [DROP] * 6)]
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.drops] == [("w", named("whole", prompt), [DROP] * 6)]
     sched.request_finished(gone, [])  # finished before it was scheduled: nothing to drop
     assert sched.build_connector_meta(schedule(new=[new_request("g", prompt, [1, 2], "gone")])).drops == []
     # preempted and back in the queue: the one transfer was taken, nothing loads or drops
