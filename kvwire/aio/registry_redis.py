@@ -329,7 +329,7 @@ class RedisRegistry:
         reply = await _guard(
             "commit",
             self._commit(
-                keys=[self.layout.lease(lease.lease_id), self.layout.seq, *rkeys],
+                keys=[self.layout.lease(lease.lease_id), self.layout.seq, self.layout.seq_run, *rkeys],
                 args=[lease.lease_id, self.layout.channel, *keys],
             ),
             self.timeout,
@@ -423,12 +423,15 @@ class RedisRegistry:
     async def _snapshot(
         self, keys: Sequence[str], *, with_seq: bool
     ) -> tuple[list[tuple[int, bool, bool]], int]:
-        """:meth:`_read`, and the last version handed out (0 unless ``with_seq``), in one
-        consistent snapshot (the READ script)."""
+        """:meth:`_read`, and (unless ``with_seq`` is false: 0) the highest version that can
+        have been handed out, in one consistent snapshot (the READ script): the counter if
+        it moved in this server lifetime, else the larger of it and the server's clock (a
+        counter lost or restored from a snapshot says nothing of the versions handed out
+        before; those are below the clock)."""
         reply = await _guard(
             "read",
             self._read_script(
-                keys=[self.layout.seq, *(self.layout.block(k) for k in keys)],
+                keys=[self.layout.seq, self.layout.seq_run, *(self.layout.block(k) for k in keys)],
                 args=["1" if with_seq else "0"],
             ),
             self.timeout,
@@ -457,7 +460,7 @@ class RedisRegistry:
         reply = await _guard(
             "invalidate",
             self._invalidate(
-                keys=[self.layout.seq, *(self.layout.block(k) for k in keys)],
+                keys=[self.layout.seq, self.layout.seq_run, *(self.layout.block(k) for k in keys)],
                 args=[self.layout.channel, *keys],
             ),
             self.timeout,
@@ -491,15 +494,18 @@ class RedisRegistry:
     async def publish(self, pairs: Iterable[tuple[BlockLike, int]]) -> list[BlockId]:
         """Confirm each ``(block, version)``: the rejected blocks, those not complete at
         exactly that version (a version above the block's own was issued to another block,
-        or to none).  Writes nothing; one snapshot of the blocks and the counter."""
+        or to none).  Writes nothing; one snapshot of the blocks and the counter.
+
+        A version that cannot have been handed out raises :class:`UsageError`; after Redis
+        lost its data (restart, flush, failover) one handed out before is rejected."""
         self._live()
         items = pairs_keys(pairs)
         if not items:
             return []
-        states, seq = await self._snapshot([k for k, _ in items], with_seq=True)
+        states, bound = await self._snapshot([k for k, _ in items], with_seq=True)
         for key, version in items:
-            if version > seq:
-                raise never_issued_error(block_from_key(key), version, seq)
+            if version > bound:
+                raise never_issued_error(block_from_key(key), version, bound)
         return [
             block_from_key(key)
             for (key, version), (current, complete, _) in zip(items, states, strict=True)

@@ -8,6 +8,7 @@ key                            type      content
 =============================  ========  ====================================================
 ``{ns}:seq``                   string    last version handed out (INCR, never below
                                          the Redis clock in microseconds)
+``{ns}:seqrun``                string    the server's ``run_id`` when ``seq`` last moved
 ``{ns}:b:<canonical id>``      hash      ``v`` version, ``c`` "1" if complete else "0",
                                          ``l`` lease id holding it in flight (absent if none),
                                          ``e`` that lease's expiry (Redis TIME, microseconds),
@@ -26,7 +27,10 @@ persistence, crashed between snapshots, failed over to a replica behind it) stil
 versions above those it issued before (unless it had issued more than one per microsecond
 since its epoch, far beyond any real rate). Only ``COMMIT`` and ``INVALIDATE`` give a block
 a version; ``publish`` writes nothing (it reads the blocks and ``seq`` in one ``MULTI`` and
-confirms blocks complete at exactly the versions given). A script that would need a version
+confirms blocks complete at exactly the versions given; it raises on a version that cannot
+have been issued: above ``seq`` when ``seq`` moved in this server lifetime (``seqrun``), else
+above the larger of ``seq`` and the clock, as a lost or restored ``seq`` says nothing of the
+versions handed out before). A script that would need a version
 past ``2**53 - 1`` (exact in a double) refuses, changing nothing. Lease liveness is decided inside the scripts
 against ``redis.call('TIME')``, one clock for every client, so client clock skew is moot.
 
@@ -139,39 +143,40 @@ COMMIT = (
     + _NEXT
     + _FREE
     + """
--- KEYS: lease, seq, block...   ARGV: lease_id, channel, canonical id per block
+-- KEYS: lease, seq, seqrun, block...   ARGV: lease_id, channel, canonical id per block
 -- returns {0, version...} | {-1} lease not live | {-2, index...} blocks lost (1-based:
 --   held by another lease or none, or begun under another run_id)
 --   | {-3} no versions left below 2**53 (nothing changed, the lease stays)
 local exp = tonumber(redis.call('GET', KEYS[1]) or '0')
 if exp <= now then
-  free(3, ARGV[1])
+  free(4, ARGV[1])
   redis.call('DEL', KEYS[1])
   return {-1}
 end
 local lost = {-2}
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   local h = redis.call('HMGET', KEYS[i], 'l', 'r')
   if h[1] ~= ARGV[1] or h[2] ~= run then
-    lost[#lost + 1] = i - 2
+    lost[#lost + 1] = i - 3
   end
 end
 if #lost > 1 then
-  free(3, ARGV[1])
+  free(4, ARGV[1])
   redis.call('DEL', KEYS[1])
   return lost
 end
-if not versions_left(KEYS[2], #KEYS - 2) then
+if not versions_left(KEYS[2], #KEYS - 3) then
   return {-3}
 end
 local out = {0}
-for i = 3, #KEYS do
+for i = 4, #KEYS do
   local v = next_version(KEYS[2])
   redis.call('HSET', KEYS[i], 'v', v, 'c', '1', 'r', run)
   redis.call('HDEL', KEYS[i], 'l', 'e')
-  redis.call('PUBLISH', ARGV[2], string.format('%.0f ', v) .. ARGV[i])
+  redis.call('PUBLISH', ARGV[2], string.format('%.0f ', v) .. ARGV[i - 1])
   out[#out + 1] = v
 end
+redis.call('SET', KEYS[3], run)
 redis.call('DEL', KEYS[1])
 return out
 """
@@ -216,38 +221,46 @@ return 0
 
 INVALIDATE = (
     _NOW
+    + _RUN
     + _NEXT
     + """
--- KEYS: seq, block...   ARGV: channel, canonical id per block
+-- KEYS: seq, seqrun, block...   ARGV: channel, canonical id per block
 -- returns {0, version...} | {-3} no versions left below 2**53 (nothing changed)
-if not versions_left(KEYS[1], #KEYS - 1) then
+if not versions_left(KEYS[1], #KEYS - 2) then
   return {-3}
 end
 local out = {0}
-for i = 2, #KEYS do
+for i = 3, #KEYS do
   local v = next_version(KEYS[1])
   redis.call('HSET', KEYS[i], 'v', v, 'c', '0')
   redis.call('HDEL', KEYS[i], 'l', 'e')
-  redis.call('PUBLISH', ARGV[1], string.format('%.0f ', v) .. ARGV[i])
+  redis.call('PUBLISH', ARGV[1], string.format('%.0f ', v) .. ARGV[i - 1])
   out[#out + 1] = v
 end
+redis.call('SET', KEYS[2], run)
 return out
 """
 )
 
 
 READ = (
-    _RUN
+    _NOW
+    + _RUN
     + """
--- KEYS: seq, block...   ARGV: '1' to read seq, else '0'
--- returns {seq or 0, version1, state1, ...}: state 1 complete, 2 complete under another
+-- KEYS: seq, seqrun, block...   ARGV: '1' to read the issued bound, else '0'
+-- returns {bound or 0, version1, state1, ...}: state 1 complete, 2 complete under another
 -- run_id (stale: committed in an earlier server lifetime or on another server), 0 not
--- complete.  Writes nothing.
+-- complete.  ``bound``: the highest version that can have been handed out: seq if it moved
+-- in this server lifetime, else the larger of seq and the clock (seq lost or restored from
+-- an earlier lifetime: the versions handed out before are below the clock).  Writes nothing.
 local out = {0}
 if ARGV[1] == '1' then
   out[1] = tonumber(redis.call('GET', KEYS[1]) or '0')
+  if redis.call('GET', KEYS[2]) ~= run then
+    out[1] = math.max(out[1], now)
+  end
 end
-for i = 2, #KEYS do
+for i = 3, #KEYS do
   local h = redis.call('HMGET', KEYS[i], 'v', 'c', 'r')
   out[#out + 1] = tonumber(h[1]) or 0
   if h[2] ~= '1' then
@@ -272,6 +285,7 @@ class KeyLayout:
         self.namespace = namespace
         self.prefix = "{" + namespace + "}:"
         self.seq = self.prefix + "seq"
+        self.seq_run = self.prefix + "seqrun"
         self.channel = self.prefix + "events"
 
     def block(self, key: str) -> str:

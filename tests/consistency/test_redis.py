@@ -18,7 +18,7 @@ import pytest
 
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import NotificationsLostError, RegistryUnavailableError
-from kvwire.errors import KvwireError, StaleVersionError
+from kvwire.errors import KvwireError, StaleVersionError, UsageError
 from tests.consistency.conftest import RedisServer, start_redis
 
 pytestmark = pytest.mark.timeout(60)
@@ -126,6 +126,8 @@ async def test_a_redis_restored_from_an_older_snapshot_reports_no_earlier_block_
         assert await reg.lookup([b"blk"]) == []
         assert await reg.superseded([(b"blk", v1)]) == [b"blk"]
         assert await reg.publish([(b"blk", v1)]) == [b"blk"]
+        # handed out after the snapshot (above the restored counter): rejected, not refused
+        assert await reg.publish([(b"blk", v2)]) == [b"blk"]
         with pytest.raises(StaleVersionError, match="restarted"):
             await reg.check(b"blk", v1)
         with pytest.raises(StaleVersionError, match="changed while in flight"):
@@ -174,6 +176,34 @@ async def test_a_replica_promoted_after_a_failover_reports_no_earlier_block_fres
         await raw.aclose()
         replica.stop()
         primary.stop()
+
+
+async def test_publish_after_redis_lost_its_data_rejects_the_versions_it_handed_out(
+    redis_server: RedisServer,
+) -> None:
+    """Redis lost the namespace (a restart without persistence, a flush): publish of a
+    version the registry really handed out is rejected (the data is not confirmed), not
+    refused as never issued; one that cannot have been handed out still raises."""
+    import redis.asyncio as aioredis
+
+    namespace = f"lostpub-{uuid.uuid4().hex}"
+    async with await RedisRegistry.connect(redis_server.url, namespace=namespace, timeout=5.0) as reg:
+        [(_, va)] = await reg.commit(await reg.begin([b"a"], owner="p"))
+        vb = await reg.invalidate(b"b")
+        raw = aioredis.from_url(redis_server.url)
+        try:
+            for key in await raw.keys(f"{{{namespace}}}*"):
+                await raw.delete(key)
+        finally:
+            await raw.aclose()
+        assert await reg.publish([(b"a", va), (b"b", vb)]) == [b"a", b"b"]
+        with pytest.raises(UsageError, match="above the last one it handed out"):
+            await reg.publish([(b"a", va), (b"x", 2**53 - 1)])
+        [(_, vc)] = await reg.commit(await reg.begin([b"c"], owner="p"))  # the counter moves again
+        assert vc > vb
+        with pytest.raises(UsageError, match="above the last one it handed out"):
+            await reg.publish([(b"c", vc + 1)])
+        assert await reg.publish([(b"a", va), (b"c", vc)]) == [b"a"]
 
 
 def test_many_processes_no_lost_update(redis_server: RedisServer) -> None:

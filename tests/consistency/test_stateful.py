@@ -163,6 +163,12 @@ class RegistryMachine(RuleBasedStateMachine):
         version = current + delta if delta <= 0 else self.max_version + delta - 2
         if version < 0:
             return
+        if version > self.max_version and not self.exact and self.max_version == 0:
+            # Redis before its first version: a new namespace looks like one whose data was
+            # lost, so a version up to the clock (here: any small one) may have been handed
+            # out before; it is rejected, not refused
+            assert self.run(self.reg.publish([(block, version)])) == [block]
+            return
         if version > self.max_version:
             with pytest.raises(UsageError, match="above the last one"):
                 self.run(self.reg.publish([(block, version)]))
