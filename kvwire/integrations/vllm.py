@@ -59,7 +59,11 @@ like a failed load's (recomputed with ``kv_load_failure_policy="recompute"``).
 
 Blocks move as opaque bytes (:mod:`kvwire.paged`): block ``i`` of a layer is the cache
 tensor's ``[i]`` slab, whatever the attention backend packs inside it.  Layouts whose
-first axis is not the block index (K and V in separate leading planes) are refused.
+first axis is not the block index (K and V in separate leading planes) are refused.  What
+the bytes mean is in the spec's ``model`` field, so sides that would read each other's
+blocks wrongly do not exchange them (``INCOMPATIBLE_SPEC`` at BEGIN): the model
+(``kvwire_model``, else vLLM's model), the attention backend, its block layout where it
+picks one (the CPU backend's ISA), the KV cache dtype and the vLLM version.
 """
 
 from __future__ import annotations
@@ -463,7 +467,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
         if first.shape[0] == 2 and first.ndim >= 3 and tuple(first.shape[1:2]) != (self._block_size,):
             logger.warning("kvwire: cache shaped %s; blocks are taken along the first axis", tuple(first.shape))
-        self._spec = PagedSpec.of(first, num_layers=len(self._caches), model=self._model)
+        model = self._identity(names[0])
+        self._spec = PagedSpec.of(first, num_layers=len(self._caches), model=model)
         logger.info(
             "kvwire: %d layers, blocks of %s %s (%d bytes each); producer=%s consumer=%s",
             len(self._caches), self._spec.block_shape, self._spec.dtype, self._spec.block_bytes,
@@ -480,6 +485,34 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 **versioned,
             )
             logger.info("kvwire: receiving on %s:%d", host, self._server.port)
+
+    def _identity(self, layer_name: str) -> str:
+        """The spec's ``model`` field: what, beside the block shape and dtype, both sides
+        must share to read each other's blocks.  The model (``kvwire_model`` when set,
+        else vLLM's ``model_config.model``), the attention backend, the layout it writes
+        its blocks in where it has a choice (the CPU backend's ISA, ``amx`` or ``vec``
+        among others: same shape, other bytes), the KV cache dtype and the vLLM version;
+        readable, with a digest of them all (the field is at most 255 bytes, and a long
+        model path is cut), so that sides that differ fail at the handshake or BEGIN
+        (``INCOMPATIBLE_SPEC``, naming both layouts) instead of loading blocks they
+        cannot read."""
+        import vllm
+
+        config = self._vllm_config
+        model_config = getattr(config, "model_config", None)
+        model = self._model or str(getattr(model_config, "model", "") or "")
+        layer = config.compilation_config.static_forward_context.get(layer_name)
+        backend = getattr(layer, "attn_backend", None)
+        backend_name = str(backend.get_name()) if backend is not None else "-"
+        isa = getattr(layer, "isa", None)
+        fields = {"model": model, "backend": backend_name, "layout": "-" if isa is None else str(isa),
+                  "kv": str(config.cache_config.cache_dtype), "vllm": str(vllm.__version__)}
+        digest = hashlib.sha256(repr(sorted(fields.items())).encode()).hexdigest()[:12]
+        short = model if len(model.encode()) <= 64 else "..." + model.encode()[-61:].decode(errors="ignore")
+        text = (f"{short};{backend_name[:32]};{fields['layout'][:16]};kv={fields['kv'][:16]};"
+                f"vllm={fields['vllm'][:32]};{digest}")
+        logger.info("kvwire: KV layout %s (both instances must match)", fields)
+        return text
 
     @property
     def listen_port(self) -> int | None:

@@ -512,8 +512,8 @@ def consumer_worker(caches: list[torch.Tensor], load_timeout: float = 30) -> tup
     )
     worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
     worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
-    assert worker.listen_port is not None
-    return worker, PagedSpec.of(caches[0], num_layers=len(LAYERS))
+    assert worker.listen_port is not None and worker._spec is not None
+    return worker, worker._spec  # its layout, as a producer of the same vLLM and model has it
 
 
 def drops_ended(worker: KvwireConnector) -> None:
@@ -813,3 +813,79 @@ def test_the_documented_consumer_recomputes_a_failed_load() -> None:
     config = eval(call, {"KVTransferConfig": KVTransferConfig})  # noqa: S307 (the docs' own example)
     assert config.kv_load_failure_policy == "recompute"
     assert config.is_kv_consumer
+
+
+def with_layers(cfg: VllmConfig, isa: str | None, backend: str = "CPU_ATTN") -> VllmConfig:
+    """``cfg`` with attention layers as vLLM's model runner leaves them before it registers
+    the caches: each names its backend, and the CPU backend's carry the ISA it picked."""
+    from types import SimpleNamespace
+
+    def layer() -> Any:
+        made = SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: backend))
+        if isa is not None:
+            made.isa = isa
+        return made
+
+    cfg.compilation_config.static_forward_context = {n: layer() for n in LAYERS}
+    return cfg
+
+
+def test_sides_whose_blocks_differ_in_layout_do_not_exchange_them() -> None:
+    """vLLM's CPU backend writes a block in an ISA-dependent layout ("amx" on one host,
+    "vec" on another) with the same shape, and two models of one geometry have blocks of
+    the same shape: the spec's fingerprint held only shape and dtype, so such sides
+    exchanged blocks the other could not read, without an error.  The model, the backend,
+    its layout, the cache dtype and the vLLM version are in the spec now: a producer on
+    an "amx" host sending to a "vec" consumer fails at BEGIN, naming both layouts, and no
+    block of the consumer is written."""
+    from types import SimpleNamespace
+
+    from kvwire.errors import IncompatiblePeerError
+
+    def made(isa: str | None, extra: dict[str, Any], role: str, backend: str = "CPU_ATTN",
+             model: str | None = None) -> KvwireConnector:
+        cfg = with_layers(connector_config(extra, role), isa, backend)
+        connector = KvwireConnector(cfg, KVConnectorRole.WORKER)
+        if model is not None:
+            connector._vllm_config = SimpleNamespace(  # what _identity reads of the config
+                model_config=SimpleNamespace(model=model), compilation_config=cfg.compilation_config,
+                cache_config=cfg.cache_config)
+        return connector
+
+    def fingerprint(isa: str | None, backend: str = "CPU_ATTN", model: str | None = None,
+                    extra: dict[str, Any] | None = None) -> bytes:
+        c = made(isa, {"kvwire_peer": "127.0.0.1:9", **(extra or {})}, "kv_producer", backend, model)
+        c.register_kv_caches({n: torch.zeros((4, 2, 16, 64)) for n in LAYERS})
+        assert c._spec is not None
+        return c._spec.wire_spec().fingerprint
+
+    assert fingerprint("amx") == fingerprint("amx")
+    assert fingerprint("amx") != fingerprint("vec")
+    assert fingerprint(None, "FLASH_ATTN") != fingerprint(None, "FLASHINFER")
+    assert fingerprint("vec", model="org/model-a") != fingerprint("vec", model="org/model-b")
+    # kvwire_model names the model (the same weights at other paths), the layout still counts
+    named = {"kvwire_model": "llama"}
+    assert fingerprint("vec", model="/a/llama", extra=named) == fingerprint("vec", model="/b/llama", extra=named)
+    assert fingerprint("vec", extra=named) != fingerprint("amx", extra=named)
+
+    caches = [torch.randn((8, 2, 16, 64)) for _ in LAYERS]
+    before = [c.clone() for c in caches]
+    consumer = made("vec", {"kvwire_listen": "127.0.0.1:0", "kvwire_load_timeout": 30}, "kv_consumer")
+    consumer.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
+    producer_worker = made("amx", {"kvwire_peer": f"127.0.0.1:{consumer.listen_port}", "kvwire_load_timeout": 30},
+                           "kv_producer")
+    sent = [torch.randn((8, 2, 16, 64)) for _ in LAYERS]
+    producer_worker.register_kv_caches(dict(zip(LAYERS, sent, strict=True)))
+    try:
+        consumer.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "k", [1, 2])]))
+        consumer.start_load_kv(None)  # type: ignore[arg-type]
+        consumer.clear_connector_metadata()
+        step(producer_worker, KvwireConnectorMetadata(saves=[_Move("p", "k", [3, 4])]), sent)
+        handle, _ = producer_worker._in_flight["p"]
+        with pytest.raises(IncompatiblePeerError, match=r"does not accept KV layout .*;amx;"):
+            handle.wait(30)
+        consumer.get_finished({"c"})  # the request gives up its load
+        assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+    finally:
+        producer_worker.shutdown()
+        consumer.shutdown()
