@@ -13,6 +13,7 @@ Group order: K ``[token_block, head, channel]``, V ``[token, head, channel_run]`
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -48,9 +49,9 @@ class Int4Codec(Codec):
     codec_id = 0x03
 
     def __init__(self, group: int = DEFAULT_GROUP) -> None:
-        if not 1 <= group <= 255:
-            raise UsageError("int4 group size must be in [1, 255]")
-        self.group = group
+        if not isinstance(group, numbers.Integral) or isinstance(group, bool) or not 1 <= group <= 255:
+            raise UsageError(f"int4 group size must be an int in [1, 255], got {group!r}")
+        self.group = int(group)
 
     def payload_size(self, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind = TensorKind.K) -> int:
         group = _group_from_params(params)
