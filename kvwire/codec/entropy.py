@@ -16,11 +16,14 @@ import numpy as np
 import zstandard
 
 from kvwire.codec import _host
+from kvwire.codec import _numeric as nm
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind, numpy_dtype
 from kvwire.errors import ProtocolError
 
 FLAG_COMPRESSED = 0x01
 ZSTD_LEVEL = 1
+#: python-lz4 takes the size of a block's output as a C int
+LZ4_MAX_SIZE = 2**31 - 1
 
 
 def inner_payload_size(codec: Codec, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind) -> int:
@@ -91,6 +94,7 @@ class EntropyCodec(Codec):
         kind: TensorKind,
         out: np.ndarray[Any, Any] | None = None,
     ) -> np.ndarray[Any, Any]:
+        shape, kind = self._check(shape, dtype, kind)
         inner_params, plain = self._unpack(params, payload, shape, dtype, kind)
         return self.inner.decode(inner_params, plain, shape=shape, dtype=dtype, kind=kind, out=out)
 
@@ -102,10 +106,18 @@ class EntropyCodec(Codec):
         at once where it never can (``raw``, no compiled loops); a False from the inner
         codec after decompressing (a misaligned buffer) costs the caller a second
         decompress."""
+        shape, kind = self._check(shape, dtype, kind)
         if self.inner.name == "raw" or _host.ext is None:
             return False
         inner_params, plain = self._unpack(params, payload, shape, dtype, kind)
         return self.inner.decode_ranges(inner_params, plain, base, spans, shape=shape, dtype=dtype, kind=kind)
+
+    def _check(self, shape: Any, dtype: str, kind: Any) -> tuple[tuple[int, int, int], TensorKind]:
+        """The caller's ``shape``, ``dtype`` and ``kind`` checked (UsageError) before the
+        inner payload's size is worked out from them."""
+        shape = nm.check_shape(shape, self.name)
+        numpy_dtype(dtype)
+        return shape, TensorKind(kind)
 
     def _unpack(
         self, params: bytes, payload: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
@@ -166,6 +178,8 @@ class Lz4Codec(EntropyCodec):
 
     def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
         # Into an output of exactly ``size`` bytes: a block that would produce more fails.
+        if size > LZ4_MAX_SIZE:
+            raise ProtocolError(f"{self.name} payload would decompress to {size} bytes, more than an lz4 block holds")
         try:
             return bytes(lz4.block.decompress(data, uncompressed_size=size))
         except (lz4.block.LZ4BlockError, ValueError) as exc:

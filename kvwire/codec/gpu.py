@@ -408,8 +408,11 @@ def encode_on_device(codec: Codec, x: Any, kind: TensorKind, *, dtype: str | Non
 
 def _plain(codec: Codec, params: bytes, payload: Any, shape: tuple[int, int, int], dtype: str,
            kind: TensorKind) -> tuple[str, bytes, memoryview]:
-    """(base codec name, inner params, plain payload) after the entropy stage's checks."""
+    """(base codec name, inner params, plain payload) after the entropy stage's checks
+    (the caller's shape and kind are checked before anything is sized from them)."""
     base, entropy = split_codec(codec)
+    shape = nm.check_shape(shape, codec.name)
+    kind = TensorKind(kind)
     try:
         view = memoryview(payload).cast("B")
     except (TypeError, ValueError) as exc:

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.codec import Int4Codec, TensorKind
-from kvwire.errors import UsageError
+from kvwire.codec import Int4Codec, TensorKind, get_codec
+from kvwire.errors import ProtocolError, UsageError
 
 
 @pytest.mark.parametrize("group", [16.0, 32.5, "32", np.float32(8), True, None, 0, 256, -1])
@@ -31,3 +31,79 @@ def test_int4_group_takes_any_integer_in_range(group: int, numpy_int: bool) -> N
     chunk = codec.encode(x, TensorKind.K)
     assert chunk.params == bytes([group])
 
+
+ENTROPY = [f"{base}+{method}" for base in ("raw", "fp8", "int8", "int4") for method in ("zstd", "lz4")]
+SHAPE = (4, 2, 8)
+BAD_SHAPES = [(4, 16), (4, 2, 8, 1), (4.0, 2, 8), (np.int64(4), 2, 8), (0, 2, 8), (4, -2, 8), (True, 2, 8),
+              [4, 2, 8], None, "428"]
+
+
+def _compressed(name: str) -> Any:
+    chunk = get_codec(name).encode(np.zeros(SHAPE, np.float16), TensorKind.K)
+    assert chunk.params[0] == 1  # zeros compress: the flag says the payload is compressed
+    return chunk
+
+
+def _decode_both_ways(name: str, shape: Any, dtype: Any, kind: Any) -> list[type[BaseException]]:
+    """The exception type of decode and of decode_ranges (None when nothing was raised)."""
+    codec = get_codec(name)
+    chunk = _compressed(name)
+    base = memoryview(bytearray(4 * 2 * 8 * 4))
+    spans = np.array([0, 4 * 2 * 8 * 2], np.int64)
+    got: list[type[BaseException]] = []
+    for call in (
+        lambda: codec.decode(chunk.params, chunk.payload, shape=shape, dtype=dtype, kind=kind),
+        lambda: codec.decode_ranges(chunk.params, chunk.payload, base, spans.data, shape=shape, dtype=dtype, kind=kind),
+    ):
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - the type is what is checked
+            got.append(type(exc))
+        else:
+            got.append(type(None))
+    return got
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=st.sampled_from(ENTROPY), shape=st.sampled_from(BAD_SHAPES))
+def test_entropy_decode_refuses_a_bad_shape_before_sizing_the_payload(name: str, shape: Any) -> None:
+    # With the flag byte saying "compressed", the inner payload was sized from the shape
+    # before anything checked it: an IndexError, TypeError, ValueError or OverflowError.
+    assert _decode_both_ways(name, shape, "float16", TensorKind.K) == [UsageError, UsageError]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(ENTROPY), kind=st.sampled_from([2, -1, "K", None, 1.5, b"\x00"]))
+def test_entropy_decode_refuses_a_bad_kind_as_the_callers_mistake(name: str, kind: Any) -> None:
+    # int4 sized the payload of any kind but K as a V chunk's, and the size that did not
+    # match was reported as the peer's ProtocolError.
+    assert _decode_both_ways(name, SHAPE, "float16", kind) == [UsageError, UsageError]
+
+
+@pytest.mark.parametrize("name", ENTROPY)
+@pytest.mark.parametrize("dtype", ["float64", None, "int8", ["float16"]])
+def test_entropy_decode_refuses_a_bad_dtype(name: str, dtype: Any) -> None:
+    assert _decode_both_ways(name, SHAPE, dtype, TensorKind.K) == [UsageError, UsageError]
+
+
+@pytest.mark.parametrize("name", [n for n in ENTROPY if n.endswith("lz4")])
+def test_lz4_output_too_large_for_a_block_is_a_protocol_error(name: str) -> None:
+    # python-lz4 takes the output size as a C int: 2**31 bytes or more was an OverflowError.
+    chunk = _compressed(name)
+    with pytest.raises(ProtocolError, match="more than an lz4 block holds"):
+        get_codec(name).decode(chunk.params, chunk.payload, shape=(2**31, 1, 2), dtype="float16", kind=TensorKind.K)
+
+
+@pytest.mark.parametrize("name", ["int4+zstd", "int4+lz4", "fp8+zstd"])
+def test_gpu_decode_checks_shape_and_kind_before_sizing_the_payload(name: str) -> None:
+    # decode_into's host part sizes the compressed payload as the entropy codecs do.
+    from kvwire.codec import gpu
+
+    chunk = _compressed(name)
+    with pytest.raises(UsageError):
+        gpu._plain(get_codec(name), chunk.params, chunk.payload, SHAPE, "float16", "K")  # type: ignore[arg-type]
+    with pytest.raises(UsageError):
+        gpu._plain(get_codec(name), chunk.params, chunk.payload, (0, 2, 8), "float16", TensorKind.K)
+    _base, params, plain = gpu._plain(get_codec(name), chunk.params, chunk.payload, SHAPE, "float16", TensorKind.K)
+    inner = get_codec(name.split("+")[0])
+    assert bytes(plain) == bytes(memoryview(inner.encode(np.zeros(SHAPE, np.float16), TensorKind.K).payload).cast("B"))
