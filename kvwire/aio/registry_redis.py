@@ -86,7 +86,10 @@ class RedisWatcher:
 
     Pub/sub delivers at most once: a watcher whose connection breaks raises
     :class:`NotificationsLostError` (it may have missed changes) instead of reconnecting
-    silently.  The registry holds its watchers weakly: one abandoned without ``aclose`` (a
+    silently.  So does one whose connection goes silent (a half-open connection, a stalled
+    network): after ``timeout`` (the registry's) without hearing from the server the
+    watcher sends a PING on its subscription, and raises if nothing comes back within
+    ``timeout`` more; its connection is then dropped, so the next read subscribes anew.  The registry holds its watchers weakly: one abandoned without ``aclose`` (a
     ``break`` out of a bare ``async for``) closes its subscription once garbage collected.
     """
 
@@ -96,6 +99,8 @@ class RedisWatcher:
         self._reading: asyncio.Event | None = None
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        self._heard = 0.0  # loop time the server was last heard from (a message, a reply)
+        self._pinged: float | None = None  # loop time of the PING awaiting its reply
 
     async def _subscribe(self) -> PubSub:
         if self._pubsub is not None:
@@ -121,6 +126,7 @@ class RedisWatcher:
                     raise RegistryUnavailableError("redis registry: no SUBSCRIBE confirmation")
                 if msg.get("type") == "subscribe":
                     break
+            self._heard, self._pinged = asyncio.get_running_loop().time(), None
         except (RedisError, OSError) as exc:  # TimeoutError among them
             await self.aclose()
             raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc!r}") from exc
@@ -147,19 +153,28 @@ class RedisWatcher:
     async def __anext__(self) -> VersionedBlock:
         pubsub = await self._subscribe()
         self._reading = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        timeout = self._registry.timeout
         try:
             while not self._closed:
                 try:
                     # A bounded wait, so aclose() from another task never has to tear the
                     # connection down under a pending read; it waits for this loop instead.
-                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=_POLL_S)
+                    msg = await pubsub.get_message(timeout=_POLL_S)
+                    if msg is None and not self._closed:
+                        await self._check_alive(pubsub, loop.time(), timeout)
                 except (RedisError, OSError) as exc:
                     if self._closed:
                         break
                     raise NotificationsLostError(
                         f"redis registry: notification channel lost: {exc}"
                     ) from exc
-                if msg is not None and msg.get("type") == "message":
+                if msg is None:
+                    continue
+                # Anything from the server (a change, a PING's reply, a subscription's
+                # confirmation after a reconnect) shows the connection still delivers.
+                self._heard, self._pinged = loop.time(), None
+                if msg.get("type") == "message":
                     version, _, key = _decode(msg["data"]).partition(" ")
                     return block_from_key(key), int(version)
         finally:
@@ -167,6 +182,37 @@ class RedisWatcher:
             reading.set()
         await self._close_pubsub()
         raise StopAsyncIteration
+
+    async def _check_alive(self, pubsub: PubSub, now: float, timeout: float) -> None:
+        """Nothing to read: after ``timeout`` of silence send a PING on the subscription; if
+        its reply has not come within ``timeout``, drop the connection (the next read
+        subscribes anew) and raise :class:`NotificationsLostError`: changes published
+        meanwhile may never arrive."""
+        if self._pinged is None:
+            if now - self._heard >= timeout:
+                try:
+                    await asyncio.wait_for(pubsub.ping(), timeout)
+                except TimeoutError:
+                    await self._drop_connection(pubsub, timeout)
+                    raise NotificationsLostError(
+                        f"redis registry: notification channel stalled: PING not sent within {timeout:g} s"
+                    ) from None
+                self._pinged = now
+            return
+        if now - self._pinged >= timeout:
+            await self._drop_connection(pubsub, timeout)
+            raise NotificationsLostError(
+                f"redis registry: notification channel silent: no reply to PING within {timeout:g} s"
+            )
+
+    async def _drop_connection(self, pubsub: PubSub, timeout: float) -> None:
+        """Close a silent subscription's connection (bounded): the next read reconnects
+        and subscribes again rather than wait on it."""
+        self._heard, self._pinged = asyncio.get_running_loop().time(), None
+        connection = pubsub.connection
+        if connection is not None:
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await asyncio.wait_for(connection.disconnect(), timeout)
 
     async def aclose(self) -> None:
         self._closed = True

@@ -68,6 +68,34 @@ async def test_server_dies_mid_use(redis_binary: str, tmp_path: Path) -> None:
         server.stop()
 
 
+async def test_a_watcher_whose_connection_goes_silent_raises(redis_server: RedisServer) -> None:
+    """The watcher's connection stops delivering (a half-open connection, a stalled
+    network) while changes are published: the watcher raises NotificationsLostError
+    (bounded by the registry's timeout) rather than wait forever; the next read subscribes
+    anew and receives later changes."""
+    from kvwire.testing.fault_proxy import CLEAN, FaultProxy
+
+    namespace = f"stall-{uuid.uuid4().hex}"
+    async with FaultProxy("127.0.0.1", redis_server.port, plan=CLEAN) as proxy:
+        reg = await RedisRegistry.connect(f"redis://127.0.0.1:{proxy.port}/0", namespace=namespace, timeout=0.5)
+        direct = await RedisRegistry.connect(redis_server.url, namespace=namespace)
+        async with reg, direct, reg.watch() as watcher:
+            v = await direct.invalidate(b"before")
+            assert await asyncio.wait_for(anext(watcher), 10) == (b"before", v)
+            proxy.stall()  # every connection through the proxy, the subscription's included
+            await direct.invalidate(b"during")  # never reaches the watcher
+            with pytest.raises(NotificationsLostError):
+                await asyncio.wait_for(anext(watcher), 10)
+            proxy.resume()
+            reading = asyncio.ensure_future(anext(watcher))
+            for _ in range(200):  # bounded: until the new subscription is in place
+                await direct.invalidate(b"after")
+                done, _ = await asyncio.wait({reading}, timeout=0.05)
+                if done:
+                    break
+            assert (await asyncio.wait_for(reading, 10))[0] == b"after"
+
+
 async def test_a_redis_that_lost_its_data_never_hands_out_an_old_version_again(redis_server: RedisServer) -> None:
     """Redis restarted without its data (no persistence, a crash between snapshots, a
     replica behind its primary): the version counter is gone, yet the versions handed out
