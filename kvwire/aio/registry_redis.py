@@ -394,8 +394,17 @@ class RedisRegistry:
         self._live()
         ttl = check_ttl(lease.ttl if ttl is None else ttl)
         if not lease.started:
+            # It holds nothing, so nothing can expire: the expiry is now + ttl (Redis's
+            # clock), as begin gives such a lease and the memory registry renews it.
+            secs, usecs = await _guard("renew", self.client.time(), self.timeout)
             return Lease(
-                lease.lease_id, lease.owner, ttl, lease.expires_at, (), lease.busy, lease.complete
+                lease.lease_id,
+                lease.owner,
+                ttl,
+                (int(secs) * 1_000_000 + int(usecs) + _ttl_args(ttl)[0]) / 1e6,
+                (),
+                lease.busy,
+                lease.complete,
             )
         _, rkeys = self._lease_keys(lease)
         ttl_us, px = _ttl_args(ttl)

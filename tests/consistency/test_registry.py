@@ -173,6 +173,21 @@ async def test_renew_keeps_lease_alive(registry: Registry) -> None:
         await registry.renew(expired)
 
 
+async def test_renew_of_a_lease_that_started_nothing_moves_its_expiry(registry: Registry) -> None:
+    """A lease that started nothing holds nothing: renew never refuses it and, as for a
+    lease that started blocks (and as begin gives it), its expiry becomes now + ttl on the
+    registry's clock; Redis kept the old expiry, so a caller renewing by the expiry it was
+    given would renew again at once, forever."""
+    await registry.commit(await registry.begin(["done"], owner="a"))
+    lease = await registry.begin(["done"], owner="b", ttl=0.2)
+    assert lease.started == ()
+    renewed = await registry.renew(lease, 30.0)
+    # now + 30 at the renew, no earlier than (begin's now) + 30 = lease.expires_at - 0.2 + 30
+    assert renewed.ttl == 30.0 and renewed.expires_at - lease.expires_at >= 29.0
+    assert (renewed.busy, renewed.complete) == (lease.busy, lease.complete)
+    assert await registry.commit(renewed) == []
+
+
 async def test_publish(registry: Registry) -> None:
     [(_, v)] = await registry.commit(await registry.begin(["p"], owner="a"))
     assert await registry.publish([("p", v)]) == []  # idempotent
