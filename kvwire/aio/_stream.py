@@ -29,8 +29,9 @@ QUEUE_LOW = 1 << 20
 #: writes per chunk on a shaped link, small enough that a piece and its copy stay in a
 #: core's L2 cache (docs/benchmarks.md compares 256 KiB, 512 KiB and whole payloads).
 SEND_PIECE = 512 * 1024
-#: Seconds a stream the core closed may take to write what it has left (its GOAWAY) before
-#: its socket is dropped: a peer that reads nothing does not keep it open, nor what it holds.
+#: Seconds a stream the core closed may take to write what it has left (its GOAWAY) and,
+#: half-closed, to see the peer close in turn, before its socket is dropped: a peer that
+#: reads nothing, or never closes, does not keep it open, nor what it holds.
 CLOSE_LINGER = 5.0
 
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
@@ -148,6 +149,11 @@ class Stream(asyncio.BufferedProtocol):
         self._waiting = False  # the queue's descriptor is registered for writability
         self._paused = False  # the owner was told the stream is not writable
         self._close_queued = False  # close once the queue is written
+        # Everything is written, the GOAWAY last, and the sending side is shut (where the
+        # transport can): what still arrives is read and dropped until the peer closes.
+        self._draining = False
+        self._eof_seen = False  # the peer closed its sending side
+        self._said_goaway = False  # the peer's GOAWAY closed the connection: it sends no more
         self._linger: asyncio.TimerHandle | None = None  # drops the socket if closing takes too long
         self.pushed = 0  # bytes ever put in the send queue (see written())
 
@@ -157,7 +163,7 @@ class Stream(asyncio.BufferedProtocol):
         return self.owner.core.connection(self.key)
 
     def _current(self) -> bool:
-        return self.made and self.owner.is_current(self)
+        return self.made and not self._draining and self.owner.is_current(self)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -212,7 +218,11 @@ class Stream(asyncio.BufferedProtocol):
         if not self._current():
             return
         core = self.owner.core
+        conn = core.connection(self.key)
         if core.buffer_updated(self.key, nbytes, self.owner.now()):
+            ev = getattr(conn, "closed_event", None)
+            if ev is not None and ev.goaway and ev.by_peer:
+                self._said_goaway = True
             self.owner.pump()
         if self._own is not None:
             self._scatter_read(core)
@@ -259,8 +269,11 @@ class Stream(asyncio.BufferedProtocol):
                 self._lowat_sock = None  # not a TCP socket after all: read as it comes
 
     def eof_received(self) -> bool | None:
+        self._eof_seen = True
         self._eof()
-        return False
+        # A close still being written (the GOAWAY in the queue) keeps the transport open
+        # until it is, or until the linger passes; anything else closes now.
+        return self._close_queued and self._queue is not None and self.transport is not None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._linger is not None:
@@ -290,6 +303,8 @@ class Stream(asyncio.BufferedProtocol):
         """Stop (or resume) reading: a side that only answers stops reading from a peer
         that does not read what it is sent, so its answers stay within the write limit."""
         tr = self.transport
+        if self._draining:
+            paused = False  # a closing stream reads on, so that it closes with nothing unread
         if tr is not None and not tr.is_closing() and paused != self.reading_paused:
             tr.pause_reading() if paused else tr.resume_reading()
         self.reading_paused = paused
@@ -297,7 +312,7 @@ class Stream(asyncio.BufferedProtocol):
     def flush(self) -> None:
         """Write what the core has to send on this stream; close it once the core did."""
         tr = self.transport
-        if tr is None or tr.is_closing() or self._close_queued:
+        if tr is None or tr.is_closing() or self._close_queued or self._draining:
             return
         data = self.owner.core.buffers_to_send(self.key)
         q = self._queue
@@ -305,8 +320,8 @@ class Stream(asyncio.BufferedProtocol):
             if data:
                 write_parts(tr, data, self._gather)
             if self.owner.core.is_closed(self.key):
-                tr.close()
                 self._arm_linger()
+                self._finish()
             return
         if data:
             before = q.pending
@@ -348,8 +363,7 @@ class Stream(asyncio.BufferedProtocol):
             loop.remove_writer(q.fd)
             self._waiting = False
         if not left and self._close_queued:
-            self._close_own()
-            tr.close()
+            self._finish()
             return
         if left > QUEUE_HIGH and not self._paused:
             self._paused = True
@@ -359,6 +373,40 @@ class Stream(asyncio.BufferedProtocol):
             self._paused = False
             if self._current():
                 self.owner.set_writable(self, True)  # last: it may pump, and flush again
+
+    def _finish(self) -> None:
+        """The core closed the stream and everything it had to send is written (or in the
+        transport's buffer): close without losing it.
+
+        Closing a TCP socket with bytes of the peer unread makes the kernel send a reset,
+        and the peer's kernel then drops what it had not yet read: the GOAWAY, and the
+        RESETs and ACKs before it.  So the stream shuts its sending side instead (the
+        transport sends EOF once its buffer is written; a TLS transport cannot, and
+        relies on the peer closing on GOAWAY), reads and drops whatever still arrives, and
+        closes once the peer closes too, or when the linger armed with the close passes
+        (docs/protocol.md 10).  A stream whose peer closed first, or said GOAWAY (it sends
+        nothing after it), has nothing to wait for and closes at once."""
+        tr = self.transport
+        if self._lowat_sock is not None:
+            self.lowat(0)  # read whatever arrives from now on
+        self._close_own()
+        if tr is None or tr.is_closing():
+            return
+        try:
+            half = tr.can_write_eof()
+        except NotImplementedError:  # a transport that does not say: closed at once
+            half = None
+        if self._eof_seen or self._said_goaway or half is None:
+            tr.close()
+            return
+        self._draining = True
+        if self.reading_paused:
+            self.pause_reading(False)
+        if half:
+            try:
+                tr.write_eof()
+            except (OSError, RuntimeError):
+                tr.close()
 
     def _close_own(self) -> None:
         """Stop writing through the queue (what it holds is dropped) and reading through

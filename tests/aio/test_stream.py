@@ -364,15 +364,23 @@ async def test_with_the_send_queue_a_stream_stops_taking_frames_until_the_kernel
         assert stream._queue.pending == 0
 
 
-async def test_with_the_send_queue_a_closed_stream_writes_everything_before_its_eof() -> None:
+async def test_with_the_send_queue_a_closed_stream_writes_everything_before_its_eof(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import kvwire.aio._stream as stream_mod
+
+    monkeypatch.setattr(stream_mod, "CLOSE_LINGER", 120.0)
     async with _queued() as (owner, stream, peer):
         last = bytes(range(256)) * 40_000  # 10 MiB: more than the kernel takes at once
         owner.core.out, owner.core.closed = [last], True
         stream.flush()
         assert stream.transport is not None and not stream.transport.is_closing()  # not yet written
         assert await _read(peer, None) == last  # all of it, then EOF
+        assert stream._queue is None  # its descriptor closed once all was written
+        # Half-closed: the stream waits for the peer to close in turn (docs/protocol.md 10).
+        assert not stream.closed.is_set()
+        peer.shutdown(socket.SHUT_WR)
         await asyncio.wait_for(stream.closed.wait(), 10)
-        assert stream._queue is None  # its descriptor closed with it
 
 
 async def test_with_the_send_queue_abort_drops_what_is_queued_and_resets() -> None:
