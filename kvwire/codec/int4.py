@@ -51,7 +51,7 @@ class Int4Codec(Codec):
     def __init__(self, group: int = DEFAULT_GROUP) -> None:
         if not isinstance(group, numbers.Integral) or isinstance(group, bool) or not 1 <= group <= 255:
             raise UsageError(f"int4 group size must be an int in [1, 255], got {group!r}")
-        self.group = int(group)
+        self.group: int = int(group)
 
     def payload_size(self, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind = TensorKind.K) -> int:
         group = _group_from_params(params)
