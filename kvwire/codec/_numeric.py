@@ -209,6 +209,24 @@ def split_payload(payload: Any, sizes: list[int], codec: str) -> list[memoryview
     return parts
 
 
+def check_params(params: Any, codec: str) -> bytes:
+    """A decode ``params`` argument as bytes; UsageError unless it is bytes-like."""
+    try:
+        return memoryview(params).tobytes()
+    except TypeError:
+        raise UsageError(f"{codec}: params must be a bytes-like object, got {type(params).__name__}") from None
+
+
+def check_base(base: Any, codec: str) -> None:
+    """UsageError unless a ``decode_ranges`` destination is a writable bytes-like object."""
+    try:
+        readonly = memoryview(base).readonly
+    except TypeError:
+        raise UsageError(f"{codec}: base must be a writable bytes-like object, got {type(base).__name__}") from None
+    if readonly:
+        raise UsageError(f"{codec}: base is read-only")
+
+
 def check_shape(shape: Any, codec: str) -> tuple[int, int, int]:
     """Validate a decode ``shape`` argument."""
     if (

@@ -48,6 +48,8 @@ class RowScaledCodec(Codec):
         self, params: bytes, payload: Any, base: memoryview, spans: Any, *,
         shape: tuple[int, int, int], dtype: str, kind: TensorKind,
     ) -> bool:
+        nm.check_params(params, self.name)
+        nm.check_base(base, self.name)
         if _host.ext is None:
             return False
         shape, scale_buf, code_buf = self._payload(params, payload, shape)
@@ -123,7 +125,7 @@ class RowScaledCodec(Codec):
         self, params: bytes, payload: Any, shape: tuple[int, int, int]
     ) -> tuple[tuple[int, int, int], memoryview, memoryview]:
         """The checked shape and the payload's scales and codes."""
-        if params:
+        if nm.check_params(params, self.name):
             raise ProtocolError(f"{self.name} codec takes no parameters")
         shape = nm.check_shape(shape, self.name)
         rows, dim = shape[0] * shape[1], shape[2]

@@ -94,6 +94,7 @@ class EntropyCodec(Codec):
         kind: TensorKind,
         out: np.ndarray[Any, Any] | None = None,
     ) -> np.ndarray[Any, Any]:
+        params = nm.check_params(params, self.name)
         shape, kind = self._check(shape, dtype, kind)
         inner_params, plain = self._unpack(params, payload, shape, dtype, kind)
         return self.inner.decode(inner_params, plain, shape=shape, dtype=dtype, kind=kind, out=out)
@@ -106,6 +107,8 @@ class EntropyCodec(Codec):
         at once where it never can (``raw``, no compiled loops); a False from the inner
         codec after decompressing (a misaligned buffer) costs the caller a second
         decompress."""
+        params = nm.check_params(params, self.name)
+        nm.check_base(base, self.name)
         shape, kind = self._check(shape, dtype, kind)
         if self.inner.name == "raw" or _host.ext is None:
             return False

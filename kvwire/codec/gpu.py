@@ -411,6 +411,7 @@ def _plain(codec: Codec, params: bytes, payload: Any, shape: tuple[int, int, int
     """(base codec name, inner params, plain payload) after the entropy stage's checks
     (the caller's shape and kind are checked before anything is sized from them)."""
     base, entropy = split_codec(codec)
+    params = nm.check_params(params, codec.name)
     shape = nm.check_shape(shape, codec.name)
     kind = TensorKind(kind)
     try:

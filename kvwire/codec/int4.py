@@ -82,6 +82,8 @@ class Int4Codec(Codec):
         self, params: bytes, payload: Any, base: memoryview, spans: Any, *,
         shape: tuple[int, int, int], dtype: str, kind: TensorKind,
     ) -> bool:
+        nm.check_params(params, self.name)
+        nm.check_base(base, self.name)
         if _host.ext is None:
             return False
         group, shape, kind, bufs = self._payload(params, payload, shape, kind)
@@ -202,7 +204,7 @@ class Int4Codec(Codec):
     ) -> tuple[int, tuple[int, int, int], TensorKind, list[memoryview]]:
         """The group size, the checked shape and kind, and the payload's scales, minimums
         and codes."""
-        group = _group_from_params(params)
+        group = _group_from_params(nm.check_params(params, self.name))
         shape = nm.check_shape(shape, self.name)
         try:
             kind = TensorKind(kind)

@@ -33,7 +33,7 @@ class RawCodec(Codec):
         kind: TensorKind,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
-        if params:
+        if nm.check_params(params, self.name):
             raise ProtocolError("raw codec takes no parameters")
         shape = nm.check_shape(shape, self.name)
         dt = numpy_dtype(dtype)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.codec import Int4Codec, TensorKind, get_codec
+from kvwire.codec import Codec, Int4Codec, TensorKind, available_codecs, get_codec
 from kvwire.errors import ProtocolError, UsageError
 
 
@@ -44,20 +44,20 @@ def _compressed(name: str) -> Any:
     return chunk
 
 
-def _decode_both_ways(name: str, shape: Any, dtype: Any, kind: Any) -> list[type[BaseException]]:
+def _decode_both_ways(name: str, shape: Any, dtype: Any, kind: Any) -> list[type]:
     """The exception type of decode and of decode_ranges (None when nothing was raised)."""
     codec = get_codec(name)
     chunk = _compressed(name)
     base = memoryview(bytearray(4 * 2 * 8 * 4))
     spans = np.array([0, 4 * 2 * 8 * 2], np.int64)
-    got: list[type[BaseException]] = []
+    got: list[type] = []
     for call in (
         lambda: codec.decode(chunk.params, chunk.payload, shape=shape, dtype=dtype, kind=kind),
         lambda: codec.decode_ranges(chunk.params, chunk.payload, base, spans.data, shape=shape, dtype=dtype, kind=kind),
     ):
         try:
             call()
-        except Exception as exc:  # noqa: BLE001 - the type is what is checked
+        except Exception as exc:
             got.append(type(exc))
         else:
             got.append(type(None))
@@ -104,6 +104,68 @@ def test_gpu_decode_checks_shape_and_kind_before_sizing_the_payload(name: str) -
         gpu._plain(get_codec(name), chunk.params, chunk.payload, SHAPE, "float16", "K")  # type: ignore[arg-type]
     with pytest.raises(UsageError):
         gpu._plain(get_codec(name), chunk.params, chunk.payload, (0, 2, 8), "float16", TensorKind.K)
-    _base, params, plain = gpu._plain(get_codec(name), chunk.params, chunk.payload, SHAPE, "float16", TensorKind.K)
+    _base, _params, plain = gpu._plain(get_codec(name), chunk.params, chunk.payload, SHAPE, "float16", TensorKind.K)
     inner = get_codec(name.split("+")[0])
     assert bytes(plain) == bytes(memoryview(inner.encode(np.zeros(SHAPE, np.float16), TensorKind.K).payload).cast("B"))
+
+
+ALL = available_codecs()
+
+
+@settings(max_examples=80, deadline=None)
+@given(name=st.sampled_from(ALL), params=st.sampled_from([None, "\x00", "", 1, 1.0, [0], object()]),
+       reference=st.booleans())
+def test_params_that_are_not_bytes_are_a_usage_error(name: str, params: Any, reference: bool) -> None:
+    # int4 raised a TypeError for params=None (len) and for a str (its group was a str);
+    # the entropy codecs raised one for a str (the flag byte test).
+    codec = get_codec(name)
+    chunk = codec.encode(np.zeros(SHAPE, np.float16), TensorKind.K)
+    decode = getattr(codec, "decode_numpy", codec.decode) if reference else codec.decode
+    with pytest.raises(UsageError, match="params must be a bytes-like object"):
+        decode(params, chunk.payload, shape=SHAPE, dtype="float16", kind=TensorKind.K)
+    base = memoryview(bytearray(4 * 2 * 8 * 2))
+    spans = np.array([0, base.nbytes], np.int64)
+    if type(codec).decode_ranges is not Codec.decode_ranges:
+        with pytest.raises(UsageError, match="params must be a bytes-like object"):
+            codec.decode_ranges(params, chunk.payload, base, spans.data, shape=SHAPE, dtype="float16", kind=TensorKind.K)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("params_type", [bytes, bytearray, memoryview])
+def test_params_of_any_bytes_like_type_decode_alike(name: str, params_type: Any) -> None:
+    codec = get_codec(name)
+    x = np.linspace(-2, 2, 4 * 2 * 8, dtype=np.float16).reshape(SHAPE)
+    chunk = codec.encode(x, TensorKind.V)
+    want = codec.decode(chunk.params, chunk.payload, shape=SHAPE, dtype="float16", kind=TensorKind.V)
+    got = codec.decode(params_type(chunk.params), chunk.payload, shape=SHAPE, dtype="float16", kind=TensorKind.V)
+    assert got.tobytes() == want.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from([n for n in ALL if not n.startswith("raw")]),
+       form=st.sampled_from(["bytes", "readonly view", "readonly array", "str", "none"]))
+def test_decode_ranges_into_a_read_only_base_is_a_usage_error(name: str, form: str) -> None:
+    # The compiled loops' argument parser raised a TypeError for a read-only base.
+    codec = get_codec(name)
+    x = np.zeros(SHAPE, np.float16)
+    chunk = codec.encode(x, TensorKind.K)
+    size = x.nbytes
+    base: Any = {
+        "bytes": bytes(size),
+        "readonly view": memoryview(bytearray(size)).toreadonly(),
+        "readonly array": np.frombuffer(bytes(size), np.uint8),
+        "str": "a" * size,
+        "none": None,
+    }[form]
+    spans = np.array([0, size], np.int64)
+    with pytest.raises(UsageError, match="base"):
+        codec.decode_ranges(chunk.params, chunk.payload, base, spans.data, shape=SHAPE, dtype="float16", kind=TensorKind.K)
+
+
+@pytest.mark.parametrize("name", ["int4+zstd", "raw+lz4"])
+def test_gpu_decode_refuses_params_that_are_not_bytes(name: str) -> None:
+    from kvwire.codec import gpu
+
+    chunk = _compressed(name)
+    with pytest.raises(UsageError, match="params must be a bytes-like object"):
+        gpu._plain(get_codec(name), chunk.params.decode("latin-1"), chunk.payload, SHAPE, "float16", TensorKind.K)
