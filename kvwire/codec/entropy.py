@@ -24,6 +24,10 @@ FLAG_COMPRESSED = 0x01
 ZSTD_LEVEL = 1
 #: python-lz4 takes the size of a block's output as a C int
 LZ4_MAX_SIZE = 2**31 - 1
+#: An lz4 block's output is at most 255 times its size: a sequence's literals are copied
+#: one for one, and its match length grows by at most 255 per byte that encodes it (the
+#: token and the two offset bytes more than cover the first 19).
+LZ4_MAX_RATIO = 255
 
 
 def inner_payload_size(codec: Codec, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind) -> int:
@@ -181,8 +185,15 @@ class Lz4Codec(EntropyCodec):
 
     def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
         # Into an output of exactly ``size`` bytes: a block that would produce more fails.
+        # That output is allocated first, so a size no block of this length can reach is
+        # refused before it is.
         if size > LZ4_MAX_SIZE:
             raise ProtocolError(f"{self.name} payload would decompress to {size} bytes, more than an lz4 block holds")
+        if size > LZ4_MAX_RATIO * len(data):
+            raise ProtocolError(
+                f"{self.name} payload of {len(data)} bytes cannot decompress to {size} bytes "
+                f"(an lz4 block expands at most {LZ4_MAX_RATIO} times)"
+            )
         try:
             return bytes(lz4.block.decompress(data, uncompressed_size=size))
         except (lz4.block.LZ4BlockError, ValueError) as exc:

@@ -169,3 +169,38 @@ def test_gpu_decode_refuses_params_that_are_not_bytes(name: str) -> None:
     chunk = _compressed(name)
     with pytest.raises(UsageError, match="params must be a bytes-like object"):
         gpu._plain(get_codec(name), chunk.params.decode("latin-1"), chunk.payload, SHAPE, "float16", TensorKind.K)
+
+
+@pytest.mark.parametrize("shape", [(2**19, 1, 2**10), (2**19, 1, 2**11 - 1), (256, 2, 8)])
+def test_lz4_size_no_block_of_its_length_reaches_is_refused_before_allocating(
+    shape: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The output of the claimed size was allocated before decompressing: a 24-byte payload
+    # decoded as a chunk of about 1 or 2 GiB raised MemoryError under a memory limit.
+    import lz4.block
+
+    chunk = get_codec("raw+lz4").encode(np.zeros(SHAPE, np.float16), TensorKind.K)
+    payload = bytes(memoryview(chunk.payload).cast("B"))
+    assert 255 * len(payload) < shape[0] * shape[1] * shape[2] * 2
+
+    def refuse(*args: Any, **kwargs: Any) -> bytes:
+        raise AssertionError("lz4 was asked to decompress into an output no block of this length fills")
+
+    monkeypatch.setattr(lz4.block, "decompress", refuse)
+    with pytest.raises(ProtocolError, match="cannot decompress to"):
+        get_codec("raw+lz4").decode(chunk.params, payload, shape=shape, dtype="float16", kind=TensorKind.K)
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.integers(1, 4096), base=st.sampled_from(["raw", "fp8", "int8", "int4"]),
+       dtype=st.sampled_from(["float16", "bfloat16", "float32"]))
+def test_lz4_most_compressible_chunks_still_decode(tokens: int, base: str, dtype: str) -> None:
+    # Zeros compress about as far as lz4 goes (close to 255 times on long runs): the bound
+    # above never refuses a payload the encoder made.
+    from kvwire.codec import numpy_dtype
+
+    x = np.zeros((tokens, 2, 128), numpy_dtype(dtype))
+    codec = get_codec(f"{base}+lz4")
+    chunk = codec.encode(x, TensorKind.K)
+    y = codec.decode(chunk.params, chunk.payload, shape=x.shape, dtype=dtype, kind=TensorKind.K)
+    assert y.shape == x.shape and not y.astype(np.float32).any()
