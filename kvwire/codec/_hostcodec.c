@@ -21,13 +21,19 @@
 
 #include "kernels/kvquant.cuh"
 
-/* The loops run with subnormals kept (MXCSR's FTZ and DAZ clear) whatever the calling thread
- * had set: a library built with -ffast-math sets both when it is loaded, and with them the
- * loops would flush subnormal inputs and results and give other codes than the GPU kernels
- * (which never flush: no .ftz) for the same tensor. */
+/* The loops run with subnormals kept (MXCSR's FTZ and DAZ clear) and rounding to nearest
+ * (MXCSR's RC bits 0), exceptions masked, whatever the calling thread had set: a library
+ * built with -ffast-math sets FTZ and DAZ when it is loaded, and fesetround changes the
+ * rounding mode; with either the loops (whose arithmetic and conversions follow MXCSR)
+ * would give other codes than the GPU kernels (which never flush: no .ftz, and round to
+ * nearest: .rn) for the same tensor, and the SIMD levels other codes than each other.  The
+ * caller's MXCSR is put back after. */
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
-#define KV_FP_ENTER const unsigned int kv_saved_csr = _mm_getcsr(); _mm_setcsr(kv_saved_csr & ~0x8040u);
+#define KV_CSR_KEEP_MASK (~0xE040u) /* FTZ (0x8000), RC (0x6000), DAZ (0x0040) cleared */
+#define KV_CSR_MASK_ALL 0x1F80u      /* every exception masked */
+#define KV_FP_ENTER const unsigned int kv_saved_csr = _mm_getcsr(); \
+    _mm_setcsr((kv_saved_csr & KV_CSR_KEEP_MASK) | KV_CSR_MASK_ALL);
 #define KV_FP_LEAVE _mm_setcsr(kv_saved_csr);
 #else
 #define KV_FP_ENTER

@@ -1023,3 +1023,50 @@ def test_compiled_codes_ignore_a_flush_to_zero_mode_the_caller_set(tmp_path: Any
         lib.set_csr(saved)
     assert mode == saved | 0x8040  # the caller's mode, as it set it
     assert got == expected
+
+
+@needs_ext
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the FE_* values are x86's")
+@pytest.mark.parametrize("mode", [0xC00, 0x400, 0x800], ids=["towardzero", "downward", "upward"])
+def test_compiled_codes_ignore_a_rounding_mode_the_caller_set(mode: int) -> None:
+    """The loops kept the calling thread's rounding mode (fesetround): every SIMD level then
+    gave other codes than round-to-nearest (the GPU kernels' .rn), and the levels other codes
+    than each other. They round to nearest, and leave the caller's mode as it was."""
+    import ctypes
+    import ctypes.util
+
+    libm = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal((64, 4, 128)).astype(np.float16),
+          (rng.standard_normal((33, 2, 40)) * 1e3).astype(numpy_dtype("bfloat16")),
+          rng.standard_normal((16, 2, 24)).astype(np.float32)]
+
+    def run() -> list[bytes]:
+        out = []
+        for codec in (Fp8Codec(), Int8Codec(), Int4Codec(32), Int4Codec(7)):
+            for x in xs:
+                for kind in KINDS:
+                    enc = codec.encode(x, kind)
+                    out.append(bytes(enc.params) + bytes(memoryview(enc.payload).cast("B")))
+                    for dtype in DTYPES:
+                        out.append(codec.decode(enc.params, enc.payload, shape=x.shape, dtype=dtype, kind=kind).tobytes())
+        return out
+
+    expected: dict[int, list[bytes]] = {}
+    for level in LEVELS:
+        with _simd(level):
+            expected[level] = run()
+    assert all(v == expected[LEVELS[0]] for v in expected.values())
+    got: dict[int, list[bytes]] = {}
+    assert libm.fegetround() == 0
+    assert libm.fesetround(mode) == 0
+    try:
+        for level in LEVELS:
+            with _simd(level):
+                got[level] = run()
+        now = libm.fegetround()
+    finally:
+        libm.fesetround(0)
+    assert now == mode  # the caller's mode, as it set it
+    for level in LEVELS:
+        assert got[level] == expected[level], level
