@@ -15,14 +15,19 @@ exact configuration.
   that fails with its connection, or does not end within ``kvwire_load_timeout`` of its
   turn (its step, or the end of the send before it: sends go first come, first served),
   closes the connection before its blocks are reported or ``wait_for_save`` returns:
-  nothing reads them after that (the next save connects again), and the sends behind it,
+  nothing reads them after that (a new connection is made at once), and the sends behind it,
   which end with the connection, are not waited for.  With the async save,
   one that fails on its own (the consumer aborted it) is reported once the streams wrote
   what they held of it, and the connection goes on.  A request preempted while its send
   is in flight waits for that send before the step's forward reuses its blocks
   (``bind_connector_metadata``); one preempted during its chunked prefill, before its
   send, is sent from the blocks it has once resumed.  ``shutdown`` lets the sends in
-  flight finish (each within ``kvwire_load_timeout``) before it closes.
+  flight finish (each within ``kvwire_load_timeout``) before it closes.  The connection
+  to the consumer is made on kvwire's loop thread, never in the forward: from when the
+  caches are registered, and again after it was closed or lost.  A step whose saves find
+  no connection (the consumer unreachable, or not answering its handshake) ends them
+  unsent, as failed sends, and goes on; a failed connect is tried again after a back-off
+  of 1 s, doubled per failure up to 30 s.
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
   worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
   down to the block size) as an external hit, less those vLLM found in its own prefix
@@ -68,6 +73,9 @@ picks one (the CPU backend's ISA), the KV cache dtype and the vLLM version.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import hashlib
 import os
 import re
@@ -83,6 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+import kvwire
 from kvwire.codec import get_codec
 from kvwire.errors import KvwireError, UsageError
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
@@ -164,6 +173,16 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
         raise UsageError(f"kvwire connector: {key} must be a number of seconds, got {value!r}") from None
     check_value(key, seconds)
     return seconds
+
+
+class _Peer(SyncPeer):
+    """A :class:`SyncPeer` over a peer opened on the bridge's loop (the connector connects
+    there, never on the engine's thread); the bridge is the connector's, not closed with it."""
+
+    def __init__(self, bridge: Bridge, peer: Any) -> None:  # noqa: D107 (SyncPeer's __init__ connects)
+        self._own_bridge = False
+        self.bridge = bridge
+        self._peer = peer
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -259,7 +278,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._index: dict[str, int] = {}
         self._server: SyncServer | None = None
         self._peer: SyncPeer | None = None
-        self._unconnected: KvwireConnectorMetadata | None = None  # the step whose connect failed
+        # Producer: the connection is made on the bridge's loop (a consumer that accepts TCP
+        # and never answers would otherwise hold the forward for the handshake timeout);
+        # after a failed attempt the next waits _retry_delay, doubled per failure up to
+        # _RETRY_MAX.  A step whose saves find no connection ends them unsent.
+        self._connecting: concurrent.futures.Future[Any] | None = None
+        self._connect_task: asyncio.Task[Any] | None = None  # its task, on the loop
+        self._connect_attempts = 0
+        self._retry_at = 0.0
+        self._retry_delay = self._RETRY_FIRST
+        self._connect_error: str | None = None
+        self._unconnected: KvwireConnectorMetadata | None = None  # the step that found no connection
         # the blocks loaded into, and how many blocks the transfer carries
         self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
@@ -287,6 +316,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         KV is in, or never sent); vLLM then captures piecewise graphs, which call them."""
         return True
 
+    #: seconds before the first retry of a failed connect; doubled per failure up to _RETRY_MAX
+    _RETRY_FIRST = 1.0
+    _RETRY_MAX = 30.0
+
     # -- helpers ----------------------------------------------------------------------------
 
     def _full_blocks(self, num_prompt_tokens: int) -> int:
@@ -312,12 +345,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _connect_registry(self) -> None:
         if self._registry_url is None or self._registry is not None:
             return
-        self._bridge = Bridge("kvwire-connector")
+        owned = self._bridge is None
+        bridge = self._bridge = self._bridge or Bridge("kvwire-connector")
         try:
-            self._registry = SyncRegistry.connect(self._registry_url, self._bridge, namespace=self._registry_namespace)
+            self._registry = SyncRegistry.connect(self._registry_url, bridge, namespace=self._registry_namespace)
         except BaseException:
-            self._bridge.close()
-            self._bridge = None
+            if owned:
+                bridge.close()
+                self._bridge = None
             raise
         logger.info("kvwire: prefix-block versions through the registry at %s", self._registry_url)
 
@@ -475,6 +510,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._producer, self._consumer,
         )
         self._connect_registry()
+        self._connect()  # producer: on the bridge's loop, so the first save finds it up
         if self._consumer:
             host, port = self._listen
             versioned: dict[str, Any] = {}
@@ -615,6 +651,59 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 logger.info("kvwire: received KV of request %s (%d blocks, %d wire bytes)", req_id, len(blocks), wire)
                 del self._loading[req_id]
 
+    def _connect(self) -> None:
+        """Producer: start connecting to the consumer on the bridge's loop, unless a connect
+        is under way, the connection is up, or the back-off after a failure has not passed.
+        Returns at once."""
+        if (not self._producer or self._peer is not None or self._connecting is not None
+                or time.monotonic() < self._retry_at):
+            return
+        if self._bridge is None:
+            self._bridge = Bridge("kvwire-connector")
+        bridge = self._bridge
+        options: dict[str, Any] = {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
+        host, port, secret, streams, codec = self._peer_host, self._peer_port, self._secret, self._streams, self._codec
+
+        async def open_peer() -> Any:
+            self._connect_task = asyncio.current_task()
+            peer = kvwire.connect(host, port, secret=secret, streams=streams, codec=codec, **options)
+            try:
+                await peer.__aenter__()
+            except BaseException:  # failed or cancelled mid-handshake: its sockets are closed
+                await peer.close()
+                raise
+            await bridge.own(peer)
+            return peer
+
+        self._connect_attempts += 1
+        try:
+            self._connecting = bridge.submit(open_peer())
+        except KvwireError as exc:  # the bridge is closed (shut down)
+            self._connect_error = str(exc)
+
+    def _poll_connect(self) -> None:
+        """Take the connect's outcome if it ended (never waits): the peer, or the error and
+        the time of the next attempt."""
+        future = self._connecting
+        if future is None or not future.done():
+            self._connect()
+            return
+        self._connecting = None
+        try:
+            peer = future.result()
+        except BaseException as exc:  # noqa: BLE001 (any failure: the connect is tried again later)
+            self._connect_error = str(exc) or type(exc).__name__
+            self._retry_at = time.monotonic() + self._retry_delay
+            logger.error("kvwire: connecting to %s failed: %s (next attempt in %g s)",
+                         self._peer_addr, self._connect_error, self._retry_delay)
+            self._retry_delay = min(self._retry_delay * 2, self._RETRY_MAX)
+            return
+        assert self._bridge is not None
+        self._peer = _Peer(self._bridge, peer)
+        self._connect_error = None
+        self._retry_delay = self._RETRY_FIRST
+        logger.info("kvwire: connected to %s", self._peer_addr)
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         if not self._producer or self._spec is None:
             return
@@ -624,21 +713,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if index is None or not saves or meta is self._unconnected:
             return
         if self._peer is None:
-            host, port = self._peer_host, self._peer_port
-            options: dict[str, Any] = {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
-            if self._bridge is not None:
-                options["bridge"] = self._bridge
-            try:
-                self._peer = SyncPeer(
-                    host, port, secret=self._secret, streams=self._streams, codec=self._codec, **options,
-                )
-            except KvwireError as exc:
-                # Not the engine's step to fail: this step's saves end unsent (their blocks
-                # are let go of as any failed send's), and the next step's connect again.
-                logger.error("kvwire: not sending KV of requests %s to %s: %s",
-                             ", ".join(m.req_id for m in saves), self._peer_addr, exc)
-                self._unconnected = meta
-                return
+            self._poll_connect()
+        if self._peer is None:
+            # Not the engine's step to wait or fail: this step's saves end unsent (their
+            # blocks are let go of as any failed send's); the connect goes on, or is tried
+            # again after its back-off, on the bridge's loop.
+            why = self._connect_error if self._connecting is None and self._connect_error else "not connected yet"
+            logger.error("kvwire: not sending KV of requests %s to %s: %s",
+                         ", ".join(m.req_id for m in saves), self._peer_addr, why)
+            self._unconnected = meta
+            return
         for move in saves:
             if index == 0:
                 versions: dict[str, Any] = {}
@@ -684,6 +768,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._let_go_of_blocks()
 
     def wait_for_save(self) -> None:
+        if self._producer and self._peer is None:
+            self._poll_connect()
         if self._async_save:
             now = time.monotonic()
             self._in_flight.update((req_id, (handle, now)) for req_id, handle in self._sending.items())
@@ -798,6 +884,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._peer is not None:
             self._peer.close()
             self._peer = None
+        self._connect()  # the next saves' connection, on the bridge's loop
 
     def _reap_drops(self) -> None:
         """The drops that ended (the transfer taken and dropped, or failed) are let go of."""
@@ -836,6 +923,18 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return errors
 
     def shutdown(self) -> None:
+        self._retry_at = float("inf")  # nothing connects again
+        if self._connecting is not None and not self._connecting.done() and self._bridge is not None:
+            task = self._connect_task
+
+            async def stop_connecting() -> None:  # its sockets closed before the bridge goes
+                if task is not None:
+                    task.cancel()
+                    await asyncio.gather(task, return_exceptions=True)
+
+            with contextlib.suppress(KvwireError):
+                self._bridge.run(stop_connecting(), 10)
+        self._connecting = None  # (a peer it opened is closed with the bridge)
         self._reap_drops()
         for receive in self._dropping.values():
             receive.abort("shutting down")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -71,9 +72,11 @@ def resume_once_stalled(proxy: FaultProxy, bridge: Bridge, after: float = 0.0) -
     bridge.call_soon(proxy.resume)
 
 
-def producer(port: int, load_timeout: float,
-             async_save: bool = True) -> tuple[KvwireConnector, KvwireConnector, list[torch.Tensor]]:
-    """The scheduler-side and worker-side connectors of a producer, the worker's caches registered."""
+def producer(port: int, load_timeout: float, async_save: bool = True,
+             connected: bool = True) -> tuple[KvwireConnector, KvwireConnector, list[torch.Tensor]]:
+    """The scheduler-side and worker-side connectors of a producer, the worker's caches
+    registered (and, with ``connected``, its connection to the consumer up: it is made on
+    kvwire's loop, and a step's saves that find none end unsent)."""
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm",
@@ -88,7 +91,19 @@ def producer(port: int, load_timeout: float,
     gen = torch.Generator().manual_seed(0)
     caches = [torch.randn((300, 2, 16, 256), generator=gen) for _ in LAYERS]  # 32 KiB blocks
     worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
+    if connected:
+        wait_connected(worker)
     return scheduler, worker, caches
+
+
+def wait_connected(worker: KvwireConnector) -> None:
+    """Until the worker's connection (made on kvwire's loop) is up, at most 30 s."""
+    for _ in range(600):
+        worker._poll_connect()
+        if worker._peer is not None:
+            return
+        threading.Event().wait(0.05)
+    raise AssertionError(f"not connected: {worker._connect_error}")
 
 
 def step(worker: KvwireConnector, meta: KvwireConnectorMetadata, caches: list[torch.Tensor] | None) -> None:
@@ -139,33 +154,80 @@ def test_blocks_are_kept_until_the_send_ended(path: Any) -> None:
         worker.shutdown()
 
 
-def test_a_consumer_that_cannot_be_reached_fails_the_send_not_the_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing listens where the producer sends: the engine's step goes on (one connect
-    attempt for the step, not one per layer), the request is reported finished so vLLM
-    frees its blocks, and the next step connects again, this time to a server."""
-    from kvwire.integrations import vllm as connector
-
-    attempts: list[int] = []
-
-    def counted(*args: Any, **kwargs: Any) -> SyncPeer:
-        attempts.append(1)
-        return SyncPeer(*args, **kwargs)
-
-    monkeypatch.setattr(connector, "SyncPeer", counted)
+def test_a_consumer_that_cannot_be_reached_fails_the_send_not_the_step() -> None:
+    """Nothing listens where the producer sends: the engine's step goes on, the request is
+    reported finished so vLLM frees its blocks, and the connect is tried again once its
+    back-off passed (not at every step: steps within it make no attempt), this time to a
+    server, and the next step sends."""
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
     port = probe.getsockname()[1]
     probe.close()  # nothing listens there now
-    _, worker, caches = producer(port, load_timeout=5)
+    _, worker, caches = producer(port, load_timeout=5, connected=False)
     try:
+        for _ in range(200):  # the first attempt, made when the caches were registered, fails
+            worker._poll_connect()
+            if worker._connect_error is not None:
+                break
+            threading.Event().wait(0.05)
+        assert worker._connect_attempts == 1 and worker._connect_error is not None
+        worker._retry_at = float("inf")  # a long back-off: no step tries again
         step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "lost", BLOCKS)]), caches)
-        assert len(attempts) == 1
-        assert worker.get_finished({"r1"}) == ({"r1"}, None)
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r2", "lost", BLOCKS)]), caches)
+        assert worker._connect_attempts == 1
+        assert worker.get_finished({"r1", "r2"}) == ({"r1", "r2"}, None)
+        delays = []  # each failure doubles the wait before the next attempt, up to a bound
+        for attempt in range(2, 8):
+            worker._retry_at = 0.0
+            for _ in range(200):
+                worker._poll_connect()
+                if worker._connect_attempts == attempt and worker._connecting is None:
+                    break
+                threading.Event().wait(0.05)
+            assert worker._peer is None and worker._retry_at > time.monotonic()
+            delays.append(worker._retry_delay)
+        assert delays == [4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
         with SyncServer(secret=SECRET.encode(), port=port) as server:
+            worker._retry_at = 0.0  # the back-off passed
+            wait_connected(worker)
+            assert worker._connect_attempts == 8 and worker._retry_delay == worker._RETRY_FIRST
             handle = server.expect("found")
-            step(worker, KvwireConnectorMetadata(saves=[_Move("r2", "found", BLOCKS)]), caches)
+            step(worker, KvwireConnectorMetadata(saves=[_Move("r3", "found", BLOCKS)]), caches)
             assert received(handle) == [(k.tobytes(), v.tobytes()) for k, v in sent_layers(caches)]
     finally:
+        worker.shutdown()
+
+
+def test_a_consumer_that_never_answers_does_not_hold_the_step() -> None:
+    """A consumer that accepts the TCP connection and never speaks (a hung process): the
+    connect was made inside the forward (save_kv_layer), so each step with a save waited
+    the handshake's timeout, and, failed, the next step tried again.  Now the connect runs
+    on kvwire's loop: steps return while it is still waiting for the handshake (the one
+    connection the consumer accepted is still open), their saves end unsent, and no step
+    opens another connection while it waits."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(10)
+    _, worker, caches = producer(listener.getsockname()[1], load_timeout=5, connected=False)
+    accepted = None
+    try:
+        for i in range(2):
+            step(worker, KvwireConnectorMetadata(saves=[_Move(f"r{i}", f"k{i}", BLOCKS[:4])]), caches)
+        accepted, _ = listener.accept()  # the connect begun when the caches were registered
+        accepted.setblocking(False)
+        with pytest.raises(BlockingIOError):  # the handshake is still waited for: not closed
+            while accepted.recv(1 << 16):  # (the producer's hello, if it came: not the end)
+                pass
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):  # and no step opened another connection
+            listener.accept()
+        assert worker._peer is None and worker._connect_attempts == 1
+        assert worker.get_finished({"r0", "r1"}) == ({"r0", "r1"}, None)
+    finally:
+        if accepted is not None:
+            accepted.close()
+        listener.close()
         worker.shutdown()
 
 
@@ -876,6 +938,7 @@ def test_sides_whose_blocks_differ_in_layout_do_not_exchange_them() -> None:
                            "kv_producer")
     sent = [torch.randn((8, 2, 16, 64)) for _ in LAYERS]
     producer_worker.register_kv_caches(dict(zip(LAYERS, sent, strict=True)))
+    wait_connected(producer_worker)
     try:
         consumer.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "k", [1, 2])]))
         consumer.start_load_kv(None)  # type: ignore[arg-type]
