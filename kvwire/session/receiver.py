@@ -104,6 +104,10 @@ WIRE_TEXT_LIMIT = 160
 #: and its version (about 230 bytes measured; see :func:`begin_footprint`).
 BLOCK_ENTRY_BYTES = 256
 
+#: Bytes of a transfer's request id and model (UTF-8, together) kept without a charge: a
+#: short id costs nothing, one up to its 65535-byte limit counts (see :func:`begin_footprint`).
+FREE_ID_BYTES = 256
+
 
 #: Most characters of a request id's repr that a message quotes.
 QUOTED_ID_LIMIT = 48
@@ -138,12 +142,16 @@ def stale_error(blocks: Sequence[object], why: str = "") -> StaleVersionError:
 
 def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
     """Budget bytes of what ``begin`` makes the server keep with its transfer besides its
-    layers, at about the memory it takes: the prefix block list and a meta that is not empty
-    (as received and as parsed).  Counted against ``max_buffer_bytes`` from BEGIN until the
-    transfer fails or its last layer is taken: a BEGIN may carry thousands of blocks."""
+    layers, at about the memory it takes: the prefix block list, a meta that is not empty
+    (as received and as parsed), and the request id and model past their first
+    :data:`FREE_ID_BYTES`.  Counted against ``max_buffer_bytes`` from BEGIN until the
+    transfer fails or its last layer is taken: a BEGIN may carry thousands of blocks, and
+    a request id of 64 KiB."""
     blocks = sum(2 * len(bv.block) + BLOCK_ENTRY_BYTES for bv in begin.blocks)
+    ids = len(begin.request_id.encode("utf-8", "surrogatepass")) + len(begin.model.encode("utf-8", "surrogatepass"))
     # The meta as received is kept whatever it parses to (b"{}" and 64 KiB of spaces too).
-    return blocks + (len(begin.meta) if begin.meta != b"{}" else 0) + (meta_footprint(meta) if meta else 0)
+    meta_bytes = (len(begin.meta) if begin.meta != b"{}" else 0) + (meta_footprint(meta) if meta else 0)
+    return blocks + meta_bytes + max(0, ids - FREE_ID_BYTES)
 
 
 def admit_begin(

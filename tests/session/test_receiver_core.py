@@ -470,6 +470,28 @@ def test_a_transfer_without_blocks_or_meta_is_charged_only_its_layers() -> None:
     assert len(h.of(TransferArrived)) == 2 and h.core.buffered_bytes == 0
 
 
+def test_a_long_request_id_and_model_count_in_the_buffer_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request id may be 65535 bytes and a model 255: past their first FREE_ID_BYTES
+    together they are kept with the transfer, counted like its prefix blocks and meta, and
+    a BEGIN that would go beyond the budget is refused with LIMIT_EXCEEDED."""
+    long_id, model = "\u00e9" * 30000, "m" * 255  # 60000 bytes of UTF-8
+    cost = begin_footprint(begin(request=long_id, model=model), {})
+    assert cost == 60000 + 255 - receiver_module.FREE_ID_BYTES
+    assert begin_footprint(begin(request="r" * 200, model="m" * 56), {}) == 0  # a usual id costs nothing
+    monkeypatch.setattr(receiver_module, "KEPT_ROOM_MIN", 0)
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=2 * cost, transfer_buffer_bytes=1 << 20))
+    for tid in (1, 2, 3):
+        h.client.send_begin(begin(tid=tid, request=long_id + str(tid), model=model))
+    h.pump()
+    # Each id is one byte longer than ``cost`` counted; with the eighth past the budget, two fit.
+    assert len(h.of(TransferArrived)) == 2 and h.core.buffered_bytes == 2 * (cost + 1)
+    assert [(r.transfer_id, r.code) for r in h.client_of(TransferReset)] == [(3, ErrorCode.LIMIT_EXCEEDED)]
+    for arrived in h.of(TransferArrived):
+        h.core.abort(arrived.key, "test", h.now)
+    h.pump()
+    assert h.core.buffered_bytes == 0
+
+
 # -- in-place receive ----------------------------------------------------------------------
 
 
