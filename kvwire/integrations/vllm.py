@@ -34,7 +34,8 @@ exact configuration.
   cache; ``start_load_kv`` names the blocks vLLM allocated as the destination (chunks land
   straight in them; the cached blocks' part of the transfer is received and dropped),
   ``wait_for_layer_load`` blocks until that layer is in (at most ``kvwire_load_timeout``
-  for all the step's loads together, not one per request).  A request whose full blocks
+  from ``start_load_kv`` for all the step's loads and layers together, not one per
+  request or per layer).  A request whose full blocks
   are all cached here loads nothing: its transfer is received and dropped as it comes, so
   it does not wait on the server until ``kvwire_claim_timeout``.  A load that fails or
   times out reports its blocks through ``get_block_ids_with_load_errors``: vLLM then
@@ -308,6 +309,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._draining: dict[str, tuple[Any, float]] = {}
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
+        # The step's loads end by this time (set when they start): every layer's wait shares it.
+        self._load_deadline: float | None = None
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -579,6 +582,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._server is None or self._spec is None:
             return
         meta = self._meta()
+        if meta.loads:
+            # One kvwire_load_timeout for all of the step's loads, every layer of them: a
+            # transfer that trickles in (each layer just inside a timeout of its own) holds
+            # the step that long at most, not once per layer.
+            self._load_deadline = time.monotonic() + self._timeout
         for move in meta.loads:
             dest = PagedDestination(self._spec, self._caches, move.block_ids)
             handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
@@ -620,9 +628,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         index = self._index.get(layer_name)
         if index is None:
             return
-        # One kvwire_load_timeout for the layer, whatever the number of requests loading:
-        # each waits for what is left of it (a request whose layer is in does not wait).
-        deadline = time.monotonic() + self._timeout
+        # One kvwire_load_timeout for the step's loads, from when they started, whatever the
+        # number of requests and layers: each wait gets what is left of it (a request whose
+        # layer is in does not wait).
+        if self._load_deadline is None:
+            self._load_deadline = time.monotonic() + self._timeout
+        deadline = self._load_deadline
         for req_id, (handle, blocks, _) in list(self._loading.items()):
             try:
                 handle.wait_layer(index, timeout=max(0.0, deadline - time.monotonic()))

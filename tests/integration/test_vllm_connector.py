@@ -729,6 +729,51 @@ def test_a_layer_waits_for_its_loads_within_one_load_timeout(monkeypatch: pytest
         worker.shutdown()
 
 
+def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer whose layers trickle in, each 0.4 s after the one before, with a load
+    timeout of 1 s: each layer's wait had a timeout of its own, so the step was held for
+    up to layers x timeout.  The deadline is set when the step's loads start
+    (start_load_kv) and shared by every layer's wait: the layers get 1.0, 0.6 and 0.2 s
+    (the clock is fake: it moves 0.4 s per layer that came, or by the whole wait of one
+    that did not), the third does not come in what is left and the load fails, its
+    blocks reported for recomputation; the last layer waits for nothing."""
+    from kvwire.aio._sync import ReceiveHandle
+    from kvwire.integrations import vllm as connector
+
+    clock = [0.0]
+    given: list[float] = []
+    real_wait_layer = ReceiveHandle.wait_layer
+
+    def wait_layer(handle: ReceiveHandle, index: int, timeout: float | None = None) -> Any:
+        assert timeout is not None
+        given.append(round(timeout, 6))
+        if timeout < 0.4:  # the layer comes 0.4 s after the one before: not in time
+            clock[0] += timeout
+            raise TransferTimeoutError("not in time")
+        clock[0] += 0.4
+        return real_wait_layer(handle, index, 30)
+
+    monkeypatch.setattr(connector, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(ReceiveHandle, "wait_layer", wait_layer)
+    gen = torch.Generator().manual_seed(5)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker, spec = consumer_worker(caches, load_timeout=1.0)
+    try:
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("slow", "slow", [4, 5])]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            peer.send("slow", spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30)
+        for name in LAYERS:
+            worker.wait_for_layer_load(name)
+        worker.clear_connector_metadata()
+        assert given == [1.0, 0.6, 0.2]
+        assert worker.get_block_ids_with_load_errors() == {4, 5}
+        assert not worker._loading
+    finally:
+        worker.shutdown()
+
+
 def test_a_kv_cache_of_several_groups_is_refused() -> None:
     """vLLM's hybrid KV cache manager (enabled explicitly) gives each group of layers a
     block table of its own; the connector moves one table for every layer, so it refuses
