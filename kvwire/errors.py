@@ -8,6 +8,7 @@ caused a failure and the peer that saw it raise the same class.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import TypeVar
 
 
 class ErrorCode(IntEnum):
@@ -147,6 +148,19 @@ _BY_CODE: dict[ErrorCode, type[KvwireError]] = {
     ErrorCode.SESSION_LOST: ConnectionLostError,
     ErrorCode.REGISTRY_UNAVAILABLE: RegistryUnavailableError,
 }
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def detached(error: _E) -> _E:
+    """``error`` as something to keep, or to raise again: without the traceback, context
+    and cause raising it attached, whose frames would keep their locals alive (a chunk's
+    payload, a layer's buffer, a caller's arrays) for as long as the error is kept.  An
+    error raised again and again (a transfer's or a broken peer's, at every call) would
+    otherwise gather every caller's frames: raise ``detached(err)``."""
+    error.__traceback__ = error.__context__ = error.__cause__ = None
+    return error
 
 
 def error_from_code(code: int, message: str) -> KvwireError:

@@ -19,6 +19,7 @@ from kvwire.errors import (
     TransferAbortedError,
     TransferTimeoutError,
     UsageError,
+    detached,
 )
 from kvwire.session.options import check_seconds
 from kvwire.session.sender import check_request_id
@@ -240,7 +241,7 @@ class ReceiveHandle:
             if ready():
                 return
             if self._error is not None:
-                raise self._error
+                raise detached(self._error)
             if self._bridge.closed:
                 raise ConnectionLostError("the kvwire bridge is closed")
             assert not ok

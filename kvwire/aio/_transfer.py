@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from kvwire.aio import _gpu
 from kvwire.aio._receive import INTO
 from kvwire.consistency.blocks import block_from_key
-from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
+from kvwire.errors import KvwireError, TransferTimeoutError, UsageError, detached
 from kvwire.session.options import check_seconds
 from kvwire.session.receiver import Key, TransferArrived
 from kvwire.spec import KVCache, KVSpec, Layer
@@ -118,7 +118,7 @@ class Transfer:
         if self._into is not None:
             raise UsageError("the transfer already has a destination: its layers go there, a second one is refused")
         if self._error is not None:
-            raise self._error
+            raise detached(self._error)
         if self._yielded >= self.spec.num_layers:
             raise UsageError("the transfer has ended: every layer of it was taken")
         if self._consumer == "collect":
@@ -158,7 +158,7 @@ class Transfer:
                     yield Layer(index, k, v)
                     continue
                 if self._error is not None:
-                    raise self._error
+                    raise detached(self._error)
                 self._changed.clear()
                 await self._changed.wait()
         finally:

@@ -40,6 +40,7 @@ from kvwire.errors import (
     KvwireError,
     TransferTimeoutError,
     UsageError,
+    detached,
 )
 from kvwire.options import Layers
 from kvwire.session.options import ClientOptions, Receipt, check_port, check_seconds
@@ -476,14 +477,14 @@ class Peer(Pump):
             self.changed.clear()
             err = error() or self.core.broken
             if err is not None:
-                raise err
+                raise detached(err)  # raised at every call: each would add its frames
             if ready():
                 return
             await self.changed.wait()
 
     def check_usable(self) -> None:
         if self.core.broken is not None:
-            raise self.core.broken
+            raise detached(self.core.broken)
         if self.closed:
             raise ConnectionLostError("peer is closed")
 

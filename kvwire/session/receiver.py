@@ -43,6 +43,7 @@ from kvwire.errors import (
     TransferAbortedError,
     TransferTimeoutError,
     UsageError,
+    detached,
     error_from_code,
 )
 from kvwire.session.meta import meta_footprint, parse_meta
@@ -122,14 +123,6 @@ def quoted_id(request_id: str) -> str:
     (control characters escaped) is four times that."""
     text = repr(request_id[:QUOTED_ID_LIMIT])
     return text if len(text) <= QUOTED_ID_LIMIT else text[: QUOTED_ID_LIMIT - 4] + "..." + text[0]
-
-
-def detached(error: KvwireError) -> KvwireError:
-    """``error`` as something to keep: without the traceback, context and cause raising it
-    attached, whose frames would keep their locals alive (a chunk's payload, its layer's
-    buffer) for as long as the error is kept."""
-    error.__traceback__ = error.__context__ = error.__cause__ = None
-    return error
 
 
 def stale_error(blocks: Sequence[object], why: str = "") -> StaleVersionError:
