@@ -80,6 +80,7 @@ import contextlib
 import hashlib
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -764,16 +765,24 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Before this step's forward: a preempted request's blocks may be written by it,
         # so a send still reading them must end first (or be let go of).
         preempted = [r for r in getattr(connector_metadata, "preempted", ()) if r in self._in_flight]
+        if not preempted:
+            return
+        # One kvwire_load_timeout for all of them, not one each.
+        deadline = time.monotonic() + self._timeout
         failed = False
         for req_id in preempted:
             logger.info("kvwire: request %s preempted with its send in flight: waiting for the send", req_id)
             handle, _ = self._in_flight.pop(req_id)
             self._ended.add(req_id)
-            if not self._ended_well(req_id, handle, self._timeout):
+            if not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic())):
+                if handle.done and self._drained(deadline):
+                    continue  # failed on its own; the streams hold nothing of it now
                 failed = True
                 if not handle.done:
-                    # Not ended in its time: the connection is closed, which ends the sends
-                    # still in flight (the other preempted ones too); none is waited for.
+                    # Not ended in its time: its frames may still be queued on the streams,
+                    # reading its blocks; only closing the connection drops them (and ends
+                    # the sends still in flight, the other preempted ones too, so none is
+                    # waited for).
                     break
         if failed:
             self._let_go_of_blocks()
@@ -791,9 +800,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._reap()
             return
         failed = False
+        deadline = time.monotonic() + self._timeout  # one for the step's sends, not one each
         for req_id, handle in list(self._sending.items()):
             del self._sending[req_id]
-            if not self._ended_well(req_id, handle, self._timeout):
+            if not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic())):
+                if handle.done and self._drained(deadline):
+                    continue  # failed on its own; the streams hold nothing of it now
                 failed = True
                 if not handle.done:
                     # Not ended in its time: the sends behind it on the connection cannot
@@ -854,6 +866,19 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._ended.add(req_id)
         if failed:
             self._let_go_of_blocks()
+
+    def _drained(self, deadline: float) -> bool:
+        """After a send that failed on its own: whether the connection is healthy and its
+        streams wrote (or dropped) what they held, by ``deadline``; then its blocks are
+        read no more and the connection, which other sends share, need not be closed."""
+        marks = self._write_marks()
+        if marks is None:
+            return False
+        while not self._written_past(marks):
+            if time.monotonic() >= deadline:
+                return False
+            threading.Event().wait(0.005)
+        return True
 
     def _write_marks(self) -> Any:
         """The streams' write marks, or None when there is no healthy connection to wait

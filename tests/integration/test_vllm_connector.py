@@ -272,6 +272,46 @@ def test_a_send_the_consumer_aborts_fails_alone() -> None:
         bridge.close()
 
 
+def test_a_send_the_consumer_aborts_does_not_close_the_connection_a_step_waits_on() -> None:
+    """``kvwire_async_save: false``: the step waits for two sends and the consumer aborts
+    the first.  Its failure closed the connection, failing the second send too; now the
+    step waits (within its deadline) for the streams to write what they held of the
+    aborted one, and the second is received whole over the same connection."""
+    bridge = Bridge("rate-proxy")
+    server = SyncServer(secret=SECRET.encode())
+    capped = FaultPlan(forward=Faults(rate_bps=16 * 2**20 * 8))  # 16 MiB/s: each send takes 0.5 s
+    proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: capped)
+    bridge.run(proxy.start(), 10)
+    _, worker, caches = producer(proxy.port, load_timeout=60, async_save=False)
+    a, b = server.expect("a"), server.expect("b")
+
+    def abort_a() -> None:
+        a.wait_layer(0, 30)
+        a.abort("cancelled by its client")
+
+    aborter = threading.Thread(target=abort_a)
+    aborter.start()
+    try:
+        peer = worker._peer
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "a", BLOCKS[:64]), _Move("r2", "b", BLOCKS[:64])]),
+             caches)
+        aborter.join(30)
+        assert worker._peer is peer  # the connection went on
+        b.wait(30)
+        spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+        for i, cache in enumerate(caches):
+            k, v = gather_layer(spec, host_view(cache, "float32"), BLOCKS[:64])
+            got = b.wait_layer(i, 5)
+            assert np.asarray(got.k).tobytes() == np.asarray(k).tobytes()
+            assert np.asarray(got.v).tobytes() == np.asarray(v).tobytes()
+    finally:
+        aborter.join(30)
+        worker.shutdown()
+        bridge.run(proxy.close(), 10)
+        server.close()
+        bridge.close()
+
+
 @pytest.mark.parametrize("ends", [True, False])
 def test_a_preempted_requests_send_ends_before_the_forward_reuses_its_blocks(path: Any, ends: bool) -> None:
     """vLLM preempts a request whose send is in flight: the next step's forward writes its
@@ -331,8 +371,54 @@ def test_sends_behind_one_that_did_not_end_in_time_are_not_waited_for(
             worker.bind_connector_metadata(KvwireConnectorMetadata(preempted=["r1", "r2"]))
             worker.clear_connector_metadata()
             assert worker.get_finished({"r1", "r2"}) == ({"r1", "r2"}, None)
-        assert [t for t in given if t] == [0.5]  # the first one's wait, not the second's
+        # the first one's wait (what is left of the step's 0.5 s), not the second's
+        assert [t for t in given if t] == [pytest.approx(0.5, abs=0.1)]
         assert worker._peer is None and not worker._sending and not worker._in_flight
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("where", ["wait_for_save", "preempted"])
+def test_a_step_waits_for_its_sends_within_one_load_timeout_in_all(
+    path: Any, monkeypatch: pytest.MonkeyPatch, where: str,
+) -> None:
+    """Two sends the step waits for (``wait_for_save`` with ``kvwire_async_save: false``,
+    or both requests preempted with their sends in flight), each ending 0.4 s after the
+    wait for it began, with a timeout of 1 s: each wait had a timeout of its own, so a
+    step could wait sends x timeout.  They share one deadline now: 1.0 s for the first,
+    what is left (0.6 s) for the second (the clock is fake: a wait moves it 0.4 s).  Both
+    end acknowledged and the connection goes on."""
+    from kvwire.aio._sync import SendHandle
+    from kvwire.integrations import vllm as connector
+
+    clock = [0.0]
+    given: list[float] = []
+    real_wait = SendHandle.wait
+
+    def wait(handle: SendHandle, timeout: float | None = None) -> Any:
+        if timeout:  # (a look at a send's state passes 0)
+            given.append(round(timeout, 6))
+            clock[0] += 0.4
+            return real_wait(handle, 30)
+        return real_wait(handle, timeout)
+
+    monkeypatch.setattr(connector, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(SendHandle, "wait", wait)
+    server, _, _ = path
+    _, worker, caches = producer(server.port, load_timeout=1.0, async_save=where == "preempted")
+    handles = [server.expect("first"), server.expect("second")]
+    try:
+        worker._reap = lambda: None  # type: ignore[method-assign]  # both still in flight when preempted
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "first", BLOCKS[:4]), _Move("r2", "second", BLOCKS[:4])]),
+             caches)
+        if where == "preempted":
+            assert given == [] and set(worker._in_flight) == {"r1", "r2"}
+            worker.bind_connector_metadata(KvwireConnectorMetadata(preempted=["r1", "r2"]))
+            worker.clear_connector_metadata()
+        assert given == [1.0, 0.6]
+        assert worker._peer is not None  # nothing was late: the connection goes on
+        for handle in handles:
+            handle.wait(30)
     finally:
         worker.shutdown()
 
