@@ -310,6 +310,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._draining: dict[str, tuple[Any, float]] = {}
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
+        self._aborting: list[str] = []  # receives aborted in this hook, not yet known stopped
         # The step's loads end by this time (set when they start): every layer's wait shares it.
         self._load_deadline: float | None = None
 
@@ -608,12 +609,33 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
         )
 
-    @staticmethod
-    def _abort(req_id: str, handle: ReceiveHandle, reason: str) -> None:
-        """Stop a load whose blocks vLLM will recompute into; say so if it may still write."""
-        if not handle.abort(reason):
-            logger.error("kvwire: the receive of request %s was not stopped in time (kvwire's loop is held up): "
-                         "a late chunk may still be written into its blocks", req_id)
+    #: seconds a hook waits, once for all the receives it aborted, for kvwire's loop to stop them
+    _ABORT_WAIT = 5.0
+
+    def _abort(self, req_id: str, handle: ReceiveHandle, reason: str) -> None:
+        """Stop a load whose blocks vLLM will recompute into.  Issued at once; the hook
+        waits for it, with the other aborts it issued, in :meth:`_settle_aborts` before it
+        returns."""
+        if not handle.abort(reason, timeout=0):
+            self._aborting.append(req_id)
+
+    def _settle_aborts(self) -> None:
+        """Wait once, at most ``_ABORT_WAIT``, for kvwire's loop to have stopped every
+        receive this hook aborted (its stops run in the order issued: a mark queued after
+        them runs after them all), so that none writes into blocks vLLM reuses once the
+        hook returns; say which may still write if the loop is held up past that."""
+        pending, self._aborting = self._aborting, []
+        if not pending or self._server is None:
+            return
+        stopped = threading.Event()
+        try:
+            self._server.bridge.call_soon(stopped.set)
+        except KvwireError:  # the bridge is closed: nothing runs on it any more
+            return
+        if not stopped.wait(self._ABORT_WAIT):
+            for req_id in pending:
+                logger.error("kvwire: the receive of request %s was not stopped in time (kvwire's loop is held up): "
+                             "a late chunk may still be written into its blocks", req_id)
 
     def _give_up_load(self, req_id: str, reason: str) -> None:
         """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does."""
@@ -662,6 +684,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 wire = getattr(transfer, "wire_bytes", 0)
                 logger.info("kvwire: received KV of request %s (%d blocks, %d wire bytes)", req_id, len(blocks), wire)
                 del self._loading[req_id]
+        self._settle_aborts()
 
     def _connect(self) -> None:
         """Producer: start connecting to the consumer on the bridge's loop, unless a connect
@@ -944,6 +967,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._let_go_of_blocks()
             if req_id in self._in_flight or req_id in self._draining or req_id in self._ended:
                 self._finished_sends.add(req_id)
+        self._settle_aborts()
         if not self._async_save:  # every send ended in wait_for_save
             self._ended.clear()
             self._finished_sends.clear()
@@ -972,9 +996,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._bridge.run(stop_connecting(), 10)
         self._connecting = None  # (a peer it opened is closed with the bridge)
         self._reap_drops()
-        for receive in self._dropping.values():
-            receive.abort("shutting down")
+        for req_id, receive in self._dropping.items():
+            self._abort(req_id, receive, "shutting down")
         self._dropping.clear()
+        self._settle_aborts()
         failed = False
         for req_id, (handle, _) in list(self._in_flight.items()):  # let them finish, oldest first
             failed = not self._ended_well(req_id, handle, self._timeout)

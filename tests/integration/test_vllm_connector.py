@@ -860,6 +860,39 @@ def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: 
         worker.shutdown()
 
 
+def test_the_aborts_of_one_hook_wait_for_kvwires_loop_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Three loading requests finish while kvwire's loop is held up: each abort waited up
+    to 5 s for the loop, so get_finished took 15 s.  They are issued together and waited
+    for once (here 0.5 s); each is still logged as not stopped in time, and once the loop
+    runs again all three are stopped."""
+    gen = torch.Generator().manual_seed(6)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker, _ = consumer_worker(caches)
+    worker._ABORT_WAIT = 0.5
+    gate = threading.Event()
+    try:
+        worker.bind_connector_metadata(KvwireConnectorMetadata(
+            loads=[_Move("a", "ka", [1, 2]), _Move("b", "kb", [3, 4]), _Move("c", "kc", [5, 6])],
+        ))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        worker.clear_connector_metadata()
+        handles = [h for h, _, _ in worker._loading.values()]
+        assert worker._server is not None
+        worker._server.bridge.call_soon(gate.wait, 30)  # the loop held up
+        began = time.monotonic()
+        worker.get_finished({"a", "b", "c"})
+        assert time.monotonic() - began < 5.0  # one wait of 0.5 s, not three of 5 s
+        held = [r.getMessage() for r in caplog.records if "was not stopped in time" in r.getMessage()]
+        assert sorted(m.split()[5] for m in held) == ["a", "b", "c"]
+        gate.set()
+        for handle in handles:
+            with pytest.raises(KvwireError, match="aborted"):
+                handle.wait(5)
+    finally:
+        gate.set()
+        worker.shutdown()
+
+
 def test_a_kv_cache_of_several_groups_is_refused() -> None:
     """vLLM's hybrid KV cache manager (enabled explicitly) gives each group of layers a
     block table of its own; the connector moves one table for every layer, so it refuses
