@@ -181,7 +181,7 @@ class _Peer(SyncPeer):
     """A :class:`SyncPeer` over a peer opened on the bridge's loop (the connector connects
     there, never on the engine's thread); the bridge is the connector's, not closed with it."""
 
-    def __init__(self, bridge: Bridge, peer: Any) -> None:  # noqa: D107 (SyncPeer's __init__ connects)
+    def __init__(self, bridge: Bridge, peer: Any) -> None:  # (not SyncPeer's: that one connects)
         self._own_bridge = False
         self.bridge = bridge
         self._peer = peer
@@ -697,7 +697,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._bridge = Bridge("kvwire-connector")
         bridge = self._bridge
         options: dict[str, Any] = {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
-        host, port, secret, streams, codec = self._peer_host, self._peer_port, self._secret, self._streams, self._codec
+        host, port, secret, codec = self._peer_host, self._peer_port, self._secret, self._codec
+        streams: Any = self._streams  # an int in 1-64 or "auto", checked in __init__
 
         async def open_peer() -> Any:
             self._connect_task = asyncio.current_task()
@@ -726,7 +727,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._connecting = None
         try:
             peer = future.result()
-        except BaseException as exc:  # noqa: BLE001 (any failure: the connect is tried again later)
+        except BaseException as exc:  # any failure: the connect is tried again later
             self._connect_error = str(exc) or type(exc).__name__
             self._retry_at = time.monotonic() + self._retry_delay
             logger.error("kvwire: connecting to %s failed: %s (next attempt in %g s)",

@@ -607,7 +607,7 @@ def test_a_transfer_is_named_by_its_prompt_too() -> None:
 
     assert send_key(p1) == load_key(p1) == named("x", p1)
     assert load_key(p2) != send_key(p1)
-    assert send_key(p1[:-1] + [7]) == send_key(p1)  # the last, partial block is not sent
+    assert send_key([*p1[:-1], 7]) == send_key(p1)  # the last, partial block is not sent
 
 
 def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
@@ -1036,7 +1036,7 @@ def test_the_documented_consumer_recomputes_a_failed_load() -> None:
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'kv_role="kv_consumer"' in b]
     assert len(blocks) == 1
     call = blocks[0][blocks[0].index("KVTransferConfig("):].rstrip().removesuffix(")")  # drop LLM(...)'s ")"
-    config = eval(call, {"KVTransferConfig": KVTransferConfig})  # noqa: S307 (the docs' own example)
+    config = eval(call, {"KVTransferConfig": KVTransferConfig})  # the docs' own example, as written
     assert config.kv_load_failure_policy == "recompute"
     assert config.is_kv_consumer
 
