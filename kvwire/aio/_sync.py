@@ -420,11 +420,15 @@ class SendHandle:
         :class:`~kvwire.ConnectionLostError` when the bridge closed under it."""
         if self._bridge.in_loop_thread():
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
-        assert self._future is not None
+        fut = self._future
+        assert fut is not None
+        # Not fut.result(timeout): its TimeoutError is TimeoutError itself, so the send's
+        # own TransferTimeoutError would read as this wait's timeout (as in Bridge.run).
+        done, _ = concurrent.futures.wait([fut], timeout)
+        if not done:
+            raise TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s")
         try:
-            return self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s") from None
+            return fut.result()
         except concurrent.futures.CancelledError:
             if self._bridge.closed and not self._aborted:
                 raise ConnectionLostError(
