@@ -476,6 +476,7 @@ class SyncPeer:
         """Start a transfer whose layers come later through :meth:`SendHandle.send_layer`."""
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
+        check_request_id(request_id)  # at once, not from wait() after every layer was queued
         handle = SendHandle(self.bridge, request_id, spec.num_layers)
         handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
         return handle

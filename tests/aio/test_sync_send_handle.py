@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 import kvwire
-from kvwire.errors import TransferTimeoutError
+from kvwire.errors import TransferTimeoutError, UsageError
 from kvwire.sync import SyncPeer, SyncServer
 from tests.conftest import SECRET, make_layers
 
@@ -43,3 +43,12 @@ def test_wait_for_less_than_the_send_takes_says_so() -> None:
             s.send_layer(k, v)
         assert s.wait(30).request_id == "y"
         h.wait(30)
+
+
+@pytest.mark.parametrize("request_id", [5, b"x", "", "x" * 0x10000, "\ud800"])
+def test_begin_refuses_a_bad_request_id_at_once(request_id: object) -> None:
+    """As SyncServer.expect() and Peer.send() do: a UsageError from begin(), not from
+    wait() once every send_layer() seemed to succeed."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        with pytest.raises(UsageError, match="request_id must be a non-empty str"):
+            peer.begin(request_id, SPEC)  # type: ignore[arg-type]
