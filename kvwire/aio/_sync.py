@@ -410,8 +410,8 @@ class SendHandle:
         with self._lock:
             if self._queued >= self.num_layers:
                 raise UsageError(f"all {self.num_layers} layers of {self.request_id!r} were already queued")
-            self._queued += 1
             self._bridge.call_soon(self._queue.put_nowait, (k, v))
+            self._queued += 1  # only once queued: a closed bridge's refusal counts no layer
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until the receiver acknowledged everything; the :class:`~kvwire.Receipt`.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import kvwire
-from kvwire.errors import TransferTimeoutError, UsageError
-from kvwire.sync import SyncPeer, SyncServer
+from kvwire.errors import ConnectionLostError, TransferTimeoutError, UsageError
+from kvwire.sync import Bridge, SendHandle, SyncPeer, SyncServer
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(60)
@@ -52,3 +52,15 @@ def test_begin_refuses_a_bad_request_id_at_once(request_id: object) -> None:
     with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
         with pytest.raises(UsageError, match="request_id must be a non-empty str"):
             peer.begin(request_id, SPEC)  # type: ignore[arg-type]
+
+
+def test_a_layer_a_closed_bridge_refused_is_not_counted() -> None:
+    """send_layer() on a closed bridge raises ConnectionLostError and queues nothing: the
+    next call says the same, not that every layer was already queued."""
+    bridge = Bridge("closed")
+    handle = SendHandle(bridge, "r", 1)  # as SyncPeer.begin() makes it
+    bridge.close()
+    k, v = make_layers(1, 4, 2, 16, "float32")[0]
+    for _ in range(2):
+        with pytest.raises(ConnectionLostError):
+            handle.send_layer(k, v)
