@@ -8,6 +8,9 @@ whose methods any thread may call:
 - :meth:`SyncPeer.begin` -> :class:`SendHandle`: ``send_layer(k, v)`` queues a layer
   (it goes on the wire while the caller computes the next), ``wait()`` returns the
   :class:`~kvwire.Receipt`, ``abort()`` gives up.
+- :class:`PendingPeer` starts ``kvwire.connect()`` on a bridge's loop without waiting
+  for it (``done()``, then ``result()``: a :class:`SyncPeer`), for a thread that must not
+  wait for a handshake.
 - :meth:`SyncServer.expect` -> :class:`ReceiveHandle`: ``wait_layer(i)``, ``wait()``,
   ``abort()``; with ``into=`` (e.g. a :class:`kvwire.paged.PagedDestination`) the layers
   land in the caller's memory.
@@ -19,6 +22,7 @@ first closes the servers and peers that run on it (their sockets do not outlive 
 implementation lives in ``kvwire.aio`` (the only package that runs an event loop).
 """
 
+from kvwire.aio._pending import PendingPeer
 from kvwire.aio._sync import Bridge, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 
-__all__ = ["Bridge", "ReceiveHandle", "SendHandle", "SyncPeer", "SyncServer"]
+__all__ = ["Bridge", "PendingPeer", "ReceiveHandle", "SendHandle", "SyncPeer", "SyncServer"]

@@ -74,9 +74,6 @@ picks one (the CPU backend's ISA), the KV cache dtype and the vLLM version.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import hashlib
 import os
 import re
@@ -93,13 +90,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-import kvwire
 from kvwire.codec import get_codec
 from kvwire.errors import KvwireError, UsageError
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
 from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
 from kvwire.session.options import MAX_STREAMS, check_value
-from kvwire.sync import Bridge, ReceiveHandle, SendHandle, SyncPeer, SyncServer
+from kvwire.sync import Bridge, PendingPeer, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -175,16 +171,6 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
         raise UsageError(f"kvwire connector: {key} must be a number of seconds, got {value!r}") from None
     check_value(key, seconds)
     return seconds
-
-
-class _Peer(SyncPeer):
-    """A :class:`SyncPeer` over a peer opened on the bridge's loop (the connector connects
-    there, never on the engine's thread); the bridge is the connector's, not closed with it."""
-
-    def __init__(self, bridge: Bridge, peer: Any) -> None:  # (not SyncPeer's: that one connects)
-        self._own_bridge = False
-        self.bridge = bridge
-        self._peer = peer
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -284,8 +270,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # and never answers would otherwise hold the forward for the handshake timeout);
         # after a failed attempt the next waits _retry_delay, doubled per failure up to
         # _RETRY_MAX.  A step whose saves find no connection ends them unsent.
-        self._connecting: concurrent.futures.Future[Any] | None = None
-        self._connect_task: asyncio.Task[Any] | None = None  # its task, on the loop
+        self._connecting: PendingPeer | None = None
         self._connect_attempts = 0
         self._retry_at = 0.0
         self._retry_delay = self._RETRY_FIRST
@@ -695,38 +680,25 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         if self._bridge is None:
             self._bridge = Bridge("kvwire-connector")
-        bridge = self._bridge
         options: dict[str, Any] = {"chunk_bytes": self._chunk_bytes} if self._chunk_bytes else {}
-        host, port, secret, codec = self._peer_host, self._peer_port, self._secret, self._codec
         streams: Any = self._streams  # an int in 1-64 or "auto", checked in __init__
-
-        async def open_peer() -> Any:
-            self._connect_task = asyncio.current_task()
-            peer = kvwire.connect(host, port, secret=secret, streams=streams, codec=codec, **options)
-            try:
-                await peer.__aenter__()
-            except BaseException:  # failed or cancelled mid-handshake: its sockets are closed
-                await peer.close()
-                raise
-            await bridge.own(peer)
-            return peer
-
         self._connect_attempts += 1
         try:
-            self._connecting = bridge.submit(open_peer())
+            self._connecting = PendingPeer(self._bridge, self._peer_host, self._peer_port, secret=self._secret,
+                                           streams=streams, codec=self._codec, **options)
         except KvwireError as exc:  # the bridge is closed (shut down)
             self._connect_error = str(exc)
 
     def _poll_connect(self) -> None:
         """Take the connect's outcome if it ended (never waits): the peer, or the error and
         the time of the next attempt."""
-        future = self._connecting
-        if future is None or not future.done():
+        pending = self._connecting
+        if pending is None or not pending.done():
             self._connect()
             return
         self._connecting = None
         try:
-            peer = future.result()
+            peer = pending.result()
         except BaseException as exc:  # any failure: the connect is tried again later
             self._connect_error = str(exc) or type(exc).__name__
             self._retry_at = time.monotonic() + self._retry_delay
@@ -734,8 +706,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                          self._peer_addr, self._connect_error, self._retry_delay)
             self._retry_delay = min(self._retry_delay * 2, self._RETRY_MAX)
             return
-        assert self._bridge is not None
-        self._peer = _Peer(self._bridge, peer)
+        self._peer = peer
         self._connect_error = None
         self._retry_delay = self._RETRY_FIRST
         logger.info("kvwire: connected to %s", self._peer_addr)
@@ -985,16 +956,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._retry_at = float("inf")  # nothing connects again
-        if self._connecting is not None and not self._connecting.done() and self._bridge is not None:
-            task = self._connect_task
-
-            async def stop_connecting() -> None:  # its sockets closed before the bridge goes
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
-
-            with contextlib.suppress(KvwireError):
-                self._bridge.run(stop_connecting(), 10)
+        if self._connecting is not None:
+            self._connecting.cancel(10)  # its sockets closed before the bridge goes
         self._connecting = None  # (a peer it opened is closed with the bridge)
         self._reap_drops()
         for req_id, receive in self._dropping.items():

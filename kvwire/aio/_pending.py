@@ -1,0 +1,75 @@
+"""``kvwire.connect()`` started on a bridge's loop from any thread, without waiting for it."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from typing import Any
+
+import kvwire
+from kvwire.aio._sync import Bridge, SyncPeer
+from kvwire.errors import KvwireError
+
+
+class _OpenedPeer(SyncPeer):
+    """A :class:`SyncPeer` over a peer already open on ``bridge``'s loop (the bridge is the
+    caller's: not closed with it)."""
+
+    def __init__(self, bridge: Bridge, peer: Any) -> None:  # (not SyncPeer's: that one connects)
+        self._own_bridge = False
+        self.bridge = bridge
+        self._peer = peer
+
+
+class PendingPeer:
+    """A connect under way on ``bridge``'s loop: :meth:`done` never waits, :meth:`result`
+    gives the :class:`SyncPeer` (or raises what the connect raised) once done, and
+    :meth:`cancel` stops a connect still under way, returning once its sockets are closed.
+
+    For a caller whose thread must not wait for a handshake (a serving engine's step):
+    start the connect, poll it, use the peer once it is up.  The peer is closed with the
+    bridge, or by its :meth:`SyncPeer.close`."""
+
+    def __init__(self, bridge: Bridge, host: str, port: int, *, secret: bytes, **options: Any) -> None:
+        self._bridge = bridge
+        self._task: asyncio.Task[Any] | None = None
+
+        async def open_peer() -> Any:
+            self._task = asyncio.current_task()
+            peer = kvwire.connect(host, port, secret=secret, **options)
+            try:
+                await peer.__aenter__()
+            except BaseException:  # failed or cancelled mid-handshake: its sockets are closed
+                await peer.close()
+                raise
+            await bridge.own(peer)
+            return peer
+
+        self._future: concurrent.futures.Future[Any] = bridge.submit(open_peer())
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> SyncPeer:
+        """The connected peer; raises the connect's error (or ``concurrent.futures``'
+        TimeoutError when not done yet: poll :meth:`done` first)."""
+        return _OpenedPeer(self._bridge, self._future.result(timeout=0))
+
+    def cancel(self, timeout: float = 10.0) -> None:
+        """Stop a connect still under way and wait (at most ``timeout`` s) until its
+        sockets are closed; nothing happens once it is done."""
+        if self._future.done() or self._bridge.closed:
+            return
+
+        async def stop() -> None:
+            task = self._task  # read on the loop: the connect's task started before this one
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+        with contextlib.suppress(KvwireError):
+            self._bridge.run(stop(), timeout)
+
+
+__all__ = ["PendingPeer"]
