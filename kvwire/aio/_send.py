@@ -204,7 +204,14 @@ async def send(
         if st.error is None:  # tell the receiver this transfer will not complete
             core.abort(tid, exc if isinstance(exc, KvwireError) else TransferAbortedError(f"sender aborted: {exc!r}"))
             peer.pump()
-        if isinstance(exc, asyncio.CancelledError | KvwireError):
+        if isinstance(exc, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # send() itself was cancelled
+            # The producer's own cancellation (a future of its cancelled): nobody cancelled
+            # send(), so it must not end as if its caller had been.
+            raise TransferAbortedError("the layer producer was cancelled") from exc
+        if isinstance(exc, KvwireError):
             raise
         if isinstance(exc, Exception):  # the producer's own exception stays the cause
             raise TransferAbortedError(f"layer producer failed: {exc!r}") from exc
