@@ -10,7 +10,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sized
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -154,6 +154,9 @@ async def send(
 ) -> Receipt:
     core = peer.core
     peer.check_usable()
+    count = _layer_count(layers)
+    if count is not None and count != spec.num_layers:  # refused before anything is sent
+        raise UsageError(f"layers has {count} layers, spec.num_layers={spec.num_layers}")
     started = clock()
     if not peer.sends:
         peer.transport_meter.start()
@@ -173,7 +176,27 @@ async def send(
         # and a wait for every layer).
         sync = sync_layers(layers)
         producer = iterate_layers(layers) if sync is None else None
-        while True:
+        exhausted = False
+
+        async def past_last() -> None:
+            """Read the producer once more before the last layer's final chunk goes to the
+            core: a producer that yields too many layers, or fails after its last one,
+            aborts a transfer the receiver cannot have completed yet."""
+            nonlocal exhausted
+            if exhausted:
+                return
+            if sync is not None:
+                if st.error is not None:
+                    raise st.error
+                extra = next(sync, None)
+            else:
+                assert producer is not None
+                extra = await next_or_fail(producer, st)
+            if extra is not None:
+                raise UsageError(f"layers yielded more than spec.num_layers={spec.num_layers}")
+            exhausted = True
+
+        while not exhausted:
             if sync is not None:
                 if st.error is not None:
                     raise st.error
@@ -194,7 +217,11 @@ async def send(
             tokens = k.shape[0]
             kv_bytes += k.nbytes + v.nbytes
             await until(st, _granted(core, tid, index))
-            await _send_layer(peer, st, tid, spec, index, k, v, codec_name, used, started, deadline)
+            last = index == spec.num_layers - 1
+            await _send_layer(peer, st, tid, spec, index, k, v, codec_name, used, started, deadline,
+                              past_last if last else None)
+            if last:
+                await past_last()  # (done already, unless the layer had no chunk)
         if index + 1 != spec.num_layers:
             raise UsageError(f"layers yielded {index + 1} layers, spec.num_layers={spec.num_layers}")
         core.producer_done(tid)
@@ -233,6 +260,16 @@ async def send(
     )
 
 
+def _layer_count(layers: Any) -> int | None:
+    """``len(layers)`` where it has one (a sequence): checked before BEGIN."""
+    if not isinstance(layers, Sized):
+        return None
+    try:
+        return len(layers)
+    except TypeError:  # a __len__ that refuses (a 0-d array): counted as it is read
+        return None
+
+
 def _granted(core: SenderCore, tid: int, layer: int) -> Callable[[], bool]:
     return lambda: core.layer_limit(tid) > layer
 
@@ -240,9 +277,11 @@ def _granted(core: SenderCore, tid: int, layer: int) -> Callable[[], bool]:
 async def _send_layer(
     peer: Peer, st: SendState, tid: int, spec: KVSpec, index: int, k: Any, v: Any, codec_name: str,
     used: dict[str, int], started: float, deadline: float | None,
+    before_final: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Chunk, encode and hand one layer to the core (K first, then V); an encoded chunk
-    waits until the core put the one before on a stream."""
+    waits until the core put the one before on a stream.  ``before_final`` is awaited
+    before the layer's final chunk (V's last) goes to the core."""
     core = peer.core
     tokens = int(k.shape[0])
     bpt = spec.num_kv_heads * spec.head_dim * spec.itemsize
@@ -277,6 +316,8 @@ async def _send_layer(
                 b for x, kind in ((k, TensorKind.K), (v, TensorKind.V))
                 for b in payload_parts(encode_host(chosen, x, kind).payload)
             )
+            if before_final is not None:
+                await before_final()
             used["raw"] = used.get("raw", 0) + 1
             core.add_chunk(tid, Chunk(transfer_id=tid, layer=index, kind=KIND_KV, codec_id=chosen.codec_id,
                                       token_start=0, token_count=tokens, layer_tokens=tokens, params=b"",
@@ -314,6 +355,10 @@ async def _send_layer(
         async for kind, start, count, codec, enc in source:
             if st.error is not None:
                 raise st.error
+            if before_final is not None and kind == TensorKind.V and start + count == tokens:
+                await before_final()
+                if st.error is not None:
+                    raise st.error
             used[codec.name] = used.get(codec.name, 0) + 1
             chunk = Chunk(
                 transfer_id=tid, layer=index, kind=int(kind), codec_id=enc.codec_id, token_start=start,

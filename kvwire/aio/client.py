@@ -497,7 +497,11 @@ class Peer(Pump):
 
         ``layers`` is a sequence, iterable or async iterable of ``(k, v)`` arrays shaped
         ``[tokens, num_kv_heads, head_dim]`` of ``spec.dtype``; each layer is sent as soon
-        as it is produced.  Arrays must not be modified until ``send()`` returns.
+        as it is produced.  Arrays must not be modified until ``send()`` returns.  A
+        sequence must hold ``spec.num_layers`` layers (UsageError before anything is sent);
+        an iterator is read once past its last layer before that layer's final chunk is
+        sent, so one yielding a layer too many (UsageError) or failing after its last
+        (TransferAbortedError) fails a transfer the receiver has not completed.
 
         ``codec`` overrides the session's codec for this transfer; ``"auto"`` picks one per
         chunk from the live bandwidth estimate and each codec's measured encode speed, and

@@ -97,3 +97,90 @@ async def test_cancelling_send_still_cancels_it() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert isinstance(await rx, kvwire.TransferAbortedError)
+
+
+async def test_a_layer_count_known_up_front_is_checked_before_anything_is_sent() -> None:
+    """A sequence of more or fewer layers than the spec says is refused before BEGIN: the
+    receiver never hears of it (the next transfer takes the session's first id)."""
+    data = layers()
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+        for bad in (data + data[:1], data[:3], []):
+            with pytest.raises(kvwire.UsageError, match=r"spec\.num_layers=4"):
+                await peer.send("bad", SPEC, bad, timeout=20)
+        rx = asyncio.create_task(received(server, "ok"))
+        receipt = await peer.send("ok", SPEC, data, timeout=20)
+        assert receipt.transfer_id == 1
+        assert not isinstance(await rx, kvwire.KvwireError)
+
+
+def too_many(data: list[Any]) -> Iterator[Any]:
+    yield from data
+    yield data[0]
+
+
+def fails_after_last(data: list[Any]) -> Iterator[Any]:
+    yield from data
+    raise RuntimeError("the producer failed after its last layer")
+
+
+async def async_too_many(data: list[Any]) -> AsyncIterator[Any]:
+    for layer in data:
+        yield layer
+    yield data[0]
+
+
+async def async_fails_after_last(data: list[Any]) -> AsyncIterator[Any]:
+    for layer in data:
+        await asyncio.sleep(0)
+        yield layer
+    raise RuntimeError("the producer failed after its last layer")
+
+
+@pytest.mark.parametrize("codec", ["raw", "fp8"])
+@pytest.mark.parametrize("make", [too_many, fails_after_last, async_too_many, async_fails_after_last])
+async def test_a_producer_going_wrong_after_its_last_layer_leaves_the_transfer_incomplete(
+        codec: str, make: Any) -> None:
+    """The producer is read past its last layer before that layer's final chunk is sent:
+    a layer too many or a failure there fails send() and the receiver alike, instead of
+    a receiver holding a complete cache that send() says was not sent."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec=codec) as peer:
+        rx = asyncio.create_task(received(server, "r"))
+        error, _ = await send_outcome(peer, "r", make(layers()))
+        if make in (too_many, async_too_many):
+            assert isinstance(error, kvwire.UsageError), repr(error)
+            assert "more than spec.num_layers=4" in str(error)
+        else:
+            assert isinstance(error, kvwire.TransferAbortedError), repr(error)
+            assert isinstance(error.__cause__, RuntimeError)
+        assert isinstance(await rx, kvwire.KvwireError)
+        # The session goes on.
+        rx = asyncio.create_task(received(server, "next"))
+        await peer.send("next", SPEC, layers(), timeout=20)
+        assert not isinstance(await rx, kvwire.KvwireError)
+
+
+async def test_layers_still_go_out_one_by_one() -> None:
+    """Each layer is sent as it is produced: a producer that yields a layer only once the
+    receiver holds the one before completes (nothing waits for the whole cache)."""
+    data = layers()
+    got: list[asyncio.Event] = [asyncio.Event() for _ in data]
+
+    async def producer() -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        for i, layer in enumerate(data):
+            if i:
+                await got[i - 1].wait()
+            yield layer
+
+    async def receive() -> None:
+        transfer = await server.expect("p", timeout=20)
+        async for layer in transfer:
+            got[layer.index].set()
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+        rx = asyncio.create_task(receive())
+        await peer.send("p", SPEC, producer(), timeout=20)
+        await asyncio.wait_for(rx, 20)
+        assert all(e.is_set() for e in got)
