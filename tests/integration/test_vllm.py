@@ -4,14 +4,18 @@ process receives it into its paged cache and continues from it.
 Run by ``bash .ci/vllm`` (its own virtual environment with the ``[vllm]`` extra).  Per
 model dtype: a plain run (no connector), then a consumer process (kvwire server in its
 worker) and a producer process over loopback.  The consumer's greedy tokens must equal the
-plain run's with the raw codec; fp8's agreement is reported; a negative control (the KV of
-another prompt sent under a request's id) must change the output, which proves the
-received cache is what the consumer attends to; a request whose cache never comes is
-recomputed after the load timeout (``kv_load_failure_policy="recompute"``).  With a
-registry (a private redis-server), a cache whose prefix block was invalidated after the
-send is refused by the consumer and recomputed.  Engines with small caches preempt
-requests on either side; with vLLM's prefix cache on, a producer sends cached blocks and
-a consumer loads only the blocks it lacks.
+plain run's with the raw codec; fp8's agreement is reported.  A negative control must
+change the output, which proves the received cache is what the consumer attends to: a
+second producer, on a model of other weights, sends prompt a's KV under the name the
+consumer asks for (a transfer is named by its id and its prompt's tokens, so only KV of
+the same prompt is ever loaded), and every run of the pair sets the same ``kvwire_model``
+so that KV is accepted.  A request whose cache never comes is recomputed after the load
+timeout (``kv_load_failure_policy="recompute"``).  With a registry (a private
+redis-server) and a producer of other weights (the same ``kvwire_model`` on both sides, so
+its KV passes BEGIN), a cache whose prefix block was invalidated after the send is refused
+by the consumer and recomputed.  Engines with small caches preempt requests on either
+side; with vLLM's prefix cache on, a producer sends cached blocks and a consumer loads
+only the blocks it lacks.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -40,6 +45,9 @@ pytestmark = pytest.mark.timeout(1200)
 RUN = Path(__file__).with_name("vllm_run.py")
 PROMPT_TOKENS = 300  # two full 128-token blocks are sent; the last 44 tokens computed locally
 MAX_TOKENS = 8
+# kvwire_model on both sides where their weights lie in different directories: the KV spec
+# names the model by its path otherwise, and transfers between them are refused at BEGIN.
+MODEL_NAME = "kvwire-test-llama"
 
 
 def _run(args: list[str], log: Path, timeout: float) -> None:
@@ -60,25 +68,37 @@ def _prompts() -> tuple[list[int], list[int], list[int]]:
 
 
 def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
-    model = tmp / "model"
+    """The plain run, then a consumer, a producer of the model and one of other weights
+    (``--seed 1``) that sends prompt a's KV of those weights under "a-wrong-kv": all three
+    with the same ``--kvwire-model``, so that KV is accepted and loaded as a's."""
+    model, other_model = tmp / "model", tmp / "other-model"
     _run(["model", "--dir", str(model), "--dtype", dtype], tmp / "model.log", 300)
-    a, b, other = _prompts()
+    _run(["model", "--dir", str(other_model), "--dtype", dtype, "--seed", "1"], tmp / "other-model.log", 300)
+    a, b, _ = _prompts()
     plain_job = _job(tmp / "plain_job.json", [{"prompt": p, "max_tokens": MAX_TOKENS} for p in (a, b)])
-    sent = [
-        {"prompt": a, "kvwire_id": "a-raw"}, {"prompt": b, "kvwire_id": "b-raw"},
-        {"prompt": a, "kvwire_id": "a-fp8", "codec": "fp8"}, {"prompt": other, "kvwire_id": "a-wrong-kv"},
-    ]
+    sent = [{"prompt": a, "kvwire_id": "a-raw"}, {"prompt": b, "kvwire_id": "b-raw"},
+            {"prompt": a, "kvwire_id": "a-fp8", "codec": "fp8"}]
     producer_job = _job(tmp / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
+    wrong_job = _job(tmp / "wrong_job.json", [{"prompt": a, "kvwire_id": "a-wrong-kv", "max_tokens": 1}])
     consumer_job = _job(tmp / "consumer_job.json", [
         {"prompt": p, "kvwire_id": i, "max_tokens": MAX_TOKENS}
         for p, i in ((a, "a-raw"), (b, "b-raw"), (a, "a-fp8"), (a, "a-wrong-kv"), (a, "never-sent"))
     ])
-    _consume_after_produce(tmp, model, dtype, plain_job, producer_job, consumer_job)
+
+    def producers(args: list[str]) -> None:
+        _run(args, tmp / "producer.log", 600)
+        # the same prompt under the name the consumer asks for, its KV from other weights
+        wrong = ["--job", str(wrong_job), "--out", str(tmp / "wrong-producer.json"), "--dir", str(other_model)]
+        _run([*args, *wrong], tmp / "wrong-producer.log", 600)  # the later --job, --out, --dir count
+
+    _consume_after_produce(tmp, model, dtype, plain_job, producer_job, consumer_job,
+                           extra=["--kvwire-model", MODEL_NAME], producer_run=producers)
     plain = [r["tokens"] for r in json.loads((tmp / "plain.json").read_text())]
     got = [r["tokens"] for r in json.loads((tmp / "consumer.json").read_text())]
     return {
         "plain": plain, "raw": got[:2], "fp8": got[2], "wrong_kv": got[3], "never_sent": got[4],
         "consumer_log": (tmp / "consumer.log").read_text(), "producer_log": (tmp / "producer.log").read_text(),
+        "wrong_producer_log": (tmp / "wrong-producer.log").read_text(),
     }
 
 
@@ -143,15 +163,17 @@ def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: P
     old = json.loads(report.read_text()) if report.exists() else {}
     old[dtype] = {"fp8_agreement": agree, "tokens": MAX_TOKENS}
     report.write_text(json.dumps(old))
-    # negative control: another prompt's KV under this request's id changes the output
+    # negative control: prompt a's KV of other weights, received as a's, changes the output
     assert r["wrong_kv"] != plain_a
     # a cache that never comes: the load times out, its blocks are reported, vLLM recomputes
     assert r["never_sent"] == plain_a
     log = r["consumer_log"]
     assert log.count("kvwire: external KV hit") == 5
-    assert log.count("kvwire: received KV of request") == 4
-    assert log.count("kvwire: receiving KV of request") == 1 and "'never-sent' not ready" in log
-    assert r["producer_log"].count("kvwire: sent KV of request") == 4
+    assert log.count("kvwire: received KV of request") == 4  # a-wrong-kv's among them
+    assert log.count("kvwire: receiving KV of request") == 1
+    assert re.search(r"'never-sent#prompt:[0-9a-f]{32}' not ready after", log)  # its transfer's name
+    assert r["producer_log"].count("kvwire: sent KV of request") == 3
+    assert r["wrong_producer_log"].count("kvwire: sent KV of request") == 1
 
 
 def _tight_pair(tmp: Path, prompts: list[list[int]], max_tokens: int, *, side: str,
@@ -263,8 +285,11 @@ def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> N
     new weights invalidate prompt a's blocks (what a deployment does on a weight update),
     not b's.  The consumer refuses a's cache and recomputes it (the plain run's tokens);
     b's cache, still named fresh, is received and used, and the old weights' KV changes
-    its output: the check is what kept a's output right.  The producer waits for each send
-    in ``wait_for_save`` here (``kvwire_async_save: false``)."""
+    its output: the check is what kept a's output right.  Both sides set the same
+    ``kvwire_model`` (the weights lie in different directories, which the KV spec would
+    name otherwise), so the old weights' KV passes BEGIN and the registry is what refuses
+    a's.  The producer waits for each send in ``wait_for_save`` here
+    (``kvwire_async_save: false``)."""
     binary = find_redis_server()
     assert binary is not None, "redis-server not found (PATH or KVWIRE_REDIS_SERVER)"
     redis = start_redis(binary, tmp_path / "redis")
@@ -277,7 +302,8 @@ def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> N
         sent = [{"prompt": a, "kvwire_id": "a-versioned"}, {"prompt": b, "kvwire_id": "b-versioned"}]
         producer_job = _job(tmp_path / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
         consumer_job = _job(tmp_path / "consumer_job.json", [{**r, "max_tokens": MAX_TOKENS} for r in sent])
-        a_blocks = prefix_block_ids(a, 128, (PROMPT_TOKENS - 1) // 128)
+        # kvwire_model seeds the block ids
+        a_blocks = prefix_block_ids(a, 128, (PROMPT_TOKENS - 1) // 128, salt=MODEL_NAME.encode())
 
         async def new_weights_for_a() -> None:
             async with await RedisRegistry.connect(redis.url) as reg:
@@ -287,7 +313,7 @@ def test_consumer_refuses_kv_whose_prefix_blocks_went_stale(tmp_path: Path) -> N
 
         _consume_after_produce(
             tmp_path, model, "float32", plain_job, producer_job, consumer_job,
-            extra=["--registry", redis.url, "--sync-save"], after_producer=lambda: asyncio.run(new_weights_for_a()),
+            extra=["--registry", redis.url, "--sync-save", "--kvwire-model", MODEL_NAME], after_producer=lambda: asyncio.run(new_weights_for_a()),
             producer_model=old_model,
         )
     finally:

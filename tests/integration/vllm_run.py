@@ -6,7 +6,8 @@ Run as a script (vLLM spawns workers, hence the ``__main__`` guard):
     python tests/integration/vllm_run.py plain --dir D --job J.json --out O.json
     python tests/integration/vllm_run.py producer --dir D --job J.json --out O.json --port P
     python tests/integration/vllm_run.py consumer --dir D --job J.json --out O.json --port P
-    (producer and consumer: ``--registry redis://...`` names prefix blocks with versions)
+    (producer and consumer: ``--registry redis://...`` names prefix blocks with versions,
+    ``--kvwire-model NAME`` names the model in the KV spec in place of the ``--dir`` path)
 
 A job lists requests ``{"prompt": [token ids], "kvwire_id": str | null, "codec": str | null,
 "max_tokens": int}``; the output holds each request's greedy tokens and its latency.
@@ -47,14 +48,16 @@ def make_model(directory: Path, dtype: str, *, layers: int = 4, hidden: int = 25
 def connector_config(role: str, port: int, extra: dict[str, Any] | None = None, peer_host: str = "127.0.0.1") -> Any:
     from vllm.config import KVTransferConfig
 
+    # Each role's own address (the connector checks both it is given): the consumer listens
+    # on PORT (0: a free one), the producer sends to PORT.
+    address = {"kvwire_listen": f"127.0.0.1:{port}"} if role == "kv_consumer" else {"kvwire_peer": f"{peer_host}:{port}"}
     return KVTransferConfig(
         kv_connector="KvwireConnector",
         kv_connector_module_path=CONNECTOR_MODULE,
         kv_role=role,
         kv_load_failure_policy="recompute",  # a KV load that fails is recomputed, not fatal
         kv_connector_extra_config={
-            "kvwire_listen": f"127.0.0.1:{port}",
-            "kvwire_peer": f"{peer_host}:{port}",
+            **address,
             "kvwire_secret": SECRET,
             # The consumer generates only after the producer's sends were acknowledged, so
             # every cache is already there; a request whose KV never comes waits this long.
@@ -133,6 +136,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, help="model: the random weights' seed")
     ap.add_argument("--registry", help="kvwire_registry: a Redis URL for prefix-block versions")
     ap.add_argument("--sync-save", action="store_true", help="kvwire_async_save: false (wait_for_save waits)")
+    ap.add_argument("--kvwire-model", help="kvwire_model: the model's name in the KV spec, in place of its path")
     ap.add_argument("--peer-host", default="127.0.0.1", help="producer: the consumer's kvwire server address")
     ap.add_argument("--kv-blocks", type=int,
                     help="a KV cache of this many blocks; preemptions and prefix-cache hits (a consumer: transfers "
@@ -162,6 +166,8 @@ def main(argv: list[str]) -> int:
         extra: dict[str, Any] = {"kvwire_registry": args.registry} if args.registry else {}
         if args.sync_save:
             extra["kvwire_async_save"] = False
+        if args.kvwire_model:
+            extra["kvwire_model"] = args.kvwire_model
         llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra, args.peer_host),
                      kv_blocks=args.kv_blocks, prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching)
     if args.mode == "consumer":
