@@ -229,7 +229,7 @@ async def send(
         await until(st, lambda: st.done is not None)
     except BaseException as exc:
         if st.error is None:  # tell the receiver this transfer will not complete
-            core.abort(tid, exc if isinstance(exc, KvwireError) else TransferAbortedError(f"sender aborted: {exc!r}"))
+            core.abort(tid, _abort_error(exc))
             peer.pump()
         if isinstance(exc, asyncio.CancelledError):
             task = asyncio.current_task()
@@ -258,6 +258,19 @@ async def send(
         rtt_ms=snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
         extra={"chunks_by_codec": used},
     )
+
+
+def _abort_error(exc: BaseException) -> KvwireError:
+    """What the receiver is told of a send that failed on this side: an error with a code of
+    its own (a timeout, a code a peer gave) as it is; CANCELLED for a failing producer, a
+    cancellation and a local error without a code (a UsageError for a layer that does not
+    fit the spec: its INTERNAL_ERROR is no error of the receiver's), docs/protocol.md 10.
+    (A RESET never carries NO_ERROR: the connection sends CANCELLED for it.)"""
+    if isinstance(exc, KvwireError):
+        if exc.code != ErrorCode.INTERNAL_ERROR:
+            return exc
+        return TransferAbortedError(f"sender aborted: {exc}")
+    return TransferAbortedError(f"sender aborted: {exc!r}")
 
 
 def _layer_count(layers: Any) -> int | None:

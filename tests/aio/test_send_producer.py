@@ -184,3 +184,73 @@ async def test_layers_still_go_out_one_by_one() -> None:
         await peer.send("p", SPEC, producer(), timeout=20)
         await asyncio.wait_for(rx, 20)
         assert all(e.is_set() for e in got)
+
+
+def wrong_dtype(data: list[Any]) -> list[Any]:
+    bad = list(data)
+    bad[2] = (data[2][0].astype(np.float32), data[2][1])
+    return bad
+
+
+def wrong_tokens(data: list[Any]) -> list[Any]:
+    bad = list(data)
+    bad[2] = (data[2][0][:32], data[2][1][:32])
+    return bad
+
+
+def too_few(data: list[Any]) -> Iterator[Any]:
+    yield from data[:3]
+
+
+def not_a_pair(data: list[Any]) -> Iterator[Any]:
+    yield from data[:2]
+    yield data[2][0]
+
+
+@pytest.mark.parametrize("make", [wrong_dtype, wrong_tokens, too_few, too_many, not_a_pair])
+async def test_a_bad_layer_reaches_the_receiver_as_an_aborted_transfer(make: Any) -> None:
+    """send() raises the UsageError; its receiver is told the sender aborted (CANCELLED:
+    TransferAbortedError), not handed the sender's INTERNAL_ERROR as a bare KvwireError."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+        rx = asyncio.create_task(received(server, "r"))
+        error, _ = await send_outcome(peer, "r", make(layers()))
+        assert isinstance(error, kvwire.UsageError), repr(error)
+        got = await rx
+        assert isinstance(got, kvwire.TransferAbortedError), repr(got)
+        assert str(error) in str(got)
+
+
+async def test_a_producers_error_with_a_code_of_its_own_keeps_it() -> None:
+    """A producer failing with a timeout of its own: the receiver is told TIMEOUT."""
+    data = layers()
+
+    def producer() -> Iterator[Any]:
+        yield data[0]
+        raise kvwire.TransferTimeoutError("the producer's input timed out")
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+        rx = asyncio.create_task(received(server, "r"))
+        error, _ = await send_outcome(peer, "r", producer())
+        assert isinstance(error, kvwire.TransferTimeoutError), repr(error)
+        got = await rx
+        assert isinstance(got, kvwire.TransferTimeoutError), repr(got)
+
+
+async def test_a_producers_connection_lost_error_reaches_the_receiver_as_cancelled() -> None:
+    """A producer relaying from a connection of its own that was lost: the receiver's
+    connection is fine, so it is told CANCELLED (a RESET never carries NO_ERROR)."""
+    data = layers()
+
+    def producer() -> Iterator[Any]:
+        yield data[0]
+        raise kvwire.ConnectionLostError("the producer's upstream was lost")
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+        rx = asyncio.create_task(received(server, "r"))
+        error, _ = await send_outcome(peer, "r", producer())
+        assert isinstance(error, kvwire.ConnectionLostError), repr(error)
+        got = await rx
+        assert isinstance(got, kvwire.TransferAbortedError), repr(got)
