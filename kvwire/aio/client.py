@@ -181,6 +181,8 @@ class Peer(Pump):
 
     @property
     def max_transfers(self) -> int:
+        """Transfers the server takes from this session at once (its WELCOME said): see
+        :meth:`send`."""
         return self.core.max_transfers
 
     @property
@@ -502,6 +504,11 @@ class Peer(Pump):
         an iterator is read once past its last layer before that layer's final chunk is
         sent, so one yielding a layer too many (UsageError) or failing after its last
         (TransferAbortedError) fails a transfer the receiver has not completed.
+
+        The server takes at most :attr:`max_transfers` transfers of this session at once,
+        the complete ones its application has not claimed (``expect()``/``accept()``)
+        included: a send past it fails at once with LimitExceededError and leaves nothing
+        behind, so it may be retried once one of them completed and was claimed.
 
         ``codec`` overrides the session's codec for this transfer; ``"auto"`` picks one per
         chunk from the live bandwidth estimate and each codec's measured encode speed, and
