@@ -206,10 +206,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._producer: bool = bool(cfg.is_kv_producer)
         self._consumer: bool = bool(cfg.is_kv_consumer)
         extra = cfg.kv_connector_extra_config or {}
-        self._listen: tuple[str, int] = _split_addr(
-            str(extra.get("kvwire_listen", "127.0.0.1:7070")), "kvwire_listen", any_port=True)
+        # Each address is checked on the role that uses it (a consumer listens, a producer
+        # connects): a configuration shared by both roles may carry the other's, such as a
+        # port 0 to listen on.
+        listen = str(extra.get("kvwire_listen", "127.0.0.1:7070"))
+        self._listen: tuple[str, int] = _split_addr(listen, "kvwire_listen", any_port=True) if self._consumer else ("", 0)
         self._peer_addr: str = str(extra.get("kvwire_peer", "127.0.0.1:7070"))
-        self._peer_host, self._peer_port = _split_addr(self._peer_addr, "kvwire_peer")
+        self._peer_host, self._peer_port = _split_addr(self._peer_addr, "kvwire_peer") if self._producer else ("", 0)
         secret = extra.get("kvwire_secret")
         secret_file = extra.get("kvwire_secret_file")
         if secret_file:

@@ -964,8 +964,24 @@ def test_settings_are_checked_when_the_connector_is_made(extra: dict[str, Any], 
     """A bad setting found only at the first connect left every request unsent, step after
     step, logged as a network error (a malformed kvwire_peer raised out of the forward
     pass); a short secret failed on one side only; a chunk size of 0 was taken as unset."""
+    role = "kv_consumer" if "kvwire_listen" in extra else "kv_producer"  # the role that uses it
     with pytest.raises(UsageError, match=says):
-        KvwireConnector(connector_config(extra), KVConnectorRole.WORKER)
+        KvwireConnector(connector_config(extra, role), KVConnectorRole.WORKER)
+
+
+def test_each_address_is_checked_on_the_role_that_uses_it() -> None:
+    """A consumer listens and a producer connects: a configuration shared by both roles
+    may carry the other's address (a consumer's port 0 to listen on, say), which neither
+    refuses; kv_both checks both."""
+    shared = {"kvwire_peer": "127.0.0.1:0", "kvwire_listen": "127.0.0.1:0"}
+    assert KvwireConnector(connector_config(shared, "kv_consumer"), KVConnectorRole.WORKER)._listen == ("127.0.0.1", 0)
+    with pytest.raises(UsageError, match="kvwire_peer's port"):
+        KvwireConnector(connector_config(shared, "kv_producer"), KVConnectorRole.WORKER)
+    with pytest.raises(UsageError, match="kvwire_peer's port"):
+        KvwireConnector(connector_config(shared, "kv_both"), KVConnectorRole.WORKER)
+    producer = KvwireConnector(connector_config({"kvwire_peer": "127.0.0.1:7070", "kvwire_listen": "bad"}, "kv_producer"),
+                               KVConnectorRole.WORKER)
+    assert (producer._peer_host, producer._peer_port) == ("127.0.0.1", 7070)
 
 
 def test_boolean_settings_given_as_text_mean_what_they_say() -> None:
