@@ -105,6 +105,9 @@ WIRE_TEXT_LIMIT = 160
 #: and its version (about 230 bytes measured; see :func:`begin_footprint`).
 BLOCK_ENTRY_BYTES = 256
 
+#: Hex digits of a layout's fingerprint an INCOMPATIBLE_SPEC refusal names.
+FP_SHOWN = 12
+
 #: Bytes of a transfer's request id and model (UTF-8, together) kept without a charge: a
 #: short id costs nothing, one up to its 65535-byte limit counts (see :func:`begin_footprint`).
 FREE_ID_BYTES = 256
@@ -169,7 +172,15 @@ def admit_begin(
     except UsageError as exc:
         raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, str(exc)) from None
     if fingerprints and spec.fingerprint not in fingerprints:
-        raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, f"this server does not accept KV layout {spec}")
+        # The fingerprints first: the text on the wire is cut at 160 characters, and a
+        # layout's repr (its model field) can be longer.
+        accepted = sorted(fp.hex()[:FP_SHOWN] for fp in fingerprints)
+        more = f" and {len(accepted) - 4} more" if len(accepted) > 4 else ""
+        raise error_from_code(
+            ErrorCode.INCOMPATIBLE_SPEC,
+            f"this server does not accept KV layout {spec.fingerprint.hex()[:FP_SHOWN]} "
+            f"(it accepts {', '.join(accepted[:4])}{more}): {spec}",
+        )
     if len(begin.meta) > max_meta_bytes:
         raise LimitExceededError(f"meta of {len(begin.meta)} bytes exceeds max_meta_bytes={max_meta_bytes}")
     meta = parse_meta(begin.meta)

@@ -159,10 +159,13 @@ def test_a_session_pinned_to_another_layout_is_refused_at_authentication() -> No
 
 def test_a_begin_of_another_layout_is_refused_with_incompatible_spec() -> None:
     h = Harness(ReceiverConfig(secret=SECRET, fingerprints=frozenset({SPEC.fingerprint})))
-    h.client.send_begin(begin(head_dim=8))
+    h.client.send_begin(begin(head_dim=8, model="m" * 255))
     h.pump()
     [reset] = h.client_of(TransferReset)
     assert reset.code == ErrorCode.INCOMPATIBLE_SPEC
+    # Both layouts named by fingerprint, within what the wire carries of a long model field.
+    sent = replace(SPEC, head_dim=8, model="m" * 255).fingerprint.hex()[:12]
+    assert f"KV layout {sent} (it accepts {SPEC.fingerprint.hex()[:12]})" in reset.message
     assert h.core.counters["transfers_refused"] == 1 and not h.of(TransferArrived)
     h.client.send_begin(begin(tid=2))
     h.pump()
