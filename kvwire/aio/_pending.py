@@ -7,9 +7,8 @@ import concurrent.futures
 import contextlib
 from typing import Any
 
-import kvwire
-from kvwire.aio._sync import Bridge, SyncPeer
-from kvwire.errors import KvwireError
+from kvwire.aio._sync import Bridge, SyncPeer, open_peer
+from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 
 
 class _OpenedPeer(SyncPeer):
@@ -35,26 +34,26 @@ class PendingPeer:
         self._bridge = bridge
         self._task: asyncio.Task[Any] | None = None
 
-        async def open_peer() -> Any:
+        async def connect() -> Any:
             self._task = asyncio.current_task()
-            peer = kvwire.connect(host, port, secret=secret, **options)
-            try:
-                await peer.__aenter__()
-            except BaseException:  # failed or cancelled mid-handshake: its sockets are closed
-                await peer.close()
-                raise
-            await bridge.own(peer)
-            return peer
+            return await open_peer(bridge, host, port, secret=secret, **options)
 
-        self._future: concurrent.futures.Future[Any] = bridge.submit(open_peer())
+        self._future: concurrent.futures.Future[Any] = bridge.submit(connect())
 
     def done(self) -> bool:
         return self._future.done()
 
     def result(self) -> SyncPeer:
-        """The connected peer; raises the connect's error (or ``concurrent.futures``'
-        TimeoutError when not done yet: poll :meth:`done` first)."""
-        return _OpenedPeer(self._bridge, self._future.result(timeout=0))
+        """The connected peer; raises the connect's error, :class:`~kvwire.ConnectionLostError`
+        after :meth:`cancel` or when the bridge closed first, and
+        :class:`~kvwire.UsageError` while not done (poll :meth:`done` first)."""
+        if not self._future.done():
+            raise UsageError("the connect is still under way: result() once done() says so")
+        try:
+            return _OpenedPeer(self._bridge, self._future.result())
+        except concurrent.futures.CancelledError:  # not a kvwire error: say what ended it
+            why = "the kvwire bridge was closed" if self._bridge.closed else "the connect was cancelled"
+            raise ConnectionLostError(f"{why} before it completed") from None
 
     def cancel(self, timeout: float = 10.0) -> None:
         """Stop a connect still under way and wait (at most ``timeout`` s) until its

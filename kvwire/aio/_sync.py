@@ -447,6 +447,19 @@ class SendHandle:
             self._future.cancel()
 
 
+async def open_peer(bridge: Bridge, host: str, port: int, *, secret: bytes, **options: Any) -> Any:
+    """``kvwire.connect()`` on ``bridge``'s loop (run it there), owned by the bridge: closed
+    with it.  A connect that fails or is cancelled mid-handshake leaves no socket open."""
+    peer = kvwire.connect(host, port, secret=secret, **options)
+    try:
+        await peer.__aenter__()
+    except BaseException:
+        await peer.close()
+        raise
+    await bridge.own(peer)
+    return peer
+
+
 class SyncPeer:
     """``kvwire.connect()`` on a background loop; :meth:`begin` / :meth:`send` from any thread."""
 
@@ -455,14 +468,9 @@ class SyncPeer:
         self._own_bridge = bridge is None
         self.bridge = bridge or Bridge("kvwire-peer")
 
-        async def open_peer() -> Any:
-            peer = kvwire.connect(host, port, secret=secret, **options)
-            await peer.__aenter__()
-            await self.bridge.own(peer)
-            return peer
-
         try:
-            self._peer: Any = self.bridge.run(open_peer(), start_timeout)
+            self._peer: Any = self.bridge.run(open_peer(self.bridge, host, port, secret=secret, **options),
+                                              start_timeout)
         except BaseException:
             if self._own_bridge:
                 self.bridge.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import socket
 import time
 from contextlib import closing
@@ -40,6 +39,22 @@ def test_a_pending_peer_becomes_a_peer_that_sends() -> None:
         assert not bridge.closed  # the bridge is the caller's
 
 
+def test_result_before_the_connect_ended_and_after_the_bridge_closed_are_kvwire_errors() -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        bridge = Bridge("test")
+        try:
+            pending = PendingPeer(bridge, "127.0.0.1", listener.getsockname()[1], secret=SECRET, connect_timeout=30)
+            with pytest.raises(kvwire.UsageError, match="still under way"):
+                pending.result()
+        finally:
+            bridge.close()
+        _wait_done(pending)
+        with pytest.raises(kvwire.ConnectionLostError, match="bridge was closed"):
+            pending.result()
+
+
 def test_a_connect_that_fails_raises_from_result() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
@@ -67,5 +82,5 @@ def test_cancel_stops_a_handshake_that_never_ends_and_closes_its_socket() -> Non
             data = conn.recv(65536)  # its HELLO, then the end of the stream
             while data:
                 data = conn.recv(65536)
-        with pytest.raises(concurrent.futures.CancelledError):  # cancelled: no peer
+        with pytest.raises(kvwire.ConnectionLostError, match="the connect was cancelled"):
             pending.result()
