@@ -158,7 +158,9 @@ def detached(error: _E) -> _E:
     and cause raising it attached, whose frames would keep their locals alive (a chunk's
     payload, a layer's buffer, a caller's arrays) for as long as the error is kept.  An
     error raised again and again (a transfer's or a broken peer's, at every call) would
-    otherwise gather every caller's frames: raise ``detached(err)``."""
+    otherwise gather every caller's frames: raise ``detached(err)``.  It changes ``error``
+    itself: its cause and context are gone for every holder, so it is meant for errors
+    whose text already says what happened (kvwire's own)."""
     error.__traceback__ = error.__context__ = error.__cause__ = None
     return error
 

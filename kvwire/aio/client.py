@@ -503,7 +503,9 @@ class Peer(Pump):
         sequence must hold ``spec.num_layers`` layers (UsageError before anything is sent);
         an iterator is read once past its last layer before that layer's final chunk is
         sent, so one yielding a layer too many (UsageError) or failing after its last
-        (TransferAbortedError) fails a transfer the receiver has not completed.
+        (TransferAbortedError) fails a transfer the receiver has not completed.  (So a
+        producer must not wait, after yielding its last layer, for the transfer to
+        complete: that layer's final chunk waits for it.)
 
         The server takes at most :attr:`max_transfers` transfers of this session at once,
         the complete ones its application has not claimed (``expect()``/``accept()``)

@@ -2,7 +2,8 @@
 
 Every mutation is one Lua script (atomic on the server); so is every read (one consistent
 snapshot).  A block is complete only under the Redis server lifetime (``run_id``) that
-committed it, decided inside the scripts (see :mod:`kvwire.consistency.redis_layout`). Notifications travel on a pub/sub channel published from inside the scripts.
+committed it, decided inside the scripts (see :mod:`kvwire.consistency.redis_layout`).
+Notifications travel on a pub/sub channel published from inside the scripts.
 Any Redis failure raises :class:`RegistryUnavailableError`: nothing is ever reported fresh
 without Redis having confirmed it. Commands are not retried, because a reply lost in transit
 leaves the outcome unknown; the caller decides (e.g. re-``begin``, which is safe).
@@ -89,8 +90,9 @@ class RedisWatcher:
     silently.  So does one whose connection goes silent (a half-open connection, a stalled
     network): after ``timeout`` (the registry's) without hearing from the server the
     watcher sends a PING on its subscription, and raises if nothing comes back within
-    ``timeout`` more; its connection is then dropped, so the next read subscribes anew.  The registry holds its watchers weakly: one abandoned without ``aclose`` (a
-    ``break`` out of a bare ``async for``) closes its subscription once garbage collected.
+    ``timeout`` more; its connection is then dropped, so the next read subscribes anew.
+    The registry holds its watchers weakly: one abandoned without ``aclose`` (a ``break``
+    out of a bare ``async for``) closes its subscription once garbage collected.
     """
 
     def __init__(self, registry: RedisRegistry) -> None:

@@ -26,7 +26,7 @@ server's clock in microseconds, so a Redis that lost ``seq`` itself (restarted w
 persistence, crashed between snapshots, failed over to a replica behind it) still hands out
 versions above those it issued before (unless it had issued more than one per microsecond
 since its epoch, far beyond any real rate). Only ``COMMIT`` and ``INVALIDATE`` give a block
-a version; ``publish`` writes nothing (it reads the blocks and ``seq`` in one ``MULTI`` and
+a version; ``publish`` writes nothing (it reads the blocks and ``seq`` in one ``READ`` and
 confirms blocks complete at exactly the versions given; it raises on a version that cannot
 have been issued: above ``seq`` when ``seq`` moved in this server lifetime (``seqrun``), else
 above the larger of ``seq`` and the clock, as a lost or restored ``seq`` says nothing of the
