@@ -299,7 +299,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
         self._aborting: list[str] = []  # receives aborted in this hook, not yet known stopped
-        # The step's loads end by this time (set when they start): every layer's wait shares it.
+        # The step's loads end by this time (set when they start, or at the step's first
+        # wait for loads it carried over): every layer's wait shares it; cleared when the
+        # step ends (clear_connector_metadata), so the next step sets its own.
         self._load_deadline: float | None = None
 
     @classmethod
@@ -586,6 +588,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for move in meta.drops:  # nothing waits for these: get_finished lets them go
             self._drop(move.req_id, move.key, move.block_ids)
 
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        # The step is over: its load deadline is not the next step's, which sets its own
+        # (a deadline left over would have passed, giving every wait of a load carried
+        # into a step without loads no time at all).
+        self._load_deadline = None
+
     def _drop(self, req_id: str, key: str, block_ids: list[int]) -> None:
         """Take ``key``'s transfer as it comes and drop it (every id DROP), so that it
         does not wait on the server until the claim timeout.  As long as a load would
@@ -641,7 +650,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         # One kvwire_load_timeout for the step's loads, from when they started, whatever the
         # number of requests and layers: each wait gets what is left of it (a request whose
-        # layer is in does not wait).
+        # layer is in does not wait).  Loads carried over from an earlier step, in a step
+        # that started none, get one from this step's first wait.
         if self._load_deadline is None:
             self._load_deadline = time.monotonic() + self._timeout
         deadline = self._load_deadline

@@ -860,6 +860,59 @@ def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: 
         worker.shutdown()
 
 
+def test_a_load_carried_into_a_step_without_loads_gets_a_deadline_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step started a load and waited for its first layer only, so the load carried into
+    the next step, which started none: that step's waits reused the first step's deadline,
+    long passed, each got no time at all and the load failed.  The deadline ends with its
+    step (clear_connector_metadata); the next one sets its own at its first wait, and the
+    layers, each 0.4 s after the one before with a load timeout of 2 s, get 2.0, 1.6 and
+    1.2 s and come in (the clock is fake: it moves 0.4 s per layer that came, by the whole
+    wait of one that did not, and 10 s between the steps)."""
+    from kvwire.aio._sync import ReceiveHandle
+    from kvwire.integrations import vllm as connector
+
+    clock = [0.0]
+    given: list[float] = []
+    real_wait_layer = ReceiveHandle.wait_layer
+
+    def wait_layer(handle: ReceiveHandle, index: int, timeout: float | None = None) -> Any:
+        assert timeout is not None
+        given.append(round(timeout, 6))
+        if timeout < 0.4:  # the layer comes 0.4 s after the one before: not in time
+            clock[0] += timeout
+            raise TransferTimeoutError("not in time")
+        clock[0] += 0.4
+        return real_wait_layer(handle, index, 30)
+
+    monkeypatch.setattr(connector, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    monkeypatch.setattr(ReceiveHandle, "wait_layer", wait_layer)
+    gen = torch.Generator().manual_seed(7)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker, spec = consumer_worker(caches, load_timeout=2.0)
+    try:
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            peer.send("r", spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30)
+        worker.wait_for_layer_load(LAYERS[0])  # this step's forward waits for no other layer
+        worker.clear_connector_metadata()
+        assert given == [2.0] and "r" in worker._loading
+        clock[0] += 10.0  # the first step's deadline is long past
+        worker.bind_connector_metadata(KvwireConnectorMetadata())  # a step without loads
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        for name in LAYERS[1:]:
+            worker.wait_for_layer_load(name)
+        worker.clear_connector_metadata()
+        assert given == [2.0, 2.0, 1.6, 1.2]
+        assert worker.get_block_ids_with_load_errors() == set()
+        assert not worker._loading
+        for layer in range(len(LAYERS)):
+            assert torch.equal(caches[layer][4], src[layer][0]) and torch.equal(caches[layer][5], src[layer][1])
+    finally:
+        worker.shutdown()
+
+
 def test_the_aborts_of_one_hook_wait_for_kvwires_loop_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Three loading requests finish while kvwire's loop is held up: each abort waited up
