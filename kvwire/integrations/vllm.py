@@ -12,12 +12,16 @@ exact configuration.
   returns True) until ``get_finished`` reports the send ended, acknowledged or let go of,
   so vLLM goes on with its next step while the KV drains.  With ``kvwire_async_save:
   false``, ``wait_for_save`` waits for the receiver's acknowledgement instead.  A send
-  that fails with its connection, or does not end within ``kvwire_load_timeout`` of its
-  turn (its step, or the end of the send before it: sends go first come, first served),
-  closes the connection before its blocks are reported or ``wait_for_save`` returns:
-  nothing reads them after that (a new connection is made at once), and the sends behind it,
-  which end with the connection, are not waited for.  With the async save,
-  one that fails on its own (the consumer aborted it) is reported once the streams wrote
+  that fails with its connection, or does not end within ``kvwire_load_timeout``, closes
+  the connection before its blocks are reported or ``wait_for_save`` returns.  With the
+  async save that timeout counts per send from its turn (its step, or the end of the send
+  before it: sends go first come, first served); a step that waits for its sends
+  (``wait_for_save`` without the async save, or ``bind_connector_metadata`` for requests
+  preempted with their send in flight) gives them one deadline, shared by the step's
+  sends, from when it began to wait.  Once the connection is closed nothing reads the
+  blocks (a new connection is made at once), and the sends behind the one that did not
+  end, which end with the connection, are not waited for.  With the async save, a send
+  that fails on its own (the consumer aborted it) is reported once the streams wrote
   what they held of it, and the connection goes on.  A request preempted while its send
   is in flight waits for that send before the step's forward reuses its blocks
   (``bind_connector_metadata``); one preempted during its chunked prefill, before its
