@@ -883,31 +883,48 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """After a send that failed on its own: whether the connection is healthy and its
         streams wrote (or dropped) what they held, by ``deadline``; then its blocks are
         read no more and the connection, which other sends share, need not be closed."""
-        marks = self._write_marks()
+        # Each look asks kvwire's loop, within what is left of the deadline (a held-up
+        # loop keeps the step no longer than that, give or take _LOOP_CALL_FLOOR).
+        marks = self._write_marks(self._left(deadline))
         if marks is None:
             return False
-        while not self._written_past(marks):
+        while not self._written_past(marks, self._left(deadline)):
             if time.monotonic() >= deadline:
                 return False
-            threading.Event().wait(0.005)
+            time.sleep(0.005)
         return True
 
-    def _write_marks(self) -> Any:
+    #: seconds a call on kvwire's loop is given at least, however little of its deadline is left
+    _LOOP_CALL_FLOOR = 0.05
+
+    def _left(self, deadline: float) -> float:
+        return max(self._LOOP_CALL_FLOOR, deadline - time.monotonic())
+
+    def _write_marks(self, timeout: float = 5.0) -> Any:
         """The streams' write marks, or None when there is no healthy connection to wait
-        on (then only closing it frees the blocks)."""
+        on (then only closing it frees the blocks) or the loop did not answer within
+        ``timeout``."""
         peer = self._peer
         if peer is None or peer.peer.core.broken is not None:
             return None
         try:
-            return peer.write_marks()
+            return peer.write_marks(timeout)
         except KvwireError:
             return None
 
-    def _written_past(self, marks: Any) -> bool:
-        if self._peer is None:
+    def _written_past(self, marks: Any, timeout: float = 5.0) -> bool:
+        """Whether the streams wrote (or dropped) what they held at ``marks``; False when
+        there is no connection or kvwire's loop did not answer within ``timeout``."""
+        sync_peer = self._peer
+        if sync_peer is None:
             return False
+        peer = sync_peer.peer
+
+        async def past() -> bool:
+            return bool(peer.written_past(marks))
+
         try:
-            return self._peer.written_past(marks)
+            return bool(sync_peer.bridge.run(past(), timeout))
         except KvwireError:  # the loop did not answer: not known to be past them yet
             return False
 

@@ -423,6 +423,51 @@ def test_a_step_waits_for_its_sends_within_one_load_timeout_in_all(
         worker.shutdown()
 
 
+def test_a_drain_asks_kvwires_loop_within_what_is_left_of_its_deadline(
+    path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a send that failed on its own, a step waits (within its deadline) for the
+    streams to write what they held of it, asking kvwire's loop for their write marks and
+    whether they are past them; each call was given 5 s, so a held-up loop kept the step
+    5 to 10 s past its deadline.  Each is now given what is left of the deadline, at least
+    _LOOP_CALL_FLOOR once it has passed.  The calls are counted, not timed: one asking
+    whether the streams are past their marks runs out its timeout at once (the loop held
+    up) and moves the fake clock by it."""
+    from kvwire.integrations import vllm as connector
+
+    clock = [0.0]
+    given: list[tuple[str, float]] = []
+    real_run = Bridge.run
+
+    def run(bridge: Bridge, coro: Any, timeout: float | None = None) -> Any:
+        name = getattr(getattr(coro, "cr_code", None), "co_name", None)
+        if name not in ("marks", "past"):
+            return real_run(bridge, coro, timeout)
+        assert timeout is not None
+        given.append((name, round(timeout, 6)))
+        if name == "marks":
+            return real_run(bridge, coro, timeout)
+        coro.close()
+        clock[0] += timeout
+        raise TransferTimeoutError(f"not done in {timeout} s")
+
+    server, _, _ = path
+    _, worker, _ = producer(server.port, load_timeout=1.0)
+    monkeypatch.setattr(connector, "time", type("FakeTime", (), {
+        "monotonic": staticmethod(lambda: clock[0]), "sleep": staticmethod(lambda seconds: None)}))
+    monkeypatch.setattr(Bridge, "run", run)
+    try:
+        assert not worker._drained(1.0)
+        assert given == [("marks", 1.0), ("past", 1.0)]
+        given.clear()
+        assert not worker._drained(0.5)  # already past
+        floor = worker._LOOP_CALL_FLOOR
+        assert given == [("marks", floor), ("past", floor)]
+        assert worker._peer is not None  # the drain closes nothing: its caller decides
+    finally:
+        monkeypatch.undo()
+        worker.shutdown()
+
+
 def test_sends_queued_behind_others_have_their_time_from_their_turn() -> None:
     """Going on, the engine can queue sends faster than the link carries them; they go
     first come, first served.  ``kvwire_load_timeout`` bounds each from its turn (its step,
