@@ -529,8 +529,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         among others: same shape, other bytes), the KV cache dtype and the vLLM version;
         readable, with a digest of them all (the field is at most 255 bytes, and a long
         model path is cut), so that sides that differ fail at the handshake or BEGIN
-        (``INCOMPATIBLE_SPEC``, naming both layouts) instead of loading blocks they
-        cannot read."""
+        (``INCOMPATIBLE_SPEC``, the error naming the layouts' fingerprints) instead of
+        loading blocks they cannot read; the fields are logged (``kvwire: KV layout
+        ...``), each instance its own, to compare."""
         import vllm
 
         config = self._vllm_config
