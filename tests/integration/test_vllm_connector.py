@@ -1026,6 +1026,39 @@ def test_a_kv_cache_of_several_groups_is_refused() -> None:
     KvwireConnector(cfg, KVConnectorRole.SCHEDULER, one)
 
 
+def test_sides_of_different_block_sizes_do_not_exchange_blocks() -> None:
+    """A producer run with blocks of 32 tokens and a consumer with blocks of 16: a block's
+    shape holds its size, so the layouts differ and the send fails at BEGIN: nothing of it
+    waits on the consumer's server for a claim, and no block of the consumer is written."""
+    from kvwire.errors import IncompatiblePeerError
+
+    caches = [torch.randn((8, 2, 16, 64)) for _ in LAYERS]
+    before = [c.clone() for c in caches]
+    consumer, _ = consumer_worker(caches)
+    cfg = connector_config({"kvwire_peer": f"127.0.0.1:{consumer.listen_port}", "kvwire_load_timeout": 30})
+    cfg.cache_config = CacheConfig(block_size=32)
+    producer_worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
+    sent = [torch.randn((8, 2, 32, 64)) for _ in LAYERS]
+    producer_worker.register_kv_caches(dict(zip(LAYERS, sent, strict=True)))
+    wait_connected(producer_worker)
+    try:
+        consumer.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "k", [1, 2])]))
+        consumer.start_load_kv(None)  # type: ignore[arg-type]
+        consumer.clear_connector_metadata()
+        # named by the tokens of its own full blocks: for most prompts not the consumer's name
+        step(producer_worker, KvwireConnectorMetadata(saves=[_Move("p", "k-32", [3])]), sent)
+        handle, _ = producer_worker._in_flight["p"]
+        with pytest.raises(IncompatiblePeerError, match="does not accept KV layout"):
+            handle.wait(30)
+        stats = consumer.server_statistics()
+        assert stats is not None and stats["pending_arrivals"] == 0 and stats["buffered_bytes"] == 0
+        consumer.get_finished({"c"})  # the request gives up its load
+        assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+    finally:
+        producer_worker.shutdown()
+        consumer.shutdown()
+
+
 @pytest.mark.parametrize("setting", ["tensor_parallel_size", "pipeline_parallel_size"])
 def test_tensor_and_pipeline_parallelism_are_refused(setting: str) -> None:
     """Every rank's worker makes a connector holding its shard of the KV cache: a consumer's
