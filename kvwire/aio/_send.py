@@ -178,6 +178,15 @@ async def send(
         producer = iterate_layers(layers) if sync is None else None
         exhausted = False
 
+        async def next_item() -> Any:
+            """The producer's next layer (None once it has ended)."""
+            if sync is not None:
+                if st.error is not None:
+                    raise st.error
+                return next(sync, None)
+            assert producer is not None
+            return await next_or_fail(producer, st)
+
         async def past_last() -> None:
             """Read the producer once more before the last layer's final chunk goes to the
             core: a producer that yields too many layers, or fails after its last one,
@@ -185,25 +194,12 @@ async def send(
             nonlocal exhausted
             if exhausted:
                 return
-            if sync is not None:
-                if st.error is not None:
-                    raise st.error
-                extra = next(sync, None)
-            else:
-                assert producer is not None
-                extra = await next_or_fail(producer, st)
-            if extra is not None:
+            if await next_item() is not None:
                 raise UsageError(f"layers yielded more than spec.num_layers={spec.num_layers}")
             exhausted = True
 
         while not exhausted:
-            if sync is not None:
-                if st.error is not None:
-                    raise st.error
-                item = next(sync, None)
-            else:
-                assert producer is not None
-                item = await next_or_fail(producer, st)
+            item = await next_item()
             if item is None:
                 break
             index += 1

@@ -221,36 +221,26 @@ async def test_a_bad_layer_reaches_the_receiver_as_an_aborted_transfer(make: Any
         assert str(error) in str(got)
 
 
-async def test_a_producers_error_with_a_code_of_its_own_keeps_it() -> None:
-    """A producer failing with a timeout of its own: the receiver is told TIMEOUT."""
+@pytest.mark.parametrize(("raised", "told"), [
+    # a timeout of its own: the receiver is told TIMEOUT
+    (kvwire.TransferTimeoutError("the producer's input timed out"), kvwire.TransferTimeoutError),
+    # relaying from a connection of its own that was lost: the receiver's connection is
+    # fine, so it is told CANCELLED (a RESET never carries NO_ERROR)
+    (kvwire.ConnectionLostError("the producer's upstream was lost"), kvwire.TransferAbortedError),
+], ids=["timeout", "connection-lost"])
+async def test_a_producers_kvwire_error_reaches_the_receiver_by_its_code(
+    raised: kvwire.KvwireError, told: type[kvwire.KvwireError],
+) -> None:
     data = layers()
 
     def producer() -> Iterator[Any]:
         yield data[0]
-        raise kvwire.TransferTimeoutError("the producer's input timed out")
+        raise raised
 
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
             kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
         rx = asyncio.create_task(received(server, "r"))
         error, _ = await send_outcome(peer, "r", producer())
-        assert isinstance(error, kvwire.TransferTimeoutError), repr(error)
+        assert type(error) is type(raised), repr(error)
         got = await rx
-        assert isinstance(got, kvwire.TransferTimeoutError), repr(got)
-
-
-async def test_a_producers_connection_lost_error_reaches_the_receiver_as_cancelled() -> None:
-    """A producer relaying from a connection of its own that was lost: the receiver's
-    connection is fine, so it is told CANCELLED (a RESET never carries NO_ERROR)."""
-    data = layers()
-
-    def producer() -> Iterator[Any]:
-        yield data[0]
-        raise kvwire.ConnectionLostError("the producer's upstream was lost")
-
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
-            kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
-        rx = asyncio.create_task(received(server, "r"))
-        error, _ = await send_outcome(peer, "r", producer())
-        assert isinstance(error, kvwire.ConnectionLostError), repr(error)
-        got = await rx
-        assert isinstance(got, kvwire.TransferAbortedError), repr(got)
+        assert isinstance(got, told), repr(got)

@@ -860,14 +860,10 @@ def test_a_layer_waits_for_its_loads_within_one_load_timeout(monkeypatch: pytest
         worker.shutdown()
 
 
-def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A transfer whose layers trickle in, each 0.4 s after the one before, with a load
-    timeout of 1 s: each layer's wait had a timeout of its own, so the step was held for
-    up to layers x timeout.  The deadline is set when the step's loads start
-    (start_load_kv) and shared by every layer's wait: the layers get 1.0, 0.6 and 0.2 s
-    (the clock is fake: it moves 0.4 s per layer that came, or by the whole wait of one
-    that did not), the third does not come in what is left and the load fails, its
-    blocks reported for recomputation; the last layer waits for nothing."""
+def trickling_layers(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list[float]]:
+    """A fake clock for the connector, and layers that come 0.4 s after the one before:
+    each wait_layer records its timeout (in ``given``) and moves the clock 0.4 s when the
+    layer comes in time, or by its whole timeout when it does not (TransferTimeoutError)."""
     from kvwire.aio._sync import ReceiveHandle
     from kvwire.integrations import vllm as connector
 
@@ -878,7 +874,7 @@ def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: 
     def wait_layer(handle: ReceiveHandle, index: int, timeout: float | None = None) -> Any:
         assert timeout is not None
         given.append(round(timeout, 6))
-        if timeout < 0.4:  # the layer comes 0.4 s after the one before: not in time
+        if timeout < 0.4:
             clock[0] += timeout
             raise TransferTimeoutError("not in time")
         clock[0] += 0.4
@@ -886,6 +882,18 @@ def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: 
 
     monkeypatch.setattr(connector, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
     monkeypatch.setattr(ReceiveHandle, "wait_layer", wait_layer)
+    return clock, given
+
+
+def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer whose layers trickle in, each 0.4 s after the one before, with a load
+    timeout of 1 s: each layer's wait had a timeout of its own, so the step was held for
+    up to layers x timeout.  The deadline is set when the step's loads start
+    (start_load_kv) and shared by every layer's wait: the layers get 1.0, 0.6 and 0.2 s
+    (the clock is fake: it moves 0.4 s per layer that came, or by the whole wait of one
+    that did not), the third does not come in what is left and the load fails, its
+    blocks reported for recomputation; the last layer waits for nothing."""
+    _, given = trickling_layers(monkeypatch)
     gen = torch.Generator().manual_seed(5)
     caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
     src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
@@ -913,24 +921,7 @@ def test_a_load_carried_into_a_step_without_loads_gets_a_deadline_of_its_own(mon
     layers, each 0.4 s after the one before with a load timeout of 2 s, get 2.0, 1.6 and
     1.2 s and come in (the clock is fake: it moves 0.4 s per layer that came, by the whole
     wait of one that did not, and 10 s between the steps)."""
-    from kvwire.aio._sync import ReceiveHandle
-    from kvwire.integrations import vllm as connector
-
-    clock = [0.0]
-    given: list[float] = []
-    real_wait_layer = ReceiveHandle.wait_layer
-
-    def wait_layer(handle: ReceiveHandle, index: int, timeout: float | None = None) -> Any:
-        assert timeout is not None
-        given.append(round(timeout, 6))
-        if timeout < 0.4:  # the layer comes 0.4 s after the one before: not in time
-            clock[0] += timeout
-            raise TransferTimeoutError("not in time")
-        clock[0] += 0.4
-        return real_wait_layer(handle, index, 30)
-
-    monkeypatch.setattr(connector, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
-    monkeypatch.setattr(ReceiveHandle, "wait_layer", wait_layer)
+    clock, given = trickling_layers(monkeypatch)
     gen = torch.Generator().manual_seed(7)
     caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
     src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]

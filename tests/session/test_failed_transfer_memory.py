@@ -13,25 +13,10 @@ from typing import Any
 import pytest
 
 from kvwire.errors import ErrorCode, ProtocolError
-from kvwire.session.receiver import (
-    ByteStore,
-    ReceiverConfig,
-    ReceiverCore,
-    TransferArrived,
-    TransferFailed,
-)
-from kvwire.wire import (
-    Begin,
-    Chunk,
-    Connection,
-    ConnectionConfig,
-    Role,
-    State,
-    TransferReset,
-    chunk_frame_size,
-)
+from kvwire.session.receiver import ByteStore, ReceiverConfig, TransferArrived, TransferFailed
+from kvwire.wire import Begin, Chunk, TransferReset, chunk_frame_size
+from tests.session.test_receiver_core import SECRET, Harness
 
-SECRET = b"failed-transfer-memory"
 HEADS, HEAD_DIM = 1, 4
 BPT = HEADS * HEAD_DIM * 2  # float16
 
@@ -48,34 +33,6 @@ def begin(tid: int, request: str = "r") -> Begin:
 def chunk(tid: int, tokens: int = 8) -> Chunk:
     return Chunk(transfer_id=tid, layer=0, kind=0, codec_id=0, token_start=0, token_count=tokens,
                  layer_tokens=tokens, params=b"", payload=bytes(tokens * BPT))
-
-
-class Pair:
-    def __init__(self, core: ReceiverCore) -> None:
-        self.core = core
-        self.events: list[Any] = []
-        self.client_events: list[Any] = []
-        core.connection_made(1, 0.0)
-        self.client = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET), now=0.0)
-        self.client.initiate()
-        self.pump()
-        assert self.client.state is State.OPEN
-
-    def pump(self) -> None:
-        moving = True
-        while moving:
-            moving = False
-            for part in self.client.data_to_send():
-                if data := bytes(part):
-                    moving = True
-                    self.core.receive_data(1, data, 0.0)
-            if data := self.core.data_to_send(1):
-                moving = True
-                self.client.receive_data(data, 0.0)
-            while (cev := self.client.next_event()) is not None:
-                self.client_events.append(cev)
-        while (ev := self.core.next_event()) is not None:
-            self.events.append(ev)
 
 
 def _raising(kind: str) -> Any:
@@ -96,8 +53,8 @@ def test_a_transfer_failed_in_the_chunk_path_keeps_no_traceback_nor_its_layer(ki
         slabs.append(weakref.ref(slab))
         return memoryview(slab)
 
-    core = ReceiverCore(ReceiverConfig(secret=SECRET), store=ByteStore(allocate, _raising(kind)))
-    p = Pair(core)
+    p = Harness(ReceiverConfig(secret=SECRET), store=ByteStore(allocate, _raising(kind)))
+    core = p.core
     p.client.send_begin(begin(1))
     p.pump()
     [arrived] = [e for e in p.events if isinstance(e, TransferArrived)]
@@ -120,9 +77,9 @@ def test_a_transfer_failed_in_the_chunk_path_keeps_no_traceback_nor_its_layer(ki
 LONG_ID = "\x00" * 65535  # a request id at its limit; its repr is 262142 characters
 
 
-def _aborted_and_timed_out() -> tuple[Pair, list[TransferFailed]]:
-    core = ReceiverCore(ReceiverConfig(secret=SECRET, transfer_timeout=5.0))
-    p = Pair(core)
+def _aborted_and_timed_out() -> tuple[Harness, list[TransferFailed]]:
+    p = Harness(ReceiverConfig(secret=SECRET, transfer_timeout=5.0))
+    core = p.core
     p.client.send_begin(begin(1, LONG_ID))
     p.client.send_begin(begin(2, LONG_ID))
     p.pump()
