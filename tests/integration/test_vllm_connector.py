@@ -885,6 +885,25 @@ def trickling_layers(monkeypatch: pytest.MonkeyPatch) -> tuple[list[float], list
     return clock, given
 
 
+def loading_consumer(seed: int, load_timeout: float) -> tuple[KvwireConnector, list[torch.Tensor], list[torch.Tensor]]:
+    """A consumer worker in a step that loads request "r" into blocks 4 and 5 of its
+    caches, the transfer of ``src``'s blocks 0 and 1 sent (the layers' waits are up to the
+    test); the worker, its caches and ``src``."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker, spec = consumer_worker(caches, load_timeout=load_timeout)
+    try:
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            peer.send("r", spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30)
+    except BaseException:
+        worker.shutdown()
+        raise
+    return worker, caches, src
+
+
 def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: pytest.MonkeyPatch) -> None:
     """A transfer whose layers trickle in, each 0.4 s after the one before, with a load
     timeout of 1 s: each layer's wait had a timeout of its own, so the step was held for
@@ -894,15 +913,8 @@ def test_a_step_waits_for_its_loads_within_one_load_timeout_in_all(monkeypatch: 
     that did not), the third does not come in what is left and the load fails, its
     blocks reported for recomputation; the last layer waits for nothing."""
     _, given = trickling_layers(monkeypatch)
-    gen = torch.Generator().manual_seed(5)
-    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
-    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
-    worker, spec = consumer_worker(caches, load_timeout=1.0)
+    worker, _, _ = loading_consumer(5, load_timeout=1.0)
     try:
-        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("slow", "slow", [4, 5])]))
-        worker.start_load_kv(None)  # type: ignore[arg-type]
-        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
-            peer.send("slow", spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30)
         for name in LAYERS:
             worker.wait_for_layer_load(name)
         worker.clear_connector_metadata()
@@ -922,15 +934,8 @@ def test_a_load_carried_into_a_step_without_loads_gets_a_deadline_of_its_own(mon
     1.2 s and come in (the clock is fake: it moves 0.4 s per layer that came, by the whole
     wait of one that did not, and 10 s between the steps)."""
     clock, given = trickling_layers(monkeypatch)
-    gen = torch.Generator().manual_seed(7)
-    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
-    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
-    worker, spec = consumer_worker(caches, load_timeout=2.0)
+    worker, caches, src = loading_consumer(7, load_timeout=2.0)
     try:
-        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
-        worker.start_load_kv(None)  # type: ignore[arg-type]
-        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
-            peer.send("r", spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30)
         worker.wait_for_layer_load(LAYERS[0])  # this step's forward waits for no other layer
         worker.clear_connector_metadata()
         assert given == [2.0] and "r" in worker._loading
