@@ -231,6 +231,17 @@ def test_a_consumer_that_never_answers_does_not_hold_the_step() -> None:
         worker.shutdown()
 
 
+def received_whole(handle: Any, caches: list[torch.Tensor]) -> None:
+    """``handle``'s transfer arrived, and holds the first 64 blocks of every layer of ``caches``."""
+    handle.wait(30)
+    spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
+    for i, cache in enumerate(caches):
+        k, v = gather_layer(spec, host_view(cache, "float32"), BLOCKS[:64])
+        got = handle.wait_layer(i, 5)
+        assert np.asarray(got.k).tobytes() == np.asarray(k).tobytes()
+        assert np.asarray(got.v).tobytes() == np.asarray(v).tobytes()
+
+
 def test_a_send_the_consumer_aborts_fails_alone() -> None:
     """Two sends in flight; the consumer gives one up (its request was cancelled there).
     The other is received whole over the same connection, and the aborted one's request
@@ -258,13 +269,7 @@ def test_a_send_the_consumer_aborts_fails_alone() -> None:
             threading.Event().wait(0.05)
         assert finished == {"r1", "r2"}
         assert worker._peer is peer  # the connection went on
-        b.wait(30)
-        spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
-        for i, cache in enumerate(caches):
-            k, v = gather_layer(spec, host_view(cache, "float32"), BLOCKS[:64])
-            got = b.wait_layer(i, 5)
-            assert np.asarray(got.k).tobytes() == np.asarray(k).tobytes()
-            assert np.asarray(got.v).tobytes() == np.asarray(v).tobytes()
+        received_whole(b, caches)
     finally:
         worker.shutdown()
         bridge.run(proxy.close(), 10)
@@ -297,13 +302,7 @@ def test_a_send_the_consumer_aborts_does_not_close_the_connection_a_step_waits_o
              caches)
         aborter.join(30)
         assert worker._peer is peer  # the connection went on
-        b.wait(30)
-        spec = PagedSpec.of(caches[0], num_layers=len(LAYERS))
-        for i, cache in enumerate(caches):
-            k, v = gather_layer(spec, host_view(cache, "float32"), BLOCKS[:64])
-            got = b.wait_layer(i, 5)
-            assert np.asarray(got.k).tobytes() == np.asarray(k).tobytes()
-            assert np.asarray(got.v).tobytes() == np.asarray(v).tobytes()
+        received_whole(b, caches)
     finally:
         aborter.join(30)
         worker.shutdown()
