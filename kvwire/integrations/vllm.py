@@ -209,6 +209,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._block_size: int = vllm_config.cache_config.block_size
         self._producer: bool = bool(cfg.is_kv_producer)
         self._consumer: bool = bool(cfg.is_kv_consumer)
+        dp = int(getattr(parallel, "data_parallel_size", 1) or 1)
+        if self._consumer and dp > 1:
+            # A producer sends each request's KV to its one kvwire_peer, one engine, while
+            # vLLM places the request on any of the data-parallel engines (and those of a
+            # host would all bind kvwire_listen): most requests would wait for KV that went
+            # elsewhere.  A producer may run data-parallel: its engines send by name.
+            raise UsageError(
+                f"kvwire connector: data_parallel_size is {dp} on a consumer; a producer sends to one "
+                "kvwire_peer, one engine: run each consumer engine on its own (data_parallel_size=1) with its "
+                "own kvwire_listen, and send each request's KV to the engine that serves it"
+            )
         extra = cfg.kv_connector_extra_config or {}
         # Each address is checked on the role that uses it (a consumer listens, a producer
         # connects): a configuration shared by both roles may carry the other's, such as a

@@ -1073,6 +1073,29 @@ def test_tensor_and_pipeline_parallelism_are_refused(setting: str) -> None:
             KvwireConnector(cfg, role)
 
 
+def test_a_data_parallel_consumer_is_refused_and_a_data_parallel_producer_is_not() -> None:
+    """A producer sends to one kvwire_peer (one engine) while vLLM places each request on
+    any of a data-parallel consumer's engines, whose ranks on one host would also all bind
+    kvwire_listen: refused on a consumer (and kv_both), naming the setting.  A producer's
+    engines each send by name to the consumer: accepted."""
+    from vllm.config import ParallelConfig
+
+    def made(role: str, extra: dict[str, Any]) -> KvwireConnector:
+        cfg = VllmConfig(
+            kv_transfer_config=KVTransferConfig(
+                kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role=role,
+                kv_connector_extra_config={"kvwire_secret": SECRET, **extra},
+            ),
+            cache_config=CacheConfig(block_size=16), parallel_config=ParallelConfig(data_parallel_size=2),
+        )
+        return KvwireConnector(cfg, KVConnectorRole.SCHEDULER)
+
+    for role in ("kv_consumer", "kv_both"):
+        with pytest.raises(UsageError, match="data_parallel_size is 2 on a consumer"):
+            made(role, {"kvwire_listen": "127.0.0.1:0", "kvwire_peer": "127.0.0.1:7070"})
+    assert made("kv_producer", {"kvwire_peer": "127.0.0.1:7070"})._producer
+
+
 def connector_config(extra: dict[str, Any], role: str = "kv_producer") -> VllmConfig:
     return VllmConfig(
         kv_transfer_config=KVTransferConfig(
