@@ -231,8 +231,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         secret = extra.get("kvwire_secret")
         secret_file = extra.get("kvwire_secret_file")
         if secret_file:
-            with open(secret_file, "rb") as f:
-                self._secret = f.read().strip()
+            try:
+                with open(secret_file, "rb") as f:
+                    self._secret = f.read().strip()
+            except OSError as exc:
+                raise UsageError(f"kvwire connector: cannot read kvwire_secret_file {secret_file!r}: "
+                                 f"{exc.strerror or exc}") from None
         elif secret:
             self._secret = str(secret).encode()
         else:
@@ -247,8 +251,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._streams: int | str = self._stream_count(extra.get("kvwire_streams", 1))
         chunk = extra.get("kvwire_chunk_bytes")
         try:  # unset (None) is the client's default; 0 is refused, not taken as unset
-            if isinstance(chunk, bool):
-                raise TypeError
+            if isinstance(chunk, bool) or (isinstance(chunk, float) and not chunk.is_integer()):
+                raise TypeError  # (int() would cut 2.5 to 2)
             self._chunk_bytes: int | None = None if chunk is None else int(chunk)
         except (TypeError, ValueError):
             raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be a number of bytes, got {chunk!r}") from None

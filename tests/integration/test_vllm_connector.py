@@ -1116,6 +1116,8 @@ def connector_config(extra: dict[str, Any], role: str = "kv_producer") -> VllmCo
     ({"kvwire_claim_timeout": -1}, "kvwire_claim_timeout must be > 0"),
     ({"kvwire_async_save": "maybe"}, "kvwire_async_save must be true or false"),
     ({"kvwire_chunk_bytes": 0}, "must be > 0"), ({"kvwire_chunk_bytes": "0"}, "must be > 0"),
+    ({"kvwire_chunk_bytes": 2.5}, "kvwire_chunk_bytes must be a number of bytes"),
+    ({"kvwire_secret": None, "kvwire_secret_file": "/nonexistent/kvwire-secret"}, "cannot read kvwire_secret_file"),
     ({"kvwire_peer": "decode-host"}, "kvwire_peer must be HOST:PORT"),
     ({"kvwire_peer": "decode-host:http"}, "kvwire_peer must be HOST:PORT"),
     ({"kvwire_peer": "[::1]:99999"}, "kvwire_peer's port must be in 1-65535"),
