@@ -35,6 +35,10 @@ Reference = Fp8Codec | Int8Codec | Int4Codec
 
 DISABLED = extensions_disabled()
 needs_ext = pytest.mark.skipif(DISABLED, reason="KVWIRE_NO_EXTENSIONS is set: only the numpy path runs")
+# The floating-point modes these tests set (MXCSR's FTZ/DAZ bits, the FE_* rounding values)
+# are x86's; CI runs on x86_64, where they never skip.
+needs_x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                               reason="MXCSR and the FE_* values are x86's")
 KINDS = (TensorKind.K, TensorKind.V)
 ALL16 = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
 
@@ -981,7 +985,7 @@ def test_concurrent_threads_give_the_same_bytes() -> None:
 
 
 @needs_ext
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="FTZ/DAZ are bits of x86's MXCSR")
+@needs_x86
 def test_compiled_codes_ignore_a_flush_to_zero_mode_the_caller_set(tmp_path: Any) -> None:
     """A library built with -ffast-math sets FTZ and DAZ when it is loaded: the compiled
     loops then flushed subnormals and sent other codes than the GPU kernels (which never
@@ -1026,7 +1030,7 @@ def test_compiled_codes_ignore_a_flush_to_zero_mode_the_caller_set(tmp_path: Any
 
 
 @needs_ext
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the FE_* values are x86's")
+@needs_x86
 @pytest.mark.parametrize("mode", [0xC00, 0x400, 0x800], ids=["towardzero", "downward", "upward"])
 def test_compiled_codes_ignore_a_rounding_mode_the_caller_set(mode: int) -> None:
     """The loops kept the calling thread's rounding mode (fesetround): every SIMD level then
