@@ -1021,6 +1021,20 @@ def test_a_kv_cache_of_several_groups_is_refused() -> None:
     KvwireConnector(cfg, KVConnectorRole.SCHEDULER, one)
 
 
+def send_while_loading(consumer: KvwireConnector, producer_worker: KvwireConnector, sent: list[torch.Tensor],
+                       save: _Move) -> Any:
+    """The consumer starts loading request "c" (name "k") into blocks 1 and 2; the producer,
+    its caches ``sent`` registered and connected, sends ``save`` in a step: its send's handle."""
+    producer_worker.register_kv_caches(dict(zip(LAYERS, sent, strict=True)))
+    wait_connected(producer_worker)
+    consumer.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "k", [1, 2])]))
+    consumer.start_load_kv(None)  # type: ignore[arg-type]
+    consumer.clear_connector_metadata()
+    step(producer_worker, KvwireConnectorMetadata(saves=[save]), sent)
+    handle, _ = producer_worker._in_flight[save.req_id]
+    return handle
+
+
 def test_sides_of_different_block_sizes_do_not_exchange_blocks() -> None:
     """A producer run with blocks of 32 tokens and a consumer with blocks of 16: a block's
     shape holds its size, so the layouts differ and the send fails at BEGIN: nothing of it
@@ -1034,15 +1048,9 @@ def test_sides_of_different_block_sizes_do_not_exchange_blocks() -> None:
     cfg.cache_config = CacheConfig(block_size=32)
     producer_worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
     sent = [torch.randn((8, 2, 32, 64)) for _ in LAYERS]
-    producer_worker.register_kv_caches(dict(zip(LAYERS, sent, strict=True)))
-    wait_connected(producer_worker)
     try:
-        consumer.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "k", [1, 2])]))
-        consumer.start_load_kv(None)  # type: ignore[arg-type]
-        consumer.clear_connector_metadata()
         # named by the tokens of its own full blocks: for most prompts not the consumer's name
-        step(producer_worker, KvwireConnectorMetadata(saves=[_Move("p", "k-32", [3])]), sent)
-        handle, _ = producer_worker._in_flight["p"]
+        handle = send_while_loading(consumer, producer_worker, sent, _Move("p", "k-32", [3]))
         with pytest.raises(IncompatiblePeerError, match="does not accept KV layout"):
             handle.wait(30)
         stats = consumer.server_statistics()
@@ -1282,14 +1290,8 @@ def test_sides_whose_blocks_differ_in_layout_do_not_exchange_them() -> None:
     producer_worker = made("amx", {"kvwire_peer": f"127.0.0.1:{consumer.listen_port}", "kvwire_load_timeout": 30},
                            "kv_producer")
     sent = [torch.randn((8, 2, 16, 64)) for _ in LAYERS]
-    producer_worker.register_kv_caches(dict(zip(LAYERS, sent, strict=True)))
-    wait_connected(producer_worker)
     try:
-        consumer.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "k", [1, 2])]))
-        consumer.start_load_kv(None)  # type: ignore[arg-type]
-        consumer.clear_connector_metadata()
-        step(producer_worker, KvwireConnectorMetadata(saves=[_Move("p", "k", [3, 4])]), sent)
-        handle, _ = producer_worker._in_flight["p"]
+        handle = send_while_loading(consumer, producer_worker, sent, _Move("p", "k", [3, 4]))
         assert producer_worker._spec is not None and consumer._spec is not None
         # the refusal leads with the fingerprints (its text on the wire is cut to 160 characters)
         sent_fp = producer_worker._spec.wire_spec().fingerprint.hex()[:12]
