@@ -496,12 +496,12 @@ class SyncPeer:
 
         return self.bridge.run(marks(), timeout)
 
-    def written_past(self, marks: Any) -> bool:
+    def written_past(self, marks: Any, timeout: float = 5.0) -> bool:
         """Whether the streams wrote (or dropped) everything they held at ``marks``."""
         async def past() -> bool:
             return bool(self._peer.written_past(marks))
 
-        return bool(self.bridge.run(past(), 5.0))
+        return bool(self.bridge.run(past(), timeout))
 
     def send(self, request_id: str, spec: KVSpec, layers: Any, *, timeout: float | None = None,
              **send_options: Any) -> Any:

@@ -931,16 +931,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _written_past(self, marks: Any, timeout: float = 5.0) -> bool:
         """Whether the streams wrote (or dropped) what they held at ``marks``; False when
         there is no connection or kvwire's loop did not answer within ``timeout``."""
-        sync_peer = self._peer
-        if sync_peer is None:
+        if self._peer is None:
             return False
-        peer = sync_peer.peer
-
-        async def past() -> bool:
-            return bool(peer.written_past(marks))
-
         try:
-            return bool(sync_peer.bridge.run(past(), timeout))
+            return self._peer.written_past(marks, timeout)
         except KvwireError:  # the loop did not answer: not known to be past them yet
             return False
 
