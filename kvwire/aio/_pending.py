@@ -22,7 +22,8 @@ class _OpenedPeer(SyncPeer):
 
 
 class PendingPeer:
-    """A connect under way on ``bridge``'s loop: :meth:`done` never waits, :meth:`result`
+    """A connect under way on ``bridge``'s loop: :meth:`done` never waits, :meth:`wait`
+    waits at most a given time, :meth:`result`
     gives the :class:`SyncPeer` (or raises what the connect raised) once done, and
     :meth:`cancel` stops a connect still under way, returning once its sockets are closed.
 
@@ -41,6 +42,12 @@ class PendingPeer:
         self._future: concurrent.futures.Future[Any] = bridge.submit(connect())
 
     def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait at most ``timeout`` s (``None``: until it ends) for the connect to end;
+        whether it did.  Never raises the connect's error: :meth:`result` does."""
+        concurrent.futures.wait([self._future], timeout)
         return self._future.done()
 
     def result(self) -> SyncPeer:

@@ -29,9 +29,14 @@ exact configuration.
   flight finish (each within ``kvwire_load_timeout``) before it closes.  The connection
   to the consumer is made on kvwire's loop thread, never in the forward: from when the
   caches are registered, and again after it was closed or lost.  A step whose saves find
-  no connection (the consumer unreachable, or not answering its handshake) ends them
-  unsent, as failed sends, and goes on; a failed connect is tried again after a back-off
-  of 1 s, doubled per failure up to 30 s.
+  that connect still under way goes on without them: their blocks are kept, and each is
+  sent whole from the registered caches once the connection is up (at the next hook that
+  finds it up: ``wait_for_save``, ``get_finished`` or ``shutdown``; without the async
+  save, ``wait_for_save`` waits for it), or ends unsent if the connect fails or is not up
+  within ``kvwire_load_timeout``.  A step whose saves find no connection after a failed
+  connect (the consumer unreachable, or not answering its handshake) ends them unsent, as
+  failed sends, and goes on; a failed connect is tried again after a back-off of 1 s,
+  doubled per failure up to 30 s.
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
   worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
   down to the block size) as an external hit, less those vLLM found in its own prefix
@@ -298,6 +303,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._retry_delay = self._RETRY_FIRST
         self._connect_error: str | None = None
         self._unconnected: KvwireConnectorMetadata | None = None  # the step that found no connection
+        # saves whose step found the first connect under way, with their step's time: sent
+        # once it is up (see save_kv_layer)
+        self._deferred: dict[str, tuple[_Move, float]] = {}
         # the blocks loaded into, and how many blocks the transfer carries
         self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
@@ -755,43 +763,92 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._peer is None:
             self._poll_connect()
         if self._peer is None:
-            # Not the engine's step to wait or fail: this step's saves end unsent (their
-            # blocks are let go of as any failed send's); the connect goes on, or is tried
-            # again after its back-off, on the bridge's loop.
-            why = self._connect_error if self._connecting is None and self._connect_error else "not connected yet"
+            self._unconnected = meta
+            if self._connecting is not None and self._connect_error is None:
+                # The first connect since startup (or since the last connection ended) is
+                # under way: the saves wait for it, not the forward.  Their blocks are
+                # kept, and each is sent whole from the registered caches once it is up
+                # (or ends unsent if it fails, or past kvwire_load_timeout).
+                now = time.monotonic()
+                for move in saves:
+                    self._deferred.setdefault(move.req_id, (move, now))
+                logger.info("kvwire: KV of requests %s waits for the connection to %s",
+                            ", ".join(m.req_id for m in saves), self._peer_addr)
+                return
+            # Not the engine's step to wait or fail: after a failed connect, this step's
+            # saves end unsent (their blocks are let go of as any failed send's); the
+            # connect is tried again after its back-off, on the bridge's loop.
+            why = self._connect_error or "not connected"
             logger.error("kvwire: not sending KV of requests %s to %s: %s",
                          ", ".join(m.req_id for m in saves), self._peer_addr, why)
-            self._unconnected = meta
             return
         for move in saves:
+            self._save_layer(move, index, kv_layer)
+
+    def _save_layer(self, move: _Move, index: int, kv_layer: torch.Tensor) -> None:
+        """Queue layer ``index`` of ``move``'s blocks on its send (begun at layer 0); a
+        failure ends that request's send alone, unsent."""
+        assert self._peer is not None and self._spec is not None
+        if index == 0:
+            versions: dict[str, Any] = {}
+            if self._registry is not None:
+                try:
+                    versions["blocks"] = self._registry.name(list(move.prefix), owner=self._owner, ttl=self._registry_ttl)
+                except KvwireError as exc:
+                    logger.error("kvwire: not sending KV of request %s: naming its blocks failed: %s", move.req_id, exc)
+                    return
+        try:
             if index == 0:
-                versions: dict[str, Any] = {}
-                if self._registry is not None:
-                    try:
-                        versions["blocks"] = self._registry.name(list(move.prefix), owner=self._owner, ttl=self._registry_ttl)
-                    except KvwireError as exc:
-                        logger.error("kvwire: not sending KV of request %s: naming its blocks failed: %s", move.req_id, exc)
-                        continue
-            try:
-                if index == 0:
-                    self._sending[move.req_id] = self._peer.begin(
-                        move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **versions,
-                    )
-                handle = self._sending.get(move.req_id)
-                if handle is not None:
-                    handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
-            except KvwireError as exc:
-                # One request's send failing is not the engine's step failing: it ends
-                # unsent (its blocks let go of as any failed send's).
-                logger.error("kvwire: not sending KV of request %s: %s", move.req_id, exc)
-                failed = self._sending.pop(move.req_id, None)
-                if failed is not None:
-                    failed.abort()
+                self._sending[move.req_id] = self._peer.begin(
+                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **versions,
+                )
+            handle = self._sending.get(move.req_id)
+            if handle is not None:
+                handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
+        except KvwireError as exc:
+            # One request's send failing is not the engine's step failing: it ends
+            # unsent (its blocks let go of as any failed send's).
+            logger.error("kvwire: not sending KV of request %s: %s", move.req_id, exc)
+            failed = self._sending.pop(move.req_id, None)
+            if failed is not None:
+                failed.abort()
+
+    def _send_deferred(self, deadline: float | None = None) -> None:
+        """The saves that wait for the connection: each sent whole, every layer from the
+        registered caches, once it is up (waited for until ``deadline`` if given); each
+        ended unsent once the connect failed or kvwire_load_timeout after its step (by
+        ``deadline``, all that are left)."""
+        if not self._deferred:
+            return
+        if self._peer is None:
+            if deadline is not None and self._connecting is not None:
+                self._connecting.wait(max(0.0, deadline - time.monotonic()))
+            self._poll_connect()
+        now = time.monotonic()
+        for req_id, (move, since) in list(self._deferred.items()):
+            if self._peer is not None:
+                del self._deferred[req_id]
+                for index, cache in enumerate(self._caches):
+                    self._save_layer(move, index, cache)
+                if req_id not in self._sending:
+                    self._ended.add(req_id)  # failed at its start (logged): ended unsent
+            elif (self._connecting is None or self._connect_error is not None or now >= since + self._timeout
+                  or deadline is not None):
+                del self._deferred[req_id]
+                why = self._connect_error or f"not connected within {self._timeout:g} s"
+                logger.error("kvwire: not sending KV of request %s to %s: %s", req_id, self._peer_addr, why)
+                self._ended.add(req_id)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         # Before this step's forward: a preempted request's blocks may be written by it,
-        # so a send still reading them must end first (or be let go of).
+        # so a send still reading them must end first (or be let go of), and one still
+        # waiting for the connection ends unsent (none of it was read yet).
+        for req_id in getattr(connector_metadata, "preempted", ()):
+            if self._deferred.pop(req_id, None) is not None:
+                logger.error("kvwire: not sending KV of request %s: preempted before the connection to %s was up",
+                             req_id, self._peer_addr)
+                self._ended.add(req_id)
         preempted = [r for r in getattr(connector_metadata, "preempted", ()) if r in self._in_flight]
         if not preempted:
             return
@@ -819,16 +876,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._producer and self._peer is None:
             self._poll_connect()
         if self._async_save:
-            now = time.monotonic()
-            self._in_flight.update((req_id, (handle, now)) for req_id, handle in self._sending.items())
-            self._sending.clear()
+            self._send_deferred()
+            self._fly()
             if self._producer and self._spec is not None:
                 # a scheduled save that never began (its blocks could not be named) has ended
-                self._ended.update(m.req_id for m in self._meta().saves if m.req_id not in self._in_flight)
+                self._ended.update(m.req_id for m in self._meta().saves
+                                   if m.req_id not in self._in_flight and m.req_id not in self._deferred)
             self._reap()
             return
         failed = False
         deadline = time.monotonic() + self._timeout  # one for the step's sends, not one each
+        self._send_deferred(deadline)
         for req_id, handle in list(self._sending.items()):
             del self._sending[req_id]
             if not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic())):
@@ -845,6 +903,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     break
         if failed:
             self._let_go_of_blocks()
+
+    def _fly(self) -> None:
+        """Async save: the sends begun go in flight, from now."""
+        now = time.monotonic()
+        self._in_flight.update((req_id, (handle, now)) for req_id, handle in self._sending.items())
+        self._sending.clear()
 
     def _ended_well(self, req_id: str, handle: SendHandle, timeout: float | None) -> bool:
         """Wait up to ``timeout`` for a send and log how it ended; False unless the
@@ -974,6 +1038,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._reap_drops()
+        if self._async_save and self._deferred:  # (without it, wait_for_save ended them all)
+            self._send_deferred()
+            self._fly()
         for req_id in finished_req_ids:
             self._expected.pop(req_id, None)
             if req_id in self._loading:
@@ -981,7 +1048,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if req_id in self._sending:
                 logger.error("kvwire: request %s finished while its KV was being sent", req_id)
                 self._let_go_of_blocks()
-            if req_id in self._in_flight or req_id in self._draining or req_id in self._ended:
+            if (req_id in self._in_flight or req_id in self._draining or req_id in self._ended
+                    or req_id in self._deferred):
                 self._finished_sends.add(req_id)
         self._settle_aborts()
         if not self._async_save:  # every send ended in wait_for_save
@@ -1000,6 +1068,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._retry_at = float("inf")  # nothing connects again
+        if self._deferred:  # the connection they wait for, within kvwire_load_timeout
+            self._send_deferred(time.monotonic() + self._timeout)
+            self._fly()
         if self._connecting is not None:
             self._connecting.cancel(10)  # its sockets closed before the bridge goes
         self._connecting = None  # (a peer it opened is closed with the bridge)

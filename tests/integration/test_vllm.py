@@ -167,13 +167,19 @@ def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: P
     assert r["wrong_kv"] != plain_a
     # a cache that never comes: the load times out, its blocks are reported, vLLM recomputes
     assert r["never_sent"] == plain_a
+    # the producers' sends first: a send missing there is the cause of a load missing below
+    assert r["producer_log"].count("kvwire: sent KV of request") == 3, kvwire_lines(r["producer_log"])
+    assert r["wrong_producer_log"].count("kvwire: sent KV of request") == 1, kvwire_lines(r["wrong_producer_log"])
     log = r["consumer_log"]
-    assert log.count("kvwire: external KV hit") == 5
-    assert log.count("kvwire: received KV of request") == 4  # a-wrong-kv's among them
-    assert log.count("kvwire: receiving KV of request") == 1
+    assert log.count("kvwire: external KV hit") == 5, kvwire_lines(log)
+    assert log.count("kvwire: received KV of request") == 4, kvwire_lines(log)  # a-wrong-kv's among them
+    assert log.count("kvwire: receiving KV of request") == 1, kvwire_lines(log)
     assert re.search(r"'never-sent#prompt:[0-9a-f]{32}' not ready after", log)  # its transfer's name
-    assert r["producer_log"].count("kvwire: sent KV of request") == 3
-    assert r["wrong_producer_log"].count("kvwire: sent KV of request") == 1
+
+
+def kvwire_lines(log: str) -> str:
+    """The connector's lines of a log (and vLLM's about KV loads), for a failed assertion."""
+    return "\n".join(line for line in log.splitlines() if "kvwire" in line or "KV load" in line)[-6000:]
 
 
 def _tight_pair(tmp: Path, prompts: list[list[int]], max_tokens: int, *, side: str,

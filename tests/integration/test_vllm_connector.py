@@ -10,6 +10,7 @@ waited for within one load timeout per layer (and sends behind a late one not wa
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -203,13 +204,14 @@ def test_a_consumer_that_never_answers_does_not_hold_the_step() -> None:
     connect was made inside the forward (save_kv_layer), so each step with a save waited
     the handshake's timeout, and, failed, the next step tried again.  Now the connect runs
     on kvwire's loop: steps return while it is still waiting for the handshake (the one
-    connection the consumer accepted is still open), their saves end unsent, and no step
-    opens another connection while it waits."""
+    connection the consumer accepted is still open), their saves wait for it with their
+    blocks kept, and no step opens another connection while it waits.  Once that connect
+    fails (the consumer closes it), the saves end unsent and their requests are reported."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(16)
     listener.settimeout(10)
-    _, worker, caches = producer(listener.getsockname()[1], load_timeout=5, connected=False)
+    _, worker, caches = producer(listener.getsockname()[1], load_timeout=30, connected=False)
     accepted = None
     try:
         for i in range(2):
@@ -223,12 +225,112 @@ def test_a_consumer_that_never_answers_does_not_hold_the_step() -> None:
         with pytest.raises(BlockingIOError):  # and no step opened another connection
             listener.accept()
         assert worker._peer is None and worker._connect_attempts == 1
-        assert worker.get_finished({"r0", "r1"}) == ({"r0", "r1"}, None)
+        assert worker.get_finished({"r0", "r1"}) == (None, None)  # their blocks kept meanwhile
+        accepted.close()  # the consumer gives up: the connect fails
+        assert finished_sends(worker) == {"r0", "r1"}
+        assert worker._peer is None and worker._connect_error is not None
     finally:
         if accepted is not None:
             accepted.close()
         listener.close()
         worker.shutdown()
+
+
+def finished_sends(worker: KvwireConnector, want: int = 1) -> set[str]:
+    """What ``get_finished`` reports as sends ended, polled until at least ``want``
+    requests, at most 30 s."""
+    finished: set[str] = set()
+    for _ in range(600):
+        done, _ = worker.get_finished(set())
+        finished |= done or set()
+        if len(finished) >= want:
+            break
+        threading.Event().wait(0.05)
+    return finished
+
+
+@contextlib.contextmanager
+def welcome_held() -> Iterator[tuple[SyncServer, FaultProxy, Bridge]]:
+    """A kvwire server behind a proxy that holds its answers (the handshake's WELCOME
+    first) until resumed: a producer's first connect stays under way."""
+    bridge = Bridge("welcome-held")
+    server = SyncServer(secret=SECRET.encode())
+    held = FaultPlan(backward=Faults(stall_at=0))
+    proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: held)
+    bridge.run(proxy.start(), 10)
+    try:
+        yield server, proxy, bridge
+    finally:
+        bridge.run(proxy.close(), 10)
+        server.close()
+        bridge.close()
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "sync-save"])
+def test_saves_wait_for_the_first_connect_and_go_once_it_is_up(async_save: bool) -> None:
+    """A step's saves that found the first connect still under way (the engine's first
+    request came before the consumer's WELCOME) were ended unsent, and the consumer
+    recomputed that prompt.  Now they wait for the connection, their blocks kept: with the
+    async save the step returns at once and the KV is sent whole once the connection is
+    up; without it, wait_for_save waits for the connection and the send."""
+    with welcome_held() as (server, proxy, bridge):
+        _, worker, caches = producer(proxy.port, load_timeout=60, async_save=async_save, connected=False)
+        handle = server.expect("late")
+        want = [(k.tobytes(), v.tobytes()) for k, v in sent_layers(caches)]
+        try:
+            if async_save:
+                step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "late", BLOCKS)]), caches)
+                assert worker._peer is None  # the step returned with the connect under way
+                assert worker.get_finished({"r1"}) == (None, None)  # its blocks kept
+                resume_once_stalled(proxy, bridge)
+                assert finished_sends(worker) == {"r1"}
+            else:
+                resuming = threading.Thread(target=resume_once_stalled, args=(proxy, bridge))
+                resuming.start()
+                step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "late", BLOCKS)]), caches)
+                resuming.join()
+            assert received(handle) == want
+        finally:
+            worker.shutdown()
+
+
+def test_shutdown_sends_the_saves_that_wait_for_the_connection() -> None:
+    """The engine shuts down right after the step whose saves wait for the first connect
+    (a producer that ran one request): shutdown waits for the connection and sends them."""
+    with welcome_held() as (server, proxy, bridge):
+        _, worker, caches = producer(proxy.port, load_timeout=60, connected=False)
+        handle = server.expect("last")
+        try:
+            step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "last", BLOCKS)]), caches)
+            resuming = threading.Thread(target=resume_once_stalled, args=(proxy, bridge))
+            resuming.start()
+            worker.shutdown()
+            resuming.join()
+            assert received(handle) == [(k.tobytes(), v.tobytes()) for k, v in sent_layers(caches)]
+        finally:
+            worker.shutdown()
+
+
+def test_a_save_that_waits_for_the_connection_ends_unsent_when_preempted() -> None:
+    """A request preempted while its save waits for the connection: its blocks are written
+    by the next forward, so it ends unsent (reported finished) and is not sent once the
+    connection is up."""
+    with welcome_held() as (server, proxy, bridge):
+        _, worker, caches = producer(proxy.port, load_timeout=60, connected=False)
+        handle, after = server.expect("preempted"), server.expect("after")
+        try:
+            step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "preempted", BLOCKS)]), caches)
+            step(worker, KvwireConnectorMetadata(preempted=["r1"]), caches)
+            assert worker.get_finished({"r1"}) == ({"r1"}, None)
+            resume_once_stalled(proxy, bridge)
+            wait_connected(worker)
+            step(worker, KvwireConnectorMetadata(saves=[_Move("r2", "after", BLOCKS[:4])]), caches)
+            after.wait(30)  # the connection is up and carries the next send
+            assert not worker._deferred
+            with pytest.raises(TransferTimeoutError):
+                handle.wait(1)  # r1 was never sent
+        finally:
+            worker.shutdown()
 
 
 def received_whole(handle: Any, caches: list[torch.Tensor]) -> None:
