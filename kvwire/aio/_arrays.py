@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Sized
 from typing import Any
 
 import numpy as np
@@ -96,6 +96,16 @@ def as_device_array(x: Any, spec: KVSpec, what: str) -> Any:
             f"{what} has shape {tuple(x.shape)}, expected [tokens, {spec.num_kv_heads}, {spec.head_dim}]"
         )
     return cupy.ascontiguousarray(x)
+
+
+def layer_count(layers: Any) -> int | None:
+    """``len(layers)`` where it has one (a sequence): checked before BEGIN."""
+    if not isinstance(layers, Sized):
+        return None
+    try:
+        return len(layers)
+    except TypeError:  # a __len__ that refuses (a 0-d array): counted as it is read
+        return None
 
 
 def sync_layers(layers: Any) -> Iterator[tuple[Any, Any]] | None:

@@ -10,7 +10,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sized
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +19,7 @@ from kvwire.aio._arrays import (
     as_host_array,
     is_device_array,
     iterate_layers,
+    layer_count,
     sync_layers,
 )
 from kvwire.aio._codec_speed import codec_speeds
@@ -154,7 +155,7 @@ async def send(
 ) -> Receipt:
     core = peer.core
     peer.check_usable()
-    count = _layer_count(layers)
+    count = layer_count(layers)
     if count is not None and count != spec.num_layers:  # refused before anything is sent
         raise UsageError(f"layers has {count} layers, spec.num_layers={spec.num_layers}")
     started = clock()
@@ -265,16 +266,6 @@ def _abort_error(exc: BaseException) -> KvwireError:
             return exc
         return TransferAbortedError(f"sender aborted: {exc}")
     return TransferAbortedError(f"sender aborted: {exc!r}")
-
-
-def _layer_count(layers: Any) -> int | None:
-    """``len(layers)`` where it has one (a sequence): checked before BEGIN."""
-    if not isinstance(layers, Sized):
-        return None
-    try:
-        return len(layers)
-    except TypeError:  # a __len__ that refuses (a 0-d array): counted as it is read
-        return None
 
 
 def _granted(core: SenderCore, tid: int, layer: int) -> Callable[[], bool]:
