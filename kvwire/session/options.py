@@ -17,7 +17,7 @@ from kvwire.errors import UsageError
 from kvwire.session.receiver import ReceiverConfig
 from kvwire.session.sender import SenderConfig
 from kvwire.spec import KVSpec
-from kvwire.wire.connection import NO_FINGERPRINT
+from kvwire.wire.connection import MAX_TRANSFERS, NO_FINGERPRINT
 from kvwire.wire.frames import (
     DEFAULT_CHUNK_BYTES,
     DEFAULT_MAX_FRAME_SIZE,
@@ -224,7 +224,7 @@ class ServerOptions:
         for name in ("transfer_buffer_bytes", "max_tokens", "max_sessions", "max_streams",
                      "max_layer_bytes", "max_chunk_bytes", "max_buffer_bytes"):
             check_int(self, name)
-        check_int(self, "max_transfers", maximum=(1 << 32) - 1)  # WELCOME's u32
+        check_int(self, "max_transfers", maximum=MAX_TRANSFERS)
         check_int(self, "max_meta_bytes", minimum=0)
         check_int(self, "notsent_lowat", minimum=0, maximum=_MAX_LOWAT, none_ok=True)
         check_number(self, "handshake_timeout")

@@ -76,6 +76,8 @@ from kvwire.wire.frames import (
 
 NO_SESSION = bytes(SESSION_ID_SIZE)
 NO_FINGERPRINT = bytes(FINGERPRINT_SIZE)
+#: Largest ``max_transfers`` a server may announce: WELCOME's u32 (never 0, docs/protocol.md 4.4).
+MAX_TRANSFERS = (1 << 32) - 1
 
 
 class Role(Enum):
@@ -269,7 +271,7 @@ class ConnectionConfig:
             )
         if self.window < self.max_frame_size:
             raise UsageError("window must be at least max_frame_size")
-        if not 1 <= self.max_transfers <= 0xFFFFFFFF:  # WELCOME's u32, never 0 (4.4)
+        if not 1 <= self.max_transfers <= MAX_TRANSFERS:
             raise UsageError("max_transfers must be in [1, 2^32 - 1]")
 
 
@@ -908,6 +910,7 @@ TRANSITIONS = _TRANSITIONS
 """The state table: (state, frame class) -> handler.  Anything absent is a ProtocolError."""
 
 __all__ = [
+    "MAX_TRANSFERS",
     "NO_FINGERPRINT",
     "NO_SESSION",
     "TRANSITIONS",
