@@ -7,7 +7,7 @@ import concurrent.futures
 import contextlib
 from typing import Any
 
-from kvwire.aio._sync import Bridge, SyncPeer, open_peer
+from kvwire.aio._sync import Bridge, SyncPeer, open_peer, wait_done, wait_result
 from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 
 
@@ -47,20 +47,21 @@ class PendingPeer:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait at most ``timeout`` s (``None``: until it ends) for the connect to end;
         whether it did.  Never raises the connect's error: :meth:`result` does."""
-        concurrent.futures.wait([self._future], timeout)
-        return self._future.done()
+        return wait_done(self._future, timeout)
 
     def result(self) -> SyncPeer:
         """The connected peer; raises the connect's error, :class:`~kvwire.ConnectionLostError`
         after :meth:`cancel` or when the bridge closed first, and
         :class:`~kvwire.UsageError` while not done (poll :meth:`done` first)."""
-        if not self._future.done():
-            raise UsageError("the connect is still under way: result() once done() says so")
-        try:
-            return _OpenedPeer(self._bridge, self._future.result())
-        except concurrent.futures.CancelledError:  # not a kvwire error: say what ended it
+        def cancelled() -> KvwireError:
             why = "the kvwire bridge was closed" if self._bridge.closed else "the connect was cancelled"
-            raise ConnectionLostError(f"{why} before it completed") from None
+            return ConnectionLostError(f"{why} before it completed")
+
+        peer = wait_result(  # (a timeout of 0: result() never waits)
+            self._future, 0,
+            not_done=lambda: UsageError("the connect is still under way: result() once done() says so"),
+            cancelled=cancelled)
+        return _OpenedPeer(self._bridge, peer)
 
     def cancel(self, timeout: float = 10.0) -> None:
         """Stop a connect still under way and wait (at most ``timeout`` s) until its

@@ -8,7 +8,7 @@ import concurrent.futures
 import contextlib
 import threading
 import weakref
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -26,6 +26,27 @@ from kvwire.session.sender import check_request_id
 from kvwire.spec import KVSpec, Layer
 
 T = TypeVar("T")
+
+
+def wait_done(fut: concurrent.futures.Future[Any], timeout: float | None) -> bool:
+    """Wait at most ``timeout`` s (``None``: until it ends) for ``fut`` to end; whether it did."""
+    concurrent.futures.wait([fut], timeout)
+    return fut.done()
+
+
+def wait_result(fut: concurrent.futures.Future[T], timeout: float | None, *,
+                not_done: Callable[[], KvwireError], cancelled: Callable[[], KvwireError]) -> T:
+    """``fut``'s result once it ended (waiting at most ``timeout`` s), or the error it
+    raised; ``not_done()`` is raised when it has not ended by then, and ``cancelled()``
+    when it was cancelled (not a kvwire error: the caller says what ended it)."""
+    # Not fut.result(timeout): its TimeoutError is TimeoutError itself, so a
+    # TransferTimeoutError the coroutine raised would read as this wait's timeout.
+    if not wait_done(fut, timeout):
+        raise not_done()
+    try:
+        return fut.result()
+    except concurrent.futures.CancelledError:
+        raise cancelled() from None
 
 
 class Bridge:
@@ -83,18 +104,17 @@ class Bridge:
             coro.close()
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
         fut = self.submit(coro)
-        # Not fut.result(timeout): its TimeoutError is TimeoutError itself, so a
-        # TransferTimeoutError the coroutine raised would read as this wait's timeout.
-        done, _ = concurrent.futures.wait([fut], timeout)
-        if not done:
-            fut.cancel()
-            raise TransferTimeoutError(f"not done in {timeout} s")
-        try:
-            return fut.result()
-        except concurrent.futures.CancelledError:  # not a kvwire error: say what ended it
+
+        def not_done() -> KvwireError:
+            fut.cancel()  # nobody waits for it any more
+            return TransferTimeoutError(f"not done in {timeout} s")
+
+        def cancelled() -> KvwireError:
             if self._closed:
-                raise ConnectionLostError("the kvwire bridge was closed while the call ran") from None
-            raise TransferAbortedError("the call was cancelled on the bridge's loop") from None
+                return ConnectionLostError("the kvwire bridge was closed while the call ran")
+            return TransferAbortedError("the call was cancelled on the bridge's loop")
+
+        return wait_result(fut, timeout, not_done=not_done, cancelled=cancelled)
 
     def call_soon(self, fn: Any, *args: Any) -> None:
         with self._lock:
@@ -420,20 +440,18 @@ class SendHandle:
         :class:`~kvwire.ConnectionLostError` when the bridge closed under it."""
         if self._bridge.in_loop_thread():
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
-        fut = self._future
-        assert fut is not None
-        # Not fut.result(timeout): its TimeoutError is TimeoutError itself, so the send's
-        # own TransferTimeoutError would read as this wait's timeout (as in Bridge.run).
-        done, _ = concurrent.futures.wait([fut], timeout)
-        if not done:
-            raise TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s")
-        try:
-            return fut.result()
-        except concurrent.futures.CancelledError:
+        assert self._future is not None
+
+        def cancelled() -> KvwireError:
             if self._bridge.closed and not self._aborted:
-                raise ConnectionLostError(
-                    f"the kvwire bridge was closed while sending {self.request_id!r}") from None
-            raise TransferAbortedError(f"send of {self.request_id!r} aborted") from None
+                return ConnectionLostError(f"the kvwire bridge was closed while sending {self.request_id!r}")
+            return TransferAbortedError(f"send of {self.request_id!r} aborted")
+
+        # (not cancelled when not done in time: the send goes on, and may be waited for again)
+        return wait_result(
+            self._future, timeout,
+            not_done=lambda: TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s"),
+            cancelled=cancelled)
 
     @property
     def done(self) -> bool:
