@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
-from typing import Any
 
 import pytest
 
@@ -15,34 +13,24 @@ import kvwire
 from kvwire.aio import _stream
 from kvwire.aio._stream import Stream
 from kvwire.errors import ErrorCode
-from kvwire.wire.frames import HANDSHAKE_MAX_BODY
+from kvwire.wire import GoAway
+from kvwire.wire.frames import HANDSHAKE_MAX_BODY, HEADER, FrameType
 from tests.aio.test_stream import FakeTransport, Owner
+from tests.rawpeer import read_one_frame, wait_until
 
 SECRET = b"goaway-close-secret"
-HELLO = 0x01
-GOAWAY = 0x30
 
 
 def _oversized_hello(extra: int) -> bytes:
     """A HELLO whose header announces more than a handshake frame may carry, followed by
     ``extra`` bytes of its body: refused from the header, the rest still on its way."""
-    return struct.pack(">BBHI", HELLO, 0, 0, HANDSHAKE_MAX_BODY + 1) + bytes(extra)
+    return HEADER.pack(FrameType.HELLO, 0, 0, HANDSHAKE_MAX_BODY + 1) + bytes(extra)
 
 
 async def _read_goaway(reader: asyncio.StreamReader) -> int:
-    head = await reader.readexactly(8)
-    ftype, _flags, _reserved, length = struct.unpack(">BBHI", head)
-    body = await reader.readexactly(length + 4)  # and its CRC
-    assert ftype == GOAWAY
-    return int(struct.unpack(">H", body[:2])[0])
-
-
-async def _until(cond: Any, seconds: float = 10.0) -> None:
-    for _ in range(int(seconds / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("not reached in time")
+    frame = await read_one_frame(reader, 10)
+    assert isinstance(frame, GoAway)
+    return frame.code
 
 
 async def test_a_goaway_reaches_a_peer_whose_bytes_the_server_never_read() -> None:
@@ -53,13 +41,13 @@ async def test_a_goaway_reaches_a_peer_whose_bytes_the_server_never_read() -> No
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         try:
             writer.write(_oversized_hello(1 << 20))
-            code = await asyncio.wait_for(_read_goaway(reader), 10)
+            code = await _read_goaway(reader)
             assert code == ErrorCode.FRAME_TOO_LARGE
             assert await asyncio.wait_for(reader.read(), 10) == b""  # then the server's EOF
             await asyncio.wait_for(writer.drain(), 10)  # everything sent was taken (and dropped)
         finally:
             writer.close()
-        await _until(lambda: server.statistics()["connections"] == 0)
+        assert await wait_until(lambda: server.statistics()["connections"] == 0, 10)
 
 
 async def test_a_peer_that_never_closes_is_dropped_after_the_linger(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,7 +56,7 @@ async def test_a_peer_that_never_closes_is_dropped_after_the_linger(monkeypatch:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         try:
             writer.write(_oversized_hello(256 * 1024))
-            assert await asyncio.wait_for(_read_goaway(reader), 10) == ErrorCode.FRAME_TOO_LARGE
+            assert await _read_goaway(reader) == ErrorCode.FRAME_TOO_LARGE
             assert await asyncio.wait_for(reader.read(), 10) == b""
             # The peer goes on sending and never closes: the server reads and drops it
             # until the linger passes, then drops the connection.
@@ -82,7 +70,7 @@ async def test_a_peer_that_never_closes_is_dropped_after_the_linger(monkeypatch:
 
             sending = asyncio.create_task(keep_sending())
             try:
-                await _until(lambda: server.statistics()["connections"] == 0)
+                assert await wait_until(lambda: server.statistics()["connections"] == 0, 10)
             finally:
                 sending.cancel()
                 await asyncio.gather(sending, return_exceptions=True)
@@ -95,12 +83,12 @@ async def test_server_close_ends_with_a_peer_that_never_closes(monkeypatch: pyte
     server = await kvwire.serve("127.0.0.1", 0, secret=SECRET).__aenter__()
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     try:
-        await _until(lambda: server.statistics()["connections"] == 1)
+        assert await wait_until(lambda: server.statistics()["connections"] == 1, 10)
         streams = list(server._by_cid.values())
         await asyncio.wait_for(server.close(), 30)
         assert all(s.closed.is_set() and s.transport is None for s in streams)
         assert server.statistics()["connections"] == 0
-        assert await asyncio.wait_for(_read_goaway(reader), 10) == ErrorCode.NO_ERROR
+        assert await _read_goaway(reader) == ErrorCode.NO_ERROR
     finally:
         writer.close()
 
@@ -155,7 +143,7 @@ async def test_a_closed_stream_whose_peer_never_closes_is_aborted_at_the_linger(
     owner.core.closed = True
     s.flush()
     assert tr.eof_written and not tr.aborted
-    await _until(lambda: tr.aborted)
+    assert await wait_until(lambda: tr.aborted, 10)
 
 
 async def test_a_stream_whose_peer_closed_first_closes_once_written() -> None:

@@ -12,7 +12,7 @@ import hmac
 import random
 import socket
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -37,8 +37,9 @@ from kvwire.wire import (
     State,
     Welcome,
 )
-from kvwire.wire.frames import HANDSHAKE_MAX_BODY, HEADER
+from kvwire.wire.frames import HANDSHAKE_MAX_BODY, HEADER, FrameType
 from tests.conftest import SECRET, make_layers, same_cache
+from tests.rawpeer import read_one_frame, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,33 +123,10 @@ async def read_frames(reader: asyncio.StreamReader, *, until: float = 5.0) -> tu
         frames.extend(f for f, _ in dec.feed(data))
 
 
-async def read_one_frame(reader: asyncio.StreamReader, timeout: float = 5.0) -> Any:
-    dec = FrameDecoder(1 << 20)
-    async def go() -> Any:
-        while True:
-            data = await reader.read(65536)
-            assert data, "server closed before sending a frame"
-            got = dec.feed(data)
-            if got:
-                assert len(got) == 1, got
-                return got[0][0]
-    return await asyncio.wait_for(go(), timeout)
-
-
 def goaway_of(frames: list[Any]) -> GoAway:
     goaways = [f for f in frames if isinstance(f, GoAway)]
     assert goaways, f"no GOAWAY among {frames}"
     return goaways[-1]
-
-
-async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            return False
-        await asyncio.sleep(0.02)
-    return True
 
 
 class RecordingProxy:
@@ -601,8 +579,8 @@ async def test_unauthenticated_garbage_gets_goaway_and_the_server_serves_the_nex
         async with kvwire.serve("127.0.0.1", 0, secret=SECRET, handshake_timeout=3.0) as server:
             payloads = [
                 bytes(rng.getrandbits(8) for _ in range(20_000)),  # noise
-                HEADER.pack(0x01, 0, 0, 100) + bytes(104),  # a HELLO-typed frame, bad CRC
-                HEADER.pack(0x12, 0, 0, 64) + bytes(68),  # a CHUNK before authentication
+                HEADER.pack(FrameType.HELLO, 0, 0, 100) + bytes(104),  # a HELLO-typed frame, bad CRC
+                HEADER.pack(FrameType.CHUNK, 0, 0, 64) + bytes(68),  # a CHUNK before authentication
                 b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + bytes(20_000),
             ]
             for junk in payloads:
@@ -625,7 +603,7 @@ async def test_handshake_frames_are_bounded_before_authentication() -> None:
     waiting for (or buffering) the body."""
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, handshake_timeout=3.0) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(HEADER.pack(0x01, 0, 0, HANDSHAKE_MAX_BODY + 1))
+        writer.write(HEADER.pack(FrameType.HELLO, 0, 0, HANDSHAKE_MAX_BODY + 1))
         frames, closed = await read_frames(reader, until=2.0)
         writer.close()
         assert goaway_of(frames).code == ErrorCode.FRAME_TOO_LARGE
