@@ -48,7 +48,7 @@ class RowScaledCodec(Codec):
         self, params: bytes, payload: Any, base: memoryview, spans: Any, *,
         shape: tuple[int, int, int], dtype: str, kind: TensorKind,
     ) -> bool:
-        nm.check_params(params, self.name)
+        params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
         if _host.ext is None:
             return False
@@ -118,14 +118,15 @@ class RowScaledCodec(Codec):
         dtype: str,
         out: np.ndarray[Any, Any] | None,
     ) -> tuple[tuple[int, int, int], np.ndarray[Any, Any], memoryview, memoryview]:
-        shape, scale_buf, code_buf = self._payload(params, payload, shape)
+        shape, scale_buf, code_buf = self._payload(nm.check_params(params, self.name), payload, shape)
         return shape, nm.output_array(out, shape, dtype), scale_buf, code_buf
 
     def _payload(
         self, params: bytes, payload: Any, shape: tuple[int, int, int]
     ) -> tuple[tuple[int, int, int], memoryview, memoryview]:
-        """The checked shape and the payload's scales and codes."""
-        if nm.check_params(params, self.name):
+        """The checked shape and the payload's scales and codes (``params`` as
+        :func:`~kvwire.codec._numeric.check_params` gives them)."""
+        if params:
             raise ProtocolError(f"{self.name} codec takes no parameters")
         shape = nm.check_shape(shape, self.name)
         rows, dim = shape[0] * shape[1], shape[2]

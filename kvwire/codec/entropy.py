@@ -30,8 +30,17 @@ LZ4_MAX_SIZE = 2**31 - 1
 LZ4_MAX_RATIO = 255
 
 
+def check_sizing_args(shape: Any, dtype: str, kind: Any, codec: str) -> tuple[tuple[int, int, int], TensorKind]:
+    """The caller's ``shape``, ``dtype`` and ``kind`` checked (UsageError naming ``codec``),
+    as a decode must before :func:`inner_payload_size` works a size out from them."""
+    shape = nm.check_shape(shape, codec)
+    numpy_dtype(dtype)
+    return shape, TensorKind(kind)
+
+
 def inner_payload_size(codec: Codec, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind) -> int:
-    """Exact payload size the inner codec decodes for ``shape`` (ProtocolError if unknowable)."""
+    """Exact payload size the inner codec decodes for ``shape`` (ProtocolError if unknowable);
+    ``shape``, ``dtype`` and ``kind`` as :func:`check_sizing_args` gives them."""
     n = shape[0] * shape[1] * shape[2]
     if codec.name == "raw":
         return n * numpy_dtype(dtype).itemsize
@@ -99,7 +108,7 @@ class EntropyCodec(Codec):
         out: np.ndarray[Any, Any] | None = None,
     ) -> np.ndarray[Any, Any]:
         params = nm.check_params(params, self.name)
-        shape, kind = self._check(shape, dtype, kind)
+        shape, kind = check_sizing_args(shape, dtype, kind, self.name)
         inner_params, plain = self._unpack(params, payload, shape, dtype, kind)
         return self.inner.decode(inner_params, plain, shape=shape, dtype=dtype, kind=kind, out=out)
 
@@ -113,24 +122,17 @@ class EntropyCodec(Codec):
         decompress."""
         params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
-        shape, kind = self._check(shape, dtype, kind)
+        shape, kind = check_sizing_args(shape, dtype, kind, self.name)
         if self.inner.name == "raw" or _host.ext is None:
             return False
         inner_params, plain = self._unpack(params, payload, shape, dtype, kind)
         return self.inner.decode_ranges(inner_params, plain, base, spans, shape=shape, dtype=dtype, kind=kind)
 
-    def _check(self, shape: Any, dtype: str, kind: Any) -> tuple[tuple[int, int, int], TensorKind]:
-        """The caller's ``shape``, ``dtype`` and ``kind`` checked (UsageError) before the
-        inner payload's size is worked out from them."""
-        shape = nm.check_shape(shape, self.name)
-        numpy_dtype(dtype)
-        return shape, TensorKind(kind)
-
     def _unpack(
         self, params: bytes, payload: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
     ) -> tuple[bytes, Any]:
         """The inner codec's params and payload (decompressed and unshuffled when it was
-        compressed)."""
+        compressed), from checked ``params`` and arguments (:func:`check_sizing_args`)."""
         if not params or params[0] & ~FLAG_COMPRESSED:
             raise ProtocolError(f"{self.name} params must start with a flag byte of 0 or 1")
         inner_params = bytes(params[1:])

@@ -26,7 +26,7 @@ import numpy as np
 
 from kvwire.codec import _numeric as nm
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind
-from kvwire.codec.entropy import FLAG_COMPRESSED, EntropyCodec, inner_payload_size
+from kvwire.codec.entropy import FLAG_COMPRESSED, EntropyCodec, check_sizing_args
 from kvwire.codec.int4 import DEFAULT_GROUP, Int4Codec, group_count
 from kvwire.errors import ProtocolError, UsageError
 
@@ -409,29 +409,17 @@ def encode_on_device(codec: Codec, x: Any, kind: TensorKind, *, dtype: str | Non
 def _plain(codec: Codec, params: bytes, payload: Any, shape: tuple[int, int, int], dtype: str,
            kind: TensorKind) -> tuple[str, bytes, memoryview]:
     """(base codec name, inner params, plain payload) after the entropy stage's checks
-    (the caller's shape and kind are checked before anything is sized from them)."""
+    (the caller's shape, dtype and kind are checked before anything is sized from them)."""
     base, entropy = split_codec(codec)
     params = nm.check_params(params, codec.name)
-    shape = nm.check_shape(shape, codec.name)
-    kind = TensorKind(kind)
+    shape, kind = check_sizing_args(shape, dtype, kind, codec.name)
     try:
         view = memoryview(payload).cast("B")
     except (TypeError, ValueError) as exc:
         raise ProtocolError(f"{codec.name} payload is not a contiguous byte buffer") from exc
     if entropy is None:
-        return base, bytes(params), view
-    if not params or params[0] & ~FLAG_COMPRESSED:
-        raise ProtocolError(f"{entropy.name} params must start with a flag byte of 0 or 1")
-    inner_params = bytes(params[1:])
-    if not params[0] & FLAG_COMPRESSED:
-        return base, inner_params, view
-    size = inner_payload_size(entropy.inner, inner_params, shape, dtype, kind)
-    plain = entropy._decompress(view, size)
-    if len(plain) != size:
-        raise ProtocolError(f"{entropy.name} payload decompressed to {len(plain)} bytes, expected {size}")
-    width = entropy._shuffle_width(dtype)
-    if width > 1:
-        plain = np.frombuffer(plain, np.uint8).reshape(width, -1).T.tobytes()
+        return base, params, view
+    inner_params, plain = entropy._unpack(params, view, shape, dtype, kind)
     return base, inner_params, memoryview(plain)
 
 

@@ -82,7 +82,7 @@ class Int4Codec(Codec):
         self, params: bytes, payload: Any, base: memoryview, spans: Any, *,
         shape: tuple[int, int, int], dtype: str, kind: TensorKind,
     ) -> bool:
-        nm.check_params(params, self.name)
+        params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
         if _host.ext is None:
             return False
@@ -165,7 +165,7 @@ class Int4Codec(Codec):
         *,
         reference: bool,
     ) -> np.ndarray[Any, Any]:
-        group, shape, kind, bufs = self._payload(params, payload, shape, kind)
+        group, shape, kind, bufs = self._payload(nm.check_params(params, self.name), payload, shape, kind)
         result = nm.output_array(out, shape, dtype)
         n = shape[0] * shape[1] * shape[2]
         ngroups = group_count(shape, kind, group)
@@ -203,8 +203,8 @@ class Int4Codec(Codec):
         self, params: bytes, payload: Any, shape: tuple[int, int, int], kind: TensorKind
     ) -> tuple[int, tuple[int, int, int], TensorKind, list[memoryview]]:
         """The group size, the checked shape and kind, and the payload's scales, minimums
-        and codes."""
-        group = _group_from_params(nm.check_params(params, self.name))
+        and codes (``params`` as :func:`~kvwire.codec._numeric.check_params` gives them)."""
+        group = _group_from_params(params)
         shape = nm.check_shape(shape, self.name)
         try:
             kind = TensorKind(kind)
