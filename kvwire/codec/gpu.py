@@ -544,6 +544,7 @@ def decode_on_device(
     For bfloat16 the array holds the uint16 bit patterns.
     """
     check_dtype(dtype)
+    shape, kind = check_sizing_args(shape, dtype, kind, codec.name)  # before it sizes an allocation
     import cupy
 
     out = cupy.empty(shape, cupy.float32 if dtype == "float32" else cupy.float16 if dtype == "float16" else cupy.uint16)

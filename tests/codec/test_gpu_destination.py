@@ -76,3 +76,13 @@ def test_decode_on_device_refuses_an_unknown_dtype(no_device: None) -> None:
     chunk = codec.encode(np.ones(SHAPE, np.float32), TensorKind.K)
     with pytest.raises(UsageError, match="unsupported dtype"):
         gpu.decode_on_device(codec, chunk.params, chunk.payload, shape=SHAPE, dtype="float64", kind=TensorKind.K)
+
+
+@pytest.mark.parametrize("shape", [(4, -1, 8), (4, 2), (4, 2.5, 8), (0, 2, 8)])
+def test_decode_on_device_checks_the_shape_before_it_allocates(no_device: None, shape: Any) -> None:
+    """A shape that is no [tokens, heads, head_dim] of positive ints is refused before the
+    output array is allocated on the device."""
+    codec = get_codec("fp8")
+    chunk = codec.encode(np.ones(SHAPE, np.float32), TensorKind.K)
+    with pytest.raises(UsageError):
+        gpu.decode_on_device(codec, chunk.params, chunk.payload, shape=shape, dtype="float32", kind=TensorKind.K)
