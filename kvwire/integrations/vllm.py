@@ -54,6 +54,27 @@ exact configuration.
   it comes, as long as a load would wait for it.  A request loads
   once: preempted after its load (its blocks freed), it is computed locally when
   resumed.
+- **Consumer, asynchronous load** (``kvwire_load_async: true``): the hit is reported to
+  be loaded asynchronously, so vLLM parks the request (``WAITING_FOR_REMOTE_KVS``, its
+  blocks allocated) and schedules it only once ``get_finished`` reports it in
+  ``finished_recving``; the load goes in the step's metadata from
+  ``update_state_after_alloc`` (blocks, and ``DROP`` for those cached here, as above) and
+  ``start_load_kv`` starts its receive into the blocks, but no hook waits for it:
+  ``wait_for_layer_load`` returns at once, and each ``get_finished`` looks at the
+  receives (``ReceiveHandle.done``, ``error``), never waiting.  A request is reported
+  once: when its transfer arrived whole (and, with a registry, was checked fresh; the
+  check runs on kvwire's loop), or failed, was refused, or is not in within
+  ``kvwire_load_timeout`` of its own start (not of a step), its blocks then reported
+  through ``get_block_ids_with_load_errors`` in the same step (vLLM needs it reported
+  to take it out of its wait, and recomputes those blocks with
+  ``kv_load_failure_policy="recompute"``).  A request that finishes while it waits has
+  its receive aborted and is reported too (vLLM frees its blocks only then).  A receive
+  aborted by a hook is reported only once kvwire's loop has run a mark queued after the
+  abort (a later hook reports it; the hook does not wait), so no chunk is written into
+  blocks vLLM may reuse.  Choose it for a decode instance that serves other requests
+  while KV arrives (a slow link, a prefill still running): a late transfer holds up no
+  step.  The default, layer-wise load lets the first layers compute while later ones
+  arrive, at the cost of holding the step until they are in.
 
 Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]`` (pass
 ``SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": ...}})`` on both
@@ -68,7 +89,8 @@ Redis): the prompt's full blocks are named by a chained hash of their token ids
 (:mod:`kvwire.integrations.prefix`).  The producer names them with their current
 versions (``begin`` + ``commit``) in the transfer; the consumer's server checks them on
 arrival and publishes them (``serve(registry=...)``), and ``wait_for_layer_load`` checks
-them again before the first layer is used: a cache whose blocks are not exactly this
+them again before the first layer is used (with the async load, ``get_finished`` once the
+transfer is in, before the request is reported): a cache whose blocks are not exactly this
 prompt's, or are stale (invalidated since), is refused and its blocks are reported
 like a failed load's (recomputed with ``kv_load_failure_policy="recompute"``).
 
@@ -83,6 +105,7 @@ picks one (the CPU backend's ISA), the KV cache dtype and the vLLM version.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import re
@@ -100,8 +123,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvwire.codec import get_codec
-from kvwire.errors import KvwireError, UsageError
-from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
+from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
+from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids, verify_blocks
 from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
 from kvwire.session.options import MAX_STREAMS, check_value
 from kvwire.sync import Bridge, PendingPeer, ReceiveHandle, SendHandle, SyncPeer, SyncServer
@@ -266,6 +289,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._timeout: float = _seconds(extra, "kvwire_load_timeout", 60.0)
         self._load_all: bool = _flag(extra, "kvwire_load_all", False)
         self._async_save: bool = _flag(extra, "kvwire_async_save", True)
+        self._load_async: bool = _flag(extra, "kvwire_load_async", False)
         # A prefill instance usually finishes before the decode instance takes the request.
         self._claim_timeout: float | None = (
             None if extra.get("kvwire_claim_timeout", 600.0) is None else _seconds(extra, "kvwire_claim_timeout", 600.0)
@@ -287,6 +311,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._loaded: set[str] = set()  # requests whose one load (or drop) was scheduled
         self._partial: dict[str, tuple[str, list[int], int, str | None, tuple[bytes, ...]]] = {}
         self._saving: set[str] = set()  # requests whose send was scheduled (async save: blocks kept)
+        # async load: the loads of requests vLLM parked for their KV (not scheduled, so not
+        # in the scheduler output's new requests), for the step's metadata
+        self._async_loads: dict[str, _Move] = {}
         # worker side
         self._spec: PagedSpec | None = None
         self._caches: list[torch.Tensor] = []
@@ -326,6 +353,15 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
         self._aborting: list[str] = []  # receives aborted in this hook, not yet known stopped
+        # Async load: when each load started (its kvwire_load_timeout counts from then),
+        # the registry checks under way (with their deadlines), and loads that ended with
+        # their receive aborted, not yet known stopped: each waits for a mark queued on
+        # kvwire's loop after its abort (with its blocks to report as load errors, and
+        # since when it waits) before its request is reported, so vLLM keeps its blocks
+        # until nothing writes into them.
+        self._load_since: dict[str, float] = {}
+        self._verifying: dict[str, tuple[concurrent.futures.Future[str | None], float]] = {}
+        self._unstopped: dict[str, tuple[threading.Event, set[int], float]] = {}
         # The step's loads end by this time (set when they start, or at the step's first
         # wait for loads it carried over): every layer's wait shares it; cleared when the
         # step ends (clear_connector_metadata), so the next step sets its own.
@@ -397,7 +433,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # rest of the full blocks are loaded (the transfer carries them all: the cached
         # ones' part is dropped on arrival).
         self._local_hits[request.request_id] = num_computed_tokens
-        return max(0, tokens - num_computed_tokens), False
+        hit = max(0, tokens - num_computed_tokens)
+        # Async load: vLLM parks a request with a hit (WAITING_FOR_REMOTE_KVS, its blocks
+        # allocated) until the worker reports its KV in (get_finished); no hit, no wait.
+        return hit, self._load_async and hit > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -420,10 +459,25 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # claim timeout.
             logger.info("kvwire: request %s is computed here (%d of its %d full blocks cached): its KV is "
                         "received and dropped", req_id, cached, n)
-        self._pending_loads[req_id] = (key, cached, min(n - cached, num_external_tokens // self._block_size))
+        loaded = min(n - cached, num_external_tokens // self._block_size)
+        if self._load_async and num_external_tokens > 0:
+            # Parked until its KV is in, not scheduled: its load goes in this step's
+            # metadata from here, into the blocks vLLM allocated for it now.
+            self._loaded.add(req_id)
+            block_ids = list(blocks.get_block_ids()[0])
+            ids = [DROP] * cached + block_ids[cached : cached + loaded]
+            ids += [DROP] * (n - len(ids))
+            self._async_loads[req_id] = _Move(req_id, key, ids, prefix=self._prefix(prompt, n))
+            return
+        self._pending_loads[req_id] = (key, cached, loaded)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KvwireConnectorMetadata()
+        # Async loads, each in one step's metadata, even for a request finished meanwhile:
+        # vLLM keeps a parked request's blocks until the worker reports it (get_finished),
+        # which the worker does once it started, and aborted, its receive.
+        meta.loads.extend(self._async_loads.values())
+        self._async_loads.clear()
         for new in scheduler_output.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or [])
             n = self._full_blocks(len(prompt))
@@ -602,15 +656,18 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._server is None or self._spec is None:
             return
         meta = self._meta()
-        if meta.loads:
+        now = time.monotonic()
+        if meta.loads and not self._load_async:
             # One kvwire_load_timeout for all of the step's loads, every layer of them: a
             # transfer that trickles in (each layer just inside a timeout of its own) holds
             # the step that long at most, not once per layer.
-            self._load_deadline = time.monotonic() + self._timeout
+            self._load_deadline = now + self._timeout
         for move in meta.loads:
             dest = PagedDestination(self._spec, self._caches, move.block_ids)
             handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
             self._loading[move.req_id] = (handle, [b for b in move.block_ids if b != DROP], len(move.block_ids))
+            if self._load_async:  # nothing waits for it: get_finished reports it once it ended
+                self._load_since[move.req_id] = now
             if self._registry is not None:
                 self._expected[move.req_id] = move.prefix
         for move in meta.drops:  # nothing waits for these: get_finished lets them go
@@ -640,7 +697,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _abort(self, req_id: str, handle: ReceiveHandle, reason: str) -> None:
         """Stop a load whose blocks vLLM will recompute into.  Issued at once; the hook
         waits for it, with the other aborts it issued, in :meth:`_settle_aborts` before it
-        returns."""
+        returns (with the async load it does not wait: :meth:`_finished_loads` reports the
+        request once the loop stopped it)."""
         if not handle.abort(reason, timeout=0):
             self._aborting.append(req_id)
 
@@ -665,13 +723,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _give_up_load(self, req_id: str, reason: str) -> None:
         """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does."""
         handle, _, total = self._loading.pop(req_id)
+        self._load_since.pop(req_id, None)
+        verifying = self._verifying.pop(req_id, None)
+        if verifying is not None:
+            verifying[0].cancel()
         arrived = handle.transfer is not None
         self._abort(req_id, handle, reason)
         if not arrived and self._server is not None:
             self._drop(req_id, handle.request_id, [DROP] * total)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if not self._loading:
+        if not self._loading or self._load_async:  # async load: the request runs once its KV is in
             return
         index = self._index.get(layer_name)
         if index is None:
@@ -1036,31 +1098,141 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 continue
             del self._dropping[req_id]
 
+    def _verified(self, req_id: str, handle: ReceiveHandle, now: float) -> tuple[bool, str | None]:
+        """Async load: whether the registry check of ``req_id``'s transfer, arrived whole,
+        ended (it runs on kvwire's loop; the hook does not wait for it), and the reason to
+        refuse the cache (None: fresh, or no check).  A check not done within the
+        registry's timeout refuses it, as a registry error does (fail closed)."""
+        expected = self._expected.get(req_id)
+        if expected is None or self._registry is None:
+            return True, None
+        pending = self._verifying.get(req_id)
+        if pending is None:
+            announced = getattr(handle.transfer, "blocks", None) or []
+            try:
+                future = self._registry.bridge.submit(verify_blocks(self._registry.registry, expected, announced))
+            except KvwireError as exc:
+                self._expected.pop(req_id, None)
+                return True, f"registry check failed: {exc}"
+            pending = self._verifying[req_id] = (future, now + self._registry.timeout)
+        future, deadline = pending
+        if future.done():
+            try:
+                reason = future.result()
+            except Exception as exc:  # (a cancelled check too)
+                reason = f"registry check failed: {str(exc) or type(exc).__name__}"
+        elif now >= deadline:
+            future.cancel()
+            reason = f"registry check failed: not done in {self._registry.timeout:g} s"
+        else:
+            return False, None
+        del self._verifying[req_id]
+        self._expected.pop(req_id, None)
+        return True, reason
+
+    def _ended_loads(self, now: float) -> dict[str, set[int]]:
+        """Async load: the loads that ended, each with the blocks to report as load errors
+        (none when its KV is in): arrived whole (and, with a registry, checked fresh),
+        failed, refused, or not in within kvwire_load_timeout of its start.  One that did
+        not arrive whole is aborted (a transfer that comes later is dropped)."""
+        ended: dict[str, set[int]] = {}
+        for req_id, (handle, blocks, _) in list(self._loading.items()):
+            if handle.done:
+                checked, reason = self._verified(req_id, handle, now)
+                if not checked:
+                    continue
+                del self._loading[req_id]
+                self._load_since.pop(req_id, None)
+                if reason is None:
+                    wire = getattr(handle.transfer, "wire_bytes", 0)
+                    logger.info("kvwire: received KV of request %s (%d blocks, %d wire bytes)", req_id, len(blocks), wire)
+                    ended[req_id] = set()
+                else:  # every layer is in, nothing writes into its blocks any more
+                    logger.error("kvwire: refused KV of request %s: %s", req_id, reason)
+                    ended[req_id] = set(blocks)
+                continue
+            error: KvwireError | None = handle.error
+            if error is None and now >= self._load_since.get(req_id, now) + self._timeout:
+                error = TransferTimeoutError(f"transfer of {handle.request_id!r} not ready after {self._timeout:g} s")
+            if error is None:
+                continue
+            logger.error("kvwire: receiving KV of request %s failed: %s", req_id, error)
+            self._expected.pop(req_id, None)
+            self._give_up_load(req_id, str(error))
+            ended[req_id] = set(blocks)
+        return ended
+
+    def _finished_loads(self, gone: set[str]) -> set[str] | None:
+        """Async load: the requests to report in finished_recving now, their failed blocks
+        added to the load errors: the loads that ended, and those of requests that
+        finished (``gone``, aborted: no blocks to report).  A load whose receive this hook
+        aborted is reported once kvwire's loop ran a mark queued after the abort (the hook
+        does not wait for it: a later one reports it), so nothing writes into its blocks
+        once vLLM may reuse them."""
+        now = time.monotonic()
+        ended: dict[str, set[int]] = {req_id: set() for req_id in gone}
+        ended.update(self._ended_loads(now))
+        aborted, self._aborting = set(self._aborting), []
+        mark: threading.Event | None = None
+        if aborted and self._server is not None:
+            mark = threading.Event()
+            try:
+                self._server.bridge.call_soon(mark.set)
+            except KvwireError:  # the bridge is closed: nothing runs on it any more
+                mark = None
+        finished: set[str] = set()
+        for req_id, blocks in ended.items():
+            if mark is not None and req_id in aborted:
+                self._unstopped[req_id] = (mark, blocks, now)
+            else:
+                finished.add(req_id)
+                self._load_errors.update(blocks)
+        for req_id, (stopped, blocks, since) in list(self._unstopped.items()):
+            if stopped.is_set():
+                del self._unstopped[req_id]
+                finished.add(req_id)
+                self._load_errors.update(blocks)
+            elif now >= since + self._ABORT_WAIT:
+                logger.error("kvwire: the receive of request %s is not stopped yet (kvwire's loop is held up): "
+                             "its blocks are kept until it is", req_id)
+                self._unstopped[req_id] = (stopped, blocks, float("inf"))  # said once
+        return finished or None
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._reap_drops()
         if self._async_save and self._deferred:  # (without it, wait_for_save ended them all)
             self._send_deferred()
             self._fly()
+        gone: set[str] = set()  # async load: finished requests whose load is aborted now
         for req_id in finished_req_ids:
             self._expected.pop(req_id, None)
             if req_id in self._loading:
                 self._give_up_load(req_id, "request finished")
+                if self._load_async:  # vLLM keeps its blocks until it is reported
+                    gone.add(req_id)
+            if req_id in self._unstopped:  # failed before it finished: no request to recompute now
+                stopped, _, since = self._unstopped[req_id]
+                self._unstopped[req_id] = (stopped, set(), since)
             if req_id in self._sending:
                 logger.error("kvwire: request %s finished while its KV was being sent", req_id)
                 self._let_go_of_blocks()
             if (req_id in self._in_flight or req_id in self._draining or req_id in self._ended
                     or req_id in self._deferred):
                 self._finished_sends.add(req_id)
-        self._settle_aborts()
+        recving: set[str] | None = None
+        if self._load_async:
+            recving = self._finished_loads(gone)
+        else:
+            self._settle_aborts()
         if not self._async_save:  # every send ended in wait_for_save
             self._ended.clear()
             self._finished_sends.clear()
-            return None, None
+            return None, recving
         self._reap()
         sent = self._finished_sends & self._ended
         self._finished_sends -= sent
         self._ended -= sent
-        return sent or None, None
+        return sent or None, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -6,6 +6,8 @@ be placed there at will.)  Then the scheduler side through preemption and with t
 consumer's prefix cache, fed vLLM's own scheduler output objects, and a consumer worker
 that loads part of a transfer and drops another, two requests of one name, and loads
 waited for within one load timeout per layer (and sends behind a late one not waited for).
+A consumer loading asynchronously (``kvwire_load_async``): the hit parked, its load in the
+metadata, steps that do not wait for it, and what get_finished reports once it ended.
 """
 
 from __future__ import annotations
@@ -619,12 +621,12 @@ class _Request:
 # -- the scheduler side through preemption, with vLLM's own scheduler output -------------------
 
 
-def scheduler_side(role: str) -> KvwireConnector:
+def scheduler_side(role: str, extra: dict[str, Any] | None = None) -> KvwireConnector:
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role=role,
             kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_peer": "127.0.0.1:1",
-                                       "kvwire_listen": "127.0.0.1:0"},
+                                       "kvwire_listen": "127.0.0.1:0", **(extra or {})},
         ),
         cache_config=CacheConfig(block_size=16),
     )
@@ -794,13 +796,15 @@ def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
     assert meta.loads == [] and meta.drops == []
 
 
-def consumer_worker(caches: list[torch.Tensor], load_timeout: float = 30) -> tuple[KvwireConnector, PagedSpec]:
-    """A consumer's worker-side connector with ``caches`` registered (its server listening)."""
+def consumer_worker(caches: list[torch.Tensor], load_timeout: float = 30,
+                    load_async: bool = False) -> tuple[KvwireConnector, PagedSpec]:
+    """A consumer's worker-side connector with ``caches`` registered (its server listening),
+    loading asynchronously with ``load_async``."""
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
             kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
-                                       "kvwire_load_timeout": load_timeout},
+                                       "kvwire_load_timeout": load_timeout, "kvwire_load_async": load_async},
         ),
         cache_config=CacheConfig(block_size=16),
     )
@@ -1100,6 +1104,258 @@ def test_the_aborts_of_one_hook_wait_for_kvwires_loop_once(
     finally:
         gate.set()
         worker.shutdown()
+
+
+# -- a consumer loading asynchronously (kvwire_load_async) -------------------------------------
+
+
+def kv_blocks(ids: list[int]) -> Any:
+    """The blocks vLLM allocated for a request, as its scheduler hands them to the connector."""
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    return KVCacheBlocks(blocks=([KVCacheBlock(i) for i in ids],))
+
+
+def test_load_async_is_a_true_or_false_setting() -> None:
+    assert KvwireConnector(connector_config({}, "kv_consumer"), KVConnectorRole.WORKER)._load_async is False
+    for text, value in (("false", False), ("true", True), (True, True)):
+        made = KvwireConnector(connector_config({"kvwire_load_async": text}, "kv_consumer"), KVConnectorRole.WORKER)
+        assert made._load_async is value
+    with pytest.raises(UsageError, match="kvwire_load_async must be true or false"):
+        KvwireConnector(connector_config({"kvwire_load_async": "maybe"}, "kv_consumer"), KVConnectorRole.WORKER)
+
+
+def test_an_async_consumer_parks_a_hit_and_loads_it_through_the_metadata() -> None:
+    """With kvwire_load_async the scheduler side reports a hit to be loaded asynchronously
+    (vLLM parks the request, its blocks allocated, until the worker reports its KV in): the
+    parked request is not scheduled, so its load, into the blocks vLLM allocated less
+    those cached here, goes in that step's metadata from update_state_after_alloc, once.
+    A request with no hit (all its full blocks cached here) waits for nothing: it is
+    scheduled and its transfer dropped as without the setting.  Scheduled once its KV is
+    in, the loaded request loads nothing more and is no hit again; vLLM, not the
+    connector, keeps a parked request's blocks when it finishes."""
+    sched = scheduler_side("kv_consumer", {"kvwire_load_async": True})
+    prompt = list(range(100))  # 6 full blocks of 16
+    part, whole = _Request("p", prompt, "part"), _Request("w", prompt, "whole")
+    assert sched.get_num_new_matched_tokens(part, 64) == (32, True)
+    sched.update_state_after_alloc(part, kv_blocks(list(range(10, 17))), 32)
+    assert sched.get_num_new_matched_tokens(whole, 96) == (0, False)
+    sched.update_state_after_alloc(whole, kv_blocks(list(range(20, 27))), 0)
+    meta = sched.build_connector_meta(schedule())  # p is parked, w not scheduled yet
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.loads] == [("p", named("part", prompt), [DROP] * 4 + [14, 15])]
+    assert meta.drops == []
+    meta = sched.build_connector_meta(schedule(new=[new_request("w", prompt, list(range(20, 27)), "whole")],
+                                               scheduled={"w": 4}))
+    assert meta.loads == []
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.drops] == [("w", named("whole", prompt), [DROP] * 6)]
+    # its KV in, vLLM schedules p (as a new request): nothing more to load for it
+    meta = sched.build_connector_meta(schedule(new=[new_request("p", prompt, list(range(10, 17)), "part")],
+                                               scheduled={"p": 4}))
+    assert meta.loads == [] and meta.drops == []
+    assert sched.get_num_new_matched_tokens(part, 0) == (0, False)  # preempted later: computed here
+    assert sched.request_finished(part, []) == (False, None)  # type: ignore[arg-type]
+
+
+def consumer_step(worker: KvwireConnector, meta: KvwireConnectorMetadata | None = None,
+                  finished: set[str] | None = None) -> tuple[set[str], set[int]]:
+    """One engine step of a consumer, as vLLM's model runner drives it when the step has no
+    load to wait for: the metadata bound, the forward (each layer's wait_for_layer_load),
+    the step's loads started after it; what get_finished reports received
+    (finished_recving) and the blocks reported as load errors."""
+    worker.bind_connector_metadata(meta or KvwireConnectorMetadata())
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+    worker.start_load_kv(None)  # type: ignore[arg-type]
+    _, recving = worker.get_finished(finished or set())
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return recving or set(), errors
+
+
+def until_received(worker: KvwireConnector, want: int = 1) -> tuple[set[str], set[int]]:
+    """Consumer steps until get_finished reported ``want`` requests received, at most 30 s:
+    those requests and the blocks reported as load errors meanwhile."""
+    got: set[str] = set()
+    errors: set[int] = set()
+    for _ in range(600):
+        received, failed = consumer_step(worker)
+        got |= received
+        errors |= failed
+        if len(got) >= want:
+            break
+        threading.Event().wait(0.05)
+    return got, errors
+
+
+def async_consumer(seed: int, load_timeout: float = 30) -> tuple[KvwireConnector, PagedSpec, list[torch.Tensor],
+                                                                  list[torch.Tensor], list[torch.Tensor]]:
+    """A consumer worker loading asynchronously: it, its layout, its caches, a copy of them
+    as they were, and a producer's caches to send from."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker, spec = consumer_worker(caches, load_timeout=load_timeout, load_async=True)
+    return worker, spec, caches, [c.clone() for c in caches], src
+
+
+def pending_arrivals(worker: KvwireConnector) -> int:
+    stats = worker.server_statistics()
+    assert stats is not None
+    return int(stats["pending_arrivals"])
+
+
+def test_an_async_load_does_not_hold_the_step_and_is_reported_once_its_kv_is_in() -> None:
+    """A consumer's step starts a load whose transfer has not come (its prefill still
+    running): the step returns without waiting for it (nothing of it is sent until the
+    steps below returned, so a step that waited would have seen it fail) and reports
+    nothing, nor do the steps after it; once the transfer came, get_finished reports the
+    request received, once, its load's blocks holding exactly the sent blocks' bytes and
+    no other block changed (the cached block's part dropped)."""
+    worker, spec, caches, before, src = async_consumer(8)
+    try:
+        assert consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [DROP, 4, 5])])) == (set(), set())
+        assert consumer_step(worker) == (set(), set())
+        assert "r" in worker._loading
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            peer.send("r", spec.wire_spec(), PagedSource(spec, src, [0, 1, 2]), timeout=30)
+        assert until_received(worker) == ({"r"}, set())
+        assert consumer_step(worker) == (set(), set())  # reported once
+        assert not worker._loading and pending_arrivals(worker) == 0
+        for layer in range(len(LAYERS)):
+            for b in range(16):
+                want = {4: src[layer][1], 5: src[layer][2]}.get(b, before[layer][b])
+                assert torch.equal(caches[layer][b], want), (layer, b)
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("how", ["times-out", "fails"])
+def test_an_async_load_that_fails_or_times_out_reports_its_blocks(monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A load whose transfer does not come within kvwire_load_timeout of its start (the
+    clock is fake: steps at 0.6 s and 0.99 s report nothing, the one at 1.0 s reports it:
+    its time counts from its start, not from a step), or whose transfer fails (the
+    producer aborts it after a layer): the request is reported received, as vLLM needs to
+    take it out of its wait, with its blocks as load errors (vLLM recomputes them); the
+    cached block's is not one of them.  A transfer that comes after the load timed out is
+    dropped: it writes none of the blocks."""
+    from kvwire.integrations import vllm as connector
+    from kvwire.paged import layer_rows
+
+    clock = [0.0]
+    monkeypatch.setattr(connector, "time", type("FakeTime", (), {"monotonic": staticmethod(lambda: clock[0])}))
+    worker, spec, caches, before, src = async_consumer(9, load_timeout=1.0)
+    try:
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            assert consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [DROP, 4, 5])])) == (set(), set())
+            handle = worker._loading["r"][0]
+            if how == "times-out":
+                for clock[0] in (0.6, 0.99):
+                    assert consumer_step(worker) == (set(), set())
+                clock[0] = 1.0
+            else:
+                send = peer.begin("r", spec.wire_spec())
+                send.send_layer(*layer_rows(spec, src[0], [0, 1, 2]))
+                for _ in range(600):  # the transfer came, and its first layer
+                    if handle.layers_done():
+                        break
+                    threading.Event().wait(0.05)
+                assert handle.layers_done() == 1
+                send.abort()
+            assert until_received(worker) == ({"r"}, {4, 5})
+            assert not worker._loading and not worker._unstopped
+            if how == "times-out":
+                peer.send("r", spec.wire_spec(), PagedSource(spec, src, [0, 1, 2]), timeout=30)
+                drops_ended(worker)
+                assert not worker._dropping and pending_arrivals(worker) == 0
+                assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+    finally:
+        worker.shutdown()
+
+
+def test_an_async_load_of_a_request_that_finished_is_aborted_and_reported() -> None:
+    """A request cancelled while it waits for its KV: vLLM keeps its blocks until the
+    worker reports it received, so get_finished aborts its receive and reports it (no
+    blocks to recompute: the request is gone), once; the transfer that comes afterwards is
+    dropped, writes none of the blocks, and nothing of it is left on the server."""
+    worker, spec, caches, before, src = async_consumer(10)
+    try:
+        consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
+        handle = worker._loading["r"][0]
+        got, errors = consumer_step(worker, finished={"r"})
+        if not got:
+            got, errors = until_received(worker)
+        assert (got, errors) == ({"r"}, set())
+        with pytest.raises(KvwireError, match="aborted"):
+            handle.wait(5)
+        assert consumer_step(worker) == (set(), set())
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            peer.send("r", spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30)
+            drops_ended(worker)
+        assert not worker._loading and not worker._unstopped and not worker._dropping
+        assert pending_arrivals(worker) == 0
+        assert all(torch.equal(c, b) for c, b in zip(caches, before, strict=True))
+    finally:
+        worker.shutdown()
+
+
+def test_an_async_load_aborted_while_kvwires_loop_is_held_up_is_reported_once_stopped(
+    caplog: pytest.LogCaptureFixture) -> None:
+    """A load aborted (its request finished) while kvwire's loop is held up: the hook
+    does not wait for the loop, and the request is not reported received, so vLLM keeps
+    its blocks, as long as the receive may still write into them (said once in the log);
+    once the loop runs again and has stopped it, the next step reports it."""
+    worker, _, _, _, _ = async_consumer(11)
+    worker._ABORT_WAIT = 0.0  # say at once that the receive is not stopped yet
+    gate = threading.Event()
+    try:
+        consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
+        handle = worker._loading["r"][0]
+        assert worker._server is not None
+        worker._server.bridge.call_soon(gate.wait, 30)  # the loop held up
+        assert consumer_step(worker, finished={"r"}) == (set(), set())
+        for _ in range(3):
+            assert consumer_step(worker) == (set(), set())
+        held = [r.getMessage() for r in caplog.records if "is not stopped yet" in r.getMessage()]
+        assert len(held) == 1 and "request r " in held[0]
+        gate.set()
+        assert until_received(worker) == ({"r"}, set())
+        with pytest.raises(KvwireError, match="aborted"):
+            handle.wait(5)
+    finally:
+        gate.set()
+        worker.shutdown()
+
+
+def test_an_async_load_whose_cache_is_stale_in_the_registry_is_refused() -> None:
+    """With a registry, two requests load caches whose prefix blocks the producer named;
+    one's blocks are invalidated before the consumer checks them.  The check runs once the
+    transfer is in, on kvwire's loop (the hook does not wait for it): the fresh cache is
+    reported received and used, the stale one refused, its blocks reported as load
+    errors, and both requests reported received."""
+    from kvwire.aio.registry_memory import MemoryRegistry
+    from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
+
+    bridge = Bridge("registry")
+    worker, spec, caches, _, src = async_consumer(12)
+    try:
+        # what kvwire_registry would connect to (a Redis), in this process
+        registry = worker._registry = SyncRegistry(MemoryRegistry(), bridge)
+        fresh, stale = (tuple(prefix_block_ids(list(range(s, s + 33)), 16, 2)) for s in (0, 100))
+        consumer_step(worker, KvwireConnectorMetadata(loads=[
+            _Move("f", "f", [4, 5], prefix=fresh), _Move("s", "s", [6, 7], prefix=stale),
+        ]))
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            for key, blocks in (("f", fresh), ("s", stale)):
+                named = registry.name(list(blocks), owner="producer")
+                peer.send(key, spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30, blocks=named)
+        bridge.run(registry.registry.invalidate_many(list(stale)), 10)
+        assert until_received(worker, want=2) == ({"f", "s"}, {6, 7})
+        for layer in range(len(LAYERS)):
+            assert torch.equal(caches[layer][4], src[layer][0]) and torch.equal(caches[layer][5], src[layer][1])
+    finally:
+        worker.shutdown()
+        bridge.close()
 
 
 def test_a_kv_cache_of_several_groups_is_refused() -> None:
