@@ -177,6 +177,38 @@ def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: P
     assert re.search(r"'never-sent#prompt:[0-9a-f]{32}' not ready after", log)  # its transfer's name
 
 
+def test_consumer_loading_asynchronously_continues_from_kv_and_recomputes_what_never_came(tmp_path: Path) -> None:
+    """A consumer with ``kvwire_load_async: true`` takes three requests at once: two whose
+    KV was sent and one whose KV never comes.  Each waits for its KV (vLLM parks it), its
+    steps do not: the two loads are taken (logged received) while the third still waits,
+    not after its timeout as when a step waits for every load, and their tokens equal the
+    plain run's with the raw codec; the third's load fails after kvwire_load_timeout, its
+    blocks are recomputed and its tokens equal the plain run's too."""
+    model = tmp_path / "model"
+    _run(["model", "--dir", str(model), "--dtype", "float32"], tmp_path / "model.log", 300)
+    a, b, _ = _prompts()
+    plain_job = _job(tmp_path / "plain_job.json", [{"prompt": p, "max_tokens": MAX_TOKENS} for p in (a, b)])
+    sent = [{"prompt": a, "kvwire_id": "a-async"}, {"prompt": b, "kvwire_id": "b-async"}]
+    producer_job = _job(tmp_path / "producer_job.json", [{**r, "max_tokens": 1} for r in sent])
+    consumer_job = _job(tmp_path / "consumer_job.json", [
+        {**r, "max_tokens": MAX_TOKENS} for r in [*sent, {"prompt": a, "kvwire_id": "never-sent"}]
+    ])
+    # (the producer ignores --load-async, a consumer's setting)
+    _consume_after_produce(tmp_path, model, "float32", plain_job, producer_job, consumer_job,
+                           extra=["--load-async", "--batch"])
+    plain_a, plain_b = [r["tokens"] for r in json.loads((tmp_path / "plain.json").read_text())]
+    got = [r["tokens"] for r in json.loads((tmp_path / "consumer.json").read_text())]
+    assert got == [plain_a, plain_b, plain_a]
+    assert (tmp_path / "producer.log").read_text().count("kvwire: sent KV of request") == 2
+    log = (tmp_path / "consumer.log").read_text()
+    assert log.count("kvwire: external KV hit") == 3, kvwire_lines(log)
+    received = [m.start() for m in re.finditer("kvwire: received KV of request", log)]
+    failed = [m.start() for m in re.finditer("kvwire: receiving KV of request", log)]
+    assert len(received) == 2 and len(failed) == 1, kvwire_lines(log)
+    assert re.search(r"'never-sent#prompt:[0-9a-f]{32}' not ready after", log)
+    assert max(received) < failed[0], kvwire_lines(log)  # taken while the third still waited
+
+
 def kvwire_lines(log: str) -> str:
     """The connector's lines of a log (and vLLM's about KV loads), for a failed assertion."""
     return "\n".join(line for line in log.splitlines() if "kvwire" in line or "KV load" in line)[-6000:]

@@ -7,7 +7,8 @@ Run as a script (vLLM spawns workers, hence the ``__main__`` guard):
     python tests/integration/vllm_run.py producer --dir D --job J.json --out O.json --port P
     python tests/integration/vllm_run.py consumer --dir D --job J.json --out O.json --port P
     (producer and consumer: ``--registry redis://...`` names prefix blocks with versions,
-    ``--kvwire-model NAME`` names the model in the KV spec in place of the ``--dir`` path)
+    ``--kvwire-model NAME`` names the model in the KV spec in place of the ``--dir`` path;
+    consumer: ``--load-async`` loads asynchronously)
 
 A job lists requests ``{"prompt": [token ids], "kvwire_id": str | null, "codec": str | null,
 "max_tokens": int}``; the output holds each request's greedy tokens and its latency.
@@ -136,6 +137,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, help="model: the random weights' seed")
     ap.add_argument("--registry", help="kvwire_registry: a Redis URL for prefix-block versions")
     ap.add_argument("--sync-save", action="store_true", help="kvwire_async_save: false (wait_for_save waits)")
+    ap.add_argument("--load-async", action="store_true",
+                    help="kvwire_load_async: true (a consumer's requests wait for their KV, its steps do not)")
     ap.add_argument("--kvwire-model", help="kvwire_model: the model's name in the KV spec, in place of its path")
     ap.add_argument("--peer-host", default="127.0.0.1", help="producer: the consumer's kvwire server address")
     ap.add_argument("--kv-blocks", type=int,
@@ -166,6 +169,8 @@ def main(argv: list[str]) -> int:
         extra: dict[str, Any] = {"kvwire_registry": args.registry} if args.registry else {}
         if args.sync_save:
             extra["kvwire_async_save"] = False
+        if args.load_async:
+            extra["kvwire_load_async"] = True
         if args.kvwire_model:
             extra["kvwire_model"] = args.kvwire_model
         llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra, args.peer_host),
