@@ -30,10 +30,12 @@ exact configuration.
   to the consumer is made on kvwire's loop thread, never in the forward: from when the
   caches are registered, and again after it was closed or lost.  A step whose saves find
   that connect still under way goes on without them: their blocks are kept, and each is
-  sent whole from the registered caches once the connection is up (at the next hook that
-  finds it up: ``wait_for_save``, ``get_finished`` or ``shutdown``; without the async
-  save, ``wait_for_save`` waits for it), or ends unsent if the connect fails or is not up
-  within ``kvwire_load_timeout``.  A step whose saves find no connection after a failed
+  sent whole from the registered caches once the connection is up (by the next
+  ``wait_for_save`` that finds it up, which vLLM calls every step, after every model's
+  layers were saved, a drafter's too; or by ``shutdown``, which waits for it; without the
+  async save, ``wait_for_save`` waits for it), with the versions its blocks were named at
+  in its step, or ends unsent if the connect fails or is not up within
+  ``kvwire_load_timeout``.  A step whose saves find no connection after a failed
   connect (the consumer unreachable, or not answering its handshake) ends them unsent, as
   failed sends, and goes on; a failed connect is tried again after a back-off of 1 s,
   doubled per failure up to 30 s.
@@ -332,7 +334,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._unconnected: KvwireConnectorMetadata | None = None  # the step that found no connection
         # saves whose step found the first connect under way, with their step's time: sent
         # once it is up (see save_kv_layer)
-        self._deferred: dict[str, tuple[_Move, float]] = {}
+        # (and the versions its blocks were named at then, with kvwire_registry)
+        self._deferred: dict[str, tuple[_Move, float, dict[str, Any]]] = {}
         # the blocks loaded into, and how many blocks the transfer carries
         self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
@@ -833,7 +836,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # (or ends unsent if it fails, or past kvwire_load_timeout).
                 now = time.monotonic()
                 for move in saves:
-                    self._deferred.setdefault(move.req_id, (move, now))
+                    if move.req_id in self._deferred:
+                        continue
+                    versions = self._versions(move)  # named now, as a save in its step is
+                    if versions is None:
+                        self._ended.add(move.req_id)
+                    else:
+                        self._deferred[move.req_id] = (move, now, versions)
                 logger.info("kvwire: KV of requests %s waits for the connection to %s",
                             ", ".join(m.req_id for m in saves), self._peer_addr)
                 return
@@ -847,22 +856,31 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for move in saves:
             self._save_layer(move, index, kv_layer)
 
-    def _save_layer(self, move: _Move, index: int, kv_layer: torch.Tensor) -> None:
-        """Queue layer ``index`` of ``move``'s blocks on its send (begun at layer 0); a
-        failure ends that request's send alone, unsent."""
+    def _versions(self, move: _Move) -> dict[str, Any] | None:
+        """``begin``'s versions of ``move``'s blocks: named in the registry now, when the KV
+        was computed (none without kvwire_registry); None (logged) if naming failed."""
+        if self._registry is None:
+            return {}
+        try:
+            return {"blocks": self._registry.name(list(move.prefix), owner=self._owner, ttl=self._registry_ttl)}
+        except KvwireError as exc:
+            logger.error("kvwire: not sending KV of request %s: naming its blocks failed: %s", move.req_id, exc)
+            return None
+
+    def _save_layer(self, move: _Move, index: int, kv_layer: torch.Tensor,
+                    versions: dict[str, Any] | None = None) -> None:
+        """Queue layer ``index`` of ``move``'s blocks on its send (begun at layer 0, with
+        ``versions``, else its blocks named now); a failure ends that request's send
+        alone, unsent."""
         assert self._peer is not None and self._spec is not None
-        if index == 0:
-            versions: dict[str, Any] = {}
-            if self._registry is not None:
-                try:
-                    versions["blocks"] = self._registry.name(list(move.prefix), owner=self._owner, ttl=self._registry_ttl)
-                except KvwireError as exc:
-                    logger.error("kvwire: not sending KV of request %s: naming its blocks failed: %s", move.req_id, exc)
-                    return
+        if index == 0 and versions is None:
+            versions = self._versions(move)
+            if versions is None:
+                return
         try:
             if index == 0:
                 self._sending[move.req_id] = self._peer.begin(
-                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **versions,
+                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **(versions or {}),
                 )
             handle = self._sending.get(move.req_id)
             if handle is not None:
@@ -887,11 +905,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._connecting.wait(max(0.0, deadline - time.monotonic()))
             self._poll_connect()
         now = time.monotonic()
-        for req_id, (move, since) in list(self._deferred.items()):
+        for req_id, (move, since, versions) in list(self._deferred.items()):
             if self._peer is not None:
                 del self._deferred[req_id]
                 for index, cache in enumerate(self._caches):
-                    self._save_layer(move, index, cache)
+                    self._save_layer(move, index, cache, versions)
                 if req_id not in self._sending:
                     self._ended.add(req_id)  # failed at its start (logged): ended unsent
             elif (self._connecting is None or self._connect_error is not None or now >= since + self._timeout
@@ -1200,9 +1218,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._reap_drops()
-        if self._async_save and self._deferred:  # (without it, wait_for_save ended them all)
-            self._send_deferred()
-            self._fly()
         gone: set[str] = set()  # async load: finished requests whose load is aborted now
         for req_id in finished_req_ids:
             self._expected.pop(req_id, None)

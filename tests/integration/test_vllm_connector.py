@@ -239,10 +239,12 @@ def test_a_consumer_that_never_answers_does_not_hold_the_step() -> None:
 
 
 def finished_sends(worker: KvwireConnector, want: int = 1) -> set[str]:
-    """What ``get_finished`` reports as sends ended, polled until at least ``want``
+    """What ``get_finished`` reports as sends ended, polled (each after an empty step,
+    as vLLM runs while it holds a finished request's blocks) until at least ``want``
     requests, at most 30 s."""
     finished: set[str] = set()
     for _ in range(600):
+        step(worker, KvwireConnectorMetadata(), None)  # a step with no forward, as vLLM runs
         done, _ = worker.get_finished(set())
         finished |= done or set()
         if len(finished) >= want:
@@ -331,6 +333,66 @@ def test_a_save_that_waits_for_the_connection_ends_unsent_when_preempted() -> No
             assert not worker._deferred
             with pytest.raises(TransferTimeoutError):
                 handle.wait(1)  # r1 was never sent
+        finally:
+            worker.shutdown()
+
+
+def drafting_step(worker: KvwireConnector, meta: KvwireConnectorMetadata, caches: list[torch.Tensor]) -> None:
+    """One step as vLLM runs it with speculative decoding: the target model's layers saved,
+    get_finished, then the drafter's forward saves its layer (here the last of LAYERS),
+    then wait_for_save."""
+    worker.bind_connector_metadata(meta)
+    for name, cache in zip(LAYERS[:-1], caches[:-1], strict=True):
+        worker.save_kv_layer(name, cache, None)
+    worker.get_finished(set())
+    worker.save_kv_layer(LAYERS[-1], caches[-1], None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def test_saves_that_waited_for_the_connection_go_after_a_drafters_layers() -> None:
+    """With speculative decoding vLLM calls get_finished before the drafter's forward and
+    wait_for_save after it.  A get_finished that sent the saves which had waited for the
+    connection also put the step's own sends in flight with their drafter's layer still to
+    come: that layer was never queued, the send never ended, and past the timeout the
+    connection was closed under every send."""
+    with welcome_held() as (server, proxy, bridge):
+        _, worker, caches = producer(proxy.port, load_timeout=60, connected=False)
+        want = [(k.tobytes(), v.tobytes()) for k, v in sent_layers(caches)]
+        waited, next_one = server.expect("waited"), server.expect("next")
+        try:
+            drafting_step(worker, KvwireConnectorMetadata(saves=[_Move("r0", "waited", BLOCKS)]), caches)
+            resume_once_stalled(proxy, bridge)
+            wait_connected(worker)  # up between two steps
+            drafting_step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "next", BLOCKS)]), caches)
+            assert received(next_one) == want
+            assert received(waited) == want
+        finally:
+            worker.shutdown()
+
+
+def test_a_save_that_waited_for_the_connection_carries_the_versions_of_its_step() -> None:
+    """With a registry, a save that waits for the connection names its blocks in its step,
+    as a save sent in its step does: blocks invalidated while it waited (new weights) are
+    then stale to the consumer.  Named when finally sent, they got versions from after the
+    invalidation, and the consumer took KV of the old weights as fresh."""
+    from kvwire.aio.registry_memory import MemoryRegistry
+    from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
+
+    prefix = tuple(prefix_block_ids(list(range(8 * 16)), 16, 8))
+    with welcome_held() as (server, proxy, bridge):
+        _, worker, caches = producer(proxy.port, load_timeout=60, connected=False)
+        registry = worker._registry = SyncRegistry(MemoryRegistry(), bridge)  # (a Redis, in a deployment)
+        handle = server.expect("k")
+        try:
+            step(worker, KvwireConnectorMetadata(saves=[_Move("r0", "k", list(range(3, 11)), None, prefix)]), caches)
+            bridge.run(registry.registry.invalidate_many(list(prefix)), 10)  # while the connect is under way
+            resume_once_stalled(proxy, bridge)
+            wait_connected(worker)
+            step(worker, KvwireConnectorMetadata(), caches)  # the save goes
+            handle.wait(30)
+            reason = registry.verify(list(prefix), handle.transfer.blocks)  # the consumer's check
+            assert reason is not None and "stale" in reason
         finally:
             worker.shutdown()
 
