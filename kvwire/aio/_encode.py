@@ -78,7 +78,21 @@ def start_encode(
         finally:
             ended.set()
 
-    return asyncio.get_running_loop().run_in_executor(None, job), ended
+    loop = asyncio.get_running_loop()
+    try:
+        return loop.run_in_executor(None, job), ended
+    except RuntimeError:
+        # The worker threads refuse work: the interpreter is exiting (a send waited for by
+        # an atexit hook, as a serving engine's shutdown is), and no thread starts any
+        # more.  Encoded here, on the loop, after the one before it (which a worker runs).
+        fut: asyncio.Future[tuple[Any, float]] = loop.create_future()
+        try:
+            fut.set_result(job())
+        except asyncio.CancelledError:  # (stopped: nobody takes it)
+            fut.cancel()
+        except Exception as exc:
+            fut.set_exception(exc)
+        return fut, ended
 
 
 async def finish_encode(
