@@ -47,13 +47,13 @@ BLOCKS = list(range(3, 259))  # 256 blocks of 32 KiB per layer: 32 MiB in all, m
 STALL_AT = 64 * 1024
 
 
-@pytest.fixture
-def path() -> Iterator[tuple[SyncServer, FaultProxy, Bridge]]:
-    """A kvwire server behind a proxy that stalls the producer's bytes after 64 KiB, until resumed."""
-    bridge = Bridge("stall-proxy")
+@contextlib.contextmanager
+def proxied_server(plan: FaultPlan) -> Iterator[tuple[SyncServer, FaultProxy, Bridge]]:
+    """A kvwire server behind a proxy that applies ``plan`` to every connection (the proxy
+    runs on a bridge of its own)."""
+    bridge = Bridge("proxy")
     server = SyncServer(secret=SECRET.encode())
-    stall = FaultPlan(forward=Faults(stall_at=STALL_AT))
-    proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: stall)
+    proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: plan)
     bridge.run(proxy.start(), 10)
     try:
         yield server, proxy, bridge
@@ -61,6 +61,13 @@ def path() -> Iterator[tuple[SyncServer, FaultProxy, Bridge]]:
         bridge.run(proxy.close(), 10)
         server.close()
         bridge.close()
+
+
+@pytest.fixture
+def path() -> Iterator[tuple[SyncServer, FaultProxy, Bridge]]:
+    """A kvwire server behind a proxy that stalls the producer's bytes after 64 KiB, until resumed."""
+    with proxied_server(FaultPlan(forward=Faults(stall_at=STALL_AT))) as served:
+        yield served
 
 
 def resume_once_stalled(proxy: FaultProxy, bridge: Bridge, after: float = 0.0) -> None:
@@ -253,21 +260,10 @@ def finished_sends(worker: KvwireConnector, want: int = 1) -> set[str]:
     return finished
 
 
-@contextlib.contextmanager
-def welcome_held() -> Iterator[tuple[SyncServer, FaultProxy, Bridge]]:
+def welcome_held() -> contextlib.AbstractContextManager[tuple[SyncServer, FaultProxy, Bridge]]:
     """A kvwire server behind a proxy that holds its answers (the handshake's WELCOME
     first) until resumed: a producer's first connect stays under way."""
-    bridge = Bridge("welcome-held")
-    server = SyncServer(secret=SECRET.encode())
-    held = FaultPlan(backward=Faults(stall_at=0))
-    proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: held)
-    bridge.run(proxy.start(), 10)
-    try:
-        yield server, proxy, bridge
-    finally:
-        bridge.run(proxy.close(), 10)
-        server.close()
-        bridge.close()
+    return proxied_server(FaultPlan(backward=Faults(stall_at=0)))
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "sync-save"])
