@@ -11,7 +11,10 @@ runs every engine through ``tests/integration/vllm_run.py``:
    prefills the prompts and sends their KV over loopback; then, in the consumer, per
    prompt: ``generate(max_tokens=1)`` with its KV received over kvwire, and the same for a
    second prompt of the same length without a ``kvwire_id`` (recomputed prefill).  Both
-   measured in the same process, interleaved.
+   measured in the same process, interleaved.  Run twice: with the layer-wise load (the
+   default) and with ``kvwire_load_async`` (the request waits for its KV, parked, and is
+   scheduled once ``get_finished`` reported it: here the KV is there already, so this
+   shows what the extra step costs).
 2. shared storage: vLLM's ``ExampleConnector`` (``kv_both``): one process prefills and
    writes the KV to disk, a second one loads it; timed the same way.
 
@@ -100,10 +103,12 @@ def main() -> None:
         warm = {"prompt": prompt(), "max_tokens": 1}
         sent = [prompt() for _ in range(args.prompts)]
         fresh = [prompt() for _ in range(args.prompts)]
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        common = ["--dir", str(model), "--dtype", args.dtype, "--port", str(port)]
+        def free_port() -> str:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return str(s.getsockname()[1])
+
+        common = ["--dir", str(model), "--dtype", args.dtype, "--port", free_port()]
 
         consumer_job = [warm]
         for i, (p, q) in enumerate(zip(sent, fresh, strict=True)):
@@ -112,6 +117,10 @@ def main() -> None:
         kv = _pair(tmp, "kvwire", common, consumer_job, producer_job, [])[1:]
         kvwire_s = [r["seconds"] for r in kv[0::2]]
         recompute_s = [r["seconds"] for r in kv[1::2]]
+        common_async = [*common[:-1], free_port()]
+        kv_async = _pair(tmp, "kvwire-async", common_async, consumer_job, producer_job, ["--load-async"])[1:]
+        async_s = [r["seconds"] for r in kv_async[0::2]]
+        async_recompute_s = [r["seconds"] for r in kv_async[1::2]]
 
         # vLLM's shared-storage example: loads need the identical prompt, so its own
         # recompute baseline uses the fresh prompts in the same process.
@@ -127,6 +136,8 @@ def main() -> None:
     rows = {
         "recompute (kvwire consumer process)": recompute_s,
         "kvwire (KV received over loopback)": kvwire_s,
+        "recompute (kvwire async-load process)": async_recompute_s,
+        "kvwire, kvwire_load_async": async_s,
         "recompute (example connector process)": example_recompute_s,
         "shared-storage example connector": example_s,
     }
@@ -135,6 +146,7 @@ def main() -> None:
     for name, xs in rows.items():
         print(f"  {name:40s} {med(xs) * 1e3:9.1f} ms   (min {min(xs) * 1e3:.1f}, max {max(xs) * 1e3:.1f})")
     print(f"  kvwire / recompute (same process):            {med(kvwire_s) / med(recompute_s):.3f}")
+    print(f"  kvwire async load / recompute (same process): {med(async_s) / med(async_recompute_s):.3f}")
     print(f"  example connector / recompute (same process): {med(example_s) / med(example_recompute_s):.3f}")
     print(f"  kvwire / example connector:                   {med(kvwire_s) / med(example_s):.3f}")
     if args.json:

@@ -176,11 +176,12 @@ def main(argv: list[str]) -> int:
         llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra, args.peer_host),
                      kv_blocks=args.kv_blocks, prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching)
     if args.mode == "consumer":
-        # The server's port (bound as --port says, 0 for a free one), for the producer.
+        # The server's port (bound as --port says, 0 for a free one), for the producer; the
+        # example connector has none (its KV goes through files).
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         ready, partial = Path(f"{args.out}.ready"), Path(f"{args.out}.ready.tmp")
-        partial.write_text(str(get_kv_transfer_group().listen_port))
+        partial.write_text(str(getattr(get_kv_transfer_group(), "listen_port", args.port)))
         partial.replace(ready)  # whole, never seen half-written
         go = Path(f"{args.out}.go")
         deadline = time.monotonic() + 600
