@@ -711,17 +711,25 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         them runs after them all), so that none writes into blocks vLLM reuses once the
         hook returns; say which may still write if the loop is held up past that."""
         pending, self._aborting = self._aborting, []
-        if not pending or self._server is None:
-            return
-        stopped = threading.Event()
-        try:
-            self._server.bridge.call_soon(stopped.set)
-        except KvwireError:  # the bridge is closed: nothing runs on it any more
+        if not pending or (stopped := self._loop_mark()) is None:
             return
         if not stopped.wait(self._ABORT_WAIT):
             for req_id in pending:
                 logger.error("kvwire: the receive of request %s was not stopped in time (kvwire's loop is held up): "
                              "a late chunk may still be written into its blocks", req_id)
+
+    def _loop_mark(self) -> threading.Event | None:
+        """An event kvwire's loop sets once it ran what was queued on it before (the stops
+        of the receives aborted so far, run in the order issued); None without a server or
+        once the bridge is closed (nothing runs on it any more)."""
+        if self._server is None:
+            return None
+        mark = threading.Event()
+        try:
+            self._server.bridge.call_soon(mark.set)
+        except KvwireError:
+            return None
+        return mark
 
     def _give_up_load(self, req_id: str, reason: str) -> None:
         """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does."""
@@ -1191,13 +1199,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ended: dict[str, set[int]] = {req_id: set() for req_id in gone}
         ended.update(self._ended_loads(now))
         aborted, self._aborting = set(self._aborting), []
-        mark: threading.Event | None = None
-        if aborted and self._server is not None:
-            mark = threading.Event()
-            try:
-                self._server.bridge.call_soon(mark.set)
-            except KvwireError:  # the bridge is closed: nothing runs on it any more
-                mark = None
+        mark = self._loop_mark() if aborted else None
         finished: set[str] = set()
         for req_id, blocks in ended.items():
             if mark is not None and req_id in aborted:
