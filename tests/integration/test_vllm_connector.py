@@ -152,14 +152,7 @@ def test_blocks_are_kept_until_the_send_ended(path: Any) -> None:
         assert scheduler.request_finished(_Request("r1"), BLOCKS) == (True, None)  # vLLM keeps the blocks
         resume_once_stalled(proxy, bridge)
         assert received(handle) == want
-        finished: set[str] = set()
-        for _ in range(300):
-            done, _ = worker.get_finished(set())
-            finished |= done or set()
-            if finished:
-                break
-            threading.Event().wait(0.05)
-        assert finished == {"r1"}
+        assert finished_sends(worker) == {"r1"}
     finally:
         worker.shutdown()
 
