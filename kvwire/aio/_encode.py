@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
+from kvwire.aio._workers import in_worker
 from kvwire.codec import EncodedChunk, TensorKind, numpy_dtype
 from kvwire.control import CodecChooser
 from kvwire.paged import BlockRows
@@ -78,21 +79,9 @@ def start_encode(
         finally:
             ended.set()
 
-    loop = asyncio.get_running_loop()
-    try:
-        return loop.run_in_executor(None, job), ended
-    except RuntimeError:
-        # The worker threads refuse work: the interpreter is exiting (a send waited for by
-        # an atexit hook, as a serving engine's shutdown is), and no thread starts any
-        # more.  Encoded here, on the loop, after the one before it (which a worker runs).
-        fut: asyncio.Future[tuple[Any, float]] = loop.create_future()
-        try:
-            fut.set_result(job())
-        except asyncio.CancelledError:  # (stopped: nobody takes it)
-            fut.cancel()
-        except Exception as exc:
-            fut.set_exception(exc)
-        return fut, ended
+    # (at interpreter exit the pool refuses work: encoded on the loop, after the encode
+    # before it, which a worker runs)
+    return in_worker(asyncio.get_running_loop(), job), ended
 
 
 async def finish_encode(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -24,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.aio._workers import in_worker
 from kvwire.codec import gpu
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind
 from kvwire.errors import UsageError
@@ -87,7 +89,7 @@ async def _wait(event: Any, device_id: int) -> None:
         with cupy.cuda.Device(device_id):
             event.synchronize()
 
-    await asyncio.get_running_loop().run_in_executor(None, block)
+    await in_worker(asyncio.get_running_loop(), block)
 
 
 def _device_context(device_id: int) -> Callable[[], AbstractContextManager[Any]]:
@@ -216,7 +218,7 @@ async def encode_chunks(
             if entropy is None:
                 chunk = gpu.finish_chunk(codec, enc, host.data)
             else:
-                chunk = await loop.run_in_executor(None, gpu.finish_chunk, codec, enc, host.data)
+                chunk = await in_worker(loop, functools.partial(gpu.finish_chunk, codec, enc, host.data))
             yield plan[i][0], plan[i][1], chunk
 
 

@@ -229,3 +229,31 @@ async def test_a_ring_whose_wait_is_cancelled_settles_that_copy_too() -> None:
         async for _i, _host in ring:
             raise AssertionError("nothing is yielded before its copy landed")
     assert stream.queued == [] and pinned.alive() == 0 and stream.problems == []
+
+
+@pytest.mark.parametrize("codec_name", ["int8+lz4", "raw"])
+async def test_the_gpu_send_path_goes_on_when_the_worker_threads_refuse_work(
+    fake_cuda: tuple[FakeStream, Pinned], monkeypatch: pytest.MonkeyPatch, codec_name: str,
+) -> None:
+    """At interpreter exit the loop's default thread pool refuses work (a send waited for
+    by an atexit hook): the waits for the device's copies and an entropy stage's
+    compression then run on the loop, and every chunk still comes out."""
+    stream, _pinned = fake_cuda
+    plan = [(i, 1) for i in range(6)]
+
+    def encode_tensor(codec: Any, x: Any, kind: TensorKind, chunk_tokens: int, *, dtype: str | None = None) -> Any:
+        sizes = [2 * 4 + 2 * 8] * x.shape[0]
+        buffer = np.arange(sum(sizes), dtype=np.uint8) % 100
+        return gpu.DeviceChunks("int8", codec.codec_id, b"", buffer,
+                                [i * sizes[0] for i in range(len(sizes))], sizes, np.zeros(1, np.uint32))
+
+    monkeypatch.setattr(gpu, "encode_tensor", encode_tensor)
+    await asyncio.get_running_loop().shutdown_default_executor()
+    src = _encode.device_parts([(TensorKind.K, _tensor(6), plan)], lambda: get_codec(codec_name), "float16", None)
+    starts = []
+    async with contextlib.aclosing(src):
+        async for _kind, start, count, _codec, enc in src:
+            assert count == 1 and memoryview(enc.payload).nbytes > 0
+            starts.append(start)
+    assert starts == list(range(6))
+    assert stream.events and all(ev.done for ev in stream.events) and stream.problems == []
