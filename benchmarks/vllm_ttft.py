@@ -11,10 +11,11 @@ runs every engine through ``tests/integration/vllm_run.py``:
    prefills the prompts and sends their KV over loopback; then, in the consumer, per
    prompt: ``generate(max_tokens=1)`` with its KV received over kvwire, and the same for a
    second prompt of the same length without a ``kvwire_id`` (recomputed prefill).  Both
-   measured in the same process, interleaved.  Run twice: with the layer-wise load (the
-   default) and with ``kvwire_load_async`` (the request waits for its KV, parked, and is
-   scheduled once ``get_finished`` reported it: here the KV is there already, so this
-   shows what the extra step costs).
+   measured in the same process, interleaved.  Run twice: with the layer-wise load
+   (``kvwire_load_async: false``) and with the asynchronous load (the connector's
+   default: the request waits for its KV, parked, and is scheduled once ``get_finished``
+   reported it: here the KV is there already, so this shows what the extra step costs;
+   ``benchmarks/vllm_late_kv.py`` measures a transfer that comes late).
 2. shared storage: vLLM's ``ExampleConnector`` (``kv_both``): one process prefills and
    writes the KV to disk, a second one loads it; timed the same way.
 
@@ -114,11 +115,11 @@ def main() -> None:
         for i, (p, q) in enumerate(zip(sent, fresh, strict=True)):
             consumer_job += [{"prompt": p, "kvwire_id": f"p{i}", "max_tokens": 1}, {"prompt": q, "max_tokens": 1}]
         producer_job = [{"prompt": p, "kvwire_id": f"p{i}", "max_tokens": 1} for i, p in enumerate(sent)]
-        kv = _pair(tmp, "kvwire", common, consumer_job, producer_job, [])[1:]
+        kv = _pair(tmp, "kvwire", common, consumer_job, producer_job, ["--load", "layer-wise"])[1:]
         kvwire_s = [r["seconds"] for r in kv[0::2]]
         recompute_s = [r["seconds"] for r in kv[1::2]]
         common_async = [*common[:-1], free_port()]
-        kv_async = _pair(tmp, "kvwire-async", common_async, consumer_job, producer_job, ["--load-async"])[1:]
+        kv_async = _pair(tmp, "kvwire-async", common_async, consumer_job, producer_job, ["--load", "async"])[1:]
         async_s = [r["seconds"] for r in kv_async[0::2]]
         async_recompute_s = [r["seconds"] for r in kv_async[1::2]]
 
@@ -134,10 +135,10 @@ def main() -> None:
 
     med = statistics.median
     rows = {
-        "recompute (kvwire consumer process)": recompute_s,
-        "kvwire (KV received over loopback)": kvwire_s,
+        "recompute (kvwire layer-wise process)": recompute_s,
+        "kvwire, layer-wise load": kvwire_s,
         "recompute (kvwire async-load process)": async_recompute_s,
-        "kvwire, kvwire_load_async": async_s,
+        "kvwire, asynchronous load": async_s,
         "recompute (example connector process)": example_recompute_s,
         "shared-storage example connector": example_s,
     }
@@ -145,10 +146,11 @@ def main() -> None:
           f"prompts of {args.prompt_tokens} tokens, {args.prompts} each; median TTFT")
     for name, xs in rows.items():
         print(f"  {name:40s} {med(xs) * 1e3:9.1f} ms   (min {min(xs) * 1e3:.1f}, max {max(xs) * 1e3:.1f})")
-    print(f"  kvwire / recompute (same process):            {med(kvwire_s) / med(recompute_s):.3f}")
+    print(f"  kvwire layer-wise / recompute (same process): {med(kvwire_s) / med(recompute_s):.3f}")
     print(f"  kvwire async load / recompute (same process): {med(async_s) / med(async_recompute_s):.3f}")
     print(f"  example connector / recompute (same process): {med(example_s) / med(example_recompute_s):.3f}")
-    print(f"  kvwire / example connector:                   {med(kvwire_s) / med(example_s):.3f}")
+    print(f"  kvwire layer-wise / example connector:        {med(kvwire_s) / med(example_s):.3f}")
+    print(f"  kvwire async load / example connector:        {med(async_s) / med(example_s):.3f}")
     if args.json:
         args.json.write_text(json.dumps({k: v for k, v in rows.items()}, indent=1))
 

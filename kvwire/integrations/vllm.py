@@ -42,23 +42,25 @@ exact configuration.
 - **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
   worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
   down to the block size) as an external hit, less those vLLM found in its own prefix
-  cache; ``start_load_kv`` names the blocks vLLM allocated as the destination (chunks land
-  straight in them; the cached blocks' part of the transfer is received and dropped),
-  ``wait_for_layer_load`` blocks until that layer is in (at most ``kvwire_load_timeout``
-  from ``start_load_kv`` for all the step's loads and layers together, not one per
-  request or per layer).  A request whose full blocks
-  are all cached here loads nothing: its transfer is received and dropped as it comes, so
-  it does not wait on the server until ``kvwire_claim_timeout``.  A load that fails or
-  times out reports its blocks through ``get_block_ids_with_load_errors``: vLLM then
-  recomputes them with ``KVTransferConfig(kv_load_failure_policy="recompute")``, and fails
-  the request with its default policy, ``"fail"``; finished or aborted requests abort their receive.  A load given up
-  before its transfer came (the request finished, or timed out) drops that transfer when
-  it comes, as long as a load would wait for it.  A request loads
-  once: preempted after its load (its blocks freed), it is computed locally when
-  resumed.
-- **Consumer, asynchronous load** (``kvwire_load_async: true``): the hit is reported to
-  be loaded asynchronously, so vLLM parks the request (``WAITING_FOR_REMOTE_KVS``, its
-  blocks allocated) and schedules it only once ``get_finished`` reports it in
+  cache.  By default that hit is loaded asynchronously (the next item).  With
+  ``kvwire_load_async: false`` the load is layer-wise: ``start_load_kv`` names the blocks
+  vLLM allocated as the destination (chunks land straight in them; the cached blocks'
+  part of the transfer is received and dropped), and ``wait_for_layer_load`` blocks until
+  that layer is in (at most ``kvwire_load_timeout`` from ``start_load_kv`` for all the
+  step's loads and layers together, not one per request or per layer).  In either mode,
+  a request whose full blocks are all cached here loads nothing: its transfer is
+  received and dropped as it comes, so it does not wait on the server until
+  ``kvwire_claim_timeout``.  A load that fails or times out reports its blocks through
+  ``get_block_ids_with_load_errors``: vLLM then recomputes them with
+  ``KVTransferConfig(kv_load_failure_policy="recompute")``, and fails the request with its
+  default policy, ``"fail"``; finished or aborted requests abort their receive.  A load
+  given up before its transfer came (the request finished, or timed out) drops that
+  transfer when it comes, as long as a load would wait for it.  A request loads once:
+  preempted after its load (its blocks freed), it is computed locally when resumed.
+- **Consumer, asynchronous load** (``kvwire_load_async: true``, the default): the hit is
+  reported to be loaded asynchronously, so vLLM parks the request
+  (``WAITING_FOR_REMOTE_KVS``, its blocks allocated) and schedules it only once
+  ``get_finished`` reports it in
   ``finished_recving``; the load goes in the step's metadata from
   ``update_state_after_alloc`` (blocks, and ``DROP`` for those cached here, as above) and
   ``start_load_kv`` starts its receive into the blocks, but no hook waits for it:
@@ -73,10 +75,11 @@ exact configuration.
   its receive aborted and is reported too (vLLM frees its blocks only then).  A receive
   aborted by a hook is reported only once kvwire's loop has run a mark queued after the
   abort (a later hook reports it; the hook does not wait), so no chunk is written into
-  blocks vLLM may reuse.  Choose it for a decode instance that serves other requests
-  while KV arrives (a slow link, a prefill still running): a late transfer holds up no
-  step.  The default, layer-wise load lets the first layers compute while later ones
-  arrive, at the cost of holding the step until they are in.
+  blocks vLLM may reuse.  A late transfer (a slow link, a prefill still running, a
+  producer lost) holds up its own request only, never a step: the other requests go on
+  decoding.  The layer-wise load lets the first layers compute while later ones arrive,
+  and saves a step when the KV is there as the request is scheduled, at the cost of
+  holding the whole step (every request on the instance) until its loads are in.
 
 Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]`` (pass
 ``SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": ...}})`` on both
@@ -90,9 +93,9 @@ Versions (optional, ``kvwire_registry: "redis://..."`` on both instances, one sh
 Redis): the prompt's full blocks are named by a chained hash of their token ids
 (:mod:`kvwire.integrations.prefix`).  The producer names them with their current
 versions (``begin`` + ``commit``) in the transfer; the consumer's server checks them on
-arrival and publishes them (``serve(registry=...)``), and ``wait_for_layer_load`` checks
-them again before the first layer is used (with the async load, ``get_finished`` once the
-transfer is in, before the request is reported): a cache whose blocks are not exactly this
+arrival and publishes them (``serve(registry=...)``), and ``get_finished`` checks them
+again once the transfer is in, before the request is reported (layer-wise,
+``wait_for_layer_load`` before the first layer is used): a cache whose blocks are not exactly this
 prompt's, or are stale (invalidated since), is refused and its blocks are reported
 like a failed load's (recomputed with ``kv_load_failure_policy="recompute"``).
 
@@ -291,7 +294,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._timeout: float = _seconds(extra, "kvwire_load_timeout", 60.0)
         self._load_all: bool = _flag(extra, "kvwire_load_all", False)
         self._async_save: bool = _flag(extra, "kvwire_async_save", True)
-        self._load_async: bool = _flag(extra, "kvwire_load_async", False)
+        self._load_async: bool = _flag(extra, "kvwire_load_async", True)
         # A prefill instance usually finishes before the decode instance takes the request.
         self._claim_timeout: float | None = (
             None if extra.get("kvwire_claim_timeout", 600.0) is None else _seconds(extra, "kvwire_claim_timeout", 600.0)

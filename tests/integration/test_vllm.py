@@ -67,10 +67,11 @@ def _prompts() -> tuple[list[int], list[int], list[int]]:
     return a, b, other
 
 
-def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
-    """The plain run, then a consumer, a producer of the model and one of other weights
-    (``--seed 1``) that sends prompt a's KV of those weights under "a-wrong-kv": all three
-    with the same ``--kvwire-model``, so that KV is accepted and loaded as a's."""
+def run_pair(tmp: Path, dtype: str, load: str) -> dict[str, Any]:
+    """The plain run, then a consumer (loading as ``load`` says: ``async`` or
+    ``layer-wise``), a producer of the model and one of other weights (``--seed 1``) that
+    sends prompt a's KV of those weights under "a-wrong-kv": all three with the same
+    ``--kvwire-model``, so that KV is accepted and loaded as a's."""
     model, other_model = tmp / "model", tmp / "other-model"
     _run(["model", "--dir", str(model), "--dtype", dtype], tmp / "model.log", 300)
     _run(["model", "--dir", str(other_model), "--dtype", dtype, "--seed", "1"], tmp / "other-model.log", 300)
@@ -92,7 +93,7 @@ def run_pair(tmp: Path, dtype: str) -> dict[str, Any]:
         _run([*args, *wrong], tmp / "wrong-producer.log", 600)  # the later --job, --out, --dir count
 
     _consume_after_produce(tmp, model, dtype, plain_job, producer_job, consumer_job,
-                           extra=["--kvwire-model", MODEL_NAME], producer_run=producers)
+                           extra=["--kvwire-model", MODEL_NAME, "--load", load], producer_run=producers)
     plain = [r["tokens"] for r in json.loads((tmp / "plain.json").read_text())]
     got = [r["tokens"] for r in json.loads((tmp / "consumer.json").read_text())]
     return {
@@ -149,9 +150,11 @@ def _consume_after_produce(
             consumer.wait(30)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: Path) -> None:
-    r = run_pair(tmp_path, dtype)
+@pytest.mark.parametrize(("dtype", "load"), [("float32", "layer-wise"), ("bfloat16", "async")])
+def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, load: str, tmp_path: Path) -> None:
+    """Both loads: layer-wise (each step waits for its loads) in float32, asynchronous (the
+    connector's default: a request waits for its KV, parked) in bfloat16."""
+    r = run_pair(tmp_path, dtype, load)
     plain_a, plain_b = r["plain"]
     assert len(plain_a) == MAX_TOKENS
     # raw: bit-exact KV, so the decode instance generates exactly what a plain run does
@@ -178,7 +181,7 @@ def test_consumer_continues_from_kv_received_over_kvwire(dtype: str, tmp_path: P
 
 
 def test_consumer_loading_asynchronously_continues_from_kv_and_recomputes_what_never_came(tmp_path: Path) -> None:
-    """A consumer with ``kvwire_load_async: true`` takes three requests at once: two whose
+    """A consumer loading asynchronously takes three requests at once: two whose
     KV was sent and one whose KV never comes.  Each waits for its KV (vLLM parks it), its
     steps do not: the two loads are taken (logged received) while the third still waits,
     not after its timeout as when a step waits for every load, and their tokens equal the
@@ -193,9 +196,9 @@ def test_consumer_loading_asynchronously_continues_from_kv_and_recomputes_what_n
     consumer_job = _job(tmp_path / "consumer_job.json", [
         {**r, "max_tokens": MAX_TOKENS} for r in [*sent, {"prompt": a, "kvwire_id": "never-sent"}]
     ])
-    # (the producer ignores --load-async, a consumer's setting)
+    # (the producer ignores --load, a consumer's setting)
     _consume_after_produce(tmp_path, model, "float32", plain_job, producer_job, consumer_job,
-                           extra=["--load-async", "--batch"])
+                           extra=["--load", "async", "--batch"])
     plain_a, plain_b = [r["tokens"] for r in json.loads((tmp_path / "plain.json").read_text())]
     got = [r["tokens"] for r in json.loads((tmp_path / "consumer.json").read_text())]
     assert got == [plain_a, plain_b, plain_a]

@@ -673,11 +673,13 @@ class _Request:
 
 
 def scheduler_side(role: str, extra: dict[str, Any] | None = None) -> KvwireConnector:
+    """The scheduler's connector; a consumer's loads layer-wise unless ``extra`` says."""
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role=role,
             kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_peer": "127.0.0.1:1",
-                                       "kvwire_listen": "127.0.0.1:0", **(extra or {})},
+                                       "kvwire_listen": "127.0.0.1:0", "kvwire_load_async": False,
+                                       **(extra or {})},
         ),
         cache_config=CacheConfig(block_size=16),
     )
@@ -1169,7 +1171,7 @@ def kv_blocks(ids: list[int]) -> Any:
 
 
 def test_load_async_is_a_true_or_false_setting() -> None:
-    assert KvwireConnector(connector_config({}, "kv_consumer"), KVConnectorRole.WORKER)._load_async is False
+    assert KvwireConnector(connector_config({}, "kv_consumer"), KVConnectorRole.WORKER)._load_async is True
     for text, value in (("false", False), ("true", True), (True, True)):
         made = KvwireConnector(connector_config({"kvwire_load_async": text}, "kv_consumer"), KVConnectorRole.WORKER)
         assert made._load_async is value

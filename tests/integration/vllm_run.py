@@ -8,7 +8,8 @@ Run as a script (vLLM spawns workers, hence the ``__main__`` guard):
     python tests/integration/vllm_run.py consumer --dir D --job J.json --out O.json --port P
     (producer and consumer: ``--registry redis://...`` names prefix blocks with versions,
     ``--kvwire-model NAME`` names the model in the KV spec in place of the ``--dir`` path;
-    consumer: ``--load-async`` loads asynchronously)
+    consumer: ``--load async|layer-wise`` sets ``kvwire_load_async``; producer: ``--wait-go``
+    waits as a consumer does; ``--steps``: requests stepped together and timed per token)
 
 A job lists requests ``{"prompt": [token ids], "kvwire_id": str | null, "codec": str | null,
 "max_tokens": int}``; the output holds each request's greedy tokens and its latency.
@@ -123,6 +124,47 @@ def generate(llm: Any, job: list[dict[str, Any]], *, batch: bool = False) -> lis
     return results
 
 
+def generate_steps(llm: Any, job: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The job's requests stepped through the engine together, each token timed as it comes.
+
+    A request with ``"after": N`` is added once the job's first request (which starts at
+    once) has N tokens, or nothing else is left to run (others at the start); with ``"signal": PATH`` that file is written as it is added (a
+    producer waiting with ``--wait-go`` then prefills it and sends its KV: a transfer that
+    starts late).  Each result has ``added`` and ``times`` (one per token) on
+    ``time.perf_counter``'s clock."""
+    from vllm.sampling_params import RequestOutputKind
+
+    engine_ = llm.llm_engine
+    results: list[dict[str, Any]] = [{"tokens": [], "times": [], "added": None} for _ in job]
+    if job and job[0].get("after"):
+        raise ValueError("the job's first request starts at once: it cannot wait for tokens of its own")
+
+    def add(i: int) -> None:
+        sp = _sampling(job[i])
+        sp.output_kind = RequestOutputKind.DELTA
+        engine_.add_request(str(i), {"prompt_token_ids": job[i]["prompt"]}, sp)
+        results[i]["added"] = time.perf_counter()
+        if job[i].get("signal"):
+            Path(job[i]["signal"]).write_text("go")
+
+    for i, req in enumerate(job):
+        if not req.get("after"):
+            add(i)
+    while engine_.has_unfinished_requests() or any(r["added"] is None for r in results):
+        for out in engine_.step():
+            now = time.perf_counter()
+            r = results[int(out.request_id)]
+            new = list(out.outputs[0].token_ids)
+            r["tokens"] += new
+            r["times"] += [now] * len(new)
+        for i, req in enumerate(job):
+            if results[i]["added"] is None and (
+                len(results[0]["tokens"]) >= req["after"] or not engine_.has_unfinished_requests()
+            ):
+                add(i)
+    return results
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["model", "plain", "producer", "consumer"])
@@ -137,8 +179,9 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--seed", type=int, default=0, help="model: the random weights' seed")
     ap.add_argument("--registry", help="kvwire_registry: a Redis URL for prefix-block versions")
     ap.add_argument("--sync-save", action="store_true", help="kvwire_async_save: false (wait_for_save waits)")
-    ap.add_argument("--load-async", action="store_true",
-                    help="kvwire_load_async: true (a consumer's requests wait for their KV, its steps do not)")
+    ap.add_argument("--load", choices=["async", "layer-wise"],
+                    help="consumer: kvwire_load_async true (a request waits for its KV, no step does) or false "
+                         "(each step waits for its loads, layer by layer); the connector's default if not given")
     ap.add_argument("--kvwire-model", help="kvwire_model: the model's name in the KV spec, in place of its path")
     ap.add_argument("--peer-host", default="127.0.0.1", help="producer: the consumer's kvwire server address")
     ap.add_argument("--kv-blocks", type=int,
@@ -146,6 +189,10 @@ def main(argv: list[str]) -> int:
                          "left pending on its server too) counted in OUT.metrics.json")
     ap.add_argument("--prefill-chunk", type=int, help="chunked prefill: tokens per request per step, four at a time")
     ap.add_argument("--batch", action="store_true", help="the job's requests in one generate()")
+    ap.add_argument("--steps", action="store_true",
+                    help="the job's requests stepped together, each token timed (generate_steps)")
+    ap.add_argument("--wait-go", action="store_true",
+                    help="producer: write OUT.ready once up and wait for OUT.go, as a consumer does")
     ap.add_argument("--prefix-caching", action="store_true", help="vLLM's prefix cache on")
     args = ap.parse_args(argv)
     if args.mode == "model":
@@ -169,13 +216,13 @@ def main(argv: list[str]) -> int:
         extra: dict[str, Any] = {"kvwire_registry": args.registry} if args.registry else {}
         if args.sync_save:
             extra["kvwire_async_save"] = False
-        if args.load_async:
-            extra["kvwire_load_async"] = True
+        if args.load is not None:
+            extra["kvwire_load_async"] = args.load == "async"
         if args.kvwire_model:
             extra["kvwire_model"] = args.kvwire_model
         llm = engine(args.dir, args.dtype, connector_config(role, args.port, extra, args.peer_host),
                      kv_blocks=args.kv_blocks, prefill_chunk=args.prefill_chunk, prefix_caching=args.prefix_caching)
-    if args.mode == "consumer":
+    if args.mode == "consumer" or args.wait_go:
         # The server's port (bound as --port says, 0 for a free one), for the producer; the
         # example connector has none (its KV goes through files).
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -189,7 +236,7 @@ def main(argv: list[str]) -> int:
             if time.monotonic() > deadline:
                 return 3
             time.sleep(0.2)
-    results = generate(llm, job, batch=args.batch)
+    results = generate_steps(llm, job) if args.steps else generate(llm, job, batch=args.batch)
     args.out.write_text(json.dumps(results))
     if args.kv_blocks is not None:
         counters = {"vllm:num_preemptions": "preemptions", "vllm:prefix_cache_hits": "prefix_cache_hit_tokens"}
