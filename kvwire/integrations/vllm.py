@@ -210,6 +210,22 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
     return seconds
 
 
+def _log_received(req_id: str, blocks: list[int], handle: ReceiveHandle) -> None:
+    """A consumer's load that arrived whole (either load)."""
+    wire = getattr(handle.transfer, "wire_bytes", 0)
+    logger.info("kvwire: received KV of request %s (%d blocks, %d wire bytes)", req_id, len(blocks), wire)
+
+
+def _log_refused(req_id: str, reason: str) -> None:
+    """A consumer's load refused by the registry check."""
+    logger.error("kvwire: refused KV of request %s: %s", req_id, reason)
+
+
+def _log_failed(req_id: str, error: object) -> None:
+    """A consumer's load that failed or timed out."""
+    logger.error("kvwire: receiving KV of request %s failed: %s", req_id, error)
+
+
 def _layer_order(name: str) -> tuple[int, str]:
     m = re.search(r"\d+", name)
     return (int(m.group()) if m else -1, name)
@@ -763,7 +779,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             try:
                 handle.wait_layer(index, timeout=max(0.0, deadline - time.monotonic()))
             except KvwireError as exc:
-                logger.error("kvwire: receiving KV of request %s failed: %s", req_id, exc)
+                _log_failed(req_id, exc)
                 self._give_up_load(req_id, str(exc))
                 self._load_errors.update(blocks)
                 self._expected.pop(req_id, None)
@@ -776,15 +792,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 except KvwireError as exc:
                     reason = f"registry check failed: {exc}"
                 if reason is not None:
-                    logger.error("kvwire: refused KV of request %s: %s", req_id, reason)
+                    _log_refused(req_id, reason)
                     self._abort(req_id, handle, reason)
                     self._load_errors.update(blocks)
                     del self._loading[req_id]
                     continue
             if index == len(self._caches) - 1:
-                transfer = handle.transfer
-                wire = getattr(transfer, "wire_bytes", 0)
-                logger.info("kvwire: received KV of request %s (%d blocks, %d wire bytes)", req_id, len(blocks), wire)
+                _log_received(req_id, blocks, handle)
                 del self._loading[req_id]
         self._settle_aborts()
 
@@ -1173,11 +1187,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 del self._loading[req_id]
                 self._load_since.pop(req_id, None)
                 if reason is None:
-                    wire = getattr(handle.transfer, "wire_bytes", 0)
-                    logger.info("kvwire: received KV of request %s (%d blocks, %d wire bytes)", req_id, len(blocks), wire)
+                    _log_received(req_id, blocks, handle)
                     ended[req_id] = set()
                 else:  # every layer is in, nothing writes into its blocks any more
-                    logger.error("kvwire: refused KV of request %s: %s", req_id, reason)
+                    _log_refused(req_id, reason)
                     ended[req_id] = set(blocks)
                 continue
             error: KvwireError | None = handle.error
@@ -1185,7 +1198,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 error = TransferTimeoutError(f"transfer of {handle.request_id!r} not ready after {self._timeout:g} s")
             if error is None:
                 continue
-            logger.error("kvwire: receiving KV of request %s failed: %s", req_id, error)
+            _log_failed(req_id, error)
             self._expected.pop(req_id, None)
             self._give_up_load(req_id, str(error))
             ended[req_id] = set(blocks)
