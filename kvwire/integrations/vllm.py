@@ -1,111 +1,32 @@
-"""A vLLM KV connector (``KVConnectorBase_V1``) that moves prefilled KV blocks over kvwire.
+"""A vLLM KV connector (``KVConnectorBase_V1``) that moves prefilled KV blocks over kvwire,
+for disaggregated prefill and decode.
 
 Load it with ``kv_connector="KvwireConnector"`` and
-``kv_connector_module_path="kvwire.integrations.vllm"``; see docs/integrations.md for the
-exact configuration.
+``kv_connector_module_path="kvwire.integrations.vllm"`` in vLLM's ``KVTransferConfig``;
+its settings are the ``kvwire_*`` keys of ``kv_connector_extra_config``.
 
-- **Producer** (prefill instance, ``kv_role="kv_producer"``): ``save_kv_layer`` queues
-  the request's full prompt blocks of each layer on a kvwire transfer as soon as the layer
-  is computed, where they lie (no copy; the next layer computes while this one is on the
-  wire).  The engine does not wait for the wire (``kvwire_async_save``, the default): a
-  request whose KV is being sent keeps its blocks when it finishes (``request_finished``
-  returns True) until ``get_finished`` reports the send ended, acknowledged or let go of,
-  so vLLM goes on with its next step while the KV drains.  With ``kvwire_async_save:
-  false``, ``wait_for_save`` waits for the receiver's acknowledgement instead.  A send
-  that fails with its connection, or does not end within ``kvwire_load_timeout``, closes
-  the connection before its blocks are reported or ``wait_for_save`` returns.  With the
-  async save that timeout counts per send from its turn (its step, or the end of the send
-  before it: sends go first come, first served); a step that waits for its sends
-  (``wait_for_save`` without the async save, or ``bind_connector_metadata`` for requests
-  preempted with their send in flight) gives them one deadline, shared by the step's
-  sends, from when it began to wait.  Once the connection is closed nothing reads the
-  blocks (a new connection is made at once), and the sends behind the one that did not
-  end, which end with the connection, are not waited for.  With the async save, a send
-  that fails on its own (the consumer aborted it) is reported once the streams wrote
-  what they held of it, and the connection goes on.  A request preempted while its send
-  is in flight waits for that send before the step's forward reuses its blocks
-  (``bind_connector_metadata``); one preempted during its chunked prefill, before its
-  send, is sent from the blocks it has once resumed.  ``shutdown`` lets the sends in
-  flight finish (each within ``kvwire_load_timeout``) before it closes.  The connection
-  to the consumer is made on kvwire's loop thread, never in the forward: from when the
-  caches are registered, and again after it was closed or lost.  A step whose saves find
-  that connect still under way goes on without them: their blocks are kept, and each is
-  sent whole from the registered caches once the connection is up (by the next
-  ``wait_for_save`` that finds it up, which vLLM calls every step, after every model's
-  layers were saved, a drafter's too; or by ``shutdown``, which waits for it; without the
-  async save, ``wait_for_save`` waits for it), with the versions its blocks were named at
-  in its step, or ends unsent if the connect fails or is not up within
-  ``kvwire_load_timeout``.  A step whose saves find no connection after a failed
-  connect (the consumer unreachable, or not answering its handshake) ends them unsent, as
-  failed sends, and goes on; a failed connect is tried again after a back-off of 1 s,
-  doubled per failure up to 30 s.
-- **Consumer** (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the
-  worker; the scheduler reports the prompt's full blocks (all but the last token, rounded
-  down to the block size) as an external hit, less those vLLM found in its own prefix
-  cache.  By default that hit is loaded asynchronously (the next item).  With
-  ``kvwire_load_async: false`` the load is layer-wise: ``start_load_kv`` names the blocks
-  vLLM allocated as the destination (chunks land straight in them; the cached blocks'
-  part of the transfer is received and dropped), and ``wait_for_layer_load`` blocks until
-  that layer is in (at most ``kvwire_load_timeout`` from ``start_load_kv`` for all the
-  step's loads and layers together, not one per request or per layer).  In either mode,
-  a request whose full blocks are all cached here loads nothing: its transfer is
-  received and dropped as it comes, so it does not wait on the server until
-  ``kvwire_claim_timeout``.  A load that fails or times out reports its blocks through
-  ``get_block_ids_with_load_errors``: vLLM then recomputes them with
-  ``KVTransferConfig(kv_load_failure_policy="recompute")``, and fails the request with its
-  default policy, ``"fail"``; finished or aborted requests abort their receive.  A load
-  given up before its transfer came (the request finished, or timed out) drops that
-  transfer when it comes, as long as a load would wait for it.  A request loads once:
-  preempted after its load (its blocks freed), it is computed locally when resumed.
-- **Consumer, asynchronous load** (``kvwire_load_async: true``, the default): the hit is
-  reported to be loaded asynchronously, so vLLM parks the request
-  (``WAITING_FOR_REMOTE_KVS``, its blocks allocated) and schedules it only once
-  ``get_finished`` reports it in
-  ``finished_recving``; the load goes in the step's metadata from
-  ``update_state_after_alloc`` (blocks, and ``DROP`` for those cached here, as above) and
-  ``start_load_kv`` starts its receive into the blocks, but no hook waits for it:
-  ``wait_for_layer_load`` returns at once, and each ``get_finished`` looks at the
-  receives (``ReceiveHandle.done``, ``error``), never waiting.  A request is reported
-  once: when its transfer arrived whole (and, with a registry, was checked fresh; the
-  check runs on kvwire's loop), or failed, was refused, or is not in within
-  ``kvwire_load_timeout`` of its own start (not of a step), its blocks then reported
-  through ``get_block_ids_with_load_errors`` in the same step (vLLM needs it reported
-  to take it out of its wait, and recomputes those blocks with
-  ``kv_load_failure_policy="recompute"``).  A request that finishes while it waits has
-  its receive aborted and is reported too (vLLM frees its blocks only then).  A receive
-  aborted by a hook is reported only once kvwire's loop has run a mark queued after the
-  abort (a later hook reports it; the hook does not wait), so no chunk is written into
-  blocks vLLM may reuse.  A late transfer (a slow link, a prefill still running, a
-  producer lost) holds up its own request only, never a step: the other requests go on
-  decoding.  The layer-wise load lets the first layers compute while later ones arrive,
-  and saves a step when the KV is there as the request is scheduled, at the cost of
-  holding the whole step (every request on the instance) until its loads are in.
+Producer (prefill instance, ``kv_role="kv_producer"``): ``save_kv_layer`` queues each
+layer of a request's full prompt blocks on a kvwire transfer as soon as the layer is
+computed, from where the blocks lie (a host cache's not copied, a GPU cache's gathered on
+its GPU), so the next layer computes while this one is on the wire.  The save is
+asynchronous by default (``kvwire_async_save``): the engine goes on while the KV drains,
+and a finished request keeps its blocks until ``get_finished`` reports its send ended.
 
-Rendezvous: a request's transfer is named by ``kv_transfer_params["kvwire_id"]`` (pass
-``SamplingParams(extra_args={"kv_transfer_params": {"kvwire_id": ...}})`` on both
-instances) and a hash of the prompt tokens sent (``<kvwire_id>#prompt:<hash>``); without
-an id by the hash alone.  So a transfer is loaded only by a request whose full blocks hold
-the same tokens: a reused id, or a transfer left over from another prompt, is not.  Requests of one
-name each take one transfer of it, in the order they were scheduled.  The consumer loads
-requests that carry a ``kvwire_id``, or every request with ``kvwire_load_all``.
+Consumer (decode instance, ``kv_role="kv_consumer"``): a kvwire server in the worker
+receives each transfer into the blocks vLLM allocated for it.  The load is asynchronous
+by default: vLLM parks the request until ``get_finished`` reports its KV in, and the other
+requests go on decoding meanwhile.  With ``kvwire_load_async: false`` it is layer-wise:
+``wait_for_layer_load`` waits for each layer in the step's forward.  A load that fails or
+times out reports its blocks through ``get_block_ids_with_load_errors``; vLLM recomputes
+them with ``KVTransferConfig(kv_load_failure_policy="recompute")`` (its default,
+``"fail"``, fails the request).
 
-Versions (optional, ``kvwire_registry: "redis://..."`` on both instances, one shared
-Redis): the prompt's full blocks are named by a chained hash of their token ids
-(:mod:`kvwire.integrations.prefix`).  The producer names them with their current
-versions (``begin`` + ``commit``) in the transfer; the consumer's server checks them on
-arrival and publishes them (``serve(registry=...)``), and ``get_finished`` checks them
-again once the transfer is in, before the request is reported (layer-wise,
-``wait_for_layer_load`` before the first layer is used): a cache whose blocks are not exactly this
-prompt's, or are stale (invalidated since), is refused and its blocks are reported
-like a failed load's (recomputed with ``kv_load_failure_policy="recompute"``).
+Rendezvous: a transfer is named by the request's ``kv_transfer_params["kvwire_id"]`` and a
+hash of its prompt's full blocks' tokens, so only a request whose full blocks hold the same
+tokens loads it.
 
-Blocks move as opaque bytes (:mod:`kvwire.paged`): block ``i`` of a layer is the cache
-tensor's ``[i]`` slab, whatever the attention backend packs inside it.  Layouts whose
-first axis is not the block index (K and V in separate leading planes) are refused.  What
-the bytes mean is in the spec's ``model`` field, so sides that would read each other's
-blocks wrongly do not exchange them (``INCOMPATIBLE_SPEC`` at BEGIN): the model
-(``kvwire_model``, else vLLM's model), the attention backend, its block layout where it
-picks one (the CPU backend's ISA), the KV cache dtype and the vLLM version.
+docs/integrations.md ("vLLM") gives the exact behaviour (failures and timeouts,
+preemption, prefix caching, prefix-block versions, block layout) and every setting.
 """
 
 from __future__ import annotations
