@@ -1,5 +1,5 @@
 """A decode instance whose KV arrives late, while other requests decode: what the layer-wise
-load and ``kvwire_load_async`` cost those other requests, and what the late request waits.
+and the asynchronous load cost those other requests, and what the late request waits.
 
 Needs vLLM (``pip install 'kvwire[vllm]'``, or the environment ``.ci/vllm`` builds) and
 runs every engine through ``tests/integration/vllm_run.py``:
@@ -15,9 +15,9 @@ handed a request before its prefill is done.  Each request is stepped through th
 and each token timed as it comes (``vllm_run.py --steps``).  Modes, one after the other,
 ``--rounds`` times:
 
-- ``layer-wise``: the default load; the step that schedules the late request waits for its
-  layers to arrive.
-- ``async``: ``kvwire_load_async``; the late request is parked until its KV is in.
+- ``layer-wise``: ``kvwire_load_async: false``; the step that schedules the late request
+  waits for its layers to arrive.
+- ``async``: the connector's default; the late request is parked until its KV is in.
 - ``recompute``: the same request without a ``kvwire_id``, prefilled by the consumer
   itself (no producer runs).
 
@@ -123,24 +123,27 @@ def run_mode(tmp: Path, mode: str, common: list[str], local: list[list[int]], la
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, float]:
     """The late request's TTFT from its arrival; the others' longest gap after it arrived,
-    and their token rates before it arrived and while it waited for its first token."""
+    and their token rates before it arrived and while it waited for its first token.
+
+    Tokens are stamped once per engine step, so the others' tokens of the step that gave
+    the late request its first token carry that token's stamp: they are not counted as
+    made while it waited.  A request's rate before is its tokens' intervals over their
+    span (0 for fewer than two tokens, or all in one step); the rates are summed."""
     late, local = results[-1], results[:-1]
     arrived, first = late["added"], late["times"][0]
-    gaps, before, during = [], 0, 0
-    window = [float("inf"), float("-inf")]  # the others' tokens before the arrival
+    gaps: list[float] = []
+    during, rate_before = 0, 0.0
     for r in local:
         times = r["times"]
         gaps += [b - a for a, b in itertools.pairwise(times) if b > arrived]
-        for t in times:
-            if t <= arrived:
-                before += 1
-                window = [min(window[0], t), max(window[1], t)]
-            elif t <= first:
-                during += 1
+        early = [t for t in times if t <= arrived]
+        if len(early) > 1 and early[-1] > early[0]:
+            rate_before += (len(early) - 1) / (early[-1] - early[0])
+        during += sum(arrived < t < first for t in times)
     return {
         "ttft_s": first - arrived,
         "longest_gap_s": max(gaps) if gaps else 0.0,
-        "rate_before": before / (window[1] - window[0]) if before > 1 else 0.0,
+        "rate_before": rate_before,
         "rate_while_waiting": during / (first - arrived),
     }
 
@@ -162,8 +165,10 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     modes = args.modes.split(",")
-    if not modes or any(m not in MODES for m in modes):
-        ap.error(f"--modes takes some of {', '.join(MODES)}")
+    if not modes or any(m not in MODES for m in modes) or len(set(modes)) != len(modes):
+        ap.error(f"--modes takes some of {', '.join(MODES)}, each once")
+    if args.local < 1 or args.after < 1:
+        ap.error("--local and --after must be at least 1 (the late request comes while others decode)")
 
     summaries: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="kvwire-late-") as d:

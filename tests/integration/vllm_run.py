@@ -130,8 +130,8 @@ def generate_steps(llm: Any, job: list[dict[str, Any]]) -> list[dict[str, Any]]:
     A request with ``"after": N`` is added once the job's first request (which starts at
     once) has N tokens, or nothing else is left to run (others at the start); with ``"signal": PATH`` that file is written as it is added (a
     producer waiting with ``--wait-go`` then prefills it and sends its KV: a transfer that
-    starts late).  Each result has ``added`` and ``times`` (one per token) on
-    ``time.perf_counter``'s clock."""
+    starts late).  Each result has ``added`` and ``times`` (one per token: the end of the
+    step that made it) on ``time.perf_counter``'s clock."""
     from vllm.sampling_params import RequestOutputKind
 
     engine_ = llm.llm_engine
@@ -151,8 +151,9 @@ def generate_steps(llm: Any, job: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if not req.get("after"):
             add(i)
     while engine_.has_unfinished_requests() or any(r["added"] is None for r in results):
-        for out in engine_.step():
-            now = time.perf_counter()
+        outs = engine_.step()
+        now = time.perf_counter()  # one stamp per step: its tokens came out together
+        for out in outs:
             r = results[int(out.request_id)]
             new = list(out.outputs[0].token_ids)
             r["tokens"] += new
