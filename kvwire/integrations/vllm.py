@@ -22,8 +22,8 @@ them with ``KVTransferConfig(kv_load_failure_policy="recompute")`` (its default,
 ``"fail"``, fails the request).
 
 Rendezvous: a transfer is named by the request's ``kv_transfer_params["kvwire_id"]`` and a
-hash of its prompt's full blocks' tokens, so only a request whose full blocks hold the same
-tokens loads it.
+hash of its prompt's full blocks' tokens (without an id, with ``kvwire_load_all``, by the
+hash alone), so only a request whose full blocks hold the same tokens loads it.
 
 docs/integrations.md ("vLLM") gives the exact behaviour (failures and timeouts,
 preemption, prefix caching, prefix-block versions, block layout) and every setting.
