@@ -260,17 +260,19 @@ def test_kv_of_requests_the_producer_preempts_mid_prefill(tmp_path: Path) -> Non
     assert r["producer_log"].count("kvwire: sent KV of request") == 4
 
 
-def test_consumer_preempting_a_request_after_its_load_computes_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("load", ["async", "layer-wise"])
+def test_consumer_preempting_a_request_after_its_load_computes_it(load: str, tmp_path: Path) -> None:
     """A consumer with a cache of 16 blocks of 128 tokens decodes three requests at once,
     whose received prompts (630 tokens: 5 blocks each) fill it; their decodes need a
     sixth block, so vLLM preempts one after its load and resumes it later.  Its one
     transfer was taken: resumed, it is computed locally (one external hit per request),
     and every request's tokens equal the plain run's.  (Reported as a hit again, its
     prompt's new blocks were taken as loaded though no load came for a resumed request:
-    they held whatever they held, and its tokens went wrong.)"""
+    they held whatever they held, and its tokens went wrong.)  Both loads (with the
+    asynchronous one a request runs, and can be preempted, only once its KV is in)."""
     rng = random.Random(13)
     prompts = [[rng.randrange(512) for _ in range(630)] for _ in range(3)]
-    r = _tight_pair(tmp_path, prompts, 16, side="consumer", extra=["--kv-blocks", "16", "--batch"])
+    r = _tight_pair(tmp_path, prompts, 16, side="consumer", extra=["--kv-blocks", "16", "--batch", "--load", load])
     assert r["preemptions"] > 0, "the consumer preempted nothing: the test did not test preemption"
     assert r["got"] == r["plain"]
     log = r["consumer_log"]
