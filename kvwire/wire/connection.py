@@ -435,6 +435,8 @@ class Connection:
             if not frames:
                 return False
             self._handle_frames(frames, now)
+            # A frame after these failed to decode: handled in order, they come first.
+            self._decoder.raise_pending()
         except KvwireError as exc:
             self._fail(exc)
         except MemoryError:

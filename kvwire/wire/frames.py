@@ -848,6 +848,7 @@ class FrameDecoder:
         self._handed_dest = False
         self._handed_views: Sequence[memoryview] = ()  # of a scattered payload, as handed out
         self._deferred = False  # a big CHUNK waits in the buffer (see _defer)
+        self._error: Exception | None = None  # what stopped decoding (see feed)
         self.payload_sink = payload_sink
         self.max_kind = KIND_KV
         """The highest CHUNK kind accepted (``KIND_V`` for version 1 alone).  A
@@ -945,16 +946,37 @@ class FrameDecoder:
     # -- plain bytes --------------------------------------------------------------------
 
     def feed(self, data: Buffer) -> list[tuple[Frame, int]]:
-        """Add ``data``; return the frames it completed with their wire sizes."""
+        """Add ``data``; return the frames it completed with their wire sizes.
+
+        A frame that cannot be decoded (a CRC mismatch, a header over the limit, a
+        malformed body) raises, unless frames before it completed in the same call: those
+        are returned, and the error waits for :meth:`raise_pending` (the frames before
+        the failing one are processed, docs/protocol.md 3.4).  No frame after it is
+        decoded: every later call raises the error."""
+        self.raise_pending()
+        out: list[tuple[Frame, int]] = []
+        try:
+            self._feed(data, out)
+        except Exception as exc:
+            if not out:
+                raise
+            self._error = exc
+        return out
+
+    def raise_pending(self) -> None:
+        """Raise the error that stopped the frames a :meth:`feed` returned, if any."""
+        if self._error is not None:
+            raise self._error
+
+    def _feed(self, data: Buffer, out: list[tuple[Frame, int]]) -> None:
         self.bytes_received += len(data)
         self._deferred = False  # the buffered bytes are taken up again here
-        out: list[tuple[Frame, int]] = []
         view = memoryview(data)
         while True:
             if self._big is not None:
                 view = self._feed_big(view, out)
                 if self._big is not None:
-                    return out  # the big frame wants more than there is
+                    return  # the big frame wants more than there is
                 continue
             if view:
                 if self._pos and self._pos == len(self._buf):
@@ -973,13 +995,13 @@ class FrameDecoder:
             avail = len(self._buf) - self._pos
             if avail < HEADER_SIZE:
                 self._compact()
-                return out
+                return
             ftype, length = self._check_header(memoryview(self._buf)[self._pos : self._pos + HEADER_SIZE])
             need = HEADER_SIZE + length + CRC_SIZE
             if length + CRC_SIZE > self._big_body and avail < need:
                 if self._defer(ftype, out):
                     self._compact()
-                    return out
+                    return
                 header = bytes(self._buf[self._pos : self._pos + HEADER_SIZE])
                 rest = bytes(self._buf[self._pos + HEADER_SIZE :])
                 self._buf.clear()
@@ -989,7 +1011,7 @@ class FrameDecoder:
                 continue
             if avail < need:
                 self._compact()
-                return out
+                return
             start = self._pos
             self._pos += need
             mv = memoryview(self._buf)
@@ -1116,6 +1138,7 @@ class FrameDecoder:
         self._handed_dest = False
         self._handed_views = ()
         self._deferred = False
+        self._error = None
 
     def abandon_payload(self, view: memoryview | tuple[memoryview, ...]) -> bool:
         """Stop reading the current frame into ``view`` (what the payload sink returned):

@@ -31,10 +31,12 @@ from kvwire.wire import (
     Credit,
     CreditGranted,
     DecodeCost,
+    FrameDecoder,
     GoAway,
     HandshakeComplete,
     Hello,
     Ping,
+    PingReceived,
     Pong,
     Report,
     ReportReceived,
@@ -550,3 +552,26 @@ def test_a_reset_never_carries_no_error() -> None:
     pair.pump()
     resets = [ev for ev in pair.server_events if isinstance(ev, TransferReset)]
     assert [(r.transfer_id, r.code) for r in resets] == [(7, ErrorCode.CANCELLED), (8, ErrorCode.TIMEOUT)]
+
+
+@pytest.mark.parametrize("same_read", [True, False])
+def test_frames_read_with_a_later_corrupt_frame_are_handled_before_the_connection_fails(same_read: bool) -> None:
+    """A RESET and a PING, then a frame whose CRC does not hold (line noise): the receiver
+    handles the frames before the failing one, in order, then fails (docs/protocol.md
+    3.4), whether they came in one read or in several.  (In one read they were dropped
+    with the bad frame: the transfer the sender had reset was left to be delivered.)"""
+    pair = _open_pair(2)
+    bad = bytearray(frame_bytes(Ping(opaque=9)))
+    bad[-1] ^= 0x01
+    parts = [frame_bytes(Reset(transfer_id=1, code=int(ErrorCode.CANCELLED), message="sender cancelled")),
+             frame_bytes(Ping(opaque=7)), bytes(bad)]
+    for data in ([b"".join(parts)] if same_read else parts):
+        pair.server.receive_data(data)
+    events = []
+    while (e := pair.server.next_event()) is not None:
+        events.append(e)
+    assert [type(e) for e in events] == [TransferReset, PingReceived, ConnectionClosed]
+    assert events[0].transfer_id == 1 and events[2].code == ErrorCode.INTEGRITY_ERROR
+    # the PING was answered and the GOAWAY sent after it, in that order
+    answered = FrameDecoder(1 << 20).feed(b"".join(bytes(b) for b in pair.server.data_to_send()))
+    assert [type(f) for f, _ in answered] == [Pong, GoAway]

@@ -838,3 +838,28 @@ def test_a_decoder_below_version_2_refuses_kv_chunks(big: bool) -> None:
     with pytest.raises(ProtocolError, match="kind 3 is not K \\(0\\), V \\(1\\) or KV \\(2\\)"):
         dec.feed(frame_bytes(Chunk(transfer_id=1, layer=0, kind=3, codec_id=0, token_start=0, token_count=1,
                                    layer_tokens=1, params=b"", payload=bytes(size))))
+
+
+@pytest.mark.parametrize("failure", ["crc", "too large"])
+def test_frames_before_a_failing_frame_in_the_same_feed_are_returned_then_its_error(failure: str) -> None:
+    """The frames a read completed before one that fails are handed over (a receiver
+    processes frames in order and stops at the first failure, docs/protocol.md 3.4); the
+    failure then comes from ``raise_pending``, and nothing after it is decoded."""
+    decoder = FrameDecoder(1 << 16)
+    if failure == "crc":
+        bad = bytearray(frame_bytes(Ping(opaque=2)))
+        bad[-1] ^= 0x01
+        error: type[Exception] = IntegrityError
+    else:
+        bad = bytearray(frame_bytes(Ping(opaque=2)))
+        bad[4:8] = (1 << 20).to_bytes(4, "big")  # the length field: over max_body
+        error = FrameTooLargeError
+    got = decoder.feed(frame_bytes(Ping(opaque=1)) + frame_bytes(Pong(opaque=1)) + bytes(bad)
+                       + frame_bytes(Ping(opaque=3)))
+    assert [f for f, _ in got] == [Ping(opaque=1), Pong(opaque=1)]
+    with pytest.raises(error):
+        decoder.raise_pending()
+    with pytest.raises(error):
+        decoder.feed(frame_bytes(Ping(opaque=4)))
+    decoder.close()  # (the connection closed: later bytes go nowhere, and raise nothing)
+    decoder.raise_pending()
