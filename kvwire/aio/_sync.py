@@ -21,15 +21,22 @@ from kvwire.errors import (
     UsageError,
     detached,
 )
-from kvwire.session.options import check_seconds
+from kvwire.session.options import check_seconds, check_value
 from kvwire.session.sender import check_request_id
 from kvwire.spec import KVSpec, Layer
 
 T = TypeVar("T")
 
 
+def check_wait(timeout: object) -> None:
+    """:class:`~kvwire.UsageError` unless ``timeout`` is a wait's limit: a finite number of
+    seconds >= 0, or None (no limit)."""
+    check_value("timeout", timeout, none_ok=True, zero_ok=True)
+
+
 def wait_done(fut: concurrent.futures.Future[Any], timeout: float | None) -> bool:
     """Wait at most ``timeout`` s (``None``: until it ends) for ``fut`` to end; whether it did."""
+    check_wait(timeout)
     concurrent.futures.wait([fut], timeout)
     return fut.done()
 
@@ -100,6 +107,11 @@ class Bridge:
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds)."""
+        try:
+            check_wait(timeout)  # before it runs: it is not left running
+        except UsageError:
+            coro.close()
+            raise
         if self.in_loop_thread():
             coro.close()
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
@@ -254,6 +266,7 @@ class ReceiveHandle:
             return len(self._layers)
 
     def _wait_for(self, ready: Any, timeout: float | None, what: str) -> None:
+        check_wait(timeout)
         if self._bridge.in_loop_thread():
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
         with self._cond:

@@ -1,0 +1,117 @@
+"""kvwire.sync: closing a bridge, a SyncServer or a SyncPeer (short or bad timeouts, several
+threads, a stuck loop, a start given up on) and the timeouts the blocking waits accept.
+Real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+import threading
+import time
+import traceback
+import weakref
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+import kvwire.aio.client as client_mod
+import kvwire.aio.server as server_mod
+from kvwire.errors import (
+    ConnectionLostError,
+    KvwireError,
+    TransferAbortedError,
+    TransferTimeoutError,
+    UsageError,
+)
+from kvwire.sync import Bridge, PendingPeer, ReceiveHandle, SendHandle, SyncPeer, SyncServer
+from tests.conftest import SECRET
+
+pytestmark = pytest.mark.timeout(90)
+
+SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32")
+
+BAD_TIMEOUTS = [float("inf"), float("nan"), -1.0]
+
+
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=10).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def until(cond: Any, within: float = 20.0) -> bool:
+    """Whether ``cond()`` became true within ``within`` s (polled)."""
+    end = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+async def forever() -> None:
+    await asyncio.Event().wait()
+
+
+def call_in_thread(call: Any, within: float = 10.0) -> BaseException | str:
+    """What ``call()`` raised (or "returned"), from another thread; "blocked" if it did not
+    end within ``within`` s (the thread is a daemon: a test of a wait that never ends ends)."""
+    out: list[BaseException | str] = []
+
+    def go() -> None:
+        try:
+            call()
+            out.append("returned")
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(within)
+    return out[0] if out else "blocked"
+
+
+# -- 2. the blocking waits given inf / nan --------------------------------------------------
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_the_blocking_waits_refuse_a_non_finite_timeout(timeout: float) -> None:
+    """As expect() and send() do: UsageError, not OverflowError (inf) or a wait that spins
+    without end (nan)."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("r")
+        s = peer.begin("r", SPEC)
+        pending = PendingPeer(server.bridge, "127.0.0.1", server.port, secret=SECRET)
+        assert pending.wait(30)
+        calls = {
+            "ReceiveHandle.wait": lambda: h.wait(timeout),
+            "ReceiveHandle.wait_layer": lambda: h.wait_layer(0, timeout),
+            "SendHandle.wait": lambda: s.wait(timeout),
+            "PendingPeer.wait": lambda: pending.wait(timeout),
+        }
+        for name, call in calls.items():
+            err = call_in_thread(call)
+            assert isinstance(err, UsageError) and "timeout" in str(err), (name, err)
+        coro = forever()
+        err = call_in_thread(lambda: server.bridge.run(coro, timeout))
+        assert isinstance(err, UsageError) and "timeout" in str(err), err
+        # nothing of it left running on the loop
+        assert inspect.getcoroutinestate(coro) == inspect.CORO_CLOSED
+        s.abort()
+        h.abort()
+        pending.result().close()
+
+
+def test_the_blocking_waits_still_take_none_and_zero() -> None:
+    with SyncServer(secret=SECRET) as server:
+        h = server.expect("r")
+        with pytest.raises(TransferTimeoutError):
+            h.wait(0)
+        with pytest.raises(TransferTimeoutError):
+            h.wait_layer(0, 0)
+        assert server.bridge.run(asyncio.sleep(0, 5), None) == 5
+        h.abort()
