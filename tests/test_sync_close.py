@@ -115,3 +115,33 @@ def test_the_blocking_waits_still_take_none_and_zero() -> None:
             h.wait_layer(0, 0)
         assert server.bridge.run(asyncio.sleep(0, 5), None) == 5
         h.abort()
+
+
+# -- 3. SendHandle.wait() raising the send's error again and again ---------------------------
+
+def test_send_handle_wait_keeps_none_of_its_callers_frames() -> None:
+    """The send's error, raised again at every wait(), gathered every caller's frames (its
+    traceback grew with each call): the callers' locals stayed alive with it."""
+    bridge = Bridge("shared")
+
+    async def fails() -> None:
+        raise TransferAbortedError("receiver aborted 'r'")
+
+    handle = SendHandle(bridge, "r", 1)  # as SyncPeer.begin() makes it
+    handle._future = bridge.submit(fails())
+    refs: list[weakref.ref[Any]] = []
+    lengths: list[int] = []
+
+    def step() -> None:
+        buffer = np.zeros(1000)  # a caller's local
+        refs.append(weakref.ref(buffer))
+        try:
+            handle.wait(30)
+        except KvwireError as exc:
+            lengths.append(len(traceback.extract_tb(exc.__traceback__)))
+
+    for _ in range(5):
+        step()
+    assert len(lengths) == 5 and len(set(lengths)) == 1, lengths
+    assert sum(r() is not None for r in refs) <= 1  # (at most the last caller's, until the next wait)
+    bridge.close()

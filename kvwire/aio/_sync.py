@@ -461,10 +461,13 @@ class SendHandle:
             return TransferAbortedError(f"send of {self.request_id!r} aborted")
 
         # (not cancelled when not done in time: the send goes on, and may be waited for again)
-        return wait_result(
-            self._future, timeout,
-            not_done=lambda: TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s"),
-            cancelled=cancelled)
+        try:
+            return wait_result(
+                self._future, timeout,
+                not_done=lambda: TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s"),
+                cancelled=cancelled)
+        except KvwireError as exc:  # the send's own error, raised at every wait(): keep no caller's frames
+            raise detached(exc) from None
 
     @property
     def done(self) -> bool:
