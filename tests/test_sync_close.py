@@ -76,6 +76,37 @@ def call_in_thread(call: Any, within: float = 10.0) -> BaseException | str:
     return out[0] if out else "blocked"
 
 
+# -- 1. close() given None (or another timeout it cannot use) -------------------------------
+
+@pytest.mark.parametrize("timeout", [None, *BAD_TIMEOUTS])
+def test_bridge_close_refuses_a_bad_timeout_before_anything_changes(timeout: Any) -> None:
+    """close(timeout=None) raised TypeError after marking the bridge closed: the loop kept
+    running, and close() again returned at once.  Now UsageError, and nothing changed."""
+    bridge = Bridge("bad-close")
+    with pytest.raises(UsageError, match="timeout"):
+        bridge.close(timeout)
+    assert not bridge.closed and bridge._thread.is_alive()
+    assert bridge.run(asyncio.sleep(0, "still runs"), 10) == "still runs"
+    bridge.close()
+    assert bridge.closed and not bridge._thread.is_alive() and bridge.loop.is_closed()
+
+
+@pytest.mark.parametrize("timeout", [None, *BAD_TIMEOUTS])
+def test_server_and_peer_close_refuse_a_bad_timeout_and_can_be_called_again(timeout: Any) -> None:
+    server = SyncServer(secret=SECRET)
+    peer = SyncPeer("127.0.0.1", server.port, secret=SECRET)
+    for thing in (peer, server):
+        with pytest.raises(UsageError, match="timeout"):
+            thing.close(timeout=timeout)
+        assert not thing.bridge.closed and thing.bridge._thread.is_alive()
+    assert not server.server.closed and not peer.peer.closed
+    peer.close()
+    server.close()
+    for thing in (peer, server):
+        assert not thing.bridge._thread.is_alive() and thing.bridge.loop.is_closed()
+    assert server.server.closed and peer.peer.closed and refused(server.port)
+
+
 # -- 2. the blocking waits given inf / nan --------------------------------------------------
 
 @pytest.mark.parametrize("timeout", BAD_TIMEOUTS)

@@ -156,7 +156,8 @@ class Bridge:
     def close(self, timeout: float = 5.0) -> None:
         """Close the servers and peers that run on the loop (their sockets, the listening
         one too), cancel what still runs on it, stop it and join the thread (idempotent;
-        each step waits at most ``timeout`` seconds)."""
+        each step waits at most ``timeout`` seconds, a finite number >= 0)."""
+        check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         if self.in_loop_thread():
             raise UsageError("Bridge.close() from the loop thread")
         with self._lock:
@@ -392,6 +393,9 @@ class SyncServer:
         return handle
 
     def close(self, timeout: float = 5.0) -> None:
+        """Close the server (and its own bridge); each step waits at most ``timeout``
+        seconds (a finite number >= 0)."""
+        check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         if self.bridge.closed:
             return
         if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
@@ -546,6 +550,9 @@ class SyncPeer:
         return self.bridge.run(self._peer.send(request_id, spec, layers, timeout=timeout, **send_options))
 
     def close(self, timeout: float = 5.0) -> None:
+        """Close the peer (and its own bridge); each step waits at most ``timeout``
+        seconds (a finite number >= 0)."""
+        check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         if self.bridge.closed:
             return
         if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
