@@ -176,3 +176,28 @@ def test_send_handle_wait_keeps_none_of_its_callers_frames() -> None:
     assert len(lengths) == 5 and len(set(lengths)) == 1, lengths
     assert sum(r() is not None for r in refs) <= 1  # (at most the last caller's, until the next wait)
     bridge.close()
+
+
+# -- 5. two threads closing the same bridge --------------------------------------------------
+
+def test_a_second_close_waits_for_the_first_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second close() returned at once, while the first was still closing: the
+    server's socket open and the loop thread running when it returned."""
+    closing = threading.Event()
+    real_close = server_mod.Server.close
+
+    async def slow_close(self: Any) -> None:  # a close that takes a while (draining streams)
+        closing.set()
+        await asyncio.sleep(0.5)
+        await real_close(self)
+
+    monkeypatch.setattr(server_mod.Server, "close", slow_close)
+    bridge = Bridge("shared")
+    server = SyncServer(secret=SECRET, bridge=bridge)
+    first = threading.Thread(target=bridge.close, kwargs={"timeout": 30})
+    first.start()
+    assert closing.wait(30)
+    bridge.close(timeout=30)
+    assert not bridge._thread.is_alive() and server.server.closed and refused(server.port)
+    first.join(30)
+    assert not first.is_alive()

@@ -71,6 +71,9 @@ class Bridge:
         # The servers and peers running on the loop (SyncServer, SyncPeer): close() closes
         # them before it cancels the rest, so that no socket outlives the bridge.
         self._owned: dict[int, Any] = {}
+        # Held by the close() under way: another thread's close() waits for it to end.
+        self._close_lock = threading.Lock()
+        self._close_finished = False
         self._thread.start()
         self._ready.wait()
 
@@ -156,14 +159,26 @@ class Bridge:
     def close(self, timeout: float = 5.0) -> None:
         """Close the servers and peers that run on the loop (their sockets, the listening
         one too), cancel what still runs on it, stop it and join the thread (idempotent;
-        each step waits at most ``timeout`` seconds, a finite number >= 0)."""
+        each step waits at most ``timeout`` seconds, a finite number >= 0).
+        A close() while another thread's is under way waits for that one to end (at most
+        as long as its own steps would wait); one that failed (interrupted) may be
+        called again."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         if self.in_loop_thread():
             raise UsageError("Bridge.close() from the loop thread")
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+            self._closed = True  # nothing new is submitted from now on
+        if not self._close_lock.acquire(timeout=3 * timeout):
+            return  # another thread's close is still under way
+        try:
+            if not self._close_finished:
+                self._close(timeout)
+                self._close_finished = True
+        finally:
+            self._close_lock.release()
+
+    def _close(self, timeout: float) -> None:
+        with self._lock:
             owned = list(self._owned.values())
             self._owned.clear()
 
@@ -177,9 +192,16 @@ class Bridge:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
-            asyncio.run_coroutine_threadsafe(close_all(), self.loop).result(2 * timeout)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        coro = close_all()
+        try:
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        except RuntimeError:  # the loop is closed already (a close called again)
+            coro.close()
+        else:
+            with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+                fut.result(2 * timeout)
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
         with self._lock:
             watched = list(self._watched)
@@ -397,6 +419,8 @@ class SyncServer:
         seconds (a finite number >= 0)."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         if self.bridge.closed:
+            if self._own_bridge and not self.bridge.in_loop_thread():
+                self.bridge.close(timeout)  # (at once once closed; ends a close that failed)
             return
         if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
             raise UsageError("SyncServer.close() from the bridge's own loop: await the server's close() there")
@@ -554,6 +578,8 @@ class SyncPeer:
         seconds (a finite number >= 0)."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         if self.bridge.closed:
+            if self._own_bridge and not self.bridge.in_loop_thread():
+                self.bridge.close(timeout)  # (at once once closed; ends a close that failed)
             return
         if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
             raise UsageError("SyncPeer.close() from the bridge's own loop: await the peer's close() there")
