@@ -178,6 +178,35 @@ def test_send_handle_wait_keeps_none_of_its_callers_frames() -> None:
     bridge.close()
 
 
+# -- 4. close(timeout=0) of a server / peer on its own bridge ---------------------------------
+
+def test_a_server_closed_with_no_time_to_wait_still_closes_its_socket() -> None:
+    """close(timeout=0): the server's close was cancelled before it ran, then dropped from
+    the bridge's list, so the bridge's close skipped it: the listening socket stayed open."""
+    server = SyncServer(secret=SECRET)
+    server.close(timeout=0)
+    server.bridge._thread.join(30)
+    assert not server.bridge._thread.is_alive()
+    assert server.server.closed and refused(server.port)
+
+
+def test_a_peer_closed_with_no_time_to_wait_still_closes_its_connection() -> None:
+    with SyncServer(secret=SECRET) as server:
+        peer = SyncPeer("127.0.0.1", server.port, secret=SECRET)
+        streams = list(peer.peer.streams)
+        assert streams and all(s.transport is not None for s in streams)
+        peer.close(timeout=0)
+        peer.bridge._thread.join(30)
+        assert not peer.bridge._thread.is_alive()
+        assert all(s.transport is None or s.transport.is_closing() for s in streams)
+        # the server sees the connection go
+        assert until(lambda: server.bridge.run(_connections(server), 10) == 0)
+
+
+async def _connections(server: SyncServer) -> int:
+    return len(server.server._by_cid)
+
+
 # -- 5. two threads closing the same bridge --------------------------------------------------
 
 def test_a_second_close_waits_for_the_first_to_end(monkeypatch: pytest.MonkeyPatch) -> None:

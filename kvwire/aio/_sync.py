@@ -69,8 +69,13 @@ class Bridge:
         # even if what ran on the loop never got to tell them (a loop too busy to cancel).
         self._watched: weakref.WeakSet[ReceiveHandle] = weakref.WeakSet()
         # The servers and peers running on the loop (SyncServer, SyncPeer): close() closes
-        # them before it cancels the rest, so that no socket outlives the bridge.
+        # them before it cancels the rest, so that no socket outlives the bridge.  One
+        # leaves it once its close() completed: what close() could not close in time is
+        # closed when the loop ends.
         self._owned: dict[int, Any] = {}
+        # (on the loop) The closes under way, by id(thing): never cancelled, as a server's
+        # or peer's close() cancelled midway does not close it when called again.
+        self._closing: dict[int, asyncio.Task[None]] = {}
         # Held by the close() under way: another thread's close() waits for it to end.
         self._close_lock = threading.Lock()
         self._close_finished = False
@@ -83,7 +88,12 @@ class Bridge:
         try:
             self.loop.run_forever()
         finally:
-            try:  # what close() could not cancel in time (a loop that was stuck) ends here
+            try:  # what close() could not close or cancel in time (a loop that was stuck) ends here
+                with self._lock:
+                    owned = list(self._owned.values())
+                if owned:
+                    self.loop.run_until_complete(asyncio.gather(*(self.close_owned(thing) for thing in owned),
+                                                                return_exceptions=True))
                 pending = asyncio.all_tasks(self.loop)
                 for task in pending:
                     task.cancel()
@@ -153,13 +163,34 @@ class Bridge:
             raise ConnectionLostError("the kvwire bridge is closed")
 
     def disown(self, thing: Any) -> None:
+        """``thing`` was closed (its close() completed): :meth:`close` has nothing to do for it."""
         with self._lock:
             self._owned.pop(id(thing), None)
+
+    async def close_owned(self, thing: Any) -> None:
+        """On the loop: close ``thing`` (a Server or Peer it owns) and disown it once
+        closed.  Its close is not cancelled with the caller: it goes on (one close at a
+        time), and one that did not complete leaves it owned."""
+        await asyncio.shield(self._close_task(thing))
+
+    def _close_task(self, thing: Any) -> asyncio.Task[None]:
+        task = self._closing.get(id(thing))
+        if task is None:
+            async def close() -> None:
+                try:
+                    await thing.close()
+                    self.disown(thing)  # (only once closed: one whose close failed is closed again)
+                finally:
+                    del self._closing[id(thing)]
+
+            task = self._closing[id(thing)] = asyncio.ensure_future(close())
+        return task
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the servers and peers that run on the loop (their sockets, the listening
         one too), cancel what still runs on it, stop it and join the thread (idempotent;
-        each step waits at most ``timeout`` seconds, a finite number >= 0).
+        each step waits at most ``timeout`` seconds, a finite number >= 0).  What it
+        could not close in time (a loop held up elsewhere) is closed when the loop ends.
         A close() while another thread's is under way waits for that one to end (at most
         as long as its own steps would wait); one that failed (interrupted) may be
         called again."""
@@ -178,15 +209,13 @@ class Bridge:
             self._close_lock.release()
 
     def _close(self, timeout: float) -> None:
-        with self._lock:
-            owned = list(self._owned.values())
-            self._owned.clear()
-
         async def close_all() -> None:
+            with self._lock:
+                owned = list(self._owned.values())
             if owned:  # their close() fails their transfers and waiters with their own errors
-                closing = asyncio.gather(*(thing.close() for thing in owned), return_exceptions=True)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(closing, timeout)
+                _, late = await asyncio.wait([self._close_task(thing) for thing in owned], timeout=timeout)
+                if late:  # they go on (the tasks they wait for too): the loop's end finishes them, then the rest
+                    return
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for t in tasks:
                 t.cancel()
@@ -416,7 +445,8 @@ class SyncServer:
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the server (and its own bridge); each step waits at most ``timeout``
-        seconds (a finite number >= 0)."""
+        seconds (a finite number >= 0).  A server whose close did not complete in time is
+        closed with its bridge."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         if self.bridge.closed:
             if self._own_bridge and not self.bridge.in_loop_thread():
@@ -425,8 +455,8 @@ class SyncServer:
         if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
             raise UsageError("SyncServer.close() from the bridge's own loop: await the server's close() there")
         with contextlib.suppress(KvwireError):
-            self.bridge.run(self._server.close(), timeout)
-        self.bridge.disown(self._server)
+            # not disowned unless closed: the bridge's close then closes it
+            self.bridge.run(self.bridge.close_owned(self._server), timeout)
         with self._handles_lock:
             handles = list(self._handles)
         for h in handles:
@@ -575,7 +605,8 @@ class SyncPeer:
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the peer (and its own bridge); each step waits at most ``timeout``
-        seconds (a finite number >= 0)."""
+        seconds (a finite number >= 0).  A peer whose close did not complete in time is
+        closed with its bridge."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         if self.bridge.closed:
             if self._own_bridge and not self.bridge.in_loop_thread():
@@ -584,8 +615,8 @@ class SyncPeer:
         if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
             raise UsageError("SyncPeer.close() from the bridge's own loop: await the peer's close() there")
         with contextlib.suppress(KvwireError):
-            self.bridge.run(self._peer.close(), timeout)
-        self.bridge.disown(self._peer)
+            # not disowned unless closed: the bridge's close then closes it
+            self.bridge.run(self.bridge.close_owned(self._peer), timeout)
         if self._own_bridge:
             self.bridge.close(timeout)
 
