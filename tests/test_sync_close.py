@@ -230,3 +230,34 @@ def test_a_second_close_waits_for_the_first_to_end(monkeypatch: pytest.MonkeyPat
     assert not bridge._thread.is_alive() and server.server.closed and refused(server.port)
     first.join(30)
     assert not first.is_alive()
+
+
+# -- 6. close() on a stuck loop, with threads waiting on what runs there -----------------------
+
+def test_closing_a_stuck_bridge_releases_every_waiter() -> None:
+    """Documented: close() fails every waiter with ConnectionLostError.  A thread in
+    SendHandle.wait() or Bridge.run() with no timeout stayed blocked until the loop
+    unstuck (forever, if it never does)."""
+    bridge = Bridge("stuck")
+    receive = ReceiveHandle(bridge, "never", None)  # as SyncServer.expect() makes it
+    send = SendHandle(bridge, "r", 1)  # as SyncPeer.begin() makes it
+    send._future = bridge.submit(forever())
+    unstick = threading.Event()
+    errors: dict[str, BaseException | str] = {}
+    calls = {"receive": lambda: receive.wait(), "send": lambda: send.wait(), "run": lambda: bridge.run(forever())}
+    threads = [threading.Thread(target=lambda n=n, c=c: errors.__setitem__(n, call_in_thread(c, 60)), daemon=True)
+               for n, c in calls.items()]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.2)  # (they wait)
+        bridge.call_soon(unstick.wait, 60)  # the loop is stuck until the test lets it go
+        bridge.close(timeout=0.2)
+        for t in threads:
+            t.join(30)  # while the loop is still stuck
+        assert not any(t.is_alive() for t in threads), errors
+        assert all(isinstance(e, ConnectionLostError) for e in errors.values()), errors
+    finally:
+        unstick.set()
+    bridge._thread.join(30)
+    assert not bridge._thread.is_alive() and bridge.loop.is_closed()

@@ -34,10 +34,23 @@ def check_wait(timeout: object) -> None:
     check_value("timeout", timeout, none_ok=True, zero_ok=True)
 
 
+# A future's "it ended" event, set by its done callback.  Not concurrent.futures.wait():
+# a future cancel() ended (Bridge.close() on a stuck loop) does not wake its waiters.
+_ended: weakref.WeakKeyDictionary[concurrent.futures.Future[Any], threading.Event] = weakref.WeakKeyDictionary()
+_ended_lock = threading.Lock()
+
+
 def wait_done(fut: concurrent.futures.Future[Any], timeout: float | None) -> bool:
     """Wait at most ``timeout`` s (``None``: until it ends) for ``fut`` to end; whether it did."""
     check_wait(timeout)
-    concurrent.futures.wait([fut], timeout)
+    if fut.done():
+        return True
+    with _ended_lock:  # one event (and callback) per future, however often it is waited for
+        ended = _ended.get(fut)
+        if ended is None:
+            ended = _ended[fut] = threading.Event()
+            fut.add_done_callback(lambda _: ended.set())  # (at once if it ended meanwhile)
+    ended.wait(timeout)
     return fut.done()
 
 
@@ -76,6 +89,9 @@ class Bridge:
         # (on the loop) The closes under way, by id(thing): never cancelled, as a server's
         # or peer's close() cancelled midway does not close it when called again.
         self._closing: dict[int, asyncio.Task[None]] = {}
+        # What submit() scheduled: close() fails the waiters of what the loop never ended
+        # (a loop stuck for longer than close() waits for it).
+        self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
         # Held by the close() under way: another thread's close() waits for it to end.
         self._close_lock = threading.Lock()
         self._close_finished = False
@@ -116,7 +132,9 @@ class Bridge:
             if self._closed:
                 coro.close()
                 raise ConnectionLostError("the kvwire bridge is closed")
-            return asyncio.run_coroutine_threadsafe(coro, self.loop)
+            fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+            self._futures.add(fut)
+            return fut
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds)."""
@@ -232,6 +250,12 @@ class Bridge:
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+        if self._thread.is_alive():  # a stuck loop: its waiters are not left waiting on it
+            with self._lock:
+                futures = list(self._futures)
+            for f in futures:
+                with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                    f.cancel()
         with self._lock:
             watched = list(self._watched)
         for handle in watched:
