@@ -261,3 +261,57 @@ def test_closing_a_stuck_bridge_releases_every_waiter() -> None:
         unstick.set()
     bridge._thread.join(30)
     assert not bridge._thread.is_alive() and bridge.loop.is_closed()
+
+
+# -- 7. a start given up on (start_timeout) that completes afterwards --------------------------
+
+def test_a_server_started_after_its_start_timed_out_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a shared bridge whose loop is busy once the start completed (past start_timeout):
+    the caller got TransferTimeoutError and the server, listening and owned by the bridge,
+    stayed open until the bridge closed."""
+    bridge = Bridge("shared")
+    gate = threading.Event()
+    made: list[Any] = []
+    real_start = server_mod.Server.start
+
+    async def start_then_loop_busy(self: Any, *a: Any, **kw: Any) -> Any:
+        made.append(self)
+        r = await real_start(self, *a, **kw)
+        asyncio.get_running_loop().call_soon(gate.wait, 30)  # the loop's next work holds it up
+        return r
+
+    monkeypatch.setattr(server_mod.Server, "start", start_then_loop_busy)
+    try:
+        with pytest.raises(TransferTimeoutError):
+            SyncServer(secret=SECRET, bridge=bridge, start_timeout=0.3)
+    finally:
+        gate.set()
+    assert len(made) == 1
+    assert until(lambda: made[0].closed)
+    assert refused(made[0].port) and id(made[0]) not in bridge._owned
+    bridge.close()
+
+
+def test_a_peer_connected_after_its_start_timed_out_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    with SyncServer(secret=SECRET) as server:
+        bridge = Bridge("shared")
+        gate = threading.Event()
+        made: list[Any] = []
+        real_aenter = client_mod.Peer.__aenter__
+
+        async def aenter_then_loop_busy(self: Any) -> Any:
+            made.append(self)
+            r = await real_aenter(self)
+            asyncio.get_running_loop().call_soon(gate.wait, 30)
+            return r
+
+        monkeypatch.setattr(client_mod.Peer, "__aenter__", aenter_then_loop_busy)
+        try:
+            with pytest.raises(TransferTimeoutError):
+                SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge=bridge, start_timeout=0.3)
+        finally:
+            gate.set()
+        assert len(made) == 1
+        assert until(lambda: server.bridge.run(_connections(server), 10) == 0)
+        assert made[0].closed and id(made[0]) not in bridge._owned
+        bridge.close()

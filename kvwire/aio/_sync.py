@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -262,6 +263,38 @@ class Bridge:
             handle._wake()
 
 
+def start_on(bridge: Bridge, start: Coroutine[Any, Any, T], timeout: float | None) -> T:
+    """Run ``start`` (it opens a server or peer the bridge owns) on ``bridge``'s loop and
+    wait at most ``timeout`` s for it.  One that completes after the caller gave up (a loop
+    busy with other work) is closed then, not left open until the bridge closes."""
+    started: list[asyncio.Task[T]] = []
+
+    async def run() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        started.append(task)
+        return await start
+
+    try:
+        return bridge.run(run(), timeout)
+    except BaseException:
+        async def discard() -> None:  # (on the loop: after run() began, or was cancelled first)
+            if not started:  # never began: nothing was opened
+                start.close()
+                return
+            task = started[0]
+            await asyncio.wait([task])
+            if not task.cancelled() and task.exception() is None:
+                await bridge.close_owned(task.result())
+
+        try:
+            bridge.submit(discard())
+        except ConnectionLostError:  # (a closed bridge closed what it owned)
+            if inspect.getcoroutinestate(start) == inspect.CORO_CREATED:
+                start.close()
+        raise
+
+
 class ReceiveHandle:
     """An expected incoming transfer, waited on from any thread."""
 
@@ -444,7 +477,7 @@ class SyncServer:
             return server
 
         try:
-            self._server = self.bridge.run(start(), start_timeout)
+            self._server = start_on(self.bridge, start(), start_timeout)
         except BaseException:
             if self._own_bridge:
                 self.bridge.close()
@@ -585,8 +618,8 @@ class SyncPeer:
         self.bridge = bridge or Bridge("kvwire-peer")
 
         try:
-            self._peer: Any = self.bridge.run(open_peer(self.bridge, host, port, secret=secret, **options),
-                                              start_timeout)
+            self._peer: Any = start_on(self.bridge, open_peer(self.bridge, host, port, secret=secret, **options),
+                                       start_timeout)
         except BaseException:
             if self._own_bridge:
                 self.bridge.close()
