@@ -315,3 +315,41 @@ def test_a_peer_connected_after_its_start_timed_out_is_closed(monkeypatch: pytes
         assert until(lambda: server.bridge.run(_connections(server), 10) == 0)
         assert made[0].closed and id(made[0]) not in bridge._owned
         bridge.close()
+
+
+# -- the rest of the timeouts, and the connect's error --------------------------------------
+
+@pytest.mark.parametrize("timeout", BAD_TIMEOUTS)
+def test_abort_and_cancel_refuse_a_bad_timeout_before_anything_changes(timeout: float) -> None:
+    """ReceiveHandle.abort(inf) raised OverflowError after failing the receive;
+    PendingPeer.cancel(inf) did nothing, silently."""
+    bridge = Bridge("shared")
+    try:
+        receive = ReceiveHandle(bridge, "r", None)  # as SyncServer.expect() makes it
+        with pytest.raises(UsageError, match="timeout"):
+            receive.abort("no", timeout=timeout)
+        assert receive.error is None  # not failed: nothing changed
+        pending = PendingPeer(bridge, "127.0.0.1", 9, secret=SECRET)
+        with pytest.raises(UsageError, match="timeout"):
+            pending.cancel(timeout)
+    finally:
+        bridge.close()
+
+
+def test_a_failed_connect_keeps_none_of_its_callers_frames() -> None:
+    """PendingPeer.result() raised the connect's stored error again at every call, its
+    traceback growing with each (every caller's frames kept alive)."""
+    bridge = Bridge("shared")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pending = PendingPeer(bridge, "127.0.0.1", port, secret=SECRET)
+    assert pending.wait(30)
+    lengths = []
+    for _ in range(4):
+        try:
+            pending.result()
+        except KvwireError as exc:
+            lengths.append(len(traceback.extract_tb(exc.__traceback__)))
+    assert len(lengths) == 4 and len(set(lengths)) == 1, lengths
+    bridge.close()

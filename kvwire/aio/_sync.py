@@ -414,7 +414,8 @@ class ReceiveHandle:
         ``timeout`` seconds), so the caller may reuse the destination's memory then: no
         chunk is written into it afterwards.  Returns whether that is so: False when the
         loop did not get to it within ``timeout`` (a loop held up elsewhere), and a chunk
-        may still be written into the destination."""
+        may still be written into the destination.  ``timeout``: a finite number >= 0."""
+        check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted{': ' + reason if reason else ''}"))
         if self._bridge.closed:
             return True
