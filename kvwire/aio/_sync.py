@@ -35,23 +35,14 @@ def check_wait(timeout: object) -> None:
     check_value("timeout", timeout, none_ok=True, zero_ok=True)
 
 
-# A future's "it ended" event, set by its done callback.  Not concurrent.futures.wait():
-# a future cancel() ended (Bridge.close() on a stuck loop) does not wake its waiters.
-_ended: weakref.WeakKeyDictionary[concurrent.futures.Future[Any], threading.Event] = weakref.WeakKeyDictionary()
-_ended_lock = threading.Lock()
-
-
 def wait_done(fut: concurrent.futures.Future[Any], timeout: float | None) -> bool:
     """Wait at most ``timeout`` s (``None``: until it ends) for ``fut`` to end; whether it did."""
     check_wait(timeout)
-    if fut.done():
-        return True
-    with _ended_lock:  # one event (and callback) per future, however often it is waited for
-        ended = _ended.get(fut)
-        if ended is None:
-            ended = _ended[fut] = threading.Event()
-            fut.add_done_callback(lambda _: ended.set())  # (at once if it ended meanwhile)
-    ended.wait(timeout)
+    # On the future's own condition, which cancel() wakes too (Bridge.close() on a stuck
+    # loop); not concurrent.futures.wait(), whose waiters a plain cancel() does not wake.
+    # exception() returns the future's error, so a TimeoutError here is this wait's.
+    with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+        fut.exception(timeout)
     return fut.done()
 
 
