@@ -8,7 +8,7 @@ import contextlib
 from typing import Any
 
 from kvwire.aio._sync import Bridge, SyncPeer, open_peer, wait_done, wait_result
-from kvwire.errors import ConnectionLostError, KvwireError, UsageError, detached
+from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.session.options import check_value
 
 
@@ -58,13 +58,10 @@ class PendingPeer:
             why = "the kvwire bridge was closed" if self._bridge.closed else "the connect was cancelled"
             return ConnectionLostError(f"{why} before it completed")
 
-        try:
-            peer = wait_result(  # (a timeout of 0: result() never waits)
-                self._future, 0,
-                not_done=lambda: UsageError("the connect is still under way: result() once done() says so"),
-                cancelled=cancelled)
-        except KvwireError as exc:  # the connect's own error, raised at every call: keep no caller's frames
-            raise detached(exc) from None
+        peer = wait_result(  # (a timeout of 0: result() never waits)
+            self._future, 0,
+            not_done=lambda: UsageError("the connect is still under way: result() once done() says so"),
+            cancelled=cancelled, kept=True)
         return _OpenedPeer(self._bridge, peer)
 
     def cancel(self, timeout: float = 10.0) -> None:

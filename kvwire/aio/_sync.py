@@ -47,10 +47,13 @@ def wait_done(fut: concurrent.futures.Future[Any], timeout: float | None) -> boo
 
 
 def wait_result(fut: concurrent.futures.Future[T], timeout: float | None, *,
-                not_done: Callable[[], KvwireError], cancelled: Callable[[], KvwireError]) -> T:
+                not_done: Callable[[], KvwireError], cancelled: Callable[[], KvwireError],
+                kept: bool = False) -> T:
     """``fut``'s result once it ended (waiting at most ``timeout`` s), or the error it
     raised; ``not_done()`` is raised when it has not ended by then, and ``cancelled()``
-    when it was cancelled (not a kvwire error: the caller says what ended it)."""
+    when it was cancelled (not a kvwire error: the caller says what ended it).  ``kept``:
+    the future is kept and read again (a handle's), so its kvwire error, raised at every
+    read, is raised detached, keeping none of the callers' frames."""
     # Not fut.result(timeout): its TimeoutError is TimeoutError itself, so a
     # TransferTimeoutError the coroutine raised would read as this wait's timeout.
     if not wait_done(fut, timeout):
@@ -59,6 +62,10 @@ def wait_result(fut: concurrent.futures.Future[T], timeout: float | None, *,
         return fut.result()
     except concurrent.futures.CancelledError:
         raise cancelled() from None
+    except KvwireError as exc:
+        if not kept:
+            raise
+        raise detached(exc) from None
 
 
 class Bridge:
@@ -568,13 +575,10 @@ class SendHandle:
             return TransferAbortedError(f"send of {self.request_id!r} aborted")
 
         # (not cancelled when not done in time: the send goes on, and may be waited for again)
-        try:
-            return wait_result(
-                self._future, timeout,
-                not_done=lambda: TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s"),
-                cancelled=cancelled)
-        except KvwireError as exc:  # the send's own error, raised at every wait(): keep no caller's frames
-            raise detached(exc) from None
+        return wait_result(
+            self._future, timeout,
+            not_done=lambda: TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s"),
+            cancelled=cancelled, kept=True)
 
     @property
     def done(self) -> bool:
