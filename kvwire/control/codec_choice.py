@@ -50,7 +50,9 @@ a short path, stays chosen while the sender limits, until the path's rate stops
 growing (BBR's full pipe, :data:`FILL_CHUNKS`) and, on a path known to be short, until
 the transport's cost is first measured; and a less precise codec must beat the
 one sent until now by ``hysteresis``, so that codecs the model rates within noise of
-each other do not take turns chunk by chunk.
+each other do not take turns chunk by chunk (the codec so kept gives way to the most
+precise one the model rates at least as fast as it: raw, where the wire alone rates it
+so).
 
 With a deadline the aim changes: keep as much precision as the deadline allows, so the
 chooser walks from the most precise codec down and stops at the first that finishes in
@@ -267,7 +269,8 @@ class CodecChooser:
         :param explore_cost: see ``explore_max``.
         :param hysteresis: the model changes to a less precise codec only for one it
             rates faster than the codec sent until now by more than this fraction
-            (to a more precise one within ``tolerance`` of the best, as always);
+            (to a more precise one within ``tolerance`` of the best, as always, or
+            rated at least as fast as the codec sent until now);
             measured goodput changes the leader only once the leader
             loses by this fraction more than the rule says (samples vary).
         :param explore_floor: a codec never measured, rated by the model (calibrated by the
@@ -673,7 +676,8 @@ class CodecChooser:
         """Choose the codec for the next chunk.
 
         :param bandwidth_bps: the published bandwidth estimate; ``None`` (no estimate
-            yet) picks the most precise codec, or the most compact on a long path
+            yet), like any value that is not a positive number (0, negative, NaN),
+            picks the most precise codec, or the most compact on a long path
             (:meth:`observe_path_rtt`).
         :param remaining_bytes: fp16 bytes of the transfer still to send, this chunk
             included; with ``time_left`` it selects deadline mode.
@@ -718,8 +722,9 @@ class CodecChooser:
                 bw = bandwidth_bps if bandwidth_bps is not None and bandwidth_bps > 0 else None
                 return self._choose_measured(self.rates(math.inf if bw is None else bw), bw)
             now = None  # the model's choice, unprobed: its first run is measured
-        if bandwidth_bps is None or bandwidth_bps <= 0:
-            # Nothing measured yet. On a short path (loopback, a rack) the most precise
+        if bandwidth_bps is None or not bandwidth_bps > 0:
+            # Nothing measured yet (no estimate, or one that is not a positive number:
+            # 0, negative, NaN). On a short path (loopback, a rack) the most precise
             # (raw): its samples measure the path; a compact first window's samples
             # measure the encoder there, and the model then kept choosing the compact
             # codec from them. On a long path (its handshake round trip at least
@@ -783,8 +788,11 @@ class CodecChooser:
             # of the best: between the two the choice stays put). Codecs within 10% of
             # each other (fp8, int8 and int4 on a loaded host) took turns chunk by chunk
             # as their measurements moved; with chunks encoded only when asked for,
-            # that delivered less than any of them sent alone.
-            codec = held
+            # that delivered less than any of them sent alone. Kept, the held codec
+            # gives way to the most precise codec rated at least as fast as it (raw,
+            # if the wire alone rates it so): the hysteresis only ever keeps a choice
+            # from moving down in precision, never below a more precise one's rate.
+            codec = next(c for c in order if rates[c] >= rates[held])
         free = self._by_precision[0]
         unmeasured = not self._free_measured() and self._path_rtt is not None and not self._long_path()
         if held == free and self._is_free(free) and (app_limited or self._filling or unmeasured):
