@@ -31,6 +31,7 @@ quiet period neither reports zero nor forgets the path's capacity.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -102,7 +103,9 @@ class DeliveryRateEstimator:
 
     Feed it ``on_send`` for every chunk put on the wire and ``on_ack`` for every chunk the
     peer acknowledged; ``on_loss`` for chunks that will never be acknowledged (the
-    connection carrying them died; they are re-sent under a new key).
+    connection carrying them died; they are re-sent under a new key). ``now`` is any
+    monotonic clock's reading in seconds; one that is not a finite number is refused
+    (``ValueError``) before anything changes.
     """
 
     def __init__(
@@ -176,6 +179,7 @@ class DeliveryRateEstimator:
         """
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
+        _check_now(now)
         if chunk_key in self._sent:
             raise ValueError(f"chunk {chunk_key!r} is already in flight")
         if self._bytes_in_flight == 0:
@@ -202,8 +206,13 @@ class DeliveryRateEstimator:
     def on_ack(self, chunk_key: Hashable, now: float) -> RateSample | None:
         """Record a chunk acknowledged by the peer; returns the sample it produced.
 
-        An unknown key (already acked, forgotten, or never sent) returns ``None``.
+        An unknown key (already acked, forgotten, or never sent) returns ``None``. So does
+        an ack at the clock reading of its chunk's send, or before it (a coarse clock
+        stamps both alike): its delivery counts, but a round trip of no time measures
+        nothing, and taken as a sample it made an 8.4 Tbit/s estimate and a minimum RTT
+        of 0.
         """
+        _check_now(now)
         chunk = self._sent.pop(chunk_key, None)
         if chunk is None:
             return None
@@ -224,6 +233,10 @@ class DeliveryRateEstimator:
             self._first_sent_time = chunk.sent_time
             self._first_sent_total = chunk.sent_total
 
+        if now <= chunk.sent_time:
+            self._update_extra_acked(chunk.nbytes, now)
+            self._expire_goodput(now)
+            return None
         delivered = self._delivered - chunk.delivered
         ack_elapsed = now - chunk.delivered_time
         # The send rate as an interval for the delivered bytes: at the rate the sender sent
@@ -231,7 +244,7 @@ class DeliveryRateEstimator:
         sent = chunk.sent_total - chunk.first_sent_total
         send_elapsed = (chunk.sent_time - chunk.first_sent_time) * delivered / sent if sent > 0 else 0.0
         interval = max(send_elapsed, ack_elapsed, self._min_interval)
-        rtt = max(now - chunk.sent_time, 0.0)
+        rtt = now - chunk.sent_time
         # A sender that ran out of data may still have filled the path: a small transfer on
         # a slow link sits in socket buffers and the bottleneck's queue for seconds. Such a
         # chunk's long wait says the link, not the sender, set its pace; without this, a
@@ -276,6 +289,7 @@ class DeliveryRateEstimator:
 
     def advance(self, now: float) -> None:
         """Let time pass without an ack, so the goodput window can expire old samples."""
+        _check_now(now)
         self._last_now = max(self._last_now, now)
         self._expire_goodput(now)
 
@@ -469,3 +483,8 @@ class DeliveryRateEstimator:
             app_limited=self.app_limited,
             extra_acked_bytes=self.extra_acked_bytes,
         )
+
+
+def _check_now(now: float) -> None:
+    if not math.isfinite(now):
+        raise ValueError(f"now must be a finite number, got {now!r}")

@@ -394,3 +394,37 @@ def test_a_pacer_refuses_a_rate_that_is_not_a_positive_finite_number(rate: float
         Pacer(rate)
     with pytest.raises(ValueError, match="rate_bps"):
         Pacer(8e6).set_rate(rate, now=0.0)
+
+
+@pytest.mark.parametrize("ack_at", [1.0, 0.5])
+def test_an_ack_at_or_before_its_sends_clock_reading_counts_but_gives_no_sample(ack_at: float) -> None:
+    """A send and its ack stamped alike (a coarse clock) made an 8.4 Tbit/s sample that
+    became the estimate, and a minimum RTT of 0; an ack "before" its send the same."""
+    est = DeliveryRateEstimator()
+    est.on_send("a", MIB, 1.0, app_limited=False)
+    est.on_send("b", MIB, 1.0, app_limited=False)
+    assert est.on_ack("a", ack_at) is None
+    assert est.bytes_in_flight == MIB and est.delivered_bytes == MIB  # the delivery counts
+    assert est.bandwidth_bps is None and est.min_rtt is None and est.srtt is None
+    assert est.snapshot().samples == 0
+    sample = est.on_ack("b", 1.01)  # a later ack is measured as before
+    assert sample is not None and sample.rtt == pytest.approx(0.01)
+    assert est.min_rtt == pytest.approx(0.01)
+    assert est.bandwidth_bps is not None and est.bandwidth_bps < 1e12
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_now_that_is_not_a_finite_number_is_refused_before_anything_changes(bad: float) -> None:
+    """on_send(now=nan) was taken, and a later ack raised a ValueError from deep inside
+    (cannot convert float NaN to integer)."""
+    est = DeliveryRateEstimator()
+    with pytest.raises(ValueError, match="now must be a finite number"):
+        est.on_send("a", MIB, bad, app_limited=False)
+    assert est.chunks_in_flight == 0 and est.bytes_in_flight == 0
+    est.on_send("a", MIB, 1.0, app_limited=False)
+    with pytest.raises(ValueError, match="now must be a finite number"):
+        est.on_ack("a", bad)
+    assert est.chunks_in_flight == 1
+    with pytest.raises(ValueError, match="now must be a finite number"):
+        est.advance(bad)
+    assert est.on_ack("a", 1.01) is not None
