@@ -52,6 +52,31 @@ def inner_payload_size(codec: Codec, params: bytes, shape: tuple[int, int, int],
     return int(size(params, shape, dtype))
 
 
+def decompressed_size(codec: Codec, params: bytes, shape: Any, dtype: str, kind: Any) -> int:
+    """Bytes that decoding a chunk of ``shape`` with ``codec`` and ``params`` decompresses
+    into before the inner codec reads them: the inner payload size where ``codec`` is an
+    entropy stage and ``params`` flag the payload compressed, else 0.  It is not the decoded
+    size: int4's scales and minimums (8 bytes a group, of a size the params choose) make
+    its payload up to 8.5 bytes an element.  A receiver bounds it before decoding
+    (``max_chunk_bytes``).  Raises ProtocolError for params the decode refuses before
+    decompressing anything (the flag byte, the inner params), UsageError as a decode does
+    for bad arguments."""
+    if not isinstance(codec, EntropyCodec):
+        return 0
+    params = nm.check_params(params, codec.name)
+    shape, kind = check_sizing_args(shape, dtype, kind, codec.name)
+    if not _compressed(params, codec.name):
+        return 0
+    return inner_payload_size(codec.inner, bytes(params[1:]), shape, dtype, kind)
+
+
+def _compressed(params: bytes, name: str) -> bool:
+    """Whether checked entropy-stage ``params`` flag the payload compressed."""
+    if not params or params[0] & ~FLAG_COMPRESSED:
+        raise ProtocolError(f"{name} params must start with a flag byte of 0 or 1")
+    return bool(params[0] & FLAG_COMPRESSED)
+
+
 class EntropyCodec(Codec):
     """An inner codec followed by a lossless compressor."""
 
@@ -133,10 +158,8 @@ class EntropyCodec(Codec):
     ) -> tuple[bytes, Any]:
         """The inner codec's params and payload (decompressed and unshuffled when it was
         compressed), from checked ``params`` and arguments (:func:`check_sizing_args`)."""
-        if not params or params[0] & ~FLAG_COMPRESSED:
-            raise ProtocolError(f"{self.name} params must start with a flag byte of 0 or 1")
         inner_params = bytes(params[1:])
-        if params[0] & FLAG_COMPRESSED:
+        if _compressed(params, self.name):
             size = inner_payload_size(self.inner, inner_params, shape, dtype, kind)
             try:
                 view = memoryview(payload).cast("B")

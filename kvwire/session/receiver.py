@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvwire.codec import codec_by_id
+from kvwire.codec.entropy import decompressed_size
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
     AuthenticationError,
@@ -192,16 +193,33 @@ def admit_begin(
     return spec, meta
 
 
-def check_chunk_size(chunk: Chunk, bytes_per_token: int, *, max_chunk_bytes: int, max_layer_bytes: int) -> None:
-    """Refuse (LIMIT_EXCEEDED) a chunk that would decode beyond ``max_chunk_bytes`` or
-    belongs to a layer beyond ``max_layer_bytes``, before anything is allocated or
-    decompressed: the sizes come from the chunk's header, which the peer chose."""
+def check_chunk_size(chunk: Chunk, spec: KVSpec, *, max_chunk_bytes: int, max_layer_bytes: int) -> None:
+    """Refuse (LIMIT_EXCEEDED) a chunk that would decode beyond ``max_chunk_bytes``, whose
+    compressed payload would decompress beyond it, or that belongs to a layer beyond
+    ``max_layer_bytes``, before anything is allocated or decompressed: the sizes come from
+    the chunk's header and params, which the peer chose.  What is decompressed is the
+    inner codec's payload, not the decoded data, and can be the larger: an int4 payload
+    holds 8 bytes of scale and minimum a group, and the params choose the group size."""
+    bytes_per_token = spec.num_kv_heads * spec.head_dim * spec.itemsize
     size = chunk_span(chunk, bytes_per_token, 0)[1]
     if size > max_chunk_bytes:
         raise LimitExceededError(f"a chunk of {size} bytes exceeds this server's max_chunk_bytes")
     if 2 * chunk.layer_tokens * bytes_per_token > max_layer_bytes:
         raise LimitExceededError(
             f"a layer of {2 * chunk.layer_tokens * bytes_per_token} bytes exceeds this server's max_layer_bytes"
+        )
+    if chunk.kind == KIND_KV:  # raw, nothing to decompress
+        return
+    try:
+        inner = decompressed_size(codec_by_id(chunk.codec_id), chunk.params,
+                                  (chunk.token_count, spec.num_kv_heads, spec.head_dim), spec.dtype, chunk.kind)
+    except ProtocolError:
+        # An unknown codec or params whose size cannot be worked out: the checks after
+        # this one, or the decode before it decompresses anything, refuse them.
+        return
+    if inner > max_chunk_bytes:
+        raise LimitExceededError(
+            f"a chunk whose payload decompresses to {inner} bytes exceeds this server's max_chunk_bytes"
         )
 
 
@@ -1203,7 +1221,7 @@ class ReceiverCore:
             raise ProtocolError("CHUNK before the transfer was accepted")
         first = t.state.layer_tokens is None
         t.state.check(chunk)
-        check_chunk_size(chunk, t.bpt, max_chunk_bytes=self.config.max_chunk_bytes,
+        check_chunk_size(chunk, t.spec, max_chunk_bytes=self.config.max_chunk_bytes,
                          max_layer_bytes=self.config.max_layer_bytes)
         name = codec_by_id(chunk.codec_id).name
         if name not in self.config.codecs:

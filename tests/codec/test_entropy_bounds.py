@@ -19,7 +19,8 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvwire.codec import TensorKind, get_codec
+from kvwire.codec import EntropyCodec, TensorKind, get_codec
+from kvwire.codec.entropy import decompressed_size
 from kvwire.errors import ProtocolError
 
 SHAPE = (4096, 1, 128)
@@ -141,3 +142,35 @@ def test_property_valid_entropy_frames_round_trip(
     plain = inner.encode(x, TensorKind.V)
     z = inner.decode(plain.params, plain.payload, shape=shape, dtype=dtype, kind=TensorKind.V)
     assert np.array_equal(np.asarray(y).view(np.uint8), np.asarray(z).view(np.uint8))
+
+
+@pytest.mark.parametrize("name", ["raw+zstd", "int8+lz4", "int4+zstd", "int4+lz4", "int4", "raw"])
+@pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
+def test_decompressed_size_is_what_a_decode_decompresses_to(
+    name: str, kind: TensorKind, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a receiver bounds before decoding is the size the decode then decompresses to:
+    the inner payload (int4: 8 bytes a group more than its codes), 0 where nothing is."""
+    shape = (40, 2, 16)
+    x = np.tile(np.arange(-8, 8, dtype=np.float16), (40, 2, 1))  # compresses in every stage
+    codec = get_codec(name)
+    enc = codec.encode(x, kind)
+    payload = bytes(memoryview(enc.payload).cast("B"))
+    sizes: list[int] = []
+    if isinstance(codec, EntropyCodec):
+        original = type(codec)._decompress
+
+        def spy(self: Any, data: Any, size: int) -> bytes:
+            sizes.append(size)
+            return original(self, data, size)
+
+        monkeypatch.setattr(type(codec), "_decompress", spy)
+        codec.decode(enc.params, payload, shape=shape, dtype="float16", kind=kind)
+        assert enc.params[0] == 1 and sizes == [decompressed_size(codec, enc.params, shape, "float16", kind)]
+        assert decompressed_size(codec, b"\x00" + enc.params[1:], shape, "float16", kind) == 0
+        with pytest.raises(ProtocolError):
+            decompressed_size(codec, b"\x03" + enc.params[1:], shape, "float16", kind)
+        if codec.inner.name == "int4":  # groups of 1: every element's scale and minimum
+            assert decompressed_size(codec, b"\x01\x01", shape, "float16", kind) == 8 * 1280 + 640
+    else:
+        assert decompressed_size(codec, enc.params, shape, "float16", kind) == 0

@@ -11,11 +11,15 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+import lz4.block
+import numpy as np
 import pytest
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvwire.session.receiver as receiver_module
+from kvwire.codec import EntropyCodec, TensorKind, codec_by_id, get_codec
 from kvwire.errors import ErrorCode, KvwireError
 from kvwire.session.meta import parse_meta
 from kvwire.session.receiver import (
@@ -247,6 +251,88 @@ def test_a_chunk_in_a_codec_not_accepted_fails_its_transfer_with_unsupported_cod
     kinds = [type(e) for e in h.client_events if isinstance(e, TransferReset | ChunkAcked)]
     assert kinds == [TransferReset, ChunkAcked]
     assert h.core.buffered_bytes == 0
+
+
+# -- what a compressed chunk decompresses to ------------------------------------------------
+
+
+def codec_store() -> tuple[ByteStore, list[int]]:
+    """A store decoding every codec into float16 layers of ``head_dim`` 8, and the sizes
+    its entropy stages were asked to decompress to."""
+    sizes: list[int] = []
+
+    def decode(c: Chunk, dest: memoryview) -> None:
+        codec = codec_by_id(c.codec_id)
+        if isinstance(codec, EntropyCodec):
+            codec = _SpyEntropy(codec, sizes)
+        out = np.frombuffer(dest, np.float16).reshape(c.token_count, HEADS, 8)
+        codec.decode(c.params, c.payload_buffer, shape=out.shape, dtype="float16", kind=TensorKind(c.kind), out=out)
+
+    return ByteStore(decode=decode), sizes
+
+
+class _SpyEntropy(EntropyCodec):
+    def __init__(self, real: EntropyCodec, sizes: list[int]) -> None:
+        super().__init__(real.inner)
+        self.real, self.sizes, self.method, self.id_bit = real, sizes, real.method, real.id_bit
+
+    def _decompress(self, data: Any, size: int) -> bytes:
+        self.sizes.append(size)
+        return self.real._decompress(data, size)
+
+
+def codec_chunk(name: str, kind: int, params: bytes, payload: bytes, count: int = 64) -> Chunk:
+    return Chunk(transfer_id=1, layer=0, kind=kind, codec_id=get_codec(name).codec_id, token_start=0,
+                 token_count=count, layer_tokens=count, params=params, payload=payload)
+
+
+@pytest.mark.parametrize("name", ["int4+zstd", "int4+lz4"])
+@pytest.mark.parametrize("kind", [0, 1])
+@pytest.mark.parametrize("over", [0, 1])
+def test_a_chunk_whose_payload_would_decompress_beyond_max_chunk_bytes_is_refused_unopened(
+    name: str, kind: int, over: int,
+) -> None:
+    """int4 with groups of 1 holds 8.5 bytes an element (scale and minimum of every element,
+    half a byte of code) against the 2 it decodes to: the decompressed size, not only the
+    decoded one, is held to max_chunk_bytes before anything is decompressed."""
+    shape = (64, HEADS, 8)
+    n = shape[0] * shape[1] * shape[2]
+    inner = 8 * n + n // 2  # int4, group 1: 8704 bytes for 2048 decoded
+    zeros = bytes(inner)  # a valid int4 payload: every scale, minimum and code 0
+    packed = zstandard.ZstdCompressor(level=19).compress(zeros) if name.endswith("zstd") else \
+        bytes(lz4.block.compress(zeros, store_size=False))
+    store, sizes = codec_store()
+    h = Harness(ReceiverConfig(secret=SECRET, codecs=("raw", name), max_chunk_bytes=inner - over), store=store)
+    h.client.send_begin(begin(layers=1, head_dim=8))
+    h.pump()
+    h.send(codec_chunk(name, kind, b"\x01\x01", packed))
+    if over:
+        [failed] = h.of(TransferFailed)
+        assert failed.error.code == ErrorCode.LIMIT_EXCEEDED
+        assert f"decompresses to {inner} bytes" in str(failed.error)
+        assert sizes == []  # never opened
+        assert h.core.buffered_bytes == 0
+    else:
+        assert not h.of(TransferFailed)
+        assert sizes == [inner]
+
+
+@pytest.mark.parametrize("name", ["int4+zstd", "int4+lz4", "int8+zstd", "raw+lz4"])
+@pytest.mark.parametrize("kind", [0, 1])
+def test_a_chunk_of_the_encoder_at_max_chunk_bytes_is_accepted(name: str, kind: int) -> None:
+    """What kvwire's own encoders send (int4 groups of 32) decompresses to no more than it
+    decodes to here, so a chunk of exactly max_chunk_bytes decoded is taken."""
+    # four tokens repeated: every stage compresses it
+    x = np.tile(np.random.default_rng(3).standard_normal((4, HEADS, 8)), (16, 1, 1)).astype(np.float16)
+    enc = get_codec(name).encode(x, TensorKind(kind))
+    assert enc.params[0] == 1  # compressed
+    store, sizes = codec_store()
+    h = Harness(ReceiverConfig(secret=SECRET, codecs=("raw", name), max_chunk_bytes=x.nbytes), store=store)
+    h.client.send_begin(begin(layers=1, head_dim=8))
+    h.pump()
+    h.send(codec_chunk(name, kind, enc.params, bytes(memoryview(enc.payload).cast("B"))))
+    assert not h.of(TransferFailed)
+    assert len(sizes) == 1 and sizes[0] <= x.nbytes
 
 
 # -- storage -------------------------------------------------------------------------------
