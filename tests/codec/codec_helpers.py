@@ -36,3 +36,14 @@ def error_bound(base: str, x: np.ndarray[Any, Any], scale: np.ndarray[Any, Any],
         return 0.5 * scale + 2.0**-21 * ax + TINY
     hi = np.abs(lo) + 15 * scale
     return 0.5 * scale + 2.0**-20 * np.maximum(np.abs(lo), hi) + TINY
+
+
+#: Half an ulp of each decode dtype: (relative to |x^|, absolute: half the subnormal step).
+HALF_ULP = {"float16": (2.0**-11, 2.0**-25), "bfloat16": (2.0**-8, 2.0**-134), "float32": (0.0, 0.0)}
+
+
+def output_rounding(dtype: str, xhat: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The most that rounding the f32 decode ``xhat`` to ``dtype`` moves an element
+    (docs/codecs.md: what a float16 or bfloat16 decode adds to the f32 bound)."""
+    rel, absolute = HALF_ULP[dtype]
+    return rel * np.abs(xhat.astype(np.float64)) + absolute
