@@ -6,14 +6,19 @@ committed it, decided inside the scripts (see :mod:`kvwire.consistency.redis_lay
 Notifications travel on a pub/sub channel published from inside the scripts.
 Any Redis failure raises :class:`RegistryUnavailableError`: nothing is ever reported fresh
 without Redis having confirmed it. Commands are not retried, because a reply lost in transit
-leaves the outcome unknown; the caller decides (e.g. re-``begin``, which is safe).
+leaves the outcome unknown; the caller decides (e.g. re-``begin``, which is safe).  That
+holds for a wrapped client too, whatever its ``retry`` settings: every command is sent once
+on a connection of the client's pool, not through the client's retrying ``execute_command``,
+and a watcher's subscription does not reconnect behind its reader's back.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import math
+import types
 import weakref
 from collections.abc import Awaitable, Coroutine, Iterable, Sequence
 from types import TracebackType
@@ -45,7 +50,9 @@ try:
     from redis.asyncio.client import PubSub
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
-    from redis.exceptions import RedisError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import NoScriptError, RedisError, ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
         "kvwire's Redis registry needs redis-py: pip install 'kvwire[redis]'"
@@ -71,6 +78,63 @@ async def _guard(what: str, awaitable: Awaitable[T], timeout: float) -> T:
         raise RegistryUnavailableError(f"redis registry: {what}: no reply within {timeout:g} s") from exc
     except (RedisError, OSError) as exc:
         raise RegistryUnavailableError(f"redis registry: {what} failed: {exc}") from exc
+
+
+async def _execute_once(client: aioredis.Redis, *args: Any) -> Any:
+    """Send one command on a connection of ``client``'s pool and return its parsed reply.
+
+    Sent once, whatever the client's ``retry``: its own ``execute_command`` sends a command
+    again after a connection error or timeout (redis-py retries by default), and a script
+    run again after its reply was lost could commit twice or report a landed commit as
+    refused.  A connection whose reply did not come is closed, never reused (redis-py's
+    ``read_response`` closes it too)."""
+    pool = client.connection_pool
+    try:
+        pending = pool.get_connection()  # type: ignore[no-untyped-call, unused-ignore]
+    except TypeError:  # pragma: no cover - redis-py before 5.3 names the command
+        pending = pool.get_connection(args[0])  # type: ignore[no-untyped-call, unused-ignore]
+    conn = await pending
+    try:
+        await conn.send_command(*args)
+        return await client.parse_response(conn, args[0])
+    except ResponseError:
+        raise  # an error reply, read whole: the connection is in step
+    except BaseException:
+        with contextlib.suppress(Exception):  # the first error is the one to tell
+            await conn.disconnect(nowait=True)
+        raise
+    finally:
+        await pool.release(conn)
+
+
+class _Script:
+    """A Lua script run with EVALSHA (EVAL where the server does not hold it yet), each
+    command sent once (:func:`_execute_once`); called as redis-py's ``Script`` is, with
+    ``keys`` and ``args``."""
+
+    def __init__(self, client: aioredis.Redis, text: str) -> None:
+        self.client = client
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
+
+    async def __call__(self, *, keys: Sequence[str], args: Sequence[str | int]) -> Any:
+        try:
+            return await _execute_once(self.client, "EVALSHA", self.sha, len(keys), *keys, *args)
+        except NoScriptError:  # the script did not run: EVAL runs (and caches) it
+            return await _execute_once(self.client, "EVAL", self.text, len(keys), *keys, *args)
+
+
+async def _execute_unretried(self: PubSub, conn: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
+    """A watcher's ``PubSub._execute``: one try, no reconnection.  redis-py's reconnects
+    and re-subscribes after a connection error (retrying the read, with a client's default
+    ``retry``), so changes published while the subscription was gone would be skipped
+    without the reader knowing.  The connection is closed instead, the error raised (the
+    watcher raises :class:`NotificationsLostError`), and the next read subscribes anew."""
+    try:
+        return await command(*args, **kwargs)
+    except (RedisConnectionError, RedisTimeoutError, OSError):
+        await conn.disconnect(nowait=True)
+        raise
 
 
 def _ttl_args(ttl: float) -> tuple[int, int]:
@@ -110,6 +174,7 @@ class RedisWatcher:
         if self._closed:
             raise StopAsyncIteration
         pubsub = self._registry.client.pubsub()
+        pubsub._execute = types.MethodType(_execute_unretried, pubsub)  # type: ignore[method-assign]
         self._pubsub = pubsub
         self._registry._watchers.add(self)
         # Holds the pubsub and the registry, never this watcher: collected, it is closed.
@@ -256,7 +321,9 @@ class RedisRegistry:
     """The registry on Redis. Create with :meth:`connect` (or wrap an existing client).
 
     A wrapped client may decode replies or not; ``timeout`` (seconds) bounds every call
-    whatever the client's own socket timeouts.
+    whatever the client's own socket timeouts.  Its ``retry`` settings do not apply: the
+    registry sends each command once (a lost reply raises :class:`RegistryUnavailableError`,
+    the outcome unknown), and a watcher does not reconnect silently.
     """
 
     def __init__(
@@ -276,12 +343,12 @@ class RedisRegistry:
         self._background: set[asyncio.Task[Any]] = set()
         self._releases: set[asyncio.Task[Any]] = set()  # those of _background a begin waits for
         self._closed = False
-        self._begin = client.register_script(lua.BEGIN)
-        self._commit = client.register_script(lua.COMMIT)
-        self._renew = client.register_script(lua.RENEW)
-        self._release = client.register_script(lua.RELEASE)
-        self._invalidate = client.register_script(lua.INVALIDATE)
-        self._read_script = client.register_script(lua.READ)
+        self._begin = _Script(client, lua.BEGIN)
+        self._commit = _Script(client, lua.COMMIT)
+        self._renew = _Script(client, lua.RENEW)
+        self._release = _Script(client, lua.RELEASE)
+        self._invalidate = _Script(client, lua.INVALIDATE)
+        self._read_script = _Script(client, lua.READ)
 
     @classmethod
     async def connect(
@@ -398,7 +465,7 @@ class RedisRegistry:
         if not lease.started:
             # It holds nothing, so nothing can expire: the expiry is now + ttl (Redis's
             # clock), as begin gives such a lease and the memory registry renews it.
-            secs, usecs = await _guard("renew", self.client.time(), self.timeout)
+            secs, usecs = await _guard("renew", _execute_once(self.client, "TIME"), self.timeout)
             return Lease(
                 lease.lease_id,
                 lease.owner,

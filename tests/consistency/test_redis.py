@@ -446,3 +446,153 @@ async def test_a_begin_waits_for_releases_only(redis_server: RedisServer) -> Non
         assert lease.started == (b"blk",) and not other.done()
         await reg.release(lease)
         stuck.set()
+
+class _ReplyDropper:
+    """A TCP proxy to Redis: once armed with a byte pattern, the first request holding it
+    reaches Redis, but its reply is swallowed and the client's connection cut (a reply
+    lost in transit after the command ran)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.pattern: bytes | None = None
+        self.dropped = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+
+    async def __aenter__(self) -> _ReplyDropper:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in tuple(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+        dropping = False
+
+        async def forward() -> None:
+            nonlocal dropping
+            with contextlib.suppress(OSError):
+                while data := await client_r.read(65536):
+                    if self.pattern is not None and self.pattern in data:
+                        self.pattern, dropping = None, True
+                    server_w.write(data)
+                    await server_w.drain()
+            server_w.close()
+
+        async def backward() -> None:
+            with contextlib.suppress(OSError):
+                while data := await server_r.read(65536):
+                    if dropping:
+                        self.dropped += 1
+                        client_w.transport.abort()
+                        return
+                    client_w.write(data)
+                    await client_w.drain()
+            client_w.close()
+
+        try:
+            await asyncio.gather(forward(), backward())
+        finally:
+            server_w.close()
+            client_w.close()
+            self._tasks.discard(task)
+
+
+async def test_a_wrapped_retrying_client_never_runs_a_script_twice(redis_server: RedisServer) -> None:
+    """redis-py's default client retries a command after a connection error: a COMMIT whose
+    reply was lost ran again, found its lease gone and reported LeaseExpiredError ("refused,
+    changing nothing") though the first run committed; an INVALIDATE ran twice, handing out
+    two versions.  The registry sends each command once: a lost reply raises
+    RegistryUnavailableError (outcome unknown)."""
+    import hashlib
+
+    import redis.asyncio as aioredis
+
+    from kvwire.consistency import redis_layout as lua
+
+    namespace = f"once-{uuid.uuid4().hex}"
+    async with _ReplyDropper(redis_server.port) as proxy:
+        client = aioredis.Redis(host="127.0.0.1", port=proxy.port)  # redis-py's default retry
+        reg = RedisRegistry(client, namespace=namespace, timeout=5.0)
+        direct = await RedisRegistry.connect(redis_server.url, namespace=namespace)
+        try:
+            async with direct.watch() as watcher:
+                await reg.commit(await reg.begin([b"warm"], owner="a"))  # the scripts are loaded
+                await reg.invalidate(b"warm")
+                lease = await reg.begin([b"blk"], owner="a")
+                proxy.pattern = hashlib.sha1(lua.COMMIT.encode()).hexdigest().encode()
+                with pytest.raises(RegistryUnavailableError):
+                    await reg.commit(lease)
+                assert proxy.dropped == 1
+                [(_, committed)] = await direct.lookup([b"blk"])  # the one run landed
+                proxy.pattern = hashlib.sha1(lua.INVALIDATE.encode()).hexdigest().encode()
+                with pytest.raises(RegistryUnavailableError):
+                    await reg.invalidate(b"blk")
+                assert proxy.dropped == 2
+                end = await direct.invalidate(b"end")
+                seen = []
+                while (item := await asyncio.wait_for(anext(watcher), 10)) != (b"end", end):
+                    seen.append(item)
+                # warm (commit, invalidate), blk's commit, and one invalidation of blk
+                assert [b for b, _ in seen] == [b"warm", b"warm", b"blk", b"blk"]
+                assert seen[2] == (b"blk", committed)
+            assert await reg.lookup([b"blk"]) == []  # the registry goes on working
+        finally:
+            await reg.close()
+            await client.aclose()
+            await direct.close()
+
+
+async def test_a_wrapped_retrying_clients_watcher_raises_when_its_subscription_breaks(
+    redis_server: RedisServer,
+) -> None:
+    """With redis-py's default retry a broken subscription was re-made inside the read and
+    the changes published meanwhile skipped without a word; the watcher raises
+    NotificationsLostError, and its next read subscribes anew."""
+    import redis.asyncio as aioredis
+
+    name = f"w-{uuid.uuid4().hex}"
+    namespace = f"rw-{uuid.uuid4().hex}"
+    client = aioredis.Redis(host="127.0.0.1", port=redis_server.port, client_name=name)
+    raw = aioredis.from_url(redis_server.url)
+    reg = RedisRegistry(client, namespace=namespace)
+    direct = await RedisRegistry.connect(redis_server.url, namespace=namespace)
+    try:
+        async with reg.watch() as watcher:
+            reading = asyncio.ensure_future(anext(watcher))
+            killed = 0
+            for entry in await raw.client_list(_type="pubsub"):
+                if entry.get("name") == name:
+                    killed += await raw.client_kill_filter(_id=entry["id"])
+            assert killed == 1
+            await direct.invalidate(b"during")  # published while the subscription is gone
+            with pytest.raises(NotificationsLostError):
+                for _ in range(200):  # (a reconnecting watcher would yield "after")
+                    done, _ = await asyncio.wait({reading}, timeout=0.05)
+                    if done:
+                        break
+                    await direct.invalidate(b"after")
+                await asyncio.wait_for(reading, 10)
+            reading = asyncio.ensure_future(anext(watcher))
+            for _ in range(200):  # bounded: until the new subscription is in place
+                await direct.invalidate(b"later")
+                done, _ = await asyncio.wait({reading}, timeout=0.05)
+                if done:
+                    break
+            assert (await asyncio.wait_for(reading, 10))[0] == b"later"
+    finally:
+        await reg.close()
+        await client.aclose()
+        await raw.aclose()
+        await direct.close()
+
