@@ -14,7 +14,7 @@ from types import TracebackType
 from typing import Self
 
 from kvwire.consistency.blocks import BlockId, BlockLike
-from kvwire.consistency.core import Lease, RegistryCore, VersionedBlock
+from kvwire.consistency.core import Lease, RegistryCore, VersionedBlock, check_lease
 from kvwire.consistency.errors import NotificationsLostError
 from kvwire.consistency.registry import DEFAULT_TTL
 from kvwire.errors import UsageError
@@ -40,6 +40,9 @@ class MemoryWatcher:
 
     def _subscribe(self) -> None:
         if not self._subscribed and not self._closed:
+            # As watch() on a closed registry: a watcher made before close() and first used
+            # after it would otherwise wait for changes that can no longer come.
+            self._registry._live()
             self._subscribed = True
             self._registry._watchers.add(self)
 
@@ -104,8 +107,8 @@ class MemoryRegistry:
         clock: Callable[[], float] | None = None,
         watch_buffer: int = DEFAULT_WATCH_BUFFER,
     ) -> None:
-        if watch_buffer < 1:
-            raise UsageError("watch_buffer must be at least 1")
+        if isinstance(watch_buffer, bool) or not isinstance(watch_buffer, int) or watch_buffer < 1:
+            raise UsageError(f"watch_buffer must be an int of at least 1, not {watch_buffer!r}")
         self.core = RegistryCore()
         self._clock = clock
         self._watch_buffer = watch_buffer
@@ -113,9 +116,12 @@ class MemoryRegistry:
         self._watchers: weakref.WeakSet[MemoryWatcher] = weakref.WeakSet()
         self._closed = False
 
-    def _now(self) -> float:
+    def _live(self) -> None:
         if self._closed:
             raise UsageError("the registry is closed")
+
+    def _now(self) -> float:
+        self._live()
         if self._clock is not None:
             return self._clock()
         return asyncio.get_running_loop().time()
@@ -137,6 +143,7 @@ class MemoryRegistry:
             self._notify()
 
     async def renew(self, lease: Lease, ttl: float | None = None) -> Lease:
+        check_lease(lease)
         return self.core.renew(lease, ttl=lease.ttl if ttl is None else ttl, now=self._now())
 
     async def release(self, lease: Lease) -> None:
@@ -174,8 +181,7 @@ class MemoryRegistry:
         return self.core.publish(pairs)
 
     def watch(self) -> MemoryWatcher:
-        if self._closed:
-            raise UsageError("the registry is closed")
+        self._live()
         return MemoryWatcher(self, self._watch_buffer)
 
     async def close(self) -> None:

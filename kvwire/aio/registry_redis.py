@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import hashlib
 import math
+import numbers
 import types
 import weakref
 from collections.abc import Awaitable, Coroutine, Iterable, Sequence
@@ -25,10 +26,11 @@ from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from kvwire.consistency import redis_layout as lua
-from kvwire.consistency.blocks import BlockId, BlockLike, block_from_key, block_key, unique_keys
+from kvwire.consistency.blocks import BlockId, BlockLike, block_from_key, unique_keys
 from kvwire.consistency.core import (
     Lease,
     VersionedBlock,
+    check_lease,
     check_ttl,
     exhausted_error,
     explain_stale,
@@ -137,6 +139,16 @@ async def _execute_unretried(self: PubSub, conn: Any, command: Any, *args: Any, 
         raise
 
 
+def _check_timeout(timeout: object) -> float:
+    """``timeout`` as a float, or :class:`UsageError` unless it is a finite number > 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise UsageError(f"timeout must be a number of seconds, not {type(timeout).__name__}")
+    value = float(timeout)
+    if not (0.0 < value < math.inf):
+        raise UsageError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
+    return value
+
+
 def _ttl_args(ttl: float) -> tuple[int, int]:
     ttl_us = max(1, round(ttl * 1e6))
     return ttl_us, math.ceil(ttl * 1000) + _LEASE_GRACE_MS
@@ -173,6 +185,9 @@ class RedisWatcher:
             return self._pubsub
         if self._closed:
             raise StopAsyncIteration
+        # As watch() on a closed registry: a watcher made before close() and first used
+        # after it would otherwise subscribe on the closed registry's client.
+        self._registry._live()
         pubsub = self._registry.client.pubsub()
         pubsub._execute = types.MethodType(_execute_unretried, pubsub)  # type: ignore[method-assign]
         self._pubsub = pubsub
@@ -320,10 +335,11 @@ async def _close_unwatched(pubsub: PubSub) -> None:
 class RedisRegistry:
     """The registry on Redis. Create with :meth:`connect` (or wrap an existing client).
 
-    A wrapped client may decode replies or not; ``timeout`` (seconds) bounds every call
-    whatever the client's own socket timeouts.  Its ``retry`` settings do not apply: the
-    registry sends each command once (a lost reply raises :class:`RegistryUnavailableError`,
-    the outcome unknown), and a watcher does not reconnect silently.
+    A wrapped client may decode replies or not; ``timeout`` (seconds, finite, > 0) bounds
+    every call whatever the client's own socket timeouts.  Its ``retry`` settings do not
+    apply: the registry sends each command once (a lost reply raises
+    :class:`RegistryUnavailableError`, the outcome unknown), and a watcher does not
+    reconnect silently.
     """
 
     def __init__(
@@ -334,9 +350,9 @@ class RedisRegistry:
         owns_client: bool = False,
         timeout: float = 5.0,
     ) -> None:
-        self.client = client
         self.layout = lua.KeyLayout(namespace)
-        self.timeout = timeout
+        self.timeout = _check_timeout(timeout)
+        self.client = client
         self._owns_client = owns_client
         # Weak: an abandoned watcher must not hold its subscription until close().
         self._watchers: weakref.WeakSet[RedisWatcher] = weakref.WeakSet()
@@ -360,14 +376,23 @@ class RedisRegistry:
     ) -> Self:
         """Connect to ``url`` and verify Redis answers; :class:`RegistryUnavailableError` if not.
 
-        ``timeout`` bounds connecting and every reply, in seconds.
+        ``timeout`` bounds connecting and every reply, in seconds (finite, > 0).  A ``url``
+        redis-py cannot read (another scheme, a port that is not a number) raises
+        :class:`UsageError`.
         """
-        client = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 0),
-        )
+        timeout = _check_timeout(timeout)
+        lua.KeyLayout(namespace)  # refused before connecting
+        if not isinstance(url, str):
+            raise UsageError(f"url is a str (redis://host:port/db), not {type(url).__name__}")
+        try:
+            client = aioredis.Redis.from_url(
+                url,
+                socket_timeout=timeout,
+                socket_connect_timeout=timeout,
+                retry=Retry(NoBackoff(), 0),
+            )
+        except ValueError as exc:
+            raise UsageError(f"not a Redis URL redis-py reads: {url!r}: {exc}") from exc
         registry = cls(client, namespace=namespace, owns_client=True, timeout=timeout)
         try:
             await _guard(f"connecting to {url}", client.ping(), timeout)
@@ -433,14 +458,15 @@ class RedisRegistry:
         )
 
     def _lease_keys(self, lease: Lease) -> tuple[list[str], list[str]]:
-        keys = [block_key(b) for b in lease.started]
+        keys = unique_keys(lease.started)
         return keys, [self.layout.block(k) for k in keys]
 
     async def commit(self, lease: Lease) -> list[VersionedBlock]:
         self._live()
-        if not lease.started:
-            return []
+        check_lease(lease)
         keys, rkeys = self._lease_keys(lease)
+        if not keys:
+            return []
         reply = await _guard(
             "commit",
             self._commit(
@@ -461,6 +487,7 @@ class RedisRegistry:
 
     async def renew(self, lease: Lease, ttl: float | None = None) -> Lease:
         self._live()
+        check_lease(lease)
         ttl = check_ttl(lease.ttl if ttl is None else ttl)
         if not lease.started:
             # It holds nothing, so nothing can expire: the expiry is now + ttl (Redis's
@@ -499,9 +526,10 @@ class RedisRegistry:
 
     async def release(self, lease: Lease) -> None:
         self._live()
-        if not lease.started:
-            return
+        check_lease(lease)
         _, rkeys = self._lease_keys(lease)
+        if not rkeys:
+            return
         # In a task of its own, awaited shielded: a caller cancelled while releasing (e.g.
         # cleaning up after a cancelled commit) still gets its blocks freed.
         task = self._spawn(

@@ -3,7 +3,9 @@
 The sans-IO core (:class:`RegistryCore`) holds the rules; the backends with one async
 interface (:class:`Registry`) live in ``kvwire.aio``: ``MemoryRegistry`` (embedded, one
 process) and ``RedisRegistry`` (several processes/machines sharing one Redis). They are
-re-exported here lazily so importing this package never imports asyncio. See
+re-exported here lazily, so the core modules import neither asyncio nor ``kvwire.aio``
+themselves and redis-py is loaded only once ``RedisRegistry`` is named (importing this
+package still runs ``kvwire/__init__.py``, which imports ``kvwire.aio``). See
 docs/consistency.md.
 """
 

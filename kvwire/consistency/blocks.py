@@ -90,12 +90,18 @@ def canonical(block: object) -> BlockId:
 
 
 def unique_keys(blocks: Iterable[object]) -> list[str]:
-    """The canonical keys of ``blocks``, duplicates dropped, first occurrence order kept."""
+    """The canonical keys of ``blocks``, duplicates dropped, first occurrence order kept;
+    :class:`UsageError` unless ``blocks`` is an iterable of block ids (a bare id, ``None``
+    and a number are refused)."""
     if isinstance(blocks, str | bytes | bytearray | memoryview):
         # A lone id would otherwise be iterated character by character.
         raise UsageError("pass a list of block ids, not a single id")
+    try:
+        entries = iter(blocks)
+    except TypeError:
+        raise UsageError(f"pass a list of block ids, not {type(blocks).__name__}") from None
     seen: dict[str, None] = {}
-    for block in blocks:
+    for block in entries:
         seen.setdefault(block_key(block), None)
     return list(seen)
 

@@ -29,6 +29,7 @@ The rules (the contract both backends keep):
 from __future__ import annotations
 
 import heapq
+import numbers
 import secrets
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -91,13 +92,22 @@ def new_lease_id() -> str:
 MAX_TTL = 365 * 24 * 3600.0
 
 
-def check_ttl(ttl: float) -> float:
+def check_ttl(ttl: object) -> float:
     """``ttl`` as a float, or :class:`UsageError` if it is not a positive number of seconds
-    up to :data:`MAX_TTL`."""
-    ttl = float(ttl)
-    if not (0.0 < ttl <= MAX_TTL):
+    up to :data:`MAX_TTL` (a ``str``, ``None`` or ``bool`` is not a number of seconds)."""
+    if isinstance(ttl, bool) or not isinstance(ttl, numbers.Real):
+        raise UsageError(f"lease ttl must be a number of seconds, not {type(ttl).__name__}")
+    value = float(ttl)
+    if not (0.0 < value <= MAX_TTL):
         raise UsageError(f"lease ttl must be a positive number of seconds up to {MAX_TTL:.0f}, not {ttl!r}")
-    return ttl
+    return value
+
+
+def check_lease(lease: object) -> Lease:
+    """``lease`` if it is a :class:`Lease`, else :class:`UsageError`."""
+    if not isinstance(lease, Lease):
+        raise UsageError(f"a lease is what begin returned (a Lease), not {type(lease).__name__}")
+    return lease
 
 
 #: Highest version a registry hands out (``2**53 - 1``): versions stay exact in Lua (doubles)
@@ -241,16 +251,20 @@ class RegistryCore:
 
         Raises :class:`LeaseExpiredError` if the lease is not live, or
         :class:`StaleVersionError` if some block was invalidated or taken over while in
-        flight; in both cases nothing is committed and the lease is gone.
+        flight, or is not one the lease holds; in both cases nothing is committed and the
+        lease is gone, every block it held freed.  A lease narrowed before committing
+        (``dataclasses.replace`` with fewer ``started``) commits the blocks it names; the
+        lease's other blocks are freed.
         """
-        if not lease.started:
+        check_lease(lease)
+        keys = unique_keys(lease.started)
+        if not keys:
             return []
         self.expire(now)
         rec = self._leases.get(lease.lease_id)
         if rec is None:
             raise LeaseExpiredError(f"lease {lease.lease_id} ({lease.owner}) is no longer live")
-        keys = [block_key(b) for b in lease.started]
-        lost = [k for k in keys if self._blocks[k].lease_id != lease.lease_id]
+        lost = [k for k in keys if not self._held(k, lease.lease_id)]
         if lost:
             self._drop_lease(lease.lease_id, rec)
             raise stale_error([block_from_key(k) for k in lost], "blocks changed while in flight")
@@ -265,11 +279,16 @@ class RegistryCore:
             item = (block_from_key(key), state.version)
             out.append(item)
             self._events.append(item)
-        del self._leases[lease.lease_id]
+        self._drop_lease(lease.lease_id, rec)  # frees what a narrowed lease left out
         return out
+
+    def _held(self, key: str, lease_id: str) -> bool:
+        state = self._blocks.get(key)
+        return state is not None and state.lease_id == lease_id
 
     def renew(self, lease: Lease, *, ttl: float, now: float) -> Lease:
         """Extend a live lease to ``now + ttl``; :class:`LeaseExpiredError` if not live."""
+        check_lease(lease)
         ttl = check_ttl(ttl)
         if not lease.started:
             return replace(lease, ttl=ttl, expires_at=now + ttl)
@@ -283,6 +302,7 @@ class RegistryCore:
 
     def release(self, lease: Lease, *, now: float) -> None:
         """Give up a lease: its blocks stop being in flight. No error if already gone."""
+        check_lease(lease)
         self.expire(now)
         rec = self._leases.get(lease.lease_id)
         if rec is not None:
@@ -422,6 +442,7 @@ __all__ = [
     "Lease",
     "RegistryCore",
     "VersionedBlock",
+    "check_lease",
     "check_ttl",
     "check_version",
     "exhausted_error",

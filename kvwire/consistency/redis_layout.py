@@ -279,8 +279,8 @@ return out
 class KeyLayout:
     """The key names of one namespace."""
 
-    def __init__(self, namespace: str) -> None:
-        if not namespace or "{" in namespace or "}" in namespace:
+    def __init__(self, namespace: object) -> None:
+        if not isinstance(namespace, str) or not namespace or "{" in namespace or "}" in namespace:
             raise UsageError("a namespace is a non-empty string without '{' or '}'")
         self.namespace = namespace
         self.prefix = "{" + namespace + "}:"

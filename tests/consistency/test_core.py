@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import importlib
 import sys
 from pathlib import Path
@@ -174,3 +175,44 @@ def test_backends_reexported_lazily() -> None:
     with pytest.raises(AttributeError):
         _ = consistency.NoSuchThing
     assert "kvwire.consistency" in sys.modules
+
+
+def test_a_narrowed_commit_frees_the_blocks_it_left_out_at_once() -> None:
+    """Committing a lease narrowed with dataclasses.replace completes the blocks it names and
+    frees the lease's others at once: they were left busy for ever (the lease record was
+    deleted, the blocks still named it)."""
+    core = RegistryCore()
+    lease = core.begin([1, 2, 3], owner="a", ttl=10.0, now=0.0)
+    assert [b for b, _ in core.commit(dataclasses.replace(lease, started=(1,)), now=1.0)] == [1]
+    assert core.state(2).lease_id is None and core.state(3).lease_id is None
+    assert core.live_leases(1.0) == {}
+    assert core.begin([2, 3], owner="b", ttl=10.0, now=1.0).started == (2, 3)
+
+
+def test_a_commit_naming_a_block_never_begun_is_stale_not_a_key_error() -> None:
+    core = RegistryCore()
+    lease = core.begin([1, 2], owner="a", ttl=10.0, now=0.0)
+    with pytest.raises(StaleVersionError, match="'x'"):
+        core.commit(dataclasses.replace(lease, started=(1, "x")), now=1.0)
+    # nothing committed, every block the lease held freed
+    assert core.lookup([1]) == []
+    assert core.begin([1, 2], owner="b", ttl=10.0, now=1.0).started == (1, 2)
+
+
+@pytest.mark.parametrize("ttl", [None, "5", [1], True, float("nan"), float("inf"), 0, -1.0])
+def test_a_bad_ttl_is_a_usage_error(ttl: object) -> None:
+    core = RegistryCore()
+    with pytest.raises(UsageError):
+        core.begin([1], owner="a", ttl=ttl, now=0.0)  # type: ignore[arg-type]
+    assert core.begin([1], owner="a", ttl=1, now=0.0).started == (1,)  # an int is seconds
+
+
+@pytest.mark.parametrize("blocks", [None, 5, 1.5, object()])
+def test_blocks_that_are_not_a_list_are_a_usage_error(blocks: object) -> None:
+    core = RegistryCore()
+    with pytest.raises(UsageError, match="list of block ids"):
+        core.begin(blocks, owner="a", ttl=1.0, now=0.0)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="list of block ids"):
+        core.lookup(blocks)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="list of block ids"):
+        core.invalidate_many(blocks)  # type: ignore[arg-type]

@@ -447,6 +447,7 @@ async def test_a_begin_waits_for_releases_only(redis_server: RedisServer) -> Non
         await reg.release(lease)
         stuck.set()
 
+
 class _ReplyDropper:
     """A TCP proxy to Redis: once armed with a byte pattern, the first request holding it
     reaches Redis, but its reply is swallowed and the client's connection cut (a reply
@@ -595,4 +596,40 @@ async def test_a_wrapped_retrying_clients_watcher_raises_when_its_subscription_b
         await client.aclose()
         await raw.aclose()
         await direct.close()
+
+
+@pytest.mark.parametrize(
+    ("url", "timeout"),
+    [
+        ("http://127.0.0.1:6379", 1.0),
+        ("redis://127.0.0.1:notaport/0", 1.0),
+        ("redis://127.0.0.1:6379/0", 0),
+        ("redis://127.0.0.1:6379/0", -1.0),
+        ("redis://127.0.0.1:6379/0", float("inf")),
+        ("redis://127.0.0.1:6379/0", float("nan")),
+        ("redis://127.0.0.1:6379/0", None),
+        ("redis://127.0.0.1:6379/0", "5"),
+    ],
+)
+async def test_connect_refuses_bad_arguments(url: str, timeout: Any) -> None:
+    with pytest.raises(UsageError):
+        await RedisRegistry.connect(url, timeout=timeout)
+
+
+async def test_bad_namespace_and_timeout_are_usage_errors(redis_server: RedisServer) -> None:
+    import redis.asyncio as aioredis
+
+    from kvwire.consistency.redis_layout import KeyLayout
+
+    with pytest.raises(UsageError):
+        KeyLayout(b"kv")
+    with pytest.raises(UsageError):
+        await RedisRegistry.connect(redis_server.url, namespace=b"kv")  # type: ignore[arg-type]
+    client = aioredis.from_url(redis_server.url)
+    try:
+        for timeout in (0, -1, float("inf"), None):
+            with pytest.raises(UsageError):
+                RedisRegistry(client, timeout=timeout)  # type: ignore[arg-type]
+    finally:
+        await client.aclose()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 
 import pytest
@@ -346,3 +347,95 @@ async def test_a_memory_watcher_behind_learns_of_an_overflow_at_its_next_read() 
         for i in range(5):  # one item behind within the buffer: nothing lost, no error
             await reg.invalidate(f"n{i + 1}")
             assert (await anext(watcher))[0] == f"n{i}"
+
+
+async def test_a_watcher_made_before_close_and_first_read_after_it_is_refused(registry: Registry) -> None:
+    """A watcher obtained before close() and first used after it is refused as watch() on
+    the closed registry is (UsageError): it waited forever (memory), or subscribed on the
+    closed registry's client and went on delivering (Redis)."""
+    watcher = registry.watch()
+    entered = registry.watch()
+    await registry.close()
+    with pytest.raises(UsageError, match="closed"):
+        await asyncio.wait_for(anext(watcher), 5)
+    with pytest.raises(UsageError, match="closed"):
+        await asyncio.wait_for(entered.__aenter__(), 5)
+    with pytest.raises(UsageError):
+        registry.watch()
+    await watcher.aclose()
+    await entered.aclose()
+    with pytest.raises(StopAsyncIteration):  # closed by its owner: ended, as ever
+        await asyncio.wait_for(anext(watcher), 5)
+
+
+async def test_a_narrowed_lease_commits_its_blocks_and_frees_the_others(registry: Registry) -> None:
+    """A lease narrowed before committing (dataclasses.replace with fewer blocks) commits
+    the blocks it names; the blocks it left out are freed (memory: at once; Redis: once
+    the lease's ttl passes), not kept busy for ever as memory did."""
+    lease = await registry.begin([b"b1", b"b2"], owner="a", ttl=0.3)
+    [(block, version)] = await registry.commit(dataclasses.replace(lease, started=lease.started[:1]))
+    assert block == b"b1"
+    assert await registry.lookup([b"b1"]) == [(b"b1", version)]
+    for _ in range(200):  # bounded: until the left-out block is free
+        again = await registry.begin([b"b2"], owner="b", ttl=30)
+        if again.started:
+            break
+        await asyncio.sleep(0.05)
+    assert again.started == (b"b2",)
+    assert [b for b, _ in await registry.commit(again)] == [b"b2"]
+
+
+async def test_a_commit_naming_a_block_the_lease_never_started_is_refused(registry: Registry) -> None:
+    """A lease naming a block it never started is refused (StaleVersionError), committing
+    nothing and freeing what the lease held; memory raised a raw KeyError."""
+    lease = await registry.begin([b"b1"], owner="a", ttl=30)
+    forged = dataclasses.replace(lease, started=(*lease.started, b"never-begun"))
+    with pytest.raises(StaleVersionError, match="never-begun"):
+        await registry.commit(forged)
+    assert await registry.lookup([b"b1"]) == []
+    assert (await registry.begin([b"b1"], owner="b", ttl=30)).started == (b"b1",)
+    with pytest.raises(LeaseExpiredError):
+        await registry.commit(lease)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "begin_ttl_none",
+        "begin_ttl_str",
+        "begin_ttl_list",
+        "begin_ttl_bool",
+        "begin_none",
+        "begin_int",
+        "lookup_int",
+        "invalidate_many_none",
+        "commit_str",
+        "renew_str",
+        "release_none",
+        "renew_ttl_str",
+    ],
+)
+async def test_bad_arguments_are_usage_errors(registry: Registry, call: str) -> None:
+    """Wrong types raise UsageError on both backends, not a raw TypeError, ValueError or
+    AttributeError."""
+    from typing import Any
+
+    lease = await registry.begin([b"L"], owner="o", ttl=30)
+    bad: Any = {
+        "begin_ttl_none": lambda: registry.begin([b"a"], owner="o", ttl=None),
+        "begin_ttl_str": lambda: registry.begin([b"a"], owner="o", ttl="soon"),
+        "begin_ttl_list": lambda: registry.begin([b"a"], owner="o", ttl=[1]),
+        "begin_ttl_bool": lambda: registry.begin([b"a"], owner="o", ttl=True),
+        "begin_none": lambda: registry.begin(None, owner="o"),
+        "begin_int": lambda: registry.begin(5, owner="o"),
+        "lookup_int": lambda: registry.lookup(5),
+        "invalidate_many_none": lambda: registry.invalidate_many(None),
+        "commit_str": lambda: registry.commit("not a lease"),
+        "renew_str": lambda: registry.renew("not a lease"),
+        "release_none": lambda: registry.release(None),
+        "renew_ttl_str": lambda: registry.renew(lease, ttl="x"),
+    }[call]
+    with pytest.raises(UsageError):
+        await bad()
+    assert (await registry.begin([b"a"], owner="o", ttl=30)).started == (b"a",)  # nothing held
+    await registry.commit(lease)  # the lease is untouched
