@@ -32,6 +32,7 @@ from kvwire.consistency.core import (
     VersionedBlock,
     check_lease,
     check_ttl,
+    check_version,
     exhausted_error,
     explain_stale,
     never_issued_error,
@@ -45,7 +46,7 @@ from kvwire.consistency.errors import (
     RegistryUnavailableError,
 )
 from kvwire.consistency.registry import DEFAULT_TTL
-from kvwire.errors import UsageError
+from kvwire.errors import KvwireError, UsageError
 
 try:
     import redis.asyncio as aioredis
@@ -147,6 +148,12 @@ def _check_timeout(timeout: object) -> float:
     if not (0.0 < value < math.inf):
         raise UsageError(f"timeout must be a finite number of seconds > 0, not {timeout!r}")
     return value
+
+
+def _parse_event(data: Any) -> VersionedBlock:
+    """The ``(block, version)`` of a message on the events channel: ``"<version> <key>"``."""
+    version, _, key = _decode(data).partition(" ")
+    return block_from_key(key), check_version(int(version))
 
 
 def _ttl_args(ttl: float) -> tuple[int, int]:
@@ -257,8 +264,15 @@ class RedisWatcher:
                 # confirmation after a reconnect) shows the connection still delivers.
                 self._heard, self._pinged = loop.time(), None
                 if msg.get("type") == "message":
-                    version, _, key = _decode(msg["data"]).partition(" ")
-                    return block_from_key(key), int(version)
+                    try:
+                        return _parse_event(msg["data"])
+                    except (KvwireError, ValueError, TypeError) as exc:
+                        # Not a change as kvwire publishes it (another publisher on the
+                        # channel): what it meant is unknown, so the reader re-reads.
+                        raise NotificationsLostError(
+                            f"redis registry: a message on the notification channel is not a "
+                            f"change: {msg['data']!r:.80}"
+                        ) from exc
         finally:
             reading, self._reading = self._reading, None
             reading.set()

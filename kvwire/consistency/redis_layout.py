@@ -184,12 +184,24 @@ return out
 
 RENEW = (
     _NOW
+    + _RUN
+    + _FREE
     + """
 -- KEYS: lease, block...   ARGV: lease_id, ttl_us, lease_px
--- returns the new expiry (microseconds) or -1 if the lease is not live
+-- returns the new expiry (microseconds) or -1 if the lease is not live: expired, or begun
+-- under another run_id (restored from a snapshot: its blocks are neither busy nor
+-- committable here, so it is ended, as COMMIT would end it)
 local exp = tonumber(redis.call('GET', KEYS[1]) or '0')
 if exp <= now then
   return -1
+end
+for i = 2, #KEYS do
+  local h = redis.call('HMGET', KEYS[i], 'l', 'r')
+  if h[1] == ARGV[1] and h[2] ~= run then
+    free(2, ARGV[1])
+    redis.call('DEL', KEYS[1])
+    return -1
+  end
 end
 local new_exp = now + tonumber(ARGV[2])
 redis.call('SET', KEYS[1], new_exp, 'PX', ARGV[3])

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from kvwire.aio.registry_redis import RedisRegistry
-from kvwire.consistency import NotificationsLostError, RegistryUnavailableError
+from kvwire.consistency import LeaseExpiredError, NotificationsLostError, RegistryUnavailableError
 from kvwire.errors import KvwireError, StaleVersionError, UsageError
 from tests.consistency.conftest import RedisServer, start_redis
 
@@ -598,6 +598,26 @@ async def test_a_wrapped_retrying_clients_watcher_raises_when_its_subscription_b
         await direct.close()
 
 
+@pytest.mark.parametrize("data", [b"garbage", b"12 x:1", b"\xff\xfe", b"-3 s:a", b"1e3 s:a"])
+async def test_a_message_on_the_channel_that_is_not_a_change(redis_server: RedisServer, data: bytes) -> None:
+    """Something else published on the notification channel: the watcher raises
+    NotificationsLostError (it cannot tell what was meant; the reader re-reads), not a raw
+    error, and goes on delivering."""
+    import redis.asyncio as aioredis
+
+    reg = await RedisRegistry.connect(redis_server.url, namespace=f"odd-{uuid.uuid4().hex}")
+    raw = aioredis.from_url(redis_server.url)
+    try:
+        async with reg, reg.watch() as watcher:
+            await raw.publish(reg.layout.channel, data)
+            with pytest.raises(NotificationsLostError, match="not a change"):
+                await asyncio.wait_for(anext(watcher), 10)
+            v = await reg.invalidate("ok")
+            assert await asyncio.wait_for(anext(watcher), 10) == ("ok", v)
+    finally:
+        await raw.aclose()
+
+
 @pytest.mark.parametrize(
     ("url", "timeout"),
     [
@@ -633,3 +653,26 @@ async def test_bad_namespace_and_timeout_are_usage_errors(redis_server: RedisSer
     finally:
         await client.aclose()
 
+
+async def test_a_renew_after_redis_restarted_from_a_snapshot_ends_the_lease(
+    redis_binary: str, tmp_path: Path
+) -> None:
+    """A lease begun before the snapshot Redis restarted from holds nothing in the new
+    server lifetime (its blocks are neither busy nor committable there): renew says so
+    (LeaseExpiredError) instead of extending it, and the blocks are free."""
+    server = start_redis(redis_binary, tmp_path)
+    reg = await RedisRegistry.connect(server.url, namespace="rn", timeout=2.0)
+    try:
+        lease = await reg.begin([b"blk"], owner="a", ttl=600)
+        await reg.client.save()
+        server.process.kill()
+        server.process.wait(5)
+        server = start_redis(redis_binary, tmp_path, port=server.port)  # loads the snapshot
+        with pytest.raises(LeaseExpiredError):
+            await _answered(lambda: reg.renew(lease))
+        with pytest.raises(LeaseExpiredError):
+            await reg.commit(lease)
+        assert (await reg.begin([b"blk"], owner="b")).started == (b"blk",)
+    finally:
+        await reg.close()
+        server.stop()
