@@ -16,7 +16,13 @@ import numpy as np
 
 from kvwire.errors import KvwireError, UsageError
 from kvwire.scheduler.link import LinkSchedule
-from kvwire.scheduler.model import ClusterConfig, OptimizerResult
+from kvwire.scheduler.model import (
+    MAX_GPUS_PER_INSTANCE,
+    MAX_INSTANCES,
+    MAX_SPLITS,
+    ClusterConfig,
+    OptimizerResult,
+)
 from kvwire.scheduler.profile import BUILTIN_PROFILES, load_profile
 from kvwire.scheduler.simulator import (
     PolicyName,
@@ -133,16 +139,17 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--relative-compute", type=POSITIVE, default=0.15,
                    help="local instance compute relative to a remote one (default 0.15: H20 vs H200)")
     s.add_argument("--remote-instances", type=NON_NEGATIVE_INT, default=4,
-                   help="remote prefill instances (default 4)")
+                   help=f"remote prefill instances (default 4; at most {MAX_INSTANCES:,})")
     s.add_argument("--local-instances", type=POSITIVE_INT, default=8,
-                   help="local PD instances, split between prefill and decode (default 8)")
+                   help=f"local PD instances, split between prefill and decode (default 8; at most {MAX_INSTANCES:,})")
     s.add_argument("--prefill-instances", type=NON_NEGATIVE, metavar="N_P",
                    help="local prefill instances N_p, > 0 unless the only policy is offload-all "
                         "(default: the model's best split per policy)")
     s.add_argument("--split-granularity", choices=["instance", "gpu"], default="instance",
                    help="prefill/decode split in whole instances or in GPUs (default instance)")
     s.add_argument("--gpus-per-instance", type=POSITIVE_INT, default=8,
-                   help="GPUs of one local instance, for --split-granularity gpu (default 8)")
+                   help=f"GPUs of one local instance, for --split-granularity gpu (default 8; at most "
+                        f"{MAX_GPUS_PER_INSTANCE}, and {MAX_SPLITS:,} local GPUs in all)")
     s.add_argument("--decode-step", type=argument_type(parse_duration, "duration"),
                    default=0.05, metavar="TIME", help="one decode step of a full batch (default 50ms)")
     s.add_argument("--decode-batch", type=POSITIVE_INT, default=64,
@@ -232,11 +239,35 @@ def _preflight(args: argparse.Namespace) -> None:
                 f"--plot {args.plot!r}: matplotlib cannot write {suffix!r} files "
                 f"(use one of {', '.join(sorted(formats))})"
             )
+        # The plot simulates selective whatever --policy says (see _check_plot).
+        if args.remote_instances < 1:
+            raise UsageError("--plot simulates selective, which needs at least one remote instance")
+        if args.prefill_instances is not None and args.prefill_instances <= 1e-9:
+            raise UsageError("--plot simulates selective, which needs a local prefill server (--prefill-instances > 0)")
     if args.min_tokens >= args.max_tokens:
         raise UsageError("--min-tokens must be below --max-tokens")
     for option in ("min_tokens", "max_tokens", "output_tokens"):
         if getattr(args, option) > MAX_TOKENS:
             raise UsageError(f"--{option.replace('_', '-')} must be at most {MAX_TOKENS:,} tokens")
+    for option, most in (("remote_instances", MAX_INSTANCES), ("local_instances", MAX_INSTANCES),
+                         ("gpus_per_instance", MAX_GPUS_PER_INSTANCE)):
+        if getattr(args, option) > most:
+            raise UsageError(f"--{option.replace('_', '-')} must be at most {most:,}")
+    if args.split_granularity == "gpu" and args.local_instances * args.gpus_per_instance > MAX_SPLITS:
+        raise UsageError(
+            f"--split-granularity gpu: at most {MAX_SPLITS:,} local GPUs (--local-instances "
+            f"{args.local_instances:,} x --gpus-per-instance {args.gpus_per_instance} is "
+            f"{args.local_instances * args.gpus_per_instance:,})"
+        )
+
+
+def _check_plot(reqs: tuple[TraceRequest, ...], config: SimulationConfig) -> None:
+    """``--plot`` simulates ``selective`` at a range of thresholds, whatever ``--policy``
+    says: fail before the simulation, not after the table, where its split cannot run."""
+    try:
+        policy_capacity(PolicyName.SELECTIVE, reqs, config)
+    except UsageError as exc:
+        raise UsageError(f"--plot simulates selective: {exc}") from None
 
 
 def _workload(args: argparse.Namespace) -> tuple[TraceRequest, ...]:
@@ -293,6 +324,10 @@ def _config(args: argparse.Namespace) -> SimulationConfig:
     )
 
 
+#: ``--load F`` is reached when the offered rate is within this share of F x the capacity.
+LOAD_TOLERANCE = 1e-3
+
+
 def _at_load(
     reqs: tuple[TraceRequest, ...],
     config: SimulationConfig,
@@ -300,22 +335,88 @@ def _at_load(
     baseline: PolicyName,
     threshold_tokens: float | None = None,
 ) -> tuple[tuple[TraceRequest, ...], float]:
-    """Arrivals rescaled so the offered rate is ``load`` x the baseline's capacity. The
-    model's capacity depends on the mean link rate over the arrival window, which the
-    rescaling changes under a rate schedule: a few fixed-point rounds settle it.
-    ``threshold_tokens`` (``--threshold``) is the threshold ``selective`` runs at, so its
-    capacity is taken there; other baselines ignore it, as they do in the simulation."""
+    """Arrivals rescaled so the offered rate is ``load`` x the baseline's capacity (within
+    :data:`LOAD_TOLERANCE`), and that capacity. The model's capacity depends on the mean
+    link rate over the arrival window, which the rescaling changes under a rate schedule:
+    a few fixed-point rounds settle it where the capacity moves little with the window
+    (at once under one link rate); where they do not (a schedule whose step lands in the
+    window: the fixed point jumped between the two sides of it, and four rounds ended at
+    utilization 0.67 of a run labelled load 2), a bisection on the offered rate between
+    one rescaling below the load and one above it. A load no rescaling reaches (a
+    capacity that jumps past it) raises :class:`UsageError`: a run is never labelled with
+    a load it does not run at. ``threshold_tokens`` (``--threshold``) is the threshold
+    ``selective`` runs at, so its capacity is taken there; other baselines ignore it, as
+    they do in the simulation."""
     fixed = threshold_tokens if baseline is PolicyName.SELECTIVE else None
-    cap = math.nan
-    for _ in range(4):
-        cap = policy_capacity(baseline, reqs, config, threshold_tokens=fixed).lambda_max_rps
+
+    def capacity_of(trace: tuple[TraceRequest, ...]) -> float:
+        cap = policy_capacity(baseline, trace, config, threshold_tokens=fixed).lambda_max_rps
         if not math.isfinite(cap) or cap <= 0:
             raise UsageError(f"the model gives {baseline} no finite capacity to scale --load to")
-        if abs(offered_rate(reqs) / cap - load) < 1e-3 * load:
+        return cap
+
+    def reached(trace: tuple[TraceRequest, ...], cap: float) -> bool:
+        return abs(offered_rate(trace) / cap - load) < LOAD_TOLERANCE * load
+
+    def at_rate(rate: float) -> tuple[tuple[TraceRequest, ...], float, float]:
+        """The arrivals at offered ``rate``, the capacity there, and its load."""
+        trace = scale_to_load(reqs, rate)
+        check_workload(trace)
+        cap = capacity_of(trace)
+        return trace, cap, offered_rate(trace) / cap
+
+    cap = capacity_of(reqs)
+    if reached(reqs, cap):
+        return reqs, cap
+    below: tuple[float, float] | None = None  # (offered rate, its load) under the load asked
+    above: tuple[float, float] | None = None  # ... and over it
+    rate = load * cap
+    for _ in range(4):
+        trace, cap, at = at_rate(rate)
+        if reached(trace, cap):
+            return trace, cap
+        if at < load:
+            below = (rate, at)
+        else:
+            above = (rate, at)
+        rate = load * cap
+    # A bracket: the load grows without bound with the offered rate (the window shrinks
+    # to the schedule's first rate) and falls to 0 as it falls (the window grows).
+    for _ in range(64):
+        if below is not None and above is not None:
             break
-        reqs = scale_to_load(reqs, load * cap)
-        check_workload(reqs)
-    return reqs, cap
+        if below is None:
+            assert above is not None
+            rate = above[0] / 2.0
+        else:
+            rate = below[0] * 2.0
+        trace, cap, at = at_rate(rate)
+        if reached(trace, cap):
+            return trace, cap
+        if at < load:
+            below = (rate, at)
+        else:
+            above = (rate, at)
+    if below is not None and above is not None:
+        lo, hi = below[0], above[0]
+        for _ in range(200):
+            rate = math.sqrt(lo * hi)
+            if not min(lo, hi) < rate < max(lo, hi):
+                break  # as close as floating point gets: the capacity jumps here
+            trace, cap, at = at_rate(rate)
+            if reached(trace, cap):
+                return trace, cap
+            if at < load:
+                lo, below = rate, (rate, at)
+            else:
+                hi, above = rate, (rate, at)
+        between = f": {below[1]:.3g} at {below[0]:.4g} rps, {above[1]:.3g} at {above[0]:.4g} rps"
+    else:
+        between = ""
+    raise UsageError(
+        f"--load {load:g} cannot be reached: {baseline}'s capacity changes with the arrival window "
+        f"under the link schedule, and no rescaling of the arrivals offers {load:g} x it{between}"
+    )
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -409,10 +510,12 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if to_stdout else sys.stdout
     try:
         _preflight(args)
+        config = _config(args)  # before the workload: a bad cluster fails at once
         reqs = _workload(args)
-        config = _config(args)
         if args.load is not None:
             reqs, _ = _at_load(reqs, config, args.load, args.load_baseline, args.threshold)
+        if args.plot:
+            _check_plot(reqs, config)
         opt, results = simulate_policies(
             reqs, config, args.policy, seed=args.seed, threshold_tokens=args.threshold
         )
@@ -460,26 +563,40 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvwire simulate: cannot write {args.json}: {exc}", file=sys.stderr)
             return 2
     if args.plot:
-        from kvwire.scheduler.plot import plot_threshold_curve
-
-        grid = np.unique(
-            np.round(
-                np.quantile([r.input_length for r in reqs], np.linspace(0, 0.98, args.plot_points))
-            )
-        )
-        pts = [
-            (
-                float(t),
-                simulate(
-                    reqs,
-                    config,
-                    PolicyName.SELECTIVE,
-                    seed=args.seed,
-                    threshold_tokens=float(t),
-                    optimizer=opt,
-                ).throughput_rps,
-            )
-            for t in np.append(grid, opt.threshold_tokens)
-        ]
-        plot_threshold_curve(args.plot, opt, simulated=sorted(pts))
+        try:
+            _plot(args, reqs, config, opt)
+        except KvwireError as exc:
+            print(f"kvwire simulate: {exc}", file=sys.stderr)
+            return 2
+        except OSError as exc:
+            print(f"kvwire simulate: cannot write {args.plot}: {exc}", file=sys.stderr)
+            return 2
     return 0
+
+
+def _plot(args: argparse.Namespace, reqs: tuple[TraceRequest, ...], config: SimulationConfig,
+          opt: OptimizerResult) -> None:
+    """Throughput against ``t``: the model's curve and ``selective`` simulated at
+    ``--plot-points`` thresholds (quantiles of the input lengths) and at ``t*``."""
+    from kvwire.scheduler.plot import plot_threshold_curve
+
+    grid = np.unique(
+        np.round(
+            np.quantile([r.input_length for r in reqs], np.linspace(0, 0.98, args.plot_points))
+        )
+    )
+    pts = [
+        (
+            float(t),
+            simulate(
+                reqs,
+                config,
+                PolicyName.SELECTIVE,
+                seed=args.seed,
+                threshold_tokens=float(t),
+                optimizer=opt,
+            ).throughput_rps,
+        )
+        for t in np.append(grid, opt.threshold_tokens)
+    ]
+    plot_threshold_curve(args.plot, opt, simulated=sorted(pts))

@@ -28,6 +28,9 @@ from kvwire.scheduler.profile import ModelProfile
 from kvwire.scheduler.workload import LengthDistribution
 
 __all__ = [
+    "MAX_GPUS_PER_INSTANCE",
+    "MAX_INSTANCES",
+    "MAX_SPLITS",
     "Bound",
     "Capacity",
     "ClusterConfig",
@@ -36,6 +39,19 @@ __all__ = [
     "capacity",
     "optimize",
 ]
+
+
+MAX_INSTANCES = 10_000
+"""Most remote, and most local, instances a :class:`ClusterConfig` may have (10,000 of 8
+GPUs: 80,000 GPUs a side, beyond any PD cluster of today)."""
+MAX_GPUS_PER_INSTANCE = 64
+"""Most GPUs of one local instance (the profiles describe 8-GPU instances)."""
+MAX_SPLITS = 10_000
+"""Most prefill/decode splits (``N_p`` values) the optimizer tries: local instances at
+instance granularity, local GPUs (instances x GPUs per instance) at GPU granularity. It
+evaluates every split at every distinct input length: 10,000 splits of a 4,000-request
+trace take about 30 s and 1.7 GB, and the time and memory grow with the splits (a
+hundred million local instances, or 100,000 GPUs per instance, ran for hours)."""
 
 
 class Bound(StrEnum):
@@ -85,6 +101,15 @@ class ClusterConfig:
             raise UsageError("split_granularity is 'instance' or 'gpu'; gpus_per_instance >= 1")
         if self.remote_instances < 0 or self.local_instances < 1:
             raise UsageError("need >= 0 remote and >= 1 local instances")
+        if self.remote_instances > MAX_INSTANCES or self.local_instances > MAX_INSTANCES:
+            raise UsageError(f"at most {MAX_INSTANCES:,} remote and {MAX_INSTANCES:,} local instances")
+        if self.gpus_per_instance > MAX_GPUS_PER_INSTANCE:
+            raise UsageError(f"gpus_per_instance must be at most {MAX_GPUS_PER_INSTANCE}")
+        if self.split_granularity == "gpu" and self.local_instances * self.gpus_per_instance > MAX_SPLITS:
+            raise UsageError(
+                f"at GPU split granularity at most {MAX_SPLITS:,} local GPUs (local instances x "
+                f"GPUs per instance: {self.local_instances:,} x {self.gpus_per_instance})"
+            )
         if self.egress_bps < 0 or not math.isfinite(self.egress_bps):
             raise UsageError("egress bandwidth must be finite and >= 0")
         if self.relative_compute <= 0 or self.decode_step_s <= 0 or self.decode_batch_max < 1:

@@ -57,7 +57,9 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
     or ``"4000"``), the timestamp any number, ``hash_ids`` (optional) a list.
     Timestamps must be finite and at most :data:`MAX_TIMESTAMP_MS` either side of 0, and
     lengths between 0 and :data:`MAX_TOKENS`; a bad record is reported by path and line.
-    ``limit``: keep the first ``limit`` records in file order (then sort them)."""
+    ``limit``: keep the first ``limit`` records in file order (then sort them); at least 1."""
+    if limit is not None and (isinstance(limit, bool) or not limit >= 1):
+        raise UsageError(f"limit must be at least 1, got {limit!r}")
     out: list[TraceRequest] = []
     try:
         with (
@@ -81,7 +83,8 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
                         output_length=_whole(obj["output_length"], "output_length"),
                         hash_ids=tuple(_whole(h, "a hash id") for h in hash_ids),
                     )
-                except (KeyError, TypeError, ValueError, OverflowError) as exc:
+                except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+                    # RecursionError: JSON nested deeper than the parser follows.
                     raise UsageError(f"{path}:{lineno}: not a trace record ({exc})") from None
                 if not math.isfinite(req.arrival_s):
                     raise UsageError(f"{path}:{lineno}: timestamp must be a finite number")
@@ -140,12 +143,15 @@ def synthetic_trace(
     max_tokens]`` (the case-study workload: mu 9.90, sigma 1.00, [128, 128K], 1024 output
     tokens; ``clip=True`` clips instead, piling the tails onto the bounds). No shared
     prefixes: every request gets fresh block ids."""
-    if requests <= 0 or rate_rps <= 0:
+    if requests <= 0 or not rate_rps > 0:
         raise UsageError("requests and rate must be positive")
     if max(min_tokens, max_tokens, output_tokens) > MAX_TOKENS:
         raise UsageError(f"lengths must be at most {MAX_TOKENS:,} tokens")
-    gaps = rng.exponential(1.0 / rate_rps, size=requests)
-    arrivals = np.cumsum(gaps) - gaps[0]
+    with np.errstate(over="ignore", invalid="ignore"):  # a rate so low the times overflow
+        gaps = rng.exponential(1.0 / rate_rps, size=requests)
+        arrivals = np.cumsum(gaps) - gaps[0]
+    if not np.all(np.isfinite(arrivals)):
+        raise UsageError(f"at {rate_rps:g} requests/s the arrival times overflow: arrival times must be finite")
     if clip:
         raw = rng.lognormal(mu, sigma, size=requests)
     else:

@@ -312,3 +312,73 @@ def test_simulate_cli_egress_window(capsys: pytest.CaptureFixture[str]) -> None:
         decisions = d["policies"]["selective"]["decisions"]
         assert set(decisions) <= {"long", "short", "remote-prefix", "bandwidth-tight", "link-saturated"}
         assert sum(decisions.values()) == 50
+
+
+def test_load_under_a_link_schedule_is_the_load_it_runs_at(capsys: pytest.CaptureFixture[str]) -> None:
+    """The schedule's step lands in the arrival window: the fixed point jumped between its
+    two sides, and after four rounds `--load 2` ran at utilization 0.674, labelled 2."""
+    args = parse(["simulate", "--requests", "300", "--rate", "2", "--link-schedule", "0s:1gbps,100s:100gbps",
+                  "--load", "2", "--policy", "selective", "--json", "-"])
+    assert run(args) == 0
+    doc = json.loads(capsys.readouterr().out)
+    sel = doc["policies"]["selective"]
+    assert doc["workload"]["load"] == 2
+    assert sel["utilization"] == pytest.approx(2.0, rel=2e-3)
+    assert doc["workload"]["offered_rps"] == pytest.approx(2.0 * sel["capacity_rps"], rel=2e-3)
+
+
+def test_a_load_no_rescaling_reaches_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A capacity that jumps past the load as the window crosses a span: 10 rps while the
+    arrivals span more than 100 s, 1 rps below; the load (offered / capacity) goes from
+    under 0.01 to at least 0.1 and never is 0.05."""
+    from types import SimpleNamespace
+
+    from kvwire.errors import UsageError
+    from kvwire.scheduler import command
+    from kvwire.scheduler.workload import TraceRequest
+
+    def capacity(policy: object, reqs: tuple[TraceRequest, ...], config: object, **kw: object) -> SimpleNamespace:
+        span = max(r.arrival_s for r in reqs) - min(r.arrival_s for r in reqs)
+        return SimpleNamespace(lambda_max_rps=10.0 if span > 100 else 1.0)
+
+    monkeypatch.setattr(command, "policy_capacity", capacity)
+    reqs = tuple(TraceRequest(arrival_s=float(i), input_length=1000, output_length=10) for i in range(11))
+    with pytest.raises(UsageError, match=r"--load 0\.05 cannot be reached"):
+        command._at_load(reqs, None, 0.05, command.PolicyName.SELECTIVE)  # type: ignore[arg-type]
+    # A load on either side of the jump is reached, and the arrivals offer it.
+    for load in (0.005, 0.5):
+        scaled, cap = command._at_load(reqs, None, load, command.PolicyName.SELECTIVE)  # type: ignore[arg-type]
+        assert command.offered_rate(scaled) / cap == pytest.approx(load, rel=1e-3)
+
+
+@pytest.mark.parametrize("extra", [["--policy", "local", "--remote-instances", "0"],
+                                   ["--policy", "offload-all", "--prefill-instances", "0"],
+                                   ["--policy", "local", "--local-instances", "1"]])
+def test_a_plot_selective_cannot_run_for_fails_before_the_simulation(
+    extra: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """--plot simulates selective whatever --policy says: after the table, outside the
+    error handler, that was a traceback (exit 1) for a configuration valid for the
+    policies asked."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "p.png"
+    assert run(parse(["simulate", "--requests", "30", *extra, "--plot", str(png)])) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("kvwire simulate: --plot simulates selective")
+    assert "kvwire simulate" not in captured.out  # no table: nothing was simulated
+    assert not png.exists()
+
+
+def test_an_error_while_plotting_is_a_usage_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+) -> None:
+    pytest.importorskip("matplotlib")
+    from kvwire.errors import UsageError
+    from kvwire.scheduler import command
+
+    def fail(*args: object) -> None:
+        raise UsageError("the plot failed")
+
+    monkeypatch.setattr(command, "_plot", fail)
+    assert run(parse(["simulate", "--requests", "30", "--policy", "local", "--plot", str(tmp_path / "p.png")])) == 2
+    assert capsys.readouterr().err == "kvwire simulate: the plot failed\n"

@@ -193,3 +193,21 @@ def test_profile_file_whose_latency_line_reaches_zero(tmp_path: Path, capsys: py
 def test_profiles_through_zero_or_above_are_kept() -> None:
     for prefill_s in ((1.0, 2.0), (2.0, 2.0), (1.5, 2.0)):
         ModelProfile(name="p", tokens=(1000.0, 2000.0), kv_bytes=(1e6, 2e6), prefill_s=prefill_s)
+
+
+def test_a_trace_line_nested_too_deep_is_not_a_trace_record(tmp_path: Path) -> None:
+    """json.loads raised RecursionError, a traceback from kvwire simulate."""
+    path = tmp_path / "deep.jsonl"
+    path.write_text(json.dumps(_record(0)) + "\n" + "[" * 100000 + "\n")
+    with pytest.raises(UsageError, match=rf"{re.escape(str(path))}:2: not a trace record \(maximum recursion"):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("limit", [0, -5])
+def test_a_limit_below_one_is_refused(tmp_path: Path, limit: int) -> None:
+    """load_trace(limit=0) and limit=-5 returned one record."""
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, {})
+    with pytest.raises(UsageError, match="limit must be at least 1"):
+        load_trace(path, limit=limit)
+    assert len(load_trace(path, limit=1)) == 1

@@ -173,3 +173,45 @@ def test_simulate_refuses_a_trace_out_of_range(tmp_path: Path, capsys: pytest.Ca
     path = _trace(tmp_path, input_length=10**20)
     assert main(["simulate", "--trace", str(path)]) == 2
     assert f"kvwire simulate: {path}:2: input_length" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", [1e-308, 5e-324])
+def test_a_rate_so_low_the_arrival_times_overflow_is_refused_without_a_warning(rate: float) -> None:
+    """numpy's RuntimeWarning (overflow in accumulate) came first; under
+    filterwarnings=error it is an exception."""
+    from kvwire.scheduler.workload import synthetic_trace
+
+    with pytest.raises(UsageError, match="arrival times overflow"):
+        synthetic_trace(np.random.default_rng(0), requests=10, rate_rps=rate)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--local-instances", "100000000"], "--local-instances must be at most 10,000"),
+        (["--remote-instances", "10001"], "--remote-instances must be at most 10,000"),
+        (["--split-granularity", "gpu", "--gpus-per-instance", "100000"], "--gpus-per-instance must be at most 64"),
+        (["--split-granularity", "gpu", "--local-instances", "2000"], "at most 10,000 local GPUs"),
+        (["--rate", "1e-308", "--requests", "10"], "arrival times overflow"),
+    ],
+)
+def test_instance_and_gpu_counts_are_capped(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """They ran for hours: the optimizer tries every split at every distinct length."""
+    assert main(["simulate", "--requests", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwire simulate: ") and message in err and "Traceback" not in err
+
+
+def test_cluster_config_caps_its_counts() -> None:
+    from kvwire.scheduler.model import MAX_GPUS_PER_INSTANCE, MAX_INSTANCES, MAX_SPLITS
+
+    ok = ClusterConfig(remote_profile=PROFILE, remote_instances=MAX_INSTANCES, local_instances=MAX_INSTANCES)
+    assert len(ok.splits()) == MAX_SPLITS
+    gpu = ClusterConfig(remote_profile=PROFILE, local_instances=MAX_SPLITS // MAX_GPUS_PER_INSTANCE,
+                        gpus_per_instance=MAX_GPUS_PER_INSTANCE, split_granularity="gpu")
+    assert len(gpu.splits()) <= MAX_SPLITS
+    for bad in ({"remote_instances": MAX_INSTANCES + 1}, {"local_instances": MAX_INSTANCES + 1},
+                {"gpus_per_instance": MAX_GPUS_PER_INSTANCE + 1},
+                {"local_instances": MAX_SPLITS // 8 + 1, "split_granularity": "gpu"}):
+        with pytest.raises(UsageError, match="at most"):
+            ClusterConfig(remote_profile=PROFILE, **bad)  # type: ignore[arg-type]
