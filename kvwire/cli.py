@@ -8,6 +8,8 @@ import sys
 import threading
 from typing import Any
 
+from kvwire.bench._signals import ends_the_program
+
 
 def build_parser() -> argparse.ArgumentParser:
     from kvwire import __version__
@@ -31,7 +33,11 @@ class _Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+@ends_the_program
 def _on_terminate(signum: int, frame: object) -> None:
+    # While an event loop runs (kvwire.bench._signals.run), the signal cancels its main
+    # task instead, and this runs once the loop has stopped: raised inside one of the
+    # loop's callbacks, it would end that callback only.
     raise _Terminated(signum)
 
 

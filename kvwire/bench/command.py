@@ -573,7 +573,7 @@ _STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "S
 
 
 def run_serve_command(args: argparse.Namespace) -> int:
-    from kvwire.aio import run
+    from kvwire.bench._signals import run
     from kvwire.bench.runner import load_secret, serve_benches
 
     handler = configure_logging(args.log_level)

@@ -13,7 +13,8 @@ of microseconds. For rate *and* delay, run the userspace
 the emulator alone.
 
 Everything created is removed on exit of the ``with`` block, on failure while creating,
-at interpreter exit, and on SIGINT/SIGTERM/SIGHUP (those the process does not ignore).
+at interpreter exit, and on SIGINT/SIGTERM/SIGHUP (those the process does not ignore;
+while :func:`kvwire.bench._signals.run`'s event loop runs, once that loop has stopped).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
 from typing import Any, TypeVar
+
+from kvwire.bench._signals import defers, ends_the_program
+from kvwire.errors import UsageError
 
 __all__ = ["NetnsLink", "NetnsUnavailable", "netns_available", "sweep_stale"]
 
@@ -110,8 +114,16 @@ def _cleanup_all() -> None:
         link.close()
 
 
+@ends_the_program
 def _on_signal(signum: int, frame: FrameType | None) -> None:
+    # While an event loop runs (kvwire.bench._signals.run), this one is set aside: the
+    # loop's main task is cancelled, the ``with`` blocks around it close their links, and
+    # this runs once the loop has stopped. Raised inside one of the loop's callbacks, its
+    # exception would end that callback only, the links already gone.
     previous = _previous_handlers.get(signum, signal.SIG_DFL)  # before the cleanup forgets it
+    if defers(previous):  # opened while such a loop runs: its exit closes the link
+        previous(signum, frame)
+        return
     _cleanup_all()
     if callable(previous):
         previous(signum, frame)
@@ -202,6 +214,9 @@ class NetnsLink:
     :param reverse_rate_bps: receiver-to-sender rate (``None``: unshaped).
     :param burst_bytes: tbf bucket; default about 1 ms at the rate, at least 64 KiB
         (segmentation offload hands tbf packets of up to 64 KiB).
+
+    On a closed link, :meth:`socket`, :meth:`run`, :meth:`call` and :meth:`tx_bytes`
+    raise UsageError.
     """
 
     def __init__(
@@ -377,5 +392,7 @@ class NetnsLink:
         return result
 
     def _check(self, ns: str) -> None:
+        if ns not in self.namespaces:
+            raise UsageError(f"{ns!r} is not a namespace of this link")
         if ns not in self._created:
-            raise ValueError(f"{ns!r} is not a namespace of this link (or it was closed)")
+            raise UsageError(f"namespace {ns!r} does not exist: the link is closed (or was never opened)")

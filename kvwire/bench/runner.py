@@ -1065,8 +1065,12 @@ def run_bench(
 
     ``on_progress`` gets every sample (about 10 a second), ``on_interval`` one report per
     ``cfg.interval`` seconds; ``argv`` is recorded in the report's ``start`` block.
+
+    A signal whose handler ends the program (Ctrl-C, ``kvwire``'s SIGTERM and SIGHUP)
+    that comes while a transfer loop runs cancels it, and is raised again once that
+    loop has stopped (:func:`kvwire.bench._signals.run`).
     """
-    from kvwire.aio import run
+    from kvwire.bench._signals import run
 
     log = log or (lambda _l: None)
     bench_id = uuid.uuid4().hex[:12]

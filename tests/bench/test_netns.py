@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvwire.bench.netns import NetnsLink, netns_available
+from kvwire.errors import UsageError
 from tests.environment import IN_CI
 
 reason = netns_available()
@@ -80,6 +81,19 @@ def test_cleans_up_when_the_body_fails() -> None:
     assert all(ns not in listing for ns in names)
     with pytest.raises(ValueError):
         link.socket(link.sender_ns)
+
+
+def test_a_closed_link_raises_a_usage_error() -> None:
+    """Its byte counter on a closed link raised a bare ValueError (a ``kvwire bench
+    --kernel`` whose namespaces were removed under it ended with its traceback)."""
+    with NetnsLink(rate_bps=1e9) as link:
+        assert link.tx_bytes() >= 0
+    for use in (link.tx_bytes, lambda: link.socket(link.sender_ns),
+                lambda: link.run(link.receiver_ns, ["true"])):
+        with pytest.raises(UsageError, match="the link is closed"):
+            use()
+    with pytest.raises(UsageError, match="not a namespace of this link"):
+        link.socket("elsewhere")
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
