@@ -106,14 +106,16 @@ def _port(text: str) -> int:
 
 def check_output_path(path: str, what: str) -> None:
     """Raise UsageError unless ``path`` can be written (checked before a run, so that a
-    typo costs nothing): its folder exists and takes a new file, and it is not a folder."""
-    target = Path(path)
-    if target.is_dir():
+    typo costs nothing): its folder exists and takes a new file, and it is not a folder.
+    A symbolic link is checked as the file it names (the report is written through it)."""
+    given = Path(path)
+    if given.is_dir():
         raise UsageError(f"{what} {path!r} is a directory")
-    if _not_a_file(target):  # a pipe or a device (/dev/stdout): written as it is
-        if not os.access(target, os.W_OK):
+    if _not_a_file(given):  # a pipe or a device (/dev/stdout): written as it is
+        if not os.access(given, os.W_OK):
             raise UsageError(f"{what} {path!r} is not writable")
         return
+    target = Path(os.path.realpath(path))
     folder = target.parent
     if not folder.is_dir():
         raise UsageError(f"{what} {path!r}: no such directory {str(folder)!r}")
@@ -152,14 +154,21 @@ def _not_a_file(target: Path) -> bool:
 
 def _write_atomic(path: str, text: str) -> None:
     """``text`` into file ``path`` whole or not at all (a new file renamed over it); a pipe
-    or a device is written as it is."""
-    target = Path(path)
-    if _not_a_file(target):
-        with open(target, "w") as f:
+    or a device is written as it is. A symbolic link is written through (its target
+    replaced), and the file keeps the mode it had, or a new one gets the mode ``open``
+    would give it (0666 less the umask), not mkstemp's 0600."""
+    if _not_a_file(Path(path)):  # (/dev/stdout names a pipe by a link that resolves to none)
+        with open(path, "w") as f:
             f.write(text)
         return
+    target = Path(os.path.realpath(path))
+    try:
+        mode = stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        mode = 0o666 & ~_umask()
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(tmp, target)
@@ -167,6 +176,13 @@ def _write_atomic(path: str, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, then setting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # -- parsers ----------------------------------------------------------------------------------

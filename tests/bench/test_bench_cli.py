@@ -141,6 +141,47 @@ def test_arguments_that_would_crash_or_hang_a_run_are_refused() -> None:
         assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
 
+def test_json_keeps_the_files_mode_and_writes_through_a_link(tmp_path: Path) -> None:
+    """The report is written as ``open`` would write it: an existing file keeps its mode,
+    a new one gets 0666 less the umask (mkstemp's 0600 was kept), and a symbolic link
+    is written through (it was replaced by a file of its own)."""
+    from kvwire.bench.command import _write_atomic, check_output_path
+
+    old = tmp_path / "old.json"
+    old.write_text("{}")
+    old.chmod(0o640)
+    mask = os.umask(0o077)
+    try:
+        _write_atomic(str(old), "[1]")
+        new = tmp_path / "new.json"
+        _write_atomic(str(new), "[2]")
+        os.umask(0o022)
+        other = tmp_path / "other.json"
+        _write_atomic(str(other), "[3]")
+    finally:
+        os.umask(mask)
+    assert old.read_text() == "[1]" and (old.stat().st_mode & 0o777) == 0o640
+    assert new.read_text() == "[2]" and (new.stat().st_mode & 0o777) == 0o600
+    assert (other.stat().st_mode & 0o777) == 0o644
+
+    elsewhere = tmp_path / "reports"
+    elsewhere.mkdir()
+    target = elsewhere / "target.json"
+    target.write_text("{}")
+    target.chmod(0o644)
+    link = tmp_path / "link.json"
+    link.symlink_to(target)
+    dangling = tmp_path / "dangling.json"
+    dangling.symlink_to(elsewhere / "made.json")
+    for path in (link, dangling):
+        check_output_path(str(path), "--json")
+    _write_atomic(str(link), "[4]")
+    _write_atomic(str(dangling), "[5]")
+    assert link.is_symlink() and target.read_text() == "[4]" and (target.stat().st_mode & 0o777) == 0o644
+    assert dangling.is_symlink() and (elsewhere / "made.json").read_text() == "[5]"
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["made.json", "target.json"]  # no temporary
+
+
 def test_json_into_a_pipe(tmp_path: Path) -> None:
     """``--json`` naming a pipe (or a device) writes into it, instead of renaming a file
     over it."""
