@@ -220,7 +220,8 @@ def add_parsers(subparsers: Any) -> None:
     link.add_argument("--link-schedule", type=argument_type(parse_schedule), metavar="TIME:RATE,...",
                       help="rate over time, e.g. '0s:10gbps,3s:2.5gbps' (replaces --link)")
     link.add_argument("--kernel", action="store_true",
-                      help="shape with tc tbf between two network namespaces (root only; rate only)")
+                      help="shape with tc tbf between two network namespaces (root only; rate only, "
+                           "at most about 670 Gbit/s: tbf's queue of 50 ms holds 4 GiB)")
     link.add_argument("--peer", type=argument_type(_hostport), metavar="HOST:PORT",
                       help="send to a remote `kvwire serve` instead of a local receiver")
     link.add_argument("--secret-file", metavar="FILE",

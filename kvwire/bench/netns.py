@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 from kvwire.bench._signals import defers, ends_the_program
 from kvwire.errors import UsageError
 
-__all__ = ["NetnsLink", "NetnsUnavailable", "netns_available", "sweep_stale"]
+__all__ = ["TBF_MAX_LIMIT", "NetnsLink", "NetnsUnavailable", "check_tbf", "netns_available", "sweep_stale"]
 
 _CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
@@ -47,6 +47,28 @@ T = TypeVar("T")
 
 class NetnsUnavailable(RuntimeError):
     """This process cannot create namespaces (not root, not Linux, or no ``ip``/``tc``)."""
+
+
+#: The most bytes tc's tbf can queue: its ``limit`` is a 32-bit count, and ``tc`` wraps a
+#: larger one around without a word (asked for 50 ms at 1 Tbit/s, it queued 15.6 ms).
+TBF_MAX_LIMIT = 2**32 - 1
+#: How long a packet may wait in the link's tbf queue (seconds), unless told otherwise.
+DEFAULT_QUEUE_LATENCY = 0.05
+
+
+def check_tbf(rate_bps: float, burst_bytes: int, latency: float) -> None:
+    """Raise UsageError unless tbf can hold ``latency`` of queue at ``rate_bps`` on top
+    of its ``burst_bytes`` bucket (``rate x latency + burst`` within :data:`TBF_MAX_LIMIT`)."""
+    if rate_bps / 8 * latency + burst_bytes <= TBF_MAX_LIMIT:
+        return
+    from kvwire.units import format_rate, format_size
+
+    fastest = max(0.0, (TBF_MAX_LIMIT - burst_bytes) * 8 / latency)
+    raise UsageError(
+        f"tc's tbf cannot queue {latency * 1e3:g} ms at {format_rate(rate_bps)} with a "
+        f"{format_size(burst_bytes)} bucket: it holds at most {format_size(TBF_MAX_LIMIT)} "
+        f"(at most {format_rate(fastest)} with that bucket)"
+    )
 
 
 def netns_available() -> str | None:
@@ -214,6 +236,10 @@ class NetnsLink:
     :param reverse_rate_bps: receiver-to-sender rate (``None``: unshaped).
     :param burst_bytes: tbf bucket; default about 1 ms at the rate, at least 64 KiB
         (segmentation offload hands tbf packets of up to 64 KiB).
+    :param queue_latency: how long a packet may wait in tbf's queue (seconds, default
+        50 ms). tbf holds at most 4 GiB (``rate x latency + burst``): a rate that needs
+        more (above about 670 Gbit/s at the defaults) raises UsageError
+        (:func:`check_tbf`), where ``tc`` would shorten the queue without a word.
 
     On a closed link, :meth:`socket`, :meth:`run`, :meth:`call` and :meth:`tx_bytes`
     raise UsageError.
@@ -225,7 +251,7 @@ class NetnsLink:
         *,
         reverse_rate_bps: float | None = None,
         burst_bytes: int | None = None,
-        queue_latency: float = 0.05,
+        queue_latency: float = DEFAULT_QUEUE_LATENCY,
     ) -> None:
         tag = secrets.token_hex(3)
         self.sender_ns = f"kvwire-{os.getpid()}-{tag}-s"
@@ -268,6 +294,7 @@ class NetnsLink:
                     timeout=10,
                 )
             return
+        check_tbf(rate_bps, self._burst_for(rate_bps), self._latency)
         self._exec(
             ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
             "rate", f"{int(rate_bps)}bit",
@@ -279,6 +306,9 @@ class NetnsLink:
         reason = netns_available()
         if reason is not None:
             raise NetnsUnavailable(reason)
+        for rate in (self.rate_bps, self.reverse_rate_bps):
+            if rate is not None:  # before anything is made
+                check_tbf(rate, self._burst_for(rate), self._latency)
         self.swept = sweep_stale()
         _register(self)
         try:

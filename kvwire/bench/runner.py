@@ -148,6 +148,15 @@ MAX_RTT = 60.0
 MIN_LINK_BPS = MIN_RATE_BPS
 
 
+def kernel_burst(steps: Sequence[tuple[float, float]]) -> int:
+    """``--kernel``'s tbf bucket (bytes): one for every step of a schedule, and never
+    smaller than a full segmentation-offload packet plus headers: tbf drops a packet
+    larger than its bucket, and the 64 KiB default stalls a connection whose segments
+    grew at a higher rate."""
+    peak = max(rate for _, rate in steps)
+    return max(256 * 1024, int(peak / 8 * 0.001))
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BenchConfig:
     """One bench run. Rates are bits/s, times seconds."""
@@ -226,6 +235,14 @@ class BenchConfig:
                 "--kernel shapes the rate only (tbf; netem is not assumed): "
                 "for --rtt/--jitter use the userspace emulator (drop --kernel)"
             )
+        if self.kernel:  # tbf's queue has room for its 50 ms at the fastest step
+            from kvwire.bench.netns import DEFAULT_QUEUE_LATENCY, check_tbf
+
+            peak = max(rate for _, rate in self.steps)
+            try:
+                check_tbf(peak, kernel_burst(self.steps), DEFAULT_QUEUE_LATENCY)
+            except UsageError as exc:
+                raise UsageError(f"--kernel: {exc}") from None
 
     @property
     def steps(self) -> tuple[tuple[float, float], ...]:
@@ -1106,14 +1123,8 @@ def run_bench(
                 if reason is not None:
                     raise UsageError(f"--kernel: {reason} (run as root, or drop --kernel)")
                 try:
-                    # One bucket for every step of a schedule, and never smaller than
-                    # a full segmentation-offload packet plus headers: tbf drops a packet
-                    # larger than its bucket, and the 64 KiB default stalls a connection
-                    # whose segments grew at a higher rate.
-                    peak = max(rate for _, rate in cfg.steps)
-                    burst = max(256 * 1024, int(peak / 8 * 0.001))
                     link = stack.enter_context(
-                        NetnsLink(rate_bps=cfg.steps[0][1], burst_bytes=burst)
+                        NetnsLink(rate_bps=cfg.steps[0][1], burst_bytes=kernel_burst(cfg.steps))
                     )
                 except (NetnsUnavailable, OSError, subprocess.CalledProcessError) as exc:
                     raise KvwireError(f"--kernel: cannot set up the link: {_tc_error(exc)}") from exc

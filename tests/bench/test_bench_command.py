@@ -18,6 +18,7 @@ from kvwire.bench.emulator import SPLICE_AVAILABLE
 from kvwire.bench.models import MODELS, bench_cache, layer_error, relative_error
 from kvwire.bench.runner import mean_rate
 from kvwire.cli import build_parser, main
+from kvwire.errors import UsageError
 from tests.environment import IN_CI
 
 pytestmark = pytest.mark.timeout(60)
@@ -229,6 +230,25 @@ def test_kernel_without_root_is_a_clear_error(
     monkeypatch.setattr(os, "geteuid", lambda: 1000)  # as an unprivileged user would run it
     assert main(["bench", "--kernel", "--link", "1gbps", "--duration", "0.1"]) == 2
     assert "root" in capsys.readouterr().err
+
+
+def test_kernel_refuses_a_rate_whose_queue_tbf_cannot_hold(capsys: pytest.CaptureFixture[str]) -> None:
+    """tbf's queue holds at most 4 GiB (a 32-bit count): at 1 Tbit/s tc wrapped the 50 ms
+    asked for around to 15.6 ms, without a word. Refused before the run, root or not."""
+    from kvwire.bench.netns import TBF_MAX_LIMIT, check_tbf
+    from kvwire.bench.runner import BenchConfig, kernel_burst
+
+    assert main(["bench", "--kernel", "--link", "1tbps", "--duration", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "kvwire bench: error: --kernel: tc's tbf cannot queue 50 ms at 1 Tbit/s" in err, err
+    assert "at most 4 GiB" in err
+    assert main(["bench", "--kernel", "--link-schedule", "0s:1gbps,1s:700gbps", "--duration", "0.1"]) == 2
+    assert "at 700 Gbit/s" in capsys.readouterr().err
+    BenchConfig(model="tiny", kernel=True, link_bps=600e9)  # within what it holds
+    check_tbf((TBF_MAX_LIMIT - 2000) * 8 / 0.05, 1000, 0.05)
+    with pytest.raises(UsageError, match="at most"):
+        check_tbf((TBF_MAX_LIMIT - 1000) * 8 / 0.05, 2000, 0.05)
+    assert kernel_burst(((0.0, 1e9), (1.0, 100e9))) == 100e9 / 8 * 0.001
 
 
 def test_header_line_names_the_delay_the_link_adds() -> None:

@@ -96,6 +96,21 @@ def test_a_closed_link_raises_a_usage_error() -> None:
         link.socket("elsewhere")
 
 
+def test_a_rate_whose_queue_tbf_cannot_hold_is_refused() -> None:
+    """tbf's queue is a 32-bit byte count: asked for 50 ms at 1 Tbit/s, tc wrapped it
+    around and queued 15.6 ms without a word. Refused before anything is made."""
+    before = _namespaces()
+    with pytest.raises(UsageError, match="tbf cannot queue 50 ms at 1 Tbit/s"):
+        NetnsLink(rate_bps=1e12).open()
+    assert _namespaces() == before
+    with NetnsLink(rate_bps=600e9) as link:  # the fastest it holds is about 670 Gbit/s
+        shown = link.run(link.sender_ns, ["tc", "qdisc", "show", "dev", link.sender_dev]).stdout
+        assert b"rate 600Gbit" in shown and b"lat 50ms" in shown, shown
+        with pytest.raises(UsageError, match="tbf cannot queue"):
+            link.set_rate(1e12)
+        assert link.rate_bps == 600e9
+
+
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT", "SIGHUP"])
 def test_cleans_up_when_the_process_is_signalled(signame: str) -> None:
     import signal
