@@ -5,8 +5,9 @@
 on which stream (the one with the most connection credit among the writable streams in use,
 only for layers the receiver granted, only while the bytes in flight stay within the limit
 the caller sets), acknowledgements, RESETs, and resume: when a stream breaks, what it carried
-unacknowledged goes back into the re-send set (:class:`ChunkLost`), and a reconnect of its
-slot is due after a doubling backoff (:class:`StreamWanted` tells the I/O layer to open one).
+unacknowledged goes back into the re-send set (:class:`ChunkLost`), the RESETs it carried go
+again on another stream, and a reconnect of its slot is due after a doubling backoff
+(:class:`StreamWanted` tells the I/O layer to open one).
 Reconnects are bounded per session and per transfer.  Every deadline goes through
 :meth:`SenderCore.get_timer` / :meth:`SenderCore.handle_timer`; ``now`` is always passed in.
 """
@@ -210,6 +211,9 @@ SenderEvent = (
 #: Completed transfers a session remembers for a late :meth:`SenderCore.abort`.
 COMPLETED_KEPT = 1024
 
+#: RESETs of its own a session keeps to say again (docs/protocol.md 6.3): the latest ones.
+RESETS_KEPT = 256
+
 #: Counters a session keeps (see ``kvwire.aio.Peer.statistics``).
 COUNTERS = ("resumes", "reconnects", "chunks_resent", "goaways_received", "authentication_failures",
             "transfers_reset_by_peer")
@@ -227,6 +231,16 @@ class _Transfer:
     reconnects: int = 0
     done: bool = False
     tokens_acked: dict[int, int] = field(default_factory=dict)  # layer -> K and V tokens acknowledged
+
+
+@dataclass(eq=False, slots=True)
+class _SentReset:
+    """A RESET this side sent: said again when the stream it went on closes (it may never
+    have reached the receiver), on a stream still open or the next to open."""
+
+    code: ErrorCode
+    message: str
+    stream: int | None  # the slot it was last handed to; None: none open then (the next to open)
 
 
 @dataclass(eq=False)
@@ -262,8 +276,9 @@ class SenderCore:
         self.session_id = NO_SESSION
         self._slots = [_Slot() for _ in range(config.streams)]
         self._transfers: dict[int, _Transfer] = {}
-        # RESETs of transfers that failed while no stream was open: (id, code, message)
-        self._unsent_resets: list[tuple[int, ErrorCode, str]] = []
+        # The RESETs of the latest transfers this side failed, by transfer id, with the slot
+        # each was handed to: one whose stream closes goes again (docs/protocol.md 6.3).
+        self._resets: dict[int, _SentReset] = {}
         # The latest transfers that completed (every chunk acknowledged), so that a sender
         # that gives one up before it took its receipt can still tell the receiver (abort()).
         self._completed: dict[int, None] = {}
@@ -577,11 +592,15 @@ class SenderCore:
 
     # -- internals -----------------------------------------------------------------------
 
-    def _any_open(self) -> Connection | None:
-        for s in self._slots:
+    def _first_open(self) -> int | None:
+        for i, s in enumerate(self._slots):
             if s.open and s.conn is not None:
-                return s.conn
+                return i
         return None
+
+    def _any_open(self) -> Connection | None:
+        index = self._first_open()
+        return None if index is None else self._slots[index].conn
 
     def _process(self, index: int, now: float) -> None:
         slot = self._slots[index]
@@ -610,11 +629,19 @@ class SenderCore:
                     t.state.raise_limit(ev.layer_limit)
                     self._events.append(TransferCredit(transfer_id=ev.transfer_id, layer_limit=t.state.layer_limit))
                     self._check_done(t)
+                elif (r := self._resets.get(ev.transfer_id)) is not None and slot.open:
+                    # The receiver goes on with a transfer this side failed: its BEGIN went
+                    # again on another stream and was read after the RESET, which found no
+                    # such transfer.  Said again here, after the frame that shows it has it.
+                    conn.send_reset(ev.transfer_id, r.code, r.message)
+                    r.stream = index
             elif isinstance(ev, TransferReset):
                 t = self._transfers.get(ev.transfer_id)
                 if t is not None:
                     self.counters["transfers_reset_by_peer"] += 1
                     self._fail(t, ev.error(), reset=False, by_peer=True)
+                else:  # the receiver failed it too (or never had it): ours need not go again
+                    self._resets.pop(ev.transfer_id, None)
             elif isinstance(ev, ReportReceived):
                 self._events.append(ReceiverCosts(transport_s_per_byte=ev.report.transport_s_per_byte,
                                                   decode_s_per_element=ev.report.decode_s_per_element))
@@ -656,9 +683,10 @@ class SenderCore:
         for t in self._transfers.values():  # a BEGIN lost with a broken stream goes again
             if not t.state.accepted and t.error is None:
                 slot.conn.send_begin(t.begin)
-        for transfer_id, code, message in self._unsent_resets:  # so the receiver lets go of them now
-            slot.conn.send_reset(transfer_id, code, message)
-        self._unsent_resets.clear()
+        for transfer_id, r in self._resets.items():  # none was open: so the receiver lets go of them now
+            if r.stream is None:
+                slot.conn.send_reset(transfer_id, r.code, r.message)
+                r.stream = index
 
     def _differs(self, ev: HandshakeComplete) -> str | None:
         """How a joining stream's handshake differs from the session's (None: it does not):
@@ -755,11 +783,16 @@ class SenderCore:
     def _requeue(self, index: int) -> None:
         """What the closed stream carried unacknowledged goes back to the front of the queue,
         and BEGINs not yet answered go again on a stream still open (the one that carried
-        them may never come back; a BEGIN the server has is answered by ACCEPT again)."""
+        them may never come back; a BEGIN the server has is answered by ACCEPT again), as
+        do the RESETs it carried (the receiver may never have read them; one it has is
+        ignored), or on the next stream to open."""
         if (conn := self._any_open()) is not None:
             for t in self._transfers.values():
                 if not t.state.accepted and t.error is None:
                     conn.send_begin(t.begin)
+        for transfer_id, r in self._resets.items():
+            if r.stream == index:
+                self._hand_reset(transfer_id, r)
         for t in self._transfers.values():
             lost = [s for s in t.state.unacked.values() if s.stream == index]
             for s in reversed(lost):
@@ -848,10 +881,25 @@ class SenderCore:
         self._events.append(TransferFailed(transfer_id=t.state.transfer_id, error=error, by_peer=by_peer))
 
     def _send_reset(self, transfer_id: int, error: KvwireError) -> None:
-        if (conn := self._any_open()) is not None:
-            conn.send_reset(transfer_id, error.code, str(error)[:160])
-        else:  # no stream open now (a reconnect backing off): on the next one that opens
-            self._unsent_resets.append((transfer_id, error.code, str(error)[:160]))
+        """Tell the receiver the transfer failed, and keep the RESET (the latest
+        :data:`RESETS_KEPT`): a stream that closes before the receiver read it may have lost
+        it, and it goes again (:meth:`_requeue`); else the receiver would hold the transfer
+        until its own ``transfer_timeout``."""
+        r = _SentReset(error.code, str(error)[:160], None)
+        self._resets.pop(transfer_id, None)
+        self._resets[transfer_id] = r
+        while len(self._resets) > RESETS_KEPT:
+            del self._resets[next(iter(self._resets))]
+        self._hand_reset(transfer_id, r)
+
+    def _hand_reset(self, transfer_id: int, r: _SentReset) -> None:
+        """Send a kept RESET on the first open stream, or, with none open now (a reconnect
+        backing off), on the next one that opens (:meth:`_on_open`)."""
+        r.stream = self._first_open()
+        if r.stream is not None:
+            conn = self._slots[r.stream].conn
+            assert conn is not None
+            conn.send_reset(transfer_id, r.code, r.message)
 
     def _break(self, error: KvwireError) -> None:
         if self.broken is None:
