@@ -593,12 +593,13 @@ class Pump:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def teardown(self, streams: Sequence[Stream]) -> None:
+    async def teardown(self, streams: Sequence[Stream], linger: float = 1.0) -> None:
         """After the core closed: no timer, every task ended, every stream closed (its
-        transport aborted after a second if its peer does not read)."""
+        transport aborted after ``linger`` seconds if its peer does not read; at once
+        with 0)."""
         self.closed = True
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self._timer_at = None
         await finish_tasks(self._tasks)
-        await wait_closed(streams, 1.0)
+        await wait_closed(streams, linger)

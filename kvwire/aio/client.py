@@ -170,6 +170,8 @@ class Peer(Pump):
         self._opened = False  # open() succeeded (through ``async with kvwire.connect(...)``)
         self._pumping = self._again = False
         self._resumes_logged = 0
+        # The one close every close() waits for (shielded: a caller cancelled does not stop it).
+        self._closing: asyncio.Task[None] | None = None
 
     @property
     def session_id(self) -> bytes:
@@ -404,7 +406,9 @@ class Peer(Pump):
     async def open(self) -> None:
         """Open the session: its first stream (bounded by ``connect_timeout``, its TCP
         connect, TLS and kvwire handshakes together), then the others join it within
-        another ``connect_timeout``; so ``open()`` takes at most twice that.
+        another ``connect_timeout``; so ``open()`` takes at most twice that.  One that
+        fails closes the peer without waiting for the server to see its streams close
+        (their sockets are dropped at once: a server that does not answer is not waited for).
 
         With a fixed stream count every stream must open: a stream given up (its joins
         failed ``reconnect_attempts`` times, or the server refused it with LIMIT_EXCEEDED)
@@ -432,7 +436,7 @@ class Peer(Pump):
             self._use_codec(self.codec)
             self._opened = True
         except BaseException:
-            await self.close()
+            await self._close(linger=0.0)
             raise
         finally:
             self._opening = False
@@ -591,12 +595,23 @@ class Peer(Pump):
 
     async def close(self) -> None:
         """Close every stream and end every task this peer started (the one teardown
-        path: after it returns nothing of the peer is pending).  Idempotent."""
-        if self.closed:
-            return
-        self.core.close(self.now())
-        self.pump()  # transfers fail, every stream writes its GOAWAY and closes
-        await self.teardown([*self.streams, *(s for s in self._retired if s.transport is not None)])
+        path: after it returns nothing of the peer is pending; a stream whose server does
+        not read its GOAWAY is dropped after a second).  Idempotent: a close() while
+        another is under way waits for that one to end; a close() that is cancelled
+        still closes the peer (a later close() waits for it)."""
+        await self._close(linger=1.0)
+
+    async def _close(self, linger: float) -> None:
+        task = self._closing
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._closing = asyncio.get_running_loop().create_task(self._teardown(linger))
+        await asyncio.shield(task)
+
+    async def _teardown(self, linger: float) -> None:
+        if not self.closed:
+            self.core.close(self.now())
+            self.pump()  # transfers fail, every stream writes its GOAWAY and closes
+        await self.teardown([*self.streams, *(s for s in self._retired if s.transport is not None)], linger)
         self._retired.clear()
 
     async def __aenter__(self) -> Peer:
