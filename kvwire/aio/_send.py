@@ -10,7 +10,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -158,6 +158,12 @@ async def send(
     count = layer_count(layers)
     if count is not None and count != spec.num_layers:  # refused before anything is sent
         raise UsageError(f"layers has {count} layers, spec.num_layers={spec.num_layers}")
+    # A sequence or a plain iterable is read with next(): it cannot wait on anything, so it
+    # needs no race against the transfer's failure (next_or_fail's two futures and a wait
+    # for every layer).  Neither reads a layer yet; what is none of them (an int) is
+    # refused here, before BEGIN, so the receiver never sees a transfer for it.
+    sync = _sync_source(layers)
+    producer = iterate_layers(layers) if sync is None else None
     started = clock()
     if not peer.sends:
         peer.transport_meter.start()
@@ -172,11 +178,6 @@ async def send(
     kv_bytes = 0
     try:
         index, tokens = -1, None
-        # A sequence or a plain iterable is read with next(): it cannot wait on anything,
-        # so it needs no race against the transfer's failure (next_or_fail's two futures
-        # and a wait for every layer).
-        sync = sync_layers(layers)
-        producer = iterate_layers(layers) if sync is None else None
         exhausted = False
 
         async def next_item() -> Any:
@@ -253,6 +254,19 @@ async def send(
         rtt_ms=snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
         extra={"chunks_by_codec": used},
     )
+
+
+def _sync_source(layers: Any) -> Iterator[tuple[Any, Any]] | None:
+    """:func:`sync_layers` of ``layers``, before BEGIN: what cannot be iterated (an int, a
+    0-d array) is a UsageError, an ``__iter__`` that fails a failed producer."""
+    try:
+        return sync_layers(layers)
+    except KvwireError:
+        raise
+    except TypeError as exc:  # iter() refused it
+        raise UsageError(f"layers must be a sequence, an iterable or an async iterable of (k, v): {exc}") from None
+    except Exception as exc:
+        raise TransferAbortedError(f"layer producer failed: {exc!r}") from exc
 
 
 def _abort_error(exc: BaseException) -> KvwireError:

@@ -502,11 +502,12 @@ class Peer(Pump):
         """Send one KV cache; return when the receiver has acknowledged every chunk.
 
         ``layers`` is a sequence, iterable or async iterable of ``(k, v)`` arrays shaped
-        ``[tokens, num_kv_heads, head_dim]`` of ``spec.dtype``; each layer is sent as soon
-        as it is produced.  Arrays must not be modified until ``send()`` returns.  A
-        sequence must hold ``spec.num_layers`` layers (UsageError before anything is sent);
-        an iterator is read once past its last layer before that layer's final chunk is
-        sent, so one yielding a layer too many (UsageError) or failing after its last
+        ``[tokens, num_kv_heads, head_dim]`` of ``spec.dtype`` (anything else, an int, is a
+        UsageError before anything is sent); each layer is sent as soon as it is produced.
+        Arrays must not be modified until ``send()`` returns.  A sequence must hold
+        ``spec.num_layers`` layers (UsageError before anything is sent); an iterator is
+        read once past its last layer before that layer's final chunk is sent, so one
+        yielding a layer too many (UsageError) or failing after its last
         (TransferAbortedError) fails a transfer the receiver has not completed.  (So a
         producer must not wait, after yielding its last layer, for the transfer to
         complete: that layer's final chunk waits for it.)
