@@ -58,9 +58,13 @@ class PagedSpec:
     model: str = ""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_layers, int) or not 1 <= self.num_layers <= 0xFFFF:
+        if (not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool)
+                or not 1 <= self.num_layers <= 0xFFFF):
             raise UsageError(f"PagedSpec.num_layers must be an int in [1, 65535], got {self.num_layers!r}")
-        shape = tuple(self.block_shape)
+        try:
+            shape = tuple(self.block_shape)
+        except TypeError:
+            shape = ()
         if not shape or any(not isinstance(d, int) or isinstance(d, bool) or d < 1 for d in shape):
             raise UsageError(f"PagedSpec.block_shape must be positive ints, got {self.block_shape!r}")
         object.__setattr__(self, "block_shape", shape)
@@ -113,16 +117,38 @@ class PagedSpec:
     def of(cls, cache: Any, *, num_layers: int, model: str = "") -> PagedSpec:
         """The spec of caches shaped like ``cache`` (``[num_blocks, *block_shape]``)."""
         return cls(
-            num_layers=num_layers, block_shape=tuple(int(d) for d in cache.shape[1:]),
+            num_layers=num_layers, block_shape=_block_shape(cache, "cache"),
             dtype=_dtype_name(cache), model=model,
         )
 
 
+def _block_shape(x: Any, what: str) -> tuple[int, ...]:
+    """The shape of one block of cache ``x`` (``x.shape[1:]``)."""
+    try:
+        return tuple(int(d) for d in x.shape[1:])
+    except (AttributeError, TypeError, ValueError):
+        raise UsageError(
+            f"{what} must be an array [num_blocks, *block_shape] (numpy, torch, or DLPack), got {type(x).__name__}"
+        ) from None
+
+
 def _dtype_name(x: Any) -> str:
-    name = str(x.dtype).removeprefix("torch.")
+    name = str(getattr(x, "dtype", None)).removeprefix("torch.")
     if name not in DTYPES:
-        raise UsageError(f"cache dtype {x.dtype} is not one of {sorted(DTYPES)}")
+        raise UsageError(f"cache dtype {getattr(x, 'dtype', None)} is not one of {sorted(DTYPES)}")
     return name
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _check_torch_dtype(x: Any, dtype: str, what: str) -> None:
+    """A torch tensor's own dtype is the spec's, checked before its memory is read through
+    another dtype (bfloat16 through its int16 bits): a cache is never reinterpreted."""
+    name = str(x.dtype).removeprefix("torch.")
+    if name != dtype:
+        raise UsageError(f"{what} has dtype {name}, the spec says {dtype}")
 
 
 def _is_device(x: Any) -> bool:
@@ -143,20 +169,30 @@ def _is_device(x: Any) -> bool:
 def host_view(x: Any, dtype: str) -> np.ndarray:
     """A numpy array sharing ``x``'s memory (numpy, torch CPU, or any CPU DLPack producer).
 
-    bfloat16 torch tensors are read through their int16 bits (numpy has no bfloat16 in DLPack).
+    bfloat16 torch tensors are read through their int16 bits (numpy has no bfloat16 in
+    DLPack), once their dtype is checked to be the spec's.  :class:`~kvwire.UsageError`
+    when ``x`` is not of ``dtype`` or cannot be read.
     """
     want = numpy_dtype(dtype)
     if isinstance(x, np.ndarray):
         arr = x
-    elif type(x).__module__.startswith("torch"):
+    elif _is_torch(x):
         import torch
 
-        if x.dtype == torch.bfloat16:
-            arr = x.detach().view(torch.int16).numpy().view(want)
-        else:
-            arr = x.detach().numpy()
+        _check_torch_dtype(x, dtype, "cache")
+        try:
+            if x.dtype == torch.bfloat16:
+                arr = x.detach().view(torch.int16).numpy().view(want)
+            else:
+                arr = x.detach().numpy()
+        except (RuntimeError, TypeError) as exc:
+            raise UsageError(f"cannot read the cache tensor in host memory: {exc}") from exc
     elif hasattr(x, "__dlpack__"):
-        arr = np.from_dlpack(x)
+        try:
+            arr = np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError) as exc:
+            hint = " (bfloat16 is read from numpy arrays and torch tensors)" if dtype == "bfloat16" else ""
+            raise UsageError(f"cannot read the cache through DLPack: {exc}{hint}") from exc
     else:
         raise UsageError(f"a cache must be a numpy array, a torch tensor or expose __dlpack__, got {type(x).__name__}")
     if arr.dtype != want:
@@ -176,11 +212,20 @@ def _device_view(x: Any, dtype: str) -> Any:
         raise UsageError(f"a cache on {where} is not in host memory: reading it needs CuPy ({INSTALL_HINT})") from None
 
     if not isinstance(x, cupy.ndarray):
-        if dtype == "bfloat16" and type(x).__module__.startswith("torch"):
-            import torch
+        if _is_torch(x):
+            _check_torch_dtype(x, dtype, "cache")
+            if dtype == "bfloat16":
+                import torch
 
-            x = x.view(torch.int16)
-        x = cupy.from_dlpack(x)
+                x = x.view(torch.int16)
+        try:
+            x = cupy.from_dlpack(x)
+        except Exception as exc:
+            raise UsageError(f"cannot read the device cache through DLPack: {exc}") from exc
+    # CuPy has no bfloat16: its bits come as uint16 (int16 through a torch tensor's view)
+    want = {"float16": ("float16",), "float32": ("float32",), "bfloat16": ("uint16", "int16")}[dtype]
+    if x.dtype.name not in want:
+        raise UsageError(f"cache has dtype {x.dtype}, the spec says {dtype} (bfloat16 as uint16 on a GPU)")
     if dtype == "bfloat16":
         x = x.view(cupy.uint16)
     return x
@@ -188,7 +233,7 @@ def _device_view(x: Any, dtype: str) -> Any:
 
 def _as_blocks(spec: PagedSpec, cache: Any, what: str) -> tuple[Any, bool]:
     """``cache`` viewed as ``[num_blocks, block_elems]`` (numpy or CuPy) and whether on a GPU."""
-    if tuple(int(d) for d in cache.shape[1:]) != spec.block_shape:
+    if _block_shape(cache, what) != spec.block_shape:
         raise UsageError(
             f"{what} has blocks shaped {tuple(cache.shape[1:])}, the spec says {spec.block_shape}"
         )
@@ -199,10 +244,27 @@ def _as_blocks(spec: PagedSpec, cache: Any, what: str) -> tuple[Any, bool]:
     return arr.reshape(arr.shape[0], spec.block_elems), device
 
 
+def _layer_caches(spec: PagedSpec, caches: Any) -> list[Any]:
+    """``caches`` as a list of one cache per layer of ``spec``."""
+    try:
+        got = list(caches)
+    except TypeError:
+        raise UsageError(f"caches must be a sequence of per-layer cache arrays, got {type(caches).__name__}") from None
+    if len(got) != spec.num_layers:
+        raise UsageError(f"{len(got)} caches given, the spec has {spec.num_layers} layers")
+    return got
+
+
 def _check_ids(block_ids: Any, num_blocks: int, what: str, *, distinct: bool, drops: bool = False) -> np.ndarray:
     """``block_ids`` as int64, each a block of a cache of ``num_blocks`` (or ``DROP`` where
     ``drops``); with ``distinct`` no block named twice."""
-    ids = np.asarray(block_ids)
+    try:
+        ids = np.asarray(block_ids)
+    except (TypeError, ValueError, RuntimeError, BufferError):
+        raise UsageError(
+            f"{what}: block ids must be integers in host memory (a list, a numpy array, a CPU tensor), "
+            f"got {type(block_ids).__name__}"
+        ) from None
     if ids.ndim != 1 or ids.size == 0:
         raise UsageError(f"{what}: block ids must be a non-empty 1-D sequence")
     if ids.dtype.kind not in "iu":
@@ -273,10 +335,8 @@ class PagedSource:
     """
 
     def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
-        if len(caches) != spec.num_layers:
-            raise UsageError(f"{len(caches)} caches given, the spec has {spec.num_layers} layers")
         self.spec = spec
-        self.caches = list(caches)
+        self.caches = _layer_caches(spec, caches)
         self.block_ids = block_ids
         for i, cache in enumerate(self.caches):  # the same ids, checked against each cache
             self._ids = _check_ids(block_ids, _as_blocks(spec, cache, f"cache {i}")[0].shape[0], "source", distinct=False)
@@ -305,13 +365,16 @@ class PagedDestination:
     destination's own (one layer's dropped blocks), so a raw chunk over kept and dropped
     blocks is still read straight into its places, and a quantized chunk over both is
     decoded straight into the kept blocks (the dropped rows skipped).
+
+    A transfer that fails (the sender's producer, the connection, a chunk, or this
+    destination's own error) leaves the named blocks with unspecified contents: some
+    layers complete, some partly written, some untouched.  They must not be used; blocks
+    not named are never written.
     """
 
     def __init__(self, spec: PagedSpec, caches: Sequence[Any], block_ids: Any) -> None:
-        if len(caches) != spec.num_layers:
-            raise UsageError(f"{len(caches)} caches given, the spec has {spec.num_layers} layers")
         self.spec = spec
-        self.caches = list(caches)
+        self.caches = _layer_caches(spec, caches)
         views = [_as_blocks(spec, c, f"cache {i}") for i, c in enumerate(self.caches)]
         self._blocks = [v for v, _ in views]
         self._device = any(d for _, d in views)
@@ -365,7 +428,7 @@ class PagedDestination:
     def _locate(self, kind: int, start: int, count: int) -> tuple[int, int, int] | None:
         """(block slot, first element, element count) when the range lies in one block."""
         slot, row = divmod(start, self._rows)
-        if count < 1 or row + count > self._rows or slot >= self.block_ids.size or kind not in (0, 1):
+        if start < 0 or count < 1 or row + count > self._rows or slot >= self.block_ids.size or kind not in (0, 1):
             return None
         offset = kind * (self.spec.block_elems // 2) + row * self._width
         return slot, offset, count * self._width
@@ -444,7 +507,10 @@ class PagedDestination:
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
         """Scatter ``data`` (``[count, 1, row_elems]`` of the caches' dtype, decoded) into
         the destination blocks; :class:`~kvwire.UsageError` for data of another shape or
-        dtype (its bytes are never reinterpreted, cast or cut)."""
+        dtype (its bytes are never reinterpreted, cast or cut), or a ``kind`` other than
+        0 (K) or 1 (V)."""
+        if kind not in (0, 1):
+            raise UsageError(f"write() takes kind 0 (K) or 1 (V), got {kind!r}")
         self.check(self.wire_spec, layer_tokens)
         shape = tuple(int(d) for d in getattr(data, "shape", ()))
         count = shape[0] if shape else 0

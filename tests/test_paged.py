@@ -636,3 +636,147 @@ def test_a_device_cache_without_cupy_is_a_usage_error_naming_the_install(monkeyp
                  lambda: as_device_array(_DeviceArray(), spec.wire_spec(), "k")):  # what send() is given
         with pytest.raises(UsageError, match=r"CuPy \(pip install kvwire\[gpu-cuda12\]"):
             make()
+
+
+def test_what_is_not_a_cache_or_a_block_shape_is_a_usage_error() -> None:
+    spec = PagedSpec(num_layers=1, block_shape=(2, 4, 8), dtype="float32")
+    cache = caches(spec, 4, 0)[0]
+    for make in (lambda: PagedDestination(spec, [cache.tolist()], [0]), lambda: PagedSource(spec, [None], [0]),
+                 lambda: gather_layer(spec, 3.0, [0]), lambda: PagedSpec.of(cache.tolist(), num_layers=1)):
+        with pytest.raises(UsageError, match=r"must be an array \[num_blocks, \*block_shape\]"):
+            make()
+    for caches_arg in (None, 7):
+        with pytest.raises(UsageError, match="caches must be a sequence"):
+            PagedDestination(spec, caches_arg, [0])  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="block_shape must be positive ints, got 16"):
+        PagedSpec(num_layers=1, block_shape=16)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match="num_layers"):
+        PagedSpec(num_layers=True, block_shape=(2, 8))
+
+
+class _IdsOnADevice:
+    """Block ids held in device memory: numpy cannot take them (as CuPy refuses)."""
+
+    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+        raise TypeError("Implicit conversion to a NumPy array is not allowed")
+
+
+def test_block_ids_not_in_host_memory_are_a_usage_error() -> None:
+    spec = PagedSpec(num_layers=1, block_shape=(2, 8), dtype="float32")
+    cache = caches(spec, 4, 0)
+    for make in (lambda: PagedDestination(spec, cache, _IdsOnADevice()), lambda: PagedSource(spec, cache, _IdsOnADevice()),
+                 lambda: gather_layer(spec, cache[0], _IdsOnADevice())):
+        with pytest.raises(UsageError, match="block ids must be integers in host memory"):
+            make()
+
+
+@pytest.mark.parametrize("ids", [[1, 3], [DROP, 3]])
+def test_write_refuses_a_kind_other_than_k_or_v(ids: list[int]) -> None:
+    spec = PagedSpec(num_layers=1, block_shape=(2, 4, 8), dtype="float32")
+    dst = [np.zeros((4, *spec.block_shape), np.float32)]
+    dest = PagedDestination(spec, dst, ids)
+    rows = np.ones((spec.rows_per_block, 1, spec.row_elems), np.float32)
+    for kind in (2, -1):
+        with pytest.raises(UsageError, match=r"write\(\) takes kind 0 \(K\) or 1 \(V\)"):
+            dest.write(0, kind, spec.rows_per_block, rows, spec.tokens(2))
+    assert not dst[0].any()
+
+
+def test_a_range_before_the_first_row_has_no_place() -> None:
+    # write() refuses start=-1; view(), regions() and ranges() name no place for it either
+    # (not the last block's rows, as a negative index would).
+    spec = PagedSpec(num_layers=1, block_shape=(2, 4, 8), dtype="float32")
+    dest = PagedDestination(spec, [np.zeros((4, *spec.block_shape), np.float32)], [1, 3])
+    tokens = spec.tokens(2)
+    for start in (-1, -spec.rows_per_block):
+        assert dest.view(0, 0, start, 1, tokens) is None
+        assert dest.regions(0, 0, start, 1, tokens) is None
+        assert dest.ranges(0, 0, start, 1, tokens) is None
+    assert dest.view(0, 0, 0, 1, tokens) is not None
+
+
+class _RaisingProducer:
+    """A CPU DLPack producer (neither numpy nor torch) numpy cannot read."""
+
+    shape = (4, 2, 16)
+    dtype = "bfloat16"
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        raise self.error
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+class _Bf16Producer:
+    """A CPU DLPack producer of bfloat16 (as JAX's arrays are): numpy's DLPack has none."""
+
+    dtype = "bfloat16"
+
+    def __init__(self, arr: np.ndarray) -> None:
+        self.arr = arr
+        self.shape = arr.shape
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.arr.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)
+
+
+@pytest.mark.parametrize("producer", ["runtime", "buffer", "type", "bf16"])
+def test_a_dlpack_cache_numpy_cannot_read_is_a_usage_error(producer: str) -> None:
+    spec = PagedSpec(num_layers=1, block_shape=(2, 16), dtype="bfloat16")
+    cache: Any = {
+        "runtime": _RaisingProducer(RuntimeError("Unsupported dtype in DLTensor.")),
+        "buffer": _RaisingProducer(BufferError("not exportable")),
+        "type": _RaisingProducer(TypeError("no such keyword")),
+        "bf16": _Bf16Producer(np.zeros((4, 2, 16), numpy_dtype("bfloat16"))),
+    }[producer]
+    for make in (lambda: gather_layer(spec, cache, [0]), lambda: PagedSource(spec, [cache], [0]),
+                 lambda: PagedDestination(spec, [cache], [0])):
+        with pytest.raises(UsageError, match="cannot read the cache through DLPack"):
+            make()
+
+
+@pytest.mark.parametrize(("have", "spec_dtype"), [("bfloat16", "float16"), ("float16", "bfloat16"), ("float32", "float16")])
+def test_a_host_cache_of_another_dtype_is_never_reinterpreted(have: str, spec_dtype: str) -> None:
+    # numpy's side of the check the torch tests make (tests/integration/test_paged_torch.py)
+    spec = PagedSpec(num_layers=1, block_shape=(2, 16), dtype=spec_dtype)
+    cache = np.zeros((4, 2, 16), numpy_dtype(have))
+    for make in (lambda: gather_layer(spec, cache, [0]), lambda: PagedSource(spec, [cache], [0]),
+                 lambda: PagedDestination(spec, [cache], [0]), lambda: layer_rows(spec, cache, [0])):
+        with pytest.raises(UsageError, match=f"cache has dtype {have}, the spec says {spec_dtype}"):
+            make()
+
+
+def _fake_cupy() -> Any:
+    """A stand-in for CuPy over numpy: enough of it for a cache to be taken as a GPU one."""
+    import types
+
+    class ndarray(np.ndarray):  # CuPy's name
+        pass
+
+    ndarray.__module__ = "cupy"
+    mod = types.ModuleType("cupy")
+    mod.ndarray = ndarray  # type: ignore[attr-defined]
+    mod.uint16 = np.uint16  # type: ignore[attr-defined]
+    mod.asarray = lambda x: np.asarray(x).view(ndarray)  # type: ignore[attr-defined]
+    return mod
+
+
+@pytest.mark.parametrize(("have", "spec_dtype"), [("float32", "float16"), ("float16", "bfloat16"), ("float16", "float32")])
+def test_a_device_cache_of_another_dtype_is_refused(have: str, spec_dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A GPU cache's dtype is checked too: never cast on write nor read through another dtype.
+    cupy = _fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    spec = PagedSpec(num_layers=1, block_shape=(2, 16), dtype=spec_dtype)
+    cache = np.zeros((4, 2, 16), have).view(cupy.ndarray)
+    for make in (lambda: PagedSource(spec, [cache], [0]), lambda: PagedDestination(spec, [cache], [0])):
+        with pytest.raises(UsageError, match=f"cache has dtype {have}, the spec says {spec_dtype}"):
+            make()
+    right = PagedSpec(num_layers=1, block_shape=(2, 16), dtype=have)
+    assert PagedDestination(right, [cache], [0]).layer_tokens == right.tokens(1)

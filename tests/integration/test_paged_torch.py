@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 import kvwire
-from kvwire.paged import PagedDestination, PagedSource, PagedSpec
+from kvwire.errors import UsageError
+from kvwire.paged import PagedDestination, PagedSource, PagedSpec, gather_layer, layer_rows
+
+torch = pytest.importorskip("torch")
 
 pytestmark = pytest.mark.timeout(60)
 SECRET = b"torch-paged-secret"
@@ -37,3 +39,28 @@ async def test_torch_caches_round_trip_block_for_block(dtype: torch.dtype) -> No
         assert torch.equal(d[dst_ids], s[src_ids])
         untouched = [i for i in range(12) if i not in dst_ids]
         assert not d[untouched].any()
+
+
+@pytest.mark.parametrize(("have", "spec_dtype"), [
+    ("bfloat16", "float16"), ("bfloat16", "float32"), ("float16", "bfloat16"), ("float32", "float16"),
+])
+def test_a_torch_cache_of_another_dtype_is_refused_not_reinterpreted(have: str, spec_dtype: str) -> None:
+    # A bfloat16 cache is read through its int16 bits only under a bfloat16 spec: with
+    # float16 (PagedSpec's default) its bits were taken as float16 values, and quantized so.
+    spec = PagedSpec(num_layers=1, block_shape=(2, 8), dtype=spec_dtype)
+    cache = torch.ones(4, 2, 8, dtype=getattr(torch, have))
+    for make in (lambda: gather_layer(spec, cache, [0]), lambda: layer_rows(spec, cache, [0]),
+                 lambda: PagedSource(spec, [cache], [0]), lambda: PagedDestination(spec, [cache], [0])):
+        with pytest.raises(UsageError, match=f"cache has dtype {have}, the spec says {spec_dtype}"):
+            make()
+    assert torch.equal(cache, torch.ones(4, 2, 8, dtype=getattr(torch, have)))
+
+
+def test_block_ids_in_a_tensor_off_the_host_are_a_usage_error() -> None:
+    spec = PagedSpec(num_layers=1, block_shape=(2, 8), dtype="float32")
+    cache = torch.zeros(4, 2, 8)
+    ids = torch.tensor([0, 1], device="meta")  # stands for a CUDA block table
+    for make in (lambda: PagedDestination(spec, [cache], ids), lambda: PagedSource(spec, [cache], ids)):
+        with pytest.raises(UsageError, match="block ids must be integers in host memory"):
+            make()
+    assert PagedDestination(spec, [cache], torch.tensor([0, 1])).block_ids.tolist() == [0, 1]
