@@ -9,6 +9,8 @@ a raw payload can be read straight into.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +19,7 @@ import numpy as np
 from kvwire.aio._gpu import GpuReceiver
 from kvwire.aio._pool import default_pool, size_class
 from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
-from kvwire.errors import UsageError
+from kvwire.errors import KvwireError, UsageError
 from kvwire.session.receiver import Key, LayerStore, Region
 from kvwire.spec import KVSpec
 from kvwire.wire import KIND_KV, Chunk
@@ -83,7 +85,8 @@ class ArrayStore(LayerStore):
         tg.layer_tokens = chunk.layer_tokens
         if tg.into is not None:
             if not tg.checked:
-                tg.into.check(tg.spec, chunk.layer_tokens)
+                with _destination("check", "refused the cache"):
+                    tg.into.check(tg.spec, chunk.layer_tokens)
                 tg.checked = True
             return INTO
         spec = tg.spec
@@ -98,7 +101,8 @@ class ArrayStore(LayerStore):
 
     def _out(self, tg: _Target, chunk: Chunk, buffer: Any) -> Any:
         if buffer is INTO:
-            return tg.into.view(chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
+            with _destination("view", f"failed to take layer {chunk.layer}"):
+                return tg.into.view(chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
         return buffer[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
 
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
@@ -127,7 +131,8 @@ class ArrayStore(LayerStore):
         codec.decode(chunk.params, chunk.payload_buffer, shape=out.shape, dtype=spec.dtype,
                      kind=TensorKind(chunk.kind), out=out)
         if buffer is INTO:
-            tg.into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
+            with _destination("write", f"failed to take layer {chunk.layer}"):
+                tg.into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
 
     @staticmethod
     def _decode_ranges(tg: _Target, chunk: Chunk, codec: Any) -> bool:
@@ -135,8 +140,9 @@ class ArrayStore(LayerStore):
         cache's blocks) when the destination names them and the codec can; False when
         nothing was written."""
         ranges = getattr(tg.into, "ranges", None)
-        where = None if ranges is None else ranges(
-            chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
+        with _destination("ranges", f"failed to take layer {chunk.layer}"):
+            where = None if ranges is None else ranges(
+                chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
         if where is None:
             return False
         shape = (chunk.token_count, tg.spec.num_kv_heads, tg.spec.head_dim)
@@ -176,6 +182,21 @@ class ArrayStore(LayerStore):
             else:
                 places.append(_bytes(into.view(*args)))
         return places
+
+
+@contextmanager
+def _destination(method: str, what: str) -> Iterator[None]:
+    """Calls into a destination (``into=``): its own failure fails the transfer as the
+    destination's, not as the peer's undecodable chunk.  A :class:`KvwireError` passes as
+    it is; anything else becomes a :class:`KvwireError` (``INTERNAL_ERROR``, as when a
+    destination refuses a transfer that arrived before it was given) saying which call
+    raised what, the original as its cause."""
+    try:
+        yield
+    except KvwireError:
+        raise
+    except Exception as exc:
+        raise KvwireError(f"the destination {what}: its {method}() raised {exc!r}") from exc
 
 
 def _bytes(out: Any) -> memoryview | None:

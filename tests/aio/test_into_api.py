@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.errors import KvwireError, TransferAbortedError, UsageError
+from kvwire.errors import (
+    ErrorCode,
+    KvwireError,
+    LimitExceededError,
+    TransferAbortedError,
+    UsageError,
+)
 from kvwire.paged import PagedDestination, PagedSource, PagedSpec
 from tests.conftest import SECRET
 
@@ -143,3 +149,78 @@ async def test_a_transfer_being_collected_takes_no_destination() -> None:
             await sending
     assert cache.num_tokens == SPEC.tokens(2)
     assert not any(d.any() for d in dst)
+
+
+class FailingDestination(PagedDestination):
+    """A destination whose ``method`` raises ``error`` while the cache arrives (its
+    ``check()`` once the cache's size is known, or a call that takes a chunk)."""
+
+    def __init__(self, method: str, error: Exception, *args: Any) -> None:
+        super().__init__(*args)
+        self.method, self.error = method, error
+
+    def check(self, spec: kvwire.KVSpec, layer_tokens: int | None = None) -> None:
+        super().check(spec, layer_tokens)
+        if self.method == "check" and layer_tokens is not None:
+            raise self.error
+
+    def view(self, *args: Any) -> Any:
+        if self.method == "view":
+            raise self.error
+        return None if self.method == "write" else super().view(*args)
+
+    def write(self, *args: Any) -> None:
+        if self.method == "write":
+            raise self.error
+        super().write(*args)
+
+    def ranges(self, *args: Any) -> Any:
+        if self.method == "ranges":
+            raise self.error
+        return None if self.method in ("view", "write") else super().ranges(*args)
+
+    def regions(self, *args: Any) -> Any:
+        return None  # each chunk through view()/ranges()/write()
+
+
+async def _send_into(dest: PagedDestination, codec: str) -> tuple[BaseException | None, BaseException | None]:
+    """Send a cache into ``dest``, named before the cache arrives: (the sender's error,
+    the receiving application's)."""
+    src = filled(4, seed=7)
+    received: BaseException | None = None
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec=codec, chunk_bytes=4096) as peer:
+            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+            await asyncio.sleep(0)
+            sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
+            transfer = await asyncio.wait_for(waiting, 10)
+            try:
+                async with asyncio.timeout(10):
+                    async for _ in transfer:
+                        pass
+            except KvwireError as exc:
+                received = exc
+            sent = (await asyncio.wait_for(asyncio.gather(sending, return_exceptions=True), 10))[0]
+    return sent, received
+
+
+@pytest.mark.parametrize(("method", "codec"), [("check", "raw"), ("view", "raw"), ("write", "raw"), ("ranges", "fp8")])
+async def test_a_destination_failing_while_the_cache_arrives_is_its_error_not_the_peers(method: str, codec: str) -> None:
+    # Not PROTOCOL_ERROR "chunk could not be decoded": the destination failed, and both
+    # sides say so (INTERNAL_ERROR, as for a destination refusing an arrived transfer).
+    dest = FailingDestination(method, ValueError("engine says: no room for this request"), SPEC, zeros(4), [0, 1])
+    sent, received = await _send_into(dest, codec)
+    for err in (sent, received):
+        assert type(err) is KvwireError, repr(err)
+        assert err.code == ErrorCode.INTERNAL_ERROR
+        assert f"its {method}() raised ValueError('engine says: no room for this request')" in str(err)
+        assert "destination" in str(err)
+
+
+async def test_a_destinations_own_kvwire_error_fails_the_transfer_as_it_is() -> None:
+    dest = FailingDestination("write", LimitExceededError("the engine has no free blocks"), SPEC, zeros(4), [0, 1])
+    sent, received = await _send_into(dest, "raw")
+    for err in (sent, received):
+        assert type(err) is LimitExceededError, repr(err)
+        assert err.code == ErrorCode.LIMIT_EXCEEDED
+        assert "the engine has no free blocks" in str(err)
