@@ -95,6 +95,7 @@ async def test_a_transfer_the_application_lets_go_of_is_aborted_and_its_memory_g
     """Handed out, then dropped before every layer was taken: claim_timeout no longer
     covers it, so the server held its layers (counted against max_buffer_bytes) until the
     session ended; a few such transfers refused every later send."""
+    gc.collect()  # an earlier test's transfers, given back now, not while this one runs
     leased = default_pool().leased_bytes
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, claim_timeout=None) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
@@ -142,6 +143,7 @@ async def test_timed_out_accepts_leave_no_waiter_behind() -> None:
 
 
 async def test_close_drops_transfers_nobody_claimed_with_their_memory() -> None:
+    gc.collect()  # an earlier test's transfers, given back now, not while this one runs
     leased = default_pool().leased_bytes
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, claim_timeout=None) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
