@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import kvwire
@@ -288,6 +288,12 @@ def test_well_formed_frames_in_any_order_after_authentication(fs: list[Any], cut
 
 @FUZZ
 @given(st.one_of(st.binary(max_size=2000), mutated(frame_streams)), splits, st.sampled_from([16, 1024, HANDSHAKE_MAX_BODY, MAX_FRAME]))
+@example(  # a whole frame, then one whose header is over the limit, in one read
+    data=bytes.fromhex("130000000000001000000000000000000000000000000000267cb133"
+                       "0000000000000011000000000000000000000000000000000000000000"),
+    cuts=[57],
+    max_body=16,
+)
 def test_frame_decoder_raises_only_protocol_error(data: bytes, cuts: list[int], max_body: int) -> None:
     dec = FrameDecoder(max_body)
     for piece in pieces(data, cuts):
@@ -297,4 +303,10 @@ def test_frame_decoder_raises_only_protocol_error(data: bytes, cuts: list[int], 
             return
         for _frame, size in got:
             assert size >= 12
+        try:  # a frame that failed after those it returned: they are processed, then this
+            dec.raise_pending()
+        except kvwire.ProtocolError:
+            with pytest.raises(kvwire.ProtocolError):
+                dec.feed(b"\0")  # and nothing after it is decoded
+            return
         assert dec.buffered <= max_body + 12
