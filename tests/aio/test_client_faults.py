@@ -193,25 +193,45 @@ async def test_write_marks_tell_when_the_streams_no_longer_hold_what_was_queued(
     """A send's frames wait in a stream's send queue while the path is stalled: a write
     mark taken then is not passed until they are written.  Without the compiled queue the
     transport copies what the kernel does not take, so nothing of the caller's is held and
-    every mark is passed at once."""
+    every mark is passed at once.
+
+    The queue holds bytes only when more is in flight than the kernel's buffers between
+    the sender and the stalled proxy absorb.  On a loaded host the in-flight target falls
+    to its 4 MiB floor, one chunk, which those buffers can take whole (the queue then
+    stays empty); so the floor is raised above the whole cache (32 MiB, the server's
+    window), and the proxy's receive buffer is kept small: the kernel takes a few MiB at
+    most, and the rest waits in the queue however the host is scheduled.  Nothing goes
+    idle while the proxy stalls, however long a loaded host takes."""
     from kvwire.aio import _stream
+    from kvwire.aio import client as client_module
+    from kvwire.control import InflightController
 
     if not compiled_queue:
         monkeypatch.setattr(_stream, "_sendq", None)
+    monkeypatch.setattr(client_module, "InflightController",
+                        functools.partial(InflightController, min_bytes=64 << 20))
     held = _stream._sendq is not None  # (none without the extension: KVWIRE_NO_EXTENSIONS)
     spec = kvwire.KVSpec(num_layers=8, num_kv_heads=8, head_dim=128, dtype="float16")
     layers = make_layers(8, 1024, 8, 128, "float16")  # 32 MiB, more than the socket buffers hold
     stall = FaultPlan(forward=Faults(stall_at=1 << 20))
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        async with FaultProxy("127.0.0.1", server.port, plan=lambda i: stall) as proxy:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, idle_timeout=None) as server:
+        proxy = FaultProxy("127.0.0.1", server.port, plan=lambda i: stall)
+        proxy._proxy.client_rcvbuf = 256 * 1024  # (set before it listens: accepted sockets inherit it)
+        async with proxy:
             receiving = asyncio.ensure_future(server.accept())
-            async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET) as peer:
-                sending = asyncio.ensure_future(peer.send("r", spec, layers, timeout=60))
-                for _ in range(500):
+            async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, idle_timeout=None) as peer:
+                sending = asyncio.ensure_future(peer.send("r", spec, layers, timeout=120))
+
+                def queued() -> int:
+                    return sum(s._queue.pending for s in peer.streams if s._queue is not None)
+
+                loop = asyncio.get_running_loop()
+                end = loop.time() + 60
+                while not (proxy.statistics().stalls and (queued() or not held)) and loop.time() < end:
+                    assert not sending.done(), sending  # (its exception, if it failed)
                     await asyncio.sleep(0.01)
-                    queued = sum(s._queue.pending for s in peer.streams if s._queue is not None)
-                    if proxy.statistics().stalls and (queued or not held):
-                        break
+                assert proxy.statistics().stalls, "the proxy never stalled"
+                assert queued() or not held, "the send queue held nothing while the path was stalled"
                 marks = peer.write_marks()
                 assert peer.written_past(marks) is not held
                 proxy.resume()
