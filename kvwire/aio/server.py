@@ -320,7 +320,8 @@ class Server(Pump):
         server is shutting down (their ``send()`` fails with
         :class:`~kvwire.ConnectionLostError` saying so: a transfer to send again, to this
         server once it is back or to another), then every stream closes with
-        ``GOAWAY(NO_ERROR, "server closing")``.
+        ``GOAWAY(NO_ERROR, "the server is shutting down")`` (a sender whose transfer
+        the server did not have yet, its BEGIN still on the way, fails with that).
         :meth:`accept` and :meth:`expect` raise :class:`~kvwire.ConnectionLostError`
         from now on."""
         self._closing = True

@@ -617,7 +617,7 @@ class ReceiverCore:
     def close(self, now: float) -> None:
         """The server is closing: every connection says so, every session is lost."""
         for cid, conn in list(self._conns.items()):
-            conn.close(ErrorCode.NO_ERROR, "server closing")
+            conn.close(ErrorCode.NO_ERROR, "the server is shutting down")
             self._dirty.add(cid)
         for sess in list(self._sessions.values()):
             self._lose(sess, ConnectionLostError("server closed"))

@@ -32,6 +32,7 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.session.meta import parse_meta
+from kvwire.session.receiver import quoted_id
 from kvwire.wire import (
     Begin,
     BlockVersion,
@@ -285,6 +286,9 @@ class SenderCore:
         self._next_id = 1
         self._events: deque[SenderEvent] = deque()
         self.broken: KvwireError | None = None
+        # The message of the server's last clean GOAWAY (None: none since a stream last
+        # opened): the server closed on purpose, so a session lost after it is lost for that.
+        self._goodbye: str | None = None
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.peer_codecs: tuple[str, ...] = ()
         self.peer_max_frame_size = 0
@@ -673,6 +677,7 @@ class SenderCore:
             slot.conn.close(ErrorCode.PROTOCOL_ERROR, f"stream {index} {why}")
             return
         reconnect = slot.was_open
+        self._goodbye = None  # the server took a stream after it: it is not closing
         slot.open = slot.was_open = True
         slot.attempts = 0
         slot.given_up = False
@@ -713,6 +718,8 @@ class SenderCore:
         slot.closed = True
         if ev.goaway and ev.by_peer:
             self.counters["goaways_received"] += 1
+            if ev.code == ErrorCode.NO_ERROR:
+                self._goodbye = ev.message or "the server closed the session"
         if isinstance(ev.error, AuthenticationError):
             self.counters["authentication_failures"] += 1
         resumed = self.broken is None and self._closed_resumes(index, ev, was_open, now)
@@ -730,8 +737,11 @@ class SenderCore:
             # The session goes on with the streams it has; this slot is not retried.
             self._give_up(index, ev.error)
             return self.broken is None
-        if ev.code == ErrorCode.UNKNOWN_SESSION or (ev.error is not None and not ev.resumable and not was_open):
-            self._break(ev.error or ConnectionLostError("the receiver lost the session"))
+        if ev.code == ErrorCode.UNKNOWN_SESSION:
+            self._lose(ev.error or ConnectionLostError("the receiver lost the session"))
+            return False
+        if ev.error is not None and not ev.resumable and not was_open:
+            self._break(ev.error)
             return False
         if ev.resumable and cfg.reconnect_attempts > 0:
             self._requeue(index)
@@ -754,7 +764,7 @@ class SenderCore:
             # stream carried unacknowledged goes again on them.
             self._requeue(index)
             return True
-        self._break(lost)
+        self._lose(lost)
         return False
 
     def _retry(self, index: int, now: float, error: KvwireError) -> None:
@@ -775,7 +785,7 @@ class SenderCore:
         slot.reconnect_at = None
         if not self.open_streams and not any(s.conn is not None or s.reconnect_at is not None or s.wanted
                                              for s in self._slots):
-            self._break(ConnectionLostError(f"could not resume the session: {last or error}"))
+            self._lose(ConnectionLostError(f"could not resume the session: {last or error}"))
             return
         slot.given_up = True
         self._events.append(StreamGivenUp(index=index, error=error))
@@ -901,12 +911,27 @@ class SenderCore:
             assert conn is not None
             conn.send_reset(transfer_id, r.code, r.message)
 
-    def _break(self, error: KvwireError) -> None:
+    def _lose(self, error: KvwireError) -> None:
+        """The session is lost as its streams closed or could not resume (``error``).
+        Where the server said goodbye on one of them first (a clean GOAWAY: kvwire's server
+        sends one on every stream as it shuts down), that is why, whichever stream closed
+        last and however: the session fails with the GOAWAY's message, and each transfer
+        with ``transfer '<request id>': <message>``, as the server's RESET for a transfer
+        it held says it.  Without this a transfer whose BEGIN had not reached the server
+        (nothing there to reset) failed with "stream N closed"."""
+        reason = self._goodbye
+        if reason is None:
+            self._break(error)
+            return
+        self._break(ConnectionLostError(reason, code=ErrorCode.SESSION_LOST), lambda t: ConnectionLostError(
+            f"transfer {quoted_id(t.begin.request_id)}: {reason}", code=ErrorCode.SESSION_LOST))
+
+    def _break(self, error: KvwireError, transfer_error: Callable[[_Transfer], KvwireError] | None = None) -> None:
         if self.broken is None:
             self.broken = error
             self._events.append(SessionFailed(error=error))
         for t in list(self._transfers.values()):
-            self._fail(t, error, reset=False)
+            self._fail(t, error if transfer_error is None else transfer_error(t), reset=False)
         for s in self._slots:
             s.reconnect_at = None
             s.open = False
