@@ -266,8 +266,11 @@ class Server(Pump):
         self.core.claim(key)
         if self._transfers.pop(key, None) is not None:
             self._handed[key] = transfer
-            self._finalizers[key] = weakref.finalize(
+            f = self._finalizers[key] = weakref.finalize(
                 transfer, _let_go, weakref.ref(self), asyncio.get_running_loop(), key, transfer.request_id)
+            # Not at interpreter exit: the application still holds the transfer then (an
+            # atexit hook of its own may be taking it), it did not let go of it.
+            f.atexit = False
 
     def _taking(self, transfer: Transfer) -> None:
         """The application began taking ``transfer``'s layers: held strongly again (a task

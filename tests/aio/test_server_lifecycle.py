@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterable
 from typing import Any
 
@@ -119,6 +122,53 @@ async def test_a_transfer_the_application_lets_go_of_is_aborted_and_its_memory_g
             taken = [layer.index async for layer in await server.expect("b", timeout=10)]
             assert taken == [0, 1, 2]
     assert default_pool().leased_bytes == leased
+
+
+HELD_AT_EXIT = textwrap.dedent("""
+    import asyncio, atexit, sys, weakref
+    import numpy as np
+    import kvwire
+
+    SECRET = b"s" * 32
+    spec = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16)
+    held = {}
+
+    def finish() -> None:  # an application's shutdown hook, taking a transfer it still holds
+        loop, transfer = held["loop"], held["transfer"]
+        try:
+            cache = loop.run_until_complete(transfer.collect(timeout=30))
+            print("taken", len(cache.layers), flush=True)
+        except Exception as exc:
+            print("failed", repr(exc), flush=True)
+
+    # Registered before any weakref.finalize exists: finalize's own exit hook, registered
+    # with the first one, runs before this one (atexit runs the latest first).
+    print("first" if not weakref.finalize._registered_with_atexit else "not first", flush=True)
+    atexit.register(finish)
+
+    async def main() -> None:
+        server = await kvwire.serve("127.0.0.1", 0, secret=SECRET).__aenter__()
+        peer = await kvwire.connect("127.0.0.1", server.port, secret=SECRET).__aenter__()
+        layer = np.ones((8, 2, 16), np.float16)
+        await peer.send("r", spec, [(layer, layer)] * 3, timeout=30)
+        held["transfer"] = await server.expect("r", timeout=30)  # handed out, not yet taken
+        held["peer"], held["server"] = peer, server
+
+    held["loop"] = loop = asyncio.new_event_loop()
+    loop.run_until_complete(main())
+    sys.exit(0)
+""")
+
+
+def test_a_transfer_still_held_at_interpreter_exit_is_not_taken_for_let_go() -> None:
+    """The server's finalizer for a handed-out transfer ran at interpreter exit (a
+    weakref.finalize's default), before an application's own exit hook that still held the
+    transfer and was taking it: the transfer was aborted as 'let go of'."""
+    out = subprocess.run([sys.executable, "-c", HELD_AT_EXIT], capture_output=True, text=True, timeout=60,
+                         check=False)
+    words = out.stdout.split()
+    assert words[:1] == ["first"], out.stdout + out.stderr[-3000:]  # the order that matters
+    assert words[1:3] == ["taken", "3"], out.stdout + out.stderr[-3000:]
 
 
 async def test_a_transfer_taken_whole_and_let_go_of_is_not_aborted() -> None:
