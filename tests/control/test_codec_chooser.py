@@ -886,6 +886,27 @@ _OBSERVATION = st.one_of(
 )
 
 
+def observe(c: CodecChooser, step: tuple[Any, ...]) -> None:
+    """Feed ``c`` one of :data:`_OBSERVATION`'s steps (but ``rates``, which asks)."""
+    kind = step[0]
+    if kind == "encode":
+        c.observe_encode(step[1], step[2], step[3])
+    elif kind == "decode":
+        c.observe_decode(step[1], step[2], step[3])
+    elif kind == "transport":
+        c.observe_transport(step[2], step[3] * step[2] * 1e-9, step[1], runnable=step[4])
+    elif kind == "receiver":
+        c.observe_receiver_transport(step[1])
+    elif kind == "size":
+        c.observe_size(step[1], step[2], step[3])
+    elif kind == "shared":
+        c.observe_shared_host()
+    elif kind == "rtt":
+        c.observe_path_rtt(step[1])
+    else:
+        raise AssertionError(f"not an observation: {step!r}")
+
+
 @settings(max_examples=100, deadline=None)
 @given(steps=st.lists(_OBSERVATION, max_size=30), cores=st.integers(1, 4))
 def test_rates_answered_again_are_the_rates_computed_afresh(steps: list[tuple[Any, ...]], cores: int) -> None:
@@ -898,24 +919,11 @@ def test_rates_answered_again_are_the_rates_computed_afresh(steps: list[tuple[An
         CodecCandidate(name="int4", size_ratio=0.28, encode_bytes_per_s=4 * GB, decode_bytes_per_s=8 * GB),
     ], cores=cores)
     for step in steps:
-        kind = step[0]
-        if kind == "encode":
-            c.observe_encode(step[1], step[2], step[3])
-        elif kind == "decode":
-            c.observe_decode(step[1], step[2], step[3])
-        elif kind == "transport":
-            c.observe_transport(step[2], step[3] * step[2] * 1e-9, step[1], runnable=step[4])
-        elif kind == "receiver":
-            c.observe_receiver_transport(step[1])
-        elif kind == "size":
-            c.observe_size(step[1], step[2], step[3])
-        elif kind == "shared":
-            c.observe_shared_host()
-        elif kind == "rtt":
-            c.observe_path_rtt(step[1])
-        else:
+        if step[0] == "rates":
             got = c.rates(step[1])
             got["raw"] = -1.0  # the caller's copy
+        else:
+            observe(c, step)
         assert c.rates(10e9) == {name: c.delivered_rate(name, 10e9) for name in c.codecs}
 
 
@@ -977,26 +985,13 @@ def test_no_codec_is_chosen_over_a_more_precise_one_the_model_rates_faster(
         CodecCandidate(name="int4", size_ratio=0.375, encode_bytes_per_s=0.8 * GB, decode_bytes_per_s=1.5 * GB),
     ], pipeline=pipeline, cores=cores, speed_gain=1.0)
     for step in steps:
-        kind = step[0]
-        if kind == "encode":
-            c.observe_encode(step[1], step[2], step[3])
-        elif kind == "decode":
-            c.observe_decode(step[1], step[2], step[3])
-        elif kind == "transport":
-            c.observe_transport(step[2], step[3] * step[2] * 1e-9, step[1], runnable=step[4])
-        elif kind == "receiver":
-            c.observe_receiver_transport(step[1])
-        elif kind == "size":
-            c.observe_size(step[1], step[2], step[3])
-        elif kind == "shared":
-            c.observe_shared_host()
-        elif kind == "rtt":
-            c.observe_path_rtt(step[1])
-        elif kind == "choose":
+        if step[0] == "choose":
             choice = c.choose(step[1])
             rates = c.rates(step[1])
             more_precise = c.codecs[:c.codecs.index(choice.codec)]
             assert all(rates[m] < rates[choice.codec] for m in more_precise), (choice.codec, rates)
+        elif step[0] != "rates":
+            observe(c, step)
 
 
 @pytest.mark.parametrize("bandwidth", [math.nan, 0.0, -1e9, None])
