@@ -179,7 +179,16 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def _umask() -> int:
-    """The process's umask (read by setting it, then setting it back)."""
+    """The process's umask: the ``Umask:`` line of ``/proc/self/status`` (Linux 4.7 on),
+    else read by setting it and setting it back (which, for that moment, gives a file
+    another thread creates the wrong mode)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

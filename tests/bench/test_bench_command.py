@@ -493,3 +493,23 @@ def test_an_intervals_goodput_counts_the_kv_acknowledged_in_it(monkeypatch: pyte
     assert all(0 <= step <= kv // 4 for step in steps), steps
     ivs = intervals(res.samples, cfg.interval, res.initial)
     assert sum(iv["goodput_gbps"] * (iv["end"] - iv["start"]) for iv in ivs) * 1e9 / 8 == pytest.approx(done[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_umask_is_read_without_changing_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Setting the umask to read it gave a file another thread created meanwhile the wrong mode."""
+    from kvwire.bench import command
+
+    with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+        if not any(line.startswith("Umask:") for line in f):
+            pytest.skip("this kernel's /proc/self/status has no Umask line")
+    old = os.umask(0o027)
+    try:
+        def refuse(mask: int) -> int:
+            raise AssertionError(f"os.umask({mask:#o}) called")
+
+        with monkeypatch.context() as m:
+            m.setattr(os, "umask", refuse)
+            assert command._umask() == 0o027
+    finally:
+        os.umask(old)
