@@ -110,12 +110,18 @@ def layer_count(layers: Any) -> int | None:
 
 def sync_layers(layers: Any) -> Iterator[tuple[Any, Any]] | None:
     """``(k, v)`` pairs of a sequence or an iterable, taken with ``next()``; None for an
-    async iterable (then :func:`iterate_layers`)."""
+    async iterable (then :func:`iterate_layers`). What cannot be iterated (an int, a 0-d
+    array) is a UsageError; an ``__iter__`` that fails otherwise raises its own error."""
     if hasattr(layers, "__aiter__"):
         return None
+    what = "layers must be a sequence, an iterable or an async iterable of (k, v)"
     if not isinstance(layers, Iterable):
-        raise UsageError("layers must be a sequence, an iterable or an async iterable of (k, v)")
-    return map(_pair, layers)
+        raise UsageError(what)
+    try:
+        pairs = iter(layers)
+    except TypeError as exc:  # an __iter__ that refuses (a 0-d array)
+        raise UsageError(f"{what}: {exc}") from None
+    return map(_pair, pairs)
 
 
 async def iterate_layers(layers: Any) -> AsyncIterator[tuple[Any, Any]]:

@@ -258,13 +258,11 @@ async def send(
 
 def _sync_source(layers: Any) -> Iterator[tuple[Any, Any]] | None:
     """:func:`sync_layers` of ``layers``, before BEGIN: what cannot be iterated (an int, a
-    0-d array) is a UsageError, an ``__iter__`` that fails a failed producer."""
+    0-d array) is its UsageError, an ``__iter__`` that fails a failed producer."""
     try:
         return sync_layers(layers)
     except KvwireError:
         raise
-    except TypeError as exc:  # iter() refused it
-        raise UsageError(f"layers must be a sequence, an iterable or an async iterable of (k, v): {exc}") from None
     except Exception as exc:
         raise TransferAbortedError(f"layer producer failed: {exc!r}") from exc
 
