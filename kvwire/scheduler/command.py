@@ -7,6 +7,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -239,31 +240,19 @@ def _preflight(args: argparse.Namespace) -> None:
                 f"--plot {args.plot!r}: matplotlib cannot write {suffix!r} files "
                 f"(use one of {', '.join(sorted(formats))})"
             )
-        # The plot simulates selective whatever --policy says (see _check_plot).
-        if args.remote_instances < 1:
-            raise UsageError("--plot simulates selective, which needs at least one remote instance")
-        if args.prefill_instances is not None and args.prefill_instances <= 1e-9:
-            raise UsageError("--plot simulates selective, which needs a local prefill server (--prefill-instances > 0)")
     if args.min_tokens >= args.max_tokens:
         raise UsageError("--min-tokens must be below --max-tokens")
     for option in ("min_tokens", "max_tokens", "output_tokens"):
         if getattr(args, option) > MAX_TOKENS:
             raise UsageError(f"--{option.replace('_', '-')} must be at most {MAX_TOKENS:,} tokens")
-    for option, most in (("remote_instances", MAX_INSTANCES), ("local_instances", MAX_INSTANCES),
-                         ("gpus_per_instance", MAX_GPUS_PER_INSTANCE)):
-        if getattr(args, option) > most:
-            raise UsageError(f"--{option.replace('_', '-')} must be at most {most:,}")
-    if args.split_granularity == "gpu" and args.local_instances * args.gpus_per_instance > MAX_SPLITS:
-        raise UsageError(
-            f"--split-granularity gpu: at most {MAX_SPLITS:,} local GPUs (--local-instances "
-            f"{args.local_instances:,} x --gpus-per-instance {args.gpus_per_instance} is "
-            f"{args.local_instances * args.gpus_per_instance:,})"
-        )
 
 
 def _check_plot(reqs: tuple[TraceRequest, ...], config: SimulationConfig) -> None:
     """``--plot`` simulates ``selective`` at a range of thresholds, whatever ``--policy``
-    says: fail before the simulation, not after the table, where its split cannot run."""
+    says: fail before the simulation, not after the table, where it cannot run (no remote
+    instance; a split without a local prefill server, which policy_capacity refuses)."""
+    if config.cluster.remote_instances < 1:
+        raise UsageError("--plot simulates selective, which needs at least one remote instance")
     try:
         policy_capacity(PolicyName.SELECTIVE, reqs, config)
     except UsageError as exc:
@@ -293,21 +282,30 @@ def _workload(args: argparse.Namespace) -> tuple[TraceRequest, ...]:
     return reqs
 
 
+#: ClusterConfig's fields whose CLI option is the field's name (``--remote-instances``).
+_OPTION_FIELDS = re.compile(r"\b(remote_instances|local_instances|gpus_per_instance|split_granularity)\b")
+
+
 def _config(args: argparse.Namespace) -> SimulationConfig:
     schedule = args.link_schedule or ((0.0, args.link),)
     link = LinkSchedule.from_pairs(schedule)
-    cluster = ClusterConfig(
-        remote_profile=load_profile(args.profile),
-        local_profile=load_profile(args.local_profile) if args.local_profile else None,
-        remote_instances=args.remote_instances,
-        local_instances=args.local_instances,
-        relative_compute=args.relative_compute,
-        decode_step_s=args.decode_step,
-        decode_batch_max=args.decode_batch,
-        egress_bps=link.rates_bps[0],
-        gpus_per_instance=args.gpus_per_instance,
-        split_granularity=args.split_granularity,
-    )
+    remote_profile = load_profile(args.profile)
+    local_profile = load_profile(args.local_profile) if args.local_profile else None
+    try:
+        cluster = ClusterConfig(
+            remote_profile=remote_profile,
+            local_profile=local_profile,
+            remote_instances=args.remote_instances,
+            local_instances=args.local_instances,
+            relative_compute=args.relative_compute,
+            decode_step_s=args.decode_step,
+            decode_batch_max=args.decode_batch,
+            egress_bps=link.rates_bps[0],
+            gpus_per_instance=args.gpus_per_instance,
+            split_granularity=args.split_granularity,
+        )
+    except UsageError as exc:  # its checks (the count caps) name its fields: say the options
+        raise UsageError(_OPTION_FIELDS.sub(lambda m: "--" + m[0].replace("_", "-"), str(exc))) from None
     if args.decode_step <= 0:
         raise UsageError("--decode-step must be > 0")
     return SimulationConfig(

@@ -101,14 +101,16 @@ class ClusterConfig:
             raise UsageError("split_granularity is 'instance' or 'gpu'; gpus_per_instance >= 1")
         if self.remote_instances < 0 or self.local_instances < 1:
             raise UsageError("need >= 0 remote and >= 1 local instances")
-        if self.remote_instances > MAX_INSTANCES or self.local_instances > MAX_INSTANCES:
-            raise UsageError(f"at most {MAX_INSTANCES:,} remote and {MAX_INSTANCES:,} local instances")
-        if self.gpus_per_instance > MAX_GPUS_PER_INSTANCE:
-            raise UsageError(f"gpus_per_instance must be at most {MAX_GPUS_PER_INSTANCE}")
-        if self.split_granularity == "gpu" and self.local_instances * self.gpus_per_instance > MAX_SPLITS:
+        # The messages name the fields: the CLI says its options' names instead.
+        for name, most in (("remote_instances", MAX_INSTANCES), ("local_instances", MAX_INSTANCES),
+                         ("gpus_per_instance", MAX_GPUS_PER_INSTANCE)):
+            if getattr(self, name) > most:
+                raise UsageError(f"{name} must be at most {most:,}")
+        gpus = self.local_instances * self.gpus_per_instance
+        if self.split_granularity == "gpu" and gpus > MAX_SPLITS:
             raise UsageError(
-                f"at GPU split granularity at most {MAX_SPLITS:,} local GPUs (local instances x "
-                f"GPUs per instance: {self.local_instances:,} x {self.gpus_per_instance})"
+                f"split_granularity 'gpu': at most {MAX_SPLITS:,} local GPUs (local_instances "
+                f"{self.local_instances:,} x gpus_per_instance {self.gpus_per_instance} is {gpus:,})"
             )
         if self.egress_bps < 0 or not math.isfinite(self.egress_bps):
             raise UsageError("egress bandwidth must be finite and >= 0")
