@@ -48,6 +48,7 @@ from kvwire.errors import (
     error_from_code,
 )
 from kvwire.session.meta import meta_footprint, parse_meta
+from kvwire.session.quoting import quoted_id
 from kvwire.spec import DTYPE_BY_ID, KVSpec
 from kvwire.wire import (
     Begin,
@@ -114,19 +115,8 @@ FP_SHOWN = 12
 FREE_ID_BYTES = 256
 
 
-#: Most characters of a request id's repr that a message quotes.
-QUOTED_ID_LIMIT = 48
-
-
 def wire_text(text: str) -> str:
     return text if len(text) <= WIRE_TEXT_LIMIT else text[: WIRE_TEXT_LIMIT - 3] + "..."
-
-
-def quoted_id(request_id: str) -> str:
-    """``repr(request_id)`` for a message, shortened: an id may be 65535 bytes, whose repr
-    (control characters escaped) is four times that."""
-    text = repr(request_id[:QUOTED_ID_LIMIT])
-    return text if len(text) <= QUOTED_ID_LIMIT else text[: QUOTED_ID_LIMIT - 4] + "..." + text[0]
 
 
 def stale_error(blocks: Sequence[object], why: str = "") -> StaleVersionError:

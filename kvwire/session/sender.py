@@ -32,7 +32,7 @@ from kvwire.errors import (
     UsageError,
 )
 from kvwire.session.meta import parse_meta
-from kvwire.session.receiver import quoted_id
+from kvwire.session.quoting import quoted_id
 from kvwire.wire import (
     Begin,
     BlockVersion,
