@@ -186,6 +186,7 @@ async def test_resumes_are_logged_and_counted(caplog: pytest.LogCaptureFixture) 
     assert any("resuming" in r.getMessage() for r in caplog.records if r.name == "kvwire")
 
 
+@pytest.mark.timeout(150)  # above its own bounds (30 s to stall, the send's 90 s, 30 s to collect)
 @pytest.mark.parametrize("compiled_queue", [True, False])
 async def test_write_marks_tell_when_the_streams_no_longer_hold_what_was_queued(
     compiled_queue: bool, monkeypatch: pytest.MonkeyPatch,
@@ -220,13 +221,13 @@ async def test_write_marks_tell_when_the_streams_no_longer_hold_what_was_queued(
         async with proxy:
             receiving = asyncio.ensure_future(server.accept())
             async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, idle_timeout=None) as peer:
-                sending = asyncio.ensure_future(peer.send("r", spec, layers, timeout=120))
+                sending = asyncio.ensure_future(peer.send("r", spec, layers, timeout=90))
 
                 def queued() -> int:
                     return sum(s._queue.pending for s in peer.streams if s._queue is not None)
 
                 loop = asyncio.get_running_loop()
-                end = loop.time() + 60
+                end = loop.time() + 30
                 while not (proxy.statistics().stalls and (queued() or not held)) and loop.time() < end:
                     assert not sending.done(), sending  # (its exception, if it failed)
                     await asyncio.sleep(0.01)
