@@ -8,7 +8,8 @@ Any Redis failure raises :class:`RegistryUnavailableError`: nothing is ever repo
 without Redis having confirmed it. Commands are not retried, because a reply lost in transit
 leaves the outcome unknown; the caller decides (e.g. re-``begin``, which is safe).  That
 holds for a wrapped client too, whatever its ``retry`` settings: every command is sent once
-on a connection of the client's pool, not through the client's retrying ``execute_command``,
+on a connection of the client's pool (a ``RedisCluster``'s: of the node owning the
+namespace's slot), not through the client's retrying ``execute_command``,
 and a watcher's subscription does not reconnect behind its reader's back.
 """
 
@@ -54,7 +55,14 @@ try:
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
     from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import NoScriptError, RedisError, ResponseError
+    from redis.exceptions import (
+        MovedError,
+        NoScriptError,
+        RedisClusterException,
+        RedisError,
+        ResponseError,
+        SlotNotCoveredError,
+    )
     from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as exc:  # pragma: no cover - depends on the installed extras
     raise ImportError(
@@ -79,24 +87,28 @@ async def _guard(what: str, awaitable: Awaitable[T], timeout: float) -> T:
         return await asyncio.wait_for(awaitable, timeout)
     except TimeoutError as exc:
         raise RegistryUnavailableError(f"redis registry: {what}: no reply within {timeout:g} s") from exc
-    except (RedisError, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError) as exc:
         raise RegistryUnavailableError(f"redis registry: {what} failed: {exc}") from exc
 
 
-async def _execute_once(client: aioredis.Redis, *args: Any) -> Any:
+async def _execute_once(client: aioredis.Redis | aioredis.RedisCluster, route: str, *args: Any) -> Any:
     """Send one command on a connection of ``client``'s pool and return its parsed reply.
 
     Sent once, whatever the client's ``retry``: its own ``execute_command`` sends a command
     again after a connection error or timeout (redis-py retries by default), and a script
     run again after its reply was lost could commit twice or report a landed commit as
     refused.  A connection whose reply did not come is closed, never reused (redis-py's
-    ``read_response`` closes it too)."""
+    ``read_response`` closes it too).
+
+    A :class:`redis.asyncio.RedisCluster` sends it to the primary node that owns ``route``'s
+    slot (a key of the namespace: its keys share one slot), on a connection of that node.
+    A redirect (MOVED, ASK: the slot is moving) is not followed: it is an error reply,
+    raised (the caller's :class:`RegistryUnavailableError`); a MOVED updates the client's
+    slot map first, so the next call goes to the new owner."""
+    if isinstance(client, aioredis.RedisCluster):
+        return await _execute_once_cluster(client, route, *args)
     pool = client.connection_pool
-    try:
-        pending = pool.get_connection()  # type: ignore[no-untyped-call, unused-ignore]
-    except TypeError:  # pragma: no cover - redis-py before 5.3 names the command
-        pending = pool.get_connection(args[0])  # type: ignore[no-untyped-call, unused-ignore]
-    conn = await pending
+    conn = await pool.get_connection()  # type: ignore[no-untyped-call, unused-ignore]
     try:
         await conn.send_command(*args)
         return await client.parse_response(conn, args[0])
@@ -110,21 +122,48 @@ async def _execute_once(client: aioredis.Redis, *args: Any) -> Any:
         await pool.release(conn)
 
 
+async def _execute_once_cluster(client: aioredis.RedisCluster, route: str, *args: Any) -> Any:
+    """:func:`_execute_once` on a cluster client: once, on the node owning ``route``."""
+    await client.initialize()  # at once unless the client has no topology yet
+    node = client.get_node_from_key(route)
+    if node is None:  # pragma: no cover - only when asking for a replica
+        raise SlotNotCoveredError(f"no node serves the slot of {route!r}")
+    conn = node.acquire_connection()
+    try:
+        reconnect = getattr(node, "disconnect_if_needed", None)  # redis-py 7: a connection marked stale
+        if reconnect is not None:
+            await reconnect(conn)
+        await conn.send_command(*args)
+        return await node.parse_response(conn, args[0])
+    except MovedError as exc:
+        with contextlib.suppress(Exception):  # the map is a hint; the error is what counts
+            await client.nodes_manager.move_slot(exc)
+        raise
+    except ResponseError:
+        raise  # an error reply, read whole: the connection is in step
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await conn.disconnect(nowait=True)
+        raise
+    finally:
+        node.release(conn)
+
+
 class _Script:
     """A Lua script run with EVALSHA (EVAL where the server does not hold it yet), each
     command sent once (:func:`_execute_once`); called as redis-py's ``Script`` is, with
     ``keys`` and ``args``."""
 
-    def __init__(self, client: aioredis.Redis, text: str) -> None:
+    def __init__(self, client: aioredis.Redis | aioredis.RedisCluster, text: str) -> None:
         self.client = client
         self.text = text
         self.sha = hashlib.sha1(text.encode()).hexdigest()
 
     async def __call__(self, *, keys: Sequence[str], args: Sequence[str | int]) -> Any:
         try:
-            return await _execute_once(self.client, "EVALSHA", self.sha, len(keys), *keys, *args)
+            return await _execute_once(self.client, keys[0], "EVALSHA", self.sha, len(keys), *keys, *args)
         except NoScriptError:  # the script did not run: EVAL runs (and caches) it
-            return await _execute_once(self.client, "EVAL", self.text, len(keys), *keys, *args)
+            return await _execute_once(self.client, keys[0], "EVAL", self.text, len(keys), *keys, *args)
 
 
 async def _execute_unretried(self: PubSub, conn: Any, command: Any, *args: Any, **kwargs: Any) -> Any:
@@ -358,7 +397,7 @@ class RedisRegistry:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: aioredis.Redis | aioredis.RedisCluster,
         *,
         namespace: str = "kvwire",
         owns_client: bool = False,
@@ -506,7 +545,7 @@ class RedisRegistry:
         if not lease.started:
             # It holds nothing, so nothing can expire: the expiry is now + ttl (Redis's
             # clock), as begin gives such a lease and the memory registry renews it.
-            secs, usecs = await _guard("renew", _execute_once(self.client, "TIME"), self.timeout)
+            secs, usecs = await _guard("renew", _execute_once(self.client, self.layout.seq, "TIME"), self.timeout)
             return Lease(
                 lease.lease_id,
                 lease.owner,
