@@ -519,6 +519,12 @@ class RedisRegistry:
         check_lease(lease)
         keys, rkeys = self._lease_keys(lease)
         if not keys:
+            # Nothing to commit; a lease narrowed to no blocks ends, as any narrowed lease
+            # does (its blocks freed when its ttl passes).  Redis cannot tell it from a lease
+            # that started nothing, whose key does not exist: deleting it changes nothing.
+            await _guard(
+                "commit", self._release(keys=[self.layout.lease(lease.lease_id)], args=[lease.lease_id]), self.timeout
+            )
             return []
         reply = await _guard(
             "commit",

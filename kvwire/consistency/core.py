@@ -254,11 +254,15 @@ class RegistryCore:
         flight, or is not one the lease holds; in both cases nothing is committed and the
         lease is gone, every block it held freed.  A lease narrowed before committing
         (``dataclasses.replace`` with fewer ``started``) commits the blocks it names; the
-        lease's other blocks are freed.
+        lease's other blocks are freed.  One naming no blocks commits nothing (``[]``, as
+        for a lease that started nothing) and ends the lease, every block it held freed.
         """
         check_lease(lease)
         keys = unique_keys(lease.started)
         if not keys:
+            rec = self._leases.get(lease.lease_id)
+            if rec is not None:  # narrowed to no blocks: the lease ends
+                self._drop_lease(lease.lease_id, rec)
             return []
         self.expire(now)
         rec = self._leases.get(lease.lease_id)

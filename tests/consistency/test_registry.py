@@ -385,6 +385,27 @@ async def test_a_narrowed_lease_commits_its_blocks_and_frees_the_others(registry
     assert [b for b, _ in await registry.commit(again)] == [b"b2"]
 
 
+async def test_a_lease_narrowed_to_no_blocks_ends_when_committed(registry: Registry, backend: str) -> None:
+    """Committed narrowed to no blocks, a lease commits nothing and ends, as any narrowed
+    lease does: its blocks are freed (memory: at once; Redis: once its ttl passes).  Both
+    returned [] before looking at the lease, which stayed live with its blocks busy."""
+    lease = await registry.begin([b"c1", b"c2"], owner="a", ttl=1.0)
+    assert await registry.commit(dataclasses.replace(lease, started=())) == []
+    with pytest.raises(LeaseExpiredError):
+        await registry.renew(lease)
+    with pytest.raises(LeaseExpiredError):
+        await registry.commit(lease)
+    if backend == "memory":
+        assert (await registry.begin([b"c1", b"c2"], owner="b", ttl=30)).started == (b"c1", b"c2")
+        return
+    for _ in range(200):  # bounded: until the lease's ttl has passed
+        again = await registry.begin([b"c1", b"c2"], owner="b", ttl=30)
+        if again.started:
+            break
+        await asyncio.sleep(0.05)
+    assert again.started == (b"c1", b"c2")
+
+
 async def test_a_commit_naming_a_block_the_lease_never_started_is_refused(registry: Registry) -> None:
     """A lease naming a block it never started is refused (StaleVersionError), committing
     nothing and freeing what the lease held; memory raised a raw KeyError."""
