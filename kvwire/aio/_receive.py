@@ -35,6 +35,8 @@ class _Target:
     into: Any = None
     checked: bool = False
     layer_tokens: int | None = None
+    name: str = ""
+    """The transfer's request id, quoted for a message (given with its destination)."""
 
 
 class ArrayStore(LayerStore):
@@ -67,13 +69,16 @@ class ArrayStore(LayerStore):
         if tg.into is not None:
             raise UsageError("the transfer already has a destination: its layers go there, a second one is refused")
 
-    def attach(self, key: Key, into: Any) -> None:
-        """Layers allocated from now on are ``into``'s; raises if it cannot hold the cache.
-        The caller checked :meth:`attachable` first (its error leaves the transfer as it
-        was; this one's fails it)."""
+    def attach(self, key: Key, into: Any, name: str) -> None:
+        """Layers allocated from now on are ``into``'s, for the transfer ``name`` (its
+        quoted request id); raises :class:`~kvwire.KvwireError` (see
+        :func:`destination_call`) if it cannot hold the cache.  The caller checked
+        :meth:`attachable` first (its error leaves the transfer as it was; this one's
+        fails it)."""
         tg = self._targets[key]
-        into.check(tg.spec, tg.layer_tokens)
-        tg.into = into
+        with destination_call(name, "check", "refused the cache"):
+            into.check(tg.spec, tg.layer_tokens)
+        tg.into, tg.name = into, name
         tg.checked = tg.layer_tokens is not None
 
     def footprint(self, nbytes: int) -> int:
@@ -85,7 +90,7 @@ class ArrayStore(LayerStore):
         tg.layer_tokens = chunk.layer_tokens
         if tg.into is not None:
             if not tg.checked:
-                with _destination("check", "refused the cache"):
+                with destination_call(tg.name, "check", "refused the cache"):
                     tg.into.check(tg.spec, chunk.layer_tokens)
                 tg.checked = True
             return INTO
@@ -101,7 +106,7 @@ class ArrayStore(LayerStore):
 
     def _out(self, tg: _Target, chunk: Chunk, buffer: Any) -> Any:
         if buffer is INTO:
-            with _destination("view", f"failed to take layer {chunk.layer}"):
+            with destination_call(tg.name, "view", f"failed to take layer {chunk.layer}"):
                 return tg.into.view(chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
         return buffer[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
 
@@ -131,7 +136,7 @@ class ArrayStore(LayerStore):
         codec.decode(chunk.params, chunk.payload_buffer, shape=out.shape, dtype=spec.dtype,
                      kind=TensorKind(chunk.kind), out=out)
         if buffer is INTO:
-            with _destination("write", f"failed to take layer {chunk.layer}"):
+            with destination_call(tg.name, "write", f"failed to take layer {chunk.layer}"):
                 tg.into.write(chunk.layer, chunk.kind, chunk.token_start, out, chunk.layer_tokens)
 
     @staticmethod
@@ -140,7 +145,7 @@ class ArrayStore(LayerStore):
         cache's blocks) when the destination names them and the codec can; False when
         nothing was written."""
         ranges = getattr(tg.into, "ranges", None)
-        with _destination("ranges", f"failed to take layer {chunk.layer}"):
+        with destination_call(tg.name, "ranges", f"failed to take layer {chunk.layer}"):
             where = None if ranges is None else ranges(
                 chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
         if where is None:
@@ -184,19 +189,28 @@ class ArrayStore(LayerStore):
         return places
 
 
+def destination_error(transfer: str, method: str, what: str, exc: Exception) -> KvwireError:
+    """The error a destination (``into=``) failing in its ``method()`` fails the transfer
+    ``transfer`` (its quoted request id) with, on both sides: a :class:`KvwireError` of
+    the destination's own as it is; anything else as a :class:`KvwireError`
+    (``INTERNAL_ERROR``, not the peer's undecodable chunk) saying which transfer, which
+    call and what it raised, the original as its cause."""
+    if isinstance(exc, KvwireError):
+        return exc
+    error = KvwireError(f"the destination of transfer {transfer} {what}: its {method}() raised {exc!r}")
+    error.__cause__ = exc
+    return error
+
+
 @contextmanager
-def _destination(method: str, what: str) -> Iterator[None]:
-    """Calls into a destination (``into=``): its own failure fails the transfer as the
-    destination's, not as the peer's undecodable chunk.  A :class:`KvwireError` passes as
-    it is; anything else becomes a :class:`KvwireError` (``INTERNAL_ERROR``, as when a
-    destination refuses a transfer that arrived before it was given) saying which call
-    raised what, the original as its cause."""
+def destination_call(transfer: str, method: str, what: str) -> Iterator[None]:
+    """A call into a destination: what it raises is raised as :func:`destination_error`."""
     try:
         yield
     except KvwireError:
         raise
     except Exception as exc:
-        raise KvwireError(f"the destination {what}: its {method}() raised {exc!r}") from exc
+        raise destination_error(transfer, method, what, exc) from exc
 
 
 def _bytes(out: Any) -> memoryview | None:
@@ -206,4 +220,4 @@ def _bytes(out: Any) -> memoryview | None:
     return memoryview(out.reshape(-1).view(np.uint8))
 
 
-__all__ = ["INTO", "ArrayStore"]
+__all__ = ["INTO", "ArrayStore", "destination_call", "destination_error"]

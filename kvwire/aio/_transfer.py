@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvwire.aio import _gpu
-from kvwire.aio._receive import INTO
+from kvwire.aio._receive import INTO, destination_call
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import KvwireError, TransferTimeoutError, UsageError, detached
 from kvwire.session.options import check_seconds
-from kvwire.session.receiver import Key, TransferArrived
+from kvwire.session.receiver import Key, TransferArrived, quoted_id
 from kvwire.spec import KVCache, KVSpec, Layer
 
 if TYPE_CHECKING:
@@ -111,7 +111,13 @@ class Transfer:
         A transfer has at most one destination: attaching a second one, attaching to a
         transfer that ended (every layer taken) or one being collected raises
         :class:`~kvwire.UsageError`, and attaching to one that failed raises its error;
-        the transfer is left as it was.
+        the transfer is left as it was.  A destination that refuses the cache (its
+        ``check()`` raises), or fails taking or giving a layer (``write()`` copying one
+        begun before, ``layer()``), fails the transfer, the sender's ``send()``
+        included (if it has not yet returned), as when it fails while the cache arrives: with its own
+        :class:`~kvwire.KvwireError`, otherwise a :class:`~kvwire.KvwireError`
+        (``INTERNAL_ERROR``) naming the transfer, the call and what it raised, the
+        original as its cause; this raises it (or iterating the transfer does).
         """
         if self._server.on_gpu:
             raise UsageError("into= needs a server with device='cpu'")
@@ -146,14 +152,7 @@ class Transfer:
                 if self._ready:
                     index = self._ready.popleft()
                     buf = self._server._take(self, index)
-                    if buf is INTO:
-                        k, v = self._into.layer(index)
-                    elif self._into is not None:  # begun before attach(): copy it there
-                        for kind, part in enumerate(buf):
-                            self._into.write(index, kind, 0, part, int(part.shape[0]))
-                        k, v = self._into.layer(index)
-                    else:
-                        k, v = buf
+                    k, v = buf if self._into is None else self._from_destination(index, buf)
                     self._yielded += 1
                     yield Layer(index, k, v)
                     continue
@@ -164,6 +163,23 @@ class Transfer:
         finally:
             if self._yielded < self.spec.num_layers and self._error is None:
                 self.abort("the application stopped taking layers")
+
+    def _from_destination(self, index: int, buf: Any) -> tuple[Any, Any]:
+        """Layer ``index`` in the destination: copied there first if it began arriving
+        before :meth:`attach`.  The destination failing fails the transfer, on both sides,
+        as when it fails taking a chunk as it arrives."""
+        name = quoted_id(self.request_id)
+        try:
+            if buf is not INTO:  # begun before attach(): copy it there
+                with destination_call(name, "write", f"failed to take layer {index}"):
+                    for kind, part in enumerate(buf):
+                        self._into.write(index, kind, 0, part, int(part.shape[0]))
+            with destination_call(name, "layer", f"failed to give layer {index}"):
+                k, v = self._into.layer(index)
+        except KvwireError as exc:
+            self._server._destination_failed(self, exc)
+            raise
+        return k, v
 
     # -- server side ----------------------------------------------------------------------
 

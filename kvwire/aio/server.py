@@ -216,7 +216,10 @@ class Server(Pump):
         ``expect()`` of that id wait side by side and take one transfer each, in the order
         they were made, as the transfers arrive in order.  ``into`` on a server with
         ``device="gpu"`` raises :class:`~kvwire.UsageError` at once; a destination that
-        refuses the transfer (its ``check()`` raises) fails it, and this raises that error.
+        refuses the transfer (its ``check()`` raises) fails it, on both sides, and this
+        raises that error: the destination's own :class:`~kvwire.KvwireError`, or one
+        (``INTERNAL_ERROR``) naming the transfer, the call and what it raised, the
+        original as its cause.
         """
         check_request_id(request_id)
         check_seconds("timeout", timeout)
@@ -502,25 +505,29 @@ class Server(Pump):
         raises, the transfer is failed (nobody will take it) and the error re-raised."""
         try:
             transfer.attach(into)
-        except Exception as exc:
-            if transfer._error is None:
-                error = exc if isinstance(exc, KvwireError) else KvwireError(
-                    f"the destination refused transfer {quoted_id(transfer.request_id)}: {exc!r}")
-                self.core.fail(transfer._key, error, self.now())
-                self.pump()
+        except KvwireError as exc:  # a destination refusing it failed it already (_attach)
+            self._destination_failed(transfer, exc)
             raise
 
     def _attach(self, transfer: Transfer, into: Any) -> None:
+        """Give ``transfer`` its destination: a destination whose ``check()`` raises fails
+        the transfer, on both sides, with :func:`~kvwire.aio._receive.destination_error`."""
         key = transfer._key
         self._store.attachable(key)  # (UsageError: the transfer goes on as it was)
         try:
-            self._store.attach(key, into)
+            self._store.attach(key, into, quoted_id(transfer.request_id))
         except KvwireError as exc:
-            self.core.fail(key, exc, self.now())
-            self.pump()
+            self._destination_failed(transfer, exc)
             raise
         self.core.attach(key)
         self.pump()
 
+    def _destination_failed(self, transfer: Transfer, error: KvwireError) -> None:
+        """Fail ``transfer`` with its destination's ``error`` (the sender is told, if it is
+        still sending); nothing if it already failed."""
+        if transfer._error is None:
+            self.core.fail(transfer._key, error, self.now())
+            self.pump()
+            transfer._fail(error)  # even where the core is done with it (every layer taken)
 
 __all__ = ["Server", "ServerOptions", "Transfer", "make_server_options"]

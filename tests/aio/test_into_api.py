@@ -97,11 +97,17 @@ async def test_a_destination_that_refuses_the_cache_fails_the_transfer_it_was_wa
                 server.expect("req", into=RefusingDestination(SPEC, zeros(4), [0, 1]), timeout=5))
             await asyncio.sleep(0)
             sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
-            with pytest.raises(RuntimeError, match="takes nothing"):
+            with pytest.raises(KvwireError, match="takes nothing") as refused:
                 await waiting
-            with pytest.raises(KvwireError):
+            with pytest.raises(KvwireError) as failed:
                 await sending
             stats = server.statistics()
+    # The same error on both sides, as for a destination refusing the cache as it arrives.
+    for err in (refused.value, failed.value):
+        assert err.code == ErrorCode.INTERNAL_ERROR
+        assert str(err) == ("the destination of transfer 'req' refused the cache: "
+                            "its check() raised RuntimeError('this destination takes nothing')")
+    assert isinstance(refused.value.__cause__, RuntimeError)
     assert stats["pending_arrivals"] == 0 and stats["buffered_bytes"] == 0
 
 
@@ -111,8 +117,10 @@ async def test_a_destination_that_refuses_an_arrived_cache_fails_the_transfer() 
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
             await peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10)  # held, unclaimed
             assert server.statistics()["buffered_bytes"] > 0
-            with pytest.raises(RuntimeError, match="takes nothing"):
+            with pytest.raises(KvwireError, match=r"its check\(\) raised RuntimeError\('this destination takes nothing'\)") as refused:
                 await server.expect("req", into=RefusingDestination(SPEC, zeros(4), [0, 1]), timeout=5)
+            assert refused.value.code == ErrorCode.INTERNAL_ERROR
+            assert isinstance(refused.value.__cause__, RuntimeError)
             stats = server.statistics()
     assert stats["pending_arrivals"] == 0 and stats["buffered_bytes"] == 0  # nothing held for nobody
 
@@ -223,4 +231,79 @@ async def test_a_destinations_own_kvwire_error_fails_the_transfer_as_it_is() -> 
     for err in (sent, received):
         assert type(err) is LimitExceededError, repr(err)
         assert err.code == ErrorCode.LIMIT_EXCEEDED
+        assert "the engine has no free blocks" in str(err)
+
+
+class LateFailingDestination(PagedDestination):
+    """A destination whose ``method()`` raises ``error``: ``check()`` only once it is told
+    the layer size (as attach() does once a layer is buffered)."""
+
+    def __init__(self, method: str, error: Exception, *args: Any) -> None:
+        super().__init__(*args)
+        self.method, self.error = method, error
+
+    def check(self, spec: kvwire.KVSpec, layer_tokens: int | None = None) -> None:
+        super().check(spec, layer_tokens)
+        if self.method == "check" and layer_tokens is not None:
+            raise self.error
+
+    def write(self, *args: Any) -> None:
+        if self.method == "write":
+            raise self.error
+        super().write(*args)
+
+    def layer(self, index: int) -> Any:
+        if self.method == "layer":
+            raise self.error
+        return super().layer(index)
+
+
+async def _attach_late(dest: PagedDestination) -> tuple[BaseException | None, BaseException | None]:
+    """Send a cache and give it ``dest`` once its first layer is buffered, the rest not yet
+    sent (one layer's buffer per transfer): (the sender's error, the receiving
+    application's, from ``attach()`` or from taking the layers)."""
+    src = filled(4, seed=8)
+    received: BaseException | None = None
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, transfer_buffer_bytes=64 * 1024) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="raw") as peer:
+            sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
+            transfer = await server.accept(timeout=10)
+            async with asyncio.timeout(10):
+                while transfer._arrived_layers < 1:
+                    await asyncio.sleep(0.005)
+            assert not transfer.complete  # the sender is still sending: it can be told
+            try:
+                transfer.attach(dest)
+                async with asyncio.timeout(10):
+                    async for _ in transfer:
+                        pass
+            except Exception as exc:
+                received = exc
+            sent = (await asyncio.wait_for(asyncio.gather(sending, return_exceptions=True), 10))[0]
+            stats = server.statistics()
+    assert stats["pending_arrivals"] == 0 and stats["buffered_bytes"] == 0
+    return sent, received
+
+
+@pytest.mark.parametrize(("method", "what"), [("check", "refused the cache"), ("write", "failed to take layer 0"),
+                                              ("layer", "failed to give layer 0")])
+async def test_a_destination_attached_late_failing_fails_the_transfer_on_both_sides(method: str, what: str) -> None:
+    # check() as it is attached, write() copying the layer that arrived before it, layer()
+    # handing that layer out: the same error on both sides as a destination failing while
+    # the cache arrives, never the raw exception nor the sender's success.
+    original = ValueError("engine says: no room for this request")
+    sent, received = await _attach_late(LateFailingDestination(method, original, SPEC, zeros(4), [0, 1]))
+    for err in (sent, received):
+        assert type(err) is KvwireError, repr(err)
+        assert err.code == ErrorCode.INTERNAL_ERROR
+        assert str(err) == (f"the destination of transfer 'req' {what}: "
+                            f"its {method}() raised ValueError('engine says: no room for this request')")
+    assert received is not None and received.__cause__ is original
+
+
+async def test_a_destination_attached_late_failing_with_its_own_kvwire_error_fails_the_transfer_with_it() -> None:
+    sent, received = await _attach_late(
+        LateFailingDestination("write", LimitExceededError("the engine has no free blocks"), SPEC, zeros(4), [0, 1]))
+    for err in (sent, received):
+        assert type(err) is LimitExceededError, repr(err)
         assert "the engine has no free blocks" in str(err)
