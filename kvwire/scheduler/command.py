@@ -291,6 +291,8 @@ def _config(args: argparse.Namespace) -> SimulationConfig:
     link = LinkSchedule.from_pairs(schedule)
     remote_profile = load_profile(args.profile)
     local_profile = load_profile(args.local_profile) if args.local_profile else None
+    if not args.decode_step > 0:  # ClusterConfig's own message names its fields, not this option
+        raise UsageError("--decode-step must be > 0")
     try:
         cluster = ClusterConfig(
             remote_profile=remote_profile,
@@ -306,8 +308,6 @@ def _config(args: argparse.Namespace) -> SimulationConfig:
         )
     except UsageError as exc:  # its checks (the count caps) name its fields: say the options
         raise UsageError(_OPTION_FIELDS.sub(lambda m: "--" + m[0].replace("_", "-"), str(exc))) from None
-    if args.decode_step <= 0:
-        raise UsageError("--decode-step must be > 0")
     return SimulationConfig(
         cluster=cluster,
         link=link,

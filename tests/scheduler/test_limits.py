@@ -193,6 +193,7 @@ def test_a_rate_so_low_the_arrival_times_overflow_is_refused_without_a_warning(r
         (["--split-granularity", "gpu", "--gpus-per-instance", "100000"], "--gpus-per-instance must be at most 64"),
         (["--split-granularity", "gpu", "--local-instances", "2000"], "at most 10,000 local GPUs"),
         (["--rate", "1e-308", "--requests", "10"], "arrival times overflow"),
+        (["--decode-step", "0"], "--decode-step must be > 0"),  # not ClusterConfig's field names
     ],
 )
 def test_instance_and_gpu_counts_are_capped(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
