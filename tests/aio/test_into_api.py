@@ -159,9 +159,9 @@ async def test_a_transfer_being_collected_takes_no_destination() -> None:
     assert not any(d.any() for d in dst)
 
 
-class FailingDestination(PagedDestination):
-    """A destination whose ``method`` raises ``error`` while the cache arrives (its
-    ``check()`` once the cache's size is known, or a call that takes a chunk)."""
+class _Failing(PagedDestination):
+    """A paged destination whose ``method()`` raises ``error``: ``check()`` only once it
+    is told the layer size (once the cache's size is known)."""
 
     def __init__(self, method: str, error: Exception, *args: Any) -> None:
         super().__init__(*args)
@@ -172,15 +172,20 @@ class FailingDestination(PagedDestination):
         if self.method == "check" and layer_tokens is not None:
             raise self.error
 
-    def view(self, *args: Any) -> Any:
-        if self.method == "view":
-            raise self.error
-        return None if self.method == "write" else super().view(*args)
-
     def write(self, *args: Any) -> None:
         if self.method == "write":
             raise self.error
         super().write(*args)
+
+
+class FailingDestination(_Failing):
+    """A destination whose ``method`` raises ``error`` while the cache arrives (its
+    ``check()`` once the cache's size is known, or a call that takes a chunk)."""
+
+    def view(self, *args: Any) -> Any:
+        if self.method == "view":
+            raise self.error
+        return None if self.method == "write" else super().view(*args)
 
     def ranges(self, *args: Any) -> Any:
         if self.method == "ranges":
@@ -234,23 +239,9 @@ async def test_a_destinations_own_kvwire_error_fails_the_transfer_as_it_is() -> 
         assert "the engine has no free blocks" in str(err)
 
 
-class LateFailingDestination(PagedDestination):
-    """A destination whose ``method()`` raises ``error``: ``check()`` only once it is told
-    the layer size (as attach() does once a layer is buffered)."""
-
-    def __init__(self, method: str, error: Exception, *args: Any) -> None:
-        super().__init__(*args)
-        self.method, self.error = method, error
-
-    def check(self, spec: kvwire.KVSpec, layer_tokens: int | None = None) -> None:
-        super().check(spec, layer_tokens)
-        if self.method == "check" and layer_tokens is not None:
-            raise self.error
-
-    def write(self, *args: Any) -> None:
-        if self.method == "write":
-            raise self.error
-        super().write(*args)
+class LateFailingDestination(_Failing):
+    """A destination attached late whose ``method()`` raises ``error`` (``check()`` as
+    attach() tells it the layer size once a layer is buffered; ``layer()`` too)."""
 
     def layer(self, index: int) -> Any:
         if self.method == "layer":
