@@ -356,58 +356,50 @@ def _at_load(
     def reached(trace: tuple[TraceRequest, ...], cap: float) -> bool:
         return abs(offered_rate(trace) / cap - load) < LOAD_TOLERANCE * load
 
-    def at_rate(rate: float) -> tuple[tuple[TraceRequest, ...], float, float]:
-        """The arrivals at offered ``rate``, the capacity there, and its load."""
+    # Rescalings that missed the load, by the side they missed it on (True: over it):
+    # (offered rate, its load), the latest of each.
+    bounds: dict[bool, tuple[float, float]] = {}
+
+    def attempt(rate: float) -> tuple[tuple[TraceRequest, ...], float, bool]:
+        """The arrivals at offered ``rate``, the capacity there, and whether they reach the
+        load (if not, they bound it from their side, in ``bounds``)."""
         trace = scale_to_load(reqs, rate)
         check_workload(trace)
         cap = capacity_of(trace)
-        return trace, cap, offered_rate(trace) / cap
+        if reached(trace, cap):
+            return trace, cap, True
+        at = offered_rate(trace) / cap
+        bounds[at >= load] = (rate, at)
+        return trace, cap, False
 
     cap = capacity_of(reqs)
     if reached(reqs, cap):
         return reqs, cap
-    below: tuple[float, float] | None = None  # (offered rate, its load) under the load asked
-    above: tuple[float, float] | None = None  # ... and over it
     rate = load * cap
     for _ in range(4):
-        trace, cap, at = at_rate(rate)
-        if reached(trace, cap):
+        trace, cap, done = attempt(rate)
+        if done:
             return trace, cap
-        if at < load:
-            below = (rate, at)
-        else:
-            above = (rate, at)
         rate = load * cap
     # A bracket: the load grows without bound with the offered rate (the window shrinks
     # to the schedule's first rate) and falls to 0 as it falls (the window grows).
     for _ in range(64):
-        if below is not None and above is not None:
+        if len(bounds) == 2:
             break
-        if below is None:
-            assert above is not None
-            rate = above[0] / 2.0
-        else:
-            rate = below[0] * 2.0
-        trace, cap, at = at_rate(rate)
-        if reached(trace, cap):
+        rate = bounds[False][0] * 2.0 if False in bounds else bounds[True][0] / 2.0
+        trace, cap, done = attempt(rate)
+        if done:
             return trace, cap
-        if at < load:
-            below = (rate, at)
-        else:
-            above = (rate, at)
-    if below is not None and above is not None:
-        lo, hi = below[0], above[0]
+    if len(bounds) == 2:
         for _ in range(200):
+            lo, hi = bounds[False][0], bounds[True][0]
             rate = math.sqrt(lo * hi)
             if not min(lo, hi) < rate < max(lo, hi):
                 break  # as close as floating point gets: the capacity jumps here
-            trace, cap, at = at_rate(rate)
-            if reached(trace, cap):
+            trace, cap, done = attempt(rate)
+            if done:
                 return trace, cap
-            if at < load:
-                lo, below = rate, (rate, at)
-            else:
-                hi, above = rate, (rate, at)
+        below, above = bounds[False], bounds[True]
         between = f": {below[1]:.3g} at {below[0]:.4g} rps, {above[1]:.3g} at {above[0]:.4g} rps"
     else:
         between = ""
