@@ -110,16 +110,23 @@ async def _execute_once(client: aioredis.Redis | aioredis.RedisCluster, route: s
     pool = client.connection_pool
     conn = await pool.get_connection()  # type: ignore[no-untyped-call, unused-ignore]
     try:
+        return await _send_once(conn, client.parse_response, args)
+    finally:
+        await pool.release(conn)
+
+
+async def _send_once(conn: Any, parse: Any, args: tuple[Any, ...]) -> Any:
+    """``args`` sent on ``conn`` and its reply parsed by ``parse(conn, command)``; a
+    connection whose reply did not come whole is closed, never reused."""
+    try:
         await conn.send_command(*args)
-        return await client.parse_response(conn, args[0])
+        return await parse(conn, args[0])
     except ResponseError:
         raise  # an error reply, read whole: the connection is in step
     except BaseException:
         with contextlib.suppress(Exception):  # the first error is the one to tell
             await conn.disconnect(nowait=True)
         raise
-    finally:
-        await pool.release(conn)
 
 
 async def _execute_once_cluster(client: aioredis.RedisCluster, route: str, *args: Any) -> Any:
@@ -133,17 +140,10 @@ async def _execute_once_cluster(client: aioredis.RedisCluster, route: str, *args
         reconnect = getattr(node, "disconnect_if_needed", None)  # redis-py 7: a connection marked stale
         if reconnect is not None:
             await reconnect(conn)
-        await conn.send_command(*args)
-        return await node.parse_response(conn, args[0])
+        return await _send_once(conn, node.parse_response, args)
     except MovedError as exc:
         with contextlib.suppress(Exception):  # the map is a hint; the error is what counts
             await client.nodes_manager.move_slot(exc)
-        raise
-    except ResponseError:
-        raise  # an error reply, read whole: the connection is in step
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await conn.disconnect(nowait=True)
         raise
     finally:
         node.release(conn)
