@@ -358,6 +358,37 @@ def test_an_abandoned_transfer_counts_in_the_wire_rate(
         assert "abandoned" in doc["diagnosis"] and "estimator" not in doc["diagnosis"]
 
 
+def test_a_send_timed_out_at_the_hard_stop_by_its_own_clock_is_abandoned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The abandoned send's timeout is the hard stop, but the loop's timer may fire it a
+    little before the run's clock reads the hard stop (uvloop's timers are in whole
+    milliseconds): the run failed with 'transfer ... did not complete in 1.9997 s'. Here
+    the run's clock lags the send's by 0.5%, so the timeout always comes first by it."""
+    import time as real_time
+
+    from kvwire.bench import runner
+
+    t0 = real_time.monotonic()
+
+    class Lagging:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real_time, name)
+
+        @staticmethod
+        def monotonic() -> float:
+            return t0 + (real_time.monotonic() - t0) * 0.995
+
+    monkeypatch.setattr(runner, "ABANDON_AFTER", 0.5)
+    monkeypatch.setattr(runner, "time", Lagging())
+    out = tmp_path / "r.json"
+    argv = ["bench", "--model", "tiny", "--tokens", "2048", "--duration", "1", "--link", "16mbps",
+            "--quiet", "--json", str(out)]
+    assert main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["transfers"] == 0 and doc["incomplete_transfers"] == 1
+
+
 def test_carried_bytes_are_read_at_the_runs_start_and_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The bytes carried were interpolated between the emulator's counter samples at the
     run's start and end, and could read less than the raw KV delivered (1,073,417,749
