@@ -942,11 +942,11 @@ async def _send_loop(
                     receipt = await peer.send(
                         f"{bench_id}-{i}", spec, layers, meta=meta, timeout=max(left, 0.001)
                     )
-                except KvwireError as exc:
+                except KvwireError as failed:
                     # Its timeout is the hard stop, by the send's own clock: a loop's timer
                     # may fire it a little before this clock reads the hard stop (uvloop's
                     # are in whole milliseconds).
-                    if time.monotonic() < hard_stop and not isinstance(exc, TransferTimeoutError):
+                    if time.monotonic() < hard_stop and not isinstance(failed, TransferTimeoutError):
                         raise
                     res.incomplete += 1
                     break
