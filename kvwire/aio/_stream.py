@@ -574,9 +574,16 @@ class Pump:
         """``stream``'s connection is gone (after the core saw its EOF)."""
 
     def arm_timer(self) -> None:
-        """Keep the one timer at the core's ``get_timer()``."""
+        """Keep the one timer at or before the core's ``get_timer()``.
+
+        A timer armed earlier than the core now asks for stays: when it fires, the core
+        finds nothing due yet (its ``handle_timer`` acts only on what is due) and the
+        timer is armed again then.  Every frame received moves the connection's idle
+        deadline later, so re-arming at once would cancel and make a loop timer per read.
+        """
         when = None if self.closed else self.core.get_timer()
-        if when != self._timer_at:
+        armed = self._timer_at
+        if when != armed and not (self._timer is not None and armed is not None and (when is None or armed < when)):
             if self._timer is not None:
                 self._timer.cancel()
             self._timer_at = when
