@@ -353,7 +353,9 @@ class Peer(Pump):
                       self.port, self.resumes, self.options.max_reconnects)
         if self._opening and self._open_error is None and not (ev.resumed and self._session_made):
             # (a later stream of a session already made is reconnected like any other)
-            self._open_error = closed.error or ConnectionLostError(ev.reason)
+            # The core's verdict first: a session lost for the server's clean GOAWAY says
+            # the GOAWAY's reason, not that a stream closed.
+            self._open_error = self.core.broken or closed.error or ConnectionLostError(ev.reason)
 
     def _on_given_up(self, ev: StreamGivenUp) -> None:
         """A slot the session goes on without: with a fixed stream count, ``open()`` fails

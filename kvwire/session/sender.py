@@ -215,6 +215,11 @@ COMPLETED_KEPT = 1024
 #: RESETs of its own a session keeps to say again (docs/protocol.md 6.3): the latest ones.
 RESETS_KEPT = 256
 
+#: Why a stream closed before its WELCOME by a clean GOAWAY without a message is gone: a
+#: server says only the code before the client proved the secret (docs/protocol.md 5.8).
+HANDSHAKE_GOODBYE = ("the server closed the connection during the handshake with a clean GOAWAY "
+                     "(NO_ERROR, no reason given: a kvwire server does so as it shuts down)")
+
 #: Counters a session keeps (see ``kvwire.aio.Peer.statistics``).
 COUNTERS = ("resumes", "reconnects", "chunks_resent", "goaways_received", "authentication_failures",
             "transfers_reset_by_peer")
@@ -719,7 +724,8 @@ class SenderCore:
         if ev.goaway and ev.by_peer:
             self.counters["goaways_received"] += 1
             if ev.code == ErrorCode.NO_ERROR:
-                self._goodbye = ev.message or "the server closed the session"
+                self._goodbye = ev.message or self._goodbye or (
+                    "the server closed the session" if was_open else HANDSHAKE_GOODBYE)
         if isinstance(ev.error, AuthenticationError):
             self.counters["authentication_failures"] += 1
         resumed = self.broken is None and self._closed_resumes(index, ev, was_open, now)
@@ -729,9 +735,19 @@ class SenderCore:
         """What a closed stream means for the session; whether the session goes on."""
         cfg = self.config
         if self.session_id == NO_SESSION:
-            self._break(ev.error or ConnectionLostError("the first stream closed during the handshake"))
+            if ev.goaway and ev.by_peer and ev.code == ErrorCode.NO_ERROR and self._goodbye is not None:
+                # The server closed on purpose (a kvwire server shutting down): say its
+                # reason, not only that the connection closed during the handshake.
+                self._break(ConnectionLostError(self._goodbye))
+            else:
+                self._break(ev.error or ConnectionLostError("the first stream closed during the handshake"))
             return False
         lost = ev.error or ConnectionLostError(f"stream {index} closed")
+        if ev.goaway and ev.by_peer and ev.code == ErrorCode.NO_ERROR and not was_open:
+            # A join (or rejoin) the server closed on purpose before its WELCOME (a kvwire
+            # server shutting down): the session is lost for the server's goodbye.
+            self._lose(lost)
+            return False
         if ev.code == ErrorCode.LIMIT_EXCEEDED and ev.error is not None and not was_open:
             # A join the server refused: the session has as many streams as it allows.
             # The session goes on with the streams it has; this slot is not retried.

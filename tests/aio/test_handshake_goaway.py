@@ -1,0 +1,123 @@
+"""A server that closes a client's stream with a GOAWAY during its handshake fails
+``connect()`` with what that GOAWAY says: the error class of its code and its message.
+A clean GOAWAY (NO_ERROR: the server shutting down) made it "connection closed during the
+handshake", as for a connection that merely broke."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import pytest
+
+import kvwire
+from kvwire.errors import ErrorCode
+from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
+from kvwire.wire.frames import Challenge, encode_frame
+from tests.conftest import SECRET
+
+pytestmark = pytest.mark.timeout(60)
+
+SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=16, model="a")
+#: Bytes of the server's CHALLENGE on the wire: what a stream gets before it sends AUTH.
+CHALLENGE_BYTES = sum(len(p) for p in encode_frame(Challenge(version=2, nonce=bytes(32))))
+
+
+async def _until(what: Callable[[], bool]) -> None:
+    async def wait() -> None:
+        while not what():
+            await asyncio.sleep(0.01)
+    await asyncio.wait_for(wait(), 20)
+
+
+def _from_server(proxy: FaultProxy, index: int) -> int:
+    """Bytes the server wrote on proxied connection ``index`` so far (held ones too)."""
+    if len(proxy.connections) <= index or (pipe := proxy.connections[index].backward) is None:
+        return 0
+    return pipe.bytes_in
+
+
+async def _refused(port: int, **options: object) -> kvwire.KvwireError:
+    with pytest.raises(kvwire.KvwireError) as info:
+        await asyncio.wait_for(kvwire.connect("127.0.0.1", port, **{"secret": SECRET, **options}).open(), 20)
+    return info.value
+
+
+@pytest.mark.parametrize(("why", "options", "error", "message"), [
+    ("wrong secret", {"secret": b"wrong-secret-0123"}, kvwire.AuthenticationError, "authentication failed"),
+    ("layout", {"spec": kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=16, model="b")},
+     kvwire.IncompatiblePeerError, "this server does not accept that KV layout"),
+    ("max_sessions", {}, kvwire.LimitExceededError, "server has reached max_sessions"),
+])
+async def test_a_refused_first_stream_says_the_refusal(
+    why: str, options: dict[str, object], error: type[kvwire.KvwireError], message: str,
+) -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, spec=SPEC, max_sessions=1) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET):  # the one session allowed
+            exc = await _refused(server.port, **options)
+    assert type(exc) is error and str(exc) == message
+
+
+async def test_a_server_timing_out_the_handshake_says_timeout() -> None:
+    """The server's handshake deadline passes while its CHALLENGE is held on the way."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, handshake_timeout=0.3) as server:
+        async with FaultProxy("127.0.0.1", server.port, plan=FaultPlan(backward=Faults(stall_at=0))) as proxy:
+            opening = asyncio.ensure_future(_refused(proxy.port, connect_timeout=30))
+            await _until(lambda: _from_server(proxy, 0) > CHALLENGE_BYTES)  # CHALLENGE, then its GOAWAY
+            proxy.resume(0)
+            exc = await opening
+    assert isinstance(exc, kvwire.TransferTimeoutError) and exc.code == ErrorCode.TIMEOUT
+
+
+async def test_a_server_shutting_down_before_auth_says_it_closed_on_purpose() -> None:
+    """The server closes while its CHALLENGE is held on the way: its GOAWAY(NO_ERROR) has
+    no message (an unauthenticated client learns only the code), and connect() said
+    "connection closed during the handshake", as for a break."""
+    server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
+    async with server, FaultProxy("127.0.0.1", server.port, plan=FaultPlan(backward=Faults(stall_at=0))) as proxy:
+        opening = asyncio.ensure_future(_refused(proxy.port, connect_timeout=30))
+        await _until(lambda: _from_server(proxy, 0) > 0)
+        await server.close()
+        proxy.resume(0)
+        exc = await opening
+    assert type(exc) is kvwire.ConnectionLostError
+    assert str(exc).startswith("the server closed the connection during the handshake with a clean GOAWAY"), exc
+    assert "shuts down" in str(exc)
+
+
+async def test_a_server_shutting_down_after_its_welcome_says_why() -> None:
+    """The server closes once it sent WELCOME, held on the way with the GOAWAY behind it:
+    connect() fails with the GOAWAY's reason, as send() does for a session the server
+    closed (it said "stream 0 closed by server (GOAWAY NO_ERROR: ...)")."""
+    server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
+    plan = FaultPlan(backward=Faults(stall_at=CHALLENGE_BYTES))
+    async with server, FaultProxy("127.0.0.1", server.port, plan=plan) as proxy:
+        opening = asyncio.ensure_future(_refused(proxy.port, connect_timeout=30))
+        await _until(lambda: _from_server(proxy, 0) > CHALLENGE_BYTES)  # the WELCOME
+        await server.close()
+        proxy.resume(0)
+        exc = await opening
+    assert type(exc) is kvwire.ConnectionLostError
+    assert str(exc) == "the server is shutting down" and exc.code == ErrorCode.SESSION_LOST
+
+
+async def test_a_server_shutting_down_while_a_stream_joins_says_it_closed_on_purpose() -> None:
+    """Stream 0 is open, stream 1's CHALLENGE held on the way, when the server closes; stream
+    1's clean GOAWAY arrives first (stream 0's is held): connect() said "connection closed
+    during the handshake"."""
+    server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
+    stall_joins = FaultPlan(backward=Faults(stall_at=0))
+    async with server, FaultProxy("127.0.0.1", server.port, plan=lambda i: stall_joins if i else FaultPlan()) as proxy:
+        opening = asyncio.ensure_future(_refused(proxy.port, streams=2, connect_timeout=30))
+        await _until(lambda: _from_server(proxy, 1) > 0)
+        proxy.stall(0)
+        await server.close()
+        proxy.resume(1)
+        try:
+            exc = await opening
+        finally:
+            with contextlib.suppress(IndexError):
+                proxy.resume(0)
+    assert type(exc) is kvwire.ConnectionLostError and exc.code == ErrorCode.SESSION_LOST
+    assert str(exc).startswith("the server closed the connection during the handshake with a clean GOAWAY"), exc
