@@ -179,6 +179,19 @@ async def _execute_unretried(self: PubSub, conn: Any, command: Any, *args: Any, 
         raise
 
 
+async def _subscribed(pubsub: PubSub, channel: str, timeout: float) -> None:
+    """Subscribe ``pubsub`` to ``channel`` and wait for the server's confirmation, so
+    changes made after this returns are delivered (SUBSCRIBE and a later PUBLISH travel on
+    different connections); each step bounded by ``timeout``."""
+    await asyncio.wait_for(pubsub.subscribe(channel), timeout)
+    while True:
+        msg = await pubsub.get_message(timeout=timeout)
+        if msg is None:
+            raise RegistryUnavailableError("redis registry: no SUBSCRIBE confirmation")
+        if msg.get("type") == "subscribe":
+            return
+
+
 def _check_timeout(timeout: object) -> float:
     """``timeout`` as a float, or :class:`UsageError` unless it is a finite number > 0."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
@@ -215,22 +228,30 @@ class RedisWatcher:
     ``timeout`` more; its connection is then dropped, so the next read subscribes anew.
     The registry holds its watchers weakly: one abandoned without ``aclose`` (a ``break``
     out of a bare ``async for``) closes its subscription once garbage collected.
+    ``aclose`` (or the registry's ``close()``) ends a watcher whatever it is waiting for:
+    a read, or a first read or ``async with`` still subscribing (connecting, or awaiting the
+    server's confirmation), stops (``StopAsyncIteration``; ``async with`` enters the ended
+    watcher), and its connection is closed.
     """
 
     def __init__(self, registry: RedisRegistry) -> None:
         self._registry = registry
         self._pubsub: PubSub | None = None
         self._reading: asyncio.Event | None = None
+        self._subscribing: asyncio.Future[None] | None = None
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
         self._heard = 0.0  # loop time the server was last heard from (a message, a reply)
         self._pinged: float | None = None  # loop time of the PING awaiting its reply
 
-    async def _subscribe(self) -> PubSub:
+    async def _subscribe(self) -> PubSub | None:
+        """The watcher's subscription, made at its first use; ``None`` once the watcher is
+        closed, and when it is closed (its own :meth:`aclose`, the registry's ``close()``)
+        while subscribing: the subscription is stopped and its connection released."""
         if self._pubsub is not None:
             return self._pubsub
         if self._closed:
-            raise StopAsyncIteration
+            return None
         # As watch() on a closed registry: a watcher made before close() and first used
         # after it would otherwise subscribe on the closed registry's client.
         self._registry._live()
@@ -243,24 +264,34 @@ class RedisWatcher:
             self, _close_abandoned, asyncio.get_running_loop(), self._registry, pubsub
         )
         self._finalizer.atexit = False
-        channel = self._registry.layout.channel
+        # In a task of its own, which aclose() cancels: connecting and the confirmation
+        # are not bounded by _POLL_S as a later read is, and aclose() must not close the
+        # connection under them (nor find none yet to close while the pool connects it).
+        subscribing = asyncio.ensure_future(
+            _subscribed(pubsub, self._registry.layout.channel, self._registry.timeout)
+        )
+        self._subscribing = subscribing
         try:
-            await asyncio.wait_for(pubsub.subscribe(channel), self._registry.timeout)
-            # Wait for the server's confirmation, so changes made after this returns are
-            # delivered (SUBSCRIBE and a later PUBLISH travel on different connections).
-            while True:
-                msg = await pubsub.get_message(timeout=self._registry.timeout)
-                if msg is None:
-                    raise RegistryUnavailableError("redis registry: no SUBSCRIBE confirmation")
-                if msg.get("type") == "subscribe":
-                    break
-            self._heard, self._pinged = asyncio.get_running_loop().time(), None
-        except (RedisError, OSError) as exc:  # TimeoutError among them
+            await subscribing  # a cancellation of the caller cancels it too
+        except BaseException as exc:
+            # Closed meanwhile (aclose() cancelled the subscription, or a connection it
+            # closed failed it), unless this reader was cancelled itself.
+            task = asyncio.current_task()
+            ended = self._closed and (
+                isinstance(exc, Exception)
+                or (isinstance(exc, asyncio.CancelledError) and not (task is not None and task.cancelling()))
+            )
             await self.aclose()
-            raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc!r}") from exc
-        except BaseException:
-            await self.aclose()
+            if ended:
+                return None  # closed meanwhile: ended, as a subscribed watcher is by close()
+            if isinstance(exc, (RedisError, OSError)):  # TimeoutError among them
+                raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc!r}") from exc
             raise
+        finally:
+            self._subscribing = None
+        if self._closed:  # closed as the confirmation came: aclose() closed the pubsub
+            return None
+        self._heard, self._pinged = asyncio.get_running_loop().time(), None
         return pubsub
 
     async def __aenter__(self) -> Self:
@@ -280,6 +311,8 @@ class RedisWatcher:
 
     async def __anext__(self) -> VersionedBlock:
         pubsub = await self._subscribe()
+        if pubsub is None:
+            raise StopAsyncIteration
         self._reading = asyncio.Event()
         loop = asyncio.get_running_loop()
         timeout = self._registry.timeout
@@ -352,6 +385,10 @@ class RedisWatcher:
     async def aclose(self) -> None:
         self._closed = True
         self._registry._watchers.discard(self)
+        subscribing = self._subscribing
+        if subscribing is not None and not subscribing.done():
+            subscribing.cancel()  # its reader ends (StopAsyncIteration) once it has stopped
+            await asyncio.wait({subscribing})
         if self._reading is not None:
             await self._reading.wait()
         await self._close_pubsub()
