@@ -94,6 +94,10 @@ class Bridge:
         # Held by the close() under way: another thread's close() waits for it to end.
         self._close_lock = threading.Lock()
         self._close_finished = False
+        # Set once the loop thread's run ended (the loop closed): nothing runs on it any
+        # more.  Events given to when_ended() are set then.
+        self._ended = False
+        self._end_events: weakref.WeakSet[threading.Event] = weakref.WeakSet()
         self._thread.start()
         self._ready.wait()
 
@@ -117,6 +121,11 @@ class Bridge:
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             finally:
                 self.loop.close()
+                with self._lock:
+                    self._ended = True
+                    events = list(self._end_events)
+                for event in events:
+                    event.set()
 
     @property
     def closed(self) -> bool:
@@ -163,6 +172,22 @@ class Bridge:
             if self._closed:
                 raise ConnectionLostError("the kvwire bridge is closed")
             self.loop.call_soon_threadsafe(fn, *args)
+
+    def when_ended(self, event: threading.Event) -> None:
+        """Set ``event`` once the loop thread's run ended (at once if it has): nothing
+        runs on the loop after that.  The bridge keeps ``event`` weakly."""
+        with self._lock:
+            if not self._ended:
+                self._end_events.add(event)
+                return
+        event.set()
+
+    def call_soon_while_running(self, fn: Any) -> None:
+        """Schedule ``fn`` on the loop even when this is closed, as long as the loop is not:
+        what a close under way (or one that gave up on a held-up loop) has not ended yet
+        still runs it before the loop ends."""
+        with contextlib.suppress(RuntimeError):  # (the loop is closed: nothing runs any more)
+            self.loop.call_soon_threadsafe(fn)
 
     def watch(self, handle: ReceiveHandle) -> None:
         with self._lock:
@@ -408,15 +433,15 @@ class ReceiveHandle:
     def abort(self, reason: str = "", timeout: float = 5.0) -> bool:
         """Stop receiving: the sender is told (when the transfer began) and waiters fail.
 
-        From another thread it returns once the loop has stopped the transfer (at most
-        ``timeout`` seconds), so the caller may reuse the destination's memory then: no
-        chunk is written into it afterwards.  Returns whether that is so: False when the
-        loop did not get to it within ``timeout`` (a loop held up elsewhere), and a chunk
-        may still be written into the destination.  ``timeout``: a finite number >= 0."""
+        From another thread it returns once the loop has stopped the transfer, or has
+        ended (at most ``timeout`` seconds), so the caller may reuse the destination's
+        memory then: no chunk is written into it afterwards.  A closed bridge is no
+        exception: its loop runs until its close ended.  Returns whether that is so: False
+        when the loop did not get to it within ``timeout`` (a loop held up elsewhere, a
+        close under way on it), and a chunk may still be written into the destination.
+        ``timeout``: a finite number >= 0."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted{': ' + reason if reason else ''}"))
-        if self._bridge.closed:
-            return True
 
         def cancel() -> None:
             t = self._transfer
@@ -439,7 +464,12 @@ class ReceiveHandle:
         if self._bridge.in_loop_thread():
             cancel()
             return True
+        # Done once the loop stopped the transfer, or once the loop thread ended (nothing
+        # writes into the destination then).  A closed bridge's loop may still run: its
+        # close under way, or one that gave up on a loop held up elsewhere, has not ended
+        # it yet, and what is still on it may write a chunk until it ends.
         done = threading.Event()
+        self._bridge.when_ended(done)
 
         def cancel_and_tell() -> None:
             try:
@@ -449,8 +479,8 @@ class ReceiveHandle:
 
         try:
             self._bridge.call_soon(cancel_and_tell)
-        except ConnectionLostError:  # the bridge closed meanwhile: nothing runs any more
-            return True
+        except ConnectionLostError:  # closed: stopped by the loop if it still runs, else by its end
+            self._bridge.call_soon_while_running(cancel_and_tell)
         return done.wait(timeout)
 
 

@@ -1,0 +1,111 @@
+"""kvwire.sync: what the blocking API does around a bridge's loop thread: a receive aborted
+while the bridge closes, a caller interrupted while it waits, a forked child, closes racing
+each other, and arguments it refuses at once.  Real loopback sockets."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.paged import PagedDestination, PagedSpec, gather_layer
+from kvwire.sync import Bridge, SyncPeer, SyncServer
+from tests.conftest import SECRET
+
+pytestmark = pytest.mark.timeout(90)
+
+SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32")
+
+
+def until(cond: Any, within: float = 30.0) -> bool:
+    """Whether ``cond()`` became true within ``within`` s (polled)."""
+    end = time.monotonic() + within
+    while not cond():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@contextlib.contextmanager
+def held(bridge: Bridge) -> Iterator[threading.Event]:
+    """``bridge``'s loop held up by a callback until the block ends (or the event is set)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(60)
+
+    bridge.loop.call_soon_threadsafe(hold)
+    assert entered.wait(30)
+    try:
+        yield release
+    finally:
+        release.set()
+
+
+# -- 1. ReceiveHandle.abort() on a bridge that is closing ------------------------------------
+
+PAGED = PagedSpec(num_layers=3, block_shape=(2, 8, 16), dtype="float32")
+IDS = list(range(16))
+
+
+def _receive_held_up(bridge: Bridge, peer: SyncPeer, server: SyncServer,
+                     dst: list[np.ndarray]) -> tuple[Any, threading.Event, contextlib.ExitStack]:
+    """A paged receive into ``dst`` whose layer 0 arrived and whose layers 1 and 2 wait in
+    the socket while ``bridge``'s loop is held up: (its handle, the hold's release, the
+    stack that releases it)."""
+    rng = np.random.default_rng(0)
+    src = [rng.standard_normal((16, 2, 8, 16)).astype(np.float32) + 10 for _ in range(3)]
+    h = server.expect("r", into=PagedDestination(PAGED, dst, IDS), timeout=60)
+    s = peer.begin("r", PAGED.wire_spec())
+    s.send_layer(*gather_layer(PAGED, src[0], IDS))
+    h.wait_layer(0, 30)
+    stack = contextlib.ExitStack()
+    release = stack.enter_context(held(bridge))
+    s.send_layer(*gather_layer(PAGED, src[1], IDS))
+    s.send_layer(*gather_layer(PAGED, src[2], IDS))
+    return h, release, stack
+
+
+@pytest.mark.parametrize("closing", ["under way", "given up"])
+def test_abort_on_a_closing_bridge_returns_true_only_once_nothing_writes(closing: str) -> None:
+    """abort() returned True as soon as the bridge was marked closed, while its loop (held
+    up, its close under way in another thread or given up on) still ran and then wrote the
+    chunks waiting in the socket into the destination the caller had been told to reuse."""
+    bridge = Bridge("shared")
+    server = SyncServer(secret=SECRET, bridge=bridge)
+    dst = [np.zeros((16, 2, 8, 16), np.float32) for _ in range(3)]
+    with SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h, release, stack = _receive_held_up(bridge, peer, server, dst)
+        with stack:
+            closer = threading.Thread(target=bridge.close, kwargs={"timeout": 30 if closing == "under way" else 0})
+            closer.start()
+            if closing == "given up":
+                closer.join(30)
+                assert not closer.is_alive() and bridge._thread.is_alive()
+            assert until(lambda: bridge.closed)
+            assert h.abort("reuse the blocks", timeout=0.05) is False  # the loop is held: it may still write
+            release.set()
+            assert h.abort("reuse the blocks", timeout=30) is True
+        for d in dst:
+            d[:] = 0  # reused
+        closer.join(30)
+        bridge._thread.join(30)
+        assert not bridge._thread.is_alive()
+        assert not any(d.any() for d in dst)
+
+
+def test_abort_after_the_loop_ended_returns_true_at_once() -> None:
+    bridge = Bridge("shared")
+    server = SyncServer(secret=SECRET, bridge=bridge)
+    h = server.expect("r")
+    bridge.close()
+    assert not bridge._thread.is_alive()
+    assert h.abort(timeout=0) is True
