@@ -44,6 +44,21 @@ def _on_terminate(signum: int, frame: object) -> None:
 _TERMINATING: dict[int, str] = {signal.SIGTERM: "terminated", signal.SIGHUP: "hangup"}
 
 
+def _stopped(why: str, code: int, previous: dict[int, Any]) -> int:
+    """The run was stopped by a signal and has cleaned up: say why, and return ``code``.
+    Another signal now (Ctrl-C pressed twice, a supervisor's second SIGTERM) has nothing
+    left to stop: it is ignored until :func:`main` returns (which puts back the handlers
+    kept in ``previous``), instead of being raised out of it as a traceback."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, *_TERMINATING):
+            handler = signal.getsignal(signum)
+            if handler is not None:  # (None: set outside Python, so left alone)
+                signal.signal(signum, signal.SIG_IGN)
+                previous.setdefault(signum, handler)
+    print(why, file=sys.stderr)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,11 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except _Terminated as exc:
-        print(_TERMINATING.get(exc.signum, "terminated"), file=sys.stderr)
-        return 128 + exc.signum
+        return _stopped(_TERMINATING.get(exc.signum, "terminated"), 128 + exc.signum, previous)
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        return _stopped("interrupted", 130, previous)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
