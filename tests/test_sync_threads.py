@@ -4,6 +4,7 @@ each other, and arguments it refuses at once.  Real loopback sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 
 import kvwire
+from kvwire.aio import _sync
+from kvwire.errors import KvwireError
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
@@ -109,3 +112,67 @@ def test_abort_after_the_loop_ended_returns_true_at_once() -> None:
     bridge.close()
     assert not bridge._thread.is_alive()
     assert h.abort(timeout=0) is True
+
+
+# -- 2. a caller interrupted while it waits --------------------------------------------------
+
+class Interrupted(BaseException):
+    """Raised into a waiting thread, as a KeyboardInterrupt is."""
+
+
+def test_an_interrupted_send_does_not_go_on_in_the_background(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SyncPeer.send() interrupted while it waited (a KeyboardInterrupt) went on sending: the
+    receiver completed a transfer holding the arrays the caller had taken back."""
+    layers = [(np.full((4, 2, 16), i, np.float32), np.full((4, 2, 16), i, np.float32)) for i in range(3)]
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("r", timeout=60)
+        more = asyncio.Event()
+
+        async def produce() -> Any:
+            yield layers[0]
+            await more.wait()  # the rest comes after the caller was interrupted
+            for layer in layers[1:]:
+                yield layer
+
+        def interrupted_wait(fut: Any, timeout: float | None) -> bool:
+            h.wait_layer(0, 30)  # the send is under way
+            raise Interrupted
+
+        monkeypatch.setattr(_sync, "wait_done", interrupted_wait)
+        with pytest.raises(Interrupted):
+            peer.send("r", SPEC, produce(), timeout=60)
+        monkeypatch.undo()
+        peer.bridge.loop.call_soon_threadsafe(more.set)
+        with pytest.raises(KvwireError):
+            h.wait(30)
+        assert not h.done
+        # the peer goes on
+        h2 = server.expect("r2", timeout=60)
+        assert peer.send("r2", SPEC, layers, timeout=60).request_id == "r2"
+        h2.wait(30)
+
+
+def test_an_interrupted_run_cancels_what_it_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    bridge = Bridge("shared")
+    try:
+        started, ended = threading.Event(), []
+
+        async def work() -> None:
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                ended.append("cancelled")
+                raise
+
+        def interrupted_wait(fut: Any, timeout: float | None) -> bool:
+            assert started.wait(30)
+            raise Interrupted
+
+        monkeypatch.setattr(_sync, "wait_done", interrupted_wait)
+        with pytest.raises(Interrupted):
+            bridge.run(work())
+        monkeypatch.undo()
+        assert until(lambda: ended == ["cancelled"])
+    finally:
+        bridge.close()

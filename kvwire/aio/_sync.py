@@ -145,7 +145,9 @@ class Bridge:
             return fut
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds)."""
+        """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds).
+        A wait that ends without it (its timeout, or anything raised into the waiting
+        thread, a KeyboardInterrupt) cancels it."""
         try:
             check_wait(timeout)  # before it runs: it is not left running
         except UsageError:
@@ -165,7 +167,14 @@ class Bridge:
                 return ConnectionLostError("the kvwire bridge was closed while the call ran")
             return TransferAbortedError("the call was cancelled on the bridge's loop")
 
-        return wait_result(fut, timeout, not_done=not_done, cancelled=cancelled)
+        try:
+            return wait_result(fut, timeout, not_done=not_done, cancelled=cancelled)
+        except BaseException:
+            # The caller gave up (KeyboardInterrupt, or any error raised into its wait):
+            # what it started does not go on behind its back (a send holding the arrays
+            # the caller now takes back).  Nothing to cancel when that was its own error.
+            fut.cancel()
+            raise
 
     def call_soon(self, fn: Any, *args: Any) -> None:
         with self._lock:
