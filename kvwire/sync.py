@@ -16,7 +16,8 @@ whose methods any thread may call:
   land in the caller's memory.
 
 No method blocks the loop thread, and calling a blocking one *from* the loop thread is
-refused (it could never return).  ``close()`` fails every waiter with
+refused (it could never return), as is any call in a child made by ``fork()`` on a bridge
+made before it (its loop thread runs in the parent only).  ``close()`` fails every waiter with
 :class:`~kvwire.ConnectionLostError` and joins the thread; a shared :class:`Bridge` closed
 first closes the servers and peers that run on it (their sockets do not outlive it).  The
 implementation lives in ``kvwire.aio`` (the only package that runs an event loop).

@@ -176,3 +176,89 @@ def test_an_interrupted_run_cancels_what_it_ran(monkeypatch: pytest.MonkeyPatch)
         assert until(lambda: ended == ["cancelled"])
     finally:
         bridge.close()
+
+
+# -- 3. a forked child ------------------------------------------------------------------------
+
+def _in_a_forked_child(calls: dict[str, Any], within: float = 30.0) -> dict[str, str]:
+    """Run ``calls`` in a child made by fork(): what each raised ("Type: message") or
+    "returned".  A child still blocked after ``within`` s is killed (its results so far)."""
+    import os
+    import select
+    import signal
+    import warnings
+
+    r, w = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (fork() in a process with threads)
+        pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(r)
+            for name, call in calls.items():
+                try:
+                    call()
+                    out = "returned"
+                except BaseException as exc:
+                    out = f"{type(exc).__name__}: {exc}"
+                os.write(w, f"{name}\t{out}".replace("\n", " ").encode() + b"\n")
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    end = time.monotonic() + within
+    try:
+        while True:
+            ready, _, _ = select.select([r], [], [], max(0.0, end - time.monotonic()))
+            if not ready:
+                break
+            chunk = os.read(r, 65536)
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(r)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    return dict(line.split("\t", 1) for line in data.decode().splitlines())  # type: ignore[misc]
+
+
+def test_in_a_forked_child_every_call_is_refused_naming_the_fork() -> None:
+    """A SyncPeer or SyncServer used in a child made by fork() hung there for good (the loop
+    thread runs in the parent only), whatever timeout it was given."""
+    from kvwire.sync import PendingPeer
+
+    layers = [(np.zeros((4, 2, 16), np.float32), np.zeros((4, 2, 16), np.float32))] * 3
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("parent's", timeout=60)
+        s = peer.begin("parent's", SPEC)
+        pending = PendingPeer(server.bridge, "127.0.0.1", server.port, secret=SECRET)
+        calls = {
+            "SyncPeer.send": lambda: peer.send("child's", SPEC, layers, timeout=2),
+            "SyncPeer.begin": lambda: peer.begin("child's", SPEC),
+            "SyncPeer.write_marks": lambda: peer.write_marks(2),
+            "SyncServer.expect": lambda: server.expect("child's", timeout=2),
+            "ReceiveHandle.wait": lambda: h.wait(None),
+            "ReceiveHandle.wait_layer": lambda: h.wait_layer(0, None),
+            "ReceiveHandle.abort": lambda: h.abort(timeout=2),
+            "SendHandle.send_layer": lambda: s.send_layer(*layers[0]),
+            "SendHandle.wait": lambda: s.wait(None),
+            "SendHandle.abort": lambda: s.abort(),
+            "PendingPeer.wait": lambda: pending.wait(None),
+            "PendingPeer.cancel": lambda: pending.cancel(2),
+            "Bridge.run": lambda: server.bridge.run(asyncio.sleep(0), 2),
+            "SyncPeer.close": lambda: peer.close(2),
+            "SyncServer.close": lambda: server.close(2),
+        }
+        got = _in_a_forked_child(calls)
+        assert set(got) == set(calls), got
+        for name, out in got.items():
+            assert out.startswith("UsageError: ") and "fork()" in out, (name, out)
+        # the parent's go on
+        for k, v in layers:
+            s.send_layer(k, v)
+        s.wait(30)
+        h.wait(30)
+        assert pending.wait(30)
+        pending.result().close()

@@ -7,7 +7,7 @@ import concurrent.futures
 import contextlib
 from typing import Any
 
-from kvwire.aio._sync import Bridge, SyncPeer, open_peer, wait_done, wait_result
+from kvwire.aio._sync import Bridge, SyncPeer, check_wait, open_peer, wait_done, wait_result
 from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.session.options import check_value
 
@@ -48,12 +48,15 @@ class PendingPeer:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait at most ``timeout`` s (``None``: until it ends) for the connect to end;
         whether it did.  Never raises the connect's error: :meth:`result` does."""
+        check_wait(timeout)
+        self._bridge.check_process()
         return wait_done(self._future, timeout)
 
     def result(self) -> SyncPeer:
         """The connected peer; raises the connect's error, :class:`~kvwire.ConnectionLostError`
         after :meth:`cancel` or when the bridge closed first, and
         :class:`~kvwire.UsageError` while not done (poll :meth:`done` first)."""
+        self._bridge.check_process()
         def cancelled() -> KvwireError:
             why = "the kvwire bridge was closed" if self._bridge.closed else "the connect was cancelled"
             return ConnectionLostError(f"{why} before it completed")
@@ -68,6 +71,7 @@ class PendingPeer:
         """Stop a connect still under way and wait (at most ``timeout`` s, a finite number
         >= 0) until its sockets are closed; nothing happens once it is done."""
         check_value("timeout", timeout, zero_ok=True)
+        self._bridge.check_process()
         if self._future.done() or self._bridge.closed:
             return
 

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import os
 import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -75,6 +76,8 @@ class Bridge:
         self.loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # The process whose thread runs the loop: a child made by fork() has no such thread.
+        self._pid = os.getpid()
         self._closed = False
         self._lock = threading.Lock()
         # Handles whose waiters wait on a condition of their own: woken when this closes,
@@ -134,8 +137,21 @@ class Bridge:
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def check_process(self) -> None:
+        """:class:`~kvwire.UsageError` in a child made by ``fork()``: the loop thread runs in
+        the parent only, so a call waiting on it there would never return."""
+        if os.getpid() != self._pid:
+            raise UsageError(
+                f"a kvwire.sync bridge made in process {self._pid} was used in process {os.getpid()}, a child "
+                "made by fork(): its loop thread does not run in the child (make a new SyncServer or SyncPeer there)")
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Schedule ``coro`` on the loop; a future any thread can wait on."""
+        try:
+            self.check_process()
+        except UsageError:
+            coro.close()
+            raise
         with self._lock:
             if self._closed:
                 coro.close()
@@ -150,6 +166,7 @@ class Bridge:
         thread, a KeyboardInterrupt) cancels it."""
         try:
             check_wait(timeout)  # before it runs: it is not left running
+            self.check_process()
         except UsageError:
             coro.close()
             raise
@@ -177,6 +194,7 @@ class Bridge:
             raise
 
     def call_soon(self, fn: Any, *args: Any) -> None:
+        self.check_process()
         with self._lock:
             if self._closed:
                 raise ConnectionLostError("the kvwire bridge is closed")
@@ -246,6 +264,7 @@ class Bridge:
         as long as its own steps would wait); one that failed (interrupted) may be
         called again."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
+        self.check_process()
         if self.in_loop_thread():
             raise UsageError("Bridge.close() from the loop thread")
         with self._lock:
@@ -408,6 +427,7 @@ class ReceiveHandle:
 
     def _wait_for(self, ready: Any, timeout: float | None, what: str) -> None:
         check_wait(timeout)
+        self._bridge.check_process()
         if self._bridge.in_loop_thread():
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
         with self._cond:
@@ -450,6 +470,7 @@ class ReceiveHandle:
         close under way on it), and a chunk may still be written into the destination.
         ``timeout``: a finite number >= 0."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
+        self._bridge.check_process()
         self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted{': ' + reason if reason else ''}"))
 
         def cancel() -> None:
@@ -532,6 +553,7 @@ class SyncServer:
         """Start waiting for ``request_id``'s transfer; returns at once."""
         check_request_id(request_id)  # at once, not from the wait
         check_seconds("timeout", timeout)
+        self.bridge.check_process()
         handle = ReceiveHandle(self.bridge, request_id, num_layers)
         with self._handles_lock:
             self._handles.add(handle)
@@ -543,6 +565,7 @@ class SyncServer:
         seconds (a finite number >= 0).  A server whose close did not complete in time is
         closed with its bridge."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
+        self.bridge.check_process()
         if self.bridge.closed:
             if self._own_bridge and not self.bridge.in_loop_thread():
                 self.bridge.close(timeout)  # (at once once closed; ends a close that failed)
@@ -604,6 +627,8 @@ class SendHandle:
 
         Raises the send's error; :class:`~kvwire.TransferAbortedError` after :meth:`abort`,
         :class:`~kvwire.ConnectionLostError` when the bridge closed under it."""
+        check_wait(timeout)
+        self._bridge.check_process()
         if self._bridge.in_loop_thread():
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
         assert self._future is not None
@@ -626,6 +651,7 @@ class SendHandle:
     def abort(self) -> None:
         """Give up on this transfer (the send is cancelled; waiters fail with
         :class:`~kvwire.TransferAbortedError`)."""
+        self._bridge.check_process()
         if self._future is not None:
             self._aborted = True
             self._future.cancel()
@@ -669,6 +695,7 @@ class SyncPeer:
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
         check_request_id(request_id)  # at once, not from wait() after every layer was queued
+        self.bridge.check_process()
         handle = SendHandle(self.bridge, request_id, spec.num_layers)
         handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
         return handle
@@ -700,6 +727,7 @@ class SyncPeer:
         seconds (a finite number >= 0).  A peer whose close did not complete in time is
         closed with its bridge."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
+        self.bridge.check_process()
         if self.bridge.closed:
             if self._own_bridge and not self.bridge.in_loop_thread():
                 self.bridge.close(timeout)  # (at once once closed; ends a close that failed)
