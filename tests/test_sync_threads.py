@@ -16,7 +16,7 @@ import pytest
 
 import kvwire
 from kvwire.aio import _sync
-from kvwire.errors import KvwireError
+from kvwire.errors import ConnectionLostError, KvwireError
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
@@ -262,3 +262,63 @@ def test_in_a_forked_child_every_call_is_refused_naming_the_fork() -> None:
         h.wait(30)
         assert pending.wait(30)
         pending.result().close()
+
+
+# -- 4. SyncPeer.close() on a shared bridge held up elsewhere ---------------------------------
+
+def call_in_thread(call: Any, within: float = 10.0) -> BaseException | str:
+    """What ``call()`` raised (or "returned"), from another thread; "blocked" if it did not
+    end within ``within`` s (the thread is a daemon)."""
+    out: list[BaseException | str] = []
+
+    def go() -> None:
+        try:
+            call()
+            out.append("returned")
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    t.join(within)
+    return out[0] if out else "blocked"
+
+
+def test_closing_a_peer_on_a_held_up_shared_bridge_fails_its_waiters() -> None:
+    """Documented: close() fails every waiter with ConnectionLostError, a loop held up
+    elsewhere too.  SyncServer.close() did; SyncPeer.close() left the threads waiting in
+    SendHandle.wait() and SyncPeer.send() waiting until the loop was free again."""
+    layer = (np.zeros((4, 2, 16), np.float32), np.zeros((4, 2, 16), np.float32))
+    bridge = Bridge("shared")
+    try:
+        with SyncServer(secret=SECRET) as server:
+            peer = SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge=bridge)
+            h1 = server.expect("handle", timeout=60)
+            s = peer.begin("handle", SPEC)
+            s.send_layer(*layer)
+            h1.wait_layer(0, 30)
+            h2 = server.expect("call", timeout=60)
+            more = asyncio.Event()
+
+            async def produce() -> Any:
+                yield layer
+                await more.wait()
+
+            waiters: dict[str, list[BaseException | str]] = {"SendHandle.wait": [], "SyncPeer.send": []}
+            calls = {"SendHandle.wait": lambda: s.wait(None),
+                     "SyncPeer.send": lambda: peer.send("call", SPEC, produce(), timeout=60)}
+            threads = [threading.Thread(target=lambda n=n: waiters[n].append(call_in_thread(calls[n], 60)),
+                                        daemon=True) for n in calls]
+            for t in threads:
+                t.start()
+            h2.wait_layer(0, 30)
+            with held(bridge):
+                peer.close(timeout=0.05)
+                for t in threads:
+                    t.join(10)
+                got = {n: w[0] if w else "blocked" for n, w in waiters.items()}
+                for name, err in got.items():
+                    assert isinstance(err, ConnectionLostError), (name, err)
+            assert until(lambda: peer.peer.closed)
+    finally:
+        bridge.close()

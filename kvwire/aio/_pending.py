@@ -19,6 +19,7 @@ class _OpenedPeer(SyncPeer):
     def __init__(self, bridge: Bridge, peer: Any) -> None:  # (not SyncPeer's: that one connects)
         self._own_bridge = False
         self.bridge = bridge
+        self._init_waiters()
         self._peer = peer
 
 

@@ -160,10 +160,14 @@ class Bridge:
             self._futures.add(fut)
             return fut
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None, *,
+            track: Callable[[concurrent.futures.Future[Any]], None] | None = None,
+            gone: Callable[[], KvwireError | None] | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (at most ``timeout`` seconds).
         A wait that ends without it (its timeout, or anything raised into the waiting
-        thread, a KeyboardInterrupt) cancels it."""
+        thread, a KeyboardInterrupt) cancels it.  ``track`` is given its future (whose
+        owner may cancel it, a peer closing), and ``gone()`` says why when it was
+        cancelled so (None: not by that owner)."""
         try:
             check_wait(timeout)  # before it runs: it is not left running
             self.check_process()
@@ -174,12 +178,17 @@ class Bridge:
             coro.close()
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
         fut = self.submit(coro)
+        if track is not None:
+            track(fut)
 
         def not_done() -> KvwireError:
             fut.cancel()  # nobody waits for it any more
             return TransferTimeoutError(f"not done in {timeout} s")
 
         def cancelled() -> KvwireError:
+            error = gone() if gone is not None else None
+            if error is not None:
+                return error
             if self._closed:
                 return ConnectionLostError("the kvwire bridge was closed while the call ran")
             return TransferAbortedError("the call was cancelled on the bridge's loop")
@@ -605,6 +614,7 @@ class SendHandle:
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._future: concurrent.futures.Future[Any] | None = None
         self._aborted = False
+        self._lost = False  # its peer closed: waiters fail with ConnectionLostError
 
     async def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
         for _ in range(self.num_layers):
@@ -626,7 +636,7 @@ class SendHandle:
         """Block until the receiver acknowledged everything; the :class:`~kvwire.Receipt`.
 
         Raises the send's error; :class:`~kvwire.TransferAbortedError` after :meth:`abort`,
-        :class:`~kvwire.ConnectionLostError` when the bridge closed under it."""
+        :class:`~kvwire.ConnectionLostError` when its peer or the bridge closed under it."""
         check_wait(timeout)
         self._bridge.check_process()
         if self._bridge.in_loop_thread():
@@ -634,7 +644,11 @@ class SendHandle:
         assert self._future is not None
 
         def cancelled() -> KvwireError:
-            if self._bridge.closed and not self._aborted:
+            if self._aborted:
+                return TransferAbortedError(f"send of {self.request_id!r} aborted")
+            if self._lost:
+                return ConnectionLostError(f"the peer was closed while sending {self.request_id!r}")
+            if self._bridge.closed:
                 return ConnectionLostError(f"the kvwire bridge was closed while sending {self.request_id!r}")
             return TransferAbortedError(f"send of {self.request_id!r} aborted")
 
@@ -654,6 +668,13 @@ class SendHandle:
         self._bridge.check_process()
         if self._future is not None:
             self._aborted = True
+            self._future.cancel()
+
+    def _lose(self) -> None:
+        """Its peer closed: a send not ended yet is cancelled, and its waiters fail with
+        :class:`~kvwire.ConnectionLostError` (at once, a loop held up elsewhere too)."""
+        if self._future is not None and not self._future.done():
+            self._lost = True
             self._future.cancel()
 
 
@@ -677,6 +698,7 @@ class SyncPeer:
                  start_timeout: float = 30.0, **options: Any) -> None:
         self._own_bridge = bridge is None
         self.bridge = bridge or Bridge("kvwire-peer")
+        self._init_waiters()
 
         try:
             self._peer: Any = start_on(self.bridge, open_peer(self.bridge, host, port, secret=secret, **options),
@@ -685,6 +707,23 @@ class SyncPeer:
             if self._own_bridge:
                 self.bridge.close()
             raise
+
+    def _init_waiters(self) -> None:
+        # What threads wait on (SendHandles, the futures of send() and the other blocking
+        # calls), failed by close() even when the loop is held up elsewhere and the peer's
+        # own close cannot run: weak, as SyncServer's handles.  Under the lock: close()
+        # lists them while other threads add to them.
+        self._handles: weakref.WeakSet[SendHandle] = weakref.WeakSet()
+        self._calls: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
+        self._waiters_lock = threading.Lock()
+        self._lost = False
+
+    def _track(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._waiters_lock:
+            self._calls.add(fut)
+
+    def _gone(self) -> KvwireError | None:
+        return ConnectionLostError("the peer was closed while the call ran") if self._lost else None
 
     @property
     def peer(self) -> Any:
@@ -698,6 +737,8 @@ class SyncPeer:
         self.bridge.check_process()
         handle = SendHandle(self.bridge, request_id, spec.num_layers)
         handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
+        with self._waiters_lock:
+            self._handles.add(handle)
         return handle
 
     def write_marks(self, timeout: float = 5.0) -> Any:
@@ -705,14 +746,14 @@ class SyncPeer:
         async def marks() -> Any:
             return self._peer.write_marks()
 
-        return self.bridge.run(marks(), timeout)
+        return self.bridge.run(marks(), timeout, track=self._track, gone=self._gone)
 
     def written_past(self, marks: Any, timeout: float = 5.0) -> bool:
         """Whether the streams wrote (or dropped) everything they held at ``marks``."""
         async def past() -> bool:
             return bool(self._peer.written_past(marks))
 
-        return bool(self.bridge.run(past(), timeout))
+        return bool(self.bridge.run(past(), timeout, track=self._track, gone=self._gone))
 
     def send(self, request_id: str, spec: KVSpec, layers: Any, *, timeout: float | None = None,
              **send_options: Any) -> Any:
@@ -720,7 +761,8 @@ class SyncPeer:
         as :meth:`kvwire.Peer.send`'s does (TransferTimeoutError; the receiver is told)."""
         # Peer.send ends on its own timeout: waiting here for less would cancel it, and its
         # receiver would be told of a cancelled sender instead of a timeout.
-        return self.bridge.run(self._peer.send(request_id, spec, layers, timeout=timeout, **send_options))
+        return self.bridge.run(self._peer.send(request_id, spec, layers, timeout=timeout, **send_options),
+                               track=self._track, gone=self._gone)
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the peer (and its own bridge); each step waits at most ``timeout``
@@ -737,6 +779,15 @@ class SyncPeer:
         with contextlib.suppress(KvwireError):
             # not disowned unless closed: the bridge's close then closes it
             self.bridge.run(self.bridge.close_owned(self._peer), timeout)
+        # Its close failed what it was sending: these are what it did not get to (a loop
+        # held up elsewhere), failed now as SyncServer's waiters are.
+        self._lost = True
+        with self._waiters_lock:
+            handles, calls = list(self._handles), list(self._calls)
+        for h in handles:
+            h._lose()
+        for fut in calls:
+            fut.cancel()
         if self._own_bridge:
             self.bridge.close(timeout)
 
