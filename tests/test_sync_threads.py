@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import select
+import signal
+import socket
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,9 +21,9 @@ import pytest
 
 import kvwire
 from kvwire.aio import _sync
-from kvwire.errors import ConnectionLostError, KvwireError
+from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
-from kvwire.sync import Bridge, SyncPeer, SyncServer
+from kvwire.sync import Bridge, PendingPeer, SyncPeer, SyncServer
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(90)
@@ -183,11 +188,6 @@ def test_an_interrupted_run_cancels_what_it_ran(monkeypatch: pytest.MonkeyPatch)
 def _in_a_forked_child(calls: dict[str, Any], within: float = 30.0) -> dict[str, str]:
     """Run ``calls`` in a child made by fork(): what each raised ("Type: message") or
     "returned".  A child still blocked after ``within`` s is killed (its results so far)."""
-    import os
-    import select
-    import signal
-    import warnings
-
     r, w = os.pipe()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # (fork() in a process with threads)
@@ -227,8 +227,6 @@ def _in_a_forked_child(calls: dict[str, Any], within: float = 30.0) -> dict[str,
 def test_in_a_forked_child_every_call_is_refused_naming_the_fork() -> None:
     """A SyncPeer or SyncServer used in a child made by fork() hung there for good (the loop
     thread runs in the parent only), whatever timeout it was given."""
-    from kvwire.sync import PendingPeer
-
     layers = [(np.zeros((4, 2, 16), np.float32), np.zeros((4, 2, 16), np.float32))] * 3
     with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
         h = server.expect("parent's", timeout=60)
@@ -322,3 +320,35 @@ def test_closing_a_peer_on_a_held_up_shared_bridge_fails_its_waiters() -> None:
             assert until(lambda: peer.peer.closed)
     finally:
         bridge.close()
+
+
+# -- 5. PendingPeer.cancel() on the bridge's loop thread --------------------------------------
+
+def test_pending_peer_cancel_from_the_loop_thread_is_refused() -> None:
+    """It did nothing there, silently: the connect went on, though cancel() returned."""
+    listener = socket.socket()  # accepts, never answers the handshake
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    bridge = Bridge("shared")
+    try:
+        pending = PendingPeer(bridge, "127.0.0.1", listener.getsockname()[1], secret=SECRET)
+        out: list[BaseException | str] = []
+        ran = threading.Event()
+
+        def on_loop() -> None:
+            try:
+                pending.cancel()
+                out.append("returned")
+            except BaseException as exc:
+                out.append(exc)
+            ran.set()
+
+        bridge.loop.call_soon_threadsafe(on_loop)
+        assert ran.wait(30)
+        assert isinstance(out[0], UsageError) and "loop thread" in str(out[0]), out
+        assert not pending.done()  # still under way: cancel() there changed nothing
+        pending.cancel(30)  # from this thread it does
+        assert pending.done()
+    finally:
+        bridge.close()
+        listener.close()

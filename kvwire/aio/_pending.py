@@ -70,9 +70,12 @@ class PendingPeer:
 
     def cancel(self, timeout: float = 10.0) -> None:
         """Stop a connect still under way and wait (at most ``timeout`` s, a finite number
-        >= 0) until its sockets are closed; nothing happens once it is done."""
+        >= 0) until its sockets are closed; nothing happens once it is done.  A blocking
+        call: from the bridge's own loop thread it is refused (:class:`~kvwire.UsageError`)."""
         check_value("timeout", timeout, zero_ok=True)
         self._bridge.check_process()
+        if self._bridge.in_loop_thread():  # (it did nothing there: its wait refused, silently)
+            raise UsageError("PendingPeer.cancel() from the bridge's own loop thread: it waits for that loop")
         if self._future.done() or self._bridge.closed:
             return
 
