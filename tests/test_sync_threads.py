@@ -352,3 +352,51 @@ def test_pending_peer_cancel_from_the_loop_thread_is_refused() -> None:
     finally:
         bridge.close()
         listener.close()
+
+
+# -- 6. closing a server or peer while another thread closes their shared bridge ---------------
+
+class _SignallingLock:
+    """A lock that tells when a given thread begins to acquire it."""
+
+    def __init__(self, lock: Any, thread: threading.Thread) -> None:
+        self._lock, self._thread, self.waiting = lock, thread, threading.Event()
+
+    def acquire(self, *args: Any, **kwargs: Any) -> bool:
+        if threading.current_thread() is self._thread:
+            self.waiting.set()
+        return bool(self._lock.acquire(*args, **kwargs))
+
+    def release(self) -> None:
+        self._lock.release()
+
+
+@pytest.mark.parametrize("what", ["server", "peer"])
+def test_close_waits_for_the_bridges_close_under_way_in_another_thread(what: str) -> None:
+    """Documented: a second close() waits for the first.  SyncServer.close() and
+    SyncPeer.close() on a shared bridge another thread was closing (its loop held up)
+    returned at once, the listening socket or the connection still open."""
+    bridge = Bridge("shared")
+    server = SyncServer(secret=SECRET, bridge=bridge if what == "server" else None)
+    peer = SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge=bridge) if what == "peer" else None
+    thing: Any = server if peer is None else peer
+    lock = bridge._close_lock = _SignallingLock(bridge._close_lock, threading.current_thread())  # type: ignore[assignment]
+    try:
+        with held(bridge) as release:
+            first = threading.Thread(target=bridge.close, kwargs={"timeout": 30})
+            first.start()
+            assert until(lambda: bridge.closed)
+            # once this thread waits in close(), the loop goes on (bounded: an old close never waits)
+            threading.Thread(target=lambda: (lock.waiting.wait(10), release.set()), daemon=True).start()
+            thing.close(timeout=30)
+            if peer is None:
+                assert server.server.closed
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection(("127.0.0.1", server.port), timeout=10).close()
+            else:
+                assert peer.peer.closed
+        first.join(30)
+        assert not first.is_alive() and not bridge._thread.is_alive()
+    finally:
+        bridge.close()
+        server.close()

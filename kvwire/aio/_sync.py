@@ -572,12 +572,15 @@ class SyncServer:
     def close(self, timeout: float = 5.0) -> None:
         """Close the server (and its own bridge); each step waits at most ``timeout``
         seconds (a finite number >= 0).  A server whose close did not complete in time is
-        closed with its bridge."""
+        closed with its bridge.  On a bridge another thread is closing it waits for that
+        close to end (as :meth:`Bridge.close` does)."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         self.bridge.check_process()
-        if self.bridge.closed:
-            if self._own_bridge and not self.bridge.in_loop_thread():
-                self.bridge.close(timeout)  # (at once once closed; ends a close that failed)
+        if self.bridge.closed:  # (closed by another thread, its close perhaps under way)
+            if not self.bridge.in_loop_thread():
+                # waits for the bridge's close under way (which closes this), at once once
+                # it ended, and ends a close that failed
+                self.bridge.close(timeout)
             return
         if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
             raise UsageError("SyncServer.close() from the bridge's own loop: await the server's close() there")
@@ -767,12 +770,15 @@ class SyncPeer:
     def close(self, timeout: float = 5.0) -> None:
         """Close the peer (and its own bridge); each step waits at most ``timeout``
         seconds (a finite number >= 0).  A peer whose close did not complete in time is
-        closed with its bridge."""
+        closed with its bridge.  On a bridge another thread is closing it waits for that
+        close to end (as :meth:`Bridge.close` does)."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         self.bridge.check_process()
-        if self.bridge.closed:
-            if self._own_bridge and not self.bridge.in_loop_thread():
-                self.bridge.close(timeout)  # (at once once closed; ends a close that failed)
+        if self.bridge.closed:  # (closed by another thread, its close perhaps under way)
+            if not self.bridge.in_loop_thread():
+                # waits for the bridge's close under way (which closes this), at once once
+                # it ended, and ends a close that failed
+                self.bridge.close(timeout)
             return
         if self.bridge.in_loop_thread():  # (it would wait on itself; nothing is closed)
             raise UsageError("SyncPeer.close() from the bridge's own loop: await the peer's close() there")
