@@ -400,3 +400,33 @@ def test_close_waits_for_the_bridges_close_under_way_in_another_thread(what: str
     finally:
         bridge.close()
         server.close()
+
+
+# -- 7. send options: begin() checks them as it is called --------------------------------------
+
+@pytest.mark.parametrize("options", [{"timeout": 0}, {"timeout": float("nan")}, {"bogus": 1}, {"layers": []},
+                                     {"codec": "nope"}, {"codec": 3}, {"deadline": 1.0, "codec": "raw"},
+                                     {"meta": "x"}, {"blocks": "ab"}, {"blocks": [(1,)]}])
+def test_begin_and_send_refuse_bad_send_options_at_once(options: dict[str, Any]) -> None:
+    """begin(timeout=0) or begin(bogus=1) returned a handle and raised only at wait(), after
+    every layer was queued (bogus=1: a raw TypeError, from send() too)."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        with pytest.raises(UsageError):
+            peer.begin("r", SPEC, **options)
+        if not {"timeout", "layers"} & set(options):  # (its own arguments)
+            with pytest.raises(UsageError):
+                peer.send("r", SPEC, [], **options)
+        assert peer.peer.core.transfers == 0
+
+
+def test_begin_reads_a_blocks_iterator_once() -> None:
+    """begin() checks blocks= as it is called: an iterator it read is not sent empty."""
+    layers = [(np.zeros((4, 2, 16), np.float32), np.zeros((4, 2, 16), np.float32))] * 3
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("r", timeout=60)
+        s = peer.begin("r", SPEC, blocks=iter([(7, 1), (8, 2)]), meta={"a": 1}, timeout=60)
+        for k, v in layers:
+            s.send_layer(k, v)
+        s.wait(30)
+        h.wait(30)
+        assert h.transfer.blocks == [(7, 1), (8, 2)]

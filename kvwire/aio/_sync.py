@@ -15,6 +15,9 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import kvwire
+from kvwire.aio._send import AUTO
+from kvwire.codec import get_codec
+from kvwire.consistency.blocks import block_pairs
 from kvwire.errors import (
     ConnectionLostError,
     KvwireError,
@@ -24,7 +27,7 @@ from kvwire.errors import (
     detached,
 )
 from kvwire.session.options import check_seconds, check_value
-from kvwire.session.sender import check_request_id
+from kvwire.session.sender import begin_fields, check_request_id
 from kvwire.spec import KVSpec, Layer
 
 T = TypeVar("T")
@@ -694,6 +697,32 @@ async def open_peer(bridge: Bridge, host: str, port: int, *, secret: bytes, **op
     return peer
 
 
+def check_send_options(peer: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """What :meth:`kvwire.Peer.send` checks of its options before anything is sent, checked
+    in the caller's thread (:meth:`SyncPeer.begin` returns before the send starts on the
+    loop): a :class:`~kvwire.UsageError` before anything changes.  The options to send
+    (``blocks`` read here once: an iterator is not read again)."""
+    params = inspect.signature(peer.send).parameters
+    for name in options:
+        param = params.get(name)
+        if param is None or param.kind is not inspect.Parameter.KEYWORD_ONLY:
+            raise UsageError(f"unknown send option {name!r}")
+    check_seconds("timeout", options.get("timeout"))
+    check_seconds("deadline", options.get("deadline"))
+    options = dict(options)
+    if options.get("blocks") is not None:
+        options["blocks"] = block_pairs(options["blocks"], "blocks")
+    begin_fields(options.get("meta"), options.get("blocks"))
+    codec = options.get("codec")
+    if codec is not None and not isinstance(codec, str):
+        raise UsageError(f"codec must be a codec's name, got {codec!r}")
+    if codec is not None and codec != AUTO:
+        get_codec(codec)
+    if options.get("deadline") is not None and (codec if codec is not None else peer.codec) != AUTO:
+        raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
+    return options
+
+
 class SyncPeer:
     """``kvwire.connect()`` on a background loop; :meth:`begin` / :meth:`send` from any thread."""
 
@@ -733,10 +762,13 @@ class SyncPeer:
         return self._peer
 
     def begin(self, request_id: str, spec: KVSpec, **send_options: Any) -> SendHandle:
-        """Start a transfer whose layers come later through :meth:`SendHandle.send_layer`."""
+        """Start a transfer whose layers come later through :meth:`SendHandle.send_layer`.
+        ``send_options`` are :meth:`kvwire.Peer.send`'s (``timeout``, ``codec``, ...),
+        checked here: one it refuses is a :class:`~kvwire.UsageError` before anything starts."""
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
         check_request_id(request_id)  # at once, not from wait() after every layer was queued
+        send_options = check_send_options(self._peer, send_options)  # (so are they)
         self.bridge.check_process()
         handle = SendHandle(self.bridge, request_id, spec.num_layers)
         handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
@@ -764,7 +796,8 @@ class SyncPeer:
         as :meth:`kvwire.Peer.send`'s does (TransferTimeoutError; the receiver is told)."""
         # Peer.send ends on its own timeout: waiting here for less would cancel it, and its
         # receiver would be told of a cancelled sender instead of a timeout.
-        return self.bridge.run(self._peer.send(request_id, spec, layers, timeout=timeout, **send_options),
+        send_options = check_send_options(self._peer, {**send_options, "timeout": timeout})
+        return self.bridge.run(self._peer.send(request_id, spec, layers, **send_options),
                                track=self._track, gone=self._gone)
 
     def close(self, timeout: float = 5.0) -> None:
