@@ -23,6 +23,7 @@ CRC is checked, so it changes no transfer state; only the verified chunk does.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import secrets
 from collections import OrderedDict, deque
@@ -89,8 +90,18 @@ TOMBSTONES_KEPT = 4096
 #: Recent RESETs of a session said again on every stream that joins it (see _Session.resets).
 _RESETS_KEPT = 256
 
+#: Completed transfers whose data is gone a session remembers (see _Session.completed).
+COMPLETED_KEPT = 4096
+#: Size of the deadline heap at which it is first compacted (see ``_compact_timers``).
+TIMERS_COMPACT_MIN = 1024
+
 Key = tuple[bytes, int]
 """A transfer's identity on a server: (session id, transfer id)."""
+
+
+def _request_digest(request_id: str) -> bytes:
+    """What a session keeps of a completed transfer's request id (at most 64 KiB): 8 bytes."""
+    return hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
 
 Allocate = Callable[[int], memoryview]
 #: Where a raw payload can be read straight into: one byte buffer, or several in order.
@@ -482,7 +493,10 @@ class _Session:
     # Why recent transfers failed: the code and text of their RESET (at most
     # WIRE_TEXT_LIMIT characters), the last TOMBSTONES_KEPT.
     tombstones: OrderedDict[int, tuple[ErrorCode, str]] = field(default_factory=OrderedDict)
-    completed: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    # Completed transfers the application has taken, the last COMPLETED_KEPT: their ids,
+    # each with a digest of its request id (a BEGIN repeating both is answered as a
+    # re-send, one with another request id is a duplicate).
+    completed: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
     # Transfers this side failed and told the client so: that RESET may have found no open
     # stream, or gone out on one that broke with it; a stream that joins says it again.
     resets: OrderedDict[int, None] = field(default_factory=OrderedDict)
@@ -512,6 +526,7 @@ class ReceiverCore:
         self._timers: list[tuple[float, int, tuple[int, Any]]] = []
         self._timer_at: dict[tuple[int, Any], float] = {}
         self._timer_seq = 0
+        self._timers_compact_at = TIMERS_COMPACT_MIN
         self.buffered_bytes = 0
         self.kept_bytes = 0
         """Of buffered_bytes: what the server remembers of its transfers besides their layers
@@ -786,7 +801,11 @@ class ReceiverCore:
     # of every connection and transfer.  An entry is a hint: the deadline's current value
     # (``_timer_value``) is the truth.  A deadline that moves later keeps its old entry,
     # which is replaced by the new value when it reaches the top; one that moves earlier
-    # or appears is pushed by ``_note``.
+    # or appears is pushed by ``_note``.  A deadline that goes away (a transfer completed
+    # or failed, a connection gone) leaves its entry until it reaches the top, minutes
+    # later for a transfer's: so once the heap has doubled since it was last compacted,
+    # ``_note`` drops every entry whose deadline is gone (a peer opening and ending
+    # transfers fast would otherwise grow it without bound, outside the buffer budget).
 
     def _timer_value(self, name: tuple[int, Any]) -> float | None:
         kind, ident = name
@@ -809,6 +828,16 @@ class ReceiverCore:
             self._timer_at[name] = when
             self._timer_seq += 1
             heapq.heappush(self._timers, (when, self._timer_seq, name))
+            if len(self._timers) >= self._timers_compact_at:
+                self._compact_timers()
+
+    def _compact_timers(self) -> None:
+        """Keep only the entries of deadlines that still exist, one per deadline (its
+        hint); next compaction once the heap has doubled again (amortized O(1) a push)."""
+        self._timer_at = {name: when for name, when in self._timer_at.items() if self._timer_value(name) is not None}
+        self._timers = [e for e in self._timers if self._timer_at.get(e[2]) == e[0]]
+        heapq.heapify(self._timers)
+        self._timers_compact_at = max(TIMERS_COMPACT_MIN, 2 * len(self._timers))
 
     def _timer_valid(self, name: tuple[int, Any], when: float) -> bool:
         """Whether the heap's top entry ``(when, name)`` is due as it says; if not, it is
@@ -1003,6 +1032,10 @@ class ReceiverCore:
             return
         if self._repeat_reset(sess, conn, tid):
             return
+        if sess.completed.get(tid) == _request_digest(begin.request_id):
+            # Re-sent, the transfer long complete and its data taken: every layer was granted.
+            conn.send_accept(tid, begin.num_layers)
+            return
         cfg = self.config
         try:
             if tid in sess.transfers or tid in sess.completed:
@@ -1030,10 +1063,10 @@ class ReceiverCore:
             begin_cid=cid,
         )
         # Completed transfers the application has taken leave only their id behind.
-        for old in [i for i, x in sess.transfers.items() if x.claimed and x.complete and not x.buffers]:
+        for old, x in [(i, x) for i, x in sess.transfers.items() if x.claimed and x.complete and not x.buffers]:
             del sess.transfers[old]
-            sess.completed[old] = None
-            while len(sess.completed) > 4096:
+            sess.completed[old] = _request_digest(x.begin.request_id)
+            while len(sess.completed) > COMPLETED_KEPT:
                 sess.completed.popitem(last=False)
         sess.transfers[tid] = t
         self._live[t.key] = t

@@ -1152,3 +1152,65 @@ def test_get_timer_is_the_earliest_deadline_of_all(actions: list[tuple[str, floa
         assert h.core.get_timer() == every_deadline(h.core)
         when = h.core.get_timer()
         assert action != "wait" or when is None or when > h.now  # nothing due is left behind
+
+
+# -- deadlines -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("end", ["reset by the client", "completed and taken"])
+def test_transfers_that_ended_leave_no_deadline_behind(end: str) -> None:
+    """A transfer's deadlines (transfer_timeout, claim_timeout: minutes) stay in the
+    server's timer heap only while it lives: a client opening and ending transfers as fast
+    as it can does not grow the server's memory outside its buffer budget."""
+    h = Harness()
+    n = 6 * receiver_module.TIMERS_COMPACT_MIN
+    for tid in range(1, n + 1):
+        h.client.send_begin(begin(tid, layers=1, request=f"r{tid}"))
+        h.pump()
+        key = h.of(TransferArrived)[-1].key
+        if end == "reset by the client":
+            h.client.send_reset(tid, ErrorCode.CANCELLED, "sender aborted")
+            h.pump()
+        else:
+            h.core.claim(key)
+            h.send(chunk(tid, layer=0, kind=0))
+            h.send(chunk(tid, layer=0, kind=1))
+            h.core.pop_layer(key, 0)
+        h.events.clear()
+    # Entries of ended transfers are dropped as the heap grows: it stays within twice the
+    # deadlines alive at its last compaction (here one connection's) or its first size.
+    assert not h.core._live
+    assert len(h.core._timer_at) <= len(h.core._timers) <= receiver_module.TIMERS_COMPACT_MIN
+    # Deadlines still work: one more transfer, never completed, times out.
+    h.client.send_begin(begin(n + 1, layers=1, request="late"))
+    h.pump()
+    h.now = h.core.get_timer() or 0.0
+    while h.now < 1e6 and not h.of(TransferFailed):
+        h.core.handle_timer(h.now)
+        h.pump()
+        h.now = h.core.get_timer() or 1e6
+    [failed] = h.of(TransferFailed)
+    assert failed.error.code in (ErrorCode.TIMEOUT, ErrorCode.CANCELLED)
+
+
+def test_a_begin_repeating_a_completed_transfer_is_answered_alike_before_and_after_its_data_is_gone() -> None:
+    """A re-sent BEGIN (same id, same request id) of a transfer that completed and was
+    taken gets ACCEPT, also once a later BEGIN made the server forget all but its id and
+    a digest of its request id; the id with another request id is a duplicate."""
+    h = complete_transfer(claim=True)
+    key = h.key
+    h.core.pop_layer(key, 0)
+    answers = []
+    for _ in range(2):
+        h.client_events.clear()
+        h.client.send_begin(begin(1, layers=1, request="r"))
+        h.pump()
+        answers.append([type(e).__name__ for e in h.client_events])
+        h.client.send_begin(begin(len(answers) + 1, layers=1, request=f"later{len(answers)}"))  # forgets transfer 1's data
+        h.pump()
+    assert answers == [["TransferAccepted"], ["TransferAccepted"]]
+    h.client_events.clear()
+    h.client.send_begin(begin(1, layers=1, request="another"))
+    h.pump()
+    [reset] = h.client_of(TransferReset)
+    assert reset.code == ErrorCode.DUPLICATE_TRANSFER
