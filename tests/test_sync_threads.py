@@ -430,3 +430,46 @@ def test_begin_reads_a_blocks_iterator_once() -> None:
         s.wait(30)
         h.wait(30)
         assert h.transfer.blocks == [(7, 1), (8, 2)]
+
+
+# -- 8. layer indexes, layer counts and bridges that are not ----------------------------------
+
+@pytest.mark.parametrize("index", ["0", None, 1.5, True, -1])
+def test_wait_layer_refuses_an_index_not_an_int_at_once(index: Any) -> None:
+    """wait_layer('0') and wait_layer(None) raised a raw TypeError, wait_layer(1.5) waited
+    for its timeout."""
+    with SyncServer(secret=SECRET) as server:
+        h = server.expect("r")
+        with pytest.raises(UsageError, match="layer index must be an int"):
+            h.wait_layer(index, timeout=30)
+        h.abort()
+
+
+@pytest.mark.parametrize("num_layers", ["3", -1, 0, 2.0, True, 70000])
+def test_expect_refuses_a_layer_count_not_an_int_at_once(num_layers: Any) -> None:
+    """expect(num_layers='3') made a handle whose wait_layer() raised a raw TypeError;
+    num_layers=-1 was taken (each wait_layer() then out of range)."""
+    with SyncServer(secret=SECRET) as server:
+        with pytest.raises(UsageError, match="num_layers must be an int"):
+            server.expect("r", num_layers=num_layers)
+
+
+def test_a_layer_index_or_count_may_be_a_numpy_int() -> None:
+    layers = [(np.full((4, 2, 16), i, np.float32), np.full((4, 2, 16), i, np.float32)) for i in range(3)]
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        h = server.expect("r", num_layers=np.int64(3), timeout=60)
+        with pytest.raises(UsageError, match="out of range"):
+            h.wait_layer(np.int32(3), 30)
+        peer.send("r", SPEC, layers, timeout=60)
+        assert h.wait_layer(np.int64(2), 30).index == 2
+
+
+def test_a_bridge_that_is_not_one_is_refused_at_once() -> None:
+    """SyncPeer(bridge='x') raised AttributeError and left a coroutine never awaited (a
+    RuntimeWarning, an error under this suite's filterwarnings)."""
+    with SyncServer(secret=SECRET) as server:
+        for make in (lambda: SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge="x"),  # type: ignore[arg-type]
+                     lambda: SyncServer(secret=SECRET, bridge="x"),  # type: ignore[arg-type]
+                     lambda: PendingPeer("x", "127.0.0.1", server.port, secret=SECRET)):  # type: ignore[arg-type]
+            with pytest.raises(UsageError, match="bridge must be a kvwire.sync.Bridge"):
+                make()

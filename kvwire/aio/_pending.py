@@ -34,6 +34,8 @@ class PendingPeer:
     bridge, or by its :meth:`SyncPeer.close`."""
 
     def __init__(self, bridge: Bridge, host: str, port: int, *, secret: bytes, **options: Any) -> None:
+        if not isinstance(bridge, Bridge):
+            raise UsageError(f"bridge must be a kvwire.sync.Bridge, got {bridge!r:.80}")
         self._bridge = bridge
         self._task: asyncio.Task[Any] | None = None
 

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
+import operator
 import os
 import threading
 import weakref
@@ -37,6 +38,27 @@ def check_wait(timeout: object) -> None:
     """:class:`~kvwire.UsageError` unless ``timeout`` is a wait's limit: a finite number of
     seconds >= 0, or None (no limit)."""
     check_value("timeout", timeout, none_ok=True, zero_ok=True)
+
+
+def check_index(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int (numpy's ints too, not a bool nor a float) in [``minimum``,
+    ``maximum``]; :class:`~kvwire.UsageError` otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(f"{name} must be an int, got {value!r}") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise UsageError(f"{name} must be an int {bound}, got {value!r}")
+    return number
+
+
+def check_bridge(bridge: object) -> None:
+    """:class:`~kvwire.UsageError` unless ``bridge`` is None or a :class:`Bridge`."""
+    if bridge is not None and not isinstance(bridge, Bridge):
+        raise UsageError(f"bridge must be a kvwire.sync.Bridge, got {bridge!r:.80}")
 
 
 def wait_done(fut: concurrent.futures.Future[Any], timeout: float | None) -> bool:
@@ -454,9 +476,8 @@ class ReceiveHandle:
             raise TransferTimeoutError(f"{what} of {self.request_id!r} not ready after {timeout} s")
 
     def wait_layer(self, index: int, timeout: float | None = None) -> Layer:
-        """Block until layer ``index`` has arrived; return it (raises the transfer's error)."""
-        if index < 0:
-            raise UsageError(f"layer {index} out of range")
+        """Block until layer ``index`` (an int) has arrived; return it (raises the transfer's error)."""
+        index = check_index("layer index", index, 0)
         if self._num_layers is not None and index >= self._num_layers:
             raise UsageError(f"layer {index} out of range: the transfer has {self._num_layers} layers")
         # Once the transfer arrived (or ended) its layer count is known: an index past it
@@ -531,6 +552,7 @@ class SyncServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
                  bridge: Bridge | None = None, start_timeout: float = 30.0, **options: Any) -> None:
+        check_bridge(bridge)
         self._own_bridge = bridge is None
         self.bridge = bridge or Bridge("kvwire-server")
         self._server: Any = None
@@ -562,9 +584,13 @@ class SyncServer:
 
     def expect(self, request_id: str, *, into: Any = None, timeout: float | None = None,
                num_layers: int | None = None) -> ReceiveHandle:
-        """Start waiting for ``request_id``'s transfer; returns at once."""
+        """Start waiting for ``request_id``'s transfer; returns at once.  ``num_layers``
+        (an int in [1, 65535]), when known, bounds :meth:`ReceiveHandle.wait_layer`'s
+        index before the transfer arrived."""
         check_request_id(request_id)  # at once, not from the wait
         check_seconds("timeout", timeout)
+        if num_layers is not None:
+            num_layers = check_index("num_layers", num_layers, 1, 0xFFFF)  # (KVSpec's range)
         self.bridge.check_process()
         handle = ReceiveHandle(self.bridge, request_id, num_layers)
         with self._handles_lock:
@@ -728,6 +754,7 @@ class SyncPeer:
 
     def __init__(self, host: str, port: int, *, secret: bytes, bridge: Bridge | None = None,
                  start_timeout: float = 30.0, **options: Any) -> None:
+        check_bridge(bridge)
         self._own_bridge = bridge is None
         self.bridge = bridge or Bridge("kvwire-peer")
         self._init_waiters()
