@@ -221,7 +221,7 @@ def _in_a_forked_child(calls: dict[str, Any], within: float = 30.0) -> dict[str,
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    return dict(line.split("\t", 1) for line in data.decode().splitlines())  # type: ignore[misc]
+    return dict(line.split("\t", 1) for line in data.decode().splitlines())
 
 
 def test_in_a_forked_child_every_call_is_refused_naming_the_fork() -> None:
@@ -387,7 +387,11 @@ def test_close_waits_for_the_bridges_close_under_way_in_another_thread(what: str
             first.start()
             assert until(lambda: bridge.closed)
             # once this thread waits in close(), the loop goes on (bounded: an old close never waits)
-            threading.Thread(target=lambda: (lock.waiting.wait(10), release.set()), daemon=True).start()
+            def release_once_waiting() -> None:
+                lock.waiting.wait(10)
+                release.set()
+
+            threading.Thread(target=release_once_waiting, daemon=True).start()
             thing.close(timeout=30)
             if peer is None:
                 assert server.server.closed
@@ -471,5 +475,5 @@ def test_a_bridge_that_is_not_one_is_refused_at_once() -> None:
         for make in (lambda: SyncPeer("127.0.0.1", server.port, secret=SECRET, bridge="x"),  # type: ignore[arg-type]
                      lambda: SyncServer(secret=SECRET, bridge="x"),  # type: ignore[arg-type]
                      lambda: PendingPeer("x", "127.0.0.1", server.port, secret=SECRET)):  # type: ignore[arg-type]
-            with pytest.raises(UsageError, match="bridge must be a kvwire.sync.Bridge"):
+            with pytest.raises(UsageError, match=r"bridge must be a kvwire\.sync\.Bridge"):
                 make()

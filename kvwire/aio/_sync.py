@@ -13,7 +13,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, SupportsIndex, TypeVar
 
 import kvwire
 from kvwire.aio._send import AUTO
@@ -475,18 +475,18 @@ class ReceiveHandle:
             assert not ok
             raise TransferTimeoutError(f"{what} of {self.request_id!r} not ready after {timeout} s")
 
-    def wait_layer(self, index: int, timeout: float | None = None) -> Layer:
+    def wait_layer(self, index: SupportsIndex, timeout: float | None = None) -> Layer:
         """Block until layer ``index`` (an int) has arrived; return it (raises the transfer's error)."""
-        index = check_index("layer index", index, 0)
-        if self._num_layers is not None and index >= self._num_layers:
-            raise UsageError(f"layer {index} out of range: the transfer has {self._num_layers} layers")
+        i = check_index("layer index", index, 0)
+        if self._num_layers is not None and i >= self._num_layers:
+            raise UsageError(f"layer {i} out of range: the transfer has {self._num_layers} layers")
         # Once the transfer arrived (or ended) its layer count is known: an index past it
         # is an error then, not a wait without end.
-        self._wait_for(lambda: index in self._layers or self._done or (
-            self._num_layers is not None and index >= self._num_layers), timeout, f"layer {index}")
-        if index not in self._layers:
-            raise UsageError(f"layer {index} out of range: the transfer has {self._num_layers} layers")
-        return self._layers[index]
+        self._wait_for(lambda: i in self._layers or self._done or (
+            self._num_layers is not None and i >= self._num_layers), timeout, f"layer {i}")
+        if i not in self._layers:
+            raise UsageError(f"layer {i} out of range: the transfer has {self._num_layers} layers")
+        return self._layers[i]
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every layer has arrived."""
@@ -583,16 +583,15 @@ class SyncServer:
         return self._server
 
     def expect(self, request_id: str, *, into: Any = None, timeout: float | None = None,
-               num_layers: int | None = None) -> ReceiveHandle:
+               num_layers: SupportsIndex | None = None) -> ReceiveHandle:
         """Start waiting for ``request_id``'s transfer; returns at once.  ``num_layers``
         (an int in [1, 65535]), when known, bounds :meth:`ReceiveHandle.wait_layer`'s
         index before the transfer arrived."""
         check_request_id(request_id)  # at once, not from the wait
         check_seconds("timeout", timeout)
-        if num_layers is not None:
-            num_layers = check_index("num_layers", num_layers, 1, 0xFFFF)  # (KVSpec's range)
+        layers = check_index("num_layers", num_layers, 1, 0xFFFF) if num_layers is not None else None  # (KVSpec's range)
         self.bridge.check_process()
-        handle = ReceiveHandle(self.bridge, request_id, num_layers)
+        handle = ReceiveHandle(self.bridge, request_id, layers)
         with self._handles_lock:
             self._handles.add(handle)
         self.bridge.submit(handle._run(self._server, into, timeout))
