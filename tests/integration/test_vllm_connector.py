@@ -592,14 +592,14 @@ def test_a_drain_asks_kvwires_loop_within_what_is_left_of_its_deadline(
     given: list[tuple[str, float]] = []
     real_run = Bridge.run
 
-    def run(bridge: Bridge, coro: Any, timeout: float | None = None) -> Any:
+    def run(bridge: Bridge, coro: Any, timeout: float | None = None, **kw: Any) -> Any:
         name = getattr(getattr(coro, "cr_code", None), "co_name", None)
         if name not in ("marks", "past"):
-            return real_run(bridge, coro, timeout)
+            return real_run(bridge, coro, timeout, **kw)
         assert timeout is not None
         given.append((name, round(timeout, 6)))
         if name == "marks":
-            return real_run(bridge, coro, timeout)
+            return real_run(bridge, coro, timeout, **kw)
         coro.close()
         clock[0] += timeout
         raise TransferTimeoutError(f"not done in {timeout} s")
