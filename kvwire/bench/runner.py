@@ -562,10 +562,18 @@ def _stopping_on(
     stopped: list[_Stop] = []
 
     def restore() -> None:
-        for signum, handler in previous.items():
-            loop.remove_signal_handler(signum)
-            signal.signal(signum, handler)
-        previous.clear()
+        # Removing the loop's handler sets the signal's default action until the previous
+        # handler is back: a signal in between would end the process, the server not
+        # closed.  Held back meanwhile, it reaches the previous handler.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, previous) if previous else None
+        try:
+            for signum, handler in previous.items():
+                loop.remove_signal_handler(signum)
+                signal.signal(signum, handler)
+            previous.clear()
+        finally:
+            if held is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     # (The loop's handler replaces the signal's while inside; restore() puts it back.)
 

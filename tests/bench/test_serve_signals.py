@@ -120,3 +120,43 @@ def test_a_second_signal_while_the_first_is_reported_is_ignored(
     assert proc.returncode == code, rest
     assert rest.strip().splitlines()[-1] == says, rest
     assert "Traceback" not in rest, rest
+
+
+#: ``_stopping_on`` left normally while a SIGTERM arrives just after the loop gave up its
+#: handler (which sets the default action) and before the program's own is back.
+_IN_THE_GAP = """
+import asyncio, signal
+from kvwire.bench.runner import _stopping_on
+
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+
+class Server:
+    async def close(self):
+        pass
+
+async def main():
+    loop = asyncio.get_running_loop()
+    remove = loop.remove_signal_handler
+
+    def remove_then_signal(signum):
+        done = remove(signum)
+        signal.raise_signal(signal.SIGTERM)
+        return done
+
+    loop.remove_signal_handler = remove_then_signal
+    with _stopping_on([signal.SIGTERM], Server(), loop.create_future()) as stopped:
+        pass
+    assert not stopped
+
+asyncio.run(main())
+print("handled" if got == [signal.SIGTERM] else f"got {got}")
+"""
+
+
+def test_a_signal_as_the_servers_handlers_are_given_back_reaches_the_programs_own() -> None:
+    """Between the loop's handler going and the program's coming back, a signal had the
+    default action: SIGTERM ended the process there.  It is held back until the program's
+    handler is back, which then gets it."""
+    done = subprocess.run([sys.executable, "-c", _IN_THE_GAP], capture_output=True, text=True, timeout=60, env=_env())
+    assert (done.returncode, done.stdout.strip()) == (0, "handled"), done.stderr
