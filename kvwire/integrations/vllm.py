@@ -32,6 +32,7 @@ preemption, prefix caching, prefix-block versions, block layout) and every setti
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import re
@@ -49,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from kvwire.codec import get_codec
-from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
+from kvwire.errors import ConnectionLostError, KvwireError, TransferTimeoutError, UsageError
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids, verify_blocks
 from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
 from kvwire.session.options import MAX_STREAMS, check_value
@@ -293,6 +294,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # blocks until written, so each waits for the streams to get past where they stood
         # (their write marks, with the time it failed) before its request counts as ended.
         self._draining: dict[str, tuple[Any, float]] = {}
+        # Async save: sends that ended while the connection's close is left to kvwire's
+        # loop (a bridge closed elsewhere, its loop held up): each counts as ended once
+        # the loop did (the event), as its streams may read the blocks until then.
+        self._unclosed: dict[str, threading.Event] = {}
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
         self._aborting: list[str] = []  # receives aborted in this hook, not yet known stopped
@@ -630,11 +635,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         producer that did not send) is let go of then."""
         assert self._server is not None and self._spec is not None
         dest = PagedDestination(self._spec, self._caches, block_ids)
-        self._dropping[req_id] = self._server.expect(
-            key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
-        )
+        with contextlib.suppress(ConnectionLostError):  # the server's bridge is closed: no transfer comes to drop
+            self._dropping[req_id] = self._server.expect(
+                key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
+            )
 
     #: seconds a hook waits, once for all the receives it aborted, for kvwire's loop to stop them
+    #: (and, after closing the connection on a bridge closed elsewhere, for the loop to end)
     _ABORT_WAIT = 5.0
 
     def _abort(self, req_id: str, handle: ReceiveHandle, reason: str) -> None:
@@ -660,15 +667,20 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _loop_mark(self) -> threading.Event | None:
         """An event kvwire's loop sets once it ran what was queued on it before (the stops
-        of the receives aborted so far, run in the order issued); None without a server or
-        once the bridge is closed (nothing runs on it any more)."""
+        of the receives aborted so far, run in the order issued), also set once the loop
+        ended (nothing runs on it any more); None without a server.  A closed bridge is no
+        exception: its loop runs until its close ended (one closed by another thread, or
+        whose close gave up on a loop held up elsewhere), and may write into the blocks
+        until then, so the mark is queued after the stops all the same."""
         if self._server is None:
             return None
+        bridge = self._server.bridge
         mark = threading.Event()
+        bridge.when_ended(mark)
         try:
-            self._server.bridge.call_soon(mark.set)
-        except KvwireError:
-            return None
+            bridge.call_soon(mark.set)
+        except ConnectionLostError:  # closed: run by the loop if it still runs, else set by its end
+            bridge.call_soon_while_running(mark.set)
         return mark
 
     def _give_up_load(self, req_id: str, reason: str) -> None:
@@ -957,6 +969,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         drain past its time) lets go of every block."""
         now = time.monotonic()
         failed = False
+        for req_id, loop_ended in list(self._unclosed.items()):
+            if loop_ended.is_set():
+                del self._unclosed[req_id]
+                self._ended.add(req_id)
         for req_id, (handle, _) in list(self._in_flight.items()):
             if handle.done:
                 del self._in_flight[req_id]
@@ -983,7 +999,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 del self._in_flight[req_id]
                 self._ended.add(req_id)
         if failed:
-            self._let_go_of_blocks()
+            self._let_go_of_blocks(wait=False)
 
     def _drained(self, deadline: float) -> bool:
         """After a send that failed on its own: whether the connection is healthy and its
@@ -1028,10 +1044,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         except KvwireError:  # the loop did not answer: not known to be past them yet
             return False
 
-    def _let_go_of_blocks(self) -> None:
+    def _let_go_of_blocks(self, wait: bool = True) -> None:
         """After a send that did not end with the receiver's acknowledgement: close the
         connection, which ends every send on it and drops the bytes its streams still
-        hold, so nothing reads the blocks once vLLM frees them."""
+        hold, so nothing reads the blocks once vLLM frees them (see :meth:`_until_closed`
+        for a bridge closed elsewhere; ``wait``: the hook may wait for it)."""
         self._ended.update(self._draining)
         self._draining.clear()
         for req_id, handle in self._sending.items():
@@ -1049,7 +1066,31 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._peer is not None:
             self._peer.close()
             self._peer = None
+            self._until_closed(wait)
         self._connect()  # the next saves' connection, on the bridge's loop
+
+    def _until_closed(self, wait: bool) -> None:
+        """After closing the connection on a bridge closed elsewhere (by another thread, or
+        by a close that gave up on a loop held up elsewhere): the peer's close was left to
+        kvwire's loop, which runs until that close ended, its streams writing what they
+        hold (reading the blocks) meanwhile.  With ``wait`` the hook waits at most
+        ``_ABORT_WAIT`` for the loop to end; one not ended is logged, and with the async
+        save the sends that ended are reported only once it has (their blocks kept)."""
+        bridge = self._bridge
+        if bridge is None or not bridge.closed:
+            return
+        ended = threading.Event()
+        bridge.when_ended(ended)
+        if (wait and ended.wait(self._ABORT_WAIT)) or ended.is_set():
+            return
+        if not self._async_save:
+            logger.error("kvwire: the connection to %s was not closed in time (kvwire's loop is held up): "
+                         "its sends may still read their blocks", self._peer_addr)
+            return
+        logger.error("kvwire: the connection to %s is not closed yet (kvwire's loop is held up): requests %s "
+                     "keep their blocks until it is", self._peer_addr, ", ".join(sorted(self._ended)) or "-")
+        self._unclosed.update((req_id, ended) for req_id in self._ended)
+        self._ended.clear()
 
     def _reap_drops(self) -> None:
         """The drops that ended (the transfer taken and dropped, or failed) are let go of."""
@@ -1169,9 +1210,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._unstopped[req_id] = (stopped, set(), since)
             if req_id in self._sending:
                 logger.error("kvwire: request %s finished while its KV was being sent", req_id)
-                self._let_go_of_blocks()
+                self._let_go_of_blocks(wait=not self._async_save)
             if (req_id in self._in_flight or req_id in self._draining or req_id in self._ended
-                    or req_id in self._deferred):
+                    or req_id in self._deferred or req_id in self._unclosed):
                 self._finished_sends.add(req_id)
         recving: set[str] | None = None
         if self._load_async:

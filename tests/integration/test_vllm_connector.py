@@ -157,6 +157,54 @@ def test_blocks_are_kept_until_the_send_ended(path: Any) -> None:
         worker.shutdown()
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_send_let_go_of_on_a_bridge_closed_elsewhere_waits_for_its_loop(
+    path: Any, caplog: pytest.LogCaptureFixture, async_save: bool) -> None:
+    """A send in flight (the path stalled) when another thread closes the connector's
+    bridge, whose close gives up on its loop held up elsewhere: the send fails and the
+    connection is closed to let go of the blocks, but that close is left to the loop,
+    which runs until the bridge's close ended, its streams writing what they hold (from
+    the blocks) meanwhile.  The send was reported ended at once (async save) or not
+    waited for (the step's).  Now the request keeps its blocks until the loop ended
+    (async save: not reported while it is held up, reported once it ran), or the step
+    logs that its sends may still read them."""
+    server, proxy, _ = path
+    _, worker, caches = producer(proxy.port, load_timeout=60, async_save=async_save)
+    worker._ABORT_WAIT = 0.0  # no waiting here: the loop is held up until the hook returned
+    assert worker._bridge is not None
+    bridge = worker._bridge
+    server.expect("kept")
+    gate = threading.Event()
+
+    def close_once_stalled() -> None:
+        for _ in range(600):
+            if proxy.statistics().stalls:
+                break
+            threading.Event().wait(0.05)
+        hold_and_close(bridge, gate)
+
+    closer = threading.Thread(target=close_once_stalled)
+    try:
+        if async_save:
+            step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "kept", BLOCKS)]), caches)
+            close_once_stalled()
+            assert worker.get_finished({"r1"}) == (None, None)
+            held = [r.getMessage() for r in caplog.records if "is not closed yet" in r.getMessage()]
+            assert len(held) == 1 and "requests r1 " in held[0]
+            gate.set()
+            assert finished_sends(worker) == {"r1"}
+        else:
+            closer.start()  # while the step waits for its send
+            step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "kept", BLOCKS)]), caches)
+            closer.join(30)
+            assert any("was not closed in time" in r.getMessage() for r in caplog.records)
+    finally:
+        gate.set()
+        if closer.is_alive():
+            closer.join(30)
+        worker.shutdown()
+
+
 def test_a_consumer_that_cannot_be_reached_fails_the_send_not_the_step() -> None:
     """Nothing listens where the producer sends: the engine's step goes on, the request is
     reported finished so vLLM frees its blocks, and the connect is tried again once its
@@ -1377,6 +1425,87 @@ def test_an_async_load_aborted_while_kvwires_loop_is_held_up_is_reported_once_st
             handle.wait(5)
     finally:
         gate.set()
+        worker.shutdown()
+
+
+def hold_and_close(bridge: Bridge, gate: threading.Event) -> None:
+    """Hold ``bridge``'s loop up until ``gate`` is set, and close the bridge from another
+    thread meanwhile: its close gives up on the loop (0.1 s a step), which runs on until
+    the gate opens."""
+    bridge.call_soon(gate.wait, 30)
+    closer = threading.Thread(target=bridge.close, args=(0.1,))
+    closer.start()
+    closer.join(30)
+    assert bridge.closed and not closer.is_alive()
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_load_aborted_on_a_bridge_closed_elsewhere_waits_for_its_loop(
+    caplog: pytest.LogCaptureFixture, load_async: bool) -> None:
+    """A load whose first layer is in, aborted (its request finished) after another thread
+    closed the server's bridge, whose close gave up on its loop held up elsewhere: the
+    loop runs until that close ended and may write the transfer's next chunks into the
+    blocks.  The aborted load was taken as stopped at once (no mark could be queued on a
+    closed bridge): reported received (async) or not waited for (layer-wise).  Now it
+    waits for the loop as on an open bridge: not reported while the loop is held up
+    (async; reported once it ran), logged as not stopped in time (layer-wise)."""
+    from kvwire.paged import layer_rows
+
+    gen = torch.Generator().manual_seed(13)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker, spec = consumer_worker(caches, load_async=load_async)
+    worker._ABORT_WAIT = 0.0  # no waiting here: the loop is held up until the hook returned
+    gate = threading.Event()
+    try:
+        with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
+            if load_async:
+                consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
+            else:
+                worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
+                worker.start_load_kv(None)  # type: ignore[arg-type]
+                worker.clear_connector_metadata()
+            handle = worker._loading["r"][0]
+            send = peer.begin("r", spec.wire_spec())
+            send.send_layer(*layer_rows(spec, src[0], [0, 1]))
+            handle.wait_layer(0, 30)  # the transfer came, and its first layer
+            assert worker._server is not None
+            hold_and_close(worker._server.bridge, gate)
+            if load_async:
+                assert consumer_step(worker, finished={"r"}) == (set(), set())
+                held = [r.getMessage() for r in caplog.records if "is not stopped yet" in r.getMessage()]
+                assert len(held) == 1 and "request r " in held[0]
+                gate.set()
+                assert until_received(worker) == ({"r"}, set())
+            else:
+                worker.get_finished({"r"})
+                held = [r.getMessage() for r in caplog.records if "was not stopped in time" in r.getMessage()]
+                assert len(held) == 1 and "request r " in held[0]
+                gate.set()
+            with pytest.raises(KvwireError, match="aborted"):
+                handle.wait(5)
+            send.abort()
+    finally:
+        gate.set()
+        worker.shutdown()
+
+
+def test_a_load_given_up_on_a_closed_bridge_before_its_transfer_came_is_reported() -> None:
+    """An async load whose transfer has not come, its request finished after the server's
+    bridge was closed: giving it up dropped the transfer to come, expecting it on the
+    closed server, whose ConnectionLostError was raised out of get_finished.  There is
+    nothing to drop: the load is reported (its request gone, no blocks to recompute)."""
+    worker, _, _, _, _ = async_consumer(14)
+    try:
+        consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
+        assert worker._server is not None
+        worker._server.bridge.close()
+        got, errors = consumer_step(worker, finished={"r"})
+        if not got:
+            got, errors = until_received(worker)
+        assert (got, errors) == ({"r"}, set())
+        assert not worker._loading and not worker._dropping
+    finally:
         worker.shutdown()
 
 
