@@ -477,3 +477,15 @@ def test_a_bridge_that_is_not_one_is_refused_at_once() -> None:
                      lambda: PendingPeer("x", "127.0.0.1", server.port, secret=SECRET)):  # type: ignore[arg-type]
             with pytest.raises(UsageError, match=r"bridge must be a kvwire\.sync\.Bridge"):
                 make()
+
+
+# -- 9. write marks and destinations that are not -----------------------------------------------
+
+@pytest.mark.parametrize("marks", [object(), None, "x", "", [1], [(1, 2)], [("s", 3)], ((None, 0),)])
+def test_written_past_refuses_marks_not_from_write_marks_at_once(marks: Any) -> None:
+    """written_past(object()) raised a raw TypeError from the loop (written_past([(1, 2)])
+    an AttributeError, written_past('x') a ValueError), and written_past('') said True."""
+    with SyncServer(secret=SECRET) as server, SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        with pytest.raises(UsageError, match="marks must be what write_marks"):
+            peer.written_past(marks)
+        assert peer.written_past(peer.write_marks(10), 10) in (True, False)  # (the peer goes on)

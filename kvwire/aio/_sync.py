@@ -17,6 +17,7 @@ from typing import Any, SupportsIndex, TypeVar
 
 import kvwire
 from kvwire.aio._send import AUTO
+from kvwire.aio._stream import Stream
 from kvwire.codec import get_codec
 from kvwire.consistency.blocks import block_pairs
 from kvwire.errors import (
@@ -59,6 +60,16 @@ def check_bridge(bridge: object) -> None:
     """:class:`~kvwire.UsageError` unless ``bridge`` is None or a :class:`Bridge`."""
     if bridge is not None and not isinstance(bridge, Bridge):
         raise UsageError(f"bridge must be a kvwire.sync.Bridge, got {bridge!r:.80}")
+
+
+def check_marks(marks: object) -> list[tuple[Stream, int]]:
+    """``marks`` (a copy) if it is what :meth:`SyncPeer.write_marks` returns, a list of
+    ``(stream, position)`` pairs; :class:`~kvwire.UsageError` otherwise."""
+    if isinstance(marks, list | tuple) and all(
+            isinstance(m, tuple) and len(m) == 2 and isinstance(m[0], Stream)
+            and isinstance(m[1], int) and not isinstance(m[1], bool) for m in marks):
+        return list(marks)
+    raise UsageError(f"marks must be what write_marks() returned, got {marks!r:.80}")
 
 
 def wait_done(fut: concurrent.futures.Future[Any], timeout: float | None) -> bool:
@@ -810,9 +821,12 @@ class SyncPeer:
         return self.bridge.run(marks(), timeout, track=self._track, gone=self._gone)
 
     def written_past(self, marks: Any, timeout: float = 5.0) -> bool:
-        """Whether the streams wrote (or dropped) everything they held at ``marks``."""
+        """Whether the streams wrote (or dropped) everything they held at ``marks`` (what
+        :meth:`write_marks` returned; anything else is a :class:`~kvwire.UsageError`)."""
+        checked = check_marks(marks)  # (in the caller's thread, before anything runs)
+
         async def past() -> bool:
-            return bool(self._peer.written_past(marks))
+            return bool(self._peer.written_past(checked))
 
         return bool(self.bridge.run(past(), timeout, track=self._track, gone=self._gone))
 
