@@ -489,3 +489,33 @@ def test_written_past_refuses_marks_not_from_write_marks_at_once(marks: Any) -> 
         with pytest.raises(UsageError, match="marks must be what write_marks"):
             peer.written_past(marks)
         assert peer.written_past(peer.write_marks(10), 10) in (True, False)  # (the peer goes on)
+
+
+class _NotQuiteADestination:
+    """Three of a destination's four methods (no ``layer()``)."""
+
+    def check(self, spec: Any, layer_tokens: Any = None) -> None:
+        pass
+
+    def view(self, *args: Any) -> None:
+        return None
+
+    def write(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("into", [object(), np.zeros(4), _NotQuiteADestination()])
+def test_expect_refuses_an_into_that_is_not_a_destination_at_once(into: Any) -> None:
+    """SyncServer.expect(into=object()) returned a handle whose wait ran until the
+    transfer's timeout (kvwire.aio's Server.expect took it too, and failed only once a
+    transfer came); both refuse it as they are called, naming what it lacks."""
+    with SyncServer(secret=SECRET) as server:
+        with pytest.raises(UsageError, match=r"into= must be a destination.*without .*layer\(\)"):
+            server.expect("r", into=into, timeout=60)
+
+
+@pytest.mark.parametrize("into", [object(), _NotQuiteADestination()])
+async def test_aio_expect_refuses_an_into_that_is_not_a_destination_at_once(into: Any) -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        with pytest.raises(UsageError, match=r"into= must be a destination.*without .*layer\(\)"):
+            await asyncio.wait_for(server.expect("r", into=into, timeout=60), 10)

@@ -62,6 +62,18 @@ def check_bridge(bridge: object) -> None:
         raise UsageError(f"bridge must be a kvwire.sync.Bridge, got {bridge!r:.80}")
 
 
+#: what a destination (``into=``) must have: :meth:`kvwire.Server.expect` refuses one without them
+DESTINATION_METHODS = ("check", "view", "write", "layer")
+
+
+def check_destination(into: object) -> None:
+    """:class:`~kvwire.UsageError` unless ``into`` is None or has a destination's methods,
+    as :meth:`kvwire.Server.expect` checks (here in the caller's thread, at once)."""
+    if into is not None and (lacks := [m for m in DESTINATION_METHODS if not callable(getattr(into, m, None))]):
+        raise UsageError(f"into= must be a destination (with check(), view(), write() and layer()), "
+                         f"got {into!r:.80} without {', '.join(m + '()' for m in lacks)}")
+
+
 def check_marks(marks: object) -> list[tuple[Stream, int]]:
     """``marks`` (a copy) if it is what :meth:`SyncPeer.write_marks` returns, a list of
     ``(stream, position)`` pairs; :class:`~kvwire.UsageError` otherwise."""
@@ -597,9 +609,11 @@ class SyncServer:
                num_layers: SupportsIndex | None = None) -> ReceiveHandle:
         """Start waiting for ``request_id``'s transfer; returns at once.  ``num_layers``
         (an int in [1, 65535]), when known, bounds :meth:`ReceiveHandle.wait_layer`'s
-        index before the transfer arrived."""
+        index before the transfer arrived.  ``into`` (a destination, as
+        :meth:`kvwire.Server.expect` takes) without a destination's methods is refused."""
         check_request_id(request_id)  # at once, not from the wait
         check_seconds("timeout", timeout)
+        check_destination(into)
         layers = check_index("num_layers", num_layers, 1, 0xFFFF) if num_layers is not None else None  # (KVSpec's range)
         self.bridge.check_process()
         handle = ReceiveHandle(self.bridge, request_id, layers)

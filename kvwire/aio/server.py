@@ -219,13 +219,18 @@ class Server(Pump):
         refuses the transfer (its ``check()`` raises) fails it, on both sides, and this
         raises that error: the destination's own :class:`~kvwire.KvwireError`, or one
         (``INTERNAL_ERROR``) naming the transfer, the call and what it raised, the
-        original as its cause.
+        original as its cause.  An ``into`` without a destination's methods (``check``,
+        ``view``, ``write``, ``layer``) raises :class:`~kvwire.UsageError` at once.
         """
         check_request_id(request_id)
         check_seconds("timeout", timeout)
         self._check_open()
         if into is not None and self.on_gpu:
             raise UsageError("into= needs a server with device='cpu' (a GPU server decodes into its own arrays)")
+        if into is not None and (lacks := [m for m in ("check", "view", "write", "layer")
+                                           if not callable(getattr(into, m, None))]):
+            raise UsageError(f"into= must be a destination (with check(), view(), write() and layer()), "
+                             f"got {into!r:.80} without {', '.join(m + '()' for m in lacks)}")
         if (t := self._arrived(request_id)) is not None:  # (then none of this id is waiting)
             if into is not None:
                 self._attach_claimed(t, into)
