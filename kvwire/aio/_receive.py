@@ -189,6 +189,18 @@ class ArrayStore(LayerStore):
         return places
 
 
+#: What a destination (``into=``) must have: ``expect()`` and ``attach()`` refuse one without them.
+DESTINATION_METHODS = ("check", "view", "write", "layer")
+
+
+def check_destination(into: object) -> None:
+    """:class:`~kvwire.UsageError` unless ``into`` is None or has a destination's methods
+    (:data:`DESTINATION_METHODS`): refused at once, not when a transfer comes."""
+    if into is not None and (lacks := [m for m in DESTINATION_METHODS if not callable(getattr(into, m, None))]):
+        raise UsageError(f"into= must be a destination (with check(), view(), write() and layer()), "
+                         f"got {into!r:.80} without {', '.join(m + '()' for m in lacks)}")
+
+
 def destination_error(transfer: str, method: str, what: str, exc: Exception) -> KvwireError:
     """The error a destination (``into=``) failing in its ``method()`` fails the transfer
     ``transfer`` (its quoted request id) with, on both sides: a :class:`KvwireError` of

@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any, SupportsIndex, TypeVar
 
 import kvwire
+from kvwire.aio._receive import check_destination
 from kvwire.aio._send import AUTO
 from kvwire.aio._stream import Stream
 from kvwire.codec import get_codec
@@ -60,18 +61,6 @@ def check_bridge(bridge: object) -> None:
     """:class:`~kvwire.UsageError` unless ``bridge`` is None or a :class:`Bridge`."""
     if bridge is not None and not isinstance(bridge, Bridge):
         raise UsageError(f"bridge must be a kvwire.sync.Bridge, got {bridge!r:.80}")
-
-
-#: what a destination (``into=``) must have: :meth:`kvwire.Server.expect` refuses one without them
-DESTINATION_METHODS = ("check", "view", "write", "layer")
-
-
-def check_destination(into: object) -> None:
-    """:class:`~kvwire.UsageError` unless ``into`` is None or has a destination's methods,
-    as :meth:`kvwire.Server.expect` checks (here in the caller's thread, at once)."""
-    if into is not None and (lacks := [m for m in DESTINATION_METHODS if not callable(getattr(into, m, None))]):
-        raise UsageError(f"into= must be a destination (with check(), view(), write() and layer()), "
-                         f"got {into!r:.80} without {', '.join(m + '()' for m in lacks)}")
 
 
 def check_marks(marks: object) -> list[tuple[Stream, int]]:

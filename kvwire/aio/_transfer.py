@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from kvwire.aio import _gpu
-from kvwire.aio._receive import INTO, destination_call
+from kvwire.aio._receive import INTO, check_destination, destination_call
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import KvwireError, TransferTimeoutError, UsageError, detached
 from kvwire.session.options import check_seconds
@@ -106,7 +106,8 @@ class Transfer:
         :class:`kvwire.paged.PagedDestination`); ones already begun are copied there.
 
         ``into`` provides ``check(spec, layer_tokens)``, ``view(...)``, ``write(...)`` and
-        ``layer(index)``.  Its memory is the caller's, so every layer is granted at once.
+        ``layer(index)`` (one without them is refused with :class:`~kvwire.UsageError`).
+        Its memory is the caller's, so every layer is granted at once.
 
         A transfer has at most one destination: attaching a second one, attaching to a
         transfer that ended (every layer taken) or one being collected raises
@@ -121,6 +122,7 @@ class Transfer:
         """
         if self._server.on_gpu:
             raise UsageError("into= needs a server with device='cpu'")
+        check_destination(into)
         if self._into is not None:
             raise UsageError("the transfer already has a destination: its layers go there, a second one is refused")
         if self._error is not None:

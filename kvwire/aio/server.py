@@ -24,7 +24,7 @@ from typing import Any
 
 from kvwire.aio import _gpu
 from kvwire.aio._pool import default_max_bytes
-from kvwire.aio._receive import ArrayStore
+from kvwire.aio._receive import ArrayStore, check_destination
 from kvwire.aio._stream import Pump, Stream
 from kvwire.aio._transfer import Transfer
 from kvwire.consistency.blocks import block_from_key
@@ -227,10 +227,7 @@ class Server(Pump):
         self._check_open()
         if into is not None and self.on_gpu:
             raise UsageError("into= needs a server with device='cpu' (a GPU server decodes into its own arrays)")
-        if into is not None and (lacks := [m for m in ("check", "view", "write", "layer")
-                                           if not callable(getattr(into, m, None))]):
-            raise UsageError(f"into= must be a destination (with check(), view(), write() and layer()), "
-                             f"got {into!r:.80} without {', '.join(m + '()' for m in lacks)}")
+        check_destination(into)
         if (t := self._arrived(request_id)) is not None:  # (then none of this id is waiting)
             if into is not None:
                 self._attach_claimed(t, into)

@@ -63,6 +63,19 @@ async def test_a_second_destination_is_refused_and_the_first_keeps_the_layers() 
         assert not second[layer.index].any()
 
 
+async def test_attach_refuses_what_is_not_a_destination_and_leaves_the_transfer_as_it_was() -> None:
+    src = filled(4, seed=3)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            sending = asyncio.create_task(peer.send("req", SPEC.wire_spec(), PagedSource(SPEC, src, [2, 3]), timeout=10))
+            transfer = await server.accept(timeout=10)
+            with pytest.raises(UsageError, match=r"into= must be a destination.*without check\(\), view\(\)"):
+                transfer.attach(object())
+            layers = [layer async for layer in transfer]  # the transfer went on as before
+            await asyncio.wait_for(sending, 10)
+    assert [layer.k.tobytes() for layer in layers] == [s[[2, 3]][:, 0].tobytes() for s in src]
+
+
 @pytest.mark.parametrize("end", ["aborted", "all-taken"])
 async def test_attach_to_a_transfer_that_ended_raises_a_kvwire_error(end: str) -> None:
     src = filled(4, seed=2)
