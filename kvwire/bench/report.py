@@ -39,7 +39,12 @@ CPU_BOUND = 0.85
 
 
 def machine_cpu_times() -> tuple[float, float] | None:
-    """``(busy, total)`` CPU seconds of the whole machine since boot (Linux ``/proc/stat``)."""
+    """``(busy, total)`` CPU seconds of the whole machine since boot (Linux ``/proc/stat``).
+
+    Busy is the time the CPUs ran anything: user, nice, system, irq and softirq time
+    (guest time is part of user). Idle, iowait and a virtual machine's steal time (its
+    vCPUs waiting while the hypervisor runs something else) are not busy; total counts
+    all of them, so ``busy / total`` is the share of the wall-clock CPU time spent busy."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -49,7 +54,8 @@ def machine_cpu_times() -> tuple[float, float] | None:
         return None
     ticks = [int(x) for x in fields[1:]]
     hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    # idle + iowait + steal: no work of this machine's (steal: the hypervisor's others')
+    idle = ticks[3] + sum(ticks[i] for i in (4, 7) if len(ticks) > i)
     total = sum(ticks[:8])  # guest time is already counted in user
     return (total - idle) / hz, total / hz
 

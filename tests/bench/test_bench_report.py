@@ -264,3 +264,23 @@ def test_retransmits_with_the_ones_not_needed(retransmits: int | None, spurious:
     assert format_retransmits({"retransmits": retransmits, "spurious_retransmits": spurious}) == text
     if spurious is None:  # a report from before the field existed
         assert format_retransmits({"retransmits": retransmits}) == text
+
+
+def test_steal_time_is_not_busy_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A virtual machine's steal time (its vCPUs waiting while the hypervisor runs others)
+    is no work of this host's: two /proc/stat readings of an idle guest that had ticks
+    stolen read no busy time between them, though the interval's total counts them."""
+    import io
+
+    from kvwire.bench import report
+
+    #          user nice system idle iowait irq softirq steal guest guest_nice
+    readings = iter(["cpu  1000 0 500 10000 0 0 0 100 0 0\n",
+                     "cpu  1000 0 500 10100 0 0 0 200 0 0\n",  # +100 idle, +100 steal
+                     "cpu  1050 0 525 10125 0 0 0 300 0 0\n"])  # +75 busy, +25 idle, +100 steal
+    monkeypatch.setattr(report, "open", lambda path, *a, **k: io.StringIO(next(readings)), raising=False)
+    monkeypatch.setattr(report.os, "sysconf", lambda name: 100)
+    first, second, third = (report.machine_cpu_times() for _ in range(3))
+    assert first is not None and second is not None and third is not None
+    assert second[0] - first[0] == 0 and second[1] - first[1] == 2.0
+    assert third[0] - second[0] == pytest.approx(0.75) and third[1] - second[1] == pytest.approx(2.0)
