@@ -12,10 +12,12 @@ and emulator in three processes):
 4. from run 1: time to first layer against the whole transfer;
 5. on each of 10 and 1 Gbit/s (20 ms): every fixed codec and ``auto``, fp16 KV goodput
    each, and ``auto`` against the best fixed codec on that link (``--codec-links ''`` skips).
-   With ``--rounds N`` the comparison runs N interleaved rounds (the codecs' order rotated
-   each round) and reports medians with min-max, and ``auto`` against the best fixed codec
-   of each round: on a shared host the speed drifts between runs by more than the codecs
-   differ, so one run per codec ranks the host's moments as much as the codecs.
+   Each round runs every codec afresh, one after another (none reuses a run of the
+   scenarios above, made minutes earlier). With ``--rounds N`` the comparison runs N
+   interleaved rounds (the codecs' order rotated each round) and reports medians with
+   min-max, and ``auto`` against the best fixed codec of each round: on a shared host the
+   speed drifts between runs by more than the codecs differ, so one run per codec ranks
+   the host's moments as much as the codecs.
 
 Run::
 
@@ -87,7 +89,7 @@ def main() -> None:
                     help="TCP streams, 1-64, or auto (default 4)")
     ap.add_argument("--json", help="write every run's full report here")
     ap.add_argument("--codec-links", default="10,1", help="Gbit/s of the links for the codec comparison ('' to skip)")
-    ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with")
+    ap.add_argument("--codecs", default="raw,fp8,int8,int4", help="fixed codecs auto is compared with, each once")
     ap.add_argument("--auto-codec", choices=AUTO_CODEC_MODES, default="model",
                     help="how auto chooses (ClientOptions.auto_codec)")
     ap.add_argument("--emulator", choices=EMULATOR_PUMPS, default="auto",
@@ -101,12 +103,17 @@ def main() -> None:
         ap.error(f"--codec-links takes Gbit/s separated by commas ({exc})")
     if any(not gbps * 1e9 >= MIN_LINK_BPS for gbps in link_gbps):
         ap.error(f"--codec-links: every link must be at least {format_rate(MIN_LINK_BPS)}")
+    fixed_codecs = args.codecs.split(",")
+    if "auto" in fixed_codecs:
+        ap.error("--codecs: auto is always compared; name the fixed codecs only")
+    if len(set(fixed_codecs)) < len(fixed_codecs):
+        ap.error(f"--codecs: a codec named twice ({args.codecs})")
     common: dict[str, Any] = {"model": args.model, "tokens": args.tokens, "duration": args.duration,
                               "streams": streams, "rtt": 0.020, "auto_codec": args.auto_codec,
                               "emulator": args.emulator}
     try:  # every run's settings are checked before the first one starts
         for gbps in [10.0, *link_gbps]:
-            for codec in {"raw", "auto", *args.codecs.split(",")}:
+            for codec in {"raw", "auto", *fixed_codecs}:
                 BenchConfig(link_bps=gbps * 1e9, codec=codec, **common)
     except KvwireError as exc:
         ap.error(str(exc))
@@ -120,17 +127,18 @@ def main() -> None:
         "1G auto": _run("1 Gbit/s, 20 ms, auto", BenchConfig(link_bps=1e9, codec="auto", **common)),
     }
     scenarios = list(runs)  # the first table; the codec comparison has its own
-    # The codec comparison reuses the runs above where they match.
-    names = [*args.codecs.split(","), "auto"]
+    # Each round of the codec comparison runs every codec afresh, one after another: a
+    # run of the scenarios above on the same link and codec was made a while earlier, on
+    # a host whose speed has drifted since, and is not reused.
+    names = [*fixed_codecs, "auto"]
     compared: dict[float, dict[str, list[dict[str, Any] | str]]] = {g: {n: [] for n in names} for g in link_gbps}
     for rnd in range(args.rounds):
         for gbps in link_gbps:
             order = names[rnd % len(names):] + names[:rnd % len(names)]  # rotated: no codec always last
             for codec in order:
-                key = f"{gbps:g}G {codec}" + (f" #{rnd + 1}" if rnd else "")
-                if key not in runs:
-                    what = f"{gbps:g} Gbit/s, 20 ms, {codec}" + (f", round {rnd + 1}" if args.rounds > 1 else "")
-                    runs[key] = _run(what, BenchConfig(link_bps=gbps * 1e9, codec=codec, **common))
+                key = f"{gbps:g}G {codec} #{rnd + 1}"  # "1G auto" is the scenario above
+                what = f"{gbps:g} Gbit/s, 20 ms, {codec}" + (f", round {rnd + 1}" if args.rounds > 1 else "")
+                runs[key] = _run(what, BenchConfig(link_bps=gbps * 1e9, codec=codec, **common))
                 compared[gbps][codec].append(runs[key])
 
     print()
