@@ -16,7 +16,12 @@ script starts one process spinning on a core and one churning memory (allocating
 touching and freeing 256 MiB over and over), and stops them afterwards on every exit path.
 
 The systems, each in its own sender and receiver processes, forked fresh for every
-measurement from a parent that has imported none of them:
+measurement from a parent that has imported none of the peers (the parent imports kvwire
+itself, for its arguments and the host's CPU times; a ``kvwire-<codec>@<tree>`` system's
+processes drop it and import kvwire from that tree). Every process this script starts
+(the two of a measurement, the busy load's) ends when the script does, however it ends (a
+closed terminal's SIGHUP, SIGKILL: Linux's parent-death signal), so none is left running
+to load the host of a later run:
 
 * ``raw``: ``sendall`` of each array / ``recv_into`` one reused, pre-faulted buffer;
   ``raw-paged``: the same bytes between paged caches (as ``/paged`` below), each layer's
@@ -51,15 +56,21 @@ sender's write completes, which is when those engines report the data placed. CP
 seconds per GB are each process's own CPU time (all its threads) over the measured
 interval, per GB of KV, and (quiet rows) the whole host's busy time over it from
 ``/proc/stat``, which also counts the kernel's work done outside either process (a
-shaped link's packets released by a timer while no process runs). On the shaped link the
+shaped link's packets released by a timer while no process runs), but not a virtual
+machine's steal time (its vCPUs waiting while the hypervisor runs others). On the shaped link the
 JSON samples also hold the TCP segments the sender's namespace sent per MB of KV and the
 share of them retransmitted (``segments_per_mb``, ``retransmitted``, from
 ``/proc/<pid>/net/snmp``). Rounds are interleaved (round 1 of every system, then round 2,
 ...), and each figure is the median with min and max. A system that is not installed or
-fails says why and the others still run.
+fails says why and the others still run. Under the busy load, the load's processes are
+checked before and after every measurement: if one of them ended (``--churn-mib`` more
+than the host can allocate), the scenario fails, every system's row saying why, instead of
+reporting a quiet host's figures as busy ones.
 
 Absolute numbers depend on the host and what else runs on it; compare systems within one
-run (the ``vs raw`` column is the ratio to the raw pair's median in the same scenario).
+run (the ``vs raw`` column is the ratio to the raw pair's median in the same scenario,
+over the rounds both completed: a raw pair that failed in a later round anchors the
+ratios only with its earlier rounds, and the table says so).
 CPU is also given for both processes together, and its ratio to the raw pair's (``CPU vs
 raw``): on one host the kernel's work for a segment (its copy into the receiving socket on
 loopback, the veth and qdisc work on the shaped link) runs in whichever process's context
@@ -82,7 +93,7 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -727,7 +738,23 @@ def _enter_netns(ns: str | None) -> None:
         os.close(fd)
 
 
-def _receiver_main(name: str, ns: str | None, dev: str, addr: str, nbytes: int, conn: Connection) -> None:
+def _end_with_parent(parent: int) -> None:
+    """This child process ends when ``parent``, the script, does, however that ends (a
+    SIGHUP of a closed terminal, SIGKILL): SIGTERM then, at its default action, which
+    ends the process even inside a C call (the handler inherited from the parent would
+    only raise KeyboardInterrupt, and in Python code)."""
+    from kvwire.bench.runner import _die_with_parent
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if parent == 1:  # the PID 1 of a container: its end ends every process in it
+        return
+    _die_with_parent()
+    if os.getppid() != parent:  # the script ended before this was set (a subreaper took us)
+        os._exit(1)
+
+
+def _receiver_main(name: str, ns: str | None, dev: str, addr: str, nbytes: int, conn: Connection, parent: int) -> None:
+    _end_with_parent(parent)
     try:
         _quiet_env(dev)
         _enter_netns(ns)
@@ -750,7 +777,8 @@ def _receiver_main(name: str, ns: str | None, dev: str, addr: str, nbytes: int, 
         conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
 
 
-def _sender_main(name: str, ns: str | None, dev: str, addr: str, tokens: int, cache: Any, conn: Connection) -> None:
+def _sender_main(name: str, ns: str | None, dev: str, addr: str, tokens: int, cache: Any, conn: Connection, parent: int) -> None:
+    _end_with_parent(parent)
     try:
         _quiet_env(dev)
         _enter_netns(ns)
@@ -785,7 +813,8 @@ class Sample:
     recv_cpu: float  # s/GB
     # s/GB, the whole host's busy time (/proc/stat), None if unread: it also counts what
     # the two processes' own CPU times miss, softirq work done while no process ran (a
-    # shaped link's packets released by a timer) and the kernel threads; and a load.
+    # shaped link's packets released by a timer) and the kernel threads; and a load. Not
+    # steal time: a hypervisor running other guests is no work of this host's.
     host_cpu: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -812,15 +841,18 @@ def tcp_counters(pid: int) -> dict[str, int] | None:
 
 
 def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout: float) -> Sample:
-    """Warm up once, then time ``count`` caches of ``tokens`` tokens from ``name``'s sender."""
+    """Warm up once, then time ``count`` caches of ``tokens`` tokens from ``name``'s sender;
+    ``timeout``: seconds each of its phases may take (the sending, the receiving)."""
+    import kvwire.bench.runner  # noqa: F401  (the children's _end_with_parent, imported once here)
     from kvwire.bench.report import machine_cpu_times
 
     ctx = mp.get_context("fork")
     nbytes = tokens * TOKEN_BYTES
     r_parent, r_child = ctx.Pipe()
     s_parent, s_child = ctx.Pipe()
-    receiver = ctx.Process(target=_receiver_main, args=(name, link.receiver_ns, link.receiver_dev, link.receiver_addr, nbytes, r_child), daemon=True)
-    sender = ctx.Process(target=_sender_main, args=(name, link.sender_ns, link.sender_dev, link.receiver_addr, tokens, cache, s_child), daemon=True)
+    me = os.getpid()
+    receiver = ctx.Process(target=_receiver_main, args=(name, link.receiver_ns, link.receiver_dev, link.receiver_addr, nbytes, r_child, me), daemon=True)
+    sender = ctx.Process(target=_sender_main, args=(name, link.sender_ns, link.sender_dev, link.receiver_addr, tokens, cache, s_child, me), daemon=True)
     receiver.start()
     try:
         info = _expect(r_parent, 60, "receiver setup")[1]
@@ -895,39 +927,62 @@ def open_link(name: str, rate_bps: float) -> Iterator[Link]:
                    shaped.sender_dev, shaped.receiver_dev)
 
 
-def _default_signals() -> None:
+LINKS = ("loopback", "veth")
+LOADS = ("quiet", "busy")
+
+
+def _default_signals(parent: int) -> None:
     """A load process ends quietly on terminate(): not through the handlers it inherited
-    from the parent (which turn SIGTERM into a KeyboardInterrupt and its traceback)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    from the parent (which turn SIGTERM into a KeyboardInterrupt and its traceback); and
+    it ends with the parent, however that ends."""
+    _end_with_parent(parent)  # SIGTERM at its default action
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops it
 
 
-def _spin() -> None:
-    _default_signals()
+def _spin(parent: int) -> None:
+    _default_signals(parent)
     while True:
         pass
 
 
-def _churn(mib: int) -> None:
-    _default_signals()
+def _churn(mib: int, parent: int) -> None:
+    _default_signals(parent)
     while True:
         block = np.ones(mib * MiB, np.uint8)  # fault in, touch, free: memory pressure
         del block
 
 
+#: what each process of the busy load does, as a failed scenario names it
+_LOAD_ROLES = ("the spinning process", "the memory-churning process")
+
+
 @contextlib.contextmanager
-def load(kind: str, churn_mib: int) -> Iterator[None]:
-    """``busy``: a spinning process and a memory-churning one, stopped on every exit."""
+def load(kind: str, churn_mib: int) -> Iterator[Callable[[], str | None]]:
+    """``busy``: a spinning process and a memory-churning one, stopped on every exit.
+
+    Yields a check: why the load is not what it should be (one of its processes ended),
+    or ``None``; under ``quiet`` always ``None``."""
     if kind == "quiet":
-        yield
+        yield lambda: None
         return
+    import kvwire.bench.runner  # noqa: F401  (the children's _end_with_parent, imported once here)
+
     ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=_spin, daemon=True), ctx.Process(target=_churn, args=(churn_mib,), daemon=True)]
+    me = os.getpid()
+    procs = [ctx.Process(target=_spin, args=(me,), daemon=True),
+             ctx.Process(target=_churn, args=(churn_mib, me), daemon=True)]
     for p in procs:
         p.start()
+
+    def check() -> str | None:
+        for p, role in zip(procs, _LOAD_ROLES, strict=True):
+            if not p.is_alive():
+                return f"busy load: {role} ended (exit code {p.exitcode}), the host is not busy"
+        return None
+
     try:
         time.sleep(0.5)
-        yield
+        yield check
     finally:
         for p in procs:
             p.terminate()
@@ -960,6 +1015,14 @@ def _host_cpu(got: list[Sample]) -> list[float]:
     return [x.host_cpu for x in got if x.host_cpu is not None]
 
 
+def _ratio(values: list[float], raw: list[float]) -> str:
+    """The median of ``values`` over the raw pair's median of the same rounds, or ``-``."""
+    if not values or not raw:
+        return "-"
+    base = statistics.median(raw)
+    return f"{statistics.median(values) / base:.2f}" if base else "-"
+
+
 def _fmt(values: list[float], digits: int = 3) -> str:
     if not values:
         return "-"
@@ -976,16 +1039,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="raw,kvwire-raw,mooncake,nixl,zmq",
                     help="comma-separated: raw, raw/<habits>, raw-paged, kvwire-<codec>[*N][/uvloop+paged], mooncake, nixl, zmq")
     ap.add_argument("--kvwire-codecs", default="", help="extra kvwire codecs to add, e.g. auto,fp8")
-    ap.add_argument("--links", default="loopback,veth", help="loopback and/or veth (root)")
+    ap.add_argument("--links", default="loopback,veth", help="comma-separated: loopback and/or veth (root)")
     ap.add_argument("--rate", type=float, default=10e9, help="veth rate in bit/s (default 10e9)")
-    ap.add_argument("--loads", default="quiet,busy")
+    ap.add_argument("--loads", default="quiet,busy", help="comma-separated: quiet and/or busy")
     ap.add_argument("--whole-tokens", type=argument_type(lambda t: whole_number(t, minimum=0), "int"), default=8192, help="tokens of the whole cache (8192 = 1 GiB); 0 to skip")
     ap.add_argument("--burst", default="20x1024", help="COUNTxTOKENS back-to-back caches (20x1024 = 20 x 128 MiB); '' to skip")
     ap.add_argument("--burst-links", default="loopback", help="links the burst shape runs on")
     ap.add_argument("--burst-loads", default="quiet", help="loads the burst shape runs under")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--churn-mib", type=int, default=256)
-    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one measurement may take")
+    ap.add_argument("--rounds", type=argument_type(whole_number, "int"), default=3)
+    ap.add_argument("--churn-mib", type=argument_type(whole_number, "int"), default=256,
+                    help="MiB the busy load's churning process allocates, touches and frees over and over")
+    ap.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds each phase of a measurement may take, of its warm-up and its timed "
+                         "transfers alike: the sending, then the rest of the receiving (setting each end "
+                         "up has 60 s, closing it 30 s)")
     ap.add_argument("--json", help="write every sample to this file")
     ap.add_argument("--kvwire-tree", action="append", default=[], metavar="NAME=DIR",
                     help="also import kvwire from source tree DIR as system kvwire-<codec>@NAME "
@@ -1021,13 +1088,23 @@ def main(argv: list[str] | None = None) -> int:
         depth = spec.partition("*")[2]
         if "*" in spec and not (depth.isdigit() and int(depth) >= 1):
             ap.error(f"{s}: kvwire-<codec>*N takes N >= 1 sends in flight")
-    links = [x for x in args.links.split(",") if x]
+    def names(option: str, text: str, known: tuple[str, ...]) -> list[str]:
+        got = [x for x in text.split(",") if x]
+        for x in got:
+            if x not in known:
+                ap.error(f"{option}: unknown name {x!r} (one of {', '.join(known)})")
+        return list(dict.fromkeys(got))
+
+    links = names("--links", args.links, LINKS)
+    loads = names("--loads", args.loads, LOADS)
+    burst_links = names("--burst-links", args.burst_links, LINKS)
+    burst_loads = names("--burst-loads", args.burst_loads, LOADS)
     scenarios: list[Scenario] = []
     for link_name in links:
-        for load_kind in args.loads.split(","):
+        for load_kind in loads:
             if args.whole_tokens:
                 scenarios.append(Scenario(link_name, load_kind, args.whole_tokens, 1))
-            if burst and link_name in args.burst_links.split(",") and load_kind in args.burst_loads.split(","):
+            if burst and link_name in burst_links and load_kind in burst_loads:
                 scenarios.append(Scenario(link_name, load_kind, burst[1], burst[0]))
 
     skipped = {s: why for s in systems if (why := missing(s)) is not None}
@@ -1047,6 +1124,7 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(s.tokens for s in scenarios) * TOKEN_BYTES
     cache = make_cache(largest)
     samples: dict[tuple[Scenario, str], list[Sample]] = {}
+    rounds_of: dict[tuple[Scenario, str], list[int]] = {}  # the round of each sample
     failures: dict[tuple[Scenario, str], str] = {}
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -1061,20 +1139,30 @@ def main(argv: list[str] | None = None) -> int:
             continue
         with open_link(link_name, args.rate) as link:
             for load_kind in dict.fromkeys(s.load for s in group):
-                with load(load_kind, args.churn_mib):
+                with load(load_kind, args.churn_mib) as load_gone:
                     for sc in (s for s in group if s.load == load_kind):
                         for rnd in range(args.rounds):
                             for system in runnable:
                                 key = (sc, system)
                                 if key in failures:
                                     continue
-                                try:
-                                    sample = measure(system, link, cache, sc.tokens, sc.count, args.timeout)
-                                except Exception as exc:
-                                    failures[key] = f"{type(exc).__name__}: {exc}"
-                                    print(f"[{sc.label}] {system}: failed: {failures[key]}", file=sys.stderr)
+                                # the load is checked on both sides of every measurement:
+                                # a sample taken while it was running is one of a busy host
+                                if (gone := load_gone()) is None:
+                                    try:
+                                        sample = measure(system, link, cache, sc.tokens, sc.count, args.timeout)
+                                    except Exception as exc:
+                                        failures[key] = f"{type(exc).__name__}: {exc}"
+                                        print(f"[{sc.label}] {system}: failed: {failures[key]}", file=sys.stderr)
+                                        continue
+                                    gone = load_gone()
+                                if gone is not None:  # the scenario fails, every system in it
+                                    for s in runnable:
+                                        failures.setdefault((sc, s), gone)
+                                    print(f"[{sc.label}] failed: {gone}", file=sys.stderr)
                                     continue
                                 samples.setdefault(key, []).append(sample)
+                                rounds_of.setdefault(key, []).append(rnd)
                                 print(f"[{sc.label}] round {rnd + 1} {system}: {sample.gbps:.2f} Gbit/s", file=sys.stderr)
 
     print(f"\n{len(runnable)} systems, {args.rounds} interleaved rounds, {time.perf_counter() - t_start:.0f} s; "
@@ -1084,27 +1172,34 @@ def main(argv: list[str] | None = None) -> int:
         print("| system | Gbit/s | vs raw | sender CPU s/GB | receiver CPU s/GB | both CPU s/GB | CPU vs raw "
               "| host CPU s/GB | host CPU vs raw |")
         print("|---|---|---|---|---|---|---|---|---|")
-        raw = samples.get((sc, "raw"))
-        raw_med = statistics.median(x.gbps for x in raw) if raw else None
-        raw_cpu = statistics.median(x.send_cpu + x.recv_cpu for x in raw) if raw else None
-        raw_host = _host_cpu(raw or []) if sc.load == "quiet" else []
-        raw_host_med = statistics.median(raw_host) if raw_host else None
+        # The raw pair's samples by round: each ratio is taken over the rounds both
+        # completed, never against a raw pair of other rounds (one that failed later).
+        raw_by_round = dict(zip(rounds_of.get((sc, "raw"), []), samples.get((sc, "raw"), []), strict=True))
+        compared = False  # a ratio to the raw pair shown
         for system in systems:
             key = (sc, system)
             if system in skipped or key in failures:
-                why = skipped.get(system) or failures[key]
-                print(f"| {system} | - | - | - | - | - | - | - | - | ({why})")
+                why = (skipped.get(system) or failures[key]).replace("|", "\\|")
+                what = "skipped" if system in skipped else "failed"
+                print(f"| {system} | {what}: {why} | - | - | - | - | - | - | - |")
                 continue
             got = samples.get(key, [])
             rates = [x.gbps for x in got]
             both = [x.send_cpu + x.recv_cpu for x in got]
             host = _host_cpu(got) if sc.load == "quiet" else []  # busy: the load's too
-            ratio = f"{statistics.median(rates) / raw_med:.2f}" if raw_med and rates else "-"
-            cpu_ratio = f"{statistics.median(both) / raw_cpu:.2f}" if raw_cpu and both else "-"
-            host_ratio = f"{statistics.median(host) / raw_host_med:.2f}" if raw_host_med and host else "-"
+            pairs = [(x, raw_by_round[r]) for x, r in zip(got, rounds_of.get(key, []), strict=True) if r in raw_by_round]
+            ratio = _ratio([x.gbps for x, _ in pairs], [r.gbps for _, r in pairs])
+            cpu_ratio = _ratio([x.send_cpu + x.recv_cpu for x, _ in pairs], [r.send_cpu + r.recv_cpu for _, r in pairs])
+            host_pairs = [(x.host_cpu, r.host_cpu) for x, r in pairs if x.host_cpu is not None and r.host_cpu is not None]
+            host_ratio = _ratio([x for x, _ in host_pairs], [r for _, r in host_pairs]) if sc.load == "quiet" else "-"
+            compared = compared or (system != "raw" and bool(pairs))
             print(f"| {system} | {_fmt(rates)} | {ratio} | {_fmt([x.send_cpu for x in got], 2)} "
                   f"| {_fmt([x.recv_cpu for x in got], 2)} | {_fmt(both, 2)} | {cpu_ratio} "
                   f"| {_fmt(host, 2) if host else '-'} | {host_ratio} |")
+        if (sc, "raw") in failures and compared:
+            done = ", ".join(str(r + 1) for r in sorted(raw_by_round))
+            print(f"\nThe raw pair failed after {len(raw_by_round)} round(s): the ratios to it are over "
+                  f"round(s) {done} alone.")
         print()
     if args.json:
         with open(args.json, "w") as fh:
@@ -1113,6 +1208,7 @@ def main(argv: list[str] | None = None) -> int:
                 "skipped": skipped,
                 "failures": {f"{k[0].label} / {k[1]}": v for k, v in failures.items()},
                 "samples": {f"{k[0].label} / {k[1]}": [x.__dict__ for x in v] for k, v in samples.items()},
+                "sample_rounds": {f"{k[0].label} / {k[1]}": [r + 1 for r in v] for k, v in rounds_of.items()},
             }, fh, indent=1)
     return 0
 

@@ -3,13 +3,21 @@ refuses arguments that would measure nothing."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
+import re
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
-from tests.bench.script_helpers import run_script
+from tests.bench.script_helpers import BENCHMARKS, run_script
 from tests.environment import IN_CI
 
 
@@ -111,3 +119,138 @@ def test_over_the_shaped_link_the_senders_tcp_segments_are_counted(tmp_path: Pat
         extra = sample["extra"]
         # at least one segment per MSS of the bytes sent; a retransmitted share in [0, 1]
         assert extra["segments_per_mb"] >= 1e6 / 65536 and 0 <= extra["retransmitted"] <= 1
+
+
+def test_unknown_links_and_loads_are_refused() -> None:
+    """A link or load of another name is refused, not taken as the veth link or the busy
+    load (``--links lo`` built a shaped link, ``--loads quit`` started the busy load)."""
+    for args, says in ((["--loads", "quit"], "--loads: unknown name 'quit' (one of quiet, busy)"),
+                       (["--links", "lo"], "--links: unknown name 'lo' (one of loopback, veth)"),
+                       (["--burst-links", "vth"], "--burst-links: unknown name 'vth'"),
+                       (["--burst-loads", "bussy"], "--burst-loads: unknown name 'bussy'")):
+        got = _run("--systems", "raw", "--links", "loopback", "--whole-tokens", "16", "--burst", "",
+                   "--rounds", "1", *args, timeout=60)
+        assert got.returncode == 2, (args, got.stdout)
+        assert says in got.stderr, (args, got.stderr)
+
+
+def test_a_busy_load_whose_process_ended_fails_the_scenario(tmp_path: Path) -> None:
+    """The churning process cannot allocate 256 TiB and ends at once: the busy scenario
+    fails, every system's row saying why, instead of reporting a quiet host as busy."""
+    out = tmp_path / "peers.json"
+    got = _run("--systems", "raw,kvwire-raw", "--links", "loopback", "--loads", "busy", "--whole-tokens", "16",
+               "--burst", "", "--rounds", "2", "--churn-mib", str(1 << 28), "--json", str(out))
+    assert got.returncode == 0, got.stderr
+    data = json.loads(out.read_text())
+    assert data["samples"] == {}
+    why = "busy load: the memory-churning process ended (exit code 1), the host is not busy"
+    assert data["failures"] == {"loopback, busy, 2 MiB / raw": why, "loopback, busy, 2 MiB / kvwire-raw": why}
+    for system in ("raw", "kvwire-raw"):
+        assert f"| {system} | failed: {why} | - | - | - | - | - | - | - |" in got.stdout.splitlines(), got.stdout
+
+
+def _peers_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    """benchmarks/peers.py imported (in sys.modules while the test runs: its dataclasses look
+    their module up there)."""
+    spec = importlib.util.spec_from_file_location("peers_script_under_test", BENCHMARKS / "peers.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _table_row(stdout: str, system: str) -> list[str]:
+    line = next(x for x in stdout.splitlines() if x.startswith(f"| {system} |"))
+    assert line.endswith("|"), line  # nothing outside the table's cells
+    return [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]  # a cell's own | is escaped
+
+
+def test_ratios_are_against_the_raw_pairs_samples_of_the_same_rounds(monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The raw pair measures 10 Gbit/s in round 1, then fails: kvwire's ratio is against
+    raw's round 1 and kvwire's own round 1 (9 Gbit/s: 0.90), not its rounds 2 and 3 (20
+    Gbit/s, as the host sped up) against raw's round 1 (2.00). The raw pair's row gives
+    its failure inside the table's cells. measure() stubbed, no process started."""
+    peers = _peers_script(monkeypatch)
+    calls: dict[str, int] = {}
+
+    def fake_measure(name: str, link: Any, cache: Any, tokens: int, count: int, timeout: float) -> Any:
+        calls[name] = calls.get(name, 0) + 1
+        if name == "raw" and calls[name] == 2:
+            raise TimeoutError("no end of | receiving within 120 s")
+        rate = 10.0 if name == "raw" else (9.0 if calls[name] == 1 else 20.0)
+        return peers.Sample(gbps=rate, send_cpu=0.3, recv_cpu=0.3 if calls[name] == 1 else 0.9)
+
+    monkeypatch.setattr(peers, "measure", fake_measure)
+    monkeypatch.setattr(peers, "make_cache", lambda nbytes: None)
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert peers.main(["--systems", "raw,kvwire-raw", "--links", "loopback", "--loads", "quiet",
+                           "--whole-tokens", "1024", "--burst", "", "--rounds", "3"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    out = capsys.readouterr().out
+    kvwire = _table_row(out, "kvwire-raw")
+    assert kvwire[1] == "20 (9-20)"  # its own rounds, all three
+    assert kvwire[2] == "0.90" and kvwire[6] == "1.00", kvwire  # vs raw, CPU vs raw: round 1 alone
+    raw = _table_row(out, "raw")
+    assert len(raw) == 9 and raw[1] == "failed: TimeoutError: no end of \\| receiving within 120 s", raw
+    assert "The raw pair failed after 1 round(s): the ratios to it are over round(s) 1 alone." in out
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The processes whose parent is ``pid``: their start times, to know each again."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found[int(entry)] = fields[19]
+    return found
+
+
+def _running(pid: int, started: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+    except OSError:
+        return False
+    return fields[19] == started and fields[0] != "Z"  # the same process, not a zombie
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGKILL], ids=["SIGHUP", "SIGKILL"])
+def test_no_process_outlives_the_script(sig: signal.Signals) -> None:
+    """The busy load's processes and a measurement's sender and receiver end when the
+    script does, whatever ends it: a closed terminal's SIGHUP or SIGKILL leave it no
+    cleanup, and a spinner left behind would turn the next run's quiet rows busy."""
+    proc = subprocess.Popen([sys.executable, str(BENCHMARKS / "peers.py"), "--systems", "raw", "--links",
+                             "loopback", "--loads", "busy", "--whole-tokens", "16", "--burst", "",
+                             "--rounds", "100000", "--churn-mib", "8"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    kids: dict[int, str] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while len(kids) < 3:  # the load's two processes and at least one of a measurement's
+            assert proc.poll() is None, "the script ended by itself"
+            assert time.monotonic() < deadline, f"the script started {len(kids)} processes"
+            time.sleep(0.05)
+            kids = _children(proc.pid)
+        proc.send_signal(sig)
+        proc.wait(30)
+        deadline = time.monotonic() + 30
+        while (left := [k for k, started in kids.items() if _running(k, started)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes left running after the script's {sig.name}: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for k, started in kids.items():  # what the script left behind, if anything
+            if _running(k, started):
+                os.kill(k, signal.SIGKILL)
