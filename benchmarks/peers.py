@@ -738,23 +738,19 @@ def _enter_netns(ns: str | None) -> None:
         os.close(fd)
 
 
-def _end_with_parent(parent: int) -> None:
-    """This child process ends when ``parent``, the script, does, however that ends (a
+def _end_with_parent() -> None:
+    """This child process ends when its parent, the script, does, however that ends (a
     SIGHUP of a closed terminal, SIGKILL): SIGTERM then, at its default action, which
     ends the process even inside a C call (the handler inherited from the parent would
     only raise KeyboardInterrupt, and in Python code)."""
     from kvwire.bench.runner import _die_with_parent
 
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    if parent == 1:  # the PID 1 of a container: its end ends every process in it
-        return
     _die_with_parent()
-    if os.getppid() != parent:  # the script ended before this was set (a subreaper took us)
-        os._exit(1)
 
 
-def _receiver_main(name: str, ns: str | None, dev: str, addr: str, nbytes: int, conn: Connection, parent: int) -> None:
-    _end_with_parent(parent)
+def _receiver_main(name: str, ns: str | None, dev: str, addr: str, nbytes: int, conn: Connection) -> None:
+    _end_with_parent()
     try:
         _quiet_env(dev)
         _enter_netns(ns)
@@ -777,8 +773,8 @@ def _receiver_main(name: str, ns: str | None, dev: str, addr: str, nbytes: int, 
         conn.send(("error", traceback.format_exc(limit=3).strip().splitlines()[-1]))
 
 
-def _sender_main(name: str, ns: str | None, dev: str, addr: str, tokens: int, cache: Any, conn: Connection, parent: int) -> None:
-    _end_with_parent(parent)
+def _sender_main(name: str, ns: str | None, dev: str, addr: str, tokens: int, cache: Any, conn: Connection) -> None:
+    _end_with_parent()
     try:
         _quiet_env(dev)
         _enter_netns(ns)
@@ -850,9 +846,8 @@ def measure(name: str, link: Link, cache: Any, tokens: int, count: int, timeout:
     nbytes = tokens * TOKEN_BYTES
     r_parent, r_child = ctx.Pipe()
     s_parent, s_child = ctx.Pipe()
-    me = os.getpid()
-    receiver = ctx.Process(target=_receiver_main, args=(name, link.receiver_ns, link.receiver_dev, link.receiver_addr, nbytes, r_child, me), daemon=True)
-    sender = ctx.Process(target=_sender_main, args=(name, link.sender_ns, link.sender_dev, link.receiver_addr, tokens, cache, s_child, me), daemon=True)
+    receiver = ctx.Process(target=_receiver_main, args=(name, link.receiver_ns, link.receiver_dev, link.receiver_addr, nbytes, r_child), daemon=True)
+    sender = ctx.Process(target=_sender_main, args=(name, link.sender_ns, link.sender_dev, link.receiver_addr, tokens, cache, s_child), daemon=True)
     receiver.start()
     try:
         info = _expect(r_parent, 60, "receiver setup")[1]
@@ -931,22 +926,22 @@ LINKS = ("loopback", "veth")
 LOADS = ("quiet", "busy")
 
 
-def _default_signals(parent: int) -> None:
+def _default_signals() -> None:
     """A load process ends quietly on terminate(): not through the handlers it inherited
     from the parent (which turn SIGTERM into a KeyboardInterrupt and its traceback); and
     it ends with the parent, however that ends."""
-    _end_with_parent(parent)  # SIGTERM at its default action
+    _end_with_parent()  # SIGTERM at its default action
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the parent, which stops it
 
 
-def _spin(parent: int) -> None:
-    _default_signals(parent)
+def _spin() -> None:
+    _default_signals()
     while True:
         pass
 
 
-def _churn(mib: int, parent: int) -> None:
-    _default_signals(parent)
+def _churn(mib: int) -> None:
+    _default_signals()
     while True:
         block = np.ones(mib * MiB, np.uint8)  # fault in, touch, free: memory pressure
         del block
@@ -968,9 +963,8 @@ def load(kind: str, churn_mib: int) -> Iterator[Callable[[], str | None]]:
     import kvwire.bench.runner  # noqa: F401  (the children's _end_with_parent, imported once here)
 
     ctx = mp.get_context("fork")
-    me = os.getpid()
-    procs = [ctx.Process(target=_spin, args=(me,), daemon=True),
-             ctx.Process(target=_churn, args=(churn_mib, me), daemon=True)]
+    procs = [ctx.Process(target=_spin, daemon=True),
+             ctx.Process(target=_churn, args=(churn_mib,), daemon=True)]
     for p in procs:
         p.start()
 

@@ -620,7 +620,11 @@ def _die_with_parent() -> None:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent already ended before this was set
+    # The parent already ended before this was set (init or a subreaper took this one):
+    # the parent's pid as multiprocessing recorded it, so a bench run as the PID 1 of a
+    # container (whose children's parent is 1 all along) keeps its children.
+    parent = mp.parent_process()
+    if parent is not None and parent.pid is not None and os.getppid() != parent.pid:
         os._exit(1)
 
 

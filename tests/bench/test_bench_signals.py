@@ -166,3 +166,27 @@ def test_run_leaves_other_handlers_in_place() -> None:
         assert seen == [signal.SIGHUP]
     finally:
         signal.signal(signal.SIGHUP, previous)
+
+
+#: A child of the bench checking whether its parent is still there, the parent being the
+#: PID 1 of a container (the children's parent is 1 all along) or a parent already gone.
+_PARENT_CHECK = """
+import multiprocessing, os, sys
+from kvwire.bench import runner
+
+recorded, now = (int(x) for x in sys.argv[1:3])
+multiprocessing.parent_process = lambda: type("Parent", (), {"pid": recorded})()
+os.getppid = lambda: now
+runner._die_with_parent()
+print("alive")
+"""
+
+
+@pytest.mark.parametrize(("recorded", "now", "alive"), [(1, 1, True), (4242, 4242, True), (4242, 1, False)])
+def test_a_bench_child_ends_only_when_the_parent_it_was_started_by_is_gone(recorded: int, now: int, alive: bool) -> None:
+    """A bench run as the PID 1 of a container keeps its children: a child ended when its
+    parent's pid read 1, taking that for its parent gone before the parent-death signal
+    was set; it now compares with the parent multiprocessing recorded."""
+    done = subprocess.run([sys.executable, "-c", _PARENT_CHECK, str(recorded), str(now)],
+                          capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == ((0, "alive") if alive else (1, "")), done.stderr
