@@ -25,6 +25,7 @@ from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
 from kvwire.sync import Bridge, PendingPeer, SyncPeer, SyncServer
 from tests.conftest import SECRET
+from tests.test_sync_close import call_in_thread
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -263,23 +264,6 @@ def test_in_a_forked_child_every_call_is_refused_naming_the_fork() -> None:
 
 
 # -- 4. SyncPeer.close() on a shared bridge held up elsewhere ---------------------------------
-
-def call_in_thread(call: Any, within: float = 10.0) -> BaseException | str:
-    """What ``call()`` raised (or "returned"), from another thread; "blocked" if it did not
-    end within ``within`` s (the thread is a daemon)."""
-    out: list[BaseException | str] = []
-
-    def go() -> None:
-        try:
-            call()
-            out.append("returned")
-        except BaseException as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(within)
-    return out[0] if out else "blocked"
 
 
 def test_closing_a_peer_on_a_held_up_shared_bridge_fails_its_waiters() -> None:
