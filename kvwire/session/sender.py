@@ -745,7 +745,12 @@ class SenderCore:
         lost = ev.error or ConnectionLostError(f"stream {index} closed")
         if ev.goaway and ev.by_peer and ev.code == ErrorCode.NO_ERROR and not was_open:
             # A join (or rejoin) the server closed on purpose before its WELCOME (a kvwire
-            # server shutting down): the session is lost for the server's goodbye.
+            # server shutting down): not retried.  With another stream open the session
+            # goes on there (acknowledgements may still come) until that one closes too;
+            # with none, it is lost for the server's goodbye.
+            if self.open_streams:
+                self._give_up(index, ConnectionLostError(f"stream {index}: {self._goodbye or 'closed by the server'}"))
+                return self.broken is None
             self._lose(lost)
             return False
         if ev.code == ErrorCode.LIMIT_EXCEEDED and ev.error is not None and not was_open:
