@@ -562,20 +562,17 @@ def _stopping_on(
     stopped: list[_Stop] = []
 
     def restore() -> None:
-        # Removing the loop's handler sets the signal's default action until the previous
-        # handler is back: a signal in between would end the process, the server not
-        # closed.  Held back meanwhile, it reaches the previous handler.
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, previous) if previous else None
-        try:
-            for signum, handler in previous.items():
-                loop.remove_signal_handler(signum)
-                signal.signal(signum, handler)
-            previous.clear()
-        finally:
-            if held is not None:
-                signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        # One swap per signal, back to the handler it had: never the default action in
+        # between, whatever thread a signal is delivered to.
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        previous.clear()
 
-    # (The loop's handler replaces the signal's while inside; restore() puts it back.)
+    def handle(signum: int, frame: object) -> None:
+        # A plain handler (the loop's own would leave the default action for a moment when
+        # removed): it runs in the main thread between two bytecodes and only queues the
+        # work on the loop, which its wakeup wakes.
+        loop.call_soon_threadsafe(on_signal, signum)
 
     def on_signal(signum: int) -> None:
         if stopped:  # a second one: no more waiting
@@ -592,8 +589,8 @@ def _stopping_on(
         if handler is signal.SIG_IGN or handler is None:
             continue
         try:
-            loop.add_signal_handler(signum, on_signal, signum)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals
+            signal.signal(signum, handle)
+        except ValueError:  # not the main thread
             continue
         previous[signum] = handler
     try:
