@@ -364,6 +364,11 @@ def start_on(bridge: Bridge, start: Coroutine[Any, Any, T], timeout: float | Non
     """Run ``start`` (it opens a server or peer the bridge owns) on ``bridge``'s loop and
     wait at most ``timeout`` s for it.  One that completes after the caller gave up (a loop
     busy with other work) is closed then, not left open until the bridge closes."""
+    try:
+        bridge.check_process()  # (a forked child: nothing runs, nothing is left unawaited)
+    except UsageError:
+        start.close()
+        raise
     started: list[asyncio.Task[T]] = []
 
     async def run() -> T:

@@ -122,6 +122,8 @@ class Transfer:
         """
         if self._server.on_gpu:
             raise UsageError("into= needs a server with device='cpu'")
+        if into is None:
+            raise UsageError("attach() takes a destination, not None")
         check_destination(into)
         if self._into is not None:
             raise UsageError("the transfer already has a destination: its layers go there, a second one is refused")

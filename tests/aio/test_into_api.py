@@ -71,6 +71,8 @@ async def test_attach_refuses_what_is_not_a_destination_and_leaves_the_transfer_
             transfer = await server.accept(timeout=10)
             with pytest.raises(UsageError, match=r"into= must be a destination.*without check\(\), view\(\)"):
                 transfer.attach(object())
+            with pytest.raises(UsageError, match="not None"):
+                transfer.attach(None)
             layers = [layer async for layer in transfer]  # the transfer went on as before
             await asyncio.wait_for(sending, 10)
     assert [layer.k.tobytes() for layer in layers] == [s[[2, 3]][:, 0].tobytes() for s in src]
