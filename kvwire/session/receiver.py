@@ -763,20 +763,19 @@ class ReceiverCore:
 
     def get_timer(self) -> float | None:
         """The earliest deadline of any connection, session or transfer (None: none)."""
-        heap = self._timers
-        while heap:
-            when, _, name = heap[0]
+        # (self._timers read anew each time: a compaction replaces the list)
+        while self._timers:
+            when, _, name = self._timers[0]
             if self._timer_valid(name, when):
                 return when
         return None
 
     def handle_timer(self, now: float) -> None:
-        heap = self._timers
-        while heap and heap[0][0] <= now:
-            when, _, name = heap[0]
+        while self._timers and self._timers[0][0] <= now:
+            when, _, name = self._timers[0]
             if not self._timer_valid(name, when):
                 continue
-            heapq.heappop(heap)
+            heapq.heappop(self._timers)
             del self._timer_at[name]
             kind, ident = name
             if kind == _CONN:
