@@ -1570,8 +1570,20 @@ def send_while_loading(consumer: KvwireConnector, producer_worker: KvwireConnect
     consumer.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("c", "k", [1, 2])]))
     consumer.start_load_kv(None)  # type: ignore[arg-type]
     consumer.clear_connector_metadata()
+    # The send's handle as it is made: a refusal may end the send within the step, which
+    # then no longer holds it in flight.
+    peer = producer_worker._peer
+    assert peer is not None
+    begun: list[Any] = []
+    real_begin = peer.begin
+
+    def begin(*args: Any, **kwargs: Any) -> Any:
+        begun.append(real_begin(*args, **kwargs))
+        return begun[-1]
+
+    peer.begin = begin  # type: ignore[method-assign]
     step(producer_worker, KvwireConnectorMetadata(saves=[save]), sent)
-    handle, _ = producer_worker._in_flight[save.req_id]
+    [handle] = begun
     return handle
 
 
