@@ -20,6 +20,7 @@ from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import LeaseExpiredError, NotificationsLostError, RegistryUnavailableError
 from kvwire.errors import KvwireError, StaleVersionError, UsageError
 from tests.consistency.conftest import RedisServer, start_redis
+from tests.consistency.proxy import RedisProxy
 
 pytestmark = pytest.mark.timeout(60)
 T = TypeVar("T")
@@ -448,30 +449,15 @@ async def test_a_begin_waits_for_releases_only(redis_server: RedisServer) -> Non
         stuck.set()
 
 
-class _ReplyDropper:
+class _ReplyDropper(RedisProxy):
     """A TCP proxy to Redis: once armed with a byte pattern, the first request holding it
     reaches Redis, but its reply is swallowed and the client's connection cut (a reply
     lost in transit after the command ran)."""
 
     def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
+        super().__init__(target_port)
         self.pattern: bytes | None = None
         self.dropped = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
-
-    async def __aenter__(self) -> _ReplyDropper:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for task in tuple(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()

@@ -12,38 +12,27 @@ import pytest
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import Registry
 from tests.consistency.conftest import RedisServer
+from tests.consistency.proxy import RedisProxy
 
 pytestmark = pytest.mark.timeout(60)
 
 
-class _HoldingProxy:
+class _HoldingProxy(RedisProxy):
     """A TCP proxy to Redis that holds back Redis's replies on a connection: from the
     client's SUBSCRIBE on (``subscribe``), or on the first connection from its start
     (``first``: the handshake of a connection being made)."""
 
     def __init__(self, target_port: int, hold: str) -> None:
-        self.target_port = target_port
+        super().__init__(target_port)
         self.hold = hold
         self.holding = asyncio.Event()  # a request is waiting for a held reply
         self.released = asyncio.Event()
         self.accepted = 0
         self.open = 0
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.port = 0
-
-    async def __aenter__(self) -> _HoldingProxy:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
         self.released.set()
-        for task in tuple(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await super().__aexit__(*exc)
 
     async def wait_closed_by_client(self) -> None:
         """Until the client closed every connection it made through the proxy (bounded)."""
