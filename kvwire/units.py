@@ -265,14 +265,17 @@ def format_schedule(schedule: Schedule) -> str:
 T = TypeVar("T")
 
 
-def whole_number(text: str, *, minimum: int = 1) -> int:
-    """A whole number >= ``minimum`` (a count: ``--requests 4000``)."""
+def whole_number(text: str, *, minimum: int = 1, maximum: int | None = None) -> int:
+    """A whole number >= ``minimum`` (a count: ``--requests 4000``), and at most
+    ``maximum`` when one is given."""
     try:
         value = int(text)
     except ValueError:
         raise UsageError(f"{text!r} is not a whole number") from None
     if value < minimum:
         raise UsageError(f"{text!r} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise UsageError(f"{text!r} must be at most {maximum:,}")
     return value
 
 
@@ -298,7 +301,9 @@ def positive(parse: Callable[[str], float], what: str) -> Callable[[str], float]
 def _check_sign(value: float, text: str, strictly_positive: bool, what: str = "") -> float:
     ok = value > 0 if strictly_positive else value >= 0
     if not ok or not math.isfinite(value):
-        raise UsageError(f"{what + ' ' if what else ''}{text!r} must be {'> 0' if strictly_positive else '>= 0'}")
+        # inf is >= 0: say what it is not ('inf' must be >= 0 read as a contradiction).
+        need = f"{'' if math.isfinite(value) else 'a finite number '}{'> 0' if strictly_positive else '>= 0'}"
+        raise UsageError(f"{what + ' ' if what else ''}{text!r} must be {need}")
     return value
 
 

@@ -194,6 +194,27 @@ def test_whole_number_accepts_exactly_the_integers_at_or_above_the_minimum(value
             whole_number(str(value), minimum=minimum)
 
 
+@given(st.integers(-10**6, 10**6), st.integers(0, 1000))
+def test_whole_number_refuses_what_is_above_the_maximum(value: int, maximum: int) -> None:
+    if 0 <= value <= maximum:
+        assert whole_number(str(value), minimum=0, maximum=maximum) == value
+    elif value > maximum:
+        with pytest.raises(UsageError, match=f"must be at most {maximum:,}"):
+            whole_number(str(value), minimum=0, maximum=maximum)
+
+
+@pytest.mark.parametrize("text", ["inf", "-inf", "nan", "Infinity"])
+@pytest.mark.parametrize("strict", [True, False])
+def test_number_says_a_non_finite_value_is_not_finite(text: str, strict: bool) -> None:
+    # 'inf' must be >= 0: inf is >= 0; the message named the wrong condition.
+    sign = "> 0" if strict else ">= 0"
+    with pytest.raises(UsageError) as caught:
+        number(text, strictly_positive=strict)
+    assert str(caught.value) == f"{text!r} must be a finite number {sign}"
+    with pytest.raises(UsageError, match=f"'-1' must be {sign}$"):
+        number("-1", strictly_positive=strict)
+
+
 @pytest.mark.parametrize("text", ["", "1.5", "ten", "1e3"])
 def test_whole_number_refuses_what_is_not_a_whole_number(text: str) -> None:
     with pytest.raises(UsageError, match="not a whole number"):
