@@ -65,6 +65,10 @@ def _policies(text: str) -> list[PolicyName]:
     out = [_policy(x.strip()) for x in text.split(",") if x.strip()]
     if not out:
         raise UsageError("no policy given")
+    twice = sorted({str(p) for p in out if out.count(p) > 1})
+    if twice:
+        # The table gave it a row per mention, the JSON (keyed by policy) one entry.
+        raise UsageError(f"policy {', '.join(twice)} given more than once")
     return out
 
 
@@ -78,6 +82,10 @@ def _real(text: str) -> float:
         raise UsageError(f"{text!r} must be a finite number")
     return value
 
+
+#: ``--plot-points``: each is a simulation of ``selective``, and the thresholds are
+#: quantiles of the input lengths (more points than distinct lengths add nothing).
+MAX_PLOT_POINTS = 1000
 
 POSITIVE_INT = argument_type(whole_number, "int")
 NON_NEGATIVE_INT = argument_type(functools.partial(whole_number, minimum=0), "int")
@@ -193,8 +201,9 @@ def add_parser(subparsers: Any) -> None:
                    help="write the configuration and per-policy results as JSON ('-': stdout)")
     o.add_argument("--plot", metavar="FILE.png",
                    help="plot throughput against t, model and simulated (needs matplotlib)")
-    o.add_argument("--plot-points", type=POSITIVE_INT, default=12,
-                   help="simulated thresholds on the plot (default 12)")
+    o.add_argument("--plot-points", default=12,
+                   type=argument_type(functools.partial(whole_number, maximum=MAX_PLOT_POINTS), "int"),
+                   help=f"simulated thresholds on the plot (default 12; at most {MAX_PLOT_POINTS:,})")
 
 
 def _check_output(path: str, what: str) -> None:
@@ -224,6 +233,19 @@ def _preflight(args: argparse.Namespace) -> None:
     if args.json and args.json != "-" and args.plot and same_file(args.json, args.plot):
         # The plot, written last, would replace the JSON.
         raise UsageError(f"--json and --plot name the same file {args.plot!r}: give each its own")
+    inputs = (
+        ("--trace", args.trace),
+        ("--profile", None if args.profile in BUILTIN_PROFILES else args.profile),
+        ("--local-profile", args.local_profile),
+    )
+    for option, output in (("--json", args.json if args.json != "-" else None), ("--plot", args.plot)):
+        for source, path in inputs:
+            if output and path and same_file(output, path):
+                # It was read before the output was written, then replaced by it.
+                raise UsageError(
+                    f"{option} {output!r} is the {source} file: writing it would replace the "
+                    "input; give another path"
+                )
     if args.json and args.json != "-":
         _check_output(args.json, "--json")
     if args.plot:

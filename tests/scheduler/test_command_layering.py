@@ -382,3 +382,63 @@ def test_an_error_while_plotting_is_a_usage_error(
     monkeypatch.setattr(command, "_plot", fail)
     assert run(parse(["simulate", "--requests", "30", "--policy", "local", "--plot", str(tmp_path / "p.png")])) == 2
     assert capsys.readouterr().err == "kvwire simulate: the plot failed\n"
+
+
+@pytest.mark.parametrize("source", ["--trace", "--profile", "--local-profile"])
+@pytest.mark.parametrize("output", ["--json", "--plot"])
+def test_simulate_cli_refuses_an_output_that_is_an_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, output: str
+) -> None:
+    # --trace t.jsonl --json t.jsonl exited 0 having replaced the trace with the JSON.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": i * 500, "input_length": 1000, "output_length": 10, "hash_ids": [i]}) + "\n"
+        for i in range(20)
+    ))
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"tokens": [1024, 8192], "kv_bytes": [2e8, 3.2e8], "prefill_s": [0.44, 0.72]}))
+    inputs = {"--trace": trace, "--profile": profile, "--local-profile": profile}
+    target = inputs[source]
+    before = target.read_text()
+    spelled = str(tmp_path / "." / target.name)  # another spelling of the same file
+    argv = ["simulate", "--trace", str(trace), "--policy", "local"]
+    if source != "--trace":
+        argv += [source, str(profile)]
+    assert run(parse([*argv, output, spelled])) == 2
+    assert f"is the {source} file" in capsys.readouterr().err
+    assert target.read_text() == before
+
+
+def test_simulate_cli_json_next_to_a_builtin_profiles_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --profile hybrid-1t names the built-in, not a file: a JSON output called so is fine.
+    monkeypatch.chdir(tmp_path)
+    assert run(parse(["simulate", "--requests", "30", "--policy", "local", "--json", "hybrid-1t"])) == 0
+    assert json.loads((tmp_path / "hybrid-1t").read_text())["system"]["profile"]
+
+
+@pytest.mark.parametrize("policies", ["local,local", "selective,local,selective", "adaptive, adaptive"])
+def test_simulate_cli_refuses_a_policy_given_twice(policies: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # local,local gave two table rows and one JSON entry.
+    with pytest.raises(SystemExit) as exc:
+        parse(["simulate", "--policy", policies])
+    assert exc.value.code == 2
+    assert "given more than once" in capsys.readouterr().err
+
+
+def test_simulate_cli_caps_plot_points(capsys: pytest.CaptureFixture[str]) -> None:
+    # 3000000000 ran the whole simulation, then failed in numpy (MemoryError) on the grid.
+    from kvwire.scheduler.command import MAX_PLOT_POINTS
+
+    assert parse(["simulate", "--plot-points", str(MAX_PLOT_POINTS)]).plot_points == MAX_PLOT_POINTS
+    with pytest.raises(SystemExit) as exc:
+        parse(["simulate", "--plot-points", "3000000000"])
+    assert exc.value.code == 2
+    assert f"must be at most {MAX_PLOT_POINTS:,}" in capsys.readouterr().err
+
+
+def test_simulate_cli_says_a_threshold_must_be_finite(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["simulate", "--threshold", "inf"])
+    assert "'inf' must be a finite number >= 0" in capsys.readouterr().err
