@@ -9,7 +9,8 @@ registry's ``lookup`` returns it (a sequence of ``(block, version)`` pairs,
 
 Rules, in order:
 
-1. No usable bandwidth (estimate <= 0, or no remote cluster): local.
+1. No usable bandwidth (estimate <= 0, or no remote cluster): local. (A NaN threshold, and
+   a bandwidth or demand that is NaN or infinite, are refused by :class:`SchedulerState`.)
 2. Egress utilization ``u`` (:attr:`SchedulerState.utilization`) raises the threshold above
    the soft level and refuses offload at the hard level: only the longest prefills, which
    carry the most compute per byte shipped, still go remote when the link fills up.
@@ -37,6 +38,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from kvwire.errors import UsageError
 
 __all__ = [
     "ClusterView",
@@ -76,16 +79,20 @@ class SchedulerState:
     """Everything ``decide`` reads besides the request. Rates are bits per second."""
 
     threshold_tokens: float
-    """Incremental lengths above this go remote (the optimizer's or the controller's ``t``)."""
+    """Incremental lengths above this go remote (the optimizer's or the controller's ``t``;
+    ``inf``: none, below 0: every one). NaN is refused (:class:`~kvwire.UsageError`): no
+    length compares above it, and every request went remote as ``"remote-prefix"``."""
     bandwidth_bps: float
     """Live estimate of the egress bandwidth the offloads can use: the link's rate now, or
     on a link shared with other traffic the share left to them (what a throughput
-    estimator of these transfers measures)."""
+    estimator of these transfers measures). 0 or below: none, every request stays local
+    (``"no-bandwidth"``). Must be a finite number: NaN or infinity is refused."""
     egress_demand_bps: float = 0.0
     """Egress the offloads ask of the link: the KV of recent offloads per second (e.g. the
     bytes offloaded over the last minute x 8 / 60). Without a plan, other traffic may be
-    counted here instead, with ``bandwidth_bps`` the whole link. 0 (the default): unknown,
-    and the utilization rules never fire."""
+    counted here instead, with ``bandwidth_bps`` the whole link. 0 (the default, and any
+    value below 0): unknown, and the utilization rules never fire. Must be a finite
+    number: NaN or infinity is refused."""
     local_prefix_hit: PrefixHit = ()
     """The local cluster's longest cached prefix for this request."""
     remotes: tuple[ClusterView, ...] = ()
@@ -114,6 +121,14 @@ class SchedulerState:
     plan: a live estimate below it is the link carrying less than planned. ``None`` (or not
     a finite number > 0): no plan (were the plan taken as made for the live estimate, the
     link could never fall short of it and the rules would never fire)."""
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.threshold_tokens):
+            raise UsageError("threshold_tokens must be a number (got NaN)")
+        for name in ("bandwidth_bps", "egress_demand_bps", "soft_utilization", "hard_utilization",
+                     "threshold_gain"):
+            if not math.isfinite(getattr(self, name)):
+                raise UsageError(f"{name} must be a finite number (got {getattr(self, name)!r})")
 
     @property
     def has_plan(self) -> bool:

@@ -203,3 +203,32 @@ def test_decide_is_total_and_consistent(
         # On the link the plan was made for, the plan is never fought, whatever the load.
         assert effective_threshold(s) == t
         assert d.reason not in ("link-saturated", "bandwidth-tight")
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("threshold_tokens", math.nan),  # offloaded every request as "remote-prefix"
+        ("bandwidth_bps", math.nan),  # "bandwidth-tight" instead of "no-bandwidth"
+        ("bandwidth_bps", math.inf),
+        ("bandwidth_bps", -math.inf),
+        ("egress_demand_bps", math.nan),  # the utilization rules silently off
+        ("egress_demand_bps", math.inf),
+        ("soft_utilization", math.nan),
+        ("hard_utilization", math.inf),
+        ("threshold_gain", math.nan),
+    ],
+)
+def test_state_refuses_values_no_rule_can_compare(field: str, value: float) -> None:
+    from kvwire.errors import UsageError
+
+    with pytest.raises(UsageError, match=field):
+        state(**{field: value})
+
+
+def test_state_keeps_the_documented_edges() -> None:
+    # inf: offload nothing; below 0: every request long; bandwidth <= 0: none; demand < 0: 0.
+    assert decide(req(10**6), state(threshold_tokens=math.inf)) == Local(incremental_tokens=10**6, reason="link-saturated")
+    assert decide(req(1), state(threshold_tokens=-1.0)).reason == "long"
+    assert decide(req(100_000), state(bandwidth_bps=-5.0)).reason == "no-bandwidth"
+    assert state(egress_demand_bps=-1e9).utilization == 0.0
