@@ -35,6 +35,10 @@ SEND_PIECE = 512 * 1024
 CLOSE_LINGER = 5.0
 
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+#: Most bytes a stream whose write failed reads of what the kernel still holds from its peer
+#: before it drops the connection (see Stream._read_left; after a reset that is finite).
+READ_LEFT_MAX = 64 << 20
+
 #: Largest SO_RCVLOWAT a stream sets while a large payload is arriving (see Stream.lowat).
 RCVLOWAT_MAX = 1 << 20
 #: Payload left below which a stream reads whatever arrives (SO_RCVLOWAT back at 1).
@@ -155,6 +159,7 @@ class Stream(asyncio.BufferedProtocol):
         self._eof_seen = False  # the peer closed its sending side
         self._said_goaway = False  # the peer's GOAWAY closed the connection: it sends no more
         self._linger: asyncio.TimerHandle | None = None  # drops the socket if closing takes too long
+        self._broken = False  # a write failed: nothing more is written, what is left is read
         self.pushed = 0  # bytes ever put in the send queue (see written())
 
     @property
@@ -279,6 +284,11 @@ class Stream(asyncio.BufferedProtocol):
         if self._linger is not None:
             self._linger.cancel()
             self._linger = None
+        if exc is not None:
+            # The transport broke (a write through it failed): what the peer sent before
+            # is still to be read, its GOAWAY perhaps (the socket is open until this returns).
+            self._broken = True
+            self._read_left()
         self._close_own()
         self._eof()
         self.transport = None
@@ -312,7 +322,7 @@ class Stream(asyncio.BufferedProtocol):
     def flush(self) -> None:
         """Write what the core has to send on this stream; close it once the core did."""
         tr = self.transport
-        if tr is None or tr.is_closing() or self._close_queued or self._draining:
+        if tr is None or tr.is_closing() or self._close_queued or self._draining or self._broken:
             return
         data = self.owner.core.buffers_to_send(self.key)
         q = self._queue
@@ -354,7 +364,7 @@ class Stream(asyncio.BufferedProtocol):
         try:
             left = q.flush()
         except OSError:
-            self.abort()  # the connection is broken: its loss reaches the core from the transport
+            self._write_failed()
             return
         if left and not self._waiting:
             loop.add_writer(q.fd, self._write_queue)
@@ -379,12 +389,12 @@ class Stream(asyncio.BufferedProtocol):
         transport's buffer): close without losing it.
 
         Closing a TCP socket with bytes of the peer unread makes the kernel send a reset,
-        and the peer's kernel then drops what it had not yet read: the GOAWAY, and the
-        RESETs and ACKs before it.  So the stream shuts its sending side instead (the
-        transport sends EOF once its buffer is written; a TLS transport cannot, and
-        relies on the peer closing on GOAWAY), reads and drops whatever still arrives, and
-        closes once the peer closes too, or when the linger armed with the close passes
-        (docs/protocol.md 10).  A stream whose peer closed first, or said GOAWAY (it sends
+        dropping what it had still to send, and the peer's kernel may drop what it had not
+        yet read (Linux keeps it): the GOAWAY, and the RESETs and ACKs before it.  So the
+        stream shuts its sending side instead (the transport sends EOF once its buffer is
+        written; a TLS transport cannot, and relies on the peer closing on GOAWAY), reads
+        and drops whatever still arrives, and closes once the peer closes too, or when the
+        linger armed with the close passes (docs/protocol.md 10).  A stream whose peer closed first, or said GOAWAY (it sends
         nothing after it), has nothing to wait for and closes at once."""
         tr = self.transport
         if self._lowat_sock is not None:
@@ -408,15 +418,54 @@ class Stream(asyncio.BufferedProtocol):
             except (OSError, RuntimeError):
                 tr.close()
 
-    def _close_own(self) -> None:
-        """Stop writing through the queue (what it holds is dropped) and reading through
-        the stream's own socket object; its descriptor is closed."""
+    def _write_failed(self) -> None:
+        """A write through the send queue failed: the connection is broken, mostly because
+        the peer reset it (a peer whose process ended, or that closed with bytes of ours
+        unread, resets it when more arrive).  What the peer sent before the reset is
+        still in the kernel's receive queue, unread where this side wrote first (a
+        process resumed after a stop is woken for both at once): its GOAWAY, and the
+        RESETs and ACKs before it.  Dropping the connection now would lose them, and a
+        peer that closed on purpose would be taken for a break (resumed against a server
+        that is gone).  So nothing more is written, and on the loop's next turn (not from
+        within the pump that wrote) the stream reads what is left, then drops the
+        connection; its loss reaches the core from the transport."""
+        self._broken = True
+        self._drop_queue()
+        asyncio.get_running_loop().call_soon(self._read_left_and_abort)
+
+    def _read_left_and_abort(self) -> None:
+        self._read_left()
+        self.abort()
+
+    def _read_left(self) -> None:
+        """Feed the core what the kernel still holds of the peer's bytes on a connection
+        that broke while writing (plain TCP, through the stream's own socket object; a TLS
+        stream has none and reads nothing more), up to ``READ_LEFT_MAX`` bytes: after a
+        reset nothing more arrives, so the reads end where the queue does."""
+        got = 0
+        while (own := self._own) is not None and self._current() and got < READ_LEFT_MAX:
+            try:
+                n = own.recv_into(self.owner.core.get_buffer(self.key), 0, socket.MSG_DONTWAIT)
+            except OSError:  # nothing more (EAGAIN), or the reset itself
+                return
+            if not n:
+                return
+            got += n
+            self.buffer_updated(n)
+
+    def _drop_queue(self) -> None:
+        """Stop writing through the queue; what it holds is dropped."""
         q, self._queue = self._queue, None
         if q is not None:
             if self._waiting and self._loop is not None:
                 self._loop.remove_writer(q.fd)
             self._waiting = False
             q.clear()
+
+    def _close_own(self) -> None:
+        """Stop writing through the queue (what it holds is dropped) and reading through
+        the stream's own socket object; its descriptor is closed."""
+        self._drop_queue()
         if self._own is not None:
             if self._lowat_sock is self._own:
                 self._lowat_sock = None
