@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import UsageError
-from kvwire.scheduler.workload import MAX_TOKENS
+from kvwire.scheduler.workload import MAX_TOKENS, _number, _show, _whole
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -168,19 +168,31 @@ class ModelProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+        """A profile from a JSON or TOML table. ``tokens``, ``kv_bytes`` and ``prefill_s``
+        are lists of numbers and ``cache_blocks`` a whole number, as a trace's values are
+        read: ``"159"`` (which iterated as 1, 5, 9), ``true`` (1) or ``"8192"`` is refused,
+        and ``4096.9`` blocks too, rather than rounded down."""
+
+        def numbers(key: str) -> tuple[float, ...]:
+            values = data[key]
+            if not isinstance(values, list | tuple):
+                raise ValueError(f"{key} must be a list of numbers, not {_show(values)}")
+            return tuple(_number(x, f"{key}[{i}]") for i, x in enumerate(values))
+
         try:
+            blocks = data.get("cache_blocks")
             return cls(
                 name=str(data.get("name", "custom")),
-                tokens=tuple(float(x) for x in data["tokens"]),
-                kv_bytes=tuple(float(x) for x in data["kv_bytes"]),
-                prefill_s=tuple(float(x) for x in data["prefill_s"]),
-                cache_blocks=(
-                    int(data["cache_blocks"]) if data.get("cache_blocks") is not None else None
-                ),
+                tokens=numbers("tokens"),
+                kv_bytes=numbers("kv_bytes"),
+                prefill_s=numbers("prefill_s"),
+                cache_blocks=_whole(blocks, "cache_blocks") if blocks is not None else None,
             )
         except UsageError:
             raise  # the profile's own checks say what is wrong
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+        except KeyError as exc:
+            raise UsageError(f"bad profile: {exc.args[0]!r} missing") from None
+        except (TypeError, ValueError, OverflowError) as exc:
             # OverflowError: an integer too large for a float (JSON and TOML allow any).
             raise UsageError(f"bad profile: {exc}") from None
 
@@ -240,7 +252,8 @@ def builtin_profile(name: str) -> ModelProfile:
 
 
 def load_profile(source: str | Path) -> ModelProfile:
-    """A built-in profile by name, or a user profile from a ``.json`` or ``.toml`` file."""
+    """A built-in profile by name, or a user profile from a ``.json`` or ``.toml`` file
+    (UTF-8, with or without a byte-order mark)."""
     if isinstance(source, str) and source in _BUILTIN_FILES:
         return builtin_profile(source)
     path = Path(source)
@@ -253,7 +266,7 @@ def load_profile(source: str | Path) -> ModelProfile:
     except OSError as exc:
         raise UsageError(f"cannot read profile {path}: {exc}") from None
     try:
-        data: Any = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+        data: Any = tomllib.loads(raw.decode("utf-8-sig")) if path.suffix == ".toml" else json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"cannot read profile {path}: {exc}") from None
     if not isinstance(data, dict):

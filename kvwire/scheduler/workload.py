@@ -52,7 +52,8 @@ class TraceRequest:
 
 def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequest, ...]:
     """Read a Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``,
-    ``output_length``, ``hash_ids``), sorted by arrival. A ``.gz`` file (any case) is decompressed.
+    ``output_length``, ``hash_ids``), sorted by arrival. A ``.gz`` file (any case) is decompressed;
+    UTF-8, with or without a byte-order mark.
     Lengths and hash ids are whole numbers (``4000`` or ``4000.0``; not ``1000.7``, ``true``
     or ``"4000"``), the timestamp any number, ``hash_ids`` (optional) a list.
     Timestamps must be finite and at most :data:`MAX_TIMESTAMP_MS` either side of 0, and
@@ -63,9 +64,11 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
     out: list[TraceRequest] = []
     try:
         with (
-            gzip.open(path, "rt", encoding="utf-8")
+            # utf-8-sig: a byte-order mark before the first record (as some Windows tools
+            # write) is skipped; it failed the first line as "not a trace record".
+            gzip.open(path, "rt", encoding="utf-8-sig")
             if str(path).lower().endswith(".gz")
-            else open(path, encoding="utf-8")
+            else open(path, encoding="utf-8-sig")
         ) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -111,19 +114,28 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
     return tuple(out)
 
 
+def _show(value: object) -> str:
+    """``value`` as JSON writes it (``true``, ``"4000"``), or its repr where JSON cannot (a
+    TOML date in a profile)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _number(value: object, what: str) -> float:
-    """A JSON number as a float (a boolean or a string is not one)."""
+    """A JSON (or TOML) number as a float (a boolean or a string is not one)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{what} must be a number, not {json.dumps(value)}")
+        raise ValueError(f"{what} must be a number, not {_show(value)}")
     return float(value)
 
 
 def _whole(value: object, what: str) -> int:
-    """A JSON number with a whole value (``4000`` or ``4000.0``) as an int; ``1000.7``,
-    ``true`` or ``"4000"`` is refused rather than rounded or converted."""
+    """A JSON (or TOML) number with a whole value (``4000`` or ``4000.0``) as an int;
+    ``1000.7``, ``true`` or ``"4000"`` is refused rather than rounded or converted."""
     if (isinstance(value, bool) or not isinstance(value, int | float)
             or (isinstance(value, float) and not value.is_integer())):
-        raise ValueError(f"{what} must be a whole number, not {json.dumps(value)}")
+        raise ValueError(f"{what} must be a whole number, not {_show(value)}")
     return int(value)
 
 

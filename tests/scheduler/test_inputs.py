@@ -211,3 +211,61 @@ def test_a_limit_below_one_is_refused(tmp_path: Path, limit: int) -> None:
     with pytest.raises(UsageError, match="limit must be at least 1"):
         load_trace(path, limit=limit)
     assert len(load_trace(path, limit=1)) == 1
+
+
+_PROFILE = {"tokens": [1024, 8192, 32768], "kv_bytes": [2e8, 3.2e8, 7.4e8], "prefill_s": [0.44, 0.72, 1.84]}
+
+
+@pytest.mark.parametrize(
+    ("over", "said"),
+    [
+        ({"cache_blocks": 4096.9}, "cache_blocks must be a whole number, not 4096.9"),  # was 4096
+        ({"cache_blocks": True}, "cache_blocks must be a whole number, not true"),  # was 1
+        ({"cache_blocks": "8192"}, 'cache_blocks must be a whole number, not "8192"'),  # was 8192
+        ({"tokens": "159", "kv_bytes": [1, 2, 3], "prefill_s": [0.1, 0.2, 0.3]},
+         'tokens must be a list of numbers, not "159"'),  # was (1.0, 5.0, 9.0)
+        ({"tokens": [True, 2, 3], "kv_bytes": [1, 2, 3]}, "tokens\\[0\\] must be a number, not true"),
+        ({"kv_bytes": [2e8, "3.2e8", 7.4e8]}, 'kv_bytes\\[1\\] must be a number, not "3.2e8"'),
+        ({"prefill_s": 0.44}, "prefill_s must be a list of numbers, not 0.44"),
+        ({"tokens": None}, "tokens must be a list of numbers, not null"),
+    ],
+)
+def test_profile_refuses_values_it_used_to_coerce(
+    tmp_path: Path, over: dict[str, object], said: str
+) -> None:
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**_PROFILE, **over}))
+    with pytest.raises(UsageError, match=f"bad profile: {said}"):
+        load_profile(path)
+
+
+def test_profile_takes_whole_blocks_written_as_floats_and_says_a_missing_key(tmp_path: Path) -> None:
+    assert ModelProfile.from_dict({**_PROFILE, "cache_blocks": 4096.0}).cache_blocks == 4096
+    assert ModelProfile.from_dict({**_PROFILE, "cache_blocks": None}).cache_blocks is None
+    path = tmp_path / "p.toml"
+    path.write_text("tokens = [1024, 8192]\nkv_bytes = [2e8, 3e8]\nprefill_s = [0.4, 0.7]\ncache_blocks = 8192\n")
+    assert load_profile(path).cache_blocks == 8192
+    with pytest.raises(UsageError, match="bad profile: 'prefill_s' missing"):
+        ModelProfile.from_dict({"tokens": [1024], "kv_bytes": [1.0]})
+    # A TOML date is no number, and the message says what it got.
+    path.write_text("tokens = [1979-05-27]\nkv_bytes = [2e8]\nprefill_s = [0.4]\n")
+    with pytest.raises(UsageError, match=r"tokens\[0\] must be a number, not datetime.date\(1979, 5, 27\)"):
+        load_profile(path)
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_trace_with_a_byte_order_mark(tmp_path: Path, gz: bool) -> None:
+    # A UTF-8 BOM before the first record failed it as "not a trace record".
+    text = "\ufeff" + "".join(json.dumps(_record(i)) + "\n" for i in range(3))
+    path = tmp_path / ("t.jsonl.gz" if gz else "t.jsonl")
+    path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    assert [r.arrival_s for r in load_trace(path)] == [0.0, 0.1, 0.2]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".toml"])
+def test_profile_with_a_byte_order_mark(tmp_path: Path, suffix: str) -> None:
+    text = json.dumps(_PROFILE) if suffix == ".json" else (
+        "tokens = [1024, 8192, 32768]\nkv_bytes = [2e8, 3.2e8, 7.4e8]\nprefill_s = [0.44, 0.72, 1.84]\n")
+    path = tmp_path / f"p{suffix}"
+    path.write_bytes(("\ufeff" + text).encode())
+    assert load_profile(path).tokens == (1024.0, 8192.0, 32768.0)
