@@ -1208,8 +1208,8 @@ def simulate(
         raise UsageError(f"policy {policy} needs at least one remote instance")
     opt = optimizer if optimizer is not None else optimizer_for(requests, config)
     dist = LengthDistribution.from_trace(requests)
-    model = model_cluster(requests, config)
-    n_p = _split_for(policy, dist, config, opt, model)
+    trace_cluster = model_cluster(requests, config)
+    n_p = _split_for(policy, dist, config, opt, trace_cluster)
     t = _policy_threshold(policy, opt)
     if threshold_tokens is not None and policy is PolicyName.SELECTIVE:
         t = threshold_tokens
@@ -1218,7 +1218,7 @@ def simulate(
         if table is None:
             table = threshold_table(
                 dist,
-                model,
+                trace_cluster,
                 prefill_instances=n_p,
                 step_tokens=config.threshold_step_tokens,
                 include_bps=(config.link.rate_at(0.0),) if config.link.rate_at(0.0) > 0 else (),
