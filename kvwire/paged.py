@@ -35,7 +35,7 @@ import numpy as np
 
 from kvwire.codec import numpy_dtype
 from kvwire.errors import IncompatiblePeerError, UsageError
-from kvwire.spec import DTYPES, KVSpec
+from kvwire.spec import DTYPES, KVSpec, model_bytes
 from kvwire.wire.frames import ByteRanges
 
 _MAX_ROW = 0xFFFF
@@ -49,7 +49,9 @@ class PagedSpec:
     """The geometry of a paged KV cache: ``num_layers`` tensors ``[num_blocks, *block_shape]``.
 
     Only the shape of one block matters (the number of blocks in each cache is local to
-    each side).  ``model`` names the model as in :class:`~kvwire.KVSpec`.
+    each side).  ``model`` names the model as in :class:`~kvwire.KVSpec`; it travels behind
+    the geometry (``paged:<block_shape>:<model>``, 255 UTF-8 bytes in all), so it may be
+    255 bytes less that prefix.
     """
 
     num_layers: int
@@ -72,7 +74,12 @@ class PagedSpec:
             raise UsageError(f"PagedSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_elems % 2:
             raise UsageError(f"a block must have an even number of elements, got {self.block_elems}")
-        self.wire_spec()  # validates the derived layout (model name length)
+        # The wire spec's model field is 'paged:<geometry>:<model>', at most 255 UTF-8 bytes.
+        prefix = len(self._model_prefix())
+        if prefix > 255:
+            raise UsageError(f"PagedSpec.block_shape {shape} has too many dimensions to name in the wire spec")
+        model_bytes(self.model, "PagedSpec.model", 255 - prefix)
+        self.wire_spec()  # validates the derived layout
 
     @property
     def block_elems(self) -> int:
@@ -101,12 +108,14 @@ class PagedSpec:
         """Wire tokens per block (of each of the two halves)."""
         return self.block_elems // 2 // self.row_elems
 
+    def _model_prefix(self) -> str:
+        return "paged:" + "x".join(str(d) for d in self.block_shape) + ":"
+
     def wire_spec(self) -> KVSpec:
         """The :class:`~kvwire.KVSpec` this cache travels as; its fingerprint covers the geometry."""
-        geometry = "x".join(str(d) for d in self.block_shape)
         return KVSpec(
             num_layers=self.num_layers, num_kv_heads=1, head_dim=self.row_elems,
-            dtype=self.dtype, model=f"paged:{geometry}:{self.model}",
+            dtype=self.dtype, model=self._model_prefix() + self.model,
         )
 
     def tokens(self, num_blocks: int) -> int:
@@ -660,6 +669,9 @@ class BlockRows:
         return out
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if copy is False:
+            # the rows lie in separate blocks: an array of them is always a copy
+            raise ValueError("BlockRows cannot be an array without a copy (its rows are gathered from the blocks)")
         out = self.gather()
         return out if dtype is None else out.astype(dtype, copy=False)
 

@@ -17,6 +17,23 @@ DTYPES: dict[str, tuple[int, int]] = {
 DTYPE_BY_ID: dict[int, str] = {v[0]: k for k, v in DTYPES.items()}
 
 
+def model_bytes(model: object, field: str, limit: int) -> int:
+    """The UTF-8 length of a spec's ``model`` name; UsageError naming ``field`` unless it
+    is a str that UTF-8 can encode (no lone surrogate) in at most ``limit`` bytes."""
+    if not isinstance(model, str):
+        raise UsageError(f"{field} must be a str of at most {limit} UTF-8 bytes, got {type(model).__name__}")
+    try:
+        size = len(model.encode())
+    except UnicodeEncodeError as exc:
+        raise UsageError(
+            f"{field} must be a str of at most {limit} UTF-8 bytes; "
+            f"{model[exc.start:exc.end]!r} at {exc.start} has no UTF-8 encoding"
+        ) from None
+    if size > limit:
+        raise UsageError(f"{field} must be a str of at most {limit} UTF-8 bytes, got {size}")
+    return size
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class KVSpec:
     """The layout of one request's KV cache.
@@ -39,8 +56,7 @@ class KVSpec:
                 raise UsageError(f"KVSpec.{name} must be an int in [1, 65535], got {value!r}")
         if self.dtype not in DTYPES:
             raise UsageError(f"KVSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if not isinstance(self.model, str) or len(self.model.encode()) > 255:
-            raise UsageError("KVSpec.model must be a str of at most 255 UTF-8 bytes")
+        model_bytes(self.model, "KVSpec.model", 255)
 
     @property
     def itemsize(self) -> int:

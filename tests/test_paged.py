@@ -780,3 +780,44 @@ def test_a_device_cache_of_another_dtype_is_refused(have: str, spec_dtype: str, 
             make()
     right = PagedSpec(num_layers=1, block_shape=(2, 16), dtype=have)
     assert PagedDestination(right, [cache], [0]).layer_tokens == right.tokens(1)
+
+
+@pytest.mark.parametrize("model", ["\udc80", "llama\ud800-3"])
+def test_a_model_name_utf8_cannot_encode_is_a_usage_error_naming_the_field(model: str) -> None:
+    # A lone surrogate raised UnicodeEncodeError from sizing the name.
+    with pytest.raises(UsageError, match=r"PagedSpec\.model"):
+        PagedSpec(num_layers=1, block_shape=(4,), model=model)
+    with pytest.raises(UsageError, match=r"KVSpec\.model"):
+        kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, model=model)
+
+
+@pytest.mark.parametrize("model", [None, 0, b"m", ["m"]])
+def test_a_model_that_is_not_a_str_is_refused(model: Any) -> None:
+    # None travelled as 'paged:4:None', the fingerprint of model="None".
+    with pytest.raises(UsageError, match=r"PagedSpec\.model must be a str"):
+        PagedSpec(num_layers=1, block_shape=(4,), model=model)
+
+
+def test_the_model_name_may_fill_the_field_past_the_geometry_prefix() -> None:
+    # The limit named was KVSpec's 255 bytes, which the 'paged:<geometry>:' prefix shares.
+    prefix = len("paged:2x16:")
+    assert prefix == 11
+    fits = PagedSpec(num_layers=1, block_shape=(2, 16), model="é" * 122)  # 244 bytes
+    assert len(fits.wire_spec().model.encode()) == 255
+    with pytest.raises(UsageError, match=rf"PagedSpec\.model must be a str of at most {255 - prefix} UTF-8 bytes, got 250"):
+        PagedSpec(num_layers=1, block_shape=(2, 16), model="m" * 250)
+    with pytest.raises(UsageError, match=r"PagedSpec\.model must be a str of at most 244 UTF-8 bytes, got 245"):
+        PagedSpec(num_layers=1, block_shape=(2, 16), model="é" * 122 + "m")
+    with pytest.raises(UsageError, match=r"PagedSpec\.block_shape .* has too many dimensions"):
+        PagedSpec(num_layers=1, block_shape=(2,) * 130)
+
+
+def test_block_rows_as_an_array_without_a_copy_is_refused() -> None:
+    # np.asarray(rows, copy=False) returned a gathered copy: writes to it missed the cache.
+    spec = PagedSpec(num_layers=1, block_shape=(2, 4))
+    cache = np.arange(3 * 2 * 4, dtype=np.float16).reshape(3, 2, 4)
+    k, _v = layer_rows(spec, cache, [1])
+    with pytest.raises(ValueError, match="copy"):
+        np.asarray(k, copy=False)
+    assert np.asarray(k).tobytes() == np.asarray(k, copy=True).tobytes() == cache[1, :1].tobytes()
+    assert np.asarray(k, dtype=np.float32).tolist() == cache[1, :1].astype(np.float32).reshape(1, 1, 4).tolist()
