@@ -218,13 +218,29 @@ def check_params(params: Any, codec: str) -> bytes:
 
 
 def check_base(base: Any, codec: str) -> None:
-    """UsageError unless a ``decode_ranges`` destination is a writable bytes-like object."""
+    """UsageError unless a ``decode_ranges`` destination is a writable, C-contiguous
+    bytes-like object (its spans are byte offsets into it)."""
     try:
-        readonly = memoryview(base).readonly
+        view = memoryview(base)
     except TypeError:
         raise UsageError(f"{codec}: base must be a writable bytes-like object, got {type(base).__name__}") from None
-    if readonly:
+    if view.readonly:
         raise UsageError(f"{codec}: base is read-only")
+    if not view.c_contiguous:
+        raise UsageError(f"{codec}: base must be C-contiguous")
+
+
+def check_spans(spans: Any, codec: str) -> None:
+    """UsageError unless ``spans`` of ``encode_ranges``/``decode_ranges`` is a contiguous
+    bytes-like object holding one or more int64 ``(start, size)`` pairs."""
+    try:
+        view = memoryview(spans)
+    except TypeError:
+        raise UsageError(
+            f"{codec}: spans must be a bytes-like object of int64 (start, size) pairs, got {type(spans).__name__}"
+        ) from None
+    if not view.c_contiguous or not view.nbytes or view.nbytes % 16:
+        raise UsageError(f"{codec}: spans must be a contiguous buffer of one or more int64 (start, size) pairs")
 
 
 def check_shape(shape: Any, codec: str) -> tuple[int, int, int]:

@@ -30,6 +30,7 @@ class RowScaledCodec(Codec):
         return self.payload_size(b"", shape, dtype) / (2.0 * shape[0] * shape[1] * shape[2])
 
     def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
+        TensorKind(kind)  # only K and V are defined, though both encode alike
         if _host.ext is None:
             return self.encode_numpy(x, kind)
         arr, name = nm.as_chunk(x)
@@ -39,6 +40,7 @@ class RowScaledCodec(Codec):
     def encode_ranges(
         self, base: memoryview, spans: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
     ) -> EncodedChunk | None:
+        TensorKind(kind)
         if _host.ext is None:
             return None
         payload = _host.encode_rows_at(self.host_loop, base, spans, nm.check_shape(shape, self.name), dtype, self.name)
@@ -50,6 +52,8 @@ class RowScaledCodec(Codec):
     ) -> bool:
         params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
+        nm.check_spans(spans, self.name)
+        TensorKind(kind)
         if _host.ext is None:
             return False
         shape, scale_buf, code_buf = self._payload(params, payload, shape)
@@ -69,6 +73,7 @@ class RowScaledCodec(Codec):
         kind: TensorKind,
         out: np.ndarray[Any, Any] | None = None,
     ) -> np.ndarray[Any, Any]:
+        TensorKind(kind)
         if _host.ext is None:
             return self.decode_numpy(params, payload, shape=shape, dtype=dtype, kind=kind, out=out)
         shape, result, scale_buf, code_buf = self._split(params, payload, shape, dtype, out)
@@ -86,6 +91,7 @@ class RowScaledCodec(Codec):
         out: np.ndarray[Any, Any] | None = None,
     ) -> np.ndarray[Any, Any]:
         """The numpy reference decoder (what :meth:`decode` runs without the extension)."""
+        TensorKind(kind)
         shape, result, scale_buf, code_buf = self._split(params, payload, shape, dtype, out)
         rows, dim = shape[0] * shape[1], shape[2]
         scales = nm.read_scales(scale_buf, rows, self.name)

@@ -8,6 +8,7 @@ CRC.  Codecs are sans-IO and pure: the same input gives the same bytes.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import IntEnum
@@ -117,6 +118,8 @@ def register(codec: Codec) -> Codec:
 
 def get_codec(name: str) -> Codec:
     """The codec registered as ``name``; :class:`~kvwire.UsageError` if there is none."""
+    if not isinstance(name, str):
+        raise UsageError(f"a codec name is a str, got {type(name).__name__}")
     try:
         return _BY_NAME[name]
     except KeyError:
@@ -124,7 +127,14 @@ def get_codec(name: str) -> Codec:
 
 
 def codec_by_id(codec_id: int) -> Codec:
-    """The codec with wire id ``codec_id``; :class:`~kvwire.ProtocolError` if unknown."""
+    """The codec with wire id ``codec_id``; :class:`~kvwire.ProtocolError` if unknown,
+    :class:`~kvwire.UsageError` if ``codec_id`` is not an int."""
+    try:
+        if isinstance(codec_id, bool):
+            raise TypeError
+        codec_id = operator.index(codec_id)
+    except TypeError:
+        raise UsageError(f"a codec id is an int, got {type(codec_id).__name__}") from None
     try:
         return _BY_ID[codec_id]
     except KeyError:

@@ -147,6 +147,7 @@ class EntropyCodec(Codec):
         decompress."""
         params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
+        nm.check_spans(spans, self.name)
         shape, kind = check_sizing_args(shape, dtype, kind, self.name)
         if self.inner.name == "raw" or _host.ext is None:
             return False

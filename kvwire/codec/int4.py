@@ -70,10 +70,10 @@ class Int4Codec(Codec):
     def encode_ranges(
         self, base: memoryview, spans: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
     ) -> EncodedChunk | None:
+        kind = TensorKind(kind)
         if _host.ext is None:
             return None
         shape = nm.check_shape(shape, self.name)
-        kind = TensorKind(kind)
         payload = _host.int4_encode_at(
             base, spans, shape, dtype, self.group, kind == TensorKind.V, group_count(shape, kind, self.group))
         return None if payload is None else EncodedChunk(self.codec_id, bytes([self.group]), payload.data)
@@ -84,6 +84,8 @@ class Int4Codec(Codec):
     ) -> bool:
         params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
+        nm.check_spans(spans, self.name)
+        TensorKind(kind)
         if _host.ext is None:
             return False
         group, shape, kind, bufs = self._payload(params, payload, shape, kind)

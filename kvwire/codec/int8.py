@@ -27,6 +27,7 @@ class Int8Codec(RowScaledCodec):
 
     def encode_numpy(self, x: Any, kind: TensorKind) -> EncodedChunk:
         """The numpy reference encoder (what :meth:`encode` runs without the extension)."""
+        TensorKind(kind)
         arr, name = nm.as_chunk(x)
         tokens, heads, dim = arr.shape
         rows = tokens * heads

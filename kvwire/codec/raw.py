@@ -19,7 +19,8 @@ class RawCodec(Codec):
     def encode(self, x: Any, kind: TensorKind) -> EncodedChunk:
         # the input rules of every codec: a non-empty [tokens, heads, head_dim] array of
         # float16, bfloat16 or float32 in little-endian order (the wire's); a valid
-        # C-contiguous array is not copied (the payload is a view of it)
+        # C-contiguous array is not copied (the payload is a view of it); a kind of K or V
+        TensorKind(kind)
         arr, _name = nm.as_chunk(x)
         return EncodedChunk(self.codec_id, b"", arr.reshape(-1).view(np.uint8).data)
 
@@ -33,6 +34,7 @@ class RawCodec(Codec):
         kind: TensorKind,
         out: np.ndarray | None = None,
     ) -> np.ndarray:
+        TensorKind(kind)
         if nm.check_params(params, self.name):
             raise ProtocolError("raw codec takes no parameters")
         shape = nm.check_shape(shape, self.name)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.codec import Codec, Int4Codec, TensorKind, available_codecs, get_codec
+from kvwire.codec import Codec, Int4Codec, TensorKind, available_codecs, codec_by_id, get_codec
 from kvwire.errors import ProtocolError, UsageError
 
 
@@ -204,3 +204,100 @@ def test_lz4_most_compressible_chunks_still_decode(tokens: int, base: str, dtype
     chunk = codec.encode(x, TensorKind.K)
     y = codec.decode(chunk.params, chunk.payload, shape=x.shape, dtype=dtype, kind=TensorKind.K)
     assert y.shape == x.shape and not y.astype(np.float32).any()
+
+
+@pytest.mark.parametrize("name", [n for n in ALL if type(get_codec(n)).decode_ranges is not Codec.decode_ranges])
+def test_decode_ranges_into_a_non_contiguous_base_is_a_usage_error(name: str) -> None:
+    # A writable array with strides passed the base check and failed in the compiled
+    # loops' argument parser (or in the alignment check) with a ValueError.
+    codec = get_codec(name)
+    x = np.linspace(-1, 1, 4 * 2 * 8, dtype=np.float16).reshape(SHAPE)
+    chunk = codec.encode(x, TensorKind.K)
+    base = np.zeros((4, 2, 16), np.float16)[:, :, ::2]
+    spans = np.array([0, x.nbytes], np.int64)
+    with pytest.raises(UsageError, match="base must be C-contiguous"):
+        codec.decode_ranges(chunk.params, chunk.payload, base, spans.data, shape=SHAPE, dtype="float16", kind=TensorKind.K)
+    assert not base.any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from([n for n in ALL if type(get_codec(n)).decode_ranges is not Codec.decode_ranges]),
+       form=st.sampled_from(["list", "none", "str", "odd bytes", "empty", "strided"]))
+def test_decode_ranges_spans_that_are_not_int64_pairs_are_a_usage_error(name: str, form: str) -> None:
+    # A list raised the argument parser's TypeError.
+    codec = get_codec(name)
+    x = np.zeros(SHAPE, np.float16)
+    chunk = codec.encode(x, TensorKind.K)
+    base = bytearray(x.nbytes)
+    spans: Any = {
+        "list": [0, x.nbytes],
+        "none": None,
+        "str": "0 256",
+        "odd bytes": np.array([0, x.nbytes], np.int64).tobytes()[:12],
+        "empty": b"",
+        "strided": np.array([0, 9, x.nbytes, 9], np.int64)[::2],
+    }[form]
+    with pytest.raises(UsageError, match="spans must be"):
+        codec.decode_ranges(chunk.params, chunk.payload, base, spans, shape=SHAPE, dtype="float16", kind=TensorKind.K)
+    assert not any(base)
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("kind", [7, 2, -1, "K", None])
+def test_every_codec_refuses_a_kind_other_than_k_or_v(name: str, kind: Any) -> None:
+    # raw, fp8 and int8 encoded and decoded any kind (their chunks do not depend on it),
+    # so fp8+zstd encoded a chunk of kind 7 and refused to decode it.
+    codec = get_codec(name)
+    x = np.linspace(-1, 1, 4 * 2 * 8, dtype=np.float16).reshape(SHAPE)
+    with pytest.raises(UsageError, match="kind"):
+        codec.encode(x, kind)
+    chunk = codec.encode(x, TensorKind.V)
+    with pytest.raises(UsageError, match="kind"):
+        codec.decode(chunk.params, chunk.payload, shape=SHAPE, dtype="float16", kind=kind)
+    reference = [getattr(codec, m) for m in ("encode_numpy", "decode_numpy") if hasattr(codec, m)]
+    if reference:
+        with pytest.raises(UsageError, match="kind"):
+            reference[0](x, kind)
+        with pytest.raises(UsageError, match="kind"):
+            reference[1](chunk.params, chunk.payload, shape=SHAPE, dtype="float16", kind=kind)
+    base = bytearray(x.nbytes)
+    spans = np.array([0, x.nbytes], np.int64)
+    if type(codec).decode_ranges is not Codec.decode_ranges and not name.startswith("raw"):
+        with pytest.raises(UsageError, match="kind"):
+            codec.decode_ranges(chunk.params, chunk.payload, base, spans.data, shape=SHAPE, dtype="float16", kind=kind)
+    if type(codec).encode_ranges is not Codec.encode_ranges and not name.startswith("raw"):
+        with pytest.raises(UsageError, match="kind"):
+            codec.encode_ranges(memoryview(x.reshape(-1).view(np.uint8)), spans.data, SHAPE, "float16", kind)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_kind_k_and_v_as_ints_encode_as_the_enum_does(name: str) -> None:
+    codec = get_codec(name)
+    x = np.linspace(-1, 1, 4 * 2 * 8, dtype=np.float16).reshape(SHAPE)
+    for kind in TensorKind:
+        want = codec.encode(x, kind)
+        got = codec.encode(x, int(kind))  # type: ignore[arg-type]
+        assert (got.params, bytes(memoryview(got.payload).cast("B"))) == (want.params, bytes(memoryview(want.payload).cast("B")))
+        back = codec.decode(got.params, got.payload, shape=SHAPE, dtype="float16", kind=int(kind))  # type: ignore[arg-type]
+        assert back.shape == SHAPE
+
+
+@pytest.mark.parametrize("name", [["fp8"], {"fp8": 1}, None, 1, b"fp8"])
+def test_get_codec_of_a_non_string_is_a_usage_error(name: Any) -> None:
+    # A list raised TypeError (unhashable); bytes and None fell through to 'unknown codec'.
+    with pytest.raises(UsageError, match="codec name is a str"):
+        get_codec(name)
+
+
+@pytest.mark.parametrize("codec_id", ["1", 1.0, None, [1], True])
+def test_codec_by_id_of_a_non_int_is_a_usage_error(codec_id: Any) -> None:
+    # A str raised ValueError from formatting the id for the unknown-codec message.
+    with pytest.raises(UsageError, match="codec id is an int"):
+        codec_by_id(codec_id)
+
+
+def test_codec_by_id_takes_any_integer_and_refuses_an_unknown_one_as_the_peers() -> None:
+    assert codec_by_id(np.uint8(1)) is get_codec("fp8")  # type: ignore[arg-type]
+    assert codec_by_id(0x11) is get_codec("fp8+zstd")
+    with pytest.raises(ProtocolError, match="unknown codec id 0x7f"):
+        codec_by_id(0x7F)
