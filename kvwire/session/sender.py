@@ -215,8 +215,9 @@ COMPLETED_KEPT = 1024
 #: RESETs of its own a session keeps to say again (docs/protocol.md 6.3): the latest ones.
 RESETS_KEPT = 256
 
-#: Why a stream closed before its WELCOME by a clean GOAWAY without a message is gone: a
-#: server says only the code before the client proved the secret (docs/protocol.md 5.8).
+#: Why a stream closed before its WELCOME by a clean GOAWAY without a message is gone: an
+#: earlier kvwire server said only the code before the client proved the secret, where this
+#: one says "the server is shutting down" (docs/protocol.md 5.8).
 HANDSHAKE_GOODBYE = ("the server closed the connection during the handshake with a clean GOAWAY "
                      "(NO_ERROR, no reason given: a kvwire server does so as it shuts down)")
 

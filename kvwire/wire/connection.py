@@ -78,6 +78,13 @@ NO_SESSION = bytes(SESSION_ID_SIZE)
 NO_FINGERPRINT = bytes(FINGERPRINT_SIZE)
 #: Largest ``max_transfers`` a server may announce: WELCOME's u32 (never 0, docs/protocol.md 4.4).
 MAX_TRANSFERS = (1 << 32) - 1
+#: The reason of a server's clean GOAWAY as it shuts down.
+SHUTTING_DOWN = "the server is shutting down"
+#: The only GOAWAY messages a server sends before the client proved the secret (docs/protocol.md
+#: 5.8): fixed texts, the same for every peer, that tell nothing the code does not.  A wrong
+#: proof always gets its text; a clean close only this one, and only where it was its reason
+#: (any other reason is dropped, as is every other code's message).
+PRE_AUTH_MESSAGES = {ErrorCode.AUTHENTICATION_FAILED: "authentication failed", ErrorCode.NO_ERROR: SHUTTING_DOWN}
 
 
 class Role(Enum):
@@ -685,10 +692,12 @@ class Connection:
             return
         pre_auth_server = self.state in (State.SERVER_AWAIT_HELLO, State.SERVER_CHALLENGE_SENT)
         if send_goaway:
-            # Before the client proved the secret it learns only the error code.
-            msg = "" if pre_auth_server and code != ErrorCode.AUTHENTICATION_FAILED else message
-            if pre_auth_server and code == ErrorCode.AUTHENTICATION_FAILED:
-                msg = "authentication failed"
+            # Before the client proved the secret it learns only the error code, or one of
+            # the fixed texts of PRE_AUTH_MESSAGES.
+            msg = message
+            if pre_auth_server:
+                fixed = PRE_AUTH_MESSAGES.get(code, "")
+                msg = fixed if code == ErrorCode.AUTHENTICATION_FAILED or message == fixed else ""
             self._queue(GoAway(code=int(code), message=msg))
         if by_peer and error is None and self.state is not State.OPEN:
             error = ConnectionLostError("connection closed during the handshake")
@@ -915,6 +924,8 @@ __all__ = [
     "MAX_TRANSFERS",
     "NO_FINGERPRINT",
     "NO_SESSION",
+    "PRE_AUTH_MESSAGES",
+    "SHUTTING_DOWN",
     "TRANSITIONS",
     "ChunkAcked",
     "ChunkReceived",
