@@ -56,6 +56,7 @@ from kvwire.session.receiver import (
     stale_error,
 )
 from kvwire.session.sender import check_request_id
+from kvwire.wire.connection import SHUTTING_DOWN
 
 _log = logging.getLogger("kvwire")
 
@@ -344,7 +345,7 @@ class Server(Pump):
                 t = self._transfer(key)
                 rid = t.request_id if t is not None else self._letting_go.get(key)
                 what = f"transfer {quoted_id(rid)}: " if rid is not None else ""
-                error = ConnectionLostError(f"{what}the server is shutting down", code=ErrorCode.SESSION_LOST)
+                error = ConnectionLostError(f"{what}{SHUTTING_DOWN}", code=ErrorCode.SESSION_LOST)
                 self.core.fail(key, error, now)
             self.core.close(now)
             self.pump()

@@ -69,7 +69,7 @@ from kvwire.wire import (
     TransferBegun,
     TransferReset,
 )
-from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION
+from kvwire.wire.connection import NO_FINGERPRINT, NO_SESSION, SHUTTING_DOWN
 from kvwire.wire.frames import (
     DEFAULT_MAX_FRAME_SIZE,
     DEFAULT_WINDOW,
@@ -622,7 +622,7 @@ class ReceiverCore:
     def close(self, now: float) -> None:
         """The server is closing: every connection says so, every session is lost."""
         for cid, conn in list(self._conns.items()):
-            conn.close(ErrorCode.NO_ERROR, "the server is shutting down")
+            conn.close(ErrorCode.NO_ERROR, SHUTTING_DOWN)
             self._dirty.add(cid)
         for sess in list(self._sessions.values()):
             self._lose(sess, ConnectionLostError("server closed"))
