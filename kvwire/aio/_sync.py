@@ -17,9 +17,7 @@ from typing import Any, SupportsIndex, TypeVar
 
 import kvwire
 from kvwire.aio._receive import check_destination
-from kvwire.aio._send import AUTO
 from kvwire.aio._stream import Stream
-from kvwire.codec import get_codec
 from kvwire.consistency.blocks import block_pairs
 from kvwire.errors import (
     ConnectionLostError,
@@ -30,7 +28,7 @@ from kvwire.errors import (
     detached,
 )
 from kvwire.session.options import check_seconds, check_value
-from kvwire.session.sender import begin_fields, check_request_id
+from kvwire.session.sender import check_request_id
 from kvwire.spec import KVSpec, Layer
 
 T = TypeVar("T")
@@ -742,28 +740,20 @@ async def open_peer(bridge: Bridge, host: str, port: int, *, secret: bytes, **op
 
 
 def check_send_options(peer: Any, options: dict[str, Any]) -> dict[str, Any]:
-    """What :meth:`kvwire.Peer.send` checks of its options before anything is sent, checked
-    in the caller's thread (:meth:`SyncPeer.begin` returns before the send starts on the
-    loop): a :class:`~kvwire.UsageError` before anything changes.  The options to send
-    (``blocks`` read here once: an iterator is not read again)."""
+    """What :meth:`kvwire.Peer.send` checks of its options before anything is sent
+    (:meth:`kvwire.Peer.send_arguments`), checked in the caller's thread
+    (:meth:`SyncPeer.begin` returns before the send starts on the loop): a
+    :class:`~kvwire.UsageError` before anything changes.  The options to send (``blocks``
+    read here once: an iterator is not read again)."""
     params = inspect.signature(peer.send).parameters
     for name in options:
         param = params.get(name)
         if param is None or param.kind is not inspect.Parameter.KEYWORD_ONLY:
             raise UsageError(f"unknown send option {name!r}")
-    check_seconds("timeout", options.get("timeout"))
-    check_seconds("deadline", options.get("deadline"))
     options = dict(options)
     if options.get("blocks") is not None:
         options["blocks"] = block_pairs(options["blocks"], "blocks")
-    begin_fields(options.get("meta"), options.get("blocks"))
-    codec = options.get("codec")
-    if codec is not None and not isinstance(codec, str):
-        raise UsageError(f"codec must be a codec's name, got {codec!r}")
-    if codec is not None and codec != AUTO:
-        get_codec(codec)
-    if options.get("deadline") is not None and (codec if codec is not None else peer.codec) != AUTO:
-        raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
+    peer.send_arguments(**options)
     return options
 
 

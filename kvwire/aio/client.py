@@ -60,6 +60,7 @@ from kvwire.session.sender import (
 )
 from kvwire.spec import KVSpec
 from kvwire.wire.connection import NO_SESSION
+from kvwire.wire.frames import BlockVersion
 
 _log = logging.getLogger("kvwire")
 #: Wire bytes acknowledged per measurement of the transport's CPU cost (for ``auto``).
@@ -528,17 +529,31 @@ class Peer(Pump):
         """
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
-        check_seconds("timeout", timeout)
-        check_seconds("deadline", deadline)
+        codec_name, meta_bytes, versions = self.send_arguments(
+            codec=codec, timeout=timeout, deadline=deadline, meta=meta, blocks=blocks)
         self.check_usable()
         if not self._opened:
             raise UsageError("the peer is not connected: use `async with kvwire.connect(...) as peer`")
-        codec_name = codec if codec is not None else self.codec
         self._use_codec(codec_name)
+        return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)
+
+    def send_arguments(
+        self, *, codec: str | None = None, timeout: float | None = None, deadline: float | None = None,
+        meta: dict[str, Any] | None = None, blocks: Sequence[tuple[Any, int]] | None = None,
+    ) -> tuple[str, bytes, tuple[BlockVersion, ...]]:
+        """What :meth:`send` checks of its options before anything else (UsageError), and
+        what it makes of them: the codec's name, BEGIN's meta bytes and block versions.
+        Touches nothing of the peer, so :meth:`kvwire.sync.SyncPeer.begin` runs it in the
+        caller's thread.  Whether the server accepts the codec is checked by ``send()``."""
+        check_seconds("timeout", timeout)
+        check_seconds("deadline", deadline)
+        codec_name = codec if codec is not None else self.codec
+        if codec_name != AUTO:
+            get_codec(codec_name)  # a name no codec has (or not a str): UsageError
         meta_bytes, versions = begin_fields(meta, blocks)
         if deadline is not None and codec_name != AUTO:
             raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
-        return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)
+        return codec_name, meta_bytes, versions
 
     def _receiver_costs(self, ev: ReceiverCosts) -> None:
         """The server's REPORT: kept for :meth:`statistics`, and fed to ``auto``."""
