@@ -741,7 +741,7 @@ async def open_peer(bridge: Bridge, host: str, port: int, *, secret: bytes, **op
 
 def check_send_options(peer: Any, options: dict[str, Any]) -> dict[str, Any]:
     """What :meth:`kvwire.Peer.send` checks of its options before anything is sent
-    (:meth:`kvwire.Peer.send_arguments`), checked in the caller's thread
+    (``Peer._send_arguments()``), checked in the caller's thread
     (:meth:`SyncPeer.begin` returns before the send starts on the loop): a
     :class:`~kvwire.UsageError` before anything changes.  The options to send (``blocks``
     read here once: an iterator is not read again)."""
@@ -753,7 +753,7 @@ def check_send_options(peer: Any, options: dict[str, Any]) -> dict[str, Any]:
     options = dict(options)
     if options.get("blocks") is not None:
         options["blocks"] = block_pairs(options["blocks"], "blocks")
-    peer.send_arguments(**options)
+    peer._send_arguments(**options)
     return options
 
 

@@ -529,7 +529,7 @@ class Peer(Pump):
         """
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
-        codec_name, meta_bytes, versions = self.send_arguments(
+        codec_name, meta_bytes, versions = self._send_arguments(
             codec=codec, timeout=timeout, deadline=deadline, meta=meta, blocks=blocks)
         self.check_usable()
         if not self._opened:
@@ -537,7 +537,7 @@ class Peer(Pump):
         self._use_codec(codec_name)
         return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)
 
-    def send_arguments(
+    def _send_arguments(
         self, *, codec: str | None = None, timeout: float | None = None, deadline: float | None = None,
         meta: dict[str, Any] | None = None, blocks: Sequence[tuple[Any, int]] | None = None,
     ) -> tuple[str, bytes, tuple[BlockVersion, ...]]:
