@@ -15,7 +15,9 @@ from kvwire.codec import numpy_dtype
 from kvwire.errors import UsageError
 from kvwire.spec import KVSpec
 
-__all__ = ["MODELS", "ModelShape", "bench_cache", "get_model", "layer_error", "relative_error"]
+__all__ = [
+    "MODELS", "ModelShape", "bench_cache", "bench_cache_bytes", "get_model", "layer_error", "relative_error",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,14 @@ def bench_cache(model: ModelShape, tokens: int, seed: int) -> list[tuple[np.ndar
         return pool[i * _STRIDE : i * _STRIDE + per_tensor].reshape(shape)
 
     return [(tensor(2 * i), tensor(2 * i + 1)) for i in range(model.num_layers)]
+
+
+def bench_cache_bytes(model: ModelShape, tokens: int) -> int:
+    """The bytes of the pool :func:`bench_cache` builds for these arguments: one tensor,
+    and :data:`_STRIDE` elements more for every tensor of the model, however small the
+    tensors are (a receiver checks it against what a transfer brought before building it)."""
+    per_tensor = tokens * model.num_kv_heads * model.head_dim
+    return (per_tensor + 2 * model.num_layers * _STRIDE) * numpy_dtype(model.dtype).itemsize
 
 
 def relative_error(

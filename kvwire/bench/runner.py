@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import multiprocessing as mp
 import os
+import re
 import resource
 import secrets
 import signal
@@ -37,7 +38,7 @@ import numpy as np
 
 from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
-from kvwire.bench.models import ModelShape, bench_cache, get_model, layer_error
+from kvwire.bench.models import ModelShape, bench_cache, bench_cache_bytes, get_model, layer_error
 from kvwire.bench.report import (
     codec_shares,
     diagnose,
@@ -140,6 +141,8 @@ def check_codec(name: str) -> str:
 MIN_INTERVAL = 0.1
 #: Largest --tokens: a kvwire server's default ``max_tokens`` per layer.
 MAX_TOKENS = ServerOptions().max_tokens
+#: Largest ``--seed`` (and seed a server takes in a bench's meta): 64 bits.
+MAX_SEED = 2**64 - 1
 #: Longest --rtt and --jitter (seconds): no link delays a byte longer.
 MAX_RTT = 60.0
 #: Slowest link rate (bit/s): slower, the handshakes of a session's streams (hundreds of
@@ -196,6 +199,8 @@ class BenchConfig:
             raise UsageError(f"--tokens must be in [1, {MAX_TOKENS}] (what a kvwire server accepts per layer)")
         if self.seed < 0:
             raise UsageError(f"--seed must be >= 0, not {self.seed}")
+        if self.seed > MAX_SEED:  # what a kvwire serve takes (bench_meta)
+            raise UsageError(f"--seed must be at most 2**64 - 1, not {self.seed}")
         if not self.duration > 0:
             raise UsageError("--duration must be > 0")
         if not (0 <= self.rtt <= MAX_RTT and 0 <= self.jitter <= MAX_RTT):
@@ -301,6 +306,54 @@ def mean_rate(steps: Sequence[tuple[float, float]], a: float, b: float) -> float
 # -- the receiving side -----------------------------------------------------------------------
 
 
+#: Longest bench id a server takes (``kvwire bench`` sends 12 hex digits): printable
+#: ASCII without spaces, as it goes into the server's log lines.
+MAX_BENCH_ID = 64
+#: Transfers a server receives (and checks) at once; it accepts no more until one ends.
+#: Each runs on its own, so a sender that stalls holds up only its own.
+MAX_RECEIVING = 16
+#: A checked layer's reference (:func:`~kvwire.bench.models.bench_cache`'s pool) may be at
+#: most this many bytes larger than the transfer brought: the pool has about 1,000
+#: elements per tensor of the model whatever its size (about 320 KiB more than the
+#: transfer for one token of llama3-70b), so a spec of many tiny layers would have the
+#: server build and keep hundreds of MB for a transfer of a few KB.
+REFERENCE_SLACK = 4 << 20
+_BENCH_ID = re.compile(rf"[!-~]{{1,{MAX_BENCH_ID}}}")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchMeta:
+    """The bench fields of a transfer's ``meta[META_KEY]``, checked (:func:`bench_meta`)."""
+
+    id: str
+    seed: int = 0
+    end: bool = False
+
+
+def bench_meta(meta: Any) -> BenchMeta | None:
+    """The bench a transfer's ``meta`` says it is part of; None for a transfer of no bench
+    (no :data:`META_KEY`). Everything of it the receiver uses is checked, as a peer sent
+    it: ValueError naming the field when ``id`` is not a str of 1 to
+    :data:`MAX_BENCH_ID` printable ASCII characters without spaces, ``seed`` (0 when
+    absent) not a whole number in ``[0, MAX_SEED]``, or ``end`` (false when absent) not a
+    bool. Other fields are ignored."""
+    if not isinstance(meta, dict) or META_KEY not in meta:
+        return None
+    bench = meta[META_KEY]
+    if not isinstance(bench, dict):
+        raise ValueError(f"{META_KEY} must be an object")
+    bench_id, seed, end = bench.get("id"), bench.get("seed", 0), bench.get("end", False)
+    if not isinstance(bench_id, str) or _BENCH_ID.fullmatch(bench_id) is None:
+        raise ValueError(
+            f"{META_KEY}.id must be 1 to {MAX_BENCH_ID} printable ASCII characters without spaces"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{META_KEY}.seed must be a whole number in [0, 2**64 - 1]")
+    if not isinstance(end, bool):
+        raise ValueError(f"{META_KEY}.end must be true or false")
+    return BenchMeta(bench_id, seed, end)
+
+
 @dataclass(slots=True)
 class _BenchState:
     bench_id: str
@@ -309,26 +362,45 @@ class _BenchState:
     max_rel_error: float | None = None
     checked_layers: int = 0
     reference: tuple[tuple[Any, ...], list[tuple[np.ndarray, np.ndarray]]] | None = None
+    building: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held while the reference is built: the bench's transfers build it once."""
     active: float = field(default_factory=time.monotonic)
     """When a transfer of the bench last began or brought a layer."""
+    begun: int = 0
+    """Transfers of the bench begun so far: the ``i`` whose layer ``i mod num_layers`` a
+    transfer has checked."""
     busy: int = 0
-    """Transfers of the bench being received now."""
+    """Transfers of the bench being received or checked now."""
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set whenever one of them ends (the end transfer waits for the others)."""
 
-    def sent(self, spec: KVSpec, tokens: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The cache the sender sent, regenerated from its seed (kept: it is small)."""
+    async def sent(self, spec: KVSpec, tokens: int, seed: int, received: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The cache the sender sent, regenerated from its seed in a worker thread (kept:
+        it is about one tensor). ValueError when it would be more than
+        :data:`REFERENCE_SLACK` bytes larger than the ``received`` bytes of the transfer
+        to check."""
         key = (spec, tokens, seed)
-        if self.reference is None or self.reference[0] != key:
-            shape = ModelShape(spec.model, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
-            self.reference = (key, bench_cache(shape, tokens, seed))
-        return self.reference[1]
+        async with self.building:
+            if self.reference is None or self.reference[0] != key:
+                shape = ModelShape(spec.model, spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+                need = bench_cache_bytes(shape, tokens)
+                if need > received + REFERENCE_SLACK:
+                    raise ValueError(
+                        f"its reference would take {format_size(need)} for the "
+                        f"{format_size(received)} the transfer brought"
+                    )
+                self.reference = None  # never two at once
+                self.reference = (key, await asyncio.to_thread(bench_cache, shape, tokens, seed))
+            return self.reference[1]
 
 
 class BenchReceiver:
     """Receives bench transfers on a server and checks what arrived.
 
     A bench's transfers carry ``meta[META_KEY] = {"id", "seed"}``; the bench ends with
-    a one-token transfer whose meta says ``"end": true``. Transfer ``i`` has its layer
-    ``i mod num_layers`` compared with the same layer regenerated from the seed, so a
+    a one-token transfer whose meta says ``"end": true``. The ``i``-th transfer of a
+    bench to begin has its layer ``i mod num_layers`` compared with the same layer
+    regenerated from the seed, so a
     run checks every transfer and, given as many transfers as layers, every layer: bit
     for bit over all its tokens, and where they differ (a lossy codec), the relative
     error over an eighth of its tokens, the eighth moving on with each pass over the
@@ -337,6 +409,14 @@ class BenchReceiver:
     Layers are dropped as they arrive:
     holding whole caches (a GiB each) would make the receiver, not the transport,
     what the bench measures.
+
+    Each transfer is received in a task of its own, up to :data:`MAX_RECEIVING` at once,
+    so that one sender that stalls holds up no other; a bench's end is reported once
+    its other transfers being received have ended. The meta is the peer's: one whose
+    bench fields are wrong (:func:`bench_meta`) has its transfer aborted with a log
+    line, and a transfer whose layer cannot be checked (a reference much larger than the
+    transfer, a layer of another shape) counts as failed in its bench; the server goes
+    on either way.
 
     A bench whose sender ended without the end message (interrupted, crashed, cut off)
     has its state dropped, with a log line: when a transfer of it fails because its
@@ -350,20 +430,57 @@ class BenchReceiver:
         self._benches: dict[str, _BenchState] = {}
 
     async def run(self, *, once: bool = False) -> list[dict[str, Any]]:
-        """Receive until a bench ends (``once``) or forever; returns the bench reports."""
+        """Receive until a bench ends (``once``) or forever; returns the bench reports.
+        Every transfer still being received when it returns (or is cancelled) is
+        cancelled, and waited for."""
         reports: list[dict[str, Any]] = []
+        ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        slots = asyncio.Semaphore(MAX_RECEIVING)
+        receiving: set[asyncio.Task[dict[str, Any] | None]] = set()
+
+        def done(task: asyncio.Task[dict[str, Any] | None]) -> None:
+            receiving.discard(task)
+            slots.release()
+            if task.cancelled():
+                return
+            report = task.result()  # (_receive_one raises nothing but cancellation)
+            if report is not None:
+                reports.append(report)
+                if once and not ended.done():
+                    ended.set_result(None)
+
+        async def accepting() -> None:
+            while True:
+                await slots.acquire()
+                try:
+                    transfer = await self.server.accept()
+                except BaseException:
+                    slots.release()
+                    raise
+                task = asyncio.create_task(self._receive_one(transfer))
+                receiving.add(task)
+                task.add_done_callback(done)
+
+        acceptor = asyncio.create_task(accepting())
         pruner = asyncio.create_task(self._prune_every(PRUNE_INTERVAL))
         try:
-            while True:
-                transfer = await self.server.accept()
-                report = await self.handle(transfer)
-                if report is not None:
-                    reports.append(report)
-                    if once:
-                        return reports
+            await asyncio.wait({acceptor, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done():
+                acceptor.result()  # what ended the accepting (the server closed)
+            return reports
         finally:
-            pruner.cancel()
-            await asyncio.gather(pruner, return_exceptions=True)
+            ended.cancel()
+            for task in (acceptor, pruner, *receiving):
+                task.cancel()
+            await asyncio.gather(acceptor, pruner, *receiving, return_exceptions=True)
+
+    async def _receive_one(self, transfer: Any) -> dict[str, Any] | None:
+        """:meth:`handle`, any error of it that transfer's alone (logged)."""
+        try:
+            return await self.handle(transfer)
+        except Exception as exc:
+            self.log(f"{transfer.request_id}: failed: {type(exc).__name__}: {exc}")
+            return None
 
     async def _prune_every(self, interval: float) -> None:
         while True:
@@ -400,26 +517,39 @@ class BenchReceiver:
         return state
 
     async def handle(self, transfer: Any) -> dict[str, Any] | None:
-        meta = transfer.meta.get(META_KEY) if isinstance(transfer.meta, dict) else None
-        bench = meta if isinstance(meta, dict) and isinstance(meta.get("id"), str) else None
-        state = self._state(bench["id"]) if bench else None
-        check = len(state.transfers) % transfer.spec.num_layers if state is not None else -1
+        """Receive one transfer and check it; the bench's report when it was its end."""
+        try:
+            bench = bench_meta(transfer.meta)
+        except ValueError as exc:
+            self.log(f"{transfer.request_id}: refused: {exc}")
+            transfer.abort(f"kvwire serve: {exc}")
+            return None
+        if bench is None:
+            return await self._receive(transfer, None, None, -1, 0)
+        state = self._state(bench.id)
+        layers = transfer.spec.num_layers
+        check, part = state.begun % layers, (state.begun // layers) % CHECK_PARTS
+        state.begun += 1
+        state.busy += 1  # until its check is done: a prune keeps the bench meanwhile
+        try:
+            return await self._receive(transfer, bench, state, check, part)
+        finally:
+            state.busy -= 1
+            state.active = time.monotonic()
+            state.settled.set()
+
+    async def _receive(
+        self, transfer: Any, bench: BenchMeta | None, state: _BenchState | None, check: int, part: int,
+    ) -> dict[str, Any] | None:
         kept: tuple[Any, Any] | None = None
         tokens = kv_bytes = 0
-        if state is not None:
-            state.busy += 1
         try:
-            try:
-                async for layer in transfer:
-                    tokens = int(layer.k.shape[0])
-                    kv_bytes += int(layer.k.nbytes) + int(layer.v.nbytes)
-                    if layer.index == check:
-                        kept = (layer.k, layer.v)
-                    if state is not None:
-                        state.active = time.monotonic()
-            finally:
+            async for layer in transfer:
+                tokens = int(layer.k.shape[0])
+                kv_bytes += int(layer.k.nbytes) + int(layer.v.nbytes)
+                if layer.index == check:
+                    kept = (layer.k, layer.v)
                 if state is not None:
-                    state.busy -= 1
                     state.active = time.monotonic()
         except KvwireError as exc:
             self.log(f"{transfer.request_id}: failed: {exc}")
@@ -439,13 +569,21 @@ class BenchReceiver:
         if state is None or bench is None:
             self.log(_transfer_line(entry))
             return None
-        if bench.get("end"):
-            self._benches.pop(state.bench_id, None)
+        if bench.end:
+            while state.busy > 1:  # the bench's other transfers being received (or checked)
+                state.settled.clear()
+                await state.settled.wait()
+            if self._benches.get(state.bench_id) is state:
+                del self._benches[state.bench_id]
             return self._finish(state)
         if kept is not None:
-            sent = state.sent(transfer.spec, tokens, int(bench.get("seed", 0)))
-            part = (len(state.transfers) // transfer.spec.num_layers) % CHECK_PARTS
-            error = await asyncio.to_thread(layer_error, kept, sent[check], part, CHECK_PARTS)
+            try:
+                sent = await state.sent(transfer.spec, tokens, bench.seed, kv_bytes)
+                error = await asyncio.to_thread(layer_error, kept, sent[check], part, CHECK_PARTS)
+            except Exception as exc:  # the peer's spec, tokens or layers: this transfer fails
+                state.failed += 1
+                self.log(f"{transfer.request_id}: failed: layer {check} could not be checked: {exc}")
+                return None
             entry["checked_layer"] = check
             entry["rel_error"] = error
             state.checked_layers += 1
