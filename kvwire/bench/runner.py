@@ -1139,50 +1139,61 @@ async def _send_loop(
 
 
 def _raw_receiver(conn: Connection, netns: str | None) -> None:
+    """Child process: the baseline's receiving end. Whatever ends it (Ctrl-C, which the
+    terminal sends to every process of the bench, included) goes to the parent as one
+    message, as with the bench's receiver: no traceback of its own."""
     _die_with_parent()
-    if netns is not None:
-        _enter_netns(netns)
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
-    conn.send(("ready", listener.getsockname()[1]))
-    sock, _ = listener.accept()
-    cpu0 = _cpu()
-    buf = bytearray(4 << 20)
-    view = memoryview(buf)
-    total = 0
-    first: float | None = None
-    while True:
-        n = sock.recv_into(view)
-        if not n:
-            break
-        if first is None:
-            first = time.monotonic()
-        total += n
-    end = time.monotonic()
-    sock.close()
-    conn.send(("done", total, end - (first or end), _cpu() - cpu0))
+    try:
+        if netns is not None:
+            _enter_netns(netns)
+        with socket.socket() as listener:
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(1)
+            conn.send(("ready", listener.getsockname()[1]))
+            sock, _ = listener.accept()
+        with sock:
+            cpu0 = _cpu()
+            buf = bytearray(4 << 20)
+            view = memoryview(buf)
+            total = 0
+            first: float | None = None
+            while True:
+                n = sock.recv_into(view)
+                if not n:
+                    break
+                if first is None:
+                    first = time.monotonic()
+                total += n
+            end = time.monotonic()
+        conn.send(("done", total, end - (first or end), _cpu() - cpu0))
+    except BaseException as exc:  # reported to the parent, which raises it
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"baseline receiver: {exc!r}"))
 
 
 def _raw_sender(
     conn: Connection, port: int, model: str, tokens: int, seed: int, seconds: float | None,
     transfers: int | None,
 ) -> None:
+    """Child process: the baseline's sending end (ended as :func:`_raw_receiver` is)."""
     _die_with_parent()
-    layers = bench_cache(get_model(model), tokens, seed)
-    views = [memoryview(t.data).cast("B") for pair in layers for t in pair]
-    sock = socket.create_connection(("127.0.0.1", port))
-    conn.send(("ready",))
-    conn.recv()  # go
-    cpu0 = _cpu()
-    deadline = time.monotonic() + seconds if seconds is not None else float("inf")
-    done = 0
-    while (transfers is None or done < transfers) and time.monotonic() < deadline:
-        for v in views:
-            sock.sendall(v)
-        done += 1
-    sock.close()
-    conn.send(("done", done, _cpu() - cpu0))
+    try:
+        layers = bench_cache(get_model(model), tokens, seed)
+        views = [memoryview(t.data).cast("B") for pair in layers for t in pair]
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            conn.send(("ready",))
+            conn.recv()  # go
+            cpu0 = _cpu()
+            deadline = time.monotonic() + seconds if seconds is not None else float("inf")
+            done = 0
+            while (transfers is None or done < transfers) and time.monotonic() < deadline:
+                for v in views:
+                    sock.sendall(v)
+                done += 1
+        conn.send(("done", done, _cpu() - cpu0))
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            conn.send(("error", f"baseline sender: {exc!r}"))
 
 
 def _cpu() -> float:

@@ -190,3 +190,65 @@ def test_a_bench_child_ends_only_when_the_parent_it_was_started_by_is_gone(recor
     done = subprocess.run([sys.executable, "-c", _PARENT_CHECK, str(recorded), str(now)],
                           capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stdout.strip()) == ((0, "alive") if alive else (1, "")), done.stderr
+
+
+def _tcp_inodes(pid: int) -> set[int]:
+    """Inodes of the ESTABLISHED TCP sockets process ``pid`` holds (empty once it is gone)."""
+    from pathlib import Path
+
+    held: set[int] = set()
+    try:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                held.add(int(target[8:-1]))
+    except OSError:
+        return set()
+    established: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        established |= {int(cols[9]) for cols in (r.split() for r in rows) if cols[3] == "01"}
+    return held & established
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the children's sockets in /proc")
+def test_ctrl_c_during_the_raw_socket_baseline_prints_no_traceback() -> None:
+    """Ctrl-C (SIGINT to the whole process group) while the raw-socket baseline ran: the
+    bench said 'interrupted' and exited 130, but its two baseline processes each printed
+    a KeyboardInterrupt traceback, unlike the bench's receiver and emulator."""
+    import time
+
+    from tests.bench.test_bench_cli import _children
+
+    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
+    with subprocess.Popen([sys.executable, "-m", "kvwire", "bench", "--model", "tiny", "--tokens", "4096",
+                           "--duration", "60"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                          start_new_session=True) as proc:
+        try:
+            # Both baseline processes are inside their loops once each holds its end of
+            # the TCP connection between them.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                children = _children(proc.pid)
+                if len(children) >= 2 and sum(bool(_tcp_inodes(c)) for c in children) >= 2:
+                    break
+                time.sleep(0.02)
+            else:
+                raise AssertionError("the baseline's processes never connected")
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted", err
