@@ -42,6 +42,7 @@ __all__ = [
     "add_parsers",
     "check_output_path",
     "is_loopback",
+    "plot_format",
     "run_bench_command",
     "run_serve_command",
     "write_plot",
@@ -88,7 +89,15 @@ def _hostport(text: str) -> tuple[str, int]:
         raise UsageError(f"bad port in {text!r}") from None
     if not 0 < number < 65536:
         raise UsageError(f"bad port in {text!r}")
-    return host.strip("[]"), number
+    return _host(host), number
+
+
+def _host(text: str) -> str:
+    """``--host``: a name or an address, an IPv6 one with or without brackets (``[::1]``,
+    as ``--peer`` takes it)."""
+    if text.startswith("[") and text.endswith("]"):
+        return text[1:-1]
+    return text
 
 
 def _port(text: str) -> int:
@@ -129,14 +138,22 @@ def check_output_path(path: str, what: str) -> None:
         raise UsageError(f"{what} {path!r} is not writable")
 
 
+def plot_format(path: str) -> str:
+    """The format ``--plot`` writes ``path`` in: the one its suffix names (matplotlib's
+    reading of it), else PNG. The file is the one named either way: matplotlib, given no
+    format and a name without a suffix, writes ``path + ".png"`` instead, which may be
+    another output's file (``--json rep.png --plot rep``)."""
+    return os.path.splitext(path)[1][1:].lower() or "png"
+
+
 def _check_plot(path: str) -> None:
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise UsageError("--plot needs matplotlib: pip install 'kvwire[plot]'") from None
-    suffix = Path(path).suffix.lstrip(".").lower()
+    suffix = plot_format(path)
     supported = Figure().canvas.get_supported_filetypes()
-    if suffix and suffix not in supported:
+    if suffix not in supported:
         raise UsageError(
             f"--plot {path!r}: matplotlib cannot write .{suffix} (use one of: "
             f"{', '.join(sorted(supported))})"
@@ -259,7 +276,9 @@ def add_parsers(subparsers: Any) -> None:
     out.add_argument("--json", metavar="FILE",
                      help="write the full report (start block, intervals, samples) here; - for stdout")
     out.add_argument("--plot", metavar="FILE.png",
-                     help="plot wire rate, estimate and link rate over time (needs kvwire[plot])")
+                     help="plot wire rate, estimate and link rate over time (needs kvwire[plot]) into "
+                          "FILE as named: in the format its suffix names (png, svg, pdf, ...), a PNG "
+                          "without one")
     out.add_argument("--interval", type=_POSITIVE_DURATION, default=1.0, metavar="TIME",
                      help="seconds between report lines and JSON intervals (default 1s; at least 100ms, "
                           "the sample period)")
@@ -280,8 +299,9 @@ def add_parsers(subparsers: Any) -> None:
     s.set_defaults(func=run_serve_command)
     s.add_argument("--port", type=argument_type(_port), default=7070,
                    help="port to listen on (default 7070; 0 picks one)")
-    s.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    s.add_argument("--host", type=_host, default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface; an IPv6 "
+                        "address with or without brackets: ::1 or [::1])")
     s.add_argument("--secret-file", metavar="FILE",
                    help="shared secret (else $KVWIRE_SECRET; the public development default "
                         "is allowed on loopback only)")
@@ -432,11 +452,10 @@ def _run_with_reports(cfg: Any, *, quiet: bool, argv: list[str]) -> dict[str, An
     def update(point: dict[str, Any]) -> None:
         est = point.get("estimated_gbps")
         status = (
-            f"{point['transfers']} transfers  sent {point['wire_gbps']:.2f} Gbit/s  "
-            f"estimate {'-' if est is None else f'{est:.2f}'} Gbit/s"
+            f"{point['transfers']} transfers  sent {_gbps(point['wire_gbps'])}  estimate {_gbps(est)}"
         )
         if point.get("link_gbps") is not None:
-            status += f"  link {point['link_gbps']:.2f} Gbit/s"
+            status += f"  link {_gbps(point['link_gbps'])}"
         progress.update(task, completed=min(point["elapsed"], cfg.duration), status=status)
         progress.refresh()
 
@@ -453,6 +472,16 @@ def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
     if value is None:
         return "-"
     return f"{value:{spec}}{unit}"
+
+
+def _gbps(value: float | None) -> str:
+    """A rate given in Gbit/s, in the unit that suits it (``99.45 kbit/s``, ``9.38 Gbit/s``)."""
+    return "-" if value is None else format_rate(value * 1e9)
+
+
+def _ms(value: float | None) -> str:
+    """A time given in ms, in the unit that suits it (``31.7 ms``, ``1 s``)."""
+    return "-" if value is None else format_duration(value / 1e3)
 
 
 def _pct(value: float | None) -> str:
@@ -490,7 +519,7 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         link += f", emulated ({r['start']['config']['emulator']} pump)"
     rows: list[tuple[str, str]] = [
         ("link", link),
-        ("RTT", _fmt(r["rtt_ms"], ".3g", " ms")),
+        ("RTT", _ms(r["rtt_ms"])),
         ("codec", codec),
         ("streams", streams),
         ("chunk size", format_size(r["chunk_bytes"]) + (
@@ -499,12 +528,12 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         ("transfers", f"{r['transfers']} x {r['kv_bytes_per_transfer'] / 1e6:.1f} MB"
          + (f" ({r['incomplete_transfers']} abandoned)" if r["incomplete_transfers"] else "")),
         ("seconds", _fmt(r["seconds"], ".2f")),
-        ("goodput (fp16 KV)", _fmt(r["goodput_gbps"], ".3f", " Gbit/s")),
-        ("wire rate (measured)", _fmt(r["wire_gbps"], ".3f", " Gbit/s")),
+        ("goodput (fp16 KV)", _gbps(r["goodput_gbps"])),
+        ("wire rate (measured)", _gbps(r["wire_gbps"])),
         ("utilization", _fmt(None if r["utilization"] is None else 100 * r["utilization"], ".1f", " %")),
-        ("estimate at end (from acks)", _fmt(r["estimated_gbps"], ".3f", " Gbit/s")),
-        ("time to first layer (median)", _fmt(r["time_to_first_layer_ms"], ".1f", " ms")),
-        ("transfer time (median)", _fmt(None if r["transfer_seconds_median"] is None else r["transfer_seconds_median"] * 1e3, ".1f", " ms")),
+        ("estimate at end (from acks)", _gbps(r["estimated_gbps"])),
+        ("time to first layer (median)", _ms(r["time_to_first_layer_ms"])),
+        ("transfer time (median)", _ms(None if r["transfer_seconds_median"] is None else r["transfer_seconds_median"] * 1e3)),
         ("CPU, share of one core", cpu_text or "-"),
     ]
     if cpu.get("machine_busy") is not None:
@@ -515,7 +544,7 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         ("max rel. error (checked layers)", "see the server's output" if r["mode"] == "peer" else _fmt(r["max_rel_error"], ".3g")),
     ]
     if r.get("baseline_gbps") is not None:
-        rows.append(("raw-socket baseline", _fmt(r["baseline_gbps"], ".3f", " Gbit/s")))
+        rows.append(("raw-socket baseline", _gbps(r["baseline_gbps"])))
         rows.append(("goodput / baseline", _fmt(r["baseline_ratio"], ".2f")))
     for name, value in rows:
         table.add_row(name, value)
@@ -527,7 +556,8 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
 
 
 def write_plot(result: dict[str, Any], path: str) -> None:
-    """Wire rate, bandwidth estimate and link rate over time, to a PNG."""
+    """Wire rate, bandwidth estimate and link rate over time, into the file ``path``
+    names, in the format :func:`plot_format` says (a PNG without a suffix)."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -549,12 +579,12 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title(
         f"{result['model']} x {result['tokens']} tokens, codec {result['codec']}, "
-        f"{result['streams']} streams, RTT {_fmt(result['rtt_ms'], '.3g', ' ms')}"
+        f"{result['streams']} streams, RTT {_ms(result['rtt_ms'])}"
     )
     ax.grid(alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format=plot_format(path))
     plt.close(fig)
 
 
@@ -619,7 +649,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
             log.warning("%s (accepted on loopback only)", warning.removeprefix("warning: "))
 
         def ready(port: int) -> None:
-            log.info("listening on %s:%d", args.host, port)
+            log.info("listening on %s:%d", f"[{args.host}]" if ":" in args.host else args.host, port)
 
         try:
             # Ctrl-C (or SIGTERM, SIGHUP) closes the server first: a sender with a
