@@ -289,9 +289,10 @@ def add_parsers(subparsers: Any) -> None:
         "serve",
         help="receive KV transfers (the far end of `kvwire bench --peer`)",
         description=(
-            "Accept kvwire transfers and log one line per transfer; for bench transfers, "
-            "regenerate the sent cache from its seed at the end of each bench and log "
-            "the codec's max relative error. Listens on 127.0.0.1 unless --host says "
+            "Accept kvwire transfers (up to 16 at once, each on its own) and log one line per "
+            "transfer; for bench transfers, compare one layer of each with the layer "
+            "regenerated from the bench's seed, and log the codec's max relative error at "
+            "the end of each bench. Listens on 127.0.0.1 unless --host says "
             "otherwise; any other address needs a secret you chose (--secret-file or "
             "$KVWIRE_SECRET): the development default is public."
         ),
