@@ -3,6 +3,7 @@ optimizer's choice. matplotlib is optional (``kvwire[plot]``) and imported only 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,5 +57,7 @@ def plot_threshold_curve(
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    # The file named, in the format its suffix names, else PNG: given no format and a name
+    # without a suffix, matplotlib writes path + '.png', which may be another output's file.
+    fig.savefig(path, format=os.path.splitext(path)[1][1:].lower() or "png")
     plt.close(fig)

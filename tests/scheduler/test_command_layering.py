@@ -260,6 +260,15 @@ def test_simulate_cli_burst_reports_na(tmp_path: Path, capsys: pytest.CaptureFix
     assert "saturated: n/a" in " ".join(captured.err.split())
 
 
+def test_simulate_cli_plot_without_a_suffix_is_written_to_the_name_given(tmp_path: Path) -> None:
+    # --json rep.png --plot rep: matplotlib wrote the plot to rep.png, over the JSON.
+    report, plot = tmp_path / "rep.png", tmp_path / "rep"
+    args = parse(["simulate", "--requests", "30", "--json", str(report), "--plot", str(plot), "--plot-points", "2"])
+    assert run(args) == 0
+    assert json.loads(report.read_text())["policies"]
+    assert plot.read_bytes().startswith(b"\x89PNG")
+
+
 @pytest.mark.parametrize("spelling", ["same", "dot", "link"])
 def test_simulate_cli_refuses_one_file_for_two_outputs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], spelling: str
