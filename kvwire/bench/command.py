@@ -416,7 +416,7 @@ def _where(cfg: Any) -> str:
 
 def _run_with_reports(cfg: Any, *, quiet: bool, argv: list[str]) -> dict[str, Any]:
     from kvwire import __version__
-    from kvwire.bench.report import format_interval
+    from kvwire.bench.report import format_gbps, format_interval
     from kvwire.bench.runner import run_bench
 
     if quiet:
@@ -453,10 +453,10 @@ def _run_with_reports(cfg: Any, *, quiet: bool, argv: list[str]) -> dict[str, An
     def update(point: dict[str, Any]) -> None:
         est = point.get("estimated_gbps")
         status = (
-            f"{point['transfers']} transfers  sent {_gbps(point['wire_gbps'])}  estimate {_gbps(est)}"
+            f"{point['transfers']} transfers  sent {format_gbps(point['wire_gbps'])}  estimate {format_gbps(est)}"
         )
         if point.get("link_gbps") is not None:
-            status += f"  link {_gbps(point['link_gbps'])}"
+            status += f"  link {format_gbps(point['link_gbps'])}"
         progress.update(task, completed=min(point["elapsed"], cfg.duration), status=status)
         progress.refresh()
 
@@ -475,11 +475,6 @@ def _fmt(value: Any, spec: str = ".3g", unit: str = "") -> str:
     return f"{value:{spec}}{unit}"
 
 
-def _gbps(value: float | None) -> str:
-    """A rate given in Gbit/s, in the unit that suits it (``99.45 kbit/s``, ``9.38 Gbit/s``)."""
-    return "-" if value is None else format_rate(value * 1e9)
-
-
 def _ms(value: float | None) -> str:
     """A time given in ms, in the unit that suits it (``31.7 ms``, ``1 s``)."""
     return "-" if value is None else format_duration(value / 1e3)
@@ -493,7 +488,7 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from kvwire.bench.report import format_retransmits, format_shares
+    from kvwire.bench.report import format_gbps, format_retransmits, format_shares
 
     where = {
         "loopback": "loopback",
@@ -529,10 +524,10 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         ("transfers", f"{r['transfers']} x {r['kv_bytes_per_transfer'] / 1e6:.1f} MB"
          + (f" ({r['incomplete_transfers']} abandoned)" if r["incomplete_transfers"] else "")),
         ("seconds", _fmt(r["seconds"], ".2f")),
-        ("goodput (fp16 KV)", _gbps(r["goodput_gbps"])),
-        ("wire rate (measured)", _gbps(r["wire_gbps"])),
+        ("goodput (fp16 KV)", format_gbps(r["goodput_gbps"])),
+        ("wire rate (measured)", format_gbps(r["wire_gbps"])),
         ("utilization", _fmt(None if r["utilization"] is None else 100 * r["utilization"], ".1f", " %")),
-        ("estimate at end (from acks)", _gbps(r["estimated_gbps"])),
+        ("estimate at end (from acks)", format_gbps(r["estimated_gbps"])),
         ("time to first layer (median)", _ms(r["time_to_first_layer_ms"])),
         ("transfer time (median)", _ms(None if r["transfer_seconds_median"] is None else r["transfer_seconds_median"] * 1e3)),
         ("CPU, share of one core", cpu_text or "-"),
@@ -545,7 +540,7 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         ("max rel. error (checked layers)", "see the server's output" if r["mode"] == "peer" else _fmt(r["max_rel_error"], ".3g")),
     ]
     if r.get("baseline_gbps") is not None:
-        rows.append(("raw-socket baseline", _gbps(r["baseline_gbps"])))
+        rows.append(("raw-socket baseline", format_gbps(r["baseline_gbps"])))
         rows.append(("goodput / baseline", _fmt(r["baseline_ratio"], ".2f")))
     for name, value in rows:
         table.add_row(name, value)

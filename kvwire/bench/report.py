@@ -17,6 +17,8 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kvwire.units import format_rate
+
 __all__ = [
     "CPU_BOUND",
     "LOW_UTILIZATION",
@@ -160,8 +162,9 @@ def one_interval(prev: Mapping[str, Any], group: Sequence[Mapping[str, Any]]) ->
     }
 
 
-def _gbps(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g} Gbit/s"
+def format_gbps(value: float | None) -> str:
+    """A rate given in Gbit/s, in the unit that suits it (``99.45 kbit/s``, ``9.38 Gbit/s``)."""
+    return "-" if value is None else format_rate(value * 1e9)
 
 
 def format_shares(shares: Mapping[str, float]) -> str:
@@ -186,11 +189,11 @@ def format_interval(iv: Mapping[str, Any], codec: str) -> str:
     """One iperf3-style line: ``[ 1.0- 2.0 s]  sent 9.4 Gbit/s  estimate ...``."""
     parts = [
         f"[{iv['start']:5.1f}-{iv['end']:5.1f} s]",
-        f"sent {_gbps(iv['sent_gbps'])}",
-        f"estimate {_gbps(iv['estimated_gbps'])}",
+        f"sent {format_gbps(iv['sent_gbps'])}",
+        f"estimate {format_gbps(iv['estimated_gbps'])}",
     ]
     if iv.get("link_gbps") is not None:
-        parts.append(f"link {_gbps(iv['link_gbps'])}")
+        parts.append(f"link {format_gbps(iv['link_gbps'])}")
     if iv.get("streams") is not None:
         lo, hi = iv.get("streams_min"), iv.get("streams_max")
         parts.append(f"streams {iv['streams']}" + (f" ({lo}-{hi})" if lo != hi else ""))

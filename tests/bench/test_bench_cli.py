@@ -19,7 +19,7 @@ from kvwire.cli import build_parser, main
 
 pytestmark = pytest.mark.timeout(120)
 
-INTERVAL_LINE = re.compile(r"^\[\s*\d+\.\d-\s*\d+\.\d s\]  sent .* Gbit/s", re.MULTILINE)
+INTERVAL_LINE = re.compile(r"^\[\s*\d+\.\d-\s*\d+\.\d s\]  sent .* [kMG]?bit/s", re.MULTILINE)
 
 
 def _kvwire(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
