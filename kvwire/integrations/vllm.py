@@ -295,8 +295,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # (their write marks, with the time it failed) before its request counts as ended.
         self._draining: dict[str, tuple[Any, float]] = {}
         # Async save: sends that ended while the connection's close is left to kvwire's
-        # loop (a bridge closed elsewhere, its loop held up): each counts as ended once
-        # the loop did (the event), as its streams may read the blocks until then.
+        # loop (held up elsewhere, the bridge open or closed): each counts as ended once
+        # that close did, or the loop (the event), as its streams may read the blocks
+        # until then.
         self._unclosed: dict[str, threading.Event] = {}
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
@@ -641,7 +642,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             )
 
     #: seconds a hook waits, once for all the receives it aborted, for kvwire's loop to stop them
-    #: (and, after closing the connection on a bridge closed elsewhere, for the loop to end)
+    #: (and for the close of the producer's connection, on a loop held up elsewhere)
     _ABORT_WAIT = 5.0
 
     def _abort(self, req_id: str, handle: ReceiveHandle, reason: str) -> None:
@@ -969,8 +970,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         drain past its time) lets go of every block."""
         now = time.monotonic()
         failed = False
-        for req_id, loop_ended in list(self._unclosed.items()):
-            if loop_ended.is_set():
+        for req_id, closed in list(self._unclosed.items()):
+            if closed.is_set():
                 del self._unclosed[req_id]
                 self._ended.add(req_id)
         for req_id, (handle, _) in list(self._in_flight.items()):
@@ -1047,8 +1048,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _let_go_of_blocks(self, wait: bool = True) -> None:
         """After a send that did not end with the receiver's acknowledgement: close the
         connection, which ends every send on it and drops the bytes its streams still
-        hold, so nothing reads the blocks once vLLM frees them (see :meth:`_until_closed`
-        for a bridge closed elsewhere; ``wait``: the hook may wait for it)."""
+        hold, so nothing reads the blocks once vLLM frees them (see :meth:`_close_peer`
+        for a loop held up elsewhere; ``wait``: the hook may wait for it)."""
         self._ended.update(self._draining)
         self._draining.clear()
         for req_id, handle in self._sending.items():
@@ -1063,25 +1064,36 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 logger.error("kvwire: sending KV of request %s failed: its connection was closed", req_id)
             self._ended.add(req_id)
         self._in_flight.clear()
-        if self._peer is not None:
-            self._peer.close()
-            self._peer = None
-            self._until_closed(wait)
+        self._close_peer(wait)
         self._connect()  # the next saves' connection, on the bridge's loop
 
-    def _until_closed(self, wait: bool) -> None:
-        """After closing the connection on a bridge closed elsewhere (by another thread, or
-        by a close that gave up on a loop held up elsewhere): the peer's close was left to
-        kvwire's loop, which runs until that close ended, its streams writing what they
-        hold (reading the blocks) meanwhile.  With ``wait`` the hook waits at most
-        ``_ABORT_WAIT`` for the loop to end; one not ended is logged, and with the async
-        save the sends that ended are reported only once it has (their blocks kept)."""
-        bridge = self._bridge
-        if bridge is None or not bridge.closed:
+    def _close_peer(self, wait: bool) -> None:
+        """Close the connection, which runs on kvwire's loop: until that close ended its
+        streams write what they hold (reading the blocks).  On a loop held up elsewhere
+        (a callback blocking it; the bridge open, or closed by another thread whose close
+        gave up on it) the close waited for (at most ``_ABORT_WAIT``) may not have run
+        yet; it is left to the loop, which still runs it.  A close not ended by then is
+        logged (with ``wait`` the hook waits up to ``_ABORT_WAIT`` for it; without, its
+        own call on the loop waited as long), and with the async save the sends that
+        ended are reported only once it has, or the loop ended (their blocks kept)."""
+        peer, self._peer = self._peer, None
+        if peer is None:
             return
-        ended = threading.Event()
-        bridge.when_ended(ended)
-        if (wait and ended.wait(self._ABORT_WAIT)) or ended.is_set():
+        bridge = peer.bridge
+        closed = threading.Event()
+        bridge.when_ended(closed)  # nothing runs on the loop any more: the close is over too
+
+        def ended(close: concurrent.futures.Future[None]) -> None:
+            if not close.cancelled():  # (cancelled: by the bridge's close, the peer's close left to the loop's end)
+                closed.set()
+
+        # Queued before the peer's own close, on the same close task: it ends (on the loop
+        # thread) before that one's waiter is told, so a close that ended in time is seen.
+        with contextlib.suppress(KvwireError):  # a closed bridge: its loop ends once the close under way ended
+            bridge.submit(bridge.close_owned(peer.peer)).add_done_callback(ended)
+        deadline = time.monotonic() + self._ABORT_WAIT
+        peer.close(self._ABORT_WAIT)  # (fails its sends' waiters at once, a loop held up too)
+        if closed.is_set() or (wait and closed.wait(max(0.0, deadline - time.monotonic()))):
             return
         if not self._async_save:
             logger.error("kvwire: the connection to %s was not closed in time (kvwire's loop is held up): "
@@ -1089,7 +1101,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         logger.error("kvwire: the connection to %s is not closed yet (kvwire's loop is held up): requests %s "
                      "keep their blocks until it is", self._peer_addr, ", ".join(sorted(self._ended)) or "-")
-        self._unclosed.update((req_id, ended) for req_id in self._ended)
+        self._unclosed.update((req_id, closed) for req_id in self._ended)
         self._ended.clear()
 
     def _reap_drops(self) -> None:

@@ -205,6 +205,39 @@ def test_a_send_let_go_of_on_a_bridge_closed_elsewhere_waits_for_its_loop(
         worker.shutdown()
 
 
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_send_let_go_of_on_an_open_bridge_whose_loop_is_held_up_waits_for_its_close(
+    path: Any, caplog: pytest.LogCaptureFixture, async_save: bool) -> None:
+    """A send that does not end in time while kvwire's loop is held up (a callback blocks
+    it; the bridge open): the connection is closed to let go of the blocks, but that close
+    gives up on the loop, which still runs it once free, its streams writing what they
+    hold (from the blocks) meanwhile.  The send was reported ended once the close gave
+    up (async save) or not waited for (the step's).  Now the request keeps its blocks
+    until the close ran (async save: not reported while the loop is held up, reported
+    once it ran), or the step logs that its sends may still read them."""
+    _, proxy, _ = path
+    _, worker, caches = producer(proxy.port, load_timeout=0.5, async_save=async_save)
+    worker._ABORT_WAIT = 0.0  # no waiting here: the loop is held up until the hook returned
+    assert worker._bridge is not None
+    gate = threading.Event()
+    worker._bridge.call_soon(gate.wait, 30)  # the loop held up, the bridge open
+    try:
+        step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "kept", BLOCKS)]), caches)
+        if async_save:
+            threading.Event().wait(0.6)  # past the send's kvwire_load_timeout
+            assert worker.get_finished({"r1"}) == (None, None)
+            held = [r.getMessage() for r in caplog.records if "is not closed yet" in r.getMessage()]
+            assert len(held) == 1 and "requests r1 " in held[0]
+            assert worker.get_finished(set()) == (None, None)  # still held up: still kept
+            gate.set()
+            assert finished_sends(worker) == {"r1"}
+        else:
+            assert any("was not closed in time" in r.getMessage() for r in caplog.records)
+    finally:
+        gate.set()
+        worker.shutdown()
+
+
 def test_a_consumer_that_cannot_be_reached_fails_the_send_not_the_step() -> None:
     """Nothing listens where the producer sends: the engine's step goes on, the request is
     reported finished so vLLM frees its blocks, and the connect is tried again once its
