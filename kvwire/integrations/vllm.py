@@ -311,6 +311,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._load_since: dict[str, float] = {}
         self._verifying: dict[str, tuple[concurrent.futures.Future[str | None], float]] = {}
         self._unstopped: dict[str, tuple[threading.Event, set[int], float]] = {}
+        # Async load: loads whose receive could not start (the server's bridge closed),
+        # with their blocks: reported as failed by the next get_finished.
+        self._unstarted: dict[str, set[int]] = {}
         # The step's loads end by this time (set when they start, or at the step's first
         # wait for loads it carried over): every layer's wait shares it; cleared when the
         # step ends (clear_connector_metadata), so the next step sets its own.
@@ -613,8 +616,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._load_deadline = now + self._timeout
         for move in meta.loads:
             dest = PagedDestination(self._spec, self._caches, move.block_ids)
-            handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
-            self._loading[move.req_id] = (handle, [b for b in move.block_ids if b != DROP], len(move.block_ids))
+            blocks = [b for b in move.block_ids if b != DROP]
+            try:
+                handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
+            except KvwireError as exc:  # the server's bridge is closed: the load fails, not the step
+                _log_failed(move.req_id, exc)
+                if self._load_async:  # reported by get_finished (vLLM takes it out of its wait)
+                    self._unstarted[move.req_id] = set(blocks)
+                else:
+                    self._load_errors.update(blocks)
+                continue
+            self._loading[move.req_id] = (handle, blocks, len(move.block_ids))
             if self._load_async:  # nothing waits for it: get_finished reports it once it ended
                 self._load_since[move.req_id] = now
             if self._registry is not None:
@@ -1180,13 +1192,15 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _finished_loads(self, gone: set[str]) -> set[str] | None:
         """Async load: the requests to report in finished_recving now, their failed blocks
-        added to the load errors: the loads that ended, and those of requests that
-        finished (``gone``, aborted: no blocks to report).  A load whose receive this hook
-        aborted is reported once kvwire's loop ran a mark queued after the abort (the hook
-        does not wait for it: a later one reports it), so nothing writes into its blocks
-        once vLLM may reuse them."""
+        added to the load errors: the loads that ended (or could not start), and those of
+        requests that finished (``gone``, aborted: no blocks to report).  A load whose
+        receive this hook aborted is reported once kvwire's loop ran a mark queued after
+        the abort (the hook does not wait for it: a later one reports it), so nothing
+        writes into its blocks once vLLM may reuse them."""
         now = time.monotonic()
         ended: dict[str, set[int]] = {req_id: set() for req_id in gone}
+        ended.update(self._unstarted)
+        self._unstarted.clear()
         ended.update(self._ended_loads(now))
         aborted, self._aborting = set(self._aborting), []
         mark = self._loop_mark() if aborted else None
@@ -1217,6 +1231,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._give_up_load(req_id, "request finished")
                 if self._load_async:  # vLLM keeps its blocks until it is reported
                     gone.add(req_id)
+            if req_id in self._unstarted:  # (no request to recompute now)
+                self._unstarted[req_id] = set()
             if req_id in self._unstopped:  # failed before it finished: no request to recompute now
                 stopped, _, since = self._unstopped[req_id]
                 self._unstopped[req_id] = (stopped, set(), since)

@@ -1542,6 +1542,38 @@ def test_a_load_given_up_on_a_closed_bridge_before_its_transfer_came_is_reported
         worker.shutdown()
 
 
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_load_started_on_a_closed_bridge_fails_the_load_not_the_step(
+    caplog: pytest.LogCaptureFixture, load_async: bool) -> None:
+    """A step's loads started after the server's bridge was closed: expecting their
+    transfers raised ConnectionLostError out of start_load_kv, failing vLLM's step.  Each
+    load fails instead, logged, its blocks reported as load errors (async: with the
+    request in finished_recving, which takes it out of vLLM's wait; layer-wise: in the
+    same step, the layers not waited for).  Async: the other load's request, finished
+    meanwhile, is reported with no blocks (none to recompute)."""
+    gen = torch.Generator().manual_seed(15)
+    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
+    worker, _ = consumer_worker(caches, load_async=load_async)
+    try:
+        assert worker._server is not None
+        worker._server.bridge.close()
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r", "r", [4, DROP, 5]),
+                                                                      _Move("gone", "gone", [6])]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        for name in LAYERS:
+            worker.wait_for_layer_load(name)
+        _, recving = worker.get_finished({"gone"})
+        assert worker.get_block_ids_with_load_errors() == ({4, 5} if load_async else {4, 5, 6})
+        worker.clear_connector_metadata()
+        assert recving == ({"r", "gone"} if load_async else None)
+        failed = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+        assert any("request r failed" in m for m in failed) and not worker._loading
+        assert worker.get_finished(set()) == (None, None)  # reported once
+        assert worker.get_block_ids_with_load_errors() == set()
+    finally:
+        worker.shutdown()
+
+
 def test_an_async_load_whose_cache_is_stale_in_the_registry_is_refused() -> None:
     """With a registry, two requests load caches whose prefix blocks the producer named;
     one's blocks are invalidated before the consumer checks them.  The check runs once the
