@@ -372,6 +372,11 @@ class ProxyConnection:
     # -- lifecycle, called by the sides and pipes --------------------------------------
 
     def _side_made(self, side: _Side) -> None:
+        if self.proxy._closing or self.closed.done():
+            # Accepted (or connected) as the proxy closed, or after this connection was
+            # ended: closed now, not left open past the proxy's close().
+            self._terminate(None, reset=True)
+            return
         if side is self.client:
             assert side.transport is not None
             # Nothing may be read before the target is connected and the pipes exist.
@@ -530,6 +535,7 @@ class TcpProxy(ProxyBase[ProxyConnection, DirectionPolicy]):
     """Listens on ``listen_host:listen_port`` and pipes every connection to the target."""
 
     _server: asyncio.Server | None = None
+    _closing = False
 
     @property
     def port(self) -> int:
@@ -549,7 +555,15 @@ class TcpProxy(ProxyBase[ProxyConnection, DirectionPolicy]):
         self._server = await loop.create_server(self._accept, sock=self._listener(), backlog=128)
 
     async def close(self) -> None:
+        self._closing = True  # a connection whose transport is made from now on is closed at once
         if self._server is not None:
+            # Accept no more, and let the accepts under way make their transports first:
+            # asyncio's Server (3.11) fails to make one after its close(), leaving the
+            # accepted socket open until the garbage collector finds it.
+            loop = asyncio.get_running_loop()
+            for sock in self._server.sockets:
+                loop.remove_reader(sock.fileno())
+            await asyncio.sleep(0)
             self._server.close()
         for conn in list(self.active):
             conn.abort()
