@@ -4,8 +4,14 @@ receiver's check, and a paged transfer refused once a named block went stale."""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import os
+import signal
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.consistency import BlockId
-from kvwire.errors import StaleVersionError, UsageError
+from kvwire.errors import RegistryUnavailableError, StaleVersionError, UsageError
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
 from kvwire.sync import Bridge, SyncPeer, SyncServer
@@ -81,6 +87,64 @@ def test_block_ids_depend_on_block_size_and_refuse_bad_arguments() -> None:
         prefix_block_ids(tokens, 0, 1)
 
 
+def _reference_ids(tokens: list[int], block_size: int, num_blocks: int, salt: bytes = b"") -> list[bytes]:
+    """The ids as first defined: each token a little-endian int64, blocks chained."""
+    h = hashlib.sha256(b"kvwire-prefix-v1" + block_size.to_bytes(8, "little") + hashlib.sha256(salt).digest()).digest()
+    ids = []
+    for i in range(num_blocks):
+        block = tokens[i * block_size:(i + 1) * block_size]
+        h = hashlib.sha256(h + b"".join(t.to_bytes(8, "little", signed=True) for t in block)).digest()
+        ids.append(h)
+    return ids
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32", "int16", "uint32", "uint64", "object"])
+def test_block_ids_of_arrays_and_lists_are_the_ids_of_their_token_values(dtype: str) -> None:
+    tokens = [0, 5, 127, 32000, 7, 9, 2**15 - 1, 1, 3, 4, 100, 11, 12, 13, 14, 15]
+    expected = _reference_ids(tokens, 4, 4, b"m")
+    assert prefix_block_ids(tokens, 4, 4, salt=b"m") == expected
+    assert prefix_block_ids(tuple(tokens), 4, 4, salt=b"m") == expected
+    array = np.array(tokens, dtype=dtype)
+    assert prefix_block_ids(array, 4, 4, salt=b"m") == expected
+    assert prefix_block_ids(list(array), 4, 4, salt=b"m") == expected  # numpy scalars
+    assert prefix_block_ids(tokens, np.int64(4), np.int32(4), salt=b"m") == expected
+    wide = [-(2**63), 2**63 - 1, -1, 0]
+    assert prefix_block_ids(wide, 2, 2) == _reference_ids(wide, 2, 2)
+    assert prefix_block_ids(np.array(wide), 2, 2) == _reference_ids(wide, 2, 2)
+    assert prefix_block_ids([1, 2, "x"], 2, 1) == _reference_ids([1, 2], 2, 1)  # type: ignore[list-item]  # only read: the blocks named
+
+
+@pytest.mark.parametrize(
+    "tokens, block_size, num_blocks, salt",
+    [
+        ([1] * 8, 4, 2, "llama"),  # salt as str: TypeError from hashlib
+        ([1] * 8, 4.0, 2, b""),  # AttributeError: float has no to_bytes
+        ([1] * 8, None, 2, b""),  # TypeError: '<=' between NoneType and int
+        ([1] * 8, True, 2, b""),  # a bool is not a block size
+        ([1] * 8, 4, 2.0, b""),
+        ([1] * 8, 2**64, 0, b""),  # OverflowError from to_bytes
+        ([2**64] * 8, 4, 2, b""),  # OverflowError: int too big to convert
+        ([2**63] * 8, 4, 2, b""),
+        (np.array([2**63] * 8, dtype=np.uint64), 4, 2, b""),
+        ([-(2**63) - 1] * 8, 4, 2, b""),
+        ([1.5] * 8, 4, 2, b""),  # truncated to the ids of token 1
+        (np.array([1.0] * 8), 4, 2, b""),
+        ([1, 2, 3, None], 2, 2, b""),
+        ([1, 2, 3, "4"], 2, 2, b""),
+        ([True, False], 1, 2, b""),
+        ([[1, 2], [3, 4]], 1, 2, b""),
+        (np.ones((2, 4), dtype=np.int64), 4, 2, b""),
+        ("abcd", 2, 2, b""),
+        (b"\x01\x02", 1, 2, b""),
+        ({0: 1, 1: 2}, 1, 2, b""),
+        (iter([1, 2]), 1, 2, b""),
+    ],
+)
+def test_block_ids_refuse_what_is_not_a_token_id_or_a_count(tokens: Any, block_size: Any, num_blocks: Any, salt: Any) -> None:
+    with pytest.raises(UsageError):
+        prefix_block_ids(tokens, block_size, num_blocks, salt=salt)
+
+
 # -- naming and checking through Redis ---------------------------------------------------------
 
 
@@ -117,6 +181,76 @@ def test_naming_stops_at_a_block_another_prefill_is_computing(link: SyncRegistry
     named = link.name(ids, owner="prefill")
     assert [b for b, _ in named] == ids[:1]
     assert link.verify(ids, named) is not None  # a partly named cache is not used
+
+
+def test_naming_on_a_stalled_redis_fails_as_the_registry_unavailable(redis_binary: str, tmp_path: Path) -> None:
+    """A Redis that stops answering: each name() raised the bridge's TransferTimeoutError
+    ('not done in 2.0 s', at twice the registry's timeout) before the registry's own
+    timeouts (a begin: its BEGIN, then the release of its lease) could fire."""
+    server: RedisServer = start_redis(redis_binary, tmp_path)
+    bridge = Bridge("test-stall")
+    try:
+        link = SyncRegistry.connect(server.url, bridge, namespace=f"t-{uuid.uuid4().hex}", timeout=0.5)
+        try:
+            assert [b for b, _ in link.name([b"a"], owner="o")] == [b"a"]
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                for i in range(3):  # later ones wait for the releases of earlier ones too
+                    with pytest.raises(RegistryUnavailableError, match="no reply within"):
+                        link.name([b"b%d" % i], owner="o")
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+        finally:
+            link.close()
+    finally:
+        bridge.close()
+        server.stop()
+
+
+def test_a_name_through_every_step_of_a_stalled_registry_fails_as_unavailable(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A begin answered late, a commit and the release after it not at all: nearly three
+    of the registry's timeouts, past the bound of two the bridge used to give (its
+    TransferTimeoutError came first)."""
+    bridge = Bridge("test-stall-steps")
+    try:
+        link = SyncRegistry.connect(redis_url, bridge, namespace=f"t-{uuid.uuid4().hex}", timeout=0.5)
+        registry: Any = link.registry
+        real_begin = registry._begin
+
+        async def late(**kwargs: Any) -> Any:
+            await asyncio.sleep(0.4)
+            return await real_begin(**kwargs)
+
+        async def silent(**kwargs: Any) -> Any:
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(registry, "_begin", late)
+        monkeypatch.setattr(registry, "_commit", silent)
+        monkeypatch.setattr(registry, "_release", silent)
+        try:
+            with pytest.raises(RegistryUnavailableError, match="commit: no reply within"):
+                link.name([b"c"], owner="o")
+        finally:
+            monkeypatch.undo()
+            link.close()
+    finally:
+        bridge.close()
+
+
+def test_a_sync_registry_past_its_own_bound_fails_as_unavailable(link: SyncRegistry) -> None:
+    """A registry of the caller's that hangs: the bridge's bound fires, as a
+    RegistryUnavailableError, and the call is cancelled."""
+
+    class Hanging:
+        async def check_many(self, pairs: Any) -> list[Any]:
+            await asyncio.Event().wait()
+            return []
+
+    hanging = SyncRegistry(Hanging(), link.bridge, timeout=0.2)  # type: ignore[arg-type]
+    with pytest.raises(RegistryUnavailableError, match=r"not done within 0\.2 s"):
+        hanging.verify([b"a"], [(b"a", 1)])
 
 
 # -- on the wire: the receiving server checks the named versions ---------------------------------

@@ -23,53 +23,157 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Sequence
-from typing import Any
+import operator
+from collections.abc import Coroutine, Iterable, Sequence
+from typing import Any, SupportsIndex, TypeVar
 
-from kvwire.consistency import BlockId, Lease, Registry
-from kvwire.errors import KvwireError, UsageError
+import numpy as np
+
+from kvwire.consistency import BlockId, BlockLike, Lease, Registry
+from kvwire.consistency.blocks import block_key, block_pairs, canonical
+from kvwire.errors import KvwireError, RegistryUnavailableError, TransferTimeoutError, UsageError
 from kvwire.sync import Bridge
+
+T = TypeVar("T")
 
 _SEED = b"kvwire-prefix-v1"
 
 
-def prefix_block_ids(tokens: Sequence[int], block_size: int, num_blocks: int, *, salt: bytes = b"") -> list[bytes]:
-    """The ids of the first ``num_blocks`` blocks of ``tokens`` (``block_size`` tokens each)."""
-    if block_size <= 0 or num_blocks < 0:
-        raise UsageError("block_size must be positive and num_blocks not negative")
-    if num_blocks * block_size > len(tokens):
-        raise UsageError(f"{num_blocks} blocks of {block_size} need {num_blocks * block_size} tokens, got {len(tokens)}")
-    h = hashlib.sha256(_SEED + block_size.to_bytes(8, "little") + hashlib.sha256(salt).digest()).digest()
+def prefix_block_ids(
+    tokens: Sequence[SupportsIndex] | np.ndarray[Any, Any],
+    block_size: SupportsIndex,
+    num_blocks: SupportsIndex,
+    *,
+    salt: bytes = b"",
+) -> list[bytes]:
+    """The ids of the first ``num_blocks`` blocks of ``tokens`` (``block_size`` tokens each).
+
+    ``tokens``: a sequence of token ids, each an integer in ``[-2**63, 2**63)`` (Python
+    ints or numpy integers; a list, tuple or 1-D array); ``block_size`` and ``num_blocks``:
+    integers (a numpy integer too, not a float or bool); ``salt``: bytes (e.g. the model
+    name, encoded).  Anything else is a :class:`~kvwire.UsageError`: a float token (``1.5``)
+    is refused, never truncated into another token's id.  Only the tokens of the named
+    blocks are read.
+    """
+    size = _whole("block_size", block_size, 1)
+    count = _whole("num_blocks", num_blocks, 0)
+    if not isinstance(salt, bytes | bytearray | memoryview):
+        raise UsageError(f"salt must be bytes (e.g. the model name, encoded), not {type(salt).__name__}")
+    need = count * size
+    try:
+        if isinstance(tokens, str | bytes | bytearray | memoryview):
+            raise TypeError
+        have = len(tokens)
+    except TypeError:
+        raise UsageError(f"tokens must be a sequence of token ids, not {type(tokens).__name__}") from None
+    if need > have:
+        raise UsageError(f"{count} blocks of {size} need {need} tokens, got {have}")
+    data = memoryview(_token_bytes(tokens, need))
+    h = hashlib.sha256(_SEED + size.to_bytes(8, "little") + hashlib.sha256(salt).digest()).digest()
     ids = []
-    for i in range(num_blocks):
-        block = tokens[i * block_size:(i + 1) * block_size]
-        h = hashlib.sha256(h + b"".join(int(t).to_bytes(8, "little", signed=True) for t in block)).digest()
+    step = 8 * size
+    for i in range(count):
+        hasher = hashlib.sha256(h)
+        hasher.update(data[i * step:(i + 1) * step])
+        h = hasher.digest()
         ids.append(h)
     return ids
 
 
-async def name_blocks(registry: Registry, blocks: Sequence[BlockId], *, owner: str, ttl: float = 30.0) -> list[tuple[BlockId, int]]:
+_TOKEN_LIMIT = 2**63
+
+
+def _whole(name: str, value: object, minimum: int) -> int:
+    """``value`` as an int in ``[minimum, 2**63)``; :class:`UsageError` otherwise (a bool,
+    a float, None)."""
+    if isinstance(value, bool | np.bool_):
+        raise UsageError(f"{name} must be an int, not a bool")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(f"{name} must be an int, not {type(value).__name__}") from None
+    if not minimum <= number < _TOKEN_LIMIT:
+        raise UsageError(f"{name} must be an int in [{minimum}, 2**63), not {number}")
+    return number
+
+
+def _token_bytes(tokens: Sequence[SupportsIndex] | np.ndarray[Any, Any], need: int) -> bytes:
+    """The first ``need`` of ``tokens`` as little-endian int64s; :class:`UsageError` for a
+    token that is not an integer in ``[-2**63, 2**63)``.  An integer array (or a list numpy
+    reads as one) is converted at once; anything else token by token."""
+    try:
+        head: Any = tokens[:need]
+    except (TypeError, KeyError, ValueError):  # a mapping, something that does not slice
+        raise UsageError(f"tokens must be a sequence of token ids, not {type(tokens).__name__}") from None
+    array: Any = None
+    with contextlib.suppress(ValueError, TypeError, OverflowError):
+        array = np.asarray(head)
+    if array is not None and array.ndim == 1 and len(array) == need:
+        if array.dtype.kind == "i":
+            return array.astype("<i8", copy=False).tobytes()  # type: ignore[no-any-return]
+        if array.dtype.kind == "u" and (need == 0 or int(array.max()) < _TOKEN_LIMIT):
+            return array.astype("<i8").tobytes()  # type: ignore[no-any-return]
+    # Another dtype (floats, objects, bools, text) or an unsigned token past int64: each
+    # token checked on its own, from the caller's objects (not numpy's lossy reading).
+    out = bytearray()
+    for i, token in enumerate(head):
+        if isinstance(token, bool | np.bool_):
+            raise UsageError(f"token {i} is a bool, not a token id")
+        try:
+            value = operator.index(token)
+        except TypeError:
+            raise UsageError(f"token {i} is not an integer token id: {token!r:.40}") from None
+        if not -_TOKEN_LIMIT <= value < _TOKEN_LIMIT:
+            raise UsageError(f"token {i} is outside [-2**63, 2**63): {value}")
+        out += value.to_bytes(8, "little", signed=True)
+    if len(out) != 8 * need:
+        raise UsageError(f"tokens gave {len(out) // 8} of the {need} token ids asked for")
+    return bytes(out)
+
+
+async def name_blocks(
+    registry: Registry, blocks: Iterable[BlockLike], *, owner: str, ttl: float = 30.0
+) -> list[tuple[BlockId, int]]:
     """``(block, version)`` for the blocks a sender holds: complete ones at their version,
     the others committed now at a new one; stops at the first block another live lease is
     computing.  Raises :class:`~kvwire.StaleVersionError` if a block changed meanwhile.
 
+    ``blocks`` is read once (a generator will do) and checked before anything is begun: a
+    bad id is a :class:`~kvwire.UsageError` that leaves the registry as it was.  The blocks
+    are returned in their canonical form (a ``bytearray`` or ``memoryview`` id as
+    ``bytes``).
+
     A commit that fails or is cancelled (a caller's timeout) releases the lease before the
     error goes on, so its blocks are not left in flight, unnameable by other producers,
     for the rest of ``ttl``."""
-    lease = await registry.begin(list(blocks), owner=owner, ttl=ttl)
-    versions: dict[Any, int] = dict(lease.complete)
+    ids = _block_ids(blocks, "blocks")
+    lease = await registry.begin(ids, owner=owner, ttl=ttl)
+    versions: dict[str, int] = {block_key(b): v for b, v in lease.complete}
     if lease.started:
         try:
-            versions.update(await registry.commit(lease))
+            versions.update((block_key(b), v) for b, v in await registry.commit(lease))
         except BaseException:
             await _release(registry, lease)
             raise
     named: list[tuple[BlockId, int]] = []
-    for block in blocks:
-        if block not in versions:
+    for block in ids:
+        version = versions.get(block_key(block))
+        if version is None:
             break
-        named.append((block, versions[block]))
+        named.append((block, version))
     return named
+
+
+def _block_ids(blocks: Iterable[object], name: str) -> list[BlockId]:
+    """``blocks`` (read once) as a list of canonical block ids; :class:`UsageError` unless
+    it is an iterable of block ids (a lone id, as ``unique_keys``, is refused)."""
+    if isinstance(blocks, str | bytes | bytearray | memoryview):
+        raise UsageError(f"{name} is a list of block ids, not a single id")
+    try:
+        entries = list(blocks)
+    except TypeError:
+        raise UsageError(f"{name} is a list of block ids, not {type(blocks).__name__}") from None
+    return [canonical(block) for block in entries]
 
 
 async def _release(registry: Registry, lease: Lease) -> None:
@@ -82,19 +186,40 @@ async def _release(registry: Registry, lease: Lease) -> None:
         await registry.release(lease)
 
 
-async def verify_blocks(registry: Registry, expected: Sequence[BlockId], announced: Sequence[tuple[BlockId, int]]) -> str | None:
-    """None if ``announced`` names exactly ``expected`` (in order), every one fresh; else why not."""
-    names = [b for b, _ in announced]
-    if names != list(expected):
-        return f"the cache names {len(names)} prefix blocks that are not the {len(expected)} of this prompt"
-    stale = await registry.check_many(announced)
+async def verify_blocks(
+    registry: Registry, expected: Iterable[BlockLike], announced: Iterable[tuple[BlockLike, int]]
+) -> str | None:
+    """None if ``announced`` names exactly ``expected`` (in order), every one fresh; else why not.
+
+    Each argument is read once (a generator will do); :class:`~kvwire.UsageError` unless
+    ``expected`` is an iterable of block ids and ``announced`` one of ``(block, version)``
+    pairs."""
+    wanted = [block_key(b) for b in _block_ids(expected, "expected")]
+    pairs = block_pairs(announced, "announced")
+    names = [block_key(b) for b, _ in pairs]
+    if names != wanted:
+        return f"the cache names {len(names)} prefix blocks that are not the {len(wanted)} of this prompt"
+    stale = await registry.check_many(pairs)
     if stale:
-        return f"{len(stale)} of its {len(expected)} prefix blocks are stale"
+        return f"{len(stale)} of its {len(wanted)} prefix blocks are stale"
     return None
 
 
+#: The registry timeouts one :meth:`SyncRegistry.name` may take on a
+#: :class:`~kvwire.consistency.RedisRegistry` whose Redis stalls: its begin waits for the
+#: releases still running (one), its BEGIN (one), then either the release of a BEGIN whose
+#: reply did not come or a COMMIT (one) and the release of the lease it did not commit (one).
+_NAME_TIMEOUTS = 4
+
+
 class SyncRegistry:
-    """A registry used from synchronous code: its calls run on ``bridge``'s loop."""
+    """A registry used from synchronous code: its calls run on ``bridge``'s loop.
+
+    Each call is bounded by ``timeout`` seconds; one not done by then is cancelled (a
+    lease it began released) and raises :class:`~kvwire.RegistryUnavailableError`, as a
+    registry that does not answer does.  :meth:`connect` sets the bound past the worst case
+    of the Redis registry's own timeouts, so those fire first and say what did not answer.
+    """
 
     def __init__(self, registry: Registry, bridge: Bridge, *, timeout: float = 10.0) -> None:
         self.registry = registry
@@ -103,23 +228,33 @@ class SyncRegistry:
 
     @classmethod
     def connect(cls, url: str, bridge: Bridge, *, namespace: str = "kvwire", timeout: float = 5.0) -> SyncRegistry:
-        """A :class:`~kvwire.consistency.RedisRegistry` at ``url`` on ``bridge``."""
+        """A :class:`~kvwire.consistency.RedisRegistry` at ``url`` on ``bridge``; ``timeout``
+        is the registry's (each reply from Redis)."""
         from kvwire.aio.registry_redis import RedisRegistry
 
-        registry = bridge.run(RedisRegistry.connect(url, namespace=namespace, timeout=timeout), timeout + 5.0)
-        return cls(registry, bridge, timeout=2 * timeout)
+        registry = _run(bridge, RedisRegistry.connect(url, namespace=namespace, timeout=timeout), timeout + 5.0, "connect")
+        return cls(registry, bridge, timeout=_NAME_TIMEOUTS * timeout + 1.0)
 
-    def name(self, blocks: Sequence[BlockId], *, owner: str, ttl: float = 30.0) -> list[tuple[BlockId, int]]:
-        return self.bridge.run(name_blocks(self.registry, blocks, owner=owner, ttl=ttl), self.timeout)
+    def name(self, blocks: Iterable[BlockLike], *, owner: str, ttl: float = 30.0) -> list[tuple[BlockId, int]]:
+        return _run(self.bridge, name_blocks(self.registry, blocks, owner=owner, ttl=ttl), self.timeout, "naming blocks")
 
-    def verify(self, expected: Sequence[BlockId], announced: Sequence[tuple[BlockId, int]]) -> str | None:
-        return self.bridge.run(verify_blocks(self.registry, expected, announced), self.timeout)
+    def verify(self, expected: Iterable[BlockLike], announced: Iterable[tuple[BlockLike, int]]) -> str | None:
+        return _run(self.bridge, verify_blocks(self.registry, expected, announced), self.timeout, "checking blocks")
 
     def close(self) -> None:
         """Close the registry's connection (errors while closing are ignored)."""
         if not self.bridge.closed:
             with contextlib.suppress(KvwireError):
                 self.bridge.run(self.registry.close(), self.timeout)
+
+
+def _run(bridge: Bridge, coro: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
+    """``coro`` run on ``bridge``; not done within ``timeout`` (cancelled then), it is a
+    :class:`RegistryUnavailableError`, not the bridge's :class:`TransferTimeoutError`."""
+    try:
+        return bridge.run(coro, timeout)
+    except TransferTimeoutError as exc:
+        raise RegistryUnavailableError(f"registry: {what} not done within {timeout:g} s") from exc
 
 
 __all__ = ["SyncRegistry", "name_blocks", "prefix_block_ids", "verify_blocks"]
