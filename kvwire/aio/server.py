@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import logging
 import ssl as _ssl
@@ -28,6 +29,7 @@ from kvwire.aio._receive import ArrayStore, check_destination
 from kvwire.aio._stream import Pump, Stream
 from kvwire.aio._transfer import Transfer
 from kvwire.consistency.blocks import block_from_key
+from kvwire.consistency.registry import Registry
 from kvwire.errors import (
     ConnectionLostError,
     ErrorCode,
@@ -133,6 +135,31 @@ def _let_go(server: weakref.ref[Server], loop: asyncio.AbstractEventLoop, key: K
             loop.call_soon_threadsafe(s._let_go, key)
 
 
+def _check_registry(registry: Any) -> None:
+    """:class:`UsageError` unless ``registry`` is None or has the ``check_many`` and
+    ``publish`` the server awaits (async methods, or those of a whole
+    :class:`~kvwire.consistency.Registry`): anything else (a URL, ``False``, a method)
+    would fail every transfer with blocks later, with a text the peer receives."""
+    if registry is None:
+        return
+    kind = type(registry).__name__
+    if isinstance(registry, type):
+        raise UsageError(f"registry must be a registry instance, not the class {registry.__name__}")
+    missing = [name for name in _REGISTRY_CALLS if not callable(getattr(registry, name, None))]
+    if missing:
+        raise UsageError(
+            f"registry must be a kvwire.consistency registry (MemoryRegistry, RedisRegistry, or an "
+            f"object with async check_many and publish), not {kind}: it has no {' or '.join(missing)}"
+        )
+    if not isinstance(registry, Registry):
+        sync = [name for name in _REGISTRY_CALLS if not inspect.iscoroutinefunction(getattr(registry, name))]
+        if sync:
+            raise UsageError(f"registry {kind}: {' and '.join(sync)} must be async (the server awaits them)")
+
+
+_REGISTRY_CALLS = ("check_many", "publish")
+
+
 class Server(Pump):
     """A running kvwire server; use through ``async with kvwire.serve(...)``."""
 
@@ -144,6 +171,7 @@ class Server(Pump):
     ) -> None:
         super().__init__()
         check_port(port, 0)
+        _check_registry(registry)
         config = options.receiver_config(secret=secret, registry=registry is not None)
         _gpu.parse_device(options.device)  # UsageError for an unknown or unusable device
         default_max_bytes()  # a bad KVWIRE_RECV_POOL_MB fails here, not every transfer once one arrives
