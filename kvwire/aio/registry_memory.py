@@ -56,7 +56,11 @@ class MemoryWatcher:
         self._wakeup.set()
 
     def _end(self) -> None:
+        # What is buffered is not delivered: a closed watcher ends at once, as the Redis
+        # registry's does (docs/consistency.md: close ends the watchers).
         self._closed = True
+        self._buffer.clear()
+        self._overflowed = False
         self._wakeup.set()
 
     async def __aenter__(self) -> Self:
@@ -77,6 +81,8 @@ class MemoryWatcher:
     async def __anext__(self) -> VersionedBlock:
         self._subscribe()
         while True:
+            if self._closed:
+                raise StopAsyncIteration
             if self._overflowed:
                 # Told at once, not once the buffer drains: a reader that stays behind would
                 # never learn of the gap.  What is buffered predates the re-read the reader
@@ -88,8 +94,6 @@ class MemoryWatcher:
                 )
             if self._buffer:
                 return self._buffer.popleft()
-            if self._closed:
-                raise StopAsyncIteration
             self._wakeup.clear()
             await self._wakeup.wait()
 

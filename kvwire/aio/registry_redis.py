@@ -425,9 +425,10 @@ async def _close_unwatched(pubsub: PubSub) -> None:
 class RedisRegistry:
     """The registry on Redis. Create with :meth:`connect` (or wrap an existing client).
 
-    A wrapped client may decode replies or not; ``timeout`` (seconds, finite, > 0) bounds
-    every call whatever the client's own socket timeouts.  Its ``retry`` settings do not
-    apply: the registry sends each command once (a lost reply raises
+    A wrapped client is a ``redis.asyncio`` one (``Redis`` or ``RedisCluster``; a
+    synchronous ``redis.Redis`` is a :class:`UsageError`) and may decode replies or not;
+    ``timeout`` (seconds, finite, > 0) bounds every call whatever the client's own socket
+    timeouts.  Its ``retry`` settings do not apply: the registry sends each command once (a lost reply raises
     :class:`RegistryUnavailableError`, the outcome unknown), and a watcher does not
     reconnect silently.
     """
@@ -440,6 +441,13 @@ class RedisRegistry:
         owns_client: bool = False,
         timeout: float = 5.0,
     ) -> None:
+        if not isinstance(client, aioredis.Redis | aioredis.RedisCluster):
+            # A synchronous redis.Redis (or anything else) would fail every call with a
+            # TypeError of its own ('can't be used in an await expression').
+            raise UsageError(
+                "client must be a redis.asyncio client (redis.asyncio.Redis or RedisCluster), "
+                f"not {type(client).__module__}.{type(client).__name__}"
+            )
         self.layout = lua.KeyLayout(namespace)
         self.timeout = _check_timeout(timeout)
         self.client = client

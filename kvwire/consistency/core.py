@@ -426,7 +426,7 @@ def explain_stale(
     ``earlier_server``: the block was committed under another Redis server lifetime (the
     server restarted or failed over since), so it is not complete there."""
     if current == 0:
-        why = "unknown to the registry"
+        why = "never committed (unknown to the registry, or begun and not committed)"
     elif version < current:
         why = f"older than the registry's version {current}"
     elif version > current:
