@@ -66,12 +66,23 @@ class PolicyRequest:
     output_length: int = 0
 
 
+def _check_hit(name: str, hit: object) -> None:
+    """A prefix hit is a sequence of pairs (what ``decide`` counts): anything else, a
+    registry's lookup not awaited (a coroutine), is a UsageError here, not a TypeError
+    from ``decide``."""
+    if not isinstance(hit, Sequence) or isinstance(hit, (str, bytes)):
+        raise UsageError(f"{name} must be a sequence of (block, version) pairs (got {hit!r})")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterView:
     """A remote prefill cluster as the policy sees it for one request."""
 
     name: str
     prefix_hit: PrefixHit = ()
+
+    def __post_init__(self) -> None:
+        _check_hit("prefix_hit", self.prefix_hit)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,6 +134,9 @@ class SchedulerState:
     link could never fall short of it and the rules would never fire)."""
 
     def __post_init__(self) -> None:
+        _check_hit("local_prefix_hit", self.local_prefix_hit)
+        if not isinstance(self.remotes, Sequence) or not all(isinstance(c, ClusterView) for c in self.remotes):
+            raise UsageError(f"remotes must be a sequence of ClusterView (got {self.remotes!r})")
         if math.isnan(self.threshold_tokens):
             raise UsageError("threshold_tokens must be a number (got NaN)")
         for name in ("bandwidth_bps", "egress_demand_bps", "soft_utilization", "hard_utilization",
@@ -214,7 +228,7 @@ def decide(request: PolicyRequest, state: SchedulerState) -> Decision:
     if state.bandwidth_bps <= 0 or not state.remotes:
         return Local(incremental_tokens=local_incr, reason="no-bandwidth")
     t_eff = effective_threshold(state)
-    if math.isinf(t_eff):
+    if math.isinf(t_eff) and t_eff > state.threshold_tokens:  # raised by the utilization, not set so
         return Local(incremental_tokens=local_incr, reason="link-saturated")
     if local_incr <= t_eff:
         return Local(incremental_tokens=local_incr, reason="short")

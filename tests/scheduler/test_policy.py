@@ -226,9 +226,30 @@ def test_state_refuses_values_no_rule_can_compare(field: str, value: float) -> N
         state(**{field: value})
 
 
+def test_a_prefix_hit_that_is_not_a_sequence_of_pairs_is_refused() -> None:
+    # A registry lookup not awaited (a coroutine) failed in decide() with a TypeError.
+    from kvwire.errors import UsageError
+
+    async def lookup() -> tuple[tuple[int, int], ...]:
+        return ()
+
+    coro = lookup()
+    try:
+        with pytest.raises(UsageError, match="local_prefix_hit"):
+            state(local_prefix_hit=coro)  # type: ignore[arg-type]
+        with pytest.raises(UsageError, match="prefix_hit"):
+            ClusterView(name="east", prefix_hit=coro)  # type: ignore[arg-type]
+    finally:
+        coro.close()
+    with pytest.raises(UsageError, match="remotes"):
+        state(remotes=("east",))  # type: ignore[arg-type]
+
+
 def test_state_keeps_the_documented_edges() -> None:
     # inf: offload nothing; below 0: every request long; bandwidth <= 0: none; demand < 0: 0.
-    assert decide(req(10**6), state(threshold_tokens=math.inf)) == Local(incremental_tokens=10**6, reason="link-saturated")
+    # An infinite threshold is short for every prompt ('link-saturated' said the link was full).
+    assert decide(req(10**6), state(threshold_tokens=math.inf)) == Local(incremental_tokens=10**6, reason="short")
+    assert decide(req(10**6), state(threshold_tokens=1e4, egress_demand_bps=1e12)).reason == "link-saturated"
     assert decide(req(1), state(threshold_tokens=-1.0)).reason == "long"
     assert decide(req(100_000), state(bandwidth_bps=-5.0)).reason == "no-bandwidth"
     assert state(egress_demand_bps=-1e9).utilization == 0.0
