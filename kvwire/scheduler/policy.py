@@ -36,6 +36,7 @@ Rules, in order:
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -137,6 +138,15 @@ class SchedulerState:
         _check_hit("local_prefix_hit", self.local_prefix_hit)
         if not isinstance(self.remotes, Sequence) or not all(isinstance(c, ClusterView) for c in self.remotes):
             raise UsageError(f"remotes must be a sequence of ClusterView (got {self.remotes!r})")
+        for name in ("threshold_tokens", "bandwidth_bps", "egress_demand_bps", "soft_utilization",
+                     "hard_utilization", "threshold_gain"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise UsageError(f"{name} must be a number (got {value!r})")
+        for name in ("planned_egress_bps", "planned_bandwidth_bps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise UsageError(f"{name} must be a number or None (got {value!r})")
         if math.isnan(self.threshold_tokens):
             raise UsageError("threshold_tokens must be a number (got NaN)")
         for name in ("bandwidth_bps", "egress_demand_bps", "soft_utilization", "hard_utilization",

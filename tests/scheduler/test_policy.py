@@ -226,6 +226,24 @@ def test_state_refuses_values_no_rule_can_compare(field: str, value: float) -> N
         state(**{field: value})
 
 
+@pytest.mark.parametrize("field", ["threshold_tokens", "bandwidth_bps", "egress_demand_bps", "soft_utilization",
+                                   "hard_utilization", "threshold_gain", "planned_egress_bps",
+                                   "planned_bandwidth_bps"])
+@pytest.mark.parametrize("value", ["1e9", True, [1.0]])
+def test_state_refuses_what_is_not_a_number(field: str, value: object) -> None:
+    # math.isfinite raised TypeError ('must be real number, not str') from __post_init__.
+    from kvwire.errors import UsageError
+
+    with pytest.raises(UsageError, match=field):
+        state(**{field: value})
+
+
+def test_state_takes_numbers_of_every_kind() -> None:
+    import numpy as np
+
+    assert state(threshold_tokens=np.float32(100.0), bandwidth_bps=np.int64(10**9), egress_demand_bps=0).has_plan is False
+
+
 def test_a_prefix_hit_that_is_not_a_sequence_of_pairs_is_refused() -> None:
     # A registry lookup not awaited (a coroutine) failed in decide() with a TypeError.
     from kvwire.errors import UsageError
