@@ -132,6 +132,8 @@ def test_block_ids_of_arrays_and_lists_are_the_ids_of_their_token_values(dtype: 
         ([1, 2, 3, None], 2, 2, b""),
         ([1, 2, 3, "4"], 2, 2, b""),
         ([True, False], 1, 2, b""),
+        ([True, 5], 1, 2, b""),  # numpy read it as [1, 5]
+        ([np.True_, 5], 1, 2, b""),
         ([[1, 2], [3, 4]], 1, 2, b""),
         (np.ones((2, 4), dtype=np.int64), 4, 2, b""),
         ("abcd", 2, 2, b""),

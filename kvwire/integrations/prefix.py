@@ -100,14 +100,17 @@ def _whole(name: str, value: object, minimum: int) -> int:
 def _token_bytes(tokens: Sequence[SupportsIndex] | np.ndarray[Any, Any], need: int) -> bytes:
     """The first ``need`` of ``tokens`` as little-endian int64s; :class:`UsageError` for a
     token that is not an integer in ``[-2**63, 2**63)``.  An integer array (or a list numpy
-    reads as one) is converted at once; anything else token by token."""
+    reads as one, with no bool in it) is converted at once; anything else token by token."""
     try:
         head: Any = tokens[:need]
     except (TypeError, KeyError, ValueError):  # a mapping, something that does not slice
         raise UsageError(f"tokens must be a sequence of token ids, not {type(tokens).__name__}") from None
     array: Any = None
-    with contextlib.suppress(ValueError, TypeError, OverflowError):
-        array = np.asarray(head)
+    # numpy reads a list mixing bools with ints as ints (True as token 1): such a list goes
+    # token by token, where a bool is refused as it is alone.
+    if isinstance(head, np.ndarray) or not {bool, np.bool_} & set(map(type, head)):
+        with contextlib.suppress(ValueError, TypeError, OverflowError):
+            array = np.asarray(head)
     if array is not None and array.ndim == 1 and len(array) == need:
         if array.dtype.kind == "i":
             return array.astype("<i8", copy=False).tobytes()  # type: ignore[no-any-return]
