@@ -22,6 +22,7 @@ from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench.models import MODELS
 from kvwire.errors import KvwireError, UsageError
 from kvwire.scheduler.command import same_file
+from kvwire.scheduler.plot import plot_format
 from kvwire.session.options import AUTO_CODEC_MODES
 from kvwire.units import (
     argument_type,
@@ -136,14 +137,6 @@ def check_output_path(path: str, what: str) -> None:
     os.unlink(probe)
     if target.exists() and not os.access(target, os.W_OK):
         raise UsageError(f"{what} {path!r} is not writable")
-
-
-def plot_format(path: str) -> str:
-    """The format ``--plot`` writes ``path`` in: the one its suffix names (matplotlib's
-    reading of it), else PNG. The file is the one named either way: matplotlib, given no
-    format and a name without a suffix, writes ``path + ".png"`` instead, which may be
-    another output's file (``--json rep.png --plot rep``)."""
-    return os.path.splitext(path)[1][1:].lower() or "png"
 
 
 def _check_plot(path: str) -> None:

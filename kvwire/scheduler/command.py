@@ -255,9 +255,11 @@ def _preflight(args: argparse.Namespace) -> None:
             from matplotlib.backend_bases import FigureCanvasBase
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install kvwire[plot])") from None
-        suffix = Path(args.plot).suffix.lower().lstrip(".")
+        from kvwire.scheduler.plot import plot_format
+
+        suffix = plot_format(args.plot)
         formats = FigureCanvasBase.get_supported_filetypes()
-        if suffix and suffix not in formats:
+        if suffix not in formats:
             raise UsageError(
                 f"--plot {args.plot!r}: matplotlib cannot write {suffix!r} files "
                 f"(use one of {', '.join(sorted(formats))})"

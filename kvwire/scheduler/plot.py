@@ -10,7 +10,16 @@ from pathlib import Path
 from kvwire.errors import UsageError
 from kvwire.scheduler.model import OptimizerResult
 
-__all__ = ["plot_threshold_curve"]
+__all__ = ["plot_format", "plot_threshold_curve"]
+
+
+def plot_format(path: str | os.PathLike[str]) -> str:
+    """The format a plot is written to ``path`` in (``kvwire simulate --plot``, ``kvwire
+    bench --plot``): the one its suffix names (matplotlib's reading of it), else PNG. The
+    file is the one named either way: matplotlib, given no format and a name without a
+    suffix, writes ``path + ".png"`` instead, which may be another output's file
+    (``--json rep.png --plot rep``)."""
+    return os.path.splitext(os.fspath(path))[1][1:].lower() or "png"
 
 
 def plot_threshold_curve(
@@ -57,7 +66,5 @@ def plot_threshold_curve(
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    # The file named, in the format its suffix names, else PNG: given no format and a name
-    # without a suffix, matplotlib writes path + '.png', which may be another output's file.
-    fig.savefig(path, format=os.path.splitext(path)[1][1:].lower() or "png")
+    fig.savefig(path, format=plot_format(path))
     plt.close(fig)
