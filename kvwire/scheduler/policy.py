@@ -67,6 +67,11 @@ class PolicyRequest:
     output_length: int = 0
 
 
+def _real(value: object) -> bool:
+    """A real number (a numpy one too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_hit(name: str, hit: object) -> None:
     """A prefix hit is a sequence of pairs (what ``decide`` counts): anything else, a
     registry's lookup not awaited (a coroutine), is a UsageError here, not a TypeError
@@ -138,21 +143,17 @@ class SchedulerState:
         _check_hit("local_prefix_hit", self.local_prefix_hit)
         if not isinstance(self.remotes, Sequence) or not all(isinstance(c, ClusterView) for c in self.remotes):
             raise UsageError(f"remotes must be a sequence of ClusterView (got {self.remotes!r})")
-        for name in ("threshold_tokens", "bandwidth_bps", "egress_demand_bps", "soft_utilization",
-                     "hard_utilization", "threshold_gain"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise UsageError(f"{name} must be a number (got {value!r})")
-        for name in ("planned_egress_bps", "planned_bandwidth_bps"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-                raise UsageError(f"{name} must be a number or None (got {value!r})")
-        if math.isnan(self.threshold_tokens):
-            raise UsageError("threshold_tokens must be a number (got NaN)")
+        if not _real(self.threshold_tokens) or math.isnan(self.threshold_tokens):  # inf and -inf: rules of their own
+            raise UsageError(f"threshold_tokens must be a number (got {self.threshold_tokens!r})")
         for name in ("bandwidth_bps", "egress_demand_bps", "soft_utilization", "hard_utilization",
                      "threshold_gain"):
-            if not math.isfinite(getattr(self, name)):
-                raise UsageError(f"{name} must be a finite number (got {getattr(self, name)!r})")
+            value = getattr(self, name)
+            if not _real(value) or not math.isfinite(value):
+                raise UsageError(f"{name} must be a finite number (got {value!r})")
+        for name in ("planned_egress_bps", "planned_bandwidth_bps"):
+            value = getattr(self, name)
+            if value is not None and not _real(value):
+                raise UsageError(f"{name} must be a number or None (got {value!r})")
 
     @property
     def has_plan(self) -> bool:
