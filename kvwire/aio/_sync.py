@@ -7,7 +7,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import inspect
-import operator
 import os
 import threading
 import weakref
@@ -27,7 +26,7 @@ from kvwire.errors import (
     UsageError,
     detached,
 )
-from kvwire.session.options import check_seconds, check_value
+from kvwire.session.options import check_index, check_seconds, check_value
 from kvwire.session.sender import check_request_id
 from kvwire.spec import KVSpec, Layer
 
@@ -38,21 +37,6 @@ def check_wait(timeout: object) -> None:
     """:class:`~kvwire.UsageError` unless ``timeout`` is a wait's limit: a finite number of
     seconds >= 0, or None (no limit)."""
     check_value("timeout", timeout, none_ok=True, zero_ok=True)
-
-
-def check_index(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    """``value`` as an int (numpy's ints too, not a bool nor a float) in [``minimum``,
-    ``maximum``]; :class:`~kvwire.UsageError` otherwise."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise UsageError(f"{name} must be an int, got {value!r}") from None
-    if number < minimum or (maximum is not None and number > maximum):
-        bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise UsageError(f"{name} must be an int {bound}, got {value!r}")
-    return number
 
 
 def check_bridge(bridge: object) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 from kvwire.consistency import BlockId, BlockLike, Lease, Registry
 from kvwire.consistency.blocks import block_key, block_pairs, canonical
 from kvwire.errors import KvwireError, RegistryUnavailableError, TransferTimeoutError, UsageError
+from kvwire.session.options import check_index
 from kvwire.sync import Bridge
 
 T = TypeVar("T")
@@ -55,8 +56,8 @@ def prefix_block_ids(
     is refused, never truncated into another token's id.  Only the tokens of the named
     blocks are read.
     """
-    size = _whole("block_size", block_size, 1)
-    count = _whole("num_blocks", num_blocks, 0)
+    size = check_index("block_size", block_size, 1, _TOKEN_LIMIT - 1)
+    count = check_index("num_blocks", num_blocks, 0, _TOKEN_LIMIT - 1)
     if not isinstance(salt, bytes | bytearray | memoryview):
         raise UsageError(f"salt must be bytes (e.g. the model name, encoded), not {type(salt).__name__}")
     need = count * size
@@ -81,20 +82,6 @@ def prefix_block_ids(
 
 
 _TOKEN_LIMIT = 2**63
-
-
-def _whole(name: str, value: object, minimum: int) -> int:
-    """``value`` as an int in ``[minimum, 2**63)``; :class:`UsageError` otherwise (a bool,
-    a float, None)."""
-    if isinstance(value, bool | np.bool_):
-        raise UsageError(f"{name} must be an int, not a bool")
-    try:
-        number = operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise UsageError(f"{name} must be an int, not {type(value).__name__}") from None
-    if not minimum <= number < _TOKEN_LIMIT:
-        raise UsageError(f"{name} must be an int in [{minimum}, 2**63), not {number}")
-    return number
 
 
 def _token_bytes(tokens: Sequence[SupportsIndex] | np.ndarray[Any, Any], need: int) -> bytes:

@@ -8,6 +8,7 @@ its core's config in one place) and the :class:`Receipt` of a completed send.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -59,6 +60,21 @@ def check_value(name: str, value: object, *, none_ok: bool = False, zero_ok: boo
         raise UsageError(f"{name} must be a finite number{hint}, got {value!r}")
     if value < 0 or (value == 0 and not zero_ok):
         raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+
+def check_index(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int (numpy's ints too, not a bool nor a float) in [``minimum``,
+    ``maximum``]; :class:`~kvwire.UsageError` otherwise."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise UsageError(f"{name} must be an int, got {value!r}") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise UsageError(f"{name} must be an int {bound}, got {value!r}")
+    return number
 
 
 def check_int(owner: object, name: str, *, minimum: int = 1, maximum: int | None = None,
