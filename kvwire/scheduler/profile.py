@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import UsageError
-from kvwire.scheduler.workload import MAX_TOKENS, _number, _show, _whole
+from kvwire.scheduler.workload import MAX_TOKENS, json_number, json_whole, show_json
 
 __all__ = [
     "BUILTIN_PROFILES",
@@ -176,8 +176,8 @@ class ModelProfile:
         def numbers(key: str) -> tuple[float, ...]:
             values = data[key]
             if not isinstance(values, list | tuple):
-                raise ValueError(f"{key} must be a list of numbers, not {_show(values)}")
-            return tuple(_number(x, f"{key}[{i}]") for i, x in enumerate(values))
+                raise ValueError(f"{key} must be a list of numbers, not {show_json(values)}")
+            return tuple(json_number(x, f"{key}[{i}]") for i, x in enumerate(values))
 
         try:
             blocks = data.get("cache_blocks")
@@ -186,7 +186,7 @@ class ModelProfile:
                 tokens=numbers("tokens"),
                 kv_bytes=numbers("kv_bytes"),
                 prefill_s=numbers("prefill_s"),
-                cache_blocks=_whole(blocks, "cache_blocks") if blocks is not None else None,
+                cache_blocks=json_whole(blocks, "cache_blocks") if blocks is not None else None,
             )
         except UsageError:
             raise  # the profile's own checks say what is wrong

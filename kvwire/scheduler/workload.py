@@ -81,10 +81,10 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
                     if not isinstance(hash_ids, list):
                         raise ValueError(f"hash_ids must be a list, not {json.dumps(hash_ids)}")
                     req = TraceRequest(
-                        arrival_s=_number(obj["timestamp"], "timestamp") / 1000.0,
-                        input_length=_whole(obj["input_length"], "input_length"),
-                        output_length=_whole(obj["output_length"], "output_length"),
-                        hash_ids=tuple(_whole(h, "a hash id") for h in hash_ids),
+                        arrival_s=json_number(obj["timestamp"], "timestamp") / 1000.0,
+                        input_length=json_whole(obj["input_length"], "input_length"),
+                        output_length=json_whole(obj["output_length"], "output_length"),
+                        hash_ids=tuple(json_whole(h, "a hash id") for h in hash_ids),
                     )
                 except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
                     # RecursionError: JSON nested deeper than the parser follows.
@@ -114,7 +114,7 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
     return tuple(out)
 
 
-def _show(value: object) -> str:
+def show_json(value: object) -> str:
     """``value`` as JSON writes it (``true``, ``"4000"``), or its repr where JSON cannot (a
     TOML date in a profile)."""
     try:
@@ -123,19 +123,19 @@ def _show(value: object) -> str:
         return repr(value)
 
 
-def _number(value: object, what: str) -> float:
+def json_number(value: object, what: str) -> float:
     """A JSON (or TOML) number as a float (a boolean or a string is not one)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"{what} must be a number, not {_show(value)}")
+        raise ValueError(f"{what} must be a number, not {show_json(value)}")
     return float(value)
 
 
-def _whole(value: object, what: str) -> int:
+def json_whole(value: object, what: str) -> int:
     """A JSON (or TOML) number with a whole value (``4000`` or ``4000.0``) as an int;
     ``1000.7``, ``true`` or ``"4000"`` is refused rather than rounded or converted."""
     if (isinstance(value, bool) or not isinstance(value, int | float)
             or (isinstance(value, float) and not value.is_integer())):
-        raise ValueError(f"{what} must be a whole number, not {_show(value)}")
+        raise ValueError(f"{what} must be a whole number, not {show_json(value)}")
     return int(value)
 
 
