@@ -101,6 +101,11 @@ and adds to the total in ``"serial"``; the one CPU budget of ``"cpu"`` leaves it
 models the sender's host, and on loopback, where each side has a core of its own,
 counting the receiver's transport there made ``auto`` take int8 over raw at half raw's
 rate (docs/benchmarks.md).
+
+A measurement that is no number (NaN, an infinity, a negative time or cost) is ignored
+by the ``observe_*`` methods: kept in a moving average, it stayed there for good and
+made :meth:`CodecChooser.choose` fail. The constructor refuses a size ratio or prior
+speed that is not a finite number > 0 with ``ValueError``.
 """
 
 from __future__ import annotations
@@ -122,15 +127,16 @@ class CodecCandidate:
     name: str
     size_ratio: float
     """Wire bytes per fp16 byte (1.0 for raw, about 0.52 for fp8 with per-(token, head)
-    scales, 0.375 for int4 with groups of 32: codes 0.25, scales and minimums 0.125)."""
+    scales, 0.375 for int4 with groups of 32: codes 0.25, scales and minimums 0.125); a
+    finite number > 0 (:class:`CodecChooser` refuses another with ``ValueError``)."""
     encode_bytes_per_s: float | None = None
-    """Prior encode speed in fp16 input bytes/s; ``None`` = not yet measured (treated as
-    unlimited, so an unmeasured codec gets tried and measured)."""
+    """Prior encode speed in fp16 input bytes/s, a finite number > 0; ``None`` = not yet
+    measured (treated as unlimited, so an unmeasured codec gets tried and measured)."""
     precision: int | None = None
     """Rank for deadline mode, higher is more precise; default: by ``size_ratio``."""
     decode_bytes_per_s: float | None = None
-    """Prior decode speed on the receiver in fp16 output bytes/s; ``None`` = free (raw
-    lands in place and has nothing to decode)."""
+    """Prior decode speed on the receiver in fp16 output bytes/s, a finite number > 0;
+    ``None`` = free (raw lands in place and has nothing to decode)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -207,15 +213,34 @@ FULL_SAMPLE_BYTES = 1 << 20
 STAGE_COUPLING = 4.0
 
 
+def _positive(value: float) -> bool:
+    """A finite number > 0 (NaN is not)."""
+    return 0 < value < math.inf
+
+
+def _speed(nbytes: int, seconds: float) -> float | None:
+    """Bytes/s of ``nbytes`` in ``seconds`` (under a nanosecond counts as one); ``None``
+    when that is no speed: ``nbytes`` not > 0, ``seconds`` negative or not finite."""
+    if not (nbytes > 0 and 0 <= seconds < math.inf):
+        return None
+    speed = nbytes / max(seconds, 1e-9)
+    return speed if _positive(speed) else None
+
+
 def coupled(rates: Iterable[float]) -> float:
     """The rate of stages of ``rates`` in a pipeline with little buffering between them
     (:data:`STAGE_COUPLING`); an infinite rate (a stage with no cost) drops out, a stage
     that moves nothing stops the pipeline."""
     rates = list(rates)
-    if any(r <= 0 for r in rates):
+    slowest = min(rates)
+    if slowest <= 0:
         return 0.0
-    total = math.fsum(r**-STAGE_COUPLING for r in rates)
-    return float(total ** (-1.0 / STAGE_COUPLING))
+    if slowest == math.inf:
+        return math.inf
+    # Relative to the slowest stage, so that a rate far below 1 (a stage whose cost was
+    # measured absurdly high) does not overflow its power: each term is in (0, 1].
+    total = math.fsum((r / slowest) ** -STAGE_COUPLING for r in rates)
+    return float(slowest * total ** (-1.0 / STAGE_COUPLING))
 
 
 class CodecChooser:
@@ -245,7 +270,7 @@ class CodecChooser:
         """
         :param tolerance: in throughput mode, a more precise codec within this fraction
             of the best delivered rate is preferred.
-        :param speed_gain: EWMA gain for encode-speed and size-ratio measurements.
+        :param speed_gain: EWMA gain for encode-speed and size-ratio measurements, in (0, 1].
         :param deadline_margin: in deadline mode, a codec must finish this fraction ahead
             of the deadline to count as meeting it, absorbing estimate noise.
         :param pipeline: how wire, encode, decode and transport costs combine:
@@ -297,8 +322,13 @@ class CodecChooser:
         if len(set(names)) != len(names):
             raise ValueError("codec names must be unique")
         for c in ordered:
-            if c.size_ratio <= 0:
-                raise ValueError(f"{c.name}: size_ratio must be positive")
+            # NaN passes ``<= 0``: kept, it made every rate NaN and choose() fail for good.
+            if not _positive(c.size_ratio):
+                raise ValueError(f"{c.name}: size_ratio must be a finite number > 0, got {c.size_ratio!r}")
+            for prior, field in ((c.encode_bytes_per_s, "encode_bytes_per_s"),
+                                 (c.decode_bytes_per_s, "decode_bytes_per_s")):
+                if prior is not None and not _positive(prior):
+                    raise ValueError(f"{c.name}: {field} must be a finite number > 0 or None, got {prior!r}")
         self._ratio = {c.name: c.size_ratio for c in ordered}
         self._speed: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode: dict[str, float | None] = {c.name: c.decode_bytes_per_s for c in ordered}
@@ -330,8 +360,10 @@ class CodecChooser:
                 key=lambda c: -(c.precision if c.precision is not None else c.size_ratio),
             )
         ]
-        if probe_interval <= 0:
-            raise ValueError("probe_interval must be positive")
+        if not probe_interval > 0:
+            raise ValueError(f"probe_interval must be positive, got {probe_interval!r}")
+        if not 0 < speed_gain <= 1:
+            raise ValueError(f"speed_gain must be in (0, 1], got {speed_gain!r}")
         for value, name in ((tolerance, "tolerance"), (hysteresis, "hysteresis"), (explore_cost, "explore_cost")):
             if not 0 <= value < 1:
                 raise ValueError(f"{name} must be in [0, 1), got {value!r}")
@@ -339,7 +371,7 @@ class CodecChooser:
             raise ValueError(f"deadline_margin must be in [0, 1), got {deadline_margin!r}")
         self._probe_interval = probe_interval
         self._last_probe: float | None = None
-        if refresh_after <= 0 or not 0 < refresh_share <= 1:
+        if not refresh_after > 0 or not 0 < refresh_share <= 1:
             raise ValueError("refresh_after must be positive and refresh_share in (0, 1]")
         self._refresh_after = refresh_after
         self._refresh_share = refresh_share
@@ -403,17 +435,22 @@ class CodecChooser:
         return self._ratio[codec]
 
     def observe_encode(self, codec: str, nbytes: int, seconds: float) -> None:
-        """Feed one measured encode: ``nbytes`` of fp16 input took ``seconds``."""
-        if codec not in self._speed or nbytes <= 0:
+        """Feed one measured encode: ``nbytes`` of fp16 input took ``seconds`` (under a
+        nanosecond counts as one). A measurement that is no speed is ignored: ``nbytes``
+        not > 0, ``seconds`` negative or not a finite number (a NaN kept in the moving
+        average stayed there for good, and a negative time read as 1 ns)."""
+        speed = _speed(nbytes, seconds)
+        if codec not in self._speed or speed is None:
             return
-        self._speed[codec] = self._blend(self._speed[codec], nbytes / max(seconds, 1e-9), nbytes)
+        self._speed[codec] = self._blend(self._speed[codec], speed, nbytes)
         self._inputs += 1
 
     def observe_decode(self, codec: str, nbytes: int, seconds: float) -> None:
-        """Feed one measured decode: ``nbytes`` of fp16 output took ``seconds``."""
-        if codec not in self._decode or nbytes <= 0:
+        """Feed one measured decode: ``nbytes`` of fp16 output took ``seconds``; ignored,
+        as :meth:`observe_encode` ignores one, if it is no speed."""
+        speed = _speed(nbytes, seconds)
+        if codec not in self._decode or speed is None:
             return
-        speed = nbytes / max(seconds, 1e-9)
         prior = self._decode[codec]
         if codec not in self._decode_observed and nbytes >= FULL_SAMPLE_BYTES:
             prior = None  # a real measurement replaces the prior
@@ -434,8 +471,12 @@ class CodecChooser:
         is per fp16 byte as much as per wire byte: chunks hold the same tokens), and that
         figure, charged to raw, made raw look CPU-bound and kept int8 chosen at 0.7 of
         raw's rate. A codec's own measurement is used for it; one not yet measured takes
-        the latest of any codec."""
-        if wire_bytes <= 0 or cpu_seconds < 0:
+        the latest of any codec.
+
+        A measurement with ``wire_bytes`` not > 0 or ``cpu_seconds`` negative or not a
+        finite number is ignored; so is a ``runnable`` not in (0, 1] (a little above 1
+        counts as 1: :data:`RUNNABLE_SLACK`)."""
+        if not (wire_bytes > 0 and 0 <= cpu_seconds < math.inf):
             return
         cost = cpu_seconds / wire_bytes
         self._inputs += 1
@@ -503,8 +544,10 @@ class CodecChooser:
         """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
         arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
         transfer's first layer (paced by the receiver's first grant, see
-        :meth:`GoodputMeter.on_ack`)."""
-        if self._measure and codec in self._ratio:
+        :meth:`GoodputMeter.on_ack`). Ignored with ``now`` not a finite number or
+        ``kv_bytes`` negative (a NaN time made the codec's measured rate NaN, and
+        :meth:`choose` then failed)."""
+        if self._measure and codec in self._ratio and kv_bytes >= 0 and math.isfinite(now):
             self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer)
 
     def observe_idle(self) -> None:
@@ -570,10 +613,14 @@ class CodecChooser:
         its size as the speeds are: int4 packs tokens in groups, and a chunk of one token
         measured 4.25 wire bytes per fp16 byte (0.375 in whole chunks); at a full
         sample's weight it made int4 look three times its size over a 1 Gbit/s link, where
-        fp8 then took over, and a codec no longer sent is not measured again."""
-        if codec not in self._ratio or fp16_bytes <= 0 or wire_bytes <= 0:
+        fp8 then took over, and a codec no longer sent is not measured again. Ignored
+        unless both sizes are > 0 and their ratio a finite number."""
+        if codec not in self._ratio or not (fp16_bytes > 0 and wire_bytes > 0):
             return
-        self._ratio[codec] = self._blend(self._ratio[codec], wire_bytes / fp16_bytes, fp16_bytes)
+        ratio = wire_bytes / fp16_bytes
+        if not _positive(ratio):
+            return
+        self._ratio[codec] = self._blend(self._ratio[codec], ratio, fp16_bytes)
         self._inputs += 1
 
     def delivered_rate(self, codec: str, bandwidth_bps: float) -> float:
