@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvwire.control.estimator import DeliveryRateEstimator
+from kvwire.control.estimator import DeliveryRateEstimator, _check_now
 
 __all__ = ["PROBE_CYCLE", "PROBE_RTT_AFTER", "InflightController", "InflightTarget", "Pacer"]
 
@@ -54,12 +54,16 @@ class InflightTarget:
             raise ValueError("need 0 < min_bytes <= max_bytes")
 
     def bytes_for(self, bandwidth_bps: float | None, min_rtt: float | None) -> int:
-        """Target in-flight bytes for a bandwidth (bits/s) and a minimum RTT (seconds)."""
+        """Target in-flight bytes for a bandwidth (bits/s) and a minimum RTT (seconds).
+
+        ``initial_bytes`` without both or with a bandwidth <= 0; a negative RTT counts as
+        0. A bandwidth or RTT that is not a finite number is refused with ``ValueError``.
+        """
+        _check_finite(bandwidth_bps=bandwidth_bps, min_rtt=min_rtt)
         if bandwidth_bps is None or min_rtt is None or bandwidth_bps <= 0:
-            target = self.initial_bytes
-        else:
-            target = math.ceil(self.gain * bandwidth_bps / 8.0 * max(min_rtt, 0.0))
-        return max(self.min_bytes, min(self.max_bytes, target))
+            return _within(self.initial_bytes, self.min_bytes, self.max_bytes)
+        # Bytes/s first: gain x a bandwidth near the float's largest overflows to infinity.
+        return _within(bandwidth_bps / 8.0 * self.gain * max(min_rtt, 0.0), self.min_bytes, self.max_bytes)
 
     def for_estimator(self, estimator: DeliveryRateEstimator) -> int:
         return self.bytes_for(estimator.bandwidth_bps, estimator.min_rtt)
@@ -138,16 +142,19 @@ class InflightController:
         :param cycle: gain per phase; must average to at most 1 over the cycle and hold at
             least one phase above 1 so the window probes.
         """
-        if gain < 1.0:
-            raise ValueError("gain must be >= 1")
+        if not 1.0 <= gain < math.inf:
+            raise ValueError(f"gain must be a finite number >= 1, got {gain!r}")
         if streams < 1 or chunk_bytes < 1:
             raise ValueError("streams and chunk_bytes must be positive")
         if not 0 < min_bytes <= max_bytes:
             raise ValueError("need 0 < min_bytes <= max_bytes")
-        if not cycle or max(cycle) <= 1.0 or min(cycle) <= 0 or sum(cycle) > len(cycle) + 1e-9:
-            raise ValueError("cycle needs a gain above 1, positive gains, and a mean of at most 1")
-        if min_phase <= 0:
-            raise ValueError("min_phase must be positive")
+        if (not cycle or not all(0 < g < math.inf for g in cycle) or max(cycle) <= 1.0
+                or sum(cycle) > len(cycle) + 1e-9):
+            raise ValueError("cycle needs a gain above 1, positive finite gains, and a mean of at most 1")
+        if not 0 < min_phase < math.inf:
+            raise ValueError(f"min_phase must be a finite number > 0, got {min_phase!r}")
+        if not 0 <= max_ack_delay < math.inf:
+            raise ValueError(f"max_ack_delay must be a finite number >= 0, got {max_ack_delay!r}")
         self._gain = gain
         self._chunk = chunk_bytes
         self._streams = streams
@@ -189,11 +196,13 @@ class InflightController:
         seconds of the bandwidth if that is more (and never below ``min_bytes``). Two
         chunks per stream keep every stream busy where acks come slower than the path
         drains (loopback, a fast link); on a slow path they only queue: the path stays
-        full with one chunk in transmission, one waiting and a BDP on the way."""
+        full with one chunk in transmission, one waiting and a BDP on the way. A
+        bandwidth or RTT that is not a finite number is refused with ``ValueError``."""
+        _check_finite(bandwidth_bps=bandwidth_bps, min_rtt=min_rtt)
         per_chunk = self._chunk + _FRAME_SLACK
         rate = bandwidth_bps / 8.0
         needed = max(2 * per_chunk + rate * min_rtt, rate * FLOOR_QUEUE)
-        return max(self._min_bytes, min(self.floor_bytes, math.ceil(needed)))
+        return max(self._min_bytes, _within(needed, 0, self.floor_bytes))
 
     @property
     def phase_gain(self) -> float:
@@ -207,7 +216,12 @@ class InflightController:
     # -- decisions -----------------------------------------------------------------------
 
     def update(self, estimator: DeliveryRateEstimator, now: float) -> int:
-        """Advance the gain phase to ``now`` and recompute the target from the estimator."""
+        """Advance the gain phase to ``now`` and recompute the target from the estimator.
+
+        A ``now`` that is not a finite number is refused with ``ValueError`` before
+        anything changes, as the estimator refuses one (infinity raised OverflowError
+        here, and NaN was taken in)."""
+        _check_now(now)
         bandwidth = estimator.max_filter_bps
         min_rtt = estimator.min_rtt
         if bandwidth is None or min_rtt is None or bandwidth <= 0:
@@ -236,7 +250,7 @@ class InflightController:
         late = min(max(recent - min_rtt, 0.0), self._max_ack_delay)
         cover = bandwidth / 8.0 * late
         raw = self.phase_gain * (self._gain * bdp + cover + estimator.extra_acked_bytes)
-        self._target = self._clamp(math.ceil(raw))
+        self._target = self._clamp(raw)
         return self._target
 
     @property
@@ -268,7 +282,9 @@ class InflightController:
         return True
 
     def may_send(self, estimator: DeliveryRateEstimator, nbytes: int, now: float) -> bool:
-        """Whether ``nbytes`` more may go now; an empty flight may always send."""
+        """Whether ``nbytes`` more may go now; an empty flight may always send. Updates
+        the target first (:meth:`update`: a ``now`` that is not a finite number is
+        refused)."""
         target = self.update(estimator, now)
         in_flight = estimator.bytes_in_flight
         if in_flight == 0 or in_flight + nbytes <= target:
@@ -281,14 +297,30 @@ class InflightController:
         """Whether the window held a send back during the current phase."""
         return self._limited
 
-    def _clamp(self, target: int) -> int:
-        return max(self._floor, min(self._max_bytes, target))
+    def _clamp(self, target: float) -> int:
+        return _within(target, self._floor, self._max_bytes)
+
+
+def _check_finite(**values: float | None) -> None:
+    for name, value in values.items():
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _within(value: float, low: int, high: int) -> int:
+    """``ceil(value)`` within ``[low, high]``, clamped before it is rounded (an infinite
+    product of finite values has no integer)."""
+    if value >= high:
+        return high
+    return max(low, math.ceil(value))
 
 
 class Pacer:
     """A token bucket releasing bytes at ``rate_bps`` with bursts up to ``burst_bytes``.
 
-    ``rate_bps=None`` means unpaced: everything may go at once.
+    ``rate_bps=None`` means unpaced: everything may go at once. A ``now`` that is not a
+    finite number is refused with ``ValueError`` before anything changes (a NaN taken as
+    the bucket's first time stopped its refills for good).
     """
 
     def __init__(self, rate_bps: float | None = None, *, burst_bytes: int = 2 * _MIB) -> None:
@@ -313,6 +345,7 @@ class Pacer:
         self._rate_bps = rate_bps
 
     def _refill(self, now: float) -> None:
+        _check_now(now)
         if self._stamp is not None and self._rate_bps is not None and now > self._stamp:
             self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate_bps / 8)
         if self._stamp is None or now > self._stamp:
@@ -320,6 +353,7 @@ class Pacer:
 
     def next_send_time(self, nbytes: int, now: float) -> float:
         """Earliest time ``nbytes`` may be released (``now`` if they may go now)."""
+        _check_now(now)
         if self._rate_bps is None:
             return now
         self._refill(now)

@@ -13,9 +13,12 @@ is given and the ones before.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+
+from kvwire.control.estimator import _check_now
 
 __all__ = [
     "StreamController",
@@ -105,8 +108,8 @@ class StreamController:
         """
         if not 1 <= min_streams <= initial_streams <= max_streams:
             raise ValueError("need 1 <= min_streams <= initial_streams <= max_streams")
-        if interval <= 0:
-            raise ValueError("interval must be positive")
+        if not 0 < interval < math.inf:
+            raise ValueError(f"interval must be a finite number > 0, got {interval!r}")
         self._min = min_streams
         self._max = max_streams
         self._streams = initial_streams
@@ -161,7 +164,15 @@ class StreamController:
 
         :param app_limited: the sender ran out of data during the period; no conclusion
             about the path can be drawn, so the count is held.
+
+        A ``now`` or a sample's rate that is not a finite number is refused with
+        ``ValueError`` before anything changes (an infinite ``now`` put the next
+        evaluation at infinity, and every one after it held).
         """
+        _check_now(now)
+        for s in samples:
+            if not math.isfinite(s.delivery_rate_bps):
+                raise ValueError(f"a stream's delivery_rate_bps must be a finite number, got {s.delivery_rate_bps!r}")
         total = sum(s.delivery_rate_bps for s in samples)
         # A caller sleeping one interval between calls wakes a little early or late (an
         # event loop's timer ticks in milliseconds): early by a tenth of an interval still
