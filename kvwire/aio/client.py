@@ -29,9 +29,8 @@ from kvwire.control import (
     DeliveryRateEstimator,
     InflightController,
     StreamController,
-    StreamSample,
-    window_limited_from_counters,
 )
+from kvwire.control.streams import StreamReading, StreamSampler
 from kvwire.errors import (
     AuthenticationError,
     ConnectionLostError,
@@ -645,36 +644,41 @@ class Peer(Pump):
         """Every controller period: one sample per stream in use, then grow or shrink."""
         ctl = self.stream_controller
         assert ctl is not None
-        last: dict[int, tuple[int, Any]] = {}
+        sampler = StreamSampler()
         period = 0.25
+        sampler.sample(self._stream_readings(), self._streams_in_use(ctl.streams), clock())  # the baselines
         while not self.closed:
             await asyncio.sleep(period)
-            samples = []
-            # The streams chunks go on: the first ctl.streams open ones (SenderCore._best_stream).
-            for s in [s for s in self.streams if self.core.is_open(s.key)][: ctl.streams]:
-                info = read_tcp_info(s.transport.get_extra_info("socket")) if s.transport is not None else None
-                acked = self.core.acked_bytes(s.key)
-                prev_bytes, prev = last.get(s.key, (acked, None))
-                limited = info is not None and prev is not None and window_limited_from_counters(
-                    busy_us=_delta(info.busy_time_us, prev.busy_time_us),
-                    rwnd_limited_us=_delta(info.rwnd_limited_us, prev.rwnd_limited_us),
-                    sndbuf_limited_us=_delta(info.sndbuf_limited_us, prev.sndbuf_limited_us),
-                )
-                samples.append(StreamSample(delivery_rate_bps=(acked - prev_bytes) * 8 / period,
-                                            window_limited=limited))
-                last[s.key] = (acked, info)
+            now = clock()
+            samples = sampler.sample(self._stream_readings(), self._streams_in_use(ctl.streams), now)
             core = self.core
             idle = not core.transfers or (core.queued_bytes() == 0 and self.estimator.bytes_in_flight == 0)
-            ctl.evaluate(samples, clock(), app_limited=idle)
+            ctl.evaluate(samples, now, app_limited=idle)
             if core.active_streams != ctl.streams:
                 core.active_streams = ctl.streams
                 self.inflight.set_streams(ctl.streams)
+                sampler.use(self._streams_in_use(ctl.streams))
                 core.pump()
                 self.pump()
 
+    def _streams_in_use(self, count: int) -> list[int]:
+        # The streams chunks go on: the first ``count`` open ones (SenderCore._best_stream).
+        return [s.key for s in self.streams if self.core.is_open(s.key)][:count]
 
-def _delta(now: int | None, before: int | None) -> int | None:
-    return None if now is None or before is None else now - before
+    def _stream_readings(self) -> dict[int, StreamReading]:
+        """Every open stream's acknowledged bytes and TCP_INFO time counters, now."""
+        readings = {}
+        for s in self.streams:
+            if not self.core.is_open(s.key):
+                continue
+            info = read_tcp_info(s.transport.get_extra_info("socket")) if s.transport is not None else None
+            readings[s.key] = StreamReading(
+                acked_bytes=self.core.acked_bytes(s.key),
+                busy_time_us=info.busy_time_us if info is not None else None,
+                rwnd_limited_us=info.rwnd_limited_us if info is not None else None,
+                sndbuf_limited_us=info.sndbuf_limited_us if info is not None else None,
+            )
+        return readings
 
 
 __all__ = ["ClientOptions", "Peer", "Receipt"]

@@ -8,13 +8,14 @@ the same rate, the extra streams only add contention and are given up.
 
 The controller is evaluated at most once per ``interval`` (the caller asks
 ``get_timer()`` when to call ``evaluate``); every decision looks only at the samples it
-is given and the ones before.
+is given and the ones before.  :class:`StreamSampler` makes those samples from each
+stream's running totals (acknowledged bytes, TCP_INFO counters) and the time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -23,7 +24,9 @@ from kvwire.control.estimator import _check_now
 __all__ = [
     "StreamController",
     "StreamDecision",
+    "StreamReading",
     "StreamSample",
+    "StreamSampler",
     "StreamVerdict",
     "window_limited_from_counters",
 ]
@@ -74,6 +77,96 @@ def window_limited_from_counters(
         return False
     limited = (rwnd_limited_us or 0) + (sndbuf_limited_us or 0)
     return limited > threshold * busy_us
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamReading:
+    """One open stream's running totals at one instant."""
+
+    acked_bytes: int
+    """Bytes acknowledged on this stream so far."""
+    busy_time_us: int | None = None
+    """``tcpi_busy_time`` (``None``: no TCP_INFO, or a kernel without it)."""
+    rwnd_limited_us: int | None = None
+    """``tcpi_rwnd_limited``."""
+    sndbuf_limited_us: int | None = None
+    """``tcpi_sndbuf_limited``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Baseline:
+    reading: StreamReading
+    at: float
+    in_use: bool
+    """The stream has been in use since ``at``."""
+
+
+class StreamSampler:
+    """Turns every open stream's running totals, read once a period, into the
+    samples :meth:`StreamController.evaluate` takes.
+
+    Every open stream's baseline (its totals and the time they were read) is renewed each
+    period, in use or not, so a stream put in use is judged on the bytes it acknowledged
+    since then, not since it was last in use; a rate is the bytes since the baseline over
+    the time that actually passed since it (a late period is not read as a fast one).  A
+    stream is sampled only if it was in use for the whole span since its baseline: one
+    that came into use in between (another stream closed) or opened in between is not
+    judged on that span.
+
+    Each period: :meth:`sample`, then :meth:`StreamController.evaluate` with its samples
+    and the same ``now``, then, if the count changed, :meth:`use` with the streams in use
+    from then on.
+    """
+
+    def __init__(self) -> None:
+        self._baselines: dict[int, _Baseline] = {}
+
+    def sample(
+        self, readings: Mapping[int, StreamReading], in_use: Sequence[int], now: float
+    ) -> list[StreamSample]:
+        """One sample for each stream in ``in_use`` (in its order) in use since its
+        baseline, from ``readings`` (every open stream's totals, read at ``now``); then
+        every open stream's baseline becomes its reading at ``now``.  A stream not in
+        ``readings`` is forgotten (closed)."""
+        using = set(in_use)
+        samples = []
+        for key in in_use:
+            base = self._baselines.get(key)
+            reading = readings.get(key)
+            if base is None or reading is None or not base.in_use or now <= base.at:
+                continue
+            before = base.reading
+            samples.append(StreamSample(
+                delivery_rate_bps=(reading.acked_bytes - before.acked_bytes) * 8 / (now - base.at),
+                window_limited=window_limited_from_counters(
+                    busy_us=_delta(reading.busy_time_us, before.busy_time_us),
+                    rwnd_limited_us=_delta(reading.rwnd_limited_us, before.rwnd_limited_us),
+                    sndbuf_limited_us=_delta(reading.sndbuf_limited_us, before.sndbuf_limited_us),
+                ),
+            ))
+        baselines = {}
+        for key, reading in readings.items():
+            base = self._baselines.get(key)
+            if base is not None and now <= base.at:  # no time passed: the span goes on
+                baselines[key] = _Baseline(base.reading, base.at, base.in_use and key in using)
+            else:
+                baselines[key] = _Baseline(reading, now, key in using)
+        self._baselines = baselines
+        return samples
+
+    def use(self, in_use: Iterable[int]) -> None:
+        """The streams in use from now on (right after :meth:`sample`, when the
+        controller changed the count): a stream put in use is sampled from its last
+        baseline on, one taken out of use is not sampled until it is in use again for a
+        whole period."""
+        using = set(in_use)
+        self._baselines = {
+            key: _Baseline(base.reading, base.at, key in using) for key, base in self._baselines.items()
+        }
+
+
+def _delta(now: int | None, before: int | None) -> int | None:
+    return None if now is None or before is None else now - before
 
 
 #: Share of an interval an evaluation may come early and still count.
