@@ -1,5 +1,6 @@
 """kvwire: move LLM KV caches between machines over ordinary TCP."""
 
+from kvwire._extensions import extensions
 from kvwire.aio import Peer, Receipt, Server, Transfer, connect, serve
 from kvwire.errors import (
     AuthenticationError,
@@ -41,5 +42,6 @@ __all__ = [
     "UsageError",
     "__version__",
     "connect",
+    "extensions",
     "serve",
 ]

@@ -1,0 +1,161 @@
+"""Packaging: what setup.py builds when an extension does not compile, and how kvwire
+loads what was built."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvwire._extensions import load_extension
+
+ROOT = Path(__file__).resolve().parents[1]
+EXTENSIONS = {
+    "kvwire.codec._hostcodec": "kvwire/codec/_hostcodec.c",
+    "kvwire.wire._crc32c": "kvwire/wire/_crc32c.c",
+    "kvwire.aio._sendq": "kvwire/aio/_sendq.c",
+}
+posix_only = pytest.mark.skipif(os.name == "nt", reason="setup.py builds no extension on Windows")
+
+
+def _environ(**extra: str) -> dict[str, str]:
+    environ = {k: v for k, v in os.environ.items() if k != "KVWIRE_NO_EXTENSIONS"}
+    environ.update(extra)
+    return environ
+
+
+def _python(code: str, cwd: Path = ROOT, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = _environ(**env)
+    environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+# ---------------------------------------------------------------------------------------
+# Loading: an extension that cannot be loaded is one that was not built.
+
+
+def test_an_extension_that_fails_to_load_is_not_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ImportError (not built, built for another Python) and AttributeError (what
+    ``PyCapsule_Import`` raises for a module that is absent) mean "use the pure-Python
+    code"; any other error is a bug and is raised."""
+    (tmp_path / "kvw_ext_attr.py").write_text("import os\nos.no_such_attribute\n")
+    (tmp_path / "kvw_ext_import.py").write_text("raise ImportError('undefined symbol: crc_update')\n")
+    (tmp_path / "kvw_ext_bug.py").write_text("raise RuntimeError('a bug in the module')\n")
+    (tmp_path / "kvw_ext_ok.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("KVWIRE_NO_EXTENSIONS", raising=False)
+    for name in ("kvw_ext_attr", "kvw_ext_import", "kvw_ext_bug", "kvw_ext_ok"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert load_extension("kvw_ext_attr") is None
+    assert load_extension("kvw_ext_import") is None
+    assert load_extension("kvw_ext_missing_entirely") is None
+    with pytest.raises(RuntimeError, match="a bug"):
+        load_extension("kvw_ext_bug")
+    module = load_extension("kvw_ext_ok")
+    assert module is not None and module.VALUE == 1
+    monkeypatch.setenv("KVWIRE_NO_EXTENSIONS", "1")
+    assert load_extension("kvw_ext_ok") is None
+
+
+def test_import_kvwire_where_the_crc_extension_is_missing() -> None:
+    """The send queue finds the CRC loop of ``kvwire.wire._crc32c`` through a capsule:
+    where that one is missing (it failed to build, the others built), the capsule lookup
+    raised AttributeError out of ``import kvwire``.  kvwire now runs without both."""
+    out = _python(
+        "import sys\n"
+        "sys.modules['kvwire.wire._crc32c'] = None  # as if it were not built\n"
+        "import kvwire\n"
+        "from kvwire.aio import _stream\n"
+        "from kvwire.wire import crc\n"
+        "assert crc.implementation() == 'crc32c package', crc.implementation()\n"
+        "assert _stream._sendq is None\n"
+        "found = kvwire.extensions()\n"
+        "assert found['crc32c'] is None and found['send_queue'] is None, found\n"
+        "print('ok')\n"
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Building with a compiler that fails on one source (a fake one: no real compile).
+
+FAKE_CC = """\
+#!{python}
+import os, sys
+args = sys.argv[1:]
+fail = [name for name in os.environ["FAKE_CC_FAIL"].split(",") if name]
+failing = [a for a in args if os.path.basename(a) in fail]
+if failing:
+    sys.exit("cc: error: cannot compile " + failing[0])
+out = args[args.index("-o") + 1]
+os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+with open(out, "wb") as f:
+    f.write(b"fake")
+"""
+
+
+def _project(tmp_path: Path) -> Path:
+    """setup.py and pyproject.toml of this checkout over empty C sources."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        if (ROOT / name).exists():
+            shutil.copy(ROOT / name, src / name)
+    for package in ("kvwire", "kvwire/codec", "kvwire/wire", "kvwire/aio"):
+        (src / package).mkdir(exist_ok=True)
+        (src / package / "__init__.py").write_text("")
+    for source in EXTENSIONS.values():
+        (src / source).write_text("")
+    return src
+
+
+def _build(tmp_path: Path, fail: str, *args: str) -> tuple[Path, str]:
+    src = _project(tmp_path)
+    cc = tmp_path / "fakecc"
+    cc.write_text(FAKE_CC.format(python=sys.executable))
+    cc.chmod(0o755)
+    out = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--build-temp", str(tmp_path / "temp"), *args],
+        cwd=src, env=_environ(CC=str(cc), LDSHARED=f"{cc} -shared", FAKE_CC_FAIL=fail),
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return src, out.stderr
+
+
+def _built(where: Path) -> set[str]:
+    return {
+        name for name, source in EXTENSIONS.items()
+        if list((where / source).parent.glob(Path(source).stem + "*.so"))
+    }
+
+
+@posix_only
+def test_the_send_queue_is_not_built_without_the_crc_extension(tmp_path: Path) -> None:
+    """_sendq loads _crc32c's CRC loop at import: with _crc32c failing to compile it was
+    built anyway (and broke ``import kvwire``); now it is left out, with a warning."""
+    _, stderr = _build(tmp_path, "_crc32c.c", "--build-lib", str(tmp_path / "lib"))
+    assert _built(tmp_path / "lib") == {"kvwire.codec._hostcodec"}
+    assert "WARNING: could not build kvwire.wire._crc32c" in stderr
+    assert "WARNING: could not build kvwire.aio._sendq (it needs kvwire.wire._crc32c)" in stderr
+
+
+@posix_only
+def test_an_in_place_build_keeps_the_extensions_that_built(tmp_path: Path) -> None:
+    """``pip install -e .`` builds in place: one extension failing (the first) stopped the
+    copy into the source tree, so the two that built were dropped as well."""
+    src, stderr = _build(tmp_path, "_hostcodec.c", "--inplace", "--build-lib", str(tmp_path / "lib"))
+    assert _built(src) == {"kvwire.wire._crc32c", "kvwire.aio._sendq"}
+    assert "WARNING: could not build kvwire.codec._hostcodec" in stderr
+    assert "could not build the compiled extensions" not in stderr
+
+
+@posix_only
+def test_every_extension_that_compiles_is_built_in_place(tmp_path: Path) -> None:
+    src, stderr = _build(tmp_path, "", "--inplace", "--build-lib", str(tmp_path / "lib"))
+    assert _built(src) == set(EXTENSIONS) and "WARNING" not in stderr
