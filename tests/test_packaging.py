@@ -1,5 +1,5 @@
-"""Packaging: what setup.py builds when an extension does not compile, and how kvwire
-loads what was built."""
+"""Packaging: what setup.py builds when an extension does not compile, how kvwire loads
+what was built, and how the tests of the compiled parts treat one that is missing."""
 
 from __future__ import annotations
 
@@ -159,3 +159,47 @@ def test_an_in_place_build_keeps_the_extensions_that_built(tmp_path: Path) -> No
 def test_every_extension_that_compiles_is_built_in_place(tmp_path: Path) -> None:
     src, stderr = _build(tmp_path, "", "--inplace", "--build-lib", str(tmp_path / "lib"))
     assert _built(src) == set(EXTENSIONS) and "WARNING" not in stderr
+
+
+# ---------------------------------------------------------------------------------------
+# The suite where no extension was built: the tests of the compiled parts skip where there
+# is no C compiler (a supported install), fail in CI or where a compiler is present.
+
+#: one test of each compiled part's requirement (tests/conftest.py's one rule)
+NEEDS_AN_EXTENSION = [
+    "tests/wire/test_crc.py::test_extension_was_built",
+    "tests/codec/test_host_codec.py::test_extension_was_built",
+    "tests/codec/test_host_codec.py::test_compiled_entry_points_check_buffer_sizes",
+    "tests/aio/test_sendq.py::test_the_extension_is_built",
+    "tests/test_paged.py::test_quantized_chunks_read_and_land_where_the_blocks_lie[fp8-True]",
+    "tests/aio/test_goaway_before_reset.py::"
+    "test_a_sender_that_writes_before_reading_acts_on_the_goaway_it_had_not_read[send-queue]",
+]
+NONE_BUILT = (
+    "import sys\n"
+    f"for name in {sorted(EXTENSIONS)!r}:\n"
+    "    sys.modules[name] = None  # as where none was built\n"
+    "import pytest\n"
+    "sys.exit(pytest.main(sys.argv[1:]))\n"
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("compiler", "ci", "outcome"), [
+    (False, False, "skipped"),
+    (False, True, "failed"),
+    (True, False, "failed"),
+], ids=["no-compiler", "no-compiler-in-ci", "compiler"])
+def test_tests_of_missing_extensions_skip_only_without_a_compiler(
+    compiler: bool, ci: bool, outcome: str,
+) -> None:
+    environ = _environ(CC=sys.executable if compiler else "/nonexistent/cc")
+    environ.pop("CI", None)
+    if ci:
+        environ["CI"] = "true"
+    out = subprocess.run(
+        [sys.executable, "-c", NONE_BUILT, "-q", "-p", "no:cacheprovider", "-rfs", *NEEDS_AN_EXTENSION],
+        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=280, check=False,
+    )
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr
+    assert summary.startswith(f"{len(NEEDS_AN_EXTENSION)} {outcome} in"), out.stdout[-3000:] + out.stderr

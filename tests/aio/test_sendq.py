@@ -17,21 +17,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire._extensions import extensions_disabled, load_extension
+from kvwire._extensions import load_extension
 from kvwire.wire import Chunk
 from kvwire.wire.crc import crc32c
 from kvwire.wire.frames import CheckedPayload, encode_chunk_checked_as_written, plain_parts
+from tests.conftest import needs_extension, require_extension
 
-sendq = load_extension("kvwire.aio._sendq")
-DISABLED = extensions_disabled()
-pytestmark = pytest.mark.skipif(DISABLED, reason="KVWIRE_NO_EXTENSIONS is set: streams use their transports")
+EXT = "kvwire.aio._sendq"
+sendq = load_extension(EXT)
+# Without the queue streams write through their transports (tests/aio/test_stream.py).
+pytestmark = needs_extension(sendq is not None, EXT)
 
 
 def test_the_extension_is_built() -> None:
-    assert sendq is not None, (
-        "kvwire.aio._sendq is not importable: the C extension was not built. Reinstall "
-        "with a C compiler present and read the build output for 'WARNING: could not build'."
-    )
+    require_extension(sendq is not None, EXT)
 
 
 @contextlib.contextmanager

@@ -30,11 +30,13 @@ from kvwire._extensions import extensions_disabled
 from kvwire.codec import Fp8Codec, Int4Codec, Int8Codec, TensorKind, _host, get_codec, numpy_dtype
 from kvwire.errors import KvwireError, ProtocolError, UsageError
 from tests.codec.codec_helpers import DTYPES
+from tests.conftest import needs_extension, require_extension
 
 Reference = Fp8Codec | Int8Codec | Int4Codec
 
 DISABLED = extensions_disabled()
-needs_ext = pytest.mark.skipif(DISABLED, reason="KVWIRE_NO_EXTENSIONS is set: only the numpy path runs")
+EXT = "kvwire.codec._hostcodec"
+needs_ext = needs_extension(_host.ext is not None, EXT)
 # The floating-point modes these tests set (MXCSR's FTZ/DAZ bits, the FE_* rounding values)
 # are x86's; CI runs on x86_64, where they never skip.
 needs_x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
@@ -48,12 +50,8 @@ def test_extension_was_built() -> None:
     if DISABLED:
         assert _host.ext is None and _host.isa() is None
         return
-    assert _host.ext is not None, (
-        "kvwire.codec._hostcodec is not importable: the C extension was not built. Reinstall "
-        "with a C compiler present (`python -m pip install -e '.[test]'`, or "
-        "`python setup.py build_ext --inplace`) and read the build output for "
-        "'WARNING: could not build'; set KVWIRE_NO_EXTENSIONS=1 to test the numpy path alone."
-    )
+    require_extension(_host.ext is not None, EXT)
+    assert _host.ext is not None
     isa = _host.isa()
     assert isinstance(isa, str)
     best = _host.simd(_host.SIMD_BEST)

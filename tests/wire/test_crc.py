@@ -17,7 +17,6 @@ import os
 import platform
 import random
 import shlex
-import shutil
 import subprocess
 import sys
 import sysconfig
@@ -33,10 +32,11 @@ from hypothesis import strategies as st
 
 from kvwire._extensions import extensions_disabled
 from kvwire.wire import crc
-from tests.environment import IN_CI
+from tests.conftest import needs_extension, require_extension
 
 DISABLED = extensions_disabled()
-needs_ext = pytest.mark.skipif(crc.ext is None, reason="kvwire.wire._crc32c is not in use")
+EXT = "kvwire.wire._crc32c"
+needs_ext = needs_extension(crc.ext is not None, EXT)
 NAMES = ["table", "sse4.2", "pclmulqdq", "avx512-vpclmulqdq"]
 CHECK = 0xE3069283  # CRC32C of b"123456789", the catalogue's check value
 P = 0x11EDC6F41  # x^32 + the Castagnoli polynomial, bit d = coefficient of x^d
@@ -68,11 +68,6 @@ def _random_bytes(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def _compiler() -> str | None:
-    cc = str(sysconfig.get_config_var("CC") or "").split()
-    return shutil.which(cc[0]) if cc else None
-
-
 def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -94,14 +89,8 @@ def test_extension_was_built() -> None:
         assert crc.ext is None and crc.implementation() == "crc32c package"
         assert crc.crc32c is package.crc32c
         return
-    if crc.ext is None and not IN_CI and _compiler() is None:
-        pytest.skip("no C compiler here, so kvwire.wire._crc32c could not be built")
-    assert crc.ext is not None, (
-        "kvwire.wire._crc32c is not importable: the C extension was not built. Reinstall "
-        "with a C compiler present (`python -m pip install -e '.[test]'`, or "
-        "`python setup.py build_ext --inplace`) and read the build output for "
-        "'WARNING: could not build'; set KVWIRE_NO_EXTENSIONS=1 to test the package path alone."
-    )
+    require_extension(crc.ext is not None, EXT)
+    assert crc.ext is not None
     assert crc.crc32c is crc.ext.crc32c
     assert crc.ext.levels() == NAMES[: len(crc.ext.levels())]
     assert crc.ext.isa() == NAMES[BEST]
@@ -145,8 +134,8 @@ def test_no_extensions_falls_back_to_the_package(flag: str) -> None:
 
 @pytest.mark.parametrize("flag", ["", "0"])
 def test_empty_or_zero_flag_keeps_the_extension(flag: str) -> None:
-    if crc.ext is None and not DISABLED:
-        pytest.skip("the extension is not built here")
+    if not DISABLED:
+        require_extension(crc.ext is not None, EXT)
     got = _run_python(PROBE, KVWIRE_NO_EXTENSIONS=flag)
     if crc.ext is None:  # DISABLED in this process, but the subprocess may load it
         assert got[3:] == [str(CHECK), str(CHECK)]
