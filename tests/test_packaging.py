@@ -1,5 +1,6 @@
 """Packaging: what setup.py builds when an extension does not compile, how kvwire loads
-what was built, and how the tests of the compiled parts treat one that is missing."""
+what was built, how the tests of the compiled parts treat one that is missing, and that
+the optional extras stay optional (``mypy`` without redis-py)."""
 
 from __future__ import annotations
 
@@ -203,3 +204,23 @@ def test_tests_of_missing_extensions_skip_only_without_a_compiler(
     )
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr
     assert summary.startswith(f"{len(NEEDS_AN_EXTENSION)} {outcome} in"), out.stdout[-3000:] + out.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Extras stay optional.
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("site_packages", [True, False], ids=["installed", "without-site-packages"])
+def test_mypy_of_the_redis_registry_with_or_without_redis(site_packages: bool, tmp_path: Path) -> None:
+    """``pip install -e '.[dev]'`` brings mypy but not redis-py: there a ``type: ignore``
+    for redis-py's types is unused, which strict mypy reported as an error.  Without the
+    site-packages mypy sees no redis-py (nor numpy)."""
+    pytest.importorskip("mypy")
+    flags = [] if site_packages else ["--no-site-packages"]
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", *flags, "--no-incremental", "--cache-dir", str(tmp_path),
+         "--follow-imports=silent", "--show-error-codes", "kvwire/aio/registry_redis.py"],
+        cwd=ROOT, env=_environ(), capture_output=True, text=True, timeout=280, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -256,7 +256,7 @@ class RedisWatcher:
         # after it would otherwise subscribe on the closed registry's client.
         self._registry._live()
         pubsub = self._registry.client.pubsub()
-        pubsub._execute = types.MethodType(_execute_unretried, pubsub)  # type: ignore[method-assign]
+        pubsub._execute = types.MethodType(_execute_unretried, pubsub)  # type: ignore[method-assign, unused-ignore]
         self._pubsub = pubsub
         self._registry._watchers.add(self)
         # Holds the pubsub and the registry, never this watcher: collected, it is closed.
