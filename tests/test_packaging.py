@@ -1,6 +1,7 @@
 """Packaging: what setup.py builds when an extension does not compile, how kvwire loads
 what was built, how the tests of the compiled parts treat one that is missing, and that
-the optional extras stay optional (``mypy`` without redis-py)."""
+the optional extras stay optional (``mypy`` without redis-py, ``from kvwire.consistency
+import *`` without it)."""
 
 from __future__ import annotations
 
@@ -208,6 +209,40 @@ def test_tests_of_missing_extensions_skip_only_without_a_compiler(
 
 # ---------------------------------------------------------------------------------------
 # Extras stay optional.
+
+
+def test_star_import_of_consistency_without_redis() -> None:
+    """Without redis-py, ``RedisRegistry`` was in ``__all__`` and the lazy lookup raised
+    ImportError out of ``from kvwire.consistency import *`` (and inspect.getmembers)."""
+    out = _python(
+        "import sys\n"
+        "sys.modules['redis'] = None  # redis-py not installed\n"
+        "from kvwire.consistency import *\n"
+        "import inspect, kvwire.consistency as c\n"
+        "names = dict(inspect.getmembers(c))\n"
+        "assert 'MemoryRegistry' in names and 'RedisRegistry' not in names\n"
+        "assert 'RedisRegistry' not in c.__all__ and 'RedisRegistry' not in dir(c)\n"
+        "assert MemoryRegistry is c.MemoryRegistry\n"
+        "try:\n"
+        "    c.RedisRegistry\n"
+        "except ImportError as exc:\n"
+        "    assert \"pip install 'kvwire[redis]'\" in str(exc), exc\n"
+        "else:\n"
+        "    raise AssertionError('RedisRegistry without redis-py')\n"
+        "print('ok')\n"
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr
+
+
+def test_star_import_of_consistency_with_redis() -> None:
+    pytest.importorskip("redis")
+    out = _python(
+        "from kvwire.consistency import *\n"
+        "import kvwire.consistency as c\n"
+        "assert 'RedisRegistry' in c.__all__ and RedisRegistry is c.RedisRegistry\n"
+        "print('ok')\n"
+    )
+    assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr
 
 
 @pytest.mark.timeout(300)

@@ -5,13 +5,16 @@ interface (:class:`Registry`) live in ``kvwire.aio``: ``MemoryRegistry`` (embedd
 process) and ``RedisRegistry`` (several processes/machines sharing one Redis). They are
 re-exported here lazily, so the core modules import neither asyncio nor ``kvwire.aio``
 themselves and redis-py is loaded only once ``RedisRegistry`` is named (importing this
-package still runs ``kvwire/__init__.py``, which imports ``kvwire.aio``). See
-docs/consistency.md.
+package still runs ``kvwire/__init__.py``, which imports ``kvwire.aio``).  ``__all__`` (and
+so ``from kvwire.consistency import *`` and ``dir()``) names ``RedisRegistry`` only where
+redis-py is installed; without it, naming ``RedisRegistry`` raises ImportError saying how
+to install it. See docs/consistency.md.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from kvwire.consistency.blocks import BlockId, BlockLike, block_from_key, block_key, canonical
@@ -52,7 +55,6 @@ __all__ = [
     "LeaseExpiredError",
     "MemoryRegistry",
     "NotificationsLostError",
-    "RedisRegistry",
     "Registry",
     "RegistryCore",
     "RegistryUnavailableError",
@@ -62,3 +64,7 @@ __all__ = [
     "block_key",
     "canonical",
 ]
+# Without redis-py (the [redis] extra) naming RedisRegistry raises an ImportError that says
+# how to install it, so a star-import or dir() (inspect, help()) must not name it there.
+if importlib.util.find_spec("redis") is not None:
+    __all__.append("RedisRegistry")
