@@ -80,6 +80,18 @@ def runnable_ns() -> int | None:
         return None
 
 
+def _text(exc: BaseException) -> str:
+    """``exc``'s own text; '' where it has none (``ssl.SSLError()`` reads '()')."""
+    text = str(exc)
+    return "" if text == "()" and not exc.args else text
+
+
+def _reason(exc: BaseException) -> str:
+    """``exc``'s text for an error message, or its type's name where it has none (a bare
+    ``ConnectionResetError()``: not 'cannot connect to host:port: ')."""
+    return _text(exc) or type(exc).__name__
+
+
 class _TransportMeter:
     """The event loop thread's CPU seconds per wire byte acknowledged, fed to ``auto``:
     on that thread run the framing, checksums and the kernel's copy of every write (the
@@ -166,6 +178,7 @@ class Peer(Pump):
         self._last_sent_at = -math.inf  # when the last chunk went on a stream (app-limited test)
         self.bytes_sent = 0
         self._open_error: KvwireError | None = None  # a stream that failed while open() waits
+        self._open_cause: BaseException | None = None  # what failed its connect (the error's cause)
         self._opening = False
         self._opened = False  # open() succeeded (through ``async with kvwire.connect(...)``)
         self._pumping = self._again = False
@@ -389,19 +402,36 @@ class Peer(Pump):
                 ssl_handshake_timeout=opts.connect_timeout if self._ssl else None,
             ), opts.connect_timeout)
             return
-        except TimeoutError:
-            err: KvwireError = TransferTimeoutError(f"connecting to {self.host}:{self.port} timed out")
-        except _ssl.SSLCertVerificationError as exc:
-            err = AuthenticationError(f"TLS certificate verification failed: {exc}")
-        except _ssl.SSLError as exc:
-            err = ConnectionLostError(f"TLS handshake with {self.host}:{self.port} failed: {exc}")
-        except (OSError, ValueError) as exc:  # ValueError: a host name the resolver refuses (UnicodeError)
-            err = ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}")
+        except Exception as exc:  # whatever it is, it is this stream's failure
+            # Not the task's: a task ending with it would leave the slot wanted for ever
+            # (open() waiting past connect_timeout, a resume never retried).
+            err = self._connect_error(exc)
+            cause = None if err is exc else exc
         if not self.closed and self.streams[index] is proto:
             if self._opening and self._open_error is None and not self._session_made:
                 self._open_error = err  # (a later stream of the session is retried by the core)
+                self._open_cause = cause
             self.core.stream_failed(index, self.now(), err)
             self.pump()
+
+    def _connect_error(self, exc: Exception) -> KvwireError:
+        """The kvwire error a failed connect of a stream ends with: a kvwire error as it is
+        (a UsageError), a timeout, TLS or socket error as what it means, anything else
+        (a bug, an ``ssl=`` or host asyncio cannot use) a ConnectionLostError naming it."""
+        where = f"{self.host}:{self.port}"
+        if isinstance(exc, KvwireError):
+            return exc
+        if isinstance(exc, TimeoutError):
+            return TransferTimeoutError(f"connecting to {where} timed out")
+        if isinstance(exc, _ssl.SSLCertVerificationError):
+            return AuthenticationError(f"TLS certificate verification failed: {_reason(exc)}")
+        if isinstance(exc, _ssl.SSLError):
+            return ConnectionLostError(f"TLS handshake with {where} failed: {_reason(exc)}")
+        if isinstance(exc, (OSError, ValueError)):  # ValueError: a host name the resolver refuses (UnicodeError)
+            return ConnectionLostError(f"cannot connect to {where}: {_reason(exc)}")
+        _log.debug("kvwire: connecting to %s failed unexpectedly", where, exc_info=exc)
+        text = _text(exc)
+        return ConnectionLostError(f"cannot connect to {where}: {type(exc).__name__}" + (f": {text}" if text else ""))
 
     # -- public API ----------------------------------------------------------------------
 
@@ -411,6 +441,10 @@ class Peer(Pump):
         another ``connect_timeout``; so ``open()`` takes at most twice that.  One that
         fails closes the peer without waiting for the server to see its streams close
         (their sockets are dropped at once: a server that does not answer is not waited for).
+        A first stream whose TCP connect or TLS handshake fails, whatever the exception,
+        fails ``open()`` as it fails, with a kvwire error: TransferTimeoutError (not in
+        time), AuthenticationError (the server's certificate), a UsageError as it was
+        raised, ConnectionLostError for anything else; the exception is its ``__cause__``.
 
         With a fixed stream count every stream must open: a stream given up (its joins
         failed ``reconnect_attempts`` times, or the server refused it with LIMIT_EXCEEDED)
@@ -437,8 +471,11 @@ class Peer(Pump):
                 # "auto": on with the streams open; the others join when they can
             self._use_codec(self.codec)
             self._opened = True
-        except BaseException:
+        except BaseException as exc:
             await self._close(linger=0.0)
+            cause, self._open_cause = self._open_cause, None
+            if cause is not None and exc is self._open_error:
+                raise exc from cause  # (raised detached: the failed connect's own exception)
             raise
         finally:
             self._opening = False
