@@ -1,7 +1,6 @@
 """Packaging: what setup.py builds when an extension does not compile, how kvwire loads
-what was built, how the tests of the compiled parts treat one that is missing, and that
-the optional extras stay optional (``mypy`` without redis-py, ``from kvwire.consistency
-import *`` without it)."""
+what was built, what the sdist carries, and that the optional extras stay optional
+(``mypy`` without redis-py, ``from kvwire.consistency import *`` without it)."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -259,3 +259,44 @@ def test_mypy_of_the_redis_registry_with_or_without_redis(site_packages: bool, t
         cwd=ROOT, env=_environ(), capture_output=True, text=True, timeout=280, check=False,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# The sdist.
+
+
+def test_the_license_is_apache_2_in_metadata_and_file() -> None:
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
+@pytest.mark.timeout(300)
+def test_the_sdist_carries_the_whole_test_suite(tmp_path: Path) -> None:
+    """The sdist carries tests/ whole (conftest files, every folder, tests/data) and what
+    the tests read beside it, so the suite runs from an unpacked sdist."""
+    out = subprocess.run(
+        [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path),
+         "sdist", "--dist-dir", str(tmp_path / "dist"), "--formats", "gztar"],
+        cwd=ROOT, env=_environ(KVWIRE_NO_EXTENSIONS="1"),  # lists no extension: sources still come
+        capture_output=True, text=True, timeout=280, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    [archive] = (tmp_path / "dist").glob("kvwire-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    wanted = {
+        path.relative_to(ROOT).as_posix()
+        for top in ("tests", "docs", "examples", "benchmarks", "fuzz")
+        for path in (ROOT / top).rglob("*")
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".so")
+        and not any(part.startswith(".") for part in path.relative_to(ROOT).parts)
+    }
+    assert {"tests/conftest.py", "tests/data/minilm_kv.npz", "tests/system/__init__.py"} <= wanted
+    assert not wanted - names, sorted(wanted - names)[:20]
+    assert {"LICENSE", "README.md", "setup.py", "pyproject.toml", *EXTENSIONS.values()} <= names
+    assert not [name for name in names if name.endswith((".so", ".pyc"))]
