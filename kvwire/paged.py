@@ -14,14 +14,15 @@ so the fingerprint the handshake compares differs whenever the two sides disagre
 
 - :func:`gather_layer` / :class:`PagedSource`: the ``(k, v)`` layers of a request, gathered
   from the cache by block id (one copy, in the array's own library: numpy, torch, CuPy).
-- :class:`PagedDestination`: given to ``Server.expect(request_id, into=...)``; a large
-  raw chunk is read from the socket straight into the blocks it spans (``regions()``:
-  a place per block), an fp8/int8/int4 chunk decoded straight into them by the compiled
-  codecs (``ranges()``); any other chunk is decoded (a raw one copied out of its frame)
-  straight into its block when it lies inside one (``view()``), otherwise into scratch,
-  whose rows ``write()`` scatters into the blocks.  A destination block id of ``DROP``
-  (-1) receives that block of the incoming cache and drops it: the receiver already holds
-  it (found in its own prefix cache, for instance) or does not want it.
+- :class:`PagedDestination`: given to ``Server.expect(request_id, into=...)``; a raw
+  chunk goes straight into the blocks it spans (``regions()``: a place per block), a
+  large one read from the socket, a small one copied out of its frame; an fp8/int8/int4
+  chunk is decoded straight into them by the compiled codecs (``ranges()``); any other
+  chunk is decoded straight into its block when it lies inside one (``view()``),
+  otherwise into scratch, whose rows ``write()`` scatters into the blocks.  A destination
+  block id of ``DROP`` (-1) receives that block of the incoming cache and drops it: the
+  receiver already holds it (found in its own prefix cache, for instance) or does not
+  want it.
 """
 
 from __future__ import annotations

@@ -219,18 +219,36 @@ class CountingDestination(PagedDestination):
         super().write(layer, kind, start, data, layer_tokens)
 
 
-@pytest.mark.parametrize(("chunk_bytes", "in_place"), [(1024, True), (3000, False)])
-async def test_chunks_inside_one_block_land_in_it_without_a_scatter(chunk_bytes: int, in_place: bool) -> None:
+class WithoutRegions:
+    """A destination as ``dest`` is, but for its ``regions()``: a raw chunk over several
+    blocks is not read into them but decoded, then scattered by ``write()``."""
+
+    def __init__(self, dest: PagedDestination) -> None:
+        self._dest = dest
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "regions":
+            raise AttributeError(name)
+        return getattr(self._dest, name)
+
+
+@pytest.mark.parametrize(("chunk_bytes", "regions", "in_place"),
+                         [(1024, True, True), (3000, True, True), (1024, False, True), (3000, False, False)])
+async def test_chunks_inside_one_block_land_in_it_without_a_scatter(
+    chunk_bytes: int, regions: bool, in_place: bool,
+) -> None:
     # Half a block is 16 rows of 64 bytes: 1024-byte chunks are exactly half blocks, so each
-    # is read (or decoded) straight into its destination block; 3000-byte ones span blocks,
-    # and a frame that small is decoded, then scattered.
+    # is read (or decoded) straight into its destination block; 3000-byte ones span blocks:
+    # a frame that small is copied into the places regions() names, or without them
+    # decoded, then scattered.
     spec = PagedSpec(num_layers=2, block_shape=(4, 8, 32), dtype="float16")
     src = caches(spec, 8, seed=9)
     dst = caches(spec, 8, seed=10)
     dest = CountingDestination(spec, dst, [6, 1, 4])
+    into = dest if regions else WithoutRegions(dest)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, chunk_bytes=chunk_bytes) as peer:
-            waiting = asyncio.create_task(server.expect("req", into=dest, timeout=10))
+            waiting = asyncio.create_task(server.expect("req", into=into, timeout=10))
             await asyncio.sleep(0)
             await peer.send("req", spec.wire_spec(), PagedSource(spec, src, [0, 3, 5]))
             transfer = await waiting

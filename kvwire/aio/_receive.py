@@ -19,7 +19,7 @@ import numpy as np
 from kvwire.aio._gpu import GpuReceiver
 from kvwire.aio._pool import default_pool, size_class
 from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
-from kvwire.errors import KvwireError, UsageError
+from kvwire.errors import KvwireError, ProtocolError, UsageError
 from kvwire.session.receiver import Key, LayerStore, Region
 from kvwire.spec import KVSpec
 from kvwire.wire import KIND_KV, Chunk
@@ -37,6 +37,11 @@ class _Target:
     layer_tokens: int | None = None
     name: str = ""
     """The transfer's request id, quoted for a message (given with its destination)."""
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token of K (or of V): a row of ``[heads, head_dim]``."""
+        return self.spec.num_kv_heads * self.spec.head_dim * int(self.dtype.itemsize)
 
 
 class ArrayStore(LayerStore):
@@ -106,8 +111,7 @@ class ArrayStore(LayerStore):
 
     def _out(self, tg: _Target, chunk: Chunk, buffer: Any) -> Any:
         if buffer is INTO:
-            with destination_call(tg.name, "view", f"failed to take layer {chunk.layer}"):
-                return tg.into.view(chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
+            return _view(tg, chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
         return buffer[chunk.kind][chunk.token_start : chunk.token_start + chunk.token_count]
 
     def decode(self, key: Key, chunk: Chunk, buffer: Any, offset: int, nbytes: int) -> None:
@@ -125,10 +129,11 @@ class ArrayStore(LayerStore):
             out = self._out(tg, chunk, buffer)
             self.gpu.decode(codec, chunk.params, chunk.payload, out, spec.dtype, TensorKind(chunk.kind))
             return
-        # Into the destination's ranges where it names them, even for a chunk inside one
-        # block: a dropped block's range is skipped (its view would be scratch, decoded for
-        # nothing).
-        if buffer is INTO and self._decode_ranges(tg, chunk, codec):
+        # A raw chunk goes where its payload would have been read in place (regions()),
+        # whether it was or not.  Others into the destination's ranges where it names
+        # them, even for a chunk inside one block: a dropped block's range is skipped (its
+        # view would be scratch, decoded for nothing).
+        if buffer is INTO and (self._copy_to_regions(tg, chunk) or self._decode_ranges(tg, chunk, codec)):
             return
         out = self._out(tg, chunk, buffer)
         if out is None:  # not one contiguous region of the caller's memory: decode, then scatter
@@ -145,14 +150,40 @@ class ArrayStore(LayerStore):
         cache's blocks) when the destination names them and the codec can; False when
         nothing was written."""
         ranges = getattr(tg.into, "ranges", None)
-        with destination_call(tg.name, "ranges", f"failed to take layer {chunk.layer}"):
+        what = f"failed to take layer {chunk.layer}"
+        with destination_call(tg.name, "ranges", what):
             where = None if ranges is None else ranges(
                 chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
         if where is None:
             return False
+        base, spans, problem = _ranges_checked(where, tg.row_bytes, chunk.token_count, tg.dtype.itemsize)
+        if problem:
+            raise destination_returned(tg.name, "ranges", what, problem, "a ByteRanges of one writable buffer "
+                                       "(int64 (start, size) pairs of whole rows, start -1 for rows written "
+                                       "nowhere) holding the chunk's rows, or None")
         shape = (chunk.token_count, tg.spec.num_kv_heads, tg.spec.head_dim)
-        return bool(codec.decode_ranges(chunk.params, chunk.payload_buffer, where.base, where.spans,
+        return bool(codec.decode_ranges(chunk.params, chunk.payload_buffer, base, spans,
                                         shape=shape, dtype=tg.spec.dtype, kind=TensorKind(chunk.kind)))
+
+    @staticmethod
+    def _copy_to_regions(tg: _Target, chunk: Chunk) -> bool:
+        """Copy a raw chunk (K or V) out of its frame into the places its destination's
+        ``regions()`` names, as it would have been read in place; False (nothing written)
+        for another codec or a destination that names none."""
+        if chunk.codec_id != 0 or chunk.params or getattr(tg.into, "regions", None) is None:
+            return False
+        places = _regions(tg, chunk.layer, chunk.kind, chunk.token_start, chunk.token_count, chunk.layer_tokens)
+        if places is None:
+            return False
+        payload = memoryview(chunk.payload_buffer).cast("B")
+        want = sum(p.nbytes for p in places)
+        if payload.nbytes != want:
+            raise ProtocolError(f"raw payload of {payload.nbytes} bytes, expected {want}")
+        at = 0
+        for place in places:
+            place[:] = payload[at : at + place.nbytes]
+            at += place.nbytes
+        return True
 
     def region(self, key: Key, head: Chunk, buffer: Any, offset: int, nbytes: int) -> Region | None:
         tg = self._targets.get(key)
@@ -174,18 +205,17 @@ class ArrayStore(LayerStore):
     def _into_places(tg: _Target, head: Chunk, kinds: tuple[TensorKind, ...]) -> list[Any] | None:
         """The caller's places for a chunk: its destination's ``regions()`` where it has
         them (a range over several blocks), else the one ``view()``."""
-        into = tg.into
-        regions = getattr(into, "regions", None)
+        has_regions = getattr(tg.into, "regions", None) is not None
         places: list[Any] = []
         for kind in kinds:
             args = (head.layer, int(kind), head.token_start, head.token_count, head.layer_tokens)
-            if regions is not None:
-                got = regions(*args)
+            if has_regions:
+                got = _regions(tg, *args)
                 if got is None:
                     return None
                 places.extend(got)
             else:
-                places.append(_bytes(into.view(*args)))
+                places.append(_bytes(_view(tg, *args)))
         return places
 
 
@@ -214,6 +244,16 @@ def destination_error(transfer: str, method: str, what: str, exc: Exception) -> 
     return error
 
 
+def destination_returned(transfer: str, method: str, what: str, problem: str, wanted: str) -> KvwireError:
+    """The error a destination whose ``method()`` returned something unusable
+    (``problem``, where ``wanted`` is what it must return) fails the transfer with, on
+    both sides: a :class:`KvwireError` (``INTERNAL_ERROR``) naming the transfer and the
+    call, as :func:`destination_error` does for one that raised; never the peer's
+    malformed chunk, never a broken connection."""
+    return KvwireError(f"the destination of transfer {transfer} {what}: its {method}() returned {problem}; "
+                       f"it must return {wanted}")
+
+
 @contextmanager
 def destination_call(transfer: str, method: str, what: str) -> Iterator[None]:
     """A call into a destination: what it raises is raised as :func:`destination_error`."""
@@ -225,6 +265,98 @@ def destination_call(transfer: str, method: str, what: str) -> Iterator[None]:
         raise destination_error(transfer, method, what, exc) from exc
 
 
+def _view(tg: _Target, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> np.ndarray | None:
+    """The destination's ``view()`` of a token range of K or V, checked: None, or a
+    writable numpy array ``[count, heads, head_dim]`` of the cache's dtype (its memory,
+    where the chunk is decoded or read); anything else fails the transfer
+    (:func:`destination_returned`)."""
+    what = f"failed to take layer {layer}"
+    with destination_call(tg.name, "view", what):
+        out = tg.into.view(layer, kind, start, count, layer_tokens)
+    if out is None:
+        return None
+    shape = (count, tg.spec.num_kv_heads, tg.spec.head_dim)
+    if not isinstance(out, np.ndarray):
+        problem = f"a {type(out).__name__!r} object, not a numpy array"
+    elif out.shape != shape or out.dtype != tg.dtype:
+        problem = f"an array of {out.dtype} shaped {out.shape}"
+    elif not out.flags.writeable:
+        problem = "a read-only array"
+    else:
+        return out
+    raise destination_returned(tg.name, "view", what, problem,
+                               f"a writable numpy array of {tg.spec.dtype} {shape} (the chunk's rows), or None")
+
+
+def _regions(tg: _Target, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> list[memoryview] | None:
+    """The destination's ``regions()`` for a token range of K or V, checked: None, or its
+    places as byte memoryviews (empty ones left out), each writable, 1-D and contiguous,
+    the range's bytes in all; anything else fails the transfer
+    (:func:`destination_returned`)."""
+    what = f"failed to take layer {layer}"
+    with destination_call(tg.name, "regions", what):
+        got = tg.into.regions(layer, kind, start, count, layer_tokens)
+    if got is None:
+        return None
+    nbytes = count * tg.row_bytes
+    places: list[memoryview] = []
+    problem = None
+    if not isinstance(got, (list, tuple)):
+        problem = f"a {type(got).__name__!r} object, not a list"
+    else:
+        for i, p in enumerate(got):
+            if not isinstance(p, memoryview):
+                problem = f"a {type(p).__name__!r} object as place {i}, not a memoryview"
+            elif p.readonly:
+                problem = f"a read-only memoryview as place {i}"
+            elif p.ndim != 1 or p.itemsize != 1:
+                problem = f"a memoryview of format {p.format!r} and shape {p.shape} as place {i}, not 1-D bytes"
+            elif not p.c_contiguous:
+                problem = f"a memoryview that is not contiguous as place {i}"
+            elif p.nbytes:
+                places.append(p if p.format == "B" else p.cast("B"))
+            if problem:
+                break
+        else:
+            if (total := sum(p.nbytes for p in places)) != nbytes:
+                problem = f"places of {total} bytes in all, for a range of {nbytes}"
+    if problem:
+        raise destination_returned(tg.name, "regions", what, problem,
+                                   f"a list of writable 1-D byte memoryviews of {nbytes} bytes in all, or None")
+    return places
+
+
+def _ranges_checked(where: Any, row_bytes: int, count: int, itemsize: int) -> tuple[Any, Any, str | None]:
+    """A destination's ``ranges()`` answer as (base, spans, None), or what is wrong with
+    it: not a base and spans, a base that is not a writable contiguous buffer, spans that
+    are not int64 (start, size) pairs of whole rows inside it (start -1: rows written
+    nowhere) holding ``count`` rows in all."""
+    base, spans = getattr(where, "base", None), getattr(where, "spans", None)
+    if base is None or spans is None:
+        return None, None, f"a {type(where).__name__!r} object without base and spans"
+    try:
+        b, s = memoryview(base), memoryview(spans)
+    except TypeError:
+        return None, None, "a base or spans that is not a buffer"
+    if b.readonly or not b.c_contiguous:
+        return None, None, "a base that is read-only or not contiguous"
+    if not s.c_contiguous or not s.nbytes or s.nbytes % 16:
+        return None, None, "spans that are not one or more int64 (start, size) pairs"
+    pairs = np.frombuffer(s.cast("B"), np.int64).reshape(-1, 2)
+    starts, sizes = pairs[:, 0], pairs[:, 1]
+    want = count * row_bytes
+    kept = starts != -1
+    bad = (sizes <= 0) | (sizes > want) | (sizes % row_bytes != 0)
+    bad |= kept & ((starts < 0) | (starts > b.nbytes - np.maximum(sizes, 0)) | (starts % itemsize != 0))
+    if bad.any():
+        i = int(np.argmax(bad))
+        return None, None, (f"range {i} ({int(starts[i])}, {int(sizes[i])}), not whole rows of {row_bytes} "
+                            f"bytes in its {b.nbytes}-byte base")
+    if (total := int(sizes.sum())) != want:
+        return None, None, f"ranges of {total} bytes in all, for a range of {want}"
+    return base, spans, None
+
+
 def _bytes(out: Any) -> memoryview | None:
     """A C-contiguous array as a flat writable byte view (None: none, or not contiguous)."""
     if out is None or not out.flags.c_contiguous:
@@ -232,4 +364,4 @@ def _bytes(out: Any) -> memoryview | None:
     return memoryview(out.reshape(-1).view(np.uint8))
 
 
-__all__ = ["INTO", "ArrayStore", "destination_call", "destination_error"]
+__all__ = ["INTO", "ArrayStore", "destination_call", "destination_error", "destination_returned"]
