@@ -103,18 +103,21 @@ class Transfer:
 
     def attach(self, into: Any) -> None:
         """Receive the layers not yet begun straight into ``into`` (for instance a
-        :class:`kvwire.paged.PagedDestination`); ones already begun are copied there.
+        :class:`kvwire.paged.PagedDestination`); ones already begun (buffered, not yet
+        taken) are copied there as the transfer is iterated.  Attach before taking any
+        layer: once the application has taken one (iterating), ``into`` would lack it, so
+        this raises :class:`~kvwire.UsageError`.
 
         ``into`` provides ``check(spec, layer_tokens)``, ``view(...)``, ``write(...)`` and
         ``layer(index)`` (one without them is refused with :class:`~kvwire.UsageError`).
         Its memory is the caller's, so every layer is granted at once.
 
         A transfer has at most one destination: attaching a second one, attaching to a
-        transfer that ended (every layer taken) or one being collected raises
-        :class:`~kvwire.UsageError`, and attaching to one that failed raises its error;
-        the transfer is left as it was.  A destination that refuses the cache (its
-        ``check()`` raises), or fails taking or giving a layer (``write()`` copying one
-        begun before, ``layer()``), fails the transfer, the sender's ``send()``
+        transfer any of whose layers was taken (every one, once it ended) or one being
+        collected raises :class:`~kvwire.UsageError`, and attaching to one that failed
+        raises its error; the transfer is left as it was.  A destination that refuses the
+        cache (its ``check()`` raises), or fails taking or giving a layer (``write()``
+        copying one begun before, ``layer()``), fails the transfer, the sender's ``send()``
         included (if it has not yet returned), as when it fails while the cache arrives: with its own
         :class:`~kvwire.KvwireError`, otherwise a :class:`~kvwire.KvwireError`
         (``INTERNAL_ERROR``) naming the transfer, the call and what it raised, the
@@ -131,6 +134,11 @@ class Transfer:
             raise detached(self._error)
         if self._yielded >= self.spec.num_layers:
             raise UsageError("the transfer has ended: every layer of it was taken")
+        if self._yielded:
+            raise UsageError(
+                f"the application already took {self._yielded} of the transfer's {self.spec.num_layers} layers: "
+                "a destination attached now would lack them; attach() before taking any layer"
+            )
         if self._consumer == "collect":
             raise UsageError("the transfer is being collected: collect() does not take a destination's layers")
         self._server._attach(self, into)
