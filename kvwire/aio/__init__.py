@@ -12,7 +12,7 @@ from dataclasses import fields
 from typing import Any, Unpack
 
 from kvwire.aio.client import Peer
-from kvwire.aio.server import Server, Transfer
+from kvwire.aio.server import Server, Transfer, check_ssl_context
 from kvwire.errors import UsageError
 from kvwire.options import ConnectOptions, ServeOptions, Streams
 from kvwire.session.options import ClientOptions, Receipt, ServerOptions, make_server_options
@@ -36,7 +36,11 @@ def serve(
     blocks are stale and publish the blocks of those it completes; ``options`` are the
     fields of :class:`ServerOptions` (limits, windows, timeouts; typed by
     :class:`kvwire.options.ServeOptions`).  Use as ``async with``.  An invalid
-    ``KVWIRE_RECV_POOL_MB`` (the receive pool's size) is a UsageError here.
+    ``KVWIRE_RECV_POOL_MB`` (the receive pool's size) is a UsageError here, as is an
+    ``ssl`` that is not a server's :class:`ssl.SSLContext` (anything else, or one made
+    for clients: ``PROTOCOL_TLS_CLIENT``).  A TLS handshake that fails (a context
+    without a certificate, a client that refuses it) is logged with the peer's address
+    at WARNING on the ``kvwire`` logger.
     """
     return Server(
         host, port, secret=secret, ssl=ssl, options=make_server_options(spec, **options),
@@ -64,8 +68,15 @@ def connect(
     (typed by :class:`kvwire.options.ConnectOptions`).  ``ssl`` (a client
     :class:`ssl.SSLContext`) runs every stream over TLS, checking the server's certificate
     against ``server_hostname`` (default ``host``); ``server_hostname`` without ``ssl`` is a
-    UsageError.  Use as ``async with``.
+    UsageError, as are a ``host`` or ``server_hostname`` that is not a str and an ``ssl``
+    that is not a client's :class:`ssl.SSLContext` (``True``, a file name, one made for
+    servers: ``PROTOCOL_TLS_SERVER``).  Use as ``async with``.
     """
+    if not isinstance(host, str):
+        raise UsageError(f"host must be a str (a name or an address), not {type(host).__name__}")
+    check_ssl_context(ssl, server_side=False)
+    if server_hostname is not None and not isinstance(server_hostname, str):
+        raise UsageError(f"server_hostname must be a str or None, not {type(server_hostname).__name__}")
     known = {f.name for f in fields(ClientOptions)}
     unknown = set(options) - known
     if unknown:

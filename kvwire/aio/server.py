@@ -135,6 +135,171 @@ def _let_go(server: weakref.ref[Server], loop: asyncio.AbstractEventLoop, key: K
             loop.call_soon_threadsafe(s._let_go, key)
 
 
+def check_ssl_context(ssl: object, *, server_side: bool) -> None:
+    """:class:`UsageError` unless ``ssl`` is None or an :class:`ssl.SSLContext` that can
+    serve this side: asyncio refuses anything else only once the loop uses it (a raw
+    TypeError when a server starts; a client's connect task died on it, and ``open()``
+    waited for ever), and a context made for the other side (``PROTOCOL_TLS_CLIENT`` on
+    a server, ``PROTOCOL_TLS_SERVER`` on a client) fails every handshake.  A context of
+    the generic ``PROTOCOL_TLS`` may serve either side and is taken."""
+    if ssl is None:
+        return
+    if not isinstance(ssl, _ssl.SSLContext):
+        made = (
+            "ssl.create_default_context(ssl.Purpose.CLIENT_AUTH) with load_cert_chain(...)" if server_side
+            else "ssl.create_default_context() with the CA to trust"
+        )
+        raise UsageError(f"ssl must be an ssl.SSLContext ({made}) or None, not {type(ssl).__name__}")
+    if server_side and ssl.protocol == _ssl.PROTOCOL_TLS_CLIENT:
+        raise UsageError(
+            "ssl is a client-side context (PROTOCOL_TLS_CLIENT, as ssl.create_default_context() "
+            "makes it): a server needs ssl.create_default_context(ssl.Purpose.CLIENT_AUTH) with "
+            "its certificate loaded (load_cert_chain)"
+        )
+    if not server_side and ssl.protocol == _ssl.PROTOCOL_TLS_SERVER:
+        raise UsageError(
+            "ssl is a server-side context (PROTOCOL_TLS_SERVER, as "
+            "ssl.create_default_context(ssl.Purpose.CLIENT_AUTH) makes it): a client needs "
+            "ssl.create_default_context() with the CA to trust"
+        )
+
+
+class _TlsAccept(asyncio.Protocol):
+    """A connection a TLS server accepted, from the TCP accept until its TLS handshake
+    ended.  The server holds it (:meth:`Server.close` aborts it: a handshake under way
+    neither outlives the server nor completes after it closed), runs the handshake
+    (``loop.start_tls``, bounded by ``handshake_timeout``), logs one that fails with the
+    peer's address, and hands a connection whose handshake succeeded to its
+    :class:`Stream`.  The stream is made at the accept, as on plain TCP: the kvwire
+    handshake deadline counts from there (docs/protocol.md 5.9).
+
+    This is the protocol of the TCP transport until the handshake begins, and then of
+    the TLS transport until the stream takes over.  Bytes read before the handshake
+    began (uvloop starts reading once ``connection_made`` returns, a pause there
+    notwithstanding: the ClientHello) are handed to the TLS protocol before it starts;
+    what arrives decrypted before the stream took over (a HELLO right behind the
+    client's last handshake message), an EOF, or the connection's loss are kept and
+    given to the stream."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.stream = Stream(server, next(server._cids))
+        self.transport: asyncio.Transport | None = None  # the plain TCP one
+        self.peer: Any = None
+        self._plain = bytearray()  # read before the handshake began: TLS records
+        self._early = bytearray()  # decrypted before the stream took over
+        self._eof = False
+        self._lost = False
+        self._attached = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.peer = transport.get_extra_info("peername")
+        transport.pause_reading()  # type: ignore[attr-defined]  # (the stdlib loop: until start_tls)
+        if self.server._closing:
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        self.server._handshaking.add(self)
+        self.server.spawn(self._handshake())
+
+    def data_received(self, data: bytes) -> None:
+        if self.transport is not None and self.transport.get_protocol() is self:
+            self._plain += data  # the TCP transport's: the handshake has not begun
+        else:
+            self._early += data
+
+    def eof_received(self) -> bool | None:
+        self._eof = True
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._attached:  # (scheduled before the stream took over)
+            self.stream.connection_lost(exc)
+        self._lost = True
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _hand_plain(self) -> None:
+        """Run once ``start_tls`` made its TLS protocol the TCP transport's (that task's
+        first step, just before this) and before the protocol starts (scheduled after
+        this): what was read before goes into it first, in order."""
+        raw = self.transport
+        proto = raw.get_protocol() if raw is not None else None
+        plain, self._plain = self._plain, bytearray()
+        if not plain or proto is None or proto is self or raw is None or raw.is_closing():
+            return
+        view = memoryview(plain)
+        try:
+            while view:
+                buf = proto.get_buffer(len(view))  # type: ignore[attr-defined]
+                n = min(len(buf), len(view))
+                buf[:n] = view[:n]
+                proto.buffer_updated(n)  # type: ignore[attr-defined]
+                view = view[n:]
+        except Exception:  # (a TLS protocol that takes no bytes this way: the handshake fails)
+            raw.abort()
+
+    async def _handshake(self) -> None:
+        server, raw = self.server, self.transport
+        assert raw is not None and server._ssl is not None
+        loop = asyncio.get_running_loop()
+        try:
+            if self._lost or raw.is_closing():  # the client closed before the handshake began
+                raise ConnectionResetError("connection closed")
+            starting = asyncio.ensure_future(loop.start_tls(
+                raw, self, server._ssl, server_side=True,
+                ssl_handshake_timeout=server.options.handshake_timeout,
+            ))
+            loop.call_soon(self._hand_plain)
+            tls = await starting
+        except Exception as exc:
+            raw.abort()
+            self._failed(exc)
+            return
+        except BaseException:
+            raw.abort()
+            raise
+        finally:
+            server._handshaking.discard(self)
+        if tls is None or self._lost:  # the connection closed as the handshake ended
+            self._failed(None)
+            return
+        if server._closing:
+            tls.abort()
+            return
+        self._attached = True
+        tls.set_protocol(self.stream)
+        self.stream.connection_made(tls)
+        if not self.stream.made:
+            return
+        early, self._early = memoryview(self._early), bytearray()
+        while early and self.stream.transport is not None:
+            buf = self.stream.get_buffer(len(early))
+            n = min(len(buf), len(early))
+            if n == 0:  # (never: the stream always has room for a frame's header)
+                tls.abort()
+                return
+            buf[:n] = early[:n]
+            self.stream.buffer_updated(n)
+            early = early[n:]
+        if self._eof and self.stream.transport is not None:
+            self.stream.eof_received()
+
+    def _failed(self, exc: Exception | None) -> None:
+        """Log a handshake that failed (not one the server's close ended): a warning, as
+        a failed kvwire authentication is; the peer closing the connection meanwhile (a
+        health check, a client that gave up or refused the certificate) at INFO."""
+        if self.server._closing:
+            return
+        if exc is None or isinstance(exc, ConnectionResetError | BrokenPipeError):
+            _log.info("kvwire: %s closed the connection during the TLS handshake", self.peer or "a client")
+        else:
+            _log.warning("kvwire: TLS handshake failed for %s: %s", self.peer or "a client",
+                         str(exc) or type(exc).__name__)
+
+
 def _check_registry(registry: Any) -> None:
     """:class:`UsageError` unless ``registry`` is None or has the ``check_many`` and
     ``publish`` the server awaits (async methods, or those of a whole
@@ -171,6 +336,7 @@ class Server(Pump):
     ) -> None:
         super().__init__()
         check_port(port, 0)
+        check_ssl_context(ssl, server_side=True)
         _check_registry(registry)
         config = options.receiver_config(secret=secret, registry=registry is not None)
         _gpu.parse_device(options.device)  # UsageError for an unknown or unusable device
@@ -189,6 +355,7 @@ class Server(Pump):
         self._server: asyncio.Server | None = None
         self._cids = itertools.count(1)
         self._by_cid: dict[int, Stream] = {}
+        self._handshaking: set[_TlsAccept] = set()  # accepted, their TLS handshake under way
         # Transfers not yet handed to the application, and those being taken (iterated or
         # collected), are held here.  One handed out and not yet taken is held only weakly,
         # so one the application lets go of is aborted (its layers dropped, the sender
@@ -208,11 +375,12 @@ class Server(Pump):
         if self._server is not None:
             raise UsageError("the server is already listening")
         loop = asyncio.get_running_loop()
+        # Plain TCP, TLS begun on each connection by its _TlsAccept: a server with ssl=
+        # given to asyncio could neither close a connection still in its handshake (asyncio
+        # knows of none until the handshake ends) nor tell of one that failed.
+        factory: Any = (lambda: _TlsAccept(self)) if self._ssl is not None else (lambda: Stream(self, next(self._cids)))
         try:
-            self._server = await loop.create_server(
-                lambda: Stream(self, next(self._cids)), self.host, self._requested_port, ssl=self._ssl,
-                ssl_handshake_timeout=self.options.handshake_timeout if self._ssl else None,
-            )
+            self._server = await loop.create_server(factory, self.host, self._requested_port)
         except OSError as exc:
             raise ConnectionLostError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from exc
         self.port = int(self._server.sockets[0].getsockname()[1])
@@ -364,6 +532,8 @@ class Server(Pump):
         self._closing = True
         if self._server is not None:
             self._server.close()
+        for accepted in list(self._handshaking):  # their tasks end with the others below
+            accepted.abort()
         streams = list(self._by_cid.values())
         if not self.closed:
             now = self.now()
