@@ -6,6 +6,7 @@ with ``async with``.
 
 from __future__ import annotations
 
+import os
 import ssl as _ssl
 from collections.abc import Sequence
 from dataclasses import fields
@@ -87,6 +88,21 @@ def connect(
     )
 
 
+def read_secret_file(path: str | os.PathLike[str]) -> bytes:
+    """The shared secret held in the file at ``path``: its bytes less one line ending at
+    the end (``"\\n"`` or ``"\\r\\n"``, as ``echo`` or an editor leaves it), nothing
+    else (whitespace elsewhere is part of the secret).  Keep a text secret in it, e.g.
+    ``openssl rand -hex 32 > secret``: a binary one that ends in a line ending loses it.
+    What ``kvwire serve`` / ``kvwire bench --secret-file`` and the vLLM connector's
+    ``kvwire_secret_file`` use, so an application that reads the same file with it has
+    the same secret; :class:`OSError` if it cannot be read."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if data.endswith(b"\r\n"):
+        return data[:-2]
+    return data[:-1] if data.endswith(b"\n") else data
+
+
 def run(main: Any) -> Any:
     """Run a coroutine on uvloop when it is installed, else on the default loop."""
     import asyncio
@@ -107,6 +123,7 @@ __all__ = [
     "ServerOptions",
     "Transfer",
     "connect",
+    "read_secret_file",
     "run",
     "serve",
 ]

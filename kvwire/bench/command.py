@@ -244,7 +244,9 @@ def add_parsers(subparsers: Any) -> None:
     link.add_argument("--peer", type=argument_type(_hostport), metavar="HOST:PORT",
                       help="send to a remote `kvwire serve` instead of a local receiver")
     link.add_argument("--secret-file", metavar="FILE",
-                      help="shared secret for --peer (else $KVWIRE_SECRET, else the development default)")
+                      help="file holding the shared secret for --peer: its bytes less one line ending at "
+                           "the end, so keep a text secret in it (openssl rand -hex 32 > FILE); else "
+                           "$KVWIRE_SECRET, else the development default")
     load = b.add_argument_group("transfer")
     load.add_argument("--codec", type=argument_type(_codec), default="raw",
                       help="raw, fp8, int8, int4, auto or any registered codec (default raw)")
@@ -297,8 +299,9 @@ def add_parsers(subparsers: Any) -> None:
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface; an IPv6 "
                         "address with or without brackets: ::1 or [::1])")
     s.add_argument("--secret-file", metavar="FILE",
-                   help="shared secret (else $KVWIRE_SECRET; the public development default "
-                        "is allowed on loopback only)")
+                   help="file holding the shared secret: its bytes less one line ending at the end, "
+                        "so keep a text secret in it (openssl rand -hex 32 > FILE); else $KVWIRE_SECRET "
+                        "(the public development default is allowed on loopback only)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="least severe log lines shown (default info)")
     s.add_argument("--once", action="store_true", help="exit after one bench has ended")

@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -102,12 +101,15 @@ PRUNE_INTERVAL = 5.0
 def load_secret(path: str | None) -> tuple[bytes, str | None]:
     """The shared secret and, when it is the development default, a warning to print.
 
-    Order: the file's bytes (surrounding whitespace stripped), else ``$KVWIRE_SECRET``,
-    else :data:`DEV_SECRET`.
+    Order: the file's bytes less one line ending at the end
+    (:func:`kvwire.aio.read_secret_file`), else ``$KVWIRE_SECRET`` (surrounding
+    whitespace stripped), else :data:`DEV_SECRET`.
     """
     if path is not None:
+        from kvwire.aio import read_secret_file
+
         try:
-            data = Path(path).read_bytes().strip()
+            data = read_secret_file(path)
         except OSError as exc:
             raise UsageError(f"cannot read secret file {path!r}: {exc.strerror}") from None
         if len(data) < 8:

@@ -49,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
+from kvwire.aio import read_secret_file
 from kvwire.codec import get_codec
 from kvwire.errors import ConnectionLostError, KvwireError, TransferTimeoutError, UsageError
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids, verify_blocks
@@ -203,8 +204,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         secret_file = extra.get("kvwire_secret_file")
         if secret_file:
             try:
-                with open(secret_file, "rb") as f:
-                    self._secret = f.read().strip()
+                self._secret = read_secret_file(secret_file)  # less one line ending at the end
             except OSError as exc:
                 raise UsageError(f"kvwire connector: cannot read kvwire_secret_file {secret_file!r}: "
                                  f"{exc.strerror or exc}") from None

@@ -1,6 +1,7 @@
 """TLS set-up over real loopback sockets, on the stdlib loop and on uvloop: what
 ``connect()`` and ``serve()`` refuse at once, connections still in their TLS handshake
-when the server closes, and failed handshakes logged with the peer's address.
+when the server closes, failed handshakes logged with the peer's address, and the
+shared secret read from a file.
 
 Certificates come from a throwaway CA made by ``trustme`` for each test run.
 """
@@ -9,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import ssl
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -212,3 +215,32 @@ def test_tls_transfers_arrive_bit_identical_on_both_loops(
 
     run_on(loop, main)
     assert not [r for r in caplog.records if "TLS" in r.getMessage()]
+
+
+# -- the shared secret ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("content", "secret"), [
+    (b"0123456789abcdef\n", b"0123456789abcdef"),
+    (b"0123456789abcdef\r\n", b"0123456789abcdef"),
+    (b"0123456789abcdef", b"0123456789abcdef"),
+    (b"0123456789abcdef\n\n", b"0123456789abcdef\n"),
+    (b" \x8f\x01\x99\xaa\x10\x77\x42", b" \x8f\x01\x99\xaa\x10\x77\x42"),  # binary, 0x20 first
+    (b"\t\x8f\x01\x99\xaa\x10\x77\x42\x0b", b"\t\x8f\x01\x99\xaa\x10\x77\x42\x0b"),
+])
+def test_a_secret_file_loses_one_line_ending_and_nothing_else(
+    content: bytes, secret: bytes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--secret-file (and vLLM's kvwire_secret_file) stripped whitespace at both ends: a
+    binary secret starting with 0x20 or ending with 0x09-0x0d became another key than
+    the file's bytes (or fewer than 8 bytes, refused)."""
+    from kvwire.aio import read_secret_file
+    from kvwire.bench.runner import load_secret
+
+    monkeypatch.delenv("KVWIRE_SECRET", raising=False)
+    path = tmp_path / "secret"
+    path.write_bytes(content)
+    assert load_secret(str(path)) == (secret, None)
+    assert read_secret_file(path) == secret
+    assert read_secret_file(os.fspath(path)) == secret
+
