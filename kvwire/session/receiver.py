@@ -325,7 +325,7 @@ class ByteStore(LayerStore):
 class ReceiverConfig:
     """Limits and deadlines of a receiving server (made by ``ServerOptions.receiver_config``)."""
 
-    secret: bytes
+    secret: bytes = field(repr=False)
     codecs: tuple[str, ...] = ("raw",)
     """Codecs accepted (a CHUNK in another one fails its transfer with UNSUPPORTED_CODEC)."""
     fingerprints: frozenset[bytes] = frozenset()

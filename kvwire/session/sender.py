@@ -71,7 +71,7 @@ from kvwire.wire.frames import (
 class SenderConfig:
     """Settings of a client session (made by ``kvwire.session.options.ClientOptions.sender_config``)."""
 
-    secret: bytes
+    secret: bytes = field(repr=False)
     streams: int = 1
     codecs: tuple[str, ...] = ("raw",)
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE

@@ -17,7 +17,7 @@ import hmac
 import secrets
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any
 
@@ -242,7 +242,7 @@ Event = (
 class ConnectionConfig:
     """Settings of one connection; the shell fills these from its options."""
 
-    secret: bytes
+    secret: bytes = field(repr=False)
     """Shared secret both peers prove with HMAC-SHA256."""
     codecs: tuple[str, ...] = ("raw",)
     """Codecs this side can send (client) or decode (server)."""

@@ -22,7 +22,10 @@ import trustme
 
 import kvwire
 from kvwire.errors import UsageError
+from kvwire.session.receiver import ReceiverConfig
+from kvwire.session.sender import SenderConfig
 from kvwire.sync import Bridge, PendingPeer, SyncPeer, SyncServer
+from kvwire.wire.connection import ConnectionConfig
 from tests.conftest import SECRET, make_layers, same_cache
 from tests.rawpeer import wait_until
 
@@ -244,3 +247,8 @@ def test_a_secret_file_loses_one_line_ending_and_nothing_else(
     assert read_secret_file(path) == secret
     assert read_secret_file(os.fspath(path)) == secret
 
+
+def test_the_secret_is_not_in_a_configs_repr() -> None:
+    secret = b"do-not-print-this-secret"
+    for config in (SenderConfig(secret=secret), ReceiverConfig(secret=secret), ConnectionConfig(secret=secret)):
+        assert "do-not-print" not in repr(config), type(config).__name__
