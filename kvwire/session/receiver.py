@@ -86,7 +86,8 @@ KEPT_ROOM_MIN = 1 << 20
 #: Failed transfers a session remembers why (see _Session.tombstones): each its RESET's
 #: code and text, so at most about WIRE_TEXT_LIMIT * 4 + 200 bytes apiece.
 TOMBSTONES_KEPT = 4096
-#: Recent RESETs of a session said again on every stream that joins it (see _Session.resets).
+#: Recent RESETs of a session said again on every stream that joins it, and on one still
+#: open when another closes (see _Session.resets).
 _RESETS_KEPT = 256
 
 #: Completed transfers whose data is gone a session remembers (see _Session.completed).
@@ -510,7 +511,8 @@ class _Session:
     # re-send, one with another request id is a duplicate).
     completed: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
     # Transfers this side failed and told the client so: that RESET may have found no open
-    # stream, or gone out on one that broke with it; a stream that joins says it again.
+    # stream, or gone out on one that broke with it; a stream that joins says it again, as
+    # does one still open when another closes.
     resets: OrderedDict[int, None] = field(default_factory=OrderedDict)
     lose_at: float | None = None
     closed: bool = False
@@ -961,11 +963,20 @@ class ReceiverCore:
         if sess.transfers or sess.tombstones or sess.completed:
             self._count("resumes")
             self._events.append(StreamResumed(session_id=sess.session_id, stream_index=ev.stream_index))
-        for t in sess.transfers.values():  # CREDIT frames may have been lost with a stream
+        self._say_again(sess, conn)
+
+    def _say_again(self, sess: _Session, conn: Connection) -> None:
+        """Send on ``conn`` what the session's client waits for and may have lost with a
+        broken stream (a stream that joins, or one still open when another closes): a
+        CREDIT with the current layer_limit of each incomplete transfer whose limit is
+        above ACCEPT's 1, and the RESET of each transfer this side failed recently
+        (``sess.resets``).  Each goes out once on one stream: a sender whose chunks were all
+        acknowledged, waiting for a layer grant, sends nothing that would draw it out again,
+        and would wait for ever.  A client ignores a CREDIT at or below the limit it has and
+        a RESET for a transfer it does not have."""
+        for t in sess.transfers.values():
             if t.error is None and t.accepted and not t.state.complete and t.state.layer_limit > 1:
                 conn.send_credit_frame(t.key[1], t.state.layer_limit)
-        # So may RESETs: a sender whose chunks were all acknowledged, waiting for a layer
-        # grant, would otherwise wait for ever (a client ignores a RESET it has no transfer for).
         for tid in sess.resets:
             self._repeat_reset(sess, conn, tid)  # (nothing for a tombstone gone meanwhile)
 
@@ -1006,8 +1017,12 @@ class ReceiverCore:
         # A break is resumable even when every transfer is complete here: the client may
         # still wait for acknowledgements that were lost with the stream.
         if ev.resumable and self.config.resume_timeout > 0:
-            if not any(self._conns.get(c) is not None and self._conns[c].closed_event is None
-                       for c in sess.streams.values()) and sess.lose_at is None:
+            if (other := self._any_conn(sess)) is not None:
+                # The session goes on with its other streams, and the broken one may never
+                # come back (a client gives a slot up whose reconnects fail): CREDITs and
+                # RESETs it carried go again on one still open.
+                self._say_again(sess, other)
+            elif sess.lose_at is None:
                 sess.lose_at = now + self.config.resume_timeout
                 self._note(_SESSION, sess.session_id)
         elif ev.error is not None or any(not t.complete for t in sess.transfers.values()):
@@ -1016,6 +1031,8 @@ class ReceiverCore:
                        else ConnectionLostError("client connection closed mid-transfer"))
         elif not sess.streams:
             self._sessions.pop(sess.session_id, None)
+        elif (other := self._any_conn(sess)) is not None:
+            self._say_again(sess, other)  # (a clean close: RESETs it carried may be unread)
 
     def _lose(self, sess: _Session, error: KvwireError) -> None:
         """Every unfinished transfer of the session fails, its other streams close."""
