@@ -1054,7 +1054,9 @@ class ReceiverCore:
         existing = sess.transfers.get(tid)
         if existing is not None and existing.begin.request_id == begin.request_id:
             # Re-sent after a broken stream: answer again (unless the registry check still
-            # runs; its outcome will be sent).
+            # runs; its outcome will be sent, on this stream: the client re-sent it here
+            # because the one that carried it broke, which this side may not know yet).
+            existing.begin_cid = cid
             if existing.accepted:
                 conn.send_accept(tid, existing.state.layer_limit)
             return

@@ -1,6 +1,6 @@
-"""What the server sends once and the client waits for (a CREDIT, a RESET of its own)
-must not be lost for good with a broken stream while the session goes on with its others
-(docs/protocol.md 6.3).  The stream that broke may never
+"""What the server sends once and the client waits for (a CREDIT, a RESET of its own, the
+ACCEPT after a registry check) must not be lost for good with a broken stream while the
+session goes on with its others (docs/protocol.md 6.3).  The stream that broke may never
 come back: a client gives a slot up whose reconnects fail, and a sender whose chunks were
 all acknowledged, waiting for a layer grant, sends nothing that would draw it out.  So
 when a stream of a session closes and another is still open, the server says again on
@@ -14,7 +14,7 @@ import random
 import pytest
 
 from kvwire.errors import ConnectionLostError, ErrorCode
-from kvwire.session.receiver import LayerReady, ReceiverConfig, ReceiverCore
+from kvwire.session.receiver import LayerReady, ReceiverConfig, ReceiverCore, RegistryCheck
 from kvwire.session.sender import SenderConfig, TransferDone
 from kvwire.testing.session_pair import SessionPair
 from kvwire.wire import (
@@ -22,10 +22,11 @@ from kvwire.wire import (
     Connection,
     CreditGranted,
     Event,
+    TransferAccepted,
     TransferReset,
     chunk_frame_size,
 )
-from kvwire.wire.frames import FrameType
+from kvwire.wire.frames import BlockVersion, FrameType
 from tests.session.test_receiver_core import BPT as BPT_CORE
 from tests.session.test_receiver_core import SECRET, Harness, begin, chunk, join
 
@@ -113,6 +114,23 @@ def test_the_last_stream_breaking_sends_nothing_and_the_session_waits_for_a_reco
     # the stream that joins carries the CREDIT
     _client, events = join(h.core, 3, h.now, session_id=h.client.session_id)
     assert [(e.transfer_id, e.layer_limit) for e in events if isinstance(e, CreditGranted)] == [(1, 2)]
+
+
+def test_accept_goes_on_the_stream_that_carried_the_begin_sent_again() -> None:
+    """The client re-sent BEGIN on stream 1 because stream 0, which carried it, broke (the
+    server does not know yet) while the registry check ran: the check's ACCEPT must go on
+    stream 1, not on stream 0, where it was lost and the client waited for it."""
+    h, second = two_streams(registry=True)
+    b = begin(layers=2, blocks=(BlockVersion(block=b"i:1", version=3),))
+    h.client.send_begin(b)
+    h.pump()
+    [check] = h.of(RegistryCheck)
+    second.send_begin(b)
+    h.core.receive_data(2, b"".join(bytes(p) for p in second.data_to_send()), h.now)
+    assert not [e for e in events_of(h.core, 2, second, h.now) if isinstance(e, TransferAccepted)]
+    h.core.registry_checked(check.key, [], None, h.now)
+    accepts = [e for e in events_of(h.core, 2, second, h.now) if isinstance(e, TransferAccepted)]
+    assert [a.transfer_id for a in accepts] == [1]
 
 
 # -- both cores, in fake time ----------------------------------------------------------------
