@@ -792,10 +792,12 @@ class SenderCore:
     def _retry(self, index: int, now: float, error: KvwireError) -> None:
         slot = self._slots[index]
         if self.config.reconnect_attempts <= 0 or slot.attempts >= self.config.reconnect_attempts:
+            # The connections tried: a join's first one and its retries, a broken stream's
+            # reconnects (the connection that broke was no attempt).
             what = "reconnect" if slot.was_open else "join the session"
-            tries = slot.attempts + 1
+            tries = slot.attempts if slot.was_open else slot.attempts + 1
             self._give_up(index, ConnectionLostError(
-                f"stream {index} could not {what} in {tries} attempt{'s' if tries > 1 else ''}: {error}"), last=error)
+                f"stream {index} could not {what} in {tries} attempt{'' if tries == 1 else 's'}: {error}"), last=error)
             return
         slot.reconnect_at = now + self.config.reconnect_backoff * (2 ** slot.attempts)
         slot.attempts += 1
