@@ -1217,7 +1217,10 @@ class ReceiverCore:
             sess.tombstones[t.key[1]] = (why.code, wire_text(str(why)))
             while len(sess.tombstones) > TOMBSTONES_KEPT:
                 sess.tombstones.popitem(last=False)
-            conn = self._any_conn(sess)
+            # On the stream that carried the last BEGIN, as an ACCEPT goes: a registry's
+            # stale verdict answers a BEGIN the client may have sent again on another
+            # stream because the first one broke.
+            conn = self._any_conn(sess, prefer=t.begin_cid)
             if reset:
                 sess.resets[t.key[1]] = None
                 while len(sess.resets) > _RESETS_KEPT:

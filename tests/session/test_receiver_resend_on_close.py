@@ -133,6 +133,23 @@ def test_accept_goes_on_the_stream_that_carried_the_begin_sent_again() -> None:
     assert [a.transfer_id for a in accepts] == [1]
 
 
+def test_a_stale_verdict_goes_on_the_stream_that_carried_the_begin_sent_again() -> None:
+    """As the ACCEPT above, the RESET of a BEGIN the registry found stale goes on stream 1,
+    which carried the BEGIN sent again, not on stream 0, which broke."""
+    h, second = two_streams(registry=True)
+    b = begin(layers=2, blocks=(BlockVersion(block=b"i:1", version=3),))
+    h.client.send_begin(b)
+    h.pump()
+    [check] = h.of(RegistryCheck)
+    second.send_begin(b)
+    h.core.receive_data(2, b"".join(bytes(p) for p in second.data_to_send()), h.now)
+    events_of(h.core, 2, second, h.now)
+    h.core.registry_checked(check.key, ["i:1"], None, h.now)
+    resets = [e for e in events_of(h.core, 2, second, h.now) if isinstance(e, TransferReset)]
+    assert [r.transfer_id for r in resets] == [1]
+    assert not [e for e in events_of(h.core, 1, h.client, h.now) if isinstance(e, TransferReset)]
+
+
 # -- both cores, in fake time ----------------------------------------------------------------
 
 HEADS, HEAD_DIM, ITEM = 2, 8, 2
