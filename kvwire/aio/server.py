@@ -216,8 +216,12 @@ class _TlsAccept(asyncio.Protocol):
         if self._attached:  # (scheduled before the stream took over)
             self.stream.connection_lost(exc)
         self._lost = True
+        self.server._handshaking.discard(self)
 
     def abort(self) -> None:
+        # Let go of here too, not only when the handshake task ends: a task cancelled
+        # before its first step (the server closing as it accepted) never runs its body.
+        self.server._handshaking.discard(self)
         if self.transport is not None:
             self.transport.abort()
 

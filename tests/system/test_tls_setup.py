@@ -168,6 +168,41 @@ def test_close_closes_connections_still_in_their_tls_handshake(
     run_on(loop, main)
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_connection_accepted_as_the_server_closes_is_not_kept(loop: str, server_cert: trustme.LeafCert) -> None:
+    """close() begun in the loop step that accepts a connection aborts it and cancels its
+    handshake task before that task ran: the server kept the connection (its stream and
+    buffers) in the set of handshakes under way for good."""
+    from kvwire.aio import server as server_mod
+
+    async def main() -> int:
+        server = kvwire.serve("127.0.0.1", 0, secret=SECRET, ssl=server_context(server_cert), handshake_timeout=60)
+        await server.start()
+        made = server_mod._TlsAccept.connection_made
+        closing: list[asyncio.Future[None]] = []
+
+        def closing_as_made(self: Any, transport: Any) -> None:
+            if not closing:
+                closing.append(asyncio.ensure_future(server.close()))
+            made(self, transport)
+
+        server_mod._TlsAccept.connection_made = closing_as_made  # type: ignore[method-assign]
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            try:
+                assert await wait_until(lambda: bool(closing), 5)
+                await asyncio.wait_for(closing[0], 10)
+                await asyncio.sleep(0)
+                return len(server._handshaking)
+            finally:
+                writer.close()
+        finally:
+            server_mod._TlsAccept.connection_made = made  # type: ignore[method-assign]
+            await server.close()
+
+    assert run_on(loop, main) == 0
+
+
 # -- failed handshakes are logged -----------------------------------------------------------
 
 
