@@ -188,7 +188,7 @@ def test_a_connection_accepted_as_the_server_closes_is_not_kept(loop: str, serve
 
         server_mod._TlsAccept.connection_made = closing_as_made  # type: ignore[method-assign]
         try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            _reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             try:
                 assert await wait_until(lambda: bool(closing), 5)
                 await asyncio.wait_for(closing[0], 10)
