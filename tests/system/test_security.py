@@ -49,16 +49,6 @@ SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16)
 # -- helpers ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture(scope="module")
-def server_cert(ca: trustme.CA) -> trustme.LeafCert:
-    return ca.issue_cert("localhost", "127.0.0.1")
-
-
 def server_context(cert: trustme.LeafCert, ca: trustme.CA | None = None) -> ssl.SSLContext:
     """A server context; with ``ca`` it requires a client certificate signed by it."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

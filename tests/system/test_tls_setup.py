@@ -44,16 +44,6 @@ def run_on(loop: str, main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
         return runner.run(main())
 
 
-@pytest.fixture(scope="module")
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture(scope="module")
-def server_cert(ca: trustme.CA) -> trustme.LeafCert:
-    return ca.issue_cert("localhost", "127.0.0.1")
-
-
 def server_context(cert: trustme.LeafCert | None) -> ssl.SSLContext:
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     if cert is not None:
