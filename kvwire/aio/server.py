@@ -339,6 +339,9 @@ class Server(Pump):
         options: ServerOptions, registry: Any = None,
     ) -> None:
         super().__init__()
+        if not isinstance(host, str):  # (asyncio's raw TypeError only once it listened)
+            raise UsageError(f"host must be a str (a name or an address, '0.0.0.0' for every "
+                             f"IPv4 interface), not {type(host).__name__}")
         check_port(port, 0)
         check_ssl_context(ssl, server_side=True)
         _check_registry(registry)

@@ -110,6 +110,15 @@ def test_serve_refuses_an_ssl_that_cannot_serve_at_once(bad: Any, ca: trustme.CA
         kvwire.serve("127.0.0.1", 0, secret=SECRET, ssl=ssl_arg)
 
 
+@pytest.mark.parametrize("host", [123, b"127.0.0.1", None, ["127.0.0.1"]], ids=repr)
+def test_serve_refuses_a_host_that_is_not_a_str_at_once(host: Any) -> None:
+    """serve(host=123) raised asyncio's raw TypeError once it listened."""
+    with pytest.raises(UsageError, match="host must be a str"):
+        kvwire.serve(host, 0, secret=SECRET)
+    with pytest.raises(UsageError, match="host must be a str"):
+        SyncServer(host, 0, secret=SECRET)
+
+
 # -- Server.close() and connections in their TLS handshake ----------------------------------
 
 
