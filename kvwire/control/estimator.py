@@ -179,7 +179,7 @@ class DeliveryRateEstimator:
         """
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
-        _check_now(now)
+        check_now(now)
         if chunk_key in self._sent:
             raise ValueError(f"chunk {chunk_key!r} is already in flight")
         if self._bytes_in_flight == 0:
@@ -212,7 +212,7 @@ class DeliveryRateEstimator:
         nothing, and taken as a sample it made an 8.4 Tbit/s estimate and a minimum RTT
         of 0.
         """
-        _check_now(now)
+        check_now(now)
         chunk = self._sent.pop(chunk_key, None)
         if chunk is None:
             return None
@@ -289,7 +289,7 @@ class DeliveryRateEstimator:
 
     def advance(self, now: float) -> None:
         """Let time pass without an ack, so the goodput window can expire old samples."""
-        _check_now(now)
+        check_now(now)
         self._last_now = max(self._last_now, now)
         self._expire_goodput(now)
 
@@ -485,6 +485,8 @@ class DeliveryRateEstimator:
         )
 
 
-def _check_now(now: float) -> None:
+def check_now(now: float) -> None:
+    """``ValueError`` unless ``now`` is a finite number: every controller of this package
+    checks the time it is given with this before anything changes."""
     if not math.isfinite(now):
         raise ValueError(f"now must be a finite number, got {now!r}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvwire.control.estimator import DeliveryRateEstimator, _check_now
+from kvwire.control.estimator import DeliveryRateEstimator, check_now
 
 __all__ = ["PROBE_CYCLE", "PROBE_RTT_AFTER", "InflightController", "InflightTarget", "Pacer"]
 
@@ -221,7 +221,7 @@ class InflightController:
         A ``now`` that is not a finite number is refused with ``ValueError`` before
         anything changes, as the estimator refuses one (infinity raised OverflowError
         here, and NaN was taken in)."""
-        _check_now(now)
+        check_now(now)
         bandwidth = estimator.max_filter_bps
         min_rtt = estimator.min_rtt
         if bandwidth is None or min_rtt is None or bandwidth <= 0:
@@ -345,7 +345,7 @@ class Pacer:
         self._rate_bps = rate_bps
 
     def _refill(self, now: float) -> None:
-        _check_now(now)
+        check_now(now)
         if self._stamp is not None and self._rate_bps is not None and now > self._stamp:
             self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate_bps / 8)
         if self._stamp is None or now > self._stamp:
@@ -353,7 +353,7 @@ class Pacer:
 
     def next_send_time(self, nbytes: int, now: float) -> float:
         """Earliest time ``nbytes`` may be released (``now`` if they may go now)."""
-        _check_now(now)
+        check_now(now)
         if self._rate_bps is None:
             return now
         self._refill(now)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from kvwire.control.estimator import _check_now
+from kvwire.control.estimator import check_now
 
 __all__ = [
     "StreamController",
@@ -262,7 +262,7 @@ class StreamController:
         ``ValueError`` before anything changes (an infinite ``now`` put the next
         evaluation at infinity, and every one after it held).
         """
-        _check_now(now)
+        check_now(now)
         for s in samples:
             if not math.isfinite(s.delivery_rate_bps):
                 raise ValueError(f"a stream's delivery_rate_bps must be a finite number, got {s.delivery_rate_bps!r}")
