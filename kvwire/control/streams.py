@@ -203,6 +203,13 @@ class StreamController:
             raise ValueError("need 1 <= min_streams <= initial_streams <= max_streams")
         if not 0 < interval < math.inf:
             raise ValueError(f"interval must be a finite number > 0, got {interval!r}")
+        for name, value in (("min_gain", min_gain), ("shrink_headroom", shrink_headroom), ("backoff", backoff)):
+            if not 0 <= value < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not 0 <= limited_fraction <= 1:
+            raise ValueError(f"limited_fraction must be a number from 0 to 1, got {limited_fraction!r}")
+        if isinstance(shrink_patience, bool) or not isinstance(shrink_patience, int) or shrink_patience < 1:
+            raise ValueError(f"shrink_patience must be an int >= 1, got {shrink_patience!r}")
         self._min = min_streams
         self._max = max_streams
         self._streams = initial_streams
@@ -258,14 +265,14 @@ class StreamController:
         :param app_limited: the sender ran out of data during the period; no conclusion
             about the path can be drawn, so the count is held.
 
-        A ``now`` or a sample's rate that is not a finite number is refused with
-        ``ValueError`` before anything changes (an infinite ``now`` put the next
+        A ``now`` that is not a finite number, or a sample's rate that is not a finite
+        number >= 0, is refused with ``ValueError`` before anything changes (an infinite ``now`` put the next
         evaluation at infinity, and every one after it held).
         """
         check_now(now)
         for s in samples:
-            if not math.isfinite(s.delivery_rate_bps):
-                raise ValueError(f"a stream's delivery_rate_bps must be a finite number, got {s.delivery_rate_bps!r}")
+            if not 0 <= s.delivery_rate_bps < math.inf:
+                raise ValueError(f"a stream's delivery_rate_bps must be a finite number >= 0, got {s.delivery_rate_bps!r}")
         total = sum(s.delivery_rate_bps for s in samples)
         # A caller sleeping one interval between calls wakes a little early or late (an
         # event loop's timer ticks in milliseconds): early by a tenth of an interval still

@@ -147,6 +147,28 @@ def test_stream_controller_refuses_an_interval_that_is_no_number(interval: float
         StreamController(interval=interval)
 
 
+@pytest.mark.parametrize("rate", [-1.0, -1e9, -math.inf])
+def test_stream_controller_refuses_a_negative_rate(rate: float) -> None:
+    # A negative rate read as a grow that lowered the total: a revert for no reason.
+    s = StreamController(max_streams=4)
+    with pytest.raises(ValueError, match="delivery_rate_bps must be a finite number >= 0"):
+        s.evaluate([StreamSample(delivery_rate_bps=rate, window_limited=True)], 1.0)
+    assert s.get_timer() is None
+
+
+@pytest.mark.parametrize("kw", [{"min_gain": math.nan}, {"min_gain": -0.1}, {"min_gain": math.inf},
+                                {"shrink_headroom": math.nan}, {"shrink_headroom": -1.0},
+                                {"backoff": math.nan}, {"backoff": math.inf}, {"backoff": -5.0},
+                                {"limited_fraction": math.nan}, {"limited_fraction": 1.5},
+                                {"limited_fraction": -0.5}, {"shrink_patience": 0},
+                                {"shrink_patience": 2.5}, {"shrink_patience": True}])
+def test_stream_controller_refuses_a_setting_out_of_range(kw: dict[str, Any]) -> None:
+    # A NaN backoff put the ceiling's end at NaN: never passed, so no grow past a revert
+    # ever again; with a NaN min_gain no grow was ever judged a failure.
+    with pytest.raises(ValueError, match=next(iter(kw))):
+        StreamController(**kw)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.one_of(st.floats(min_value=0.0, max_value=1e4), st.sampled_from(NO_NUMBER)),
                           st.booleans(), st.floats(min_value=0.0, max_value=1e12)), max_size=40))
