@@ -83,7 +83,10 @@ class Transfer:
                 got[layer.index] = (layer.k, layer.v)
 
         try:
-            await asyncio.wait_for(run(), timeout)
+            # Not asyncio.wait_for(): on Python 3.11 it returns the result when the caller
+            # is cancelled in the loop iteration that completes it, and the cancel is lost.
+            async with asyncio.timeout(timeout):
+                await run()
         except KvwireError:
             raise
         except TimeoutError:
