@@ -582,16 +582,21 @@ async def finish_tasks(tasks: set[asyncio.Task[None]]) -> None:
 
 async def wait_closed(streams: Sequence[Stream], timeout: float) -> None:
     """Wait up to ``timeout`` for ``streams`` to close; abort the transports of any that
-    did not (their peer is not reading), and leave no waiter behind."""
+    did not (their peer is not reading), and leave no waiter behind: cancelled, it aborts
+    nothing and ends its waiters before it raises CancelledError."""
     waits = [
         asyncio.ensure_future(s.closed.wait()) for s in streams
         if s.transport is not None and not s.closed.is_set()
     ]
     if waits:
-        _, pending = await asyncio.wait(waits, timeout=timeout)
-        for w in pending:
-            w.cancel()
-        await asyncio.gather(*waits, return_exceptions=True)
+        try:
+            await asyncio.wait(waits, timeout=timeout)
+        finally:
+            for w in waits:
+                w.cancel()
+            # (a cancelled Event.wait() ends at its next step; cancelled again meanwhile,
+            # the waiters are cancelled all the same and end without this)
+            await asyncio.gather(*waits, return_exceptions=True)
     for s in streams:
         if s.transport is not None and not s.closed.is_set():
             s.abort()
