@@ -39,6 +39,18 @@ def check_wait(timeout: object) -> None:
     check_value("timeout", timeout, none_ok=True, zero_ok=True)
 
 
+#: The longest a thread here waits at a time: half of ``threading.TIMEOUT_MAX`` (146
+#: years on Linux), with room for ``Condition.wait_for()``'s own arithmetic.  Past
+#: ``TIMEOUT_MAX`` a thread's wait raised OverflowError; a longer limit is no limit in practice.
+LONGEST_WAIT = threading.TIMEOUT_MAX / 2
+
+
+def thread_wait(timeout: float | None) -> float | None:
+    """``timeout`` (seconds >= 0, or None: no limit) as a thread's wait (a lock's, an
+    event's, a future's) may take it: at most :data:`LONGEST_WAIT`."""
+    return None if timeout is None else min(timeout, LONGEST_WAIT)
+
+
 def check_bridge(bridge: object) -> None:
     """:class:`~kvwire.UsageError` unless ``bridge`` is None or a :class:`Bridge`."""
     if bridge is not None and not isinstance(bridge, Bridge):
@@ -62,7 +74,7 @@ def wait_done(fut: concurrent.futures.Future[Any], timeout: float | None) -> boo
     # loop); not concurrent.futures.wait(), whose waiters a plain cancel() does not wake.
     # exception() returns the future's error, so a TimeoutError here is this wait's.
     with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-        fut.exception(timeout)
+        fut.exception(thread_wait(timeout))
     return fut.done()
 
 
@@ -297,7 +309,7 @@ class Bridge:
             raise UsageError("Bridge.close() from the loop thread")
         with self._lock:
             self._closed = True  # nothing new is submitted from now on
-        if not self._close_lock.acquire(timeout=3 * timeout):
+        if not self._close_lock.acquire(timeout=min(3 * timeout, LONGEST_WAIT)):
             return  # another thread's close is still under way
         try:
             if not self._close_finished:
@@ -326,10 +338,10 @@ class Bridge:
             coro.close()
         else:
             with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-                fut.result(2 * timeout)
+                fut.result(min(2 * timeout, LONGEST_WAIT))
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout)
+        self._thread.join(thread_wait(timeout))
         if self._thread.is_alive():  # a stuck loop: its waiters are not left waiting on it
             with self._lock:
                 futures = list(self._futures)
@@ -464,7 +476,8 @@ class ReceiveHandle:
         if self._bridge.in_loop_thread():
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
         with self._cond:
-            ok = self._cond.wait_for(lambda: ready() or self._error is not None or self._bridge.closed, timeout)
+            ok = self._cond.wait_for(lambda: ready() or self._error is not None or self._bridge.closed,
+                                     thread_wait(timeout))
             if ready():
                 return
             if self._error is not None:
@@ -543,7 +556,7 @@ class ReceiveHandle:
             self._bridge.call_soon(cancel_and_tell)
         except ConnectionLostError:  # closed: stopped by the loop if it still runs, else by its end
             self._bridge.call_soon_while_running(cancel_and_tell)
-        return done.wait(timeout)
+        return done.wait(thread_wait(timeout))
 
 
 class SyncServer:
