@@ -15,6 +15,7 @@ import logging
 import math
 import ssl as _ssl
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
@@ -66,6 +67,9 @@ _log = logging.getLogger("kvwire")
 TRANSPORT_SAMPLE_BYTES = 32 << 20
 #: Share of a measurement's wire bytes one codec must have for it to count as that codec's.
 CODEC_SHARE = 0.75
+#: Seconds of acknowledgements the estimator's delivery rate (``statistics()["wire_gbps"]``)
+#: averages, and over which KV bytes per wire byte are counted for ``goodput_gbps``.
+GOODPUT_WINDOW = 0.5
 
 
 def runnable_ns() -> int | None:
@@ -165,7 +169,12 @@ class Peer(Pump):
         self._retired: list[Stream] = []
         self.sends: dict[int, SendState] = {}
         self.changed = asyncio.Event()
-        self.estimator = DeliveryRateEstimator()
+        self.estimator = DeliveryRateEstimator(goodput_window=GOODPUT_WINDOW)
+        # (when, wire bytes, KV bytes) of the chunks acknowledged in the last GOODPUT_WINDOW
+        # seconds before the latest acknowledgement, with their sums: what a wire byte
+        # delivered carries of KV now (statistics()["goodput_gbps"]).
+        self._acked_recent: deque[tuple[float, int, int]] = deque()
+        self._acked_wire = self._acked_kv = 0
         # Bytes in flight kept near one to two bandwidth-delay products across streams.
         # Its floor keeps two chunks queued per stream in use (with "auto": those the
         # controller uses, not every connection opened).
@@ -323,6 +332,7 @@ class Peer(Pump):
         elif isinstance(ev, ChunkDelivered):
             now = clock()
             est.on_ack(ev.address, now)
+            self._count_acked(now, ev.wire_size, ev.kv_bytes)
             if (chooser := self.chooser) is not None:
                 codec = codec_by_id(ev.codec_id).name
                 self.transport_meter.delivered(ev.wire_size, chooser, codec)
@@ -353,6 +363,20 @@ class Peer(Pump):
             self._on_given_up(ev)
         elif isinstance(ev, SessionFailed):
             est.forget_all()
+
+    def _count_acked(self, now: float, wire_bytes: int, kv_bytes: int) -> None:
+        """One chunk acknowledged: kept for the KV per wire byte of the last
+        :data:`GOODPUT_WINDOW` seconds of acknowledgements (as the estimator expires its
+        delivery-rate samples, by the latest acknowledgement's time)."""
+        recent = self._acked_recent
+        recent.append((now, wire_bytes, kv_bytes))
+        self._acked_wire += wire_bytes
+        self._acked_kv += kv_bytes
+        horizon = now - GOODPUT_WINDOW
+        while recent[0][0] <= horizon:
+            _, wire, kv = recent.popleft()
+            self._acked_wire -= wire
+            self._acked_kv -= kv
 
     def _on_closed(self, ev: StreamClosed) -> None:
         closed = ev.closed
@@ -615,8 +639,19 @@ class Peer(Pump):
 
     def statistics(self) -> dict[str, Any]:
         """A snapshot: the bandwidth/RTT estimate, bytes in flight, and per stream credit,
-        bytes and (on Linux, direct paths) the kernel's TCP_INFO view."""
+        bytes and (on Linux, direct paths) the kernel's TCP_INFO view.
+
+        Rates are in Gbit/s (``*_gbps``, as :mod:`kvwire.units` reads them).
+        ``estimated_gbps`` is the published bandwidth estimate of the path (wire bytes);
+        ``wire_gbps`` the wire bytes acknowledged per second over the last
+        :data:`GOODPUT_WINDOW` seconds of samples the path, not the sender, paced;
+        ``goodput_gbps`` that rate in KV bytes (at the spec's dtype, as
+        :attr:`Receipt.goodput_gbps`): ``wire_gbps`` times the KV bytes per wire byte of the
+        chunks acknowledged over that window (above ``wire_gbps`` with a compact codec).
+        Both are ``None`` before the first such sample."""
         snap = self.estimator.snapshot()
+        wire_bps = snap.goodput_bps
+        goodput_bps = wire_bps * self._acked_kv / self._acked_wire if wire_bps and self._acked_wire else None
         streams = []
         for s in self.streams:
             conn = s.conn
@@ -637,7 +672,8 @@ class Peer(Pump):
         return {
             "session_id": self.session_id.hex(),
             "estimated_gbps": snap.bandwidth_bps / 1e9 if snap.bandwidth_bps else None,
-            "goodput_gbps": snap.goodput_bps / 1e9 if snap.goodput_bps else None,
+            "goodput_gbps": goodput_bps / 1e9 if goodput_bps else None,
+            "wire_gbps": wire_bps / 1e9 if wire_bps else None,
             "min_rtt_ms": snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
             "srtt_ms": snap.srtt * 1e3 if snap.srtt is not None else None,
             "bytes_in_flight": snap.bytes_in_flight, "inflight_target": self.inflight.update(self.estimator, clock()),

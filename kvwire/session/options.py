@@ -313,6 +313,8 @@ class Receipt:
 
     @property
     def goodput_gbps(self) -> float:
+        """KV bytes (``kv_bytes``, at the spec's dtype) per second of ``seconds``, in
+        Gbit/s; the wire's rate is ``wire_bytes`` over ``seconds``."""
         return self.kv_bytes * 8 / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
