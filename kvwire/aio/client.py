@@ -626,7 +626,8 @@ class Peer(Pump):
         if ev.transport_s_per_byte is not None:
             self.receiver["transport_s_per_gb"] = ev.transport_s_per_byte * 1e9
         for name, seconds in decode.items():
-            self.receiver["decode_gbps"][name] = 2 / seconds / 1e9  # fp16 bytes per second
+            # Gbit/s of fp16 out (16 bits an element), as every *_gbps figure is gigabits.
+            self.receiver["decode_gbps"][name] = 16 / seconds / 1e9
         chooser = self.chooser
         if chooser is None:
             return
@@ -648,7 +649,10 @@ class Peer(Pump):
         ``goodput_gbps`` that rate in KV bytes (at the spec's dtype, as
         :attr:`Receipt.goodput_gbps`): ``wire_gbps`` times the KV bytes per wire byte of the
         chunks acknowledged over that window (above ``wire_gbps`` with a compact codec).
-        Both are ``None`` before the first such sample."""
+        Both are ``None`` before the first such sample.  ``receiver`` is what the server's
+        REPORTs say receiving costs it: ``transport_s_per_gb`` (its event loop's CPU
+        seconds per GB of CHUNK frames, decodes left out) and ``decode_gbps`` (per codec,
+        the Gbit/s of fp16 its decode yields on the server)."""
         snap = self.estimator.snapshot()
         wire_bps = snap.goodput_bps
         goodput_bps = wire_bps * self._acked_kv / self._acked_wire if wire_bps and self._acked_wire else None

@@ -10,11 +10,19 @@ import numpy as np
 import pytest
 
 import kvwire
+from kvwire.aio.client import Peer
+from kvwire.codec import get_codec
+from kvwire.session.options import ClientOptions
+from kvwire.session.sender import ReceiverCosts
 from kvwire.testing import FaultPlan, FaultProxy, Faults
 from kvwire.units import parse_rate
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def _peer() -> Peer:
+    return Peer("127.0.0.1", 9, secret=SECRET, streams=1, codec="raw", ssl=None, options=ClientOptions())
 
 
 @pytest.mark.parametrize(("codec", "least"), [("raw", 0.95), ("fp8", 1.8), ("int4", 2.5)])
@@ -40,3 +48,16 @@ async def test_statistics_goodput_is_kv_bytes_and_wire_gbps_the_wire(codec: str,
     per_wire_byte = receipt.kv_bytes / receipt.wire_bytes
     assert per_wire_byte >= least, receipt
     assert stats["goodput_gbps"] / stats["wire_gbps"] == pytest.approx(per_wire_byte, rel=0.02), stats
+
+
+def test_decode_gbps_is_gigabits_of_fp16() -> None:
+    """statistics()["receiver"]["decode_gbps"] was GB/s (2 bytes an element) where every
+    other *_gbps figure, and kvwire.units, read gigabits: it is now Gbit/s of fp16 out."""
+    peer = _peer()
+    fp8 = get_codec("fp8")
+    seconds = 2e-10  # per element: 5e9 elements/s, 10 GB/s of fp16, 80 Gbit/s
+    peer._receiver_costs(ReceiverCosts(transport_s_per_byte=1e-9, decode_s_per_element={fp8.codec_id: seconds}))
+    receiver = peer.statistics()["receiver"]
+    assert receiver["decode_gbps"] == {"fp8": pytest.approx(16 / seconds / 1e9)}
+    assert receiver["decode_gbps"]["fp8"] == pytest.approx(parse_rate("80gbps") / 1e9)
+    assert receiver["transport_s_per_gb"] == pytest.approx(1.0)
