@@ -119,8 +119,10 @@ class Bridge:
         # leaves it once its close() completed: what close() could not close in time is
         # closed when the loop ends.
         self._owned: dict[int, Any] = {}
-        # (on the loop) The closes under way, by id(thing): never cancelled, as a server's
-        # or peer's close() cancelled midway does not close it when called again.
+        # (on the loop) The closes under way, by id(thing) (a failed start's clean-up by
+        # id(its task)): never cancelled, as a server's or peer's close() cancelled midway
+        # does not close it when called again (a peer's failed open closes it lingering 0 s,
+        # and its close() begun again lingers 1 s); close() waits for them first.
         self._closing: dict[int, asyncio.Task[None]] = {}
         # What submit() scheduled: close() fails the waiters of what the loop never ended
         # (a loop stuck for longer than close() waits for it).
@@ -295,9 +297,30 @@ class Bridge:
             task = self._closing[id(thing)] = asyncio.ensure_future(close())
         return task
 
+    def submit_close(self, coro: Coroutine[Any, Any, None]) -> concurrent.futures.Future[None]:
+        """Schedule ``coro``, which closes what a failed start opened, on the loop: a close
+        under way, which :meth:`close` waits for (as for the closes of what it owns) before
+        it cancels what still runs."""
+        async def close() -> None:
+            task = asyncio.current_task()
+            assert task is not None
+            self._closing[id(task)] = task
+            try:
+                await coro
+            finally:
+                del self._closing[id(task)]
+
+        wrapper = close()
+        try:
+            return self.submit(wrapper)
+        except BaseException:
+            coro.close()  # (submit() closed the wrapper before it began)
+            raise
+
     def close(self, timeout: float = 5.0) -> None:
         """Close the servers and peers that run on the loop (their sockets, the listening
-        one too), cancel what still runs on it, stop it and join the thread (idempotent;
+        one too) and let the closes under way end (what a start given up on opened), then
+        cancel what still runs on it, stop it and join the thread (idempotent;
         each step waits at most ``timeout`` seconds, a finite number >= 0).  What it
         could not close in time (a loop held up elsewhere) is closed when the loop ends.
         A close() while another thread's is under way waits for that one to end (at most
@@ -322,8 +345,11 @@ class Bridge:
         async def close_all() -> None:
             with self._lock:
                 owned = list(self._owned.values())
-            if owned:  # their close() fails their transfers and waiters with their own errors
-                _, late = await asyncio.wait([self._close_task(thing) for thing in owned], timeout=timeout)
+            for thing in owned:  # their close() fails their transfers and waiters with their own errors
+                self._close_task(thing)
+            closes = list(self._closing.values())  # those and the closes already under way
+            if closes:
+                _, late = await asyncio.wait(closes, timeout=timeout)
                 if late:  # they go on (the tasks they wait for too): the loop's end finishes them, then the rest
                     return
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -384,7 +410,10 @@ def start_on(bridge: Bridge, start: Coroutine[Any, Any, T], timeout: float | Non
                 await bridge.close_owned(task.result())
 
         try:
-            bridge.submit(discard())
+            # A close under way: the bridge's close (the caller's own bridge, closed next)
+            # lets it end before it cancels the rest.  Cancelled, a peer's failed open
+            # (closed at once, lingering 0 s) was closed again by its close(), lingering 1 s.
+            bridge.submit_close(discard())
         except ConnectionLostError:  # (a closed bridge closed what it owned)
             if inspect.getcoroutinestate(start) == inspect.CORO_CREATED:
                 start.close()
