@@ -64,7 +64,7 @@ class SendState:
     failed: asyncio.Event = field(default_factory=asyncio.Event)
     error: KvwireError | None = None
     done: TransferDone | None = None
-    first_layer_at: float | None = None  # when every chunk of a layer was first acknowledged
+    first_layer_at: float | None = None  # when every chunk of layer 0 was acknowledged
     ran_since: float = 0.0  # when the send task last let the event loop run (see YIELD_AFTER)
     # When the send task last came back from waiting on the session (a grant, its queue
     # draining onto the streams): the path set the pace until then, not the producer.

@@ -338,9 +338,11 @@ class Peer(Pump):
                 self.transport_meter.delivered(ev.wire_size, chooser, codec)
                 if chooser.measures_goodput:
                     chooser.observe_delivered(codec, ev.kv_bytes, now, first_layer=ev.address.layer == 0)
+            # Time to first layer: the spec's first layer (layer 0), every chunk of it
+            # acknowledged. Over several streams later layers may complete before it.
             st = self.sends.get(ev.address.transfer_id)
-            if ev.layer_done and st is not None and st.first_layer_at is None:
-                st.first_layer_at = clock()
+            if ev.layer_done and ev.address.layer == 0 and st is not None and st.first_layer_at is None:
+                st.first_layer_at = now
         elif isinstance(ev, ChunkLost):
             est.on_loss(ev.address)
         elif isinstance(ev, ReceiverCosts):

@@ -304,7 +304,8 @@ class Receipt:
     seconds: float
     """From ``send()`` until the last acknowledgement."""
     time_to_first_layer: float | None = None
-    """Seconds from ``send()`` until every chunk of the first layer was acknowledged."""
+    """Seconds from ``send()`` until every chunk of the first layer (layer 0 of the spec)
+    was acknowledged; later layers may complete before it over several streams."""
     estimated_gbps: float | None = None
     """The session's bandwidth estimate (from acknowledgements) when the send completed."""
     rtt_ms: float | None = None

@@ -10,12 +10,14 @@ import numpy as np
 import pytest
 
 import kvwire
+from kvwire.aio._send import SendState
 from kvwire.aio.client import Peer
 from kvwire.codec import get_codec
 from kvwire.session.options import ClientOptions
-from kvwire.session.sender import ReceiverCosts
+from kvwire.session.sender import ChunkDelivered, ReceiverCosts
 from kvwire.testing import FaultPlan, FaultProxy, Faults
 from kvwire.units import parse_rate
+from kvwire.wire.frames import ChunkAddress
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,3 +63,26 @@ def test_decode_gbps_is_gigabits_of_fp16() -> None:
     assert receiver["decode_gbps"] == {"fp8": pytest.approx(16 / seconds / 1e9)}
     assert receiver["decode_gbps"]["fp8"] == pytest.approx(parse_rate("80gbps") / 1e9)
     assert receiver["transport_s_per_gb"] == pytest.approx(1.0)
+
+
+def test_time_to_first_layer_is_layer_zeros() -> None:
+    """Layers complete out of order over several streams: a later layer completing first
+    set the receipt's time to first layer (0.02 s where layer 0 took 1 s). It is now
+    taken when every chunk of layer 0 was acknowledged, as documented."""
+    peer = _peer()
+    st = SendState(changed=asyncio.Event())
+    peer.sends[1] = st
+
+    def delivered(layer: int, done: bool) -> ChunkDelivered:
+        return ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=layer, kind=0, token_start=0), stream=0,
+                              wire_size=100, kv_bytes=100, codec_id=0, layer_done=done)
+
+    peer._on_event(delivered(3, True))
+    peer._on_event(delivered(0, False))
+    peer._on_event(delivered(5, True))
+    assert st.first_layer_at is None
+    peer._on_event(delivered(0, True))
+    first = st.first_layer_at
+    assert first is not None
+    peer._on_event(delivered(1, True))
+    assert st.first_layer_at == first
