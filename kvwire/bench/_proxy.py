@@ -6,7 +6,8 @@ timed actions (write these bytes at time t, half-close, close, reset); the pipe 
 them in order when their time comes. Memory is bounded: a pipe holding more than its
 high-water mark pauses reading from its source, and stops writing while its destination
 is paused, so a slow side pushes back on the fast one through TCP instead of piling up
-here.
+here. A connection that has ended lets go of its read buffers and its policies; what it
+keeps (its pipes' byte counts) is small.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ __all__ = [
 
 _READ_SIZE = 1024 * 1024
 _MIN_READ = 16 * 1024
+_NO_BUFFER = bytearray()  # an ended connection's sides' (never resized)
+_NO_VIEW = memoryview(_NO_BUFFER)
 C = TypeVar("C")  # a proxy's connection type
 P = TypeVar("P")  # its per-direction policy type
 
@@ -114,7 +117,11 @@ class PipeStatistics:
 
 
 class _Side(asyncio.BufferedProtocol):
-    """One socket of a proxied connection; reads feed the pipe leaving this side."""
+    """One socket of a proxied connection; reads feed the pipe leaving this side.
+
+    Its read buffer (:data:`_READ_SIZE` bytes) lives as long as the connection: once the
+    connection has ended, :meth:`release` lets go of it and of the pipes.
+    """
 
     def __init__(self, conn: ProxyConnection, name: str) -> None:
         self.conn = conn
@@ -128,6 +135,18 @@ class _Side(asyncio.BufferedProtocol):
         # data even though reading was paused in connection_made.
         self._early: list[bytes] = []
         self._early_eof = False
+        self._released = False
+
+    def release(self) -> None:
+        """The connection has ended (both sockets closing, so nothing is read any more):
+        let go of the read buffer, anything read early, the pipes and the transport."""
+        self._released = True
+        self._buffer = _NO_BUFFER
+        self._view = _NO_VIEW
+        self._early.clear()
+        self._early_eof = False
+        self.outgoing = self.incoming = None
+        self.transport = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
@@ -139,6 +158,10 @@ class _Side(asyncio.BufferedProtocol):
         self.conn._side_made(self)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._released:
+            # (Not expected: a closing transport reads no more.) Somewhere to put what
+            # is then discarded.
+            return memoryview(bytearray(_MIN_READ))
         pipe = self.outgoing
         if pipe is not None and pipe.gate is not None:
             # Read a turn's worth, no more than a shared queue has room for (and not a
@@ -149,6 +172,8 @@ class _Side(asyncio.BufferedProtocol):
         return self._view
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._released:
+            return
         if self.outgoing is not None:
             self.outgoing.feed(bytes(self._view[:nbytes]))
         else:
@@ -157,7 +182,7 @@ class _Side(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         if self.outgoing is not None:
             self.outgoing.feed_eof()
-        else:
+        elif not self._released:
             self._early_eof = True
         return True
 
@@ -183,8 +208,17 @@ class _Side(asyncio.BufferedProtocol):
         self.conn._side_lost(self, exc)
 
 
+_CLOSED_POLICY = PassThrough()
+"""What a closed pipe holds instead of its policy (a closed pipe consults none)."""
+
+
 class Pipe:
-    """One direction of a proxied connection."""
+    """One direction of a proxied connection.
+
+    Once closed it keeps its counts (:attr:`bytes_in`, :attr:`bytes_out`, :attr:`eof_sent`)
+    and lets go of its queue and its policy: :attr:`policy` is then a stand-in and
+    :attr:`gate` ``None``.
+    """
 
     def __init__(
         self,
@@ -289,6 +323,8 @@ class Pipe:
         self._closed = True
         self._queue.clear()
         self._queued_bytes = 0
+        self.policy = _CLOSED_POLICY
+        self.gate = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -355,7 +391,11 @@ class Pipe:
 
 
 class ProxyConnection:
-    """One accepted connection and its companion connection to the target."""
+    """One accepted connection and its companion connection to the target.
+
+    Once it has ended (:attr:`closed` done) it keeps its pipes and their counts, and lets
+    go of its sides' read buffers and of its policies.
+    """
 
     def __init__(self, proxy: TcpProxy, index: int) -> None:
         self.proxy = proxy
@@ -376,6 +416,7 @@ class ProxyConnection:
             # Accepted (or connected) as the proxy closed, or after this connection was
             # ended: closed now, not left open past the proxy's close().
             self._terminate(None, reset=True)
+            side.release()
             return
         if side is self.client:
             assert side.transport is not None
@@ -453,6 +494,12 @@ class ProxyConnection:
         client_done = self.client.transport is None or self.client.transport.is_closing()
         upstream_done = self.upstream.transport is None or self.upstream.transport.is_closing()
         if client_done and upstream_done and not self.closed.done():
+            # Ended: only the counts are kept (the proxy keeps every connection).
+            for pipe in (self.forward, self.backward):
+                if pipe is not None:
+                    pipe.close()
+            self.client.release()
+            self.upstream.release()
             self.closed.set_result(None)
             self.proxy._connection_done(self)
 
@@ -499,7 +546,8 @@ class ProxyBase(Generic[C, P]):
         # queue is not the kernel's megabytes on top of ``high_water``.
         self.client_rcvbuf = client_rcvbuf
         self.connections: list[C] = []
-        """Every connection accepted so far, in order (index = position)."""
+        """Every connection accepted so far, in order (index = position). One that has
+        ended keeps its counts, not its buffers or policies."""
         self.active: set[C] = set()
         self._tasks: set[asyncio.Task[None]] = set()
 

@@ -208,7 +208,6 @@ class FaultProxy:
     ) -> None:
         self.plan = plan
         self._counters = _Counters()
-        self._policies: dict[int, tuple[_FaultPolicy, _FaultPolicy]] = {}
         self._proxy = TcpProxy(
             target_host,
             target_port,
@@ -219,13 +218,12 @@ class FaultProxy:
         )
 
     def _make_policies(self, conn: ProxyConnection) -> tuple[_FaultPolicy, _FaultPolicy]:
+        # Held by the connection's pipes only, which let go of them when it ends.
         plan = self.plan(conn.index) if callable(self.plan) else self.plan
-        pair = (
+        return (
             _FaultPolicy(plan.forward, self._counters),
             _FaultPolicy(plan.backward, self._counters),
         )
-        self._policies[conn.index] = pair
-        return pair
 
     @property
     def port(self) -> int:
@@ -233,7 +231,8 @@ class FaultProxy:
 
     @property
     def connections(self) -> list[ProxyConnection]:
-        """Every connection accepted so far; ``connections[i].index == i``."""
+        """Every connection accepted so far; ``connections[i].index == i``. One that has
+        ended keeps its byte counts (``forward.bytes_out``...), not its buffers or faults."""
         return self._proxy.connections
 
     async def start(self) -> None:
@@ -241,7 +240,6 @@ class FaultProxy:
 
     async def close(self) -> None:
         await self._proxy.close()
-        self._policies.clear()
 
     async def __aenter__(self) -> FaultProxy:
         await self.start()
@@ -285,10 +283,10 @@ class FaultProxy:
         """End stalls on connection ``index`` (all if ``None``), planned ones included."""
         for conn in self._selected(index):
             now = conn.closed.get_loop().time()
-            for policy in self._policies.get(conn.index, ()):
-                policy.resume(now)
             for pipe in (conn.forward, conn.backward):
                 if pipe is not None:
+                    if isinstance(pipe.policy, _FaultPolicy):
+                        pipe.policy.resume(now)
                     pipe.release()
 
     def statistics(self) -> FaultStatistics:
