@@ -301,6 +301,9 @@ class Receipt:
     wire_bytes: int
     """Bytes of CHUNK frames put on the wire (headers, params and CRCs included)."""
     chunks: int
+    """CHUNK frames put on the wire: a chunk sent again after its stream broke counts each
+    time, as its bytes do in ``wire_bytes``.  ``extra["chunks_by_codec"]`` counts the
+    cache's chunks by codec, each once (so its sum is below ``chunks`` after a resume)."""
     seconds: float
     """From ``send()`` until the last acknowledgement."""
     time_to_first_layer: float | None = None
@@ -311,6 +314,8 @@ class Receipt:
     rtt_ms: float | None = None
     """The session's minimum RTT estimate when the send completed."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """``chunks_by_codec``: the chunks of the cache each codec encoded (each chunk once,
+    re-sends not counted)."""
 
     @property
     def goodput_gbps(self) -> float:
