@@ -1,0 +1,90 @@
+"""``kvwire serve`` writes what a peer chose (its request ids, the errors they caused)
+escaped, one log line per event whatever the peer sent; ``kvwire bench`` counts the
+receiver's and the emulator's CPU over the run's window, as the sender's."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.bench import runner
+from kvwire.bench.models import MODELS, bench_cache
+from tests.bench.test_serve_receiver import _bench_transfer, _Server, _Transfer
+
+pytestmark = pytest.mark.timeout(120)
+
+TINY = MODELS["tiny"]
+FORGED = "x\n2099-01-01T00:00:00.000Z ERROR   kvwire: forged line\r\x1b[2K\u2028"
+
+
+class _Failing(_Transfer):
+    async def __aiter__(self) -> Any:
+        raise kvwire.TransferAbortedError(f"aborted by the sender: {FORGED}")
+        yield  # pragma: no cover - makes it an async generator
+
+
+def _one_line_each(lines: list[str]) -> None:
+    for line in lines:
+        assert not any(c in line for c in "\n\r\x1b\u2028"), line
+        assert line.isprintable(), line
+
+
+async def test_serve_escapes_a_peers_request_id_in_its_log_line() -> None:
+    """A client sent a request id with a line break and a fake timestamp, level and
+    message: kvwire serve's line for the transfer wrote it raw, a forged log line."""
+    lines: list[str] = []
+    ready: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    serving = asyncio.create_task(runner.serve_benches(
+        "127.0.0.1", 0, secret=b"s" * 16, log=lines.append, ready=ready.set_result))
+    try:
+        port = await asyncio.wait_for(ready, 30)
+        spec = kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16")
+        z = np.zeros((4, 1, 16), np.float16)
+        async with kvwire.connect("127.0.0.1", port, secret=b"s" * 16, streams=1) as peer:
+            await peer.send(FORGED, spec, [(z, z)], timeout=30)
+
+        async def logged() -> None:
+            while not lines:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(logged(), 30)
+    finally:
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+    assert len(lines) == 1, lines
+    _one_line_each(lines)
+    assert lines[0].startswith("x\\n2099-01-01T00:00:00.000Z ERROR   kvwire: forged line\\r\\x1b[2K\\u2028: 4 tokens")
+
+
+async def test_every_serve_line_escapes_peer_text() -> None:
+    """The refused, failed and unchecked lines name the peer's request id and the error
+    its meta or layers caused: escaped too, a long id cut short."""
+    lines: list[str] = []
+    recv = runner.BenchReceiver(_Server(), lines.append)
+    # A bench meta it refuses.
+    refused = _Transfer(FORGED, {"kvwire_bench": {"id": "b", "seed": -1}}, TINY.spec(), bench_cache(TINY, 4, 0))
+    assert await recv.handle(refused) is None and refused.aborted is not None
+    # A layer that cannot be checked (its bench's reference has other token counts).
+    uneven = _bench_transfer("u", 0)
+    uneven.request_id = FORGED + "y" * 70_000
+    uneven._layers = [bench_cache(TINY, 1, 0)[0], *bench_cache(TINY, 16, 0)[1:]]
+    assert await recv.handle(uneven) is None
+    # A transfer that fails while received, for a reason naming what the peer sent.
+    failing = _Failing("f\n" + FORGED, None, TINY.spec(), [])
+    assert await recv.handle(failing) is None
+    assert len(lines) == 3, lines
+    _one_line_each(lines)
+    assert lines[0].startswith("x\\n2099") and ": refused: kvwire_bench.seed" in lines[0]
+    assert ": failed: layer 0 could not be checked: " in lines[1]
+    assert len(lines[1]) < 1000, len(lines[1])
+    assert lines[2].startswith("f\\nx\\n2099") and "aborted by the sender: x\\n2099" in lines[2]
+
+
+def test_peer_text_is_escaped_and_cut() -> None:
+    assert runner._peer_text("plain id-1") == "plain id-1"
+    assert runner._peer_text("a\nb\\n\x00\u2028é") == "a\\nb\\\\n\\x00\\u2028é"
+    assert runner._peer_text("z" * 500) == "z" * runner.PEER_TEXT_LIMIT + "..."
