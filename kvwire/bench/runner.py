@@ -791,18 +791,37 @@ def _enter_netns(name: str) -> None:
 
 
 def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None, chunk_bytes: int) -> None:
-    """Child process: a server that receives one bench and reports it."""
+    """Child process: a server that receives one bench and reports it. A ``("cpu",)``
+    the parent sends is answered at once with this process's CPU seconds so far, so the
+    run's share of a core is counted over the sender's window: over the child's whole
+    life it took in the check of the run's last transfers (the first builds the
+    reference cache) after the window's end, divided by the window's seconds."""
     from kvwire.aio import run
+
+    async def receive() -> list[dict[str, Any]]:
+        loop = asyncio.get_running_loop()
+
+        def answer() -> None:
+            try:
+                while conn.poll():
+                    if conn.recv()[0] == "cpu":
+                        conn.send(("cpu", _cpu()))
+            except (EOFError, OSError):  # the parent is gone: nothing to answer
+                loop.remove_reader(conn.fileno())
+
+        loop.add_reader(conn.fileno(), answer)
+        try:
+            return await serve_benches(host, 0, secret=secret, once=True, log=lambda _l: None,
+                                       ready=lambda port: conn.send(("ready", port)), chunk_bytes=chunk_bytes)
+        finally:
+            loop.remove_reader(conn.fileno())
 
     _die_with_parent()
     try:
         if netns is not None:
             _enter_netns(netns)
         cpu0 = _cpu()
-        reports = run(
-            serve_benches(host, 0, secret=secret, once=True, log=lambda _l: None,
-                          ready=lambda port: conn.send(("ready", port)), chunk_bytes=chunk_bytes)
-        )
+        reports = run(receive())
         conn.send(("done", reports[0], _cpu() - cpu0))
     except BaseException as exc:  # reported to the parent, which raises it
         with contextlib.suppress(OSError):
@@ -834,7 +853,8 @@ def _emulator_main(
             samples: list[tuple[float, int]] = []
             cpu0 = _cpu()
             # A request wakes the loop at once: ("count",) is answered with the byte count
-            # of that moment (the run's exact start and end); anything else stops it.
+            # and this process's CPU seconds of that moment (the run's exact start and
+            # end); anything else stops it.
             wake = asyncio.Event()
             loop.add_reader(conn.fileno(), wake.set)
             try:
@@ -842,7 +862,7 @@ def _emulator_main(
                     stop = False
                     while not stop and conn.poll():
                         if conn.recv()[0] == "count":
-                            conn.send(("count", link.statistics().bytes_forward))
+                            conn.send(("count", link.statistics().bytes_forward, _cpu()))
                         else:
                             stop = True
                     samples.append((time.monotonic(), link.statistics().bytes_forward))
@@ -984,11 +1004,13 @@ async def _send_loop(
     on_progress: Progress | None, set_rate: Callable[[float], None] | None = None,
     on_interval: Progress | None = None, link_bytes: Callable[[], int] | None = None,
     log: Callable[[str], None] | None = None, link_count: Callable[[], int] | None = None,
+    at_edge: Callable[[], None] | None = None,
 ) -> _SendResult:
     """Send for ``cfg.duration``. ``link_bytes``: the shaped link's byte counter, read at
     every sample (kernel mode); ``link_count``: a counter read only at the run's start
     and end (the emulator's, asked across a pipe); either makes ``carried_bytes`` what
-    the link carried between the two, exactly."""
+    the link carried between the two, exactly. ``at_edge`` is called at the run's start
+    and at its end, as ``link_count`` is (the other processes' CPU read there)."""
     from kvwire.aio import connect
 
     model = get_model(cfg.model)
@@ -1007,6 +1029,8 @@ async def _send_loop(
             log(f"warning: the receiver accepts frames of at most {format_size(peer.core.peer_max_frame_size)}: "
                 f"chunks of {format_size(res.chunk_bytes)}, not the {format_size(cfg.chunk_bytes)} asked for")
         counter = link_count or link_bytes
+        if at_edge is not None:
+            at_edge()
         count0 = counter() if counter is not None else 0  # before the first byte of the run
         start = time.monotonic()
         base = t0 if t0 is not None else start
@@ -1124,6 +1148,8 @@ async def _send_loop(
             res.ended = time.monotonic()
             if counter is not None:  # every completed transfer's bytes have crossed it
                 res.carried = counter() - count0
+            if at_edge is not None:
+                at_edge()
             tasks[0].cancel()  # the sampler: one last sample covers every completed transfer
             await asyncio.gather(tasks[0], return_exceptions=True)
             take_sample(final=True)
@@ -1322,6 +1348,15 @@ def run_bench(
                            cfg.emulator == "splice")
                 )
             _, port = _expect(rconn, "receiver", rproc, _READY_TIMEOUT)
+            # The receiver's (and the emulator's) CPU seconds at the run's start and end.
+            receiver_cpus: list[float] = []
+            emulator_cpus: list[float] = []
+            recv_proc, recv_conn = rproc, rconn
+
+            def receiver_edge() -> None:
+                recv_conn.send(("cpu",))
+                receiver_cpus.append(float(_expect(recv_conn, "receiver", recv_proc, 30.0)[1]))
+
             if eproc is not None and econn is not None:
                 econn.send(("target", port))
                 _, port, t0 = _expect(econn, "emulator", eproc, _READY_TIMEOUT)
@@ -1332,7 +1367,7 @@ def run_bench(
                 with _inside(link.sender_ns):
                     send = run(_send_loop(cfg, host, port, secret, bench_id, t0, on_progress,
                                           set_rate=link.set_rate, on_interval=on_interval,
-                                          link_bytes=link.tx_bytes, log=log))
+                                          link_bytes=link.tx_bytes, log=log, at_edge=receiver_edge))
             else:
                 emulator_count = None
                 if eproc is not None and econn is not None:
@@ -1340,14 +1375,21 @@ def run_bench(
 
                     def emulator_count() -> int:
                         emu_conn.send(("count",))
-                        return int(_expect(emu_conn, "emulator", emu_proc, 30.0)[1])
+                        _, count, cpu_s = _expect(emu_conn, "emulator", emu_proc, 30.0)
+                        emulator_cpus.append(float(cpu_s))
+                        return int(count)
 
                 send = run(_send_loop(cfg, "127.0.0.1", port, secret, bench_id, t0, on_progress,
-                                      on_interval=on_interval, log=log, link_count=emulator_count))
+                                      on_interval=on_interval, log=log, link_count=emulator_count,
+                                      at_edge=receiver_edge))
             _, receiver, receiver_cpu = _expect(rconn, "receiver", rproc, 300.0)
+            if len(receiver_cpus) == 2:  # over the run's window, as the sender's
+                receiver_cpu = receiver_cpus[1] - receiver_cpus[0]
             if eproc is not None and econn is not None:
                 econn.send(("stop",))
                 _, emu_samples, emulator_cpu = _expect(econn, "emulator", eproc, 30.0)
+                if len(emulator_cpus) == 2:
+                    emulator_cpu = emulator_cpus[1] - emulator_cpus[0]
 
     base = t0 if t0 is not None else send.started
     link_samples = emu_samples or send.link_samples

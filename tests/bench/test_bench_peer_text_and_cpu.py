@@ -88,3 +88,38 @@ def test_peer_text_is_escaped_and_cut() -> None:
     assert runner._peer_text("plain id-1") == "plain id-1"
     assert runner._peer_text("a\nb\\n\x00\u2028é") == "a\\nb\\\\n\\x00\\u2028é"
     assert runner._peer_text("z" * 500) == "z" * runner.PEER_TEXT_LIMIT + "..."
+
+
+@pytest.mark.parametrize("link_bps", [None, 200e6], ids=["loopback", "emulated"])
+def test_receiver_cpu_is_counted_over_the_runs_window(monkeypatch: pytest.MonkeyPatch, link_bps: float | None) -> None:
+    """The receiver child's CPU was counted from its start to its end (building the
+    reference and checking the last transfers after the run's end, the end transfer,
+    the wait for the sender to hang up), the emulator's from its start to its stop, and
+    divided by the run's seconds. Both are now read at the run's start and end, where
+    the sender's is."""
+    seen: dict[str, list[tuple[Any, ...]]] = {"receiver": [], "emulator": []}
+    expect = runner._expect
+
+    def recording(conn: Any, what: str, proc: Any, timeout: float) -> tuple[Any, ...]:
+        msg = expect(conn, what, proc, min(timeout, 60.0))
+        seen.setdefault(what, []).append(msg)
+        return msg
+
+    monkeypatch.setattr(runner, "_expect", recording)
+    cfg = runner.BenchConfig(model="tiny", tokens=64, duration=0.3, baseline=False, link_bps=link_bps)
+    result = runner.run_bench(cfg)
+    cpu_reads = [float(m[1]) for m in seen["receiver"] if m[0] == "cpu"]
+    done = [m for m in seen["receiver"] if m[0] == "done"]
+    assert len(cpu_reads) == 2 and len(done) == 1, seen
+    window = cpu_reads[1] - cpu_reads[0]
+    assert 0 <= window <= float(done[0][2])
+    assert result["cpu"]["receiver"] == pytest.approx(window / result["seconds"])
+    if link_bps is None:
+        assert result["cpu"]["emulator"] is None
+        return
+    counts = [m for m in seen["emulator"] if m[0] == "count"]
+    stopped = [m for m in seen["emulator"] if m[0] == "done"]
+    assert len(counts) == 2 and len(stopped) == 1, seen
+    window = float(counts[1][2]) - float(counts[0][2])
+    assert 0 <= window <= float(stopped[0][2])
+    assert result["cpu"]["emulator"] == pytest.approx(window / result["seconds"])
