@@ -19,8 +19,10 @@ No method blocks the loop thread, and calling a blocking one *from* the loop thr
 refused (it could never return), as is any call in a child made by ``fork()`` on a bridge
 made before it (its loop thread runs in the parent only).  ``close()`` fails every waiter with
 :class:`~kvwire.ConnectionLostError` and joins the thread; a shared :class:`Bridge` closed
-first closes the servers and peers that run on it (their sockets do not outlive it).  The
-implementation lives in ``kvwire.aio`` (the only package that runs an event loop).
+first closes the servers and peers that run on it (their sockets do not outlive it).  A
+:class:`SyncServer` or :class:`SyncPeer` with its own bridge garbage-collected unclosed is
+closed then, with a ResourceWarning (as an unclosed socket).  The implementation lives in
+``kvwire.aio`` (the only package that runs an event loop).
 """
 
 from kvwire.aio._pending import PendingPeer

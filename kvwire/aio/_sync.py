@@ -9,6 +9,7 @@ import contextlib
 import inspect
 import os
 import threading
+import warnings
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine
 from types import TracebackType
@@ -160,8 +161,11 @@ class Bridge:
                 with self._lock:
                     self._ended = True
                     events = list(self._end_events)
+                    watched = list(self._watched)
                 for event in events:
                     event.set()
+                for handle in watched:  # (a close that did not wait for this: close_soon())
+                    handle._wake()
 
     @property
     def closed(self) -> bool:
@@ -297,6 +301,23 @@ class Bridge:
             task = self._closing[id(thing)] = asyncio.ensure_future(close())
         return task
 
+    def close_soon(self) -> None:
+        """Begin closing without waiting for anything, from any thread, the loop's own too
+        (a garbage collector's finalizer may run on either): the loop stops, and its
+        thread's end closes the servers and peers it owns, cancels the rest and closes the
+        loop, its thread ending then.  Takes no lock a thread may hold meanwhile; nothing
+        in a child made by ``fork()`` (the loop thread runs in the parent only)."""
+        if os.getpid() != self._pid:
+            return
+
+        def stop() -> None:  # (on the loop, where no lock is held between callbacks)
+            with self._lock:
+                self._closed = True
+            self.loop.stop()
+
+        with contextlib.suppress(RuntimeError):  # (the loop is closed: closed already)
+            self.loop.call_soon_threadsafe(stop)
+
     def submit_close(self, coro: Coroutine[Any, Any, None]) -> concurrent.futures.Future[None]:
         """Schedule ``coro``, which closes what a failed start opened, on the loop: a close
         under way, which :meth:`close` waits for (as for the closes of what it owns) before
@@ -418,6 +439,27 @@ def start_on(bridge: Bridge, start: Coroutine[Any, Any, T], timeout: float | Non
             if inspect.getcoroutinestate(start) == inspect.CORO_CREATED:
                 start.close()
         raise
+
+
+def close_dropped(bridge: Bridge, what: str) -> None:
+    """A SyncServer's or SyncPeer's finalizer (``what`` names it): garbage-collected
+    unclosed, its own ``bridge`` is closed without waiting (:meth:`Bridge.close_soon`), and
+    a ResourceWarning says so, as an unclosed socket's does.  Nothing when its bridge is
+    closed already (its close() ended, or the bridge was closed by hand)."""
+    if bridge.closed or os.getpid() != bridge._pid:  # (a forked child: its copy holds no thread)
+        return
+    bridge.close_soon()  # first: a warning raised (an "error" filter) closes it all the same
+    warnings.warn(f"unclosed {what}: it is closed now, as it is garbage-collected; close() it",
+                  ResourceWarning, stacklevel=1)  # (run by a collector: no caller to name)
+
+
+def watch_dropped(owner: SyncServer | SyncPeer, what: str) -> weakref.finalize[Any, Any]:
+    """:func:`close_dropped` for ``owner`` (a SyncServer or SyncPeer with its own bridge)
+    once it is garbage-collected; not at the interpreter's exit (its daemon thread ends with
+    the process).  Nothing the loop runs refers to ``owner``, or it would never be collected."""
+    finalizer = weakref.finalize(owner, close_dropped, owner.bridge, what)
+    finalizer.atexit = False
+    return finalizer
 
 
 class ReceiveHandle:
@@ -589,7 +631,13 @@ class ReceiveHandle:
 
 
 class SyncServer:
-    """``kvwire.serve()`` on a background loop; :meth:`expect` from any thread."""
+    """``kvwire.serve()`` on a background loop; :meth:`expect` from any thread.
+
+    One with its own bridge garbage-collected unclosed is closed then, without waiting,
+    with a ResourceWarning (as an unclosed socket): :meth:`close` it."""
+
+    #: Closes it (with its own bridge) once garbage-collected unclosed; None: nothing to do.
+    _finalizer: weakref.finalize[Any, Any] | None = None
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, secret: bytes,
                  bridge: Bridge | None = None, start_timeout: float = 30.0, **options: Any) -> None:
@@ -617,6 +665,8 @@ class SyncServer:
                 self.bridge.close()
             raise
         self.port: int = self._server.port
+        if self._own_bridge:  # (a shared bridge's close closes it)
+            self._finalizer = watch_dropped(self, f"kvwire.sync.SyncServer on {host}:{self.port}")
 
     @property
     def server(self) -> Any:
@@ -664,6 +714,8 @@ class SyncServer:
             h._fail(ConnectionLostError("server closed"))
         if self._own_bridge:
             self.bridge.close(timeout)
+            if self._finalizer is not None:
+                self._finalizer.detach()  # (closed: nothing for it to do)
 
     def __enter__(self) -> SyncServer:
         return self
@@ -675,11 +727,23 @@ class SyncServer:
 _END = object()
 
 
+async def queued_layers(queue: asyncio.Queue[Any], num_layers: int, request_id: str) -> AsyncIterator[tuple[Any, Any]]:
+    """:meth:`SendHandle.send_layer`'s layers as they are queued (``num_layers`` of them)."""
+    for _ in range(num_layers):
+        item = await queue.get()
+        if item is _END:
+            raise TransferAbortedError(f"send of {request_id!r} ended before its last layer")
+        yield item
+
+
 class SendHandle:
     """One outgoing transfer fed layer by layer from any thread."""
 
-    def __init__(self, bridge: Bridge, request_id: str, num_layers: int) -> None:
+    def __init__(self, bridge: Bridge, request_id: str, num_layers: int, owner: Any = None) -> None:
         self._bridge = bridge
+        # The SyncPeer that began it, kept alive while the handle is held (garbage-collected
+        # unclosed, the peer is closed); not by the send on the loop, which holds the queue only.
+        self._owner = owner
         self.request_id = request_id
         self.num_layers = num_layers
         self._lock = threading.Lock()
@@ -690,12 +754,10 @@ class SendHandle:
         self._aborted = False
         self._lost = False  # its peer closed: waiters fail with ConnectionLostError
 
-    async def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
-        for _ in range(self.num_layers):
-            item = await self._queue.get()
-            if item is _END:
-                raise TransferAbortedError(f"send of {self.request_id!r} ended before its last layer")
-            yield item
+    def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
+        """The layers queued, for the send on the loop: it refers to the queue, not to this
+        handle (nor, through it, to its SyncPeer, which could then never be collected)."""
+        return queued_layers(self._queue, self.num_layers, self.request_id)
 
     def send_layer(self, k: Any, v: Any) -> None:
         """Queue the next layer (in layer order); returns at once.  The arrays must not be
@@ -784,7 +846,14 @@ def check_send_options(peer: Any, options: dict[str, Any]) -> dict[str, Any]:
 
 
 class SyncPeer:
-    """``kvwire.connect()`` on a background loop; :meth:`begin` / :meth:`send` from any thread."""
+    """``kvwire.connect()`` on a background loop; :meth:`begin` / :meth:`send` from any thread.
+
+    One with its own bridge garbage-collected unclosed is closed then, without waiting,
+    with a ResourceWarning (as an unclosed socket): :meth:`close` it.  Its
+    :class:`SendHandle` objects keep it alive while they are held."""
+
+    #: Closes it (with its own bridge) once garbage-collected unclosed; None: nothing to do.
+    _finalizer: weakref.finalize[Any, Any] | None = None
 
     def __init__(self, host: str, port: int, *, secret: bytes, bridge: Bridge | None = None,
                  start_timeout: float = 30.0, **options: Any) -> None:
@@ -800,6 +869,8 @@ class SyncPeer:
             if self._own_bridge:
                 self.bridge.close()
             raise
+        if self._own_bridge:  # (a shared bridge's close closes it)
+            self._finalizer = watch_dropped(self, f"kvwire.sync.SyncPeer to {host}:{port}")
 
     def _init_waiters(self) -> None:
         # What threads wait on (SendHandles, the futures of send() and the other blocking
@@ -831,7 +902,7 @@ class SyncPeer:
         check_request_id(request_id)  # at once, not from wait() after every layer was queued
         send_options = check_send_options(self._peer, send_options)  # (so are they)
         self.bridge.check_process()
-        handle = SendHandle(self.bridge, request_id, spec.num_layers)
+        handle = SendHandle(self.bridge, request_id, spec.num_layers, self)
         handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
         with self._waiters_lock:
             self._handles.add(handle)
@@ -893,6 +964,8 @@ class SyncPeer:
             fut.cancel()
         if self._own_bridge:
             self.bridge.close(timeout)
+            if self._finalizer is not None:
+                self._finalizer.detach()  # (closed: nothing for it to do)
 
     def __enter__(self) -> SyncPeer:
         return self
