@@ -42,6 +42,7 @@ from kvwire.errors import (
 from kvwire.session.options import ServerOptions, check_port, check_seconds, make_server_options
 from kvwire.session.receiver import (
     AuthenticationFailed,
+    ConnectionDropped,
     GoawayReceived,
     InternalError,
     Key,
@@ -62,6 +63,30 @@ from kvwire.wire.connection import SHUTTING_DOWN
 
 _log = logging.getLogger("kvwire")
 
+#: Error codes of a connection this server closed for which the peer is not to blame (it
+#: fell silent, was closed with its session, or resumed one the server no longer has):
+#: logged at INFO; any other (a rule the peer broke, a limit, a corrupted frame) at WARNING.
+_QUIET_CODES = frozenset({ErrorCode.NO_ERROR, ErrorCode.TIMEOUT, ErrorCode.SESSION_LOST,
+                          ErrorCode.UNKNOWN_SESSION, ErrorCode.CANCELLED})
+
+
+def printable(text: str) -> str:
+    """``text`` for a log line: every character that is not printable (line breaks, other
+    control characters, format characters such as bidirectional overrides) and the
+    backslash as its Python escape, so that text a peer chose can neither forge a line nor
+    hide part of one, nor pass for an escape."""
+    if text.isprintable() and "\\" not in text:
+        return text
+    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in text)
+
+
+def address(peer: Any) -> str:
+    """A peer's address for a log line: ``host:port`` (``[host]:port`` for IPv6)."""
+    if isinstance(peer, tuple) and len(peer) >= 2:
+        host = str(peer[0])
+        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
+    return printable(str(peer)) if peer else "a client"
+
 #: Seconds over which the server measures what receiving costs it, and tells the clients
 #: that sent data meanwhile (REPORT, docs/protocol.md 4.10).
 REPORT_INTERVAL = 0.25
@@ -72,6 +97,14 @@ REPORT_MIN_ELEMENTS = 1 << 18
 #: An interval longer than this (seconds) went by without data (the pump runs as data
 #: arrives): whatever else the loop did meanwhile is not receiving's cost.
 REPORT_IDLE = 1.0
+
+
+def _code(code: int) -> str:
+    """An error code for a log line: its name and number (an unknown one, the number)."""
+    try:
+        return f"{ErrorCode(code).name} (0x{code:04x})"
+    except ValueError:
+        return f"code 0x{code:04x}"
 
 
 class _CostMeter:
@@ -292,16 +325,18 @@ class _TlsAccept(asyncio.Protocol):
             self.stream.eof_received()
 
     def _failed(self, exc: Exception | None) -> None:
-        """Log a handshake that failed (not one the server's close ended): a warning, as
-        a failed kvwire authentication is; the peer closing the connection meanwhile (a
-        health check, a client that gave up or refused the certificate) at INFO."""
+        """Count and log a handshake that failed (not one the server's close ended): a
+        warning, as a failed kvwire authentication is; the peer closing the connection
+        meanwhile (a health check, a client that gave up or refused the certificate) at
+        INFO."""
         if self.server._closing:
             return
+        self.server._tls_failures += 1
         if exc is None or isinstance(exc, ConnectionResetError | BrokenPipeError):
-            _log.info("kvwire: %s closed the connection during the TLS handshake", self.peer or "a client")
+            _log.info("%s closed the connection during the TLS handshake", address(self.peer))
         else:
-            _log.warning("kvwire: TLS handshake failed for %s: %s", self.peer or "a client",
-                         str(exc) or type(exc).__name__)
+            _log.warning("TLS handshake failed for %s: %s", address(self.peer),
+                         printable(str(exc) or type(exc).__name__))
 
 
 def _check_registry(registry: Any) -> None:
@@ -375,6 +410,7 @@ class Server(Pump):
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
         self._closing = False  # from the start of close(): nothing new may wait
+        self._tls_failures = 0  # TLS handshakes that did not complete (not ended by close())
 
     async def start(self) -> None:
         if self._closing:
@@ -513,14 +549,25 @@ class Server(Pump):
             raise TransferTimeoutError(f"{what} timed out after {timeout} s") from None
 
     def statistics(self) -> dict[str, Any]:
-        """A snapshot: sessions, connections, transfers, bytes held, and event counts
-        (``authentication_failures``, ``resumes``, ``goaways_received``, aborts, ...)."""
+        """A snapshot: sessions, connections, transfers, bytes held, and event counts, each
+        present from the start (0 until it happens): ``transfers_accepted``,
+        ``transfers_refused``, ``transfers_aborted`` (by this side: the application, or
+        ``claim_timeout``), ``transfers_aborted_by_peer``, ``transfers_unclaimed``
+        (dropped at ``claim_timeout``), ``buffer_budget_refusals``,
+        ``authentication_failures``, ``tls_handshake_failures`` (TLS handshakes that did
+        not complete: failed, timed out, or the client closed the connection),
+        ``resumes``, ``goaways_received`` and ``connections_dropped`` (closed other than
+        cleanly, for a reason none of the others counts: a protocol error, a corrupted
+        frame, ``idle_timeout``, a refusal, the peer closing without a GOAWAY).
+        ``pending_arrivals`` counts the arrived transfers :meth:`accept` or :meth:`expect`
+        would hand out."""
         return {
             "sessions": self.core.sessions,
             "connections": len(self._by_cid),
             "pending_arrivals": len(self.core.unclaimed()),
             "buffered_bytes": self.core.buffered_bytes,
             **self.core.counters,
+            "tls_handshake_failures": self._tls_failures,
         }
 
     async def close(self) -> None:
@@ -585,7 +632,7 @@ class Server(Pump):
             try:
                 self._on_event(ev)
             except Exception:
-                _log.exception("kvwire: internal error handling %s", type(ev).__name__)
+                _log.exception("internal error handling %s", type(ev).__name__)
         for cid in core.take_dirty():
             stream = self._by_cid.get(cid)
             if stream is not None:
@@ -636,20 +683,28 @@ class Server(Pump):
         elif isinstance(ev, RegistryCheck | RegistryPublish):
             self.spawn(self._registry_call(ev))
         elif isinstance(ev, AuthenticationFailed):
-            _log.warning("kvwire: authentication failed for %s: %s", self._peer(ev.cid), ev.error)
+            _log.warning("authentication failed for %s: %s", self._peer(ev.cid), printable(str(ev.error)))
         elif isinstance(ev, GoawayReceived):
-            _log.info("kvwire: GOAWAY from %s: code 0x%04x %s", self._peer(ev.cid), ev.code, ev.message)
+            _log.info("GOAWAY from %s: %s %r", self._peer(ev.cid), _code(ev.code), ev.message)
+        elif isinstance(ev, ConnectionDropped):
+            level = logging.INFO if ev.by_peer or ev.code in _QUIET_CODES else logging.WARNING
+            who = "closed by the client" if ev.by_peer else f"closed: {_code(ev.code)}"
+            _log.log(level, "connection from %s %s: %s", self._peer(ev.cid), who, printable(ev.reason))
         elif isinstance(ev, StreamResumed):
-            _log.info("kvwire: session %s resumed stream %d", ev.session_id.hex()[:8], ev.stream_index)
+            _log.info("%s resumed stream %d of session %s", self._peer(ev.cid), ev.stream_index,
+                      ev.session_id.hex()[:8])
         elif isinstance(ev, InternalError):
-            _log.error("kvwire: internal error on a connection from %s", self._peer(ev.cid), exc_info=ev.error)
+            _log.error("internal error on a connection from %s", self._peer(ev.cid), exc_info=ev.error)
         elif isinstance(ev, TransferAborted):
-            who = "reset by the client" if ev.by_peer else "aborted"
-            _log.info("transfer %r %s: %s", ev.request_id, who, ev.reason or "no reason given")
+            # One a transfer: a peer could begin and reset transfers by the thousand (the
+            # counters in statistics() count them).
+            _log.debug("transfer %s from %s %s: %s", quoted_id(ev.request_id), self._peer(ev.cid),
+                       "reset by the client" if ev.by_peer else "aborted",
+                       printable(ev.reason) if ev.reason else "no reason given")
 
-    def _peer(self, cid: int) -> Any:
-        stream = self._by_cid.get(cid)
-        return stream.peer if stream is not None and stream.peer else "a client"
+    def _peer(self, cid: int | None) -> str:
+        stream = self._by_cid.get(cid) if cid is not None else None
+        return address(stream.peer) if stream is not None else "a client"
 
     async def _registry_call(self, ev: RegistryCheck | RegistryPublish) -> None:
         """Ask the registry what the core asked (docs/consistency.md: ``check_many`` at

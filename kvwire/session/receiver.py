@@ -92,6 +92,12 @@ _RESETS_KEPT = 256
 
 #: Completed transfers whose data is gone a session remembers (see _Session.completed).
 COMPLETED_KEPT = 4096
+#: What ``ReceiverCore.counters`` counts, each from 0.
+COUNTERS = (
+    "transfers_accepted", "transfers_refused", "transfers_aborted", "transfers_aborted_by_peer",
+    "transfers_unclaimed", "buffer_budget_refusals", "authentication_failures", "resumes",
+    "goaways_received", "connections_dropped",
+)
 #: Size of the deadline heap at which it is first compacted (see ``_compact_timers``).
 TIMERS_COMPACT_MIN = 1024
 
@@ -415,6 +421,8 @@ class GoawayReceived:
 class StreamResumed:
     session_id: bytes
     stream_index: int
+    cid: int | None = None
+    """The connection that resumed it."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -423,6 +431,24 @@ class TransferAborted:
 
     key: Key
     request_id: str
+    reason: str
+    by_peer: bool = False
+    cid: int | None = None
+    """The connection its RESET came on (``by_peer``), else the one that carried its BEGIN."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConnectionDropped:
+    """Connection ``cid`` closed other than cleanly, and no other event says why (not a
+    failed authentication, not a GOAWAY received, not an internal error, not the server
+    closing): the peer broke a rule (``PROTOCOL_ERROR``, ``INTEGRITY_ERROR``, ...), fell
+    silent past a deadline (``TIMEOUT``), was refused (``UNKNOWN_SESSION``, a limit), was
+    closed with its session (``SESSION_LOST``), or closed it without a GOAWAY
+    (``by_peer``).  One per connection at most, for the I/O layer to log; ``reason`` is
+    at most :data:`WIRE_TEXT_LIMIT` characters and may quote the peer."""
+
+    cid: int
+    code: int
     reason: str
     by_peer: bool = False
 
@@ -438,7 +464,8 @@ class InternalError:
 
 ReceiverEvent = (
     TransferArrived | LayerReady | TransferFailed | RegistryCheck | RegistryPublish
-    | AuthenticationFailed | GoawayReceived | StreamResumed | TransferAborted | InternalError
+    | AuthenticationFailed | GoawayReceived | StreamResumed | TransferAborted | ConnectionDropped
+    | InternalError
 )
 
 
@@ -549,7 +576,7 @@ class ReceiverCore:
         self.chunk_bytes_received = 0
         """Bytes of CHUNK frames received, every session together (what :meth:`report`'s
         transport cost is per)."""
-        self.counters: dict[str, int] = {"transfers_accepted": 0, "transfers_refused": 0}
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
 
     # -- connections ---------------------------------------------------------------------
 
@@ -710,7 +737,7 @@ class ReceiverCore:
             return
         self._count("transfers_aborted")
         why = f"receiver aborted transfer {quoted_id(t.begin.request_id)}"
-        self._events.append(TransferAborted(key=key, request_id=t.begin.request_id, reason=reason))
+        self._events.append(TransferAborted(key=key, request_id=t.begin.request_id, reason=reason, cid=t.begin_cid))
         self._fail(t, TransferAbortedError(f"{why}: {reason}" if reason else why), reset=True, even_if_complete=True)
 
     def fail(self, key: Key, error: KvwireError, now: float) -> None:
@@ -962,7 +989,7 @@ class ReceiverCore:
         sess.lose_at = None
         if sess.transfers or sess.tombstones or sess.completed:
             self._count("resumes")
-            self._events.append(StreamResumed(session_id=sess.session_id, stream_index=ev.stream_index))
+            self._events.append(StreamResumed(session_id=sess.session_id, stream_index=ev.stream_index, cid=cid))
         self._say_again(sess, conn)
 
     def _say_again(self, sess: _Session, conn: Connection) -> None:
@@ -992,7 +1019,7 @@ class ReceiverCore:
         # would make a second one).  Counted and reported only as what fails a transfer.
         self._count("transfers_aborted_by_peer")
         self._events.append(TransferAborted(
-            key=t.key, request_id=t.begin.request_id, reason=wire_text(ev.message), by_peer=True,
+            key=t.key, request_id=t.begin.request_id, reason=wire_text(ev.message), by_peer=True, cid=cid,
         ))
         # The tombstone repeats the code, not the peer's text (NO_ERROR or an unknown code
         # as PROTOCOL_ERROR, the error the transfer failed with).
@@ -1007,6 +1034,12 @@ class ReceiverCore:
         elif ev.goaway:
             self._count("goaways_received")
             self._events.append(GoawayReceived(cid=cid, code=ev.code, message=wire_text(ev.message)))
+        elif ev.by_peer or (ev.error is not None and ev.code != ErrorCode.INTERNAL_ERROR):
+            # (An internal error is an event of its own; a clean close of this side's, the
+            # server closing, is no drop.)
+            self._count("connections_dropped")
+            reason = str(ev.error) if ev.error is not None else ev.message
+            self._events.append(ConnectionDropped(cid=cid, code=ev.code, reason=wire_text(reason), by_peer=ev.by_peer))
         self._release_reservations(cid)
         sess = self._conn_session.pop(cid, None)
         if sess is None or sess.closed:
@@ -1420,8 +1453,10 @@ class ReceiverCore:
 
 
 __all__ = [
+    "COUNTERS",
     "AuthenticationFailed",
     "ByteStore",
+    "ConnectionDropped",
     "GoawayReceived",
     "InternalError",
     "Key",

@@ -1,0 +1,192 @@
+"""What the server logs and counts of its peers: every counter from 0, one line (at most a
+few) per connection whatever a peer repeats on it, a line for each connection dropped for
+an error, the peer's address in each, and no line a peer's text can forge."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import pytest
+
+import kvwire
+from kvwire.errors import ErrorCode
+from kvwire.wire import Begin, Connection, ConnectionConfig, Role, State
+from kvwire.wire.frames import frame_bytes
+from tests.conftest import SECRET
+from tests.rawpeer import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+COUNTERS = (
+    "transfers_accepted", "transfers_refused", "transfers_aborted", "transfers_aborted_by_peer",
+    "transfers_unclaimed", "buffer_budget_refusals", "authentication_failures", "tls_handshake_failures",
+    "resumes", "goaways_received", "connections_dropped", "pending_arrivals",
+)
+#: What a peer's text may hold to forge or hide a line: line breaks, an escape sequence,
+#: Unicode line and paragraph separators, a bidirectional override.
+FORGERS = ("\n", "\r", "\x1b", "\x85", "\u2028", "\u2029", "\u202e")
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def at_least(self, level: int) -> list[logging.LogRecord]:
+        return [r for r in self.records if r.levelno >= level]
+
+
+@pytest.fixture
+def records() -> Any:
+    handler = Records()
+    logger = logging.getLogger("kvwire")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+async def raw_client(port: int, *, session_id: bytes | None = None) -> tuple[Connection, Any, Any]:
+    """A client connection through its handshake (joining ``session_id``'s stream 0)."""
+    cfg = ConnectionConfig(secret=SECRET) if session_id is None else ConnectionConfig(
+        secret=SECRET, session_id=session_id, stream_index=0)
+    conn = Connection(Role.CLIENT, cfg)
+    conn.initiate()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.writelines([bytes(p) for p in conn.data_to_send()])
+    while conn.state is not State.OPEN:
+        data = await asyncio.wait_for(reader.read(65536), 5)
+        assert data, "server closed during the handshake"
+        conn.receive_data(data)
+        writer.writelines([bytes(p) for p in conn.data_to_send()])
+    return conn, reader, writer
+
+
+async def until_closed(reader: asyncio.StreamReader) -> None:
+    async def go() -> None:
+        try:
+            while await reader.read(65536):
+                pass
+        except ConnectionError:
+            pass
+    await asyncio.wait_for(go(), 10)
+
+
+def begin(tid: int, request_id: str) -> Begin:
+    return Begin(transfer_id=tid, num_layers=2, num_kv_heads=2, head_dim=16, dtype_id=1, model="",
+                 request_id=request_id, meta=b"")
+
+
+def local(writer: Any) -> str:
+    host, port = writer.get_extra_info("sockname")[:2]
+    return f"{host}:{port}"
+
+
+async def test_every_counter_is_there_from_the_start() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        stats = server.statistics()
+        assert {name: stats[name] for name in COUNTERS} == dict.fromkeys(COUNTERS, 0)
+
+
+async def test_a_peer_beginning_and_resetting_transfers_without_end_gets_a_line_or_two(records: Records) -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        conn, reader, writer = await raw_client(server.port)
+        for tid in range(1, 301):
+            conn.send_begin(begin(tid, f"r{tid}"))
+            conn.send_reset(tid, ErrorCode.CANCELLED, "bye")
+        writer.writelines([bytes(p) for p in conn.data_to_send()])
+        assert await wait_until(lambda: server.statistics()["transfers_aborted_by_peer"] == 300, 10)
+        conn.close()
+        writer.writelines([bytes(p) for p in conn.data_to_send()])
+        await until_closed(reader)
+        writer.close()
+        assert await wait_until(lambda: server.statistics()["goaways_received"] == 1, 5)
+    # Each transfer at DEBUG (counted in statistics()); the connection's end at INFO, once.
+    assert len([r for r in records.records if r.levelno == logging.DEBUG and "reset by the client" in r.getMessage()]) == 300
+    [line] = [r.getMessage() for r in records.at_least(logging.INFO)]
+    assert line.startswith(f"GOAWAY from {local(writer)}: NO_ERROR")
+
+
+async def test_a_peers_text_cannot_forge_or_hide_a_line(records: Records) -> None:
+    text = "bye" + "".join(FORGERS) + "2099-01-01 ERROR kvwire: forged line"
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        conn, reader, writer = await raw_client(server.port)
+        conn.send_begin(begin(1, "r\n" + text))
+        conn.send_reset(1, ErrorCode.CANCELLED, text)
+        conn.close(ErrorCode.NO_ERROR, text)
+        writer.writelines([bytes(p) for p in conn.data_to_send()])
+        await until_closed(reader)
+        writer.close()
+        assert await wait_until(lambda: server.statistics()["goaways_received"] == 1, 5)
+    said = [r.getMessage() for r in records.records]
+    assert any("reset by the client" in m for m in said) and any("GOAWAY" in m for m in said)
+    for message in said:
+        assert not any(c in message for c in FORGERS), message
+        assert message.count("forged line") <= 1
+    assert any("bye\\n\\r\\x1b" in m for m in said)  # escaped, not dropped
+
+
+async def drop_with_garbage(port: int) -> str:
+    _conn, reader, writer = await raw_client(port)
+    writer.write(b"\xff" * 64)  # no frame
+    await until_closed(reader)
+    writer.close()
+    return local(writer)
+
+
+async def drop_with_a_bad_crc(port: int) -> str:
+    _conn, reader, writer = await raw_client(port)
+    frame = bytearray(frame_bytes(begin(1, "x")))
+    frame[-1] ^= 0xFF
+    writer.write(bytes(frame))
+    await until_closed(reader)
+    writer.close()
+    return local(writer)
+
+
+async def drop_when_silent(port: int) -> str:
+    _conn, reader, writer = await raw_client(port)
+    await until_closed(reader)  # the server's idle_timeout (its PING unanswered)
+    writer.close()
+    return local(writer)
+
+
+@pytest.mark.parametrize(("how", "level", "said"), [
+    (drop_with_garbage, logging.WARNING, "FRAME_TOO_LARGE"),
+    (drop_with_a_bad_crc, logging.WARNING, "INTEGRITY_ERROR"),
+    (drop_when_silent, logging.INFO, "TIMEOUT"),
+], ids=["garbage", "bad-crc", "idle-timeout"])
+async def test_a_connection_dropped_for_an_error_is_logged_once_with_the_peers_address(
+    records: Records, how: Any, level: int, said: str,
+) -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, idle_timeout=0.5) as server:
+        peer = await how(server.port)
+        assert await wait_until(lambda: server.statistics()["connections_dropped"] == 1, 5)
+    [record] = [r for r in records.at_least(logging.INFO) if peer in r.getMessage()]
+    assert record.levelno == level and said in record.getMessage()
+    assert record.getMessage().startswith(f"connection from {peer} closed")
+
+
+async def test_a_resume_is_logged_with_the_address_and_no_message_repeats_the_loggers_name(
+    records: Records,
+) -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, resume_timeout=10) as server:
+        conn, _reader, writer = await raw_client(server.port)
+        conn.send_begin(begin(1, "r"))
+        writer.writelines([bytes(p) for p in conn.data_to_send()])
+        assert await wait_until(lambda: server.statistics()["transfers_accepted"] == 1, 5)
+        writer.transport.abort()  # the stream breaks
+        assert await wait_until(lambda: server.statistics()["connections"] == 0, 5)
+        _conn2, _reader2, writer2 = await raw_client(server.port, session_id=conn.session_id)
+        assert await wait_until(lambda: server.statistics()["resumes"] == 1, 5)
+        writer2.close()
+    [resumed] = [r for r in records.records if "resumed" in r.getMessage()]
+    assert resumed.getMessage().startswith(f"{local(writer2)} resumed stream 0 of session ")
+    assert records.records and not [r for r in records.records if r.getMessage().startswith("kvwire")]
