@@ -292,18 +292,30 @@ def _plan_int4_vec(
                   (*args, np.int64(total_blocks), "out", "flags"))
 
 
+def alignment(ptr: int) -> int:
+    """The largest power of two up to 16 that address ``ptr`` is a multiple of."""
+    return min(ptr & -ptr, 16) if ptr else 16
+
+
 def plan_decode(
     base: str, params: bytes, shape: tuple[int, int, int], dtype: str, kind: TensorKind,
-    *, out_aligned: bool, payload_aligned: bool = True,
+    *, out_aligned: bool, payload_align: int = 16,
 ) -> Launch:
     """The launch that decodes one chunk's plain payload into a ``shape`` destination
-    (``out_aligned``: it starts on 16 bytes; ``payload_aligned``: the payload on 4)."""
+    (``out_aligned``: it starts on 16 bytes; ``payload_align``: a power of two the
+    payload's address is a multiple of, :func:`alignment`).
+
+    The vector kernels load the payload in words: int4 needs it on 4 bytes (float32
+    scales and minimums, 32-bit code words), fp8 and int8 on 8 for 16-bit outputs (8 codes
+    a load, after 4 bytes of scale per row) and on 4 for float32; a payload off that
+    alignment takes the any-shape kernel, which reads it byte by byte."""
     tokens, heads, dim = shape
     suffix = _SUFFIX[dtype]
     if base in ("fp8", "int8"):
         rows = tokens * heads
         epv = 4 if dtype == "float32" else 8
-        if dim % epv == 0 and out_aligned and (4 * rows) % epv == 0 and rows * dim < 2**31:
+        if (dim % epv == 0 and out_aligned and payload_align % epv == 0 and (4 * rows) % epv == 0
+                and rows * dim < 2**31):
             return Launch(f"kv_{base}_decode_vec_{suffix}", math.ceil(rows * dim // epv / _THREADS),
                           ("payload", np.uint32(rows), np.uint32(dim), "out", "flags"))
         return Launch(f"kv_{base}_decode_any_{suffix}", math.ceil(rows * dim / _THREADS),
@@ -311,7 +323,7 @@ def plan_decode(
     n = tokens * heads * dim
     epv = 4 if dtype == "float32" else 8
     is_v = np.int32(TensorKind(kind) == TensorKind.V)
-    if dim % epv == 0 and out_aligned and payload_aligned and n < 2**31:
+    if dim % epv == 0 and out_aligned and payload_align % 4 == 0 and n < 2**31:
         return Launch(f"kv_int4_decode_vec_{suffix}", math.ceil(n // epv / _THREADS),
                       ("payload", np.uint32(tokens), np.uint32(heads), np.uint32(dim), np.uint32(params[0]),
                        is_v, "out", "flags"))
@@ -522,11 +534,12 @@ def decode_into(
 def launch_decode(
     base: str, params: bytes, payload: Any, out: Any, *, dtype: str, kind: TensorKind, flags: Any
 ) -> None:
-    """Queue the decode kernel of a plain payload already on the device (CuPy uint8) into
-    ``out`` on the current stream; problems found in the codes are OR-ed into ``flags``."""
+    """Queue the decode kernel of a plain payload already on the device (CuPy uint8, at any
+    address: a chunk of :attr:`DeviceChunks.buffer` at its offset too) into ``out`` on the
+    current stream; problems found in the codes are OR-ed into ``flags``."""
     shape = (int(out.shape[0]), int(out.shape[1]), int(out.shape[2]))
     launch = plan_decode(base, params, shape, dtype, kind, out_aligned=out.data.ptr % 16 == 0,
-                         payload_aligned=payload.data.ptr % 4 == 0)
+                         payload_align=alignment(int(payload.data.ptr)))
     _run(launch, {"payload": payload, "out": out, "flags": flags})
 
 

@@ -475,3 +475,38 @@ def test_gpu_int4_range_beyond_float32_is_refused() -> None:
         get_codec("int4").encode(x, TensorKind.K)
     with pytest.raises(UsageError, match="range"):
         gpu.encode_tensor(get_codec("int4"), _dev(x, "float32"), TensorKind.K, 32).check()
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize(("shape", "step"), [((5, 1, 8), 3), ((40, 2, 64), 6), ((9, 3, 8), 4)])
+def test_gpu_launch_decode_of_each_chunk_where_it_lies_in_the_buffer(
+    shape: tuple[int, int, int], step: int, dtype: str, name: str,
+) -> None:
+    """launch_decode straight from each chunk's offset in encode_tensor's buffer (chunk 1
+    of a (5, 1, 8) fp8 tensor lies 4 bytes past an 8-byte boundary, where the vector
+    kernel's 8-byte loads fault): numpy's values, no flag, the device still usable."""
+    import cupy
+
+    from kvwire.codec import gpu
+
+    codec = get_codec(name)
+    x = _tricky(dtype, (max(shape[0], 6), *shape[1:]), 31)[: shape[0]]
+    enc = gpu.encode_tensor(codec, _dev(x, dtype), TensorKind.K, step, dtype=dtype)
+    enc.check()
+    out = cupy.empty(shape, cupy.float32 if dtype == "float32" else cupy.float16 if dtype == "float16" else cupy.uint16)
+    flags = cupy.zeros(1, cupy.uint32)
+    for off, size, s in zip(enc.offsets, enc.sizes, range(0, shape[0], step), strict=True):
+        c = min(step, shape[0] - s)
+        gpu.launch_decode(name, enc.params, enc.buffer[off : off + size], out[s : s + c], dtype=dtype,
+                          kind=TensorKind.K, flags=flags)
+    cupy.cuda.get_current_stream().synchronize()
+    assert int(flags.get()[0]) == 0
+    host = np.concatenate([
+        codec.decode(*(lambda e: (e.params, e.payload))(codec.encode(x[s : s + step], TensorKind.K)),
+                     shape=x[s : s + step].shape, dtype=dtype, kind=TensorKind.K)
+        for s in range(0, shape[0], step)
+    ])
+    assert cupy.asnumpy(out).tobytes() == host.tobytes()

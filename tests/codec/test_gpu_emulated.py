@@ -16,6 +16,7 @@ import itertools
 import re
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -144,9 +145,14 @@ _CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.uint32: ctype
 
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build_emulation(tmp_path_factory.mktemp("kvquant_emu"))
+
+
+def build_emulation(build: Path) -> Any:
+    """The kernels and the shim compiled in ``build``: ``emu_<kernel>(grid, block,
+    threaded, args...)`` for each kernel, and ``emu_errors()``."""
     if CXX is None:
         pytest.fail("no C++ compiler found to build the kernel emulation")
-    build = tmp_path_factory.mktemp("kvquant_emu")
     source = SHIM + g.kernel_source()
     (build / "kernels.cpp").write_text(source)
     pre = subprocess.run([CXX, "-std=c++20", "-E", "-P", str(build / "kernels.cpp")], check=True,
@@ -214,7 +220,7 @@ def emu_decode(lib: Any, base: str, params: bytes, payload: bytes, out: np.ndarr
                dtype: str, kind: TensorKind) -> int:
     dev = _placed(np.frombuffer(payload, np.uint8), True)
     launch = g.plan_decode(base, params, out.shape, dtype, kind, out_aligned=out.ctypes.data % 16 == 0,
-                           payload_aligned=dev.ctypes.data % 4 == 0)
+                           payload_align=g.alignment(dev.ctypes.data))
     buffers = {"payload": dev, "out": out, "flags": np.zeros(1, np.uint32)}
     _launch(lib, launch, buffers)
     return int(buffers["flags"][0])
@@ -613,3 +619,44 @@ def test_emulated_int4_top_code_near_float32_maximum(
         assert emu_decode(emu, "int4", ref.params, payloads[i], sub, "float32", kind) == 0
         want = _ref(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype="float32", kind=kind)
         assert sub.tobytes() == want.tobytes() and np.all(np.isfinite(sub))
+
+
+def _at(data: bytes, shift: int) -> np.ndarray[Any, Any]:
+    """``data`` in memory starting ``shift`` bytes past a 16-byte boundary."""
+    raw = np.empty(len(data) + 64, np.uint8)
+    start = (-raw.ctypes.data) % 16 + shift
+    out: np.ndarray[Any, Any] = raw[start : start + len(data)]
+    out[...] = np.frombuffer(data, np.uint8)
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
+def test_emulated_decode_of_a_payload_at_any_address(emu: Any, dtype: str, name: str) -> None:
+    """A payload at each address from a 16-byte boundary to 15 past it (a chunk decoded
+    where it lies in a buffer of several): the launch plan_decode picks for its
+    alignment makes no access a GPU would refuse, and gives numpy's values; the vector
+    kernel where the payload allows it, the any-shape one elsewhere."""
+    codec = get_codec(name)
+    shape = (6, 2, 16)
+    x = _tricky(dtype, shape, 7)
+    ref = _ref(codec).encode_numpy(x, TensorKind.K)
+    data = bytes(memoryview(ref.payload).cast("B"))
+    want = _bits(_ref(codec).decode_numpy(ref.params, ref.payload, shape=shape, dtype=dtype, kind=TensorKind.K))
+    vector: dict[int, bool] = {}
+    for shift in range(16):
+        payload = _at(data, shift)
+        out = _placed(np.full(shape, 0xFF, want.dtype), True)
+        launch = g.plan_decode(name, ref.params, shape, dtype, TensorKind.K, out_aligned=True,
+                               payload_align=g.alignment(payload.ctypes.data))
+        flags = np.zeros(1, np.uint32)
+        _launch(emu, launch, {"payload": payload, "out": out, "flags": flags})  # no misaligned access
+        assert int(flags[0]) == 0 and out.tobytes() == want.tobytes(), shift
+        vector[shift] = "_vec_" in launch.kernel
+    need = 4 if name == "int4" or dtype == "float32" else 8
+    assert vector == {shift: shift % need == 0 for shift in range(16)}
+
+
+def test_alignment_of_an_address() -> None:
+    assert [g.alignment(p) for p in (0, 1, 2, 4, 6, 8, 12, 16, 36, 256, 0x7F000010)] == [
+        16, 1, 2, 4, 2, 8, 4, 16, 4, 16, 16]
