@@ -7,9 +7,10 @@ being sent, each copy followed by an event; a chunk goes on the wire once its ev
 fired, so the copy of chunk i+1 runs while chunk i is sent.  The buffers come from CuPy's
 pinned pool and go back to it when the transport drops the chunk (after its ack).
 
-Receiving (``serve(device="gpu")`` or ``"gpu:N"``): layer arrays live on that device;
-each chunk is validated on the host (params, lengths, scales) and its codes decoded by the
-kernel straight into the layer, on a non-blocking stream of that device.
+Receiving (``serve(device="gpu")`` or ``"gpu:N"``): layer arrays live on that device,
+allocated on the current stream; each chunk is validated on the host (params, lengths,
+scales) and its codes decoded by the kernel straight into the layer, on a non-blocking
+stream of that device ordered after the allocating one, and waited for.
 """
 
 from __future__ import annotations
@@ -257,15 +258,24 @@ class GpuReceiver:
         self.device_id = index
 
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
-        """An uninitialised layer tensor on the device (bfloat16 as uint16 bits)."""
+        """An uninitialised layer tensor on the device (bfloat16 as uint16 bits).
+
+        It comes from CuPy's pool in the order of the current stream (where the layer is
+        then used), and the transfer stream, which decodes into it, waits for what was
+        queued there before it: the block may have been freed there with work on it still
+        queued."""
         import cupy
 
         dt = {"float16": cupy.float16, "float32": cupy.float32, "bfloat16": cupy.uint16}[dtype]
         with cupy.cuda.Device(self.device_id):
-            return cupy.empty(shape, dt)
+            layer = cupy.empty(shape, dt)
+            stream_for(self.device_id).wait_event(cupy.cuda.get_current_stream().record())
+            return layer
 
     def decode(self, codec: Codec, params: bytes, payload: Any, out: Any, dtype: str, kind: TensorKind) -> None:
-        """Decode one chunk into ``out`` (a token range of a layer from :meth:`empty`)."""
+        """Decode one chunk into ``out`` (a token range of a layer from :meth:`empty`) on
+        the transfer stream (ordered after the current one, :func:`~kvwire.codec.gpu.decode_into`);
+        ``out`` holds it when this returns."""
         gpu.decode_into(codec, params, payload, out, dtype=dtype, kind=TensorKind(kind),
                         stream=stream_for(self.device_id))
 

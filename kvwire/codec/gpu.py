@@ -490,6 +490,13 @@ def check_destination(out: Any, dtype: str) -> tuple[int, int, int]:
     return (int(out.shape[0]), int(out.shape[1]), int(out.shape[2]))
 
 
+def _order_after(stream: Any, current: Any) -> None:
+    """Make ``stream`` wait for the work queued so far on ``current`` (nothing when they
+    are the same stream)."""
+    if int(stream.ptr) != int(current.ptr):
+        stream.wait_event(current.record())
+
+
 def decode_into(
     codec: Codec, params: bytes, payload: Any, out: Any, *, dtype: str, kind: TensorKind,
     stream: Any = None,
@@ -498,21 +505,26 @@ def decode_into(
     ``dtype``; bfloat16 also as its uint16 bits): UsageError for any other destination.
 
     Runs on ``out``'s device and on ``stream`` (default: the current one), and waits for
-    the kernel (its flags say whether the codes were valid).  ``raw`` chunks are copied
-    in as they are.
+    the kernel (its flags say whether the codes were valid), so ``out`` holds the chunk
+    when it returns.  On another stream than the current one, the writes are ordered
+    after the work queued so far on the current stream, where ``out`` was allocated or
+    last used: CuPy's memory pool hands a block freed there out again at once, ordered
+    only in that stream.  ``raw`` chunks are copied in as they are.
     """
     shape = check_destination(out, dtype)
     kind = TensorKind(kind)
     import cupy
 
     with out.device:
-        stream = stream if stream is not None else cupy.cuda.get_current_stream()
+        current = cupy.cuda.get_current_stream()
+        stream = stream if stream is not None else current
         base, params, plain = _plain(codec, params, payload, shape, dtype, kind)
         if base == "raw":
             if params:
                 raise ProtocolError("raw codec takes no parameters")
             if plain.nbytes != out.nbytes:
                 raise ProtocolError(f"raw payload is {plain.nbytes} bytes, expected {out.nbytes}")
+            _order_after(stream, current)
             with stream:
                 out.reshape(-1).view(cupy.uint8).set(np.frombuffer(plain, np.uint8), stream=stream)
             stream.synchronize()
@@ -520,6 +532,7 @@ def decode_into(
         if base not in QUANTIZERS:
             raise UsageError(f"codec {codec.name!r} has no GPU kernels")
         validate_payload(base, params, plain, shape, kind)
+        _order_after(stream, current)
         with stream:
             dev = cupy.empty(plain.nbytes, cupy.uint8)
             dev.set(np.frombuffer(plain, np.uint8), stream=stream)

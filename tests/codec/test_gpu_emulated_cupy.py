@@ -1,9 +1,11 @@
-"""kvwire.codec.gpu run whole over a fake CuPy (tests/fake_cupy.py) whose kernels are the CPU emulation of tests/codec/test_gpu_emulated.py: device arrays at
+"""kvwire.codec.gpu and the GPU receiver run whole over a fake CuPy (tests/fake_cupy.py)
+whose kernels are the CPU emulation of tests/codec/test_gpu_emulated.py: device arrays at
 the addresses CuPy would give them, streams that check every use of memory comes after
 its allocation in that stream's order, and kernels that count misaligned accesses."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -79,3 +81,50 @@ def test_launch_decode_of_each_chunk_where_it_lies_in_the_device_buffer(
     if name != "int4" and shape == (20, 2, 16) and dtype != "float32":
         # chunks of 240 bytes at 0, 240, 480: the aligned ones still take the vector kernel
         assert kernels == {f"kv_{name}_decode_vec_{g._SUFFIX[dtype]}"}
+
+
+@pytest.mark.parametrize("elsewhere", [False, True])
+@pytest.mark.parametrize("codec_name", ["fp8", "int4", "raw"])
+def test_gpu_receiver_writes_a_layer_after_its_allocation_in_the_allocating_stream(
+    fake: FakeCupy, codec_name: str, elsewhere: bool,
+) -> None:
+    """A layer is allocated on the current stream (CuPy's pool reuses a block freed there
+    at once, ordered only in that stream), and decoded into on the transfer stream: that
+    stream waits for the allocating one first (also when another stream is current as a
+    chunk is decoded: a task of the application inside ``with stream:``), and the chunk
+    is in the layer once decode() returns."""
+    rx = _gpu.GpuReceiver("gpu:0")
+    layer = rx.empty((2, 16, 4, 64), "float16")
+    assert ("alloc", 0, "null:0", (2, 16, 4, 64)) in fake.log
+    codec = get_codec(codec_name)
+    x = np.random.default_rng(0).standard_normal((8, 4, 64)).astype(np.float16)
+    enc = codec.encode(x, TensorKind.V)
+    with fake.module.cuda.Stream() if elsewhere else contextlib.nullcontext():
+        rx.decode(codec, enc.params, enc.payload, layer[1][8:16], "float16", TensorKind.V)
+    assert fake.problems == []
+    writes = [e for e in fake.log if e[0] in ("launch", "h2d") and "encode" not in str(e[1])]
+    assert writes and all(e[-1] == "stream1:0" for e in writes), writes  # on the transfer stream
+    assert fake.log[-1] == ("synchronize", "stream1:0")
+    want = codec.decode(enc.params, enc.payload, shape=x.shape, dtype="float16", kind=TensorKind.V)
+    assert np.asarray(layer[1][8:16]).tobytes() == np.asarray(want).tobytes()
+
+
+@pytest.mark.parametrize("codec_name", ["int8", "raw"])
+def test_decode_into_on_another_stream_waits_for_the_current_one(fake: FakeCupy, codec_name: str) -> None:
+    """decode_into(stream=...) writes ``out``, made on the current stream, only after that
+    stream's work: its writes on the given stream wait for an event recorded there."""
+    cupy = fake.module
+    out = cupy.empty((8, 2, 16), cupy.float32)  # on the null stream
+    other = cupy.cuda.Stream(non_blocking=True)
+    codec = get_codec(codec_name)
+    x = np.random.default_rng(1).standard_normal((8, 2, 16)).astype(np.float32)
+    enc = codec.encode(x, TensorKind.K)
+    g.decode_into(codec, enc.params, enc.payload, out, dtype="float32", kind=TensorKind.K, stream=other)
+    assert fake.problems == []
+    assert ("wait", other.name, "null:0") in fake.log
+    want = codec.decode(enc.params, enc.payload, shape=x.shape, dtype="float32", kind=TensorKind.K)
+    assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
+    # on the current stream itself: nothing to wait for
+    fake.log.clear()
+    g.decode_into(codec, enc.params, enc.payload, out, dtype="float32", kind=TensorKind.K)
+    assert fake.problems == [] and not [e for e in fake.log if e[0] == "wait"]
