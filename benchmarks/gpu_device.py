@@ -143,6 +143,18 @@ def _device_cache(dtype: str) -> list[tuple[Any, Any]]:
     return [(cupy.asarray(k), cupy.asarray(v)) for k, v in _HOST[dtype]]
 
 
+def poisoned(shape: tuple[int, ...], dtype: str) -> Any:
+    """A CuPy array of ``shape`` for chunks of ``dtype`` to be decoded into, every element's
+    bits set (NaN), of the type ``decode_into`` takes for ``dtype``: float16, float32, or
+    bfloat16's uint16 bits."""
+    import cupy
+
+    if dtype == "float32":
+        return cupy.full(shape, 0xFFFFFFFF, cupy.uint32).view(cupy.float32)
+    bits = cupy.full(shape, 0xFFFF, cupy.uint16)
+    return bits.view(cupy.float16) if dtype == "float16" else bits
+
+
 def exactness(pool: Any, tokens: int) -> dict[str, Any]:
     import cupy
 
@@ -166,7 +178,7 @@ def exactness(pool: Any, tokens: int) -> dict[str, Any]:
                     enc.check()
                     host = cupy.asnumpy(enc.buffer)
                     gpu_shas.append([_sha(host[o : o + n]) for o, n in zip(enc.offsets, enc.sizes, strict=True)])
-                    out = cupy.full((tokens, HEADS, DIM), 0xFFFF, cupy.uint16)  # poisoned
+                    out = poisoned((tokens, HEADS, DIM), dtype)
                     for i, (s, c) in enumerate(plan):
                         payload = host[enc.offsets[i] : enc.offsets[i] + enc.sizes[i]]
                         gpu.decode_into(codec, enc.params, payload, out[s : s + c], dtype=dtype, kind=TensorKind(kind))

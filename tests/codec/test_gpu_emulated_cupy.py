@@ -1,13 +1,16 @@
-"""kvwire.codec.gpu and the GPU receiver run whole over a fake CuPy (tests/fake_cupy.py)
-whose kernels are the CPU emulation of tests/codec/test_gpu_emulated.py: device arrays at
-the addresses CuPy would give them, streams that check every use of memory comes after
-its allocation in that stream's order, and kernels that count misaligned accesses."""
+"""kvwire.codec.gpu, the GPU receiver and the device benchmark's exactness step run whole
+over a fake CuPy (tests/fake_cupy.py) whose kernels are the CPU emulation of
+tests/codec/test_gpu_emulated.py: device arrays at the addresses CuPy would give them,
+streams that check every use of memory comes after its allocation in that stream's order,
+and kernels that count misaligned accesses."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -18,6 +21,8 @@ from kvwire.codec import TensorKind, get_codec, numpy_dtype
 from kvwire.codec import gpu as g
 from tests.codec.test_gpu_emulated import _bits, _ref, _tricky, build_emulation
 from tests.fake_cupy import FakeCupy
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +133,60 @@ def test_decode_into_on_another_stream_waits_for_the_current_one(fake: FakeCupy,
     fake.log.clear()
     g.decode_into(codec, enc.params, enc.payload, out, dtype="float32", kind=TensorKind.K)
     assert fake.problems == [] and not [e for e in fake.log if e[0] == "wait"]
+
+
+def _benchmark(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """benchmarks/gpu_device.py imported (its sys.path and environment changes undone)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("KVWIRE_NO_EXTENSIONS", "1")
+    spec = importlib.util.spec_from_file_location("gpu_device_under_test", ROOT / "benchmarks" / "gpu_device.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Pool:
+    """multiprocessing.Pool's map_async, run here."""
+
+    def map_async(self, fn: Any, jobs: list[Any]) -> Any:
+        results = [fn(job) for job in jobs]
+
+        class Done:
+            def get(self, timeout: float | None = None) -> list[Any]:
+                return results
+
+        return Done()
+
+
+def test_the_benchmark_exactness_step_finds_no_difference(fake: FakeCupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device run's bit-exactness step (benchmarks/gpu_device.py), on a small cache: every
+    chunk encoded by the kernels is numpy's and every tensor decoded into the poisoned
+    destination is numpy's decode, for each dtype the run covers.  (Its destination was
+    uint16 for every dtype, refused for float16 chunks: the step failed on every GPU.)"""
+    bench = _benchmark(monkeypatch)
+    monkeypatch.setattr(bench, "LAYERS", 1)
+    monkeypatch.setattr(bench, "HEADS", 2)
+    monkeypatch.setattr(bench, "DIM", 16)
+    monkeypatch.setattr(bench, "CHUNK_BYTES", 32 * 2 * 16 * 2)  # 32 tokens a chunk
+    tokens = 80
+    f32 = bench.make_cache(tokens)
+    monkeypatch.setattr(bench, "_HOST", {d: [(k.astype(numpy_dtype(d)), v.astype(numpy_dtype(d))) for k, v in f32]
+                                         for d in bench.DTYPES})
+    assert len(bench._plan(tokens)) == 3
+    results = bench.exactness(_Pool(), tokens)
+    assert set(results) == {f"{c}/{d}" for c in bench.CODECS for d in bench.DTYPES}
+    for key, r in results.items():
+        assert (r["chunks"], r["chunks_differing"], r["tensors"], r["decoded_tensors_differing"]) == (6, 0, 2, 0), key
+    assert fake.problems == []
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_the_benchmark_poisons_a_destination_decode_into_takes(
+    fake: FakeCupy, monkeypatch: pytest.MonkeyPatch, dtype: str,
+) -> None:
+    bench = _benchmark(monkeypatch)
+    out = bench.poisoned((4, 2, 8), dtype)
+    assert g.check_destination(out, dtype) == (4, 2, 8)
+    assert set(np.asarray(out).view(np.uint8).reshape(-1).tolist()) == {0xFF}
