@@ -297,7 +297,9 @@ def gather_layer(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]
 
     ``cache`` is ``[num_blocks, *block_shape]``; the result is two fresh contiguous arrays
     ``[len(block_ids) * rows_per_block, 1, row_elems]`` (numpy for host caches, CuPy for GPU
-    ones), so the cache may be overwritten as soon as this returns.
+    ones), so the cache may be overwritten as soon as this returns.  A GPU cache is
+    gathered on its own device, on CuPy's current stream there: work queued on that stream
+    afterwards may overwrite it at once, work on another stream must wait for it.
     """
     blocks, device = _as_blocks(spec, cache, "cache")
     ids = _check_ids(block_ids, blocks.shape[0], "gather", distinct=False)
@@ -306,8 +308,9 @@ def gather_layer(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]
     if device:
         import cupy
 
-        dids = cupy.asarray(ids)
-        return blocks[dids, :half].reshape(shape), blocks[dids, half:].reshape(shape)
+        with blocks.device:
+            dids = cupy.asarray(ids)
+            return blocks[dids, :half].reshape(shape), blocks[dids, half:].reshape(shape)
     return blocks[ids, :half].reshape(shape), blocks[ids, half:].reshape(shape)
 
 
@@ -375,6 +378,11 @@ class PagedDestination:
     destination's own (one layer's dropped blocks), so a raw chunk over kept and dropped
     blocks is still read straight into its places, and a quantized chunk over both is
     decoded straight into the kept blocks (the dropped rows skipped).
+
+    GPU caches (CuPy, or CUDA tensors through DLPack) are written by :meth:`write` on
+    CuPy's current stream of each cache's device, and each write is waited for, so a layer
+    the transfer yields is in its cache for work on any stream.  Work on the named blocks
+    queued on another stream must be complete before the transfer writes them.
 
     A transfer that fails (the sender's producer, the connection, a chunk, or this
     destination's own error) leaves the named blocks with unspecified contents: some
@@ -518,7 +526,11 @@ class PagedDestination:
         """Scatter ``data`` (``[count, 1, row_elems]`` of the caches' dtype, decoded) into
         the destination blocks; :class:`~kvwire.UsageError` for data of another shape or
         dtype (its bytes are never reinterpreted, cast or cut), or a ``kind`` other than
-        0 (K) or 1 (V)."""
+        0 (K) or 1 (V).
+
+        Into a GPU cache the rows are copied on the cache's device, on CuPy's current stream
+        there (after the work queued on it), and waited for: they are in the cache when
+        this returns, for work on any stream, and ``data`` is no longer read."""
         if kind not in (0, 1):
             raise UsageError(f"write() takes kind 0 (K) or 1 (V), got {kind!r}")
         self.check(self.wire_spec, layer_tokens)
@@ -556,13 +568,20 @@ class PagedDestination:
             return
         import cupy
 
-        flat = data.reshape(count, self._width)
-        for block, offset, done, n in self._kept_pieces(kind, start, count):
-            dst = self._blocks[layer][block, offset : offset + n * self._width]
-            src = flat[done : done + n].reshape(-1)
-            if self.spec.dtype == "bfloat16" and not isinstance(src, cupy.ndarray):
-                src = np.ascontiguousarray(src).view(np.uint16)
-            dst[...] = cupy.asarray(src)
+        pieces = list(self._kept_pieces(kind, start, count))
+        if not pieces:
+            return
+        cache = self._blocks[layer]
+        with cache.device:
+            src = data
+            if not isinstance(src, cupy.ndarray):
+                src = np.ascontiguousarray(src)
+                if self.spec.dtype == "bfloat16":
+                    src = src.view(np.uint16)
+            rows = cupy.asarray(src).reshape(count, self._width)
+            for block, offset, done, n in pieces:
+                cache[block, offset : offset + n * self._width] = rows[done : done + n].reshape(-1)
+            cupy.cuda.get_current_stream().synchronize()
 
     def _kept_pieces(self, kind: int, start: int, count: int) -> Iterator[tuple[int, int, int, int]]:
         """Rows ``[start, start + count)`` of K (``kind`` 0) or V block by block, for the

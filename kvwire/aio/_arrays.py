@@ -95,7 +95,8 @@ def as_device_array(x: Any, spec: KVSpec, what: str) -> Any:
         raise UsageError(
             f"{what} has shape {tuple(x.shape)}, expected [tokens, {spec.num_kv_heads}, {spec.head_dim}]"
         )
-    return cupy.ascontiguousarray(x)
+    with x.device:  # a copy of a strided tensor stays on its GPU
+        return cupy.ascontiguousarray(x)
 
 
 def layer_count(layers: Any) -> int | None:
