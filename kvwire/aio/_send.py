@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import os
 import time
@@ -41,6 +42,8 @@ from kvwire.wire.frames import payload_parts
 
 if TYPE_CHECKING:
     from kvwire.aio.client import Peer
+
+_log = logging.getLogger("kvwire")
 
 #: Measurement clock (uvloop's loop clock ticks in whole milliseconds).
 clock = time.perf_counter
@@ -93,7 +96,13 @@ async def until(st: SendState, ready: Callable[[], bool]) -> None:
 
 async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) -> tuple[Any, Any] | None:
     """The producer's next layer, or the transfer's error if it fails first (a producer
-    waiting on something must not keep a dead transfer's ``send()`` alive)."""
+    waiting on something must not keep a dead transfer's ``send()`` alive).
+
+    The producer's ``__anext__`` runs in a task of its own; when the transfer fails or
+    ``send()`` is cancelled while it waits, that task is cancelled and awaited (its
+    cleanup runs before ``send()`` ends, for at most :data:`PRODUCER_STOP_TIMEOUT`) and
+    what it ended with (its end, its error) is read and dropped: the transfer's error or
+    the cancellation is what ``send()`` raises."""
     if st.error is not None:
         raise st.error
     nxt = asyncio.ensure_future(producer.__anext__())
@@ -101,8 +110,8 @@ async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) 
     try:
         await asyncio.wait({nxt, failed}, return_when=asyncio.FIRST_COMPLETED)
     except BaseException:  # send() cancelled: the producer's wait ends with it
-        nxt.cancel()
-        raise
+        await _stop_producer(nxt)
+        raise  # (the cancellation send() was given, still counted by cancelling())
     finally:
         failed.cancel()
     if nxt.done():
@@ -113,9 +122,40 @@ async def next_or_fail(producer: AsyncIterator[tuple[Any, Any]], st: SendState) 
         if st.error is not None:
             raise st.error  # failed while the layer was produced
         return item
-    nxt.cancel()
+    await _stop_producer(nxt)
     assert st.error is not None
     raise st.error
+
+
+#: Longest ``send()`` waits, once it failed or was cancelled, for a producer that was
+#: waiting for its next layer to end (its ``finally`` blocks, an ``except
+#: CancelledError`` releasing what it holds), in seconds.  One that takes longer is left
+#: running, with a warning on the ``kvwire`` logger: a producer that ignores its
+#: cancellation must not keep a failed or cancelled ``send()`` alive for ever.
+PRODUCER_STOP_TIMEOUT = 2.0
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """Read what a stopped producer ended with, so that asyncio never reports it as an
+    exception nobody retrieved (its end, StopAsyncIteration, or its cleanup's error)."""
+    if not task.cancelled():
+        exc = task.exception()
+        if exc is not None and not isinstance(exc, StopAsyncIteration):
+            _log.debug("layer producer failed while it was stopped: %r", exc)
+
+
+async def _stop_producer(nxt: asyncio.Future[Any]) -> None:
+    """Cancel the producer's pending ``__anext__`` and wait (bounded) for it to end.  A
+    cancellation of ``send()`` that comes meanwhile stops the wait and is raised; the
+    caller re-raises its own error or cancellation otherwise."""
+    nxt.add_done_callback(_retrieve)  # (run once it ends, whether or not it is waited for)
+    if nxt.done():
+        return
+    nxt.cancel()
+    await asyncio.wait({nxt}, timeout=PRODUCER_STOP_TIMEOUT)
+    if not nxt.done():
+        _log.warning("layer producer still running %.1f s after it was cancelled; left running",
+                     PRODUCER_STOP_TIMEOUT)
 
 
 def available_cpus() -> int:
