@@ -54,6 +54,7 @@ from kvwire.session.receiver import (
     StreamResumed,
     TransferAborted,
     TransferArrived,
+    TransferDropped,
     TransferFailed,
     quoted_id,
     stale_error,
@@ -431,7 +432,12 @@ class Server(Pump):
     # -- public API -------------------------------------------------------------------------
 
     async def accept(self, *, timeout: float | None = None) -> Transfer:
-        """The next incoming transfer not claimed by :meth:`expect`."""
+        """The next incoming transfer not claimed by :meth:`expect`, in arrival order.
+
+        One that failed after it arrived and before anyone claimed it (its sender reset
+        it, its session was lost, ...) is handed out too, in its place, until its
+        ``claim_timeout`` passes: iterating or collecting it raises the error it failed
+        with, as it would had it been claimed before it failed."""
         check_seconds("timeout", timeout)
         self._check_open()
         if (t := self._arrived()) is not None:
@@ -461,6 +467,12 @@ class Server(Pump):
         (``INTERNAL_ERROR``) naming the transfer, the call and what it raised, the
         original as its cause.  An ``into`` without a destination's methods (``check``,
         ``view``, ``write``, ``layer``) raises :class:`~kvwire.UsageError` at once.
+
+        A transfer of ``request_id`` that failed after it arrived and before anyone claimed
+        it (its sender reset it, its session was lost, ...) is handed out too, in its place
+        among the arrivals of that id, until its ``claim_timeout`` passes: iterating it
+        raises the error it failed with, as it would had this been waiting when it arrived
+        (``into`` is not called then, and receives nothing).
         """
         check_request_id(request_id)
         check_seconds("timeout", timeout)
@@ -470,7 +482,10 @@ class Server(Pump):
         check_destination(into)
         if (t := self._arrived(request_id)) is not None:  # (then none of this id is waiting)
             if into is not None:
-                self._attach_claimed(t, into)
+                if t._error is None:
+                    self._attach_claimed(t, into)
+                else:  # (failed before it was claimed: as if it had been attached, then failed)
+                    t._into = into
             return t
         fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         self._expect_waiters.setdefault(request_id, deque()).append(fut)
@@ -497,7 +512,8 @@ class Server(Pump):
             raise UsageError("the server is not listening: use `async with kvwire.serve(...) as server`")
 
     def _arrived(self, request_id: str | None = None) -> Transfer | None:
-        """The oldest arrived transfer nobody claimed (of ``request_id``), now claimed."""
+        """The oldest arrived transfer nobody claimed (of ``request_id``), now claimed: one
+        that failed since it arrived too."""
         for key in self.core.unclaimed(request_id):
             if (t := self._transfers.get(key)) is not None:
                 self._hand_out(t)
@@ -509,6 +525,9 @@ class Server(Pump):
         (see ``_handed``)."""
         key = transfer._key
         self.core.claim(key)
+        if transfer._error is not None:  # failed before it was claimed: nothing to let go of
+            self._transfers.pop(key, None)
+            return
         if self._transfers.pop(key, None) is not None:
             self._handed[key] = transfer
             f = self._finalizers[key] = weakref.finalize(
@@ -560,11 +579,13 @@ class Server(Pump):
         cleanly, for a reason none of the others counts: a protocol error, a corrupted
         frame, ``idle_timeout``, a refusal, the peer closing without a GOAWAY).
         ``pending_arrivals`` counts the arrived transfers :meth:`accept` or :meth:`expect`
-        would hand out."""
+        would hand out, ``failed_arrivals`` those of them that failed before anyone
+        claimed them."""
         return {
             "sessions": self.core.sessions,
             "connections": len(self._by_cid),
             "pending_arrivals": len(self.core.unclaimed()),
+            "failed_arrivals": self.core.failed_unclaimed,
             "buffered_bytes": self.core.buffered_bytes,
             **self.core.counters,
             "tls_handshake_failures": self._tls_failures,
@@ -664,6 +685,12 @@ class Server(Pump):
             t = Transfer(self, ev)
             self._transfers[ev.key] = t
             self._deliver(t)
+        elif isinstance(ev, TransferFailed) and ev.claimable:
+            # Nobody claimed it yet: accept() / expect() hand it out failed, in its place.
+            if (t := self._transfers.get(ev.key)) is not None:
+                t._fail(ev.error)
+        elif isinstance(ev, TransferDropped):
+            self._transfers.pop(ev.key, None)
         elif isinstance(ev, TransferFailed):
             t = self._transfers.pop(ev.key, None) or self._handed.pop(ev.key, None)
             if (f := self._finalizers.pop(ev.key, None)) is not None:

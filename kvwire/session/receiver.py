@@ -385,9 +385,26 @@ class LayerReady:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransferFailed:
+    """A transfer failed with ``error`` (its layers are dropped, the sender was told).
+
+    ``claimable``: it had arrived (:class:`TransferArrived`) and nobody had claimed it, and
+    it stays among :meth:`ReceiverCore.unclaimed`, in its place, until it is claimed or a
+    :class:`TransferDropped` says it is forgotten: the application claiming it is handed
+    the failure, as one that claimed it before it failed is."""
+
     key: Key
     error: KvwireError
     request_id: str = ""
+    claimable: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TransferDropped:
+    """A failed transfer nobody claimed (see :attr:`TransferFailed.claimable`) is forgotten:
+    its claim deadline passed, more failed than the server keeps, or the server closed."""
+
+    key: Key
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -463,7 +480,7 @@ class InternalError:
 
 
 ReceiverEvent = (
-    TransferArrived | LayerReady | TransferFailed | RegistryCheck | RegistryPublish
+    TransferArrived | LayerReady | TransferFailed | TransferDropped | RegistryCheck | RegistryPublish
     | AuthenticationFailed | GoawayReceived | StreamResumed | TransferAborted | ConnectionDropped
     | InternalError
 )
@@ -515,6 +532,7 @@ class _Incoming:
     gated: bool = False  # goes through the registry gate
     last_layer: int | None = None  # held back until the registry publish succeeds
     begin_cid: int | None = None  # the connection that carried BEGIN: ACCEPT goes there
+    footprint: int = 0  # budget bytes of what BEGIN made the server keep (begin_footprint)
 
     @property
     def bpt(self) -> int:
@@ -523,6 +541,18 @@ class _Incoming:
     @property
     def complete(self) -> bool:
         return self.state.complete and (self.published or not self.gated)
+
+
+@dataclass(slots=True)
+class _Failed:
+    """A transfer that failed after it arrived and before anyone claimed it, kept so that
+    it can still be claimed (handed out failed) until ``claim_deadline``: its request id,
+    and the budget bytes of what its BEGIN made the server keep (the I/O layer's view of
+    it holds its meta and prefix blocks), never a layer."""
+
+    request_id: str
+    claim_deadline: float | None
+    kept: int
 
 
 @dataclass(eq=False)
@@ -562,6 +592,8 @@ class ReceiverCore:
         self._sessions: dict[bytes, _Session] = {}
         self._live: dict[Key, _Incoming] = {}  # not failed, not every layer taken
         self._unclaimed: dict[Key, None] = {}  # arrived and not claimed, in arrival order
+        # Of those, the ones that failed meanwhile (see _keep_failed), oldest failure first.
+        self._failed: dict[Key, _Failed] = {}
         self._events: deque[ReceiverEvent] = deque()
         self._dirty: set[int] = set()
         self._timers: list[tuple[float, int, tuple[int, Any]]] = []
@@ -671,6 +703,8 @@ class ReceiverCore:
             self._process(cid, now)
         for t in self._live.values():
             t.deadline = t.claim_deadline = None
+        for key in list(self._failed):  # nobody can claim them now
+            self._drop_failed(key)
 
     @property
     def connections(self) -> list[int]:
@@ -687,11 +721,33 @@ class ReceiverCore:
 
     def unclaimed(self, request_id: str | None = None) -> list[Key]:
         """Arrived transfers the application has not claimed, in arrival order (only those
-        of ``request_id`` if given)."""
-        return [k for k in self._unclaimed if request_id is None or self._live[k].begin.request_id == request_id]
+        of ``request_id`` if given).  Those that failed since they arrived are among them
+        (see :attr:`TransferFailed.claimable`) until claimed or dropped."""
+        return [k for k in self._unclaimed if request_id is None or self._request_id(k) == request_id]
+
+    def _request_id(self, key: Key) -> str:
+        t = self._live.get(key)
+        return t.begin.request_id if t is not None else self._failed[key].request_id
+
+    @property
+    def failed_unclaimed(self) -> int:
+        """Failed transfers kept for the application to claim (see :meth:`unclaimed`)."""
+        return len(self._failed)
+
+    @property
+    def failed_kept_limit(self) -> int:
+        """Most failed transfers nobody claimed the server keeps (the oldest failure is
+        forgotten first): as many as it may have transfers in progress,
+        ``max_sessions * max_transfers``."""
+        return self.config.max_sessions * self.config.max_transfers
 
     def claim(self, key: Key) -> None:
+        """The application takes arrived transfer ``key`` (one that failed since it arrived
+        too: it is handed out failed, and forgotten here)."""
         self._unclaimed.pop(key, None)
+        if (f := self._failed.pop(key, None)) is not None:
+            self._unkeep(f.kept)
+            return
         t = self._transfer(key)
         if t is not None:
             t.claimed = True
@@ -732,18 +788,23 @@ class ReceiverCore:
         return bytes(buf[:half]), bytes(buf[half:])
 
     def abort(self, key: Key, reason: str, now: float) -> None:
+        """The application gives up on the transfer (the sender is told): it is not kept
+        for anyone to claim."""
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
+        self._unclaimed.pop(key, None)
         self._count("transfers_aborted")
         why = f"receiver aborted transfer {quoted_id(t.begin.request_id)}"
         self._events.append(TransferAborted(key=key, request_id=t.begin.request_id, reason=reason, cid=t.begin_cid))
         self._fail(t, TransferAbortedError(f"{why}: {reason}" if reason else why), reset=True, even_if_complete=True)
 
     def fail(self, key: Key, error: KvwireError, now: float) -> None:
-        """Fail a transfer with ``error``; the sender is told (RESET)."""
+        """Fail a transfer with ``error``; the sender is told (RESET).  It is not kept for
+        anyone to claim (the I/O layer that fails it knows)."""
         t = self._transfer(key)
         if t is not None:
+            self._unclaimed.pop(key, None)
             self._fail(t, error, reset=True, even_if_complete=True)
 
     def registry_checked(self, key: Key, stale: Sequence[object] | None, error: KvwireError | None, now: float) -> None:
@@ -831,6 +892,9 @@ class ReceiverCore:
                 self._fail(t, TransferTimeoutError(
                     f"transfer {quoted_id(t.begin.request_id)} not complete after {self.config.transfer_timeout} s"
                 ), reset=True)
+            elif ident in self._failed:
+                self._count("transfers_unclaimed")
+                self._drop_failed(ident)
             else:
                 self._count("transfers_unclaimed")
                 self.abort(ident, f"not claimed by the application within {self.config.claim_timeout} s", now)
@@ -857,7 +921,8 @@ class ReceiverCore:
             return sess.lose_at if sess is not None else None
         t = self._live.get(ident)
         if t is None:
-            return None
+            f = self._failed.get(ident) if kind == _CLAIM else None
+            return f.claim_deadline if f is not None else None
         return t.deadline if kind == _DEADLINE else (None if t.claimed else t.claim_deadline)
 
     def _note(self, kind: int, ident: Any) -> None:
@@ -1123,7 +1188,7 @@ class ReceiverCore:
             key=(sess.session_id, tid), begin=begin, spec=spec, meta=meta,
             state=IncomingTransfer(tid, begin.num_layers, layer_limit=1, max_tokens=cfg.max_tokens),
             deadline=None if cfg.transfer_timeout is None else now + cfg.transfer_timeout,
-            begin_cid=cid,
+            begin_cid=cid, footprint=extra,
         )
         # Completed transfers the application has taken leave only their id behind.
         for old, x in [(i, x) for i, x in sess.transfers.items() if x.claimed and x.complete and not x.buffers]:
@@ -1226,6 +1291,7 @@ class ReceiverCore:
         if t.error is not None or (t.complete and not even_if_complete):
             return
         t.error = error
+        claim_deadline = t.claim_deadline
         t.buffers.clear()
         t.costs.clear()
         self._release_all(t)
@@ -1236,7 +1302,9 @@ class ReceiverCore:
         t.inplace.clear()
         t.deadline = t.claim_deadline = None
         self._live.pop(t.key, None)
-        self._unclaimed.pop(t.key, None)
+        claimable = t.key in self._unclaimed
+        if claimable:
+            self._keep_failed(t, claim_deadline)
         if t.accepted:
             self._store.closed(t.key)
         sess = self._sessions.get(t.key[0])
@@ -1268,7 +1336,31 @@ class ReceiverCore:
                 if (c := self._conn(cid)) is not None:
                     self._repeat_reset(sess, c, t.key[1])
                     c.send_ack(address)
-        self._events.append(TransferFailed(key=t.key, error=error, request_id=t.begin.request_id))
+        self._events.append(TransferFailed(key=t.key, error=error, request_id=t.begin.request_id, claimable=claimable))
+        while len(self._failed) > self.failed_kept_limit:
+            self._drop_failed(next(iter(self._failed)))
+
+    def _keep_failed(self, t: _Incoming, claim_deadline: float | None) -> None:
+        """``t`` failed after it arrived, and nobody has claimed it: it stays in its place
+        among the arrivals to claim (the application is handed it failed, whenever it asks,
+        as one that claimed it before it failed is), until its claim deadline as if it had
+        not failed, with no layer and only the budget bytes of what its BEGIN made the
+        server keep (the I/O layer's view of it holds its meta and prefix blocks)."""
+        self._failed[t.key] = _Failed(t.begin.request_id, claim_deadline, t.footprint)
+        self.kept_bytes += t.footprint
+        self.buffered_bytes += t.footprint
+        self._note(_CLAIM, t.key)
+
+    def _unkeep(self, nbytes: int) -> None:
+        self.kept_bytes -= nbytes
+        self.buffered_bytes -= nbytes
+
+    def _drop_failed(self, key: Key) -> None:
+        """Forget a failed transfer nobody claimed (see :meth:`_keep_failed`)."""
+        f = self._failed.pop(key)
+        self._unclaimed.pop(key, None)
+        self._unkeep(f.kept)
+        self._events.append(TransferDropped(key=key, request_id=f.request_id))
 
     def _on_chunk(self, cid: int, conn: Connection, ev: ChunkReceived) -> None:
         chunk = ev.chunk
@@ -1471,6 +1563,7 @@ __all__ = [
     "StreamResumed",
     "TransferAborted",
     "TransferArrived",
+    "TransferDropped",
     "TransferFailed",
     "admit_begin",
     "begin_footprint",
