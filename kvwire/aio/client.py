@@ -422,11 +422,14 @@ class Peer(Pump):
         self.streams[index:index + 1] = [proto]
         opts, loop = self.options, asyncio.get_running_loop()
         try:
-            await asyncio.wait_for(loop.create_connection(
-                lambda: proto, self.host, self.port, ssl=self._ssl,
-                server_hostname=self._server_hostname if self._ssl else None,
-                ssl_handshake_timeout=opts.connect_timeout if self._ssl else None,
-            ), opts.connect_timeout)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the connection
+            # when a cancel lands in the iteration it is made, and the task goes on.
+            async with asyncio.timeout(opts.connect_timeout):
+                await loop.create_connection(
+                    lambda: proto, self.host, self.port, ssl=self._ssl,
+                    server_hostname=self._server_hostname if self._ssl else None,
+                    ssl_handshake_timeout=opts.connect_timeout if self._ssl else None,
+                )
             return
         except Exception as exc:  # whatever it is, it is this stream's failure
             # Not the task's: a task ending with it would leave the slot wanted for ever

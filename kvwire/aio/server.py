@@ -560,8 +560,12 @@ class Server(Pump):
 
     @staticmethod
     async def _wait(fut: asyncio.Future[Transfer], timeout: float | None, what: str) -> Transfer:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result when
+        # the cancel and the result land in one loop iteration, losing the cancel (the
+        # caller, cancelled, would be handed the transfer and go on running).
         try:
-            return await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):
+                return await fut
         except KvwireError:
             raise
         except TimeoutError:
