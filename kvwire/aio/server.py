@@ -411,6 +411,8 @@ class Server(Pump):
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
         self._closing = False  # from the start of close(): nothing new may wait
+        # The one close every close() waits for (shielded: a caller cancelled does not stop it).
+        self._close_task: asyncio.Task[None] | None = None
         self._tls_failures = 0  # TLS handshakes that did not complete (not ended by close())
 
     async def start(self) -> None:
@@ -605,9 +607,21 @@ class Server(Pump):
         :class:`~kvwire.ConnectionLostError` saying so: a transfer to send again, to this
         server once it is back or to another), then every stream closes with
         ``GOAWAY(NO_ERROR, "the server is shutting down")`` (a sender whose transfer
-        the server did not have yet, its BEGIN still on the way, fails with that).
+        the server did not have yet, its BEGIN still on the way, fails with that); a
+        connection whose client does not read its GOAWAY is dropped after a second.
         :meth:`accept` and :meth:`expect` raise :class:`~kvwire.ConnectionLostError`
-        from now on."""
+        from now on.  Idempotent: a close() while another is under way waits for that one
+        to end; a close() that is cancelled still closes the server (a later close() waits
+        for it)."""
+        task = self._close_task
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            streams = self._begin_close()
+            task = self._close_task = asyncio.get_running_loop().create_task(self._finish_close(streams))
+        await asyncio.shield(task)
+
+    def _begin_close(self) -> list[Stream]:
+        """What :meth:`close` does at once: listen no more, fail every transfer and wait,
+        tell the senders; the streams open now, for :meth:`_finish_close` to close."""
         self._closing = True
         if self._server is not None:
             self._server.close()
@@ -630,10 +644,16 @@ class Server(Pump):
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(ConnectionLostError("server closed"))
+        return streams
+
+    async def _finish_close(self, streams: list[Stream]) -> None:
+        """The rest of :meth:`close`, in a task of its own (shielded: a close() cancelled
+        does not stop it): every task and timer ended, every stream closed."""
         await self.teardown(streams)
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self._server.wait_closed()
 
     async def __aenter__(self) -> Server:
         await self.start()
