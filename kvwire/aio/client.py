@@ -23,6 +23,7 @@ from typing import Any
 from kvwire.aio._send import AUTO, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
 from kvwire.aio._stream import Pump, Stream, on_this_host
+from kvwire.aio.server import address, code_name, printable
 from kvwire.aio.tcpinfo import read_tcp_info
 from kvwire.codec import codec_by_id, get_codec
 from kvwire.control import (
@@ -354,7 +355,8 @@ class Peer(Pump):
                 self.chooser.observe_idle()  # until the next send, no codec sets the pace
         elif isinstance(ev, TransferFailed):
             if ev.by_peer:
-                _log.info("kvwire: transfer %d reset by the server: %s", ev.transfer_id, str(ev.error)[:200])
+                _log.info("transfer %d reset by the server %s: %s", ev.transfer_id, self._where,
+                          printable(str(ev.error)[:200]))
             if (st := self.sends.get(ev.transfer_id)) is not None:
                 st.fail(ev.error)
         elif isinstance(ev, StreamWanted):
@@ -383,13 +385,14 @@ class Peer(Pump):
     def _on_closed(self, ev: StreamClosed) -> None:
         closed = ev.closed
         if closed.goaway and closed.by_peer:
-            _log.info("kvwire: %s", ev.reason)
+            _log.info("GOAWAY from %s on stream %d: %s %s", self._where, ev.index, code_name(closed.code),
+                      printable(closed.message or "no reason given"))
         if isinstance(closed.error, AuthenticationError):
-            _log.warning("kvwire: authentication with %s:%s failed: %s", self.host, self.port, closed.error)
+            _log.warning("authentication with %s failed: %s", self._where, printable(str(closed.error)))
         if ev.resumed and self.resumes > self._resumes_logged:  # not again for a failed reconnect
             self._resumes_logged = self.resumes
-            _log.info("kvwire: stream %d to %s:%s broke; resuming (%d of at most %d)", ev.index, self.host,
-                      self.port, self.resumes, self.options.max_reconnects)
+            _log.info("stream %d to %s broke; resuming (%d of at most %d)", ev.index, self._where,
+                      self.resumes, self.options.max_reconnects)
         if self._opening and self._open_error is None and not (ev.resumed and self._session_made):
             # (a later stream of a session already made is reconnected like any other)
             # The core's verdict first: a session lost for the server's clean GOAWAY says
@@ -405,10 +408,15 @@ class Peer(Pump):
         # With "auto", a server allowing fewer streams than it tries is expected: not a warning.
         expected = self.stream_controller is not None and ev.error.code == ErrorCode.LIMIT_EXCEEDED
         _log.log(logging.INFO if expected else logging.WARNING,
-                 "kvwire: stream %d to %s:%s given up (%s); the session goes on with stream(s) %s",
-                 ev.index, self.host, self.port, ev.error, ", ".join(map(str, left)) or "none open now")
+                 "stream %d to %s given up (%s); the session goes on with stream(s) %s",
+                 ev.index, self._where, printable(str(ev.error)), ", ".join(map(str, left)) or "none open now")
         if self._opening and self._open_error is None and self.stream_controller is None:
             self._open_error = ev.error
+
+    @property
+    def _where(self) -> str:
+        """The server's address for a log line: ``host:port`` (``[host]:port`` for IPv6)."""
+        return address((self.host, self.port))
 
     @property
     def _session_made(self) -> bool:
@@ -458,7 +466,7 @@ class Peer(Pump):
             return ConnectionLostError(f"TLS handshake with {where} failed: {_reason(exc)}")
         if isinstance(exc, (OSError, ValueError)):  # ValueError: a host name the resolver refuses (UnicodeError)
             return ConnectionLostError(f"cannot connect to {where}: {_reason(exc)}")
-        _log.debug("kvwire: connecting to %s failed unexpectedly", where, exc_info=exc)
+        _log.debug("connecting to %s failed unexpectedly", self._where, exc_info=exc)
         text = _text(exc)
         return ConnectionLostError(f"cannot connect to {where}: {type(exc).__name__}" + (f": {text}" if text else ""))
 

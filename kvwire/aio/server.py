@@ -100,7 +100,7 @@ REPORT_MIN_ELEMENTS = 1 << 18
 REPORT_IDLE = 1.0
 
 
-def _code(code: int) -> str:
+def code_name(code: int) -> str:
     """An error code for a log line: its name and number (an unknown one, the number)."""
     try:
         return f"{ErrorCode(code).name} (0x{code:04x})"
@@ -736,10 +736,10 @@ class Server(Pump):
         elif isinstance(ev, AuthenticationFailed):
             _log.warning("authentication failed for %s: %s", self._peer(ev.cid), printable(str(ev.error)))
         elif isinstance(ev, GoawayReceived):
-            _log.info("GOAWAY from %s: %s %r", self._peer(ev.cid), _code(ev.code), ev.message)
+            _log.info("GOAWAY from %s: %s %r", self._peer(ev.cid), code_name(ev.code), ev.message)
         elif isinstance(ev, ConnectionDropped):
             level = logging.INFO if ev.by_peer or ev.code in _QUIET_CODES else logging.WARNING
-            who = "closed by the client" if ev.by_peer else f"closed: {_code(ev.code)}"
+            who = "closed by the client" if ev.by_peer else f"closed: {code_name(ev.code)}"
             _log.log(level, "connection from %s %s: %s", self._peer(ev.cid), who, printable(ev.reason))
         elif isinstance(ev, StreamResumed):
             _log.info("%s resumed stream %d of session %s", self._peer(ev.cid), ev.stream_index,
