@@ -8,12 +8,19 @@ together in memory for deterministic fault tests.
 """
 
 from kvwire.session.receiver import (
+    AuthenticationFailed,
+    ConnectionDropped,
+    GoawayReceived,
+    InternalError,
     LayerReady,
     ReceiverConfig,
     ReceiverCore,
     RegistryCheck,
     RegistryPublish,
+    StreamResumed,
+    TransferAborted,
     TransferArrived,
+    TransferDropped,
 )
 from kvwire.session.receiver import TransferFailed as IncomingFailed
 from kvwire.session.sender import (
@@ -34,10 +41,14 @@ from kvwire.session.sender import (
 from kvwire.session.sender import TransferFailed as OutgoingFailed
 
 __all__ = [
+    "AuthenticationFailed",
     "ChunkDelivered",
     "ChunkLost",
     "ChunkSent",
+    "ConnectionDropped",
+    "GoawayReceived",
     "IncomingFailed",
+    "InternalError",
     "LayerReady",
     "OutgoingFailed",
     "ReceiverConfig",
@@ -51,8 +62,11 @@ __all__ = [
     "StreamClosed",
     "StreamGivenUp",
     "StreamOpened",
+    "StreamResumed",
     "StreamWanted",
+    "TransferAborted",
     "TransferArrived",
     "TransferCredit",
     "TransferDone",
+    "TransferDropped",
 ]
