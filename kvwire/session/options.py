@@ -52,14 +52,39 @@ def check_seconds(name: str, value: object) -> None:
 
 
 def check_value(name: str, value: object, *, none_ok: bool = False, zero_ok: bool = False) -> None:
-    """:func:`check_number`'s rule for a value named ``name``."""
+    """:func:`check_number`'s rule for a value named ``name``.  An int too large for a
+    float (``10**400``) is no finite number of seconds either: refused as NaN is."""
     if value is None and none_ok:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not _finite(value):
         hint = " (None for no limit)" if none_ok else ""
-        raise UsageError(f"{name} must be a finite number{hint}, got {value!r}")
+        raise UsageError(f"{name} must be a finite number{hint}, got {shown(value)}")
     if value < 0 or (value == 0 and not zero_ok):
-        raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+        raise UsageError(f"{name} must be {'>= 0' if zero_ok else '> 0'}, got {shown(value)}")
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int past the largest float
+        return False
+
+
+#: Longest text of a refused value an error message quotes.
+_SHOWN_CHARS = 80
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for an error message, bounded: an int of more than 64 bits is named
+    by its size (the repr of one past 4300 digits raises ValueError), a longer repr is cut
+    at :data:`_SHOWN_CHARS`, and one that fails names the value's type."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an int of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
 
 
 def check_index(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
@@ -70,10 +95,10 @@ def check_index(name: str, value: object, minimum: int, maximum: int | None = No
             raise TypeError
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
-        raise UsageError(f"{name} must be an int, got {value!r}") from None
+        raise UsageError(f"{name} must be an int, got {shown(value)}") from None
     if number < minimum or (maximum is not None and number > maximum):
         bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise UsageError(f"{name} must be an int {bound}, got {value!r}")
+        raise UsageError(f"{name} must be an int {bound}, got {shown(value)}")
     return number
 
 
@@ -86,10 +111,10 @@ def check_int(owner: object, name: str, *, minimum: int = 1, maximum: int | None
     if value is None and none_ok:
         return
     if isinstance(value, bool) or not isinstance(value, int):
-        raise UsageError(f"{name} must be an int, got {value!r}")
+        raise UsageError(f"{name} must be an int, got {shown(value)}")
     if value < minimum or (maximum is not None and value > maximum):
         bound = f"[{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise UsageError(f"{name} must be an int {bound}, got {value!r}")
+        raise UsageError(f"{name} must be an int {bound}, got {shown(value)}")
 
 
 def _check_frame_size(size: int) -> None:
@@ -100,7 +125,7 @@ def _check_frame_size(size: int) -> None:
 def check_port(port: object, lowest: int) -> None:
     """:class:`~kvwire.UsageError` unless ``port`` is an int in [``lowest``, 65535]."""
     if isinstance(port, bool) or not isinstance(port, int) or not lowest <= port <= 65535:
-        raise UsageError(f"port must be an int in [{lowest}, 65535], got {port!r}")
+        raise UsageError(f"port must be an int in [{lowest}, 65535], got {shown(port)}")
 
 
 def _check_secret(secret: object) -> bytes:
@@ -152,7 +177,7 @@ class ClientOptions:
 
     def __post_init__(self) -> None:
         if self.auto_codec not in AUTO_CODEC_MODES:
-            raise UsageError(f"auto_codec must be one of {', '.join(AUTO_CODEC_MODES)}, not {self.auto_codec!r}")
+            raise UsageError(f"auto_codec must be one of {', '.join(AUTO_CODEC_MODES)}, not {shown(self.auto_codec)}")
         check_int(self, "chunk_bytes")
         check_int(self, "max_streams", maximum=MAX_STREAMS)
         for name in ("reconnect_attempts", "max_reconnects", "max_transfer_reconnects"):
@@ -163,7 +188,7 @@ class ClientOptions:
         check_number(self, "reconnect_backoff", zero_ok=True)
         _check_frame_size(self.max_frame_size)
         if self.spec is not None and not isinstance(self.spec, KVSpec):
-            raise UsageError(f"spec must be a KVSpec or None, got {self.spec!r}")
+            raise UsageError(f"spec must be a KVSpec or None, got {shown(self.spec)}")
 
     def sender_config(self, *, secret: bytes, streams: object) -> SenderConfig:
         """The session core's config for ``streams`` streams (every registered codec offered)."""
@@ -261,7 +286,7 @@ class ServerOptions:
         codecs = self.codecs or tuple(available_codecs())
         for name in codecs:
             if name not in available_codecs():
-                raise UsageError(f"unknown codec {name!r}")
+                raise UsageError(f"unknown codec {shown(name)}")
         shared = {f.name: getattr(self, f.name) for f in fields(ReceiverConfig) if hasattr(self, f.name)}
         shared.update(secret=_check_secret(secret), codecs=tuple(codecs), registry=registry,
                       fingerprints=frozenset(s.fingerprint for s in self.specs))
@@ -281,7 +306,7 @@ def make_server_options(spec: KVSpec | Sequence[KVSpec] | None = None, **options
         specs = tuple(spec)
     if "codecs" in options:
         if isinstance(options["codecs"], str | bytes):
-            raise UsageError(f"codecs must be a list of codec names, not one string: {options['codecs']!r}")
+            raise UsageError(f"codecs must be a list of codec names, not one string: {shown(options['codecs'])}")
         options["codecs"] = tuple(options["codecs"])
     try:
         return ServerOptions(specs=specs, **options)

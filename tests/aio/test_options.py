@@ -113,10 +113,11 @@ async def test_with_auto_streams_the_in_flight_floor_is_for_the_streams_in_use()
             assert peer.inflight.floor_bytes < InflightController(streams=4, chunk_bytes=chunk).floor_bytes
 
 
-BAD_SECONDS: list[Any] = [-5, 0, math.nan, math.inf, -math.inf, True, "1"]
+# 10**400: an int past the largest float (math.isfinite() raised OverflowError for it).
+BAD_SECONDS: list[Any] = [-5, 0, math.nan, math.inf, -math.inf, True, "1", 10**400, -(10**400)]
 
 
-@pytest.mark.parametrize("value", BAD_SECONDS, ids=repr)
+@pytest.mark.parametrize("value", BAD_SECONDS, ids=lambda v: "-10**400" if v == -(10**400) else "10**400" if v == 10**400 else repr(v))
 async def test_a_timeout_of_a_call_that_cannot_work_is_refused_up_front(value: Any) -> None:
     """send(timeout=, deadline=), expect/accept/collect(timeout=) follow serve()'s rule for
     its timeouts: a finite number > 0, or None for no limit; not a send that times out at
