@@ -724,16 +724,10 @@ class SyncServer:
         self.close()
 
 
-_END = object()
-
-
-async def queued_layers(queue: asyncio.Queue[Any], num_layers: int, request_id: str) -> AsyncIterator[tuple[Any, Any]]:
+async def queued_layers(queue: asyncio.Queue[Any], num_layers: int) -> AsyncIterator[tuple[Any, Any]]:
     """:meth:`SendHandle.send_layer`'s layers as they are queued (``num_layers`` of them)."""
     for _ in range(num_layers):
-        item = await queue.get()
-        if item is _END:
-            raise TransferAbortedError(f"send of {request_id!r} ended before its last layer")
-        yield item
+        yield await queue.get()
 
 
 class SendHandle:
@@ -757,7 +751,7 @@ class SendHandle:
     def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
         """The layers queued, for the send on the loop: it refers to the queue, not to this
         handle (nor, through it, to its SyncPeer, which could then never be collected)."""
-        return queued_layers(self._queue, self.num_layers, self.request_id)
+        return queued_layers(self._queue, self.num_layers)
 
     def send_layer(self, k: Any, v: Any) -> None:
         """Queue the next layer (in layer order); returns at once.  The arrays must not be
