@@ -359,7 +359,12 @@ def bench_meta(meta: Any) -> BenchMeta | None:
 @dataclass(slots=True)
 class _BenchState:
     bench_id: str
-    transfers: list[dict[str, Any]] = field(default_factory=list)
+    transfers: int = 0
+    """Transfers of the bench received (and checked) so far: running totals, not a list,
+    as a sender that never ends its bench may send for up to :data:`BENCH_IDLE` between
+    transfers, for ever."""
+    kv_bytes: int = 0
+    wire_bytes: int = 0
     failed: int = 0
     max_rel_error: float | None = None
     checked_layers: int = 0
@@ -432,9 +437,11 @@ class BenchReceiver:
         self._benches: dict[str, _BenchState] = {}
 
     async def run(self, *, once: bool = False) -> list[dict[str, Any]]:
-        """Receive until a bench ends (``once``) or forever; returns the bench reports.
-        Every transfer still being received when it returns (or is cancelled) is
-        cancelled, and waited for."""
+        """Receive until a bench ends (``once``: returns its report, and those of any
+        other bench that ended meanwhile) or forever (until cancelled, or the server's
+        close error, raised; each bench's report is logged as it ends and not kept: a
+        server that runs for months would hold them all).  Every transfer still being
+        received when it returns (or is cancelled) is cancelled, and waited for."""
         reports: list[dict[str, Any]] = []
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         slots = asyncio.Semaphore(MAX_RECEIVING)
@@ -446,9 +453,9 @@ class BenchReceiver:
             if task.cancelled():
                 return
             report = task.result()  # (_receive_one raises nothing but cancellation)
-            if report is not None:
+            if report is not None and once:
                 reports.append(report)
-                if once and not ended.done():
+                if not ended.done():
                     ended.set_result(None)
 
         async def accepting() -> None:
@@ -462,6 +469,9 @@ class BenchReceiver:
                 task = asyncio.create_task(self._receive_one(transfer))
                 receiving.add(task)
                 task.add_done_callback(done)
+                # Not held here while the next transfer is awaited: once ended, the task
+                # holds its result (a bench's report, which forever mode does not keep).
+                del task, transfer
 
         acceptor = asyncio.create_task(accepting())
         pruner = asyncio.create_task(self._prune_every(PRUNE_INTERVAL))
@@ -506,7 +516,7 @@ class BenchReceiver:
         if self._benches.get(state.bench_id) is state:
             del self._benches[state.bench_id]
             self.log(f"bench {state.bench_id}: dropped without its end ({why}): "
-                     f"{len(state.transfers)} transfers received, {state.failed} failed")
+                     f"{state.transfers} transfers received, {state.failed} failed")
 
     def _state(self, bench_id: str) -> _BenchState:
         state = self._benches.get(bench_id)
@@ -591,26 +601,26 @@ class BenchReceiver:
             entry["rel_error"] = error
             state.checked_layers += 1
             state.max_rel_error = max(error, state.max_rel_error or 0.0)
-        state.transfers.append(entry)
+        state.transfers += 1
+        state.kv_bytes += kv_bytes
+        state.wire_bytes += entry["wire_bytes"]
         self.log(_transfer_line(entry))
         return None
 
     def _finish(self, state: _BenchState) -> dict[str, Any]:
-        kv = sum(t["kv_bytes"] for t in state.transfers)
-        wire = sum(t["wire_bytes"] for t in state.transfers)
+        kv, wire = state.kv_bytes, state.wire_bytes
         report = {
             "bench_id": state.bench_id,
-            "transfers": len(state.transfers),
+            "transfers": state.transfers,
             "failed": state.failed,
             "kv_bytes": kv,
             "wire_bytes": wire,
             "max_rel_error": state.max_rel_error,
             "checked_layers": state.checked_layers,
-            "per_transfer": state.transfers,
         }
         err = "n/a" if state.max_rel_error is None else f"{state.max_rel_error:.3g}"
         self.log(
-            f"bench {state.bench_id}: {len(state.transfers)} transfers, {kv / 1e9:.3f} GB of KV, "
+            f"bench {state.bench_id}: {state.transfers} transfers, {kv / 1e9:.3f} GB of KV, "
             f"{wire / 1e9:.3f} GB on the wire, {state.failed} failed, max_rel_error {err} "
             f"({state.checked_layers} layers checked)"
         )
@@ -648,7 +658,10 @@ async def serve_benches(
     log: Callable[[str], None] = print, ready: Callable[[int], None] | None = None,
     chunk_bytes: int | None = None, stop_signals: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
-    """``kvwire serve``: receive bench (and any other) transfers, logging each one.
+    """``kvwire serve``: receive bench (and any other) transfers, logging each one, and
+    each bench's report as it ends.  With ``once``, return the report of the first bench
+    to end (in a list, with any other that ended meanwhile); without, receive until
+    stopped (a signal, an error): reports are logged, not kept (:meth:`BenchReceiver.run`).
 
     ``chunk_bytes``: accept chunks that large (:func:`receiver_options`; default: the
     server's default frame limit). ``stop_signals`` (``kvwire serve``: SIGINT, SIGTERM,
