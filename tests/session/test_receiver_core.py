@@ -1128,6 +1128,7 @@ def every_deadline(core: ReceiverCore) -> float | None:
     times += [s.lose_at for s in core._sessions.values()]
     for t in core._live.values():
         times += [t.deadline, None if t.claimed else t.claim_deadline]
+    times += [f.claim_deadline for f in core._failed.values()]  # failed, kept to be claimed
     real = [x for x in times if x is not None]
     return min(real) if real else None
 
