@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
+from kvwire.aio._logtext import address, code_name, printable
 from kvwire.aio._send import AUTO, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
 from kvwire.aio._stream import Pump, Stream, on_this_host
-from kvwire.aio.server import address, code_name, printable
 from kvwire.aio.tcpinfo import read_tcp_info
 from kvwire.codec import codec_by_id, get_codec
 from kvwire.control import (

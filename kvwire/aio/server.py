@@ -24,6 +24,7 @@ from types import TracebackType
 from typing import Any
 
 from kvwire.aio import _gpu
+from kvwire.aio._logtext import address, code_name, printable
 from kvwire.aio._pool import default_max_bytes
 from kvwire.aio._receive import ArrayStore, check_destination
 from kvwire.aio._stream import Pump, Stream
@@ -71,23 +72,6 @@ _QUIET_CODES = frozenset({ErrorCode.NO_ERROR, ErrorCode.TIMEOUT, ErrorCode.SESSI
                           ErrorCode.UNKNOWN_SESSION, ErrorCode.CANCELLED})
 
 
-def printable(text: str) -> str:
-    """``text`` for a log line: every character that is not printable (line breaks, other
-    control characters, format characters such as bidirectional overrides) and the
-    backslash as its Python escape, so that text a peer chose can neither forge a line nor
-    hide part of one, nor pass for an escape."""
-    if text.isprintable() and "\\" not in text:
-        return text
-    return "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in text)
-
-
-def address(peer: Any) -> str:
-    """A peer's address for a log line: ``host:port`` (``[host]:port`` for IPv6)."""
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        host = str(peer[0])
-        return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
-    return printable(str(peer)) if peer else "a client"
-
 #: Seconds over which the server measures what receiving costs it, and tells the clients
 #: that sent data meanwhile (REPORT, docs/protocol.md 4.10).
 REPORT_INTERVAL = 0.25
@@ -98,14 +82,6 @@ REPORT_MIN_ELEMENTS = 1 << 18
 #: An interval longer than this (seconds) went by without data (the pump runs as data
 #: arrives): whatever else the loop did meanwhile is not receiving's cost.
 REPORT_IDLE = 1.0
-
-
-def code_name(code: int) -> str:
-    """An error code for a log line: its name and number (an unknown one, the number)."""
-    try:
-        return f"{ErrorCode(code).name} (0x{code:04x})"
-    except ValueError:
-        return f"code 0x{code:04x}"
 
 
 class _CostMeter:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.aio._logtext import printable
 from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
 from kvwire.bench.models import ModelShape, bench_cache, bench_cache_bytes, get_model, layer_error
@@ -491,7 +492,7 @@ class BenchReceiver:
         try:
             return await self.handle(transfer)
         except Exception as exc:
-            self.log(f"{_peer_text(transfer.request_id)}: failed: {type(exc).__name__}: {_peer_text(str(exc))}")
+            self.log(f"{printable(transfer.request_id)}: failed: {type(exc).__name__}: {printable(str(exc))}")
             return None
 
     async def _prune_every(self, interval: float) -> None:
@@ -533,7 +534,7 @@ class BenchReceiver:
         try:
             bench = bench_meta(transfer.meta)
         except ValueError as exc:
-            self.log(f"{_peer_text(transfer.request_id)}: refused: {_peer_text(str(exc))}")
+            self.log(f"{printable(transfer.request_id)}: refused: {printable(str(exc))}")
             transfer.abort(f"kvwire serve: {exc}")
             return None
         if bench is None:
@@ -564,7 +565,7 @@ class BenchReceiver:
                 if state is not None:
                     state.active = time.monotonic()
         except KvwireError as exc:
-            self.log(f"{_peer_text(transfer.request_id)}: failed: {_peer_text(str(exc))}")
+            self.log(f"{printable(transfer.request_id)}: failed: {printable(str(exc))}")
             if state is not None:
                 state.failed += 1
                 if isinstance(exc, ConnectionLostError):  # its session is gone: no end will come
@@ -594,8 +595,8 @@ class BenchReceiver:
                 error = await asyncio.to_thread(layer_error, kept, sent[check], part, CHECK_PARTS)
             except Exception as exc:  # the peer's spec, tokens or layers: this transfer fails
                 state.failed += 1
-                self.log(f"{_peer_text(transfer.request_id)}: failed: layer {check} could not be checked: "
-                         f"{_peer_text(str(exc))}")
+                self.log(f"{printable(transfer.request_id)}: failed: layer {check} could not be checked: "
+                         f"{printable(str(exc))}")
                 return None
             entry["checked_layer"] = check
             entry["rel_error"] = error
@@ -627,25 +628,11 @@ class BenchReceiver:
         return report
 
 
-#: Most characters of a peer's text (a request id, an error it caused) a log line quotes.
-PEER_TEXT_LIMIT = 200
-
-
-def _peer_text(text: str, limit: int = PEER_TEXT_LIMIT) -> str:
-    """``text`` the peer chose (a request id, an error naming what it sent) for a log
-    line: every character that is not printable (line breaks, escape sequences,
-    separators) and the backslash as its Python escape, so it cannot end the line or
-    forge another, and cut after ``limit`` characters (a request id may be 65535 bytes)."""
-    short = text[:limit]
-    escaped = "".join(c if c.isprintable() and c != "\\" else repr(c)[1:-1] for c in short)
-    return escaped + "..." if len(text) > limit else escaped
-
-
 def _transfer_line(entry: dict[str, Any]) -> str:
     secs = entry["seconds"]
     rate = entry["kv_bytes"] * 8 / secs / 1e9 if secs > 0 else 0.0
     line = (
-        f"{_peer_text(entry['request_id'])}: {entry['tokens']} tokens, {entry['kv_bytes'] / 1e6:.1f} MB KV, "
+        f"{printable(entry['request_id'])}: {entry['tokens']} tokens, {entry['kv_bytes'] / 1e6:.1f} MB KV, "
         f"{entry['wire_bytes'] / 1e6:.1f} MB wire, {secs * 1e3:.1f} ms, {rate:.2f} Gbit/s of KV"
     )
     if "rel_error" in entry:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvwire
+from kvwire.aio._logtext import PEER_TEXT_LIMIT, printable
 from kvwire.bench import runner
 from kvwire.bench.models import MODELS, bench_cache
 from tests.bench.test_serve_receiver import _bench_transfer, _Server, _Transfer
@@ -85,9 +86,11 @@ async def test_every_serve_line_escapes_peer_text() -> None:
 
 
 def test_peer_text_is_escaped_and_cut() -> None:
-    assert runner._peer_text("plain id-1") == "plain id-1"
-    assert runner._peer_text("a\nb\\n\x00\u2028é") == "a\\nb\\\\n\\x00\\u2028é"
-    assert runner._peer_text("z" * 500) == "z" * runner.PEER_TEXT_LIMIT + "..."
+    assert printable("plain id-1") == "plain id-1"
+    assert printable("a\nb\\n\x00\u2028é") == "a\\nb\\\\n\\x00\\u2028é"
+    assert printable("z" * PEER_TEXT_LIMIT) == "z" * PEER_TEXT_LIMIT
+    assert printable("z" * (PEER_TEXT_LIMIT + 1)) == "z" * PEER_TEXT_LIMIT + "..."
+    assert printable("\n" * (PEER_TEXT_LIMIT + 1)) == "\\n" * PEER_TEXT_LIMIT + "..."  # cut, then escaped
 
 
 @pytest.mark.parametrize("link_bps", [None, 200e6], ids=["loopback", "emulated"])
