@@ -678,7 +678,11 @@ class SyncServer:
         """Start waiting for ``request_id``'s transfer; returns at once.  ``num_layers``
         (an int in [1, 65535]), when known, bounds :meth:`ReceiveHandle.wait_layer`'s
         index before the transfer arrived.  ``into`` (a destination, as
-        :meth:`kvwire.Server.expect` takes) without a destination's methods is refused."""
+        :meth:`kvwire.Server.expect` takes) without a destination's methods is refused.
+
+        Without ``into``, every layer is taken as it arrives (as ``collect()`` does) and
+        the handle holds it: taken layers are outside the server's ``max_buffer_bytes``,
+        so the sender is not held back by a slow reader; ``into`` bounds the memory."""
         check_request_id(request_id)  # at once, not from the wait
         check_seconds("timeout", timeout)
         check_destination(into)
