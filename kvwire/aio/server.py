@@ -383,6 +383,9 @@ class Server(Pump):
         self._handed: weakref.WeakValueDictionary[Key, Transfer] = weakref.WeakValueDictionary()
         self._letting_go: dict[Key, str] = {}  # handed out, garbage collected, not aborted yet: request ids
         self._finalizers: dict[Key, weakref.finalize[Any, Any]] = {}  # of those in _handed
+        # Arrived in the pump under way, handed to a waiting accept() / expect() once its
+        # events are all handled (see pump()).
+        self._arriving: deque[Key] = deque()
         self._accept_waiters: deque[asyncio.Future[Transfer]] = deque()
         self._expect_waiters: dict[str, deque[asyncio.Future[Transfer]]] = {}
         self._expect_into: dict[asyncio.Future[Transfer], Any] = {}
@@ -645,15 +648,29 @@ class Server(Pump):
         return list(self._by_cid.values())
 
     def pump(self) -> None:
-        """Handle the core's events, write what it queued, re-arm the one timer."""
+        """Handle the core's events, write what it queued, re-arm the one timer.
+
+        A transfer that arrived is handed to a waiting :meth:`accept` / :meth:`expect`
+        only once every event the core queued is handled: one read can carry its BEGIN
+        and what fails it (its sender's RESET, a chunk that breaks the rules), and the
+        waiter must be handed it failed, as one that asks after this pump is, not a
+        transfer that never learns of its failure."""
         core = self.core
         if not self.closed:
             self._costs.tick(self.now())
-        while (ev := core.next_event()) is not None:
+        while True:
+            while (ev := core.next_event()) is not None:
+                try:
+                    self._on_event(ev)
+                except Exception:
+                    _log.exception("internal error handling %s", type(ev).__name__)
+            if not self._arriving:
+                break
+            key = self._arriving.popleft()
             try:
-                self._on_event(ev)
+                self._deliver(key)
             except Exception:
-                _log.exception("internal error handling %s", type(ev).__name__)
+                _log.exception("internal error handing out a transfer")
         for cid in core.take_dirty():
             stream = self._by_cid.get(cid)
             if stream is not None:
@@ -682,22 +699,22 @@ class Server(Pump):
             if t is not None:
                 t._layer_ready(ev.layer, ev.wire_bytes)
         elif isinstance(ev, TransferArrived):
-            t = Transfer(self, ev)
-            self._transfers[ev.key] = t
-            self._deliver(t)
-        elif isinstance(ev, TransferFailed) and ev.claimable:
+            self._transfers[ev.key] = Transfer(self, ev)
+            self._arriving.append(ev.key)  # (handed out at the end of the pump)
+        elif isinstance(ev, TransferFailed) and ev.claimable and (t := self._transfers.get(ev.key)) is not None:
             # Nobody claimed it yet: accept() / expect() hand it out failed, in its place.
-            if (t := self._transfers.get(ev.key)) is not None:
-                t._fail(ev.error)
+            t._fail(ev.error)
         elif isinstance(ev, TransferDropped):
             self._transfers.pop(ev.key, None)
         elif isinstance(ev, TransferFailed):
+            # (Also one the core kept to be claimed that was claimed meanwhile: the
+            # application holds it, and learns it failed.)
             t = self._transfers.pop(ev.key, None) or self._handed.pop(ev.key, None)
             if (f := self._finalizers.pop(ev.key, None)) is not None:
                 f.detach()
             if t is not None:
                 t._fail(ev.error)
-            elif isinstance(ev.error, StaleVersionError | RegistryUnavailableError):
+            elif not ev.claimable and isinstance(ev.error, StaleVersionError | RegistryUnavailableError):
                 # Refused by the registry before it arrived: blocks refused as stale do not
                 # become fresh, so the expect() it would have gone to (the oldest waiting)
                 # learns now rather than at its timeout.
@@ -755,16 +772,27 @@ class Server(Pump):
             self.core.registry_published(ev.key, error, self.now())
         self.pump()
 
-    def _deliver(self, transfer: Transfer) -> None:
+    def _deliver(self, key: Key) -> None:
+        """Hand transfer ``key``, which arrived in this pump, to the oldest ``expect()`` of
+        its request id waiting, else to the oldest ``accept()``: failed if it failed in
+        the same pump (as :meth:`_arrived` hands it out); nothing if it is gone or was
+        claimed meanwhile."""
+        transfer = self._transfers.get(key)
+        if transfer is None or not self.core.is_unclaimed(key):
+            return
         waiters = self._expect_waiters.get(transfer.request_id)
         while waiters:
             fut = waiters.popleft()
             if not fut.done():
                 into = self._expect_into.pop(fut, None)
-                if into is not None:
+                if into is not None and transfer._error is not None:
+                    transfer._into = into  # (as expect() does with one that failed before it was claimed)
+                elif into is not None:
                     try:
                         self._attach_claimed(transfer, into)
-                    except Exception as exc:  # the transfer failed with it
+                    except Exception as exc:  # the transfer failed with it: nobody else takes it
+                        self.core.claim(key)
+                        self._transfers.pop(key, None)
                         fut.set_exception(exc)
                         return
                 self._hand_out(transfer)

@@ -725,6 +725,10 @@ class ReceiverCore:
         (see :attr:`TransferFailed.claimable`) until claimed or dropped."""
         return [k for k in self._unclaimed if request_id is None or self._request_id(k) == request_id]
 
+    def is_unclaimed(self, key: Key) -> bool:
+        """Whether ``key`` is among :meth:`unclaimed` (in constant time)."""
+        return key in self._unclaimed
+
     def _request_id(self, key: Key) -> str:
         t = self._live.get(key)
         return t.begin.request_id if t is not None else self._failed[key].request_id
