@@ -592,8 +592,13 @@ class ReceiverCore:
         self._sessions: dict[bytes, _Session] = {}
         self._live: dict[Key, _Incoming] = {}  # not failed, not every layer taken
         self._unclaimed: dict[Key, None] = {}  # arrived and not claimed, in arrival order
-        # Of those, the ones that failed meanwhile (see _keep_failed), oldest failure first.
+        # Of those, the ones that failed meanwhile (see _keep_failed), oldest failure first;
+        # the same keys by the session they came on while it is open (at most max_transfers
+        # each, oldest failure first), and those of sessions that are gone, in the order the
+        # sessions went (see _bound_failed).
         self._failed: dict[Key, _Failed] = {}
+        self._failed_open: dict[bytes, dict[Key, None]] = {}
+        self._failed_gone: dict[Key, None] = {}
         self._events: deque[ReceiverEvent] = deque()
         self._dirty: set[int] = set()
         self._timers: list[tuple[float, int, tuple[int, Any]]] = []
@@ -740,9 +745,12 @@ class ReceiverCore:
 
     @property
     def failed_kept_limit(self) -> int:
-        """Most failed transfers nobody claimed the server keeps (the oldest failure is
-        forgotten first): as many as it may have transfers in progress,
-        ``max_sessions * max_transfers``."""
+        """Most failed transfers nobody claimed the server keeps: as many as it may have
+        transfers in progress, ``max_sessions * max_transfers``.  Each session keeps at
+        most ``max_transfers`` of its own (one more forgets that session's oldest failure,
+        never another session's), so the sessions open keep at most this many together;
+        past it, only failures of sessions that are gone are forgotten, those whose
+        session went first (see :meth:`_bound_failed`)."""
         return self.config.max_sessions * self.config.max_transfers
 
     def claim(self, key: Key) -> None:
@@ -750,6 +758,7 @@ class ReceiverCore:
         too: it is handed out failed, and forgotten here)."""
         self._unclaimed.pop(key, None)
         if (f := self._failed.pop(key, None)) is not None:
+            self._unindex_failed(key)
             self._unkeep(f.kept)
             return
         t = self._transfer(key)
@@ -1132,7 +1141,7 @@ class ReceiverCore:
             self._lose(sess, detached(ev.error) if ev.error is not None
                        else ConnectionLostError("client connection closed mid-transfer"))
         elif not sess.streams:
-            self._sessions.pop(sess.session_id, None)
+            self._session_gone(sess)
         elif (other := self._any_conn(sess)) is not None:
             self._say_again(sess, other)  # (a clean close: RESETs it carried may be unread)
 
@@ -1146,7 +1155,14 @@ class ReceiverCore:
             conn = self._conn(c)
             if conn is not None:
                 conn.close(ErrorCode.SESSION_LOST, "another stream of this session was lost")
+        self._session_gone(sess)
+
+    def _session_gone(self, sess: _Session) -> None:
+        """``sess`` is forgotten (lost, or closed cleanly): the failed transfers of it
+        still kept to be claimed are counted with those of other sessions gone."""
         self._sessions.pop(sess.session_id, None)
+        if (own := self._failed_open.pop(sess.session_id, None)) is not None:
+            self._failed_gone.update(own)
 
     def _on_begin(self, cid: int, conn: Connection, begin: Begin, now: float) -> None:
         sess = self._conn_session.get(cid)
@@ -1341,8 +1357,8 @@ class ReceiverCore:
                     self._repeat_reset(sess, c, t.key[1])
                     c.send_ack(address)
         self._events.append(TransferFailed(key=t.key, error=error, request_id=t.begin.request_id, claimable=claimable))
-        while len(self._failed) > self.failed_kept_limit:
-            self._drop_failed(next(iter(self._failed)))
+        if claimable:
+            self._bound_failed(t.key)
 
     def _keep_failed(self, t: _Incoming, claim_deadline: float | None) -> None:
         """``t`` failed after it arrived, and nobody has claimed it: it stays in its place
@@ -1351,9 +1367,35 @@ class ReceiverCore:
         not failed, with no layer and only the budget bytes of what its BEGIN made the
         server keep (the I/O layer's view of it holds its meta and prefix blocks)."""
         self._failed[t.key] = _Failed(t.begin.request_id, claim_deadline, t.footprint)
+        if t.key[0] in self._sessions:
+            self._failed_open.setdefault(t.key[0], {})[t.key] = None
+        else:
+            self._failed_gone[t.key] = None
         self.kept_bytes += t.footprint
         self.buffered_bytes += t.footprint
         self._note(_CLAIM, t.key)
+
+    def _bound_failed(self, key: Key) -> None:
+        """After ``key`` was kept failed: its session keeps at most ``max_transfers``
+        failed transfers (its oldest failure forgotten first), so a client beginning and
+        resetting transfers without end forgets only its own, never another client's.
+        The open sessions, at most ``max_sessions``, keep at most
+        :attr:`failed_kept_limit` together; past that bound, failures of sessions that
+        are gone (lost, or closed) are forgotten, those whose session went first."""
+        own = self._failed_open.get(key[0])
+        while own is not None and len(own) > self.config.max_transfers:
+            self._drop_failed(next(iter(own)))
+        while len(self._failed) > self.failed_kept_limit and self._failed_gone:
+            self._drop_failed(next(iter(self._failed_gone)))
+
+    def _unindex_failed(self, key: Key) -> None:
+        """``key`` is no longer kept failed: out of its session's failures."""
+        self._failed_gone.pop(key, None)
+        own = self._failed_open.get(key[0])
+        if own is not None:
+            own.pop(key, None)
+            if not own:
+                del self._failed_open[key[0]]
 
     def _unkeep(self, nbytes: int) -> None:
         self.kept_bytes -= nbytes
@@ -1362,6 +1404,7 @@ class ReceiverCore:
     def _drop_failed(self, key: Key) -> None:
         """Forget a failed transfer nobody claimed (see :meth:`_keep_failed`)."""
         f = self._failed.pop(key)
+        self._unindex_failed(key)
         self._unclaimed.pop(key, None)
         self._unkeep(f.kept)
         self._events.append(TransferDropped(key=key, request_id=f.request_id))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.errors import ErrorCode, TransferAbortedError
 from kvwire.session.meta import parse_meta
@@ -20,7 +22,8 @@ from kvwire.session.receiver import (
     TransferFailed,
     begin_footprint,
 )
-from tests.session.test_receiver_core import SECRET, Harness, begin, chunk
+from kvwire.wire import Connection
+from tests.session.test_receiver_core import SECRET, Harness, begin, chunk, join
 
 
 def arrive(h: Harness, tid: int, request: str, **kw: object) -> tuple[bytes, int]:
@@ -117,7 +120,7 @@ def test_a_failed_arrival_keeps_its_begin_charged_until_claimed() -> None:
 
 def test_failed_arrivals_nobody_claims_are_bounded_oldest_dropped_first() -> None:
     """A client beginning and resetting transfers without end keeps at most
-    max_sessions * max_transfers of them on the server."""
+    max_transfers of them on the server (max_sessions * max_transfers in all)."""
     h = Harness(ReceiverConfig(secret=SECRET, max_sessions=1, max_transfers=2, claim_timeout=60.0))
     assert h.core.failed_kept_limit == 2
     keys = []
@@ -141,3 +144,121 @@ def test_closing_drops_the_failed_arrivals() -> None:
     h.pump()
     assert [e.key for e in h.of(TransferDropped)] == [key]
     assert h.core.unclaimed() == [] and h.core.failed_unclaimed == 0 and h.core.get_timer() is None
+
+
+def other_client(h: Harness, cid: int) -> Connection:
+    """Another client, on a session of its own, its connection ``cid``."""
+    client, _ = join(h.core, cid, h.now)
+    assert client.state.name == "OPEN"
+    return client
+
+
+def begin_and_reset(h: Harness, cid: int, client: Connection, tids: range, request: str = "junk") -> None:
+    """``client`` begins and resets each of ``tids``, each arriving and failing."""
+    for tid in tids:
+        client.send_begin(begin(tid=tid, layers=1, request=f"{request}{tid}"))
+        client.send_reset(tid, ErrorCode.CANCELLED, "bye")
+        h.core.receive_data(cid, b"".join(bytes(p) for p in client.data_to_send()), h.now)
+        client.receive_data(h.core.data_to_send(cid), h.now)
+        h.pump()
+
+
+def test_a_client_resetting_transfers_without_end_forgets_only_its_own_failures() -> None:
+    """The bound is each session's (max_transfers): another client's failed arrivals stay
+    claimable until their claim deadline, however many transfers one client begins and
+    resets (the whole server's bound forgot the oldest failure first: anyone's)."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_sessions=3, max_transfers=2, claim_timeout=60.0))
+    assert h.core.failed_kept_limit == 6
+    victim = arrive(h, 1, "victim")
+    h.client.send_reset(1, ErrorCode.CANCELLED, "the victim's failure")
+    h.pump()
+    b = other_client(h, 2)
+    begin_and_reset(h, 2, b, range(1, 41))
+    c = other_client(h, 3)
+    begin_and_reset(h, 3, c, range(1, 41), "more")
+    assert victim in h.core.unclaimed("victim") and failed_of(h, victim).claimable
+    assert victim not in [e.key for e in h.of(TransferDropped)]
+    # Each of the others keeps its last two; 38 of each forgotten, oldest first.
+    assert [h.core._request_id(k) for k in h.core.unclaimed()] == ["victim", "junk39", "junk40", "more39", "more40"]
+    assert len(h.of(TransferDropped)) == 2 * 38 and h.core.failed_unclaimed == 5
+    h.core.claim(victim)
+    assert h.core.failed_unclaimed == 4
+
+
+def test_failures_of_sessions_that_are_gone_are_forgotten_first_past_the_servers_bound() -> None:
+    """A session lost leaves its failed arrivals claimable; sessions coming and going could
+    keep more of them than max_sessions * max_transfers: past that, those of sessions gone
+    are forgotten (whose session went first), never those of a session still open."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_sessions=2, max_transfers=2, claim_timeout=60.0,
+                               resume_timeout=0.0))
+    for tid in (1, 2):
+        arrive(h, tid, f"open{tid}")
+        h.client.send_reset(tid, ErrorCode.CANCELLED, "bye")
+        h.pump()
+    kept = h.core.unclaimed()
+    for n, cid in enumerate(range(2, 6)):  # four clients in turn, each gone before the next
+        client = other_client(h, cid)
+        begin_and_reset(h, cid, client, range(1, 3), f"gone{n}-")
+        h.core.receive_data(cid, b"", h.now)  # its connection broke: the session is lost
+        h.core.forget(cid)
+        h.pump()
+        assert h.core.sessions == 1 and h.core.failed_unclaimed <= h.core.failed_kept_limit
+    gone = [h.core._request_id(k) for k in h.core.unclaimed()]
+    assert h.core.unclaimed()[:2] == kept and gone[2:] == ["gone3-1", "gone3-2"]
+    assert h.core.failed_unclaimed == 4
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["fail", "fail", "fail", "drop", "claim"]), st.integers(0, 2)),
+                max_size=40))
+def test_failed_arrivals_stay_within_their_bounds_and_only_their_own_session_evicts_them(
+        ops: list[tuple[str, int]]) -> None:
+    """Clients on sessions of their own begin and reset transfers, break their connections
+    and come back as new sessions, and the application claims: a session open keeps at
+    most max_transfers failures, the server at most max_sessions * max_transfers, and a
+    failure of a session still open is forgotten only for a newer one of its own."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_sessions=2, max_transfers=2, claim_timeout=60.0,
+                               resume_timeout=0.0))
+    h.core.receive_data(1, b"", h.now)  # (the harness's own client is not used: its session goes)
+    h.core.forget(1)
+    assert h.core.sessions == 0
+    clients: dict[int, tuple[int, Connection]] = {}
+    cids = iter(range(2, 1000))
+    tids = iter(range(1, 1000))
+    for op, slot in ops:
+        if op == "claim":
+            if h.core.unclaimed():
+                h.core.claim(h.core.unclaimed()[0])
+            continue
+        if op == "drop":
+            if slot in clients:
+                cid, _ = clients.pop(slot)
+                h.core.receive_data(cid, b"", h.now)
+                h.core.forget(cid)
+                h.pump()
+            continue
+        if slot not in clients:
+            cid = next(cids)
+            client, _ = join(h.core, cid, h.now)
+            h.pump()
+            if client.state.name != "OPEN":  # max_sessions reached
+                h.core.forget(cid)
+                continue
+            clients[slot] = (cid, client)
+        cid, client = clients[slot]
+        before = len(h.events)
+        begin_and_reset(h, cid, client, range(tid := next(tids), tid + 1))
+        failing = client.session_id
+        open_ids = {c.session_id for _, c in clients.values()}
+        for ev in h.events[before:]:
+            if isinstance(ev, TransferDropped):
+                assert ev.key[0] == failing or ev.key[0] not in open_ids
+        core = h.core
+        assert core.failed_unclaimed <= core.failed_kept_limit
+        per: dict[bytes, int] = {}
+        for key in core._failed:
+            per[key[0]] = per.get(key[0], 0) + 1
+        assert all(per.get(sid, 0) <= 2 for sid in open_ids)
+        assert set(core._failed) == set(core._failed_gone).union(*core._failed_open.values())
+        assert set(core._failed_open) <= open_ids and not set(core._failed_gone) & set().union(
+            *core._failed_open.values())
