@@ -356,7 +356,7 @@ class Peer(Pump):
         elif isinstance(ev, TransferFailed):
             if ev.by_peer:
                 _log.info("transfer %d reset by the server %s: %s", ev.transfer_id, self._where,
-                          printable(str(ev.error)[:200]))
+                          printable(str(ev.error)))
             if (st := self.sends.get(ev.transfer_id)) is not None:
                 st.fail(ev.error)
         elif isinstance(ev, StreamWanted):

@@ -729,7 +729,8 @@ class Server(Pump):
         elif isinstance(ev, AuthenticationFailed):
             _log.warning("authentication failed for %s: %s", self._peer(ev.cid), printable(str(ev.error)))
         elif isinstance(ev, GoawayReceived):
-            _log.info("GOAWAY from %s: %s %r", self._peer(ev.cid), code_name(ev.code), ev.message)
+            _log.info("GOAWAY from %s: %s %s", self._peer(ev.cid), code_name(ev.code),
+                      printable(ev.message or "no reason given"))
         elif isinstance(ev, ConnectionDropped):
             level = logging.INFO if ev.by_peer or ev.code in _QUIET_CODES else logging.WARNING
             who = "closed by the client" if ev.by_peer else f"closed: {code_name(ev.code)}"
@@ -742,7 +743,7 @@ class Server(Pump):
         elif isinstance(ev, TransferAborted):
             # One a transfer: a peer could begin and reset transfers by the thousand (the
             # counters in statistics() count them).
-            _log.debug("transfer %s from %s %s: %s", quoted_id(ev.request_id), self._peer(ev.cid),
+            _log.debug("transfer '%s' from %s %s: %s", printable(ev.request_id), self._peer(ev.cid),
                        "reset by the client" if ev.by_peer else "aborted",
                        printable(ev.reason) if ev.reason else "no reason given")
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import kvwire
+from kvwire.aio._logtext import printable
 from kvwire.errors import ErrorCode
 from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
 from kvwire.wire import (
@@ -129,3 +130,39 @@ async def test_failed_authentication_and_resumes_name_the_server(records: Record
             lines = client_lines(records)
             assert any("resuming" in line for line in lines)
             check_lines(lines, f"127.0.0.1:{proxy.port}")
+
+
+def resetting_server(message: str) -> Any:
+    """A server that welcomes a client and resets its first transfer with ``message``."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = Connection(Role.SERVER, ConnectionConfig(secret=SECRET))
+        try:
+            while data := await reader.read(65536):
+                conn.receive_data(data)
+                while (ev := conn.next_event()) is not None:
+                    if isinstance(ev, ClientAuthenticated):
+                        conn.welcome(b"F" * 16, ("raw",))
+                    elif isinstance(ev, TransferBegun):
+                        conn.send_reset(ev.frame.transfer_id, ErrorCode.INTERNAL_ERROR, message)
+                writer.write(b"".join(bytes(p) for p in conn.data_to_send()))
+                await writer.drain()
+        finally:
+            writer.transport.abort()
+    return serve
+
+
+async def test_a_servers_long_reset_text_is_cut_as_the_server_cuts_a_clients(records: Records) -> None:
+    """The one rule for a peer's text in a log line (printable): escaped, cut after 500
+    characters with '...' saying so, not silently after 200."""
+    message = "\\" + "".join(f"{i:04d}," for i in range(180))  # 901 characters, under RESET's 1024 bytes
+    srv = await asyncio.start_server(resetting_server(message), "127.0.0.1", 0)
+    try:
+        port = srv.sockets[0].getsockname()[1]
+        async with kvwire.connect("127.0.0.1", port, secret=SECRET, codec="raw") as peer:
+            with pytest.raises(kvwire.KvwireError):
+                await peer.send("x", SPEC, make_layers(2, 64, 1, 8), timeout=10)
+    finally:
+        srv.close()
+    [line] = [line for line in client_lines(records) if "reset by the server" in line]
+    assert line.endswith(": " + printable(message)) and line.endswith("...")
+    assert printable(message).startswith("\\\\0000,") and len(printable(message)) == 1 + 500 + 3

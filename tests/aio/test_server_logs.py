@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import kvwire
+from kvwire.aio._logtext import code_name, printable
 from kvwire.errors import ErrorCode
 from kvwire.wire import Begin, Connection, ConnectionConfig, Role, State
 from kvwire.wire.frames import frame_bytes
@@ -118,7 +119,7 @@ async def test_a_peers_text_cannot_forge_or_hide_a_line(records: Records) -> Non
     text = "bye" + "".join(FORGERS) + "2099-01-01 ERROR kvwire: forged line"
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         conn, reader, writer = await raw_client(server.port)
-        conn.send_begin(begin(1, "r\n" + text))
+        conn.send_begin(begin(1, "r\n" + "".join(FORGERS) + "2099-01-01 ERROR kvwire: forged id"))
         conn.send_reset(1, ErrorCode.CANCELLED, text)
         conn.close(ErrorCode.NO_ERROR, text)
         writer.writelines([bytes(p) for p in conn.data_to_send()])
@@ -190,3 +191,26 @@ async def test_a_resume_is_logged_with_the_address_and_no_message_repeats_the_lo
     [resumed] = [r for r in records.records if "resumed" in r.getMessage()]
     assert resumed.getMessage().startswith(f"{local(writer2)} resumed stream 0 of session ")
     assert records.records and not [r for r in records.records if r.getMessage().startswith("kvwire")]
+
+
+async def test_goaway_text_and_request_ids_follow_the_one_rule_for_a_peers_text(records: Records) -> None:
+    """A GOAWAY's message and a request id are logged as every other text a peer chose
+    (printable: escaped, cut after 500 characters with '...'), as the client logs a
+    GOAWAY: not as a repr (quoted, cut at 48 characters for a request id)."""
+    request_id = "it's " + "x" * 600
+    message = "it's time\n"
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        conn, reader, writer = await raw_client(server.port)
+        conn.send_begin(begin(1, request_id))
+        conn.send_reset(1, ErrorCode.CANCELLED, "bye")
+        conn.close(ErrorCode.NO_ERROR, message)
+        writer.writelines([bytes(p) for p in conn.data_to_send()])
+        await until_closed(reader)
+        writer.close()
+        assert await wait_until(lambda: server.statistics()["goaways_received"] == 1, 5)
+    said = [r.getMessage() for r in records.records]
+    [goaway] = [m for m in said if m.startswith("GOAWAY")]
+    assert goaway == f"GOAWAY from {local(writer)}: {code_name(ErrorCode.NO_ERROR)} {printable(message)}"
+    [reset] = [m for m in said if "reset by the client" in m]
+    assert reset.startswith(f"transfer '{printable(request_id)}' from {local(writer)} reset by the client")
+    assert printable(request_id).endswith("x" * 495 + "...")
