@@ -212,7 +212,8 @@ class ServerOptions:
     """Transfers in progress per session (more are refused with LIMIT_EXCEEDED)."""
     transfer_buffer_bytes: int = 256 * 1024 * 1024
     """Bytes of received layers buffered per transfer before the application takes
-    them (at least one layer is always granted, so a transfer can always progress)."""
+    them, never more than ``max_buffer_bytes`` (at least one layer is always granted, so
+    a transfer can always progress)."""
     max_tokens: int = 256 * 1024
     """Largest token count per layer accepted (bounds one layer's allocation)."""
     max_sessions: int = 256

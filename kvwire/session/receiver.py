@@ -1455,8 +1455,9 @@ class ReceiverCore:
         if name not in self.config.codecs:
             raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {name!r} is not accepted here")
         layer_bytes = 2 * chunk.layer_tokens * t.bpt
-        if first:  # as many layers as transfer_buffer_bytes holds, at least one
-            t.window = max(1, self.config.transfer_buffer_bytes // max(1, self._store.footprint(layer_bytes)))
+        if first:  # as many layers as transfer_buffer_bytes holds (and the whole budget), at least one
+            room = min(self.config.transfer_buffer_bytes, self.config.max_buffer_bytes)
+            t.window = max(1, room // max(1, self._store.footprint(layer_bytes)))
             self._grant(t, t.taken + t.window)
         return layer_bytes
 

@@ -403,16 +403,40 @@ def test_a_storage_failure_leaves_the_chunk_unreceived_and_becomes_a_typed_error
 
 
 def test_a_chunk_past_the_buffer_budget_fails_and_counts_a_refusal() -> None:
+    # One layer (8 tokens of K and V) fills the budget: a second transfer's layer is past it.
     cfg = ReceiverConfig(secret=SECRET, max_buffer_bytes=2 * 8 * BPT, transfer_buffer_bytes=1 << 20)
     h = Harness(cfg)
-    h.client.send_begin(begin(layers=2))
+    for tid in (1, 2):
+        h.client.send_begin(begin(tid=tid, layers=2, request=f"r{tid}"))
+    h.pump()
+    h.send(chunk(tid=1, layer=0))
+    h.send(chunk(tid=2, layer=0))
+    [failed] = h.of(TransferFailed)
+    assert failed.key[1] == 2 and failed.error.code == ErrorCode.LIMIT_EXCEEDED
+    assert h.core.counters["buffer_budget_refusals"] == 1
+    assert h.core.buffered_bytes - h.core.kept_bytes == 2 * 8 * BPT  # the first transfer's layer
+
+
+@pytest.mark.parametrize("budget_layers", [1, 3])
+def test_a_lone_transfer_is_granted_no_more_layers_than_the_budget_holds(budget_layers: int) -> None:
+    """transfer_buffer_bytes above max_buffer_bytes (the default 256 MiB over a smaller
+    budget) granted layers the server could not hold: a lone transfer whose application
+    took its layers as they came failed with LIMIT_EXCEEDED instead of waiting for them
+    to be taken (protocol.md 8.2: it stops at its window)."""
+    layer = 2 * 8 * BPT
+    cfg = ReceiverConfig(secret=SECRET, max_buffer_bytes=budget_layers * layer, transfer_buffer_bytes=256 << 20)
+    h = Harness(cfg)
+    h.client.send_begin(begin(layers=8))
     h.pump()
     h.send(chunk(layer=0))
-    h.send(chunk(layer=1))
-    [failed] = h.of(TransferFailed)
-    assert failed.error.code == ErrorCode.LIMIT_EXCEEDED
-    assert h.core.counters["buffer_budget_refusals"] == 1
-    assert h.core.buffered_bytes == 0
+    # (ACCEPT grants layer 0; a CREDIT the rest of the window)
+    assert max([1] + [c.layer_limit for c in h.client_of(CreditGranted)]) == budget_layers
+    for li in range(budget_layers):
+        h.send(chunk(layer=li, kind=1))
+        if li:
+            h.send(chunk(layer=li))
+    assert not h.of(TransferFailed)
+    assert h.core.buffered_bytes - h.core.kept_bytes == budget_layers * layer
 
 
 def test_the_budget_counts_what_the_store_allocates_for_a_layer() -> None:
@@ -426,22 +450,26 @@ def test_the_budget_counts_what_the_store_allocates_for_a_layer() -> None:
     # (each layer also remembers the token range of its K chunk: its V is not sent)
     cfg = ReceiverConfig(secret=SECRET, max_buffer_bytes=(1 << 20) + 16 * RANGE_BYTES, transfer_buffer_bytes=256 << 20)
     h = Harness(cfg, store=Coarse())
-    h.client.send_begin(begin(layers=40))
+    for tid in range(1, 41):  # transfers of one layer each, so no window stops them first
+        h.client.send_begin(begin(tid=tid, layers=1, request=f"r{tid}"))
     h.pump()
-    for layer in range(40):
-        h.send(chunk(layer=layer, kind=0, count=1, tokens=1))
+    for tid in range(1, 41):
+        h.send(chunk(tid=tid, layer=0, kind=0, count=1, tokens=1))
         if h.of(TransferFailed):
             break
     [failed] = h.of(TransferFailed)
     assert failed.error.code == ErrorCode.LIMIT_EXCEEDED
-    assert layer == 16  # 16 layers of 64 KiB (and a range each) fill the budget
-    assert h.core.counters["buffer_budget_refusals"] == 1 and h.core.buffered_bytes == 0
-    # and a transfer's window is counted the same way
-    h2 = Harness(replace(cfg, transfer_buffer_bytes=256 * 1024), store=Coarse())
-    h2.client.send_begin(begin(layers=40))
-    h2.pump()
-    h2.send(chunk(layer=0, kind=0, count=1, tokens=1))
-    assert h2.client_of(CreditGranted)[-1].layer_limit == 4
+    assert tid == 17  # 16 layers of 64 KiB (and a range each) fill the budget
+    assert h.core.counters["buffer_budget_refusals"] == 1
+    assert h.core.buffered_bytes - h.core.kept_bytes == 16 * 64 * 1024
+    # and a transfer's window is counted the same way: in transfer_buffer_bytes, and in
+    # the whole budget when that is smaller
+    for tbb, window in ((256 * 1024, 4), (256 << 20, 16)):
+        h2 = Harness(replace(cfg, transfer_buffer_bytes=tbb), store=Coarse())
+        h2.client.send_begin(begin(layers=40))
+        h2.pump()
+        h2.send(chunk(layer=0, kind=0, count=1, tokens=1))
+        assert h2.client_of(CreditGranted)[-1].layer_limit == window
 
 
 def test_attach_grants_every_layer_and_keeps_them_out_of_the_budget() -> None:

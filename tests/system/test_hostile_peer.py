@@ -210,9 +210,20 @@ async def test_tiny_layers_count_as_the_memory_they_take() -> None:
     tiny = make_layers(spec.num_layers, 1, 1, 8, seed=3)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_buffer_bytes=1 << 20) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            # Nobody takes its layers: it stops at the 16 slabs the budget holds (its
+            # window is bounded by the budget, whatever transfer_buffer_bytes says) ...
+            first = asyncio.create_task(peer.send("tiny", spec, tiny, timeout=60))
+            async with asyncio.timeout(30):
+                while server.statistics()["buffered_bytes"] < 16 * 64 * 1024:
+                    await asyncio.sleep(0.01)
+            assert not first.done()
+            assert server.statistics()["buffered_bytes"] <= (1 << 20) + (1 << 20)  # (and the room kept past it)
+            # ... and another transfer's layer finds no room.
             with pytest.raises(kvwire.LimitExceededError):
-                await peer.send("tiny", spec, tiny, timeout=10)  # nobody takes its layers
-            assert server.statistics()["buffered_bytes"] <= 1 << 20
+                await peer.send("tiny2", spec, tiny, timeout=10)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
 
 
 async def test_server_wide_byte_budget_refuses_what_does_not_fit() -> None:
