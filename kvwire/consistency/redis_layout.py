@@ -6,8 +6,8 @@ one Redis Cluster slot and every script may touch all of its keys.
 =============================  ========  ====================================================
 key                            type      content
 =============================  ========  ====================================================
-``{ns}:seq``                   string    last version handed out (INCR, never below
-                                         the Redis clock in microseconds)
+``{ns}:seq``                   string    last version handed out (the next is one above
+                                         it, never below the Redis clock in microseconds)
 ``{ns}:seqrun``                string    the server's ``run_id`` when ``seq`` last moved
 ``{ns}:b:<canonical id>``      hash      ``v`` version, ``c`` "1" if complete else "0",
                                          ``l`` lease id holding it in flight (absent if none),
@@ -65,29 +65,24 @@ if not run then
 end
 """
 
-# The next version from counter ``key``: INCR, but never below the server's clock in
-# microseconds (see the module docstring). Needs ``now`` (_NOW). (Versions go into text
-# with string.format('%.0f'): Lua's own number-to-text keeps 14 digits.) ``versions_left``
-# says whether ``n`` more versions stay within MAX_VERSION (2**53 - 1, exact in a double);
-# a script asks it before writing anything, so an exhausted counter changes nothing, and
-# next_version fails rather than hand out an inexact version if one was not asked first.
+# The versions a script hands out come from counter ``key``: ``n`` of them in a row, the first
+# one above the counter but never below the server's clock in microseconds (see the module
+# docstring). Needs ``now`` (_NOW). (Versions go into text with string.format('%.0f'): Lua's
+# own number-to-text keeps 14 digits.) ``first_version(key, n)`` is the first of them, or nil
+# when the last would be past MAX_VERSION (2**53 - 1, exact in a double); it writes nothing,
+# so a script computes its versions, PUBLISHes them, and only then writes (the counter set to
+# the last one, with ``SET``): a refusal (no versions left, a PUBLISH the Redis user may not
+# run on the channel) comes before any write, and the script changes nothing.
 _NEXT = """
 local MAX_VERSION = 9007199254740991
-local function versions_left(key, n)
+local function first_version(key, n)
   local seq = tonumber(redis.call('GET', key) or '0')
-  -- (subtracting: seq + n could round past MAX_VERSION in a double)
-  return n <= MAX_VERSION - math.max(seq + 1, now) + 1
-end
-local function next_version(key)
-  local v = redis.call('INCR', key)
-  if v < now then
-    redis.call('SET', key, now)
-    v = now
+  local first = math.max(seq + 1, now)
+  -- (subtracting: first + n could round past MAX_VERSION in a double)
+  if n > MAX_VERSION - first + 1 then
+    return nil
   end
-  if v > MAX_VERSION then
-    error('version counter exhausted')
-  end
-  return v
+  return first
 end
 """
 
@@ -165,17 +160,23 @@ if #lost > 1 then
   redis.call('DEL', KEYS[1])
   return lost
 end
-if not versions_left(KEYS[2], #KEYS - 3) then
+local first = first_version(KEYS[2], #KEYS - 3)
+if not first then
   return {-3}
 end
 local out = {0}
 for i = 4, #KEYS do
-  local v = next_version(KEYS[2])
-  redis.call('HSET', KEYS[i], 'v', v, 'c', '1', 'r', run)
-  redis.call('HDEL', KEYS[i], 'l', 'e')
-  redis.call('PUBLISH', ARGV[2], string.format('%.0f ', v) .. ARGV[i - 1])
-  out[#out + 1] = v
+  out[#out + 1] = first + (i - 4)  -- (i - 4 first: first + i could round past 2**53)
 end
+-- Every PUBLISH before the first write: a user the channel's ACL denies fails here, unchanged.
+for i = 4, #KEYS do
+  redis.call('PUBLISH', ARGV[2], string.format('%.0f ', out[i - 2]) .. ARGV[i - 1])
+end
+for i = 4, #KEYS do
+  redis.call('HSET', KEYS[i], 'v', string.format('%.0f', out[i - 2]), 'c', '1', 'r', run)
+  redis.call('HDEL', KEYS[i], 'l', 'e')
+end
+redis.call('SET', KEYS[2], string.format('%.0f', out[#out]))
 redis.call('SET', KEYS[3], run)
 redis.call('DEL', KEYS[1])
 return out
@@ -238,17 +239,23 @@ INVALIDATE = (
     + """
 -- KEYS: seq, seqrun, block...   ARGV: channel, canonical id per block
 -- returns {0, version...} | {-3} no versions left below 2**53 (nothing changed)
-if not versions_left(KEYS[1], #KEYS - 2) then
+local first = first_version(KEYS[1], #KEYS - 2)
+if not first then
   return {-3}
 end
 local out = {0}
 for i = 3, #KEYS do
-  local v = next_version(KEYS[1])
-  redis.call('HSET', KEYS[i], 'v', v, 'c', '0')
-  redis.call('HDEL', KEYS[i], 'l', 'e')
-  redis.call('PUBLISH', ARGV[1], string.format('%.0f ', v) .. ARGV[i - 1])
-  out[#out + 1] = v
+  out[#out + 1] = first + (i - 3)  -- (as in COMMIT)
 end
+-- Every PUBLISH before the first write: a user the channel's ACL denies fails here, unchanged.
+for i = 3, #KEYS do
+  redis.call('PUBLISH', ARGV[1], string.format('%.0f ', out[i - 1]) .. ARGV[i - 1])
+end
+for i = 3, #KEYS do
+  redis.call('HSET', KEYS[i], 'v', string.format('%.0f', out[i - 1]), 'c', '0')
+  redis.call('HDEL', KEYS[i], 'l', 'e')
+end
+redis.call('SET', KEYS[1], string.format('%.0f', out[#out]))
 redis.call('SET', KEYS[2], run)
 return out
 """
