@@ -78,6 +78,13 @@ _LEASE_GRACE_MS = 1000
 # How often a waiting watcher looks at its closed flag (seconds).
 _POLL_S = 0.2
 
+# connect()'s pool for the calls: at most this many connections by default (a call finding
+# them all in use waits for one, within its timeout).
+DEFAULT_MAX_CONNECTIONS = 100
+
+# The watchers' pool (connect()'s): no bound of its own, one connection per subscribed watcher.
+_WATCH_CONNECTIONS = 2**31 - 1
+
 
 async def _guard(what: str, awaitable: Awaitable[T], timeout: float) -> T:
     """``awaitable``'s result; Redis unreachable, failing or silent for ``timeout`` seconds
@@ -255,7 +262,7 @@ class RedisWatcher:
         # As watch() on a closed registry: a watcher made before close() and first used
         # after it would otherwise subscribe on the closed registry's client.
         self._registry._live()
-        pubsub = self._registry.client.pubsub()
+        pubsub = self._registry._new_pubsub()
         pubsub._execute = types.MethodType(_execute_unretried, pubsub)  # type: ignore[method-assign, unused-ignore]
         self._pubsub = pubsub
         self._registry._watchers.add(self)
@@ -430,7 +437,13 @@ class RedisRegistry:
     ``timeout`` (seconds, finite, > 0) bounds every call whatever the client's own socket
     timeouts.  Its ``retry`` settings do not apply: the registry sends each command once (a lost reply raises
     :class:`RegistryUnavailableError`, the outcome unknown), and a watcher does not
-    reconnect silently.
+    reconnect silently.  Its pool is used as it is: each call takes one of its connections
+    for the call's length, and each subscribed watcher one for as long as it is subscribed
+    (redis-py's default ``ConnectionPool`` refuses a connection past its
+    ``max_connections``, which fails the call with :class:`RegistryUnavailableError`; a
+    ``BlockingConnectionPool`` makes the call wait, within ``timeout``).  A client
+    :meth:`connect` makes has a waiting pool for the calls and puts each watcher on a
+    connection of its own.
     """
 
     def __init__(
@@ -457,6 +470,9 @@ class RedisRegistry:
         self._background: set[asyncio.Task[Any]] = set()
         self._releases: set[asyncio.Task[Any]] = set()  # those of _background a begin waits for
         self._closed = False
+        # The watchers' connections, apart from the calls' pool (connect() makes it); None:
+        # the client's own pool (its pubsub()).
+        self._watch_pool: aioredis.ConnectionPool | None = None
         self._begin = _Script(client, lua.BEGIN)
         self._commit = _Script(client, lua.COMMIT)
         self._renew = _Script(client, lua.RENEW)
@@ -471,27 +487,42 @@ class RedisRegistry:
         *,
         namespace: str = "kvwire",
         timeout: float = 5.0,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> Self:
         """Connect to ``url`` and verify Redis answers; :class:`RegistryUnavailableError` if not.
 
         ``timeout`` bounds connecting and every reply, in seconds (finite, > 0).  A ``url``
         redis-py cannot read (another scheme, a port that is not a number) raises
         :class:`UsageError`.
+
+        The calls share a pool of at most ``max_connections`` connections (an int >= 1,
+        else :class:`UsageError`; the URL's own ``max_connections`` and ``timeout`` options
+        give way to these): each call holds one for its length, and a call finding them all
+        in use waits for one, the wait counted in its ``timeout``
+        (:class:`RegistryUnavailableError` when none came free in time).  Each watcher has a
+        connection of its own, outside that pool, while it is subscribed.
         """
         timeout = _check_timeout(timeout)
+        if isinstance(max_connections, bool) or not isinstance(max_connections, int) or max_connections < 1:
+            raise UsageError(f"max_connections is an int >= 1, not {max_connections!r:.40}")
         lua.KeyLayout(namespace)  # refused before connecting
         if not isinstance(url, str):
             raise UsageError(f"url is a str (redis://host:port/db), not {type(url).__name__}")
+        options: dict[str, Any] = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": Retry(NoBackoff(), 0),
+        }
         try:
-            client = aioredis.Redis.from_url(
-                url,
-                socket_timeout=timeout,
-                socket_connect_timeout=timeout,
-                retry=Retry(NoBackoff(), 0),
-            )
+            pool = aioredis.BlockingConnectionPool.from_url(url, **options)
+            watch_pool = aioredis.ConnectionPool.from_url(url, **options)
         except ValueError as exc:
             raise UsageError(f"not a Redis URL redis-py reads: {url!r}: {exc}") from exc
+        pool.max_connections, pool.timeout = max_connections, timeout
+        watch_pool.max_connections = _WATCH_CONNECTIONS
+        client = aioredis.Redis.from_pool(pool)
         registry = cls(client, namespace=namespace, owns_client=True, timeout=timeout)
+        registry._watch_pool = watch_pool
         try:
             await _guard(f"connecting to {url}", client.ping(), timeout)
         except BaseException:
@@ -772,6 +803,13 @@ class RedisRegistry:
         self._live()
         return RedisWatcher(self)
 
+    def _new_pubsub(self) -> PubSub:
+        """A pubsub for a watcher's subscription: on a connection of the watchers' pool
+        (:meth:`connect`'s registry), else of the client's."""
+        if self._watch_pool is not None:
+            return PubSub(self._watch_pool)
+        return self.client.pubsub()
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -788,6 +826,9 @@ class RedisRegistry:
             # Closing a broken connection: nothing is left to protect.
             with contextlib.suppress(RedisError, OSError):
                 await self.client.aclose()
+        if self._watch_pool is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await self._watch_pool.aclose()
 
     async def __aenter__(self) -> Self:
         return self

@@ -34,13 +34,14 @@ class _HoldingProxy(RedisProxy):
         self.released.set()
         await super().__aexit__(*exc)
 
-    async def wait_closed_by_client(self) -> None:
-        """Until the client closed every connection it made through the proxy (bounded)."""
+    async def wait_closed_by_client(self, left: int = 0) -> None:
+        """Until the client closed every connection it made through the proxy but ``left``
+        (bounded)."""
         for _ in range(200):
-            if self.open == 0:
+            if self.open == left:
                 return
             await asyncio.sleep(0.05)
-        raise AssertionError(f"{self.open} connection(s) through the proxy left open")
+        raise AssertionError(f"{self.open} connection(s) through the proxy left open, not {left}")
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -73,10 +74,10 @@ class _HoldingProxy(RedisProxy):
             try:
                 await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                server_w.close()  # first: a cancellation of the wait below must not skip it
                 for pump in pumps:
                     pump.cancel()
                 await asyncio.gather(*pumps, return_exceptions=True)
-                server_w.close()
         except (OSError, asyncio.CancelledError):
             pass
         finally:
@@ -122,10 +123,13 @@ async def test_a_watcher_closed_while_subscribing_ends_and_releases_its_connecti
                 assert await asyncio.wait_for(reading, 10) is watcher
             with pytest.raises(StopAsyncIteration):
                 await asyncio.wait_for(anext(watcher), 10)
-            await proxy.wait_closed_by_client()
+            # connect()'s registry keeps the connection of its calls (its ping) in their pool,
+            # apart from the watcher's, until the registry is closed
+            left = 1 if held == "confirmation" and closer == "watcher" else 0
+            await proxy.wait_closed_by_client(left)
             proxy.released.set()  # a reply let through now finds nobody subscribing
             await asyncio.sleep(0.1)
-            await proxy.wait_closed_by_client()
+            await proxy.wait_closed_by_client(left)
             if closer == "watcher":  # the registry goes on working
                 assert await asyncio.wait_for(reg.lookup([b"blk"]), 10) == []
         finally:
