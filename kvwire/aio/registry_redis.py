@@ -177,8 +177,9 @@ async def _execute_unretried(self: PubSub, conn: Any, command: Any, *args: Any, 
     """A watcher's ``PubSub._execute``: one try, no reconnection.  redis-py's reconnects
     and re-subscribes after a connection error (retrying the read, with a client's default
     ``retry``), so changes published while the subscription was gone would be skipped
-    without the reader knowing.  The connection is closed instead, the error raised (the
-    watcher raises :class:`NotificationsLostError`), and the next read subscribes anew."""
+    without the reader knowing, and the reconnection would be bounded only by the client's
+    own socket timeouts.  The connection is closed instead and the error raised: the
+    watcher drops that subscription and makes a new one itself (see :class:`RedisWatcher`)."""
     try:
         return await command(*args, **kwargs)
     except (RedisConnectionError, RedisTimeoutError, OSError):
@@ -189,14 +190,17 @@ async def _execute_unretried(self: PubSub, conn: Any, command: Any, *args: Any, 
 async def _subscribed(pubsub: PubSub, channel: str, timeout: float) -> None:
     """Subscribe ``pubsub`` to ``channel`` and wait for the server's confirmation, so
     changes made after this returns are delivered (SUBSCRIBE and a later PUBLISH travel on
-    different connections); each step bounded by ``timeout``."""
-    await asyncio.wait_for(pubsub.subscribe(channel), timeout)
-    while True:
-        msg = await pubsub.get_message(timeout=timeout)
-        if msg is None:
-            raise RegistryUnavailableError("redis registry: no SUBSCRIBE confirmation")
-        if msg.get("type") == "subscribe":
-            return
+    different connections).  Connecting (its handshake included), SUBSCRIBE and the
+    confirmation are bounded together by ``timeout`` (``TimeoutError``), whatever the
+    client's socket timeouts."""
+    async with asyncio.timeout(timeout):
+        await pubsub.subscribe(channel)
+        while True:
+            msg = await pubsub.get_message(timeout=timeout)
+            if msg is None:
+                raise RegistryUnavailableError("redis registry: no SUBSCRIBE confirmation")
+            if msg.get("type") == "subscribe":
+                return
 
 
 def _check_timeout(timeout: object) -> float:
@@ -227,18 +231,24 @@ def _decode(value: Any) -> str:
 class RedisWatcher:
     """Notifications from one namespace's pub/sub channel.
 
-    Pub/sub delivers at most once: a watcher whose connection breaks raises
-    :class:`NotificationsLostError` (it may have missed changes) instead of reconnecting
-    silently.  So does one whose connection goes silent (a half-open connection, a stalled
-    network): after ``timeout`` (the registry's) without hearing from the server the
-    watcher sends a PING on its subscription, and raises if nothing comes back within
-    ``timeout`` more; its connection is then dropped, so the next read subscribes anew.
+    Pub/sub delivers at most once, and a watcher never reconnects behind its reader's back.
+    Its subscription is lost when its connection breaks, or goes silent (a half-open
+    connection, a stalled network): after ``timeout`` (the registry's) without hearing from
+    the server the watcher sends a PING on its subscription, and counts it lost if nothing
+    comes back within ``timeout`` more.  A lost subscription is closed and a new one made
+    (a new connection, SUBSCRIBE and the server's confirmation, together bounded by
+    ``timeout``) before the read raises :class:`NotificationsLostError`: changes made while
+    it was lost may never arrive, every change made after the raise is delivered.  So the
+    reader re-reads (``lookup``, ``check_many``) what it watches, after the error, and reads
+    on.  If the new subscription cannot be made, the error says so and the next read tries
+    again and raises :class:`NotificationsLostError` again, subscribed or not: a re-read
+    made while no subscription was in place covers nothing.
     The registry holds its watchers weakly: one abandoned without ``aclose`` (a ``break``
     out of a bare ``async for``) closes its subscription once garbage collected.
     ``aclose`` (or the registry's ``close()``) ends a watcher whatever it is waiting for:
     a read, or a first read or ``async with`` still subscribing (connecting, or awaiting the
-    server's confirmation), stops (``StopAsyncIteration``; ``async with`` enters the ended
-    watcher), and its connection is closed.
+    server's confirmation), or a read subscribing anew, stops (``StopAsyncIteration``;
+    ``async with`` enters the ended watcher), and its connection is closed.
     """
 
     def __init__(self, registry: RedisRegistry) -> None:
@@ -248,35 +258,28 @@ class RedisWatcher:
         self._subscribing: asyncio.Future[None] | None = None
         self._closed = False
         self._finalizer: weakref.finalize[Any, Any] | None = None
+        # Why the last subscription was lost (and its error), while no new one is in place.
+        self._lost: tuple[str, BaseException | None] | None = None
         self._heard = 0.0  # loop time the server was last heard from (a message, a reply)
         self._pinged: float | None = None  # loop time of the PING awaiting its reply
 
-    async def _subscribe(self) -> PubSub | None:
-        """The watcher's subscription, made at its first use; ``None`` once the watcher is
-        closed, and when it is closed (its own :meth:`aclose`, the registry's ``close()``)
-        while subscribing: the subscription is stopped and its connection released."""
-        if self._pubsub is not None:
-            return self._pubsub
-        if self._closed:
-            return None
-        # As watch() on a closed registry: a watcher made before close() and first used
-        # after it would otherwise subscribe on the closed registry's client.
-        self._registry._live()
-        pubsub = self._registry._new_pubsub()
+    async def _open(self) -> PubSub | None:
+        """A new subscription (a new pubsub, so a new connection), confirmed by the server:
+        :func:`_subscribed`, bounded by the registry's ``timeout``, in a task of its own,
+        which :meth:`aclose` cancels (connecting and the confirmation are not bounded by
+        ``_POLL_S`` as a read is, and aclose() must not close the connection under them, nor
+        find none yet to close while the pool connects it).  ``None`` when the watcher is
+        closed meanwhile; what subscribing failed with is raised; either way the new
+        subscription is closed."""
+        registry = self._registry
+        pubsub = registry._new_pubsub()
         pubsub._execute = types.MethodType(_execute_unretried, pubsub)  # type: ignore[method-assign, unused-ignore]
         self._pubsub = pubsub
-        self._registry._watchers.add(self)
+        registry._watchers.add(self)
         # Holds the pubsub and the registry, never this watcher: collected, it is closed.
-        self._finalizer = weakref.finalize(
-            self, _close_abandoned, asyncio.get_running_loop(), self._registry, pubsub
-        )
+        self._finalizer = weakref.finalize(self, _close_abandoned, asyncio.get_running_loop(), registry, pubsub)
         self._finalizer.atexit = False
-        # In a task of its own, which aclose() cancels: connecting and the confirmation
-        # are not bounded by _POLL_S as a later read is, and aclose() must not close the
-        # connection under them (nor find none yet to close while the pool connects it).
-        subscribing = asyncio.ensure_future(
-            _subscribed(pubsub, self._registry.layout.channel, self._registry.timeout)
-        )
+        subscribing = asyncio.ensure_future(_subscribed(pubsub, registry.layout.channel, registry.timeout))
         self._subscribing = subscribing
         try:
             await subscribing  # a cancellation of the caller cancels it too
@@ -288,18 +291,38 @@ class RedisWatcher:
                 isinstance(exc, Exception)
                 or (isinstance(exc, asyncio.CancelledError) and not (task is not None and task.cancelling()))
             )
-            await self.aclose()
+            await self._close_pubsub()
             if ended:
                 return None  # closed meanwhile: ended, as a subscribed watcher is by close()
-            if isinstance(exc, (RedisError, OSError)):  # TimeoutError among them
-                raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc!r}") from exc
             raise
         finally:
             self._subscribing = None
-        if self._closed:  # closed as the confirmation came: aclose() closed the pubsub
+        if self._closed:  # closed as the confirmation came
+            await self._close_pubsub()
             return None
         self._heard, self._pinged = asyncio.get_running_loop().time(), None
         return pubsub
+
+    async def _subscribe(self) -> PubSub | None:
+        """The watcher's subscription, made at its first use (a failure raises
+        :class:`RegistryUnavailableError` and ends the watcher); ``None`` once the watcher
+        is closed, when it is closed (its own :meth:`aclose`, the registry's ``close()``)
+        while subscribing, and while a lost subscription awaits its replacement (which
+        :meth:`__anext__` makes)."""
+        if self._pubsub is not None or self._lost is not None:
+            return self._pubsub
+        if self._closed:
+            return None
+        # As watch() on a closed registry: a watcher made before close() and first used
+        # after it would otherwise subscribe on the closed registry's client.
+        self._registry._live()
+        try:
+            return await self._open()
+        except BaseException as exc:
+            await self.aclose()
+            if isinstance(exc, (RedisError, OSError)):  # TimeoutError among them
+                raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc!r}") from exc
+            raise
 
     async def __aenter__(self) -> Self:
         await self._subscribe()
@@ -318,29 +341,40 @@ class RedisWatcher:
 
     async def __anext__(self) -> VersionedBlock:
         pubsub = await self._subscribe()
-        if pubsub is None:
+        if pubsub is None and (self._lost is None or self._closed):
             raise StopAsyncIteration
         self._reading = asyncio.Event()
         loop = asyncio.get_running_loop()
         timeout = self._registry.timeout
         try:
-            while not self._closed:
+            if self._lost is not None:  # lost, and not subscribed again at the last read
+                await self._replace(*self._lost)  # raises, unless closed meanwhile
+            while not self._closed and (pubsub := self._pubsub) is not None:
                 try:
+                    connection = pubsub.connection
+                    if connection is None or not getattr(connection, "is_connected", True):
+                        # Closed under the subscription (a send cancelled midway): reading
+                        # would reconnect it, unbounded, and resubscribe behind the reader.
+                        raise RedisConnectionError("the subscription's connection is closed")
                     # A bounded wait, so aclose() from another task never has to tear the
                     # connection down under a pending read; it waits for this loop instead.
-                    msg = await pubsub.get_message(timeout=_POLL_S)
+                    # (The outer bound: a read that does not end counts as a lost one.)
+                    async with asyncio.timeout(timeout + _POLL_S):
+                        msg = await pubsub.get_message(timeout=_POLL_S)
                     if msg is None and not self._closed:
-                        await self._check_alive(pubsub, loop.time(), timeout)
-                except (RedisError, OSError) as exc:
+                        lost = await self._check_alive(pubsub, loop.time(), timeout)
+                        if lost is not None:
+                            await self._replace(lost, None)  # raises, unless closed meanwhile
+                            break
+                except (RedisError, OSError) as exc:  # TimeoutError among them
                     if self._closed:
                         break
-                    raise NotificationsLostError(
-                        f"redis registry: notification channel lost: {exc}"
-                    ) from exc
+                    await self._replace(f"notification channel lost: {str(exc) or repr(exc)}", exc)
+                    break
                 if msg is None:
                     continue
-                # Anything from the server (a change, a PING's reply, a subscription's
-                # confirmation after a reconnect) shows the connection still delivers.
+                # Anything from the server (a change, a PING's reply) shows the connection
+                # still delivers.
                 self._heard, self._pinged = loop.time(), None
                 if msg.get("type") == "message":
                     try:
@@ -358,36 +392,47 @@ class RedisWatcher:
         await self._close_pubsub()
         raise StopAsyncIteration
 
-    async def _check_alive(self, pubsub: PubSub, now: float, timeout: float) -> None:
-        """Nothing to read: after ``timeout`` of silence send a PING on the subscription; if
-        its reply has not come within ``timeout``, drop the connection (the next read
-        subscribes anew) and raise :class:`NotificationsLostError`: changes published
-        meanwhile may never arrive."""
+    async def _check_alive(self, pubsub: PubSub, now: float, timeout: float) -> str | None:
+        """Nothing to read: after ``timeout`` of silence send a PING on the subscription;
+        why the subscription counts as lost if the PING could not be sent, or its reply has
+        not come, within ``timeout`` (changes published meanwhile may never arrive); else
+        ``None``."""
         if self._pinged is None:
             if now - self._heard >= timeout:
                 try:
                     await asyncio.wait_for(pubsub.ping(), timeout)
                 except TimeoutError:
-                    await self._drop_connection(pubsub, timeout)
-                    raise NotificationsLostError(
-                        f"redis registry: notification channel stalled: PING not sent within {timeout:g} s"
-                    ) from None
+                    return f"notification channel stalled: PING not sent within {timeout:g} s"
                 self._pinged = now
-            return
+            return None
         if now - self._pinged >= timeout:
-            await self._drop_connection(pubsub, timeout)
-            raise NotificationsLostError(
-                f"redis registry: notification channel silent: no reply to PING within {timeout:g} s"
-            )
+            return f"notification channel silent: no reply to PING within {timeout:g} s"
+        return None
 
-    async def _drop_connection(self, pubsub: PubSub, timeout: float) -> None:
-        """Close a silent subscription's connection (bounded): the next read reconnects
-        and subscribes again rather than wait on it."""
-        self._heard, self._pinged = asyncio.get_running_loop().time(), None
-        connection = pubsub.connection
-        if connection is not None:
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
-                await asyncio.wait_for(connection.disconnect(), timeout)
+    async def _replace(self, why: str, cause: BaseException | None) -> None:
+        """The subscription is lost (``why``): close it, subscribe anew (:meth:`_open`), and
+        raise :class:`NotificationsLostError`, saying whether the new subscription is in
+        place (the reader's re-read after the error is then covered) or not (the next read
+        tries again, and raises again).  Returns only when the watcher (or its registry)
+        was closed meanwhile."""
+        self._lost = (why, cause)
+        await self._close_pubsub()
+        if self._closed or self._registry._closed:
+            return
+        try:
+            pubsub = await self._open()
+        except (RedisError, OSError, KvwireError) as exc:  # TimeoutError among them
+            raise NotificationsLostError(
+                f"redis registry: {why}; not subscribed again ({exc!r}): changes may have been "
+                "missed and are not watched yet; the next read subscribes again"
+            ) from (cause if cause is not None else exc)
+        if pubsub is None:
+            return
+        self._lost = None
+        raise NotificationsLostError(
+            f"redis registry: {why}; subscribed again: changes may have been missed, those from "
+            "now on are delivered: re-read (lookup, check_many)"
+        ) from cause
 
     async def aclose(self) -> None:
         self._closed = True
