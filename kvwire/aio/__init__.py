@@ -62,13 +62,23 @@ def connect(
 ) -> Peer:
     """A client session of ``streams`` TCP connections to a kvwire server.
 
+    ``host`` is a name or an address, an IPv6 one with or without brackets (``"::1"`` or
+    ``"[::1]"``; brackets around anything else are a UsageError).  The session's first
+    stream resolves it and connects to the first of its addresses to answer (tried in
+    turn, the next started 0.25 s after the one before or as soon as that one fails, all
+    within ``connect_timeout``); every other stream of the session, and every reconnect,
+    goes to the address that stream reached, so a name with several addresses (round-robin
+    DNS) cannot lead them to a server that does not know the session.  A new session
+    resolves the name again.
+
     ``streams="auto"`` opens ``max_streams`` connections and stripes over as many as the
     path rewards (more while one stream's window is the limit, fewer when not).
     ``codec`` is the default for :meth:`Peer.send` (``"auto"``: chosen per chunk from
     the live bandwidth estimate); ``options`` are the fields of :class:`ClientOptions`
     (typed by :class:`kvwire.options.ConnectOptions`).  ``ssl`` (a client
     :class:`ssl.SSLContext`) runs every stream over TLS, checking the server's certificate
-    against ``server_hostname`` (default ``host``); ``server_hostname`` without ``ssl`` is a
+    against ``server_hostname`` (default ``host``, an IPv6 address without its ``%scope``,
+    whichever of its addresses was reached); ``server_hostname`` without ``ssl`` is a
     UsageError, as are a ``host`` or ``server_hostname`` that is not a str and an ``ssl``
     that is not a client's :class:`ssl.SSLContext` (``True``, a file name, one made for
     servers: ``PROTOCOL_TLS_SERVER``).  Use as ``async with``.

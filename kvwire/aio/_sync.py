@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any, SupportsIndex, TypeVar
 
 import kvwire
+from kvwire.aio._logtext import address
 from kvwire.aio._receive import check_destination
 from kvwire.aio._stream import Stream
 from kvwire.consistency.blocks import block_pairs
@@ -868,7 +869,7 @@ class SyncPeer:
                 self.bridge.close()
             raise
         if self._own_bridge:  # (a shared bridge's close closes it)
-            self._finalizer = watch_dropped(self, f"kvwire.sync.SyncPeer to {host}:{port}")
+            self._finalizer = watch_dropped(self, f"kvwire.sync.SyncPeer to {address((self._peer.host, port))}")
 
     def _init_waiters(self) -> None:
         # What threads wait on (SendHandles, the futures of send() and the other blocking

@@ -11,8 +11,11 @@ in-flight limit and the streams in use from :mod:`kvwire.control`.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
+import os
+import socket
 import ssl as _ssl
 import time
 from collections import deque
@@ -71,6 +74,13 @@ CODEC_SHARE = 0.75
 #: Seconds of acknowledgements the estimator's delivery rate (``statistics()["wire_gbps"]``)
 #: averages, and over which KV bytes per wire byte are counted for ``goodput_gbps``.
 GOODPUT_WINDOW = 0.5
+#: Seconds a connection attempt to one of a host name's addresses runs alone before the
+#: next address is tried beside it (RFC 8305's Connection Attempt Delay): the first attempt
+#: to connect wins, the others are closed.  One that fails starts the next at once.
+CONNECT_ATTEMPT_DELAY = 0.25
+
+#: One of ``getaddrinfo()``'s answers: family, type, proto, canonical name, socket address.
+AddrInfo = tuple[int, int, int, str, tuple[Any, ...]]
 
 
 def runnable_ns() -> int | None:
@@ -95,6 +105,148 @@ def _reason(exc: BaseException) -> str:
     """``exc``'s text for an error message, or its type's name where it has none (a bare
     ``ConnectionResetError()``: not 'cannot connect to host:port: ')."""
     return _text(exc) or type(exc).__name__
+
+
+def server_host(host: str) -> str:
+    """``host`` as a client is given it, less the brackets of an IPv6 address written as
+    in a URL (``[::1]``, as ``kvwire bench --peer`` and the vLLM connector take it);
+    brackets around anything else are a UsageError."""
+    if host.startswith("[") and host.endswith("]"):
+        inner = host[1:-1]
+        try:
+            ipaddress.IPv6Address(inner)
+        except ValueError:
+            raise UsageError(f"host {host!r}: brackets enclose an IPv6 address only") from None
+        return inner
+    return host
+
+
+def default_server_hostname(host: str) -> str:
+    """The name TLS checks a server's certificate against when ``server_hostname`` is not
+    given: ``host``, an IPv6 address without its ``%scope`` (which names an interface of
+    this host, not the server: no certificate holds it)."""
+    return host.partition("%")[0] if ":" in host else host
+
+
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _scoped(host: str, infos: Sequence[AddrInfo]) -> list[AddrInfo]:
+    """``getaddrinfo()``'s answers for ``host``, a scoped IPv6 address (``fe80::1%eth0``)
+    with its scope: uvloop's answers it with ``scope_id`` 0, which the kernel refuses for a
+    link-local address (EINVAL)."""
+    _, sep, scope = host.partition("%")
+    if not sep or ":" not in host:
+        return list(infos)
+    try:
+        index = int(scope) if scope.isdigit() else socket.if_nametoindex(scope)
+    except OSError:
+        return list(infos)
+    return [(family, type_, proto, name, (*addr[:3], index))
+            if family == socket.AF_INET6 and len(addr) >= 4 and not addr[3] else (family, type_, proto, name, addr)
+            for family, type_, proto, name, addr in infos]
+
+
+def _interleave(infos: Sequence[AddrInfo]) -> list[AddrInfo]:
+    """``getaddrinfo()``'s answers in the order they are tried: as it sorted them (RFC 6724),
+    the address families alternating after the first address (RFC 8305, 4)."""
+    by_family: dict[int, deque[AddrInfo]] = {}
+    for info in infos:
+        by_family.setdefault(info[0], deque()).append(info)
+    queues = list(by_family.values())
+    order: list[AddrInfo] = []
+    while queues:
+        for q in queues:
+            order.append(q.popleft())
+        queues = [q for q in queues if q]
+    return order
+
+
+def _attempt_error(exc: BaseException) -> BaseException:
+    """A connect attempt's error, its text the same on every loop: asyncio's names the
+    address as a tuple ('Connect call failed ('::1', 7070, 0, 0)'), uvloop's does not."""
+    if isinstance(exc, OSError) and exc.errno is not None and exc.errno > 0:
+        return OSError(exc.errno, os.strerror(exc.errno))
+    return exc
+
+
+async def _attempt(loop: asyncio.AbstractEventLoop, info: AddrInfo) -> socket.socket:
+    """A TCP socket connected to ``info``'s address (closed if that fails or is cancelled)."""
+    family, type_, proto, _, addr = info
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setblocking(False)
+        if family == socket.AF_INET6 and len(addr) >= 4 and addr[3]:
+            # An address with a scope (link-local): uvloop's sock_connect resolves
+            # address[:2] again, which keeps the scope only written into the host.
+            addr = (f"{addr[0]}%{addr[3]}", *addr[1:])
+        await loop.sock_connect(sock, addr)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def connect_first(
+    loop: asyncio.AbstractEventLoop, infos: Sequence[AddrInfo], delay: float = CONNECT_ATTEMPT_DELAY,
+) -> tuple[socket.socket, AddrInfo]:
+    """A TCP socket connected to the first of ``infos`` to answer, and which one it was:
+    they are tried in order, each attempt started ``delay`` seconds after the one before
+    it or as soon as that one fails, so a dead address does not keep the others waiting
+    (Happy Eyeballs, RFC 8305: ``loop.create_connection()`` has no ``happy_eyeballs_delay``
+    on uvloop).  The attempts still running when one wins (or when this is cancelled) are
+    cancelled, and any socket they made closed; none outlives the call.  All failing, it
+    raises their error (one text, or each address's)."""
+    queue = deque(infos)
+    if not queue:
+        raise OSError("getaddrinfo() returned no address")
+    pending: dict[asyncio.Task[socket.socket], AddrInfo] = {}
+    errors: list[tuple[AddrInfo, BaseException]] = []
+    over = False
+
+    def settle(task: asyncio.Task[socket.socket]) -> None:
+        """Once the race is over: a socket an attempt made and nobody took is closed."""
+        if over and not task.cancelled() and task.exception() is None:
+            task.result().close()
+
+    try:
+        while queue or pending:
+            if queue:
+                info = queue.popleft()
+                task = loop.create_task(_attempt(loop, info))
+                task.add_done_callback(settle)
+                pending[task] = info
+            done, _ = await asyncio.wait(pending, timeout=delay if queue else None,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            winner: tuple[socket.socket, AddrInfo] | None = None
+            for task in done:
+                info = pending.pop(task)
+                exc = task.exception()
+                if exc is not None:
+                    errors.append((info, exc))
+                elif winner is None:
+                    winner = (task.result(), info)
+                else:
+                    task.result().close()
+            if winner is not None:
+                return winner
+    finally:
+        over = True
+        for task in pending:
+            if task.done():
+                settle(task)
+            else:
+                task.cancel()  # (settled by its callback as it ends)
+        if pending:
+            await asyncio.wait(pending)
+    if len(errors) == 1 or len({_reason(_attempt_error(e)) for _, e in errors}) == 1:
+        raise _attempt_error(errors[0][1])
+    raise OSError("; ".join(f"{address(info[4])}: {_reason(_attempt_error(e))}" for info, e in errors))
 
 
 class _TransportMeter:
@@ -159,8 +311,14 @@ class Peer(Pump):
         self.core = SenderCore(options.sender_config(secret=secret, streams=streams))
         if codec != AUTO:
             get_codec(codec)  # unknown names fail here, before any connection
+        host = server_host(host)
         self.host, self.port, self.codec, self.options = host, port, codec, options
-        self._ssl, self._server_hostname = ssl, server_hostname
+        self._ssl = ssl
+        self._server_hostname = server_hostname if server_hostname is not None else default_server_hostname(host)
+        # The address the session's first stream reached: every later stream and every
+        # resume of the session connects to it, not to whatever ``host`` resolves to then
+        # (another server behind the same name does not know the session).
+        self._reached: AddrInfo | None = None
         self.notsent_lowat = options.notsent_lowat
         if self.stream_controller is not None:
             self.core.active_streams = self.stream_controller.streams
@@ -415,8 +573,14 @@ class Peer(Pump):
 
     @property
     def _where(self) -> str:
-        """The server's address for a log line: ``host:port`` (``[host]:port`` for IPv6)."""
-        return address((self.host, self.port))
+        """The server for a log line or an error: ``host:port`` (``[host]:port`` for IPv6);
+        a name, once a stream reached one of its addresses, with that address:
+        ``name (address:port)``."""
+        named = address((self.host, self.port))
+        reached = self._reached
+        if reached is None or _is_address(self.host):
+            return named
+        return f"{self.host} ({address(reached[4])})"
 
     @property
     def _session_made(self) -> bool:
@@ -433,11 +597,7 @@ class Peer(Pump):
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the connection
             # when a cancel lands in the iteration it is made, and the task goes on.
             async with asyncio.timeout(opts.connect_timeout):
-                await loop.create_connection(
-                    lambda: proto, self.host, self.port, ssl=self._ssl,
-                    server_hostname=self._server_hostname if self._ssl else None,
-                    ssl_handshake_timeout=opts.connect_timeout if self._ssl else None,
-                )
+                await self._open_connection(loop, proto)
             return
         except Exception as exc:  # whatever it is, it is this stream's failure
             # Not the task's: a task ending with it would leave the slot wanted for ever
@@ -451,11 +611,42 @@ class Peer(Pump):
             self.core.stream_failed(index, self.now(), err)
             self.pump()
 
+    async def _open_connection(self, loop: asyncio.AbstractEventLoop, proto: Stream) -> None:
+        """Connect ``proto``: the session's first stream to the first of ``host``'s
+        addresses to answer (:func:`connect_first`), which the session keeps; every later
+        stream, and every resume, to that address only.  TLS checks the certificate against
+        ``server_hostname`` (by default ``host``), whichever address was reached."""
+        if self._reached is not None and self._session_made:
+            infos: Sequence[AddrInfo] = [self._reached]
+        else:
+            answers = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            infos = _interleave(_scoped(self.host, answers))
+        sock, info = await connect_first(loop, infos)
+        if not self._session_made:
+            self._reached = info
+        made = False
+
+        def protocol() -> Stream:
+            nonlocal made
+            made = True  # the loop took the socket: it closes it, whatever happens next
+            return proto
+
+        try:
+            await loop.create_connection(
+                protocol, sock=sock, ssl=self._ssl,
+                server_hostname=self._server_hostname if self._ssl else None,
+                ssl_handshake_timeout=self.options.connect_timeout if self._ssl else None,
+            )
+        except BaseException:
+            if not made:
+                sock.close()
+            raise
+
     def _connect_error(self, exc: Exception) -> KvwireError:
         """The kvwire error a failed connect of a stream ends with: a kvwire error as it is
         (a UsageError), a timeout, TLS or socket error as what it means, anything else
         (a bug, an ``ssl=`` or host asyncio cannot use) a ConnectionLostError naming it."""
-        where = f"{self.host}:{self.port}"
+        where = self._where
         if isinstance(exc, KvwireError):
             return exc
         if isinstance(exc, TimeoutError):
@@ -473,8 +664,9 @@ class Peer(Pump):
     # -- public API ----------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Open the session: its first stream (bounded by ``connect_timeout``, its TCP
-        connect, TLS and kvwire handshakes together), then the others join it within
+        """Open the session: its first stream (bounded by ``connect_timeout``: resolving
+        ``host``, its TCP connect to the first of its addresses to answer, TLS and kvwire
+        handshakes together), then the others join it, at the address it reached, within
         another ``connect_timeout``; so ``open()`` takes at most twice that.  One that
         fails closes the peer without waiting for the server to see its streams close
         (their sockets are dropped at once: a server that does not answer is not waited for).
