@@ -3,6 +3,7 @@ and an error code by name.  One rule for the server, the client and ``kvwire ser
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from kvwire.errors import ErrorCode
@@ -24,10 +25,27 @@ def printable(text: str, limit: int = PEER_TEXT_LIMIT) -> str:
     return short + "..." if len(text) > limit else short
 
 
+def scoped_host(sockaddr: tuple[Any, ...]) -> str:
+    """The host of a socket address, with its zone (``fe80::1%eth0``) where an IPv6
+    address has a scope: a link-local address names no host without the interface it is
+    reached through.  The interface is named where the system can name it, else given
+    by its index."""
+    host = str(sockaddr[0])
+    scope = sockaddr[3] if len(sockaddr) >= 4 else 0
+    if isinstance(scope, int) and scope and "%" not in host:
+        try:
+            zone = socket.if_indextoname(scope)
+        except (AttributeError, OSError, ValueError, OverflowError):
+            zone = str(scope)
+        host = f"{host}%{zone}"
+    return host
+
+
 def address(peer: Any) -> str:
-    """A peer's address for a log line: ``host:port`` (``[host]:port`` for IPv6)."""
+    """A peer's address for a log line: ``host:port``, ``[host]:port`` for IPv6, its zone
+    included where it has a scope (``[fe80::1%eth0]:7070``)."""
     if isinstance(peer, tuple) and len(peer) >= 2:
-        host = str(peer[0])
+        host = scoped_host(peer)
         return f"[{host}]:{peer[1]}" if ":" in host else f"{host}:{peer[1]}"
     return printable(str(peer)) if peer else "a client"
 
