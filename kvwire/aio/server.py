@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import inspect
 import itertools
 import logging
+import os
+import socket
 import ssl as _ssl
+import sys
 import time
 import weakref
 from collections import deque
@@ -24,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from kvwire.aio import _gpu
-from kvwire.aio._logtext import address, code_name, printable
+from kvwire.aio._logtext import address, code_name, printable, scoped_host
 from kvwire.aio._pool import default_max_bytes
 from kvwire.aio._receive import ArrayStore, check_destination
 from kvwire.aio._stream import Pump, Stream
@@ -341,8 +345,98 @@ def _check_registry(registry: Any) -> None:
 _REGISTRY_CALLS = ("check_many", "publish")
 
 
+def _where(host: str, port: int) -> str:
+    """Where a server was asked to listen, for an error: ``host:port`` (``[host]:port``
+    for IPv6)."""
+    return f"every interface, port {port}" if host == "" else address((host, port))
+
+
+async def _passive_addresses(loop: asyncio.AbstractEventLoop, host: str) -> list[tuple[Any, ...]]:
+    """Each ``(family, type, proto, sockaddr)`` to listen on for ``host`` (``""``: every
+    interface of each family), as ``loop.create_server`` resolves it, without repeats, in
+    the resolver's order."""
+    infos = await loop.getaddrinfo(host or None, 0, family=socket.AF_UNSPEC, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    found: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+    for family, kind, proto, _name, sockaddr in infos:
+        found.setdefault((family, sockaddr), (family, kind, proto, sockaddr))
+    if not found:
+        raise OSError(f"{host!r} names no address")
+    return list(found.values())
+
+
+def _bound_socket(info: tuple[Any, ...], port: int) -> socket.socket:
+    """A socket listening on ``info``'s address and ``port``, made as
+    ``loop.create_server`` makes one: SO_REUSEADDR (POSIX), an IPv6 one IPv6-only."""
+    family, kind, proto, sockaddr = info
+    sock = socket.socket(family, kind, proto)
+    try:
+        if _REUSE_ADDRESS:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, True)
+        if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, True)
+        sock.bind((sockaddr[0], port, *sockaddr[2:]))
+        sock.listen(BACKLOG)  # (where another socket holds the port too, this may be what fails)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+_REUSE_ADDRESS = os.name == "posix" and sys.platform != "cygwin"  # (as asyncio's create_server)
+
+
+def _listen_on_one_port(infos: list[tuple[Any, ...]], port: int) -> list[socket.socket]:
+    """A listening socket on each of ``infos``' addresses, all on ``port``; with ``port``
+    0, on the port the system picks for the first, tried again (:data:`PORT_TRIES` in all)
+    where another holds that port on one of the others.  An address that cannot be
+    listened on raises OSError (naming it, of several)."""
+    for _ in range(PORT_TRIES):
+        sockets: list[socket.socket] = []
+        try:
+            for info in infos:
+                at = port or (sockets[0].getsockname()[1] if sockets else 0)
+                try:
+                    sockets.append(_bound_socket(info, at))
+                except OSError as err:
+                    if len(infos) == 1:
+                        raise
+                    where = address((info[3][0], at, *info[3][2:]))
+                    raise OSError(err.errno, f"{err.strerror or err} on {where}") from None
+        except OSError as exc:
+            for sock in sockets:
+                sock.close()
+            if port or not sockets or exc.errno != errno.EADDRINUSE:
+                raise
+            continue
+        except BaseException:
+            for sock in sockets:
+                sock.close()
+            raise
+        return sockets
+    raise OSError(errno.EADDRINUSE, f"no port was free on all its {len(infos)} addresses in {PORT_TRIES} tries")
+
+
+#: Tries at finding one free port for every address a host names (``port=0``): each try
+#: takes the port the system gives the first address, and fails where another holds that
+#: port on one of the others.
+PORT_TRIES = 8
+#: The listening sockets' backlog (asyncio's default).
+BACKLOG = 100
+
+
 class Server(Pump):
-    """A running kvwire server; use through ``async with kvwire.serve(...)``."""
+    """A running kvwire server; use through ``async with kvwire.serve(...)``.
+
+    It listens on every address ``host`` names, all on one port: ``""`` every interface of
+    both families (``0.0.0.0`` and ``::``), ``"0.0.0.0"`` every IPv4 interface, ``"::"``
+    every IPv6 interface and IPv6 only (each IPv6 socket is IPv6-only, as asyncio makes
+    it: an IPv4 client is not taken, another program may listen on ``0.0.0.0`` on the same
+    port), a name each address it resolves to (``localhost``: ``127.0.0.1`` and ``::1``
+    where both are listed).  With ``port=0`` the system picks a port free on them all
+    (:data:`PORT_TRIES` tries, then :class:`~kvwire.ConnectionLostError`); :attr:`port`
+    is that port and :attr:`addresses` every ``(host, port)`` listened on, once started.
+    """
 
     core: ReceiverCore
 
@@ -362,6 +456,9 @@ class Server(Pump):
         default_max_bytes()  # a bad KVWIRE_RECV_POOL_MB fails here, not every transfer once one arrives
         self.host = host
         self.port = 0
+        #: Every ``(host, port)`` the server listens on, once started (a link-local IPv6
+        #: host with its zone: ``fe80::1%eth0``); all share :attr:`port`.
+        self.addresses: tuple[tuple[str, int], ...] = ()
         self._requested_port = port
         self._ssl = ssl
         self.options, self.notsent_lowat = options, options.notsent_lowat
@@ -371,7 +468,7 @@ class Server(Pump):
         self.on_gpu = self._store.gpu is not None
         self.core = ReceiverCore(config, store=self._store)
         self._costs = _CostMeter(self.core, self._store)
-        self._server: asyncio.Server | None = None
+        self._servers: list[asyncio.Server] = []  # one per address listened on
         self._cids = itertools.count(1)
         self._by_cid: dict[int, Stream] = {}
         self._handshaking: set[_TlsAccept] = set()  # accepted, their TLS handshake under way
@@ -397,7 +494,7 @@ class Server(Pump):
     async def start(self) -> None:
         if self._closing:
             raise UsageError("the server is closed: make a new one")
-        if self._server is not None:
+        if self._servers:
             raise UsageError("the server is already listening")
         loop = asyncio.get_running_loop()
         # Plain TCP, TLS begun on each connection by its _TlsAccept: a server with ssl=
@@ -405,10 +502,29 @@ class Server(Pump):
         # knows of none until the handshake ends) nor tell of one that failed.
         factory: Any = (lambda: _TlsAccept(self)) if self._ssl is not None else (lambda: Stream(self, next(self._cids)))
         try:
-            self._server = await loop.create_server(factory, self.host, self._requested_port)
+            infos = await _passive_addresses(loop, self.host)
+            sockets = _listen_on_one_port(infos, self._requested_port)
         except OSError as exc:
-            raise ConnectionLostError(f"cannot listen on {self.host}:{self._requested_port}: {exc}") from exc
-        self.port = int(self._server.sockets[0].getsockname()[1])
+            raise ConnectionLostError(f"cannot listen on {_where(self.host, self._requested_port)}: {exc}") from exc
+        # One asyncio server per socket (asyncio takes one socket per server), so that every
+        # address has the same port: asyncio's own, given host and port 0, binds each to a
+        # port of its own.
+        names = [sock.getsockname() for sock in sockets]
+        servers: list[asyncio.Server] = []
+        try:
+            for sock in sockets:
+                servers.append(await loop.create_server(factory, sock=sock, backlog=BACKLOG))
+            if self._closing:  # (closed meanwhile: it would listen on)
+                raise ConnectionLostError("the server was closed while it started")
+        except BaseException:
+            for server in servers:
+                server.close()
+            for sock in sockets[len(servers):]:
+                sock.close()
+            raise
+        self._servers = servers
+        self.port = int(names[0][1])
+        self.addresses = tuple((scoped_host(name), int(name[1])) for name in names)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -489,7 +605,7 @@ class Server(Pump):
     def _check_open(self) -> None:
         if self._closing:
             raise ConnectionLostError("the server is closed")
-        if self._server is None:  # nothing could ever arrive
+        if not self._servers:  # nothing could ever arrive
             raise UsageError("the server is not listening: use `async with kvwire.serve(...) as server`")
 
     def _arrived(self, request_id: str | None = None) -> Transfer | None:
@@ -602,8 +718,8 @@ class Server(Pump):
         """What :meth:`close` does at once: listen no more, fail every transfer and wait,
         tell the senders; the streams open now, for :meth:`_finish_close` to close."""
         self._closing = True
-        if self._server is not None:
-            self._server.close()
+        for server in self._servers:
+            server.close()
         for accepted in list(self._handshaking):  # their tasks end with the others below
             accepted.abort()
         streams = list(self._by_cid.values())
@@ -629,10 +745,10 @@ class Server(Pump):
         """The rest of :meth:`close`, in a task of its own (shielded: a close() cancelled
         does not stop it): every task and timer ended, every stream closed."""
         await self.teardown(streams)
-        if self._server is not None:
+        if self._servers:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(2.0):
-                    await self._server.wait_closed()
+                    await asyncio.gather(*(server.wait_closed() for server in self._servers))
 
     async def __aenter__(self) -> Server:
         await self.start()
