@@ -15,9 +15,11 @@ import stat
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvwire.aio._logtext import address
 from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench.models import MODELS
 from kvwire.errors import KvwireError, UsageError
@@ -80,24 +82,46 @@ def _codec(text: str) -> str:
     return check_codec(text)
 
 
-def _hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host:
-        raise UsageError(f"--peer takes HOST:PORT, not {text!r}")
+#: What ``--peer`` takes, for its errors.
+_PEER = "--peer takes HOST:PORT, an IPv6 host in brackets ([::1]:7070)"
+
+
+def _ipv6(text: str) -> bool:
+    """Whether ``text`` is an IPv6 address (a zone too: ``fe80::1%eth0``)."""
     try:
-        number = int(port)
+        return ipaddress.ip_address(text).version == 6
     except ValueError:
-        raise UsageError(f"bad port in {text!r}") from None
-    if not 0 < number < 65536:
-        raise UsageError(f"bad port in {text!r}")
-    return _host(host), number
+        return False
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    """``--peer``: ``HOST:PORT``, an IPv6 host in brackets (``[::1]:7070``, the brackets
+    not the host's).  A host with a colon outside brackets (``::1``, ``fe80::1:7070``)
+    is refused: where it would end and the port begin cannot be told."""
+    if text.startswith("["):
+        inner, sep, port = text[1:].partition("]")
+        if not sep or not port.startswith(":") or not _ipv6(inner):
+            raise UsageError(f"{_PEER}, not {text!r}")
+        host, port = inner, port[1:]
+    else:
+        host, sep, port = text.rpartition(":")
+        if ":" in host or not sep or not host:
+            raise UsageError(f"{_PEER}, not {text!r}")
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise UsageError(f"bad port in {text!r}: {_PEER}, PORT in 1-65535")
+    return host, int(port)
 
 
 def _host(text: str) -> str:
     """``--host``: a name or an address, an IPv6 one with or without brackets (``[::1]``,
-    as ``--peer`` takes it)."""
-    if text.startswith("[") and text.endswith("]"):
-        return text[1:-1]
+    as ``--peer`` takes it); no port (``--port`` gives it)."""
+    if text.startswith("["):
+        if text.endswith("]") and _ipv6(text[1:-1]):
+            return text[1:-1]
+        raise UsageError(f"--host takes a name or an address without a port (give it with --port), "
+                         f"an IPv6 one with or without brackets, not {text!r}")
+    if ":" in text and not _ipv6(text):
+        raise UsageError(f"--host takes a name or an address without a port (give it with --port), not {text!r}")
     return text
 
 
@@ -295,9 +319,10 @@ def add_parsers(subparsers: Any) -> None:
     s.set_defaults(func=run_serve_command)
     s.add_argument("--port", type=argument_type(_port), default=7070,
                    help="port to listen on (default 7070; 0 picks one)")
-    s.add_argument("--host", type=_host, default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface; an IPv6 "
-                        "address with or without brackets: ::1 or [::1])")
+    s.add_argument("--host", type=argument_type(_host, "host"), default="127.0.0.1",
+                   help="name or address to listen on, every address it names (default 127.0.0.1; '' "
+                        "every interface, IPv4 and IPv6; 0.0.0.0 every IPv4 interface; :: every IPv6 "
+                        "interface, IPv6 only; an IPv6 address with or without brackets: ::1 or [::1])")
     s.add_argument("--secret-file", metavar="FILE",
                    help="file holding the shared secret: its bytes less one line ending at the end, "
                         "so keep a text secret in it (openssl rand -hex 32 > FILE); else $KVWIRE_SECRET "
@@ -400,7 +425,7 @@ def _stdout_gone(what: str) -> None:
 
 def _where(cfg: Any) -> str:
     if cfg.mode == "peer":
-        return f"peer {cfg.peer[0]}:{cfg.peer[1]}"
+        return f"peer {address(cfg.peer)}"
     if cfg.mode == "loopback":
         return "loopback"
     link = format_schedule(cfg.steps) if len(cfg.steps) > 1 else (
@@ -586,7 +611,8 @@ def write_plot(result: dict[str, Any], path: str) -> None:
 def is_loopback(host: str) -> bool:
     """Whether every address ``host`` names is a loopback address (``127.0.0.0/8``, ``::1``).
 
-    ``""``, ``0.0.0.0`` and ``::`` (every interface) are not; a name is resolved.
+    ``""`` (every interface), ``0.0.0.0`` (every IPv4 one) and ``::`` (every IPv6 one)
+    are not; a name is resolved.
     """
     if host in ("", "0.0.0.0", "::"):
         return False
@@ -600,6 +626,13 @@ def is_loopback(host: str) -> bool:
         return False
     addrs = {info[4][0] for info in infos}
     return bool(addrs) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addrs)
+
+
+def _listen_target(host: str) -> str:
+    """``--host`` in a line: ``[::1]`` for an IPv6 address, ``''`` named."""
+    if host == "":
+        return "every interface ('')"
+    return f"[{host}]" if ":" in host else host
 
 
 class _UTCFormatter(logging.Formatter):
@@ -630,7 +663,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
             secret, warning = load_secret(args.secret_file)
             if warning and not is_loopback(args.host):
                 raise UsageError(
-                    f"refusing to listen on {args.host} with the public development secret: "
+                    f"refusing to listen on {_listen_target(args.host)} with the public development secret: "
                     "give a secret of your own with --secret-file FILE or KVWIRE_SECRET "
                     "(or listen on 127.0.0.1)"
                 )
@@ -640,14 +673,14 @@ def run_serve_command(args: argparse.Namespace) -> int:
         if warning:
             log.warning("%s (accepted on loopback only)", warning.removeprefix("warning: "))
 
-        def ready(port: int) -> None:
-            log.info("listening on %s:%d", f"[{args.host}]" if ":" in args.host else args.host, port)
+        def listening(addresses: Sequence[tuple[str, int]]) -> None:
+            log.info("listening on %s", " and ".join(address(a) for a in addresses))
 
         try:
             # Ctrl-C (or SIGTERM, SIGHUP) closes the server first: a sender with a
             # transfer in progress is told that the server is shutting down.
             run(serve_benches(args.host, args.port, secret=secret, once=args.once,
-                              log=log.info, ready=ready, stop_signals=_STOP_SIGNALS))
+                              log=log.info, listening=listening, stop_signals=_STOP_SIGNALS))
         except UsageError as exc:
             log.error("%s", exc)
             return 2

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.aio._logtext import printable
+from kvwire.aio._logtext import address, printable
 from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
 from kvwire.bench.models import ModelShape, bench_cache, bench_cache_bytes, get_model, layer_error
@@ -643,12 +643,16 @@ def _transfer_line(entry: dict[str, Any]) -> str:
 async def serve_benches(
     host: str, port: int, *, secret: bytes, once: bool = False,
     log: Callable[[str], None] = print, ready: Callable[[int], None] | None = None,
+    listening: Callable[[tuple[tuple[str, int], ...]], None] | None = None,
     chunk_bytes: int | None = None, stop_signals: Sequence[int] = (),
 ) -> list[dict[str, Any]]:
     """``kvwire serve``: receive bench (and any other) transfers, logging each one, and
     each bench's report as it ends.  With ``once``, return the report of the first bench
     to end (in a list, with any other that ended meanwhile); without, receive until
     stopped (a signal, an error): reports are logged, not kept (:meth:`BenchReceiver.run`).
+    Once it listens, ``ready`` is given its port and ``listening`` every ``(host, port)``
+    it listens on (:attr:`kvwire.Server.addresses`: each address ``host`` names, all on
+    that port).
 
     ``chunk_bytes``: accept chunks that large (:func:`receiver_options`; default: the
     server's default frame limit). ``stop_signals`` (``kvwire serve``: SIGINT, SIGTERM,
@@ -664,6 +668,8 @@ async def serve_benches(
     async with serve(host, port, secret=secret, **options) as server:
         if ready is not None:
             ready(server.port)
+        if listening is not None:
+            listening(server.addresses)
         receiving = asyncio.ensure_future(BenchReceiver(server, log).run(once=once))
         with _stopping_on(stop_signals, server, receiving) as stopped:
             try:
@@ -1464,7 +1470,7 @@ def run_bench(
         checked_layers=receiver["checked_layers"] if receiver else 0,
         baseline_gbps=baseline["gbps"] if baseline else None,
         baseline_ratio=goodput / baseline["gbps"] if baseline and baseline["gbps"] > 0 else None,
-        peer=f"{cfg.peer[0]}:{cfg.peer[1]}" if cfg.peer else None,
+        peer=address(cfg.peer) if cfg.peer else None,
         per_transfer=[
             {
                 "codec": r.codec, "kv_bytes": r.kv_bytes, "wire_bytes": r.wire_bytes,

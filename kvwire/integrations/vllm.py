@@ -548,7 +548,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 host, port, secret=self._secret, spec=self._spec.wire_spec(), claim_timeout=self._claim_timeout,
                 **versioned,
             )
-            logger.info("kvwire: receiving on %s:%d", host, self._server.port)
+            from kvwire.aio._logtext import address  # (IPv6 as [host]:port)
+
+            logger.info("kvwire: receiving on %s", address((host, self._server.port)))
 
     def _identity(self, layer_name: str) -> str:
         """The spec's ``model`` field: what, beside the block shape and dtype, both sides
