@@ -177,3 +177,10 @@ def test_a_peer_dropped_on_its_own_loop_thread_is_closed() -> None:
         assert collected() is None
         assert any(issubclass(w.category, ResourceWarning) and re.search(PEER_WARNING, str(w.message)) for w in seen)
         assert until(lambda: connections(server) == 0)
+
+
+def test_a_dropped_sync_server_names_an_ipv6_address_in_brackets() -> None:
+    server = SyncServer("::1", 0, secret=SECRET)
+    with pytest.warns(ResourceWarning, match=rf"unclosed kvwire\.sync\.SyncServer on \[::1\]:{server.port}\b"):
+        del server
+        gc.collect()

@@ -30,7 +30,10 @@ def serve(
     registry: Any = None,
     **options: Unpack[ServeOptions],
 ) -> Server:
-    """A server receiving KV caches on ``host:port`` (``port=0`` picks a free one).
+    """A server receiving KV caches on ``host:port`` (``port=0`` picks a free one, the same
+    on every address it listens on: :attr:`Server.addresses`).  ``host`` ``""`` listens on
+    every interface of both families, ``"0.0.0.0"`` on IPv4's, ``"::"`` on IPv6's only (as
+    the OS binds it), a name on every address it resolves to.
 
     ``spec`` restricts the KV layouts accepted; ``registry`` (a
     :mod:`kvwire.consistency` registry) makes the server refuse transfers whose prefix

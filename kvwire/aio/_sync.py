@@ -667,7 +667,7 @@ class SyncServer:
             raise
         self.port: int = self._server.port
         if self._own_bridge:  # (a shared bridge's close closes it)
-            self._finalizer = watch_dropped(self, f"kvwire.sync.SyncServer on {host}:{self.port}")
+            self._finalizer = watch_dropped(self, f"kvwire.sync.SyncServer on {address((host, self.port))}")
 
     @property
     def server(self) -> Any:

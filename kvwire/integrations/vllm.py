@@ -97,6 +97,9 @@ def _split_addr(addr: str, key: str = "address", *, any_port: bool = False) -> t
     host, _, port = addr.rpartition(":")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
+    elif ":" in host:  # ("::1" read as host ":" and port 1, "fe80::1:7070" as fe80::1 and 7070)
+        raise UsageError(f"kvwire connector: {key} must be HOST:PORT, an IPv6 host in brackets "
+                         f"([::1]:7070), got {addr!r}")
     if not host or not re.fullmatch(r"[0-9]{1,5}", port):
         raise UsageError(f"kvwire connector: {key} must be HOST:PORT, got {addr!r}")
     number = int(port)

@@ -1792,6 +1792,9 @@ def test_an_ipv6_address_in_brackets() -> None:
     assert _split_addr("0.0.0.0:0", any_port=True) == ("0.0.0.0", 0)
     with pytest.raises(UsageError, match="HOST:PORT"):
         _split_addr("[::1]")
+    for unbracketed in ("::1", "::1:7070", "fe80::1:7070"):  # ("::1" was host ":", port 1)
+        with pytest.raises(UsageError, match=r"IPv6 host in brackets \(\[::1\]:7070\)"):
+            _split_addr(unbracketed)
 
 
 def test_a_cache_whose_first_axis_is_not_the_block_index_is_refused() -> None:
