@@ -10,10 +10,8 @@ import gc
 import re
 import socket
 import threading
-import time
 import warnings
 import weakref
-from typing import Any
 
 import numpy as np
 import pytest
@@ -22,22 +20,13 @@ import kvwire
 from kvwire.errors import KvwireError
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
+from tests.test_sync_close import until
 
 pytestmark = pytest.mark.timeout(90)
 
 SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
 PEER_WARNING = r"unclosed kvwire\.sync\.SyncPeer to 127\.0\.0\.1:\d+"
 SERVER_WARNING = r"unclosed kvwire\.sync\.SyncServer on 127\.0\.0\.1:\d+"
-
-
-def until(cond: Any, within: float = 20.0) -> bool:
-    """Whether ``cond()`` became true within ``within`` s (polled)."""
-    end = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def connections(server: SyncServer) -> int:

@@ -6,7 +6,6 @@ backslash escaped, so a server cannot forge a line of the client's log."""
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
 import pytest
@@ -23,7 +22,8 @@ from kvwire.wire import (
     State,
     TransferBegun,
 )
-from tests.aio.test_server_logs import FORGERS, Records
+from tests.aio.conftest import Records
+from tests.aio.test_server_logs import FORGERS
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,18 +31,6 @@ pytestmark = pytest.mark.timeout(60)
 SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=8)
 #: A line break and a forged line after it, an escape sequence, a bidirectional override.
 FORGED = "bye\n2026-01-01 00:00:00 ERROR kvwire: forged \x1b[31m\u202e\\x41"
-
-
-@pytest.fixture
-def records() -> Any:
-    handler = Records()
-    logger = logging.getLogger("kvwire")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def client_lines(records: Records) -> list[str]:

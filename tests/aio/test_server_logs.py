@@ -15,6 +15,7 @@ from kvwire.aio._logtext import code_name, printable
 from kvwire.errors import ErrorCode
 from kvwire.wire import Begin, Connection, ConnectionConfig, Role, State
 from kvwire.wire.frames import frame_bytes
+from tests.aio.conftest import Records
 from tests.conftest import SECRET
 from tests.rawpeer import wait_until
 
@@ -30,28 +31,6 @@ COUNTERS = (
 FORGERS = ("\n", "\r", "\x1b", "\x85", "\u2028", "\u2029", "\u202e")
 
 
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-    def at_least(self, level: int) -> list[logging.LogRecord]:
-        return [r for r in self.records if r.levelno >= level]
-
-
-@pytest.fixture
-def records() -> Any:
-    handler = Records()
-    logger = logging.getLogger("kvwire")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 async def raw_client(port: int, *, session_id: bytes | None = None) -> tuple[Connection, Any, Any]:
