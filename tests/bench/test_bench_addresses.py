@@ -6,7 +6,6 @@ listens on, all on one port."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -17,15 +16,10 @@ from pathlib import Path
 import pytest
 
 from kvwire.cli import build_parser, main
+from tests.bench.test_serve_cli import _env
+from tests.bench.test_serve_signals import _read_until, _stop
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 @pytest.mark.parametrize("text", ["::1", "fe80::1", "::1:7070", "fe80::1%lo", "[::1]", "[::1]7070",
@@ -96,21 +90,13 @@ def test_serve_on_every_interface_says_each_address_on_its_one_port() -> None:
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
         env=_env(KVWIRE_SECRET="a-test-secret-of-our-own"),
     )
-    timer = threading.Timer(60, server.kill)
-    timer.start()
     try:
-        assert server.stderr is not None
-        line = server.stderr.readline()
-        match = re.search(r"listening on (\S+):(\d+) and (\S+):(\d+)$", line.rstrip())
-        assert match, line
-        assert sorted([match[1], match[3]]) == ["0.0.0.0", "[::]"] and match[2] == match[4], line
+        match = _read_until(server, r"listening on (\S+):(\d+) and (\S+):(\d+)$")
+        assert sorted([match[1], match[3]]) == ["0.0.0.0", "[::]"] and match[2] == match[4], match[0]
         server.send_signal(signal.SIGTERM)
         server.communicate(timeout=30)
     finally:
-        timer.cancel()
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        _stop(server)
         if server.stderr is not None:
             server.stderr.close()
 
@@ -124,16 +110,9 @@ def test_bench_against_an_ipv6_peer_reports_it_in_brackets(
         [sys.executable, "-m", "kvwire", "serve", "--host", "::1", "--port", "0", "--once"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
     )
-    timer = threading.Timer(80, server.kill)
-    timer.start()
     try:
+        port = _read_until(server, r"listening on \[::1\]:(\d+)")[1]
         assert server.stderr is not None
-        port = None
-        while port is None:
-            line = server.stderr.readline()
-            assert line, "kvwire serve ended"
-            match = re.search(r"listening on \[::1\]:(\d+)", line)
-            port = match[1] if match else None
         reader = threading.Thread(target=server.stderr.read, daemon=True)  # never blocks it
         reader.start()
         out = tmp_path / "r.json"
@@ -142,10 +121,7 @@ def test_bench_against_an_ipv6_peer_reports_it_in_brackets(
         server.wait(timeout=30)
         reader.join(timeout=5)
     finally:
-        timer.cancel()
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        _stop(server)
         if server.stderr is not None:
             server.stderr.close()
     assert json.loads(out.read_text())["peer"] == f"[::1]:{port}"
