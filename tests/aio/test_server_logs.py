@@ -13,11 +13,11 @@ import pytest
 import kvwire
 from kvwire.aio._logtext import code_name, printable
 from kvwire.errors import ErrorCode
-from kvwire.wire import Begin, Connection, ConnectionConfig, Role, State
+from kvwire.wire import Begin
 from kvwire.wire.frames import frame_bytes
 from tests.aio.conftest import Records
 from tests.conftest import SECRET
-from tests.rawpeer import wait_until
+from tests.rawpeer import raw_client, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,24 +29,6 @@ COUNTERS = (
 #: What a peer's text may hold to forge or hide a line: line breaks, an escape sequence,
 #: Unicode line and paragraph separators, a bidirectional override.
 FORGERS = ("\n", "\r", "\x1b", "\x85", "\u2028", "\u2029", "\u202e")
-
-
-
-
-async def raw_client(port: int, *, session_id: bytes | None = None) -> tuple[Connection, Any, Any]:
-    """A client connection through its handshake (joining ``session_id``'s stream 0)."""
-    cfg = ConnectionConfig(secret=SECRET) if session_id is None else ConnectionConfig(
-        secret=SECRET, session_id=session_id, stream_index=0)
-    conn = Connection(Role.CLIENT, cfg)
-    conn.initiate()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.writelines([bytes(p) for p in conn.data_to_send()])
-    while conn.state is not State.OPEN:
-        data = await asyncio.wait_for(reader.read(65536), 5)
-        assert data, "server closed during the handshake"
-        conn.receive_data(data)
-        writer.writelines([bytes(p) for p in conn.data_to_send()])
-    return conn, reader, writer
 
 
 async def until_closed(reader: asyncio.StreamReader) -> None:

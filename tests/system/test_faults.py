@@ -39,11 +39,11 @@ from kvwire.wire import (
     GoAway,
     Reset,
     Role,
-    State,
     frame_bytes,
 )
 from kvwire.wire.frames import HEADER
 from tests.conftest import SECRET, make_layers, same_cache
+from tests.rawpeer import raw_client
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -486,21 +486,6 @@ async def test_receiver_restart_fails_in_flight_transfer_typed() -> None:
 # -- hostile frames from a raw socket ------------------------------------------------------
 
 
-async def _raw_authenticated(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Connection]:
-    """A raw socket that completed the real handshake (a sans-IO client drives it)."""
-    conn = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET))
-    conn.initiate()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.writelines([bytes(p) for p in conn.data_to_send()])
-    while conn.state is not State.OPEN:
-        data = await asyncio.wait_for(reader.read(65536), 5)
-        assert data, "server closed during the handshake"
-        conn.receive_data(data)
-        writer.writelines([bytes(p) for p in conn.data_to_send()])
-        assert conn.state is not State.CLOSED
-    return reader, writer, conn
-
-
 async def _goaway_and_close(reader: asyncio.StreamReader) -> tuple[GoAway, bool]:
     dec = FrameDecoder(1 << 24)
     frames: list[Any] = []
@@ -559,7 +544,7 @@ async def test_hostile_frames_after_auth_get_goaway_with_code_and_server_serves_
     async with loop_errors() as errors, kvwire.serve(
         "127.0.0.1", 0, secret=SECRET, max_frame_size=MAX_FRAME, window=2 * MAX_FRAME,
     ) as server:
-        reader, writer, _ = await _raw_authenticated(server.port)
+        _, reader, writer = await raw_client(server.port)
         payload = make()
         if payload is None:  # the client's HELLO again
             c2 = Connection(Role.CLIENT, ConnectionConfig(secret=SECRET))
@@ -592,7 +577,7 @@ async def test_hostile_frames_after_auth_get_goaway_with_code_and_server_serves_
 )
 async def test_bad_begin_is_reset_and_the_connection_survives(begin: Begin, code: ErrorCode) -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        reader, writer, _ = await _raw_authenticated(server.port)
+        _, reader, writer = await raw_client(server.port)
         writer.write(frame_bytes(begin))
         dec = FrameDecoder(1 << 24)
         frames: list[Any] = []
@@ -639,7 +624,7 @@ async def test_silent_authenticated_client_is_closed_after_idle_timeout() -> Non
     PING) loses its connection after idle_timeout with GOAWAY(TIMEOUT)."""
     layers = make_layers(SPEC.num_layers, TOKENS, SPEC.num_kv_heads, SPEC.head_dim, seed=14)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, idle_timeout=1.0) as server:
-        reader, writer, _conn = await _raw_authenticated(server.port)
+        _conn, reader, writer = await raw_client(server.port)
         goaway, closed = await _goaway_and_close(reader)
         writer.close()
         assert goaway.code == ErrorCode.TIMEOUT and closed
