@@ -386,7 +386,7 @@ class Bridge:
             coro.close()
         else:
             with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-                fut.result(min(2 * timeout, LONGEST_WAIT))
+                fut.result(thread_wait(2 * timeout))
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(thread_wait(timeout))

@@ -579,10 +579,7 @@ class Server(Pump):
         check_destination(into)
         if (t := self._arrived(request_id)) is not None:  # (then none of this id is waiting)
             if into is not None:
-                if t._error is None:
-                    self._attach_claimed(t, into)
-                else:  # (failed before it was claimed: as if it had been attached, then failed)
-                    t._into = into
+                self._attach_claimed(t, into)
             return t
         fut: asyncio.Future[Transfer] = asyncio.get_running_loop().create_future()
         self._expect_waiters.setdefault(request_id, deque()).append(fut)
@@ -856,9 +853,9 @@ class Server(Pump):
                       ev.session_id.hex()[:8])
         elif isinstance(ev, InternalError):
             _log.error("internal error on a connection from %s", self._peer(ev.cid), exc_info=ev.error)
-        elif isinstance(ev, TransferAborted):
+        elif isinstance(ev, TransferAborted) and _log.isEnabledFor(logging.DEBUG):
             # One a transfer: a peer could begin and reset transfers by the thousand (the
-            # counters in statistics() count them).
+            # counters in statistics() count them), so not even formatted unless wanted.
             _log.debug("transfer '%s' from %s %s: %s", printable(ev.request_id), self._peer(ev.cid),
                        "reset by the client" if ev.by_peer else "aborted",
                        printable(ev.reason) if ev.reason else "no reason given")
@@ -902,9 +899,7 @@ class Server(Pump):
             fut = waiters.popleft()
             if not fut.done():
                 into = self._expect_into.pop(fut, None)
-                if into is not None and transfer._error is not None:
-                    transfer._into = into  # (as expect() does with one that failed before it was claimed)
-                elif into is not None:
+                if into is not None:
                     try:
                         self._attach_claimed(transfer, into)
                     except Exception as exc:  # the transfer failed with it: nobody else takes it
@@ -937,7 +932,12 @@ class Server(Pump):
 
     def _attach_claimed(self, transfer: Transfer, into: Any) -> None:
         """``transfer.attach(into)`` for a transfer that ``expect()`` hands out: if it
-        raises, the transfer is failed (nobody will take it) and the error re-raised."""
+        raises, the transfer is failed (nobody will take it) and the error re-raised.  One
+        that failed before it was claimed is only given ``into``, as if it had been
+        attached and then failed: its destination is not called."""
+        if transfer._error is not None:
+            transfer._into = into
+            return
         try:
             transfer.attach(into)
         except KvwireError as exc:  # a destination refusing it failed it already (_attach)
