@@ -75,6 +75,7 @@ from kvwire.wire.frames import (
     DEFAULT_WINDOW,
     KIND_KV,
     Buffer,
+    sink_problem,
 )
 from kvwire.wire.transfer import RANGE_BYTES, kinds_overlap, split_kv
 
@@ -248,19 +249,6 @@ def raw_decode(chunk: Chunk, dest: memoryview) -> None:
     if len(payload) != len(dest):
         raise ProtocolError(f"raw payload of {len(payload)} bytes, expected {len(dest)}")
     dest[:] = payload
-
-
-def _sink_region(view: object, size: int) -> bool:
-    """Whether a store's region can take a payload of ``size`` bytes straight from the
-    socket: a writable, C-contiguous 1-D memoryview of bytes, or a tuple of such (none
-    empty), ``size`` bytes in all.  Anything else is declined here, never handed to the
-    frame decoder (which would fail the connection, not the transfer)."""
-    views = view if isinstance(view, tuple) else (view,)
-    for v in views:
-        if (not isinstance(v, memoryview) or v.readonly or v.ndim != 1 or v.itemsize != 1
-                or not v.c_contiguous or (not v.nbytes and len(views) > 1)):
-            return False
-    return bool(views) and sum(v.nbytes for v in views) == size
 
 
 def byte_buffer(nbytes: int) -> memoryview:
@@ -1569,7 +1557,7 @@ class ReceiverCore:
             view = self._store.region(t.key, head, buf, offset, size)
         except Exception:
             return None  # the verified chunk meets the same failure and fails the transfer
-        if view is None or not _sink_region(view, size):
+        if view is None or sink_problem(view, size) is not None:  # (declined: never failing the connection)
             return None  # read into a private buffer: the verified chunk is decoded as any other
         t.inplace[head.address] = _Reservation(view, cid, head.layer, head.kind, head.token_start, end)
         return view

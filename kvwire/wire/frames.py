@@ -1104,8 +1104,8 @@ class FrameDecoder:
             head = _chunk_from(big.pre, b"", self.max_kind)
             if head is not None:
                 dest = self.payload_sink(head, size)
-                if dest is not None:
-                    _check_sink_buffer(dest, size)
+                if dest is not None and (problem := sink_problem(dest, size)) is not None:
+                    raise ValueError(problem)
         big.dest = dest if dest is not None else memoryview(bytearray(size))
         big.size = size
         big.seg = big.seg_off = 0
@@ -1195,18 +1195,21 @@ class FrameDecoder:
         return decode_body(ftype, flags, body, max_kind=max_kind)
 
 
-def _check_sink_buffer(dest: memoryview | tuple[memoryview, ...], size: int) -> None:
-    """A payload sink's answer must be writable bytes, ``size`` of them in all."""
+def sink_problem(dest: object, size: int) -> str | None:
+    """What makes a payload sink's answer unusable, or None: it must be writable bytes
+    (a 1-D, C-contiguous memoryview of bytes, or a tuple of such, none empty among
+    several), ``size`` of them in all."""
     views = dest if isinstance(dest, tuple) else (dest,)
     total = 0
     for v in views:
-        if type(v) is not memoryview or v.readonly or v.ndim != 1 or v.itemsize != 1:
-            raise ValueError("payload sink returned a buffer that is not writable bytes (a 1-D memoryview of bytes)")
+        if type(v) is not memoryview or v.readonly or v.ndim != 1 or v.itemsize != 1 or not v.c_contiguous:
+            return "payload sink returned a buffer that is not writable bytes (a 1-D memoryview of bytes)"
         if not v.nbytes and len(views) > 1:
-            raise ValueError("payload sink returned an empty buffer among several")
+            return "payload sink returned an empty buffer among several"
         total += v.nbytes
     if not views or total != size:
-        raise ValueError("payload sink returned a buffer of the wrong size")
+        return "payload sink returned a buffer of the wrong size"
+    return None
 
 
 def _check_reserved(header: bytes) -> None:
