@@ -19,7 +19,7 @@ from kvwire.session.receiver import WIRE_TEXT_LIMIT
 from kvwire.wire import Ack, Begin, Chunk, FrameDecoder, Reset, frame_bytes
 from kvwire.wire.frames import Accept, Ping
 from tests.conftest import SECRET, make_layers, same_cache
-from tests.system.test_faults import _raw_authenticated
+from tests.rawpeer import raw_client
 from tests.system.test_security import loop_errors
 
 pytestmark = pytest.mark.timeout(60)
@@ -133,7 +133,7 @@ async def test_layer_larger_than_max_layer_bytes_is_refused() -> None:
 
 async def test_server_stops_reading_from_a_client_that_never_reads() -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        _reader, writer, _ = await _raw_authenticated(server.port)
+        _, _reader, writer = await raw_client(server.port)
         [stream] = list(server._streams)
         assert stream.transport is not None
         high = 256 * 1024
@@ -157,7 +157,7 @@ async def test_server_stops_reading_from_a_client_that_never_reads() -> None:
 
 async def test_a_peer_text_is_not_echoed_back_in_full() -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        reader, writer, _ = await _raw_authenticated(server.port)
+        _, reader, writer = await raw_client(server.port)
         begin = Begin(transfer_id=1, num_layers=1, num_kv_heads=1, head_dim=8, dtype_id=1, model="",
                       request_id="echo", meta=b"{}")
         writer.write(frame_bytes(begin))
@@ -285,7 +285,7 @@ async def test_meta_must_be_a_bounded_json_object() -> None:
                 await peer.send("big", SPEC, layers(), meta={"x": "y" * 2000}, timeout=10)
             with pytest.raises(kvwire.UsageError):
                 await peer.send("huge", SPEC, layers(), meta={"x": "y" * (8 << 20)}, timeout=10)
-        reader, writer, _ = await _raw_authenticated(server.port)
+        _, reader, writer = await raw_client(server.port)
         for tid, meta in enumerate([b"[1]", b"[1", b"\xff"], start=1):
             begin = Begin(transfer_id=tid, num_layers=1, num_kv_heads=1, head_dim=8, dtype_id=1,
                           model="", request_id=f"m{tid}", meta=meta)
@@ -298,7 +298,7 @@ async def test_meta_must_be_a_bounded_json_object() -> None:
 
 async def test_deeply_nested_meta_is_a_protocol_error_not_recursion() -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_meta_bytes=256 * 1024) as server:
-        reader, writer, _ = await _raw_authenticated(server.port)
+        _, reader, writer = await raw_client(server.port)
         meta = b'{"a":' * 20_000 + b"1" + b"}" * 20_000
         begin = Begin(transfer_id=1, num_layers=1, num_kv_heads=1, head_dim=8, dtype_id=1,
                       model="", request_id="deep", meta=meta)
