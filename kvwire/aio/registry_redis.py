@@ -89,9 +89,12 @@ _WATCH_CONNECTIONS = 2**31 - 1
 async def _guard(what: str, awaitable: Awaitable[T], timeout: float) -> T:
     """``awaitable``'s result; Redis unreachable, failing or silent for ``timeout`` seconds
     is a :class:`RegistryUnavailableError`.  The bound is kept here as well as on the
-    socket: a client the caller wrapped may have no ``socket_timeout`` at all."""
+    socket: a client the caller wrapped may have no ``socket_timeout`` at all.  (Not
+    ``asyncio.wait_for``: on Python 3.11 it returns the result when the caller is cancelled
+    in the iteration the reply arrives, and the cancel is lost.)"""
     try:
-        return await asyncio.wait_for(awaitable, timeout)
+        async with asyncio.timeout(timeout):
+            return await awaitable
     except TimeoutError as exc:
         raise RegistryUnavailableError(f"redis registry: {what}: no reply within {timeout:g} s") from exc
     except (RedisError, RedisClusterException, OSError) as exc:
@@ -400,7 +403,8 @@ class RedisWatcher:
         if self._pinged is None:
             if now - self._heard >= timeout:
                 try:
-                    await asyncio.wait_for(pubsub.ping(), timeout)
+                    async with asyncio.timeout(timeout):
+                        await pubsub.ping()
                 except TimeoutError:
                     return f"notification channel stalled: PING not sent within {timeout:g} s"
                 self._pinged = now

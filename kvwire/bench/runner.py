@@ -876,7 +876,8 @@ def _emulator_main(
                         break
                     wake.clear()
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(wake.wait(), interval)
+                        async with asyncio.timeout(interval):
+                            await wake.wait()
             finally:
                 loop.remove_reader(conn.fileno())
             cpu_used[0] = _cpu() - cpu0
