@@ -1,4 +1,5 @@
-"""The one parser and formatter for rates, durations, sizes and rate schedules.
+"""The one parser and formatter for rates, durations, sizes and rate schedules (and the
+splitter of ``HOST:PORT`` addresses).
 
 Every command line option and configuration value that names a rate, a time, a size or a
 rate-over-time schedule goes through this module, so ``kvwire bench``, ``kvwire serve`` and
@@ -28,6 +29,7 @@ parses back to (nearly) the same number.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import itertools
 import math
 import re
@@ -43,12 +45,14 @@ __all__ = [
     "format_rate",
     "format_schedule",
     "format_size",
+    "is_ipv6",
     "number",
     "parse_duration",
     "parse_rate",
     "parse_schedule",
     "parse_size",
     "positive",
+    "split_hostport",
     "whole_number",
 ]
 
@@ -258,6 +262,34 @@ def parse_schedule(text: str) -> Schedule:
 def format_schedule(schedule: Schedule) -> str:
     """``0 s:10 Gbit/s, 30 s:1 Gbit/s`` for display; :func:`parse_schedule` reads it back."""
     return ", ".join(f"{format_duration(t)}:{format_rate(r)}" for t, r in schedule)
+
+
+# -- addresses ----------------------------------------------------------------------------------
+
+
+def is_ipv6(text: str) -> bool:
+    """Whether ``text`` is an IPv6 address (a zone too: ``fe80::1%eth0``)."""
+    try:
+        return ipaddress.ip_address(text).version == 6
+    except ValueError:
+        return False
+
+
+def split_hostport(text: str) -> tuple[str, str]:
+    """``HOST:PORT`` as the host and the port's text (unchecked: the caller says which ports
+    it takes); an IPv6 host in brackets (``[::1]:7070``, the brackets not the host's).
+    ValueError for no host, no ``:PORT``, brackets around anything but an IPv6 address, or
+    a host with a colon outside brackets (``::1``, ``fe80::1:7070``: where the host would end
+    and the port begin cannot be told)."""
+    if text.startswith("["):
+        inner, sep, rest = text[1:].partition("]")
+        if not sep or not rest.startswith(":") or not is_ipv6(inner):
+            raise ValueError(f"{text!r} is not HOST:PORT, an IPv6 host in brackets ([::1]:7070)")
+        return inner, rest[1:]
+    host, sep, port = text.rpartition(":")
+    if ":" in host or not sep or not host:
+        raise ValueError(f"{text!r} is not HOST:PORT, an IPv6 host in brackets ([::1]:7070)")
+    return host, port
 
 
 # -- argparse -----------------------------------------------------------------------------------

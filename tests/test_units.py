@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -16,11 +17,13 @@ from kvwire.units import (
     format_rate,
     format_schedule,
     format_size,
+    is_ipv6,
     number,
     parse_duration,
     parse_rate,
     parse_schedule,
     parse_size,
+    split_hostport,
     whole_number,
 )
 from kvwire.units import (
@@ -239,3 +242,31 @@ def test_positive_wraps_a_unit_parser() -> None:
     assert positive_value(parse_duration, "duration")("20ms") == pytest.approx(0.02)
     with pytest.raises(UsageError, match="must be > 0"):
         positive_value(parse_duration, "duration")("0s")
+
+
+# -- HOST:PORT ----------------------------------------------------------------------------------
+
+
+@given(st.ip_addresses(v=6), st.integers(0, 65535))
+def test_an_ipv6_host_in_brackets_splits_from_its_port(address: Any, port: int) -> None:
+    assert split_hostport(f"[{address}]:{port}") == (str(address), str(port))
+    with pytest.raises(ValueError, match=r"IPv6 host in brackets \(\[::1\]:7070\)"):
+        split_hostport(f"{address}:{port}")  # (where would the host end?)
+
+
+@given(st.ip_addresses(v=4), st.integers(0, 65535))
+def test_an_ipv4_host_splits_from_its_port(address: Any, port: int) -> None:
+    assert split_hostport(f"{address}:{port}") == (str(address), str(port))
+
+
+@pytest.mark.parametrize("text", ["decode-host", ":7070", "[::1]", "[::1]7070", "[decode-host]:7070",
+                                  "[1.2.3.4]:7070", "::1", "fe80::1:7070", "[::1:7070"])
+def test_what_is_not_host_and_port_is_refused(text: str) -> None:
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        split_hostport(text)
+
+
+def test_the_port_is_left_to_the_caller() -> None:
+    assert split_hostport("decode-host:http") == ("decode-host", "http")
+    assert split_hostport("[fe80::1%eth0]:7070") == ("fe80::1%eth0", "7070")
+    assert is_ipv6("fe80::1%eth0") and not is_ipv6("1.2.3.4") and not is_ipv6("decode-host")

@@ -32,11 +32,13 @@ from kvwire.units import (
     format_rate,
     format_schedule,
     format_size,
+    is_ipv6,
     parse_duration,
     parse_rate,
     parse_schedule,
     parse_size,
     positive,
+    split_hostport,
     whole_number,
 )
 from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
@@ -86,27 +88,13 @@ def _codec(text: str) -> str:
 _PEER = "--peer takes HOST:PORT, an IPv6 host in brackets ([::1]:7070)"
 
 
-def _ipv6(text: str) -> bool:
-    """Whether ``text`` is an IPv6 address (a zone too: ``fe80::1%eth0``)."""
-    try:
-        return ipaddress.ip_address(text).version == 6
-    except ValueError:
-        return False
-
-
 def _hostport(text: str) -> tuple[str, int]:
     """``--peer``: ``HOST:PORT``, an IPv6 host in brackets (``[::1]:7070``, the brackets
-    not the host's).  A host with a colon outside brackets (``::1``, ``fe80::1:7070``)
-    is refused: where it would end and the port begin cannot be told."""
-    if text.startswith("["):
-        inner, sep, port = text[1:].partition("]")
-        if not sep or not port.startswith(":") or not _ipv6(inner):
-            raise UsageError(f"{_PEER}, not {text!r}")
-        host, port = inner, port[1:]
-    else:
-        host, sep, port = text.rpartition(":")
-        if ":" in host or not sep or not host:
-            raise UsageError(f"{_PEER}, not {text!r}")
+    not the host's; :func:`kvwire.units.split_hostport`)."""
+    try:
+        host, port = split_hostport(text)
+    except ValueError:
+        raise UsageError(f"{_PEER}, not {text!r}") from None
     if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
         raise UsageError(f"bad port in {text!r}: {_PEER}, PORT in 1-65535")
     return host, int(port)
@@ -116,11 +104,11 @@ def _host(text: str) -> str:
     """``--host``: a name or an address, an IPv6 one with or without brackets (``[::1]``,
     as ``--peer`` takes it); no port (``--port`` gives it)."""
     if text.startswith("["):
-        if text.endswith("]") and _ipv6(text[1:-1]):
+        if text.endswith("]") and is_ipv6(text[1:-1]):
             return text[1:-1]
         raise UsageError(f"--host takes a name or an address without a port (give it with --port), "
                          f"an IPv6 one with or without brackets, not {text!r}")
-    if ":" in text and not _ipv6(text):
+    if ":" in text and not is_ipv6(text):
         raise UsageError(f"--host takes a name or an address without a port (give it with --port), not {text!r}")
     return text
 

@@ -56,6 +56,7 @@ from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids, verify_bl
 from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
 from kvwire.session.options import MAX_STREAMS, check_value
 from kvwire.sync import Bridge, PendingPeer, ReceiveHandle, SendHandle, SyncPeer, SyncServer
+from kvwire.units import split_hostport
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -94,13 +95,12 @@ class KvwireConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]
 def _split_addr(addr: str, key: str = "address", *, any_port: bool = False) -> tuple[str, int]:
     """``HOST:PORT``, ``[IPv6]:PORT`` included (the brackets are not the host's); the port
     in 1-65535 (0 too with ``any_port``: a listener's "any free port")."""
-    host, _, port = addr.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    elif ":" in host:  # ("::1" read as host ":" and port 1, "fe80::1:7070" as fe80::1 and 7070)
+    try:
+        host, port = split_hostport(addr)
+    except ValueError:
         raise UsageError(f"kvwire connector: {key} must be HOST:PORT, an IPv6 host in brackets "
-                         f"([::1]:7070), got {addr!r}")
-    if not host or not re.fullmatch(r"[0-9]{1,5}", port):
+                         f"([::1]:7070), got {addr!r}") from None
+    if not re.fullmatch(r"[0-9]{1,5}", port):
         raise UsageError(f"kvwire connector: {key} must be HOST:PORT, got {addr!r}")
     number = int(port)
     if not (0 if any_port else 1) <= number <= 65535:

@@ -1790,8 +1790,9 @@ def test_an_ipv6_address_in_brackets() -> None:
     assert _split_addr("[::1]:7070") == ("::1", 7070)
     assert _split_addr("127.0.0.1:7070") == ("127.0.0.1", 7070)
     assert _split_addr("0.0.0.0:0", any_port=True) == ("0.0.0.0", 0)
-    with pytest.raises(UsageError, match="HOST:PORT"):
-        _split_addr("[::1]")
+    for text in ("[::1]", "[decode-host]:7070"):  # (brackets enclose an IPv6 address, as for kvwire.connect)
+        with pytest.raises(UsageError, match="HOST:PORT"):
+            _split_addr(text)
     for unbracketed in ("::1", "::1:7070", "fe80::1:7070"):  # ("::1" was host ":", port 1)
         with pytest.raises(UsageError, match=r"IPv6 host in brackets \(\[::1\]:7070\)"):
             _split_addr(unbracketed)
