@@ -67,12 +67,13 @@ end
 
 # The versions a script hands out come from counter ``key``: ``n`` of them in a row, the first
 # one above the counter but never below the server's clock in microseconds (see the module
-# docstring). Needs ``now`` (_NOW). (Versions go into text with string.format('%.0f'): Lua's
-# own number-to-text keeps 14 digits.) ``first_version(key, n)`` is the first of them, or nil
-# when the last would be past MAX_VERSION (2**53 - 1, exact in a double); it writes nothing,
-# so a script computes its versions, PUBLISHes them, and only then writes (the counter set to
-# the last one, with ``SET``): a refusal (no versions left, a PUBLISH the Redis user may not
-# run on the channel) comes before any write, and the script changes nothing.
+# docstring). Needs ``now`` (_NOW) and ``run`` (_RUN). (Versions go into text with
+# string.format('%.0f'): Lua's own number-to-text keeps 14 digits.) ``first_version(key, n)``
+# is the first of them, or nil when the last would be past MAX_VERSION (2**53 - 1, exact in a
+# double); it writes nothing. ``assign`` (COMMIT's and INVALIDATE's end) computes the
+# versions, PUBLISHes them, and only then writes (the counter set to the last one, with
+# ``SET``): a refusal (no versions left, a PUBLISH the Redis user may not run on the channel)
+# comes before any write, and the script changes nothing.
 _NEXT = """
 local MAX_VERSION = 9007199254740991
 local function first_version(key, n)
@@ -83,6 +84,37 @@ local function first_version(key, n)
     return nil
   end
   return first
+end
+
+-- New versions for blocks KEYS[b..]: each PUBLISHed on ``channel`` as "<version> <canonical
+-- id>" (the ids are ARGV[ids..]), then written (committed under ``run``, or not complete),
+-- the block's lease ended, the counter KEYS[seq] set to the last version and KEYS[seqrun] to
+-- ``run``.  Returns {0, version...}, or {-3} (nothing changed) when no versions are left.
+local function assign(seq, seqrun, b, channel, ids, committed)
+  local first = first_version(KEYS[seq], #KEYS - b + 1)
+  if not first then
+    return {-3}
+  end
+  local out = {0}
+  for i = b, #KEYS do
+    out[#out + 1] = first + (i - b)  -- (i - b first: first + i could round past 2**53)
+  end
+  -- Every PUBLISH before the first write: a user the channel's ACL denies fails here, unchanged.
+  for i = b, #KEYS do
+    redis.call('PUBLISH', channel, string.format('%.0f ', out[i - b + 2]) .. ARGV[ids + i - b])
+  end
+  for i = b, #KEYS do
+    local v = string.format('%.0f', out[i - b + 2])
+    if committed then
+      redis.call('HSET', KEYS[i], 'v', v, 'c', '1', 'r', run)
+    else
+      redis.call('HSET', KEYS[i], 'v', v, 'c', '0')
+    end
+    redis.call('HDEL', KEYS[i], 'l', 'e')
+  end
+  redis.call('SET', KEYS[seq], string.format('%.0f', out[#out]))
+  redis.call('SET', KEYS[seqrun], run)
+  return out
 end
 """
 
@@ -160,25 +192,10 @@ if #lost > 1 then
   redis.call('DEL', KEYS[1])
   return lost
 end
-local first = first_version(KEYS[2], #KEYS - 3)
-if not first then
-  return {-3}
+local out = assign(2, 3, 4, ARGV[2], 3, true)
+if out[1] == 0 then
+  redis.call('DEL', KEYS[1])
 end
-local out = {0}
-for i = 4, #KEYS do
-  out[#out + 1] = first + (i - 4)  -- (i - 4 first: first + i could round past 2**53)
-end
--- Every PUBLISH before the first write: a user the channel's ACL denies fails here, unchanged.
-for i = 4, #KEYS do
-  redis.call('PUBLISH', ARGV[2], string.format('%.0f ', out[i - 2]) .. ARGV[i - 1])
-end
-for i = 4, #KEYS do
-  redis.call('HSET', KEYS[i], 'v', string.format('%.0f', out[i - 2]), 'c', '1', 'r', run)
-  redis.call('HDEL', KEYS[i], 'l', 'e')
-end
-redis.call('SET', KEYS[2], string.format('%.0f', out[#out]))
-redis.call('SET', KEYS[3], run)
-redis.call('DEL', KEYS[1])
 return out
 """
 )
@@ -239,25 +256,7 @@ INVALIDATE = (
     + """
 -- KEYS: seq, seqrun, block...   ARGV: channel, canonical id per block
 -- returns {0, version...} | {-3} no versions left below 2**53 (nothing changed)
-local first = first_version(KEYS[1], #KEYS - 2)
-if not first then
-  return {-3}
-end
-local out = {0}
-for i = 3, #KEYS do
-  out[#out + 1] = first + (i - 3)  -- (as in COMMIT)
-end
--- Every PUBLISH before the first write: a user the channel's ACL denies fails here, unchanged.
-for i = 3, #KEYS do
-  redis.call('PUBLISH', ARGV[1], string.format('%.0f ', out[i - 1]) .. ARGV[i - 1])
-end
-for i = 3, #KEYS do
-  redis.call('HSET', KEYS[i], 'v', string.format('%.0f', out[i - 1]), 'c', '0')
-  redis.call('HDEL', KEYS[i], 'l', 'e')
-end
-redis.call('SET', KEYS[1], string.format('%.0f', out[#out]))
-redis.call('SET', KEYS[2], run)
-return out
+return assign(1, 2, 3, ARGV[1], 2, false)
 """
 )
 
