@@ -168,7 +168,10 @@ class ClientOptions:
     """Broken streams the session resumes from in its lifetime; one more fails it with
     ConnectionLostError (a fault that repeats after every reconnect cannot loop forever)."""
     max_transfer_reconnects: int = 8
-    """Broken streams one transfer lives through; one more fails it with ConnectionLostError."""
+    """Broken streams one transfer lives through; one more fails it with ConnectionLostError.
+    A break counts against a transfer only when the stream carried something of it: chunks
+    not yet acknowledged, or its BEGIN not yet accepted.  Breaks of the session's other
+    streams are bounded by ``max_reconnects`` alone."""
     auto_codec: str = "model"
     """How ``codec="auto"`` chooses: ``"model"`` from the bandwidth estimate and the
     codecs' measured CPU speeds, with probes; ``"measured"`` on each codec's KV goodput

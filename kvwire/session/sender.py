@@ -235,7 +235,8 @@ class _Transfer:
     queue: deque[tuple[Chunk, int, int]] = field(default_factory=deque)  # chunk, wire, kv bytes
     queued_bytes: int = 0
     error: KvwireError | None = None
-    reconnects: int = 0
+    reconnects: int = 0  # broken streams that carried something of it (max_transfer_reconnects)
+    begin_on: set[int] = field(default_factory=set)  # slots its BEGIN went on, unanswered while not accepted
     done: bool = False
     tokens_acked: dict[int, int] = field(default_factory=dict)  # layer -> K and V tokens acknowledged
 
@@ -487,9 +488,9 @@ class SenderCore:
         timeout = self.config.transfer_timeout if timeout is None else timeout
         self._transfers[tid] = _Transfer(OutgoingTransfer(tid, num_layers), begin,
                                          None if timeout is None else now + timeout, timeout)
-        conn = self._any_open()
-        if conn is not None:
-            conn.send_begin(begin)
+        index = self._first_open()
+        if index is not None:
+            self._send_begin(index, self._transfers[tid])
         return tid
 
     @property
@@ -608,10 +609,6 @@ class SenderCore:
                 return i
         return None
 
-    def _any_open(self) -> Connection | None:
-        index = self._first_open()
-        return None if index is None else self._slots[index].conn
-
     def _process(self, index: int, now: float) -> None:
         slot = self._slots[index]
         conn = slot.conn
@@ -636,6 +633,7 @@ class SenderCore:
                 if t is not None:
                     if isinstance(ev, TransferAccepted):
                         t.state.accepted = True
+                        t.begin_on.clear()
                     t.state.raise_limit(ev.layer_limit)
                     self._events.append(TransferCredit(transfer_id=ev.transfer_id, layer_limit=t.state.layer_limit))
                     self._check_done(t)
@@ -693,7 +691,7 @@ class SenderCore:
         self._events.append(StreamOpened(index=index, handshake=ev, reconnect=reconnect))
         for t in self._transfers.values():  # a BEGIN lost with a broken stream goes again
             if not t.state.accepted and t.error is None:
-                slot.conn.send_begin(t.begin)
+                self._send_begin(index, t)
         for transfer_id, r in self._resets.items():  # none was open: so the receiver lets go of them now
             if r.stream is None:
                 slot.conn.send_reset(transfer_id, r.code, r.message)
@@ -766,14 +764,18 @@ class SenderCore:
             self._break(ev.error)
             return False
         if ev.resumable and cfg.reconnect_attempts > 0:
-            self._requeue(index)
+            carried = self._requeue(index)
             if was_open:
                 self.counters["resumes"] += 1
                 if self.resumes > cfg.max_reconnects:
                     self._break(ConnectionLostError(
                         f"stream {index} broke again after {cfg.max_reconnects} reconnects: giving up"))
                     return False
-                for t in list(self._transfers.values()):
+                # A break counts against the transfers it hit: those with chunks unacknowledged
+                # or a BEGIN unanswered on the stream.  Another stream's breaks leave a transfer
+                # alone (with N streams it would otherwise fail after max_transfer_reconnects
+                # breaks spread over all of them, while the session itself goes on).
+                for t in carried:
                     t.reconnects += 1
                     if t.reconnects > cfg.max_transfer_reconnects:
                         self._fail(t, ConnectionLostError(
@@ -814,21 +816,36 @@ class SenderCore:
         slot.given_up = True
         self._events.append(StreamGivenUp(index=index, error=error))
 
-    def _requeue(self, index: int) -> None:
+    def _send_begin(self, index: int, t: _Transfer) -> None:
+        conn = self._slots[index].conn
+        assert conn is not None
+        conn.send_begin(t.begin)
+        t.begin_on.add(index)
+
+    def _requeue(self, index: int) -> list[_Transfer]:
         """What the closed stream carried unacknowledged goes back to the front of the queue,
         and BEGINs not yet answered go again on a stream still open (the one that carried
         them may never come back; a BEGIN the server has is answered by ACCEPT again), as
         do the RESETs it carried (the receiver may never have read them; one it has is
-        ignored), or on the next stream to open."""
-        if (conn := self._any_open()) is not None:
+        ignored), or on the next stream to open.  Returns the transfers the stream carried
+        something of: chunks unacknowledged, or a BEGIN not yet answered."""
+        carried: list[_Transfer] = []
+        for t in self._transfers.values():
+            if index in t.begin_on:
+                t.begin_on.discard(index)
+                if not t.state.accepted:
+                    carried.append(t)
+        if (opened := self._first_open()) is not None:
             for t in self._transfers.values():
                 if not t.state.accepted and t.error is None:
-                    conn.send_begin(t.begin)
+                    self._send_begin(opened, t)
         for transfer_id, r in self._resets.items():
             if r.stream == index:
                 self._hand_reset(transfer_id, r)
         for t in self._transfers.values():
             lost = [s for s in t.state.unacked.values() if s.stream == index]
+            if lost and t not in carried:
+                carried.append(t)
             for s in reversed(lost):
                 del t.state.unacked[s.address]
                 self._events.append(ChunkLost(address=s.address))
@@ -836,6 +853,7 @@ class SenderCore:
                     t.queue.appendleft((s.chunk, s.wire_size, s.kv_bytes))
                     t.queued_bytes += s.wire_size
                     self.counters["chunks_resent"] += 1
+        return carried
 
     def _best_stream(self, size: int) -> int | None:
         """The writable open stream in use with the most credit that can take ``size`` bytes.
