@@ -431,6 +431,8 @@ class SpliceProxy(ProxyBase[SpliceConnection, TimedPolicy]):
 
     _listening: socket.socket | None = None
     _pool: _PipePool | None = None  # from start() on
+    _closing = False
+    _retry: asyncio.TimerHandle | None = None  # accepting again after running out of fds
 
     @property
     def port(self) -> int:
@@ -450,18 +452,42 @@ class SpliceProxy(ProxyBase[SpliceConnection, TimedPolicy]):
         self._pool = _PipePool()
         listener = self._listener()
         self._listening = listener
-        self._spawn(self._accept_loop(listener))
+        self._closing = False
+        self._accepting(listener)
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
+    def _accepting(self, listener: socket.socket) -> None:
+        self._retry = None
+        if not self._closing:
+            asyncio.get_running_loop().add_reader(listener.fileno(), self._accept, listener)
+
+    def _accept(self, listener: socket.socket) -> None:
+        """The listener's reader callback: takes what its backlog holds.
+
+        Not a task awaiting ``loop.sock_accept()``: cancelled by close(), that can still
+        have its callback queued in the same loop iteration, which then accepts a
+        connection it cannot hand over (the socket leaks). close() removes this callback
+        (a queued run of it is then skipped) and closes the listener before anything else.
+        """
         loop = asyncio.get_running_loop()
-        while True:
+        for _ in range(128):  # the backlog at most; the rest at the next readiness
+            if self._closing:
+                return
             try:
-                client, _ = await loop.sock_accept(listener)
+                client, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except ConnectionAbortedError:
+                continue  # reset while in the backlog: the next one may be there
             except OSError as exc:
+                loop.remove_reader(listener.fileno())
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    await asyncio.sleep(0.05)  # out of descriptors: later, not never
-                    continue
-                raise
+                    # out of descriptors: later, not never
+                    self._retry = loop.call_later(0.05, self._accepting, listener)
+                else:
+                    loop.call_exception_handler(
+                        {"message": "the link emulator stopped accepting connections", "exception": exc}
+                    )
+                return
             client.setblocking(False)
             conn = SpliceConnection(self, len(self.connections), client)
             self.connections.append(conn)
@@ -469,11 +495,17 @@ class SpliceProxy(ProxyBase[SpliceConnection, TimedPolicy]):
             self._spawn(conn._open())
 
     async def close(self) -> None:
+        self._closing = True
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._listening is not None:
+            if self._listening.fileno() >= 0:
+                asyncio.get_running_loop().remove_reader(self._listening.fileno())
+            self._listening.close()
+            self._listening = None
         for conn in list(self.active):
             conn.abort()
         await self._cancel_tasks()
-        if self._listening is not None:
-            self._listening.close()
-            self._listening = None
         if self._pool is not None:
             self._pool.close()
