@@ -21,7 +21,9 @@ made before it (its loop thread runs in the parent only).  ``close()`` fails eve
 :class:`~kvwire.ConnectionLostError` and joins the thread; a shared :class:`Bridge` closed
 first closes the servers and peers that run on it (their sockets do not outlive it).  A
 :class:`SyncServer` or :class:`SyncPeer` with its own bridge garbage-collected unclosed is
-closed then, with a ResourceWarning (as an unclosed socket).  The implementation lives in
+closed then, with a ResourceWarning (as an unclosed socket), and so is a shared
+:class:`Bridge` once nothing made on it is alive (the servers and peers made on it
+with it).  The implementation lives in
 ``kvwire.aio`` (the only package that runs an event loop).
 """
 

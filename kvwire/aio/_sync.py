@@ -102,52 +102,50 @@ def wait_result(fut: concurrent.futures.Future[T], timeout: float | None, *,
         raise detached(exc) from None
 
 
-class Bridge:
-    """An asyncio event loop running on its own daemon thread."""
+class BridgeLoop:
+    """What a :class:`Bridge`'s loop thread runs on and ends with: the loop, the servers
+    and peers it owns and the state of its close.  The Bridge owns it and its thread holds
+    it; nothing here refers to the Bridge, so that a Bridge dropped unclosed is collected
+    (its finalizer then closes this, :func:`close_dropped_bridge`), not kept by its thread."""
 
-    def __init__(self, name: str = "kvwire-sync") -> None:
+    def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.ready = threading.Event()
         # The process whose thread runs the loop: a child made by fork() has no such thread.
-        self._pid = os.getpid()
-        self._closed = False
-        self._lock = threading.Lock()
+        self.pid = os.getpid()
+        self.closed = False
+        # close_soon() was called (its stop, which sets closed, may not have run yet): set
+        # without a lock, by a finalizer perhaps.
+        self.close_begun = False
+        self.lock = threading.Lock()
         # Handles whose waiters wait on a condition of their own: woken when this closes,
         # even if what ran on the loop never got to tell them (a loop too busy to cancel).
-        self._watched: weakref.WeakSet[ReceiveHandle] = weakref.WeakSet()
+        self.watched: weakref.WeakSet[ReceiveHandle] = weakref.WeakSet()
         # The servers and peers running on the loop (SyncServer, SyncPeer): close() closes
         # them before it cancels the rest, so that no socket outlives the bridge.  One
         # leaves it once its close() completed: what close() could not close in time is
         # closed when the loop ends.
-        self._owned: dict[int, Any] = {}
+        self.owned: dict[int, Any] = {}
         # (on the loop) The closes under way, by id(thing) (a failed start's clean-up by
         # id(its task)): never cancelled, as a server's or peer's close() cancelled midway
         # does not close it when called again (a peer's failed open closes it lingering 0 s,
         # and its close() begun again lingers 1 s); close() waits for them first.
-        self._closing: dict[int, asyncio.Task[None]] = {}
-        # What submit() scheduled: close() fails the waiters of what the loop never ended
-        # (a loop stuck for longer than close() waits for it).
-        self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
-        # Held by the close() under way: another thread's close() waits for it to end.
-        self._close_lock = threading.Lock()
-        self._close_finished = False
+        self.closing: dict[int, asyncio.Task[None]] = {}
         # Set once the loop thread's run ended (the loop closed): nothing runs on it any
         # more.  Events given to when_ended() are set then.
-        self._ended = False
-        self._end_events: weakref.WeakSet[threading.Event] = weakref.WeakSet()
-        self._thread.start()
-        self._ready.wait()
+        self.ended = False
+        self.end_events: weakref.WeakSet[threading.Event] = weakref.WeakSet()
 
-    def _run(self) -> None:
+    def run(self) -> None:
+        """The loop thread's run."""
         asyncio.set_event_loop(self.loop)
-        self.loop.call_soon(self._ready.set)
+        self.loop.call_soon(self.ready.set)
         try:
             self.loop.run_forever()
         finally:
             try:  # what close() could not close or cancel in time (a loop that was stuck) ends here
-                with self._lock:
-                    owned = list(self._owned.values())
+                with self.lock:
+                    owned = list(self.owned.values())
                 if owned:
                     self.loop.run_until_complete(asyncio.gather(*(self.close_owned(thing) for thing in owned),
                                                                 return_exceptions=True))
@@ -159,18 +157,107 @@ class Bridge:
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             finally:
                 self.loop.close()
-                with self._lock:
-                    self._ended = True
-                    events = list(self._end_events)
-                    watched = list(self._watched)
+                with self.lock:
+                    self.ended = True
+                    events = list(self.end_events)
+                    watched = list(self.watched)
                 for event in events:
                     event.set()
                 for handle in watched:  # (a close that did not wait for this: close_soon())
                     handle._wake()
 
+    def disown(self, thing: Any) -> None:
+        with self.lock:
+            self.owned.pop(id(thing), None)
+
+    async def close_owned(self, thing: Any) -> None:
+        await asyncio.shield(self.close_task(thing))
+
+    def close_task(self, thing: Any) -> asyncio.Task[None]:
+        task = self.closing.get(id(thing))
+        if task is None:
+            async def close() -> None:
+                try:
+                    await thing.close()
+                    self.disown(thing)  # (only once closed: one whose close failed is closed again)
+                finally:
+                    del self.closing[id(thing)]
+
+            task = self.closing[id(thing)] = asyncio.ensure_future(close())
+        return task
+
+    def close_soon(self) -> None:
+        """:meth:`Bridge.close_soon`."""
+        if os.getpid() != self.pid:
+            return
+        self.close_begun = True
+
+        def stop() -> None:  # (on the loop, where no lock is held between callbacks)
+            with self.lock:
+                self.closed = True
+            self.loop.stop()
+
+        with contextlib.suppress(RuntimeError):  # (the loop is closed: closed already)
+            self.loop.call_soon_threadsafe(stop)
+
+
+#: How long a Bridge garbage-collected unclosed waits, on the collecting thread, for its
+#: loop thread to close what runs on it and end (not on the loop thread: it waits not at all).
+DROPPED_BRIDGE_WAIT = 5.0
+
+
+def close_dropped_bridge(core: BridgeLoop, thread: threading.Thread, name: str) -> None:
+    """A :class:`Bridge`'s finalizer: garbage-collected unclosed (nothing made on it is
+    alive, as each holds it), it is closed as :meth:`Bridge.close` would close it (the
+    servers and peers made on it too), waiting at most :data:`DROPPED_BRIDGE_WAIT` s for
+    its thread to end (not at all on that thread itself), and a ResourceWarning says so.
+    Nothing more when its close was begun already (closed by hand, or by the finalizer of
+    the SyncServer or SyncPeer it belonged to); nothing in a child made by ``fork()``."""
+    if os.getpid() != core.pid:
+        return
+    begun = core.closed or core.close_begun
+    core.close_soon()  # (a close() that gave up on a held-up loop: its loop ends all the same)
+    if begun:
+        return
+    if threading.current_thread() is not thread:
+        thread.join(DROPPED_BRIDGE_WAIT)
+    warnings.warn(f"unclosed kvwire.sync.Bridge {name!r}: it is closed now, with the servers and peers made on "
+                  "it, as it is garbage-collected; close() it", ResourceWarning, stacklevel=1)
+
+
+class Bridge:
+    """An asyncio event loop running on its own daemon thread.
+
+    One garbage-collected unclosed (nothing made on it is alive: a SyncServer or SyncPeer
+    holds its bridge) is closed then, with what was made on it, and a ResourceWarning says
+    so (as an unclosed socket's): :meth:`close` it."""
+
+    def __init__(self, name: str = "kvwire-sync") -> None:
+        # What the loop thread holds: not this (or this would never be collected).
+        core = self._core = BridgeLoop()
+        self.loop = core.loop
+        self._thread = threading.Thread(target=core.run, name=name, daemon=True)
+        self._pid = core.pid
+        self._lock = core.lock
+        self._watched = core.watched
+        self._owned = core.owned
+        self._closing = core.closing
+        # What submit() scheduled: close() fails the waiters of what the loop never ended
+        # (a loop stuck for longer than close() waits for it).
+        self._futures: weakref.WeakSet[concurrent.futures.Future[Any]] = weakref.WeakSet()
+        # Held by the close() under way: another thread's close() waits for it to end.
+        self._close_lock = threading.Lock()
+        self._close_finished = False
+        self._thread.start()
+        core.ready.wait()
+        # Closes it once garbage-collected unclosed; not at the interpreter's exit (its
+        # daemon thread ends with the process).
+        self._finalizer = weakref.finalize(self, close_dropped_bridge, core, self._thread, name)
+        self._finalizer.atexit = False
+
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._core.closed
 
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -191,7 +278,7 @@ class Bridge:
             coro.close()
             raise
         with self._lock:
-            if self._closed:
+            if self._core.closed:
                 coro.close()
                 raise ConnectionLostError("the kvwire bridge is closed")
             fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -227,7 +314,7 @@ class Bridge:
             error = gone() if gone is not None else None
             if error is not None:
                 return error
-            if self._closed:
+            if self._core.closed:
                 return ConnectionLostError("the kvwire bridge was closed while the call ran")
             return TransferAbortedError("the call was cancelled on the bridge's loop")
 
@@ -243,7 +330,7 @@ class Bridge:
     def call_soon(self, fn: Any, *args: Any) -> None:
         self.check_process()
         with self._lock:
-            if self._closed:
+            if self._core.closed:
                 raise ConnectionLostError("the kvwire bridge is closed")
             self.loop.call_soon_threadsafe(fn, *args)
 
@@ -251,8 +338,8 @@ class Bridge:
         """Set ``event`` once the loop thread's run ended (at once if it has): nothing
         runs on the loop after that.  The bridge keeps ``event`` weakly."""
         with self._lock:
-            if not self._ended:
-                self._end_events.add(event)
+            if not self._core.ended:
+                self._core.end_events.add(event)
                 return
         event.set()
 
@@ -271,7 +358,7 @@ class Bridge:
         """On the loop: ``thing`` (a running Server or Peer) is closed by :meth:`close`
         (closed at once if the bridge is closing already)."""
         with self._lock:
-            closing = self._closed
+            closing = self._core.closed
             if not closing:
                 self._owned[id(thing)] = thing
         if closing:
@@ -280,27 +367,16 @@ class Bridge:
 
     def disown(self, thing: Any) -> None:
         """``thing`` was closed (its close() completed): :meth:`close` has nothing to do for it."""
-        with self._lock:
-            self._owned.pop(id(thing), None)
+        self._core.disown(thing)
 
     async def close_owned(self, thing: Any) -> None:
         """On the loop: close ``thing`` (a Server or Peer it owns) and disown it once
         closed.  Its close is not cancelled with the caller: it goes on (one close at a
         time), and one that did not complete leaves it owned."""
-        await asyncio.shield(self._close_task(thing))
+        await self._core.close_owned(thing)
 
     def _close_task(self, thing: Any) -> asyncio.Task[None]:
-        task = self._closing.get(id(thing))
-        if task is None:
-            async def close() -> None:
-                try:
-                    await thing.close()
-                    self.disown(thing)  # (only once closed: one whose close failed is closed again)
-                finally:
-                    del self._closing[id(thing)]
-
-            task = self._closing[id(thing)] = asyncio.ensure_future(close())
-        return task
+        return self._core.close_task(thing)
 
     def close_soon(self) -> None:
         """Begin closing without waiting for anything, from any thread, the loop's own too
@@ -308,16 +384,7 @@ class Bridge:
         thread's end closes the servers and peers it owns, cancels the rest and closes the
         loop, its thread ending then.  Takes no lock a thread may hold meanwhile; nothing
         in a child made by ``fork()`` (the loop thread runs in the parent only)."""
-        if os.getpid() != self._pid:
-            return
-
-        def stop() -> None:  # (on the loop, where no lock is held between callbacks)
-            with self._lock:
-                self._closed = True
-            self.loop.stop()
-
-        with contextlib.suppress(RuntimeError):  # (the loop is closed: closed already)
-            self.loop.call_soon_threadsafe(stop)
+        self._core.close_soon()
 
     def submit_close(self, coro: Coroutine[Any, Any, None]) -> concurrent.futures.Future[None]:
         """Schedule ``coro``, which closes what a failed start opened, on the loop: a close
@@ -353,7 +420,7 @@ class Bridge:
         if self.in_loop_thread():
             raise UsageError("Bridge.close() from the loop thread")
         with self._lock:
-            self._closed = True  # nothing new is submitted from now on
+            self._core.closed = True  # nothing new is submitted from now on
         if not self._close_lock.acquire(timeout=min(3 * timeout, LONGEST_WAIT)):
             return  # another thread's close is still under way
         try:
