@@ -61,6 +61,7 @@ from kvwire.wire.frames import (
     FrameType,
     GoAway,
     Hello,
+    MalformedHello,
     PayloadSink,
     Ping,
     Pong,
@@ -682,6 +683,13 @@ class Connection:
         self.state = handler(self, frame, size)
 
     def _fail(self, exc: KvwireError) -> None:
+        # A HELLO's version range is checked before the rest of it (5.4): a later version's
+        # HELLO may be laid out otherwise, and is refused as such.
+        if (
+            isinstance(exc, MalformedHello) and self.state is State.SERVER_AWAIT_HELLO
+            and self._refused_versions(exc.min_version, exc.max_version)
+        ):
+            return
         self._close_locally(exc.code, str(exc), by_peer=False, send_goaway=True, error=exc)
 
     def _close_locally(
@@ -723,14 +731,22 @@ class Connection:
 
     # Transition handlers: (connection, frame, wire size) -> new state.
 
+    def _refused_versions(self, min_version: int, max_version: int) -> bool:
+        """Server: refuse a HELLO whose version range (well-formed: min <= max) shares
+        no version with this server's, with UNSUPPORTED_VERSION; True if it was."""
+        top = self.config.max_version
+        if min_version > max_version or (max_version >= MIN_PROTOCOL_VERSION and min_version <= top):
+            return False
+        self.refuse(ErrorCode.UNSUPPORTED_VERSION, f"server speaks versions {MIN_PROTOCOL_VERSION}..{top}")
+        return True
+
     def _on_hello(self, frame: Frame, size: int) -> State:
         assert isinstance(frame, Hello)
         if frame.min_version > frame.max_version:
             raise ProtocolError("HELLO min_version is above max_version")
-        top = self.config.max_version
-        if frame.max_version < MIN_PROTOCOL_VERSION or frame.min_version > top:
-            self.refuse(ErrorCode.UNSUPPORTED_VERSION, f"server speaks versions {MIN_PROTOCOL_VERSION}..{top}")
+        if self._refused_versions(frame.min_version, frame.max_version):
             return State.CLOSED
+        top = self.config.max_version
         if not MIN_MAX_FRAME_SIZE <= frame.max_frame_size <= MAX_MAX_FRAME_SIZE:
             raise ProtocolError("HELLO max_frame_size out of range")
         self._hello = frame

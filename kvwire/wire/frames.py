@@ -287,7 +287,8 @@ Frame = Union[
 _U8 = struct.Struct(">B")
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
-_HELLO_FIXED = struct.Struct(">8sHH32s16sHI")
+_HELLO_VERSIONS = struct.Struct(">8sHH")  # magic, min_version, max_version: every version's HELLO starts so
+_HELLO_FIXED = struct.Struct(">32s16sHI")  # then, in versions 1 and 2: nonce, session_id, stream_index, max_frame_size
 _CHALLENGE = struct.Struct(">H32s")
 _WELCOME_FIXED = struct.Struct(">16sIQI")
 _BEGIN_FIXED = struct.Struct(">QHHHB")
@@ -300,6 +301,18 @@ _PING = struct.Struct(">Q")
 _REPORT_FIXED = struct.Struct(">IB")
 _DECODE_COST = struct.Struct(">BI")
 _BLOCK_VERSION_TAIL = struct.Struct(">Q")
+
+
+class MalformedHello(ProtocolError):
+    """A HELLO whose magic and version range were read, but not the rest of it as versions
+    1 and 2 lay it out.  A later version's HELLO may be laid out otherwise (protocol 5.4):
+    a server that shares no version in the range refuses it with UNSUPPORTED_VERSION, not
+    as malformed."""
+
+    def __init__(self, message: str, *, min_version: int, max_version: int) -> None:
+        super().__init__(message)
+        self.min_version = min_version
+        self.max_version = max_version
 
 
 class _Reader:
@@ -501,9 +514,8 @@ def encode_body(frame: Frame) -> tuple[FrameType, list[Buffer]]:
     if isinstance(frame, Pong):
         return FrameType.PONG, [_PING.pack(frame.opaque)]
     if isinstance(frame, Hello):
-        fixed = _HELLO_FIXED.pack(
-            MAGIC, frame.min_version, frame.max_version, frame.nonce, frame.session_id,
-            frame.stream_index, frame.max_frame_size,
+        fixed = _HELLO_VERSIONS.pack(MAGIC, frame.min_version, frame.max_version) + _HELLO_FIXED.pack(
+            frame.nonce, frame.session_id, frame.stream_index, frame.max_frame_size,
         )
         return FrameType.HELLO, [fixed + _codec_list(frame.codecs) + frame.fingerprint]
     if isinstance(frame, Challenge):
@@ -727,12 +739,16 @@ def decode_body(ftype: int, flags: int, body: Buffer, *, max_kind: int = KIND_KV
         return cls(opaque=int(opaque))
     if ftype == FrameType.HELLO:
         r = _Reader(body, "HELLO")
-        magic, vmin, vmax, nonce, sid, idx, mfs = r.unpack(_HELLO_FIXED)
+        magic, vmin, vmax = r.unpack(_HELLO_VERSIONS)
         if magic != MAGIC:
             raise ProtocolError("not a kvwire peer (bad magic)")
-        codecs = _read_codec_list(r)
-        fp = bytes(r.take(FINGERPRINT_SIZE))
-        r.end()
+        try:
+            nonce, sid, idx, mfs = r.unpack(_HELLO_FIXED)
+            codecs = _read_codec_list(r)
+            fp = bytes(r.take(FINGERPRINT_SIZE))
+            r.end()
+        except ProtocolError as exc:
+            raise MalformedHello(str(exc), min_version=int(vmin), max_version=int(vmax)) from None
         return Hello(
             min_version=int(vmin), max_version=int(vmax), nonce=bytes(nonce), session_id=bytes(sid),
             stream_index=int(idx), max_frame_size=int(mfs), codecs=codecs, fingerprint=fp,
