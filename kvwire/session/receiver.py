@@ -87,8 +87,8 @@ KEPT_ROOM_MIN = 1 << 20
 #: Failed transfers a session remembers why (see _Session.tombstones): each its RESET's
 #: code and text, so at most about WIRE_TEXT_LIMIT * 4 + 200 bytes apiece.
 TOMBSTONES_KEPT = 4096
-#: Recent RESETs of a session said again on every stream that joins it, and on one still
-#: open when another closes (see _Session.resets).
+#: Recent RESETs of a session kept to be said again when the stream they went out on
+#: closes (see _Session.resets).
 _RESETS_KEPT = 256
 
 #: Completed transfers whose data is gone a session remembers (see _Session.completed).
@@ -520,6 +520,7 @@ class _Incoming:
     gated: bool = False  # goes through the registry gate
     last_layer: int | None = None  # held back until the registry publish succeeds
     begin_cid: int | None = None  # the connection that carried BEGIN: ACCEPT goes there
+    limit_cid: int | None = None  # the connection that carried its latest layer limit (ACCEPT, CREDIT)
     footprint: int = 0  # budget bytes of what BEGIN made the server keep (begin_footprint)
 
     @property
@@ -555,10 +556,11 @@ class _Session:
     # each with a digest of its request id (a BEGIN repeating both is answered as a
     # re-send, one with another request id is a duplicate).
     completed: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
-    # Transfers this side failed and told the client so: that RESET may have found no open
-    # stream, or gone out on one that broke with it; a stream that joins says it again, as
-    # does one still open when another closes.
-    resets: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    # Transfers this side failed and told the client so, each with the connection its RESET
+    # last went out on (None: none, no stream was open): that RESET may be lost with it.
+    # When it closes, one still open says it again; when none is, the stream that joins
+    # (see ReceiverCore._say_again).
+    resets: OrderedDict[int, int | None] = field(default_factory=OrderedDict)
     lose_at: float | None = None
     closed: bool = False
     unreported: int = 0  # CHUNK bytes received since the last REPORT to this session
@@ -838,7 +840,7 @@ class ReceiverCore:
             conn = self._conn(cid)
             if conn is not None:
                 if sess is not None:
-                    self._repeat_reset(sess, conn, key[1])
+                    self._repeat_reset(sess, cid, conn, key[1])
                 conn.send_ack(address)
 
     # -- time ----------------------------------------------------------------------------
@@ -973,6 +975,12 @@ class ReceiverCore:
 
     def _any_conn(self, sess: _Session, prefer: int | None = None) -> Connection | None:
         """An open connection of ``sess``: ``prefer``'s while it is one of them and open."""
+        found = self._any_open(sess, prefer)
+        return found[1] if found is not None else None
+
+    def _any_open(self, sess: _Session, prefer: int | None = None) -> tuple[int, Connection] | None:
+        """An open connection of ``sess`` and its id: ``prefer``'s while it is one of them
+        and open."""
         cids: Iterable[int] = sess.streams.values()
         if prefer is not None and prefer in cids:
             cids = (prefer, *cids)
@@ -980,8 +988,13 @@ class ReceiverCore:
             conn = self._conns.get(cid)
             if conn is not None and conn.closed_event is None:
                 self._dirty.add(cid)
-                return conn
+                return cid, conn
         return None
+
+    def _open_streams(self, sess: _Session) -> set[int]:
+        """The ids of the open connections of ``sess``."""
+        return {c for c in sess.streams.values()
+                if (conn := self._conns.get(c)) is not None and conn.closed_event is None}
 
     def _process(self, cid: int, now: float) -> None:
         conn = self._conn(cid)
@@ -1056,22 +1069,30 @@ class ReceiverCore:
         if sess.transfers or sess.tombstones or sess.completed:
             self._count("resumes")
             self._events.append(StreamResumed(session_id=sess.session_id, stream_index=ev.stream_index, cid=cid))
-        self._say_again(sess, conn)
+        self._say_again(sess, cid, conn)
 
-    def _say_again(self, sess: _Session, conn: Connection) -> None:
-        """Send on ``conn`` what the session's client waits for and may have lost with a
-        broken stream (a stream that joins, or one still open when another closes): a
-        CREDIT with the current layer_limit of each incomplete transfer whose limit is
-        above ACCEPT's 1, and the RESET of each transfer this side failed recently
-        (``sess.resets``).  Each goes out once on one stream: a sender whose chunks were all
-        acknowledged, waiting for a layer grant, sends nothing that would draw it out again,
-        and would wait for ever.  A client ignores a CREDIT at or below the limit it has and
-        a RESET for a transfer it does not have."""
+    def _say_again(self, sess: _Session, cid: int, conn: Connection) -> None:
+        """Send on ``conn`` (connection ``cid``) what the session's client waits for and may
+        have lost with a stream that closed (``conn`` a stream that joins, or one still open
+        when another closes), and no open stream of the session carries: a CREDIT
+        with the current layer_limit of each incomplete transfer whose limit is above
+        ACCEPT's 1, and the RESET of each transfer this side failed recently
+        (``sess.resets``), each whose last copy went out on a connection now closed, or on
+        none.  Each goes out once on one stream, which then carries it: a sender whose
+        chunks were all acknowledged, waiting for a layer grant, sends nothing that would
+        draw it out again, and would wait for ever.  What an open stream carries is not
+        said again (a session's kept RESETs would go out on every join and every break).
+        A client ignores a CREDIT at or below the limit it has and a RESET for a transfer
+        it does not have."""
+        carriers = self._open_streams(sess)  # (``conn`` carries nothing yet when it joins)
         for t in sess.transfers.values():
-            if t.error is None and t.accepted and not t.state.complete and t.state.layer_limit > 1:
+            if (t.error is None and t.accepted and not t.state.complete and t.state.layer_limit > 1
+                    and t.limit_cid not in carriers):
                 conn.send_credit_frame(t.key[1], t.state.layer_limit)
-        for tid in sess.resets:
-            self._repeat_reset(sess, conn, tid)  # (nothing for a tombstone gone meanwhile)
+                t.limit_cid = cid
+        for tid, on in list(sess.resets.items()):
+            if on not in carriers:
+                self._repeat_reset(sess, cid, conn, tid)  # (nothing for a tombstone gone meanwhile)
 
     def _on_reset(self, cid: int, ev: TransferReset) -> None:
         sess = self._conn_session.get(cid)
@@ -1113,14 +1134,21 @@ class ReceiverCore:
         for index, c in list(sess.streams.items()):
             if c == cid:
                 del sess.streams[index]
+        # What it carried is carried by none until a stream says it again.
+        for tid, on in list(sess.resets.items()):
+            if on == cid:
+                sess.resets[tid] = None
+        for t in sess.transfers.values():
+            if t.limit_cid == cid:
+                t.limit_cid = None
         # A break is resumable even when every transfer is complete here: the client may
         # still wait for acknowledgements that were lost with the stream.
         if ev.resumable and self.config.resume_timeout > 0:
-            if (other := self._any_conn(sess)) is not None:
+            if (other := self._any_open(sess)) is not None:
                 # The session goes on with its other streams, and the broken one may never
                 # come back (a client gives a slot up whose reconnects fail): CREDITs and
                 # RESETs it carried go again on one still open.
-                self._say_again(sess, other)
+                self._say_again(sess, *other)
             elif sess.lose_at is None:
                 sess.lose_at = now + self.config.resume_timeout
                 self._note(_SESSION, sess.session_id)
@@ -1130,8 +1158,8 @@ class ReceiverCore:
                        else ConnectionLostError("client connection closed mid-transfer"))
         elif not sess.streams:
             self._session_gone(sess)
-        elif (other := self._any_conn(sess)) is not None:
-            self._say_again(sess, other)  # (a clean close: RESETs it carried may be unread)
+        elif (other := self._any_open(sess)) is not None:
+            self._say_again(sess, *other)  # (a clean close: RESETs it carried may be unread)
 
     def _lose(self, sess: _Session, error: KvwireError) -> None:
         """Every unfinished transfer of the session fails, its other streams close."""
@@ -1165,8 +1193,9 @@ class ReceiverCore:
             existing.begin_cid = cid
             if existing.accepted:
                 conn.send_accept(tid, existing.state.layer_limit)
+                existing.limit_cid = cid
             return
-        if self._repeat_reset(sess, conn, tid):
+        if self._repeat_reset(sess, cid, conn, tid):
             return
         if sess.completed.get(tid) == _request_digest(begin.request_id):
             # Re-sent, the transfer long complete and its data taken: every layer was granted.
@@ -1228,8 +1257,9 @@ class ReceiverCore:
         self._count("transfers_accepted")
         sess = self._sessions.get(t.key[0])
         # On the stream that carried BEGIN while it is open (the spec), else on any.
-        conn = self._any_conn(sess, prefer=t.begin_cid) if sess is not None else None
-        if conn is not None:
+        found = self._any_open(sess, prefer=t.begin_cid) if sess is not None else None
+        if found is not None:
+            t.limit_cid, conn = found
             conn.send_accept(t.key[1], t.state.layer_limit)
         if not t.claimed:
             self._unclaimed[t.key] = None
@@ -1241,12 +1271,15 @@ class ReceiverCore:
             spec=t.spec, blocks=tuple((bv.block, bv.version) for bv in t.begin.blocks),
         ))
 
-    def _repeat_reset(self, sess: _Session, conn: Connection, tid: int) -> bool:
-        """Send again the RESET of a recently failed transfer; False if it did not fail."""
+    def _repeat_reset(self, sess: _Session, cid: int, conn: Connection, tid: int) -> bool:
+        """Send again the RESET of a recently failed transfer on ``conn`` (connection
+        ``cid``, which then carries it, if it is kept); False if it did not fail."""
         why = sess.tombstones.get(tid)
         if why is None:
             return False
         conn.send_reset(tid, *why)
+        if tid in sess.resets:
+            sess.resets[tid] = cid
         return True
 
     def _grant(self, t: _Incoming, limit: int) -> None:
@@ -1255,8 +1288,9 @@ class ReceiverCore:
             return
         t.state.layer_limit = limit
         sess = self._sessions.get(t.key[0])
-        conn = self._any_conn(sess) if sess is not None else None
-        if conn is not None and t.accepted:
+        found = self._any_open(sess) if sess is not None else None
+        if found is not None and t.accepted:
+            t.limit_cid, conn = found
             conn.send_credit_frame(t.key[1], limit)
 
     def _charge(self, t: _Incoming, nbytes: int) -> None:
@@ -1329,20 +1363,20 @@ class ReceiverCore:
             # On the stream that carried the last BEGIN, as an ACCEPT goes: a registry's
             # stale verdict answers a BEGIN the client may have sent again on another
             # stream because the first one broke.
-            conn = self._any_conn(sess, prefer=t.begin_cid)
+            found = self._any_open(sess, prefer=t.begin_cid)
             if reset:
-                sess.resets[t.key[1]] = None
+                sess.resets[t.key[1]] = found[0] if found is not None else None
                 while len(sess.resets) > _RESETS_KEPT:
                     sess.resets.popitem(last=False)
-                if conn is not None:
-                    conn.send_reset(t.key[1], error.code, wire_text(str(error)))
+                if found is not None:
+                    found[1].send_reset(t.key[1], error.code, wire_text(str(error)))
             # Acknowledgements held for the registry's verdict go out now, each after the
             # RESET on its own stream: every CHUNK gets its ACK (the stream's credit comes
             # back), and none reads as success.
             held, t.publish_pending = t.publish_pending, []
             for cid, address in held:
                 if (c := self._conn(cid)) is not None:
-                    self._repeat_reset(sess, c, t.key[1])
+                    self._repeat_reset(sess, cid, c, t.key[1])
                     c.send_ack(address)
         self._events.append(TransferFailed(key=t.key, error=error, request_id=t.begin.request_id, claimable=claimable))
         if claimable:
@@ -1422,7 +1456,7 @@ class ReceiverCore:
                             key=t.key, blocks=tuple((bv.block, bv.version) for bv in t.begin.blocks),
                         ))
                     return
-        if self._repeat_reset(sess, conn, addr.transfer_id):
+        if self._repeat_reset(sess, cid, conn, addr.transfer_id):
             pass
         elif t is None and addr.transfer_id not in sess.completed:
             # Never begun (or long forgotten): the data was not stored, so say so first.
