@@ -668,6 +668,15 @@ class Connection:
         if ftype is GoAway:
             assert isinstance(frame, GoAway)
             err = None if frame.code == ErrorCode.NO_ERROR else error_from_code(frame.code, frame.message)
+            if frame.code == ErrorCode.UNSUPPORTED_VERSION and self.state is State.CLIENT_HELLO_SENT:
+                # The answer to HELLO: the server tells an unauthenticated client only the
+                # code (5.8), so say what was offered.
+                said = f"; the server said: {frame.message}" if frame.message else ""
+                err = IncompatiblePeerError(
+                    "the server speaks none of the protocol versions this client offered "
+                    f"({MIN_PROTOCOL_VERSION}..{self.config.max_version}){said}",
+                    code=ErrorCode.UNSUPPORTED_VERSION,
+                )
             self._close_locally(
                 ErrorCode(frame.code) if frame.code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL_ERROR,
                 frame.message, by_peer=True, send_goaway=False, error=err, goaway=True,
@@ -737,7 +746,12 @@ class Connection:
         top = self.config.max_version
         if min_version > max_version or (max_version >= MIN_PROTOCOL_VERSION and min_version <= top):
             return False
-        self.refuse(ErrorCode.UNSUPPORTED_VERSION, f"server speaks versions {MIN_PROTOCOL_VERSION}..{top}")
+        # (For this side's log and events: the GOAWAY carries no message before AUTH, 5.8.)
+        self.refuse(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"the client offered protocol versions {min_version}..{max_version}; "
+            f"this server speaks {MIN_PROTOCOL_VERSION}..{top}",
+        )
         return True
 
     def _on_hello(self, frame: Frame, size: int) -> State:
