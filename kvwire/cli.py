@@ -15,9 +15,13 @@ def build_parser() -> argparse.ArgumentParser:
     from kvwire import __version__
     from kvwire.bench import command as bench_cmd
     from kvwire.scheduler import command as simulate_cmd
+    from kvwire.wire.frames import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION
 
     parser = argparse.ArgumentParser(prog="kvwire", description="Move LLM KV caches over TCP.")
-    parser.add_argument("--version", action="version", version=f"kvwire {__version__}")
+    parser.add_argument(
+        "--version", action="version",
+        version=f"kvwire {__version__} (wire protocol versions {MIN_PROTOCOL_VERSION}-{PROTOCOL_VERSION})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     bench_cmd.add_parsers(sub)
     simulate_cmd.add_parser(sub)
