@@ -85,6 +85,7 @@ __all__ = [
     "check_workload",
     "egress_demand",
     "egress_runs",
+    "keep_up_ratio",
     "model_cluster",
     "new_state",
     "offered_rate",
@@ -111,7 +112,8 @@ REMOTE = "remote"
 DEFAULT_CACHE_BLOCKS_PER_INSTANCE = 8192
 """Prefix-cache blocks per instance when neither the profile nor the config says."""
 SATURATION_MARGIN = 0.95
-"""A policy is *saturated* when it completes fewer than this share of the offered rate."""
+"""A policy is *saturated* when its first tokens come at fewer than this share of the rate
+the requests arrive (:attr:`PolicyResult.keep_up`)."""
 MAX_ARRIVAL_SPAN_S = 1e9
 """Longest arrival window the simulator takes (last arrival minus first): 10^9 s, about 31.7
 years of simulated time."""
@@ -950,7 +952,9 @@ class PolicyResult:
     completed: int
     makespan_s: float
     throughput_rps: float
-    """Completions per second between the first and the last completion."""
+    """Completions per second between the first and the last completion. It counts each
+    request's decode, so one long answer late in a lightly loaded run puts it below the
+    offered rate: whether the system keeps up is :attr:`keep_up`."""
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p90_s: float
@@ -986,6 +990,13 @@ class PolicyResult:
     reasons (``"long"``, ``"short"``, ``"link-saturated"``...), by reason."""
     finish_order: tuple[int, ...] = ()
     """Trace indices in order of completion (each exactly once)."""
+    keep_up: float = math.nan
+    """First tokens per arrival: the rate at which requests got their first token over the
+    rate at which they arrived, each a least-squares fit over the whole run (the slope of
+    the ``k``-th arrival time and of the ``k``-th first-token time against ``k``), so a
+    long decode, one late first token or a burst that queues and drains does not decide
+    it. 1: the system keeps up; below :data:`SATURATION_MARGIN`: saturated. NaN for fewer
+    than two requests or arrivals all at one instant."""
 
     @property
     def utilization(self) -> float:
@@ -994,12 +1005,15 @@ class PolicyResult:
 
     @property
     def saturated(self) -> bool | None:
-        """Fewer completions per second than :data:`SATURATION_MARGIN` of the offered rate:
-        the queues grow for as long as the arrivals last. ``None`` (n/a) when the arrivals
-        span less than :data:`MIN_ARRIVAL_WINDOW_S` (a burst: no rate to keep up with)."""
+        """First tokens at fewer than :data:`SATURATION_MARGIN` of the rate the requests
+        arrive (:attr:`keep_up`): the queues grow for as long as the arrivals last. Judged
+        on first tokens (the moment a request takes a decode slot, after every queue), not
+        on completions, whose decode tail says nothing about queueing. ``None`` (n/a) when
+        the arrivals span less than :data:`MIN_ARRIVAL_WINDOW_S` (a burst: no rate to keep
+        up with)."""
         if not self.arrival_window_s >= MIN_ARRIVAL_WINDOW_S or not math.isfinite(self.offered_rps):
             return None
-        return bool(self.throughput_rps < SATURATION_MARGIN * self.offered_rps)
+        return bool(self.keep_up < SATURATION_MARGIN)
 
     def as_json(self) -> dict[str, Any]:
         out: dict[str, float | int | str | bool | None] = {
@@ -1009,6 +1023,7 @@ class PolicyResult:
             "capacity_realized_rps": self.capacity_realized_rps,
             "utilization": self.utilization,
             "saturated": self.saturated,
+            "keep_up": self.keep_up,
             "ttft_mean_s": self.ttft_mean_s,
             "ttft_p50_s": self.ttft_p50_s,
             "ttft_p90_s": self.ttft_p90_s,
@@ -1131,6 +1146,29 @@ def _window_stats(runs: Sequence[EgressRun], nbins: int) -> tuple[float, float]:
     return mean, a + (b - a) * (h - lo)
 
 
+def keep_up_ratio(arrivals_s: Sequence[float], ttft_s: Sequence[float]) -> float:
+    """:attr:`PolicyResult.keep_up` of a run: the least-squares slope of the ``k``-th
+    arrival time against ``k`` over that of the ``k``-th first-token time (arrival plus
+    TTFT; a request that never got one counts as never), each sorted. Constant TTFT gives
+    1; queues that grow through the run give the service rate over the arrival rate.
+    NaN when the arrivals have no spread (fewer than two, or all at one instant)."""
+    if len(arrivals_s) < 2:
+        return math.nan
+    t0 = min(arrivals_s)
+    a = np.asarray(arrivals_s, dtype=np.float64) - t0
+    d = np.sort(a + np.nan_to_num(np.asarray(ttft_s, dtype=np.float64), nan=math.inf))
+    a.sort()
+    if not math.isfinite(d[-1]):
+        return 0.0
+    k = np.arange(a.size, dtype=np.float64)
+    k -= k.mean()
+    slope_a = float(np.dot(k, a - a.mean()))
+    slope_d = float(np.dot(k, d - d.mean()))
+    if not slope_a > 0:
+        return math.nan
+    return slope_a / slope_d if slope_d > 0 else math.inf
+
+
 def _summarize(state: SimState, n_p: float) -> PolicyResult:
     reqs = state.requests
     n = len(reqs)
@@ -1181,6 +1219,7 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
         retunes=state.adaptive.retunes if state.adaptive is not None else 0,
         decisions=tuple(sorted(Counter(x for x in state.reasons if x).items())),
         finish_order=tuple(state.finish_order),
+        keep_up=keep_up_ratio([r.arrival_s for r in reqs], state.ttft_s),
     )
 
 

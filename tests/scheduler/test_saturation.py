@@ -1,0 +1,99 @@
+"""``saturated`` says whether a policy keeps up with the arrivals: judged on first tokens,
+not on completions, whose decode tail says nothing about queueing."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.scheduler.link import LinkSchedule
+from kvwire.scheduler.model import ClusterConfig
+from kvwire.scheduler.profile import ModelProfile
+from kvwire.scheduler.simulator import (
+    PolicyName,
+    SimulationConfig,
+    simulate,
+)
+from kvwire.scheduler.workload import TraceRequest
+
+# 1 s of remote and 10 s of local prefill per 1000 tokens; 1000 bytes of KV per token.
+REMOTE = ModelProfile(name="r", tokens=(1000, 2000), kv_bytes=(1e6, 2e6), prefill_s=(1.0, 2.0))
+LOCAL = ModelProfile(name="l", tokens=(1000, 2000), kv_bytes=(1e6, 2e6), prefill_s=(10.0, 20.0))
+
+
+def config() -> SimulationConfig:
+    return SimulationConfig(
+        cluster=ClusterConfig(
+            remote_profile=REMOTE,
+            local_profile=LOCAL,
+            remote_instances=1,
+            local_instances=2,
+            decode_step_s=0.05,
+            decode_batch_max=64,
+        ),
+        link=LinkSchedule.constant(8e6),
+        rtt_s=0.0,
+        prefill_instances=1,
+    )
+
+
+def trace(gap_s: float, inputs: int, outputs: list[int]) -> list[TraceRequest]:
+    return [
+        TraceRequest(arrival_s=i * gap_s, input_length=inputs, output_length=out, hash_ids=(i,))
+        for i, out in enumerate(outputs)
+    ]
+
+
+def test_one_long_answer_mid_trace_is_not_saturation() -> None:
+    # 100 requests 1 s apart, each prefilled in 0.5 s on an idle local server; request 50
+    # answers 2000 tokens (100 s of decode), the rest 10. Nothing ever queues, but the
+    # last completion is that long answer's, 50 s after the last arrival: completions per
+    # second (throughput_rps) are 0.66 of the offered rate, which was flagged saturated.
+    outputs = [2000 if i == 50 else 10 for i in range(100)]
+    r = simulate(trace(1.0, 50, outputs), config(), PolicyName.LOCAL)
+    assert r.offered_rps == pytest.approx(1.0)
+    assert max(r.ttft_p99_s, r.ttft_p50_s) < 1.0  # no queueing
+    # throughput_rps keeps its definition: completions between the first and the last one.
+    assert r.throughput_rps == pytest.approx(99 / (50.5 + 100.0 - 0.5 - 0.5))
+    assert r.saturated is False
+    assert r.as_json()["saturated"] is False
+    assert r.keep_up == pytest.approx(1.0)
+    assert r.as_json()["keep_up"] == pytest.approx(1.0)
+
+
+def test_queues_that_grow_are_saturation() -> None:
+    # 10 s of local prefill per request, one arriving every 2 s: first tokens come at a
+    # fifth of the arrival rate.
+    r = simulate(trace(2.0, 1000, [1] * 40), config(), PolicyName.LOCAL)
+    assert r.keep_up == pytest.approx(0.2, rel=0.01)
+    assert r.saturated is True
+
+
+@settings(max_examples=25, deadline=None)
+@given(outputs=st.lists(st.integers(min_value=0, max_value=4000), min_size=2, max_size=30))
+def test_an_idle_system_is_never_saturated_whatever_its_output_lengths(outputs: list[int]) -> None:
+    # Arrivals 5 s apart, 1 s of prefill each, decode slots to spare: whatever the output
+    # lengths (up to 200 s of decode), nothing waits, so nothing is saturated.
+    r = simulate(trace(5.0, 100, outputs), config(), PolicyName.LOCAL)
+    assert r.ttft_p99_s == pytest.approx(1.0)
+    assert r.saturated is False
+    assert r.keep_up == pytest.approx(1.0)
+
+
+def test_keep_up_ratio() -> None:
+    from kvwire.scheduler.simulator import keep_up_ratio
+
+    arrivals = [float(i) for i in range(10)]
+    assert keep_up_ratio(arrivals, [3.0] * 10) == pytest.approx(1.0)
+    # One late first token of 100 changes the fit a little, not the verdict.
+    assert keep_up_ratio([float(i) for i in range(100)], [0.1] * 99 + [5.0]) > 0.99
+    # A single server of 2 s per request: the k-th first token at 2 (k + 1).
+    assert keep_up_ratio(arrivals, [2.0 * (k + 1) - k for k in range(10)]) == pytest.approx(0.5)
+    # On the clock of epoch seconds the same.
+    assert keep_up_ratio([1.7e9 + t for t in arrivals], [3.0] * 10) == pytest.approx(1.0)
+    assert keep_up_ratio(arrivals, [0.0] * 9 + [math.nan]) == 0.0  # one never got a token
+    assert math.isnan(keep_up_ratio([1.0], [0.0]))
+    assert math.isnan(keep_up_ratio([1.0, 1.0], [0.0, 0.0]))
