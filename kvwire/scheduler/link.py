@@ -21,7 +21,9 @@ MAX_RATE_BPS = 1e15
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkSchedule:
     """Rate ``rates_bps[i]`` from ``starts_s[i]`` until the next start (the last one holds
-    forever). A zero rate models an outage; the last rate must be positive so every queued
+    forever, and the first one, from 0, holds before 0 too: a trace whose arrival times
+    lie below 0 sees the first rate there, in :meth:`rate_at`, :meth:`bytes_between`,
+    :meth:`mean_rate_between` and :meth:`finish_time` alike). A zero rate models an outage; the last rate must be positive so every queued
     transfer eventually finishes. A rate other than 0 lies between :data:`MIN_RATE_BPS`
     and :data:`MAX_RATE_BPS`."""
 
@@ -69,8 +71,11 @@ class LinkSchedule:
         return 8.0 * self.bytes_between(t0, t1) / (t1 - t0)
 
     def bytes_between(self, t0: float, t1: float) -> float:
+        """Bytes the link carries at full rate over ``[t0, t1]`` (0 when ``t1 <= t0``)."""
         total = 0.0
         for i, (s, r) in enumerate(zip(self.starts_s, self.rates_bps, strict=True)):
+            if i == 0:
+                s = -math.inf  # the first rate holds before 0 too, as in rate_at
             e = self.starts_s[i + 1] if i + 1 < len(self.starts_s) else math.inf
             lo, hi = max(s, t0), min(e, t1)
             if hi > lo:

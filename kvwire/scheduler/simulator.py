@@ -349,8 +349,10 @@ class SimState:
     table: ThresholdTable | None = None
     adaptive: AdaptiveState | None = None
     next_control_s: float = 0.0
+    """When ``adaptive``'s next control step is due (the first: at the first arrival)."""
     last_control_s: float = 0.0
-    """When ``adaptive``'s estimate was last updated (its starting value: at time 0)."""
+    """When ``adaptive``'s estimate was last updated (its starting value: at the first
+    arrival, whatever the trace's clock)."""
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     # resources
     prefill_instances: float = 0.0
@@ -360,7 +362,8 @@ class SimState:
     remote_free: int = 0
     slots_free: int = 0
     link_busy: bool = False
-    link_busy_until: float = 0.0
+    link_busy_until: float = -math.inf
+    """When the transfer on the link ends (-infinity: none yet, whatever the clock)."""
     link_rate_bps: float = 0.0
     local_queued_s: float = 0.0
     """Estimated prefill seconds waiting in the local queue (for ``adaptive``)."""
@@ -416,7 +419,8 @@ def new_state(
     seed: int = 0,
     plan_lengths: LengthDistribution | None = None,
 ) -> SimState:
-    """An idle system at time 0: empty queues and caches, every server free. The plan
+    """An idle system (empty queues and caches, every server free) at the first arrival,
+    whatever the trace's clock: arrival times may lie below 0. The plan
     :func:`planned_egress` reads is the model's for these requests (``plan_lengths``: their
     incremental lengths when already computed)."""
     cl = config.cluster
@@ -449,6 +453,11 @@ def new_state(
         reasons=[""] * n,
     )
     if requests:
+        # The controller starts with the arrivals, not at time 0: arrival times may lie
+        # below 0, and a controller waiting for 0 would not step before then.
+        state.now = state.next_control_s = state.last_control_s = min(
+            r.arrival_s for r in requests
+        )
         state.plan_lengths = (
             plan_lengths if plan_lengths is not None else LengthDistribution.from_trace(requests)
         )
