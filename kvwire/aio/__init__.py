@@ -84,7 +84,9 @@ def connect(
     whichever of its addresses was reached); ``server_hostname`` without ``ssl`` is a
     UsageError, as are a ``host`` or ``server_hostname`` that is not a str and an ``ssl``
     that is not a client's :class:`ssl.SSLContext` (``True``, a file name, one made for
-    servers: ``PROTOCOL_TLS_SERVER``).  Use as ``async with``.
+    servers: ``PROTOCOL_TLS_SERVER``).  Use as ``async with`` (or ``await peer.close()``):
+    a peer dropped unclosed has its connections aborted, nothing more sent, with a
+    ResourceWarning once it is garbage-collected (a ``send()`` under way keeps it alive).
     """
     if not isinstance(host, str):
         raise UsageError(f"host must be a str (a name or an address), not {type(host).__name__}")

@@ -10,7 +10,7 @@ import os
 import platform
 import socket
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from kvwire._extensions import load_extension
@@ -124,7 +124,10 @@ class Owner(Protocol):
 class Stream(asyncio.BufferedProtocol):
     """One TCP connection, ``key`` in its core (a client's stream slot, a server's
     connection id): bytes read go straight into the core's frame buffer, what the core
-    has to send is written by :meth:`flush`."""
+    has to send is written by :meth:`flush`.  The loop holds it (through its transport)
+    as long as the connection is open, and so whatever its ``owner`` holds: a client's
+    owner is a stand-in that holds its Peer weakly (``kvwire.aio.client.PeerLink``), so
+    a Peer dropped unclosed is collected."""
 
     def __init__(self, owner: Owner, key: int) -> None:
         self.owner, self.key = owner, key
@@ -641,7 +644,12 @@ class Pump:
             if self._timer is not None:
                 self._timer.cancel()
             self._timer_at = when
-            self._timer = None if when is None else asyncio.get_running_loop().call_at(when, self._fire)
+            self._timer = None if when is None else asyncio.get_running_loop().call_at(when, self.timer_callback())
+
+    def timer_callback(self) -> Callable[[], None]:
+        """What the loop's timer calls (:meth:`_fire`): a pump the loop must not keep
+        alive through its timer returns something that holds it weakly."""
+        return self._fire
 
     def _fire(self) -> None:
         self._timer = self._timer_at = None

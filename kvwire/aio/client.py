@@ -18,6 +18,8 @@ import os
 import socket
 import ssl as _ssl
 import time
+import warnings
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -288,10 +290,122 @@ class _TransportMeter:
             self._by_codec.clear()
 
 
+class PeerLink:
+    """What the event loop holds of a :class:`Peer`, through its streams (each stream's
+    ``owner``), its timer and its stream controller: its core, its streams and whether it
+    is closed, and the Peer itself only weakly, strongly only while a ``send()`` runs.  So
+    a Peer the application drops unclosed is garbage-collected (:func:`_abort_dropped`
+    aborts its connections then), and one sending is not.  What a stream asks on every
+    read (its core, whether it is current, the clock) needs no Peer; what it asks once a
+    frame is in (a pump) reaches the Peer, and nothing once it is gone."""
+
+    __slots__ = ("_peer", "closed", "core", "kept", "notsent_lowat", "retired", "sending", "streams")
+
+    now = staticmethod(Pump.now)
+
+    def __init__(self, peer: Peer, core: SenderCore, notsent_lowat: int | None) -> None:
+        self.core, self.notsent_lowat = core, notsent_lowat
+        self.streams: list[Stream] = []  # the Peer's own lists (Peer.streams, Peer._retired)
+        self.retired: list[Stream] = []
+        self.closed = False  # the Peer's (Peer.closed)
+        self.kept: Peer | None = None  # the Peer, while sends run
+        self.sending = 0
+        self._peer = weakref.ref(peer)
+
+    def is_current(self, stream: Stream) -> bool:
+        return self.streams[stream.key] is stream and not self.closed
+
+    def pump(self) -> None:
+        if (peer := self._peer()) is not None:
+            peer.pump()
+
+    def stream_made(self, stream: Stream) -> bool:
+        peer = self._peer()
+        return peer is not None and peer.stream_made(stream)
+
+    def stream_lost(self, stream: Stream) -> None:
+        if (peer := self._peer()) is not None:
+            peer.stream_lost(stream)
+
+    def set_writable(self, stream: Stream, writable: bool) -> None:
+        if (peer := self._peer()) is not None:
+            peer.set_writable(stream, writable)
+
+    def fire(self) -> None:
+        """The Peer's timer."""
+        if (peer := self._peer()) is not None:
+            peer._fire()
+
+    def hold(self, peer: Peer) -> None:
+        """A send() begins: the Peer is kept alive until it ends (:meth:`release`), by
+        the loop that holds its streams, however its caller holds the send's task."""
+        self.sending += 1
+        self.kept = peer
+
+    def release(self) -> None:
+        self.sending -= 1
+        if not self.sending:
+            self.kept = None
+
+
+def _abort_dropped(link: PeerLink, loop: asyncio.AbstractEventLoop, pid: int, what: str) -> None:
+    """A Peer's finalizer: garbage-collected unclosed (``what`` names it), its streams feed
+    its core no more and their connections are aborted on its loop, nothing more sent (from
+    whatever thread the collection ran in; where the loop is closed already, at once, as
+    far as a closed loop lets them), and a ResourceWarning says so, as an unclosed
+    socket's does.  Nothing in a child made by ``fork()`` (process ``pid`` runs the loop)."""
+    if os.getpid() != pid:
+        return
+    link.closed = True  # (its streams read into scratch from now on)
+    streams = [s for s in (*link.streams, *link.retired) if s.transport is not None]
+    if streams:
+        try:
+            loop.call_soon_threadsafe(_abort_streams, streams)
+        except RuntimeError:  # the loop is closed
+            _abort_streams(streams)
+    warnings.warn(f"unclosed {what}: its connections are aborted now, as it is garbage-collected; "
+                  "use `async with kvwire.connect(...)` or await its close()",
+                  ResourceWarning, stacklevel=1)  # (run by a collector: no caller to name)
+
+
+def _abort_streams(streams: Sequence[Stream]) -> None:
+    for s in streams:
+        try:
+            s.abort()
+        except Exception:  # (a transport of a closed loop: it closes as it is collected)
+            _log.debug("aborting a dropped peer's stream failed", exc_info=True)
+
+
+async def _control_streams(ref: weakref.ref[Peer]) -> None:
+    """A Peer's stream controller (``streams="auto"``): every period, one sample per
+    stream in use, then grow or shrink.  Holds the Peer only while it samples: a Peer
+    dropped unclosed is collected, and this ends."""
+    sampler = StreamSampler()
+    period = 0.25
+    peer = ref()
+    if peer is None:
+        return
+    ctl = peer.stream_controller
+    assert ctl is not None
+    sampler.sample(peer._stream_readings(), peer._streams_in_use(ctl.streams), clock())  # the baselines
+    while not peer.closed:
+        peer = None
+        await asyncio.sleep(period)
+        if (peer := ref()) is None:
+            return
+        peer._control_period(ctl, sampler)
+
+
 class Peer(Pump):
-    """A client session of one or more TCP streams to one server; see :func:`kvwire.connect`."""
+    """A client session of one or more TCP streams to one server; see :func:`kvwire.connect`.
+
+    Garbage-collected unclosed (dropped without ``async with`` or :meth:`close`), its
+    connections are aborted (nothing more is sent) with a ResourceWarning, as an unclosed
+    socket is; a ``send()`` under way keeps it alive."""
 
     core: SenderCore
+    #: Aborts its connections once it is garbage-collected unclosed (see open()).
+    _finalizer: weakref.finalize[Any, Any] | None = None
 
     def __init__(
         self, host: str, port: int, *, secret: bytes, streams: int | str, codec: str,
@@ -309,6 +423,7 @@ class Peer(Pump):
             streams = options.max_streams
             self.stream_controller = StreamController(max_streams=streams)
         self.core = SenderCore(options.sender_config(secret=secret, streams=streams))
+        self._link = PeerLink(self, self.core, options.notsent_lowat)
         if codec != AUTO:
             get_codec(codec)  # unknown names fail here, before any connection
         host = server_host(host)
@@ -319,13 +434,12 @@ class Peer(Pump):
         # resume of the session connects to it, not to whatever ``host`` resolves to then
         # (another server behind the same name does not know the session).
         self._reached: AddrInfo | None = None
-        self.notsent_lowat = options.notsent_lowat
         if self.stream_controller is not None:
             self.core.active_streams = self.stream_controller.streams
-        self.streams: list[Stream] = []
+        self.streams: list[Stream] = self._link.streams
         # Streams a reconnect replaced whose sockets are still open (a GOAWAY being
         # written): their send queues may still hold the caller's buffers.
-        self._retired: list[Stream] = []
+        self._retired: list[Stream] = self._link.retired
         self.sends: dict[int, SendState] = {}
         self.changed = asyncio.Event()
         self.estimator = DeliveryRateEstimator(goodput_window=GOODPUT_WINDOW)
@@ -353,6 +467,25 @@ class Peer(Pump):
         self._resumes_logged = 0
         # The one close every close() waits for (shielded: a caller cancelled does not stop it).
         self._closing: asyncio.Task[None] | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self._link.closed
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._link.closed = value
+
+    @property
+    def notsent_lowat(self) -> int | None:
+        return self._link.notsent_lowat
+
+    @notsent_lowat.setter
+    def notsent_lowat(self, value: int | None) -> None:
+        self._link.notsent_lowat = value
+
+    def timer_callback(self) -> Callable[[], None]:
+        return self._link.fire  # (not the Peer's own method: the loop does not keep it alive)
 
     @property
     def session_id(self) -> bytes:
@@ -589,8 +722,8 @@ class Peer(Pump):
 
     async def _connect(self, index: int) -> None:
         """Open slot ``index``'s TCP (and TLS) connection; the handshake is the core's."""
-        proto = Stream(self, index)
-        self._retired = [s for s in (*self._retired, *self.streams[index:index + 1]) if s.transport is not None]
+        proto = Stream(self._link, index)
+        self._retired[:] = [s for s in (*self._retired, *self.streams[index:index + 1]) if s.transport is not None]
         self.streams[index:index + 1] = [proto]
         opts, loop = self.options, asyncio.get_running_loop()
         try:
@@ -682,6 +815,10 @@ class Peer(Pump):
         slot is open or given up, or when the time is up (a slot still joining then joins
         later, as a reconnect would)."""
         self._opening = True
+        if self._finalizer is None:
+            self._finalizer = weakref.finalize(self, _abort_dropped, self._link, asyncio.get_running_loop(),
+                                               os.getpid(), f"kvwire Peer to {address((self.host, self.port))}")
+            self._finalizer.atexit = False
         try:
             self.pump()
             await self._until(lambda: self._session_made, lambda: self._open_error)
@@ -800,7 +937,11 @@ class Peer(Pump):
         if not self._opened:
             raise UsageError("the peer is not connected: use `async with kvwire.connect(...) as peer`")
         self._use_codec(codec_name)
-        return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)
+        self._link.hold(self)  # (a Peer dropped while it sends is kept until the send ends)
+        try:
+            return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)
+        finally:
+            self._link.release()
 
     def _send_arguments(
         self, *, codec: str | None = None, timeout: float | None = None, deadline: float | None = None,
@@ -912,36 +1053,32 @@ class Peer(Pump):
             self.pump()  # transfers fail, every stream writes its GOAWAY and closes
         await self.teardown([*self.streams, *(s for s in self._retired if s.transport is not None)], linger)
         self._retired.clear()
+        if self._finalizer is not None:
+            self._finalizer.detach()  # (closed: nothing for it to do)
 
     async def __aenter__(self) -> Peer:
         await self.open()
         if self.stream_controller is not None:
-            self.spawn(self._control_streams())
+            self.spawn(_control_streams(weakref.ref(self)))
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         await self.close()
 
-    async def _control_streams(self) -> None:
-        """Every controller period: one sample per stream in use, then grow or shrink."""
-        ctl = self.stream_controller
-        assert ctl is not None
-        sampler = StreamSampler()
-        period = 0.25
-        sampler.sample(self._stream_readings(), self._streams_in_use(ctl.streams), clock())  # the baselines
-        while not self.closed:
-            await asyncio.sleep(period)
-            now = clock()
-            samples = sampler.sample(self._stream_readings(), self._streams_in_use(ctl.streams), now)
-            core = self.core
-            idle = not core.transfers or (core.queued_bytes() == 0 and self.estimator.bytes_in_flight == 0)
-            ctl.evaluate(samples, now, app_limited=idle)
-            if core.active_streams != ctl.streams:
-                core.active_streams = ctl.streams
-                self.inflight.set_streams(ctl.streams)
-                sampler.use(self._streams_in_use(ctl.streams))
-                core.pump()
-                self.pump()
+    def _control_period(self, ctl: StreamController, sampler: StreamSampler) -> None:
+        """One controller period (:func:`_control_streams`): one sample per stream in use,
+        then grow or shrink."""
+        now = clock()
+        samples = sampler.sample(self._stream_readings(), self._streams_in_use(ctl.streams), now)
+        core = self.core
+        idle = not core.transfers or (core.queued_bytes() == 0 and self.estimator.bytes_in_flight == 0)
+        ctl.evaluate(samples, now, app_limited=idle)
+        if core.active_streams != ctl.streams:
+            core.active_streams = ctl.streams
+            self.inflight.set_streams(ctl.streams)
+            sampler.use(self._streams_in_use(ctl.streams))
+            core.pump()
+            self.pump()
 
     def _streams_in_use(self, count: int) -> list[int]:
         # The streams chunks go on: the first ``count`` open ones (SenderCore._best_stream).

@@ -1,0 +1,136 @@
+"""An async Peer the application drops unclosed is garbage-collected: its connections are
+aborted (the server sees its session's connections close) and a ResourceWarning names it,
+as an unclosed socket's does.  A closed peer warns of nothing; one with a send() under way
+is not collected."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import warnings
+import weakref
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.aio.client import Peer
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"peer-dropped-secret"
+#: How long the server may take to see a dropped peer's connections close (a bound, not a
+#: measure: the aborts are scheduled on the loop as the peer is collected).
+DEADLINE = 10.0
+
+
+async def _connections_gone(server: kvwire.Server) -> dict[str, int]:
+    """The server's statistics once it holds no connection (or at the deadline)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + DEADLINE
+    while True:
+        stats = server.statistics()
+        if stats["connections"] == 0 or loop.time() >= end:
+            return stats
+        await asyncio.sleep(0.02)
+
+
+async def _open_dropped(port: int, streams: int | str) -> weakref.ref[Peer]:
+    peer = kvwire.connect("127.0.0.1", port, secret=SECRET, streams=streams)
+    await peer.__aenter__()  # (no `async with`, no close(): the application forgets it)
+    return weakref.ref(peer)
+
+
+@pytest.mark.parametrize("streams", [4, "auto"])
+async def test_a_dropped_peer_is_collected_aborted_and_warned_about(streams: int | str) -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        with pytest.warns(ResourceWarning, match=rf"unclosed kvwire Peer to 127\.0\.0\.1:{server.port}"):
+            ref = await _open_dropped(server.port, streams)
+            assert server.statistics()["connections"] >= 1
+            gc.collect()
+            assert ref() is None
+        stats = await _connections_gone(server)
+        assert stats["connections"] == 0
+
+
+async def test_a_closed_peer_warns_of_nothing() -> None:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            peer = kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2)
+            await peer.__aenter__()
+            await peer.close()
+            ref = weakref.ref(peer)
+            del peer
+            gc.collect()
+            assert ref() is None
+            async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2) as peer:
+                ref = weakref.ref(peer)
+            del peer
+            gc.collect()
+            assert ref() is None
+
+
+async def test_a_peer_with_a_send_under_way_is_not_collected() -> None:
+    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16")
+    layer = np.ones((16, 2, 64), np.float16)
+    release = asyncio.Event()
+
+    async def layers():  # type: ignore[no-untyped-def]
+        yield layer, layer
+        await release.wait()  # the send waits here, its peer otherwise dropped
+        yield layer, layer
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        peer = kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2)
+        await peer.__aenter__()
+        ref = weakref.ref(peer)
+        sending = asyncio.ensure_future(peer.send("r1", spec, layers()))
+        del peer
+        await asyncio.sleep(0.05)
+        gc.collect()
+        assert ref() is not None
+        with pytest.warns(ResourceWarning, match="unclosed kvwire Peer"):
+            release.set()
+            receipt = await asyncio.wait_for(sending, 30)  # (its end lets the peer go)
+            del sending
+            gc.collect()
+            assert ref() is None
+        assert receipt.request_id == "r1"
+        stats = await _connections_gone(server)
+        assert stats["connections"] == 0
+
+
+async def test_a_dropped_peer_whose_dropped_send_waits_on_the_server_is_not_collected() -> None:
+    """Nobody holds the peer nor its send's task (which waits on the peer for the server's
+    acknowledgements): the send still goes on to its end, and then the peer is collected."""
+    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16")
+    layer = np.ones((4096, 8, 128), np.float16)  # 32 MiB in all: more than the sockets buffer
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        peer = kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2)
+        await peer.__aenter__()
+        for s in server._by_cid.values():  # the server reads nothing for now
+            assert s.transport is not None
+            s.transport.pause_reading()
+        ref = weakref.ref(peer)
+        task = weakref.ref(asyncio.ensure_future(peer.send("r1", spec, [(layer, layer)] * 4)))
+        del peer
+        await asyncio.sleep(0.1)  # the send waits for acknowledgements
+        gc.collect()
+        assert ref() is not None and task() is not None
+        sending = task()
+        assert sending is not None and not sending.done()
+        del sending
+        with pytest.warns(ResourceWarning, match="unclosed kvwire Peer"):
+            for s in server._by_cid.values():
+                if s.transport is not None:
+                    s.transport.resume_reading()
+            sending = task()
+            assert sending is not None
+            receipt = await asyncio.wait_for(sending, 30)
+            del sending
+            gc.collect()
+            assert ref() is None
+        assert receipt.request_id == "r1"
+        stats = await _connections_gone(server)
+        assert stats["connections"] == 0
