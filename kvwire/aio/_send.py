@@ -206,7 +206,7 @@ async def send(
     producer = iterate_layers(layers) if sync is None else None
     started = clock()
     if not peer.sends:
-        peer.transport_meter.start()
+        peer.transport_meter.resume()
         if peer.chooser is not None:
             peer.chooser.observe_idle()  # the peer was idle (or its last transfer failed)
     tid = core.begin(request_id, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
@@ -281,6 +281,8 @@ async def send(
         raise
     finally:
         peer.sends.pop(tid, None)
+        if not peer.sends:
+            peer.transport_meter.pause()
     done = st.done
     assert done is not None
     snap = peer.estimator.snapshot()

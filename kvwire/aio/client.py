@@ -257,21 +257,42 @@ class _TransportMeter:
     encoders run on workers).  A measurement whose bytes were nearly all one codec's
     (``CODEC_SHARE``) is that codec's too, with the share of its time the thread was
     runnable (:func:`runnable_ns`: near 1 when the CPU, not the path, held the sender
-    back).  Restarted when a send begins on an idle peer, so time the application spent
-    on the loop between transfers is not counted.  The peer's first measurement is not
-    fed: it counts the first use of every code path (over loopback 0.74 ns a byte against
-    0.25 after it, and raw, measured first, looked CPU-bound)."""
+    back).  Paused while the peer is idle (from the end of its last send to the start of
+    the next), so time the application spent on the loop between transfers is not
+    counted, while a measurement runs on across transfers: sends of a few MiB one after
+    another each carry less than one (with a restart at every send, ``auto`` never
+    measured raw and kept it on a link where int4 delivered twice its goodput).  The
+    peer's first measurement is not fed: it counts the first use of every code path
+    (over loopback 0.74 ns a byte against 0.25 after it, and raw, measured first, looked
+    CPU-bound)."""
 
     def __init__(self) -> None:
         self._warm = False
-        self.start()
-
-    def start(self) -> None:
         self._bytes = 0
         self._by_codec: dict[str, int] = {}
-        self._cpu = time.thread_time()
-        self._wall = clock()
-        self._runnable = runnable_ns()
+        self._cpu, self._wall, self._runnable = time.thread_time(), clock(), runnable_ns()
+        # (thread CPU, wall clock, runnable ns) when the peer went idle; None while busy.
+        self._paused: tuple[float, float, int | None] | None = (self._cpu, self._wall, self._runnable)
+
+    def pause(self) -> None:
+        """The peer went idle: what the loop's thread does until :meth:`resume` is not
+        counted."""
+        if self._paused is None:
+            self._paused = (time.thread_time(), clock(), runnable_ns())
+
+    def resume(self) -> None:
+        """A send begins on an idle peer: the measurement goes on, the idle time left out."""
+        if (paused := self._paused) is None:
+            return
+        self._paused = None
+        cpu, wall, runnable = paused
+        self._cpu += time.thread_time() - cpu
+        self._wall += clock() - wall
+        now_runnable = runnable_ns()
+        if self._runnable is not None and runnable is not None and now_runnable is not None:
+            self._runnable += now_runnable - runnable
+        else:
+            self._runnable = None  # (this measurement gives no runnable share)
 
     def delivered(self, wire_bytes: int, chooser: CodecChooser, codec: str) -> None:
         self._bytes += wire_bytes

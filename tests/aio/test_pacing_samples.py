@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import kvwire
 from kvwire.aio import _encode
 from kvwire.aio._send import SendState, until
 from kvwire.aio.client import ClientOptions, Peer
@@ -19,7 +20,7 @@ from kvwire.codec import TensorKind, get_codec
 from kvwire.codec.base import EncodedChunk
 from kvwire.session.sender import ChunkSent
 from kvwire.wire import ChunkAddress
-from tests.conftest import SECRET
+from tests.conftest import SECRET, make_layers
 
 
 def _peer() -> Peer:
@@ -236,8 +237,8 @@ class _TransportChooser:
 async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -> None:
     """Every 32 MiB acknowledged, the event loop thread's CPU time since the last
     measurement (framing, checksums, the kernel's copy) per wire byte, the peer's first
-    measurement left out (warm-up); a send beginning on an idle peer restarts the count,
-    so the application's own time between transfers on the loop is not the transport's."""
+    measurement left out (warm-up); the count pauses while the peer is idle, so the
+    application's own time between transfers on the loop is not the transport's."""
     from kvwire.aio import client as client_mod
     from kvwire.session.sender import ChunkDelivered
 
@@ -248,7 +249,7 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
     peer = _peer()
     chooser = _TransportChooser()
     peer.chooser = chooser  # type: ignore[assignment]
-    peer.transport_meter.start()
+    peer.transport_meter.resume()  # what send() does on an idle peer
 
     def delivered(i: int, size: int) -> None:
         peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=0, kind=0, token_start=i),
@@ -270,13 +271,16 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
     delivered(7, 4 << 20)
     assert chooser.seen == [(32 << 20, pytest.approx(0.008))]
     assert chooser.runnable == [pytest.approx(0.95)]
+    peer.transport_meter.pause()  # the last send ended
     cpu[0] += 5.0  # the application's work between transfers
-    peer.transport_meter.start()  # what send() does on an idle peer
+    wall[0] += 10.0
+    runnable[0] += 5 * 10**9
+    peer.transport_meter.resume()  # a send begins on the idle peer
     for i in range(8):
         cpu[0] += 0.002
         delivered(8 + i, 4 << 20)
     assert chooser.seen[1] == (32 << 20, pytest.approx(0.016))
-    assert chooser.runnable[1] is None  # the clock did not move: no share to tell
+    assert chooser.runnable[1] is None  # the clock did not move while busy: no share to tell
     assert chooser.codecs == ["raw", "raw"]  # every byte raw's: raw's own measurement too
     # a measurement is a codec's only if nearly all its bytes were (75%)
     for i, codec_id in enumerate([0] * 6 + [get_codec("int8").codec_id] * 2):
@@ -286,6 +290,63 @@ async def test_the_loop_threads_cpu_per_wire_byte_feeds_auto(monkeypatch: Any) -
         peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=1, layer=2, kind=0, token_start=i),
                                       stream=0, wire_size=4 << 20, kv_bytes=4 << 20, codec_id=codec_id))
     assert chooser.codecs[2:] == ["raw", None]
+
+
+async def test_a_measurement_runs_on_across_small_sends(monkeypatch: Any) -> None:
+    """Sends smaller than a measurement, one after another: their bytes add up to one,
+    the idle time between them left out.  (A restart at every send never completed a
+    measurement of 32 MiB with sends of 16 MiB, and ``auto`` kept raw, never measured,
+    on a link where int4 delivered twice raw's goodput.)"""
+    from kvwire.aio import client as client_mod
+    from kvwire.session.sender import ChunkDelivered
+
+    cpu, wall = [50.0], [1000.0]
+    monkeypatch.setattr(client_mod.time, "thread_time", lambda: cpu[0])
+    monkeypatch.setattr(client_mod, "clock", lambda: wall[0])
+    monkeypatch.setattr(client_mod, "runnable_ns", lambda: None)
+    peer = _peer()
+    chooser = _TransportChooser()
+    peer.chooser = chooser  # type: ignore[assignment]
+    meter = peer.transport_meter
+    token = iter(range(10**6))
+    for send in range(4):  # four sends of 16 MiB: the first 32 MiB warm up, the next are measured
+        meter.resume()
+        for _ in range(4):
+            cpu[0] += 0.002
+            wall[0] += 0.004
+            peer._on_event(ChunkDelivered(address=ChunkAddress(transfer_id=send + 1, layer=0, kind=0,
+                                                               token_start=next(token)),
+                                          stream=0, wire_size=4 << 20, kv_bytes=4 << 20, codec_id=0))
+        meter.pause()
+        cpu[0] += 3.0  # the application's work between sends
+        wall[0] += 7.0
+    assert chooser.seen == [(32 << 20, pytest.approx(0.016))]
+    assert chooser.codecs == ["raw"]
+
+
+async def test_auto_measures_raw_over_sends_of_a_few_mib() -> None:
+    """Over a real connection: sequential sends of 8 MiB each with ``codec="auto"`` get
+    raw's transport cost measured (before, each send restarted the count and no
+    measurement of 32 MiB ever completed, so ``auto`` held raw as unmeasured for good)."""
+    spec = kvwire.KVSpec(num_layers=4, num_kv_heads=8, head_dim=128)
+    layers = make_layers(4, 1024, 8, 128)  # 4 layers x K, V x 1024 x 8 x 128 x 2 B = 8 MiB
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async def take() -> None:
+            while True:
+                async for _ in await server.accept():
+                    pass
+
+        taker = asyncio.create_task(take())
+        try:
+            async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto") as peer:
+                assert peer.chooser is not None
+                for i in range(12):  # 96 MiB of raw: the first 32 MiB warm up, then two measurements
+                    await peer.send(f"r{i}", spec, layers, timeout=60)
+                assert peer.chooser.transport_cost_of("raw") is not None
+                assert peer.chooser._free_measured()
+        finally:
+            taker.cancel()
+            await asyncio.gather(taker, return_exceptions=True)
 
 
 def test_runnable_ns_counts_the_threads_time_on_a_cpu() -> None:
