@@ -370,8 +370,12 @@ class SimState:
     remote_queued_s: float = 0.0
     link_queued_bytes: float = 0.0
     """Estimated bytes waiting for the link."""
-    offloaded: deque[tuple[float, float]] = field(default_factory=deque)
-    """``(time, estimated KV bytes)`` of the offloads of the last ``egress_window_s``."""
+    offloaded: deque[tuple[float, int]] = field(default_factory=deque)
+    """``(time, estimated KV bytes)`` of the offloads of the last ``egress_window_s``
+    (whole bytes, so that their running sum is exact)."""
+    offloaded_bytes: int = 0
+    """The bytes of ``offloaded``, kept as offloads join and leave it: the egress demand
+    costs the same whatever the window holds."""
     local_pending: dict[int, int] = field(default_factory=dict)
     """Blocks of the prefills queued or running locally (block -> count)."""
     remote_pending: dict[int, int] = field(default_factory=dict)
@@ -514,8 +518,22 @@ def egress_demand(state: SimState) -> float:
     window = state.config.egress_window_s
     if window <= 0:
         return 0.0
-    since = state.now - window
-    return 8.0 * sum(b for t, b in state.offloaded if t > since) / window
+    _expire_offloads(state)
+    return 8.0 * state.offloaded_bytes / window
+
+
+def _expire_offloads(state: SimState) -> None:
+    """Drop the offloads placed ``egress_window_s`` or more before ``now``."""
+    since = state.now - state.config.egress_window_s
+    while state.offloaded and state.offloaded[0][0] <= since:
+        state.offloaded_bytes -= state.offloaded.popleft()[1]
+
+
+def _record_offload(state: SimState, nbytes: float) -> None:
+    """An offload placed now, of ``nbytes`` estimated KV (rounded to whole bytes)."""
+    b = round(nbytes)
+    state.offloaded.append((state.now, b))
+    state.offloaded_bytes += b
 
 
 def planned_egress(state: SimState, threshold_tokens: float) -> tuple[float, float] | None:
@@ -628,8 +646,7 @@ def _place(state: SimState, i: int) -> bool:
             state.next_control_s = state.now + state.config.control_interval_s
         threshold = state.adaptive.threshold_tokens
     state.thresholds_seen.append(threshold)
-    while state.offloaded and state.offloaded[0][0] <= state.now - state.config.egress_window_s:
-        state.offloaded.popleft()
+    _expire_offloads(state)
     # The scheduler sees what each cache holds now; the prefill looks again when it starts.
     local_hit = _planned_hit(state.local_cache, state.local_pending, r.hash_ids)
     remote_hit = _planned_hit(state.remote_cache, state.remote_pending, r.hash_ids)
@@ -653,7 +670,7 @@ def _place(state: SimState, i: int) -> bool:
     )
     state.reasons[i] = decision.reason
     if isinstance(decision, Offload):
-        state.offloaded.append((state.now, _ship_bytes(state, i)))
+        _record_offload(state, _ship_bytes(state, i))
         return True
     return False
 
