@@ -1005,6 +1005,13 @@ class Peer(Pump):
             if name in chooser.codecs and chooser.decode_speed(name) is not None:
                 chooser.observe_decode(name, 2 << 20, seconds * (1 << 20))
 
+    @property
+    def protocol_version(self) -> int | None:
+        """The wire protocol version the session agreed with the server (docs/protocol.md
+        5.4: the highest both speak, 2 between two peers of this release); ``None``
+        before the first stream opened."""
+        return self.core.version
+
     def statistics(self) -> dict[str, Any]:
         """A snapshot: the bandwidth/RTT estimate, bytes in flight, and per stream credit,
         bytes and (on Linux, direct paths) the kernel's TCP_INFO view.
@@ -1019,7 +1026,8 @@ class Peer(Pump):
         Both are ``None`` before the first such sample.  ``receiver`` is what the server's
         REPORTs say receiving costs it: ``transport_s_per_gb`` (its event loop's CPU
         seconds per GB of CHUNK frames, decodes left out) and ``decode_gbps`` (per codec,
-        the Gbit/s of fp16 its decode yields on the server)."""
+        the Gbit/s of fp16 its decode yields on the server).  ``protocol_version`` is
+        :attr:`protocol_version`."""
         snap = self.estimator.snapshot()
         wire_bps = snap.goodput_bps
         goodput_bps = wire_bps * self._acked_kv / self._acked_wire if wire_bps and self._acked_wire else None
@@ -1042,6 +1050,7 @@ class Peer(Pump):
             streams.append(entry)
         return {
             "session_id": self.session_id.hex(),
+            "protocol_version": self.core.version,
             "estimated_gbps": snap.bandwidth_bps / 1e9 if snap.bandwidth_bps else None,
             "goodput_gbps": goodput_bps / 1e9 if goodput_bps else None,
             "wire_gbps": wire_bps / 1e9 if wire_bps else None,

@@ -678,9 +678,12 @@ class Server(Pump):
         frame, ``idle_timeout``, a refusal, the peer closing without a GOAWAY).
         ``pending_arrivals`` counts the arrived transfers :meth:`accept` or :meth:`expect`
         would hand out, ``failed_arrivals`` those of them that failed before anyone
-        claimed them."""
+        claimed them.  ``sessions_by_version`` counts the open sessions by the wire
+        protocol version they agreed (``{2: 3}``: three sessions, all of version 2; a
+        client of an earlier kvwire speaks an earlier one, docs/protocol.md 5.4)."""
         return {
             "sessions": self.core.sessions,
+            "sessions_by_version": self.core.sessions_by_version,
             "connections": len(self._by_cid),
             "pending_arrivals": len(self.core.unclaimed()),
             "failed_arrivals": self.core.failed_unclaimed,

@@ -709,6 +709,15 @@ class ReceiverCore:
     def sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def sessions_by_version(self) -> dict[int, int]:
+        """The open sessions by the protocol version their streams speak (6.1)."""
+        counts: dict[int, int] = {}
+        for sess in self._sessions.values():
+            if sess.version is not None:
+                counts[sess.version] = counts.get(sess.version, 0) + 1
+        return counts
+
     # -- application ---------------------------------------------------------------------
 
     def next_event(self) -> ReceiverEvent | None:
