@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -87,6 +88,27 @@ def _real(text: str) -> float:
 #: quantiles of the input lengths (more points than distinct lengths add nothing).
 MAX_PLOT_POINTS = 1000
 
+#: Upper bounds of the options that enter the simulated times and the bandwidth estimate:
+#: far beyond any real system, so that no value makes a figure meaningless (a decode step
+#: of 10^300 s ran and printed throughputs of 10^-300 req/s), garbles the table (an RTT of
+#: 10^300 s) or overflows the estimate (a noise of 10^300, refused as ``bandwidth_bps``).
+MAX_DECODE_STEP_S = 60.0
+MAX_RTT_S = 3600.0
+MAX_BANDWIDTH_NOISE = 100.0
+
+
+def _at_most(parse: Callable[[str], float], maximum: float, shown: str, what: str) -> Callable[[str], float]:
+    """An ``argparse`` type: ``parse``, refusing values above ``maximum`` (``shown``)."""
+
+    def parse_bounded(text: str) -> float:
+        value = parse(text)
+        if value > maximum:
+            raise UsageError(f"{text!r} must be at most {shown}")
+        return value
+
+    return argument_type(parse_bounded, what)
+
+
 POSITIVE_INT = argument_type(whole_number, "int")
 NON_NEGATIVE_INT = argument_type(functools.partial(whole_number, minimum=0), "int")
 POSITIVE = argument_type(number, "number")
@@ -159,8 +181,9 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--gpus-per-instance", type=POSITIVE_INT, default=8,
                    help=f"GPUs of one local instance, for --split-granularity gpu (default 8; at most "
                         f"{MAX_GPUS_PER_INSTANCE}, and {MAX_SPLITS:,} local GPUs in all)")
-    s.add_argument("--decode-step", type=argument_type(parse_duration, "duration"),
-                   default=0.05, metavar="TIME", help="one decode step of a full batch (default 50ms)")
+    s.add_argument("--decode-step", type=_at_most(parse_duration, MAX_DECODE_STEP_S, "1 min", "duration"),
+                   default=0.05, metavar="TIME",
+                   help="one decode step of a full batch (default 50ms; at most 1 min)")
     s.add_argument("--decode-batch", type=POSITIVE_INT, default=64,
                    help="concurrent sequences per decode instance (default 64)")
     link = s.add_mutually_exclusive_group()
@@ -171,14 +194,16 @@ def add_parser(subparsers: Any) -> None:
                       metavar="SCHEDULE",
                       help="rate over time from the first arrival, e.g. 0s:10gbps,300s:1gbps,600s:10gbps "
                            "(replaces --link; rates as --link's)")
-    s.add_argument("--rtt", type=argument_type(parse_duration, "duration"), default=0.01,
-                   metavar="TIME", help="round-trip time between the clusters (default 10ms)")
+    s.add_argument("--rtt", type=_at_most(parse_duration, MAX_RTT_S, "1 h", "duration"), default=0.01,
+                   metavar="TIME", help="round-trip time between the clusters (default 10ms; at most 1 h)")
     s.add_argument("--cache-blocks", type=NON_NEGATIVE_INT, metavar="N",
                    help="prefix cache of each cluster, 512-token blocks "
                         "(default: the profile's per-instance size x instances)")
     a = p.add_argument_group("adaptive policy and the link rules")
-    a.add_argument("--bandwidth-noise", type=NON_NEGATIVE, default=0.0,
-                   help="relative standard deviation of the bandwidth estimate (default 0)")
+    a.add_argument("--bandwidth-noise", default=0.0,
+                   type=_at_most(functools.partial(number, strictly_positive=False),
+                                 MAX_BANDWIDTH_NOISE, f"{MAX_BANDWIDTH_NOISE:g}", "number"),
+                   help="relative standard deviation of the bandwidth estimate (default 0; at most 100)")
     a.add_argument("--bandwidth-window", type=argument_type(parse_duration, "duration"),
                    default=60.0, metavar="TIME",
                    help="time constant of adaptive's bandwidth average (default 60s)")
