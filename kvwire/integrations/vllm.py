@@ -57,6 +57,7 @@ from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
 from kvwire.session.options import MAX_STREAMS, check_value
 from kvwire.sync import Bridge, PendingPeer, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 from kvwire.units import split_hostport
+from kvwire.wire.connection import MAX_TRANSFERS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -134,6 +135,20 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
         raise UsageError(f"kvwire connector: {key} must be a number of seconds, got {value!r}") from None
     check_value(key, seconds)
     return seconds
+
+
+def _count(extra: dict[str, Any], key: str, default: int, maximum: int) -> int:
+    """A whole number in [1, ``maximum``] (as text too; not a bool, not 2.5)."""
+    value: Any = extra.get(key, default)
+    try:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise TypeError
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise UsageError(f"kvwire connector: {key} must be a whole number, got {value!r}") from None
+    if not 1 <= number <= maximum:
+        raise UsageError(f"kvwire connector: {key} must be in [1, {maximum}], got {value!r}")
+    return number
 
 
 def _log_received(req_id: str, blocks: list[int], handle: ReceiveHandle) -> None:
@@ -240,6 +255,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._claim_timeout: float | None = (
             None if extra.get("kvwire_claim_timeout", 600.0) is None else _seconds(extra, "kvwire_claim_timeout", 600.0)
         )
+        # Consumer: transfers its server takes from one producer's session at once (a
+        # producer learns it from the handshake and begins no more sends at once).
+        self._max_transfers: int = _count(extra, "kvwire_max_transfers", 64, MAX_TRANSFERS)
         self._num_blocks: int | None = getattr(kv_cache_config, "num_blocks", None)
         self._model: str = str(extra.get("kvwire_model", ""))
         registry = extra.get("kvwire_registry")
@@ -280,6 +298,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # once it is up (see save_kv_layer)
         # (and the versions its blocks were named at then, with kvwire_registry)
         self._deferred: dict[str, tuple[_Move, float, dict[str, Any]]] = {}
+        # saves waiting for room on the session (the consumer's server takes at most
+        # max_transfers of its transfers at once), oldest first, with the versions their
+        # blocks were named at in their step: begun, every layer from the registered
+        # caches, as earlier sends end (see _start_queued)
+        self._queued: dict[str, tuple[_Move, dict[str, Any]]] = {}
         # the blocks loaded into, and how many blocks the transfer carries
         self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
@@ -549,7 +572,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 versioned = {"bridge": self._bridge, "registry": self._registry.registry}
             self._server = SyncServer(
                 host, port, secret=self._secret, spec=self._spec.wire_spec(), claim_timeout=self._claim_timeout,
-                **versioned,
+                max_transfers=self._max_transfers, **versioned,
             )
             from kvwire.aio._logtext import address  # (IPv6 as [host]:port)
 
@@ -844,15 +867,20 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
 
     def _save_layer(self, move: _Move, index: int, kv_layer: torch.Tensor,
-                    versions: dict[str, Any] | None = None) -> None:
+                    versions: dict[str, Any] | None = None, *, its_turn: bool = False) -> None:
         """Queue layer ``index`` of ``move``'s blocks on its send (begun at layer 0, with
         ``versions``, else its blocks named now); a failure ends that request's send
-        alone, unsent."""
+        alone, unsent.  A send that finds the session full (as many sends open as the
+        consumer's server takes at once), or sends queued before it, waits its turn in
+        ``_queued`` (``its_turn``: it is begun now, by :meth:`_start_queued`)."""
         assert self._peer is not None and self._spec is not None
         if index == 0 and versions is None:
             versions = self._versions(move)
             if versions is None:
                 return
+        if index == 0 and not its_turn and (self._queued or self._open_sends() >= self._send_limit()):
+            self._queued[move.req_id] = (move, versions or {})
+            return
         try:
             if index == 0:
                 self._sending[move.req_id] = self._peer.begin(
@@ -868,6 +896,45 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             failed = self._sending.pop(move.req_id, None)
             if failed is not None:
                 failed.abort()
+
+    def _send_limit(self) -> int:
+        """Sends the consumer's server takes from this session at once (its handshake
+        said: its max_transfers)."""
+        assert self._peer is not None
+        return max(1, int(self._peer.peer.max_transfers))
+
+    def _open_sends(self) -> int:
+        """Sends begun on the session that have not ended yet."""
+        return len(self._sending) + sum(1 for handle, _ in self._in_flight.values() if not handle.done)
+
+    def _start_queued(self) -> None:
+        """Begin the sends waiting their turn, oldest first, while the session has room
+        (each whole, every layer from the registered caches, where their blocks are kept);
+        with the async save they go in flight from now, their turn.  One that fails at
+        its start ends unsent (logged)."""
+        if self._peer is None or not self._queued:
+            return
+        limit = self._send_limit()
+        now = time.monotonic()
+        while self._queued and self._peer is not None and self._open_sends() < limit:
+            req_id, (move, versions) = next(iter(self._queued.items()))
+            del self._queued[req_id]
+            for index, cache in enumerate(self._caches):
+                self._save_layer(move, index, cache, versions, its_turn=True)
+            handle = self._sending.get(req_id)
+            if handle is None:
+                self._ended.add(req_id)
+            elif self._async_save:
+                del self._sending[req_id]
+                self._in_flight[req_id] = (handle, now)
+
+    def _end_queued(self, why: str) -> None:
+        """The sends waiting their turn end unsent (none of their blocks was read)."""
+        if self._queued:
+            logger.error("kvwire: not sending KV of requests %s to %s: %s", ", ".join(self._queued),
+                         self._peer_addr, why)
+            self._ended.update(self._queued)
+            self._queued.clear()
 
     def _send_deferred(self, deadline: float | None = None) -> None:
         """The saves that wait for the connection: each sent whole, every layer from the
@@ -886,7 +953,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 del self._deferred[req_id]
                 for index, cache in enumerate(self._caches):
                     self._save_layer(move, index, cache, versions)
-                if req_id not in self._sending:
+                if req_id not in self._sending and req_id not in self._queued:
                     self._ended.add(req_id)  # failed at its start (logged): ended unsent
             elif (self._connecting is None or self._connect_error is not None or now >= since + self._timeout
                   or deadline is not None):
@@ -904,6 +971,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._deferred.pop(req_id, None) is not None:
                 logger.error("kvwire: not sending KV of request %s: preempted before the connection to %s was up",
                              req_id, self._peer_addr)
+                self._ended.add(req_id)
+            if self._queued.pop(req_id, None) is not None:
+                logger.error("kvwire: not sending KV of request %s: preempted while its send waited its turn", req_id)
                 self._ended.add(req_id)
         preempted = [r for r in getattr(connector_metadata, "preempted", ()) if r in self._in_flight]
         if not preempted:
@@ -936,14 +1006,19 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._fly()
             if self._producer and self._spec is not None:
                 # a scheduled save that never began (its blocks could not be named) has ended
-                self._ended.update(m.req_id for m in self._meta().saves
-                                   if m.req_id not in self._in_flight and m.req_id not in self._deferred)
+                self._ended.update(m.req_id for m in self._meta().saves if m.req_id not in self._in_flight
+                                   and m.req_id not in self._deferred and m.req_id not in self._queued)
             self._reap()
             return
         failed = False
         deadline = time.monotonic() + self._timeout  # one for the step's sends, not one each
         self._send_deferred(deadline)
-        for req_id, handle in list(self._sending.items()):
+        while True:
+            if not failed:
+                self._start_queued()  # as the sends before them end
+            if not self._sending:
+                break
+            req_id, handle = next(iter(self._sending.items()))
             del self._sending[req_id]
             if not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic())):
                 if handle.done and self._drained(deadline):
@@ -953,9 +1028,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     # Not ended in its time: the sends behind it on the connection cannot
                     # end before it, and closing the connection ends them all (their turn
                     # never comes); none is waited for.
-                    if self._sending:
+                    if self._sending or self._queued:
                         logger.error("kvwire: not sending KV of requests %s: the send before them did not end "
-                                     "within %g s", ", ".join(self._sending), self._timeout)
+                                     "within %g s", ", ".join([*self._sending, *self._queued]), self._timeout)
                     break
         if failed:
             self._let_go_of_blocks()
@@ -1018,6 +1093,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._ended.add(req_id)
         if failed:
             self._let_go_of_blocks(wait=False)
+        else:
+            self._start_queued()  # in the room the sends that ended left
 
     def _drained(self, deadline: float) -> bool:
         """After a send that failed on its own: whether the connection is healthy and its
@@ -1069,6 +1146,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for a loop held up elsewhere; ``wait``: the hook may wait for it)."""
         self._ended.update(self._draining)
         self._draining.clear()
+        self._end_queued("the connection was closed before their turn")
         for req_id, handle in self._sending.items():
             handle.abort()
             self._ended.add(req_id)
@@ -1245,7 +1323,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 logger.error("kvwire: request %s finished while its KV was being sent", req_id)
                 self._let_go_of_blocks(wait=not self._async_save)
             if (req_id in self._in_flight or req_id in self._draining or req_id in self._ended
-                    or req_id in self._deferred or req_id in self._unclosed):
+                    or req_id in self._deferred or req_id in self._unclosed or req_id in self._queued):
                 self._finished_sends.add(req_id)
         recving: set[str] | None = None
         if self._load_async:
@@ -1280,11 +1358,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._dropping.clear()
         self._settle_aborts()
         failed = False
-        for req_id, (handle, _) in list(self._in_flight.items()):  # let them finish, oldest first
+        while not failed:  # let them finish, oldest first, the queued ones too as their turn comes
+            self._start_queued()
+            self._fly()
+            if not self._in_flight:
+                break
+            req_id, (handle, _) = next(iter(self._in_flight.items()))
             failed = not self._ended_well(req_id, handle, self._timeout)
             del self._in_flight[req_id]
-            if failed:
-                break
         if failed:
             self._let_go_of_blocks()
         if self._peer is not None:
