@@ -31,6 +31,7 @@ preemption, prefix caching, prefix-block versions, block layout) and every setti
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
@@ -167,6 +168,41 @@ def _log_failed(req_id: str, error: object) -> None:
     logger.error("kvwire: receiving KV of request %s failed: %s", req_id, error)
 
 
+#: A transfer named without a ``kvwire_id``: only a consumer with kvwire_load_all loads one.
+_UNNAMED = re.compile(r"prompt:[0-9a-f]{32}")
+
+
+async def _drop_unnamed(server: Any, every: float) -> None:
+    """On the consumer's loop, without kvwire_load_all: every ``every`` seconds, take each
+    arrived transfer named without a ``kvwire_id`` (a producer sends every request's KV,
+    and only kvwire_load_all loads those) and drop its layers as they come, so that none
+    holds memory and a slot of its producer's session until the claim timeout."""
+    draining: set[asyncio.Task[None]] = set()
+
+    async def drain(transfer: Any) -> None:
+        with contextlib.suppress(KvwireError):
+            async for _ in transfer:
+                pass
+
+    try:
+        while True:
+            await asyncio.sleep(every)
+            # (the server's own view of what arrived unclaimed: it hands out no names)
+            names = [t.request_id for key in server.core.unclaimed()
+                     if (t := server._transfer(key)) is not None and _UNNAMED.fullmatch(t.request_id)]
+            for name in names:
+                try:  # arrived: handed out at once (nothing else claims these names)
+                    transfer = await server.expect(name, timeout=every)
+                except KvwireError:  # claimed meanwhile, or the server closed
+                    continue
+                task = asyncio.get_running_loop().create_task(drain(transfer))
+                draining.add(task)
+                task.add_done_callback(draining.discard)
+    finally:
+        for task in draining:
+            task.cancel()
+
+
 def _layer_order(name: str) -> tuple[int, str]:
     m = re.search(r"\d+", name)
     return (int(m.group()) if m else -1, name)
@@ -273,6 +309,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # key, full blocks cached here, blocks loaded (none: the transfer is only dropped)
         self._pending_loads: dict[str, tuple[str, int, int]] = {}
         self._loaded: set[str] = set()  # requests whose one load (or drop) was scheduled
+        # drops of requests finished before their load was scheduled, for the next step
+        self._finished_drops: list[_Move] = []
         self._partial: dict[str, tuple[str, list[int], int, str | None, tuple[bytes, ...]]] = {}
         self._saving: set[str] = set()  # requests whose send was scheduled (async save: blocks kept)
         # async load: the loads of requests vLLM parked for their KV (not scheduled, so not
@@ -283,6 +321,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._caches: list[torch.Tensor] = []
         self._index: dict[str, int] = {}
         self._server: SyncServer | None = None
+        self._sweeper: concurrent.futures.Future[None] | None = None  # see _drop_unnamed
         self._peer: SyncPeer | None = None
         # Producer: the connection is made on the bridge's loop (a consumer that accepts TCP
         # and never answers would otherwise hold the forward for the handshake timeout);
@@ -351,6 +390,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         attention layer, which a full CUDA graph's replay skips (the layer read before its
         KV is in, or never sent); vLLM then captures piecewise graphs, which call them."""
         return True
+
+    #: seconds between two looks for arrived transfers no request loads (see _drop_unnamed)
+    _SWEEP_EVERY = 1.0
 
     #: seconds before the first retry of a failed connect; doubled per failure up to _RETRY_MAX
     _RETRY_FIRST = 1.0
@@ -456,6 +498,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # which the worker does once it started, and aborted, its receive.
         meta.loads.extend(self._async_loads.values())
         self._async_loads.clear()
+        meta.drops.extend(self._finished_drops)
+        self._finished_drops.clear()
         for new in scheduler_output.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or [])
             n = self._full_blocks(len(prompt))
@@ -515,6 +559,15 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        if self._consumer and req_id not in self._loaded and self._wants_load(request.kv_transfer_params):
+            # Finished (aborted) before its load, or its drop, was scheduled: the producer
+            # sent its KV all the same, which would wait on the server, holding memory and
+            # a slot of the producer's session, until kvwire_claim_timeout: dropped as it comes.
+            prompt = list(request.prompt_token_ids or [])
+            n = self._full_blocks(len(prompt))
+            if n > 0:
+                self._finished_drops.append(_Move(req_id, self._key(prompt, request.kv_transfer_params), [DROP] * n))
         self._partial.pop(request.request_id, None)
         self._pending_loads.pop(request.request_id, None)
         self._local_hits.pop(request.request_id, None)
@@ -574,6 +627,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 host, port, secret=self._secret, spec=self._spec.wire_spec(), claim_timeout=self._claim_timeout,
                 max_transfers=self._max_transfers, **versioned,
             )
+            if not self._load_all:
+                self._sweeper = self._server.bridge.submit(_drop_unnamed(self._server.server, self._SWEEP_EVERY))
             from kvwire.aio._logtext import address  # (IPv6 as [host]:port)
 
             logger.info("kvwire: receiving on %s", address((host, self._server.port)))
@@ -671,14 +726,15 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _drop(self, req_id: str, key: str, block_ids: list[int]) -> None:
         """Take ``key``'s transfer as it comes and drop it (every id DROP), so that it
-        does not wait on the server until the claim timeout.  As long as a load would
-        wait for its transfer: a drop for a transfer that never comes (kvwire_load_all, a
-        producer that did not send) is let go of then."""
+        does not wait on the server until the claim timeout.  As long as the server would
+        keep an arrived transfer for a request, kvwire_claim_timeout: a drop for a
+        transfer that never comes (kvwire_load_all, a producer that did not send) is let
+        go of then (with no claim timeout, at shutdown)."""
         assert self._server is not None and self._spec is not None
         dest = PagedDestination(self._spec, self._caches, block_ids)
         with contextlib.suppress(ConnectionLostError):  # the server's bridge is closed: no transfer comes to drop
             self._dropping[req_id] = self._server.expect(
-                key, into=dest, num_layers=self._spec.num_layers, timeout=self._timeout,
+                key, into=dest, num_layers=self._spec.num_layers, timeout=self._claim_timeout,
             )
 
     #: seconds a hook waits, once for all the receives it aborted, for kvwire's loop to stop them
@@ -1353,6 +1409,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._connecting.cancel(10)  # its sockets closed before the bridge goes
         self._connecting = None  # (a peer it opened is closed with the bridge)
         self._reap_drops()
+        if self._sweeper is not None:
+            self._sweeper.cancel()  # (on the server's loop; its close, below, ends what it began)
+            self._sweeper = None
         for req_id, receive in self._dropping.items():
             self._abort(req_id, receive, "shutting down")
         self._dropping.clear()

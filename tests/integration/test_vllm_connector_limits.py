@@ -18,11 +18,14 @@ import pytest
 import torch
 
 from kvwire.errors import UsageError
+from kvwire.paged import DROP, PagedSource
+from kvwire.sync import SyncPeer
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.sched.output import SchedulerOutput
 
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
 
@@ -177,3 +180,145 @@ def test_kvwire_max_transfers_takes_a_whole_number_as_text() -> None:
     connector = KvwireConnector(config("kv_consumer", {"kvwire_max_transfers": "256"}), KVConnectorRole.SCHEDULER)
     assert connector._max_transfers == 256
 
+
+# -- transfers no request will load ------------------------------------------------------------
+
+
+class _Request:
+    """What the connector's scheduler side reads of a vLLM request."""
+
+    def __init__(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
+        self.request_id, self.prompt_token_ids, self.kv_transfer_params = req_id, prompt, params
+
+
+def pending(worker: KvwireConnector) -> int:
+    stats = worker.server_statistics()
+    assert stats is not None
+    return int(stats["pending_arrivals"])
+
+
+def until(what: Any, worker: KvwireConnector, seconds: float = 60.0) -> bool:
+    """Step the consumer until ``what()`` holds, at most ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not what():
+        if time.monotonic() >= deadline:
+            return False
+        consume(worker)
+        threading.Event().wait(0.05)
+    return True
+
+
+@pytest.mark.parametrize("load_all", [False, True])
+def test_a_request_finished_before_its_load_was_scheduled_has_its_transfer_dropped(load_all: bool) -> None:
+    """A decode request aborted after get_num_new_matched_tokens, before vLLM allocated its
+    blocks (or before the scheduler looked at it at all): the next step's metadata drops its
+    transfer (every block DROP), which the producer sent all the same."""
+    extra = {"kvwire_listen": "127.0.0.1:0", "kvwire_load_all": load_all}
+    sched = KvwireConnector(config("kv_consumer", extra), KVConnectorRole.SCHEDULER)
+    prompt = list(range(100))  # 6 full blocks of 16
+    waited = _Request("d1", prompt, {"kvwire_id": "req-1"})
+    never_looked_at = _Request("d2", prompt[:50], {"kvwire_id": "req-2"})
+    plain = _Request("d3", prompt, None)  # loaded only with kvwire_load_all
+    assert sched.get_num_new_matched_tokens(waited, 0) == (96, True)
+    for request in (waited, never_looked_at, plain):
+        assert sched.request_finished(request, []) == (False, None)
+    out = SchedulerOutput.make_empty()
+    out.finished_req_ids = {"d1", "d2", "d3"}
+    meta = sched.build_connector_meta(out)
+    assert isinstance(meta, KvwireConnectorMetadata) and not meta.loads
+    want = [_Move("d1", sched._key(prompt, waited.kv_transfer_params), [DROP] * 6),
+            _Move("d2", sched._key(prompt[:50], never_looked_at.kv_transfer_params), [DROP] * 3)]
+    if load_all:
+        want.append(_Move("d3", sched._key(prompt, None), [DROP] * 6))
+    assert meta.drops == want
+    assert not sched.build_connector_meta(SchedulerOutput.make_empty()).drops  # once
+
+
+def test_a_request_loaded_or_dropped_already_schedules_no_second_drop() -> None:
+    """A request whose load was scheduled is not dropped again when it finishes (the
+    worker's get_finished gives its load up, and drops a transfer still to come)."""
+    sched = KvwireConnector(config("kv_consumer", {"kvwire_listen": "127.0.0.1:0"}), KVConnectorRole.SCHEDULER)
+    request = _Request("d1", list(range(100)), {"kvwire_id": "req-1"})
+    sched.get_num_new_matched_tokens(request, 0)
+
+    class _Blocks:
+        def get_block_ids(self) -> tuple[list[int], ...]:
+            return (list(range(10, 17)),)
+
+    sched.update_state_after_alloc(request, _Blocks(), 96)  # type: ignore[arg-type]
+    meta = sched.build_connector_meta(SchedulerOutput.make_empty())
+    assert isinstance(meta, KvwireConnectorMetadata) and [m.req_id for m in meta.loads] == ["d1"]
+    sched.request_finished(request, list(range(10, 17)))
+    assert not sched.build_connector_meta(SchedulerOutput.make_empty()).drops
+
+
+def test_a_transfer_later_than_its_given_up_load_is_still_dropped(workers: list[KvwireConnector]) -> None:
+    """A load given up (not in within kvwire_load_timeout) drops its transfer when it
+    comes, also later than one more kvwire_load_timeout: the drop waits as long as the
+    server would keep the transfer (kvwire_claim_timeout)."""
+    cons, _ = consumer({"kvwire_load_timeout": 0.5})
+    workers[:] = [cons]
+    assert cons._spec is not None
+    name = "late#prompt:" + "cd" * 16
+    got, errors = consume(cons, KvwireConnectorMetadata(loads=[_Move("late", name, [10, 11])]))
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        g, e = consume(cons)
+        got |= g
+        errors |= e
+        threading.Event().wait(0.05)
+    assert got == {"late"} and errors == {10, 11}  # timed out: recomputed
+    threading.Event().wait(2.0)  # past one more kvwire_load_timeout after it gave up
+    src = caches(64, 7)
+    with SyncPeer("127.0.0.1", cons.listen_port or 0, secret=SECRET.encode()) as peer:
+        peer.send(name, cons._spec.wire_spec(), PagedSource(cons._spec, src, [1, 2]), timeout=60)
+    assert until(lambda: pending(cons) == 0 and not cons._dropping, cons), "the late transfer was not dropped"
+
+
+def test_transfers_named_without_an_id_do_not_fill_the_producers_session(workers: list[KvwireConnector]) -> None:
+    """A producer sends every request's KV, those without a kvwire_id too, which a
+    consumer without kvwire_load_all never loads: it drops them as they come, so they do
+    not hold the producer's session's slots (64) until kvwire_claim_timeout and a request
+    the consumer does load still gets its KV."""
+    cons, ckv = consumer({"kvwire_load_timeout": 30})
+    prod, pkv = producer(cons.listen_port or 0, {"kvwire_load_timeout": 30})
+    workers[:] = [prod, cons]
+    n = 64
+    ended: set[str] = set()
+    for i in range(n):
+        ended |= produce(prod, KvwireConnectorMetadata(saves=[_Move(f"plain{i}", f"prompt:{i:032x}", [i % 60])]),
+                         pkv, {f"plain{i}"})
+    deadline = time.monotonic() + 60
+    while len(ended) < n and time.monotonic() < deadline:
+        ended |= produce(prod, KvwireConnectorMetadata(), None)
+        threading.Event().wait(0.05)
+    assert len(ended) == n
+    assert until(lambda: pending(cons) == 0, cons), "the transfers no request loads stay on the server"
+    name = "wanted#prompt:" + "ef" * 16
+    got, errors = consume(cons, KvwireConnectorMetadata(loads=[_Move("wanted", name, [10, 11])]))
+    produce(prod, KvwireConnectorMetadata(saves=[_Move("wanted", name, [3, 4])]), pkv)
+    deadline = time.monotonic() + 60
+    while not got and time.monotonic() < deadline:
+        g, e = consume(cons)
+        got |= g
+        errors |= e
+        produce(prod, KvwireConnectorMetadata(), None)
+        threading.Event().wait(0.05)
+    assert got == {"wanted"} and not errors
+    assert same(ckv, [10, 11], pkv, [3, 4])
+
+
+def test_a_consumer_with_load_all_keeps_transfers_named_without_an_id(workers: list[KvwireConnector]) -> None:
+    """With kvwire_load_all such a transfer is a request's to load: it waits for it."""
+    cons, ckv = consumer({"kvwire_load_all": True, "kvwire_load_timeout": 30})
+    workers[:] = [cons]
+    assert cons._spec is not None
+    name = "prompt:" + "12" * 16
+    src = caches(64, 7)
+    with SyncPeer("127.0.0.1", cons.listen_port or 0, secret=SECRET.encode()) as peer:
+        peer.send(name, cons._spec.wire_spec(), PagedSource(cons._spec, src, [1, 2]), timeout=60)
+    threading.Event().wait(3 * KvwireConnector._SWEEP_EVERY)
+    assert pending(cons) == 1
+    got, errors = consume(cons, KvwireConnectorMetadata(loads=[_Move("all", name, [10, 11])]))
+    assert until(lambda: bool(got.update(consume(cons)[0]) or got), cons)
+    assert got == {"all"} and not errors and same(ckv, [10, 11], src, [1, 2])
