@@ -921,8 +921,11 @@ def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
         ("t", named("trimmed", prompt), [DROP] * 2 + [32, 33] + [DROP] * 2),
     ]
     assert [(m.req_id, m.key, m.block_ids) for m in meta.drops] == [("w", named("whole", prompt), [DROP] * 6)]
-    sched.request_finished(gone, [])  # finished before it was scheduled: nothing to drop
-    assert sched.build_connector_meta(schedule(new=[new_request("g", prompt, [1, 2], "gone")])).drops == []
+    # finished before it was scheduled: its transfer, sent all the same, is dropped (once)
+    sched.request_finished(gone, [])
+    meta = sched.build_connector_meta(schedule(new=[new_request("g", prompt, [1, 2], "gone")]))
+    assert [(m.req_id, m.key, m.block_ids) for m in meta.drops] == [("g", named("gone", prompt), [DROP] * 6)]
+    assert sched.build_connector_meta(schedule()).drops == []
     # preempted and back in the queue: the one transfer was taken, nothing loads or drops
     assert sched.get_num_new_matched_tokens(part, 0) == (0, False)
     sched.update_state_after_alloc(whole, None, 0)  # type: ignore[arg-type]
