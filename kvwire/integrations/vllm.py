@@ -203,6 +203,30 @@ async def _drop_unnamed(server: Any, every: float) -> None:
             task.cancel()
 
 
+class _Destination(PagedDestination):
+    """A load's destination that tells whether its transfer used it (``used``): a transfer
+    that had failed before it was claimed is handed out without its destination ever being
+    called, nothing of it written into the blocks."""
+
+    used = False
+
+    def check(self, *args: Any, **kwargs: Any) -> Any:
+        self.used = True
+        return super().check(*args, **kwargs)
+
+    def view(self, *args: Any, **kwargs: Any) -> Any:
+        self.used = True
+        return super().view(*args, **kwargs)
+
+    def regions(self, *args: Any, **kwargs: Any) -> Any:
+        self.used = True
+        return super().regions(*args, **kwargs)
+
+    def write(self, *args: Any, **kwargs: Any) -> Any:
+        self.used = True
+        return super().write(*args, **kwargs)
+
+
 def _layer_order(name: str) -> tuple[int, str]:
     m = re.search(r"\d+", name)
     return (int(m.group()) if m else -1, name)
@@ -344,6 +368,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._queued: dict[str, tuple[_Move, dict[str, Any]]] = {}
         # the blocks loaded into, and how many blocks the transfer carries
         self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
+        # each load's receive with its name, block ids, destination and the times it may
+        # still expect that name again (see _reload)
+        self._receives: dict[str, tuple[ReceiveHandle, str, list[int], _Destination, int]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
         self._sending: dict[str, SendHandle] = {}  # sends begun in this step
         # async save: sends past their step, oldest first (with the time their step ended),
@@ -393,6 +420,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     #: seconds between two looks for arrived transfers no request loads (see _drop_unnamed)
     _SWEEP_EVERY = 1.0
+
+    #: times a load expects its transfer's name again after one that had failed before it was claimed
+    _RELOAD_TRIES = 3
 
     #: seconds before the first retry of a failed connect; doubled per failure up to _RETRY_MAX
     _RETRY_FIRST = 1.0
@@ -698,7 +728,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # the step that long at most, not once per layer.
             self._load_deadline = now + self._timeout
         for move in meta.loads:
-            dest = PagedDestination(self._spec, self._caches, move.block_ids)
+            dest = _Destination(self._spec, self._caches, move.block_ids)
             blocks = [b for b in move.block_ids if b != DROP]
             try:
                 handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
@@ -710,6 +740,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self._load_errors.update(blocks)
                 continue
             self._loading[move.req_id] = (handle, blocks, len(move.block_ids))
+            self._receives[move.req_id] = (handle, move.key, move.block_ids, dest, self._RELOAD_TRIES)
             if self._load_async:  # nothing waits for it: get_finished reports it once it ended
                 self._load_since[move.req_id] = now
             if self._registry is not None:
@@ -783,6 +814,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _give_up_load(self, req_id: str, reason: str) -> None:
         """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does."""
         handle, _, total = self._loading.pop(req_id)
+        self._receives.pop(req_id, None)
         self._load_since.pop(req_id, None)
         verifying = self._verifying.pop(req_id, None)
         if verifying is not None:
@@ -791,6 +823,30 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._abort(req_id, handle, reason)
         if not arrived and self._server is not None:
             self._drop(req_id, handle.request_id, [DROP] * total)
+
+    def _reload(self, req_id: str, handle: ReceiveHandle) -> bool:
+        """``req_id``'s receive ``handle`` failed: if its transfer wrote nothing into the
+        blocks (one that had failed before it was claimed, handed out oldest first: a
+        send of the same name that failed, its prefill retried since), expect the name
+        again, so that a later transfer of it is loaded, and True; at most
+        ``_RELOAD_TRIES`` times per load, each within what is left of its deadline."""
+        entry = self._receives.get(req_id)
+        if entry is None or entry[0] is not handle or self._server is None or self._spec is None:
+            return False
+        _, key, block_ids, dest, tries = entry
+        if handle.error is None or dest.used or tries <= 0:
+            return False
+        again = _Destination(self._spec, self._caches, block_ids)
+        try:
+            new = self._server.expect(key, into=again, num_layers=self._spec.num_layers)
+        except KvwireError:  # the server's bridge is closed
+            return False
+        logger.warning("kvwire: the transfer for request %s had failed before it was claimed (%s): "
+                       "waiting for another transfer of its name", req_id, handle.error)
+        _, blocks, total = self._loading[req_id]
+        self._loading[req_id] = (new, blocks, total)
+        self._receives[req_id] = (new, key, block_ids, again, tries - 1)
+        return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading or self._load_async:  # async load: the request runs once its KV is in
@@ -806,11 +862,19 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._load_deadline = time.monotonic() + self._timeout
         deadline = self._load_deadline
         for req_id, (handle, blocks, _) in list(self._loading.items()):
-            try:
-                handle.wait_layer(index, timeout=max(0.0, deadline - time.monotonic()))
-            except KvwireError as exc:
-                _log_failed(req_id, exc)
-                self._give_up_load(req_id, str(exc))
+            failed: KvwireError | None = None
+            while True:
+                try:
+                    handle.wait_layer(index, timeout=max(0.0, deadline - time.monotonic()))
+                except KvwireError as exc:
+                    if self._reload(req_id, handle):  # within what is left of the deadline
+                        handle = self._loading[req_id][0]
+                        continue
+                    failed = exc
+                break
+            if failed is not None:
+                _log_failed(req_id, failed)
+                self._give_up_load(req_id, str(failed))
                 self._load_errors.update(blocks)
                 self._expected.pop(req_id, None)
                 continue
@@ -826,10 +890,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self._abort(req_id, handle, reason)
                     self._load_errors.update(blocks)
                     del self._loading[req_id]
+                    self._receives.pop(req_id, None)
                     continue
             if index == len(self._caches) - 1:
                 _log_received(req_id, blocks, handle)
                 del self._loading[req_id]
+                self._receives.pop(req_id, None)
         self._settle_aborts()
 
     def _connect(self) -> None:
@@ -1310,6 +1376,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 if not checked:
                     continue
                 del self._loading[req_id]
+                self._receives.pop(req_id, None)
                 self._load_since.pop(req_id, None)
                 if reason is None:
                     _log_received(req_id, blocks, handle)
@@ -1319,6 +1386,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     ended[req_id] = set(blocks)
                 continue
             error: KvwireError | None = handle.error
+            if error is not None and now < self._load_since.get(req_id, now) + self._timeout \
+                    and self._reload(req_id, handle):
+                continue
             if error is None and now >= self._load_since.get(req_id, now) + self._timeout:
                 error = TransferTimeoutError(f"transfer of {handle.request_id!r} not ready after {self._timeout:g} s")
             if error is None:

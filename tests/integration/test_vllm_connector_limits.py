@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvwire.errors import UsageError
-from kvwire.paged import DROP, PagedSource
+from kvwire.paged import DROP, PagedSource, layer_rows
 from kvwire.sync import SyncPeer
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
@@ -322,3 +322,49 @@ def test_a_consumer_with_load_all_keeps_transfers_named_without_an_id(workers: l
     got, errors = consume(cons, KvwireConnectorMetadata(loads=[_Move("all", name, [10, 11])]))
     assert until(lambda: bool(got.update(consume(cons)[0]) or got), cons)
     assert got == {"all"} and not errors and same(ckv, [10, 11], src, [1, 2])
+
+
+# -- a load whose name's first transfer had failed ---------------------------------------------
+
+
+def failed_then_whole(worker: KvwireConnector, name: str, src: list[torch.Tensor]) -> None:
+    """A send of ``name`` that fails mid-way (one layer, then aborted) before any request
+    claimed it, then a retried prefill's send of that name, arrived whole."""
+    spec = worker._spec
+    assert spec is not None
+    with SyncPeer("127.0.0.1", worker.listen_port or 0, secret=SECRET.encode()) as first:
+        send = first.begin(name, spec.wire_spec())
+        send.send_layer(*layer_rows(spec, src[0], [1, 2]))
+        assert until(lambda: pending(worker) == 1, worker, 30)
+        send.abort()
+        assert until(lambda: worker.server_statistics()["failed_arrivals"] == 1, worker, 30)  # type: ignore[index]
+    with SyncPeer("127.0.0.1", worker.listen_port or 0, secret=SECRET.encode()) as second:
+        second.send(name, spec.wire_spec(), PagedSource(spec, src, [1, 2]), timeout=60)
+    assert pending(worker) == 2
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_load_takes_the_good_transfer_after_a_failed_one_of_its_name(
+        workers: list[KvwireConnector], load_async: bool) -> None:
+    """The decode request's load is handed the failed transfer first (oldest first); as
+    nothing of it was written into the blocks, the load expects the name again and loads
+    the good one, instead of recomputing its blocks and leaving the good transfer on the
+    server until kvwire_claim_timeout."""
+    cons, ckv = consumer({"kvwire_load_timeout": 60, "kvwire_load_async": load_async})
+    workers[:] = [cons]
+    name = "req-42#prompt:" + "ab" * 16
+    src = caches(64, 7)
+    failed_then_whole(cons, name, src)
+    got, errors = consume(cons, KvwireConnectorMetadata(loads=[_Move("decode-1", name, [10, 11])]))
+    if load_async:
+        deadline = time.monotonic() + 60
+        while not got and not errors and time.monotonic() < deadline:
+            g, e = consume(cons)
+            got |= g
+            errors |= e
+            threading.Event().wait(0.05)
+        assert got == {"decode-1"}
+    assert not errors
+    assert not cons._loading
+    assert same(ckv, [10, 11], src, [1, 2])
+    assert pending(cons) == 0
