@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import difflib
 import hashlib
 import os
 import re
@@ -136,6 +137,27 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
         raise UsageError(f"kvwire connector: {key} must be a number of seconds, got {value!r}") from None
     check_value(key, seconds)
     return seconds
+
+
+#: The connector's kv_connector_extra_config keys (every other kvwire_* key is refused).
+_SETTINGS = frozenset({
+    "kvwire_listen", "kvwire_peer", "kvwire_secret", "kvwire_secret_file", "kvwire_codec", "kvwire_streams",
+    "kvwire_chunk_bytes", "kvwire_load_timeout", "kvwire_async_save", "kvwire_load_async",
+    "kvwire_claim_timeout", "kvwire_max_transfers", "kvwire_load_all", "kvwire_model", "kvwire_registry",
+    "kvwire_registry_namespace", "kvwire_registry_ttl", "kvwire_registry_owner",
+})
+
+
+def _check_keys(extra: dict[str, Any]) -> None:
+    """A ``kvwire_*`` key that is no setting (misspelled: ``kvwire_load_timout``) is a
+    UsageError naming it, and the setting it may mean; other keys are left alone (vLLM or
+    another connector may share the dict)."""
+    for key in extra:
+        if isinstance(key, str) and key.startswith("kvwire_") and key not in _SETTINGS:
+            # (compared past the prefix, which every key shares)
+            close = difflib.get_close_matches(key[7:], sorted(k[7:] for k in _SETTINGS), n=1)
+            hint = f" (did you mean 'kvwire_{close[0]}'?)" if close else ""
+            raise UsageError(f"kvwire connector: unknown setting {key!r} in kv_connector_extra_config{hint}")
 
 
 def _count(extra: dict[str, Any], key: str, default: int, maximum: int) -> int:
@@ -271,6 +293,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 "own kvwire_listen, and send each request's KV to the engine that serves it"
             )
         extra = cfg.kv_connector_extra_config or {}
+        _check_keys(extra)
         # Each address is checked on the role that uses it (a consumer listens, a producer
         # connects): a configuration shared by both roles may carry the other's, such as a
         # port 0 to listen on.

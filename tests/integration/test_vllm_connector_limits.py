@@ -368,3 +368,35 @@ def test_a_load_takes_the_good_transfer_after_a_failed_one_of_its_name(
     assert not cons._loading
     assert same(ckv, [10, 11], src, [1, 2])
     assert pending(cons) == 0
+
+
+# -- the settings' keys ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("key", "meant"), [
+    ("kvwire_load_timout", "kvwire_load_timeout"),
+    ("kvwire_load_asynch", "kvwire_load_async"),
+    ("kvwire_claim_timeout_s", "kvwire_claim_timeout"),
+    ("kvwire_codecs", "kvwire_codec"),
+    ("kvwire_peers", "kvwire_peer"),
+    ("kvwire_zzz", None),
+])
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_an_unknown_kvwire_setting_is_refused(key: str, meant: str | None, role: str) -> None:
+    """A misspelled kvwire_* key is a UsageError naming it (and the setting it may mean),
+    on the scheduler and the worker, not a setting silently left at its default."""
+    for side in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(UsageError, match=f"unknown setting '{key}'") as caught:
+            KvwireConnector(config(role, {key: 5}), side)
+        if meant is None:
+            assert "did you mean" not in str(caught.value)
+        else:
+            assert f"did you mean '{meant}'" in str(caught.value)
+
+
+def test_keys_not_kvwire_settings_are_left_alone() -> None:
+    """Keys without the kvwire_ prefix may be vLLM's or another connector's."""
+    connector = KvwireConnector(config("kv_consumer", {"shared_storage_path": "/tmp/x", "kvwire_load_timeout": 5,
+                                                       "kvwire_max_transfers": 8, "kvwire_registry_ttl": 10}),
+                                KVConnectorRole.SCHEDULER)
+    assert connector._timeout == 5
