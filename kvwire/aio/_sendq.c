@@ -194,10 +194,17 @@ static Py_ssize_t item_parts(PyObject* item) {
     return n > 0 ? n : 1; /* an empty one is refused below */
 }
 
-/* A ranges item (buffer, crc, more, spans) as parts from `at`: a chain of checked parts,
- * one per range, the buffer held by the last.  The parts added, or -1 with an exception
- * set (nothing held). */
-static Py_ssize_t push_ranges(SendQueue* q, Py_ssize_t at, PyObject* item, Py_ssize_t* bytes) {
+/* The error of a push whose ranges items' spans took more parts than item_parts()
+ * counted and push() reserved: code a conversion ran (a crc's __index__, a more flag's
+ * __bool__, a __buffer__) made them longer in between. */
+static void spans_changed(void) {
+    PyErr_SetString(PyExc_ValueError, "a ranges item's spans changed while it was pushed");
+}
+
+/* A ranges item (buffer, crc, more, spans) as parts from `at`, below `end` (the slots
+ * push() reserved): a chain of checked parts, one per range, the buffer held by the last.
+ * The parts added, or -1 with an exception set (nothing held). */
+static Py_ssize_t push_ranges(SendQueue* q, Py_ssize_t at, Py_ssize_t end, PyObject* item, Py_ssize_t* bytes) {
     unsigned long long v = PyLong_AsUnsignedLongLongMask(PyTuple_GET_ITEM(item, 1));
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     int more = PyObject_IsTrue(PyTuple_GET_ITEM(item, 2));
@@ -214,10 +221,10 @@ static Py_ssize_t push_ranges(SendQueue* q, Py_ssize_t at, PyObject* item, Py_ss
         PyBuffer_Release(&base);
         return -1;
     }
-    if (at + count > q->cap) { /* the spans grew since they were counted (by code a conversion ran) */
+    if (count > end - at) { /* the spans grew since they were counted (by code a conversion ran) */
         PyBuffer_Release(&spans);
         PyBuffer_Release(&base);
-        PyErr_SetString(PyExc_ValueError, "a ranges item's spans changed while it was pushed");
+        spans_changed();
         return -1;
     }
     for (Py_ssize_t r = 0; r < count; r++) {
@@ -264,16 +271,22 @@ static PyObject* sq_push(SendQueue* q, PyObject* arg) {
         Py_DECREF(seq);
         return NULL;
     }
-    Py_ssize_t start = q->count, added = 0, bytes = 0;
+    /* parts[start .. end) are reserved: every part is written there, even where an
+     * earlier ranges item's spans grew after they were counted (then this refuses) */
+    Py_ssize_t start = q->count, end = q->count + total, added = 0, bytes = 0;
     int chained = 0; /* the part before has `more`: this one continues its payload */
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject* item = PySequence_Fast_GET_ITEM(seq, i);
         if (PyTuple_Check(item) && PyTuple_GET_SIZE(item) == 4) {
-            Py_ssize_t k = push_ranges(q, start + added, item, &bytes);
+            Py_ssize_t k = push_ranges(q, start + added, end, item, &bytes);
             if (k < 0) goto fail;
             added += k;
             chained = q->parts[start + added - 1].more;
             continue;
+        }
+        if (start + added >= end) {
+            spans_changed();
+            goto fail;
         }
         Part* p = &q->parts[start + added];
         memset(p, 0, sizeof(*p));
