@@ -5,6 +5,7 @@ teardown helpers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import os
 import platform
@@ -481,6 +482,25 @@ class Stream(asyncio.BufferedProtocol):
         tr = self.transport
         if tr is not None:
             tr.abort()
+
+    def abort_unlooped(self) -> None:
+        """:meth:`abort` once the stream's loop is closed (and runs nothing any more):
+        every descriptor the stream holds is closed here and now.  An asyncio transport
+        cannot abort on a closed loop: it marks itself closing, then fails to schedule
+        what closes its socket (its ``_call_connection_lost``, which tells this stream
+        too), so that is run here instead, as its loop would have; left to its own
+        collection, its socket would stay open, and warn.  (uvloop's transports are
+        closed with their loop.)"""
+        self._waiting = False  # (the closed loop's selector holds nothing any more)
+        self._close_own()
+        tr = self.transport
+        if tr is None:
+            return
+        with contextlib.suppress(RuntimeError):  # "Event loop is closed": asyncio's
+            tr.abort()
+        lost = getattr(tr, "_call_connection_lost", None)
+        if tr.is_closing() and getattr(tr, "_sock", None) is not None and callable(lost):
+            lost(None)
 
 
 def _queue_parts(data: Sequence[Any]) -> list[Any]:

@@ -383,17 +383,22 @@ def _abort_dropped(link: PeerLink, loop: asyncio.AbstractEventLoop, pid: int, wh
         try:
             loop.call_soon_threadsafe(_abort_streams, streams)
         except RuntimeError:  # the loop is closed
-            _abort_streams(streams)
+            _abort_streams(streams, looped=False)
     warnings.warn(f"unclosed {what}: its connections are aborted now, as it is garbage-collected; "
                   "use `async with kvwire.connect(...)` or await its close()",
                   ResourceWarning, stacklevel=1)  # (run by a collector: no caller to name)
 
 
-def _abort_streams(streams: Sequence[Stream]) -> None:
+def _abort_streams(streams: Sequence[Stream], looped: bool = True) -> None:
+    """Abort a dropped Peer's streams: on their loop, or (``looped`` False) where it is
+    closed, each socket closed at once all the same."""
     for s in streams:
         try:
-            s.abort()
-        except Exception:  # (a transport of a closed loop: it closes as it is collected)
+            if looped:
+                s.abort()
+            else:
+                s.abort_unlooped()
+        except Exception:
             _log.debug("aborting a dropped peer's stream failed", exc_info=True)
 
 

@@ -134,3 +134,43 @@ async def test_a_dropped_peer_whose_dropped_send_waits_on_the_server_is_not_coll
         assert receipt.request_id == "r1"
         stats = await _connections_gone(server)
         assert stats["connections"] == 0
+
+
+def _open_and_drop_in_own_loop(port: int) -> None:
+    """A peer opened in a loop of its own (run in this thread and closed, as asyncio.run()
+    does) and dropped there inside a reference cycle: only a collection after the loop is
+    closed can let it go."""
+
+    async def open_and_drop() -> None:
+        peer = kvwire.connect("127.0.0.1", port, secret=SECRET, streams=2)
+        await peer.__aenter__()
+        app: dict[str, object] = {"peer": peer}
+        app["self"] = app  # (the application's cycle)
+        del peer, app
+
+    with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+        runner.run(open_and_drop())
+
+
+async def test_a_peer_collected_after_its_loop_closed_closes_its_connections() -> None:
+    """Collected once its (asyncio) loop is closed, a dropped peer's connections close
+    there and then (the server sees them go), and the one warning is kvwire's: its
+    transports are closed with them, and warn of nothing at a later collection.  (uvloop
+    closes a loop's transports itself as the loop is closed.)"""
+    gc.disable()  # (nothing collects the peer but the test's own collections)
+    try:
+        async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+            await asyncio.to_thread(_open_and_drop_in_own_loop, server.port)
+            assert server.statistics()["connections"] >= 1
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                gc.collect()  # the peer, its loop closed
+                stats = await _connections_gone(server)
+                gc.collect()  # whatever of its connections the first collection left
+            assert stats["connections"] == 0
+            assert [str(w.message) for w in caught if w.category is ResourceWarning
+                    and "unclosed kvwire Peer" not in str(w.message)] == []
+            assert len([w for w in caught if w.category is ResourceWarning
+                        and f"unclosed kvwire Peer to 127.0.0.1:{server.port}" in str(w.message)]) == 1
+    finally:
+        gc.enable()
