@@ -80,6 +80,14 @@ def _target(result: np.ndarray[Any, Any], shape: tuple[int, int, int], *inputs: 
     return np.empty(shape, result.dtype)
 
 
+def _apart(base: memoryview, *inputs: memoryview) -> list[memoryview]:
+    """The payload buffers a ``*_at`` decode reads: each as it is, or a copy where it
+    overlaps ``base`` (a payload received into the buffer it is decoded into: the loops
+    would overwrite codes and scales they have not read yet)."""
+    dest = np.frombuffer(base, np.uint8)
+    return [memoryview(bytes(b)) if np.may_share_memory(dest, np.frombuffer(b, np.uint8)) else b for b in inputs]
+
+
 def _raise(status: int, codec: str, dtype: str = "") -> None:
     if status == _NONFINITE:
         raise UsageError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
@@ -165,10 +173,11 @@ def decode_rows_at(
     """Decode fp8/int8 codes straight into the byte ranges of ``base`` where the rows go
     (``spans`` as for :func:`encode_rows_at`; a range starting at -1 is rows written
     nowhere, a block the receiver drops); False, with nothing written, when ``base`` is
-    not aligned to the element size."""
+    not aligned to the element size.  A payload that lies in ``base`` is read from a copy."""
     assert ext is not None
     if not _aligned(base, numpy_dtype(dtype).itemsize):
         return False
+    scale_buf, code_buf = _apart(base, scale_buf, code_buf)
     rows, dim = shape[0] * shape[1], shape[2]
     status = ext.decode_rows(which, scale_buf, code_buf, rows, dim, _DTYPE_CODE[dtype], base, spans)
     if status:
@@ -246,10 +255,12 @@ def int4_decode_at(
     """Decode int4 ``[scales, minimums, codes]`` straight into the byte ranges of ``base``
     where the tokens go (``spans`` as for :func:`int4_encode_at`; a range starting at -1
     is tokens written nowhere, decoded only where a K group runs into a written range);
-    False, with nothing written, when the loops cannot."""
+    False, with nothing written, when the loops cannot.  A payload that lies in ``base``
+    is read from a copy."""
     assert ext is not None
     if not _int4_ranges_fit(base, spans, shape, dtype):
         return False
+    bufs = _apart(base, *bufs)
     status = ext.int4_decode(bufs[0], bufs[1], bufs[2], *shape, group, is_v, _DTYPE_CODE[dtype], base, spans)
     if status:
         _raise(status, "int4", dtype)
