@@ -504,6 +504,23 @@ PyDoc_STRVAR(crc32c_scatter_doc,
              "taken whole moves ``index`` past it).  ValueError if they hold fewer bytes.\n"
              "The GIL is released while the CRC runs over 8 KiB and more.");
 
+/* The buffers of crc32c_scatter() as a tuple of their own: getting a buffer may run Python
+ * code (a __buffer__ method, Python 3.12+) that changes the caller's list, and so frees
+ * the item array a PySequence_Fast() of it would be read through.  A tuple copy (of any
+ * iterable, as PySequence_Fast() took) holds every item whatever the list becomes. */
+static PyObject* buffers_tuple(PyObject* obj) {
+    if (PyList_Check(obj) || PyTuple_Check(obj)) return PySequence_Tuple(obj);
+    PyObject* it = PyObject_GetIter(obj);
+    if (it == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_TypeError))
+            PyErr_SetString(PyExc_TypeError, "crc32c_scatter(): buffers must be a sequence");
+        return NULL;
+    }
+    PyObject* seq = PySequence_Tuple(it);
+    Py_DECREF(it);
+    return seq;
+}
+
 static PyObject* py_crc32c_scatter(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     (void)self;
     if (nargs < 2 || nargs > 3) {
@@ -519,10 +536,10 @@ static PyObject* py_crc32c_scatter(PyObject* self, PyObject* const* args, Py_ssi
     }
     uint32_t value = 0;
     if (nargs == 3 && crc_value(args[2], &value) < 0) return NULL;
-    PyObject* seq = PySequence_Fast(args[0], "crc32c_scatter(): buffers must be a sequence");
+    PyObject* seq = buffers_tuple(args[0]);
     if (seq == NULL) return NULL;
-    const Py_ssize_t count = PySequence_Fast_GET_SIZE(seq);
-    PyObject** items = PySequence_Fast_ITEMS(seq);
+    const Py_ssize_t count = PyTuple_GET_SIZE(seq);
+    PyObject** items = PySequence_Fast_ITEMS(seq); /* a tuple's: fixed while it is held */
     Py_buffer* views = PyMem_Malloc(sizeof(Py_buffer) * (size_t)(count ? count : 1));
     if (views == NULL) {
         Py_DECREF(seq);

@@ -50,6 +50,7 @@ def _crc32c_scatter(buffers: Sequence[Any], nbytes: int, value: int = 0, /) -> t
     """What the compiled ``crc32c_scatter`` computes, with :func:`crc32c` per buffer."""
     if nbytes < 0:
         raise ValueError("crc32c_scatter(): nbytes must not be negative")
+    buffers = tuple(buffers)  # the buffers given, whatever a __buffer__ does to the caller's list
     crc, left, index = value, nbytes, 0
     while left > 0 and index < len(buffers):
         view = memoryview(buffers[index]).cast("B")
