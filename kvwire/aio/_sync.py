@@ -114,8 +114,10 @@ class BridgeLoop:
         # The process whose thread runs the loop: a child made by fork() has no such thread.
         self.pid = os.getpid()
         self.closed = False
-        # close_soon() was called (its stop, which sets closed, may not have run yet): set
-        # without a lock, by a finalizer perhaps.
+        # The loop's stop was queued, by close_soon() (its stop, which sets closed, may not
+        # have run yet) or by Bridge.close(): one stop only, as a second one, run once the
+        # loop thread left run_forever(), would stop what run() runs then (run_to_end()
+        # runs on through it all the same).  Set without a lock, by a finalizer perhaps.
         self.close_begun = False
         self.lock = threading.Lock()
         # Handles whose waiters wait on a condition of their own: woken when this closes,
@@ -147,14 +149,14 @@ class BridgeLoop:
                 with self.lock:
                     owned = list(self.owned.values())
                 if owned:
-                    self.loop.run_until_complete(asyncio.gather(*(self.close_owned(thing) for thing in owned),
-                                                                return_exceptions=True))
+                    self.run_to_end(asyncio.gather(*(self.close_owned(thing) for thing in owned),
+                                                   return_exceptions=True))
                 pending = asyncio.all_tasks(self.loop)
                 for task in pending:
                     task.cancel()
                 if pending:
-                    self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+                    self.run_to_end(asyncio.gather(*pending, return_exceptions=True))
+                self.run_to_end(self.loop.shutdown_asyncgens())
             finally:
                 self.loop.close()
                 with self.lock:
@@ -165,6 +167,17 @@ class BridgeLoop:
                     event.set()
                 for handle in watched:  # (a close that did not wait for this: close_soon())
                     handle._wake()
+
+    def run_to_end(self, aw: Any) -> None:
+        """Run the (stopped) loop until ``aw`` ended: a stop queued meanwhile (a close
+        begun while this one ran) does not end it midway, as it would end
+        ``run_until_complete()`` ("Event loop stopped before Future completed"), leaving
+        what it closes unclosed."""
+        fut = asyncio.ensure_future(aw, loop=self.loop)
+        fut.add_done_callback(lambda _: self.loop.stop())
+        while not fut.done():
+            self.loop.run_forever()
+        fut.result()
 
     def disown(self, thing: Any) -> None:
         with self.lock:
@@ -187,8 +200,9 @@ class BridgeLoop:
         return task
 
     def close_soon(self) -> None:
-        """:meth:`Bridge.close_soon`."""
-        if os.getpid() != self.pid:
+        """:meth:`Bridge.close_soon`: the loop's stop, queued once (nothing more when a
+        close was begun already, by this or by :meth:`Bridge.close`)."""
+        if os.getpid() != self.pid or self.close_begun:
             return
         self.close_begun = True
 
@@ -199,6 +213,15 @@ class BridgeLoop:
 
         with contextlib.suppress(RuntimeError):  # (the loop is closed: closed already)
             self.loop.call_soon_threadsafe(stop)
+
+    def stop_soon(self) -> None:
+        """:meth:`Bridge.close`'s stop of the loop, once what runs on it was closed:
+        nothing when a stop was queued already (:meth:`close_soon`, or a close before)."""
+        if self.close_begun:
+            return
+        self.close_begun = True
+        with contextlib.suppress(RuntimeError):  # (the loop is closed: closed already)
+            self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 #: How long a Bridge garbage-collected unclosed waits, on the collecting thread, for its
@@ -454,8 +477,7 @@ class Bridge:
         else:
             with contextlib.suppress(concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
                 fut.result(thread_wait(2 * timeout))
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._core.stop_soon()
         self._thread.join(thread_wait(timeout))
         if self._thread.is_alive():  # a stuck loop: its waiters are not left waiting on it
             with self._lock:

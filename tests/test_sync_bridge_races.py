@@ -1,0 +1,119 @@
+"""kvwire.sync: a Bridge closed by a garbage collector, racing what else closes it.
+
+- A SyncPeer (or SyncServer) with its own bridge dropped unclosed closes its bridge, and the
+  bridge, freed right after, was closed again by its own finalizer: a second stop of its
+  loop, which, once the loop thread had left its run on the first, stopped the loop thread's
+  close of what it owns midway ("Event loop stopped before Future completed" ended the
+  thread, the peer was never closed).  A close begun queues no second stop now, and the
+  loop thread's close runs to its end through a stray stop.
+
+Each race is made deterministic with a thing owned by the bridge whose close waits until
+the test lets it go.  Real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import threading
+import warnings
+import weakref
+
+import pytest
+
+from kvwire.sync import Bridge, SyncPeer, SyncServer
+from tests.conftest import SECRET
+from tests.test_sync_bridge_dropped import ended, resource_warnings
+from tests.test_sync_close import until
+from tests.test_sync_dropped import connections
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Blocker:
+    """Owned by a bridge as its servers and peers are: its close() waits for ``release``."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.closed = False
+
+    async def close(self) -> None:
+        self.started.set()
+        while not self.release.is_set():
+            await asyncio.sleep(0.01)
+        self.closed = True
+
+
+def owned_blocker(bridge: Bridge) -> Blocker:
+    blocker = Blocker()
+    bridge.run(bridge.own(blocker), 10)
+    return blocker
+
+
+def release_on_loop(loop: asyncio.AbstractEventLoop, blocker: Blocker) -> None:
+    """Let ``blocker``'s close end, from the loop: only once what was queued on it before ran."""
+    with contextlib.suppress(RuntimeError):  # (a loop closed already: its thread ended)
+        loop.call_soon_threadsafe(blocker.release.set)
+
+
+def test_a_dropped_own_bridge_peer_is_closed_when_its_bridge_is_freed_mid_close() -> None:
+    """The SyncPeer's finalizer begins its bridge's close; the bridge's own finalizer runs
+    once the loop thread is closing what it owns: it stops nothing more, and the peer (and
+    all else the bridge owns) is closed."""
+    with SyncServer(secret=SECRET) as other:
+        peer = SyncPeer("127.0.0.1", other.port, secret=SECRET)
+        bridge = peer.bridge
+        thread, loop, collected = bridge._thread, bridge.loop, weakref.ref(bridge)
+        blocker = owned_blocker(bridge)
+        assert until(lambda: connections(other) >= 1)
+        try:
+            with pytest.warns(ResourceWarning, match=r"unclosed kvwire\.sync\.SyncPeer"):
+                del peer
+                gc.collect()
+            assert blocker.started.wait(30)  # the loop thread left its run: it closes what it owns
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                del bridge  # its close was begun: its finalizer neither warns nor stops the loop again
+                gc.collect()
+            assert collected() is None
+            assert resource_warnings(seen) == []
+            release_on_loop(loop, blocker)  # (after a second stop, had one been queued)
+            assert ended(thread)
+        finally:
+            blocker.release.set()
+        assert blocker.closed
+        assert loop.is_closed()
+        assert until(lambda: connections(other) == 0)  # the dropped peer's connection was closed
+
+
+def test_close_soon_twice_stops_the_loop_once() -> None:
+    bridge = Bridge("closed-soon-twice")
+    thread = bridge._thread
+    blocker = owned_blocker(bridge)
+    try:
+        bridge.close_soon()
+        assert blocker.started.wait(30)
+        bridge.close_soon()  # a close begun: nothing more is queued
+        release_on_loop(bridge.loop, blocker)
+        assert ended(thread)
+    finally:
+        blocker.release.set()
+    assert blocker.closed
+    assert bridge.closed and bridge.loop.is_closed()
+
+
+def test_a_stray_stop_while_the_loop_thread_closes_what_it_owns_does_not_end_that_close() -> None:
+    bridge = Bridge("stray-stop")
+    thread = bridge._thread
+    blocker = owned_blocker(bridge)
+    try:
+        bridge.close_soon()
+        assert blocker.started.wait(30)
+        bridge.loop.call_soon_threadsafe(bridge.loop.stop)  # a stop from elsewhere
+        release_on_loop(bridge.loop, blocker)
+        assert ended(thread)
+    finally:
+        blocker.release.set()
+    assert blocker.closed
+    assert bridge.loop.is_closed()
