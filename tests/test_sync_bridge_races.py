@@ -6,6 +6,8 @@
   close of what it owns midway ("Event loop stopped before Future completed" ended the
   thread, the peer was never closed).  A close begun queues no second stop now, and the
   loop thread's close runs to its end through a stray stop.
+- A Bridge collected on another thread joined its loop thread there (at most 5 s): a
+  collection on another event loop's thread held that loop up.  It waits for nothing now.
 
 Each race is made deterministic with a thing owned by the bridge whose close waits until
 the test lets it go.  Real loopback sockets."""
@@ -15,15 +17,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import re
 import threading
 import warnings
 import weakref
 
 import pytest
 
+import kvwire.aio._sync as _sync
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
-from tests.test_sync_bridge_dropped import ended, resource_warnings
+from tests.test_sync_bridge_dropped import bridge_warning, ended, resource_warnings
 from tests.test_sync_close import until
 from tests.test_sync_dropped import connections
 
@@ -117,3 +121,35 @@ def test_a_stray_stop_while_the_loop_thread_closes_what_it_owns_does_not_end_tha
         blocker.release.set()
     assert blocker.closed
     assert bridge.loop.is_closed()
+
+
+def test_a_bridge_freed_on_another_loop_s_thread_does_not_hold_that_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finalizer begins the close and returns: the thread that freed the bridge (here
+    another bridge's loop thread) goes on while the dropped bridge's thread closes what it
+    owns (here held until the test lets it go).  A finalizer that waited for that thread
+    would wait for the release (its longest wait made longer than the test's)."""
+    monkeypatch.setattr(_sync, "DROPPED_BRIDGE_WAIT", 3600.0, raising=False)
+    collector = Bridge("collector")
+    try:
+        bridge = Bridge("freed-elsewhere")
+        thread, collected = bridge._thread, weakref.ref(bridge)
+        blocker = owned_blocker(bridge)
+        holder = [bridge]
+        del bridge
+        went_on = threading.Event()
+        with warnings.catch_warnings(record=True) as seen:  # (the warning is the collector's thread's)
+            warnings.simplefilter("always")
+            collector.loop.call_soon_threadsafe(holder.clear)  # the bridge is freed there
+            collector.loop.call_soon_threadsafe(went_on.set)
+            try:
+                assert went_on.wait(30), "the collector's loop was held up by the dropped bridge's finalizer"
+                assert blocker.started.wait(30)
+                assert thread.is_alive()  # (still closing what it owns)
+            finally:
+                blocker.release.set()
+            assert ended(thread)
+        assert collected() is None
+        assert blocker.closed
+        assert any(re.search(bridge_warning("freed-elsewhere"), m) for m in resource_warnings(seen))
+    finally:
+        collector.close()

@@ -224,26 +224,21 @@ class BridgeLoop:
             self.loop.call_soon_threadsafe(self.loop.stop)
 
 
-#: How long a Bridge garbage-collected unclosed waits, on the collecting thread, for its
-#: loop thread to close what runs on it and end (not on the loop thread: it waits not at all).
-DROPPED_BRIDGE_WAIT = 5.0
-
-
-def close_dropped_bridge(core: BridgeLoop, thread: threading.Thread, name: str) -> None:
+def close_dropped_bridge(core: BridgeLoop, name: str) -> None:
     """A :class:`Bridge`'s finalizer: garbage-collected unclosed (nothing made on it is
     alive, as each holds it), it is closed as :meth:`Bridge.close` would close it (the
-    servers and peers made on it too), waiting at most :data:`DROPPED_BRIDGE_WAIT` s for
-    its thread to end (not at all on that thread itself), and a ResourceWarning says so.
-    Nothing more when its close was begun already (closed by hand, or by the finalizer of
-    the SyncServer or SyncPeer it belonged to); nothing in a child made by ``fork()``."""
+    servers and peers made on it too) without waiting for it (:meth:`Bridge.close_soon`:
+    its loop thread closes them, then ends), and a ResourceWarning says so.  It waits for
+    nothing, as it runs on whatever thread the garbage collector ran on (another event
+    loop's, one holding a lock the loop thread's close needs).  Nothing more when its close
+    was begun already (closed by hand, or by the finalizer of the SyncServer or SyncPeer it
+    belonged to); nothing in a child made by ``fork()``."""
     if os.getpid() != core.pid:
         return
     begun = core.closed or core.close_begun
-    core.close_soon()  # (a close() that gave up on a held-up loop: its loop ends all the same)
+    core.close_soon()  # (a close() interrupted before its stop: the loop ends all the same)
     if begun:
         return
-    if threading.current_thread() is not thread:
-        thread.join(DROPPED_BRIDGE_WAIT)
     warnings.warn(f"unclosed kvwire.sync.Bridge {name!r}: it is closed now, with the servers and peers made on "
                   "it, as it is garbage-collected; close() it", ResourceWarning, stacklevel=1)
 
@@ -275,7 +270,7 @@ class Bridge:
         core.ready.wait()
         # Closes it once garbage-collected unclosed; not at the interpreter's exit (its
         # daemon thread ends with the process).
-        self._finalizer = weakref.finalize(self, close_dropped_bridge, core, self._thread, name)
+        self._finalizer = weakref.finalize(self, close_dropped_bridge, core, name)
         self._finalizer.atexit = False
 
     @property
