@@ -1897,9 +1897,21 @@ static int int4_spans_fit(Py_buffer* spans, idx hd) {
     return 0;
 }
 
+/* ceil(n / group) for n >= 1 without forming n + group - 1, which overflows for a group
+ * near PY_SSIZE_T_MAX (a caller's group may be any positive size; the wire's is 1..255) */
+static idx int4_ceil(idx n, idx group) { return 1 + (n - 1) / group; }
+
+/* A group larger than what it groups (a K group than the chunk's tokens, a V group than a
+ * head's channels) is one group of them: the group that size, which gives the same bytes
+ * and keeps the loops' group arithmetic (t0 + group, k * group + group) far from
+ * PY_SSIZE_T_MAX whatever size a caller passes. */
+static idx int4_group_used(idx tokens, idx dim, idx group, int is_v) {
+    const idx most = is_v ? dim : tokens;
+    return group > most ? most : group;
+}
+
 static idx int4_groups(idx tokens, idx heads, idx dim, idx group, int is_v) {
-    return is_v ? tokens * heads * ((dim + group - 1) / group)
-                : ((tokens + group - 1) / group) * heads * dim;
+    return is_v ? tokens * heads * int4_ceil(dim, group) : int4_ceil(tokens, group) * heads * dim;
 }
 
 typedef int (*i4_enc_fn)(const void*, idx, idx, idx, idx, int, kv_u8*, kv_u8*, kv_u8*, float*,
@@ -1986,7 +1998,7 @@ static idx next_piece(const token_cursor* c, idx rest, idx group, int is_v, int*
 
 /* The payload's offsets where a piece starting at token t begins: groups and code bytes. */
 static idx int4_groups_before(idx t, idx heads, idx dim, idx group, int is_v) {
-    return is_v ? t * heads * ((dim + group - 1) / group) : t / group * heads * dim;
+    return is_v ? t * heads * int4_ceil(dim, group) : t / group * heads * dim;
 }
 
 /* int4_encode(x, dtype, tokens, heads, dim, group, is_v, scales, mins, packed[, spans])
@@ -2003,6 +2015,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
     int ok = check_dt(dt) && check_sizes(tokens, heads) && check_sizes(tokens * heads, dim) &&
              check_sizes(group, 1) && int4_spans_fit(&spans, heads * dim);
     if (ok) {
+        group = int4_group_used(tokens, dim, group, is_v);
         idx n = tokens * heads * dim, g = int4_groups(tokens, heads, dim, group, is_v);
         ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
              parse_ranges(&spans, &x, "input", tokens, heads * dim * itemsize(dt), itemsize(dt), 0, &rr);
@@ -2070,6 +2083,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
              check_sizes(group, 1) && int4_spans_fit(&spans, heads * dim);
     idx n = 0, g = 0;
     if (ok) {
+        group = int4_group_used(tokens, dim, group, is_v);
         n = tokens * heads * dim;
         g = int4_groups(tokens, heads, dim, group, is_v);
         ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
