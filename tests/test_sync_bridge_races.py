@@ -6,6 +6,9 @@
   close of what it owns midway ("Event loop stopped before Future completed" ended the
   thread, the peer was never closed).  A close begun queues no second stop now, and the
   loop thread's close runs to its end through a stray stop.
+- A shared Bridge dropped with its SyncServer while an expect() was pending was kept alive
+  by that expect's coroutine on its own loop (it held the handle, which holds the bridge):
+  the server kept listening.
 - A Bridge collected on another thread joined its loop thread there (at most 5 s): a
   collection on another event loop's thread held that loop up.  It waits for nothing now.
 
@@ -24,14 +27,17 @@ import weakref
 
 import pytest
 
+import kvwire
 import kvwire.aio._sync as _sync
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
 from tests.test_sync_bridge_dropped import bridge_warning, ended, resource_warnings
-from tests.test_sync_close import until
-from tests.test_sync_dropped import connections
+from tests.test_sync_close import refused, until
+from tests.test_sync_dropped import connections, layers
 
 pytestmark = pytest.mark.timeout(120)
+
+SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
 
 
 class Blocker:
@@ -121,6 +127,51 @@ def test_a_stray_stop_while_the_loop_thread_closes_what_it_owns_does_not_end_tha
         blocker.release.set()
     assert blocker.closed
     assert bridge.loop.is_closed()
+
+
+def test_a_shared_bridge_dropped_with_its_server_and_a_pending_expect_is_collected() -> None:
+    bridge = Bridge("shared-pending-expect")
+    thread, collected = bridge._thread, weakref.ref(bridge)
+    server = SyncServer(secret=SECRET, bridge=bridge)
+    port = server.port
+    handle = server.expect("never-comes")  # no timeout: it waits on the loop until the server closes
+    assert until(lambda: not refused(port))
+    with pytest.warns(ResourceWarning, match=bridge_warning("shared-pending-expect")):
+        del handle, server, bridge
+        gc.collect()
+    assert collected() is None
+    assert ended(thread)
+    assert until(lambda: refused(port))  # no longer listening
+
+
+def test_the_expect_of_a_collected_bridge_fails_its_waiters() -> None:
+    """What the handle's waiters wait on is failed when the dropped bridge closes the server."""
+    bridge = Bridge("shared-failed-expect")
+    thread, collected = bridge._thread, weakref.ref(bridge)
+    server = SyncServer(secret=SECRET, bridge=bridge)
+    handle = server.expect("never-comes")
+    state = handle._state
+    with pytest.warns(ResourceWarning, match=bridge_warning("shared-failed-expect")):
+        del handle, server, bridge
+        gc.collect()
+    assert collected() is None
+    assert ended(thread)
+    assert state.error is not None and not state.done
+
+
+def test_a_shared_bridge_dropped_with_a_begun_send_is_collected() -> None:
+    with SyncServer(secret=SECRET) as other:
+        bridge = Bridge("shared-begun-send")
+        thread, collected = bridge._thread, weakref.ref(bridge)
+        peer = SyncPeer("127.0.0.1", other.port, secret=SECRET, bridge=bridge)
+        send = peer.begin("half-sent", SPEC)
+        send.send_layer(*layers()[0])  # one layer of two: the send waits on the loop
+        with pytest.warns(ResourceWarning, match=bridge_warning("shared-begun-send")):
+            del send, peer, bridge
+            gc.collect()
+        assert collected() is None
+        assert ended(thread)
+        assert until(lambda: connections(other) == 0)
 
 
 def test_a_bridge_freed_on_another_loop_s_thread_does_not_hold_that_loop(monkeypatch: pytest.MonkeyPatch) -> None:

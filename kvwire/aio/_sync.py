@@ -547,97 +547,124 @@ def watch_dropped(owner: SyncServer | SyncPeer, what: str) -> weakref.finalize[A
     return finalizer
 
 
+class ReceiveState:
+    """What a :class:`ReceiveHandle`'s receive on the loop fills and its waiters wait on.
+    It refers to no bridge (nor to the handle, which holds the bridge): the receive on the
+    loop holds this, so that a bridge dropped with its server while an ``expect()`` without
+    timeout is pending is collected (and closes that server, which fails the receive), not
+    kept alive by its own loop."""
+
+    def __init__(self, request_id: str, num_layers: int | None) -> None:
+        self.request_id = request_id
+        self.cond = threading.Condition()
+        self.layers: dict[int, Layer] = {}
+        self.num_layers = num_layers
+        self.error: KvwireError | None = None
+        self.done = False
+        self.transfer: Any = None
+        self.task: asyncio.Task[None] | None = None
+
+    def fail(self, error: KvwireError) -> None:
+        with self.cond:
+            if self.error is None and not self.done:
+                self.error = error
+            self.cond.notify_all()
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+
+async def receive(state: ReceiveState, server: Any, into: Any, timeout: float | None) -> None:
+    """(on the loop) :meth:`SyncServer.expect`'s receive into ``state``: what it waits
+    for, and every layer as it arrives (``into``: a destination, or None)."""
+    state.task = asyncio.current_task()
+    request_id = state.request_id
+    if state.error is not None:  # aborted before this began: expect nothing
+        return
+    try:
+        transfer = await server.expect(request_id, into=into, timeout=timeout) if into is not None \
+            else await server.expect(request_id, timeout=timeout)
+        with state.cond:
+            aborted = state.error is not None  # abort() came while the transfer was handed over
+            if not aborted:
+                state.transfer = transfer
+                state.num_layers = transfer.spec.num_layers
+                state.cond.notify_all()
+        if aborted:
+            transfer.abort(f"receive of {request_id!r} aborted")
+            return
+        async for layer in transfer:
+            with state.cond:
+                state.layers[layer.index] = layer
+                state.cond.notify_all()
+        with state.cond:
+            state.done = True
+            state.cond.notify_all()
+    except asyncio.CancelledError:
+        state.fail(TransferAbortedError(f"receive of {request_id!r} aborted"))
+        raise
+    except KvwireError as exc:
+        state.fail(exc)
+    except Exception as exc:  # never leave a waiter hanging on an unexpected error
+        state.fail(KvwireError(f"receive of {request_id!r} failed: {exc!r}"))
+
+
 class ReceiveHandle:
     """An expected incoming transfer, waited on from any thread."""
 
     def __init__(self, bridge: Bridge, request_id: str, num_layers: int | None) -> None:
+        # The bridge, for the caller's side only: the receive on the loop holds the state.
         self._bridge = bridge
         self.request_id = request_id
-        self._cond = threading.Condition()
-        self._layers: dict[int, Layer] = {}
-        self._num_layers = num_layers
-        self._error: KvwireError | None = None
-        self._done = False
-        self._transfer: Any = None
-        self._task: asyncio.Task[None] | None = None
+        self._state = ReceiveState(request_id, num_layers)
         bridge.watch(self)
 
-    # -- loop side ----------------------------------------------------------------------
-
-    async def _run(self, server: Any, into: Any, timeout: float | None) -> None:
-        self._task = asyncio.current_task()
-        if self._error is not None:  # aborted before this began: expect nothing
-            return
-        try:
-            transfer = await server.expect(self.request_id, into=into, timeout=timeout) if into is not None \
-                else await server.expect(self.request_id, timeout=timeout)
-            with self._cond:
-                aborted = self._error is not None  # abort() came while the transfer was handed over
-                if not aborted:
-                    self._transfer = transfer
-                    self._num_layers = transfer.spec.num_layers
-                    self._cond.notify_all()
-            if aborted:
-                transfer.abort(f"receive of {self.request_id!r} aborted")
-                return
-            async for layer in transfer:
-                with self._cond:
-                    self._layers[layer.index] = layer
-                    self._cond.notify_all()
-            with self._cond:
-                self._done = True
-                self._cond.notify_all()
-        except asyncio.CancelledError:
-            self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted"))
-            raise
-        except KvwireError as exc:
-            self._fail(exc)
-        except Exception as exc:  # never leave a waiter hanging on an unexpected error
-            self._fail(KvwireError(f"receive of {self.request_id!r} failed: {exc!r}"))
+    def _receive(self, server: Any, into: Any, timeout: float | None) -> Coroutine[Any, Any, None]:
+        """The receive to run on the loop: it refers to the state, not to this handle (nor,
+        through it, to the bridge, which its own loop would then keep alive)."""
+        return receive(self._state, server, into, timeout)
 
     def _fail(self, error: KvwireError) -> None:
-        with self._cond:
-            if self._error is None and not self._done:
-                self._error = error
-            self._cond.notify_all()
+        self._state.fail(error)
 
     def _wake(self) -> None:
         """The bridge closed: waiters look again (and see it closed)."""
-        with self._cond:
-            self._cond.notify_all()
+        self._state.wake()
 
     # -- caller side ----------------------------------------------------------------------
 
     @property
     def transfer(self) -> Any:
         """The :class:`~kvwire.Transfer` once it arrived (None before)."""
-        return self._transfer
+        return self._state.transfer
 
     @property
     def done(self) -> bool:
         """Every layer arrived."""
-        return self._done
+        return self._state.done
 
     @property
     def error(self) -> KvwireError | None:
-        return self._error
+        return self._state.error
 
     def layers_done(self) -> int:
-        with self._cond:
-            return len(self._layers)
+        with self._state.cond:
+            return len(self._state.layers)
 
     def _wait_for(self, ready: Any, timeout: float | None, what: str) -> None:
         check_wait(timeout)
         self._bridge.check_process()
         if self._bridge.in_loop_thread():
             raise UsageError("a blocking kvwire.sync call was made from the bridge's own loop thread")
-        with self._cond:
-            ok = self._cond.wait_for(lambda: ready() or self._error is not None or self._bridge.closed,
+        state = self._state
+        with state.cond:
+            ok = state.cond.wait_for(lambda: ready() or state.error is not None or self._bridge.closed,
                                      thread_wait(timeout))
             if ready():
                 return
-            if self._error is not None:
-                raise detached(self._error)
+            if state.error is not None:
+                raise detached(state.error)
             if self._bridge.closed:
                 raise ConnectionLostError("the kvwire bridge is closed")
             assert not ok
@@ -646,19 +673,20 @@ class ReceiveHandle:
     def wait_layer(self, index: SupportsIndex, timeout: float | None = None) -> Layer:
         """Block until layer ``index`` (an int) has arrived; return it (raises the transfer's error)."""
         i = check_index("layer index", index, 0)
-        if self._num_layers is not None and i >= self._num_layers:
-            raise UsageError(f"layer {i} out of range: the transfer has {self._num_layers} layers")
+        state = self._state
+        if state.num_layers is not None and i >= state.num_layers:
+            raise UsageError(f"layer {i} out of range: the transfer has {state.num_layers} layers")
         # Once the transfer arrived (or ended) its layer count is known: an index past it
         # is an error then, not a wait without end.
-        self._wait_for(lambda: i in self._layers or self._done or (
-            self._num_layers is not None and i >= self._num_layers), timeout, f"layer {i}")
-        if i not in self._layers:
-            raise UsageError(f"layer {i} out of range: the transfer has {self._num_layers} layers")
-        return self._layers[i]
+        self._wait_for(lambda: i in state.layers or state.done or (
+            state.num_layers is not None and i >= state.num_layers), timeout, f"layer {i}")
+        if i not in state.layers:
+            raise UsageError(f"layer {i} out of range: the transfer has {state.num_layers} layers")
+        return state.layers[i]
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every layer has arrived."""
-        self._wait_for(lambda: self._done, timeout, "transfer")
+        self._wait_for(lambda: self._state.done, timeout, "transfer")
 
     def abort(self, reason: str = "", timeout: float = 5.0) -> bool:
         """Stop receiving: the sender is told (when the transfer began) and waiters fail.
@@ -674,14 +702,16 @@ class ReceiveHandle:
         self._bridge.check_process()
         self._fail(TransferAbortedError(f"receive of {self.request_id!r} aborted{': ' + reason if reason else ''}"))
 
+        state = self._state
+
         def cancel() -> None:
-            t = self._transfer
+            t = state.transfer
             if t is not None and not t.complete:
                 abort = getattr(t, "abort", None)
                 if abort is not None:
                     abort(reason)
                 else:  # a server without Transfer.abort(): fail it and tell the sender
-                    err = TransferAbortedError(f"receiver aborted {self.request_id!r}")
+                    err = TransferAbortedError(f"receiver aborted {state.request_id!r}")
                     t.fail(err)
                     sess = t._session
                     sess.bury(t, err)
@@ -689,8 +719,8 @@ class ReceiveHandle:
                     if stream is not None:
                         stream.conn.send_reset(t.transfer_id, err.code, str(err))
                         stream.flush()
-            if self._task is not None:
-                self._task.cancel()
+            if state.task is not None:
+                state.task.cancel()
 
         if self._bridge.in_loop_thread():
             cancel()
@@ -776,7 +806,7 @@ class SyncServer:
         handle = ReceiveHandle(self.bridge, request_id, layers)
         with self._handles_lock:
             self._handles.add(handle)
-        self.bridge.submit(handle._run(self._server, into, timeout))
+        self.bridge.submit(handle._receive(self._server, into, timeout))
         return handle
 
     def close(self, timeout: float = 5.0) -> None:
