@@ -11,6 +11,8 @@ instruction, or a portable table) and releases the GIL for buffers of 8 KiB and 
 
 from __future__ import annotations
 
+import operator
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any, Protocol
@@ -47,13 +49,24 @@ class Crc32cScatter(Protocol):
 
 
 def _crc32c_scatter(buffers: Sequence[Any], nbytes: int, value: int = 0, /) -> tuple[int, int, int]:
-    """What the compiled ``crc32c_scatter`` computes, with :func:`crc32c` per buffer."""
+    """What the compiled ``crc32c_scatter`` computes, with :func:`crc32c` per buffer, and
+    what it refuses, with the same exception types: ``nbytes`` an index-sized integer
+    (not a float), ``value`` any integer taken modulo 2**32, ``buffers`` any iterable of
+    C-contiguous buffers."""
+    nbytes = operator.index(nbytes)
+    if not -sys.maxsize - 1 <= nbytes <= sys.maxsize:
+        raise OverflowError("cannot fit 'int' into an index-sized integer")
     if nbytes < 0:
         raise ValueError("crc32c_scatter(): nbytes must not be negative")
+    crc = operator.index(value) & 0xFFFFFFFF
     buffers = tuple(buffers)  # the buffers given, whatever a __buffer__ does to the caller's list
-    crc, left, index = value, nbytes, 0
+    left, index = nbytes, 0
     while left > 0 and index < len(buffers):
-        view = memoryview(buffers[index]).cast("B")
+        view = memoryview(buffers[index])
+        if not view.c_contiguous:
+            crc32c(buffers[index])  # raises the exporter's own error, as the compiled function does
+            raise BufferError("crc32c_scatter() needs C-contiguous buffers")
+        view = view.cast("B")
         if view.nbytes > left:
             return crc32c(view[:left], crc), index, left
         crc = crc32c(view, crc)
