@@ -10,6 +10,7 @@ The loops release the GIL, so encodes and decodes on executor threads run in par
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -86,6 +87,54 @@ def _apart(base: memoryview, *inputs: memoryview) -> list[memoryview]:
     would overwrite codes and scales they have not read yet)."""
     dest = np.frombuffer(base, np.uint8)
     return [memoryview(bytes(b)) if np.may_share_memory(dest, np.frombuffer(b, np.uint8)) else b for b in inputs]
+
+
+#: the formats of 8-byte integers in this machine's order, which spans may have besides
+#: raw bytes (``l`` and ``L`` where they are 8 bytes: the item size is checked too)
+_INT64_FORMATS = frozenset({"q", "Q", "l", "L", "@q", "@Q", "@l", "@L", "=q", "=Q"}
+                           | ({"<q", "<Q"} if sys.byteorder == "little" else {">q", ">Q"}))
+
+
+def check_span_items(spans: Any, codec: str) -> None:
+    """UsageError unless the elements of ``spans`` (checked by
+    :func:`~kvwire.codec._numeric.check_spans`) are read as they are meant: raw bytes or
+    8-byte integers (int32 pairs of the right length were read as int64 ones)."""
+    view = memoryview(spans)
+    if view.itemsize != 1 and not (view.itemsize == 8 and view.format in _INT64_FORMATS):
+        raise UsageError(f"{codec}: spans must be int64 (start, size) pairs, got elements of format {view.format!r}")
+
+
+def check_encode_ranges(
+    base: Any, spans: Any, shape: Any, dtype: str, codec: str
+) -> tuple[int, int, int]:
+    """The arguments of ``encode_ranges`` checked as ``decode_ranges`` checks its own,
+    with UsageError: ``base`` a C-contiguous bytes-like object (read-only allowed),
+    ``spans`` one or more int64 ``(start, size)`` pairs (raw bytes or 8-byte integers) of
+    whole rows inside it holding the chunk's rows, ``shape`` and ``dtype`` what the codecs
+    take.  Checked with or without the compiled loops (which would raise ValueError or
+    BufferError, or misread the spans).  The checked shape."""
+    try:
+        view = memoryview(base)
+    except TypeError:
+        raise UsageError(f"{codec}: base must be a bytes-like object, got {type(base).__name__}") from None
+    if not view.c_contiguous:
+        raise UsageError(f"{codec}: base must be C-contiguous")
+    nm.check_spans(spans, codec)
+    check_span_items(spans, codec)
+    checked = nm.check_shape(shape, codec)
+    item = numpy_dtype(dtype).itemsize
+    row = checked[2] * item
+    want = checked[0] * checked[1] * row
+    pairs = np.frombuffer(memoryview(spans).cast("B"), np.int64).reshape(-1, 2).tolist()
+    total = 0
+    for i, (start, size) in enumerate(pairs):
+        if start < 0 or size <= 0 or start > view.nbytes - size or size % row or start % item:
+            raise UsageError(f"{codec}: range {i} ({start}, {size}) is not whole rows of {row} bytes "
+                             f"inside the {view.nbytes}-byte base")
+        total += size
+    if total != want:
+        raise UsageError(f"{codec}: ranges of {total} bytes in all, for a chunk of {want}")
+    return checked
 
 
 def _raise(status: int, codec: str, dtype: str = "") -> None:

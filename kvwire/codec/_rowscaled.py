@@ -41,9 +41,10 @@ class RowScaledCodec(Codec):
         self, base: memoryview, spans: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
     ) -> EncodedChunk | None:
         TensorKind(kind)
+        shape = _host.check_encode_ranges(base, spans, shape, dtype, self.name)
         if _host.ext is None:
             return None
-        payload = _host.encode_rows_at(self.host_loop, base, spans, nm.check_shape(shape, self.name), dtype, self.name)
+        payload = _host.encode_rows_at(self.host_loop, base, spans, shape, dtype, self.name)
         return None if payload is None else EncodedChunk(self.codec_id, b"", payload.data)
 
     def decode_ranges(
@@ -53,6 +54,7 @@ class RowScaledCodec(Codec):
         params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
         nm.check_spans(spans, self.name)
+        _host.check_span_items(spans, self.name)
         TensorKind(kind)
         if _host.ext is None:
             return False

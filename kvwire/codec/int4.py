@@ -71,9 +71,9 @@ class Int4Codec(Codec):
         self, base: memoryview, spans: Any, shape: tuple[int, int, int], dtype: str, kind: TensorKind
     ) -> EncodedChunk | None:
         kind = TensorKind(kind)
+        shape = _host.check_encode_ranges(base, spans, shape, dtype, self.name)
         if _host.ext is None:
             return None
-        shape = nm.check_shape(shape, self.name)
         payload = _host.int4_encode_at(
             base, spans, shape, dtype, self.group, kind == TensorKind.V, group_count(shape, kind, self.group))
         return None if payload is None else EncodedChunk(self.codec_id, bytes([self.group]), payload.data)
@@ -85,6 +85,7 @@ class Int4Codec(Codec):
         params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
         nm.check_spans(spans, self.name)
+        _host.check_span_items(spans, self.name)
         TensorKind(kind)
         if _host.ext is None:
             return False
