@@ -1814,6 +1814,7 @@ def test_a_cache_whose_first_axis_is_not_the_block_index_is_refused() -> None:
         worker.register_kv_caches({n: torch.zeros((2, 64, 16, 4, 64)) for n in LAYERS})
     fine = KvwireConnector(connector_config({"kvwire_peer": "127.0.0.1:9"}), KVConnectorRole.WORKER, kv_config)
     fine.register_kv_caches({n: torch.zeros((64, 2, 16, 4, 64)) for n in LAYERS})
+    fine.shutdown()  # (its connect, under way on kvwire's loop, and its bridge closed)
 
 
 def test_a_send_that_fails_for_one_request_does_not_fail_the_step(
@@ -1826,9 +1827,12 @@ def test_a_send_that_fails_for_one_request_does_not_fail_the_step(
     bad = _Move(req_id="bad", key="bad", block_ids=[1, 500])
     good = _Move(req_id="good", key="good", block_ids=BLOCKS[:4])
     handle = server.expect("good")
-    step(worker, KvwireConnectorMetadata(saves=[bad, good]), caches)
-    assert "bad" not in worker._sending and "bad" not in worker._in_flight
-    assert len(received(handle)) == len(LAYERS)
+    try:
+        step(worker, KvwireConnectorMetadata(saves=[bad, good]), caches)
+        assert "bad" not in worker._sending and "bad" not in worker._in_flight
+        assert len(received(handle)) == len(LAYERS)
+    finally:
+        worker.shutdown()
 
 
 def test_the_connector_asks_for_piecewise_cuda_graphs() -> None:
@@ -1894,9 +1898,12 @@ def test_sides_whose_blocks_differ_in_layout_do_not_exchange_them() -> None:
     def fingerprint(isa: str | None, backend: str = "CPU_ATTN", model: str | None = None,
                     extra: dict[str, Any] | None = None) -> bytes:
         c = made(isa, {"kvwire_peer": "127.0.0.1:9", **(extra or {})}, "kv_producer", backend, model)
-        c.register_kv_caches({n: torch.zeros((4, 2, 16, 64)) for n in LAYERS})
-        assert c._spec is not None
-        return c._spec.wire_spec().fingerprint
+        try:
+            c.register_kv_caches({n: torch.zeros((4, 2, 16, 64)) for n in LAYERS})
+            assert c._spec is not None
+            return c._spec.wire_spec().fingerprint
+        finally:
+            c.shutdown()
 
     assert fingerprint("amx") == fingerprint("amx")
     assert fingerprint("amx") != fingerprint("vec")
