@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from kvwire.codec import Codec, Int4Codec, TensorKind, _host, get_codec, numpy_dtype
 from kvwire.errors import UsageError
+from tests.conftest import needs_extension
 
 CODECS = ["fp8", "int8", "int4"]
 # bytes below 0x40 are finite float16, bfloat16 and float32 values however they are read
@@ -106,7 +107,7 @@ def outcome(codec: Codec, base: Any, spans: Any, shape: Any, dtype: str, kind: A
         return type(exc)
 
 
-@pytest.mark.skipif(_host.ext is None, reason="without the compiled codecs there is nothing to compare")
+@needs_extension(_host.ext is not None, "kvwire.codec._hostcodec")
 @settings(max_examples=400, deadline=None)
 @given(args=arguments())
 def test_compiled_and_fallback_refuse_the_same_arguments_alike(args: tuple[str, str, str, Any, str, Any]) -> None:
