@@ -498,9 +498,14 @@ class Stream(asyncio.BufferedProtocol):
             return
         with contextlib.suppress(RuntimeError):  # "Event loop is closed": asyncio's
             tr.abort()
-        lost = getattr(tr, "_call_connection_lost", None)
-        if tr.is_closing() and getattr(tr, "_sock", None) is not None and callable(lost):
-            lost(None)
+        # Under TLS the socket is the SSL wrapper's inner transport's, whose loss would
+        # then tell this stream through the closed loop (RuntimeError, its socket closed).
+        inner = getattr(getattr(tr, "_ssl_protocol", None), "_transport", None)
+        for t in (tr, inner):
+            lost = getattr(t, "_call_connection_lost", None)
+            if t is not None and t.is_closing() and getattr(t, "_sock", None) is not None and callable(lost):
+                with contextlib.suppress(RuntimeError):
+                    lost(None)
 
 
 def _queue_parts(data: Sequence[Any]) -> list[Any]:

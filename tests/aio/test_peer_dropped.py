@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import ssl
 import warnings
 import weakref
 
 import numpy as np
 import pytest
+import trustme
 
 import kvwire
 from kvwire.aio.client import Peer
@@ -136,13 +138,13 @@ async def test_a_dropped_peer_whose_dropped_send_waits_on_the_server_is_not_coll
         assert stats["connections"] == 0
 
 
-def _open_and_drop_in_own_loop(port: int) -> None:
+def _open_and_drop_in_own_loop(port: int, ssl_context: ssl.SSLContext | None = None) -> None:
     """A peer opened in a loop of its own (run in this thread and closed, as asyncio.run()
     does) and dropped there inside a reference cycle: only a collection after the loop is
     closed can let it go."""
 
     async def open_and_drop() -> None:
-        peer = kvwire.connect("127.0.0.1", port, secret=SECRET, streams=2)
+        peer = kvwire.connect("127.0.0.1", port, secret=SECRET, streams=2, ssl=ssl_context)
         await peer.__aenter__()
         app: dict[str, object] = {"peer": peer}
         app["self"] = app  # (the application's cycle)
@@ -152,15 +154,24 @@ def _open_and_drop_in_own_loop(port: int) -> None:
         runner.run(open_and_drop())
 
 
-async def test_a_peer_collected_after_its_loop_closed_closes_its_connections() -> None:
+@pytest.mark.parametrize("tls", [False, True])
+async def test_a_peer_collected_after_its_loop_closed_closes_its_connections(tls: bool) -> None:
     """Collected once its (asyncio) loop is closed, a dropped peer's connections close
     there and then (the server sees them go), and the one warning is kvwire's: its
     transports are closed with them, and warn of nothing at a later collection.  (uvloop
-    closes a loop's transports itself as the loop is closed.)"""
+    closes a loop's transports itself as the loop is closed.)  Under TLS too, where the
+    socket is the SSL transport's inner one."""
+    server_ctx = client_ctx = None
+    if tls:
+        ca = trustme.CA()
+        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+        client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        ca.configure_trust(client_ctx)
     gc.disable()  # (nothing collects the peer but the test's own collections)
     try:
-        async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-            await asyncio.to_thread(_open_and_drop_in_own_loop, server.port)
+        async with kvwire.serve("127.0.0.1", 0, secret=SECRET, ssl=server_ctx) as server:
+            await asyncio.to_thread(_open_and_drop_in_own_loop, server.port, client_ctx)
             assert server.statistics()["connections"] >= 1
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
