@@ -205,13 +205,14 @@ async def send(
     sync = _sync_source(layers)
     producer = iterate_layers(layers) if sync is None else None
     started = clock()
-    if not peer.sends:
-        peer.transport_meter.resume()
-        if peer.chooser is not None:
-            peer.chooser.observe_idle()  # the peer was idle (or its last transfer failed)
+    idle = not peer.sends
     tid = core.begin(request_id, num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                      head_dim=spec.head_dim, dtype_id=spec.dtype_id, model=spec.model, meta=meta,
                      blocks=blocks, now=asyncio.get_running_loop().time(), timeout=timeout)
+    if idle:  # (after BEGIN: a send it refuses leaves the peer idle, its meter paused)
+        peer.transport_meter.resume()
+        if peer.chooser is not None:
+            peer.chooser.observe_idle()  # the peer was idle (or its last transfer failed)
     st = peer.sends[tid] = SendState(peer.changed)
     peer.pump()
     used: dict[str, int] = {}

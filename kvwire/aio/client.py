@@ -298,7 +298,9 @@ class _TransportMeter:
         self._bytes += wire_bytes
         self._by_codec[codec] = self._by_codec.get(codec, 0) + wire_bytes
         if self._bytes >= TRANSPORT_SAMPLE_BYTES:
-            cpu, wall, runnable = time.thread_time(), clock(), runnable_ns()
+            # (an acknowledgement after the last send ended, the peer idle: measured up to
+            # the pause, the idle time in neither this measurement nor the next)
+            cpu, wall, runnable = self._paused or (time.thread_time(), clock(), runnable_ns())
             top = max(self._by_codec, key=self._by_codec.__getitem__)
             own = top if self._by_codec[top] >= CODEC_SHARE * self._bytes else None
             share = None
@@ -506,10 +508,6 @@ class Peer(Pump):
     def notsent_lowat(self) -> int | None:
         return self._link.notsent_lowat
 
-    @notsent_lowat.setter
-    def notsent_lowat(self, value: int | None) -> None:
-        self._link.notsent_lowat = value
-
     def timer_callback(self) -> Callable[[], None]:
         return self._link.fire  # (not the Peer's own method: the loop does not keep it alive)
 
@@ -597,13 +595,10 @@ class Peer(Pump):
     # -- what a stream asks of its pump --------------------------------------------------
 
     def stream_made(self, stream: Stream) -> bool:
-        if not self.is_current(stream):
+        if not self._link.is_current(stream):
             return False
         self.core.stream_opened(stream.key, self.now(), started=stream.started)
         return True
-
-    def is_current(self, stream: Stream) -> bool:
-        return self.streams[stream.key] is stream and not self.closed
 
     def set_writable(self, stream: Stream, writable: bool) -> None:
         self.core.set_writable(stream.key, writable)
@@ -1014,7 +1009,7 @@ class Peer(Pump):
     def protocol_version(self) -> int | None:
         """The wire protocol version the session agreed with the server (docs/protocol.md
         5.4: the highest both speak, 2 between two peers of this release); ``None``
-        before the first stream opened."""
+        until the first stream's handshake agreed it."""
         return self.core.version
 
     def statistics(self) -> dict[str, Any]:

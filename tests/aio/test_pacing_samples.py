@@ -324,6 +324,45 @@ async def test_a_measurement_runs_on_across_small_sends(monkeypatch: Any) -> Non
     assert chooser.codecs == ["raw"]
 
 
+def test_an_acknowledgement_after_the_last_send_is_measured_without_the_idle_time(monkeypatch: Any) -> None:
+    """A measurement completed while the peer is idle (an acknowledgement after its last
+    send ended) is measured up to the pause: the idle time is in neither it nor the next
+    (which came out short, even negative, when it was taken off both)."""
+    from kvwire.aio import client as client_mod
+
+    cpu, wall = [10.0], [100.0]
+    monkeypatch.setattr(client_mod.time, "thread_time", lambda: cpu[0])
+    monkeypatch.setattr(client_mod, "clock", lambda: wall[0])
+    monkeypatch.setattr(client_mod, "runnable_ns", lambda: None)
+    meter = client_mod._TransportMeter()
+    meter._warm = True
+    chooser = _TransportChooser()
+    meter.resume()
+    cpu[0] += 0.2
+    meter.delivered(24 << 20, chooser, "raw")
+    meter.pause()  # the last send ended
+    cpu[0] += 1.0  # idle: the application's time
+    meter.delivered(8 << 20, chooser, "raw")  # 32 MiB: a measurement while idle
+    cpu[0] += 1.0
+    meter.resume()
+    cpu[0] += 0.05
+    meter.delivered(32 << 20, chooser, "raw")
+    assert [c for _, c in chooser.seen] == [pytest.approx(0.2), pytest.approx(0.05)]
+
+
+async def test_a_send_refused_at_begin_leaves_the_idle_peers_meter_paused() -> None:
+    """A send refused by BEGIN (here its meta larger than a frame) on an idle peer leaves
+    it idle: its meter stays paused, and the application's time until the next send is
+    not the transport's."""
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto") as peer:
+            spec = kvwire.KVSpec(num_layers=1, num_kv_heads=1, head_dim=8)
+            with pytest.raises(kvwire.UsageError):
+                await peer.send("big", spec, make_layers(1, 4, 1, 8), meta={"x": "y" * (8 << 20)})
+            assert not peer.sends
+            assert peer.transport_meter._paused is not None
+
+
 async def test_auto_measures_raw_over_sends_of_a_few_mib() -> None:
     """Over a real connection: sequential sends of 8 MiB each with ``codec="auto"`` get
     raw's transport cost measured (before, each send restarted the count and no
