@@ -514,7 +514,9 @@ def egress_demand(state: SimState) -> float:
     reads it (``egress_demand_bps``): the KV bytes of the offloads placed in the last
     ``egress_window_s`` seconds of simulated time (each estimated when it was placed),
     over that window. Deterministic. A window much longer than one transfer keeps a
-    single large KV from reading as a full link."""
+    single large KV from reading as a full link. It forgets (drops from
+    ``state.offloaded``) the offloads older than the window as of ``state.now``: it reads
+    ``now`` moving forward only, as the simulator's clock does."""
     window = state.config.egress_window_s
     if window <= 0:
         return 0.0
@@ -530,7 +532,10 @@ def _expire_offloads(state: SimState) -> None:
 
 
 def _record_offload(state: SimState, nbytes: float) -> None:
-    """An offload placed now, of ``nbytes`` estimated KV (rounded to whole bytes)."""
+    """An offload placed now, of ``nbytes`` estimated KV (rounded to whole bytes); not
+    kept without an egress window (nothing reads it)."""
+    if state.config.egress_window_s <= 0:
+        return
     b = round(nbytes)
     state.offloaded.append((state.now, b))
     state.offloaded_bytes += b
@@ -646,7 +651,6 @@ def _place(state: SimState, i: int) -> bool:
             state.next_control_s = state.now + state.config.control_interval_s
         threshold = state.adaptive.threshold_tokens
     state.thresholds_seen.append(threshold)
-    _expire_offloads(state)
     # The scheduler sees what each cache holds now; the prefill looks again when it starts.
     local_hit = _planned_hit(state.local_cache, state.local_pending, r.hash_ids)
     remote_hit = _planned_hit(state.remote_cache, state.remote_pending, r.hash_ids)
