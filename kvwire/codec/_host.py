@@ -113,12 +113,8 @@ def check_encode_ranges(
     whole rows inside it holding the chunk's rows, ``shape`` and ``dtype`` what the codecs
     take.  Checked with or without the compiled loops (which would raise ValueError or
     BufferError, or misread the spans).  The checked shape."""
-    try:
-        view = memoryview(base)
-    except TypeError:
-        raise UsageError(f"{codec}: base must be a bytes-like object, got {type(base).__name__}") from None
-    if not view.c_contiguous:
-        raise UsageError(f"{codec}: base must be C-contiguous")
+    nm.check_base(base, codec, writable=False)
+    view = memoryview(base)
     nm.check_spans(spans, codec)
     check_span_items(spans, codec)
     checked = nm.check_shape(shape, codec)

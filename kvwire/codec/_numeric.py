@@ -217,14 +217,16 @@ def check_params(params: Any, codec: str) -> bytes:
         raise UsageError(f"{codec}: params must be a bytes-like object, got {type(params).__name__}") from None
 
 
-def check_base(base: Any, codec: str) -> None:
-    """UsageError unless a ``decode_ranges`` destination is a writable, C-contiguous
-    bytes-like object (its spans are byte offsets into it)."""
+def check_base(base: Any, codec: str, *, writable: bool = True) -> None:
+    """UsageError unless a ``decode_ranges`` destination is a writable (an
+    ``encode_ranges`` source: with ``writable`` false, any), C-contiguous bytes-like
+    object (its spans are byte offsets into it)."""
     try:
         view = memoryview(base)
     except TypeError:
-        raise UsageError(f"{codec}: base must be a writable bytes-like object, got {type(base).__name__}") from None
-    if view.readonly:
+        what = "a writable" if writable else "a"
+        raise UsageError(f"{codec}: base must be {what} bytes-like object, got {type(base).__name__}") from None
+    if writable and view.readonly:
         raise UsageError(f"{codec}: base is read-only")
     if not view.c_contiguous:
         raise UsageError(f"{codec}: base must be C-contiguous")

@@ -107,6 +107,8 @@ class EntropyCodec(Codec):
     ) -> EncodedChunk | None:
         """The inner codec's payload of rows where they lie (when it can read them so),
         compressed as :meth:`encode` does; ``raw`` is gathered (its bytes are shuffled)."""
+        nm.check_spans(spans, self.name)
+        _host.check_span_items(spans, self.name)
         if self.inner.name == "raw":
             return None
         chunk = self.inner.encode_ranges(base, spans, shape, dtype, kind)
@@ -148,6 +150,7 @@ class EntropyCodec(Codec):
         params = nm.check_params(params, self.name)
         nm.check_base(base, self.name)
         nm.check_spans(spans, self.name)
+        _host.check_span_items(spans, self.name)
         shape, kind = check_sizing_args(shape, dtype, kind, self.name)
         if self.inner.name == "raw" or _host.ext is None:
             return False
