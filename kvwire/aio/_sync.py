@@ -809,6 +809,19 @@ class SyncServer:
         self.bridge.submit(handle._receive(self._server, into, timeout))
         return handle
 
+    def unclaimed_request_ids(self, timeout: float = 5.0) -> list[str]:
+        """:meth:`kvwire.Server.unclaimed_request_ids` from any thread: the request ids of
+        the arrived transfers :meth:`expect` would hand out now, oldest first, failed ones
+        included, read on the bridge's loop within ``timeout`` seconds
+        (:class:`~kvwire.TransferTimeoutError` past it; a closed bridge raises
+        :class:`~kvwire.ConnectionLostError`)."""
+        server = self._server
+
+        async def ids() -> list[str]:
+            return list(server.unclaimed_request_ids())
+
+        return self.bridge.run(ids(), timeout)
+
     def close(self, timeout: float = 5.0) -> None:
         """Close the server (and its own bridge); each step waits at most ``timeout``
         seconds (a finite number >= 0).  A server whose close did not complete in time is

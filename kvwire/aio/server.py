@@ -599,6 +599,20 @@ class Server(Pump):
                 if not waiters:
                     del self._expect_waiters[request_id]
 
+    def unclaimed_request_ids(self) -> list[str]:
+        """The request ids of the arrived transfers :meth:`accept` or :meth:`expect` would
+        hand out now, oldest first, one per transfer (several transfers may carry one id,
+        which is then listed as many times).  Those that failed after they arrived and
+        before anyone claimed them are among them, in their place, since accept() and
+        expect() hand them out too (until their ``claim_timeout`` passes); statistics()'s
+        ``failed_arrivals`` counts them.  A snapshot: it claims nothing, and a transfer
+        listed may be claimed, or dropped, before the caller expects its id.  A closed
+        server lists none.  Call it on the server's loop (a
+        :class:`~kvwire.sync.SyncServer` has one for other threads)."""
+        if self._closing:  # (what arrived is dropped: nothing hands it out any more)
+            return []
+        return [t.request_id for key in self.core.unclaimed() if (t := self._transfers.get(key)) is not None]
+
     def _check_open(self) -> None:
         if self._closing:
             raise ConnectionLostError("the server is closed")
