@@ -255,6 +255,34 @@ def test_a_sync_registry_past_its_own_bound_fails_as_unavailable(link: SyncRegis
         hanging.verify([b"a"], [(b"a", 1)])
 
 
+@pytest.mark.parametrize(("max_connections", "size"), [(None, 100), (7, 7), (1, 1)])
+def test_connect_sizes_the_registrys_pool(redis_url: str, max_connections: int | None, size: int) -> None:
+    """max_connections reaches the Redis registry's pool (a max_connections in the URL
+    gives way to it; None: the registry's default)."""
+    bridge = Bridge("test-registry-pool")
+    try:
+        reg = SyncRegistry.connect(redis_url + "?max_connections=50", bridge,
+                                   namespace=f"t-{uuid.uuid4().hex}", max_connections=max_connections)
+        try:
+            pool: Any = reg.registry.client.connection_pool  # (white box) the calls' pool
+            assert pool.max_connections == size
+            assert len(reg.name([b"c" * 32], owner="test")) == 1
+        finally:
+            reg.close()
+    finally:
+        bridge.close()
+
+
+@pytest.mark.parametrize("max_connections", [0, -1, True, 2.5])
+def test_connect_refuses_a_pool_size_not_an_int_from_1(redis_url: str, max_connections: Any) -> None:
+    bridge = Bridge("test-registry-pool")
+    try:
+        with pytest.raises(UsageError, match="max_connections"):
+            SyncRegistry.connect(redis_url, bridge, max_connections=max_connections)
+    finally:
+        bridge.close()
+
+
 # -- on the wire: the receiving server checks the named versions ---------------------------------
 
 

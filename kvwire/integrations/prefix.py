@@ -217,12 +217,17 @@ class SyncRegistry:
         self.timeout = timeout
 
     @classmethod
-    def connect(cls, url: str, bridge: Bridge, *, namespace: str = "kvwire", timeout: float = 5.0) -> SyncRegistry:
+    def connect(cls, url: str, bridge: Bridge, *, namespace: str = "kvwire", timeout: float = 5.0,
+                max_connections: int | None = None) -> SyncRegistry:
         """A :class:`~kvwire.consistency.RedisRegistry` at ``url`` on ``bridge``; ``timeout``
-        is the registry's (each reply from Redis)."""
+        is the registry's (each reply from Redis), ``max_connections`` the size of its
+        pool of connections (an int >= 1, which a ``max_connections`` in ``url`` gives way
+        to; None: the registry's default, 100)."""
         from kvwire.aio.registry_redis import RedisRegistry
 
-        registry = _run(bridge, RedisRegistry.connect(url, namespace=namespace, timeout=timeout), timeout + 5.0, "connect")
+        pool: dict[str, Any] = {} if max_connections is None else {"max_connections": max_connections}
+        registry = _run(bridge, RedisRegistry.connect(url, namespace=namespace, timeout=timeout, **pool),
+                        timeout + 5.0, "connect")
         return cls(registry, bridge, timeout=_NAME_TIMEOUTS * timeout + 1.0)
 
     def name(self, blocks: Iterable[BlockLike], *, owner: str, ttl: float = 30.0) -> list[tuple[BlockId, int]]:

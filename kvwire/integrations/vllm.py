@@ -31,7 +31,6 @@ preemption, prefix caching, prefix-block versions, block layout) and every setti
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import difflib
@@ -144,7 +143,7 @@ _SETTINGS = frozenset({
     "kvwire_listen", "kvwire_peer", "kvwire_secret", "kvwire_secret_file", "kvwire_codec", "kvwire_streams",
     "kvwire_chunk_bytes", "kvwire_load_timeout", "kvwire_async_save", "kvwire_load_async",
     "kvwire_claim_timeout", "kvwire_max_transfers", "kvwire_load_all", "kvwire_model", "kvwire_registry",
-    "kvwire_registry_namespace", "kvwire_registry_ttl", "kvwire_registry_owner",
+    "kvwire_registry_namespace", "kvwire_registry_ttl", "kvwire_registry_owner", "kvwire_registry_max_connections",
 })
 
 
@@ -194,35 +193,21 @@ def _log_failed(req_id: str, error: object) -> None:
 _UNNAMED = re.compile(r"prompt:[0-9a-f]{32}")
 
 
-async def _drop_unnamed(server: Any, every: float) -> None:
-    """On the consumer's loop, without kvwire_load_all: every ``every`` seconds, take each
-    arrived transfer named without a ``kvwire_id`` (a producer sends every request's KV,
-    and only kvwire_load_all loads those) and drop its layers as they come, so that none
-    holds memory and a slot of its producer's session until the claim timeout."""
-    draining: set[asyncio.Task[None]] = set()
+class _DropAll(PagedDestination):
+    """A drop's destination for a transfer whose block count this side does not know (one
+    named without a ``kvwire_id``): every block DROP, as many as the transfer carries,
+    sized by its first chunk (the server checks the destination again then)."""
 
-    async def drain(transfer: Any) -> None:
-        with contextlib.suppress(KvwireError):
-            async for _ in transfer:
-                pass
+    def __init__(self, spec: PagedSpec, caches: list[torch.Tensor]) -> None:
+        super().__init__(spec, caches, [DROP])
 
-    try:
-        while True:
-            await asyncio.sleep(every)
-            # (the server's own view of what arrived unclaimed: it hands out no names)
-            names = [t.request_id for key in server.core.unclaimed()
-                     if (t := server._transfer(key)) is not None and _UNNAMED.fullmatch(t.request_id)]
-            for name in names:
-                try:  # arrived: handed out at once (nothing else claims these names)
-                    transfer = await server.expect(name, timeout=every)
-                except KvwireError:  # claimed meanwhile, or the server closed
-                    continue
-                task = asyncio.get_running_loop().create_task(drain(transfer))
-                draining.add(task)
-                task.add_done_callback(draining.discard)
-    finally:
-        for task in draining:
-            task.cancel()
+    def check(self, *args: Any, **kwargs: Any) -> Any:
+        layer_tokens = args[1] if len(args) > 1 else kwargs.get("layer_tokens")
+        rows = self.spec.rows_per_block
+        if isinstance(layer_tokens, int) and layer_tokens > 0 and layer_tokens % rows == 0 \
+                and layer_tokens // rows != self.block_ids.size:
+            super().__init__(self.spec, self.caches, [DROP] * (layer_tokens // rows))
+        return super().check(*args, **kwargs)
 
 
 class _Destination(PagedDestination):
@@ -348,6 +333,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._registry_namespace: str = str(extra.get("kvwire_registry_namespace", "kvwire"))
         self._registry_ttl: float = _seconds(extra, "kvwire_registry_ttl", 30.0)
         self._owner: str = str(extra.get("kvwire_registry_owner", f"kvwire-vllm-{os.getpid()}"))
+        # the registry's pool of Redis connections (unset: the registry's default)
+        self._registry_connections: int | None = (
+            None if extra.get("kvwire_registry_max_connections") is None
+            else _count(extra, "kvwire_registry_max_connections", 1, self._MAX_REGISTRY_CONNECTIONS)
+        )
         self._bridge: Bridge | None = None
         self._registry: SyncRegistry | None = None
         self._expected: dict[str, tuple[bytes, ...]] = {}
@@ -368,7 +358,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._caches: list[torch.Tensor] = []
         self._index: dict[str, int] = {}
         self._server: SyncServer | None = None
-        self._sweeper: concurrent.futures.Future[None] | None = None  # see _drop_unnamed
         self._peer: SyncPeer | None = None
         # Producer: the connection is made on the bridge's loop (a consumer that accepts TCP
         # and never answers would otherwise hold the forward for the handshake timeout);
@@ -395,6 +384,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # still expect that name again (see _reload)
         self._receives: dict[str, tuple[ReceiveHandle, str, list[int], _Destination, int]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
+        self._swept = 0  # drops of transfers named without a kvwire_id begun (see _sweep_unnamed)
         self._sending: dict[str, SendHandle] = {}  # sends begun in this step
         # async save: sends past their step, oldest first (with the time their step ended),
         # sends that ended (acknowledged, failed and let go of, or never begun) and finished
@@ -441,8 +431,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         KV is in, or never sent); vLLM then captures piecewise graphs, which call them."""
         return True
 
-    #: seconds between two looks for arrived transfers no request loads (see _drop_unnamed)
-    _SWEEP_EVERY = 1.0
+    #: seconds a step waits for kvwire's loop to list the transfers no request loads (see _sweep_unnamed)
+    _SWEEP_WAIT = 1.0
+
+    #: most connections kvwire_registry_max_connections takes (one host's to one Redis address
+    #: cannot outnumber its ports)
+    _MAX_REGISTRY_CONNECTIONS = 65535
 
     #: times a load expects its transfer's name again after one that had failed before it was claimed
     _RELOAD_TRIES = 3
@@ -479,7 +473,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         owned = self._bridge is None
         bridge = self._bridge = self._bridge or Bridge("kvwire-connector")
         try:
-            self._registry = SyncRegistry.connect(self._registry_url, bridge, namespace=self._registry_namespace)
+            self._registry = SyncRegistry.connect(self._registry_url, bridge, namespace=self._registry_namespace,
+                                                  max_connections=self._registry_connections)
         except BaseException:
             if owned:
                 bridge.close()
@@ -680,8 +675,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 host, port, secret=self._secret, spec=self._spec.wire_spec(), claim_timeout=self._claim_timeout,
                 max_transfers=self._max_transfers, **versioned,
             )
-            if not self._load_all:
-                self._sweeper = self._server.bridge.submit(_drop_unnamed(self._server.server, self._SWEEP_EVERY))
             from kvwire.aio._logtext import address  # (IPv6 as [host]:port)
 
             logger.info("kvwire: receiving on %s", address((host, self._server.port)))
@@ -778,14 +771,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # into a step without loads no time at all).
         self._load_deadline = None
 
-    def _drop(self, req_id: str, key: str, block_ids: list[int]) -> None:
-        """Take ``key``'s transfer as it comes and drop it (every id DROP), so that it
-        does not wait on the server until the claim timeout.  As long as the server would
-        keep an arrived transfer for a request, kvwire_claim_timeout: a drop for a
-        transfer that never comes (kvwire_load_all, a producer that did not send) is let
-        go of then (with no claim timeout, at shutdown)."""
+    def _drop(self, req_id: str, key: str, block_ids: list[int] | None) -> None:
+        """Take ``key``'s transfer as it comes and drop it (every id DROP; None: as many
+        as the transfer carries), so that it does not wait on the server until the claim
+        timeout.  As long as the server would keep an arrived transfer for a request,
+        kvwire_claim_timeout: a drop for a transfer that never comes (kvwire_load_all, a
+        producer that did not send) is let go of then (with no claim timeout, at
+        shutdown)."""
         assert self._server is not None and self._spec is not None
-        dest = PagedDestination(self._spec, self._caches, block_ids)
+        dest = (_DropAll(self._spec, self._caches) if block_ids is None
+                else PagedDestination(self._spec, self._caches, block_ids))
         with contextlib.suppress(ConnectionLostError):  # the server's bridge is closed: no transfer comes to drop
             self._dropping[req_id] = self._server.expect(
                 key, into=dest, num_layers=self._spec.num_layers, timeout=self._claim_timeout,
@@ -1347,13 +1342,48 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _reap_drops(self) -> None:
         """The drops that ended (the transfer taken and dropped, or failed) are let go of."""
         for req_id, handle in list(self._dropping.items()):
-            if handle.done:
+            if self._swept_name(handle) and (handle.done or handle.error is not None):
+                logger.debug("kvwire: dropped the transfer %s, named without a kvwire_id (%s)",
+                             handle.request_id, "whole" if handle.done else handle.error)
+            elif handle.done:
                 logger.info("kvwire: dropped the KV of request %s (computed here)", req_id)
             elif handle.error is not None:
                 logger.warning("kvwire: dropping the KV of request %s failed: %s", req_id, handle.error)
             else:
                 continue
             del self._dropping[req_id]
+
+    def _swept_name(self, handle: ReceiveHandle) -> bool:
+        """Whether ``handle`` is a drop :meth:`_sweep_unnamed` began."""
+        return not self._load_all and _UNNAMED.fullmatch(handle.request_id) is not None
+
+    def _sweep_unnamed(self) -> None:
+        """Consumer without kvwire_load_all, once per step: drop (see :meth:`_drop`) each
+        arrived transfer named without a ``kvwire_id`` that no drop takes yet.  A producer
+        sends every request's KV, and only kvwire_load_all loads those: unclaimed, each
+        would hold memory and a slot of its producer's session until the claim timeout.
+        The server's list is read on kvwire's loop, within ``_SWEEP_WAIT``: a loop held
+        up past that (or a closed server) leaves them to the next step."""
+        if self._server is None or self._spec is None or self._load_all:
+            return
+        try:
+            arrived = self._server.unclaimed_request_ids(timeout=self._SWEEP_WAIT)
+        except KvwireError as exc:
+            logger.debug("kvwire: no look for transfers no request loads in this step: %s", exc)
+            return
+        # drops begun whose transfer was not handed to them yet: each takes one of these
+        waiting: dict[str, int] = {}
+        for handle in self._dropping.values():
+            if handle.transfer is None and handle.error is None and self._swept_name(handle):
+                waiting[handle.request_id] = waiting.get(handle.request_id, 0) + 1
+        for name in arrived:
+            if not _UNNAMED.fullmatch(name):
+                continue
+            if waiting.get(name, 0) > 0:
+                waiting[name] -= 1
+                continue
+            self._swept += 1
+            self._drop(f"{name}/{self._swept}", name, None)
 
     def _verified(self, req_id: str, handle: ReceiveHandle, now: float) -> tuple[bool, str | None]:
         """Async load: whether the registry check of ``req_id``'s transfer, arrived whole,
@@ -1456,6 +1486,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._reap_drops()
+        self._sweep_unnamed()
         gone: set[str] = set()  # async load: finished requests whose load is aborted now
         for req_id in finished_req_ids:
             self._expected.pop(req_id, None)
@@ -1502,9 +1533,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._connecting.cancel(10)  # its sockets closed before the bridge goes
         self._connecting = None  # (a peer it opened is closed with the bridge)
         self._reap_drops()
-        if self._sweeper is not None:
-            self._sweeper.cancel()  # (on the server's loop; its close, below, ends what it began)
-            self._sweeper = None
         for req_id, receive in self._dropping.items():
             self._abort(req_id, receive, "shutting down")
         self._dropping.clear()

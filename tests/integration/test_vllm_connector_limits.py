@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +21,7 @@ import torch
 from kvwire.errors import UsageError
 from kvwire.paged import DROP, PagedSource, layer_rows
 from kvwire.sync import SyncPeer
+from tests.consistency.conftest import RedisServer, start_redis
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -181,6 +183,42 @@ def test_kvwire_max_transfers_takes_a_whole_number_as_text() -> None:
     assert connector._max_transfers == 256
 
 
+@pytest.mark.parametrize("value", [0, -1, "x", 2.5, True, 65536])
+def test_kvwire_registry_max_connections_is_checked(value: object) -> None:
+    with pytest.raises(UsageError, match="kvwire_registry_max_connections"):
+        KvwireConnector(config("kv_consumer", {"kvwire_registry_max_connections": value}), KVConnectorRole.SCHEDULER)
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    server: RedisServer = start_redis(redis_binary, tmp_path_factory.mktemp("redis"))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("setting", "size"), [({}, 100), ({"kvwire_registry_max_connections": 7}, 7),
+                                               ({"kvwire_registry_max_connections": "3"}, 3)])
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_kvwire_registry_max_connections_sizes_the_registrys_pool(
+        redis_url: str, role: str, setting: dict[str, Any], size: int) -> None:
+    """The connections the registry's calls share, on a real Redis: the setting (the URL's
+    own max_connections giving way to it), unset the registry's default."""
+    url = redis_url + "?max_connections=50"
+    worker = KvwireConnector(config(role, {"kvwire_listen": "127.0.0.1:0", "kvwire_peer": "127.0.0.1:9",
+                                           "kvwire_registry": url, "kvwire_registry_namespace": f"t-{uuid.uuid4().hex}",
+                                           **setting}),
+                             KVConnectorRole.WORKER)
+    try:
+        worker._connect_registry()
+        assert worker._registry is not None
+        assert worker._registry.registry.client.connection_pool.max_connections == size
+        assert worker._registry.name([b"b" * 32], owner="test") != []  # (it answers)
+    finally:
+        worker.shutdown()
+
+
 # -- transfers no request will load ------------------------------------------------------------
 
 
@@ -317,11 +355,69 @@ def test_a_consumer_with_load_all_keeps_transfers_named_without_an_id(workers: l
     src = caches(64, 7)
     with SyncPeer("127.0.0.1", cons.listen_port or 0, secret=SECRET.encode()) as peer:
         peer.send(name, cons._spec.wire_spec(), PagedSource(cons._spec, src, [1, 2]), timeout=60)
-    threading.Event().wait(3 * KvwireConnector._SWEEP_EVERY)
-    assert pending(cons) == 1
+    for _ in range(3):  # steps, each of which would drop it without kvwire_load_all
+        consume(cons)
+    assert pending(cons) == 1 and not cons._dropping
     got, errors = consume(cons, KvwireConnectorMetadata(loads=[_Move("all", name, [10, 11])]))
     assert until(lambda: bool(got.update(consume(cons)[0]) or got), cons)
     assert got == {"all"} and not errors and same(ckv, [10, 11], src, [1, 2])
+
+
+def test_each_step_drops_the_transfers_named_without_an_id_that_arrived(workers: list[KvwireConnector]) -> None:
+    """Without kvwire_load_all the worker looks once per step (get_finished): each arrived
+    transfer named without a kvwire_id gets one drop, whatever its number of blocks and
+    however many share its name, one that failed before it was claimed too; nothing of
+    them is written into the caches, and a step does not drop a transfer twice."""
+    cons, ckv = consumer({"kvwire_load_timeout": 30})
+    workers[:] = [cons]
+    spec = cons._spec
+    assert spec is not None
+    before = [c.clone() for c in ckv]
+    src = caches(64, 7)
+    twice, other, failed = ("prompt:" + d * 16 for d in ("ab", "cd", "0f"))
+    with SyncPeer("127.0.0.1", cons.listen_port or 0, secret=SECRET.encode()) as peer:
+        peer.send(twice, spec.wire_spec(), PagedSource(spec, src, [1, 2]), timeout=60)
+        peer.send(twice, spec.wire_spec(), PagedSource(spec, src, [3, 4, 5]), timeout=60)
+        peer.send(other, spec.wire_spec(), PagedSource(spec, src, [6]), timeout=60)
+        send = peer.begin(failed, spec.wire_spec())
+        send.send_layer(*layer_rows(spec, src[0], [7, 8]))
+        deadline = time.monotonic() + 30
+        while pending(cons) < 4 and time.monotonic() < deadline:  # (no step: nothing is dropped)
+            threading.Event().wait(0.05)
+        send.abort()
+        while cons.server_statistics()["failed_arrivals"] < 1 and time.monotonic() < deadline:  # type: ignore[index]
+            threading.Event().wait(0.05)
+    assert pending(cons) == 4 and not cons._dropping
+    consume(cons)  # one step: a drop for each
+    assert cons._swept == 4 and sorted(h.request_id for h in cons._dropping.values()) == sorted(
+        [twice, twice, other, failed])
+    handles = list(cons._dropping.values())
+    assert until(lambda: pending(cons) == 0 and not cons._dropping, cons), "the transfers were not dropped"
+    assert cons._swept == 4  # (steps meanwhile began no second drop)
+    assert sum(h.done for h in handles) == 3 and sum(h.error is not None for h in handles) == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, ckv, strict=True))
+    assert cons.server_statistics()["transfers_unclaimed"] == 0  # type: ignore[index]
+
+
+def test_a_step_counts_the_drops_of_a_name_not_yet_handed_their_transfer(workers: list[KvwireConnector]) -> None:
+    """A drop begun that may not have been handed its transfer yet takes one arrival of
+    its name: the step begins a drop only for each arrival beyond those (two arrived, one
+    drop begun: the step begins one, whether or not that drop took its transfer yet)."""
+    cons, _ = consumer({"kvwire_load_timeout": 30})
+    workers[:] = [cons]
+    spec = cons._spec
+    assert spec is not None
+    name = "prompt:" + "5a" * 16
+    src = caches(64, 7)
+    with SyncPeer("127.0.0.1", cons.listen_port or 0, secret=SECRET.encode()) as peer:
+        for blocks in ([1], [2, 3]):
+            peer.send(name, spec.wire_spec(), PagedSource(spec, src, blocks), timeout=60)
+    assert pending(cons) == 2
+    cons._drop("begun", name, None)
+    consume(cons)
+    assert cons._swept == 1  # ("begun" may have ended, and been let go of, already)
+    assert until(lambda: pending(cons) == 0 and not cons._dropping, cons), "not dropped"
+    assert cons._swept == 1
 
 
 # -- a load whose name's first transfer had failed ---------------------------------------------
