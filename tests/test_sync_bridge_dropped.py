@@ -118,8 +118,8 @@ def test_a_dropped_own_bridge_warns_once_for_its_server() -> None:
 
 
 def test_a_bridge_dropped_on_its_own_loop_thread_is_closed() -> None:
-    """Its finalizer may run on its own loop thread: it closes it without waiting there
-    (it would wait on itself)."""
+    """Its finalizer may run on its own loop thread: it begins the close there and
+    returns (the finalizer waits for nothing, on any thread)."""
     bridge = Bridge("dropped-on-loop")
     thread, loop, collected = bridge._thread, bridge.loop, weakref.ref(bridge)
     dropped_on: list[threading.Thread] = []

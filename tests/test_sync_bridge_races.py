@@ -28,7 +28,6 @@ import weakref
 import pytest
 
 import kvwire
-import kvwire.aio._sync as _sync
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
 from tests.test_sync_bridge_dropped import bridge_warning, ended, resource_warnings
@@ -174,16 +173,23 @@ def test_a_shared_bridge_dropped_with_a_begun_send_is_collected() -> None:
         assert until(lambda: connections(other) == 0)
 
 
-def test_a_bridge_freed_on_another_loop_s_thread_does_not_hold_that_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bridge_freed_on_another_loop_s_thread_does_not_hold_that_loop() -> None:
     """The finalizer begins the close and returns: the thread that freed the bridge (here
     another bridge's loop thread) goes on while the dropped bridge's thread closes what it
-    owns (here held until the test lets it go).  A finalizer that waited for that thread
-    would wait for the release (its longest wait made longer than the test's)."""
-    monkeypatch.setattr(_sync, "DROPPED_BRIDGE_WAIT", 3600.0, raising=False)
+    owns (here held until the test lets it go), and never waits for that thread (a join
+    from the collector's thread, however bounded, is what held that loop up)."""
     collector = Bridge("collector")
     try:
         bridge = Bridge("freed-elsewhere")
         thread, collected = bridge._thread, weakref.ref(bridge)
+        joined_from: list[threading.Thread] = []
+        real_join = thread.join
+
+        def join(timeout: float | None = None) -> None:
+            joined_from.append(threading.current_thread())
+            real_join(timeout)
+
+        thread.join = join  # type: ignore[method-assign]
         blocker = owned_blocker(bridge)
         holder = [bridge]
         del bridge
@@ -199,6 +205,7 @@ def test_a_bridge_freed_on_another_loop_s_thread_does_not_hold_that_loop(monkeyp
             finally:
                 blocker.release.set()
             assert ended(thread)
+        assert collector._thread not in joined_from
         assert collected() is None
         assert blocker.closed
         assert any(re.search(bridge_warning("freed-elsewhere"), m) for m in resource_warnings(seen))

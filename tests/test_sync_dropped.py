@@ -144,6 +144,23 @@ def test_closed_or_shared_bridge_ones_do_not_warn() -> None:
     assert ended(bridge)
 
 
+def test_one_whose_bridge_close_was_begun_does_not_warn() -> None:
+    """``bridge.close_soon()`` called (the close begun, its stop queued), then the server
+    dropped before the loop ran the stop: it is being closed, no warning (before, it
+    warned unless the queued stop had run by the collection)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        server = SyncServer(secret=SECRET)
+        bridge, port = server.bridge, server.port
+        with bridge._core.lock:  # (the loop cannot finish its close meanwhile)
+            bridge.close_soon()
+            del server
+            gc.collect()
+        assert until(lambda: ended(bridge))
+    assert [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)] == []
+    assert refused(port)
+
+
 def test_a_peer_dropped_on_its_own_loop_thread_is_closed() -> None:
     """Its finalizer may run on the bridge's own thread: it closes it without waiting
     there (a blocking close on that thread would wait on itself)."""

@@ -383,10 +383,6 @@ class Bridge:
             await thing.close()
             raise ConnectionLostError("the kvwire bridge is closed")
 
-    def disown(self, thing: Any) -> None:
-        """``thing`` was closed (its close() completed): :meth:`close` has nothing to do for it."""
-        self._core.disown(thing)
-
     async def close_owned(self, thing: Any) -> None:
         """On the loop: close ``thing`` (a Server or Peer it owns) and disown it once
         closed.  Its close is not cancelled with the caller: it goes on (one close at a
@@ -530,8 +526,9 @@ def close_dropped(bridge: Bridge, what: str) -> None:
     """A SyncServer's or SyncPeer's finalizer (``what`` names it): garbage-collected
     unclosed, its own ``bridge`` is closed without waiting (:meth:`Bridge.close_soon`), and
     a ResourceWarning says so, as an unclosed socket's does.  Nothing when its bridge is
-    closed already (its close() ended, or the bridge was closed by hand)."""
-    if bridge.closed or os.getpid() != bridge._pid:  # (a forked child: its copy holds no thread)
+    closed already, or its close begun (its close() ended, or the bridge was closed by
+    hand, or close_soon() was called)."""
+    if bridge.closed or bridge._core.close_begun or os.getpid() != bridge._pid:  # (a forked child: its copy holds no thread)
         return
     bridge.close_soon()  # first: a warning raised (an "error" filter) closes it all the same
     warnings.warn(f"unclosed {what}: it is closed now, as it is garbage-collected; close() it",
