@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwire", description="Move LLM KV caches over TCP.")
     parser.add_argument(
         "--version", action="version",
+        help="show kvwire's release and the wire protocol versions it speaks, and exit",
         version=f"kvwire {__version__} (wire protocol versions {MIN_PROTOCOL_VERSION}-{PROTOCOL_VERSION})",
     )
     sub = parser.add_subparsers(dest="command", required=True)

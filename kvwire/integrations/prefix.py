@@ -221,8 +221,8 @@ class SyncRegistry:
                 max_connections: int | None = None) -> SyncRegistry:
         """A :class:`~kvwire.consistency.RedisRegistry` at ``url`` on ``bridge``; ``timeout``
         is the registry's (each reply from Redis), ``max_connections`` the size of its
-        pool of connections (an int >= 1, which a ``max_connections`` in ``url`` gives way
-        to; None: the registry's default, 100)."""
+        pool of connections (an int >= 1; None: the registry's default, 100; a
+        ``max_connections`` in ``url`` is not used either way)."""
         from kvwire.aio.registry_redis import RedisRegistry
 
         pool: dict[str, Any] = {} if max_connections is None else {"max_connections": max_connections}
