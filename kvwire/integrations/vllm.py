@@ -843,23 +843,28 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._drop(req_id, handle.request_id, [DROP] * total)
 
     def _reload(self, req_id: str, handle: ReceiveHandle) -> bool:
-        """``req_id``'s receive ``handle`` failed: if its transfer wrote nothing into the
-        blocks (one that had failed before it was claimed, handed out oldest first: a
-        send of the same name that failed, its prefill retried since), expect the name
-        again, so that a later transfer of it is loaded, and True; at most
-        ``_RELOAD_TRIES`` times per load, each within what is left of its deadline."""
+        """``req_id``'s receive ``handle`` failed: if the transfer handed to it had failed
+        already when it was handed out (one that failed after it arrived and before any
+        load claimed it, handed out oldest first, its destination never called: a send
+        of the same name that failed, its prefill retried since), expect the name again,
+        so that a later transfer of it is loaded, and True; at most ``_RELOAD_TRIES``
+        times per load, each within what is left of its deadline.  Any other failure is
+        the load's: a transfer refused at BEGIN (``STALE_VERSION``: no transfer is
+        handed out), or one that failed after the load claimed it."""
         entry = self._receives.get(req_id)
         if entry is None or entry[0] is not handle or self._server is None or self._spec is None:
             return False
         _, key, block_ids, dest, tries = entry
-        if handle.error is None or dest.used or tries <= 0:
+        # A transfer handed out healthy is given the destination at once (its check()
+        # called, before any failure of it can reach the load): one never used had failed.
+        if handle.error is None or handle.transfer is None or dest.used or tries <= 0:
             return False
         again = _Destination(self._spec, self._caches, block_ids)
         try:
             new = self._server.expect(key, into=again, num_layers=self._spec.num_layers)
         except KvwireError:  # the server's bridge is closed
             return False
-        logger.warning("kvwire: the transfer for request %s had failed before it was claimed (%s): "
+        logger.warning("kvwire: the transfer handed to request %s had failed before it was claimed (%s): "
                        "waiting for another transfer of its name", req_id, handle.error)
         _, blocks, total = self._loading[req_id]
         self._loading[req_id] = (new, blocks, total)

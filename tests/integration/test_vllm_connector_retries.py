@@ -1,0 +1,101 @@
+"""The vLLM connector's loads that meet a failed transfer of their name, its sends the
+consumer's server refuses for want of room, queued sends and a speculative drafter, the
+per-step sweep of transfers named without an id, and the drops of loads that gave up.
+The worker-side connectors are driven step by step, as vLLM's worker drives them, over
+real sockets on 127.0.0.1 (helpers from test_vllm_connector_limits)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from typing import Any
+
+import pytest
+
+from kvwire.errors import StaleVersionError
+from kvwire.paged import PagedSource
+from kvwire.sync import Bridge, SyncPeer
+from tests.integration.test_vllm_connector_limits import (
+    LAYERS,
+    SECRET,
+    caches,
+    config,
+    consume,
+    workers,
+)
+
+with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
+
+pytestmark = pytest.mark.timeout(180)
+
+__all__ = ["workers"]  # (the fixture, imported)
+
+
+def counted_expects(worker: KvwireConnector) -> list[str]:
+    """The names the worker's server is asked to expect for a load from now on (not for
+    a drop)."""
+    server = worker._server
+    assert server is not None
+    names: list[str] = []
+    expect = server.expect
+
+    def counting(request_id: str, **kwargs: Any) -> Any:
+        if type(kwargs.get("into")).__name__ == "_Destination":
+            names.append(request_id)
+        return expect(request_id, **kwargs)
+
+    server.expect = counting  # type: ignore[method-assign]
+    return names
+
+
+# -- a load whose transfer the server refuses at BEGIN ---------------------------------------
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_a_load_waiting_for_a_transfer_refused_as_stale_fails_at_once(load_async: bool) -> None:
+    """A transfer refused at BEGIN as stale (STALE_VERSION) is no transfer that had failed
+    before it was claimed: the load already waiting for it fails at once and is
+    recomputed, instead of waiting for its name again until kvwire_load_timeout (the
+    layer-wise load holding the step that long)."""
+    from kvwire.aio.registry_memory import MemoryRegistry
+    from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids
+
+    bridge = Bridge("registry")
+    worker = KvwireConnector(config("kv_consumer", {"kvwire_listen": "127.0.0.1:0", "kvwire_load_timeout": 10,
+                                                    "kvwire_load_async": load_async}), KVConnectorRole.WORKER)
+    try:
+        worker._bridge = bridge  # (shut down with the worker)
+        registry = worker._registry = SyncRegistry(MemoryRegistry(), bridge)  # (a Redis, in a deployment)
+        worker.register_kv_caches(dict(zip(LAYERS, caches(64, 0), strict=True)))
+        spec = worker._spec
+        assert spec is not None
+        expects = counted_expects(worker)
+        prefix = tuple(prefix_block_ids(list(range(33)), 16, 2))
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("s", "s", [6, 7], prefix=prefix)]))
+        worker.start_load_kv(None)
+        worker.clear_connector_metadata()
+        handle = worker._loading["s"][0]
+        named = registry.name(list(prefix), owner="producer")
+        bridge.run(registry.registry.invalidate_many(list(prefix)), 10)
+        with SyncPeer("127.0.0.1", worker.listen_port or 0, secret=SECRET.encode()) as peer, \
+                pytest.raises(StaleVersionError):
+            peer.send("s", spec.wire_spec(), PagedSource(spec, caches(64, 7), [0, 1]), timeout=60, blocks=named)
+        deadline = time.monotonic() + 60
+        while handle.error is None and time.monotonic() < deadline:
+            threading.Event().wait(0.02)
+        assert isinstance(handle.error, StaleVersionError)
+        got, errors = consume(worker)  # the step after the refusal
+        while load_async and not got and time.monotonic() < deadline:  # (reported once its abort ran)
+            g, e = consume(worker)
+            got |= g
+            errors |= e
+        assert errors == {6, 7} and got == ({"s"} if load_async else set())
+        assert expects == ["s"]  # not expected again
+        assert not worker._loading
+    finally:
+        worker.shutdown()
