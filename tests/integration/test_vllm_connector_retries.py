@@ -11,17 +11,19 @@ import time
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvwire.errors import StaleVersionError
 from kvwire.paged import PagedSource
-from kvwire.sync import Bridge, SyncPeer
+from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.integration.test_vllm_connector_limits import (
     LAYERS,
     SECRET,
     caches,
     config,
     consume,
+    produce,
     workers,
 )
 
@@ -99,3 +101,65 @@ def test_a_load_waiting_for_a_transfer_refused_as_stale_fails_at_once(load_async
         assert not worker._loading
     finally:
         worker.shutdown()
+
+
+# -- queued sends and a speculative drafter --------------------------------------------------
+
+
+def test_a_send_queued_in_a_step_is_not_begun_before_its_drafters_layer() -> None:
+    """With speculative decoding vLLM runs get_finished before the drafter's forward and
+    wait_for_save after it.  A send queued in the step (the consumer's server takes 2 at
+    once) whose turn comes as an earlier send ends is begun by wait_for_save, with the
+    drafter's layer computed, not by get_finished, which would read that layer (its last)
+    from the registered caches before the drafter wrote it."""
+    bridge = Bridge("consumer")
+    kv = caches(64, 1)
+    worker = KvwireConnector(config("kv_producer", {"kvwire_peer": "127.0.0.1:1", "kvwire_load_timeout": 60}),
+                             KVConnectorRole.WORKER)
+    held = threading.Event()
+    server = None
+    try:
+        worker._retry_at = float("inf")  # (no connect until the server's port is known)
+        worker.register_kv_caches(dict(zip(LAYERS, kv, strict=True)))
+        spec = worker._spec
+        assert spec is not None
+        server = SyncServer("127.0.0.1", 0, secret=SECRET.encode(), spec=spec.wire_spec(), bridge=bridge,
+                            max_transfers=2)
+        worker._peer_port, worker._retry_at = server.port, 0.0
+        deadline = time.monotonic() + 60
+        while worker._peer is None and time.monotonic() < deadline:
+            worker._poll_connect()
+            threading.Event().wait(0.02)
+        assert worker._peer is not None, worker._connect_error
+        receives = {name: server.expect(name) for name in ("A", "r0", "r1")}
+        bridge.call_soon(held.wait)  # the consumer's loop is busy: nothing is acknowledged yet
+        produce(worker, KvwireConnectorMetadata(saves=[_Move("rA", "A", [40, 41])]), kv)
+        for cache in kv:
+            cache[[2, 3, 4, 5]] = 0.5  # the target model's layers of r0's and r1's blocks
+        kv[-1][[2, 3, 4, 5]] = 0.0  # the drafter's layer: not computed yet
+        worker.bind_connector_metadata(KvwireConnectorMetadata(saves=[_Move("r0", "r0", [2, 3]),
+                                                                      _Move("r1", "r1", [4, 5])]))
+        for name, cache in zip(LAYERS[:-1], kv[:-1], strict=True):
+            worker.save_kv_layer(name, cache, None)
+        assert list(worker._queued) == ["r1"]
+        held.set()
+        first = worker._in_flight["rA"][0]
+        first.wait(60)  # rA ended: r1's turn has come
+        worker.get_finished(set())
+        if "r1" not in worker._queued:  # begun: let it go out before the drafter writes its layer
+            receives["r1"].wait(60)
+        kv[-1][[2, 3, 4, 5]] = 1.0  # the drafter's forward
+        worker.save_kv_layer(LAYERS[-1], kv[-1], None)
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        for name in ("r0", "r1"):
+            receives[name].wait(60)
+            layer = receives[name].wait_layer(len(LAYERS) - 1, 0)
+            assert float(np.asarray(layer.k).min()) == 1.0, name  # the drafter's layer as computed
+            assert float(np.asarray(receives[name].wait_layer(0, 0).k).max()) == 0.5, name
+    finally:
+        held.set()
+        worker.shutdown()
+        if server is not None:
+            server.close()
+        bridge.close()
