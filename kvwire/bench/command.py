@@ -557,6 +557,11 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
     console.print(table)
     if r.get("diagnosis"):
         console.print(f"diagnosis: {r['diagnosis']}", markup=False)
+    missing = [name for name, where in r["start"]["host"].get("extensions", {}).items() if where is None]
+    if missing:
+        console.print(f"note: this kvwire runs pure-Python code for {', '.join(missing)} (not compiled: "
+                      "kvwire.extensions(); reinstall with a C compiler present), slower per byte than "
+                      "the compiled parts", markup=False)
     console.print(f"note: {r['trust']}", markup=False)
 
 

@@ -63,8 +63,9 @@ def machine_cpu_times() -> tuple[float, float] | None:
 
 
 def start_block(config: Any, argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Version, UTC timestamp, host and the full configuration of a run (no secret)."""
-    from kvwire import __version__
+    """Version, UTC timestamp, host (with the compiled parts this process uses,
+    :func:`kvwire.extensions`) and the full configuration of a run (no secret)."""
+    from kvwire import __version__, extensions
 
     cfg = {
         f.name: getattr(config, f.name)
@@ -89,6 +90,7 @@ def start_block(config: Any, argv: Sequence[str] | None = None) -> dict[str, Any
             "python": sys.version.split()[0],
             "cpus": os.cpu_count(),
             "loadavg": load,
+            "extensions": extensions(),
         },
         "config": cfg,
     }

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.timeout(120)
 INTERVAL_LINE = re.compile(r"^\[\s*\d+\.\d-\s*\d+\.\d s\]  sent .* [kMG]?bit/s", re.MULTILINE)
 
 
-def _kvwire(*argv: str, timeout: float = 90) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
+def _kvwire(*argv: str, timeout: float = 90, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"} | (env_extra or {})
     return subprocess.run([sys.executable, "-m", "kvwire", *argv], capture_output=True,
                           text=True, timeout=timeout, env=env, check=False)
 
@@ -272,3 +272,19 @@ def test_an_error_without_text_is_named(capsys: pytest.CaptureFixture[str]) -> N
     assert capsys.readouterr().err.splitlines() == [
         "kvwire bench: error: ConnectionLostError", "kvwire serve: error: TimeoutError",
     ]
+
+
+def test_a_run_on_pure_python_code_says_so() -> None:
+    """An infrastructure engineer measuring a link should know when the figures are those of
+    the pure-Python code (no compiler at install time): the summary says which parts, the
+    JSON lists them."""
+    proc = _kvwire("bench", "--model", "tiny", "--tokens", "32", "--duration", "0.5", "--no-baseline",
+                   "--json", "-", env_extra={"KVWIRE_NO_EXTENSIONS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "runs pure-Python code for crc32c, host_codec, send_queue" in proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["start"]["host"]["extensions"] == {"crc32c": None, "host_codec": None, "send_queue": None}
+    compiled = _kvwire("bench", "--model", "tiny", "--tokens", "32", "--duration", "0.5", "--no-baseline",
+                       "--json", "-")
+    assert compiled.returncode == 0, compiled.stderr
+    assert "pure-Python" not in compiled.stderr or None in kvwire.extensions().values()

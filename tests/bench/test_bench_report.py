@@ -172,6 +172,7 @@ def test_start_block_has_version_time_host_and_configuration() -> None:
     stamp = datetime.datetime.fromisoformat(block["timestamp"])
     assert stamp.tzinfo is not None
     assert block["host"]["hostname"] and block["host"]["cpus"] >= 1
+    assert block["host"]["extensions"] == kvwire.extensions()
     config = block["config"]
     assert config["seed"] == 7 and config["chunk_bytes"] == 256 * 1024
     assert config["codec"] == "auto" and config["streams"] == "auto" and config["tokens"] == 16
