@@ -1153,7 +1153,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # a scheduled save that never began (its blocks could not be named) has ended
                 self._ended.update(m.req_id for m in self._meta().saves if m.req_id not in self._in_flight
                                    and m.req_id not in self._deferred and m.req_id not in self._queued)
-            self._reap(start=True)
+            self._reap()
+            self._start_queued()  # in the room the sends that ended left (after the drafter's forward)
             return
         failed = False
         deadline = time.monotonic() + self._timeout  # one for the step's sends, not one each
@@ -1200,14 +1201,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         return True
 
-    def _reap(self, start: bool = False) -> None:
+    def _reap(self) -> None:
         """Async save: the sends that ended leave the flight, and the oldest too once it is
         past its time.  One that failed on its own, the connection still up, ends once the
         streams wrote what they held of it; any other that did not end acknowledged (or a
-        drain past its time) lets go of every block.  ``start`` (wait_for_save only): the
-        sends waiting their turn are begun in the room left; get_finished begins none, as
-        vLLM may run it before a speculative drafter's forward, whose layer of a send
-        queued in this step is not computed yet (each is begun whole from the caches)."""
+        drain past its time) lets go of every block.  It begins none of the sends waiting
+        their turn: wait_for_save does (:meth:`_start_queued`), get_finished not, as vLLM
+        may run it before a speculative drafter's forward, whose layer of a send queued
+        in this step is not computed yet (each is begun whole from the caches)."""
         now = time.monotonic()
         failed = False
         for req_id, closed in list(self._unclosed.items()):
@@ -1240,9 +1241,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 del self._in_flight[req_id]
                 self._ended.add(req_id)
         if failed:
-            self._let_go_of_blocks(wait=False)
-        elif start:
-            self._start_queued()  # in the room the sends that ended left
+            self._let_go_of_blocks(wait=False)  # (the sends waiting their turn end unsent)
 
     def _drained(self, deadline: float) -> bool:
         """After a send that failed on its own: whether the connection is healthy and its
