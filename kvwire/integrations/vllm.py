@@ -52,7 +52,13 @@ from vllm.logger import init_logger
 
 from kvwire.aio import read_secret_file
 from kvwire.codec import get_codec
-from kvwire.errors import ConnectionLostError, KvwireError, TransferTimeoutError, UsageError
+from kvwire.errors import (
+    ConnectionLostError,
+    KvwireError,
+    LimitExceededError,
+    TransferTimeoutError,
+    UsageError,
+)
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids, verify_blocks
 from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
 from kvwire.session.options import MAX_STREAMS, check_value
@@ -375,9 +381,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._deferred: dict[str, tuple[_Move, float, dict[str, Any]]] = {}
         # saves waiting for room on the session (the consumer's server takes at most
         # max_transfers of its transfers at once), oldest first, with the versions their
-        # blocks were named at in their step: begun, every layer from the registered
-        # caches, as earlier sends end (see _start_queued)
-        self._queued: dict[str, tuple[_Move, dict[str, Any]]] = {}
+        # blocks were named at in their step and when they were first queued: begun,
+        # every layer from the registered caches, as earlier sends end (see _start_queued)
+        self._queued: dict[str, tuple[_Move, dict[str, Any], float]] = {}
+        # each send begun, with what _queued holds of it: one the consumer's server refuses
+        # at BEGIN for want of room (it counts the transfers no request loaded yet too)
+        # goes back to the head of the queue (see _requeue), begun again once another
+        # send ended or at _room_at, within kvwire_load_timeout of when it was first queued
+        self._begun: dict[str, tuple[_Move, dict[str, Any], float]] = {}
+        self._refused: dict[str, tuple[_Move, dict[str, Any], float]] = {}  # (to requeue, oldest first)
+        self._room_told: set[str] = set()  # requests whose refusal was logged (once)
+        self._room_at = 0.0
         # the blocks loaded into, and how many blocks the transfer carries
         self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
         # each load's receive with its name, block ids, destination and the times it may
@@ -440,6 +454,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     #: times a load expects its transfer's name again after one that had failed before it was claimed
     _RELOAD_TRIES = 3
+
+    #: seconds a send refused for want of room on the consumer's server waits before it is begun again
+    #: (unless another send ends first)
+    _ROOM_WAIT = 0.5
 
     #: seconds before the first retry of a failed connect; doubled per failure up to _RETRY_MAX
     _RETRY_FIRST = 1.0
@@ -1012,25 +1030,30 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return None
 
     def _save_layer(self, move: _Move, index: int, kv_layer: torch.Tensor,
-                    versions: dict[str, Any] | None = None, *, its_turn: bool = False) -> None:
+                    versions: dict[str, Any] | None = None, *, its_turn: bool = False,
+                    since: float | None = None) -> None:
         """Queue layer ``index`` of ``move``'s blocks on its send (begun at layer 0, with
         ``versions``, else its blocks named now); a failure ends that request's send
         alone, unsent.  A send that finds the session full (as many sends open as the
         consumer's server takes at once), or sends queued before it, waits its turn in
-        ``_queued`` (``its_turn``: it is begun now, by :meth:`_start_queued`)."""
+        ``_queued`` (``its_turn``: it is begun now, by :meth:`_start_queued`); ``since``:
+        when it was first queued (now, if not given)."""
         assert self._peer is not None and self._spec is not None
         if index == 0 and versions is None:
             versions = self._versions(move)
             if versions is None:
                 return
+        if index == 0 and since is None:
+            since = time.monotonic()
         if index == 0 and not its_turn and (self._queued or self._open_sends() >= self._send_limit()):
-            self._queued[move.req_id] = (move, versions or {})
+            self._queued[move.req_id] = (move, versions or {}, since or 0.0)
             return
         try:
             if index == 0:
                 self._sending[move.req_id] = self._peer.begin(
                     move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **(versions or {}),
                 )
+                self._begun[move.req_id] = (move, versions or {}, since or 0.0)
             handle = self._sending.get(move.req_id)
             if handle is not None:
                 handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
@@ -1039,6 +1062,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             # unsent (its blocks let go of as any failed send's).
             logger.error("kvwire: not sending KV of request %s: %s", move.req_id, exc)
             failed = self._sending.pop(move.req_id, None)
+            self._begun.pop(move.req_id, None)
             if failed is not None:
                 failed.abort()
 
@@ -1056,16 +1080,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Begin the sends waiting their turn, oldest first, while the session has room
         (each whole, every layer from the registered caches, where their blocks are kept);
         with the async save they go in flight from now, their turn.  One that fails at
-        its start ends unsent (logged)."""
-        if self._peer is None or not self._queued:
+        its start ends unsent (logged).  After a refusal for want of room (see
+        :meth:`_requeue`) none is begun before ``_room_at``."""
+        now = time.monotonic()
+        if self._peer is None or not self._queued or now < self._room_at:
             return
         limit = self._send_limit()
-        now = time.monotonic()
         while self._queued and self._peer is not None and self._open_sends() < limit:
-            req_id, (move, versions) = next(iter(self._queued.items()))
+            req_id, (move, versions, since) = next(iter(self._queued.items()))
             del self._queued[req_id]
             for index, cache in enumerate(self._caches):
-                self._save_layer(move, index, cache, versions, its_turn=True)
+                self._save_layer(move, index, cache, versions, its_turn=True, since=since)
             handle = self._sending.get(req_id)
             if handle is None:
                 self._ended.add(req_id)
@@ -1073,8 +1098,62 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 del self._sending[req_id]
                 self._in_flight[req_id] = (handle, now)
 
+    def _requeue(self, req_id: str, handle: SendHandle) -> bool:
+        """``req_id``'s send ``handle`` ended: if the consumer's server refused it at BEGIN
+        for want of room (LIMIT_EXCEEDED: it takes max_transfers transfers of the session
+        at once, those arrived that no request loaded yet included, and keeps nothing of
+        a refused one), it goes back to the head of the queue, to be begun again once
+        another send ended or ``_ROOM_WAIT`` passed, and True (logged once, at INFO); not
+        past kvwire_load_timeout from when it was first queued (False: it failed)."""
+        begun = self._begun.pop(req_id, None)
+        if begun is None or not handle.done:
+            return False
+        try:
+            handle.wait(0)
+        except LimitExceededError as exc:
+            error: KvwireError = exc
+        except KvwireError:
+            return False
+        else:
+            return False
+        if time.monotonic() >= begun[2] + self._timeout:
+            self._room_told.discard(req_id)
+            self._begun[req_id] = begun  # (its failure is logged as any send's)
+            return False
+        if req_id not in self._room_told:
+            self._room_told.add(req_id)
+            logger.info("kvwire: the consumer at %s has no room for the KV of request %s yet (%s): it is sent "
+                        "once there is, within %g s", self._peer_addr, req_id, error, self._timeout)
+        self._refused[req_id] = begun
+        self._room_at = time.monotonic() + self._ROOM_WAIT
+        return True
+
+    def _flush_refused(self) -> None:
+        """The sends :meth:`_requeue` took back go to the head of the queue, oldest first."""
+        if self._refused:
+            self._queued = {**self._refused, **self._queued}
+            self._refused.clear()
+
+    def _wait_for_room(self, deadline: float) -> bool:
+        """Sends queued, none begun (after a refusal for want of room): wait until they may
+        be begun again, and True; False, the queued sends ended unsent, if that is past
+        ``deadline`` or past the first one's kvwire_load_timeout."""
+        self._flush_refused()
+        if not self._queued or self._peer is None:
+            return False
+        since = next(iter(self._queued.values()))[2]
+        now = time.monotonic()
+        if self._room_at >= min(deadline, since + self._timeout):
+            self._end_queued(f"the consumer's server had no room for them within {self._timeout:g} s")
+            return False
+        time.sleep(max(0.0, self._room_at - now))
+        return True
+
     def _end_queued(self, why: str) -> None:
-        """The sends waiting their turn end unsent (none of their blocks was read)."""
+        """The sends waiting their turn end unsent (none of their blocks was read, or the
+        refused send that read them ended)."""
+        self._flush_refused()
+        self._room_told.difference_update(self._queued)
         if self._queued:
             logger.error("kvwire: not sending KV of requests %s to %s: %s", ", ".join(self._queued),
                          self._peer_addr, why)
@@ -1097,7 +1176,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if self._peer is not None:
                 del self._deferred[req_id]
                 for index, cache in enumerate(self._caches):
-                    self._save_layer(move, index, cache, versions)
+                    self._save_layer(move, index, cache, versions, since=since)
                 if req_id not in self._sending and req_id not in self._queued:
                     self._ended.add(req_id)  # failed at its start (logged): ended unsent
             elif (self._connecting is None or self._connect_error is not None or now >= since + self._timeout
@@ -1163,10 +1242,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if not failed:
                 self._start_queued()  # as the sends before them end
             if not self._sending:
+                if not failed and self._queued and self._wait_for_room(deadline):
+                    continue  # refused for want of room: begun again
                 break
             req_id, handle = next(iter(self._sending.items()))
             del self._sending[req_id]
-            if not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic())):
+            ended = self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic()), requeue=True)
+            if ended is None:  # refused for want of room: at the head of the queue again
+                self._flush_refused()
+                continue
+            if not ended:
                 if handle.done and self._drained(deadline):
                     continue  # failed on its own; the streams hold nothing of it now
                 failed = True
@@ -1187,14 +1272,22 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._in_flight.update((req_id, (handle, now)) for req_id, handle in self._sending.items())
         self._sending.clear()
 
-    def _ended_well(self, req_id: str, handle: SendHandle, timeout: float | None) -> bool:
+    def _ended_well(self, req_id: str, handle: SendHandle, timeout: float | None, *,
+                    requeue: bool = False) -> bool | None:
         """Wait up to ``timeout`` for a send and log how it ended; False unless the
-        receiver acknowledged it."""
+        receiver acknowledged it.  ``requeue``: one refused for want of room is taken back
+        (see :meth:`_requeue`, to be flushed by the caller), and None."""
         try:
             receipt = handle.wait(timeout)
         except KvwireError as exc:
+            if requeue and self._requeue(req_id, handle):
+                return None
+            self._begun.pop(req_id, None)
+            self._room_told.discard(req_id)
             logger.error("kvwire: sending KV of request %s failed: %s", req_id, exc)
             return False
+        self._begun.pop(req_id, None)
+        self._room_told.discard(req_id)
         logger.info(
             "kvwire: sent KV of request %s as %r: %d bytes, %d on the wire, %.1f ms",
             req_id, handle.request_id, receipt.kv_bytes, receipt.wire_bytes, receipt.seconds * 1e3,
@@ -1218,8 +1311,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for req_id, (handle, _) in list(self._in_flight.items()):
             if handle.done:
                 del self._in_flight[req_id]
+                if self._requeue(req_id, handle):
+                    continue
                 self._last_end = now
                 if self._ended_well(req_id, handle, 0):
+                    self._room_at = 0.0  # (room for a send refused for want of it, perhaps)
                     self._ended.add(req_id)
                 elif (marks := self._write_marks()) is not None:
                     self._draining[req_id] = (marks, now)
@@ -1240,6 +1336,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 failed = not self._ended_well(req_id, handle, 0)  # a timeout, unless it just ended
                 del self._in_flight[req_id]
                 self._ended.add(req_id)
+        self._flush_refused()
         if failed:
             self._let_go_of_blocks(wait=False)  # (the sends waiting their turn end unsent)
 
@@ -1294,6 +1391,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._ended.update(self._draining)
         self._draining.clear()
         self._end_queued("the connection was closed before their turn")
+        self._begun.clear()
+        self._room_told.clear()
+        self._room_at = 0.0
         for req_id, handle in self._sending.items():
             handle.abort()
             self._ended.add(req_id)
@@ -1549,10 +1649,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._start_queued()
             self._fly()
             if not self._in_flight:
+                if self._queued and self._wait_for_room(float("inf")):
+                    continue  # refused for want of room: begun again
                 break
             req_id, (handle, _) = next(iter(self._in_flight.items()))
-            failed = not self._ended_well(req_id, handle, self._timeout)
             del self._in_flight[req_id]
+            ended = self._ended_well(req_id, handle, self._timeout, requeue=True)
+            if ended is None:  # refused for want of room: at the head of the queue again
+                self._flush_refused()
+                continue
+            failed = not ended
         if failed:
             self._let_go_of_blocks()
         if self._peer is not None:

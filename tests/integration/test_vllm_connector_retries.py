@@ -23,7 +23,11 @@ from tests.integration.test_vllm_connector_limits import (
     caches,
     config,
     consume,
+    consumer,
+    pending,
     produce,
+    producer,
+    same,
     workers,
 )
 
@@ -163,3 +167,66 @@ def test_a_send_queued_in_a_step_is_not_begun_before_its_drafters_layer() -> Non
         if server is not None:
             server.close()
         bridge.close()
+
+
+# -- sends the consumer's server refuses for want of room ------------------------------------
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_sends_refused_while_the_consumer_holds_transfers_not_yet_loaded_are_sent_later(
+        workers: list[KvwireConnector], async_save: bool) -> None:
+    """The usual disaggregated flow: prefills end before their decode requests reach the
+    consumer, whose server counts the transfers arrived that no request loaded yet against
+    its max_transfers (4 here).  The sends past that, refused at BEGIN (LIMIT_EXCEEDED),
+    wait their turn again and go once loads made room (without the async save, within
+    their step), instead of failing (their loads then waiting a whole kvwire_load_timeout
+    and recomputing).  The consumer's steps run on a thread of their own, as on another
+    instance."""
+    n, room = 6, 4
+    cons, ckv = consumer({"kvwire_load_timeout": 30, "kvwire_max_transfers": room})
+    prod, pkv = producer(cons.listen_port or 0, {"kvwire_load_timeout": 60, "kvwire_async_save": async_save})
+    workers[:] = [prod, cons]
+    names = [f"r{i}#prompt:{i:032x}" for i in range(n)]
+    saves = [_Move(f"r{i}", names[i], [2 * i + 1, 2 * i]) for i in range(n)]
+    everyone = {m.req_id for m in saves}
+    deadline = time.monotonic() + 60
+    ended = produce(prod, KvwireConnectorMetadata(saves=saves[:room]), pkv, {m.req_id for m in saves[:room]})
+    while pending(cons) < room and time.monotonic() < deadline:  # arrived whole, none loaded yet
+        ended |= produce(prod, KvwireConnectorMetadata(), None)
+        threading.Event().wait(0.05)
+    assert pending(cons) == room
+    got: set[str] = set()
+    errors: set[int] = set()
+
+    def refused() -> int:
+        stats = cons.server_statistics()
+        assert stats is not None
+        return int(stats["transfers_refused"])
+
+    def decode() -> None:  # the decode requests reach the consumer once a send was refused
+        while not refused() and time.monotonic() < deadline:
+            threading.Event().wait(0.02)
+        loads = [_Move(f"r{i}", names[i], [20 + 2 * i, 21 + 2 * i]) for i in range(n)]
+        g, e = consume(cons, KvwireConnectorMetadata(loads=loads))
+        got.update(g)
+        errors.update(e)
+        while got != everyone and time.monotonic() < deadline:
+            g, e = consume(cons)
+            got.update(g)
+            errors.update(e)
+            threading.Event().wait(0.05)
+
+    loader = threading.Thread(target=decode)
+    loader.start()
+    try:
+        ended |= produce(prod, KvwireConnectorMetadata(saves=saves[room:]), pkv, {m.req_id for m in saves[room:]})
+        while async_save and ended != everyone and time.monotonic() < deadline:
+            ended |= produce(prod, KvwireConnectorMetadata(), None)
+            threading.Event().wait(0.05)
+    finally:
+        loader.join()
+    assert refused() >= 1
+    assert got == everyone and not errors
+    for i in range(n):
+        assert same(ckv, [20 + 2 * i, 21 + 2 * i], pkv, [2 * i + 1, 2 * i]), i
+    assert not async_save or ended == everyone
