@@ -399,6 +399,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._receives: dict[str, tuple[ReceiveHandle, str, list[int], _Destination, int]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
         self._swept = 0  # drops of transfers named without a kvwire_id begun (see _sweep_unnamed)
+        # the list of arrivals asked of kvwire's loop by the last step, with the drops that
+        # waited for a transfer of each name then (see _sweep_unnamed)
+        self._sweep_ask: tuple[concurrent.futures.Future[list[str]], dict[str, int]] | None = None
         self._sending: dict[str, SendHandle] = {}  # sends begun in this step
         # async save: sends past their step, oldest first (with the time their step ended),
         # sends that ended (acknowledged, failed and let go of, or never begun) and finished
@@ -444,9 +447,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         attention layer, which a full CUDA graph's replay skips (the layer read before its
         KV is in, or never sent); vLLM then captures piecewise graphs, which call them."""
         return True
-
-    #: seconds a step waits for kvwire's loop to list the transfers no request loads (see _sweep_unnamed)
-    _SWEEP_WAIT = 1.0
 
     #: most connections kvwire_registry_max_connections takes (one host's to one Redis address
     #: cannot outnumber its ports)
@@ -1469,20 +1469,41 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         arrived transfer named without a ``kvwire_id`` that no drop takes yet.  A producer
         sends every request's KV, and only kvwire_load_all loads those: unclaimed, each
         would hold memory and a slot of its producer's session until the claim timeout.
-        The server's list is read on kvwire's loop, within ``_SWEEP_WAIT``: a loop held
-        up past that (or a closed server) leaves them to the next step."""
+        The hook waits for no round trip to kvwire's loop: it posts the server's list to
+        be read there and takes what the last step's read (a loop held up, or a closed
+        server, leaves them to a later step).  The drops that waited for a transfer of a
+        name when the list was asked for each take one of the arrivals listed of it (one
+        handed its transfer before the list was read leaves an arrival to a later step:
+        none is dropped twice)."""
         if self._server is None or self._spec is None or self._load_all:
             return
-        try:
-            arrived = self._server.unclaimed_request_ids(timeout=self._SWEEP_WAIT)
-        except KvwireError as exc:
-            logger.debug("kvwire: no look for transfers no request loads in this step: %s", exc)
+        asked, self._sweep_ask = self._sweep_ask, None
+        if asked is not None and not asked[0].done():
+            self._sweep_ask = asked  # (the loop has not read it yet)
             return
-        # drops begun whose transfer was not handed to them yet: each takes one of these
+        if asked is not None:
+            try:
+                self._drop_unnamed(asked[0].result(), dict(asked[1]))
+            except Exception as exc:  # (a closed server, a cancelled read)
+                logger.debug("kvwire: no look for transfers no request loads in this step: %s", exc)
+        # drops begun whose transfer was not handed to them yet: each takes one of those listed
         waiting: dict[str, int] = {}
         for handle in self._dropping.values():
             if handle.transfer is None and handle.error is None and self._swept_name(handle):
                 waiting[handle.request_id] = waiting.get(handle.request_id, 0) + 1
+        server = self._server.server
+
+        async def arrived() -> list[str]:
+            return list(server.unclaimed_request_ids())
+
+        try:
+            self._sweep_ask = (self._server.bridge.submit(arrived()), waiting)
+        except KvwireError as exc:  # the server's bridge is closed
+            logger.debug("kvwire: no look for transfers no request loads: %s", exc)
+
+    def _drop_unnamed(self, arrived: list[str], waiting: dict[str, int]) -> None:
+        """Begin a drop for each of the arrivals ``arrived`` named without a ``kvwire_id``
+        beyond the drops ``waiting`` for one of its name."""
         for name in arrived:
             if not _UNNAMED.fullmatch(name):
                 continue

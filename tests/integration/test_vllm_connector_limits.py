@@ -364,7 +364,8 @@ def test_a_consumer_with_load_all_keeps_transfers_named_without_an_id(workers: l
 
 
 def test_each_step_drops_the_transfers_named_without_an_id_that_arrived(workers: list[KvwireConnector]) -> None:
-    """Without kvwire_load_all the worker looks once per step (get_finished): each arrived
+    """Without kvwire_load_all the worker looks once per step (get_finished, which asks
+    kvwire's loop without waiting and drops at the next step what it listed): each arrived
     transfer named without a kvwire_id gets one drop, whatever its number of blocks and
     however many share its name, one that failed before it was claimed too; nothing of
     them is written into the caches, and a step does not drop a transfer twice."""
@@ -388,7 +389,10 @@ def test_each_step_drops_the_transfers_named_without_an_id_that_arrived(workers:
         while cons.server_statistics()["failed_arrivals"] < 1 and time.monotonic() < deadline:  # type: ignore[index]
             threading.Event().wait(0.05)
     assert pending(cons) == 4 and not cons._dropping
-    consume(cons)  # one step: a drop for each
+    consume(cons)  # one step asks kvwire's loop which arrived, without waiting
+    assert cons._sweep_ask is not None
+    cons._sweep_ask[0].result(30)
+    consume(cons)  # the next drops each of those
     assert cons._swept == 4 and sorted(h.request_id for h in cons._dropping.values()) == sorted(
         [twice, twice, other, failed])
     handles = list(cons._dropping.values())
@@ -414,8 +418,8 @@ def test_a_step_counts_the_drops_of_a_name_not_yet_handed_their_transfer(workers
             peer.send(name, spec.wire_spec(), PagedSource(spec, src, blocks), timeout=60)
     assert pending(cons) == 2
     cons._drop("begun", name, None)
-    consume(cons)
-    assert cons._swept == 1  # ("begun" may have ended, and been let go of, already)
+    assert until(lambda: cons._swept >= 1, cons)  # ("begun" may have ended, and been let go of, already)
+    assert cons._swept == 1
     assert until(lambda: pending(cons) == 0 and not cons._dropping, cons), "not dropped"
     assert cons._swept == 1
 

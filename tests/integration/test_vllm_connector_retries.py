@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from kvwire.errors import StaleVersionError
 from kvwire.paged import PagedSource
@@ -28,6 +29,7 @@ from tests.integration.test_vllm_connector_limits import (
     produce,
     producer,
     same,
+    until,
     workers,
 )
 
@@ -230,3 +232,38 @@ def test_sends_refused_while_the_consumer_holds_transfers_not_yet_loaded_are_sen
     for i in range(n):
         assert same(ckv, [20 + 2 * i, 21 + 2 * i], pkv, [2 * i + 1, 2 * i]), i
     assert not async_save or ended == everyone
+
+
+# -- the per-step look for transfers no request loads --------------------------------------------
+
+
+def test_the_look_for_transfers_no_request_loads_does_not_wait_for_kvwires_loop(
+        workers: list[KvwireConnector]) -> None:
+    """A consumer without kvwire_load_all asks kvwire's loop once per step which transfers
+    named without an id arrived: get_finished does not wait for the answer (a loop held
+    up, by a large decode or a slow registry call, would hold the engine step), and the
+    next step drops those it listed."""
+    cons, ckv = consumer({"kvwire_load_timeout": 30})
+    workers[:] = [cons]
+    spec, server = cons._spec, cons._server
+    assert spec is not None and server is not None
+    cons._SWEEP_WAIT = 120.0  # type: ignore[attr-defined]  # (how long a hook that waited would wait)
+    name = "prompt:" + "9c" * 16
+    src = caches(64, 7)
+    with SyncPeer("127.0.0.1", cons.listen_port or 0, secret=SECRET.encode()) as peer:
+        peer.send(name, spec.wire_spec(), PagedSource(spec, src, [1, 2]), timeout=60)
+    assert pending(cons) == 1
+    held = threading.Event()
+    server.bridge.call_soon(held.wait)  # kvwire's loop is held up
+    step = threading.Thread(target=consume, args=(cons,))
+    try:
+        step.start()
+        step.join(60)
+        assert not step.is_alive(), "the step waited for kvwire's loop"
+    finally:
+        held.set()
+        step.join()
+    before = [c.clone() for c in ckv]
+    assert until(lambda: pending(cons) == 0 and not cons._dropping, cons), "not dropped"
+    assert cons._swept == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, ckv, strict=True))
