@@ -394,9 +394,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._room_at = 0.0
         # the blocks loaded into, and how many blocks the transfer carries
         self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
-        # each load's receive with its name, block ids, destination and the times it may
-        # still expect that name again (see _reload)
-        self._receives: dict[str, tuple[ReceiveHandle, str, list[int], _Destination, int]] = {}
+        # each load's receive with its name, block ids and destination (see _reload)
+        self._receives: dict[str, tuple[ReceiveHandle, str, list[int], _Destination]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
         self._swept = 0  # drops of transfers named without a kvwire_id begun (see _sweep_unnamed)
         # the list of arrivals asked of kvwire's loop by the last step, with the drops that
@@ -451,9 +450,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     #: most connections kvwire_registry_max_connections takes (one host's to one Redis address
     #: cannot outnumber its ports)
     _MAX_REGISTRY_CONNECTIONS = 65535
-
-    #: times a load expects its transfer's name again after one that had failed before it was claimed
-    _RELOAD_TRIES = 3
 
     #: seconds a send refused for want of room on the consumer's server waits before it is begun again
     #: (unless another send ends first)
@@ -774,7 +770,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self._load_errors.update(blocks)
                 continue
             self._loading[move.req_id] = (handle, blocks, len(move.block_ids))
-            self._receives[move.req_id] = (handle, move.key, move.block_ids, dest, self._RELOAD_TRIES)
+            self._receives[move.req_id] = (handle, move.key, move.block_ids, dest)
             if self._load_async:  # nothing waits for it: get_finished reports it once it ended
                 self._load_since[move.req_id] = now
             if self._registry is not None:
@@ -865,17 +861,18 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         already when it was handed out (one that failed after it arrived and before any
         load claimed it, handed out oldest first, its destination never called: a send
         of the same name that failed, its prefill retried since), expect the name again,
-        so that a later transfer of it is loaded, and True; at most ``_RELOAD_TRIES``
-        times per load, each within what is left of its deadline.  Any other failure is
+        so that a later transfer of it is loaded, and True; as many times as such
+        transfers are handed to it (the server keeps a bounded number of them), all
+        within the load's deadline, which its callers check.  Any other failure is
         the load's: a transfer refused at BEGIN (``STALE_VERSION``: no transfer is
         handed out), or one that failed after the load claimed it."""
         entry = self._receives.get(req_id)
         if entry is None or entry[0] is not handle or self._server is None or self._spec is None:
             return False
-        _, key, block_ids, dest, tries = entry
+        _, key, block_ids, dest = entry
         # A transfer handed out healthy is given the destination at once (its check()
         # called, before any failure of it can reach the load): one never used had failed.
-        if handle.error is None or handle.transfer is None or dest.used or tries <= 0:
+        if handle.error is None or handle.transfer is None or dest.used:
             return False
         again = _Destination(self._spec, self._caches, block_ids)
         try:
@@ -886,7 +883,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                        "waiting for another transfer of its name", req_id, handle.error)
         _, blocks, total = self._loading[req_id]
         self._loading[req_id] = (new, blocks, total)
-        self._receives[req_id] = (new, key, block_ids, again, tries - 1)
+        self._receives[req_id] = (new, key, block_ids, again)
         return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -908,7 +905,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 try:
                     handle.wait_layer(index, timeout=max(0.0, deadline - time.monotonic()))
                 except KvwireError as exc:
-                    if self._reload(req_id, handle):  # within what is left of the deadline
+                    if time.monotonic() < deadline and self._reload(req_id, handle):
                         handle = self._loading[req_id][0]
                         continue
                     failed = exc

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kvwire.errors import StaleVersionError
-from kvwire.paged import PagedSource
+from kvwire.paged import PagedSource, layer_rows
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.integration.test_vllm_connector_limits import (
     LAYERS,
@@ -267,3 +267,50 @@ def test_the_look_for_transfers_no_request_loads_does_not_wait_for_kvwires_loop(
     assert until(lambda: pending(cons) == 0 and not cons._dropping, cons), "not dropped"
     assert cons._swept == 1
     assert all(torch.equal(a, b) for a, b in zip(before, ckv, strict=True))
+
+
+# -- a load handed several failed transfers of its name --------------------------------------------
+
+
+@pytest.mark.parametrize("load_async", [True, False])
+def test_failed_transfers_handed_to_a_load_do_not_use_up_its_retries(
+        workers: list[KvwireConnector], load_async: bool) -> None:
+    """Four sends of a name fail mid-way before any request claims them (a prefill retried
+    again and again), then one arrives whole: the load is handed each failed one in turn,
+    and then loads the good one (its deadline bounds it), instead of giving up after three
+    and leaving the good transfer on the server."""
+    cons, ckv = consumer({"kvwire_load_timeout": 60, "kvwire_load_async": load_async})
+    workers[:] = [cons]
+    spec = cons._spec
+    assert spec is not None
+    name = "req-7#prompt:" + "ab" * 16
+    src = caches(64, 7)
+
+    def failed_arrivals() -> int:
+        stats = cons.server_statistics()
+        assert stats is not None
+        return int(stats["failed_arrivals"])
+
+    for i in range(4):
+        with SyncPeer("127.0.0.1", cons.listen_port or 0, secret=SECRET.encode()) as peer:
+            send = peer.begin(name, spec.wire_spec())
+            send.send_layer(*layer_rows(spec, src[0], [1, 2]))
+            deadline = time.monotonic() + 30
+            while pending(cons) < i + 1 and time.monotonic() < deadline:
+                threading.Event().wait(0.02)
+            send.abort()
+            while failed_arrivals() < i + 1 and time.monotonic() < deadline:
+                threading.Event().wait(0.02)
+    with SyncPeer("127.0.0.1", cons.listen_port or 0, secret=SECRET.encode()) as peer:
+        peer.send(name, spec.wire_spec(), PagedSource(spec, src, [1, 2]), timeout=60)
+    assert pending(cons) == 5 and failed_arrivals() == 4
+    got, errors = consume(cons, KvwireConnectorMetadata(loads=[_Move("decode-1", name, [10, 11])]))
+    deadline = time.monotonic() + 60
+    while load_async and not got and time.monotonic() < deadline:
+        g, e = consume(cons)
+        got |= g
+        errors |= e
+        threading.Event().wait(0.05)
+    assert got == ({"decode-1"} if load_async else set()) and not errors
+    assert same(ckv, [10, 11], src, [1, 2])
+    assert pending(cons) == 0
