@@ -397,6 +397,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # each load's receive with its name, block ids and destination (see _reload)
         self._receives: dict[str, tuple[ReceiveHandle, str, list[int], _Destination]] = {}
         self._dropping: dict[str, ReceiveHandle] = {}
+        # the drops of loads given up (see _give_up_load), with the blocks their transfer
+        # carries and when they end (kvwire_claim_timeout from their start; None: never):
+        # each goes after a later load of its name, which it must not take the transfer of
+        # (see _yield_drops)
+        self._given_up: dict[str, tuple[int, float | None]] = {}
         self._swept = 0  # drops of transfers named without a kvwire_id begun (see _sweep_unnamed)
         # the list of arrivals asked of kvwire's loop by the last step, with the drops that
         # waited for a transfer of each name then (see _sweep_unnamed)
@@ -761,7 +766,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             dest = _Destination(self._spec, self._caches, move.block_ids)
             blocks = [b for b in move.block_ids if b != DROP]
             try:
-                handle = self._server.expect(move.key, into=dest, num_layers=self._spec.num_layers)
+                handle = self._expect_load(move.key, dest)
             except KvwireError as exc:  # the server's bridge is closed: the load fails, not the step
                 _log_failed(move.req_id, exc)
                 if self._load_async:  # reported by get_finished (vLLM takes it out of its wait)
@@ -785,20 +790,67 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # into a step without loads no time at all).
         self._load_deadline = None
 
-    def _drop(self, req_id: str, key: str, block_ids: list[int] | None) -> None:
+    def _drop(self, req_id: str, key: str, block_ids: list[int] | None,
+              timeout: float | bool | None = True) -> bool:
         """Take ``key``'s transfer as it comes and drop it (every id DROP; None: as many
         as the transfer carries), so that it does not wait on the server until the claim
         timeout.  As long as the server would keep an arrived transfer for a request,
-        kvwire_claim_timeout: a drop for a transfer that never comes (kvwire_load_all, a
-        producer that did not send) is let go of then (with no claim timeout, at
-        shutdown)."""
+        kvwire_claim_timeout (``timeout``, when not True: what is left of it): a drop for
+        a transfer that never comes (kvwire_load_all, a producer that did not send) is let
+        go of then (with no claim timeout, at shutdown).  Whether it began."""
         assert self._server is not None and self._spec is not None
         dest = (_DropAll(self._spec, self._caches) if block_ids is None
                 else PagedDestination(self._spec, self._caches, block_ids))
+        if timeout is True:  # (a drop begun anew: not one of a load given up, unless that says so)
+            self._given_up.pop(req_id, None)
         with contextlib.suppress(ConnectionLostError):  # the server's bridge is closed: no transfer comes to drop
             self._dropping[req_id] = self._server.expect(
-                key, into=dest, num_layers=self._spec.num_layers, timeout=self._claim_timeout,
+                key, into=dest, num_layers=self._spec.num_layers,
+                timeout=self._claim_timeout if timeout is True else timeout,
             )
+            return True
+        return False
+
+    def _expect_load(self, key: str, dest: _Destination) -> ReceiveHandle:
+        """Expect ``key``'s transfer into ``dest`` for a load, ahead of the drops of loads
+        given up that still wait for a transfer of that name (see :meth:`_yield_drops`)."""
+        assert self._server is not None and self._spec is not None
+        yielded = self._yield_drops(key)
+        try:
+            return self._server.expect(key, into=dest, num_layers=self._spec.num_layers)
+        finally:
+            self._requeue_drops(key, yielded)
+
+    def _yield_drops(self, key: str) -> list[str]:
+        """Stop the drops of loads given up that wait for a transfer of ``key`` and none was
+        handed to yet, as a load of that name starts: their receives are stopped on
+        kvwire's loop before the load's expect runs there, so its transfer goes to the
+        load, not to a drop of an earlier load (names are shared: kvwire_load_all's
+        ``prompt:<digest>``, a reused kvwire_id; the server hands the transfers of a name
+        to its expects in the order they were made).  Each is begun again after the load
+        (:meth:`_requeue_drops`): the transfer it waited for, should it come after all, is
+        the load's, and the load's own is dropped then.  The drops of requests computed
+        here do not yield: their transfer is sure to come, and is theirs."""
+        yielded: list[str] = []
+        for req_id, handle in list(self._dropping.items()):
+            if (req_id in self._given_up and handle.request_id == key and handle.transfer is None
+                    and handle.error is None and not handle.done):
+                # (a stop issued to the loop, which runs it before the load's expect; the
+                # drop's destination writes into no block: nothing to wait for)
+                handle.abort("a later load of its name goes first", timeout=0)
+                yielded.append(req_id)
+        return yielded
+
+    def _requeue_drops(self, key: str, yielded: list[str]) -> None:
+        """Begin again, behind the load just expected, the drops :meth:`_yield_drops`
+        stopped, each for what is left of its kvwire_claim_timeout (one past it ends)."""
+        now = time.monotonic()
+        for req_id in yielded:
+            total, ends = self._given_up[req_id]
+            left = None if ends is None else ends - now
+            if (left is not None and left <= 0) or not self._drop(req_id, key, [DROP] * total, left):
+                del self._dropping[req_id]
+                del self._given_up[req_id]
 
     #: seconds a hook waits, once for all the receives it aborted, for kvwire's loop to stop them
     #: (and for the close of the producer's connection, on a loop held up elsewhere)
@@ -853,8 +905,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             verifying[0].cancel()
         arrived = handle.transfer is not None
         self._abort(req_id, handle, reason)
-        if not arrived and self._server is not None:
-            self._drop(req_id, handle.request_id, [DROP] * total)
+        if not arrived and self._server is not None and self._drop(req_id, handle.request_id, [DROP] * total):
+            ends = None if self._claim_timeout is None else time.monotonic() + self._claim_timeout
+            self._given_up[req_id] = (total, ends)
 
     def _reload(self, req_id: str, handle: ReceiveHandle) -> bool:
         """``req_id``'s receive ``handle`` failed: if the transfer handed to it had failed
@@ -876,7 +929,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return False
         again = _Destination(self._spec, self._caches, block_ids)
         try:
-            new = self._server.expect(key, into=again, num_layers=self._spec.num_layers)
+            new = self._expect_load(key, again)
         except KvwireError:  # the server's bridge is closed
             return False
         logger.warning("kvwire: the transfer handed to request %s had failed before it was claimed (%s): "
@@ -1456,6 +1509,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             else:
                 continue
             del self._dropping[req_id]
+            self._given_up.pop(req_id, None)
 
     def _swept_name(self, handle: ReceiveHandle) -> bool:
         """Whether ``handle`` is a drop :meth:`_sweep_unnamed` began."""
@@ -1661,6 +1715,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for req_id, receive in self._dropping.items():
             self._abort(req_id, receive, "shutting down")
         self._dropping.clear()
+        self._given_up.clear()
         self._settle_aborts()
         failed = False
         while not failed:  # let them finish, oldest first, the queued ones too as their turn comes
