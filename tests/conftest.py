@@ -3,13 +3,14 @@ from __future__ import annotations
 import os
 import shutil
 import sysconfig
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 from kvwire._extensions import extensions_disabled
 from kvwire.codec import numpy_dtype
-from tests.consistency.conftest import find_redis_server
+from tests.consistency.conftest import RedisServer, find_redis_server, start_redis
 from tests.environment import IN_CI
 
 SECRET = b"test-secret-0123"
@@ -107,3 +108,13 @@ def redis_binary() -> str:
             pytest.fail(message)
         pytest.skip(message)
     return binary
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of a real redis-server of the test module's own."""
+    server: RedisServer = start_redis(redis_binary, tmp_path_factory.mktemp("redis"))
+    try:
+        yield server.url
+    finally:
+        server.stop()

@@ -29,15 +29,6 @@ from tests.consistency.conftest import RedisServer, start_redis
 pytestmark = pytest.mark.timeout(90)
 
 
-@pytest.fixture(scope="module")
-def redis_url(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server: RedisServer = start_redis(redis_binary, tmp_path_factory.mktemp("redis"))
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
 @pytest.fixture
 def link(redis_url: str) -> Iterator[SyncRegistry]:
     bridge = Bridge("test-registry")

@@ -21,7 +21,6 @@ import torch
 from kvwire.errors import UsageError
 from kvwire.paged import DROP, PagedSource, layer_rows
 from kvwire.sync import SyncPeer
-from tests.consistency.conftest import RedisServer, start_redis
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -187,15 +186,6 @@ def test_kvwire_max_transfers_takes_a_whole_number_as_text() -> None:
 def test_kvwire_registry_max_connections_is_checked(value: object) -> None:
     with pytest.raises(UsageError, match="kvwire_registry_max_connections"):
         KvwireConnector(config("kv_consumer", {"kvwire_registry_max_connections": value}), KVConnectorRole.SCHEDULER)
-
-
-@pytest.fixture(scope="module")
-def redis_url(redis_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    server: RedisServer = start_redis(redis_binary, tmp_path_factory.mktemp("redis"))
-    try:
-        yield server.url
-    finally:
-        server.stop()
 
 
 @pytest.mark.parametrize(("setting", "size"), [({}, 100), ({"kvwire_registry_max_connections": 7}, 7),
