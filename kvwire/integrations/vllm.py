@@ -219,25 +219,14 @@ class _DropAll(PagedDestination):
 class _Destination(PagedDestination):
     """A load's destination that tells whether its transfer used it (``used``): a transfer
     that had failed before it was claimed is handed out without its destination ever being
-    called, nothing of it written into the blocks."""
+    called, nothing of it written into the blocks.  (A receive calls a destination's
+    ``check`` before anything else of it, kvwire.aio's attach.)"""
 
     used = False
 
     def check(self, *args: Any, **kwargs: Any) -> Any:
         self.used = True
         return super().check(*args, **kwargs)
-
-    def view(self, *args: Any, **kwargs: Any) -> Any:
-        self.used = True
-        return super().view(*args, **kwargs)
-
-    def regions(self, *args: Any, **kwargs: Any) -> Any:
-        self.used = True
-        return super().regions(*args, **kwargs)
-
-    def write(self, *args: Any, **kwargs: Any) -> Any:
-        self.used = True
-        return super().write(*args, **kwargs)
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -832,9 +821,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         the load's, and the load's own is dropped then.  The drops of requests computed
         here do not yield: their transfer is sure to come, and is theirs."""
         yielded: list[str] = []
-        for req_id, handle in list(self._dropping.items()):
-            if (req_id in self._given_up and handle.request_id == key and handle.transfer is None
-                    and handle.error is None and not handle.done):
+        for req_id in list(self._given_up):  # (each of them is in _dropping)
+            handle = self._dropping[req_id]
+            if handle.request_id == key and handle.transfer is None and handle.error is None and not handle.done:
                 # (a stop issued to the loop, which runs it before the load's expect; the
                 # drop's destination writes into no block: nothing to wait for)
                 handle.abort("a later load of its name goes first", timeout=0)
