@@ -819,6 +819,17 @@ class SyncServer:
 
         return self.bridge.run(ids(), timeout)
 
+    def statistics(self, timeout: float = 5.0) -> dict[str, Any]:
+        """:meth:`kvwire.Server.statistics` from any thread: the snapshot, read on the
+        bridge's loop within ``timeout`` seconds (:class:`~kvwire.TransferTimeoutError`
+        past it; a closed bridge raises :class:`~kvwire.ConnectionLostError`)."""
+        server = self._server
+
+        async def snapshot() -> dict[str, Any]:
+            return dict(server.statistics())
+
+        return self.bridge.run(snapshot(), timeout)
+
     def close(self, timeout: float = 5.0) -> None:
         """Close the server (and its own bridge); each step waits at most ``timeout``
         seconds (a finite number >= 0).  A server whose close did not complete in time is
@@ -1047,6 +1058,31 @@ class SyncPeer:
             return bool(self._peer.written_past(checked))
 
         return bool(self.bridge.run(past(), timeout, track=self._track, gone=self._gone))
+
+    @property
+    def protocol_version(self) -> int | None:
+        """:attr:`kvwire.Peer.protocol_version` from any thread: the wire protocol version
+        the session agreed with the server, read on the bridge's loop within 5 s
+        (:class:`~kvwire.TransferTimeoutError` past it; a closed bridge raises
+        :class:`~kvwire.ConnectionLostError`)."""
+        peer = self._peer
+
+        async def agreed() -> int | None:
+            version: int | None = peer.protocol_version
+            return version
+
+        return self.bridge.run(agreed(), 5.0, track=self._track, gone=self._gone)
+
+    def statistics(self, timeout: float = 5.0) -> dict[str, Any]:
+        """:meth:`kvwire.Peer.statistics` from any thread: the snapshot, read on the
+        bridge's loop within ``timeout`` seconds (:class:`~kvwire.TransferTimeoutError`
+        past it; a closed bridge raises :class:`~kvwire.ConnectionLostError`)."""
+        peer = self._peer
+
+        async def snapshot() -> dict[str, Any]:
+            return dict(peer.statistics())
+
+        return self.bridge.run(snapshot(), timeout, track=self._track, gone=self._gone)
 
     def send(self, request_id: str, spec: KVSpec, layers: Any, *, timeout: float | None = None,
              **send_options: Any) -> Any:
