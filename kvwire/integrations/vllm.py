@@ -229,6 +229,29 @@ class _Destination(PagedDestination):
         return super().check(*args, **kwargs)
 
 
+@dataclass(slots=True, eq=False)
+class _Load:
+    """A consumer's load of one request, from its start until it ended (arrived whole,
+    refused, failed or given up): its receive, and what a reload needs (see
+    :meth:`KvwireConnector._reload`)."""
+
+    handle: ReceiveHandle
+    key: str
+    block_ids: list[int]  # DROP where the block is not loaded
+    dest: _Destination
+    since: float  # when it started (the async load's kvwire_load_timeout counts from then)
+    #: the blocks' registry ids, to check the transfer's versions against (with kvwire_registry,
+    #: until checked)
+    expected: tuple[bytes, ...] | None = None
+    #: async load: the registry check under way, with its deadline
+    verifying: tuple[concurrent.futures.Future[str | None], float] | None = None
+
+    @property
+    def blocks(self) -> list[int]:
+        """The blocks loaded into (reported as load errors if it fails)."""
+        return [b for b in self.block_ids if b != DROP]
+
+
 def _layer_order(name: str) -> tuple[int, str]:
     m = re.search(r"\d+", name)
     return (int(m.group()) if m else -1, name)
@@ -335,7 +358,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         self._bridge: Bridge | None = None
         self._registry: SyncRegistry | None = None
-        self._expected: dict[str, tuple[bytes, ...]] = {}
         # scheduler side
         self._local_hits: dict[str, int] = {}  # tokens vLLM found in its prefix cache
         # key, full blocks cached here, blocks loaded (none: the transfer is only dropped)
@@ -381,10 +403,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._refused: dict[str, tuple[_Move, dict[str, Any], float]] = {}  # (to requeue, oldest first)
         self._room_told: set[str] = set()  # requests whose refusal was logged (once)
         self._room_at = 0.0
-        # the blocks loaded into, and how many blocks the transfer carries
-        self._loading: dict[str, tuple[ReceiveHandle, list[int], int]] = {}
-        # each load's receive with its name, block ids and destination (see _reload)
-        self._receives: dict[str, tuple[ReceiveHandle, str, list[int], _Destination]] = {}
+        self._loading: dict[str, _Load] = {}  # the loads under way
         self._dropping: dict[str, ReceiveHandle] = {}
         # the drops of loads given up (see _give_up_load), with the blocks their transfer
         # carries and when they end (kvwire_claim_timeout from their start; None: never):
@@ -417,14 +436,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
         self._aborting: list[str] = []  # receives aborted in this hook, not yet known stopped
-        # Async load: when each load started (its kvwire_load_timeout counts from then),
-        # the registry checks under way (with their deadlines), and loads that ended with
-        # their receive aborted, not yet known stopped: each waits for a mark queued on
-        # kvwire's loop after its abort (with its blocks to report as load errors, and
-        # since when it waits) before its request is reported, so vLLM keeps its blocks
-        # until nothing writes into them.
-        self._load_since: dict[str, float] = {}
-        self._verifying: dict[str, tuple[concurrent.futures.Future[str | None], float]] = {}
+        # Async load: loads that ended with their receive aborted, not yet known stopped:
+        # each waits for a mark queued on kvwire's loop after its abort (with its blocks to
+        # report as load errors, and since when it waits) before its request is reported,
+        # so vLLM keeps its blocks until nothing writes into them.
         self._unstopped: dict[str, tuple[threading.Event, set[int], float]] = {}
         # Async load: loads whose receive could not start (the server's bridge closed),
         # with their blocks: reported as failed by the next get_finished.
@@ -763,12 +778,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 else:
                     self._load_errors.update(blocks)
                 continue
-            self._loading[move.req_id] = (handle, blocks, len(move.block_ids))
-            self._receives[move.req_id] = (handle, move.key, move.block_ids, dest)
-            if self._load_async:  # nothing waits for it: get_finished reports it once it ended
-                self._load_since[move.req_id] = now
-            if self._registry is not None:
-                self._expected[move.req_id] = move.prefix
+            # (async load: nothing waits for it, get_finished reports it once it ended)
+            self._loading[move.req_id] = _Load(handle, move.key, move.block_ids, dest, now,
+                                               move.prefix if self._registry is not None else None)
         for move in meta.drops:  # nothing waits for these: get_finished lets them go
             self._drop(move.req_id, move.key, move.block_ids)
 
@@ -886,12 +898,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _give_up_load(self, req_id: str, reason: str) -> None:
         """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does."""
-        handle, _, total = self._loading.pop(req_id)
-        self._receives.pop(req_id, None)
-        self._load_since.pop(req_id, None)
-        verifying = self._verifying.pop(req_id, None)
-        if verifying is not None:
-            verifying[0].cancel()
+        load = self._loading.pop(req_id)
+        handle, total = load.handle, len(load.block_ids)
+        if load.verifying is not None:
+            load.verifying[0].cancel()
         arrived = handle.transfer is not None
         self._abort(req_id, handle, reason)
         if not arrived and self._server is not None and self._drop(req_id, handle.request_id, [DROP] * total):
@@ -908,24 +918,21 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         within the load's deadline, which its callers check.  Any other failure is
         the load's: a transfer refused at BEGIN (``STALE_VERSION``: no transfer is
         handed out), or one that failed after the load claimed it."""
-        entry = self._receives.get(req_id)
-        if entry is None or entry[0] is not handle or self._server is None or self._spec is None:
+        load = self._loading.get(req_id)
+        if load is None or load.handle is not handle or self._server is None or self._spec is None:
             return False
-        _, key, block_ids, dest = entry
         # A transfer handed out healthy is given the destination at once (its check()
         # called, before any failure of it can reach the load): one never used had failed.
-        if handle.error is None or handle.transfer is None or dest.used:
+        if handle.error is None or handle.transfer is None or load.dest.used:
             return False
-        again = _Destination(self._spec, self._caches, block_ids)
+        again = _Destination(self._spec, self._caches, load.block_ids)
         try:
-            new = self._expect_load(key, again)
+            new = self._expect_load(load.key, again)
         except KvwireError:  # the server's bridge is closed
             return False
         logger.warning("kvwire: the transfer handed to request %s had failed before it was claimed (%s): "
                        "waiting for another transfer of its name", req_id, handle.error)
-        _, blocks, total = self._loading[req_id]
-        self._loading[req_id] = (new, blocks, total)
-        self._receives[req_id] = (new, key, block_ids, again)
+        load.handle, load.dest = new, again
         return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -941,14 +948,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self._load_deadline is None:
             self._load_deadline = time.monotonic() + self._timeout
         deadline = self._load_deadline
-        for req_id, (handle, blocks, _) in list(self._loading.items()):
+        for req_id, load in list(self._loading.items()):
+            blocks = load.blocks
             failed: KvwireError | None = None
             while True:
                 try:
-                    handle.wait_layer(index, timeout=max(0.0, deadline - time.monotonic()))
+                    load.handle.wait_layer(index, timeout=max(0.0, deadline - time.monotonic()))
                 except KvwireError as exc:
-                    if time.monotonic() < deadline and self._reload(req_id, handle):
-                        handle = self._loading[req_id][0]
+                    if time.monotonic() < deadline and self._reload(req_id, load.handle):
                         continue
                     failed = exc
                 break
@@ -956,9 +963,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 _log_failed(req_id, failed)
                 self._give_up_load(req_id, str(failed))
                 self._load_errors.update(blocks)
-                self._expected.pop(req_id, None)
                 continue
-            expected = self._expected.pop(req_id, None)
+            handle = load.handle
+            expected, load.expected = load.expected, None
             if expected is not None and self._registry is not None:
                 # Before the model reads the first layer: the cache must be this prompt's, fresh.
                 try:
@@ -970,12 +977,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self._abort(req_id, handle, reason)
                     self._load_errors.update(blocks)
                     del self._loading[req_id]
-                    self._receives.pop(req_id, None)
                     continue
             if index == len(self._caches) - 1:
                 _log_received(req_id, blocks, handle)
                 del self._loading[req_id]
-                self._receives.pop(req_id, None)
         self._settle_aborts()
 
     def _connect(self) -> None:
@@ -1553,23 +1558,23 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._swept += 1
             self._drop(f"{name}/{self._swept}", name, None)
 
-    def _verified(self, req_id: str, handle: ReceiveHandle, now: float) -> tuple[bool, str | None]:
-        """Async load: whether the registry check of ``req_id``'s transfer, arrived whole,
+    def _verified(self, load: _Load, now: float) -> tuple[bool, str | None]:
+        """Async load: whether the registry check of ``load``'s transfer, arrived whole,
         ended (it runs on kvwire's loop; the hook does not wait for it), and the reason to
         refuse the cache (None: fresh, or no check).  A check not done within the
         registry's timeout refuses it, as a registry error does (fail closed)."""
-        expected = self._expected.get(req_id)
+        expected = load.expected
         if expected is None or self._registry is None:
             return True, None
-        pending = self._verifying.get(req_id)
+        pending = load.verifying
         if pending is None:
-            announced = getattr(handle.transfer, "blocks", None) or []
+            announced = getattr(load.handle.transfer, "blocks", None) or []
             try:
                 future = self._registry.bridge.submit(verify_blocks(self._registry.registry, expected, announced))
             except KvwireError as exc:
-                self._expected.pop(req_id, None)
+                load.expected = None
                 return True, f"registry check failed: {exc}"
-            pending = self._verifying[req_id] = (future, now + self._registry.timeout)
+            pending = load.verifying = (future, now + self._registry.timeout)
         future, deadline = pending
         if future.done():
             try:
@@ -1581,8 +1586,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             reason = f"registry check failed: not done in {self._registry.timeout:g} s"
         else:
             return False, None
-        del self._verifying[req_id]
-        self._expected.pop(req_id, None)
+        load.verifying = load.expected = None
         return True, reason
 
     def _ended_loads(self, now: float) -> dict[str, set[int]]:
@@ -1591,14 +1595,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         failed, refused, or not in within kvwire_load_timeout of its start.  One that did
         not arrive whole is aborted (a transfer that comes later is dropped)."""
         ended: dict[str, set[int]] = {}
-        for req_id, (handle, blocks, _) in list(self._loading.items()):
+        for req_id, load in list(self._loading.items()):
+            handle, blocks = load.handle, load.blocks
             if handle.done:
-                checked, reason = self._verified(req_id, handle, now)
+                checked, reason = self._verified(load, now)
                 if not checked:
                     continue
                 del self._loading[req_id]
-                self._receives.pop(req_id, None)
-                self._load_since.pop(req_id, None)
                 if reason is None:
                     _log_received(req_id, blocks, handle)
                     ended[req_id] = set()
@@ -1607,15 +1610,13 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     ended[req_id] = set(blocks)
                 continue
             error: KvwireError | None = handle.error
-            if error is not None and now < self._load_since.get(req_id, now) + self._timeout \
-                    and self._reload(req_id, handle):
+            if error is not None and now < load.since + self._timeout and self._reload(req_id, handle):
                 continue
-            if error is None and now >= self._load_since.get(req_id, now) + self._timeout:
+            if error is None and now >= load.since + self._timeout:
                 error = TransferTimeoutError(f"transfer of {handle.request_id!r} not ready after {self._timeout:g} s")
             if error is None:
                 continue
             _log_failed(req_id, error)
-            self._expected.pop(req_id, None)
             self._give_up_load(req_id, str(error))
             ended[req_id] = set(blocks)
         return ended
@@ -1657,7 +1658,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._sweep_unnamed()
         gone: set[str] = set()  # async load: finished requests whose load is aborted now
         for req_id in finished_req_ids:
-            self._expected.pop(req_id, None)
             if req_id in self._loading:
                 self._give_up_load(req_id, "request finished")
                 if self._load_async:  # vLLM keeps its blocks until it is reported

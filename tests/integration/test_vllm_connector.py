@@ -1088,7 +1088,7 @@ def test_a_layer_waits_for_its_loads_within_one_load_timeout(monkeypatch: pytest
         worker.start_load_kv(None)  # type: ignore[arg-type]
         with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
             peer.send("arrived", spec.wire_spec(), PagedSource(spec, src, [0, 1]), timeout=30)
-        worker._loading["in"][0].wait(30)  # every layer of it is in before the step waits
+        worker._loading["in"].handle.wait(30)  # every layer of it is in before the step waits
         worker.wait_for_layer_load(LAYERS[0])
         assert given == [0.5, 0.0]  # one deadline for the layer's loads
         for name in LAYERS[1:]:
@@ -1215,7 +1215,7 @@ def test_the_aborts_of_one_hook_wait_for_kvwires_loop_once(
         ))
         worker.start_load_kv(None)  # type: ignore[arg-type]
         worker.clear_connector_metadata()
-        handles = [h for h, _, _ in worker._loading.values()]
+        handles = [load.handle for load in worker._loading.values()]
         assert worker._server is not None
         worker._server.bridge.call_soon(gate.wait, 30)  # the loop held up
         hook = threading.get_ident()
@@ -1385,7 +1385,7 @@ def test_an_async_load_that_fails_or_times_out_reports_its_blocks(monkeypatch: p
     try:
         with SyncPeer("127.0.0.1", worker.listen_port, secret=SECRET.encode()) as peer:
             assert consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [DROP, 4, 5])])) == (set(), set())
-            handle = worker._loading["r"][0]
+            handle = worker._loading["r"].handle
             if how == "times-out":
                 for clock[0] in (0.6, 0.99):
                     assert consumer_step(worker) == (set(), set())
@@ -1418,7 +1418,7 @@ def test_an_async_load_of_a_request_that_finished_is_aborted_and_reported() -> N
     worker, spec, caches, before, src = async_consumer(10)
     try:
         consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
-        handle = worker._loading["r"][0]
+        handle = worker._loading["r"].handle
         got, errors = consumer_step(worker, finished={"r"})
         if not got:
             got, errors = until_received(worker)
@@ -1447,7 +1447,7 @@ def test_an_async_load_aborted_while_kvwires_loop_is_held_up_is_reported_once_st
     gate = threading.Event()
     try:
         consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
-        handle = worker._loading["r"][0]
+        handle = worker._loading["r"].handle
         assert worker._server is not None
         worker._server.bridge.call_soon(gate.wait, 30)  # the loop held up
         assert consumer_step(worker, finished={"r"}) == (set(), set())
@@ -1501,7 +1501,7 @@ def test_a_load_aborted_on_a_bridge_closed_elsewhere_waits_for_its_loop(
                 worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r", "r", [4, 5])]))
                 worker.start_load_kv(None)  # type: ignore[arg-type]
                 worker.clear_connector_metadata()
-            handle = worker._loading["r"][0]
+            handle = worker._loading["r"].handle
             send = peer.begin("r", spec.wire_spec())
             send.send_layer(*layer_rows(spec, src[0], [0, 1]))
             handle.wait_layer(0, 30)  # the transfer came, and its first layer

@@ -87,7 +87,7 @@ def test_a_load_waiting_for_a_transfer_refused_as_stale_fails_at_once(load_async
         worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("s", "s", [6, 7], prefix=prefix)]))
         worker.start_load_kv(None)
         worker.clear_connector_metadata()
-        handle = worker._loading["s"][0]
+        handle = worker._loading["s"].handle
         named = registry.name(list(prefix), owner="producer")
         bridge.run(registry.registry.invalidate_many(list(prefix)), 10)
         with SyncPeer("127.0.0.1", worker.listen_port or 0, secret=SECRET.encode()) as peer, \
