@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import difflib
+import enum
 import hashlib
 import os
 import re
@@ -252,6 +253,51 @@ class _Load:
         return [b for b in self.block_ids if b != DROP]
 
 
+class _SendState(enum.Enum):
+    """Where a producer's send stands (see :class:`_Send`)."""
+
+    #: its step found the first connect under way: sent whole once the connection is up
+    DEFERRED = enum.auto()
+    #: waits its turn for room on the session (the consumer's server takes at most
+    #: max_transfers of its transfers at once): begun whole, oldest first, as earlier sends end
+    QUEUED = enum.auto()
+    #: refused at BEGIN for want of room: goes back to the head of the queue (see
+    #: KvwireConnector._flush_refused)
+    REFUSED = enum.auto()
+    #: begun in this step
+    SENDING = enum.auto()
+    #: async save: past its step
+    IN_FLIGHT = enum.auto()
+    #: failed on its own while the connection goes on: its frames already queued on the
+    #: streams still read its blocks until written past its write marks
+    DRAINING = enum.auto()
+    #: ended while the connection's close is left to kvwire's loop (held up elsewhere): ends
+    #: once that close did, or the loop (its event), as the streams may read its blocks until then
+    UNCLOSED = enum.auto()
+    #: ended (acknowledged, failed and let go of, or never begun): its blocks are free
+    ENDED = enum.auto()
+
+
+@dataclass(slots=True, eq=False)
+class _Send:
+    """A producer's send of one request, from its save until get_finished reports it."""
+
+    move: _Move
+    #: ``begin``'s versions of its blocks, named in its step (with kvwire_registry)
+    versions: dict[str, Any]
+    #: when its step found no connection (deferred), or it was first queued: it is begun
+    #: within kvwire_load_timeout of that
+    since: float
+    state: _SendState
+    handle: SendHandle | None = None  # once begun
+    #: since when it is in flight (its step's end), or draining (when it failed)
+    at: float = 0.0
+    marks: Any = None  # draining: the streams' write marks it waits past
+    closed: threading.Event | None = None  # unclosed: set once the connection's close ended
+    told: bool = False  # its refusal for want of room was logged (once)
+    finished: bool = False  # its request finished: reported by get_finished once the send ended
+
+
 def _layer_order(name: str) -> tuple[int, str]:
     m = re.search(r"\d+", name)
     return (int(m.group()) if m else -1, name)
@@ -386,23 +432,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._retry_delay = self._RETRY_FIRST
         self._connect_error: str | None = None
         self._unconnected: KvwireConnectorMetadata | None = None  # the step that found no connection
-        # saves whose step found the first connect under way, with their step's time: sent
-        # once it is up (see save_kv_layer)
-        # (and the versions its blocks were named at then, with kvwire_registry)
-        self._deferred: dict[str, tuple[_Move, float, dict[str, Any]]] = {}
-        # saves waiting for room on the session (the consumer's server takes at most
-        # max_transfers of its transfers at once), oldest first, with the versions their
-        # blocks were named at in their step and when they were first queued: begun,
-        # every layer from the registered caches, as earlier sends end (see _start_queued)
-        self._queued: dict[str, tuple[_Move, dict[str, Any], float]] = {}
-        # each send begun, with what _queued holds of it: one the consumer's server refuses
-        # at BEGIN for want of room (it counts the transfers no request loaded yet too)
-        # goes back to the head of the queue (see _requeue), begun again once another
-        # send ended or at _room_at, within kvwire_load_timeout of when it was first queued
-        self._begun: dict[str, tuple[_Move, dict[str, Any], float]] = {}
-        self._refused: dict[str, tuple[_Move, dict[str, Any], float]] = {}  # (to requeue, oldest first)
-        self._room_told: set[str] = set()  # requests whose refusal was logged (once)
+        # Producer: every request's send, one record each (see _Send), from its save until
+        # get_finished reports it.  The sends of a state are in the order they entered it
+        # (_set moves a send to the end): oldest first.  Sends on one connection go first
+        # come, first served, so only the oldest in flight can be late: it has
+        # kvwire_load_timeout from its step or from the end of the send before it
+        # (_last_end), whichever came later.  After a refusal for want of room no send is
+        # begun before _room_at (unless another send ends first).
+        self._sends: dict[str, _Send] = {}
         self._room_at = 0.0
+        self._last_end = 0.0
         self._loading: dict[str, _Load] = {}  # the loads under way
         self._dropping: dict[str, ReceiveHandle] = {}
         # the drops of loads given up (see _give_up_load), with the blocks their transfer
@@ -414,26 +453,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # the list of arrivals asked of kvwire's loop by the last step, with the drops that
         # waited for a transfer of each name then (see _sweep_unnamed)
         self._sweep_ask: tuple[concurrent.futures.Future[list[str]], dict[str, int]] | None = None
-        self._sending: dict[str, SendHandle] = {}  # sends begun in this step
-        # async save: sends past their step, oldest first (with the time their step ended),
-        # sends that ended (acknowledged, failed and let go of, or never begun) and finished
-        # requests whose send has not ended yet.  Sends on one connection go first come,
-        # first served, so only the oldest can be late: it has kvwire_load_timeout from its
-        # step or from the end of the send before it, whichever came later.
-        self._in_flight: dict[str, tuple[SendHandle, float]] = {}
-        self._last_end = 0.0
-        self._ended: set[str] = set()
-        # Sends that failed on their own (the consumer aborted one, say) while the
-        # connection goes on: their frames already queued on the streams still read their
-        # blocks until written, so each waits for the streams to get past where they stood
-        # (their write marks, with the time it failed) before its request counts as ended.
-        self._draining: dict[str, tuple[Any, float]] = {}
-        # Async save: sends that ended while the connection's close is left to kvwire's
-        # loop (held up elsewhere, the bridge open or closed): each counts as ended once
-        # that close did, or the loop (the event), as its streams may read the blocks
-        # until then.
-        self._unclosed: dict[str, threading.Event] = {}
-        self._finished_sends: set[str] = set()
         self._load_errors: set[int] = set()
         self._aborting: list[str] = []  # receives aborted in this hook, not yet known stopped
         # Async load: loads that ended with their receive aborted, not yet known stopped:
@@ -1042,13 +1061,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # (or ends unsent if it fails, or past kvwire_load_timeout).
                 now = time.monotonic()
                 for move in saves:
-                    if move.req_id in self._deferred:
+                    send = self._sends.get(move.req_id)
+                    if send is not None and send.state is _SendState.DEFERRED:
                         continue
                     versions = self._versions(move)  # named now, as a save in its step is
-                    if versions is None:
-                        self._ended.add(move.req_id)
-                    else:
-                        self._deferred[move.req_id] = (move, now, versions)
+                    self._set(move.req_id, _Send(move, versions or {}, now, _SendState.DEFERRED),
+                              _SendState.DEFERRED if versions is not None else _SendState.ENDED)
                 logger.info("kvwire: KV of requests %s waits for the connection to %s",
                             ", ".join(m.req_id for m in saves), self._peer_addr)
                 return
@@ -1073,42 +1091,53 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             logger.error("kvwire: not sending KV of request %s: naming its blocks failed: %s", move.req_id, exc)
             return None
 
-    def _save_layer(self, move: _Move, index: int, kv_layer: torch.Tensor,
-                    versions: dict[str, Any] | None = None, *, its_turn: bool = False,
-                    since: float | None = None) -> None:
+    def _sends_in(self, *states: _SendState) -> dict[str, _Send]:
+        """The sends in any of ``states``, oldest first (each in the order it entered its state)."""
+        return {req_id: send for req_id, send in self._sends.items() if send.state in states}
+
+    def _set(self, req_id: str, send: _Send, state: _SendState) -> None:
+        """``send`` (``req_id``'s) goes to ``state``, the newest there."""
+        self._sends.pop(req_id, None)
+        self._sends[req_id] = send
+        send.state = state
+
+    def _save_layer(self, move: _Move, index: int, kv_layer: torch.Tensor, send: _Send | None = None,
+                    *, its_turn: bool = False) -> None:
         """Queue layer ``index`` of ``move``'s blocks on its send (begun at layer 0, with
-        ``versions``, else its blocks named now); a failure ends that request's send
-        alone, unsent.  A send that finds the session full (as many sends open as the
-        consumer's server takes at once), or sends queued before it, waits its turn in
-        ``_queued`` (``its_turn``: it is begun now, by :meth:`_start_queued`); ``since``:
-        when it was first queued (now, if not given)."""
+        ``send``'s versions when it has a record, else its blocks named now); a failure
+        ends that request's send alone, unsent.  A send that finds the session full (as
+        many sends open as the consumer's server takes at once), or sends queued before
+        it, waits its turn queued (``its_turn``: it is begun now, by :meth:`_start_queued`)."""
         assert self._peer is not None and self._spec is not None
-        if index == 0 and versions is None:
+        req_id = move.req_id
+        if index == 0 and send is None:
             versions = self._versions(move)
             if versions is None:
                 return
-        if index == 0 and since is None:
-            since = time.monotonic()
-        if index == 0 and not its_turn and (self._queued or self._open_sends() >= self._send_limit()):
-            self._queued[move.req_id] = (move, versions or {}, since or 0.0)
+            send = _Send(move, versions, time.monotonic(), _SendState.QUEUED)
+        elif send is None:
+            send = self._sends.get(req_id)
+        if send is None:
+            return
+        if index == 0 and not its_turn and (self._sends_in(_SendState.QUEUED)
+                                            or self._open_sends() >= self._send_limit()):
+            self._set(req_id, send, _SendState.QUEUED)
             return
         try:
             if index == 0:
-                self._sending[move.req_id] = self._peer.begin(
-                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **(versions or {}),
+                send.handle = self._peer.begin(
+                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **(send.versions or {}),
                 )
-                self._begun[move.req_id] = (move, versions or {}, since or 0.0)
-            handle = self._sending.get(move.req_id)
-            if handle is not None:
-                handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
+                self._set(req_id, send, _SendState.SENDING)
+            if send.state is _SendState.SENDING and send.handle is not None:
+                send.handle.send_layer(*layer_rows(self._spec, kv_layer, move.block_ids))
         except KvwireError as exc:
             # One request's send failing is not the engine's step failing: it ends
             # unsent (its blocks let go of as any failed send's).
-            logger.error("kvwire: not sending KV of request %s: %s", move.req_id, exc)
-            failed = self._sending.pop(move.req_id, None)
-            self._begun.pop(move.req_id, None)
-            if failed is not None:
-                failed.abort()
+            logger.error("kvwire: not sending KV of request %s: %s", req_id, exc)
+            if send.state is _SendState.SENDING and send.handle is not None:
+                send.handle.abort()
+            self._set(req_id, send, _SendState.ENDED)
 
     def _send_limit(self) -> int:
         """Sends the consumer's server takes from this session at once (its handshake
@@ -1118,7 +1147,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _open_sends(self) -> int:
         """Sends begun on the session that have not ended yet."""
-        return len(self._sending) + sum(1 for handle, _ in self._in_flight.values() if not handle.done)
+        return sum(1 for send in self._sends.values() if send.state is _SendState.SENDING
+                   or (send.state is _SendState.IN_FLIGHT and send.handle is not None and not send.handle.done))
 
     def _start_queued(self) -> None:
         """Begin the sends waiting their turn, oldest first, while the session has room
@@ -1127,30 +1157,28 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         its start ends unsent (logged).  After a refusal for want of room (see
         :meth:`_requeue`) none is begun before ``_room_at``."""
         now = time.monotonic()
-        if self._peer is None or not self._queued or now < self._room_at:
+        if self._peer is None or not self._sends_in(_SendState.QUEUED) or now < self._room_at:
             return
         limit = self._send_limit()
-        while self._queued and self._peer is not None and self._open_sends() < limit:
-            req_id, (move, versions, since) = next(iter(self._queued.items()))
-            del self._queued[req_id]
+        while self._peer is not None and (queued := self._sends_in(_SendState.QUEUED)) \
+                and self._open_sends() < limit:
+            req_id, send = next(iter(queued.items()))
             for index, cache in enumerate(self._caches):
-                self._save_layer(move, index, cache, versions, its_turn=True, since=since)
-            handle = self._sending.get(req_id)
-            if handle is None:
-                self._ended.add(req_id)
-            elif self._async_save:
-                del self._sending[req_id]
-                self._in_flight[req_id] = (handle, now)
+                self._save_layer(send.move, index, cache, send, its_turn=True)
+            if send.state is _SendState.SENDING and self._async_save:
+                send.at = now
+                self._set(req_id, send, _SendState.IN_FLIGHT)
 
-    def _requeue(self, req_id: str, handle: SendHandle) -> bool:
-        """``req_id``'s send ``handle`` ended: if the consumer's server refused it at BEGIN
-        for want of room (LIMIT_EXCEEDED: it takes max_transfers transfers of the session
-        at once, those arrived that no request loaded yet included, and keeps nothing of
-        a refused one), it goes back to the head of the queue, to be begun again once
-        another send ended or ``_ROOM_WAIT`` passed, and True (logged once, at INFO); not
-        past kvwire_load_timeout from when it was first queued (False: it failed)."""
-        begun = self._begun.pop(req_id, None)
-        if begun is None or not handle.done:
+    def _requeue(self, req_id: str, send: _Send) -> bool:
+        """``req_id``'s send ended: if the consumer's server refused it at BEGIN for want of
+        room (LIMIT_EXCEEDED: it takes max_transfers transfers of the session at once,
+        those arrived that no request loaded yet included, and keeps nothing of a refused
+        one), it goes back to the head of the queue (refused, see :meth:`_flush_refused`),
+        to be begun again once another send ended or ``_ROOM_WAIT`` passed, and True
+        (logged once, at INFO); not past kvwire_load_timeout from when it was first queued
+        (False: it failed)."""
+        handle = send.handle
+        if handle is None or not handle.done:
             return False
         try:
             handle.wait(0)
@@ -1160,32 +1188,33 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return False
         else:
             return False
-        if time.monotonic() >= begun[2] + self._timeout:
-            self._room_told.discard(req_id)
-            self._begun[req_id] = begun  # (its failure is logged as any send's)
-            return False
-        if req_id not in self._room_told:
-            self._room_told.add(req_id)
+        if time.monotonic() >= send.since + self._timeout:
+            return False  # (its failure is logged as any send's)
+        if not send.told:
+            send.told = True
             logger.info("kvwire: the consumer at %s has no room for the KV of request %s yet (%s): it is sent "
                         "once there is, within %g s", self._peer_addr, req_id, error, self._timeout)
-        self._refused[req_id] = begun
+        self._set(req_id, send, _SendState.REFUSED)
         self._room_at = time.monotonic() + self._ROOM_WAIT
         return True
 
     def _flush_refused(self) -> None:
         """The sends :meth:`_requeue` took back go to the head of the queue, oldest first."""
-        if self._refused:
-            self._queued = {**self._refused, **self._queued}
-            self._refused.clear()
+        refused = self._sends_in(_SendState.REFUSED)
+        if refused:
+            for send in refused.values():
+                send.state = _SendState.QUEUED
+            self._sends = {**refused, **self._sends}
 
     def _wait_for_room(self, deadline: float) -> bool:
         """Sends queued, none begun (after a refusal for want of room): wait until they may
         be begun again, and True; False, the queued sends ended unsent, if that is past
         ``deadline`` or past the first one's kvwire_load_timeout."""
         self._flush_refused()
-        if not self._queued or self._peer is None:
+        queued = self._sends_in(_SendState.QUEUED)
+        if not queued or self._peer is None:
             return False
-        since = next(iter(self._queued.values()))[2]
+        since = next(iter(queued.values())).since
         now = time.monotonic()
         if self._room_at >= min(deadline, since + self._timeout):
             self._end_queued(f"the consumer's server had no room for them within {self._timeout:g} s")
@@ -1197,38 +1226,36 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """The sends waiting their turn end unsent (none of their blocks was read, or the
         refused send that read them ended)."""
         self._flush_refused()
-        self._room_told.difference_update(self._queued)
-        if self._queued:
-            logger.error("kvwire: not sending KV of requests %s to %s: %s", ", ".join(self._queued),
+        queued = self._sends_in(_SendState.QUEUED)
+        if queued:
+            logger.error("kvwire: not sending KV of requests %s to %s: %s", ", ".join(queued),
                          self._peer_addr, why)
-            self._ended.update(self._queued)
-            self._queued.clear()
+            for req_id, send in queued.items():
+                self._set(req_id, send, _SendState.ENDED)
 
     def _send_deferred(self, deadline: float | None = None) -> None:
         """The saves that wait for the connection: each sent whole, every layer from the
         registered caches, once it is up (waited for until ``deadline`` if given); each
         ended unsent once the connect failed or kvwire_load_timeout after its step (by
         ``deadline``, all that are left)."""
-        if not self._deferred:
+        deferred = self._sends_in(_SendState.DEFERRED)
+        if not deferred:
             return
         if self._peer is None:
             if deadline is not None and self._connecting is not None:
                 self._connecting.wait(max(0.0, deadline - time.monotonic()))
             self._poll_connect()
         now = time.monotonic()
-        for req_id, (move, since, versions) in list(self._deferred.items()):
+        for req_id, send in deferred.items():
             if self._peer is not None:
-                del self._deferred[req_id]
+                # queued, begun, or ended unsent if it failed at its start (logged)
                 for index, cache in enumerate(self._caches):
-                    self._save_layer(move, index, cache, versions, since=since)
-                if req_id not in self._sending and req_id not in self._queued:
-                    self._ended.add(req_id)  # failed at its start (logged): ended unsent
-            elif (self._connecting is None or self._connect_error is not None or now >= since + self._timeout
+                    self._save_layer(send.move, index, cache, send)
+            elif (self._connecting is None or self._connect_error is not None or now >= send.since + self._timeout
                   or deadline is not None):
-                del self._deferred[req_id]
                 why = self._connect_error or f"not connected within {self._timeout:g} s"
                 logger.error("kvwire: not sending KV of request %s to %s: %s", req_id, self._peer_addr, why)
-                self._ended.add(req_id)
+                self._set(req_id, send, _SendState.ENDED)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -1236,14 +1263,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # so a send still reading them must end first (or be let go of), and one still
         # waiting for the connection ends unsent (none of it was read yet).
         for req_id in getattr(connector_metadata, "preempted", ()):
-            if self._deferred.pop(req_id, None) is not None:
+            send = self._sends.get(req_id)
+            if send is not None and send.state is _SendState.DEFERRED:
                 logger.error("kvwire: not sending KV of request %s: preempted before the connection to %s was up",
                              req_id, self._peer_addr)
-                self._ended.add(req_id)
-            if self._queued.pop(req_id, None) is not None:
+                self._set(req_id, send, _SendState.ENDED)
+            elif send is not None and send.state is _SendState.QUEUED:
                 logger.error("kvwire: not sending KV of request %s: preempted while its send waited its turn", req_id)
-                self._ended.add(req_id)
-        preempted = [r for r in getattr(connector_metadata, "preempted", ()) if r in self._in_flight]
+                self._set(req_id, send, _SendState.ENDED)
+        flying = self._sends_in(_SendState.IN_FLIGHT)
+        preempted = [r for r in getattr(connector_metadata, "preempted", ()) if r in flying]
         if not preempted:
             return
         # One kvwire_load_timeout for all of them, not one each.
@@ -1251,9 +1280,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         failed = False
         for req_id in preempted:
             logger.info("kvwire: request %s preempted with its send in flight: waiting for the send", req_id)
-            handle, _ = self._in_flight.pop(req_id)
-            self._ended.add(req_id)
-            if not self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic())):
+            send = flying[req_id]
+            handle = send.handle
+            assert handle is not None
+            self._set(req_id, send, _SendState.ENDED)
+            if not self._ended_well(req_id, send, max(0.0, deadline - time.monotonic())):
                 if handle.done and self._drained(deadline):
                     continue  # failed on its own; the streams hold nothing of it now
                 failed = True
@@ -1274,8 +1305,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._fly()
             if self._producer and self._spec is not None:
                 # a scheduled save that never began (its blocks could not be named) has ended
-                self._ended.update(m.req_id for m in self._meta().saves if m.req_id not in self._in_flight
-                                   and m.req_id not in self._deferred and m.req_id not in self._queued)
+                for move in self._meta().saves:
+                    send = self._sends.get(move.req_id)
+                    if send is None:
+                        self._set(move.req_id, _Send(move, {}, 0.0, _SendState.ENDED), _SendState.ENDED)
+                    elif send.state not in (_SendState.IN_FLIGHT, _SendState.DEFERRED, _SendState.QUEUED):
+                        self._set(move.req_id, send, _SendState.ENDED)
             self._reap()
             self._start_queued()  # in the room the sends that ended left (after the drafter's forward)
             return
@@ -1285,13 +1320,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         while True:
             if not failed:
                 self._start_queued()  # as the sends before them end
-            if not self._sending:
-                if not failed and self._queued and self._wait_for_room(deadline):
+            sending = self._sends_in(_SendState.SENDING)
+            if not sending:
+                if not failed and self._sends_in(_SendState.QUEUED) and self._wait_for_room(deadline):
                     continue  # refused for want of room: begun again
                 break
-            req_id, handle = next(iter(self._sending.items()))
-            del self._sending[req_id]
-            ended = self._ended_well(req_id, handle, max(0.0, deadline - time.monotonic()), requeue=True)
+            req_id, send = next(iter(sending.items()))
+            handle = send.handle
+            assert handle is not None
+            del self._sends[req_id]
+            ended = self._ended_well(req_id, send, max(0.0, deadline - time.monotonic()), requeue=True)
             if ended is None:  # refused for want of room: at the head of the queue again
                 self._flush_refused()
                 continue
@@ -1303,9 +1341,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     # Not ended in its time: the sends behind it on the connection cannot
                     # end before it, and closing the connection ends them all (their turn
                     # never comes); none is waited for.
-                    if self._sending or self._queued:
+                    if waiting := [*self._sends_in(_SendState.SENDING), *self._sends_in(_SendState.QUEUED)]:
                         logger.error("kvwire: not sending KV of requests %s: the send before them did not end "
-                                     "within %g s", ", ".join([*self._sending, *self._queued]), self._timeout)
+                                     "within %g s", ", ".join(waiting), self._timeout)
                     break
         if failed:
             self._let_go_of_blocks()
@@ -1313,25 +1351,24 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _fly(self) -> None:
         """Async save: the sends begun go in flight, from now."""
         now = time.monotonic()
-        self._in_flight.update((req_id, (handle, now)) for req_id, handle in self._sending.items())
-        self._sending.clear()
+        for req_id, send in self._sends_in(_SendState.SENDING).items():
+            send.at = now
+            self._set(req_id, send, _SendState.IN_FLIGHT)
 
-    def _ended_well(self, req_id: str, handle: SendHandle, timeout: float | None, *,
+    def _ended_well(self, req_id: str, send: _Send, timeout: float | None, *,
                     requeue: bool = False) -> bool | None:
         """Wait up to ``timeout`` for a send and log how it ended; False unless the
         receiver acknowledged it.  ``requeue``: one refused for want of room is taken back
         (see :meth:`_requeue`, to be flushed by the caller), and None."""
+        handle = send.handle
+        assert handle is not None
         try:
             receipt = handle.wait(timeout)
         except KvwireError as exc:
-            if requeue and self._requeue(req_id, handle):
+            if requeue and self._requeue(req_id, send):
                 return None
-            self._begun.pop(req_id, None)
-            self._room_told.discard(req_id)
             logger.error("kvwire: sending KV of request %s failed: %s", req_id, exc)
             return False
-        self._begun.pop(req_id, None)
-        self._room_told.discard(req_id)
         logger.info(
             "kvwire: sent KV of request %s as %r: %d bytes, %d on the wire, %.1f ms",
             req_id, handle.request_id, receipt.kv_bytes, receipt.wire_bytes, receipt.seconds * 1e3,
@@ -1348,38 +1385,36 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         in this step is not computed yet (each is begun whole from the caches)."""
         now = time.monotonic()
         failed = False
-        for req_id, closed in list(self._unclosed.items()):
-            if closed.is_set():
-                del self._unclosed[req_id]
-                self._ended.add(req_id)
-        for req_id, (handle, _) in list(self._in_flight.items()):
-            if handle.done:
-                del self._in_flight[req_id]
-                if self._requeue(req_id, handle):
+        for req_id, send in self._sends_in(_SendState.UNCLOSED).items():
+            if send.closed is not None and send.closed.is_set():
+                self._set(req_id, send, _SendState.ENDED)
+        for req_id, send in self._sends_in(_SendState.IN_FLIGHT).items():
+            if send.handle is not None and send.handle.done:
+                if self._requeue(req_id, send):
                     continue
                 self._last_end = now
-                if self._ended_well(req_id, handle, 0):
+                if self._ended_well(req_id, send, 0):
                     self._room_at = 0.0  # (room for a send refused for want of it, perhaps)
-                    self._ended.add(req_id)
+                    self._set(req_id, send, _SendState.ENDED)
                 elif (marks := self._write_marks()) is not None:
-                    self._draining[req_id] = (marks, now)
+                    send.marks, send.at = marks, now
+                    self._set(req_id, send, _SendState.DRAINING)
                 else:
                     failed = True
-                    self._ended.add(req_id)
-        for req_id, (marks, since) in list(self._draining.items()):
-            if self._written_past(marks):
-                del self._draining[req_id]
-                self._ended.add(req_id)
-            elif now >= since + self._timeout:
+                    self._set(req_id, send, _SendState.ENDED)
+        for req_id, send in self._sends_in(_SendState.DRAINING).items():
+            if self._written_past(send.marks):
+                self._set(req_id, send, _SendState.ENDED)
+            elif now >= send.at + self._timeout:
                 logger.error("kvwire: the failed send of request %s still holds its blocks after %.0f s",
                              req_id, self._timeout)
                 failed = True
-        if self._in_flight and not failed:
-            req_id, (handle, since) = next(iter(self._in_flight.items()))
-            if now >= max(since, self._last_end) + self._timeout:
-                failed = not self._ended_well(req_id, handle, 0)  # a timeout, unless it just ended
-                del self._in_flight[req_id]
-                self._ended.add(req_id)
+        flying = self._sends_in(_SendState.IN_FLIGHT)
+        if flying and not failed:
+            req_id, send = next(iter(flying.items()))
+            if now >= max(send.at, self._last_end) + self._timeout:
+                failed = not self._ended_well(req_id, send, 0)  # a timeout, unless it just ended
+                self._set(req_id, send, _SendState.ENDED)
         self._flush_refused()
         if failed:
             self._let_go_of_blocks(wait=False)  # (the sends waiting their turn end unsent)
@@ -1432,24 +1467,21 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         connection, which ends every send on it and drops the bytes its streams still
         hold, so nothing reads the blocks once vLLM frees them (see :meth:`_close_peer`
         for a loop held up elsewhere; ``wait``: the hook may wait for it)."""
-        self._ended.update(self._draining)
-        self._draining.clear()
+        for req_id, send in self._sends_in(_SendState.DRAINING).items():
+            self._set(req_id, send, _SendState.ENDED)
         self._end_queued("the connection was closed before their turn")
-        self._begun.clear()
-        self._room_told.clear()
         self._room_at = 0.0
-        for req_id, handle in self._sending.items():
-            handle.abort()
-            self._ended.add(req_id)
-        self._sending.clear()
-        for req_id, (handle, _) in self._in_flight.items():
-            if handle.done:
-                self._ended_well(req_id, handle, 0)
+        for req_id, send in self._sends_in(_SendState.SENDING, _SendState.IN_FLIGHT).items():
+            handle = send.handle
+            assert handle is not None
+            if send.state is _SendState.SENDING:
+                handle.abort()
+            elif handle.done:
+                self._ended_well(req_id, send, 0)
             else:
                 handle.abort()
                 logger.error("kvwire: sending KV of request %s failed: its connection was closed", req_id)
-            self._ended.add(req_id)
-        self._in_flight.clear()
+            self._set(req_id, send, _SendState.ENDED)
         self._close_peer(wait)
         self._connect()  # the next saves' connection, on the bridge's loop
 
@@ -1485,10 +1517,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             logger.error("kvwire: the connection to %s was not closed in time (kvwire's loop is held up): "
                          "its sends may still read their blocks", self._peer_addr)
             return
+        unclosed = self._sends_in(_SendState.ENDED)
         logger.error("kvwire: the connection to %s is not closed yet (kvwire's loop is held up): requests %s "
-                     "keep their blocks until it is", self._peer_addr, ", ".join(sorted(self._ended)) or "-")
-        self._unclosed.update((req_id, closed) for req_id in self._ended)
-        self._ended.clear()
+                     "keep their blocks until it is", self._peer_addr, ", ".join(sorted(unclosed)) or "-")
+        for req_id, send in unclosed.items():
+            send.closed = closed
+            self._set(req_id, send, _SendState.UNCLOSED)
 
     def _reap_drops(self) -> None:
         """The drops that ended (the transfer taken and dropped, or failed) are let go of."""
@@ -1667,25 +1701,27 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if req_id in self._unstopped:  # failed before it finished: no request to recompute now
                 stopped, _, since = self._unstopped[req_id]
                 self._unstopped[req_id] = (stopped, set(), since)
-            if req_id in self._sending:
+            send = self._sends.get(req_id)
+            if send is not None and send.state is _SendState.SENDING:
                 logger.error("kvwire: request %s finished while its KV was being sent", req_id)
                 self._let_go_of_blocks(wait=not self._async_save)
-            if (req_id in self._in_flight or req_id in self._draining or req_id in self._ended
-                    or req_id in self._deferred or req_id in self._unclosed or req_id in self._queued):
-                self._finished_sends.add(req_id)
+            if send is not None:  # (none is sending, or refused, now)
+                send.finished = True
         recving: set[str] | None = None
         if self._load_async:
             recving = self._finished_loads(gone)
         else:
             self._settle_aborts()
         if not self._async_save:  # every send ended in wait_for_save
-            self._ended.clear()
-            self._finished_sends.clear()
+            for req_id in self._sends_in(_SendState.ENDED):
+                del self._sends[req_id]
+            for send in self._sends.values():
+                send.finished = False
             return None, recving
         self._reap()
-        sent = self._finished_sends & self._ended
-        self._finished_sends -= sent
-        self._ended -= sent
+        sent = {req_id for req_id, send in self._sends_in(_SendState.ENDED).items() if send.finished}
+        for req_id in sent:
+            del self._sends[req_id]
         return sent or None, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -1694,7 +1730,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._retry_at = float("inf")  # nothing connects again
-        if self._deferred:  # the connection they wait for, within kvwire_load_timeout
+        if self._sends_in(_SendState.DEFERRED):  # the connection they wait for, within kvwire_load_timeout
             self._send_deferred(time.monotonic() + self._timeout)
             self._fly()
         if self._connecting is not None:
@@ -1710,13 +1746,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         while not failed:  # let them finish, oldest first, the queued ones too as their turn comes
             self._start_queued()
             self._fly()
-            if not self._in_flight:
-                if self._queued and self._wait_for_room(float("inf")):
+            flying = self._sends_in(_SendState.IN_FLIGHT)
+            if not flying:
+                if self._sends_in(_SendState.QUEUED) and self._wait_for_room(float("inf")):
                     continue  # refused for want of room: begun again
                 break
-            req_id, (handle, _) = next(iter(self._in_flight.items()))
-            del self._in_flight[req_id]
-            ended = self._ended_well(req_id, handle, self._timeout, requeue=True)
+            req_id, send = next(iter(flying.items()))
+            del self._sends[req_id]
+            ended = self._ended_well(req_id, send, self._timeout, requeue=True)
             if ended is None:  # refused for want of room: at the head of the queue again
                 self._flush_refused()
                 continue

@@ -37,7 +37,7 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
+    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move, _SendState
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -400,7 +400,7 @@ def test_a_save_that_waits_for_the_connection_ends_unsent_when_preempted() -> No
             wait_connected(worker)
             step(worker, KvwireConnectorMetadata(saves=[_Move("r2", "after", BLOCKS[:4])]), caches)
             after.wait(30)  # the connection is up and carries the next send
-            assert not worker._deferred
+            assert not worker._sends_in(_SendState.DEFERRED)
             with pytest.raises(TransferTimeoutError):
                 handle.wait(1)  # r1 was never sent
         finally:
@@ -608,7 +608,7 @@ def test_sends_behind_one_that_did_not_end_in_time_are_not_waited_for(
             assert worker.get_finished({"r1", "r2"}) == ({"r1", "r2"}, None)
         # the first one's wait (what is left of the step's 0.5 s), not the second's
         assert [t for t in given if t] == [pytest.approx(0.5, abs=0.1)]
-        assert worker._peer is None and not worker._sending and not worker._in_flight
+        assert worker._peer is None and not worker._sends_in(_SendState.SENDING, _SendState.IN_FLIGHT)
     finally:
         worker.shutdown()
 
@@ -647,7 +647,7 @@ def test_a_step_waits_for_its_sends_within_one_load_timeout_in_all(
         step(worker, KvwireConnectorMetadata(saves=[_Move("r1", "first", BLOCKS[:4]), _Move("r2", "second", BLOCKS[:4])]),
              caches)
         if where == "preempted":
-            assert given == [] and set(worker._in_flight) == {"r1", "r2"}
+            assert given == [] and set(worker._sends_in(_SendState.IN_FLIGHT)) == {"r1", "r2"}
             worker.bind_connector_metadata(KvwireConnectorMetadata(preempted=["r1", "r2"]))
             worker.clear_connector_metadata()
         assert given == [1.0, 0.6]
@@ -1829,7 +1829,7 @@ def test_a_send_that_fails_for_one_request_does_not_fail_the_step(
     handle = server.expect("good")
     try:
         step(worker, KvwireConnectorMetadata(saves=[bad, good]), caches)
-        assert "bad" not in worker._sending and "bad" not in worker._in_flight
+        assert "bad" not in worker._sends_in(_SendState.SENDING, _SendState.IN_FLIGHT)
         assert len(received(handle)) == len(LAYERS)
     finally:
         worker.shutdown()

@@ -28,7 +28,7 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.core.sched.output import SchedulerOutput
 
-    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
+    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move, _SendState
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -145,7 +145,7 @@ def test_a_step_with_more_sends_than_the_server_takes_sends_them_all(
     assert got == {m.req_id for m in loads}
     assert sent == want
     assert all(same(ckv, [2 * i, 2 * i + 1], pkv, [2 * i + 1, 2 * i]) for i in range(n))
-    assert not prod._queued and not prod._in_flight
+    assert not prod._sends_in(_SendState.QUEUED, _SendState.IN_FLIGHT)
 
 
 def test_kvwire_max_transfers_is_the_consumer_servers_limit(workers: list[KvwireConnector]) -> None:

@@ -37,7 +37,7 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     warnings.simplefilter("ignore", DeprecationWarning)
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
+    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move, _SendState
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -147,12 +147,13 @@ def test_a_send_queued_in_a_step_is_not_begun_before_its_drafters_layer() -> Non
                                                                       _Move("r1", "r1", [4, 5])]))
         for name, cache in zip(LAYERS[:-1], kv[:-1], strict=True):
             worker.save_kv_layer(name, cache, None)
-        assert list(worker._queued) == ["r1"]
+        assert list(worker._sends_in(_SendState.QUEUED)) == ["r1"]
         held.set()
-        first = worker._in_flight["rA"][0]
+        first = worker._sends_in(_SendState.IN_FLIGHT)["rA"].handle
+        assert first is not None
         first.wait(60)  # rA ended: r1's turn has come
         worker.get_finished(set())
-        if "r1" not in worker._queued:  # begun: let it go out before the drafter writes its layer
+        if "r1" not in worker._sends_in(_SendState.QUEUED):  # begun: let it go out before the drafter writes its layer
             receives["r1"].wait(60)
         kv[-1][[2, 3, 4, 5]] = 1.0  # the drafter's forward
         worker.save_kv_layer(LAYERS[-1], kv[-1], None)
