@@ -10,9 +10,10 @@ import ipaddress
 import os
 import platform
 import socket
+import ssl
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from kvwire._extensions import load_extension
 from kvwire.session.options import NOTSENT_LOWAT
@@ -153,6 +154,10 @@ class Stream(asyncio.BufferedProtocol):
         # The stream's own socket object on a duplicate of the descriptor (plain TCP): the
         # queue writes it, scatter reads and SO_RCVLOWAT go through it.
         self._own: socket.socket | None = None
+        # Under TLS (asyncio's own TLS layer): a socket object on a duplicate of the
+        # descriptor, the TLS object and its incoming buffer, to read and decrypt what the
+        # peer sent before a write failed (see _read_tls_left); None otherwise.
+        self._tls_left: tuple[socket.socket, ssl.SSLObject, ssl.MemoryBIO] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the one its descriptor waits in
         self._waiting = False  # the queue's descriptor is registered for writability
         self._paused = False  # the owner was told the stream is not writable
@@ -188,6 +193,8 @@ class Stream(asyncio.BufferedProtocol):
             return
         if plain:
             self._open_own(sock)
+        elif sock is not None:
+            self._open_tls_left(transport, sock)
         if plain and USE_RCVLOWAT:
             # Through the stream's own socket object where there is one: a loop's stand-in for
             # its socket (uvloop's) may build a socket object, and ask the kernel what it
@@ -215,6 +222,27 @@ class Stream(asyncio.BufferedProtocol):
         if _sendq is not None:
             self._queue = _sendq.SendQueue(own.fileno(), piece=SEND_PIECE)
             self._loop = asyncio.get_running_loop()
+
+    def _open_tls_left(self, transport: asyncio.BaseTransport, sock: Any) -> None:
+        """Under TLS, what :meth:`_read_tls_left` needs: the TLS layer's transport closes its
+        socket before this stream hears that the connection broke, so a socket object of
+        the stream's own on a duplicate of the descriptor keeps what the kernel still holds
+        readable until then, and the TLS layer's object and incoming buffer decrypt it.
+        Nothing where the TLS layer is not asyncio's (uvloop's keeps them to itself)."""
+        proto = getattr(transport, "_ssl_protocol", None)
+        sslobj, incoming = getattr(proto, "_sslobj", None), getattr(proto, "_incoming", None)
+        if not isinstance(sslobj, ssl.SSLObject) or not isinstance(incoming, ssl.MemoryBIO):
+            return
+        try:
+            fd = os.dup(sock.fileno())
+        except (AttributeError, OSError, ValueError):
+            return
+        try:
+            own = socket.socket(fileno=fd)
+        except OSError:
+            os.close(fd)
+            return
+        self._tls_left = (own, sslobj, incoming)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._current():
@@ -293,6 +321,7 @@ class Stream(asyncio.BufferedProtocol):
             # is still to be read, its GOAWAY perhaps (the socket is open until this returns).
             self._broken = True
             self._read_left()
+            self._read_tls_left()
         self._close_own()
         self._eof()
         self.transport = None
@@ -444,7 +473,7 @@ class Stream(asyncio.BufferedProtocol):
     def _read_left(self) -> None:
         """Feed the core what the kernel still holds of the peer's bytes on a connection
         that broke while writing (plain TCP, through the stream's own socket object; a TLS
-        stream has none and reads nothing more), up to ``READ_LEFT_MAX`` bytes: after a
+        stream reads in :meth:`_read_tls_left`), up to ``READ_LEFT_MAX`` bytes: after a
         reset nothing more arrives, so the reads end where the queue does."""
         got = 0
         while (own := self._own) is not None and self._current() and got < READ_LEFT_MAX:
@@ -457,6 +486,41 @@ class Stream(asyncio.BufferedProtocol):
             got += n
             self.buffer_updated(n)
 
+    def _read_tls_left(self) -> None:
+        """:meth:`_read_left` under TLS: what the peer sent before the connection broke (its
+        GOAWAY, and the RESETs and ACKs before it), in the kernel still or in the TLS
+        layer's incoming buffer not yet decrypted (this stream was not reading), is read
+        through the duplicate descriptor, decrypted and fed to the core, up to
+        ``READ_LEFT_MAX`` bytes; a record not whole, the peer's close_notify or a TLS error
+        ends it."""
+        left = self._tls_left
+        if left is None:
+            return
+        own, sslobj, incoming = left
+        got = 0
+        while self._current():
+            while self._current():  # every whole record held
+                buf = self.owner.core.get_buffer(self.key)
+                try:
+                    n = cast(int, sslobj.read(len(buf), buf))  # (a count, given a buffer)
+                except ssl.SSLWantReadError:
+                    break  # a record not whole: more bytes from the kernel, if any
+                except (ssl.SSLError, ValueError):
+                    return  # close_notify (SSLZeroReturnError), or the TLS layer broke
+                if not n:
+                    return
+                self.buffer_updated(n)
+            if got >= READ_LEFT_MAX:
+                return
+            try:
+                data = own.recv(min(READ_LEFT_MAX - got, 1 << 16), socket.MSG_DONTWAIT)
+            except OSError:  # nothing more (EAGAIN), or the reset itself
+                return
+            if not data:
+                return
+            got += len(data)
+            incoming.write(data)
+
     def _drop_queue(self) -> None:
         """Stop writing through the queue; what it holds is dropped."""
         q, self._queue = self._queue, None
@@ -468,13 +532,17 @@ class Stream(asyncio.BufferedProtocol):
 
     def _close_own(self) -> None:
         """Stop writing through the queue (what it holds is dropped) and reading through
-        the stream's own socket object; its descriptor is closed."""
+        the stream's own socket object (a TLS stream's duplicate descriptor too); its
+        descriptor is closed."""
         self._drop_queue()
         if self._own is not None:
             if self._lowat_sock is self._own:
                 self._lowat_sock = None
             self._own.close()
             self._own = None
+        if self._tls_left is not None:
+            self._tls_left[0].close()
+            self._tls_left = None
 
     def abort(self) -> None:
         """Close the connection at once, dropping whatever is not yet written."""
