@@ -1169,31 +1169,22 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 send.at = now
                 self._set(req_id, send, _SendState.IN_FLIGHT)
 
-    def _requeue(self, req_id: str, send: _Send) -> bool:
-        """``req_id``'s send ended: if the consumer's server refused it at BEGIN for want of
+    def _requeue(self, req_id: str, send: _Send, outcome: Any) -> bool:
+        """``req_id``'s send ended (``outcome``, see :meth:`_outcome`): if the consumer's server refused it at BEGIN for want of
         room (LIMIT_EXCEEDED: it takes max_transfers transfers of the session at once,
         those arrived that no request loaded yet included, and keeps nothing of a refused
         one), it goes back to the head of the queue (refused, see :meth:`_flush_refused`),
         to be begun again once another send ended or ``_ROOM_WAIT`` passed, and True
         (logged once, at INFO); not past kvwire_load_timeout from when it was first queued
-        (False: it failed)."""
-        handle = send.handle
-        if handle is None or not handle.done:
-            return False
-        try:
-            handle.wait(0)
-        except LimitExceededError as exc:
-            error: KvwireError = exc
-        except KvwireError:
-            return False
-        else:
+        (False: it failed).  The one way a send goes back to the queue."""
+        if not isinstance(outcome, LimitExceededError):  # (a send refused is done: its error is the refusal)
             return False
         if time.monotonic() >= send.since + self._timeout:
             return False  # (its failure is logged as any send's)
         if not send.told:
             send.told = True
             logger.info("kvwire: the consumer at %s has no room for the KV of request %s yet (%s): it is sent "
-                        "once there is, within %g s", self._peer_addr, req_id, error, self._timeout)
+                        "once there is, within %g s", self._peer_addr, req_id, outcome, self._timeout)
         self._set(req_id, send, _SendState.REFUSED)
         self._room_at = time.monotonic() + self._ROOM_WAIT
         return True
@@ -1284,7 +1275,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             handle = send.handle
             assert handle is not None
             self._set(req_id, send, _SendState.ENDED)
-            if not self._ended_well(req_id, send, max(0.0, deadline - time.monotonic())):
+            if not self._ended_well(req_id, send, self._outcome(send, max(0.0, deadline - time.monotonic()))):
                 if handle.done and self._drained(deadline):
                     continue  # failed on its own; the streams hold nothing of it now
                 failed = True
@@ -1314,37 +1305,55 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._reap()
             self._start_queued()  # in the room the sends that ended left (after the drafter's forward)
             return
-        failed = False
         deadline = time.monotonic() + self._timeout  # one for the step's sends, not one each
         self._send_deferred(deadline)
-        while True:
+        self._wait_sends(_SendState.SENDING, deadline, in_step=True)
+
+    def _wait_sends(self, state: _SendState, deadline: float, each: float | None = None, *,
+                    in_step: bool = False) -> None:
+        """Wait for the sends begun (those in ``state``: with IN_FLIGHT, each begun goes in
+        flight first), oldest first, each up to ``each`` seconds (None: what is left of
+        ``deadline``), beginning the queued ones as their turn comes; a send refused for
+        want of room goes back to the head of the queue, begun again once there may be room
+        (by ``deadline``).  A send that did not end acknowledged lets go of every block
+        (:meth:`_let_go_of_blocks`) once the loop is over.  ``in_step`` (wait_for_save's
+        wait for its step's sends): one that failed on its own is no failure once the
+        streams wrote what they held of it by ``deadline``; after a failure the loop goes on
+        waiting for the sends begun, none more begun, unless the send did not end at all
+        (the sends behind it cannot end before it).  Otherwise (shutdown) the loop stops at
+        the first failure."""
+        failed = False
+        while not failed or in_step:
             if not failed:
                 self._start_queued()  # as the sends before them end
-            sending = self._sends_in(_SendState.SENDING)
-            if not sending:
+            if state is _SendState.IN_FLIGHT:
+                self._fly()
+            begun = self._sends_in(state)
+            if not begun:
                 if not failed and self._sends_in(_SendState.QUEUED) and self._wait_for_room(deadline):
                     continue  # refused for want of room: begun again
                 break
-            req_id, send = next(iter(sending.items()))
+            req_id, send = next(iter(begun.items()))
             handle = send.handle
             assert handle is not None
             del self._sends[req_id]
-            ended = self._ended_well(req_id, send, max(0.0, deadline - time.monotonic()), requeue=True)
-            if ended is None:  # refused for want of room: at the head of the queue again
+            outcome = self._outcome(send, max(0.0, deadline - time.monotonic()) if each is None else each)
+            if self._requeue(req_id, send, outcome):  # at the head of the queue again
                 self._flush_refused()
                 continue
-            if not ended:
-                if handle.done and self._drained(deadline):
-                    continue  # failed on its own; the streams hold nothing of it now
-                failed = True
-                if not handle.done:
-                    # Not ended in its time: the sends behind it on the connection cannot
-                    # end before it, and closing the connection ends them all (their turn
-                    # never comes); none is waited for.
-                    if waiting := [*self._sends_in(_SendState.SENDING), *self._sends_in(_SendState.QUEUED)]:
-                        logger.error("kvwire: not sending KV of requests %s: the send before them did not end "
-                                     "within %g s", ", ".join(waiting), self._timeout)
-                    break
+            if self._ended_well(req_id, send, outcome):
+                continue
+            if in_step and handle.done and self._drained(deadline):
+                continue  # failed on its own; the streams hold nothing of it now
+            failed = True
+            if in_step and not handle.done:
+                # Not ended in its time: the sends behind it on the connection cannot
+                # end before it, and closing the connection ends them all (their turn
+                # never comes); none is waited for.
+                if waiting := [*self._sends_in(_SendState.SENDING), *self._sends_in(_SendState.QUEUED)]:
+                    logger.error("kvwire: not sending KV of requests %s: the send before them did not end "
+                                 "within %g s", ", ".join(waiting), self._timeout)
+                break
         if failed:
             self._let_go_of_blocks()
 
@@ -1355,23 +1364,26 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             send.at = now
             self._set(req_id, send, _SendState.IN_FLIGHT)
 
-    def _ended_well(self, req_id: str, send: _Send, timeout: float | None, *,
-                    requeue: bool = False) -> bool | None:
-        """Wait up to ``timeout`` for a send and log how it ended; False unless the
-        receiver acknowledged it.  ``requeue``: one refused for want of room is taken back
-        (see :meth:`_requeue`, to be flushed by the caller), and None."""
-        handle = send.handle
-        assert handle is not None
+    @staticmethod
+    def _outcome(send: _Send, timeout: float | None) -> Any:
+        """How ``send`` ended, waited for up to ``timeout``: its receipt, or its error (a
+        :class:`~kvwire.TransferTimeoutError` if it did not end in time)."""
+        assert send.handle is not None
         try:
-            receipt = handle.wait(timeout)
+            return send.handle.wait(timeout)
         except KvwireError as exc:
-            if requeue and self._requeue(req_id, send):
-                return None
-            logger.error("kvwire: sending KV of request %s failed: %s", req_id, exc)
+            return exc
+
+    def _ended_well(self, req_id: str, send: _Send, outcome: Any) -> bool:
+        """Log how a send ended (``outcome``, see :meth:`_outcome`); False unless the
+        receiver acknowledged it."""
+        if isinstance(outcome, KvwireError):
+            logger.error("kvwire: sending KV of request %s failed: %s", req_id, outcome)
             return False
+        assert send.handle is not None
         logger.info(
             "kvwire: sent KV of request %s as %r: %d bytes, %d on the wire, %.1f ms",
-            req_id, handle.request_id, receipt.kv_bytes, receipt.wire_bytes, receipt.seconds * 1e3,
+            req_id, send.handle.request_id, outcome.kv_bytes, outcome.wire_bytes, outcome.seconds * 1e3,
         )
         return True
 
@@ -1390,10 +1402,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._set(req_id, send, _SendState.ENDED)
         for req_id, send in self._sends_in(_SendState.IN_FLIGHT).items():
             if send.handle is not None and send.handle.done:
-                if self._requeue(req_id, send):
+                outcome = self._outcome(send, 0)
+                if self._requeue(req_id, send, outcome):
                     continue
                 self._last_end = now
-                if self._ended_well(req_id, send, 0):
+                if self._ended_well(req_id, send, outcome):
                     self._room_at = 0.0  # (room for a send refused for want of it, perhaps)
                     self._set(req_id, send, _SendState.ENDED)
                 elif (marks := self._write_marks()) is not None:
@@ -1413,7 +1426,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if flying and not failed:
             req_id, send = next(iter(flying.items()))
             if now >= max(send.at, self._last_end) + self._timeout:
-                failed = not self._ended_well(req_id, send, 0)  # a timeout, unless it just ended
+                failed = not self._ended_well(req_id, send, self._outcome(send, 0))  # a timeout, unless it just ended
                 self._set(req_id, send, _SendState.ENDED)
         self._flush_refused()
         if failed:
@@ -1477,7 +1490,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if send.state is _SendState.SENDING:
                 handle.abort()
             elif handle.done:
-                self._ended_well(req_id, send, 0)
+                self._ended_well(req_id, send, self._outcome(send, 0))
             else:
                 handle.abort()
                 logger.error("kvwire: sending KV of request %s failed: its connection was closed", req_id)
@@ -1742,24 +1755,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._dropping.clear()
         self._given_up.clear()
         self._settle_aborts()
-        failed = False
-        while not failed:  # let them finish, oldest first, the queued ones too as their turn comes
-            self._start_queued()
-            self._fly()
-            flying = self._sends_in(_SendState.IN_FLIGHT)
-            if not flying:
-                if self._sends_in(_SendState.QUEUED) and self._wait_for_room(float("inf")):
-                    continue  # refused for want of room: begun again
-                break
-            req_id, send = next(iter(flying.items()))
-            del self._sends[req_id]
-            ended = self._ended_well(req_id, send, self._timeout, requeue=True)
-            if ended is None:  # refused for want of room: at the head of the queue again
-                self._flush_refused()
-                continue
-            failed = not ended
-        if failed:
-            self._let_go_of_blocks()
+        # let them finish, oldest first, the queued ones too as their turn comes
+        self._wait_sends(_SendState.IN_FLIGHT, float("inf"), self._timeout)
         if self._peer is not None:
             self._peer.close()
             self._peer = None
