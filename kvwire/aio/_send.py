@@ -320,6 +320,9 @@ def _abort_error(exc: BaseException) -> KvwireError:
         if exc.code != ErrorCode.INTERNAL_ERROR:
             return exc
         return TransferAbortedError(f"sender aborted: {exc}")
+    if isinstance(exc, asyncio.CancelledError):  # send() cancelled, SendHandle.abort(): no repr
+        why = f" ({exc.args[0]})" if exc.args and exc.args[0] else ""
+        return TransferAbortedError(f"sender aborted: the send was cancelled{why}")
     return TransferAbortedError(f"sender aborted: {exc!r}")
 
 

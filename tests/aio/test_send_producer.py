@@ -96,7 +96,31 @@ async def test_cancelling_send_still_cancels_it() -> None:
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert isinstance(await rx, kvwire.TransferAbortedError)
+        error = await rx
+        assert isinstance(error, kvwire.TransferAbortedError)
+        assert str(error) == "sender aborted: the send was cancelled"  # in words, not a repr
+
+
+async def test_a_send_cancelled_with_a_message_tells_the_receiver_that_message() -> None:
+    stalled = asyncio.Event()
+
+    async def producer() -> AsyncIterator[tuple[np.ndarray, np.ndarray]]:
+        yield layers()[0]
+        stalled.set()
+        await asyncio.Event().wait()
+        yield layers()[1]
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+        rx = asyncio.create_task(received(server, "m"))
+        task = asyncio.create_task(peer.send("m", SPEC, producer(), timeout=20))
+        await asyncio.wait_for(stalled.wait(), 20)
+        task.cancel("request abandoned by the client")
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        error = await rx
+        assert isinstance(error, kvwire.TransferAbortedError)
+        assert str(error) == "sender aborted: the send was cancelled (request abandoned by the client)"
 
 
 async def test_a_layer_count_known_up_front_is_checked_before_anything_is_sent() -> None:
