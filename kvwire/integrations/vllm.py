@@ -253,6 +253,21 @@ class _Load:
         return [b for b in self.block_ids if b != DROP]
 
 
+@dataclass(slots=True, eq=False)
+class _Drop:
+    """A consumer's drop of a transfer (see KvwireConnector._drop)."""
+
+    handle: ReceiveHandle
+    #: named without a kvwire_id, without kvwire_load_all: one of the drops of arrivals no
+    #: request loads (see KvwireConnector._sweep_unnamed)
+    swept: bool
+    #: a load given up (see KvwireConnector._give_up_load): the blocks its transfer carries
+    #: and when the drop ends (kvwire_claim_timeout from its start; None: never); it goes
+    #: after a later load of its name, which it must not take the transfer of (see
+    #: KvwireConnector._yield_drops)
+    given_up: tuple[int, float | None] | None = None
+
+
 class _SendState(enum.Enum):
     """Where a producer's send stands (see :class:`_Send`)."""
 
@@ -443,12 +458,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._room_at = 0.0
         self._last_end = 0.0
         self._loading: dict[str, _Load] = {}  # the loads under way
-        self._dropping: dict[str, ReceiveHandle] = {}
-        # the drops of loads given up (see _give_up_load), with the blocks their transfer
-        # carries and when they end (kvwire_claim_timeout from their start; None: never):
-        # each goes after a later load of its name, which it must not take the transfer of
-        # (see _yield_drops)
-        self._given_up: dict[str, tuple[int, float | None]] = {}
+        self._dropping: dict[str, _Drop] = {}
         self._swept = 0  # drops of transfers named without a kvwire_id begun (see _sweep_unnamed)
         # the list of arrivals asked of kvwire's loop by the last step, with the drops that
         # waited for a transfer of each name then (see _sweep_unnamed)
@@ -821,15 +831,22 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         assert self._server is not None and self._spec is not None
         dest = (_DropAll(self._spec, self._caches) if block_ids is None
                 else PagedDestination(self._spec, self._caches, block_ids))
-        if timeout is True:  # (a drop begun anew: not one of a load given up, unless that says so)
-            self._given_up.pop(req_id, None)
-        with contextlib.suppress(ConnectionLostError):  # the server's bridge is closed: no transfer comes to drop
-            self._dropping[req_id] = self._server.expect(
+        drop = self._dropping.get(req_id)
+        if timeout is True and drop is not None:  # (a drop begun anew: not one of a load given up, unless that says so)
+            drop.given_up = None
+        try:
+            handle = self._server.expect(
                 key, into=dest, num_layers=self._spec.num_layers,
                 timeout=self._claim_timeout if timeout is True else timeout,
             )
-            return True
-        return False
+        except ConnectionLostError:  # the server's bridge is closed: no transfer comes to drop
+            return False
+        swept = not self._load_all and _UNNAMED.fullmatch(key) is not None
+        if drop is None:
+            self._dropping[req_id] = _Drop(handle, swept)
+        else:
+            drop.handle, drop.swept = handle, swept
+        return True
 
     def _expect_load(self, key: str, dest: _Destination) -> ReceiveHandle:
         """Expect ``key``'s transfer into ``dest`` for a load, ahead of the drops of loads
@@ -852,9 +869,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         the load's, and the load's own is dropped then.  The drops of requests computed
         here do not yield: their transfer is sure to come, and is theirs."""
         yielded: list[str] = []
-        for req_id in list(self._given_up):  # (each of them is in _dropping)
-            handle = self._dropping[req_id]
-            if handle.request_id == key and handle.transfer is None and handle.error is None and not handle.done:
+        for req_id, drop in list(self._dropping.items()):
+            handle = drop.handle
+            if drop.given_up is not None and handle.request_id == key and handle.transfer is None and handle.error is None and not handle.done:
                 # (a stop issued to the loop, which runs it before the load's expect; the
                 # drop's destination writes into no block: nothing to wait for)
                 handle.abort("a later load of its name goes first", timeout=0)
@@ -866,11 +883,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         stopped, each for what is left of its kvwire_claim_timeout (one past it ends)."""
         now = time.monotonic()
         for req_id in yielded:
-            total, ends = self._given_up[req_id]
+            given_up = self._dropping[req_id].given_up
+            assert given_up is not None
+            total, ends = given_up
             left = None if ends is None else ends - now
             if (left is not None and left <= 0) or not self._drop(req_id, key, [DROP] * total, left):
                 del self._dropping[req_id]
-                del self._given_up[req_id]
 
     #: seconds a hook waits, once for all the receives it aborted, for kvwire's loop to stop them
     #: (and for the close of the producer's connection, on a loop held up elsewhere)
@@ -925,7 +943,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._abort(req_id, handle, reason)
         if not arrived and self._server is not None and self._drop(req_id, handle.request_id, [DROP] * total):
             ends = None if self._claim_timeout is None else time.monotonic() + self._claim_timeout
-            self._given_up[req_id] = (total, ends)
+            self._dropping[req_id].given_up = (total, ends)
 
     def _reload(self, req_id: str, handle: ReceiveHandle) -> bool:
         """``req_id``'s receive ``handle`` failed: if the transfer handed to it had failed
@@ -1539,8 +1557,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _reap_drops(self) -> None:
         """The drops that ended (the transfer taken and dropped, or failed) are let go of."""
-        for req_id, handle in list(self._dropping.items()):
-            if self._swept_name(handle) and (handle.done or handle.error is not None):
+        for req_id, drop in list(self._dropping.items()):
+            handle = drop.handle
+            if drop.swept and (handle.done or handle.error is not None):
                 logger.debug("kvwire: dropped the transfer %s, named without a kvwire_id (%s)",
                              handle.request_id, "whole" if handle.done else handle.error)
             elif handle.done:
@@ -1550,11 +1569,6 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             else:
                 continue
             del self._dropping[req_id]
-            self._given_up.pop(req_id, None)
-
-    def _swept_name(self, handle: ReceiveHandle) -> bool:
-        """Whether ``handle`` is a drop :meth:`_sweep_unnamed` began."""
-        return not self._load_all and _UNNAMED.fullmatch(handle.request_id) is not None
 
     def _sweep_unnamed(self) -> None:
         """Consumer without kvwire_load_all, once per step: drop (see :meth:`_drop`) each
@@ -1580,8 +1594,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 logger.debug("kvwire: no look for transfers no request loads in this step: %s", exc)
         # drops begun whose transfer was not handed to them yet: each takes one of those listed
         waiting: dict[str, int] = {}
-        for handle in self._dropping.values():
-            if handle.transfer is None and handle.error is None and self._swept_name(handle):
+        for drop in self._dropping.values():
+            handle = drop.handle
+            if drop.swept and handle.transfer is None and handle.error is None:
                 waiting[handle.request_id] = waiting.get(handle.request_id, 0) + 1
         server = self._server.server
 
@@ -1750,10 +1765,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._connecting.cancel(10)  # its sockets closed before the bridge goes
         self._connecting = None  # (a peer it opened is closed with the bridge)
         self._reap_drops()
-        for req_id, receive in self._dropping.items():
-            self._abort(req_id, receive, "shutting down")
+        for req_id, drop in self._dropping.items():
+            self._abort(req_id, drop.handle, "shutting down")
         self._dropping.clear()
-        self._given_up.clear()
         self._settle_aborts()
         # let them finish, oldest first, the queued ones too as their turn comes
         self._wait_sends(_SendState.IN_FLIGHT, float("inf"), self._timeout)

@@ -383,9 +383,9 @@ def test_each_step_drops_the_transfers_named_without_an_id_that_arrived(workers:
     assert cons._sweep_ask is not None
     cons._sweep_ask[0].result(30)
     consume(cons)  # the next drops each of those
-    assert cons._swept == 4 and sorted(h.request_id for h in cons._dropping.values()) == sorted(
+    assert cons._swept == 4 and sorted(d.handle.request_id for d in cons._dropping.values()) == sorted(
         [twice, twice, other, failed])
-    handles = list(cons._dropping.values())
+    handles = [d.handle for d in cons._dropping.values()]
     assert until(lambda: pending(cons) == 0 and not cons._dropping, cons), "the transfers were not dropped"
     assert cons._swept == 4  # (steps meanwhile began no second drop)
     assert sum(h.done for h in handles) == 3 and sum(h.error is not None for h in handles) == 1
