@@ -1060,6 +1060,14 @@ class SyncPeer:
         return bool(self.bridge.run(past(), timeout, track=self._track, gone=self._gone))
 
     @property
+    def broken(self) -> KvwireError | None:
+        """:attr:`kvwire.Peer.broken` from any thread, without the loop (a reference the
+        loop sets once): the error that ended the session, or None.  A SyncPeer whose
+        session ended cannot send again: close it and make a new one."""
+        err: KvwireError | None = self._peer.broken
+        return err
+
+    @property
     def protocol_version(self) -> int | None:
         """:attr:`kvwire.Peer.protocol_version` from any thread: the wire protocol version
         the session agreed with the server, read on the bridge's loop within 5 s

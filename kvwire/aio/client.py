@@ -914,9 +914,19 @@ class Peer(Pump):
                 return
             await self.changed.wait()
 
+    @property
+    def broken(self) -> KvwireError | None:
+        """The error that ended this peer's session (the server shut down or restarted, a
+        stream could not be resumed, a peer's protocol error), or None while it lives.  A
+        peer whose session ended cannot send again (every ``send()`` raises at once, of this
+        error's class): close it and ``connect()`` again.  ``closed`` says only whether
+        :meth:`close` was called."""
+        return self.core.broken
+
     def check_usable(self) -> None:
-        if self.core.broken is not None:
-            raise detached(self.core.broken)
+        err = self.core.broken
+        if err is not None:  # a new error each time: nothing of an earlier caller's frames is kept
+            raise type(err)(f"{err} (this peer's session has ended: close it and connect() again)", code=err.code)
         if self.closed:
             raise ConnectionLostError("peer is closed")
 
