@@ -684,16 +684,25 @@ class Server(Pump):
         present from the start (0 until it happens): ``transfers_accepted``,
         ``transfers_refused``, ``transfers_aborted`` (by this side: the application, or
         ``claim_timeout``), ``transfers_aborted_by_peer``, ``transfers_unclaimed``
-        (dropped at ``claim_timeout``), ``buffer_budget_refusals``,
-        ``authentication_failures``, ``tls_handshake_failures`` (TLS handshakes that did
-        not complete: failed, timed out, or the client closed the connection),
+        (transfers that had not failed and nobody claimed within ``claim_timeout``:
+        aborted then), ``failed_arrivals_expired`` (arrivals
+        that failed before anyone claimed them, counted when they failed, and dropped at
+        ``claim_timeout`` unclaimed), ``buffer_budget_refusals``, ``credit_waits``
+        (times a transfer was granted less than its window of layers because the layers
+        held and granted filled ``max_buffer_bytes``: its sender waits for credit until
+        the application takes layers or other transfers end), ``authentication_failures``,
+        ``tls_handshake_failures`` (TLS handshakes that did not complete: failed, timed
+        out, or the client closed the connection),
         ``resumes``, ``goaways_received`` and ``connections_dropped`` (closed other than
         cleanly, for a reason none of the others counts: a protocol error, a corrupted
         frame, ``idle_timeout``, a refusal, the peer closing without a GOAWAY).
         ``pending_arrivals`` counts the arrived transfers :meth:`accept` or :meth:`expect`
         would hand out, ``failed_arrivals`` those of them that failed before anyone
-        claimed them.  ``sessions_by_version`` counts the open sessions by the wire
-        protocol version they agreed (``{2: 3}``: three sessions, all of version 2; a
+        claimed them.  ``reserved_bytes`` counts the bytes of layers granted and not yet
+        received (within ``max_buffer_bytes`` with ``buffered_bytes``' layers), and
+        ``transfers_waiting_for_room`` the transfers waiting for credit for want of room.
+        ``sessions_by_version`` counts the open sessions by the wire protocol version they
+        agreed (``{2: 3}``: three sessions, all of version 2; a
         client of an earlier kvwire speaks an earlier one, docs/protocol.md 5.4)."""
         return {
             "sessions": self.core.sessions,
@@ -702,6 +711,8 @@ class Server(Pump):
             "pending_arrivals": len(self.core.unclaimed()),
             "failed_arrivals": self.core.failed_unclaimed,
             "buffered_bytes": self.core.buffered_bytes,
+            "reserved_bytes": self.core.reserved_bytes,
+            "transfers_waiting_for_room": self.core.waiting_for_room,
             **self.core.counters,
             "tls_handshake_failures": self._tls_failures,
         }

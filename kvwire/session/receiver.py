@@ -15,7 +15,10 @@ asks for ``publish`` before the last acknowledgement is released
 Memory: layer buffers come from a :class:`LayerStore` (by default ``allocate``, which may
 raise MemoryError, and ``decode``) and are counted against ``max_buffer_bytes`` until the
 application takes the layer or the transfer ends; so is what BEGIN makes the server keep
-(prefix blocks and meta, :func:`begin_footprint`), until the last layer is taken.  A chunk
+(prefix blocks and meta, :func:`begin_footprint`), until the last layer is taken.  Layers
+granted past a transfer's first are reserved in that budget from the grant until they are
+allocated, and granted only within the room left (docs/protocol.md 8.2): transfers that
+together want more than it wait for credit, in the order they began waiting.  A chunk
 counts as received only after its bytes are in place.  Raw payloads may be read straight
 into their layer (the payload sink of each connection): that happens before the frame's
 CRC is checked, so it changes no transfer state; only the verified chunk does.
@@ -96,8 +99,8 @@ COMPLETED_KEPT = 4096
 #: What ``ReceiverCore.counters`` counts, each from 0.
 COUNTERS = (
     "transfers_accepted", "transfers_refused", "transfers_aborted", "transfers_aborted_by_peer",
-    "transfers_unclaimed", "buffer_budget_refusals", "authentication_failures", "resumes",
-    "goaways_received", "connections_dropped",
+    "transfers_unclaimed", "failed_arrivals_expired", "buffer_budget_refusals", "credit_waits",
+    "authentication_failures", "resumes", "goaways_received", "connections_dropped",
 )
 #: Size of the deadline heap at which it is first compacted (see ``_compact_timers``).
 TIMERS_COMPACT_MIN = 1024
@@ -513,6 +516,9 @@ class _Incoming:
     wire_bytes: int = 0
     taken: int = 0
     window: int = 1
+    sized: bool = False  # its first chunk is stored: layer_cost is known
+    layer_cost: int = 0  # budget bytes of one of its layers (the store's footprint)
+    reserved: int = 0  # budget bytes of its layers granted and not allocated (see _reserve)
     external: bool = False  # new layers go to the caller's memory: all granted, not counted
     inplace: dict[ChunkAddress, _Reservation] = field(default_factory=dict)
     publish_pending: list[tuple[int, ChunkAddress]] = field(default_factory=list)
@@ -596,6 +602,13 @@ class ReceiverCore:
         self._timer_seq = 0
         self._timers_compact_at = TIMERS_COMPACT_MIN
         self.buffered_bytes = 0
+        self.reserved_bytes = 0
+        """Budget bytes of layers granted and not yet allocated (each transfer's window past
+        what it holds, once its layer size is known; see ``_reserve``): counted against
+        max_buffer_bytes with the layers held, so that a granted layer always finds room."""
+        # Transfers that want more layers than the room left lets them have, oldest waiting
+        # first (see _offer): given credit again as room frees (_regrant).
+        self._waiting: dict[Key, None] = {}
         self.kept_bytes = 0
         """Of buffered_bytes: what the server remembers of its transfers besides their layers
         (prefix block lists, meta, token ranges), which may take it past max_buffer_bytes by
@@ -759,6 +772,7 @@ class ReceiverCore:
         if (f := self._failed.pop(key, None)) is not None:
             self._unindex_failed(key)
             self._unkeep(f.kept)
+            self._regrant()
             return
         t = self._transfer(key)
         if t is not None:
@@ -772,25 +786,36 @@ class ReceiverCore:
         if t is not None:
             t.external = True
             self._grant(t, t.begin.num_layers)
+            self._reserve(t)  # its granted layers no longer count: room for others
+            self._regrant()
 
     def pop_layer(self, key: Key, layer: int) -> Any:
-        """A complete layer's buffer, handed over: its memory leaves the budget and the
-        sender gets credit for one more layer."""
+        """A complete layer's buffer, handed over: its memory leaves the budget, the
+        transfers waiting for room get it first, and then the sender gets credit for one
+        more layer, as the room left allows."""
         t = self._transfer(key)
         if t is None or t.error is not None or layer not in t.buffers:
             raise ConnectionLostError("no such transfer or layer")
         buf = t.buffers.pop(layer)
         self._release(t, t.costs.pop(layer, 0))
         t.taken += 1
-        self._grant(t, t.taken + t.window)
         if t.taken >= t.begin.num_layers:
             self._live.pop(key, None)
+            self._waiting.pop(key, None)
+            self._reserve(t)
             self._store.closed(key)
             # Its prefix blocks and meta are the application's now: the server forgets them
             # (the transfer's id stays, to answer a re-sent BEGIN) and gives their budget back.
             t.begin = replace(t.begin, meta=b"", blocks=())
             t.meta = {}
             self._release_all(t)
+            self._regrant()
+        else:
+            # The room its layer leaves goes to those waiting first, oldest first (it among
+            # them, in its place, if it waits); then one more layer of its own window.
+            self._regrant()
+            if t.key not in self._waiting:
+                self._offer(t)
         return buf
 
     def take_layer(self, key: Key, layer: int) -> tuple[bytes, bytes]:
@@ -905,7 +930,9 @@ class ReceiverCore:
                     f"transfer {quoted_id(t.begin.request_id)} not complete after {self.config.transfer_timeout} s"
                 ), reset=True)
             elif ident in self._failed:
-                self._count("transfers_unclaimed")
+                # (counted when it failed: by the peer, a deadline, a broken rule; not as
+                # a transfer nobody claimed, which is one that arrived whole and healthy)
+                self._count("failed_arrivals_expired")
                 self._drop_failed(ident)
             else:
                 self._count("transfers_unclaimed")
@@ -1291,11 +1318,65 @@ class ReceiverCore:
             sess.resets[tid] = cid
         return True
 
+    def _reserve(self, t: _Incoming) -> None:
+        """Count what ``t`` has granted and not allocated (its layers below ``layer_limit``
+        neither taken nor held, at its layer's footprint) in :attr:`reserved_bytes`: from
+        when its layer size is known (its first chunk stored) until it fails, ends, or is
+        received into a destination (its new layers not counted)."""
+        n = 0
+        if t.sized and not t.external and t.error is None and self._live.get(t.key) is t:
+            n = max(0, t.state.layer_limit - t.taken - len(t.buffers)) * t.layer_cost
+        self.reserved_bytes += n - t.reserved
+        t.reserved = n
+
+    def _room(self) -> int:
+        """Budget bytes no layer holds or is granted."""
+        return self.config.max_buffer_bytes - (self.buffered_bytes - self.kept_bytes) - self.reserved_bytes
+
+    def _offer(self, t: _Incoming) -> None:
+        """Grant ``t`` its window, ``taken + W`` layers, as far as the room left holds it:
+        ``taken + min(W, layers it holds or has reserved + whole layers that fit in the
+        room)`` (never less than it has: a limit does not decrease).  Short of its window,
+        it waits among :attr:`_waiting` (its sender waits for credit) until room frees."""
+        want = min(t.taken + t.window, t.begin.num_layers)
+        limit = t.state.layer_limit
+        if want > limit:
+            if t.external or not t.layer_cost:
+                self._grant(t, want)
+            else:
+                self._grant(t, min(want, limit + max(0, self._room()) // t.layer_cost))
+        if want <= t.state.layer_limit:
+            self._waiting.pop(t.key, None)
+        elif t.key not in self._waiting:
+            self._waiting[t.key] = None
+            self._count("credit_waits")
+
+    def _regrant(self) -> None:
+        """Room may have freed: the transfers waiting for it are offered it again, the one
+        waiting longest first, each within what is left."""
+        for key in list(self._waiting):
+            if self._room() <= 0:
+                return
+            t = self._live.get(key)
+            if t is None or t.error is not None:
+                self._waiting.pop(key, None)
+                continue
+            sess = self._sessions.get(key[0])
+            if sess is None or not sess.closed:  # (a lost session's transfers are failing)
+                self._offer(t)
+
+    @property
+    def waiting_for_room(self) -> int:
+        """Transfers granted less than their window for want of room in max_buffer_bytes,
+        their senders waiting for credit."""
+        return len(self._waiting)
+
     def _grant(self, t: _Incoming, limit: int) -> None:
         limit = min(limit, t.begin.num_layers)
         if limit <= t.state.layer_limit or t.error is not None:
             return
         t.state.layer_limit = limit
+        self._reserve(t)
         sess = self._sessions.get(t.key[0])
         found = self._any_open(sess) if sess is not None else None
         if found is not None and t.accepted:
@@ -1346,6 +1427,8 @@ class ReceiverCore:
         t.buffers.clear()
         t.costs.clear()
         self._release_all(t)
+        self._reserve(t)  # (nothing reserved once failed)
+        self._waiting.pop(t.key, None)
         for r in t.inplace.values():  # never written again once the transfer is gone
             conn = self._conns.get(r.cid)
             if conn is not None:
@@ -1390,6 +1473,7 @@ class ReceiverCore:
         self._events.append(TransferFailed(key=t.key, error=error, request_id=t.begin.request_id, claimable=claimable))
         if claimable:
             self._bound_failed(t.key)
+        self._regrant()  # its layers' room, held and granted, is free
 
     def _keep_failed(self, t: _Incoming, claim_deadline: float | None) -> None:
         """``t`` failed after it arrived, and nobody has claimed it: it stays in its place
@@ -1439,6 +1523,7 @@ class ReceiverCore:
         self._unclaimed.pop(key, None)
         self._unkeep(f.kept)
         self._events.append(TransferDropped(key=key, request_id=f.request_id))
+        self._regrant()
 
     def _on_chunk(self, cid: int, conn: Connection, ev: ChunkReceived) -> None:
         chunk = ev.chunk
@@ -1487,9 +1572,9 @@ class ReceiverCore:
             raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {name!r} is not accepted here")
         layer_bytes = 2 * chunk.layer_tokens * t.bpt
         if first:  # as many layers as transfer_buffer_bytes holds (and the whole budget), at least one
+            # (granted once the chunk is stored, within the room left: see _offer)
             room = min(self.config.transfer_buffer_bytes, self.config.max_buffer_bytes)
             t.window = max(1, room // max(1, self._store.footprint(layer_bytes)))
-            self._grant(t, t.taken + t.window)
         return layer_bytes
 
     def _store_chunk(self, cid: int, t: _Incoming, chunk: Chunk, wire_size: int = 0) -> bool:
@@ -1531,6 +1616,13 @@ class ReceiverCore:
             ) from exc
         t.state.add(chunk)
         t.wire_bytes += wire_size
+        if not t.sized:
+            # Its layer size is known now: its granted layers are reserved from here on, and
+            # the rest of its window is granted as far as the room left holds it.
+            t.sized = True
+            t.layer_cost = self._store.footprint(layer_bytes)
+            self._reserve(t)
+            self._offer(t)
         complete = t.state.layer_complete(chunk.layer)
         # Each range remembered until its layer is complete counts in the budget.
         ranges = RANGE_BYTES * t.state.ranges
@@ -1554,9 +1646,23 @@ class ReceiverCore:
             return t.buffers[chunk.layer]
         cost = 0 if t.external else self._store.footprint(layer_bytes)
         limit = self.config.max_buffer_bytes
-        if cost and self.buffered_bytes - self.kept_bytes + cost > limit:  # layers alone within it
+        held = self.buffered_bytes - self.kept_bytes  # layers alone within the budget
+        # A layer granted once the size was known was reserved (its room kept, see
+        # _reserve); a transfer's first layer, granted by ACCEPT, was not: it takes what
+        # the layers held and granted to every transfer leave.
+        granted = self.reserved_bytes - (cost if t.sized else 0)
+        if cost and held + granted + cost > limit:
             if count:
                 self._count("buffer_budget_refusals")
+            if not t.sized:
+                # (what to do first: a RESET carries WIRE_TEXT_LIMIT characters of it)
+                raise LimitExceededError(
+                    "the server's buffer budget is taken by other transfers: consume layers, raise "
+                    "max_buffer_bytes, lower transfer_buffer_bytes, or receive into a destination "
+                    f"(a first layer of {cost} bytes does not fit in max_buffer_bytes={limit}: "
+                    f"{held} held, {granted} granted)"
+                )
+            # (a sender keeping to its credit never meets this: its layers were reserved)
             raise LimitExceededError(
                 f"the server holds {self.buffered_bytes} bytes of transfers; "
                 f"{cost} more exceeds max_buffer_bytes={limit}"
@@ -1565,6 +1671,7 @@ class ReceiverCore:
         t.buffers[chunk.layer] = buf
         t.costs[chunk.layer] = cost
         self._charge(t, cost)
+        self._reserve(t)  # (reserved, now held)
         return buf
 
     # -- in-place receive ------------------------------------------------------------------

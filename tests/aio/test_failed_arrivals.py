@@ -121,8 +121,9 @@ async def test_a_failed_arrival_nobody_claims_is_dropped_at_claim_timeout() -> N
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
             await send_failing(peer, "r")
             assert await aborted(server, 1)
-            assert await wait_until(lambda: server.statistics()["transfers_unclaimed"] == 1, 10)
+            assert await wait_until(lambda: server.statistics()["failed_arrivals_expired"] == 1, 10)
             stats = server.statistics()
+            assert stats["transfers_unclaimed"] == 0 and stats["transfers_aborted_by_peer"] == 1
             assert stats["failed_arrivals"] == 0 and stats["pending_arrivals"] == 0
             assert not server._transfers  # the server let go of its view of it
             with pytest.raises(kvwire.TransferTimeoutError):

@@ -83,7 +83,11 @@ def test_a_failed_arrival_nobody_claims_is_dropped_at_its_claim_deadline() -> No
     [dropped] = h.of(TransferDropped)
     assert dropped.key == key and dropped.request_id == "r"
     assert h.core.unclaimed() == [] and h.core.failed_unclaimed == 0
-    assert h.core.counters["transfers_unclaimed"] == 1
+    # Counted as a failed arrival that expired, not as a transfer nobody claimed: it was
+    # counted when it failed (transfers_aborted_by_peer), and never arrived whole.
+    assert h.core.counters["failed_arrivals_expired"] == 1
+    assert h.core.counters["transfers_unclaimed"] == 0
+    assert h.core.counters["transfers_aborted_by_peer"] == 1
     assert h.core.counters["transfers_aborted"] == 0  # nothing to abort: it had failed
     assert [e.by_peer for e in h.of(TransferAborted)] == [True]
 

@@ -19,7 +19,7 @@ from kvwire.session.receiver import WIRE_TEXT_LIMIT
 from kvwire.wire import Ack, Begin, Chunk, FrameDecoder, Reset, frame_bytes
 from kvwire.wire.frames import Accept, Ping
 from tests.conftest import SECRET, make_layers, same_cache
-from tests.rawpeer import raw_client
+from tests.rawpeer import raw_client, wait_until
 from tests.system.test_security import loop_errors
 
 pytestmark = pytest.mark.timeout(60)
@@ -232,13 +232,21 @@ async def test_server_wide_byte_budget_refuses_what_does_not_fit() -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_buffer_bytes=5 * layer_bytes) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
             await peer.send("one", SPEC, layers(), timeout=10)  # 4 layers held, unclaimed
-            with pytest.raises(kvwire.LimitExceededError):
-                await peer.send("two", SPEC, layers(), timeout=10)
+            # The second's first layer fits; the rest of it waits for credit (slowed, not
+            # failed: protocol.md 8.2) until the application takes layers.
+            two = asyncio.create_task(peer.send("two", SPEC, layers(), timeout=10))
+            assert await wait_until(lambda: server.statistics()["transfers_waiting_for_room"] == 1, 5)
+            # A third's first layer finds the budget taken: refused.
+            with pytest.raises(kvwire.LimitExceededError, match="taken by other transfers"):
+                await peer.send("three", SPEC, layers(), timeout=10)
             assert server.statistics()["buffered_bytes"] <= 5 * layer_bytes
+            assert not two.done()
             t = await server.expect("one", timeout=5)
             await t.collect(timeout=5)
+            await two
+            await (await server.expect("two", timeout=5)).collect(timeout=5)
             assert server.statistics()["buffered_bytes"] == 0
-            await peer.send("three", SPEC, layers(), timeout=10)
+            await peer.send("four", SPEC, layers(), timeout=10)
 
 
 # -- the receiving application gives up --------------------------------------------------

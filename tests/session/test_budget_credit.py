@@ -1,0 +1,203 @@
+"""Layer credit within the server's buffer budget (docs/protocol.md 8.2): the layers a
+server grants past a transfer's first are reserved in ``max_buffer_bytes`` until they are
+allocated, so transfers that together want more than the budget wait for credit (their
+senders slow down) instead of failing with LIMIT_EXCEEDED; room that frees goes to the
+transfers waiting, the one waiting longest first.  In fake time, through the receiver
+core alone (the client a wire connection that keeps to its credit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvwire.errors import ErrorCode
+from kvwire.session.receiver import (
+    LayerReady,
+    ReceiverConfig,
+    TransferArrived,
+    TransferFailed,
+    wire_text,
+)
+from kvwire.wire import CreditGranted, TransferAccepted
+from tests.session.test_receiver_core import BPT, SECRET, Harness, begin, chunk, join
+
+LAYER = 2 * 8 * BPT  # 8 tokens of K and V: what each layer of these transfers takes
+
+
+def harness(budget_layers: int, window_layers: int) -> Harness:
+    return Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=budget_layers * LAYER,
+                                  transfer_buffer_bytes=window_layers * LAYER, claim_timeout=None))
+
+
+def limit(h: Harness, tid: int) -> int:
+    """The layer limit the client has for ``tid`` (ACCEPT's, raised by every CREDIT)."""
+    granted = [e.layer_limit for e in h.client_events
+               if isinstance(e, TransferAccepted | CreditGranted) and e.transfer_id == tid]
+    return max(granted)
+
+
+def credits(h: Harness, tid: int) -> list[int]:
+    return [e.layer_limit for e in h.client_of(CreditGranted) if e.transfer_id == tid]
+
+
+def key(h: Harness, tid: int) -> tuple[bytes, int]:
+    return next(e.key for e in h.of(TransferArrived) if e.key[1] == tid)  # type: ignore[no-any-return]
+
+
+def within_budget(h: Harness) -> None:
+    """Layers held and layers granted never take more than the budget."""
+    core = h.core
+    assert core.buffered_bytes - core.kept_bytes + core.reserved_bytes <= core.config.max_buffer_bytes
+    assert core.reserved_bytes == sum(t.reserved for t in core._live.values())
+
+
+def begin_all(h: Harness, layers: int, *tids: int) -> None:
+    for tid in tids:
+        h.client.send_begin(begin(tid=tid, layers=layers, request=f"r{tid}"))
+    h.pump()
+
+
+def send_layer(h: Harness, tid: int, layer: int, *, k: bool = True) -> None:
+    if k:
+        h.send(chunk(tid=tid, layer=layer, kind=0))
+    h.send(chunk(tid=tid, layer=layer, kind=1))
+    within_budget(h)
+
+
+def take(h: Harness, tid: int, layer: int) -> Any:
+    buf = h.core.pop_layer(key(h, tid), layer)
+    h.pump()
+    within_budget(h)
+    return buf
+
+
+def test_two_transfers_over_the_budget_both_complete_as_the_application_takes_layers() -> None:
+    """Each transfer's window (3 layers) fits the budget (4), both together do not: before,
+    both were granted their whole window and the one whose layer found the budget full
+    failed with LIMIT_EXCEEDED ("the server holds ..."), though the application was
+    taking layers.  Now the second is granted what is left, and more as layers are taken."""
+    layers = 6
+    h = harness(4, 3)
+    begin_all(h, layers, 1, 2)
+    h.send(chunk(tid=1, layer=0, kind=0))  # the first chunk of each: layer sizes known
+    h.send(chunk(tid=2, layer=0, kind=0))
+    within_budget(h)
+    assert (limit(h, 1), limit(h, 2)) == (3, 1)  # 3 + 1 layers: the whole budget
+    assert h.core.waiting_for_room == 1 and h.core.counters["credit_waits"] == 1
+    sent = {1: 0, 2: 0}
+    taken = {1: 0, 2: 0}
+    first_k_sent = {1: True, 2: True}
+    for _ in range(100):
+        # The client sends what it may (K and V of each layer below its limit) ...
+        for tid in (1, 2):
+            while sent[tid] < limit(h, tid):
+                send_layer(h, tid, sent[tid], k=not first_k_sent[tid])
+                first_k_sent[tid] = False
+                sent[tid] += 1
+        # ... and the application takes one layer of each that is ready, in turn.
+        ready = {(e.key[1], e.layer) for e in h.of(LayerReady)}
+        for tid in (1, 2):
+            if (tid, taken[tid]) in ready and taken[tid] < layers:
+                take(h, tid, taken[tid])
+                taken[tid] += 1
+        if taken == {1: layers, 2: layers}:
+            break
+    assert not h.of(TransferFailed)
+    assert taken == {1: layers, 2: layers}
+    assert h.core.buffered_bytes == 0 and h.core.reserved_bytes == 0 and h.core.waiting_for_room == 0
+    assert h.core.counters["buffer_budget_refusals"] == 0
+
+
+def test_room_that_frees_goes_to_the_transfer_waiting_longest_and_no_credit_goes_past_it() -> None:
+    h = harness(4, 3)
+    begin_all(h, 8, 1, 2)
+    send_layer(h, 1, 0)
+    send_layer(h, 2, 0)
+    assert (limit(h, 1), limit(h, 2)) == (3, 1) and credits(h, 2) == []  # 2 waits: no room past 4
+    send_layer(h, 1, 1)
+    send_layer(h, 1, 2)
+    assert h.core.buffered_bytes - h.core.kept_bytes == 4 * LAYER and h.core.reserved_bytes == 0
+    # Transfer 1's layer 0 taken: its room goes to transfer 2, which waited for it, not
+    # back to transfer 1 (which now waits too, behind it).
+    take(h, 1, 0)
+    assert credits(h, 2) == [2] and credits(h, 1) == [3]
+    assert h.core.waiting_for_room == 2 and h.core.counters["credit_waits"] == 2
+    send_layer(h, 2, 1)
+    take(h, 1, 1)  # transfer 2 waited longest: it gets this layer too, and has its window
+    assert credits(h, 2) == [2, 3] and credits(h, 1) == [3]
+    assert h.core.waiting_for_room == 1
+    take(h, 2, 0)  # now transfer 1, the one waiting
+    assert credits(h, 1) == [3, 4] and credits(h, 2) == [2, 3]
+    # (each wants one layer more, with the four the budget holds held or granted)
+    assert h.core.waiting_for_room == 2 and not h.of(TransferFailed)
+
+
+def test_a_transfer_that_fails_or_is_received_into_a_destination_gives_its_granted_room_to_those_waiting() -> None:
+    h = harness(4, 3)
+    begin_all(h, 8, 1, 2)
+    send_layer(h, 1, 0)
+    send_layer(h, 2, 0)
+    assert (limit(h, 1), limit(h, 2)) == (3, 1)
+    # Transfer 1 is received into the application's memory from now on: its two layers
+    # granted and not begun no longer count, and transfer 2 gets them.
+    h.core.attach(key(h, 1))
+    h.pump()
+    within_budget(h)
+    assert limit(h, 1) == 8 and limit(h, 2) == 3  # (its window: 3 layers)
+    assert h.core.waiting_for_room == 0
+    # Or it fails (aborted by the application): the same.
+    h2 = harness(4, 3)
+    begin_all(h2, 8, 1, 2)
+    send_layer(h2, 1, 0)
+    send_layer(h2, 2, 0)
+    h2.core.abort(key(h2, 1), "given up", h2.now)
+    h2.pump()
+    within_budget(h2)
+    assert limit(h2, 2) == 3 and h2.core.waiting_for_room == 0
+
+
+def test_a_first_layer_that_finds_the_budget_granted_away_fails_saying_what_to_do() -> None:
+    """ACCEPT grants layer 0 before its size is known, so it is not reserved: one that
+    finds the room held or granted to other transfers fails with LIMIT_EXCEEDED, whose
+    text says why and what the receiving side can do about it."""
+    h = harness(4, 4)
+    begin_all(h, 8, 1, 2)
+    send_layer(h, 1, 0)
+    assert limit(h, 1) == 4  # the whole budget
+    h.send(chunk(tid=2, layer=0, kind=0))
+    [failed] = h.of(TransferFailed)
+    assert failed.key[1] == 2 and failed.error.code == ErrorCode.LIMIT_EXCEEDED
+    text = str(failed.error)
+    assert "taken by other transfers" in text and f"max_buffer_bytes={4 * LAYER}" in text
+    for remedy in ("consume layers", "raise max_buffer_bytes", "lower transfer_buffer_bytes", "destination"):
+        assert remedy in wire_text(text)  # (what the sender is told: the start of it)
+    assert f"a first layer of {LAYER} bytes" in text
+    assert h.core.counters["buffer_budget_refusals"] == 1
+    within_budget(h)
+    # Transfer 1 goes on: every layer it was granted finds its room.
+    for layer in (1, 2, 3):
+        send_layer(h, 1, layer)
+    assert len(h.of(TransferFailed)) == 1
+
+
+def test_credit_given_while_no_stream_is_open_is_said_on_the_stream_that_rejoins() -> None:
+    """Room that frees while the session's only stream is broken raises a waiting
+    transfer's limit with no stream to carry the CREDIT: the stream that resumes the
+    session carries it (6.3), or its sender would wait for credit for ever."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=4 * LAYER, transfer_buffer_bytes=3 * LAYER,
+                               claim_timeout=None, resume_timeout=10.0))
+    begin_all(h, 8, 1, 2)
+    send_layer(h, 1, 0)
+    send_layer(h, 2, 0)
+    send_layer(h, 1, 1)
+    send_layer(h, 1, 2)
+    assert (limit(h, 1), limit(h, 2)) == (3, 1)
+    sid = h.client.session_id
+    a = key(h, 1)
+    h.core.receive_data(1, b"", h.now)  # the connection broke
+    h.core.forget(1)
+    h.core.pop_layer(a, 0)  # room for one layer: transfer 2's, which waited for it
+    within_budget(h)
+    assert h.core._live[key(h, 2)].state.layer_limit == 2
+    _, events = join(h.core, 2, h.now, session_id=sid)
+    said = {(e.transfer_id, e.layer_limit) for e in events if isinstance(e, CreditGranted)}
+    assert (2, 2) in said and (1, 3) in said
