@@ -166,15 +166,23 @@ def _check_keys(extra: dict[str, Any]) -> None:
             raise UsageError(f"kvwire connector: unknown setting {key!r} in kv_connector_extra_config{hint}")
 
 
+def _whole(value: Any) -> int | None:
+    """``value`` as a whole number (an int, a float without a fraction, or text of one), or
+    None if it is none (a bool, 2.5: int() would cut it to 2, "big")."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
 def _count(extra: dict[str, Any], key: str, default: int, maximum: int) -> int:
     """A whole number in [1, ``maximum``] (as text too; not a bool, not 2.5)."""
     value: Any = extra.get(key, default)
-    try:
-        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-            raise TypeError
-        number = int(value)
-    except (TypeError, ValueError, OverflowError):
-        raise UsageError(f"kvwire connector: {key} must be a whole number, got {value!r}") from None
+    number = _whole(value)
+    if number is None:
+        raise UsageError(f"kvwire connector: {key} must be a whole number, got {value!r}")
     if not 1 <= number <= maximum:
         raise UsageError(f"kvwire connector: {key} must be in [1, {maximum}], got {value!r}")
     return number
@@ -386,12 +394,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             get_codec(self._codec)
         self._streams: int | str = self._stream_count(extra.get("kvwire_streams", 1))
         chunk = extra.get("kvwire_chunk_bytes")
-        try:  # unset (None) is the client's default; 0 is refused, not taken as unset
-            if isinstance(chunk, bool) or (isinstance(chunk, float) and not chunk.is_integer()):
-                raise TypeError  # (int() would cut 2.5 to 2)
-            self._chunk_bytes: int | None = None if chunk is None else int(chunk)
-        except (TypeError, ValueError):
-            raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be a number of bytes, got {chunk!r}") from None
+        # unset (None) is the client's default; 0 is refused, not taken as unset
+        self._chunk_bytes: int | None = None if chunk is None else _whole(chunk)
+        if chunk is not None and self._chunk_bytes is None:
+            raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be a number of bytes, got {chunk!r}")
         if self._chunk_bytes is not None and self._chunk_bytes <= 0:
             raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be > 0, got {chunk!r}")
         self._timeout: float = _seconds(extra, "kvwire_load_timeout", 60.0)
@@ -681,13 +687,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @staticmethod
     def _stream_count(value: object) -> int | str:
-        """kvwire_streams: an int in [1, 64] (as text too) or "auto"."""
+        """kvwire_streams: an int in [1, 64] (as text too; not a float, 4.0 neither) or "auto"."""
         if value == "auto":
             return "auto"
-        try:
-            count = int(str(value)) if not isinstance(value, bool) else None
-        except ValueError:
-            count = None
+        count = _whole(str(value))  # (a bool's text, "True", is no number)
         if count is None or not 1 <= count <= MAX_STREAMS:
             raise UsageError(f"kvwire connector: kvwire_streams must be an int in [1, {MAX_STREAMS}] or 'auto', got {value!r}")
         return count
@@ -820,28 +823,36 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # into a step without loads no time at all).
         self._load_deadline = None
 
-    def _drop(self, req_id: str, key: str, block_ids: list[int] | None,
-              timeout: float | bool | None = True) -> bool:
+    def _drop(self, req_id: str, key: str, block_ids: list[int] | None) -> bool:
         """Take ``key``'s transfer as it comes and drop it (every id DROP; None: as many
         as the transfer carries), so that it does not wait on the server until the claim
         timeout.  As long as the server would keep an arrived transfer for a request,
-        kvwire_claim_timeout (``timeout``, when not True: what is left of it): a drop for
-        a transfer that never comes (kvwire_load_all, a producer that did not send) is let
-        go of then (with no claim timeout, at shutdown).  Whether it began."""
+        kvwire_claim_timeout: a drop for a transfer that never comes (kvwire_load_all, a
+        producer that did not send) is let go of then (with no claim timeout, at
+        shutdown).  A drop begun anew, not one of a load given up (unless that says so
+        after).  Whether it began."""
+        drop = self._dropping.get(req_id)
+        if drop is not None:
+            drop.given_up = None
+        return self._expect_drop(req_id, key, block_ids, self._claim_timeout)
+
+    def _drop_again(self, req_id: str, key: str, total: int, left: float | None) -> bool:
+        """Begin again the drop of a load given up that :meth:`_yield_drops` stopped, for
+        what is left of its kvwire_claim_timeout (``left``; None: no timeout), its
+        ``total`` blocks DROP.  Whether it began."""
+        return self._expect_drop(req_id, key, [DROP] * total, left)
+
+    def _expect_drop(self, req_id: str, key: str, block_ids: list[int] | None, timeout: float | None) -> bool:
+        """Expect ``key``'s transfer for ``req_id``'s drop, let go of after ``timeout``."""
         assert self._server is not None and self._spec is not None
         dest = (_DropAll(self._spec, self._caches) if block_ids is None
                 else PagedDestination(self._spec, self._caches, block_ids))
-        drop = self._dropping.get(req_id)
-        if timeout is True and drop is not None:  # (a drop begun anew: not one of a load given up, unless that says so)
-            drop.given_up = None
         try:
-            handle = self._server.expect(
-                key, into=dest, num_layers=self._spec.num_layers,
-                timeout=self._claim_timeout if timeout is True else timeout,
-            )
+            handle = self._server.expect(key, into=dest, num_layers=self._spec.num_layers, timeout=timeout)
         except ConnectionLostError:  # the server's bridge is closed: no transfer comes to drop
             return False
         swept = not self._load_all and _UNNAMED.fullmatch(key) is not None
+        drop = self._dropping.get(req_id)
         if drop is None:
             self._dropping[req_id] = _Drop(handle, swept)
         else:
@@ -887,7 +898,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             assert given_up is not None
             total, ends = given_up
             left = None if ends is None else ends - now
-            if (left is not None and left <= 0) or not self._drop(req_id, key, [DROP] * total, left):
+            if (left is not None and left <= 0) or not self._drop_again(req_id, key, total, left):
                 del self._dropping[req_id]
 
     #: seconds a hook waits, once for all the receives it aborted, for kvwire's loop to stop them
@@ -1144,7 +1155,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
             if index == 0:
                 send.handle = self._peer.begin(
-                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **(send.versions or {}),
+                    move.key, self._spec.wire_spec(), codec=move.codec or self._codec, **send.versions,
                 )
                 self._set(req_id, send, _SendState.SENDING)
             if send.state is _SendState.SENDING and send.handle is not None:
