@@ -1487,7 +1487,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         on (then only closing it frees the blocks) or the loop did not answer within
         ``timeout``."""
         peer = self._peer
-        if peer is None or peer.peer.core.broken is not None:
+        if peer is None or peer.broken is not None:
             return None
         try:
             return peer.write_marks(timeout)
