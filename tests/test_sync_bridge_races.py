@@ -24,6 +24,7 @@ import re
 import threading
 import warnings
 import weakref
+from typing import Any
 
 import pytest
 
@@ -60,6 +61,36 @@ def owned_blocker(bridge: Bridge) -> Blocker:
     return blocker
 
 
+class Stops:
+    """Counts the stops of ``loop`` run by what other threads queue on it
+    (``call_soon_threadsafe``: the stop a close_soon() or a close() queues, not the one
+    with which the loop thread's own close ends each run), so that a second one shows: the
+    loop thread's close runs on through it (run_to_end()), so nothing else would."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.count = 0
+        self.queued_running = False
+        real_stop, real_queue = loop.stop, loop.call_soon_threadsafe
+
+        def stop() -> None:
+            if self.queued_running:
+                self.count += 1
+            real_stop()
+
+        def call_soon_threadsafe(callback: Any, *args: Any, context: Any = None) -> asyncio.Handle:
+            def queued(*args: Any) -> None:
+                self.queued_running = True
+                try:
+                    callback(*args)
+                finally:
+                    self.queued_running = False
+
+            return real_queue(queued, *args, context=context)
+
+        loop.stop = stop  # type: ignore[method-assign]
+        loop.call_soon_threadsafe = call_soon_threadsafe  # type: ignore[method-assign]
+
+
 def release_on_loop(loop: asyncio.AbstractEventLoop, blocker: Blocker) -> None:
     """Let ``blocker``'s close end, from the loop: only once what was queued on it before ran."""
     with contextlib.suppress(RuntimeError):  # (a loop closed already: its thread ended)
@@ -75,6 +106,7 @@ def test_a_dropped_own_bridge_peer_is_closed_when_its_bridge_is_freed_mid_close(
         bridge = peer.bridge
         thread, loop, collected = bridge._thread, bridge.loop, weakref.ref(bridge)
         blocker = owned_blocker(bridge)
+        stops = Stops(loop)
         assert until(lambda: connections(other) >= 1)
         try:
             with pytest.warns(ResourceWarning, match=r"unclosed kvwire\.sync\.SyncPeer"):
@@ -83,7 +115,9 @@ def test_a_dropped_own_bridge_peer_is_closed_when_its_bridge_is_freed_mid_close(
             assert blocker.started.wait(30)  # the loop thread left its run: it closes what it owns
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
-                del bridge  # its close was begun: its finalizer neither warns nor stops the loop again
+                del (
+                    bridge
+                )  # its close was begun: its finalizer neither warns nor stops the loop again
                 gc.collect()
             assert collected() is None
             assert resource_warnings(seen) == []
@@ -91,6 +125,7 @@ def test_a_dropped_own_bridge_peer_is_closed_when_its_bridge_is_freed_mid_close(
             assert ended(thread)
         finally:
             blocker.release.set()
+        assert stops.count == 1  # the peer's finalizer's close_soon(): not the bridge's too
         assert blocker.closed
         assert loop.is_closed()
         assert until(lambda: connections(other) == 0)  # the dropped peer's connection was closed
@@ -100,14 +135,16 @@ def test_close_soon_twice_stops_the_loop_once() -> None:
     bridge = Bridge("closed-soon-twice")
     thread = bridge._thread
     blocker = owned_blocker(bridge)
+    stops = Stops(bridge.loop)
     try:
         bridge.close_soon()
         assert blocker.started.wait(30)
         bridge.close_soon()  # a close begun: nothing more is queued
-        release_on_loop(bridge.loop, blocker)
+        release_on_loop(bridge.loop, blocker)  # (after a second stop, had one been queued)
         assert ended(thread)
     finally:
         blocker.release.set()
+    assert stops.count == 1
     assert blocker.closed
     assert bridge.closed and bridge.loop.is_closed()
 
@@ -116,6 +153,7 @@ def test_a_stray_stop_while_the_loop_thread_closes_what_it_owns_does_not_end_tha
     bridge = Bridge("stray-stop")
     thread = bridge._thread
     blocker = owned_blocker(bridge)
+    stops = Stops(bridge.loop)
     try:
         bridge.close_soon()
         assert blocker.started.wait(30)
@@ -124,6 +162,7 @@ def test_a_stray_stop_while_the_loop_thread_closes_what_it_owns_does_not_end_tha
         assert ended(thread)
     finally:
         blocker.release.set()
+    assert stops.count == 2  # close_soon()'s, then the stray one, run while the close ran
     assert blocker.closed
     assert bridge.loop.is_closed()
 
@@ -133,7 +172,9 @@ def test_a_shared_bridge_dropped_with_its_server_and_a_pending_expect_is_collect
     thread, collected = bridge._thread, weakref.ref(bridge)
     server = SyncServer(secret=SECRET, bridge=bridge)
     port = server.port
-    handle = server.expect("never-comes")  # no timeout: it waits on the loop until the server closes
+    handle = server.expect(
+        "never-comes"
+    )  # no timeout: it waits on the loop until the server closes
     assert until(lambda: not refused(port))
     with pytest.warns(ResourceWarning, match=bridge_warning("shared-pending-expect")):
         del handle, server, bridge
@@ -194,12 +235,16 @@ def test_a_bridge_freed_on_another_loop_s_thread_does_not_hold_that_loop() -> No
         holder = [bridge]
         del bridge
         went_on = threading.Event()
-        with warnings.catch_warnings(record=True) as seen:  # (the warning is the collector's thread's)
+        with warnings.catch_warnings(
+            record=True
+        ) as seen:  # (the warning is the collector's thread's)
             warnings.simplefilter("always")
             collector.loop.call_soon_threadsafe(holder.clear)  # the bridge is freed there
             collector.loop.call_soon_threadsafe(went_on.set)
             try:
-                assert went_on.wait(30), "the collector's loop was held up by the dropped bridge's finalizer"
+                assert went_on.wait(30), (
+                    "the collector's loop was held up by the dropped bridge's finalizer"
+                )
                 assert blocker.started.wait(30)
                 assert thread.is_alive()  # (still closing what it owns)
             finally:
