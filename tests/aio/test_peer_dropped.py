@@ -46,7 +46,9 @@ async def _open_dropped(port: int, streams: int | str) -> weakref.ref[Peer]:
 @pytest.mark.parametrize("streams", [4, "auto"])
 async def test_a_dropped_peer_is_collected_aborted_and_warned_about(streams: int | str) -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        with pytest.warns(ResourceWarning, match=rf"unclosed kvwire Peer to 127\.0\.0\.1:{server.port}"):
+        with pytest.warns(
+            ResourceWarning, match=rf"unclosed kvwire Peer to 127\.0\.0\.1:{server.port}"
+        ):
             ref = await _open_dropped(server.port, streams)
             assert server.statistics()["connections"] >= 1
             gc.collect()
@@ -73,39 +75,11 @@ async def test_a_closed_peer_warns_of_nothing() -> None:
             assert ref() is None
 
 
-async def test_a_peer_with_a_send_under_way_is_not_collected() -> None:
-    spec = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16")
-    layer = np.ones((16, 2, 64), np.float16)
-    release = asyncio.Event()
-
-    async def layers():  # type: ignore[no-untyped-def]
-        yield layer, layer
-        await release.wait()  # the send waits here, its peer otherwise dropped
-        yield layer, layer
-
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        peer = kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=2)
-        await peer.__aenter__()
-        ref = weakref.ref(peer)
-        sending = asyncio.ensure_future(peer.send("r1", spec, layers()))
-        del peer
-        await asyncio.sleep(0.05)
-        gc.collect()
-        assert ref() is not None
-        with pytest.warns(ResourceWarning, match="unclosed kvwire Peer"):
-            release.set()
-            receipt = await asyncio.wait_for(sending, 30)  # (its end lets the peer go)
-            del sending
-            gc.collect()
-            assert ref() is None
-        assert receipt.request_id == "r1"
-        stats = await _connections_gone(server)
-        assert stats["connections"] == 0
-
-
 async def test_a_dropped_peer_whose_dropped_send_waits_on_the_server_is_not_collected() -> None:
     """Nobody holds the peer nor its send's task (which waits on the peer for the server's
-    acknowledgements): the send still goes on to its end, and then the peer is collected."""
+    acknowledgements): the send still goes on to its end, and then the peer is collected.
+    (The task is held only weakly: a task the test held would hold the peer in its frame,
+    and the peer's hold while it sends would go untested.)"""
     spec = kvwire.KVSpec(num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16")
     layer = np.ones((4096, 8, 128), np.float16)  # 32 MiB in all: more than the sockets buffer
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
@@ -179,9 +153,21 @@ async def test_a_peer_collected_after_its_loop_closed_closes_its_connections(tls
                 stats = await _connections_gone(server)
                 gc.collect()  # whatever of its connections the first collection left
             assert stats["connections"] == 0
-            assert [str(w.message) for w in caught if w.category is ResourceWarning
-                    and "unclosed kvwire Peer" not in str(w.message)] == []
-            assert len([w for w in caught if w.category is ResourceWarning
-                        and f"unclosed kvwire Peer to 127.0.0.1:{server.port}" in str(w.message)]) == 1
+            assert [
+                str(w.message)
+                for w in caught
+                if w.category is ResourceWarning and "unclosed kvwire Peer" not in str(w.message)
+            ] == []
+            assert (
+                len(
+                    [
+                        w
+                        for w in caught
+                        if w.category is ResourceWarning
+                        and f"unclosed kvwire Peer to 127.0.0.1:{server.port}" in str(w.message)
+                    ]
+                )
+                == 1
+            )
     finally:
         gc.enable()
