@@ -70,3 +70,28 @@ async def test_a_closed_server_lists_none() -> None:
     finally:
         await server.close()
     assert server.unclaimed_request_ids() == []
+
+
+async def test_a_server_closing_lists_none_before_it_dropped_what_arrived() -> None:
+    """close() under way (here: as it stops listening, before it fails and drops the
+    transfers that arrived) lists none: nothing hands them out any more."""
+    server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
+    await server.start()
+    seen: list[list[str]] = []
+    try:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            await send_whole(peer, "left")
+            assert server.unclaimed_request_ids() == ["left"]
+            listener = server._servers[0]
+            real_close = listener.close
+
+            def close() -> None:
+                seen.append(server.unclaimed_request_ids())
+                real_close()
+
+            listener.close = close  # type: ignore[method-assign]
+            await server.close()
+    finally:
+        await server.close()
+    assert seen == [[]]
+    assert server.unclaimed_request_ids() == []
