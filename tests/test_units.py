@@ -60,8 +60,17 @@ def test_parse_rate_rejects(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("20ms", 0.02), ("1.5s", 1.5), ("500us", 500e-6), ("2", 2.0), ("2min", 120.0),
-     ("1h", 3600.0), ("20 ms", 0.02), ("0", 0.0), ("750ns", 750e-9)],
+    [
+        ("20ms", 0.02),
+        ("1.5s", 1.5),
+        ("500us", 500e-6),
+        ("2", 2.0),
+        ("2min", 120.0),
+        ("1h", 3600.0),
+        ("20 ms", 0.02),
+        ("0", 0.0),
+        ("750ns", 750e-9),
+    ],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)
@@ -80,8 +89,15 @@ def test_parse_duration_rejects(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("text", "n"),
-    [("4096", 4096), ("1GiB", 1 << 30), ("128MiB", 128 << 20), ("64 KiB", 65536),
-     ("1GB", 10**9), ("1.5KiB", 1536), ("10B", 10)],
+    [
+        ("4096", 4096),
+        ("1GiB", 1 << 30),
+        ("128MiB", 128 << 20),
+        ("64 KiB", 65536),
+        ("1GB", 10**9),
+        ("1.5KiB", 1536),
+        ("10B", 10),
+    ],
 )
 def test_parse_size(text: str, n: int) -> None:
     assert parse_size(text) == n
@@ -142,6 +158,7 @@ def test_argument_type_turns_usage_error_into_argparse_error() -> None:
 positive = st.floats(min_value=1e-3, max_value=1e15, allow_nan=False, allow_infinity=False)
 
 
+@settings(deadline=None)
 @given(positive)
 def test_rate_round_trip(bps: float) -> None:
     text = format_rate(bps)
@@ -149,6 +166,7 @@ def test_rate_round_trip(bps: float) -> None:
     assert format_rate(parse_rate(text)) == text
 
 
+@settings(deadline=None)
 @given(st.floats(min_value=1e-9, max_value=1e6, allow_nan=False))
 def test_duration_round_trip(seconds: float) -> None:
     text = format_duration(seconds)
@@ -156,7 +174,7 @@ def test_duration_round_trip(seconds: float) -> None:
     assert format_duration(parse_duration(text)) == text
 
 
-@settings(max_examples=500)
+@settings(max_examples=500, deadline=None)
 @given(st.integers(min_value=0, max_value=1 << 50))
 def test_size_round_trip(n: int) -> None:
     text = format_size(n)
@@ -165,9 +183,11 @@ def test_size_round_trip(n: int) -> None:
     assert format_size(parse_size(text)) == text
 
 
+@settings(deadline=None)
 @given(
-    st.dictionaries(st.integers(min_value=1, max_value=9999), positive.filter(lambda r: r >= 1e3),
-                    max_size=5),
+    st.dictionaries(
+        st.integers(min_value=1, max_value=9999), positive.filter(lambda r: r >= 1e3), max_size=5
+    ),
     st.floats(min_value=1e3, max_value=1e13),
 )
 def test_schedule_round_trip(later: dict[int, float], first_rate: float) -> None:
@@ -181,6 +201,7 @@ def test_schedule_round_trip(later: dict[int, float], first_rate: float) -> None
     assert format_schedule(parsed) == text
 
 
+@settings(deadline=None)
 @given(st.text(max_size=20))
 def test_parsers_raise_only_usage_error(text: str) -> None:
     for parse in (parse_rate, parse_duration, parse_size, parse_schedule):
@@ -188,8 +209,11 @@ def test_parsers_raise_only_usage_error(text: str) -> None:
             parse(text)
 
 
-@given(st.integers(-10**6, 10**6), st.integers(-5, 5))
-def test_whole_number_accepts_exactly_the_integers_at_or_above_the_minimum(value: int, minimum: int) -> None:
+@settings(deadline=None)
+@given(st.integers(-(10**6), 10**6), st.integers(-5, 5))
+def test_whole_number_accepts_exactly_the_integers_at_or_above_the_minimum(
+    value: int, minimum: int
+) -> None:
     if value >= minimum:
         assert whole_number(str(value), minimum=minimum) == value
     else:
@@ -197,7 +221,8 @@ def test_whole_number_accepts_exactly_the_integers_at_or_above_the_minimum(value
             whole_number(str(value), minimum=minimum)
 
 
-@given(st.integers(-10**6, 10**6), st.integers(0, 1000))
+@settings(deadline=None)
+@given(st.integers(-(10**6), 10**6), st.integers(0, 1000))
 def test_whole_number_refuses_what_is_above_the_maximum(value: int, maximum: int) -> None:
     if 0 <= value <= maximum:
         assert whole_number(str(value), minimum=0, maximum=maximum) == value
@@ -224,6 +249,7 @@ def test_whole_number_refuses_what_is_not_a_whole_number(text: str) -> None:
         whole_number(text)
 
 
+@settings(deadline=None)
 @given(st.floats(allow_nan=True, allow_infinity=True), st.booleans())
 def test_number_keeps_finite_values_of_the_right_sign(value: float, strict: bool) -> None:
     ok = (value > 0 if strict else value >= 0) and value != float("inf")
@@ -247,6 +273,7 @@ def test_positive_wraps_a_unit_parser() -> None:
 # -- HOST:PORT ----------------------------------------------------------------------------------
 
 
+@settings(deadline=None)
 @given(st.ip_addresses(v=6), st.integers(0, 65535))
 def test_an_ipv6_host_in_brackets_splits_from_its_port(address: Any, port: int) -> None:
     assert split_hostport(f"[{address}]:{port}") == (str(address), str(port))
@@ -254,13 +281,26 @@ def test_an_ipv6_host_in_brackets_splits_from_its_port(address: Any, port: int) 
         split_hostport(f"{address}:{port}")  # (where would the host end?)
 
 
+@settings(deadline=None)
 @given(st.ip_addresses(v=4), st.integers(0, 65535))
 def test_an_ipv4_host_splits_from_its_port(address: Any, port: int) -> None:
     assert split_hostport(f"{address}:{port}") == (str(address), str(port))
 
 
-@pytest.mark.parametrize("text", ["decode-host", ":7070", "[::1]", "[::1]7070", "[decode-host]:7070",
-                                  "[1.2.3.4]:7070", "::1", "fe80::1:7070", "[::1:7070"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "decode-host",
+        ":7070",
+        "[::1]",
+        "[::1]7070",
+        "[decode-host]:7070",
+        "[1.2.3.4]:7070",
+        "::1",
+        "fe80::1:7070",
+        "[::1:7070",
+    ],
+)
 def test_what_is_not_host_and_port_is_refused(text: str) -> None:
     with pytest.raises(ValueError, match="is not HOST:PORT"):
         split_hostport(text)
