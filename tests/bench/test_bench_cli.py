@@ -17,15 +17,24 @@ import pytest
 import kvwire
 from kvwire.cli import build_parser, main
 
-pytestmark = pytest.mark.timeout(120)
+# Generous: a loaded host (two suites at once on two cores) starts three processes slowly.
+pytestmark = pytest.mark.timeout(300)
 
 INTERVAL_LINE = re.compile(r"^\[\s*\d+\.\d-\s*\d+\.\d s\]  sent .* [kMG]?bit/s", re.MULTILINE)
 
 
-def _kvwire(*argv: str, timeout: float = 90, env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _kvwire(
+    *argv: str, timeout: float = 240, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"} | (env_extra or {})
-    return subprocess.run([sys.executable, "-m", "kvwire", *argv], capture_output=True,
-                          text=True, timeout=timeout, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "kvwire", *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
 
 
 def _counts_dsack_dups() -> bool:
@@ -40,9 +49,31 @@ def _counts_dsack_dups() -> bool:
 
 
 def test_json_to_stdout_interval_lines_and_what_auto_chose() -> None:
-    proc = _kvwire("bench", "--model", "tiny", "--tokens", "128", "--duration", "2s",
-                   "--link", "400mbps", "--rtt", "2ms", "--codec", "auto", "--streams", "auto",
-                   "--chunk-size", "64KiB", "--seed", "5", "--interval", "0.5s", "--json", "-")
+    proc = _kvwire(
+        "bench",
+        "--model",
+        "tiny",
+        "--tokens",
+        "128",
+        "--duration",
+        "2s",
+        "--link",
+        "400mbps",
+        "--rtt",
+        "2ms",
+        "--codec",
+        "auto",
+        "--streams",
+        "auto",
+        "--chunk-size",
+        "64KiB",
+        "--seed",
+        "5",
+        "--interval",
+        "0.5s",
+        "--json",
+        "-",
+    )
     assert proc.returncode == 0, proc.stderr
     doc: dict[str, Any] = json.loads(proc.stdout)  # stdout holds the report and nothing else
     # Not a terminal: one report line per interval on stderr, the table after them.
@@ -64,8 +95,19 @@ def test_json_to_stdout_interval_lines_and_what_auto_chose() -> None:
     # Per-interval samples and the resource figures.
     assert len(doc["intervals"]) >= 2
     iv = doc["intervals"][0]
-    assert {"start", "end", "sent_gbps", "wire_gbps", "estimated_gbps", "link_gbps", "streams",
-            "retransmits", "sender_cpu", "chunks_by_codec", "transfers"} <= set(iv)
+    assert {
+        "start",
+        "end",
+        "sent_gbps",
+        "wire_gbps",
+        "estimated_gbps",
+        "link_gbps",
+        "streams",
+        "retransmits",
+        "sender_cpu",
+        "chunks_by_codec",
+        "transfers",
+    } <= set(iv)
     assert sum(i["transfers"] for i in doc["intervals"]) == doc["transfers"]
     cpu = doc["cpu"]
     for side in ("sender", "receiver", "emulator"):
@@ -82,8 +124,19 @@ def test_json_to_stdout_interval_lines_and_what_auto_chose() -> None:
 
 def test_quiet_prints_nothing_and_writes_the_file(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
-    proc = _kvwire("bench", "--model", "tiny", "--tokens", "32", "--duration", "0.5",
-                   "--no-baseline", "--quiet", "--json", str(out))
+    proc = _kvwire(
+        "bench",
+        "--model",
+        "tiny",
+        "--tokens",
+        "32",
+        "--duration",
+        "0.5",
+        "--no-baseline",
+        "--quiet",
+        "--json",
+        str(out),
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "" and proc.stderr == ""
     assert json.loads(out.read_text())["mode"] == "loopback"
@@ -93,8 +146,9 @@ def test_quiet_prints_nothing_and_writes_the_file(tmp_path: Path) -> None:
 @pytest.mark.parametrize("flag", ["--json", "--plot"])
 def test_unwritable_output_fails_before_the_run(tmp_path: Path, flag: str) -> None:
     target = tmp_path / "missing-dir" / ("r.json" if flag == "--json" else "p.png")
-    proc = _kvwire("bench", "--model", "tiny", "--tokens", "32", "--duration", "30", flag,
-                   str(target))
+    proc = _kvwire(
+        "bench", "--model", "tiny", "--tokens", "32", "--duration", "30", flag, str(target)
+    )
     assert proc.returncode == 2
     assert f"kvwire bench: error: {flag}" in proc.stderr and "no such directory" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -135,8 +189,11 @@ def test_every_option_has_help(command: str) -> None:
 
 
 def test_arguments_that_would_crash_or_hang_a_run_are_refused() -> None:
-    for argv, says in ((["--seed", "-1"], "--seed must be >= 0"), (["--interval", "1ns"], "--interval must be at least")):
-        proc = _kvwire("bench", "--model", "tiny", "--duration", "1s", *argv, timeout=60)
+    for argv, says in (
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--interval", "1ns"], "--interval must be at least"),
+    ):
+        proc = _kvwire("bench", "--model", "tiny", "--duration", "1s", *argv)
         assert proc.returncode == 2, (argv, proc.stderr)
         assert says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
 
@@ -177,9 +234,16 @@ def test_json_keeps_the_files_mode_and_writes_through_a_link(tmp_path: Path) -> 
         check_output_path(str(path), "--json")
     _write_atomic(str(link), "[4]")
     _write_atomic(str(dangling), "[5]")
-    assert link.is_symlink() and target.read_text() == "[4]" and (target.stat().st_mode & 0o777) == 0o644
+    assert (
+        link.is_symlink()
+        and target.read_text() == "[4]"
+        and (target.stat().st_mode & 0o777) == 0o644
+    )
     assert dangling.is_symlink() and (elsewhere / "made.json").read_text() == "[5]"
-    assert sorted(p.name for p in elsewhere.iterdir()) == ["made.json", "target.json"]  # no temporary
+    assert sorted(p.name for p in elsewhere.iterdir()) == [
+        "made.json",
+        "target.json",
+    ]  # no temporary
 
 
 def test_json_into_a_pipe(tmp_path: Path) -> None:
@@ -192,8 +256,19 @@ def test_json_into_a_pipe(tmp_path: Path) -> None:
     got: list[str] = []
     reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
     reader.start()
-    proc = _kvwire("bench", "--model", "tiny", "--tokens", "64", "--duration", "1s", "--no-baseline",
-                   "--quiet", "--json", str(fifo))
+    proc = _kvwire(
+        "bench",
+        "--model",
+        "tiny",
+        "--tokens",
+        "64",
+        "--duration",
+        "1s",
+        "--no-baseline",
+        "--quiet",
+        "--json",
+        str(fifo),
+    )
     reader.join(30)
     assert proc.returncode == 0, proc.stderr
     assert fifo.is_fifo() and json.loads(got[0])["transfers"] >= 1
@@ -203,18 +278,89 @@ def test_json_to_a_closed_stdout_fails_in_one_line() -> None:
     """``kvwire bench --json - | true``: the reader is gone when the report comes; one
     line and exit code 1, not a BrokenPipeError traceback."""
     env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
-    with subprocess.Popen([sys.executable, "-m", "kvwire", "bench", "--model", "tiny", "--tokens", "64",
-                           "--duration", "1s", "--no-baseline", "--json", "-"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as proc:
+    with subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvwire",
+            "bench",
+            "--model",
+            "tiny",
+            "--tokens",
+            "64",
+            "--duration",
+            "1s",
+            "--no-baseline",
+            "--json",
+            "-",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as proc:
         assert proc.stdout is not None and proc.stderr is not None
         proc.stdout.close()  # before the report: the run takes a second and more
         err = proc.stderr.read()
-        assert proc.wait(60) == 1
+        assert proc.wait(240) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
     assert "kvwire bench: error: stdout was closed before the report (--json -) was written" in err
 
 
-@pytest.mark.parametrize(("signame", "code", "says"), [("SIGTERM", 143, "terminated"), ("SIGHUP", 129, "hangup")])
+#: ``python -m kvwire`` with SIGHUP's disposition (argv[1]: SIG_DFL or SIG_IGN) and SIGTERM's
+#: default one, whatever those of the test run are (one started under ``nohup`` ignores
+#: SIGHUP, and so would the bench it starts: kvwire leaves an ignored SIGHUP ignored).
+_LAUNCH = (
+    "import runpy, signal, sys; "
+    "signal.signal(signal.SIGHUP, getattr(signal, sys.argv.pop(1))); "
+    "signal.signal(signal.SIGTERM, signal.SIG_DFL); "
+    "runpy.run_module('kvwire', run_name='__main__', alter_sys=True)"
+)
+
+
+def _start_unbounded_run(sighup: str = "SIG_DFL") -> subprocess.Popen[str]:
+    """A bench on an emulated link (a receiver and an emulator process) that would run
+    for an hour: only a signal ends it in a test."""
+    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            _LAUNCH,
+            sighup,
+            "bench",
+            "--model",
+            "tiny",
+            "--tokens",
+            "256",
+            "--duration",
+            "1h",
+            "--link",
+            "1gbps",
+            "--interval",
+            "0.5s",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _wait_for_transfers(proc: subprocess.Popen[str]) -> list[str]:
+    """The run's stderr up to its first interval report: its transfer loop runs."""
+    assert proc.stderr is not None
+    lines: list[str] = []
+    for line in proc.stderr:
+        lines.append(line)
+        if INTERVAL_LINE.match(line):
+            return lines
+    raise AssertionError(f"the run ended before its first interval report: {''.join(lines)}")
+
+
+@pytest.mark.parametrize(
+    ("signame", "code", "says"), [("SIGTERM", 143, "terminated"), ("SIGHUP", 129, "hangup")]
+)
 def test_sigterm_ends_the_run_and_its_processes(signame: str, code: int, says: str) -> None:
     """A run ended by SIGTERM (a supervisor stopping it) or SIGHUP (its terminal closed)
     cleans up as for Ctrl-C: its child processes end with it, and it exits 128 + the
@@ -222,28 +368,54 @@ def test_sigterm_ends_the_run_and_its_processes(signame: str, code: int, says: s
     import signal
     import time
 
-    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
-    with subprocess.Popen([sys.executable, "-m", "kvwire", "bench", "--model", "tiny", "--tokens", "256",
-                           "--duration", "20s", "--link", "1gbps"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env) as proc:
+    with _start_unbounded_run() as proc:
         children: set[int] = set()
         try:
-            deadline = time.monotonic() + 60
-            while len(children) < 2 and time.monotonic() < deadline:  # the receiver and the emulator
-                time.sleep(0.2)
-                children = _children(proc.pid)
-            assert len(children) >= 2
+            _wait_for_transfers(proc)
+            children = _children(proc.pid)
+            assert (
+                len(children) >= 2
+            )  # the receiver and the emulator (and multiprocessing's tracker)
             proc.send_signal(getattr(signal, signame))
-            assert proc.wait(30) == code
+            assert proc.wait(90) == code
             assert proc.stderr is not None and says in proc.stderr.read()
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # (a bound on a wait, not a measure)
     while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(pid) for pid in children)
+
+
+def test_a_sighup_the_process_ignores_stays_ignored() -> None:
+    """Started with SIGHUP ignored (``nohup kvwire bench``), the run keeps it ignored: a
+    SIGHUP is lost on it (a SIGTERM after it ends the run, as SIGTERM)."""
+    import signal
+
+    with _start_unbounded_run("SIG_IGN") as proc:
+        try:
+            _wait_for_transfers(proc)
+            assert _ignores(proc.pid, signal.SIGHUP) and not _ignores(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGHUP)  # (discarded as it is sent: ignored)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(90) == 143
+            assert proc.stderr is not None
+            rest = proc.stderr.read()
+            assert "terminated" in rest and "hangup" not in rest
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _ignores(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` ignores ``signum`` (its SigIgn mask in /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    raise AssertionError("no SigIgn in /proc/PID/status")
 
 
 def _children(pid: int) -> set[int]:
@@ -270,7 +442,8 @@ def test_an_error_without_text_is_named(capsys: pytest.CaptureFixture[str]) -> N
     assert _fail("bench", ConnectionLostError(""), 1) == 1
     assert _fail("serve", TimeoutError(), 1) == 1
     assert capsys.readouterr().err.splitlines() == [
-        "kvwire bench: error: ConnectionLostError", "kvwire serve: error: TimeoutError",
+        "kvwire bench: error: ConnectionLostError",
+        "kvwire serve: error: TimeoutError",
     ]
 
 
@@ -278,13 +451,38 @@ def test_a_run_on_pure_python_code_says_so() -> None:
     """An infrastructure engineer measuring a link should know when the figures are those of
     the pure-Python code (no compiler at install time): the summary says which parts, the
     JSON lists them."""
-    proc = _kvwire("bench", "--model", "tiny", "--tokens", "32", "--duration", "0.5", "--no-baseline",
-                   "--json", "-", env_extra={"KVWIRE_NO_EXTENSIONS": "1"})
+    proc = _kvwire(
+        "bench",
+        "--model",
+        "tiny",
+        "--tokens",
+        "32",
+        "--duration",
+        "0.5",
+        "--no-baseline",
+        "--json",
+        "-",
+        env_extra={"KVWIRE_NO_EXTENSIONS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "runs pure-Python code for crc32c, host_codec, send_queue" in proc.stderr
     doc = json.loads(proc.stdout)
-    assert doc["start"]["host"]["extensions"] == {"crc32c": None, "host_codec": None, "send_queue": None}
-    compiled = _kvwire("bench", "--model", "tiny", "--tokens", "32", "--duration", "0.5", "--no-baseline",
-                       "--json", "-")
+    assert doc["start"]["host"]["extensions"] == {
+        "crc32c": None,
+        "host_codec": None,
+        "send_queue": None,
+    }
+    compiled = _kvwire(
+        "bench",
+        "--model",
+        "tiny",
+        "--tokens",
+        "32",
+        "--duration",
+        "0.5",
+        "--no-baseline",
+        "--json",
+        "-",
+    )
     assert compiled.returncode == 0, compiled.stderr
     assert "pure-Python" not in compiled.stderr or None in kvwire.extensions().values()
