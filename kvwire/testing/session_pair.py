@@ -104,6 +104,9 @@ class SessionPair:
         self.max_buffered = 0
         self.max_layers_buffered = 0
         """The most bytes the receiver held in layers (its buffered_bytes less kept_bytes)."""
+        self.max_layers_committed = 0
+        """The most bytes of layers the receiver held or had granted and not yet allocated
+        (its reserved_bytes): what its grants promise never exceeds its budget."""
         self._requests: dict[tuple[bytes, int], str] = {}
         self._orphans: list[_Link] = []
         self.claim = True
@@ -158,8 +161,9 @@ class SessionPair:
         self._orphans = [x for x in self._orphans if not x.closed]
         progressed |= self._application()
         self.max_buffered = max(self.max_buffered, self.receiver.buffered_bytes)
-        self.max_layers_buffered = max(self.max_layers_buffered,
-                                       self.receiver.buffered_bytes - self.receiver.kept_bytes)
+        held = self.receiver.buffered_bytes - self.receiver.kept_bytes
+        self.max_layers_buffered = max(self.max_layers_buffered, held)
+        self.max_layers_committed = max(self.max_layers_committed, held + self.receiver.reserved_bytes)
         return progressed
 
     def _application(self) -> bool:

@@ -5,7 +5,8 @@ anywhere, black holes, allocation failures and receiver restarts.
 Invariants, whatever the faults:
 - a Receipt (TransferDone) implies the receiving application took exactly the bytes sent;
 - every transfer ends, done or with a typed error, within its deadline in fake time;
-- the receiver's layers never exceed its budget (what it keeps besides, an eighth past it).
+- the receiver's layers, held or granted, never exceed its budget (what it keeps besides, an
+  eighth past it).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def check_invariants(pair: SessionPair, sent: dict[int, tuple[str, list[tuple[by
         else:
             assert isinstance(outcome.error, KvwireError)
     assert pair.max_layers_buffered <= budget  # layers alone within it; the rest an eighth past it at most
+    assert pair.max_layers_committed <= budget  # and with the layers granted, not yet begun
     assert pair.max_buffered <= budget + max(budget // 8, KEPT_ROOM_MIN)
 
 
