@@ -18,7 +18,9 @@ application takes the layer or the transfer ends; so is what BEGIN makes the ser
 (prefix blocks and meta, :func:`begin_footprint`), until the last layer is taken.  Layers
 granted past a transfer's first are reserved in that budget from the grant until they are
 allocated, and granted only within the room left (docs/protocol.md 8.2): transfers that
-together want more than it wait for credit, in the order they began waiting.  A chunk
+together want more than it wait for credit (a layer taken gives its room back to its own
+transfer; room freed otherwise goes to those waiting, in the order they began waiting), and
+an eighth of the budget is kept from windows for the first layers of transfers to come.  A chunk
 counts as received only after its bytes are in place.  Raw payloads may be read straight
 into their layer (the payload sink of each connection): that happens before the frame's
 CRC is checked, so it changes no transfer state; only the verified chunk does.
@@ -86,6 +88,11 @@ from kvwire.wire.transfer import RANGE_BYTES, kinds_overlap, split_kv
 #: besides their layers (prefix block lists, meta, token ranges): an eighth of the budget,
 #: at least this (8192 ranges), so a small budget filled by layers still takes chunks.
 KEPT_ROOM_MIN = 1 << 20
+#: Windows are granted into max_buffer_bytes less this share of it (max_buffer_bytes //
+#: FIRST_LAYER_SHARE), kept for the first layers of transfers to come: ACCEPT grants a
+#: transfer's first layer before its size is known, so it is never reserved, and a first
+#: layer that finds no room fails its transfer (docs/protocol.md 8.2).
+FIRST_LAYER_SHARE = 8
 
 #: Failed transfers a session remembers why (see _Session.tombstones): each its RESET's
 #: code and text, so at most about WIRE_TEXT_LIMIT * 4 + 200 bytes apiece.
@@ -790,9 +797,9 @@ class ReceiverCore:
             self._regrant()
 
     def pop_layer(self, key: Key, layer: int) -> Any:
-        """A complete layer's buffer, handed over: its memory leaves the budget, the
-        transfers waiting for room get it first, and then the sender gets credit for one
-        more layer, as the room left allows."""
+        """A complete layer's buffer, handed over: its memory leaves the budget, and the
+        sender gets credit for one more layer in the room it leaves (the transfer keeps the
+        window it has); room past that goes to the transfers waiting for it first."""
         t = self._transfer(key)
         if t is None or t.error is not None or layer not in t.buffers:
             raise ConnectionLostError("no such transfer or layer")
@@ -811,8 +818,13 @@ class ReceiverCore:
             self._release_all(t)
             self._regrant()
         else:
-            # The room its layer leaves goes to those waiting first, oldest first (it among
-            # them, in its place, if it waits); then one more layer of its own window.
+            # The room its layer leaves is its own first (even within the share kept for
+            # first layers): a transfer whose application takes its layers keeps the window
+            # it has, so it always goes on.  Room past that goes to those waiting, oldest
+            # first (it among them, in its place, if it waits), then to it.
+            want = min(t.taken + t.window, t.begin.num_layers)
+            if t.layer_cost and want > t.state.layer_limit and self._room() >= t.layer_cost:
+                self._grant(t, t.state.layer_limit + 1)
             self._regrant()
             if t.key not in self._waiting:
                 self._offer(t)
@@ -1333,18 +1345,24 @@ class ReceiverCore:
         """Budget bytes no layer holds or is granted."""
         return self.config.max_buffer_bytes - (self.buffered_bytes - self.kept_bytes) - self.reserved_bytes
 
+    def _window_room(self) -> int:
+        """Room windows are granted into: the room left less the share kept for first
+        layers (:data:`FIRST_LAYER_SHARE`)."""
+        return self._room() - self.config.max_buffer_bytes // FIRST_LAYER_SHARE
+
     def _offer(self, t: _Incoming) -> None:
         """Grant ``t`` its window, ``taken + W`` layers, as far as the room left holds it:
         ``taken + min(W, layers it holds or has reserved + whole layers that fit in the
-        room)`` (never less than it has: a limit does not decrease).  Short of its window,
-        it waits among :attr:`_waiting` (its sender waits for credit) until room frees."""
+        room for windows)`` (never less than it has: a limit does not decrease).  Short of
+        its window, it waits among :attr:`_waiting` (its sender waits for credit) until
+        room frees."""
         want = min(t.taken + t.window, t.begin.num_layers)
         limit = t.state.layer_limit
         if want > limit:
             if t.external or not t.layer_cost:
                 self._grant(t, want)
             else:
-                self._grant(t, min(want, limit + max(0, self._room()) // t.layer_cost))
+                self._grant(t, min(want, limit + max(0, self._window_room()) // t.layer_cost))
         if want <= t.state.layer_limit:
             self._waiting.pop(t.key, None)
         elif t.key not in self._waiting:
@@ -1355,7 +1373,7 @@ class ReceiverCore:
         """Room may have freed: the transfers waiting for it are offered it again, the one
         waiting longest first, each within what is left."""
         for key in list(self._waiting):
-            if self._room() <= 0:
+            if self._window_room() <= 0:
                 return
             t = self._live.get(key)
             if t is None or t.error is not None:

@@ -1,8 +1,10 @@
 """Layer credit within the server's buffer budget (docs/protocol.md 8.2): the layers a
 server grants past a transfer's first are reserved in ``max_buffer_bytes`` until they are
 allocated, so transfers that together want more than the budget wait for credit (their
-senders slow down) instead of failing with LIMIT_EXCEEDED; room that frees goes to the
-transfers waiting, the one waiting longest first.  In fake time, through the receiver
+senders slow down) instead of failing with LIMIT_EXCEEDED.  Windows are granted into the
+budget less an eighth, kept for first layers (not reserved: their size is unknown until
+they arrive); a layer taken gives its room back to its own transfer, and room that frees
+otherwise goes to the transfers waiting, the one waiting longest first.  In fake time, through the receiver
 core alone (the client a wire connection that keeps to its credit)."""
 
 from __future__ import annotations
@@ -107,74 +109,84 @@ def test_two_transfers_over_the_budget_both_complete_as_the_application_takes_la
     assert h.core.counters["buffer_budget_refusals"] == 0
 
 
-def test_room_that_frees_goes_to_the_transfer_waiting_longest_and_no_credit_goes_past_it() -> None:
-    h = harness(4, 3)
+def test_a_layer_taken_gives_its_room_back_to_its_own_transfer_and_no_credit_goes_past_the_room() -> None:
+    """A budget of 8 layers, an eighth of it (one layer) kept from windows for first layers:
+    transfer 1 is granted its window of 5, transfer 2 what is left for windows (one layer
+    past its first) and waits.  A layer transfer 1's application takes gives its room back
+    to transfer 1 (it keeps its window; so the transfer an application reads always goes
+    on), and no credit goes past the room."""
+    h = harness(8, 5)
     begin_all(h, 8, 1, 2)
     send_layer(h, 1, 0)
     send_layer(h, 2, 0)
-    assert (limit(h, 1), limit(h, 2)) == (3, 1) and credits(h, 2) == []  # 2 waits: no room past 4
-    send_layer(h, 1, 1)
-    send_layer(h, 1, 2)
-    assert h.core.buffered_bytes - h.core.kept_bytes == 4 * LAYER and h.core.reserved_bytes == 0
-    # Transfer 1's layer 0 taken: its room goes to transfer 2, which waited for it, not
-    # back to transfer 1 (which now waits too, behind it).
+    assert (limit(h, 1), limit(h, 2)) == (5, 2) and credits(h, 2) == [2]
+    assert h.core.waiting_for_room == 1 and h.core.counters["credit_waits"] == 1
+    for layer in (1, 2, 3, 4):
+        send_layer(h, 1, layer)
     take(h, 1, 0)
-    assert credits(h, 2) == [2] and credits(h, 1) == [3]
-    assert h.core.waiting_for_room == 2 and h.core.counters["credit_waits"] == 2
-    send_layer(h, 2, 1)
-    take(h, 1, 1)  # transfer 2 waited longest: it gets this layer too, and has its window
-    assert credits(h, 2) == [2, 3] and credits(h, 1) == [3]
+    assert credits(h, 1) == [5, 6] and credits(h, 2) == [2]  # its own room, not transfer 2's
     assert h.core.waiting_for_room == 1
-    take(h, 2, 0)  # now transfer 1, the one waiting
-    assert credits(h, 1) == [3, 4] and credits(h, 2) == [2, 3]
-    # (each wants one layer more, with the four the budget holds held or granted)
-    assert h.core.waiting_for_room == 2 and not h.of(TransferFailed)
+    take(h, 2, 0)  # transfer 2's own layer: its room is its own too
+    assert credits(h, 2) == [2, 3] and h.core.waiting_for_room == 1 and not h.of(TransferFailed)
+
+
+def test_room_a_transfer_that_ends_leaves_goes_to_the_transfers_waiting_the_longest_first() -> None:
+    h = harness(8, 5)
+    begin_all(h, 8, 1, 2, 3)
+    send_layer(h, 1, 0)
+    send_layer(h, 2, 0)
+    send_layer(h, 3, 0)  # its first layer fits in the eighth kept for first layers
+    assert (limit(h, 1), limit(h, 2), limit(h, 3)) == (5, 2, 1)
+    assert h.core.waiting_for_room == 2
+    h.core.abort(key(h, 1), "given up", h.now)  # its five layers' room: 2 first, then 3
+    h.pump()
+    within_budget(h)
+    assert (limit(h, 2), limit(h, 3)) == (5, 2) and h.core.waiting_for_room == 1
 
 
 def test_a_transfer_that_fails_or_is_received_into_a_destination_gives_its_granted_room_to_those_waiting() -> None:
-    h = harness(4, 3)
-    begin_all(h, 8, 1, 2)
-    send_layer(h, 1, 0)
-    send_layer(h, 2, 0)
-    assert (limit(h, 1), limit(h, 2)) == (3, 1)
-    # Transfer 1 is received into the application's memory from now on: its two layers
-    # granted and not begun no longer count, and transfer 2 gets them.
-    h.core.attach(key(h, 1))
-    h.pump()
-    within_budget(h)
-    assert limit(h, 1) == 8 and limit(h, 2) == 3  # (its window: 3 layers)
-    assert h.core.waiting_for_room == 0
-    # Or it fails (aborted by the application): the same.
-    h2 = harness(4, 3)
-    begin_all(h2, 8, 1, 2)
-    send_layer(h2, 1, 0)
-    send_layer(h2, 2, 0)
-    h2.core.abort(key(h2, 1), "given up", h2.now)
-    h2.pump()
-    within_budget(h2)
-    assert limit(h2, 2) == 3 and h2.core.waiting_for_room == 0
+    for end in ("attach", "abort"):
+        h = harness(8, 5)
+        begin_all(h, 8, 1, 2)
+        send_layer(h, 1, 0)
+        send_layer(h, 2, 0)
+        assert (limit(h, 1), limit(h, 2)) == (5, 2)
+        if end == "attach":
+            # Received into the application's memory from now on: its layers granted and
+            # not begun no longer count, and transfer 2 gets them.
+            h.core.attach(key(h, 1))
+        else:
+            h.core.abort(key(h, 1), "given up", h.now)
+        h.pump()
+        within_budget(h)
+        assert limit(h, 2) == 5 and h.core.waiting_for_room == 0
+        if end == "attach":
+            assert limit(h, 1) == 8
 
 
 def test_a_first_layer_that_finds_the_budget_granted_away_fails_saying_what_to_do() -> None:
-    """ACCEPT grants layer 0 before its size is known, so it is not reserved: one that
-    finds the room held or granted to other transfers fails with LIMIT_EXCEEDED, whose
-    text says why and what the receiving side can do about it."""
-    h = harness(4, 4)
-    begin_all(h, 8, 1, 2)
+    """ACCEPT grants layer 0 before its size is known, so it is not reserved: windows are
+    granted into the budget less an eighth kept for first layers, and a first layer that
+    finds even that taken fails with LIMIT_EXCEEDED, whose text says why and what the
+    receiving side can do about it."""
+    h = harness(8, 8)
+    begin_all(h, 8, 1, 2, 3)
     send_layer(h, 1, 0)
-    assert limit(h, 1) == 4  # the whole budget
-    h.send(chunk(tid=2, layer=0, kind=0))
+    assert limit(h, 1) == 7  # its window, as far as the budget less the eighth goes
+    send_layer(h, 2, 0)  # the eighth kept: room for this one's first layer
+    assert limit(h, 2) == 1 and not h.of(TransferFailed)
+    h.send(chunk(tid=3, layer=0, kind=0))
     [failed] = h.of(TransferFailed)
-    assert failed.key[1] == 2 and failed.error.code == ErrorCode.LIMIT_EXCEEDED
+    assert failed.key[1] == 3 and failed.error.code == ErrorCode.LIMIT_EXCEEDED
     text = str(failed.error)
-    assert "taken by other transfers" in text and f"max_buffer_bytes={4 * LAYER}" in text
+    assert "taken by other transfers" in text and f"max_buffer_bytes={8 * LAYER}" in text
     for remedy in ("consume layers", "raise max_buffer_bytes", "lower transfer_buffer_bytes", "destination"):
         assert remedy in wire_text(text)  # (what the sender is told: the start of it)
     assert f"a first layer of {LAYER} bytes" in text
     assert h.core.counters["buffer_budget_refusals"] == 1
     within_budget(h)
     # Transfer 1 goes on: every layer it was granted finds its room.
-    for layer in (1, 2, 3):
+    for layer in range(1, 7):
         send_layer(h, 1, layer)
     assert len(h.of(TransferFailed)) == 1
 
@@ -183,21 +195,21 @@ def test_credit_given_while_no_stream_is_open_is_said_on_the_stream_that_rejoins
     """Room that frees while the session's only stream is broken raises a waiting
     transfer's limit with no stream to carry the CREDIT: the stream that resumes the
     session carries it (6.3), or its sender would wait for credit for ever."""
-    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=4 * LAYER, transfer_buffer_bytes=3 * LAYER,
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=8 * LAYER, transfer_buffer_bytes=5 * LAYER,
                                claim_timeout=None, resume_timeout=10.0))
     begin_all(h, 8, 1, 2)
     send_layer(h, 1, 0)
     send_layer(h, 2, 0)
-    send_layer(h, 1, 1)
-    send_layer(h, 1, 2)
-    assert (limit(h, 1), limit(h, 2)) == (3, 1)
+    for layer in (1, 2, 3, 4):
+        send_layer(h, 1, layer)
+    assert (limit(h, 1), limit(h, 2)) == (5, 2)
     sid = h.client.session_id
     a = key(h, 1)
     h.core.receive_data(1, b"", h.now)  # the connection broke
     h.core.forget(1)
-    h.core.pop_layer(a, 0)  # room for one layer: transfer 2's, which waited for it
+    h.core.pop_layer(a, 0)  # room for one layer: transfer 1's own, no stream to say it on
     within_budget(h)
-    assert h.core._live[key(h, 2)].state.layer_limit == 2
+    assert h.core._live[a].state.layer_limit == 6
     _, events = join(h.core, 2, h.now, session_id=sid)
     said = {(e.transfer_id, e.layer_limit) for e in events if isinstance(e, CreditGranted)}
-    assert (2, 2) in said and (1, 3) in said
+    assert (1, 6) in said and (2, 2) in said

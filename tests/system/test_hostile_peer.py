@@ -210,20 +210,25 @@ async def test_tiny_layers_count_as_the_memory_they_take() -> None:
     tiny = make_layers(spec.num_layers, 1, 1, 8, seed=3)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_buffer_bytes=1 << 20) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
-            # Nobody takes its layers: it stops at the 16 slabs the budget holds (its
-            # window is bounded by the budget, whatever transfer_buffer_bytes says) ...
+            # Nobody takes its layers: it stops at the 14 slabs its window may have (the
+            # budget's 16 less the eighth kept for first layers; bounded by the budget,
+            # whatever transfer_buffer_bytes says) ...
             first = asyncio.create_task(peer.send("tiny", spec, tiny, timeout=60))
             async with asyncio.timeout(30):
-                while server.statistics()["buffered_bytes"] < 16 * 64 * 1024:
+                while server.statistics()["buffered_bytes"] < 14 * 64 * 1024:
                     await asyncio.sleep(0.01)
             assert not first.done()
             assert server.statistics()["buffered_bytes"] <= (1 << 20) + (1 << 20)  # (and the room kept past it)
-            # ... and another transfer's layer finds no room.
-            with pytest.raises(kvwire.LimitExceededError):
-                await peer.send("tiny2", spec, tiny, timeout=10)
-            first.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await first
+            # ... two more transfers' first layers take the eighth, and a fourth's finds no room.
+            more = [asyncio.create_task(peer.send(f"tiny{i}", spec, tiny, timeout=60)) for i in (2, 3)]
+            assert await wait_until(lambda: server.statistics()["transfers_waiting_for_room"] == 3, 30)  # (and "tiny")
+            with pytest.raises(kvwire.LimitExceededError, match="taken by other transfers"):
+                await peer.send("tiny4", spec, tiny, timeout=10)
+            assert server.statistics()["buffered_bytes"] <= (1 << 20) + (1 << 20)
+            for task in (first, *more):
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
 
 
 async def test_server_wide_byte_budget_refuses_what_does_not_fit() -> None:
