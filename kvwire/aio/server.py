@@ -690,7 +690,10 @@ class Server(Pump):
         ``claim_timeout`` unclaimed), ``buffer_budget_refusals``, ``credit_waits``
         (times a transfer was granted less than its window of layers because the layers
         held and granted filled ``max_buffer_bytes``: its sender waits for credit until
-        the application takes layers or other transfers end), ``authentication_failures``,
+        the application takes layers or other transfers end), ``admission_waits``
+        (transfers whose ACCEPT waited for room for their first layer in
+        ``max_buffer_bytes``: their senders wait to start until layers are taken or other
+        transfers end), ``authentication_failures``,
         ``tls_handshake_failures`` (TLS handshakes that did not complete: failed, timed
         out, or the client closed the connection),
         ``resumes``, ``goaways_received`` and ``connections_dropped`` (closed other than
@@ -700,7 +703,8 @@ class Server(Pump):
         would hand out, ``failed_arrivals`` those of them that failed before anyone
         claimed them.  ``reserved_bytes`` counts the bytes of layers granted and not yet
         received (within ``max_buffer_bytes`` with ``buffered_bytes``' layers), and
-        ``transfers_waiting_for_room`` the transfers waiting for credit for want of room.
+        ``transfers_waiting_for_room`` the transfers waiting for credit for want of room,
+        ``transfers_waiting_to_start`` those admitted whose ACCEPT waits for room.
         ``sessions_by_version`` counts the open sessions by the wire protocol version they
         agreed (``{2: 3}``: three sessions, all of version 2; a
         client of an earlier kvwire speaks an earlier one, docs/protocol.md 5.4)."""
@@ -713,6 +717,7 @@ class Server(Pump):
             "buffered_bytes": self.core.buffered_bytes,
             "reserved_bytes": self.core.reserved_bytes,
             "transfers_waiting_for_room": self.core.waiting_for_room,
+            "transfers_waiting_to_start": self.core.waiting_to_start,
             **self.core.counters,
             "tls_handshake_failures": self._tls_failures,
         }

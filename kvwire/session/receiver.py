@@ -93,6 +93,12 @@ KEPT_ROOM_MIN = 1 << 20
 #: transfer's first layer before its size is known, so it is never reserved, and a first
 #: layer that finds no room fails its transfer (docs/protocol.md 8.2).
 FIRST_LAYER_SHARE = 8
+#: First layers a server remembers the footprint of, per layout and of any layout: a
+#: transfer is accepted once the room left holds the largest of them for its layout (of
+#: any layout if it has none), its first layer's estimate (see ReceiverCore._admit).
+RECENT_FIRST_LAYERS = 64
+#: Layouts whose recent first layers a server remembers (the least recently seen forgotten).
+LAYOUTS_REMEMBERED = 64
 
 #: Failed transfers a session remembers why (see _Session.tombstones): each its RESET's
 #: code and text, so at most about WIRE_TEXT_LIMIT * 4 + 200 bytes apiece.
@@ -107,7 +113,7 @@ COMPLETED_KEPT = 4096
 COUNTERS = (
     "transfers_accepted", "transfers_refused", "transfers_aborted", "transfers_aborted_by_peer",
     "transfers_unclaimed", "failed_arrivals_expired", "buffer_budget_refusals", "credit_waits",
-    "authentication_failures", "resumes", "goaways_received", "connections_dropped",
+    "authentication_failures", "resumes", "goaways_received", "connections_dropped", "admission_waits",
 )
 #: Size of the deadline heap at which it is first compacted (see ``_compact_timers``).
 TIMERS_COMPACT_MIN = 1024
@@ -535,6 +541,9 @@ class _Incoming:
     begin_cid: int | None = None  # the connection that carried BEGIN: ACCEPT goes there
     limit_cid: int | None = None  # the connection that carried its latest layer limit (ACCEPT, CREDIT)
     footprint: int = 0  # budget bytes of what BEGIN made the server keep (begin_footprint)
+    checked: bool = False  # passed the registry gate (or goes through none)
+    roomed: bool = False  # its first layer has room: its estimate is reserved until it arrives
+    estimate: int = 0  # budget bytes reserved for its first layer until it arrives (see _admit)
 
     @property
     def bpt(self) -> int:
@@ -616,6 +625,21 @@ class ReceiverCore:
         # Transfers that want more layers than the room left lets them have, oldest waiting
         # first (see _offer): given credit again as room frees (_regrant).
         self._waiting: dict[Key, None] = {}
+        # Transfers admitted (BEGIN passed every check) whose first layer has no room yet,
+        # in the order of their BEGINs: accepted as room frees (_admit, _admit_waiting).
+        self._admitting: dict[Key, None] = {}
+        # Footprints of the last first layers stored, by layout and of any layout: what a
+        # transfer's first layer is estimated at (_estimate).
+        self._first_layers: OrderedDict[bytes, deque[int]] = OrderedDict()
+        self._first_layers_any: deque[int] = deque(maxlen=RECENT_FIRST_LAYERS)
+        # Transfers given room for their first layer at an estimate of 0 (no first layer
+        # seen yet): their estimate is reserved once one is known, as far as room holds it.
+        self._unestimated: dict[Key, None] = {}
+        # Transfers accepted by a call that gave no time (pop_layer, claim, attach): their
+        # claim deadline starts at the next call that does (_at).
+        self._claims_to_start: dict[Key, None] = {}
+        self._now: float | None = None  # the time the call in progress gave, if any
+        self._regrant_held = 0  # while positive, _regrant waits (a session's transfers failing)
         self.kept_bytes = 0
         """Of buffered_bytes: what the server remembers of its transfers besides their layers
         (prefix block lists, meta, token ranges), which may take it past max_buffer_bytes by
@@ -630,6 +654,7 @@ class ReceiverCore:
     def connection_made(self, cid: int, now: float, started: float | None = None) -> None:
         """Connection ``cid`` is up; ``started``: when it was accepted, if earlier (before a
         TLS handshake): its handshake deadline counts from then."""
+        self._at(now)
         cfg = self.config
         ccfg = ConnectionConfig(
             secret=cfg.secret, codecs=cfg.codecs, max_frame_size=cfg.max_frame_size,
@@ -649,6 +674,7 @@ class ReceiverCore:
 
     def receive_data(self, cid: int, data: bytes, now: float) -> None:
         """Bytes from connection ``cid`` (``b""``: the peer closed or the connection broke)."""
+        self._at(now)
         conn = self._conns.get(cid)
         if conn is not None:
             conn.receive_data(data, now)
@@ -657,6 +683,7 @@ class ReceiverCore:
     def buffer_updated(self, cid: int, nbytes: int, now: float) -> bool:
         """``nbytes`` were read into ``connection(cid).get_buffer()``.  False: they were
         bytes of an unfinished frame only, nothing changed (no pump needed)."""
+        self._at(now)
         conn = self._conns.get(cid)
         if conn is None or not conn.buffer_updated(nbytes, now):
             return False
@@ -709,11 +736,17 @@ class ReceiverCore:
 
     def close(self, now: float) -> None:
         """The server is closing: every connection says so, every session is lost."""
+        self._at(now)
         for cid, conn in list(self._conns.items()):
             conn.close(ErrorCode.NO_ERROR, SHUTTING_DOWN)
             self._dirty.add(cid)
-        for sess in list(self._sessions.values()):
-            self._lose(sess, ConnectionLostError("server closed"))
+        self._regrant_held += 1  # (nothing to give room to: every transfer fails)
+        try:
+            for sess in list(self._sessions.values()):
+                self._lose(sess, ConnectionLostError("server closed"))
+        finally:
+            self._regrant_held -= 1
+        self._claims_to_start.clear()
         for cid in list(self._conns):
             self._process(cid, now)
         for t in self._live.values():
@@ -775,6 +808,7 @@ class ReceiverCore:
     def claim(self, key: Key) -> None:
         """The application takes arrived transfer ``key`` (one that failed since it arrived
         too: it is handed out failed, and forgotten here)."""
+        self._now = None
         self._unclaimed.pop(key, None)
         if (f := self._failed.pop(key, None)) is not None:
             self._unindex_failed(key)
@@ -789,6 +823,7 @@ class ReceiverCore:
     def attach(self, key: Key) -> None:
         """Layers not begun yet go to the caller's memory (not counted in the budget), so
         every layer is granted at once."""
+        self._now = None
         t = self._transfer(key)
         if t is not None:
             t.external = True
@@ -799,7 +834,9 @@ class ReceiverCore:
     def pop_layer(self, key: Key, layer: int) -> Any:
         """A complete layer's buffer, handed over: its memory leaves the budget, and the
         sender gets credit for one more layer in the room it leaves (the transfer keeps the
-        window it has); room past that goes to the transfers waiting for it first."""
+        window it has); room past that goes to the transfers waiting for it first, then to
+        the transfers waiting to start (see :meth:`_admit`)."""
+        self._now = None
         t = self._transfer(key)
         if t is None or t.error is not None or layer not in t.buffers:
             raise ConnectionLostError("no such transfer or layer")
@@ -839,6 +876,7 @@ class ReceiverCore:
     def abort(self, key: Key, reason: str, now: float) -> None:
         """The application gives up on the transfer (the sender is told): it is not kept
         for anyone to claim."""
+        self._at(now)
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
@@ -851,6 +889,7 @@ class ReceiverCore:
     def fail(self, key: Key, error: KvwireError, now: float) -> None:
         """Fail a transfer with ``error``; the sender is told (RESET).  It is not kept for
         anyone to claim (the I/O layer that fails it knows)."""
+        self._at(now)
         t = self._transfer(key)
         if t is not None:
             self._unclaimed.pop(key, None)
@@ -858,6 +897,7 @@ class ReceiverCore:
 
     def registry_checked(self, key: Key, stale: Sequence[object] | None, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryCheck` (stale blocks, or the registry's error)."""
+        self._at(now)
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
@@ -865,11 +905,14 @@ class ReceiverCore:
             self._count("transfers_refused")
             self._fail(t, error or stale_error(stale or ()), reset=True)
             return
-        self._accept(t, now)
+        t.checked = True
+        if t.roomed:  # (else accepted once its first layer has room: _admit_waiting)
+            self._accept(t, now)
 
     def registry_published(self, key: Key, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryPublish`: the held acknowledgements go out, each
         after the RESET on its own connection if publishing failed."""
+        self._at(now)
         t = self._transfer(key)
         if t is None:
             return
@@ -922,6 +965,7 @@ class ReceiverCore:
         return None
 
     def handle_timer(self, now: float) -> None:
+        self._at(now)
         while self._timers and self._timers[0][0] <= now:
             when, _, name = self._timers[0]
             if not self._timer_valid(name, when):
@@ -938,8 +982,10 @@ class ReceiverCore:
                 self._lose(self._sessions[ident], ConnectionLostError("the client did not reconnect in time"))
             elif kind == _DEADLINE:
                 t = self._live[ident]
+                what = ("not started" if not t.roomed else "not complete")
+                why = ": no room for its first layer in max_buffer_bytes" if not t.roomed else ""
                 self._fail(t, TransferTimeoutError(
-                    f"transfer {quoted_id(t.begin.request_id)} not complete after {self.config.transfer_timeout} s"
+                    f"transfer {quoted_id(t.begin.request_id)} {what} after {self.config.transfer_timeout} s{why}"
                 ), reset=True)
             elif ident in self._failed:
                 # (counted when it failed: by the peer, a deadline, a broken rule; not as
@@ -1210,16 +1256,27 @@ class ReceiverCore:
             self._say_again(sess, *other)  # (a clean close: RESETs it carried may be unread)
 
     def _lose(self, sess: _Session, error: KvwireError) -> None:
-        """Every unfinished transfer of the session fails, its other streams close."""
+        """Every unfinished transfer of the session fails, its other streams close.  Its
+        transfers leave the queues first and fail without giving their room away one by
+        one: the room they leave goes to the transfers waiting once, at the end (a session
+        of thousands of transfers, each failing, would walk the queues each time)."""
         sess.closed = True
         sess.lose_at = None
-        for t in list(sess.transfers.values()):
-            self._fail(t, error, reset=False)
+        for t in sess.transfers.values():
+            self._waiting.pop(t.key, None)
+            self._admitting.pop(t.key, None)
+        self._regrant_held += 1
+        try:
+            for t in list(sess.transfers.values()):
+                self._fail(t, error, reset=False)
+        finally:
+            self._regrant_held -= 1
         for c in sess.streams.values():
             conn = self._conn(c)
             if conn is not None:
                 conn.close(ErrorCode.SESSION_LOST, "another stream of this session was lost")
         self._session_gone(sess)
+        self._regrant()
 
     def _session_gone(self, sess: _Session) -> None:
         """``sess`` is forgotten (lost, or closed cleanly): the failed transfers of it
@@ -1296,10 +1353,114 @@ class ReceiverCore:
                 self._fail(t, stale_error(made_up, " (versions never issued)"), reset=True)
                 return
             self._events.append(RegistryCheck(key=t.key, blocks=blocks))
-            return
-        self._accept(t, now)
+        else:
+            t.checked = True
+        self._admit(t)
+        if t.roomed and t.checked:
+            self._accept(t, now)
 
-    def _accept(self, t: _Incoming, now: float) -> None:
+    def _admit(self, t: _Incoming) -> None:
+        """``t`` passed every check at BEGIN: it is accepted (with its registry verdict, if
+        it goes through the gate) only once its first layer has room.  ACCEPT grants that
+        layer before its size is known, so the room is kept for it at an estimate, the
+        largest first layer of its layout the server stored recently (of any layout if it
+        has seen none of this one; 0 if it has seen none at all), reserved from now until
+        its first chunk allocates it.  It has room when no transfer waits to start before
+        it and the room left (the share kept from windows included) holds its estimate;
+        else it waits to start, in the order of BEGINs, until room frees
+        (:meth:`_admit_waiting`).  Its sender waits for ACCEPT meanwhile, its transfer
+        deadline running; it counts against max_transfers from its BEGIN."""
+        est = self._estimate(t)
+        if not self._admitting and self._room() >= est:
+            self._give_room(t, est)
+        else:
+            self._admitting[t.key] = None
+            self._count("admission_waits")
+
+    def _give_room(self, t: _Incoming, est: int) -> None:
+        t.roomed = True
+        t.estimate = est
+        if not est:
+            self._unestimated[t.key] = None
+        self._reserve(t)
+
+    def _admit_waiting(self) -> None:
+        """The transfers waiting to start are given room, the one that began first first,
+        while the room left holds its first layer's estimate (accepted then, if the registry
+        gate let them through)."""
+        while self._admitting:
+            key = next(iter(self._admitting))
+            t = self._live.get(key)
+            if t is None or t.error is not None:
+                del self._admitting[key]
+                continue
+            est = self._estimate(t)
+            if self._room() < est:
+                return
+            del self._admitting[key]
+            self._give_room(t, est)
+            if t.checked:
+                self._accept(t, self._now)
+
+    def _estimate(self, t: _Incoming) -> int:
+        """What ``t``'s first layer is reserved at until it arrives (see :meth:`_admit`)."""
+        recent = self._first_layers.get(t.spec.fingerprint)
+        return max(recent) if recent else max(self._first_layers_any, default=0)
+
+    def _learn(self, t: _Incoming) -> None:
+        """``t``'s first layer is stored: its footprint is remembered for the estimates of
+        first layers to come, and transfers given room at an estimate of 0 (before any
+        first layer was seen) have theirs reserved, in the order they were given it, as far
+        as the room left holds it."""
+        fp = t.spec.fingerprint
+        recent = self._first_layers.get(fp)
+        if recent is None:
+            recent = self._first_layers[fp] = deque(maxlen=RECENT_FIRST_LAYERS)
+            while len(self._first_layers) > LAYOUTS_REMEMBERED:
+                self._first_layers.popitem(last=False)
+        else:
+            self._first_layers.move_to_end(fp)
+        recent.append(t.layer_cost)
+        self._first_layers_any.append(t.layer_cost)
+        while self._unestimated:
+            key = next(iter(self._unestimated))
+            u = self._live.get(key)
+            if u is None or u.error is not None or u.sized or u.buffers or u.external:
+                del self._unestimated[key]
+                continue
+            est = self._estimate(u)
+            if self._room() < est:
+                return
+            del self._unestimated[key]
+            u.estimate = est
+            self._reserve(u)
+
+    def _at(self, now: float) -> None:
+        """A call gave the time: claim deadlines of transfers accepted since by calls that
+        gave none start now."""
+        self._now = now
+        if not self._claims_to_start:
+            return
+        keys, self._claims_to_start = self._claims_to_start, {}
+        timeout = self.config.claim_timeout
+        if timeout is None:
+            return
+        for key in keys:
+            t = self._live.get(key)
+            if t is not None and not t.claimed and t.claim_deadline is None and key in self._unclaimed:
+                t.claim_deadline = now + timeout
+                self._note(_CLAIM, key)
+            elif (f := self._failed.get(key)) is not None and f.claim_deadline is None:
+                f.claim_deadline = now + timeout
+                self._note(_CLAIM, key)
+
+    @property
+    def waiting_to_start(self) -> int:
+        """Transfers admitted whose ACCEPT waits for room for their first layer in
+        max_buffer_bytes (see :meth:`_admit`)."""
+        return len(self._admitting)
+
+    def _accept(self, t: _Incoming, now: float | None) -> None:
         t.accepted = True
         self._store.opened(t.key, t.spec)
         self._count("transfers_accepted")
@@ -1312,8 +1473,11 @@ class ReceiverCore:
         if not t.claimed:
             self._unclaimed[t.key] = None
         if self.config.claim_timeout is not None and not t.claimed:
-            t.claim_deadline = now + self.config.claim_timeout
-            self._note(_CLAIM, t.key)
+            if now is None:  # (accepted as room freed in a call that gave no time)
+                self._claims_to_start[t.key] = None
+            else:
+                t.claim_deadline = now + self.config.claim_timeout
+                self._note(_CLAIM, t.key)
         self._events.append(TransferArrived(
             key=t.key, request_id=t.begin.request_id, meta=t.meta, num_layers=t.begin.num_layers,
             spec=t.spec, blocks=tuple((bv.block, bv.version) for bv in t.begin.blocks),
@@ -1336,8 +1500,11 @@ class ReceiverCore:
         when its layer size is known (its first chunk stored) until it fails, ends, or is
         received into a destination (its new layers not counted)."""
         n = 0
-        if t.sized and not t.external and t.error is None and self._live.get(t.key) is t:
-            n = max(0, t.state.layer_limit - t.taken - len(t.buffers)) * t.layer_cost
+        if not t.external and t.error is None and self._live.get(t.key) is t:
+            if t.sized:
+                n = max(0, t.state.layer_limit - t.taken - len(t.buffers)) * t.layer_cost
+            elif t.roomed and not t.buffers:
+                n = t.estimate  # its first layer's, until that layer is allocated (_admit)
         self.reserved_bytes += n - t.reserved
         t.reserved = n
 
@@ -1370,18 +1537,23 @@ class ReceiverCore:
             self._count("credit_waits")
 
     def _regrant(self) -> None:
-        """Room may have freed: the transfers waiting for it are offered it again, the one
-        waiting longest first, each within what is left."""
-        for key in list(self._waiting):
-            if self._window_room() <= 0:
-                return
+        """Room may have freed: the transfers waiting for credit are offered it again, the
+        one waiting longest first, each within what is left, until one is still short of
+        its window (what is left is less than one of its layers: no transfer that waited
+        less passes it); then the transfers waiting to start (:meth:`_admit_waiting`)."""
+        if self._regrant_held:
+            return
+        while self._waiting and self._window_room() > 0:
+            key = next(iter(self._waiting))
             t = self._live.get(key)
-            if t is None or t.error is not None:
-                self._waiting.pop(key, None)
-                continue
             sess = self._sessions.get(key[0])
-            if sess is None or not sess.closed:  # (a lost session's transfers are failing)
-                self._offer(t)
+            if t is None or t.error is not None or sess is None or sess.closed:
+                del self._waiting[key]  # (a lost session's transfers are failing)
+                continue
+            self._offer(t)
+            if key in self._waiting:
+                break
+        self._admit_waiting()
 
     @property
     def waiting_for_room(self) -> int:
@@ -1395,6 +1567,8 @@ class ReceiverCore:
             return
         t.state.layer_limit = limit
         self._reserve(t)
+        if t.external or min(t.taken + t.window, t.begin.num_layers) <= limit:
+            self._waiting.pop(t.key, None)  # (its whole window granted: it waits no more)
         sess = self._sessions.get(t.key[0])
         found = self._any_open(sess) if sess is not None else None
         if found is not None and t.accepted:
@@ -1447,6 +1621,9 @@ class ReceiverCore:
         self._release_all(t)
         self._reserve(t)  # (nothing reserved once failed)
         self._waiting.pop(t.key, None)
+        self._admitting.pop(t.key, None)
+        self._unestimated.pop(t.key, None)
+        self._claims_to_start.pop(t.key, None)
         for r in t.inplace.values():  # never written again once the transfer is gone
             conn = self._conns.get(r.cid)
             if conn is not None:
@@ -1639,8 +1816,10 @@ class ReceiverCore:
             # the rest of its window is granted as far as the room left holds it.
             t.sized = True
             t.layer_cost = self._store.footprint(layer_bytes)
+            self._learn(t)  # (first layers waiting for an estimate before this one's window)
             self._reserve(t)
             self._offer(t)
+            self._regrant()  # (room its estimate kept past its footprint)
         complete = t.state.layer_complete(chunk.layer)
         # Each range remembered until its layer is complete counts in the budget.
         ranges = RANGE_BYTES * t.state.ranges
@@ -1668,7 +1847,9 @@ class ReceiverCore:
         # A layer granted once the size was known was reserved (its room kept, see
         # _reserve); a transfer's first layer, granted by ACCEPT, was not: it takes what
         # the layers held and granted to every transfer leave.
-        granted = self.reserved_bytes - (cost if t.sized else 0)
+        # Its first layer's room was kept at an estimate (see _admit): that estimate is
+        # replaced by the layer's footprint.
+        granted = self.reserved_bytes - (cost if t.sized else t.reserved)
         if cost and held + granted + cost > limit:
             if count:
                 self._count("buffer_budget_refusals")

@@ -45,4 +45,4 @@ async def test_two_iterated_transfers_over_a_small_budget_both_complete() -> Non
     assert stats["buffer_budget_refusals"] == 0 and stats["transfers_aborted_by_peer"] == 0
     assert stats["credit_waits"] >= 1  # one of them waited for room
     assert stats["buffered_bytes"] == 0 and stats["reserved_bytes"] == 0
-    assert stats["transfers_waiting_for_room"] == 0
+    assert stats["transfers_waiting_for_room"] == 0 and stats["transfers_waiting_to_start"] == 0

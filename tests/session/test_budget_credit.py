@@ -2,10 +2,12 @@
 server grants past a transfer's first are reserved in ``max_buffer_bytes`` until they are
 allocated, so transfers that together want more than the budget wait for credit (their
 senders slow down) instead of failing with LIMIT_EXCEEDED.  Windows are granted into the
-budget less an eighth, kept for first layers (not reserved: their size is unknown until
-they arrive); a layer taken gives its room back to its own transfer, and room that frees
-otherwise goes to the transfers waiting, the one waiting longest first.  In fake time, through the receiver
-core alone (the client a wire connection that keeps to its credit)."""
+budget less an eighth, kept for first layers; a layer taken gives its room back to its
+own transfer, and room that frees otherwise goes to the transfers waiting, the one waiting
+longest first.  A transfer is accepted only once the room left holds its first layer at
+an estimate (the largest first layer of its layout seen recently), reserved until that
+layer arrives; until then its BEGIN waits to start, in the order of BEGINs.  In fake time,
+through the receiver core alone (the client a wire connection that keeps to its credit)."""
 
 from __future__ import annotations
 
@@ -83,8 +85,10 @@ def test_two_transfers_over_the_budget_both_complete_as_the_application_takes_la
     h.send(chunk(tid=1, layer=0, kind=0))  # the first chunk of each: layer sizes known
     h.send(chunk(tid=2, layer=0, kind=0))
     within_budget(h)
-    assert (limit(h, 1), limit(h, 2)) == (3, 1)  # 3 + 1 layers: the whole budget
-    assert h.core.waiting_for_room == 1 and h.core.counters["credit_waits"] == 1
+    # 2 + 1 layers, and transfer 2's first layer's room kept from transfer 1's window once
+    # transfer 1's first layer told its size (both were accepted before any was seen)
+    assert (limit(h, 1), limit(h, 2)) == (2, 1)
+    assert h.core.waiting_for_room == 2 and h.core.counters["credit_waits"] == 2
     sent = {1: 0, 2: 0}
     taken = {1: 0, 2: 0}
     first_k_sent = {1: True, 2: True}
@@ -131,17 +135,17 @@ def test_a_layer_taken_gives_its_room_back_to_its_own_transfer_and_no_credit_goe
 
 
 def test_room_a_transfer_that_ends_leaves_goes_to_the_transfers_waiting_the_longest_first() -> None:
-    h = harness(8, 5)
+    h = harness(8, 4)
     begin_all(h, 8, 1, 2, 3)
-    send_layer(h, 1, 0)
+    send_layer(h, 1, 0)  # (the first layers of 2 and 3 reserved from here: 1 + 2 + 1 kept)
     send_layer(h, 2, 0)
-    send_layer(h, 3, 0)  # its first layer fits in the eighth kept for first layers
-    assert (limit(h, 1), limit(h, 2), limit(h, 3)) == (5, 2, 1)
+    send_layer(h, 3, 0)
+    assert (limit(h, 1), limit(h, 2), limit(h, 3)) == (4, 2, 1)
     assert h.core.waiting_for_room == 2
-    h.core.abort(key(h, 1), "given up", h.now)  # its five layers' room: 2 first, then 3
+    h.core.abort(key(h, 1), "given up", h.now)  # its four layers' room: 2 first, then 3
     h.pump()
     within_budget(h)
-    assert (limit(h, 2), limit(h, 3)) == (5, 2) and h.core.waiting_for_room == 1
+    assert (limit(h, 2), limit(h, 3)) == (4, 3) and h.core.waiting_for_room == 1
 
 
 def test_a_transfer_that_fails_or_is_received_into_a_destination_gives_its_granted_room_to_those_waiting() -> None:
@@ -164,28 +168,33 @@ def test_a_transfer_that_fails_or_is_received_into_a_destination_gives_its_grant
             assert limit(h, 1) == 8
 
 
-def test_a_first_layer_that_finds_the_budget_granted_away_fails_saying_what_to_do() -> None:
-    """ACCEPT grants layer 0 before its size is known, so it is not reserved: windows are
-    granted into the budget less an eighth kept for first layers, and a first layer that
-    finds even that taken fails with LIMIT_EXCEEDED, whose text says why and what the
-    receiving side can do about it."""
+def test_a_first_layer_larger_than_its_estimate_that_finds_the_budget_granted_away_fails_saying_what_to_do() -> None:
+    """ACCEPT grants layer 0 before its size is known: its room is kept at an estimate,
+    the largest first layer of its layout seen recently.  A first layer larger than that
+    (here: twice as many tokens) that does not fit in the room left fails with
+    LIMIT_EXCEEDED, whose text says why and what the receiving side can do about it."""
     h = harness(8, 8)
-    begin_all(h, 8, 1, 2, 3)
+    begin_all(h, 8, 1)
     send_layer(h, 1, 0)
     assert limit(h, 1) == 7  # its window, as far as the budget less the eighth goes
-    send_layer(h, 2, 0)  # the eighth kept: room for this one's first layer
-    assert limit(h, 2) == 1 and not h.of(TransferFailed)
-    h.send(chunk(tid=3, layer=0, kind=0))
+    begin_all(h, 8, 2, 3)  # room for one first layer of one layer's footprint: 3 waits
+    assert h.core.waiting_to_start == 1 and h.core.counters["admission_waits"] == 1
+    assert {e.transfer_id for e in h.client_of(TransferAccepted)} == {1, 2}
+    h.send(chunk(tid=2, layer=0, kind=0, count=16, tokens=16))  # two layers' footprint
     [failed] = h.of(TransferFailed)
-    assert failed.key[1] == 3 and failed.error.code == ErrorCode.LIMIT_EXCEEDED
+    assert failed.key[1] == 2 and failed.error.code == ErrorCode.LIMIT_EXCEEDED
     text = str(failed.error)
     assert "taken by other transfers" in text and f"max_buffer_bytes={8 * LAYER}" in text
     for remedy in ("consume layers", "raise max_buffer_bytes", "lower transfer_buffer_bytes", "destination"):
         assert remedy in wire_text(text)  # (what the sender is told: the start of it)
-    assert f"a first layer of {LAYER} bytes" in text
+    assert f"a first layer of {2 * LAYER} bytes" in text
     assert h.core.counters["buffer_budget_refusals"] == 1
     within_budget(h)
-    # Transfer 1 goes on: every layer it was granted finds its room.
+    # The room transfer 2's estimate kept starts transfer 3; transfer 1 goes on: every
+    # layer it was granted finds its room.
+    assert {e.transfer_id for e in h.client_of(TransferAccepted)} == {1, 2, 3}
+    assert h.core.waiting_to_start == 0
+    send_layer(h, 3, 0)
     for layer in range(1, 7):
         send_layer(h, 1, layer)
     assert len(h.of(TransferFailed)) == 1

@@ -1,10 +1,11 @@
 """Layer credit within the server's buffer budget, as a property (docs/protocol.md 8.2):
 whatever the budget, the windows, the number of transfers, their sizes and when each
 begins, an application that reads the transfers one after another, each to its end,
-in the order they arrived, is never stalled: the layer it waits for always arrives
-from a sender that keeps to its credit.  The layers held and granted never exceed the
-budget, and no transfer fails past its first layer (a first layer may find the budget
-granted away: it is not reserved, its size being unknown until it arrives)."""
+in the order they began, is never stalled: the layer it waits for always arrives
+from a sender that keeps to its credit (and waits for ACCEPT).  The layers held and
+granted never exceed the budget, and no transfer fails at all, its first layer included:
+with every transfer of one layout, a transfer is accepted only once the room left holds
+its first layer at the footprint of the first layers seen, and waits to start until then."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from hypothesis import strategies as st
 
 from tests.session.test_budget_credit import (
     LayerReady,
+    TransferAccepted,
     TransferFailed,
     harness,
     limit,
     send_layer,
     take,
+    within_budget,
 )
 from tests.session.test_receiver_core import begin, chunk
 
@@ -43,40 +46,47 @@ def test_a_reader_taking_transfers_one_after_another_is_never_stalled(
     layers = dict(zip(tids, sizes, strict=True))
     started: list[int] = []
     sent = dict.fromkeys(tids, 0)
-    first_k = dict.fromkeys(tids, True)
+    first_k = dict.fromkeys(tids, False)  # K of its layer 0 sent (V not yet)
     taken = dict.fromkeys(tids, 0)
 
-    def failed() -> dict[int, int]:
-        return {e.key[1]: sent[e.key[1]] for e in h.of(TransferFailed)}
+    def accepted(tid: int) -> bool:
+        return any(e.transfer_id == tid for e in h.client_of(TransferAccepted))
 
     def start(tid: int) -> None:
         h.client.send_begin(begin(tid=tid, layers=layers[tid], request=f"r{tid}"))
         h.pump()
-        h.send(chunk(tid=tid, layer=0, kind=0))  # its first chunk: the layer size known
         started.append(tid)
 
     def client_sends() -> None:  # a sender keeping to its credit sends all it may
         for tid in started:
-            while sent[tid] < limit(h, tid) and tid not in failed():
+            if not accepted(tid):
+                continue  # it waits for ACCEPT
+            if not sent[tid] and not first_k[tid]:
+                h.send(chunk(tid=tid, layer=0, kind=0))  # its first chunk: the layer size known
+                first_k[tid] = True
+            while sent[tid] < limit(h, tid):
                 send_layer(h, tid, sent[tid], k=not first_k[tid])
                 first_k[tid] = False
                 sent[tid] += 1
 
     pending = list(tids)
     start(pending.pop(0))
+    h.send(chunk(tid=tids[0], layer=0, kind=0))  # (the first of all: the first layer seen)
+    first_k[tids[0]] = True
     steps = iter(arrivals)
     while True:
         while pending and next(steps, True):
             start(pending.pop(0))
         client_sends()
-        gone = failed()
-        for tid, at in gone.items():
-            assert at <= 1, f"transfer {tid} failed past its first layer"
-        reading = next((t for t in started if t not in gone and taken[t] < layers[t]), None)
+        within_budget(h)
+        assert not h.of(TransferFailed), [(e.key[1], str(e.error)) for e in h.of(TransferFailed)]
+        reading = next((t for t in started if taken[t] < layers[t]), None)
         if reading is None:
             if not pending:
                 break
             continue
+        # Every transfer before it is taken: it has started (its first layer has room).
+        assert accepted(reading), f"transfer {reading} never started"
         ready = {(e.key[1], e.layer) for e in h.of(LayerReady)}
         assert (reading, taken[reading]) in ready, (
             f"transfer {reading} stalled at layer {taken[reading]}"
@@ -84,4 +94,4 @@ def test_a_reader_taking_transfers_one_after_another_is_never_stalled(
         take(h, reading, taken[reading])
         taken[reading] += 1
     assert h.core.buffered_bytes - h.core.kept_bytes == 0 and h.core.reserved_bytes == 0
-    assert h.core.waiting_for_room == 0
+    assert h.core.waiting_for_room == 0 and h.core.waiting_to_start == 0

@@ -219,11 +219,13 @@ async def test_tiny_layers_count_as_the_memory_they_take() -> None:
                     await asyncio.sleep(0.01)
             assert not first.done()
             assert server.statistics()["buffered_bytes"] <= (1 << 20) + (1 << 20)  # (and the room kept past it)
-            # ... two more transfers' first layers take the eighth, and a fourth's finds no room.
+            # ... two more transfers' first layers take the room left, and a fourth waits to
+            # start (its ACCEPT waits for room for its first layer).
             more = [asyncio.create_task(peer.send(f"tiny{i}", spec, tiny, timeout=60)) for i in (2, 3)]
             assert await wait_until(lambda: server.statistics()["transfers_waiting_for_room"] == 3, 30)  # (and "tiny")
-            with pytest.raises(kvwire.LimitExceededError, match="taken by other transfers"):
-                await peer.send("tiny4", spec, tiny, timeout=10)
+            more.append(asyncio.create_task(peer.send("tiny4", spec, tiny, timeout=60)))
+            assert await wait_until(lambda: server.statistics()["transfers_waiting_to_start"] == 1, 30)
+            assert server.statistics()["admission_waits"] == 1 and not more[-1].done()
             assert server.statistics()["buffered_bytes"] <= (1 << 20) + (1 << 20)
             for task in (first, *more):
                 task.cancel()
@@ -231,7 +233,7 @@ async def test_tiny_layers_count_as_the_memory_they_take() -> None:
                     await task
 
 
-async def test_server_wide_byte_budget_refuses_what_does_not_fit() -> None:
+async def test_server_wide_byte_budget_slows_what_does_not_fit() -> None:
     # A layer counts as the pool slab it takes (its size class, at least 64 KiB).
     layer_bytes = size_class(2 * TOKENS * SPEC.num_kv_heads * SPEC.head_dim * 2)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_buffer_bytes=5 * layer_bytes) as server:
@@ -241,16 +243,22 @@ async def test_server_wide_byte_budget_refuses_what_does_not_fit() -> None:
             # failed: protocol.md 8.2) until the application takes layers.
             two = asyncio.create_task(peer.send("two", SPEC, layers(), timeout=10))
             assert await wait_until(lambda: server.statistics()["transfers_waiting_for_room"] == 1, 5)
-            # A third's first layer finds the budget taken: refused.
-            with pytest.raises(kvwire.LimitExceededError, match="taken by other transfers"):
-                await peer.send("three", SPEC, layers(), timeout=10)
+            # A third finds no room for its first layer: it waits to start (before, its first
+            # layer found the budget taken and it failed with LIMIT_EXCEEDED).
+            three = asyncio.create_task(peer.send("three", SPEC, layers(), timeout=10))
+            assert await wait_until(lambda: server.statistics()["transfers_waiting_to_start"] == 1, 5)
             assert server.statistics()["buffered_bytes"] <= 5 * layer_bytes
-            assert not two.done()
+            assert not two.done() and not three.done()
             t = await server.expect("one", timeout=5)
             await t.collect(timeout=5)
-            await two
-            await (await server.expect("two", timeout=5)).collect(timeout=5)
-            assert server.statistics()["buffered_bytes"] == 0
+            # (the room left holds three's first layer and less than two's window: two's
+            # sender finishes as its layers are taken)
+            await asyncio.gather(two, (await server.expect("two", timeout=5)).collect(timeout=10))
+            await asyncio.gather(three, (await server.expect("three", timeout=5)).collect(timeout=10))
+            stats = server.statistics()
+            assert stats["buffered_bytes"] == 0 and stats["reserved_bytes"] == 0
+            assert stats["transfers_waiting_to_start"] == 0 and stats["admission_waits"] == 1
+            assert stats["buffer_budget_refusals"] == 0
             await peer.send("four", SPEC, layers(), timeout=10)
 
 
