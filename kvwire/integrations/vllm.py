@@ -36,6 +36,7 @@ import contextlib
 import difflib
 import enum
 import hashlib
+import numbers
 import os
 import re
 import threading
@@ -62,7 +63,7 @@ from kvwire.errors import (
 )
 from kvwire.integrations.prefix import SyncRegistry, prefix_block_ids, verify_blocks
 from kvwire.paged import DROP, PagedDestination, PagedSpec, layer_rows
-from kvwire.session.options import MAX_STREAMS, check_value
+from kvwire.session.options import MAX_STREAMS, check_value, shown
 from kvwire.sync import Bridge, PendingPeer, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 from kvwire.units import split_hostport
 from kvwire.wire.connection import MAX_TRANSFERS
@@ -126,12 +127,15 @@ def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
     value = extra.get(key, default)
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
+    try:
+        text = str(value).strip().lower()
+    except ValueError:  # (an int past 4300 digits has no text)
+        text = ""
     if text in _TRUE:
         return True
     if text in _FALSE:
         return False
-    raise UsageError(f"kvwire connector: {key} must be true or false, got {value!r}")
+    raise UsageError(f"kvwire connector: {key} must be true or false, got {shown(value)}")
 
 
 def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
@@ -139,8 +143,8 @@ def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
     value: Any = extra.get(key, default)
     try:
         seconds = float(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"kvwire connector: {key} must be a number of seconds, got {value!r}") from None
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an int past the largest float)
+        raise UsageError(f"kvwire connector: {key} must be a number of seconds, got {shown(value)}") from None
     check_value(key, seconds)
     return seconds
 
@@ -166,15 +170,27 @@ def _check_keys(extra: dict[str, Any]) -> None:
             raise UsageError(f"kvwire connector: unknown setting {key!r} in kv_connector_extra_config{hint}")
 
 
+#: The text of a whole number: digits, a sign before them, spaces around.
+_WHOLE_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
 def _whole(value: Any) -> int | None:
-    """``value`` as a whole number (an int, a float without a fraction, or text of one), or
-    None if it is none (a bool, 2.5: int() would cut it to 2, "big")."""
-    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+    """``value`` as a whole number (an int, numpy's too, a float without a fraction, or
+    text of an int: digits, a sign before them), or None if it is none: a bool, 2.5 (int()
+    would cut it to 2, as it would Fraction(5, 2) and Decimal('2.5'), which are none of
+    these), b'12', "2.0", "big"."""
+    if isinstance(value, bool):
         return None
-    try:
+    if isinstance(value, numbers.Integral):
         return int(value)
-    except (TypeError, ValueError, OverflowError):
-        return None
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None  # (inf and nan are not integers)
+    if isinstance(value, str) and _WHOLE_TEXT.fullmatch(value):
+        try:
+            return int(value)
+        except ValueError:  # past 4300 digits (sys.get_int_max_str_digits)
+            return None
+    return None
 
 
 def _count(extra: dict[str, Any], key: str, default: int, maximum: int) -> int:
@@ -182,9 +198,9 @@ def _count(extra: dict[str, Any], key: str, default: int, maximum: int) -> int:
     value: Any = extra.get(key, default)
     number = _whole(value)
     if number is None:
-        raise UsageError(f"kvwire connector: {key} must be a whole number, got {value!r}")
+        raise UsageError(f"kvwire connector: {key} must be a whole number, got {shown(value)}")
     if not 1 <= number <= maximum:
-        raise UsageError(f"kvwire connector: {key} must be in [1, {maximum}], got {value!r}")
+        raise UsageError(f"kvwire connector: {key} must be in [1, {maximum}], got {shown(value)}")
     return number
 
 
@@ -397,9 +413,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # unset (None) is the client's default; 0 is refused, not taken as unset
         self._chunk_bytes: int | None = None if chunk is None else _whole(chunk)
         if chunk is not None and self._chunk_bytes is None:
-            raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be a number of bytes, got {chunk!r}")
+            raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be a number of bytes, got {shown(chunk)}")
         if self._chunk_bytes is not None and self._chunk_bytes <= 0:
-            raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be > 0, got {chunk!r}")
+            raise UsageError(f"kvwire connector: kvwire_chunk_bytes must be > 0, got {shown(chunk)}")
         self._timeout: float = _seconds(extra, "kvwire_load_timeout", 60.0)
         self._load_all: bool = _flag(extra, "kvwire_load_all", False)
         self._async_save: bool = _flag(extra, "kvwire_async_save", True)
@@ -688,11 +704,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @staticmethod
     def _stream_count(value: object) -> int | str:
         """kvwire_streams: an int in [1, 64] (as text too; not a float, 4.0 neither) or "auto"."""
-        if value == "auto":
+        if isinstance(value, str) and value == "auto":
             return "auto"
-        count = _whole(str(value))  # (a bool's text, "True", is no number)
+        count = None if isinstance(value, float) else _whole(value)
         if count is None or not 1 <= count <= MAX_STREAMS:
-            raise UsageError(f"kvwire connector: kvwire_streams must be an int in [1, {MAX_STREAMS}] or 'auto', got {value!r}")
+            raise UsageError(f"kvwire connector: kvwire_streams must be an int in [1, {MAX_STREAMS}] or 'auto', "
+                             f"got {shown(value)}")
         return count
 
     # -- worker side --------------------------------------------------------------------------------
@@ -1229,12 +1246,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _wait_for_room(self, deadline: float) -> bool:
         """Sends queued, none begun (after a refusal for want of room): wait until they may
         be begun again, and True; False, the queued sends ended unsent, if that is past
-        ``deadline`` or past the first one's kvwire_load_timeout."""
+        ``deadline`` or past the oldest one's kvwire_load_timeout."""
         self._flush_refused()
         queued = self._sends_in(_SendState.QUEUED)
         if not queued or self._peer is None:
             return False
-        since = next(iter(queued.values())).since
+        since = min(send.since for send in queued.values())
         now = time.monotonic()
         if self._room_at >= min(deadline, since + self._timeout):
             self._end_queued(f"the consumer's server had no room for them within {self._timeout:g} s")
@@ -1350,15 +1367,18 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         streams wrote what they held of it by ``deadline``; after a failure the loop goes on
         waiting for the sends begun, none more begun, unless the send did not end at all
         (the sends behind it cannot end before it).  Otherwise (shutdown) the loop stops at
-        the first failure."""
+        the first failure.  The sends refused in a pass over those begun go back to the
+        head of the queue together once it is over, oldest first (one at a time, each
+        would go ahead of those refused before it), none queued begun before them."""
         failed = False
         while not failed or in_step:
-            if not failed:
+            if not failed and not self._sends_in(_SendState.REFUSED):
                 self._start_queued()  # as the sends before them end
             if state is _SendState.IN_FLIGHT:
                 self._fly()
             begun = self._sends_in(state)
             if not begun:
+                self._flush_refused()  # (the pass is over)
                 if not failed and self._sends_in(_SendState.QUEUED) and self._wait_for_room(deadline):
                     continue  # refused for want of room: begun again
                 break
@@ -1367,8 +1387,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             assert handle is not None
             del self._sends[req_id]
             outcome = self._outcome(send, max(0.0, deadline - time.monotonic()) if each is None else each)
-            if self._requeue(req_id, send, outcome):  # at the head of the queue again
-                self._flush_refused()
+            if self._requeue(req_id, send, outcome):  # at the head of the queue again, once the pass is over
                 continue
             if self._ended_well(req_id, send, outcome):
                 continue
@@ -1379,10 +1398,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 # Not ended in its time: the sends behind it on the connection cannot
                 # end before it, and closing the connection ends them all (their turn
                 # never comes); none is waited for.
+                self._flush_refused()
                 if waiting := [*self._sends_in(_SendState.SENDING), *self._sends_in(_SendState.QUEUED)]:
                     logger.error("kvwire: not sending KV of requests %s: the send before them did not end "
                                  "within %g s", ", ".join(waiting), self._timeout)
                 break
+        self._flush_refused()  # (none is left refused, out of the queue)
         if failed:
             self._let_go_of_blocks()
 
