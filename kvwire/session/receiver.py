@@ -20,7 +20,10 @@ granted past a transfer's first are reserved in that budget from the grant until
 allocated, and granted only within the room left (docs/protocol.md 8.2): transfers that
 together want more than it wait for credit (a layer taken gives its room back to its own
 transfer; room freed otherwise goes to those waiting, in the order they began waiting), and
-an eighth of the budget is kept from windows for the first layers of transfers to come.  A chunk
+an eighth of the budget is kept from windows for first layers.  A transfer is accepted only
+once the room left holds its first layer at an estimate (the largest first layer of its
+layout seen recently), reserved until that layer arrives: BEGINs past the room wait to
+start, in their order (see ReceiverCore._admit).  A chunk
 counts as received only after its bytes are in place.  Raw payloads may be read straight
 into their layer (the payload sink of each connection): that happens before the frame's
 CRC is checked, so it changes no transfer state; only the verified chunk does.
@@ -89,9 +92,9 @@ from kvwire.wire.transfer import RANGE_BYTES, kinds_overlap, split_kv
 #: at least this (8192 ranges), so a small budget filled by layers still takes chunks.
 KEPT_ROOM_MIN = 1 << 20
 #: Windows are granted into max_buffer_bytes less this share of it (max_buffer_bytes //
-#: FIRST_LAYER_SHARE), kept for the first layers of transfers to come: ACCEPT grants a
-#: transfer's first layer before its size is known, so it is never reserved, and a first
-#: layer that finds no room fails its transfer (docs/protocol.md 8.2).
+#: FIRST_LAYER_SHARE), kept for first layers: ACCEPT grants a transfer's first layer before
+#: its size is known, so its room is kept at an estimate (see ReceiverCore._admit), and a
+#: first layer larger than that which finds no room fails its transfer (docs/protocol.md 8.2).
 FIRST_LAYER_SHARE = 8
 #: First layers a server remembers the footprint of, per layout and of any layout: a
 #: transfer is accepted once the room left holds the largest of them for its layout (of
@@ -1845,8 +1848,8 @@ class ReceiverCore:
         limit = self.config.max_buffer_bytes
         held = self.buffered_bytes - self.kept_bytes  # layers alone within the budget
         # A layer granted once the size was known was reserved (its room kept, see
-        # _reserve); a transfer's first layer, granted by ACCEPT, was not: it takes what
-        # the layers held and granted to every transfer leave.
+        # _reserve); a transfer's first layer, granted by ACCEPT, had its room kept at an
+        # estimate: it takes what the layers held and granted to every other transfer leave.
         # Its first layer's room was kept at an estimate (see _admit): that estimate is
         # replaced by the layer's footprint.
         granted = self.reserved_bytes - (cost if t.sized else t.reserved)

@@ -50,7 +50,9 @@ def test_transfers_begun_together_all_complete_with_an_application_reading_every
     8 and 1 layer), 40 transfers begun at once, an application taking every layer as soon
     as it is ready.  Before, windows took the room and every transfer past about 30
     failed at its first layer ("the server's buffer budget is taken by other
-    transfers"), though max_transfers allows 64; now those past the room wait to start."""
+    transfers"), though max_transfers allows 64.  Now the room of every first layer is
+    kept (at the size of the first one seen) before windows take it, and a BEGIN past the
+    room would wait to start."""
     n, layers = 40, 16
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=128 * LAYER, transfer_buffer_bytes=8 * LAYER,
                                claim_timeout=None))
