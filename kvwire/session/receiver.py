@@ -1406,25 +1406,43 @@ class ReceiverCore:
                 self._accept(t, self._now)
 
     def _estimate(self, t: _Incoming) -> int:
-        """What ``t``'s first layer is reserved at until it arrives (see :meth:`_admit`)."""
-        recent = self._first_layers.get(t.spec.fingerprint)
-        return max(recent) if recent else max(self._first_layers_any, default=0)
+        """What ``t``'s first layer is reserved at until it arrives (see :meth:`_admit`): the
+        largest of the recent first layers of its layout (of any layout if none), but no
+        more than the share of the budget kept from windows for first layers, or the
+        smallest of them where that is larger: one large first layer (one long prompt, a
+        peer's one chunk) does not hold every later transfer of its layout back from
+        starting while the room would hold an ordinary one.  A first layer larger than its
+        estimate takes what room there is, or fails."""
+        recent = self._first_layers.get(t.spec.fingerprint) or self._first_layers_any
+        if not recent:
+            return 0
+        return min(max(recent), max(self.config.max_buffer_bytes // FIRST_LAYER_SHARE, min(recent)))
 
     def _learn(self, t: _Incoming) -> None:
         """``t``'s first layer is stored: its footprint is remembered for the estimates of
-        first layers to come, and transfers given room at an estimate of 0 (before any
-        first layer was seen) have theirs reserved, in the order they were given it, as far
-        as the room left holds it."""
-        fp = t.spec.fingerprint
-        recent = self._first_layers.get(fp)
-        if recent is None:
-            recent = self._first_layers[fp] = deque(maxlen=RECENT_FIRST_LAYERS)
-            while len(self._first_layers) > LAYOUTS_REMEMBERED:
-                self._first_layers.popitem(last=False)
-        else:
-            self._first_layers.move_to_end(fp)
-        recent.append(t.layer_cost)
-        self._first_layers_any.append(t.layer_cost)
+        first layers to come (not that of a transfer received into a destination: the
+        budget does not count its layers), and transfers given room at an estimate of 0
+        (before any first layer was seen) have theirs reserved (:meth:`_estimate_unestimated`)."""
+        if not t.external:
+            fp = t.spec.fingerprint
+            recent = self._first_layers.get(fp)
+            if recent is None:
+                recent = self._first_layers[fp] = deque(maxlen=RECENT_FIRST_LAYERS)
+                while len(self._first_layers) > LAYOUTS_REMEMBERED:
+                    self._first_layers.popitem(last=False)
+            else:
+                self._first_layers.move_to_end(fp)
+            recent.append(t.layer_cost)
+            self._first_layers_any.append(t.layer_cost)
+        self._estimate_unestimated()
+
+    def _estimate_unestimated(self) -> None:
+        """Transfers given room at an estimate of 0 (before any first layer was seen) have
+        their estimate reserved, in the order they were given room, as far as the room left
+        holds it; those it does not hold yet are reserved as room frees (:meth:`_regrant`),
+        before any transfer waiting to start is given room."""
+        if not self._first_layers_any:
+            return
         while self._unestimated:
             key = next(iter(self._unestimated))
             u = self._live.get(key)
@@ -1556,6 +1574,7 @@ class ReceiverCore:
             self._offer(t)
             if key in self._waiting:
                 break
+        self._estimate_unestimated()
         self._admit_waiting()
 
     @property

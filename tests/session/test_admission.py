@@ -280,3 +280,66 @@ def test_a_transfer_granted_its_whole_window_no_longer_waits() -> None:
     take(h, 2, 1)
     assert limit(h, 2) == 3
     assert key(h, 2) not in h.core._waiting and h.core.waiting_for_room == waiting - 1
+
+
+def test_a_first_layer_received_into_a_destination_sets_no_estimate_an_idle_server_cannot_hold() -> None:
+    """A transfer received into the application's memory may have layers larger than
+    the whole budget (it does not count them).  Its first layer used to set the estimate
+    of every later first layer of its layout, and of layouts not seen yet: larger than
+    the budget, so they waited to start on an idle server until transfer_timeout."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=4 * LAYER, transfer_buffer_bytes=4 * LAYER,
+                               claim_timeout=None, transfer_timeout=300.0))
+    h.client.send_begin(begin(tid=1, layers=1, request="big"))
+    h.pump()
+    big = key(h, 1)
+    h.core.attach(big)
+    h.send(chunk(tid=1, layer=0, kind=0, count=64, tokens=64))  # a layer of 8 budgets
+    h.send(chunk(tid=1, layer=0, kind=1, count=64, tokens=64))
+    h.core.pop_layer(big, 0)
+    h.pump()
+    h.client.send_begin(begin(tid=2, layers=2, request="small"))
+    h.client.send_begin(begin(tid=3, layers=2, request="other layout", num_kv_heads=1))
+    h.pump()
+    assert accepted(h) == [1, 2, 3] and h.core.waiting_to_start == 0
+
+
+def test_one_large_first_layer_makes_later_transfers_wait_for_no_more_than_the_kept_share() -> None:
+    """One long prompt (or a peer's one chunk of a first layer of 12 of the budget's 16
+    layers) used to raise the estimate of every first layer of its layout to 12: with
+    4 left, no later transfer of the layout started until its transfer_timeout.  Past
+    ordinary first layers of the layout, the estimate is at most the eighth of the
+    budget kept for first layers (2 here)."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=16 * LAYER, transfer_buffer_bytes=4 * LAYER,
+                               claim_timeout=None))
+    begin_all(h, 2, 1)  # an ordinary transfer of the layout: layers of one LAYER
+    for layer in (0, 1):
+        send_layer(h, 1, layer)
+        take(h, 1, layer)
+    h.client.send_begin(begin(tid=2, layers=2, request="long"))
+    h.pump()
+    h.send(chunk(tid=2, layer=0, kind=0, count=8, tokens=96))  # its first layer: 12 LAYERs held
+    begin_all(h, 2, 3, 4, 5)
+    assert accepted(h) == [1, 2, 3, 4] and h.core.waiting_to_start == 1  # 2 LAYERs each: 4 left
+    for tid in (3, 4):
+        send_layer(h, tid, 0)
+    assert not h.of(TransferFailed)
+
+
+def test_a_transfer_accepted_before_any_estimate_gets_its_room_before_those_waiting_to_start() -> None:
+    """Transfers accepted at a cold start (no first layer seen: an estimate of 0) have
+    their estimate reserved once the first layer is stored, as far as room holds; one
+    it did not hold used to be passed over when room freed (a later BEGIN took it) and
+    its first layer then failed for want of room."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=8 * LAYER, transfer_buffer_bytes=LAYER,
+                               claim_timeout=None))
+    begin_all(h, 1, *range(1, 10))  # all accepted at once: no estimate yet
+    assert accepted(h) == list(range(1, 10))
+    send_layer(h, 1, 0)  # the estimate, one LAYER: 2..8 reserved, 9 not (no room)
+    assert list(h.core._unestimated) == [key(h, 9)]
+    begin_all(h, 1, 10)
+    assert h.core.waiting_to_start == 1  # no room for 10
+    take(h, 1, 0)  # transfer 1 done: its room goes to 9, accepted before 10 began
+    assert not h.core._unestimated and h.core.waiting_to_start == 1
+    send_layer(h, 9, 0)
+    assert not h.of(TransferFailed)
+    within_budget(h)
