@@ -21,8 +21,9 @@ allocated, and granted only within the room left (docs/protocol.md 8.2): transfe
 together want more than it wait for credit (a layer taken gives its room back to its own
 transfer; room freed otherwise goes to those waiting, in the order they began waiting), and
 an eighth of the budget is kept from windows for first layers.  A transfer is accepted only
-once the room left holds its first layer at an estimate (the largest first layer of its
-layout seen recently), reserved until that layer arrives: BEGINs past the room wait to
+once the room left holds its first layer at an estimate (from the first layers of its layout
+seen recently, at most an eighth of the budget unless the smallest of them is larger;
+docs/protocol.md 8.2), reserved until that layer arrives: BEGINs past the room wait to
 start, in their order (see ReceiverCore._admit).  A chunk
 counts as received only after its bytes are in place.  Raw payloads may be read straight
 into their layer (the payload sink of each connection): that happens before the frame's
@@ -96,9 +97,10 @@ KEPT_ROOM_MIN = 1 << 20
 #: its size is known, so its room is kept at an estimate (see ReceiverCore._admit), and a
 #: first layer larger than that which finds no room fails its transfer (docs/protocol.md 8.2).
 FIRST_LAYER_SHARE = 8
-#: First layers a server remembers the footprint of, per layout and of any layout: a
-#: transfer is accepted once the room left holds the largest of them for its layout (of
-#: any layout if it has none), its first layer's estimate (see ReceiverCore._admit).
+#: First layers a server remembers the footprint of, per layout and of any layout (not
+#: those received into a destination): a transfer's first layer's estimate comes from those
+#: of its layout (of any layout if it has none), and it is accepted once the room left
+#: holds that estimate (see ReceiverCore._estimate, ReceiverCore._admit).
 RECENT_FIRST_LAYERS = 64
 #: Layouts whose recent first layers a server remembers (the least recently seen forgotten).
 LAYOUTS_REMEMBERED = 64
@@ -639,9 +641,10 @@ class ReceiverCore:
         # seen yet): their estimate is reserved once one is known, as far as room holds it.
         self._unestimated: dict[Key, None] = {}
         # Transfers accepted by a call that gave no time (pop_layer, claim, attach): their
-        # claim deadline starts at the next call that does (_at).
-        self._claims_to_start: dict[Key, None] = {}
-        self._now: float | None = None  # the time the call in progress gave, if any
+        # claim deadline starts at the next call that does (_time_given).
+        self._claim_deadlines_pending: dict[Key, None] = {}
+        # Given by the latest call that gave one; None after one that gave none.
+        self._now: float | None = None
         self._regrant_held = 0  # while positive, _regrant waits (a session's transfers failing)
         self.kept_bytes = 0
         """Of buffered_bytes: what the server remembers of its transfers besides their layers
@@ -657,7 +660,7 @@ class ReceiverCore:
     def connection_made(self, cid: int, now: float, started: float | None = None) -> None:
         """Connection ``cid`` is up; ``started``: when it was accepted, if earlier (before a
         TLS handshake): its handshake deadline counts from then."""
-        self._at(now)
+        self._time_given(now)
         cfg = self.config
         ccfg = ConnectionConfig(
             secret=cfg.secret, codecs=cfg.codecs, max_frame_size=cfg.max_frame_size,
@@ -677,7 +680,7 @@ class ReceiverCore:
 
     def receive_data(self, cid: int, data: bytes, now: float) -> None:
         """Bytes from connection ``cid`` (``b""``: the peer closed or the connection broke)."""
-        self._at(now)
+        self._time_given(now)
         conn = self._conns.get(cid)
         if conn is not None:
             conn.receive_data(data, now)
@@ -686,7 +689,7 @@ class ReceiverCore:
     def buffer_updated(self, cid: int, nbytes: int, now: float) -> bool:
         """``nbytes`` were read into ``connection(cid).get_buffer()``.  False: they were
         bytes of an unfinished frame only, nothing changed (no pump needed)."""
-        self._at(now)
+        self._time_given(now)
         conn = self._conns.get(cid)
         if conn is None or not conn.buffer_updated(nbytes, now):
             return False
@@ -739,7 +742,7 @@ class ReceiverCore:
 
     def close(self, now: float) -> None:
         """The server is closing: every connection says so, every session is lost."""
-        self._at(now)
+        self._time_given(now)
         for cid, conn in list(self._conns.items()):
             conn.close(ErrorCode.NO_ERROR, SHUTTING_DOWN)
             self._dirty.add(cid)
@@ -749,7 +752,6 @@ class ReceiverCore:
                 self._lose(sess, ConnectionLostError("server closed"))
         finally:
             self._regrant_held -= 1
-        self._claims_to_start.clear()
         for cid in list(self._conns):
             self._process(cid, now)
         for t in self._live.values():
@@ -879,7 +881,7 @@ class ReceiverCore:
     def abort(self, key: Key, reason: str, now: float) -> None:
         """The application gives up on the transfer (the sender is told): it is not kept
         for anyone to claim."""
-        self._at(now)
+        self._time_given(now)
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
@@ -892,7 +894,7 @@ class ReceiverCore:
     def fail(self, key: Key, error: KvwireError, now: float) -> None:
         """Fail a transfer with ``error``; the sender is told (RESET).  It is not kept for
         anyone to claim (the I/O layer that fails it knows)."""
-        self._at(now)
+        self._time_given(now)
         t = self._transfer(key)
         if t is not None:
             self._unclaimed.pop(key, None)
@@ -900,7 +902,7 @@ class ReceiverCore:
 
     def registry_checked(self, key: Key, stale: Sequence[object] | None, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryCheck` (stale blocks, or the registry's error)."""
-        self._at(now)
+        self._time_given(now)
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
@@ -915,7 +917,7 @@ class ReceiverCore:
     def registry_published(self, key: Key, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryPublish`: the held acknowledgements go out, each
         after the RESET on its own connection if publishing failed."""
-        self._at(now)
+        self._time_given(now)
         t = self._transfer(key)
         if t is None:
             return
@@ -968,7 +970,7 @@ class ReceiverCore:
         return None
 
     def handle_timer(self, now: float) -> None:
-        self._at(now)
+        self._time_given(now)
         while self._timers and self._timers[0][0] <= now:
             when, _, name = self._timers[0]
             if not self._timer_valid(name, when):
@@ -985,8 +987,10 @@ class ReceiverCore:
                 self._lose(self._sessions[ident], ConnectionLostError("the client did not reconnect in time"))
             elif kind == _DEADLINE:
                 t = self._live[ident]
-                what = ("not started" if not t.roomed else "not complete")
-                why = ": no room for its first layer in max_buffer_bytes" if not t.roomed else ""
+                if t.roomed:
+                    what, why = "not complete", ""
+                else:
+                    what, why = "not started", ": no room for its first layer in max_buffer_bytes"
                 self._fail(t, TransferTimeoutError(
                     f"transfer {quoted_id(t.begin.request_id)} {what} after {self.config.transfer_timeout} s{why}"
                 ), reset=True)
@@ -1260,14 +1264,11 @@ class ReceiverCore:
 
     def _lose(self, sess: _Session, error: KvwireError) -> None:
         """Every unfinished transfer of the session fails, its other streams close.  Its
-        transfers leave the queues first and fail without giving their room away one by
-        one: the room they leave goes to the transfers waiting once, at the end (a session
-        of thousands of transfers, each failing, would walk the queues each time)."""
+        transfers fail under ``_regrant_held``; the room goes to those waiting once, at the
+        end (a session of thousands of transfers, each failing, would walk the queues each
+        time)."""
         sess.closed = True
         sess.lose_at = None
-        for t in sess.transfers.values():
-            self._waiting.pop(t.key, None)
-            self._admitting.pop(t.key, None)
         self._regrant_held += 1
         try:
             for t in list(sess.transfers.values()):
@@ -1365,12 +1366,12 @@ class ReceiverCore:
     def _admit(self, t: _Incoming) -> None:
         """``t`` passed every check at BEGIN: it is accepted (with its registry verdict, if
         it goes through the gate) only once its first layer has room.  ACCEPT grants that
-        layer before its size is known, so the room is kept for it at an estimate, the
-        largest first layer of its layout the server stored recently (of any layout if it
-        has seen none of this one; 0 if it has seen none at all), reserved from now until
-        its first chunk allocates it.  It has room when no transfer waits to start before
-        it and the room left (the share kept from windows included) holds its estimate;
-        else it waits to start, in the order of BEGINs, until room frees
+        layer before its size is known, so the room is kept for it at an estimate
+        (:meth:`_estimate`: from the first layers of its layout the server stored recently,
+        of any layout if it has seen none of this one, 0 if it has seen none at all),
+        reserved from now until its first chunk allocates it.  It has room when no transfer
+        waits to start before it and the room left (the share kept from windows included)
+        holds its estimate; else it waits to start, in the order of BEGINs, until room frees
         (:meth:`_admit_waiting`).  Its sender waits for ACCEPT meanwhile, its transfer
         deadline running; it counts against max_transfers from its BEGIN."""
         est = self._estimate(t)
@@ -1381,6 +1382,9 @@ class ReceiverCore:
             self._count("admission_waits")
 
     def _give_room(self, t: _Incoming, est: int) -> None:
+        """``t``'s first layer has room: its estimate ``est`` is reserved from now (one of
+        0, before any first layer was seen, is reserved once one is known, see
+        :meth:`_estimate_unestimated`)."""
         t.roomed = True
         t.estimate = est
         if not est:
@@ -1416,7 +1420,7 @@ class ReceiverCore:
         recent = self._first_layers.get(t.spec.fingerprint) or self._first_layers_any
         if not recent:
             return 0
-        return min(max(recent), max(self.config.max_buffer_bytes // FIRST_LAYER_SHARE, min(recent)))
+        return min(max(recent), max(self._first_layer_share(), min(recent)))
 
     def _learn(self, t: _Incoming) -> None:
         """``t``'s first layer is stored: its footprint is remembered for the estimates of
@@ -1456,13 +1460,13 @@ class ReceiverCore:
             u.estimate = est
             self._reserve(u)
 
-    def _at(self, now: float) -> None:
+    def _time_given(self, now: float) -> None:
         """A call gave the time: claim deadlines of transfers accepted since by calls that
         gave none start now."""
         self._now = now
-        if not self._claims_to_start:
+        if not self._claim_deadlines_pending:
             return
-        keys, self._claims_to_start = self._claims_to_start, {}
+        keys, self._claim_deadlines_pending = self._claim_deadlines_pending, {}
         timeout = self.config.claim_timeout
         if timeout is None:
             return
@@ -1470,9 +1474,6 @@ class ReceiverCore:
             t = self._live.get(key)
             if t is not None and not t.claimed and t.claim_deadline is None and key in self._unclaimed:
                 t.claim_deadline = now + timeout
-                self._note(_CLAIM, key)
-            elif (f := self._failed.get(key)) is not None and f.claim_deadline is None:
-                f.claim_deadline = now + timeout
                 self._note(_CLAIM, key)
 
     @property
@@ -1495,7 +1496,7 @@ class ReceiverCore:
             self._unclaimed[t.key] = None
         if self.config.claim_timeout is not None and not t.claimed:
             if now is None:  # (accepted as room freed in a call that gave no time)
-                self._claims_to_start[t.key] = None
+                self._claim_deadlines_pending[t.key] = None
             else:
                 t.claim_deadline = now + self.config.claim_timeout
                 self._note(_CLAIM, t.key)
@@ -1536,7 +1537,13 @@ class ReceiverCore:
     def _window_room(self) -> int:
         """Room windows are granted into: the room left less the share kept for first
         layers (:data:`FIRST_LAYER_SHARE`)."""
-        return self._room() - self.config.max_buffer_bytes // FIRST_LAYER_SHARE
+        return self._room() - self._first_layer_share()
+
+    def _first_layer_share(self) -> int:
+        """The bytes of the budget kept from windows for first layers
+        (:data:`FIRST_LAYER_SHARE`): the most a first layer's estimate is, unless the smallest
+        recent first layer is larger."""
+        return self.config.max_buffer_bytes // FIRST_LAYER_SHARE
 
     def _offer(self, t: _Incoming) -> None:
         """Grant ``t`` its window, ``taken + W`` layers, as far as the room left holds it:
@@ -1645,7 +1652,9 @@ class ReceiverCore:
         self._waiting.pop(t.key, None)
         self._admitting.pop(t.key, None)
         self._unestimated.pop(t.key, None)
-        self._claims_to_start.pop(t.key, None)
+        # (a guard: keys enter _claim_deadlines_pending only in calls that give no time, and
+        # none of those fails a transfer before the next call that gives time takes them)
+        self._claim_deadlines_pending.pop(t.key, None)
         for r in t.inplace.values():  # never written again once the transfer is gone
             conn = self._conns.get(r.cid)
             if conn is not None:
@@ -1868,9 +1877,8 @@ class ReceiverCore:
         held = self.buffered_bytes - self.kept_bytes  # layers alone within the budget
         # A layer granted once the size was known was reserved (its room kept, see
         # _reserve); a transfer's first layer, granted by ACCEPT, had its room kept at an
-        # estimate: it takes what the layers held and granted to every other transfer leave.
-        # Its first layer's room was kept at an estimate (see _admit): that estimate is
-        # replaced by the layer's footprint.
+        # estimate (see _admit): it takes what the layers held and granted to every other
+        # transfer leave.
         granted = self.reserved_bytes - (cost if t.sized else t.reserved)
         if cost and held + granted + cost > limit:
             if count:
