@@ -318,7 +318,9 @@ class Stream(asyncio.BufferedProtocol):
             self._linger = None
         if exc is not None:
             # The transport broke (a write through it failed): what the peer sent before
-            # is still to be read, its GOAWAY perhaps (the socket is open until this returns).
+            # is still to be read, its GOAWAY perhaps (over plain TCP the socket is open
+            # until this returns; under TLS it is read through the duplicate descriptor
+            # _open_tls_left opened).
             self._broken = True
             self._read_left()
             self._read_tls_left()

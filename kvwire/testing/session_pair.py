@@ -106,7 +106,8 @@ class SessionPair:
         """The most bytes the receiver held in layers (its buffered_bytes less kept_bytes)."""
         self.max_layers_committed = 0
         """The most bytes of layers the receiver held or had granted and not yet allocated
-        (its reserved_bytes): what its grants promise never exceeds its budget."""
+        (buffered_bytes less kept_bytes, plus reserved_bytes): what its grants promise never
+        exceeds its budget."""
         self._requests: dict[tuple[bytes, int], str] = {}
         self._orphans: list[_Link] = []
         self.claim = True

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32")
 
 
-def test_peer_and_server_say_what_the_async_ones_say() -> None:
+def test_sync_peer_and_server_report_version_session_streams_and_arrivals() -> None:
     with (
         SyncServer(secret=SECRET) as server,
         SyncPeer("127.0.0.1", server.port, secret=SECRET, streams=2) as peer,

@@ -1,10 +1,9 @@
 """Admission by room (docs/protocol.md 7.1, 8.2): a BEGIN that passes every check is
 admitted (it counts against max_transfers, its transfer deadline runs) but ACCEPTed only
-once the room left in ``max_buffer_bytes`` holds its first layer at an estimate (the
-largest first layer of its layout seen recently), reserved until that layer arrives;
-until then it waits to start, in the order of BEGINs, and room that frees goes to the
-transfers waiting for credit first, then to those waiting to start.  In fake time,
-through the receiver core alone."""
+once the room left in ``max_buffer_bytes`` holds its first layer at an estimate
+(docs/protocol.md 8.2), reserved until that layer arrives; until then it waits to start,
+in the order of BEGINs, and room that frees goes to the transfers waiting for credit
+first, then to those waiting to start.  In fake time, through the receiver core alone."""
 
 from __future__ import annotations
 
@@ -48,11 +47,9 @@ def idle(h: Harness) -> None:
 def test_transfers_begun_together_all_complete_with_an_application_reading_every_layer_as_it_arrives() -> None:
     """The defaults' ratio (a budget of 4 GiB, windows of 256 MiB, layers of 32 MiB: 128,
     8 and 1 layer), 40 transfers begun at once, an application taking every layer as soon
-    as it is ready.  Before, windows took the room and every transfer past about 30
-    failed at its first layer ("the server's buffer budget is taken by other
-    transfers"), though max_transfers allows 64.  Now the room of every first layer is
-    kept (at the size of the first one seen) before windows take it, and a BEGIN past the
-    room would wait to start."""
+    as it is ready: every transfer completes and none fails at its first layer, the room
+    of every first layer being kept (at the size of the first one seen) before windows
+    take it, a BEGIN past the room waiting to start."""
     n, layers = 40, 16
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=128 * LAYER, transfer_buffer_bytes=8 * LAYER,
                                claim_timeout=None))
@@ -229,11 +226,10 @@ def test_a_lost_session_or_a_server_closing_leaves_nothing_reserved_or_waiting()
         assert h.core.buffered_bytes == 0 and not h.core._live
 
 
-def test_a_session_lost_with_many_transfers_waiting_offers_the_room_once() -> None:
-    """Each transfer of a lost session failing gave its room away at once, walking every
-    transfer waiting for credit (those of the session too): quadratic in the transfers
-    waiting (4000: about 2 s to close a server).  They leave the queues first; the room
-    goes to those left once."""
+def test_a_server_closing_with_many_transfers_waiting_offers_the_room_once() -> None:
+    """A server closing with 200 transfers waiting for credit fails them without giving
+    the room away as each fails (which would walk every transfer waiting: quadratic in
+    them): the room for windows is looked at a bounded number of times."""
     n = 200
     unit = LAYER
     budget = 8 * (2 * n + 1) * unit
@@ -284,9 +280,9 @@ def test_a_transfer_granted_its_whole_window_no_longer_waits() -> None:
 
 def test_a_first_layer_received_into_a_destination_sets_no_estimate_an_idle_server_cannot_hold() -> None:
     """A transfer received into the application's memory may have layers larger than
-    the whole budget (it does not count them).  Its first layer used to set the estimate
-    of every later first layer of its layout, and of layouts not seen yet: larger than
-    the budget, so they waited to start on an idle server until transfer_timeout."""
+    the whole budget (it does not count them).  Its first layer sets no estimate: later
+    transfers of its layout, and of a layout not seen yet, start at once on an idle
+    server."""
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=4 * LAYER, transfer_buffer_bytes=4 * LAYER,
                                claim_timeout=None, transfer_timeout=300.0))
     h.client.send_begin(begin(tid=1, layers=1, request="big"))
@@ -304,11 +300,10 @@ def test_a_first_layer_received_into_a_destination_sets_no_estimate_an_idle_serv
 
 
 def test_one_large_first_layer_makes_later_transfers_wait_for_no_more_than_the_kept_share() -> None:
-    """One long prompt (or a peer's one chunk of a first layer of 12 of the budget's 16
-    layers) used to raise the estimate of every first layer of its layout to 12: with
-    4 left, no later transfer of the layout started until its transfer_timeout.  Past
-    ordinary first layers of the layout, the estimate is at most the eighth of the
-    budget kept for first layers (2 here)."""
+    """With one long prompt's first layer (or a peer's one chunk of it) holding 12 of the
+    budget's 16 layers, 4 left, later transfers of the layout still start: past ordinary
+    first layers of the layout, the estimate is at most the eighth of the budget kept for
+    first layers (2 here), so two start and the next waits."""
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=16 * LAYER, transfer_buffer_bytes=4 * LAYER,
                                claim_timeout=None))
     begin_all(h, 2, 1)  # an ordinary transfer of the layout: layers of one LAYER
@@ -328,8 +323,8 @@ def test_one_large_first_layer_makes_later_transfers_wait_for_no_more_than_the_k
 def test_a_transfer_accepted_before_any_estimate_gets_its_room_before_those_waiting_to_start() -> None:
     """Transfers accepted at a cold start (no first layer seen: an estimate of 0) have
     their estimate reserved once the first layer is stored, as far as room holds; one
-    it did not hold used to be passed over when room freed (a later BEGIN took it) and
-    its first layer then failed for want of room."""
+    it did not hold has its estimate reserved when room frees, before a later BEGIN
+    waiting to start, and its first layer then finds room."""
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=8 * LAYER, transfer_buffer_bytes=LAYER,
                                claim_timeout=None))
     begin_all(h, 1, *range(1, 10))  # all accepted at once: no estimate yet

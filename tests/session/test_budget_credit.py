@@ -5,8 +5,8 @@ senders slow down) instead of failing with LIMIT_EXCEEDED.  Windows are granted 
 budget less an eighth, kept for first layers; a layer taken gives its room back to its
 own transfer, and room that frees otherwise goes to the transfers waiting, the one waiting
 longest first.  A transfer is accepted only once the room left holds its first layer at
-an estimate (the largest first layer of its layout seen recently), reserved until that
-layer arrives; until then its BEGIN waits to start, in the order of BEGINs.  In fake time,
+an estimate (docs/protocol.md 8.2), reserved until that layer arrives; until then its
+BEGIN waits to start, in the order of BEGINs.  In fake time,
 through the receiver core alone (the client a wire connection that keeps to its credit)."""
 
 from __future__ import annotations
@@ -75,10 +75,9 @@ def take(h: Harness, tid: int, layer: int) -> Any:
 
 
 def test_two_transfers_over_the_budget_both_complete_as_the_application_takes_layers() -> None:
-    """Each transfer's window (3 layers) fits the budget (4), both together do not: before,
-    both were granted their whole window and the one whose layer found the budget full
-    failed with LIMIT_EXCEEDED ("the server holds ..."), though the application was
-    taking layers.  Now the second is granted what is left, and more as layers are taken."""
+    """Each transfer's window (3 layers) fits the budget (4), both together do not: the
+    second is granted what is left, and more as the application takes layers, and neither
+    fails with LIMIT_EXCEEDED."""
     layers = 6
     h = harness(4, 3)
     begin_all(h, layers, 1, 2)
@@ -169,10 +168,9 @@ def test_a_transfer_that_fails_or_is_received_into_a_destination_gives_its_grant
 
 
 def test_a_first_layer_larger_than_its_estimate_that_finds_the_budget_granted_away_fails_saying_what_to_do() -> None:
-    """ACCEPT grants layer 0 before its size is known: its room is kept at an estimate,
-    the largest first layer of its layout seen recently.  A first layer larger than that
-    (here: twice as many tokens) that does not fit in the room left fails with
-    LIMIT_EXCEEDED, whose text says why and what the receiving side can do about it."""
+    """ACCEPT grants layer 0 before its size is known: its room is kept at an estimate
+    (docs/protocol.md 8.2).  A first layer larger than that (here: twice as many tokens)
+    that does not fit in the room left fails with LIMIT_EXCEEDED, whose text says why and what the receiving side can do about it."""
     h = harness(8, 8)
     begin_all(h, 8, 1)
     send_layer(h, 1, 0)

@@ -243,8 +243,8 @@ async def test_server_wide_byte_budget_slows_what_does_not_fit() -> None:
             # failed: protocol.md 8.2) until the application takes layers.
             two = asyncio.create_task(peer.send("two", SPEC, layers(), timeout=10))
             assert await wait_until(lambda: server.statistics()["transfers_waiting_for_room"] == 1, 5)
-            # A third finds no room for its first layer: it waits to start (before, its first
-            # layer found the budget taken and it failed with LIMIT_EXCEEDED).
+            # A third finds no room for its first layer: it waits to start (not failed with
+            # LIMIT_EXCEEDED).
             three = asyncio.create_task(peer.send("three", SPEC, layers(), timeout=10))
             assert await wait_until(lambda: server.statistics()["transfers_waiting_to_start"] == 1, 5)
             assert server.statistics()["buffered_bytes"] <= 5 * layer_bytes
