@@ -1111,8 +1111,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     if send is not None and send.state is _SendState.DEFERRED:
                         continue
                     versions = self._versions(move)  # named now, as a save in its step is
-                    self._set(move.req_id, _Send(move, versions or {}, now, _SendState.DEFERRED),
-                              _SendState.DEFERRED if versions is not None else _SendState.ENDED)
+                    state = _SendState.DEFERRED if versions is not None else _SendState.ENDED
+                    self._set(move.req_id, _Send(move, versions or {}, now, state), state)
                 logger.info("kvwire: KV of requests %s waits for the connection to %s",
                             ", ".join(m.req_id for m in saves), self._peer_addr)
                 return
@@ -1216,13 +1216,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self._set(req_id, send, _SendState.IN_FLIGHT)
 
     def _requeue(self, req_id: str, send: _Send, outcome: Any) -> bool:
-        """``req_id``'s send ended (``outcome``, see :meth:`_outcome`): if the consumer's server refused it at BEGIN for want of
-        room (LIMIT_EXCEEDED: it takes max_transfers transfers of the session at once,
-        those arrived that no request loaded yet included, and keeps nothing of a refused
-        one), it goes back to the head of the queue (refused, see :meth:`_flush_refused`),
-        to be begun again once another send ended or ``_ROOM_WAIT`` passed, and True
-        (logged once, at INFO); not past kvwire_load_timeout from when it was first queued
-        (False: it failed).  The one way a send goes back to the queue."""
+        """``req_id``'s send ended (``outcome``, see :meth:`_outcome`): if the consumer's
+        server refused it at BEGIN for want of room (LIMIT_EXCEEDED: it takes max_transfers
+        transfers of the session at once, those arrived that no request loaded yet
+        included, and keeps nothing of a refused one), it goes back to the head of the
+        queue (refused, see :meth:`_flush_refused`), to be begun again once another send
+        ended or ``_ROOM_WAIT`` passed, and True (logged once, at INFO); not past
+        kvwire_load_timeout from when it was first queued (False: it failed).  The one way
+        a send goes back to the queue."""
         if not isinstance(outcome, LimitExceededError):  # (a send refused is done: its error is the refusal)
             return False
         if time.monotonic() >= send.since + self._timeout:
