@@ -11,20 +11,16 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections.abc import AsyncIterator
-from typing import Any
 
 import numpy as np
 import pytest
 import trustme
 
 import kvwire
+from tests.aio.test_goaway_before_reset import SPEC, TOKENS, _wait_first_layer_acked
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
-
-#: 2 MiB of K and of V a layer: written in several pieces, so that a write follows the reset.
-SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=8, head_dim=128)
-TOKENS = 1024
 
 
 def _contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
@@ -34,17 +30,6 @@ def _contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
     client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
     ca.configure_trust(client_ctx)
     return server_ctx, client_ctx
-
-
-async def _wait_first_layer_acked(peer: Any) -> None:
-    async def acked() -> None:
-        while not any(
-            (t := peer.core.transfer(tid)) is not None and t.kv_bytes_acked > 0
-            for tid in list(peer.sends)
-        ):
-            await asyncio.sleep(0.01)
-
-    await asyncio.wait_for(acked(), 20)
 
 
 async def test_a_tls_sender_that_writes_before_reading_acts_on_the_goaway_it_had_not_read() -> None:
