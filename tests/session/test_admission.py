@@ -36,6 +36,13 @@ def accepted(h: Harness) -> list[int]:
     return [e.transfer_id for e in h.client_of(TransferAccepted)]
 
 
+def at(h: Harness, now: float) -> None:
+    """Fake time moves to ``now``: the core's timers run, what they said is delivered."""
+    h.now = now
+    h.core.handle_timer(now)
+    h.pump()
+
+
 def idle(h: Harness) -> None:
     """Nothing is left held, reserved or waiting."""
     core = h.core
@@ -121,13 +128,9 @@ def test_a_transfer_waiting_to_start_fails_at_transfer_timeout_saying_so() -> No
     h.now = 10.0
     begin_all(h, 1, 2)
     assert accepted(h) == [1] and h.core.waiting_to_start == 1
-    h.now = 39.0
-    h.core.handle_timer(h.now)
-    h.pump()
+    at(h, 39.0)
     assert not h.of(TransferFailed)
-    h.now = 40.0
-    h.core.handle_timer(h.now)
-    h.pump()
+    at(h, 40.0)
     [failed] = h.of(TransferFailed)
     assert failed.key[1] == 2 and isinstance(failed.error, TransferTimeoutError)
     assert "not started after 30.0 s" in str(failed.error) and "max_buffer_bytes" in str(failed.error)
@@ -151,15 +154,10 @@ def test_the_claim_deadline_of_a_transfer_started_by_a_layer_taken_runs_from_the
     h.now = 100.0
     take(h, 1, 0)
     assert accepted(h) == [1, 2] and h.core.unclaimed() == [key(h, 2)]
-    h.now = 102.0
-    h.core.handle_timer(h.now)  # the claim deadline starts here: 107
-    h.now = 106.0
-    h.core.handle_timer(h.now)
-    h.pump()
+    at(h, 102.0)  # the claim deadline starts here: 107
+    at(h, 106.0)
     assert not h.of(TransferAborted)
-    h.now = 107.0
-    h.core.handle_timer(h.now)
-    h.pump()
+    at(h, 107.0)
     [aborted] = h.of(TransferAborted)
     assert aborted.key[1] == 2 and "not claimed" in aborted.reason
 
