@@ -865,7 +865,7 @@ class ReceiverCore:
             # it has, so it always goes on.  Room past that goes to those waiting, oldest
             # first (it among them, in its place, if it waits), then to it.
             want = min(t.taken + t.window, t.begin.num_layers)
-            if t.layer_cost and want > t.state.layer_limit and self._room() >= t.layer_cost:
+            if t.sized and want > t.state.layer_limit and self._room() >= t.layer_cost:
                 self._grant(t, t.state.layer_limit + 1)
             self._regrant()
             if t.key not in self._waiting:
@@ -1554,7 +1554,7 @@ class ReceiverCore:
         want = min(t.taken + t.window, t.begin.num_layers)
         limit = t.state.layer_limit
         if want > limit:
-            if t.external or not t.layer_cost:
+            if t.external or not t.sized:
                 self._grant(t, want)
             else:
                 self._grant(t, min(want, limit + max(0, self._window_room()) // t.layer_cost))
@@ -1848,8 +1848,7 @@ class ReceiverCore:
             t.sized = True
             t.layer_cost = self._store.footprint(layer_bytes)
             self._learn(t)  # (first layers waiting for an estimate before this one's window)
-            self._reserve(t)
-            self._offer(t)
+            self._offer(t)  # (its layer 0, allocated, reserves nothing: _layer_buffer)
             self._regrant()  # (room its estimate kept past its footprint)
         complete = t.state.layer_complete(chunk.layer)
         # Each range remembered until its layer is complete counts in the budget.
