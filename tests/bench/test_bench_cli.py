@@ -451,19 +451,8 @@ def test_a_run_on_pure_python_code_says_so() -> None:
     """An infrastructure engineer measuring a link should know when the figures are those of
     the pure-Python code (no compiler at install time): the summary says which parts, the
     JSON lists them."""
-    proc = _kvwire(
-        "bench",
-        "--model",
-        "tiny",
-        "--tokens",
-        "32",
-        "--duration",
-        "0.5",
-        "--no-baseline",
-        "--json",
-        "-",
-        env_extra={"KVWIRE_NO_EXTENSIONS": "1"},
-    )
+    run = ("bench", "--model", "tiny", "--tokens", "32", "--duration", "0.5", "--no-baseline", "--json", "-")
+    proc = _kvwire(*run, env_extra={"KVWIRE_NO_EXTENSIONS": "1"})
     assert proc.returncode == 0, proc.stderr
     assert "runs pure-Python code for crc32c, host_codec, send_queue" in proc.stderr
     doc = json.loads(proc.stdout)
@@ -472,17 +461,6 @@ def test_a_run_on_pure_python_code_says_so() -> None:
         "host_codec": None,
         "send_queue": None,
     }
-    compiled = _kvwire(
-        "bench",
-        "--model",
-        "tiny",
-        "--tokens",
-        "32",
-        "--duration",
-        "0.5",
-        "--no-baseline",
-        "--json",
-        "-",
-    )
+    compiled = _kvwire(*run)
     assert compiled.returncode == 0, compiled.stderr
     assert "pure-Python" not in compiled.stderr or None in kvwire.extensions().values()
