@@ -1037,7 +1037,10 @@ class Peer(Pump):
         REPORTs say receiving costs it: ``transport_s_per_gb`` (its event loop's CPU
         seconds per GB of CHUNK frames, decodes left out) and ``decode_gbps`` (per codec,
         the Gbit/s of fp16 its decode yields on the server).  ``protocol_version`` is
-        :attr:`protocol_version`."""
+        :attr:`protocol_version`.  ``transfers_in_flight`` counts the sends under way,
+        ``transfers_waiting_to_start`` those of them whose BEGIN the server has not
+        answered yet (it holds ACCEPT while its buffer budget has no room for a first
+        layer: their ``send()`` waits, within its ``timeout``)."""
         snap = self.estimator.snapshot()
         wire_bps = snap.goodput_bps
         goodput_bps = wire_bps * self._acked_kv / self._acked_wire if wire_bps and self._acked_wire else None
@@ -1067,7 +1070,8 @@ class Peer(Pump):
             "min_rtt_ms": snap.min_rtt * 1e3 if snap.min_rtt is not None else None,
             "srtt_ms": snap.srtt * 1e3 if snap.srtt is not None else None,
             "bytes_in_flight": snap.bytes_in_flight, "inflight_target": self.inflight.update(self.estimator, clock()),
-            "streams": streams, "transfers_in_flight": self.core.transfers, "bytes_sent": self.bytes_sent,
+            "streams": streams, "transfers_in_flight": self.core.transfers,
+            "transfers_waiting_to_start": self.core.waiting_to_start, "bytes_sent": self.bytes_sent,
             "receiver": {"transport_s_per_gb": self.receiver["transport_s_per_gb"],
                          "decode_gbps": dict(self.receiver["decode_gbps"])},
             **self.core.counters,

@@ -573,6 +573,12 @@ class SenderCore:
     def transfers(self) -> int:
         return len(self._transfers)
 
+    @property
+    def waiting_to_start(self) -> int:
+        """Transfers whose BEGIN has had no answer yet: a server may hold its ACCEPT until
+        its buffer budget has room (docs/protocol.md 7.1)."""
+        return sum(1 for t in self._transfers.values() if not t.state.accepted)
+
     # -- time ----------------------------------------------------------------------------
 
     def get_timer(self) -> float | None:
