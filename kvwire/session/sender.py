@@ -603,8 +603,12 @@ class SenderCore:
                 self._want(i)
         for t in list(self._transfers.values()):
             if t.deadline is not None and now >= t.deadline:
+                # A server holds ACCEPT while its buffer budget has no room (protocol.md 7.1).
+                why = "" if t.state.accepted else (
+                    ": the server never answered its BEGIN (it holds ACCEPT while its buffer budget"
+                    " has no room for a first layer)")
                 self._fail(t, TransferTimeoutError(
-                    f"transfer {t.begin.request_id!r} did not complete in {t.timeout} s"), reset=True)
+                    f"transfer {t.begin.request_id!r} did not complete in {t.timeout} s{why}"), reset=True)
         self.pump()
 
     # -- internals -----------------------------------------------------------------------

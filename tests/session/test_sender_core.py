@@ -87,6 +87,8 @@ class Harness:
     """Slots whose TCP connect fails (``stream_failed``)."""
     connects: dict[int, int] = field(default_factory=dict)
     """Connection attempts per slot."""
+    hold_accept: bool = False
+    """The servers answer no BEGIN (as one holds ACCEPT while its budget has no room)."""
 
     def open(self, index: int) -> None:
         cfg: dict[str, object] = dict(secret=SECRET, codecs=("raw", "fp8"), window=WINDOW, max_transfers=7,
@@ -128,7 +130,7 @@ class Harness:
                     srv.refuse(self.refuse[index], "refused")
                 else:
                     srv.welcome(self.session_id, srv.config.codecs)
-            elif isinstance(ev, TransferBegun):
+            elif isinstance(ev, TransferBegun) and not self.hold_accept:
                 srv.send_accept(ev.frame.transfer_id, min(self.layer_limit, ev.frame.num_layers))
             elif isinstance(ev, ChunkReceived):
                 self.received.append((index, ev.chunk.address))
