@@ -632,7 +632,7 @@ class Server(Pump):
         """``transfer`` goes to the application: claimed, and from now on held only weakly
         (see ``_handed``)."""
         key = transfer._key
-        self.core.claim(key)
+        self.core.claim(key, self.now())
         if transfer._error is not None:  # failed before it was claimed: nothing to let go of
             self._transfers.pop(key, None)
             return
@@ -936,7 +936,7 @@ class Server(Pump):
                     try:
                         self._attach_claimed(transfer, into)
                     except Exception as exc:  # the transfer failed with it: nobody else takes it
-                        self.core.claim(key)
+                        self.core.claim(key, self.now())
                         self._transfers.pop(key, None)
                         fut.set_exception(exc)
                         return
@@ -953,7 +953,7 @@ class Server(Pump):
     # -- what a Transfer asks of the core ---------------------------------------------------------
 
     def _take(self, transfer: Transfer, layer: int) -> Any:
-        buf = self.core.pop_layer(transfer._key, layer)
+        buf = self.core.pop_layer(transfer._key, layer, self.now())
         if transfer._yielded + 1 >= transfer.spec.num_layers:
             self._transfers.pop(transfer._key, None)
         self.pump()
@@ -987,7 +987,7 @@ class Server(Pump):
         except KvwireError as exc:
             self._destination_failed(transfer, exc)
             raise
-        self.core.attach(key)
+        self.core.attach(key, self.now())
         self.pump()
 
     def _destination_failed(self, transfer: Transfer, error: KvwireError) -> None:

@@ -640,11 +640,9 @@ class ReceiverCore:
         # Transfers given room for their first layer at an estimate of 0 (no first layer
         # seen yet): their estimate is reserved once one is known, as far as room holds it.
         self._unestimated: dict[Key, None] = {}
-        # Transfers accepted by a call that gave no time (pop_layer, claim, attach): their
-        # claim deadline starts at the next call that does (_time_given).
-        self._claim_deadlines_pending: dict[Key, None] = {}
-        # Given by the latest call that gave one; None after one that gave none.
-        self._now: float | None = None
+        # The time given by the latest call (every call that can accept a transfer gives it):
+        # a transfer accepted as room frees starts its claim deadline then (_admit_waiting).
+        self._now = 0.0
         self._regrant_held = 0  # while positive, _regrant waits (a session's transfers failing)
         self.kept_bytes = 0
         """Of buffered_bytes: what the server remembers of its transfers besides their layers
@@ -660,7 +658,7 @@ class ReceiverCore:
     def connection_made(self, cid: int, now: float, started: float | None = None) -> None:
         """Connection ``cid`` is up; ``started``: when it was accepted, if earlier (before a
         TLS handshake): its handshake deadline counts from then."""
-        self._time_given(now)
+        self._now = now
         cfg = self.config
         ccfg = ConnectionConfig(
             secret=cfg.secret, codecs=cfg.codecs, max_frame_size=cfg.max_frame_size,
@@ -680,7 +678,7 @@ class ReceiverCore:
 
     def receive_data(self, cid: int, data: bytes, now: float) -> None:
         """Bytes from connection ``cid`` (``b""``: the peer closed or the connection broke)."""
-        self._time_given(now)
+        self._now = now
         conn = self._conns.get(cid)
         if conn is not None:
             conn.receive_data(data, now)
@@ -689,7 +687,7 @@ class ReceiverCore:
     def buffer_updated(self, cid: int, nbytes: int, now: float) -> bool:
         """``nbytes`` were read into ``connection(cid).get_buffer()``.  False: they were
         bytes of an unfinished frame only, nothing changed (no pump needed)."""
-        self._time_given(now)
+        self._now = now
         conn = self._conns.get(cid)
         if conn is None or not conn.buffer_updated(nbytes, now):
             return False
@@ -742,7 +740,7 @@ class ReceiverCore:
 
     def close(self, now: float) -> None:
         """The server is closing: every connection says so, every session is lost."""
-        self._time_given(now)
+        self._now = now
         for cid, conn in list(self._conns.items()):
             conn.close(ErrorCode.NO_ERROR, SHUTTING_DOWN)
             self._dirty.add(cid)
@@ -810,10 +808,10 @@ class ReceiverCore:
         session went first (see :meth:`_bound_failed`)."""
         return self.config.max_sessions * self.config.max_transfers
 
-    def claim(self, key: Key) -> None:
+    def claim(self, key: Key, now: float) -> None:
         """The application takes arrived transfer ``key`` (one that failed since it arrived
         too: it is handed out failed, and forgotten here)."""
-        self._now = None
+        self._now = now
         self._unclaimed.pop(key, None)
         if (f := self._failed.pop(key, None)) is not None:
             self._unindex_failed(key)
@@ -825,10 +823,10 @@ class ReceiverCore:
             t.claimed = True
             t.claim_deadline = None
 
-    def attach(self, key: Key) -> None:
+    def attach(self, key: Key, now: float) -> None:
         """Layers not begun yet go to the caller's memory (not counted in the budget), so
         every layer is granted at once."""
-        self._now = None
+        self._now = now
         t = self._transfer(key)
         if t is not None:
             t.external = True
@@ -836,12 +834,12 @@ class ReceiverCore:
             self._reserve(t)  # its granted layers no longer count: room for others
             self._regrant()
 
-    def pop_layer(self, key: Key, layer: int) -> Any:
+    def pop_layer(self, key: Key, layer: int, now: float) -> Any:
         """A complete layer's buffer, handed over: its memory leaves the budget, and the
         sender gets credit for one more layer in the room it leaves (the transfer keeps the
         window it has); room past that goes to the transfers waiting for it first, then to
         the transfers waiting to start (see :meth:`_admit`)."""
-        self._now = None
+        self._now = now
         t = self._transfer(key)
         if t is None or t.error is not None or layer not in t.buffers:
             raise ConnectionLostError("no such transfer or layer")
@@ -872,16 +870,16 @@ class ReceiverCore:
                 self._offer(t)
         return buf
 
-    def take_layer(self, key: Key, layer: int) -> tuple[bytes, bytes]:
+    def take_layer(self, key: Key, layer: int, now: float) -> tuple[bytes, bytes]:
         """The K and V bytes of a complete layer (see :meth:`pop_layer`)."""
-        buf = self.pop_layer(key, layer)
+        buf = self.pop_layer(key, layer, now)
         half = len(buf) // 2
         return bytes(buf[:half]), bytes(buf[half:])
 
     def abort(self, key: Key, reason: str, now: float) -> None:
         """The application gives up on the transfer (the sender is told): it is not kept
         for anyone to claim."""
-        self._time_given(now)
+        self._now = now
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
@@ -894,7 +892,7 @@ class ReceiverCore:
     def fail(self, key: Key, error: KvwireError, now: float) -> None:
         """Fail a transfer with ``error``; the sender is told (RESET).  It is not kept for
         anyone to claim (the I/O layer that fails it knows)."""
-        self._time_given(now)
+        self._now = now
         t = self._transfer(key)
         if t is not None:
             self._unclaimed.pop(key, None)
@@ -902,7 +900,7 @@ class ReceiverCore:
 
     def registry_checked(self, key: Key, stale: Sequence[object] | None, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryCheck` (stale blocks, or the registry's error)."""
-        self._time_given(now)
+        self._now = now
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
@@ -917,7 +915,7 @@ class ReceiverCore:
     def registry_published(self, key: Key, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryPublish`: the held acknowledgements go out, each
         after the RESET on its own connection if publishing failed."""
-        self._time_given(now)
+        self._now = now
         t = self._transfer(key)
         if t is None:
             return
@@ -970,7 +968,7 @@ class ReceiverCore:
         return None
 
     def handle_timer(self, now: float) -> None:
-        self._time_given(now)
+        self._now = now
         while self._timers and self._timers[0][0] <= now:
             when, _, name = self._timers[0]
             if not self._timer_valid(name, when):
@@ -1460,29 +1458,13 @@ class ReceiverCore:
             u.estimate = est
             self._reserve(u)
 
-    def _time_given(self, now: float) -> None:
-        """A call gave the time: claim deadlines of transfers accepted since by calls that
-        gave none start now."""
-        self._now = now
-        if not self._claim_deadlines_pending:
-            return
-        keys, self._claim_deadlines_pending = self._claim_deadlines_pending, {}
-        timeout = self.config.claim_timeout
-        if timeout is None:
-            return
-        for key in keys:
-            t = self._live.get(key)
-            if t is not None and not t.claimed and t.claim_deadline is None and key in self._unclaimed:
-                t.claim_deadline = now + timeout
-                self._note(_CLAIM, key)
-
     @property
     def waiting_to_start(self) -> int:
         """Transfers admitted whose ACCEPT waits for room for their first layer in
         max_buffer_bytes (see :meth:`_admit`)."""
         return len(self._admitting)
 
-    def _accept(self, t: _Incoming, now: float | None) -> None:
+    def _accept(self, t: _Incoming, now: float) -> None:
         t.accepted = True
         self._store.opened(t.key, t.spec)
         self._count("transfers_accepted")
@@ -1495,11 +1477,8 @@ class ReceiverCore:
         if not t.claimed:
             self._unclaimed[t.key] = None
         if self.config.claim_timeout is not None and not t.claimed:
-            if now is None:  # (accepted as room freed in a call that gave no time)
-                self._claim_deadlines_pending[t.key] = None
-            else:
-                t.claim_deadline = now + self.config.claim_timeout
-                self._note(_CLAIM, t.key)
+            t.claim_deadline = now + self.config.claim_timeout
+            self._note(_CLAIM, t.key)
         self._events.append(TransferArrived(
             key=t.key, request_id=t.begin.request_id, meta=t.meta, num_layers=t.begin.num_layers,
             spec=t.spec, blocks=tuple((bv.block, bv.version) for bv in t.begin.blocks),
@@ -1652,9 +1631,6 @@ class ReceiverCore:
         self._waiting.pop(t.key, None)
         self._admitting.pop(t.key, None)
         self._unestimated.pop(t.key, None)
-        # (a guard: keys enter _claim_deadlines_pending only in calls that give no time, and
-        # none of those fails a transfer before the next call that gives time takes them)
-        self._claim_deadlines_pending.pop(t.key, None)
         for r in t.inplace.values():  # never written again once the transfer is gone
             conn = self._conns.get(r.cid)
             if conn is not None:

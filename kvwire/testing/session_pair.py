@@ -176,13 +176,13 @@ class SessionPair:
                 self._requests[ev.key] = ev.request_id
                 self.keys[ev.request_id] = ev.key
                 if self.claim:
-                    self.receiver.claim(ev.key)
+                    self.receiver.claim(ev.key, now)
             elif isinstance(ev, LayerReady):
                 if self._requests[ev.key] in self.hold or not self.claim:
                     self.held.append((ev.key, ev.layer))
                     continue
                 try:
-                    k, v = self.receiver.take_layer(ev.key, ev.layer)
+                    k, v = self.receiver.take_layer(ev.key, ev.layer, now)
                 except KvwireError:
                     continue  # it failed since; its TransferFailed event follows
                 self.delivered.setdefault(self._requests[ev.key], {})[ev.layer] = (k, v)

@@ -74,7 +74,7 @@ def test_transfers_begun_together_all_complete_with_an_application_reading_every
                 sent[tid] += 1
             for e in h.events[seen:]:  # the application: every layer ready, at once
                 if isinstance(e, LayerReady):
-                    h.core.pop_layer(e.key, e.layer)
+                    h.core.pop_layer(e.key, e.layer, h.now)
                     taken[e.key[1]] += 1
             seen = len(h.events)
             h.pump()
@@ -141,23 +141,23 @@ def test_a_transfer_waiting_to_start_fails_at_transfer_timeout_saying_so() -> No
     idle(h)
 
 
-def test_the_claim_deadline_of_a_transfer_started_by_a_layer_taken_runs_from_the_next_time_given() -> None:
-    """pop_layer gives no time: a transfer it starts has its claim deadline counted from
-    the next call that gives one (never earlier than its ACCEPT)."""
+def test_the_claim_deadline_of_a_transfer_started_by_a_layer_taken_runs_from_its_accept() -> None:
+    """A transfer that the room a layer taken frees starts has its claim deadline counted
+    from its ACCEPT, at the time pop_layer gives, as for any transfer: not from the next
+    call that gives the time."""
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=LAYER, transfer_buffer_bytes=LAYER,
                                claim_timeout=5.0, transfer_timeout=None))
     begin_all(h, 1, 1)
-    h.core.claim(key(h, 1))
+    h.core.claim(key(h, 1), h.now)
     send_layer(h, 1, 0)
     begin_all(h, 1, 2)
     assert accepted(h) == [1]
     h.now = 100.0
-    take(h, 1, 0)
+    take(h, 1, 0)  # ACCEPT at 100: the claim deadline is 105
     assert accepted(h) == [1, 2] and h.core.unclaimed() == [key(h, 2)]
-    at(h, 102.0)  # the claim deadline starts here: 107
-    at(h, 106.0)
+    at(h, 104.0)  # the next call that gives the time
     assert not h.of(TransferAborted)
-    at(h, 107.0)
+    at(h, 105.0)
     [aborted] = h.of(TransferAborted)
     assert aborted.key[1] == 2 and "not claimed" in aborted.reason
 
@@ -177,7 +177,7 @@ def test_a_transfer_waiting_to_start_is_accepted_on_the_stream_its_begin_was_re_
     h.core.receive_data(2, b"".join(bytes(p) for p in client.data_to_send()), h.now)
     assert not h.core.data_to_send(2)
     assert not [e for e in iter(client.next_event, None) if isinstance(e, TransferAccepted | TransferReset)]
-    h.core.pop_layer(a, 0)  # room: transfer 2 starts, on the stream that re-sent its BEGIN
+    h.core.pop_layer(a, 0, h.now)  # room: transfer 2 starts, on the stream that re-sent its BEGIN
     client.receive_data(h.core.data_to_send(2), h.now)
     got = [e for e in iter(client.next_event, None) if isinstance(e, TransferAccepted)]
     assert [(e.transfer_id, e.layer_limit) for e in got] == [(2, 1)]
@@ -286,10 +286,10 @@ def test_a_first_layer_received_into_a_destination_sets_no_estimate_an_idle_serv
     h.client.send_begin(begin(tid=1, layers=1, request="big"))
     h.pump()
     big = key(h, 1)
-    h.core.attach(big)
+    h.core.attach(big, h.now)
     h.send(chunk(tid=1, layer=0, kind=0, count=64, tokens=64))  # a layer of 8 budgets
     h.send(chunk(tid=1, layer=0, kind=1, count=64, tokens=64))
-    h.core.pop_layer(big, 0)
+    h.core.pop_layer(big, 0, h.now)
     h.pump()
     h.client.send_begin(begin(tid=2, layers=2, request="small"))
     h.client.send_begin(begin(tid=3, layers=2, request="other layout", num_kv_heads=1))

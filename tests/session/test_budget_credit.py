@@ -68,7 +68,7 @@ def send_layer(h: Harness, tid: int, layer: int, *, k: bool = True) -> None:
 
 
 def take(h: Harness, tid: int, layer: int) -> Any:
-    buf = h.core.pop_layer(key(h, tid), layer)
+    buf = h.core.pop_layer(key(h, tid), layer, h.now)
     h.pump()
     within_budget(h)
     return buf
@@ -157,7 +157,7 @@ def test_a_transfer_that_fails_or_is_received_into_a_destination_gives_its_grant
         if end == "attach":
             # Received into the application's memory from now on: its layers granted and
             # not begun no longer count, and transfer 2 gets them.
-            h.core.attach(key(h, 1))
+            h.core.attach(key(h, 1), h.now)
         else:
             h.core.abort(key(h, 1), "given up", h.now)
         h.pump()
@@ -214,7 +214,7 @@ def test_credit_given_while_no_stream_is_open_is_said_on_the_stream_that_rejoins
     a = key(h, 1)
     h.core.receive_data(1, b"", h.now)  # the connection broke
     h.core.forget(1)
-    h.core.pop_layer(a, 0)  # room for one layer: transfer 1's own, no stream to say it on
+    h.core.pop_layer(a, 0, h.now)  # room for one layer: transfer 1's own, no stream to say it on
     within_budget(h)
     assert h.core._live[a].state.layer_limit == 6
     _, events = join(h.core, 2, h.now, session_id=sid)

@@ -50,7 +50,7 @@ def test_a_transfer_the_sender_resets_before_it_is_claimed_stays_claimable_in_it
     # In arrival order, among that id's arrivals and all of them, until claimed.
     assert h.core.unclaimed("a") == [a1, a3] and h.core.unclaimed() == [a1, b, a3]
     assert h.core.failed_unclaimed == 1 and h.core.buffered_bytes == 0  # no layer held
-    h.core.claim(a1)
+    h.core.claim(a1, h.now)
     assert h.core.unclaimed("a") == [a3] and h.core.failed_unclaimed == 0
     assert not h.of(TransferDropped)
 
@@ -118,7 +118,7 @@ def test_a_failed_arrival_keeps_its_begin_charged_until_claimed() -> None:
     h.client.send_reset(1, ErrorCode.CANCELLED, "bye")
     h.pump()
     assert h.core.buffered_bytes == cost == h.core.kept_bytes
-    h.core.claim(key)
+    h.core.claim(key, h.now)
     assert h.core.buffered_bytes == 0 == h.core.kept_bytes
 
 
@@ -185,7 +185,7 @@ def test_a_client_resetting_transfers_without_end_forgets_only_its_own_failures(
     # Each of the others keeps its last two; 38 of each forgotten, oldest first.
     assert [h.core._request_id(k) for k in h.core.unclaimed()] == ["victim", "junk39", "junk40", "more39", "more40"]
     assert len(h.of(TransferDropped)) == 2 * 38 and h.core.failed_unclaimed == 5
-    h.core.claim(victim)
+    h.core.claim(victim, h.now)
     assert h.core.failed_unclaimed == 4
 
 
@@ -232,7 +232,7 @@ def test_failed_arrivals_stay_within_their_bounds_and_only_their_own_session_evi
     for op, slot in ops:
         if op == "claim":
             if h.core.unclaimed():
-                h.core.claim(h.core.unclaimed()[0])
+                h.core.claim(h.core.unclaimed()[0], h.now)
             continue
         if op == "drop":
             if slot in clients:

@@ -191,8 +191,8 @@ def test_a_begin_refused_at_admission_frees_its_id_and_a_registry_refusal_does_n
     assert full.transfer_id == 2 and full.code == ErrorCode.LIMIT_EXCEEDED
     h.send(chunk(tid=1, layer=0, kind=0, tokens=8))
     h.send(chunk(tid=1, layer=0, kind=1, tokens=8))
-    h.core.claim(h.key)
-    h.core.take_layer(h.key, 0)  # its last layer: the transfer no longer counts
+    h.core.claim(h.key, h.now)
+    h.core.take_layer(h.key, 0, h.now)  # its last layer: the transfer no longer counts
     h.client.send_begin(begin(tid=2, layers=1, request="r2", blocks=(BlockVersion(block=b"i:1", version=3),)))
     h.pump()
     [check] = h.of(RegistryCheck)  # admitted this time
@@ -384,7 +384,7 @@ def test_a_storage_failure_leaves_the_chunk_unreceived_and_becomes_a_typed_error
                 c = chunk(layer=layer, kind=kind, start=start, count=4)
                 h.send(c)
                 for ev in h.of(LayerReady)[taken:]:
-                    h.core.take_layer(key, ev.layer)
+                    h.core.take_layer(key, ev.layer, h.now)
                     taken += 1
     failed = h.of(TransferFailed)
     if fail_at > store.calls:  # the failure point was never reached: all delivered
@@ -480,7 +480,7 @@ def test_attach_grants_every_layer_and_keeps_them_out_of_the_budget() -> None:
     h = Harness()
     h.client.send_begin(begin(layers=4))
     h.pump()
-    h.core.attach(h.key)
+    h.core.attach(h.key, h.now)
     h.pump()
     assert h.client_of(CreditGranted)[-1].layer_limit == 4
     for layer in range(4):
@@ -566,11 +566,11 @@ def test_a_begins_prefix_blocks_and_meta_count_in_the_buffer_budget(monkeypatch:
     assert h.core.counters["buffer_budget_refusals"] == 1 and h.core.buffered_bytes == 2 * cost
     # The first completes and is taken: its blocks and meta leave the budget and the server.
     key = arrived.key
-    h.core.claim(key)
+    h.core.claim(key, h.now)
     for layer_index in (0, 1):
         h.send(chunk(layer=layer_index, kind=0))
         h.send(chunk(layer=layer_index, kind=1))
-        h.core.take_layer(key, layer_index)
+        h.core.take_layer(key, layer_index, h.now)
         h.pump()
     assert h.core.buffered_bytes == cost
     [kept] = [t for t in h.core._sessions[key[0]].transfers.values() if t.key == key]
@@ -786,7 +786,7 @@ def test_the_buffer_budget_returns_to_zero(actions: list[tuple[str, int]], extra
         elif action == "take":
             for ev in h.of(LayerReady):
                 if ev.key == key and (tid, ev.layer) not in taken and key in h.core._live:
-                    h.core.take_layer(key, ev.layer)
+                    h.core.take_layer(key, ev.layer, h.now)
                     taken.add((tid, ev.layer))
         elif action == "abort":
             h.core.abort(key, "test", h.now)
@@ -796,13 +796,13 @@ def test_the_buffer_budget_returns_to_zero(actions: list[tuple[str, int]], extra
     for key in keys.values():
         for ev in h.of(LayerReady):
             if ev.key == key and key in h.core._live and ev.layer in h.core._live[key].buffers:
-                h.core.take_layer(key, ev.layer)
+                h.core.take_layer(key, ev.layer, h.now)
     h.now = 100.0
     h.core.handle_timer(h.now)  # every unfinished transfer times out
     # Those nobody claimed stay to be claimed (failed), with their BEGIN's prefix blocks
     # and meta charged: the application claiming them gives that back too.
     for key in h.core.unclaimed():
-        h.core.claim(key)
+        h.core.claim(key, h.now)
     assert h.core.buffered_bytes == 0 and h.core.failed_unclaimed == 0
 
 
@@ -901,7 +901,7 @@ def test_unclaimed_lists_arrived_transfers_in_order_until_claimed_or_failed() ->
     sid = h.key[0]
     assert h.core.unclaimed() == [(sid, 1), (sid, 2), (sid, 3)]
     assert h.core.unclaimed("a") == [(sid, 1), (sid, 3)] and h.core.unclaimed("c") == []
-    h.core.claim((sid, 1))
+    h.core.claim((sid, 1), h.now)
     assert h.core.unclaimed("a") == [(sid, 3)]
     h.core.abort((sid, 3), "gone", h.now)  # a failed transfer is no longer there to claim
     h.pump()
@@ -955,7 +955,7 @@ def complete_transfer(claim: bool) -> Harness:
     h.client.send_begin(begin(layers=1))
     h.pump()
     if claim:
-        h.core.claim(h.key)
+        h.core.claim(h.key, h.now)
     h.send(chunk(layer=0, kind=0))
     h.send(chunk(layer=0, kind=1))
     assert h.of(LayerReady) and not h.of(TransferFailed)
@@ -978,8 +978,8 @@ def test_a_peer_reset_of_a_complete_transfer_nobody_claimed_fails_it() -> None:
     assert h.core.counters["transfers_aborted_by_peer"] == 1
     assert failed.claimable and h.core.unclaimed() == [h.key] and h.core.buffered_bytes == 0
     with pytest.raises(KvwireError):
-        h.core.pop_layer(h.key, 0)
-    h.core.claim(h.key)
+        h.core.pop_layer(h.key, 0, h.now)
+    h.core.claim(h.key, h.now)
     assert h.core.unclaimed() == [] and h.core.failed_unclaimed == 0
 
 
@@ -991,7 +991,7 @@ def test_a_peer_reset_of_a_complete_transfer_the_application_claimed_is_not_coun
     h.pump()
     assert not h.of(TransferFailed) and not h.of(TransferAborted)
     assert h.core.counters.get("transfers_aborted_by_peer", 0) == 0
-    assert len(h.core.take_layer(h.key, 0)[0]) == 8 * BPT
+    assert len(h.core.take_layer(h.key, 0, h.now)[0]) == 8 * BPT
 
 
 def test_a_reconnected_stream_resumes_its_session() -> None:
@@ -1186,7 +1186,7 @@ def test_get_timer_is_the_earliest_deadline_of_all(actions: list[tuple[str, floa
                 sent[t] += 1
         elif action == "claim":
             for ev in h.of(TransferArrived):
-                h.core.claim(ev.key)
+                h.core.claim(ev.key, h.now)
         elif action == "wait":
             h.now += amount
             h.core.handle_timer(h.now)
@@ -1217,12 +1217,12 @@ def test_transfers_that_ended_leave_no_deadline_behind(end: str) -> None:
         if end == "reset by the client":
             h.client.send_reset(tid, ErrorCode.CANCELLED, "sender aborted")
             h.pump()
-            h.core.claim(key)  # (the application takes it, failed: it ended)
+            h.core.claim(key, h.now)  # (the application takes it, failed: it ended)
         else:
-            h.core.claim(key)
+            h.core.claim(key, h.now)
             h.send(chunk(tid, layer=0, kind=0))
             h.send(chunk(tid, layer=0, kind=1))
-            h.core.pop_layer(key, 0)
+            h.core.pop_layer(key, 0, h.now)
         h.events.clear()
     # Entries of ended transfers are dropped as the heap grows: it stays within twice the
     # deadlines alive at its last compaction (here one connection's) or its first size.
@@ -1231,7 +1231,7 @@ def test_transfers_that_ended_leave_no_deadline_behind(end: str) -> None:
     # Deadlines still work: one more transfer, claimed and never completed, times out.
     h.client.send_begin(begin(n + 1, layers=1, request="late"))
     h.pump()
-    h.core.claim(h.of(TransferArrived)[-1].key)
+    h.core.claim(h.of(TransferArrived)[-1].key, h.now)
     h.now = h.core.get_timer() or 0.0
     while h.now < 1e6 and not h.of(TransferFailed):
         h.core.handle_timer(h.now)
@@ -1247,7 +1247,7 @@ def test_a_begin_repeating_a_completed_transfer_is_answered_alike_before_and_aft
     a digest of its request id; the id with another request id is a duplicate."""
     h = complete_transfer(claim=True)
     key = h.key
-    h.core.pop_layer(key, 0)
+    h.core.pop_layer(key, 0, h.now)
     answers = []
     for _ in range(2):
         h.client_events.clear()

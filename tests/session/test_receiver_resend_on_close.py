@@ -64,8 +64,8 @@ def test_a_credit_lost_with_a_broken_stream_goes_again_on_a_stream_still_open() 
     h.send(chunk(layer=0, kind=0))
     h.send(chunk(layer=0, kind=1))
     assert [e.layer for e in h.of(LayerReady)] == [0] and not h.client_of(CreditGranted)
-    h.core.claim(h.key)
-    h.core.take_layer(h.key, 0)  # grants layer 1: the CREDIT goes on stream 0 ...
+    h.core.claim(h.key, h.now)
+    h.core.take_layer(h.key, 0, h.now)  # grants layer 1: the CREDIT goes on stream 0 ...
     break_stream(h, 1)  # ... which breaks before the client read it
     credits = [e for e in events_of(h.core, 2, second, h.now) if isinstance(e, CreditGranted)]
     assert [(c.transfer_id, c.layer_limit) for c in credits] == [(1, 2)]
@@ -107,8 +107,8 @@ def test_the_last_stream_breaking_sends_nothing_and_the_session_waits_for_a_reco
     h.pump()
     h.send(chunk(layer=0, kind=0))
     h.send(chunk(layer=0, kind=1))
-    h.core.claim(h.key)
-    h.core.take_layer(h.key, 0)
+    h.core.claim(h.key, h.now)
+    h.core.take_layer(h.key, 0, h.now)
     break_stream(h, 1)
     assert h.core.sessions == 1 and h.core.get_timer() == pytest.approx(10.0)
     # the stream that joins carries the CREDIT

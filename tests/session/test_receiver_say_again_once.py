@@ -125,8 +125,8 @@ def test_a_credit_is_said_again_only_when_the_stream_that_carried_it_closes() ->
     h.send(chunk(layer=0, kind=0))
     h.send(chunk(layer=0, kind=1))
     assert [e.layer for e in h.of(LayerReady)] == [0]
-    h.core.claim(h.key)
-    h.core.take_layer(h.key, 0)  # the CREDIT for layer 1 goes on cid 1
+    h.core.claim(h.key, h.now)
+    h.core.take_layer(h.key, 0, h.now)  # the CREDIT for layer 1 goes on cid 1
     h.pump()
     assert [(e.transfer_id, e.layer_limit) for e in h.client_of(CreditGranted)] == [(1, 2)]
     break_stream(h, 3)  # carried nothing
