@@ -97,7 +97,7 @@ def TestOneInput(data: bytes) -> None:
             if isinstance(ev, rx.TransferArrived):
                 keys[ev.key] = True
                 if app & 0x02:
-                    core.claim(ev.key)
+                    core.claim(ev.key, now)
                 if app & 0x04:
                     core.abort(ev.key, "fuzz", now)
             elif isinstance(ev, rx.LayerReady):
@@ -114,7 +114,7 @@ def TestOneInput(data: bytes) -> None:
             while ready:
                 key, layer = ready.pop()
                 with contextlib.suppress(kvwire.KvwireError):
-                    core.take_layer(key, layer)
+                    core.take_layer(key, layer, now)
         assert 0 <= core.buffered_bytes <= limit, core.buffered_bytes
 
     def feed(cid: int, chunk: bytes) -> None:
@@ -150,7 +150,7 @@ def TestOneInput(data: bytes) -> None:
     while ready:
         key, layer = ready.pop()
         with contextlib.suppress(kvwire.KvwireError):
-            core.take_layer(key, layer)
+            core.take_layer(key, layer, now)
     for key in list(keys):
         core.abort(key, "done", now)
     application()
