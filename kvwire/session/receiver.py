@@ -22,8 +22,8 @@ together want more than it wait for credit (a layer taken gives its room back to
 transfer; room freed otherwise goes to those waiting, in the order they began waiting), and
 an eighth of the budget is kept from windows for first layers.  A transfer is accepted only
 once the room left holds its first layer at an estimate (from the first layers of its layout
-seen recently, at most an eighth of the budget unless the smallest of them is larger;
-docs/protocol.md 8.2), reserved until that layer arrives: BEGINs past the room wait to
+its own session sent whole recently, at most an eighth of the budget unless the smallest of
+them is larger; docs/protocol.md 8.2), reserved until that layer arrives: BEGINs past the room wait to
 start, in their order (see ReceiverCore._admit).  A chunk
 counts as received only after its bytes are in place.  Raw payloads may be read straight
 into their layer (the payload sink of each connection): that happens before the frame's
@@ -97,13 +97,16 @@ KEPT_ROOM_MIN = 1 << 20
 #: its size is known, so its room is kept at an estimate (see ReceiverCore._admit), and a
 #: first layer larger than that which finds no room fails its transfer (docs/protocol.md 8.2).
 FIRST_LAYER_SHARE = 8
-#: First layers a server remembers the footprint of, per layout and of any layout (not
-#: those received into a destination): a transfer's first layer's estimate comes from those
-#: of its layout (of any layout if it has none), and it is accepted once the room left
-#: holds that estimate (see ReceiverCore._estimate, ReceiverCore._admit).
+#: First layers a session's history remembers the footprint of, per layout and of any
+#: layout (each one received whole; not those received into a destination): a transfer's
+#: first layer's estimate comes from those its own session sent of its layout (of any
+#: layout if none), and it is accepted once the room left holds that estimate (see
+#: ReceiverCore._estimate, ReceiverCore._admit).  One session never sets another's.
 RECENT_FIRST_LAYERS = 64
-#: Layouts whose recent first layers a server remembers (the least recently seen forgotten).
-LAYOUTS_REMEMBERED = 64
+#: Layouts whose recent first layers a session's history remembers (the least recently
+#: seen forgotten); a session keeps at most this many of RECENT_FIRST_LAYERS each, plus
+#: those of any layout, and its history goes with it.
+LAYOUTS_REMEMBERED = 8
 
 #: Failed transfers a session remembers why (see _Session.tombstones): each its RESET's
 #: code and text, so at most about WIRE_TEXT_LIMIT * 4 + 200 bytes apiece.
@@ -535,6 +538,7 @@ class _Incoming:
     taken: int = 0
     window: int = 1
     sized: bool = False  # its first chunk is stored: layer_cost is known
+    learned: bool = False  # its layer 0 was received whole: in its session's history (_learn)
     layer_cost: int = 0  # budget bytes of one of its layers (the store's footprint)
     reserved: int = 0  # budget bytes of its layers granted and not allocated (see _reserve)
     external: bool = False  # new layers go to the caller's memory: all granted, not counted
@@ -588,6 +592,11 @@ class _Session:
     # When it closes, one still open says it again; when none is, the stream that joins
     # (see ReceiverCore._say_again).
     resets: OrderedDict[int, int | None] = field(default_factory=OrderedDict)
+    # Footprints of the last first layers of its transfers received whole, by layout and
+    # of any layout: what a first layer of its next transfers is estimated at
+    # (ReceiverCore._estimate).  Its own only: one session cannot set another's estimate.
+    first_layers: OrderedDict[bytes, deque[int]] = field(default_factory=OrderedDict)
+    first_layers_any: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_FIRST_LAYERS))
     lose_at: float | None = None
     closed: bool = False
     unreported: int = 0  # CHUNK bytes received since the last REPORT to this session
@@ -633,12 +642,9 @@ class ReceiverCore:
         # Transfers admitted (BEGIN passed every check) whose first layer has no room yet,
         # in the order of their BEGINs: accepted as room frees (_admit, _admit_waiting).
         self._admitting: dict[Key, None] = {}
-        # Footprints of the last first layers stored, by layout and of any layout: what a
-        # transfer's first layer is estimated at (_estimate).
-        self._first_layers: OrderedDict[bytes, deque[int]] = OrderedDict()
-        self._first_layers_any: deque[int] = deque(maxlen=RECENT_FIRST_LAYERS)
-        # Transfers given room for their first layer at an estimate of 0 (no first layer
-        # seen yet): their estimate is reserved once one is known, as far as room holds it.
+        # Transfers given room for their first layer at an estimate of 0 (their session had
+        # no first layer in its history yet), once their session has one: their estimate is
+        # reserved then, as far as room holds it (_learn, _estimate_unestimated).
         self._unestimated: dict[Key, None] = {}
         # The time given by the latest call (every call that can accept a transfer gives it):
         # a transfer accepted as room frees starts its claim deadline then (_admit_waiting).
@@ -1365,8 +1371,8 @@ class ReceiverCore:
         """``t`` passed every check at BEGIN: it is accepted (with its registry verdict, if
         it goes through the gate) only once its first layer has room.  ACCEPT grants that
         layer before its size is known, so the room is kept for it at an estimate
-        (:meth:`_estimate`: from the first layers of its layout the server stored recently,
-        of any layout if it has seen none of this one, 0 if it has seen none at all),
+        (:meth:`_estimate`: from the first layers of its layout its session sent whole
+        recently, of any layout if it sent none of this one, 0 if it sent none at all),
         reserved from now until its first chunk allocates it.  It has room when no transfer
         waits to start before it and the room left (the share kept from windows included)
         holds its estimate; else it waits to start, in the order of BEGINs, until room frees
@@ -1381,12 +1387,10 @@ class ReceiverCore:
 
     def _give_room(self, t: _Incoming, est: int) -> None:
         """``t``'s first layer has room: its estimate ``est`` is reserved from now (one of
-        0, before any first layer was seen, is reserved once one is known, see
-        :meth:`_estimate_unestimated`)."""
+        0, before its session sent any first layer whole, is reserved once one is known,
+        see :meth:`_learn`)."""
         t.roomed = True
         t.estimate = est
-        if not est:
-            self._unestimated[t.key] = None
         self._reserve(t)
 
     def _admit_waiting(self) -> None:
@@ -1409,42 +1413,55 @@ class ReceiverCore:
 
     def _estimate(self, t: _Incoming) -> int:
         """What ``t``'s first layer is reserved at until it arrives (see :meth:`_admit`): the
-        largest of the recent first layers of its layout (of any layout if none), but no
-        more than the share of the budget kept from windows for first layers, or the
-        smallest of them where that is larger: one large first layer (one long prompt, a
-        peer's one chunk) does not hold every later transfer of its layout back from
-        starting while the room would hold an ordinary one.  A first layer larger than its
-        estimate takes what room there is, or fails."""
-        recent = self._first_layers.get(t.spec.fingerprint) or self._first_layers_any
+        largest of the recent first layers its own session sent whole of its layout (of
+        any layout if none; 0 if none at all), but no more than the share of the budget
+        kept from windows for first layers, or the smallest of them where that is larger:
+        one large first layer (one long prompt) does not hold every later transfer of its
+        layout back from starting while the room would hold an ordinary one.  Another
+        session's first layers never count: a client cannot set the estimate others are
+        admitted at.  A first layer larger than its estimate takes what room there is, or
+        fails."""
+        sess = self._sessions.get(t.key[0])
+        if sess is None:
+            return 0
+        recent = sess.first_layers.get(t.spec.fingerprint) or sess.first_layers_any
         if not recent:
             return 0
         return min(max(recent), max(self._first_layer_share(), min(recent)))
 
     def _learn(self, t: _Incoming) -> None:
-        """``t``'s first layer is stored: its footprint is remembered for the estimates of
-        first layers to come (not that of a transfer received into a destination: the
-        budget does not count its layers), and transfers given room at an estimate of 0
-        (before any first layer was seen) have theirs reserved (:meth:`_estimate_unestimated`)."""
-        if not t.external:
-            fp = t.spec.fingerprint
-            recent = self._first_layers.get(fp)
-            if recent is None:
-                recent = self._first_layers[fp] = deque(maxlen=RECENT_FIRST_LAYERS)
-                while len(self._first_layers) > LAYOUTS_REMEMBERED:
-                    self._first_layers.popitem(last=False)
-            else:
-                self._first_layers.move_to_end(fp)
-            recent.append(t.layer_cost)
-            self._first_layers_any.append(t.layer_cost)
+        """``t``'s layer 0 was received whole (every chunk of it stored): its footprint is
+        remembered in its session's history for the estimates of that session's first
+        layers to come (not that of a transfer received into a destination: the budget
+        does not count its layers; never one of a transfer that failed before its layer 0
+        was whole, which a peer's one chunk declaring a huge layer would be).  The
+        session's transfers given room at an estimate of 0 (before it had a history) have
+        theirs reserved (:meth:`_estimate_unestimated`)."""
+        t.learned = True
+        sess = self._sessions.get(t.key[0])
+        if t.external or sess is None:
+            return
+        fp = t.spec.fingerprint
+        recent = sess.first_layers.get(fp)
+        if recent is None:
+            recent = sess.first_layers[fp] = deque(maxlen=RECENT_FIRST_LAYERS)
+            while len(sess.first_layers) > LAYOUTS_REMEMBERED:
+                sess.first_layers.popitem(last=False)
+        else:
+            sess.first_layers.move_to_end(fp)
+        recent.append(t.layer_cost)
+        sess.first_layers_any.append(t.layer_cost)
+        # (at most max_transfers of them: its transfers whose first layer has room at 0)
+        for u in sess.transfers.values():
+            if u.roomed and not u.estimate and not u.sized and not u.external and u.error is None:
+                self._unestimated[u.key] = None
         self._estimate_unestimated()
 
     def _estimate_unestimated(self) -> None:
-        """Transfers given room at an estimate of 0 (before any first layer was seen) have
-        their estimate reserved, in the order they were given room, as far as the room left
-        holds it; those it does not hold yet are reserved as room frees (:meth:`_regrant`),
-        before any transfer waiting to start is given room."""
-        if not self._first_layers_any:
-            return
+        """Transfers given room at an estimate of 0 whose session has a history now (see
+        :meth:`_learn`) have their estimate reserved, in the order they were queued, as far
+        as the room left holds it; those it does not hold yet are reserved as room frees
+        (:meth:`_regrant`), before any transfer waiting to start is given room."""
         while self._unestimated:
             key = next(iter(self._unestimated))
             u = self._live.get(key)
@@ -1452,6 +1469,9 @@ class ReceiverCore:
                 del self._unestimated[key]
                 continue
             est = self._estimate(u)
+            if not est:  # (nothing to reserve)
+                del self._unestimated[key]
+                continue
             if self._room() < est:
                 return
             del self._unestimated[key]
@@ -1818,15 +1838,22 @@ class ReceiverCore:
             ) from exc
         t.state.add(chunk)
         t.wire_bytes += wire_size
+        complete = t.state.layer_complete(chunk.layer)
         if not t.sized:
             # Its layer size is known now: its granted layers are reserved from here on, and
             # the rest of its window is granted as far as the room left holds it.
             t.sized = True
             t.layer_cost = self._store.footprint(layer_bytes)
-            self._learn(t)  # (first layers waiting for an estimate before this one's window)
+            self._unestimated.pop(t.key, None)  # (its layer 0 allocated: no estimate)
+            if complete and chunk.layer == 0:  # (layer 0 in one chunk: the session's first
+                self._learn(t)  # layers waiting for an estimate have it before its window)
             self._offer(t)  # (its layer 0, allocated, reserves nothing: _layer_buffer)
             self._regrant()  # (room its estimate kept past its footprint)
-        complete = t.state.layer_complete(chunk.layer)
+        elif complete and chunk.layer == 0 and not t.learned:
+            # Its layer 0 is whole: only now is its size one its session's next first layers
+            # are estimated at (a chunk declares a size; the layer received proves it).
+            self._learn(t)
+            self._regrant()
         # Each range remembered until its layer is complete counts in the budget.
         ranges = RANGE_BYTES * t.state.ranges
         if ranges > t.range_cost:

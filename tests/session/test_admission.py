@@ -298,10 +298,10 @@ def test_a_first_layer_received_into_a_destination_sets_no_estimate_an_idle_serv
 
 
 def test_one_large_first_layer_makes_later_transfers_wait_for_no_more_than_the_kept_share() -> None:
-    """With one long prompt's first layer (or a peer's one chunk of it) holding 12 of the
-    budget's 16 layers, 4 left, later transfers of the layout still start: past ordinary
-    first layers of the layout, the estimate is at most the eighth of the budget kept for
-    first layers (2 here), so two start and the next waits."""
+    """With one long prompt's first layer (received whole: only then is it learned)
+    holding 12 of the budget's 16 layers, 4 left, later transfers of the layout still
+    start: past ordinary first layers of the layout, the estimate is at most the eighth of
+    the budget kept for first layers (2 here), so two start and the next waits."""
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=16 * LAYER, transfer_buffer_bytes=4 * LAYER,
                                claim_timeout=None))
     begin_all(h, 2, 1)  # an ordinary transfer of the layout: layers of one LAYER
@@ -310,7 +310,8 @@ def test_one_large_first_layer_makes_later_transfers_wait_for_no_more_than_the_k
         take(h, 1, layer)
     h.client.send_begin(begin(tid=2, layers=2, request="long"))
     h.pump()
-    h.send(chunk(tid=2, layer=0, kind=0, count=8, tokens=96))  # its first layer: 12 LAYERs held
+    h.send(chunk(tid=2, layer=0, kind=0, count=96, tokens=96))  # its first layer: 12 LAYERs held
+    h.send(chunk(tid=2, layer=0, kind=1, count=96, tokens=96))  # (whole: its size learned)
     begin_all(h, 2, 3, 4, 5)
     assert accepted(h) == [1, 2, 3, 4] and h.core.waiting_to_start == 1  # 2 LAYERs each: 4 left
     for tid in (3, 4):

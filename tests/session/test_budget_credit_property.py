@@ -71,8 +71,10 @@ def test_a_reader_taking_transfers_one_after_another_is_never_stalled(
 
     pending = list(tids)
     start(pending.pop(0))
-    h.send(chunk(tid=tids[0], layer=0, kind=0))  # (the first of all: the first layer seen)
-    first_k[tids[0]] = True
+    # The first of all, its first layer received whole: the first layer seen (a first
+    # layer's size is learned once the layer is whole).
+    send_layer(h, tids[0], 0)
+    sent[tids[0]] = 1
     steps = iter(arrivals)
     while True:
         while pending and next(steps, True):
