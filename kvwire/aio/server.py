@@ -65,7 +65,6 @@ from kvwire.session.receiver import (
     stale_error,
 )
 from kvwire.session.sender import check_request_id
-from kvwire.wire.connection import SHUTTING_DOWN
 
 _log = logging.getLogger("kvwire")
 
@@ -726,8 +725,9 @@ class Server(Pump):
         """Stop listening, close every connection and end every task and timer this server
         started (the one teardown path: after it returns nothing of it is pending).
         Transfers that arrived and were never claimed are dropped with their memory;
-        those handed out and not taken whole fail (:class:`~kvwire.ConnectionLostError`).
-        Their senders are told first, each by a ``RESET(SESSION_LOST)`` that says the
+        those handed out and not taken whole fail (:class:`~kvwire.ConnectionLostError`),
+        and so do those admitted and still waiting to start (none is accepted once the
+        close began).  Their senders are told first, each by a ``RESET(SESSION_LOST)`` that says the
         server is shutting down (their ``send()`` fails with
         :class:`~kvwire.ConnectionLostError` saying so: a transfer to send again, to this
         server once it is back or to another), then every stream closes with
@@ -754,16 +754,11 @@ class Server(Pump):
             accepted.abort()
         streams = list(self._by_cid.values())
         if not self.closed:
-            now = self.now()
-            # Complete ones too: nobody can take them now. Each sender hears why before its
-            # streams close; a GOAWAY alone says only that a stream closed.
-            for key in dict.fromkeys([*self.core.unclaimed(), *self._transfers, *self._handed, *self._letting_go]):
-                t = self._transfer(key)
-                rid = t.request_id if t is not None else self._letting_go.get(key)
-                what = f"transfer {quoted_id(rid)}: " if rid is not None else ""
-                error = ConnectionLostError(f"{what}{SHUTTING_DOWN}", code=ErrorCode.SESSION_LOST)
-                self.core.fail(key, error, now)
-            self.core.close(now)
+            # Every transfer fails, complete ones too (nobody can take them now), and those
+            # admitted and waiting to start: each sender hears why (RESET(SESSION_LOST))
+            # before its streams close, a GOAWAY alone saying only that a stream closed; the
+            # core starts none of those waiting with the room the others free.
+            self.core.close(self.now())
             self.pump()
         waiters = [*self._accept_waiters, *(f for q in self._expect_waiters.values() for f in q)]
         for fut in waiters:

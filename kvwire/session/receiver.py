@@ -650,6 +650,7 @@ class ReceiverCore:
         # a transfer accepted as room frees starts its claim deadline then (_admit_waiting).
         self._now = 0.0
         self._regrant_held = 0  # while positive, _regrant waits (a session's transfers failing)
+        self._closing = False  # the server is closing (close): nothing is accepted or granted
         self.kept_bytes = 0
         """Of buffered_bytes: what the server remembers of its transfers besides their layers
         (prefix block lists, meta, token ranges), which may take it past max_buffer_bytes by
@@ -745,13 +746,25 @@ class ReceiverCore:
         self._dirty.discard(cid)
 
     def close(self, now: float) -> None:
-        """The server is closing: every connection says so, every session is lost."""
+        """The server is closing: it accepts and grants nothing from now on.  Every transfer
+        in progress fails, complete ones nobody has taken whole included, and so do those
+        admitted and still waiting to start (or for the registry's verdict): each sender is
+        told first by a ``RESET(SESSION_LOST)`` saying the server is shutting down (the
+        error each transfer fails with), then every connection says GOAWAY, and every
+        session is lost.  The transfers fail under ``_regrant_held``: the room one frees
+        never starts a transfer waiting to start (docs/protocol.md 10)."""
         self._now = now
-        for cid, conn in list(self._conns.items()):
-            conn.close(ErrorCode.NO_ERROR, SHUTTING_DOWN)
-            self._dirty.add(cid)
+        self._closing = True
         self._regrant_held += 1  # (nothing to give room to: every transfer fails)
         try:
+            for t in list(self._live.values()):
+                self._unclaimed.pop(t.key, None)  # (nobody can claim it now)
+                error = ConnectionLostError(f"transfer {quoted_id(t.begin.request_id)}: {SHUTTING_DOWN}",
+                                            code=ErrorCode.SESSION_LOST)
+                self._fail(t, error, reset=True, even_if_complete=True)
+            for cid, conn in list(self._conns.items()):
+                conn.close(ErrorCode.NO_ERROR, SHUTTING_DOWN)
+                self._dirty.add(cid)
             for sess in list(self._sessions.values()):
                 self._lose(sess, ConnectionLostError("server closed"))
         finally:
@@ -1567,8 +1580,9 @@ class ReceiverCore:
         """Room may have freed: the transfers waiting for credit are offered it again, the
         one waiting longest first, each within what is left, until one is still short of
         its window (what is left is less than one of its layers: no transfer that waited
-        less passes it); then the transfers waiting to start (:meth:`_admit_waiting`)."""
-        if self._regrant_held:
+        less passes it); then the transfers waiting to start (:meth:`_admit_waiting`).
+        Nothing, once the server is closing."""
+        if self._regrant_held or self._closing:
             return
         while self._waiting and self._window_room() > 0:
             key = next(iter(self._waiting))
