@@ -27,6 +27,7 @@ from kvwire.scheduler.model import (
 )
 from kvwire.scheduler.profile import BUILTIN_PROFILES, load_profile
 from kvwire.scheduler.simulator import (
+    MAX_BANDWIDTH_NOISE,
     PolicyName,
     PolicyResult,
     SimulationConfig,
@@ -88,13 +89,12 @@ def _real(text: str) -> float:
 #: quantiles of the input lengths (more points than distinct lengths add nothing).
 MAX_PLOT_POINTS = 1000
 
-#: Upper bounds of the options that enter the simulated times and the bandwidth estimate:
-#: far beyond any real system, so that no value makes a figure meaningless (a decode step
-#: of 10^300 s ran and printed throughputs of 10^-300 req/s), garbles the table (an RTT of
-#: 10^300 s) or overflows the estimate (a noise of 10^300, refused as ``bandwidth_bps``).
+#: Upper bounds of the options that enter the simulated times (and the bandwidth estimate's,
+#: ``MAX_BANDWIDTH_NOISE``, which the library enforces too): far beyond any real system, so
+#: that no value makes a figure meaningless (a decode step of 10^300 s ran and printed
+#: throughputs of 10^-300 req/s) or garbles the table (an RTT of 10^300 s).
 MAX_DECODE_STEP_S = 60.0
 MAX_RTT_S = 3600.0
-MAX_BANDWIDTH_NOISE = 100.0
 
 
 def _at_most(parse: Callable[[str], float], maximum: float, shown: str, what: str) -> Callable[[str], float]:
@@ -203,7 +203,8 @@ def add_parser(subparsers: Any) -> None:
     a.add_argument("--bandwidth-noise", default=0.0,
                    type=_at_most(functools.partial(number, strictly_positive=False),
                                  MAX_BANDWIDTH_NOISE, f"{MAX_BANDWIDTH_NOISE:g}", "number"),
-                   help="relative standard deviation of the bandwidth estimate (default 0; at most 100)")
+                   help="relative standard deviation of adaptive's bandwidth estimate, log-normal around "
+                        "the link's rate (default 0; at most 100)")
     a.add_argument("--bandwidth-window", type=argument_type(parse_duration, "duration"),
                    default=60.0, metavar="TIME",
                    help="time constant of adaptive's bandwidth average (default 60s)")

@@ -75,6 +75,7 @@ from kvwire.scheduler.workload import BLOCK_TOKENS, MAX_TOKENS, LengthDistributi
 
 __all__ = [
     "DEFAULT_CACHE_BLOCKS_PER_INSTANCE",
+    "MAX_BANDWIDTH_NOISE",
     "AdaptiveState",
     "EventKind",
     "PolicyName",
@@ -117,6 +118,11 @@ the requests arrive (:attr:`PolicyResult.keep_up`)."""
 MAX_ARRIVAL_SPAN_S = 1e9
 """Longest arrival window the simulator takes (last arrival minus first): 10^9 s, about 31.7
 years of simulated time."""
+MAX_BANDWIDTH_NOISE = 100.0
+"""Largest ``bandwidth_noise`` (relative standard deviation of ``adaptive``'s estimate):
+far beyond any real estimator, and small enough that the log-normal estimate of a
+10 kbit/s link never underflows to 0 (at a noise of 10^300 its median would be 10^-300
+of the rate)."""
 MIN_ARRIVAL_WINDOW_S = 1.0
 """Egress is reported in 1-second averages over the arrival window; a window shorter than
 one of them is too short to say: its egress mean and P99 and ``saturated`` are n/a."""
@@ -155,7 +161,9 @@ class SimulationConfig:
     """``adaptive`` retunes only when its smoothed estimate leaves ``[B / (1 + h), B (1 + h)]``
     around the bandwidth ``B`` its threshold was chosen for."""
     bandwidth_noise: float = 0.0
-    """Relative standard deviation of the bandwidth estimate the policy sees (seeded)."""
+    """Relative standard deviation of ``adaptive``'s bandwidth estimate (seeded; log-normal
+    with mean the link's rate, never 0 on a link that carries anything). ``selective``
+    sees the link's rate."""
     threshold_step_tokens: float = 256.0
     """Grid step of the optimizer that sets the thresholds."""
     egress_window_s: float = 0.0
@@ -170,8 +178,13 @@ class SimulationConfig:
     def __post_init__(self) -> None:
         if self.rtt_s < 0 or self.control_interval_s <= 0:
             raise UsageError("rtt must be >= 0 and the control interval > 0")
-        if self.bandwidth_noise < 0 or self.hysteresis < 0:
-            raise UsageError("bandwidth_noise and hysteresis must be >= 0")
+        if not 0 <= self.bandwidth_noise <= MAX_BANDWIDTH_NOISE:
+            raise UsageError(
+                f"bandwidth_noise must be between 0 and {MAX_BANDWIDTH_NOISE:g} "
+                f"(got {self.bandwidth_noise!r})"
+            )
+        if self.hysteresis < 0:
+            raise UsageError("hysteresis must be >= 0")
         if self.bandwidth_time_constant_s < 0 or self.egress_window_s < 0:
             raise UsageError("bandwidth_time_constant_s and egress_window_s must be >= 0")
         for blocks in (self.remote_cache_blocks, self.local_cache_blocks):
@@ -587,10 +600,16 @@ def _dispatch_link(state: SimState) -> list[Event]:
 
 
 def _bandwidth_sample(state: SimState) -> float:
+    """``adaptive``'s live bandwidth estimate: the link's rate times log-normal noise of
+    mean 1 and relative standard deviation ``bandwidth_noise`` (log-space variance
+    ``log(1 + noise^2)``), so the estimate is right on average and never 0 on a link that
+    carries anything. (Gaussian noise clamped at 0 read an unchanged link as down for a
+    share ``Phi(-1 / noise)`` of the samples, 16% at noise 1.)"""
     bw = state.link_rate_bps
     noise = state.config.bandwidth_noise
     if noise:
-        bw = max(0.0, bw * (1.0 + noise * float(state.rng.standard_normal())))
+        var = math.log1p(noise * noise)
+        bw *= math.exp(math.sqrt(var) * float(state.rng.standard_normal()) - var / 2.0)
     return bw
 
 
@@ -631,7 +650,9 @@ def _place(state: SimState, i: int) -> bool:
     if state.policy is PolicyName.OFFLOAD_ALL:
         return True
     r = state.requests[i]
-    bw = _bandwidth_sample(state)
+    # The noise is adaptive's estimate of the link; selective's threshold is fixed in
+    # advance, and its decisions see the link's rate.
+    bw = _bandwidth_sample(state) if state.adaptive is not None else state.link_rate_bps
     threshold = state.threshold_tokens
     if state.adaptive is not None:
         if state.now >= state.next_control_s and state.table is not None:
