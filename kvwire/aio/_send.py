@@ -72,6 +72,18 @@ class SendState:
     # When the send task last came back from waiting on the session (a grant, its queue
     # draining onto the streams): the path set the pace until then, not the producer.
     resumed_at: float = -math.inf
+    # The server answered its BEGIN (ACCEPT): set once, as the core's TransferCredit for
+    # it comes; until then the server may be holding its ACCEPT for want of room in its
+    # buffer budget (docs/protocol.md 7.1).
+    accepted: bool = False
+    # Called once, on the loop, when it is accepted (it must not raise: the pump calls it).
+    on_accepted: Callable[[], None] | None = None
+
+    def accept(self) -> None:
+        if not self.accepted:
+            self.accepted = True
+            if self.on_accepted is not None:
+                self.on_accepted()
 
     def fail(self, error: KvwireError) -> None:
         if self.error is None:
@@ -192,7 +204,10 @@ def make_chooser(server_codecs: tuple[str, ...], mode: str = "model") -> CodecCh
 async def send(
     peer: Peer, request_id: str, spec: KVSpec, layers: Any, meta: bytes, codec_name: str,
     blocks: tuple[BlockVersion, ...], deadline: float | None, timeout: float | None,
+    on_accepted: Callable[[], None] | None = None,
 ) -> Receipt:
+    """:meth:`kvwire.Peer.send`'s transfer; ``on_accepted`` (if given) is called once, on
+    the loop, when the server accepts it (answers its BEGIN), and must not raise."""
     core = peer.core
     peer.check_usable()
     count = layer_count(layers)
@@ -213,7 +228,7 @@ async def send(
         peer.transport_meter.resume()
         if peer.chooser is not None:
             peer.chooser.observe_idle()  # the peer was idle (or its last transfer failed)
-    st = peer.sends[tid] = SendState(peer.changed)
+    st = peer.sends[tid] = SendState(peer.changed, on_accepted=on_accepted)
     peer.pump()
     used: dict[str, int] = {}
     kv_bytes = 0
@@ -264,6 +279,7 @@ async def send(
         core.producer_done(tid)
         peer.pump()
         await until(st, lambda: st.done is not None)
+        st.accept()  # (a send done was accepted, whenever its ACCEPT was read)
     except BaseException as exc:
         if st.error is None:  # tell the receiver this transfer will not complete
             core.abort(tid, _abort_error(exc))

@@ -887,6 +887,9 @@ class SendHandle:
         self._future: concurrent.futures.Future[Any] | None = None
         self._aborted = False
         self._lost = False  # its peer closed: waiters fail with ConnectionLostError
+        # Set on the loop once the server accepted the transfer (answered its BEGIN): the
+        # send on the loop holds it, not this handle (see _layers()).
+        self._accepted = threading.Event()
 
     def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
         """The layers queued, for the send on the loop: it refers to the queue, not to this
@@ -922,15 +925,28 @@ class SendHandle:
                 return ConnectionLostError(f"the kvwire bridge was closed while sending {self.request_id!r}")
             return TransferAbortedError(f"send of {self.request_id!r} aborted")
 
+        def not_done() -> KvwireError:
+            text = f"send of {self.request_id!r} not done after {timeout:g} s"
+            if not self.accepted:
+                text += (": it has not started, the server has not accepted it yet (a server holds its ACCEPT "
+                         "while its buffer budget has no room for the transfer's first layer)")
+            return TransferTimeoutError(text)
+
         # (not cancelled when not done in time: the send goes on, and may be waited for again)
-        return wait_result(
-            self._future, timeout,
-            not_done=lambda: TransferTimeoutError(f"send of {self.request_id!r} not done after {timeout} s"),
-            cancelled=cancelled, kept=True)
+        return wait_result(self._future, timeout, not_done=not_done, cancelled=cancelled, kept=True)
 
     @property
     def done(self) -> bool:
         return self._future is not None and self._future.done()
+
+    @property
+    def accepted(self) -> bool:
+        """Whether the server accepted the transfer (answered its BEGIN), from any thread,
+        without the loop: False until then, while a server holds its ACCEPT because its
+        buffer budget has no room for the transfer's first layer (its application has
+        not taken what it holds), and for a send that failed before it.  Once True it
+        stays so."""
+        return self._accepted.is_set()
 
     def abort(self) -> None:
         """Give up on this transfer (the send is cancelled; waiters fail with
@@ -1037,7 +1053,8 @@ class SyncPeer:
         send_options = check_send_options(self._peer, send_options)  # (so are they)
         self.bridge.check_process()
         handle = SendHandle(self.bridge, request_id, spec.num_layers, self)
-        handle._future = self.bridge.submit(self._peer.send(request_id, spec, handle._layers(), **send_options))
+        handle._future = self.bridge.submit(self._peer._send_noting(
+            request_id, spec, handle._layers(), on_accepted=handle._accepted.set, **send_options))
         with self._waiters_lock:
             self._handles.add(handle)
         return handle

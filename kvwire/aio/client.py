@@ -60,6 +60,7 @@ from kvwire.session.sender import (
     StreamClosed,
     StreamGivenUp,
     StreamWanted,
+    TransferCredit,
     TransferDone,
     TransferFailed,
     begin_fields,
@@ -660,6 +661,11 @@ class Peer(Pump):
             est.on_loss(ev.address)
         elif isinstance(ev, ReceiverCosts):
             self._receiver_costs(ev)
+        elif isinstance(ev, TransferCredit):
+            # (an ACCEPT, or a CREDIT: one read before its ACCEPT, on another stream, is none)
+            st = self.sends.get(ev.transfer_id)
+            if st is not None and not st.accepted and self.core.accepted(ev.transfer_id):
+                st.accept()
         elif isinstance(ev, TransferDone):
             if (st := self.sends.get(ev.transfer_id)) is not None:
                 st.done = ev
@@ -960,6 +966,18 @@ class Peer(Pump):
         lists the ``(block id, version)`` pairs of the prefix blocks this cache holds
         (anything else, an entry not a pair or a bare ``str``, is a UsageError).
         """
+        return await self._send_noting(request_id, spec, layers, meta=meta, codec=codec, timeout=timeout,
+                                       blocks=blocks, deadline=deadline)
+
+    async def _send_noting(
+        self, request_id: str, spec: KVSpec, layers: Layers, *, on_accepted: Callable[[], None] | None = None,
+        meta: dict[str, Any] | None = None, codec: str | None = None, timeout: float | None = None,
+        blocks: Sequence[tuple[Any, int]] | None = None, deadline: float | None = None,
+    ) -> Receipt:
+        """:meth:`send`, calling ``on_accepted()`` once, on the loop, when the server
+        accepts the transfer (answers its BEGIN; it holds that ACCEPT while its buffer
+        budget has no room for a first layer): how :class:`kvwire.sync.SendHandle` knows
+        whether its send started.  ``on_accepted`` must not raise (the pump calls it)."""
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
         codec_name, meta_bytes, versions = self._send_arguments(
@@ -970,7 +988,8 @@ class Peer(Pump):
         self._use_codec(codec_name)
         self._link.hold(self)  # (a Peer dropped while it sends is kept until the send ends)
         try:
-            return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout)
+            return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout,
+                               on_accepted)
         finally:
             self._link.release()
 
