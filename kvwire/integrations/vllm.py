@@ -337,6 +337,15 @@ class _Send:
     finished: bool = False  # its request finished: reported by get_finished once the send ended
 
 
+@dataclass(frozen=True, slots=True)
+class _NotDone:
+    """A send that did not end within its wait (see :meth:`KvwireConnector._outcome`)."""
+
+    #: whether the consumer's server had accepted it (answered its BEGIN) by then: a
+    #: kvwire server holds that ACCEPT while its buffer budget has no room for a first layer
+    accepted: bool
+
+
 def _layer_order(name: str) -> tuple[int, str]:
     m = re.search(r"\d+", name)
     return (int(m.group()) if m else -1, name)
@@ -1417,17 +1426,38 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     @staticmethod
     def _outcome(send: _Send, timeout: float | None) -> Any:
-        """How ``send`` ended, waited for up to ``timeout``: its receipt, or its error (a
-        :class:`~kvwire.TransferTimeoutError` if it did not end in time)."""
-        assert send.handle is not None
+        """How ``send`` ended, waited for up to ``timeout``: its receipt, its error, or
+        :class:`_NotDone` if it did not end in time (its sends have no timeout of their
+        own: the connector's waits give them kvwire_load_timeout)."""
+        handle = send.handle
+        assert handle is not None
         try:
-            return send.handle.wait(timeout)
+            return handle.wait(timeout)
+        except KvwireError:
+            if not handle.done:
+                return _NotDone(handle.accepted)
+        try:  # its own error, or it ended just past the wait: how it ended
+            return handle.wait(0)
         except KvwireError as exc:
             return exc
 
     def _ended_well(self, req_id: str, send: _Send, outcome: Any) -> bool:
         """Log how a send ended (``outcome``, see :meth:`_outcome`); False unless the
-        receiver acknowledged it."""
+        receiver acknowledged it.  One that did not end in its time says how long it has
+        waited since it was first queued (or deferred), and whether the consumer's server
+        ever accepted it."""
+        if isinstance(outcome, _NotDone):
+            waited = time.monotonic() - send.since
+            if outcome.accepted:
+                logger.error("kvwire: sending KV of request %s failed: not acknowledged after %.3g s", req_id, waited)
+            else:
+                logger.error(
+                    "kvwire: sending KV of request %s failed: not started after %.3g s: the consumer's server at %s "
+                    "has not accepted it (a kvwire server holds its ACCEPT while its buffer budget has no room for "
+                    "the transfer's first layer): the consumer's application is not taking KV as fast as it comes; "
+                    "raise max_buffer_bytes on the consumer's server, or kvwire_load_timeout (%g s) here",
+                    req_id, waited, self._peer_addr, self._timeout)
+            return False
         if isinstance(outcome, KvwireError):
             logger.error("kvwire: sending KV of request %s failed: %s", req_id, outcome)
             return False
