@@ -17,6 +17,7 @@ import errno
 import inspect
 import itertools
 import logging
+import math
 import os
 import socket
 import ssl as _ssl
@@ -65,6 +66,7 @@ from kvwire.session.receiver import (
     stale_error,
 )
 from kvwire.session.sender import check_request_id
+from kvwire.units import format_size
 
 _log = logging.getLogger("kvwire")
 
@@ -85,6 +87,9 @@ REPORT_MIN_ELEMENTS = 1 << 18
 #: An interval longer than this (seconds) went by without data (the pump runs as data
 #: arrives): whatever else the loop did meanwhile is not receiving's cost.
 REPORT_IDLE = 1.0
+#: Least seconds between two log lines saying that transfers wait to start for room in
+#: ``max_buffer_bytes`` (an INFO line while any waits, at most this often).
+ROOM_LOG_INTERVAL = 60.0
 
 
 class _CostMeter:
@@ -489,6 +494,7 @@ class Server(Pump):
         # The one close every close() waits for (shielded: a caller cancelled does not stop it).
         self._close_task: asyncio.Task[None] | None = None
         self._tls_failures = 0  # TLS handshakes that did not complete (not ended by close())
+        self._room_logged_at = -math.inf  # when the log last said transfers wait to start (see pump)
 
     async def start(self) -> None:
         if self._closing:
@@ -816,7 +822,25 @@ class Server(Pump):
             stream = self._by_cid.get(cid)
             if stream is not None:
                 stream.flush()
+        if core.waiting_to_start:
+            self._log_waiting_to_start()
         self.arm_timer()
+
+    def _log_waiting_to_start(self) -> None:
+        """Say (at most once per :data:`ROOM_LOG_INTERVAL`) that transfers wait to start
+        for room in ``max_buffer_bytes``: their senders only see their sends slow down."""
+        now = self.now()
+        if now - self._room_logged_at < ROOM_LOG_INTERVAL:
+            return
+        self._room_logged_at = now
+        core = self.core
+        _log.info(
+            "%d transfer(s) wait to start: max_buffer_bytes (%s) has no room for another first "
+            "layer (%s held in layers not yet taken by the application, %s granted and not yet "
+            "received); they start as the application takes layers (to have more going at "
+            "once: raise max_buffer_bytes, lower transfer_buffer_bytes, or receive into= a "
+            "destination)", core.waiting_to_start, format_size(self.options.max_buffer_bytes),
+            format_size(core.buffered_bytes - core.kept_bytes), format_size(core.reserved_bytes))
 
     # -- what a stream asks of its pump -----------------------------------------------------
 

@@ -5,6 +5,7 @@ counts those sends in ``transfers_waiting_to_start`` until the server answers.""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 
@@ -48,4 +49,39 @@ async def test_a_send_held_for_room_is_counted_until_its_accept() -> None:
             await send_b
             assert peer.statistics()["transfers_waiting_to_start"] == 0
             got_b = [(layer.k, layer.v) async for layer in await server.expect("b", timeout=20)]
-    assert same_cache(got_a, data["a"]) and same_cache(got_b, data["b"])  # type: ignore[arg-type]
+    assert same_cache(got_a, data["a"]) and same_cache(got_b, data["b"])
+
+
+async def test_the_server_says_once_a_minute_that_transfers_wait_for_room(caplog: pytest.LogCaptureFixture) -> None:
+    """The server's log says why transfers wait to start (the budget, what holds it, what
+    to change), at most once per ROOM_LOG_INTERVAL: a second wait soon after the first
+    adds no line."""
+    caplog.set_level(logging.INFO, logger="kvwire")
+    data = {rid: make_layers(LAYERS, 1024, 4, 64, seed=seed) for seed, rid in enumerate("abc")}
+
+    def lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "wait to start" in r.getMessage()]
+
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET, max_buffer_bytes=BUDGET) as server:
+
+        async def waits(rid: str) -> asyncio.Future[kvwire.Receipt]:
+            send = asyncio.ensure_future(peer.send(rid, SPEC, data[rid], timeout=30))
+            await _until(lambda: server.statistics()["transfers_waiting_to_start"] == 1, f"{rid} waits")
+            return send
+
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+            await peer.send("a", SPEC, data["a"], timeout=30)
+            held_a = await server.expect("a", timeout=20)  # held unread: no room for b
+            assert lines() == []
+            send_b = await waits("b")
+            async for _layer in held_a:  # room frees: b starts
+                pass
+            await send_b
+            held_b = await server.expect("b", timeout=20)  # held unread in turn: no room for c
+            send_c = await waits("c")
+            [line] = lines()  # one line for the two waits, within a minute
+            assert line.startswith("1 transfer(s) wait to start: max_buffer_bytes (4.75 MiB) has no room")
+            assert "4 MiB held in layers not yet taken by the application" in line
+            async for _layer in held_b:
+                pass
+            await send_c
