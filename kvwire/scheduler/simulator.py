@@ -404,6 +404,8 @@ class SimState:
     hit_tokens: list[int] = field(default_factory=list)
     service_s: list[float] = field(default_factory=list)
     ship_bytes: list[float] = field(default_factory=list)
+    transfer_s: list[float] = field(default_factory=list)
+    """How long each request's KV took on the link (0: none shipped)."""
     queued_est: list[float] = field(default_factory=list)
     """Estimated prefill seconds (while queued) or bytes to ship (while waiting for the link)."""
     ttft_s: list[float] = field(default_factory=list)
@@ -465,6 +467,7 @@ def new_state(
         hit_tokens=[0] * n,
         service_s=[0.0] * n,
         ship_bytes=[0.0] * n,
+        transfer_s=[0.0] * n,
         queued_est=[0.0] * n,
         ttft_s=[math.nan] * n,
         reasons=[""] * n,
@@ -761,6 +764,7 @@ def on_transfer_start(state: SimState, i: int) -> list[Event]:
     state.link_busy = True
     end = state.config.link.finish_time(state.now, nbytes)
     state.link_busy_until = end
+    state.transfer_s[i] = end - state.now
     state.transfers.append((state.now, end, nbytes))
     return [(end, EventKind.TRANSFER_END, i)]
 
@@ -1042,12 +1046,14 @@ class PolicyResult:
     finish_order: tuple[int, ...] = ()
     """Trace indices in order of completion (each exactly once)."""
     keep_up: float = math.nan
-    """First tokens per arrival: the rate at which requests got their first token over the
-    rate at which they arrived, each a least-squares fit over the whole run (the slope of
-    the ``k``-th arrival time and of the ``k``-th first-token time against ``k``), so a
-    long decode, one late first token or a burst that queues and drains does not decide
-    it. 1: the system keeps up; below :data:`SATURATION_MARGIN`: saturated. NaN for fewer
-    than two requests or arrivals all at one instant."""
+    """Requests served per arrival: the rate at which requests left the queues for their
+    first token over the rate at which they arrived, each a least-squares fit over the
+    whole run (the slope of the ``k``-th arrival time and of the ``k``-th time a request
+    left the queues, its first-token time less its own service time, against ``k``:
+    :func:`keep_up_ratio`), so a long decode, one late first token, a burst that queues
+    and drains, or later prompts that are longer, does not decide it. 1: the system keeps
+    up; below :data:`SATURATION_MARGIN`: saturated. NaN for fewer than two requests or
+    arrivals all at one instant."""
 
     @property
     def utilization(self) -> float:
@@ -1056,10 +1062,11 @@ class PolicyResult:
 
     @property
     def saturated(self) -> bool | None:
-        """First tokens at fewer than :data:`SATURATION_MARGIN` of the rate the requests
-        arrive (:attr:`keep_up`): the queues grow for as long as the arrivals last. Judged
-        on first tokens (the moment a request takes a decode slot, after every queue), not
-        on completions, whose decode tail says nothing about queueing. ``None`` (n/a) when
+        """Requests leave the queues at fewer than :data:`SATURATION_MARGIN` of the rate
+        they arrive (:attr:`keep_up`): the queues grow for as long as the arrivals last.
+        Judged on waiting (first-token time less the request's own service time), not on
+        completions, whose decode tail says nothing about queueing, nor on raw first-token
+        times, which later, longer prompts delay with nothing queued. ``None`` (n/a) when
         the arrivals span less than :data:`MIN_ARRIVAL_WINDOW_S` (a burst: no rate to keep
         up with)."""
         if not self.arrival_window_s >= MIN_ARRIVAL_WINDOW_S or not math.isfinite(self.offered_rps):
@@ -1197,17 +1204,28 @@ def _window_stats(runs: Sequence[EgressRun], nbins: int) -> tuple[float, float]:
     return mean, a + (b - a) * (h - lo)
 
 
-def keep_up_ratio(arrivals_s: Sequence[float], ttft_s: Sequence[float]) -> float:
+def keep_up_ratio(
+    arrivals_s: Sequence[float],
+    ttft_s: Sequence[float],
+    service_s: Sequence[float] | None = None,
+) -> float:
     """:attr:`PolicyResult.keep_up` of a run: the least-squares slope of the ``k``-th
-    arrival time against ``k`` over that of the ``k``-th first-token time (arrival plus
-    TTFT; a request that never got one counts as never), each sorted. Constant TTFT gives
-    1; queues that grow through the run give the service rate over the arrival rate.
-    NaN when the arrivals have no spread (fewer than two, or all at one instant)."""
+    arrival time against ``k`` over that of the ``k``-th time a request left the queues:
+    its arrival plus its TTFT less ``service_s``, its own service time (its prefill,
+    transfer and landing, which it would take on an idle system; ``None``: none), so
+    only its waiting counts. A request that never got a first token counts as never.
+    Each series is sorted. Constant waiting (none, on an idle system, whatever the
+    lengths) gives 1; queues that grow through the run give the service rate over the
+    arrival rate. NaN when the arrivals have no spread (fewer than two, or all at one
+    instant)."""
     if len(arrivals_s) < 2:
         return math.nan
     t0 = min(arrivals_s)
     a = np.asarray(arrivals_s, dtype=np.float64) - t0
-    d = np.sort(a + np.nan_to_num(np.asarray(ttft_s, dtype=np.float64), nan=math.inf))
+    wait = np.nan_to_num(np.asarray(ttft_s, dtype=np.float64), nan=math.inf)
+    if service_s is not None:
+        wait = np.maximum(wait - np.asarray(service_s, dtype=np.float64), 0.0)
+    d = np.sort(a + wait)
     a.sort()
     if not math.isfinite(d[-1]):
         return 0.0
@@ -1218,6 +1236,18 @@ def keep_up_ratio(arrivals_s: Sequence[float], ttft_s: Sequence[float]) -> float
     if not slope_a > 0:
         return math.nan
     return slope_a / slope_d if slope_d > 0 else math.inf
+
+
+def _service_times(state: SimState) -> list[float]:
+    """Each request's own time from arrival to first token on an idle system: its prefill
+    as it ran (its prefix hit, its server's speed), and for an offload its transfer as it
+    ran (the link's rate then) and half the RTT. Its TTFT less this is what it waited
+    (prefill queue, link queue, a decode slot)."""
+    half_rtt = state.config.rtt_s / 2.0
+    return [
+        state.service_s[i] + (state.transfer_s[i] + half_rtt if state.remote[i] else 0.0)
+        for i in range(len(state.requests))
+    ]
 
 
 def _summarize(state: SimState, n_p: float) -> PolicyResult:
@@ -1270,7 +1300,7 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
         retunes=state.adaptive.retunes if state.adaptive is not None else 0,
         decisions=tuple(sorted(Counter(x for x in state.reasons if x).items())),
         finish_order=tuple(state.finish_order),
-        keep_up=keep_up_ratio([r.arrival_s for r in reqs], state.ttft_s),
+        keep_up=keep_up_ratio([r.arrival_s for r in reqs], state.ttft_s, _service_times(state)),
     )
 
 
