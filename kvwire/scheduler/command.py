@@ -479,7 +479,7 @@ def _print_table(results: tuple[PolicyResult, ...], caption: str, out: TextIO) -
             r.policy,
             _fmt(r.capacity_rps, ".3f"),
             _fmt(r.utilization, ".2f"),
-            _fmt(r.throughput_rps, ".3f"),
+            "n/a" if math.isnan(r.throughput_rps) else _fmt(r.throughput_rps, ".3f"),
             "n/a" if r.saturated is None else "SATURATED" if r.saturated else "no",
             _fmt(r.ttft_p50_s, ".2f"),
             _fmt(r.ttft_p90_s, ".2f"),

@@ -125,7 +125,8 @@ far beyond any real estimator, and small enough that the log-normal estimate of 
 of the rate)."""
 MIN_ARRIVAL_WINDOW_S = 1.0
 """Egress is reported in 1-second averages over the arrival window; a window shorter than
-one of them is too short to say: its egress mean and P99 and ``saturated`` are n/a."""
+one of them is too short to say: its egress mean and P99, ``saturated`` and
+``throughput_rps`` are n/a."""
 
 
 class PolicyName(StrEnum):
@@ -1009,7 +1010,9 @@ class PolicyResult:
     throughput_rps: float
     """Completions per second between the first and the last completion. It counts each
     request's decode, so one long answer late in a lightly loaded run puts it below the
-    offered rate: whether the system keeps up is :attr:`keep_up`."""
+    offered rate: whether the system keeps up is :attr:`keep_up`. NaN (n/a) when the
+    arrivals span less than :data:`MIN_ARRIVAL_WINDOW_S` (a burst: five requests at one
+    instant completing 2 ms apart read 500 req/s) or fewer than two requests complete."""
     ttft_mean_s: float
     ttft_p50_s: float
     ttft_p90_s: float
@@ -1260,13 +1263,19 @@ def _summarize(state: SimState, n_p: float) -> PolicyResult:
     # Departure rate between the first and last completion: every request spends
     # output_length decode steps after its prefill, and counting that fixed tail against
     # a short trace would understate the rate the system sustains.
+    # A burst (arrivals within MIN_ARRIVAL_WINDOW_S) has no rate to sustain, and its
+    # completions can come microseconds apart: n/a, as its egress and saturated are.
     span = state.last_finish_s - state.first_finish_s
-    throughput = (done - 1) / span if span > 0 else done / makespan
+    window = last_arrival - first_arrival
+    throughput = (
+        (done - 1) / span
+        if done >= 2 and span > 0 and window >= MIN_ARRIVAL_WINDOW_S
+        else math.nan
+    )
     tt = np.asarray([x for x in state.ttft_s if not math.isnan(x)])
     runs = egress_runs(state.transfers, first_arrival)
     # Mean and P99 over the same bins: the whole seconds of the arrival window (the drain
     # after the last arrival does not dilute them). None whole: too short to say.
-    window = last_arrival - first_arrival
     egress_mean, egress_p99 = _window_stats(
         runs, math.floor(window) if window >= MIN_ARRIVAL_WINDOW_S else 0
     )
