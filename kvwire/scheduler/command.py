@@ -174,7 +174,8 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--local-instances", type=POSITIVE_INT, default=8,
                    help=f"local PD instances, split between prefill and decode (default 8; at most {MAX_INSTANCES:,})")
     s.add_argument("--prefill-instances", type=NON_NEGATIVE, metavar="N_P",
-                   help="local prefill instances N_p, > 0 unless the only policy is offload-all "
+                   help="local prefill instances N_p, > 0 unless the only policy is offload-all; "
+                        "whole instances, or whole GPUs at --split-granularity gpu "
                         "(default: the model's best split per policy)")
     s.add_argument("--split-granularity", choices=["instance", "gpu"], default="instance",
                    help="prefill/decode split in whole instances or in GPUs (default instance)")
@@ -334,6 +335,18 @@ def _workload(args: argparse.Namespace) -> tuple[TraceRequest, ...]:
 
 #: ClusterConfig's fields whose CLI option is the field's name (``--remote-instances``).
 _OPTION_FIELDS = re.compile(r"\b(remote_instances|local_instances|gpus_per_instance|split_granularity)\b")
+#: SimulationConfig's fields and their options.
+_SIM_OPTIONS = {
+    "prefill_instances": "--prefill-instances",
+    "remote_cache_blocks": "--cache-blocks",
+    "local_cache_blocks": "--cache-blocks",
+    "rtt_s": "--rtt",
+    "bandwidth_noise": "--bandwidth-noise",
+    "bandwidth_time_constant_s": "--bandwidth-window",
+    "hysteresis": "--hysteresis",
+    "egress_window_s": "--egress-window",
+}
+_SIM_FIELDS = re.compile(r"\b(" + "|".join(_SIM_OPTIONS) + r")\b")
 
 
 def _config(args: argparse.Namespace) -> SimulationConfig:
@@ -358,18 +371,21 @@ def _config(args: argparse.Namespace) -> SimulationConfig:
         )
     except UsageError as exc:  # its checks (the count caps) name its fields: say the options
         raise UsageError(_OPTION_FIELDS.sub(lambda m: "--" + m[0].replace("_", "-"), str(exc))) from None
-    return SimulationConfig(
-        cluster=cluster,
-        link=link,
-        rtt_s=args.rtt,
-        prefill_instances=args.prefill_instances,
-        remote_cache_blocks=args.cache_blocks,
-        local_cache_blocks=args.cache_blocks,
-        bandwidth_noise=args.bandwidth_noise,
-        bandwidth_time_constant_s=args.bandwidth_window,
-        hysteresis=args.hysteresis,
-        egress_window_s=args.egress_window,
-    )
+    try:
+        return SimulationConfig(
+            cluster=cluster,
+            link=link,
+            rtt_s=args.rtt,
+            prefill_instances=args.prefill_instances,
+            remote_cache_blocks=args.cache_blocks,
+            local_cache_blocks=args.cache_blocks,
+            bandwidth_noise=args.bandwidth_noise,
+            bandwidth_time_constant_s=args.bandwidth_window,
+            hysteresis=args.hysteresis,
+            egress_window_s=args.egress_window,
+        )
+    except UsageError as exc:  # its checks name its fields (--prefill-instances 2.5): say the options
+        raise UsageError(_SIM_FIELDS.sub(lambda m: _SIM_OPTIONS[m[0]], str(exc))) from None
 
 
 #: ``--load F`` is reached when the offered rate is within this share of F x the capacity.

@@ -17,6 +17,7 @@ and decode is a step time and a maximum batch.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -52,6 +53,35 @@ instance granularity, local GPUs (instances x GPUs per instance) at GPU granular
 evaluates every split at every distinct input length: 10,000 splits of a 4,000-request
 trace take about 30 s and 1.7 GB, and the time and memory grow with the splits (a
 hundred million local instances, or 100,000 GPUs per instance, ran for hours)."""
+
+
+def check_number(name: str, value: object, *, above: float | None = None,
+                 at_least: float | None = None) -> float:
+    """``value`` as a float when it is a finite real number (not a bool) ``> above`` and
+    ``>= at_least``; else :class:`UsageError` naming the field. A check written ``x < 0``
+    lets NaN through (every comparison with it is false)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    x = float(value) if ok else math.nan  # type: ignore[arg-type]
+    if not (ok and math.isfinite(x) and (above is None or x > above)
+            and (at_least is None or x >= at_least)):
+        low = f" > {above:g}" if above is not None else f" >= {at_least:g}" if at_least is not None else ""
+        raise UsageError(f"{name} must be a finite number{low} (got {value!r})")
+    return x
+
+
+def check_whole(name: str, value: object, *, at_least: int) -> int:
+    """``value`` as an int when it is a whole number (``4`` or ``4.0``; not ``4.5``, a bool,
+    NaN or infinity) ``>= at_least``; else :class:`UsageError` naming the field."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        n = int(value)
+    elif (isinstance(value, numbers.Real) and not isinstance(value, bool)
+          and math.isfinite(float(value)) and float(value).is_integer()):
+        n = int(float(value))
+    else:
+        raise UsageError(f"{name} must be a whole number >= {at_least} (got {value!r})")
+    if n < at_least:
+        raise UsageError(f"{name} must be a whole number >= {at_least} (got {value!r})")
+    return n
 
 
 class Bound(StrEnum):
@@ -97,10 +127,13 @@ class ClusterConfig:
     is modelled as proportionally less capacity (linear scaling)."""
 
     def __post_init__(self) -> None:
-        if self.split_granularity not in ("instance", "gpu") or self.gpus_per_instance < 1:
-            raise UsageError("split_granularity is 'instance' or 'gpu'; gpus_per_instance >= 1")
-        if self.remote_instances < 0 or self.local_instances < 1:
-            raise UsageError("need >= 0 remote and >= 1 local instances")
+        if self.split_granularity not in ("instance", "gpu"):
+            raise UsageError("split_granularity is 'instance' or 'gpu'")
+        # Every numeric field finite and in range, the counts whole (kept as ints: the
+        # splits are counted with them); NaN passed checks written ``x < 0``.
+        for name, least in (("gpus_per_instance", 1), ("remote_instances", 0),
+                            ("local_instances", 1), ("decode_batch_max", 1)):
+            object.__setattr__(self, name, check_whole(name, getattr(self, name), at_least=least))
         # The messages name the fields: the CLI says its options' names instead.
         for name, most in (("remote_instances", MAX_INSTANCES), ("local_instances", MAX_INSTANCES),
                          ("gpus_per_instance", MAX_GPUS_PER_INSTANCE)):
@@ -112,12 +145,9 @@ class ClusterConfig:
                 f"split_granularity 'gpu': at most {MAX_SPLITS:,} local GPUs (local_instances "
                 f"{self.local_instances:,} x gpus_per_instance {self.gpus_per_instance} is {gpus:,})"
             )
-        if self.egress_bps < 0 or not math.isfinite(self.egress_bps):
-            raise UsageError("egress bandwidth must be finite and >= 0")
-        if self.relative_compute <= 0 or self.decode_step_s <= 0 or self.decode_batch_max < 1:
-            raise UsageError("relative_compute, decode_step_s and decode_batch_max must be > 0")
-        if self.mean_output_tokens <= 0:
-            raise UsageError("mean_output_tokens must be > 0")
+        check_number("egress_bps", self.egress_bps, at_least=0.0)
+        for name in ("relative_compute", "decode_step_s", "mean_output_tokens"):
+            check_number(name, getattr(self, name), above=0.0)
 
     @property
     def local_prefill_profile(self) -> ModelProfile:
@@ -350,8 +380,10 @@ def optimize(
     """Grid search over the threshold (``step_tokens`` apart, wider past
     :data:`MAX_GRID_POINTS` points) and the split ``N_p`` (every value at the config's
     split granularity from ``min_prefill_instances`` up, or only ``prefill_instances``)."""
-    if step_tokens <= 0:
-        raise UsageError("step_tokens must be > 0")
+    step_tokens = check_number("step_tokens", step_tokens, above=0.0)
+    if prefill_instances is not None:
+        prefill_instances = check_number("prefill_instances", prefill_instances, at_least=0.0)
+    min_prefill_instances = check_number("min_prefill_instances", min_prefill_instances)
     grid, step_tokens = _grid(dist, step_tokens)
     # Evaluated once per run of grid points with the same lengths above them (at most
     # one per distinct length), at its first point: what the first best of the whole grid

@@ -62,6 +62,8 @@ from kvwire.scheduler.model import (
     OptimizerResult,
     best_split,
     capacity,
+    check_number,
+    check_whole,
     optimize,
 )
 from kvwire.scheduler.policy import (
@@ -177,20 +179,32 @@ class SimulationConfig:
     from a lasting step down (docs/scheduler.md, "When the link changes")."""
 
     def __post_init__(self) -> None:
-        if self.rtt_s < 0 or self.control_interval_s <= 0:
-            raise UsageError("rtt must be >= 0 and the control interval > 0")
-        if not 0 <= self.bandwidth_noise <= MAX_BANDWIDTH_NOISE:
+        # Every number finite and in range, naming the field (NaN passed checks written
+        # ``x < 0``: a NaN noise kept every request local, a NaN step crashed the optimizer).
+        for name in ("rtt_s", "hysteresis", "bandwidth_time_constant_s", "egress_window_s",
+                     "bandwidth_noise"):
+            check_number(name, getattr(self, name), at_least=0.0)
+        for name in ("control_interval_s", "threshold_step_tokens"):
+            check_number(name, getattr(self, name), above=0.0)
+        if self.bandwidth_noise > MAX_BANDWIDTH_NOISE:
             raise UsageError(
-                f"bandwidth_noise must be between 0 and {MAX_BANDWIDTH_NOISE:g} "
-                f"(got {self.bandwidth_noise!r})"
+                f"bandwidth_noise must be at most {MAX_BANDWIDTH_NOISE:g} (got {self.bandwidth_noise!r})"
             )
-        if self.hysteresis < 0:
-            raise UsageError("hysteresis must be >= 0")
-        if self.bandwidth_time_constant_s < 0 or self.egress_window_s < 0:
-            raise UsageError("bandwidth_time_constant_s and egress_window_s must be >= 0")
-        for blocks in (self.remote_cache_blocks, self.local_cache_blocks):
-            if blocks is not None and blocks < 0:
-                raise UsageError("cache sizes must be >= 0 blocks")
+        for name in ("remote_cache_blocks", "local_cache_blocks"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check_whole(name, getattr(self, name), at_least=0))
+        if self.prefill_instances is not None:
+            n_p = check_number("prefill_instances", self.prefill_instances, at_least=0.0)
+            step = self.cluster.split_step
+            if abs(n_p / step - round(n_p / step)) > 1e-9:
+                unit = (
+                    f"of GPUs at split granularity 'gpu' (a multiple of 1/{self.cluster.gpus_per_instance})"
+                    if self.cluster.split_granularity == "gpu"
+                    else "at split granularity 'instance'"
+                )
+                raise UsageError(
+                    f"prefill_instances must be a whole number {unit} (got {self.prefill_instances!r})"
+                )
 
     def cache_blocks(self, where: str) -> int:
         """Prefix-cache capacity of the ``"remote"`` or ``"local"`` cluster, blocks."""

@@ -4,6 +4,7 @@ for prefix hits at prefill start and the finite LRU cache."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -167,7 +168,9 @@ def test_link_change_updates_the_rate_the_policy_sees() -> None:
 
 
 def test_fractional_split_is_a_slower_server() -> None:
-    cfg = config(cluster=cluster(local=3), prefill_instances=1.5)
+    # At GPU granularity (2 GPUs an instance): 3 prefill GPUs are 1.5 instances.
+    cfg = config(cluster=replace(cluster(local=3), split_granularity="gpu", gpus_per_instance=2),
+                 prefill_instances=1.5)
     st = new_state([req(0, (1, 2))], cfg, PolicyName.LOCAL, prefill_instances=1.5)
     assert sorted(st.local_free) == [0.5, 1.0]
     assert st.slots_free == 3  # 1.5 decode instances x 2 slots
