@@ -23,7 +23,8 @@ transfer; room freed otherwise goes to those waiting, in the order they began wa
 an eighth of the budget is kept from windows for first layers.  A transfer is accepted only
 once the room left holds its first layer at an estimate (from the first layers of its layout
 its own session sent whole recently, at most an eighth of the budget unless the smallest of
-them is larger; docs/protocol.md 8.2), reserved until that layer arrives: BEGINs past the room wait to
+them is larger; for a session with none yet, from every session's, at most the eighth;
+docs/protocol.md 8.2), reserved until that layer arrives: BEGINs past the room wait to
 start, in their order (see ReceiverCore._admit).  A chunk
 counts as received only after its bytes are in place.  Raw payloads may be read straight
 into their layer (the payload sink of each connection): that happens before the frame's
@@ -107,6 +108,10 @@ RECENT_FIRST_LAYERS = 64
 #: seen forgotten); a session keeps at most this many of RECENT_FIRST_LAYERS each, plus
 #: those of any layout, and its history goes with it.
 LAYOUTS_REMEMBERED = 8
+#: Layouts whose recent first layers the server remembers across sessions, for the first
+#: transfers of a session that has no history yet (their estimate is at most the share of
+#: the budget kept for first layers: another session's sizes can delay them that little).
+SERVER_LAYOUTS_REMEMBERED = 64
 
 #: Failed transfers a session remembers why (see _Session.tombstones): each its RESET's
 #: code and text, so at most about WIRE_TEXT_LIMIT * 4 + 200 bytes apiece.
@@ -155,6 +160,19 @@ FP_SHOWN = 12
 #: Bytes of a transfer's request id and model (UTF-8, together) kept without a charge: a
 #: short id costs nothing, one up to its 65535-byte limit counts (see :func:`begin_footprint`).
 FREE_ID_BYTES = 256
+
+
+def _remember(history: OrderedDict[bytes, deque[int]], fingerprint: bytes, footprint: int, layouts: int) -> None:
+    """Add a first layer's ``footprint`` to ``history``'s recent ones of its layout, which
+    becomes the most recently seen; past ``layouts`` layouts the least recently seen goes."""
+    recent = history.get(fingerprint)
+    if recent is None:
+        recent = history[fingerprint] = deque(maxlen=RECENT_FIRST_LAYERS)
+        while len(history) > layouts:
+            history.popitem(last=False)
+    else:
+        history.move_to_end(fingerprint)
+    recent.append(footprint)
 
 
 def wire_text(text: str) -> str:
@@ -642,10 +660,15 @@ class ReceiverCore:
         # Transfers admitted (BEGIN passed every check) whose first layer has no room yet,
         # in the order of their BEGINs: accepted as room frees (_admit, _admit_waiting).
         self._admitting: dict[Key, None] = {}
-        # Transfers given room for their first layer at an estimate of 0 (their session had
-        # no first layer in its history yet), once their session has one: their estimate is
-        # reserved then, as far as room holds it (_learn, _estimate_unestimated).
+        # Transfers given room for their first layer at an estimate of 0 (no first layer
+        # received whole yet, of their session or any other): their estimate is reserved
+        # once one is, as far as room holds it (_learn, _estimate_unestimated).
         self._unestimated: dict[Key, None] = {}
+        # Footprints of the last first layers received whole, of every session, by layout
+        # and of any layout: the estimate of a first layer of a session with no history of
+        # its own (at most the share kept for first layers, see _estimate).
+        self._first_layers: OrderedDict[bytes, deque[int]] = OrderedDict()
+        self._first_layers_any: deque[int] = deque(maxlen=RECENT_FIRST_LAYERS)
         # The time given by the latest call (every call that can accept a transfer gives it):
         # a transfer accepted as room frees starts its claim deadline then (_admit_waiting).
         self._now = 0.0
@@ -1385,7 +1408,9 @@ class ReceiverCore:
         it goes through the gate) only once its first layer has room.  ACCEPT grants that
         layer before its size is known, so the room is kept for it at an estimate
         (:meth:`_estimate`: from the first layers of its layout its session sent whole
-        recently, of any layout if it sent none of this one, 0 if it sent none at all),
+        recently, of any layout if it sent none of this one; for a session that sent none,
+        from those of every session, at most the share kept for first layers; 0 before any
+        was received whole),
         reserved from now until its first chunk allocates it.  It has room when no transfer
         waits to start before it and the room left (the share kept from windows included)
         holds its estimate; else it waits to start, in the order of BEGINs, until room frees
@@ -1404,6 +1429,8 @@ class ReceiverCore:
         see :meth:`_learn`)."""
         t.roomed = True
         t.estimate = est
+        if not est:
+            self._unestimated[t.key] = None
         self._reserve(t)
 
     def _admit_waiting(self) -> None:
@@ -1430,51 +1457,48 @@ class ReceiverCore:
         any layout if none; 0 if none at all), but no more than the share of the budget
         kept from windows for first layers, or the smallest of them where that is larger:
         one large first layer (one long prompt) does not hold every later transfer of its
-        layout back from starting while the room would hold an ordinary one.  Another
-        session's first layers never count: a client cannot set the estimate others are
-        admitted at.  A first layer larger than its estimate takes what room there is, or
-        fails."""
+        layout back from starting while the room would hold an ordinary one.  A session
+        with no history of its own (its first transfers) is estimated from the first
+        layers every session sent whole recently (of its layout, else of any), but never
+        past the share: another session's first layers cannot hold it back further than a
+        cold start's reserve, so a client cannot set the estimate others are admitted at.
+        A first layer larger than its estimate takes what room there is, or fails."""
+        share = self._first_layer_share()
+        fp = t.spec.fingerprint
         sess = self._sessions.get(t.key[0])
-        if sess is None:
-            return 0
-        recent = sess.first_layers.get(t.spec.fingerprint) or sess.first_layers_any
-        if not recent:
-            return 0
-        return min(max(recent), max(self._first_layer_share(), min(recent)))
+        if sess is not None and (recent := sess.first_layers.get(fp) or sess.first_layers_any):
+            return min(max(recent), max(share, min(recent)))
+        recent = self._first_layers.get(fp) or self._first_layers_any
+        return min(max(recent), share) if recent else 0
 
     def _learn(self, t: _Incoming) -> None:
         """``t``'s layer 0 was received whole (every chunk of it stored): its footprint is
         remembered in its session's history for the estimates of that session's first
         layers to come (not that of a transfer received into a destination: the budget
         does not count its layers; never one of a transfer that failed before its layer 0
-        was whole, which a peer's one chunk declaring a huge layer would be).  The
-        session's transfers given room at an estimate of 0 (before it had a history) have
-        theirs reserved (:meth:`_estimate_unestimated`)."""
+        was whole, which a peer's one chunk declaring a huge layer would be), and in the
+        server's, for sessions with no history yet.  Transfers given room at an estimate
+        of 0 (before any first layer was received whole) have theirs reserved
+        (:meth:`_estimate_unestimated`)."""
         t.learned = True
         sess = self._sessions.get(t.key[0])
         if t.external or sess is None:
             return
         fp = t.spec.fingerprint
-        recent = sess.first_layers.get(fp)
-        if recent is None:
-            recent = sess.first_layers[fp] = deque(maxlen=RECENT_FIRST_LAYERS)
-            while len(sess.first_layers) > LAYOUTS_REMEMBERED:
-                sess.first_layers.popitem(last=False)
-        else:
-            sess.first_layers.move_to_end(fp)
-        recent.append(t.layer_cost)
+        _remember(sess.first_layers, fp, t.layer_cost, LAYOUTS_REMEMBERED)
         sess.first_layers_any.append(t.layer_cost)
-        # (at most max_transfers of them: its transfers whose first layer has room at 0)
-        for u in sess.transfers.values():
-            if u.roomed and not u.estimate and not u.sized and not u.external and u.error is None:
-                self._unestimated[u.key] = None
+        _remember(self._first_layers, fp, t.layer_cost, SERVER_LAYOUTS_REMEMBERED)
+        self._first_layers_any.append(t.layer_cost)
         self._estimate_unestimated()
 
     def _estimate_unestimated(self) -> None:
-        """Transfers given room at an estimate of 0 whose session has a history now (see
-        :meth:`_learn`) have their estimate reserved, in the order they were queued, as far
-        as the room left holds it; those it does not hold yet are reserved as room frees
-        (:meth:`_regrant`), before any transfer waiting to start is given room."""
+        """Transfers given room at an estimate of 0 (before any first layer was received
+        whole) have their estimate reserved once one was (see :meth:`_learn`), in the order
+        they were given room, as far as the room left holds it; those it does not hold yet
+        are reserved as room frees (:meth:`_regrant`), before any transfer waiting to start
+        is given room."""
+        if not self._first_layers_any:
+            return  # (none received whole yet: every estimate is still 0)
         while self._unestimated:
             key = next(iter(self._unestimated))
             u = self._live.get(key)
@@ -1482,9 +1506,6 @@ class ReceiverCore:
                 del self._unestimated[key]
                 continue
             est = self._estimate(u)
-            if not est:  # (nothing to reserve)
-                del self._unestimated[key]
-                continue
             if self._room() < est:
                 return
             del self._unestimated[key]

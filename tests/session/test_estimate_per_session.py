@@ -29,22 +29,24 @@ class Other:
         self.client, self.events = join(h.core, cid, h.now)
         assert self.client.state.name == "OPEN"
 
-    def _flow(self) -> None:
+    def flow(self) -> None:
         core, now = self.h.core, self.h.now
         data = b"".join(bytes(p) for p in self.client.data_to_send())
         if data:
             core.receive_data(self.cid, data, now)
-        self.client.receive_data(core.data_to_send(self.cid), now)
+        down = core.data_to_send(self.cid)
+        if down:  # (b"" would be the connection's end)
+            self.client.receive_data(down, now)
         self.events.extend(iter(self.client.next_event, None))
         self.h.pump()  # (the core's events, and anything it said to the harness's client)
 
     def begin(self, tid: int, **kw: Any) -> None:
         self.client.send_begin(begin(tid=tid, request=f"other{tid}", **kw))
-        self._flow()
+        self.flow()
 
     def send(self, c: Chunk) -> None:
         self.client.send_chunk(c, chunk_frame_size(len(c.params), len(c.payload)))
-        self._flow()
+        self.flow()
 
     def accepted(self) -> list[int]:
         return [e.transfer_id for e in self.events if isinstance(e, TransferAccepted)]
@@ -133,10 +135,12 @@ def test_a_transfer_that_fails_before_its_layer_0_is_whole_teaches_nothing() -> 
 def test_a_sessions_own_first_layers_set_its_estimate_and_its_history_goes_with_it() -> None:
     """Session A's first layers (14 units, received whole and taken) set A's estimate:
     capped at the smallest of them where that is larger than the eighth, its next BEGIN
-    reserves 14 units.  Session B's BEGIN is then accepted at once (at 0), and A's next
-    waits to start.  Once A is gone (its stream closed, every transfer of it done), its
-    history is gone with it: nothing of the core still refers to A's session, and a new
-    session's transfer is accepted at 0."""
+    reserves 14 units.  Session B, with no history of its own, is estimated from every
+    session's first layers but never past the eighth (2 units): its BEGIN is accepted at
+    once, in the 2 units left, and A's next waits to start.  Once A is gone (its stream
+    closed, every transfer of it done), its history is gone with it: nothing of the core
+    still refers to A's session, and a new session's transfer is accepted at the eighth
+    again, not at A's 14 units."""
     h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=16 * UNIT, transfer_buffer_bytes=16 * UNIT,
                                claim_timeout=None, resume_timeout=0.0))
     big = 14 * 64
@@ -150,7 +154,7 @@ def test_a_sessions_own_first_layers_set_its_estimate_and_its_history_goes_with_
     assert accepted(h) == [1, 2, 3] and h.core.reserved_bytes == 14 * UNIT
     b = Other(h, 2)
     b.begin(1, layers=1)
-    assert b.accepted() == [1] and h.core.reserved_bytes == 14 * UNIT
+    assert b.accepted() == [1] and h.core.reserved_bytes == 14 * UNIT + 2 * UNIT
     begin_all(h, 1, 4)
     assert accepted(h) == [1, 2, 3] and h.core.waiting_to_start == 1
     a_id = key(h, 1)[0]
@@ -165,4 +169,32 @@ def test_a_sessions_own_first_layers_set_its_estimate_and_its_history_goes_with_
     assert a_session() is None  # (its history with it: nothing holds it)
     c = Other(h, 3)
     c.begin(1, layers=1)
-    assert c.accepted() == [1] and h.core.reserved_bytes == 0
+    assert c.accepted() == [1] and h.core.reserved_bytes == 2 * UNIT + 2 * UNIT  # (B's and C's)
+
+
+def test_a_new_session_waits_to_start_at_every_sessions_estimate_instead_of_failing() -> None:
+    """Session A's eight one-layer transfers (2 units each, received whole, held unread)
+    fill the budget of 16 units.  A new session B (no history of its own: a client that
+    connects per transfer) is estimated from every session's first layers (2 units,
+    within the eighth): its BEGIN waits to start, where an estimate of 0 would accept it
+    and fail its first layer for want of room.  Once one of A's layers is taken, B starts
+    and its first layer is stored; nothing fails."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=16 * UNIT, transfer_buffer_bytes=16 * UNIT,
+                               claim_timeout=None))
+    tokens = 2 * 64
+    for tid in range(1, 9):
+        begin_all(h, 1, tid)
+        h.send(chunk(tid=tid, layer=0, kind=0, count=tokens, tokens=tokens))
+        h.send(chunk(tid=tid, layer=0, kind=1, count=tokens, tokens=tokens))
+    assert accepted(h) == list(range(1, 9)) and h.core.buffered_bytes - h.core.kept_bytes == 16 * UNIT
+    b = Other(h, 2)
+    b.begin(1, layers=1)
+    assert b.accepted() == [] and h.core.waiting_to_start == 1
+    h.core.claim(key(h, 1), h.now)
+    take(h, 1, 0)
+    b.flow()
+    assert b.accepted() == [1] and h.core.waiting_to_start == 0
+    b.send(chunk(tid=1, layer=0, kind=0, count=tokens, tokens=tokens))
+    b.send(chunk(tid=1, layer=0, kind=1, count=tokens, tokens=tokens))
+    assert not [e for e in b.events if isinstance(e, TransferReset)]
+    assert h.core.counters["buffer_budget_refusals"] == 0 and h.core.buffered_bytes - h.core.kept_bytes == 16 * UNIT
