@@ -271,3 +271,49 @@ def test_state_keeps_the_documented_edges() -> None:
     assert decide(req(1), state(threshold_tokens=-1.0)).reason == "long"
     assert decide(req(100_000), state(bandwidth_bps=-5.0)).reason == "no-bandwidth"
     assert state(egress_demand_bps=-1e9).utilization == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        # Levels the wrong way round or equal: the band the threshold rises across is empty
+        # (a demand between them was neither raised nor refused).
+        ({"soft_utilization": 0.8, "hard_utilization": 0.8}, "soft_utilization"),
+        ({"soft_utilization": 0.9, "hard_utilization": 0.8}, "soft_utilization"),
+        ({"soft_utilization": -0.1}, "soft_utilization"),
+        ({"threshold_gain": -2.0}, "threshold_gain"),  # lowered the threshold as the link filled
+        ({"block_tokens": 0}, "block_tokens"),  # a prefix hit covered no tokens
+        ({"block_tokens": -512}, "block_tokens"),
+        ({"block_tokens": 511.5}, "block_tokens"),
+        ({"block_tokens": True}, "block_tokens"),
+    ],
+)
+def test_state_refuses_levels_gains_and_blocks_out_of_range(kw: dict[str, object], field: str) -> None:
+    from kvwire.errors import UsageError
+
+    with pytest.raises(UsageError, match=field):
+        state(egress_demand_bps=85e9, **kw)
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"input_length": -5}, "input_length"),  # stayed local as "short", 0 incremental tokens
+    ({"input_length": 4000.5}, "input_length"),
+    ({"input_length": math.nan}, "input_length"),
+    ({"input_length": "4000"}, "input_length"),
+    ({"input_length": 4000, "output_length": -1}, "output_length"),
+])
+def test_request_refuses_lengths_that_are_not_whole_and_non_negative(
+    kw: dict[str, object], field: str
+) -> None:
+    from kvwire.errors import UsageError
+
+    with pytest.raises(UsageError, match=field):
+        PolicyRequest(request_id="r", **kw)  # type: ignore[arg-type]
+
+
+def test_whole_lengths_of_any_integral_type_are_taken() -> None:
+    import numpy as np
+
+    assert isinstance(decide(PolicyRequest(request_id="r", input_length=np.int64(20000)), state()), Offload)
+    assert isinstance(decide(PolicyRequest(request_id="r", input_length=4000.0), state()), Local)  # type: ignore[arg-type]
+    assert isinstance(decide(req(20000), state(block_tokens=np.int64(256))), Offload)
