@@ -203,15 +203,20 @@ def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
 
 def admit_begin(
     begin: Begin, *, active: int, max_transfers: int, max_meta_bytes: int,
-    fingerprints: frozenset[bytes] | set[bytes] = frozenset(),
+    fingerprints: frozenset[bytes] | set[bytes] = frozenset(), unclaimed: int = 0,
 ) -> tuple[KVSpec, dict[str, object]]:
-    """Validate a BEGIN for a session with ``active`` transfers in progress or unclaimed.
+    """Validate a BEGIN for a session with ``active`` transfers in progress or unclaimed
+    (``unclaimed`` of them complete, waiting for the application to claim them).
 
     Returns the transfer's layout and meta; raises the error its RESET carries (section
     7.1 of docs/protocol.md): LIMIT_EXCEEDED, INCOMPATIBLE_SPEC or PROTOCOL_ERROR.
     """
     if active >= max_transfers:
-        raise LimitExceededError(f"more than {max_transfers} transfers in progress")
+        # (within WIRE_TEXT_LIMIT: the RESET carries it)
+        held = f", {unclaimed} complete and not claimed by the receiver's application" if unclaimed else ""
+        raise LimitExceededError(
+            f"{active} transfers of the session held (max_transfers={max_transfers}){held}: "
+            "retry once one ends" + (" or is claimed" if unclaimed else ""))
     dtype = DTYPE_BY_ID.get(begin.dtype_id)
     if dtype is None:
         raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, f"unknown dtype id {begin.dtype_id}")
@@ -1356,8 +1361,10 @@ class ReceiverCore:
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
             # Completed transfers the application has not claimed hold memory too.
             active = sum(1 for t in sess.transfers.values() if not t.complete or not t.claimed)
+            unclaimed = sum(1 for t in sess.transfers.values() if t.complete and not t.claimed)
             spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
-                                     max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints)
+                                     max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints,
+                                     unclaimed=unclaimed)
             extra = begin_footprint(begin, meta)
             if extra and not self._kept_room(extra):
                 self._count("buffer_budget_refusals")

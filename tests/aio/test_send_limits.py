@@ -22,8 +22,12 @@ async def test_a_send_past_max_transfers_fails_and_can_be_retried_once_one_is_cl
             kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
         assert peer.max_transfers == 1
         await peer.send("a", SPEC, data, timeout=20)  # complete, not claimed yet
-        with pytest.raises(kvwire.LimitExceededError):
+        with pytest.raises(kvwire.LimitExceededError) as refused:
             await peer.send("b", SPEC, data, timeout=20)
+        # (it says what holds the slot: a transfer complete and not claimed, none in flight)
+        assert str(refused.value).endswith(
+            "1 transfers of the session held (max_transfers=1), 1 complete and not claimed by the "
+            "receiver's application: retry once one ends or is claimed")
         first = await server.expect("a", timeout=20)
         await first.collect(timeout=20)
         rx = asyncio.create_task(server.expect("b", timeout=20))
