@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import numbers
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -58,9 +59,14 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
     or ``"4000"``), the timestamp any number, ``hash_ids`` (optional) a list.
     Timestamps must be finite and at most :data:`MAX_TIMESTAMP_MS` either side of 0, and
     lengths between 0 and :data:`MAX_TOKENS`; a bad record is reported by path and line.
-    ``limit``: keep the first ``limit`` records in file order (then sort them); at least 1."""
-    if limit is not None and (isinstance(limit, bool) or not limit >= 1):
-        raise UsageError(f"limit must be at least 1, got {limit!r}")
+    ``limit``: keep the first ``limit`` records in file order (then sort them); a whole
+    number (``2`` or ``2.0``; ``1.5`` kept two records), at least 1."""
+    if limit is not None:
+        whole = isinstance(limit, numbers.Integral) or (
+            isinstance(limit, float) and float(limit).is_integer()
+        )
+        if isinstance(limit, bool) or not whole or not limit >= 1:
+            raise UsageError(f"limit must be at least 1 and a whole number, got {limit!r}")
     out: list[TraceRequest] = []
     try:
         with (

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
 import re
 from pathlib import Path
 
@@ -211,6 +212,16 @@ def test_a_limit_below_one_is_refused(tmp_path: Path, limit: int) -> None:
     with pytest.raises(UsageError, match="limit must be at least 1"):
         load_trace(path, limit=limit)
     assert len(load_trace(path, limit=1)) == 1
+
+
+@pytest.mark.parametrize("limit", [1.5, math.inf, math.nan, "2"])
+def test_a_limit_that_is_not_a_whole_number_is_refused(tmp_path: Path, limit: object) -> None:
+    """load_trace(limit=1.5) kept two records."""
+    path = tmp_path / "t.jsonl"
+    _write_trace(path, {})  # three records
+    with pytest.raises(UsageError, match="a whole number"):
+        load_trace(path, limit=limit)  # type: ignore[arg-type]
+    assert len(load_trace(path, limit=2.0)) == 2  # type: ignore[arg-type]
 
 
 _PROFILE = {"tokens": [1024, 8192, 32768], "kv_bytes": [2e8, 3.2e8, 7.4e8], "prefill_s": [0.44, 0.72, 1.84]}
