@@ -66,7 +66,7 @@ from kvwire.session.receiver import (
     stale_error,
 )
 from kvwire.session.sender import check_request_id
-from kvwire.units import format_size
+from kvwire.units import format_size, is_ipv6
 
 _log = logging.getLogger("kvwire")
 
@@ -437,7 +437,9 @@ class Server(Pump):
     every IPv6 interface and IPv6 only (each IPv6 socket is IPv6-only, as asyncio makes
     it: an IPv4 client is not taken, another program may listen on ``0.0.0.0`` on the same
     port), a name each address it resolves to (``localhost``: ``127.0.0.1`` and ``::1``
-    where both are listed).  With ``port=0`` the system picks a port free on them all
+    where both are listed); an IPv6 address with or without brackets (``"::1"`` or
+    ``"[::1]"``, as ``connect()`` takes it; brackets around anything else are a
+    UsageError).  With ``port=0`` the system picks a port free on them all
     (:data:`PORT_TRIES` tries, then :class:`~kvwire.ConnectionLostError`); :attr:`port`
     is that port and :attr:`addresses` every ``(host, port)`` listened on, once started.
     """
@@ -452,6 +454,10 @@ class Server(Pump):
         if not isinstance(host, str):  # (asyncio's raw TypeError only once it listened)
             raise UsageError(f"host must be a str (a name or an address, '0.0.0.0' for every "
                              f"IPv4 interface), not {type(host).__name__}")
+        if host.startswith("["):  # an IPv6 address as in a URL, as connect() takes it
+            if not (host.endswith("]") and is_ipv6(host[1:-1])):
+                raise UsageError(f"host {host!r}: brackets enclose an IPv6 address only")
+            host = host[1:-1]
         check_port(port, 0)
         check_ssl_context(ssl, server_side=True)
         _check_registry(registry)

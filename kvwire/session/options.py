@@ -196,7 +196,7 @@ class ClientOptions:
     def sender_config(self, *, secret: bytes, streams: object) -> SenderConfig:
         """The session core's config for ``streams`` streams (every registered codec offered)."""
         if isinstance(streams, bool) or not isinstance(streams, int) or not 1 <= streams <= MAX_STREAMS:
-            raise UsageError(f"streams must be an int in [1, {MAX_STREAMS}] or 'auto'")
+            raise UsageError(f"streams must be an int in [1, {MAX_STREAMS}] or 'auto', not {shown(streams)}")
         shared = {f.name: getattr(self, f.name) for f in fields(SenderConfig) if hasattr(self, f.name)}
         fingerprint = self.spec.fingerprint if self.spec is not None else NO_FINGERPRINT
         return SenderConfig(**shared, secret=_check_secret(secret), streams=streams,
@@ -312,10 +312,10 @@ def make_server_options(spec: KVSpec | Sequence[KVSpec] | None = None, **options
         if isinstance(options["codecs"], str | bytes):
             raise UsageError(f"codecs must be a list of codec names, not one string: {shown(options['codecs'])}")
         options["codecs"] = tuple(options["codecs"])
-    try:
-        return ServerOptions(specs=specs, **options)
-    except TypeError as exc:
-        raise UsageError(f"unknown server option: {exc}") from None
+    unknown = set(options) - {f.name for f in fields(ServerOptions)}
+    if unknown:
+        raise UsageError(f"unknown serve option(s): {', '.join(sorted(unknown))}")
+    return ServerOptions(specs=specs, **options)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
