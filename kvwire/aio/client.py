@@ -30,7 +30,7 @@ from kvwire.aio._send import AUTO, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
 from kvwire.aio._stream import Pump, Stream, on_this_host
 from kvwire.aio.tcpinfo import read_tcp_info
-from kvwire.codec import codec_by_id, get_codec
+from kvwire.codec import available_codecs, codec_by_id, get_codec
 from kvwire.control import (
     CodecChooser,
     DeliveryRateEstimator,
@@ -44,6 +44,7 @@ from kvwire.errors import (
     ErrorCode,
     IncompatiblePeerError,
     KvwireError,
+    ProtocolError,
     TransferTimeoutError,
     UsageError,
     detached,
@@ -66,8 +67,8 @@ from kvwire.session.sender import (
     begin_fields,
 )
 from kvwire.spec import KVSpec
-from kvwire.wire.connection import NO_SESSION
-from kvwire.wire.frames import BlockVersion
+from kvwire.wire.connection import NO_SESSION, Connection
+from kvwire.wire.frames import BlockVersion, FrameType
 
 _log = logging.getLogger("kvwire")
 #: Wire bytes acknowledged per measurement of the transport's CPU cost (for ``auto``).
@@ -122,6 +123,62 @@ def server_host(host: str) -> str:
             raise UsageError(f"host {host!r}: brackets enclose an IPv6 address only") from None
         return inner
     return host
+
+
+def _check_codec(name: object) -> None:
+    """A codec ``send()`` may be given: ``"auto"`` or a registered codec's name (UsageError,
+    listing them all, for any other)."""
+    if name == AUTO:
+        return
+    try:
+        get_codec(name)  # type: ignore[arg-type]
+    except UsageError:
+        if not isinstance(name, str):
+            raise
+        raise UsageError(f"unknown codec {name!r}; known: {AUTO}, {', '.join(sorted(available_codecs()))}") from None
+
+
+#: How many of the first bytes a server sent an error shows (escaped) when they are no
+#: kvwire frame: what answered is something else (an HTTP server, say).
+FIRST_BYTES_SHOWN = 40
+
+
+def _first_bytes(data: bytes) -> str:
+    """``data`` (the first bytes a server sent) for an error: escaped, cut after
+    :data:`FIRST_BYTES_SHOWN` ("..." then says so)."""
+    return repr(data[:FIRST_BYTES_SHOWN]) + ("..." if len(data) > FIRST_BYTES_SHOWN else "")
+
+
+class _ClientStream(Stream):
+    """A client's stream, which keeps the first :data:`FIRST_BYTES_SHOWN` bytes it read and
+    the connection its handshake ran on: a handshake that fails on what answered can say
+    that it is no kvwire server, and what it sent (:meth:`Peer._handshake_error`)."""
+
+    def __init__(self, owner: Any, key: int) -> None:
+        super().__init__(owner, key)
+        self.first = b""
+        self.handshake: Connection | None = None
+        self._reading: memoryview | None = None  # where the read under way goes, while first is short
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self.made:
+            self.handshake = self.conn
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        buf = super().get_buffer(sizehint)
+        self._reading = buf if len(self.first) <= FIRST_BYTES_SHOWN and self._current() else None
+        return buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if (reading := self._reading) is not None:
+            self._reading = None
+            self.first += bytes(reading[:min(nbytes, FIRST_BYTES_SHOWN + 1 - len(self.first))])
+        super().buffer_updated(nbytes)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._reading = None
+        super().connection_lost(exc)
 
 
 def default_server_hostname(host: str) -> str:
@@ -453,8 +510,7 @@ class Peer(Pump):
             self.stream_controller = StreamController(max_streams=streams)
         self.core = SenderCore(options.sender_config(secret=secret, streams=streams))
         self._link = PeerLink(self, self.core, options.notsent_lowat)
-        if codec != AUTO:
-            get_codec(codec)  # unknown names fail here, before any connection
+        _check_codec(codec)  # unknown names fail here, before any connection
         host = server_host(host)
         self.host, self.port, self.codec, self.options = host, port, codec, options
         self._ssl = ssl
@@ -496,6 +552,7 @@ class Peer(Pump):
         self._resumes_logged = 0
         # The one close every close() waits for (shielded: a caller cancelled does not stop it).
         self._closing: asyncio.Task[None] | None = None
+        self._ended_by_close = False  # close() ended the session (it was not broken before)
 
     @property
     def closed(self) -> bool:
@@ -715,7 +772,45 @@ class Peer(Pump):
             # (a later stream of a session already made is reconnected like any other)
             # The core's verdict first: a session lost for the server's clean GOAWAY says
             # the GOAWAY's reason, not that a stream closed.
-            self._open_error = self.core.broken or closed.error or ConnectionLostError(ev.reason)
+            self._open_error = self._handshake_error(ev, self.core.broken or closed.error or ConnectionLostError(ev.reason))
+
+    def _handshake_error(self, ev: StreamClosed, err: KvwireError) -> KvwireError:
+        """The error ``open()`` fails with for ``err``, which closed a stream during its
+        handshake (before the session was made), of the same class and code: one the
+        connection ended with itself says where, and what answered where it was no kvwire
+        server (its first bytes, escaped, when the first of them was no kvwire frame: an
+        HTTP server's answer, say); a failed authentication says that the secrets differ;
+        a handshake not done in time names ``connect_timeout``.  Any other (a GOAWAY's
+        reason, say) as it is."""
+        closed = ev.closed
+        if err is not closed.error:
+            return err
+        stream = self.streams[ev.index] if ev.index < len(self.streams) else None
+        first = stream.first if isinstance(stream, _ClientStream) else b""
+        conn = stream.handshake if isinstance(stream, _ClientStream) else None
+        answered = conn is not None and conn.version is not None  # a CHALLENGE was taken
+        where = self._where
+        if isinstance(err, AuthenticationError):
+            why = "" if str(err) == "authentication failed" else f" ({err})"
+            return AuthenticationError(
+                f"authentication with {where} failed{why}: the secret given to connect() is not "
+                "the server's (the two must be the same bytes)", code=err.code)
+        # What answered sent no kvwire frame first: a kvwire server's first is CHALLENGE or GOAWAY.
+        alien = not answered and bool(first) and first[0] not in (FrameType.CHALLENGE, FrameType.GOAWAY)
+        if isinstance(err, TransferTimeoutError) and not closed.by_peer:
+            said = ("" if answered or (first and not alien) else "nothing came back" if not first
+                    else f"what it sent is no kvwire frame: {_first_bytes(first)}")
+            return TransferTimeoutError(
+                f"{where} did not complete the kvwire handshake within connect_timeout="
+                f"{self.options.connect_timeout:g} s" + (f" ({said})" if said else ""), code=err.code)
+        if isinstance(err, ProtocolError) and not closed.by_peer and alien:
+            return type(err)(f"{where} did not answer as a kvwire server (is that its address and port?): "
+                             f"its first bytes were {_first_bytes(first)} ({err})", code=err.code)
+        if isinstance(err, ConnectionLostError) and closed.by_peer and alien:
+            return ConnectionLostError(
+                f"{where} closed the connection during the handshake without answering as a kvwire "
+                f"server: its first bytes were {_first_bytes(first)}", code=err.code)
+        return err
 
     def _on_given_up(self, ev: StreamGivenUp) -> None:
         """A slot the session goes on without: with a fixed stream count, ``open()`` fails
@@ -749,7 +844,7 @@ class Peer(Pump):
 
     async def _connect(self, index: int) -> None:
         """Open slot ``index``'s TCP (and TLS) connection; the handshake is the core's."""
-        proto = Stream(self._link, index)
+        proto = _ClientStream(self._link, index)
         self._retired[:] = [s for s in (*self._retired, *self.streams[index:index + 1]) if s.transport is not None]
         self.streams[index:index + 1] = [proto]
         opts, loop = self.options, asyncio.get_running_loop()
@@ -810,7 +905,8 @@ class Peer(Pump):
         if isinstance(exc, KvwireError):
             return exc
         if isinstance(exc, TimeoutError):
-            return TransferTimeoutError(f"connecting to {where} timed out")
+            return TransferTimeoutError(f"connecting to {where} timed out "
+                                        f"(connect_timeout={self.options.connect_timeout:g} s)")
         if isinstance(exc, _ssl.SSLCertVerificationError):
             return AuthenticationError(f"TLS certificate verification failed: {_reason(exc)}")
         if isinstance(exc, _ssl.SSLError):
@@ -923,18 +1019,26 @@ class Peer(Pump):
     @property
     def broken(self) -> KvwireError | None:
         """The error that ended this peer's session (the server shut down or restarted, a
-        stream could not be resumed, a peer's protocol error), or None while it lives.  A
-        peer whose session ended cannot send again (every ``send()`` raises at once, of this
-        error's class): close it and ``connect()`` again.  ``closed`` says only whether
+        stream could not be resumed, a peer's protocol error; :meth:`close` too, a
+        ConnectionLostError then), or None while it lives.  A peer whose session ended
+        cannot send again (every ``send()`` raises at once, of this error's class): close
+        it and ``connect()`` again.  Once :meth:`close` was called a ``send()`` says that
+        the peer was closed: ``connect()`` again.  ``closed`` says only whether
         :meth:`close` was called."""
         return self.core.broken
 
     def check_usable(self) -> None:
         err = self.core.broken
-        if err is not None:  # a new error each time: nothing of an earlier caller's frames is kept
+        # A new error each time: nothing of an earlier caller's frames is kept.
+        if self._closing is not None:  # close() was called
+            if err is None or self._ended_by_close:
+                raise ConnectionLostError("this peer was closed: connect() again for a new session")
+            raise type(err)(f"{err} (this peer's session had ended, and the peer was closed: "
+                            "connect() again)", code=err.code)
+        if err is not None:
             raise type(err)(f"{err} (this peer's session has ended: close it and connect() again)", code=err.code)
         if self.closed:
-            raise ConnectionLostError("peer is closed")
+            raise ConnectionLostError("this peer was closed: connect() again for a new session")
 
     async def send(
         self, request_id: str, spec: KVSpec, layers: Layers, *, meta: dict[str, Any] | None = None,
@@ -1004,8 +1108,7 @@ class Peer(Pump):
         check_seconds("timeout", timeout)
         check_seconds("deadline", deadline)
         codec_name = codec if codec is not None else self.codec
-        if codec_name != AUTO:
-            get_codec(codec_name)  # a name no codec has (or not a str): UsageError
+        _check_codec(codec_name)  # a name no codec has (or not a str): UsageError
         meta_bytes, versions = begin_fields(meta, blocks)
         if deadline is not None and codec_name != AUTO:
             raise UsageError("deadline= steers codec='auto'; with a fixed codec use timeout=")
@@ -1111,6 +1214,8 @@ class Peer(Pump):
         await asyncio.shield(task)
 
     async def _teardown(self, linger: float) -> None:
+        if self.core.broken is None:
+            self._ended_by_close = True
         if not self.closed:
             self.core.close(self.now())
             self.pump()  # transfers fail, every stream writes its GOAWAY and closes
