@@ -274,7 +274,9 @@ def add_parsers(subparsers: Any) -> None:
     load.add_argument("--chunk-size", type=argument_type(parse_size), default=DEFAULT_CHUNK_BYTES, metavar="SIZE",
                       help=f"target size of one chunk of K or V before encoding (default {format_size(DEFAULT_CHUNK_BYTES)})")
     load.add_argument("--duration", type=_POSITIVE_DURATION, default=10.0, metavar="TIME",
-                      help="keep starting transfers for this long (default 10s)")
+                      help="keep starting transfers for this long (default 10s); one still under way "
+                           "then may finish, for up to 30 s more (as long again as --duration, if that "
+                           "is longer), and is abandoned if it has not")
     load.add_argument("--seed", type=int, default=0, metavar="N",
                       help="seed of the random cache (default 0)")
     load.add_argument("--no-baseline", action="store_true",

@@ -52,9 +52,9 @@ from kvwire.codec.base import available_codecs
 from kvwire.errors import ConnectionLostError, KvwireError, TransferTimeoutError, UsageError
 from kvwire.options import ServeOptions
 from kvwire.scheduler.link import MIN_RATE_BPS
-from kvwire.session.options import AUTO_CODEC_MODES, ServerOptions
+from kvwire.session.options import AUTO_CODEC_MODES, ClientOptions, ServerOptions
 from kvwire.spec import KVSpec
-from kvwire.units import format_rate, format_size
+from kvwire.units import format_duration, format_rate, format_size
 from kvwire.wire.frames import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_FRAME_SIZE, DEFAULT_WINDOW
 
 __all__ = [
@@ -148,6 +148,10 @@ MAX_TOKENS = ServerOptions().max_tokens
 MAX_SEED = 2**64 - 1
 #: Longest --rtt and --jitter (seconds): no link delays a byte longer.
 MAX_RTT = 60.0
+#: Seconds a connection of the bench has for its kvwire handshake: the sender's
+#: ``connect_timeout`` and the bench receiver's ``handshake_timeout`` (defaults both).  The
+#: handshake takes two round trips of the link, so a longer --rtt (or --jitter) is refused.
+HANDSHAKE_LIMIT = min(ClientOptions().connect_timeout, ServerOptions().handshake_timeout)
 #: Slowest link rate (bit/s): slower, the handshakes of a session's streams (hundreds of
 #: bytes each, up to 64 streams) do not cross the link within the server's 10 s.  The
 #: simulator takes the same floor.
@@ -208,6 +212,14 @@ class BenchConfig:
             raise UsageError("--duration must be > 0")
         if not (0 <= self.rtt <= MAX_RTT and 0 <= self.jitter <= MAX_RTT):
             raise UsageError(f"--rtt and --jitter must be between 0 and {MAX_RTT:.0f} s")
+        # The handshake's two round trips, each one-way delay at its longest (--jitter's +).
+        limit = f"the bench's connections do their handshakes (two round trips) within {HANDSHAKE_LIMIT:g} s"
+        if 2 * self.rtt >= HANDSHAKE_LIMIT:
+            raise UsageError(f"--rtt {format_duration(self.rtt)} is too long: {limit}; "
+                             f"a bare number is seconds: {self.rtt:g}ms?")
+        if 2 * (self.rtt + 2 * self.jitter) >= HANDSHAKE_LIMIT:
+            raise UsageError(f"--jitter {format_duration(self.jitter)} is too long with --rtt "
+                             f"{format_duration(self.rtt)}: {limit}; a bare number is seconds: {self.jitter:g}ms?")
         if not 4096 <= self.chunk_bytes <= 64 << 20:
             raise UsageError("--chunk-size must be between 4 KiB and 64 MiB")
         if not self.sample_interval > 0:
