@@ -265,7 +265,9 @@ async def send(
             k = as_array(item[0], spec, f"layer {index} k")
             v = as_array(item[1], spec, f"layer {index} v")
             if k.shape[0] != v.shape[0] or (tokens is not None and k.shape[0] != tokens):
-                raise UsageError("every k and v of a cache must have the same token count")
+                earlier = "" if tokens is None else f", earlier layers {tokens}"
+                raise UsageError(f"layer {index}: every k and v of a cache must have the same token count "
+                                 f"(k has {k.shape[0]}, v {v.shape[0]}{earlier})")
             tokens = k.shape[0]
             kv_bytes += k.nbytes + v.nbytes
             await until(st, _granted(core, tid, index))

@@ -147,3 +147,14 @@ async def test_a_peer_closed_after_its_session_ended_keeps_the_error_class() -> 
             await peer.send("a", SPEC, LAYERS, timeout=10)
     assert str(ended) in str(info.value) and "close it" not in str(info.value)
     assert "connect() again" in str(info.value)
+
+
+async def test_a_layer_whose_k_and_v_differ_in_tokens_is_named_with_both_counts() -> None:
+    """The shape and dtype errors name the layer; the token count's does too, with the
+    counts it compared."""
+    ragged = [LAYERS[0], (np.ones((4, 2, 8), np.float16), np.ones((3, 2, 8), np.float16))]
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server, \
+            kvwire.connect("127.0.0.1", server.port, secret=SECRET) as peer:
+        with pytest.raises(UsageError, match=r"^layer 1: every k and v of a cache must have the same token "
+                                             r"count \(k has 4, v 3, earlier layers 4\)$"):
+            await peer.send("r", SPEC, ragged, timeout=20)
