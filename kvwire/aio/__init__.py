@@ -33,7 +33,8 @@ def serve(
     """A server receiving KV caches on ``host:port`` (``port=0`` picks a free one, the same
     on every address it listens on: :attr:`Server.addresses`).  ``host`` ``""`` listens on
     every interface of both families, ``"0.0.0.0"`` on IPv4's, ``"::"`` on IPv6's only (as
-    the OS binds it), a name on every address it resolves to.  Resolving that name and
+    the OS binds it), a name on every address it resolves to; an IPv6 address may be
+    given in brackets (``"[::1]"``, as ``connect()`` takes it).  Resolving that name and
     binding have no deadline of their own (as ``asyncio.start_server``): bound them with
     ``asyncio.timeout()`` around the ``async with`` (the blocking API's ``SyncServer``
     bounds them by its ``start_timeout``).
