@@ -10,6 +10,7 @@ import contextlib
 import logging
 import math
 import os
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -59,6 +60,23 @@ AHEAD_CHUNKS = 2
 YIELD_AFTER = 0.002
 
 
+class SendProgress:
+    """How far one send got, for a watcher on another thread (:class:`kvwire.sync.SendHandle`):
+    set on the loop, read from anywhere without it, and referring to nothing (the send's
+    task holds it, not the watcher).  ``accepted`` is set once the server answered the
+    send's BEGIN (it holds that ACCEPT while its buffer budget has no room for a first
+    layer, docs/protocol.md 7.1); ``layers_granted`` is the layer limit it granted so far;
+    ``waiting_for_credit`` is True while the send waits for the server to grant the layer
+    it has next (the server grants within its buffer budget's room, 8.2)."""
+
+    __slots__ = ("accepted", "layers_granted", "waiting_for_credit")
+
+    def __init__(self) -> None:
+        self.accepted = threading.Event()
+        self.layers_granted = 0
+        self.waiting_for_credit = False
+
+
 @dataclass(eq=False)
 class SendState:
     """What the I/O layer learned about one transfer from the core's events."""
@@ -76,14 +94,15 @@ class SendState:
     # it comes; until then the server may be holding its ACCEPT for want of room in its
     # buffer budget (docs/protocol.md 7.1).
     accepted: bool = False
-    # Called once, on the loop, when it is accepted (it must not raise: the pump calls it).
-    on_accepted: Callable[[], None] | None = None
+    progress: SendProgress | None = None  # a watcher's on another thread, if any
 
-    def accept(self) -> None:
-        if not self.accepted:
-            self.accepted = True
-            if self.on_accepted is not None:
-                self.on_accepted()
+    def credit(self, layer_limit: int) -> None:
+        """The server accepted the transfer (the first call) and granted layers below
+        ``layer_limit``."""
+        self.accepted = True
+        if (p := self.progress) is not None:
+            p.layers_granted = max(p.layers_granted, layer_limit)
+            p.accepted.set()
 
     def fail(self, error: KvwireError) -> None:
         if self.error is None:
@@ -204,10 +223,10 @@ def make_chooser(server_codecs: tuple[str, ...], mode: str = "model") -> CodecCh
 async def send(
     peer: Peer, request_id: str, spec: KVSpec, layers: Any, meta: bytes, codec_name: str,
     blocks: tuple[BlockVersion, ...], deadline: float | None, timeout: float | None,
-    on_accepted: Callable[[], None] | None = None,
+    progress: SendProgress | None = None,
 ) -> Receipt:
-    """:meth:`kvwire.Peer.send`'s transfer; ``on_accepted`` (if given) is called once, on
-    the loop, when the server accepts it (answers its BEGIN), and must not raise."""
+    """:meth:`kvwire.Peer.send`'s transfer; ``progress`` (if given) is kept up to date, on
+    the loop, for a watcher on another thread."""
     core = peer.core
     peer.check_usable()
     count = layer_count(layers)
@@ -228,7 +247,7 @@ async def send(
         peer.transport_meter.resume()
         if peer.chooser is not None:
             peer.chooser.observe_idle()  # the peer was idle (or its last transfer failed)
-    st = peer.sends[tid] = SendState(peer.changed, on_accepted=on_accepted)
+    st = peer.sends[tid] = SendState(peer.changed, progress=progress)
     peer.pump()
     used: dict[str, int] = {}
     kv_bytes = 0
@@ -270,7 +289,7 @@ async def send(
                                  f"(k has {k.shape[0]}, v {v.shape[0]}{earlier})")
             tokens = k.shape[0]
             kv_bytes += k.nbytes + v.nbytes
-            await until(st, _granted(core, tid, index))
+            await _credit_for(st, core, tid, index)
             last = index == spec.num_layers - 1
             await _send_layer(peer, st, tid, spec, index, k, v, codec_name, used, started, deadline,
                               past_last if last else None)
@@ -281,7 +300,7 @@ async def send(
         core.producer_done(tid)
         peer.pump()
         await until(st, lambda: st.done is not None)
-        st.accept()  # (a send done was accepted, whenever its ACCEPT was read)
+        st.credit(spec.num_layers)  # (a send done was accepted and granted, whenever that was read)
     except BaseException as exc:
         if st.error is None:  # tell the receiver this transfer will not complete
             core.abort(tid, _abort_error(exc))
@@ -342,6 +361,21 @@ def _abort_error(exc: BaseException) -> KvwireError:
         why = f" ({exc.args[0]})" if exc.args and exc.args[0] else ""
         return TransferAbortedError(f"sender aborted: the send was cancelled{why}")
     return TransferAbortedError(f"sender aborted: {exc!r}")
+
+
+async def _credit_for(st: SendState, core: SenderCore, tid: int, layer: int) -> None:
+    """Wait until ``layer`` is granted (or the transfer failed); a watcher sees a wait for
+    credit (layer 0's is a wait for ACCEPT, which grants it)."""
+    ready = _granted(core, tid, layer)
+    if ready():
+        return
+    if (p := st.progress if layer else None) is not None:
+        p.waiting_for_credit = True
+    try:
+        await until(st, ready)
+    finally:
+        if p is not None:
+            p.waiting_for_credit = False
 
 
 def _granted(core: SenderCore, tid: int, layer: int) -> Callable[[], bool]:

@@ -18,6 +18,7 @@ from typing import Any, SupportsIndex, TypeVar
 import kvwire
 from kvwire.aio._logtext import address
 from kvwire.aio._receive import check_destination
+from kvwire.aio._send import SendProgress
 from kvwire.aio._stream import Stream
 from kvwire.consistency.blocks import block_pairs
 from kvwire.errors import (
@@ -887,9 +888,9 @@ class SendHandle:
         self._future: concurrent.futures.Future[Any] | None = None
         self._aborted = False
         self._lost = False  # its peer closed: waiters fail with ConnectionLostError
-        # Set on the loop once the server accepted the transfer (answered its BEGIN): the
+        # Kept up to date on the loop (accepted, layers granted, waiting for credit): the
         # send on the loop holds it, not this handle (see _layers()).
-        self._accepted = threading.Event()
+        self._progress = SendProgress()
 
     def _layers(self) -> AsyncIterator[tuple[Any, Any]]:
         """The layers queued, for the send on the loop: it refers to the queue, not to this
@@ -930,6 +931,9 @@ class SendHandle:
             if not self.accepted:
                 text += (": it has not started, the server has not accepted it yet (a server holds its ACCEPT "
                          "while its buffer budget has no room for the transfer's first layer)")
+            elif self.waiting_for_credit:
+                text += (f": the server has granted {self.layers_granted} of its {self.num_layers} layers and "
+                         "holds the rest while its buffer budget has no room (until its application takes layers)")
             return TransferTimeoutError(text)
 
         # (not cancelled when not done in time: the send goes on, and may be waited for again)
@@ -946,7 +950,20 @@ class SendHandle:
         buffer budget has no room for the transfer's first layer (its application has
         not taken what it holds), and for a send that failed before it.  Once True it
         stays so."""
-        return self._accepted.is_set()
+        return self._progress.accepted.is_set()
+
+    @property
+    def layers_granted(self) -> int:
+        """The layers the server has granted so far (layers ``0 .. layers_granted - 1`` may
+        be sent; all of them once the send is done), from any thread without the loop."""
+        return self._progress.layers_granted
+
+    @property
+    def waiting_for_credit(self) -> bool:
+        """Whether the send is waiting, now, for the server to grant its next layer: a
+        server grants layers only within its buffer budget's room, so one whose
+        application does not take layers holds its senders here (docs/protocol.md 8.2)."""
+        return self._progress.waiting_for_credit
 
     def abort(self) -> None:
         """Give up on this transfer (the send is cancelled; waiters fail with
@@ -1054,7 +1071,7 @@ class SyncPeer:
         self.bridge.check_process()
         handle = SendHandle(self.bridge, request_id, spec.num_layers, self)
         handle._future = self.bridge.submit(self._peer._send_noting(
-            request_id, spec, handle._layers(), on_accepted=handle._accepted.set, **send_options))
+            request_id, spec, handle._layers(), progress=handle._progress, **send_options))
         with self._waiters_lock:
             self._handles.add(handle)
         return handle

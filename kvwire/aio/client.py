@@ -26,7 +26,7 @@ from types import TracebackType
 from typing import Any
 
 from kvwire.aio._logtext import address, code_name, printable
-from kvwire.aio._send import AUTO, SendState, clock, make_chooser
+from kvwire.aio._send import AUTO, SendProgress, SendState, clock, make_chooser
 from kvwire.aio._send import send as _send
 from kvwire.aio._stream import Pump, Stream, on_this_host
 from kvwire.aio.tcpinfo import read_tcp_info
@@ -721,8 +721,8 @@ class Peer(Pump):
         elif isinstance(ev, TransferCredit):
             # (an ACCEPT, or a CREDIT: one read before its ACCEPT, on another stream, is none)
             st = self.sends.get(ev.transfer_id)
-            if st is not None and not st.accepted and self.core.accepted(ev.transfer_id):
-                st.accept()
+            if st is not None and self.core.accepted(ev.transfer_id):
+                st.credit(ev.layer_limit)
         elif isinstance(ev, TransferDone):
             if (st := self.sends.get(ev.transfer_id)) is not None:
                 st.done = ev
@@ -1074,14 +1074,14 @@ class Peer(Pump):
                                        blocks=blocks, deadline=deadline)
 
     async def _send_noting(
-        self, request_id: str, spec: KVSpec, layers: Layers, *, on_accepted: Callable[[], None] | None = None,
+        self, request_id: str, spec: KVSpec, layers: Layers, *, progress: SendProgress | None = None,
         meta: dict[str, Any] | None = None, codec: str | None = None, timeout: float | None = None,
         blocks: Sequence[tuple[Any, int]] | None = None, deadline: float | None = None,
     ) -> Receipt:
-        """:meth:`send`, calling ``on_accepted()`` once, on the loop, when the server
-        accepts the transfer (answers its BEGIN; it holds that ACCEPT while its buffer
-        budget has no room for a first layer): how :class:`kvwire.sync.SendHandle` knows
-        whether its send started.  ``on_accepted`` must not raise (the pump calls it)."""
+        """:meth:`send`, keeping ``progress`` up to date on the loop (whether the server
+        accepted the transfer, the layers it granted, whether the send waits for credit):
+        how :class:`kvwire.sync.SendHandle` knows, from another thread, whether its send
+        started and what holds it."""
         if not isinstance(spec, KVSpec):
             raise UsageError("spec must be a kvwire.KVSpec")
         codec_name, meta_bytes, versions = self._send_arguments(
@@ -1093,7 +1093,7 @@ class Peer(Pump):
         self._link.hold(self)  # (a Peer dropped while it sends is kept until the send ends)
         try:
             return await _send(self, request_id, spec, layers, meta_bytes, codec_name, versions, deadline, timeout,
-                               on_accepted)
+                               progress)
         finally:
             self._link.release()
 

@@ -344,6 +344,12 @@ class _NotDone:
     #: whether the consumer's server had accepted it (answered its BEGIN) by then: a
     #: kvwire server holds that ACCEPT while its buffer budget has no room for a first layer
     accepted: bool
+    #: whether it was waiting then for the consumer's server to grant its next layer (a
+    #: kvwire server grants layers only within its buffer budget's room), and the layers
+    #: granted so far, of how many
+    waiting_for_credit: bool = False
+    layers_granted: int = 0
+    num_layers: int = 0
 
 
 def _layer_order(name: str) -> tuple[int, str]:
@@ -1435,7 +1441,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return handle.wait(timeout)
         except KvwireError:
             if not handle.done:
-                return _NotDone(handle.accepted)
+                return _NotDone(handle.accepted, handle.waiting_for_credit, handle.layers_granted,
+                                handle.num_layers)
         try:  # its own error, or it ended just past the wait: how it ended
             return handle.wait(0)
         except KvwireError as exc:
@@ -1448,7 +1455,14 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ever accepted it."""
         if isinstance(outcome, _NotDone):
             waited = time.monotonic() - send.since
-            if outcome.accepted:
+            if outcome.accepted and outcome.waiting_for_credit:
+                logger.error(
+                    "kvwire: sending KV of request %s failed: not acknowledged after %.3g s: the consumer's server at %s "
+                    "has granted %d of its %d layers and holds the rest while its buffer budget has no room: the "
+                    "consumer's application is not taking KV as fast as it comes; raise max_buffer_bytes on the "
+                    "consumer's server, or kvwire_load_timeout (%g s) here",
+                    req_id, waited, self._peer_addr, outcome.layers_granted, outcome.num_layers, self._timeout)
+            elif outcome.accepted:
                 logger.error("kvwire: sending KV of request %s failed: not acknowledged after %.3g s", req_id, waited)
             else:
                 logger.error(

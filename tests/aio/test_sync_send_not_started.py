@@ -78,3 +78,25 @@ def test_a_wait_that_runs_out_after_the_accept_says_only_not_done() -> None:
             s.send_layer(k, v)
         assert s.wait(30).request_id == "c" and s.accepted
         h.wait(30)
+
+
+def test_a_wait_that_runs_out_while_the_send_waits_for_credit_says_what_was_granted() -> None:
+    """Layers of 16 KiB take a 64 KiB slab each in the budget (256 KiB, an eighth kept for
+    first layers): "d" is accepted and granted 3 of its 4 layers, which arrive and are held
+    unread, so its last layer waits for credit.  The handle says so (waiting_for_credit,
+    layers_granted), as does a wait() that runs out; once the application reads, it ends."""
+    layers = make_layers(4, 64, 1, 64, "float32")
+    with SyncServer(secret=SECRET, max_buffer_bytes=BUDGET, claim_timeout=None) as server, \
+            SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
+        s = peer.begin("d", SPEC, timeout=30)
+        for k, v in layers:
+            s.send_layer(k, v)
+        _until(lambda: s.waiting_for_credit, "d waits for credit")
+        assert s.accepted and s.layers_granted == 3 and server.statistics()["transfers_waiting_for_room"] == 1
+        with pytest.raises(TransferTimeoutError) as info:
+            s.wait(0.3)
+        assert str(info.value) == (
+            "send of 'd' not done after 0.3 s: the server has granted 3 of its 4 layers and holds the rest "
+            "while its buffer budget has no room (until its application takes layers)")
+        server.expect("d", timeout=30).wait(30)  # (claimed and read: room frees)
+        assert s.wait(30).request_id == "d" and not s.waiting_for_credit and s.layers_granted == 4

@@ -67,3 +67,28 @@ def test_a_send_the_consumers_budget_never_took_is_logged_as_not_started(
     assert "not started after " in text and "has not accepted it" in text, text
     assert "buffer budget" in text and "max_buffer_bytes" in text and "kvwire_load_timeout (1 s)" in text, text
     assert "after 0 s" not in text, text
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_send_held_for_credit_by_the_consumers_budget_is_logged_with_the_layers_granted(
+        server: SyncServer, workers: list[KvwireConnector], caplog: pytest.LogCaptureFixture,
+        async_save: bool) -> None:
+    """The step's send is accepted, but its layers (a 64 KiB slab each in a budget of 256
+    KiB, an eighth kept for first layers) arrive and are held unread: the server grants 3
+    and holds the rest past kvwire_load_timeout (1 s).  Its failure says how many layers
+    were granted and names the consumer's buffer budget and the settings to raise."""
+    prod, pkv = producer(server.port, {"kvwire_load_timeout": 1, "kvwire_async_save": async_save})
+    workers.append(prod)
+    meta = KvwireConnectorMetadata(saves=[_Move("B", f"B#prompt:{2:032x}", [2, 3])])
+    reported = produce(prod, meta, pkv, {"B"})
+    for _ in range(600):  # (with the async save a later step gives up on it)
+        if reported == {"B"} or not async_save:
+            break
+        reported |= produce(prod, KvwireConnectorMetadata(), None)
+        time.sleep(0.05)
+    failed = [r.getMessage() for r in caplog.records if "sending KV of request B failed" in r.getMessage()]
+    assert len(failed) == 1, failed
+    text = failed[0]
+    assert "not acknowledged after " in text and f"has granted 3 of its {len(pkv)} layers" in text, text
+    assert "buffer budget has no room" in text and "max_buffer_bytes" in text, text
+    assert "kvwire_load_timeout (1 s)" in text and "after 0 s" not in text, text
