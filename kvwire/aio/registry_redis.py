@@ -22,7 +22,7 @@ import math
 import numbers
 import types
 import weakref
-from collections.abc import Awaitable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
@@ -75,7 +75,9 @@ T = TypeVar("T")
 # TIME, the key's own expiry only reclaims memory.
 _LEASE_GRACE_MS = 1000
 
-# How often a waiting watcher looks at its closed flag (seconds).
+# How often a waiting watcher looks at its closed flag (seconds); also the first pause
+# before a failed subscription (or a begin's undo whose RELEASE failed) is tried again, each
+# later pause twice the one before, up to the registry's timeout.
 _POLL_S = 0.2
 
 # connect()'s pool for the calls: at most this many connections by default (a call finding
@@ -99,6 +101,32 @@ async def _guard(what: str, awaitable: Awaitable[T], timeout: float) -> T:
         raise RegistryUnavailableError(f"redis registry: {what}: no reply within {timeout:g} s") from exc
     except (RedisError, RedisClusterException, OSError) as exc:
         raise RegistryUnavailableError(f"redis registry: {what} failed: {exc}") from exc
+
+
+def _reason(exc: BaseException, timeout: float) -> str:
+    """What ``exc`` (a failed subscription's) says, for an error message: its class and its
+    text (redis-py's own ``repr`` names the class only); a bare ``TimeoutError`` is the
+    subscription's bound (:func:`_subscribed`) running out."""
+    if type(exc) is TimeoutError:
+        return f"no SUBSCRIBE confirmation within {timeout:g} s"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _next_pause(pause: float, timeout: float) -> float:
+    """The pause before the next try after one that failed, ``pause`` the one before it (0:
+    none yet): :data:`_POLL_S`, then twice the one before, at most ``timeout`` (or
+    :data:`_POLL_S`, were ``timeout`` shorter)."""
+    return min(max(2 * pause, _POLL_S), max(timeout, _POLL_S))
+
+
+async def _pause(seconds: float, closed: Callable[[], bool]) -> None:
+    """Sleep ``seconds``, in slices of at most :data:`_POLL_S`; returns early once
+    ``closed()``."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while not closed() and (left := end - loop.time()) > 0:
+        await asyncio.sleep(min(left, _POLL_S))
 
 
 async def _execute_once(client: aioredis.Redis | aioredis.RedisCluster, route: str, *args: Any) -> Any:
@@ -245,7 +273,10 @@ class RedisWatcher:
     reader re-reads (``lookup``, ``check_many``) what it watches, after the error, and reads
     on.  If the new subscription cannot be made, the error says so and the next read tries
     again and raises :class:`NotificationsLostError` again, subscribed or not: a re-read
-    made while no subscription was in place covers nothing.
+    made while no subscription was in place covers nothing.  That next read first pauses
+    (:data:`_POLL_S`, 0.2 s, after the first failure, then twice as long after each
+    failure in a row, up to ``timeout``): while Redis is down, a reader that re-reads and
+    reads on makes at most one new connection per pause, not one after another.
     The registry holds its watchers weakly: one abandoned without ``aclose`` (a ``break``
     out of a bare ``async for``) closes its subscription once garbage collected.
     ``aclose`` (or the registry's ``close()``) ends a watcher whatever it is waiting for:
@@ -263,6 +294,8 @@ class RedisWatcher:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         # Why the last subscription was lost (and its error), while no new one is in place.
         self._lost: tuple[str, BaseException | None] | None = None
+        # The pause before the next try at subscribing anew (0: the last try did not fail).
+        self._retry_pause = 0.0
         self._heard = 0.0  # loop time the server was last heard from (a message, a reply)
         self._pinged: float | None = None  # loop time of the PING awaiting its reply
 
@@ -324,7 +357,8 @@ class RedisWatcher:
         except BaseException as exc:
             await self.aclose()
             if isinstance(exc, (RedisError, OSError)):  # TimeoutError among them
-                raise RegistryUnavailableError(f"redis registry: subscribe failed: {exc!r}") from exc
+                reason = _reason(exc, self._registry.timeout)
+                raise RegistryUnavailableError(f"redis registry: subscribe failed: {reason}") from exc
             raise
 
     async def __aenter__(self) -> Self:
@@ -351,6 +385,9 @@ class RedisWatcher:
         timeout = self._registry.timeout
         try:
             if self._lost is not None:  # lost, and not subscribed again at the last read
+                # Paused first (aclose() ends the pause within _POLL_S): a refused
+                # connection fails at once, and the reader's loop would try again at once.
+                await _pause(self._retry_pause, lambda: self._closed or self._registry._closed)
                 await self._replace(*self._lost)  # raises, unless closed meanwhile
             while not self._closed and (pubsub := self._pubsub) is not None:
                 try:
@@ -372,7 +409,7 @@ class RedisWatcher:
                 except (RedisError, OSError) as exc:  # TimeoutError among them
                     if self._closed:
                         break
-                    await self._replace(f"notification channel lost: {str(exc) or repr(exc)}", exc)
+                    await self._replace(f"notification channel lost: {str(exc) or type(exc).__name__}", exc)
                     break
                 if msg is None:
                     continue
@@ -417,8 +454,8 @@ class RedisWatcher:
         """The subscription is lost (``why``): close it, subscribe anew (:meth:`_open`), and
         raise :class:`NotificationsLostError`, saying whether the new subscription is in
         place (the reader's re-read after the error is then covered) or not (the next read
-        tries again, and raises again).  Returns only when the watcher (or its registry)
-        was closed meanwhile."""
+        tries again, after a pause, and raises again).  Returns only when the watcher (or
+        its registry) was closed meanwhile."""
         self._lost = (why, cause)
         await self._close_pubsub()
         if self._closed or self._registry._closed:
@@ -426,13 +463,16 @@ class RedisWatcher:
         try:
             pubsub = await self._open()
         except (RedisError, OSError, KvwireError) as exc:  # TimeoutError among them
+            timeout = self._registry.timeout
+            self._retry_pause = _next_pause(self._retry_pause, timeout)
             raise NotificationsLostError(
-                f"redis registry: {why}; not subscribed again ({exc!r}): changes may have been "
-                "missed and are not watched yet; the next read subscribes again"
+                f"redis registry: {why}; not subscribed again ({_reason(exc, timeout)}): changes may "
+                f"have been missed and are not watched yet; the next read tries again after "
+                f"a pause of {self._retry_pause:g} s"
             ) from (cause if cause is not None else exc)
         if pubsub is None:
             return
-        self._lost = None
+        self._lost, self._retry_pause = None, 0.0
         raise NotificationsLostError(
             f"redis registry: {why}; subscribed again: changes may have been missed, those from "
             "now on are delivered: re-read (lookup, check_many)"
@@ -483,8 +523,14 @@ class RedisRegistry:
 
     A wrapped client is a ``redis.asyncio`` one (``Redis`` or ``RedisCluster``; a
     synchronous ``redis.Redis`` is a :class:`UsageError`) and may decode replies or not;
-    ``timeout`` (seconds, finite, > 0) bounds every call whatever the client's own socket
-    timeouts.  Its ``retry`` settings do not apply: the registry sends each command once (a lost reply raises
+    ``timeout`` (seconds, finite, > 0) bounds every command's reply whatever the client's own
+    socket timeouts, so each call but ``begin`` (and ``close``) ends within it; ``begin`` may
+    take up to three times as long: it first waits (up to ``timeout``) for the undoing of
+    an earlier ``begin`` that failed, or for a ``release`` still running, and when its own
+    command fails it waits (up to ``timeout``) for the first try at undoing it.  A call in
+    flight when :meth:`close` closes the client it made (:meth:`connect`'s) raises
+    :class:`RegistryUnavailableError` saying so.  The client's ``retry`` settings do not
+    apply: the registry sends each command once (a lost reply raises
     :class:`RegistryUnavailableError`, the outcome unknown), and a watcher does not
     reconnect silently.  Its pool is used as it is: each call takes one of its connections
     for the call's length, and each subscribed watcher one for as long as it is subscribed
@@ -598,15 +644,16 @@ class RedisRegistry:
         rkeys = [self.layout.lease(lease_id), *(self.layout.block(k) for k in keys)]
         await self._settle()
         try:
-            reply = await _guard("begin", self._begin(keys=rkeys, args=[lease_id, ttl_us, px]), self.timeout)
+            reply = await self._guard("begin", self._begin(keys=rkeys, args=[lease_id, ttl_us, px]))
             return self._lease(lease_id, owner, ttl, keys, reply)
         except (Exception, asyncio.CancelledError) as exc:
             # The script may have run (a reply lost or late, a cancellation after sending):
             # the caller, who never got the lease, could not release its blocks, and a new
             # begin would find them busy until the ttl.  Release it by id, leaving the lease
             # key dead for its ttl so a BEGIN still on its way changes nothing.  In a task
-            # of its own: a cancellation is not delayed, and the next begin waits for it.
-            undo = self._spawn(self._released(rkeys, [lease_id, px], max(ttl, self.timeout)), release=True)
+            # of its own: a cancellation is not delayed, and the next begin waits for its
+            # first try (the tries after a failed one, until the ttl, run apart).
+            undo = self._spawn(self._undo_begin(rkeys, [lease_id, px], ttl), release=True)
             if not isinstance(exc, asyncio.CancelledError):
                 await asyncio.wait({undo}, timeout=self.timeout)
             raise
@@ -647,17 +694,16 @@ class RedisRegistry:
             # Nothing to commit; a lease narrowed to no blocks ends, as any narrowed lease
             # does (its blocks freed when its ttl passes).  Redis cannot tell it from a lease
             # that started nothing, whose key does not exist: deleting it changes nothing.
-            await _guard(
-                "commit", self._release(keys=[self.layout.lease(lease.lease_id)], args=[lease.lease_id]), self.timeout
+            await self._guard(
+                "commit", self._release(keys=[self.layout.lease(lease.lease_id)], args=[lease.lease_id])
             )
             return []
-        reply = await _guard(
+        reply = await self._guard(
             "commit",
             self._commit(
                 keys=[self.layout.lease(lease.lease_id), self.layout.seq, self.layout.seq_run, *rkeys],
                 args=[lease.lease_id, self.layout.channel, *keys],
             ),
-            self.timeout,
         )
         status = int(reply[0])
         if status == -1:
@@ -676,7 +722,7 @@ class RedisRegistry:
         if not lease.started:
             # It holds nothing, so nothing can expire: the expiry is now + ttl (Redis's
             # clock), as begin gives such a lease and the memory registry renews it.
-            secs, usecs = await _guard("renew", _execute_once(self.client, self.layout.seq, "TIME"), self.timeout)
+            secs, usecs = await self._guard("renew", _execute_once(self.client, self.layout.seq, "TIME"))
             return Lease(
                 lease.lease_id,
                 lease.owner,
@@ -688,13 +734,12 @@ class RedisRegistry:
             )
         _, rkeys = self._lease_keys(lease)
         ttl_us, px = _ttl_args(ttl)
-        reply = await _guard(
+        reply = await self._guard(
             "renew",
             self._renew(
                 keys=[self.layout.lease(lease.lease_id), *rkeys],
                 args=[lease.lease_id, ttl_us, px],
             ),
-            self.timeout,
         )
         if int(reply) < 0:
             raise LeaseExpiredError(f"lease {lease.lease_id} ({lease.owner}) is no longer live")
@@ -716,20 +761,54 @@ class RedisRegistry:
             return
         # In a task of its own, awaited shielded: a caller cancelled while releasing (e.g.
         # cleaning up after a cancelled commit) still gets its blocks freed.
-        task = self._spawn(
-            self._released([self.layout.lease(lease.lease_id), *rkeys], [lease.lease_id], self.timeout), release=True
-        )
+        task = self._spawn(self._released([self.layout.lease(lease.lease_id), *rkeys], [lease.lease_id]), release=True)
         error = await asyncio.shield(task)
         if error is not None:
             raise error
 
-    async def _released(self, keys: list[str], args: list[str | int], bound: float) -> Exception | None:
+    async def _released(self, keys: list[str], args: list[str | int]) -> Exception | None:
         """Run RELEASE; its error is returned, not raised (nobody may be waiting for it)."""
         try:
-            await _guard("release", self._release(keys=keys, args=args), bound)
+            await self._guard("release", self._release(keys=keys, args=args))
         except Exception as exc:
             return exc
         return None
+
+    async def _undo_begin(self, keys: list[str], args: list[str | int], ttl: float) -> None:
+        """Release the lease of a ``begin`` that failed (``args``: its id and the lease
+        key's dead time).  Should this first try fail, RELEASE is tried again in a task of
+        its own (:meth:`_release_until`) until it succeeds or ``ttl`` has passed (the blocks
+        are free by then anyway) or the registry is closed: RELEASE changes nothing the
+        second time."""
+        deadline = asyncio.get_running_loop().time() + ttl
+        if await self._released(keys, args) is not None and not self._closed:
+            self._spawn(self._release_until(keys, args, deadline))
+
+    async def _release_until(self, keys: list[str], args: list[str | int], deadline: float) -> None:
+        """RELEASE tried again after a pause (:data:`_POLL_S`, then twice the one before,
+        up to ``timeout``) until it succeeds, loop time ``deadline`` is reached or the
+        registry is closed."""
+        loop = asyncio.get_running_loop()
+        pause = 0.0
+        while True:
+            pause = _next_pause(pause, self.timeout)
+            await _pause(min(pause, deadline - loop.time()), lambda: self._closed)
+            if self._closed or loop.time() >= deadline:
+                return
+            if await self._released(keys, args) is None:
+                return
+
+    async def _guard(self, what: str, awaitable: Awaitable[T]) -> T:
+        """:func:`_guard` bounded by ``timeout``; a call that fails because :meth:`close`
+        closed the client (connect()'s) under it says so."""
+        try:
+            return await _guard(what, awaitable, self.timeout)
+        except RegistryUnavailableError as exc:
+            if not (self._closed and self._owns_client):
+                raise
+            raise RegistryUnavailableError(
+                f"redis registry: {what}: registry closed while the call was in flight"
+            ) from exc.__cause__
 
     def _spawn(self, coro: Coroutine[Any, Any, T], *, release: bool = False) -> asyncio.Task[T]:
         """Run ``coro`` as a task the registry keeps (and :meth:`close` waits for; with
@@ -764,13 +843,12 @@ class RedisRegistry:
         it moved in this server lifetime, else the larger of it and the server's clock (a
         counter lost or restored from a snapshot says nothing of the versions handed out
         before; those are below the clock)."""
-        reply = await _guard(
+        reply = await self._guard(
             "read",
             self._read_script(
                 keys=[self.layout.seq, self.layout.seq_run, *(self.layout.block(k) for k in keys)],
                 args=["1" if with_seq else "0"],
             ),
-            self.timeout,
         )
         states = [(int(reply[i]), int(reply[i + 1]) == 1, int(reply[i + 1]) == 2) for i in range(1, len(reply), 2)]
         return states, int(reply[0])
@@ -793,13 +871,12 @@ class RedisRegistry:
         keys = unique_keys(blocks)
         if not keys:
             return []
-        reply = await _guard(
+        reply = await self._guard(
             "invalidate",
             self._invalidate(
                 keys=[self.layout.seq, self.layout.seq_run, *(self.layout.block(k) for k in keys)],
                 args=[self.layout.channel, *keys],
             ),
-            self.timeout,
         )
         if int(reply[0]) == -3:
             raise exhausted_error(len(keys))
