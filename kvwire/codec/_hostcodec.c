@@ -1689,9 +1689,26 @@ static int check_dt(int dt) {
     return 1;
 }
 
+/* a and b positive, and a * b a size (no larger than PY_SSIZE_T_MAX): checked before
+ * any product of sizes is formed, so no check or message sees a wrapped one */
 static int check_sizes(idx a, idx b) {
-    if (a <= 0 || b <= 0 || a > PY_SSIZE_T_MAX / b) {
+    if (a <= 0 || b <= 0) {
         PyErr_SetString(PyExc_ValueError, "sizes must be positive");
+        return 0;
+    }
+    if (a > PY_SSIZE_T_MAX / b) {
+        PyErr_Format(PyExc_ValueError, "sizes too large: %zd * %zd is more than a buffer can hold", a, b);
+        return 0;
+    }
+    return 1;
+}
+
+/* The loops read and write elements through typed pointers (restrict ones): an output
+ * must not share a byte with an input or another output. */
+static int apart(const Py_buffer* out, const char* out_what, const Py_buffer* other, const char* other_what) {
+    const uintptr_t a = (uintptr_t)out->buf, b = (uintptr_t)other->buf;
+    if (out->len > 0 && other->len > 0 && a < b + (uintptr_t)other->len && b < a + (uintptr_t)out->len) {
+        PyErr_Format(PyExc_ValueError, "%s overlaps %s", out_what, other_what);
         return 0;
     }
     return 1;
@@ -1735,27 +1752,44 @@ static int kv_simd = SIMD_GENERIC;
 /* A K group copied whole into scratch holds at most the chunk's tokens (a group may be larger). */
 #define MIN_IDX(a, b) ((a) < (b) ? (a) : (b))
 typedef struct {
-    const long long* pairs; /* NULL: the buffer itself, from its start */
-    idx n;                  /* ranges */
+    long long* pairs; /* NULL: the buffer itself, from its start; else a copy of the spans */
+    idx n;            /* ranges */
 } row_ranges;
+
+/* The loops read the ranges without the GIL, so they read a copy, checked as it is: the
+ * caller's spans may change meanwhile (another thread, or spans lying in the output). */
+static void ranges_free(row_ranges* rr) {
+    free(rr->pairs);
+    rr->pairs = NULL;
+}
 
 static int parse_ranges(Py_buffer* spans, Py_buffer* base, const char* what, idx rows, idx row_bytes, idx item,
                         int skips, row_ranges* rr) {
     rr->pairs = NULL;
     rr->n = 1;
-    if (spans->obj == NULL) return need(base, rows * row_bytes, what);
+    if (spans->obj == NULL) {
+        if (!need(base, rows * row_bytes, what)) return 0;
+        if ((uintptr_t)base->buf % (uintptr_t)item != 0) {
+            PyErr_Format(PyExc_ValueError, "%s is not aligned to its %zd-byte elements", what, item);
+            return 0;
+        }
+        return 1;
+    }
     if (spans->len == 0 || spans->len % 16 != 0) {
         PyErr_SetString(PyExc_ValueError, "spans must be (start, size) int64 pairs");
         return 0;
     }
-    rr->pairs = (const long long*)spans->buf;
+    rr->pairs = (long long*)malloc((size_t)spans->len);
+    if (rr->pairs == NULL) {
+        PyErr_NoMemory();
+        return 0;
+    }
+    memcpy(rr->pairs, spans->buf, (size_t)spans->len);
     rr->n = spans->len / 16;
     const idx want = rows * row_bytes;
     idx total = 0;
     for (idx i = 0; i < rr->n; i++) {
-        long long start, size;
-        memcpy(&start, (const char*)spans->buf + 16 * i, 8);
-        memcpy(&size, (const char*)spans->buf + 16 * i + 8, 8);
+        const long long start = rr->pairs[2 * i], size = rr->pairs[2 * i + 1];
         if (size > 0 && (idx)size > want - total) { /* before the sum could wrap (a skipped range's size is unbounded) */
             PyErr_Format(PyExc_ValueError, "ranges hold more than the expected %zd bytes", want);
             return 0;
@@ -1790,23 +1824,23 @@ static void range_at(const row_ranges* rr, idx i, idx rows, idx row_bytes, idx* 
         *nrows = rows;
         return;
     }
-    long long start, size;
-    memcpy(&start, (const char*)rr->pairs + 16 * i, 8);
-    memcpy(&size, (const char*)rr->pairs + 16 * i + 8, 8);
-    *offset = (idx)start;
-    *nrows = (idx)size / row_bytes;
+    *offset = (idx)rr->pairs[2 * i];
+    *nrows = (idx)rr->pairs[2 * i + 1] / row_bytes;
 }
 
 static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
     int kind, dt, st = KV_OK;
     idx rows, dim;
     Py_buffer x, sc, co, spans = {0};
-    row_ranges rr;
+    row_ranges rr = {NULL, 1};
     (void)self;
     if (!PyArg_ParseTuple(args, "iy*innw*w*|y*", &kind, &x, &dt, &rows, &dim, &sc, &co, &spans)) return NULL;
     int ok = (kind == 0 || kind == 1) && check_dt(dt) && check_sizes(rows, dim) &&
-             need(&sc, rows * 4, "scales") && need(&co, rows * dim, "codes") &&
-             parse_ranges(&spans, &x, "input", rows, dim * itemsize(dt), itemsize(dt), 0, &rr);
+             check_sizes(rows * dim, itemsize(dt)) && check_sizes(rows, 4) && need(&sc, rows * 4, "scales") &&
+             need(&co, rows * dim, "codes") &&
+             parse_ranges(&spans, &x, "input", rows, dim * itemsize(dt), itemsize(dt), 0, &rr) &&
+             apart(&sc, "scales", &x, "input") && apart(&co, "codes", &x, "input") &&
+             apart(&sc, "scales", &co, "codes");
     if (ok) {
         rw_enc_fn fn = RW_ENC[kind][dt];
 #if KV_HAVE_AVX2
@@ -1838,6 +1872,7 @@ static PyObject* py_encode_rows(PyObject* self, PyObject* args) {
     PyBuffer_Release(&sc);
     PyBuffer_Release(&co);
     if (spans.obj != NULL) PyBuffer_Release(&spans);
+    ranges_free(&rr);
     if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
@@ -1846,12 +1881,14 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
     int kind, dt, st = KV_OK;
     idx rows, dim;
     Py_buffer sc, co, out, spans = {0};
-    row_ranges rr;
+    row_ranges rr = {NULL, 1};
     (void)self;
     if (!PyArg_ParseTuple(args, "iy*y*nniw*|y*", &kind, &sc, &co, &rows, &dim, &dt, &out, &spans)) return NULL;
     int ok = (kind == 0 || kind == 1) && check_dt(dt) && check_sizes(rows, dim) &&
-             need(&sc, rows * 4, "scales") && need(&co, rows * dim, "codes") &&
-             parse_ranges(&spans, &out, "out", rows, dim * itemsize(dt), itemsize(dt), 1, &rr);
+             check_sizes(rows * dim, itemsize(dt)) && check_sizes(rows, 4) && need(&sc, rows * 4, "scales") &&
+             need(&co, rows * dim, "codes") &&
+             parse_ranges(&spans, &out, "out", rows, dim * itemsize(dt), itemsize(dt), 1, &rr) &&
+             apart(&out, "out", &sc, "scales") && apart(&out, "out", &co, "codes");
     if (ok) {
         rw_dec_fn fn = RW_DEC[kind][dt];
 #if KV_HAVE_AVX2
@@ -1885,6 +1922,7 @@ static PyObject* py_decode_rows(PyObject* self, PyObject* args) {
     PyBuffer_Release(&co);
     PyBuffer_Release(&out);
     if (spans.obj != NULL) PyBuffer_Release(&spans);
+    ranges_free(&rr);
     if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
@@ -2007,18 +2045,23 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
     int dt, is_v, st = KV_OK;
     idx tokens, heads, dim, group;
     Py_buffer x, sc, mn, pk, spans = {0};
-    row_ranges rr;
+    row_ranges rr = {NULL, 1};
     (void)self;
     if (!PyArg_ParseTuple(args, "y*innnnpw*w*w*|y*", &x, &dt, &tokens, &heads, &dim, &group, &is_v,
                           &sc, &mn, &pk, &spans))
         return NULL;
     int ok = check_dt(dt) && check_sizes(tokens, heads) && check_sizes(tokens * heads, dim) &&
-             check_sizes(group, 1) && int4_spans_fit(&spans, heads * dim);
+             check_sizes(tokens * heads * dim, itemsize(dt)) && check_sizes(group, 1) &&
+             int4_spans_fit(&spans, heads * dim);
     if (ok) {
         group = int4_group_used(tokens, dim, group, is_v);
         idx n = tokens * heads * dim, g = int4_groups(tokens, heads, dim, group, is_v);
-        ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
-             parse_ranges(&spans, &x, "input", tokens, heads * dim * itemsize(dt), itemsize(dt), 0, &rr);
+        ok = check_sizes(g, 4) && need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") &&
+             need(&pk, (n + 1) / 2, "codes") &&
+             parse_ranges(&spans, &x, "input", tokens, heads * dim * itemsize(dt), itemsize(dt), 0, &rr) &&
+             apart(&sc, "scales", &x, "input") && apart(&mn, "minimums", &x, "input") &&
+             apart(&pk, "codes", &x, "input") && apart(&sc, "scales", &mn, "minimums") &&
+             apart(&sc, "scales", &pk, "codes") && apart(&mn, "minimums", &pk, "codes");
     }
     if (ok) {
         const idx hd = heads * dim, tb = hd * itemsize(dt);
@@ -2062,6 +2105,7 @@ static PyObject* py_int4_encode(PyObject* self, PyObject* args) {
     PyBuffer_Release(&mn);
     PyBuffer_Release(&pk);
     if (spans.obj != NULL) PyBuffer_Release(&spans);
+    ranges_free(&rr);
     if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
@@ -2074,20 +2118,24 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
     int dt, is_v, st = KV_OK;
     idx tokens, heads, dim, group;
     Py_buffer sc, mn, pk, out, spans = {0};
-    row_ranges rr;
+    row_ranges rr = {NULL, 1};
     (void)self;
     if (!PyArg_ParseTuple(args, "y*y*y*nnnnpiw*|y*", &sc, &mn, &pk, &tokens, &heads, &dim, &group,
                           &is_v, &dt, &out, &spans))
         return NULL;
     int ok = check_dt(dt) && check_sizes(tokens, heads) && check_sizes(tokens * heads, dim) &&
-             check_sizes(group, 1) && int4_spans_fit(&spans, heads * dim);
+             check_sizes(tokens * heads * dim, itemsize(dt)) && check_sizes(group, 1) &&
+             int4_spans_fit(&spans, heads * dim);
     idx n = 0, g = 0;
     if (ok) {
         group = int4_group_used(tokens, dim, group, is_v);
         n = tokens * heads * dim;
         g = int4_groups(tokens, heads, dim, group, is_v);
-        ok = need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") && need(&pk, (n + 1) / 2, "codes") &&
-             parse_ranges(&spans, &out, "out", tokens, heads * dim * itemsize(dt), itemsize(dt), 1, &rr);
+        ok = check_sizes(g, 4) && need(&sc, 4 * g, "scales") && need(&mn, 4 * g, "minimums") &&
+             need(&pk, (n + 1) / 2, "codes") &&
+             parse_ranges(&spans, &out, "out", tokens, heads * dim * itemsize(dt), itemsize(dt), 1, &rr) &&
+             apart(&out, "out", &sc, "scales") && apart(&out, "out", &mn, "minimums") &&
+             apart(&out, "out", &pk, "codes");
     }
     if (ok) {
         const idx hd = heads * dim, tb = hd * itemsize(dt);
@@ -2134,6 +2182,7 @@ static PyObject* py_int4_decode(PyObject* self, PyObject* args) {
     PyBuffer_Release(&pk);
     PyBuffer_Release(&out);
     if (spans.obj != NULL) PyBuffer_Release(&spans);
+    ranges_free(&rr);
     if (ok && st == KV_E_NOMEM) return PyErr_NoMemory();
     return ok ? PyLong_FromLong(st) : NULL;
 }
@@ -2189,11 +2238,16 @@ static PyObject* py_isa(PyObject* self, PyObject* args) {
 /* simd(level) -> level in use: 0 the generic loops with kvquant.cuh's conversions, 1 the
  * generic loops with float16 rows through F16C, 2 the AVX2 + F16C loops, 3 the AVX-512 loops
  * of fp8, int8 and int4 encode (int4 decode on AVX2); a level above
- * what the CPU has gives its best.  The test-suite runs every level it can. */
+ * what the CPU has gives its best, a negative one is refused.  The test-suite runs every
+ * level it can. */
 static PyObject* py_simd(PyObject* self, PyObject* args) {
     int level;
     (void)self;
     if (!PyArg_ParseTuple(args, "i", &level)) return NULL;
+    if (level < 0) {
+        PyErr_SetString(PyExc_ValueError, "simd() needs a level >= 0");
+        return NULL;
+    }
     set_simd(level);
     return PyLong_FromLong(kv_simd);
 }
