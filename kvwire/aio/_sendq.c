@@ -64,13 +64,18 @@ typedef struct {
     int busy;                    /* flush() is writing without the GIL */
 } SendQueue;
 
-static int check_idle(SendQueue* q) {
+static int check_free(SendQueue* q) {
     if (q->busy) {
         /* a flush on another thread, or a call from code a push or a release ran (an
          * __index__, a finalizer): either would move the parts under the running call */
         PyErr_SetString(PyExc_RuntimeError, "SendQueue is in use (by another thread, or re-entered)");
         return -1;
     }
+    return 0;
+}
+
+static int check_idle(SendQueue* q) {
+    if (check_free(q) < 0) return -1;
     if (q->piece <= 0) {
         PyErr_SetString(PyExc_ValueError, "SendQueue was not initialised");
         return -1;
@@ -120,6 +125,13 @@ static int sq_init(SendQueue* q, PyObject* args, PyObject* kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "i|n", kwlist, &fd, &piece)) return -1;
     if (fd < 0 || piece <= 0) {
         PyErr_SetString(PyExc_ValueError, "SendQueue needs a descriptor >= 0 and piece > 0");
+        return -1;
+    }
+    /* checked after the arguments' conversions (an __index__ may push or start a flush):
+     * a running call's fd and piece, and queued parts' socket, stay as they are */
+    if (check_free(q) < 0) return -1;
+    if (q->head < q->count) {
+        PyErr_SetString(PyExc_RuntimeError, "SendQueue has parts queued: clear() it before re-initialising");
         return -1;
     }
     q->fd = fd;

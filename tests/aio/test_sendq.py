@@ -367,3 +367,50 @@ def test_a_queue_never_initialised_refuses_work() -> None:
     for call in (lambda: q.push([b"x"]), q.flush, q.clear):
         with pytest.raises(ValueError, match="not initialised"):
             call()
+
+
+def test_reinitialising_is_refused_while_the_queue_is_in_use_or_holds_parts() -> None:
+    """``__init__`` again while a push converts its parts (a crc's ``__index__``), or
+    while parts are queued, would send the rest of a frame to another socket: refused
+    with the error push and flush give, and what was queued goes to its own socket."""
+    assert sendq is not None
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    try:
+        a.setblocking(False)
+        b.settimeout(10)
+        d.setblocking(False)
+        q = sendq.SendQueue(a.fileno(), 4)
+        inner: list[BaseException] = []
+
+        class Crc:
+            def __index__(self) -> int:
+                try:
+                    q.__init__(c.fileno(), 1)
+                except RuntimeError as exc:
+                    inner.append(exc)
+                return 0
+
+        q.push([(b"payload", Crc())])
+        assert len(inner) == 1 and "re-entered" in str(inner[0])
+        assert q.fd == a.fileno()
+        with pytest.raises(RuntimeError, match="parts queued"):
+            q.__init__(c.fileno(), 1)
+        got, _ = drain(q, b, 11)
+        assert got == b"payload" + trailer(b"payload", 0)
+        with pytest.raises(BlockingIOError):
+            d.recv(100)
+        # queued parts dropped, or all written: it may be pointed at another socket
+        q.push([b"dropped"])
+        with pytest.raises(RuntimeError, match="parts queued"):
+            q.__init__(c.fileno(), 1)
+        q.clear()
+        q.__init__(c.fileno(), 2)
+        assert q.fd == c.fileno()
+        q.push([b"other"])
+        assert q.flush() == 0
+        d.settimeout(10)
+        assert d.recv(100) == b"other"
+    finally:
+        for s in (a, b, c, d):
+            s.close()
