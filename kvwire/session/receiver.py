@@ -111,7 +111,11 @@ LAYOUTS_REMEMBERED = 8
 #: Layouts whose recent first layers the server remembers across sessions, for the first
 #: transfers of a session that has no history yet (their estimate is at most the share of
 #: the budget kept for first layers: another session's sizes can delay them that little).
+#: Each layout's, and the any-layout one, keep one figure per session for the last
+#: SESSIONS_REMEMBERED sessions that sent a first layer whole: the largest of that
+#: session's own recent ones, so one session cannot flush or lower the others'.
 SERVER_LAYOUTS_REMEMBERED = 64
+SESSIONS_REMEMBERED = 64
 
 #: Failed transfers a session remembers why (see _Session.tombstones): each its RESET's
 #: code and text, so at most about WIRE_TEXT_LIMIT * 4 + 200 bytes apiece.
@@ -160,6 +164,15 @@ FP_SHOWN = 12
 #: Bytes of a transfer's request id and model (UTF-8, together) kept without a charge: a
 #: short id costs nothing, one up to its 65535-byte limit counts (see :func:`begin_footprint`).
 FREE_ID_BYTES = 256
+
+
+def _note_session(sessions: OrderedDict[bytes, int], session_id: bytes, footprint: int) -> None:
+    """``footprint`` is ``session_id``'s figure in ``sessions`` (one entry per session, the
+    most recently noted last); past SESSIONS_REMEMBERED the least recent goes."""
+    sessions[session_id] = footprint
+    sessions.move_to_end(session_id)
+    while len(sessions) > SESSIONS_REMEMBERED:
+        sessions.popitem(last=False)
 
 
 def _remember(history: OrderedDict[bytes, deque[int]], fingerprint: bytes, footprint: int, layouts: int) -> None:
@@ -672,8 +685,10 @@ class ReceiverCore:
         # Footprints of the last first layers received whole, of every session, by layout
         # and of any layout: the estimate of a first layer of a session with no history of
         # its own (at most the share kept for first layers, see _estimate).
-        self._first_layers: OrderedDict[bytes, deque[int]] = OrderedDict()
-        self._first_layers_any: deque[int] = deque(maxlen=RECENT_FIRST_LAYERS)
+        # (by layout, then session id: the largest of each session's own recent first
+        # layers, so one session cannot flush or lower the others')
+        self._first_layers: OrderedDict[bytes, OrderedDict[bytes, int]] = OrderedDict()
+        self._first_layers_any: OrderedDict[bytes, int] = OrderedDict()
         # The time given by the latest call (every call that can accept a transfer gives it):
         # a transfer accepted as room frees starts its claim deadline then (_admit_waiting).
         self._now = 0.0
@@ -1170,6 +1185,9 @@ class ReceiverCore:
             # The connection failed after its AUTH, on a frame read with it (a client must
             # wait for WELCOME): it opens no session and replaces no stream.
             return
+        if self._closing:  # (a connection made after close(): no session, no transfer)
+            conn.close(ErrorCode.NO_ERROR, SHUTTING_DOWN)
+            return
         fps = self.config.fingerprints
         if ev.fingerprint != NO_FINGERPRINT and fps and ev.fingerprint not in fps:
             conn.refuse(ErrorCode.INCOMPATIBLE_SPEC, "this server does not accept that KV layout")
@@ -1465,18 +1483,19 @@ class ReceiverCore:
         kept from windows for first layers, or the smallest of them where that is larger:
         one large first layer (one long prompt) does not hold every later transfer of its
         layout back from starting while the room would hold an ordinary one.  A session
-        with no history of its own (its first transfers) is estimated from the first
-        layers every session sent whole recently (of its layout, else of any), but never
-        past the share: another session's first layers cannot hold it back further than a
-        cold start's reserve, so a client cannot set the estimate others are admitted at.
+        with no history of its own (its first transfers) is estimated from the other
+        sessions' histories (the largest recent first layer of each of the last sessions
+        that sent one whole, of its layout, else of any), never past the share: one session
+        moves only its own figure, so it can hold another back no further than a cold
+        start's reserve, nor bring its estimate below what the other sessions sent.
         A first layer larger than its estimate takes what room there is, or fails."""
         share = self._first_layer_share()
         fp = t.spec.fingerprint
         sess = self._sessions.get(t.key[0])
         if sess is not None and (recent := sess.first_layers.get(fp) or sess.first_layers_any):
             return min(max(recent), max(share, min(recent)))
-        recent = self._first_layers.get(fp) or self._first_layers_any
-        return min(max(recent), share) if recent else 0
+        latest = (self._first_layers.get(fp) or self._first_layers_any).values()
+        return min(max(latest), share) if latest else 0
 
     def _learn(self, t: _Incoming) -> None:
         """``t``'s layer 0 was received whole (every chunk of it stored): its footprint is
@@ -1494,8 +1513,16 @@ class ReceiverCore:
         fp = t.spec.fingerprint
         _remember(sess.first_layers, fp, t.layer_cost, LAYOUTS_REMEMBERED)
         sess.first_layers_any.append(t.layer_cost)
-        _remember(self._first_layers, fp, t.layer_cost, SERVER_LAYOUTS_REMEMBERED)
-        self._first_layers_any.append(t.layer_cost)
+        sid = t.key[0]
+        of_layout = self._first_layers.get(fp)
+        if of_layout is None:
+            of_layout = self._first_layers[fp] = OrderedDict()
+            while len(self._first_layers) > SERVER_LAYOUTS_REMEMBERED:
+                self._first_layers.popitem(last=False)
+        else:
+            self._first_layers.move_to_end(fp)
+        _note_session(of_layout, sid, max(sess.first_layers[fp]))
+        _note_session(self._first_layers_any, sid, max(sess.first_layers_any))
         self._estimate_unestimated()
 
     def _estimate_unestimated(self) -> None:

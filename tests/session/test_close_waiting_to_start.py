@@ -8,9 +8,15 @@ from __future__ import annotations
 
 from kvwire.errors import ErrorCode
 from kvwire.session.receiver import ReceiverConfig, RegistryCheck, TransferFailed
-from kvwire.wire import BlockVersion, ConnectionClosed, TransferAccepted, TransferReset
+from kvwire.wire import (
+    BlockVersion,
+    ConnectionClosed,
+    HandshakeComplete,
+    TransferAccepted,
+    TransferReset,
+)
 from tests.session.test_budget_credit import LAYER, begin_all, limit, send_layer
-from tests.session.test_receiver_core import SECRET, Harness, begin
+from tests.session.test_receiver_core import SECRET, Harness, begin, join
 
 
 def test_a_closing_server_accepts_none_of_those_waiting_and_resets_every_admitted_transfer_before_its_goaway() -> None:
@@ -39,3 +45,16 @@ def test_a_closing_server_accepts_none_of_those_waiting_and_resets_every_admitte
     assert sorted(e.key[1] for e in h.of(TransferFailed)) == list(range(1, 14))
     assert h.core.counters["transfers_accepted"] == 2
     assert h.core.reserved_bytes == 0 and h.core.waiting_to_start == 0 and h.core.waiting_for_room == 0
+
+
+def test_a_connection_made_after_close_gets_a_goaway_and_no_session() -> None:
+    """The core's close() holds for connections made after it too (an I/O layer that
+    still hands one over): its handshake ends in GOAWAY saying the server is shutting
+    down, no session is opened, and nothing is accepted."""
+    h = Harness(ReceiverConfig(secret=SECRET))
+    h.core.close(h.now)
+    h.pump()
+    _client, events = join(h.core, 2, h.now)
+    [closed] = [e for e in events if isinstance(e, ConnectionClosed)]
+    assert closed.goaway and closed.code == ErrorCode.NO_ERROR and closed.message == "the server is shutting down"
+    assert h.core.sessions == 0 and not [e for e in events if isinstance(e, HandshakeComplete)]

@@ -198,3 +198,35 @@ def test_a_new_session_waits_to_start_at_every_sessions_estimate_instead_of_fail
     b.send(chunk(tid=1, layer=0, kind=1, count=tokens, tokens=tokens))
     assert not [e for e in b.events if isinstance(e, TransferReset)]
     assert h.core.counters["buffer_budget_refusals"] == 0 and h.core.buffered_bytes - h.core.kept_bytes == 16 * UNIT
+
+
+def test_one_session_cannot_bring_a_new_sessions_estimate_down() -> None:
+    """Session A holds 15 of 16 units in layers received whole (2 units each, one of 1).
+    Session P then sends many one-token first layers whole (each reset: it holds nothing):
+    the server keeps one first layer per session, so P moves only its own entry, and a new
+    session B (no history of its own) is still estimated at A's 2 units: its BEGIN waits to
+    start instead of being accepted at about 0 and failing its first layer for want of room."""
+    h = Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=16 * UNIT, transfer_buffer_bytes=16 * UNIT,
+                               claim_timeout=None))
+    p = Other(h, 3)
+
+    def tiny(tid: int) -> None:
+        p.begin(tid, layers=1)
+        assert tid in p.accepted()
+        p.send(chunk(tid=tid, layer=0, kind=0, count=1, tokens=1))
+        p.send(chunk(tid=tid, layer=0, kind=1, count=1, tokens=1))  # layer 0 whole: learned
+        p.client.send_reset(tid, ErrorCode.CANCELLED, "x")
+        p.flow()
+
+    tiny(1)
+    for tid in range(1, 9):
+        tokens = 2 * 64 if tid < 8 else 64
+        begin_all(h, 1, tid)
+        h.send(chunk(tid=tid, layer=0, kind=0, count=tokens, tokens=tokens))
+        h.send(chunk(tid=tid, layer=0, kind=1, count=tokens, tokens=tokens))
+    for tid in range(2, RECENT_FIRST_LAYERS + 2):
+        tiny(tid)
+    assert h.core.buffered_bytes - h.core.kept_bytes == 15 * UNIT
+    b = Other(h, 2)
+    b.begin(1, layers=1)
+    assert b.accepted() == [] and h.core.waiting_to_start == 1
