@@ -578,7 +578,8 @@ async def receive(state: ReceiveState, server: Any, into: Any, timeout: float | 
     for, and every layer as it arrives (``into``: a destination, or None)."""
     state.task = asyncio.current_task()
     request_id = state.request_id
-    if state.error is not None:  # aborted before this began: expect nothing
+    if state.error is not None:  # aborted before this began: what arrived already is given up
+        _abort_arrived(server, request_id)
         return
     try:
         transfer = await server.expect(request_id, into=into, timeout=timeout) if into is not None \
@@ -606,6 +607,15 @@ async def receive(state: ReceiveState, server: Any, into: Any, timeout: float | 
         state.fail(exc)
     except Exception as exc:  # never leave a waiter hanging on an unexpected error
         state.fail(KvwireError(f"receive of {request_id!r} failed: {exc!r}"))
+
+
+def _abort_arrived(server: Any, request_id: str) -> None:
+    """A receive aborted before it began on the loop: the transfer it would have taken, if
+    one of ``request_id`` has arrived already, is aborted (the sender is told), not left
+    for nobody to claim until its ``claim_timeout`` (or for ever without one)."""
+    transfer = server._arrived(request_id)  # (the package's own Server: claimed if there)
+    if transfer is not None:
+        transfer.abort(f"receive of {request_id!r} aborted")
 
 
 class ReceiveHandle:
@@ -687,7 +697,8 @@ class ReceiveHandle:
         self._wait_for(lambda: self._state.done, timeout, "transfer")
 
     def abort(self, reason: str = "", timeout: float = 5.0) -> bool:
-        """Stop receiving: the sender is told (when the transfer began) and waiters fail.
+        """Stop receiving: the sender is told (when the transfer began, or had arrived
+        already: one this receive would have taken is aborted) and waiters fail.
 
         From another thread it returns once the loop has stopped the transfer, or has
         ended (at most ``timeout`` seconds), so the caller may reuse the destination's
