@@ -844,8 +844,8 @@ class Server(Pump):
             "%d transfer(s) wait to start: max_buffer_bytes (%s) has no room for another first "
             "layer (%s held in layers not yet taken by the application, %s granted and not yet "
             "received); they start as the application takes layers (to have more going at "
-            "once: raise max_buffer_bytes, lower transfer_buffer_bytes, or receive into= a "
-            "destination)", core.waiting_to_start, format_size(self.options.max_buffer_bytes),
+            "once: raise max_buffer_bytes, lower transfer_buffer_bytes, or receive into a "
+            "destination with into=)", core.waiting_to_start, format_size(self.options.max_buffer_bytes),
             format_size(core.buffered_bytes - core.kept_bytes), format_size(core.reserved_bytes))
 
     # -- what a stream asks of its pump -----------------------------------------------------
