@@ -39,7 +39,7 @@ import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 from kvwire.codec import codec_by_id
 from kvwire.codec.entropy import decompressed_size
@@ -102,7 +102,8 @@ FIRST_LAYER_SHARE = 8
 #: layout (each one received whole; not those received into a destination): a transfer's
 #: first layer's estimate comes from those its own session sent of its layout (of any
 #: layout if none), and it is accepted once the room left holds that estimate (see
-#: ReceiverCore._estimate, ReceiverCore._admit).  One session never sets another's.
+#: ReceiverCore._estimate, ReceiverCore._admit).  One session's history never sets the
+#: estimate of another that has its own.
 RECENT_FIRST_LAYERS = 64
 #: Layouts whose recent first layers a session's history remembers (the least recently
 #: seen forgotten); a session keeps at most this many of RECENT_FIRST_LAYERS each, plus
@@ -175,17 +176,20 @@ def _note_session(sessions: OrderedDict[bytes, int], session_id: bytes, footprin
         sessions.popitem(last=False)
 
 
-def _remember(history: OrderedDict[bytes, deque[int]], fingerprint: bytes, footprint: int, layouts: int) -> None:
-    """Add a first layer's ``footprint`` to ``history``'s recent ones of its layout, which
-    becomes the most recently seen; past ``layouts`` layouts the least recently seen goes."""
-    recent = history.get(fingerprint)
-    if recent is None:
-        recent = history[fingerprint] = deque(maxlen=RECENT_FIRST_LAYERS)
+T = TypeVar("T")
+
+
+def _layout_entry(history: OrderedDict[bytes, T], fingerprint: bytes, layouts: int, new: Callable[[], T]) -> T:
+    """``history``'s entry for the layout ``fingerprint`` (``new()`` if it has none), now the
+    most recently seen; past ``layouts`` layouts the least recently seen goes."""
+    entry = history.get(fingerprint)
+    if entry is None:
+        entry = history[fingerprint] = new()
         while len(history) > layouts:
             history.popitem(last=False)
     else:
         history.move_to_end(fingerprint)
-    recent.append(footprint)
+    return entry
 
 
 def wire_text(text: str) -> str:
@@ -630,7 +634,8 @@ class _Session:
     resets: OrderedDict[int, int | None] = field(default_factory=OrderedDict)
     # Footprints of the last first layers of its transfers received whole, by layout and
     # of any layout: what a first layer of its next transfers is estimated at
-    # (ReceiverCore._estimate).  Its own only: one session cannot set another's estimate.
+    # (ReceiverCore._estimate).  Another session's estimate it sets only through the
+    # server's one figure per session, at most the eighth, for sessions with no history.
     first_layers: OrderedDict[bytes, deque[int]] = field(default_factory=OrderedDict)
     first_layers_any: deque[int] = field(default_factory=lambda: deque(maxlen=RECENT_FIRST_LAYERS))
     lose_at: float | None = None
@@ -1450,7 +1455,7 @@ class ReceiverCore:
 
     def _give_room(self, t: _Incoming, est: int) -> None:
         """``t``'s first layer has room: its estimate ``est`` is reserved from now (one of
-        0, before its session sent any first layer whole, is reserved once one is known,
+        0, before any session's first layer was received whole, is reserved once one is,
         see :meth:`_learn`)."""
         t.roomed = True
         t.estimate = est
@@ -1511,18 +1516,12 @@ class ReceiverCore:
         if t.external or sess is None:
             return
         fp = t.spec.fingerprint
-        _remember(sess.first_layers, fp, t.layer_cost, LAYOUTS_REMEMBERED)
+        recent = _layout_entry(sess.first_layers, fp, LAYOUTS_REMEMBERED, lambda: deque(maxlen=RECENT_FIRST_LAYERS))
+        recent.append(t.layer_cost)
         sess.first_layers_any.append(t.layer_cost)
-        sid = t.key[0]
-        of_layout = self._first_layers.get(fp)
-        if of_layout is None:
-            of_layout = self._first_layers[fp] = OrderedDict()
-            while len(self._first_layers) > SERVER_LAYOUTS_REMEMBERED:
-                self._first_layers.popitem(last=False)
-        else:
-            self._first_layers.move_to_end(fp)
-        _note_session(of_layout, sid, max(sess.first_layers[fp]))
-        _note_session(self._first_layers_any, sid, max(sess.first_layers_any))
+        of_layout = _layout_entry(self._first_layers, fp, SERVER_LAYOUTS_REMEMBERED, OrderedDict)
+        _note_session(of_layout, t.key[0], max(recent))
+        _note_session(self._first_layers_any, t.key[0], max(sess.first_layers_any))
         self._estimate_unestimated()
 
     def _estimate_unestimated(self) -> None:
@@ -1914,8 +1913,8 @@ class ReceiverCore:
             t.sized = True
             t.layer_cost = self._store.footprint(layer_bytes)
             self._unestimated.pop(t.key, None)  # (its layer 0 allocated: no estimate)
-            if complete and chunk.layer == 0:  # (layer 0 in one chunk: the session's first
-                self._learn(t)  # layers waiting for an estimate have it before its window)
+            if complete and chunk.layer == 0:  # (layer 0 in one chunk: transfers given room
+                self._learn(t)  # at an estimate of 0 get theirs before its window)
             self._offer(t)  # (its layer 0, allocated, reserves nothing: _layer_buffer)
             self._regrant()  # (room its estimate kept past its footprint)
         elif complete and chunk.layer == 0 and not t.learned:

@@ -69,7 +69,7 @@ def poison(h: Harness, tids: range, layer_tokens: int) -> None:
 
 
 def test_a_session_announcing_huge_first_layers_does_not_hold_back_another_sessions_transfer() -> None:
-    """The reviewer's scenario: a client does 64 times BEGIN, one 1-token chunk declaring
+    """A hostile client does 64 times BEGIN, one 1-token chunk declaring
     a first layer of 14 sixteenths of the budget, RESET; then one BEGIN that sends nothing.
     No first layer was received whole, so nothing is learned: that transfer reserves
     nothing, and another session's transfer (of another layout, and of the same one)
