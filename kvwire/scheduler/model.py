@@ -17,7 +17,6 @@ and decode is a step time and a maximum batch.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
@@ -25,6 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.errors import UsageError
+from kvwire.scheduler._checks import check_number, check_whole
 from kvwire.scheduler.profile import ModelProfile
 from kvwire.scheduler.workload import LengthDistribution
 
@@ -53,35 +53,6 @@ instance granularity, local GPUs (instances x GPUs per instance) at GPU granular
 evaluates every split at every distinct input length: 10,000 splits of a 4,000-request
 trace take about 30 s and 1.7 GB, and the time and memory grow with the splits (a
 hundred million local instances, or 100,000 GPUs per instance, ran for hours)."""
-
-
-def check_number(name: str, value: object, *, above: float | None = None,
-                 at_least: float | None = None) -> float:
-    """``value`` as a float when it is a finite real number (not a bool) ``> above`` and
-    ``>= at_least``; else :class:`UsageError` naming the field. A check written ``x < 0``
-    lets NaN through (every comparison with it is false)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    x = float(value) if ok else math.nan  # type: ignore[arg-type]
-    if not (ok and math.isfinite(x) and (above is None or x > above)
-            and (at_least is None or x >= at_least)):
-        low = f" > {above:g}" if above is not None else f" >= {at_least:g}" if at_least is not None else ""
-        raise UsageError(f"{name} must be a finite number{low} (got {value!r})")
-    return x
-
-
-def check_whole(name: str, value: object, *, at_least: int) -> int:
-    """``value`` as an int when it is a whole number (``4`` or ``4.0``; not ``4.5``, a bool,
-    NaN or infinity) ``>= at_least``; else :class:`UsageError` naming the field."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        n = int(value)
-    elif (isinstance(value, numbers.Real) and not isinstance(value, bool)
-          and math.isfinite(float(value)) and float(value).is_integer()):
-        n = int(float(value))
-    else:
-        raise UsageError(f"{name} must be a whole number >= {at_least} (got {value!r})")
-    if n < at_least:
-        raise UsageError(f"{name} must be a whole number >= {at_least} (got {value!r})")
-    return n
 
 
 class Bound(StrEnum):
@@ -130,7 +101,7 @@ class ClusterConfig:
         if self.split_granularity not in ("instance", "gpu"):
             raise UsageError("split_granularity is 'instance' or 'gpu'")
         # Every numeric field finite and in range, the counts whole (kept as ints: the
-        # splits are counted with them); NaN passed checks written ``x < 0``.
+        # splits are counted with them).
         for name, least in (("gpus_per_instance", 1), ("remote_instances", 0),
                             ("local_instances", 1), ("decode_batch_max", 1)):
             object.__setattr__(self, name, check_whole(name, getattr(self, name), at_least=least))

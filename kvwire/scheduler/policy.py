@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvwire.errors import UsageError
+from kvwire.scheduler._checks import check_whole
 
 __all__ = [
     "ClusterView",
@@ -63,27 +64,18 @@ class PolicyRequest:
 
     request_id: str
     input_length: int
-    """Prompt tokens: a whole number >= 0 (a negative one stayed local as "short")."""
+    """Prompt tokens: a whole number >= 0 (UsageError otherwise)."""
     output_length: int = 0
     """A whole number >= 0."""
 
     def __post_init__(self) -> None:
         for name in ("input_length", "output_length"):
-            _check_whole(name, getattr(self, name), at_least=0)
+            check_whole(name, getattr(self, name), at_least=0)
 
 
 def _real(value: object) -> bool:
     """A real number (a numpy one too), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-def _check_whole(name: str, value: object, *, at_least: int) -> None:
-    """A whole number (an int, a numpy one, or a float such as ``4000.0``) ``>= at_least``."""
-    whole = isinstance(value, numbers.Integral) or (
-        _real(value) and math.isfinite(float(value)) and float(value).is_integer()  # type: ignore[arg-type]
-    )
-    if isinstance(value, bool) or not whole or value < at_least:  # type: ignore[operator]
-        raise UsageError(f"{name} must be a whole number >= {at_least} (got {value!r})")
 
 
 def _check_hit(name: str, hit: object) -> None:
@@ -169,7 +161,6 @@ class SchedulerState:
             if value is not None and not _real(value):
                 raise UsageError(f"{name} must be a number or None (got {value!r})")
         # The rules read a band: the threshold rises from the soft level to the hard one.
-        # Levels the other way round, or a negative gain, silently turned them off.
         if not 0 <= self.soft_utilization < self.hard_utilization:
             raise UsageError(
                 f"need 0 <= soft_utilization < hard_utilization (got {self.soft_utilization!r} "
@@ -177,7 +168,7 @@ class SchedulerState:
             )
         if self.threshold_gain < 0:
             raise UsageError(f"threshold_gain must be >= 0 (got {self.threshold_gain!r})")
-        _check_whole("block_tokens", self.block_tokens, at_least=1)
+        check_whole("block_tokens", self.block_tokens, at_least=1)
 
     @property
     def has_plan(self) -> bool:

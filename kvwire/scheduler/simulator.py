@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import UsageError
+from kvwire.scheduler._checks import check_number, check_whole
 from kvwire.scheduler.cache import PrefixCache
 from kvwire.scheduler.link import LinkSchedule
 from kvwire.scheduler.model import (
@@ -62,8 +63,6 @@ from kvwire.scheduler.model import (
     OptimizerResult,
     best_split,
     capacity,
-    check_number,
-    check_whole,
     optimize,
 )
 from kvwire.scheduler.policy import (
@@ -179,8 +178,7 @@ class SimulationConfig:
     from a lasting step down (docs/scheduler.md, "When the link changes")."""
 
     def __post_init__(self) -> None:
-        # Every number finite and in range, naming the field (NaN passed checks written
-        # ``x < 0``: a NaN noise kept every request local, a NaN step crashed the optimizer).
+        # Every number finite and in range, naming the field.
         for name in ("rtt_s", "hysteresis", "bandwidth_time_constant_s", "egress_window_s",
                      "bandwidth_noise"):
             check_number(name, getattr(self, name), at_least=0.0)

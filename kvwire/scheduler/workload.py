@@ -6,7 +6,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import numbers
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.errors import UsageError
+from kvwire.scheduler._checks import check_whole
 
 __all__ = [
     "BLOCK_TOKENS",
@@ -62,11 +62,7 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
     ``limit``: keep the first ``limit`` records in file order (then sort them); a whole
     number (``2`` or ``2.0``; ``1.5`` kept two records), at least 1."""
     if limit is not None:
-        whole = isinstance(limit, numbers.Integral) or (
-            isinstance(limit, float) and float(limit).is_integer()
-        )
-        if isinstance(limit, bool) or not whole or not limit >= 1:
-            raise UsageError(f"limit must be at least 1 and a whole number, got {limit!r}")
+        limit = check_whole("limit", limit, at_least=1)
     out: list[TraceRequest] = []
     try:
         with (

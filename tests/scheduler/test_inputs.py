@@ -209,7 +209,7 @@ def test_a_limit_below_one_is_refused(tmp_path: Path, limit: int) -> None:
     """load_trace(limit=0) and limit=-5 returned one record."""
     path = tmp_path / "t.jsonl"
     _write_trace(path, {})
-    with pytest.raises(UsageError, match="limit must be at least 1"):
+    with pytest.raises(UsageError, match="limit must be a whole number >= 1"):
         load_trace(path, limit=limit)
     assert len(load_trace(path, limit=1)) == 1
 
