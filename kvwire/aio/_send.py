@@ -90,16 +90,12 @@ class SendState:
     # When the send task last came back from waiting on the session (a grant, its queue
     # draining onto the streams): the path set the pace until then, not the producer.
     resumed_at: float = -math.inf
-    # The server answered its BEGIN (ACCEPT): set once, as the core's TransferCredit for
-    # it comes; until then the server may be holding its ACCEPT for want of room in its
-    # buffer budget (docs/protocol.md 7.1).
-    accepted: bool = False
     progress: SendProgress | None = None  # a watcher's on another thread, if any
 
     def credit(self, layer_limit: int) -> None:
-        """The server accepted the transfer (the first call) and granted layers below
-        ``layer_limit``."""
-        self.accepted = True
+        """The server accepted the transfer and granted layers below ``layer_limit``: a
+        watcher's progress says so (until then the server may be holding its ACCEPT for
+        want of room in its buffer budget, docs/protocol.md 7.1)."""
         if (p := self.progress) is not None:
             p.layers_granted = max(p.layers_granted, layer_limit)
             p.accepted.set()
@@ -364,8 +360,8 @@ def _abort_error(exc: BaseException) -> KvwireError:
 
 
 async def _credit_for(st: SendState, core: SenderCore, tid: int, layer: int) -> None:
-    """Wait until ``layer`` is granted (or the transfer failed); a watcher sees a wait for
-    credit (layer 0's is a wait for ACCEPT, which grants it)."""
+    """Wait until ``layer`` is granted (or the transfer failed); a watcher sees it as a wait
+    for credit, except layer 0's: that is a wait for ACCEPT, which ``accepted`` shows."""
     ready = _granted(core, tid, layer)
     if ready():
         return

@@ -1037,8 +1037,6 @@ class Peer(Pump):
                             "connect() again)", code=err.code)
         if err is not None:
             raise type(err)(f"{err} (this peer's session has ended: close it and connect() again)", code=err.code)
-        if self.closed:
-            raise ConnectionLostError("this peer was closed: connect() again for a new session")
 
     async def send(
         self, request_id: str, spec: KVSpec, layers: Layers, *, meta: dict[str, Any] | None = None,

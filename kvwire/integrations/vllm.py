@@ -347,9 +347,9 @@ class _NotDone:
     #: whether it was waiting then for the consumer's server to grant its next layer (a
     #: kvwire server grants layers only within its buffer budget's room), and the layers
     #: granted so far, of how many
-    waiting_for_credit: bool = False
-    layers_granted: int = 0
-    num_layers: int = 0
+    waiting_for_credit: bool
+    layers_granted: int
+    num_layers: int
 
 
 def _layer_order(name: str) -> tuple[int, str]:
