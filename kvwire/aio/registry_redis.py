@@ -807,7 +807,7 @@ class RedisRegistry:
             if not (self._closed and self._owns_client):
                 raise
             raise RegistryUnavailableError(
-                f"redis registry: {what}: registry closed while the call was in flight"
+                f"redis registry: {what} failed: the registry was closed while the call was in flight"
             ) from exc.__cause__
 
     def _spawn(self, coro: Coroutine[Any, Any, T], *, release: bool = False) -> asyncio.Task[T]:

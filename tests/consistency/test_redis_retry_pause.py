@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -42,15 +43,18 @@ def own_server(redis_binary: str, tmp_path: Path) -> Iterator[RedisServer]:
 
 class _Attempts:
     """Counts the watcher's connection attempts: each new subscription is a new pubsub
-    (a new connection), made by the registry's ``_new_pubsub``."""
+    (a new connection), made by the registry's ``_new_pubsub``; ``times`` holds the loop
+    time of each."""
 
     def __init__(self, registry: RedisRegistry) -> None:
         self.count = 0
+        self.times: list[float] = []
         self._make = registry._new_pubsub
         registry._new_pubsub = self._counted  # type: ignore[method-assign]
 
     def _counted(self) -> Any:
         self.count += 1
+        self.times.append(asyncio.get_running_loop().time())
         return self._make()
 
 
@@ -67,12 +71,13 @@ async def test_a_watcher_read_in_the_docs_loop_pauses_between_attempts_while_red
     """Redis stops (connections refused).  The reader does what the docs ask: on
     NotificationsLostError it re-reads (which fails: Redis is down) and reads on.  Each read
     tried to subscribe anew at once, and a refused connection fails in microseconds: the
-    loop made thousands of attempts a second.  A read after a failed try pauses first
-    (0.2 s, doubling): in 1.5 s of the loop, a handful of attempts.  (Load only makes the
-    loop slower, so fewer attempts, never more.)"""
+    loop made thousands of attempts a second.  Each failed try's error announces the pause
+    before the next one (0.2 s, doubling), and the next try comes no sooner: measured
+    between the tries, so load (which only lengthens the gaps) cannot fail it."""
     reg = await RedisRegistry.connect(own_server.url, namespace=f"pause-{uuid.uuid4().hex}", timeout=5.0)
     attempts = _Attempts(reg)
     losses: list[NotificationsLostError] = []
+    tried: list[int] = []  # attempts.count as each loss was raised: the try that failed
     rereads_failed = 0
 
     async def follow(watcher: RedisWatcher) -> None:
@@ -84,6 +89,7 @@ async def test_a_watcher_read_in_the_docs_loop_pauses_between_attempts_while_red
                 return
             except NotificationsLostError as exc:
                 losses.append(exc)
+                tried.append(attempts.count)
                 try:
                     await reg.lookup([b"a"])  # the docs' re-read
                 except RegistryUnavailableError:
@@ -93,16 +99,22 @@ async def test_a_watcher_read_in_the_docs_loop_pauses_between_attempts_while_red
         async with reg.watch() as watcher:
             follower = asyncio.create_task(follow(watcher))
             own_server.stop()
-            for _ in range(600):  # bounded: until the loss is seen
-                if losses:
+            for _ in range(1200):  # bounded: until 3 more tries after the first failure
+                if len(losses) >= 4:
                     break
                 await asyncio.sleep(0.05)
-            assert losses, "the subscription's loss was never raised"
-            seen = attempts.count
-            await asyncio.sleep(1.5)
-            made = attempts.count - seen
-            # Pauses of 0.2, 0.4, 0.8 s: at most 3 more tries in 1.5 s (4 allowed).
-            assert made <= 4, f"{made} connection attempts in 1.5 s"
+            assert len(losses) >= 4, f"{len(losses)} losses raised"
+            # One try per failure: each error is the failure of the try after the one before.
+            assert tried[:4] == [tried[0] + k for k in range(4)], tried
+            for k in range(3):
+                said = re.search(r"after a pause of ([0-9.e+-]+) s", str(losses[k]))
+                assert said is not None, f"no pause announced: {losses[k]}"
+                gap = attempts.times[tried[k + 1] - 1] - attempts.times[tried[k] - 1]
+                # 1 ms: clock granularity (the pause ends at its loop time, not before).
+                assert gap >= float(said.group(1)) - 1e-3, (
+                    f"try {k + 2} after the first failure came {gap:.4f} s after the one "
+                    f"before, which announced a pause of {said.group(1)} s"
+                )
             assert rereads_failed >= 1  # the recipe was followed: re-read after each error
             # Each says why it could not subscribe: the refused address, not the class alone.
             assert f"127.0.0.1:{own_server.port}" in str(losses[-1]), str(losses[-1])
@@ -266,13 +278,18 @@ async def test_a_call_in_flight_when_close_closes_the_client_says_so(own_server:
             asyncio.ensure_future(reg.check_many([(b"a", 1)])),
             asyncio.ensure_future(reg.invalidate(b"a")),
         ]
-        await asyncio.sleep(0.3)  # both sent, awaiting their replies
+        in_use = reg.client.connection_pool._in_use_connections  # type: ignore[union-attr]
+        for _ in range(400):  # bounded: until both hold a connection (sent, awaiting replies)
+            if len(in_use) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert len(in_use) == 2, f"{len(in_use)} calls hold a connection"
         assert not any(call.done() for call in calls)
         await asyncio.wait_for(reg.close(), 20)
         outcomes = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 20)
         for outcome in outcomes:
             assert isinstance(outcome, RegistryUnavailableError), outcome
-            assert "registry closed while the call was in flight" in str(outcome), outcome
+            assert "failed: the registry was closed while the call was in flight" in str(outcome), outcome
     finally:
         os.kill(own_server.process.pid, signal.SIGCONT)
         await reg.close()
