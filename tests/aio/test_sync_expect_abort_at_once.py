@@ -11,8 +11,8 @@ import pytest
 
 from kvwire.errors import TransferAbortedError
 from kvwire.sync import SyncPeer, SyncServer
-from tests.aio.test_sync_send_not_started import BUDGET, SPEC, _until
-from tests.conftest import SECRET, make_layers
+from tests.aio.test_sync_send_not_started import BUDGET, _until, waiting_for_credit
+from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,13 +21,9 @@ def test_an_expect_aborted_before_it_began_aborts_the_transfer_already_there() -
     """"d" waits for credit (its layers held unread at the server, nobody has claimed it):
     expect("d") then abort() at once.  The server aborts "d" and its sender learns of it;
     nothing is held."""
-    layers = make_layers(4, 64, 1, 64, "float32")
     with SyncServer(secret=SECRET, max_buffer_bytes=BUDGET, claim_timeout=None) as server, \
             SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
-        s = peer.begin("d", SPEC, timeout=30)
-        for k, v in layers:
-            s.send_layer(k, v)
-        _until(lambda: s.waiting_for_credit, "d waits for credit")
+        s = waiting_for_credit(peer)
         gate = threading.Event()
         server.bridge.call_soon(gate.wait, 10)  # the loop waits: the receive and the abort queue behind
         t = server.expect("d", timeout=30)

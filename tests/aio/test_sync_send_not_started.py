@@ -13,7 +13,7 @@ import pytest
 
 import kvwire
 from kvwire.errors import TransferTimeoutError
-from kvwire.sync import SyncPeer, SyncServer
+from kvwire.sync import SendHandle, SyncPeer, SyncServer
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,18 +80,26 @@ def test_a_wait_that_runs_out_after_the_accept_says_only_not_done() -> None:
         h.wait(30)
 
 
+def waiting_for_credit(peer: SyncPeer) -> SendHandle:
+    """Transfer "d" (4 layers of 16 KiB, a 64 KiB slab each in the budget of 256 KiB, an
+    eighth kept for first layers) begun and all its layers given: the server grants 3, which
+    arrive and are held unread, so its last layer waits for credit."""
+    s = peer.begin("d", SPEC, timeout=30)
+    for k, v in make_layers(4, 64, 1, 64, "float32"):
+        s.send_layer(k, v)
+    # (waiting for credit with 3 granted: before the window's CREDIT it waits for layer 1's)
+    _until(lambda: s.waiting_for_credit and s.layers_granted == 3, "d waits for credit")
+    return s
+
+
 def test_a_wait_that_runs_out_while_the_send_waits_for_credit_says_what_was_granted() -> None:
     """Layers of 16 KiB take a 64 KiB slab each in the budget (256 KiB, an eighth kept for
     first layers): "d" is accepted and granted 3 of its 4 layers, which arrive and are held
     unread, so its last layer waits for credit.  The handle says so (waiting_for_credit,
     layers_granted), as does a wait() that runs out; once the application reads, it ends."""
-    layers = make_layers(4, 64, 1, 64, "float32")
     with SyncServer(secret=SECRET, max_buffer_bytes=BUDGET, claim_timeout=None) as server, \
             SyncPeer("127.0.0.1", server.port, secret=SECRET) as peer:
-        s = peer.begin("d", SPEC, timeout=30)
-        for k, v in layers:
-            s.send_layer(k, v)
-        _until(lambda: s.waiting_for_credit, "d waits for credit")
+        s = waiting_for_credit(peer)
         assert s.accepted and s.layers_granted == 3 and server.statistics()["transfers_waiting_for_room"] == 1
         with pytest.raises(TransferTimeoutError) as info:
             s.wait(0.3)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+import torch
 
 import kvwire
 from kvwire.sync import SyncServer
@@ -42,6 +43,22 @@ def server() -> Iterator[SyncServer]:
         yield srv
 
 
+def failed_send_line(prod: KvwireConnector, pkv: list[torch.Tensor], async_save: bool,
+                     caplog: pytest.LogCaptureFixture) -> str:
+    """Request B's send, one producer step (then, with the async save, steps until the
+    connector gives up on it): the one log line saying that it failed."""
+    meta = KvwireConnectorMetadata(saves=[_Move("B", f"B#prompt:{2:032x}", [2, 3])])
+    reported = produce(prod, meta, pkv, {"B"})
+    for _ in range(600):  # (with the async save a later step gives up on it)
+        if reported == {"B"} or not async_save:
+            break
+        reported |= produce(prod, KvwireConnectorMetadata(), None)
+        time.sleep(0.05)
+    failed = [r.getMessage() for r in caplog.records if "sending KV of request B failed" in r.getMessage()]
+    assert len(failed) == 1, failed
+    return failed[0]
+
+
 @pytest.mark.parametrize("async_save", [True, False])
 def test_a_send_the_consumers_budget_never_took_is_logged_as_not_started(
         server: SyncServer, workers: list[KvwireConnector], caplog: pytest.LogCaptureFixture,
@@ -54,16 +71,7 @@ def test_a_send_the_consumers_budget_never_took_is_logged_as_not_started(
     assert prod._peer is not None
     k = np.ones((48, 8, 64), np.float32)
     prod._peer.send("filler", FILL_SPEC, [(k, k)], timeout=30)
-    meta = KvwireConnectorMetadata(saves=[_Move("B", f"B#prompt:{2:032x}", [2, 3])])
-    reported = produce(prod, meta, pkv, {"B"})
-    for _ in range(600):  # (with the async save a later step gives up on it)
-        if reported == {"B"} or not async_save:
-            break
-        reported |= produce(prod, KvwireConnectorMetadata(), None)
-        time.sleep(0.05)
-    failed = [r.getMessage() for r in caplog.records if "sending KV of request B failed" in r.getMessage()]
-    assert len(failed) == 1, failed
-    text = failed[0]
+    text = failed_send_line(prod, pkv, async_save, caplog)
     assert "not started after " in text and "has not accepted it" in text, text
     assert "buffer budget" in text and "max_buffer_bytes" in text and "kvwire_load_timeout (1 s)" in text, text
     assert "after 0 s" not in text, text
@@ -79,16 +87,7 @@ def test_a_send_held_for_credit_by_the_consumers_budget_is_logged_with_the_layer
     were granted and names the consumer's buffer budget and the settings to raise."""
     prod, pkv = producer(server.port, {"kvwire_load_timeout": 1, "kvwire_async_save": async_save})
     workers.append(prod)
-    meta = KvwireConnectorMetadata(saves=[_Move("B", f"B#prompt:{2:032x}", [2, 3])])
-    reported = produce(prod, meta, pkv, {"B"})
-    for _ in range(600):  # (with the async save a later step gives up on it)
-        if reported == {"B"} or not async_save:
-            break
-        reported |= produce(prod, KvwireConnectorMetadata(), None)
-        time.sleep(0.05)
-    failed = [r.getMessage() for r in caplog.records if "sending KV of request B failed" in r.getMessage()]
-    assert len(failed) == 1, failed
-    text = failed[0]
+    text = failed_send_line(prod, pkv, async_save, caplog)
     assert "not acknowledged after " in text and f"has granted 3 of its {len(pkv)} layers" in text, text
     assert "buffer budget has no room" in text and "max_buffer_bytes" in text, text
     assert "kvwire_load_timeout (1 s)" in text and "after 0 s" not in text, text
