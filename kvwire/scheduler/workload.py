@@ -60,7 +60,7 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
     Timestamps must be finite and at most :data:`MAX_TIMESTAMP_MS` either side of 0, and
     lengths between 0 and :data:`MAX_TOKENS`; a bad record is reported by path and line.
     ``limit``: keep the first ``limit`` records in file order (then sort them); a whole
-    number (``2`` or ``2.0``; ``1.5`` kept two records), at least 1."""
+    number (``2`` or ``2.0``), at least 1."""
     if limit is not None:
         limit = check_whole("limit", limit, at_least=1)
     out: list[TraceRequest] = []

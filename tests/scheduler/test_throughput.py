@@ -12,9 +12,6 @@ from pathlib import Path
 import pytest
 
 from kvwire.cli import main
-from kvwire.scheduler.link import LinkSchedule
-from kvwire.scheduler.model import ClusterConfig
-from kvwire.scheduler.profile import ModelProfile
 from kvwire.scheduler.simulator import (
     MIN_ARRIVAL_WINDOW_S,
     PolicyName,
@@ -22,26 +19,13 @@ from kvwire.scheduler.simulator import (
     simulate,
 )
 from kvwire.scheduler.workload import TraceRequest
-
-# 1 s of remote and 10 s of local prefill per 1000 tokens; 1000 bytes of KV per token.
-REMOTE = ModelProfile(name="r", tokens=(1000, 2000), kv_bytes=(1e6, 2e6), prefill_s=(1.0, 2.0))
-LOCAL = ModelProfile(name="l", tokens=(1000, 2000), kv_bytes=(1e6, 2e6), prefill_s=(10.0, 20.0))
+from tests.scheduler.test_saturation import config as saturation_config
 
 
 def config() -> SimulationConfig:
-    return SimulationConfig(
-        cluster=ClusterConfig(
-            remote_profile=REMOTE,
-            local_profile=LOCAL,
-            remote_instances=1,
-            local_instances=8,
-            decode_step_s=0.05,
-            decode_batch_max=64,
-        ),
-        link=LinkSchedule.constant(8e6),
-        rtt_s=0.0,
-        prefill_instances=7,
-    )
+    """test_saturation's cluster (its profiles: 1 s of remote and 10 s of local prefill
+    per 1000 tokens, 1000 bytes of KV per token) with 8 local servers, 7 of them prefill."""
+    return saturation_config(local_instances=8, prefill_instances=7)
 
 
 def at(times: list[float], n: int = 1000) -> list[TraceRequest]:
