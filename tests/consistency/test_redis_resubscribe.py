@@ -182,7 +182,13 @@ async def test_a_watcher_that_could_not_subscribe_anew_raises_again_at_its_next_
                         await direct.invalidate(b"later")
                     await asyncio.wait_for(reading, 10)
                 vd = await direct.invalidate(b"d")
-                assert await asyncio.wait_for(anext(watcher), 10) == (b"d", vd)
+                # ("later"s made once the new subscription stood, before the read above
+                # ended, are changes it delivers too: read past them)
+                for _ in range(200):
+                    got = await asyncio.wait_for(anext(watcher), 10)
+                    if got[0] != b"later":
+                        break
+                assert got == (b"d", vd)
         finally:
             await reg.close()
             await direct.close()
