@@ -11,15 +11,39 @@ from __future__ import annotations
 import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import IntEnum
-from typing import Any, ClassVar
+from enum import EnumType, IntEnum
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
 from kvwire.errors import ProtocolError, UsageError
 
+_Kind = TypeVar("_Kind")
 
-class TensorKind(IntEnum):
+
+def _bad_kind(value: object) -> UsageError:
+    return UsageError(f"kind must be TensorKind.K or TensorKind.V (0 or 1), got {value!r}")
+
+
+class _KindType(EnumType):
+    """:class:`TensorKind`'s metaclass: ``TensorKind(value)``, where every codec converts
+    its ``kind``, takes a TensorKind or an int (a numpy integer too) that is not a bool.
+    A float, a bool or anything else is the caller's UsageError: the enum's own lookup
+    is by hash and equality, so 0.0, 1.0, True and np.float64(1.0) were K or V."""
+
+    def __call__(cls: type[_Kind], value: object, *args: Any, **kwargs: Any) -> _Kind:
+        if not args and not kwargs and not isinstance(value, cls):  # (else: the functional API)
+            if isinstance(value, (bool, np.bool_)):
+                raise _bad_kind(value)
+            try:
+                value = operator.index(value)  # type: ignore[arg-type]
+            except TypeError:
+                raise _bad_kind(value) from None
+        result: _Kind = super().__call__(value, *args, **kwargs)  # type: ignore[misc]
+        return result
+
+
+class TensorKind(IntEnum, metaclass=_KindType):
     """Which half of a layer a chunk carries (wire values)."""
 
     K = 0
@@ -27,7 +51,7 @@ class TensorKind(IntEnum):
 
     @classmethod
     def _missing_(cls, value: object) -> TensorKind:
-        raise UsageError(f"kind must be TensorKind.K or TensorKind.V (0 or 1), got {value!r}")
+        raise _bad_kind(value)
 
 
 @dataclass(frozen=True, slots=True)
