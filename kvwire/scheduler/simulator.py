@@ -238,6 +238,12 @@ class ThresholdTable:
         i = bisect.bisect_right(self.bandwidths_bps, bandwidth_bps) - 1
         return self.thresholds[max(i, 0)]
 
+    def smallest_positive(self) -> float:
+        """The lowest threshold above 0 the table holds (the optimizer's threshold at the
+        fastest tabulated bandwidth that does not offload everything), or 1 token when
+        every threshold is 0."""
+        return min((t for t in self.thresholds if t > 0), default=1.0)
+
 
 def threshold_table(
     dist: LengthDistribution,
@@ -319,7 +325,9 @@ def retune_threshold(
        ``slack_s`` and 25% of each other. A link dip that the link's queue can absorb and
        drain later does not push work onto a busy local cluster; a link that stays slow
        does, up to the optimizer's threshold for it. When the bounds move, the threshold
-       is clamped into them.
+       is clamped into them. A raise from below the table's smallest non-zero threshold
+       (from 0, "offload everything") goes straight to that threshold: x1.25 steps from
+       0 (or from 1 token) would take dozens of steps to matter.
     """
     est = sample_bps if state.estimate_bps <= 0 else (
         (1.0 - smoothing) * state.estimate_bps + smoothing * sample_bps
@@ -331,7 +339,13 @@ def retune_threshold(
     lo, hi = moved.bounds(table)
     t = state.threshold_tokens
     if remote_backlog_s > 1.25 * local_backlog_s + slack_s:
-        t = max(t, 1.0) * factor
+        # Multiplying cannot leave 0, and from 1 token it took 45 steps (45 s of control
+        # at a step a second) to reach 20,000 tokens. Between 0 and the table's smallest
+        # non-zero threshold lies no threshold the optimizer picks at any bandwidth (it is
+        # one of its grid points, a grid step or more), so a raise from below it lands on
+        # it (at most hi whenever hi > 0; the clamp below keeps t in [lo, hi]), and steps
+        # of ``factor`` go on from there. From it or above, this is the plain t * factor.
+        t = max(t * factor, table.smallest_positive())
     elif local_backlog_s > 1.25 * remote_backlog_s + slack_s:
         t = t / factor
     t = min(max(t, lo), hi)
