@@ -95,6 +95,11 @@ MAX_PLOT_POINTS = 1000
 #: throughputs of 10^-300 req/s) or garbles the table (an RTT of 10^300 s).
 MAX_DECODE_STEP_S = 60.0
 MAX_RTT_S = 3600.0
+#: ``--load``: offered rate over capacity. At 1,000 x capacity the arrivals of any trace
+#: come in a burst that the model's capacity serves over a thousand times as long, so a
+#: larger F changes nothing but the labels; past it they broke the table (a utilization
+#: of 10^12 in a column sized for 1000.00) or, at 10^308, overflowed the offered rate.
+MAX_LOAD = 1000.0
 
 
 def _at_most(parse: Callable[[str], float], maximum: float, shown: str, what: str) -> Callable[[str], float]:
@@ -139,9 +144,11 @@ def add_parser(subparsers: Any) -> None:
     load = w.add_mutually_exclusive_group()
     load.add_argument("--speedup", type=POSITIVE, default=1.0, metavar="X",
                       help="compress arrival times by this factor (default 1: as recorded)")
-    load.add_argument("--load", type=POSITIVE, metavar="F",
+    load.add_argument("--load", type=_at_most(number, MAX_LOAD, f"{MAX_LOAD:,.0f}", "number"),
+                      metavar="F",
                       help="rescale arrivals so the offered rate is F x the model's capacity "
-                           "of --load-baseline (e.g. 0.7), at --threshold for selective")
+                           "of --load-baseline (e.g. 0.7), at --threshold for selective "
+                           f"(at most {MAX_LOAD:,.0f})")
     w.add_argument("--load-baseline", type=argument_type(_policy, "policy"),
                    default=PolicyName.SELECTIVE, metavar="POLICY",
                    help="policy whose capacity --load refers to (default: selective)")
@@ -469,10 +476,16 @@ def _at_load(
         between = f": {below[1]:.3g} at {below[0]:.4g} rps, {above[1]:.3g} at {above[0]:.4g} rps"
     else:
         between = ""
-    raise UsageError(
-        f"--load {load:g} cannot be reached: {baseline}'s capacity changes with the arrival window "
-        f"under the link schedule, and no rescaling of the arrivals offers {load:g} x it{between}"
-    )
+    # Only a schedule makes the capacity move with the window; under one rate, say no more
+    # than what happened (there is no schedule to blame).
+    if len(config.link.rates_bps) > 1:
+        why = (
+            f"{baseline}'s capacity changes with the arrival window under the link schedule, "
+            f"and no rescaling of the arrivals offers {load:g} x it"
+        )
+    else:
+        why = f"no rescaling of the arrivals offers {load:g} x {baseline}'s capacity"
+    raise UsageError(f"--load {load:g} cannot be reached: {why}{between}")
 
 
 def _fmt(x: float | None, spec: str) -> str:

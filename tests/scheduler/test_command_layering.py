@@ -352,8 +352,9 @@ def test_a_load_no_rescaling_reaches_is_refused(monkeypatch: pytest.MonkeyPatch)
 
     monkeypatch.setattr(command, "policy_capacity", capacity)
     reqs = tuple(TraceRequest(arrival_s=float(i), input_length=1000, output_length=10) for i in range(11))
-    with pytest.raises(UsageError, match=r"--load 0\.05 cannot be reached"):
-        command._at_load(reqs, None, 0.05, command.PolicyName.SELECTIVE)  # type: ignore[arg-type]
+    scheduled = SimpleNamespace(link=SimpleNamespace(rates_bps=(1e9, 1e11)))
+    with pytest.raises(UsageError, match=r"--load 0\.05 cannot be reached: .* under the link schedule"):
+        command._at_load(reqs, scheduled, 0.05, command.PolicyName.SELECTIVE)  # type: ignore[arg-type]
     # A load on either side of the jump is reached, and the arrivals offer it.
     for load in (0.005, 0.5):
         scaled, cap = command._at_load(reqs, None, load, command.PolicyName.SELECTIVE)  # type: ignore[arg-type]
