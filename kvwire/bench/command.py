@@ -239,7 +239,12 @@ def add_parsers(subparsers: Any) -> None:
     )
     b.set_defaults(func=run_bench_command)
     link = b.add_argument_group("link")
-    link.add_argument("--link", type=_LINK_RATE, metavar="RATE", help="link rate, e.g. 10gbps, 800mbps (at least 10kbps)")
+    # One or the other, as in kvwire simulate: given both, the schedule replaced --link
+    # without a word.
+    rate = link.add_mutually_exclusive_group()
+    rate.add_argument("--link", type=_LINK_RATE, metavar="RATE", help="link rate, e.g. 10gbps, 800mbps (at least 10kbps)")
+    rate.add_argument("--link-schedule", type=argument_type(parse_schedule), metavar="TIME:RATE,...",
+                      help="rate over time, e.g. '0s:10gbps,3s:2.5gbps' (instead of --link)")
     link.add_argument("--rtt", type=argument_type(parse_duration), default=0.0, metavar="TIME",
                       help="round-trip time added by the emulator, e.g. 20ms (default 0)")
     link.add_argument("--jitter", type=argument_type(parse_duration), default=0.0, metavar="TIME",
@@ -248,8 +253,6 @@ def add_parsers(subparsers: Any) -> None:
                       help="the emulator's pump: splice (splice(2) through kernel pipes, Linux; less "
                            "CPU per byte), copy (through Python; a higher ceiling for links above "
                            "about 11 Gbit/s on 2 cores), auto (default: splice where available)")
-    link.add_argument("--link-schedule", type=argument_type(parse_schedule), metavar="TIME:RATE,...",
-                      help="rate over time, e.g. '0s:10gbps,3s:2.5gbps' (replaces --link)")
     link.add_argument("--kernel", action="store_true",
                       help="shape with tc tbf between two network namespaces (root only; rate only, "
                            "at most about 670 Gbit/s: tbf's queue of 50 ms holds 4 GiB)")

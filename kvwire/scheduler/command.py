@@ -149,23 +149,26 @@ def add_parser(subparsers: Any) -> None:
                       help="rescale arrivals so the offered rate is F x the model's capacity "
                            "of --load-baseline (e.g. 0.7), at --threshold for selective "
                            f"(at most {MAX_LOAD:,.0f})")
-    w.add_argument("--load-baseline", type=argument_type(_policy, "policy"),
-                   default=PolicyName.SELECTIVE, metavar="POLICY",
+    # Options that only some runs use default to None (argparse's default), so that one
+    # given where it does nothing can be told from one left out; _resolved() fills in
+    # their defaults.
+    w.add_argument("--load-baseline", type=argument_type(_policy, "policy"), metavar="POLICY",
                    help="policy whose capacity --load refers to (default: selective)")
-    w.add_argument("--requests", type=POSITIVE_INT, default=4000, metavar="N",
+    w.add_argument("--requests", type=POSITIVE_INT, metavar="N",
                    help="synthetic: number of requests (default 4000)")
-    w.add_argument("--rate", type=POSITIVE, default=2.0, metavar="RPS",
+    w.add_argument("--rate", type=POSITIVE, metavar="RPS",
                    help="synthetic: Poisson arrivals per second (default 2)")
-    w.add_argument("--mu", type=argument_type(_real, "number"), default=9.90, help="synthetic: log-normal mu of the input length (default 9.90)")
-    w.add_argument("--sigma", type=POSITIVE, default=1.00,
+    w.add_argument("--mu", type=argument_type(_real, "number"),
+                   help="synthetic: log-normal mu of the input length (default 9.90)")
+    w.add_argument("--sigma", type=POSITIVE,
                    help="synthetic: log-normal sigma of the input length (default 1.00)")
-    w.add_argument("--min-tokens", type=POSITIVE_INT, default=128,
+    w.add_argument("--min-tokens", type=POSITIVE_INT,
                    help="synthetic: shortest input (default 128)")
-    w.add_argument("--max-tokens", type=POSITIVE_INT, default=131072,
+    w.add_argument("--max-tokens", type=POSITIVE_INT,
                    help="synthetic: longest input (default 131072)")
-    w.add_argument("--clip-lengths", action="store_true",
+    w.add_argument("--clip-lengths", action="store_true", default=None,
                    help="synthetic: clip the log-normal to [min, max] instead of truncating it")
-    w.add_argument("--output-tokens", type=POSITIVE_INT, default=1024,
+    w.add_argument("--output-tokens", type=POSITIVE_INT,
                    help="synthetic: output length of every request (default 1024)")
     w.add_argument("--seed", type=NON_NEGATIVE_INT, default=0,
                    help="seed of the synthetic workload and of the bandwidth noise (default 0)")
@@ -201,7 +204,7 @@ def add_parser(subparsers: Any) -> None:
     link.add_argument("--link-schedule", type=argument_type(parse_schedule, "schedule"),
                       metavar="SCHEDULE",
                       help="rate over time from the first arrival, e.g. 0s:10gbps,300s:1gbps,600s:10gbps "
-                           "(replaces --link; rates as --link's)")
+                           "(instead of --link; rates as --link's)")
     s.add_argument("--rtt", type=_at_most(parse_duration, MAX_RTT_S, "1 h", "duration"), default=0.01,
                    metavar="TIME", help="round-trip time between the clusters (default 10ms; at most 1 h)")
     s.add_argument("--cache-blocks", type=NON_NEGATIVE_INT, metavar="N",
@@ -238,6 +241,62 @@ def add_parser(subparsers: Any) -> None:
     o.add_argument("--plot-points", default=12,
                    type=argument_type(functools.partial(whole_number, maximum=MAX_PLOT_POINTS), "int"),
                    help=f"simulated thresholds on the plot (default 12; at most {MAX_PLOT_POINTS:,})")
+
+
+#: The synthetic workload's options (without --trace) and their defaults.
+SYNTHETIC_DEFAULTS: dict[str, object] = {
+    "requests": 4000,
+    "rate": 2.0,
+    "mu": 9.90,
+    "sigma": 1.00,
+    "min_tokens": 128,
+    "max_tokens": 131072,
+    "clip_lengths": False,
+    "output_tokens": 1024,
+}
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _resolved(args: argparse.Namespace) -> argparse.Namespace:
+    """``args`` with the defaults of the options left out filled in (a copy: the parsed
+    namespace is left as it was), after refusing options that the run would ignore: they
+    were accepted and did nothing, so a typo'd or misplaced option went unnoticed."""
+    if args.trace:
+        ignored = [_option(k) for k in SYNTHETIC_DEFAULTS if getattr(args, k, None) is not None]
+        if ignored:
+            raise UsageError(
+                f"{', '.join(ignored)} shape{'s' if len(ignored) == 1 else ''} the synthetic "
+                "workload, not --trace (a trace has its own requests, arrivals and lengths): "
+                "drop " + ("it" if len(ignored) == 1 else "them") + " or --trace"
+            )
+    elif args.limit is not None:
+        raise UsageError(
+            "--limit N keeps the first N records of --trace; without a trace, --requests N "
+            "sets the synthetic workload's size"
+        )
+    if args.load_baseline is not None and args.load is None:
+        raise UsageError("--load-baseline names the policy whose capacity --load refers to: "
+                         "give --load too, or drop it")
+    baseline = PolicyName.SELECTIVE if args.load_baseline is None else args.load_baseline
+    if (
+        args.threshold is not None
+        and PolicyName.SELECTIVE not in args.policy
+        and not (args.load is not None and baseline is PolicyName.SELECTIVE)
+    ):
+        raise UsageError(
+            "--threshold fixes selective's t (adaptive takes its own from the optimizer), and "
+            f"--policy {','.join(args.policy)} does not run selective: add it to --policy, "
+            "or drop --threshold"
+        )
+    out = argparse.Namespace(**vars(args))
+    out.load_baseline = baseline
+    for name, default in SYNTHETIC_DEFAULTS.items():
+        if getattr(out, name, None) is None:
+            setattr(out, name, default)
+    return out
 
 
 def _check_output(path: str, what: str) -> None:
@@ -578,6 +637,7 @@ def run(args: argparse.Namespace) -> int:
     to_stdout = args.json == "-"
     out = sys.stderr if to_stdout else sys.stdout
     try:
+        args = _resolved(args)
         _preflight(args)
         config = _config(args)  # before the workload: a bad cluster fails at once
         reqs = _workload(args)

@@ -267,11 +267,13 @@ def test_units_and_schedule_syntax() -> None:
     # and TIME:RATE schedules.
     args = build_parser().parse_args([
         "bench", "--link", "10gbps", "--rtt", "20ms", "--jitter", "500us", "--duration", "2",
-        "--chunk-size", "256KiB", "--link-schedule", "0s:10gbps,3s:2.5gbps", "--interval", "0.5s",
+        "--chunk-size", "256KiB", "--interval", "0.5s",
     ])
     assert args.link == 10e9 and args.rtt == pytest.approx(0.02)
     assert args.jitter == pytest.approx(500e-6) and args.duration == 2.0
     assert args.chunk_size == 256 * 1024 and args.interval == 0.5
+    # (--link-schedule instead of --link: the two are mutually exclusive.)
+    args = build_parser().parse_args(["bench", "--link-schedule", "0s:10gbps,3s:2.5gbps"])
     assert args.link_schedule == ((0.0, 10e9), (3.0, 2.5e9))
     assert args.auto_codec == "model"  # the default
     assert build_parser().parse_args(["bench", "--auto-codec", "measured"]).auto_codec == "measured"
