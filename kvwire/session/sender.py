@@ -789,7 +789,8 @@ class SenderCore:
                     t.reconnects += 1
                     if t.reconnects > cfg.max_transfer_reconnects:
                         self._fail(t, ConnectionLostError(
-                            f"transfer {t.state.transfer_id}: giving up after {t.reconnects} broken streams "
+                            f"transfer {quoted_id(t.begin.request_id)}: giving up after {t.reconnects} broken "
+                            f"stream{'' if t.reconnects == 1 else 's'} "
                             f"(max_transfer_reconnects={cfg.max_transfer_reconnects})"), reset=True)
             self._retry(index, now, lost)
             return self.broken is None
