@@ -221,6 +221,10 @@ RESETS_KEPT = 256
 HANDSHAKE_GOODBYE = ("the server closed the connection during the handshake with a clean GOAWAY "
                      "(NO_ERROR, no reason given: a kvwire server does so as it shuts down)")
 
+#: What a transfer failing as the server refused a reconnect with UNKNOWN_SESSION says
+#: happened, before the server's own text (docs/protocol.md 6.3).
+SESSION_GONE = "the server no longer has this session (restarted, or resume_timeout passed)"
+
 #: Counters a session keeps (see ``kvwire.aio.Peer.statistics``).
 COUNTERS = ("resumes", "reconnects", "chunks_resent", "goaways_received", "authentication_failures",
             "transfers_reset_by_peer")
@@ -768,7 +772,11 @@ class SenderCore:
             self._give_up(index, ev.error)
             return self.broken is None
         if ev.code == ErrorCode.UNKNOWN_SESSION:
-            self._lose(ev.error or ConnectionLostError("the receiver lost the session"))
+            # The server's text alone ("no such session") does not say what happened to the
+            # transfers: each says it, as the server's RESET for one it held does.
+            gone = ev.error or ConnectionLostError("the receiver lost the session")
+            self._lose(gone, lambda t: type(gone)(
+                f"transfer {quoted_id(t.begin.request_id)}: {SESSION_GONE}: {gone}", code=gone.code))
             return False
         if ev.error is not None and not ev.resumable and not was_open:
             self._break(ev.error)
@@ -964,8 +972,9 @@ class SenderCore:
             assert conn is not None
             conn.send_reset(transfer_id, r.code, r.message)
 
-    def _lose(self, error: KvwireError) -> None:
-        """The session is lost as its streams closed or could not resume (``error``).
+    def _lose(self, error: KvwireError, transfer_error: Callable[[_Transfer], KvwireError] | None = None) -> None:
+        """The session is lost as its streams closed or could not resume (``error``; each
+        transfer fails with ``transfer_error(t)``, or with ``error`` without one).
         Where the server said goodbye on one of them first (a clean GOAWAY: kvwire's server
         sends one on every stream as it shuts down), that is why, whichever stream closed
         last and however: the session fails with the GOAWAY's message, and each transfer
@@ -974,7 +983,7 @@ class SenderCore:
         (nothing there to reset) failed with "stream N closed"."""
         reason = self._goodbye
         if reason is None:
-            self._break(error)
+            self._break(error, transfer_error)
             return
         self._break(ConnectionLostError(reason, code=ErrorCode.SESSION_LOST), lambda t: ConnectionLostError(
             f"transfer {quoted_id(t.begin.request_id)}: {reason}", code=ErrorCode.SESSION_LOST))
