@@ -53,6 +53,7 @@ __all__ = [
     "parse_size",
     "positive",
     "split_hostport",
+    "take_negative_values",
     "whole_number",
 ]
 
@@ -339,15 +340,51 @@ def _check_sign(value: float, text: str, strictly_positive: bool, what: str = ""
     return value
 
 
+#: An option value that starts with a minus sign and a number (``-5gbps``, ``-1ms``,
+#: ``-.5``, ``-1e3``): a value of the option before it, never an option of its own.
+_NEGATIVE_VALUE = re.compile(r"^-\.?\d")
+
+
+def take_negative_values(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Make ``parser`` read ``--link -5gbps`` as ``--link`` with the value ``-5gbps``, which
+    the option's own check then refuses with what is wrong ("must not be negative").
+
+    argparse takes a value that starts with ``-`` for an option unless it is a plain
+    negative number (``-5``, ``-.5``), so ``--link -5gbps``, ``--rtt -1ms`` or ``--mu -1e-3``
+    failed with "argument --link: expected one argument", which says nothing of the value.
+    No option of these commands starts with ``-`` and a digit, so nothing else changes
+    (Python 3.13's argparse reads such values the same way). Returns ``parser``."""
+    parser._negative_number_matcher = _NEGATIVE_VALUE
+    return parser
+
+
+def _negative(parse: Callable[[str], object], text: str, message: str) -> str | None:
+    """The message for ``text`` that ``parse`` could not read only for its minus sign
+    ("'-5gbps' must not be negative": its own, "cannot parse rate '-5gbps'", said nothing
+    of the sign); else None (a message that names the bound already, "'-1' must be > 0",
+    is kept)."""
+    stripped = text.strip()
+    if "cannot parse" not in message or not _NEGATIVE_VALUE.match(stripped):
+        return None
+    try:
+        parse(stripped[1:])
+    except (UsageError, ValueError):
+        return None
+    return f"{text!r} must not be negative"
+
+
 def argument_type(parse: Callable[[str], T], what: str | None = None) -> Callable[[str], T]:
     """An ``argparse`` ``type=`` from a parser here: a :class:`UsageError` becomes argparse's
-    own error message (exit status 2) instead of a traceback."""
+    own error message (exit status 2) instead of a traceback. A negative value that the
+    parser cannot read for its sign alone is refused as negative (see
+    :func:`take_negative_values`)."""
 
     def convert(text: str) -> T:
         try:
             return parse(text)
         except UsageError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+            message = str(exc)
+            raise argparse.ArgumentTypeError(_negative(parse, text, message) or message) from None
 
     convert.__name__ = what or getattr(parse, "__name__", "value").removeprefix("parse_")
     return convert

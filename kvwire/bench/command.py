@@ -39,6 +39,7 @@ from kvwire.units import (
     parse_size,
     positive,
     split_hostport,
+    take_negative_values,
     whole_number,
 )
 from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
@@ -238,6 +239,7 @@ def add_parsers(subparsers: Any) -> None:
         ),
     )
     b.set_defaults(func=run_bench_command)
+    take_negative_values(b)  # --link -5gbps: refused as negative, not "expected one argument"
     link = b.add_argument_group("link")
     # One or the other, as in kvwire simulate: given both, the schedule replaced --link
     # without a word.

@@ -50,6 +50,7 @@ from kvwire.units import (
     parse_rate,
     parse_schedule,
     positive,
+    take_negative_values,
     whole_number,
 )
 
@@ -136,6 +137,7 @@ def add_parser(subparsers: Any) -> None:
         ),
     )
     p.set_defaults(func=run)
+    take_negative_values(p)  # --link -5gbps: refused as negative, not "expected one argument"
     w = p.add_argument_group("workload")
     w.add_argument("--trace", metavar="FILE",
                    help="Mooncake-format JSONL trace (.gz accepted); omitted: synthetic log-normal")
