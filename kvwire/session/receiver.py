@@ -593,6 +593,7 @@ class _Incoming:
     checked: bool = False  # passed the registry gate (or goes through none)
     roomed: bool = False  # its first layer has room: its estimate is reserved until it arrives
     estimate: int = 0  # budget bytes reserved for its first layer until it arrives (see _admit)
+    counted: bool = False  # among ReceiverCore.held_transfers (see ReceiverCore._recount)
 
     @property
     def bpt(self) -> int:
@@ -666,6 +667,11 @@ class ReceiverCore:
         self._failed: dict[Key, _Failed] = {}
         self._failed_open: dict[bytes, dict[Key, None]] = {}
         self._failed_gone: dict[Key, None] = {}
+        # Transfers the server holds for their sessions (see _recount): at most
+        # max_sessions * max_transfers together, those of sessions that have ended included
+        # (complete, and not claimed; kept in ``_held_gone``), see _check_held.
+        self._held = 0
+        self._held_gone: dict[Key, None] = {}
         self._events: deque[ReceiverEvent] = deque()
         self._dirty: set[int] = set()
         self._timers: list[tuple[float, int, tuple[int, Any]]] = []
@@ -875,6 +881,48 @@ class ReceiverCore:
         session went first (see :meth:`_bound_failed`)."""
         return self.config.max_sessions * self.config.max_transfers
 
+    @property
+    def held_limit(self) -> int:
+        """Most transfers the server holds for its sessions together, ``max_sessions *
+        max_transfers``: each session holds at most ``max_transfers`` (in progress, or
+        complete and not claimed), and complete ones nobody claimed stay held when their
+        session ends, until claimed, dropped at ``claim_timeout``, or the server closes.
+        Past it every BEGIN is refused (see :meth:`_check_held`)."""
+        return self.config.max_sessions * self.config.max_transfers
+
+    @property
+    def held_transfers(self) -> int:
+        """Transfers the server holds for its sessions: admitted and not failed, neither
+        both complete and claimed nor taken whole (at most :attr:`held_limit`)."""
+        return self._held
+
+    def _recount(self, t: _Incoming) -> None:
+        """``t`` may have started or stopped being held (see :attr:`held_transfers`): it is
+        while it is live (not failed, not every layer taken) and not both complete and
+        claimed."""
+        held = self._live.get(t.key) is t and not (t.complete and t.claimed)
+        if held != t.counted:
+            t.counted = held
+            self._held += 1 if held else -1
+            if not held:
+                self._held_gone.pop(t.key, None)
+
+    def _check_held(self) -> None:
+        """Refuse a BEGIN (LIMIT_EXCEEDED) while the server holds :attr:`held_limit`
+        transfers.  The sessions open never take it there (each holds at most
+        ``max_transfers``, and they are at most ``max_sessions``): only complete transfers
+        of sessions that have ended, which nobody claimed, do.  Those cannot be dropped to
+        make room (the application may still claim them), so a client that closes its
+        session and opens another, again and again, makes the server refuse transfers
+        instead of holding more of them, until the application claims them or their
+        ``claim_timeout`` drops them."""
+        limit = self.held_limit
+        if self._held >= limit:
+            # (within WIRE_TEXT_LIMIT: the RESET carries it)
+            raise LimitExceededError(
+                f"the server holds {self._held} transfers (max_sessions x max_transfers = {limit}), "
+                f"{len(self._held_gone)} complete from ended sessions, not claimed by its application: retry later")
+
     def claim(self, key: Key, now: float) -> None:
         """The application takes arrived transfer ``key`` (one that failed since it arrived
         too: it is handed out failed, and forgotten here)."""
@@ -889,6 +937,7 @@ class ReceiverCore:
         if t is not None:
             t.claimed = True
             t.claim_deadline = None
+            self._recount(t)
 
     def attach(self, key: Key, now: float) -> None:
         """Layers not begun yet go to the caller's memory (not counted in the budget), so
@@ -915,6 +964,7 @@ class ReceiverCore:
         t.taken += 1
         if t.taken >= t.begin.num_layers:
             self._live.pop(key, None)
+            self._recount(t)
             self._waiting.pop(key, None)
             self._reserve(t)
             self._store.closed(key)
@@ -993,6 +1043,7 @@ class ReceiverCore:
         else:
             t.published = True
             t.deadline = None
+            self._recount(t)
             if t.last_layer is not None:
                 self._events.append(LayerReady(key=key, layer=t.last_layer, wire_bytes=t.wire_bytes))
         for cid, address in pending:
@@ -1356,6 +1407,9 @@ class ReceiverCore:
         self._sessions.pop(sess.session_id, None)
         if (own := self._failed_open.pop(sess.session_id, None)) is not None:
             self._failed_gone.update(own)
+        # Its transfers still held (complete, and not claimed: the others failed, or it
+        # would not have ended) stay claimable, counted among the server's (_check_held).
+        self._held_gone.update((t.key, None) for t in sess.transfers.values() if t.counted)
 
     def _on_begin(self, cid: int, conn: Connection, begin: Begin, now: float) -> None:
         sess = self._conn_session.get(cid)
@@ -1388,6 +1442,7 @@ class ReceiverCore:
             spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
                                      max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints,
                                      unclaimed=unclaimed)
+            self._check_held()
             extra = begin_footprint(begin, meta)
             if extra and not self._kept_room(extra):
                 self._count("buffer_budget_refusals")
@@ -1414,6 +1469,7 @@ class ReceiverCore:
                 sess.completed.popitem(last=False)
         sess.transfers[tid] = t
         self._live[t.key] = t
+        self._recount(t)
         self._keep(t, extra)  # given back when it fails or its last layer is taken
         self._note(_DEADLINE, t.key)
         if cfg.registry and begin.blocks:
@@ -1726,6 +1782,7 @@ class ReceiverCore:
         t.inplace.clear()
         t.deadline = t.claim_deadline = None
         self._live.pop(t.key, None)
+        self._recount(t)
         claimable = t.key in self._unclaimed
         if claimable:
             self._keep_failed(t, claim_deadline)
@@ -1936,6 +1993,7 @@ class ReceiverCore:
                 self._events.append(LayerReady(key=t.key, layer=chunk.layer, wire_bytes=t.wire_bytes))
                 if t.state.complete:
                     t.deadline = None
+                    self._recount(t)
         return True
 
     def _layer_buffer(self, t: _Incoming, chunk: Chunk, layer_bytes: int, *, count: bool = True) -> Any:
