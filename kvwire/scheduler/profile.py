@@ -167,11 +167,31 @@ class ModelProfile:
         return out
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelProfile:
+    def from_dict(cls, data: dict[str, Any], *, source: str | None = None) -> ModelProfile:
         """A profile from a JSON or TOML table. ``tokens``, ``kv_bytes`` and ``prefill_s``
         are lists of numbers and ``cache_blocks`` a whole number, as a trace's values are
         read: ``"159"`` (which iterated as 1, 5, 9), ``true`` (1) or ``"8192"`` is refused,
-        and ``4096.9`` blocks too, rather than rounded down."""
+        and ``4096.9`` blocks too, rather than rounded down. ``source``: the file the table
+        was read from, which every error then names ("profile prof.json: token counts must
+        be positive", not "profile 'custom': ...", the name a file without one gets)."""
+        name = str(data.get("name", "custom"))
+        try:
+            return cls._from_dict(data, name)
+        except UsageError as exc:
+            if source is None:
+                raise
+            text = str(exc)
+            for prefix, named in ((f"profile {name!r}: ", f"profile {source}: "),
+                                  ("bad profile: ", f"bad profile {source}: ")):
+                if text.startswith(prefix):
+                    text = named + text.removeprefix(prefix)
+                    break
+            else:
+                text = f"profile {source}: {text}"
+            raise UsageError(text) from None
+
+    @classmethod
+    def _from_dict(cls, data: dict[str, Any], name: str) -> ModelProfile:
 
         def numbers(key: str) -> tuple[float, ...]:
             values = data[key]
@@ -182,7 +202,7 @@ class ModelProfile:
         try:
             blocks = data.get("cache_blocks")
             return cls(
-                name=str(data.get("name", "custom")),
+                name=name,
                 tokens=numbers("tokens"),
                 kv_bytes=numbers("kv_bytes"),
                 prefill_s=numbers("prefill_s"),
@@ -271,4 +291,4 @@ def load_profile(source: str | Path) -> ModelProfile:
         raise UsageError(f"cannot read profile {path}: {exc}") from None
     if not isinstance(data, dict):
         raise UsageError(f"profile {path} must be a table/object")
-    return ModelProfile.from_dict(data)
+    return ModelProfile.from_dict(data, source=str(path))

@@ -188,7 +188,8 @@ def test_profile_file_whose_latency_line_reaches_zero(tmp_path: Path, capsys: py
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers())
     assert run(ap.parse_args(["simulate", "--requests", "20", "--local-profile", str(path)])) == 2
-    assert "kvwire simulate: profile 'custom': prefill_s extended below" in capsys.readouterr().err
+    # The file, not 'custom' (the name a profile without one gets).
+    assert f"kvwire simulate: profile {path}: prefill_s extended below" in capsys.readouterr().err
 
 
 def test_profiles_through_zero_or_above_are_kept() -> None:
@@ -246,7 +247,7 @@ def test_profile_refuses_values_it_used_to_coerce(
 ) -> None:
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**_PROFILE, **over}))
-    with pytest.raises(UsageError, match=f"bad profile: {said}"):
+    with pytest.raises(UsageError, match=f"bad profile {re.escape(str(path))}: {said}"):
         load_profile(path)
 
 
