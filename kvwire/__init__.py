@@ -14,6 +14,7 @@ from kvwire.errors import (
     StaleVersionError,
     TransferAbortedError,
     TransferTimeoutError,
+    UnrepresentableValuesError,
     UsageError,
 )
 from kvwire.spec import KVCache, KVSpec, Layer
@@ -39,6 +40,7 @@ __all__ = [
     "Transfer",
     "TransferAbortedError",
     "TransferTimeoutError",
+    "UnrepresentableValuesError",
     "UsageError",
     "__version__",
     "connect",

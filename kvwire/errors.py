@@ -129,6 +129,17 @@ class UsageError(KvwireError, ValueError):
     code = ErrorCode.INTERNAL_ERROR
 
 
+class UnrepresentableValuesError(UsageError):
+    """The values of a tensor cannot be carried by the named codec; ``raw`` carries them.
+
+    Raised by the quantizers (``fp8``, ``int8``, ``int4``, with or without an entropy
+    stage; numpy, compiled and GPU paths alike) for NaN or infinity, and by ``int4`` for a
+    group whose value range exceeds float32.  A :class:`UsageError`, so ``except
+    UsageError`` catches it too; ``codec="auto"`` catches exactly this class and sends
+    such a chunk ``raw`` (docs/codecs.md).
+    """
+
+
 _BY_CODE: dict[ErrorCode, type[KvwireError]] = {
     ErrorCode.PROTOCOL_ERROR: ProtocolError,
     ErrorCode.INTEGRITY_ERROR: IntegrityError,

@@ -3,6 +3,11 @@ loop) or on the GPU that holds the tensor (``kvwire/aio/_gpu.py``).
 
 Both yield ``(kind, token_start, token_count, codec, encoded)`` per chunk of a plan, and feed the
 measured encode speed and size to the ``auto`` codec chooser when there is one.
+
+With ``raw_fallback`` (the codecs are ``auto``'s choices) a chunk whose values the chosen
+quantizer refuses (:class:`~kvwire.errors.UnrepresentableValuesError`: NaN or infinity;
+int4: a group's range past float32) goes raw instead, and is yielded with ``raw`` as its
+codec; a codec the caller named still refuses it.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from kvwire.aio._workers import in_worker
-from kvwire.codec import EncodedChunk, TensorKind, numpy_dtype
+from kvwire.codec import EncodedChunk, TensorKind, get_codec, numpy_dtype
 from kvwire.control import CodecChooser
+from kvwire.errors import UnrepresentableValuesError
 from kvwire.paged import BlockRows
 from kvwire.wire.frames import payload_nbytes
 
@@ -115,9 +121,12 @@ def raw_based(name: str) -> bool:
 
 async def host_chunks(
     parts: list[Part], pick: Callable[[], Any], chooser: CodecChooser | None, *, ahead: int = ENCODE_AHEAD,
+    raw_fallback: bool = False,
 ) -> AsyncGenerator[Encoded, None]:
     """Chunks of host arrays (each part's plan in turn), each with the codec ``pick()``
-    chooses for it (when its chunk is submitted).
+    chooses for it (when its chunk is submitted); with ``raw_fallback``, ``raw`` for a
+    chunk whose values that codec refuses (the chooser is told nothing of the encode that
+    failed, and nothing of the raw chunk: raw encodes nothing).
 
     Encoded ahead: up to ``ahead`` chunks are submitted to the workers before the consumer
     takes them, each starting as soon as the one before has ended, so the encoder keeps
@@ -150,7 +159,15 @@ async def host_chunks(
                 submit()
             codec, x, enc, _ended = pending.popleft()
             if isinstance(enc, asyncio.Future):
-                enc = await finish_encode(enc, codec, x, chooser)
+                try:
+                    enc = await finish_encode(enc, codec, x, chooser)
+                except UnrepresentableValuesError:
+                    # the quantizer refused the chunk's values (every other UsageError of
+                    # an encode is the caller's mistake, and raw's as well)
+                    if not raw_fallback:
+                        raise
+                    codec = get_codec("raw")
+                    enc = encode_host(codec, x, kind)
             if ahead and submitted < len(items):
                 submit()  # the next encode is queued before this chunk is handed on
             yield kind, s, c, codec, enc
@@ -196,12 +213,27 @@ async def device_chunks(
 
 
 async def device_parts(
-    parts: list[Part], pick: Callable[[], Any], dtype: str, chooser: CodecChooser | None,
+    parts: list[Part], pick: Callable[[], Any], dtype: str, chooser: CodecChooser | None, *,
+    raw_fallback: bool = False,
 ) -> AsyncGenerator[Encoded, None]:
     """:func:`device_chunks` of each part in turn, the codec picked once per part; closing
-    this iterator closes the part's at once."""
+    this iterator closes the part's at once.  With ``raw_fallback``, a part whose values
+    the codec refuses goes raw (the kernel's flags, for the whole tensor, are read before
+    its first chunk is yielded)."""
     for kind, x, plan in parts:
-        async with contextlib.aclosing(device_chunks(pick(), x, kind, plan, dtype, chooser)) as chunks:
+        codec = pick()
+        sent = False
+        try:
+            async with contextlib.aclosing(device_chunks(codec, x, kind, plan, dtype, chooser)) as chunks:
+                async for item in chunks:
+                    sent = True
+                    yield item
+        except UnrepresentableValuesError:
+            if sent or not raw_fallback:
+                raise
+        else:
+            continue
+        async with contextlib.aclosing(device_chunks(get_codec("raw"), x, kind, plan, dtype, chooser)) as chunks:
             async for item in chunks:
                 yield item
 

@@ -453,8 +453,11 @@ async def _send_layer(
         if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
         parts.append((kind, arr, chunks))
-    source = (host_chunks(parts, next_codec, chooser) if host
-              else device_parts(parts, pick, spec.dtype, chooser))
+    # ``auto`` sends raw a chunk whose values its choice refuses (NaN, infinity, or an int4
+    # group's range past float32); a codec the caller named refuses them as the codec does
+    fallback = codec_name == AUTO
+    source = (host_chunks(parts, next_codec, chooser, raw_fallback=fallback) if host
+              else device_parts(parts, pick, spec.dtype, chooser, raw_fallback=fallback))
     async with contextlib.aclosing(source):
         async for kind, start, count, codec, enc in source:
             if st.error is not None:

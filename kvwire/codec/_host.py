@@ -19,7 +19,7 @@ import numpy as np
 from kvwire._extensions import load_extension
 from kvwire.codec import _numeric as nm
 from kvwire.codec.base import numpy_dtype
-from kvwire.errors import ProtocolError, UsageError
+from kvwire.errors import ProtocolError, UnrepresentableValuesError, UsageError
 
 #: the compiled module, or None (then the numpy code runs)
 ext: ModuleType | None = load_extension("kvwire.codec._hostcodec")
@@ -135,9 +135,9 @@ def check_encode_ranges(
 
 def _raise(status: int, codec: str, dtype: str = "") -> None:
     if status == _NONFINITE:
-        raise UsageError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
+        raise UnrepresentableValuesError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
     if status == _RANGE:
-        raise UsageError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
+        raise UnrepresentableValuesError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
     if status == _CODE:
         raise ProtocolError(_BAD_CODE[codec])
     if status == _OVERFLOW:

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.codec.base import numpy_dtype
-from kvwire.errors import ProtocolError, UsageError
+from kvwire.errors import ProtocolError, UnrepresentableValuesError, UsageError
 
 U8 = npt.NDArray[np.uint8]
 U16 = npt.NDArray[np.uint16]
@@ -70,7 +70,7 @@ def check_finite_magnitudes(mag_max: npt.NDArray[Any], name: str, codec: str) ->
     """Reject NaN/inf given the largest magnitude bit pattern(s) of the input."""
     limit = _NONFINITE_32 if name == "float32" else _NONFINITE_16[name]
     if mag_max.size and int(np.max(mag_max)) >= limit:
-        raise UsageError(
+        raise UnrepresentableValuesError(
             f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors"
         )
 

@@ -28,7 +28,7 @@ from kvwire.codec import _numeric as nm
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind
 from kvwire.codec.entropy import FLAG_COMPRESSED, EntropyCodec, check_sizing_args
 from kvwire.codec.int4 import DEFAULT_GROUP, Int4Codec, group_count
-from kvwire.errors import ProtocolError, UsageError
+from kvwire.errors import ProtocolError, UnrepresentableValuesError, UsageError
 
 #: How to get CuPy, for the errors of paths that need it.
 INSTALL_HINT = "pip install kvwire[gpu-cuda12] or kvwire[gpu-cuda13]"
@@ -139,9 +139,9 @@ def _int4_group(codec: Codec) -> int:
 
 def _check_flags(flags: int, codec: str, dtype: str = "the output dtype") -> None:
     if flags & FLAG_NONFINITE:
-        raise UsageError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
+        raise UnrepresentableValuesError(f"codec {codec!r} cannot carry NaN or infinity; use 'raw' for such tensors")
     if flags & FLAG_RANGE:
-        raise UsageError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
+        raise UnrepresentableValuesError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
     if flags & FLAG_BADCODE:
         raise ProtocolError(f"{codec} payload carries a NaN code" if codec == "fp8" else f"{codec} payload carries the code -128")
     if flags & FLAG_OVERFLOW:

@@ -21,7 +21,7 @@ import numpy as np
 from kvwire.codec import _host
 from kvwire.codec import _numeric as nm
 from kvwire.codec.base import Codec, EncodedChunk, TensorKind
-from kvwire.errors import ProtocolError, UsageError
+from kvwire.errors import ProtocolError, UnrepresentableValuesError, UsageError
 
 INT4_MAX = np.float32(15.0)
 DEFAULT_GROUP = 32
@@ -112,7 +112,7 @@ class Int4Codec(Codec):
         with np.errstate(over="ignore"):
             scale = np.subtract(hi, lo)
         if not np.all(np.isfinite(scale)):
-            raise UsageError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
+            raise UnrepresentableValuesError("int4: a group's value range exceeds float32; use fp8, int8 or raw")
         np.divide(scale, INT4_MAX, out=scale)
         nm.fit_int4_scale(scale, lo)
         ngroups = scale.size

@@ -787,12 +787,12 @@ def test_int4_where_they_lie_refuses_nan_before_a_groups_range() -> None:
     spans = np.array([[0, 32 * 64], [32 * 64 + 64, 32 * 64]], np.int64)
     codec = Int4Codec(32)
     want = _outcome(lambda: codec.encode(x, TensorKind.K))
-    assert want[0] == "UsageError" and "NaN" in want[1]
+    assert want[0] == "UnrepresentableValuesError" and "NaN" in want[1]
     assert _outcome(lambda: codec.encode_ranges(memoryview(buf), spans.data, x.shape, "float32", TensorKind.K)) == want
     x[60, 0, 3] = 1.0
     buf[32 * 64 + 64 :] = x[32:].reshape(-1).view(np.uint8)
     want = _outcome(lambda: codec.encode(x, TensorKind.K))
-    assert want[0] == "UsageError" and "range exceeds float32" in want[1]
+    assert want[0] == "UnrepresentableValuesError" and "range exceeds float32" in want[1]
     assert _outcome(lambda: codec.encode_ranges(memoryview(buf), spans.data, x.shape, "float32", TensorKind.K)) == want
 
 

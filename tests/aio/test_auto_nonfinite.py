@@ -1,0 +1,198 @@
+"""``codec="auto"`` sends raw a chunk whose values the quantizer it chose refuses (NaN,
+infinity, an int4 group's range past float32): the send succeeds, that chunk arrives bit for
+bit, and the receipt and the chooser count it as raw (docs/codecs.md, Input rules).  With
+one NaN or inf in a cache, the whole send failed with "codec 'int4' cannot carry NaN or
+infinity", a codec the caller never named.  A codec the caller names still refuses them."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvwire
+from kvwire.aio import _gpu, _send
+from kvwire.codec import Int4Codec
+from kvwire.codec.base import EncodedChunk
+from kvwire.control import CodecChoice, CodecChooser
+from tests.conftest import SECRET, make_layers
+
+pytestmark = pytest.mark.timeout(60)
+
+#: 64 tokens of 2 heads x 16: every K and V is one chunk (layer 0's K too: it is smaller
+#: than the lead chunk), 6 chunks a send
+TOKENS = 64
+#: (layer, 0 for K or 1 for V, token, head, dim) of the values no quantizer carries
+BAD_AT = [(1, 0, 5, 1, 3), (2, 1, 63, 0, 0)]
+
+
+def _spec(dtype: str = "float16") -> kvwire.KVSpec:
+    return kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype)
+
+
+def _cache(value: float, dtype: str = "float16") -> list[tuple[np.ndarray, np.ndarray]]:
+    """Layers with ``value`` at each of :data:`BAD_AT`."""
+    layers = make_layers(3, TOKENS, 2, 16, dtype=dtype, seed=11)
+    for layer, half, *where in BAD_AT:
+        layers[layer][half][tuple(where)] = value
+    return layers
+
+
+@pytest.fixture
+def chooses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """``auto`` chooses the codec appended to the list this gives; the list then holds
+    the codec of every size the chooser was told of."""
+    told: list[str] = []
+
+    def choose(self: CodecChooser, *args: Any, **kwargs: Any) -> CodecChoice:
+        return CodecChoice(codec=told[0], delivered_bytes_per_s=1e9, meets_deadline=None)
+
+    observe_size = CodecChooser.observe_size
+
+    def observe(self: CodecChooser, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
+        told.append(codec)
+        observe_size(self, codec, fp16_bytes, wire_bytes)
+
+    monkeypatch.setattr(CodecChooser, "choose", choose)
+    monkeypatch.setattr(CodecChooser, "observe_size", observe)
+    return told
+
+
+async def _send_auto(layers: list[tuple[np.ndarray, np.ndarray]], spec: kvwire.KVSpec,
+                     **connect: Any) -> tuple[kvwire.Receipt, list[tuple[np.ndarray, np.ndarray]]]:
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto", **connect) as peer:
+            recv = asyncio.create_task(server.accept())
+            receipt = await peer.send("bad", spec, layers, timeout=20)
+            cache = await (await recv).collect(timeout=20)
+    return receipt, cache.layers
+
+
+def _check_arrived(sent: list[tuple[np.ndarray, np.ndarray]], got: list[tuple[np.ndarray, np.ndarray]]) -> None:
+    """The tensors holding a bad value arrived bit for bit; every other one quantized."""
+    raw = {(layer, half) for layer, half, *_ in BAD_AT}
+    for layer, (pair, pair2) in enumerate(zip(sent, got, strict=True)):
+        for half, (a, b) in enumerate(zip(pair, pair2, strict=True)):
+            assert b.dtype == a.dtype and b.shape == a.shape
+            if (layer, half) in raw:
+                assert b.tobytes() == a.tobytes(), (layer, half)
+            else:
+                a32, b32 = a.astype(np.float32), b.astype(np.float32)
+                assert b.tobytes() != a.tobytes() and np.isfinite(b32).all(), (layer, half)
+                assert float(np.linalg.norm(a32 - b32) / np.linalg.norm(a32)) < 0.15
+
+
+@pytest.mark.parametrize(("codec", "value"), [("int4", np.inf), ("fp8", np.nan), ("int8", -np.inf),
+                                               ("int4+zstd", np.nan)])
+async def test_auto_sends_raw_the_chunks_its_quantizer_refuses(codec: str, value: float, chooses: list[str]) -> None:
+    chooses.append(codec)
+    layers = _cache(value)
+    receipt, got = await _send_auto(layers, _spec())
+    _check_arrived(layers, got)
+    for layer, half, *where in BAD_AT:
+        assert np.array_equal(got[layer][half][tuple(where)], value, equal_nan=True)
+    assert receipt.chunks == 6
+    assert receipt.extra["chunks_by_codec"] == {codec: 4, "raw": 2}
+    assert receipt.codec == "auto"  # (more than one codec went out)
+    assert chooses == [codec] * 5  # the choice, then the sizes of its 4 chunks: none of raw's
+
+
+async def test_auto_sends_raw_an_int4_group_whose_range_exceeds_float32(chooses: list[str]) -> None:
+    # finite float32 values, but max - min of their group overflows: int4 refuses them
+    chooses.append("int4")
+    layers = _cache(3e38, "float32")
+    for layer, half, token, head, dim in BAD_AT:
+        layers[layer][half][token, head, dim ^ 1] = -3e38  # in the same group (K: a channel's tokens)
+        layers[layer][half][token ^ 1, head, dim] = -3e38  # (V: a token's channels)
+    receipt, got = await _send_auto(layers, _spec("float32"))
+    _check_arrived(layers, got)
+    assert receipt.extra["chunks_by_codec"] == {"int4": 4, "raw": 2}
+
+
+async def test_a_codec_the_caller_names_still_refuses_nan_and_infinity(chooses: list[str]) -> None:
+    chooses.append("int4")
+    layers = _cache(np.inf)
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="int4") as peer:
+            with pytest.raises(kvwire.UsageError, match="codec 'int4' cannot carry NaN or infinity"):
+                await peer.send("named", _spec(), layers, timeout=20)
+        # named for one send of a session whose codec is auto (its chooser made already)
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto") as peer:
+            assert peer.chooser is not None
+            with pytest.raises(kvwire.UsageError, match="codec 'fp8' cannot carry NaN or infinity"):
+                await peer.send("override", _spec(), layers, codec="fp8", timeout=20)
+
+
+class FakeDevice:
+    """A tensor 'on a GPU' (as tests/aio/test_client_device_path.py fakes one)."""
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.host = host
+        self.shape, self.size, self.nbytes, self.dtype = host.shape, host.size, host.nbytes, host.dtype
+
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        raise BufferError("not readable from the host")
+
+
+async def test_auto_sends_raw_a_device_tensor_its_kernel_refuses(monkeypatch: pytest.MonkeyPatch,
+                                                                 chooses: list[str]) -> None:
+    calls: list[str] = []
+
+    async def copy_raw_chunks(x: FakeDevice, plan: list[tuple[int, int]]) -> AsyncIterator[tuple[int, int, Any]]:
+        calls.append("copy")
+        for start, count in plan:
+            yield start, count, np.array(x.host[start : start + count])
+
+    async def encode_chunks(codec: Any, x: FakeDevice, kind: Any, plan: list[tuple[int, int]],
+                            dtype: str) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
+        calls.append(f"encode:{codec.name}")
+        # the whole tensor's chunks encoded (one launch) and its flags checked before the first
+        encoded = [codec.encode(x.host[start : start + count], kind) for start, count in plan]
+        for (start, count), enc in zip(plan, encoded, strict=True):
+            payload = np.frombuffer(bytes(enc.payload), dtype=np.uint8).copy().data
+            yield start, count, EncodedChunk(codec_id=enc.codec_id, params=enc.params, payload=payload)
+
+    monkeypatch.setattr(_send, "is_device_array", lambda x: isinstance(x, FakeDevice))
+    monkeypatch.setattr(_send, "as_device_array", lambda x, spec, what: x)
+    monkeypatch.setattr(_gpu, "copy_raw_chunks", copy_raw_chunks)
+    monkeypatch.setattr(_gpu, "encode_chunks", encode_chunks)
+    chooses.append("int4")
+    layers = _cache(np.nan)
+    on_device = [(FakeDevice(k), FakeDevice(v)) for k, v in layers]
+    receipt, got = await _send_auto(on_device, _spec())  # type: ignore[arg-type]
+    _check_arrived(layers, got)
+    assert receipt.extra["chunks_by_codec"] == {"int4": 4, "raw": 2}
+    # layer 1's K and layer 2's V: the kernel refused the tensor, its chunks copied raw
+    e, c = "encode:int4", "copy"
+    assert calls == [e, e, e, c, e, e, e, c]
+
+
+async def test_auto_sends_raw_on_the_error_class_not_its_text(monkeypatch: pytest.MonkeyPatch,
+                                                              chooses: list[str]) -> None:
+    """What goes raw is a chunk whose encode raised ``UnrepresentableValuesError``, whatever
+    it says; any other UsageError (the same words included) fails the send as before."""
+    chooses.append("int4")
+    encode = Int4Codec.encode
+
+    def refusing(error: type[kvwire.UsageError]) -> Any:
+        def refuse(self: Int4Codec, x: Any, kind: Any) -> Any:
+            if np.asarray(x).dtype == np.float16 and float(np.asarray(x, np.float32).flat[0]) == 7.0:
+                raise error("codec 'int4' cannot carry NaN or infinity; use 'raw' for such tensors")
+            return encode(self, x, kind)
+        return refuse
+
+    layers = make_layers(3, TOKENS, 2, 16, seed=11)
+    layers[1][0][0, 0, 0] = 7.0  # layer 1's K is refused
+    monkeypatch.setattr(Int4Codec, "encode", refusing(kvwire.UnrepresentableValuesError))
+    receipt, got = await _send_auto(layers, _spec())
+    assert got[1][0].tobytes() == layers[1][0].tobytes()
+    assert receipt.extra["chunks_by_codec"] == {"int4": 5, "raw": 1}
+    monkeypatch.setattr(Int4Codec, "encode", refusing(kvwire.UsageError))
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto") as peer:
+            with pytest.raises(kvwire.UsageError, match="cannot carry NaN") as info:
+                await peer.send("plain", _spec(), layers, timeout=20)
+    assert type(info.value) is kvwire.UsageError
