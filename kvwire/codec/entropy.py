@@ -5,6 +5,12 @@ codec's params.  Payload: the inner payload, compressed (zstd frame, level 1; or
 block without a size prefix) only when that makes it smaller.  For ``raw`` of 16- and
 32-bit data, the bytes are shuffled first (all first bytes of the elements, then all
 second bytes, ...), which groups the exponent bytes that compress well.
+
+Neither stage expands more than :data:`ZSTD_MAX_RATIO` (= :data:`LZ4_MAX_RATIO`, 255)
+times: an lz4 block cannot, and a zstd frame that would (a run of zeros, 32,000 times at
+level 1) is made with its tail stored (:func:`bounded_zstd_frame`); a decoder refuses a
+payload past the ratio before opening it, so a few bytes cannot make a receiver
+decompress megabytes.
 """
 
 from __future__ import annotations
@@ -28,6 +34,80 @@ LZ4_MAX_SIZE = 2**31 - 1
 #: one for one, and its match length grows by at most 255 per byte that encodes it (the
 #: token and the two offset bytes more than cover the first 19).
 LZ4_MAX_RATIO = 255
+#: A zstd frame's content is at most this many times its length, plus ZSTD_RATIO_SLACK:
+#: a decoder refuses a larger one before decompressing anything (a 2 KB frame of RLE
+#: blocks declares 64 MiB), and the encoder never makes one (:func:`bounded_zstd_frame`).
+#: As much as an lz4 block can expand: the entropy stage as a whole costs a receiver
+#: at most this much decompression a byte, whichever stage the peer picks.  Real KV data
+#: compresses 1.05-1.26 times at level 1 (MiniLM, every inner codec, tests/data): only
+#: near-constant chunks (zero padding) come near it, and they go out at this ratio.
+ZSTD_MAX_RATIO = LZ4_MAX_RATIO
+#: Bytes a zstd payload may decompress to beyond ZSTD_MAX_RATIO times its length: every
+#: CHUNK frame carries at least 39 bytes besides its payload (frame header 8, chunk fields
+#: 26, params 1, CRC 4), and 255 x 39 > 8192, so a CHUNK frame still makes a receiver
+#: decompress at most 255 times its size; a payload of up to 8 KiB is never held to it.
+ZSTD_RATIO_SLACK = 8192
+#: The largest zstd block (and its largest raw block): 128 KiB
+ZSTD_BLOCK_MAX = 128 << 10
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def zstd_within_ratio(compressed: int, size: int) -> bool:
+    """Whether a zstd payload of ``compressed`` bytes may decompress to ``size`` bytes: the
+    decoder's check, before anything is decompressed, and the encoder's before it sends
+    a frame (so it never sends one a decoder refuses)."""
+    return size <= ZSTD_MAX_RATIO * compressed + ZSTD_RATIO_SLACK
+
+
+def bounded_zstd_frame(data: bytes | memoryview) -> bytes:
+    """One zstd frame of ``data`` within :data:`ZSTD_MAX_RATIO` (RFC 8878): its head
+    compressed at :data:`ZSTD_LEVEL`, its last ``ceil(n / ZSTD_MAX_RATIO)`` bytes stored
+    in raw blocks, so the frame is at least ``n / ZSTD_MAX_RATIO`` bytes long.  For data
+    that level 1 compresses further (a run of zeros: 64 MiB into 2 KB), at 255 times.
+
+    The head's blocks are those of a frame zstd made of it (their last-block bit
+    cleared), behind a header of our own: the whole content size (8 bytes) and a window
+    at least as large as that frame's and at least 128 KiB, the largest block."""
+    view = memoryview(data).cast("B")
+    n = view.nbytes
+    stored = -(-n // ZSTD_MAX_RATIO)
+    frame = bytearray(_ZSTD_MAGIC)
+    blocks = b""
+    window = ZSTD_BLOCK_MAX
+    if stored < n:
+        head = zstandard.ZstdCompressor(
+            level=ZSTD_LEVEL, write_checksum=False, write_content_size=True, write_dict_id=False,
+        ).compress(view[: n - stored])
+        window = max(window, zstandard.get_frame_parameters(head).window_size)
+        blocks = _without_last_flag(head[zstandard.frame_header_size(head):])
+    window_log = max(17, (window - 1).bit_length())
+    # descriptor: content size in 8 bytes, not single-segment, no checksum, no dictionary;
+    # then the window (exponent only: 2**window_log)
+    frame += bytes([0xC0, (window_log - 10) << 3]) + n.to_bytes(8, "little")
+    frame += blocks
+    for start in range(n - stored, n, ZSTD_BLOCK_MAX):
+        part = view[start : min(n, start + ZSTD_BLOCK_MAX)]
+        last = start + ZSTD_BLOCK_MAX >= n
+        frame += (int(last) | part.nbytes << 3).to_bytes(3, "little")  # a raw block
+        frame += part
+    return bytes(frame)
+
+
+def _without_last_flag(blocks: bytes) -> bytes:
+    """A frame's blocks (what follows its header, no checksum after them) with the
+    last-block bit of the last one cleared, so that more blocks can follow."""
+    out = bytearray(blocks)
+    pos = 0
+    while True:
+        header = int.from_bytes(out[pos : pos + 3], "little")
+        kind, size = (header >> 1) & 3, header >> 3
+        end = pos + 3 + (1 if kind == 1 else size)  # an RLE block holds one byte
+        if header & 1:
+            if end != len(out):
+                raise AssertionError("zstd frame has bytes after its last block")
+            out[pos] &= 0xFE
+            return bytes(out)
+        pos = end
 
 
 def check_sizing_args(shape: Any, dtype: str, kind: Any, codec: str) -> tuple[tuple[int, int, int], TensorKind]:
@@ -95,6 +175,20 @@ class EntropyCodec(Codec):
     def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
         raise NotImplementedError
 
+    def _within_ratio(self, compressed: int, size: int) -> bool:
+        """Whether a payload of ``compressed`` bytes may decompress to ``size`` bytes (what
+        the decoder checks before decompressing)."""
+        raise NotImplementedError
+
+    def packed(self, plain: bytes | memoryview) -> bytes | None:
+        """``plain`` (the inner payload, shuffled where it is) compressed, or None where
+        that is not smaller, or would be more than a decoder takes: sent as it is then."""
+        size = memoryview(plain).nbytes
+        packed = self._compress(plain)
+        if len(packed) < size and self._within_ratio(len(packed), size):
+            return packed
+        return None
+
     def _shuffle_width(self, dtype: str) -> int:
         return numpy_dtype(dtype).itemsize if self.inner.name == "raw" else 1
 
@@ -118,9 +212,8 @@ class EntropyCodec(Codec):
         """The inner chunk compressed (its bytes shuffled by ``width`` first) when that is
         smaller, else as it is."""
         data = memoryview(chunk.payload).cast("B")
-        plain = _shuffle(data, width) if width > 1 else data
-        packed = self._compress(plain)
-        if len(packed) < data.nbytes:
+        packed = self.packed(_shuffle(data, width) if width > 1 else data)
+        if packed is not None:
             return EncodedChunk(self.codec_id, bytes([FLAG_COMPRESSED]) + chunk.params, packed)
         return EncodedChunk(self.codec_id, b"\x00" + chunk.params, chunk.payload)
 
@@ -185,17 +278,35 @@ class ZstdCodec(EntropyCodec):
     id_bit = 0x10
 
     def _compress(self, data: bytes | memoryview) -> bytes:
-        return zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+        """A level-1 frame of ``data``; where that expands more than a decoder takes, a
+        frame with its tail stored (:func:`bounded_zstd_frame`)."""
+        frame = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(data)
+        size = memoryview(data).nbytes
+        if zstd_within_ratio(len(frame), size):
+            return frame
+        return bounded_zstd_frame(data)
+
+    def _within_ratio(self, compressed: int, size: int) -> bool:
+        return zstd_within_ratio(compressed, size)
 
     def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
         """Exactly ``size`` bytes from exactly one zstd frame, never more.
 
-        The frame header's content size is only a claim: the blocks after it may produce
-        far more (an RLE block is 128 KiB for 4 bytes), and zstd notices the difference
-        only at the end of the frame.  So the frame is decompressed in one call into an
-        output of ``size`` bytes (the header must say ``size``, and ``decompress`` sizes
-        its output by the header), which fails as soon as a block would go past it.
+        A frame of ``size`` bytes more than :data:`ZSTD_MAX_RATIO` times its length (plus
+        :data:`ZSTD_RATIO_SLACK`) is refused before anything is read or allocated: a few
+        RLE blocks would make megabytes of a few bytes, and kvwire's encoder never sends
+        such a frame.  The frame header's content size is only a claim: the blocks after
+        it may produce far more (an RLE block is 128 KiB for 4 bytes), and zstd notices
+        the difference only at the end of the frame.  So the frame is decompressed in one
+        call into an output of ``size`` bytes (the header must say ``size``, and
+        ``decompress`` sizes its output by the header), which fails as soon as a block
+        would go past it.
         """
+        if not zstd_within_ratio(len(data), size):
+            raise ProtocolError(
+                f"{self.name} payload of {len(data)} bytes cannot decompress to {size} bytes "
+                f"(kvwire's zstd frames expand at most {ZSTD_MAX_RATIO} times, plus {ZSTD_RATIO_SLACK} bytes)"
+            )
         try:
             params = zstandard.get_frame_parameters(data)
             if params.content_size != size:
@@ -211,6 +322,9 @@ class Lz4Codec(EntropyCodec):
 
     def _compress(self, data: bytes | memoryview) -> bytes:
         return bytes(lz4.block.compress(data, store_size=False))
+
+    def _within_ratio(self, compressed: int, size: int) -> bool:
+        return size <= LZ4_MAX_SIZE and size <= LZ4_MAX_RATIO * compressed
 
     def _decompress(self, data: bytes | memoryview, size: int) -> bytes:
         # Into an output of exactly ``size`` bytes: a block that would produce more fails.

@@ -393,9 +393,8 @@ def finish_chunk(codec: Codec, enc: DeviceChunks, payload: Any) -> EncodedChunk:
     _base, entropy = split_codec(codec)
     if entropy is None:
         return chunk
-    data = memoryview(payload).cast("B")
-    packed = entropy._compress(data)
-    if len(packed) < data.nbytes:
+    packed = entropy.packed(memoryview(payload).cast("B"))
+    if packed is not None:
         return EncodedChunk(entropy.codec_id, bytes([FLAG_COMPRESSED]) + chunk.params, packed)
     return EncodedChunk(entropy.codec_id, b"\x00" + chunk.params, chunk.payload)
 
