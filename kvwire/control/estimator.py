@@ -96,6 +96,7 @@ class _SentChunk:
     app_limited: bool
     sent_total: int  # bytes sent so far, this chunk's included
     first_sent_total: int  # the same at first_sent_time
+    held: bool = False  # sent while the sender held data back (mark_app_limited)
 
 
 class DeliveryRateEstimator:
@@ -143,6 +144,8 @@ class DeliveryRateEstimator:
         self._first_sent_total = 0
         # Delivered-byte mark until which samples are app-limited; 0 means not app-limited.
         self._app_limited_until = 0
+        # The same mark, set by mark_app_limited: samples app-limited whatever their wait.
+        self._held_until = 0
 
         self._round_count = 0
         self._next_round_delivered = 0
@@ -200,6 +203,7 @@ class DeliveryRateEstimator:
             app_limited=self._app_limited_until != 0,
             sent_total=self._sent_total,
             first_sent_total=self._first_sent_total,
+            held=self._held_until != 0,
         )
         self._last_now = max(self._last_now, now)
 
@@ -222,6 +226,8 @@ class DeliveryRateEstimator:
         self._delivered_time = now
         if self._app_limited_until and self._delivered > self._app_limited_until:
             self._app_limited_until = 0
+        if self._held_until and self._delivered > self._held_until:
+            self._held_until = 0
 
         if chunk.delivered >= self._next_round_delivered:
             self._next_round_delivered = self._delivered
@@ -256,7 +262,7 @@ class DeliveryRateEstimator:
             delivered_bytes=delivered,
             interval=interval,
             rtt=rtt,
-            app_limited=chunk.app_limited and not queued,
+            app_limited=chunk.held or (chunk.app_limited and not queued),
             round_count=self._round_count,
         )
         self._samples += 1
@@ -269,6 +275,17 @@ class DeliveryRateEstimator:
             self._goodput_interval += sample.interval
         self._expire_goodput(now)
         return sample
+
+    def mark_app_limited(self) -> None:
+        """The sender holds data back on purpose (a drain to sample the path's RTT): the
+        chunks it sends until everything now in flight is delivered are app-limited, so
+        their low rates lower neither the max filter nor the goodput (Linux BBR marks its
+        ProbeRTT so). Call it again while the hold lasts. A round trip of such a chunk that
+        waited in a queue (:data:`QUEUED_DELAY`) does not make its sample the path's: the
+        queue is the sender's own burst into a pipe the hold emptied, and its rate counts
+        the round trip before the first of it came back."""
+        mark = max(self._delivered + self._bytes_in_flight, 1)
+        self._app_limited_until = self._held_until = mark
 
     def on_loss(self, chunk_key: Hashable) -> bool:
         """Forget a chunk that will never be acknowledged; returns whether it was known."""
@@ -413,12 +430,32 @@ class DeliveryRateEstimator:
 
     def min_rtt_outlook(self) -> tuple[float, float | None] | None:
         """When the minimum RTT was sampled, and what the minimum falls back to once that
-        sample leaves the window (the least RTT sampled after it; None if none): a
-        fallback well above the minimum means every later sample waited in a queue."""
+        sample leaves the window (the least RTT sampled after it; None if none).
+
+        That fallback is often a sample of the same flight as the minimum, one chunk's
+        time on the wire later (chunks sent together are acked one after another), and
+        leaves the window within milliseconds of it: it says nothing about whether later
+        samples queue. :meth:`min_rtt_since` with a recent time does."""
         mins = self._min_rtts
         if not mins:
             return None
         return mins[0][0], (mins[1][1] if len(mins) > 1 else None)
+
+    def min_rtt_since(self, since: float) -> float | None:
+        """Least RTT sampled at or after ``since`` (a reading of the clock ``now`` comes
+        from) that the window still holds; ``None`` if none. Well above :attr:`min_rtt`
+        for samples of the last seconds, every round trip lately waited in a queue, and
+        the minimum steps up to it when its own sample expires."""
+        check_now(since)
+        least = None
+        # Monotonic: times and RTTs both rise to the back, so the first entry at or after
+        # ``since`` is the least RTT sampled since (any sample popped was followed by one
+        # no larger).
+        for at, rtt in reversed(self._min_rtts):
+            if at < since:
+                break
+            least = rtt
+        return least
 
     @property
     def recent_min_rtt(self) -> float | None:
