@@ -352,7 +352,10 @@ class DeliveryRateEstimator:
         bandwidth = self.max_filter_bps
         if bandwidth is None:
             return
-        if self._epoch_start is None:
+        if self._epoch_start is None or now < self._epoch_start:
+            # A clock that stepped back starts a new epoch: measured from a start in its
+            # future, nothing was expected, and every byte acked counted as a burst (a
+            # 5 s step raised the window from 5.6 to 16.6 MB, the 100 ms cap).
             self._epoch_start, self._epoch_acked = now, 0
         expected = bandwidth / 8.0 * (now - self._epoch_start)
         if self._epoch_acked <= expected:

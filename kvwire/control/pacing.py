@@ -184,6 +184,7 @@ class InflightController:
         self._target = self._clamp(initial_bytes)
         self._probe_rtt_until: float | None = None  # while draining to refresh the min RTT
         self._probe_rtt_ended = -math.inf
+        self._last_now: float | None = None
         self.probe_rtt_count = 0
         """Drains made to refresh the minimum RTT so far."""
 
@@ -233,8 +234,11 @@ class InflightController:
 
         A ``now`` that is not a finite number is refused with ``ValueError`` before
         anything changes, as the estimator refuses one (infinity raised OverflowError
-        here, and NaN was taken in)."""
+        here, and NaN was taken in). A ``now`` before the last one (a clock that stepped
+        back) moves the times kept back by as much: a phase or a drain lasts as long as
+        it would have (a 5 s step held them 5 s longer)."""
         check_now(now)
+        self._rebase(now)
         bandwidth = estimator.max_filter_bps
         min_rtt = estimator.min_rtt
         if bandwidth is None or min_rtt is None or bandwidth <= 0:
@@ -269,6 +273,17 @@ class InflightController:
         raw = self.phase_gain * (self._gain * bdp + cover + estimator.extra_acked_bytes)
         self._target = self._clamp(raw)
         return self._target
+
+    def _rebase(self, now: float) -> None:
+        last, self._last_now = self._last_now, now
+        if last is None or now >= last:
+            return
+        step = last - now
+        if self._phase_start is not None:
+            self._phase_start -= step
+        if self._probe_rtt_until is not None:
+            self._probe_rtt_until -= step
+        self._probe_rtt_ended -= step
 
     @property
     def probing_rtt(self) -> bool:
