@@ -1,8 +1,8 @@
 """How many TCP streams a session stripes over.
 
-One TCP stream delivers at most window / RTT. When each stream is window-limited
-(congestion window, send buffer, receive window, or the per-stream in-flight cap) and
-adding a stream raised the total rate, another stream helps; when the last stream added
+One TCP stream delivers at most window / RTT. When each stream is window-limited (its
+receive window or send buffer, as TCP_INFO counts them: :attr:`StreamSample.window_limited`)
+and adding a stream raised the total rate, another stream helps; when the last stream added
 did not raise the total, or no stream is window-limited and fewer streams would carry
 the same rate, the extra streams only add contention and are given up.
 
@@ -40,8 +40,13 @@ class StreamSample:
     delivery_rate_bps: float
     """Bits/s this stream delivered (acked bytes over the period)."""
     window_limited: bool
-    """The stream spent most of the period limited by its own window or send buffer, or
-    it hit the per-stream in-flight cap; more data was waiting."""
+    """The stream spent more than half its busy time in the period limited by the
+    receiver's window or its own send buffer, as the kernel counts them in TCP_INFO
+    (``tcpi_rwnd_limited`` and ``tcpi_sndbuf_limited`` over ``tcpi_busy_time``:
+    :func:`window_limited_from_counters`, what the client and :class:`StreamSampler`
+    use). Nothing else makes a sample window-limited: not the congestion window, not the
+    sender's in-flight window, and without those counters (no TCP_INFO, or a kernel
+    without them) never."""
 
 
 class StreamVerdict(Enum):
