@@ -4,9 +4,10 @@
 :class:`~kvwire.wire.Connection` while connected), the transfers in flight, which chunk goes
 on which stream (the one with the most connection credit among the writable streams in use,
 only for layers the receiver granted, only while the bytes in flight stay within the limit
-the caller sets), acknowledgements, RESETs, and resume: when a stream breaks, what it carried
-unacknowledged goes back into the re-send set (:class:`ChunkLost`), the RESETs it carried go
-again on another stream, and a reconnect of its slot is due after a doubling backoff
+the caller sets), acknowledgements, RESETs (each on every open stream: one of them may be
+stalled), and resume: when a stream breaks, what it carried unacknowledged goes back into
+the re-send set (:class:`ChunkLost`), the RESETs it carried that no open stream carries go
+again on the others, and a reconnect of its slot is due after a doubling backoff
 (:class:`StreamWanted` tells the I/O layer to open one).
 Reconnects are bounded per session and per transfer.  Every deadline goes through
 :meth:`SenderCore.get_timer` / :meth:`SenderCore.handle_timer`; ``now`` is always passed in.
@@ -247,12 +248,14 @@ class _Transfer:
 
 @dataclass(eq=False, slots=True)
 class _SentReset:
-    """A RESET this side sent: said again when the stream it went on closes (it may never
-    have reached the receiver), on a stream still open or the next to open."""
+    """A RESET this side sent, on every stream open then (one of them may be stalled: the
+    stream a transfer times out on most often is): said again once none of the streams it
+    went on is open any more (it may never have reached the receiver), on every stream
+    still open or else on the next to open."""
 
     code: ErrorCode
     message: str
-    stream: int | None  # the slot it was last handed to; None: none open then (the next to open)
+    streams: set[int] = field(default_factory=set)  # the slots carrying it; empty: none open (the next to open)
 
 
 @dataclass(eq=False)
@@ -656,7 +659,7 @@ class SenderCore:
                     # again on another stream and was read after the RESET, which found no
                     # such transfer.  Said again here, after the frame that shows it has it.
                     conn.send_reset(ev.transfer_id, r.code, r.message)
-                    r.stream = index
+                    r.streams.add(index)
             elif isinstance(ev, TransferReset):
                 t = self._transfers.get(ev.transfer_id)
                 if t is not None:
@@ -707,9 +710,9 @@ class SenderCore:
             if not t.state.accepted and t.error is None:
                 self._send_begin(index, t)
         for transfer_id, r in self._resets.items():  # none was open: so the receiver lets go of them now
-            if r.stream is None:
+            if not r.streams:
                 slot.conn.send_reset(transfer_id, r.code, r.message)
-                r.stream = index
+                r.streams.add(index)
 
     def _differs(self, ev: HandshakeComplete) -> str | None:
         """How a joining stream's handshake differs from the session's (None: it does not):
@@ -845,9 +848,10 @@ class SenderCore:
         """What the closed stream carried unacknowledged goes back to the front of the queue,
         and BEGINs not yet answered go again on a stream still open (the one that carried
         them may never come back; a BEGIN the server has is answered by ACCEPT again), as
-        do the RESETs it carried (the receiver may never have read them; one it has is
-        ignored), or on the next stream to open.  Returns the transfers the stream carried
-        something of: chunks unacknowledged, or a BEGIN not yet answered."""
+        do the RESETs it carried that no stream still open carries too (the receiver may
+        never have read them; one it has is ignored), on every open stream, or on the next
+        stream to open.  Returns the transfers the stream carried something of: chunks
+        unacknowledged, or a BEGIN not yet answered."""
         carried: list[_Transfer] = []
         for t in self._transfers.values():
             if index in t.begin_on:
@@ -859,8 +863,10 @@ class SenderCore:
                 if not t.state.accepted and t.error is None:
                     self._send_begin(opened, t)
         for transfer_id, r in self._resets.items():
-            if r.stream == index:
-                self._hand_reset(transfer_id, r)
+            if index in r.streams:
+                r.streams.discard(index)
+                if not r.streams:  # no stream open carries it now
+                    self._hand_reset(transfer_id, r)
         for t in self._transfers.values():
             lost = [s for s in t.state.unacked.values() if s.stream == index]
             if lost and t not in carried:
@@ -956,7 +962,7 @@ class SenderCore:
         :data:`RESETS_KEPT`): a stream that closes before the receiver read it may have lost
         it, and it goes again (:meth:`_requeue`); else the receiver would hold the transfer
         until its own ``transfer_timeout``."""
-        r = _SentReset(error.code, str(error)[:160], None)
+        r = _SentReset(error.code, str(error)[:160])
         self._resets.pop(transfer_id, None)
         self._resets[transfer_id] = r
         while len(self._resets) > RESETS_KEPT:
@@ -964,11 +970,19 @@ class SenderCore:
         self._hand_reset(transfer_id, r)
 
     def _hand_reset(self, transfer_id: int, r: _SentReset) -> None:
-        """Send a kept RESET on the first open stream, or, with none open now (a reconnect
-        backing off), on the next one that opens (:meth:`_on_open`)."""
-        r.stream = self._first_open()
-        if r.stream is not None:
-            conn = self._slots[r.stream].conn
+        """Send a kept RESET on every open stream, or, with none open now (a reconnect
+        backing off), on the next one that opens (:meth:`_on_open`).
+
+        On every one, not only the first: a transfer fails most often because a stream is
+        stuck (a send that times out), and a RESET queued behind that stream's unread bytes
+        would reach the receiver only once the stream broke (the idle timeout), or never if
+        this side closed first, while the receiving application waited and the server held
+        the transfer's buffer.  A receiver fails the transfer at the first copy it reads and
+        ignores the others (docs/protocol.md 10: a RESET for a transfer that failed already,
+        or that it does not have, is ignored)."""
+        r.streams = {i for i, s in enumerate(self._slots) if s.open and s.conn is not None}
+        for i in sorted(r.streams):
+            conn = self._slots[i].conn
             assert conn is not None
             conn.send_reset(transfer_id, r.code, r.message)
 
