@@ -615,7 +615,7 @@ class SenderCore:
                     ": the server never answered its BEGIN (it holds ACCEPT while its buffer budget"
                     " has no room for a first layer)")
                 self._fail(t, TransferTimeoutError(
-                    f"transfer {t.begin.request_id!r} did not complete in {t.timeout} s{why}"), reset=True)
+                    f"transfer {quoted_id(t.begin.request_id)} did not complete in {t.timeout} s{why}"), reset=True)
         self.pump()
 
     # -- internals -----------------------------------------------------------------------

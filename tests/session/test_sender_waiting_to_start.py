@@ -29,3 +29,17 @@ def test_an_accepted_send_is_not_waiting_and_its_timeout_says_only_not_complete(
     [failed] = h.of(TransferFailed)
     assert failed.transfer_id == tid
     assert str(failed.error) == "transfer 'r' did not complete in 2.0 s"
+
+
+def test_a_timeout_names_a_long_request_id_shortened() -> None:
+    """An id may be 65535 bytes; the message quotes at most QUOTED_ID_LIMIT characters of it."""
+    from kvwire.session.quoting import QUOTED_ID_LIMIT
+
+    h = harness()
+    tid = h.core.begin("x" * 60000, num_layers=2, num_kv_heads=1, head_dim=8, now=h.now, timeout=2.0)
+    h.step()
+    h.advance(2.0)
+    [failed] = h.of(TransferFailed)
+    assert failed.transfer_id == tid and isinstance(failed.error, TransferTimeoutError)
+    assert "did not complete in 2.0 s" in str(failed.error)
+    assert len(str(failed.error)) < QUOTED_ID_LIMIT + 200
