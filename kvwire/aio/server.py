@@ -501,6 +501,9 @@ class Server(Pump):
         self._close_task: asyncio.Task[None] | None = None
         self._tls_failures = 0  # TLS handshakes that did not complete (not ended by close())
         self._room_logged_at = -math.inf  # when the log last said transfers wait to start (see pump)
+        # The registry checks running, by transfer (one a transfer at most: the core refuses
+        # a BEGIN of an id whose call still runs): cancelled when their transfer fails.
+        self._checks: dict[Key, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         if self._closing:
@@ -865,6 +868,17 @@ class Server(Pump):
         stream.pause_reading(not writable)  # an answering side stops reading instead
 
     def _on_event(self, ev: ReceiverEvent) -> None:
+        if isinstance(ev, TransferFailed) and (check := self._checks.get(ev.key)) is not None:
+            # Its registry check still runs: its verdict no longer matters, so it is
+            # cancelled (check_many only reads: nothing in the registry needs undoing, and
+            # RedisRegistry closes a connection whose reply did not come).  The core keeps
+            # the transfer's place until the call has ended and answered it
+            # (_registry_answered): a client beginning and resetting transfers has at most
+            # max_transfers calls running, even against a registry that goes on when
+            # cancelled.  A publish is never cancelled: it runs only for a transfer whose
+            # every chunk arrived, and what a registry does on publish is its own (it
+            # confirms what was received); it keeps its transfer's place until answered.
+            check.cancel()
         if isinstance(ev, LayerReady):
             t = self._transfer(ev.key)
             if t is not None:
@@ -896,7 +910,7 @@ class Server(Pump):
                         fut.set_exception(ev.error)
                         break
         elif isinstance(ev, RegistryCheck | RegistryPublish):
-            self.spawn(self._registry_call(ev))
+            self._start_registry_call(ev)
         elif isinstance(ev, AuthenticationFailed):
             _log.warning("authentication failed for %s: %s", self._peer(ev.cid), printable(str(ev.error)))
         elif isinstance(ev, GoawayReceived):
@@ -922,13 +936,26 @@ class Server(Pump):
         stream = self._by_cid.get(cid) if cid is not None else None
         return address(stream.peer) if stream is not None else "a client"
 
-    async def _registry_call(self, ev: RegistryCheck | RegistryPublish) -> None:
+    def _start_registry_call(self, ev: RegistryCheck | RegistryPublish) -> None:
+        """Ask the registry what the core asked, in a task (ended by :meth:`teardown`)
+        whose end, however it ends (cancelled before it began included), answers the core
+        (:meth:`_registry_answered`)."""
+        outcome: list[KvwireError | None] = []
+        task = asyncio.get_running_loop().create_task(self._registry_call(ev, outcome))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda done: self._registry_answered(ev, done, outcome))
+        if isinstance(ev, RegistryCheck):
+            self._checks[ev.key] = task
+
+    async def _registry_call(self, ev: RegistryCheck | RegistryPublish, outcome: list[KvwireError | None]) -> None:
         """Ask the registry what the core asked (docs/consistency.md: ``check_many`` at
-        BEGIN, ``publish`` before the last acknowledgement) and answer the core."""
-        blocks = [(block_from_key(b.decode("utf-8")), v) for b, v in ev.blocks]
+        BEGIN, ``publish`` before the last acknowledgement); put in ``outcome`` None, or
+        the error the transfer fails with."""
         what = "check" if isinstance(ev, RegistryCheck) else "publish"
         error: KvwireError | None
         try:
+            blocks = [(block_from_key(b.decode("utf-8")), v) for b, v in ev.blocks]
             ask = self.registry.check_many if isinstance(ev, RegistryCheck) else self.registry.publish
             bad = await ask(blocks)
             error = stale_error(bad) if bad else None
@@ -936,13 +963,32 @@ class Server(Pump):
             error = RegistryUnavailableError(f"registry {what} failed: {exc}")
         except Exception as exc:  # a registry of the caller's that raises its own errors: fail closed
             error = RegistryUnavailableError(f"registry {what} failed: {exc!r}")
+        outcome.append(error)
+
+    def _registry_answered(self, ev: RegistryCheck | RegistryPublish, task: asyncio.Task[None],
+                           outcome: list[KvwireError | None]) -> None:
+        """A registry call ended: the core hears its outcome (one cancelled because its
+        transfer failed, whose outcome no longer matters, too: that frees its place)."""
+        if isinstance(ev, RegistryCheck) and self._checks.get(ev.key) is task:
+            del self._checks[ev.key]
         if self.closed:
             return
-        if isinstance(ev, RegistryCheck):
-            self.core.registry_checked(ev.key, None, error, self.now())
+        what = "check" if isinstance(ev, RegistryCheck) else "publish"
+        error: KvwireError | None
+        if task.cancelled():
+            error = RegistryUnavailableError(f"registry {what} cancelled")
+        elif (exc := task.exception()) is not None:  # (not an Exception: _registry_call takes those)
+            error = RegistryUnavailableError(f"registry {what} failed: {exc!r}")
         else:
-            self.core.registry_published(ev.key, error, self.now())
-        self.pump()
+            error = outcome[0]
+        try:
+            if isinstance(ev, RegistryCheck):
+                self.core.registry_checked(ev.key, None, error, self.now())
+            else:
+                self.core.registry_published(ev.key, error, self.now())
+            self.pump()
+        except Exception:
+            _log.exception("internal error answering a registry %s", what)
 
     def _deliver(self, key: Key) -> None:
         """Hand transfer ``key``, which arrived in this pump, to the oldest ``expect()`` of

@@ -10,7 +10,10 @@ reads a clock: bytes and ``now`` go in, bytes, events and a timer come out.
 The registry gate is an event: :class:`RegistryCheck` asks the I/O layer to run
 ``check_many`` and answer with :meth:`ReceiverCore.registry_checked`; :class:`RegistryPublish`
 asks for ``publish`` before the last acknowledgement is released
-(:meth:`ReceiverCore.registry_published`).  The core never waits.
+(:meth:`ReceiverCore.registry_published`).  The core never waits.  Every call is answered,
+also one whose transfer failed meanwhile (the I/O layer may cancel a check then, never a
+publish): until it is, that transfer keeps its place in ``max_transfers`` (see
+``ReceiverCore._orphan``), so calls running never outnumber the transfers a session may hold.
 
 Memory: layer buffers come from a :class:`LayerStore` (by default ``allocate``, which may
 raise MemoryError, and ``decode``) and are counted against ``max_buffer_bytes`` until the
@@ -220,10 +223,11 @@ def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
 
 def admit_begin(
     begin: Begin, *, active: int, max_transfers: int, max_meta_bytes: int,
-    fingerprints: frozenset[bytes] | set[bytes] = frozenset(), unclaimed: int = 0,
+    fingerprints: frozenset[bytes] | set[bytes] = frozenset(), unclaimed: int = 0, registry_calls: int = 0,
 ) -> tuple[KVSpec, dict[str, object]]:
     """Validate a BEGIN for a session with ``active`` transfers in progress or unclaimed
-    (``unclaimed`` of them complete, waiting for the application to claim them).
+    (``unclaimed`` of them complete, waiting for the application to claim them;
+    ``registry_calls`` failed, a registry call of theirs still unanswered).
 
     Returns the transfer's layout and meta; raises the error its RESET carries (section
     7.1 of docs/protocol.md): LIMIT_EXCEEDED, INCOMPATIBLE_SPEC or PROTOCOL_ERROR.
@@ -231,6 +235,8 @@ def admit_begin(
     if active >= max_transfers:
         # (within WIRE_TEXT_LIMIT: the RESET carries it)
         held = f", {unclaimed} complete and not claimed by the receiver's application" if unclaimed else ""
+        if registry_calls:
+            held += f", {registry_calls} failed awaiting the registry"
         raise LimitExceededError(
             f"{active} transfers of the session held (max_transfers={max_transfers}){held}: "
             "retry once one ends" + (" or is claimed" if unclaimed else ""))
@@ -461,12 +467,20 @@ class TransferDropped:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RegistryCheck:
+    """Ask the registry's ``check_many`` for ``blocks`` and answer with
+    :meth:`ReceiverCore.registry_checked`, also once the transfer failed (after a
+    :class:`TransferFailed` of ``key`` the check may be cancelled: it only reads)."""
+
     key: Key
     blocks: tuple[tuple[bytes, int], ...]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RegistryPublish:
+    """Ask the registry's ``publish`` for ``blocks`` and answer with
+    :meth:`ReceiverCore.registry_published`, also once the transfer failed (never
+    cancelled for that)."""
+
     key: Key
     blocks: tuple[tuple[bytes, int], ...]
 
@@ -594,6 +608,7 @@ class _Incoming:
     roomed: bool = False  # its first layer has room: its estimate is reserved until it arrives
     estimate: int = 0  # budget bytes reserved for its first layer until it arrives (see _admit)
     counted: bool = False  # among ReceiverCore.held_transfers (see ReceiverCore._recount)
+    calling: bool = False  # a registry call of it (RegistryCheck, RegistryPublish) is unanswered
 
     @property
     def bpt(self) -> int:
@@ -672,6 +687,12 @@ class ReceiverCore:
         # (complete, and not claimed; kept in ``_held_gone``), see _check_held.
         self._held = 0
         self._held_gone: dict[Key, None] = {}
+        # Registry calls still unanswered whose transfer failed meanwhile (see _orphan): each
+        # keeps its transfer's place until it is answered, in its session's max_transfers
+        # while that session is open (``_orphans_open``, by session), and among the server's
+        # held transfers in any case.
+        self._orphans: dict[Key, None] = {}
+        self._orphans_open: dict[bytes, dict[Key, None]] = {}
         self._events: deque[ReceiverEvent] = deque()
         self._dirty: set[int] = set()
         self._timers: list[tuple[float, int, tuple[int, Any]]] = []
@@ -892,9 +913,18 @@ class ReceiverCore:
 
     @property
     def held_transfers(self) -> int:
-        """Transfers the server holds for its sessions: admitted and not failed, neither
-        both complete and claimed nor taken whole (at most :attr:`held_limit`)."""
-        return self._held
+        """Transfers the server holds for its sessions (at most :attr:`held_limit`):
+        admitted and not failed, neither both complete and claimed nor taken whole; and
+        those that failed while a registry call of theirs was in flight, until it is
+        answered (see :meth:`_orphan`)."""
+        return self._held + len(self._orphans)
+
+    @property
+    def registry_calls(self) -> int:
+        """Registry calls asked for (:class:`RegistryCheck`, :class:`RegistryPublish`) and
+        not answered yet, those whose transfer failed meanwhile included: at most
+        ``max_transfers`` a session, :attr:`held_limit` in all."""
+        return sum(1 for t in self._live.values() if t.calling) + len(self._orphans)
 
     def _recount(self, t: _Incoming) -> None:
         """``t`` may have started or stopped being held (see :attr:`held_transfers`): it is
@@ -917,11 +947,44 @@ class ReceiverCore:
         instead of holding more of them, until the application claims them or their
         ``claim_timeout`` drops them."""
         limit = self.held_limit
-        if self._held >= limit:
+        held = self.held_transfers
+        if held >= limit:
             # (within WIRE_TEXT_LIMIT: the RESET carries it)
+            why = [f"{len(self._held_gone)} complete from ended sessions, not claimed by its application"
+                   ] if self._held_gone else []
+            if self._orphans:
+                why.append(f"{len(self._orphans)} failed awaiting the registry")
             raise LimitExceededError(
-                f"the server holds {self._held} transfers (max_sessions x max_transfers = {limit}), "
-                f"{len(self._held_gone)} complete from ended sessions, not claimed by its application: retry later")
+                f"the server holds {held} transfers (max_sessions x max_transfers = {limit}), "
+                f"{', '.join(why)}: retry later")
+
+    def _orphan(self, t: _Incoming) -> None:
+        """``t`` failed with a registry call of it unanswered.  Its memory was given back,
+        but the call still runs (and holds its block list, up to a frame's worth), so it
+        keeps ``t``'s place until it is answered: in its session's ``max_transfers`` while
+        that session is open, and among the server's :attr:`held_transfers` in any case.
+        A client beginning and resetting gated transfers against a slow registry so has at
+        most ``max_transfers`` calls running, the server :attr:`held_limit`; their
+        BEGINs past that are refused (LIMIT_EXCEEDED).  The I/O layer may cancel a check
+        (it only reads), never a publish; it answers either (:meth:`registry_checked`,
+        :meth:`registry_published`) once it ended."""
+        t.calling = False
+        self._orphans[t.key] = None
+        if t.key[0] in self._sessions:
+            self._orphans_open.setdefault(t.key[0], {})[t.key] = None
+
+    def _answered(self, key: Key) -> bool:
+        """The answer to a registry call of ``key`` whose transfer failed (True: it frees
+        that transfer's place, and is otherwise ignored)."""
+        if key not in self._orphans:
+            return False
+        del self._orphans[key]
+        own = self._orphans_open.get(key[0])
+        if own is not None:
+            own.pop(key, None)
+            if not own:
+                del self._orphans_open[key[0]]
+        return True
 
     def claim(self, key: Key, now: float) -> None:
         """The application takes arrived transfer ``key`` (one that failed since it arrived
@@ -1016,11 +1079,17 @@ class ReceiverCore:
             self._fail(t, error, reset=True, even_if_complete=True)
 
     def registry_checked(self, key: Key, stale: Sequence[object] | None, error: KvwireError | None, now: float) -> None:
-        """The answer to a :class:`RegistryCheck` (stale blocks, or the registry's error)."""
+        """The answer to a :class:`RegistryCheck` (stale blocks, or the registry's error).
+        Every check asked for is answered, also once its transfer failed (the I/O layer may
+        have cancelled it then: with any error), and only once: until then that transfer
+        keeps its place (see :meth:`_orphan`)."""
         self._now = now
+        if self._answered(key):
+            return
         t = self._transfer(key)
         if t is None or t.error is not None:
             return
+        t.calling = False
         if error is not None or stale:
             self._count("transfers_refused")
             self._fail(t, error or stale_error(stale or ()), reset=True)
@@ -1031,11 +1100,15 @@ class ReceiverCore:
 
     def registry_published(self, key: Key, error: KvwireError | None, now: float) -> None:
         """The answer to a :class:`RegistryPublish`: the held acknowledgements go out, each
-        after the RESET on its own connection if publishing failed."""
+        after the RESET on its own connection if publishing failed.  Answered also once its
+        transfer failed, as a check is (:meth:`registry_checked`)."""
         self._now = now
+        if self._answered(key):
+            return
         t = self._transfer(key)
         if t is None:
             return
+        t.calling = False
         pending, t.publish_pending = t.publish_pending, []
         sess = self._sessions.get(key[0])
         if error is not None:
@@ -1410,6 +1483,7 @@ class ReceiverCore:
         # Its transfers still held (complete, and not claimed: the others failed, or it
         # would not have ended) stay claimable, counted among the server's (_check_held).
         self._held_gone.update((t.key, None) for t in sess.transfers.values() if t.counted)
+        self._orphans_open.pop(sess.session_id, None)  # (still among _orphans, the server's)
 
     def _on_begin(self, cid: int, conn: Connection, begin: Begin, now: float) -> None:
         sess = self._conn_session.get(cid)
@@ -1434,14 +1508,19 @@ class ReceiverCore:
             return
         cfg = self.config
         try:
+            orphans = self._orphans_open.get(sess.session_id, {})
             if tid in sess.transfers or tid in sess.completed:
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
-            # Completed transfers the application has not claimed hold memory too.
+            if (sess.session_id, tid) in orphans:  # (its tombstone forgotten meanwhile)
+                raise error_from_code(ErrorCode.DUPLICATE_TRANSFER,
+                                      f"transfer id {tid} is still in use: a registry call for it runs")
+            # Completed transfers the application has not claimed hold memory too, and
+            # failed ones whose registry call still runs hold that call (see _orphan).
             active = sum(1 for t in sess.transfers.values() if not t.complete or not t.claimed)
             unclaimed = sum(1 for t in sess.transfers.values() if t.complete and not t.claimed)
-            spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
+            spec, meta = admit_begin(begin, active=active + len(orphans), max_transfers=cfg.max_transfers,
                                      max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints,
-                                     unclaimed=unclaimed)
+                                     unclaimed=unclaimed, registry_calls=len(orphans))
             self._check_held()
             extra = begin_footprint(begin, meta)
             if extra and not self._kept_room(extra):
@@ -1483,6 +1562,7 @@ class ReceiverCore:
                 self._fail(t, stale_error(made_up, " (versions never issued)"), reset=True)
                 return
             self._events.append(RegistryCheck(key=t.key, blocks=blocks))
+            t.calling = True
         else:
             t.checked = True
         self._admit(t)
@@ -1783,6 +1863,8 @@ class ReceiverCore:
         t.deadline = t.claim_deadline = None
         self._live.pop(t.key, None)
         self._recount(t)
+        if t.calling:
+            self._orphan(t)
         claimable = t.key in self._unclaimed
         if claimable:
             self._keep_failed(t, claim_deadline)
@@ -1896,6 +1978,7 @@ class ReceiverCore:
                         self._events.append(RegistryPublish(
                             key=t.key, blocks=tuple((bv.block, bv.version) for bv in t.begin.blocks),
                         ))
+                        t.calling = True
                     return
         if self._repeat_reset(sess, cid, conn, addr.transfer_id):
             pass

@@ -1,0 +1,195 @@
+"""A registry call (a RegistryCheck at BEGIN, a RegistryPublish after the last chunk) keeps
+its transfer's place until it is answered, also once that transfer failed: before, a
+transfer reset while its check ran gave its max_transfers slot back at once, and a client
+beginning and resetting gated transfers in a loop against a slow registry had calls
+running (each holding its BEGIN's block list) without any bound (95 after 1500 BEGIN+RESET
+with max_transfers=4; heap +66 MiB).  Now a session has at most max_transfers of them
+running (BEGINs past that are refused with LIMIT_EXCEEDED), the server at most
+max_sessions x max_transfers (those of sessions that ended included), and each answer,
+whatever it says, frees its place and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+
+import kvwire.session.receiver as receiver_module
+from kvwire.errors import ErrorCode, RegistryUnavailableError, StaleVersionError
+from kvwire.session.receiver import (
+    LayerReady,
+    ReceiverConfig,
+    RegistryCheck,
+    RegistryPublish,
+    TransferArrived,
+    TransferFailed,
+)
+from kvwire.wire import ChunkAcked, TransferAccepted, TransferReset
+from kvwire.wire.frames import BlockVersion
+from tests.session.test_receiver_core import SECRET, Harness, begin, chunk
+from tests.session.test_unclaimed_of_ended_sessions import Client
+
+BLOCKS = tuple(BlockVersion(block=f"i:{i}".encode(), version=3) for i in range(1, 9))
+Key = tuple[bytes, int]
+
+
+def gated_harness(**config: object) -> Harness:
+    return Harness(ReceiverConfig(secret=SECRET, registry=True, **config))  # type: ignore[arg-type]
+
+
+def begin_and_reset(h: Harness, tid: int) -> None:
+    """The client begins a gated transfer and resets it before the registry answered."""
+    h.client.send_begin(begin(tid=tid, layers=1, request=f"r{tid}", blocks=BLOCKS))
+    h.client.send_reset(tid, ErrorCode.CANCELLED, "the sender gave up")
+    h.pump()
+
+
+def checks(h: Harness) -> list[Key]:
+    return [e.key for e in h.of(RegistryCheck)]
+
+
+def refusals(h: Harness) -> list[TransferReset]:
+    return [e for e in h.client_of(TransferReset) if e.code == ErrorCode.LIMIT_EXCEEDED]
+
+
+def test_a_check_whose_transfer_was_reset_keeps_its_place_until_answered() -> None:
+    h = gated_harness(max_transfers=2)
+    begin_and_reset(h, 1)
+    begin_and_reset(h, 2)
+    assert len(checks(h)) == 2 and len(h.of(TransferFailed)) == 2
+    assert h.core.buffered_bytes == 0  # their memory was given back at once ...
+    begin_and_reset(h, 3)  # ... but their calls still run, and keep their places
+    [refused] = refusals(h)
+    assert refused.transfer_id == 3 and "2 failed awaiting the registry" in refused.message
+    assert len(checks(h)) == 2  # no third call was asked for
+    assert h.core.registry_calls == 2
+    # An answer (any: the registry's error, or a cancelled call's) frees its place only.
+    h.core.registry_checked(checks(h)[0], None, RegistryUnavailableError("cancelled"), h.now)
+    h.pump()
+    assert h.core.registry_calls == 1 and len(h.of(TransferFailed)) == 2
+    h.client.send_begin(begin(tid=4, layers=1, request="r4", blocks=BLOCKS))
+    h.pump()
+    assert len(checks(h)) == 3 and len(refusals(h)) == 1
+    h.core.registry_checked(checks(h)[1], [], None, h.now)  # "fresh", for a transfer gone: nothing
+    h.core.registry_checked(checks(h)[2], [], None, h.now)  # the live one's: accepted
+    h.pump()
+    assert [e.request_id for e in h.of(TransferArrived)] == ["r4"]
+    assert [a.transfer_id for a in h.client_of(TransferAccepted)] == [4]
+    assert h.core.registry_calls == 0
+
+
+def test_a_loop_of_begin_and_reset_never_has_more_calls_running_than_max_transfers() -> None:
+    h = gated_harness(max_transfers=4)
+    for tid in range(1, 1501):
+        begin_and_reset(h, tid)
+        assert len(checks(h)) <= 4  # (none answered: every call asked for still runs)
+    assert len(checks(h)) == 4 and len(refusals(h)) == 1496 and h.core.registry_calls == 4
+    assert h.core.buffered_bytes == 0 and h.core.held_transfers == 4
+    for key in checks(h):  # the registry answers at last: everything drains
+        h.core.registry_checked(key, None, RegistryUnavailableError("timed out"), h.now)
+    assert h.core.registry_calls == 0 and h.core.held_transfers == 0
+    h.client.send_begin(begin(tid=2000, layers=1, request="after", blocks=BLOCKS))
+    h.pump()
+    assert len(checks(h)) == 5
+
+
+def test_a_publish_whose_transfer_failed_keeps_its_place_until_answered() -> None:
+    """The publish path: a gated transfer sent whole, then reset while its publish runs."""
+    h = gated_harness(max_transfers=1, transfer_buffer_bytes=1 << 20)
+    h.client.send_begin(begin(tid=1, layers=1, request="r1", blocks=BLOCKS))
+    h.pump()
+    h.core.registry_checked(checks(h)[0], [], None, h.now)
+    h.pump()
+    h.send(chunk(tid=1, layer=0, kind=0))
+    h.send(chunk(tid=1, layer=0, kind=1))
+    [publish] = h.of(RegistryPublish)
+    h.client.send_reset(1, ErrorCode.CANCELLED, "the sender gave up")
+    h.pump()
+    [failed] = h.of(TransferFailed)
+    assert failed.key == publish.key
+    acks = len(h.client_of(ChunkAcked))
+    assert acks == 2  # the held ack went out when it failed
+    h.client.send_begin(begin(tid=2, layers=1, request="r2"))
+    h.pump()
+    [refused] = refusals(h)
+    assert refused.transfer_id == 2 and "1 failed awaiting the registry" in refused.message
+    assert h.core.registry_calls == 1
+    # The registry's late answer, even a success, changes nothing but that place.
+    h.core.registry_published(publish.key, None, h.now)
+    h.pump()
+    assert not h.of(LayerReady) and len(h.client_of(ChunkAcked)) == acks
+    assert h.core.registry_calls == 0
+    h.client.send_begin(begin(tid=3, layers=1, request="r3"))
+    h.pump()
+    assert [e.request_id for e in h.of(TransferArrived)] == ["r1", "r3"]
+
+
+def test_calls_of_sessions_that_ended_count_against_the_servers_bound() -> None:
+    """A client that resets its gated transfers, closes its session and opens another,
+    again and again, cannot have more calls running than max_sessions x max_transfers."""
+    h = gated_harness(max_sessions=1, max_transfers=2, resume_timeout=0.0)
+    h.core.receive_data(1, b"", h.now)  # (the harness's own client is not used: its session goes)
+    h.core.forget(1)
+    a = Client(h, 2)
+    for tid in (1, 2):
+        a.conn.send_begin(begin(tid=tid, layers=1, request=f"a{tid}", blocks=BLOCKS))
+        a.conn.send_reset(tid, ErrorCode.CANCELLED, "bye")
+        a.flush()
+    a.goodbye()
+    assert h.core.sessions == 0
+    b = Client(h, 3)
+    b.conn.send_begin(begin(tid=1, layers=1, request="b1", blocks=BLOCKS))
+    b.flush()
+    [refused] = b.resets
+    assert refused.code == ErrorCode.LIMIT_EXCEEDED and "2 failed awaiting the registry" in refused.message
+    assert "max_sessions x max_transfers = 2" in refused.message
+    assert h.core.registry_calls == 2
+    h.core.registry_checked(checks(h)[0], None, RegistryUnavailableError("cancelled"), h.now)
+    b.conn.send_begin(begin(tid=2, layers=1, request="b2", blocks=BLOCKS))
+    b.flush()
+    assert len(b.resets) == 1 and len(checks(h)) == 3
+
+
+def test_an_id_whose_call_still_runs_is_not_taken_by_a_new_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The failed transfer's tombstone was forgotten (a session keeps the last 4096; here
+    1) while its check still ran: a BEGIN re-using its id is refused, so the late answer
+    can never be taken for the new transfer's."""
+    monkeypatch.setattr(receiver_module, "TOMBSTONES_KEPT", 1)
+    h = gated_harness(max_transfers=4)
+    begin_and_reset(h, 1)
+    h.client.send_begin(begin(tid=2, layers=1, request="r2"))
+    h.client.send_reset(2, ErrorCode.CANCELLED, "bye")  # its tombstone pushes 1's out
+    h.pump()
+    stale = [BlockVersion(block=b"i:1", version=2)]
+    h.client.send_begin(begin(tid=1, layers=1, request="another", blocks=tuple(stale)))
+    h.pump()
+    [dup] = [e for e in h.client_of(TransferReset) if e.code == ErrorCode.DUPLICATE_TRANSFER]
+    assert dup.transfer_id == 1 and "registry call" in dup.message
+    h.core.registry_checked(checks(h)[0], [], None, h.now)  # the old call: "fresh"
+    h.pump()
+    assert [e.request_id for e in h.of(TransferArrived)] == ["r2"]
+    h.client.send_begin(begin(tid=1, layers=1, request="another", blocks=tuple(stale)))
+    h.pump()
+    [check] = [e for e in h.of(RegistryCheck) if e.blocks == ((b"i:1", 2),)]
+    h.core.registry_checked(check.key, ["i:1"], StaleVersionError("i:1 is stale"), h.now)
+    h.pump()
+    assert [e.request_id for e in h.of(TransferArrived)] == ["r2"]
+    assert [e.code for e in h.client_of(TransferReset)][-1] == ErrorCode.STALE_VERSION
+
+
+def test_a_session_lost_with_checks_running_leaves_them_counted_until_answered() -> None:
+    h = gated_harness(max_sessions=1, max_transfers=1, resume_timeout=0.0)
+    h.client.send_begin(begin(tid=1, layers=1, request="r1", blocks=BLOCKS))
+    h.pump()
+    h.core.receive_data(1, b"", h.now)  # the connection breaks: the session is lost
+    h.core.forget(1)
+    h.pump()
+    assert h.core.sessions == 0 and len(h.of(TransferFailed)) == 1
+    other = Client(h, 2)
+    other.conn.send_begin(begin(tid=1, layers=1, request="o1", blocks=BLOCKS))
+    other.flush()
+    assert [r.code for r in other.resets] == [ErrorCode.LIMIT_EXCEEDED] and len(checks(h)) == 1
+    assert h.core.registry_calls == 1 and h.core.held_transfers == 1
+    h.core.registry_checked(checks(h)[0], [], None, h.now)
+    assert h.core.registry_calls == 0 and h.core.held_transfers == 0
+    other.conn.send_begin(begin(tid=2, layers=1, request="o2", blocks=BLOCKS))
+    other.flush()
+    assert len(other.resets) == 1 and len(checks(h)) == 2
