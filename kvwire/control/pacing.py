@@ -114,13 +114,15 @@ class InflightController:
     seconds (at least two minimum RTTs) is more than :data:`PROBE_RTT_INFLATION` times
     the minimum, the target drops to half a BDP (at least one chunk) until the queue has
     drained and one more round trip passed (at least :data:`PROBE_RTT_TIME`): what is
-    sent then samples the path's RTT again. Recent samples, not the one after the minimum: a window's growth
-    sends many chunks at once, acked one chunk's time on the wire apart, so the samples
-    after the minimum rise by that much each, stay within 1.25 times it wherever a chunk
-    takes under a quarter of the RTT, and expire with it (judged on them, no drain ever
-    came at 10 Gbit/s, 20 ms, 4 MiB chunks: the minimum stepped from 23 to 215 ms in
-    60 s, and 268 MB, the ceiling, stayed in flight). The drain and the round trip after
-    it are marked app-limited in the estimator
+    sent then samples the path's RTT again.
+
+    Recent samples, not the one after the minimum: a window's growth sends many chunks
+    at once, acked one chunk's time on the wire apart, so the samples after the minimum
+    rise by that much each, stay within 1.25 times it wherever a chunk takes under a
+    quarter of the RTT, and expire with it (judged on them, no drain ever came at
+    10 Gbit/s, 20 ms, 4 MiB chunks: the minimum stepped from 23 to 215 ms in 60 s, and
+    268 MB, the ceiling, stayed in flight). The drain and the round trip after it are
+    marked app-limited in the estimator
     (:meth:`~kvwire.control.estimator.DeliveryRateEstimator.mark_app_limited`): their
     rates are the drain's, not the path's.
     """
