@@ -6,8 +6,8 @@ on which stream (the one with the most connection credit among the writable stre
 only for layers the receiver granted, only while the bytes in flight stay within the limit
 the caller sets), acknowledgements, RESETs (each on every open stream: one of them may be
 stalled), and resume: when a stream breaks, what it carried unacknowledged goes back into
-the re-send set (:class:`ChunkLost`), the RESETs it carried that no open stream carries go
-again on the others, and a reconnect of its slot is due after a doubling backoff
+the re-send set (:class:`ChunkLost`), the RESETs it carried that no open stream carries, and
+those of failed transfers whose BEGIN it carried unanswered, go again on the others, and a reconnect of its slot is due after a doubling backoff
 (:class:`StreamWanted` tells the I/O layer to open one).
 Reconnects are bounded per session and per transfer.  Every deadline goes through
 :meth:`SenderCore.get_timer` / :meth:`SenderCore.handle_timer`; ``now`` is always passed in.
@@ -251,11 +251,19 @@ class _SentReset:
     """A RESET this side sent, on every stream open then (one of them may be stalled: the
     stream a transfer times out on most often is): said again once none of the streams it
     went on is open any more (it may never have reached the receiver), on every stream
-    still open or else on the next to open."""
+    still open or else on the next to open.
+
+    Also said again, on every stream open then, once a stream that carried the transfer's
+    BEGIN unanswered when it failed closes (:attr:`begins`), whichever streams carry it: the
+    receiver may have read a copy on another stream before that BEGIN (a RESET for a
+    transfer it does not have is ignored), then the BEGIN, and its ACCEPT was lost with the
+    stream, so that nothing would tell this side it holds the transfer.  Copies sent after
+    the break are read after whatever that stream delivered."""
 
     code: ErrorCode
     message: str
     streams: set[int] = field(default_factory=set)  # the slots carrying it; empty: none open (the next to open)
+    begins: set[int] = field(default_factory=set)  # the slots its BEGIN went on, unanswered, when it failed
 
 
 @dataclass(eq=False)
@@ -849,7 +857,8 @@ class SenderCore:
         and BEGINs not yet answered go again on a stream still open (the one that carried
         them may never come back; a BEGIN the server has is answered by ACCEPT again), as
         do the RESETs it carried that no stream still open carries too (the receiver may
-        never have read them; one it has is ignored), on every open stream, or on the next
+        never have read them; one it has is ignored), and those of transfers whose BEGIN it
+        carried unanswered (:attr:`_SentReset.begins`), on every open stream, or on the next
         stream to open.  Returns the transfers the stream carried something of: chunks
         unacknowledged, or a BEGIN not yet answered."""
         carried: list[_Transfer] = []
@@ -863,7 +872,14 @@ class SenderCore:
                 if not t.state.accepted and t.error is None:
                     self._send_begin(opened, t)
         for transfer_id, r in self._resets.items():
-            if index in r.streams:
+            if index in r.begins:
+                # The receiver may have read the transfer's BEGIN from this stream after the
+                # copies on the others (ignored then) and its ACCEPT was lost with it: said
+                # again on every open stream, the copies there read after that BEGIN.
+                r.begins.discard(index)
+                r.streams.discard(index)
+                self._hand_reset(transfer_id, r)
+            elif index in r.streams:
                 r.streams.discard(index)
                 if not r.streams:  # no stream open carries it now
                     self._hand_reset(transfer_id, r)
@@ -954,15 +970,16 @@ class SenderCore:
         for s in t.state.unacked.values():
             self._events.append(ChunkLost(address=s.address))
         if reset:
-            self._send_reset(t.state.transfer_id, error)
+            self._send_reset(t.state.transfer_id, error, begins=set() if t.state.accepted else set(t.begin_on))
         self._events.append(TransferFailed(transfer_id=t.state.transfer_id, error=error, by_peer=by_peer))
 
-    def _send_reset(self, transfer_id: int, error: KvwireError) -> None:
+    def _send_reset(self, transfer_id: int, error: KvwireError, *, begins: set[int] | None = None) -> None:
         """Tell the receiver the transfer failed, and keep the RESET (the latest
         :data:`RESETS_KEPT`): a stream that closes before the receiver read it may have lost
         it, and it goes again (:meth:`_requeue`); else the receiver would hold the transfer
-        until its own ``transfer_timeout``."""
-        r = _SentReset(error.code, str(error)[:160])
+        until its own ``transfer_timeout``.  ``begins``: the streams carrying the transfer's
+        BEGIN, not yet answered (:attr:`_SentReset.begins`)."""
+        r = _SentReset(error.code, str(error)[:160], begins=begins or set())
         self._resets.pop(transfer_id, None)
         self._resets[transfer_id] = r
         while len(self._resets) > RESETS_KEPT:

@@ -99,6 +99,43 @@ def test_a_reset_the_server_answered_is_not_said_again_on_any_stream() -> None:
     assert h.core.counters["transfers_reset_by_peer"] == 0
 
 
+def test_a_break_of_the_stream_that_carried_its_unanswered_begin_says_it_again_on_every_open_one() -> None:
+    """The receiver may have read the copy on another stream before that BEGIN (ignored
+    then) and answered the BEGIN with an ACCEPT lost with the stream: the RESET goes again
+    on every open stream although one still carries it.  Only the first break of that
+    stream does so; the rule for the others stays (said again once none carries it)."""
+    h = harness(streams=3, reconnect_backoff=0.1)
+    h.hold_accept = True  # the BEGIN stays unanswered
+    tid = begin(h, layers=2)
+    h.core.abort(tid, TransferAbortedError("cancelled"))
+    h.step()
+    assert sorted(h.resets) == [(0, tid), (1, tid), (2, tid)]
+    h.resets.clear()
+    h.kill(0)  # it carried the BEGIN: said again on 1 and 2, which carry copies already
+    assert sorted(h.resets) == [(1, tid), (2, tid)]
+    h.resets.clear()
+    _reconnect(h)  # stream 0 rejoins: others carry it, nothing goes there
+    assert h.core.open_streams == [0, 1, 2] and h.resets == []
+    h.kill(1)  # it never carried the BEGIN, and stream 2 carries the RESET: nothing
+    assert h.resets == []
+    h.kill(2)  # none carries it now: said again on the one open (0)
+    assert h.resets == [(0, tid)]
+    assert len(h.of(TransferFailed)) == 1
+
+
+def test_an_accepted_transfer_s_reset_goes_again_only_once_none_open_carries_it() -> None:
+    """With the BEGIN answered the receiver has the transfer: any copy it reads fails it,
+    so a break of the stream the BEGIN went on loses nothing while another carries one."""
+    h = harness(streams=2, reconnect_backoff=0.1)
+    tid = begin(h, layers=2)
+    assert h.core.accepted(tid)
+    h.core.abort(tid, TransferAbortedError("cancelled"))
+    h.step()
+    h.resets.clear()
+    h.kill(0)
+    assert h.resets == []
+
+
 # -- the receiver core: a duplicate is ignored -----------------------------------------------
 
 
@@ -258,3 +295,37 @@ def test_copies_read_on_both_streams_fail_the_transfer_once_on_each_side() -> No
     pair.run(until=20.0)
     assert isinstance(pair.outcomes[nxt], TransferDone)
     assert sorted(resets.values()) == [1, 1] and pair.sender.open_streams == [0, 1]
+
+
+def test_a_reset_read_before_the_begin_goes_again_when_the_begins_stream_breaks() -> None:
+    """Stream 0 carries the BEGIN and is slow; the client gives the transfer up, and the
+    receiver reads the RESET's copy on stream 1 first (a transfer it does not have yet:
+    ignored), then the BEGIN on stream 0 (it answers ACCEPT there), and stream 0 breaks
+    before its own copy is read, the ACCEPT lost with it.  Stream 1 still carried a copy,
+    so the RESET was not said again, nothing told the client the receiver had the
+    transfer, and the receiver held it until its transfer_timeout.  A stream that carried
+    the BEGIN unanswered breaking now sends the RESET again on every open stream."""
+    pair = _pair(reconnect_backoff=0.05)
+    resets = _resets_read(pair)
+    now = pair.clock.now
+    link0, link1 = pair.links[0], pair.links[1]
+    tid = pair.sender.begin("race", num_layers=2, num_kv_heads=HEADS, head_dim=HEAD_DIM, now=now)
+    begin0 = pair.sender.data_to_send(0)  # the BEGIN, on stream 0 (slow: held here)
+    assert begin0[:1] == bytes([FrameType.BEGIN]) and pair.sender.data_to_send(1) == b""
+    pair.sender.abort(tid, TransferAbortedError("cancelled by the app"))
+    assert pair.sender.data_to_send(0)[:1] == bytes([FrameType.RESET])  # behind the BEGIN: lost below
+    reset1 = pair.sender.data_to_send(1)
+    assert reset1[:1] == bytes([FrameType.RESET])
+    pair.receiver.receive_data(link1.cid, reset1, now)  # read first: no such transfer, ignored
+    assert pair.receiver.next_event() is None and pair.receiver.counters["transfers_aborted_by_peer"] == 0
+    pair.receiver.receive_data(link0.cid, begin0, now)  # then the BEGIN: the receiver has it
+    assert pair.receiver.data_to_send(link0.cid)  # its ACCEPT, on stream 0: lost with it
+    assert pair.receiver.data_to_send(link1.cid) == b""
+    pair._close(link0)  # stream 0 breaks both ways before its RESET copy is read
+    pair.run(until=5.0)  # the server's transfer_timeout (1000 s) is far off
+    assert isinstance(pair.failed_incoming.get("race"), TransferAbortedError)
+    assert pair.receiver.counters["transfers_aborted_by_peer"] == 1
+    assert pair.receiver.buffered_bytes == 0
+    assert resets[link1.cid] == 2  # the first copy on stream 1, ignored; the one sent after the break
+    assert isinstance(pair.outcomes[tid], TransferFailed)
+    assert pair.sender.broken is None and pair.sender.open_streams == [0, 1]
