@@ -643,11 +643,11 @@ class _Session:
     # each with a digest of its request id (a BEGIN repeating both is answered as a
     # re-send, one with another request id is a duplicate).
     completed: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
-    # Transfers this side failed and told the client so, each with the connection its RESET
-    # last went out on (None: none, no stream was open): that RESET may be lost with it.
-    # When it closes, one still open says it again; when none is, the stream that joins
-    # (see ReceiverCore._say_again).
-    resets: OrderedDict[int, int | None] = field(default_factory=OrderedDict)
+    # Transfers this side failed and told the client so, each with the open connections its
+    # RESET went out on (empty: none, no stream was open): that RESET may be lost with them.
+    # When the last of them closes, one still open says it again; when none is, the stream
+    # that joins (see ReceiverCore._say_again).
+    resets: OrderedDict[int, set[int]] = field(default_factory=OrderedDict)
     # Footprints of the last first layers of its transfers received whole, by layout and
     # of any layout: what a first layer of its next transfers is estimated at
     # (ReceiverCore._estimate).  Another session's estimate it sets only through the
@@ -1092,7 +1092,7 @@ class ReceiverCore:
         t.calling = False
         if error is not None or stale:
             self._count("transfers_refused")
-            self._fail(t, error or stale_error(stale or ()), reset=True)
+            self._fail(t, error or stale_error(stale or ()), reset=True, answer=True)
             return
         t.checked = True
         if t.roomed:  # (else accepted once its first layer has room: _admit_waiting)
@@ -1281,6 +1281,16 @@ class ReceiverCore:
                 return cid, conn
         return None
 
+    def _every_open(self, sess: _Session) -> list[tuple[int, Connection]]:
+        """Every open connection of ``sess`` and its id."""
+        found = []
+        for cid in sess.streams.values():
+            conn = self._conns.get(cid)
+            if conn is not None and conn.closed_event is None:
+                self._dirty.add(cid)
+                found.append((cid, conn))
+        return found
+
     def _open_streams(self, sess: _Session) -> set[int]:
         """The ids of the open connections of ``sess``."""
         return {c for c in sess.streams.values()
@@ -1370,7 +1380,7 @@ class ReceiverCore:
         when another closes), and no open stream of the session carries: a CREDIT
         with the current layer_limit of each incomplete transfer whose limit is above
         ACCEPT's 1, and the RESET of each transfer this side failed recently
-        (``sess.resets``), each whose last copy went out on a connection now closed, or on
+        (``sess.resets``), each whose copies all went out on connections now closed, or on
         none.  Each goes out once on one stream, which then carries it: a sender whose
         chunks were all acknowledged, waiting for a layer grant, sends nothing that would
         draw it out again, and would wait for ever.  What an open stream carries is not
@@ -1384,7 +1394,7 @@ class ReceiverCore:
                 conn.send_credit_frame(t.key[1], t.state.layer_limit)
                 t.limit_cid = cid
         for tid, on in list(sess.resets.items()):
-            if on not in carriers:
+            if not on & carriers:
                 self._repeat_reset(sess, cid, conn, tid)  # (nothing for a tombstone gone meanwhile)
 
     def _on_reset(self, cid: int, ev: TransferReset) -> None:
@@ -1428,9 +1438,8 @@ class ReceiverCore:
             if c == cid:
                 del sess.streams[index]
         # What it carried is carried by none until a stream says it again.
-        for tid, on in list(sess.resets.items()):
-            if on == cid:
-                sess.resets[tid] = None
+        for on in sess.resets.values():
+            on.discard(cid)
         for t in sess.transfers.values():
             if t.limit_cid == cid:
                 t.limit_cid = None
@@ -1559,7 +1568,7 @@ class ReceiverCore:
             made_up = [block_from_key(b.decode("utf-8")) for b, v in blocks if not 0 <= v < MAX_BLOCK_VERSION]
             if made_up:
                 self._count("transfers_refused")
-                self._fail(t, stale_error(made_up, " (versions never issued)"), reset=True)
+                self._fail(t, stale_error(made_up, " (versions never issued)"), reset=True, answer=True)
                 return
             self._events.append(RegistryCheck(key=t.key, blocks=blocks))
             t.calling = True
@@ -1715,7 +1724,7 @@ class ReceiverCore:
             return False
         conn.send_reset(tid, *why)
         if tid in sess.resets:
-            sess.resets[tid] = cid
+            sess.resets[tid].add(cid)
         return True
 
     def _reserve(self, t: _Incoming) -> None:
@@ -1842,8 +1851,16 @@ class ReceiverCore:
 
     def _fail(
         self, t: _Incoming, error: KvwireError, *, reset: bool, even_if_complete: bool = False,
-        tombstone: KvwireError | None = None,
+        tombstone: KvwireError | None = None, answer: bool = False,
     ) -> None:
+        """``t`` fails with ``error``; with ``reset``, the client is told by a RESET: one
+        that ``answer``s its BEGIN (the registry's verdict) on the stream that carried the
+        last BEGIN, as an ACCEPT goes; any other (the application gave up, a deadline, the
+        server closing) on every open stream of the session.  A stream may be stalled (its
+        client not reading, its path stuck): a RESET queued there behind unread bytes would
+        reach the sender only once that stream broke (its idle timeout), while the sender
+        went on sending.  The client fails the transfer at the first copy it reads and
+        ignores the others (docs/protocol.md 10: a RESET for a transfer it does not have)."""
         if t.error is not None or (t.complete and not even_if_complete):
             return
         t.error = error
@@ -1881,23 +1898,31 @@ class ReceiverCore:
             sess.tombstones[t.key[1]] = (why.code, wire_text(str(why)))
             while len(sess.tombstones) > TOMBSTONES_KEPT:
                 sess.tombstones.popitem(last=False)
-            # On the stream that carried the last BEGIN, as an ACCEPT goes: a registry's
-            # stale verdict answers a BEGIN the client may have sent again on another
-            # stream because the first one broke.
-            found = self._any_open(sess, prefer=t.begin_cid)
+            carriers: list[tuple[int, Connection]] = []
             if reset:
-                sess.resets[t.key[1]] = found[0] if found is not None else None
+                if answer:
+                    # On the stream that carried the last BEGIN, as an ACCEPT goes: a
+                    # registry's stale verdict answers a BEGIN the client may have sent
+                    # again on another stream because the first one broke.
+                    found = self._any_open(sess, prefer=t.begin_cid)
+                    carriers = [found] if found is not None else []
+                else:
+                    carriers = self._every_open(sess)
+                sess.resets[t.key[1]] = {cid for cid, _ in carriers}
                 while len(sess.resets) > _RESETS_KEPT:
                     sess.resets.popitem(last=False)
-                if found is not None:
-                    found[1].send_reset(t.key[1], error.code, wire_text(str(error)))
+                for _, conn in carriers:
+                    conn.send_reset(t.key[1], error.code, wire_text(str(error)))
             # Acknowledgements held for the registry's verdict go out now, each after the
             # RESET on its own stream: every CHUNK gets its ACK (the stream's credit comes
             # back), and none reads as success.
             held, t.publish_pending = t.publish_pending, []
+            told = {cid for cid, _ in carriers}
             for cid, address in held:
                 if (c := self._conn(cid)) is not None:
-                    self._repeat_reset(sess, cid, c, t.key[1])
+                    if cid not in told:
+                        self._repeat_reset(sess, cid, c, t.key[1])
+                        told.add(cid)
                     c.send_ack(address)
         self._events.append(TransferFailed(key=t.key, error=error, request_id=t.begin.request_id, claimable=claimable))
         if claimable:
