@@ -7,9 +7,7 @@ measured encode speed and size to the ``auto`` codec chooser when there is one.
 With ``raw_fallback`` (the codecs are ``auto``'s choices) a chunk whose values the chosen
 quantizer refuses (:class:`~kvwire.errors.UnrepresentableValuesError`: NaN or infinity;
 int4: a group's range past float32) goes raw instead, and is yielded with ``raw`` as its
-codec; a codec the caller named still refuses it.  With measured goodput
-(``auto_codec="measured"``) the chooser's goodput meter is paused as such a chunk is
-yielded (:func:`fallback_pause`).
+codec; a codec the caller named still refuses it.
 """
 
 from __future__ import annotations
@@ -116,23 +114,6 @@ def _timed_encode(codec: Any, x: Any, kind: TensorKind) -> tuple[Any, float]:
     return enc, time.thread_time() - t0
 
 
-def fallback_pause(chooser: CodecChooser | None) -> None:
-    """A raw fallback chunk goes out: pause the chooser's goodput meter, where it measures
-    goodput.  The meter measures the codec the chooser chose, and the raw chunk's
-    acknowledgement, of another codec, counts in no run: without the pause the chosen
-    codec's run went on across it, its time counted and its KV bytes not (an int4 run
-    measured at 1.0 GB/s read 0.67 with one raw chunk of four times int4's wire time in
-    it).  The run ends here (a sample if long enough) and the next acknowledgement of the
-    chosen codec starts a new one.
-
-    That covers a fallback chunk yielded with no chunk of the chosen codec in flight.  The
-    acknowledgement of one still in flight then starts the next run, which still spans the
-    raw chunk's (as the run paused would have): only an end of the run at the raw chunk's
-    acknowledgement (the meter or the acknowledgement's handler) covers that case."""
-    if chooser is not None and chooser.measures_goodput:
-        chooser.meter.pause()
-
-
 def raw_based(name: str) -> bool:
     """``raw`` or ``raw+<entropy stage>``: nothing for a GPU kernel to quantize."""
     return name.split("+")[0] == "raw"
@@ -145,8 +126,7 @@ async def host_chunks(
     """Chunks of host arrays (each part's plan in turn), each with the codec ``pick()``
     chooses for it (when its chunk is submitted); with ``raw_fallback``, ``raw`` for a
     chunk whose values that codec refuses (the chooser is told nothing of the encode that
-    failed, and nothing of the raw chunk: raw encodes nothing; its goodput meter is
-    paused, :func:`fallback_pause`).
+    failed, and nothing of the raw chunk: raw encodes nothing).
 
     Encoded ahead: up to ``ahead`` chunks are submitted to the workers before the consumer
     takes them, each starting as soon as the one before has ended, so the encoder keeps
@@ -188,7 +168,6 @@ async def host_chunks(
                         raise
                     codec = get_codec("raw")
                     enc = encode_host(codec, x, kind)
-                    fallback_pause(chooser)
             if ahead and submitted < len(items):
                 submit()  # the next encode is queued before this chunk is handed on
             yield kind, s, c, codec, enc
@@ -240,8 +219,7 @@ async def device_parts(
     """:func:`device_chunks` of each part in turn, the codec picked once per part; closing
     this iterator closes the part's at once.  With ``raw_fallback``, a part whose values
     the codec refuses goes raw (the kernel's flags, for the whole tensor, are read before
-    its first chunk is yielded), the chooser's goodput meter paused at each of its chunks
-    (:func:`fallback_pause`)."""
+    its first chunk is yielded)."""
     for kind, x, plan in parts:
         codec = pick()
         sent = False
@@ -257,11 +235,10 @@ async def device_parts(
             continue
         async with contextlib.aclosing(device_chunks(get_codec("raw"), x, kind, plan, dtype, chooser)) as chunks:
             async for item in chunks:
-                fallback_pause(chooser)
                 yield item
 
 
 __all__ = [
     "ENCODE_AHEAD", "Encoded", "Part", "device_chunks", "device_parts", "encode", "encode_host", "encodes_inline",
-    "fallback_pause", "finish_encode", "host_chunks", "raw_based", "start_encode",
+    "finish_encode", "host_chunks", "raw_based", "start_encode",
 ]
