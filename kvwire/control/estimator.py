@@ -26,7 +26,9 @@ Two views of bandwidth come out of the samples:
 
 ``bandwidth_bps`` publishes the goodput while it is fresh (capped by the max filter), and
 falls back to the max filter when the sender has been idle or application-limited, so a
-quiet period neither reports zero nor forgets the path's capacity.
+quiet period neither reports zero nor forgets the path's capacity. A hold
+(:meth:`DeliveryRateEstimator.mark_app_limited`: the sender's drain) is not such a period:
+while its acks come in, the goodput keeps its newest sample.
 """
 
 from __future__ import annotations
@@ -157,6 +159,10 @@ class DeliveryRateEstimator:
         self._goodput_samples: deque[tuple[float, int, float]] = deque()
         self._goodput_bytes = 0
         self._goodput_interval = 0.0
+        # When the last chunk sent during a hold (mark_app_limited) was acked; None once a
+        # chunk sent outside one is. While a hold's samples come in, the newest goodput
+        # sample is kept (see _expire_goodput).
+        self._held_acked_at: float | None = None
         self._last_now = 0.0
 
         self._srtt: float | None = None
@@ -239,6 +245,8 @@ class DeliveryRateEstimator:
             self._first_sent_time = chunk.sent_time
             self._first_sent_total = chunk.sent_total
 
+        self._held_acked_at = now if chunk.held else None
+
         if now <= chunk.sent_time:
             self._update_extra_acked(chunk.nbytes, now)
             self._expire_goodput(now)
@@ -280,7 +288,11 @@ class DeliveryRateEstimator:
         """The sender holds data back on purpose (a drain to sample the path's RTT): the
         chunks it sends until everything now in flight is delivered are app-limited, so
         their low rates lower neither the max filter nor the goodput (Linux BBR marks its
-        ProbeRTT so). Call it again while the hold lasts. A round trip of such a chunk that
+        ProbeRTT so). Call it again while the hold lasts. The goodput keeps its newest
+        sample until the first ack of a chunk sent after the hold (or a goodput window
+        after the hold's last ack): a hold longer than the window (a drain on a slow or
+        long path) left it empty, and the estimate published was the max filter's, an old
+        peak after a drop in capacity. A round trip of such a chunk that
         waited in a queue (:data:`QUEUED_DELAY`) does not make its sample the path's: the
         queue is the sender's own burst into a pipe the hold emptied, and its rate counts
         the round trip before the first of it came back."""
@@ -381,7 +393,15 @@ class DeliveryRateEstimator:
     def _expire_goodput(self, now: float) -> None:
         horizon = now - self._goodput_window
         samples = self._goodput_samples
-        while samples and samples[0][0] <= horizon:
+        # A hold's samples (a drain and the round trip after it) add nothing: where they
+        # outlast the window (a slow or long path), the goodput emptied and the published
+        # estimate went back to the max filter, which after a drop in capacity holds the
+        # old peak for seconds (0.1 Gbit/s, 20 ms, halved: over 1.5 times the new rate for
+        # 6 s of 25). So the newest sample stays until the first ack of a chunk sent after
+        # the hold, or a window after the hold's last ack (the sender went idle).
+        held = self._held_acked_at
+        keep = 1 if held is not None and now - held < self._goodput_window else 0
+        while len(samples) > keep and samples[0][0] <= horizon:
             _, nbytes, interval = samples.popleft()
             self._goodput_bytes -= nbytes
             self._goodput_interval -= interval
