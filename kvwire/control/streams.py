@@ -183,8 +183,8 @@ class StreamController:
     """Chooses the number of streams in use from per-stream delivery samples.
 
     The shrink test rates one stream at the best a window-limited stream delivered in the
-    last ``best_window`` seconds, not the best ever: a stream's rate falls with its path
-    (a longer RTT, a smaller window). A shrink whose next evaluation finds the streams
+    last ``best_window`` seconds (the last such best where none did since), not the best
+    ever: a stream's rate falls with its path (a longer RTT, a smaller window). A shrink whose next evaluation finds the streams
     left window-limited failed: the stream comes back at once, the best is what one
     stream carries now, and no shrink goes below that count for ``backoff`` seconds.
     Before, a best of 5 Gbit/s kept from the first seconds, on streams carrying 2 of a
@@ -216,7 +216,8 @@ class StreamController:
         :param backoff: seconds after a revert before growing past that count again, and
             after a failed shrink before shrinking below that count again.
         :param best_window: seconds a window-limited stream's rate counts as the best one
-            stream has shown (the shrink test's rate per stream).
+            stream has shown (the shrink test's rate per stream), unless no window-limited
+            stream showed a rate since: the newest best counts until one does.
         """
         if not 1 <= min_streams <= initial_streams <= max_streams:
             raise ValueError("need 1 <= min_streams <= initial_streams <= max_streams")
@@ -247,7 +248,7 @@ class StreamController:
         self._ceiling: int | None = None
         self._ceiling_until = 0.0
         # (time, rate): the best window-limited per-stream rate of each evaluation, those
-        # of the last best_window seconds, falling from the front (the best).
+        # of the last best_window seconds and the newest, falling from the front (the best).
         self._bests: deque[tuple[float, float]] = deque()
         self._link_limited_runs = 0
         # A shrink waiting for its verdict (the next evaluation), and the count no shrink
@@ -328,7 +329,11 @@ class StreamController:
             while bests and bests[-1][1] <= rate:
                 bests.pop()
             bests.append((now, rate))
-        while bests and bests[0][0] < now - self._best_window:
+        # The newest best stays whatever its age: with none, no shrink could pass, and
+        # streams added on a fast link stayed after it slowed (5 Gbit/s per stream, a
+        # 12 Gbit/s link falling to 6 thirty seconds later: 3 streams for good). A stale
+        # best is corrected by the shrink it allows, if that fails.
+        while len(bests) > 1 and bests[0][0] < now - self._best_window:
             bests.popleft()
 
         if self._rate_before_grow is not None:

@@ -62,17 +62,47 @@ def test_a_needless_stream_is_still_given_up() -> None:
 
 def test_the_best_rate_is_that_of_the_last_best_window_seconds() -> None:
     """A rate one stream showed more than ``best_window`` seconds ago no longer says
-    fewer streams would do."""
+    fewer streams would do once a lower one was shown since."""
     ctl = StreamController(initial_streams=3, max_streams=4, interval=0.25, shrink_patience=60)  # best_window 10 s
-    t = 0.25
-    one_fast = [StreamSample(delivery_rate_bps=4 * G, window_limited=True)]
-    d = ctl.evaluate(one_fast + [StreamSample(delivery_rate_bps=G, window_limited=False)] * 2, t)
-    assert d.verdict is StreamVerdict.HOLD and d.streams == 3
+    t = 0.0
+
+    def one_limited(rate: float) -> StreamVerdict:
+        nonlocal t
+        t += 0.25
+        limited = [StreamSample(delivery_rate_bps=rate, window_limited=True)]
+        return ctl.evaluate(limited + [StreamSample(delivery_rate_bps=G, window_limited=False)] * 2, t).verdict
+
+    assert one_limited(4 * G) is StreamVerdict.HOLD
+    assert one_limited(1.2 * G) is StreamVerdict.HOLD  # the newest best, behind 4 Gbit/s
     verdicts = []
     for _ in range(80):  # link-limited at 3 Gbit/s for 20 s: 2 x 4 >= 1.25 x 3, but 15 s later
         t += 0.25
         verdicts.append(ctl.evaluate([StreamSample(delivery_rate_bps=G, window_limited=False)] * 3, t).verdict)
-    assert StreamVerdict.SHRINK not in verdicts and ctl.streams == 3
+    assert StreamVerdict.SHRINK not in verdicts and ctl.streams == 3  # 2 x 1.2 < 1.25 x 3
+
+
+def test_the_newest_best_counts_however_old() -> None:
+    """Streams added on a fast link are given up when it slows, however long after the
+    last window-limited sample: 5 Gbit/s per stream, a 12 Gbit/s link falling to 6 at
+    30 s. Before, every best older than ``best_window`` was dropped, none was left, and
+    the 3 streams stayed for good (the shrink at 30 s came only for a fall within 10 s)."""
+    for drop in (8.0, 30.0):
+        changes, _ = run(cap=lambda t: 5 * G, link=lambda t, at=drop: 12 * G if t < at else 6 * G, seconds=40.0)
+        assert [(v, n) for _, v, n in changes] == [(StreamVerdict.GROW, 2), (StreamVerdict.GROW, 3),
+                                                 (StreamVerdict.SHRINK, 2)]
+        assert changes[-1][0] == drop
+
+
+def test_a_stale_best_costs_one_failed_shrink() -> None:
+    """The newest best may be stale: 5 Gbit/s per stream on a 12 Gbit/s link (3 streams,
+    window-limited only on the way up), then at 20 s 2.5 per stream on a 6 Gbit/s link,
+    with no window-limited sample between. The shrink the 5 Gbit/s allows fails, is
+    undone at once, and the best becomes what a stream carries now: no shrink after it."""
+    changes, share = run(cap=lambda t: 5 * G if t < 20 else 2.5 * G, link=lambda t: 12 * G if t < 20 else 6 * G,
+                         seconds=60.0)
+    assert [(v, n) for _, v, n in changes] == [(StreamVerdict.GROW, 2), (StreamVerdict.GROW, 3),
+                                             (StreamVerdict.SHRINK, 2), (StreamVerdict.GROW, 3)]
+    assert share >= 0.99
 
 
 def test_a_failed_shrink_is_not_tried_again_within_the_backoff() -> None:
