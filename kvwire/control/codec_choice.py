@@ -34,10 +34,11 @@ How they combine is the ``pipeline`` setting:
 Delivered KV = 1 / cost. Raw has no encode or decode, so it is chosen whenever it is at
 least as fast as the best (within ``tolerance``, precision first): ``auto`` never lowers
 KV goodput by the model's measure. On a fast link the raw bytes win; on a slow one a
-compact codec does. The one exception is deliberate: given ``now``, one chunk per
-``probe_interval`` may be a probe that refreshes a measurement the model rests on (the
-path's rate while an encoder paces the sender, a compact codec's encode speed while raw
-is chosen, the speeds of a codec not sent for a while; see :meth:`CodecChooser.choose`).
+compact codec does. The one exception is deliberate: given ``now``, once per
+``probe_interval`` a chunk may be a probe that refreshes a measurement the model rests on
+(the path's rate while an encoder paces the sender: a short run of raw chunks, a round
+trip of the path long; a compact codec's encode speed while raw is chosen; the speeds of
+a codec not sent for a while; see :meth:`CodecChooser.choose`).
 
 What the wire term rests on is the bandwidth estimate, and an estimate taken while the
 sender, not the path, set the pace (app-limited: an encoder, a CPU shared with other
@@ -80,12 +81,22 @@ codec never measured that the model, calibrated by the codecs measured, rates be
 ``explore_floor`` of the leader waits as if so measured, and a codec the path could not
 carry as fast as the leader even at ``ESTIMATE_HEADROOM`` times the bandwidth estimate
 (``B / size_ratio``: raw on a slow link) is not explored at all while that holds: its
-stints would cost the most and cannot win. A challenger must beat the
+stints would cost the most and cannot win. The estimate bounds the wire there (and in
+the model's rate of a codec never measured) only while the path sets the pace: while the
+sender does (app-limited: the leader's encoder slower than the path), it is the leader's
+own pace, a floor of what the path carries, and raw waits only as any codec behind does
+(over a 40 Gbit/s path that fell to 2 for two seconds, int4 led at its encoder's 2 GB/s
+once the path was back, the estimate its 6 Gbit/s of wire, and raw, which delivered
+5 GB/s, was never explored again). A challenger must beat the
 leader by ``hysteresis`` more than the rule says. A leader whose rate falls below another
 codec's last measurement (by that much) hands over at once, and the new leader is
 measured all the time it is sent; so neither a stale high nor a stale low measurement
-lasts longer than one stint or one wait. The model still makes the first choice (before
-any acknowledgement), orders the codecs never measured, and makes deadline choices (with
+lasts longer than one stint or one wait. A wait holds only while the path is no faster
+than it has been since the measurement: once the estimate is :data:`PATH_GROWTH` times
+the lowest one since (of those taken while the path set the pace), the codec waits
+``explore_after`` chunks from then, however long its wait was (raw, measured as a
+40 Gbit/s path fell to 2, waited 2,560 chunks, 4.5 s, once it was back). The model still
+makes the first choice (before any acknowledgement), orders the codecs never measured, and makes deadline choices (with
 measured rates in place of its own where there are any).
 
 Codecs are named by string; the chooser never imports them. Encode speeds are measured
@@ -161,6 +172,16 @@ WIRE_HEADROOM = 2.0
 #: sent, and an encoder may have set that pace): a codec is not explored while the path
 #: could not carry it as fast as the leader even at this many times the estimate.
 ESTIMATE_HEADROOM = 2.0
+#: A codec waits what its last measurement says only while the bandwidth estimate stays
+#: below this many times the lowest one since that measurement (of the calls on which the
+#: path set the pace): a path that grew this much since may carry it faster than it was
+#: measured (raw, measured as a path fell, on the way down), and its wait is cut to
+#: ``explore_after`` chunks from then (see ``CodecChooser._choose_measured``). The
+#: estimate is a mean over half a second, far steadier than this; a goodput sample is not:
+#: cut each time the leader's rate moved by this much, the waits of the pipelines of
+#: tests/control/test_codec_chooser_measured.py cost up to 23% of their goodput in
+#: stints (a stint's first sample there read twice the rate of the next).
+PATH_GROWTH = 2.0
 #: How far behind the leader one goodput sample may put a codec as good as the leader (on
 #: two loaded cores a sample of 8 chunks varies by 10-20%, more while a transfer starts).
 SAMPLE_NOISE = 0.25
@@ -195,6 +216,16 @@ RUNNABLE_SLACK = 0.05
 #: host holds the loop far longer (runnable 0.16-0.21 of the time at 10 Gbit/s, 0.50-0.64
 #: with the host's two cores saturated).
 CPU_BOUND_SHARE = 0.8
+
+#: A raw probe of an app-limited path (see ``CodecChooser._probe``) is a run of raw chunks
+#: that lasts a round trip of the path, so that its last chunk's sample is measured from a
+#: raw chunk's send: one raw chunk among a compact codec's is measured at the rate sent
+#: over the round trip before it, mostly the encoder's (14 Gbit/s of a 40 Gbit/s path
+#: where int4's encoder sent 6: raw, rated at that, stayed below int4 for good). A run of
+#: D seconds is followed by at least D / RAW_RUN_SHARE seconds before the next raw probe,
+#: so that on a long path such runs take at most this share of the time (at 0.05, runs of
+#: 20 ms over a 10 Gbit/s path cost 3% of int4's goodput in a fake-time pipeline).
+RAW_RUN_SHARE = 0.02
 
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
@@ -371,6 +402,9 @@ class CodecChooser:
             raise ValueError(f"deadline_margin must be in [0, 1), got {deadline_margin!r}")
         self._probe_interval = probe_interval
         self._last_probe: float | None = None
+        # A raw probe run of an app-limited path: (when it began, when its latest chunk was chosen)
+        self._raw_run: tuple[float, float] | None = None
+        self._raw_probe_after = -math.inf  # no raw probe of the path before this time
         if not refresh_after > 0 or not 0 < refresh_share <= 1:
             raise ValueError("refresh_after must be positive and refresh_share in (0, 1]")
         self._refresh_after = refresh_after
@@ -394,6 +428,7 @@ class CodecChooser:
         self._stint_len: int | None = None  # chunks the last stint with a sample took
         self._far: dict[str, int] = {}  # stints in a row that measured a codec far behind
         self._model_due: dict[str, int] = {}  # never measured, far behind by the model: when due
+        self._low_since: dict[str, float] = {}  # the lowest estimate since each codec was measured
         self._hysteresis = hysteresis
         if not 0 <= explore_floor <= 1:
             raise ValueError("explore_floor must be in [0, 1]")
@@ -736,12 +771,15 @@ class CodecChooser:
             app-limited: on a short path the larger of ``peak_bps`` and the estimate, on
             a long one the estimate), and a raw choice stays
             raw: with the sender, not the path, the bottleneck, a codec that spends CPU to
-            save wire bytes cannot deliver more.
+            save wire bytes cannot deliver more. On measured goodput, such an estimate
+            neither keeps a codec from being explored nor rates one never measured (see
+            the module docstring).
         :param now: with it, once per ``probe_interval`` a chunk is a probe: while
             app-limited, a compact choice becomes raw (sent without encoding, it shows
             what the path delivers, so a path faster than the encoder stops being taken
             for a slow one; a link slower than the encoder keeps chunks queued, is never
-            app-limited and never probed this way); a raw choice becomes the best compact
+            app-limited and never probed this way), and the choices after it too, until
+            one made a round trip of the path after the first (see :meth:`_probe`); a raw choice becomes the best compact
             codec, whose encode speed is measured again; before either, any choice may
             become another codec held back by its CPU costs and not sent for
             ``refresh_after`` seconds, so that its speeds are measured again too.
@@ -767,7 +805,7 @@ class CodecChooser:
         if now is not None and not deadline and self._measure:
             if self.meter.measured:
                 bw = bandwidth_bps if bandwidth_bps is not None and bandwidth_bps > 0 else None
-                return self._choose_measured(self.rates(math.inf if bw is None else bw), bw)
+                return self._choose_measured(self.rates(math.inf if bw is None else bw), bw, app_limited)
             now = None  # the model's choice, unprobed: its first run is measured
         if bandwidth_bps is None or not bandwidth_bps > 0:
             # Nothing measured yet (no estimate, or one that is not a positive number:
@@ -860,9 +898,11 @@ class CodecChooser:
             return CodecChoice(codec=probe, delivered_bytes_per_s=rates[probe], meets_deadline=None, probe=True)
         return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None)
 
-    def _choose_measured(self, rates: Mapping[str, float], bandwidth_bps: float | None) -> CodecChoice:
+    def _choose_measured(self, rates: Mapping[str, float], bandwidth_bps: float | None,
+                         app_limited: bool) -> CodecChoice:
         """Throughput mode on measured goodput: the leader, or a stint of another codec
-        (see the module docstring)."""
+        (see the module docstring); ``app_limited``: the estimate is the sender's pace,
+        not the path's."""
         self._chosen += 1
         count = self._chosen
         if self._stint is not None:
@@ -906,6 +946,20 @@ class CodecChooser:
                     wait = max(wait, self._cost_wait(lead, rate, self._stint_len or 2 * self.meter.sample_acks))
             self._wait[c] = wait = min(wait, self._explore_max)
             self._due[c] = count + wait
+            self._low_since[c] = math.inf
+        if bandwidth_bps:
+            low = self._low_since
+            for c in list(low):
+                if not app_limited:  # an app-limited estimate is the sender's pace
+                    low[c] = min(low[c], bandwidth_bps)
+                if bandwidth_bps >= PATH_GROWTH * low[c]:
+                    # The path grew since the codec was measured (it slowed down for a while,
+                    # and is back): its wait counts from now as if it had been measured
+                    # level with the leader.
+                    del low[c]
+                    self._far[c] = 0
+                    self._wait[c] = self._explore_after
+                    self._due[c] = min(self._due.get(c, 0), count + self._explore_after)
         # Until a codec with CPU costs is measured, the model has nothing to be calibrated
         # with: the best of them by the model is explored even if it looks far behind
         # (the model's speeds can be a few times off), unless it looks ten times behind.
@@ -915,10 +969,13 @@ class CodecChooser:
         scale = self._model_scale(bandwidth_bps)
         if first is not None and self._calibrated(first, bandwidth_bps, scale) < UNCALIBRATED_FLOOR * lead:
             first = None
+        # The path's rate, as far as the estimate says what it is: an app-limited estimate
+        # is the sender's pace (the leader's encoder), a floor of it, and bounds nothing.
+        path_bps = None if app_limited else bandwidth_bps
         for c in self._by_precision:
             if c in measured or c in self._due or c == first:
                 continue
-            model = self._calibrated(c, bandwidth_bps, scale)
+            model = self._calibrated(c, path_bps, scale)
             if model < self._explore_floor * lead:
                 # Never measured and far behind by the (calibrated) model: it waits as if
                 # measured so, unless the model comes closer meanwhile.
@@ -930,7 +987,7 @@ class CodecChooser:
         # estimate, is not explored while that holds (raw on a slow link).
         due = [c for c in self._by_precision if c != leader
                and count >= self._due.get(c, 0) and count >= self._model_due.get(c, 0)
-               and ESTIMATE_HEADROOM * self._wire_bound(c, bandwidth_bps) >= lead]
+               and ESTIMATE_HEADROOM * self._wire_bound(c, path_bps) >= lead]
         if not due:
             return self._measured_choice(leader, rates, probe=False)
         # Never measured first, in the model's order; then the one waiting longest.
@@ -1002,7 +1059,12 @@ class CodecChooser:
         * a compact codec chosen while app-limited, whose CPU work cannot put wire bytes
           out much faster than the estimate: raw, to see what the path carries (the
           estimate may be only the encoder's pace; a link the encoder easily outruns is
-          app-limited only briefly, when a transfer starts, and is not probed);
+          app-limited only briefly, when a transfer starts, and is not probed). Raw goes
+          on for the choices after it until one made a round trip of the path
+          (:meth:`observe_path_rtt`) after the first, while a compact codec is chosen:
+          the estimator bounds a sample by the rate sent over the round trip before its
+          chunk, and only there is that raw's (:data:`RAW_RUN_SHARE`, which also spaces
+          such runs);
         * raw chosen: the best compact codec, so that its encode speed is measured again
           (a speed measured on a busy host would otherwise keep it out forever);
         * before either, another codec held back by its CPU costs (not by the wire), not
@@ -1013,19 +1075,27 @@ class CodecChooser:
         """
         if now is None or len(rates) < 2:
             return None
+        free = self._by_precision[0]
+        if self._raw_run is not None:
+            began, last = self._raw_run
+            if chosen != free and began <= last <= now and last < began + (self._path_rtt or 0.0):
+                self._raw_run = (began, now)  # a round trip of raw not sent yet: raw again
+                return free
+            self._raw_run = None
+            self._raw_probe_after = began + max(self._probe_interval, (last - began) / RAW_RUN_SHARE)
         if self._last_probe is not None and now - self._last_probe < self._probe_interval:
             return None
-        free = self._by_precision[0]
         # A stale contender first: it comes up once per refresh_after, the others may
         # take every interval.
         probe = self._stale_contender(chosen, rates, bandwidth_bps, now)
         if probe is None and self._is_free(free):
             if chosen == free:
                 probe = max((c for c in rates if c != free), key=lambda c: rates[c])
-            elif app_limited:
+            elif app_limited and now >= self._raw_probe_after:
                 cpu_wire = self.delivered_rate(chosen, math.inf) * self._ratio[chosen]  # wire bytes/s
                 if cpu_wire <= 1.5 * bandwidth_bps / 8.0:
                     probe = free
+                    self._raw_run = (now, now)
         if probe is not None:
             self._last_probe = now
         return probe
