@@ -112,9 +112,9 @@ class InflightController:
     So, as BBR's ProbeRTT does, when the minimum is :data:`PROBE_RTT_AFTER` seconds old,
     more than a BDP is in flight and the least RTT of the last :data:`PROBE_RTT_RECENT`
     seconds (at least two minimum RTTs) is more than :data:`PROBE_RTT_INFLATION` times
-    the minimum, the target drops to half a BDP (at least one chunk) until the queue has
-    drained and one more round trip passed (at least :data:`PROBE_RTT_TIME`): what is
-    sent then samples the path's RTT again.
+    the minimum, the target drops to half a BDP (rounded up to whole chunks, framing
+    included: at least one) until the queue has drained and one more round trip passed
+    (at least :data:`PROBE_RTT_TIME`): what is sent then samples the path's RTT again.
 
     Recent samples, not the one after the minimum: a window's growth sends many chunks
     at once, acked one chunk's time on the wire apart, so the samples after the minimum
@@ -261,9 +261,17 @@ class InflightController:
             # Half a BDP in flight (BBR v2's ProbeRTT), or one chunk where that is more:
             # the queue drains, and the RTT of what is sent then is the path's. Half the
             # cost of one chunk where a BDP is many (measured on the link simulator: 1.2
-            # instead of 2.1 % of a 25 Gbit/s, 10 ms link).
-            self._target = min(self._max_bytes,
-                               max(self._chunk + _FRAME_SLACK, math.ceil(bandwidth / 16.0 * min_rtt)))
+            # instead of 2.1 % of a 25 Gbit/s, 10 ms link). In whole frames, rounded up:
+            # may_send lets whole chunks through, and half a BDP of 1.99 frames held one
+            # (1 Gbit/s, 100 ms, or 100 Gbit/s, 0.5 ms, 4 MiB chunks: 8.35 MB, 4.2 MB
+            # frames), which each ack left with nothing in flight. Less than half a BDP
+            # more, and no more than one BDP where a frame is at most half of one.
+            per_chunk = self._chunk + _FRAME_SLACK
+            frames = bandwidth / 16.0 * min_rtt / per_chunk
+            if frames >= self._max_bytes / per_chunk:
+                self._target = self._max_bytes
+            else:
+                self._target = min(self._max_bytes, max(1, math.ceil(frames)) * per_chunk)
             return self._target
         bdp = bandwidth / 8.0 * min_rtt
         # Acks later than the path's minimum (a busy receiver) need bytes to cover the
