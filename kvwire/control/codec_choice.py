@@ -45,8 +45,10 @@ sender, not the path, set the pace (app-limited: an encoder, a CPU shared with o
 work, a transfer's first round trips) is a floor of the path's rate, not its ceiling.
 So the model takes the path's rate as the estimator's peak while the path sets the
 pace on a short path (``peak_bps``; the published estimate is a mean over half a second,
-which on a long path spans many round trips and is kept) and, while app-limited, as at
-least that rate when the path last set the pace; raw, sent first on
+which on a long path spans many round trips and is kept; a peak more than
+:data:`PEAK_OVER_ESTIMATE` times the estimates of the last :data:`ESTIMATE_MEMORY`
+seconds is one the path no longer carries, and counts at that) and, while app-limited,
+as at least that rate when the path last set the pace; raw, sent first on
 a short path, stays chosen while the sender limits, until the path's rate stops
 growing (BBR's full pipe, :data:`FILL_CHUNKS`) and, on a path known to be short, until
 the transport's cost is first measured; and a less precise codec must beat the
@@ -122,6 +124,7 @@ speed that is not a finite number > 0 with ``ValueError``.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -196,6 +199,21 @@ HOPELESS = 0.25
 #: Well above what a loaded host's loop takes to answer on loopback (its clock may tick in
 #: whole milliseconds).
 LONG_PATH_RTT = 0.005
+
+#: On a short path the wire is rated at the estimator's peak while the path sets the pace
+#: (see :meth:`CodecChooser.choose`), but at no more than this many times the highest
+#: estimate published in the last :data:`ESTIMATE_MEMORY` seconds while it set the pace.
+#: The peak is what the path carried in its last ten round trips; after a drop in
+#: capacity it reads the old rate for as long as those round trips take behind the queue
+#: the old rate built, long after the estimate (a mean over half a second) followed the
+#: drop: 40 Gbit/s until 1.7 s after a 2 ms path fell to 2, and raw was kept there at
+#: 0.27 GB/s of KV where int4 delivered 0.67. A mean below the peak for a reason other
+#: than the path's is within this of it (a burst of small transfers, each with its first
+#: round trips in it, read 13 Gbit/s of a loopback whose peak was 25).
+PEAK_OVER_ESTIMATE = 3.0
+#: Seconds of published estimates whose highest bounds the peak (:data:`PEAK_OVER_ESTIMATE`):
+#: an estimate that fell for a moment does not, one that stayed down this long does.
+ESTIMATE_MEMORY = 0.25
 
 #: Raw, sent first on a short path, stays chosen until the path's rate (measured while the
 #: path, not the sender, set the pace) has grown by less than FILL_GROWTH over this many
@@ -442,6 +460,10 @@ class CodecChooser:
         self._path_bps: float | None = None  # the path's rate when it last set the pace
         self._filling = False  # raw went first, the path's rate still grows (FILL_CHUNKS)
         self._fill_bps, self._fill_count = 0.0, 0
+        # (since, estimate) of the calls on which the path set the pace on a short path,
+        # each higher than those after it; since: the time of the first call after the one
+        # before it (the calls between, lower, were dropped) (_recent_estimate)
+        self._estimates: deque[tuple[float, float]] = deque()
 
     @classmethod
     def from_ratios(cls, ratios: Mapping[str, float], **kwargs: Any) -> CodecChooser:
@@ -792,7 +814,9 @@ class CodecChooser:
             has shown it carries. In throughput mode, on a call that is not app-limited
             and on a short path, the model rates the wire at the larger of it and
             ``bandwidth_bps``, and remembers that for the app-limited calls after it (on
-            a long path it is not used).
+            a long path it is not used); with ``now``, the peak counts at no more than
+            :data:`PEAK_OVER_ESTIMATE` times the highest estimate of such calls in the
+            last :data:`ESTIMATE_MEMORY` seconds (a peak that outlived a drop in capacity).
         """
         choice = self._choose(bandwidth_bps, remaining_bytes, time_left, app_limited, now, peak_bps)
         if self._measure:
@@ -842,7 +866,7 @@ class CodecChooser:
             if self._long_path():
                 path = self._path_bps = bandwidth_bps
             else:
-                path = self._path_bps = bandwidth_bps = max(bandwidth_bps, peak_bps or 0.0)
+                path = self._path_bps = bandwidth_bps = self._short_path_rate(bandwidth_bps, peak_bps, now)
             if self._filling:
                 # BBR's full pipe: the path's rate stopped growing by a quarter.
                 if path >= FILL_GROWTH * self._fill_bps:
@@ -1115,6 +1139,31 @@ class CodecChooser:
             and now - self._sent_at.get(c, -math.inf) >= self._refresh_after
         ]
         return min(stale, key=lambda c: self._sent_at.get(c, -math.inf)) if stale else None
+
+    def _short_path_rate(self, bandwidth_bps: float, peak_bps: float | None, now: float | None) -> float:
+        """The path's rate on a short path while it sets the pace: the larger of the
+        estimate and its peak, the peak taken at no more than :data:`PEAK_OVER_ESTIMATE`
+        times the highest estimate of the last :data:`ESTIMATE_MEMORY` seconds (with
+        ``now``; without it, as given)."""
+        peak = peak_bps if peak_bps is not None and peak_bps > 0 else 0.0
+        if now is not None:
+            peak = min(peak, PEAK_OVER_ESTIMATE * self._recent_estimate(bandwidth_bps, now))
+        return max(bandwidth_bps, peak)
+
+    def _recent_estimate(self, bandwidth_bps: float, now: float) -> float:
+        """Records ``bandwidth_bps`` at ``now``; returns the highest estimate recorded
+        since the latest one at least :data:`ESTIMATE_MEMORY` seconds old, that one
+        included (after a pause between transfers the estimate from before it counts
+        until the new ones span that long)."""
+        estimates = self._estimates
+        since = now
+        while estimates and estimates[-1][1] <= bandwidth_bps:
+            since = estimates.pop()[0]
+        estimates.append((since, bandwidth_bps))
+        # The highest is no longer needed once a call after it is that old.
+        while len(estimates) > 1 and estimates[1][0] <= now - ESTIMATE_MEMORY:
+            estimates.popleft()
+        return estimates[0][1]
 
     def _long_path(self) -> bool:
         """The shortest round trip seen (:meth:`observe_path_rtt`) was at least
