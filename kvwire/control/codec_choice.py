@@ -684,6 +684,8 @@ class CodecChooser:
         """Expected fp16 KV bytes/s delivered with ``codec`` over ``bandwidth_bps``."""
         ratio = self._ratio[codec]
         link = bandwidth_bps / 8.0 / ratio
+        if not link > 0.0:
+            return 0.0  # a positive bandwidth so small that its byte rate underflows carries nothing
         # CPU seconds per fp16 byte of each stage (0: free or not measured)
         encode, decode = self._speed[codec], self.decode_speed(codec)
         enc = 1.0 / encode if encode else 0.0

@@ -196,3 +196,10 @@ def test_an_observation_that_is_no_number_changes_nothing(
     apply(ch, bad)
     assert model(ch) == before
     assert ch.choose(10e9).codec in ch.codecs
+
+
+@pytest.mark.parametrize("setup", [(False, "serial", 1, False), (True, "serial", 1, False), (False, "hosts", 1, False)])
+def test_a_bandwidth_whose_byte_rate_underflows_is_no_division_by_zero(setup: tuple[bool, str, int, bool]) -> None:
+    """5e-324 bit/s is positive, but its rate in bytes per wire byte underflows to 0.0."""
+    choice = chooser_of(*setup).choose(5e-324, app_limited=False)
+    assert choice.delivered_bytes_per_s == 0.0
