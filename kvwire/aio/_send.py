@@ -27,7 +27,7 @@ from kvwire.aio._arrays import (
 from kvwire.aio._codec_speed import codec_speeds
 from kvwire.aio._encode import Part, device_parts, encode_host, host_chunks, raw_based
 from kvwire.codec import TensorKind, get_codec
-from kvwire.control import CodecCandidate, CodecChooser
+from kvwire.control import CodecCandidate, CodecChooser, DeliveryRateEstimator
 from kvwire.errors import (
     ErrorCode,
     IncompatiblePeerError,
@@ -378,6 +378,18 @@ def _granted(core: SenderCore, tid: int, layer: int) -> Callable[[], bool]:
     return lambda: core.layer_limit(tid) > layer
 
 
+def chooser_app_limited(est: DeliveryRateEstimator) -> bool:
+    """Whether ``auto``'s chooser is told the sender sets the pace (``app_limited``):
+    the estimator's samples are app-limited, and not only because the in-flight window
+    held data back to drain the path's queue (ProbeRTT: the drain, the round trip after
+    it, and what the sender sent then with the pipe running dry). A drain's estimate is
+    the path's as measured before it, and told otherwise the chooser sent a run of raw
+    probes for each drain (10 Gbit/s, 100 ms: 9 raw chunks in each, whose samples the
+    estimator holds, and a raw run in the round trip after it when only the drain was
+    left out)."""
+    return est.app_limited and not est.hold_limited
+
+
 async def _send_layer(
     peer: Peer, st: SendState, tid: int, spec: KVSpec, index: int, k: Any, v: Any, codec_name: str,
     used: dict[str, int], started: float, deadline: float | None,
@@ -405,7 +417,7 @@ async def _send_layer(
             chooser.observe_path_rtt(rtt)
         return get_codec(chooser.choose(
             est.bandwidth_bps, remaining_bytes=remaining if deadline is not None else None,
-            time_left=left, app_limited=est.app_limited, now=clock(), peak_bps=est.max_filter_bps,
+            time_left=left, app_limited=chooser_app_limited(est), now=clock(), peak_bps=est.max_filter_bps,
         ).codec)
 
     chosen: Any = None

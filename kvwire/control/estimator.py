@@ -148,6 +148,9 @@ class DeliveryRateEstimator:
         self._app_limited_until = 0
         # The same mark, set by mark_app_limited: samples app-limited whatever their wait.
         self._held_until = 0
+        # The app-limited mark as the hold left it (mark_app_limited, and the sends during
+        # the hold the sender marked app-limited); 0 once delivered (see hold_limited).
+        self._hold_mark = 0
 
         self._round_count = 0
         self._next_round_delivered = 0
@@ -200,6 +203,8 @@ class DeliveryRateEstimator:
         self._sent_total += nbytes
         if app_limited:
             self._app_limited_until = max(self._delivered + self._bytes_in_flight, 1)
+            if self._held_until:
+                self._hold_mark = self._app_limited_until
         self._sent[chunk_key] = _SentChunk(
             nbytes=nbytes,
             sent_time=now,
@@ -234,6 +239,8 @@ class DeliveryRateEstimator:
             self._app_limited_until = 0
         if self._held_until and self._delivered > self._held_until:
             self._held_until = 0
+        if self._hold_mark and self._delivered > self._hold_mark:
+            self._hold_mark = 0
 
         if chunk.delivered >= self._next_round_delivered:
             self._next_round_delivered = self._delivered
@@ -297,7 +304,7 @@ class DeliveryRateEstimator:
         queue is the sender's own burst into a pipe the hold emptied, and its rate counts
         the round trip before the first of it came back."""
         mark = max(self._delivered + self._bytes_in_flight, 1)
-        self._app_limited_until = self._held_until = mark
+        self._app_limited_until = self._held_until = self._hold_mark = mark
 
     def on_loss(self, chunk_key: Hashable) -> bool:
         """Forget a chunk that will never be acknowledged; returns whether it was known."""
@@ -518,6 +525,16 @@ class DeliveryRateEstimator:
     def app_limited(self) -> bool:
         """Whether samples currently being taken are marked application-limited."""
         return self._app_limited_until != 0
+
+    @property
+    def hold_limited(self) -> bool:
+        """Whether the samples being taken are app-limited only because the sender held
+        data back (:meth:`mark_app_limited`: a drain and the round trip after it), not
+        because it ran out of data: marked so, or sent during the hold and marked
+        app-limited by the sender (the flight the hold kept short found the pipe running
+        dry). The estimate is then the path's as measured before the hold, and a chunk
+        sent now measures nothing of what feeds the sender."""
+        return self._app_limited_until != 0 and self._app_limited_until <= self._hold_mark
 
     def bdp_bytes(self) -> float | None:
         """Bandwidth-delay product from the published bandwidth and the min RTT (bytes)."""
