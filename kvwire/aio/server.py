@@ -871,13 +871,15 @@ class Server(Pump):
         if isinstance(ev, TransferFailed) and (check := self._checks.get(ev.key)) is not None:
             # Its registry check still runs: its verdict no longer matters, so it is
             # cancelled (check_many only reads: nothing in the registry needs undoing, and
-            # RedisRegistry closes a connection whose reply did not come).  The core keeps
-            # the transfer's place until the call has ended and answered it
-            # (_registry_answered): a client beginning and resetting transfers has at most
-            # max_transfers calls running, even against a registry that goes on when
-            # cancelled.  A publish is never cancelled: it runs only for a transfer whose
-            # every chunk arrived, and what a registry does on publish is its own (it
-            # confirms what was received); it keeps its transfer's place until answered.
+            # RedisRegistry closes a connection whose reply did not come).  The core counts
+            # the transfer among the session's failed ones awaiting the registry (an
+            # allowance beside max_transfers: the client may begin another at once) until
+            # the call has ended and answered it (_registry_answered): a client beginning
+            # and resetting transfers has at most 2 x max_transfers calls running, even
+            # against a registry that goes on when cancelled.  A publish is never
+            # cancelled: it runs only for a transfer whose every chunk arrived, and what a
+            # registry does on publish is its own (it confirms what was received); it
+            # counts until answered.
             check.cancel()
         if isinstance(ev, LayerReady):
             t = self._transfer(ev.key)

@@ -12,8 +12,9 @@ The registry gate is an event: :class:`RegistryCheck` asks the I/O layer to run
 asks for ``publish`` before the last acknowledgement is released
 (:meth:`ReceiverCore.registry_published`).  The core never waits.  Every call is answered,
 also one whose transfer failed meanwhile (the I/O layer may cancel a check then, never a
-publish): until it is, that transfer keeps its place in ``max_transfers`` (see
-``ReceiverCore._orphan``), so calls running never outnumber the transfers a session may hold.
+publish): until it is, that transfer counts against an allowance of its own beside
+``max_transfers`` (see ``ReceiverCore._orphan``), so a session has at most twice
+``max_transfers`` calls running.
 
 Memory: layer buffers come from a :class:`LayerStore` (by default ``allocate``, which may
 raise MemoryError, and ``decode``) and are counted against ``max_buffer_bytes`` until the
@@ -223,11 +224,10 @@ def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
 
 def admit_begin(
     begin: Begin, *, active: int, max_transfers: int, max_meta_bytes: int,
-    fingerprints: frozenset[bytes] | set[bytes] = frozenset(), unclaimed: int = 0, registry_calls: int = 0,
+    fingerprints: frozenset[bytes] | set[bytes] = frozenset(), unclaimed: int = 0,
 ) -> tuple[KVSpec, dict[str, object]]:
     """Validate a BEGIN for a session with ``active`` transfers in progress or unclaimed
-    (``unclaimed`` of them complete, waiting for the application to claim them;
-    ``registry_calls`` failed, a registry call of theirs still unanswered).
+    (``unclaimed`` of them complete, waiting for the application to claim them).
 
     Returns the transfer's layout and meta; raises the error its RESET carries (section
     7.1 of docs/protocol.md): LIMIT_EXCEEDED, INCOMPATIBLE_SPEC or PROTOCOL_ERROR.
@@ -235,8 +235,6 @@ def admit_begin(
     if active >= max_transfers:
         # (within WIRE_TEXT_LIMIT: the RESET carries it)
         held = f", {unclaimed} complete and not claimed by the receiver's application" if unclaimed else ""
-        if registry_calls:
-            held += f", {registry_calls} failed awaiting the registry"
         raise LimitExceededError(
             f"{active} transfers of the session held (max_transfers={max_transfers}){held}: "
             "retry once one ends" + (" or is claimed" if unclaimed else ""))
@@ -687,11 +685,11 @@ class ReceiverCore:
         # (complete, and not claimed; kept in ``_held_gone``), see _check_held.
         self._held = 0
         self._held_gone: dict[Key, None] = {}
-        # Registry calls still unanswered whose transfer failed meanwhile (see _orphan): each
-        # keeps its transfer's place until it is answered, in its session's max_transfers
-        # while that session is open (``_orphans_open``, by session), and among the server's
-        # held transfers in any case.
-        self._orphans: dict[Key, None] = {}
+        # Registry calls still unanswered whose transfer failed meanwhile (see _orphan),
+        # each with the budget bytes of the block list it holds (counted in kept_bytes until
+        # it is answered): an allowance of their own beside max_transfers and held_limit,
+        # by session while it is open (``_orphans_open``), and server-wide (see _check_calls).
+        self._orphans: dict[Key, int] = {}
         self._orphans_open: dict[bytes, dict[Key, None]] = {}
         self._events: deque[ReceiverEvent] = deque()
         self._dirty: set[int] = set()
@@ -914,16 +912,17 @@ class ReceiverCore:
     @property
     def held_transfers(self) -> int:
         """Transfers the server holds for its sessions (at most :attr:`held_limit`):
-        admitted and not failed, neither both complete and claimed nor taken whole; and
-        those that failed while a registry call of theirs was in flight, until it is
-        answered (see :meth:`_orphan`)."""
-        return self._held + len(self._orphans)
+        admitted and not failed, neither both complete and claimed nor taken whole.  Those
+        that failed while a registry call of theirs ran are not among them (see
+        :meth:`_orphan` and :attr:`registry_calls`)."""
+        return self._held
 
     @property
     def registry_calls(self) -> int:
         """Registry calls asked for (:class:`RegistryCheck`, :class:`RegistryPublish`) and
         not answered yet, those whose transfer failed meanwhile included: at most
-        ``max_transfers`` a session, :attr:`held_limit` in all."""
+        ``2 * max_transfers`` a session, ``2 *`` :attr:`held_limit` in all (see
+        :meth:`_check_calls`)."""
         return sum(1 for t in self._live.values() if t.calling) + len(self._orphans)
 
     def _recount(self, t: _Incoming) -> None:
@@ -947,38 +946,64 @@ class ReceiverCore:
         instead of holding more of them, until the application claims them or their
         ``claim_timeout`` drops them."""
         limit = self.held_limit
-        held = self.held_transfers
+        held = self._held
         if held >= limit:
             # (within WIRE_TEXT_LIMIT: the RESET carries it)
-            why = [f"{len(self._held_gone)} complete from ended sessions, not claimed by its application"
-                   ] if self._held_gone else []
-            if self._orphans:
-                why.append(f"{len(self._orphans)} failed awaiting the registry")
             raise LimitExceededError(
                 f"the server holds {held} transfers (max_sessions x max_transfers = {limit}), "
-                f"{', '.join(why)}: retry later")
+                f"{len(self._held_gone)} complete from ended sessions, not claimed by its application: retry later")
+
+    def _check_calls(self, sess: _Session, active: int) -> None:
+        """Refuse a BEGIN that would make a registry call (LIMIT_EXCEEDED) while failed
+        transfers whose call still runs (:meth:`_orphan`) use up their allowance: those of
+        ``sess`` with its ``active`` transfers (in progress, or not claimed) reach twice
+        ``max_transfers``, or those of the server with its :attr:`held_transfers` twice
+        :attr:`held_limit`.  The allowance is theirs alone, beside ``max_transfers`` and
+        :attr:`held_limit`: a client that gives up a transfer while its call runs (the
+        server cancels a check, never a publish, and hears of the end later) may begin
+        another at once.  Every transfer that may still call (gated, not yet published) is
+        among the held and active ones, and a failure only moves it among the failed
+        awaiting: so a session never has more than ``2 * max_transfers`` calls running, the
+        server ``2 * held_limit``."""
+        cap = 2 * self.config.max_transfers
+        own = len(self._orphans_open.get(sess.session_id, ()))
+        if own and active + own >= cap:
+            # (within WIRE_TEXT_LIMIT: the RESET carries it)
+            raise LimitExceededError(
+                f"{own} failed transfers of the session awaiting the registry, {active} held "
+                f"(together at most 2 x max_transfers = {cap}): retry once the registry answers")
+        cap = 2 * self.held_limit
+        if self._orphans and self._held + len(self._orphans) >= cap:
+            raise LimitExceededError(
+                f"the server has {len(self._orphans)} failed transfers awaiting the registry, {self._held} "
+                f"held (together at most 2 x max_sessions x max_transfers = {cap}): retry later")
 
     def _orphan(self, t: _Incoming) -> None:
         """``t`` failed with a registry call of it unanswered.  Its memory was given back,
-        but the call still runs (and holds its block list, up to a frame's worth), so it
-        keeps ``t``'s place until it is answered: in its session's ``max_transfers`` while
-        that session is open, and among the server's :attr:`held_transfers` in any case.
-        A client beginning and resetting gated transfers against a slow registry so has at
-        most ``max_transfers`` calls running, the server :attr:`held_limit`; their
-        BEGINs past that are refused (LIMIT_EXCEEDED).  The I/O layer may cancel a check
-        (it only reads), never a publish; it answers either (:meth:`registry_checked`,
-        :meth:`registry_published`) once it ended."""
+        but the call still runs, holding its block list (up to a frame's worth), so until it
+        is answered ``t`` counts among the failed transfers awaiting the registry: its
+        session's while that session is open, and the server's in any case, each an
+        allowance beside ``max_transfers`` and :attr:`held_limit` (:meth:`_check_calls`:
+        gated BEGINs past it are refused with LIMIT_EXCEEDED); and its block list stays in
+        :attr:`kept_bytes` (the budget's share past ``max_buffer_bytes`` for what the
+        server remembers).  The I/O layer may cancel a check (it only reads), never a
+        publish; it answers either (:meth:`registry_checked`, :meth:`registry_published`)
+        once it ended."""
         t.calling = False
-        self._orphans[t.key] = None
+        kept = sum(2 * len(bv.block) + BLOCK_ENTRY_BYTES for bv in t.begin.blocks)
+        self._orphans[t.key] = kept
+        self.kept_bytes += kept
+        self.buffered_bytes += kept
         if t.key[0] in self._sessions:
             self._orphans_open.setdefault(t.key[0], {})[t.key] = None
 
     def _answered(self, key: Key) -> bool:
         """The answer to a registry call of ``key`` whose transfer failed (True: it frees
-        that transfer's place, and is otherwise ignored)."""
-        if key not in self._orphans:
+        that transfer's place and its block list's bytes, and is otherwise ignored)."""
+        kept = self._orphans.pop(key, None)
+        if kept is None:
             return False
-        del self._orphans[key]
+        self._unkeep(kept)
         own = self._orphans_open.get(key[0])
         if own is not None:
             own.pop(key, None)
@@ -1517,20 +1542,22 @@ class ReceiverCore:
             return
         cfg = self.config
         try:
-            orphans = self._orphans_open.get(sess.session_id, {})
             if tid in sess.transfers or tid in sess.completed:
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
-            if (sess.session_id, tid) in orphans:  # (its tombstone forgotten meanwhile)
+            if (sess.session_id, tid) in self._orphans_open.get(sess.session_id, ()):
+                # (its tombstone forgotten meanwhile)
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER,
                                       f"transfer id {tid} is still in use: a registry call for it runs")
-            # Completed transfers the application has not claimed hold memory too, and
-            # failed ones whose registry call still runs hold that call (see _orphan).
+            # Completed transfers the application has not claimed hold memory too.  Failed
+            # ones whose registry call still runs have an allowance of their own (_check_calls).
             active = sum(1 for t in sess.transfers.values() if not t.complete or not t.claimed)
             unclaimed = sum(1 for t in sess.transfers.values() if t.complete and not t.claimed)
-            spec, meta = admit_begin(begin, active=active + len(orphans), max_transfers=cfg.max_transfers,
+            spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
                                      max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints,
-                                     unclaimed=unclaimed, registry_calls=len(orphans))
+                                     unclaimed=unclaimed)
             self._check_held()
+            if cfg.registry and begin.blocks:  # (it will make a registry call)
+                self._check_calls(sess, active)
             extra = begin_footprint(begin, meta)
             if extra and not self._kept_room(extra):
                 self._count("buffer_budget_refusals")
