@@ -1377,9 +1377,11 @@ class ReceiverCore:
             old = sess.streams.pop(ev.stream_index, None)
             if old is not None and old in self._conns:
                 # The client reconnects a slot whose old connection still looks up (a
-                # half-open TCP connection): the new one replaces it.
+                # half-open TCP connection): the new one replaces it.  Its close, later,
+                # finds no session (_on_closed): what it carried is let go of now.
                 self._release_reservations(old)
                 self._conn_session.pop(old, None)
+                self._stream_gone(sess, old)
                 self._conns[old].close(ErrorCode.SESSION_LOST, "replaced by a reconnected stream")
                 self._dirty.add(old)
             if len(sess.streams) >= self.config.max_streams:
@@ -1459,15 +1461,7 @@ class ReceiverCore:
         sess = self._conn_session.pop(cid, None)
         if sess is None or sess.closed:
             return
-        for index, c in list(sess.streams.items()):
-            if c == cid:
-                del sess.streams[index]
-        # What it carried is carried by none until a stream says it again.
-        for on in sess.resets.values():
-            on.discard(cid)
-        for t in sess.transfers.values():
-            if t.limit_cid == cid:
-                t.limit_cid = None
+        self._stream_gone(sess, cid)
         # A break is resumable even when every transfer is complete here: the client may
         # still wait for acknowledgements that were lost with the stream.
         if ev.resumable and self.config.resume_timeout > 0:
@@ -1487,6 +1481,20 @@ class ReceiverCore:
             self._session_gone(sess)
         elif (other := self._any_open(sess)) is not None:
             self._say_again(sess, *other)  # (a clean close: RESETs it carried may be unread)
+
+    def _stream_gone(self, sess: _Session, cid: int) -> None:
+        """Connection ``cid`` is no stream of ``sess`` any more (it closed, or a connection
+        that re-joined its slot replaced it): what it carried is carried by none until a
+        stream says it again, and nothing of the session keeps its id (a client re-joining
+        its slots again and again leaves nothing behind)."""
+        for index, c in list(sess.streams.items()):
+            if c == cid:
+                del sess.streams[index]
+        for on in sess.resets.values():
+            on.discard(cid)
+        for t in sess.transfers.values():
+            if t.limit_cid == cid:
+                t.limit_cid = None
 
     def _lose(self, sess: _Session, error: KvwireError) -> None:
         """Every unfinished transfer of the session fails, its other streams close.  Its
@@ -1750,8 +1758,10 @@ class ReceiverCore:
         if why is None:
             return False
         conn.send_reset(tid, *why)
-        if tid in sess.resets:
-            sess.resets[tid].add(cid)
+        if (on := sess.resets.get(tid)) is not None:
+            # (only open connections carry it: any other is let go of here too)
+            on.difference_update([c for c in on if (x := self._conns.get(c)) is None or x.closed_event is not None])
+            on.add(cid)
         return True
 
     def _reserve(self, t: _Incoming) -> None:
