@@ -90,6 +90,10 @@ REPORT_IDLE = 1.0
 #: Least seconds between two log lines saying that transfers wait to start for room in
 #: ``max_buffer_bytes`` (an INFO line while any waits, at most this often).
 ROOM_LOG_INTERVAL = 60.0
+#: Least seconds between two log lines saying that BEGINs were refused because the server
+#: holds ``max_sessions`` x ``max_transfers`` transfers (a WARNING while any are, at most
+#: this often).
+HELD_LOG_INTERVAL = 60.0
 
 
 class _CostMeter:
@@ -501,6 +505,10 @@ class Server(Pump):
         self._close_task: asyncio.Task[None] | None = None
         self._tls_failures = 0  # TLS handshakes that did not complete (not ended by close())
         self._room_logged_at = -math.inf  # when the log last said transfers wait to start (see pump)
+        # When the log last said BEGINs were refused at max_sessions x max_transfers, and the
+        # core's count of those refusals then (see _log_held_full).
+        self._held_logged_at = -math.inf
+        self._held_refusals_logged = 0
         # The registry checks running, by transfer (one a transfer at most: the core refuses
         # a BEGIN of an id whose call still runs): cancelled when their transfer fails.
         self._checks: dict[Key, asyncio.Task[None]] = {}
@@ -721,7 +729,13 @@ class Server(Pump):
         ``transfers_waiting_to_start`` those admitted whose ACCEPT waits for room.
         ``sessions_by_version`` counts the open sessions by the wire protocol version they
         agreed (``{2: 3}``: three sessions, all of version 2; a
-        client of an earlier kvwire speaks an earlier one, docs/protocol.md 5.4)."""
+        client of an earlier kvwire speaks an earlier one, docs/protocol.md 5.4).
+        ``held_transfers`` counts the transfers the server holds for its sessions (in
+        progress, or complete and not claimed, those of sessions that ended included):
+        at ``max_sessions`` x ``max_transfers`` every BEGIN is refused (LIMIT_EXCEEDED, and
+        a WARNING in the log at most once a minute).  ``registry_calls`` counts the
+        registry calls running (``check_many``, ``publish``), those of transfers that
+        failed meanwhile included."""
         return {
             "sessions": self.core.sessions,
             "sessions_by_version": self.core.sessions_by_version,
@@ -732,6 +746,8 @@ class Server(Pump):
             "reserved_bytes": self.core.reserved_bytes,
             "transfers_waiting_for_room": self.core.waiting_for_room,
             "transfers_waiting_to_start": self.core.waiting_to_start,
+            "held_transfers": self.core.held_transfers,
+            "registry_calls": self.core.registry_calls,
             **self.core.counters,
             "tls_handshake_failures": self._tls_failures,
         }
@@ -833,6 +849,8 @@ class Server(Pump):
                 stream.flush()
         if core.waiting_to_start:
             self._log_waiting_to_start()
+        if core.held_refusals != self._held_refusals_logged:
+            self._log_held_full()
         self.arm_timer()
 
     def _log_waiting_to_start(self) -> None:
@@ -850,6 +868,27 @@ class Server(Pump):
             "once: raise max_buffer_bytes, lower transfer_buffer_bytes, or receive into a "
             "destination with into=)", core.waiting_to_start, format_size(self.options.max_buffer_bytes),
             format_size(core.buffered_bytes - core.kept_bytes), format_size(core.reserved_bytes))
+
+    def _log_held_full(self) -> None:
+        """Say (at most once per :data:`HELD_LOG_INTERVAL`) that BEGINs were refused because
+        the server holds ``max_sessions`` x ``max_transfers`` transfers, what holds that
+        room, and what to change: only their clients learn it otherwise (LIMIT_EXCEEDED),
+        and the sessions open never get there alone, complete transfers of sessions that
+        ended (a producer that restarted or reconnected), which nobody claimed, do."""
+        now = self.now()
+        if now - self._held_logged_at < HELD_LOG_INTERVAL:
+            return
+        self._held_logged_at = now
+        core = self.core
+        refused, self._held_refusals_logged = core.held_refusals - self._held_refusals_logged, core.held_refusals
+        claim_timeout = self.options.claim_timeout
+        _log.warning(
+            "%d transfer(s) refused: the server holds %d transfers (max_sessions x max_transfers = %d), "
+            "%d of them complete transfers of sessions that ended, which the application has not "
+            "claimed; to make room: claim them (accept()/expect()), %s, or raise max_sessions",
+            refused, core.held_transfers, core.held_limit, core.held_of_ended_sessions,
+            "set claim_timeout (None: only claiming frees them)" if claim_timeout is None
+            else f"lower claim_timeout ({claim_timeout:g} s)")
 
     # -- what a stream asks of its pump -----------------------------------------------------
 

@@ -212,7 +212,11 @@ class ServerOptions:
     window: int = DEFAULT_WINDOW
     """Connection credit: CHUNK bytes a client may have unacknowledged on one stream."""
     max_transfers: int = 64
-    """Transfers in progress per session (more are refused with LIMIT_EXCEEDED)."""
+    """Transfers in progress per session, complete ones the application has not claimed
+    included (more are refused with LIMIT_EXCEEDED).  Server-wide the server holds at
+    most ``max_sessions`` x ``max_transfers`` of them, complete ones nobody claimed of
+    sessions that have ended included: past that every BEGIN is refused (see
+    ``max_sessions`` and ``claim_timeout``)."""
     transfer_buffer_bytes: int = 256 * 1024 * 1024
     """Bytes of received layers buffered per transfer before the application takes
     them, never more than ``max_buffer_bytes`` (at least one layer is always granted, so
@@ -220,7 +224,15 @@ class ServerOptions:
     max_tokens: int = 256 * 1024
     """Largest token count per layer accepted (bounds one layer's allocation)."""
     max_sessions: int = 256
-    """Concurrent client sessions (peers)."""
+    """Concurrent client sessions (peers).  Also bounds the transfers the server holds for
+    all its sessions together: ``max_sessions`` x ``max_transfers``, in progress or
+    complete and not claimed, those of sessions that have ended included (a complete
+    transfer stays claimable when its session ends).  So a producer that restarts or
+    reconnects, leaving transfers nobody claimed behind, may find every BEGIN refused
+    with LIMIT_EXCEEDED (the server logs a WARNING saying so, at most once a minute;
+    ``statistics()["held_transfers"]`` counts them) until the application claims them or
+    ``claim_timeout`` drops them; raise it where one session's unclaimed transfers may
+    outlive it."""
     max_streams: int = 64
     """TCP streams per session."""
     handshake_timeout: float = 10.0
@@ -261,7 +273,10 @@ class ServerOptions:
     fails with LIMIT_EXCEEDED."""
     claim_timeout: float | None = 60.0
     """Seconds an arrived transfer waits for ``accept()``/``expect()`` to claim it; then
-    it is dropped (aborted if still arriving).  None: kept until the server closes."""
+    it is dropped (aborted if still arriving).  None: kept until the server closes; then
+    only claiming frees the place that a transfer of a session that ended, nobody
+    claiming it, takes in the server-wide ``max_sessions`` x ``max_transfers`` (see
+    ``max_sessions``)."""
     max_meta_bytes: int = 64 * 1024
     """Largest ``meta`` (JSON object) a transfer may carry."""
 

@@ -685,6 +685,10 @@ class ReceiverCore:
         # (complete, and not claimed; kept in ``_held_gone``), see _check_held.
         self._held = 0
         self._held_gone: dict[Key, None] = {}
+        self.held_refusals = 0
+        """BEGINs refused because the server held :attr:`held_limit` transfers (see
+        :meth:`_check_held`): the I/O layer logs that they were (a client is told only by
+        its RESET)."""
         # Registry calls still unanswered whose transfer failed meanwhile (see _orphan),
         # each with the budget bytes of the block list it holds (counted in kept_bytes until
         # it is answered): an allowance of their own beside max_transfers and held_limit,
@@ -918,6 +922,12 @@ class ReceiverCore:
         return self._held
 
     @property
+    def held_of_ended_sessions(self) -> int:
+        """Of :attr:`held_transfers`: complete transfers of sessions that have ended, which
+        nobody claimed yet (freed only by claiming them, or by ``claim_timeout``)."""
+        return len(self._held_gone)
+
+    @property
     def registry_calls(self) -> int:
         """Registry calls asked for (:class:`RegistryCheck`, :class:`RegistryPublish`) and
         not answered yet, those whose transfer failed meanwhile included: at most
@@ -948,6 +958,7 @@ class ReceiverCore:
         limit = self.held_limit
         held = self._held
         if held >= limit:
+            self.held_refusals += 1
             # (within WIRE_TEXT_LIMIT: the RESET carries it)
             raise LimitExceededError(
                 f"the server holds {held} transfers (max_sessions x max_transfers = {limit}), "
