@@ -70,7 +70,9 @@ out). So the transport also feeds the acknowledgement of every chunk
 goodput, end to end. From the first measurement on, throughput mode sends the most
 precise codec within ``tolerance`` of the best *measured* rate (the leader), and now and
 then explores another codec for a stint, until the meter has a new sample of it (at most
-``stint_max`` chunks): a codec never measured first (in the model's order), then each in
+``stint_max`` chunks or :data:`STINT_ROUND_TRIPS` round trips of the path, whichever is
+longer; a stint that ended without a sample drops the codec's old rate, which then
+decides nothing until it is measured again): a codec never measured first (in the model's order), then each in
 turn once its wait has passed. Waits are counted in chunks, so exploring costs the same
 share on every link. A codec measured within tolerance of the leader waits
 ``explore_after`` chunks; one behind waits twice as long as the last time, and once
@@ -185,6 +187,12 @@ ESTIMATE_HEADROOM = 2.0
 #: tests/control/test_codec_chooser_measured.py cost up to 23% of their goodput in
 #: stints (a stint's first sample there read twice the rate of the next).
 PATH_GROWTH = 2.0
+#: Round trips of the path (:meth:`CodecChooser.observe_path_rtt`) an exploring stint
+#: lasts at least, unless its codec has a sample first: its first acknowledgement comes
+#: a round trip after it began, behind the chunks the leader left in flight, and a
+#: sample takes ``sample_acks`` more (over 100 ms, int4's stints of 64 chunks, 135 ms at
+#: its encoder's 2 GB/s, ended before any of their acknowledgements).
+STINT_ROUND_TRIPS = 3.0
 #: How far behind the leader one goodput sample may put a codec as good as the leader (on
 #: two loaded cores a sample of 8 chunks varies by 10-20%, more while a transfer starts).
 SAMPLE_NOISE = 0.25
@@ -332,7 +340,8 @@ class CodecChooser:
             share of the chosen codec's (one far behind is not worth a chunk).
         :param stint_max: most chunks of one exploring stint (measured goodput, see the
             module docstring), which otherwise lasts until the meter has a new sample of
-            its codec.
+            its codec; on a long path it lasts :data:`STINT_ROUND_TRIPS` round trips
+            at least, unless the sample comes first.
         :param explore_after: chunks a codec waits for its next stint after one that
             measured it within ``tolerance`` of the leader ...
         :param explore_max: ... doubling after each stint that measured it behind, up to
@@ -437,8 +446,9 @@ class CodecChooser:
         self._stint_max = stint_max
         self._explore_after, self._explore_max = explore_after, explore_max
         self.meter = meter if meter is not None else GoodputMeter()
-        # The codec being explored: (name, the meter's samples of it then, the chunk count then)
-        self._stint: tuple[str, int, int] | None = None
+        # The codec being explored: (name, the meter's samples of it then, the chunk count
+        # and the time then)
+        self._stint: tuple[str, int, int, float] | None = None
         self._chosen = 0  # chunks chosen on measured goodput
         self._wait: dict[str, int] = {}  # each codec's wait between stints now, in chunks
         self._due: dict[str, int] = {}  # the chunk count from which its next stint may start
@@ -831,7 +841,7 @@ class CodecChooser:
         if now is not None and not deadline and self._measure:
             if self.meter.measured:
                 bw = bandwidth_bps if bandwidth_bps is not None and bandwidth_bps > 0 else None
-                return self._choose_measured(self.rates(math.inf if bw is None else bw), bw, app_limited)
+                return self._choose_measured(self.rates(math.inf if bw is None else bw), bw, app_limited, now)
             now = None  # the model's choice, unprobed: its first run is measured
         if bandwidth_bps is None or not bandwidth_bps > 0:
             # Nothing measured yet (no estimate, or one that is not a positive number:
@@ -925,18 +935,28 @@ class CodecChooser:
         return CodecChoice(codec=codec, delivered_bytes_per_s=rates[codec], meets_deadline=None)
 
     def _choose_measured(self, rates: Mapping[str, float], bandwidth_bps: float | None,
-                         app_limited: bool) -> CodecChoice:
+                         app_limited: bool, now: float) -> CodecChoice:
         """Throughput mode on measured goodput: the leader, or a stint of another codec
         (see the module docstring); ``app_limited``: the estimate is the sender's pace,
         not the path's."""
         self._chosen += 1
         count = self._chosen
         if self._stint is not None:
-            codec, samples, began = self._stint
-            if self.meter.samples(codec) == samples and count - began < self._stint_max:
+            codec, samples, began, began_at = self._stint
+            # A stint lasts until its codec has a sample: at least ``stint_max`` chunks, and
+            # at least STINT_ROUND_TRIPS round trips of the path (its first acknowledgement
+            # comes a round trip after it began, behind what the leader left in flight).
+            rtts = STINT_ROUND_TRIPS * (self._path_rtt or 0.0)
+            if self.meter.samples(codec) == samples and (count - began < self._stint_max or now - began_at < rtts):
                 return self._measured_choice(codec, rates, probe=True)
             self._stint = None
             measured_now = self.meter.samples(codec) > samples
+            if not measured_now:
+                # Ended without a sample: what the meter had of the codec is stale, and
+                # is not to decide the lead (int4's one sample read 0.511 GB/s of 2.0 and
+                # kept raw leading over 100 ms, 64-chunk stints ending before their acks).
+                self.meter.forget(codec)
+                self._due[codec] = max(self._due.get(codec, 0), count + self._wait.get(codec, self._explore_after))
         else:
             codec, began, measured_now = "", count, False
         measured = self.meter.measured
@@ -1019,7 +1039,7 @@ class CodecChooser:
         # Never measured first, in the model's order; then the one waiting longest.
         unmeasured = [c for c in due if c not in measured]
         codec = max(unmeasured, key=lambda c: rates[c]) if unmeasured else min(due, key=lambda c: self._due[c])
-        self._stint = (codec, self.meter.samples(codec), count)
+        self._stint = (codec, self.meter.samples(codec), count, now)
         # Due again after its wait even if the stint ends without a sample.
         self._due[codec] = count + self._stint_max + self._wait.setdefault(codec, self._explore_after)
         return self._measured_choice(codec, rates, probe=True)

@@ -114,6 +114,13 @@ class GoodputMeter:
         self._rate[run.codec] = sum(b for b, _ in recent) / sum(t for _, t in recent)
         self._samples[run.codec] = self._samples.get(run.codec, 0) + 1
 
+    def forget(self, codec: str) -> None:
+        """Drop ``codec``'s rate (its samples count on): it is stale, measured in another
+        moment than the one it is to be compared with (``auto``: a stint of it that ended
+        without a sample). A run of it under way is not ended."""
+        self._rate.pop(codec, None)
+        self._recent.pop(codec, None)
+
     @property
     def sample_acks(self) -> int:
         return self._sample_acks
