@@ -708,7 +708,8 @@ class Peer(Pump):
                 codec = codec_by_id(ev.codec_id).name
                 self.transport_meter.delivered(ev.wire_size, chooser, codec)
                 if chooser.measures_goodput:
-                    chooser.observe_delivered(codec, ev.kv_bytes, now, first_layer=ev.address.layer == 0)
+                    chooser.observe_delivered(codec, ev.kv_bytes, now, first_layer=ev.address.layer == 0,
+                                              held=est.hold_limited)  # a ProbeRTT drain: no codec's pace
             # Time to first layer: the spec's first layer (layer 0), every chunk of it
             # acknowledged. Over several streams later layers may complete before it.
             st = self.sends.get(ev.address.transfer_id)

@@ -607,15 +607,18 @@ class CodecChooser:
         """The receiver's reported CPU seconds per wire byte, ``None`` before a report."""
         return self._receiver_transport
 
-    def observe_delivered(self, codec: str, kv_bytes: int, now: float, *, first_layer: bool = False) -> None:
+    def observe_delivered(self, codec: str, kv_bytes: int, now: float, *, first_layer: bool = False,
+                          held: bool = False) -> None:
         """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
         arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
         transfer's first layer (paced by the receiver's first grant, see
-        :meth:`GoodputMeter.on_ack`). Ignored with ``now`` not a finite number or
+        :meth:`GoodputMeter.on_ack`); ``held``: the sender holds data back now (the
+        estimator's ``hold_limited``: a ProbeRTT drain and the round trip after it), so
+        the acknowledgement measures no codec and ends the meter's run. Ignored with ``now`` not a finite number or
         ``kv_bytes`` negative (a NaN time made the codec's measured rate NaN, and
         :meth:`choose` then failed)."""
         if self._measure and codec in self._ratio and kv_bytes >= 0 and math.isfinite(now):
-            self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer)
+            self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer, held=held)
 
     def observe_idle(self) -> None:
         """Nothing is left in flight or queued (the last transfer is done): the time until

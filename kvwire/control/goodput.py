@@ -18,7 +18,8 @@ samples, measured in another moment of the host, no longer count). The run ends 
 sender chooses another codec (the acknowledgements of the chunks still in flight then do
 not count: the next codec's encodes share the host with them), or when the caller says
 the pipe went idle (:meth:`GoodputMeter.pause`: nothing left to send, so the gap to the next
-acknowledgement is no codec's doing); a run that ends with at least ``min_acks`` counted
+acknowledgement is no codec's doing) or that the sender holds data back (``held``: a
+ProbeRTT drain; acknowledgements during it start no run); a run that ends with at least ``min_acks`` counted
 is a (shorter) sample too. After a pause the next transfer's first layer does not start a
 run (``starts_run=False``): until the receiver's first credit comes back, a round trip
 after the transfer began, only that layer may be sent, so its acknowledgements come at
@@ -74,13 +75,23 @@ class GoodputMeter:
             self.pause()
             self._chosen = codec
 
-    def on_ack(self, codec: str, kv_bytes: int, now: float, *, starts_run: bool = True) -> None:
+    def on_ack(self, codec: str, kv_bytes: int, now: float, *, starts_run: bool = True, held: bool = False) -> None:
         """One chunk of ``codec`` carrying ``kv_bytes`` of fp16 KV was acknowledged.
 
         ``starts_run=False``: its pace was not the codec's (a chunk of a transfer's first
         layer, sent while the receiver grants that layer only): it counts in a run under
         way but does not start one.
+
+        ``held``: the sender holds data back on purpose now (a ProbeRTT drain and the
+        round trip after it: the estimator's ``hold_limited``), so acknowledgements come at
+        the drain's pace, no codec's: the run under way ends there, as at a :meth:`pause`
+        (what it counted before the hold makes a sample), and none starts until the hold
+        is over. Counted in raw's run, a drain of a 40 Gbit/s, 20 ms path read raw at
+        2.37 GB/s of its 5.0, and int8 (3.0) took the lead.
         """
+        if held:
+            self.pause()
+            return
         if codec != self._chosen:
             return
         run = self._run
