@@ -15,33 +15,22 @@ import random
 
 from kvwire.errors import ErrorCode, RegistryUnavailableError
 from kvwire.session.receiver import (
-    BLOCK_ENTRY_BYTES,
-    ReceiverConfig,
     RegistryCheck,
     RegistryPublish,
     TransferArrived,
     TransferFailed,
 )
-from kvwire.wire import TransferAccepted, TransferReset, chunk_frame_size
-from kvwire.wire.frames import BlockVersion
-from tests.session.test_receiver_core import BPT, SECRET, Harness, begin, chunk
+from kvwire.wire import TransferAccepted, chunk_frame_size
+from tests.session.test_receiver_core import BPT, Harness, begin, chunk
+from tests.session.test_registry_calls_in_flight import (
+    BLOCKS,
+    BLOCKS_BYTES,
+    Key,
+    checks,
+    gated_harness,
+    refusals,
+)
 from tests.session.test_unclaimed_of_ended_sessions import Client
-
-BLOCKS = tuple(BlockVersion(block=f"i:{i}".encode(), version=3) for i in range(1, 9))
-BLOCKS_BYTES = sum(2 * len(b.block) + BLOCK_ENTRY_BYTES for b in BLOCKS)
-Key = tuple[bytes, int]
-
-
-def gated_harness(**config: object) -> Harness:
-    return Harness(ReceiverConfig(secret=SECRET, registry=True, **config))  # type: ignore[arg-type]
-
-
-def checks(h: Harness) -> list[Key]:
-    return [e.key for e in h.of(RegistryCheck)]
-
-
-def refusals(h: Harness) -> list[TransferReset]:
-    return [e for e in h.client_of(TransferReset) if e.code == ErrorCode.LIMIT_EXCEEDED]
 
 
 def begin_gated(h: Harness, tid: int) -> None:
