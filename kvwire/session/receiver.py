@@ -208,6 +208,11 @@ def stale_error(blocks: Sequence[object], why: str = "") -> StaleVersionError:
     return StaleVersionError(f"stale prefix blocks{why}: {shown}{more}")
 
 
+def _block_bytes(begin: Begin) -> int:
+    """Budget bytes of ``begin``'s prefix block list (a share of :func:`begin_footprint`)."""
+    return sum(2 * len(bv.block) + BLOCK_ENTRY_BYTES for bv in begin.blocks)
+
+
 def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
     """Budget bytes of what ``begin`` makes the server keep with its transfer besides its
     layers, at about the memory it takes: the prefix block list, a meta that is not empty
@@ -215,7 +220,7 @@ def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
     :data:`FREE_ID_BYTES`.  Counted against ``max_buffer_bytes`` from BEGIN until the
     transfer fails or its last layer is taken: a BEGIN may carry thousands of blocks, and
     a request id of 64 KiB."""
-    blocks = sum(2 * len(bv.block) + BLOCK_ENTRY_BYTES for bv in begin.blocks)
+    blocks = _block_bytes(begin)
     ids = len(begin.request_id.encode("utf-8", "surrogatepass")) + len(begin.model.encode("utf-8", "surrogatepass"))
     # The meta as received is kept whatever it parses to (b"{}" and 64 KiB of spaces too).
     meta_bytes = (len(begin.meta) if begin.meta != b"{}" else 0) + (meta_footprint(meta) if meta else 0)
@@ -627,6 +632,10 @@ class _Failed:
     request_id: str
     claim_deadline: float | None
     kept: int
+    # Of ``kept``, its prefix block list's bytes while a registry call of it still runs
+    # (:meth:`ReceiverCore._orphan`): counted here once, and handed to that call's entry
+    # if it is claimed or dropped before the call is answered.
+    calling_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -989,7 +998,7 @@ class ReceiverCore:
                 f"the server has {len(self._orphans)} failed transfers awaiting the registry, {self._held} "
                 f"held (together at most 2 x max_sessions x max_transfers = {cap}): retry later")
 
-    def _orphan(self, t: _Incoming) -> None:
+    def _orphan(self, t: _Incoming, *, shared: bool = False) -> None:
         """``t`` failed with a registry call of it unanswered.  Its memory was given back,
         but the call still runs, holding its block list (up to a frame's worth), so until it
         is answered ``t`` counts among the failed transfers awaiting the registry: its
@@ -999,9 +1008,12 @@ class ReceiverCore:
         :attr:`kept_bytes` (the budget's share past ``max_buffer_bytes`` for what the
         server remembers).  The I/O layer may cancel a check (it only reads), never a
         publish; it answers either (:meth:`registry_checked`, :meth:`registry_published`)
-        once it ended."""
+        once it ended.  With ``shared``, ``t`` is kept failed to claim (:meth:`_keep_failed`),
+        whose footprint counts its block list already: the call's entry counts nothing until
+        that record is claimed or dropped (:meth:`_unkeep_failed` moves the bytes here), so
+        the block list is never counted twice."""
         t.calling = False
-        kept = sum(2 * len(bv.block) + BLOCK_ENTRY_BYTES for bv in t.begin.blocks)
+        kept = 0 if shared else _block_bytes(t.begin)
         self._orphans[t.key] = kept
         self.kept_bytes += kept
         self.buffered_bytes += kept
@@ -1029,7 +1041,7 @@ class ReceiverCore:
         self._unclaimed.pop(key, None)
         if (f := self._failed.pop(key, None)) is not None:
             self._unindex_failed(key)
-            self._unkeep(f.kept)
+            self._unkeep_failed(key, f)
             self._regrant()
             return
         t = self._transfer(key)
@@ -1928,11 +1940,12 @@ class ReceiverCore:
         t.deadline = t.claim_deadline = None
         self._live.pop(t.key, None)
         self._recount(t)
-        if t.calling:
-            self._orphan(t)
         claimable = t.key in self._unclaimed
+        calling = t.calling
+        if calling:
+            self._orphan(t, shared=claimable)
         if claimable:
-            self._keep_failed(t, claim_deadline)
+            self._keep_failed(t, claim_deadline, calling=calling)
         if t.accepted:
             self._store.closed(t.key)
         sess = self._sessions.get(t.key[0])
@@ -1977,13 +1990,16 @@ class ReceiverCore:
             self._bound_failed(t.key)
         self._regrant()  # its layers' room, held and granted, is free
 
-    def _keep_failed(self, t: _Incoming, claim_deadline: float | None) -> None:
+    def _keep_failed(self, t: _Incoming, claim_deadline: float | None, *, calling: bool = False) -> None:
         """``t`` failed after it arrived, and nobody has claimed it: it stays in its place
         among the arrivals to claim (the application is handed it failed, whenever it asks,
         as one that claimed it before it failed is), until its claim deadline as if it had
         not failed, with no layer and only the budget bytes of what its BEGIN made the
-        server keep (the I/O layer's view of it holds its meta and prefix blocks)."""
-        self._failed[t.key] = _Failed(t.begin.request_id, claim_deadline, t.footprint)
+        server keep (the I/O layer's view of it holds its meta and prefix blocks); with
+        ``calling``, a registry call of it still runs (:meth:`_orphan`, whose entry counts
+        none of the block list this footprint holds)."""
+        self._failed[t.key] = _Failed(
+            t.begin.request_id, claim_deadline, t.footprint, _block_bytes(t.begin) if calling else 0)
         if t.key[0] in self._sessions:
             self._failed_open.setdefault(t.key[0], {})[t.key] = None
         else:
@@ -2018,12 +2034,22 @@ class ReceiverCore:
         self.kept_bytes -= nbytes
         self.buffered_bytes -= nbytes
 
+    def _unkeep_failed(self, key: Key, f: _Failed) -> None:
+        """Give back the bytes of failed record ``f`` (claimed, or dropped), but for its
+        block list while a registry call of it still runs: those move to that call's entry
+        (:meth:`_orphan`), given back when it is answered."""
+        kept = f.kept
+        if f.calling_bytes and key in self._orphans:
+            self._orphans[key] += f.calling_bytes
+            kept -= f.calling_bytes
+        self._unkeep(kept)
+
     def _drop_failed(self, key: Key) -> None:
         """Forget a failed transfer nobody claimed (see :meth:`_keep_failed`)."""
         f = self._failed.pop(key)
         self._unindex_failed(key)
         self._unclaimed.pop(key, None)
-        self._unkeep(f.kept)
+        self._unkeep_failed(key, f)
         self._events.append(TransferDropped(key=key, request_id=f.request_id))
         self._regrant()
 

@@ -25,9 +25,9 @@ from kvwire.session.receiver import (
     TransferArrived,
     TransferFailed,
 )
-from kvwire.wire import ChunkAcked, TransferAccepted, TransferReset
+from kvwire.wire import ChunkAcked, TransferAccepted, TransferReset, chunk_frame_size
 from kvwire.wire.frames import BlockVersion
-from tests.session.test_receiver_core import SECRET, Harness, begin, chunk
+from tests.session.test_receiver_core import BPT, SECRET, Harness, begin, chunk
 from tests.session.test_unclaimed_of_ended_sessions import Client
 
 BLOCKS = tuple(BlockVersion(block=f"i:{i}".encode(), version=3) for i in range(1, 9))
@@ -200,3 +200,68 @@ def test_a_session_lost_with_checks_running_leaves_them_counted_until_answered()
     other.conn.send_begin(begin(tid=3, layers=1, request="o3", blocks=BLOCKS))
     other.flush()
     assert len(other.resets) == 1 and len(checks(h)) == 3
+
+
+@pytest.mark.parametrize("order", ["answers first", "claims first", "server closes first"])
+def test_a_failed_arrival_whose_publish_runs_counts_its_block_list_once(order: str) -> None:
+    """Gated transfers sent whole, not claimed, reset while their publish runs: each is
+    kept failed to claim (its BEGIN's footprint, block list included) and its call counts
+    until answered.  Before, the call counted the block list a second time: with four
+    block lists of a fifth of the bound each, buffered_bytes went to 8386304 past a bound
+    of 5242880.  Now it never passes the bound, and every path brings it back to 0 (a
+    record claimed or dropped before the call's answer hands the block list to the call)."""
+    mt, maxbuf = 4, 4 << 20
+    h = gated_harness(max_transfers=mt, max_buffer_bytes=maxbuf, max_frame_size=16 << 20)
+    bound = maxbuf + max(maxbuf // 8, receiver_module.KEPT_ROOM_MIN)
+    n = (bound // (mt + 1)) // (2 * 200 + BLOCK_ENTRY_BYTES)
+    peak = 0
+
+    def step() -> None:
+        nonlocal peak
+        h.pump()
+        peak = max(peak, h.core.buffered_bytes)
+
+    def blocks(tid: int) -> tuple[BlockVersion, ...]:
+        return tuple(BlockVersion(block=(f"s:t{tid}" + "k" * 190 + f"{i:06d}").encode(), version=1) for i in range(n))
+
+    for tid in range(1, mt + 1):
+        h.client.send_begin(begin(tid=tid, layers=1, request=f"r{tid}", blocks=blocks(tid)))
+    step()
+    for key in checks(h):
+        h.core.registry_checked(key, None, None, h.now)
+    step()
+    for tid in range(1, mt + 1):
+        h.client.send_chunk(chunk(tid=tid, layer=0, kind=0), chunk_frame_size(0, 8 * BPT))
+        h.client.send_chunk(chunk(tid=tid, layer=0, kind=1), chunk_frame_size(0, 8 * BPT))
+        step()
+    publishes = [e.key for e in h.of(RegistryPublish)]
+    assert len(publishes) == mt and len(h.core.unclaimed()) == mt
+    for tid in range(1, mt + 1):
+        h.client.send_reset(tid, ErrorCode.CANCELLED, "the sender gave up")
+        step()
+    assert len(h.of(TransferFailed)) == mt and h.core.registry_calls == mt
+    assert h.core.failed_unclaimed == mt and peak <= bound
+    if order == "answers first":
+        for key in publishes:
+            h.core.registry_published(key, None, h.now)
+            step()
+        assert h.core.registry_calls == 0 and h.core.buffered_bytes > 0  # (the failed records)
+        for key in h.core.unclaimed():
+            h.core.claim(key, h.now)
+            step()
+    else:
+        if order == "claims first":
+            for key in h.core.unclaimed():
+                h.core.claim(key, h.now)
+                step()
+        else:
+            h.core.close(h.now)
+            step()
+        assert h.core.failed_unclaimed == 0 and h.core.registry_calls == mt
+        assert h.core.buffered_bytes == h.core.kept_bytes > 0  # (the calls' block lists)
+        for key in publishes:
+            h.core.registry_published(key, None, h.now)
+            step()
+    assert h.core.registry_calls == 0 and h.core.failed_unclaimed == 0
+    assert h.core.buffered_bytes == h.core.kept_bytes == 0
+    assert peak <= bound
