@@ -1009,11 +1009,12 @@ class Server(Pump):
     def _registry_answered(self, ev: RegistryCheck | RegistryPublish, task: asyncio.Task[None],
                            outcome: list[KvwireError | None]) -> None:
         """A registry call ended: the core hears its outcome (one cancelled because its
-        transfer failed, whose outcome no longer matters, too: that frees its place)."""
+        transfer failed, whose outcome no longer matters, too: that frees its place).  So
+        does a call that :meth:`close` ended (its transfer failed with the close, the
+        answer frees its place and block list: ``statistics()`` after close count none),
+        only without a pump: nothing is sent once the server closed."""
         if isinstance(ev, RegistryCheck) and self._checks.get(ev.key) is task:
             del self._checks[ev.key]
-        if self.closed:
-            return
         what = "check" if isinstance(ev, RegistryCheck) else "publish"
         error: KvwireError | None
         if task.cancelled():
@@ -1027,7 +1028,8 @@ class Server(Pump):
                 self.core.registry_checked(ev.key, None, error, self.now())
             else:
                 self.core.registry_published(ev.key, error, self.now())
-            self.pump()
+            if not self.closed:
+                self.pump()
         except Exception:
             _log.exception("internal error answering a registry %s", what)
 

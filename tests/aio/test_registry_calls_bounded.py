@@ -193,3 +193,24 @@ async def test_a_publish_whose_transfer_failed_is_not_cancelled_and_holds_its_pl
             receiving = asyncio.ensure_future(server.expect("third", timeout=10))
             await asyncio.wait_for(peer.send("third", SPEC, make_layers(1, 4, 2, 8), blocks=blocks), 10)
             await (await receiving).collect(timeout=10)
+
+
+async def test_checks_running_at_close_are_answered_to_the_core() -> None:
+    """close() cancels the registry calls still running; their ends reach the core all the
+    same (before, they stopped at the server being closed, and statistics() after close kept
+    registry_calls 4 and buffered_bytes at their block lists')."""
+    registry = HeldRegistry()
+    server = kvwire.serve("127.0.0.1", 0, secret=SECRET, registry=registry, max_transfers=4)
+    async with server:
+        conn, _reader, writer = await raw_client(server.port)
+        for tid in range(1, 5):
+            conn.send_begin(begin(tid))
+        write(conn, writer)
+        assert await wait_until(lambda: registry.running == 4, 10)
+        assert server.statistics()["registry_calls"] == 4
+        assert server.statistics()["buffered_bytes"] >= 4 * BLOCKS_BYTES
+    assert registry.running == 0 and registry.cancelled == 4
+    stats = server.statistics()
+    assert stats["registry_calls"] == 0 and stats["buffered_bytes"] == 0
+    assert server.core.kept_bytes == 0
+    writer.close()
