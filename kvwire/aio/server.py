@@ -505,10 +505,12 @@ class Server(Pump):
         self._close_task: asyncio.Task[None] | None = None
         self._tls_failures = 0  # TLS handshakes that did not complete (not ended by close())
         self._room_logged_at = -math.inf  # when the log last said transfers wait to start (see pump)
-        # When the log last said BEGINs were refused at max_sessions x max_transfers, and the
-        # core's count of those refusals then (see _log_held_full).
+        # When the log last said BEGINs were refused at max_sessions x max_transfers, the
+        # core's count of those refusals at the last pump, and how many of them no line has
+        # said yet (refused within HELD_LOG_INTERVAL of a line; see _log_held_full).
         self._held_logged_at = -math.inf
-        self._held_refusals_logged = 0
+        self._held_refusals_seen = 0
+        self._held_refusals_unlogged = 0
         # The registry checks running, by transfer (one a transfer at most: the core refuses
         # a BEGIN of an id whose call still runs): cancelled when their transfer fails.
         self._checks: dict[Key, asyncio.Task[None]] = {}
@@ -849,7 +851,7 @@ class Server(Pump):
                 stream.flush()
         if core.waiting_to_start:
             self._log_waiting_to_start()
-        if core.held_refusals != self._held_refusals_logged:
+        if core.held_refusals != self._held_refusals_seen:
             self._log_held_full()
         self.arm_timer()
 
@@ -874,19 +876,25 @@ class Server(Pump):
         the server holds ``max_sessions`` x ``max_transfers`` transfers, what holds that
         room, and what to change: only their clients learn it otherwise (LIMIT_EXCEEDED),
         and the sessions open never get there alone, complete transfers of sessions that
-        ended (a producer that restarted or reconnected), which nobody claimed, do."""
+        ended (a producer that restarted or reconnected), which nobody claimed, do.
+        Called by the pump that follows the refusals (the one after the bytes that carried
+        their BEGINs), with the numbers the core had at the last of them; refusals within
+        the interval after a line are counted, and the next line says how many."""
+        core = self.core
+        refused, self._held_refusals_seen = core.held_refusals - self._held_refusals_seen, core.held_refusals
         now = self.now()
         if now - self._held_logged_at < HELD_LOG_INTERVAL:
+            self._held_refusals_unlogged += refused
             return
         self._held_logged_at = now
-        core = self.core
-        refused, self._held_refusals_logged = core.held_refusals - self._held_refusals_logged, core.held_refusals
+        more, self._held_refusals_unlogged = self._held_refusals_unlogged, 0
+        held, held_gone = core.held_at_refusal
         claim_timeout = self.options.claim_timeout
         _log.warning(
-            "%d transfer(s) refused: the server holds %d transfers (max_sessions x max_transfers = %d), "
+            "%d transfer(s) refused%s: the server holds %d transfers (max_sessions x max_transfers = %d), "
             "%d of them complete transfers of sessions that ended, which the application has not "
             "claimed; to make room: claim them (accept()/expect()), %s, or raise max_sessions",
-            refused, core.held_transfers, core.held_limit, core.held_of_ended_sessions,
+            refused, f" ({more} more since the last such line)" if more else "", held, core.held_limit, held_gone,
             "set claim_timeout (None: only claiming frees them)" if claim_timeout is None
             else f"lower claim_timeout ({claim_timeout:g} s)")
 

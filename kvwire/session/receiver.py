@@ -698,6 +698,9 @@ class ReceiverCore:
         """BEGINs refused because the server held :attr:`held_limit` transfers (see
         :meth:`_check_held`): the I/O layer logs that they were (a client is told only by
         its RESET)."""
+        self.held_at_refusal = (0, 0)
+        """At the last of :attr:`held_refusals`: :attr:`held_transfers` and
+        :attr:`held_of_ended_sessions` (what the I/O layer's line says held the room)."""
         # Registry calls still unanswered whose transfer failed meanwhile (see _orphan),
         # each with the budget bytes of the block list it holds (counted in kept_bytes until
         # it is answered): an allowance of their own beside max_transfers and held_limit,
@@ -968,6 +971,7 @@ class ReceiverCore:
         held = self._held
         if held >= limit:
             self.held_refusals += 1
+            self.held_at_refusal = (held, len(self._held_gone))
             # (within WIRE_TEXT_LIMIT: the RESET carries it)
             raise LimitExceededError(
                 f"the server holds {held} transfers (max_sessions x max_transfers = {limit}), "
