@@ -104,7 +104,9 @@ KV_HD float kv_from_order_key(kv_u32 k) { return kv_bits_f32((k & 0x80000000u) ?
 KV_HD float kv_canonical_zero(float a) { return kv_is_zero(a) ? 0.0f : a; }
 
 KV_HD float kv_f16_to_f32(kv_u16 h) {
-    // half fields shifted into float place are x * 2^-112 exactly (subnormals included)
+    // half fields shifted into float place are x * 2^-112 exactly for finite x (subnormals
+    // included); inf and NaN widen to finite 65536..98304, so callers flag them first
+    // (kv_nonfinite on the magnitude bits) and never widen one
     float mag = kv_mul(kv_bits_f32((kv_u32)(h & 0x7FFFu) << 13), 5.192296858534828e33f);
     return kv_bits_f32(kv_f32_bits(mag) | ((kv_u32)(h & 0x8000u) << 16));
 }
