@@ -106,6 +106,23 @@ def test_wait_times_out_and_then_still_completes() -> None:
         assert h.done and h.layers_done() == 3
 
 
+def test_a_wait_that_runs_out_names_a_serving_engines_id_whole_and_shortens_a_huge_one() -> None:
+    engine_id = "never-sent#prompt:" + "0123456789abcdef" * 2 + "-cmpl-" + "f" * 32  # 88 characters
+    huge = "x" * 60000
+    with SyncServer(secret=SECRET) as server:
+        for rid in (engine_id, huge):
+            h = server.expect(rid)
+            with pytest.raises(TransferTimeoutError) as failed:
+                h.wait_layer(0, timeout=0.01)
+            h.abort()
+            text = str(failed.value)
+            assert "not ready after" in text
+            if rid is engine_id:
+                assert repr(engine_id) in text
+            else:
+                assert len(text) < 400
+
+
 def test_send_timeout_bounds_the_send_as_peer_send_does() -> None:
     """SyncPeer.send(timeout=) is Peer.send(timeout=): the send times out and the receiver
     is told of a timeout, not of a sender cancelled by a bridge that gave up waiting."""

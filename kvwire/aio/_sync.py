@@ -30,7 +30,7 @@ from kvwire.errors import (
     detached,
 )
 from kvwire.session.options import check_index, check_seconds, check_value
-from kvwire.session.quoting import quoted_id
+from kvwire.session.quoting import local_id
 from kvwire.session.sender import check_request_id
 from kvwire.spec import KVSpec, Layer
 
@@ -592,7 +592,7 @@ async def receive(state: ReceiveState, server: Any, into: Any, timeout: float | 
                 state.num_layers = transfer.spec.num_layers
                 state.cond.notify_all()
         if aborted:
-            transfer.abort(f"receive of {quoted_id(request_id)} aborted")
+            transfer.abort(f"receive of {local_id(request_id)} aborted")
             return
         async for layer in transfer:
             with state.cond:
@@ -602,12 +602,12 @@ async def receive(state: ReceiveState, server: Any, into: Any, timeout: float | 
             state.done = True
             state.cond.notify_all()
     except asyncio.CancelledError:
-        state.fail(TransferAbortedError(f"receive of {quoted_id(request_id)} aborted"))
+        state.fail(TransferAbortedError(f"receive of {local_id(request_id)} aborted"))
         raise
     except KvwireError as exc:
         state.fail(exc)
     except Exception as exc:  # never leave a waiter hanging on an unexpected error
-        state.fail(KvwireError(f"receive of {quoted_id(request_id)} failed: {exc!r}"))
+        state.fail(KvwireError(f"receive of {local_id(request_id)} failed: {exc!r}"))
 
 
 def _abort_arrived(server: Any, request_id: str) -> None:
@@ -616,7 +616,7 @@ def _abort_arrived(server: Any, request_id: str) -> None:
     for nobody to claim until its ``claim_timeout`` (or for ever without one)."""
     transfer = server._arrived(request_id)  # (the package's own Server: claimed if there)
     if transfer is not None:
-        transfer.abort(f"receive of {quoted_id(request_id)} aborted")
+        transfer.abort(f"receive of {local_id(request_id)} aborted")
 
 
 class ReceiveHandle:
@@ -677,7 +677,7 @@ class ReceiveHandle:
             if self._bridge.closed:
                 raise ConnectionLostError("the kvwire bridge is closed")
             assert not ok
-            raise TransferTimeoutError(f"{what} of {quoted_id(self.request_id)} not ready after {timeout} s")
+            raise TransferTimeoutError(f"{what} of {local_id(self.request_id)} not ready after {timeout} s")
 
     def wait_layer(self, index: SupportsIndex, timeout: float | None = None) -> Layer:
         """Block until layer ``index`` (an int) has arrived; return it (raises the transfer's error)."""
@@ -710,7 +710,7 @@ class ReceiveHandle:
         ``timeout``: a finite number >= 0."""
         check_value("timeout", timeout, zero_ok=True)  # (before anything changes)
         self._bridge.check_process()
-        self._fail(TransferAbortedError(f"receive of {quoted_id(self.request_id)} aborted{': ' + reason if reason else ''}"))
+        self._fail(TransferAbortedError(f"receive of {local_id(self.request_id)} aborted{': ' + reason if reason else ''}"))
 
         state = self._state
 
@@ -721,7 +721,7 @@ class ReceiveHandle:
                 if abort is not None:
                     abort(reason)
                 else:  # a server without Transfer.abort(): fail it and tell the sender
-                    err = TransferAbortedError(f"receiver aborted {quoted_id(state.request_id)}")
+                    err = TransferAbortedError(f"receiver aborted {local_id(state.request_id)}")
                     t.fail(err)
                     sess = t._session
                     sess.bury(t, err)
@@ -914,7 +914,7 @@ class SendHandle:
         modified until :meth:`wait` returns (pass copies, e.g. from :func:`kvwire.paged.gather_layer`)."""
         with self._lock:
             if self._queued >= self.num_layers:
-                raise UsageError(f"all {self.num_layers} layers of {quoted_id(self.request_id)} were already queued")
+                raise UsageError(f"all {self.num_layers} layers of {local_id(self.request_id)} were already queued")
             self._bridge.call_soon(self._queue.put_nowait, (k, v))
             self._queued += 1  # only once queued: a closed bridge's refusal counts no layer
 
@@ -931,15 +931,15 @@ class SendHandle:
 
         def cancelled() -> KvwireError:
             if self._aborted:
-                return TransferAbortedError(f"send of {quoted_id(self.request_id)} aborted")
+                return TransferAbortedError(f"send of {local_id(self.request_id)} aborted")
             if self._lost:
-                return ConnectionLostError(f"the peer was closed while sending {quoted_id(self.request_id)}")
+                return ConnectionLostError(f"the peer was closed while sending {local_id(self.request_id)}")
             if self._bridge.closed:
-                return ConnectionLostError(f"the kvwire bridge was closed while sending {quoted_id(self.request_id)}")
-            return TransferAbortedError(f"send of {quoted_id(self.request_id)} aborted")
+                return ConnectionLostError(f"the kvwire bridge was closed while sending {local_id(self.request_id)}")
+            return TransferAbortedError(f"send of {local_id(self.request_id)} aborted")
 
         def not_done() -> KvwireError:
-            text = f"send of {quoted_id(self.request_id)} not done after {timeout:g} s"
+            text = f"send of {local_id(self.request_id)} not done after {timeout:g} s"
             if not self.accepted:
                 text += (": it has not started, the server has not accepted it yet (a server holds its ACCEPT "
                          "while its buffer budget has no room for the transfer's first layer)")
