@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 import math
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -84,26 +84,34 @@ class ModelProfile:
     cache_blocks: int | None = None
     """Prefix-cache capacity of one instance, in 512-token blocks (LRU); ``None``: not
     stated, the simulator's default applies."""
+    source: str | None = field(default=None, compare=False, repr=False)
+    """The file the points were read from (:func:`load_profile`), which its errors name
+    ("profile prof.json: ..."); else they name the profile (``'custom'`` for a table
+    without a name)."""
+
+    @property
+    def _where(self) -> str:
+        return self.source if self.source is not None else repr(self.name)
 
     def __post_init__(self) -> None:
         if self.cache_blocks is not None and self.cache_blocks < 0:
-            raise UsageError(f"profile {self.name!r}: cache_blocks must be >= 0")
+            raise UsageError(f"profile {self._where}: cache_blocks must be >= 0")
         n = len(self.tokens)
         if n == 0 or len(self.kv_bytes) != n or len(self.prefill_s) != n:
-            raise UsageError(f"profile {self.name!r}: tokens, kv_bytes, prefill_s lengths differ")
+            raise UsageError(f"profile {self._where}: tokens, kv_bytes, prefill_s lengths differ")
         for field_name, values in (
             ("tokens", self.tokens),
             ("kv_bytes", self.kv_bytes),
             ("prefill_s", self.prefill_s),
         ):
             if not all(math.isfinite(v) for v in values):
-                raise UsageError(f"profile {self.name!r}: {field_name} must be finite numbers")
+                raise UsageError(f"profile {self._where}: {field_name} must be finite numbers")
         if any(b <= a for a, b in zip(self.tokens, self.tokens[1:], strict=False)):
-            raise UsageError(f"profile {self.name!r}: tokens must be strictly increasing")
+            raise UsageError(f"profile {self._where}: tokens must be strictly increasing")
         if self.tokens[0] <= 0:
-            raise UsageError(f"profile {self.name!r}: token counts must be positive")
+            raise UsageError(f"profile {self._where}: token counts must be positive")
         if any(v < 0 for v in self.kv_bytes) or any(v <= 0 for v in self.prefill_s):
-            raise UsageError(f"profile {self.name!r}: sizes must be >= 0, latencies > 0")
+            raise UsageError(f"profile {self._where}: sizes must be >= 0, latencies > 0")
         if n > 1:
             self._check_extension(self.tokens[:2], self.prefill_s[:2], 0.0)
             self._check_extension(self.tokens[-2:], self.prefill_s[-2:], float(MAX_TOKENS))
@@ -119,7 +127,7 @@ class ModelProfile:
             zero = x0 - y0 / slope
             side = f"below its first point ({x0:g} tokens)" if below else f"past its last point ({x1:g} tokens)"
             raise UsageError(
-                f"profile {self.name!r}: prefill_s extended {side} reaches 0 s at "
+                f"profile {self._where}: prefill_s extended {side} reaches 0 s at "
                 f"{zero:,.0f} tokens, so a prompt of {'fewer' if below else 'more'} tokens would "
                 "take no time; add a point at a length there"
             )
@@ -174,24 +182,7 @@ class ModelProfile:
         and ``4096.9`` blocks too, rather than rounded down. ``source``: the file the table
         was read from, which every error then names ("profile prof.json: token counts must
         be positive", not "profile 'custom': ...", the name a file without one gets)."""
-        name = str(data.get("name", "custom"))
-        try:
-            return cls._from_dict(data, name)
-        except UsageError as exc:
-            if source is None:
-                raise
-            text = str(exc)
-            for prefix, named in ((f"profile {name!r}: ", f"profile {source}: "),
-                                  ("bad profile: ", f"bad profile {source}: ")):
-                if text.startswith(prefix):
-                    text = named + text.removeprefix(prefix)
-                    break
-            else:
-                text = f"profile {source}: {text}"
-            raise UsageError(text) from None
-
-    @classmethod
-    def _from_dict(cls, data: dict[str, Any], name: str) -> ModelProfile:
+        bad = f"bad profile {source}" if source is not None else "bad profile"
 
         def numbers(key: str) -> tuple[float, ...]:
             values = data[key]
@@ -202,7 +193,8 @@ class ModelProfile:
         try:
             blocks = data.get("cache_blocks")
             return cls(
-                name=name,
+                name=str(data.get("name", "custom")),
+                source=source,
                 tokens=numbers("tokens"),
                 kv_bytes=numbers("kv_bytes"),
                 prefill_s=numbers("prefill_s"),
@@ -211,10 +203,10 @@ class ModelProfile:
         except UsageError:
             raise  # the profile's own checks say what is wrong
         except KeyError as exc:
-            raise UsageError(f"bad profile: {exc.args[0]!r} missing") from None
+            raise UsageError(f"{bad}: {exc.args[0]!r} missing") from None
         except (TypeError, ValueError, OverflowError) as exc:
             # OverflowError: an integer too large for a float (JSON and TOML allow any).
-            raise UsageError(f"bad profile: {exc}") from None
+            raise UsageError(f"{bad}: {exc}") from None
 
 
 def dense_profile(
