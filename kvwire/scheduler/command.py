@@ -157,21 +157,21 @@ def add_parser(subparsers: Any) -> None:
     w.add_argument("--load-baseline", type=argument_type(_policy, "policy"), metavar="POLICY",
                    help="policy whose capacity --load refers to (default: selective)")
     w.add_argument("--requests", type=POSITIVE_INT, metavar="N",
-                   help="synthetic: number of requests (default 4000)")
+                   help=f"synthetic: number of requests (default {SYNTHETIC_DEFAULTS['requests']})")
     w.add_argument("--rate", type=POSITIVE, metavar="RPS",
-                   help="synthetic: Poisson arrivals per second (default 2)")
+                   help=f"synthetic: Poisson arrivals per second (default {SYNTHETIC_DEFAULTS['rate']:g})")
     w.add_argument("--mu", type=argument_type(_real, "number"),
-                   help="synthetic: log-normal mu of the input length (default 9.90)")
+                   help=f"synthetic: log-normal mu of the input length (default {SYNTHETIC_DEFAULTS['mu']:.2f})")
     w.add_argument("--sigma", type=POSITIVE,
-                   help="synthetic: log-normal sigma of the input length (default 1.00)")
+                   help=f"synthetic: log-normal sigma of the input length (default {SYNTHETIC_DEFAULTS['sigma']:.2f})")
     w.add_argument("--min-tokens", type=POSITIVE_INT,
-                   help="synthetic: shortest input (default 128)")
+                   help=f"synthetic: shortest input (default {SYNTHETIC_DEFAULTS['min_tokens']})")
     w.add_argument("--max-tokens", type=POSITIVE_INT,
-                   help="synthetic: longest input (default 131072)")
+                   help=f"synthetic: longest input (default {SYNTHETIC_DEFAULTS['max_tokens']})")
     w.add_argument("--clip-lengths", action="store_true", default=None,
                    help="synthetic: clip the log-normal to [min, max] instead of truncating it")
     w.add_argument("--output-tokens", type=POSITIVE_INT,
-                   help="synthetic: output length of every request (default 1024)")
+                   help=f"synthetic: output length of every request (default {SYNTHETIC_DEFAULTS['output_tokens']})")
     w.add_argument("--seed", type=NON_NEGATIVE_INT, default=0,
                    help="seed of the synthetic workload and of the bandwidth noise (default 0)")
     s = p.add_argument_group("system")
@@ -245,8 +245,9 @@ def add_parser(subparsers: Any) -> None:
                    help=f"simulated thresholds on the plot (default 12; at most {MAX_PLOT_POINTS:,})")
 
 
-#: The synthetic workload's options (without --trace) and their defaults.
-SYNTHETIC_DEFAULTS: dict[str, object] = {
+#: The synthetic workload's options (without --trace) and their defaults (their help
+#: texts quote them from here).
+SYNTHETIC_DEFAULTS: dict[str, Any] = {
     "requests": 4000,
     "rate": 2.0,
     "mu": 9.90,
