@@ -751,11 +751,12 @@ class Pump:
         self.core.handle_timer(self.now())
         self.pump()
 
-    def spawn(self, coro: Any) -> None:
-        """Start ``coro`` as a task that :meth:`teardown` ends."""
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Start ``coro`` as a task that :meth:`teardown` ends; returns it."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def teardown(self, streams: Sequence[Stream], linger: float = 1.0) -> None:
         """After the core closed: no timer, every task ended, every stream closed (its

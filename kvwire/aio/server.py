@@ -513,7 +513,7 @@ class Server(Pump):
         self._held_refusals_unlogged = 0
         # The registry checks running, by transfer (one a transfer at most: the core refuses
         # a BEGIN of an id whose call still runs): cancelled when their transfer fails.
-        self._checks: dict[Key, asyncio.Task[None]] = {}
+        self._checks: dict[Key, asyncio.Task[KvwireError | None]] = {}
 
     async def start(self) -> None:
         if self._closing:
@@ -989,18 +989,15 @@ class Server(Pump):
         """Ask the registry what the core asked, in a task (ended by :meth:`teardown`)
         whose end, however it ends (cancelled before it began included), answers the core
         (:meth:`_registry_answered`)."""
-        outcome: list[KvwireError | None] = []
-        task = asyncio.get_running_loop().create_task(self._registry_call(ev, outcome))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(lambda done: self._registry_answered(ev, done, outcome))
+        task = self.spawn(self._registry_call(ev))
+        task.add_done_callback(lambda done: self._registry_answered(ev, done))
         if isinstance(ev, RegistryCheck):
             self._checks[ev.key] = task
 
-    async def _registry_call(self, ev: RegistryCheck | RegistryPublish, outcome: list[KvwireError | None]) -> None:
+    async def _registry_call(self, ev: RegistryCheck | RegistryPublish) -> KvwireError | None:
         """Ask the registry what the core asked (docs/consistency.md: ``check_many`` at
-        BEGIN, ``publish`` before the last acknowledgement); put in ``outcome`` None, or
-        the error the transfer fails with."""
+        BEGIN, ``publish`` before the last acknowledgement); returns None, or the error the
+        transfer fails with."""
         what = "check" if isinstance(ev, RegistryCheck) else "publish"
         error: KvwireError | None
         try:
@@ -1012,10 +1009,10 @@ class Server(Pump):
             error = RegistryUnavailableError(f"registry {what} failed: {exc}")
         except Exception as exc:  # a registry of the caller's that raises its own errors: fail closed
             error = RegistryUnavailableError(f"registry {what} failed: {exc!r}")
-        outcome.append(error)
+        return error
 
-    def _registry_answered(self, ev: RegistryCheck | RegistryPublish, task: asyncio.Task[None],
-                           outcome: list[KvwireError | None]) -> None:
+    def _registry_answered(self, ev: RegistryCheck | RegistryPublish,
+                           task: asyncio.Task[KvwireError | None]) -> None:
         """A registry call ended: the core hears its outcome (one cancelled because its
         transfer failed, whose outcome no longer matters, too: that frees its place).  So
         does a call that :meth:`close` ended (its transfer failed with the close, the
@@ -1030,7 +1027,7 @@ class Server(Pump):
         elif (exc := task.exception()) is not None:  # (not an Exception: _registry_call takes those)
             error = RegistryUnavailableError(f"registry {what} failed: {exc!r}")
         else:
-            error = outcome[0]
+            error = task.result()
         try:
             if isinstance(ev, RegistryCheck):
                 self.core.registry_checked(ev.key, None, error, self.now())
