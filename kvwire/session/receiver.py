@@ -1315,6 +1315,11 @@ class ReceiverCore:
             self._dirty.add(cid)
         return conn
 
+    def _open(self, cid: int) -> Connection | None:
+        """Connection ``cid`` if it is known and open (not marked to send)."""
+        conn = self._conns.get(cid)
+        return conn if conn is not None and conn.closed_event is None else None
+
     def _any_conn(self, sess: _Session, prefer: int | None = None) -> Connection | None:
         """An open connection of ``sess``: ``prefer``'s while it is one of them and open."""
         found = self._any_open(sess, prefer)
@@ -1327,8 +1332,7 @@ class ReceiverCore:
         if prefer is not None and prefer in cids:
             cids = (prefer, *cids)
         for cid in cids:
-            conn = self._conns.get(cid)
-            if conn is not None and conn.closed_event is None:
+            if (conn := self._open(cid)) is not None:
                 self._dirty.add(cid)
                 return cid, conn
         return None
@@ -1337,16 +1341,14 @@ class ReceiverCore:
         """Every open connection of ``sess`` and its id."""
         found = []
         for cid in sess.streams.values():
-            conn = self._conns.get(cid)
-            if conn is not None and conn.closed_event is None:
+            if (conn := self._open(cid)) is not None:
                 self._dirty.add(cid)
                 found.append((cid, conn))
         return found
 
     def _open_streams(self, sess: _Session) -> set[int]:
         """The ids of the open connections of ``sess``."""
-        return {c for c in sess.streams.values()
-                if (conn := self._conns.get(c)) is not None and conn.closed_event is None}
+        return {c for c in sess.streams.values() if self._open(c) is not None}
 
     def _process(self, cid: int, now: float) -> None:
         conn = self._conn(cid)
@@ -1579,7 +1581,7 @@ class ReceiverCore:
         try:
             if tid in sess.transfers or tid in sess.completed:
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
-            if (sess.session_id, tid) in self._orphans_open.get(sess.session_id, ()):
+            if (sess.session_id, tid) in self._orphans:
                 # (its tombstone forgotten meanwhile)
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER,
                                       f"transfer id {tid} is still in use: a registry call for it runs")
@@ -1787,7 +1789,7 @@ class ReceiverCore:
         conn.send_reset(tid, *why)
         if (on := sess.resets.get(tid)) is not None:
             # (only open connections carry it: any other is let go of here too)
-            on.difference_update([c for c in on if (x := self._conns.get(c)) is None or x.closed_event is not None])
+            on.difference_update([c for c in on if self._open(c) is None])
             on.add(cid)
         return True
 
