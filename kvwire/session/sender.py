@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import secrets
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -628,11 +628,12 @@ class SenderCore:
 
     # -- internals -----------------------------------------------------------------------
 
+    def _open_slots(self) -> Iterator[int]:
+        """The indexes of the open streams, lowest first."""
+        return (i for i, s in enumerate(self._slots) if s.open and s.conn is not None)
+
     def _first_open(self) -> int | None:
-        for i, s in enumerate(self._slots):
-            if s.open and s.conn is not None:
-                return i
-        return None
+        return next(self._open_slots(), None)
 
     def _process(self, index: int, now: float) -> None:
         slot = self._slots[index]
@@ -997,7 +998,7 @@ class SenderCore:
         the transfer's buffer.  A receiver fails the transfer at the first copy it reads and
         ignores the others (docs/protocol.md 10: a RESET for a transfer that failed already,
         or that it does not have, is ignored)."""
-        r.streams = {i for i, s in enumerate(self._slots) if s.open and s.conn is not None}
+        r.streams = set(self._open_slots())
         for i in sorted(r.streams):
             conn = self._slots[i].conn
             assert conn is not None
