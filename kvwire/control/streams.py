@@ -320,9 +320,10 @@ class StreamController:
             self._floor = None
 
         limited = [s for s in samples if s.window_limited]
+        window_limited = len(limited) >= self._limited_fraction * len(samples)
         shrunk, self._shrunk = self._shrunk, False
         bests = self._bests
-        if shrunk and len(limited) >= self._limited_fraction * len(samples):
+        if shrunk and window_limited:
             bests.clear()  # what one stream carries now, not what it carried before
         if limited:
             rate = max(s.delivery_rate_bps for s in limited)
@@ -346,7 +347,7 @@ class StreamController:
                 self._link_limited_runs = 0
                 return self._decide(StreamVerdict.REVERT, total)
 
-        if len(limited) >= self._limited_fraction * len(samples):
+        if window_limited:
             self._link_limited_runs = 0
             limit = self._max if self._ceiling is None else min(self._max, self._ceiling)
             if self._streams < limit:
