@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import math
 import numbers
+import random
 import types
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
@@ -120,13 +121,30 @@ def _next_pause(pause: float, timeout: float) -> float:
     return min(max(2 * pause, _POLL_S), max(timeout, _POLL_S))
 
 
-async def _pause(seconds: float, closed: Callable[[], bool]) -> None:
-    """Sleep ``seconds``, in slices of at most :data:`_POLL_S`; returns early once
-    ``closed()``."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while not closed() and (left := end - loop.time()) > 0:
-        await asyncio.sleep(min(left, _POLL_S))
+def _drop_pause(drops: int, timeout: float) -> float:
+    """The pause before subscribing anew after ``drops`` subscriptions in a row were lost
+    within ``timeout`` of being made: none after the first, then :data:`_POLL_S`, twice as
+    long after each more, at most ``timeout`` (or :data:`_POLL_S`, were ``timeout``
+    shorter), each with jitter (between half of it and all of it), so watchers that lost
+    theirs together do not subscribe anew together."""
+    if drops < 2:
+        return 0.0
+    step = min(_POLL_S * 2.0 ** min(drops - 2, 32), max(timeout, _POLL_S))
+    return step * random.uniform(0.5, 1.0)
+
+
+async def _pause(
+    seconds: float,
+    closed: Callable[[], bool],
+    sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
+) -> None:
+    """Sleep ``seconds`` (with ``sleep``), in slices of at most :data:`_POLL_S`; returns
+    early once ``closed()``."""
+    left = seconds
+    while not closed() and left > 0:
+        piece = min(left, _POLL_S)
+        await sleep(piece)
+        left -= piece
 
 
 async def _execute_once(client: aioredis.Redis | aioredis.RedisCluster, route: str, *args: Any) -> Any:
@@ -277,6 +295,12 @@ class RedisWatcher:
     (:data:`_POLL_S`, 0.2 s, after the first failure, then twice as long after each
     failure in a row, up to ``timeout``): while Redis is down, a reader that re-reads and
     reads on makes at most one new connection per pause, not one after another.
+    Subscriptions lost in a row within ``timeout`` of being made (a Redis, or a proxy, that
+    confirms SUBSCRIBE and drops the connection at once) are made anew after a pause too:
+    none after the first such loss, then :data:`_POLL_S` after the second, twice as long
+    after each more, at most ``timeout``, each drawn between half of it and all of it
+    (jitter); still before the read raises, which says "subscribed again" and names the
+    pause.  A subscription that stood for ``timeout`` or longer starts the count anew.
     The registry holds its watchers weakly: one abandoned without ``aclose`` (a ``break``
     out of a bare ``async for``) closes its subscription once garbage collected.
     ``aclose`` (or the registry's ``close()``) ends a watcher whatever it is waiting for:
@@ -296,6 +320,12 @@ class RedisWatcher:
         self._lost: tuple[str, BaseException | None] | None = None
         # The pause before the next try at subscribing anew (0: the last try did not fail).
         self._retry_pause = 0.0
+        # Subscriptions in a row lost within the registry's timeout of being made (a Redis
+        # that confirms SUBSCRIBE and drops the connection at once): see _drop_pause.
+        self._drops = 0
+        self._since = 0.0  # loop time the subscription in place was confirmed
+        # What the pauses before subscribing anew sleep with (a test's fake clock).
+        self._sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep
         self._heard = 0.0  # loop time the server was last heard from (a message, a reply)
         self._pinged: float | None = None  # loop time of the PING awaiting its reply
 
@@ -337,6 +367,7 @@ class RedisWatcher:
             await self._close_pubsub()
             return None
         self._heard, self._pinged = asyncio.get_running_loop().time(), None
+        self._since = self._heard
         return pubsub
 
     async def _subscribe(self) -> PubSub | None:
@@ -387,7 +418,7 @@ class RedisWatcher:
             if self._lost is not None:  # lost, and not subscribed again at the last read
                 # Paused first (aclose() ends the pause within _POLL_S): a refused
                 # connection fails at once, and the reader's loop would try again at once.
-                await _pause(self._retry_pause, lambda: self._closed or self._registry._closed)
+                await _pause(self._retry_pause, lambda: self._closed or self._registry._closed, self._sleep)
                 await self._replace(*self._lost)  # raises, unless closed meanwhile
             while not self._closed and (pubsub := self._pubsub) is not None:
                 try:
@@ -457,13 +488,22 @@ class RedisWatcher:
         tries again, after a pause, and raises again).  Returns only when the watcher (or
         its registry) was closed meanwhile."""
         self._lost = (why, cause)
+        timeout = self._registry.timeout
+        pause = 0.0
+        if self._pubsub is not None:  # a subscription was in place (not a failed try's retry)
+            lived = asyncio.get_running_loop().time() - self._since
+            self._drops = self._drops + 1 if lived < timeout else 1
+            pause = _drop_pause(self._drops, timeout)
         await self._close_pubsub()
+        if pause > 0:
+            # Lost again soon after it was made: a Redis (or proxy) that drops every
+            # subscription at once would otherwise see one after another.
+            await _pause(pause, lambda: self._closed or self._registry._closed, self._sleep)
         if self._closed or self._registry._closed:
             return
         try:
             pubsub = await self._open()
         except (RedisError, OSError, KvwireError) as exc:  # TimeoutError among them
-            timeout = self._registry.timeout
             self._retry_pause = _next_pause(self._retry_pause, timeout)
             raise NotificationsLostError(
                 f"redis registry: {why}; not subscribed again ({_reason(exc, timeout)}): changes may "
@@ -473,9 +513,15 @@ class RedisWatcher:
         if pubsub is None:
             return
         self._lost, self._retry_pause = None, 0.0
+        paused = (
+            f" after a pause of {pause:.3g} s ({self._drops} subscriptions in a row lost within "
+            f"{timeout:g} s of being made)"
+            if pause > 0
+            else ""
+        )
         raise NotificationsLostError(
-            f"redis registry: {why}; subscribed again: changes may have been missed, those from "
-            "now on are delivered: re-read (lookup, check_many)"
+            f"redis registry: {why}; subscribed again{paused}: changes may have been missed, "
+            "those from now on are delivered: re-read (lookup, check_many)"
         ) from cause
 
     async def aclose(self) -> None:

@@ -1,0 +1,194 @@
+"""A Redis watcher whose every new subscription is dropped as soon as Redis confirms it
+pauses before subscribing anew, after the second loss in a row: a capped exponential
+backoff with jitter.  It subscribed anew at once after every loss, so a reader following
+the docs' recipe (re-read, read on) drove one SUBSCRIBE after another against Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import uuid
+from typing import Any
+
+import pytest
+
+from kvwire.aio.registry_redis import _POLL_S, RedisRegistry
+from kvwire.consistency import NotificationsLostError
+from tests.consistency.conftest import RedisServer
+from tests.consistency.proxy import RedisProxy
+
+pytestmark = pytest.mark.timeout(90)
+
+_CONFIRMATION = b"$9\r\nsubscribe\r\n"
+
+
+class _DropsSubscriptions(RedisProxy):
+    """Forwards to Redis, but closes a client connection as soon as Redis's SUBSCRIBE
+    confirmation has been passed on to it (other connections are left alone);
+    ``confirmed`` counts the confirmations passed on."""
+
+    def __init__(self, target_port: int) -> None:
+        super().__init__(target_port)
+        self.confirmed = 0
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, drop: bool) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+            if drop and _CONFIRMATION in data:
+                self.confirmed += 1
+                writer.transport.abort()
+                return
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        server_w: asyncio.StreamWriter | None = None
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+            pumps = {
+                asyncio.ensure_future(self._pump(client_r, server_w, drop=False)),
+                asyncio.ensure_future(self._pump(server_r, client_w, drop=True)),
+            }
+            try:
+                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for pump in pumps:
+                    pump.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            if server_w is not None:
+                server_w.close()
+            client_w.close()
+            self._tasks.discard(task)
+
+
+class _FakeClock:
+    """The watcher's sleep: returns at once, adding up what was asked for; ``before``
+    holds, for each new subscription (``_new_pubsub``), the time slept since the one
+    before."""
+
+    def __init__(self, registry: RedisRegistry) -> None:
+        self.slept = 0.0
+        self.before: list[float] = []
+        self._make = registry._new_pubsub
+        registry._new_pubsub = self._counted  # type: ignore[method-assign]
+
+    async def sleep(self, seconds: float) -> None:
+        self.slept += seconds
+        await asyncio.sleep(0)
+
+    def _counted(self) -> Any:
+        self.before.append(self.slept)
+        self.slept = 0.0
+        return self._make()
+
+
+async def test_a_watcher_whose_subscriptions_are_dropped_at_once_backs_off(
+    redis_server: RedisServer,
+) -> None:
+    """Every subscription is confirmed, then its connection closed.  The reader re-reads
+    and reads on, 12 times.  Before: each read subscribed anew at once (12 new
+    subscriptions, no pause between any).  Now the first loss is answered at once, each
+    later one in a row after a pause drawn between half and all of 0.2 s, 0.4 s, ...,
+    capped at the registry's timeout; each error still says "subscribed again" (the
+    new subscription is in place before it is raised) and names the pause."""
+    timeout = 3.0  # the cap; a subscription counts as dropped at once if lost within it
+    async with _DropsSubscriptions(redis_server.port) as proxy:
+        reg = await RedisRegistry.connect(
+            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=timeout
+        )
+        clock = _FakeClock(reg)
+        errors: list[str] = []
+        try:
+            watcher = reg.watch()
+            watcher._sleep = clock.sleep  # (white box) the injectable sleep
+            async with watcher:
+                for _ in range(12):
+                    with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                        await asyncio.wait_for(anext(watcher), 20)
+                    assert "not subscribed again" not in str(info.value)
+                    errors.append(str(info.value))
+                    assert await reg.lookup([b"a"]) == []  # the docs' re-read
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reg.close(), 20)
+    # The first subscription (async with), then one per read.
+    assert len(clock.before) == 13, clock.before
+    assert proxy.confirmed >= 12
+    pauses = clock.before[1:]
+    assert pauses[0] == 0.0, pauses  # the first loss: subscribed anew at once
+    for k, got in enumerate(pauses[1:]):
+        step = min(_POLL_S * 2**k, timeout)
+        assert step * 0.5 - 1e-9 <= got <= step + 1e-9, (k, pauses)
+        said = re.search(r"after a pause of ([0-9.e+-]+) s \((\d+) subscriptions in a row", errors[k + 1])
+        assert said is not None, errors[k + 1]
+        assert float(said.group(1)) == pytest.approx(got, rel=1e-2)
+        assert int(said.group(2)) == k + 2
+    assert "after a pause" not in errors[0]
+    # Capped: the last ones are bounded by the timeout, not doubled past it.
+    assert max(pauses) <= timeout + 1e-9
+    assert pauses[-1] >= timeout * 0.5 - 1e-9
+
+
+async def test_a_subscription_that_stood_long_enough_resets_the_backoff(
+    redis_server: RedisServer,
+) -> None:
+    """A subscription lost after standing for the registry's timeout or more counts as the
+    first loss again: subscribed anew at once."""
+    async with _DropsSubscriptions(redis_server.port) as proxy:
+        reg = await RedisRegistry.connect(
+            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=3.0
+        )
+        clock = _FakeClock(reg)
+        try:
+            watcher = reg.watch()
+            watcher._sleep = clock.sleep
+            async with watcher:
+                for _ in range(4):
+                    with pytest.raises(NotificationsLostError, match="subscribed again"):
+                        await asyncio.wait_for(anext(watcher), 20)
+                assert clock.before[-1] > 0  # backing off by now
+                watcher._since -= 3.0  # (white box) the subscription in place stood 3 s
+                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                    await asyncio.wait_for(anext(watcher), 20)
+                assert "after a pause" not in str(info.value)
+                assert clock.before[-1] == 0.0
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reg.close(), 20)
+    assert proxy.confirmed >= 5
+
+
+async def test_aclose_ends_a_read_backing_off_before_it_subscribes_anew(
+    redis_server: RedisServer,
+) -> None:
+    """A read pausing (after losses in a row) before it subscribes anew ends at aclose(),
+    without subscribing."""
+    async with _DropsSubscriptions(redis_server.port) as proxy:
+        reg = await RedisRegistry.connect(
+            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=60.0
+        )
+        clock = _FakeClock(reg)
+        try:
+            watcher = reg.watch()
+            async with watcher:
+                with pytest.raises(NotificationsLostError, match="subscribed again"):
+                    await asyncio.wait_for(anext(watcher), 20)
+                watcher._drops = 20  # (white box) a long pause (about 30 to 60 s) comes next
+                made = len(clock.before)
+                reading = asyncio.ensure_future(anext(watcher))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(reading), 0.5)
+                assert not reading.done()
+                await asyncio.wait_for(watcher.aclose(), 10)
+                with pytest.raises(StopAsyncIteration):
+                    await asyncio.wait_for(reading, 10)
+                assert len(clock.before) == made  # no subscription tried
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reg.close(), 20)
