@@ -12,6 +12,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -445,8 +446,18 @@ async def _send_layer(
     plan = plan_chunks(tokens, bpt, target)
     first = [chosen] if chosen is not None else []  # ``auto`` chose a compact codec: the first chunk's
 
+    # The codec chosen for each chunk (host) or part (device), in the order they come out:
+    # a chunk sent raw in place of it is told to the chooser (a run of measured goodput
+    # ends at its acknowledgement).
+    picks: deque[Any] = deque()
+
     def next_codec() -> Any:
-        return first.pop() if first else pick()
+        picks.append(first.pop() if first else pick())
+        return picks[-1]
+
+    def pick_part() -> Any:
+        picks.append(pick())
+        return picks[-1]
 
     # Raw chunks of host arrays (``auto``'s included) are views of the caller's memory,
     # free to hold: up to AHEAD_CHUNKS of them wait in the core's queue, so the task wakes
@@ -469,11 +480,16 @@ async def _send_layer(
     # group's range past float32); a codec the caller named refuses them as the codec does
     fallback = codec_name == AUTO
     source = (host_chunks(parts, next_codec, chooser, raw_fallback=fallback) if host
-              else device_parts(parts, pick, spec.dtype, chooser, raw_fallback=fallback))
+              else device_parts(parts, pick_part, spec.dtype, chooser, raw_fallback=fallback))
+    chosen_for = None
     async with contextlib.aclosing(source):
         async for kind, start, count, codec, enc in source:
             if st.error is not None:
                 raise st.error
+            if host or start == 0:  # (a device part's chunks share its pick)
+                chosen_for = picks.popleft()
+            if chooser is not None and fallback and chosen_for is not None and codec.name != chosen_for.name:
+                chooser.observe_fallback(codec.name)
             if before_final is not None and kind == TensorKind.V and start + count == tokens:
                 await before_final()
                 if st.error is not None:

@@ -620,10 +620,18 @@ class CodecChooser:
         if self._measure and codec in self._ratio and kv_bytes >= 0 and math.isfinite(now):
             self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer, held=held)
 
+    def observe_fallback(self, codec: str) -> None:
+        """A chunk goes out with ``codec`` in place of the codec chosen for it (raw for
+        values the chosen quantizer refuses): with measured goodput its acknowledgement
+        ends the meter's run (:meth:`GoodputMeter.sent_instead`), whose rate would
+        otherwise count its wire time as the chosen codec's."""
+        if self._measure and codec in self._ratio:
+            self.meter.sent_instead(codec)
+
     def observe_idle(self) -> None:
-        """Nothing is left in flight or queued (the last transfer is done): the time until
-        the next acknowledgement is no codec's."""
-        self.meter.pause()
+        """Nothing is left in flight or queued (the last transfer is done, or failed): the
+        time until the next acknowledgement is no codec's."""
+        self.meter.idle()
 
     @property
     def transport_cost(self) -> float | None:
