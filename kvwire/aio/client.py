@@ -52,6 +52,7 @@ from kvwire.errors import (
 from kvwire.options import Layers
 from kvwire.session.options import ClientOptions, Receipt, check_port, check_seconds
 from kvwire.session.sender import (
+    SESSION_GONE,
     ChunkDelivered,
     ChunkLost,
     ChunkSent,
@@ -553,6 +554,8 @@ class Peer(Pump):
         # The one close every close() waits for (shielded: a caller cancelled does not stop it).
         self._closing: asyncio.Task[None] | None = None
         self._ended_by_close = False  # close() ended the session (it was not broken before)
+        # The session's error, as ``broken`` says it, for the core's own (see _explained).
+        self._said: tuple[KvwireError, KvwireError] | None = None
 
     @property
     def closed(self) -> bool:
@@ -1010,7 +1013,7 @@ class Peer(Pump):
     async def _until(self, ready: Callable[[], bool], error: Callable[[], KvwireError | None]) -> None:
         while True:
             self.changed.clear()
-            err = error() or self.core.broken
+            err = error() or self.broken
             if err is not None:
                 raise detached(err)  # raised at every call: each would add its frames
             if ready():
@@ -1025,11 +1028,27 @@ class Peer(Pump):
         cannot send again (every ``send()`` raises at once, of this error's class): close
         it and ``connect()`` again.  Once :meth:`close` was called a ``send()`` says that
         the peer was closed: ``connect()`` again.  ``closed`` says only whether
-        :meth:`close` was called."""
-        return self.core.broken
+        :meth:`close` was called.  A resume the server answered UNKNOWN_SESSION (it
+        restarted, or ``resume_timeout`` passed) says so before the server's own text, as
+        the transfers it failed do."""
+        return self._explained(self.core.broken)
+
+    def _explained(self, err: KvwireError | None) -> KvwireError | None:
+        """``err`` (the core's ``broken``), but for a session the server no longer has
+        (UNKNOWN_SESSION: its text, "no such session", says nothing of why): an error of
+        the same class and code saying :data:`SESSION_GONE` first; made once, the same
+        object at every look."""
+        if err is None or err.code != ErrorCode.UNKNOWN_SESSION or SESSION_GONE in str(err):
+            return err
+        said = self._said
+        if said is None or said[0] is not err:
+            explained = type(err)(f"{SESSION_GONE}: {err}", code=err.code)
+            explained.__cause__ = err
+            said = self._said = (err, explained)
+        return said[1]
 
     def check_usable(self) -> None:
-        err = self.core.broken
+        err = self.broken
         # A new error each time: nothing of an earlier caller's frames is kept.
         if self._closing is not None:  # close() was called
             if err is None or self._ended_by_close:
