@@ -9,8 +9,13 @@ between CPU kernels, so kvwire treats a block as **opaque**: block ``i`` of laye
 On the wire a paged cache is an ordinary cache whose :class:`~kvwire.KVSpec` is derived by
 :meth:`PagedSpec.wire_spec`: each block travels as ``rows_per_block`` "tokens" of its first
 half (sent as K) and as many of its second half (sent as V), each row ``row_elems`` elements
-wide, blocks in block-table order.  The block geometry is part of the spec's ``model`` field,
-so the fingerprint the handshake compares differs whenever the two sides disagree on it.
+wide, blocks in block-table order.  A block ``[2, block_size, num_kv_heads, head_size]``
+(K and V planes of tokens) travels as one row per token, ``num_kv_heads`` heads of
+``head_size`` (:attr:`PagedSpec.row_shape`), so per-head codec groups (int4 keys per
+channel over tokens, fp8/int8 scales per token and head) never mix heads; any other block
+as rows of one head (its last dimension).  The block geometry is part of
+the spec's ``model`` field, so the fingerprint the handshake compares differs whenever the
+two sides disagree on it.
 
 - :func:`gather_layer` / :class:`PagedSource`: the ``(k, v)`` layers of a request, gathered
   from the cache by block id (one copy, in the array's own library: numpy, torch, CuPy).
@@ -92,17 +97,33 @@ class PagedSpec:
         return self.block_elems * DTYPES[self.dtype][1]
 
     @property
-    def row_elems(self) -> int:
-        """Width of one wire row: the block's last dimension when it tiles half a block
-        (rows then follow the block's own rows), else the largest divisor that fits."""
-        half = self.block_elems // 2
-        last = self.block_shape[-1]
+    def row_shape(self) -> tuple[int, int]:
+        """``(heads, head_dim)`` of one wire row (a wire token).
+
+        A block ``[2, tokens, *heads, head_dim]`` (K and V planes of tokens, vLLM's
+        ``[2, block_size, num_kv_heads, head_size]``) travels as rows of one token each:
+        its heads (the product of the dimensions between) by ``head_dim``, so the codecs'
+        per-head groups stay inside one head, as for an unpaged cache (int4 keys are
+        grouped per channel over tokens, not over heads).  Any other block (no leading
+        axis of 2, fewer than four dimensions, a row too wide) travels as rows of one head:
+        the block's last dimension when it tiles half a block, else the largest divisor
+        that fits."""
+        shape, half = self.block_shape, self.block_elems // 2
+        if len(shape) >= 4 and shape[0] == 2 and math.prod(shape[2:]) <= _MAX_ROW:
+            return math.prod(shape[2:-1]), shape[-1]
+        last = shape[-1]
         if last <= _MAX_ROW and half % last == 0:
-            return last
+            return 1, last
         for width in range(min(half, _MAX_ROW), 0, -1):
             if half % width == 0:
-                return width
-        return 1  # pragma: no cover - width 1 always divides
+                return 1, width
+        return 1, 1  # pragma: no cover - width 1 always divides
+
+    @property
+    def row_elems(self) -> int:
+        """Width of one wire row (a wire token's elements: ``heads * head_dim`` of :attr:`row_shape`)."""
+        heads, dim = self.row_shape
+        return heads * dim
 
     @property
     def rows_per_block(self) -> int:
@@ -114,8 +135,9 @@ class PagedSpec:
 
     def wire_spec(self) -> KVSpec:
         """The :class:`~kvwire.KVSpec` this cache travels as; its fingerprint covers the geometry."""
+        heads, dim = self.row_shape
         return KVSpec(
-            num_layers=self.num_layers, num_kv_heads=1, head_dim=self.row_elems,
+            num_layers=self.num_layers, num_kv_heads=heads, head_dim=dim,
             dtype=self.dtype, model=self._model_prefix() + self.model,
         )
 
@@ -296,7 +318,7 @@ def gather_layer(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]
     """One layer's ``(k, v)`` wire arrays gathered from ``cache`` at ``block_ids``.
 
     ``cache`` is ``[num_blocks, *block_shape]``; the result is two fresh contiguous arrays
-    ``[len(block_ids) * rows_per_block, 1, row_elems]`` (numpy for host caches, CuPy for GPU
+    ``[len(block_ids) * rows_per_block, *row_shape]`` (numpy for host caches, CuPy for GPU
     ones), so the cache may be overwritten as soon as this returns.  A GPU cache is
     gathered on its own device, on CuPy's current stream there: work queued on that stream
     afterwards may overwrite it at once, work on another stream must wait for it.
@@ -304,7 +326,7 @@ def gather_layer(spec: PagedSpec, cache: Any, block_ids: Any) -> tuple[Any, Any]
     blocks, device = _as_blocks(spec, cache, "cache")
     ids = _check_ids(block_ids, blocks.shape[0], "gather", distinct=False)
     half = spec.block_elems // 2
-    shape = (ids.size * spec.rows_per_block, 1, spec.row_elems)
+    shape = (ids.size * spec.rows_per_block, *spec.row_shape)
     if device:
         import cupy
 
@@ -331,7 +353,7 @@ def _block_rows(spec: PagedSpec, blocks: np.ndarray, halves: tuple[np.ndarray, n
     block_elems]``) whose halves lie at byte offsets ``halves`` (:func:`_halves`)."""
     flat = blocks.reshape(-1).view(np.uint8).data
     dtype = numpy_dtype(spec.dtype)
-    k, v = (BlockRows(flat, h, spec.rows_per_block, spec.row_elems, dtype) for h in halves)
+    k, v = (BlockRows(flat, h, spec.rows_per_block, spec.row_elems, dtype, heads=spec.row_shape[0]) for h in halves)
     return k, v
 
 
@@ -410,6 +432,7 @@ class PagedDestination:
                     raise UsageError(f"cache {i} is read-only")
         self._rows = spec.rows_per_block
         self._width = spec.row_elems
+        self._row_shape = spec.row_shape
         self._dtype = numpy_dtype(spec.dtype)
         # Each host cache as one flat byte view (a block's rows are slices of it), and the
         # offset in it of each destination block's K half and V half.
@@ -452,7 +475,7 @@ class PagedDestination:
         return slot, offset, count * self._width
 
     def view(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> np.ndarray | None:
-        """A writable array ``[count, 1, row_elems]`` in the destination for this token range
+        """A writable array ``[count, *row_shape]`` in the destination for this token range
         (in scratch for a dropped block), or None when there is none (the range spans
         blocks, lies on a GPU, or does not fit)."""
         if self._device or layer_tokens != self.layer_tokens or not 0 <= layer < len(self._blocks):
@@ -464,9 +487,9 @@ class PagedDestination:
         if not self._kept[slot]:  # its scratch place
             within = offset - kind * (self.spec.block_elems // 2)
             half: np.ndarray = self._scratch_half(kind, slot).view(self._dtype)
-            return half[within : within + n].reshape(count, 1, self._width)
+            return half[within : within + n].reshape(count, *self._row_shape)
         row: np.ndarray = self._blocks[layer][int(self.block_ids[slot]), offset : offset + n]
-        return row.reshape(count, 1, self._width)
+        return row.reshape(count, *self._row_shape)
 
     def regions(self, layer: int, kind: int, start: int, count: int, layer_tokens: int) -> list[memoryview] | None:
         """The destination's places for this token range of K (``kind`` 0) or V (1), in
@@ -523,7 +546,7 @@ class PagedDestination:
         return half
 
     def write(self, layer: int, kind: int, start: int, data: Any, layer_tokens: int) -> None:
-        """Scatter ``data`` (``[count, 1, row_elems]`` of the caches' dtype, decoded) into
+        """Scatter ``data`` (``[count, *row_shape]`` of the caches' dtype, decoded) into
         the destination blocks; :class:`~kvwire.UsageError` for data of another shape or
         dtype (its bytes are never reinterpreted, cast or cut), or a ``kind`` other than
         0 (K) or 1 (V).
@@ -536,8 +559,9 @@ class PagedDestination:
         self.check(self.wire_spec, layer_tokens)
         shape = tuple(int(d) for d in getattr(data, "shape", ()))
         count = shape[0] if shape else 0
-        if shape != (count, 1, self._width):
-            raise UsageError(f"write() takes rows [count, 1, {self._width}], got an array shaped {shape}")
+        if shape != (count, *self._row_shape):
+            heads, dim = self._row_shape
+            raise UsageError(f"write() takes rows [count, {heads}, {dim}], got an array shaped {shape}")
         dtype = getattr(data, "dtype", None)
         bits = self._device and self.spec.dtype == "bfloat16" and dtype == np.uint16  # CuPy's bfloat16
         if not (isinstance(dtype, np.dtype) and (dtype == self._dtype or bits)):
@@ -620,7 +644,7 @@ class BlockRows:
     """A layer's K or V for :class:`PagedSource`: the wire rows of a request's blocks where
     they lie in the cache, not gathered.
 
-    It stands where a ``[tokens, 1, row_elems]`` array would (``shape``, ``dtype``,
+    It stands where a ``[tokens, heads, row_elems // heads]`` array would (``shape``, ``dtype``,
     ``nbytes``, slicing by rows).  A raw chunk sends its rows straight from the blocks
     (:meth:`byte_ranges`: a range per block, which the compiled send queue writes with one
     scatter-gather write per piece, no Python object per block); ``fp8``, ``int8`` and
@@ -631,13 +655,13 @@ class BlockRows:
     __slots__ = ("_flat", "_halves", "_row_bytes", "_rows", "_start", "dtype", "shape")
 
     def __init__(self, flat: memoryview, halves: np.ndarray, rows: int, row_elems: int, dtype: np.dtype,
-                 start: int = 0, count: int | None = None) -> None:
+                 start: int = 0, count: int | None = None, *, heads: int = 1) -> None:
         self._flat, self._halves, self._rows = flat, halves, rows
         self._row_bytes = row_elems * dtype.itemsize
         self._start = start
         count = halves.size * rows - start if count is None else count
         self.dtype = dtype
-        self.shape = (count, 1, row_elems)
+        self.shape = (count, heads, row_elems // heads)
 
     @property
     def ndim(self) -> int:
@@ -649,7 +673,7 @@ class BlockRows:
 
     @property
     def size(self) -> int:
-        return self.shape[0] * self.shape[2]
+        return self.shape[0] * self.shape[1] * self.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -664,8 +688,8 @@ class BlockRows:
         start, stop, step = key.indices(self.shape[0])
         if step != 1:
             raise ValueError("BlockRows takes a slice of rows with step 1")
-        return BlockRows(self._flat, self._halves, self._rows, self.shape[2], self.dtype,
-                         self._start + start, max(0, stop - start))
+        return BlockRows(self._flat, self._halves, self._rows, self.shape[1] * self.shape[2], self.dtype,
+                         self._start + start, max(0, stop - start), heads=self.shape[1])
 
     def byte_views(self) -> list[memoryview]:
         """The rows' bytes where they lie, in order: one view per block touched."""
@@ -679,7 +703,7 @@ class BlockRows:
         return ByteRanges(self._flat, spans.data, self.nbytes)
 
     def gather(self) -> np.ndarray:
-        """The rows copied into one new ``[tokens, 1, row_elems]`` array."""
+        """The rows copied into one new ``[tokens, heads, row_elems // heads]`` array."""
         out = np.empty(self.shape, self.dtype)
         flat = out.reshape(-1).view(np.uint8).data
         at = 0
