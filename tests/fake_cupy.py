@@ -9,6 +9,11 @@ and events keep an order: every use of an array on a stream (a kernel's argument
 ``set()``, a copy) is checked to come after its allocation in that stream's order, either
 the same stream or one that waited for an event recorded on it after the allocation;
 anything else is a problem (``FakeCupy.problems``), as is a kernel's misaligned access.
+A write on a stream (``set()``, an item assignment) is checked the same way for every
+later use of that memory on another stream: it must wait for an event recorded after the
+write, or the host must have synchronized with the writing stream (or such an event).
+The current device and the current stream are per thread, as CuPy's are (the null
+streams are shared, as the legacy default stream is).
 
 Kernels (``RawModule(...).get_function(name)``) run in the kernel emulation of
 tests/codec/test_gpu_emulated.py when a built one is given.  Every use is logged
@@ -18,6 +23,7 @@ tests/codec/test_gpu_emulated.py when a built one is given.  Every use is logged
 from __future__ import annotations
 
 import ctypes
+import threading
 import types
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,13 +42,26 @@ class FakeCupy:
         self.log: list[tuple[Any, ...]] = []
         self.problems: list[str] = []
         self.allocations: list[Allocation] = []
-        self._device_stack: list[int] = []
-        self._stream_stack: dict[int, list[Stream]] = {}
+        self._local = threading.local()  # the current device and streams: per thread
         self._nulls = {d: Stream(self, f"null:{d}", d, ptr=0) for d in range(devices)}
         self._made_streams: list[Stream] = []
         self.module = self._module()
 
     # -- state --------------------------------------------------------------------------
+
+    @property
+    def _device_stack(self) -> list[int]:
+        local = self._local
+        if not hasattr(local, "devices"):
+            local.devices = []
+        return local.devices  # type: ignore[no-any-return]
+
+    @property
+    def _stream_stack(self) -> dict[int, list[Stream]]:
+        local = self._local
+        if not hasattr(local, "streams"):
+            local.streams = {}
+        return local.streams  # type: ignore[no-any-return]
 
     @property
     def device(self) -> int:
@@ -69,6 +88,18 @@ class FakeCupy:
         if a.stream is not stream and stream.waited.get(id(a.stream), -1) < a.seq:
             self.problems.append(f"{what} on stream {stream.name} uses memory allocated on stream "
                                  f"{a.stream.name} without waiting for it")
+        if a.written is not None:
+            writer, seq = a.written
+            if writer is not stream and writer.synced < seq and stream.waited.get(id(writer), -1) < seq:
+                self.problems.append(f"{what} on stream {stream.name} uses memory written on stream "
+                                     f"{writer.name} without waiting for the write")
+
+    def wrote(self, x: Any, stream: Stream) -> None:
+        """``x`` (an array) written on ``stream``, in its order."""
+        a = self.allocation(x.data.ptr)
+        if a is not None:
+            stream.seq += 1
+            a.written = (stream, stream.seq)
 
     def alloc(self, shape: Any, dtype: Any) -> ndarray:
         shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
@@ -172,6 +203,7 @@ class Allocation:
     seq: int
     device: int
     raw: Any = field(repr=False)
+    written: tuple[Stream, int] | None = None  # the last write: its stream, and where in its order
 
 
 class Event:
@@ -180,12 +212,14 @@ class Event:
 
     def synchronize(self) -> None:
         self.stream.fake.log.append(("event sync", self.stream.name))
+        self.stream.synced = max(self.stream.synced, self.seq)
 
 
 class Stream:
     def __init__(self, fake: FakeCupy, name: str, device: int, *, ptr: int) -> None:
         self.fake, self.name, self.device, self.ptr = fake, name, device, ptr
         self.seq = 0
+        self.synced = 0  # the host synchronized with its work up to here
         self.waited: dict[int, int] = {}
 
     def record(self, event: Any = None) -> Event:
@@ -202,6 +236,7 @@ class Stream:
 
     def synchronize(self) -> None:
         self.fake.log.append(("synchronize", self.name))
+        self.synced = self.seq
 
     def __enter__(self) -> Stream:
         self.fake._stream_stack.setdefault(self.device, []).append(self)
@@ -244,6 +279,7 @@ class ndarray(np.ndarray):  # CuPy's name, in module "cupy" (below)
     def set(self, arr: Any, stream: Any = None) -> None:
         stream = stream if stream is not None else self.fake.current_stream()
         self.fake.use(self, stream, "set")
+        self.fake.wrote(self, stream)
         self.fake.log.append(("h2d", self.fake.device, stream.name))
         np.asarray(self).view(np.ndarray)[...] = np.asarray(arr).reshape(self.shape)
 
@@ -255,6 +291,7 @@ class ndarray(np.ndarray):  # CuPy's name, in module "cupy" (below)
         self.fake.use(self, stream, "setitem")
         if isinstance(value, ndarray):
             self.fake.use(value, stream, "setitem")
+        self.fake.wrote(self, stream)
         self.fake.log.append(("setitem", self.fake.device, stream.name))
         np.asarray(self).view(np.ndarray)[key] = np.asarray(value).view(np.ndarray) if isinstance(value, ndarray) else value
 

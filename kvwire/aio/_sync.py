@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import inspect
 import os
 import threading
@@ -16,6 +17,7 @@ from types import TracebackType
 from typing import Any, SupportsIndex, TypeVar
 
 import kvwire
+from kvwire.aio._arrays import is_device_array
 from kvwire.aio._logtext import address
 from kvwire.aio._receive import check_destination
 from kvwire.aio._send import SendProgress
@@ -546,6 +548,89 @@ def watch_dropped(owner: SyncServer | SyncPeer, what: str) -> weakref.finalize[A
     return finalizer
 
 
+# -- GPU stream order across the bridge ---------------------------------------------------
+# CuPy's current stream is per thread: the send on the loop orders its transfer stream
+# after the loop thread's current stream, and the caller's arrays were written on the
+# caller's.  A blocking call records where the caller's current stream is, on each device
+# of its GPU arrays; the loop thread's current stream there waits for it before the send
+# (or a write into the caller's memory) touches them, and a GPU layer handed to the caller
+# is ordered before its current stream's next work.  CPU-only use never imports CuPy.
+
+
+def _device_of(x: Any) -> int:
+    dev = getattr(x, "device", None)
+    if type(x).__module__.startswith("cupy") and dev is not None:
+        return int(dev.id)
+    return int(x.__dlpack_device__()[1])
+
+
+def caller_marks(arrays: Any) -> list[tuple[int, Any]]:
+    """(in the caller's thread) ``(device, event)``: an event recorded on the calling
+    thread's current CUDA stream of each device that holds one of ``arrays`` (an iterable
+    of anything: what is not a GPU array is passed over).  Empty without a GPU array
+    (and CuPy is not imported then)."""
+    devices: set[int] = set()
+    for x in arrays:
+        if is_device_array(x):
+            with contextlib.suppress(Exception):  # (one it cannot read fails in the send)
+                devices.add(_device_of(x))
+    if not devices:
+        return []
+    try:
+        import cupy
+    except ImportError:
+        return []  # (the send says that a GPU array needs CuPy)
+    marks = []
+    for device in sorted(devices):
+        with cupy.cuda.Device(device):
+            marks.append((device, cupy.cuda.get_current_stream().record()))
+    return marks
+
+
+def layer_arrays(layers: Any) -> list[Any]:
+    """The arrays of a list or tuple of ``(k, v)`` layers (none of an iterator's: it
+    yields them on the loop thread, after the loop thread's streams)."""
+    if not isinstance(layers, (list, tuple)):
+        return []
+    return [x for item in layers if isinstance(item, (list, tuple)) for x in item]
+
+
+def order_after(marks: list[tuple[int, Any]]) -> None:
+    """(on the loop thread) Its current stream on each device waits for the caller's mark
+    there: work queued on it next (a send's transfer stream orders after it) comes after
+    what the caller had queued on its own stream."""
+    if not marks:
+        return
+    import cupy
+
+    for device, event in marks:
+        with cupy.cuda.Device(device):
+            cupy.cuda.get_current_stream().wait_event(event)
+
+
+async def after_marks(marks: list[tuple[int, Any]], start: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``start()`` run once the loop thread's streams wait for ``marks`` (made only then:
+    this closed before it ran leaves no coroutine unawaited)."""
+    order_after(marks)
+    return await start()
+
+
+def hand_over(layer: Layer) -> Layer:
+    """(in the caller's thread) A GPU layer's device work (its decode, on the transfer
+    stream) ordered before the caller's current stream's next work."""
+    k = layer.k
+    if not type(k).__module__.startswith("cupy"):
+        return layer
+    import cupy
+
+    from kvwire.aio._gpu import stream_for
+
+    device = int(k.device.id)
+    with cupy.cuda.Device(device):
+        cupy.cuda.get_current_stream().wait_event(stream_for(device).record())
+    return layer
+
+
 class ReceiveState:
     """What a :class:`ReceiveHandle`'s receive on the loop fills and its waiters wait on.
     It refers to no bridge (nor to the handle, which holds the bridge): the receive on the
@@ -574,15 +659,18 @@ class ReceiveState:
             self.cond.notify_all()
 
 
-async def receive(state: ReceiveState, server: Any, into: Any, timeout: float | None) -> None:
+async def receive(state: ReceiveState, server: Any, into: Any, timeout: float | None,
+                  marks: list[tuple[int, Any]] | None = None) -> None:
     """(on the loop) :meth:`SyncServer.expect`'s receive into ``state``: what it waits
-    for, and every layer as it arrives (``into``: a destination, or None)."""
+    for, and every layer as it arrives (``into``: a destination, or None; written after
+    ``marks``, the caller's streams when it expected it, :func:`caller_marks`)."""
     state.task = asyncio.current_task()
     request_id = state.request_id
     if state.error is not None:  # aborted before this began: what arrived already is given up
         _abort_arrived(server, request_id)
         return
     try:
+        order_after(marks or [])
         transfer = await server.expect(request_id, into=into, timeout=timeout) if into is not None \
             else await server.expect(request_id, timeout=timeout)
         with state.cond:
@@ -629,10 +717,11 @@ class ReceiveHandle:
         self._state = ReceiveState(request_id, num_layers)
         bridge.watch(self)
 
-    def _receive(self, server: Any, into: Any, timeout: float | None) -> Coroutine[Any, Any, None]:
+    def _receive(self, server: Any, into: Any, timeout: float | None,
+                 marks: list[tuple[int, Any]] | None = None) -> Coroutine[Any, Any, None]:
         """The receive to run on the loop: it refers to the state, not to this handle (nor,
         through it, to the bridge, which its own loop would then keep alive)."""
-        return receive(self._state, server, into, timeout)
+        return receive(self._state, server, into, timeout, marks)
 
     def _fail(self, error: KvwireError) -> None:
         self._state.fail(error)
@@ -680,7 +769,10 @@ class ReceiveHandle:
             raise TransferTimeoutError(f"{what} of {local_id(self.request_id)} not ready after {timeout} s")
 
     def wait_layer(self, index: SupportsIndex, timeout: float | None = None) -> Layer:
-        """Block until layer ``index`` (an int) has arrived; return it (raises the transfer's error)."""
+        """Block until layer ``index`` (an int) has arrived; return it (raises the transfer's error).
+
+        A GPU layer is ordered before the calling thread's current CUDA stream: work queued
+        there afterwards runs after its decode."""
         i = check_index("layer index", index, 0)
         state = self._state
         if state.num_layers is not None and i >= state.num_layers:
@@ -691,7 +783,7 @@ class ReceiveHandle:
             state.num_layers is not None and i >= state.num_layers), timeout, f"layer {i}")
         if i not in state.layers:
             raise UsageError(f"layer {i} out of range: the transfer has {state.num_layers} layers")
-        return state.layers[i]
+        return hand_over(state.layers[i])
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every layer has arrived."""
@@ -816,7 +908,9 @@ class SyncServer:
         handle = ReceiveHandle(self.bridge, request_id, layers)
         with self._handles_lock:
             self._handles.add(handle)
-        self.bridge.submit(handle._receive(self._server, into, timeout))
+        # a GPU cache is written after what this thread's streams had queued on it by now
+        marks = caller_marks(getattr(into, "caches", ())) if into is not None else []
+        self.bridge.submit(handle._receive(self._server, into, timeout, marks))
         return handle
 
     def unclaimed_request_ids(self, timeout: float = 5.0) -> list[str]:
@@ -878,9 +972,12 @@ class SyncServer:
 
 
 async def queued_layers(queue: asyncio.Queue[Any], num_layers: int) -> AsyncIterator[tuple[Any, Any]]:
-    """:meth:`SendHandle.send_layer`'s layers as they are queued (``num_layers`` of them)."""
+    """:meth:`SendHandle.send_layer`'s layers as they are queued (``num_layers`` of them),
+    each once the loop thread's streams wait for the caller's when it was queued."""
     for _ in range(num_layers):
-        yield await queue.get()
+        layer, marks = await queue.get()
+        order_after(marks)
+        yield layer
 
 
 class SendHandle:
@@ -911,11 +1008,13 @@ class SendHandle:
 
     def send_layer(self, k: Any, v: Any) -> None:
         """Queue the next layer (in layer order); returns at once.  The arrays must not be
-        modified until :meth:`wait` returns (pass copies, e.g. from :func:`kvwire.paged.gather_layer`)."""
+        modified until :meth:`wait` returns (pass copies, e.g. from :func:`kvwire.paged.gather_layer`).
+        GPU arrays are read after what the calling thread's current CUDA stream had queued."""
+        marks = caller_marks((k, v))
         with self._lock:
             if self._queued >= self.num_layers:
                 raise UsageError(f"all {self.num_layers} layers of {local_id(self.request_id)} were already queued")
-            self._bridge.call_soon(self._queue.put_nowait, (k, v))
+            self._bridge.call_soon(self._queue.put_nowait, ((k, v), marks))
             self._queued += 1  # only once queued: a closed bridge's refusal counts no layer
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -1141,12 +1240,16 @@ class SyncPeer:
     def send(self, request_id: str, spec: KVSpec, layers: Any, *, timeout: float | None = None,
              **send_options: Any) -> Any:
         """Send a whole cache and wait for its receipt.  ``timeout`` bounds the whole send
-        as :meth:`kvwire.Peer.send`'s does (TransferTimeoutError; the receiver is told)."""
+        as :meth:`kvwire.Peer.send`'s does (TransferTimeoutError; the receiver is told).
+        GPU layers of a list or tuple are read after what the calling thread's current
+        CUDA stream had queued on their devices (an iterator's are taken on the loop
+        thread: see docs/integrations.md)."""
         # Peer.send ends on its own timeout: waiting here for less would cancel it, and its
         # receiver would be told of a cancelled sender instead of a timeout.
         send_options = check_send_options(self._peer, {**send_options, "timeout": timeout})
-        return self.bridge.run(self._peer.send(request_id, spec, layers, **send_options),
-                               track=self._track, gone=self._gone)
+        marks = caller_marks(layer_arrays(layers))
+        send = functools.partial(self._peer.send, request_id, spec, layers, **send_options)
+        return self.bridge.run(after_marks(marks, send) if marks else send(), track=self._track, gone=self._gone)
 
     def close(self, timeout: float = 5.0) -> None:
         """Close the peer (and its own bridge); each step waits at most ``timeout``
