@@ -16,7 +16,6 @@ the destination array (:func:`decode_into`).
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -197,6 +196,28 @@ class EncodePlan:
 
 
 THREADS = _THREADS
+#: the most blocks a launch's (one-dimensional) grid can have: CUDA's limit on gridDim.x
+MAX_BLOCKS = 2**31 - 1
+#: the largest count a kernel takes as a 32-bit int (heads, head_dim, chunk tokens)
+INT32_MAX = 2**31 - 1
+
+
+def _int32(value: int, what: str) -> np.int32:
+    """``value`` as a kernel's 32-bit int argument; UsageError where it does not fit (numpy
+    would raise OverflowError, or an older one wrap it)."""
+    if not 0 <= value <= INT32_MAX:
+        raise UsageError(f"the GPU kernels take {what} up to {INT32_MAX}, got {value}")
+    return np.int32(value)
+
+
+def _blocks(threads: int, kernel: str) -> int:
+    """Blocks of :data:`THREADS` that cover ``threads`` threads (exact integer ceiling);
+    UsageError past :data:`MAX_BLOCKS`, which CUDA refuses to launch."""
+    blocks = -(-threads // _THREADS)
+    if blocks > MAX_BLOCKS:
+        raise UsageError(f"{kernel}: {threads} threads need {blocks} blocks of {_THREADS}, "
+                         f"more than a launch takes ({MAX_BLOCKS}); encode or decode the tensor in parts")
+    return blocks
 
 
 def plan_encode(
@@ -204,9 +225,16 @@ def plan_encode(
     chunk_tokens: int, *, x_aligned: bool,
 ) -> EncodePlan:
     """The launches that encode a ``shape`` tensor of ``dtype`` as chunks of ``chunk_tokens``
-    tokens (the last one shorter); ``x_aligned``: the input starts on 16 bytes."""
+    tokens (the last one shorter); ``x_aligned``: the input starts on 16 bytes.
+
+    Element, byte and group counts go to the kernels as int64 (a tensor may hold 2^31
+    elements and more); heads, head_dim, the tokens of a chunk and the int4 group go as
+    32-bit ints.  UsageError where one of those passes 2^31 - 1, or a launch would need
+    more blocks than a grid takes (:data:`MAX_BLOCKS`)."""
     tokens, heads, dim = shape
     chunk_tokens = max(1, min(int(chunk_tokens), tokens))
+    heads32, dim32 = _int32(heads, "heads"), _int32(dim, "head_dim")
+    chunk32 = _int32(chunk_tokens, "tokens per chunk")
     nchunks = -(-tokens // chunk_tokens)
     last = tokens - (nchunks - 1) * chunk_tokens
     suffix = _SUFFIX[dtype]
@@ -220,13 +248,14 @@ def plan_encode(
             dim % epv == 0 and nvec <= 128 and x_aligned and full % epv == 0 and rows < 2**31
             and (4 * heads * chunk_tokens) % epv == 0 and (4 * heads * last) % epv == 0
         )
-        args = ("x", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(chunk_tokens),
-                np.int64(full), "out", "flags")
+        args = ("x", np.int64(tokens), heads32, dim32, chunk32, np.int64(full), "out", "flags")
         if vector:
             lpr, vpl = (16, 1) if nvec <= 16 else (32, 1) if nvec <= 32 else (32, 2) if nvec <= 64 else (32, 4)
-            launch = Launch(f"kv_{base}_encode_vec_{suffix}_{lpr}_{vpl}", math.ceil(rows * lpr / _THREADS), args)
+            name = f"kv_{base}_encode_vec_{suffix}_{lpr}_{vpl}"
+            launch = Launch(name, _blocks(rows * lpr, name), args)
         else:
-            launch = Launch(f"kv_{base}_encode_any_{suffix}", math.ceil(rows * 32 / _THREADS), args)
+            name = f"kv_{base}_encode_any_{suffix}"
+            launch = Launch(name, _blocks(rows * 32, name), args)
         return EncodePlan(sizes, 0, (launch,))
     if base != "int4":
         raise UsageError(f"codec {base!r} has no GPU kernels")
@@ -243,13 +272,12 @@ def plan_encode(
         return EncodePlan(sizes, 0, (fast,))
     total_groups = (nchunks - 1) * g_full + g_last
     total_bytes = (nchunks - 1) * b_full + b_last
-    common = ("x", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(group),
-              np.int32(kind == TensorKind.V), np.int32(chunk_tokens), np.int64(full))
+    common = ("x", np.int64(tokens), heads32, dim32, _int32(group, "int4 group"),
+              np.int32(kind == TensorKind.V), chunk32, np.int64(full))
+    stats, pack = f"kv_int4_stats_{suffix}", f"kv_int4_pack_{suffix}"
     return EncodePlan(sizes, 2 * total_groups, (
-        Launch(f"kv_int4_stats_{suffix}", math.ceil(total_groups / _THREADS),
-               (*common, np.int64(total_groups), "out", "stats", "flags")),
-        Launch(f"kv_int4_pack_{suffix}", math.ceil(total_bytes / _THREADS),
-               (*common, np.int64(total_bytes), "stats", "out")),
+        Launch(stats, _blocks(total_groups, stats), (*common, np.int64(total_groups), "out", "stats", "flags")),
+        Launch(pack, _blocks(total_bytes, pack), (*common, np.int64(total_bytes), "stats", "out")),
     ))
 
 
@@ -275,8 +303,8 @@ def _plan_int4_vec(
             return None
         lpr, vpl = (16, 1) if nvec <= 16 else (32, 1) if nvec <= 32 else (32, 2) if nvec <= 64 else (32, 4)
         rows = tokens * heads
-        return Launch(f"kv_int4_encode_v_vec_{suffix}_{lpr}_{vpl}", math.ceil(rows * lpr / _THREADS),
-                      (*args, "out", "flags"))
+        name = f"kv_int4_encode_v_vec_{suffix}_{lpr}_{vpl}"
+        return Launch(name, _blocks(rows * lpr, name), (*args, "out", "flags"))
     hd = heads * dim
     if hd % epv:
         return None
@@ -288,8 +316,8 @@ def _plan_int4_vec(
     last = tokens - (nchunks - 1) * chunk_tokens
     total_blocks = (nchunks - 1) * blocks_full + -(-last // group)
     slices = -(-(hd // epv) // (32 // tl))
-    return Launch(f"kv_int4_encode_k_vec_{suffix}_{tl}_{kpt}", math.ceil(total_blocks * slices * 32 / _THREADS),
-                  (*args, np.int64(total_blocks), "out", "flags"))
+    name = f"kv_int4_encode_k_vec_{suffix}_{tl}_{kpt}"
+    return Launch(name, _blocks(total_blocks * slices * 32, name), (*args, np.int64(total_blocks), "out", "flags"))
 
 
 def alignment(ptr: int) -> int:
@@ -308,28 +336,33 @@ def plan_decode(
     The vector kernels load the payload in words: int4 needs it on 4 bytes (float32
     scales and minimums, 32-bit code words), fp8 and int8 on 8 for 16-bit outputs (8 codes
     a load, after 4 bytes of scale per row) and on 4 for float32; a payload off that
-    alignment takes the any-shape kernel, which reads it byte by byte."""
+    alignment takes the any-shape kernel, which reads it byte by byte.  The vector kernels
+    index in 32 bits and take chunks under 2^31 elements; the any-shape kernels index in
+    64.  UsageError as :func:`plan_encode` gives it for heads, head_dim or the grid."""
     tokens, heads, dim = shape
     suffix = _SUFFIX[dtype]
+    heads32, dim32 = _int32(heads, "heads"), _int32(dim, "head_dim")
     if base in ("fp8", "int8"):
         rows = tokens * heads
         epv = 4 if dtype == "float32" else 8
         if (dim % epv == 0 and out_aligned and payload_align % epv == 0 and (4 * rows) % epv == 0
                 and rows * dim < 2**31):
-            return Launch(f"kv_{base}_decode_vec_{suffix}", math.ceil(rows * dim // epv / _THREADS),
+            name = f"kv_{base}_decode_vec_{suffix}"
+            return Launch(name, _blocks(rows * dim // epv, name),
                           ("payload", np.uint32(rows), np.uint32(dim), "out", "flags"))
-        return Launch(f"kv_{base}_decode_any_{suffix}", math.ceil(rows * dim / _THREADS),
-                      ("payload", np.int64(rows), np.int32(dim), "out", "flags"))
+        name = f"kv_{base}_decode_any_{suffix}"
+        return Launch(name, _blocks(rows * dim, name), ("payload", np.int64(rows), dim32, "out", "flags"))
     n = tokens * heads * dim
     epv = 4 if dtype == "float32" else 8
     is_v = np.int32(TensorKind(kind) == TensorKind.V)
     if dim % epv == 0 and out_aligned and payload_align % 4 == 0 and n < 2**31:
-        return Launch(f"kv_int4_decode_vec_{suffix}", math.ceil(n // epv / _THREADS),
+        name = f"kv_int4_decode_vec_{suffix}"
+        return Launch(name, _blocks(n // epv, name),
                       ("payload", np.uint32(tokens), np.uint32(heads), np.uint32(dim), np.uint32(params[0]),
                        is_v, "out", "flags"))
-    return Launch(f"kv_int4_decode_{suffix}", math.ceil((n + 1) // 2 / _THREADS),
-                  ("payload", np.int64(tokens), np.int32(heads), np.int32(dim), np.int32(params[0]),
-                   np.int32(TensorKind(kind) == TensorKind.V), "out", "flags"))
+    name = f"kv_int4_decode_{suffix}"
+    return Launch(name, _blocks((n + 1) // 2, name),
+                  ("payload", np.int64(tokens), heads32, dim32, np.int32(params[0]), is_v, "out", "flags"))
 
 
 def _run(launch: Launch, buffers: dict[str, Any]) -> None:

@@ -158,8 +158,9 @@ __device__ void rowwise_encode_any(const void* x, kv_i64 tokens, int heads, int 
     const int lane = threadIdx.x & 31;
     const bool active = row < rows;
     kv_u32 amax = 0;
+    // d unsigned: for a head_dim past 2^31 - 32 an int d + 32 would overflow; below 2^32 it cannot
     if (active)
-        for (int d = lane; d < dim; d += 32) amax = kv_umax(amax, kv_mag<DT>(kv_load<DT>(x, row * dim + d)));
+        for (unsigned d = lane; d < (unsigned)dim; d += 32) amax = kv_umax(amax, kv_mag<DT>(kv_load<DT>(x, row * dim + d)));
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) amax = kv_umax(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, off));
     if (!active) return;
@@ -169,7 +170,7 @@ __device__ void rowwise_encode_any(const void* x, kv_i64 tokens, int heads, int 
         kv_store_f32_any(place.scale, s);
         if (amax >= kv_nonfinite<DT>()) atomicOr(flags, KV_FLAG_NONFINITE);
     }
-    for (int d = lane; d < dim; d += 32)
+    for (unsigned d = lane; d < (unsigned)dim; d += 32)
         place.codes[d] = kv_row_code<FP8>(kv_widen<DT>(kv_load<DT>(x, row * dim + d)), s);
 }
 
@@ -253,7 +254,7 @@ __device__ __forceinline__ KvGroup kv_int4_group(kv_i64 gg, kv_i64 cnt, int head
         g.stride = hd;
         g.count = (int)(cnt - b * group < group ? cnt - b * group : group);
     } else {
-        const int runs = (dim + group - 1) / group;
+        const int runs = (dim - 1) / group + 1;
         const kv_i64 row = gg / runs;
         const int r = (int)(gg - row * runs);
         g.first = row * dim + (kv_i64)r * group;
@@ -264,14 +265,14 @@ __device__ __forceinline__ KvGroup kv_int4_group(kv_i64 gg, kv_i64 cnt, int head
 }
 __device__ __forceinline__ kv_i64 kv_int4_groups(kv_i64 cnt, int heads, int dim, int group, int is_v) {
     if (!is_v) return (cnt + group - 1) / group * heads * dim;
-    return cnt * heads * ((dim + group - 1) / group);
+    return cnt * heads * ((dim - 1) / group + 1);
 }
 // chunk-relative group of chunk-relative element e
 __device__ __forceinline__ kv_i64 kv_int4_group_of(kv_i64 e, int heads, int dim, int group, int is_v) {
     const kv_i64 hd = (kv_i64)heads * dim;
     const kv_i64 t = e / hd, col = e - t * hd;
     if (!is_v) return (t / group) * hd + col;
-    const int runs = (dim + group - 1) / group;
+    const int runs = (dim - 1) / group + 1;
     const kv_i64 h = col / dim;
     const int d = (int)(col - h * dim);
     return (t * heads + h) * runs + d / group;
@@ -455,7 +456,7 @@ __device__ void int4_encode_v_vec(const uint4* x, kv_i64 tokens, int heads, int 
     const kv_i64 t0 = c * chunk_tokens;
     const kv_i64 cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
     const kv_i64 rr = row - t0 * heads;
-    const int runs = whole ? 1 : (dim + group - 1) / group;
+    const int runs = whole ? 1 : (dim - 1) / group + 1;
     const kv_i64 groups_c = cnt * heads * runs;
     kv_u8* base = out + c * chunk_bytes;
     kv_u8* codes = base + 8 * groups_c + rr * (dim / 2);
@@ -506,7 +507,7 @@ __device__ void int4_encode_k_vec(const uint4* x, kv_i64 tokens, int heads, int 
     const kv_i64 gb = warp / slices;
     const int cv = (int)(warp - gb * slices) * CL + cl;
     const bool active = gb < total_blocks && cv < ncv;
-    const kv_i64 blocks_full = (chunk_tokens + group - 1) / group;
+    const kv_i64 blocks_full = ((kv_i64)chunk_tokens + group - 1) / group;
     const kv_i64 c = gb / blocks_full, b = gb - c * blocks_full;
     const kv_i64 t0 = c * chunk_tokens;
     const kv_i64 cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
@@ -591,7 +592,7 @@ __device__ void int4_decode_vec(const kv_u8* payload, unsigned tokens, unsigned 
     const unsigned hd = heads * dim;
     const unsigned i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= tokens * (hd / EPV)) return;
-    const unsigned runs = (dim + group - 1) / group;
+    const unsigned runs = (dim - 1) / group + 1;
     const unsigned groups = is_v ? tokens * heads * runs : (tokens + group - 1) / group * hd;
     const float* scales = (const float*)payload;
     const float* mins = scales + groups;
