@@ -151,6 +151,9 @@ class DeliveryRateEstimator:
         # The app-limited mark as the hold left it (mark_app_limited, and the sends during
         # the hold the sender marked app-limited); 0 once delivered (see hold_limited).
         self._hold_mark = 0
+        # Bytes sent (``_sent_total``) when each mark was set: a chunk lost later that was
+        # sent by then is in the mark, and will never be delivered (see _forget).
+        self._app_limited_sent = self._held_sent = self._hold_mark_sent = 0
 
         self._round_count = 0
         self._next_round_delivered = 0
@@ -203,8 +206,10 @@ class DeliveryRateEstimator:
         self._sent_total += nbytes
         if app_limited:
             self._app_limited_until = max(self._delivered + self._bytes_in_flight, 1)
+            self._app_limited_sent = self._sent_total
             if self._held_until:
                 self._hold_mark = self._app_limited_until
+                self._hold_mark_sent = self._sent_total
         self._sent[chunk_key] = _SentChunk(
             nbytes=nbytes,
             sent_time=now,
@@ -305,23 +310,62 @@ class DeliveryRateEstimator:
         the round trip before the first of it came back."""
         mark = max(self._delivered + self._bytes_in_flight, 1)
         self._app_limited_until = self._held_until = self._hold_mark = mark
+        self._app_limited_sent = self._held_sent = self._hold_mark_sent = self._sent_total
 
     def on_loss(self, chunk_key: Hashable) -> bool:
-        """Forget a chunk that will never be acknowledged; returns whether it was known."""
+        """Forget a chunk that will never be acknowledged; returns whether it was known.
+
+        An app-limited mark or a hold (:meth:`mark_app_limited`) waits for the bytes in
+        flight when it was set to be delivered: a lost chunk among them no longer counts
+        (re-sent, it is a chunk sent after the mark), and a mark whose bytes are all
+        delivered or lost ends there if nothing sent after it is in flight (else at the
+        next acknowledgement, as without a loss). Counted, a hold outlived its round trip
+        by the bytes lost: a stream that broke with 8 MiB of a drain in flight kept the
+        next transfer's first 8 MiB held, their samples app-limited and ``hold_limited``
+        set (``auto`` took no raw probe and measured no goodput while it lasted)."""
         chunk = self._sent.pop(chunk_key, None)
         if chunk is None:
             return False
         self._bytes_in_flight -= chunk.nbytes
+        self._forget(chunk)
+        self._settle_marks()
         return True
 
     forget = on_loss
 
     def forget_all(self) -> int:
-        """Forget every chunk in flight (all connections died); returns how many."""
+        """Forget every chunk in flight (all connections died); returns how many. The
+        marks end as :meth:`on_loss` says: nothing is left in flight."""
         count = len(self._sent)
+        for chunk in self._sent.values():
+            self._forget(chunk)
         self._sent.clear()
         self._bytes_in_flight = 0
+        self._settle_marks()
         return count
+
+    def _forget(self, chunk: _SentChunk) -> None:
+        """Take a lost chunk's bytes out of the marks it was counted in (a mark stays at
+        least 1 until settled: 0 means none)."""
+        if self._app_limited_until and chunk.sent_total <= self._app_limited_sent:
+            self._app_limited_until = max(self._app_limited_until - chunk.nbytes, 1)
+        if self._held_until and chunk.sent_total <= self._held_sent:
+            self._held_until = max(self._held_until - chunk.nbytes, 1)
+        if self._hold_mark and chunk.sent_total <= self._hold_mark_sent:
+            self._hold_mark = max(self._hold_mark - chunk.nbytes, 1)
+
+    def _settle_marks(self) -> None:
+        """After a loss: end the marks now behind the delivered bytes, and every mark once
+        nothing is in flight (each mark counts bytes that were in flight when it was set:
+        all of them are delivered or lost then, and nothing in flight can end it)."""
+        delivered, idle = self._delivered, self._bytes_in_flight == 0
+
+        def settled(mark: int) -> int:
+            return 0 if idle or delivered > mark else mark
+
+        self._app_limited_until = settled(self._app_limited_until)
+        self._held_until = settled(self._held_until)
+        self._hold_mark = settled(self._hold_mark)
 
     def advance(self, now: float) -> None:
         """Let time pass without an ack, so the goodput window can expire old samples."""
