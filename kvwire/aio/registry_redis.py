@@ -133,6 +133,11 @@ def _drop_pause(drops: int, timeout: float) -> float:
     return step * random.uniform(0.5, 1.0)
 
 
+def _loop_time() -> float:
+    """The running loop's clock (what its timeouts are kept by)."""
+    return asyncio.get_running_loop().time()
+
+
 async def _pause(
     seconds: float,
     closed: Callable[[], bool],
@@ -301,6 +306,8 @@ class RedisWatcher:
     after each more, at most ``timeout``, each drawn between half of it and all of it
     (jitter); still before the read raises, which says "subscribed again" and names the
     pause.  A subscription that stood for ``timeout`` or longer starts the count anew.
+    A read cancelled during that pause (a reader's own read timeout) leaves the rest of it
+    to the next read, which waits it out before subscribing anew.
     The registry holds its watchers weakly: one abandoned without ``aclose`` (a ``break``
     out of a bare ``async for``) closes its subscription once garbage collected.
     ``aclose`` (or the registry's ``close()``) ends a watcher whatever it is waiting for:
@@ -323,9 +330,17 @@ class RedisWatcher:
         # Subscriptions in a row lost within the registry's timeout of being made (a Redis
         # that confirms SUBSCRIBE and drops the connection at once): see _drop_pause.
         self._drops = 0
-        self._since = 0.0  # loop time the subscription in place was confirmed
-        # What the pauses before subscribing anew sleep with (a test's fake clock).
+        self._since = 0.0  # _clock() time the subscription in place was confirmed
+        # What the pauses before subscribing anew sleep with, and the clock their deadlines
+        # and _since are kept by (the loop's; a test's fake clock).
         self._sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep
+        self._clock: Callable[[], float] = _loop_time
+        # The pause drawn after the last loss in a row (0: none), and the _clock() time it
+        # ends: kept until a try at subscribing anew is made, so a read cancelled during
+        # that pause (a reader's own read timeout) leaves it to the next read, which waits
+        # out what is left of it rather than subscribing at once.
+        self._drop_pause = 0.0
+        self._resubscribe_at = 0.0
         self._heard = 0.0  # loop time the server was last heard from (a message, a reply)
         self._pinged: float | None = None  # loop time of the PING awaiting its reply
 
@@ -367,7 +382,7 @@ class RedisWatcher:
             await self._close_pubsub()
             return None
         self._heard, self._pinged = asyncio.get_running_loop().time(), None
-        self._since = self._heard
+        self._since = self._clock()
         return pubsub
 
     async def _subscribe(self) -> PubSub | None:
@@ -418,7 +433,10 @@ class RedisWatcher:
             if self._lost is not None:  # lost, and not subscribed again at the last read
                 # Paused first (aclose() ends the pause within _POLL_S): a refused
                 # connection fails at once, and the reader's loop would try again at once.
-                await _pause(self._retry_pause, lambda: self._closed or self._registry._closed, self._sleep)
+                # What is left of a pause after losses in a row counts too (the read that
+                # took it was cancelled during it).
+                left = max(self._retry_pause, self._resubscribe_at - self._clock())
+                await _pause(left, lambda: self._closed or self._registry._closed, self._sleep)
                 await self._replace(*self._lost)  # raises, unless closed meanwhile
             while not self._closed and (pubsub := self._pubsub) is not None:
                 try:
@@ -491,9 +509,13 @@ class RedisWatcher:
         timeout = self._registry.timeout
         pause = 0.0
         if self._pubsub is not None:  # a subscription was in place (not a failed try's retry)
-            lived = asyncio.get_running_loop().time() - self._since
+            now = self._clock()
+            lived = now - self._since
             self._drops = self._drops + 1 if lived < timeout else 1
             pause = _drop_pause(self._drops, timeout)
+            # Kept before the pause is taken: a read cancelled during it leaves the rest
+            # of it to the next read (see __anext__), which comes back here, as a retry.
+            self._drop_pause, self._resubscribe_at = pause, now + pause
         await self._close_pubsub()
         if pause > 0:
             # Lost again soon after it was made: a Redis (or proxy) that drops every
@@ -501,9 +523,11 @@ class RedisWatcher:
             await _pause(pause, lambda: self._closed or self._registry._closed, self._sleep)
         if self._closed or self._registry._closed:
             return
+        pause = self._drop_pause  # taken, here or (the rest of it) by the read calling this
         try:
             pubsub = await self._open()
         except (RedisError, OSError, KvwireError) as exc:  # TimeoutError among them
+            self._drop_pause = 0.0
             self._retry_pause = _next_pause(self._retry_pause, timeout)
             raise NotificationsLostError(
                 f"redis registry: {why}; not subscribed again ({_reason(exc, timeout)}): changes may "
@@ -512,7 +536,7 @@ class RedisWatcher:
             ) from (cause if cause is not None else exc)
         if pubsub is None:
             return
-        self._lost, self._retry_pause = None, 0.0
+        self._lost, self._retry_pause, self._drop_pause = None, 0.0, 0.0
         paused = (
             f" after a pause of {pause:.3g} s ({self._drops} subscriptions in a row lost within "
             f"{timeout:g} s of being made)"

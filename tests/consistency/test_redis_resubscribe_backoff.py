@@ -192,3 +192,133 @@ async def test_aclose_ends_a_read_backing_off_before_it_subscribes_anew(
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reg.close(), 20)
+
+
+class _HeldClock:
+    """The watcher's sleep and clock: the clock advances only by what is slept (or what a
+    test adds); ``asked`` records each sleep; while ``hold`` is set a sleep never returns
+    (``held`` is set once one is waiting), as a pause the reader's own read timeout
+    outlasts."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.asked: list[float] = []
+        self.hold = False
+        self.held = asyncio.Event()
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        self.asked.append(seconds)
+        if self.hold:
+            self.held.set()
+            await asyncio.Event().wait()
+        self.now += seconds
+        await asyncio.sleep(0)
+
+
+_SAID = re.compile(r"after a pause of ([0-9.e+-]+) s \((\d+) subscriptions in a row")
+
+
+async def test_a_read_cancelled_during_the_pause_leaves_the_rest_of_it_to_the_next_read(
+    redis_server: RedisServer,
+) -> None:
+    """A read cancelled while it pauses before subscribing anew (a reader's own
+    ``wait_for`` around each read) had closed the lost subscription already: the next read
+    subscribed at once (no pause, none named, the SUBSCRIBE rate set by the reader's
+    timeout).  Now the next read waits out what is left of that pause first, names it, and
+    the count of losses in a row goes on (the next pause doubles)."""
+    timeout = 3.0
+    async with _DropsSubscriptions(redis_server.port) as proxy:
+        reg = await RedisRegistry.connect(
+            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=timeout
+        )
+        made = _FakeClock(reg)  # counts the subscriptions made (its own sleep unused)
+        clock = _HeldClock()
+        try:
+            watcher = reg.watch()
+            watcher._sleep, watcher._clock = clock.sleep, clock.time  # (white box)
+            async with watcher:
+                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                    await asyncio.wait_for(anext(watcher), 20)
+                assert "after a pause" not in str(info.value)
+                watcher._drops = 20  # (white box) a pause of 1.5 to 3 s comes next
+                subscriptions = len(made.before)
+                clock.hold = True
+                reading = asyncio.ensure_future(anext(watcher))
+                await asyncio.wait_for(clock.held.wait(), 20)
+                reading.cancel()  # the reader's read timeout, during the pause
+                with pytest.raises(asyncio.CancelledError):
+                    await reading
+                assert len(made.before) == subscriptions  # not subscribed anew yet
+                clock.hold = False
+                clock.now += 0.5  # the reader does something else for 0.5 s
+                asked = len(clock.asked)
+                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                    await asyncio.wait_for(anext(watcher), 20)
+                said = _SAID.search(str(info.value))
+                assert said is not None, str(info.value)
+                pause = float(said.group(1))
+                assert timeout * 0.5 - 1e-2 <= pause <= timeout + 1e-9
+                assert int(said.group(2)) == 21
+                # The rest of the pause, then one new subscription.
+                assert sum(clock.asked[asked:]) == pytest.approx(pause - 0.5, abs=1e-2)
+                assert clock.now == pytest.approx(pause, abs=1e-2)
+                assert len(made.before) == subscriptions + 1
+                # The next loss in a row counts on: the pause at the cap again, not none.
+                asked = len(clock.asked)
+                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                    await asyncio.wait_for(anext(watcher), 20)
+                said = _SAID.search(str(info.value))
+                assert said is not None, str(info.value)
+                assert int(said.group(2)) == 22
+                assert sum(clock.asked[asked:]) == pytest.approx(float(said.group(1)), abs=1e-2)
+                assert sum(clock.asked[asked:]) >= timeout * 0.5 - 1e-2
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reg.close(), 20)
+
+
+async def test_aclose_ends_a_read_waiting_out_the_rest_of_a_cancelled_pause(
+    redis_server: RedisServer,
+) -> None:
+    """The read after one cancelled during its pause waits out the rest of it; aclose()
+    ends that wait too (StopAsyncIteration), without subscribing."""
+    async with _DropsSubscriptions(redis_server.port) as proxy:
+        reg = await RedisRegistry.connect(
+            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=60.0
+        )
+        made = _FakeClock(reg)
+        pausing = asyncio.Event()
+
+        async def sleep(seconds: float) -> None:
+            pausing.set()
+            await asyncio.sleep(seconds)
+
+        try:
+            watcher = reg.watch()
+            watcher._sleep = sleep  # (white box) the real sleep, observed
+            async with watcher:
+                with pytest.raises(NotificationsLostError, match="subscribed again"):
+                    await asyncio.wait_for(anext(watcher), 20)
+                watcher._drops = 20  # (white box) a long pause (about 30 to 60 s) comes next
+                subscriptions = len(made.before)
+                reading = asyncio.ensure_future(anext(watcher))
+                await asyncio.wait_for(pausing.wait(), 20)
+                reading.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await reading
+                pausing.clear()
+                reading = asyncio.ensure_future(anext(watcher))
+                waiting = asyncio.ensure_future(pausing.wait())
+                await asyncio.wait({reading, waiting}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+                assert not reading.done(), reading.exception() if reading.done() else None
+                await asyncio.wait_for(watcher.aclose(), 10)
+                with pytest.raises(StopAsyncIteration):
+                    await asyncio.wait_for(reading, 10)
+                assert len(made.before) == subscriptions  # no subscription tried
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reg.close(), 20)
