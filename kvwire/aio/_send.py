@@ -447,8 +447,8 @@ async def _send_layer(
     first = [chosen] if chosen is not None else []  # ``auto`` chose a compact codec: the first chunk's
 
     # The codec chosen for each chunk (host) or part (device), in the order they come out:
-    # a chunk sent raw in place of it is told to the chooser (a run of measured goodput
-    # ends at its acknowledgement).
+    # a chunk sent raw in place of it is told to the chooser by its address (its wire
+    # time is taken out of the run of measured goodput at its acknowledgement).
     picks: deque[Any] = deque()
 
     def next_codec() -> Any:
@@ -488,8 +488,6 @@ async def _send_layer(
                 raise st.error
             if host or start == 0:  # (a device part's chunks share its pick)
                 chosen_for = picks.popleft()
-            if chooser is not None and fallback and chosen_for is not None and codec.name != chosen_for.name:
-                chooser.observe_fallback(codec.name)
             if before_final is not None and kind == TensorKind.V and start + count == tokens:
                 await before_final()
                 if st.error is not None:
@@ -499,6 +497,9 @@ async def _send_layer(
                 transfer_id=tid, layer=index, kind=int(kind), codec_id=enc.codec_id, token_start=start,
                 token_count=count, layer_tokens=tokens, params=enc.params, payload=enc.payload,
             )
+            if chooser is not None and fallback and chosen_for is not None and codec.name != chosen_for.name:
+                # marked by its address: its acknowledgement (a resend's too) names it
+                chooser.observe_fallback(codec.name, chunk.address, transfer=tid)
             core.add_chunk(tid, chunk, kv_bytes=count * bpt)
             peer.pump()
             await _after_chunk(core, st, tid, queue_ahead if codec.name == "raw" else 0)

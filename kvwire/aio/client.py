@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import ssl as _ssl
+import threading
 import time
 import warnings
 import weakref
@@ -556,6 +557,7 @@ class Peer(Pump):
         self._ended_by_close = False  # close() ended the session (it was not broken before)
         # The session's error, as ``broken`` says it, for the core's own (see _explained).
         self._said: tuple[KvwireError, KvwireError] | None = None
+        self._said_lock = threading.Lock()  # (made at most once, whichever thread reads first)
 
     @property
     def closed(self) -> bool:
@@ -712,7 +714,8 @@ class Peer(Pump):
                 self.transport_meter.delivered(ev.wire_size, chooser, codec)
                 if chooser.measures_goodput:
                     chooser.observe_delivered(codec, ev.kv_bytes, now, first_layer=ev.address.layer == 0,
-                                              held=est.hold_limited)  # a ProbeRTT drain: no codec's pace
+                                              held=est.hold_limited,  # a ProbeRTT drain: no codec's pace
+                                              chunk=ev.address)
             # Time to first layer: the spec's first layer (layer 0), every chunk of it
             # acknowledged. Over several streams later layers may complete before it.
             st = self.sends.get(ev.address.transfer_id)
@@ -738,6 +741,11 @@ class Peer(Pump):
                           printable(str(ev.error)))
             if (st := self.sends.get(ev.transfer_id)) is not None:
                 st.fail(ev.error)
+            if self.chooser is not None:
+                # its chunks sent raw instead are never acknowledged
+                self.chooser.observe_failed(ev.transfer_id)
+                if not self.core.bytes_in_flight and not self.core.queued_bytes():
+                    self.chooser.observe_idle()  # until the next send, no codec sets the pace
         elif isinstance(ev, StreamWanted):
             self.spawn(self._connect(ev.index))
         elif isinstance(ev, StreamClosed):
@@ -746,6 +754,9 @@ class Peer(Pump):
             self._on_given_up(ev)
         elif isinstance(ev, SessionFailed):
             est.forget_all()
+            # ``broken`` as it will be said, made here, on the loop, before anyone reads it
+            # (a SyncPeer reads ``broken`` from its caller's thread)
+            self._explained(self.core.broken)
 
     def _count_acked(self, now: float, wire_bytes: int, kv_bytes: int) -> None:
         """One chunk acknowledged: kept for the KV per wire byte of the last
@@ -1036,15 +1047,19 @@ class Peer(Pump):
     def _explained(self, err: KvwireError | None) -> KvwireError | None:
         """``err`` (the core's ``broken``), but for a session the server no longer has
         (UNKNOWN_SESSION: its text, "no such session", says nothing of why): an error of
-        the same class and code saying :data:`SESSION_GONE` first; made once, the same
-        object at every look."""
+        the same class and code saying :data:`SESSION_GONE` first; made once (when the
+        loop handles the session's failure, or under a lock by the first look from any
+        thread), the same object at every look."""
         if err is None or err.code != ErrorCode.UNKNOWN_SESSION or SESSION_GONE in str(err):
             return err
         said = self._said
         if said is None or said[0] is not err:
-            explained = type(err)(f"{SESSION_GONE}: {err}", code=err.code)
-            explained.__cause__ = err
-            said = self._said = (err, explained)
+            with self._said_lock:
+                said = self._said
+                if said is None or said[0] is not err:
+                    explained = type(err)(f"{SESSION_GONE}: {err}", code=err.code)
+                    explained.__cause__ = err
+                    said = self._said = (err, explained)
         return said[1]
 
     def check_usable(self) -> None:

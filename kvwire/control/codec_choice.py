@@ -127,7 +127,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -608,25 +608,33 @@ class CodecChooser:
         return self._receiver_transport
 
     def observe_delivered(self, codec: str, kv_bytes: int, now: float, *, first_layer: bool = False,
-                          held: bool = False) -> None:
+                          held: bool = False, chunk: Hashable = None) -> None:
         """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
         arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
         transfer's first layer (paced by the receiver's first grant, see
         :meth:`GoodputMeter.on_ack`); ``held``: the sender holds data back now (the
         estimator's ``hold_limited``: a ProbeRTT drain and the round trip after it), so
-        the acknowledgement measures no codec and ends the meter's run. Ignored with ``now`` not a finite number or
+        the acknowledgement measures no codec and ends the meter's run; ``chunk``: the
+        chunk's key, as given to :meth:`observe_fallback` (its address). Ignored with ``now`` not a finite number or
         ``kv_bytes`` negative (a NaN time made the codec's measured rate NaN, and
         :meth:`choose` then failed)."""
         if self._measure and codec in self._ratio and kv_bytes >= 0 and math.isfinite(now):
-            self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer, held=held)
+            self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer, held=held, chunk=chunk)
 
-    def observe_fallback(self, codec: str) -> None:
-        """A chunk goes out with ``codec`` in place of the codec chosen for it (raw for
-        values the chosen quantizer refuses): with measured goodput its acknowledgement
-        ends the meter's run (:meth:`GoodputMeter.sent_instead`), whose rate would
-        otherwise count its wire time as the chosen codec's."""
+    def observe_fallback(self, codec: str, chunk: Hashable, *, transfer: Hashable = None) -> None:
+        """Chunk ``chunk`` (its address: the key its acknowledgement gives
+        :meth:`observe_delivered`) goes out with ``codec`` in place of the codec chosen
+        for it (raw for values the chosen quantizer refuses): with measured goodput its
+        wire time is taken out of the meter's run at its acknowledgement
+        (:meth:`GoodputMeter.sent_instead`), which would otherwise count it as the chosen
+        codec's. ``transfer``: its transfer (:meth:`observe_failed`)."""
         if self._measure and codec in self._ratio:
-            self.meter.sent_instead(codec)
+            self.meter.sent_instead(codec, chunk, transfer=transfer)
+
+    def observe_failed(self, transfer: Hashable) -> None:
+        """``transfer`` failed: its chunks told to :meth:`observe_fallback` are never
+        acknowledged."""
+        self.meter.forget_transfer(transfer)
 
     def observe_idle(self) -> None:
         """Nothing is left in flight or queued (the last transfer is done, or failed): the

@@ -24,12 +24,20 @@ is a (shorter) sample too. After a pause the next transfer's first layer does no
 run (``starts_run=False``): until the receiver's first credit comes back, a round trip
 after the transfer began, only that layer may be sent, so its acknowledgements come at
 the pace of that wait. Acknowledgements of another codec (the previous one's, still
-in flight when the run began) neither count nor end it, except that of a chunk the sender
-sent in place of the chosen codec's (:meth:`GoodputMeter.sent_instead`: ``auto`` sends raw
-a chunk whose values the chosen quantizer refuses): its wire time is in the run's, its
-bytes are another codec's, so the run ends at its acknowledgement (what it counted before
-makes a sample) and the next of the chosen codec starts the next run. Ignored, one raw
-chunk in eight of an int8 run at 10 Gbit/s made int8's measured rate 1.86 GB/s of its 2.42.
+in flight when the run began) neither count nor end it. A chunk the sender sent in
+place of the chosen codec's (:meth:`GoodputMeter.sent_instead`: ``auto`` sends raw a chunk
+whose values the chosen quantizer refuses) is marked by its address, and the
+acknowledgement of that chunk (not of another of its codec: a chunk of the previous codec,
+still in flight, acknowledged after it went out, is no fallback) takes its time out of the
+run: the time since the acknowledgement before it was its wire time, its bytes another
+codec's; the run goes on, its samples and the codec's averaging window as they were (a
+fallback ending the run made every next run a first that cleared the window, and one
+fallback in four chunks left int8 without a sample). A marked chunk sent again (its
+stream broke) keeps its mark; the marks of a failed transfer are forgotten
+(:meth:`GoodputMeter.forget_transfer`), and all of them when the pipe goes idle. Ignored,
+one raw chunk in eight of an int8 run at 10 Gbit/s made int8's measured rate 1.86 GB/s of
+its 2.42; matched to acknowledgements by codec instead of by chunk, an earlier raw chunk's
+acknowledgement took the fallback's place and its wire time stayed in int8's run.
 
 On two loaded cores one sample of 8 chunks (about 20 ms at 14 Gbit/s) varies by 10-20%
 from the next: the window averages the samples of a codec sent for long (the ``auto``
@@ -39,6 +47,7 @@ leader); a codec sent for a short stint has the one sample of it.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 __all__ = ["GoodputMeter"]
@@ -72,8 +81,9 @@ class GoodputMeter:
         self._samples: dict[str, int] = {}
         self._run: _Run | None = None
         self._chosen: str | None = None
-        # Chunks sent in place of the chosen codec's, per codec sent, not yet acknowledged.
-        self._instead: dict[str, int] = {}
+        # Chunks sent in place of the chosen codec's, not yet acknowledged: chunk -> (its
+        # codec, its transfer).
+        self._instead: dict[Hashable, tuple[str, Hashable]] = {}
 
     def chosen(self, codec: str) -> None:
         """The sender chooses ``codec`` for its next chunk (and, until told otherwise, for
@@ -81,17 +91,23 @@ class GoodputMeter:
         if codec != self._chosen:
             self.pause()
             self._chosen = codec
-            # its chunks sent in place of another's count as its own from now on
-            self._instead.pop(codec, None)
 
-    def sent_instead(self, codec: str) -> None:
-        """A chunk of ``codec`` goes out in place of one of the chosen codec (``auto``
-        sends raw a chunk whose values the chosen quantizer refuses): its acknowledgement
-        ends the run under way, as a :meth:`pause` does."""
+    def sent_instead(self, codec: str, chunk: Hashable, *, transfer: Hashable = None) -> None:
+        """Chunk ``chunk`` (any key its acknowledgement will name again) goes out with
+        ``codec`` in place of one of the chosen codec (``auto`` sends raw a chunk whose
+        values the chosen quantizer refuses): the time up to its acknowledgement is
+        taken out of the run under way. ``transfer``: the transfer it belongs to
+        (:meth:`forget_transfer`)."""
         if codec != self._chosen:
-            self._instead[codec] = self._instead.get(codec, 0) + 1
+            self._instead[chunk] = (codec, transfer)
 
-    def on_ack(self, codec: str, kv_bytes: int, now: float, *, starts_run: bool = True, held: bool = False) -> None:
+    def forget_transfer(self, transfer: Hashable) -> None:
+        """``transfer`` failed: its chunks sent in place of another's are acknowledged
+        never."""
+        self._instead = {c: m for c, m in self._instead.items() if m[1] != transfer}
+
+    def on_ack(self, codec: str, kv_bytes: int, now: float, *, starts_run: bool = True, held: bool = False,
+               chunk: Hashable = None) -> None:
         """One chunk of ``codec`` carrying ``kv_bytes`` of fp16 KV was acknowledged.
 
         ``starts_run=False``: its pace was not the codec's (a chunk of a transfer's first
@@ -104,12 +120,20 @@ class GoodputMeter:
         (what it counted before the hold makes a sample), and none starts until the hold
         is over. Counted in raw's run, a drain of a 40 Gbit/s, 20 ms path read raw at
         2.37 GB/s of its 5.0, and int8 (3.0) took the lead.
+
+        ``chunk``: the chunk's key as given to :meth:`sent_instead`, if it was sent in
+        place of the chosen codec's: the time since the run's last acknowledgement is
+        taken out of the run (its clock starts that much later), which goes on.
         """
-        instead = codec != self._chosen and self._instead.get(codec, 0) > 0
-        if instead:
-            self._instead[codec] -= 1
-        if held or instead:
+        mark = self._instead.pop(chunk, None) if chunk is not None else None
+        if held:
             self.pause()
+            return
+        if mark is not None and codec != self._chosen:
+            run = self._run
+            if run is not None and now > run.last:
+                run.start += now - run.last
+                run.last = now
             return
         if codec != self._chosen:
             return

@@ -2,7 +2,10 @@
 refuses: NaN, infinity) is in no run of the chosen codec's measured goodput. Its wire time
 (a raw chunk is 2-4 times a quantized one on the wire) counted in the quantizer's run,
 its bytes did not: one such chunk in eight of an int8 run at 10 Gbit/s measured int8 at
-1.86 GB/s of its 2.42. The run now ends at that chunk's acknowledgement."""
+1.86 GB/s of its 2.42. Its wire time is now taken out of the run at that chunk's
+acknowledgement, matched by the chunk's address (matched by codec, an earlier raw chunk's
+acknowledgement took its place), and the run goes on (ended there, every next run was a
+first that cleared the codec's window: one fallback in four left int8 without a sample)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from kvwire.aio import _gpu, _send
 from kvwire.codec.base import EncodedChunk
 from kvwire.control import CodecChooser
 from kvwire.control.goodput import GoodputMeter
+from kvwire.wire import ChunkAddress
 from tests.aio.test_auto_nonfinite import FakeDevice, _cache, _send_auto, _spec, chooses
 
 __all__ = ["chooses"]  # (the fixture, used by name)
@@ -33,9 +37,9 @@ def _int8_run_with_raw_chunks(ch: CodecChooser, *, told: bool) -> None:
     for i in range(64):
         if i % 8 == 4:
             if told:
-                ch.observe_fallback("raw")
+                ch.observe_fallback("raw", i)
             t += CHUNK / LINK
-            ch.observe_delivered("raw", CHUNK, t)
+            ch.observe_delivered("raw", CHUNK, t, chunk=i)
         else:
             t += INT8 * CHUNK / LINK
             ch.observe_delivered("int8", CHUNK, t)
@@ -50,31 +54,102 @@ def test_a_raw_fallback_chunk_is_in_no_run_of_the_quantizer() -> None:
     assert ch.meter.rate("raw") is None  # nor in raw's: raw is not the chosen codec
 
 
-def test_the_run_ends_at_the_fallback_chunks_acknowledgement() -> None:
+def test_the_fallback_chunks_wire_time_is_taken_out_of_the_run() -> None:
     meter = GoodputMeter(sample_acks=8, min_acks=2)
     meter.chosen("int8")
     meter.on_ack("int8", 1000, 0.001)  # starts the run's clock
     meter.on_ack("int8", 1000, 0.002)
     meter.on_ack("int8", 1000, 0.003)
-    meter.sent_instead("raw")
-    meter.on_ack("raw", 1000, 0.010)  # its wire time (7 ms) is in no run
-    assert meter.samples("int8") == 1 and meter.rate("int8") == pytest.approx(2000 / 0.002)
-    for i in range(9):  # the next run starts at the next int8 acknowledgement
+    meter.sent_instead("raw", "f")
+    meter.on_ack("raw", 1000, 0.010, chunk="f")  # its wire time (7 ms) is in no run
+    assert meter.samples("int8") == 0  # the run goes on
+    for i in range(6):
         meter.on_ack("int8", 1000, 0.011 + 0.001 * i)
-    assert meter.samples("int8") == 2
-    assert meter.rate("int8") == pytest.approx(1e6)
+    assert meter.samples("int8") == 1 and meter.rate("int8") == pytest.approx(1e6)
     # an acknowledgement of another codec's chunk that was not sent in place of int8's
     # (the previous codec's, still in flight) neither counts nor ends the run
-    meter.on_ack("raw", 1000, 0.0195)
+    meter.on_ack("raw", 1000, 0.0165)
     for i in range(8):
-        meter.on_ack("int8", 1000, 0.020 + 0.001 * i)
-    assert meter.samples("int8") == 3 and meter.rate("int8") == pytest.approx(1e6)
+        meter.on_ack("int8", 1000, 0.017 + 0.001 * i)
+    assert meter.samples("int8") == 2 and meter.rate("int8") == pytest.approx(1e6)
+
+
+def test_an_earlier_raw_chunks_acknowledgement_is_not_the_fallbacks() -> None:
+    """A raw chunk sent before the switch to int8, acknowledged after the fallback went
+    out, took the fallback's place: the fallback's own acknowledgement was then ignored
+    and its 3 s of wire time stayed in int8's run (72.7 B/s of 100)."""
+    m = GoodputMeter()
+    m.chosen("raw")
+    m.chosen("int8")
+    m.sent_instead("raw", "fallback")
+    t = 0.0
+    m.on_ack("raw", 100, t, chunk="old raw")
+    for _ in range(5):
+        t += 1.0
+        m.on_ack("int8", 100, t)
+    t += 3.0
+    m.on_ack("raw", 100, t, chunk="fallback")
+    for _ in range(4):
+        t += 1.0
+        m.on_ack("int8", 100, t)
+    assert m.samples("int8") == 1 and m.rate("int8") == pytest.approx(100.0)
+
+
+@pytest.mark.parametrize("every", [4, 8, 3])
+def test_frequent_fallbacks_leave_the_quantizer_measured(every: int) -> None:
+    """One chunk in ``every`` goes raw (3 s on the wire) among int8 chunks (1 s each): int8
+    is measured at its rate, its window averaging several samples. Ended at each fallback,
+    with the next run a first that cleared the window, one in four made no sample and one
+    in eight left one in the window."""
+    m = GoodputMeter()
+    m.chosen("int8")
+    t = 0.0
+    for i in range(400):
+        if i % every == every - 1:
+            m.sent_instead("raw", i)
+            t += 3.0
+            m.on_ack("raw", 100, t, chunk=i)
+        else:
+            t += 1.0
+            m.on_ack("int8", 100, t, chunk=i)
+    assert m.rate("int8") == pytest.approx(100.0, rel=0.02)
+    assert m.samples("int8") >= 20
+    assert len(m._recent["int8"]) == 4  # (the window is full: several samples averaged)
+
+
+def test_a_fallback_sent_again_keeps_its_mark() -> None:
+    """Its stream broke (ChunkLost) and it goes again under the same address: the resend's
+    acknowledgement takes its time out of the run."""
+    ch = CodecChooser.from_ratios({"raw": 1.0, "int8": INT8}, measure_goodput=True)
+    ch.meter.chosen("int8")
+    ch.observe_fallback("raw", "a", transfer=1)
+    t = 0.0
+    for _ in range(4):
+        t += 1.0
+        ch.observe_delivered("int8", 100, t, chunk="x")
+    t += 5.0
+    ch.observe_delivered("raw", 100, t, chunk="a")  # (the resend's)
+    for _ in range(5):
+        t += 1.0
+        ch.observe_delivered("int8", 100, t)
+    assert ch.meter.rate("int8") == pytest.approx(100.0)
+
+
+def test_the_marks_of_a_failed_transfer_are_forgotten() -> None:
+    meter = GoodputMeter()
+    meter.chosen("int8")
+    meter.sent_instead("raw", "a", transfer=1)
+    meter.sent_instead("raw", "b", transfer=2)
+    meter.forget_transfer(1)
+    assert list(meter._instead) == ["b"]
+    meter.idle()
+    assert not meter._instead
 
 
 def test_a_fallback_chunk_never_acknowledged_is_forgotten_when_the_pipe_goes_idle() -> None:
     ch = CodecChooser.from_ratios({"raw": 1.0, "int8": INT8}, measure_goodput=True)
     ch.meter.chosen("int8")
-    ch.observe_fallback("raw")  # its transfer failed: never acknowledged
+    ch.observe_fallback("raw", "lost")  # its transfer failed: never acknowledged
     ch.observe_idle()
     ch.meter.chosen("int8")
     for i in range(9):
@@ -89,9 +164,9 @@ def test_a_fallback_chunk_never_acknowledged_is_forgotten_when_the_pipe_goes_idl
 def test_the_chosen_codec_itself_is_no_fallback() -> None:
     meter = GoodputMeter(sample_acks=2, min_acks=2)
     meter.chosen("raw")
-    meter.sent_instead("raw")
+    meter.sent_instead("raw", 1)
     for i in range(3):
-        meter.on_ack("raw", 1000, 0.001 * (i + 1))
+        meter.on_ack("raw", 1000, 0.001 * (i + 1), chunk=i)
     assert meter.samples("raw") == 1
 
 
@@ -100,9 +175,10 @@ def fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     told: list[str] = []
     observe = CodecChooser.observe_fallback
 
-    def record(self: CodecChooser, codec: str) -> None:
+    def record(self: CodecChooser, codec: str, chunk: Any, **kwargs: Any) -> None:
+        assert isinstance(chunk, ChunkAddress)
         told.append(codec)
-        observe(self, codec)
+        observe(self, codec, chunk, **kwargs)
 
     monkeypatch.setattr(CodecChooser, "observe_fallback", record)
     return told
@@ -140,3 +216,24 @@ async def test_the_sender_tells_the_chooser_of_a_device_part_sent_raw_instead(
     receipt, _ = await _send_auto(on_device, _spec())  # type: ignore[arg-type]
     assert receipt.extra["chunks_by_codec"] == {"int4": 4, "raw": 2}
     assert fallbacks == ["raw", "raw"]
+
+
+async def test_a_failed_transfer_with_nothing_left_ends_the_run_and_forgets_its_fallbacks() -> None:
+    """The client told the chooser the pipe went idle when a transfer was done, never when
+    it failed: the run went on across the gap to the next transfer's acknowledgements."""
+    from kvwire.aio._send import make_chooser
+    from kvwire.aio.client import ClientOptions, Peer
+    from kvwire.errors import ConnectionLostError
+    from kvwire.session.sender import TransferFailed
+    from tests.conftest import SECRET
+
+    peer = Peer("127.0.0.1", 1, secret=SECRET, streams=1, codec="auto", ssl=None,
+                options=ClientOptions(auto_codec="measured"))
+    ch = peer.chooser = make_chooser(("raw", "int8"), "measured")
+    ch.meter.chosen("int8")
+    for i in range(4):
+        ch.observe_delivered("int8", 100, 1.0 + i)  # a run: 3 counted
+    ch.observe_fallback("raw", ChunkAddress(transfer_id=7, layer=1, kind=0, token_start=0), transfer=7)
+    peer._on_event(TransferFailed(transfer_id=7, error=ConnectionLostError("gone")))
+    assert ch.meter.samples("int8") == 1 and ch.meter.rate("int8") == pytest.approx(100.0)
+    assert not ch.meter._instead
