@@ -9,13 +9,16 @@ between CPU kernels, so kvwire treats a block as **opaque**: block ``i`` of laye
 On the wire a paged cache is an ordinary cache whose :class:`~kvwire.KVSpec` is derived by
 :meth:`PagedSpec.wire_spec`: each block travels as ``rows_per_block`` "tokens" of its first
 half (sent as K) and as many of its second half (sent as V), each row ``row_elems`` elements
-wide, blocks in block-table order.  A block ``[2, block_size, num_kv_heads, head_size]``
-(K and V planes of tokens) travels as one row per token, ``num_kv_heads`` heads of
-``head_size`` (:attr:`PagedSpec.row_shape`), so per-head codec groups (int4 keys per
-channel over tokens, fp8/int8 scales per token and head) never mix heads; any other block
-as rows of one head (its last dimension).  The block geometry is part of
-the spec's ``model`` field, so the fingerprint the handshake compares differs whenever the
-two sides disagree on it.
+wide, blocks in block-table order.  By default a row is the block's last dimension (or
+the largest divisor of half a block that fits): one head's vector, whatever the layout.
+Given ``block_tokens`` (the cache tokens in one block), a block
+``[2, block_tokens, *heads, head_size]`` (K and V planes of tokens, vLLM's NHD layout)
+travels as one row per cache token, its heads as the wire heads
+(:attr:`PagedSpec.row_shape`), so per-head codec groups (int4 keys per channel over
+tokens, fp8/int8 scales per token and head) never mix heads; a block whose tokens lie
+elsewhere (``[2, heads, block_tokens, head_size]``) keeps the default rows.  The block
+geometry (and the token rule, when it applies) is part of the spec's ``model`` field, so
+the fingerprint the handshake compares differs whenever the two sides disagree on it.
 
 - :func:`gather_layer` / :class:`PagedSource`: the ``(k, v)`` layers of a request, gathered
   from the cache by block id (one copy, in the array's own library: numpy, torch, CuPy).
@@ -56,14 +59,23 @@ class PagedSpec:
 
     Only the shape of one block matters (the number of blocks in each cache is local to
     each side).  ``model`` names the model as in :class:`~kvwire.KVSpec`; it travels behind
-    the geometry (``paged:<block_shape>:<model>``, 255 UTF-8 bytes in all), so it may be
-    255 bytes less that prefix.
+    the geometry (``paged:<block_shape>:<model>``; ``paged:<block_shape>/t<tokens>:<model>``
+    when the rows are tokens, see :attr:`row_shape`; 255 UTF-8 bytes in all), so it may
+    be 255 bytes less that prefix.
+
+    ``block_tokens`` (optional) is the number of cache tokens in one block; it must be one
+    of ``block_shape``'s dimensions.  With ``block_shape`` ``[2, block_tokens, *heads,
+    head_dim]`` the wire rows are the block's tokens (:attr:`row_shape`); without it, or
+    with the tokens on another axis, the rows are opaque (one head's vector).  The shape
+    alone cannot tell ``[2, block_size, heads, head_dim]`` from ``[2, heads, block_size,
+    head_dim]``, so only the caller can say.
     """
 
     num_layers: int
     block_shape: tuple[int, ...]
     dtype: str = "float16"
     model: str = ""
+    block_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if (not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool)
@@ -80,7 +92,16 @@ class PagedSpec:
             raise UsageError(f"PagedSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_elems % 2:
             raise UsageError(f"a block must have an even number of elements, got {self.block_elems}")
-        # The wire spec's model field is 'paged:<geometry>:<model>', at most 255 UTF-8 bytes.
+        tokens = self.block_tokens
+        if tokens is not None:
+            if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+                raise UsageError(f"PagedSpec.block_tokens must be a positive int or None, got {tokens!r}")
+            if tokens not in shape:
+                raise UsageError(
+                    f"PagedSpec.block_tokens is {tokens}, but no dimension of block_shape {shape} is {tokens}: "
+                    "block_tokens is the number of cache tokens in one block, one of its dimensions"
+                )
+        # The wire spec's model field is 'paged:<geometry>[/t<tokens>]:<model>', at most 255 UTF-8 bytes.
         prefix = len(self._model_prefix())
         if prefix > 255:
             raise UsageError(f"PagedSpec.block_shape {shape} has too many dimensions to name in the wire spec")
@@ -97,19 +118,30 @@ class PagedSpec:
         return self.block_elems * DTYPES[self.dtype][1]
 
     @property
+    def tokens_are_rows(self) -> bool:
+        """Whether a wire row is one cache token (:attr:`row_shape`): ``block_tokens`` is
+        given and the block is ``[2, block_tokens, *heads, head_dim]`` (at least one heads
+        dimension) with a token's elements fitting one row."""
+        shape = self.block_shape
+        return (self.block_tokens is not None and len(shape) >= 4 and shape[0] == 2
+                and shape[1] == self.block_tokens and math.prod(shape[2:]) <= _MAX_ROW)
+
+    @property
     def row_shape(self) -> tuple[int, int]:
         """``(heads, head_dim)`` of one wire row (a wire token).
 
-        A block ``[2, tokens, *heads, head_dim]`` (K and V planes of tokens, vLLM's
-        ``[2, block_size, num_kv_heads, head_size]``) travels as rows of one token each:
-        its heads (the product of the dimensions between) by ``head_dim``, so the codecs'
-        per-head groups stay inside one head, as for an unpaged cache (int4 keys are
-        grouped per channel over tokens, not over heads).  Any other block (no leading
-        axis of 2, fewer than four dimensions, a row too wide) travels as rows of one head:
+        With ``block_tokens`` given and a block ``[2, block_tokens, *heads, head_dim]`` (K and
+        V planes of tokens, vLLM's NHD ``[2, block_size, num_kv_heads, head_size]``;
+        :attr:`tokens_are_rows`), a row is one cache token: its heads (the product of the
+        dimensions between) by ``head_dim``, so the codecs' per-head groups stay inside
+        one head, as for an unpaged cache (int4 keys are grouped per channel over tokens,
+        not over heads).  Any other block (``block_tokens`` not given, the tokens on
+        another axis as in HND ``[2, heads, block_tokens, head_dim]``, no leading axis of
+        2, fewer than four dimensions, a row too wide) travels as opaque rows of one head:
         the block's last dimension when it tiles half a block, else the largest divisor
         that fits."""
         shape, half = self.block_shape, self.block_elems // 2
-        if len(shape) >= 4 and shape[0] == 2 and math.prod(shape[2:]) <= _MAX_ROW:
+        if self.tokens_are_rows:
             return math.prod(shape[2:-1]), shape[-1]
         last = shape[-1]
         if last <= _MAX_ROW and half % last == 0:
@@ -131,7 +163,10 @@ class PagedSpec:
         return self.block_elems // 2 // self.row_elems
 
     def _model_prefix(self) -> str:
-        return "paged:" + "x".join(str(d) for d in self.block_shape) + ":"
+        # '/t<tokens>' marks rows of one cache token: a peer on the opaque rows of the same
+        # block shape then differs in the model text as well as in the fingerprint.
+        rule = f"/t{self.block_tokens}" if self.tokens_are_rows else ""
+        return "paged:" + "x".join(str(d) for d in self.block_shape) + rule + ":"
 
     def wire_spec(self) -> KVSpec:
         """The :class:`~kvwire.KVSpec` this cache travels as; its fingerprint covers the geometry."""
@@ -146,12 +181,31 @@ class PagedSpec:
         return num_blocks * self.rows_per_block
 
     @classmethod
-    def of(cls, cache: Any, *, num_layers: int, model: str = "") -> PagedSpec:
-        """The spec of caches shaped like ``cache`` (``[num_blocks, *block_shape]``)."""
+    def of(cls, cache: Any, *, num_layers: int, model: str = "", block_tokens: int | None = None) -> PagedSpec:
+        """The spec of caches shaped like ``cache`` (``[num_blocks, *block_shape]``);
+        ``block_tokens``: the cache tokens in one block, as in :class:`PagedSpec`."""
         return cls(
             num_layers=num_layers, block_shape=_block_shape(cache, "cache"),
-            dtype=_dtype_name(cache), model=model,
+            dtype=_dtype_name(cache), model=model, block_tokens=block_tokens,
         )
+
+
+def _row_rule_hint(incoming: str, own: str) -> str:
+    """What to add to a refusal whose two paged geometries name one block shape, one of
+    them with rows of one cache token (``/t<tokens>``) and the other without: the block
+    shapes agree, the row geometry does not."""
+    def geometry(model: str) -> tuple[str, str] | None:
+        if not model.startswith("paged:"):
+            return None
+        shape, _, rule = model[len("paged:"):].partition(":")[0].partition("/")
+        return shape, rule
+
+    a, b = geometry(incoming), geometry(own)
+    if a is None or b is None or a[0] != b[0] or a[1] == b[1]:
+        return ""
+    return (f": the same block shape with other wire rows (incoming {a[1] or 'opaque rows'}, "
+            f"here {b[1] or 'opaque rows'}); both sides must give PagedSpec the same block_tokens "
+            "(upgrade both sides together)")
 
 
 def _block_shape(x: Any, what: str) -> tuple[int, ...]:
@@ -454,6 +508,7 @@ class PagedDestination:
         if spec.fingerprint != self.wire_spec.fingerprint:
             raise IncompatiblePeerError(
                 f"incoming cache layout {spec} does not match the destination's {self.wire_spec}"
+                + _row_rule_hint(spec.model, self.wire_spec.model)
             )
         if layer_tokens is not None and layer_tokens != self.layer_tokens:
             got = layer_tokens / self._rows

@@ -1,9 +1,15 @@
-"""int4 keys of a paged cache are grouped per (head, channel), as an unpaged cache's are.
+"""int4 keys of a paged cache are grouped per (head, channel), as an unpaged cache's are,
+when the spec says where the block's tokens lie (``block_tokens``).
 
-A block ``[2, block_size, num_kv_heads, head_size]`` used to travel as rows of one head's
-vector each (``(token, head)`` pairs), so an int4 key group of 32 wire tokens took 4 tokens
-of all 8 heads: one scale for 8 different channels, each with its own outliers.  On the
-outlier-key fixture below the relative RMS error was about 1.5x the unpaged send's.
+A block ``[2, block_size, num_kv_heads, head_size]`` travels by default as rows of one
+head's vector each (``(token, head)`` pairs), so an int4 key group of 32 wire tokens takes
+4 tokens of all 8 heads: one scale for 8 different channels, each with its own outliers.
+On the outlier-key fixture below the relative RMS error is about 1.5x the unpaged send's.
+With ``block_tokens=block_size`` a wire row is one cache token of all its heads and the
+error is the unpaged send's.  The shape alone cannot tell that layout (NHD) from
+``[2, num_kv_heads, block_size, head_size]`` (HND), whose axis 1 is the heads: taking
+that axis as the tokens made K groups span heads (0.082 -> 0.106), so without
+``block_tokens``, or with the tokens on another axis, a block keeps the opaque rows.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import pytest
 
 import kvwire
 from kvwire.codec import Int4Codec, TensorKind, numpy_dtype
+from kvwire.errors import IncompatiblePeerError, UsageError
 from kvwire.paged import PagedDestination, PagedSource, PagedSpec, gather_layer
 from tests.conftest import SECRET
 
@@ -47,14 +54,34 @@ def int4_keys(rows: np.ndarray, dtype: str) -> np.ndarray:
     return codec.decode_numpy(enc.params, enc.payload, shape=rows.shape, dtype=dtype, kind=TensorKind.K)
 
 
+def nhd_cache(keys: np.ndarray) -> np.ndarray:
+    """Blocks ``[2, block_size, heads, head_size]`` (K plane, V plane) holding ``keys``."""
+    cache = np.zeros((BLOCKS, 2, BLOCK, HEADS, DIM), keys.dtype)
+    cache[:, 0] = keys.reshape(BLOCKS, BLOCK, HEADS, DIM)
+    return cache
+
+
+def hnd_cache(keys: np.ndarray) -> np.ndarray:
+    """Blocks ``[2, heads, block_size, head_size]`` holding ``keys``."""
+    cache = np.zeros((BLOCKS, 2, HEADS, BLOCK, DIM), keys.dtype)
+    cache[:, 0] = keys.reshape(BLOCKS, BLOCK, HEADS, DIM).transpose(0, 2, 1, 3)
+    return cache
+
+
+def opaque_rows(cache: np.ndarray) -> np.ndarray:
+    """The K rows of the opaque rule (kvwire before rows of tokens): each block's K half
+    as rows of its last dimension, one wire head."""
+    return np.ascontiguousarray(cache[:, 0]).reshape(-1, 1, cache.shape[-1])
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_paged_int4_key_error_matches_unpaged(dtype: str) -> None:
     # One cache per layer, blocks [2, block_size, heads, head_size]: K plane, V plane.
     dt = numpy_dtype(dtype)
     keys = outlier_keys(BLOCKS * BLOCK, seed=1).astype(dt)
-    cache = np.zeros((BLOCKS, 2, BLOCK, HEADS, DIM), dt)
-    cache[:, 0] = keys.reshape(BLOCKS, BLOCK, HEADS, DIM)
-    spec = PagedSpec.of(cache, num_layers=1)
+    cache = nhd_cache(keys)
+    spec = PagedSpec.of(cache, num_layers=1, block_tokens=BLOCK)
+    assert spec.row_shape == (HEADS, DIM)
     k, _v = gather_layer(spec, cache, np.arange(BLOCKS))
     paged = int4_keys(np.asarray(k), dtype).reshape(keys.shape)
     unpaged = int4_keys(keys, dtype)
@@ -62,29 +89,109 @@ def test_paged_int4_key_error_matches_unpaged(dtype: str) -> None:
     assert got <= 1.10 * base, (got, base)
     err = np.abs(paged.astype(np.float32) - keys.astype(np.float32))
     assert err.max() <= 1.10 * np.abs(unpaged.astype(np.float32) - keys.astype(np.float32)).max()
+    # Without block_tokens the same block keeps the opaque rows and their error (~1.5x).
+    old = PagedSpec.of(cache, num_layers=1)
+    k_old, _v = gather_layer(old, cache, np.arange(BLOCKS))
+    assert np.asarray(k_old).tobytes() == opaque_rows(cache).tobytes()
+    assert rel_rms(keys, int4_keys(np.asarray(k_old), dtype).reshape(keys.shape)) > 1.3 * base
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("block_tokens", [None, BLOCK])
+def test_hnd_blocks_keep_the_opaque_rows(dtype: str, block_tokens: int | None) -> None:
+    # [2, heads, block_size, head_size]: axis 1 is the heads.  Given as block_tokens or not,
+    # the rows are one head's vector as before rows of tokens (0f58358 took the heads for
+    # tokens and the tokens for heads: K groups over 32 heads' values, rel RMS 0.082 -> 0.106).
+    dt = numpy_dtype(dtype)
+    keys = outlier_keys(BLOCKS * BLOCK, seed=1).astype(dt)
+    cache = hnd_cache(keys)
+    if block_tokens is None:  # (the spec as any caller made it before block_tokens)
+        spec = PagedSpec.of(cache, num_layers=1)
+    else:
+        spec = PagedSpec.of(cache, num_layers=1, block_tokens=block_tokens)
+    wire = spec.wire_spec()
+    assert (spec.row_shape, spec.rows_per_block) == ((1, DIM), HEADS * BLOCK)
+    assert (wire.num_kv_heads, wire.head_dim) == (1, DIM)
+    assert wire.model == f"paged:2x{HEADS}x{BLOCK}x{DIM}:"  # the opaque rows' prefix, unchanged
+    k, _v = gather_layer(spec, cache, np.arange(BLOCKS))
+    rows = opaque_rows(cache)
+    assert np.asarray(k).tobytes() == rows.tobytes()
+    got = rel_rms(rows, int4_keys(np.asarray(k), dtype))
+    assert got == rel_rms(rows, int4_keys(rows, dtype))
+    tokens_as_heads = rows.reshape(-1, BLOCK, DIM)  # 0f58358's rows: a head's tokens as wire heads
+    assert got < 0.85 * rel_rms(tokens_as_heads, int4_keys(tokens_as_heads, dtype))
 
 
 def test_wire_rows_are_tokens_of_heads_for_kv_plane_blocks() -> None:
-    # [2, block_size, heads..., head_size]: a wire token is one cache token, its heads the block's.
-    for shape, heads, dim, rows in (((2, BLOCK, HEADS, DIM), HEADS, DIM, BLOCK),
-                                    ((2, BLOCK, 1, 576), 1, 576, BLOCK),
-                                    ((2, 4, 2, 4, 32), 8, 32, 4)):
-        spec = PagedSpec(num_layers=2, block_shape=shape, dtype="float16")
+    # [2, block_tokens, heads..., head_size] with block_tokens given: a wire token is one
+    # cache token, its heads the block's, and the model prefix says so ('/t<tokens>').
+    for shape, tokens, heads, dim, rows in (((2, BLOCK, HEADS, DIM), BLOCK, HEADS, DIM, BLOCK),
+                                            ((2, BLOCK, 1, 576), BLOCK, 1, 576, BLOCK),
+                                            ((2, 4, 2, 4, 32), 4, 8, 32, 4)):
+        spec = PagedSpec(num_layers=2, block_shape=shape, dtype="float16", block_tokens=tokens)
         wire = spec.wire_spec()
+        assert spec.tokens_are_rows
         assert (wire.num_kv_heads, wire.head_dim, spec.rows_per_block) == (heads, dim, rows)
-    # Other blocks keep rows of their last dimension, one head: vLLM's CPU layout
-    # [num_kv_heads, block_size, 2 * head_size], blocks with no heads axis, and a K-only
-    # [block_size, heads, head_size] (no K/V axis to tell its first axis is the tokens).
-    for other, width in (((8, 128, 256), 256), ((2, 8), 8), ((2, 4, 32), 32), ((4, 64), 64),
-                         ((BLOCK, HEADS, DIM), DIM)):
-        wire = PagedSpec(num_layers=1, block_shape=other).wire_spec()
-        assert (wire.num_kv_heads, wire.head_dim) == (1, width)
+        geometry = "x".join(map(str, shape))
+        assert wire.model == f"paged:{geometry}/t{tokens}:"
+        opaque = PagedSpec(num_layers=2, block_shape=shape, dtype="float16")
+        assert (opaque.wire_spec().num_kv_heads, opaque.wire_spec().head_dim) == (1, shape[-1])
+        assert opaque.wire_spec().model == f"paged:{geometry}:"
+        assert opaque.wire_spec().fingerprint != wire.fingerprint
+    # Other blocks keep rows of their last dimension, one head, block_tokens given or not:
+    # vLLM's CPU layout [num_kv_heads, block_size, 2 * head_size], HND blocks, blocks with
+    # no heads axis, and a K-only [block_size, heads, head_size] (no K/V axis).
+    for other, tokens, width in (((8, 128, 256), 128, 256), ((2, 8), 8, 8), ((2, 4, 32), 4, 32),
+                                 ((4, 64), 4, 64), ((BLOCK, HEADS, DIM), BLOCK, DIM),
+                                 ((2, HEADS, BLOCK, DIM), BLOCK, DIM), ((2, 2, 8, 64), 8, 64)):
+        for given in (None, tokens):
+            spec = PagedSpec(num_layers=1, block_shape=other, block_tokens=given)
+            wire = spec.wire_spec()
+            assert (wire.num_kv_heads, wire.head_dim, spec.tokens_are_rows) == (1, width, False)
+            assert wire.model == "paged:" + "x".join(map(str, other)) + ":"
+
+
+def test_block_tokens_is_checked() -> None:
+    shape = (2, BLOCK, HEADS, DIM)
+    for bad in (0, -16, True, 16.0, "16"):
+        with pytest.raises(UsageError, match="block_tokens must be a positive int or None"):
+            PagedSpec(num_layers=1, block_shape=shape, block_tokens=bad)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"block_tokens is 32, but no dimension of block_shape \(2, 16, 8, 128\)"):
+        PagedSpec(num_layers=1, block_shape=shape, block_tokens=32)
+    with pytest.raises(UsageError, match="block_tokens is 5"):
+        PagedSpec.of(np.zeros((1, *shape), np.float16), num_layers=1, block_tokens=5)
+    # The '/t<tokens>' mark counts in the 255-byte budget of the model field.
+    room = 255 - len("paged:2x16x8x128:")
+    PagedSpec(num_layers=1, block_shape=shape, model="m" * room)
+    PagedSpec(num_layers=1, block_shape=shape, model="m" * (room - 4), block_tokens=BLOCK)
+    with pytest.raises(UsageError, match=r"PagedSpec\.model"):
+        PagedSpec(num_layers=1, block_shape=shape, model="m" * (room - 3), block_tokens=BLOCK)
+
+
+def test_destination_refusal_names_the_row_geometry() -> None:
+    # A peer on the opaque rows of the same block shape: the refusal says the rows differ.
+    shape = (2, BLOCK, HEADS, DIM)
+    new = PagedSpec(num_layers=1, block_shape=shape, model="m", block_tokens=BLOCK)
+    old = PagedSpec(num_layers=1, block_shape=shape, model="m")
+    for here, there in ((new, old), (old, new)):
+        dest = PagedDestination(here, [np.zeros((4, *shape), np.float16)], [0, 1])
+        with pytest.raises(IncompatiblePeerError) as err:
+            dest.check(there.wire_spec(), there.tokens(2))
+        text = str(err.value)
+        assert "paged:2x16x8x128/t16:m" in text and "paged:2x16x8x128:m" in text
+        assert "the same block shape with other wire rows" in text and "same block_tokens" in text
+    other = PagedSpec(num_layers=1, block_shape=(2, 8, HEADS, DIM), model="m")
+    dest = PagedDestination(old, [np.zeros((4, *shape), np.float16)], [0, 1])
+    with pytest.raises(IncompatiblePeerError) as err:
+        dest.check(other.wire_spec(), 2 * other.rows_per_block)
+    assert "other wire rows" not in str(err.value)
 
 
 async def test_paged_int4_send_lands_the_reference_codes() -> None:
     # Over a real connection (the compiled codec reads the rows where they lie): the
     # received blocks hold exactly what the reference int4 makes of the blocks' K and V.
-    spec = PagedSpec(num_layers=1, block_shape=(2, BLOCK, HEADS, DIM), dtype="float16")
+    spec = PagedSpec(num_layers=1, block_shape=(2, BLOCK, HEADS, DIM), dtype="float16", block_tokens=BLOCK)
+    assert spec.row_shape == (HEADS, DIM)
     rng = np.random.default_rng(3)
     src = np.empty((6, *spec.block_shape), np.float16)
     src[:, 0] = outlier_keys(6 * BLOCK, seed=4).reshape(6, BLOCK, HEADS, DIM).astype(np.float16)

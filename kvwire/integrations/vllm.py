@@ -745,7 +745,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if first.shape[0] == 2 and first.ndim >= 3 and tuple(first.shape[1:2]) != (self._block_size,):
             logger.warning("kvwire: cache shaped %s; blocks are taken along the first axis", tuple(first.shape))
         model = self._identity(names[0])
-        self._spec = PagedSpec.of(first, num_layers=len(self._caches), model=model)
+        # vLLM's [num_blocks, 2, block_size, num_kv_heads, head_size] (NHD): block_tokens
+        # makes each cache token one wire row of all its heads, so the codecs' per-head
+        # groups (int4 keys per channel over tokens) never mix heads.  A block with the
+        # tokens on another axis keeps opaque rows; one with no axis of block_size, too.
+        tokens = self._block_size if self._block_size in tuple(first.shape[1:]) else None
+        self._spec = PagedSpec.of(first, num_layers=len(self._caches), model=model, block_tokens=tokens)
         logger.info(
             "kvwire: %d layers, blocks of %s %s (%d bytes each); producer=%s consumer=%s",
             len(self._caches), self._spec.block_shape, self._spec.dtype, self._spec.block_bytes,
