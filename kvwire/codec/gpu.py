@@ -338,10 +338,11 @@ def plan_decode(
     a load, after 4 bytes of scale per row) and on 4 for float32; a payload off that
     alignment takes the any-shape kernel, which reads it byte by byte.  The vector kernels
     index in 32 bits and take chunks under 2^31 elements; the any-shape kernels index in
-    64.  UsageError as :func:`plan_encode` gives it for heads, head_dim or the grid."""
+    64.  UsageError as :func:`plan_encode` gives it for head_dim, the grid, or heads where
+    a kernel takes them (int4; fp8 and int8 decode take rows, an int64)."""
     tokens, heads, dim = shape
     suffix = _SUFFIX[dtype]
-    heads32, dim32 = _int32(heads, "heads"), _int32(dim, "head_dim")
+    dim32 = _int32(dim, "head_dim")
     if base in ("fp8", "int8"):
         rows = tokens * heads
         epv = 4 if dtype == "float32" else 8
@@ -362,7 +363,7 @@ def plan_decode(
                        is_v, "out", "flags"))
     name = f"kv_int4_decode_{suffix}"
     return Launch(name, _blocks((n + 1) // 2, name),
-                  ("payload", np.int64(tokens), heads32, dim32, np.int32(params[0]), is_v, "out", "flags"))
+                  ("payload", np.int64(tokens), _int32(heads, "heads"), dim32, np.int32(params[0]), is_v, "out", "flags"))
 
 
 def _run(launch: Launch, buffers: dict[str, Any]) -> None:

@@ -82,13 +82,33 @@ def test_counts_past_int32_are_refused_with_usage_error(shape: tuple[int, int, i
         with pytest.raises(UsageError, match="up to 2147483647"):
             g.plan_encode(base, 32, shape, "float16", TensorKind.V, shape[0], x_aligned=False)
     if shape[0] == 1:
-        for base, params in (("fp8", b""), ("int4", b"\x20")):
+        # fp8 and int8 decode take rows (an int64), not heads: only head_dim is refused there
+        refused = (("int4", b"\x20"),) + ((("fp8", b""),) if shape[2] > 1 else ())
+        for base, params in refused:
             with pytest.raises(UsageError, match="up to 2147483647"):
                 g.plan_decode(base, params, shape, "float16", TensorKind.V, out_aligned=False)
     # tokens themselves are int64: a plan with 2^31 tokens in chunks of 2^20 is fine
     plan = g.plan_encode("fp8", 32, shape if shape[0] > 1 else (2**31, 1, 1), "float16", TensorKind.K, 2**20,
                          x_aligned=False)
     assert plan.launches[0].args[1] == 2**31
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_int8_decode_plans_any_heads(dtype: str) -> None:
+    """fp8 and int8 decode pass rows = tokens * heads as an int64 and never heads: 2^31
+    heads of one channel plan as they did before the int32 checks (nothing allocated)."""
+    shape = (1, 2**31, 1)
+    for base in ("fp8", "int8"):
+        for aligned in (True, False):
+            launch = g.plan_decode(base, b"", shape, dtype, TensorKind.K, out_aligned=aligned, payload_align=16)
+            suffix = g._SUFFIX[dtype]
+            assert launch.kernel == f"kv_{base}_decode_any_{suffix}"
+            assert launch.args[1] == 2**31 and isinstance(launch.args[1], np.int64)
+            assert launch.args[2] == 1 and isinstance(launch.args[2], np.int32)
+            assert launch.blocks == 2**31 // g.THREADS
+    # int4 decode takes heads as a 32-bit int: still refused
+    with pytest.raises(UsageError, match="heads up to 2147483647"):
+        g.plan_decode("int4", b"\x20", shape, dtype, TensorKind.K, out_aligned=False)
 
 
 def test_grid_past_cuda_limit_is_refused_with_usage_error() -> None:
@@ -121,6 +141,19 @@ def test_launch_arguments_match_the_kernels_ptx_parameters(tmp_path: Path) -> No
                 seen.add(launch.kernel)
     assert any("_vec_" in k for k in seen) and any("_any_" in k for k in seen)
     assert any("stats" in k for k in seen) and any("int4_decode_f" in k for k in seen)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+def test_int4_key_vector_encoders_count_token_blocks_in_32_bits(tmp_path: Path) -> None:
+    """The token blocks of a chunk, (chunk_tokens - 1) / group + 1, is a 32-bit division in
+    kv_int4_encode_k_vec_*: in 64 bits it took kv_int4_encode_k_vec_f32_4_2 from 48 to 56
+    registers on sm_90 (nvcc 13.0).  Its operands fit: the plan picks these kernels only
+    under 2^31 elements, and a 64-bit spelling buys nothing there."""
+    text = _ptx(tmp_path, g.kernel_source(), "kvquant_kvec")
+    bodies = dict(re.findall(r"\.entry (kv_int4_encode_k_vec_\w+)\s*\((.*?)\n}\n", text, re.S))
+    assert len(bodies) == 15
+    for name, body in bodies.items():
+        assert re.search(r"\bdiv\.s32\b", body), name
 
 
 GEOMETRY = r"""

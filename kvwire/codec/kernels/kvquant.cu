@@ -507,7 +507,13 @@ __device__ void int4_encode_k_vec(const uint4* x, kv_i64 tokens, int heads, int 
     const kv_i64 gb = warp / slices;
     const int cv = (int)(warp - gb * slices) * CL + cl;
     const bool active = gb < total_blocks && cv < ncv;
-    const kv_i64 blocks_full = ((kv_i64)chunk_tokens + group - 1) / group;
+    // token blocks of a full chunk, a 32-bit division (in 64 bits kv_int4_encode_k_vec_f32_4_2
+    // took 56 registers instead of 48 on sm_90: 4 resident blocks of 256 threads, not 5).
+    // In range: the plan clamps 1 <= chunk_tokens <= tokens, group <= TL * KPT <= 256, and
+    // _plan_int4_vec (gpu.py) picks this kernel only under 2^31 elements with
+    // heads * head_dim >= 4, so chunk_tokens < 2^29 and chunk_tokens + group fits in an
+    // int; (chunk_tokens - 1) / group + 1 would not overflow even without that bound.
+    const int blocks_full = (chunk_tokens - 1) / group + 1;
     const kv_i64 c = gb / blocks_full, b = gb - c * blocks_full;
     const kv_i64 t0 = c * chunk_tokens;
     const kv_i64 cnt = tokens - t0 < chunk_tokens ? tokens - t0 : chunk_tokens;
