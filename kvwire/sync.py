@@ -17,10 +17,12 @@ whose methods any thread may call:
 
 GPU arrays keep the calling thread's CUDA stream order although the transfer runs on the
 loop thread (CuPy's current stream is per thread): ``send()`` (of a list or tuple of
-layers), ``send_layer()`` and ``expect(into=)`` mark the caller's current stream on the
-arrays' devices, and the loop thread's stream waits for that mark before it reads or
-writes them; a GPU layer from ``wait_layer()`` is ordered before the caller's current
-stream (docs/integrations.md).
+layers, or of a :class:`kvwire.paged.PagedSource`'s caches), ``send_layer()`` and
+``expect(into=)`` mark the caller's current stream on the arrays' devices, and the loop
+thread's own non-blocking stream on that device (its current stream there, never the
+legacy default stream, so no other work waits behind the caller's) waits for that mark
+before it reads or writes them; a GPU layer from ``wait_layer()`` is ordered before the
+caller's current stream (docs/integrations.md).
 
 No method blocks the loop thread, and calling a blocking one *from* the loop thread is
 refused (it could never return), as is any call in a child made by ``fork()`` on a bridge

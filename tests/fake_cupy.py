@@ -12,8 +12,12 @@ anything else is a problem (``FakeCupy.problems``), as is a kernel's misaligned 
 A write on a stream (``set()``, an item assignment) is checked the same way for every
 later use of that memory on another stream: it must wait for an event recorded after the
 write, or the host must have synchronized with the writing stream (or such an event).
-The current device and the current stream are per thread, as CuPy's are (the null
-streams are shared, as the legacy default stream is).
+The current device and the current stream are per thread, and the current stream is per
+device within a thread, as CuPy's are (the null streams are shared, as the legacy default
+stream is); ``with stream:`` makes a stream current until the block ends, ``stream.use()``
+until another is made current.  An event carries what its stream had waited for when it
+was recorded, not what it waited for later.  A kernel writes its non-const pointer
+arguments (as its CUDA signature in the module's source declares them) on its stream.
 
 Kernels (``RawModule(...).get_function(name)``) run in the kernel emulation of
 tests/codec/test_gpu_emulated.py when a built one is given.  Every use is logged
@@ -23,6 +27,7 @@ tests/codec/test_gpu_emulated.py when a built one is given.  Every use is logged
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 import types
 from dataclasses import dataclass, field
@@ -163,8 +168,11 @@ class FakeCupy:
         mod.asarray = asarray  # type: ignore[attr-defined]
         mod.ascontiguousarray = ascontiguousarray  # type: ignore[attr-defined]
         mod.asnumpy = asnumpy  # type: ignore[attr-defined]
-        mod.RawModule = lambda code, options: types.SimpleNamespace(  # type: ignore[attr-defined]
-            get_function=lambda name: Kernel(fake, name))
+        def raw_module(code: str, options: Any) -> Any:
+            signatures = _signatures(code)
+            return types.SimpleNamespace(get_function=lambda name: Kernel(fake, name, signatures))
+
+        mod.RawModule = raw_module  # type: ignore[attr-defined]
 
         def memcpy_async(dst: int, src: int, nbytes: int, kind: int, stream_ptr: int) -> None:
             stream = next(s for s in fake.streams() if s.ptr == stream_ptr and s.device == fake.device)
@@ -178,16 +186,17 @@ class FakeCupy:
         )
         mod.cuda = types.SimpleNamespace(  # type: ignore[attr-defined]
             Device=lambda i=0: Device(fake, int(i)),
-            Stream=lambda non_blocking=False: fake.new_stream(),
+            Stream=lambda non_blocking=False: fake.new_stream(non_blocking=non_blocking),
             get_current_stream=fake.current_stream,
             alloc_pinned_memory=lambda n: bytearray(n),
             runtime=runtime,
         )
         return mod
 
-    def new_stream(self) -> Stream:
+    def new_stream(self, *, non_blocking: bool = False) -> Stream:
         made = self._made_streams
         stream = Stream(self, f"stream{len(made) + 1}:{self.device}", self.device, ptr=0x5000 + len(made))
+        stream.non_blocking = non_blocking
         made.append(stream)
         return stream
 
@@ -209,6 +218,9 @@ class Allocation:
 class Event:
     def __init__(self, stream: Stream, seq: int) -> None:
         self.stream, self.seq, self.done = stream, seq, True
+        # what the stream had waited for when this was recorded (a wait queued on it later
+        # is not before this event)
+        self.waited = dict(stream.waited)
 
     def synchronize(self) -> None:
         self.stream.fake.log.append(("event sync", self.stream.name))
@@ -221,6 +233,7 @@ class Stream:
         self.seq = 0
         self.synced = 0  # the host synchronized with its work up to here
         self.waited: dict[int, int] = {}
+        self.non_blocking = False
 
     def record(self, event: Any = None) -> Event:
         self.seq += 1
@@ -231,12 +244,23 @@ class Stream:
         self.fake.log.append(("wait", self.name, event.stream.name))
         key = id(event.stream)
         self.waited[key] = max(self.waited.get(key, -1), event.seq)
-        for other, seq in event.stream.waited.items():  # what that stream waited for, too
+        for other, seq in event.waited.items():  # what that stream had waited for, too
             self.waited[other] = max(self.waited.get(other, -1), seq)
 
     def synchronize(self) -> None:
         self.fake.log.append(("synchronize", self.name))
         self.synced = self.seq
+
+    def use(self) -> Stream:
+        """Current on its device in this thread from now on (``with`` restores the one
+        current before it when it ends, as CuPy's does)."""
+        stack = self.fake._stream_stack.setdefault(self.device, [])
+        if stack:
+            stack[-1] = self
+        else:
+            stack.append(self)
+        self.fake.log.append(("use", self.name))
+        return self
 
     def __enter__(self) -> Stream:
         self.fake._stream_stack.setdefault(self.device, []).append(self)
@@ -310,9 +334,37 @@ class ndarray(np.ndarray):  # CuPy's name, in module "cupy" (below)
 _CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.uint32: ctypes.c_uint}
 
 
+def _signatures(code: str) -> list[tuple[re.Pattern[str], list[bool]]]:
+    """Each ``__global__`` function of ``code``: its name (a pattern: macro-pasted parts
+    match any word) and, per parameter, whether it is a pointer the kernel may write (one
+    not declared ``const``)."""
+    code = code.replace("\\\n", " ")
+    found = []
+    for m in re.finditer(r"__global__\s+void\s+([\w#]+)\s*\(([^)]*)\)", code):
+        parts = re.split(r"##", m.group(1))
+        name = "".join(p if i % 2 == 0 else r"\w+" for i, p in enumerate(parts))
+        params = [p.strip() for p in m.group(2).split(",")]
+        found.append((re.compile(name), ["*" in p and not p.startswith("const") for p in params]))
+    return found
+
+
 class Kernel:
-    def __init__(self, fake: FakeCupy, name: str) -> None:
+    def __init__(self, fake: FakeCupy, name: str,
+                 signatures: list[tuple[re.Pattern[str], list[bool]]] | None = None) -> None:
         self.fake, self.name = fake, name
+        self.signatures = signatures or []
+
+    def outputs(self, nargs: int) -> set[int]:
+        """The argument positions this kernel writes: every signature its name and
+        argument count fit (each non-const pointer of any of them)."""
+        out: set[int] = set()
+        fits = [written for pattern, written in self.signatures
+                if pattern.fullmatch(self.name) and len(written) == nargs]
+        if self.signatures and not fits:
+            raise AssertionError(f"kernel {self.name} with {nargs} arguments is in no signature of its module")
+        for written in fits:
+            out.update(i for i, w in enumerate(written) if w)
+        return out
 
     def __call__(self, grid: tuple[int], block: tuple[int], args: tuple[Any, ...]) -> None:
         fake = self.fake
@@ -322,12 +374,16 @@ class Kernel:
         if lib is None:
             raise AssertionError(f"kernel {self.name} launched without an emulation")
         cargs: list[Any] = []
+        written = self.outputs(len(args))
         for a in args:
             if isinstance(a, ndarray):
                 fake.use(a, stream, f"kernel {self.name}")
                 cargs.append(ctypes.c_void_p(a.ctypes.data))
             else:
                 cargs.append(_CTYPES[type(a)](int(a)))
+        for i in sorted(written):
+            if isinstance(args[i], ndarray):
+                fake.wrote(args[i], stream)
         threaded = int("_encode_" in self.name)
         getattr(lib, "emu_" + self.name)(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]), ctypes.c_int(threaded), *cargs)
         errors = int(lib.emu_errors())

@@ -9,6 +9,7 @@ layer handed to the caller must be ordered before the caller's stream's next wor
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import types
 from collections.abc import Iterator
@@ -18,10 +19,10 @@ import numpy as np
 import pytest
 
 import kvwire
-from kvwire.aio import _gpu
+from kvwire.aio import _gpu, _sync
 from kvwire.codec import gpu as g
-from kvwire.paged import PagedDestination, PagedSpec
-from kvwire.sync import SyncPeer, SyncServer
+from kvwire.paged import PagedDestination, PagedSource, PagedSpec, gather_layer
+from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.fake_cupy import FakeCupy
 
 SECRET = b"gpu-stream-order-secret"
@@ -144,3 +145,154 @@ def test_host_layers_never_touch_cupy(monkeypatch: pytest.MonkeyPatch) -> None:
         handle.wait(timeout=30)
         rx.wait(timeout=30)
     assert touched == []
+
+
+def test_a_paged_source_is_gathered_after_the_callers_stream_wrote_its_caches(fake: FakeCupy) -> None:
+    """A PagedSource's GPU caches are gathered on the loop thread, one layer at a time:
+    the gathers come after what the caller had queued on them when it sent."""
+    mine = fake.module.cuda.Stream(non_blocking=True)
+    paged = PagedSpec(num_layers=2, block_shape=(2, 4, 2, 16), dtype="float16")
+    hosts = [np.random.default_rng(i).standard_normal((3, *paged.block_shape)).astype(np.float16) for i in range(2)]
+    caches = [_written_on(fake, h, mine) for h in hosts]
+    with SyncServer(secret=SECRET) as server, \
+            SyncPeer("127.0.0.1", server.port, secret=SECRET, codec="raw") as peer:
+        rx = server.expect("req")
+        with mine:
+            peer.send("req", paged.wire_spec(), PagedSource(paged, caches, [2, 0]), timeout=30)
+        rx.wait(timeout=30)
+        got = [rx.wait_layer(i) for i in range(2)]
+    assert fake.problems == []
+    assert any(e[0] == "take" for e in fake.log)  # (gathered on the device)
+    for h, layer in zip(hosts, got, strict=True):
+        k, v = gather_layer(paged, h, [2, 0])
+        assert np.asarray(layer.k).tobytes() == np.asarray(k).tobytes()
+        assert np.asarray(layer.v).tobytes() == np.asarray(v).tobytes()
+
+
+def test_the_loop_waits_for_the_caller_on_a_stream_of_its_own(fake: FakeCupy) -> None:
+    """The loop thread's stream that waits for the caller's mark is its own non-blocking
+    one (current there from then on), not the shared legacy null stream: work queued
+    there by anyone else does not wait behind the caller's queued work."""
+    mine = fake.module.cuda.Stream(non_blocking=True)
+    hosts = [(_host(2 * i), _host(2 * i + 1)) for i in range(SPEC.num_layers)]
+    layers = [(_written_on(fake, k, mine), _written_on(fake, v, mine)) for k, v in hosts]
+    null = fake.module.cuda.get_current_stream()
+    assert null.ptr == 0
+    with SyncServer(secret=SECRET) as server, \
+            SyncPeer("127.0.0.1", server.port, secret=SECRET, codec="raw") as peer:
+        rx = server.expect("req")
+        for request in ("req", "again"):  # the second send reuses the loop's stream
+            if request == "again":
+                rx = server.expect(request)
+            with mine:
+                peer.send(request, SPEC, layers, timeout=30)
+            rx.wait(timeout=30)
+    assert fake.problems == []
+    assert id(mine) not in null.waited  # the null stream never waited for the caller
+    waiters = [e[1] for e in fake.log if e[0] == "wait" and e[2] == mine.name and e[1] != mine.name]
+    assert len(waiters) == 2 and len(set(waiters)) == 1 and not waiters[0].startswith("null"), waiters
+    assert [e for e in fake.log if e[0] == "use"] == [("use", waiters[0])]  # made current once
+    assert next(s for s in fake.streams() if s.name == waiters[0]).non_blocking
+
+
+def test_gpu_layers_on_two_devices_are_each_read_after_the_callers_stream_there() -> None:
+    """Each device's layers wait for the caller's current stream on that device (CuPy's
+    current stream is per device, too)."""
+    cupy = FakeCupy(devices=2)
+    cp = cupy.module
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "cupy", cp)
+        mp.setattr(_gpu, "_STREAMS", {})
+        mp.setattr(g, "gpu_available", lambda: True)
+        mine, layers = {}, []
+        for d in range(2):
+            with cp.cuda.Device(d):
+                s = mine[d] = cp.cuda.Stream(non_blocking=True)
+                layers.append((_written_on(cupy, _host(2 * d), s), _written_on(cupy, _host(2 * d + 1), s)))
+        with SyncServer(secret=SECRET) as server, \
+                SyncPeer("127.0.0.1", server.port, secret=SECRET, codec="raw") as peer:
+            rx = server.expect("req")
+            with cp.cuda.Device(0), mine[0], cp.cuda.Device(1), mine[1]:
+                peer.send("req", SPEC, layers, timeout=30)
+            rx.wait(timeout=30)
+    assert cupy.problems == []
+
+
+def test_a_failed_mark_leaves_no_receive_handle_behind(fake: FakeCupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    paged = PagedSpec(num_layers=1, block_shape=(2, 4, 2, 16), dtype="float16")
+    cache = fake.module.zeros((3, *paged.block_shape), np.float16)
+
+    def broken(arrays: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(_sync, "caller_marks", broken)
+    with SyncServer(secret=SECRET) as server:
+        with pytest.raises(RuntimeError, match="illegal memory access") as failed:
+            server.expect("req", into=PagedDestination(paged, [cache], [2, 0]))
+        # (the handles are held weakly: the traceback, still held, would keep one alive)
+        assert failed.tb is not None and not list(server._handles)
+
+
+# -- the fake itself ----------------------------------------------------------------------
+
+
+def test_the_fake_orders_by_what_an_event_s_stream_waited_for_when_it_was_recorded() -> None:
+    """Stream A records an event, then waits for B's write; C waits for the event only:
+    C is not ordered after B's write (a wait queued after the record is not before it)."""
+    fake = FakeCupy()
+    cp = fake.module
+    a, b, c = (cp.cuda.Stream(non_blocking=True) for _ in "abc")
+    x = cp.empty((4,), np.float32)
+    for s in (a, b, c):
+        s.wait_event(cp.cuda.get_current_stream().record())  # after the allocation
+    event = a.record()
+    with b:
+        x[...] = 1
+    a.wait_event(b.record())
+    c.wait_event(event)
+    with c:
+        cp.ascontiguousarray(x[::2])  # reads x on c
+    assert any("without waiting for the write" in p for p in fake.problems), fake.problems
+
+
+def test_the_fake_counts_a_kernel_s_non_const_arguments_as_written_on_its_stream() -> None:
+    fake = FakeCupy(emulation=types.SimpleNamespace(emu_kv_fp8_decode_vec_f16=lambda *a: None, emu_errors=lambda: 0))
+    cp = fake.module
+    kernel = cp.RawModule(code=g.kernel_source(), options=()).get_function("kv_fp8_decode_vec_f16")
+    mine = cp.cuda.Stream(non_blocking=True)
+    payload, out, flags = cp.zeros((64,), np.uint8), cp.empty((16,), np.float16), cp.zeros((1,), np.uint32)
+    mine.wait_event(cp.cuda.get_current_stream().record())
+    with mine:
+        kernel((1,), (32,), (payload, np.uint32(1), np.uint32(16), out, flags))
+    assert fake.problems == []
+    cp.ascontiguousarray(out[::2])  # read on the null stream, which never waited for the kernel
+    cp.ascontiguousarray(payload[::2])  # (only read by it: fine)
+    assert len(fake.problems) == 1 and "without waiting for the write" in fake.problems[0], fake.problems
+
+
+def test_a_gpu_layer_allocated_on_the_loops_own_stream_is_ordered_before_the_callers(fake: FakeCupy) -> None:
+    """Once the loop thread's own stream is its current one (a GPU send on the same bridge
+    waited for the caller there), a GPU server's layers are allocated on it: the caller's
+    stream still waits for that allocation and the decode before it uses them."""
+    mine = fake.module.cuda.Stream(non_blocking=True)
+    k, v = _host(0), _host(1)
+    bridge = Bridge("stream-order")
+    with contextlib.closing(bridge), \
+            SyncServer(secret=SECRET, device="gpu:0", bridge=bridge) as server, \
+            SyncPeer("127.0.0.1", server.port, secret=SECRET, codec="raw", bridge=bridge) as peer:
+        rx = server.expect("first")
+        layers = [(_written_on(fake, k, mine), _written_on(fake, v, mine))] * 2
+        with mine:
+            peer.send("first", SPEC, layers, timeout=30)  # the loop's own stream: current from now on
+        rx.wait(timeout=30)
+        own = [e[1] for e in fake.log if e[0] == "use"]
+        assert len(own) == 1
+        rx = server.expect("second")
+        peer.send("second", SPEC, [(k, v), (v, k)], timeout=30)
+        with mine:
+            layer = rx.wait_layer(1)
+            out = fake.module.empty(layer.k.shape, layer.k.dtype)
+            out[...] = layer.k  # read on the caller's stream
+    assert fake.problems == []
+    assert [e for e in fake.log if e[0] == "alloc" and e[2] == own[0]]  # (allocated there)
+    assert np.asarray(out).tobytes() == v.tobytes()

@@ -549,12 +549,16 @@ def watch_dropped(owner: SyncServer | SyncPeer, what: str) -> weakref.finalize[A
 
 
 # -- GPU stream order across the bridge ---------------------------------------------------
-# CuPy's current stream is per thread: the send on the loop orders its transfer stream
-# after the loop thread's current stream, and the caller's arrays were written on the
-# caller's.  A blocking call records where the caller's current stream is, on each device
-# of its GPU arrays; the loop thread's current stream there waits for it before the send
-# (or a write into the caller's memory) touches them, and a GPU layer handed to the caller
-# is ordered before its current stream's next work.  CPU-only use never imports CuPy.
+# CuPy's current stream is per thread (and per device): the send on the loop orders its
+# transfer stream after the loop thread's current stream, and the caller's arrays were
+# written on the caller's.  A blocking call records where the caller's current stream is,
+# on each device of its GPU arrays; the loop thread's current stream there waits for it
+# before the send (or a write into the caller's memory) touches them, and a GPU layer
+# handed to the caller is ordered before its current stream's next work.  That current
+# stream is the loop thread's own non-blocking stream on the device, made current there
+# the first time it waits for a caller: never the legacy null stream (every blocking
+# stream's and other threads' default-stream work would wait for the caller's work then).
+# CPU-only use never imports CuPy.
 
 
 def _device_of(x: Any) -> int:
@@ -588,23 +592,53 @@ def caller_marks(arrays: Any) -> list[tuple[int, Any]]:
 
 
 def layer_arrays(layers: Any) -> list[Any]:
-    """The arrays of a list or tuple of ``(k, v)`` layers (none of an iterator's: it
-    yields them on the loop thread, after the loop thread's streams)."""
+    """The arrays of a list or tuple of ``(k, v)`` layers, or the caches of a
+    :class:`~kvwire.paged.PagedSource` (gathered on the loop thread, from caches the
+    caller wrote); none of an iterator's: it yields them on the loop thread."""
+    from kvwire.paged import PagedSource  # (imported with kvwire: no CuPy)
+
+    if isinstance(layers, PagedSource):
+        return list(layers.caches)
     if not isinstance(layers, (list, tuple)):
         return []
     return [x for item in layers if isinstance(item, (list, tuple)) for x in item]
 
 
+_loop_streams = threading.local()  # the loop thread's own current streams: (cupy, {device: stream})
+
+
+def loop_stream(cupy: Any, device: int) -> None:
+    """(on the loop thread, ``device`` current) Its own non-blocking stream on
+    ``device`` made its current stream there, once: the caller's marks are waited for on
+    it, not on the legacy null stream, which every blocking stream (and other threads'
+    default-stream work) would then wait behind.  The DLPack imports, copies and gathers
+    the loop queues there run on it, and the transfer stream, which waits for the loop
+    thread's current stream, follows it."""
+    held = getattr(_loop_streams, "held", None)
+    if held is None or held[0] is not cupy:  # (another CuPy module: none of its streams)
+        held = _loop_streams.held = (cupy, {})
+    streams: dict[int, Any] = held[1]
+    if device not in streams:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        # after what the loop had queued on its current stream until now (memory it
+        # allocated there may be used on the new one)
+        stream.wait_event(cupy.cuda.get_current_stream().record())
+        stream.use()
+        streams[device] = stream
+
+
 def order_after(marks: list[tuple[int, Any]]) -> None:
-    """(on the loop thread) Its current stream on each device waits for the caller's mark
-    there: work queued on it next (a send's transfer stream orders after it) comes after
-    what the caller had queued on its own stream."""
+    """(on the loop thread) Its current stream on each device (its own,
+    :func:`loop_stream`) waits for the caller's mark there: work queued on it next (a
+    send's transfer stream orders after it) comes after what the caller had queued on its
+    own stream."""
     if not marks:
         return
     import cupy
 
     for device, event in marks:
         with cupy.cuda.Device(device):
+            loop_stream(cupy, device)
             cupy.cuda.get_current_stream().wait_event(event)
 
 
@@ -616,8 +650,9 @@ async def after_marks(marks: list[tuple[int, Any]], start: Callable[[], Coroutin
 
 
 def hand_over(layer: Layer) -> Layer:
-    """(in the caller's thread) A GPU layer's device work (its decode, on the transfer
-    stream) ordered before the caller's current stream's next work."""
+    """(in the caller's thread) A GPU layer's device work (its allocation on the loop
+    thread's current stream, which the transfer stream waits for, and its decode, on the
+    transfer stream) ordered before the caller's current stream's next work."""
     k = layer.k
     if not type(k).__module__.startswith("cupy"):
         return layer
@@ -905,11 +940,12 @@ class SyncServer:
         check_destination(into)
         layers = check_index("num_layers", num_layers, 1, 0xFFFF) if num_layers is not None else None  # (KVSpec's range)
         self.bridge.check_process()
+        # a GPU cache is written after what this thread's streams had queued on it by now
+        # (first: a failure here leaves no handle behind)
+        marks = caller_marks(getattr(into, "caches", ())) if into is not None else []
         handle = ReceiveHandle(self.bridge, request_id, layers)
         with self._handles_lock:
             self._handles.add(handle)
-        # a GPU cache is written after what this thread's streams had queued on it by now
-        marks = caller_marks(getattr(into, "caches", ())) if into is not None else []
         self.bridge.submit(handle._receive(self._server, into, timeout, marks))
         return handle
 
@@ -1241,9 +1277,10 @@ class SyncPeer:
              **send_options: Any) -> Any:
         """Send a whole cache and wait for its receipt.  ``timeout`` bounds the whole send
         as :meth:`kvwire.Peer.send`'s does (TransferTimeoutError; the receiver is told).
-        GPU layers of a list or tuple are read after what the calling thread's current
-        CUDA stream had queued on their devices (an iterator's are taken on the loop
-        thread: see docs/integrations.md)."""
+        GPU layers of a list or tuple, and the GPU caches of a
+        :class:`~kvwire.paged.PagedSource`, are read after what the calling thread's
+        current CUDA stream had queued on their devices (an iterator's layers are taken on
+        the loop thread: see docs/integrations.md)."""
         # Peer.send ends on its own timeout: waiting here for less would cancel it, and its
         # receiver would be told of a cancelled sender instead of a timeout.
         send_options = check_send_options(self._peer, {**send_options, "timeout": timeout})
