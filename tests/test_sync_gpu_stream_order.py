@@ -270,10 +270,14 @@ def test_the_fake_counts_a_kernel_s_non_const_arguments_as_written_on_its_stream
     assert len(fake.problems) == 1 and "without waiting for the write" in fake.problems[0], fake.problems
 
 
-def test_a_gpu_layer_allocated_on_the_loops_own_stream_is_ordered_before_the_callers(fake: FakeCupy) -> None:
+def test_a_gpu_layer_is_allocated_on_the_stream_current_before_the_loops_own(fake: FakeCupy) -> None:
     """Once the loop thread's own stream is its current one (a GPU send on the same bridge
-    waited for the caller there), a GPU server's layers are allocated on it: the caller's
-    stream still waits for that allocation and the decode before it uses them."""
+    waited for the caller there), a GPU server's layers are still allocated on the stream
+    that was current before it, the shared null stream: a layer the caller drops goes back
+    to CuPy's pool in that stream's order, which the caller's blocking streams are ordered
+    with, not the loop's own stream's.  The transfer stream that decodes into it waits for
+    that allocation, and the caller's stream waits for the allocation and the decode before
+    it uses it."""
     mine = fake.module.cuda.Stream(non_blocking=True)
     k, v = _host(0), _host(1)
     bridge = Bridge("stream-order")
@@ -286,7 +290,8 @@ def test_a_gpu_layer_allocated_on_the_loops_own_stream_is_ordered_before_the_cal
             peer.send("first", SPEC, layers, timeout=30)  # the loop's own stream: current from now on
         rx.wait(timeout=30)
         own = [e[1] for e in fake.log if e[0] == "use"]
-        assert len(own) == 1
+        assert len(own) == 1 and not own[0].startswith("null")
+        before = len(fake.log)
         rx = server.expect("second")
         peer.send("second", SPEC, [(k, v), (v, k)], timeout=30)
         with mine:
@@ -294,5 +299,19 @@ def test_a_gpu_layer_allocated_on_the_loops_own_stream_is_ordered_before_the_cal
             out = fake.module.empty(layer.k.shape, layer.k.dtype)
             out[...] = layer.k  # read on the caller's stream
     assert fake.problems == []
-    assert [e for e in fake.log if e[0] == "alloc" and e[2] == own[0]]  # (allocated there)
+    allocation = fake.allocation(layer.k.data.ptr)
+    assert allocation is not None and allocation.stream.name == "null:0", allocation
+    assert not [e for e in fake.log[before:] if e[0] == "alloc" and e[2] == own[0]]  # none on the loop's own
     assert np.asarray(out).tobytes() == v.tobytes()
+
+
+def test_the_async_api_allocates_a_gpu_servers_layers_on_its_current_stream(fake: FakeCupy) -> None:
+    """Without kvwire.sync's loop stream (the async API: the caller's thread is the loop
+    thread), a GPU server's layers are allocated on the thread's current stream."""
+    mine = fake.module.cuda.Stream(non_blocking=True)
+    receiver = _gpu.GpuReceiver("gpu:0")
+    with mine:
+        x = receiver.empty((4, 2, 16), "float16")
+    allocation = fake.allocation(x.data.ptr)
+    assert allocation is not None and allocation.stream is mine
+    assert _gpu.stream_for(0).waited.get(id(mine), -1) >= allocation.seq  # the decode comes after it

@@ -8,9 +8,11 @@ fired, so the copy of chunk i+1 runs while chunk i is sent.  The buffers come fr
 pinned pool and go back to it when the transport drops the chunk (after its ack).
 
 Receiving (``serve(device="gpu")`` or ``"gpu:N"``): layer arrays live on that device,
-allocated on the current stream; each chunk is validated on the host (params, lengths,
-scales) and its codes decoded by the kernel straight into the layer, on a non-blocking
-stream of that device ordered after the allocating one, and waited for.
+allocated on the current stream (on a kvwire.sync bridge's loop thread: on the stream that
+was current there before its own stream was installed, :func:`allocate_layers_on`); each
+chunk is validated on the host (params, lengths, scales) and its codes decoded by the
+kernel straight into the layer, on a non-blocking stream of that device ordered after the
+allocating one, and waited for.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import contextlib
 import functools
 import re
+import threading
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import AbstractContextManager
@@ -79,6 +82,33 @@ def stream_for(device_id: int) -> Any:
         with cupy.cuda.Device(device_id):
             stream = _STREAMS[device_id] = cupy.cuda.Stream(non_blocking=True)
     return stream
+
+
+_LAYER_STREAMS = threading.local()  # a thread's streams for received layers: (cupy, {device: stream})
+
+
+def allocate_layers_on(cupy: Any, device_id: int, stream: Any) -> None:
+    """(in this thread) A GPU server's layers on ``device_id`` are allocated on ``stream``
+    from now on, not on the thread's current stream there.  A kvwire.sync bridge's loop
+    thread keeps them on the stream that was current before it made its own non-blocking
+    stream current: a layer handed to the caller and dropped there goes back to CuPy's
+    pool in that stream's order (normally the legacy null stream, which the caller's
+    blocking streams are ordered with), not the loop's own, whose next allocation could
+    reuse it before reads still queued on the caller's stream."""
+    held = getattr(_LAYER_STREAMS, "held", None)
+    if held is None or held[0] is not cupy:  # (another CuPy module: none of its streams)
+        held = _LAYER_STREAMS.held = (cupy, {})
+    streams: dict[int, Any] = held[1]
+    streams[device_id] = stream
+
+
+def layer_stream(cupy: Any, device_id: int) -> Any:
+    """(``device_id`` current) The stream this thread allocates received layers on there:
+    the one given to :func:`allocate_layers_on`, else the current stream."""
+    held = getattr(_LAYER_STREAMS, "held", None)
+    if held is not None and held[0] is cupy and device_id in held[1]:
+        return held[1][device_id]
+    return cupy.cuda.get_current_stream()
 
 
 async def _wait(event: Any, device_id: int) -> None:
@@ -260,16 +290,20 @@ class GpuReceiver:
     def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
         """An uninitialised layer tensor on the device (bfloat16 as uint16 bits).
 
-        It comes from CuPy's pool in the order of the current stream (where the layer is
-        then used), and the transfer stream, which decodes into it, waits for what was
-        queued there before it: the block may have been freed there with work on it still
-        queued."""
+        It comes from CuPy's pool in the order of this thread's layer stream
+        (:func:`layer_stream`: the current stream, where the layer is then used, unless a
+        kvwire.sync loop thread kept its previous one), and the transfer stream, which
+        decodes into it, waits for what was queued there before it: the block may have
+        been freed there with work on it still queued.  (The decode also waits for the
+        current stream.)"""
         import cupy
 
         dt = {"float16": cupy.float16, "float32": cupy.float32, "bfloat16": cupy.uint16}[dtype]
         with cupy.cuda.Device(self.device_id):
-            layer = cupy.empty(shape, dt)
-            stream_for(self.device_id).wait_event(cupy.cuda.get_current_stream().record())
+            on = layer_stream(cupy, self.device_id)
+            with on:
+                layer = cupy.empty(shape, dt)
+            stream_for(self.device_id).wait_event(on.record())
             return layer
 
     def decode(self, codec: Codec, params: bytes, payload: Any, out: Any, dtype: str, kind: TensorKind) -> None:

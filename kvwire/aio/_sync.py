@@ -558,6 +558,10 @@ def watch_dropped(owner: SyncServer | SyncPeer, what: str) -> weakref.finalize[A
 # stream is the loop thread's own non-blocking stream on the device, made current there
 # the first time it waits for a caller: never the legacy null stream (every blocking
 # stream's and other threads' default-stream work would wait for the caller's work then).
+# A GPU server's layers are still allocated on the stream that was current before it
+# (normally the null stream): they are the caller's once handed over, and a layer it drops
+# goes back to CuPy's pool in that stream's order, not the loop's own stream's, whose next
+# allocation would reuse it unordered with reads still queued on the caller's stream.
 # CPU-only use never imports CuPy.
 
 
@@ -613,16 +617,21 @@ def loop_stream(cupy: Any, device: int) -> None:
     it, not on the legacy null stream, which every blocking stream (and other threads'
     default-stream work) would then wait behind.  The DLPack imports, copies and gathers
     the loop queues there run on it, and the transfer stream, which waits for the loop
-    thread's current stream, follows it."""
+    thread's current stream, follows it.  A GPU server's layers, handed to the caller,
+    stay allocated on the stream current before (:func:`kvwire.aio._gpu.allocate_layers_on`)."""
     held = getattr(_loop_streams, "held", None)
     if held is None or held[0] is not cupy:  # (another CuPy module: none of its streams)
         held = _loop_streams.held = (cupy, {})
     streams: dict[int, Any] = held[1]
     if device not in streams:
+        from kvwire.aio._gpu import allocate_layers_on
+
+        previous = cupy.cuda.get_current_stream()
         stream = cupy.cuda.Stream(non_blocking=True)
         # after what the loop had queued on its current stream until now (memory it
         # allocated there may be used on the new one)
-        stream.wait_event(cupy.cuda.get_current_stream().record())
+        stream.wait_event(previous.record())
+        allocate_layers_on(cupy, device, previous)
         stream.use()
         streams[device] = stream
 
@@ -651,8 +660,9 @@ async def after_marks(marks: list[tuple[int, Any]], start: Callable[[], Coroutin
 
 def hand_over(layer: Layer) -> Layer:
     """(in the caller's thread) A GPU layer's device work (its allocation on the loop
-    thread's current stream, which the transfer stream waits for, and its decode, on the
-    transfer stream) ordered before the caller's current stream's next work."""
+    thread's layer stream, the one current before its own, which the transfer stream waits
+    for, and its decode, on the transfer stream) ordered before the caller's current
+    stream's next work."""
     k = layer.k
     if not type(k).__module__.startswith("cupy"):
         return layer
