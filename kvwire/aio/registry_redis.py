@@ -325,8 +325,13 @@ class RedisWatcher:
         self._finalizer: weakref.finalize[Any, Any] | None = None
         # Why the last subscription was lost (and its error), while no new one is in place.
         self._lost: tuple[str, BaseException | None] | None = None
-        # The pause before the next try at subscribing anew (0: the last try did not fail).
+        # The pause before the next try at subscribing anew (0: the last try did not fail),
+        # and the _clock() time that try failed: the pause ends _retry_pause after it, so a
+        # read cancelled during the pause (a reader's own read timeout shorter than it)
+        # leaves what is left of it to the next read, rather than the next read pausing
+        # in full again (a reader whose timeout is shorter than the pause never tried).
         self._retry_pause = 0.0
+        self._failed_at = 0.0
         # Subscriptions in a row lost within the registry's timeout of being made (a Redis
         # that confirms SUBSCRIBE and drops the connection at once): see _drop_pause.
         self._drops = 0
@@ -341,8 +346,8 @@ class RedisWatcher:
         # out what is left of it rather than subscribing at once.
         self._drop_pause = 0.0
         self._resubscribe_at = 0.0
-        self._heard = 0.0  # loop time the server was last heard from (a message, a reply)
-        self._pinged: float | None = None  # loop time of the PING awaiting its reply
+        self._heard = 0.0  # _clock() time the server was last heard from (a message, a reply)
+        self._pinged: float | None = None  # _clock() time of the PING awaiting its reply
 
     async def _open(self) -> PubSub | None:
         """A new subscription (a new pubsub, so a new connection), confirmed by the server:
@@ -381,8 +386,8 @@ class RedisWatcher:
         if self._closed:  # closed as the confirmation came
             await self._close_pubsub()
             return None
-        self._heard, self._pinged = asyncio.get_running_loop().time(), None
-        self._since = self._clock()
+        self._since = self._heard = self._clock()
+        self._pinged = None
         return pubsub
 
     async def _subscribe(self) -> PubSub | None:
@@ -427,15 +432,14 @@ class RedisWatcher:
         if pubsub is None and (self._lost is None or self._closed):
             raise StopAsyncIteration
         self._reading = asyncio.Event()
-        loop = asyncio.get_running_loop()
         timeout = self._registry.timeout
         try:
             if self._lost is not None:  # lost, and not subscribed again at the last read
                 # Paused first (aclose() ends the pause within _POLL_S): a refused
                 # connection fails at once, and the reader's loop would try again at once.
-                # What is left of a pause after losses in a row counts too (the read that
-                # took it was cancelled during it).
-                left = max(self._retry_pause, self._resubscribe_at - self._clock())
+                # Only what is left of it, as of a pause after losses in a row: a read
+                # cancelled during it (a reader's own read timeout) does not start it anew.
+                left = max(self._failed_at + self._retry_pause, self._resubscribe_at) - self._clock()
                 await _pause(left, lambda: self._closed or self._registry._closed, self._sleep)
                 await self._replace(*self._lost)  # raises, unless closed meanwhile
             while not self._closed and (pubsub := self._pubsub) is not None:
@@ -451,7 +455,7 @@ class RedisWatcher:
                     async with asyncio.timeout(timeout + _POLL_S):
                         msg = await pubsub.get_message(timeout=_POLL_S)
                     if msg is None and not self._closed:
-                        lost = await self._check_alive(pubsub, loop.time(), timeout)
+                        lost = await self._check_alive(pubsub, self._clock(), timeout)
                         if lost is not None:
                             await self._replace(lost, None)  # raises, unless closed meanwhile
                             break
@@ -464,7 +468,7 @@ class RedisWatcher:
                     continue
                 # Anything from the server (a change, a PING's reply) shows the connection
                 # still delivers.
-                self._heard, self._pinged = loop.time(), None
+                self._heard, self._pinged = self._clock(), None
                 if msg.get("type") == "message":
                     try:
                         return _parse_event(msg["data"])
@@ -528,7 +532,8 @@ class RedisWatcher:
             pubsub = await self._open()
         except (RedisError, OSError, KvwireError) as exc:  # TimeoutError among them
             self._drop_pause = 0.0
-            self._retry_pause = _next_pause(self._retry_pause, timeout)
+            # Its end kept, not its length: see _failed_at.
+            self._failed_at, self._retry_pause = self._clock(), _next_pause(self._retry_pause, timeout)
             raise NotificationsLostError(
                 f"redis registry: {why}; not subscribed again ({_reason(exc, timeout)}): changes may "
                 f"have been missed and are not watched yet; the next read tries again after "
@@ -536,7 +541,7 @@ class RedisWatcher:
             ) from (cause if cause is not None else exc)
         if pubsub is None:
             return
-        self._lost, self._retry_pause, self._drop_pause = None, 0.0, 0.0
+        self._lost, self._retry_pause, self._drop_pause, self._failed_at = None, 0.0, 0.0, 0.0
         paused = (
             f" after a pause of {pause:.3g} s ({self._drops} subscriptions in a row lost within "
             f"{timeout:g} s of being made)"

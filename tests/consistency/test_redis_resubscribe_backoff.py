@@ -322,3 +322,103 @@ async def test_aclose_ends_a_read_waiting_out_the_rest_of_a_cancelled_pause(
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reg.close(), 20)
+
+
+class _ReaderClock:
+    """The watcher's sleep and clock: the clock advances only by what is slept.  A read
+    made with :meth:`read` has a read timeout of its own (as a reader's ``wait_for``, in
+    this clock's time): a sleep that would run past it stops the clock there and never
+    returns, and the read is cancelled."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._deadline = float("inf")
+        self._timed_out = asyncio.Event()
+
+    def time(self) -> float:
+        return self.now
+
+    async def sleep(self, seconds: float) -> None:
+        if self.now + seconds > self._deadline:
+            self.now = self._deadline
+            self._timed_out.set()
+            await asyncio.Event().wait()  # cancelled by read()
+        self.now += seconds
+        await asyncio.sleep(0)
+
+    async def read(self, watcher: Any, budget: float) -> str | None:
+        """One read, with a read timeout of ``budget`` s: what it raised (the
+        :class:`NotificationsLostError`'s text), or ``None`` when it timed out."""
+        self._deadline = self.now + budget
+        self._timed_out.clear()
+        reading = asyncio.ensure_future(anext(watcher))
+        timed_out = asyncio.ensure_future(self._timed_out.wait())
+        await asyncio.wait({reading, timed_out}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+        timed_out.cancel()
+        reading.cancel()
+        results = await asyncio.gather(reading, timed_out, return_exceptions=True)
+        if isinstance(results[0], asyncio.CancelledError):
+            return None
+        assert isinstance(results[0], NotificationsLostError), results[0]
+        return str(results[0])
+
+
+async def test_a_read_cancelled_during_the_retry_pause_leaves_the_rest_of_it_to_the_next_read(
+    redis_server: RedisServer,
+) -> None:
+    """After a failed try at subscribing anew each read paused for the whole retry pause
+    before trying again: a reader whose own read timeout (1 s here) is shorter than the
+    pause (up to the registry's timeout, 5 s here) cancelled every read during it, each
+    next read started it anew, and the watcher never tried again, Redis back or not (its
+    reads only timed out).  Now the pause ends its length after the failed try: the next
+    read waits out only what is left of it, so the tries go on at the announced pauses,
+    and once Redis is back a read subscribes anew."""
+    reg = await RedisRegistry.connect(
+        f"redis://127.0.0.1:{redis_server.port}/0", namespace=f"retry-{uuid.uuid4().hex}", timeout=5.0
+    )
+    clock = _ReaderClock()
+    tries: list[float] = []  # the clock's time at each try at subscribing anew
+    down = True
+    try:
+        watcher = reg.watch()
+        watcher._sleep, watcher._clock = clock.sleep, clock.time  # (white box)
+        async with watcher:
+            subscribe = watcher._open
+
+            async def refused() -> Any:
+                tries.append(clock.now)
+                if down:
+                    raise ConnectionRefusedError("redis down")
+                return await subscribe()
+
+            watcher._open = refused  # type: ignore[method-assign]
+            assert watcher._pubsub is not None and watcher._pubsub.connection is not None
+            await watcher._pubsub.connection.disconnect()  # the subscription is lost
+            said: list[str] = []
+            for _ in range(20):
+                outcome = await clock.read(watcher, 1.0)
+                if outcome is not None:
+                    assert "not subscribed again" in outcome, outcome
+                    said.append(outcome)
+            # Before: 4 tries (pauses of 0.2, 0.4 and 0.8 s between), then none.
+            assert len(tries) >= 7, tries
+            assert len(said) == len(tries)
+            for k in range(len(tries) - 1):
+                pause = re.search(r"after a pause of ([0-9.e+-]+) s", said[k])
+                assert pause is not None, said[k]
+                assert tries[k + 1] - tries[k] == pytest.approx(float(pause.group(1)), abs=1e-6), (k, tries)
+            assert tries[-1] - tries[-2] == pytest.approx(5.0)  # at the cap: the timeout
+            down = False  # Redis is back
+            before = len(tries)
+            outcome = None
+            for _ in range(10):
+                if (outcome := await clock.read(watcher, 1.0)) is not None:
+                    break
+            assert outcome is not None, "never tried again"
+            assert "not subscribed again" not in outcome and "subscribed again" in outcome, outcome
+            assert len(tries) == before + 1
+            assert watcher._pubsub is not None and watcher._lost is None
+            assert watcher._retry_pause == 0.0
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(reg.close(), 20)
