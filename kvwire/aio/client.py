@@ -715,7 +715,7 @@ class Peer(Pump):
                 if chooser.measures_goodput:
                     chooser.observe_delivered(codec, ev.kv_bytes, now, first_layer=ev.address.layer == 0,
                                               held=est.hold_limited,  # a ProbeRTT drain: no codec's pace
-                                              chunk=ev.address)
+                                              chunk=ev.address, wire_bytes=ev.wire_size)
             # Time to first layer: the spec's first layer (layer 0), every chunk of it
             # acknowledged. Over several streams later layers may complete before it.
             st = self.sends.get(ev.address.transfer_id)

@@ -608,9 +608,10 @@ class CodecChooser:
         return self._receiver_transport
 
     def observe_delivered(self, codec: str, kv_bytes: int, now: float, *, first_layer: bool = False,
-                          held: bool = False, chunk: Hashable = None) -> None:
+                          held: bool = False, chunk: Hashable = None, wire_bytes: int = 0) -> None:
         """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
-        arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
+        (``wire_bytes`` on the wire: a run's time is shared by wire bytes with the
+        chunks sent in place of its codec's) arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
         transfer's first layer (paced by the receiver's first grant, see
         :meth:`GoodputMeter.on_ack`); ``held``: the sender holds data back now (the
         estimator's ``hold_limited``: a ProbeRTT drain and the round trip after it), so
@@ -619,13 +620,14 @@ class CodecChooser:
         ``kv_bytes`` negative (a NaN time made the codec's measured rate NaN, and
         :meth:`choose` then failed)."""
         if self._measure and codec in self._ratio and kv_bytes >= 0 and math.isfinite(now):
-            self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer, held=held, chunk=chunk)
+            self.meter.on_ack(codec, kv_bytes, now, starts_run=not first_layer, held=held, chunk=chunk,
+                              wire_bytes=wire_bytes)
 
     def observe_fallback(self, codec: str, chunk: Hashable, *, transfer: Hashable = None) -> None:
         """Chunk ``chunk`` (its address: the key its acknowledgement gives
         :meth:`observe_delivered`) goes out with ``codec`` in place of the codec chosen
         for it (raw for values the chosen quantizer refuses): with measured goodput its
-        wire time is taken out of the meter's run at its acknowledgement
+        wire bytes take their share of the meter's run's time at its acknowledgement
         (:meth:`GoodputMeter.sent_instead`), which would otherwise count it as the chosen
         codec's. ``transfer``: its transfer (:meth:`observe_failed`)."""
         if self._measure and codec in self._ratio:

@@ -28,11 +28,17 @@ in flight when the run began) neither count nor end it. A chunk the sender sent 
 place of the chosen codec's (:meth:`GoodputMeter.sent_instead`: ``auto`` sends raw a chunk
 whose values the chosen quantizer refuses) is marked by its address, and the
 acknowledgement of that chunk (not of another of its codec: a chunk of the previous codec,
-still in flight, acknowledged after it went out, is no fallback) takes its time out of the
-run: the time since the acknowledgement before it was its wire time, its bytes another
-codec's; the run goes on, its samples and the codec's averaging window as they were (a
-fallback ending the run made every next run a first that cleared the window, and one
-fallback in four chunks left int8 without a sample). A marked chunk sent again (its
+still in flight, acknowledged after it went out, is no fallback) adds its wire bytes to the
+run's others': the run goes on (the fallback counts among the ``sample_acks`` of a sample,
+so a sample spans as many chunks whatever their codec), and the codec's seconds are the
+window's shared by wire bytes, its own over its own and the others' (the link carried
+both); its samples and the codec's averaging window stay as they were (a fallback
+ending the run made every next run a first that cleared the window, and one fallback in
+four chunks left int8 without a sample). The time since the acknowledgement before the
+fallback's is not its wire time: the loop handles acknowledgements in bunches (the sender
+task holds it for several chunks) and from several streams, and cut out of an int8 run
+(1 s a chunk, 2 s a raw one, 100 KV/s) that gap read int8 at 71-160 in bunches of four
+and 160-200 over four streams. A marked chunk sent again (its
 stream broke) keeps its mark; the marks of a failed transfer are forgotten
 (:meth:`GoodputMeter.forget_transfer`), and all of them when the pipe goes idle. Ignored,
 one raw chunk in eight of an int8 run at 10 Gbit/s made int8's measured rate 1.86 GB/s of
@@ -60,6 +66,9 @@ class _Run:
     last: float
     kv_bytes: int = 0
     acks: int = 0
+    own_wire: int = 0  # wire bytes of the counted acknowledgements
+    other_wire: int = 0  # wire bytes of the chunks sent in place of the codec's, acknowledged in it
+    others: int = 0  # their acknowledgements
     first: bool = True  # no sample of this run folded yet
 
 
@@ -76,7 +85,8 @@ class GoodputMeter:
         if sample_acks < 1 or not 1 <= min_acks <= sample_acks or window < 1:
             raise ValueError("need sample_acks >= 1, 1 <= min_acks <= sample_acks and window >= 1")
         self._sample_acks, self._min_acks, self._window = sample_acks, min_acks, window
-        self._recent: dict[str, deque[tuple[int, float]]] = {}  # (KV bytes, seconds) per sample
+        # (KV bytes, seconds, own wire bytes, others' wire bytes) per sample
+        self._recent: dict[str, deque[tuple[int, float, int, int]]] = {}
         self._rate: dict[str, float] = {}
         self._samples: dict[str, int] = {}
         self._run: _Run | None = None
@@ -95,8 +105,8 @@ class GoodputMeter:
     def sent_instead(self, codec: str, chunk: Hashable, *, transfer: Hashable = None) -> None:
         """Chunk ``chunk`` (any key its acknowledgement will name again) goes out with
         ``codec`` in place of one of the chosen codec (``auto`` sends raw a chunk whose
-        values the chosen quantizer refuses): the time up to its acknowledgement is
-        taken out of the run under way. ``transfer``: the transfer it belongs to
+        values the chosen quantizer refuses): at its acknowledgement its wire bytes
+        take their share of the run's time. ``transfer``: the transfer it belongs to
         (:meth:`forget_transfer`)."""
         if codec != self._chosen:
             self._instead[chunk] = (codec, transfer)
@@ -107,8 +117,9 @@ class GoodputMeter:
         self._instead = {c: m for c, m in self._instead.items() if m[1] != transfer}
 
     def on_ack(self, codec: str, kv_bytes: int, now: float, *, starts_run: bool = True, held: bool = False,
-               chunk: Hashable = None) -> None:
-        """One chunk of ``codec`` carrying ``kv_bytes`` of fp16 KV was acknowledged.
+               chunk: Hashable = None, wire_bytes: int = 0) -> None:
+        """One chunk of ``codec`` carrying ``kv_bytes`` of fp16 KV, ``wire_bytes`` on the
+        wire, was acknowledged.
 
         ``starts_run=False``: its pace was not the codec's (a chunk of a transfer's first
         layer, sent while the receiver grants that layer only): it counts in a run under
@@ -122,8 +133,11 @@ class GoodputMeter:
         2.37 GB/s of its 5.0, and int8 (3.0) took the lead.
 
         ``chunk``: the chunk's key as given to :meth:`sent_instead`, if it was sent in
-        place of the chosen codec's: the time since the run's last acknowledgement is
-        taken out of the run (its clock starts that much later), which goes on.
+        place of the chosen codec's: its ``wire_bytes`` are added to the run's others',
+        which goes on, and it counts among the run's ``sample_acks``; the codec's rate
+        counts the seconds of its window's samples times their own wire bytes over their
+        own and the others' (without the wire sizes of the codec's own chunks, all of
+        them: the share is unknown).
         """
         mark = self._instead.pop(chunk, None) if chunk is not None else None
         if held:
@@ -131,9 +145,13 @@ class GoodputMeter:
             return
         if mark is not None and codec != self._chosen:
             run = self._run
-            if run is not None and now > run.last:
-                run.start += now - run.last
+            if run is not None and now >= run.last:
+                run.other_wire += max(wire_bytes, 0)
+                run.others += 1
                 run.last = now
+                if run.acks + run.others >= self._sample_acks and run.acks >= self._min_acks:
+                    self._fold(run)
+                    self._run = _Run(run.codec, start=now, last=now, first=False)
             return
         if codec != self._chosen:
             return
@@ -145,8 +163,9 @@ class GoodputMeter:
             return
         run.kv_bytes += kv_bytes
         run.acks += 1
+        run.own_wire += max(wire_bytes, 0)
         run.last = now
-        if run.acks >= self._sample_acks:
+        if run.acks + run.others >= self._sample_acks:
             self._fold(run)
             self._run = _Run(codec, start=now, last=now, first=False)
 
@@ -170,8 +189,16 @@ class GoodputMeter:
         recent = self._recent.setdefault(run.codec, deque(maxlen=self._window))
         if run.first:
             recent.clear()  # a new run: the codec's rate is this run's
-        recent.append((run.kv_bytes, seconds))
-        self._rate[run.codec] = sum(b for b, _ in recent) / sum(t for _, t in recent)
+        recent.append((run.kv_bytes, seconds, run.own_wire, run.other_wire))
+        kv, secs = sum(s[0] for s in recent), sum(s[1] for s in recent)
+        own, other = sum(s[2] for s in recent), sum(s[3] for s in recent)
+        if other and own:
+            # The link carried the chunks sent in place of the codec's too: the codec's
+            # share of the time is its share of the wire bytes, taken over the window (a
+            # fallback acknowledged in a bunch just after a sample ended is the next
+            # sample's bytes, its wire time the one before's).
+            secs *= own / (own + other)
+        self._rate[run.codec] = kv / secs
         self._samples[run.codec] = self._samples.get(run.codec, 0) + 1
 
     def forget(self, codec: str) -> None:

@@ -196,3 +196,33 @@ async def test_auto_sends_raw_on_the_error_class_not_its_text(monkeypatch: pytes
             with pytest.raises(kvwire.UsageError, match="cannot carry NaN") as info:
                 await peer.send("plain", _spec(), layers, timeout=20)
     assert type(info.value) is kvwire.UsageError
+
+
+async def test_the_acknowledgement_of_a_chunk_sent_raw_instead_takes_its_mark(
+        monkeypatch: pytest.MonkeyPatch, chooses: list[str]) -> None:
+    """With measured goodput the sender marks each chunk it sends raw in place of the
+    quantizer's by its address, and the client hands the meter that address with the
+    chunk's acknowledgement, which takes the mark: handed none, the marks stayed until the
+    pipe went idle and the fallbacks' wire bytes were left out of the run."""
+    from kvwire.control.goodput import GoodputMeter
+
+    monkeypatch.setattr(CodecChooser, "observe_idle", lambda self: None)  # (it forgets every mark)
+    made: list[Any] = []
+    sent_instead = GoodputMeter.sent_instead
+
+    def mark(self: GoodputMeter, codec: str, chunk: Any, **kwargs: Any) -> None:
+        made.append(chunk)
+        sent_instead(self, codec, chunk, **kwargs)
+
+    monkeypatch.setattr(GoodputMeter, "sent_instead", mark)
+    chooses.append("int8")
+    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
+        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto",
+                                  auto_codec="measured") as peer:
+            recv = asyncio.create_task(server.accept())
+            receipt = await peer.send("bad", _spec(), _cache(np.nan), timeout=20)
+            await (await recv).collect(timeout=20)
+            assert peer.chooser is not None and peer.chooser.measures_goodput
+            left = dict(peer.chooser.meter._instead)
+    assert receipt.extra["chunks_by_codec"] == {"int8": 4, "raw": 2}
+    assert len(made) == 2 and left == {}

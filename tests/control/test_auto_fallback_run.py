@@ -2,10 +2,14 @@
 refuses: NaN, infinity) is in no run of the chosen codec's measured goodput. Its wire time
 (a raw chunk is 2-4 times a quantized one on the wire) counted in the quantizer's run,
 its bytes did not: one such chunk in eight of an int8 run at 10 Gbit/s measured int8 at
-1.86 GB/s of its 2.42. Its wire time is now taken out of the run at that chunk's
-acknowledgement, matched by the chunk's address (matched by codec, an earlier raw chunk's
-acknowledgement took its place), and the run goes on (ended there, every next run was a
-first that cleared the codec's window: one fallback in four left int8 without a sample)."""
+1.86 GB/s of its 2.42. At that chunk's acknowledgement, matched by the chunk's address
+(matched by codec, an earlier raw chunk's acknowledgement took its place), its wire bytes
+are added to the run's others', and the run's time is shared by wire bytes; the run goes
+on (ended there, every next run was a first that cleared the codec's window: one fallback
+in four left int8 without a sample). Taken as the time since the acknowledgement before
+it, the fallback's wire time was wrong whenever acknowledgements are handled in bunches or
+come from several streams: int8 read 71-160 of 100 in bunches of four, 160-200 over four
+streams."""
 
 from __future__ import annotations
 
@@ -39,38 +43,41 @@ def _int8_run_with_raw_chunks(ch: CodecChooser, *, told: bool) -> None:
             if told:
                 ch.observe_fallback("raw", i)
             t += CHUNK / LINK
-            ch.observe_delivered("raw", CHUNK, t, chunk=i)
+            ch.observe_delivered("raw", CHUNK, t, chunk=i, wire_bytes=CHUNK)
         else:
-            t += INT8 * CHUNK / LINK
-            ch.observe_delivered("int8", CHUNK, t)
+            t += round(INT8 * CHUNK) / LINK
+            ch.observe_delivered("int8", CHUNK, t, wire_bytes=round(INT8 * CHUNK))
 
 
 def test_a_raw_fallback_chunk_is_in_no_run_of_the_quantizer() -> None:
     ch = CodecChooser.from_ratios({"raw": 1.0, "int8": INT8}, measure_goodput=True)
     _int8_run_with_raw_chunks(ch, told=True)
-    true = LINK / INT8  # 2.42 GB/s of KV
+    true = LINK * CHUNK / round(INT8 * CHUNK)  # 2.42 GB/s of KV
     rate = ch.meter.rate("int8")
     assert rate is not None and rate == pytest.approx(true, rel=1e-9)
     assert ch.meter.rate("raw") is None  # nor in raw's: raw is not the chosen codec
 
 
-def test_the_fallback_chunks_wire_time_is_taken_out_of_the_run() -> None:
+def test_the_run_s_time_is_shared_with_the_fallback_by_wire_bytes() -> None:
     meter = GoodputMeter(sample_acks=8, min_acks=2)
     meter.chosen("int8")
-    meter.on_ack("int8", 1000, 0.001)  # starts the run's clock
-    meter.on_ack("int8", 1000, 0.002)
-    meter.on_ack("int8", 1000, 0.003)
+    meter.on_ack("int8", 1000, 0.001, wire_bytes=500)  # starts the run's clock
+    meter.on_ack("int8", 1000, 0.002, wire_bytes=500)
+    meter.on_ack("int8", 1000, 0.003, wire_bytes=500)
     meter.sent_instead("raw", "f")
-    meter.on_ack("raw", 1000, 0.010, chunk="f")  # its wire time (7 ms) is in no run
+    # handled in a bunch with the acknowledgement before it: no gap to take out, its
+    # wire bytes (2 ms of the link's) are the run's others'
+    meter.on_ack("raw", 1000, 0.003, chunk="f", wire_bytes=1000)
     assert meter.samples("int8") == 0  # the run goes on
-    for i in range(6):
-        meter.on_ack("int8", 1000, 0.011 + 0.001 * i)
+    for i in range(5):
+        meter.on_ack("int8", 1000, 0.006 + 0.001 * i, wire_bytes=500)
+    # 8 acknowledged in the run (7 int8's, the fallback): 9 ms, 7 of them int8's
     assert meter.samples("int8") == 1 and meter.rate("int8") == pytest.approx(1e6)
     # an acknowledgement of another codec's chunk that was not sent in place of int8's
     # (the previous codec's, still in flight) neither counts nor ends the run
-    meter.on_ack("raw", 1000, 0.0165)
+    meter.on_ack("raw", 1000, 0.0105, wire_bytes=1000)
     for i in range(8):
-        meter.on_ack("int8", 1000, 0.017 + 0.001 * i)
+        meter.on_ack("int8", 1000, 0.011 + 0.001 * i, wire_bytes=500)
     assert meter.samples("int8") == 2 and meter.rate("int8") == pytest.approx(1e6)
 
 
@@ -83,15 +90,15 @@ def test_an_earlier_raw_chunks_acknowledgement_is_not_the_fallbacks() -> None:
     m.chosen("int8")
     m.sent_instead("raw", "fallback")
     t = 0.0
-    m.on_ack("raw", 100, t, chunk="old raw")
+    m.on_ack("raw", 100, t, chunk="old raw", wire_bytes=300)
     for _ in range(5):
         t += 1.0
-        m.on_ack("int8", 100, t)
+        m.on_ack("int8", 100, t, wire_bytes=100)
     t += 3.0
-    m.on_ack("raw", 100, t, chunk="fallback")
-    for _ in range(4):
+    m.on_ack("raw", 100, t, chunk="fallback", wire_bytes=300)
+    for _ in range(3):
         t += 1.0
-        m.on_ack("int8", 100, t)
+        m.on_ack("int8", 100, t, wire_bytes=100)
     assert m.samples("int8") == 1 and m.rate("int8") == pytest.approx(100.0)
 
 
@@ -108,13 +115,79 @@ def test_frequent_fallbacks_leave_the_quantizer_measured(every: int) -> None:
         if i % every == every - 1:
             m.sent_instead("raw", i)
             t += 3.0
-            m.on_ack("raw", 100, t, chunk=i)
+            m.on_ack("raw", 100, t, chunk=i, wire_bytes=300)
         else:
             t += 1.0
-            m.on_ack("int8", 100, t, chunk=i)
+            m.on_ack("int8", 100, t, chunk=i, wire_bytes=100)
     assert m.rate("int8") == pytest.approx(100.0, rel=0.02)
     assert m.samples("int8") >= 20
     assert len(m._recent["int8"]) == 4  # (the window is full: several samples averaged)
+
+
+def _int8_in_bunches(bunch: int, fallback_at: int, every: int = 8, n: int = 4000) -> float | None:
+    """One stream: int8 chunks 1 s on the wire (100 KV bytes, 100 wire bytes), the one at
+    ``fallback_at`` of every ``every`` sent raw (2 s, 200 wire bytes); the loop handles
+    the acknowledgements in bunches of ``bunch`` (the sender task held it), 1 us apart,
+    at the time the bunch's last arrived. int8's true rate: 100 KV bytes/s."""
+    m = GoodputMeter()
+    m.chosen("int8")
+    t, held = 0.0, []
+    for i in range(n):
+        raw = i % every == fallback_at
+        if raw:
+            m.sent_instead("raw", i)
+        t += 2.0 if raw else 1.0
+        held.append((i, raw))
+        if len(held) == bunch:
+            for j, (k, was_raw) in enumerate(held):
+                m.on_ack("raw" if was_raw else "int8", 100, t + 1e-6 * j, chunk=k,
+                         wire_bytes=200 if was_raw else 100)
+            held = []
+    return m.rate("int8")
+
+
+@pytest.mark.parametrize("bunch", [1, 2, 4])
+def test_acknowledgements_handled_in_bunches(bunch: int) -> None:
+    """Cut out as the time since the acknowledgement before it, the fallback's wire time
+    was that of a bunch, or none: int8 read 74-114 in bunches of two, 71-160 of four."""
+    for at in range(8):
+        assert _int8_in_bunches(bunch, at) == pytest.approx(100.0, rel=0.03), at
+
+
+def _int8_over_streams(streams: int, every: int, n: int = 2000) -> float | None:
+    """``streams`` streams share a link of 1 wire byte/s fairly; each takes the next chunk
+    when its last is acknowledged; int8 chunks are 1 wire byte (100 KV bytes), one in
+    ``every`` goes raw (2 wire bytes). Chunks sent together are acknowledged together,
+    their acknowledgements tied."""
+    m = GoodputMeter()
+    m.chosen("int8")
+    t, nxt = 0.0, 0
+    active: dict[int, list[float]] = {}  # stream -> [chunk, wire bytes left], in the order sent
+    while True:
+        for s in range(streams):
+            if s not in active and nxt < n:
+                if nxt % every == every - 1:
+                    m.sent_instead("raw", nxt)
+                active[s] = [nxt, 2.0 if nxt % every == every - 1 else 1.0]
+                nxt += 1
+        if not active:
+            return m.rate("int8")
+        s, (i, left) = min(active.items(), key=lambda a: a[1][1])  # (tied: the first sent)
+        dt = left * len(active)
+        t += dt
+        for v in active.values():
+            v[1] -= dt / len(active)
+        del active[s]
+        raw = int(i) % every == every - 1
+        m.on_ack("raw" if raw else "int8", 100, t, chunk=int(i), wire_bytes=2 if raw else 1)
+
+
+@pytest.mark.parametrize("every", [8, 4])
+def test_acknowledgements_of_several_streams(every: int) -> None:
+    """Four streams: the fallback's acknowledgement came tied with, or just after, the
+    int8 chunks sent beside it, and the time since the one before it was none of its
+    wire time or a share of theirs: int8 read 160-200."""
+    assert _int8_over_streams(4, every) == pytest.approx(100.0, rel=0.03)
 
 
 def test_a_fallback_sent_again_keeps_its_mark() -> None:
@@ -126,12 +199,12 @@ def test_a_fallback_sent_again_keeps_its_mark() -> None:
     t = 0.0
     for _ in range(4):
         t += 1.0
-        ch.observe_delivered("int8", 100, t, chunk="x")
+        ch.observe_delivered("int8", 100, t, chunk="x", wire_bytes=100)
     t += 5.0
-    ch.observe_delivered("raw", 100, t, chunk="a")  # (the resend's)
-    for _ in range(5):
+    ch.observe_delivered("raw", 100, t, chunk="a", wire_bytes=500)  # (the resend's)
+    for _ in range(4):
         t += 1.0
-        ch.observe_delivered("int8", 100, t)
+        ch.observe_delivered("int8", 100, t, wire_bytes=100)
     assert ch.meter.rate("int8") == pytest.approx(100.0)
 
 
