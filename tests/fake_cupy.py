@@ -15,7 +15,12 @@ write, or the host must have synchronized with the writing stream (or such an ev
 The current device and the current stream are per thread, and the current stream is per
 device within a thread, as CuPy's are (the null streams are shared, as the legacy default
 stream is); ``with stream:`` makes a stream current until the block ends, ``stream.use()``
-until another is made current.  An event carries what its stream had waited for when it
+until another is made current.  ``streams=`` picks how the two mix: ``"cupy14"`` (the
+default) as CuPy does since cupy/cupy#8379 (a ``with`` block's end restores the stream
+that was current when it began, a ``use()``d one too), ``"cupy13"`` as CuPy 13 does
+(cupy/cupy#8377: ``use()`` sets only the current stream, and a ``with`` block's start or
+end makes the stream of the enclosing ``with`` current, else the null stream, so a
+stream ``use()``d before is forgotten).  An event carries what its stream had waited for when it
 was recorded, not what it waited for later.  A kernel writes its non-const pointer
 arguments (as its CUDA signature in the module's source declares them) on its stream.
 
@@ -41,7 +46,12 @@ ALIGN = 256
 class FakeCupy:
     """The module, and its bookkeeping."""
 
-    def __init__(self, emulation: Any = None, *, devices: int = 2) -> None:
+    STREAM_SEMANTICS = ("cupy13", "cupy14")
+
+    def __init__(self, emulation: Any = None, *, devices: int = 2, streams: str = "cupy14") -> None:
+        if streams not in self.STREAM_SEMANTICS:
+            raise ValueError(f"streams={streams!r}: one of {self.STREAM_SEMANTICS}")
+        self.stream_semantics = streams
         self.emulation = emulation
         self.devices = devices
         self.log: list[tuple[Any, ...]] = []
@@ -69,10 +79,22 @@ class FakeCupy:
         return local.streams  # type: ignore[no-any-return]
 
     @property
+    def _used(self) -> dict[int, Stream]:
+        """(``"cupy13"``) The stream ``use()`` made current on each device in this thread,
+        until a ``with`` block starts or ends there."""
+        local = self._local
+        if not hasattr(local, "used"):
+            local.used = {}
+        return local.used  # type: ignore[no-any-return]
+
+    @property
     def device(self) -> int:
         return self._device_stack[-1] if self._device_stack else 0
 
     def current_stream(self) -> Stream:
+        used = self._used.get(self.device) if self.stream_semantics == "cupy13" else None
+        if used is not None:
+            return used
         stack = self._stream_stack.get(self.device)
         return stack[-1] if stack else self._nulls[self.device]
 
@@ -252,22 +274,28 @@ class Stream:
         self.synced = self.seq
 
     def use(self) -> Stream:
-        """Current on its device in this thread from now on (``with`` restores the one
-        current before it when it ends, as CuPy's does)."""
+        """Current on its device in this thread from now on (``"cupy14"``: a ``with``
+        block restores the one current before it when it ends, as CuPy's does since 8379;
+        ``"cupy13"``: until a ``with`` block starts or ends)."""
+        self.fake.log.append(("use", self.name))
+        if self.fake.stream_semantics == "cupy13":
+            self.fake._used[self.device] = self
+            return self
         stack = self.fake._stream_stack.setdefault(self.device, [])
         if stack:
             stack[-1] = self
         else:
             stack.append(self)
-        self.fake.log.append(("use", self.name))
         return self
 
     def __enter__(self) -> Stream:
         self.fake._stream_stack.setdefault(self.device, []).append(self)
+        self.fake._used.pop(self.device, None)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.fake._stream_stack[self.device].pop()
+        self.fake._used.pop(self.device, None)  # (only "cupy13" reads it)
 
 
 class Device:

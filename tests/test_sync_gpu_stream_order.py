@@ -5,12 +5,17 @@ The blocking API runs the transfer on its bridge's loop thread, whose current st
 not the caller's: a producer that wrote its layers on a stream of its own and then calls
 a blocking send must still have them read after that write, a GPU cache named by
 ``expect(into=)`` must be written after what the caller had queued on it, and a GPU
-layer handed to the caller must be ordered before the caller's stream's next work."""
+layer handed to the caller must be ordered before the caller's stream's next work.
+
+The ordering tests run under both ways CuPy mixes ``stream.use()`` with ``with stream:``
+(the fake's ``streams=``): CuPy 13 forgets a ``use()``d stream when a ``with`` block of
+another ends (cupy/cupy#8377), later releases keep it."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -29,9 +34,15 @@ SECRET = b"gpu-stream-order-secret"
 SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16")
 
 
+@pytest.fixture(params=FakeCupy.STREAM_SEMANTICS)
+def semantics(request: pytest.FixtureRequest) -> str:
+    """How the fake mixes ``use()`` and ``with`` (CuPy 13's or later releases')."""
+    return str(request.param)
+
+
 @pytest.fixture
-def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeCupy]:
-    cupy = FakeCupy()
+def fake(monkeypatch: pytest.MonkeyPatch, semantics: str) -> Iterator[FakeCupy]:
+    cupy = FakeCupy(streams=semantics)
     monkeypatch.setitem(sys.modules, "cupy", cupy.module)
     # the transfer streams are cached per process: none of the fake's may outlive the test
     monkeypatch.setattr(_gpu, "_STREAMS", {})
@@ -191,14 +202,15 @@ def test_the_loop_waits_for_the_caller_on_a_stream_of_its_own(fake: FakeCupy) ->
     assert id(mine) not in null.waited  # the null stream never waited for the caller
     waiters = [e[1] for e in fake.log if e[0] == "wait" and e[2] == mine.name and e[1] != mine.name]
     assert len(waiters) == 2 and len(set(waiters)) == 1 and not waiters[0].startswith("null"), waiters
-    assert [e for e in fake.log if e[0] == "use"] == [("use", waiters[0])]  # made current once
+    made = [e[1] for e in fake.log if e[0] == "use"]
+    assert made and made[0] == waiters[0]  # made current before its first wait
     assert next(s for s in fake.streams() if s.name == waiters[0]).non_blocking
 
 
-def test_gpu_layers_on_two_devices_are_each_read_after_the_callers_stream_there() -> None:
+def test_gpu_layers_on_two_devices_are_each_read_after_the_callers_stream_there(semantics: str) -> None:
     """Each device's layers wait for the caller's current stream on that device (CuPy's
     current stream is per device, too)."""
-    cupy = FakeCupy(devices=2)
+    cupy = FakeCupy(devices=2, streams=semantics)
     cp = cupy.module
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "cupy", cp)
@@ -216,6 +228,64 @@ def test_gpu_layers_on_two_devices_are_each_read_after_the_callers_stream_there(
                 peer.send("req", SPEC, layers, timeout=30)
             rx.wait(timeout=30)
     assert cupy.problems == []
+
+
+def test_a_paged_gather_after_a_transfer_stream_s_block_is_still_after_the_callers_stream(
+        fake: FakeCupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the loop thread does for a GPU PagedSource send, here on this thread: it waits
+    for the caller's mark, gathers layer 0, runs a chunk on the transfer stream (encode,
+    decode), gathers layer 1.  The second gather is still on the loop's own stream, after
+    the caller's: under CuPy 13 a `with transfer_stream:` block there would leave the null
+    stream current, which never waited for the caller."""
+    monkeypatch.setattr(_sync, "_loop_streams", threading.local())
+    monkeypatch.setattr(_gpu, "_LAYER_STREAMS", threading.local())
+    cp = fake.module
+    mine = cp.cuda.Stream(non_blocking=True)
+    paged = PagedSpec(num_layers=2, block_shape=(2, 4, 2, 16), dtype="float16")
+    hosts = [np.random.default_rng(i).standard_normal((3, *paged.block_shape)).astype(np.float16) for i in range(2)]
+    caches = [_written_on(fake, h, mine) for h in hosts]
+    with mine:
+        marks = _sync.caller_marks(caches)
+    _sync.order_after(marks)
+    own = cp.cuda.get_current_stream()
+    assert own.non_blocking and own is not mine
+    gather_layer(paged, caches[0], [2, 0])
+    # a raw chunk decoded on the transfer stream, as a GPU server does
+    out = _gpu.GpuReceiver("gpu:0").empty((4, 2, 16), "float16")
+    _gpu.GpuReceiver("gpu:0").decode(kvwire.codec.get_codec("raw"), b"", np.zeros((4, 2, 16), np.float16).tobytes(),
+                                     out, "float16", kvwire.codec.TensorKind.K)
+    assert cp.cuda.get_current_stream() is own
+    k, _v = gather_layer(paged, caches[1], [2, 0])
+    assert fake.problems == []
+    assert np.asarray(k).tobytes() == np.asarray(gather_layer(paged, hosts[1], [2, 0])[0]).tobytes()
+
+
+def test_a_loop_stream_forgotten_is_made_current_again_for_the_next_mark(
+        fake: FakeCupy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream made current elsewhere on the loop thread (or CuPy 13 forgetting the loop's
+    own after someone's `with` block) does not take the caller's marks: each one is waited
+    for on the loop's own stream, made current again, after what was queued meanwhile."""
+    monkeypatch.setattr(_sync, "_loop_streams", threading.local())
+    monkeypatch.setattr(_gpu, "_LAYER_STREAMS", threading.local())
+    cp = fake.module
+    mine = cp.cuda.Stream(non_blocking=True)
+    x = _written_on(fake, _host(0), mine)
+    with mine:
+        marks = _sync.caller_marks([x])
+    _sync.order_after(marks)
+    own = cp.cuda.get_current_stream()
+    with mine:
+        x[...] = 2  # more of the caller's work, marked again
+        marks = _sync.caller_marks([x])
+    assert own.waited[id(mine)] < marks[0][1].seq
+    other = cp.cuda.Stream(non_blocking=True)
+    other.use()
+    y = cp.empty((4,), np.float16)  # allocated on `other`, then used on the loop's stream
+    _sync.order_after(marks)
+    assert cp.cuda.get_current_stream() is own
+    assert own.waited[id(mine)] == marks[0][1].seq and id(mine) not in other.waited
+    y[...] = 1  # (an item assignment on the current stream: after y's allocation)
+    assert fake.problems == []
 
 
 def test_a_failed_mark_leaves_no_receive_handle_behind(fake: FakeCupy, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -290,7 +360,7 @@ def test_a_gpu_layer_is_allocated_on_the_stream_current_before_the_loops_own(fak
             peer.send("first", SPEC, layers, timeout=30)  # the loop's own stream: current from now on
         rx.wait(timeout=30)
         own = [e[1] for e in fake.log if e[0] == "use"]
-        assert len(own) == 1 and not own[0].startswith("null")
+        assert own and not own[0].startswith("null")  # (the first made current)
         before = len(fake.log)
         rx = server.expect("second")
         peer.send("second", SPEC, [(k, v), (v, k)], timeout=30)
@@ -315,3 +385,30 @@ def test_the_async_api_allocates_a_gpu_servers_layers_on_its_current_stream(fake
     allocation = fake.allocation(x.data.ptr)
     assert allocation is not None and allocation.stream is mine
     assert _gpu.stream_for(0).waited.get(id(mine), -1) >= allocation.seq  # the decode comes after it
+
+
+def test_paged_sends_to_a_gpu_server_on_one_bridge_gather_each_layer_after_the_callers_stream(fake: FakeCupy) -> None:
+    """One bridge runs a GPU server and a peer: every received layer is decoded on the
+    transfer stream, and every layer of a GPU PagedSource is gathered on the loop thread in
+    between, each one after what the caller had queued on its caches, send after send."""
+    mine = fake.module.cuda.Stream(non_blocking=True)
+    paged = PagedSpec(num_layers=6, block_shape=(2, 4, 2, 16), dtype="float16")
+    hosts = [np.random.default_rng(i).standard_normal((3, *paged.block_shape)).astype(np.float16) for i in range(6)]
+    caches = [_written_on(fake, h, mine) for h in hosts]
+    bridge = Bridge("stream-order-paged")
+    with contextlib.closing(bridge), \
+            SyncServer(secret=SECRET, device="gpu:0", bridge=bridge) as server, \
+            SyncPeer("127.0.0.1", server.port, secret=SECRET, codec="raw", bridge=bridge) as peer:
+        for request in ("first", "second"):
+            rx = server.expect(request)
+            with mine:
+                peer.send(request, paged.wire_spec(), PagedSource(paged, caches, [2, 0]), timeout=30)
+            rx.wait(timeout=30)
+            with mine:
+                got = [rx.wait_layer(i) for i in range(6)]
+                outs = [fake.module.empty(layer.k.shape, layer.k.dtype) for layer in got]
+                for out, layer in zip(outs, got, strict=True):
+                    out[...] = layer.k  # read on the caller's stream
+            for h, out in zip(hosts, outs, strict=True):
+                assert np.asarray(out).tobytes() == np.asarray(gather_layer(paged, h, [2, 0])[0]).tobytes()
+    assert fake.problems == []

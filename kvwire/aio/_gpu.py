@@ -229,7 +229,7 @@ async def encode_chunks(
     with x.device:
         # ordered after whatever produced x on the caller's stream (DLPack imports too)
         stream.wait_event(cupy.cuda.get_current_stream().record())
-        with stream:
+        with gpu.on_stream(stream):  # (not `with stream:`: CuPy 13 forgets a use()d stream after it)
             enc = gpu.encode_tensor(codec, x, kind, plan[0][1], dtype=dtype)
             flags = gpu.pinned_empty(4)
             gpu.copy_to_host_async(enc.flags, 0, flags, stream)
@@ -301,7 +301,7 @@ class GpuReceiver:
         dt = {"float16": cupy.float16, "float32": cupy.float32, "bfloat16": cupy.uint16}[dtype]
         with cupy.cuda.Device(self.device_id):
             on = layer_stream(cupy, self.device_id)
-            with on:
+            with gpu.on_stream(on):
                 layer = cupy.empty(shape, dt)
             stream_for(self.device_id).wait_event(on.record())
             return layer

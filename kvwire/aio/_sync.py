@@ -556,7 +556,10 @@ def watch_dropped(owner: SyncServer | SyncPeer, what: str) -> weakref.finalize[A
 # before the send (or a write into the caller's memory) touches them, and a GPU layer
 # handed to the caller is ordered before its current stream's next work.  That current
 # stream is the loop thread's own non-blocking stream on the device, made current there
-# the first time it waits for a caller: never the legacy null stream (every blocking
+# the first time it waits for a caller (and again for any later mark if another stream is
+# current then: CuPy 13 forgets a use()d stream when a `with` block of another ends, so
+# kvwire makes streams current for a while with kvwire.codec.gpu.on_stream, not `with`):
+# never the legacy null stream (every blocking
 # stream's and other threads' default-stream work would wait for the caller's work then).
 # A GPU server's layers are still allocated on the stream that was current before it
 # (normally the null stream): they are the caller's once handed over, and a layer it drops
@@ -618,12 +621,16 @@ def loop_stream(cupy: Any, device: int) -> None:
     default-stream work) would then wait behind.  The DLPack imports, copies and gathers
     the loop queues there run on it, and the transfer stream, which waits for the loop
     thread's current stream, follows it.  A GPU server's layers, handed to the caller,
-    stay allocated on the stream current before (:func:`kvwire.aio._gpu.allocate_layers_on`)."""
+    stay allocated on the stream current before (:func:`kvwire.aio._gpu.allocate_layers_on`).
+    Called again, it makes that stream current again if another is current now (after
+    what was queued on that one: CuPy 13 drops a ``use()``d stream when a ``with`` block
+    of another ends), so each mark is waited for on it."""
     held = getattr(_loop_streams, "held", None)
     if held is None or held[0] is not cupy:  # (another CuPy module: none of its streams)
         held = _loop_streams.held = (cupy, {})
     streams: dict[int, Any] = held[1]
-    if device not in streams:
+    stream = streams.get(device)
+    if stream is None:
         from kvwire.aio._gpu import allocate_layers_on
 
         previous = cupy.cuda.get_current_stream()
@@ -634,6 +641,16 @@ def loop_stream(cupy: Any, device: int) -> None:
         allocate_layers_on(cupy, device, previous)
         stream.use()
         streams[device] = stream
+        return
+    current = cupy.cuda.get_current_stream()
+    if int(current.ptr) != int(stream.ptr):
+        # made current again: CuPy 13 forgets a use()d stream when any `with other:` block
+        # on this thread and device ends (cupy/cupy#8377), and the stream current then (the
+        # null stream) never waited for the caller's marks.  (A stream made current for a
+        # while in kvwire is so with kvwire.codec.gpu.on_stream, which restores it.)  After
+        # what was queued on that one: memory allocated there may be used on this one.
+        stream.wait_event(current.record())
+        stream.use()
 
 
 def order_after(marks: list[tuple[int, Any]]) -> None:

@@ -15,7 +15,9 @@ the destination array (:func:`decode_into`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -530,6 +532,29 @@ def _order_after(stream: Any, current: Any) -> None:
         stream.wait_event(current.record())
 
 
+@contextlib.contextmanager
+def on_stream(stream: Any) -> Iterator[Any]:
+    """(``stream``'s device current) ``stream`` current in the block, and the stream that
+    was current before it current again when the block ends, however it had been made
+    current (``use()`` or a ``with`` block): the stream is made current by ``use()`` and
+    the previous one restored by ``use()``, never by CuPy's ``with`` stack, whose end in
+    CuPy 13 makes the enclosing ``with``'s stream current (else the null stream),
+    forgetting one made current by ``use()`` (cupy/cupy#8377), such as a kvwire.sync loop
+    thread's own stream.  Use it instead of ``with stream:``."""
+    import cupy
+
+    previous = cupy.cuda.get_current_stream()
+    if not (hasattr(stream, "use") and hasattr(previous, "use")):  # (stream-likes, not CuPy's)
+        with stream:
+            yield stream
+        return
+    stream.use()
+    try:
+        yield stream
+    finally:
+        previous.use()
+
+
 def decode_into(
     codec: Codec, params: bytes, payload: Any, out: Any, *, dtype: str, kind: TensorKind,
     stream: Any = None,
@@ -558,7 +583,7 @@ def decode_into(
             if plain.nbytes != out.nbytes:
                 raise ProtocolError(f"raw payload is {plain.nbytes} bytes, expected {out.nbytes}")
             _order_after(stream, current)
-            with stream:
+            with on_stream(stream):
                 out.reshape(-1).view(cupy.uint8).set(np.frombuffer(plain, np.uint8), stream=stream)
             stream.synchronize()
             return
@@ -566,7 +591,7 @@ def decode_into(
             raise UsageError(f"codec {codec.name!r} has no GPU kernels")
         validate_payload(base, params, plain, shape, kind)
         _order_after(stream, current)
-        with stream:
+        with on_stream(stream):
             dev = cupy.empty(plain.nbytes, cupy.uint8)
             dev.set(np.frombuffer(plain, np.uint8), stream=stream)
             flags = cupy.zeros(1, cupy.uint32)
