@@ -11,14 +11,15 @@ On the wire a paged cache is an ordinary cache whose :class:`~kvwire.KVSpec` is 
 half (sent as K) and as many of its second half (sent as V), each row ``row_elems`` elements
 wide, blocks in block-table order.  By default a row is the block's last dimension (or
 the largest divisor of half a block that fits): one head's vector, whatever the layout.
-Given ``block_tokens`` (the cache tokens in one block), a block
-``[2, block_tokens, *heads, head_size]`` (K and V planes of tokens, vLLM's NHD layout)
-travels as one row per cache token, its heads as the wire heads
-(:attr:`PagedSpec.row_shape`), so per-head codec groups (int4 keys per channel over
-tokens, fp8/int8 scales per token and head) never mix heads; a block whose tokens lie
-elsewhere (``[2, heads, block_tokens, head_size]``) keeps the default rows.  The block
-geometry (and the token rule, when it applies) is part of the spec's ``model`` field, so
-the fingerprint the handshake compares differs whenever the two sides disagree on it.
+Given ``token_axis=1`` (the axis of ``block_shape`` that holds the block's tokens), a
+block ``[2, block_size, *heads, head_size]`` of more than one head (K and V planes of
+tokens, vLLM's NHD layout) travels as one row per cache token, its heads as the wire
+heads (:attr:`PagedSpec.row_shape`), so per-head codec groups (int4 keys per channel over
+tokens, fp8/int8 scales per token and head) never mix heads.  Every other block keeps
+the default rows: an HND block ``[2, heads, block_size, head_size]`` (``token_axis=2``)
+among them, since one token's heads are not contiguous there.  The block geometry (and
+the token rule, when it applies) is part of the spec's ``model`` field, so the
+fingerprint the handshake compares differs whenever the two sides disagree on it.
 
 - :func:`gather_layer` / :class:`PagedSource`: the ``(k, v)`` layers of a request, gathered
   from the cache by block id (one copy, in the array's own library: numpy, torch, CuPy).
@@ -59,23 +60,25 @@ class PagedSpec:
 
     Only the shape of one block matters (the number of blocks in each cache is local to
     each side).  ``model`` names the model as in :class:`~kvwire.KVSpec`; it travels behind
-    the geometry (``paged:<block_shape>:<model>``; ``paged:<block_shape>/t<tokens>:<model>``
-    when the rows are tokens, see :attr:`row_shape`; 255 UTF-8 bytes in all), so it may
+    the geometry (``paged:<block_shape>:<model>``; ``paged:<block_shape>/t1:<model>`` when
+    the rows are tokens, see :attr:`tokens_are_rows`; 255 UTF-8 bytes in all), so it may
     be 255 bytes less that prefix.
 
-    ``block_tokens`` (optional) is the number of cache tokens in one block; it must be one
-    of ``block_shape``'s dimensions.  With ``block_shape`` ``[2, block_tokens, *heads,
-    head_dim]`` the wire rows are the block's tokens (:attr:`row_shape`); without it, or
-    with the tokens on another axis, the rows are opaque (one head's vector).  The shape
-    alone cannot tell ``[2, block_size, heads, head_dim]`` from ``[2, heads, block_size,
-    head_dim]``, so only the caller can say.
+    ``token_axis`` (optional) is the axis of ``block_shape`` that holds the block's cache
+    tokens (an int in ``range(len(block_shape))``).  With ``token_axis=1`` and a block
+    ``[2, block_size, *heads, head_dim]`` of more than one head, the wire rows are the
+    block's tokens (:attr:`tokens_are_rows`); in every other case (no ``token_axis``, the
+    tokens on another axis as in HND ``[2, heads, block_size, head_dim]``, whose tokens'
+    heads are not contiguous) the rows are opaque (one head's vector).  The shape alone
+    cannot tell ``[2, block_size, heads, head_dim]`` from ``[2, heads, block_size,
+    head_dim]`` (nor can a count when ``heads == block_size``), so only the caller can say.
     """
 
     num_layers: int
     block_shape: tuple[int, ...]
     dtype: str = "float16"
     model: str = ""
-    block_tokens: int | None = None
+    token_axis: int | None = None
 
     def __post_init__(self) -> None:
         if (not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool)
@@ -92,16 +95,14 @@ class PagedSpec:
             raise UsageError(f"PagedSpec.dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_elems % 2:
             raise UsageError(f"a block must have an even number of elements, got {self.block_elems}")
-        tokens = self.block_tokens
-        if tokens is not None:
-            if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-                raise UsageError(f"PagedSpec.block_tokens must be a positive int or None, got {tokens!r}")
-            if tokens not in shape:
-                raise UsageError(
-                    f"PagedSpec.block_tokens is {tokens}, but no dimension of block_shape {shape} is {tokens}: "
-                    "block_tokens is the number of cache tokens in one block, one of its dimensions"
-                )
-        # The wire spec's model field is 'paged:<geometry>[/t<tokens>]:<model>', at most 255 UTF-8 bytes.
+        axis = self.token_axis
+        if axis is not None and (not isinstance(axis, int) or isinstance(axis, bool)
+                                 or not 0 <= axis < len(shape)):
+            raise UsageError(
+                f"PagedSpec.token_axis must be None or an axis of block_shape {shape} "
+                f"(an int in [0, {len(shape)})), got {axis!r}"
+            )
+        # The wire spec's model field is 'paged:<geometry>[/t1]:<model>', at most 255 UTF-8 bytes.
         prefix = len(self._model_prefix())
         if prefix > 255:
             raise UsageError(f"PagedSpec.block_shape {shape} has too many dimensions to name in the wire spec")
@@ -119,25 +120,30 @@ class PagedSpec:
 
     @property
     def tokens_are_rows(self) -> bool:
-        """Whether a wire row is one cache token (:attr:`row_shape`): ``block_tokens`` is
-        given and the block is ``[2, block_tokens, *heads, head_dim]`` (at least one heads
-        dimension) with a token's elements fitting one row."""
+        """Whether a wire row is one cache token (:attr:`row_shape`): ``token_axis`` is 1
+        and the block is ``[2, block_size, *heads, head_dim]`` (at least one heads
+        dimension) of more than one head, with a token's elements fitting one row.
+
+        With one head the opaque rows already are one token each (the same rows, bytes
+        and fingerprint), so nothing changes.  ``token_axis=2`` (HND ``[2, heads,
+        block_size, head_dim]``) keeps the opaque rows: one token's heads are not
+        contiguous there."""
         shape = self.block_shape
-        return (self.block_tokens is not None and len(shape) >= 4 and shape[0] == 2
-                and shape[1] == self.block_tokens and math.prod(shape[2:]) <= _MAX_ROW)
+        return (self.token_axis == 1 and len(shape) >= 4 and shape[0] == 2
+                and math.prod(shape[2:-1]) > 1 and math.prod(shape[2:]) <= _MAX_ROW)
 
     @property
     def row_shape(self) -> tuple[int, int]:
         """``(heads, head_dim)`` of one wire row (a wire token).
 
-        With ``block_tokens`` given and a block ``[2, block_tokens, *heads, head_dim]`` (K and
-        V planes of tokens, vLLM's NHD ``[2, block_size, num_kv_heads, head_size]``;
-        :attr:`tokens_are_rows`), a row is one cache token: its heads (the product of the
-        dimensions between) by ``head_dim``, so the codecs' per-head groups stay inside
-        one head, as for an unpaged cache (int4 keys are grouped per channel over tokens,
-        not over heads).  Any other block (``block_tokens`` not given, the tokens on
-        another axis as in HND ``[2, heads, block_tokens, head_dim]``, no leading axis of
-        2, fewer than four dimensions, a row too wide) travels as opaque rows of one head:
+        With ``token_axis=1`` and a block ``[2, block_size, *heads, head_dim]`` of more than
+        one head (K and V planes of tokens, vLLM's NHD ``[2, block_size, num_kv_heads,
+        head_size]``; :attr:`tokens_are_rows`), a row is one cache token: its heads (the
+        product of the dimensions between) by ``head_dim``, so the codecs' per-head groups
+        stay inside one head, as for an unpaged cache (int4 keys are grouped per channel
+        over tokens, not over heads).  Any other block (``token_axis`` not given or not 1,
+        HND ``[2, heads, block_size, head_dim]`` included, one head, no leading axis of 2,
+        fewer than four dimensions, a row too wide) travels as opaque rows of one head:
         the block's last dimension when it tiles half a block, else the largest divisor
         that fits."""
         shape, half = self.block_shape, self.block_elems // 2
@@ -163,9 +169,10 @@ class PagedSpec:
         return self.block_elems // 2 // self.row_elems
 
     def _model_prefix(self) -> str:
-        # '/t<tokens>' marks rows of one cache token: a peer on the opaque rows of the same
-        # block shape then differs in the model text as well as in the fingerprint.
-        rule = f"/t{self.block_tokens}" if self.tokens_are_rows else ""
+        # '/t1' marks rows of one cache token (the tokens on axis 1): a peer on the opaque
+        # rows of the same block shape then differs in the model text as well as in the
+        # fingerprint.  Only when the rows differ: with one head they are the same.
+        rule = f"/t{self.token_axis}" if self.tokens_are_rows else ""
         return "paged:" + "x".join(str(d) for d in self.block_shape) + rule + ":"
 
     def wire_spec(self) -> KVSpec:
@@ -181,18 +188,19 @@ class PagedSpec:
         return num_blocks * self.rows_per_block
 
     @classmethod
-    def of(cls, cache: Any, *, num_layers: int, model: str = "", block_tokens: int | None = None) -> PagedSpec:
+    def of(cls, cache: Any, *, num_layers: int, model: str = "", token_axis: int | None = None) -> PagedSpec:
         """The spec of caches shaped like ``cache`` (``[num_blocks, *block_shape]``);
-        ``block_tokens``: the cache tokens in one block, as in :class:`PagedSpec`."""
+        ``token_axis``: the axis of ``block_shape`` that holds the block's tokens, as in
+        :class:`PagedSpec`."""
         return cls(
             num_layers=num_layers, block_shape=_block_shape(cache, "cache"),
-            dtype=_dtype_name(cache), model=model, block_tokens=block_tokens,
+            dtype=_dtype_name(cache), model=model, token_axis=token_axis,
         )
 
 
 def _row_rule_hint(incoming: str, own: str) -> str:
     """What to add to a refusal whose two paged geometries name one block shape, one of
-    them with rows of one cache token (``/t<tokens>``) and the other without: the block
+    them with rows of one cache token (``/t1``) and the other without: the block
     shapes agree, the row geometry does not."""
     def geometry(model: str) -> tuple[str, str] | None:
         if not model.startswith("paged:"):
@@ -200,12 +208,14 @@ def _row_rule_hint(incoming: str, own: str) -> str:
         shape, _, rule = model[len("paged:"):].partition(":")[0].partition("/")
         return shape, rule
 
+    def rows(rule: str) -> str:
+        return f"rows of tokens, token_axis={rule[1:]}" if rule.startswith("t") else "opaque rows"
+
     a, b = geometry(incoming), geometry(own)
     if a is None or b is None or a[0] != b[0] or a[1] == b[1]:
         return ""
-    return (f": the same block shape with other wire rows (incoming {a[1] or 'opaque rows'}, "
-            f"here {b[1] or 'opaque rows'}); both sides must give PagedSpec the same block_tokens "
-            "(upgrade both sides together)")
+    return (f": the same block shape with other wire rows (incoming {rows(a[1])}, here {rows(b[1])}); "
+            "both sides must give PagedSpec the same token_axis (upgrade both sides together)")
 
 
 def _block_shape(x: Any, what: str) -> tuple[int, ...]:

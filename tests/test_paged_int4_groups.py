@@ -1,15 +1,15 @@
 """int4 keys of a paged cache are grouped per (head, channel), as an unpaged cache's are,
-when the spec says where the block's tokens lie (``block_tokens``).
+when the spec says which axis of the block holds its tokens (``token_axis=1``).
 
 A block ``[2, block_size, num_kv_heads, head_size]`` travels by default as rows of one
 head's vector each (``(token, head)`` pairs), so an int4 key group of 32 wire tokens takes
 4 tokens of all 8 heads: one scale for 8 different channels, each with its own outliers.
 On the outlier-key fixture below the relative RMS error is about 1.5x the unpaged send's.
-With ``block_tokens=block_size`` a wire row is one cache token of all its heads and the
-error is the unpaged send's.  The shape alone cannot tell that layout (NHD) from
-``[2, num_kv_heads, block_size, head_size]`` (HND), whose axis 1 is the heads: taking
-that axis as the tokens made K groups span heads (0.082 -> 0.106), so without
-``block_tokens``, or with the tokens on another axis, a block keeps the opaque rows.
+With ``token_axis=1`` a wire row is one cache token of all its heads and the error is the
+unpaged send's.  The shape alone cannot tell that layout (NHD) from ``[2, num_kv_heads,
+block_size, head_size]`` (HND), whose axis 1 is the heads, and a count of tokens could not
+either when ``num_kv_heads == block_size``: an axis can.  HND (``token_axis=2``), and any
+spec without ``token_axis=1``, keeps the opaque rows.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ pytestmark = pytest.mark.timeout(60)
 BLOCK, HEADS, DIM, BLOCKS = 16, 8, 128, 16
 
 
-def outlier_keys(tokens: int, seed: int) -> np.ndarray:
-    """Keys ``[tokens, HEADS, DIM]`` (float32) with per-(head, channel) scales drawn
+def outlier_keys(tokens: int, seed: int, heads: int = HEADS) -> np.ndarray:
+    """Keys ``[tokens, heads, DIM]`` (float32) with per-(head, channel) scales drawn
     log-normally, per-channel offsets, and 4 outlier channels (8-20x) per head, each head
     its own."""
     rng = np.random.default_rng(seed)
-    scales = np.exp(rng.normal(0.0, 0.5, (HEADS, DIM))).astype(np.float32)
-    for h in range(HEADS):
+    scales = np.exp(rng.normal(0.0, 0.5, (heads, DIM))).astype(np.float32)
+    for h in range(heads):
         channels = rng.choice(DIM, 4, replace=False)
         scales[h, channels] *= rng.uniform(8.0, 20.0, 4).astype(np.float32)
-    offsets = rng.normal(0.0, 0.5, (HEADS, DIM)).astype(np.float32) * scales
-    return (rng.standard_normal((tokens, HEADS, DIM), dtype=np.float32) * scales + offsets).astype(np.float32)
+    offsets = rng.normal(0.0, 0.5, (heads, DIM)).astype(np.float32) * scales
+    return (rng.standard_normal((tokens, heads, DIM), dtype=np.float32) * scales + offsets).astype(np.float32)
 
 
 def rel_rms(x: np.ndarray, y: np.ndarray) -> float:
@@ -55,16 +55,19 @@ def int4_keys(rows: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def nhd_cache(keys: np.ndarray) -> np.ndarray:
-    """Blocks ``[2, block_size, heads, head_size]`` (K plane, V plane) holding ``keys``."""
-    cache = np.zeros((BLOCKS, 2, BLOCK, HEADS, DIM), keys.dtype)
-    cache[:, 0] = keys.reshape(BLOCKS, BLOCK, HEADS, DIM)
+    """Blocks ``[2, block_size, heads, head_size]`` (K plane, V plane) holding ``keys``
+    (``[tokens, heads, head_size]``)."""
+    heads = keys.shape[1]
+    cache = np.zeros((BLOCKS, 2, BLOCK, heads, DIM), keys.dtype)
+    cache[:, 0] = keys.reshape(BLOCKS, BLOCK, heads, DIM)
     return cache
 
 
 def hnd_cache(keys: np.ndarray) -> np.ndarray:
     """Blocks ``[2, heads, block_size, head_size]`` holding ``keys``."""
-    cache = np.zeros((BLOCKS, 2, HEADS, BLOCK, DIM), keys.dtype)
-    cache[:, 0] = keys.reshape(BLOCKS, BLOCK, HEADS, DIM).transpose(0, 2, 1, 3)
+    heads = keys.shape[1]
+    cache = np.zeros((BLOCKS, 2, heads, BLOCK, DIM), keys.dtype)
+    cache[:, 0] = keys.reshape(BLOCKS, BLOCK, heads, DIM).transpose(0, 2, 1, 3)
     return cache
 
 
@@ -80,7 +83,7 @@ def test_paged_int4_key_error_matches_unpaged(dtype: str) -> None:
     dt = numpy_dtype(dtype)
     keys = outlier_keys(BLOCKS * BLOCK, seed=1).astype(dt)
     cache = nhd_cache(keys)
-    spec = PagedSpec.of(cache, num_layers=1, block_tokens=BLOCK)
+    spec = PagedSpec.of(cache, num_layers=1, token_axis=1)
     assert spec.row_shape == (HEADS, DIM)
     k, _v = gather_layer(spec, cache, np.arange(BLOCKS))
     paged = int4_keys(np.asarray(k), dtype).reshape(keys.shape)
@@ -89,7 +92,7 @@ def test_paged_int4_key_error_matches_unpaged(dtype: str) -> None:
     assert got <= 1.10 * base, (got, base)
     err = np.abs(paged.astype(np.float32) - keys.astype(np.float32))
     assert err.max() <= 1.10 * np.abs(unpaged.astype(np.float32) - keys.astype(np.float32)).max()
-    # Without block_tokens the same block keeps the opaque rows and their error (~1.5x).
+    # Without token_axis the same block keeps the opaque rows and their error (~1.5x).
     old = PagedSpec.of(cache, num_layers=1)
     k_old, _v = gather_layer(old, cache, np.arange(BLOCKS))
     assert np.asarray(k_old).tobytes() == opaque_rows(cache).tobytes()
@@ -97,22 +100,26 @@ def test_paged_int4_key_error_matches_unpaged(dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("block_tokens", [None, BLOCK])
-def test_hnd_blocks_keep_the_opaque_rows(dtype: str, block_tokens: int | None) -> None:
-    # [2, heads, block_size, head_size]: axis 1 is the heads.  Given as block_tokens or not,
-    # the rows are one head's vector as before rows of tokens (0f58358 took the heads for
-    # tokens and the tokens for heads: K groups over 32 heads' values, rel RMS 0.082 -> 0.106).
+@pytest.mark.parametrize("heads", [HEADS, BLOCK])
+@pytest.mark.parametrize("token_axis", [None, 2])
+def test_hnd_blocks_keep_the_opaque_rows(dtype: str, heads: int, token_axis: int | None) -> None:
+    # [2, heads, block_size, head_size]: axis 1 is the heads.  With token_axis=2 (its tokens'
+    # heads are not contiguous) or none, the rows are one head's vector as before rows of
+    # tokens, also when heads == block_size ([2, 16, 16, 128]), where a count of tokens
+    # (block_tokens=16) read the block as NHD: the heads became wire tokens and K groups
+    # spanned heads (rel RMS 0.118 against 0.095 opaque).
     dt = numpy_dtype(dtype)
-    keys = outlier_keys(BLOCKS * BLOCK, seed=1).astype(dt)
+    keys = outlier_keys(BLOCKS * BLOCK, seed=1, heads=heads).astype(dt)
     cache = hnd_cache(keys)
-    if block_tokens is None:  # (the spec as any caller made it before block_tokens)
+    if token_axis is None:  # (the spec as any caller made it before token_axis)
         spec = PagedSpec.of(cache, num_layers=1)
     else:
-        spec = PagedSpec.of(cache, num_layers=1, block_tokens=block_tokens)
+        spec = PagedSpec.of(cache, num_layers=1, token_axis=token_axis)
     wire = spec.wire_spec()
-    assert (spec.row_shape, spec.rows_per_block) == ((1, DIM), HEADS * BLOCK)
+    assert (spec.row_shape, spec.rows_per_block, spec.tokens_are_rows) == ((1, DIM), heads * BLOCK, False)
     assert (wire.num_kv_heads, wire.head_dim) == (1, DIM)
-    assert wire.model == f"paged:2x{HEADS}x{BLOCK}x{DIM}:"  # the opaque rows' prefix, unchanged
+    assert wire.model == f"paged:2x{heads}x{BLOCK}x{DIM}:"  # the opaque rows' prefix, unchanged
+    assert wire.fingerprint == PagedSpec(num_layers=1, block_shape=spec.block_shape, dtype=dtype).wire_spec().fingerprint
     k, _v = gather_layer(spec, cache, np.arange(BLOCKS))
     rows = opaque_rows(cache)
     assert np.asarray(k).tobytes() == rows.tobytes()
@@ -123,63 +130,88 @@ def test_hnd_blocks_keep_the_opaque_rows(dtype: str, block_tokens: int | None) -
 
 
 def test_wire_rows_are_tokens_of_heads_for_kv_plane_blocks() -> None:
-    # [2, block_tokens, heads..., head_size] with block_tokens given: a wire token is one
-    # cache token, its heads the block's, and the model prefix says so ('/t<tokens>').
-    for shape, tokens, heads, dim, rows in (((2, BLOCK, HEADS, DIM), BLOCK, HEADS, DIM, BLOCK),
-                                            ((2, BLOCK, 1, 576), BLOCK, 1, 576, BLOCK),
-                                            ((2, 4, 2, 4, 32), 4, 8, 32, 4)):
-        spec = PagedSpec(num_layers=2, block_shape=shape, dtype="float16", block_tokens=tokens)
+    # [2, block_size, heads..., head_size] with token_axis=1: a wire token is one cache
+    # token, its heads the block's, and the model prefix says so ('/t1').
+    for shape, heads, dim, rows in (((2, BLOCK, HEADS, DIM), HEADS, DIM, BLOCK),
+                                    ((2, BLOCK, BLOCK, DIM), BLOCK, DIM, BLOCK),
+                                    ((2, 4, 2, 4, 32), 8, 32, 4)):
+        spec = PagedSpec(num_layers=2, block_shape=shape, dtype="float16", token_axis=1)
         wire = spec.wire_spec()
         assert spec.tokens_are_rows
         assert (wire.num_kv_heads, wire.head_dim, spec.rows_per_block) == (heads, dim, rows)
         geometry = "x".join(map(str, shape))
-        assert wire.model == f"paged:{geometry}/t{tokens}:"
+        assert wire.model == f"paged:{geometry}/t1:"
         opaque = PagedSpec(num_layers=2, block_shape=shape, dtype="float16")
         assert (opaque.wire_spec().num_kv_heads, opaque.wire_spec().head_dim) == (1, shape[-1])
         assert opaque.wire_spec().model == f"paged:{geometry}:"
         assert opaque.wire_spec().fingerprint != wire.fingerprint
-    # Other blocks keep rows of their last dimension, one head, block_tokens given or not:
-    # vLLM's CPU layout [num_kv_heads, block_size, 2 * head_size], HND blocks, blocks with
-    # no heads axis, and a K-only [block_size, heads, head_size] (no K/V axis).
-    for other, tokens, width in (((8, 128, 256), 128, 256), ((2, 8), 8, 8), ((2, 4, 32), 4, 32),
-                                 ((4, 64), 4, 64), ((BLOCK, HEADS, DIM), BLOCK, DIM),
-                                 ((2, HEADS, BLOCK, DIM), BLOCK, DIM), ((2, 2, 8, 64), 8, 64)):
-        for given in (None, tokens):
-            spec = PagedSpec(num_layers=1, block_shape=other, block_tokens=given)
+    # Other blocks keep rows of their last dimension, one head, whatever token_axis says:
+    # vLLM's CPU layout [num_kv_heads, block_size, 2 * head_size], HND blocks (tokens on
+    # axis 2), blocks with no heads axis, a K-only [block_size, heads, head_size] (no K/V
+    # axis), a token too wide for one row, and any axis other than 1.
+    for other, axis, width in (((8, 128, 256), 1, 256), ((2, 8), 1, 8), ((2, 4, 32), 1, 32),
+                               ((4, 64), 0, 64), ((BLOCK, HEADS, DIM), 0, DIM), ((BLOCK, HEADS, DIM), 1, DIM),
+                               ((2, HEADS, BLOCK, DIM), 2, DIM), ((2, 2, 8, 64), 2, 64),
+                               ((2, BLOCK, HEADS, DIM), 0, DIM), ((2, BLOCK, HEADS, DIM), 3, DIM),
+                               ((4, BLOCK, HEADS, DIM), 1, DIM), ((2, 2, 256, 256), 1, 256)):
+        for given in (None, axis):
+            spec = PagedSpec(num_layers=1, block_shape=other, token_axis=given)
             wire = spec.wire_spec()
             assert (wire.num_kv_heads, wire.head_dim, spec.tokens_are_rows) == (1, width, False)
             assert wire.model == "paged:" + "x".join(map(str, other)) + ":"
 
 
-def test_block_tokens_is_checked() -> None:
+@pytest.mark.parametrize("shape", [(2, BLOCK, 1, DIM), (2, BLOCK, 1, 576), (2, BLOCK, 1, 1, DIM)])
+def test_one_head_blocks_are_the_same_with_token_axis(shape: tuple[int, ...]) -> None:
+    # One KV head: the opaque rows already are one cache token each, so token_axis=1
+    # changes neither the rows, nor their bytes, nor the model prefix and fingerprint: a
+    # peer that does not give it is not refused.
+    plain = PagedSpec(num_layers=2, block_shape=shape, dtype="bfloat16", model="m")
+    tokens = PagedSpec(num_layers=2, block_shape=shape, dtype="bfloat16", model="m", token_axis=1)
+    assert not tokens.tokens_are_rows
+    assert (tokens.row_shape, tokens.rows_per_block) == (plain.row_shape, plain.rows_per_block) == ((1, shape[-1]), BLOCK)
+    assert tokens.wire_spec() == plain.wire_spec()
+    assert tokens.wire_spec().model == "paged:" + "x".join(map(str, shape)) + ":m"
+    assert tokens.wire_spec().fingerprint == plain.wire_spec().fingerprint
+    cache = np.random.default_rng(5).standard_normal((3, *shape), dtype=np.float32).astype(numpy_dtype("bfloat16"))
+    for a, b in zip(gather_layer(tokens, cache, [2, 0]), gather_layer(plain, cache, [2, 0]), strict=True):
+        assert np.asarray(a).shape == np.asarray(b).shape and np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    dest = PagedDestination(tokens, [np.zeros_like(cache), np.zeros_like(cache)], [0, 1])
+    dest.check(plain.wire_spec(), plain.tokens(2))  # not refused
+
+
+def test_token_axis_is_checked() -> None:
     shape = (2, BLOCK, HEADS, DIM)
-    for bad in (0, -16, True, 16.0, "16"):
-        with pytest.raises(UsageError, match="block_tokens must be a positive int or None"):
-            PagedSpec(num_layers=1, block_shape=shape, block_tokens=bad)  # type: ignore[arg-type]
-    with pytest.raises(UsageError, match=r"block_tokens is 32, but no dimension of block_shape \(2, 16, 8, 128\)"):
-        PagedSpec(num_layers=1, block_shape=shape, block_tokens=32)
-    with pytest.raises(UsageError, match="block_tokens is 5"):
-        PagedSpec.of(np.zeros((1, *shape), np.float16), num_layers=1, block_tokens=5)
-    # The '/t<tokens>' mark counts in the 255-byte budget of the model field.
+    for bad in (4, -1, 16, True, False, 1.0, "1"):
+        with pytest.raises(UsageError, match=r"token_axis must be None or an axis of block_shape \(2, 16, 8, 128\) "
+                                             r"\(an int in \[0, 4\)\), got"):
+            PagedSpec(num_layers=1, block_shape=shape, token_axis=bad)  # type: ignore[arg-type]
+    with pytest.raises(UsageError, match=r"token_axis must be None or an axis of block_shape \(8, 128, 256\)"):
+        PagedSpec.of(np.zeros((1, 8, 128, 256), np.float16), num_layers=1, token_axis=3)
+    for axis in range(len(shape)):
+        assert PagedSpec(num_layers=1, block_shape=shape, token_axis=axis).token_axis == axis
+    # The '/t1' mark counts in the 255-byte budget of the model field, only where it applies.
     room = 255 - len("paged:2x16x8x128:")
     PagedSpec(num_layers=1, block_shape=shape, model="m" * room)
-    PagedSpec(num_layers=1, block_shape=shape, model="m" * (room - 4), block_tokens=BLOCK)
+    PagedSpec(num_layers=1, block_shape=shape, model="m" * (room - 3), token_axis=1)
     with pytest.raises(UsageError, match=r"PagedSpec\.model"):
-        PagedSpec(num_layers=1, block_shape=shape, model="m" * (room - 3), block_tokens=BLOCK)
+        PagedSpec(num_layers=1, block_shape=shape, model="m" * (room - 2), token_axis=1)
+    PagedSpec(num_layers=1, block_shape=(2, BLOCK, 1, DIM), model="m" * room, token_axis=1)  # one head: no mark
 
 
 def test_destination_refusal_names_the_row_geometry() -> None:
     # A peer on the opaque rows of the same block shape: the refusal says the rows differ.
     shape = (2, BLOCK, HEADS, DIM)
-    new = PagedSpec(num_layers=1, block_shape=shape, model="m", block_tokens=BLOCK)
+    new = PagedSpec(num_layers=1, block_shape=shape, model="m", token_axis=1)
     old = PagedSpec(num_layers=1, block_shape=shape, model="m")
     for here, there in ((new, old), (old, new)):
         dest = PagedDestination(here, [np.zeros((4, *shape), np.float16)], [0, 1])
         with pytest.raises(IncompatiblePeerError) as err:
             dest.check(there.wire_spec(), there.tokens(2))
         text = str(err.value)
-        assert "paged:2x16x8x128/t16:m" in text and "paged:2x16x8x128:m" in text
-        assert "the same block shape with other wire rows" in text and "same block_tokens" in text
+        assert "paged:2x16x8x128/t1:m" in text and "paged:2x16x8x128:m" in text
+        assert "the same block shape with other wire rows" in text and "same token_axis" in text
+        assert "rows of tokens, token_axis=1" in text and "opaque rows" in text
     other = PagedSpec(num_layers=1, block_shape=(2, 8, HEADS, DIM), model="m")
     dest = PagedDestination(old, [np.zeros((4, *shape), np.float16)], [0, 1])
     with pytest.raises(IncompatiblePeerError) as err:
@@ -190,7 +222,7 @@ def test_destination_refusal_names_the_row_geometry() -> None:
 async def test_paged_int4_send_lands_the_reference_codes() -> None:
     # Over a real connection (the compiled codec reads the rows where they lie): the
     # received blocks hold exactly what the reference int4 makes of the blocks' K and V.
-    spec = PagedSpec(num_layers=1, block_shape=(2, BLOCK, HEADS, DIM), dtype="float16", block_tokens=BLOCK)
+    spec = PagedSpec(num_layers=1, block_shape=(2, BLOCK, HEADS, DIM), dtype="float16", token_axis=1)
     assert spec.row_shape == (HEADS, DIM)
     rng = np.random.default_rng(3)
     src = np.empty((6, *spec.block_shape), np.float16)

@@ -745,12 +745,15 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if first.shape[0] == 2 and first.ndim >= 3 and tuple(first.shape[1:2]) != (self._block_size,):
             logger.warning("kvwire: cache shaped %s; blocks are taken along the first axis", tuple(first.shape))
         model = self._identity(names[0])
-        # vLLM's [num_blocks, 2, block_size, num_kv_heads, head_size] (NHD): block_tokens
-        # makes each cache token one wire row of all its heads, so the codecs' per-head
-        # groups (int4 keys per channel over tokens) never mix heads.  A block with the
-        # tokens on another axis keeps opaque rows; one with no axis of block_size, too.
-        tokens = self._block_size if self._block_size in tuple(first.shape[1:]) else None
-        self._spec = PagedSpec.of(first, num_layers=len(self._caches), model=model, block_tokens=tokens)
+        # vLLM hands kvwire logical [num_blocks, 2, block_size, num_kv_heads, head_size]
+        # caches (a physically HND cache arrives permuted and non-contiguous, and is
+        # refused as such when its blocks are sent or received), so a block of 4+ dims
+        # whose axis 1 is block_size holds its tokens there: token_axis=1 makes each cache
+        # token one wire row of all its heads, so the codecs' per-head groups (int4 keys
+        # per channel over tokens) never mix heads.  Any other block keeps opaque rows.
+        block = tuple(first.shape[1:])
+        axis = 1 if len(block) >= 4 and block[1] == self._block_size else None
+        self._spec = PagedSpec.of(first, num_layers=len(self._caches), model=model, token_axis=axis)
         logger.info(
             "kvwire: %d layers, blocks of %s %s (%d bytes each); producer=%s consumer=%s",
             len(self._caches), self._spec.block_shape, self._spec.dtype, self._spec.block_bytes,

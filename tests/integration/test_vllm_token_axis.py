@@ -1,9 +1,11 @@
-"""The vLLM connector's paged spec knows where a block's tokens lie: it passes vLLM's
-``block_size`` as ``PagedSpec.block_tokens``, so an NHD cache ``[num_blocks, 2, block_size,
-num_kv_heads, head_size]`` travels as one wire row per cache token (its heads as the wire
-heads, int4 key groups per head and channel), and any other layout (HND
-``[num_blocks, 2, num_kv_heads, block_size, head_size]``, blocks of no heads axis) keeps
-the opaque rows of one head.
+"""The vLLM connector's paged spec knows where a block's tokens lie: vLLM hands kvwire
+logical ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` caches, so the connector
+passes ``PagedSpec.token_axis=1`` for a block of 4+ dims whose axis 1 is ``block_size``
+(also when ``num_kv_heads == block_size``): such a cache travels as one wire row per cache
+token (its heads as the wire heads, int4 key groups per head and channel).  Any other
+block (axis 1 not ``block_size``, as in a contiguous ``[num_blocks, 2, num_kv_heads,
+block_size, head_size]``; no heads axis) keeps the opaque rows of one head, and so does a
+block of one head, whose opaque rows already are its tokens (no ``/t1`` in the model).
 """
 
 from __future__ import annotations
@@ -64,19 +66,22 @@ def registered(role: str, extra: dict[str, Any], kv: list[torch.Tensor],
     return worker
 
 
-@pytest.mark.parametrize(("shape", "row", "model"), [
-    ((8, 2, BLOCK, HEADS, DIM), (HEADS, DIM), f"paged:2x{BLOCK}x{HEADS}x{DIM}/t{BLOCK}:"),  # NHD
-    ((8, 2, HEADS, BLOCK, DIM), (1, DIM), f"paged:2x{HEADS}x{BLOCK}x{DIM}:"),  # HND: opaque rows
-    ((8, 2, BLOCK, 64), (1, 64), f"paged:2x{BLOCK}x64:"),  # no heads axis
-    ((8, 2, 8, 2, 64), (1, 64), "paged:2x8x2x64:"),  # no axis of block_size
+@pytest.mark.parametrize(("shape", "axis", "row", "model"), [
+    ((8, 2, BLOCK, HEADS, DIM), 1, (HEADS, DIM), f"paged:2x{BLOCK}x{HEADS}x{DIM}/t1:"),  # NHD
+    ((8, 2, BLOCK, BLOCK, DIM), 1, (BLOCK, DIM), f"paged:2x{BLOCK}x{BLOCK}x{DIM}/t1:"),  # heads == block_size
+    ((8, 2, BLOCK, 1, DIM), 1, (1, DIM), f"paged:2x{BLOCK}x1x{DIM}:"),  # one head: the same rows, no mark
+    ((8, 2, HEADS, BLOCK, DIM), None, (1, DIM), f"paged:2x{HEADS}x{BLOCK}x{DIM}:"),  # axis 1 not block_size
+    ((8, 2, BLOCK, 64), None, (1, 64), f"paged:2x{BLOCK}x64:"),  # no heads axis
+    ((8, 2, 8, 2, 64), None, (1, 64), "paged:2x8x2x64:"),  # no axis of block_size
 ])
-def test_the_connectors_spec_takes_block_size_as_block_tokens(
-        workers: list[KvwireConnector], shape: tuple[int, ...], row: tuple[int, int], model: str) -> None:
+def test_the_connectors_spec_takes_axis_1_as_the_token_axis(
+        workers: list[KvwireConnector], shape: tuple[int, ...], axis: int | None, row: tuple[int, int],
+        model: str) -> None:
     worker = registered("kv_consumer", {"kvwire_listen": "127.0.0.1:0"}, caches(shape, 0), workers)
     spec = worker._spec
     assert spec is not None
     assert spec.row_shape == row
-    assert spec.block_tokens == (BLOCK if BLOCK in shape[1:] else None)
+    assert spec.token_axis == axis
     wire = spec.wire_spec()
     assert (wire.num_kv_heads, wire.head_dim) == row
     assert wire.model.startswith(model)
