@@ -456,7 +456,7 @@ async def test_quantized_chunks_read_and_land_where_the_blocks_lie(
             raise AssertionError("rows were gathered")
 
         monkeypatch.setattr(BlockRows, "gather", no_gather)
-    spec = PagedSpec(num_layers=2, block_shape=(2, 16, 2, 64), dtype="bfloat16")  # 8 KiB blocks, opaque rows of 64 (no block_tokens)
+    spec = PagedSpec(num_layers=2, block_shape=(2, 16, 2, 64), dtype="bfloat16")  # 8 KiB blocks, opaque rows of 64 (no token_axis)
     src = caches(spec, 40, seed=16)
     dst = caches(spec, 40, seed=17)
     rng = np.random.default_rng(18)
@@ -568,7 +568,7 @@ async def test_a_transfer_lands_in_its_kept_blocks_and_drops_the_others(codec: s
     place or through scratch (K and V in one chunk included).  Raw chunks are read
     straight into their places, the dropped blocks' in scratch; quantized ones are decoded
     straight into the kept blocks."""
-    spec = PagedSpec(num_layers=3, block_shape=(2, 16, 2, 64), dtype="bfloat16")  # opaque rows of 64 (no block_tokens)
+    spec = PagedSpec(num_layers=3, block_shape=(2, 16, 2, 64), dtype="bfloat16")  # opaque rows of 64 (no token_axis)
     src = caches(spec, 40, seed=21)
     dst = caches(spec, 40, seed=22)
     before = [c.copy() for c in dst]

@@ -412,3 +412,31 @@ def test_paged_sends_to_a_gpu_server_on_one_bridge_gather_each_layer_after_the_c
             for h, out in zip(hosts, outs, strict=True):
                 assert np.asarray(out).tobytes() == np.asarray(gather_layer(paged, h, [2, 0])[0]).tobytes()
     assert fake.problems == []
+
+
+def test_on_stream_uses_a_with_block_where_cupy_refuses_use_inside_one(
+    fake: FakeCupy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CuPy release may refuse ``use()`` inside a ``with`` block (RuntimeError); that
+    release restores a ``use()``d stream at a with block's end, so on_stream falls back to
+    one, and the stream current before is current again afterwards."""
+    cuda = fake.module.cuda
+    mine, theirs = cuda.Stream(non_blocking=True), cuda.Stream(non_blocking=True)
+    stream_type = type(mine)
+    real_use = stream_type.use
+    refusing = [True]
+
+    def use(self: Any) -> Any:
+        if refusing[0]:
+            raise RuntimeError("use() inside a with block")
+        return real_use(self)
+
+    with mine:
+        monkeypatch.setattr(stream_type, "use", use)
+        with g.on_stream(theirs) as s:
+            assert s is theirs and cuda.get_current_stream() is theirs
+        assert cuda.get_current_stream() is mine
+        refusing[0] = False
+        with g.on_stream(theirs):
+            assert cuda.get_current_stream() is theirs
+        assert cuda.get_current_stream() is mine

@@ -548,7 +548,15 @@ def on_stream(stream: Any) -> Iterator[Any]:
         with stream:
             yield stream
         return
-    stream.use()
+    try:
+        stream.use()
+    except RuntimeError:
+        # A CuPy that refuses use() inside a with block keeps a stream made current by
+        # use() across the end of a nested one: its with block is then the right tool
+        # (and raises again where the refusal was the stream's device).
+        with stream:
+            yield stream
+        return
     try:
         yield stream
     finally:
