@@ -1119,6 +1119,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         saves = meta.saves
         if index is None or not saves or meta is self._unconnected:
             return
+        if index == 0:
+            self._renew_ended_session()  # (this step's saves then wait for the new connection)
         if self._peer is None:
             self._poll_connect()
         if self._peer is None:
@@ -1148,6 +1150,27 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         for move in saves:
             self._save_layer(move, index, kv_layer)
+
+    def _renew_ended_session(self) -> None:
+        """Before a send is begun: if the session with the consumer ended (its server
+        restarted or closed it, the connection lost: ``broken`` set, see
+        :attr:`kvwire.Peer.broken`), close it and connect again (logged once, at WARNING),
+        so that no send is begun on it (one would fail there, unsent).  The sends waiting
+        their turn wait for the new connection as the saves of a step before the first
+        connect do (``DEFERRED``, each sent whole from the registered caches once it is
+        up, within kvwire_load_timeout), and so do the saves of the step under way
+        (:meth:`save_kv_layer`); those begun on the ended session end as any send whose
+        connection was closed.  Not while shutting down (nothing connects again)."""
+        peer = self._peer
+        if peer is None or (cause := peer.broken) is None:
+            return
+        logger.warning("kvwire: the session with the consumer at %s ended (%s): closing it and connecting again; "
+                       "the KV not sent yet waits for the new connection", self._peer_addr, cause)
+        if self._retry_at != float("inf"):
+            self._flush_refused()
+            for req_id, send in self._sends_in(_SendState.QUEUED).items():
+                self._set(req_id, send, _SendState.DEFERRED)
+        self._let_go_of_blocks(wait=not self._async_save)  # (connects again: see _connect)
 
     def _versions(self, move: _Move) -> dict[str, Any] | None:
         """``begin``'s versions of ``move``'s blocks: named in the registry now, when the KV
@@ -1225,6 +1248,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         with the async save they go in flight from now, their turn.  One that fails at
         its start ends unsent (logged).  After a refusal for want of room (see
         :meth:`_requeue`) none is begun before ``_room_at``."""
+        if self._sends_in(_SendState.QUEUED):
+            self._renew_ended_session()  # (they wait for the new connection)
         now = time.monotonic()
         if self._peer is None or not self._sends_in(_SendState.QUEUED) or now < self._room_at:
             return
@@ -1299,9 +1324,10 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         registered caches, once it is up (waited for until ``deadline`` if given); each
         ended unsent once the connect failed or kvwire_load_timeout after its step (by
         ``deadline``, all that are left)."""
-        deferred = self._sends_in(_SendState.DEFERRED)
-        if not deferred:
+        if not self._sends_in(_SendState.DEFERRED):
             return
+        self._renew_ended_session()  # (the sends waiting their turn on it are deferred too)
+        deferred = self._sends_in(_SendState.DEFERRED)
         if self._peer is None:
             if deadline is not None and self._connecting is not None:
                 self._connecting.wait(max(0.0, deadline - time.monotonic()))
