@@ -16,11 +16,18 @@ The current device and the current stream are per thread, and the current stream
 device within a thread, as CuPy's are (the null streams are shared, as the legacy default
 stream is); ``with stream:`` makes a stream current until the block ends, ``stream.use()``
 until another is made current.  ``streams=`` picks how the two mix: ``"cupy14"`` (the
-default) as CuPy does since cupy/cupy#8379 (a ``with`` block's end restores the stream
-that was current when it began, a ``use()``d one too), ``"cupy13"`` as CuPy 13 does
-(cupy/cupy#8377: ``use()`` sets only the current stream, and a ``with`` block's start or
-end makes the stream of the enclosing ``with`` current, else the null stream, so a
-stream ``use()``d before is forgotten).  An event carries what its stream had waited for when it
+default: ``use()`` inside a ``with`` block overwrites that block's entry of the with-stack,
+outside any the bottom entry, and a ``with`` block's end restores the stream that was
+current when it began, a ``use()``d one too, so a stream ``use()``d inside a block is
+current only until that block ends), ``"cupy13"`` as CuPy 13 does (cupy/cupy#8377:
+``use()`` sets only the current stream, and a ``with`` block's start or end makes the
+stream of the enclosing ``with`` current, else the null stream, so a stream ``use()``d
+before is forgotten), ``"refuse"`` as a CuPy that refuses ``use()`` inside a ``with``
+block (RuntimeError while the device's with-stack holds an entry beyond the default
+stream; a ``with`` block's end restores the stream that was current when it began, a
+``use()``d one too).  A stream of another device than the current one is refused by
+``use()`` and by ``with`` (RuntimeError), as CuPy refuses it; the null streams (CuPy's
+belongs to no device) are not.  An event carries what its stream had waited for when it
 was recorded, not what it waited for later.  A kernel writes its non-const pointer
 arguments (as its CUDA signature in the module's source declares them) on its stream.
 
@@ -46,7 +53,7 @@ ALIGN = 256
 class FakeCupy:
     """The module, and its bookkeeping."""
 
-    STREAM_SEMANTICS = ("cupy13", "cupy14")
+    STREAM_SEMANTICS = ("cupy13", "cupy14", "refuse")
 
     def __init__(self, emulation: Any = None, *, devices: int = 2, streams: str = "cupy14") -> None:
         if streams not in self.STREAM_SEMANTICS:
@@ -80,8 +87,9 @@ class FakeCupy:
 
     @property
     def _used(self) -> dict[int, Stream]:
-        """(``"cupy13"``) The stream ``use()`` made current on each device in this thread,
-        until a ``with`` block starts or ends there."""
+        """The stream ``use()`` made current on each device in this thread: (``"cupy13"``)
+        until a ``with`` block starts or ends there; (``"refuse"``) the one current there
+        while no ``with`` block is open."""
         local = self._local
         if not hasattr(local, "used"):
             local.used = {}
@@ -92,11 +100,13 @@ class FakeCupy:
         return self._device_stack[-1] if self._device_stack else 0
 
     def current_stream(self) -> Stream:
-        used = self._used.get(self.device) if self.stream_semantics == "cupy13" else None
-        if used is not None:
+        used = self._used.get(self.device) if self.stream_semantics != "cupy14" else None
+        if used is not None and self.stream_semantics == "cupy13":
             return used
         stack = self._stream_stack.get(self.device)
-        return stack[-1] if stack else self._nulls[self.device]
+        if stack:
+            return stack[-1]
+        return used if used is not None else self._nulls[self.device]
 
     def allocation(self, ptr: int) -> Allocation | None:
         for a in self.allocations:
@@ -273,12 +283,26 @@ class Stream:
         self.fake.log.append(("synchronize", self.name))
         self.synced = self.seq
 
+    def _check_device(self) -> None:
+        """CuPy's refusal of a stream made current on another device than its own (the
+        null stream, of no device in CuPy, goes anywhere)."""
+        current = self.fake.device
+        if self.ptr != 0 and self.device != current:
+            raise RuntimeError(f"The device that the stream is created on ({self.device}) "
+                               f"does not match with the current device ({current})")
+
     def use(self) -> Stream:
-        """Current on its device in this thread from now on (``"cupy14"``: a ``with``
-        block restores the one current before it when it ends, as CuPy's does since 8379;
-        ``"cupy13"``: until a ``with`` block starts or ends)."""
+        """Current on its device in this thread from now on (``"cupy14"``: ``use()`` inside
+        a ``with`` block overwrites that block's entry, which the block's end drops;
+        ``"cupy13"``: until a ``with`` block starts or ends; ``"refuse"``: RuntimeError
+        inside a ``with`` block, and a ``with`` block's end restores it)."""
+        self._check_device()
+        semantics = self.fake.stream_semantics
+        if semantics == "refuse" and self.fake._stream_stack.get(self.device):
+            raise RuntimeError("use() is not allowed inside a with block of a stream "
+                               f"({self.fake._stream_stack[self.device][-1].name} on device {self.device})")
         self.fake.log.append(("use", self.name))
-        if self.fake.stream_semantics == "cupy13":
+        if semantics in ("cupy13", "refuse"):
             self.fake._used[self.device] = self
             return self
         stack = self.fake._stream_stack.setdefault(self.device, [])
@@ -289,13 +313,16 @@ class Stream:
         return self
 
     def __enter__(self) -> Stream:
+        self._check_device()
         self.fake._stream_stack.setdefault(self.device, []).append(self)
-        self.fake._used.pop(self.device, None)
+        if self.fake.stream_semantics == "cupy13":
+            self.fake._used.pop(self.device, None)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.fake._stream_stack[self.device].pop()
-        self.fake._used.pop(self.device, None)  # (only "cupy13" reads it)
+        if self.fake.stream_semantics == "cupy13":
+            self.fake._used.pop(self.device, None)
 
 
 class Device:

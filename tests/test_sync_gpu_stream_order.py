@@ -7,9 +7,12 @@ a blocking send must still have them read after that write, a GPU cache named by
 ``expect(into=)`` must be written after what the caller had queued on it, and a GPU
 layer handed to the caller must be ordered before the caller's stream's next work.
 
-The ordering tests run under both ways CuPy mixes ``stream.use()`` with ``with stream:``
-(the fake's ``streams=``): CuPy 13 forgets a ``use()``d stream when a ``with`` block of
-another ends (cupy/cupy#8377), later releases keep it."""
+The ordering tests run under each way the fake mixes ``stream.use()`` with ``with
+stream:`` (its ``streams=``): CuPy 13 forgets a ``use()``d stream when a ``with`` block of
+another ends (cupy/cupy#8377); ``"cupy14"`` keeps it (``use()`` inside a ``with`` block
+overwrites that block's entry, which its end drops); ``"refuse"`` refuses ``use()`` inside
+a ``with`` block (RuntimeError), so kvwire.codec.gpu.on_stream falls back to a ``with``
+block there."""
 
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float16")
 
 @pytest.fixture(params=FakeCupy.STREAM_SEMANTICS)
 def semantics(request: pytest.FixtureRequest) -> str:
-    """How the fake mixes ``use()`` and ``with`` (CuPy 13's or later releases')."""
+    """How the fake mixes ``use()`` and ``with``: ``"cupy13"``, ``"cupy14"`` or
+    ``"refuse"`` (FakeCupy.STREAM_SEMANTICS)."""
     return str(request.param)
 
 
@@ -440,3 +444,31 @@ def test_on_stream_uses_a_with_block_where_cupy_refuses_use_inside_one(
         with g.on_stream(theirs):
             assert cuda.get_current_stream() is theirs
         assert cuda.get_current_stream() is mine
+
+
+def test_the_fake_refuses_a_stream_of_another_device_and_keeps_each_semantics(semantics: str) -> None:
+    """The fake as the tests above rely on it: a stream made current on another device
+    than its own is refused (RuntimeError, as CuPy's message says), and each semantics
+    mixes ``use()`` and ``with`` as its docstring says."""
+    cp = FakeCupy(devices=2, streams=semantics).module
+    with cp.cuda.Device(1):
+        far = cp.cuda.Stream(non_blocking=True)
+    for enter in (far.use, far.__enter__):
+        with pytest.raises(RuntimeError, match=r"The device that the stream is created on \(1\) "
+                                               r"does not match with the current device \(0\)"):
+            enter()
+    null = cp.cuda.get_current_stream()
+    with cp.cuda.Device(1):
+        assert cp.cuda.get_current_stream() is not null
+        null.use()  # the null stream belongs to no device
+    a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    a.use()
+    with b:
+        if semantics == "refuse":
+            with pytest.raises(RuntimeError, match="use"):
+                a.use()
+        else:
+            a.use()
+        assert cp.cuda.get_current_stream() is (b if semantics == "refuse" else a)
+    # the end of the block: CuPy 13 falls back to the null stream; the others restore `a`
+    assert cp.cuda.get_current_stream() is (null if semantics == "cupy13" else a)
