@@ -102,3 +102,33 @@ def test_a_strided_tensor_sent_from_another_device_is_made_contiguous_there(fake
     assert got.flags.c_contiguous and got.device.id == 1
     assert [e[1] for e in _ops(fake)] == [1, 1]  # its allocation and the copy, on device 1
     assert np.array_equal(np.asarray(got), np.asarray(x))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_token_rows_gather_and_write_only_kept_blocks_on_another_device(fake: FakeCupy, dtype: str) -> None:
+    """Rows of tokens (token_axis=1, a row is one cache token of all its heads) from and
+    into caches on device 1 while device 0 is current: the gather has the host's shape
+    and bytes, and write() with DROP slots lands only the kept blocks, V in two parts."""
+    spec = PagedSpec(num_layers=1, block_shape=(2, 16, 8, 128), dtype=dtype, token_axis=1)
+    assert (spec.row_shape, spec.rows_per_block, spec.tokens_are_rows) == ((8, 128), 16, True)
+    host = _host_cache(spec, 6, 0)
+    cache = _on_device(fake, host, 1)
+    fake.log.clear()
+    k, v = gather_layer(spec, cache, [5, 0, 3])
+    hk, hv = gather_layer(spec, host, [5, 0, 3])
+    assert fake.problems == []
+    assert _ops(fake) and all(e[1] == 1 for e in _ops(fake)), _ops(fake)
+    assert k.shape == v.shape == np.asarray(hk).shape == (48, 8, 128)
+    assert np.asarray(k).tobytes() == np.asarray(hk).tobytes() and np.asarray(v).tobytes() == np.asarray(hv).tobytes()
+
+    bits = host.view(np.uint16) if dtype == "bfloat16" else host
+    dcache = _on_device(fake, np.zeros_like(host), 1)
+    dest = PagedDestination(spec, [dcache], [DROP, 4, 2])
+    dest.write(0, 0, 0, hk, dest.layer_tokens)
+    dest.write(0, 1, 5, hv[5:], dest.layer_tokens)
+    dest.write(0, 1, 0, hv[:5], dest.layer_tokens)
+    assert fake.problems == []
+    assert _ops(fake) and all(e[1] == 1 for e in _ops(fake)), _ops(fake)
+    got = np.asarray(dcache)
+    assert got[4].tobytes() == bits[0].tobytes() and got[2].tobytes() == bits[3].tobytes()
+    assert not got[[0, 1, 3, 5]].any()  # the dropped slot's block (5) and unnamed ones untouched
