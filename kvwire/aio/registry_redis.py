@@ -307,7 +307,9 @@ class RedisWatcher:
     (jitter); still before the read raises, which says "subscribed again" and names the
     pause.  A subscription that stood for ``timeout`` or longer starts the count anew.
     A read cancelled during that pause (a reader's own read timeout) leaves the rest of it
-    to the next read, which waits it out before subscribing anew.
+    to the next read, which waits it out before subscribing anew.  A try at subscribing
+    anew cancelled before it ends (a reader's read timeout shorter than a try against a
+    Redis that never answers) counts as a failed one for the retry pause.
     The registry holds its watchers weakly: one abandoned without ``aclose`` (a ``break``
     out of a bare ``async for``) closes its subscription once garbage collected.
     ``aclose`` (or the registry's ``close()``) ends a watcher whatever it is waiting for:
@@ -539,6 +541,15 @@ class RedisWatcher:
                 f"have been missed and are not watched yet; the next read tries again after "
                 f"a pause of {self._retry_pause:g} s"
             ) from (cause if cause is not None else exc)
+        except asyncio.CancelledError:
+            # The try cancelled before it ended (a reader's own read timeout shorter than a
+            # try against a Redis that accepts connections and never answers): it counts
+            # as a failed one for the pause, else the next read would try again at once,
+            # one try after another.  Not when the watcher is being closed.
+            if not (self._closed or self._registry._closed):
+                self._drop_pause = 0.0
+                self._failed_at, self._retry_pause = self._clock(), _next_pause(self._retry_pause, timeout)
+            raise
         if pubsub is None:
             return
         self._lost, self._retry_pause, self._drop_pause, self._failed_at = None, 0.0, 0.0, 0.0

@@ -12,6 +12,8 @@ import uuid
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.client import PubSub
 
 from kvwire.aio.registry_redis import _POLL_S, RedisRegistry
 from kvwire.consistency import NotificationsLostError
@@ -422,3 +424,117 @@ async def test_a_read_cancelled_during_the_retry_pause_leaves_the_rest_of_it_to_
     finally:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(reg.close(), 20)
+
+
+class _Blackhole:
+    """A Redis that accepts connections, reads what it is sent and never answers (a
+    blackholed, stalled or overloaded Redis): a try at subscribing to it lasts until it is
+    cancelled.  ``sent`` is set once a connection has sent something (the try is waiting
+    for a reply that never comes)."""
+
+    def __init__(self) -> None:
+        self.sent = asyncio.Event()
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def __aenter__(self) -> _Blackhole:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.transport.abort()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.append(writer)
+        with contextlib.suppress(OSError):
+            while await reader.read(65536):
+                self.sent.set()
+
+
+async def test_a_try_cancelled_by_the_readers_timeout_counts_as_a_failed_one_for_the_pause(
+    redis_server: RedisServer,
+) -> None:
+    """Redis accepts connections and never answers, so each try at subscribing anew lasts
+    longer than the reader's own read timeout (1 s) and is cancelled by it.  A cancelled
+    try recorded no failure: the retry pause stayed 0 and every read tried again at once
+    (20 tries in 20 reads, none apart).  Now a cancelled try counts as a failed one: the
+    next try waits the pause (0.2 s, twice as long after each more, at most the registry's
+    timeout, 5 s here) from the cancellation.  Once Redis answers again a read subscribes
+    anew, and a change made after it is delivered."""
+    reg = await RedisRegistry.connect(
+        f"redis://127.0.0.1:{redis_server.port}/0", namespace=f"stall-{uuid.uuid4().hex}", timeout=5.0
+    )
+    clock = _ReaderClock()
+    tries: list[float] = []  # the clock's time at each try at subscribing anew
+    cancelled: list[float] = []  # and at each try's cancellation
+    down = True
+    async with _Blackhole() as blackhole:
+        stalled = aioredis.ConnectionPool.from_url(f"redis://127.0.0.1:{blackhole.port}/0")
+        make = reg._new_pubsub
+
+        def new_pubsub() -> Any:
+            tries.append(clock.now)
+            return PubSub(stalled) if down else make()
+
+        async def read() -> str | None:
+            """One read, with a read timeout of 1 s on the clock; a try that reached the
+            stalled Redis runs it out (the clock to the read's end) and is cancelled."""
+            blackhole.sent.clear()
+            stalled_try = asyncio.ensure_future(blackhole.sent.wait())
+            started = clock.now
+
+            async def stall_ends() -> None:
+                await stalled_try
+                clock.now = started + 1.0
+                cancelled.append(clock.now)
+                clock._timed_out.set()  # (white box) as a sleep past the read's end does
+
+            ends = asyncio.ensure_future(stall_ends())
+            try:
+                return await clock.read(watcher, 1.0)
+            finally:
+                ends.cancel()
+                stalled_try.cancel()
+                await asyncio.gather(ends, stalled_try, return_exceptions=True)
+
+        try:
+            watcher = reg.watch()
+            watcher._sleep, watcher._clock = clock.sleep, clock.time  # (white box)
+            async with watcher:
+                reg._new_pubsub = new_pubsub  # type: ignore[method-assign]
+                assert watcher._pubsub is not None and watcher._pubsub.connection is not None
+                await watcher._pubsub.connection.disconnect()  # the subscription is lost
+                for _ in range(20):
+                    outcome = await read()
+                    assert outcome is None, outcome  # every read times out
+                # Before: 20 tries, one per read, none apart.  Now tries at 0, 1.2, 2.4,
+                # 3.8, 5.6, 9.2, 15 and 20 s: each the pause after the one cancelled before.
+                assert len(tries) == len(cancelled) == 8, str((tries, cancelled))
+                for k in range(len(tries) - 1):
+                    pause = min(_POLL_S * 2**k, 5.0)
+                    assert tries[k + 1] - cancelled[k] == pytest.approx(pause, abs=1e-6), (k, tries, cancelled)
+                assert watcher._retry_pause == pytest.approx(5.0)  # at the cap
+                down = False  # Redis answers again
+                before = len(tries)
+                outcome = None
+                for _ in range(10):
+                    if (outcome := await read()) is not None:
+                        break
+                assert outcome is not None, "never tried again"
+                assert "not subscribed again" not in outcome and "subscribed again" in outcome, outcome
+                assert len(tries) == before + 1
+                assert watcher._pubsub is not None and watcher._lost is None
+                assert watcher._retry_pause == 0.0
+                version = await reg.invalidate(b"a")
+                _, got = await asyncio.wait_for(anext(watcher), 20)
+                assert got == version
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reg.close(), 20)
+            await stalled.aclose()
