@@ -538,3 +538,34 @@ async def test_a_try_cancelled_by_the_readers_timeout_counts_as_a_failed_one_for
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(reg.close(), 20)
             await stalled.aclose()
+
+
+async def test_a_try_cancelled_while_the_watcher_closes_records_no_failure(
+    redis_server: RedisServer,
+) -> None:
+    """A try at subscribing anew, against a Redis that never answers, whose read is
+    cancelled as aclose() runs counts as no failed try: no retry pause is recorded."""
+    reg = await RedisRegistry.connect(
+        f"redis://127.0.0.1:{redis_server.port}/0", namespace=f"stall-{uuid.uuid4().hex}", timeout=5.0
+    )
+    async with _Blackhole() as blackhole:
+        stalled = aioredis.ConnectionPool.from_url(f"redis://127.0.0.1:{blackhole.port}/0")
+        try:
+            watcher = reg.watch()
+            async with watcher:
+                reg._new_pubsub = lambda: PubSub(stalled)  # type: ignore[method-assign]
+                assert watcher._pubsub is not None and watcher._pubsub.connection is not None
+                await watcher._pubsub.connection.disconnect()  # the subscription is lost
+                reading = asyncio.ensure_future(anext(watcher))
+                await asyncio.wait_for(blackhole.sent.wait(), 10)  # the try waits for a reply
+                closing = asyncio.ensure_future(watcher.aclose())
+                await asyncio.sleep(0)  # aclose() has begun
+                reading.cancel()  # and the reader's own read timeout runs out
+                results = await asyncio.wait_for(asyncio.gather(reading, closing, return_exceptions=True), 10)
+                assert isinstance(results[0], (asyncio.CancelledError, StopAsyncIteration)), results
+                assert results[1] is None, results
+                assert watcher._retry_pause == 0.0 and watcher._failed_at == 0.0
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(reg.close(), 20)
+            await stalled.aclose()
