@@ -9,7 +9,10 @@ reverse direction gets the same delay and, optionally, its own shared rate.
 The proxy terminates TCP on both sides: each endpoint's TCP sees a short loopback
 path, and the emulated delay shows only in application-level round trips (TCP_INFO at
 the endpoints does not see it). A full bottleneck queue pushes back through TCP (the
-proxy stops reading) rather than dropping. On Linux the bytes are spliced from socket to
+proxy stops reading) rather than dropping. The rate is a line rate: given an ``mtu``, each
+byte read from a TCP socket is charged as the Ethernet frames that would carry it
+(:func:`wire_per_payload_byte`), so a saturated link carries the TCP payload a real
+Ethernet link of that rate does; without one the rate counts TCP payload bytes. On Linux the bytes are spliced from socket to
 kernel pipe to socket and wait out the delay in the pipes (:mod:`kvwire.bench._splice`);
 elsewhere, or with ``splice=False``, they are read into Python and written out again.
 """
@@ -29,7 +32,20 @@ from kvwire.bench._proxy import Action, ActionKind, ProxyConnection, TcpProxy
 from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
 from kvwire.bench._splice import SpliceConnection, SpliceProxy
 
-__all__ = ["SPLICE_AVAILABLE", "LinkEmulator", "LinkStatistics", "RateSchedule", "default_queue_bytes"]
+__all__ = [
+    "ETHERNET_FRAMING",
+    "MAX_MTU",
+    "MIN_MTU",
+    "SPLICE_AVAILABLE",
+    "TCP_IP_HEADERS",
+    "LinkEmulator",
+    "LinkStatistics",
+    "RateSchedule",
+    "check_mtu",
+    "default_queue_bytes",
+    "payload_share",
+    "wire_per_payload_byte",
+]
 
 _MIB = 1024 * 1024
 #: How long the bottleneck's queue lasts at the link's (peak) rate, as tbf's latency in
@@ -41,6 +57,40 @@ MAX_QUEUE = 4 * _MIB
 #: :data:`MIN_PIECE`), each leaving when it is through.
 PIECE_TIME = 0.001
 MIN_PIECE = 4096
+
+
+#: Bytes each Ethernet frame takes on the wire beyond its IP packet: header 14, FCS 4,
+#: preamble and start delimiter 8, inter-frame gap 12.
+ETHERNET_FRAMING = 38
+#: Bytes of each IP packet that are not TCP payload: IPv4 header 20, TCP header with the
+#: timestamps option 32 (what Linux sends by default).
+TCP_IP_HEADERS = 52
+#: The MTUs a link may be given (IPv4's minimum datagram to the largest IP packet).
+MIN_MTU = 576
+MAX_MTU = 65536
+
+
+def check_mtu(mtu: int) -> int:
+    if not MIN_MTU <= mtu <= MAX_MTU:
+        raise ValueError(f"the MTU must be between {MIN_MTU} and {MAX_MTU} bytes, not {mtu}")
+    return mtu
+
+
+def wire_per_payload_byte(mtu: int | None) -> float:
+    """Bytes on an Ethernet wire of MTU ``mtu`` per byte of TCP payload, as if every
+    segment were full: ``(mtu + 38) / (mtu - 52)`` (1538/1448 at MTU 1500, 9038/8948 at
+    9000). Short segments (a stream's last bytes, pure ACKs) cost more on a real link;
+    this charges them by their payload alone. ``None``: 1 (the rate counts TCP payload)."""
+    if mtu is None:
+        return 1.0
+    check_mtu(mtu)
+    return (mtu + ETHERNET_FRAMING) / (mtu - TCP_IP_HEADERS)
+
+
+def payload_share(mtu: int | None) -> float:
+    """The share of an Ethernet link's line rate that full segments carry as TCP payload
+    (0.9415 at MTU 1500, 0.990 at 9000); 1 with ``None`` (a rate of TCP payload)."""
+    return 1.0 / wire_per_payload_byte(mtu)
 
 
 def default_queue_bytes(peak_bps: float | None) -> int:
@@ -99,7 +149,7 @@ class RateSchedule:
         self._times.append(t)
         self._rates.append(rate_bps)
 
-    def finish_time(self, start: float, nbytes: int) -> float:
+    def finish_time(self, start: float, nbytes: float) -> float:
         """When ``nbytes`` starting through the bottleneck at ``start`` are through."""
         bits = 8.0 * nbytes
         t = start
@@ -120,18 +170,21 @@ class RateSchedule:
 class _Bottleneck:
     """A FIFO serializer shared by every connection in one direction."""
 
-    def __init__(self, schedule: RateSchedule, burst: float) -> None:
+    def __init__(self, schedule: RateSchedule, burst: float, wire_per_byte: float = 1.0) -> None:
         self.schedule = schedule
         self.burst = burst
+        self.wire_per_byte = wire_per_byte
+        """Wire bytes each payload byte is charged (:func:`wire_per_payload_byte`)."""
         self.free_at = 0.0
         self.bytes = 0
+        """Payload bytes passed to the bottleneck."""
 
     def finish(self, now: float, nbytes: int) -> float:
         # Capacity left unused for up to ``burst`` seconds may still be used: the proxy's
         # own scheduling hiccups would otherwise be lost for good and pull the rate below
         # the set one. Over any window the overshoot is at most rate x burst.
         start = max(now - self.burst, self.free_at)
-        self.free_at = self.schedule.finish_time(start, nbytes)
+        self.free_at = self.schedule.finish_time(start, nbytes * self.wire_per_byte)
         self.bytes += nbytes
         # Catching up never lets bytes leave before they arrived.
         return max(self.free_at, now)
@@ -240,8 +293,11 @@ class _LinkPolicy:
         they are through, not when its last byte is (a 600 KB read at 100 Mbit/s would
         hold its first byte 50 ms)."""
         bottleneck = self._bottleneck  # this direction's rate (None: unlimited)
-        rate = None if bottleneck is None else bottleneck.schedule.rate_at(now - self._emulator.start_time)
-        size = nbytes if rate is None else max(MIN_PIECE, int(rate / 8.0 * PIECE_TIME))
+        size = nbytes
+        if bottleneck is not None:
+            rate = bottleneck.schedule.rate_at(now - self._emulator.start_time)
+            if rate is not None:  # the payload that crosses in PIECE_TIME
+                size = max(MIN_PIECE, int(rate / 8.0 * PIECE_TIME / bottleneck.wire_per_byte))
         out = []
         while nbytes > 0:
             n = nbytes if nbytes < 2 * size else size
@@ -308,6 +364,10 @@ class LinkEmulator:
         queue megabytes more than it.
     :param burst: seconds of unused capacity that may be caught up (a token bucket of
         ``rate x burst`` bytes); covers the proxy's own scheduling delays.
+    :param mtu: the rates are Ethernet line rates at this MTU: each byte read from a TCP
+        socket is charged :func:`wire_per_payload_byte` bytes of them, as if carried in full
+        segments, so a saturated link forwards ``rate x`` :func:`payload_share` of TCP
+        payload. ``None`` (the default): the rates count TCP payload bytes.
     :param seed: jitter's random seed, for repeatable runs.
     :param splice: forward with splice(2), the bytes waiting in kernel pipes
         (:mod:`kvwire.bench._splice`: a third to a half less of the emulator's CPU per byte,
@@ -332,6 +392,7 @@ class LinkEmulator:
         listen_port: int = 0,
         seed: int | None = None,
         splice: bool | None = None,
+        mtu: int | None = None,
     ) -> None:
         if delay < 0 or jitter < 0:
             raise ValueError("delay and jitter must be >= 0")
@@ -341,8 +402,10 @@ class LinkEmulator:
         self.reverse_schedule = RateSchedule.constant(reverse_rate_bps)
         if burst < 0:
             raise ValueError("burst must be >= 0")
-        self._forward = _Bottleneck(self.schedule, burst)
-        self._backward = _Bottleneck(self.reverse_schedule, burst)
+        self.mtu = mtu
+        charge = wire_per_payload_byte(mtu)
+        self._forward = _Bottleneck(self.schedule, burst, charge)
+        self._backward = _Bottleneck(self.reverse_schedule, burst, charge)
         self._rng = random.Random(seed)
         self.start_time = 0.0
         # The reverse direction's queue follows its own rate (its sockets are the target's
