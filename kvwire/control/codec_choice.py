@@ -610,8 +610,9 @@ class CodecChooser:
     def observe_delivered(self, codec: str, kv_bytes: int, now: float, *, first_layer: bool = False,
                           held: bool = False, chunk: Hashable = None, wire_bytes: int = 0) -> None:
         """Feed one acknowledged chunk: ``kv_bytes`` of fp16 KV sent with ``codec``
-        (``wire_bytes`` on the wire: a run's time is shared by wire bytes with the
-        chunks sent in place of its codec's) arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
+        (``wire_bytes`` on the wire: a chunk sent in place of the chosen codec's is
+        charged its wire bytes at the path's estimate, see :meth:`GoodputMeter.on_ack`)
+        arrived (checked and decoded) at ``now``; ``first_layer``: a chunk of its
         transfer's first layer (paced by the receiver's first grant, see
         :meth:`GoodputMeter.on_ack`); ``held``: the sender holds data back now (the
         estimator's ``hold_limited``: a ProbeRTT drain and the round trip after it), so
@@ -627,9 +628,10 @@ class CodecChooser:
         """Chunk ``chunk`` (its address: the key its acknowledgement gives
         :meth:`observe_delivered`) goes out with ``codec`` in place of the codec chosen
         for it (raw for values the chosen quantizer refuses): with measured goodput its
-        wire bytes take their share of the meter's run's time at its acknowledgement
-        (:meth:`GoodputMeter.sent_instead`), which would otherwise count it as the chosen
-        codec's. ``transfer``: its transfer (:meth:`observe_failed`)."""
+        wire time at the path's estimate (:meth:`choose`'s) is taken out of the meter's
+        run at its acknowledgement (:meth:`GoodputMeter.sent_instead`), which would
+        otherwise count it as the chosen codec's. ``transfer``: its transfer
+        (:meth:`observe_failed`)."""
         if self._measure and codec in self._ratio:
             self.meter.sent_instead(codec, chunk, transfer=transfer)
 
@@ -854,6 +856,14 @@ class CodecChooser:
         choice = self._choose(bandwidth_bps, remaining_bytes, time_left, app_limited, now, peak_bps)
         if self._measure:
             self.meter.chosen(choice.codec)  # the goodput meter measures what is sent now
+            # The path's rate, at which the meter charges a chunk sent in place of the
+            # chosen codec's its wire time: the estimate, or while the sender sets the
+            # pace (an encode-bound codec: the estimate is what it sent) the larger of it
+            # and the peak, what the path has shown it carries.
+            path = bandwidth_bps if bandwidth_bps is not None and bandwidth_bps > 0 else None
+            if path is not None and app_limited and peak_bps is not None and peak_bps > path:
+                path = peak_bps
+            self.meter.path_rate(None if path is None else path / 8.0)
         return choice
 
     def _choose(self, bandwidth_bps: float | None, remaining_bytes: int | None, time_left: float | None,

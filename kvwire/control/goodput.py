@@ -30,9 +30,14 @@ whose values the chosen quantizer refuses) is marked by its address, and the
 acknowledgement of that chunk (not of another of its codec: a chunk of the previous codec,
 still in flight, acknowledged after it went out, is no fallback) adds its wire bytes to the
 run's others': the run goes on (the fallback counts among the ``sample_acks`` of a sample,
-so a sample spans as many chunks whatever their codec), and the codec's seconds are the
-window's shared by wire bytes, its own over its own and the others' (the link carried
-both); its samples and the codec's averaging window stay as they were (a fallback
+so a sample spans as many chunks whatever their codec), and each sample's seconds lose
+the fallbacks' wire time at the path's estimated rate (:meth:`GoodputMeter.path_rate`), at
+most their share of the sample's wire bytes (all of it with the rate unknown): shared by
+wire bytes alone, an int8 encode-bound at 2.4 GB/s of KV on a 2.5 GB/s link, one chunk in
+eight raw, read 2.695 and led raw, since its chunks take longer than their wire bytes at
+the link's rate and a raw one no longer. A fallback acknowledged without a wire size loses
+the time since the acknowledgement before it. Its samples and the codec's averaging
+window stay as they were (a fallback
 ending the run made every next run a first that cleared the window, and one fallback in
 four chunks left int8 without a sample). The time since the acknowledgement before the
 fallback's is not its wire time: the loop handles acknowledgements in bunches (the sender
@@ -52,6 +57,7 @@ leader); a codec sent for a short stint has the one sample of it.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -68,7 +74,9 @@ class _Run:
     acks: int = 0
     own_wire: int = 0  # wire bytes of the counted acknowledgements
     other_wire: int = 0  # wire bytes of the chunks sent in place of the codec's, acknowledged in it
-    others: int = 0  # their acknowledgements
+    others: int = 0  # their acknowledgements (those without a wire size too)
+    cut: float = 0.0  # their wire time at the path's rate (inf: a rate unknown at one's ack)
+    gap: float = 0.0  # the time before those acknowledged without a wire size
     first: bool = True  # no sample of this run folded yet
 
 
@@ -85,8 +93,9 @@ class GoodputMeter:
         if sample_acks < 1 or not 1 <= min_acks <= sample_acks or window < 1:
             raise ValueError("need sample_acks >= 1, 1 <= min_acks <= sample_acks and window >= 1")
         self._sample_acks, self._min_acks, self._window = sample_acks, min_acks, window
-        # (KV bytes, seconds, own wire bytes, others' wire bytes) per sample
-        self._recent: dict[str, deque[tuple[int, float, int, int]]] = {}
+        # (KV bytes, seconds: the codec's, the fallbacks' cut out) per sample
+        self._recent: dict[str, deque[tuple[int, float]]] = {}
+        self._path: float | None = None  # the path's rate, wire bytes/s (path_rate)
         self._rate: dict[str, float] = {}
         self._samples: dict[str, int] = {}
         self._run: _Run | None = None
@@ -105,11 +114,18 @@ class GoodputMeter:
     def sent_instead(self, codec: str, chunk: Hashable, *, transfer: Hashable = None) -> None:
         """Chunk ``chunk`` (any key its acknowledgement will name again) goes out with
         ``codec`` in place of one of the chosen codec (``auto`` sends raw a chunk whose
-        values the chosen quantizer refuses): at its acknowledgement its wire bytes
-        take their share of the run's time. ``transfer``: the transfer it belongs to
+        values the chosen quantizer refuses): at its acknowledgement its wire time at
+        the path's rate is taken out of the run's. ``transfer``: the transfer it belongs to
         (:meth:`forget_transfer`)."""
         if codec != self._chosen:
             self._instead[chunk] = (codec, transfer)
+
+    def path_rate(self, bytes_per_s: float | None) -> None:
+        """The path's estimated rate now, wire bytes/s (``None``, or a value that is not a
+        positive finite number: unknown): a chunk sent in place of the chosen codec's is
+        charged its wire bytes at it (:meth:`on_ack`)."""
+        ok = bytes_per_s is not None and 0 < bytes_per_s < math.inf
+        self._path = bytes_per_s if ok else None
 
     def forget_transfer(self, transfer: Hashable) -> None:
         """``transfer`` failed: its chunks sent in place of another's are acknowledged
@@ -133,11 +149,14 @@ class GoodputMeter:
         2.37 GB/s of its 5.0, and int8 (3.0) took the lead.
 
         ``chunk``: the chunk's key as given to :meth:`sent_instead`, if it was sent in
-        place of the chosen codec's: its ``wire_bytes`` are added to the run's others',
-        which goes on, and it counts among the run's ``sample_acks``; the codec's rate
-        counts the seconds of its window's samples times their own wire bytes over their
-        own and the others' (without the wire sizes of the codec's own chunks, all of
-        them: the share is unknown).
+        place of the chosen codec's: the run goes on, the fallback counts among its
+        ``sample_acks``, and the sample's seconds lose its ``wire_bytes`` at the path's
+        rate (:meth:`path_rate`), the fallbacks' all together at most their share of the
+        sample's wire bytes (the share itself with the rate unknown; nothing without the
+        wire sizes of the codec's own chunks: the share is unknown); without its own wire
+        size (``wire_bytes`` not > 0), the time since the run's last acknowledgement.
+        A sample ends with ``sample_acks`` acknowledgements, the fallbacks' among them,
+        of which at least ``min_acks`` of the codec, whichever acknowledgement ends it.
         """
         mark = self._instead.pop(chunk, None) if chunk is not None else None
         if held:
@@ -146,12 +165,14 @@ class GoodputMeter:
         if mark is not None and codec != self._chosen:
             run = self._run
             if run is not None and now >= run.last:
-                run.other_wire += max(wire_bytes, 0)
+                if wire_bytes > 0:
+                    run.other_wire += wire_bytes
+                    run.cut += wire_bytes / self._path if self._path is not None else math.inf
+                else:  # no size: its time is the gap since the acknowledgement before it
+                    run.gap += now - run.last
                 run.others += 1
                 run.last = now
-                if run.acks + run.others >= self._sample_acks and run.acks >= self._min_acks:
-                    self._fold(run)
-                    self._run = _Run(run.codec, start=now, last=now, first=False)
+                self._sample_done(run, now)
             return
         if codec != self._chosen:
             return
@@ -165,9 +186,15 @@ class GoodputMeter:
         run.acks += 1
         run.own_wire += max(wire_bytes, 0)
         run.last = now
-        if run.acks + run.others >= self._sample_acks:
-            self._fold(run)
-            self._run = _Run(codec, start=now, last=now, first=False)
+        self._sample_done(run, now)
+
+    def _sample_done(self, run: _Run, now: float) -> None:
+        """Fold ``run`` into a sample if it spans ``sample_acks`` acknowledgements (the
+        fallbacks' among them) with at least ``min_acks`` of its codec, and go on with
+        the next sample (still a first while none was folded)."""
+        if run.acks + run.others >= self._sample_acks and run.acks >= self._min_acks:
+            folded = self._fold(run)
+            self._run = _Run(run.codec, start=now, last=now, first=run.first and not folded)
 
     def pause(self) -> None:
         """Nothing is in flight or queued: end the run (the next acknowledgement, whenever
@@ -182,24 +209,28 @@ class GoodputMeter:
         self.pause()
         self._instead.clear()
 
-    def _fold(self, run: _Run) -> None:
+    def _fold(self, run: _Run) -> bool:
+        """Fold ``run`` into its codec's samples; whether it made one."""
         seconds = run.last - run.start
         if seconds <= 0:
-            return  # acknowledged all at once: no measure of a rate
+            return False  # acknowledged all at once: no measure of a rate
+        if run.gap:
+            seconds -= run.gap  # the fallbacks without a wire size: the gaps before them
+        if run.other_wire and run.own_wire:
+            # The fallbacks' wire time at the path's rate (an encode-bound codec's chunks
+            # take longer than their wire bytes do at it, a raw one no longer), at most
+            # their share of the sample's wire bytes: the link, carrying both, was the
+            # most it could have held them (and the share alone, the path's rate unknown).
+            seconds -= min(run.cut, seconds * run.other_wire / (run.own_wire + run.other_wire))
+        if seconds <= 0:
+            return False
         recent = self._recent.setdefault(run.codec, deque(maxlen=self._window))
         if run.first:
             recent.clear()  # a new run: the codec's rate is this run's
-        recent.append((run.kv_bytes, seconds, run.own_wire, run.other_wire))
-        kv, secs = sum(s[0] for s in recent), sum(s[1] for s in recent)
-        own, other = sum(s[2] for s in recent), sum(s[3] for s in recent)
-        if other and own:
-            # The link carried the chunks sent in place of the codec's too: the codec's
-            # share of the time is its share of the wire bytes, taken over the window (a
-            # fallback acknowledged in a bunch just after a sample ended is the next
-            # sample's bytes, its wire time the one before's).
-            secs *= own / (own + other)
-        self._rate[run.codec] = kv / secs
+        recent.append((run.kv_bytes, seconds))
+        self._rate[run.codec] = sum(b for b, _ in recent) / sum(t for _, t in recent)
         self._samples[run.codec] = self._samples.get(run.codec, 0) + 1
+        return True
 
     def forget(self, codec: str) -> None:
         """Drop ``codec``'s rate (its samples count on): it is stale, measured in another

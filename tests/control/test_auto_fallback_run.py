@@ -4,12 +4,14 @@ refuses: NaN, infinity) is in no run of the chosen codec's measured goodput. Its
 its bytes did not: one such chunk in eight of an int8 run at 10 Gbit/s measured int8 at
 1.86 GB/s of its 2.42. At that chunk's acknowledgement, matched by the chunk's address
 (matched by codec, an earlier raw chunk's acknowledgement took its place), its wire bytes
-are added to the run's others', and the run's time is shared by wire bytes; the run goes
+are charged at the path's estimated rate (at most their share of the sample's wire
+bytes) and taken out of the sample's time; the run goes
 on (ended there, every next run was a first that cleared the codec's window: one fallback
 in four left int8 without a sample). Taken as the time since the acknowledgement before
 it, the fallback's wire time was wrong whenever acknowledgements are handled in bunches or
 come from several streams: int8 read 71-160 of 100 in bunches of four, 160-200 over four
-streams."""
+streams. Shared by wire bytes alone, an encode-bound int8 (2.4 GB/s of KV on a 2.5 GB/s
+link) read 2.695 and led raw."""
 
 from __future__ import annotations
 
@@ -124,13 +126,17 @@ def test_frequent_fallbacks_leave_the_quantizer_measured(every: int) -> None:
     assert len(m._recent["int8"]) == 4  # (the window is full: several samples averaged)
 
 
-def _int8_in_bunches(bunch: int, fallback_at: int, every: int = 8, n: int = 4000) -> float | None:
+def _int8_in_bunches(bunch: int, fallback_at: int, every: int = 8, n: int = 4000,
+                     path: float | None = None) -> float | None:
     """One stream: int8 chunks 1 s on the wire (100 KV bytes, 100 wire bytes), the one at
     ``fallback_at`` of every ``every`` sent raw (2 s, 200 wire bytes); the loop handles
     the acknowledgements in bunches of ``bunch`` (the sender task held it), 1 us apart,
-    at the time the bunch's last arrived. int8's true rate: 100 KV bytes/s."""
+    at the time the bunch's last arrived. int8's true rate: 100 KV bytes/s. ``path``: the
+    path's rate the meter is told (100 wire bytes/s), or none."""
     m = GoodputMeter()
     m.chosen("int8")
+    if path is not None:
+        m.path_rate(path)
     t, held = 0.0, []
     for i in range(n):
         raw = i % every == fallback_at
@@ -146,21 +152,25 @@ def _int8_in_bunches(bunch: int, fallback_at: int, every: int = 8, n: int = 4000
     return m.rate("int8")
 
 
+@pytest.mark.parametrize("path", [None, 100.0])
 @pytest.mark.parametrize("bunch", [1, 2, 4])
-def test_acknowledgements_handled_in_bunches(bunch: int) -> None:
+def test_acknowledgements_handled_in_bunches(bunch: int, path: float | None) -> None:
     """Cut out as the time since the acknowledgement before it, the fallback's wire time
     was that of a bunch, or none: int8 read 74-114 in bunches of two, 71-160 of four."""
     for at in range(8):
-        assert _int8_in_bunches(bunch, at) == pytest.approx(100.0, rel=0.03), at
+        assert _int8_in_bunches(bunch, at, path=path) == pytest.approx(100.0, rel=0.03), at
 
 
-def _int8_over_streams(streams: int, every: int, n: int = 2000) -> float | None:
+def _int8_over_streams(streams: int, every: int, n: int = 2000,
+                       path: float | None = None) -> float | None:
     """``streams`` streams share a link of 1 wire byte/s fairly; each takes the next chunk
     when its last is acknowledged; int8 chunks are 1 wire byte (100 KV bytes), one in
     ``every`` goes raw (2 wire bytes). Chunks sent together are acknowledged together,
-    their acknowledgements tied."""
+    their acknowledgements tied. ``path``: the path's rate the meter is told, or none."""
     m = GoodputMeter()
     m.chosen("int8")
+    if path is not None:
+        m.path_rate(path)
     t, nxt = 0.0, 0
     active: dict[int, list[float]] = {}  # stream -> [chunk, wire bytes left], in the order sent
     while True:
@@ -182,12 +192,144 @@ def _int8_over_streams(streams: int, every: int, n: int = 2000) -> float | None:
         m.on_ack("raw" if raw else "int8", 100, t, chunk=int(i), wire_bytes=2 if raw else 1)
 
 
+@pytest.mark.parametrize("path", [None, 1.0])
 @pytest.mark.parametrize("every", [8, 4])
-def test_acknowledgements_of_several_streams(every: int) -> None:
+def test_acknowledgements_of_several_streams(every: int, path: float | None) -> None:
     """Four streams: the fallback's acknowledgement came tied with, or just after, the
     int8 chunks sent beside it, and the time since the one before it was none of its
     wire time or a share of theirs: int8 read 160-200."""
-    assert _int8_over_streams(4, every) == pytest.approx(100.0, rel=0.03)
+    assert _int8_over_streams(4, every, path=path) == pytest.approx(100.0, rel=0.03)
+
+
+ENCODE8 = 2.4e9  # int8's encoder, KV bytes/s: slower than the link carries its chunks (2.42)
+LINK_E = 2.5e9  # wire bytes/s
+
+
+def _encode_bound(codec: str, kv: int) -> float:
+    """A pipelined sender's seconds for one chunk: the slower of the encoder and the link."""
+    return kv / LINK_E if codec == "raw" else max(kv / ENCODE8, INT8 * kv / LINK_E)
+
+
+def _wire(codec: str) -> int:
+    return CHUNK if codec == "raw" else round(INT8 * CHUNK)
+
+
+def test_an_encode_bound_quantizer_s_fallbacks_are_charged_their_wire_time() -> None:
+    """int8 encode-bound at 2.4 GB/s of KV on a 2.5 GB/s link, one chunk in eight raw: a
+    raw chunk's time is its wire bytes at the link's rate, less than their share of the
+    wire bytes (int8's take longer than theirs at it). Shared by wire bytes, int8 read
+    2.695 GB/s, above raw's 2.5: the chooser led int8 and delivered 2.413 GB/s of KV."""
+    ch = CodecChooser.from_ratios({"raw": 1.0, "int8": INT8}, measure_goodput=True)
+    ch.choose(LINK_E * 8, now=0.0)
+    ch.meter.chosen("int8")  # (int8 chosen from here on, the path's rate known)
+    t = 0.0
+    for i in range(64):
+        codec = "raw" if i % 8 == 4 else "int8"
+        if codec == "raw":
+            ch.observe_fallback("raw", i)
+        t += _encode_bound(codec, CHUNK)
+        ch.observe_delivered(codec, CHUNK, t, chunk=i, wire_bytes=_wire(codec))
+    assert ch.meter.rate("int8") == pytest.approx(ENCODE8, rel=0.03)
+    # the whole chooser: raw (2.5) leads int8 (2.4) and delivers as much as raw alone
+    ch = CodecChooser.from_ratios({"raw": 1.0, "int8": INT8}, measure_goodput=True)
+    t = 0.0
+    for i in range(4000):
+        chosen = ch.choose(LINK_E * 8, now=t).codec
+        sent = "raw" if chosen == "int8" and i % 8 == 4 else chosen
+        if sent != chosen:
+            ch.observe_fallback(sent, i)
+        t += _encode_bound(sent, CHUNK)
+        ch.observe_delivered(sent, CHUNK, t, chunk=i, wire_bytes=_wire(sent))
+    assert ch.leader == "raw"
+    assert 4000 * CHUNK / t == pytest.approx(LINK_E, rel=0.01)
+
+
+def test_the_fallbacks_cut_is_each_sample_s_own() -> None:
+    """A window mixing a sample with no fallback (nor wire sizes) and one with a fallback:
+    only the latter's time is cut. Shared by wire bytes over the window, the second
+    sample's share (2 s of its 5) was taken of both samples' 9 s: int8 read 129.6 of 100."""
+    m = GoodputMeter(sample_acks=4, min_acks=1)
+    m.chosen("int8")
+    t = 0.0
+    m.on_ack("int8", 100, t)
+    for _ in range(4):
+        t += 1.0
+        m.on_ack("int8", 100, t)  # no wire size given
+    assert m.rate("int8") == pytest.approx(100.0)
+    m.sent_instead("raw", "f")
+    for _ in range(3):
+        t += 1.0
+        m.on_ack("int8", 100, t, wire_bytes=100)
+    t += 2.0
+    m.on_ack("raw", 100, t, chunk="f", wire_bytes=200)
+    assert m.samples("int8") == 2 and m.rate("int8") == pytest.approx(100.0)
+    # an encode-bound sample with a fallback beside samples without: the path's rate
+    # (100 wire bytes/s) charges the fallback its 2 s of wire time, not 2/5 of the sample
+    m.path_rate(100.0)
+    m.sent_instead("raw", "g")
+    for _ in range(3):
+        t += 2.0  # int8 at 50 KV bytes/s: its encoder, not the link
+        m.on_ack("int8", 100, t, wire_bytes=100)
+    t += 2.0
+    m.on_ack("raw", 100, t, chunk="g", wire_bytes=200)
+    kv, seconds = m._recent["int8"][-1]
+    assert m.samples("int8") == 3 and kv == 300 and seconds == pytest.approx(6.0)
+
+
+def test_a_fallback_without_a_wire_size_is_cut_out_as_the_gap_before_it() -> None:
+    """The caller tells the fallbacks but gives no wire sizes: the time since the
+    acknowledgement before the fallback's is taken out, as before the wire sizes were
+    given (shared by wire bytes, none, int8 read 77.8 of 100)."""
+    m = GoodputMeter()
+    m.chosen("int8")
+    t = 0.0
+    for i in range(64):
+        fallback = i % 8 == 4
+        if fallback:
+            m.sent_instead("raw", i)
+        t += 2.0 if fallback else 1.0
+        m.on_ack("raw" if fallback else "int8", 100, t, chunk=i)
+    assert m.rate("int8") == pytest.approx(100.0)
+
+
+def test_a_sample_needs_min_acks_of_its_codec_whichever_acknowledgement_ends_it() -> None:
+    """Fallbacks first, then the codec's own: a sample of one int8 acknowledgement and
+    seven fallbacks ended at the next int8 one, below ``min_acks`` (3), as one ended by a
+    fallback would not."""
+    m = GoodputMeter(sample_acks=8, min_acks=3)
+    m.chosen("int8")
+    t = 0.0
+    m.on_ack("int8", 100, t, wire_bytes=100)  # starts the run's clock
+    for i in range(7):
+        m.sent_instead("raw", i)
+        t += 2.0
+        m.on_ack("raw", 100, t, chunk=i, wire_bytes=200)
+    t += 1.0
+    m.on_ack("int8", 100, t, wire_bytes=100)
+    assert m.samples("int8") == 0
+    for _ in range(2):
+        t += 1.0
+        m.on_ack("int8", 100, t, wire_bytes=100)
+    assert m.samples("int8") == 1 and m.rate("int8") == pytest.approx(100.0)
+
+
+def test_a_run_s_first_sample_skipped_leaves_the_next_one_first() -> None:
+    """A new run's first sample acknowledged all at once (no time: no sample) left the
+    previous run's window in place, and the next sample was averaged with it: 57.1 of the
+    new run's 25."""
+    m = GoodputMeter()
+    m.chosen("int8")
+    t = 0.0
+    for _ in range(33):  # a run at 100/s: 4 samples in the window
+        m.on_ack("int8", 100, t)
+        t += 1.0
+    m.pause()  # the run ends; the link is 4 times slower now
+    for _ in range(9):  # the new run's first 8, in one bunch
+        m.on_ack("int8", 100, t)
+    for _ in range(8):
+        t += 4.0
+        m.on_ack("int8", 100, t)
+    assert m.rate("int8") == pytest.approx(25.0) and len(m._recent["int8"]) == 1
 
 
 def test_a_fallback_sent_again_keeps_its_mark() -> None:
