@@ -270,6 +270,11 @@ class _Load:
     expected: tuple[bytes, ...] | None = None
     #: async load: the registry check under way, with its deadline
     verifying: tuple[concurrent.futures.Future[str | None], float] | None = None
+    #: async load whose claimed transfer was lost (see :meth:`KvwireConnector._restart_load`):
+    #: set by kvwire's loop once the receive of it stopped, then its name is expected again
+    restarting: threading.Event | None = None
+    #: whether it was restarted so (once)
+    restarted: bool = False
 
     @property
     def blocks(self) -> list[int]:
@@ -985,14 +990,19 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return mark
 
     def _give_up_load(self, req_id: str, reason: str) -> None:
-        """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does."""
+        """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does,
+        and so if the transfer it claimed had failed (its producer lost mid-transfer, say):
+        the prefill retried sends its name again, whole, and that transfer, which no load
+        takes, is dropped as it comes instead of held (memory and a slot of
+        ``max_transfers``) until kvwire_claim_timeout.  (One aborted healthy, its request
+        finished, is not sent again: nothing waits for its name.)"""
         load = self._loading.pop(req_id)
         handle, total = load.handle, len(load.block_ids)
         if load.verifying is not None:
             load.verifying[0].cancel()
-        arrived = handle.transfer is not None
+        retried = handle.transfer is None or handle.error is not None  # (its own error, before the abort's)
         self._abort(req_id, handle, reason)
-        if not arrived and self._server is not None and self._drop(req_id, handle.request_id, [DROP] * total):
+        if retried and self._server is not None and self._drop(req_id, handle.request_id, [DROP] * total):
             ends = None if self._claim_timeout is None else time.monotonic() + self._claim_timeout
             self._dropping[req_id].given_up = (total, ends)
 
@@ -1022,6 +1032,39 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                        "waiting for another transfer of its name", req_id, handle.error)
         load.handle, load.dest = new, again
         return True
+
+    def _restart_load(self, req_id: str, load: _Load, error: KvwireError) -> bool:
+        """Async load whose claimed transfer was lost (``ConnectionLostError``: its producer
+        died or its connection was lost mid-transfer, after it wrote into the blocks):
+        once, abort its receive and, once kvwire's loop ran a mark queued after that stop
+        (nothing of the lost transfer is written into the blocks after it), expect its
+        name again (:meth:`_resume_restarted`), so that the prefill retried (its name sent
+        again, whole, rewriting every block) is loaded, within the load's
+        kvwire_load_timeout; True.  vLLM has not read the blocks (the request waits for
+        its KV).  False (the load fails) otherwise."""
+        if (not self._load_async or load.restarted or not isinstance(error, ConnectionLostError)
+                or load.handle.transfer is None or not load.dest.used):
+            return False
+        load.handle.abort(f"its transfer was lost: {error}", timeout=0)
+        mark = self._loop_mark()
+        if mark is None:
+            return False
+        load.restarted, load.restarting = True, mark
+        logger.warning("kvwire: the transfer of request %s was lost mid-way (%s): waiting for another transfer of "
+                       "its name (its prefill retried) within its kvwire_load_timeout", req_id, error)
+        return True
+
+    def _resume_restarted(self, load: _Load) -> KvwireError | None:
+        """The receive of ``load``'s lost transfer stopped: expect its name again, into
+        the same blocks; the error if it cannot be (the server's bridge is closed)."""
+        assert self._spec is not None
+        again = _Destination(self._spec, self._caches, load.block_ids)
+        try:
+            new = self._expect_load(load.key, again)
+        except KvwireError as exc:
+            return exc
+        load.handle, load.dest, load.restarting = new, again, None
+        return None
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._loading or self._load_async:  # async load: the request runs once its KV is in
@@ -1769,6 +1812,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         not arrive whole is aborted (a transfer that comes later is dropped)."""
         ended: dict[str, set[int]] = {}
         for req_id, load in list(self._loading.items()):
+            if load.restarting is not None:  # (its lost transfer's receive stopping)
+                failed: KvwireError | None = None
+                if now >= load.since + self._timeout:
+                    failed = TransferTimeoutError(f"transfer of {load.handle.request_id!r} not ready after "
+                                                  f"{self._timeout:g} s")
+                elif not load.restarting.is_set() or (failed := self._resume_restarted(load)) is None:
+                    continue
+                _log_failed(req_id, failed)
+                self._give_up_load(req_id, str(failed))
+                ended[req_id] = set(load.blocks)
+                continue
             handle, blocks = load.handle, load.blocks
             if handle.done:
                 checked, reason = self._verified(load, now)
@@ -1783,7 +1837,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     ended[req_id] = set(blocks)
                 continue
             error: KvwireError | None = handle.error
-            if error is not None and now < load.since + self._timeout and self._reload(req_id, handle):
+            if error is not None and now < load.since + self._timeout and (
+                    self._reload(req_id, handle) or self._restart_load(req_id, load, error)):
                 continue
             if error is None and now >= load.since + self._timeout:
                 error = TransferTimeoutError(f"transfer of {handle.request_id!r} not ready after {self._timeout:g} s")
