@@ -78,6 +78,57 @@ class KVSpec:
         return hashlib.sha256(canon.encode()).digest()[:16]
 
 
+#: The fields :func:`spec_differences` compares, the short ones that decide the geometry
+#: first and ``model`` (long, free text) last.
+_SHORT_FIELDS = ("dtype", "num_kv_heads", "head_dim", "num_layers")
+
+
+def _model_excerpts(here: str, sent: str, width: int) -> tuple[str, str]:
+    """Both model names as ``repr``, each cut to about ``width`` characters from a little
+    before where they first differ ("..." where something was left out)."""
+    same = 0
+    for a, b in zip(here, sent, strict=False):
+        if a != b:
+            break
+        same += 1
+    start = max(0, same - 6)
+
+    def cut(model: str) -> str:
+        text = model[start:]
+        room = max(4, width - 2 - (3 if start else 0))
+        body = text if len(text) <= room else text[: room - 3] + "..."
+        return ("'..." if start else "'") + body.replace("'", "\\'") + "'"
+
+    return cut(here), cut(sent)
+
+
+def spec_differences(here: KVSpec, sent: KVSpec, limit: int = 90) -> str:
+    """The fields in which ``sent`` differs from ``here``, each with both values, the
+    short ones first (``"num_kv_heads 8 here, 1 sent; model '...x16/t1:m' here, '...x16:m'
+    sent"``), in at most ``limit`` characters: ``model`` values are cut around where they
+    first differ.  Empty when the two are equal."""
+    parts = [f"{name} {getattr(here, name)} here, {getattr(sent, name)} sent"
+             for name in _SHORT_FIELDS if getattr(here, name) != getattr(sent, name)]
+    text = "; ".join(parts)
+    if here.model != sent.model:
+        lead = f"{text}; " if text else ""
+        width = (limit - len(lead) - len("model  here,  sent")) // 2
+        if width < 10:  # (no room to show where they differ)
+            text = f"{lead}model differs"
+        else:
+            mine, theirs = _model_excerpts(here.model, sent.model, width)
+            text = f"{lead}model {mine} here, {theirs} sent"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def closest_spec(specs: tuple[KVSpec, ...] | list[KVSpec], sent: KVSpec) -> KVSpec | None:
+    """The one of ``specs`` that differs from ``sent`` in fewest fields (the first of
+    those tied), None if there are none."""
+    def differing(spec: KVSpec) -> int:
+        return sum(getattr(spec, name) != getattr(sent, name) for name in (*_SHORT_FIELDS, "model"))
+    return min(specs, key=differing, default=None)
+
+
 @dataclass(frozen=True, slots=True)
 class Layer:
     """One complete layer of a received cache."""

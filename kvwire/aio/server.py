@@ -24,7 +24,7 @@ import ssl as _ssl
 import sys
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from types import TracebackType
 from typing import Any
 
@@ -94,6 +94,11 @@ ROOM_LOG_INTERVAL = 60.0
 #: holds ``max_sessions`` x ``max_transfers`` transfers (a WARNING while any are, at most
 #: this often).
 HELD_LOG_INTERVAL = 60.0
+#: Least seconds between two log lines saying that BEGINs were refused for their KV layout
+#: for one reason (a WARNING a reason, at most this often; the next line counts the others).
+REFUSED_LOG_INTERVAL = 60.0
+#: Reasons of those refusals remembered for that (the least recently logged forgotten first).
+REFUSED_REASONS_KEPT = 64
 
 
 class _CostMeter:
@@ -511,6 +516,9 @@ class Server(Pump):
         self._held_logged_at = -math.inf
         self._held_refusals_seen = 0
         self._held_refusals_unlogged = 0
+        # Per reason of BEGINs refused for their layout: when a line last said it, and how
+        # many such refusals no line has said yet (see _log_refused).
+        self._refused_logged: OrderedDict[str, list[float]] = OrderedDict()
         # The registry checks running, by transfer (one a transfer at most: the core refuses
         # a BEGIN of an id whose call still runs): cancelled when their transfer fails.
         self._checks: dict[Key, asyncio.Task[KvwireError | None]] = {}
@@ -593,7 +601,10 @@ class Server(Pump):
         it (its sender reset it, its session was lost, ...) is handed out too, in its place
         among the arrivals of that id, until its ``claim_timeout`` passes: iterating it
         raises the error it failed with, as it would had this been waiting when it arrived
-        (``into`` is not called then, and receives nothing).
+        (``into`` is not called then, and receives nothing).  A BEGIN of ``request_id`` the
+        server refuses for its KV layout (``INCOMPATIBLE_SPEC``: not the ``spec=`` it was
+        given) fails the oldest ``expect()`` of that id waiting, at once, with that refusal
+        (:class:`~kvwire.IncompatiblePeerError`, naming the fields that differ).
         """
         check_request_id(request_id)
         check_seconds("timeout", timeout)
@@ -948,10 +959,13 @@ class Server(Pump):
                 f.detach()
             if t is not None:
                 t._fail(ev.error)
-            elif not ev.claimable and isinstance(ev.error, StaleVersionError | RegistryUnavailableError):
-                # Refused by the registry before it arrived: blocks refused as stale do not
-                # become fresh, so the expect() it would have gone to (the oldest waiting)
-                # learns now rather than at its timeout.
+            elif ev.refused or (not ev.claimable and isinstance(ev.error, StaleVersionError | RegistryUnavailableError)):
+                # Refused by the registry before it arrived, or at BEGIN for its KV layout:
+                # blocks refused as stale do not become fresh, nor is a layout refused
+                # accepted when sent again, so the expect() it would have gone to (the
+                # oldest waiting, with into= or without) learns now rather than at its timeout.
+                if ev.refused:
+                    self._log_refused(ev)
                 waiters = self._expect_waiters.get(ev.request_id, deque())
                 while waiters:
                     if not (fut := waiters.popleft()).done():
@@ -980,6 +994,26 @@ class Server(Pump):
             _log.debug("transfer '%s' from %s %s: %s", printable(ev.request_id), self._peer(ev.cid),
                        "reset by the client" if ev.by_peer else "aborted",
                        printable(ev.reason) if ev.reason else "no reason given")
+
+    def _log_refused(self, ev: TransferFailed) -> None:
+        """Say (at most once per :data:`REFUSED_LOG_INTERVAL` for one reason) that a BEGIN
+        was refused for its KV layout, with the text its sender got: otherwise only the
+        producer learns it.  Refusals within the interval after a line are counted, and
+        the next line of that reason says how many."""
+        reason = str(ev.error)
+        now = self.now()
+        entry = self._refused_logged.get(reason)
+        if entry is not None and now - entry[0] < REFUSED_LOG_INTERVAL:
+            entry[1] += 1
+            return
+        more = int(entry[1]) if entry is not None else 0
+        self._refused_logged[reason] = [now, 0]
+        self._refused_logged.move_to_end(reason)
+        while len(self._refused_logged) > REFUSED_REASONS_KEPT:
+            self._refused_logged.popitem(last=False)
+        _log.warning("transfer %s from %s refused (%s)%s: %s", quoted_id(ev.request_id), self._peer(ev.cid),
+                     code_name(ev.error.code), f" ({more} more for this since the last such line)" if more else "",
+                     printable(reason))
 
     def _peer(self, cid: int | None) -> str:
         stream = self._by_cid.get(cid) if cid is not None else None

@@ -64,7 +64,7 @@ from kvwire.errors import (
 )
 from kvwire.session.meta import meta_footprint, parse_meta
 from kvwire.session.quoting import quoted_id
-from kvwire.spec import DTYPE_BY_ID, KVSpec
+from kvwire.spec import DTYPE_BY_ID, KVSpec, closest_spec, spec_differences
 from kvwire.wire import (
     Begin,
     Chunk,
@@ -230,12 +230,16 @@ def begin_footprint(begin: Begin, meta: Mapping[str, object]) -> int:
 def admit_begin(
     begin: Begin, *, active: int, max_transfers: int, max_meta_bytes: int,
     fingerprints: frozenset[bytes] | set[bytes] = frozenset(), unclaimed: int = 0,
+    specs: tuple[KVSpec, ...] = (),
 ) -> tuple[KVSpec, dict[str, object]]:
     """Validate a BEGIN for a session with ``active`` transfers in progress or unclaimed
     (``unclaimed`` of them complete, waiting for the application to claim them).
 
     Returns the transfer's layout and meta; raises the error its RESET carries (section
-    7.1 of docs/protocol.md): LIMIT_EXCEEDED, INCOMPATIBLE_SPEC or PROTOCOL_ERROR.
+    7.1 of docs/protocol.md): LIMIT_EXCEEDED, INCOMPATIBLE_SPEC or PROTOCOL_ERROR.  A
+    layout not among ``fingerprints`` is named by fingerprint, and, where ``specs`` (the
+    layouts of ``fingerprints``) has them, by the fields in which it differs from the
+    closest of them, with both values.
     """
     if active >= max_transfers:
         # (within WIRE_TEXT_LIMIT: the RESET carries it)
@@ -254,15 +258,16 @@ def admit_begin(
     except UsageError as exc:
         raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, str(exc)) from None
     if fingerprints and spec.fingerprint not in fingerprints:
-        # The fingerprints first: the text on the wire is cut at 160 characters, and a
-        # layout's repr (its model field) can be longer.
+        # The fingerprints first, then the fields that differ from the closest layout
+        # accepted, with both values (the model field cut where they differ), the whole
+        # within WIRE_TEXT_LIMIT: a layout's repr (its model field) can be longer.
         accepted = sorted(fp.hex()[:FP_SHOWN] for fp in fingerprints)
         more = f" and {len(accepted) - 4} more" if len(accepted) > 4 else ""
-        raise error_from_code(
-            ErrorCode.INCOMPATIBLE_SPEC,
-            f"this server does not accept KV layout {spec.fingerprint.hex()[:FP_SHOWN]} "
-            f"(it accepts {', '.join(accepted[:4])}{more}): {spec}",
-        )
+        head = (f"this server does not accept KV layout {spec.fingerprint.hex()[:FP_SHOWN]} "
+                f"(it accepts {', '.join(accepted[:4])}{more}): ")
+        closest = closest_spec(specs, spec)
+        tail = str(spec) if closest is None else spec_differences(closest, spec, WIRE_TEXT_LIMIT - len(head))
+        raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, head + tail)
     if len(begin.meta) > max_meta_bytes:
         raise LimitExceededError(f"meta of {len(begin.meta)} bytes exceeds max_meta_bytes={max_meta_bytes}")
     meta = parse_meta(begin.meta)
@@ -398,6 +403,9 @@ class ReceiverConfig:
     """Codecs accepted (a CHUNK in another one fails its transfer with UNSUPPORTED_CODEC)."""
     fingerprints: frozenset[bytes] = frozenset()
     """KV layouts accepted (``KVSpec.fingerprint``); empty accepts any valid layout."""
+    specs: tuple[KVSpec, ...] = ()
+    """The layouts of ``fingerprints``, where known: a refusal names the fields in which a
+    layout sent differs from the closest of them."""
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     window: int = DEFAULT_WINDOW
     max_transfers: int = 64
@@ -451,12 +459,19 @@ class TransferFailed:
     ``claimable``: it had arrived (:class:`TransferArrived`) and nobody had claimed it, and
     it stays among :meth:`ReceiverCore.unclaimed`, in its place, until it is claimed or a
     :class:`TransferDropped` says it is forgotten: the application claiming it is handed
-    the failure, as one that claimed it before it failed is."""
+    the failure, as one that claimed it before it failed is.
+
+    ``refused``: its BEGIN was refused for its KV layout (INCOMPATIBLE_SPEC, ``error``
+    the text its RESET carried), on connection ``cid``: nothing of it was kept, and a
+    layout refused is refused again, so what waits for a transfer of ``request_id`` may
+    be failed with it."""
 
     key: Key
     error: KvwireError
     request_id: str = ""
     claimable: bool = False
+    refused: bool = False
+    cid: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1591,7 +1606,7 @@ class ReceiverCore:
             unclaimed = sum(1 for t in sess.transfers.values() if t.complete and not t.claimed)
             spec, meta = admit_begin(begin, active=active, max_transfers=cfg.max_transfers,
                                      max_meta_bytes=cfg.max_meta_bytes, fingerprints=cfg.fingerprints,
-                                     unclaimed=unclaimed)
+                                     unclaimed=unclaimed, specs=cfg.specs)
             self._check_held()
             if cfg.registry and begin.blocks:  # (it will make a registry call)
                 self._check_calls(sess, active)
@@ -1605,7 +1620,11 @@ class ReceiverCore:
                 )
         except KvwireError as exc:
             self._count("transfers_refused")
-            conn.send_reset(tid, exc.code, wire_text(str(exc)))
+            text = wire_text(str(exc))
+            conn.send_reset(tid, exc.code, text)
+            if exc.code == ErrorCode.INCOMPATIBLE_SPEC:
+                self._events.append(TransferFailed(key=(sess.session_id, tid), error=error_from_code(exc.code, text),
+                                                   request_id=begin.request_id, refused=True, cid=cid))
             return
         t = _Incoming(
             key=(sess.session_id, tid), begin=begin, spec=spec, meta=meta,
