@@ -244,9 +244,18 @@ def add_parsers(subparsers: Any) -> None:
     # One or the other, as in kvwire simulate: given both, the schedule replaced --link
     # without a word.
     rate = link.add_mutually_exclusive_group()
-    rate.add_argument("--link", type=_LINK_RATE, metavar="RATE", help="link rate, e.g. 10gbps, 800mbps (at least 10kbps)")
+    rate.add_argument("--link", type=_LINK_RATE, metavar="RATE",
+                      help="link rate, e.g. 10gbps, 800mbps (at least 10kbps): an Ethernet line rate, "
+                           "of which TCP payload is at most (MTU-52)/(MTU+38), 94%% at MTU 1500 "
+                           "(see --link-layer)")
     rate.add_argument("--link-schedule", type=argument_type(parse_schedule), metavar="TIME:RATE,...",
                       help="rate over time, e.g. '0s:10gbps,3s:2.5gbps' (instead of --link)")
+    link.add_argument("--link-layer", choices=("ethernet", "payload"), default="ethernet",
+                      help="what --link and --link-schedule count: ethernet (default: the line rate of "
+                           "Ethernet frames of --mtu, headers, preamble and gap included; TCP payload "
+                           "is charged as if carried in full segments) or payload (TCP payload bytes)")
+    link.add_argument("--mtu", type=int, default=1500, metavar="BYTES",
+                      help="the link's MTU, 576-65536 (default 1500; 9000 for jumbo frames)")
     link.add_argument("--rtt", type=argument_type(parse_duration), default=0.0, metavar="TIME",
                       help="round-trip time added by the emulator, e.g. 20ms (default 0)")
     link.add_argument("--jitter", type=argument_type(parse_duration), default=0.0, metavar="TIME",
@@ -356,7 +365,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             duration=args.duration, link_bps=args.link, schedule=args.link_schedule or (),
             rtt=args.rtt, jitter=args.jitter, emulator=args.emulator, kernel=args.kernel, peer=args.peer,
             baseline=not args.no_baseline, seed=args.seed, chunk_bytes=args.chunk_size,
-            interval=args.interval,
+            interval=args.interval, link_layer=args.link_layer, mtu=args.mtu,
         )
         if args.peer is not None:
             secret, warning = load_secret(args.secret_file)
@@ -425,6 +434,13 @@ def _where(cfg: Any) -> str:
         return "loopback"
     link = format_schedule(cfg.steps) if len(cfg.steps) > 1 else (
         format_rate(cfg.steps[0][1]) if cfg.steps else "unshaped")
+    if cfg.steps and cfg.link_layer == "payload":
+        link += " of TCP payload"
+    elif len(cfg.steps) == 1:
+        link += (f" Ethernet, MTU {cfg.mtu} ({format_rate(cfg.steps[0][1] * cfg.payload_share)} "
+                 "of TCP payload)")
+    elif cfg.steps:
+        link += f" Ethernet, MTU {cfg.mtu}"
     if cfg.mode == "kernel":  # tbf adds no delay: the table gives the RTT measured
         return f"kernel-shaped link (tbf) {link}, no added delay"
     return f"emulated link {link}, RTT {format_duration(cfg.rtt)}"
@@ -500,6 +516,15 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.0f}%"
 
 
+def _capacity_text(r: dict[str, Any]) -> str:
+    """``9.415 Gbit/s (Ethernet, MTU 1500)``: what the link carries of TCP payload when
+    saturated, the 100% of ``utilization``."""
+    text = format_rate(r["payload_capacity_gbps"] * 1e9)
+    if r.get("link_layer") == "ethernet":
+        return text + f" (Ethernet, MTU {r['mtu']})"
+    return text + " (--link-layer payload)"
+
+
 def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -531,6 +556,7 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         link += f", emulated ({r['start']['config']['emulator']} pump)"
     rows: list[tuple[str, str]] = [
         ("link", link),
+        *([("TCP payload capacity", _capacity_text(r))] if r.get("payload_capacity_gbps") else []),
         ("RTT", _ms(r["rtt_ms"])),
         ("codec", codec),
         ("streams", streams),

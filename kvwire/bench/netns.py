@@ -39,7 +39,17 @@ from typing import Any, TypeVar
 from kvwire.bench._signals import defers, ends_the_program
 from kvwire.errors import UsageError
 
-__all__ = ["TBF_MAX_LIMIT", "NetnsLink", "NetnsUnavailable", "check_tbf", "netns_available", "sweep_stale"]
+__all__ = [
+    "TBF_MAX_LIMIT",
+    "VETH_HEADERS",
+    "NetnsLink",
+    "NetnsUnavailable",
+    "check_tbf",
+    "netns_available",
+    "payload_of",
+    "sweep_stale",
+    "tbf_rate",
+]
 
 _CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
@@ -56,18 +66,59 @@ TBF_MAX_LIMIT = 2**32 - 1
 DEFAULT_QUEUE_LATENCY = 0.05
 
 
-def check_tbf(rate_bps: float, burst_bytes: int, latency: float) -> None:
+#: Bytes of each Ethernet frame that tbf counts: its header (the veth's packets hold it).
+#: The FCS, preamble and inter-frame gap (24 of the 38 bytes a frame takes beyond its IP
+#: packet) are not in the packet.
+_COUNTED_ETHERNET = 14
+#: Headers in every packet the veth counts (Ethernet 14, IPv4 20, TCP with timestamps 32):
+#: an offload packet of many segments counts once, with one set of headers.
+VETH_HEADERS = 66
+
+
+def tbf_rate(rate_bps: float, mtu: int | None, link_layer: str = "ethernet") -> float:
+    """The rate to give tbf for an Ethernet link of line rate ``rate_bps`` at MTU ``mtu``
+    (``None``: ``rate_bps`` itself, the rate of what tbf counts).
+
+    tbf counts each segment of an offload packet with its own headers (the kernel's
+    ``qdisc_pkt_len_init``): a full segment is ``mtu`` bytes of IP packet and the 14 of
+    its Ethernet header, of the ``mtu + 38`` a frame takes on the wire. The other 24 bytes
+    a frame takes are folded into the rate, ``rate x (mtu + 14) / (mtu + 38)``, not added
+    as ``tc``'s ``stab overhead``: that is added once per packet the qdisc sees, so once
+    per offload super-packet of up to 64 KiB, not once per frame.
+
+    ``link_layer="payload"``: ``rate_bps`` counts TCP payload bytes, of which a full
+    segment holds ``mtu - 52``: ``rate x (mtu + 14) / (mtu - 52)``."""
+    if mtu is None:
+        return rate_bps
+    from kvwire.bench.emulator import ETHERNET_FRAMING, TCP_IP_HEADERS, check_mtu
+
+    check_mtu(mtu)
+    if link_layer == "payload":
+        return rate_bps * (mtu + _COUNTED_ETHERNET) / (mtu - TCP_IP_HEADERS)
+    if link_layer != "ethernet":
+        raise ValueError(f"link_layer must be 'ethernet' or 'payload', not {link_layer!r}")
+    return rate_bps * (mtu + _COUNTED_ETHERNET) / (mtu + ETHERNET_FRAMING)
+
+
+def payload_of(nbytes: int, packets: int) -> int:
+    """The TCP payload in ``packets`` packets of ``nbytes`` that a veth counted."""
+    return max(0, nbytes - VETH_HEADERS * packets)
+
+
+def check_tbf(rate_bps: float, burst_bytes: int, latency: float, *, per_link: float = 1.0) -> None:
     """Raise UsageError unless tbf can hold ``latency`` of queue at ``rate_bps`` on top
-    of its ``burst_bytes`` bucket (``rate x latency + burst`` within :data:`TBF_MAX_LIMIT`)."""
+    of its ``burst_bytes`` bucket (``rate x latency + burst`` within :data:`TBF_MAX_LIMIT`).
+    ``per_link``: tbf's rate for each bit/s of the link's (:func:`tbf_rate`); the message
+    gives the link's rates."""
     if rate_bps / 8 * latency + burst_bytes <= TBF_MAX_LIMIT:
         return
     from kvwire.units import format_rate, format_size
 
     fastest = max(0.0, (TBF_MAX_LIMIT - burst_bytes) * 8 / latency)
     raise UsageError(
-        f"tc's tbf cannot queue {latency * 1e3:g} ms at {format_rate(rate_bps)} with a "
+        f"tc's tbf cannot queue {latency * 1e3:g} ms at {format_rate(rate_bps / per_link)} with a "
         f"{format_size(burst_bytes)} bucket: it holds at most {format_size(TBF_MAX_LIMIT)} "
-        f"(at most {format_rate(fastest)} with that bucket)"
+        f"(at most {format_rate(fastest / per_link)} with that bucket)"
     )
 
 
@@ -236,6 +287,13 @@ class NetnsLink:
     :param reverse_rate_bps: receiver-to-sender rate (``None``: unshaped).
     :param burst_bytes: tbf bucket; default about 1 ms at the rate, at least 64 KiB
         (segmentation offload hands tbf packets of up to 64 KiB).
+    :param mtu: the rates are Ethernet line rates at this MTU, which the veth is given:
+        tbf's rate is :func:`tbf_rate` of them, so a saturated link carries the TCP payload
+        an Ethernet link of that rate does. ``None`` (the default): tbf is given the rates
+        as they are (they count packets with their headers, once per offload packet's
+        segment) and the veth keeps its MTU.
+    :param link_layer: with ``mtu``, ``ethernet`` (the rates are line rates) or
+        ``payload`` (the rates count TCP payload bytes in full segments of that MTU).
     :param queue_latency: how long a packet may wait in tbf's queue (seconds, default
         50 ms). tbf holds at most 4 GiB (``rate x latency + burst``): a rate that needs
         more (above about 670 Gbit/s at the defaults) raises UsageError
@@ -252,7 +310,13 @@ class NetnsLink:
         reverse_rate_bps: float | None = None,
         burst_bytes: int | None = None,
         queue_latency: float = DEFAULT_QUEUE_LATENCY,
+        mtu: int | None = None,
+        link_layer: str = "ethernet",
     ) -> None:
+        if mtu is not None:
+            tbf_rate(1.0, mtu, link_layer)  # checks them
+        self.mtu = mtu
+        self.link_layer = link_layer
         tag = secrets.token_hex(3)
         self.sender_ns = f"kvwire-{os.getpid()}-{tag}-s"
         self.receiver_ns = f"kvwire-{os.getpid()}-{tag}-r"
@@ -285,6 +349,16 @@ class NetnsLink:
             return self._burst
         return max(64 * 1024, int(rate_bps / 8 * 0.001))
 
+    def _tc_shape(self, dev: str, rate_bps: float, verb: str) -> list[str]:
+        """The ``tc`` command that shapes ``dev`` to the link rate ``rate_bps``."""
+        rate = tbf_rate(rate_bps, self.mtu, self.link_layer)
+        return [
+            "tc", "qdisc", verb, "dev", dev, "root", "tbf",
+            "rate", f"{int(rate)}bit",
+            "burst", str(self._burst_for(rate)),
+            "latency", f"{int(self._latency * 1000)}ms",
+        ]  # fmt: skip
+
     def _shape(self, ns: str, dev: str, rate_bps: float | None, verb: str) -> None:
         if rate_bps is None:
             if verb == "change":
@@ -294,13 +368,9 @@ class NetnsLink:
                     timeout=10,
                 )
             return
-        check_tbf(rate_bps, self._burst_for(rate_bps), self._latency)
-        self._exec(
-            ns, "tc", "qdisc", verb, "dev", dev, "root", "tbf",
-            "rate", f"{int(rate_bps)}bit",
-            "burst", str(self._burst_for(rate_bps)),
-            "latency", f"{int(self._latency * 1000)}ms",
-        )  # fmt: skip
+        rate = tbf_rate(rate_bps, self.mtu, self.link_layer)
+        check_tbf(rate, self._burst_for(rate), self._latency, per_link=rate / rate_bps)
+        self._exec(ns, *self._tc_shape(dev, rate_bps, verb))
 
     def open(self) -> NetnsLink:
         reason = netns_available()
@@ -308,7 +378,8 @@ class NetnsLink:
             raise NetnsUnavailable(reason)
         for rate in (self.rate_bps, self.reverse_rate_bps):
             if rate is not None:  # before anything is made
-                check_tbf(rate, self._burst_for(rate), self._latency)
+                shaped = tbf_rate(rate, self.mtu, self.link_layer)
+                check_tbf(shaped, self._burst_for(shaped), self._latency, per_link=shaped / rate)
         self.swept = sweep_stale()
         _register(self)
         try:
@@ -324,6 +395,8 @@ class NetnsLink:
                 (self.receiver_ns, self.receiver_dev, self.receiver_addr),
             ):
                 self._exec(ns, "ip", "addr", "add", f"{addr}/30", "dev", dev)
+                if self.mtu is not None:
+                    self._exec(ns, "ip", "link", "set", dev, "mtu", str(self.mtu))
                 self._exec(ns, "ip", "link", "set", dev, "up")
                 self._exec(ns, "ip", "link", "set", "lo", "up")
             self._shape(self.sender_ns, self.sender_dev, self.rate_bps, "replace")
@@ -371,15 +444,28 @@ class NetnsLink:
         self.rate_bps = rate_bps
 
     def tx_bytes(self) -> int:
-        """Bytes the sender's end of the veth has transmitted (through tbf: what the
-        shaped link carried, headers included)."""
+        """Bytes the sender's end of the veth has transmitted (through tbf): TCP payload,
+        and one set of Ethernet, IP and TCP headers per packet (an offload packet of many
+        segments is one packet, so this is not what a wire of frames would carry)."""
+        return self.tx_counts()[0]
+
+    def tx_counts(self) -> tuple[int, int]:
+        """Bytes and packets the sender's end of the veth has transmitted (an offload
+        packet of many segments is one packet)."""
         self._check(self.sender_ns)
         with _inside(self.sender_ns), open("/proc/thread-self/net/dev") as f:
             for line in f:
                 name, sep, fields = line.partition(":")
                 if sep and name.strip() == self.sender_dev:
-                    return int(fields.split()[8])  # receive: 8 fields, then transmit bytes
+                    transmit = fields.split()[8:10]  # receive: 8 fields, then transmit bytes, packets
+                    return int(transmit[0]), int(transmit[1])
         raise OSError(f"no device {self.sender_dev} in {self.sender_ns}")
+
+    def tx_payload_bytes(self) -> int:
+        """TCP payload the sender's end of the veth has transmitted: its bytes less
+        :data:`VETH_HEADERS` for each packet it counted (the sender's pure ACKs carry none)."""
+        nbytes, packets = self.tx_counts()
+        return payload_of(nbytes, packets)
 
     def socket(
         self, ns: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM

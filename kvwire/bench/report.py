@@ -211,9 +211,10 @@ def format_interval(iv: Mapping[str, Any], codec: str) -> str:
 def trust_note(mode: str, *, measured_link: bool = True) -> str:
     """Which rate to believe, what it is computed from, and why."""
     if mode == "emulated" and measured_link:
-        where = "bytes the link emulator forwarded"
+        where = "TCP payload bytes the link emulator forwarded"
     elif mode == "kernel" and measured_link:
-        where = "bytes the shaped veth transmitted, headers included"
+        where = ("TCP payload: the bytes the shaped veth transmitted less 66 of Ethernet, "
+                 "IP and TCP headers per packet it counted")
     else:
         where = {
             "peer": "chunk bytes the remote receiver acknowledged",

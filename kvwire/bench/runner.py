@@ -38,6 +38,7 @@ import numpy as np
 from kvwire.aio._logtext import address, printable
 from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench._splice import AVAILABLE as SPLICE_AVAILABLE
+from kvwire.bench.emulator import MAX_MTU, MIN_MTU, payload_share
 from kvwire.bench.models import ModelShape, bench_cache, bench_cache_bytes, get_model, layer_error
 from kvwire.bench.report import (
     codec_shares,
@@ -158,6 +159,10 @@ HANDSHAKE_LIMIT = min(ClientOptions().connect_timeout, ServerOptions().handshake
 MIN_LINK_BPS = MIN_RATE_BPS
 
 
+#: What ``--link`` counts (``BenchConfig.link_layer``).
+LINK_LAYERS = ("ethernet", "payload")
+
+
 def kernel_burst(steps: Sequence[tuple[float, float]]) -> int:
     """``--kernel``'s tbf bucket (bytes): one for every step of a schedule, and never
     smaller than a full segmentation-offload packet plus headers: tbf drops a packet
@@ -199,6 +204,12 @@ class BenchConfig:
     """Target size of one chunk of K or V before encoding (``ClientOptions.chunk_bytes``)."""
     interval: float = 1.0
     """Seconds between the per-interval reports (``intervals`` in the report)."""
+    link_layer: str = "ethernet"
+    """What the link's rates count: ``ethernet`` (line rates: the frames that carry TCP
+    segments of ``mtu``, headers, preamble and gap included) or ``payload`` (TCP payload
+    bytes)."""
+    mtu: int = 1500
+    """The link's MTU (bytes of IP packet per frame): 9000 for jumbo frames."""
 
     def __post_init__(self) -> None:
         get_model(self.model)
@@ -230,6 +241,10 @@ class BenchConfig:
                 "(the bench samples its counters that often)"
             )
         check_codec(self.codec)
+        if self.link_layer not in LINK_LAYERS:
+            raise UsageError(f"--link-layer must be one of {', '.join(LINK_LAYERS)}")
+        if not MIN_MTU <= self.mtu <= MAX_MTU:
+            raise UsageError(f"--mtu must be between {MIN_MTU} and {MAX_MTU} bytes, not {self.mtu}")
         slowest = format_rate(MIN_LINK_BPS)
         why = "(slower, the connections' handshakes do not cross the link in time)"
         if self.link_bps is not None and not self.link_bps >= MIN_LINK_BPS:
@@ -256,11 +271,12 @@ class BenchConfig:
                 "for --rtt/--jitter use the userspace emulator (drop --kernel)"
             )
         if self.kernel:  # tbf's queue has room for its 50 ms at the fastest step
-            from kvwire.bench.netns import DEFAULT_QUEUE_LATENCY, check_tbf
+            from kvwire.bench.netns import DEFAULT_QUEUE_LATENCY, check_tbf, tbf_rate
 
             peak = max(rate for _, rate in self.steps)
+            shaped = tbf_rate(peak, self.mtu, self.link_layer)
             try:
-                check_tbf(peak, kernel_burst(self.steps), DEFAULT_QUEUE_LATENCY)
+                check_tbf(shaped, kernel_burst(self.steps), DEFAULT_QUEUE_LATENCY, per_link=shaped / peak)
             except UsageError as exc:
                 raise UsageError(f"--kernel: {exc}") from None
 
@@ -271,6 +287,11 @@ class BenchConfig:
         if self.link_bps is not None:
             return ((0.0, self.link_bps),)
         return ()
+
+    @property
+    def payload_share(self) -> float:
+        """The share of the link's rate that can be TCP payload (:func:`payload_share`)."""
+        return payload_share(self.mtu if self.link_layer == "ethernet" else None)
 
     @property
     def shaped(self) -> bool:
@@ -848,7 +869,7 @@ def _receiver_main(conn: Connection, secret: bytes, host: str, netns: str | None
 
 def _emulator_main(
     conn: Connection, steps: tuple[tuple[float, float], ...], delay: float, jitter: float,
-    interval: float, splice: bool,
+    interval: float, splice: bool, mtu: int | None = None,
 ) -> None:
     """Child process: a LinkEmulator in front of the receiver, sampling its byte count.
 
@@ -862,7 +883,7 @@ def _emulator_main(
         loop = asyncio.get_running_loop()
         link = LinkEmulator(
             "127.0.0.1", target, schedule=list(steps) or None, delay=delay, jitter=jitter, seed=0,
-            splice=splice,
+            splice=splice, mtu=mtu,
         )
         async with link:
             # Translate the start to time.monotonic(), the clock shared with the other processes.
@@ -1347,7 +1368,8 @@ def run_bench(
                     raise UsageError(f"--kernel: {reason} (run as root, or drop --kernel)")
                 try:
                     link = stack.enter_context(
-                        NetnsLink(rate_bps=cfg.steps[0][1], burst_bytes=kernel_burst(cfg.steps))
+                        NetnsLink(rate_bps=cfg.steps[0][1], burst_bytes=kernel_burst(cfg.steps),
+                                  mtu=cfg.mtu, link_layer=cfg.link_layer)
                     )
                 except (NetnsUnavailable, OSError, subprocess.CalledProcessError) as exc:
                     raise KvwireError(f"--kernel: cannot set up the link: {_tc_error(exc)}") from exc
@@ -1364,7 +1386,7 @@ def run_bench(
                     # Its byte counter every EMULATOR_SAMPLE_S for the per-sample wire
                     # rate; the run's start and end are read exactly (emulator_count).
                     _child(_emulator_main, cfg.steps, cfg.rtt / 2, cfg.jitter, EMULATOR_SAMPLE_S,
-                           cfg.emulator == "splice")
+                           cfg.emulator == "splice", cfg.mtu if cfg.link_layer == "ethernet" else None)
                 )
             _, port = _expect(rconn, "receiver", rproc, _READY_TIMEOUT)
             # The receiver's (and the emulator's) CPU seconds at the run's start and end.
@@ -1386,7 +1408,7 @@ def run_bench(
                 with _inside(link.sender_ns):
                     send = run(_send_loop(cfg, host, port, secret, bench_id, t0, on_progress,
                                           set_rate=link.set_rate, on_interval=on_interval,
-                                          link_bytes=link.tx_bytes, log=log, at_edge=receiver_edge))
+                                          link_bytes=link.tx_payload_bytes, log=log, at_edge=receiver_edge))
             else:
                 emulator_count = None
                 if eproc is not None and econn is not None:
@@ -1426,6 +1448,9 @@ def run_bench(
     goodput = kv * 8 / seconds / 1e9 if seconds > 0 else 0.0
     wire_gbps = carried * 8 / seconds / 1e9 if seconds > 0 else 0.0
     link_bps = mean_rate(cfg.steps, send.started - base, send.ended - base)
+    # What the link can carry of TCP payload: the wire rate counts that (the emulator's
+    # forwarded bytes, the veth's less their headers), so a saturated link reads 100%.
+    capacity_bps = link_bps * cfg.payload_share if link_bps is not None else None
     ttfl = [r.time_to_first_layer for r in receipts if r.time_to_first_layer is not None]
     all_chunks: dict[str, int] = {}
     for r in receipts:
@@ -1447,6 +1472,9 @@ def run_bench(
         cpu["others"] = max(0.0, busy - ours) / total
     result.update(
         link_gbps=link_bps / 1e9 if link_bps is not None else None,
+        link_layer=cfg.link_layer,
+        mtu=cfg.mtu,
+        payload_capacity_gbps=capacity_bps / 1e9 if capacity_bps is not None else None,
         link_schedule=[[t, r / 1e9] for t, r in cfg.steps] if cfg.steps else None,
         rtt_ms=cfg.rtt * 1e3 if cfg.mode == "emulated" else send.min_rtt_ms,
         measured_rtt_ms=send.min_rtt_ms,
@@ -1475,7 +1503,7 @@ def run_bench(
         seconds=seconds,
         goodput_gbps=goodput,
         wire_gbps=wire_gbps,
-        utilization=wire_gbps * 1e9 / link_bps if link_bps else None,
+        utilization=wire_gbps * 1e9 / capacity_bps if capacity_bps else None,
         estimated_gbps=send.estimated_gbps,
         time_to_first_layer_ms=statistics.median(ttfl) * 1e3 if ttfl else None,
         transfer_seconds_median=statistics.median(r.seconds for r in receipts) if receipts else None,

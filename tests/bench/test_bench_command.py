@@ -258,8 +258,9 @@ def test_header_line_names_the_delay_the_link_adds() -> None:
     from kvwire.bench.runner import BenchConfig
 
     kernel = _where(BenchConfig(model="tiny", kernel=True, link_bps=100e6))
-    assert kernel == "kernel-shaped link (tbf) 100 Mbit/s, no added delay"
-    assert _where(BenchConfig(model="tiny", link_bps=100e6, rtt=0.02)) == "emulated link 100 Mbit/s, RTT 20 ms"
+    assert kernel == "kernel-shaped link (tbf) 100 Mbit/s Ethernet, MTU 1500 (94.15 Mbit/s of TCP payload), no added delay"
+    emulated = _where(BenchConfig(model="tiny", link_bps=100e6, rtt=0.02, link_layer="payload"))
+    assert emulated == "emulated link 100 Mbit/s of TCP payload, RTT 20 ms"
 
 
 def test_units_and_schedule_syntax() -> None:
