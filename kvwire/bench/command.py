@@ -255,7 +255,7 @@ def add_parsers(subparsers: Any) -> None:
                            "Ethernet frames of --mtu, headers, preamble and gap included; TCP payload "
                            "is charged as if carried in full segments) or payload (TCP payload bytes)")
     link.add_argument("--mtu", type=int, default=1500, metavar="BYTES",
-                      help="the link's MTU, 576-65536 (default 1500; 9000 for jumbo frames)")
+                      help="the link's MTU, 576-65535 (default 1500; 9000 for jumbo frames)")
     link.add_argument("--rtt", type=argument_type(parse_duration), default=0.0, metavar="TIME",
                       help="round-trip time added by the emulator, e.g. 20ms (default 0)")
     link.add_argument("--jitter", type=argument_type(parse_duration), default=0.0, metavar="TIME",

@@ -67,7 +67,7 @@ ETHERNET_FRAMING = 38
 TCP_IP_HEADERS = 52
 #: The MTUs a link may be given (IPv4's minimum datagram to the largest IP packet).
 MIN_MTU = 576
-MAX_MTU = 65536
+MAX_MTU = 65535  # a veth takes at most ETH_MAX_MTU
 
 
 def check_mtu(mtu: int) -> int:

@@ -17,7 +17,7 @@ def test_full_segments_carry_1448_of_every_1538_wire_bytes_at_mtu_1500() -> None
     assert wire_per_payload_byte(None) == payload_share(None) == 1.0
 
 
-@pytest.mark.parametrize("mtu", [0, 575, 65537])
+@pytest.mark.parametrize("mtu", [0, 575, 65536])
 def test_an_mtu_outside_the_sane_range_is_refused(mtu: int) -> None:
     with pytest.raises(ValueError, match="MTU"):
         LinkEmulator("127.0.0.1", 9, rate_bps=1e9, mtu=mtu)
