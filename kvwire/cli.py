@@ -65,9 +65,6 @@ def _stopped(why: str, code: int, previous: dict[int, Any]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
     # For the run only: a caller that runs main() in its own process keeps its handlers.
     # A signal the process ignores (nohup's SIGHUP) stays ignored.
     previous: dict[int, Any] = {}
@@ -76,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
             if signal.getsignal(signum) is not signal.SIG_IGN:
                 previous[signum] = signal.signal(signum, _on_terminate)
     try:
+        # Parsed inside the try: building the parser and checking an argument import
+        # kvwire's modules (--codec's check imports the bench runner), half a second in
+        # which Ctrl-C is "interrupted" as later, not a traceback.
+        args = build_parser().parse_args(argv)
+        args.argv = list(sys.argv[1:] if argv is None else argv)
         return int(args.func(args) or 0)
     except _Terminated as exc:
         return _stopped(_TERMINATING.get(exc.signum, "terminated"), 128 + exc.signum, previous)

@@ -46,11 +46,13 @@ from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
 
 __all__ = [
     "add_parsers",
+    "check_auto_codec_and_link",
     "check_output_path",
     "is_loopback",
     "plot_format",
     "run_bench_command",
     "run_serve_command",
+    "wire_label",
     "write_plot",
 ]
 
@@ -245,7 +247,7 @@ def add_parsers(subparsers: Any) -> None:
     # without a word.
     rate = link.add_mutually_exclusive_group()
     rate.add_argument("--link", type=_LINK_RATE, metavar="RATE",
-                      help="link rate, e.g. 10gbps, 800mbps (at least 10kbps): an Ethernet line rate, "
+                      help="link rate, e.g. 10gbps, 800mbps (at least 10kbps, at most 1.6tbps): an Ethernet line rate, "
                            "of which TCP payload is at most (MTU-52)/(MTU+38), 94%% at MTU 1500 "
                            "(see --link-layer)")
     rate.add_argument("--link-schedule", type=argument_type(parse_schedule), metavar="TIME:RATE,...",
@@ -345,6 +347,34 @@ def _fail(command: str, exc: Exception, code: int) -> int:
 # -- bench --------------------------------------------------------------------------------------
 
 
+def check_auto_codec_and_link(cfg: Any) -> None:
+    """Refuse what the run would ignore or cannot do as asked (UsageError): ``--auto-codec``
+    without ``--codec auto``, ``--mtu`` or ``--link-layer`` without a shaped link, and a
+    ``--jitter`` over half of ``--rtt``. Checked here, not by BenchConfig: a script may
+    give every run of a set the same auto_codec (benchmarks/link.py)."""
+    from kvwire.bench.runner import BenchConfig
+
+    default = BenchConfig.__dataclass_fields__
+    if cfg.codec != "auto" and cfg.auto_codec != default["auto_codec"].default:
+        raise UsageError(f"--auto-codec {cfg.auto_codec} is for --codec auto: --codec {cfg.codec} sends every "
+                         "chunk with that codec (drop --auto-codec)")
+    if not cfg.shaped:
+        where = "--peer's network" if cfg.mode == "peer" else (
+            "plain loopback" if cfg.mode == "loopback" else "a link with no rate (--rtt alone)")
+        for flag, value, name in (("--mtu", cfg.mtu, "mtu"), ("--link-layer", cfg.link_layer, "link_layer")):
+            if value != default[name].default:
+                raise UsageError(f"{flag} is for a shaped link (--link or --link-schedule, emulated or "
+                                 f"--kernel): {where} is not shaped, so {flag} {value} would be ignored")
+    if cfg.jitter > cfg.rtt / 2:
+        raise UsageError(
+            f"--jitter {format_duration(cfg.jitter)} is more than half of --rtt {format_duration(cfg.rtt)}: "
+            f"each one-way delay is --rtt/2 +- --jitter, a delay under 0 cannot be applied (it is "
+            "clamped at 0, and bytes stay in order), so the RTT the run had would be well over the "
+            f"one reported; give --jitter {format_duration(cfg.rtt / 2)} or less, or a longer --rtt"
+        )
+
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
     from kvwire.bench.runner import BenchConfig, load_secret
 
@@ -367,6 +397,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             baseline=not args.no_baseline, seed=args.seed, chunk_bytes=args.chunk_size,
             interval=args.interval, link_layer=args.link_layer, mtu=args.mtu,
         )
+        check_auto_codec_and_link(cfg)
         if args.peer is not None:
             secret, warning = load_secret(args.secret_file)
             if warning:
@@ -485,7 +516,7 @@ def _run_with_reports(cfg: Any, *, quiet: bool, argv: list[str]) -> dict[str, An
     def update(point: dict[str, Any]) -> None:
         est = point.get("estimated_gbps")
         status = (
-            f"{point['transfers']} transfers  sent {format_gbps(point['wire_gbps'])}  estimate {format_gbps(est)}"
+            f"{point['transfers']} transfers  to TCP {format_gbps(point['wire_gbps'])}  estimate {format_gbps(est)}"
         )
         if point.get("link_gbps") is not None:
             status += f"  link {format_gbps(point['link_gbps'])}"
@@ -566,7 +597,9 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
         ("transfers", f"{r['transfers']} x {r['kv_bytes_per_transfer'] / 1e6:.1f} MB"
          + (f" ({r['incomplete_transfers']} abandoned)" if r["incomplete_transfers"] else "")),
         ("seconds", _fmt(r["seconds"], ".2f")),
-        ("goodput (fp16 KV)", format_gbps(r["goodput_gbps"])),
+        ("goodput (fp16 KV)", format_gbps(r["goodput_gbps"])
+         + (" (completed transfers only)" if r["incomplete_transfers"] else "")),
+        ("acknowledged KV (fp16)", format_gbps(r.get("acked_kv_gbps"))),
         ("wire rate (measured)", format_gbps(r["wire_gbps"])),
         ("utilization", _fmt(None if r["utilization"] is None else 100 * r["utilization"], ".1f", " %")),
         ("estimate at end (from acks)", format_gbps(r["estimated_gbps"])),
@@ -598,6 +631,14 @@ def _print_summary(r: dict[str, Any], *, stderr: bool = False) -> None:
     console.print(f"note: {r['trust']}", markup=False)
 
 
+def wire_label(mode: str) -> str:
+    """What a sample's ``wire_gbps`` is in ``mode``: the link's counter where there is a
+    link, else the bytes the sender handed to its sockets (docs/bench.md)."""
+    if mode in ("emulated", "kernel"):
+        return "wire rate (TCP payload the link carried)"
+    return "handed to TCP (sender's sockets)"
+
+
 def write_plot(result: dict[str, Any], path: str) -> None:
     """Wire rate, bandwidth estimate and link rate over time, into the file ``path``
     names, in the format :func:`plot_format` says (a PNG without a suffix)."""
@@ -611,7 +652,7 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     samples = result["samples"]
     t = [s["t"] for s in samples]
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.plot(t, [s["wire_gbps"] for s in samples], label="wire rate", lw=1.2)
+    ax.plot(t, [s["wire_gbps"] for s in samples], label=wire_label(result["mode"]), lw=1.2)
     ax.plot(t, [s["estimated_gbps"] if s["estimated_gbps"] is not None else float("nan") for s in samples],
             label="estimate", lw=1.2)
     if any(s["link_gbps"] is not None for s in samples):

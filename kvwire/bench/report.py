@@ -1,6 +1,6 @@
 """What a bench report says beyond raw totals: where the run happened and with what
 configuration (the ``start`` block), per-interval figures (like iperf3's per-second
-reports), what ``auto`` chose, CPU use, and a one-line diagnosis of low utilization.
+reports), what ``auto`` chose, CPU use, and a one-line diagnosis of what held a run down.
 
 Pure functions over the samples the runner collects, except :func:`start_block` and
 :func:`machine_cpu_times`, which read the host.
@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kvwire.session.options import MAX_STREAMS
 from kvwire.units import format_rate
 
 __all__ = [
@@ -188,10 +189,13 @@ def format_retransmits(result: Mapping[str, Any]) -> str:
 
 
 def format_interval(iv: Mapping[str, Any], codec: str) -> str:
-    """One iperf3-style line: ``[ 1.0- 2.0 s]  sent 9.4 Gbit/s  estimate ...``."""
+    """One iperf3-style line: ``[ 1.0- 2.0 s]  to TCP 9.4 Gbit/s  KV acked 9.3 Gbit/s
+    estimate ...``: the bytes the sender handed to its sockets (not yet carried: the link
+    rate is ``link``), and the fp16 KV the receiver acknowledged in the interval."""
     parts = [
         f"[{iv['start']:5.1f}-{iv['end']:5.1f} s]",
-        f"sent {format_gbps(iv['sent_gbps'])}",
+        f"to TCP {format_gbps(iv['sent_gbps'])}",
+        f"KV acked {format_gbps(iv.get('goodput_gbps'))}",
         f"estimate {format_gbps(iv['estimated_gbps'])}",
     ]
     if iv.get("link_gbps") is not None:
@@ -227,72 +231,126 @@ def trust_note(mode: str, *, measured_link: bool = True) -> str:
     )
 
 
-def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float = LOW_UTILIZATION) -> str | None:
-    """One line naming what held utilization down, or None when it was not low.
+def _abandoned(result: Mapping[str, Any], abandoned: int) -> str:
+    """Why a run abandoned transfers, with a smaller ``--tokens`` or a longer
+    ``--duration`` that lets several complete: a transfer's time at the run's
+    acknowledged-KV rate (else its wire rate, as if raw)."""
+    plural = "s" if abandoned > 1 else ""
+    kv_per = result.get("kv_bytes_per_transfer")
+    rate = result.get("acked_kv_gbps") or result.get("wire_gbps")
+    config = (result.get("start") or {}).get("config") or {}
+    duration = config.get("duration") or result.get("seconds")
+    tokens = result.get("tokens") or config.get("tokens")
+    text = (f"{abandoned} transfer{plural} abandoned at the run's hard stop: the run's seconds include "
+            "its wait, and the goodput counts completed transfers only (the acknowledged KV counts "
+            "its acknowledged chunks)")
+    if not (kv_per and rate and duration and tokens):
+        return text + "; a transfer too large for the link: try a smaller --tokens or a longer --duration"
+    each = kv_per * 8 / (rate * 1e9)
+    fit = int(tokens * duration / (4 * each))  # about four transfers in --duration
+    text += (f"; one transfer of {kv_per / 1e6:.4g} MB of KV takes about {each:.3g} s at the "
+             f"{rate * 1e3:.4g} Mbit/s of KV acknowledged, against --duration {duration:g} s")
+    options = []
+    if 1 <= fit < tokens:
+        options.append(f"--tokens {fit} or less")
+    options.append(f"--duration {max(1, int(-(-4 * each // 1)))} s or more")
+    return text + ": try " + ", or ".join(options)
 
-    Checked in order, every match reported: a process using a whole core (sender,
-    receiver, the emulator), the other processes of a saturated machine, the flow-control
-    window per round trip, too little in flight for the estimate, then the estimate
-    itself far from the measured rate.
+
+def _effective_rtt_ms(result: Mapping[str, Any]) -> tuple[float | None, str]:
+    """The round trip the window and in-flight checks use, and how it was found.
+
+    On the emulated link, the RTT configured (``rtt_ms``) plus one chunk's serialization
+    at the link's rate (a stream waits that long for a chunk's acknowledgement on an idle
+    link): the measured minimum is an application-level one (a chunk's sending and
+    queueing included) and with ``--rtt 0`` made the check blame the window for a delay
+    the link does not have. Elsewhere the measured minimum RTT."""
+    link_gbps = result.get("link_gbps")
+    if result.get("mode") == "emulated":
+        rtt = result.get("rtt_ms") or 0.0
+        chunk = result.get("chunk_bytes")
+        if not (link_gbps and chunk):
+            return (rtt or None), ""
+        serial = chunk * 8 / (link_gbps * 1e9) * 1e3
+        return rtt + serial, f" (--rtt {rtt:.3g} ms + {serial:.3g} ms to serialize a chunk)"
+    return result.get("rtt_ms") or result.get("measured_rtt_ms"), ""
+
+
+def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float = LOW_UTILIZATION) -> str | None:
+    """One line naming what held the run down, or None when nothing did.
+
+    Transfers abandoned at the run's hard stop are named whatever the utilization (a
+    transfer too large for the link keeps it busy, and completes none). The CPU checks,
+    a process using a whole core (sender, receiver, the emulator) and the other processes
+    of a saturated machine, run when utilization is low or not known (loopback, --peer).
+    With a link known and utilization low, the flow-control window per round trip, too
+    little in flight for the bandwidth-delay product, then the estimate itself far from
+    the measured rate are checked too.
     """
     util = result.get("utilization")
-    if util is None or util >= threshold:
-        return None
+    abandoned = result.get("incomplete_transfers") or 0
+    low = util is not None and util < threshold
     causes: list[str] = []
     cpu = result.get("cpu") or {}
-    for side in ("sender", "receiver", "emulator"):
-        used = cpu.get(side)
-        if used is not None and used >= CPU_BOUND:
-            what = "the link emulator is the limit" if side == "emulator" else f"{side} CPU-bound"
-            causes.append(f"{what} ({100 * used:.0f}% of a core)")
-    busy, others, cores = cpu.get("machine_busy"), cpu.get("others"), cpu.get("cores")
-    if busy is not None and busy >= 0.9 and cores:
-        causes.append(
-            f"the machine's {cores} cores were {100 * busy:.0f}% busy"
-            + (f" ({100 * others:.0f}% of them by other processes)" if others is not None else "")
-        )
+    if util is None or low:
+        for side in ("sender", "receiver", "emulator"):
+            used = cpu.get(side)
+            if used is not None and used >= CPU_BOUND:
+                what = "the link emulator is the limit" if side == "emulator" else f"{side} CPU-bound"
+                causes.append(f"{what} ({100 * used:.0f}% of a core)")
+        busy, others, cores = cpu.get("machine_busy"), cpu.get("others"), cpu.get("cores")
+        if busy is not None and busy >= 0.9 and cores:
+            causes.append(
+                f"the machine's {cores} cores were {100 * busy:.0f}% busy"
+                + (f" ({100 * others:.0f}% of them by other processes)" if others is not None else "")
+            )
     link_gbps = result.get("link_gbps")
-    rtt_ms = result.get("rtt_ms") or result.get("measured_rtt_ms")
-    streams = result.get("streams_max") or result.get("streams")
-    if link_gbps and rtt_ms and isinstance(streams, int) and rtt_ms > 0:
-        cap = streams * window_bytes * 8 / (rtt_ms / 1e3) / 1e9
-        if cap < link_gbps:
-            need = int(-(-link_gbps * 1e9 * rtt_ms / 1e3 // (window_bytes * 8)))
-            causes.append(
-                f"window/RTT limit: {streams} streams x {window_bytes >> 20} MiB window per "
-                f"{rtt_ms:.3g} ms RTT carry at most {cap:.3g} Gbit/s (try --streams {need})"
-            )
     est = result.get("estimated_gbps")
-    inflight = result.get("bytes_in_flight_mean")
-    if link_gbps and rtt_ms and inflight is not None:
-        bdp = link_gbps * 1e9 / 8 * rtt_ms / 1e3
-        if inflight < 0.7 * bdp:
+    if low:
+        rtt_ms, rtt_how = _effective_rtt_ms(result)
+        streams = result.get("streams_max") or result.get("streams")
+        if link_gbps and rtt_ms and isinstance(streams, int) and rtt_ms > 0:
+            cap = streams * window_bytes * 8 / (rtt_ms / 1e3) / 1e9
+            if cap < link_gbps:
+                need = int(-(-link_gbps * 1e9 * rtt_ms / 1e3 // (window_bytes * 8)))
+                if need <= MAX_STREAMS:
+                    advice = f"try --streams {need}"
+                else:
+                    most = MAX_STREAMS * window_bytes * 8 / (rtt_ms / 1e3) / 1e9
+                    advice = (f"it takes {need} streams, and even --streams {MAX_STREAMS}, the most, carry at "
+                              f"most {most:.3g} Gbit/s: streams alone cannot cover this link's "
+                              "bandwidth-delay product")
+                causes.append(
+                    f"window/RTT limit: {streams} streams x {window_bytes >> 20} MiB window per "
+                    f"{rtt_ms:.3g} ms RTT{rtt_how} carry at most {cap:.3g} Gbit/s ({advice})"
+                )
+        inflight = result.get("bytes_in_flight_mean")
+        if link_gbps and rtt_ms and inflight is not None:
+            bdp = link_gbps * 1e9 / 8 * rtt_ms / 1e3
+            if inflight < 0.7 * bdp:
+                causes.append(
+                    f"too little in flight: {inflight / 2**20:.3g} MiB on average for a "
+                    f"{bdp / 2**20:.3g} MiB bandwidth-delay product ({rtt_ms:.3g} ms RTT{rtt_how})"
+                    + (f" (estimate {est:.3g} Gbit/s under the link's {link_gbps:.3g})" if est is not None and est < 0.8 * link_gbps else "")
+                )
+        wire = result.get("wire_gbps")
+        # The estimate at the end of a run that waited on an abandoned transfer says nothing
+        # of the rate over the run: not a cause.
+        if not causes and not abandoned and est is not None and wire and abs(est - wire) > 0.25 * wire:
             causes.append(
-                f"too little in flight: {inflight / 2**20:.3g} MiB on average for a "
-                f"{bdp / 2**20:.3g} MiB bandwidth-delay product"
-                + (f" (estimate {est:.3g} Gbit/s under the link's {link_gbps:.3g})" if est is not None and est < 0.8 * link_gbps else "")
+                f"estimator: {est:.3g} Gbit/s at the end against {wire:.3g} Gbit/s measured"
             )
-    wire = result.get("wire_gbps")
-    abandoned = result.get("incomplete_transfers") or 0
-    # The estimate at the end of a run that waited on an abandoned transfer says nothing
-    # of the rate over the run: not a cause.
-    if not causes and not abandoned and est is not None and wire and abs(est - wire) > 0.25 * wire:
-        causes.append(
-            f"estimator: {est:.3g} Gbit/s at the end against {wire:.3g} Gbit/s measured"
-        )
-    if not causes:
-        parts = [f"{k} {100 * v:.0f}%" for k, v in cpu.items() if k in ("sender", "receiver", "emulator") and v is not None]
-        causes.append(
-            "no single limit found (CPU of a core: " + (", ".join(parts) or "n/a") + ")"
-        )
-    line = f"utilization {100 * util:.0f}%: " + "; ".join(causes)
+        if not causes and not abandoned:
+            parts = [f"{k} {100 * v:.0f}%" for k, v in cpu.items() if k in ("sender", "receiver", "emulator") and v is not None]
+            causes.append(
+                "no single limit found (CPU of a core: " + (", ".join(parts) or "n/a") + ")"
+            )
     if abandoned:
-        line += (
-            f" ({abandoned} transfer{'s' if abandoned > 1 else ''} abandoned at the run's hard stop: the run's seconds "
-            "include its wait, and a cache too large for the link leaves it idle between "
-            "transfers)"
-        )
-    return line
+        causes.append(_abandoned(result, abandoned))
+    if not causes:
+        return None
+    prefix = f"utilization {100 * util:.0f}%: " if util is not None else ""
+    return prefix + "; ".join(causes)
 
 
 def merge_counts(items: Iterable[Mapping[str, int]]) -> dict[str, int]:

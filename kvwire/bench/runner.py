@@ -157,6 +157,11 @@ HANDSHAKE_LIMIT = min(ClientOptions().connect_timeout, ServerOptions().handshake
 #: bytes each, up to 64 streams) do not cross the link within the server's 10 s.  The
 #: simulator takes the same floor.
 MIN_LINK_BPS = MIN_RATE_BPS
+#: Fastest link rate (bit/s): 1.6 Tbit/s, the fastest Ethernet. A faster one is a typo
+#: (``1e30gbps``), and no host forwards it.
+MAX_LINK_BPS = 1.6e12
+#: Version of the report's layout (its ``schema`` field; docs/bench.md lists its fields).
+REPORT_SCHEMA = 1
 
 
 #: What ``--link`` counts (``BenchConfig.link_layer``).
@@ -251,6 +256,12 @@ class BenchConfig:
             raise UsageError(f"--link must be at least {slowest}, not {format_rate(self.link_bps)} {why}")
         if any(not rate >= MIN_LINK_BPS for _, rate in self.schedule):
             raise UsageError(f"every rate of --link-schedule must be at least {slowest} {why}")
+        fastest = format_rate(MAX_LINK_BPS)
+        why = "(the fastest Ethernet; a faster rate is a typo)"
+        if self.link_bps is not None and self.link_bps > MAX_LINK_BPS:
+            raise UsageError(f"--link must be at most {fastest}, not {format_rate(self.link_bps)} {why}")
+        if any(rate > MAX_LINK_BPS for _, rate in self.schedule):
+            raise UsageError(f"every rate of --link-schedule must be at most {fastest} {why}")
         if self.auto_codec not in AUTO_CODEC_MODES:
             raise UsageError(f"--auto-codec must be one of {', '.join(AUTO_CODEC_MODES)}")
         if self.emulator not in EMULATOR_PUMPS:
@@ -986,6 +997,9 @@ class _SendResult:
     """Of ``retransmits``, those the receiver's kernel reported as duplicates (D-SACK)."""
     initial: dict[str, Any] = field(default_factory=dict)
     """The sampled counters at the start (``t`` from the link's start)."""
+    acked_kv_bytes: int = 0
+    """fp16 KV the receiver acknowledged from start to end: the completed transfers' and
+    the acknowledged chunks of an abandoned one (what the intervals credit)."""
     acked_bytes: int = 0
     """CHUNK wire bytes the receiver acknowledged from start to end, those of an
     abandoned transfer included."""
@@ -1186,6 +1200,7 @@ async def _send_loop(
                 if time.monotonic() - start >= cfg.duration:
                     break
             res.ended = time.monotonic()
+            res.acked_kv_bytes = kv_acknowledged()
             if counter is not None:  # every completed transfer's bytes have crossed it
                 res.carried = counter() - count0
             if at_edge is not None:
@@ -1337,7 +1352,7 @@ def run_bench(
     bench_id = uuid.uuid4().hex[:12]
     model = get_model(cfg.model)
     result: dict[str, Any] = {
-        "start": start_block(cfg, argv), "model": model.name, "tokens": cfg.tokens,
+        "schema": REPORT_SCHEMA, "start": start_block(cfg, argv), "model": model.name, "tokens": cfg.tokens,
         "mode": cfg.mode,
     }
     baseline: dict[str, float] | None = None
@@ -1446,6 +1461,7 @@ def run_bench(
     seconds = max(0.0, send.ended - send.started)
     carried = send.carried if send.carried is not None else send.acked_bytes
     goodput = kv * 8 / seconds / 1e9 if seconds > 0 else 0.0
+    acked_kv_gbps = send.acked_kv_bytes * 8 / seconds / 1e9 if seconds > 0 else 0.0
     wire_gbps = carried * 8 / seconds / 1e9 if seconds > 0 else 0.0
     link_bps = mean_rate(cfg.steps, send.started - base, send.ended - base)
     # What the link can carry of TCP payload: the wire rate counts that (the emulator's
@@ -1502,6 +1518,8 @@ def run_bench(
         carried_bytes=carried,
         seconds=seconds,
         goodput_gbps=goodput,
+        acked_kv_bytes=send.acked_kv_bytes,
+        acked_kv_gbps=acked_kv_gbps,
         wire_gbps=wire_gbps,
         utilization=wire_gbps * 1e9 / capacity_bps if capacity_bps else None,
         estimated_gbps=send.estimated_gbps,

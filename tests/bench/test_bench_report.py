@@ -69,9 +69,9 @@ def test_an_interval_gives_its_rates_in_the_unit_that_suits_them() -> None:
     iv = {"start": 1.0, "end": 2.0, "sent_gbps": 9.95e-5, "estimated_gbps": 1.2e-4, "link_gbps": 1e-4,
           "sender_cpu": 0.01, "transfers": 0}
     line = format_interval(iv, "raw")
-    assert "sent 99.5 kbit/s" in line and "estimate 120 kbit/s" in line and "link 100 kbit/s" in line
+    assert "to TCP 99.5 kbit/s" in line and "estimate 120 kbit/s" in line and "link 100 kbit/s" in line
     assert "e-0" not in line
-    assert "sent 9.4 Gbit/s" in format_interval({**iv, "sent_gbps": 9.4}, "raw")
+    assert "to TCP 9.4 Gbit/s" in format_interval({**iv, "sent_gbps": 9.4}, "raw")
 
 
 def test_codec_shares() -> None:
