@@ -5,6 +5,7 @@ options a run would ignore or cannot do as asked, refused (exit 2) before it sta
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -107,12 +108,18 @@ def test_the_plot_labels_the_wire_series_by_mode() -> None:
     assert command.wire_label("loopback") == command.wire_label("peer") == "handed to TCP (sender's sockets)"
 
 
-def test_the_report_has_a_schema_and_the_kv_acknowledged() -> None:
+def test_the_report_has_a_schema_the_kv_acknowledged_and_a_reference_for_every_field() -> None:
     cfg = runner.BenchConfig(model="tiny", tokens=64, duration=0.3, baseline=False)
     result = runner.run_bench(cfg)
     assert result["schema"] == runner.REPORT_SCHEMA == 1
     assert result["acked_kv_bytes"] >= result["kv_bytes"] > 0
     assert result["acked_kv_gbps"] >= result["goodput_gbps"] > 0
+    # docs/bench.md names every field of the report, its cpu, samples and intervals.
+    doc = (Path(__file__).parents[2] / "docs" / "bench.md").read_text()
+    assert [key for key in result if f"`{key}`" not in doc] == []
+    for part in ("cpu", "samples", "intervals"):
+        items = result[part] if part == "cpu" else result[part][0]
+        assert [key for key in items if f"`{part}.{key}`" not in doc and f"`{key}`" not in doc] == []
 
 
 # -- refusals ---------------------------------------------------------------------------------
