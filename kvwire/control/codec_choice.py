@@ -859,10 +859,11 @@ class CodecChooser:
             # The path's rate, at which the meter charges a chunk sent in place of the
             # chosen codec's its wire time: the estimate, or while the sender sets the
             # pace (an encode-bound codec: the estimate is what it sent) the larger of it
-            # and the peak, what the path has shown it carries.
+            # and the peak, what the path has shown it carries, the peak capped as the
+            # model caps it (a peak that outlived a drop in capacity).
             path = bandwidth_bps if bandwidth_bps is not None and bandwidth_bps > 0 else None
             if path is not None and app_limited and peak_bps is not None and peak_bps > path:
-                path = peak_bps
+                path = self._short_path_rate(path, peak_bps, now)
             self.meter.path_rate(None if path is None else path / 8.0)
         return choice
 

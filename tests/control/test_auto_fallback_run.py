@@ -24,6 +24,7 @@ import pytest
 from kvwire.aio import _gpu, _send
 from kvwire.codec.base import EncodedChunk
 from kvwire.control import CodecChooser
+from kvwire.control.codec_choice import PEAK_OVER_ESTIMATE
 from kvwire.control.goodput import GoodputMeter
 from kvwire.wire import ChunkAddress
 from tests.aio.test_auto_nonfinite import FakeDevice, _cache, _send_auto, _spec, chooses
@@ -452,3 +453,14 @@ async def test_a_failed_transfer_with_nothing_left_ends_the_run_and_forgets_its_
     peer._on_event(TransferFailed(transfer_id=7, error=ConnectionLostError("gone")))
     assert ch.meter.samples("int8") == 1 and ch.meter.rate("int8") == pytest.approx(100.0)
     assert not ch.meter._instead
+
+
+def test_the_path_rate_a_fallback_is_charged_at_caps_a_stale_peak() -> None:
+    """While the sender sets the pace, a fallback is charged at the larger of the estimate
+    and the peak; a peak ten times the estimate (one that outlived a drop in capacity)
+    counts at no more than PEAK_OVER_ESTIMATE times the recent estimate, as the model
+    caps it, so the fallback's cut is not made too small."""
+    ch = CodecChooser.from_ratios({"raw": 1.0, "int8": INT8}, measure_goodput=True)
+    estimate = LINK_E * 8 / 2
+    ch.choose(estimate, app_limited=True, peak_bps=10 * estimate, now=0.0)
+    assert ch.meter._path == pytest.approx(PEAK_OVER_ESTIMATE * estimate / 8)
