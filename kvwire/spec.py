@@ -83,38 +83,56 @@ class KVSpec:
 _SHORT_FIELDS = ("dtype", "num_kv_heads", "head_dim", "num_layers")
 
 
+def _excerpt(model: str, start: int, width: int) -> str:
+    """``model[start:]`` as its ``repr`` (quotes escaped, as are backslashes and what is
+    not printable), "..." inside the quotes where something was left out, in at most
+    ``width`` characters (``width`` of 10 or more), sized after the escaping."""
+    text = model[start:]
+    n = len(text)
+    while True:
+        quoted = repr(text[:n])
+        shown = (quoted[0] + ("..." if start else "") + quoted[1:-1]
+                 + ("..." if n < len(text) else "") + quoted[-1])
+        if len(shown) <= width or n == 0:
+            return shown
+        n = max(0, n - (len(shown) - width))  # (each character kept shows as one or more)
+
+
 def _model_excerpts(here: str, sent: str, width: int) -> tuple[str, str]:
-    """Both model names as ``repr``, each cut to about ``width`` characters from a little
-    before where they first differ ("..." where something was left out)."""
+    """Both model names as ``repr``, each cut to at most ``width`` characters from a
+    little before where they first differ ("..." where something was left out)."""
     same = 0
     for a, b in zip(here, sent, strict=False):
         if a != b:
             break
         same += 1
     start = max(0, same - 6)
+    return _excerpt(here, start, width), _excerpt(sent, start, width)
 
-    def cut(model: str) -> str:
-        text = model[start:]
-        room = max(4, width - 2 - (3 if start else 0))
-        body = text if len(text) <= room else text[: room - 3] + "..."
-        return ("'..." if start else "'") + body.replace("'", "\\'") + "'"
 
-    return cut(here), cut(sent)
+#: What :func:`spec_differences` says of the model where there is no room to show it.
+_MODEL_DIFFERS = "model differs"
 
 
 def spec_differences(here: KVSpec, sent: KVSpec, limit: int = 90) -> str:
     """The fields in which ``sent`` differs from ``here``, each with both values, the
     short ones first (``"num_kv_heads 8 here, 1 sent; model '...x16/t1:m' here, '...x16:m'
-    sent"``), in at most ``limit`` characters: ``model`` values are cut around where they
-    first differ.  Empty when the two are equal."""
+    sent"``), in at most ``limit`` characters (of text, as ``WIRE_TEXT_LIMIT`` counts a
+    RESET's message), ``limit`` at least 20: ``model`` values are shown as ``repr``, cut
+    around where they first differ, and where there is no room for them "model differs"
+    is said all the same (the short fields cut before it if need be).  Empty when the two
+    are equal."""
     parts = [f"{name} {getattr(here, name)} here, {getattr(sent, name)} sent"
              for name in _SHORT_FIELDS if getattr(here, name) != getattr(sent, name)]
     text = "; ".join(parts)
     if here.model != sent.model:
+        if text and len(text) + len(f"; {_MODEL_DIFFERS}") > limit:
+            # (room kept to say that the model differs too)
+            text = text[: max(0, limit - len(f"...; {_MODEL_DIFFERS}"))] + "..."
         lead = f"{text}; " if text else ""
         width = (limit - len(lead) - len("model  here,  sent")) // 2
         if width < 10:  # (no room to show where they differ)
-            text = f"{lead}model differs"
+            text = f"{lead}{_MODEL_DIFFERS}"
         else:
             mine, theirs = _model_excerpts(here.model, sent.model, width)
             text = f"{lead}model {mine} here, {theirs} sent"

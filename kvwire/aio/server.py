@@ -94,10 +94,15 @@ ROOM_LOG_INTERVAL = 60.0
 #: holds ``max_sessions`` x ``max_transfers`` transfers (a WARNING while any are, at most
 #: this often).
 HELD_LOG_INTERVAL = 60.0
-#: Least seconds between two log lines saying that BEGINs were refused for their KV layout
-#: for one reason (a WARNING a reason, at most this often; the next line counts the others).
+#: Seconds of the intervals in which the log says that BEGINs were refused for their KV
+#: layout: a WARNING a reason, at most once an interval for one reason and for at most
+#: REFUSED_LINES_PER_INTERVAL reasons; the first refusal after an interval in which some
+#: went unsaid is preceded by one line counting them and their reasons.
 REFUSED_LOG_INTERVAL = 60.0
-#: Reasons of those refusals remembered for that (the least recently logged forgotten first).
+#: Most lines of distinct reasons of those refusals in one REFUSED_LOG_INTERVAL.
+REFUSED_LINES_PER_INTERVAL = 5
+#: Reasons of those refusals remembered (those said, the least recently said forgotten
+#: first, and those counted unsaid: past this many, "at least" this many).
 REFUSED_REASONS_KEPT = 64
 
 
@@ -516,9 +521,14 @@ class Server(Pump):
         self._held_logged_at = -math.inf
         self._held_refusals_seen = 0
         self._held_refusals_unlogged = 0
-        # Per reason of BEGINs refused for their layout: when a line last said it, and how
-        # many such refusals no line has said yet (see _log_refused).
-        self._refused_logged: OrderedDict[str, list[float]] = OrderedDict()
+        # Of BEGINs refused for their layout (see _log_refused): when the log interval began
+        # and how many reasons its lines said; per reason said, when; and the refusals no
+        # line has said since the last count of them, with (some of) their reasons.
+        self._refused_interval_at = -math.inf
+        self._refused_lines = 0
+        self._refused_logged: OrderedDict[str, float] = OrderedDict()
+        self._refused_unsaid = 0
+        self._refused_unsaid_reasons: set[str] = set()
         # The registry checks running, by transfer (one a transfer at most: the core refuses
         # a BEGIN of an id whose call still runs): cancelled when their transfer fails.
         self._checks: dict[Key, asyncio.Task[KvwireError | None]] = {}
@@ -604,7 +614,9 @@ class Server(Pump):
         (``into`` is not called then, and receives nothing).  A BEGIN of ``request_id`` the
         server refuses for its KV layout (``INCOMPATIBLE_SPEC``: not the ``spec=`` it was
         given) fails the oldest ``expect()`` of that id waiting, at once, with that refusal
-        (:class:`~kvwire.IncompatiblePeerError`, naming the fields that differ).
+        (:class:`~kvwire.IncompatiblePeerError`, naming the fields that differ): one
+        ``expect()`` a transfer, its BEGIN re-sent or not.  A malformed layout (an
+        undefined dtype, ...) fails none.
         """
         check_request_id(request_id)
         check_seconds("timeout", timeout)
@@ -996,24 +1008,39 @@ class Server(Pump):
                        printable(ev.reason) if ev.reason else "no reason given")
 
     def _log_refused(self, ev: TransferFailed) -> None:
-        """Say (at most once per :data:`REFUSED_LOG_INTERVAL` for one reason) that a BEGIN
-        was refused for its KV layout, with the text its sender got: otherwise only the
-        producer learns it.  Refusals within the interval after a line are counted, and
-        the next line of that reason says how many."""
+        """Say that a BEGIN was refused for its KV layout, with the text its sender got:
+        otherwise only the producer learns it.  Each sender's layout gives a text of its
+        own, so the lines are bounded by the interval (:data:`REFUSED_LOG_INTERVAL`), not
+        by the text: one a reason at most, and :data:`REFUSED_LINES_PER_INTERVAL` reasons
+        at most.  The others are counted, and the first refusal after an interval in which
+        some were not said is preceded by a line saying how many, for how many reasons."""
         reason = str(ev.error)
         now = self.now()
-        entry = self._refused_logged.get(reason)
-        if entry is not None and now - entry[0] < REFUSED_LOG_INTERVAL:
-            entry[1] += 1
+        if now - self._refused_interval_at >= REFUSED_LOG_INTERVAL:
+            if self._refused_unsaid:
+                n = len(self._refused_unsaid_reasons)
+                _log.warning(
+                    "%d more BEGIN(s) refused (%s) for a KV layout this server does not accept, for %s%d "
+                    "reason(s), not logged one by one (at most %d reasons, each once, per %g s)",
+                    self._refused_unsaid, code_name(ev.error.code), "at least " if n >= REFUSED_REASONS_KEPT else "",
+                    n, REFUSED_LINES_PER_INTERVAL, REFUSED_LOG_INTERVAL)
+            self._refused_interval_at = now
+            self._refused_lines = 0
+            self._refused_unsaid = 0
+            self._refused_unsaid_reasons.clear()
+        said = self._refused_logged.get(reason)
+        if (said is not None and now - said < REFUSED_LOG_INTERVAL) or self._refused_lines >= REFUSED_LINES_PER_INTERVAL:
+            self._refused_unsaid += 1
+            if len(self._refused_unsaid_reasons) < REFUSED_REASONS_KEPT:
+                self._refused_unsaid_reasons.add(reason)
             return
-        more = int(entry[1]) if entry is not None else 0
-        self._refused_logged[reason] = [now, 0]
+        self._refused_lines += 1
+        self._refused_logged[reason] = now
         self._refused_logged.move_to_end(reason)
         while len(self._refused_logged) > REFUSED_REASONS_KEPT:
             self._refused_logged.popitem(last=False)
-        _log.warning("transfer %s from %s refused (%s)%s: %s", quoted_id(ev.request_id), self._peer(ev.cid),
-                     code_name(ev.error.code), f" ({more} more for this since the last such line)" if more else "",
-                     printable(reason))
+        _log.warning("transfer %s from %s refused (%s): %s", quoted_id(ev.request_id), self._peer(ev.cid),
+                     code_name(ev.error.code), printable(reason))
 
     def _peer(self, cid: int | None) -> str:
         stream = self._by_cid.get(cid) if cid is not None else None

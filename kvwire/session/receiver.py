@@ -52,6 +52,7 @@ from kvwire.errors import (
     AuthenticationError,
     ConnectionLostError,
     ErrorCode,
+    IncompatiblePeerError,
     KvwireError,
     LimitExceededError,
     ProtocolError,
@@ -196,6 +197,12 @@ def _layout_entry(history: OrderedDict[bytes, T], fingerprint: bytes, layouts: i
     return entry
 
 
+class _LayoutRefused(IncompatiblePeerError):
+    """INCOMPATIBLE_SPEC for a valid layout that is not among those the server accepts
+    (:func:`admit_begin`): refused again whenever it is sent, unlike a BEGIN whose layout
+    is malformed (an undefined dtype, a size out of range)."""
+
+
 def wire_text(text: str) -> str:
     return text if len(text) <= WIRE_TEXT_LIMIT else text[: WIRE_TEXT_LIMIT - 3] + "..."
 
@@ -267,7 +274,7 @@ def admit_begin(
                 f"(it accepts {', '.join(accepted[:4])}{more}): ")
         closest = closest_spec(specs, spec)
         tail = str(spec) if closest is None else spec_differences(closest, spec, WIRE_TEXT_LIMIT - len(head))
-        raise error_from_code(ErrorCode.INCOMPATIBLE_SPEC, head + tail)
+        raise _LayoutRefused(head + tail)
     if len(begin.meta) > max_meta_bytes:
         raise LimitExceededError(f"meta of {len(begin.meta)} bytes exceeds max_meta_bytes={max_meta_bytes}")
     meta = parse_meta(begin.meta)
@@ -462,9 +469,11 @@ class TransferFailed:
     the failure, as one that claimed it before it failed is.
 
     ``refused``: its BEGIN was refused for its KV layout (INCOMPATIBLE_SPEC, ``error``
-    the text its RESET carried), on connection ``cid``: nothing of it was kept, and a
-    layout refused is refused again, so what waits for a transfer of ``request_id`` may
-    be failed with it."""
+    the text its RESET carried): a valid layout, not among ``ReceiverConfig.fingerprints``,
+    on connection ``cid``.  Nothing of it was kept but its tombstone (a copy of that BEGIN
+    is answered with the same RESET and no event), and a layout refused is refused again,
+    so what waits for a transfer of ``request_id`` may be failed with it.  A malformed
+    layout (an undefined dtype, ...) is refused with no event."""
 
     key: Key
     error: KvwireError
@@ -1622,7 +1631,14 @@ class ReceiverCore:
             self._count("transfers_refused")
             text = wire_text(str(exc))
             conn.send_reset(tid, exc.code, text)
-            if exc.code == ErrorCode.INCOMPATIBLE_SPEC:
+            if isinstance(exc, _LayoutRefused):
+                # A layout the server does not accept is refused again when sent again: the
+                # refusal is the transfer id's tombstone, so a copy of this BEGIN (re-sent
+                # when a stream breaks, or on a stream that opens while it is unanswered) is
+                # answered with it (_repeat_reset), counted and said to the application once.
+                sess.tombstones[tid] = (exc.code, text)
+                while len(sess.tombstones) > TOMBSTONES_KEPT:
+                    sess.tombstones.popitem(last=False)
                 self._events.append(TransferFailed(key=(sess.session_id, tid), error=error_from_code(exc.code, text),
                                                    request_id=begin.request_id, refused=True, cid=cid))
             return
