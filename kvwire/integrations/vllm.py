@@ -1203,13 +1203,17 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         connect do (``DEFERRED``, each sent whole from the registered caches once it is
         up, within kvwire_load_timeout), and so do the saves of the step under way
         (:meth:`save_kv_layer`); those begun on the ended session end as any send whose
-        connection was closed.  Not while shutting down (nothing connects again)."""
+        connection was closed.  Not while shutting down (nothing connects again).  With
+        the synchronous save the sends waiting their turn end unsent instead: vLLM frees
+        their blocks once wait_for_save returned (request_finished keeps none), so one
+        sent later from the caches would carry another request's KV; the consumer's
+        load of each fails (a load error), it is not loaded with wrong KV."""
         peer = self._peer
         if peer is None or (cause := peer.broken) is None:
             return
         logger.warning("kvwire: the session with the consumer at %s ended (%s): closing it and connecting again; "
                        "the KV not sent yet waits for the new connection", self._peer_addr, cause)
-        if self._retry_at != float("inf"):
+        if self._async_save and self._retry_at != float("inf"):
             self._flush_refused()
             for req_id, send in self._sends_in(_SendState.QUEUED).items():
                 self._set(req_id, send, _SendState.DEFERRED)
@@ -1601,7 +1605,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 failed = not self._ended_well(req_id, send, self._outcome(send, 0))  # a timeout, unless it just ended
                 self._set(req_id, send, _SendState.ENDED)
         self._flush_refused()
-        if failed:
+        if failed and self._peer is not None and self._peer.broken is not None:
+            # The session ended (the consumer restarted, say): the sends waiting their turn
+            # wait for the new connection, as :meth:`_start_queued` would have them.
+            self._renew_ended_session()
+        elif failed:
             self._let_go_of_blocks(wait=False)  # (the sends waiting their turn end unsent)
 
     def _drained(self, deadline: float) -> bool:

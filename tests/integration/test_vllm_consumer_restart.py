@@ -19,18 +19,22 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
+    from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move, _SendState
 
 pytestmark = pytest.mark.timeout(120)
 
 
-def consumer_on(port: int, caches: list[torch.Tensor]) -> KvwireConnector:
-    """A consumer's worker (synchronous load, 10 s load timeout) listening on ``port``."""
+def consumer_on(port: int, caches: list[torch.Tensor], max_transfers: int | None = None) -> KvwireConnector:
+    """A consumer's worker (synchronous load, 10 s load timeout) listening on ``port``
+    (its server taking ``max_transfers`` transfers at once, if given)."""
+    extra: dict[str, object] = {"kvwire_secret": SECRET, "kvwire_listen": f"127.0.0.1:{port}",
+                                "kvwire_load_timeout": 10, "kvwire_load_async": False}
+    if max_transfers is not None:
+        extra["kvwire_max_transfers"] = max_transfers
     cfg = VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": f"127.0.0.1:{port}",
-                                       "kvwire_load_timeout": 10, "kvwire_load_async": False},
+            kv_connector_extra_config=extra,
         ),
         cache_config=CacheConfig(block_size=16),
     )
@@ -89,3 +93,77 @@ def test_the_first_request_after_the_consumer_restarted_is_sent_on_a_new_session
         pw.shutdown()
         if second is not None:
             second.shutdown()
+
+
+def restart_mid_step(async_save: bool, caches: list[torch.Tensor]
+                     ) -> tuple[KvwireConnector, KvwireConnector, list[torch.Tensor]]:
+    """A producer's step saves r0 (blocks [3]) and r1 ([5]) to a consumer taking one
+    transfer at once (r1 waits its turn, queued), and the consumer restarts after the
+    step's first layer: the rest of the step runs on the ended session.  The producer's
+    worker, the new consumer's, and the producer's caches."""
+    first = consumer_on(0, caches, max_transfers=1)
+    port = first.listen_port
+    assert port is not None
+    _, pw, pcaches = producer(port, load_timeout=10, async_save=async_save)
+    pw.bind_connector_metadata(KvwireConnectorMetadata(saves=[_Move("r0", "k0", [3]), _Move("r1", "k1", [5])]))
+    pw.save_kv_layer(LAYERS[0], pcaches[0], None)
+    assert pw._sends["r1"].state is _SendState.QUEUED
+    first.shutdown()
+    session_ended(pw)
+    second = consumer_on(port, caches, max_transfers=1)
+    for name, cache in zip(LAYERS[1:], pcaches[1:], strict=True):
+        pw.save_kv_layer(name, cache, None)
+    pw.wait_for_save()
+    pw.clear_connector_metadata()
+    return pw, second, pcaches
+
+
+def test_with_the_sync_save_a_send_queued_when_the_session_ended_mid_step_ends_unsent() -> None:
+    """Synchronous save: a send waiting its turn when the session ended mid-step is not
+    kept for the new connection past wait_for_save (vLLM frees its blocks then, and reuses
+    them: one sent later from the caches carries another request's KV); it ends unsent,
+    and the consumer's load of it fails (a load error), it is not loaded with the KV the
+    block holds now."""
+    caches = [torch.zeros((300, 2, 16, 256)) for _ in LAYERS]
+    pw, second, pcaches = restart_mid_step(False, caches)
+    try:
+        assert not pw._sends_in(_SendState.DEFERRED, _SendState.QUEUED, _SendState.REFUSED)
+        assert pw.get_finished({"r0", "r1"}) == (None, None)  # vLLM frees blocks 3 and 5 now
+        for cache in pcaches:
+            cache[5].fill_(7.0)  # block 5 reused: another request's forward writes it
+        second.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r1", "k1", [9])]))
+        second.start_load_kv(None)  # type: ignore[arg-type]
+        for _ in range(20):  # the engine steps on (no saves)
+            step(pw, KvwireConnectorMetadata(), None)
+            pw.get_finished(set())
+            threading.Event().wait(0.05)
+        for name in LAYERS:
+            second.wait_for_layer_load(name)
+        assert second.get_block_ids_with_load_errors() == {9}
+        assert not any(bool(torch.any(cache[9] == 7.0)) for cache in caches)
+    finally:
+        pw.shutdown()
+        second.shutdown()
+
+
+def test_with_the_async_save_a_send_queued_when_the_session_ended_mid_step_is_sent_on_the_new_one() -> None:
+    """Async save: the send begun on the ended session fails there, and the one waiting
+    its turn waits for the new connection (the producer keeps its blocks): it is sent on
+    it and loaded whole by the new consumer; both requests are reported finished sending
+    once."""
+    caches = [torch.zeros((300, 2, 16, 256)) for _ in LAYERS]
+    pw, second, pcaches = restart_mid_step(True, caches)
+    try:
+        second.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r1", "k1", [9])]))
+        second.start_load_kv(None)  # type: ignore[arg-type]
+        reported = pw.get_finished({"r0", "r1"})[0] or set()
+        reported |= finished_sends(pw, want=2 - len(reported))
+        assert reported == {"r0", "r1"}
+        for name in LAYERS:
+            second.wait_for_layer_load(name)
+        assert second.get_block_ids_with_load_errors() == set()
+        for layer, cache in enumerate(caches):
+            assert torch.equal(cache[9], pcaches[layer][5])
+    finally:
+        pw.shutdown()
+        second.shutdown()
