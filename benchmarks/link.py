@@ -1,14 +1,18 @@
 """kvwire over emulated links: the bench scenarios, one table.
 
 Each scenario is one ``kvwire bench`` run (userspace link emulator, sender, receiver
-and emulator in three processes):
+and emulator in three processes). ``--link`` is an Ethernet line rate (at MTU 1500): the
+estimate and the wire rate count TCP payload, so they are held against the link's TCP
+payload capacity (the report's ``payload_capacity_gbps``: 9.41 Gbit/s of a 10 Gbit/s
+link), not the line rate.
 
 1. ``--link 10gbps --rtt 20ms --codec raw``: link utilization, and whether the
-   bandwidth estimate stays within 10% of the link after the first second;
+   bandwidth estimate stays within 10% of the link's payload capacity after the first
+   second;
 2. the same with the rate stepping from 10 to 2.5 Gbit/s mid-run: how long after the
-   step the estimate first comes within 15% of the new rate (target: 1 s);
-3. ``--link 1gbps --rtt 20ms --codec auto``: fp16 KV goodput over the link rate (above
-   1 means the codec delivered more KV than the link carries raw);
+   step the estimate first comes within 15% of the new payload capacity (target: 1 s);
+3. ``--link 1gbps --rtt 20ms --codec auto``: fp16 KV goodput over the link's payload
+   capacity (above 1 means the codec delivered more KV than the link carries raw);
 4. from run 1: time to first layer against the whole transfer;
 5. on each of 10 and 1 Gbit/s (20 ms): every fixed codec and ``auto``, fp16 KV goodput
    each, and ``auto`` against the best fixed codec on that link (``--codec-links ''`` skips).
@@ -46,11 +50,20 @@ def _after(samples: list[dict[str, Any]], t: float) -> list[dict[str, Any]]:
     return [s for s in samples if s["t"] >= t and s["estimated_gbps"] is not None]
 
 
-def within(samples: list[dict[str, Any]], tol: float) -> float | None:
-    """Share of samples whose estimate is within ``tol`` of the link rate then."""
+def payload_share(result: dict[str, Any]) -> float:
+    """The share of the link's line rate it carries as TCP payload (the report's
+    ``payload_capacity_gbps`` over ``link_gbps``; 1 in a report without it)."""
+    link, capacity = result.get("link_gbps"), result.get("payload_capacity_gbps")
+    return capacity / link if link and capacity else 1.0
+
+
+def within(samples: list[dict[str, Any]], tol: float, share: float = 1.0) -> float | None:
+    """Share of samples whose estimate is within ``tol`` of the link's payload capacity
+    then: the sample's line rate times ``share`` (:func:`payload_share`)."""
     if not samples:
         return None
-    ok = sum(1 for s in samples if abs(s["estimated_gbps"] - s["link_gbps"]) <= tol * s["link_gbps"])
+    ok = sum(1 for s in samples
+             if abs(s["estimated_gbps"] - s["link_gbps"] * share) <= tol * s["link_gbps"] * share)
     return ok / len(samples)
 
 
@@ -153,16 +166,18 @@ def main() -> None:
             print(f"{name:<16} {r}")
             continue
         if name == "10G raw":
-            share = within(_after(r["samples"], 1.0), 0.10)
-            check = "estimate within 10% of link after 1 s: " + (
+            share = within(_after(r["samples"], 1.0), 0.10, payload_share(r))
+            check = "estimate within 10% of the payload capacity after 1 s: " + (
                 "-" if share is None else f"{100 * share:.0f}% of samples")
         elif name == "10G->2.5G raw":
-            t = settle_time(r["samples"], step_at, 2.5, 0.15)
-            check = "estimate within 15% of 2.5 Gbit/s " + (
+            after = 2.5 * payload_share(r)  # the payload a 2.5 Gbit/s link carries
+            t = settle_time(r["samples"], step_at, after, 0.15)
+            check = f"estimate within 15% of {after:.3g} Gbit/s (2.5 Gbit/s's payload) " + (
                 "never" if t is None else f"{t:.2f} s after the step ({'yes' if t <= 1.0 else 'NO'}, target 1 s)")
         else:
             err = r["max_rel_error"]
-            check = (f"goodput/link {r['goodput_gbps'] / r['link_gbps']:.2f}, "
+            capacity = r.get("payload_capacity_gbps") or r["link_gbps"]
+            check = (f"goodput/payload capacity {r['goodput_gbps'] / capacity:.2f}, "
                      f"codecs {', '.join(r['codecs_used'])}, "
                      f"max rel. error {'-' if err is None else f'{err:.3g}'}")
         est = r["estimated_gbps"]

@@ -301,7 +301,7 @@ def add_parsers(subparsers: Any) -> None:
     out.add_argument("--json", metavar="FILE",
                      help="write the full report (start block, intervals, samples) here; - for stdout")
     out.add_argument("--plot", metavar="FILE.png",
-                     help="plot wire rate, estimate and link rate over time (needs kvwire[plot]) into "
+                     help="plot wire rate, estimate and the link's TCP payload capacity over time (needs kvwire[plot]) into "
                           "FILE as named: in the format its suffix names (png, svg, pdf, ...), a PNG "
                           "without one")
     out.add_argument("--interval", type=_POSITIVE_DURATION, default=1.0, metavar="TIME",
@@ -349,8 +349,8 @@ def _fail(command: str, exc: Exception, code: int) -> int:
 
 def check_auto_codec_and_link(cfg: Any) -> None:
     """Refuse what the run would ignore or cannot do as asked (UsageError): ``--auto-codec``
-    without ``--codec auto``, ``--mtu`` or ``--link-layer`` without a shaped link, and a
-    ``--jitter`` over half of ``--rtt``. Checked here, not by BenchConfig: a script may
+    without ``--codec auto``, ``--mtu`` or ``--link-layer`` without a shaped link,
+    ``--no-baseline`` outside plain loopback, and a ``--jitter`` over half of ``--rtt``. Checked here, not by BenchConfig: a script may
     give every run of a set the same auto_codec (benchmarks/link.py)."""
     from kvwire.bench.runner import BenchConfig
 
@@ -365,13 +365,26 @@ def check_auto_codec_and_link(cfg: Any) -> None:
             if value != default[name].default:
                 raise UsageError(f"{flag} is for a shaped link (--link or --link-schedule, emulated or "
                                  f"--kernel): {where} is not shaped, so {flag} {value} would be ignored")
+    if not cfg.baseline and cfg.mode != "loopback":
+        where = {"peer": "--peer's runs", "kernel": "a --kernel link"}.get(cfg.mode, "the emulated link")
+        raise UsageError("--no-baseline is for plain loopback runs (the raw-socket baseline runs "
+                         f"only there): {where} has none to skip, so drop --no-baseline")
     if cfg.jitter > cfg.rtt / 2:
         raise UsageError(
             f"--jitter {format_duration(cfg.jitter)} is more than half of --rtt {format_duration(cfg.rtt)}: "
             f"each one-way delay is --rtt/2 +- --jitter, a delay under 0 cannot be applied (it is "
             "clamped at 0, and bytes stay in order), so the RTT the run had would be well over the "
-            f"one reported; give --jitter {format_duration(cfg.rtt / 2)} or less, or a longer --rtt"
+            f"one reported; {_jitter_advice(cfg)}"
         )
+
+
+def _jitter_advice(cfg: Any) -> str:
+    """What to change for a ``--jitter`` over half of ``--rtt``: a smaller jitter (or none,
+    with --rtt 0), or the RTT that makes room for this one."""
+    fix_rtt = f"give --rtt {format_duration(2 * cfg.jitter)} or more"
+    if cfg.rtt <= 0:
+        return f"drop --jitter, or {fix_rtt}"
+    return f"give --jitter {format_duration(cfg.rtt / 2)} or less, or --rtt {format_duration(2 * cfg.jitter)} or more"
 
 
 
@@ -640,7 +653,7 @@ def wire_label(mode: str) -> str:
 
 
 def write_plot(result: dict[str, Any], path: str) -> None:
-    """Wire rate, bandwidth estimate and link rate over time, into the file ``path``
+    """Wire rate, bandwidth estimate and the link's TCP payload capacity over time, into the file ``path``
     names, in the format :func:`plot_format` says (a PNG without a suffix)."""
     try:
         import matplotlib
@@ -656,8 +669,13 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     ax.plot(t, [s["estimated_gbps"] if s["estimated_gbps"] is not None else float("nan") for s in samples],
             label="estimate", lw=1.2)
     if any(s["link_gbps"] is not None for s in samples):
-        ax.step(t, [s["link_gbps"] if s["link_gbps"] is not None else float("nan") for s in samples],
-                where="post", label="link rate", color="black", ls="--", lw=1)
+        # The wire series counts TCP payload: the line is what the link carries of it at
+        # each moment's rate (the line rate in a report without payload_capacity_gbps).
+        share, label = 1.0, "link rate (line rate)"
+        if result.get("payload_capacity_gbps") and result.get("link_gbps"):
+            share, label = result["payload_capacity_gbps"] / result["link_gbps"], "link's TCP payload capacity"
+        ax.step(t, [s["link_gbps"] * share if s["link_gbps"] is not None else float("nan") for s in samples],
+                where="post", label=label, color="black", ls="--", lw=1)
     ax.set_xlabel("seconds")
     ax.set_ylabel("Gbit/s")
     ax.set_ylim(bottom=0)

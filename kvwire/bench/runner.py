@@ -43,6 +43,7 @@ from kvwire.bench.models import ModelShape, bench_cache, bench_cache_bytes, get_
 from kvwire.bench.report import (
     codec_shares,
     diagnose,
+    folds_into_previous,
     intervals,
     machine_cpu_times,
     one_interval,
@@ -1122,6 +1123,25 @@ async def _send_loop(
             sampler["kv"] = credited
             return credited
 
+        # An interval ending within an interval of the run's end is held back until the
+        # next one: a last interval shorter than half an interval is folded into it, as
+        # the report's intervals are (report.intervals).
+        held: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+        near_end = res.initial["t"] + cfg.duration - cfg.interval
+
+        def report_interval(point: dict[str, Any], final: bool) -> None:
+            assert on_interval is not None
+            if held:
+                prev, group = held.pop()
+                if final and folds_into_previous(reported[0], point, cfg.interval):
+                    on_interval(one_interval(prev, [*group, *pending]))
+                    return
+                on_interval(one_interval(prev, group))
+            if not final and point["t"] >= near_end:
+                held.append((reported[0], list(pending)))
+            else:
+                on_interval(one_interval(reported[0], pending))
+
         def take_sample(final: bool = False) -> None:
             now, sent = time.monotonic(), peer.bytes_sent
             stats = peer.statistics()
@@ -1150,7 +1170,7 @@ async def _send_loop(
                 on_progress({**point, "elapsed": now - start, "duration": cfg.duration})
             if point["t"] >= sampler["edge"] - 1e-9 or final:
                 if on_interval is not None:
-                    on_interval(one_interval(reported[0], pending))
+                    report_interval(point, final)
                 reported[0] = point
                 pending.clear()
                 while sampler["edge"] <= point["t"] + 1e-9:
@@ -1488,8 +1508,10 @@ def run_bench(
         cpu["others"] = max(0.0, busy - ours) / total
     result.update(
         link_gbps=link_bps / 1e9 if link_bps is not None else None,
-        link_layer=cfg.link_layer,
-        mtu=cfg.mtu,
+        # What the rate counts, and the MTU it is charged at: a link's only (loopback,
+        # --rtt alone and --peer have no rate, and no MTU of ours).
+        link_layer=cfg.link_layer if cfg.shaped else None,
+        mtu=cfg.mtu if cfg.shaped else None,
         payload_capacity_gbps=capacity_bps / 1e9 if capacity_bps is not None else None,
         link_schedule=[[t, r / 1e9] for t, r in cfg.steps] if cfg.steps else None,
         rtt_ms=cfg.rtt * 1e3 if cfg.mode == "emulated" else send.min_rtt_ms,

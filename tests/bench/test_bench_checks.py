@@ -90,7 +90,7 @@ def test_with_rtt_0_the_in_flight_check_uses_a_chunks_serialization() -> None:
     line = diagnose(_result(link_gbps=1.0, rtt_ms=20.0, measured_rtt_ms=50.0, streams=64,
                             bytes_in_flight_mean=0.5 * MiB), window_bytes=32 * MiB)
     assert line is not None and "too little in flight: 0.5 MiB on average for a 3.38 MiB" in line
-    assert "(28.4 ms RTT (--rtt 20 ms + 8.39 ms to serialize a chunk))" in line
+    assert "(28.4 ms RTT: --rtt 20 ms + 8.39 ms to serialize a chunk)" in line
 
 
 # -- the interval line and the report --------------------------------------------------------
