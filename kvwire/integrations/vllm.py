@@ -275,6 +275,8 @@ class _Load:
     restarting: threading.Event | None = None
     #: whether it was restarted so (once)
     restarted: bool = False
+    #: restarted: when it fails unless the retry came (_RETRY_WINDOW after the loss)
+    retry_by: float = float("inf")
 
     @property
     def blocks(self) -> list[int]:
@@ -291,7 +293,8 @@ class _Drop:
     #: request loads (see KvwireConnector._sweep_unnamed)
     swept: bool
     #: a load given up (see KvwireConnector._give_up_load): the blocks its transfer carries
-    #: and when the drop ends (kvwire_claim_timeout from its start; None: never); it goes
+    #: and when the drop ends (kvwire_claim_timeout from its start, _RETRY_WINDOW for a
+    #: transfer lost mid-way; None: never); it goes
     #: after a later load of its name, which it must not take the transfer of (see
     #: KvwireConnector._yield_drops)
     given_up: tuple[int, float | None] | None = None
@@ -950,6 +953,12 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     #: (and for the close of the producer's connection, on a loop held up elsewhere)
     _ABORT_WAIT = 5.0
 
+    #: seconds a transfer lost mid-way (its producer died) is waited for again, its prefill
+    #: retried: an async load restarted so fails this long after the loss at most (not at
+    #: its kvwire_load_timeout), and the drop a load given up on such a loss sets for the
+    #: retry lasts this long (see :meth:`_give_up_load`)
+    _RETRY_WINDOW = 10.0
+
     def _abort(self, req_id: str, handle: ReceiveHandle, reason: str) -> None:
         """Stop a load whose blocks vLLM will recompute into.  Issued at once; the hook
         waits for it, with the other aborts it issued, in :meth:`_settle_aborts` before it
@@ -990,20 +999,27 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return mark
 
     def _give_up_load(self, req_id: str, reason: str) -> None:
-        """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does,
-        and so if the transfer it claimed had failed (its producer lost mid-transfer, say):
+        """Abort ``req_id``'s load; if its transfer has not come yet, drop it when it does
+        (until kvwire_claim_timeout), and so, for ``_RETRY_WINDOW``, if the transfer it
+        claimed was lost (``ConnectionLostError``: its producer died mid-transfer, say):
         the prefill retried sends its name again, whole, and that transfer, which no load
         takes, is dropped as it comes instead of held (memory and a slot of
-        ``max_transfers``) until kvwire_claim_timeout.  (One aborted healthy, its request
-        finished, is not sent again: nothing waits for its name.)"""
+        ``max_transfers``) until kvwire_claim_timeout.  The drop is that short because a
+        new request of the same name (a reused kvwire_id, kvwire_load_all's
+        ``prompt:<digest>``) whose transfer comes before its load starts is dropped by it
+        too.  (One aborted healthy, its request finished, or whose claimed transfer failed
+        otherwise, is not sent again: nothing waits for its name.)"""
         load = self._loading.pop(req_id)
         handle, total = load.handle, len(load.block_ids)
         if load.verifying is not None:
             load.verifying[0].cancel()
-        retried = handle.transfer is None or handle.error is not None  # (its own error, before the abort's)
+        # (its own error, before the abort's)
+        lost = load.restarted or (handle.transfer is not None and isinstance(handle.error, ConnectionLostError))
+        life = self._RETRY_WINDOW if lost else self._claim_timeout
         self._abort(req_id, handle, reason)
-        if retried and self._server is not None and self._drop(req_id, handle.request_id, [DROP] * total):
-            ends = None if self._claim_timeout is None else time.monotonic() + self._claim_timeout
+        if (lost or handle.transfer is None) and self._server is not None \
+                and self._expect_drop(req_id, handle.request_id, [DROP] * total, life):
+            ends = None if life is None else time.monotonic() + life
             self._dropping[req_id].given_up = (total, ends)
 
     def _reload(self, req_id: str, handle: ReceiveHandle) -> bool:
@@ -1040,8 +1056,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         (nothing of the lost transfer is written into the blocks after it), expect its
         name again (:meth:`_resume_restarted`), so that the prefill retried (its name sent
         again, whole, rewriting every block) is loaded, within the load's
-        kvwire_load_timeout; True.  vLLM has not read the blocks (the request waits for
-        its KV).  False (the load fails) otherwise."""
+        kvwire_load_timeout and of ``_RETRY_WINDOW`` from now (a producer that died with
+        no retry fails the load then, not at kvwire_load_timeout); True.  vLLM has not
+        read the blocks (the request waits for its KV).  False (the load fails) otherwise."""
         if (not self._load_async or load.restarted or not isinstance(error, ConnectionLostError)
                 or load.handle.transfer is None or not load.dest.used):
             return False
@@ -1050,9 +1067,23 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if mark is None:
             return False
         load.restarted, load.restarting = True, mark
+        load.retry_by = time.monotonic() + self._RETRY_WINDOW
         logger.warning("kvwire: the transfer of request %s was lost mid-way (%s): waiting for another transfer of "
-                       "its name (its prefill retried) within its kvwire_load_timeout", req_id, error)
+                       "its name (its prefill retried) for %g s", req_id, error,
+                       min(self._RETRY_WINDOW, load.since + self._timeout - time.monotonic()))
         return True
+
+    def _late(self, load: _Load, now: float) -> KvwireError | None:
+        """Async load: its timeout error if it is past its kvwire_load_timeout, or, once
+        restarted, past the ``_RETRY_WINDOW`` its retry is waited for with none begun
+        (one that came in time has what is left of the kvwire_load_timeout); else None."""
+        waiting = load.restarting is not None or load.handle.transfer is None
+        if waiting and now >= load.retry_by and load.retry_by < load.since + self._timeout:
+            return TransferTimeoutError(f"transfer of {load.key!r} lost mid-way and not sent again within "
+                                        f"{self._RETRY_WINDOW:g} s")
+        if now >= load.since + self._timeout:
+            return TransferTimeoutError(f"transfer of {load.key!r} not ready after {self._timeout:g} s")
+        return None
 
     def _resume_restarted(self, load: _Load) -> KvwireError | None:
         """The receive of ``load``'s lost transfer stopped: expect its name again, into
@@ -1821,11 +1852,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ended: dict[str, set[int]] = {}
         for req_id, load in list(self._loading.items()):
             if load.restarting is not None:  # (its lost transfer's receive stopping)
-                failed: KvwireError | None = None
-                if now >= load.since + self._timeout:
-                    failed = TransferTimeoutError(f"transfer of {load.handle.request_id!r} not ready after "
-                                                  f"{self._timeout:g} s")
-                elif not load.restarting.is_set() or (failed := self._resume_restarted(load)) is None:
+                failed: KvwireError | None = self._late(load, now)
+                if failed is None and (not load.restarting.is_set()
+                                       or (failed := self._resume_restarted(load)) is None):
                     continue
                 _log_failed(req_id, failed)
                 self._give_up_load(req_id, str(failed))
@@ -1845,11 +1874,11 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     ended[req_id] = set(blocks)
                 continue
             error: KvwireError | None = handle.error
-            if error is not None and now < load.since + self._timeout and (
+            if error is not None and self._late(load, now) is None and (
                     self._reload(req_id, handle) or self._restart_load(req_id, load, error)):
                 continue
-            if error is None and now >= load.since + self._timeout:
-                error = TransferTimeoutError(f"transfer of {handle.request_id!r} not ready after {self._timeout:g} s")
+            if error is None:
+                error = self._late(load, now)
             if error is None:
                 continue
             _log_failed(req_id, error)

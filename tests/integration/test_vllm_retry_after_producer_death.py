@@ -7,12 +7,14 @@ claim timeout."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,5 +172,75 @@ def test_a_load_failed_on_a_transfer_lost_mid_way_drops_the_retried_prefill(
         drops_ended(worker)
         assert not worker._dropping
         assert server_holds(worker) == {"pending_arrivals": 0, "buffered_bytes": 0, "held_transfers": 0}
+    finally:
+        worker.shutdown()
+
+
+def test_an_async_load_whose_producer_died_with_no_retry_fails_once_the_retry_window_passed(
+        producers: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The async load's transfer is lost after its first layer (the producer SIGKILLed)
+    and the prefill is not retried: the load waits for a retry for the retry window
+    only (1 s here), not for its whole kvwire_load_timeout (120 s): it is reported
+    failed, its blocks load errors, by the retry window's timeout; the drop it leaves for
+    a late retry lasts the window too (not kvwire_claim_timeout) and then ends."""
+    monkeypatch.setattr(KvwireConnector, "_RETRY_WINDOW", 1.0)
+    worker, spec, _, _, _ = async_consumer(21, load_timeout=120)
+    try:
+        assert consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", INTO)])) == (set(), set())
+        producer_dies_after_layer_0(worker, producers, spec)
+        got: set[str] = set()
+        errors: set[int] = set()
+        with caplog.at_level(logging.ERROR, logger="vllm.kvwire"):
+            for _ in range(1200):  # (the lost transfer fails after the server's resume timeout, 10 s)
+                received, failed = consumer_step(worker)
+                got |= received
+                errors |= failed
+                if got:
+                    break
+                threading.Event().wait(0.05)
+        assert (got, errors) == ({"r"}, set(INTO))
+        assert any("not sent again within 1 s" in r.getMessage() for r in caplog.records)
+        drop = worker._dropping.get("r")
+        assert drop is not None and drop.given_up is not None
+        ends = drop.given_up[1]
+        assert ends is not None and ends <= time.monotonic() + 1.0
+        drops_ended(worker)
+        assert not worker._dropping
+    finally:
+        worker.shutdown()
+
+
+def test_a_new_request_of_a_lost_transfers_name_sent_after_the_retry_window_is_loaded(
+        producers: list[subprocess.Popen[str]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer-wise load's transfer is lost mid-way and the load fails; the drop it sets
+    for the retry lasts the retry window (1 s here), not kvwire_claim_timeout: once it
+    passed, a new request of the same name (a reused kvwire_id), sent whole before its
+    load starts, is loaded by that load, not dropped."""
+    monkeypatch.setattr(KvwireConnector, "_RETRY_WINDOW", 1.0)
+    caches = [torch.zeros((16, 2, 16, 64)) for _ in LAYERS]
+    worker, spec = consumer_worker(caches, load_timeout=30)
+    src = source()
+    try:
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r", "r", INTO)]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        producer_dies_after_layer_0(worker, producers, spec)
+        for name in LAYERS:  # (the lost transfer fails after the server's resume timeout, 10 s)
+            worker.wait_for_layer_load(name)
+        assert worker.get_block_ids_with_load_errors() == set(INTO)
+        worker.clear_connector_metadata()
+        worker.get_finished({"r"})
+        drops_ended(worker)
+        assert not worker._dropping
+        assert worker.listen_port is not None
+        assert producer(producers, worker.listen_port, spec, WHOLE) == "sent whole"
+        worker.bind_connector_metadata(KvwireConnectorMetadata(loads=[_Move("r2", "r", [7, 8, 9])]))
+        worker.start_load_kv(None)  # type: ignore[arg-type]
+        for name in LAYERS:
+            worker.wait_for_layer_load(name)
+        assert worker.get_block_ids_with_load_errors() == set()
+        for layer in range(len(LAYERS)):
+            for s, d in zip(ROWS, [7, 8, 9], strict=True):
+                assert torch.equal(caches[layer][d], src[layer][s])
     finally:
         worker.shutdown()
