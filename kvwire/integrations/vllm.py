@@ -956,7 +956,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     #: seconds a transfer lost mid-way (its producer died) is waited for again, its prefill
     #: retried: an async load restarted so fails this long after the loss at most (not at
     #: its kvwire_load_timeout), and the drop a load given up on such a loss sets for the
-    #: retry lasts this long (see :meth:`_give_up_load`)
+    #: retry lasts this long from the loss (see :meth:`_give_up_load`)
     _RETRY_WINDOW = 10.0
 
     def _abort(self, req_id: str, handle: ReceiveHandle, reason: str) -> None:
@@ -1007,19 +1007,29 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ``max_transfers``) until kvwire_claim_timeout.  The drop is that short because a
         new request of the same name (a reused kvwire_id, kvwire_load_all's
         ``prompt:<digest>``) whose transfer comes before its load starts is dropped by it
-        too.  (One aborted healthy, its request finished, or whose claimed transfer failed
-        otherwise, is not sent again: nothing waits for its name.)"""
+        too.  The window counts from the loss: an async load restarted on it
+        (:meth:`_restart_load`) whose retry has not begun drops until its ``retry_by``
+        (none once that passed: a retry later than it is held as any transfer no load
+        takes), one whose retry was lost too for ``_RETRY_WINDOW`` from now.  (One
+        aborted healthy, its retry's claimed transfer too, its request finished, or whose
+        claimed transfer failed otherwise, is not sent again: nothing waits for its name.)"""
         load = self._loading.pop(req_id)
         handle, total = load.handle, len(load.block_ids)
         if load.verifying is not None:
             load.verifying[0].cancel()
+        now = time.monotonic()
         # (its own error, before the abort's)
-        lost = load.restarted or (handle.transfer is not None and isinstance(handle.error, ConnectionLostError))
+        awaiting_retry = load.restarted and (load.restarting is not None or handle.transfer is None)
+        lost = awaiting_retry or (handle.transfer is not None and isinstance(handle.error, ConnectionLostError))
         life = self._RETRY_WINDOW if lost else self._claim_timeout
+        if awaiting_retry:
+            life = load.retry_by - now
         self._abort(req_id, handle, reason)
+        if life is not None and life <= 0:
+            return  # (the retry window passed: nothing is dropped)
         if (lost or handle.transfer is None) and self._server is not None \
                 and self._expect_drop(req_id, handle.request_id, [DROP] * total, life):
-            ends = None if life is None else time.monotonic() + life
+            ends = None if life is None else now + life
             self._dropping[req_id].given_up = (total, ends)
 
     def _reload(self, req_id: str, handle: ReceiveHandle) -> bool:
@@ -1243,7 +1253,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if peer is None or (cause := peer.broken) is None:
             return
         logger.warning("kvwire: the session with the consumer at %s ended (%s): closing it and connecting again; "
-                       "the KV not sent yet waits for the new connection", self._peer_addr, cause)
+                       "the KV not sent yet %s", self._peer_addr, cause,
+                       "waits for the new connection" if self._async_save
+                       else "ends unsent (its blocks are freed once wait_for_save returned)")
         if self._async_save and self._retry_at != float("inf"):
             self._flush_refused()
             for req_id, send in self._sends_in(_SendState.QUEUED).items():
