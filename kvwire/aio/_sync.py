@@ -559,8 +559,8 @@ def watch_dropped(owner: SyncServer | SyncPeer, what: str) -> weakref.finalize[A
 # the first time it waits for a caller (and again for any later mark if another stream is
 # current then: CuPy 13 forgets a use()d stream when a `with` block of another ends, so
 # kvwire makes streams current for a while with kvwire.codec.gpu.on_stream, not `with`):
-# never the legacy null stream (every blocking
-# stream's and other threads' default-stream work would wait for the caller's work then).
+# never the legacy null stream (every blocking stream's and other threads' default-stream
+# work would wait for the caller's work then).
 # A GPU server's layers are still allocated on the stream that was current before it
 # (normally the null stream): they are the caller's once handed over, and a layer it drops
 # goes back to CuPy's pool in that stream's order, not the loop's own stream's, whose next

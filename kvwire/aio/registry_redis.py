@@ -533,9 +533,7 @@ class RedisWatcher:
         try:
             pubsub = await self._open()
         except (RedisError, OSError, KvwireError) as exc:  # TimeoutError among them
-            self._drop_pause = 0.0
-            # Its end kept, not its length: see _failed_at.
-            self._failed_at, self._retry_pause = self._clock(), _next_pause(self._retry_pause, timeout)
+            self._try_failed(timeout)
             raise NotificationsLostError(
                 f"redis registry: {why}; not subscribed again ({_reason(exc, timeout)}): changes may "
                 f"have been missed and are not watched yet; the next read tries again after "
@@ -547,8 +545,7 @@ class RedisWatcher:
             # as a failed one for the pause, else the next read would try again at once,
             # one try after another.  Not when the watcher is being closed.
             if not (self._closed or self._registry._closed):
-                self._drop_pause = 0.0
-                self._failed_at, self._retry_pause = self._clock(), _next_pause(self._retry_pause, timeout)
+                self._try_failed(timeout)
             raise
         if pubsub is None:
             return
@@ -563,6 +560,12 @@ class RedisWatcher:
             f"redis registry: {why}; subscribed again{paused}: changes may have been missed, "
             "those from now on are delivered: re-read (lookup, check_many)"
         ) from cause
+
+    def _try_failed(self, timeout: float) -> None:
+        """Count a failed try at subscribing anew for the pause before the next (_next_pause)."""
+        self._drop_pause = 0.0
+        # when it failed is kept (the pause ends _retry_pause after it): see _failed_at
+        self._failed_at, self._retry_pause = self._clock(), _next_pause(self._retry_pause, timeout)
 
     async def aclose(self) -> None:
         self._closed = True
