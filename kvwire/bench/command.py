@@ -46,7 +46,7 @@ from kvwire.wire.frames import DEFAULT_CHUNK_BYTES
 
 __all__ = [
     "add_parsers",
-    "check_auto_codec_and_link",
+    "check_bench_options",
     "check_output_path",
     "is_loopback",
     "plot_format",
@@ -347,11 +347,12 @@ def _fail(command: str, exc: Exception, code: int) -> int:
 # -- bench --------------------------------------------------------------------------------------
 
 
-def check_auto_codec_and_link(cfg: Any) -> None:
-    """Refuse what the run would ignore or cannot do as asked (UsageError): ``--auto-codec``
-    without ``--codec auto``, ``--mtu`` or ``--link-layer`` without a shaped link,
-    ``--no-baseline`` outside plain loopback, and a ``--jitter`` over half of ``--rtt``. Checked here, not by BenchConfig: a script may
-    give every run of a set the same auto_codec (benchmarks/link.py)."""
+def check_bench_options(cfg: Any) -> None:
+    """Refuse what the run would ignore or cannot do as asked (UsageError): ``--auto-codec
+    measured`` without ``--codec auto``, ``--mtu`` or ``--link-layer`` without a shaped link,
+    ``--no-baseline`` outside plain loopback, and a ``--jitter`` over half of ``--rtt``.
+    Checked here, not by BenchConfig: a script may give every run of a set the same
+    auto_codec (benchmarks/link.py)."""
     from kvwire.bench.runner import BenchConfig
 
     default = BenchConfig.__dataclass_fields__
@@ -410,7 +411,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
             baseline=not args.no_baseline, seed=args.seed, chunk_bytes=args.chunk_size,
             interval=args.interval, link_layer=args.link_layer, mtu=args.mtu,
         )
-        check_auto_codec_and_link(cfg)
+        check_bench_options(cfg)
         if args.peer is not None:
             secret, warning = load_secret(args.secret_file)
             if warning:

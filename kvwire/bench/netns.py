@@ -37,6 +37,7 @@ from types import FrameType, TracebackType
 from typing import Any, TypeVar
 
 from kvwire.bench._signals import defers, ends_the_program
+from kvwire.bench.emulator import TCP_IP_HEADERS
 from kvwire.errors import UsageError
 
 __all__ = [
@@ -72,7 +73,7 @@ DEFAULT_QUEUE_LATENCY = 0.05
 _COUNTED_ETHERNET = 14
 #: Headers in every packet the veth counts (Ethernet 14, IPv4 20, TCP with timestamps 32):
 #: an offload packet of many segments counts once, with one set of headers.
-VETH_HEADERS = 66
+VETH_HEADERS = _COUNTED_ETHERNET + TCP_IP_HEADERS
 
 
 def tbf_rate(rate_bps: float, mtu: int | None, link_layer: str = "ethernet") -> float:
@@ -90,7 +91,7 @@ def tbf_rate(rate_bps: float, mtu: int | None, link_layer: str = "ethernet") -> 
     segment holds ``mtu - 52``: ``rate x (mtu + 14) / (mtu - 52)``."""
     if mtu is None:
         return rate_bps
-    from kvwire.bench.emulator import ETHERNET_FRAMING, TCP_IP_HEADERS, check_mtu
+    from kvwire.bench.emulator import ETHERNET_FRAMING, check_mtu
 
     check_mtu(mtu)
     if link_layer == "payload":

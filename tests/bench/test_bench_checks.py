@@ -163,7 +163,7 @@ def test_the_options_that_apply_are_taken() -> None:
         runner.BenchConfig(model="tiny", link_bps=1.6e12),
         runner.BenchConfig(model="tiny", link_bps=1e9, rtt=0.02, jitter=0.01),
     ):
-        command.check_auto_codec_and_link(cfg)
+        command.check_bench_options(cfg)
 
 
 def test_ctrl_c_while_the_arguments_are_read_is_an_interruption(

@@ -125,15 +125,15 @@ def test_a_loopback_run_prints_the_intervals_it_reports_and_no_link_layer() -> N
 def test_no_baseline_is_refused_outside_loopback(over: dict[str, Any]) -> None:
     cfg = runner.BenchConfig(model="tiny", baseline=False, **over)
     with pytest.raises(UsageError, match="--no-baseline is for plain loopback runs"):
-        command.check_auto_codec_and_link(cfg)
-    command.check_auto_codec_and_link(runner.BenchConfig(model="tiny", baseline=False))
+        command.check_bench_options(cfg)
+    command.check_bench_options(runner.BenchConfig(model="tiny", baseline=False))
 
 
 def test_jitter_without_an_rtt_says_to_drop_it_or_give_an_rtt() -> None:
     with pytest.raises(UsageError, match=r"drop --jitter, or give --rtt 2 ms or more$"):
-        command.check_auto_codec_and_link(runner.BenchConfig(model="tiny", rtt=0.0, jitter=0.001))
+        command.check_bench_options(runner.BenchConfig(model="tiny", rtt=0.0, jitter=0.001))
     with pytest.raises(UsageError, match=r"give --jitter 5 ms or less, or --rtt 40 ms or more$"):
-        command.check_auto_codec_and_link(runner.BenchConfig(model="tiny", rtt=0.01, jitter=0.02))
+        command.check_bench_options(runner.BenchConfig(model="tiny", rtt=0.01, jitter=0.02))
 
 
 # -- the plot and benchmarks/link.py --------------------------------------------------------
