@@ -105,9 +105,9 @@ def test_paged_int4_key_error_matches_unpaged(dtype: str) -> None:
 def test_hnd_blocks_keep_the_opaque_rows(dtype: str, heads: int, token_axis: int | None) -> None:
     # [2, heads, block_size, head_size]: axis 1 is the heads.  With token_axis=2 (its tokens'
     # heads are not contiguous) or none, the rows are one head's vector as before rows of
-    # tokens, also when heads == block_size ([2, 16, 16, 128]), where a count of tokens
-    # (block_tokens=16) read the block as NHD: the heads became wire tokens and K groups
-    # spanned heads (rel RMS 0.1143 with a head's tokens as wire heads against 0.0866 opaque).
+    # tokens, also when heads == block_size ([2, 16, 16, 128]), where a count of tokens per
+    # block (16) would read the block as NHD: the heads would become wire tokens and K groups
+    # would span heads (rel RMS 0.1143 with a head's tokens as wire heads against 0.0866 opaque).
     dt = numpy_dtype(dtype)
     keys = outlier_keys(BLOCKS * BLOCK, seed=1, heads=heads).astype(dt)
     cache = hnd_cache(keys)
