@@ -863,7 +863,7 @@ class CodecChooser:
             # model caps it (a peak that outlived a drop in capacity).
             path = bandwidth_bps if bandwidth_bps is not None and bandwidth_bps > 0 else None
             if path is not None and app_limited and peak_bps is not None and peak_bps > path:
-                path = self._short_path_rate(path, peak_bps, now)
+                path = self._capped_peak_rate(path, peak_bps, now)
             self.meter.path_rate(None if path is None else path / 8.0)
         return choice
 
@@ -910,7 +910,7 @@ class CodecChooser:
             if self._long_path():
                 path = self._path_bps = bandwidth_bps
             else:
-                path = self._path_bps = bandwidth_bps = self._short_path_rate(bandwidth_bps, peak_bps, now)
+                path = self._path_bps = bandwidth_bps = self._capped_peak_rate(bandwidth_bps, peak_bps, now)
             if self._filling:
                 # BBR's full pipe: the path's rate stopped growing by a quarter.
                 if path >= FILL_GROWTH * self._fill_bps:
@@ -1194,11 +1194,12 @@ class CodecChooser:
         ]
         return min(stale, key=lambda c: self._sent_at.get(c, -math.inf)) if stale else None
 
-    def _short_path_rate(self, bandwidth_bps: float, peak_bps: float | None, now: float | None) -> float:
-        """The path's rate on a short path while it sets the pace: the larger of the
-        estimate and its peak, the peak taken at no more than :data:`PEAK_OVER_ESTIMATE`
-        times the highest estimate of the last :data:`ESTIMATE_MEMORY` seconds (with
-        ``now``; without it, as given)."""
+    def _capped_peak_rate(self, bandwidth_bps: float, peak_bps: float | None, now: float | None) -> float:
+        """The larger of the estimate ``bandwidth_bps`` and its peak, the peak capped at
+        :data:`PEAK_OVER_ESTIMATE` times the highest estimate of the last
+        :data:`ESTIMATE_MEMORY` seconds (with ``now``, and the estimate recorded then;
+        without it, the peak as given).  The path's rate on a short path while it sets
+        the pace, and the meter's path rate on any path while the sender does."""
         peak = peak_bps if peak_bps is not None and peak_bps > 0 else 0.0
         if now is not None:
             peak = min(peak, PEAK_OVER_ESTIMATE * self._recent_estimate(bandwidth_bps, now))

@@ -24,31 +24,21 @@ is a (shorter) sample too. After a pause the next transfer's first layer does no
 run (``starts_run=False``): until the receiver's first credit comes back, a round trip
 after the transfer began, only that layer may be sent, so its acknowledgements come at
 the pace of that wait. Acknowledgements of another codec (the previous one's, still
-in flight when the run began) neither count nor end it. A chunk the sender sent in
-place of the chosen codec's (:meth:`GoodputMeter.sent_instead`: ``auto`` sends raw a chunk
-whose values the chosen quantizer refuses) is marked by its address, and the
-acknowledgement of that chunk (not of another of its codec: a chunk of the previous codec,
-still in flight, acknowledged after it went out, is no fallback) adds its wire bytes to the
-run's others': the run goes on (the fallback counts among the ``sample_acks`` of a sample,
-so a sample spans as many chunks whatever their codec), and each sample's seconds lose
-the fallbacks' wire time at the path's estimated rate (:meth:`GoodputMeter.path_rate`), at
-most their share of the sample's wire bytes (all of it with the rate unknown): shared by
-wire bytes alone, an int8 encode-bound at 2.4 GB/s of KV on a 2.5 GB/s link, one chunk in
-eight raw, read 2.695 and led raw, since its chunks take longer than their wire bytes at
-the link's rate and a raw one no longer. A fallback acknowledged without a wire size loses
-the time since the acknowledgement before it. Its samples and the codec's averaging
-window stay as they were (a fallback
-ending the run made every next run a first that cleared the window, and one fallback in
-four chunks left int8 without a sample). The time since the acknowledgement before the
-fallback's is not its wire time: the loop handles acknowledgements in bunches (the sender
-task holds it for several chunks) and from several streams, and cut out of an int8 run
-(1 s a chunk, 2 s a raw one, 100 KV/s) that gap read int8 at 71-160 in bunches of four
-and 160-200 over four streams. A marked chunk sent again (its
-stream broke) keeps its mark; the marks of a failed transfer are forgotten
-(:meth:`GoodputMeter.forget_transfer`), and all of them when the pipe goes idle. Ignored,
-one raw chunk in eight of an int8 run at 10 Gbit/s made int8's measured rate 1.86 GB/s of
-its 2.42; matched to acknowledgements by codec instead of by chunk, an earlier raw chunk's
-acknowledgement took the fallback's place and its wire time stayed in int8's run.
+in flight when the run began) neither count nor end it.
+
+A chunk the sender sent in place of the chosen codec's (:meth:`GoodputMeter.sent_instead`:
+``auto`` sends raw a chunk whose values the chosen quantizer refuses) is marked by its
+address. At the acknowledgement of that chunk (not of another of its codec: a chunk of
+the previous codec, still in flight, acknowledged after it went out, is no fallback) the
+run goes on, and the fallback counts among the ``sample_acks`` of a sample, so a sample
+spans as many chunks whatever their codec (at least ``min_acks`` of them the codec's own). Each sample's seconds lose the fallbacks'
+wire time at the path's estimated rate (:meth:`GoodputMeter.path_rate`), at most their
+share of the sample's wire bytes (the share alone with the rate unknown); a fallback
+acknowledged without a wire size loses the time since the acknowledgement before it. A
+marked chunk sent again (its stream broke) keeps its mark; the marks of a failed transfer
+are forgotten (:meth:`GoodputMeter.forget_transfer`), and all of them when the pipe goes
+idle. Ignored, one raw chunk in eight of an int8 run at 10 Gbit/s made int8's measured
+rate 1.86 GB/s of its 2.42.
 
 On two loaded cores one sample of 8 chunks (about 20 ms at 14 Gbit/s) varies by 10-20%
 from the next: the window averages the samples of a codec sent for long (the ``auto``
@@ -100,9 +90,9 @@ class GoodputMeter:
         self._samples: dict[str, int] = {}
         self._run: _Run | None = None
         self._chosen: str | None = None
-        # Chunks sent in place of the chosen codec's, not yet acknowledged: chunk -> (its
-        # codec, its transfer).
-        self._instead: dict[Hashable, tuple[str, Hashable]] = {}
+        # Chunks sent in place of the chosen codec's, not yet acknowledged: chunk -> its
+        # transfer.
+        self._instead: dict[Hashable, Hashable] = {}
 
     def chosen(self, codec: str) -> None:
         """The sender chooses ``codec`` for its next chunk (and, until told otherwise, for
@@ -118,7 +108,7 @@ class GoodputMeter:
         the path's rate is taken out of the run's. ``transfer``: the transfer it belongs to
         (:meth:`forget_transfer`)."""
         if codec != self._chosen:
-            self._instead[chunk] = (codec, transfer)
+            self._instead[chunk] = transfer
 
     def path_rate(self, bytes_per_s: float | None) -> None:
         """The path's estimated rate now, wire bytes/s (``None``, or a value that is not a
@@ -130,7 +120,7 @@ class GoodputMeter:
     def forget_transfer(self, transfer: Hashable) -> None:
         """``transfer`` failed: its chunks sent in place of another's are acknowledged
         never."""
-        self._instead = {c: m for c, m in self._instead.items() if m[1] != transfer}
+        self._instead = {c: t for c, t in self._instead.items() if t != transfer}
 
     def on_ack(self, codec: str, kv_bytes: int, now: float, *, starts_run: bool = True, held: bool = False,
                chunk: Hashable = None, wire_bytes: int = 0) -> None:
@@ -158,11 +148,13 @@ class GoodputMeter:
         A sample ends with ``sample_acks`` acknowledgements, the fallbacks' among them,
         of which at least ``min_acks`` of the codec, whichever acknowledgement ends it.
         """
-        mark = self._instead.pop(chunk, None) if chunk is not None else None
+        marked = chunk is not None and chunk in self._instead
+        if marked:
+            del self._instead[chunk]
         if held:
             self.pause()
             return
-        if mark is not None and codec != self._chosen:
+        if marked and codec != self._chosen:
             run = self._run
             if run is not None and now >= run.last:
                 if wire_bytes > 0:
