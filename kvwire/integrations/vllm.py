@@ -1240,15 +1240,16 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         restarted or closed it, the connection lost: ``broken`` set, see
         :attr:`kvwire.Peer.broken`), close it and connect again (logged once, at WARNING),
         so that no send is begun on it (one would fail there, unsent).  The sends waiting
-        their turn wait for the new connection as the saves of a step before the first
-        connect do (``DEFERRED``, each sent whole from the registered caches once it is
-        up, within kvwire_load_timeout), and so do the saves of the step under way
-        (:meth:`save_kv_layer`); those begun on the ended session end as any send whose
-        connection was closed.  Not while shutting down (nothing connects again).  With
-        the synchronous save the sends waiting their turn end unsent instead: vLLM frees
-        their blocks once wait_for_save returned (request_finished keeps none), so one
-        sent later from the caches would carry another request's KV; the consumer's
-        load of each fails (a load error), it is not loaded with wrong KV."""
+        their turn then: with the async save, they wait for the new connection as the
+        saves of a step before the first connect do (``DEFERRED``, each sent whole from
+        the registered caches once it is up, within kvwire_load_timeout); with the
+        synchronous save, they end unsent: vLLM frees their blocks once wait_for_save
+        returned (request_finished keeps none), so one sent later from the caches would
+        carry another request's KV; the consumer's load of each fails (a load error), it
+        is not loaded with wrong KV.  The saves of the step under way wait for the new
+        connection (:meth:`save_kv_layer`); those begun on the ended session end as any
+        send whose connection was closed.  Not while shutting down (nothing connects
+        again)."""
         peer = self._peer
         if peer is None or (cause := peer.broken) is None:
             return
@@ -1339,7 +1340,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         its start ends unsent (logged).  After a refusal for want of room (see
         :meth:`_requeue`) none is begun before ``_room_at``."""
         if self._sends_in(_SendState.QUEUED):
-            self._renew_ended_session()  # (they wait for the new connection)
+            # (async save: they wait for the new connection; sync save: they end unsent)
+            self._renew_ended_session()
         now = time.monotonic()
         if self._peer is None or not self._sends_in(_SendState.QUEUED) or now < self._room_at:
             return
@@ -1416,7 +1418,9 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         ``deadline``, all that are left)."""
         if not self._sends_in(_SendState.DEFERRED):
             return
-        self._renew_ended_session()  # (the sends waiting their turn on it are deferred too)
+        # (the sends waiting their turn on it: deferred too with the async save, ended
+        # unsent with the sync save)
+        self._renew_ended_session()
         deferred = self._sends_in(_SendState.DEFERRED)
         if self._peer is None:
             if deadline is not None and self._connecting is not None:
@@ -1650,7 +1654,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._flush_refused()
         if failed and self._peer is not None and self._peer.broken is not None:
             # The session ended (the consumer restarted, say): the sends waiting their turn
-            # wait for the new connection, as :meth:`_start_queued` would have them.
+            # wait for the new connection with the async save (DEFERRED) and end unsent with
+            # the sync save, as :meth:`_start_queued` would have them.
             self._renew_ended_session()
         elif failed:
             self._let_go_of_blocks(wait=False)  # (the sends waiting their turn end unsent)
