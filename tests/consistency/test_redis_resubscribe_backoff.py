@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import re
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -19,54 +20,52 @@ from kvwire.aio.registry_redis import _POLL_S, RedisRegistry
 from kvwire.consistency import NotificationsLostError
 from tests.consistency.conftest import RedisServer
 from tests.consistency.proxy import RedisProxy
+from tests.consistency.test_redis_resubscribe import _Switchboard
 
 pytestmark = pytest.mark.timeout(90)
 
 _CONFIRMATION = b"$9\r\nsubscribe\r\n"
 
 
-class _DropsSubscriptions(RedisProxy):
-    """Forwards to Redis, but closes a client connection as soon as Redis's SUBSCRIBE
-    confirmation has been passed on to it (other connections are left alone);
-    ``confirmed`` counts the confirmations passed on."""
+class _DropsSubscriptions(_Switchboard):
+    """Forwards to Redis (the switchboard's pumps, never holed nor refusing), but closes a
+    client connection as soon as Redis's SUBSCRIBE confirmation has been passed on to it
+    (other connections are left alone); ``confirmed`` counts the confirmations passed on."""
 
     def __init__(self, target_port: int) -> None:
         super().__init__(target_port)
         self.confirmed = 0
 
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, drop: bool) -> None:
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        to_client = writer in self._writers
         while data := await reader.read(65536):
             writer.write(data)
             await writer.drain()
-            if drop and _CONFIRMATION in data:
+            if to_client and _CONFIRMATION in data:
                 self.confirmed += 1
                 writer.transport.abort()
                 return
 
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        server_w: asyncio.StreamWriter | None = None
-        try:
-            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-            pumps = {
-                asyncio.ensure_future(self._pump(client_r, server_w, drop=False)),
-                asyncio.ensure_future(self._pump(server_r, client_w, drop=True)),
-            }
-            try:
-                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for pump in pumps:
-                    pump.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-        except (OSError, asyncio.CancelledError):
-            pass
-        finally:
-            if server_w is not None:
-                server_w.close()
-            client_w.close()
-            self._tasks.discard(task)
+
+@contextlib.asynccontextmanager
+async def _registry(port: int, prefix: str, timeout: float) -> AsyncIterator[RedisRegistry]:
+    """A registry connected through ``port`` in a namespace of its own, closed on exit
+    (whatever its close raises)."""
+    reg = await RedisRegistry.connect(
+        f"redis://127.0.0.1:{port}/0", namespace=f"{prefix}-{uuid.uuid4().hex}", timeout=timeout
+    )
+    try:
+        yield reg
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(reg.close(), 20)
+
+
+async def _aclose_ends(watcher: Any, reading: asyncio.Future[Any]) -> None:
+    """aclose() ends ``reading``, a read in flight: StopAsyncIteration (both bounded)."""
+    await asyncio.wait_for(watcher.aclose(), 10)
+    with pytest.raises(StopAsyncIteration):
+        await asyncio.wait_for(reading, 10)
 
 
 class _FakeClock:
@@ -100,25 +99,18 @@ async def test_a_watcher_whose_subscriptions_are_dropped_at_once_backs_off(
     capped at the registry's timeout; each error still says "subscribed again" (the
     new subscription is in place before it is raised) and names the pause."""
     timeout = 3.0  # the cap; a subscription counts as dropped at once if lost within it
-    async with _DropsSubscriptions(redis_server.port) as proxy:
-        reg = await RedisRegistry.connect(
-            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=timeout
-        )
+    async with _DropsSubscriptions(redis_server.port) as proxy, _registry(proxy.port, "drop", timeout) as reg:
         clock = _FakeClock(reg)
         errors: list[str] = []
-        try:
-            watcher = reg.watch()
-            watcher._sleep = clock.sleep  # (white box) the injectable sleep
-            async with watcher:
-                for _ in range(12):
-                    with pytest.raises(NotificationsLostError, match="subscribed again") as info:
-                        await asyncio.wait_for(anext(watcher), 20)
-                    assert "not subscribed again" not in str(info.value)
-                    errors.append(str(info.value))
-                    assert await reg.lookup([b"a"]) == []  # the docs' re-read
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reg.close(), 20)
+        watcher = reg.watch()
+        watcher._sleep = clock.sleep  # (white box) the injectable sleep
+        async with watcher:
+            for _ in range(12):
+                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                    await asyncio.wait_for(anext(watcher), 20)
+                assert "not subscribed again" not in str(info.value)
+                errors.append(str(info.value))
+                assert await reg.lookup([b"a"]) == []  # the docs' re-read
     # The first subscription (async with), then one per read.
     assert len(clock.before) == 13, clock.before
     assert proxy.confirmed >= 12
@@ -142,27 +134,20 @@ async def test_a_subscription_that_stood_long_enough_resets_the_backoff(
 ) -> None:
     """A subscription lost after standing for the registry's timeout or more counts as the
     first loss again: subscribed anew at once."""
-    async with _DropsSubscriptions(redis_server.port) as proxy:
-        reg = await RedisRegistry.connect(
-            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=3.0
-        )
+    async with _DropsSubscriptions(redis_server.port) as proxy, _registry(proxy.port, "drop", 3.0) as reg:
         clock = _FakeClock(reg)
-        try:
-            watcher = reg.watch()
-            watcher._sleep = clock.sleep
-            async with watcher:
-                for _ in range(4):
-                    with pytest.raises(NotificationsLostError, match="subscribed again"):
-                        await asyncio.wait_for(anext(watcher), 20)
-                assert clock.before[-1] > 0  # backing off by now
-                watcher._since -= 3.0  # (white box) the subscription in place stood 3 s
-                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+        watcher = reg.watch()
+        watcher._sleep = clock.sleep
+        async with watcher:
+            for _ in range(4):
+                with pytest.raises(NotificationsLostError, match="subscribed again"):
                     await asyncio.wait_for(anext(watcher), 20)
-                assert "after a pause" not in str(info.value)
-                assert clock.before[-1] == 0.0
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reg.close(), 20)
+            assert clock.before[-1] > 0  # backing off by now
+            watcher._since -= 3.0  # (white box) the subscription in place stood 3 s
+            with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                await asyncio.wait_for(anext(watcher), 20)
+            assert "after a pause" not in str(info.value)
+            assert clock.before[-1] == 0.0
     assert proxy.confirmed >= 5
 
 
@@ -171,29 +156,20 @@ async def test_aclose_ends_a_read_backing_off_before_it_subscribes_anew(
 ) -> None:
     """A read pausing (after losses in a row) before it subscribes anew ends at aclose(),
     without subscribing."""
-    async with _DropsSubscriptions(redis_server.port) as proxy:
-        reg = await RedisRegistry.connect(
-            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=60.0
-        )
+    async with _DropsSubscriptions(redis_server.port) as proxy, _registry(proxy.port, "drop", 60.0) as reg:
         clock = _FakeClock(reg)
-        try:
-            watcher = reg.watch()
-            async with watcher:
-                with pytest.raises(NotificationsLostError, match="subscribed again"):
-                    await asyncio.wait_for(anext(watcher), 20)
-                watcher._drops = 20  # (white box) a long pause (about 30 to 60 s) comes next
-                made = len(clock.before)
-                reading = asyncio.ensure_future(anext(watcher))
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(reading), 0.5)
-                assert not reading.done()
-                await asyncio.wait_for(watcher.aclose(), 10)
-                with pytest.raises(StopAsyncIteration):
-                    await asyncio.wait_for(reading, 10)
-                assert len(clock.before) == made  # no subscription tried
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reg.close(), 20)
+        watcher = reg.watch()
+        async with watcher:
+            with pytest.raises(NotificationsLostError, match="subscribed again"):
+                await asyncio.wait_for(anext(watcher), 20)
+            watcher._drops = 20  # (white box) a long pause (about 30 to 60 s) comes next
+            made = len(clock.before)
+            reading = asyncio.ensure_future(anext(watcher))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reading), 0.5)
+            assert not reading.done()
+            await _aclose_ends(watcher, reading)
+            assert len(clock.before) == made  # no subscription tried
 
 
 class _HeldClock:
@@ -232,54 +208,47 @@ async def test_a_read_cancelled_during_the_pause_leaves_the_rest_of_it_to_the_ne
     timeout).  Now the next read waits out what is left of that pause first, names it, and
     the count of losses in a row goes on (the next pause doubles)."""
     timeout = 3.0
-    async with _DropsSubscriptions(redis_server.port) as proxy:
-        reg = await RedisRegistry.connect(
-            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=timeout
-        )
+    async with _DropsSubscriptions(redis_server.port) as proxy, _registry(proxy.port, "drop", timeout) as reg:
         made = _FakeClock(reg)  # counts the subscriptions made (its own sleep unused)
         clock = _HeldClock()
-        try:
-            watcher = reg.watch()
-            watcher._sleep, watcher._clock = clock.sleep, clock.time  # (white box)
-            async with watcher:
-                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
-                    await asyncio.wait_for(anext(watcher), 20)
-                assert "after a pause" not in str(info.value)
-                watcher._drops = 20  # (white box) a pause of 1.5 to 3 s comes next
-                subscriptions = len(made.before)
-                clock.hold = True
-                reading = asyncio.ensure_future(anext(watcher))
-                await asyncio.wait_for(clock.held.wait(), 20)
-                reading.cancel()  # the reader's read timeout, during the pause
-                with pytest.raises(asyncio.CancelledError):
-                    await reading
-                assert len(made.before) == subscriptions  # not subscribed anew yet
-                clock.hold = False
-                clock.now += 0.5  # the reader does something else for 0.5 s
-                asked = len(clock.asked)
-                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
-                    await asyncio.wait_for(anext(watcher), 20)
-                said = _SAID.search(str(info.value))
-                assert said is not None, str(info.value)
-                pause = float(said.group(1))
-                assert timeout * 0.5 - 1e-2 <= pause <= timeout + 1e-9
-                assert int(said.group(2)) == 21
-                # The rest of the pause, then one new subscription.
-                assert sum(clock.asked[asked:]) == pytest.approx(pause - 0.5, abs=1e-2)
-                assert clock.now == pytest.approx(pause, abs=1e-2)
-                assert len(made.before) == subscriptions + 1
-                # The next loss in a row counts on: the pause at the cap again, not none.
-                asked = len(clock.asked)
-                with pytest.raises(NotificationsLostError, match="subscribed again") as info:
-                    await asyncio.wait_for(anext(watcher), 20)
-                said = _SAID.search(str(info.value))
-                assert said is not None, str(info.value)
-                assert int(said.group(2)) == 22
-                assert sum(clock.asked[asked:]) == pytest.approx(float(said.group(1)), abs=1e-2)
-                assert sum(clock.asked[asked:]) >= timeout * 0.5 - 1e-2
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reg.close(), 20)
+        watcher = reg.watch()
+        watcher._sleep, watcher._clock = clock.sleep, clock.time  # (white box)
+        async with watcher:
+            with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                await asyncio.wait_for(anext(watcher), 20)
+            assert "after a pause" not in str(info.value)
+            watcher._drops = 20  # (white box) a pause of 1.5 to 3 s comes next
+            subscriptions = len(made.before)
+            clock.hold = True
+            reading = asyncio.ensure_future(anext(watcher))
+            await asyncio.wait_for(clock.held.wait(), 20)
+            reading.cancel()  # the reader's read timeout, during the pause
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            assert len(made.before) == subscriptions  # not subscribed anew yet
+            clock.hold = False
+            clock.now += 0.5  # the reader does something else for 0.5 s
+            asked = len(clock.asked)
+            with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                await asyncio.wait_for(anext(watcher), 20)
+            said = _SAID.search(str(info.value))
+            assert said is not None, str(info.value)
+            pause = float(said.group(1))
+            assert timeout * 0.5 - 1e-2 <= pause <= timeout + 1e-9
+            assert int(said.group(2)) == 21
+            # The rest of the pause, then one new subscription.
+            assert sum(clock.asked[asked:]) == pytest.approx(pause - 0.5, abs=1e-2)
+            assert clock.now == pytest.approx(pause, abs=1e-2)
+            assert len(made.before) == subscriptions + 1
+            # The next loss in a row counts on: the pause at the cap again, not none.
+            asked = len(clock.asked)
+            with pytest.raises(NotificationsLostError, match="subscribed again") as info:
+                await asyncio.wait_for(anext(watcher), 20)
+            said = _SAID.search(str(info.value))
+            assert said is not None, str(info.value)
+            assert int(said.group(2)) == 22
+            assert sum(clock.asked[asked:]) == pytest.approx(float(said.group(1)), abs=1e-2)
+            assert sum(clock.asked[asked:]) >= timeout * 0.5 - 1e-2
 
 
 async def test_aclose_ends_a_read_waiting_out_the_rest_of_a_cancelled_pause(
@@ -287,10 +256,7 @@ async def test_aclose_ends_a_read_waiting_out_the_rest_of_a_cancelled_pause(
 ) -> None:
     """The read after one cancelled during its pause waits out the rest of it; aclose()
     ends that wait too (StopAsyncIteration), without subscribing."""
-    async with _DropsSubscriptions(redis_server.port) as proxy:
-        reg = await RedisRegistry.connect(
-            f"redis://127.0.0.1:{proxy.port}/0", namespace=f"drop-{uuid.uuid4().hex}", timeout=60.0
-        )
+    async with _DropsSubscriptions(redis_server.port) as proxy, _registry(proxy.port, "drop", 60.0) as reg:
         made = _FakeClock(reg)
         pausing = asyncio.Event()
 
@@ -298,32 +264,26 @@ async def test_aclose_ends_a_read_waiting_out_the_rest_of_a_cancelled_pause(
             pausing.set()
             await asyncio.sleep(seconds)
 
-        try:
-            watcher = reg.watch()
-            watcher._sleep = sleep  # (white box) the real sleep, observed
-            async with watcher:
-                with pytest.raises(NotificationsLostError, match="subscribed again"):
-                    await asyncio.wait_for(anext(watcher), 20)
-                watcher._drops = 20  # (white box) a long pause (about 30 to 60 s) comes next
-                subscriptions = len(made.before)
-                reading = asyncio.ensure_future(anext(watcher))
-                await asyncio.wait_for(pausing.wait(), 20)
-                reading.cancel()
-                with pytest.raises(asyncio.CancelledError):
-                    await reading
-                pausing.clear()
-                reading = asyncio.ensure_future(anext(watcher))
-                waiting = asyncio.ensure_future(pausing.wait())
-                await asyncio.wait({reading, waiting}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
-                waiting.cancel()
-                assert not reading.done(), reading.exception() if reading.done() else None
-                await asyncio.wait_for(watcher.aclose(), 10)
-                with pytest.raises(StopAsyncIteration):
-                    await asyncio.wait_for(reading, 10)
-                assert len(made.before) == subscriptions  # no subscription tried
-        finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reg.close(), 20)
+        watcher = reg.watch()
+        watcher._sleep = sleep  # (white box) the real sleep, observed
+        async with watcher:
+            with pytest.raises(NotificationsLostError, match="subscribed again"):
+                await asyncio.wait_for(anext(watcher), 20)
+            watcher._drops = 20  # (white box) a long pause (about 30 to 60 s) comes next
+            subscriptions = len(made.before)
+            reading = asyncio.ensure_future(anext(watcher))
+            await asyncio.wait_for(pausing.wait(), 20)
+            reading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reading
+            pausing.clear()
+            reading = asyncio.ensure_future(anext(watcher))
+            waiting = asyncio.ensure_future(pausing.wait())
+            await asyncio.wait({reading, waiting}, timeout=20, return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
+            assert not reading.done(), reading.exception() if reading.done() else None
+            await _aclose_ends(watcher, reading)
+            assert len(made.before) == subscriptions  # no subscription tried
 
 
 class _ReaderClock:
@@ -375,13 +335,10 @@ async def test_a_read_cancelled_during_the_retry_pause_leaves_the_rest_of_it_to_
     reads only timed out).  Now the pause ends its length after the failed try: the next
     read waits out only what is left of it, so the tries go on at the announced pauses,
     and once Redis is back a read subscribes anew."""
-    reg = await RedisRegistry.connect(
-        f"redis://127.0.0.1:{redis_server.port}/0", namespace=f"retry-{uuid.uuid4().hex}", timeout=5.0
-    )
     clock = _ReaderClock()
     tries: list[float] = []  # the clock's time at each try at subscribing anew
     down = True
-    try:
+    async with _registry(redis_server.port, "retry", 5.0) as reg:
         watcher = reg.watch()
         watcher._sleep, watcher._clock = clock.sleep, clock.time  # (white box)
         async with watcher:
@@ -421,40 +378,29 @@ async def test_a_read_cancelled_during_the_retry_pause_leaves_the_rest_of_it_to_
             assert len(tries) == before + 1
             assert watcher._pubsub is not None and watcher._lost is None
             assert watcher._retry_pause == 0.0
-    finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(reg.close(), 20)
 
 
-class _Blackhole:
+class _Blackhole(RedisProxy):
     """A Redis that accepts connections, reads what it is sent and never answers (a
     blackholed, stalled or overloaded Redis): a try at subscribing to it lasts until it is
     cancelled.  ``sent`` is set once a connection has sent something (the try is waiting
     for a reply that never comes)."""
 
     def __init__(self) -> None:
+        super().__init__(0)  # forwards nowhere
         self.sent = asyncio.Event()
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    async def __aenter__(self) -> _Blackhole:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in self._writers:
-            writer.transport.abort()
-        await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._writers.append(writer)
-        with contextlib.suppress(OSError):
-            while await reader.read(65536):
-                self.sent.set()
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            with contextlib.suppress(OSError):
+                while await reader.read(65536):
+                    self.sent.set()
+        finally:
+            writer.transport.abort()
+            self._tasks.discard(task)
 
 
 async def test_a_try_cancelled_by_the_readers_timeout_counts_as_a_failed_one_for_the_pause(
@@ -467,14 +413,11 @@ async def test_a_try_cancelled_by_the_readers_timeout_counts_as_a_failed_one_for
     next try waits the pause (0.2 s, twice as long after each more, at most the registry's
     timeout, 5 s here) from the cancellation.  Once Redis answers again a read subscribes
     anew, and a change made after it is delivered."""
-    reg = await RedisRegistry.connect(
-        f"redis://127.0.0.1:{redis_server.port}/0", namespace=f"stall-{uuid.uuid4().hex}", timeout=5.0
-    )
     clock = _ReaderClock()
     tries: list[float] = []  # the clock's time at each try at subscribing anew
     cancelled: list[float] = []  # and at each try's cancellation
     down = True
-    async with _Blackhole() as blackhole:
+    async with _registry(redis_server.port, "stall", 5.0) as reg, _Blackhole() as blackhole:
         stalled = aioredis.ConnectionPool.from_url(f"redis://127.0.0.1:{blackhole.port}/0")
         make = reg._new_pubsub
 
@@ -535,8 +478,6 @@ async def test_a_try_cancelled_by_the_readers_timeout_counts_as_a_failed_one_for
                 _, got = await asyncio.wait_for(anext(watcher), 20)
                 assert got == version
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reg.close(), 20)
             await stalled.aclose()
 
 
@@ -545,10 +486,7 @@ async def test_a_try_cancelled_while_the_watcher_closes_records_no_failure(
 ) -> None:
     """A try at subscribing anew, against a Redis that never answers, whose read is
     cancelled as aclose() runs counts as no failed try: no retry pause is recorded."""
-    reg = await RedisRegistry.connect(
-        f"redis://127.0.0.1:{redis_server.port}/0", namespace=f"stall-{uuid.uuid4().hex}", timeout=5.0
-    )
-    async with _Blackhole() as blackhole:
+    async with _registry(redis_server.port, "stall", 5.0) as reg, _Blackhole() as blackhole:
         stalled = aioredis.ConnectionPool.from_url(f"redis://127.0.0.1:{blackhole.port}/0")
         try:
             watcher = reg.watch()
@@ -566,6 +504,4 @@ async def test_a_try_cancelled_while_the_watcher_closes_records_no_failure(
                 assert results[1] is None, results
                 assert watcher._retry_pause == 0.0 and watcher._failed_at == 0.0
         finally:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(reg.close(), 20)
             await stalled.aclose()
