@@ -68,6 +68,16 @@ def _written_on(fake: FakeCupy, host: np.ndarray[Any, Any], stream: Any) -> Any:
     return x
 
 
+def _take_and_read_on(fake: FakeCupy, stream: Any, rx: Any, index: int) -> tuple[Any, Any]:
+    """On ``stream`` (the caller's): takes layer ``index`` from ``rx`` and reads its K into
+    a new array; the layer and that copy."""
+    with stream:
+        layer = rx.wait_layer(index)
+        out = fake.module.empty(layer.k.shape, layer.k.dtype)
+        out[...] = layer.k  # read on the caller's stream
+    return layer, out
+
+
 def test_a_blocking_send_reads_layers_after_the_callers_stream_wrote_them(fake: FakeCupy) -> None:
     mine = fake.module.cuda.Stream(non_blocking=True)
     hosts = [(_host(2 * i), _host(2 * i + 1)) for i in range(SPEC.num_layers)]
@@ -110,10 +120,7 @@ def test_a_gpu_layer_handed_over_is_ordered_before_the_callers_stream(fake: Fake
             SyncPeer("127.0.0.1", server.port, secret=SECRET, codec="raw") as peer:
         rx = server.expect("req")
         peer.send("req", SPEC, [(k, v), (v, k)], timeout=30)
-        with mine:
-            layer = rx.wait_layer(1)
-            out = fake.module.empty(layer.k.shape, layer.k.dtype)
-            out[...] = layer.k  # read on the caller's stream
+        _layer, out = _take_and_read_on(fake, mine, rx, 1)
     assert fake.problems == []
     assert np.asarray(out).tobytes() == v.tobytes()
 
@@ -368,10 +375,7 @@ def test_a_gpu_layer_is_allocated_on_the_stream_current_before_the_loops_own(fak
         before = len(fake.log)
         rx = server.expect("second")
         peer.send("second", SPEC, [(k, v), (v, k)], timeout=30)
-        with mine:
-            layer = rx.wait_layer(1)
-            out = fake.module.empty(layer.k.shape, layer.k.dtype)
-            out[...] = layer.k  # read on the caller's stream
+        layer, out = _take_and_read_on(fake, mine, rx, 1)
     assert fake.problems == []
     allocation = fake.allocation(layer.k.data.ptr)
     assert allocation is not None and allocation.stream.name == "null:0", allocation
