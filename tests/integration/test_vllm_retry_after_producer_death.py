@@ -30,6 +30,7 @@ from tests.integration.test_vllm_connector import (
     consumer_step,
     consumer_worker,
     drops_ended,
+    until_received,
 )
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
@@ -132,16 +133,8 @@ def test_an_async_load_whose_producer_died_mid_transfer_loads_the_retried_prefil
         producer_dies_after_layer_0(worker, producers, spec)
         assert worker.listen_port is not None
         assert producer(producers, worker.listen_port, spec, WHOLE) == "sent whole"
-        got: set[str] = set()
-        errors: set[int] = set()
-        for _ in range(600):  # (the lost transfer fails after the server's resume timeout, 10 s)
-            received, failed = consumer_step(worker)
-            got |= received
-            errors |= failed
-            if got:
-                break
-            threading.Event().wait(0.05)
-        assert (got, errors) == ({"r"}, set())
+        # (the lost transfer fails after the server's resume timeout, 10 s)
+        assert until_received(worker) == ({"r"}, set())
         for layer in range(len(LAYERS)):
             for s, d in zip(ROWS, INTO, strict=True):
                 assert torch.equal(caches[layer][d], src[layer][s])
@@ -190,16 +183,13 @@ def test_an_async_load_whose_producer_died_with_no_retry_fails_once_the_retry_wi
         assert consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r", "r", INTO)])) == (set(), set())
         load = worker._loading["r"]
         producer_dies_after_layer_0(worker, producers, spec)
-        got: set[str] = set()
-        errors: set[int] = set()
         with caplog.at_level(logging.ERROR, logger="vllm.kvwire"):
-            for _ in range(1200):  # (the lost transfer fails after the server's resume timeout, 10 s)
-                received, failed = consumer_step(worker)
-                got |= received
-                errors |= failed
-                if got:
-                    break
-                threading.Event().wait(0.05)
+            # (the lost transfer fails after the server's resume timeout, 10 s): at most
+            # 60 s, twice until_received's 30
+            got, errors = until_received(worker)
+            if not got:
+                got, more = until_received(worker)
+                errors |= more
         assert (got, errors) == ({"r"}, set(INTO))
         assert any("not sent again within 1 s" in r.getMessage() for r in caplog.records)
         drop = worker._dropping.get("r")  # (none: the window had passed when the load failed)
@@ -310,16 +300,7 @@ def test_an_async_load_aborted_while_its_retry_is_healthy_sets_up_no_drop(
         assert "r" not in worker._loading and "r" not in worker._dropping
         assert producer(producers, worker.listen_port, spec, WHOLE) == "sent whole"
         assert consumer_step(worker, KvwireConnectorMetadata(loads=[_Move("r2", "r", [7, 8, 9])]))[1] == set()
-        got: set[str] = set()
-        errors: set[int] = set()
-        for _ in range(600):
-            received, failed = consumer_step(worker)
-            got |= received
-            errors |= failed
-            if got:
-                break
-            threading.Event().wait(0.05)
-        assert (got, errors) == ({"r2"}, set())
+        assert until_received(worker) == ({"r2"}, set())
         for layer in range(len(LAYERS)):
             for s, d in zip(ROWS, [7, 8, 9], strict=True):
                 assert torch.equal(caches[layer][d], src[layer][s])
