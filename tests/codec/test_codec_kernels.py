@@ -32,8 +32,7 @@ from kvwire.codec.gpu import (
 from kvwire.codec.int4 import group_count
 from kvwire.errors import ProtocolError, UsageError
 from tests.codec.codec_helpers import DTYPES
-
-NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
+from tests.environment import NVCC, needs_nvcc
 
 WRAPPER = r"""
 #include "kvquant.cuh"
@@ -113,7 +112,7 @@ def _ptx(tmp_path: Path, source: str, name: str) -> str:
     return ptx.read_text()
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@needs_nvcc
 def test_kernels_under_cupys_options_hold_no_flush_to_zero(tmp_path: Path) -> None:
     # The same options make plain float arithmetic flush: the check below would see it.
     control = _ptx(tmp_path, 'extern "C" __global__ void f(float* x) { x[0] = x[0] * x[1] + (x[2] < x[3] ? 1.0f : x[4] / x[5]); }', "control")

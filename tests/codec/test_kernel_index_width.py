@@ -22,8 +22,9 @@ from kvwire.codec import TensorKind
 from kvwire.codec import gpu as g
 from kvwire.codec.int4 import group_count
 from kvwire.errors import UsageError
-from tests.codec.test_codec_kernels import NVCC, _ptx
+from tests.codec.test_codec_kernels import _ptx
 from tests.codec.test_gpu_emulated import CXX, SHIM
+from tests.environment import needs_nvcc
 
 # 2M tokens x 8 heads x 128: 2^31 elements, a 4 GiB float16 tensor
 BIG = (2**21, 8, 128)
@@ -122,7 +123,7 @@ def test_grid_past_cuda_limit_is_refused_with_usage_error() -> None:
 _PARAM = re.compile(r"\.param \.(u64|u32|s64|s32|b64|b32|align \d+ \.b8)\s+\w+")
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@needs_nvcc
 def test_launch_arguments_match_the_kernels_ptx_parameters(tmp_path: Path) -> None:
     """Every argument a plan passes has the width of the kernel parameter it lands in (a
     numpy int64 in a 32-bit parameter, or the other way round, would shift the rest)."""
@@ -143,7 +144,7 @@ def test_launch_arguments_match_the_kernels_ptx_parameters(tmp_path: Path) -> No
     assert any("stats" in k for k in seen) and any("int4_decode_f" in k for k in seen)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc not found")
+@needs_nvcc
 def test_int4_key_vector_encoders_count_token_blocks_in_32_bits(tmp_path: Path) -> None:
     """The token blocks of a chunk, (chunk_tokens - 1) / group + 1, is a 32-bit division in
     kv_int4_encode_k_vec_*: in 64 bits it took kv_int4_encode_k_vec_f32_4_2 from 48 to 56
