@@ -87,6 +87,16 @@ def stream_for(device_id: int) -> Any:
 _LAYER_STREAMS = threading.local()  # a thread's streams for received layers: (cupy, {device: stream})
 
 
+def thread_streams(local: threading.local, cupy: Any) -> dict[int, Any]:
+    """This thread's streams kept in ``local``, by device: those of ``cupy`` (a new CuPy
+    module, as tests load, starts with none)."""
+    held = getattr(local, "held", None)
+    if held is None or held[0] is not cupy:
+        held = local.held = (cupy, {})
+    streams: dict[int, Any] = held[1]
+    return streams
+
+
 def allocate_layers_on(cupy: Any, device_id: int, stream: Any) -> None:
     """(in this thread) A GPU server's layers on ``device_id`` are allocated on ``stream``
     from now on, not on the thread's current stream there.  A kvwire.sync bridge's loop
@@ -95,20 +105,14 @@ def allocate_layers_on(cupy: Any, device_id: int, stream: Any) -> None:
     pool in that stream's order (normally the legacy null stream, which the caller's
     blocking streams are ordered with), not the loop's own, whose next allocation could
     reuse it before reads still queued on the caller's stream."""
-    held = getattr(_LAYER_STREAMS, "held", None)
-    if held is None or held[0] is not cupy:  # (another CuPy module: none of its streams)
-        held = _LAYER_STREAMS.held = (cupy, {})
-    streams: dict[int, Any] = held[1]
-    streams[device_id] = stream
+    thread_streams(_LAYER_STREAMS, cupy)[device_id] = stream
 
 
 def layer_stream(cupy: Any, device_id: int) -> Any:
     """(``device_id`` current) The stream this thread allocates received layers on there:
     the one given to :func:`allocate_layers_on`, else the current stream."""
-    held = getattr(_LAYER_STREAMS, "held", None)
-    if held is not None and held[0] is cupy and device_id in held[1]:
-        return held[1][device_id]
-    return cupy.cuda.get_current_stream()
+    stream = thread_streams(_LAYER_STREAMS, cupy).get(device_id)
+    return stream if stream is not None else cupy.cuda.get_current_stream()
 
 
 async def _wait(event: Any, device_id: int) -> None:

@@ -625,13 +625,11 @@ def loop_stream(cupy: Any, device: int) -> None:
     Called again, it makes that stream current again if another is current now (after
     what was queued on that one: CuPy 13 drops a ``use()``d stream when a ``with`` block
     of another ends), so each mark is waited for on it."""
-    held = getattr(_loop_streams, "held", None)
-    if held is None or held[0] is not cupy:  # (another CuPy module: none of its streams)
-        held = _loop_streams.held = (cupy, {})
-    streams: dict[int, Any] = held[1]
+    from kvwire.aio._gpu import allocate_layers_on, thread_streams
+
+    streams = thread_streams(_loop_streams, cupy)
     stream = streams.get(device)
     if stream is None:
-        from kvwire.aio._gpu import allocate_layers_on
 
         previous = cupy.cuda.get_current_stream()
         stream = cupy.cuda.Stream(non_blocking=True)
