@@ -137,18 +137,20 @@ class FakeDevice:
         raise BufferError("not readable from the host")
 
 
-async def test_auto_sends_raw_a_device_tensor_its_kernel_refuses(monkeypatch: pytest.MonkeyPatch,
-                                                                 chooses: list[str]) -> None:
-    calls: list[str] = []
+def fake_device_path(monkeypatch: pytest.MonkeyPatch, calls: list[str] | None = None) -> None:
+    """The send's device path over :class:`FakeDevice`: raw chunks copied out of it, a
+    codec's chunks encoded from its host array (the whole tensor's before the first, as one
+    launch would); each copy and encode noted in ``calls``."""
+    noted = calls if calls is not None else []
 
     async def copy_raw_chunks(x: FakeDevice, plan: list[tuple[int, int]]) -> AsyncIterator[tuple[int, int, Any]]:
-        calls.append("copy")
+        noted.append("copy")
         for start, count in plan:
             yield start, count, np.array(x.host[start : start + count])
 
     async def encode_chunks(codec: Any, x: FakeDevice, kind: Any, plan: list[tuple[int, int]],
                             dtype: str) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
-        calls.append(f"encode:{codec.name}")
+        noted.append(f"encode:{codec.name}")
         # the whole tensor's chunks encoded (one launch) and its flags checked before the first
         encoded = [codec.encode(x.host[start : start + count], kind) for start, count in plan]
         for (start, count), enc in zip(plan, encoded, strict=True):
@@ -159,6 +161,12 @@ async def test_auto_sends_raw_a_device_tensor_its_kernel_refuses(monkeypatch: py
     monkeypatch.setattr(_send, "as_device_array", lambda x, spec, what: x)
     monkeypatch.setattr(_gpu, "copy_raw_chunks", copy_raw_chunks)
     monkeypatch.setattr(_gpu, "encode_chunks", encode_chunks)
+
+
+async def test_auto_sends_raw_a_device_tensor_its_kernel_refuses(monkeypatch: pytest.MonkeyPatch,
+                                                                 chooses: list[str]) -> None:
+    calls: list[str] = []
+    fake_device_path(monkeypatch, calls)
     chooses.append("int4")
     layers = _cache(np.nan)
     on_device = [(FakeDevice(k), FakeDevice(v)) for k, v in layers]

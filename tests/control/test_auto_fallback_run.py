@@ -15,19 +15,23 @@ link) read 2.695 and led raw."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvwire.aio import _gpu, _send
-from kvwire.codec.base import EncodedChunk
 from kvwire.control import CodecChooser
 from kvwire.control.codec_choice import PEAK_OVER_ESTIMATE
 from kvwire.control.goodput import GoodputMeter
 from kvwire.wire import ChunkAddress
-from tests.aio.test_auto_nonfinite import FakeDevice, _cache, _send_auto, _spec, chooses
+from tests.aio.test_auto_nonfinite import (
+    FakeDevice,
+    _cache,
+    _send_auto,
+    _spec,
+    chooses,
+    fake_device_path,
+)
 
 __all__ = ["chooses"]  # (the fixture, used by name)
 
@@ -412,21 +416,7 @@ async def test_the_sender_tells_the_chooser_of_each_chunk_it_sends_raw_instead(
 @pytest.mark.timeout(60)
 async def test_the_sender_tells_the_chooser_of_a_device_part_sent_raw_instead(
         monkeypatch: pytest.MonkeyPatch, chooses: list[str], fallbacks: list[str]) -> None:
-    async def copy_raw_chunks(x: FakeDevice, plan: list[tuple[int, int]]) -> AsyncIterator[tuple[int, int, Any]]:
-        for start, count in plan:
-            yield start, count, np.array(x.host[start : start + count])
-
-    async def encode_chunks(codec: Any, x: FakeDevice, kind: Any, plan: list[tuple[int, int]],
-                            dtype: str) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
-        encoded = [codec.encode(x.host[start : start + count], kind) for start, count in plan]
-        for (start, count), enc in zip(plan, encoded, strict=True):
-            payload = np.frombuffer(bytes(enc.payload), dtype=np.uint8).copy().data
-            yield start, count, EncodedChunk(codec_id=enc.codec_id, params=enc.params, payload=payload)
-
-    monkeypatch.setattr(_send, "is_device_array", lambda x: isinstance(x, FakeDevice))
-    monkeypatch.setattr(_send, "as_device_array", lambda x, spec, what: x)
-    monkeypatch.setattr(_gpu, "copy_raw_chunks", copy_raw_chunks)
-    monkeypatch.setattr(_gpu, "encode_chunks", encode_chunks)
+    fake_device_path(monkeypatch)
     chooses.append("int4")
     on_device = [(FakeDevice(k), FakeDevice(v)) for k, v in _cache(np.inf)]
     receipt, _ = await _send_auto(on_device, _spec())  # type: ignore[arg-type]
