@@ -19,25 +19,19 @@ import pytest
 import kvwire
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
-from tests.test_sync_close import refused, until
-from tests.test_sync_dropped import connections, layers
+from tests.sync_helpers import (
+    bridge_warning,
+    connections,
+    layers,
+    refused,
+    resource_warnings,
+    thread_ended,
+    until,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
 SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
-
-
-def bridge_warning(name: str) -> str:
-    return rf"unclosed kvwire\.sync\.Bridge '{re.escape(name)}'"
-
-
-def ended(thread: threading.Thread) -> bool:
-    thread.join(30)
-    return not thread.is_alive()
-
-
-def resource_warnings(seen: list[warnings.WarningMessage]) -> list[str]:
-    return [str(w.message) for w in seen if issubclass(w.category, ResourceWarning)]
 
 
 def test_a_dropped_unclosed_bridge_warns_and_its_thread_ends() -> None:
@@ -48,7 +42,7 @@ def test_a_dropped_unclosed_bridge_warns_and_its_thread_ends() -> None:
         del bridge
         gc.collect()
     assert collected() is None
-    assert ended(thread)
+    assert thread_ended(thread)
     assert loop.is_closed()
 
 
@@ -63,7 +57,7 @@ def test_a_dropped_shared_bridge_closes_the_server_and_peer_made_on_it() -> None
         with pytest.warns(ResourceWarning, match=bridge_warning("shared-dropped")):
             del server, peer, bridge
             gc.collect()
-        assert ended(thread)
+        assert thread_ended(thread)
         assert until(lambda: refused(port))  # no longer listening
         assert until(lambda: connections(other) == 0)  # the peer's connection closed
 
@@ -87,7 +81,7 @@ def test_a_bridge_is_kept_while_a_server_made_on_it_is() -> None:
         del server, got
         gc.collect()
     assert collected() is None
-    assert ended(thread)
+    assert thread_ended(thread)
 
 
 def test_a_closed_bridge_does_not_warn() -> None:
@@ -100,7 +94,7 @@ def test_a_closed_bridge_does_not_warn() -> None:
         del server, bridge
         gc.collect()
     assert resource_warnings(seen) == []
-    assert ended(thread)
+    assert thread_ended(thread)
 
 
 def test_a_dropped_own_bridge_warns_once_for_its_server() -> None:
@@ -114,7 +108,7 @@ def test_a_dropped_own_bridge_warns_once_for_its_server() -> None:
         gc.collect()
     found = resource_warnings(seen)
     assert len(found) == 1 and "SyncServer" in found[0], found
-    assert ended(thread)
+    assert thread_ended(thread)
 
 
 def test_a_bridge_dropped_on_its_own_loop_thread_is_closed() -> None:
@@ -133,7 +127,7 @@ def test_a_bridge_dropped_on_its_own_loop_thread_is_closed() -> None:
     with warnings.catch_warnings(record=True) as seen:  # (the warning is the loop thread's)
         warnings.simplefilter("always")
         loop.call_soon_threadsafe(drop)
-        assert ended(thread)
+        assert thread_ended(thread)
     assert dropped_on == [thread]
     assert collected() is None
     assert loop.is_closed()

@@ -31,9 +31,15 @@ import pytest
 import kvwire
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
-from tests.test_sync_bridge_dropped import bridge_warning, ended, resource_warnings
-from tests.test_sync_close import refused, until
-from tests.test_sync_dropped import connections, layers
+from tests.sync_helpers import (
+    bridge_warning,
+    connections,
+    layers,
+    refused,
+    resource_warnings,
+    thread_ended,
+    until,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,7 +128,7 @@ def test_a_dropped_own_bridge_peer_is_closed_when_its_bridge_is_freed_mid_close(
             assert collected() is None
             assert resource_warnings(seen) == []
             release_on_loop(loop, blocker)  # (after a second stop, had one been queued)
-            assert ended(thread)
+            assert thread_ended(thread)
         finally:
             blocker.release.set()
         assert stops.count == 1  # the peer's finalizer's close_soon(): not the bridge's too
@@ -141,7 +147,7 @@ def test_close_soon_twice_stops_the_loop_once() -> None:
         assert blocker.started.wait(30)
         bridge.close_soon()  # a close begun: nothing more is queued
         release_on_loop(bridge.loop, blocker)  # (after a second stop, had one been queued)
-        assert ended(thread)
+        assert thread_ended(thread)
     finally:
         blocker.release.set()
     assert stops.count == 1
@@ -159,7 +165,7 @@ def test_a_stray_stop_while_the_loop_thread_closes_what_it_owns_does_not_end_tha
         assert blocker.started.wait(30)
         bridge.loop.call_soon_threadsafe(bridge.loop.stop)  # a stop from elsewhere
         release_on_loop(bridge.loop, blocker)
-        assert ended(thread)
+        assert thread_ended(thread)
     finally:
         blocker.release.set()
     assert stops.count == 2  # close_soon()'s, then the stray one, run while the close ran
@@ -180,7 +186,7 @@ def test_a_shared_bridge_dropped_with_its_server_and_a_pending_expect_is_collect
         del handle, server, bridge
         gc.collect()
     assert collected() is None
-    assert ended(thread)
+    assert thread_ended(thread)
     assert until(lambda: refused(port))  # no longer listening
 
 
@@ -195,7 +201,7 @@ def test_the_expect_of_a_collected_bridge_fails_its_waiters() -> None:
         del handle, server, bridge
         gc.collect()
     assert collected() is None
-    assert ended(thread)
+    assert thread_ended(thread)
     assert state.error is not None and not state.done
 
 
@@ -210,7 +216,7 @@ def test_a_shared_bridge_dropped_with_a_begun_send_is_collected() -> None:
             del send, peer, bridge
             gc.collect()
         assert collected() is None
-        assert ended(thread)
+        assert thread_ended(thread)
         assert until(lambda: connections(other) == 0)
 
 
@@ -249,7 +255,7 @@ def test_a_bridge_freed_on_another_loop_s_thread_does_not_hold_that_loop() -> No
                 assert thread.is_alive()  # (still closing what it owns)
             finally:
                 blocker.release.set()
-            assert ended(thread)
+            assert thread_ended(thread)
         assert collector._thread not in joined_from
         assert collected() is None
         assert blocker.closed

@@ -28,6 +28,7 @@ from kvwire.errors import (
 )
 from kvwire.sync import Bridge, PendingPeer, ReceiveHandle, SendHandle, SyncPeer, SyncServer
 from tests.conftest import SECRET
+from tests.sync_helpers import call_in_thread, refused, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,44 +37,8 @@ SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32")
 BAD_TIMEOUTS = [float("inf"), float("nan"), -1.0]
 
 
-def refused(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=10).close()
-    except ConnectionRefusedError:
-        return True
-    return False
-
-
-def until(cond: Any, within: float = 20.0) -> bool:
-    """Whether ``cond()`` became true within ``within`` s (polled)."""
-    end = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 async def forever() -> None:
     await asyncio.Event().wait()
-
-
-def call_in_thread(call: Any, within: float = 10.0) -> BaseException | str:
-    """What ``call()`` raised (or "returned"), from another thread; "blocked" if it did not
-    end within ``within`` s (the thread is a daemon: a test of a wait that never ends ends)."""
-    out: list[BaseException | str] = []
-
-    def go() -> None:
-        try:
-            call()
-            out.append("returned")
-        except BaseException as exc:
-            out.append(exc)
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(within)
-    return out[0] if out else "blocked"
 
 
 # -- 1. close() given None (or another timeout it cannot use) -------------------------------

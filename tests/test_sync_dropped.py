@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import gc
 import re
-import socket
 import threading
 import warnings
 import weakref
 
-import numpy as np
 import pytest
 
 import kvwire
 from kvwire.errors import KvwireError
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from tests.conftest import SECRET
-from tests.test_sync_close import until
+from tests.sync_helpers import connections, layers, refused, until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -29,28 +27,9 @@ PEER_WARNING = r"unclosed kvwire\.sync\.SyncPeer to 127\.0\.0\.1:\d+"
 SERVER_WARNING = r"unclosed kvwire\.sync\.SyncServer on 127\.0\.0\.1:\d+"
 
 
-def connections(server: SyncServer) -> int:
-    async def count() -> int:
-        return int(server.server.statistics()["connections"])
-
-    return int(server.bridge.run(count(), 10))
-
-
-def refused(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=10).close()
-    except ConnectionRefusedError:
-        return True
-    return False
-
-
 def ended(bridge: Bridge) -> bool:
     bridge._thread.join(20)
     return not bridge._thread.is_alive() and bridge.closed and bridge.loop.is_closed()
-
-
-def layers() -> list[tuple[np.ndarray, np.ndarray]]:
-    return [(np.full((4, 1, 8), i, np.float32), np.full((4, 1, 8), -i, np.float32)) for i in range(2)]
 
 
 def test_a_dropped_unclosed_peer_warns_and_is_closed() -> None:

@@ -26,7 +26,7 @@ from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
 from kvwire.sync import Bridge, PendingPeer, SyncPeer, SyncServer
 from tests.conftest import SECRET
-from tests.test_sync_close import call_in_thread
+from tests.sync_helpers import call_in_thread
 
 pytestmark = pytest.mark.timeout(90)
 
