@@ -182,7 +182,8 @@ class InflightController:
         self._phase = 0
         self._phase_start: float | None = None
         self._limited = False
-        self._floor = self.floor_bytes  # until there is an estimate (see floor_for)
+        self._floor_bytes = self._stream_floor()  # floor_bytes, kept: every update() needs it
+        self._floor = self._floor_bytes  # until there is an estimate (see floor_for)
         self._target = self._clamp(initial_bytes)
         self._probe_rtt_until: float | None = None  # while draining to refresh the min RTT
         self._probe_rtt_ended = -math.inf
@@ -197,12 +198,16 @@ class InflightController:
         if streams < 1:
             raise ValueError("streams must be >= 1")
         self._streams = streams
+        self._floor_bytes = self._stream_floor()
 
     @property
     def floor_bytes(self) -> int:
         """Lowest target: ``max(min_bytes, 2 x streams x (chunk_bytes + framing))``, within
         ``max_bytes``: two whole frames per stream, headers and parameters included, so no
         stream waits for another's ack while the window has room on paper."""
+        return self._floor_bytes
+
+    def _stream_floor(self) -> int:
         per_chunk = self._chunk + _FRAME_SLACK
         return min(self._max_bytes, max(self._min_bytes, 2 * self._streams * per_chunk))
 
@@ -215,10 +220,14 @@ class InflightController:
         full with one chunk in transmission, one waiting and a BDP on the way. A
         bandwidth or RTT that is not a finite number is refused with ``ValueError``."""
         _check_finite(bandwidth_bps=bandwidth_bps, min_rtt=min_rtt)
+        return self._path_floor(bandwidth_bps, min_rtt)
+
+    def _path_floor(self, bandwidth_bps: float, min_rtt: float) -> int:
+        """:meth:`floor_for` of finite values."""
         per_chunk = self._chunk + _FRAME_SLACK
         rate = bandwidth_bps / 8.0
         needed = max(2 * per_chunk + rate * min_rtt, rate * FLOOR_QUEUE)
-        return max(self._min_bytes, _within(needed, 0, self.floor_bytes))
+        return max(self._min_bytes, _within(needed, 0, self._floor_bytes))
 
     @property
     def phase_gain(self) -> float:
@@ -240,11 +249,13 @@ class InflightController:
         back) moves the times kept back by as much: a phase or a drain lasts as long as
         it would have (a 5 s step held them 5 s longer)."""
         check_now(now)
-        self._rebase(now)
+        last, self._last_now = self._last_now, now
+        if last is not None and now < last:
+            self._rebase(last - now)
         bandwidth = estimator.max_filter_bps
         min_rtt = estimator.min_rtt
         if bandwidth is None or min_rtt is None or bandwidth <= 0:
-            self._floor = self.floor_bytes
+            self._floor = self._floor_bytes
             self._target = self._clamp(self._initial)
             return self._target
         phase_len = max(min_rtt, self._min_phase)
@@ -256,7 +267,9 @@ class InflightController:
             self._phase = (self._phase + steps) % len(self._cycle)
             self._phase_start += steps * phase_len
             self._limited = False
-        self._floor = self.floor_for(bandwidth, min_rtt)
+        if not math.isfinite(bandwidth + min_rtt):  # (finite values have a finite sum, or both are huge)
+            _check_finite(bandwidth_bps=bandwidth, min_rtt=min_rtt)  # floor_for's refusal
+        self._floor = self._path_floor(bandwidth, min_rtt)
         if self._probing_rtt(estimator, bandwidth, min_rtt, now):
             # Half a BDP in flight (BBR v2's ProbeRTT), or one chunk where that is more:
             # the queue drains, and the RTT of what is sent then is the path's. Half the
@@ -280,15 +293,12 @@ class InflightController:
         recent = estimator.recent_min_rtt or min_rtt
         late = min(max(recent - min_rtt, 0.0), self._max_ack_delay)
         cover = bandwidth / 8.0 * late
-        raw = self.phase_gain * (self._gain * bdp + cover + estimator.extra_acked_bytes)
-        self._target = self._clamp(raw)
+        raw = self._cycle[self._phase] * (self._gain * bdp + cover + estimator.extra_acked_bytes)
+        self._target = _within(raw, self._floor, self._max_bytes)
         return self._target
 
-    def _rebase(self, now: float) -> None:
-        last, self._last_now = self._last_now, now
-        if last is None or now >= last:
-            return
-        step = last - now
+    def _rebase(self, step: float) -> None:
+        """The clock stepped back by ``step`` seconds: the times kept move back with it."""
         if self._phase_start is not None:
             self._phase_start -= step
         if self._probe_rtt_until is not None:
@@ -368,7 +378,8 @@ def _within(value: float, low: int, high: int) -> int:
     product of finite values has no integer)."""
     if value >= high:
         return high
-    return max(low, math.ceil(value))
+    rounded = math.ceil(value)
+    return rounded if rounded > low else low
 
 
 class Pacer:
