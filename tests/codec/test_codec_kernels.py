@@ -32,6 +32,7 @@ from kvwire.codec.gpu import (
 from kvwire.codec.int4 import group_count
 from kvwire.errors import ProtocolError, UsageError
 from tests.codec.codec_helpers import DTYPES
+from tests.codec.ptx import nvcc_ptx
 from tests.environment import NVCC, needs_nvcc
 
 WRAPPER = r"""
@@ -101,23 +102,12 @@ def _random_f32(n: int, seed: int) -> np.ndarray[Any, Any]:
     return x[np.isfinite(x)]
 
 
-def _ptx(tmp_path: Path, source: str, name: str) -> str:
-    """PTX of ``source`` compiled the way CuPy compiles a RawModule for an sm_90 device."""
-    assert NVCC is not None
-    src = tmp_path / f"{name}.cu"
-    src.write_text(source)
-    ptx = tmp_path / f"{name}.ptx"
-    options = [*COMPILE_OPTIONS, *CUPY_APPENDED_OPTIONS, "-arch=sm_90"]
-    subprocess.run([NVCC, "-ptx", *options, str(src), "-o", str(ptx)], check=True, capture_output=True)
-    return ptx.read_text()
-
-
 @needs_nvcc
 def test_kernels_under_cupys_options_hold_no_flush_to_zero(tmp_path: Path) -> None:
     # The same options make plain float arithmetic flush: the check below would see it.
-    control = _ptx(tmp_path, 'extern "C" __global__ void f(float* x) { x[0] = x[0] * x[1] + (x[2] < x[3] ? 1.0f : x[4] / x[5]); }', "control")
+    control = nvcc_ptx(tmp_path, 'extern "C" __global__ void f(float* x) { x[0] = x[0] * x[1] + (x[2] < x[3] ? 1.0f : x[4] / x[5]); }', "control")
     assert re.search(r"\b(mul|add|div|setp)\.[a-z.]*ftz", control)
-    text = _ptx(tmp_path, kernel_source(), "kvquant")
+    text = nvcc_ptx(tmp_path, kernel_source(), "kvquant")
     entries = set(re.findall(r"\.entry (\w+)", text))
     for base in ("fp8", "int8"):
         for suffix in ("f16", "bf16", "f32"):

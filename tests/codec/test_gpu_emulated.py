@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import re
-import shutil
-import subprocess
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,118 +23,7 @@ from hypothesis import strategies as st
 from kvwire.codec import TensorKind, get_codec, numpy_dtype
 from kvwire.codec import gpu as g
 from kvwire.errors import ProtocolError, UsageError
-
-CXX = shutil.which("g++") or shutil.which("c++")
-
-SHIM = r"""
-#include <algorithm>
-#include <atomic>
-#include <barrier>
-#include <cstdint>
-#include <cstring>
-#include <functional>
-#include <thread>
-#include <vector>
-struct dim3 { unsigned x = 0, y = 0, z = 0; };
-struct uint4 { unsigned x, y, z, w; };
-struct uint2 { unsigned x, y; };
-static inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return uint4{a, b, c, d}; }
-static inline uint2 make_uint2(unsigned a, unsigned b) { return uint2{a, b}; }
-static thread_local dim3 threadIdx, blockIdx;
-static dim3 blockDim;
-#define __global__
-#define __device__
-#define __host__
-#define __forceinline__ inline
-// What a GPU would refuse and a CPU lets pass is counted here (emu_errors): a vector
-// access off its alignment (a misaligned-address fault on the device), a shuffle that not
-// every lane of the warp reaches at the same call (undefined with a full mask: a lane
-// returned early or took another branch), a mask other than the full warp.
-static std::atomic<unsigned> emu_error_count{0};
-static inline void emu_check_align(const void* p, unsigned n) {
-    if ((uintptr_t)p % n) emu_error_count.fetch_add(1);
-}
-#define KV_ASSERT_ALIGNED(p, n) emu_check_align((const void*)(p), (n))
-template <class T> static inline T __ldg(const T* p) { emu_check_align(p, alignof(T)); return *p; }
-static inline unsigned atomicOr(unsigned* p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
-using std::max;
-using std::min;
-// A warp: 32 host threads in lock step at every shuffle (two barrier phases: publish,
-// then read), each with the count of shuffles it has made in the current warp body;
-// a lane that finishes its body publishes "exited" (-1).
-struct EmuWarp { std::barrier<>* bar; unsigned vals[32]; long seq[32]; };
-static thread_local EmuWarp* emu_warp;
-static thread_local long emu_calls;
-static inline unsigned emu_shuffle(unsigned mask, unsigned v, unsigned src, bool bad_src) {
-    if (emu_warp == nullptr) {  // a shuffle in a kernel not run as warps
-        emu_error_count.fetch_add(1);
-        return v;
-    }
-    const unsigned lane = threadIdx.x & 31u;
-    if (mask != 0xFFFFFFFFu || bad_src) emu_error_count.fetch_add(1);
-    const long call = ++emu_calls;
-    emu_warp->vals[lane] = v;
-    emu_warp->seq[lane] = call;
-    emu_warp->bar->arrive_and_wait();
-    for (int l = 0; l < 32; ++l)
-        if (emu_warp->seq[l] != call) { emu_error_count.fetch_add(1); break; }
-    const unsigned r = emu_warp->vals[src & 31u];
-    emu_warp->bar->arrive_and_wait();
-    return r;
-}
-static inline unsigned __shfl_sync(unsigned mask, unsigned v, int src) {  // src modulo 32, as CUDA
-    return emu_shuffle(mask, v, (unsigned)src & 31u, false);
-}
-static inline unsigned __shfl_xor_sync(unsigned mask, unsigned v, int off) {
-    return emu_shuffle(mask, v, (threadIdx.x & 31u) ^ (unsigned)off, off < 0 || off > 31);
-}
-// threaded: 32 threads run each warp in step (for kernels with warp shuffles); a thread
-// that is done drops out of the barrier, so lanes out of step end instead of hanging.
-// Otherwise the threads run one after another.
-static void emu_run(unsigned grid, unsigned block, int threaded, const std::function<void()>& body) {
-    blockDim = dim3{block, 1, 1};
-    if (!threaded) {
-        for (unsigned b = 0; b < grid; ++b)
-            for (unsigned t = 0; t < block; ++t) { blockIdx = dim3{b, 0, 0}; threadIdx = dim3{t, 0, 0}; body(); }
-        return;
-    }
-    if (block % 32) emu_error_count.fetch_add(1);
-    std::barrier<> bar(32);
-    EmuWarp warp;
-    warp.bar = &bar;
-    std::vector<std::thread> lanes;
-    for (unsigned l = 0; l < 32; ++l)
-        lanes.emplace_back([&, l] {
-            emu_warp = &warp;
-            for (unsigned b = 0; b < grid; ++b)
-                for (unsigned w = 0; w < block; w += 32) {
-                    blockIdx = dim3{b, 0, 0};
-                    threadIdx = dim3{w + l, 0, 0};
-                    emu_calls = 0;
-                    body();
-                    warp.seq[l] = -1;
-                    bar.arrive_and_wait();
-                }
-            bar.arrive_and_drop();
-        });
-    for (auto& t : lanes) t.join();
-}
-extern "C" unsigned emu_errors() { return emu_error_count.exchange(0); }
-// controls for the checks above (not kernels of kvwire)
-extern "C" __global__ void kv_emu_control_divergent(unsigned* out) {
-    if (threadIdx.x % 32 == 5) return;  // one lane leaves before the shuffle
-    out[threadIdx.x] = __shfl_xor_sync(0xFFFFFFFFu, threadIdx.x, 1);
-}
-extern "C" __global__ void kv_emu_control_misaligned(unsigned char* out) {
-    KV_ASSERT_ALIGNED(out + 1 + 4 * threadIdx.x, 4);
-    out[threadIdx.x] = (unsigned char)__ldg((const uint4*)(out + 8)).x;
-}
-extern "C" __global__ void kv_emu_control_shuffle(unsigned* out) {
-    unsigned v = threadIdx.x;
-    for (int off = 16; off > 0; off >>= 1) v = std::max(v, __shfl_xor_sync(0xFFFFFFFFu, v, off));
-    out[threadIdx.x] = v + 1000 * __shfl_xor_sync(0xFFFFFFFFu, threadIdx.x, 3);
-}
-"""
+from tests.codec.emulation import as_reference, build_emulation, tricky_values, value_bits
 
 _CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.uint32: ctypes.c_uint}
 
@@ -146,30 +31,6 @@ _CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.uint32: ctype
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return build_emulation(tmp_path_factory.mktemp("kvquant_emu"))
-
-
-def build_emulation(build: Path) -> Any:
-    """The kernels and the shim compiled in ``build``: ``emu_<kernel>(grid, block,
-    threaded, args...)`` for each kernel, and ``emu_errors()``."""
-    if CXX is None:
-        pytest.fail("no C++ compiler found to build the kernel emulation")
-    source = SHIM + g.kernel_source()
-    (build / "kernels.cpp").write_text(source)
-    pre = subprocess.run([CXX, "-std=c++20", "-E", "-P", str(build / "kernels.cpp")], check=True,
-                         capture_output=True, text=True).stdout
-    wrappers = []
-    for name, params in re.findall(r'extern "C" void (kv_\w+)\s*\(([^)]*)\)', pre):
-        names = [re.findall(r"\w+", p)[-1] for p in params.split(",")]
-        wrappers.append(
-            f'extern "C" void emu_{name}(unsigned grid, unsigned block, int threaded, {params}) '
-            f"{{ emu_run(grid, block, threaded, [&] {{ {name}({', '.join(names)}); }}); }}"
-        )
-    assert len(wrappers) > 40
-    (build / "emu.cpp").write_text(source + "\n" + "\n".join(wrappers) + "\n")
-    lib = build / "libkvemu.so"
-    subprocess.run([CXX, "-std=c++20", "-O1", "-ffp-contract=off", "-shared", "-fPIC", "-pthread",
-                    str(build / "emu.cpp"), "-o", str(lib)], check=True, capture_output=True)
-    return ctypes.CDLL(str(lib))
 
 
 def _launch(lib: Any, launch: g.Launch, buffers: dict[str, np.ndarray[Any, Any]]) -> None:
@@ -183,12 +44,6 @@ def _launch(lib: Any, launch: g.Launch, buffers: dict[str, np.ndarray[Any, Any]]
     getattr(lib, "emu_" + launch.kernel)(ctypes.c_uint(max(1, launch.blocks)), ctypes.c_uint(g.THREADS),
                                          ctypes.c_int(threaded), *args)
     assert lib.emu_errors() == 0, f"{launch.kernel}: misaligned access or divergent shuffle"
-
-
-def _ref(codec: Any) -> Any:
-    """``codec`` typed for its numpy reference methods (encode_numpy / decode_numpy, which
-    every quantizing codec has and the Codec base does not declare)."""
-    return codec
 
 
 def _placed(x: np.ndarray[Any, Any], aligned: bool) -> np.ndarray[Any, Any]:
@@ -226,22 +81,6 @@ def emu_decode(lib: Any, base: str, params: bytes, payload: bytes, out: np.ndarr
     return int(buffers["flags"][0])
 
 
-def _tricky(dtype: str, shape: tuple[int, int, int], seed: int) -> np.ndarray[Any, Any]:
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape) * np.exp2(rng.integers(-6, 4, (shape[0], shape[1], 1)))
-    tiny = {"float16": 2.0**-20, "bfloat16": 2.0**-133, "float32": 2.0**-140}[dtype]
-    x[1] *= tiny
-    x[2, :, ::2] *= tiny
-    x[3] = 0.0
-    x[4] = -0.0
-    x[5, :, 1::2] = -0.0
-    return x.astype(numpy_dtype(dtype))
-
-
-def _bits(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
-
-
 # (shape, chunk tokens): vector kernels with 16 lanes (half used and all used), 32 lanes
 # with 1 and 2 vectors a lane; odd shapes and payloads the any-shape kernels take
 CASES = [((40, 4, 64), 16), ((24, 2, 128), 8), ((12, 2, 256), 8), ((9, 2, 512), 4),
@@ -255,29 +94,29 @@ CASES = [((40, 4, 64), 16), ((24, 2, 128), 8), ((12, 2, 256), 8), ((9, 2, 512), 
 def test_emulated_kernels_match_numpy(emu: Any, case: Any, dtype: str, name: str, kind: TensorKind) -> None:
     shape, step = case
     codec = get_codec(name)
-    x = _tricky(dtype, shape, 5)
+    x = tricky_values(dtype, shape, 5)
     for aligned in (True, False):
-        xin = _placed(_bits(x), aligned)
+        xin = _placed(value_bits(x), aligned)
         payloads, flags, _kernel = emu_encode(emu, codec, xin, kind, step, dtype)
         assert flags == 0
         starts = range(0, shape[0], step)
         assert len(payloads) == len(starts)
-        out = _placed(np.full(shape, 0xFF, _bits(x).dtype), aligned)
+        out = _placed(np.full(shape, 0xFF, value_bits(x).dtype), aligned)
         for i, s in enumerate(starts):
             part = x[s : s + step]
-            ref = _ref(codec).encode_numpy(part, kind)
+            ref = as_reference(codec).encode_numpy(part, kind)
             assert payloads[i] == bytes(memoryview(ref.payload).cast("B")), (aligned, i)
             sub = out[s : s + part.shape[0]]
             assert emu_decode(emu, name, ref.params, payloads[i], sub, dtype, kind) == 0
-            want = _ref(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype=dtype, kind=kind)
-            assert sub.tobytes() == _bits(want).tobytes(), (aligned, i)
+            want = as_reference(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype=dtype, kind=kind)
+            assert sub.tobytes() == value_bits(want).tobytes(), (aligned, i)
 
 
 def test_the_vector_kernels_are_the_ones_exercised(emu: Any) -> None:
     seen = set()
     for (shape, step) in CASES:
         for dtype in ("float16", "float32"):
-            x = _placed(_bits(_tricky(dtype, shape, 1)), True)
+            x = _placed(value_bits(tricky_values(dtype, shape, 1)), True)
             seen.add(emu_encode(emu, get_codec("fp8"), x, TensorKind.K, step, dtype)[2])
     assert {"kv_fp8_encode_vec_f16_16_1", "kv_fp8_encode_vec_f16_32_1", "kv_fp8_encode_vec_f16_32_2",
             "kv_fp8_encode_vec_f32_32_1", "kv_fp8_encode_vec_f32_32_4", "kv_fp8_encode_any_f16"} <= seen
@@ -294,11 +133,11 @@ def test_emulated_int4_any_geometry(emu: Any, tokens: int, heads: int, dim: int,
     from kvwire.codec.int4 import Int4Codec
 
     codec = Int4Codec(group)
-    x = _tricky(dtype, (max(tokens, 6), heads, dim), seed)[:tokens]
-    payloads, flags, _ = emu_encode(emu, codec, _placed(_bits(x), True), kind, step, dtype)
+    x = tricky_values(dtype, (max(tokens, 6), heads, dim), seed)[:tokens]
+    payloads, flags, _ = emu_encode(emu, codec, _placed(value_bits(x), True), kind, step, dtype)
     assert flags == 0
     for i, s in enumerate(range(0, tokens, max(1, min(step, tokens)))):
-        ref = _ref(codec).encode_numpy(x[s : s + step], kind)
+        ref = as_reference(codec).encode_numpy(x[s : s + step], kind)
         assert payloads[i] == bytes(memoryview(ref.payload).cast("B"))
 
 
@@ -307,28 +146,28 @@ def test_emulated_int4_any_geometry(emu: Any, tokens: int, heads: int, dim: int,
 def test_emulated_flags_match_the_numpy_refusals(emu: Any, dtype: str, name: str) -> None:
     shape = (16, 2, 64)
     codec = get_codec(name)
-    x = _tricky(dtype, shape, 9)
+    x = tricky_values(dtype, shape, 9)
     x[7, 1, 33] = np.nan
     with pytest.raises(UsageError):
-        _ref(codec).encode_numpy(x, TensorKind.K)
-    _, flags, _ = emu_encode(emu, codec, _placed(_bits(x), True), TensorKind.K, 8, dtype)
+        as_reference(codec).encode_numpy(x, TensorKind.K)
+    _, flags, _ = emu_encode(emu, codec, _placed(value_bits(x), True), TensorKind.K, 8, dtype)
     with pytest.raises(UsageError, match="NaN or infinity"):
         g._check_flags(flags, name)
-    x = _tricky(dtype, shape, 9)
-    ref = _ref(codec).encode_numpy(x, TensorKind.K)
+    x = tricky_values(dtype, shape, 9)
+    ref = as_reference(codec).encode_numpy(x, TensorKind.K)
     raw = bytearray(memoryview(ref.payload).cast("B"))
-    out = _placed(np.empty(shape, _bits(x).dtype), True)
+    out = _placed(np.empty(shape, value_bits(x).dtype), True)
     if name != "int4":
         bad = bytearray(raw)
         bad[4 * 32 + 5] = 0x7F if name == "fp8" else 0x80
         with pytest.raises(ProtocolError):
-            _ref(codec).decode_numpy(b"", bytes(bad), shape=shape, dtype=dtype, kind=TensorKind.K)
+            as_reference(codec).decode_numpy(b"", bytes(bad), shape=shape, dtype=dtype, kind=TensorKind.K)
         with pytest.raises(ProtocolError):
             g._check_flags(emu_decode(emu, name, b"", bytes(bad), out, dtype, TensorKind.K), name)
     big = bytearray(raw)
     big[0:4] = np.float32(3e38).tobytes()
     with pytest.raises(ProtocolError):
-        _ref(codec).decode_numpy(ref.params, bytes(big), shape=shape, dtype=dtype, kind=TensorKind.K)
+        as_reference(codec).decode_numpy(ref.params, bytes(big), shape=shape, dtype=dtype, kind=TensorKind.K)
     with pytest.raises(ProtocolError):
         g._check_flags(emu_decode(emu, name, ref.params, bytes(big), out, dtype, TensorKind.K), name)
     with pytest.raises(ProtocolError):
@@ -343,7 +182,7 @@ def test_int4_range_beyond_float32_is_flagged(emu: Any) -> None:
     x = np.ones((32, 1, 8), np.float32)
     x[0, 0, 0], x[1, 0, 0] = 3e38, -3e38
     with pytest.raises(UsageError, match="range"):
-        _ref(get_codec("int4")).encode_numpy(x, TensorKind.K)
+        as_reference(get_codec("int4")).encode_numpy(x, TensorKind.K)
     _, flags, _ = emu_encode(emu, get_codec("int4"), _placed(x, True), TensorKind.K, 32, "float32")
     with pytest.raises(UsageError, match="range"):
         g._check_flags(flags, "int4")
@@ -381,7 +220,7 @@ def test_emulated_codes_near_rounding_points(emu: Any, name: str) -> None:
     codec = get_codec(name)
     payloads, flags, kernel = emu_encode(emu, codec, _placed(x, True), TensorKind.K, 64, "float32")
     assert flags == 0 and "_encode_vec_" in kernel
-    assert payloads[0] == bytes(memoryview(_ref(codec).encode_numpy(x, TensorKind.K).payload).cast("B"))
+    assert payloads[0] == bytes(memoryview(as_reference(codec).encode_numpy(x, TensorKind.K).payload).cast("B"))
 
 
 def _control(lib: Any, name: str, out: np.ndarray[Any, Any], grid: int = 2, threaded: int = 1) -> int:
@@ -481,25 +320,25 @@ def test_emulated_int4_kernels_match_the_numpy_reference(
     x = _adversarial(style, dtype, shape, seed)
     if poison is not None:
         x.reshape(-1)[seed % x.size] = poison
-    payloads, flags, kernel = emu_encode(emu, codec, _placed(_bits(x), aligned), kind, step, dtype)
+    payloads, flags, kernel = emu_encode(emu, codec, _placed(value_bits(x), aligned), kind, step, dtype)
     event(kernel.rsplit("_", 2)[0] if "_vec_" in kernel else kernel)
     assert not fast or kernel.startswith("kv_int4_encode_"), kernel
     if poison is not None:
         with pytest.raises(UsageError):
-            _ref(codec).encode_numpy(x, kind)
+            as_reference(codec).encode_numpy(x, kind)
         assert flags & g.FLAG_NONFINITE
         return
     assert flags == 0
     step = max(1, min(step, tokens))
-    out = _placed(np.full(shape, 0xFF, _bits(x).dtype), aligned)
+    out = _placed(np.full(shape, 0xFF, value_bits(x).dtype), aligned)
     for i, s in enumerate(range(0, tokens, step)):
         part = x[s : s + step]
-        ref = _ref(codec).encode_numpy(part, kind)
+        ref = as_reference(codec).encode_numpy(part, kind)
         assert payloads[i] == bytes(memoryview(ref.payload).cast("B")), (i, s)
         sub = out[s : s + part.shape[0]]
         assert emu_decode(emu, "int4", ref.params, payloads[i], sub, dtype, kind) == 0
-        want = _ref(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype=dtype, kind=kind)
-        assert sub.tobytes() == _bits(want).tobytes(), (i, s)
+        want = as_reference(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype=dtype, kind=kind)
+        assert sub.tobytes() == value_bits(want).tobytes(), (i, s)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -511,11 +350,11 @@ def test_emulated_int4_value_groups_of_any_number_of_vectors(emu: Any, dtype: st
 
     codec = Int4Codec(group)
     x = _adversarial("mixed", dtype, (11, 3, dim), dim * group)
-    payloads, flags, kernel = emu_encode(emu, codec, _placed(_bits(x), True), TensorKind.V, 5, dtype)
+    payloads, flags, kernel = emu_encode(emu, codec, _placed(value_bits(x), True), TensorKind.V, 5, dtype)
     one_vector = dim <= (128 if dtype == "float32" else 256)
     assert kernel.startswith("kv_int4_encode_v_vec_") == one_vector and flags == 0
     for i, s in enumerate(range(0, 11, 5)):
-        assert payloads[i] == bytes(memoryview(_ref(codec).encode_numpy(x[s : s + 5], TensorKind.V).payload).cast("B"))
+        assert payloads[i] == bytes(memoryview(as_reference(codec).encode_numpy(x[s : s + 5], TensorKind.V).payload).cast("B"))
 
 
 @pytest.mark.parametrize("style", ["normal", "zeros", "mixed"])
@@ -530,7 +369,7 @@ def test_emulated_int4_value_groups_over_several_vectors_of_a_lane(emu: Any, sty
     payloads, flags, kernel = emu_encode(emu, codec, _placed(x, True), TensorKind.V, 4, "float32")
     assert kernel == "kv_int4_encode_v_vec_f32_32_2" and flags == 0
     for i, s in enumerate(range(0, 9, 4)):
-        assert payloads[i] == bytes(memoryview(_ref(codec).encode_numpy(x[s : s + 4], TensorKind.V).payload).cast("B"))
+        assert payloads[i] == bytes(memoryview(as_reference(codec).encode_numpy(x[s : s + 4], TensorKind.V).payload).cast("B"))
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
@@ -542,10 +381,10 @@ def test_emulated_int4_key_groups_of_many_tokens(emu: Any, dtype: str, group: in
 
     codec = Int4Codec(group)
     x = _adversarial("mixed", dtype, (530, 2, 24), group + step)
-    payloads, flags, name = emu_encode(emu, codec, _placed(_bits(x), True), TensorKind.K, step, dtype)
+    payloads, flags, name = emu_encode(emu, codec, _placed(value_bits(x), True), TensorKind.K, step, dtype)
     assert name == f"kv_int4_encode_k_vec_{g._SUFFIX[dtype]}_{kernel}" and flags == 0
     for i, s in enumerate(range(0, 530, step)):
-        assert payloads[i] == bytes(memoryview(_ref(codec).encode_numpy(x[s : s + step], TensorKind.K).payload).cast("B"))
+        assert payloads[i] == bytes(memoryview(as_reference(codec).encode_numpy(x[s : s + step], TensorKind.K).payload).cast("B"))
 
 
 @pytest.mark.parametrize("kind", [TensorKind.K, TensorKind.V])
@@ -561,12 +400,12 @@ def test_emulated_int4_vector_kernels_flag_range_and_nonfinite(emu: Any, kind: T
         x[33, 1, 60], x[34, 1, 60] = 3e38, -3e38  # a group range beyond float32 (keys)
         x[35, 0, 40], x[35, 0, 41] = 3e38, -3e38  # (values)
         with pytest.raises(UsageError, match="range"):
-            _ref(codec).encode_numpy(x, kind)
+            as_reference(codec).encode_numpy(x, kind)
         _, flags, _ = emu_encode(emu, codec, _placed(x, True), kind, 16, dtype)
         assert flags == g.FLAG_RANGE
     x = _adversarial("normal", dtype, (40, 2, 64), 3)
     x[39, 1, 63] = np.inf  # the very last element of the last (short) chunk
-    _, flags, _ = emu_encode(emu, codec, _placed(_bits(x), True), kind, 16, dtype)
+    _, flags, _ = emu_encode(emu, codec, _placed(value_bits(x), True), kind, 16, dtype)
     assert flags & g.FLAG_NONFINITE
 
 
@@ -576,11 +415,11 @@ def test_emulated_int4_decode_flags_values_outside_the_dtype(emu: Any) -> None:
     codec = Int4Codec(32)
     x = _adversarial("normal", "float16", (16, 2, 64), 4)
     for kind in (TensorKind.K, TensorKind.V):
-        ref = _ref(codec).encode_numpy(x, kind)
+        ref = as_reference(codec).encode_numpy(x, kind)
         raw = bytearray(memoryview(ref.payload).cast("B"))
         raw[0:4] = np.float32(1e4).tobytes()  # 15 * 1e4 + lo leaves float16
         with pytest.raises(ProtocolError):
-            _ref(codec).decode_numpy(ref.params, bytes(raw), shape=x.shape, dtype="float16", kind=kind)
+            as_reference(codec).decode_numpy(ref.params, bytes(raw), shape=x.shape, dtype="float16", kind=kind)
         out = _placed(np.empty(x.shape, np.uint16), True)
         assert g.plan_decode("int4", ref.params, x.shape, "float16", kind, out_aligned=True).kernel == "kv_int4_decode_vec_f16"
         flags = emu_decode(emu, "int4", ref.params, bytes(raw), out, "float16", kind)
@@ -613,11 +452,11 @@ def test_emulated_int4_top_code_near_float32_maximum(
     out = _placed(np.full(shape, np.nan, np.float32), True)
     for i, s0 in enumerate(range(0, shape[0], step)):
         part = x[s0 : s0 + step]
-        ref = _ref(codec).encode_numpy(part, kind)
+        ref = as_reference(codec).encode_numpy(part, kind)
         assert payloads[i] == bytes(memoryview(ref.payload).cast("B")), i
         sub = out[s0 : s0 + part.shape[0]]
         assert emu_decode(emu, "int4", ref.params, payloads[i], sub, "float32", kind) == 0
-        want = _ref(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype="float32", kind=kind)
+        want = as_reference(codec).decode_numpy(ref.params, ref.payload, shape=part.shape, dtype="float32", kind=kind)
         assert sub.tobytes() == want.tobytes() and np.all(np.isfinite(sub))
 
 
@@ -639,10 +478,10 @@ def test_emulated_decode_of_a_payload_at_any_address(emu: Any, dtype: str, name:
     kernel where the payload allows it, the any-shape one elsewhere."""
     codec = get_codec(name)
     shape = (6, 2, 16)
-    x = _tricky(dtype, shape, 7)
-    ref = _ref(codec).encode_numpy(x, TensorKind.K)
+    x = tricky_values(dtype, shape, 7)
+    ref = as_reference(codec).encode_numpy(x, TensorKind.K)
     data = bytes(memoryview(ref.payload).cast("B"))
-    want = _bits(_ref(codec).decode_numpy(ref.params, ref.payload, shape=shape, dtype=dtype, kind=TensorKind.K))
+    want = value_bits(as_reference(codec).decode_numpy(ref.params, ref.payload, shape=shape, dtype=dtype, kind=TensorKind.K))
     vector: dict[int, bool] = {}
     for shift in range(16):
         payload = _at(data, shift)

@@ -1,6 +1,6 @@
 """kvwire.codec.gpu, the GPU receiver and the device benchmark's exactness step run whole
 over a fake CuPy (tests/fake_cupy.py) whose kernels are the CPU emulation of
-tests/codec/test_gpu_emulated.py: device arrays at the addresses CuPy would give them,
+tests/codec/emulation.py: device arrays at the addresses CuPy would give them,
 streams that check every use of memory comes after its allocation in that stream's order,
 and kernels that count misaligned accesses."""
 
@@ -19,7 +19,7 @@ import pytest
 from kvwire.aio import _gpu
 from kvwire.codec import TensorKind, get_codec, numpy_dtype
 from kvwire.codec import gpu as g
-from tests.codec.test_gpu_emulated import _bits, _ref, _tricky, build_emulation
+from tests.codec.emulation import as_reference, build_emulation, tricky_values, value_bits
 from tests.fake_cupy import FakeCupy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,7 +65,7 @@ def test_launch_decode_of_each_chunk_where_it_lies_in_the_device_buffer(
     values are numpy's."""
     cupy = fake.module
     codec = get_codec(name)
-    x = _tricky(dtype, (max(shape[0], 6), *shape[1:]), 3)[: shape[0]]
+    x = tricky_values(dtype, (max(shape[0], 6), *shape[1:]), 3)[: shape[0]]
     enc = g.encode_tensor(codec, _device(fake, x), TensorKind.K, step, dtype=dtype)
     enc.check()
     assert fake.problems == []
@@ -77,9 +77,9 @@ def test_launch_decode_of_each_chunk_where_it_lies_in_the_device_buffer(
         part = x[s : s + step]
         g.launch_decode(name, enc.params, enc.buffer[off : off + size], out[s : s + part.shape[0]],
                         dtype=dtype, kind=TensorKind.K, flags=flags)
-        want = _ref(codec).decode_numpy(enc.params, _ref(codec).encode_numpy(part, TensorKind.K).payload,
+        want = as_reference(codec).decode_numpy(enc.params, as_reference(codec).encode_numpy(part, TensorKind.K).payload,
                                         shape=part.shape, dtype=dtype, kind=TensorKind.K)
-        assert np.asarray(out[s : s + part.shape[0]]).tobytes() == _bits(want).tobytes(), s
+        assert np.asarray(out[s : s + part.shape[0]]).tobytes() == value_bits(want).tobytes(), s
     assert fake.problems == []
     assert int(flags.get()[0]) == 0
     kernels = {e[1] for e in fake.log if e[0] == "launch" and "_decode_" in e[1]}

@@ -22,8 +22,8 @@ from kvwire.codec import TensorKind
 from kvwire.codec import gpu as g
 from kvwire.codec.int4 import group_count
 from kvwire.errors import UsageError
-from tests.codec.test_codec_kernels import _ptx
-from tests.codec.test_gpu_emulated import CXX, SHIM
+from tests.codec.emulation import CXX, SHIM
+from tests.codec.ptx import nvcc_ptx
 from tests.environment import needs_nvcc
 
 # 2M tokens x 8 heads x 128: 2^31 elements, a 4 GiB float16 tensor
@@ -127,7 +127,7 @@ _PARAM = re.compile(r"\.param \.(u64|u32|s64|s32|b64|b32|align \d+ \.b8)\s+\w+")
 def test_launch_arguments_match_the_kernels_ptx_parameters(tmp_path: Path) -> None:
     """Every argument a plan passes has the width of the kernel parameter it lands in (a
     numpy int64 in a 32-bit parameter, or the other way round, would shift the rest)."""
-    text = _ptx(tmp_path, g.kernel_source(), "kvquant_widths")
+    text = nvcc_ptx(tmp_path, g.kernel_source(), "kvquant_widths")
     entries = {name: _PARAM.findall(body) for name, body in re.findall(r"\.entry (\w+)\s*\(([^)]*)\)", text)}
     width = {np.int64: "64", np.int32: "32", np.uint32: "32"}
     seen = set()
@@ -150,7 +150,7 @@ def test_int4_key_vector_encoders_count_token_blocks_in_32_bits(tmp_path: Path) 
     kv_int4_encode_k_vec_*: in 64 bits it took kv_int4_encode_k_vec_f32_4_2 from 48 to 56
     registers on sm_90 (nvcc 13.0).  Its operands fit: the plan picks these kernels only
     under 2^31 elements, and a 64-bit spelling buys nothing there."""
-    text = _ptx(tmp_path, g.kernel_source(), "kvquant_kvec")
+    text = nvcc_ptx(tmp_path, g.kernel_source(), "kvquant_kvec")
     bodies = dict(re.findall(r"\.entry (kv_int4_encode_k_vec_\w+)\s*\((.*?)\n}\n", text, re.S))
     assert len(bodies) == 15
     for name, body in bodies.items():
