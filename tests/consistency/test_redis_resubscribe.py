@@ -14,64 +14,9 @@ import pytest
 from kvwire.aio.registry_redis import RedisRegistry
 from kvwire.consistency import NotificationsLostError
 from tests.consistency.conftest import RedisServer
-from tests.consistency.proxy import RedisProxy
+from tests.consistency.proxy import Switchboard
 
 pytestmark = pytest.mark.timeout(90)
-
-
-class _Switchboard(RedisProxy):
-    """A TCP proxy to Redis that can stop forwarding (``hole``: every connection, new ones
-    included, is held open and nothing passes), refuse new connections (``refuse``: closed
-    at once) and cut every open one (:meth:`cut`)."""
-
-    def __init__(self, target_port: int) -> None:
-        super().__init__(target_port)
-        self.hole = False
-        self.refuse = False
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    def cut(self) -> None:
-        for writer in tuple(self._writers):
-            writer.transport.abort()
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(65536):
-            while self.hole:
-                await asyncio.sleep(3600)
-            writer.write(data)
-            await writer.drain()
-
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        self._writers.add(client_w)
-        server_w: asyncio.StreamWriter | None = None
-        try:
-            if self.refuse:
-                return
-            if self.hole:
-                await asyncio.sleep(3600)
-            server_r, server_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-            pumps = {
-                asyncio.ensure_future(self._pump(client_r, server_w)),
-                asyncio.ensure_future(self._pump(server_r, client_w)),
-            }
-            try:
-                await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                server_w.close()
-                for pump in pumps:
-                    pump.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-        except (OSError, asyncio.CancelledError):
-            pass
-        finally:
-            if server_w is not None:
-                server_w.close()
-            client_w.close()
-            self._writers.discard(client_w)
-            self._tasks.discard(task)
 
 
 async def _registry(kind: str, port: int, namespace: str, timeout: float) -> tuple[RedisRegistry, Any]:
@@ -97,7 +42,7 @@ async def test_a_watcher_subscribing_anew_into_a_silent_network_ends_within_its_
     cancels: each read ends with NotificationsLostError, and aclose() ends a read that is
     subscribing anew."""
     namespace = f"hole-{uuid.uuid4().hex}"
-    async with _Switchboard(redis_server.port) as proxy:
+    async with Switchboard(redis_server.port) as proxy:
         reg, client = await _registry(kind, proxy.port, namespace, 0.5)
         try:
             async with reg.watch() as watcher:
@@ -127,7 +72,7 @@ async def test_a_change_made_after_notifications_lost_is_delivered(redis_server:
     and the next read was never delivered, and nothing said so.  The new subscription is
     in place before the error is raised."""
     namespace = f"gap-{uuid.uuid4().hex}"
-    async with _Switchboard(redis_server.port) as proxy:
+    async with Switchboard(redis_server.port) as proxy:
         reg, client = await _registry(kind, proxy.port, namespace, 5.0)
         direct = await RedisRegistry.connect(redis_server.url, namespace=namespace)
         try:
@@ -161,7 +106,7 @@ async def test_a_watcher_that_could_not_subscribe_anew_raises_again_at_its_next_
     NotificationsLostError again (having subscribed anew) instead of reading on as though
     nothing had been missed; from then on changes are delivered."""
     namespace = f"again-{uuid.uuid4().hex}"
-    async with _Switchboard(redis_server.port) as proxy:
+    async with Switchboard(redis_server.port) as proxy:
         reg, client = await _registry(kind, proxy.port, namespace, 5.0)
         direct = await RedisRegistry.connect(redis_server.url, namespace=namespace)
         try:

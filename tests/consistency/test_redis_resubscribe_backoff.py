@@ -19,15 +19,14 @@ from redis.asyncio.client import PubSub
 from kvwire.aio.registry_redis import _POLL_S, RedisRegistry
 from kvwire.consistency import NotificationsLostError
 from tests.consistency.conftest import RedisServer
-from tests.consistency.proxy import RedisProxy
-from tests.consistency.test_redis_resubscribe import _Switchboard
+from tests.consistency.proxy import RedisProxy, Switchboard
 
 pytestmark = pytest.mark.timeout(90)
 
 _CONFIRMATION = b"$9\r\nsubscribe\r\n"
 
 
-class _DropsSubscriptions(_Switchboard):
+class _DropsSubscriptions(Switchboard):
     """Forwards to Redis (the switchboard's pumps, never holed nor refusing), but closes a
     client connection as soon as Redis's SUBSCRIBE confirmation has been passed on to it
     (other connections are left alone); ``confirmed`` counts the confirmations passed on."""
