@@ -19,13 +19,14 @@ from kvwire.scheduler.simulator import (
     simulate,
 )
 from kvwire.scheduler.workload import TraceRequest
-from tests.scheduler.test_saturation import config as saturation_config
+from tests.scheduler.worked_cluster import config as worked_config
 
 
 def config() -> SimulationConfig:
-    """test_saturation's cluster (its profiles: 1 s of remote and 10 s of local prefill
-    per 1000 tokens, 1000 bytes of KV per token) with 8 local servers, 7 of them prefill."""
-    return saturation_config(local_instances=8, prefill_instances=7)
+    """The worked cluster of tests/scheduler/worked_cluster.py (1 s of remote and 10 s of
+    local prefill per 1000 tokens, 1000 bytes of KV per token) with 8 local servers, 7 of
+    them prefill."""
+    return worked_config(local_instances=8, prefill_instances=7)
 
 
 def at(times: list[float], n: int = 1000) -> list[TraceRequest]:
