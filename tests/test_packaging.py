@@ -235,7 +235,7 @@ def test_star_import_of_consistency_without_redis() -> None:
 
 
 def test_star_import_of_consistency_with_redis() -> None:
-    pytest.importorskip("redis")
+    import redis  # noqa: F401  (the test extra installs redis-py)
     out = _python(
         "from kvwire.consistency import *\n"
         "import kvwire.consistency as c\n"
@@ -251,7 +251,7 @@ def test_mypy_of_the_redis_registry_with_or_without_redis(site_packages: bool, t
     """``pip install -e '.[dev]'`` brings mypy but not redis-py: there a ``type: ignore``
     for redis-py's types is unused, which strict mypy reported as an error.  Without the
     site-packages mypy sees no redis-py (nor numpy)."""
-    pytest.importorskip("mypy")
+    import mypy  # noqa: F401  (the test and dev extras install mypy)
     flags = [] if site_packages else ["--no-site-packages"]
     out = subprocess.run(
         [sys.executable, "-m", "mypy", *flags, "--no-incremental", "--cache-dir", str(tmp_path),

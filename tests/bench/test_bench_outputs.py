@@ -37,7 +37,7 @@ def _bench(folder: Path, *extra: str) -> dict[str, Any]:
 def test_a_plot_without_a_suffix_is_written_to_the_name_given(tmp_path: Path) -> None:
     """``--json rep.png --plot rep``: the paths differ, so both were allowed, and
     matplotlib wrote the plot to ``rep.png``, over the report."""
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (--plot draws with it; the test extra installs it)
     folder = tmp_path
     doc = _bench(folder, "--plot", str(folder / "rep"))  # the report is intact
     assert doc["transfers"] >= 1
