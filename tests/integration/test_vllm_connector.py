@@ -28,6 +28,19 @@ from kvwire.errors import KvwireError, TransferTimeoutError, UsageError
 from kvwire.paged import DROP, PagedSource, PagedSpec, gather_layer, host_view
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from kvwire.testing import FaultPlan, FaultProxy, Faults
+from tests.integration.vllm_steps import (
+    LAYERS,
+    SECRET,
+    async_consumer,
+    consumer_step,
+    consumer_worker,
+    drops_ended,
+    finished_sends,
+    producer,
+    step,
+    until_received,
+    wait_connected,
+)
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -41,8 +54,6 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
 
 pytestmark = pytest.mark.timeout(120)
 
-SECRET = "connector-test-secret"
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 BLOCKS = list(range(3, 259))  # 256 blocks of 32 KiB per layer: 32 MiB in all, more than socket buffers hold
 STALL_AT = 64 * 1024
 
@@ -80,50 +91,6 @@ def resume_once_stalled(proxy: FaultProxy, bridge: Bridge, after: float = 0.0) -
     assert proxy.statistics().stalls == 1, "the path never stalled"
     threading.Event().wait(after)
     bridge.call_soon(proxy.resume)
-
-
-def producer(port: int, load_timeout: float, async_save: bool = True,
-             connected: bool = True) -> tuple[KvwireConnector, KvwireConnector, list[torch.Tensor]]:
-    """The scheduler-side and worker-side connectors of a producer, the worker's caches
-    registered (and, with ``connected``, its connection to the consumer up: it is made on
-    kvwire's loop, and a step's saves that find none end unsent)."""
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm",
-            kv_role="kv_producer",
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_peer": f"127.0.0.1:{port}",
-                                       "kvwire_load_timeout": load_timeout, "kvwire_async_save": async_save},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
-    scheduler = KvwireConnector(cfg, KVConnectorRole.SCHEDULER)
-    worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
-    gen = torch.Generator().manual_seed(0)
-    caches = [torch.randn((300, 2, 16, 256), generator=gen) for _ in LAYERS]  # 32 KiB blocks
-    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
-    if connected:
-        wait_connected(worker)
-    return scheduler, worker, caches
-
-
-def wait_connected(worker: KvwireConnector) -> None:
-    """Until the worker's connection (made on kvwire's loop) is up, at most 30 s."""
-    for _ in range(600):
-        worker._poll_connect()
-        if worker._peer is not None:
-            return
-        threading.Event().wait(0.05)
-    raise AssertionError(f"not connected: {worker._connect_error}")
-
-
-def step(worker: KvwireConnector, meta: KvwireConnectorMetadata, caches: list[torch.Tensor] | None) -> None:
-    """One engine step: the metadata bound, the forward (each layer saved), wait_for_save."""
-    worker.bind_connector_metadata(meta)
-    if caches is not None:
-        for name, cache in zip(LAYERS, caches, strict=True):
-            worker.save_kv_layer(name, cache, None)
-    worker.wait_for_save()
-    worker.clear_connector_metadata()
 
 
 def sent_layers(caches: list[torch.Tensor]) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -317,21 +284,6 @@ def test_a_consumer_that_never_answers_does_not_hold_the_step() -> None:
             accepted.close()
         listener.close()
         worker.shutdown()
-
-
-def finished_sends(worker: KvwireConnector, want: int = 1) -> set[str]:
-    """What ``get_finished`` reports as sends ended, polled (each after an empty step,
-    as vLLM runs while it holds a finished request's blocks) until at least ``want``
-    requests, at most 30 s."""
-    finished: set[str] = set()
-    for _ in range(600):
-        step(worker, KvwireConnectorMetadata(), None)  # a step with no forward, as vLLM runs
-        done, _ = worker.get_finished(set())
-        finished |= done or set()
-        if len(finished) >= want:
-            break
-        threading.Event().wait(0.05)
-    return finished
 
 
 def welcome_held() -> contextlib.AbstractContextManager[tuple[SyncServer, FaultProxy, Bridge]]:
@@ -933,33 +885,6 @@ def test_blocks_in_the_consumers_prefix_cache_are_not_loaded() -> None:
     assert meta.loads == [] and meta.drops == []
 
 
-def consumer_worker(caches: list[torch.Tensor], load_timeout: float = 30,
-                    load_async: bool = False) -> tuple[KvwireConnector, PagedSpec]:
-    """A consumer's worker-side connector with ``caches`` registered (its server listening),
-    loading asynchronously with ``load_async``."""
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
-                                       "kvwire_load_timeout": load_timeout, "kvwire_load_async": load_async},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
-    worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
-    worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
-    assert worker.listen_port is not None and worker._spec is not None
-    return worker, worker._spec  # its layout, as a producer of the same vLLM and model has it
-
-
-def drops_ended(worker: KvwireConnector) -> None:
-    """Step the worker (get_finished) until its drops were let go of, at most 10 s."""
-    for _ in range(200):
-        worker.get_finished(set())
-        if not worker._dropping:
-            return
-        threading.Event().wait(0.05)
-
-
 def test_a_consumer_loads_the_blocks_it_lacks_and_drops_the_rest() -> None:
     """A consumer worker given a load whose first blocks are DROP and a drop: the load's
     blocks hold the sent blocks' bytes, no other block changes, and both transfers (the
@@ -1292,48 +1217,6 @@ def test_an_async_consumer_parks_a_hit_and_loads_it_through_the_metadata() -> No
     assert meta.loads == [] and meta.drops == []
     assert sched.get_num_new_matched_tokens(part, 0) == (0, False)  # preempted later: computed here
     assert sched.request_finished(part, []) == (False, None)  # type: ignore[arg-type]
-
-
-def consumer_step(worker: KvwireConnector, meta: KvwireConnectorMetadata | None = None,
-                  finished: set[str] | None = None) -> tuple[set[str], set[int]]:
-    """One engine step of a consumer, as vLLM's model runner drives it when the step has no
-    load to wait for: the metadata bound, the forward (each layer's wait_for_layer_load),
-    the step's loads started after it; what get_finished reports received
-    (finished_recving) and the blocks reported as load errors."""
-    worker.bind_connector_metadata(meta or KvwireConnectorMetadata())
-    for name in LAYERS:
-        worker.wait_for_layer_load(name)
-    worker.start_load_kv(None)  # type: ignore[arg-type]
-    _, recving = worker.get_finished(finished or set())
-    errors = worker.get_block_ids_with_load_errors()
-    worker.clear_connector_metadata()
-    return recving or set(), errors
-
-
-def until_received(worker: KvwireConnector, want: int = 1) -> tuple[set[str], set[int]]:
-    """Consumer steps until get_finished reported ``want`` requests received, at most 30 s:
-    those requests and the blocks reported as load errors meanwhile."""
-    got: set[str] = set()
-    errors: set[int] = set()
-    for _ in range(600):
-        received, failed = consumer_step(worker)
-        got |= received
-        errors |= failed
-        if len(got) >= want:
-            break
-        threading.Event().wait(0.05)
-    return got, errors
-
-
-def async_consumer(seed: int, load_timeout: float = 30) -> tuple[KvwireConnector, PagedSpec, list[torch.Tensor],
-                                                                  list[torch.Tensor], list[torch.Tensor]]:
-    """A consumer worker loading asynchronously: it, its layout, its caches, a copy of them
-    as they were, and a producer's caches to send from."""
-    gen = torch.Generator().manual_seed(seed)
-    caches = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
-    src = [torch.randn((16, 2, 16, 64), generator=gen) for _ in LAYERS]
-    worker, spec = consumer_worker(caches, load_timeout=load_timeout, load_async=True)
-    return worker, spec, caches, [c.clone() for c in caches], src
 
 
 def pending_arrivals(worker: KvwireConnector) -> int:

@@ -1,7 +1,7 @@
 """The vLLM connector's drops of loads that gave up, with names shared between requests
 (kvwire_load_all's ``prompt:<digest>``, a reused kvwire_id): a later load of the name
 goes before them.  The worker-side connector is driven step by step, as vLLM's worker
-drives it, over real sockets on 127.0.0.1 (helpers from test_vllm_connector_limits)."""
+drives it, over real sockets on 127.0.0.1 (helpers from tests/integration/vllm_workers.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from kvwire.paged import PagedSource
 from kvwire.sync import SyncPeer
-from tests.integration.test_vllm_connector_limits import (
+from tests.integration.vllm_workers import (
     LAYERS,
     SECRET,
     caches,

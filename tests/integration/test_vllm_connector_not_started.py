@@ -3,7 +3,7 @@ consumer's server holds the ACCEPT of a send while its ``max_buffer_bytes`` has 
 the transfer's first layer (docs/protocol.md 7.1), and a send that ends so, never started,
 is logged as such (with what to raise), with how long it waited.  The worker-side
 connector is driven step by step, as vLLM's worker drives it, over real sockets on
-127.0.0.1 (helpers from test_vllm_connector_limits)."""
+127.0.0.1 (helpers from tests/integration/vllm_workers.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 
 import kvwire
 from kvwire.sync import SyncServer
-from tests.integration.test_vllm_connector_limits import SECRET, produce, producer, workers
+from tests.integration.vllm_workers import SECRET, produce, producer, workers
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)

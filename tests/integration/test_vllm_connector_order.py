@@ -3,7 +3,7 @@ oldest first, and the whole-number settings (kvwire_chunk_bytes, kvwire_max_tran
 kvwire_registry_max_connections, kvwire_streams) take what their docs say and nothing that
 int() would cut or read otherwise; a value with no repr (an int past 4300 digits) is named
 in the error, not a ValueError.  The worker-side connectors are driven step by step, over
-real sockets on 127.0.0.1 (the helpers of test_vllm_connector_limits).
+real sockets on 127.0.0.1 (the helpers of tests/integration/vllm_workers.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvwire.errors import UsageError
-from tests.integration.test_vllm_connector_limits import (
+from tests.integration.vllm_workers import (
     config,
     consume,
     consumer,

@@ -2,7 +2,7 @@
 consumer's server refuses for want of room, queued sends and a speculative drafter, the
 per-step sweep of transfers named without an id, and the drops of loads that gave up.
 The worker-side connectors are driven step by step, as vLLM's worker drives them, over
-real sockets on 127.0.0.1 (helpers from test_vllm_connector_limits)."""
+real sockets on 127.0.0.1 (helpers from tests/integration/vllm_workers.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 from kvwire.errors import StaleVersionError
 from kvwire.paged import PagedSource, layer_rows
 from kvwire.sync import Bridge, SyncPeer, SyncServer
-from tests.integration.test_vllm_connector_limits import (
+from tests.integration.vllm_workers import (
     LAYERS,
     SECRET,
     caches,

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from tests.integration.test_vllm_connector import LAYERS, SECRET, finished_sends, producer, step
+from tests.integration.vllm_steps import LAYERS, SECRET, finished_sends, producer, step
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)

@@ -23,7 +23,7 @@ import torch
 
 import kvwire
 from kvwire.paged import PagedSpec
-from tests.integration.test_vllm_connector import (
+from tests.integration.vllm_steps import (
     LAYERS,
     SECRET,
     async_consumer,
