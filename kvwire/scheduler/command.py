@@ -25,7 +25,7 @@ from kvwire.scheduler.model import (
     ClusterConfig,
     OptimizerResult,
 )
-from kvwire.scheduler.profile import BUILTIN_PROFILES, load_profile
+from kvwire.scheduler.profile import BUILTIN_PROFILES, MIN_RELATIVE_COMPUTE, load_profile
 from kvwire.scheduler.simulator import (
     MAX_BANDWIDTH_NOISE,
     PolicyName,
@@ -115,6 +115,18 @@ def _at_most(parse: Callable[[str], float], maximum: float, shown: str, what: st
     return argument_type(parse_bounded, what)
 
 
+def _at_least(parse: Callable[[str], float], minimum: float, shown: str, what: str) -> Callable[[str], float]:
+    """An ``argparse`` type: ``parse``, refusing values below ``minimum`` (``shown``)."""
+
+    def parse_bounded(text: str) -> float:
+        value = parse(text)
+        if value < minimum:
+            raise UsageError(f"{text!r} must be at least {shown}")
+        return value
+
+    return argument_type(parse_bounded, what)
+
+
 POSITIVE_INT = argument_type(whole_number, "int")
 NON_NEGATIVE_INT = argument_type(functools.partial(whole_number, minimum=0), "int")
 POSITIVE = argument_type(number, "number")
@@ -179,8 +191,10 @@ def add_parser(subparsers: Any) -> None:
                    help=f"remote instance profile: {', '.join(BUILTIN_PROFILES)} or a .json/.toml file")
     s.add_argument("--local-profile", metavar="FILE",
                    help="local prefill profile file (default: the remote one at --relative-compute)")
-    s.add_argument("--relative-compute", type=POSITIVE, default=0.15,
-                   help="local instance compute relative to a remote one (default 0.15: H20 vs H200)")
+    s.add_argument("--relative-compute", default=0.15,
+                   type=_at_least(number, MIN_RELATIVE_COMPUTE, f"{MIN_RELATIVE_COMPUTE:g}", "number"),
+                   help="local instance compute relative to a remote one (default 0.15: H20 vs H200; "
+                        f"at least {MIN_RELATIVE_COMPUTE:g})")
     s.add_argument("--remote-instances", type=NON_NEGATIVE_INT, default=4,
                    help=f"remote prefill instances (default 4; at most {MAX_INSTANCES:,})")
     s.add_argument("--local-instances", type=POSITIVE_INT, default=8,
@@ -556,14 +570,21 @@ def _fmt(x: float | None, spec: str) -> str:
     return format(x, spec)
 
 
+#: The table's headers: a name, and under it the unit (none for a ratio, a count or a flag).
+#: Every column says what it measures ("egress P99", not a second "P99" beside TTFT's).
+_COLUMNS = (
+    "policy", "capacity\nrps", "util", "thr\nrps", "saturated", "TTFT P50\ns", "P90\ns",
+    "P99\ns", "egress mean\nGbit/s", "egress P99\nGbit/s", "offload", "cache hit", "t\ntok",
+    "Np/Nd", "slack",
+)
+
+
 def _print_table(results: tuple[PolicyResult, ...], caption: str, out: TextIO) -> None:
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="kvwire simulate", caption=caption)
-    cols = ("policy", "capacity", "util", "thr rps", "saturated", "TTFT P50", "P90", "P99",
-            "egress Gbit/s", "P99", "offload", "cache hit", "t (tok)", "Np/Nd", "slack")
-    for col in cols:
+    for col in _COLUMNS:
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
     for r in results:
         table.add_row(

@@ -45,6 +45,7 @@ from kvwire.scheduler.workload import MAX_TOKENS, json_number, json_whole, show_
 
 __all__ = [
     "BUILTIN_PROFILES",
+    "MIN_RELATIVE_COMPUTE",
     "ModelProfile",
     "builtin_profile",
     "dense_profile",
@@ -53,6 +54,17 @@ __all__ = [
 
 BUILTIN_PROFILES: tuple[str, ...] = ("hybrid-1t", "llama-3-70b")
 _BUILTIN_FILES = {"hybrid-1t": "hybrid_1t.json", "llama-3-70b": "llama_3_70b.json"}
+
+MIN_RELATIVE_COMPUTE = 1e-3
+"""Least ``relative_compute`` :meth:`ModelProfile.scaled` takes: a local instance with a
+thousandth of a remote one's compute. Below it the prefill latencies run to hours and the
+fixed per-pass cost is lost to rounding (from about 1e-17 the scaled points, extended to
+0 tokens, went negative, and the error blamed the profile's points)."""
+
+#: Relative error of a prefill latency extended to 0 tokens that is rounding, not a
+#: negative latency: a profile through the origin (its line reaches exactly 0 s at 0
+#: tokens, which is allowed) computes ``y0 - slope * x0`` a few ulps either side of 0.
+_EXTENSION_ROUNDING = 1e-9
 
 
 def _interp(x: float, xs: tuple[float, ...], ys: tuple[float, ...]) -> float:
@@ -123,7 +135,8 @@ class ModelProfile:
         slope = (y1 - y0) / (x1 - x0)
         value = y0 + slope * (at - x0)
         below = at < x0
-        if (value < 0) if below else (value <= 0 and at > x1):
+        rounding = _EXTENSION_ROUNDING * (abs(y0) + abs(slope * (at - x0)))
+        if (value < -rounding) if below else (value <= 0 and at > x1):
             zero = x0 - y0 / slope
             side = f"below its first point ({x0:g} tokens)" if below else f"past its last point ({x1:g} tokens)"
             raise UsageError(
@@ -151,17 +164,24 @@ class ModelProfile:
         ``1 / relative_compute``; the fixed per-pass cost (the latency extrapolated to zero
         tokens: launches, weight reads) is memory- and overhead-bound, and an H20 has as
         much memory bandwidth as an H200, so it is kept. KV size does not change.
+        ``relative_compute`` is a finite number of at least :data:`MIN_RELATIVE_COMPUTE`.
         """
-        if relative_compute <= 0:
-            raise UsageError("relative_compute must be > 0")
+        if not (MIN_RELATIVE_COMPUTE <= relative_compute < math.inf):
+            raise UsageError(
+                f"relative_compute must be a finite number >= {MIN_RELATIVE_COMPUTE:g} (a "
+                f"thousandth of the compute), not {relative_compute:g}"
+            )
         fixed = self.prefill_seconds(0.0)
-        return ModelProfile(
-            name=name or f"{self.name} x{relative_compute:g} compute",
-            tokens=self.tokens,
-            kv_bytes=self.kv_bytes,
-            prefill_s=tuple(fixed + (s - fixed) / relative_compute for s in self.prefill_s),
-            cache_blocks=self.cache_blocks,
-        )
+        try:
+            return ModelProfile(
+                name=name or f"{self.name} x{relative_compute:g} compute",
+                tokens=self.tokens,
+                kv_bytes=self.kv_bytes,
+                prefill_s=tuple(fixed + (s - fixed) / relative_compute for s in self.prefill_s),
+                cache_blocks=self.cache_blocks,
+            )
+        except UsageError as exc:  # the points scaled: say by what, not only whose they were
+            raise UsageError(f"relative_compute {relative_compute:g}: {exc}") from None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

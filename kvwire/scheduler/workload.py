@@ -37,6 +37,8 @@ model's context), so that no length can make the simulation's numbers overflow."
 MAX_TIMESTAMP_MS = 1e15
 """Largest trace timestamp, in either direction: 10^15 ms (about 31,700 years, so epoch
 milliseconds fit with room to spare)."""
+#: The fields a trace record cannot do without (``hash_ids`` is optional).
+_REQUIRED_FIELDS = ("timestamp", "input_length", "output_length")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,7 +90,13 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
                         output_length=json_whole(obj["output_length"], "output_length"),
                         hash_ids=tuple(json_whole(h, "a hash id") for h in hash_ids),
                     )
-                except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+                except KeyError as exc:
+                    # Not "not a trace record ('output_length')", the KeyError's repr.
+                    raise UsageError(
+                        f"{path}:{lineno}: missing field {exc.args[0]!r} (a record needs "
+                        f"{', '.join(_REQUIRED_FIELDS)})"
+                    ) from None
+                except (TypeError, ValueError, OverflowError, RecursionError) as exc:
                     # RecursionError: JSON nested deeper than the parser follows.
                     raise UsageError(f"{path}:{lineno}: not a trace record ({exc})") from None
                 if not math.isfinite(req.arrival_s):
