@@ -1,8 +1,9 @@
 """Registry backend on a shared Redis (redis-py asyncio client).
 
 Every mutation is one Lua script (atomic on the server); so is every read (one consistent
-snapshot).  A block is complete only under the Redis server lifetime (``run_id``) that
-committed it, decided inside the scripts (see :mod:`kvwire.consistency.redis_layout`).
+snapshot).  A block is complete only under the Redis server tenure (``run_id`` and
+``master_replid``: a restart or a promotion ends it) that committed it, decided inside the
+scripts (see :mod:`kvwire.consistency.redis_layout`).
 Notifications travel on a pub/sub channel published from inside the scripts.
 Any Redis failure raises :class:`RegistryUnavailableError`: nothing is ever reported fresh
 without Redis having confirmed it. Commands are not retried, because a reply lost in transit
@@ -919,7 +920,7 @@ class RedisRegistry:
 
     async def _read(self, keys: Sequence[str]) -> list[tuple[int, bool, bool]]:
         """``(version, complete, earlier)`` of each canonical key, from one consistent
-        snapshot; ``earlier``: committed under another server lifetime (so not complete)."""
+        snapshot; ``earlier``: committed under another server tenure (so not complete)."""
         if not keys:
             return []
         return (await self._snapshot(keys, with_seq=False))[0]
@@ -929,7 +930,7 @@ class RedisRegistry:
     ) -> tuple[list[tuple[int, bool, bool]], int]:
         """:meth:`_read`, and (unless ``with_seq`` is false: 0) the highest version that can
         have been handed out, in one consistent snapshot (the READ script): the counter if
-        it moved in this server lifetime, else the larger of it and the server's clock (a
+        it moved in this server tenure, else the larger of it and the server's clock (a
         counter lost or restored from a snapshot says nothing of the versions handed out
         before; those are below the clock)."""
         reply = await self._guard(
@@ -999,7 +1000,7 @@ class RedisRegistry:
         or to none).  Writes nothing; one snapshot of the blocks and the counter.
 
         A version that cannot have been handed out raises :class:`UsageError`; after Redis
-        lost its data (restart, flush, failover) one handed out before is rejected."""
+        lost its data (restart, flush, failover, fail-back) one handed out before is rejected."""
         self._live()
         items = pairs_keys(pairs)
         if not items:

@@ -8,11 +8,11 @@ key                            type      content
 =============================  ========  ====================================================
 ``{ns}:seq``                   string    last version handed out (the next is one above
                                          it, never below the Redis clock in microseconds)
-``{ns}:seqrun``                string    the server's ``run_id`` when ``seq`` last moved
+``{ns}:seqrun``                string    the server's tenure when ``seq`` last moved
 ``{ns}:b:<canonical id>``      hash      ``v`` version, ``c`` "1" if complete else "0",
                                          ``l`` lease id holding it in flight (absent if none),
                                          ``e`` that lease's expiry (Redis TIME, microseconds),
-                                         ``r`` the server's ``run_id`` when begun/committed
+                                         ``r`` the server's tenure when begun/committed
 ``{ns}:lease:<lease id>``      string    expiry (Redis TIME, microseconds); PX set slightly
                                          past it so Redis reclaims dead leases by itself
 ``{ns}:events`` (channel)      pub/sub   ``"<version> <canonical id>"`` per commit
@@ -28,19 +28,25 @@ versions above those it issued before (unless it had issued more than one per mi
 since its epoch, far beyond any real rate). Only ``COMMIT`` and ``INVALIDATE`` give a block
 a version; ``publish`` writes nothing (it reads the blocks and ``seq`` in one ``READ`` and
 confirms blocks complete at exactly the versions given; it raises on a version that cannot
-have been issued: above ``seq`` when ``seq`` moved in this server lifetime (``seqrun``), else
+have been issued: above ``seq`` when ``seq`` moved in this server tenure (``seqrun``), else
 above the larger of ``seq`` and the clock, as a lost or restored ``seq`` says nothing of the
 versions handed out before). A script that would need a version
 past ``2**53 - 1`` (exact in a double) refuses, changing nothing. Lease liveness is decided inside the scripts
 against ``redis.call('TIME')``, one clock for every client, so client clock skew is moot.
 
-A block is complete only under the Redis server lifetime that committed it: ``BEGIN`` and
-``COMMIT`` record the server's ``run_id`` (``INFO server``; new at every start, and a
-replica's differs from its primary's) in the block, and every script and read compares it
-with the ``run_id`` of the server running it.  A data set restored from an older snapshot
-(a crash between snapshots, a failover to a replica behind its primary) brings back blocks
-as they were before later invalidations; those blocks carry an earlier ``run_id``, so they
-read as not complete (stale; ``begin`` starts them again) and their leases cannot commit.
+A block is complete only under the server tenure that committed it: ``BEGIN`` and
+``COMMIT`` record the server's tenure, ``"<run_id>/<master_replid>"`` (``run_id`` from
+``INFO server``: new at every start, and a replica's differs from its primary's;
+``master_replid`` from ``INFO replication``: new at every promotion of a replica, and a
+server that syncs from a primary takes the primary's), in the block, and every script and
+read compares it with the tenure of the server running it.  A data set restored from an
+older snapshot (a crash between snapshots, a failover to a replica behind its primary, a
+former primary that synced from the new one and is promoted again without a restart)
+brings back blocks as they were before later invalidations; those blocks carry an earlier
+tenure, so they read as not complete (stale; ``begin`` starts them again) and their leases
+cannot commit.  (Redis also gives a primary a new ``master_replid`` when a replica
+attaches to it while it has no replication backlog, the first replica or one after
+``repl-backlog-ttl`` without any: its blocks then read stale once, failing closed.)
 The comparison runs inside the server, in the same atomic script as the read or write, so a
 client that reconnected without noticing (a connection pool, a retrying client) cannot
 pair one server's answer with another's identity.
@@ -56,24 +62,36 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 """
 
-# Shared prologue: ``run``, the run_id of the server running the script (INFO server; a
-# few microseconds).  Blocks are complete only under the run_id that committed them.
+# Shared prologue: ``tenure``, the identity of the server running the script as it is now:
+# its ``run_id`` (INFO server; new at every start) and its ``master_replid`` (INFO
+# replication; new at every promotion, taken from the primary at every sync of a replica),
+# "<run_id>/<master_replid>" (a few microseconds).  Blocks are complete only under the
+# tenure that committed them.  A server without either field refuses every script.
 _RUN = """
 local run = string.match(redis.call('INFO', 'server'), 'run_id:(%x+)')
 if not run then
   return redis.error_reply('no run_id in INFO server')
 end
+local replid = string.match(redis.call('INFO', 'replication'), 'master_replid:(%x+)')
+if not replid then
+  return redis.error_reply('no master_replid in INFO replication')
+end
+local tenure = run .. '/' .. replid
 """
 
 # The versions a script hands out come from counter ``key``: ``n`` of them in a row, the first
 # one above the counter but never below the server's clock in microseconds (see the module
-# docstring). Needs ``now`` (_NOW) and ``run`` (_RUN). (Versions go into text with
+# docstring). Needs ``now`` (_NOW) and ``tenure`` (_RUN). (Versions go into text with
 # string.format('%.0f'): Lua's own number-to-text keeps 14 digits.) ``first_version(key, n)``
 # is the first of them, or nil when the last would be past MAX_VERSION (2**53 - 1, exact in a
 # double); it writes nothing. ``assign`` (COMMIT's and INVALIDATE's end) computes the
 # versions, PUBLISHes them, and only then writes (the counter set to the last one, with
 # ``SET``): a refusal (no versions left, a PUBLISH the Redis user may not run on the channel)
-# comes before any write, and the script changes nothing.
+# comes before any write, and the script changes nothing.  Before the first PUBLISH it runs
+# a write that changes nothing (``SETRANGE`` of an empty string on the counter: it creates
+# no key and modifies none): under ``maxmemory`` with ``noeviction`` Redis refuses a
+# script's first memory-using write (OOM), and later ones only once that one was refused, so
+# a full Redis refuses the script there, before any watcher heard of versions it never wrote.
 _NEXT = """
 local MAX_VERSION = 9007199254740991
 local function first_version(key, n)
@@ -87,9 +105,9 @@ local function first_version(key, n)
 end
 
 -- New versions for blocks KEYS[b..]: each PUBLISHed on ``channel`` as "<version> <canonical
--- id>" (the ids are ARGV[ids..]), then written (committed under ``run``, or not complete),
--- the block's lease ended, the counter KEYS[seq] set to the last version and KEYS[seqrun] to
--- ``run``.  Returns {0, version...}, or {-3} (nothing changed) when no versions are left.
+-- id>" (the ids are ARGV[ids..]), then written (committed under ``tenure``, or not
+-- complete), the block's lease ended, the counter KEYS[seq] set to the last version and
+-- KEYS[seqrun] to ``tenure``.  Returns {0, version...}, or {-3} (nothing changed) when no versions are left.
 local function assign(seq, seqrun, b, channel, ids, committed)
   local first = first_version(KEYS[seq], #KEYS - b + 1)
   if not first then
@@ -99,6 +117,8 @@ local function assign(seq, seqrun, b, channel, ids, committed)
   for i = b, #KEYS do
     out[#out + 1] = first + (i - b)  -- (i - b first: first + i could round past 2**53)
   end
+  -- A write that changes nothing, refused (OOM) by a Redis out of memory: before any PUBLISH.
+  redis.call('SETRANGE', KEYS[seq], 0, '')
   -- Every PUBLISH before the first write: a user the channel's ACL denies fails here, unchanged.
   for i = b, #KEYS do
     redis.call('PUBLISH', channel, string.format('%.0f ', out[i - b + 2]) .. ARGV[ids + i - b])
@@ -106,14 +126,14 @@ local function assign(seq, seqrun, b, channel, ids, committed)
   for i = b, #KEYS do
     local v = string.format('%.0f', out[i - b + 2])
     if committed then
-      redis.call('HSET', KEYS[i], 'v', v, 'c', '1', 'r', run)
+      redis.call('HSET', KEYS[i], 'v', v, 'c', '1', 'r', tenure)
     else
       redis.call('HSET', KEYS[i], 'v', v, 'c', '0')
     end
     redis.call('HDEL', KEYS[i], 'l', 'e')
   end
   redis.call('SET', KEYS[seq], string.format('%.0f', out[#out]))
-  redis.call('SET', KEYS[seqrun], run)
+  redis.call('SET', KEYS[seqrun], tenure)
   return out
 end
 """
@@ -135,7 +155,7 @@ BEGIN = (
     + """
 -- KEYS: lease, block...   ARGV: lease_id, ttl_us, lease_px
 -- returns {expiry_us, state1, version1, state2, version2, ...}; state s=started b=busy c=complete
--- A block begun or committed under another run_id (an earlier server lifetime restored from
+-- A block begun or committed under another tenure (an earlier server tenure restored from
 -- a snapshot, another server) is neither busy nor complete: it is started again.
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return redis.error_reply('lease id already in use')
@@ -146,12 +166,12 @@ local started = 0
 for i = 2, #KEYS do
   local h = redis.call('HMGET', KEYS[i], 'v', 'c', 'l', 'e', 'r')
   local v = tonumber(h[1]) or 0
-  if h[3] and tonumber(h[4]) > now and h[5] == run then
+  if h[3] and tonumber(h[4]) > now and h[5] == tenure then
     out[#out + 1] = 'b'
-  elseif h[2] == '1' and h[5] == run then
+  elseif h[2] == '1' and h[5] == tenure then
     out[#out + 1] = 'c'
   else
-    redis.call('HSET', KEYS[i], 'v', v, 'c', '0', 'l', ARGV[1], 'e', exp, 'r', run)
+    redis.call('HSET', KEYS[i], 'v', v, 'c', '0', 'l', ARGV[1], 'e', exp, 'r', tenure)
     started = started + 1
     out[#out + 1] = 's'
   end
@@ -172,7 +192,7 @@ COMMIT = (
     + """
 -- KEYS: lease, seq, seqrun, block...   ARGV: lease_id, channel, canonical id per block
 -- returns {0, version...} | {-1} lease not live | {-2, index...} blocks lost (1-based:
---   held by another lease or none, or begun under another run_id)
+--   held by another lease or none, or begun under another tenure)
 --   | {-3} no versions left below 2**53 (nothing changed, the lease stays)
 local exp = tonumber(redis.call('GET', KEYS[1]) or '0')
 if exp <= now then
@@ -183,7 +203,7 @@ end
 local lost = {-2}
 for i = 4, #KEYS do
   local h = redis.call('HMGET', KEYS[i], 'l', 'r')
-  if h[1] ~= ARGV[1] or h[2] ~= run then
+  if h[1] ~= ARGV[1] or h[2] ~= tenure then
     lost[#lost + 1] = i - 3
   end
 end
@@ -207,7 +227,7 @@ RENEW = (
     + """
 -- KEYS: lease, block...   ARGV: lease_id, ttl_us, lease_px
 -- returns the new expiry (microseconds) or -1 if the lease is not live: expired, or begun
--- under another run_id (restored from a snapshot: its blocks are neither busy nor
+-- under another tenure (restored from a snapshot: its blocks are neither busy nor
 -- committable here, so it is ended, as COMMIT would end it)
 local exp = tonumber(redis.call('GET', KEYS[1]) or '0')
 if exp <= now then
@@ -215,7 +235,7 @@ if exp <= now then
 end
 for i = 2, #KEYS do
   local h = redis.call('HMGET', KEYS[i], 'l', 'r')
-  if h[1] == ARGV[1] and h[2] ~= run then
+  if h[1] == ARGV[1] and h[2] ~= tenure then
     free(2, ARGV[1])
     redis.call('DEL', KEYS[1])
     return -1
@@ -267,14 +287,14 @@ READ = (
     + """
 -- KEYS: seq, seqrun, block...   ARGV: '1' to read the issued bound, else '0'
 -- returns {bound or 0, version1, state1, ...}: state 1 complete, 2 complete under another
--- run_id (stale: committed in an earlier server lifetime or on another server), 0 not
+-- tenure (stale: committed in an earlier server tenure or on another server), 0 not
 -- complete.  ``bound``: the highest version that can have been handed out: seq if it moved
--- in this server lifetime, else the larger of seq and the clock (seq lost or restored from
--- an earlier lifetime: the versions handed out before are below the clock).  Writes nothing.
+-- in this server tenure, else the larger of seq and the clock (seq lost or restored from
+-- an earlier tenure: the versions handed out before are below the clock).  Writes nothing.
 local out = {0}
 if ARGV[1] == '1' then
   out[1] = tonumber(redis.call('GET', KEYS[1]) or '0')
-  if redis.call('GET', KEYS[2]) ~= run then
+  if redis.call('GET', KEYS[2]) ~= tenure then
     out[1] = math.max(out[1], now)
   end
 end
@@ -283,7 +303,7 @@ for i = 3, #KEYS do
   out[#out + 1] = tonumber(h[1]) or 0
   if h[2] ~= '1' then
     out[#out + 1] = 0
-  elseif h[3] == run then
+  elseif h[3] == tenure then
     out[#out + 1] = 1
   else
     out[#out + 1] = 2
