@@ -237,7 +237,8 @@ class _Transfer:
     begin: Begin
     deadline: float | None
     timeout: float | None = None
-    queue: deque[tuple[Chunk, int, int]] = field(default_factory=deque)  # chunk, wire, kv bytes
+    # chunk, its address (made once: Chunk.address is a new object on every read), wire, kv bytes
+    queue: deque[tuple[Chunk, ChunkAddress, int, int]] = field(default_factory=deque)
     queued_bytes: int = 0
     error: KvwireError | None = None
     reconnects: int = 0  # broken streams that carried something of it (max_transfer_reconnects)
@@ -461,6 +462,12 @@ class SenderCore:
         return self._events.popleft() if self._events else None
 
     @property
+    def events(self) -> deque[SenderEvent]:
+        """The events not taken yet, oldest first: take them with ``popleft()`` (as
+        :meth:`next_event` does, one call less per event on the I/O layer's pump)."""
+        return self._events
+
+    @property
     def open_streams(self) -> list[int]:
         return [i for i, s in enumerate(self._slots) if s.open]
 
@@ -475,7 +482,11 @@ class SenderCore:
     @property
     def bytes_in_flight(self) -> int:
         """CHUNK bytes sent on open connections and not yet acknowledged."""
-        return sum(s.window - s.conn.send_credit for s in self._slots if s.open and s.conn is not None)
+        flight = 0  # (a loop, not sum() of a generator: pump() asks for every chunk)
+        for s in self._slots:
+            if s.open and s.conn is not None:
+                flight += s.window - s.conn.send_credit
+        return flight
 
     # -- transfers -----------------------------------------------------------------------
 
@@ -536,9 +547,10 @@ class SenderCore:
         if self.peer_window and size > self.peer_window:
             # Connection credit never exceeds the window: it could wait for ever.
             raise UsageError(f"chunk frame of {size} bytes exceeds the peer's window of {self.peer_window} bytes")
-        t.queue.append((chunk, size, kv_bytes))
+        address = chunk.address
+        t.queue.append((chunk, address, size, kv_bytes))
         t.queued_bytes += size
-        self._adding = chunk.address
+        self._adding = address
         try:
             self.pump()
         finally:
@@ -597,14 +609,23 @@ class SenderCore:
     # -- time ----------------------------------------------------------------------------
 
     def get_timer(self) -> float | None:
-        times: list[float | None] = []
+        """The earliest of the slots' reconnects, their connections' timers and the
+        transfers' deadlines (as ``min()`` of them, taken in that order, would say; no list
+        is made: the I/O layer asks on every pump); None if there is none."""
+        earliest: float | None = None
         for s in self._slots:
-            times.append(s.reconnect_at)
+            when = s.reconnect_at
+            if when is not None and (earliest is None or when < earliest):
+                earliest = when
             if s.conn is not None:
-                times.append(s.conn.get_timer())
-        times += [t.deadline for t in self._transfers.values()]
-        real = [x for x in times if x is not None]
-        return min(real) if real else None
+                when = s.conn.get_timer()
+                if when is not None and (earliest is None or when < earliest):
+                    earliest = when
+        for t in self._transfers.values():
+            when = t.deadline
+            if when is not None and (earliest is None or when < earliest):
+                earliest = when
+        return earliest
 
     def handle_timer(self, now: float) -> None:
         for i, s in enumerate(self._slots):
@@ -639,7 +660,7 @@ class SenderCore:
         slot = self._slots[index]
         conn = slot.conn
         while conn is not None and (ev := conn.next_event()) is not None:
-            if isinstance(ev, ChunkAcked):
+            if type(ev) is ChunkAcked:  # (every chunk's: no isinstance() call; no subclasses)
                 t = self._transfers.get(ev.address.transfer_id)
                 sent = t.state.on_ack(ev.address) if t is not None else None
                 if t is None or sent is None:
@@ -892,7 +913,7 @@ class SenderCore:
                 del t.state.unacked[s.address]
                 self._events.append(ChunkLost(address=s.address))
                 if s.chunk is not None:
-                    t.queue.appendleft((s.chunk, s.wire_size, s.kv_bytes))
+                    t.queue.appendleft((s.chunk, s.address, s.wire_size, s.kv_bytes))
                     t.queued_bytes += s.wire_size
                     self.counters["chunks_resent"] += 1
         return carried
@@ -906,9 +927,9 @@ class SenderCore:
         best: int | None = None
         credit = -1
         in_use = 0
-        active = len(self._slots) if self.active_streams is None else self.active_streams
+        active = self.active_streams  # (None: every open one)
         for i, s in enumerate(self._slots):
-            if in_use >= active:
+            if active is not None and in_use >= active:
                 break
             if not s.open:
                 continue
@@ -924,10 +945,10 @@ class SenderCore:
         bytes in flight stay within :attr:`inflight_limit`."""
         for t in list(self._transfers.values()):
             while t.error is None and t.state.accepted and t.queue:
-                chunk, size, kv_bytes = t.queue[0]
+                chunk, address, size, kv_bytes = t.queue[0]
                 if chunk.layer >= t.state.layer_limit:
                     break
-                if chunk.address in t.state.unacked:
+                if address in t.state.unacked:
                     t.queue.popleft()  # already on a stream (a re-send raced its ack)
                     t.queued_bytes -= size
                     continue
@@ -945,11 +966,19 @@ class SenderCore:
                 conn.send_chunk(chunk, size)
                 t.queue.popleft()
                 t.queued_bytes -= size
-                t.state.on_sent(SentChunk(address=chunk.address, stream=best, wire_size=size,
+                t.state.on_sent(SentChunk(address=address, stream=best, wire_size=size,
                                           kv_bytes=kv_bytes, chunk=chunk))
-                self._events.append(ChunkSent(address=chunk.address, stream=best, wire_size=size,
-                                              kv_bytes=kv_bytes, queued=self.queued_bytes() > 0,
-                                              waited=chunk.address != self._adding))
+                self._events.append(ChunkSent(address=address, stream=best, wire_size=size,
+                                              kv_bytes=kv_bytes, queued=t.queued_bytes > 0 or self._anything_queued(),
+                                              waited=address != self._adding))
+
+    def _anything_queued(self) -> bool:
+        """Whether any transfer has bytes added and not yet on a stream
+        (``queued_bytes() > 0``, without summing them all)."""
+        for t in self._transfers.values():  # noqa: SIM110 (any() of a generator: calls per chunk)
+            if t.queued_bytes:
+                return True
+        return False
 
     def _check_done(self, t: _Transfer) -> None:
         if t.error is None and not t.done and t.state.complete and not t.queue:
