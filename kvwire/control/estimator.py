@@ -194,7 +194,8 @@ class DeliveryRateEstimator:
         """
         if nbytes <= 0:
             raise ValueError("nbytes must be positive")
-        check_now(now)
+        if not math.isfinite(now):  # (check_now's test, one call less per chunk)
+            raise now_error(now)
         if chunk_key in self._sent:
             raise ValueError(f"chunk {chunk_key!r} is already in flight")
         if self._bytes_in_flight == 0:
@@ -221,7 +222,8 @@ class DeliveryRateEstimator:
             first_sent_total=self._first_sent_total,
             held=self._held_until != 0,
         )
-        self._last_now = max(self._last_now, now)
+        if now > self._last_now:
+            self._last_now = now
 
     def on_ack(self, chunk_key: Hashable, now: float) -> RateSample | None:
         """Record a chunk acknowledged by the peer; returns the sample it produced.
@@ -232,11 +234,13 @@ class DeliveryRateEstimator:
         nothing, and taken as a sample it made an 8.4 Tbit/s estimate and a minimum RTT
         of 0.
         """
-        check_now(now)
+        if not math.isfinite(now):  # (check_now's test, one call less per chunk)
+            raise now_error(now)
         chunk = self._sent.pop(chunk_key, None)
         if chunk is None:
             return None
-        self._last_now = max(self._last_now, now)
+        if now > self._last_now:
+            self._last_now = now
         self._bytes_in_flight -= chunk.nbytes
         self._delivered += chunk.nbytes
         self._delivered_time = now
@@ -398,9 +402,10 @@ class DeliveryRateEstimator:
 
     def _update_max_filter(self, sample: RateSample) -> None:
         rate = sample.rate_bps
-        current = self.max_filter_bps
-        if sample.app_limited and current is not None and rate < current:
-            return
+        if sample.app_limited:
+            current = self.max_filter_bps
+            if current is not None and rate < current:
+                return
         maxes = self._max_bw
         while maxes and maxes[-1][1] <= rate:
             maxes.pop()
@@ -432,13 +437,13 @@ class DeliveryRateEstimator:
             extras.pop()
         extras.append((self._round_count, extra))
         oldest = self._round_count - self._window_rounds + 1
-        while len(extras) > 1 and extras[0][0] < oldest:
+        while extras[0][0] < oldest and len(extras) > 1:
             extras.popleft()
 
     def _expire_max_filter(self) -> None:
         oldest = self._round_count - self._window_rounds + 1
         maxes = self._max_bw
-        while len(maxes) > 1 and maxes[0][0] < oldest:
+        while maxes[0][0] < oldest and len(maxes) > 1:  # (never empty here: one was just added)
             maxes.popleft()
 
     def _expire_goodput(self, now: float) -> None:
@@ -452,7 +457,7 @@ class DeliveryRateEstimator:
         # the hold, or a window after the hold's last ack (the sender went idle).
         held = self._held_acked_at
         keep = 1 if held is not None and now - held < self._goodput_window else 0
-        while len(samples) > keep and samples[0][0] <= horizon:
+        while samples and samples[0][0] <= horizon and len(samples) > keep:
             _, nbytes, interval = samples.popleft()
             self._goodput_bytes -= nbytes
             self._goodput_interval -= interval
@@ -608,6 +613,12 @@ class DeliveryRateEstimator:
 
 def check_now(now: float) -> None:
     """``ValueError`` unless ``now`` is a finite number: every controller of this package
-    checks the time it is given with this before anything changes."""
+    checks the time it is given with this before anything changes (those called for every
+    chunk test ``math.isfinite`` themselves and raise :func:`now_error`)."""
     if not math.isfinite(now):
-        raise ValueError(f"now must be a finite number, got {now!r}")
+        raise now_error(now)
+
+
+def now_error(now: float) -> ValueError:
+    """What :func:`check_now` raises for ``now``."""
+    return ValueError(f"now must be a finite number, got {now!r}")

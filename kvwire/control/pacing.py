@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvwire.control.estimator import DeliveryRateEstimator, check_now
+from kvwire.control.estimator import DeliveryRateEstimator, check_now, now_error
 
 __all__ = ["PROBE_CYCLE", "PROBE_RTT_AFTER", "InflightController", "InflightTarget", "Pacer"]
 
@@ -184,6 +184,9 @@ class InflightController:
         self._limited = False
         self._floor_bytes = self._stream_floor()  # floor_bytes, kept: every update() needs it
         self._floor = self._floor_bytes  # until there is an estimate (see floor_for)
+        # floor_for of the last estimate, and what it was of (bandwidth, min RTT, floor_bytes)
+        self._path_floor_bytes = 0
+        self._path_floor_of: tuple[float, float, int] | None = None
         self._target = self._clamp(initial_bytes)
         self._probe_rtt_until: float | None = None  # while draining to refresh the min RTT
         self._probe_rtt_ended = -math.inf
@@ -248,7 +251,8 @@ class InflightController:
         here, and NaN was taken in). A ``now`` before the last one (a clock that stepped
         back) moves the times kept back by as much: a phase or a drain lasts as long as
         it would have (a 5 s step held them 5 s longer)."""
-        check_now(now)
+        if not math.isfinite(now):  # (check_now's test, one call less per chunk)
+            raise now_error(now)
         last, self._last_now = self._last_now, now
         if last is not None and now < last:
             self._rebase(last - now)
@@ -267,9 +271,15 @@ class InflightController:
             self._phase = (self._phase + steps) % len(self._cycle)
             self._phase_start += steps * phase_len
             self._limited = False
-        if not math.isfinite(bandwidth + min_rtt):  # (finite values have a finite sum, or both are huge)
-            _check_finite(bandwidth_bps=bandwidth, min_rtt=min_rtt)  # floor_for's refusal
-        self._floor = self._path_floor(bandwidth, min_rtt)
+        # The floor again only when what it is of changed: the max filter and the minimum
+        # RTT hold through many acks. (Values refused are never kept, so a NaN never
+        # matches: it is refused every time.)
+        if (bandwidth, min_rtt, self._floor_bytes) != self._path_floor_of:
+            if not math.isfinite(bandwidth + min_rtt):  # (finite values have a finite sum, or both are huge)
+                _check_finite(bandwidth_bps=bandwidth, min_rtt=min_rtt)  # floor_for's refusal
+            self._path_floor_bytes = self._path_floor(bandwidth, min_rtt)
+            self._path_floor_of = (bandwidth, min_rtt, self._floor_bytes)
+        self._floor = self._path_floor_bytes
         if self._probing_rtt(estimator, bandwidth, min_rtt, now):
             # Half a BDP in flight (BBR v2's ProbeRTT), or one chunk where that is more:
             # the queue drains, and the RTT of what is sent then is the path's. Half the
