@@ -140,6 +140,7 @@ async def host_chunks(
     last: threading.Event | None = None  # set when the latest submitted encode has ended
     stop = threading.Event()  # set once nobody takes the encodes not yet started
     submitted = 0
+    total = len(items)
 
     def submit() -> None:
         nonlocal last, submitted
@@ -155,7 +156,7 @@ async def host_chunks(
 
     try:
         for kind, _arr, s, c in items:
-            while submitted < len(items) and (not pending or len(pending) < ahead):
+            while submitted < total and (not pending or len(pending) < ahead):
                 submit()
             codec, x, enc, _ended = pending.popleft()
             if isinstance(enc, asyncio.Future):
@@ -168,7 +169,7 @@ async def host_chunks(
                         raise
                     codec = get_codec("raw")
                     enc = encode_host(codec, x, kind)
-            if ahead and submitted < len(items):
+            if ahead and submitted < total:
                 submit()  # the next encode is queued before this chunk is handed on
             yield kind, s, c, codec, enc
     finally:

@@ -405,10 +405,11 @@ async def _send_layer(
     target = core.chunk_target(peer.options.chunk_bytes)
     host = not is_device_array(k)
     chooser = peer.chooser
+    fixed = None if codec_name == AUTO else get_codec(codec_name)  # (send() checked the name)
 
     def pick() -> Any:
-        if codec_name != AUTO:
-            return get_codec(codec_name)
+        if fixed is not None:
+            return fixed
         assert chooser is not None
         left = None if deadline is None else deadline - (clock() - started)
         remaining = (spec.num_layers - index) * 2 * tokens * bpt
@@ -450,14 +451,21 @@ async def _send_layer(
     # a chunk sent raw in place of it is told to the chooser by its address (its wire
     # time is taken out of the run of measured goodput at its acknowledgement).
     picks: deque[Any] = deque()
+    # ``auto`` sends raw a chunk whose values its choice refuses (NaN, infinity, or an int4
+    # group's range past float32); a codec the caller named refuses them as the codec does
+    fallback = codec_name == AUTO
 
     def next_codec() -> Any:
-        picks.append(first.pop() if first else pick())
-        return picks[-1]
+        codec = first.pop() if first else pick()
+        if fallback:  # (only a chunk that may fall back to raw needs its pick kept)
+            picks.append(codec)
+        return codec
 
     def pick_part() -> Any:
-        picks.append(pick())
-        return picks[-1]
+        codec = pick()
+        if fallback:
+            picks.append(codec)
+        return codec
 
     # Raw chunks of host arrays (``auto``'s included) are views of the caller's memory,
     # free to hold: up to AHEAD_CHUNKS of them wait in the core's queue, so the task wakes
@@ -476,9 +484,6 @@ async def _send_layer(
         if index == 0 and kind is TensorKind.K and (host or raw_based(codec_name)):
             chunks = plan_chunks(tokens, bpt, target, lead_bytes=LEAD_CHUNK_BYTES)
         parts.append((kind, arr, chunks))
-    # ``auto`` sends raw a chunk whose values its choice refuses (NaN, infinity, or an int4
-    # group's range past float32); a codec the caller named refuses them as the codec does
-    fallback = codec_name == AUTO
     source = (host_chunks(parts, next_codec, chooser, raw_fallback=fallback) if host
               else device_parts(parts, pick_part, spec.dtype, chooser, raw_fallback=fallback))
     chosen_for = None
@@ -486,7 +491,7 @@ async def _send_layer(
         async for kind, start, count, codec, enc in source:
             if st.error is not None:
                 raise st.error
-            if host or start == 0:  # (a device part's chunks share its pick)
+            if fallback and (host or start == 0):  # (a device part's chunks share its pick)
                 chosen_for = picks.popleft()
             if before_final is not None and kind == TensorKind.V and start + count == tokens:
                 await before_final()
