@@ -76,3 +76,15 @@ def test_every_error_class_of_kvwire_errors_is_exported_and_named_in_the_readme(
     for name in classes:
         assert name in kvwire.__all__ and getattr(kvwire, name) is getattr(kvwire.errors, name), name
     assert classes <= listed, classes - listed
+
+
+def test_readme_says_what_crc_implementation_returns() -> None:
+    """``kvwire.wire.crc.implementation()`` is words (``compiled <loop>`` or ``crc32c
+    package``), the loop alone being what ``kvwire.extensions()["crc32c"]`` gives."""
+    from kvwire.wire import crc
+
+    loop = kvwire.extensions()["crc32c"]
+    assert crc.implementation() == ("crc32c package" if loop is None else f"compiled {loop}")
+    text = " ".join(README.read_text().split())
+    assert "`kvwire.wire.crc.implementation()` says which, in words: `'compiled avx512-vpclmulqdq'`" in text
+    assert "`'crc32c package'`" in text
