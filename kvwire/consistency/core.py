@@ -423,8 +423,10 @@ def explain_stale(
     block: object, version: int, current: int, complete: bool, *, earlier_server: bool = False
 ) -> StaleVersionError:
     """A :class:`StaleVersionError` saying why ``block`` at ``version`` is not fresh;
-    ``earlier_server``: the block was committed under another Redis server lifetime (the
-    server restarted or failed over since), so it is not complete there."""
+    ``earlier_server``: the block was committed under an earlier tenure of the Redis server
+    (``<run_id>/<master_replid>``: the server restarted or failed over since, or began a new
+    replication history, as when a replica attaches to a primary holding no replication
+    backlog), so it is not complete there."""
     if current == 0:
         why = "never committed (unknown to the registry, or begun and not committed)"
     elif version < current:
@@ -432,7 +434,10 @@ def explain_stale(
     elif version > current:
         why = f"never issued (the registry holds version {current})"
     elif earlier_server:
-        why = "committed before the Redis server restarted or failed over (recompute it)"
+        why = (
+            "committed under an earlier tenure of the Redis server (it restarted or failed over,"
+            " or began a new replication history); recompute it"
+        )
     elif not complete:
         why = "invalidated or not yet committed"
     else:

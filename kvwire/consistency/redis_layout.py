@@ -44,9 +44,13 @@ older snapshot (a crash between snapshots, a failover to a replica behind its pr
 former primary that synced from the new one and is promoted again without a restart)
 brings back blocks as they were before later invalidations; those blocks carry an earlier
 tenure, so they read as not complete (stale; ``begin`` starts them again) and their leases
-cannot commit.  (Redis also gives a primary a new ``master_replid`` when a replica
-attaches to it while it has no replication backlog, the first replica or one after
-``repl-backlog-ttl`` without any: its blocks then read stale once, failing closed.)
+cannot commit.  (Redis also gives a primary a new ``master_replid`` each time it starts
+or drops its replication backlog: when a replica attaches while it holds none, and when it
+drops it after ``repl-backlog-ttl`` with no replica attached; its blocks then read stale
+once, failing closed.  ``repl-backlog-ttl 0`` on primaries leaves only the first attach
+after each start.)  The tenure cannot see a rolled-back promotion (a promoted replica made
+its old primary's replica again, that primary never having changed role): the writes the
+promoted replica acknowledged are lost, and the primary's tenure did not change.
 The comparison runs inside the server, in the same atomic script as the read or write, so a
 client that reconnected without noticing (a connection pool, a retrying client) cannot
 pair one server's answer with another's identity.
@@ -64,7 +68,8 @@ local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 
 # Shared prologue: ``tenure``, the identity of the server running the script as it is now:
 # its ``run_id`` (INFO server; new at every start) and its ``master_replid`` (INFO
-# replication; new at every promotion, taken from the primary at every sync of a replica),
+# replication; new at every promotion, taken from the primary at every sync of a replica,
+# new on a primary that starts or drops its replication backlog),
 # "<run_id>/<master_replid>" (a few microseconds).  Blocks are complete only under the
 # tenure that committed them.  A server without either field refuses every script.
 _RUN = """
