@@ -471,8 +471,7 @@ class Connection:
         """What to write, payloads not copied, a large CHUNK payload and its trailer as one
         :class:`CheckedPayload` whose CRC is computed as it is written (``pieces()``)."""
         out, self._out = self._out, []
-        for part in out:
-            self.bytes_sent += len(part)
+        self.bytes_sent += sum(map(len, out))
         return out
 
     def get_timer(self) -> float | None:
@@ -572,7 +571,7 @@ class Connection:
         self.send_credit -= wire_size
         self._in_flight.setdefault(chunk.address, []).append(wire_size)
         # A large payload is checksummed as it is written (CheckedPayload), not here.
-        self._out.extend(p for p in encode_chunk_checked_as_written(chunk) if len(p))
+        self._out.extend(filter(len, encode_chunk_checked_as_written(chunk)))  # (empty parts dropped)
 
     def in_flight_chunks(self) -> list[ChunkAddress]:
         """Client: chunks sent on this connection and not yet acknowledged."""
@@ -614,12 +613,12 @@ class Connection:
         """Acknowledge a chunk received on this connection (verified and stored)."""
         if not self._require_open(Role.SERVER):
             return
-        sizes = self._received.get(address)
+        sizes = self._received.pop(address, None)
         if not sizes:
             raise UsageError("send_ack() for a chunk not received on this connection")
         self.recv_unacked -= sizes.pop(0)
-        if not sizes:
-            del self._received[address]
+        if sizes:  # (copies of it received on this connection and not acknowledged yet)
+            self._received[address] = sizes
         self._queue(
             Ack(
                 transfer_id=address.transfer_id, layer=address.layer, kind=address.kind,
@@ -650,7 +649,8 @@ class Connection:
         return True
 
     def _queue(self, frame: Frame) -> None:
-        self._out.extend(p for p in encode_frame(frame) if len(p))
+        # A control frame is small: its header, body and CRC are written as one part.
+        self._out.append(b"".join(encode_frame(frame)))
 
     def _queue_signed(self, frame: Frame) -> bytes:
         parts = encode_frame(frame)

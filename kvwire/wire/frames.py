@@ -446,7 +446,9 @@ def _buffers(part: Buffer | ByteRanges) -> list[memoryview]:
 def _head(ftype: FrameType, body_parts: Sequence[Buffer], more: int = 0, flags: int = 0) -> tuple[bytes, int]:
     """The header of a frame whose body is ``body_parts`` and ``more`` bytes after them,
     and the CRC32C of header and parts."""
-    length = sum(memoryview(p).nbytes for p in body_parts) + more  # bytes, whatever the item size
+    length = more
+    for part in body_parts:
+        length += memoryview(part).nbytes  # bytes, whatever the item size
     header = HEADER.pack(ftype, flags, 0, length)
     crc = crc32c(header)
     for part in body_parts:
@@ -619,7 +621,10 @@ class CheckedPayload:
 
 def plain_parts(parts: list[Buffer | CheckedPayload]) -> list[Buffer]:
     """``parts`` with each :class:`CheckedPayload` as its payload and trailer."""
-    if not any(isinstance(p, CheckedPayload) for p in parts):
+    for p in parts:
+        if isinstance(p, CheckedPayload):
+            break
+    else:
         return parts  # type: ignore[return-value]  # no CheckedPayload in it
     return [q for p in parts for q in (p.parts() if isinstance(p, CheckedPayload) else (p,))]
 
@@ -969,7 +974,8 @@ class FrameDecoder:
         are returned, and the error waits for :meth:`raise_pending` (the frames before
         the failing one are processed, docs/protocol.md 3.4).  No frame after it is
         decoded: every later call raises the error."""
-        self.raise_pending()
+        if self._error is not None:
+            raise self._error
         out: list[tuple[Frame, int]] = []
         try:
             self._feed(data, out)
@@ -1002,7 +1008,10 @@ class FrameDecoder:
                     # Nothing buffered: a big frame can start straight from this view.
                     ftype, length = self._check_header(view)
                     need = HEADER_SIZE + length + CRC_SIZE
-                    if length + CRC_SIZE > self._big_body and len(view) < need and not self._defer(ftype, out):
+                    if length + CRC_SIZE > self._big_body and len(view) < need:
+                        if self._defer(ftype, out):
+                            self._buf += view  # (it waits there, its header checked: see _defer)
+                            return
                         self._big = _BigFrame(bytes(view[:HEADER_SIZE]), ftype, length)
                         view = view[HEADER_SIZE:]
                         continue
@@ -1095,7 +1104,9 @@ class FrameDecoder:
             dest = big.dest
             assert dest is not None
             take = min(big.size - big.filled, len(view))
-            if isinstance(dest, tuple):
+            if not take:
+                pass  # (nothing of the payload in view: the read that started it ended with its head)
+            elif isinstance(dest, tuple):
                 self._fill_segments(big, take, view)
             else:
                 dest[big.filled : big.filled + take] = view[:take]
@@ -1125,7 +1136,7 @@ class FrameDecoder:
         big.dest = dest if dest is not None else memoryview(bytearray(size))
         big.size = size
         big.seg = big.seg_off = 0
-        big.running = crc32c(big.pre, crc32c(big.header))
+        big.running = crc32c(big.header + big.pre)
         big.stage = _BigFrame.DEST if size else _BigFrame.CRC
 
     def _finish_big(self, big: _BigFrame) -> Frame:

@@ -164,9 +164,11 @@ class IncomingTransfer:
                     raise ProtocolError("chunk token ranges overlap")
         return verdict
 
-    def add(self, chunk: Chunk) -> ChunkVerdict:
-        """Record ``chunk`` (call :meth:`check` first)."""
-        verdict = self.classify(chunk)
+    def add(self, chunk: Chunk, verdict: ChunkVerdict | None = None) -> ChunkVerdict:
+        """Record ``chunk`` (call :meth:`check` first).  ``verdict``: what :meth:`classify`
+        said of it, nothing having been added since (else it is classified here)."""
+        if verdict is None:
+            verdict = self.classify(chunk)
         if verdict is ChunkVerdict.DUPLICATE:
             self.duplicates += 1
         else:
@@ -192,8 +194,8 @@ class IncomingTransfer:
         lt = self.layer_tokens
         if lt is None:
             return False
-        k, v, kv = (self._covered(layer, kind) for kind in (KIND_K, KIND_V, KIND_KV))
-        if k + kv == lt and v + kv == lt:
+        kv = self._covered(layer, KIND_KV)
+        if self._covered(layer, KIND_K) + kv == lt and self._covered(layer, KIND_V) + kv == lt:
             self._complete.add(layer)
             for kind in (KIND_K, KIND_V, KIND_KV):  # a complete layer needs no ranges
                 cov = self._cov.pop((layer, kind), None)
