@@ -301,7 +301,7 @@ def check_chunk_size(chunk: Chunk, spec: KVSpec, *, max_chunk_bytes: int, max_la
         raise LimitExceededError(
             f"a layer of {2 * chunk.layer_tokens * bytes_per_token} bytes exceeds this server's max_layer_bytes"
         )
-    if chunk.kind == KIND_KV:  # raw, nothing to decompress
+    if chunk.kind == KIND_KV or chunk.codec_id == 0:  # raw (codec 0), nothing to decompress
         return
     try:
         inner = decompressed_size(codec_by_id(chunk.codec_id), chunk.params,
@@ -636,10 +636,11 @@ class _Incoming:
     estimate: int = 0  # budget bytes reserved for its first layer until it arrives (see _admit)
     counted: bool = False  # among ReceiverCore.held_transfers (see ReceiverCore._recount)
     calling: bool = False  # a registry call of it (RegistryCheck, RegistryPublish) is unanswered
+    bpt: int = field(default=0, init=False)
+    """Bytes of one token of K (or of V), fixed by BEGIN: worked out once, not per chunk."""
 
-    @property
-    def bpt(self) -> int:
-        return self.begin.num_kv_heads * self.begin.head_dim * self.spec.itemsize
+    def __post_init__(self) -> None:
+        self.bpt = self.begin.num_kv_heads * self.begin.head_dim * self.spec.itemsize
 
     @property
     def complete(self) -> bool:
@@ -699,6 +700,7 @@ class ReceiverCore:
         nonce_source: Callable[[int], bytes] = secrets.token_bytes, store: LayerStore | None = None,
     ) -> None:
         self.config = config
+        self._codecs_accepted: set[int] = set()  # ids of config.codecs met so far (looked up once)
         self._store = store if store is not None else ByteStore(allocate, decode)
         self._nonce = nonce_source
         self._conns: dict[int, Connection] = {}
@@ -1232,6 +1234,10 @@ class ReceiverCore:
             when, _, name = self._timers[0]
             if self._timer_valid(name, when):
                 return when
+            if self._timers and self._timers[0][2] is name:
+                # The entry _timer_valid put in place of a stale one, at the deadline's current
+                # value (an entry's name is in no other entry: _note makes a new one).
+                return self._timers[0][0]
         return None
 
     def handle_timer(self, now: float) -> None:
@@ -1317,12 +1323,19 @@ class ReceiverCore:
         """Whether the heap's top entry ``(when, name)`` is due as it says; if not, it is
         dropped (and its deadline's current value pushed)."""
         current = self._timer_value(name)
-        if self._timer_at.get(name) == when and current == when:
+        hinted = self._timer_at.get(name) == when  # (the entry is its deadline's hint)
+        if hinted and current == when:
             return True
+        if hinted and current is not None:
+            # Its deadline moved: the entry is replaced by one at its current value (what
+            # _note would push once it was dropped), the heap no larger.
+            self._timer_at[name] = current
+            self._timer_seq += 1
+            heapq.heapreplace(self._timers, (current, self._timer_seq, name))
+            return False
         heapq.heappop(self._timers)
-        if self._timer_at.get(name) == when:
+        if hinted:
             del self._timer_at[name]
-            self._note(*name)
         return False
 
     # -- internals -----------------------------------------------------------------------
@@ -2107,7 +2120,7 @@ class ReceiverCore:
         t = sess.transfers.get(addr.transfer_id)
         if t is not None and t.error is None:
             try:
-                new = self._store_chunk(cid, t, chunk, ev.wire_size)
+                new = self._store_chunk(cid, t, chunk, ev.wire_size, addr)
             except KvwireError as exc:
                 self._fail(t, detached(exc), reset=False)
             else:
@@ -2120,7 +2133,7 @@ class ReceiverCore:
                         ))
                         t.calling = True
                     return
-        if self._repeat_reset(sess, cid, conn, addr.transfer_id):
+        if sess.tombstones and self._repeat_reset(sess, cid, conn, addr.transfer_id):
             pass
         elif t is None and addr.transfer_id not in sess.completed:
             # Never begun (or long forgotten): the data was not stored, so say so first.
@@ -2137,9 +2150,11 @@ class ReceiverCore:
         t.state.check(chunk)
         check_chunk_size(chunk, t.spec, max_chunk_bytes=self.config.max_chunk_bytes,
                          max_layer_bytes=self.config.max_layer_bytes)
-        name = codec_by_id(chunk.codec_id).name
-        if name not in self.config.codecs:
-            raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {name!r} is not accepted here")
+        if chunk.codec_id not in self._codecs_accepted:
+            name = codec_by_id(chunk.codec_id).name
+            if name not in self.config.codecs:
+                raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {name!r} is not accepted here")
+            self._codecs_accepted.add(chunk.codec_id)
         layer_bytes = 2 * chunk.layer_tokens * t.bpt
         if first:  # as many layers as transfer_buffer_bytes holds (and the whole budget), at least one
             # (granted once the chunk is stored, within the room left: see _offer)
@@ -2147,7 +2162,9 @@ class ReceiverCore:
             t.window = max(1, room // max(1, self._store.footprint(layer_bytes)))
         return layer_bytes
 
-    def _store_chunk(self, cid: int, t: _Incoming, chunk: Chunk, wire_size: int = 0) -> bool:
+    def _store_chunk(
+        self, cid: int, t: _Incoming, chunk: Chunk, wire_size: int = 0, address: ChunkAddress | None = None,
+    ) -> bool:
         """Verify and store a chunk; True when it was new.  Raises KvwireError to reset.
 
         A chunk counts as received only once its bytes are in place: a failure to allocate
@@ -2155,13 +2172,18 @@ class ReceiverCore:
         duplicate) and becomes a typed error, whatever raised it.
         """
         layer_bytes = self._check_chunk(t, chunk)
-        res = t.inplace.get(chunk.address)
+        if address is None:
+            address = chunk.address
+        res = t.inplace.pop(address, None)
         inplace = False
-        if res is not None and res.cid == cid:
-            del t.inplace[chunk.address]
-            inplace = chunk.payload is res.view
-        if t.state.classify(chunk) is ChunkVerdict.DUPLICATE:
-            t.state.add(chunk)
+        if res is not None:
+            if res.cid == cid:
+                inplace = chunk.payload is res.view
+            else:
+                t.inplace[address] = res  # (another connection's: it stays)
+        verdict = t.state.classify(chunk)
+        if verdict is ChunkVerdict.DUPLICATE:
+            t.state.add(chunk, verdict)
             return False
         try:
             buf = self._layer_buffer(t, chunk, layer_bytes)
@@ -2184,7 +2206,7 @@ class ReceiverCore:
             raise ProtocolError(
                 f"chunk of layer {chunk.layer} could not be decoded ({type(exc).__name__})"
             ) from exc
-        t.state.add(chunk)
+        t.state.add(chunk, verdict)  # (classified above: its bytes are in place now)
         t.wire_bytes += wire_size
         complete = t.state.layer_complete(chunk.layer)
         if not t.sized:
@@ -2276,10 +2298,10 @@ class ReceiverCore:
         offset, nbytes = chunk_span(head, t.bpt, layer_bytes)
         if (
             head.codec_id != 0 or head.params or st.layer_tokens is None or head.layer_tokens != st.layer_tokens
-            or head.layer >= min(st.layer_limit, st.num_layers) or head.token_count == 0
+            or head.layer >= st.layer_limit or head.layer >= st.num_layers or head.token_count == 0
             or end > head.layer_tokens or nbytes != size
             or st.overlaps_received(head.layer, head.kind, head.token_start, head.token_count)
-            or any(r.overlaps(head.layer, head.kind, head.token_start, end) for r in t.inplace.values())
+            or (t.inplace and any(r.overlaps(head.layer, head.kind, head.token_start, end) for r in t.inplace.values()))
         ):
             return None
         try:
