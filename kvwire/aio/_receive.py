@@ -22,7 +22,7 @@ from kvwire.codec import TensorKind, codec_by_id, numpy_dtype
 from kvwire.errors import KvwireError, ProtocolError, UsageError
 from kvwire.session.receiver import Key, LayerStore, Region
 from kvwire.spec import KVSpec
-from kvwire.wire import KIND_KV, Chunk
+from kvwire.wire import KIND_K, KIND_KV, KIND_V, Chunk
 
 INTO = object()
 """The buffer of a layer received into the caller's memory (``Server.expect(into=...)``)."""
@@ -42,6 +42,10 @@ class _Target:
     def row_bytes(self) -> int:
         """Bytes of one token of K (or of V): a row of ``[heads, head_dim]``."""
         return self.spec.num_kv_heads * self.spec.head_dim * int(self.dtype.itemsize)
+
+
+#: The tensors a chunk of each kind holds (a KV chunk: K's range, then V's).
+_KINDS = {KIND_K: (TensorKind.K,), KIND_V: (TensorKind.V,), KIND_KV: (TensorKind.K, TensorKind.V)}
 
 
 class ArrayStore(LayerStore):
@@ -189,7 +193,7 @@ class ArrayStore(LayerStore):
         tg = self._targets.get(key)
         if tg is None or self.gpu is not None:
             return None
-        kinds = (TensorKind.K, TensorKind.V) if head.kind == KIND_KV else (TensorKind(head.kind),)
+        kinds = _KINDS[head.kind]
         if buffer is INTO:
             places = self._into_places(tg, head, kinds)
         elif head.kind == KIND_KV and head.token_start == 0 and head.token_count == head.layer_tokens:
@@ -197,7 +201,14 @@ class ArrayStore(LayerStore):
         else:  # K's range, then V's for a KV chunk of part of the layer
             end = head.token_start + head.token_count
             places = [_bytes(buffer[kind][head.token_start : end]) for kind in kinds]
-        if places is None or any(p is None for p in places) or sum(p.nbytes for p in places) != nbytes:
+        if places is None:
+            return None
+        total = 0
+        for p in places:
+            if p is None:
+                return None
+            total += p.nbytes
+        if total != nbytes:
             return None
         return places[0] if len(places) == 1 else tuple(places)
 

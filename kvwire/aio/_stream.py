@@ -141,8 +141,18 @@ class Stream(asyncio.BufferedProtocol):
         self.peer: Any = None  # the remote address
         self.reading_paused = False
         self.made = False
+        # An owner that never replaces streams (Pump's is_current) need not be asked per read.
+        self._always_current = getattr(type(owner), "is_current", None) is Pump.is_current
         self.closed = asyncio.Event()
         self._scratch = bytearray(0)
+        self._asked = 0  # the size of the buffer the last get_buffer() handed out
+        # The owner's clock, for every read: Pump's (the running loop's) is its loop's own
+        # once the connection is made, that loop not looked up on every read.
+        self._clock: Callable[[], float] = owner.now
+        # The core's connection for this stream once it is made, where the owner's core never
+        # gives a stream's key another connection (``fixed_connections``: a server's): reads
+        # then go to it straight, not looked up in the core each time.  None: through the core.
+        self._fixed: Any = None
         # The plain TCP socket whose SO_RCVLOWAT follows the payload being read (None: TLS,
         # not a socket, or not supported), and the value it has now.
         self._lowat_sock: Any = None
@@ -177,7 +187,7 @@ class Stream(asyncio.BufferedProtocol):
         return self.owner.core.connection(self.key)
 
     def _current(self) -> bool:
-        return self.made and not self._draining and self.owner.is_current(self)
+        return self.made and not self._draining and (self._always_current or self.owner.is_current(self))
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -191,6 +201,10 @@ class Stream(asyncio.BufferedProtocol):
         if not self.made:
             transport.abort()  # type: ignore[attr-defined]
             return
+        if getattr(type(self.owner), "now", None) is Pump.now:
+            self._clock = asyncio.get_running_loop().time
+        if getattr(self.owner, "fixed_connections", False):
+            self._fixed = self.owner.core.connection(self.key)
         if plain:
             self._open_own(sock)
         elif sock is not None:
@@ -246,7 +260,10 @@ class Stream(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._current():
-            return self.owner.core.get_buffer(self.key)
+            fixed = self._fixed
+            buf = fixed.get_buffer() if fixed is not None else self.owner.core.get_buffer(self.key)
+            self._asked = buf.nbytes
+            return buf
         if not self._scratch:
             self._scratch = bytearray(65536)  # a replaced connection's last bytes are dropped
         return memoryview(self._scratch)
@@ -255,37 +272,47 @@ class Stream(asyncio.BufferedProtocol):
         if not self._current():
             return
         core = self.owner.core
-        conn = core.connection(self.key)
-        if core.buffer_updated(self.key, nbytes, self.owner.now()):
+        conn = self._fixed if self._fixed is not None else core.connection(self.key)
+        if core.buffer_updated(self.key, nbytes, self._clock()):
             ev = getattr(conn, "closed_event", None)
             if ev is not None and ev.goaway and ev.by_peer:
                 self._said_goaway = True
             self.owner.pump()
-        if self._own is not None:
-            self._scatter_read(core)
+        if self._own is None and self._lowat_sock is None:
+            return
+        fixed = self._fixed
+        remaining = fixed.payload_remaining if fixed is not None else core.payload_remaining(self.key)
+        # A scatter read only goes on with a payload being read into its places (remaining),
+        # and not after a read that did not fill its buffer: that took all the kernel had.
+        if self._own is not None and remaining and nbytes >= self._asked and self._scatter_read(core):
+            remaining = fixed.payload_remaining if fixed is not None else core.payload_remaining(self.key)
         if self._lowat_sock is not None:
-            self.lowat(core.payload_remaining(self.key))
+            self.lowat(remaining)
 
-    def _scatter_read(self, core: Core) -> None:
+    def _scatter_read(self, core: Core) -> bool:
         """Read what has arrived of a payload that goes to several places (the blocks of a
         paged cache) with one ``recvmsg_into`` per batch of places, instead of a read per
         place through the transport.  Reads until the kernel has no more (the transport's
-        next read wakes the stream as ever) or the payload is in."""
+        next read wakes the stream as ever) or the payload is in.  True if it read any."""
+        read = False
         while (own := self._own) is not None and not self.reading_paused and self._current():
-            bufs = core.scatter_buffers(self.key)
+            fixed = self._fixed
+            bufs = fixed.scatter_buffers() if fixed is not None else core.scatter_buffers(self.key)
             if not bufs:
-                return
+                return read
             try:
                 n = own.recvmsg_into(bufs, 0, socket.MSG_DONTWAIT)[0]
             except (BlockingIOError, InterruptedError):
-                return
+                return read
             except OSError:
                 self.abort()  # the connection is broken: its loss reaches the core from the transport
-                return
+                return read
             if not n:
-                return  # EOF: the transport reads it too, and tells the core
-            if core.buffer_updated(self.key, n, self.owner.now()):
+                return read  # EOF: the transport reads it too, and tells the core
+            read = True
+            if core.buffer_updated(self.key, n, self._clock()):
                 self.owner.pump()
+        return read
 
     def lowat(self, remaining: int) -> None:
         """Wake up for reading only once ``remaining`` bytes (capped) have arrived.
@@ -359,7 +386,8 @@ class Stream(asyncio.BufferedProtocol):
         tr = self.transport
         if tr is None or tr.is_closing() or self._close_queued or self._draining or self._broken:
             return
-        data = self.owner.core.buffers_to_send(self.key)
+        fixed = self._fixed
+        data = fixed.data_to_send() if fixed is not None else self.owner.core.buffers_to_send(self.key)
         q = self._queue
         if q is None:
             if data:
@@ -586,20 +614,18 @@ def _queue_parts(data: Sequence[Any]) -> list[Any]:
     answered while it does not read) would cost many times the bytes counted."""
     parts: list[Any] = []
     small: list[Any] = []
-
-    def join_small() -> None:
-        if small:
-            parts.append(small[0] if len(small) == 1 else b"".join(small))
-            small.clear()
-
     for p in data:
         if not isinstance(p, CheckedPayload) and memoryview(p).nbytes < LARGE_PART:
             small.append(p)
             continue
-        join_small()
+        if small:
+            parts.append(small[0] if len(small) == 1 else b"".join(small))
+            small = []
         parts.extend(_checked_parts(p) if isinstance(p, CheckedPayload) else (p,))
-    join_small()
+    if small:
+        parts.append(small[0] if len(small) == 1 else b"".join(small))
     return parts
+
 
 
 def _checked_parts(p: CheckedPayload) -> tuple[tuple[Any, ...], ...]:

@@ -458,6 +458,10 @@ class Server(Pump):
     is that port and :attr:`addresses` every ``(host, port)`` listened on, once started.
     """
 
+    #: A stream's connection id is never given to another connection: a stream reads
+    #: into its core connection straight (see ``Stream``).
+    fixed_connections = True
+
     core: ReceiverCore
 
     def __init__(
