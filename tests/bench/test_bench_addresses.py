@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvwire.cli import build_parser, main
-from tests.bench.test_serve_cli import _env
-from tests.bench.test_serve_signals import _read_until, _stop
+from tests.bench.process_helpers import child_env, read_until, stop
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -88,15 +87,15 @@ def test_serve_on_every_interface_says_each_address_on_its_one_port() -> None:
     server = subprocess.Popen(
         [sys.executable, "-m", "kvwire", "serve", "--host", "", "--port", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        env=_env(KVWIRE_SECRET="a-test-secret-of-our-own"),
+        env=child_env(KVWIRE_SECRET="a-test-secret-of-our-own"),
     )
     try:
-        match = _read_until(server, r"listening on (\S+):(\d+) and (\S+):(\d+)$")
+        match = read_until(server, r"listening on (\S+):(\d+) and (\S+):(\d+)$")
         assert sorted([match[1], match[3]]) == ["0.0.0.0", "[::]"] and match[2] == match[4], match[0]
         server.send_signal(signal.SIGTERM)
         server.communicate(timeout=30)
     finally:
-        _stop(server)
+        stop(server)
         if server.stderr is not None:
             server.stderr.close()
 
@@ -108,10 +107,10 @@ def test_bench_against_an_ipv6_peer_reports_it_in_brackets(
     header and its JSON."""
     server = subprocess.Popen(
         [sys.executable, "-m", "kvwire", "serve", "--host", "::1", "--port", "0", "--once"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),
     )
     try:
-        port = _read_until(server, r"listening on \[::1\]:(\d+)")[1]
+        port = read_until(server, r"listening on \[::1\]:(\d+)")[1]
         assert server.stderr is not None
         reader = threading.Thread(target=server.stderr.read, daemon=True)  # never blocks it
         reader.start()
@@ -121,7 +120,7 @@ def test_bench_against_an_ipv6_peer_reports_it_in_brackets(
         server.wait(timeout=30)
         reader.join(timeout=5)
     finally:
-        _stop(server)
+        stop(server)
         if server.stderr is not None:
             server.stderr.close()
     assert json.loads(out.read_text())["peer"] == f"[::1]:{port}"

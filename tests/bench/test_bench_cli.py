@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import pytest
 
 import kvwire
 from kvwire.cli import build_parser, main
+from tests.bench.process_helpers import child_pids
 
 # Generous: a loaded host (two suites at once on two cores) starts three processes slowly.
 pytestmark = pytest.mark.timeout(300)
@@ -372,7 +372,7 @@ def test_sigterm_ends_the_run_and_its_processes(signame: str, code: int, says: s
         children: set[int] = set()
         try:
             _wait_for_transfers(proc)
-            children = _children(proc.pid)
+            children = child_pids(proc.pid)
             assert (
                 len(children) >= 2
             )  # the receiver and the emulator (and multiprocessing's tracker)
@@ -416,14 +416,6 @@ def _ignores(pid: int, signum: int) -> bool:
         if line.startswith("SigIgn:"):
             return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     raise AssertionError("no SigIgn in /proc/PID/status")
-
-
-def _children(pid: int) -> set[int]:
-    found: set[int] = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            found |= {int(c) for c in (task / "children").read_text().split()}
-    return found
 
 
 def _alive(pid: int) -> bool:

@@ -13,16 +13,15 @@ import pytest
 import kvwire
 from kvwire.aio._logtext import PEER_TEXT_LIMIT, printable
 from kvwire.bench import runner
-from kvwire.bench.models import MODELS, bench_cache
-from tests.bench.test_serve_receiver import _bench_transfer, _Server, _Transfer
+from kvwire.bench.models import bench_cache
+from tests.bench.receiver_fakes import TINY, FakeServer, FakeTransfer, bench_transfer
 
 pytestmark = pytest.mark.timeout(120)
 
-TINY = MODELS["tiny"]
 FORGED = "x\n2099-01-01T00:00:00.000Z ERROR   kvwire: forged line\r\x1b[2K\u2028"
 
 
-class _Failing(_Transfer):
+class _Failing(FakeTransfer):
     async def __aiter__(self) -> Any:
         raise kvwire.TransferAbortedError(f"aborted by the sender: {FORGED}")
         yield  # pragma: no cover - makes it an async generator
@@ -65,12 +64,12 @@ async def test_every_serve_line_escapes_peer_text() -> None:
     """The refused, failed and unchecked lines name the peer's request id and the error
     its meta or layers caused: escaped too, a long id cut short."""
     lines: list[str] = []
-    recv = runner.BenchReceiver(_Server(), lines.append)
+    recv = runner.BenchReceiver(FakeServer(), lines.append)
     # A bench meta it refuses.
-    refused = _Transfer(FORGED, {"kvwire_bench": {"id": "b", "seed": -1}}, TINY.spec(), bench_cache(TINY, 4, 0))
+    refused = FakeTransfer(FORGED, {"kvwire_bench": {"id": "b", "seed": -1}}, TINY.spec(), bench_cache(TINY, 4, 0))
     assert await recv.handle(refused) is None and refused.aborted is not None
     # A layer that cannot be checked (its bench's reference has other token counts).
-    uneven = _bench_transfer("u", 0)
+    uneven = bench_transfer("u", 0)
     uneven.request_id = FORGED + "y" * 70_000
     uneven._layers = [bench_cache(TINY, 1, 0)[0], *bench_cache(TINY, 16, 0)[1:]]
     assert await recv.handle(uneven) is None

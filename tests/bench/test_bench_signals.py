@@ -225,7 +225,7 @@ def test_ctrl_c_during_the_raw_socket_baseline_prints_no_traceback() -> None:
     a KeyboardInterrupt traceback, unlike the bench's receiver and emulator."""
     import time
 
-    from tests.bench.test_bench_cli import _children
+    from tests.bench.process_helpers import child_pids
 
     env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
     with subprocess.Popen([sys.executable, "-m", "kvwire", "bench", "--model", "tiny", "--tokens", "4096",
@@ -237,7 +237,7 @@ def test_ctrl_c_during_the_raw_socket_baseline_prints_no_traceback() -> None:
             # the TCP connection between them.
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                children = _children(proc.pid)
+                children = child_pids(proc.pid)
                 if len(children) >= 2 and sum(bool(_tcp_inodes(c)) for c in children) >= 2:
                     break
                 time.sleep(0.02)

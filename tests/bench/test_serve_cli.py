@@ -15,17 +15,11 @@ import pytest
 
 from kvwire.bench.command import is_loopback
 from kvwire.cli import build_parser
+from tests.bench.process_helpers import child_env
 
 pytestmark = pytest.mark.timeout(60)
 
 STAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (DEBUG|INFO|WARNING|ERROR) +kvwire")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}
-    env["PYTHONUNBUFFERED"] = "1"
-    env.update(extra)
-    return env
 
 
 def test_defaults_to_loopback() -> None:
@@ -48,7 +42,7 @@ def test_refuses_a_non_loopback_address_without_a_chosen_secret(host: str) -> No
     # Refused before anything listens (192.0.2.7 is not even an address of this machine).
     proc = subprocess.run(
         [sys.executable, "-m", "kvwire", "serve", "--host", host, "--port", "0"],
-        capture_output=True, text=True, timeout=30, env=_env(), check=False,
+        capture_output=True, text=True, timeout=30, env=child_env(), check=False,
     )
     assert proc.returncode == 2, proc.stderr
     assert "refusing to listen on" in proc.stderr and "--secret-file" in proc.stderr
@@ -60,7 +54,7 @@ def test_a_short_secret_file_is_refused(tmp_path: Path) -> None:
     secret.write_text("short\n")
     proc = subprocess.run(
         [sys.executable, "-m", "kvwire", "serve", "--secret-file", str(secret), "--port", "0"],
-        capture_output=True, text=True, timeout=30, env=_env(), check=False,
+        capture_output=True, text=True, timeout=30, env=child_env(), check=False,
     )
     assert proc.returncode == 2 and "fewer than 8 bytes" in proc.stderr
 
@@ -69,7 +63,7 @@ def test_timestamped_log_lines_and_log_level() -> None:
     # Loopback with the development secret: allowed, with a warning; --log-level debug.
     server = subprocess.Popen(
         [sys.executable, "-m", "kvwire", "serve", "--port", "0", "--log-level", "debug"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
     )
     try:
         assert server.stderr is not None
@@ -88,7 +82,7 @@ def test_timestamped_log_lines_and_log_level() -> None:
 def test_warning_level_hides_info_lines() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvwire", "serve", "--host", "0.0.0.0", "--log-level", "error"],
-        capture_output=True, text=True, timeout=30, env=_env(), check=False,
+        capture_output=True, text=True, timeout=30, env=child_env(), check=False,
     )
     assert proc.returncode == 2 and " ERROR " in proc.stderr and " INFO " not in proc.stderr
 
@@ -206,7 +200,7 @@ def test_serve_forgets_an_interrupted_bench() -> None:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvwire", "bench", "--peer", f"127.0.0.1:{server.port}",
                 "--model", "tiny", "--tokens", "4096", "--duration", "60", "--quiet",
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
             try:
                 deadline = time.monotonic() + 30
                 while not recv._benches and time.monotonic() < deadline:

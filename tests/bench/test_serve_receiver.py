@@ -7,7 +7,6 @@ brought and built off the event loop."""
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import subprocess
 import sys
@@ -19,75 +18,13 @@ import numpy as np
 import pytest
 
 from kvwire.bench import runner
-from kvwire.bench.models import MODELS, bench_cache
+from kvwire.bench.models import bench_cache
 from kvwire.errors import TransferAbortedError
 from kvwire.spec import KVSpec
+from tests.bench.process_helpers import child_env
+from tests.bench.receiver_fakes import TINY, FakeServer, FakeTransfer, bench_transfer, until
 
 pytestmark = pytest.mark.timeout(120)
-
-TINY = MODELS["tiny"]
-
-
-def _env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}, "PYTHONUNBUFFERED": "1"}
-
-
-# -- fakes of what BenchReceiver reads of a server and its transfers ---------------------------
-
-
-class _Layer:
-    def __init__(self, index: int, k: Any, v: Any) -> None:
-        self.index, self.k, self.v = index, k, v
-
-
-class _Transfer:
-    """A transfer as ``BenchReceiver.handle`` reads it; ``hold`` (an asyncio.Event)
-    keeps it waiting after its first layer until set."""
-
-    def __init__(self, request_id: str, meta: Any, spec: KVSpec, layers: list[tuple[Any, Any]],
-                 hold: asyncio.Event | None = None) -> None:
-        self.request_id, self.meta, self.spec, self._layers, self._hold = request_id, meta, spec, layers, hold
-        self.wire_bytes, self.started, self.finished = 0, 0.0, 1.0
-        self.aborted: str | None = None
-        self.begun = self.closed = False  # its layers' iteration begun, ended
-
-    def abort(self, reason: str = "") -> None:
-        self.aborted = reason
-
-    async def __aiter__(self) -> AsyncIterator[_Layer]:
-        self.begun = True
-        try:
-            for index, (k, v) in enumerate(self._layers):
-                yield _Layer(index, k, v)
-                if self._hold is not None:
-                    await self._hold.wait()
-        finally:
-            self.closed = True
-
-
-def _bench_transfer(bench: str, n: int, *, tokens: int = 16, end: bool = False,
-                    hold: asyncio.Event | None = None) -> _Transfer:
-    meta = {"kvwire_bench": {"id": bench, "seed": 0, **({"end": True} if end else {})}}
-    return _Transfer(f"{bench}-{n}", meta, TINY.spec(), bench_cache(TINY, 1 if end else tokens, 0), hold)
-
-
-class _Server:
-    sessions = 1
-
-    def statistics(self) -> dict[str, int]:
-        return {"sessions": self.sessions}
-
-
-async def _until(condition: Any, what: str, timeout: float = 30.0) -> None:
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0.01)
-
-    try:
-        await asyncio.wait_for(poll(), timeout)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout:.0f} s: {what}") from None
-
 
 # -- the bench's meta --------------------------------------------------------------------------
 
@@ -127,7 +64,7 @@ def test_serve_survives_bench_metas_it_cannot_use(tmp_path: Any) -> None:
     from kvwire.aio import connect
 
     server = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--port", "0"],
-                              stderr=subprocess.PIPE, text=True, env=_env())
+                              stderr=subprocess.PIPE, text=True, env=child_env())
     lines: list[str] = []
     reader: threading.Thread | None = None
     try:
@@ -166,7 +103,7 @@ def test_serve_survives_bench_metas_it_cannot_use(tmp_path: Any) -> None:
         assert server.poll() is None, "".join(lines)
 
         async def report() -> None:
-            await _until(lambda: any("bench good: 2 transfers" in x for x in lines), "the bench's report")
+            await until(lambda: any("bench good: 2 transfers" in x for x in lines), "the bench's report")
 
         asyncio.run(report())
     finally:
@@ -191,13 +128,13 @@ async def test_a_layer_that_cannot_be_checked_fails_only_its_transfer() -> None:
     reached layer_error's ValueError, out of the receiving loop: now the transfer counts
     as failed in its bench, with a line."""
     lines: list[str] = []
-    recv = runner.BenchReceiver(_Server(), lines.append)
-    uneven = _bench_transfer("u", 0)
+    recv = runner.BenchReceiver(FakeServer(), lines.append)
+    uneven = bench_transfer("u", 0)
     # Layer 0 (the one checked) of 1 token, the others of 16: its reference has 16.
     uneven._layers = [bench_cache(TINY, 1, 0)[0], *bench_cache(TINY, 16, 0)[1:]]
     assert await recv.handle(uneven) is None
-    assert await recv.handle(_bench_transfer("u", 1)) is None
-    report = await recv.handle(_bench_transfer("u", 2, end=True))
+    assert await recv.handle(bench_transfer("u", 1)) is None
+    report = await recv.handle(bench_transfer("u", 2, end=True))
     assert report is not None and report["failed"] == 1 and report["transfers"] == 1
     assert report["checked_layers"] == 1
     assert any(x.startswith("u-0: failed: layer 0 could not be checked:") for x in lines), lines
@@ -218,16 +155,16 @@ async def test_a_reference_larger_than_the_transfer_is_not_built(monkeypatch: py
 
     monkeypatch.setattr(runner, "bench_cache", recording)
     lines: list[str] = []
-    recv = runner.BenchReceiver(_Server(), lines.append)
+    recv = runner.BenchReceiver(FakeServer(), lines.append)
     spec = KVSpec(num_layers=4096, num_kv_heads=1, head_dim=1, model="many-tiny-layers")
     one = np.zeros((1, 1, 1), np.float16)
-    hostile = _Transfer("h-0", {"kvwire_bench": {"id": "h", "seed": 0}}, spec, [(one, one)] * 4096)
+    hostile = FakeTransfer("h-0", {"kvwire_bench": {"id": "h", "seed": 0}}, spec, [(one, one)] * 4096)
     assert await recv.handle(hostile) is None
     state = recv._benches["h"]
     assert state.reference is None and state.failed == 1 and built == []
     assert any("h-0: failed: layer 0 could not be checked: its reference would take" in x for x in lines), lines
     # A bench's own transfer: checked, its reference built off the loop.
-    assert await recv.handle(_bench_transfer("t", 0)) is None
+    assert await recv.handle(bench_transfer("t", 0)) is None
     assert recv._benches["t"].checked_layers == 1
     assert built and threading.main_thread().name not in built
 
@@ -262,7 +199,7 @@ async def test_a_stalled_sender_holds_up_no_other() -> None:
                     connect("127.0.0.1", server.port, secret=runner.DEV_SECRET, streams=1) as b:
                 a_send = asyncio.create_task(
                     a.send("a-0", spec, stalled(), meta={"kvwire_bench": {"id": "a", "seed": 0}}, timeout=None))
-                await _until(lambda: "a" in recv._benches and recv._benches["a"].busy == 1, "A's transfer taken")
+                await until(lambda: "a" in recv._benches and recv._benches["a"].busy == 1, "A's transfer taken")
 
                 async def bench_b() -> None:
                     for i in range(server.core.config.max_transfers + 6):
@@ -272,7 +209,7 @@ async def test_a_stalled_sender_holds_up_no_other() -> None:
                                  meta={"kvwire_bench": {"id": "b", "seed": 0, "end": True}}, timeout=20)
 
                 await asyncio.wait_for(bench_b(), 60)
-                await _until(lambda: any(x.startswith("bench b: 70 transfers") for x in lines), "B's report")
+                await until(lambda: any(x.startswith("bench b: 70 transfers") for x in lines), "B's report")
                 assert not a_send.done() and recv._benches["a"].busy == 1
                 receiving.cancel()
                 await asyncio.gather(receiving, return_exceptions=True)
@@ -289,23 +226,23 @@ async def test_at_most_max_receiving_transfers_are_received_at_once() -> None:
     """Transfers are received side by side up to MAX_RECEIVING; the next is accepted once
     one ends, and stopping the receiver cancels every one."""
     hold = asyncio.Event()
-    handed: list[_Transfer] = []
+    handed: list[FakeTransfer] = []
 
-    class Server(_Server):
-        async def accept(self) -> _Transfer:
-            t = _bench_transfer(f"s{len(handed)}", 0, hold=hold)
+    class Server(FakeServer):
+        async def accept(self) -> FakeTransfer:
+            t = bench_transfer(f"s{len(handed)}", 0, hold=hold)
             handed.append(t)
             return t
 
     recv = runner.BenchReceiver(Server())
     receiving = asyncio.create_task(recv.run())
     try:
-        await _until(lambda: len(handed) == runner.MAX_RECEIVING, f"{runner.MAX_RECEIVING} transfers taken")
+        await until(lambda: len(handed) == runner.MAX_RECEIVING, f"{runner.MAX_RECEIVING} transfers taken")
         for _ in range(50):
             await asyncio.sleep(0)
         assert len(handed) == runner.MAX_RECEIVING
         hold.set()  # they end: more are taken
-        await _until(lambda: len(handed) > runner.MAX_RECEIVING, "more transfers taken")
+        await until(lambda: len(handed) > runner.MAX_RECEIVING, "more transfers taken")
         hold.clear()
     finally:
         receiving.cancel()
@@ -320,11 +257,11 @@ async def test_at_most_max_receiving_transfers_are_received_at_once() -> None:
 async def test_a_bench_ends_once_its_transfers_in_progress_have_ended() -> None:
     """With transfers received side by side, a bench's end could overtake its last
     transfer still being received (or checked): the report missed it."""
-    recv = runner.BenchReceiver(_Server())
+    recv = runner.BenchReceiver(FakeServer())
     hold = asyncio.Event()
-    last = asyncio.create_task(recv.handle(_bench_transfer("e", 0, hold=hold)))
-    await _until(lambda: "e" in recv._benches and recv._benches["e"].busy == 1, "the transfer begun")
-    end = asyncio.create_task(recv.handle(_bench_transfer("e", 1, end=True)))
+    last = asyncio.create_task(recv.handle(bench_transfer("e", 0, hold=hold)))
+    await until(lambda: "e" in recv._benches and recv._benches["e"].busy == 1, "the transfer begun")
+    end = asyncio.create_task(recv.handle(bench_transfer("e", 1, end=True)))
     for _ in range(50):
         await asyncio.sleep(0)
     assert not end.done()
@@ -347,10 +284,10 @@ async def test_a_prune_keeps_a_bench_whose_layer_is_being_checked(monkeypatch: p
 
     monkeypatch.setattr(runner, "layer_error", slow)
     lines: list[str] = []
-    recv = runner.BenchReceiver(_Server(), lines.append)
-    checking = asyncio.create_task(recv.handle(_bench_transfer("p", 0)))
+    recv = runner.BenchReceiver(FakeServer(), lines.append)
+    checking = asyncio.create_task(recv.handle(bench_transfer("p", 0)))
     try:
-        await _until(entered.is_set, "the check begun")
+        await until(entered.is_set, "the check begun")
         recv.prune(now=runner.time.monotonic() + runner.BENCH_IDLE)
         assert "p" in recv._benches, lines
     finally:

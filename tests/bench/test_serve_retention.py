@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvwire.bench import runner
-from tests.bench.test_serve_receiver import TINY, _bench_transfer, _Server, _Transfer, _until
+from tests.bench.receiver_fakes import TINY, FakeServer, FakeTransfer, bench_transfer, until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,18 +34,18 @@ def _watch_reports(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[_Report]
     return made
 
 
-def _benches(count: int, per: int) -> list[_Transfer]:
+def _benches(count: int, per: int) -> list[FakeTransfer]:
     return [t for b in range(count)
-            for t in (*(_bench_transfer(f"b{b}", i) for i in range(per)), _bench_transfer(f"b{b}", per, end=True))]
+            for t in (*(bench_transfer(f"b{b}", i) for i in range(per)), bench_transfer(f"b{b}", per, end=True))]
 
 
-class _Feeding(_Server):
+class _Feeding(FakeServer):
     """Hands out ``transfers`` in order, then waits (a quiet server)."""
 
-    def __init__(self, transfers: list[_Transfer]) -> None:
+    def __init__(self, transfers: list[FakeTransfer]) -> None:
         self.transfers = transfers
 
-    async def accept(self) -> _Transfer:
+    async def accept(self) -> FakeTransfer:
         if self.transfers:
             return self.transfers.pop(0)
         await asyncio.Event().wait()
@@ -58,7 +58,7 @@ async def test_a_server_running_forever_logs_each_report_and_keeps_none(monkeypa
     recv = runner.BenchReceiver(_Feeding(_benches(12, 2)), lines.append)
     receiving = asyncio.create_task(recv.run())
     try:
-        await _until(lambda: sum(x.startswith("bench b") for x in lines) == 12, "every bench's report logged")
+        await until(lambda: sum(x.startswith("bench b") for x in lines) == 12, "every bench's report logged")
         assert all(f"bench b{b}: 2 transfers" in "\n".join(lines) for b in range(12)), lines
         assert len(made) == 12
 
@@ -66,7 +66,7 @@ async def test_a_server_running_forever_logs_each_report_and_keeps_none(monkeypa
             gc.collect()
             return all(r() is None for r in made)
 
-        await _until(all_dropped, "every finished bench's report dropped", timeout=10)
+        await until(all_dropped, "every finished bench's report dropped", timeout=10)
         assert not receiving.done()
     finally:
         receiving.cancel()
@@ -95,18 +95,18 @@ def _held(obj: object) -> int:
 
 
 async def test_a_bench_that_never_ends_keeps_totals_not_a_list_of_its_transfers() -> None:
-    recv = runner.BenchReceiver(_Server())
-    layer_bytes = sum(int(k.nbytes) + int(v.nbytes) for k, v in _bench_transfer("x", 0)._layers)
+    recv = runner.BenchReceiver(FakeServer())
+    layer_bytes = sum(int(k.nbytes) + int(v.nbytes) for k, v in bench_transfer("x", 0)._layers)
     for i in range(TINY.num_layers):  # a pass over the layers: each checked once
-        await recv.handle(_bench_transfer("n", i))
+        await recv.handle(bench_transfer("n", i))
     state = recv._benches["n"]
     before = _held(state)
     for i in range(TINY.num_layers, 20 * TINY.num_layers):
-        assert await recv.handle(_bench_transfer("n", i)) is None
+        assert await recv.handle(bench_transfer("n", i)) is None
     # Nothing held per transfer received since (a few more objects at most: counts past
     # the small ints Python keeps, a float of a time).
     assert _held(state) < before + 10, (before, _held(state))
-    report = await recv.handle(_bench_transfer("n", 0, end=True))
+    report = await recv.handle(bench_transfer("n", 0, end=True))
     assert report is not None
     n = 20 * TINY.num_layers
     assert report["transfers"] == n and report["kv_bytes"] == n * layer_bytes

@@ -4,46 +4,18 @@
 
 from __future__ import annotations
 
-import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
+
+from tests.bench.process_helpers import child_env, read_until, stop
 
 pytestmark = pytest.mark.timeout(120)
 
 _SIGNALS = [("SIGTERM", 143, "terminated"), ("SIGHUP", 129, "hangup"), ("SIGINT", 130, "interrupted")]
 _BAD = ("Traceback", "Fatal error", "Exception ignored", "Task was destroyed", "never awaited")
-
-
-def _env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if k != "KVWIRE_SECRET"}, "PYTHONUNBUFFERED": "1"}
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait()
-
-
-def _read_until(proc: subprocess.Popen[str], pattern: str, timeout: float = 60) -> re.Match[str]:
-    """The first line of ``proc``'s stderr that matches ``pattern``, within ``timeout``
-    seconds (else the process is killed and the test fails with what it wrote)."""
-    assert proc.stderr is not None
-    seen: list[str] = []
-    timer = threading.Timer(timeout, proc.kill)
-    timer.start()
-    try:
-        for line in proc.stderr:
-            seen.append(line)
-            if (match := re.search(pattern, line)) is not None:
-                return match
-    finally:
-        timer.cancel()
-    raise AssertionError(f"no line matching {pattern!r} in:\n{''.join(seen)}")
 
 
 @pytest.mark.parametrize(("signame", "code", "says"), _SIGNALS)
@@ -52,23 +24,23 @@ def test_a_signal_stops_serve_and_tells_a_bench_peer(signame: str, code: int, sa
     signal, its last line says why, and the bench fails saying the server is shutting
     down (not a lost connection, not a wait for its timeout)."""
     server = subprocess.Popen([sys.executable, "-m", "kvwire", "serve", "--port", "0"],
-                              stderr=subprocess.PIPE, text=True, env=_env())
+                              stderr=subprocess.PIPE, text=True, env=child_env())
     bench: subprocess.Popen[str] | None = None
     try:
-        port = int(_read_until(server, r"listening on 127\.0\.0\.1:(\d+)")[1])
+        port = int(read_until(server, r"listening on 127\.0\.0\.1:(\d+)")[1])
         bench = subprocess.Popen(
             [sys.executable, "-m", "kvwire", "bench", "--peer", f"127.0.0.1:{port}", "--model", "tiny",
              "--tokens", "4096", "--duration", "60s", "--quiet"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(),
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=child_env(),
         )
-        _read_until(server, r": 4096 tokens, ")  # a transfer arrived whole: the bench is sending
+        read_until(server, r": 4096 tokens, ")  # a transfer arrived whole: the bench is sending
         server.send_signal(getattr(signal, signame))
         rest = server.communicate(timeout=60)[1]
         bench_err = bench.communicate(timeout=60)[1]
     finally:
         for proc in (server, bench):
             if proc is not None:
-                _stop(proc)
+                stop(proc)
     assert server.returncode == code, rest
     assert rest.strip().splitlines()[-1] == says, rest
     assert not [bad for bad in _BAD if bad in rest], rest
@@ -110,13 +82,13 @@ def test_a_second_signal_while_the_first_is_reported_is_ignored(
     was raised out of main() (a ``_Terminated`` or KeyboardInterrupt traceback, and an
     exit as if by SIGINT). Now it is ignored: the first signal's status and line."""
     proc = subprocess.Popen([sys.executable, "-c", _SECOND_SIGNAL.replace("{second}", second)],
-                            stderr=subprocess.PIPE, text=True, env=_env())
+                            stderr=subprocess.PIPE, text=True, env=child_env())
     try:
-        _read_until(proc, r"listening on 127\.0\.0\.1:\d+")
+        read_until(proc, r"listening on 127\.0\.0\.1:\d+")
         proc.send_signal(getattr(signal, signame))
         rest = proc.communicate(timeout=60)[1]
     finally:
-        _stop(proc)
+        stop(proc)
     assert proc.returncode == code, rest
     assert rest.strip().splitlines()[-1] == says, rest
     assert "Traceback" not in rest, rest
@@ -168,5 +140,5 @@ def test_a_signal_as_the_servers_handlers_are_given_back_reaches_the_programs_ow
     main thread only moved it to another thread).  The server's handler is now swapped
     back for the program's in one step."""
     done = subprocess.run([sys.executable, "-c", _AS_HANDLERS_GO_BACK], capture_output=True, text=True, timeout=60,
-                          env=_env())
+                          env=child_env())
     assert (done.returncode, done.stdout.strip()) == (0, "handled"), done.stderr
