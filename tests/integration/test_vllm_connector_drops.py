@@ -22,7 +22,6 @@ from tests.integration.vllm_workers import (
     pending,
     same,
     until,
-    workers,
 )
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
@@ -30,8 +29,6 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
 
 pytestmark = pytest.mark.timeout(300)
-
-__all__ = ["workers"]  # (the fixture, imported)
 
 NAME = "prompt:" + "ab" * 16  # (kvwire_load_all: every request of the prompt has this name)
 

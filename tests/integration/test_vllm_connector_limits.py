@@ -31,7 +31,6 @@ from tests.integration.vllm_workers import (
     producer,
     same,
     until,
-    workers,
 )
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
@@ -42,8 +41,6 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move, _SendState
 
 pytestmark = pytest.mark.timeout(180)
-
-__all__ = ["workers"]  # (the fixture, imported)
 
 
 # -- more sends than the consumer's server takes at once ------------------------------------

@@ -17,15 +17,13 @@ import torch
 
 import kvwire
 from kvwire.sync import SyncServer
-from tests.integration.vllm_workers import SECRET, produce, producer, workers
+from tests.integration.vllm_workers import SECRET, produce, producer
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move
 
 pytestmark = pytest.mark.timeout(180)
-
-__all__ = ["workers"]  # (the fixture, imported)
 
 #: One layer of another layout, 192 KiB: sent whole on the producer's session and left
 #: unclaimed, it takes most of the budget below, and the session's next first layers are

@@ -23,7 +23,6 @@ from tests.integration.vllm_workers import (
     consumer,
     produce,
     producer,
-    workers,
 )
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
@@ -33,8 +32,6 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move, _SendState
 
 pytestmark = pytest.mark.timeout(180)
-
-__all__ = ["workers"]  # (the fixture, used by name)
 
 
 def made(role: str, extra: dict[str, Any]) -> KvwireConnector:

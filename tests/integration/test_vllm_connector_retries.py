@@ -30,7 +30,6 @@ from tests.integration.vllm_workers import (
     producer,
     same,
     until,
-    workers,
 )
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
@@ -40,8 +39,6 @@ with warnings.catch_warnings():  # vLLM's import chain trips torch's own depreca
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata, _Move, _SendState
 
 pytestmark = pytest.mark.timeout(180)
-
-__all__ = ["workers"]  # (the fixture, imported)
 
 
 def counted_expects(worker: KvwireConnector) -> list[str]:

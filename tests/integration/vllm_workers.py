@@ -1,16 +1,15 @@
 """Worker-side vLLM connectors over real sockets on 127.0.0.1, driven step by step as vLLM's
-worker drives them: a consumer and producers made from one config, the fixture that shuts
-them down, one producer or consumer step, and the checks the connector tests share."""
+worker drives them: a consumer and producers made from one config, one producer or consumer
+step, and the checks the connector tests share (the ``workers`` fixture that shuts them down
+is in conftest.py)."""
 
 from __future__ import annotations
 
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
@@ -59,15 +58,6 @@ def producer(port: int, extra: dict[str, Any] | None = None,
         threading.Event().wait(0.05)
     assert worker._peer is not None, worker._connect_error
     return worker, kv
-
-
-@pytest.fixture
-def workers() -> Iterator[list[KvwireConnector]]:
-    """Connectors to shut down at the end of the test (producers first)."""
-    made: list[KvwireConnector] = []
-    yield made
-    for worker in made:
-        worker.shutdown()
 
 
 def produce(worker: KvwireConnector, meta: KvwireConnectorMetadata, kv: list[torch.Tensor] | None,
