@@ -32,8 +32,8 @@ was recorded, not what it waited for later.  A kernel writes its non-const point
 arguments (as its CUDA signature in the module's source declares them) on its stream.
 
 Kernels (``RawModule(...).get_function(name)``) run in the kernel emulation of
-tests/codec/test_gpu_emulated.py when a built one is given.  Every use is logged
-(``FakeCupy.log``) with the device current at the time.
+tests/codec/emulation.py (``build_emulation``) when a built one is given.  Every use
+is logged (``FakeCupy.log``) with the device current at the time.
 """
 
 from __future__ import annotations
