@@ -13,7 +13,6 @@ from __future__ import annotations
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -48,14 +47,6 @@ def config(role: str, extra: dict[str, Any]) -> VllmConfig:
 def caches(shape: tuple[int, ...], seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(shape, generator=gen).to(torch.float16) for _ in LAYERS]
-
-
-@pytest.fixture
-def workers() -> Iterator[list[KvwireConnector]]:
-    made: list[KvwireConnector] = []
-    yield made
-    for worker in made:  # (producers first)
-        worker.shutdown()
 
 
 def registered(role: str, extra: dict[str, Any], kv: list[torch.Tensor],
