@@ -26,6 +26,16 @@ _sendq = load_extension("kvwire.aio._sendq")
 #: takes them again at or below ``QUEUE_LOW`` (the transport's write limits).
 QUEUE_HIGH = 4 << 20
 QUEUE_LOW = 1 << 20
+#: The marks of a server's streams, which send only control frames (ACK, CREDIT, RESET,
+#: REPORT, PONG, GOAWAY, ACCEPT; at most about 1.3 KiB each): a stream over the mark stops
+#: reading (Server.set_writable) until its replies drain to the low mark.  What is queued
+#: unsent is what the peer's receive window and this side's socket buffer (at least
+#: ``NOTSENT_LOWAT`` unsent bytes) could not take: a client that reads its ACKs never gets
+#: near it (a 10 Gbit/s transfer in 4 MiB chunks is acknowledged in about 10 KiB of ACKs
+#: a second), one that floods frames the server answers and reads nothing gets its
+#: connection's replies held to this mark plus the replies to one read (docs/protocol.md 16).
+REPLY_QUEUE_HIGH = 256 * 1024
+REPLY_QUEUE_LOW = 64 * 1024
 #: Most bytes of a large payload the queue hands to the kernel per write, checksummed
 #: right after the write before (so the kernel copies them from the cache): large enough for few
 #: writes per chunk on a shaped link, small enough that a piece and its copy stay in a
@@ -131,8 +141,13 @@ class Stream(asyncio.BufferedProtocol):
     owner is a stand-in that holds its Peer weakly (``kvwire.aio.client.PeerLink``), so
     a Peer dropped unclosed is collected."""
 
-    def __init__(self, owner: Owner, key: int) -> None:
+    def __init__(self, owner: Owner, key: int, *, high: int = QUEUE_HIGH, low: int = QUEUE_LOW) -> None:
         self.owner, self.key = owner, key
+        # Bytes queued unsent above which the owner is told the stream is not writable, and
+        # at or below which it is told it is again (QUEUE_HIGH / QUEUE_LOW; a server's
+        # streams REPLY_QUEUE_HIGH / REPLY_QUEUE_LOW): the send queue's marks, and the
+        # transport's write limits where it writes.
+        self.high, self.low = high, low
         # When the connection began: the protocol is made as the TCP connection is accepted
         # (server) or before it is opened (client), before any TLS handshake, and the
         # handshake deadline counts from here (docs/protocol.md 5.8, 5.9).
@@ -191,7 +206,7 @@ class Stream(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        transport.set_write_buffer_limits(high=4 << 20, low=1 << 20)  # type: ignore[attr-defined]
+        transport.set_write_buffer_limits(high=self.high, low=self.low)  # type: ignore[attr-defined]
         sock = transport.get_extra_info("socket")
         tune_socket(sock, self.owner.notsent_lowat)
         plain = sock is not None and transport.get_extra_info("sslcontext") is None  # TCP, no TLS
@@ -405,6 +420,15 @@ class Stream(asyncio.BufferedProtocol):
             self._arm_linger()
         self._write_queue()
 
+    @property
+    def queued(self) -> int:
+        """Bytes this stream holds that the kernel has not taken yet: in its send queue, or
+        in its transport's write buffer where the transport writes."""
+        q, tr = self._queue, self.transport
+        if q is not None:
+            return int(q.pending)
+        return tr.get_write_buffer_size() if tr is not None else 0
+
     def written(self) -> int:
         """Of the bytes ever put in the send queue (:attr:`pushed`), those no longer in it:
         taken by the kernel (which copied them), or dropped with the queue.  The queue
@@ -419,8 +443,8 @@ class Stream(asyncio.BufferedProtocol):
 
     def _write_queue(self) -> None:
         """Write what the queue holds until the kernel takes no more; wait for
-        writability while bytes are left; tell the owner when the stream crosses
-        ``QUEUE_HIGH`` / ``QUEUE_LOW``."""
+        writability while bytes are left; tell the owner when the stream crosses its
+        marks (:attr:`high` / :attr:`low`)."""
         q, tr, loop = self._queue, self.transport, self._loop
         if q is None or tr is None or loop is None:
             return
@@ -438,11 +462,11 @@ class Stream(asyncio.BufferedProtocol):
         if not left and self._close_queued:
             self._finish()
             return
-        if left > QUEUE_HIGH and not self._paused:
+        if left > self.high and not self._paused:
             self._paused = True
             if self._current():  # a replaced stream's key is its successor's
                 self.owner.set_writable(self, False)
-        elif left <= QUEUE_LOW and self._paused:
+        elif left <= self.low and self._paused:
             self._paused = False
             if self._current():
                 self.owner.set_writable(self, True)  # last: it may pump, and flush again

@@ -32,7 +32,7 @@ from kvwire.aio import _gpu
 from kvwire.aio._logtext import address, code_name, printable, scoped_host
 from kvwire.aio._pool import default_max_bytes
 from kvwire.aio._receive import ArrayStore, check_destination
-from kvwire.aio._stream import Pump, Stream
+from kvwire.aio._stream import REPLY_QUEUE_HIGH, REPLY_QUEUE_LOW, Pump, Stream
 from kvwire.aio._transfer import Transfer
 from kvwire.consistency.blocks import block_from_key
 from kvwire.consistency.registry import Registry
@@ -215,7 +215,7 @@ class _TlsAccept(asyncio.Protocol):
 
     def __init__(self, server: Server) -> None:
         self.server = server
-        self.stream = Stream(server, next(server._cids))
+        self.stream = server._new_stream()
         self.transport: asyncio.Transport | None = None  # the plain TCP one
         self.peer: Any = None
         self._plain = bytearray()  # read before the handshake began: TLS records
@@ -546,7 +546,7 @@ class Server(Pump):
         # Plain TCP, TLS begun on each connection by its _TlsAccept: a server with ssl=
         # given to asyncio could neither close a connection still in its handshake (asyncio
         # knows of none until the handshake ends) nor tell of one that failed.
-        factory: Any = (lambda: _TlsAccept(self)) if self._ssl is not None else (lambda: Stream(self, next(self._cids)))
+        factory: Any = (lambda: _TlsAccept(self)) if self._ssl is not None else self._new_stream
         try:
             infos = await _passive_addresses(loop, self.host)
             sockets = _listen_on_one_port(infos, self._requested_port)
@@ -926,6 +926,12 @@ class Server(Pump):
             else f"lower claim_timeout ({claim_timeout:g} s)")
 
     # -- what a stream asks of its pump -----------------------------------------------------
+
+    def _new_stream(self) -> Stream:
+        """A stream for a connection accepted: what it queues unsent is the server's
+        replies, control frames only, held to the small ``REPLY_QUEUE_HIGH`` (it stops
+        reading above it, :meth:`set_writable`), not the client's 4 MiB for chunks."""
+        return Stream(self, next(self._cids), high=REPLY_QUEUE_HIGH, low=REPLY_QUEUE_LOW)
 
     def stream_made(self, stream: Stream) -> bool:
         if self.closed:  # accepted while the server was closing
