@@ -90,6 +90,7 @@ from kvwire.wire.frames import (
     DEFAULT_WINDOW,
     KIND_KV,
     Buffer,
+    encode_body,
     sink_problem,
 )
 from kvwire.wire.transfer import RANGE_BYTES, kinds_overlap, split_kv
@@ -148,6 +149,50 @@ Key = tuple[bytes, int]
 def _request_digest(request_id: str) -> bytes:
     """What a session keeps of a completed transfer's request id (at most 64 KiB): 8 bytes."""
     return hashlib.blake2b(request_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+def _begin_digest(begin: Begin) -> bytes:
+    """What a session keeps of a BEGIN once the transfer no longer keeps it whole (its meta
+    and prefix blocks let go when its last layer is taken): 8 bytes, of its body."""
+    h = hashlib.blake2b(digest_size=8)
+    for part in encode_body(begin)[1]:
+        h.update(part)
+    return h.digest()
+
+
+#: The fields of BEGIN besides its ids, as a refusal of a BEGIN that repeats both with
+#: another of them names them.
+_BEGIN_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype_id", "model", "meta", "blocks")
+
+
+def _begin_differences(kept: Begin, begin: Begin, *, whole: bool) -> str:
+    """How ``begin`` differs from ``kept`` (same ids), in a few words: its layout fields as
+    both have them; meta and blocks only by name (``whole``: ``kept`` still has them; else
+    they may be what differs)."""
+    said = []
+    for name in _BEGIN_FIELDS[:5]:
+        old, new = getattr(kept, name), getattr(begin, name)
+        if old != new:
+            said.append(f"{name} {new!r}, not {old!r}" if name == "model" else f"{name} {new}, not {old}")
+    if whole:
+        said += [name for name in _BEGIN_FIELDS[5:] if getattr(kept, name) != getattr(begin, name)]
+    elif not said:
+        said.append("meta or prefix blocks")
+    return "; ".join(said)
+
+
+
+def _in_use(tid: int, begin: Begin, existing: _Incoming | None, done: bytes | None) -> str:
+    """Why a BEGIN of transfer id ``tid`` the session has (``existing``, or ``done``: what a
+    completed one left) is refused with DUPLICATE_TRANSFER: it is not a re-send of it."""
+    if existing is not None and existing.begin.request_id == begin.request_id:
+        what = _begin_differences(existing.begin, begin, whole=not existing.begin_digest)
+        return f"transfer id {tid} is already in use by a BEGIN of the same request id with other fields ({what})"
+    if done is not None and done[:8] == _request_digest(begin.request_id):
+        return (f"transfer id {tid} was used by a completed transfer of the same request id with other "
+                "fields (layout, model, meta or prefix blocks)")
+    return f"transfer id {tid} is already in use"
+
 
 Allocate = Callable[[int], memoryview]
 #: Where a raw payload can be read straight into: one byte buffer, or several in order.
@@ -630,6 +675,9 @@ class _Incoming:
     last_layer: int | None = None  # held back until the registry publish succeeds
     begin_cid: int | None = None  # the connection that carried BEGIN: ACCEPT goes there
     limit_cid: int | None = None  # the connection that carried its latest layer limit (ACCEPT, CREDIT)
+    # _begin_digest of its BEGIN once ``begin`` no longer holds it whole (meta and prefix
+    # blocks let go): what a BEGIN repeating its ids must match to be a re-send.
+    begin_digest: bytes = b""
     footprint: int = 0  # budget bytes of what BEGIN made the server keep (begin_footprint)
     checked: bool = False  # passed the registry gate (or goes through none)
     roomed: bool = False  # its first layer has room: its estimate is reserved until it arrives
@@ -672,8 +720,8 @@ class _Session:
     # WIRE_TEXT_LIMIT characters), the last TOMBSTONES_KEPT.
     tombstones: OrderedDict[int, tuple[ErrorCode, str]] = field(default_factory=OrderedDict)
     # Completed transfers the application has taken, the last COMPLETED_KEPT: their ids,
-    # each with a digest of its request id (a BEGIN repeating both is answered as a
-    # re-send, one with another request id is a duplicate).
+    # each with a digest of its request id and one of its whole BEGIN, 8 bytes each (a
+    # BEGIN repeating both is answered as a re-send, any other is a duplicate).
     completed: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
     # Transfers this side failed and told the client so, each with the open connections its
     # RESET went out on (empty: none, no stream was open): that RESET may be lost with them.
@@ -1111,6 +1159,7 @@ class ReceiverCore:
             self._store.closed(key)
             # Its prefix blocks and meta are the application's now: the server forgets them
             # (the transfer's id stays, to answer a re-sent BEGIN) and gives their budget back.
+            t.begin_digest = _begin_digest(t.begin)  # (what a BEGIN re-sent must match)
             t.begin = replace(t.begin, meta=b"", blocks=())
             t.meta = {}
             self._release_all(t)
@@ -1599,10 +1648,14 @@ class ReceiverCore:
             raise ProtocolError("BEGIN before the session was set up")
         tid = begin.transfer_id
         existing = sess.transfers.get(tid)
-        if existing is not None and existing.begin.request_id == begin.request_id:
-            # Re-sent after a broken stream: answer again (unless the registry check still
-            # runs; its outcome will be sent, on this stream: the client re-sent it here
-            # because the one that carried it broke, which this side may not know yet).
+        if existing is not None and existing.begin.request_id == begin.request_id and (
+            existing.begin == begin if not existing.begin_digest else existing.begin_digest == _begin_digest(begin)
+        ):
+            # Re-sent after a broken stream (a client sends the same BEGIN again: one with
+            # the same ids and anything else different is a duplicate, below): answer again
+            # (unless the registry check still runs; its outcome will be sent, on this
+            # stream: the client re-sent it here because the one that carried it broke,
+            # which this side may not know yet).
             existing.begin_cid = cid
             if existing.accepted:
                 conn.send_accept(tid, existing.state.layer_limit)
@@ -1610,14 +1663,15 @@ class ReceiverCore:
             return
         if self._repeat_reset(sess, cid, conn, tid):
             return
-        if sess.completed.get(tid) == _request_digest(begin.request_id):
+        done = sess.completed.get(tid)
+        if done is not None and done == _request_digest(begin.request_id) + _begin_digest(begin):
             # Re-sent, the transfer long complete and its data taken: every layer was granted.
             conn.send_accept(tid, begin.num_layers)
             return
         cfg = self.config
         try:
-            if tid in sess.transfers or tid in sess.completed:
-                raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, f"transfer id {tid} is already in use")
+            if existing is not None or done is not None:
+                raise error_from_code(ErrorCode.DUPLICATE_TRANSFER, _in_use(tid, begin, existing, done))
             if (sess.session_id, tid) in self._orphans:
                 # (its tombstone forgotten meanwhile)
                 raise error_from_code(ErrorCode.DUPLICATE_TRANSFER,
@@ -1664,7 +1718,7 @@ class ReceiverCore:
         # Completed transfers the application has taken leave only their id behind.
         for old, x in [(i, x) for i, x in sess.transfers.items() if x.claimed and x.complete and not x.buffers]:
             del sess.transfers[old]
-            sess.completed[old] = _request_digest(x.begin.request_id)
+            sess.completed[old] = _request_digest(x.begin.request_id) + (x.begin_digest or _begin_digest(x.begin))
             while len(sess.completed) > COMPLETED_KEPT:
                 sess.completed.popitem(last=False)
         sess.transfers[tid] = t
