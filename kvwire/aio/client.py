@@ -144,6 +144,11 @@ def _check_codec(name: object) -> None:
 #: kvwire frame: what answered is something else (an HTTP server, say).
 FIRST_BYTES_SHOWN = 40
 
+#: What a handshake error says where one side uses TLS and the other does not: a plain
+#: client a server closed before answering, and a TLS client a server answered without TLS.
+PLAIN_TO_TLS_HINT = "(a server that requires TLS closes a plain client this way: pass ssl=)"
+TLS_TO_PLAIN_HINT = "(the server answered without TLS: is it serving without ssl=?)"
+
 
 def _first_bytes(data: bytes) -> str:
     """``data`` (the first bytes a server sent) for an error: escaped, cut after
@@ -828,6 +833,11 @@ class Peer(Pump):
             return ConnectionLostError(
                 f"{where} closed the connection during the handshake without answering as a kvwire "
                 f"server: its first bytes were {_first_bytes(first)}", code=err.code)
+        if isinstance(err, ConnectionLostError) and closed.by_peer and not first and self._ssl is None:
+            # A TLS server takes the HELLO for a broken ClientHello and closes, sending nothing.
+            return ConnectionLostError(
+                f"{where} closed the connection during the handshake before sending anything "
+                f"{PLAIN_TO_TLS_HINT}", code=err.code)
         return err
 
     def _on_given_up(self, ev: StreamGivenUp) -> None:
@@ -928,7 +938,10 @@ class Peer(Pump):
         if isinstance(exc, _ssl.SSLCertVerificationError):
             return AuthenticationError(f"TLS certificate verification failed: {_reason(exc)}")
         if isinstance(exc, _ssl.SSLError):
-            return ConnectionLostError(f"TLS handshake with {where} failed: {_reason(exc)}")
+            # WRONG_VERSION_NUMBER: what came back is no TLS record (a kvwire server without
+            # TLS answers the ClientHello with a GOAWAY frame).
+            hint = f" {TLS_TO_PLAIN_HINT}" if getattr(exc, "reason", None) == "WRONG_VERSION_NUMBER" else ""
+            return ConnectionLostError(f"TLS handshake with {where} failed: {_reason(exc)}{hint}")
         if isinstance(exc, (OSError, ValueError)):  # ValueError: a host name the resolver refuses (UnicodeError)
             return ConnectionLostError(f"cannot connect to {where}: {_reason(exc)}")
         _log.debug("connecting to %s failed unexpectedly", self._where, exc_info=exc)

@@ -845,6 +845,22 @@ class _BigFrame:
 _CHUNK_HEAD = HEADER_SIZE + CHUNK_FIXED.size
 
 
+def _is_tls_client_hello(ftype: int, flags: int, reserved: int, length: int) -> bool:
+    """Whether a frame header's 8 bytes are the start of a TLS ClientHello, as a client
+    that speaks TLS first sends: a TLS record header (content type 22, handshake; version
+    3.x; a 2-byte length), then the handshake message's type (1, ClientHello) and the
+    first 2 bytes of its 3-byte length."""
+    return (ftype == _TLS_HANDSHAKE_RECORD and flags == _TLS_MAJOR_VERSION
+            and reserved >> 8 <= _TLS_MAX_MINOR_VERSION
+            and (length >> 16) & 0xFF == _TLS_CLIENT_HELLO)
+
+
+_TLS_HANDSHAKE_RECORD = 0x16
+_TLS_MAJOR_VERSION = 0x03
+_TLS_MAX_MINOR_VERSION = 0x04  # SSL 3.0 (0x0300) to TLS 1.3's legacy 0x0303, with room
+_TLS_CLIENT_HELLO = 0x01
+
+
 class FrameDecoder:
     """Turns a byte stream into frames.
 
@@ -1069,14 +1085,28 @@ class FrameDecoder:
         return self.feed(b"")
 
     def _check_header(self, head: memoryview) -> tuple[int, int]:
-        ftype, _flags, _reserved, length = HEADER.unpack(head[:HEADER_SIZE])
+        ftype, flags, reserved, length = HEADER.unpack(head[:HEADER_SIZE])
         if length > self.max_body:
+            if self._at_stream_start(head) and _is_tls_client_hello(ftype, flags, reserved, length):
+                raise FrameTooLargeError(
+                    "the first bytes are a TLS ClientHello, not a kvwire frame: this server does "
+                    "not use TLS (or the client expects TLS)"
+                )
             raise FrameTooLargeError(
                 f"frame type 0x{ftype:02x} announces {length} bytes, limit {self.max_body}"
             )
         # The reserved field is checked after the CRC (see _check_reserved): a flipped bit
         # there is line noise, an integrity error, not a peer breaking the protocol.
         return int(ftype), int(length)
+
+    def _at_stream_start(self, head: memoryview) -> bool:
+        """Whether ``head``, a header :meth:`_check_header` was given, is the first of the
+        stream (no byte before it was taken): ``head`` is either the whole of what is left
+        of a feed with nothing buffered, or a slice of the buffer at ``_pos``.  Asked only
+        for a header that failed, off the path of frames that decode."""
+        if not self._buf:
+            return self.bytes_received == len(head)
+        return self._pos == 0 and self.bytes_received == len(self._buf)
 
     def _feed_big(self, view: memoryview, out: list[tuple[Frame, int]]) -> memoryview:
         """Advance the big frame with ``view``; return what is left of it."""
