@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import Iterator
 
 import pytest
+import trustme
 
 
 class Records(logging.Handler):
@@ -33,3 +35,14 @@ def records() -> Iterator[Records]:
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(level)
+
+
+def tls_contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a certificate for 127.0.0.1 from a throwaway CA, and a client
+    context that trusts that CA."""
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    ca.configure_trust(client_ctx)
+    return server_ctx, client_ctx

@@ -9,31 +9,21 @@ TCP."""
 from __future__ import annotations
 
 import asyncio
-import ssl
 from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
-import trustme
 
 import kvwire
+from tests.aio.conftest import tls_contexts
 from tests.aio.test_goaway_before_reset import SPEC, TOKENS, _wait_first_layer_acked
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    ca = trustme.CA()
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ca.configure_trust(client_ctx)
-    return server_ctx, client_ctx
-
-
 async def test_a_tls_sender_that_writes_before_reading_acts_on_the_goaway_it_had_not_read() -> None:
-    server_ctx, client_ctx = _contexts()
+    server_ctx, client_ctx = tls_contexts()
     k = np.ones((TOKENS, SPEC.num_kv_heads, SPEC.head_dim), np.float16)
     release = asyncio.Event()
 

@@ -15,30 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 
 import pytest
-import trustme
 
 import kvwire
 from kvwire.errors import ConnectionLostError
-from tests.aio.conftest import Records
+from tests.aio.conftest import Records, tls_contexts
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    ca = trustme.CA()
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ca.configure_trust(client_ctx)
-    return server_ctx, client_ctx
-
-
 async def test_a_plain_client_of_a_tls_server_is_told_to_pass_ssl() -> None:
-    server_ctx, _ = _contexts()
+    server_ctx, _ = tls_contexts()
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, ssl=server_ctx) as server:
         with pytest.raises(ConnectionLostError) as info:
             async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, max_reconnects=0):
@@ -49,7 +38,7 @@ async def test_a_plain_client_of_a_tls_server_is_told_to_pass_ssl() -> None:
 
 
 async def test_a_tls_client_of_a_plain_server_is_told_it_answered_without_tls() -> None:
-    _, client_ctx = _contexts()
+    _, client_ctx = tls_contexts()
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         with pytest.raises(ConnectionLostError) as info:
             async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, ssl=client_ctx,
@@ -61,7 +50,7 @@ async def test_a_tls_client_of_a_plain_server_is_told_it_answered_without_tls() 
 
 
 async def test_a_plain_server_logs_a_client_hello_as_one(records: Records) -> None:
-    _, client_ctx = _contexts()
+    _, client_ctx = tls_contexts()
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         with pytest.raises(ConnectionLostError):
             async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, ssl=client_ctx,
