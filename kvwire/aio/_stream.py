@@ -22,8 +22,9 @@ from kvwire.wire.frames import ByteRanges, CheckedPayload
 #: The compiled send queue (``kvwire/aio/_sendq.c``), or None: then every stream writes
 #: through its transport (:func:`write_parts`).
 _sendq = load_extension("kvwire.aio._sendq")
-#: A stream with its own send queue stops taking frames above this many queued bytes and
-#: takes them again at or below ``QUEUE_LOW`` (the transport's write limits).
+#: A client's stream stops taking frames above this many queued bytes (a server's uses
+#: ``REPLY_QUEUE_HIGH``) and takes them again at or below ``QUEUE_LOW`` (the transport's
+#: write limits where it writes).
 QUEUE_HIGH = 4 << 20
 QUEUE_LOW = 1 << 20
 #: The marks of a server's streams, which send only control frames (ACK, CREDIT, RESET,
@@ -116,7 +117,11 @@ class Core(Protocol):
 
 
 class Owner(Protocol):
-    """The pump a stream belongs to: its core, its clock, and the side-specific parts."""
+    """The pump a stream belongs to: its core, its clock, and the side-specific parts.
+
+    An owner whose ``fixed_connections`` is true (a server's; :class:`Pump` declares it
+    False) never gives a stream's key another connection: the stream then reads into its
+    core connection straight.  An owner without the attribute counts as False."""
 
     @property
     def core(self) -> Core: ...
@@ -130,7 +135,7 @@ class Owner(Protocol):
         """Whether the stream still feeds the core (a replaced one's last bytes do not)."""
     def stream_lost(self, stream: Stream) -> None: ...
     def set_writable(self, stream: Stream, writable: bool) -> None:
-        """The transport's write buffer went over (False) or back under (True) its limit."""
+        """The stream's unsent bytes went over its high mark (False) or back to its low mark (True)."""
 
 
 class Stream(asyncio.BufferedProtocol):
@@ -651,7 +656,6 @@ def _queue_parts(data: Sequence[Any]) -> list[Any]:
     return parts
 
 
-
 def _checked_parts(p: CheckedPayload) -> tuple[tuple[Any, ...], ...]:
     """A CheckedPayload as the send queue's checked parts: ``(payload, crc)``, or for a
     payload in several buffers a chain in which each but the last hands its CRC on; byte
@@ -756,6 +760,9 @@ class Pump:
 
     core: Any
     closed = False
+    #: Whether the core never gives a stream's key another connection (see ``Owner``):
+    #: a server's pump says True.
+    fixed_connections: bool = False
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()

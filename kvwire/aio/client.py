@@ -676,8 +676,7 @@ class Peer(Pump):
 
     def _on_event(self, ev: Any) -> None:
         est = self.estimator
-        # The two events of every chunk first, by their exact classes (no subclasses):
-        # no isinstance() call for each.
+        # The two events of every chunk first, tested by exact class (no subclasses).
         if type(ev) is ChunkSent:
             self.bytes_sent += ev.wire_size
             now = clock()

@@ -247,11 +247,10 @@ class InflightController:
         """Advance the gain phase to ``now`` and recompute the target from the estimator.
 
         A ``now`` that is not a finite number is refused with ``ValueError`` before
-        anything changes, as the estimator refuses one (infinity raised OverflowError
-        here, and NaN was taken in). A ``now`` before the last one (a clock that stepped
-        back) moves the times kept back by as much: a phase or a drain lasts as long as
-        it would have (a 5 s step held them 5 s longer)."""
-        if not math.isfinite(now):  # (check_now's test, one call less per chunk)
+        anything changes, as the estimator refuses one. A ``now`` before the last one (a
+        clock that stepped back) moves the times kept back by as much: a phase or a drain
+        lasts as long as it would have (a 5 s step held them 5 s longer)."""
+        if not math.isfinite(now):  # (check_now's test, inlined: per-chunk path)
             raise now_error(now)
         last, self._last_now = self._last_now, now
         if last is not None and now < last:
@@ -275,7 +274,8 @@ class InflightController:
         # RTT hold through many acks. (Values refused are never kept, so a NaN never
         # matches: it is refused every time.)
         if (bandwidth, min_rtt, self._floor_bytes) != self._path_floor_of:
-            if not math.isfinite(bandwidth + min_rtt):  # (finite values have a finite sum, or both are huge)
+            # a non-finite sum: one is NaN/inf (or both finite and huge, which _check_finite lets through)
+            if not math.isfinite(bandwidth + min_rtt):
                 _check_finite(bandwidth_bps=bandwidth, min_rtt=min_rtt)  # floor_for's refusal
             self._path_floor_bytes = self._path_floor(bandwidth, min_rtt)
             self._path_floor_of = (bandwidth, min_rtt, self._floor_bytes)

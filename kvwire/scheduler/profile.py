@@ -58,8 +58,7 @@ _BUILTIN_FILES = {"hybrid-1t": "hybrid_1t.json", "llama-3-70b": "llama_3_70b.jso
 MIN_RELATIVE_COMPUTE = 1e-3
 """Least ``relative_compute`` :meth:`ModelProfile.scaled` takes: a local instance with a
 thousandth of a remote one's compute. Below it the prefill latencies run to hours and the
-fixed per-pass cost is lost to rounding (from about 1e-17 the scaled points, extended to
-0 tokens, went negative, and the error blamed the profile's points)."""
+fixed per-pass cost is lost to rounding."""
 
 #: Relative error of a prefill latency extended to 0 tokens that is rounding, not a
 #: negative latency: a profile through the origin (its line reaches exactly 0 s at 0

@@ -91,7 +91,7 @@ def load_trace(path: str | Path, *, limit: int | None = None) -> tuple[TraceRequ
                         hash_ids=tuple(json_whole(h, "a hash id") for h in hash_ids),
                     )
                 except KeyError as exc:
-                    # Not "not a trace record ('output_length')", the KeyError's repr.
+                    # name the missing field (a KeyError's str() is only the key's repr)
                     raise UsageError(
                         f"{path}:{lineno}: missing field {exc.args[0]!r} (a record needs "
                         f"{', '.join(_REQUIRED_FIELDS)})"

@@ -161,8 +161,10 @@ def _begin_digest(begin: Begin) -> bytes:
 
 
 #: The fields of BEGIN besides its ids, as a refusal of a BEGIN that repeats both with
-#: another of them names them.
-_BEGIN_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype_id", "model", "meta", "blocks")
+#: another of them names them: its layout (named with both values) and what it holds
+#: (named only).
+_LAYOUT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "dtype_id", "model")
+_HELD_FIELDS = ("meta", "blocks")
 
 
 def _begin_differences(kept: Begin, begin: Begin, *, whole: bool) -> str:
@@ -170,16 +172,15 @@ def _begin_differences(kept: Begin, begin: Begin, *, whole: bool) -> str:
     both have them; meta and blocks only by name (``whole``: ``kept`` still has them; else
     they may be what differs)."""
     said = []
-    for name in _BEGIN_FIELDS[:5]:
+    for name in _LAYOUT_FIELDS:
         old, new = getattr(kept, name), getattr(begin, name)
         if old != new:
             said.append(f"{name} {new!r}, not {old!r}" if name == "model" else f"{name} {new}, not {old}")
     if whole:
-        said += [name for name in _BEGIN_FIELDS[5:] if getattr(kept, name) != getattr(begin, name)]
+        said += [name for name in _HELD_FIELDS if getattr(kept, name) != getattr(begin, name)]
     elif not said:
         said.append("meta or prefix blocks")
     return "; ".join(said)
-
 
 
 def _in_use(tid: int, begin: Begin, existing: _Incoming | None, done: bytes | None) -> str:
@@ -721,7 +722,8 @@ class _Session:
     tombstones: OrderedDict[int, tuple[ErrorCode, str]] = field(default_factory=OrderedDict)
     # Completed transfers the application has taken, the last COMPLETED_KEPT: their ids,
     # each with a digest of its request id and one of its whole BEGIN, 8 bytes each (a
-    # BEGIN repeating both is answered as a re-send, any other is a duplicate).
+    # BEGIN matching both digests is answered as a re-send; one with the same ids and
+    # anything else different is a duplicate).
     completed: OrderedDict[int, bytes] = field(default_factory=OrderedDict)
     # Transfers this side failed and told the client so, each with the open connections its
     # RESET went out on (empty: none, no stream was open): that RESET may be lost with them.
@@ -1370,7 +1372,8 @@ class ReceiverCore:
 
     def _timer_valid(self, name: tuple[int, Any], when: float) -> bool:
         """Whether the heap's top entry ``(when, name)`` is due as it says; if not, it is
-        dropped (and its deadline's current value pushed)."""
+        dropped, or, where it was its deadline's latest entry and the deadline moved,
+        replaced in place by one at the deadline's current value."""
         current = self._timer_value(name)
         hinted = self._timer_at.get(name) == when  # (the entry is its deadline's hint)
         if hinted and current == when:
@@ -2228,6 +2231,8 @@ class ReceiverCore:
         layer_bytes = self._check_chunk(t, chunk)
         if address is None:
             address = chunk.address
+        # (taken and put back if another connection's, rather than get then del: no
+        # hashing of the address while the transfer has no reservation)
         res = t.inplace.pop(address, None)
         inplace = False
         if res is not None:

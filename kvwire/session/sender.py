@@ -464,7 +464,8 @@ class SenderCore:
     @property
     def events(self) -> deque[SenderEvent]:
         """The events not taken yet, oldest first: take them with ``popleft()`` (as
-        :meth:`next_event` does, one call less per event on the I/O layer's pump)."""
+        :meth:`next_event` does).  It is the same deque for the core's life: it may be
+        kept."""
         return self._events
 
     @property
@@ -482,7 +483,7 @@ class SenderCore:
     @property
     def bytes_in_flight(self) -> int:
         """CHUNK bytes sent on open connections and not yet acknowledged."""
-        flight = 0  # (a loop, not sum() of a generator: pump() asks for every chunk)
+        flight = 0
         for s in self._slots:
             if s.open and s.conn is not None:
                 flight += s.window - s.conn.send_credit
@@ -610,8 +611,7 @@ class SenderCore:
 
     def get_timer(self) -> float | None:
         """The earliest of the slots' reconnects, their connections' timers and the
-        transfers' deadlines (as ``min()`` of them, taken in that order, would say; no list
-        is made: the I/O layer asks on every pump); None if there is none."""
+        transfers' deadlines; None if there is none."""
         earliest: float | None = None
         for s in self._slots:
             when = s.reconnect_at
@@ -660,7 +660,7 @@ class SenderCore:
         slot = self._slots[index]
         conn = slot.conn
         while conn is not None and (ev := conn.next_event()) is not None:
-            if type(ev) is ChunkAcked:  # (every chunk's: no isinstance() call; no subclasses)
+            if type(ev) is ChunkAcked:  # (no subclasses: tested by exact class)
                 t = self._transfers.get(ev.address.transfer_id)
                 sent = t.state.on_ack(ev.address) if t is not None else None
                 if t is None or sent is None:
@@ -975,7 +975,7 @@ class SenderCore:
     def _anything_queued(self) -> bool:
         """Whether any transfer has bytes added and not yet on a stream
         (``queued_bytes() > 0``, without summing them all)."""
-        for t in self._transfers.values():  # noqa: SIM110 (any() of a generator: calls per chunk)
+        for t in self._transfers.values():  # noqa: SIM110 (per-chunk path: a loop, not any())
             if t.queued_bytes:
                 return True
         return False

@@ -1134,14 +1134,14 @@ class FrameDecoder:
             dest = big.dest
             assert dest is not None
             take = min(big.size - big.filled, len(view))
-            if not take:
-                pass  # (nothing of the payload in view: the read that started it ended with its head)
-            elif isinstance(dest, tuple):
-                self._fill_segments(big, take, view)
-            else:
-                dest[big.filled : big.filled + take] = view[:take]
-                big.running = crc32c(view[:take], big.running)
-                big.filled += take
+            # (take 0: nothing of the payload in view, the read that started it ended with its head)
+            if take:
+                if isinstance(dest, tuple):
+                    self._fill_segments(big, take, view)
+                else:
+                    dest[big.filled : big.filled + take] = view[:take]
+                    big.running = crc32c(view[:take], big.running)
+                    big.filled += take
             view = view[take:]
             if big.filled < big.size:
                 return view
