@@ -1,6 +1,7 @@
 """Packaging: what setup.py builds when an extension does not compile, how kvwire loads
-what was built, what the sdist carries, and that the optional extras stay optional
-(``mypy`` without redis-py, ``from kvwire.consistency import *`` without it)."""
+what was built (and what README says the CRC reports of it), what the sdist carries, and
+that the optional extras stay optional (``mypy`` without redis-py, ``from
+kvwire.consistency import *`` without it)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
+import kvwire
 from kvwire._extensions import load_extension
 
 ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 EXTENSIONS = {
     "kvwire.codec._hostcodec": "kvwire/codec/_hostcodec.c",
     "kvwire.wire._crc32c": "kvwire/wire/_crc32c.c",
@@ -81,6 +84,18 @@ def test_import_kvwire_where_the_crc_extension_is_missing() -> None:
         "print('ok')\n"
     )
     assert out.returncode == 0 and out.stdout.split() == ["ok"], out.stderr
+
+
+def test_readme_says_what_crc_implementation_returns() -> None:
+    """``kvwire.wire.crc.implementation()`` is words (``compiled <loop>`` or ``crc32c
+    package``), the loop alone being what ``kvwire.extensions()["crc32c"]`` gives."""
+    from kvwire.wire import crc
+
+    loop = kvwire.extensions()["crc32c"]
+    assert crc.implementation() == ("crc32c package" if loop is None else f"compiled {loop}")
+    text = " ".join(README.read_text().split())
+    assert "`kvwire.wire.crc.implementation()` says which, in words: `'compiled avx512-vpclmulqdq'`" in text
+    assert "`'crc32c package'`" in text
 
 
 # ---------------------------------------------------------------------------------------
