@@ -25,7 +25,7 @@ import numpy.typing as npt
 
 from kvwire.errors import UsageError
 from kvwire.scheduler._checks import check_number, check_whole
-from kvwire.scheduler.profile import ModelProfile
+from kvwire.scheduler.profile import MIN_RELATIVE_COMPUTE, ModelProfile
 from kvwire.scheduler.workload import LengthDistribution
 
 __all__ = [
@@ -119,6 +119,8 @@ class ClusterConfig:
         check_number("egress_bps", self.egress_bps, at_least=0.0)
         for name in ("relative_compute", "decode_step_s", "mean_output_tokens"):
             check_number(name, getattr(self, name), above=0.0)
+        if self.local_profile is None:  # (the local profile is the remote one scaled by it)
+            check_number("relative_compute", self.relative_compute, at_least=MIN_RELATIVE_COMPUTE)
 
     @property
     def local_prefill_profile(self) -> ModelProfile:

@@ -93,9 +93,12 @@ def test_scaled_refuses_a_relative_compute_out_of_range(value: float) -> None:
 
 
 def test_the_library_names_relative_compute_not_the_profile() -> None:
-    cluster = ClusterConfig(remote_profile=builtin_profile("hybrid-1t"), relative_compute=1e-17)
-    with pytest.raises(UsageError, match=r"^relative_compute must be"):
-        _ = cluster.local_prefill_profile
+    with pytest.raises(UsageError, match=r"^relative_compute must be a finite number >= 0\.001"):
+        ClusterConfig(remote_profile=builtin_profile("hybrid-1t"), relative_compute=1e-17)
+    # With a measured local profile, relative_compute scales nothing and is not held to it.
+    local = builtin_profile("hybrid-1t")
+    cluster = ClusterConfig(remote_profile=local, relative_compute=1e-17, local_profile=local)
+    assert cluster.local_prefill_profile is local
 
 
 def test_a_profile_through_the_origin_scales() -> None:
