@@ -19,7 +19,7 @@ from kvwire.session.receiver import (
     TransferFailed,
 )
 from kvwire.wire import TransferAccepted, TransferReset
-from tests.session.test_budget_credit import (
+from tests.session.budget_helpers import (
     LAYER,
     begin_all,
     harness,
@@ -29,7 +29,7 @@ from tests.session.test_budget_credit import (
     take,
     within_budget,
 )
-from tests.session.test_receiver_core import SECRET, Harness, begin, chunk, join
+from tests.session.receiver_harness import SECRET, Harness, begin, chunk, join
 
 
 def accepted(h: Harness) -> list[int]:

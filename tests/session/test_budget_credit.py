@@ -11,67 +11,29 @@ through the receiver core alone (the client a wire connection that keeps to its 
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvwire.errors import ErrorCode
 from kvwire.session.receiver import (
     LayerReady,
     ReceiverConfig,
-    TransferArrived,
     TransferFailed,
     wire_text,
 )
 from kvwire.wire import CreditGranted, TransferAccepted
-from tests.session.test_receiver_core import BPT, SECRET, Harness, begin, chunk, join
-
-LAYER = 2 * 8 * BPT  # 8 tokens of K and V: what each layer of these transfers takes
-
-
-def harness(budget_layers: int, window_layers: int) -> Harness:
-    return Harness(ReceiverConfig(secret=SECRET, max_buffer_bytes=budget_layers * LAYER,
-                                  transfer_buffer_bytes=window_layers * LAYER, claim_timeout=None))
-
-
-def limit(h: Harness, tid: int) -> int:
-    """The layer limit the client has for ``tid`` (ACCEPT's, raised by every CREDIT)."""
-    granted = [e.layer_limit for e in h.client_events
-               if isinstance(e, TransferAccepted | CreditGranted) and e.transfer_id == tid]
-    return max(granted)
+from tests.session.budget_helpers import (
+    LAYER,
+    begin_all,
+    harness,
+    key,
+    limit,
+    send_layer,
+    take,
+    within_budget,
+)
+from tests.session.receiver_harness import SECRET, Harness, chunk, join
 
 
 def credits(h: Harness, tid: int) -> list[int]:
     return [e.layer_limit for e in h.client_of(CreditGranted) if e.transfer_id == tid]
-
-
-def key(h: Harness, tid: int) -> tuple[bytes, int]:
-    return next(e.key for e in h.of(TransferArrived) if e.key[1] == tid)  # type: ignore[no-any-return]
-
-
-def within_budget(h: Harness) -> None:
-    """Layers held and layers granted never take more than the budget."""
-    core = h.core
-    assert core.buffered_bytes - core.kept_bytes + core.reserved_bytes <= core.config.max_buffer_bytes
-    assert core.reserved_bytes == sum(t.reserved for t in core._live.values())
-
-
-def begin_all(h: Harness, layers: int, *tids: int) -> None:
-    for tid in tids:
-        h.client.send_begin(begin(tid=tid, layers=layers, request=f"r{tid}"))
-    h.pump()
-
-
-def send_layer(h: Harness, tid: int, layer: int, *, k: bool = True) -> None:
-    if k:
-        h.send(chunk(tid=tid, layer=layer, kind=0))
-    h.send(chunk(tid=tid, layer=layer, kind=1))
-    within_budget(h)
-
-
-def take(h: Harness, tid: int, layer: int) -> Any:
-    buf = h.core.pop_layer(key(h, tid), layer, h.now)
-    h.pump()
-    within_budget(h)
-    return buf
 
 
 def test_two_transfers_over_the_budget_both_complete_as_the_application_takes_layers() -> None:

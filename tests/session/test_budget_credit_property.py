@@ -12,17 +12,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.session.test_budget_credit import (
-    LayerReady,
-    TransferAccepted,
-    TransferFailed,
-    harness,
-    limit,
-    send_layer,
-    take,
-    within_budget,
-)
-from tests.session.test_receiver_core import begin, chunk
+from kvwire.session.receiver import LayerReady, TransferFailed
+from kvwire.wire import TransferAccepted
+from tests.session.budget_helpers import harness, limit, send_layer, take, within_budget
+from tests.session.receiver_harness import begin, chunk
 
 
 @st.composite

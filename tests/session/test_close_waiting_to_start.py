@@ -15,8 +15,8 @@ from kvwire.wire import (
     TransferAccepted,
     TransferReset,
 )
-from tests.session.test_budget_credit import LAYER, begin_all, limit, send_layer
-from tests.session.test_receiver_core import SECRET, Harness, begin, join
+from tests.session.budget_helpers import LAYER, begin_all, limit, send_layer
+from tests.session.receiver_harness import SECRET, Harness, begin, join
 
 
 def test_a_closing_server_accepts_none_of_those_waiting_and_resets_every_admitted_transfer_before_its_goaway() -> None:

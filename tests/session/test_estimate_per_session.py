@@ -14,8 +14,8 @@ from kvwire.errors import ErrorCode
 from kvwire.session.receiver import RECENT_FIRST_LAYERS, ReceiverConfig
 from kvwire.wire import Chunk, CreditGranted, TransferAccepted, TransferReset
 from kvwire.wire.frames import chunk_frame_size
-from tests.session.test_budget_credit import LAYER, begin_all, key, take, within_budget
-from tests.session.test_receiver_core import BPT, SECRET, Harness, begin, chunk, join
+from tests.session.budget_helpers import LAYER, begin_all, key, take, within_budget
+from tests.session.receiver_harness import BPT, SECRET, Harness, begin, chunk, join
 
 #: A unit of the budget: a layer of 64 tokens (K and V).
 UNIT = 2 * 64 * BPT

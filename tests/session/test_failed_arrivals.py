@@ -17,19 +17,13 @@ from kvwire.session.meta import parse_meta
 from kvwire.session.receiver import (
     ReceiverConfig,
     TransferAborted,
-    TransferArrived,
     TransferDropped,
     TransferFailed,
     begin_footprint,
 )
 from kvwire.wire import Connection
-from tests.session.test_receiver_core import SECRET, Harness, begin, chunk, join
-
-
-def arrive(h: Harness, tid: int, request: str, **kw: object) -> tuple[bytes, int]:
-    h.client.send_begin(begin(tid=tid, layers=1, request=request, **kw))
-    h.pump()
-    return next(e.key for e in h.of(TransferArrived) if e.key[1] == tid)  # type: ignore[no-any-return]
+from tests.session.arrival_helpers import arrive
+from tests.session.receiver_harness import SECRET, Harness, begin, chunk, join
 
 
 def failed_of(h: Harness, key: tuple[bytes, int]) -> TransferFailed:

@@ -15,7 +15,7 @@ import pytest
 from kvwire.errors import ErrorCode, ProtocolError
 from kvwire.session.receiver import ByteStore, ReceiverConfig, TransferArrived, TransferFailed
 from kvwire.wire import Begin, Chunk, TransferReset, chunk_frame_size
-from tests.session.test_receiver_core import SECRET, Harness
+from tests.session.receiver_harness import SECRET, Harness
 
 HEADS, HEAD_DIM = 1, 4
 BPT = HEADS * HEAD_DIM * 2  # float16

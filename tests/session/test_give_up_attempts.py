@@ -8,7 +8,7 @@ import pytest
 
 from kvwire.errors import ConnectionLostError, ErrorCode
 from kvwire.session.sender import SenderConfig, SenderCore, StreamGivenUp
-from tests.session.test_sender_core import SECRET, Harness
+from tests.session.sender_harness import SECRET, Harness
 
 
 @pytest.mark.parametrize("attempts", [1, 2, 5])

@@ -8,7 +8,7 @@ from __future__ import annotations
 from kvwire.errors import ErrorCode
 from kvwire.session.receiver import LayerReady, ReceiverConfig, TransferFailed
 from kvwire.wire import ChunkAcked, ChunkVerdict, IncomingTransfer
-from tests.session.test_receiver_core import SECRET, Harness, begin, chunk
+from tests.session.receiver_harness import SECRET, Harness, begin, chunk
 
 
 def test_a_codec_not_accepted_is_refused_after_chunks_of_one_that_is() -> None:

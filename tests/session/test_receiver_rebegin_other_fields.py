@@ -14,7 +14,7 @@ from kvwire.errors import ErrorCode
 from kvwire.session.receiver import LayerReady, TransferFailed
 from kvwire.wire import TransferAccepted, TransferReset
 from kvwire.wire.frames import BlockVersion
-from tests.session.test_receiver_core import Harness, begin, chunk
+from tests.session.receiver_harness import Harness, begin, chunk
 
 OTHER = [
     ({"layers": 3}, "num_layers 3, not 2"),

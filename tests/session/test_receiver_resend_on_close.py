@@ -14,33 +14,23 @@ import random
 import pytest
 
 from kvwire.errors import ConnectionLostError, ErrorCode
-from kvwire.session.receiver import LayerReady, ReceiverConfig, ReceiverCore, RegistryCheck
+from kvwire.session.receiver import LayerReady, ReceiverConfig, RegistryCheck
 from kvwire.session.sender import SenderConfig, TransferDone
 from kvwire.testing.session_pair import SessionPair
 from kvwire.wire import (
     Chunk,
     Connection,
     CreditGranted,
-    Event,
     TransferAccepted,
     TransferReset,
     chunk_frame_size,
 )
 from kvwire.wire.frames import BlockVersion, FrameType
-from tests.session.test_receiver_core import BPT as BPT_CORE
-from tests.session.test_receiver_core import SECRET, Harness, begin, chunk, join
+from tests.session.receiver_harness import SECRET, Harness, begin, chunk, join
+from tests.session.stream_helpers import ONE_LAYER, break_stream, events_of
 
 # A transfer buffer of one layer of the tests' chunks (8 tokens of K and V; the pair's, 64):
 # the server grants one layer at a time, each time the application takes one.
-ONE_LAYER = 2 * 8 * BPT_CORE
-
-
-def events_of(core: ReceiverCore, cid: int, client: Connection, now: float) -> list[Event]:
-    """What connection ``cid``'s client reads of what the server has for it now."""
-    out = core.data_to_send(cid)
-    if out:
-        client.receive_data(out, now)
-    return list(iter(client.next_event, None))
 
 
 def two_streams(**config: object) -> tuple[Harness, Connection]:
@@ -49,12 +39,6 @@ def two_streams(**config: object) -> tuple[Harness, Connection]:
     h = Harness(ReceiverConfig(secret=SECRET, resume_timeout=10.0, **config))  # type: ignore[arg-type]
     second, _ = join(h.core, 2, h.now, session_id=h.client.session_id, stream_index=1)
     return h, second
-
-
-def break_stream(h: Harness, cid: int) -> None:
-    """The connection breaks (EOF, resumable) before its client read what the server sent."""
-    h.core.receive_data(cid, b"", h.now)
-    h.core.forget(cid)
 
 
 def test_a_credit_lost_with_a_broken_stream_goes_again_on_a_stream_still_open() -> None:

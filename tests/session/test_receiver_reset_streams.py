@@ -25,10 +25,10 @@ from kvwire.session.sender import (
     TransferFailed,
 )
 from kvwire.wire import Chunk, ConnectionClosed, TransferReset
-from tests.session.test_receiver_core import SECRET, Harness, begin, join
-from tests.session.test_receiver_resend_on_close import break_stream, events_of
-from tests.session.test_sender_core import begin as sender_begin
-from tests.session.test_sender_core import harness as sender_harness
+from tests.session.receiver_harness import SECRET, Harness, begin, join
+from tests.session.sender_harness import begin as sender_begin
+from tests.session.sender_harness import harness as sender_harness
+from tests.session.stream_helpers import break_stream, events_of
 
 HEADS, HEAD_DIM, TOKENS = 2, 4, 8
 BPT = HEADS * HEAD_DIM * 2

@@ -10,8 +10,8 @@ from __future__ import annotations
 from kvwire.errors import ErrorCode
 from kvwire.session.receiver import LayerReady, ReceiverConfig, ReceiverCore
 from kvwire.wire import Connection, CreditGranted, Event, TransferReset
-from tests.session.test_receiver_core import SECRET, Harness, begin, chunk, join
-from tests.session.test_receiver_resend_on_close import ONE_LAYER, break_stream, events_of
+from tests.session.receiver_harness import SECRET, Harness, begin, chunk, join
+from tests.session.stream_helpers import ONE_LAYER, break_stream, events_of
 
 FAILED = 5  # transfers the application aborts, tids 1..5
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvwire.session.receiver import LayerReady, Region
 from kvwire.wire import Chunk, ChunkAcked, State
-from tests.session.test_receiver_core import (
+from tests.session.receiver_harness import (
     BIG,
     BPT,
     CountingStore,

@@ -21,8 +21,9 @@ from kvwire.session.receiver import (
     TransferFailed,
 )
 from kvwire.wire import TransferAccepted, chunk_frame_size
-from tests.session.test_receiver_core import BPT, Harness, begin, chunk
-from tests.session.test_registry_calls_in_flight import (
+from tests.session.client_helpers import Client
+from tests.session.receiver_harness import BPT, Harness, begin, chunk
+from tests.session.registry_helpers import (
     BLOCKS,
     BLOCKS_BYTES,
     Key,
@@ -30,7 +31,6 @@ from tests.session.test_registry_calls_in_flight import (
     gated_harness,
     refusals,
 )
-from tests.session.test_unclaimed_of_ended_sessions import Client
 
 
 def begin_gated(h: Harness, tid: int) -> None:

@@ -19,7 +19,6 @@ from kvwire.errors import ErrorCode, RegistryUnavailableError, StaleVersionError
 from kvwire.session.receiver import (
     BLOCK_ENTRY_BYTES,
     LayerReady,
-    ReceiverConfig,
     RegistryCheck,
     RegistryPublish,
     TransferArrived,
@@ -27,16 +26,15 @@ from kvwire.session.receiver import (
 )
 from kvwire.wire import ChunkAcked, TransferAccepted, TransferReset, chunk_frame_size
 from kvwire.wire.frames import BlockVersion
-from tests.session.test_receiver_core import BPT, SECRET, Harness, begin, chunk
-from tests.session.test_unclaimed_of_ended_sessions import Client
-
-BLOCKS = tuple(BlockVersion(block=f"i:{i}".encode(), version=3) for i in range(1, 9))
-BLOCKS_BYTES = sum(2 * len(b.block) + BLOCK_ENTRY_BYTES for b in BLOCKS)  # (what a call's block list counts)
-Key = tuple[bytes, int]
-
-
-def gated_harness(**config: object) -> Harness:
-    return Harness(ReceiverConfig(secret=SECRET, registry=True, **config))  # type: ignore[arg-type]
+from tests.session.client_helpers import Client
+from tests.session.receiver_harness import BPT, Harness, begin, chunk
+from tests.session.registry_helpers import (
+    BLOCKS,
+    BLOCKS_BYTES,
+    checks,
+    gated_harness,
+    refusals,
+)
 
 
 def begin_and_reset(h: Harness, tid: int) -> None:
@@ -44,14 +42,6 @@ def begin_and_reset(h: Harness, tid: int) -> None:
     h.client.send_begin(begin(tid=tid, layers=1, request=f"r{tid}", blocks=BLOCKS))
     h.client.send_reset(tid, ErrorCode.CANCELLED, "the sender gave up")
     h.pump()
-
-
-def checks(h: Harness) -> list[Key]:
-    return [e.key for e in h.of(RegistryCheck)]
-
-
-def refusals(h: Harness) -> list[TransferReset]:
-    return [e for e in h.client_of(TransferReset) if e.code == ErrorCode.LIMIT_EXCEEDED]
 
 
 def test_a_check_whose_transfer_was_reset_keeps_its_place_until_answered() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kvwire.session.receiver import ReceiverConfig, ReceiverCore, TransferArrived
 from kvwire.wire import Connection, TransferReset
-from tests.session.test_receiver_core import SECRET, begin, join
+from tests.session.receiver_harness import SECRET, begin, join
 
 RESETS = 16
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvwire.errors import ErrorCode, TransferAbortedError
 from kvwire.session.sender import SessionFailed, StreamClosed, TransferFailed
-from tests.session.test_sender_core import begin, harness
+from tests.session.sender_harness import begin, harness
 
 TEXT = "receiver aborted transfer 'r'"
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvwire.errors import ConnectionLostError, ErrorCode
 from kvwire.session.sender import SessionFailed, TransferFailed
-from tests.session.test_sender_core import Harness, harness
+from tests.session.sender_harness import Harness, harness
 
 REASON = "the server is shutting down"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvwire.errors import TransferTimeoutError
 from kvwire.session.sender import TransferFailed
-from tests.session.test_sender_core import begin, harness
+from tests.session.sender_harness import begin, harness
 
 
 def test_a_send_not_accepted_is_counted_and_its_timeout_says_it_never_started() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvwire.session.receiver import ReceiverConfig
 from kvwire.wire.frames import PROTOCOL_VERSION
-from tests.session.test_receiver_core import SECRET, Harness, join
+from tests.session.receiver_harness import SECRET, Harness, join
 
 
 def test_open_sessions_are_counted_by_the_version_they_agreed() -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from kvwire.errors import ErrorCode
 from kvwire.session.receiver import ReceiverConfig, TransferDropped
-from tests.session.test_failed_arrivals import arrive
-from tests.session.test_receiver_core import SECRET, Harness
+from tests.session.arrival_helpers import arrive
+from tests.session.receiver_harness import SECRET, Harness
 
 
 def test_failed_arrivals_that_expire_are_not_counted_as_unclaimed_transfers() -> None:
