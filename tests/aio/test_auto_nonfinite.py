@@ -7,68 +7,33 @@ infinity", a codec the caller never named.  A codec the caller names still refus
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import kvwire
-from kvwire.aio import _gpu, _send
 from kvwire.codec import Int4Codec
-from kvwire.codec.base import EncodedChunk
-from kvwire.control import CodecChoice, CodecChooser
+from kvwire.control import CodecChooser
+from tests.aio.auto_helpers import (
+    BAD_AT,
+    TOKENS,
+    FakeDevice,
+    fake_device_path,
+    nonfinite_cache,
+    nonfinite_spec,
+    record_choices,
+    send_auto,
+)
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(60)
 
-#: 64 tokens of 2 heads x 16: every K and V is one chunk (layer 0's K too: it is smaller
-#: than the lead chunk), 6 chunks a send
-TOKENS = 64
-#: (layer, 0 for K or 1 for V, token, head, dim) of the values no quantizer carries
-BAD_AT = [(1, 0, 5, 1, 3), (2, 1, 63, 0, 0)]
-
-
-def _spec(dtype: str = "float16") -> kvwire.KVSpec:
-    return kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype=dtype)
-
-
-def _cache(value: float, dtype: str = "float16") -> list[tuple[np.ndarray, np.ndarray]]:
-    """Layers with ``value`` at each of :data:`BAD_AT`."""
-    layers = make_layers(3, TOKENS, 2, 16, dtype=dtype, seed=11)
-    for layer, half, *where in BAD_AT:
-        layers[layer][half][tuple(where)] = value
-    return layers
-
 
 @pytest.fixture
 def chooses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """``auto`` chooses the codec appended to the list this gives; the list then holds
-    the codec of every size the chooser was told of."""
-    told: list[str] = []
-
-    def choose(self: CodecChooser, *args: Any, **kwargs: Any) -> CodecChoice:
-        return CodecChoice(codec=told[0], delivered_bytes_per_s=1e9, meets_deadline=None)
-
-    observe_size = CodecChooser.observe_size
-
-    def observe(self: CodecChooser, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
-        told.append(codec)
-        observe_size(self, codec, fp16_bytes, wire_bytes)
-
-    monkeypatch.setattr(CodecChooser, "choose", choose)
-    monkeypatch.setattr(CodecChooser, "observe_size", observe)
-    return told
-
-
-async def _send_auto(layers: list[tuple[np.ndarray, np.ndarray]], spec: kvwire.KVSpec,
-                     **connect: Any) -> tuple[kvwire.Receipt, list[tuple[np.ndarray, np.ndarray]]]:
-    async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
-        async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto", **connect) as peer:
-            recv = asyncio.create_task(server.accept())
-            receipt = await peer.send("bad", spec, layers, timeout=20)
-            cache = await (await recv).collect(timeout=20)
-    return receipt, cache.layers
+    """See :func:`record_choices`."""
+    return record_choices(monkeypatch)
 
 
 def _check_arrived(sent: list[tuple[np.ndarray, np.ndarray]], got: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -89,8 +54,8 @@ def _check_arrived(sent: list[tuple[np.ndarray, np.ndarray]], got: list[tuple[np
                                                ("int4+zstd", np.nan)])
 async def test_auto_sends_raw_the_chunks_its_quantizer_refuses(codec: str, value: float, chooses: list[str]) -> None:
     chooses.append(codec)
-    layers = _cache(value)
-    receipt, got = await _send_auto(layers, _spec())
+    layers = nonfinite_cache(value)
+    receipt, got = await send_auto(layers, nonfinite_spec())
     _check_arrived(layers, got)
     for layer, half, *where in BAD_AT:
         assert np.array_equal(got[layer][half][tuple(where)], value, equal_nan=True)
@@ -103,64 +68,27 @@ async def test_auto_sends_raw_the_chunks_its_quantizer_refuses(codec: str, value
 async def test_auto_sends_raw_an_int4_group_whose_range_exceeds_float32(chooses: list[str]) -> None:
     # finite float32 values, but max - min of their group overflows: int4 refuses them
     chooses.append("int4")
-    layers = _cache(3e38, "float32")
+    layers = nonfinite_cache(3e38, "float32")
     for layer, half, token, head, dim in BAD_AT:
         layers[layer][half][token, head, dim ^ 1] = -3e38  # in the same group (K: a channel's tokens)
         layers[layer][half][token ^ 1, head, dim] = -3e38  # (V: a token's channels)
-    receipt, got = await _send_auto(layers, _spec("float32"))
+    receipt, got = await send_auto(layers, nonfinite_spec("float32"))
     _check_arrived(layers, got)
     assert receipt.extra["chunks_by_codec"] == {"int4": 4, "raw": 2}
 
 
 async def test_a_codec_the_caller_names_still_refuses_nan_and_infinity(chooses: list[str]) -> None:
     chooses.append("int4")
-    layers = _cache(np.inf)
+    layers = nonfinite_cache(np.inf)
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="int4") as peer:
             with pytest.raises(kvwire.UsageError, match="codec 'int4' cannot carry NaN or infinity"):
-                await peer.send("named", _spec(), layers, timeout=20)
+                await peer.send("named", nonfinite_spec(), layers, timeout=20)
         # named for one send of a session whose codec is auto (its chooser made already)
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto") as peer:
             assert peer.chooser is not None
             with pytest.raises(kvwire.UsageError, match="codec 'fp8' cannot carry NaN or infinity"):
-                await peer.send("override", _spec(), layers, codec="fp8", timeout=20)
-
-
-class FakeDevice:
-    """A tensor 'on a GPU' (as tests/aio/test_client_device_path.py fakes one)."""
-
-    def __init__(self, host: np.ndarray) -> None:
-        self.host = host
-        self.shape, self.size, self.nbytes, self.dtype = host.shape, host.size, host.nbytes, host.dtype
-
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        raise BufferError("not readable from the host")
-
-
-def fake_device_path(monkeypatch: pytest.MonkeyPatch, calls: list[str] | None = None) -> None:
-    """The send's device path over :class:`FakeDevice`: raw chunks copied out of it, a
-    codec's chunks encoded from its host array (the whole tensor's before the first, as one
-    launch would); each copy and encode noted in ``calls``."""
-    noted = calls if calls is not None else []
-
-    async def copy_raw_chunks(x: FakeDevice, plan: list[tuple[int, int]]) -> AsyncIterator[tuple[int, int, Any]]:
-        noted.append("copy")
-        for start, count in plan:
-            yield start, count, np.array(x.host[start : start + count])
-
-    async def encode_chunks(codec: Any, x: FakeDevice, kind: Any, plan: list[tuple[int, int]],
-                            dtype: str) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
-        noted.append(f"encode:{codec.name}")
-        # the whole tensor's chunks encoded (one launch) and its flags checked before the first
-        encoded = [codec.encode(x.host[start : start + count], kind) for start, count in plan]
-        for (start, count), enc in zip(plan, encoded, strict=True):
-            payload = np.frombuffer(bytes(enc.payload), dtype=np.uint8).copy().data
-            yield start, count, EncodedChunk(codec_id=enc.codec_id, params=enc.params, payload=payload)
-
-    monkeypatch.setattr(_send, "is_device_array", lambda x: isinstance(x, FakeDevice))
-    monkeypatch.setattr(_send, "as_device_array", lambda x, spec, what: x)
-    monkeypatch.setattr(_gpu, "copy_raw_chunks", copy_raw_chunks)
-    monkeypatch.setattr(_gpu, "encode_chunks", encode_chunks)
+                await peer.send("override", nonfinite_spec(), layers, codec="fp8", timeout=20)
 
 
 async def test_auto_sends_raw_a_device_tensor_its_kernel_refuses(monkeypatch: pytest.MonkeyPatch,
@@ -168,9 +96,9 @@ async def test_auto_sends_raw_a_device_tensor_its_kernel_refuses(monkeypatch: py
     calls: list[str] = []
     fake_device_path(monkeypatch, calls)
     chooses.append("int4")
-    layers = _cache(np.nan)
+    layers = nonfinite_cache(np.nan)
     on_device = [(FakeDevice(k), FakeDevice(v)) for k, v in layers]
-    receipt, got = await _send_auto(on_device, _spec())  # type: ignore[arg-type]
+    receipt, got = await send_auto(on_device, nonfinite_spec())  # type: ignore[arg-type]
     _check_arrived(layers, got)
     assert receipt.extra["chunks_by_codec"] == {"int4": 4, "raw": 2}
     # layer 1's K and layer 2's V: the kernel refused the tensor, its chunks copied raw
@@ -195,14 +123,14 @@ async def test_auto_sends_raw_on_the_error_class_not_its_text(monkeypatch: pytes
     layers = make_layers(3, TOKENS, 2, 16, seed=11)
     layers[1][0][0, 0, 0] = 7.0  # layer 1's K is refused
     monkeypatch.setattr(Int4Codec, "encode", refusing(kvwire.UnrepresentableValuesError))
-    receipt, got = await _send_auto(layers, _spec())
+    receipt, got = await send_auto(layers, nonfinite_spec())
     assert got[1][0].tobytes() == layers[1][0].tobytes()
     assert receipt.extra["chunks_by_codec"] == {"int4": 5, "raw": 1}
     monkeypatch.setattr(Int4Codec, "encode", refusing(kvwire.UsageError))
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto") as peer:
             with pytest.raises(kvwire.UsageError, match="cannot carry NaN") as info:
-                await peer.send("plain", _spec(), layers, timeout=20)
+                await peer.send("plain", nonfinite_spec(), layers, timeout=20)
     assert type(info.value) is kvwire.UsageError
 
 
@@ -228,7 +156,7 @@ async def test_the_acknowledgement_of_a_chunk_sent_raw_instead_takes_its_mark(
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, codec="auto",
                                   auto_codec="measured") as peer:
             recv = asyncio.create_task(server.accept())
-            receipt = await peer.send("bad", _spec(), _cache(np.nan), timeout=20)
+            receipt = await peer.send("bad", nonfinite_spec(), nonfinite_cache(np.nan), timeout=20)
             await (await recv).collect(timeout=20)
             assert peer.chooser is not None and peer.chooser.measures_goodput
             left = dict(peer.chooser.meter._instead)

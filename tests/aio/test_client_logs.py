@@ -23,7 +23,7 @@ from kvwire.wire import (
     TransferBegun,
 )
 from tests.aio.conftest import Records
-from tests.aio.test_server_logs import FORGERS
+from tests.aio.server_log_helpers import FORGERS
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(60)

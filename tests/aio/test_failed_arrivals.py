@@ -14,6 +14,7 @@ import pytest
 
 import kvwire
 from kvwire.errors import TransferAbortedError
+from tests.aio.arrival_helpers import Destination
 from tests.conftest import SECRET, make_layers
 from tests.rawpeer import wait_until
 
@@ -79,28 +80,6 @@ async def test_a_failed_arrival_keeps_its_place_among_its_request_ids_and_accept
             await outcome(third, "collect")
             assert fourth.complete
             assert server.statistics()["pending_arrivals"] == 0
-
-
-class Destination:
-    """A destination that records every call: one for a transfer that failed before it
-    was claimed is never called."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def check(self, spec: Any, layer_tokens: int) -> None:
-        self.calls.append("check")
-
-    def view(self, *args: Any) -> Any:
-        self.calls.append("view")
-        raise AssertionError("never")
-
-    def write(self, *args: Any) -> None:
-        self.calls.append("write")
-
-    def layer(self, index: int) -> Any:
-        self.calls.append("layer")
-        raise AssertionError("never")
 
 
 async def test_expect_into_a_destination_hands_out_a_failed_arrival_without_calling_it() -> None:

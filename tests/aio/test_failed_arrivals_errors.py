@@ -10,9 +10,9 @@ import pytest
 
 import kvwire
 from kvwire.errors import ErrorCode
-from tests.aio.test_server_logs import begin, raw_client
+from tests.aio.server_log_helpers import begin
 from tests.conftest import SECRET
-from tests.rawpeer import wait_until
+from tests.rawpeer import raw_client, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

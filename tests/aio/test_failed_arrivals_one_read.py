@@ -16,10 +16,10 @@ import kvwire
 from kvwire.errors import ErrorCode, KvwireError, TransferAbortedError
 from kvwire.wire import Chunk
 from kvwire.wire.frames import chunk_frame_size
-from tests.aio.test_failed_arrivals import Destination
-from tests.aio.test_server_logs import begin, raw_client
+from tests.aio.arrival_helpers import Destination
+from tests.aio.server_log_helpers import begin
 from tests.conftest import SECRET
-from tests.rawpeer import wait_until
+from tests.rawpeer import raw_client, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

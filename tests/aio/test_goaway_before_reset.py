@@ -11,28 +11,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
 
 import numpy as np
 import pytest
 
 import kvwire
 from kvwire.aio import _stream
+from tests.aio.goaway_helpers import SPEC, TOKENS, wait_first_layer_acked
 from tests.conftest import SECRET, require_send_queue
 
 pytestmark = pytest.mark.timeout(60)
-
-#: 2 MiB of K and of V a layer: written in several pieces, so that a write follows the reset.
-SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=8, head_dim=128)
-TOKENS = 1024
-
-
-async def _wait_first_layer_acked(peer: Any) -> None:
-    async def acked() -> None:
-        while not any((t := peer.core.transfer(tid)) is not None and t.kv_bytes_acked > 0
-                      for tid in list(peer.sends)):
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(acked(), 20)
 
 
 @pytest.mark.parametrize("queue", [True, False], ids=["send-queue", "transport"])
@@ -55,7 +43,7 @@ async def test_a_sender_that_writes_before_reading_acts_on_the_goaway_it_had_not
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET, streams=1, max_reconnects=1) as peer:
             sending = asyncio.ensure_future(peer.send("a", SPEC, layers(), timeout=30))
-            await _wait_first_layer_acked(peer)
+            await wait_first_layer_acked(peer)
             (stream,) = peer.streams
             assert stream.transport is not None and (stream._queue is not None) is queue
             stream.transport.pause_reading()  # the sender reads nothing more, as if stopped

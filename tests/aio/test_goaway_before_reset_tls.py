@@ -16,7 +16,7 @@ import pytest
 
 import kvwire
 from tests.aio.conftest import tls_contexts
-from tests.aio.test_goaway_before_reset import SPEC, TOKENS, _wait_first_layer_acked
+from tests.aio.goaway_helpers import SPEC, TOKENS, wait_first_layer_acked
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,7 +38,7 @@ async def test_a_tls_sender_that_writes_before_reading_acts_on_the_goaway_it_had
             "127.0.0.1", server.port, secret=SECRET, streams=1, max_reconnects=1, ssl=client_ctx
         ) as peer:
             sending = asyncio.ensure_future(peer.send("a", SPEC, layers(), timeout=30))
-            await _wait_first_layer_acked(peer)
+            await wait_first_layer_acked(peer)
             (stream,) = peer.streams
             assert stream.transport is not None
             assert stream.transport.get_extra_info("sslcontext") is not None

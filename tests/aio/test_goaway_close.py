@@ -15,7 +15,7 @@ from kvwire.aio._stream import Stream
 from kvwire.errors import ErrorCode
 from kvwire.wire import GoAway
 from kvwire.wire.frames import HANDSHAKE_MAX_BODY, HEADER, FrameType
-from tests.aio.test_stream import FakeTransport, Owner
+from tests.aio.stream_helpers import FakeTransport, Owner
 from tests.rawpeer import read_one_frame, wait_until
 
 SECRET = b"goaway-close-secret"

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import math
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
@@ -20,6 +20,7 @@ import kvwire
 from kvwire.errors import ErrorCode
 from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
 from kvwire.wire.frames import Challenge, encode_frame
+from tests.aio.handshake_helpers import from_server, refused, until
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,26 +28,6 @@ pytestmark = pytest.mark.timeout(60)
 SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=1, head_dim=16, model="a")
 #: Bytes of the server's CHALLENGE on the wire: what a stream gets before it sends AUTH.
 CHALLENGE_BYTES = sum(len(p) for p in encode_frame(Challenge(version=2, nonce=bytes(32))))
-
-
-async def _until(what: Callable[[], bool]) -> None:
-    async def wait() -> None:
-        while not what():
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(wait(), 20)
-
-
-def _from_server(proxy: FaultProxy, index: int) -> int:
-    """Bytes the server wrote on proxied connection ``index`` so far (held ones too)."""
-    if len(proxy.connections) <= index or (pipe := proxy.connections[index].backward) is None:
-        return 0
-    return pipe.bytes_in
-
-
-async def _refused(port: int, **options: object) -> kvwire.KvwireError:
-    with pytest.raises(kvwire.KvwireError) as info:
-        await asyncio.wait_for(kvwire.connect("127.0.0.1", port, **{"secret": SECRET, **options}).open(), 20)
-    return info.value
 
 
 @pytest.mark.parametrize(("why", "options", "error", "message"), [
@@ -61,7 +42,7 @@ async def test_a_refused_first_stream_says_the_refusal(
 ) -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, spec=SPEC, max_sessions=1) as server:
         async with kvwire.connect("127.0.0.1", server.port, secret=SECRET):  # the one session allowed
-            exc = await _refused(server.port, **options)
+            exc = await refused(server.port, **options)
     assert type(exc) is error and re.fullmatch(message, str(exc)), exc
 
 
@@ -69,8 +50,8 @@ async def test_a_server_timing_out_the_handshake_says_timeout() -> None:
     """The server's handshake deadline passes while its CHALLENGE is held on the way."""
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET, handshake_timeout=0.3) as server:
         async with FaultProxy("127.0.0.1", server.port, plan=FaultPlan(backward=Faults(stall_at=0))) as proxy:
-            opening = asyncio.ensure_future(_refused(proxy.port, connect_timeout=30))
-            await _until(lambda: _from_server(proxy, 0) > CHALLENGE_BYTES)  # CHALLENGE, then its GOAWAY
+            opening = asyncio.ensure_future(refused(proxy.port, connect_timeout=30))
+            await until(lambda: from_server(proxy, 0) > CHALLENGE_BYTES)  # CHALLENGE, then its GOAWAY
             proxy.resume(0)
             exc = await opening
     assert isinstance(exc, kvwire.TransferTimeoutError) and exc.code == ErrorCode.TIMEOUT
@@ -82,8 +63,8 @@ async def test_a_server_shutting_down_before_auth_says_it_closed_on_purpose() ->
     "connection closed during the handshake", as for a break."""
     server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
     async with server, FaultProxy("127.0.0.1", server.port, plan=FaultPlan(backward=Faults(stall_at=0))) as proxy:
-        opening = asyncio.ensure_future(_refused(proxy.port, connect_timeout=30))
-        await _until(lambda: _from_server(proxy, 0) > 0)
+        opening = asyncio.ensure_future(refused(proxy.port, connect_timeout=30))
+        await until(lambda: from_server(proxy, 0) > 0)
         await server.close()
         proxy.resume(0)
         exc = await opening
@@ -98,8 +79,8 @@ async def test_a_server_shutting_down_after_its_welcome_says_why() -> None:
     server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
     plan = FaultPlan(backward=Faults(stall_at=CHALLENGE_BYTES))
     async with server, FaultProxy("127.0.0.1", server.port, plan=plan) as proxy:
-        opening = asyncio.ensure_future(_refused(proxy.port, connect_timeout=30))
-        await _until(lambda: _from_server(proxy, 0) > CHALLENGE_BYTES)  # the WELCOME
+        opening = asyncio.ensure_future(refused(proxy.port, connect_timeout=30))
+        await until(lambda: from_server(proxy, 0) > CHALLENGE_BYTES)  # the WELCOME
         await server.close()
         proxy.resume(0)
         exc = await opening
@@ -115,8 +96,8 @@ async def test_a_server_shutting_down_while_a_stream_joins_says_it_closed_on_pur
     server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
     stall_joins = FaultPlan(backward=Faults(stall_at=0))
     async with server, FaultProxy("127.0.0.1", server.port, plan=lambda i: stall_joins if i else FaultPlan()) as proxy:
-        opening = asyncio.ensure_future(_refused(proxy.port, streams=2, connect_timeout=30))
-        await _until(lambda: _from_server(proxy, 1) > 0)
+        opening = asyncio.ensure_future(refused(proxy.port, streams=2, connect_timeout=30))
+        await until(lambda: from_server(proxy, 1) > 0)
         proxy.stall(0)
         await server.close()
         proxy.resume(1)
@@ -141,7 +122,7 @@ async def test_a_rejoin_the_server_closes_on_purpose_leaves_the_open_stream_its_
                                   plan=lambda i: stall_rejoin if i == 2 else FaultPlan()) as proxy:
         async with kvwire.connect("127.0.0.1", proxy.port, secret=SECRET, streams=2) as peer:
             proxy.drop(1)  # stream 1 breaks; its reconnect (connection 2) waits for its CHALLENGE
-            await _until(lambda: _from_server(proxy, 2) > 0)
+            await until(lambda: from_server(proxy, 2) > 0)
             expecting = asyncio.ensure_future(server.expect("r"))
             release, asked = asyncio.Event(), asyncio.Event()
             k = np.ones((8, 1, 16), np.float16)
@@ -154,7 +135,7 @@ async def test_a_rejoin_the_server_closes_on_purpose_leaves_the_open_stream_its_
 
             sending = asyncio.ensure_future(peer.send("r", SPEC, layers()))
             await asked.wait()
-            await _until(lambda: _from_server(proxy, 0) > 0)
+            await until(lambda: from_server(proxy, 0) > 0)
             proxy.connections[0].backward.hold(math.inf)  # the last ACK and stream 0's GOAWAY wait
             release.set()
             transfer = await asyncio.wait_for(expecting, 20)
@@ -162,7 +143,7 @@ async def test_a_rejoin_the_server_closes_on_purpose_leaves_the_open_stream_its_
                 pass
             await server.close()
             proxy.resume(2)  # the rejoin's GOAWAY arrives first
-            await _until(lambda: peer.statistics().get("goaways_received", 0) > 0)
+            await until(lambda: peer.statistics().get("goaways_received", 0) > 0)
             proxy.connections[0].backward.release()
             receipt = await asyncio.wait_for(sending, 20)
     assert receipt.kv_bytes == 2 * 2 * k.nbytes

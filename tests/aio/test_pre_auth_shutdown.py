@@ -16,7 +16,7 @@ from kvwire.session.sender import HANDSHAKE_GOODBYE
 from kvwire.testing.fault_proxy import FaultPlan, FaultProxy, Faults
 from kvwire.wire import FrameDecoder, GoAway, connection
 from kvwire.wire.connection import SHUTTING_DOWN, Connection, ConnectionConfig, Role, State
-from tests.aio.test_handshake_goaway import _from_server, _refused, _until
+from tests.aio.handshake_helpers import from_server, refused, until
 from tests.conftest import SECRET
 from tests.rawpeer import read_one_frame
 
@@ -86,8 +86,8 @@ async def test_connect_to_a_server_shutting_down_before_auth_says_why(
         monkeypatch.setitem(connection.PRE_AUTH_MESSAGES, ErrorCode.NO_ERROR, "")
     server = kvwire.serve("127.0.0.1", 0, secret=SECRET)
     async with server, FaultProxy("127.0.0.1", server.port, plan=FaultPlan(backward=Faults(stall_at=0))) as proxy:
-        opening = asyncio.ensure_future(_refused(proxy.port, connect_timeout=30))
-        await _until(lambda: _from_server(proxy, 0) > 0)
+        opening = asyncio.ensure_future(refused(proxy.port, connect_timeout=30))
+        await until(lambda: from_server(proxy, 0) > 0)
         await asyncio.wait_for(server.close(), 20)
         proxy.resume(0)
         exc = await asyncio.wait_for(opening, 30)

@@ -13,9 +13,9 @@ import pytest
 import kvwire
 from kvwire.aio._logtext import code_name, printable
 from kvwire.errors import ErrorCode
-from kvwire.wire import Begin
 from kvwire.wire.frames import frame_bytes
 from tests.aio.conftest import Records
+from tests.aio.server_log_helpers import FORGERS, begin
 from tests.conftest import SECRET
 from tests.rawpeer import raw_client, wait_until
 
@@ -26,9 +26,6 @@ COUNTERS = (
     "transfers_unclaimed", "buffer_budget_refusals", "authentication_failures", "tls_handshake_failures",
     "resumes", "goaways_received", "connections_dropped", "pending_arrivals",
 )
-#: What a peer's text may hold to forge or hide a line: line breaks, an escape sequence,
-#: Unicode line and paragraph separators, a bidirectional override.
-FORGERS = ("\n", "\r", "\x1b", "\x85", "\u2028", "\u2029", "\u202e")
 
 
 async def until_closed(reader: asyncio.StreamReader) -> None:
@@ -39,11 +36,6 @@ async def until_closed(reader: asyncio.StreamReader) -> None:
         except ConnectionError:
             pass
     await asyncio.wait_for(go(), 10)
-
-
-def begin(tid: int, request_id: str) -> Begin:
-    return Begin(transfer_id=tid, num_layers=2, num_kv_heads=2, head_dim=16, dtype_id=1, model="",
-                 request_id=request_id, meta=b"")
 
 
 def local(writer: Any) -> str:

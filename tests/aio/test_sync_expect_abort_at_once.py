@@ -11,7 +11,7 @@ import pytest
 
 from kvwire.errors import TransferAbortedError
 from kvwire.sync import SyncPeer, SyncServer
-from tests.aio.test_sync_send_not_started import BUDGET, _until, waiting_for_credit
+from tests.aio.sync_send_helpers import BUDGET, until, waiting_for_credit
 from tests.conftest import SECRET
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,7 +31,7 @@ def test_an_expect_aborted_before_it_began_aborts_the_transfer_already_there() -
         gate.set()
         with pytest.raises(TransferAbortedError):
             s.wait(30)
-        _until(lambda: server.statistics()["transfers_aborted"] == 1, "d aborted on the server")
+        until(lambda: server.statistics()["transfers_aborted"] == 1, "d aborted on the server")
         stats = server.statistics()
         assert stats["transfers_waiting_for_room"] == 0 and stats["buffered_bytes"] == 0
         assert stats["reserved_bytes"] == 0 and stats["pending_arrivals"] == 0

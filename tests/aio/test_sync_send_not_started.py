@@ -5,34 +5,22 @@ it is not done.  Real loopback sockets."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import numpy as np
 import pytest
 
 import kvwire
 from kvwire.errors import TransferTimeoutError
-from kvwire.sync import SendHandle, SyncPeer, SyncServer
+from kvwire.sync import SyncPeer, SyncServer
+from tests.aio.sync_send_helpers import BUDGET, SPEC, until, waiting_for_credit
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(60)
 
-SPEC = kvwire.KVSpec(num_layers=4, num_kv_heads=1, head_dim=64, dtype="float32")
 #: One layer of another layout, 192 KiB: sent whole and left unclaimed, it takes most of
 #: the budget below, and the session that sent it has its next first layers admitted at its
 #: size (the server's estimate of a first layer before it arrives is from those the session
 #: sent): no room for one.
 FILL_SPEC = kvwire.KVSpec(num_layers=1, num_kv_heads=8, head_dim=64, dtype="float32")
-BUDGET = 256 * 1024
-
-
-def _until(predicate: Callable[[], bool], what: str) -> None:
-    for _ in range(2000):
-        if predicate():
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"never: {what}")
 
 
 def test_a_wait_that_runs_out_before_the_accept_says_the_send_has_not_started() -> None:
@@ -47,7 +35,7 @@ def test_a_wait_that_runs_out_before_the_accept_says_the_send_has_not_started() 
         s = peer.begin("b", SPEC, timeout=30)
         for k, v in layers:
             s.send_layer(k, v)
-        _until(lambda: server.statistics()["transfers_waiting_to_start"] == 1, "b waits on the server")
+        until(lambda: server.statistics()["transfers_waiting_to_start"] == 1, "b waits on the server")
         assert peer.statistics()["transfers_waiting_to_start"] == 1
         with pytest.raises(TransferTimeoutError) as info:
             s.wait(0.3)
@@ -70,7 +58,7 @@ def test_a_wait_that_runs_out_after_the_accept_says_only_not_done() -> None:
         h = server.expect("c", timeout=30)
         s = peer.begin("c", SPEC, timeout=30)
         s.send_layer(*layers[0])
-        _until(lambda: s.accepted, "c accepted")
+        until(lambda: s.accepted, "c accepted")
         with pytest.raises(TransferTimeoutError) as info:
             s.wait(0.05)
         assert str(info.value) == "send of 'c' not done after 0.05 s"
@@ -78,18 +66,6 @@ def test_a_wait_that_runs_out_after_the_accept_says_only_not_done() -> None:
             s.send_layer(k, v)
         assert s.wait(30).request_id == "c" and s.accepted
         h.wait(30)
-
-
-def waiting_for_credit(peer: SyncPeer) -> SendHandle:
-    """Transfer "d" (4 layers of 16 KiB, a 64 KiB slab each in the budget of 256 KiB, an
-    eighth kept for first layers) begun and all its layers given: the server grants 3, which
-    arrive and are held unread, so its last layer waits for credit."""
-    s = peer.begin("d", SPEC, timeout=30)
-    for k, v in make_layers(4, 64, 1, 64, "float32"):
-        s.send_layer(k, v)
-    # (waiting for credit with 3 granted: before the window's CREDIT it waits for layer 1's)
-    _until(lambda: s.waiting_for_credit and s.layers_granted == 3, "d waits for credit")
-    return s
 
 
 def test_a_wait_that_runs_out_while_the_send_waits_for_credit_says_what_was_granted() -> None:
