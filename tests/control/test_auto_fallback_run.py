@@ -24,16 +24,21 @@ from kvwire.control import CodecChooser
 from kvwire.control.codec_choice import PEAK_OVER_ESTIMATE
 from kvwire.control.goodput import GoodputMeter
 from kvwire.wire import ChunkAddress
-from tests.aio.test_auto_nonfinite import (
+from tests.aio.auto_helpers import (
     FakeDevice,
-    _cache,
-    _send_auto,
-    _spec,
-    chooses,
     fake_device_path,
+    nonfinite_cache,
+    nonfinite_spec,
+    record_choices,
+    send_auto,
 )
 
-__all__ = ["chooses"]  # (the fixture, used by name)
+
+@pytest.fixture
+def chooses(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """See :func:`record_choices`."""
+    return record_choices(monkeypatch)
+
 
 CHUNK = 4 << 20
 LINK = 1.25e9  # wire bytes/s: 10 Gbit/s
@@ -408,7 +413,7 @@ def fallbacks(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 async def test_the_sender_tells_the_chooser_of_each_chunk_it_sends_raw_instead(
         chooses: list[str], fallbacks: list[str]) -> None:
     chooses.append("int8")
-    receipt, _ = await _send_auto(_cache(np.nan), _spec())
+    receipt, _ = await send_auto(nonfinite_cache(np.nan), nonfinite_spec())
     assert receipt.extra["chunks_by_codec"] == {"int8": 4, "raw": 2}
     assert fallbacks == ["raw", "raw"]
 
@@ -418,8 +423,8 @@ async def test_the_sender_tells_the_chooser_of_a_device_part_sent_raw_instead(
         monkeypatch: pytest.MonkeyPatch, chooses: list[str], fallbacks: list[str]) -> None:
     fake_device_path(monkeypatch)
     chooses.append("int4")
-    on_device = [(FakeDevice(k), FakeDevice(v)) for k, v in _cache(np.inf)]
-    receipt, _ = await _send_auto(on_device, _spec())  # type: ignore[arg-type]
+    on_device = [(FakeDevice(k), FakeDevice(v)) for k, v in nonfinite_cache(np.inf)]
+    receipt, _ = await send_auto(on_device, nonfinite_spec())  # type: ignore[arg-type]
     assert receipt.extra["chunks_by_codec"] == {"int4": 4, "raw": 2}
     assert fallbacks == ["raw", "raw"]
 

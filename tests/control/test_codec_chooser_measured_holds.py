@@ -3,37 +3,17 @@ sender holds data back (the estimator's ``hold_limited``) are in no codec's good
 
 from __future__ import annotations
 
-from kvwire.control import CodecChooser
 from kvwire.control.goodput import GoodputMeter
-
-GB = 1e9
-MIB = 1 << 20
-CHUNK = 4 * MIB
-
-
-def _chooser(**kw: float) -> CodecChooser:
-    return CodecChooser.from_ratios(
-        {"raw": 1.0, "int8": 0.516, "int4": 0.375}, meter=GoodputMeter(sample_acks=2, min_acks=2),
-        measure_goodput=True, hysteresis=0.03, tolerance=0.05, explore_after=4, stint_max=8, **kw)
-
-
-def _measure_all(ch: CodecChooser, true: dict[str, float], now: float, chunks: int = 600) -> float:
-    """Chunks acknowledged at once at their codec's true rate, until each codec is measured."""
-    for _ in range(chunks):
-        codec = ch.choose(40e9, now=now).codec
-        now += CHUNK / true[codec]
-        ch.observe_delivered(codec, CHUNK, now)
-    assert set(ch.meter.measured) == set(true)
-    return now
+from tests.control.chooser_helpers import CHUNK, GB, measure_all, measured_chooser
 
 
 def test_acknowledgements_during_a_drain_are_in_no_codecs_goodput() -> None:
     # Raw leads at 5 GB/s, int8 measured at 3; a ProbeRTT drain (hold_limited) slows the
     # acknowledgements to a trickle for 200 ms: raw keeps its rate and the lead, and
     # int8 is not explored sooner for it.
-    ch = _chooser()
+    ch = measured_chooser()
     true = {"raw": 5 * GB, "int8": 3 * GB, "int4": 2 * GB}
-    now = _measure_all(ch, true, 0.0)
+    now = measure_all(ch, true, 0.0)
     assert ch.leader == "raw"
     for _ in range(200):  # until no stint is under way
         codec = ch.choose(40e9, now=now).codec

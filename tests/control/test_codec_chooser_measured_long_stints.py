@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import itertools
 
-from tests.control.test_codec_chooser_measured_holds import CHUNK, GB, _chooser, _measure_all
+from tests.control.chooser_helpers import CHUNK, GB, measure_all, measured_chooser
 
 
 def test_a_stint_lasts_round_trips_of_the_path_until_its_codec_has_a_sample() -> None:
     # 100 ms path: int4's acknowledgements come only after a few round trips (here never);
     # its stint goes on past stint_max (8 chunks, 34 ms) for a few round trips (STINT_ROUND_TRIPS),
     # and once over without a sample, int4's old rate is dropped, not kept to decide.
-    ch = _chooser()
+    ch = measured_chooser()
     ch.observe_path_rtt(0.1)
     true = {"raw": 2 * GB, "int8": 0.5 * GB, "int4": 1 * GB}
-    now = _measure_all(ch, true, 0.0)
+    now = measure_all(ch, true, 0.0)
     assert ch.leader == "raw"
     sent: list[tuple[str, float]] = []
     for _ in range(3000):
@@ -42,10 +42,10 @@ def test_a_stint_lasts_round_trips_of_the_path_until_its_codec_has_a_sample() ->
 
 
 def test_a_stint_with_a_sample_ends_at_it_on_a_long_path() -> None:
-    ch = _chooser()
+    ch = measured_chooser()
     ch.observe_path_rtt(0.1)
     true = {"raw": 2 * GB, "int8": 0.5 * GB, "int4": 1 * GB}
-    now = _measure_all(ch, true, 0.0)
+    now = measure_all(ch, true, 0.0)
     codecs: list[str] = []
     for _ in range(2000):
         codec = ch.choose(40e9, now=now).codec
