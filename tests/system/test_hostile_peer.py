@@ -21,7 +21,7 @@ from kvwire.wire import Ack, Begin, Chunk, FrameDecoder, Reset, frame_bytes
 from kvwire.wire.frames import Accept
 from tests.conftest import SECRET, make_layers, same_cache
 from tests.rawpeer import raw_client, wait_until
-from tests.system.test_security import loop_errors
+from tests.system.loop_helpers import loop_errors
 
 pytestmark = pytest.mark.timeout(60)
 

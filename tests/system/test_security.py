@@ -12,8 +12,6 @@ import hmac
 import random
 import socket
 import ssl
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -40,6 +38,7 @@ from kvwire.wire import (
 from kvwire.wire.frames import HANDSHAKE_MAX_BODY, HEADER, FrameType
 from tests.conftest import SECRET, make_layers, same_cache
 from tests.rawpeer import read_one_frame, wait_until
+from tests.system.loop_helpers import loop_errors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,20 +64,6 @@ def client_context(ca: trustme.CA, cert: trustme.LeafCert | None = None) -> ssl.
     if cert is not None:
         cert.configure_cert(ctx)
     return ctx
-
-
-@asynccontextmanager
-async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
-    """Collects what the event loop's exception handler sees (an exception escaping a
-    protocol callback or a task); the test asserts the list is empty."""
-    loop = asyncio.get_running_loop()
-    seen: list[dict[str, Any]] = []
-    old = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
-    try:
-        yield seen
-    finally:
-        loop.set_exception_handler(old)
 
 
 async def transfer_ok(server: kvwire.Server, rid: str, *, seed: int = 0, port: int | None = None, **kw: Any) -> bool:

@@ -28,6 +28,7 @@ from kvwire.sync import Bridge, PendingPeer, SyncPeer, SyncServer
 from kvwire.wire.connection import ConnectionConfig
 from tests.conftest import SECRET, make_layers, same_cache
 from tests.rawpeer import wait_until
+from tests.system.tls_helpers import client_context, server_context
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,19 +43,6 @@ def run_on(loop: str, main: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main())
-
-
-def server_context(cert: trustme.LeafCert | None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    if cert is not None:
-        cert.configure_cert(ctx)
-    return ctx
-
-
-def client_context(ca: trustme.CA) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ca.configure_trust(ctx)
-    return ctx
 
 
 # -- arguments refused at once --------------------------------------------------------------

@@ -15,7 +15,7 @@ import trustme
 import kvwire
 from tests.conftest import SECRET
 from tests.rawpeer import wait_until
-from tests.system.test_tls_setup import client_context, server_context
+from tests.system.tls_helpers import client_context, server_context
 
 pytestmark = pytest.mark.timeout(60)
 
