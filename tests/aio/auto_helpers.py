@@ -65,7 +65,7 @@ async def send_auto(layers: list[tuple[np.ndarray, np.ndarray]], spec: kvwire.KV
 
 
 class FakeDevice:
-    """A tensor 'on a GPU' (as tests/aio/test_client_device_path.py fakes one)."""
+    """A tensor 'on a GPU': only shape, size and nbytes are visible outside the fake."""
 
     def __init__(self, host: np.ndarray) -> None:
         self.host = host

@@ -14,22 +14,12 @@ import pytest
 import kvwire
 from kvwire.aio import _gpu, _send
 from kvwire.codec.base import EncodedChunk
+from tests.aio.auto_helpers import FakeDevice
 from tests.conftest import SECRET, make_layers, same_cache
 
 pytestmark = pytest.mark.timeout(60)
 
 SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16)
-
-
-class FakeDevice:
-    """A tensor 'on a GPU': only shape, size and nbytes are visible outside the fake."""
-
-    def __init__(self, host: np.ndarray) -> None:
-        self.host = host
-        self.shape, self.size, self.nbytes, self.dtype = host.shape, host.size, host.nbytes, host.dtype
-
-    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        raise BufferError("not readable from the host")
 
 
 def pinned(payload: Any) -> memoryview:

@@ -18,8 +18,7 @@ import asyncio
 import dataclasses
 import random
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager, suppress
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ from kvwire.wire import (
 from kvwire.wire.frames import HEADER
 from tests.conftest import SECRET, make_layers, same_cache
 from tests.rawpeer import raw_client
+from tests.system.loop_helpers import loop_errors
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,18 +72,6 @@ class Outcome:
         if self.sender == "completed":
             return "completed-identical" if self.receiver == "identical" else "completed-but-receiver-lacks-it"
         return "failed-typed"
-
-
-@asynccontextmanager
-async def loop_errors() -> AsyncIterator[list[dict[str, Any]]]:
-    loop = asyncio.get_running_loop()
-    seen: list[dict[str, Any]] = []
-    old = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
-    try:
-        yield seen
-    finally:
-        loop.set_exception_handler(old)
 
 
 def _kind(exc: BaseException) -> str:
