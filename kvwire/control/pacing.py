@@ -223,10 +223,6 @@ class InflightController:
         full with one chunk in transmission, one waiting and a BDP on the way. A
         bandwidth or RTT that is not a finite number is refused with ``ValueError``."""
         _check_finite(bandwidth_bps=bandwidth_bps, min_rtt=min_rtt)
-        return self._path_floor(bandwidth_bps, min_rtt)
-
-    def _path_floor(self, bandwidth_bps: float, min_rtt: float) -> int:
-        """:meth:`floor_for` of finite values."""
         per_chunk = self._chunk + _FRAME_SLACK
         rate = bandwidth_bps / 8.0
         needed = max(2 * per_chunk + rate * min_rtt, rate * FLOOR_QUEUE)
@@ -274,10 +270,7 @@ class InflightController:
         # RTT hold through many acks. (Values refused are never kept, so a NaN never
         # matches: it is refused every time.)
         if (bandwidth, min_rtt, self._floor_bytes) != self._path_floor_of:
-            # a non-finite sum: one is NaN/inf (or both finite and huge, which _check_finite lets through)
-            if not math.isfinite(bandwidth + min_rtt):
-                _check_finite(bandwidth_bps=bandwidth, min_rtt=min_rtt)  # floor_for's refusal
-            self._path_floor_bytes = self._path_floor(bandwidth, min_rtt)
+            self._path_floor_bytes = self.floor_for(bandwidth, min_rtt)
             self._path_floor_of = (bandwidth, min_rtt, self._floor_bytes)
         self._floor = self._path_floor_bytes
         if self._probing_rtt(estimator, bandwidth, min_rtt, now):
