@@ -741,6 +741,13 @@ class _Session:
     unreported: int = 0  # CHUNK bytes received since the last REPORT to this session
     version: int | None = None  # the protocol version every stream of it speaks (6.1)
 
+    def tombstone(self, tid: int, code: ErrorCode, text: str) -> None:
+        """Keep why transfer ``tid`` failed (its RESET's code and text), the last
+        TOMBSTONES_KEPT."""
+        self.tombstones[tid] = (code, text)
+        while len(self.tombstones) > TOMBSTONES_KEPT:
+            self.tombstones.popitem(last=False)
+
 
 class ReceiverCore:
     """Every connection, session and transfer of one receiving server (sans-IO)."""
@@ -1706,9 +1713,7 @@ class ReceiverCore:
                 # refusal is the transfer id's tombstone, so a copy of this BEGIN (re-sent
                 # when a stream breaks, or on a stream that opens while it is unanswered) is
                 # answered with it (_repeat_reset), counted and said to the application once.
-                sess.tombstones[tid] = (exc.code, text)
-                while len(sess.tombstones) > TOMBSTONES_KEPT:
-                    sess.tombstones.popitem(last=False)
+                sess.tombstone(tid, exc.code, text)
                 self._events.append(TransferFailed(key=(sess.session_id, tid), error=error_from_code(exc.code, text),
                                                    request_id=begin.request_id, refused=True, cid=cid))
             return
@@ -2067,9 +2072,7 @@ class ReceiverCore:
             # the code and the text as on the wire: never an exception (see detached()),
             # and never more text than a RESET carries.
             why = tombstone or error
-            sess.tombstones[t.key[1]] = (why.code, wire_text(str(why)))
-            while len(sess.tombstones) > TOMBSTONES_KEPT:
-                sess.tombstones.popitem(last=False)
+            sess.tombstone(t.key[1], why.code, wire_text(str(why)))
             carriers: list[tuple[int, Connection]] = []
             if reset:
                 if answer:
