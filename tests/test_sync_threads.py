@@ -26,21 +26,11 @@ from kvwire.errors import ConnectionLostError, KvwireError, UsageError
 from kvwire.paged import PagedDestination, PagedSpec, gather_layer
 from kvwire.sync import Bridge, PendingPeer, SyncPeer, SyncServer
 from tests.conftest import SECRET
-from tests.sync_helpers import call_in_thread
+from tests.sync_helpers import call_in_thread, until
 
 pytestmark = pytest.mark.timeout(90)
 
 SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32")
-
-
-def until(cond: Any, within: float = 30.0) -> bool:
-    """Whether ``cond()`` became true within ``within`` s (polled)."""
-    end = time.monotonic() + within
-    while not cond():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 @contextlib.contextmanager
@@ -100,7 +90,7 @@ def test_abort_on_a_closing_bridge_returns_true_only_once_nothing_writes(closing
             if closing == "given up":
                 closer.join(30)
                 assert not closer.is_alive() and bridge._thread.is_alive()
-            assert until(lambda: bridge.closed)
+            assert until(lambda: bridge.closed, within=30)
             assert h.abort("reuse the blocks", timeout=0.05) is False  # the loop is held: it may still write
             release.set()
             assert h.abort("reuse the blocks", timeout=30) is True
@@ -180,7 +170,7 @@ def test_an_interrupted_run_cancels_what_it_ran(monkeypatch: pytest.MonkeyPatch)
         with pytest.raises(Interrupted):
             bridge.run(work())
         monkeypatch.undo()
-        assert until(lambda: ended == ["cancelled"])
+        assert until(lambda: ended == ["cancelled"], within=30)
     finally:
         bridge.close()
 
@@ -308,7 +298,7 @@ def test_closing_a_peer_on_a_held_up_shared_bridge_fails_its_waiters() -> None:
                 got = {n: w[0] if w else "blocked" for n, w in waiters.items()}
                 for name, err in got.items():
                     assert isinstance(err, ConnectionLostError), (name, err)
-            assert until(lambda: peer.peer.closed)
+            assert until(lambda: peer.peer.closed, within=30)
     finally:
         bridge.close()
 
@@ -376,7 +366,7 @@ def test_close_waits_for_the_bridges_close_under_way_in_another_thread(what: str
         with held(bridge) as release:
             first = threading.Thread(target=bridge.close, kwargs={"timeout": 30})
             first.start()
-            assert until(lambda: bridge.closed)
+            assert until(lambda: bridge.closed, within=30)
             # once this thread waits in close(), the loop goes on (bounded: an old close never waits)
             def release_once_waiting() -> None:
                 lock.waiting.wait(10)
