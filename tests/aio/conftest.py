@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import ssl
 from collections.abc import Iterator
 
 import pytest
-import trustme
 
 
 class Records(logging.Handler):
@@ -36,13 +34,3 @@ def records() -> Iterator[Records]:
     logger.removeHandler(handler)
     logger.setLevel(level)
 
-
-def tls_contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """A server context with a certificate for 127.0.0.1 from a throwaway CA, and a client
-    context that trusts that CA."""
-    ca = trustme.CA()
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ca.configure_trust(client_ctx)
-    return server_ctx, client_ctx

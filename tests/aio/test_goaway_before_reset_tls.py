@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import kvwire
-from tests.aio.conftest import tls_contexts
 from tests.aio.goaway_helpers import SPEC, TOKENS, wait_first_layer_acked
 from tests.conftest import SECRET
+from tests.system.tls_helpers import tls_contexts
 
 pytestmark = pytest.mark.timeout(60)
 

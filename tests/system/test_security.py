@@ -39,6 +39,7 @@ from kvwire.wire.frames import HANDSHAKE_MAX_BODY, HEADER, FrameType
 from tests.conftest import SECRET, make_layers, same_cache
 from tests.rawpeer import read_one_frame, wait_until
 from tests.system.loop_helpers import loop_errors
+from tests.system.tls_helpers import client_context, server_context
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,24 +47,6 @@ SPEC = kvwire.KVSpec(num_layers=2, num_kv_heads=2, head_dim=16)
 
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-def server_context(cert: trustme.LeafCert, ca: trustme.CA | None = None) -> ssl.SSLContext:
-    """A server context; with ``ca`` it requires a client certificate signed by it."""
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(ctx)
-    if ca is not None:
-        ca.configure_trust(ctx)
-        ctx.verify_mode = ssl.CERT_REQUIRED
-    return ctx
-
-
-def client_context(ca: trustme.CA, cert: trustme.LeafCert | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ca.configure_trust(ctx)
-    if cert is not None:
-        cert.configure_cert(ctx)
-    return ctx
 
 
 async def transfer_ok(server: kvwire.Server, rid: str, *, seed: int = 0, port: int | None = None, **kw: Any) -> bool:
