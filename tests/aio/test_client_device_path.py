@@ -5,16 +5,12 @@ chunks copied to host buffers, payloads in host arrays) and what arrives is what
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
 
 import numpy as np
 import pytest
 
 import kvwire
-from kvwire.aio import _gpu, _send
-from kvwire.codec.base import EncodedChunk
-from tests.aio.auto_helpers import FakeDevice
+from tests.aio.auto_helpers import FakeDevice, fake_device_path
 from tests.conftest import SECRET, make_layers, same_cache
 
 pytestmark = pytest.mark.timeout(60)
@@ -22,31 +18,10 @@ pytestmark = pytest.mark.timeout(60)
 SPEC = kvwire.KVSpec(num_layers=3, num_kv_heads=2, head_dim=16)
 
 
-def pinned(payload: Any) -> memoryview:
-    """The payload in a host array of its own, as the GPU path hands it over."""
-    return np.frombuffer(bytes(payload), dtype=np.uint8).copy().data
-
-
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-
-    async def copy_raw_chunks(x: FakeDevice, plan: list[tuple[int, int]]) -> AsyncIterator[tuple[int, int, Any]]:
-        calls.append("copy")
-        for start, count in plan:
-            yield start, count, np.array(x.host[start : start + count])
-
-    async def encode_chunks(codec: Any, x: FakeDevice, kind: Any, plan: list[tuple[int, int]],
-                            dtype: str) -> AsyncIterator[tuple[int, int, EncodedChunk]]:
-        calls.append(f"encode:{codec.name}")
-        for start, count in plan:
-            enc = codec.encode(x.host[start : start + count], kind)
-            yield start, count, EncodedChunk(codec_id=enc.codec_id, params=enc.params, payload=pinned(enc.payload))
-
-    monkeypatch.setattr(_send, "is_device_array", lambda x: isinstance(x, FakeDevice))
-    monkeypatch.setattr(_send, "as_device_array", lambda x, spec, what: x)
-    monkeypatch.setattr(_gpu, "copy_raw_chunks", copy_raw_chunks)
-    monkeypatch.setattr(_gpu, "encode_chunks", encode_chunks)
+    fake_device_path(monkeypatch, calls)
     return calls
 
 
