@@ -1,8 +1,11 @@
-"""A destination for arriving transfers that records every call made to it."""
+"""A destination for arriving transfers that records every call made to it, and the
+outcome of a receive."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import kvwire
 
 
 class Destination:
@@ -25,3 +28,12 @@ class Destination:
     def layer(self, index: int) -> Any:
         self.calls.append("layer")
         raise AssertionError("never")
+
+
+async def received(server: kvwire.Server, request_id: str) -> Any:
+    """The receiver's outcome: the collected cache or the error it failed with."""
+    transfer = await server.expect(request_id, timeout=20)
+    try:
+        return await transfer.collect(timeout=20)
+    except kvwire.KvwireError as exc:
+        return exc

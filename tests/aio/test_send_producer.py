@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import kvwire
+from tests.aio.arrival_helpers import received
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(60)
@@ -21,15 +22,6 @@ SPEC = kvwire.KVSpec(num_layers=4, num_kv_heads=2, head_dim=32)
 
 def layers() -> list[tuple[np.ndarray, np.ndarray]]:
     return make_layers(SPEC.num_layers, 64, SPEC.num_kv_heads, SPEC.head_dim, seed=3)
-
-
-async def received(server: kvwire.Server, request_id: str) -> Any:
-    """The receiver's outcome: the collected cache or the error it failed with."""
-    transfer = await server.expect(request_id, timeout=20)
-    try:
-        return await transfer.collect(timeout=20)
-    except kvwire.KvwireError as exc:
-        return exc
 
 
 async def send_outcome(peer: kvwire.Peer, request_id: str, source: Any) -> tuple[BaseException | None, int]:

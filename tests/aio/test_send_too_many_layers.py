@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import kvwire
+from tests.aio.arrival_helpers import received
 from tests.conftest import SECRET, make_layers
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,14 +55,6 @@ def forced_auto(peer: kvwire.Peer, codec: str) -> None:
     chooser = peer.chooser
     assert chooser is not None
     chooser.choose = lambda *args, **kwargs: SimpleNamespace(codec=codec)  # type: ignore[method-assign,assignment]
-
-
-async def received(server: kvwire.Server, request_id: str) -> Any:
-    transfer = await server.expect(request_id, timeout=20)
-    try:
-        return await transfer.collect(timeout=20)
-    except kvwire.KvwireError as exc:
-        return exc
 
 
 CODECS = [("raw", None), ("fp8", None), ("auto", None), ("auto", "raw"), ("auto", "int8")]
