@@ -3,18 +3,16 @@ runs over the emulated link), and bad arguments answered with a usage error."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.bench.script_helpers import BENCHMARKS, run_script
+from tests.bench.script_helpers import load_script, run_script
 
 
 def _run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -56,20 +54,12 @@ def test_bad_arguments_are_usage_errors() -> None:
         assert "Traceback" not in got.stderr
 
 
-def _link_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("link_script_under_test", BENCHMARKS / "link.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_each_round_runs_every_codec_afresh_and_together(monkeypatch: pytest.MonkeyPatch,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     """The comparison's first round reuses no run of the scenarios before it (10 Gbit/s
     raw, 1 Gbit/s auto, made a while earlier): every round runs each codec of each link,
     one right after another. run_bench stubbed: the order of the runs is what is checked."""
-    link = _link_script()
+    link = load_script("link.py", "link_script_under_test")
     order: list[tuple[float | None, str]] = []
 
     def fake_run_bench(cfg: Any) -> dict[str, Any]:

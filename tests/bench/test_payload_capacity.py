@@ -6,8 +6,6 @@ the plot draws the payload capacity; link_layer and mtu are null without a shape
 
 from __future__ import annotations
 
-import importlib.util
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from kvwire.bench import command, runner
 from kvwire.bench.report import diagnose, intervals
 from kvwire.errors import UsageError
-from tests.bench.script_helpers import BENCHMARKS
+from tests.bench.script_helpers import load_script
 
 MiB = 1 << 20
 CAPACITY_10G = 10 * 1448 / 1538  # 9.415 Gbit/s of TCP payload at MTU 1500
@@ -157,16 +155,8 @@ def test_the_plot_draws_the_links_tcp_payload_capacity(tmp_path: Any, monkeypatc
     assert drawn == [("link's TCP payload capacity", [pytest.approx(CAPACITY_10G)] * 2)]
 
 
-def _link_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("link_script_payload", BENCHMARKS / "link.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_link_script_holds_the_estimate_against_the_payload_capacity() -> None:
-    link = _link_script()
+    link = load_script("link.py", "link_script_payload")
     share = link.payload_share({"link_gbps": 10.0, "payload_capacity_gbps": CAPACITY_10G})
     assert share == pytest.approx(1448 / 1538)
     assert link.payload_share({"link_gbps": 10.0, "payload_capacity_gbps": None}) == 1.0

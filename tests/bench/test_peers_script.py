@@ -3,7 +3,6 @@ refuses arguments that would measure nothing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -12,12 +11,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-from tests.bench.script_helpers import BENCHMARKS, run_script
+from tests.bench.script_helpers import BENCHMARKS, load_script, run_script
 from tests.environment import IN_CI
 
 
@@ -149,17 +147,6 @@ def test_a_busy_load_whose_process_ended_fails_the_scenario(tmp_path: Path) -> N
         assert f"| {system} | failed: {why} | - | - | - | - | - | - | - |" in got.stdout.splitlines(), got.stdout
 
 
-def _peers_script(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    """benchmarks/peers.py imported (in sys.modules while the test runs: its dataclasses look
-    their module up there)."""
-    spec = importlib.util.spec_from_file_location("peers_script_under_test", BENCHMARKS / "peers.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _table_row(stdout: str, system: str) -> list[str]:
     line = next(x for x in stdout.splitlines() if x.startswith(f"| {system} |"))
     assert line.endswith("|"), line  # nothing outside the table's cells
@@ -172,7 +159,7 @@ def test_ratios_are_against_the_raw_pairs_samples_of_the_same_rounds(monkeypatch
     raw's round 1 and kvwire's own round 1 (9 Gbit/s: 0.90), not its rounds 2 and 3 (20
     Gbit/s, as the host sped up) against raw's round 1 (2.00). The raw pair's row gives
     its failure inside the table's cells. measure() stubbed, no process started."""
-    peers = _peers_script(monkeypatch)
+    peers = load_script("peers.py", "peers_script_under_test", monkeypatch)
     calls: dict[str, int] = {}
 
     def fake_measure(name: str, link: Any, cache: Any, tokens: int, count: int, timeout: float) -> Any:

@@ -3,20 +3,9 @@ command line, run as a user does."""
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any
-
 import pytest
 
-from tests.bench.script_helpers import BENCHMARKS, run_script
-
-
-def _module() -> Any:
-    spec = importlib.util.spec_from_file_location("vllm_late_kv", BENCHMARKS / "vllm_late_kv.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.bench.script_helpers import load_script, run_script
 
 
 def test_summary_of_a_step_held_for_the_late_request() -> None:
@@ -26,7 +15,7 @@ def test_summary_of_a_step_held_for_the_late_request() -> None:
     before."""
     held = [{"times": [i / 10 for i in range(1, 11)] + [3.0, 3.1]} for _ in range(2)]
     late = {"added": 1.0, "times": [3.0, 3.1]}
-    s = _module().summarize([*held, late])
+    s = load_script("vllm_late_kv.py", "vllm_late_kv").summarize([*held, late])
     assert s["ttft_s"] == pytest.approx(2.0)
     assert s["longest_gap_s"] == pytest.approx(2.0)
     assert s["rate_while_waiting"] == 0.0
@@ -37,7 +26,7 @@ def test_summary_of_requests_that_go_on_while_it_waits() -> None:
     """Going on: their gaps stay 0.1 s, and their 2 x 19 tokens in (1.0, 3.0) count."""
     going = [{"times": [i / 10 for i in range(1, 41)]} for _ in range(2)]
     late = {"added": 1.0, "times": [3.0]}
-    s = _module().summarize([*going, late])
+    s = load_script("vllm_late_kv.py", "vllm_late_kv").summarize([*going, late])
     assert s["ttft_s"] == pytest.approx(2.0)
     assert s["longest_gap_s"] == pytest.approx(0.1)
     assert s["rate_while_waiting"] == pytest.approx(38 / 2.0)
@@ -49,7 +38,7 @@ def test_tokens_before_the_arrival_all_from_one_step_give_no_rate() -> None:
     share one stamp, which spans no time (no rate, no division by zero)."""
     one_step = [{"times": [0.5, 1.5, 1.6]} for _ in range(2)]
     late = {"added": 1.0, "times": [1.55]}
-    s = _module().summarize([*one_step, late])
+    s = load_script("vllm_late_kv.py", "vllm_late_kv").summarize([*one_step, late])
     assert s["rate_before"] == 0.0
     assert s["rate_while_waiting"] == pytest.approx(2 / 0.55)
 
