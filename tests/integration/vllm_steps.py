@@ -125,13 +125,17 @@ def consumer_step(worker: KvwireConnector, meta: KvwireConnectorMetadata | None 
     return recving or set(), errors
 
 
-def until_received(worker: KvwireConnector, want: int = 1) -> tuple[set[str], set[int]]:
-    """Consumer steps until get_finished reported ``want`` requests received, at most 30 s:
-    those requests and the blocks reported as load errors meanwhile."""
+def until_received(worker: KvwireConnector, want: int = 1,
+                   meta: KvwireConnectorMetadata | None = None) -> tuple[set[str], set[int]]:
+    """Consumer steps, the first with ``meta``, until get_finished reported ``want``
+    requests received, at most 30 s: those requests and the blocks reported as load
+    errors meanwhile (a load whose transfer had arrived may be reported by the step that
+    starts it)."""
     got: set[str] = set()
     errors: set[int] = set()
     for _ in range(600):
-        received, failed = consumer_step(worker)
+        received, failed = consumer_step(worker, meta)
+        meta = None
         got |= received
         errors |= failed
         if len(got) >= want:
