@@ -704,6 +704,8 @@ def missing(name: str) -> str | None:
 # -- one measurement: a forked receiver and sender ------------------------------------------------
 
 _CLONE_NEWNET = 0x40000000
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 1 << 19, 2
 
 
 _TREES: dict[str, str] = {}
@@ -736,6 +738,16 @@ def _enter_netns(ns: str | None) -> None:
             raise OSError(err, os.strerror(err))
     finally:
         os.close(fd)
+    # What lists the network devices (UCX) reads /sys/class/net, which shows the namespace
+    # sysfs was mounted in: mount it anew for this one, in a mount namespace of this
+    # process's own (as `ip netns exec` does), else NIXL finds no device but the host's.
+    for call, args in (("unshare", (_CLONE_NEWNS,)),
+                       ("mount", (b"none", b"/", None, _MS_REC | _MS_SLAVE, None)),
+                       ("umount2", (b"/sys", _MNT_DETACH)),
+                       ("mount", (ns.encode(), b"/sys", b"sysfs", 0, None))):
+        if getattr(libc, call)(*args) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{call}: {os.strerror(err)}")
 
 
 def _end_with_parent() -> None:
