@@ -16,18 +16,17 @@ import asyncio
 import gc
 import logging
 import socket
-import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
-import trustme
 import uvloop
 
 import kvwire
 from kvwire.aio.client import AddrInfo, _interleave, connect_first
 from kvwire.sync import SyncPeer
 from tests.conftest import SECRET, make_layers
+from tests.system.tls_helpers import tls_contexts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -334,12 +333,7 @@ def test_an_error_after_a_name_was_reached_names_the_address(loop: str) -> None:
 def test_tls_checks_a_scoped_address_without_its_scope(loop: str) -> None:
     """``fe80::1%lo`` (resolved here to ::1, where the server listens): the certificate is
     for fe80::1, which is what TLS checks, not 'fe80::1%lo'."""
-    ca = trustme.CA()
-    cert = ca.issue_cert("fe80::1")
-    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(server_ctx)
-    client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ca.configure_trust(client_ctx)
+    server_ctx, client_ctx = tls_contexts("fe80::1")
     lo = socket.if_nametoindex("lo")
 
     async def main() -> None:

@@ -10,13 +10,14 @@ import gc
 import ssl
 import warnings
 import weakref
+from typing import Literal
 
 import numpy as np
 import pytest
-import trustme
 
 import kvwire
 from kvwire.aio.client import Peer
+from tests.system.tls_helpers import tls_contexts
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,14 +38,14 @@ async def _connections_gone(server: kvwire.Server) -> dict[str, int]:
         await asyncio.sleep(0.02)
 
 
-async def _open_dropped(port: int, streams: int | str) -> weakref.ref[Peer]:
+async def _open_dropped(port: int, streams: int | Literal["auto"]) -> weakref.ref[Peer]:
     peer = kvwire.connect("127.0.0.1", port, secret=SECRET, streams=streams)
     await peer.__aenter__()  # (no `async with`, no close(): the application forgets it)
     return weakref.ref(peer)
 
 
 @pytest.mark.parametrize("streams", [4, "auto"])
-async def test_a_dropped_peer_is_collected_aborted_and_warned_about(streams: int | str) -> None:
+async def test_a_dropped_peer_is_collected_aborted_and_warned_about(streams: int | Literal["auto"]) -> None:
     async with kvwire.serve("127.0.0.1", 0, secret=SECRET) as server:
         with pytest.warns(
             ResourceWarning, match=rf"unclosed kvwire Peer to 127\.0\.0\.1:{server.port}"
@@ -135,13 +136,7 @@ async def test_a_peer_collected_after_its_loop_closed_closes_its_connections(tls
     transports are closed with them, and warn of nothing at a later collection.  (uvloop
     closes a loop's transports itself as the loop is closed.)  Under TLS too, where the
     socket is the SSL transport's inner one."""
-    server_ctx = client_ctx = None
-    if tls:
-        ca = trustme.CA()
-        server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
-        client_ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-        ca.configure_trust(client_ctx)
+    server_ctx, client_ctx = tls_contexts() if tls else (None, None)
     gc.disable()  # (nothing collects the peer but the test's own collections)
     try:
         async with kvwire.serve("127.0.0.1", 0, secret=SECRET, ssl=server_ctx) as server:

@@ -28,8 +28,8 @@ def client_context(ca: trustme.CA, cert: trustme.LeafCert | None = None) -> ssl.
     return ctx
 
 
-def tls_contexts() -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """A server context with a certificate for 127.0.0.1 from a throwaway CA, and a client
+def tls_contexts(host: str = "127.0.0.1") -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """A server context with a certificate for ``host`` from a throwaway CA, and a client
     context that trusts that CA."""
     ca = trustme.CA()
-    return server_context(ca.issue_cert("127.0.0.1")), client_context(ca)
+    return server_context(ca.issue_cert(host)), client_context(ca)
