@@ -23,14 +23,14 @@ from hypothesis import strategies as st
 from kvwire.codec import TensorKind, get_codec, numpy_dtype
 from kvwire.codec import gpu as g
 from kvwire.errors import ProtocolError, UsageError
-from tests.codec.emulation import as_reference, build_emulation, tricky_values, value_bits
+from tests.codec.emulation import as_reference, tricky_values, value_bits
 
 _CTYPES = {np.int64: ctypes.c_longlong, np.int32: ctypes.c_int, np.uint32: ctypes.c_uint}
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return build_emulation(tmp_path_factory.mktemp("kvquant_emu"))
+def emu(kernel_emulation: Any) -> Any:
+    return kernel_emulation
 
 
 def _launch(lib: Any, launch: g.Launch, buffers: dict[str, np.ndarray[Any, Any]]) -> None:

@@ -19,15 +19,15 @@ import pytest
 from kvwire.aio import _gpu
 from kvwire.codec import TensorKind, get_codec, numpy_dtype
 from kvwire.codec import gpu as g
-from tests.codec.emulation import as_reference, build_emulation, tricky_values, value_bits
+from tests.codec.emulation import as_reference, tricky_values, value_bits
 from tests.fake_cupy import FakeCupy
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def emulation(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return build_emulation(tmp_path_factory.mktemp("kvquant_emu_cupy"))
+def emulation(kernel_emulation: Any) -> Any:
+    return kernel_emulation
 
 
 @pytest.fixture
