@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from kvwire.codec import codec_by_id
+from kvwire.codec import available_codecs, codec_by_id, get_codec
 from kvwire.codec.entropy import decompressed_size
 from kvwire.consistency.blocks import block_from_key
 from kvwire.errors import (
@@ -757,7 +757,9 @@ class ReceiverCore:
         nonce_source: Callable[[int], bytes] = secrets.token_bytes, store: LayerStore | None = None,
     ) -> None:
         self.config = config
-        self._codecs_accepted: set[int] = set()  # ids of config.codecs met so far (looked up once)
+        # The wire ids of config.codecs (the registered ones), for the check of every CHUNK.
+        self._codecs_accepted = frozenset(
+            get_codec(name).codec_id for name in available_codecs() if name in config.codecs)
         self._store = store if store is not None else ByteStore(allocate, decode)
         self._nonce = nonce_source
         self._conns: dict[int, Connection] = {}
@@ -2211,10 +2213,8 @@ class ReceiverCore:
         check_chunk_size(chunk, t.spec, max_chunk_bytes=self.config.max_chunk_bytes,
                          max_layer_bytes=self.config.max_layer_bytes)
         if chunk.codec_id not in self._codecs_accepted:
-            name = codec_by_id(chunk.codec_id).name
-            if name not in self.config.codecs:
-                raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {name!r} is not accepted here")
-            self._codecs_accepted.add(chunk.codec_id)
+            name = codec_by_id(chunk.codec_id).name  # (ProtocolError for an unknown id)
+            raise error_from_code(ErrorCode.UNSUPPORTED_CODEC, f"codec {name!r} is not accepted here")
         layer_bytes = 2 * chunk.layer_tokens * t.bpt
         if first:  # as many layers as transfer_buffer_bytes holds (and the whole budget), at least one
             # (granted once the chunk is stored, within the room left: see _offer)

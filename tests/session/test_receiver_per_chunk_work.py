@@ -1,7 +1,7 @@
 """What the receiver works out once instead of per chunk still answers as it did: the
-codecs accepted (looked up once per codec id), a chunk classified once before it is
-recorded, the deadline heap's top refreshed in place, copies of one chunk acknowledged
-one by one."""
+codecs accepted (their ids worked out once, when the core is made), a chunk classified
+once before it is recorded, the deadline heap's top refreshed in place, copies of one
+chunk acknowledged one by one."""
 
 from __future__ import annotations
 
