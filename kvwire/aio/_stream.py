@@ -119,9 +119,15 @@ class Core(Protocol):
 class Owner(Protocol):
     """The pump a stream belongs to: its core, its clock, and the side-specific parts.
 
-    An owner whose ``fixed_connections`` is true (a server's; :class:`Pump` declares it
-    False) never gives a stream's key another connection: the stream then reads into its
-    core connection straight.  An owner without the attribute counts as False."""
+    Two class attributes, read once per stream, say how it treats its streams (both
+    False on :class:`Pump`): ``fixed_connections``, true (a server's), says it never gives a
+    stream's key another connection: the stream then reads into its core connection
+    straight; ``replaces_streams``, true (a client's :class:`~kvwire.aio.client.PeerLink`),
+    says a stream may stop feeding the core before it closes (a replaced one): every read
+    then asks :meth:`is_current`, which an owner that says False is never asked."""
+
+    fixed_connections: bool
+    replaces_streams: bool
 
     @property
     def core(self) -> Core: ...
@@ -161,8 +167,8 @@ class Stream(asyncio.BufferedProtocol):
         self.peer: Any = None  # the remote address
         self.reading_paused = False
         self.made = False
-        # An owner that never replaces streams (Pump's is_current) need not be asked per read.
-        self._always_current = getattr(type(owner), "is_current", None) is Pump.is_current
+        # An owner that never replaces streams need not be asked per read.
+        self._always_current = not owner.replaces_streams
         self.closed = asyncio.Event()
         self._scratch = bytearray(0)
         self._asked = 0  # the size of the buffer the last get_buffer() handed out
@@ -223,7 +229,7 @@ class Stream(asyncio.BufferedProtocol):
             return
         if getattr(type(self.owner), "now", None) is Pump.now:
             self._clock = asyncio.get_running_loop().time
-        if getattr(self.owner, "fixed_connections", False):
+        if self.owner.fixed_connections:
             self._fixed = self.owner.core.connection(self.key)
         if plain:
             self._open_own(sock)
@@ -763,6 +769,9 @@ class Pump:
     #: Whether the core never gives a stream's key another connection (see ``Owner``):
     #: a server's pump says True.
     fixed_connections: bool = False
+    #: Whether a stream may stop feeding the core before it closes (see ``Owner``): a pump
+    #: that says True overrides :meth:`is_current`, asked then on every read.
+    replaces_streams: bool = False
 
     def __init__(self) -> None:
         self._tasks: set[asyncio.Task[None]] = set()

@@ -390,6 +390,10 @@ class PeerLink:
     __slots__ = ("_peer", "closed", "core", "kept", "notsent_lowat", "retired", "sending", "streams")
 
     now = staticmethod(Pump.now)
+    #: A replaced stream's slot holds its successor, and the core's connection for the
+    #: slot goes with it: a stream asks is_current on every read (see ``Owner``).
+    replaces_streams = True
+    fixed_connections = False
 
     def __init__(self, peer: Peer, core: SenderCore, notsent_lowat: int | None) -> None:
         self.core, self.notsent_lowat = core, notsent_lowat

@@ -90,6 +90,9 @@ class FakeCore:
 
 
 class Owner:
+    replaces_streams = True  # (every read asks is_current: a test may set current False)
+    fixed_connections = False
+
     def __init__(self, *, want: bool = True) -> None:
         self.core = FakeCore()
         self.notsent_lowat: int | None = None
