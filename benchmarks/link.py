@@ -40,6 +40,7 @@ from typing import Any
 from kvwire.bench import EMULATOR_PUMPS
 from kvwire.bench.command import stream_count
 from kvwire.bench.models import MODELS
+from kvwire.bench.report import payload_capacity, payload_share
 from kvwire.bench.runner import MIN_LINK_BPS, BenchConfig, run_bench
 from kvwire.errors import KvwireError
 from kvwire.session.options import AUTO_CODEC_MODES
@@ -48,13 +49,6 @@ from kvwire.units import argument_type, format_rate, whole_number
 
 def _after(samples: list[dict[str, Any]], t: float) -> list[dict[str, Any]]:
     return [s for s in samples if s["t"] >= t and s["estimated_gbps"] is not None]
-
-
-def payload_share(result: dict[str, Any]) -> float:
-    """The share of the link's line rate it carries as TCP payload (the report's
-    ``payload_capacity_gbps`` over ``link_gbps``; 1 in a report without it)."""
-    link, capacity = result.get("link_gbps"), result.get("payload_capacity_gbps")
-    return capacity / link if link and capacity else 1.0
 
 
 def within(samples: list[dict[str, Any]], tol: float, share: float = 1.0) -> float | None:
@@ -176,7 +170,7 @@ def main() -> None:
                 "never" if t is None else f"{t:.2f} s after the step ({'yes' if t <= 1.0 else 'NO'}, target 1 s)")
         else:
             err = r["max_rel_error"]
-            capacity = r.get("payload_capacity_gbps") or r["link_gbps"]
+            capacity, _ = payload_capacity(r)
             check = (f"goodput/payload capacity {r['goodput_gbps'] / capacity:.2f}, "
                      f"codecs {', '.join(r['codecs_used'])}, "
                      f"max rel. error {'-' if err is None else f'{err:.3g}'}")

@@ -663,6 +663,8 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from kvwire.bench.report import payload_capacity, payload_share
+
     samples = result["samples"]
     t = [s["t"] for s in samples]
     fig, ax = plt.subplots(figsize=(9, 4.5))
@@ -672,9 +674,9 @@ def write_plot(result: dict[str, Any], path: str) -> None:
     if any(s["link_gbps"] is not None for s in samples):
         # The wire series counts TCP payload: the line is what the link carries of it at
         # each moment's rate (the line rate in a report without payload_capacity_gbps).
-        share, label = 1.0, "link rate (line rate)"
-        if result.get("payload_capacity_gbps") and result.get("link_gbps"):
-            share, label = result["payload_capacity_gbps"] / result["link_gbps"], "link's TCP payload capacity"
+        share = payload_share(result)
+        known = payload_capacity(result)[1] and result.get("link_gbps")
+        label = "link's TCP payload capacity" if known else "link rate (line rate)"
         ax.step(t, [s["link_gbps"] * share if s["link_gbps"] is not None else float("nan") for s in samples],
                 where="post", label=label, color="black", ls="--", lw=1)
     ax.set_xlabel("seconds")

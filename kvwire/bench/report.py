@@ -279,7 +279,7 @@ def _effective_rtt_ms(result: Mapping[str, Any]) -> tuple[float | None, str]:
     queueing included) and with ``--rtt 0`` made the check blame the window for a delay
     the link does not have. Elsewhere the measured minimum RTT. The explanation is
     empty or "--rtt X ms + Y ms to serialize a chunk", for the caller to bracket."""
-    payload_gbps = _payload_gbps(result)
+    payload_gbps, _ = payload_capacity(result)
     if result.get("mode") == "emulated":
         rtt = result.get("rtt_ms") or 0.0
         chunk = result.get("chunk_bytes")
@@ -290,11 +290,24 @@ def _effective_rtt_ms(result: Mapping[str, Any]) -> tuple[float | None, str]:
     return result.get("rtt_ms") or result.get("measured_rtt_ms"), ""
 
 
-def _payload_gbps(result: Mapping[str, Any]) -> float | None:
-    """The TCP payload a saturated link carries, Gbit/s: ``payload_capacity_gbps``, or
-    the link's rate in a report without it. The window, the bytes in flight and the
-    estimate count TCP payload, so they are held against this, not the line rate."""
-    return result.get("payload_capacity_gbps") or result.get("link_gbps")
+def payload_capacity(result: Mapping[str, Any]) -> tuple[float | None, bool]:
+    """The TCP payload a saturated link carries, Gbit/s, and whether the report knew it:
+    ``(payload_capacity_gbps, True)``, or in a report without it the line rate stands for
+    it, ``(link_gbps, False)`` (``(None, False)`` without a link). The window, the bytes in
+    flight, the estimate and the wire rate count TCP payload, so the diagnosis, the plot
+    and benchmarks/link.py hold them against this, not the line rate."""
+    capacity = result.get("payload_capacity_gbps")
+    if capacity:
+        return capacity, True
+    return result.get("link_gbps"), False
+
+
+def payload_share(result: Mapping[str, Any]) -> float:
+    """The share of the link's line rate it carries as TCP payload: :func:`payload_capacity`
+    over ``link_gbps``, 1 where the line rate stands for the capacity (or there is none):
+    a sample's line rate times this is the payload capacity at that moment."""
+    link, (capacity, _) = result.get("link_gbps"), payload_capacity(result)
+    return capacity / link if link and capacity else 1.0
 
 
 def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float = LOW_UTILIZATION) -> str | None:
@@ -325,7 +338,7 @@ def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float =
                 f"the machine's {cores} cores were {100 * busy:.0f}% busy"
                 + (f" ({100 * others:.0f}% of them by other processes)" if others is not None else "")
             )
-    payload_gbps = _payload_gbps(result)
+    payload_gbps, _ = payload_capacity(result)
     est = result.get("estimated_gbps")
     if low:
         rtt_ms, rtt_how = _effective_rtt_ms(result)
