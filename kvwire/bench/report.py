@@ -338,7 +338,9 @@ def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float =
                 f"the machine's {cores} cores were {100 * busy:.0f}% busy"
                 + (f" ({100 * others:.0f}% of them by other processes)" if others is not None else "")
             )
-    payload_gbps, _ = payload_capacity(result)
+    payload_gbps, known = payload_capacity(result)
+    # (a report without the payload capacity states the line rate, and says so)
+    capacity_name = "the link's TCP payload capacity" if known else "the link's line rate"
     est = result.get("estimated_gbps")
     if low:
         rtt_ms, rtt_how = _effective_rtt_ms(result)
@@ -357,7 +359,7 @@ def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float =
                 causes.append(
                     f"window/RTT limit: {streams} streams x {window_bytes >> 20} MiB window per "
                     f"{rtt_ms:.3g} ms RTT{f' ({rtt_how})' if rtt_how else ''} carry at most {cap:.3g} Gbit/s, "
-                    f"the link's TCP payload capacity {payload_gbps:.3g} ({advice})"
+                    f"{capacity_name} {payload_gbps:.3g} ({advice})"
                 )
         inflight = result.get("bytes_in_flight_mean")
         if payload_gbps and rtt_ms and inflight is not None:
@@ -366,7 +368,7 @@ def diagnose(result: Mapping[str, Any], *, window_bytes: int, threshold: float =
                 causes.append(
                     f"too little in flight: {inflight / 2**20:.3g} MiB on average for a "
                     f"{bdp / 2**20:.3g} MiB bandwidth-delay product ({rtt_ms:.3g} ms RTT{f': {rtt_how}' if rtt_how else ''})"
-                    + (f" (estimate {est:.3g} Gbit/s under the link's TCP payload capacity {payload_gbps:.3g})" if est is not None and est < 0.8 * payload_gbps else "")
+                    + (f" (estimate {est:.3g} Gbit/s under {capacity_name} {payload_gbps:.3g})" if est is not None and est < 0.8 * payload_gbps else "")
                 )
         wire = result.get("wire_gbps")
         # The estimate at the end of a run that waited on an abandoned transfer says nothing

@@ -76,9 +76,10 @@ def test_the_diagnosis_holds_the_window_against_the_reports_rule(monkeypatch: py
               "estimated_gbps": 9.0, "wire_gbps": 3.8, "bytes_in_flight_mean": None,
               "chunk_bytes": 4 * MiB, "incomplete_transfers": 0,
               "cpu": {"sender": 0.3, "receiver": 0.3, "cores": 8, "machine_busy": 0.3, "others": 0.05}}
-    # Without the capacity the line rate stands for it: 4 x 16 MiB per 60 ms, 8.95 Gbit/s.
+    # Without the capacity the line rate stands for it, named as such: 4 x 16 MiB per 60 ms,
+    # 8.95 Gbit/s.
     line = report.diagnose(result, window_bytes=16 * MiB)
-    assert line is not None and "carry at most 8.95 Gbit/s, the link's TCP payload capacity 10" in line
+    assert line is not None and "carry at most 8.95 Gbit/s, the link's line rate 10" in line
     result["payload_capacity_gbps"] = CAPACITY_10G
     line = report.diagnose(result, window_bytes=16 * MiB)
     assert line is not None and "carry at most 8.95 Gbit/s, the link's TCP payload capacity 9.41" in line
