@@ -283,6 +283,14 @@ class _Load:
         """The blocks loaded into (reported as load errors if it fails)."""
         return [b for b in self.block_ids if b != DROP]
 
+    @property
+    def awaiting_retry(self) -> bool:
+        """Restarted (see :meth:`KvwireConnector._restart_load`) and its retry not begun:
+        the receive of its lost transfer still stopping, or its name expected again and
+        no transfer of it come yet.  Its ``retry_by`` is finite exactly then (it is set
+        as it restarts, inf before)."""
+        return self.restarted and (self.restarting is not None or self.handle.transfer is None)
+
 
 @dataclass(slots=True, eq=False)
 class _Drop:
@@ -884,11 +892,15 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             drop.given_up = None
         return self._expect_drop(req_id, key, block_ids, self._claim_timeout)
 
-    def _drop_again(self, req_id: str, key: str, total: int, left: float | None) -> bool:
-        """Begin again the drop of a load given up that :meth:`_yield_drops` stopped, for
-        what is left of its kvwire_claim_timeout (``left``; None: no timeout), its
-        ``total`` blocks DROP.  Whether it began."""
-        return self._expect_drop(req_id, key, [DROP] * total, left)
+    def _drop_given_up(self, req_id: str, key: str, total: int, left: float | None, ends: float | None) -> bool:
+        """Begin the drop of a load given up (:meth:`_give_up_load`), or begin it again
+        once :meth:`_yield_drops` stopped it (:meth:`_requeue_drops`): expect ``key``'s
+        transfer, its ``total`` blocks DROP, let go of after ``left`` seconds, at ``ends``
+        (both None: never), and record it as given up (``given_up``).  Whether it began."""
+        if not self._expect_drop(req_id, key, [DROP] * total, left):
+            return False
+        self._dropping[req_id].given_up = (total, ends)
+        return True
 
     def _expect_drop(self, req_id: str, key: str, block_ids: list[int] | None, timeout: float | None) -> bool:
         """Expect ``key``'s transfer for ``req_id``'s drop, let go of after ``timeout``."""
@@ -946,7 +958,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             assert given_up is not None
             total, ends = given_up
             left = None if ends is None else ends - now
-            if (left is not None and left <= 0) or not self._drop_again(req_id, key, total, left):
+            if (left is not None and left <= 0) or not self._drop_given_up(req_id, key, total, left, ends):
                 del self._dropping[req_id]
 
     #: seconds a hook waits, once for all the receives it aborted, for kvwire's loop to stop them
@@ -1019,7 +1031,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
             load.verifying[0].cancel()
         now = time.monotonic()
         # (its own error, before the abort's)
-        awaiting_retry = load.restarted and (load.restarting is not None or handle.transfer is None)
+        awaiting_retry = load.awaiting_retry
         lost = awaiting_retry or (handle.transfer is not None and isinstance(handle.error, ConnectionLostError))
         life = self._RETRY_WINDOW if lost else self._claim_timeout
         if awaiting_retry:
@@ -1027,10 +1039,8 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._abort(req_id, handle, reason)
         if life is not None and life <= 0:
             return  # (the retry window passed: nothing is dropped)
-        if (lost or handle.transfer is None) and self._server is not None \
-                and self._expect_drop(req_id, handle.request_id, [DROP] * total, life):
-            ends = None if life is None else now + life
-            self._dropping[req_id].given_up = (total, ends)
+        if (lost or handle.transfer is None) and self._server is not None:
+            self._drop_given_up(req_id, handle.request_id, total, life, None if life is None else now + life)
 
     def _reload(self, req_id: str, handle: ReceiveHandle) -> bool:
         """``req_id``'s receive ``handle`` failed: if the transfer handed to it had failed
@@ -1087,8 +1097,7 @@ class KvwireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         """Async load: its timeout error if it is past its kvwire_load_timeout, or, once
         restarted, past the ``_RETRY_WINDOW`` its retry is waited for with none begun
         (one that came in time has what is left of the kvwire_load_timeout); else None."""
-        waiting = load.restarting is not None or load.handle.transfer is None
-        if waiting and now >= load.retry_by and load.retry_by < load.since + self._timeout:
+        if load.awaiting_retry and now >= load.retry_by and load.retry_by < load.since + self._timeout:
             return TransferTimeoutError(f"transfer of {load.key!r} lost mid-way and not sent again within "
                                         f"{self._RETRY_WINDOW:g} s")
         if now >= load.since + self._timeout:
