@@ -29,8 +29,6 @@ from kvwire.paged import DROP, PagedSource, PagedSpec, gather_layer, host_view
 from kvwire.sync import Bridge, SyncPeer, SyncServer
 from kvwire.testing import FaultPlan, FaultProxy, Faults
 from tests.integration.vllm_steps import (
-    LAYERS,
-    SECRET,
     async_consumer,
     consumer_step,
     consumer_worker,
@@ -39,8 +37,8 @@ from tests.integration.vllm_steps import (
     producer,
     step,
     until_received,
-    wait_connected,
 )
+from tests.integration.vllm_workers import LAYERS, SECRET, wait_connected
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)

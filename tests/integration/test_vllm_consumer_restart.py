@@ -12,7 +12,8 @@ import warnings
 import pytest
 import torch
 
-from tests.integration.vllm_steps import LAYERS, SECRET, finished_sends, producer, step
+from tests.integration.vllm_steps import finished_sends, producer, step
+from tests.integration.vllm_workers import LAYERS, SECRET
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)

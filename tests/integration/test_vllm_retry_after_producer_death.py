@@ -24,14 +24,13 @@ import torch
 import kvwire
 from kvwire.paged import PagedSpec
 from tests.integration.vllm_steps import (
-    LAYERS,
-    SECRET,
     async_consumer,
     consumer_step,
     consumer_worker,
     drops_ended,
     until_received,
 )
+from tests.integration.vllm_workers import LAYERS, SECRET
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)

@@ -1,6 +1,7 @@
 """The vLLM connector's two sides as the connector tests make and step them: a producer's
 scheduler and worker sides (32 KiB blocks), a consumer's worker side, synchronous or
-loading asynchronously, and the engine steps that poll them until sends or loads end."""
+loading asynchronously, and the engine steps that poll them until sends or loads end (the
+secret, layers, config and connection wait are vllm_workers.py's)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,10 @@ from kvwire.paged import PagedSpec
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
-    from vllm.config import CacheConfig, KVTransferConfig, VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvwire.integrations.vllm import KvwireConnector, KvwireConnectorMetadata
-
-
-SECRET = "connector-test-secret"
-LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    from tests.integration.vllm_workers import LAYERS, config, wait_connected
 
 
 def producer(port: int, load_timeout: float, async_save: bool = True,
@@ -28,15 +25,8 @@ def producer(port: int, load_timeout: float, async_save: bool = True,
     """The scheduler-side and worker-side connectors of a producer, the worker's caches
     registered (and, with ``connected``, its connection to the consumer up: it is made on
     kvwire's loop, and a step's saves that find none end unsent)."""
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm",
-            kv_role="kv_producer",
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_peer": f"127.0.0.1:{port}",
-                                       "kvwire_load_timeout": load_timeout, "kvwire_async_save": async_save},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
+    cfg = config("kv_producer", {"kvwire_peer": f"127.0.0.1:{port}", "kvwire_load_timeout": load_timeout,
+                                 "kvwire_async_save": async_save})
     scheduler = KvwireConnector(cfg, KVConnectorRole.SCHEDULER)
     worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
     gen = torch.Generator().manual_seed(0)
@@ -45,16 +35,6 @@ def producer(port: int, load_timeout: float, async_save: bool = True,
     if connected:
         wait_connected(worker)
     return scheduler, worker, caches
-
-
-def wait_connected(worker: KvwireConnector) -> None:
-    """Until the worker's connection (made on kvwire's loop) is up, at most 30 s."""
-    for _ in range(600):
-        worker._poll_connect()
-        if worker._peer is not None:
-            return
-        threading.Event().wait(0.05)
-    raise AssertionError(f"not connected: {worker._connect_error}")
 
 
 def step(worker: KvwireConnector, meta: KvwireConnectorMetadata, caches: list[torch.Tensor] | None) -> None:
@@ -86,14 +66,8 @@ def consumer_worker(caches: list[torch.Tensor], load_timeout: float = 30,
                     load_async: bool = False) -> tuple[KvwireConnector, PagedSpec]:
     """A consumer's worker-side connector with ``caches`` registered (its server listening),
     loading asynchronously with ``load_async``."""
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0",
-                                       "kvwire_load_timeout": load_timeout, "kvwire_load_async": load_async},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
+    cfg = config("kv_consumer", {"kvwire_listen": "127.0.0.1:0", "kvwire_load_timeout": load_timeout,
+                                 "kvwire_load_async": load_async})
     worker = KvwireConnector(cfg, KVConnectorRole.WORKER)
     worker.register_kv_caches(dict(zip(LAYERS, caches, strict=True)))
     assert worker.listen_port is not None and worker._spec is not None

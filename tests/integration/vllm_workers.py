@@ -1,7 +1,8 @@
 """Worker-side vLLM connectors over real sockets on 127.0.0.1, driven step by step as vLLM's
 worker drives them: a consumer and producers made from one config, one producer or consumer
-step, and the checks the connector tests share (the ``workers`` fixture that shuts them down
-is in conftest.py)."""
+step, and the checks the connector tests share; the test secret, the layers, the config and
+the wait for a producer's connection are these, vllm_steps.py's too (the ``workers``
+fixture that shuts them down is in conftest.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
 def config(role: str, extra: dict[str, Any]) -> VllmConfig:
+    """A config of the connector in ``role`` (16-token blocks), with SECRET and ``extra``
+    as its kv_connector_extra_config."""
     return VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm",
@@ -51,13 +54,18 @@ def producer(port: int, extra: dict[str, Any] | None = None,
     worker = KvwireConnector(config("kv_producer", {"kvwire_peer": f"127.0.0.1:{port}", **(extra or {})}),
                              KVConnectorRole.WORKER)
     worker.register_kv_caches(dict(zip(LAYERS, kv, strict=True)))
-    for _ in range(600):  # its connection is made on kvwire's loop
+    wait_connected(worker)
+    return worker, kv
+
+
+def wait_connected(worker: KvwireConnector) -> None:
+    """Until the worker's connection (made on kvwire's loop) is up, at most 30 s."""
+    for _ in range(600):
         worker._poll_connect()
         if worker._peer is not None:
-            break
+            return
         threading.Event().wait(0.05)
-    assert worker._peer is not None, worker._connect_error
-    return worker, kv
+    raise AssertionError(f"not connected: {worker._connect_error}")
 
 
 def produce(worker: KvwireConnector, meta: KvwireConnectorMetadata, kv: list[torch.Tensor] | None,
