@@ -287,8 +287,8 @@ class _Load:
     def awaiting_retry(self) -> bool:
         """Restarted (see :meth:`KvwireConnector._restart_load`) and its retry not begun:
         the receive of its lost transfer still stopping, or its name expected again and
-        no transfer of it come yet.  Its ``retry_by`` is finite exactly then (it is set
-        as it restarts, inf before)."""
+        no transfer of it come yet.  Its ``retry_by`` is inf until it restarts and the
+        retry's deadline from then on (also once the retry began)."""
         return self.restarted and (self.restarting is not None or self.handle.transfer is None)
 
 
