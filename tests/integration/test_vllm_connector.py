@@ -38,7 +38,7 @@ from tests.integration.vllm_steps import (
     step,
     until_received,
 )
-from tests.integration.vllm_workers import LAYERS, SECRET, wait_connected
+from tests.integration.vllm_workers import LAYERS, SECRET, config, wait_connected
 
 with warnings.catch_warnings():  # vLLM's import chain trips torch's own deprecation warnings
     warnings.simplefilter("ignore", DeprecationWarning)
@@ -705,15 +705,8 @@ class _Request:
 
 def scheduler_side(role: str, extra: dict[str, Any] | None = None) -> KvwireConnector:
     """The scheduler's connector; a consumer's loads layer-wise unless ``extra`` says."""
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role=role,
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_peer": "127.0.0.1:1",
-                                       "kvwire_listen": "127.0.0.1:0", "kvwire_load_async": False,
-                                       **(extra or {})},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
+    cfg = config(role, {"kvwire_peer": "127.0.0.1:1", "kvwire_listen": "127.0.0.1:0", "kvwire_load_async": False,
+                        **(extra or {})})
     return KvwireConnector(cfg, KVConnectorRole.SCHEDULER)
 
 
@@ -1497,13 +1490,7 @@ def test_a_kv_cache_of_several_groups_is_refused() -> None:
     two = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(LAYERS[:2], spec), KVCacheGroupSpec(LAYERS[2:], spec)])
     one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_both",
-            kv_connector_extra_config={"kvwire_secret": SECRET},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
+    cfg = config("kv_both", {})
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(UsageError, match=r"2 groups.*--disable-hybrid-kv-cache-manager"):
             KvwireConnector(cfg, role, two)
@@ -1570,13 +1557,7 @@ def test_tensor_and_pipeline_parallelism_are_refused(setting: str) -> None:
     every shard under one name. Refused on every role, naming the setting."""
     from vllm.config import ParallelConfig
 
-    cfg = VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role="kv_consumer",
-            kv_connector_extra_config={"kvwire_secret": SECRET, "kvwire_listen": "127.0.0.1:0"},
-        ),
-        cache_config=CacheConfig(block_size=16), parallel_config=ParallelConfig(**{setting: 2}),
-    )
+    cfg = config("kv_consumer", {"kvwire_listen": "127.0.0.1:0"}, parallel_config=ParallelConfig(**{setting: 2}))
     for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
         with pytest.raises(UsageError, match=f"{setting} is 2.*{setting}=1"):
             KvwireConnector(cfg, role)
@@ -1590,14 +1571,8 @@ def test_a_data_parallel_consumer_is_refused_and_a_data_parallel_producer_is_not
     from vllm.config import ParallelConfig
 
     def made(role: str, extra: dict[str, Any]) -> KvwireConnector:
-        cfg = VllmConfig(
-            kv_transfer_config=KVTransferConfig(
-                kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role=role,
-                kv_connector_extra_config={"kvwire_secret": SECRET, **extra},
-            ),
-            cache_config=CacheConfig(block_size=16), parallel_config=ParallelConfig(data_parallel_size=2),
-        )
-        return KvwireConnector(cfg, KVConnectorRole.SCHEDULER)
+        return KvwireConnector(config(role, extra, parallel_config=ParallelConfig(data_parallel_size=2)),
+                               KVConnectorRole.SCHEDULER)
 
     for role in ("kv_consumer", "kv_both"):
         with pytest.raises(UsageError, match="data_parallel_size is 2 on a consumer"):
@@ -1606,13 +1581,7 @@ def test_a_data_parallel_consumer_is_refused_and_a_data_parallel_producer_is_not
 
 
 def connector_config(extra: dict[str, Any], role: str = "kv_producer") -> VllmConfig:
-    return VllmConfig(
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm", kv_role=role,
-            kv_connector_extra_config={"kvwire_secret": SECRET, **extra},
-        ),
-        cache_config=CacheConfig(block_size=16),
-    )
+    return config(role, extra)
 
 
 @pytest.mark.parametrize(("extra", "says"), [
@@ -1734,9 +1703,9 @@ def test_the_documented_consumer_recomputes_a_failed_load() -> None:
     blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if 'kv_role="kv_consumer"' in b]
     assert len(blocks) == 1
     call = blocks[0][blocks[0].index("KVTransferConfig("):].rstrip().removesuffix(")")  # drop LLM(...)'s ")"
-    config = eval(call, {"KVTransferConfig": KVTransferConfig})  # the docs' own example, as written
-    assert config.kv_load_failure_policy == "recompute"
-    assert config.is_kv_consumer
+    transfer_config = eval(call, {"KVTransferConfig": KVTransferConfig})  # the docs' own example, as written
+    assert transfer_config.kv_load_failure_policy == "recompute"
+    assert transfer_config.is_kv_consumer
 
 
 def with_layers(cfg: VllmConfig, isa: str | None, backend: str = "CPU_ATTN") -> VllmConfig:

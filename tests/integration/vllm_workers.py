@@ -25,14 +25,15 @@ SECRET = "connector-test-secret"
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
 
 
-def config(role: str, extra: dict[str, Any]) -> VllmConfig:
+def config(role: str, extra: dict[str, Any], **more: Any) -> VllmConfig:
     """A config of the connector in ``role`` (16-token blocks), with SECRET and ``extra``
-    as its kv_connector_extra_config."""
+    as its kv_connector_extra_config, and ``more`` of VllmConfig's fields (a
+    parallel_config)."""
     return VllmConfig(
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvwireConnector", kv_connector_module_path="kvwire.integrations.vllm",
             kv_role=role, kv_connector_extra_config={"kvwire_secret": SECRET, **extra}),
-        cache_config=CacheConfig(block_size=16))
+        cache_config=CacheConfig(block_size=16), **more)
 
 
 def caches(num_blocks: int, seed: int) -> list[torch.Tensor]:
