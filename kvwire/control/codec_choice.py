@@ -32,8 +32,7 @@ How they combine is the ``pipeline`` setting:
 * ``"full"``: every stage overlaps; the slowest bounds the rate (separate, idle hosts).
 
 Delivered KV = 1 / cost. Raw has no encode or decode, so it is chosen whenever it is at
-least as fast as the best (within ``tolerance``, precision first; once another codec is
-sent, whenever it is at least as fast as that one): ``auto`` never lowers KV goodput by
+least as fast as the best (within ``tolerance``, precision first): ``auto`` never lowers KV goodput by
 the model's measure. On a fast link the raw bytes win; on a slow one a
 compact codec does. The one exception is deliberate: given ``now``, once per
 ``probe_interval`` a chunk may be a probe that refreshes a measurement the model rests on
@@ -53,8 +52,9 @@ as at least that rate when the path last set the pace; raw, sent first on
 a short path, stays chosen while the sender limits, until the path's rate stops
 growing (BBR's full pipe, :data:`FILL_CHUNKS`) and, on a path known to be short, until
 the transport's cost is first measured; and a less precise codec must beat the
-one sent until now by ``hysteresis``, and a more precise one be rated at least as fast
-as it (within ``tolerance`` of the best is not enough), so that codecs the model rates
+one sent until now by ``hysteresis``, and a more precise one other than raw be rated at
+least as fast as it (within ``tolerance`` of the best is not enough: the codec sent is
+measured chunk by chunk, the others keep their last figure), so that codecs the model rates
 within noise of each other do not take turns chunk by chunk (the codec so kept gives way
 to the most precise one the model rates at least as fast as it: raw, where the wire
 alone rates it so).
@@ -328,7 +328,8 @@ class CodecChooser:
     ) -> None:
         """
         :param tolerance: in throughput mode, a more precise codec within this fraction
-            of the best delivered rate is preferred.
+            of the best delivered rate is preferred (once a codec is sent, only raw
+            takes over from it so; see ``hysteresis``).
         :param speed_gain: EWMA gain for encode-speed and size-ratio measurements, in (0, 1].
         :param deadline_margin: in deadline mode, a codec must finish this fraction ahead
             of the deadline to count as meeting it, absorbing estimate noise.
@@ -355,7 +356,8 @@ class CodecChooser:
         :param hysteresis: the model changes to a less precise codec only for one it
             rates faster than the codec sent until now by more than this fraction
             (to a more precise one only for one it rates at least as fast as the
-            codec sent until now: within ``tolerance`` of the best is not enough);
+            codec sent until now, within ``tolerance`` of the best not being enough,
+            except raw, which takes over within ``tolerance`` of the best);
             measured goodput changes the leader only once the leader
             loses by this fraction more than the rule says (samples vary).
         :param explore_floor: a codec never measured, rated by the model (calibrated by the
@@ -938,21 +940,25 @@ class CodecChooser:
         order = self._by_precision
         if held is not None and held != codec and (
                 rates[held] * (1.0 + self._hysteresis) >= rates[codec] if order.index(held) < order.index(codec)
-                else rates[held] > rates[codec]):
+                else rates[held] > rates[codec] and not self._is_free(codec)):
             # A less precise codec must be faster than the one sent until now by more
-            # than the rates' noise, and a more precise one at least as fast as it
-            # (within ``tolerance`` of the best is not enough: between the two the
-            # choice stays put). Codecs within 10% of each other (fp8, int8 and int4 on
-            # a loaded host) took turns chunk by chunk as their measurements moved; with
-            # chunks encoded only when asked for, that delivered less than any of them
-            # sent alone. And the codec sent is measured chunk by chunk while the others
-            # keep the speed they were last measured at: over an emulated 10 Gbit/s
-            # link, where int4 delivered 9% more than int8, a dip of int4's encode speed
-            # that left it within tolerance, but still ahead, of int8 sent int8, and
-            # int8 kept 12-36% of the chunks until its own speed dipped further than
-            # int4's last measurement. Kept, the held codec gives way to the most
-            # precise codec rated at least as fast as it (raw, if the wire alone rates
-            # it so): the hysteresis never keeps a choice below a more precise one's rate.
+            # than the rates' noise, and a more precise one that costs CPU at least as
+            # fast as it (within ``tolerance`` of the best is not enough: between the
+            # two the choice stays put). Codecs within 10% of each other (fp8, int8 and
+            # int4 on a loaded host) took turns chunk by chunk as their measurements
+            # moved; with chunks encoded only when asked for, that delivered less than
+            # any of them sent alone. And the codec sent is measured chunk by chunk
+            # while the others keep the speed they were last measured at: over an
+            # emulated 10 Gbit/s link, where int4 delivered 9% more than int8, a dip of
+            # int4's encode speed that left it within tolerance, but still ahead, of
+            # int8 sent int8, and int8 kept 12-22% of the chunks (four runs) until its
+            # own speed dipped further than int4's last measurement. Raw is the
+            # exception: its rate is the live estimate, not a figure left from when it
+            # was last sent, so it takes over within ``tolerance`` of the best as ever
+            # (held to the stricter rule, steady rates kept int4 for good where raw was
+            # rated 1.5% behind it). Kept, the held codec gives way to the most precise
+            # codec rated at least as fast as it (raw, if the wire alone rates it so):
+            # the hysteresis never keeps a choice below a more precise one's rate.
             codec = next(c for c in order if rates[c] >= rates[held])
         free = self._by_precision[0]
         unmeasured = not self._free_measured() and self._path_rtt is not None and not self._long_path()
