@@ -96,6 +96,7 @@ class ClusterConfig:
     in GPUs (``N_p`` in steps of ``1 / gpus_per_instance``), so the balance condition
     ``Theta_prfaas + Theta_pdp = Theta_pdd`` can be met more closely. A fractional instance
     is modelled as proportionally less capacity (linear scaling)."""
+    _local_prefill: ModelProfile = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.split_granularity not in ("instance", "gpu"):
@@ -121,12 +122,15 @@ class ClusterConfig:
             check_number(name, getattr(self, name), above=0.0)
         if self.local_profile is None:  # (the local profile is the remote one scaled by it)
             check_number("relative_compute", self.relative_compute, at_least=MIN_RELATIVE_COMPUTE)
+        # Scaled once here: the model and the simulator read it for every request.
+        object.__setattr__(self, "_local_prefill", self.local_profile if self.local_profile is not None
+                           else self.remote_profile.scaled(self.relative_compute))
 
     @property
     def local_prefill_profile(self) -> ModelProfile:
-        if self.local_profile is not None:
-            return self.local_profile
-        return self.remote_profile.scaled(self.relative_compute)
+        """Prefill profile of one local instance: ``local_profile``, or the remote one
+        scaled by ``relative_compute``."""
+        return self._local_prefill
 
     def with_egress(self, egress_bps: float) -> ClusterConfig:
         return replace(self, egress_bps=egress_bps)

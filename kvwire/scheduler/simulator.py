@@ -72,7 +72,6 @@ from kvwire.scheduler.policy import (
     SchedulerState,
     decide,
 )
-from kvwire.scheduler.profile import ModelProfile
 from kvwire.scheduler.workload import BLOCK_TOKENS, MAX_TOKENS, LengthDistribution, TraceRequest
 
 __all__ = [
@@ -383,9 +382,6 @@ class SimState:
     requests: Sequence[TraceRequest]
     config: SimulationConfig
     policy: PolicyName
-    local_profile: ModelProfile
-    """The local prefill profile (``config.cluster.local_prefill_profile``, which scales
-    the remote one on every read: made once here)."""
     now: float = 0.0
     # the model's parts
     threshold_tokens: float = math.inf
@@ -483,7 +479,6 @@ def new_state(
         requests=requests,
         config=config,
         policy=policy,
-        local_profile=cl.local_prefill_profile,
         threshold_tokens=threshold_tokens,
         table=table,
         rng=np.random.default_rng(seed),
@@ -529,7 +524,7 @@ def _est_prefill_s(state: SimState, i: int, remote: bool) -> float:
     r = state.requests[i]
     cl = state.config.cluster
     cache, prof = (
-        (state.remote_cache, cl.remote_profile) if remote else (state.local_cache, state.local_profile)
+        (state.remote_cache, cl.remote_profile) if remote else (state.local_cache, cl.local_prefill_profile)
     )
     hit = min(cache.peek(r.hash_ids) * BLOCK_TOKENS, r.input_length)
     return prof.prefill_seconds(max(r.input_length - hit, 1))
@@ -760,7 +755,7 @@ def on_prefill_start(state: SimState, i: int) -> list[Event]:
         cache, profile, speed = state.remote_cache, cl.remote_profile, 1.0
         state.remote_queued_s -= state.queued_est[i]
     else:
-        cache, profile, speed = state.local_cache, state.local_profile, state.speed[i]
+        cache, profile, speed = state.local_cache, cl.local_prefill_profile, state.speed[i]
         state.local_queued_s -= state.queued_est[i]
     hit = min(cache.lookup(r.hash_ids) * BLOCK_TOKENS, r.input_length)
     state.hit_tokens[i] = hit
