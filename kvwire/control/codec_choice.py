@@ -54,7 +54,8 @@ growing (BBR's full pipe, :data:`FILL_CHUNKS`) and, on a path known to be short,
 the transport's cost is first measured; and a less precise codec must beat the
 one sent until now by ``hysteresis``, and a more precise one other than raw be rated at
 least as fast as it (within ``tolerance`` of the best is not enough: the codec sent is
-measured chunk by chunk, the others keep their last figure), so that codecs the model rates
+measured chunk by chunk, the others keep their last figure, moved as the host moves the
+codec sent: see :meth:`CodecChooser.observe_encode`), so that codecs the model rates
 within noise of each other do not take turns chunk by chunk (the codec so kept gives way
 to the most precise one the model rates at least as fast as it: raw, where the wire
 alone rates it so).
@@ -399,6 +400,9 @@ class CodecChooser:
         # host that got busier since the priors were taken does not keep an idle decoder.
         self._encode_prior: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode_observed: set[str] = set()
+        # Encode measurements counted, and the count at each codec's latest (observe_encode)
+        self._encodes = 0
+        self._encoded_at: dict[str, int] = {}
         self._transport: float | None = None  # sender CPU seconds per wire byte
         self._transport_by: dict[str, float] = {}  # the same, measured while each codec was sent
         self._raw_runnable: float | None = None  # the sender loop's runnable share while raw was sent
@@ -509,12 +513,35 @@ class CodecChooser:
         """Feed one measured encode: ``nbytes`` of fp16 input took ``seconds`` (under a
         nanosecond counts as one). A measurement that is no speed is ignored: ``nbytes``
         not > 0, ``seconds`` negative or not a finite number (a NaN kept in the moving
-        average stayed there for good, and a negative time read as 1 ns)."""
+        average stayed there for good, and a negative time read as 1 ns).
+
+        From a codec's second measurement on, the change of its figure also scales the
+        figures of the codecs measured before its previous measurement and not since:
+        the speeds of codecs encoding on one core move together with the host's load
+        (int4 and int8 chunk by chunk on two loaded cores: correlated 0.7-0.8 over 16-64
+        chunks, their ratio varying a third less than either speed), so a codec not sent
+        keeps how it compared with the one sent, not a figure from another moment of the
+        host. A codec's prior (measured at connect, in cache) stands until its first
+        measurement and moves no other."""
         speed = _speed(nbytes, seconds)
         if codec not in self._speed or speed is None:
             return
-        self._speed[codec] = self._blend(self._speed[codec], speed, nbytes)
+        old = self._speed[codec]
+        new = self._blend(old, speed, nbytes)
+        self._speed[codec] = new
         self._inputs += 1
+        self._encodes += 1
+        since = self._encoded_at.get(codec, 0)  # this codec's previous measurement (0: none)
+        self._encoded_at[codec] = self._encodes
+        if since and old is not None:
+            # What moved this codec's figure between two of its measurements moved the
+            # host: the codecs measured before the first of them, and not since, move
+            # alike, so that they compare with it as they did when measured.
+            factor = new / old
+            for other, at in self._encoded_at.items():
+                figure = self._speed[other]
+                if other != codec and at <= since and figure is not None:
+                    self._speed[other] = figure * factor
 
     def observe_decode(self, codec: str, nbytes: int, seconds: float) -> None:
         """Feed one measured decode: ``nbytes`` of fp16 output took ``seconds``; ignored,
