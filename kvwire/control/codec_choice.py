@@ -258,6 +258,12 @@ RAW_RUN_SHARE = 0.02
 
 #: fp16 bytes of an encode or decode measurement that counts as a whole EWMA sample.
 FULL_SAMPLE_BYTES = 1 << 20
+#: The most a codec's encode prior may weigh in its figure for a change of the figure to
+#: move the codecs not sent (:meth:`CodecChooser.observe_encode`): the prior, measured
+#: in cache at connect, is no moment of the host, and a figure still leaving it moves by
+#: the prior's error, not the host's load (priors twice the true speeds, int4's first
+#: chunks then pulled int8 to 0.69 of its speed and int4 kept a 10% slower codec for 4 s).
+PRIOR_LEFT = 0.1
 
 #: How sharply the rate of a codec that encodes or decodes bends below its slowest stage
 #: (``pipeline="hosts"``): ``(sum of rate ** -STAGE_COUPLING) ** (-1 / STAGE_COUPLING)``
@@ -400,9 +406,13 @@ class CodecChooser:
         # host that got busier since the priors were taken does not keep an idle decoder.
         self._encode_prior: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode_observed: set[str] = set()
-        # Encode measurements counted, and the count at each codec's latest (observe_encode)
+        # Encode measurements counted, and the count at each codec's latest; the codecs
+        # whose figure another's moved since their latest; each figure's share of its prior
+        # (observe_encode)
         self._encodes = 0
         self._encoded_at: dict[str, int] = {}
+        self._moved: set[str] = set()
+        self._prior_left = {c.name: 1.0 if c.encode_bytes_per_s is not None else 0.0 for c in ordered}
         self._transport: float | None = None  # sender CPU seconds per wire byte
         self._transport_by: dict[str, float] = {}  # the same, measured while each codec was sent
         self._raw_runnable: float | None = None  # the sender loop's runnable share while raw was sent
@@ -515,14 +525,17 @@ class CodecChooser:
         not > 0, ``seconds`` negative or not a finite number (a NaN kept in the moving
         average stayed there for good, and a negative time read as 1 ns).
 
-        From a codec's second measurement on, the change of its figure also scales the
-        figures of the codecs measured before its previous measurement and not since:
-        the speeds of codecs encoding on one core move together with the host's load
-        (int4 and int8 chunk by chunk on two loaded cores: correlated 0.7-0.8 over 16-64
-        chunks, their ratio varying a third less than either speed), so a codec not sent
-        keeps how it compared with the one sent, not a figure from another moment of the
-        host. A codec's prior (measured at connect, in cache) stands until its first
-        measurement and moves no other."""
+        In the model (not with ``measure_goodput``), the change of a codec's figure also
+        scales the figures of the codecs measured before its previous measurement and not
+        since: the speeds of codecs encoding on one core move together with the host's
+        load (int4 and int8 chunk by chunk on two loaded cores: correlated 0.7-0.8 over
+        16-64 chunks, their ratio varying a third less than either speed), so a codec not
+        sent follows the host as the codec sent shows it, rather than keep a figure from
+        another moment of the host. Only a change that is the host's moves others: not a
+        codec's first measurement, nor one while its prior (measured at connect, in cache)
+        still weighs more than :data:`PRIOR_LEFT` in its figure, nor the measurement of a
+        codec whose figure was itself moved since its previous one (a probe's correction
+        of how it compares). A codec never measured keeps its prior."""
         speed = _speed(nbytes, seconds)
         if codec not in self._speed or speed is None:
             return
@@ -533,15 +546,22 @@ class CodecChooser:
         self._encodes += 1
         since = self._encoded_at.get(codec, 0)  # this codec's previous measurement (0: none)
         self._encoded_at[codec] = self._encodes
-        if since and old is not None:
-            # What moved this codec's figure between two of its measurements moved the
-            # host: the codecs measured before the first of them, and not since, move
-            # alike, so that they compare with it as they did when measured.
-            factor = new / old
-            for other, at in self._encoded_at.items():
-                figure = self._speed[other]
-                if other != codec and at <= since and figure is not None:
-                    self._speed[other] = figure * factor
+        own = codec not in self._moved  # its figure moved by nothing but its measurements
+        self._moved.discard(codec)
+        prior_left = self._prior_left[codec]  # the prior's share in ``old``
+        self._prior_left[codec] = prior_left * (1.0 - self._weight(old, nbytes))
+        if self._measure or not since or not own or prior_left > PRIOR_LEFT or not (old and old > 0):
+            return
+        factor = new / old
+        if not _positive(factor):
+            return
+        for other, at in self._encoded_at.items():
+            figure = self._speed[other]
+            if other != codec and at <= since and figure is not None:
+                moved = figure * factor
+                if _positive(moved):
+                    self._speed[other] = moved
+                    self._moved.add(other)
 
     def observe_decode(self, codec: str, nbytes: int, seconds: float) -> None:
         """Feed one measured decode: ``nbytes`` of fp16 output took ``seconds``; ignored,
@@ -727,7 +747,12 @@ class CodecChooser:
         moves the estimate in proportion."""
         if old is None:
             return value
-        return old + self._gain * min(1.0, nbytes / FULL_SAMPLE_BYTES) * (value - old)
+        weight = self._weight(old, nbytes)
+        return (1.0 - weight) * old + weight * value  # between the two: never 0 from two speeds
+
+    def _weight(self, old: float | None, nbytes: int) -> float:
+        """The weight :meth:`_blend` gives a sample of ``nbytes`` against ``old``."""
+        return 1.0 if old is None else self._gain * min(1.0, nbytes / FULL_SAMPLE_BYTES)
 
     def observe_size(self, codec: str, fp16_bytes: int, wire_bytes: int) -> None:
         """Feed one measured size ratio (entropy stages vary with the data), weighed by
@@ -975,7 +1000,8 @@ class CodecChooser:
             # int4 on a loaded host) took turns chunk by chunk as their measurements
             # moved; with chunks encoded only when asked for, that delivered less than
             # any of them sent alone. And the codec sent is measured chunk by chunk
-            # while the others keep the speed they were last measured at: over an
+            # while the others keep their last figure (moved with the host, see
+            # observe_encode, but no sample of theirs averaged since): over an
             # emulated 10 Gbit/s link, where int4 delivered 9% more than int8, a dip of
             # int4's encode speed that left it within tolerance, but still ahead, of
             # int8 sent int8, and int8 kept 12-22% of the chunks (four runs) until its
