@@ -550,7 +550,7 @@ class CodecChooser:
         self._moved.discard(codec)
         prior_left = self._prior_left[codec]  # the prior's share in ``old``
         self._prior_left[codec] = prior_left * (1.0 - self._weight(old, nbytes))
-        if self._measure or not since or not own or prior_left > PRIOR_LEFT or not (old and old > 0):
+        if self._measure or not since or not own or prior_left > PRIOR_LEFT or old is None or not old > 0:
             return
         factor = new / old
         if not _positive(factor):
