@@ -264,6 +264,16 @@ FULL_SAMPLE_BYTES = 1 << 20
 #: the prior's error, not the host's load (priors twice the true speeds, int4's first
 #: chunks then pulled int8 to 0.69 of its speed and int4 kept a 10% slower codec for 4 s).
 PRIOR_LEFT = 0.1
+#: A codec rated within ``hysteresis`` of the one chosen is refreshed (a probe chunk that
+#: measures it again, :meth:`CodecChooser._probe`) after this share of ``refresh_after``:
+#: a figure of a codec not sent follows the host with the codec sent
+#: (:meth:`CodecChooser.observe_encode`), and only its own measurements correct how it
+#: compares with it, which decides the choice only for a codec so close; such a probe
+#: costs at most the hysteresis of one chunk's time. In a fake-time simulation
+#: (benchmarks/codec_choice_sim.py) the true rate of the codecs sent rose in ten of eleven
+#: scenarios against refreshing every contender after ``refresh_after`` (most, from 0.979
+#: to 0.988 of the best, where the faster codec changed half-way; the eleventh 0.001 lower).
+NEAR_REFRESH = 0.5
 
 #: How sharply the rate of a codec that encodes or decodes bends below its slowest stage
 #: (``pipeline="hosts"``): ``(sum of rate ** -STAGE_COUPLING) ** (-1 / STAGE_COUPLING)``
@@ -1249,15 +1259,18 @@ class CodecChooser:
         self, chosen: str, rates: Mapping[str, float], bandwidth_bps: float, now: float,
     ) -> str | None:
         """The codec sent longest ago (never sent first; precision breaks ties) among those
-        not sent for ``refresh_after`` seconds, rated at least ``refresh_share`` of
+        not sent for ``refresh_after`` seconds (:data:`NEAR_REFRESH` of it for one rated
+        within ``hysteresis`` of ``chosen``), rated at least ``refresh_share`` of
         ``chosen`` and held back by their CPU costs rather than the wire (only a CPU speed
         measured again can change their rate)."""
         floor = self._refresh_share * rates[chosen]
+        near = (1.0 - self._hysteresis) * rates[chosen]
         stale = [
             c for c in self._by_precision
             if c != chosen and not self._is_free(c) and rates[c] >= floor
             and rates[c] < (1.0 - self._tolerance) * bandwidth_bps / 8.0 / self._ratio[c]
-            and now - self._sent_at.get(c, -math.inf) >= self._refresh_after
+            and now - self._sent_at.get(c, -math.inf)
+            >= self._refresh_after * (NEAR_REFRESH if rates[c] >= near else 1.0)
         ]
         return min(stale, key=lambda c: self._sent_at.get(c, -math.inf)) if stale else None
 

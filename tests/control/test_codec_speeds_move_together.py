@@ -19,7 +19,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.control.codec_choice import FULL_SAMPLE_BYTES, PRIOR_LEFT, CodecCandidate, CodecChooser
+from kvwire.control.codec_choice import (
+    FULL_SAMPLE_BYTES,
+    PRIOR_LEFT,
+    CodecCandidate,
+    CodecChooser,
+)
 
 GB = 1e9
 LINK = 80e9  # 10 GB/s of wire: both codecs encoder-bound (pipeline "full")
@@ -207,3 +212,27 @@ def test_a_host_that_speeds_up_and_slows_down_never_hands_the_faster_codec_s_chu
         choice = c.choose(LINK, now=now)
         _encode(c, choice.codec, true[choice.codec] * host)
         assert choice.codec == "int4" or choice.probe
+
+
+@pytest.mark.parametrize(("int8", "probes"), [(2.3 * GB, [0.0, 0.5, 1.0, 1.5]), (2.0 * GB, [0.0, 1.0])])
+def test_a_contender_within_the_hysteresis_is_refreshed_sooner(int8: float, probes: list[float]) -> None:
+    """int4 sent at 2.4 GB/s; int8, rated within the 5% hysteresis of it (2.3), is probed
+    every half refresh_after (NEAR_REFRESH; only its own measurements correct how it
+    compares, and it is close enough for that to decide); rated further behind (2.0),
+    every refresh_after."""
+    c = CodecChooser([
+        CodecCandidate(name="int8", size_ratio=0.5, encode_bytes_per_s=int8),
+        CodecCandidate(name="int4", size_ratio=0.375, encode_bytes_per_s=2.4 * GB),
+    ], pipeline="full", speed_gain=1.0, probe_interval=0.1, refresh_after=1.0)
+    probed = []
+    for i in range(180):
+        now = i * 0.01
+        choice = c.choose(LINK, now=now)
+        speed = int8 if choice.codec == "int8" else 2.4 * GB
+        _encode(c, choice.codec, speed)  # every figure steady
+        if choice.probe:
+            assert choice.codec == "int8"
+            probed.append(now)
+        else:
+            assert choice.codec == "int4"
+    assert probed == pytest.approx(probes)
