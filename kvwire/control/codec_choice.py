@@ -264,12 +264,12 @@ FULL_SAMPLE_BYTES = 1 << 20
 #: the prior's error, not the host's load (priors twice the true speeds, int4's first
 #: chunks then pulled int8 to 0.69 of its speed and int4 kept a 10% slower codec for 4 s).
 PRIOR_LEFT = 0.1
-#: A codec rated within ``hysteresis`` of the one chosen is refreshed (a probe chunk that
+#: A codec rated above the one chosen, or within ``hysteresis`` below it, is refreshed (a probe chunk that
 #: measures it again, :meth:`CodecChooser._probe`) after this share of ``refresh_after``:
 #: a figure of a codec not sent follows the host with the codec sent
 #: (:meth:`CodecChooser.observe_encode`), and only its own measurements correct how it
-#: compares with it, which decides the choice only for a codec so close; such a probe
-#: costs at most the hysteresis of one chunk's time. In a fake-time simulation
+#: compares with it, which decides the choice only for a codec so close; by the model such
+#: a probe costs about the hysteresis of one chunk's time. In a fake-time simulation
 #: (benchmarks/codec_choice_sim.py) the true rate of the codecs sent rose in ten of eleven
 #: scenarios against refreshing every contender after ``refresh_after`` (most, from 0.979
 #: to 0.988 of the best, where the faster codec changed half-way; the eleventh 0.001 lower).
@@ -355,7 +355,8 @@ class CodecChooser:
         :param probe_interval: seconds between probes (see :meth:`choose`).
         :param refresh_after: seconds after which a codec not sent since, and held back
             by its CPU costs rather than the wire, is a contender for a probe chunk that
-            measures it again (see :meth:`choose`) ...
+            measures it again (see :meth:`choose`; :data:`NEAR_REFRESH` of it for one
+            rated above the chosen codec or within ``hysteresis`` below it) ...
         :param refresh_share: ... if its delivered rate, by the model, is at least this
             share of the chosen codec's (one far behind is not worth a chunk).
         :param stint_max: most chunks of one exploring stint (measured goodput, see the
@@ -905,7 +906,9 @@ class CodecChooser:
             one made a round trip of the path after the first (see :meth:`_probe`); a raw choice becomes the best compact
             codec, whose encode speed is measured again; before either, any choice may
             become another codec held back by its CPU costs and not sent for
-            ``refresh_after`` seconds, so that its speeds are measured again too.
+            ``refresh_after`` seconds (:data:`NEAR_REFRESH` of them for one rated above
+            the chosen codec or within ``hysteresis`` below it), so that its speeds are
+            measured again too.
             Throughput mode, and only with ``measure_goodput=False``. With measured
             goodput and ``now``, throughput mode makes the model's choice
             without probes until the first measurement, then chooses on measured goodput
@@ -1223,7 +1226,9 @@ class CodecChooser:
         * raw chosen: the best compact codec, so that its encode speed is measured again
           (a speed measured on a busy host would otherwise keep it out forever);
         * before either, another codec held back by its CPU costs (not by the wire), not
-          sent for ``refresh_after`` seconds, whose rate by the model is at least
+          sent for ``refresh_after`` seconds (:data:`NEAR_REFRESH` of them for one rated
+          above the chosen codec or within ``hysteresis`` below it), whose rate by the
+          model is at least
           ``refresh_share`` of the chosen one's (the one sent longest ago first): its speeds
           were measured in another moment of the host, and a chooser that never sends it
           again would keep a slow measurement for good.
@@ -1240,8 +1245,8 @@ class CodecChooser:
             self._raw_probe_after = began + max(self._probe_interval, (last - began) / RAW_RUN_SHARE)
         if self._last_probe is not None and now - self._last_probe < self._probe_interval:
             return None
-        # A stale contender first: it comes up once per refresh_after, the others may
-        # take every interval.
+        # A stale contender first: it comes up once per refresh_after (or NEAR_REFRESH of
+        # it), the others may take every interval.
         probe = self._stale_contender(chosen, rates, bandwidth_bps, now)
         if probe is None and self._is_free(free):
             if chosen == free:
@@ -1260,7 +1265,7 @@ class CodecChooser:
     ) -> str | None:
         """The codec sent longest ago (never sent first; precision breaks ties) among those
         not sent for ``refresh_after`` seconds (:data:`NEAR_REFRESH` of it for one rated
-        within ``hysteresis`` of ``chosen``), rated at least ``refresh_share`` of
+        above ``chosen`` or within ``hysteresis`` below it), rated at least ``refresh_share`` of
         ``chosen`` and held back by their CPU costs rather than the wire (only a CPU speed
         measured again can change their rate)."""
         floor = self._refresh_share * rates[chosen]
