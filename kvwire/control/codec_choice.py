@@ -32,8 +32,8 @@ How they combine is the ``pipeline`` setting:
 * ``"full"``: every stage overlaps; the slowest bounds the rate (separate, idle hosts).
 
 Delivered KV = 1 / cost. Raw has no encode or decode, so it is chosen whenever it is at
-least as fast as the best (within ``tolerance``, precision first): ``auto`` never lowers KV goodput by
-the model's measure. On a fast link the raw bytes win; on a slow one a
+least as fast as the best (within ``tolerance``, precision first): ``auto`` never lowers
+KV goodput by the model's measure. On a fast link the raw bytes win; on a slow one a
 compact codec does. The one exception is deliberate: given ``now``, once per
 ``probe_interval`` a chunk may be a probe that refreshes a measurement the model rests on
 (the path's rate while an encoder paces the sender: a short run of raw chunks, a round
@@ -417,10 +417,9 @@ class CodecChooser:
         # host that got busier since the priors were taken does not keep an idle decoder.
         self._encode_prior: dict[str, float | None] = {c.name: c.encode_bytes_per_s for c in ordered}
         self._decode_observed: set[str] = set()
-        # Encode measurements counted, and the count at each codec's latest; the codecs
-        # whose figure another's moved since their latest; each figure's share of its prior
-        # (observe_encode)
-        self._encodes = 0
+        # The input count (_inputs, below) at each codec's latest encode measurement; the
+        # codecs whose figure another's moved since their latest; each figure's share of
+        # its prior (observe_encode)
         self._encoded_at: dict[str, int] = {}
         self._moved: set[str] = set()
         self._prior_left = {c.name: 1.0 if c.encode_bytes_per_s is not None else 0.0 for c in ordered}
@@ -554,9 +553,8 @@ class CodecChooser:
         new = self._blend(old, speed, nbytes)
         self._speed[codec] = new
         self._inputs += 1
-        self._encodes += 1
         since = self._encoded_at.get(codec, 0)  # this codec's previous measurement (0: none)
-        self._encoded_at[codec] = self._encodes
+        self._encoded_at[codec] = self._inputs
         own = codec not in self._moved  # its figure moved by nothing but its measurements
         self._moved.discard(codec)
         prior_left = self._prior_left[codec]  # the prior's share in ``old``
